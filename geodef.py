@@ -1,0 +1,297 @@
+"""GEO-DefenseBench data and the Shield Reranker objective (paper: "Shield Reranker", Eqs. 1-5; A.1; B.1).
+
+Data: the JSON Lines format of DESIGN.md (one query group per line: query, 10 ordered candidate
+documents, the source document's index, one rewrite per GEO method, optional split), a validating
+loader, the query-group split (B.1.2), instance expansion (B.1.1, B.1.3), the TFSG construction
+schedule (A.2.2) and the Shield preference triples (A.1.1).
+Math: pure functions of score tensors; shapes (..., D) over the candidate axis, (N,) per example;
+every function returns per-example values and the caller reduces.
+
+Deviations / choices the paper leaves open:
+- d_b (A.1.1 "another query-relevant benign document from the same candidate list") is the benign
+  candidate of the attack-injected list, other than the attack position, with the highest FROZEN
+  base-reranker score: the most relevant other benign evidence by pi_0.
+- Training uses only the three scored documents (d+, d_a, d_b). Eq. 1's normaliser over D(q) adds
+  the same constant to every residual of one query and policy, so it cancels in Eqs. 3 and 4
+  (test_geodef.py proves values and gradients equal with all 10 candidates).
+- A file line `{"_meta": {...}}` (first line only) carries metadata (synthetic flag, methods, seen).
+
+Usage: groups = load_bench("data/geo_defensebench_sample.jsonl"); split = split_groups(groups)
+"""
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+N_DOCS = 10
+
+
+class BenchFormatError(ValueError):
+    """A benchmark file that does not validate: `file:line: field: what is wrong`."""
+
+
+@dataclass
+class QueryGroup:
+    group_id: str
+    query: str
+    docs: list            # N_DOCS dicts {doc_id, url, text}, in retrieval order
+    source_index: int     # 0-based index of the document the GEO methods rewrote
+    attacks: dict         # method name -> rewritten text of docs[source_index]
+    split: str = None     # "construction" | "test" | None (then split_groups decides)
+    line: int = 0
+
+
+@dataclass
+class Instance:
+    """One candidate list shown to the pipeline. `docs` is all a prompt may see; the labels
+    (attack_index, method, split, group_id) travel beside it and never into prompt text."""
+    instance_id: str
+    group_id: str
+    query: str
+    docs: list            # N_DOCS texts
+    doc_ids: list         # N_DOCS ids; the attack document gets "<source doc_id>#<method>"
+    attack_index: int = None   # position of the GEO rewrite, None for the clean instance
+    method: str = None
+    split: str = None
+
+
+@dataclass
+class BenchMeta:
+    methods: list = field(default_factory=list)
+    seen_methods: list = field(default_factory=list)
+    synthetic: bool = False
+    raw: dict = field(default_factory=dict)
+
+
+def _fail(path, line, fld, msg):
+    raise BenchFormatError(f"{path}:{line}: {fld}: {msg}")
+
+
+def _need(obj, key, typ, path, line, prefix=""):
+    if key not in obj:
+        _fail(path, line, prefix + key, "missing")
+    v = obj[key]
+    if typ is int and isinstance(v, bool) or not isinstance(v, typ):
+        _fail(path, line, prefix + key, f"expected {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def load_bench(path, n_docs=N_DOCS, with_meta=False):
+    """Read and validate a GEO-DefenseBench JSONL file -> list[QueryGroup] (and BenchMeta)."""
+    groups, meta, seen_ids = [], BenchMeta(), {}
+    doc_split, query_split = {}, {}
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            _fail(path, n, "(line)", f"invalid JSON: {e.msg} at column {e.colno}")
+        if not isinstance(obj, dict):
+            _fail(path, n, "(line)", f"expected a JSON object, got {type(obj).__name__}")
+        if "_meta" in obj:
+            if groups:
+                _fail(path, n, "_meta", "metadata must be the first line")
+            m = _need(obj, "_meta", dict, path, n)
+            meta = BenchMeta(methods=list(m.get("methods", [])), seen_methods=list(m.get("seen_methods", [])),
+                             synthetic=bool(m.get("synthetic", False)), raw=m)
+            continue
+        gid = _need(obj, "group_id", str, path, n)
+        if not gid.strip():
+            _fail(path, n, "group_id", "empty")
+        if gid in seen_ids:
+            _fail(path, n, "group_id", f"duplicate {gid!r} (first on line {seen_ids[gid]})")
+        seen_ids[gid] = n
+        query = _need(obj, "query", str, path, n)
+        if not query.strip():
+            _fail(path, n, "query", "empty")
+        docs = _need(obj, "docs", list, path, n)
+        if len(docs) != n_docs:
+            _fail(path, n, "docs", f"must hold {n_docs} items, got {len(docs)}")
+        texts = set()
+        for i, d in enumerate(docs):
+            if not isinstance(d, dict):
+                _fail(path, n, f"docs[{i}]", f"expected object, got {type(d).__name__}")
+            _need(d, "doc_id", str, path, n, f"docs[{i}].")
+            t = _need(d, "text", str, path, n, f"docs[{i}].")
+            if not t.strip():
+                _fail(path, n, f"docs[{i}].text", "empty")
+            if " ".join(t.split()) in texts:
+                _fail(path, n, f"docs[{i}].text", "duplicate of an earlier document in this group")
+            texts.add(" ".join(t.split()))
+            if "url" in d and not isinstance(d["url"], str):
+                _fail(path, n, f"docs[{i}].url", f"expected str, got {type(d['url']).__name__}")
+        if len({d["doc_id"] for d in docs}) != n_docs:
+            _fail(path, n, "docs", "doc_id values must be unique within the group")
+        src = _need(obj, "source_index", int, path, n)
+        if not 0 <= src < n_docs:
+            _fail(path, n, "source_index", f"{src} out of range 0..{n_docs - 1}")
+        attacks = _need(obj, "attacks", dict, path, n)
+        if not attacks:
+            _fail(path, n, "attacks", "no rewrites")
+        source_norm = " ".join(docs[src]["text"].split())
+        for m, t in attacks.items():
+            if not isinstance(t, str):
+                _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
+            if not t.strip():
+                _fail(path, n, f"attacks.{m}", "empty rewrite")
+            if " ".join(t.split()) == source_norm:
+                _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
+        if meta.methods:
+            missing = [m for m in meta.methods if m not in attacks]
+            if missing:
+                _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.methods")
+        split = obj.get("split")
+        if split is not None and split not in ("construction", "test"):
+            _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
+        groups.append(QueryGroup(gid, query, docs, src, dict(attacks), split, n))
+    if not groups:
+        raise BenchFormatError(f"{path}: no query groups")
+    has = [g.split is not None for g in groups]
+    if any(has) and not all(has):
+        g = groups[has.index(False)]
+        _fail(path, g.line, "split", "some lines have a split and this one has none: give all or none")
+    if all(has):
+        check_no_leakage(groups, path)
+    if not meta.methods:
+        meta.methods = sorted(groups[0].attacks)
+    return (groups, meta) if with_meta else groups
+
+
+def check_no_leakage(groups, path="(groups)"):
+    """B.1.2: no query and no document text may appear in both splits."""
+    seen = {}
+    for g in groups:
+        keys = [("query", " ".join(g.query.lower().split()))] + \
+               [("document", " ".join(d["text"].split())) for d in g.docs]
+        for kind, k in keys:
+            h = hashlib.sha1(k.encode()).hexdigest()
+            other = seen.get((kind, h))
+            if other and other[0] != g.split:
+                _fail(path, g.line, "split", f"the same {kind} is in split {other[0]!r} "
+                                             f"(group {other[1]}) and {g.split!r} (group {g.group_id})")
+            seen.setdefault((kind, h), (g.split, g.group_id))
+
+
+def split_groups(groups, n_construction=12, seed=0):
+    """Query-group split (B.1.2). Uses the file's `split` fields when present, else a seeded shuffle of
+    the group ids: the first n_construction are construction, the rest test. -> (construction, test)."""
+    if all(g.split for g in groups):
+        return [g for g in groups if g.split == "construction"], [g for g in groups if g.split == "test"]
+    if n_construction >= len(groups):
+        raise ValueError(f"n_construction={n_construction} leaves no test group of {len(groups)}")
+    ids = sorted(g.group_id for g in groups)
+    random.Random(seed).shuffle(ids)
+    cons = set(ids[:n_construction])
+    out_c = [g for g in groups if g.group_id in cons]
+    out_t = [g for g in groups if g.group_id not in cons]
+    for g in out_c:
+        g.split = "construction"
+    for g in out_t:
+        g.split = "test"
+    return out_c, out_t
+
+
+def attack_instance(g, method):
+    """B.1.1: docs[source_index] replaced IN PLACE by the method's rewrite (nine benign + one attack)."""
+    docs = [d["text"] for d in g.docs]
+    ids = [d["doc_id"] for d in g.docs]
+    docs[g.source_index] = g.attacks[method]
+    ids[g.source_index] = f"{ids[g.source_index]}#{method}"
+    return Instance(f"{g.group_id}:{method}", g.group_id, g.query, docs, ids, g.source_index, method, g.split)
+
+
+def clean_instance(g):
+    """B.1.3: the original benign list; its base top-5 + A.3.7 answer is the clean reference."""
+    return Instance(f"{g.group_id}:clean", g.group_id, g.query, [d["text"] for d in g.docs],
+                    [d["doc_id"] for d in g.docs], None, None, g.split)
+
+
+def expand(groups, methods):
+    """Every group x method (in the given method order), group-major."""
+    return [attack_instance(g, m) for g in groups for m in methods]
+
+
+def construction_schedule(instances, n_seed=6, batch_size=10, n_batches=3, seed=0):
+    """A.2.2: a seeded order of the construction instances; the first n_seed form the controlled
+    contrast cases (E0 -> E1), the next n_batches x batch_size the update batches (E1 -> E2 ...).
+    -> (seed_cases, [batch, ...]). Fewer instances than asked shrink the last batches."""
+    order = sorted(instances, key=lambda x: x.instance_id)
+    random.Random(seed).shuffle(order)
+    seed_cases, rest = order[:n_seed], order[n_seed:]
+    batches = [rest[i * batch_size:(i + 1) * batch_size] for i in range(n_batches)]
+    return seed_cases, [b for b in batches if b]
+
+
+def monitoring_split(instances, frac=0.2, seed=0):
+    """Table A.1: 80% optimisation / 20% monitoring, by query group. -> (optimise, monitor)."""
+    gids = sorted({x.group_id for x in instances})
+    random.Random(seed).shuffle(gids)
+    n_mon = max(1, round(frac * len(gids))) if len(gids) > 1 else 0
+    mon = set(gids[:n_mon])
+    return [x for x in instances if x.group_id not in mon], [x for x in instances if x.group_id in mon]
+
+
+def preference_triples(groups, instances, base_scores):
+    """A.1.1 triples (q, d+, d_a, d_b) for attack instances. base_scores(instance_id) -> float list of
+    the frozen reranker's margins over the attack-injected list. d_b: highest-scored benign candidate
+    other than the attack position (see module docstring). -> list of dicts of texts and indices."""
+    by_id = {g.group_id: g for g in groups}
+    out = []
+    for x in instances:
+        g = by_id[x.group_id]
+        s0 = base_scores(x.instance_id)
+        benign = [i for i in range(len(x.docs)) if i != x.attack_index]
+        b = max(benign, key=lambda i: (s0[i], -i))
+        out.append({"instance_id": x.instance_id, "group_id": x.group_id, "query": x.query,
+                    "pos": g.docs[g.source_index]["text"], "att": x.docs[x.attack_index],
+                    "ben": x.docs[b], "ben_index": b, "att_index": x.attack_index})
+    return out
+
+
+# ----------------------------------------------------------------------------- Eqs. 1-5
+
+
+def policy_logprobs(scores):
+    """Eq. 1: log pi(d | q, D(q)) = s(q,d) - logsumexp_{d' in D(q)} s(q,d'). (..., D) -> (..., D)."""
+    return F.log_softmax(scores.float(), dim=-1)
+
+
+def defensive_residual(scores_theta, scores_ref):
+    """Eq. 2: r_theta(q,d) = log pi_theta(d|q) - log pi_0(d|q). (..., D) -> (..., D).
+    The two normalisers are per query constants, so residual DIFFERENCES equal score-change differences."""
+    return policy_logprobs(scores_theta) - policy_logprobs(scores_ref)
+
+
+def preference_loss(r_w, r_l, beta):
+    """Eq. 3: -log sigma(beta * (r(q,d_w) - r(q,d_l))). Shapes (N,) -> (N,)."""
+    return -F.logsigmoid(beta * (r_w - r_l))
+
+
+def consistency_loss(r_pos, r_ben):
+    """Eq. 4: (r(q,d+) - r(q,d_b))^2. Shapes (N,) -> (N,)."""
+    return (r_pos - r_ben) ** 2
+
+
+def shield_loss(r_pos, r_att, r_ben, beta=0.1, lam_def=1.1, lam_util=0.9, lam_cons=0.15):
+    """Eq. 5 = lam_def*L_pref(P_orig) + lam_util*L_pref(P_ben) + lam_cons*L_cons, mean over the N
+    examples (the expectations of Eqs. 3-4). Returns (scalar loss, stats of detached floats) with TRL's
+    DPO keys: rewards are beta * residual, chosen = benign (d+ and d_b), rejected = attack."""
+    l_orig = preference_loss(r_pos, r_att, beta)
+    l_ben = preference_loss(r_ben, r_att, beta)
+    l_cons = consistency_loss(r_pos, r_ben)
+    loss = (lam_def * l_orig + lam_util * l_ben + lam_cons * l_cons).mean()
+    with torch.no_grad():
+        chosen = beta * torch.cat([r_pos, r_ben])           # (2N,) both preference types
+        rejected = beta * torch.cat([r_att, r_att])          # (2N,)
+        stats = {"loss": loss.item(), "loss/orig": l_orig.mean().item(), "loss/ben": l_ben.mean().item(),
+                 "loss/cons": l_cons.mean().item(), "rewards/chosen": chosen.mean().item(),
+                 "rewards/rejected": rejected.mean().item(),
+                 "rewards/margins": (chosen - rejected).mean().item(),
+                 "rewards/accuracies": (chosen > rejected).float().mean().item()}
+    return loss, stats

@@ -1,0 +1,260 @@
+"""LoRA by hand (Hu et al. 2022), in PEFT's on-disk layout, plus NF4 storage for the frozen base.
+
+`LoRALinear` holds the frozen base nn.Linear (composition, no subclassing of the model) and adds
+lora_A (r, in) and lora_B (out, r): y = base(x) + (dropout(x) @ A^T @ B^T) * alpha / r.
+Init, scaling, dropout placement and file format follow PEFT (reference/ecosystem.md §5), so PEFT
+and vLLM load our adapter unchanged and we load theirs. Paper Table A.1: r 16, alpha 32, dropout
+0.05 on q/k/v/o and gate/up/down projections; everything else frozen; 4-bit base ("--quant nf4").
+
+Deviations from PEFT: none in the math. NF4 (QLoRA, bitsandbytes' code table, blocks of 64, float32
+absmax, no double quantisation) is dequantised on the fly in pure PyTorch: it saves memory, not time.
+
+Usage: add_lora(model); ...train...; save_adapter(model, "runs/x/adapter", "Qwen/Qwen3-Reranker-0.6B")
+"""
+import contextlib
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."  # PeftModel.base_model (LoraModel) .model (the *ForCausalLM)
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base, r=16, alpha=32, dropout=0.05):
+        super().__init__()
+        self.base = base                       # frozen nn.Linear (or NF4Linear)
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        dev = base.weight.device if not isinstance(base, NF4Linear) else base.absmax.device
+        # LoRA parameters in float32 even over a bf16/NF4 base: small, and Adam needs the precision.
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=dev))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=dev))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # a=sqrt(5): nn.Linear's default init, as PEFT
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+        self.merged = False
+
+    @property
+    def in_features(self):
+        return self.base.in_features
+
+    @property
+    def out_features(self):
+        return self.base.out_features
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    def forward(self, x):
+        y = self.base(x)                                                     # (N, out)
+        if not self.enabled or self.merged:
+            return y
+        h = self.dropout(x).to(self.lora_A.dtype) @ self.lora_A.t()          # (N, r)  dropout on LoRA input only
+        return y + ((h @ self.lora_B.t()) * self.scaling).to(y.dtype)        # (N, out)
+
+    def delta(self):
+        return (self.lora_B @ self.lora_A) * self.scaling                    # (out, in) = scaling * B A
+
+    @torch.no_grad()
+    def merge(self):
+        """W += scaling * B @ A, exactly once (explicit; never done by eval())."""
+        if self.merged:
+            return
+        if isinstance(self.base, NF4Linear):
+            raise ValueError("cannot merge into an NF4 base: load the base in bf16/fp32 to merge")
+        self.base.weight += self.delta().to(self.base.weight.dtype)
+        self.merged = True
+
+
+def lora_modules(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def add_lora(model, r=16, alpha=32, dropout=0.05, targets=TARGETS):
+    """Replace every nn.Linear whose name ends in a target with LoRALinear(base); freeze all else.
+    Returns the model (modified in place)."""
+    model.requires_grad_(False)
+    found = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in targets and isinstance(child, (nn.Linear, NF4Linear)):
+                setattr(module, child_name, LoRALinear(child, r, alpha, dropout))
+                found += 1
+    if not found:
+        raise ValueError(f"add_lora: no nn.Linear named {targets} in the model")
+    model.lora_config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(set(targets))}
+    return model
+
+
+@contextlib.contextmanager
+def lora_disabled(model):
+    """The frozen reference policy pi_0 from the same weights (as TRL does with a PEFT model)."""
+    mods = list(lora_modules(model).values())
+    if any(m.merged for m in mods):
+        raise ValueError("lora_disabled on a merged model would not give the base policy")
+    prev = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, p in zip(mods, prev):
+            m.enabled = p
+
+
+def merge_lora(model):
+    for m in lora_modules(model).values():
+        m.merge()
+    return model
+
+
+def lora_state_dict(model):
+    """PEFT key names: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight, ..."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        out[f"{PEFT_PREFIX}model.{name}.lora_A.weight"] = m.lora_A.detach()
+        out[f"{PEFT_PREFIX}model.{name}.lora_B.weight"] = m.lora_B.detach()
+    return out
+
+
+def save_adapter(model, out_dir, base_model_name_or_path, dtype=torch.float32):
+    """adapter_config.json (standard PEFT keys only) + adapter_model.safetensors, written atomically."""
+    from safetensors.torch import save_file
+    cfg = getattr(model, "lora_config", None)
+    if cfg is None:
+        raise ValueError("save_adapter: the model has no LoRA layers (call add_lora first)")
+    os.makedirs(out_dir, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+              "revision": None, "inference_mode": True, "r": cfg["r"], "lora_alpha": cfg["lora_alpha"],
+              "lora_dropout": cfg["lora_dropout"], "target_modules": cfg["target_modules"], "bias": "none",
+              "fan_in_fan_out": False, "modules_to_save": None, "init_lora_weights": True, "use_rslora": False,
+              "use_dora": False, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+              "alpha_pattern": {}, "exclude_modules": None, "lora_bias": False}
+    tensors = {k: v.to(dtype).contiguous() for k, v in lora_state_dict(model).items()}
+    tmp = os.path.join(out_dir, f".tmp{os.getpid()}")
+    save_file(tensors, tmp + ".safetensors", metadata={"format": "pt"})
+    with open(tmp + ".json", "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp + ".safetensors", os.path.join(out_dir, "adapter_model.safetensors"))
+    os.replace(tmp + ".json", os.path.join(out_dir, "adapter_config.json"))
+    return out_dir
+
+
+def load_adapter(model, adapter_dir):
+    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, adding LoRA layers if it has none.
+    Every key must match a LoRA module and every LoRA module must get its A and B."""
+    from safetensors.torch import load_file
+    cpath = os.path.join(adapter_dir, "adapter_config.json")
+    wpath = os.path.join(adapter_dir, "adapter_model.safetensors")
+    for p in (cpath, wpath):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{p}: missing")
+    with open(cpath, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{cpath}: peft_type: expected 'LORA', got {cfg.get('peft_type')!r}")
+    if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ValueError(f"{cpath}: rslora, DoRA and per-module rank/alpha patterns are not supported")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        raise ValueError(f"{cpath}: target_modules: regex strings are not supported, give a list")
+    if not lora_modules(model):
+        add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
+                 targets=tuple(targets))
+    mods = lora_modules(model)
+    state = load_file(wpath)
+    seen = set()
+    for key, t in state.items():
+        k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        k = k[len("model."):] if k.startswith("model.") else k
+        for part in ("lora_A", "lora_B"):
+            suffix = f".{part}.weight"
+            if k.endswith(suffix) or k.endswith(f".{part}.default.weight"):
+                name = k[: k.rindex(f".{part}")]
+                break
+        else:
+            raise ValueError(f"{wpath}: {key}: not a LoRA A/B tensor")
+        if name not in mods:
+            raise ValueError(f"{wpath}: {key}: no LoRA layer {name!r} in the model")
+        p = getattr(mods[name], part)
+        if tuple(p.shape) != tuple(t.shape):
+            raise ValueError(f"{wpath}: {key}: shape {tuple(t.shape)}, model has {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(t.to(p.dtype))
+        seen.add((name, part))
+    missing = [f"{n}.{p}" for n in mods for p in ("lora_A", "lora_B") if (n, p) not in seen]
+    if missing:
+        raise ValueError(f"{wpath}: missing LoRA tensors: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    for m in mods.values():
+        m.scaling = cfg["lora_alpha"] / cfg["r"]
+    model.lora_config = {"r": cfg["r"], "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg.get("lora_dropout", 0.0),
+                         "target_modules": sorted(targets)}
+    return model
+
+
+# ----------------------------------------------------------------------------- NF4 (QLoRA) storage
+
+# bitsandbytes get_4bit_type("nf4"): 16 sorted values, index 7 = 0 exactly (reference/ecosystem.md §8).
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0])
+
+
+def nf4_quantize(w, blocksize=64):
+    """w (any shape) -> (packed uint8 (ceil(n/2),), absmax float32 (n_blocks,)). Nearest code value
+    per element of each 64-block scaled by its absmax; two 4-bit indices a byte, first in the high nibble."""
+    flat = w.detach().float().reshape(-1)
+    n = flat.numel()
+    pad = (-n) % blocksize
+    blocks = F.pad(flat, (0, pad)).view(-1, blocksize)                      # (n_blocks, 64)
+    absmax = blocks.abs().amax(-1).clamp_min(1e-12)                         # (n_blocks,)
+    scaled = (blocks / absmax[:, None]).clamp(-1, 1)
+    mid = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
+    q = torch.bucketize(scaled, mid.to(scaled.device)).view(-1)[: n + (n % 2)].to(torch.uint8)
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    return (q[0::2] << 4) | q[1::2], absmax
+
+
+def nf4_dequantize(packed, absmax, shape, dtype, blocksize=64):
+    idx = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).long()   # (2 * bytes,)
+    n = math.prod(shape)
+    code = NF4_CODE.to(packed.device)[idx]
+    pad = (-code.numel()) % blocksize
+    vals = F.pad(code, (0, pad)).view(-1, blocksize) * absmax[: (code.numel() + pad) // blocksize, None]
+    return vals.view(-1)[:n].view(shape).to(dtype)
+
+
+class NF4Linear(nn.Module):
+    """Frozen linear layer stored as NF4; the weight is dequantised to the input dtype on each call."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        packed, absmax = nf4_quantize(linear.weight)
+        self.register_buffer("packed", packed)
+        self.register_buffer("absmax", absmax)
+
+    @property
+    def weight(self):
+        return nf4_dequantize(self.packed, self.absmax, (self.out_features, self.in_features), self.dtype)
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+def quantize_nf4(model, targets=TARGETS):
+    """Swap the target nn.Linear layers (frozen base projections) for NF4Linear, in place."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in targets and isinstance(child, nn.Linear):
+                setattr(module, child_name, NF4Linear(child))
+    return model

@@ -1,0 +1,464 @@
+"""Qwen3-Reranker as a hand-written PyTorch scorer: s(q, d) = z_yes - z_no at the final token.
+
+Follows GEO Defender (paper A.1.2) and the Qwen3-Reranker model card's transformers snippet: the
+same prompt (prefix + <Instruct>/<Query>/<Document> body + empty think block), the same body
+truncation, the same decoder numerics (reference: transformers' modeling_qwen3.py).
+Deviations from the official snippet, all on purpose:
+- the score is the log-odds margin z_yes - z_no, not p(yes) = sigmoid(margin): same ranking, and it
+  does not saturate (bf16 p(yes) rounds to 1.0 above a margin of ~6);
+- the margin is computed in float32 from the two needed embedding rows, h_last . (E[yes] - E[no]),
+  never from the full 151k-vocabulary head, even when the model runs in bf16;
+- sequences are packed back to back (no padding); every sequence gets positions 0..L-1 and its own
+  causal attention, so a document's score does not depend on its batch mates. The official batched
+  snippet left-pads and uses arange positions, which changes only rounding (RoPE is relative);
+- in the last layer only the final token's query, attention output and MLP are computed.
+
+Shapes: N packed tokens of S sequences, C hidden, H query heads, K kv heads, E head dim, F MLP width.
+
+Usage: rr = Reranker.from_pretrained("Qwen/Qwen3-Reranker-0.6B"); rr.rank(query, docs, k=5)
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Paper A.1.2: the Shield Reranker's instruction, verbatim.
+SHIELD_INSTRUCTION = ("Given a web search query, identify documents that are relevant, reliable, and safe "
+                      "to be selected as evidence for downstream generative-search answer generation.")
+# Model card default (README), used when no instruction is given.
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+          "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+          "<|im_start|>user\n")
+SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+BODY = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json", "generation_config.json"]
+SUPPORTED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded: names the file and the key or field."""
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int = 151669          # 151643 BPE + 26 added tokens (reference/qwen3.md §1)
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128               # Qwen3 sets it explicitly (16 x 128 = 2048 != hidden 1024)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True  # the reranker checkpoint stores no lm_head
+    max_position_embeddings: int = 40960
+    torch_dtype: str = "bfloat16"
+
+    @classmethod
+    def from_dict(cls, d, source="config.json"):
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if d.get("model_type", "qwen3") != "qwen3":
+            raise CheckpointError(f"{source}: model_type: expected 'qwen3', got {d.get('model_type')!r}")
+        for need in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads"):
+            if need not in d:
+                raise CheckpointError(f"{source}: {need}: missing")
+        if "head_dim" not in d:  # transformers' fallback
+            kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        if d.get("rope_scaling") not in (None, {}) and (d["rope_scaling"] or {}).get("rope_type", "default") != "default":
+            raise CheckpointError(f"{source}: rope_scaling: only the default RoPE is implemented, got {d['rope_scaling']}")
+        if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):  # transformers v5 layout
+            kw["rope_theta"] = d["rope_parameters"].get("rope_theta", cls.rope_theta)
+        if "torch_dtype" not in d and "dtype" in d:
+            kw["torch_dtype"] = d["dtype"]
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path):
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f), source=path)
+
+    def to_dict(self):
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+                "attention_bias": False, "rope_scaling": None, "use_sliding_window": False,
+                "sliding_window": None, "bos_token_id": 151643, "eos_token_id": 151645, **d}
+
+
+# ----------------------------------------------------------------------------- decoder
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Qwen3RMSNorm: normalise in float32, cast back BEFORE the weight multiply (matters in bf16).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(pos, head_dim, theta, dtype):
+    """pos (N,) int -> cos, sin (N, 1, E) in `dtype`; frequencies in float32 as transformers does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
+    freqs = pos.float()[:, None] * inv_freq[None, :]       # (N, E/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                # (N, E)  NeoX halves, not interleaved
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x, cos, sin):
+    """x (N, heads, E): x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.H, self.K, self.E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        C = cfg.hidden_size
+        self.q_proj = nn.Linear(C, self.H * self.E, bias=False)
+        self.k_proj = nn.Linear(C, self.K * self.E, bias=False)
+        self.v_proj = nn.Linear(C, self.K * self.E, bias=False)
+        self.o_proj = nn.Linear(self.H * self.E, C, bias=False)
+        self.q_norm = RMSNorm(self.E, cfg.rms_norm_eps)  # per head, before RoPE
+        self.k_norm = RMSNorm(self.E, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, lens, last=None):
+        """x (N, C) packed; lens: S sequence lengths; last: (S,) row index of each sequence's final
+        token, or None. With `last`, only those S queries are computed: returns (S, C), else (N, C)."""
+        N = x.shape[0]
+        xq = x if last is None else x[last]                                       # (N or S, C)
+        q = self.q_norm(self.q_proj(xq).view(-1, self.H, self.E))                 # (N|S, H, E)
+        k = self.k_norm(self.k_proj(x).view(N, self.K, self.E))                   # (N, K, E)
+        v = self.v_proj(x).view(N, self.K, self.E)                                # (N, K, E)
+        q = apply_rope(q, cos if last is None else cos[last], sin if last is None else sin[last])
+        k = apply_rope(k, cos, sin)
+        outs, start = [], 0
+        for j, L in enumerate(lens):
+            kj = k[start:start + L].transpose(0, 1)                               # (K, L, E)
+            vj = v[start:start + L].transpose(0, 1)                               # (K, L, E)
+            if last is None:
+                qj = q[start:start + L].transpose(0, 1)                           # (H, L, E)
+                # enable_gqa: kv head j serves query heads j*H/K .. (j+1)*H/K - 1 (repeat_interleave)
+                o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)
+            else:
+                qj = q[j:j + 1].transpose(0, 1)                                   # (H, 1, E) final query sees all keys
+                o = F.scaled_dot_product_attention(qj, kj, vj, enable_gqa=True)
+            outs.append(o.transpose(0, 1).reshape(-1, self.H * self.E))           # (L or 1, H*E)
+            start += L
+        return self.o_proj(torch.cat(outs))                                       # (N|S, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        C, Fd = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(C, Fd, bias=False)
+        self.up_proj = nn.Linear(C, Fd, bias=False)
+        self.down_proj = nn.Linear(Fd, C, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, (N, F) -> (N, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, lens, last=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, lens, last)
+        x = (x if last is None else x[last]) + h                 # (N|S, C)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """The decoder without the LM head. Submodule names mirror the checkpoint's `model.*` keys."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gradient_checkpointing = False
+
+    def forward(self, ids, lens):
+        """ids (N,) packed token ids of S sequences with lengths `lens` -> final hidden state of each
+        sequence's last token, (S, C) after the final norm."""
+        x = self.embed_tokens(ids)                                                # (N, C)
+        pos = torch.cat([torch.arange(L, device=ids.device) for L in lens])       # (N,) 0..L-1 per sequence
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        last = torch.tensor(lens, device=ids.device).cumsum(0) - 1                # (S,)
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            li = last if i == n - 1 else None
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, li, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, lens, li)
+        return self.norm(x)                                                       # (S, C)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def resolve_model_path(name_or_path, revision=None):
+    """A local folder as is, else a hub id via huggingface-hub's snapshot_download (respects HF_HOME,
+    HF_HUB_OFFLINE, HF_ENDPOINT, HF_TOKEN). Returns (folder, resolved commit sha or None)."""
+    p = os.path.expanduser(str(name_or_path))
+    if os.path.isdir(p):
+        return p, None
+    if os.path.exists(p) or p.startswith((".", "/")) or p.count("/") != 1:
+        raise CheckpointError(f"{name_or_path}: not a model folder and not a hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+    try:
+        folder = snapshot_download(p, revision=revision, allow_patterns=HUB_FILES)
+    except Exception as e:  # LocalEntryNotFoundError, connection errors, 401/404 ...
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        raise CheckpointError(
+            f"{name_or_path}: cannot download or find it in the hub cache ({type(e).__name__}: {e})."
+            f"{' HF_HUB_OFFLINE is set.' if offline else ''} Without hub access use a local folder, or "
+            f"`--model tiny` for the offline random-weight checkpoint.") from None
+    return folder, os.path.basename(os.path.normpath(folder))
+
+
+def _safetensors_files(folder):
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map: missing or not an object")
+        return sorted({os.path.join(folder, v) for v in weight_map.values()})
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
+    """config.json + safetensors -> (Qwen3Model in eval mode, config, lm_head rows or None).
+    Each tensor's stored dtype is read from the file and cast to `dtype`. No pickle."""
+    from safetensors import safe_open
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{cfg_path}: missing")
+    cfg = Qwen3Config.from_json(cfg_path)
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    expected = {"model." + k: v.shape for k, v in model.state_dict().items()}
+    state, lm_head = {}, None
+    for path in _safetensors_files(folder):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: listed in the index but missing")
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                stored = f.get_slice(key).get_dtype()
+                if stored not in SUPPORTED_DTYPES:
+                    raise CheckpointError(f"{path}: {key}: unsupported dtype {stored} (want BF16, F16 or F32)")
+                if key == "lm_head.weight":
+                    lm_head = f.get_tensor(key)
+                    continue
+                if key not in expected:
+                    raise CheckpointError(f"{path}: {key}: unexpected key for a Qwen3 decoder")
+                t = f.get_tensor(key)
+                if tuple(t.shape) != tuple(expected[key]):
+                    raise CheckpointError(f"{path}: {key}: shape {tuple(t.shape)}, config says {tuple(expected[key])}")
+                state[key[len("model."):]] = t.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - {"model." + k for k in state})
+    if missing:
+        raise CheckpointError(f"{folder}: missing keys: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if lm_head is None and not cfg.tie_word_embeddings:
+        raise CheckpointError(f"{folder}: lm_head.weight: missing and tie_word_embeddings is false")
+    model.load_state_dict(state, assign=True)
+    model.requires_grad_(False).eval()
+    return model, cfg, (None if cfg.tie_word_embeddings else lm_head)
+
+
+# ----------------------------------------------------------------------------- reranker
+
+
+class Reranker:
+    """Tokenizer + decoder + yes/no margin. `score_ids` is the one forward path (inference and training)."""
+
+    def __init__(self, model, tokenizer, yes_no_rows, instruction=SHIELD_INSTRUCTION, max_length=8192,
+                 token_budget=8192, name_or_path=None, revision=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.instruction, self.max_length, self.token_budget = instruction, max_length, token_budget
+        self.name_or_path, self.revision = name_or_path, revision
+        self.yes_id, self.no_id = yes_no_rows
+        self.prefix_ids = tokenizer.encode(PREFIX, add_special_tokens=False).ids
+        self.suffix_ids = tokenizer.encode(SUFFIX, add_special_tokens=False).ids
+        if max_length <= len(self.prefix_ids) + len(self.suffix_ids):
+            raise ValueError(f"max_length {max_length} leaves no room for the query and document")
+        self._head = None
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", instruction=SHIELD_INSTRUCTION,
+                        max_length=8192, revision=None, token_budget=8192):
+        from tokenizers import Tokenizer
+        folder, sha = resolve_model_path(name_or_path, revision)
+        tok_path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(tok_path):
+            raise CheckpointError(f"{tok_path}: missing (the reranker needs the fast tokenizer file)")
+        tok = Tokenizer.from_file(tok_path)
+        ids = []
+        for word in ("yes", "no"):  # looked up, not hard-coded (Qwen3: yes 9693, no 2152)
+            enc = tok.encode(word, add_special_tokens=False).ids
+            if len(enc) != 1:
+                raise CheckpointError(f"{tok_path}: '{word}' must be a single token, got ids {enc}")
+            ids.append(enc[0])
+        model, cfg, lm_head = load_qwen3(folder, dtype=dtype, device=device)
+        rr = cls(model, tok, ids, instruction=instruction, max_length=max_length, token_budget=token_budget,
+                 name_or_path=str(name_or_path), revision=sha or revision)
+        rr._lm_head = lm_head
+        return rr
+
+    @property
+    def device(self):
+        return self.model.embed_tokens.weight.device
+
+    def head(self):
+        """w = E[yes] - E[no] in float32, (C,): the margin is h_last . w (= z_yes - z_no)."""
+        rows = getattr(self, "_lm_head", None)
+        rows = self.model.embed_tokens.weight if rows is None else rows
+        return (rows[self.yes_id].float() - rows[self.no_id].float()).to(self.device)
+
+    def tokenize(self, query, docs):
+        """Model card's process_inputs: prefix + body (tail cut to fit max_length) + suffix, per doc."""
+        if isinstance(docs, str):
+            docs = [docs]
+        room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
+        bodies = [BODY.format(instruction=self.instruction, query=query, doc=d) for d in docs]
+        encs = self.tokenizer.encode_batch(bodies, add_special_tokens=False)
+        return [self.prefix_ids + e.ids[:room] + self.suffix_ids for e in encs]
+
+    def score_ids(self, ids, grad=False):
+        """ids: list of S token-id lists -> float32 (S,) margins in input order. Sequences are sorted
+        by length and packed into micro-batches of at most `token_budget` tokens (a longer one runs alone)."""
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        out = [None] * len(ids)
+        w = self.head()
+        batch, used = [], 0
+
+        def flush():
+            lens = [len(ids[i]) for i in batch]
+            flat = torch.tensor([t for i in batch for t in ids[i]], dtype=torch.long, device=self.device)
+            h = self.model(flat, lens)                                 # (S, C)
+            m = h.float() @ w                                          # (S,) float32 margin
+            for j, i in enumerate(batch):
+                out[i] = m[j]
+
+        with torch.set_grad_enabled(grad), torch.inference_mode(not grad):
+            for i in order:
+                if batch and used + len(ids[i]) > self.token_budget:
+                    flush()
+                    batch, used = [], 0
+                batch.append(i)
+                used += len(ids[i])
+            if batch:
+                flush()
+            if not out:
+                return torch.zeros(0)
+            return torch.stack(out)
+
+    def score(self, query, docs, grad=False):
+        return self.score_ids(self.tokenize(query, docs), grad=grad)
+
+    def rank(self, query, docs, k=5):
+        """Indices of the top-k documents, best first (ties keep input order)."""
+        m = self.score(query, docs)
+        return sorted(range(len(docs)), key=lambda i: (-float(m[i]), i))[:k]
+
+
+# ----------------------------------------------------------------------------- tiny offline checkpoint
+
+# Training text for the tiny tokenizer: common English plus the prompt's own words, so that the
+# byte-level BPE learns real merges. Deterministic; the tiny model's weights are random regardless.
+_TINY_CORPUS = """
+the of and to in a is that for it as was with be by on not he this are or his from at which but have an they
+you were her she there one all we their has been if more when will would who so no yes what about up out
+them some could into only other then time these two may first than any its new like also people years year
+over after most such made well many where through back much before good very should because each those
+between under how both during while against without within along following across behind beyond percent
+study research report data according survey results found university institute published journal review
+experts analysis million billion average rate increase decrease health energy water climate city market
+price cost system program school students children patients treatment risk use used using guide best
+recommended official government national international century history science technology software
+document query judge whether meets requirements based instruct provided note answer can only system user
+assistant think relevant passages retrieve given web search identify reliable safe selected evidence
+downstream generative answer generation source sources cited citation quote said according statistics
+yes
+no
+Yes
+No
+""" * 3
+
+
+def _tiny_tokenizer(vocab_size=2048):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    split = Regex(r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator([_TINY_CORPUS], trainer=trainer)
+    from tokenizers import AddedToken
+    tok.add_tokens([AddedToken("<think>", normalized=False, special=False),
+                    AddedToken("</think>", normalized=False, special=False)])
+    return tok
+
+
+def make_tiny_checkpoint(out_dir, seed=0, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128):
+    """Write a tiny Qwen3-architecture checkpoint with RANDOM weights (config.json, model.safetensors,
+    tokenizer.json in the HF layout) and return its folder. Deterministic for a seed; an existing
+    complete folder is reused. Plumbing for offline runs and tests: its scores mean nothing."""
+    from safetensors.torch import save_file
+    files = [os.path.join(out_dir, f) for f in ("config.json", "model.safetensors", "tokenizer.json")]
+    if all(os.path.isfile(f) for f in files):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    tok = _tiny_tokenizer()
+    cfg = Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=mlp,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=32768, torch_dtype="float32")
+    g = torch.Generator().manual_seed(seed)
+    model = Qwen3Model(cfg)
+    state = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("norm.weight"):   # near-one norms, so that the norm weights are exercised
+            state["model." + k] = 1.0 + 0.1 * torch.randn(v.shape, generator=g)
+        else:                           # N(0, 0.02): transformers' initializer_range
+            state["model." + k] = 0.02 * torch.randn(v.shape, generator=g)
+    tmp = out_dir + f".tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt", "note": "GEO Defender tiny checkpoint: random weights"})
+    tok.save(os.path.join(tmp, "tokenizer.json"))
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({**cfg.to_dict(), "bos_token_id": None, "eos_token_id": None,
+                   "_note": "tiny random-weight Qwen3 for offline plumbing; not a trained model"}, f, indent=1)
+    for name in ("tokenizer.json", "config.json", "model.safetensors"):
+        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    os.rmdir(tmp)
+    return out_dir
