@@ -1,0 +1,439 @@
+"""Chat clients over raw HTTP JSON: OpenAI Chat Completions and Anthropic Messages, with retries,
+a disk cache, concurrency and usage accounting. Every LLM call of GEO Defender goes through here
+(target LLMs, the TFSG Analyzer, the judges, the benchmark builder). `requests` only, no vendor SDK.
+
+Conventions (reference/ecosystem.md §1-4):
+- transport retries only where retrying can help: connection errors, timeouts, 408/409/429/5xx/529,
+  backoff min(0.5 * 2^n, 8) s with 25% jitter (the Stainless SDKs' schedule); a server hint
+  (retry-after-ms, Retry-After) is honoured up to `max_retry_after` s, a longer hint fails at once;
+  never retried: 400/401/403/404/422, `insufficient_quota` and spend limits;
+- JSON re-asks (the reply did not parse) are separate from transport retries and bounded;
+- the cache key is a hash of the canonical request (protocol, host, model, messages, sampling
+  params, JSON flag) and never contains the API key; entries are written atomically;
+- every failure raises LLMError(status, provider, short body); no placeholder text is returned.
+
+Usage: client = make_client("openai:gpt-5.5", cache_dir="runs/x/cache")
+       reply = client.chat([{"role": "user", "content": "..."}], json=True); reply.data
+"""
+import hashlib
+import json
+import os
+import random
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from email.utils import parsedate_to_datetime
+from urllib.parse import urlparse
+
+import requests
+
+RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504, 529}
+NO_RETRY_CODES = ("insufficient_quota", "billing_hard_limit_reached", "enforced_spend_limit_reached",
+                  "spend_limit", "billing_error")
+
+# provider -> protocol, default base URL, env var(s) for the key, env var for the base URL, flags.
+PROVIDERS = {
+    "openai": dict(protocol="openai", base="https://api.openai.com/v1", keys=["OPENAI_API_KEY"],
+                   base_env="OPENAI_BASE_URL", max_field="max_completion_tokens", json_mode=True),
+    "anthropic": dict(protocol="anthropic", base="https://api.anthropic.com/v1", keys=["ANTHROPIC_API_KEY"],
+                      base_env="ANTHROPIC_BASE_URL", json_mode=False),
+    "deepseek": dict(protocol="openai", base="https://api.deepseek.com", keys=["DEEPSEEK_API_KEY"],
+                     base_env="DEEPSEEK_BASE_URL", json_mode=True),
+    "moonshot": dict(protocol="openai", base="https://api.moonshot.ai/v1", keys=["MOONSHOT_API_KEY"],
+                     base_env="MOONSHOT_BASE_URL", json_mode=True),
+    "zhipu": dict(protocol="openai", base="https://open.bigmodel.cn/api/paas/v4",
+                  keys=["ZHIPUAI_API_KEY", "ZAI_API_KEY", "GLM_API_KEY"], base_env="ZHIPUAI_BASE_URL", json_mode=True),
+    "openrouter": dict(protocol="openai", base="https://openrouter.ai/api/v1", keys=["OPENROUTER_API_KEY"],
+                       base_env="OPENROUTER_BASE_URL", json_mode=True),
+    "vllm": dict(protocol="openai", base="http://localhost:8000/v1", keys=["VLLM_API_KEY"], key_optional=True,
+                 base_env="VLLM_BASE_URL", json_mode=True),
+    "ollama": dict(protocol="openai", base="http://localhost:11434/v1", keys=["OLLAMA_API_KEY"], key_optional=True,
+                   default_key="ollama", base_env="OLLAMA_BASE_URL", json_mode=True),
+    "llama.cpp": dict(protocol="openai", base="http://127.0.0.1:8080/v1", keys=["LLAMACPP_API_KEY"],
+                      key_optional=True, base_env="LLAMACPP_BASE_URL", json_mode=True),
+    "openai-compatible": dict(protocol="openai", base=None, keys=["OPENAI_API_KEY"], key_optional=True,
+                              base_env=None, json_mode=False),
+}
+
+
+class LLMError(RuntimeError):
+    """Any failed LLM call. .status is the HTTP status (None for transport or parse failures)."""
+
+    def __init__(self, message, status=None, provider=None, body=None):
+        super().__init__(message)
+        self.status, self.provider, self.body = status, provider, body
+
+
+@dataclass
+class Reply:
+    text: str
+    reasoning: str = None        # reasoning_content / reasoning / thinking, kept apart from text
+    usage: dict = field(default_factory=dict)
+    finish_reason: str = None
+    model: str = None
+    data: object = None          # parsed JSON when json=True
+    cached: bool = False
+
+    def to_dict(self):
+        d = asdict(self)
+        d.pop("cached")
+        return d
+
+
+# ----------------------------------------------------------------------------- JSON extraction
+
+_THINK = re.compile(r"<think>.*?</think>", re.S)
+_FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)```", re.S)
+
+
+def split_think(text):
+    """-> (answer text without think blocks, reasoning inside them or None). An unclosed <think>
+    (truncated reply) counts as reasoning up to the first '{' that starts a JSON value after it."""
+    if not text or "<think>" not in text and "</think>" not in text:
+        return text, None
+    parts = re.findall(r"<think>(.*?)</think>", text, re.S)
+    rest = _THINK.sub("", text)
+    if "</think>" in rest:                   # a server that drops the opening tag
+        head, _, rest = rest.partition("</think>")
+        parts.append(head)
+    if "<think>" in rest:                    # unclosed
+        head, _, tail = rest.partition("<think>")
+        brace = tail.find("{")
+        parts.append(tail if brace < 0 else tail[:brace])
+        rest = head + ("" if brace < 0 else tail[brace:])
+    return rest.strip(), "\n".join(p.strip() for p in parts) or None
+
+
+def extract_json(text):
+    """Parse the JSON object in a model reply: plain JSON, think blocks (also unclosed), code fences,
+    prose around the object. Raises ValueError with the reason when nothing parses."""
+    if text is None:
+        raise ValueError("empty reply (content is null)")
+    s = text.strip()
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError:
+        pass
+    s, _ = split_think(s)
+    for block in reversed(_FENCE.findall(s)):
+        try:
+            return json.loads(block.strip())
+        except json.JSONDecodeError:
+            continue
+    dec = json.JSONDecoder()
+    for i, ch in enumerate(s):
+        if ch in "{[":
+            try:
+                obj, _ = dec.raw_decode(s[i:])
+                if isinstance(obj, (dict, list)):
+                    return obj
+            except json.JSONDecodeError:
+                continue
+    raise ValueError(f"no JSON object found in a reply of {len(text)} characters")
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class RateLimiter:
+    """At most `rpm` request starts per minute across threads (evenly spaced)."""
+
+    def __init__(self, rpm):
+        self.interval = 60.0 / rpm if rpm else 0.0
+        self.lock, self.next = threading.Lock(), 0.0
+
+    def wait(self):
+        if not self.interval:
+            return
+        with self.lock:
+            now = time.monotonic()
+            t = max(now, self.next)
+            self.next = t + self.interval
+        if t > now:
+            time.sleep(t - now)
+
+
+class Client:
+    def __init__(self, base_url, model, api_key=None, protocol="openai", timeout=600, max_retries=2,
+                 cache_dir=None, provider=None, connect_timeout=10, max_retry_after=60, json_retries=1,
+                 max_field="max_tokens", json_mode=True, rpm=0, prices=None, handler=None, refresh=False,
+                 extra_body=None):
+        if protocol not in ("openai", "anthropic"):
+            raise ValueError(f"protocol must be 'openai' or 'anthropic', got {protocol!r}")
+        self.base_url = (base_url or "").rstrip("/")
+        self.model, self.protocol, self.provider = model, protocol, provider or protocol
+        self._key = api_key                      # never logged, never cached, never in errors
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.max_retries, self.max_retry_after, self.json_retries = max_retries, max_retry_after, json_retries
+        self.max_field, self.json_mode = max_field, json_mode
+        self.cache_dir, self.refresh = cache_dir, refresh
+        self.handler = handler                   # callable(body)->response dict instead of HTTP (offline engine)
+        self.extra_body = extra_body or {}
+        self.limiter = RateLimiter(rpm)
+        self.prices = prices or {}               # model -> (USD per 1M input tokens, per 1M output tokens)
+        self.session = requests.Session()
+        self.lock = threading.Lock()
+        self.stats = {"calls": 0, "http_calls": 0, "cache_hits": 0, "retries": 0, "json_reasks": 0,
+                      "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
+
+    def __repr__(self):
+        return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
+
+    @property
+    def label(self):
+        return f"{self.provider}:{self.model}"
+
+    # --- request building
+
+    def _body(self, messages, temperature, max_tokens, json_flag):
+        if self.protocol == "anthropic":
+            system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+            body = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature,
+                    "messages": [m for m in messages if m["role"] != "system"]}
+            if system:
+                body["system"] = system
+        else:
+            body = {"model": self.model, "messages": messages, "temperature": temperature,
+                    self.max_field: max_tokens}
+            if json_flag and self.json_mode:
+                body["response_format"] = {"type": "json_object"}
+        body.update(self.extra_body)
+        return body
+
+    def cache_key(self, body, json_flag):
+        host = urlparse(self.base_url).netloc if self.base_url else self.provider
+        canon = json.dumps({"protocol": self.protocol, "host": host, "body": body, "json": bool(json_flag)},
+                           sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+    def _cache_path(self, key):
+        return os.path.join(self.cache_dir, key[:2], key + ".json")
+
+    def _cache_get(self, key):
+        if not self.cache_dir or self.refresh:
+            return None
+        try:
+            with open(self._cache_path(key), encoding="utf-8") as f:
+                d = json.load(f)
+            return Reply(**d["reply"], cached=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None                          # missing or corrupt: ignored, rewritten after the call
+
+    def _cache_put(self, key, reply):
+        if not self.cache_dir:
+            return
+        path = self._cache_path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"provider": self.provider, "model": self.model, "reply": reply.to_dict()}, f, ensure_ascii=False)
+        os.replace(tmp, path)
+
+    # --- transport
+
+    def _headers(self):
+        h = {"Content-Type": "application/json"}
+        if self.protocol == "anthropic":
+            h["anthropic-version"] = "2023-06-01"
+            if self._key:
+                h["x-api-key"] = self._key
+        elif self._key:
+            h["Authorization"] = f"Bearer {self._key}"
+        return h
+
+    def _error(self, msg, status=None, body=None):
+        text = (body or "")[:300]
+        if self._key:
+            text = text.replace(self._key, "***")
+            msg = msg.replace(self._key, "***")
+        return LLMError(f"{self.label}: {msg}" + (f": {text}" if text else ""), status, self.provider, text)
+
+    def _retry_after(self, headers):
+        """Server hint in seconds, or None."""
+        try:
+            if headers.get("retry-after-ms"):
+                return float(headers["retry-after-ms"]) / 1000.0
+            ra = headers.get("retry-after")
+            if ra:
+                try:
+                    return float(ra)
+                except ValueError:
+                    return max(0.0, parsedate_to_datetime(ra).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+        return None
+
+    def _post(self, body):
+        """One logical request with transport retries -> parsed response JSON."""
+        url = self.base_url + ("/messages" if self.protocol == "anthropic" else "/chat/completions")
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            self.limiter.wait()
+            with self.lock:
+                self.stats["http_calls"] += 1
+            try:
+                if self.handler is not None:
+                    try:
+                        return self.handler(body)
+                    except (ValueError, KeyError, TypeError) as e:   # the local engine's 400
+                        raise self._error(f"offline engine rejected the request ({e})", 400) from None
+                r = self.session.post(url, json=body, headers=self._headers(),
+                                      timeout=(self.connect_timeout, self.timeout))
+            except (requests.ConnectionError, requests.Timeout) as e:
+                if last:
+                    raise self._error(f"{type(e).__name__} after {attempt + 1} attempts") from None
+                self._sleep(attempt, None)
+                continue
+            if r.status_code == 200:
+                try:
+                    return r.json()
+                except ValueError:
+                    raise self._error("HTTP 200 with a body that is not JSON", 200, r.text) from None
+            text = r.text
+            low = text.lower()
+            if r.status_code not in RETRY_STATUS or any(c in low for c in NO_RETRY_CODES):
+                raise self._error(f"HTTP {r.status_code}", r.status_code, text)
+            hint = self._retry_after(r.headers)
+            if hint is not None and hint > self.max_retry_after:
+                raise self._error(f"HTTP {r.status_code}, server asks to wait {hint:.0f}s "
+                                  f"(> {self.max_retry_after}s cap)", r.status_code, text)
+            if last:
+                raise self._error(f"HTTP {r.status_code} after {attempt + 1} attempts", r.status_code, text)
+            self._sleep(attempt, hint)
+
+    def _sleep(self, attempt, hint):
+        with self.lock:
+            self.stats["retries"] += 1
+        delay = hint if hint is not None else min(0.5 * 2 ** attempt, 8.0) * (1 - 0.25 * random.random())
+        time.sleep(max(0.0, delay))
+
+    def _parse(self, resp):
+        try:
+            if self.protocol == "anthropic":
+                blocks = resp["content"]
+                text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+                thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking") or None
+                u = resp.get("usage") or {}
+                usage = {"prompt_tokens": u.get("input_tokens", 0), "completion_tokens": u.get("output_tokens", 0),
+                         "reasoning_tokens": 0}
+                return Reply(text, thinking, usage, resp.get("stop_reason"), resp.get("model"))
+            choice = resp["choices"][0]
+            msg = choice["message"]
+            text = msg.get("content")
+            reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+            if text and ("<think>" in text or "</think>" in text):   # servers without a reasoning parser
+                text, inline = split_think(text)
+                reasoning = reasoning or inline
+            u = resp.get("usage") or {}
+            usage = {"prompt_tokens": u.get("prompt_tokens", 0), "completion_tokens": u.get("completion_tokens", 0),
+                     "reasoning_tokens": (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0) or 0}
+            return Reply(text if text is not None else "", reasoning, usage, choice.get("finish_reason"),
+                         resp.get("model"))
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            raise self._error(f"unexpected response shape ({type(e).__name__}: {e})", 200,
+                              json.dumps(resp)[:300]) from None
+
+    def _count(self, reply):
+        with self.lock:
+            for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
+                self.stats[k] += int(reply.usage.get(k, 0) or 0)
+
+    # --- public
+
+    def chat(self, messages, temperature=0, max_tokens=2048, json=False):
+        """One chat completion -> Reply. json=True: ask for a JSON object and parse it into .data,
+        re-asking at most `json_retries` times with the parse error when the reply does not parse."""
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a non-empty list of {role, content} dicts")
+        with self.lock:
+            self.stats["calls"] += 1
+        body = self._body(messages, temperature, max_tokens, json)
+        key = self.cache_key(body, json)
+        hit = self._cache_get(key)
+        if hit is not None:
+            with self.lock:
+                self.stats["cache_hits"] += 1
+            return hit
+        convo = list(messages)
+        for ask in range(self.json_retries + 1):
+            reply = self._parse(self._post(self._body(convo, temperature, max_tokens, json)))
+            self._count(reply)
+            if not json:
+                break
+            try:
+                reply.data = extract_json(reply.text)
+                break
+            except ValueError as e:
+                if ask == self.json_retries:
+                    raise self._error(f"reply is not valid JSON after {ask + 1} attempts ({e})", None,
+                                      reply.text) from None
+                with self.lock:
+                    self.stats["json_reasks"] += 1
+                convo = convo + [{"role": "assistant", "content": reply.text or ""},
+                                 {"role": "user", "content": f"Your reply could not be parsed as JSON ({e}). "
+                                                             "Return only the JSON object, nothing else."}]
+        self._cache_put(key, reply)
+        return reply
+
+    def map(self, requests_, workers=8, desc=None, progress=True):
+        """Run many chat requests concurrently; results in input order. Each request is a dict of
+        chat() keyword arguments. Exceptions propagate (the first failure in input order)."""
+        from tqdm import tqdm
+        out = [None] * len(requests_)
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as ex, \
+                tqdm(total=len(requests_), desc=desc or self.label, disable=not progress or not requests_) as bar:
+            futs = [ex.submit(self.chat, **r) for r in requests_]
+            for f in futs:
+                f.add_done_callback(lambda _: bar.update(1))
+            for i, f in enumerate(futs):
+                out[i] = f.result()
+        return out
+
+    def usage(self):
+        """Calls, HTTP calls, cache hits, tokens and (with a price table entry) cost in USD."""
+        s = dict(self.stats)
+        p = self.prices.get(self.model)
+        s["cost_usd"] = None if p is None else (s["prompt_tokens"] * p[0] + s["completion_tokens"] * p[1]) / 1e6
+        s["model"] = self.label
+        return s
+
+
+def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
+    """'provider:model' -> Client. Keys come from the provider's conventional environment variable;
+    a missing key is an error naming it. base_url overrides the provider's (any OpenAI-compatible
+    server). 'offline' is the deterministic offline engine (offline.py, imported only here and only
+    for this provider) behind the same interface."""
+    provider, _, model = spec.partition(":")
+    if provider == "offline":
+        from offline import respond  # sibling file: the simulation engine (see its docstring)
+        return Client(None, model or "offline-engine", protocol="openai", provider="offline",
+                      handler=kw.pop("handler", respond), cache_dir=cache_dir, **kw)
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r} in {spec!r}; known: offline, {', '.join(PROVIDERS)}")
+    if not model:
+        raise ValueError(f"{spec!r}: give provider:model, e.g. openai:gpt-5.5")
+    p = PROVIDERS[provider]
+    base = base_url or (os.environ.get(p["base_env"]) if p.get("base_env") else None) or p["base"]
+    if provider == "openai" and not base_url and not os.environ.get("OPENAI_BASE_URL"):
+        base = os.environ.get("OPENAI_API_BASE") or base   # legacy name many .env files still use
+    if base is None:
+        raise ValueError(f"{spec!r}: provider {provider!r} needs base_url (--base-url)")
+    key = api_key
+    if key is None:
+        for var in p["keys"]:
+            if os.environ.get(var):
+                key = os.environ[var]
+                break
+    if key is None and provider == "anthropic" and os.environ.get("ANTHROPIC_AUTH_TOKEN"):
+        key = os.environ["ANTHROPIC_AUTH_TOKEN"]
+    if key is None:
+        key = p.get("default_key")
+    if key is None and not p.get("key_optional"):
+        raise LLMError(f"{spec}: no API key: set {' or '.join(p['keys'])}", None, provider)
+    max_field = p.get("max_field", "max_tokens")
+    if provider == "openai" and urlparse(base).netloc != "api.openai.com":
+        max_field = "max_tokens"   # compatible servers (vLLM, GLM, ...) know only max_tokens
+    return Client(base, model, api_key=key, protocol=p["protocol"], provider=provider, cache_dir=cache_dir,
+                  max_field=max_field, json_mode=p.get("json_mode", True), **kw)
