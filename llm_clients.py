@@ -204,6 +204,8 @@ class Client:
 
     def cache_key(self, body, json_flag):
         host = urlparse(self.base_url).netloc if self.base_url else self.provider
+        if urlparse(self.base_url).hostname in ("127.0.0.1", "localhost", "::1"):
+            host = "loopback"   # a local server on another port is the same cache (model names tell them apart)
         canon = json.dumps({"protocol": self.protocol, "host": host, "body": body, "json": bool(json_flag)},
                            sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         return hashlib.sha256(canon.encode("utf-8")).hexdigest()
