@@ -172,6 +172,7 @@ class Client:
         self.handler = handler                   # callable(body)->response dict instead of HTTP (offline engine)
         self.extra_body = extra_body or {}
         self.limiter = RateLimiter(rpm)
+        self.sleep = time.sleep                  # backoff sleep (tests replace it to record delays)
         self.prices = prices or {}               # model -> (USD per 1M input tokens, per 1M output tokens)
         self.session = requests.Session()
         self.lock = threading.Lock()
@@ -309,7 +310,7 @@ class Client:
         with self.lock:
             self.stats["retries"] += 1
         delay = hint if hint is not None else min(0.5 * 2 ** attempt, 8.0) * (1 - 0.25 * random.random())
-        time.sleep(max(0.0, delay))
+        self.sleep(max(0.0, delay))
 
     def _parse(self, resp):
         try:

@@ -83,7 +83,8 @@ def add_lora(model, r=16, alpha=32, dropout=0.05, targets=TARGETS):
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, (nn.Linear, NF4Linear)):
-                setattr(module, child_name, LoRALinear(child, r, alpha, dropout))
+                # new modules start in train mode: follow the model's mode, else dropout fires in eval
+                setattr(module, child_name, LoRALinear(child, r, alpha, dropout).train(model.training))
                 found += 1
     if not found:
         raise ValueError(f"add_lora: no nn.Linear named {targets} in the model")

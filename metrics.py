@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-_BRACKET = re.compile(r"\[([0-9][0-9\s,;\-–]*)\]")
+_BRACKET = re.compile(r"\[\s*([0-9][0-9\s,;\-–]*)\]")
 
 
 def cited_indices(answer):

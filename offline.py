@@ -62,7 +62,7 @@ def features(text, query=""):
     low = (text or "").lower()
     q = " ".join(words(query))
     return {
-        "statistics": len(re.findall(r"\d+(?:\.\d+)?\s*%|\b\d+ in \d+\b|by the numbers", low)),
+        "statistics": len(re.findall(r"\d+(?:\.\d+)?\s*(?:%|percent)|\b\d+ in \d+\b|by the numbers", low)),
         "quotations": len(re.findall(r"[\"“][^\"”]{10,}[\"”]", text or "")),
         "citations": len(re.findall(r"\[\d+\]|according to|as documented by|peer-reviewed|studies", low)),
         "authority": sum(low.count(a) for a in AUTHORITY),
@@ -129,6 +129,7 @@ def write_answer(query, docs, cite):
     out = []
     for i in cite:
         for s in sentences(docs[i - 1])[:1]:
+            s = re.sub(r"\s*\[[\d,\s\-–]+\]", "", s)   # the document's own bracket references are not ours
             out.append(f"{s.rstrip('.')} [{i}].")
     return " ".join(out) if out else "The search results do not contain enough reliable information to answer."
 
@@ -357,8 +358,8 @@ def _field(text, start, end):
 
 
 def _input(text):
-    block = _field(text, "<input>", "</input>")
-    return json.loads(block) if block else None
+    i, j = text.find("<input>"), text.rfind("</input>")
+    return json.loads(text[i + len("<input>"):j]) if 0 <= i < j else None
 
 
 def complete(prompt):

@@ -443,7 +443,8 @@ def make_tiny_checkpoint(out_dir, seed=0, hidden=64, layers=2, heads=4, kv_heads
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       head_dim=head_dim, max_position_embeddings=32768, torch_dtype="float32")
     g = torch.Generator().manual_seed(seed)
-    model = Qwen3Model(cfg)
+    with torch.device("meta"):   # shapes only: no default init, so the global RNG is left untouched
+        model = Qwen3Model(cfg)
     state = {}
     for k, v in model.state_dict().items():
         if k.endswith("norm.weight"):   # near-one norms, so that the norm weights are exercised
@@ -453,7 +454,7 @@ def make_tiny_checkpoint(out_dir, seed=0, hidden=64, layers=2, heads=4, kv_heads
     tmp = out_dir + f".tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
-              metadata={"format": "pt", "note": "GEO Defender tiny checkpoint: random weights"})
+              metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
     tok.save(os.path.join(tmp, "tokenizer.json"))
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
         json.dump({**cfg.to_dict(), "bos_token_id": None, "eos_token_id": None,

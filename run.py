@@ -261,7 +261,6 @@ def train_shield(cfg, rr=None, resume=True):
     if read_json(os.path.join(run, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
         return
-    torch.manual_seed(cfg.seed)
     rr = rr or load_reranker(cfg)
     groups, meta, cons, test, seen, methods = load_data(cfg)
     inst = geodef.expand(cons, seen)
@@ -280,6 +279,7 @@ def train_shield(cfg, rr=None, resume=True):
     opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
     mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
 
+    torch.manual_seed(cfg.seed)   # LoRA A init and dropout masks from the seed alone
     lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
     params = [p for p in rr.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)

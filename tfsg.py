@@ -492,7 +492,11 @@ EVOLUTION_SCHEMA = """{
 
 
 def _input_block(obj):
-    return "<input>\n" + json.dumps(obj, indent=2, ensure_ascii=False) + "\n</input>"
+    """JSON-encoded input between <input> tags. A document containing the tags themselves gets their
+    '<' written as the JSON escape \\u003c, so the block has exactly one opening and one closing tag."""
+    body = json.dumps(obj, indent=2, ensure_ascii=False)
+    body = body.replace("<input>", "\\u003cinput>").replace("</input>", "\\u003c/input>")
+    return "<input>\n" + body + "\n</input>"
 
 
 def library_view(lib, structured):
