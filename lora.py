@@ -50,12 +50,28 @@ class LoRALinear(nn.Module):
     def weight(self):
         return self.base.weight
 
+    # The last (input, dropped input) pair: q/k/v (and gate/up) read the same tensor, so they share one
+    # dropout mask instead of drawing three (PEFT draws one per module; the marginal is the same).
+    # Random masks were 29% of a real-width training step on the CPU this was written on.
+    _shared = (None, None)
+
     def forward(self, x):
         y = self.base(x)                                                     # (N, out)
         if not self.enabled or self.merged:
             return y
-        h = self.dropout(x).to(self.lora_A.dtype) @ self.lora_A.t()          # (N, r)  dropout on LoRA input only
-        return y + ((h @ self.lora_B.t()) * self.scaling).to(y.dtype)        # (N, out)
+        if self.training and isinstance(self.dropout, nn.Dropout):
+            src, dropped = LoRALinear._shared
+            if src is not x or dropped.shape != x.shape:
+                dropped = self.dropout(x)
+                LoRALinear._shared = (x, dropped)
+        else:
+            dropped = x
+        # Computed in the activation dtype (bf16 over a bf16 base, fp32 over fp32); the parameters
+        # stay float32 and get float32 gradients through the cast. Scaling is applied to the small
+        # (N, r) product and the add is fused into the second GEMM.
+        A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        h = (dropped @ A.t()) * self.scaling                                 # (N, r)
+        return torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t()).view(y.shape)  # (N, out)
 
     def delta(self):
         return (self.lora_B @ self.lora_A) * self.scaling                    # (out, in) = scaling * B A

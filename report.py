@@ -140,3 +140,68 @@ def write_report(run_dir, s):
                  + (f", ${u['cost_usd']:.4f}" if u.get("cost_usd") is not None else "") + ".\n")
     with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
+
+
+def svg_heatmap(title, rows, cols, values):
+    """values[(row, col)] -> float or None; darker = higher."""
+    cw, ch, left, top = 90, 26, 150, 60
+    W, H = left + cw * len(cols) + 20, top + ch * len(rows) + 20
+    vals = [v for v in values.values() if v is not None and v == v]
+    lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+             f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="13">{html.escape(title)}</text>']
+    for j, c in enumerate(cols):
+        parts.append(f'<text x="{left + j * cw + cw / 2}" y="{top - 8}" text-anchor="middle">{html.escape(c[:14])}</text>')
+    for i, rname in enumerate(rows):
+        parts.append(f'<text x="{left - 6}" y="{top + i * ch + 17}" text-anchor="end">{html.escape(rname[:22])}</text>')
+        for j, c in enumerate(cols):
+            v = values.get((rname, c))
+            t = 0.0 if v is None or hi == lo else (v - lo) / (hi - lo)
+            fill = "#eee" if v is None else f"rgb({int(255 - 170 * t)},{int(255 - 120 * t)},255)"
+            parts.append(f'<rect x="{left + j * cw}" y="{top + i * ch}" width="{cw - 2}" height="{ch - 2}" fill="{fill}"/>'
+                         f'<text x="{left + j * cw + cw / 2}" y="{top + i * ch + 17}" text-anchor="middle">{_f(v)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def write_comparison(out_dir, summaries):
+    """Across runs (one per target LLM): Table 1 with an average row, Table C.1, and the transfer
+    matrix of Table C.2 (rows: source library, columns: target) from each run's `transfer` results."""
+    os.makedirs(os.path.join(out_dir, "figures"), exist_ok=True)
+    lines = []
+    notes = sorted({n for s in summaries.values() for n in s.get("notes", [])})
+    if notes:
+        lines.append("> **OFFLINE / SIMULATION RUNS INCLUDED.** " + " ".join(notes) + "\n")
+    lines.append("# GEO Defender across target LLMs\n")
+    conds = [c for c in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only")
+             if all(c in s["conditions"] for s in summaries.values())]
+    head = ["Target LLM"] + [f"{c} {m}" for c in conds for m in ("ASR", "ASI", "BER")]
+    rows = [[s["target_llm"]] + [_f(s["conditions"][c][m]) for c in conds for m in ("ASR", "ASI", "BER")]
+            for s in summaries.values()]
+    avg = ["Average"] + [_f(sum(s["conditions"][c][m] for s in summaries.values()) / len(summaries))
+                         for c in conds for m in ("ASR", "ASI", "BER")]
+    lines.append("## Table 1\n\n" + _table(head, rows + [avg]) + "\n")
+    q = [(s["target_llm"], s["quality"]) for s in summaries.values() if s.get("quality")]
+    if q:
+        lines.append("## Table C.1\n\n" + _table(["Target LLM", "Mean change", "95% CI", "Comparable or better (%)", "Better (%)"],
+                     [[t, f"{v['mean_change']:+.3f}", f"[{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]",
+                       _f(v["comparable_or_better"]), _f(v["better"])] for t, v in q]) + "\n")
+    targets = {name: s["target_llm"] for name, s in summaries.items()}
+    cells = {}
+    for name, s in summaries.items():
+        for src, v in (s.get("transfer") or {}).items():
+            cells[(targets[name] if src == "(own)" else src, targets[name])] = v
+    if cells:
+        srcs = sorted({k[0] for k in cells})
+        cols = list(targets.values())
+        for metric in ("ASR", "ASI"):
+            vals = {k: v[metric] for k, v in cells.items()}
+            lines.append(f"## Table C.2 ({metric}): rows = source library, columns = target\n\n" +
+                         _table(["Source \\ Target"] + cols, [[r] + [_f(vals.get((r, c))) for c in cols] for r in srcs]) + "\n")
+            with open(os.path.join(out_dir, "figures", f"transfer_{metric.lower()}.svg"), "w", encoding="utf-8") as f:
+                f.write(svg_heatmap(f"Transfer {metric} (source library x target LLM)", srcs, cols, vals))
+        lines.append("![transfer ASR](figures/transfer_asr.svg) ![transfer ASI](figures/transfer_asi.svg)\n")
+    path = os.path.join(out_dir, "comparison.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    return path

@@ -104,23 +104,31 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # Qwen3RMSNorm: normalise in float32, cast back BEFORE the weight multiply (matters in bf16).
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)     # (..., 1) float32
+        if torch.is_grad_enabled() or x.dtype == torch.float32:
+            return self.weight * (xf * r).to(x.dtype)
+        # inference in bf16/f16: same roundings, fewer large allocations (they dominate on CPU)
+        return xf.mul_(r).to(x.dtype).mul_(self.weight)
 
 
 def rope_cos_sin(pos, head_dim, theta, dtype):
-    """pos (N,) int -> cos, sin (N, 1, E) in `dtype`; frequencies in float32 as transformers does."""
+    """pos (N,) int -> cos, sin_signed (N, 1, E) in `dtype`; frequencies in float32 as transformers does."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
     freqs = pos.float()[:, None] * inv_freq[None, :]       # (N, E/2)
     emb = torch.cat((freqs, freqs), dim=-1)                # (N, E)  NeoX halves, not interleaved
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    sin = emb.sin().to(dtype)
+    sin_signed = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2:]), dim=-1)   # for apply_rope
+    return emb.cos().to(dtype)[:, None, :], sin_signed[:, None, :]
 
 
-def apply_rope(x, cos, sin):
-    """x (N, heads, E): x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+def apply_rope(x, cos, sin_signed):
+    """x (N, heads, E): x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1], computed as
+    [x2, x1] * [-sin1, sin2] (sin_signed, bit-identical: negation is exact). In inference x is
+    overwritten (it is a fresh projection output)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)                 # [x2, x1]
+    if torch.is_grad_enabled():
+        return x * cos + swapped * sin_signed
+    return x.mul_(cos).add_(swapped.mul_(sin_signed))
 
 
 class Attention(nn.Module):
@@ -147,16 +155,17 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         outs, start = [], 0
         for j, L in enumerate(lens):
-            kj = k[start:start + L].transpose(0, 1)                               # (K, L, E)
-            vj = v[start:start + L].transpose(0, 1)                               # (K, L, E)
+            # 4-D (1, heads, L, E): 3-D inputs send CPU SDPA to its slow math path (7x slower, measured)
+            kj = k[start:start + L].transpose(0, 1)[None]                         # (1, K, L, E)
+            vj = v[start:start + L].transpose(0, 1)[None]                         # (1, K, L, E)
             if last is None:
-                qj = q[start:start + L].transpose(0, 1)                           # (H, L, E)
+                qj = q[start:start + L].transpose(0, 1)[None]                     # (1, H, L, E)
                 # enable_gqa: kv head j serves query heads j*H/K .. (j+1)*H/K - 1 (repeat_interleave)
                 o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)
             else:
-                qj = q[j:j + 1].transpose(0, 1)                                   # (H, 1, E) final query sees all keys
+                qj = q[j:j + 1].transpose(0, 1)[None]                             # (1, H, 1, E) final query sees all keys
                 o = F.scaled_dot_product_attention(qj, kj, vj, enable_gqa=True)
-            outs.append(o.transpose(0, 1).reshape(-1, self.H * self.E))           # (L or 1, H*E)
+            outs.append(o[0].transpose(0, 1).reshape(-1, self.H * self.E))        # (L or 1, H*E)
             start += L
         return self.o_proj(torch.cat(outs))                                       # (N|S, C)
 
@@ -170,7 +179,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(Fd, C, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU, (N, F) -> (N, C)
+        g = F.silu(self.gate_proj(x))                                        # (N, F)
+        g = g * self.up_proj(x) if torch.is_grad_enabled() else g.mul_(self.up_proj(x))
+        return self.down_proj(g)                                             # SwiGLU, (N, F) -> (N, C)
 
 
 class Block(nn.Module):
@@ -183,8 +194,12 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, lens, last=None):
         h = self.self_attn(self.input_layernorm(x), cos, sin, lens, last)
-        x = (x if last is None else x[last]) + h                 # (N|S, C)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x if last is None else x[last]                         # (N|S, C)
+        if torch.is_grad_enabled():
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = h.add_(x)                                              # in inference the residual adds reuse h
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Qwen3Model(nn.Module):
@@ -298,7 +313,7 @@ class Reranker:
     """Tokenizer + decoder + yes/no margin. `score_ids` is the one forward path (inference and training)."""
 
     def __init__(self, model, tokenizer, yes_no_rows, instruction=SHIELD_INSTRUCTION, max_length=8192,
-                 token_budget=8192, name_or_path=None, revision=None):
+                 token_budget=4096, name_or_path=None, revision=None):
         self.model, self.tokenizer = model, tokenizer
         self.instruction, self.max_length, self.token_budget = instruction, max_length, token_budget
         self.name_or_path, self.revision = name_or_path, revision
@@ -311,7 +326,7 @@ class Reranker:
 
     @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", instruction=SHIELD_INSTRUCTION,
-                        max_length=8192, revision=None, token_budget=8192):
+                        max_length=8192, revision=None, token_budget=4096):
         from tokenizers import Tokenizer
         folder, sha = resolve_model_path(name_or_path, revision)
         tok_path = os.path.join(folder, "tokenizer.json")

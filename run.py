@@ -82,6 +82,8 @@ class Config:
     ppl_quantile: float = 0.99
     n_boot: int = 10000
     max_test_groups: int = 0                   # 0 = all; a smaller number for quick runs
+    transfer: str = None                       # Table C.2: "name=runs/x/library/E4.json,..." libraries of other LLMs
+    prices: str = None                         # JSON file {model: [USD per 1M input tokens, per 1M output]}
 
     @property
     def run_dir(self):
@@ -336,9 +338,37 @@ def train_shield(cfg, rr=None, resume=True):
             state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
         _save_ckpt(ckpt, rr.model, opt, state)
     bar.close()
+    lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
+    rr.model.eval()
+    test_stats = shield_test_stats(cfg, rr, geodef.expand(test, methods))
     write_json(os.path.join(run, "shield_done.json"), {"best": state["best"], "history": state["history"],
-                                                      "steps": state["step"], "steps_per_epoch": steps_per_epoch})
+                                                      "steps": state["step"], "steps_per_epoch": steps_per_epoch,
+                                                      "test_ranking": test_stats})
     log(f"[train] best adapter (epoch {state['best']['epoch']}): {state['best']}")
+    log(f"[train] test groups, base -> shield: {test_stats}")
+
+
+def shield_test_stats(cfg, rr, insts):
+    """On the test instances: where the attack document ranks under the base scorer (LoRA disabled)
+    and under the Shield scorer, and how much of the base top-k's benign evidence the Shield keeps."""
+    with lora.lora_disabled(rr.model):
+        base = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base")
+        base.prepare(insts)
+    shield = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_shield.json"), "shield")
+    shield.prepare(insts)
+    rank_b, rank_s, in_b, in_s, overlap = [], [], 0, 0, []
+    for x in insts:
+        ob, os_ = base.order(x), shield.order(x)
+        rank_b.append(ob.index(x.attack_index) + 1)
+        rank_s.append(os_.index(x.attack_index) + 1)
+        in_b += x.attack_index in ob[:cfg.k]
+        in_s += x.attack_index in os_[:cfg.k]
+        ben = [i for i in ob[:cfg.k] if i != x.attack_index]
+        overlap.append(len(set(ben) & set(os_[:cfg.k])) / max(1, len(ben)))
+    n = max(1, len(insts))
+    return {"instances": len(insts), "attack_mean_rank_base": sum(rank_b) / n, "attack_mean_rank_shield": sum(rank_s) / n,
+            "attack_in_topk_base": 100.0 * in_b / n, "attack_in_topk_shield": 100.0 * in_s / n,
+            "benign_topk_overlap": 100.0 * sum(overlap) / n}
 
 
 def _append_jsonl(path, rec):
@@ -352,8 +382,9 @@ def _append_jsonl(path, rec):
 
 def make_llm(cfg, spec=None):
     import llm_clients
+    prices = {k: tuple(v) for k, v in read_json(cfg.prices, {}).items()} if cfg.prices else None
     return llm_clients.make_client(spec or cfg.llm, base_url=cfg.base_url,
-                                   cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm)
+                                   cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices)
 
 
 def _doc_key(query, doc):
@@ -645,6 +676,18 @@ def evaluate(cfg):
                 clean, os.path.join(res, f"geo_defender_E{t}.jsonl"))
             epochs[f"E{t}"] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI", "BER")}
         summary["epochs"] = epochs
+    # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
+    if cfg.transfer and "GEO Defender" in conds:
+        summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
+        for item in cfg.transfer.split(","):
+            name, _, path = item.partition("=")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"--transfer: {path}: no library file")
+            lt = tfsg.ExperienceLibrary.from_dict(read_json(path))
+            recs = eval_condition(cfg, llm, f"GEO Defender [{name}]", insts, topk["shield"],
+                                  lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), clean,
+                                  os.path.join(res, f"transfer_{name}.jsonl"))
+            summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
     summary["usage"] = llm.usage()
     write_json(os.path.join(run, "summary.json"), summary)
     report.write_report(run, summary)
@@ -854,7 +897,7 @@ def bench_score(args):
             out = []
             with torch.inference_mode():
                 order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-                budget, batch, used = 8192, [], 0
+                budget, batch, used = 4096, [], 0
                 for i in order + [None]:
                     if i is None or (batch and used + len(ids[i]) > budget):
                         flat = torch.tensor([t for j in batch for t in ids[j]])
@@ -932,6 +975,35 @@ def bench_train(args):
     return res
 
 
+def bench_nf4(args):
+    """Frozen-base memory and scoring speed: our scorer with bf16 projections vs NF4 projections
+    (dequantised on the fly), same random real-width weights and ids."""
+    dtype = getattr(torch, args.dtype)
+    folder = os.path.join(args.out, f"bench_qwen3_{args.layers}l")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        bench_score(argparse.Namespace(**{**vars(args), "repeat": 1}))
+    rng = random.Random(0)
+    ids = [[rng.randrange(1000, 150000) for _ in range(args.seq)] for _ in range(10)]
+    flat, lens = torch.tensor([t for s in ids for t in s]), [len(s) for s in ids]
+    res = {}
+    for name in ("bf16", "nf4"):
+        model, _, _ = reranker.load_qwen3(folder, dtype=dtype)
+        if name == "nf4":
+            lora.quantize_nf4(model)
+        proj = sum(b.numel() * b.element_size() for n, b in list(model.named_parameters()) + list(model.named_buffers())
+                   if any(t in n for t in lora.TARGETS))
+        with torch.inference_mode():
+            model(flat, lens)
+            ts = []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter(); model(flat, lens); ts.append(time.perf_counter() - t0)
+        res[f"{name}_projection_MiB"] = proj / 2 ** 20
+        res[f"{name}_tok_s"] = len(flat) / min(ts)
+    res["memory_ratio_nf4_over_bf16"] = res["nf4_projection_MiB"] / res["bf16_projection_MiB"]
+    res["speed_ratio_nf4_over_bf16"] = res["nf4_tok_s"] / res["bf16_tok_s"]
+    return res
+
+
 def bench_llm(args):
     """200 calls on 16 workers against a loopback server with a fixed 200 ms latency, then the same
     200 from the cache (zero HTTP calls)."""
@@ -994,6 +1066,8 @@ HELP = {
     "conditions": "comma list of conditions or 'all'", "methods": "comma list of GEO methods or 'all'",
     "ppl_model": "PPL-Filter GPT-2: hub id, folder, or 'tiny'", "ppl_quantile": "PPL threshold quantile (B.2.2)",
     "n_boot": "bootstrap resamples", "max_test_groups": "evaluate only the first N test groups (0 = all)",
+    "transfer": "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]",
+    "prices": "JSON price table {model: [USD per 1M input tokens, USD per 1M output tokens]} for cost reports",
 }
 
 
@@ -1061,7 +1135,7 @@ def main(argv=None):
     for p in (tr, ev, de):
         add_config_flags(p)
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
-    be.add_argument("--what", choices=["score", "train", "llm"], required=True, help="which benchmark")
+    be.add_argument("--what", choices=["score", "train", "llm", "nf4"], required=True, help="which benchmark")
     be.add_argument("--layers", type=int, default=28, help="decoder layers at real width")
     be.add_argument("--dtype", default="bfloat16", help="dtype of the weights")
     be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
@@ -1073,6 +1147,9 @@ def main(argv=None):
     bb.add_argument("--geo-methods", default="authoritative,statistics,citation,quotation,fluency,keywords,maximize",
                     help=f"comma list from {', '.join(GEO_METHODS)}")
     add_config_flags(bb)
+    co = sub.add_parser("compare", help="Table 1 across target LLMs, Table C.1 and the transfer matrix (Table C.2)")
+    co.add_argument("--runs", required=True, help="comma list of evaluated run folders (one per target LLM)")
+    co.add_argument("--out", required=True, help="folder for comparison.md and figures")
     so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
     args = ap.parse_args(argv)
@@ -1083,8 +1160,20 @@ def main(argv=None):
         print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
         srv.serve_forever()
         return
+    if args.cmd == "compare":
+        import report
+        runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+        summaries = {}
+        for r in runs:
+            sm = read_json(os.path.join(r, "summary.json"))
+            if sm is None:
+                raise SystemExit(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
+            summaries[os.path.basename(os.path.normpath(r))] = sm
+        path = report.write_comparison(args.out, summaries)
+        print(path)
+        return path
     if args.cmd == "bench":
-        fn = {"score": bench_score, "train": bench_train, "llm": bench_llm}[args.what]
+        fn = {"score": bench_score, "train": bench_train, "llm": bench_llm, "nf4": bench_nf4}[args.what]
         res = fn(args)
         print(json.dumps(res, indent=1))
         return res

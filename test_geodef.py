@@ -1060,3 +1060,36 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
     sent = len(Script.seen)
     again = run.evaluate(run.Config(**c))
     assert len(Script.seen) == sent and strip(again) == strip(full)   # a rerun sends nothing
+
+
+def test_gradient_checkpointing_same_gradients(tiny_dir):
+    grads = []
+    for ckpt in (False, True):
+        rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+        torch.manual_seed(0)
+        lora.add_lora(rr.model, dropout=0.0)
+        with torch.no_grad():
+            for m in lora.lora_modules(rr.model).values():
+                m.lora_B.normal_(0, 0.05)
+        rr.model.gradient_checkpointing = ckpt
+        rr.score("q", ["some document", "another, longer document text"], grad=True).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in rr.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n])
+
+
+def test_compare_runs_transfer_matrix(tmp_path):
+    import report
+    def summ(target, asr, transfer):
+        c = {k: {"ASR": asr, "ASI": asr / 2, "BER": 90.0, "n": 7, "attack_in_context": 50.0, "hallucinated_citations": 0}
+             for k in run.CONDITIONS}
+        return {"target_llm": target, "conditions": c, "notes": [], "transfer": transfer,
+                "quality": {"mean_change": 0.1, "ci95": [-0.1, 0.2], "comparable_or_better": 80.0, "better": 20.0, "n": 7}}
+    s = {"a": summ("x:A", 10.0, {"(own)": {"ASR": 5.0, "ASI": 2.0}, "x:B": {"ASR": 7.0, "ASI": 3.0}}),
+         "b": summ("x:B", 30.0, {"(own)": {"ASR": 6.0, "ASI": 4.0}, "x:A": {"ASR": 8.0, "ASI": 1.0}})}
+    path = report.write_comparison(str(tmp_path), s)
+    text = open(path).read()
+    assert "| Average | 20.00 |" in text
+    assert "| x:A | 5.00 | 8.00 |" in text and "| x:B | 7.00 | 6.00 |" in text     # rows: source, cols: target
+    assert open(tmp_path / "figures" / "transfer_asr.svg").read().startswith("<svg")
