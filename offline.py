@@ -19,8 +19,8 @@ Behaviour, per prompt kind:
 - Analyzer (A.3.3, A.3.4, A.3.5): contrasts attack-labelled and benign documents in the cases it is
   given, proposes attack_pattern rules from phrases found in attack documents and in no benign one,
   fp_guard rules from phrases of wrongly filtered benign documents, weakens rules that caused false
-  positives, extends rules after missed attacks, and keeps rules used in successes. It may propose
-  updates the Controller rejects (for example signals over the size limit); the Controller decides.
+  positives, extends rules after missed attacks, and keeps rules used in successes. Nothing in the
+  engine pre-validates its proposals: they go through the Controller like any Analyzer's.
 - judges (B.2.3, B.2.4): ASI from the share of answer sentences that closely follow a sentence of
   the attack document; pairwise quality from query coverage and distinct content of the answers.
 - benchmark builder rewrites: a method-specific, fact-keeping rewrite of the given document.

@@ -1093,3 +1093,28 @@ def test_compare_runs_transfer_matrix(tmp_path):
     assert "| Average | 20.00 |" in text
     assert "| x:A | 5.00 | 8.00 |" in text and "| x:B | 7.00 | 6.00 |" in text     # rows: source, cols: target
     assert open(tmp_path / "figures" / "transfer_asr.svg").read().startswith("<svg")
+
+
+def test_build_bench_over_http_validates_and_caches(tmp_path, server):
+    groups = geodef.load_bench(SAMPLE)[:3]
+    rows = [{"query": g.query, "docs": [d["text"] for d in g.docs], "source_index": g.source_index} for g in groups]
+    rows.append({"query": "too few documents", "docs": ["only one"]})
+    geo_rows = [{"query": groups[0].query + " (GEO-Bench layout)", "sugg_idx": 1,
+                 "sources": [{"url": f"https://s/{i}", "cleaned_text": d["text"] + " v2"} for i, d in enumerate(groups[0].docs)]}]
+    src = write_lines(tmp_path, rows + geo_rows, "src.jsonl")
+    cfg = run.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, workers=4)
+    out = str(tmp_path / "built.jsonl")
+    run.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
+    built, meta = geodef.load_bench(out, with_meta=True)
+    assert len(built) == 4 and meta.methods == ["authoritative", "statistics", "citation"]
+    assert built[-1].source_index == 1 and built[-1].docs[0]["url"] == "https://s/0"
+    for g in built:
+        for m, t in g.attacks.items():
+            assert run.validate_rewrite(g.docs[g.source_index]["text"], t) is None
+    assert "GEO-DefenseBench builder" in Script.seen[0]["messages"][0]["content"]
+    n = len(Script.seen)
+    run.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
+    assert len(Script.seen) == n                        # rerun: every rewrite from the cache
+    assert run.validate_rewrite("abc def", "abc def") == "identical to the source"
+    assert "prompt text" in run.validate_rewrite("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
+    assert "length ratio" in run.validate_rewrite("a" * 100, "b" * 10)
