@@ -239,9 +239,10 @@ def _load_ckpt(path, model, opt):
     return state
 
 
-def monitor(rr, triples, ids, s0, cfg):
+def monitor(rr, triples, ids, s0, cfg, lists=()):
     """Monitoring split metrics: preference accuracy (both preference types, strict >), mean residuals,
-    attack demotion rate (attack scored below both benign documents)."""
+    attack demotion rate (attack scored below both benign documents), and over the full candidate
+    lists (instance, base scores): the share of the base top-k's benign documents the adapter keeps."""
     acc, r_pos, r_att, r_ben, demoted = [], [], [], [], []
     rr.model.eval()
     for t in triples:
@@ -250,9 +251,16 @@ def monitor(rr, triples, ids, s0, cfg):
         acc += [float(r[0] > r[1]), float(r[2] > r[1])]
         r_pos.append(float(r[0])); r_att.append(float(r[1])); r_ben.append(float(r[2]))
         demoted.append(float(s[1] < s[0] and s[1] < s[2]))
+    overlap = []
+    for x, b in lists:
+        sh = rr.score(x.query, x.docs).tolist()
+        ob = sorted(range(len(b)), key=lambda i: (-b[i], i))[:cfg.k]
+        osh = sorted(range(len(sh)), key=lambda i: (-sh[i], i))[:cfg.k]
+        ben = [i for i in ob if i != x.attack_index]
+        overlap.append(len(set(ben) & set(osh)) / max(1, len(ben)))
     mean = lambda v: sum(v) / max(1, len(v))
     return {"pref_accuracy": mean(acc), "residual/pos": mean(r_pos), "residual/att": mean(r_att),
-            "residual/ben": mean(r_ben), "attack_demotion": mean(demoted)}
+            "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
 
 
 def train_shield(cfg, rr=None, resume=True):
@@ -280,6 +288,7 @@ def train_shield(cfg, rr=None, resume=True):
     opt_ids = {x.instance_id for x in opt_inst}
     opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
     mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
+    mon_lists = [(x, base[x.instance_id]) for x in mon_inst]
 
     torch.manual_seed(cfg.seed)   # LoRA A init and dropout masks from the seed alone
     lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
@@ -292,7 +301,7 @@ def train_shield(cfg, rr=None, resume=True):
         log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
     log_path = os.path.join(run, "train_log.jsonl")
     if state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
-        m0 = monitor(rr, mon_triples, ids, s0, cfg)
+        m0 = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
         state["history"].append({"epoch": 0, **m0})
         _append_jsonl(log_path, {"event": "monitor", "epoch": 0, "step": 0, **m0})
         log(f"[train] step 0 monitoring: {m0}")
@@ -329,10 +338,11 @@ def train_shield(cfg, rr=None, resume=True):
                     _save_ckpt(ckpt, rr.model, opt, state)
         state["epoch"] += 1
         state["pos"] = 0
-        m = monitor(rr, mon_triples, ids, s0, cfg)
+        m = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
         state["history"].append({"epoch": state["epoch"], **m})
         _append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
-        key = (m["pref_accuracy"], m["attack_demotion"], -m["residual/att"])
+        # best = most correct preferences, then most attacks demoted, then the least disturbed benign top-k
+        key = (m["pref_accuracy"], m["attack_demotion"], m["benign_topk_overlap"])
         if state["best"] is None or key > tuple(state["best"]["key"]):
             lora.save_adapter(rr.model, adapter_dir, hub_id(cfg))   # keep the best adapter by monitoring
             state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
