@@ -870,54 +870,60 @@ def build_bench(cfg, src_path, out_path, methods, n_docs=geodef.N_DOCS):
 # ----------------------------------------------------------------------------- benchmarks
 
 
+def bench_folder(args):
+    """A random real-width Qwen3 checkpoint (hidden 1024, 16/8 heads, MLP 3072, vocab 151669,
+    --layers layers), initialised and saved by transformers; made once under --out."""
+    import shutil
+    import transformers
+    folder = os.path.join(args.out, f"bench_qwen3_{args.layers}l")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        torch.manual_seed(0)
+        cfg = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
+                                       num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
+                                       head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                                       max_position_embeddings=40960)
+        transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype)).save_pretrained(folder, safe_serialization=True)
+        tok = reranker.make_tiny_checkpoint(folder + "_tok")
+        shutil.copy(os.path.join(tok, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+def best_time(fn, repeat):
+    """Seconds of the fastest of `repeat` timed calls after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def random_ids(lens, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 150000) for _ in range(L)] for L in lens]
+
+
 def bench_score(args):
     """tokens/s of our scorer vs transformers (logits_to_keep=1, sdpa, one left-padded batch) and the
     model card snippet (full logits), same random real-width weights and ids; plus the bf16 matmul rate."""
     import transformers
     dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
-                                   num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
-                                   head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                                   max_position_embeddings=40960)
-    folder = os.path.join(args.out, f"bench_qwen3_{args.layers}l")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        hf = transformers.Qwen3ForCausalLM(cfg).to(dtype)
-        hf.save_pretrained(folder, safe_serialization=True)
-        reranker.make_tiny_checkpoint(folder + "_tok")
-        import shutil
-        shutil.copy(os.path.join(folder + "_tok", "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+    folder = bench_folder(args)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
-    model, _, _ = reranker.load_qwen3(folder, dtype=dtype)
-    rng = random.Random(0)
-    work = {"mixed": [rng.randint(100, 1000) for _ in range(10)], "fixed": [args.seq] * 10}
-    w = (model.embed_tokens.weight[9693].float() - model.embed_tokens.weight[2152].float())
+    rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
+    work = {"mixed": [random.Random(1).randint(100, 1000) for _ in range(10)], "fixed": [args.seq] * 10}
     results = {}
     for name, lens in work.items():
-        ids = [[rng.randrange(1000, 150000) for _ in range(L)] for L in lens]
-        ntok = sum(lens)
+        ids = random_ids(lens)
         T = max(lens)
-        pad = torch.full((len(ids), T), 151643)
+        pad = torch.full((len(ids), T), 151643)                    # left padding, as the model card
         mask = torch.zeros((len(ids), T), dtype=torch.long)
         for i, x in enumerate(ids):
             pad[i, T - len(x):] = torch.tensor(x)
             mask[i, T - len(x):] = 1
 
-        def ours():
-            out = []
-            with torch.inference_mode():
-                order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-                budget, batch, used = 4096, [], 0
-                for i in order + [None]:
-                    if i is None or (batch and used + len(ids[i]) > budget):
-                        flat = torch.tensor([t for j in batch for t in ids[j]])
-                        out.append(model(flat, [len(ids[j]) for j in batch]).float() @ w)
-                        batch, used = [], 0
-                    if i is not None:
-                        batch.append(i); used += len(ids[i])
-            return out
-
-        def theirs():
+        def transformers_keep1():
             with torch.inference_mode():
                 return hf(input_ids=pad, attention_mask=mask, logits_to_keep=1).logits
 
@@ -925,24 +931,16 @@ def bench_score(args):
             with torch.inference_mode():
                 return hf(input_ids=pad, attention_mask=mask).logits[:, -1, :]
 
-        cands = {"ours": ours, "transformers": theirs}
+        cands = {"ours": lambda: rr.score_ids(ids), "transformers": transformers_keep1}
         if name == "fixed":
             cands["model_card_snippet"] = snippet
         for k, fn in cands.items():
-            fn()                                                      # warm-up
-            ts = []
-            for _ in range(args.repeat):
-                t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
-            results[f"{name}/{k}"] = ntok / min(ts)
+            results[f"{name}/{k}"] = sum(lens) / best_time(fn, args.repeat)
         results[f"{name}/ours_vs_transformers"] = results[f"{name}/ours"] / results[f"{name}/transformers"]
         if name == "fixed":
             results["fixed/ours_vs_snippet"] = results["fixed/ours"] / results["fixed/model_card_snippet"]
-    a = torch.randn(2048, 2048, dtype=dtype); b = torch.randn(2048, 2048, dtype=dtype)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    results["matmul_gflops"] = 10 * 2 * 2048 ** 3 / (time.perf_counter() - t0) / 1e9
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    results["matmul_gflops"] = 2 * 2048 ** 3 / best_time(lambda: a @ b, 10) / 1e9
     return results
 
 
@@ -952,35 +950,23 @@ def bench_train(args):
     import peft
     import transformers
     dtype = getattr(torch, args.dtype)
-    folder = os.path.join(args.out, f"bench_qwen3_{args.layers}l")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        bench_score(argparse.Namespace(**{**vars(args), "repeat": 1}))
-    rng = random.Random(0)
-    ids = [[rng.randrange(1000, 150000) for _ in range(args.seq)] for _ in range(3)]
+    folder = bench_folder(args)
+    ids = random_ids([args.seq] * 3)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     pm = peft.get_peft_model(hf, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(lora.TARGETS)))
-    model, _, _ = reranker.load_qwen3(folder, dtype=dtype)
-    lora.add_lora(model)
-    model.train()
-    w = (model.embed_tokens.weight[9693].float() - model.embed_tokens.weight[2152].float())
+    rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
+    lora.add_lora(rr.model)
+    rr.model.train()
     x = torch.tensor(ids)
 
-    def ours():
-        m = model(torch.tensor([t for s in ids for t in s]), [len(s) for s in ids]).float() @ w
-        m.sum().backward()
-
-    def theirs():
+    def peft_step():
         lg = pm(input_ids=x, logits_to_keep=1).logits[:, -1, :].float()
-        (lg[:, 9693] - lg[:, 2152]).sum().backward()
+        (lg[:, rr.yes_id] - lg[:, rr.no_id]).sum().backward()
 
     res = {}
-    for k, fn in {"ours": ours, "peft": theirs}.items():
-        fn()
-        ts = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
-        res[f"{k}_tok_s"] = 3 * args.seq / min(ts)
-        res[f"{k}_s_per_step"] = min(ts)
+    for k, fn in {"ours": lambda: rr.score_ids(ids, grad=True).sum().backward(), "peft": peft_step}.items():
+        t = best_time(fn, args.repeat)
+        res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * args.seq / t, t
     res["ours_vs_peft"] = res["ours_tok_s"] / res["peft_tok_s"]
     return res
 
@@ -989,26 +975,17 @@ def bench_nf4(args):
     """Frozen-base memory and scoring speed: our scorer with bf16 projections vs NF4 projections
     (dequantised on the fly), same random real-width weights and ids."""
     dtype = getattr(torch, args.dtype)
-    folder = os.path.join(args.out, f"bench_qwen3_{args.layers}l")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        bench_score(argparse.Namespace(**{**vars(args), "repeat": 1}))
-    rng = random.Random(0)
-    ids = [[rng.randrange(1000, 150000) for _ in range(args.seq)] for _ in range(10)]
-    flat, lens = torch.tensor([t for s in ids for t in s]), [len(s) for s in ids]
+    folder = bench_folder(args)
+    ids = random_ids([args.seq] * 10)
     res = {}
     for name in ("bf16", "nf4"):
-        model, _, _ = reranker.load_qwen3(folder, dtype=dtype)
+        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
         if name == "nf4":
-            lora.quantize_nf4(model)
-        proj = sum(b.numel() * b.element_size() for n, b in list(model.named_parameters()) + list(model.named_buffers())
-                   if any(t in n for t in lora.TARGETS))
-        with torch.inference_mode():
-            model(flat, lens)
-            ts = []
-            for _ in range(args.repeat):
-                t0 = time.perf_counter(); model(flat, lens); ts.append(time.perf_counter() - t0)
+            lora.quantize_nf4(rr.model)
+        proj = sum(b.numel() * b.element_size() for n, b in list(rr.model.named_parameters()) +
+                   list(rr.model.named_buffers()) if any(t in n for t in lora.TARGETS))
         res[f"{name}_projection_MiB"] = proj / 2 ** 20
-        res[f"{name}_tok_s"] = len(flat) / min(ts)
+        res[f"{name}_tok_s"] = sum(map(len, ids)) / best_time(lambda: rr.score_ids(ids), args.repeat)
     res["memory_ratio_nf4_over_bf16"] = res["nf4_projection_MiB"] / res["bf16_projection_MiB"]
     res["speed_ratio_nf4_over_bf16"] = res["nf4_tok_s"] / res["bf16_tok_s"]
     return res
