@@ -98,7 +98,7 @@ class Config:
 # objective move in minutes on a CPU (a plumbing check, not the paper's setting).
 PRESETS = {
     "paper": {},
-    "tiny-demo": {"model": "tiny", "dtype": "float32", "lr": 2e-3, "epochs": 6, "grad_accum": 4,
+    "tiny-demo": {"model": "tiny", "dtype": "float32", "lr": 1e-3, "epochs": 6, "grad_accum": 4,
                   "llm": "offline", "ppl_model": "tiny", "n_boot": 2000},
 }
 
@@ -240,14 +240,15 @@ def _load_ckpt(path, model, opt):
 
 
 def monitor(rr, triples, ids, s0, cfg, lists=()):
-    """Monitoring split metrics: preference accuracy (both preference types, strict >), mean residuals,
+    """Monitoring split metrics: Eq. 5 loss, preference accuracy (both preference types, strict >), mean residuals,
     attack demotion rate (attack scored below both benign documents), and over the full candidate
     lists (instance, base scores): the share of the base top-k's benign documents the adapter keeps."""
-    acc, r_pos, r_att, r_ben, demoted = [], [], [], [], []
+    acc, r_pos, r_att, r_ben, demoted, losses = [], [], [], [], [], []
     rr.model.eval()
     for t in triples:
         s = rr.score_ids(ids[t["instance_id"]])                                  # (3,) pos, att, ben
         r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]]))     # Eq. 2
+        losses.append(geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)[0].item())
         acc += [float(r[0] > r[1]), float(r[2] > r[1])]
         r_pos.append(float(r[0])); r_att.append(float(r[1])); r_ben.append(float(r[2]))
         demoted.append(float(s[1] < s[0] and s[1] < s[2]))
@@ -259,7 +260,7 @@ def monitor(rr, triples, ids, s0, cfg, lists=()):
         ben = [i for i in ob if i != x.attack_index]
         overlap.append(len(set(ben) & set(osh)) / max(1, len(ben)))
     mean = lambda v: sum(v) / max(1, len(v))
-    return {"pref_accuracy": mean(acc), "residual/pos": mean(r_pos), "residual/att": mean(r_att),
+    return {"loss": mean(losses), "pref_accuracy": mean(acc), "residual/pos": mean(r_pos), "residual/att": mean(r_att),
             "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
 
 
@@ -341,8 +342,8 @@ def train_shield(cfg, rr=None, resume=True):
         m = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
         state["history"].append({"epoch": state["epoch"], **m})
         _append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
-        # best = most correct preferences, then most attacks demoted, then the least disturbed benign top-k
-        key = (m["pref_accuracy"], m["attack_demotion"], m["benign_topk_overlap"])
+        # best = lowest Eq. 5 loss on the monitoring split (early stopping on held-out query groups)
+        key = (-m["loss"], m["pref_accuracy"])
         if state["best"] is None or key > tuple(state["best"]["key"]):
             lora.save_adapter(rr.model, adapter_dir, hub_id(cfg))   # keep the best adapter by monitoring
             state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
@@ -890,13 +891,21 @@ def bench_folder(args):
 
 def best_time(fn, repeat):
     """Seconds of the fastest of `repeat` timed calls after one warm-up call."""
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    return race({"fn": fn}, repeat)["fn"]
+
+
+def race(fns, repeat):
+    """Best seconds of each function, timed round-robin (one call of each per round, after a warm-up
+    round), so that a machine whose speed drifts during the run slows every contender alike."""
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
 
 
 def random_ids(lens, seed=0):
@@ -934,8 +943,8 @@ def bench_score(args):
         cands = {"ours": lambda: rr.score_ids(ids), "transformers": transformers_keep1}
         if name == "fixed":
             cands["model_card_snippet"] = snippet
-        for k, fn in cands.items():
-            results[f"{name}/{k}"] = sum(lens) / best_time(fn, args.repeat)
+        for k, t in race(cands, args.repeat).items():
+            results[f"{name}/{k}"] = sum(lens) / t
         results[f"{name}/ours_vs_transformers"] = results[f"{name}/ours"] / results[f"{name}/transformers"]
         if name == "fixed":
             results["fixed/ours_vs_snippet"] = results["fixed/ours"] / results["fixed/model_card_snippet"]
@@ -964,8 +973,8 @@ def bench_train(args):
         (lg[:, rr.yes_id] - lg[:, rr.no_id]).sum().backward()
 
     res = {}
-    for k, fn in {"ours": lambda: rr.score_ids(ids, grad=True).sum().backward(), "peft": peft_step}.items():
-        t = best_time(fn, args.repeat)
+    for k, t in race({"ours": lambda: rr.score_ids(ids, grad=True).sum().backward(), "peft": peft_step},
+                     args.repeat).items():
         res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * args.seq / t, t
     res["ours_vs_peft"] = res["ours_tok_s"] / res["peft_tok_s"]
     return res

@@ -531,7 +531,7 @@ def test_sample_is_synthetic_and_benign_side_is_hard():
     assert share("citations") > 0.1 and share("quotations") > 0.1 and share("structure") > 0.1
     assert share("statistics") > 0.1
     lens = [len(t.split()) for t in benign]
-    assert max(lens) > 400 and sum(n > 300 for n in lens) >= 20
+    assert 80 <= min(lens) and max(lens) <= 600 and sum(n > 300 for n in lens) >= 20
     # rewrites keep every sentence of their source (facts kept)
     for g in groups:
         src = [s for s in offline.sentences(g.docs[g.source_index]["text"])]
@@ -1118,3 +1118,19 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
     assert run.validate_rewrite("abc def", "abc def") == "identical to the source"
     assert "prompt text" in run.validate_rewrite("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
     assert "length ratio" in run.validate_rewrite("a" * 100, "b" * 10)
+
+
+def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
+    """A.3.2 / A.3.5: answer-only prompt, the returned reasoning_content kept as the diagnostic trace."""
+    seeds, batches = _tfsg_inputs()
+    c = llm_clients.Client(server, "scripted-reasoner", cache_dir=str(tmp_path / "c"))
+    lib = tfsg.build_library(c.chat, c.chat, seeds, batches[:1], str(tmp_path / "lib"), tfsg.standard_prompt,
+                             interface="reasoning")
+    assert tfsg.check_library(lib) == []
+    cases = json.load(open(tmp_path / "lib" / "E2.cases.json"))
+    assert all(cs["trace"]["reasoning"] for cs in cases)
+    assert any(cs["trace"]["used_rule_ids"] for cs in cases)           # rule ids read from the reasoning
+    analyzer_prompt = Script.seen[-1]["messages"][0]["content"]
+    assert analyzer_prompt.startswith("Update the external experience library after one batch of answer-generation")
+    guided = [b for b in Script.seen if '"user_question"' in b["messages"][0]["content"]]
+    assert guided and all('"decision_labels"' not in b["messages"][0]["content"] for b in guided)

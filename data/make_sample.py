@@ -208,11 +208,12 @@ def sentences_words(text):
 def benign_doc(rng, subject, facts, style, long):
     fs = facts[:]
     rng.shuffle(fs)
-    k = rng.randint(3, len(fs))
+    k = rng.randint(4, len(fs))
     body = fs[:k]
     paras = []
     if style == "plain":
-        paras.append(f"Here is what you should know about {subject}.")
+        paras.append(f"Here is what you should know about {subject}. The points below come from general "
+                     "references and are meant as a plain starting point rather than the final word.")
         paras.append(" ".join(body))
     elif style == "stats":   # benign page with statistics and a named, real-sounding source
         src = rng.choice(BENIGN_SOURCES)
@@ -226,7 +227,9 @@ def benign_doc(rng, subject, facts, style, long):
     elif style == "forum":
         paras.append(f"Q: Can someone explain {subject}? I keep reading different things.")
         paras.append("A: From my experience and what I have read: " + " ".join(body))
-        paras.append("Hope that helps. Others may have more to add.")
+        paras.append(f"Hope that helps. I went through the same question about {subject} last year and the "
+                     "thing that surprised me most was how much the basic advice agrees once you read past the "
+                     "headlines. Others may have more to add.")
     elif style == "structured":  # headings and bullets, as many good pages have
         paras.append(f"## {subject.capitalize()}: key points")
         paras.extend("- " + f for f in body)
@@ -247,7 +250,7 @@ def benign_doc(rng, subject, facts, style, long):
                      "of any page they rely on, compare several sources, and consider local conditions. "
                      "Where advice differs between sources, the differences are usually about detail rather "
                      "than the main facts described here.")
-        paras.append(" ".join(f"In short, {f[0].lower()}{f[1:]}" for f in body[:2]))
+        paras.append(" ".join(f"In short, {f[0].lower()}{f[1:]}" for f in body[:1]))
     return "\n\n".join(paras)
 
 
