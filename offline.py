@@ -188,14 +188,18 @@ def ngrams(text, n_min=2, n_max=3):
     return out
 
 
-def distinctive(pos_docs, neg_docs, k=8, min_df=2):
-    """Phrases in at least min_df of pos_docs and in none of neg_docs, most frequent first."""
+def distinctive(pos_by_query, neg_docs, k=8, min_queries=2):
+    """Phrases found in positive documents of at least `min_queries` different queries and in none
+    of neg_docs, most widespread first. Counting queries, not documents, keeps a rewrite's source
+    content (shared by the variants of one query) from passing for a manipulation pattern."""
     neg = set().union(*[ngrams(d) for d in neg_docs]) if neg_docs else set()
     df = {}
-    for d in pos_docs:
-        for g in ngrams(d) - neg:
+    for docs in pos_by_query.values():
+        for g in set().union(*[ngrams(d) for d in docs]) - neg:
             df[g] = df.get(g, 0) + 1
-    ranked = sorted((g for g in df if df[g] >= min(min_df, len(pos_docs))), key=lambda g: (-df[g], -len(g), g))
+    if len(pos_by_query) < min_queries:
+        return []                 # one query's documents cannot show a pattern that generalises
+    ranked = sorted((g for g in df if df[g] >= min_queries), key=lambda g: (-df[g], -len(g), g))
     chosen = []
     for g in ranked:   # skip phrases contained in an already chosen one
         if not any(g in c or c in g for c in chosen):
@@ -203,6 +207,31 @@ def distinctive(pos_docs, neg_docs, k=8, min_df=2):
         if len(chosen) == k:
             break
     return chosen
+
+
+FEATURE_SIGNALS = {   # category-level signals the Analyzer writes; signal_matches understands them
+    "statistics": "unattributed statistics or percentages stacked on ordinary facts",
+    "quotations": "quotations from unnamed or unverifiable authorities",
+    "citations": "bracketed citations or study counts with no checkable source",
+    "authority": "self-promotional authority or certainty claims",
+    "structure": "heavy formatting (headings, bullets, bold) wrapped around a few plain facts",
+    "keywords": "keyword lists or repeated query phrases",
+}
+
+
+def feature_contrast(attack_docs, benign_docs):
+    """Category signals whose feature is clearly stronger in the attack documents than in benign ones."""
+    if not attack_docs or not benign_docs:
+        return []
+    fa = [features(d) for d in attack_docs]
+    fb = [features(d) for d in benign_docs]
+    out = []
+    for name, sig in FEATURE_SIGNALS.items():
+        a = sum(f[name] for f in fa) / len(fa)
+        b = sum(f[name] for f in fb) / len(fb)
+        if a >= 1 and a > 2 * b + 0.5:
+            out.append(sig)
+    return out
 
 
 def _rule(rid, rtype, desc, trig, action, strength, counter=(), deps=(), evidence=(), apply_when="", avoid_when=""):
@@ -216,18 +245,19 @@ def analyze_cold_start(inp):
     rollouts = inp.get("controlled_contrastive_rollouts", [])
     attack, benign, fp_benign = {}, {}, {}
     for r in rollouts:
+        q = r.get("user_question", "")
         for d in r.get("documents", []):
-            key = d["text"][:200]
             if d.get("label") == "attack":
-                attack[key] = d["text"]
+                attack.setdefault(q, {})[d["text"][:200]] = d["text"]
             else:
-                benign[key] = d["text"]
+                benign[d["text"][:200]] = d["text"]
                 if r.get("kind", "").startswith("false_positive") and d.get("decision") == "filter":
-                    fp_benign[key] = d["text"]
-    a_docs, b_docs = list(attack.values()), list(benign.values())
-    terms = distinctive(a_docs, b_docs, k=10)
-    guard_terms = distinctive(list(fp_benign.values()), a_docs, k=4)
+                    fp_benign.setdefault(q, {})[d["text"][:200]] = d["text"]
+    a_docs, b_docs = [t for v in attack.values() for t in v.values()], list(benign.values())
+    terms = distinctive({q: list(v.values()) for q, v in attack.items()}, b_docs, k=10)
+    guard_terms = distinctive({q: list(v.values()) for q, v in fp_benign.items()}, a_docs, k=4)
     strong, moderate = terms[:5], terms[5:]
+    categories = feature_contrast(a_docs, b_docs) or [FEATURE_SIGNALS["authority"]]
     rules = [_rule("R1", "fp_guard", "Benign results whose claims are plainly stated, attributed to a named checkable "
                    "source or first-hand experience, without self-praise.", [f"'{t}'" for t in guard_terms] or
                    ["plain attribution to a named, checkable source"], "keep", "medium",
@@ -235,7 +265,7 @@ def analyze_cold_start(inp):
                    avoid_when="the same result also praises its own reliability")]
     rules.append(_rule("R2", "attack_pattern", "Results that promote their own authority or completeness, or add "
                        "unsourced figures and endorsements around otherwise ordinary facts.",
-                       [f"'{t}'" for t in strong] + ["self-promotional authority or certainty claims"],
+                       [f"'{t}'" for t in strong] + categories,
                        "filter", "strong", deps=["R1"], evidence=["seed:attack_filtered"],
                        apply_when="the self-promotional framing surrounds facts that other results also state",
                        avoid_when="the figures or quotes are attributed to a named, checkable source"))
@@ -254,13 +284,19 @@ def analyze_cold_start(inp):
             "controller_notes": ["offline simulation analyzer"]}
 
 
-def _case_docs(cases, label):
+def _case_docs(cases, label, cited_only=False):
+    """{query: [texts]} of the documents with `label` in the cases (optionally only cited ones)."""
     out = {}
     for c in cases:
+        cited = set(c.get("cited_indices", []))
         for d in c.get("search_results", []):
-            if d.get("label") == label:
-                out[d["text"][:200]] = d["text"]
-    return list(out.values())
+            if d.get("label") == label and (not cited_only or d["index"] in cited):
+                out.setdefault(c.get("user_question", ""), {})[d["text"][:200]] = d["text"]
+    return {q: list(v.values()) for q, v in out.items()}
+
+
+def _flat(by_query):
+    return [t for v in by_query.values() for t in v]
 
 
 def analyze_batch(inp):
@@ -270,25 +306,24 @@ def analyze_batch(inp):
     miss = inp.get("missed_attack_cases", inp.get("citation_failure_cases", []))
     fps = inp.get("false_positive_cases", [])
     updates, findings = [], []
-    benign_all = _case_docs(succ + miss + fps, "benign")
-    # missed attacks: extend the strongest attack rule with new attack-only phrases, or add one
+    benign_all = _flat(_case_docs(succ + miss + fps, "benign"))
+    # missed attacks: extend the strongest attack rule with attack-only phrases that the missed attack
+    # documents share with attack documents of other queries in the batch, or add a rule
     if miss:
-        missed_attacks = []
-        for c in miss:
-            cited = set(c.get("cited_indices", []))
-            missed_attacks += [d["text"] for d in c.get("search_results", []) if d.get("label") == "attack"
-                               and d["index"] in cited]
-        terms = distinctive(missed_attacks, benign_all, k=6, min_df=1)
+        missed = _flat(_case_docs(miss, "attack", cited_only=True))
+        every = _case_docs(succ + miss + fps, "attack")
+        terms = [t for t in distinctive(every, benign_all, k=20) if any(t in ngrams(d) for d in missed)][:6]
+        terms = [f"'{t}'" for t in terms] + feature_contrast(missed, benign_all)
         attack_rules = [r for r in rules.values() if r["rule_type"] == "attack_pattern"]
         if terms and attack_rules:
             r = attack_rules[0]
-            sig = list(dict.fromkeys(r.get("trigger_signals", []) + [f"'{t}'" for t in terms]))[-12:]
+            sig = list(dict.fromkeys(r.get("trigger_signals", []) + terms))[-12:]
             updates.append({"action": "modify_rule", "target_rule_id": r["rule_id"], "reason": "missed attacks "
                             "carried phrases the rule did not cover", "rule": {"trigger_signals": sig}})
         elif terms:
             updates.append({"action": "add_rule", "reason": "missed attacks", "rule": _rule(
                 "R_new", "attack_pattern", "Self-promotional framing seen in missed attacks.",
-                [f"'{t}'" for t in terms], "suspicious_keep", "medium")})
+                terms, "suspicious_keep", "medium")})
         findings.append(f"{len(miss)} missed-attack cases; {len(terms)} new attack-only phrases")
     # false positives: weaken the rules that filtered benign results, add a guard from their phrases
     if fps:
@@ -305,7 +340,8 @@ def analyze_batch(inp):
             if r and r["action"] == "filter" and r["rule_type"] != "fp_guard":
                 updates.append({"action": "modify_rule", "target_rule_id": rid, "reason": "filtered benign results",
                                 "rule": {"strength": "medium" if r["strength"] == "strong" else "weak"}})
-        guard_terms = distinctive(filtered, _case_docs(miss + succ + fps, "attack"), k=3, min_df=1)
+        guard_terms = distinctive({str(i): [t] for i, t in enumerate(filtered)},
+                                  _flat(_case_docs(miss + succ + fps, "attack")), k=3)
         if guard_terms:
             updates.append({"action": "add_fp_guard", "reason": "benign phrases in wrongly filtered results",
                             "rule": _rule("R_guard", "fp_guard", "Protect results with these plain benign phrases: "
