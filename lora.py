@@ -6,8 +6,13 @@ Init, scaling, dropout placement and file format follow PEFT (reference/ecosyste
 and vLLM load our adapter unchanged and we load theirs. Paper Table A.1: r 16, alpha 32, dropout
 0.05 on q/k/v/o and gate/up/down projections; everything else frozen; 4-bit base ("--quant nf4").
 
-Deviations from PEFT: none in the math. NF4 (QLoRA, bitsandbytes' code table, blocks of 64, float32
-absmax, no double quantisation) is dequantised on the fly in pure PyTorch: it saves memory, not time.
+Deviations from PEFT:
+- the LoRA product is computed in the activation dtype (bf16 over a bf16 base; PEFT casts the input
+  to the adapter's float32); the parameters and their gradients stay float32. Identical in fp32.
+- LoRA layers that read the same input tensor (q/k/v; gate/up) share one dropout mask; PEFT draws
+  one per module. Each layer's input is still dropped with probability `dropout`.
+- NF4 (QLoRA: bitsandbytes' code table, blocks of 64, float32 absmax, no double quantisation) is
+  dequantised on the fly in pure PyTorch: it saves memory, not time.
 
 Usage: add_lora(model); ...train...; save_adapter(model, "runs/x/adapter", "Qwen/Qwen3-Reranker-0.6B")
 """
