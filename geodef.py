@@ -82,7 +82,6 @@ def _need(obj, key, typ, path, line, prefix=""):
 def load_bench(path, n_docs=N_DOCS, with_meta=False):
     """Read and validate a GEO-DefenseBench JSONL file -> list[QueryGroup] (and BenchMeta)."""
     groups, meta, seen_ids = [], BenchMeta(), {}
-    doc_split, query_split = {}, {}
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     for n, raw in enumerate(lines, 1):

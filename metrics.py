@@ -12,8 +12,6 @@ as hallucinated by the caller, never silently dropped.
 Usage: cited_indices("A [1][3]. B [2-3].") -> [1, 3, 2]; lo, hi = cluster_bootstrap_ci(v, groups)
 """
 import hashlib
-import json
-import math
 import re
 
 import numpy as np

@@ -18,7 +18,6 @@ Shapes: N packed tokens of S sequences, C hidden, H query heads, K kv heads, E h
 Usage: rr = Reranker.from_pretrained("Qwen/Qwen3-Reranker-0.6B"); rr.rank(query, docs, k=5)
 """
 import json
-import math
 import os
 from dataclasses import dataclass, fields
 

@@ -9,6 +9,7 @@ reuses what a finished step left there and resumes an interrupted one.
   python run.py eval --name gpt55
 """
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -18,7 +19,7 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -406,8 +407,9 @@ class Ranker:
     """Top-k by a reranker, scoring each distinct (query, document) once: the nine benign documents
     are shared by a group's seven attack variants and its clean list. Margins cached on disk."""
 
-    def __init__(self, rr, path, label):
+    def __init__(self, rr, path, label, adapter_off=False):
         self.rr, self.path, self.label = rr, path, label
+        self.adapter_off = adapter_off      # the frozen base policy from a model that carries the adapter
         self.cache = read_json(path, {})
 
     def prepare(self, instances):
@@ -420,6 +422,11 @@ class Ranker:
                     todo.setdefault(x.query, {})[k] = d
         items = [(q, k, d) for q, kd in todo.items() for k, d in kd.items()]
         bar = tqdm(total=len(items), desc=f"rerank ({self.label})", file=sys.stderr, disable=not items)
+        with (lora.lora_disabled(self.rr.model) if self.adapter_off else contextlib.nullcontext()):
+            self._score(todo, bar)
+        bar.close()
+
+    def _score(self, todo, bar):
         for q, kd in todo.items():
             keys = list(kd)
             for i in range(0, len(keys), 16):
@@ -428,7 +435,6 @@ class Ranker:
                     self.cache[k] = float(v)
                 bar.update(len(chunk))
             write_json(self.path, self.cache)
-        bar.close()
 
     def scores(self, x):
         return [self.cache[_doc_key(x.query, d)] for d in x.docs]
@@ -436,6 +442,15 @@ class Ranker:
     def order(self, x):
         s = self.scores(x)
         return sorted(range(len(s)), key=lambda i: (-s[i], i))
+
+
+def rankers(cfg, shield):
+    """(base, shield or None) Rankers over ONE loaded model: with the trained adapter attached, the
+    base scores come from the same weights with the adapter disabled (pi_0)."""
+    rr = load_shield(cfg) if shield else load_reranker(cfg)
+    base = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=shield)
+    sh = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_shield.json"), "shield") if shield else None
+    return base, sh
 
 
 def labels_of(x, idx):
@@ -446,21 +461,15 @@ def labels_of(x, idx):
 
 
 def clean_reference_benign(cfg, llm, base, groups):
-    """b_clean per group: benign documents cited by the clean reference (B.1.3), computed once."""
-    import metrics
+    """b_clean per group: benign documents cited by the clean reference (B.1.3), computed once and
+    kept in results/clean_reference_construction.jsonl."""
     import tfsg
-    out = {}
     insts = [geodef.clean_instance(g) for g in groups]
     base.prepare(insts)
-    reqs = [{"messages": [{"role": "user", "content": tfsg.standard_prompt(x.query, [x.docs[i] for i in base.order(x)[:cfg.k]])}],
-             "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "json": True} for x in insts]
-    replies = llm.map(reqs, workers=cfg.workers, desc="clean reference")
-    for x, r in zip(insts, replies):
-        ans = r.data.get("answer", "") if isinstance(r.data, dict) else r.text
-        top = base.order(x)[:cfg.k]
-        out[x.group_id] = {"answer": ans, "top": [x.doc_ids[i] for i in top],
-                           "benign_cited": len([i for i in metrics.cited_indices(ans) if 1 <= i <= len(top)])}
-    return out
+    recs = eval_condition(cfg, llm, "clean reference (construction)", insts, lambda x: base.order(x)[:cfg.k],
+                          lambda x, d: tfsg.standard_prompt(x.query, d),
+                          os.path.join(cfg.run_dir, "results", "clean_reference_construction.jsonl"))
+    return {r["group_id"]: r for r in recs}
 
 
 def train_tfsg(cfg):
@@ -473,12 +482,8 @@ def train_tfsg(cfg):
     groups, meta, cons, test, seen, methods = load_data(cfg)
     inst = geodef.expand(cons, seen)
     seeds, batches = geodef.construction_schedule(inst, cfg.n_seed_cases, cfg.batch_size, cfg.n_batches, cfg.seed)
-    base_rr = load_reranker(cfg)
-    base = Ranker(base_rr, os.path.join(run, "cache", "scores_base.json"), "base")
-    ranker = base
-    if cfg.shield:
-        shield_rr = load_shield(cfg)
-        ranker = Ranker(shield_rr, os.path.join(run, "cache", "scores_shield.json"), "shield")
+    base, shield = rankers(cfg, cfg.shield)
+    ranker = shield or base
     ranker.prepare(inst)
     target = make_llm(cfg)
     analyzer = make_llm(cfg, cfg.analyzer) if cfg.analyzer else target
@@ -557,11 +562,12 @@ def _answer(reply):
         else (reply.text or "")
 
 
-def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, clean, path):
+def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
     appended as it finishes, so an interrupted run resumes with the instances it lacks."""
     import metrics
     done = {}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -618,7 +624,6 @@ def summarize(recs, clean):
 def evaluate(cfg):
     """All conditions of Table 1/2 on the test split, the clean reference, pairwise quality, method,
     epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg."""
-    import metrics
     import report
     import tfsg
     run = cfg.run_dir
@@ -635,18 +640,16 @@ def evaluate(cfg):
     if needs_lib and not os.path.isfile(final):
         raise FileNotFoundError(f"{final}: no TFSG library; run `python run.py train --name {cfg.name}` first")
     lib = tfsg.ExperienceLibrary.from_dict(read_json(final)) if needs_lib else None
-    base = Ranker(load_reranker(cfg), os.path.join(run, "cache", "scores_base.json"), "base")
+    base, shield = rankers(cfg, any(c in ("GEO Defender", "Shield only") for c in conds))
     base.prepare(insts + cleans)
-    shield = None
-    if any(c in ("GEO Defender", "Shield only") for c in conds):
-        shield = Ranker(load_shield(cfg), os.path.join(run, "cache", "scores_shield.json"), "shield")
+    if shield:
         shield.prepare(insts)
     llm = make_llm(cfg)
     res = os.path.join(run, "results")
     os.makedirs(res, exist_ok=True)
     # clean reference (B.1.3): once per group, reused by its attack variants
     clean_recs = eval_condition(cfg, llm, "clean reference", cleans, lambda x: base.order(x)[:cfg.k],
-                                lambda x, d: tfsg.standard_prompt(x.query, d), None,
+                                lambda x, d: tfsg.standard_prompt(x.query, d),
                                 os.path.join(res, "clean_reference.jsonl"))
     clean = {r["group_id"]: r for r in clean_recs}
     k = cfg.k
@@ -664,7 +667,7 @@ def evaluate(cfg):
     results = {}
     for c in conds:
         slug = c.lower().replace(" ", "_").replace("-", "_")
-        results[c] = eval_condition(cfg, llm, c, insts, plan[c][0], plan[c][1], clean, os.path.join(res, f"{slug}.jsonl"))
+        results[c] = eval_condition(cfg, llm, c, insts, plan[c][0], plan[c][1], os.path.join(res, f"{slug}.jsonl"))
     summary = {"offline": cfg.offline, "target_llm": llm.label, "model": hub_id(cfg),
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
@@ -684,7 +687,7 @@ def evaluate(cfg):
             lt = tfsg.ExperienceLibrary.from_dict(read_json(p))
             recs = results["GEO Defender"] if t == cfg.n_batches + 1 else eval_condition(
                 cfg, llm, f"GEO Defender E{t}", insts, topk["shield"], lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
-                clean, os.path.join(res, f"geo_defender_E{t}.jsonl"))
+                os.path.join(res, f"geo_defender_E{t}.jsonl"))
             epochs[f"E{t}"] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI", "BER")}
         summary["epochs"] = epochs
     # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
@@ -696,7 +699,7 @@ def evaluate(cfg):
                 raise FileNotFoundError(f"--transfer: {path}: no library file")
             lt = tfsg.ExperienceLibrary.from_dict(read_json(path))
             recs = eval_condition(cfg, llm, f"GEO Defender [{name}]", insts, topk["shield"],
-                                  lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), clean,
+                                  lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
                                   os.path.join(res, f"transfer_{name}.jsonl"))
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
     summary["usage"] = llm.usage()

@@ -32,7 +32,6 @@ import copy
 import json
 import math
 import os
-import random
 import re
 from dataclasses import dataclass, field
 
