@@ -956,6 +956,43 @@ def bench_score(args):
     return results
 
 
+def _peak_rss_child(kind, folder, lens, dtype_name, q):
+    """Runs one contender once in a fresh process and reports its peak resident memory (MiB)."""
+    import resource
+    dtype = getattr(torch, dtype_name)
+    ids = random_ids(lens)
+    if kind == "ours":
+        reranker.Reranker.from_pretrained(folder, dtype=dtype).score_ids(ids)
+    else:
+        import transformers
+        hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+        T = max(lens)
+        pad, mask = torch.full((len(ids), T), 151643), torch.zeros((len(ids), T), dtype=torch.long)
+        for i, x in enumerate(ids):
+            pad[i, T - len(x):], mask[i, T - len(x):] = torch.tensor(x), 1
+        with torch.inference_mode():
+            hf(input_ids=pad, attention_mask=mask, logits_to_keep=1)
+    q.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def bench_memory(args):
+    """Peak resident memory of one scoring call (weights included), ours vs transformers, each in a
+    fresh process, on the mixed and fixed workloads of `bench --what score`."""
+    import multiprocessing as mp
+    folder = bench_folder(args)
+    ctx = mp.get_context("spawn")
+    res = {}
+    for name, lens in {"mixed": [random.Random(1).randint(100, 1000) for _ in range(10)], "fixed": [args.seq] * 10}.items():
+        for kind in ("ours", "transformers"):
+            q = ctx.Queue()
+            p = ctx.Process(target=_peak_rss_child, args=(kind, folder, lens, args.dtype, q))
+            p.start()
+            res[f"{name}/{kind}_peak_MiB"] = q.get()
+            p.join()
+        res[f"{name}/ours_over_transformers"] = res[f"{name}/ours_peak_MiB"] / res[f"{name}/transformers_peak_MiB"]
+    return res
+
+
 def bench_train(args):
     """One micro-step (3 documents x seq tokens, forward+backward through LoRA on all 7 projections)
     at real width: ours vs transformers + peft on the same weights and ids."""
@@ -1134,7 +1171,7 @@ def main(argv=None):
     for p in (tr, ev, de):
         add_config_flags(p)
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
-    be.add_argument("--what", choices=["score", "train", "llm", "nf4"], required=True, help="which benchmark")
+    be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4"], required=True, help="which benchmark")
     be.add_argument("--layers", type=int, default=28, help="decoder layers at real width")
     be.add_argument("--dtype", default="bfloat16", help="dtype of the weights")
     be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
@@ -1172,7 +1209,8 @@ def main(argv=None):
         print(path)
         return path
     if args.cmd == "bench":
-        fn = {"score": bench_score, "train": bench_train, "llm": bench_llm, "nf4": bench_nf4}[args.what]
+        fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
+              "nf4": bench_nf4}[args.what]
         res = fn(args)
         print(json.dumps(res, indent=1))
         return res
