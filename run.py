@@ -911,6 +911,12 @@ def race(fns, repeat):
     return best
 
 
+def mixed_lengths(n=10, seed=1):
+    """The mixed workload: n document lengths drawn uniformly from 100..1000 tokens."""
+    rng = random.Random(seed)
+    return [rng.randint(100, 1000) for _ in range(n)]
+
+
 def random_ids(lens, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(1000, 150000) for _ in range(L)] for L in lens]
@@ -924,7 +930,7 @@ def bench_score(args):
     folder = bench_folder(args)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
     rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
-    work = {"mixed": [random.Random(1).randint(100, 1000) for _ in range(10)], "fixed": [args.seq] * 10}
+    work = {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}
     results = {}
     for name, lens in work.items():
         ids = random_ids(lens)
@@ -982,7 +988,7 @@ def bench_memory(args):
     folder = bench_folder(args)
     ctx = mp.get_context("spawn")
     res = {}
-    for name, lens in {"mixed": [random.Random(1).randint(100, 1000) for _ in range(10)], "fixed": [args.seq] * 10}.items():
+    for name, lens in {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}.items():
         for kind in ("ours", "transformers"):
             q = ctx.Queue()
             p = ctx.Process(target=_peak_rss_child, args=(kind, folder, lens, args.dtype, q))
