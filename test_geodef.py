@@ -926,7 +926,6 @@ def test_gpt2_parity_with_transformers(tmp_path):
     assert len(tok) > 64
     nll = 0.0
     for pos in range(1, len(tok)):
-        lo = max(0, (pos // 32) * 32 - 32) if pos >= 64 else 0
         lo = 0 if pos < 64 else ((pos - 64) // 32 + 1) * 32
         with torch.no_grad():
             lp = torch.log_softmax(ours(torch.tensor([tok[lo:pos + 1]]))[0, -2], -1)
