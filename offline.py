@@ -449,9 +449,7 @@ def respond(body):
     user = [m for m in msgs if m.get("role") == "user"]
     if not user:
         raise ValueError("offline engine: no user message")
-    prompt = user[0]["content"]
-    if len(user) > 1:        # a JSON re-ask: the engine's JSON is always valid, so answer the original
-        prompt = user[0]["content"]
+    prompt = user[0]["content"]   # a JSON re-ask repeats it: the engine's JSON is always valid
     text, reasoning = complete(prompt)
     msg = {"role": "assistant", "content": text}
     if reasoning:

@@ -185,20 +185,6 @@ def load_data(cfg):
     return groups, meta, cons, test, seen, methods
 
 
-def cached_scores(rr, path, items, desc):
-    """items: list of (key, query, docs). Margins cached in a JSON file keyed by `key`."""
-    from tqdm import tqdm
-    cache = read_json(path, {})
-    todo = [it for it in items if it[0] not in cache]
-    for i, (key, q, docs) in enumerate(tqdm(todo, desc=desc, disable=not todo, file=sys.stderr)):
-        cache[key] = [float(v) for v in rr.score(q, docs)]
-        if i % 16 == 15:
-            write_json(path, cache)
-    if todo:
-        write_json(path, cache)
-    return cache
-
-
 # ----------------------------------------------------------------------------- Shield training
 
 
@@ -253,13 +239,7 @@ def monitor(rr, triples, ids, s0, cfg, lists=()):
         acc += [float(r[0] > r[1]), float(r[2] > r[1])]
         r_pos.append(float(r[0])); r_att.append(float(r[1])); r_ben.append(float(r[2]))
         demoted.append(float(s[1] < s[0] and s[1] < s[2]))
-    overlap = []
-    for x, b in lists:
-        sh = rr.score(x.query, x.docs).tolist()
-        ob = sorted(range(len(b)), key=lambda i: (-b[i], i))[:cfg.k]
-        osh = sorted(range(len(sh)), key=lambda i: (-sh[i], i))[:cfg.k]
-        ben = [i for i in ob if i != x.attack_index]
-        overlap.append(len(set(ben) & set(osh)) / max(1, len(ben)))
+    overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x.attack_index, cfg.k) for x, b in lists]
     mean = lambda v: sum(v) / max(1, len(v))
     return {"loss": mean(losses), "pref_accuracy": mean(acc), "residual/pos": mean(r_pos), "residual/att": mean(r_att),
             "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
@@ -277,20 +257,20 @@ def train_shield(cfg, rr=None, resume=True):
     groups, meta, cons, test, seen, methods = load_data(cfg)
     inst = geodef.expand(cons, seen)
     opt_inst, mon_inst = geodef.monitoring_split(inst, cfg.monitor_frac, cfg.seed)
-    # Frozen base scores s_0, once, without gradient (TRL precompute_ref_log_probs): the full
-    # attack-injected list (to pick d_b) and the clean source document d+.
-    base = cached_scores(rr, os.path.join(run, "cache", "base_scores_construction.json"),
-                         [(x.instance_id, x.query, x.docs) for x in inst], "base scores")
-    triples = geodef.preference_triples(cons, inst, base.get)
-    pos = cached_scores(rr, os.path.join(run, "cache", "base_scores_source.json"),
-                        [(t["instance_id"], t["query"], [t["pos"]]) for t in triples], "base scores d+")
-    s0 = {t["instance_id"]: [pos[t["instance_id"]][0], base[t["instance_id"]][t["att_index"]],
-                             base[t["instance_id"]][t["ben_index"]]] for t in triples}
+    # Frozen base scores s_0, once, without gradient (TRL precompute_ref_log_probs): every distinct
+    # document of the attack-injected lists (to pick d_b) and of the clean lists (d+), cached in the
+    # same file the evaluation reads.
+    base = Ranker(rr, os.path.join(run, "cache", "scores_base.json"), "base")
+    base.prepare(inst + [geodef.clean_instance(g) for g in cons])
+    scores = {x.instance_id: base.scores(x) for x in inst}
+    triples = geodef.preference_triples(cons, inst, scores.get)
+    s0 = {t["instance_id"]: [base.cache[_doc_key(t["query"], t["pos"])], scores[t["instance_id"]][t["att_index"]],
+                             scores[t["instance_id"]][t["ben_index"]]] for t in triples}
     ids = {t["instance_id"]: rr.tokenize(t["query"], [t["pos"], t["att"], t["ben"]]) for t in triples}
     opt_ids = {x.instance_id for x in opt_inst}
     opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
     mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
-    mon_lists = [(x, base[x.instance_id]) for x in mon_inst]
+    mon_lists = [(x, scores[x.instance_id]) for x in mon_inst]
 
     torch.manual_seed(cfg.seed)   # LoRA A init and dropout masks from the seed alone
     lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
@@ -360,13 +340,23 @@ def train_shield(cfg, rr=None, resume=True):
     log(f"[train] test groups, base -> shield: {test_stats}")
 
 
+def order_of(scores):
+    """Candidate indices, best score first (ties keep input order)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+
+
+def benign_kept(base_scores, new_scores, attack_index, k):
+    """Share of the base top-k's benign documents that are still in the new top-k."""
+    ben = [i for i in order_of(base_scores)[:k] if i != attack_index]
+    return len(set(ben) & set(order_of(new_scores)[:k])) / max(1, len(ben))
+
+
 def shield_test_stats(cfg, rr, insts):
     """On the test instances: where the attack document ranks under the base scorer (LoRA disabled)
     and under the Shield scorer, and how much of the base top-k's benign evidence the Shield keeps."""
-    with lora.lora_disabled(rr.model):
-        base = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base")
-        base.prepare(insts)
-    shield = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_shield.json"), "shield")
+    base, shield = (Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=True),
+                    Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_shield.json"), "shield"))
+    base.prepare(insts)
     shield.prepare(insts)
     rank_b, rank_s, in_b, in_s, overlap = [], [], 0, 0, []
     for x in insts:
@@ -375,8 +365,7 @@ def shield_test_stats(cfg, rr, insts):
         rank_s.append(os_.index(x.attack_index) + 1)
         in_b += x.attack_index in ob[:cfg.k]
         in_s += x.attack_index in os_[:cfg.k]
-        ben = [i for i in ob[:cfg.k] if i != x.attack_index]
-        overlap.append(len(set(ben) & set(os_[:cfg.k])) / max(1, len(ben)))
+        overlap.append(benign_kept(base.scores(x), shield.scores(x), x.attack_index, cfg.k))
     n = max(1, len(insts))
     return {"instances": len(insts), "attack_mean_rank_base": sum(rank_b) / n, "attack_mean_rank_shield": sum(rank_s) / n,
             "attack_in_topk_base": 100.0 * in_b / n, "attack_in_topk_shield": 100.0 * in_s / n,
@@ -440,8 +429,7 @@ class Ranker:
         return [self.cache[_doc_key(x.query, d)] for d in x.docs]
 
     def order(self, x):
-        s = self.scores(x)
-        return sorted(range(len(s)), key=lambda i: (-s[i], i))
+        return order_of(self.scores(x))
 
 
 def rankers(cfg, shield):

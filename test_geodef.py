@@ -248,36 +248,27 @@ def test_real_vocab_ids_and_prompt(qwen_vocab, tiny_dir, tmp_path):
 def test_loader_errors(tmp_path, tiny_dir):
     from safetensors.torch import load_file, save_file
 
-    def clone(name):
+    def broken(name, edit):
+        """A copy of the tiny checkpoint whose tensors `edit` changes in place."""
         d = tmp_path / name
         shutil.copytree(tiny_dir, d)
-        return d
+        st = load_file(d / "model.safetensors")
+        edit(st)
+        save_file(st, d / "model.safetensors")
+        return str(d)
 
-    d = clone("missing")
-    st = load_file(d / "model.safetensors")
-    st.pop("model.layers.0.mlp.up_proj.weight")
-    save_file(st, d / "model.safetensors")
-    with pytest.raises(reranker.CheckpointError, match="missing keys: model.layers.0.mlp.up_proj.weight"):
-        reranker.Reranker.from_pretrained(str(d))
-    d = clone("shape")
-    st = load_file(d / "model.safetensors")
-    st["model.norm.weight"] = torch.ones(7)
-    save_file(st, d / "model.safetensors")
-    with pytest.raises(reranker.CheckpointError, match=r"model.norm.weight: shape \(7,\)"):
-        reranker.Reranker.from_pretrained(str(d))
-    d = clone("dtype")
-    st = load_file(d / "model.safetensors")
-    st["model.norm.weight"] = st["model.norm.weight"].to(torch.int32)
-    save_file(st, d / "model.safetensors")
-    with pytest.raises(reranker.CheckpointError, match="model.norm.weight: unsupported dtype I32"):
-        reranker.Reranker.from_pretrained(str(d))
-    d = clone("extra")
-    st = load_file(d / "model.safetensors")
-    st["model.bogus.weight"] = torch.ones(3)
-    save_file(st, d / "model.safetensors")
-    with pytest.raises(reranker.CheckpointError, match="model.bogus.weight: unexpected key"):
-        reranker.Reranker.from_pretrained(str(d))
-    d = clone("notok")
+    cases = [
+        ("missing", lambda st: st.pop("model.layers.0.mlp.up_proj.weight"), "missing keys: model.layers.0.mlp.up_proj.weight"),
+        ("shape", lambda st: st.update({"model.norm.weight": torch.ones(7)}), r"model.norm.weight: shape \(7,\)"),
+        ("dtype", lambda st: st.update({"model.norm.weight": st["model.norm.weight"].to(torch.int32)}),
+         "model.norm.weight: unsupported dtype I32"),
+        ("extra", lambda st: st.update({"model.bogus.weight": torch.ones(3)}), "model.bogus.weight: unexpected key"),
+    ]
+    for name, edit, msg in cases:
+        with pytest.raises(reranker.CheckpointError, match=msg):
+            reranker.Reranker.from_pretrained(broken(name, edit))
+    d = tmp_path / "notok"
+    shutil.copytree(tiny_dir, d)
     os.remove(d / "tokenizer.json")
     with pytest.raises(reranker.CheckpointError, match="tokenizer.json: missing"):
         reranker.Reranker.from_pretrained(str(d))
@@ -853,6 +844,12 @@ def test_cited_indices_edge_cases():
     assert metrics.cited_indices("no citations") == [] and metrics.cited_indices(None) == []
     assert metrics.cited_indices("[5-2] [1-500]") == []
     assert metrics.map_citations("a [1][6][2]", ["d1", "d2", "d3", "d4", "d5"]) == (["d1", "d2"], [6])
+
+
+def test_tfsg_citation_parser_agrees_with_metrics():
+    for a in ("A [1]. B [1][2]. C [2, 3]. D [4-6]. E [3].", "x [2–3] y [ 7 ] [a] [1a] [10]", "[5-2] [1-500]",
+              "a [1][6][2]", "none", "[3; 1]"):
+        assert tfsg.cited(a, 5) == [i for i in metrics.cited_indices(a) if 1 <= i <= 5], a
 
 
 def test_asr_asi_ber_known_values():

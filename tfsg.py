@@ -577,20 +577,23 @@ def _analyzer_library(lib):
 # ----------------------------------------------------------------------------- cases and outcomes
 
 
-CITE = re.compile(r"\[(\d+(?:\s*[-,–]\s*\d+)*)\]")
+_BRACKET = re.compile(r"\[\s*([0-9][0-9\s,;\-–]*)\]")
 
 
 def cited(answer, n):
-    """1-based result indices cited in `answer` ([1], [1][2], [1, 2], [1-3]); out-of-range dropped."""
+    """1-based result indices 1..n cited in `answer` ([1], [1][2], [1, 2], [1-3]), in order of first
+    appearance. The same rules as metrics.cited_indices (tested equal), repeated here so that this
+    file imports no sibling; out-of-range numbers are dropped here, reported there."""
     out = []
-    for m in CITE.finditer(answer or ""):
-        for part in re.split(r"\s*,\s*", m.group(1)):
-            if re.search(r"[-–]", part):
+    for m in _BRACKET.finditer(answer or ""):
+        for part in re.split(r"[,;]", m.group(1)):
+            part = part.strip()
+            if re.fullmatch(r"\d+\s*[-–]\s*\d+", part):
                 a, b = [int(x) for x in re.split(r"\s*[-–]\s*", part)]
-                rng = range(a, b + 1) if a <= b and b - a < 50 else []
+                nums = range(a, b + 1) if a <= b and b - a <= 50 else []
             else:
-                rng = [int(part)]
-            for i in rng:
+                nums = [int(part)] if part.isdigit() else []
+            for i in nums:
                 if 1 <= i <= n and i not in out:
                     out.append(i)
     return out
@@ -715,7 +718,7 @@ def _load(path):
 
 
 def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, answer_prompt, interface="structured",
-                  max_initial_rules=10, controller=None, temperature=0, max_tokens=2048, workers=1, progress=None):
+                  max_initial_rules=10, controller=None, temperature=0, max_tokens=2048, workers=1):
     """Algorithm 1. seed_inputs / batches: case inputs {case_id, query, docs (top-k texts), labels
     ('attack'|'benign' per position), b_clean}. Writes out_dir/E{t}.json, E{t}.report.json,
     E{t}.cases.json; a finished epoch is loaded, not recomputed (resume at the batch it stopped in;
@@ -756,7 +759,7 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
         if os.path.isfile(path(t + 1)):
             lib = ExperienceLibrary.from_dict(_load(path(t + 1)))
             continue
-        cases = _map(lambda c: run_case(target_chat, c, lib, interface, temperature, max_tokens), batch, workers, progress, f"E{t} cases")
+        cases = _map(lambda c: run_case(target_chat, c, lib, interface, temperature, max_tokens), batch, workers)
         lib_stats = record_outcomes(lib, cases)
         succ = [_case_view(c) for c in cases if c["outcome"] == "success"]
         miss = [_case_view(c) for c in cases if c["outcome"] in ("missed_attack", "both")]
@@ -801,7 +804,7 @@ def _remap_ids(updates, lib):
     return out
 
 
-def _map(fn, items, workers, progress, desc):
+def _map(fn, items, workers):
     from concurrent.futures import ThreadPoolExecutor
     if workers <= 1:
         return [fn(x) for x in items]
