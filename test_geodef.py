@@ -341,6 +341,51 @@ def test_normaliser_cancels_values_and_gradients():
     torch.testing.assert_close(g10[:, others], torch.zeros(4, 7))   # the other candidates get no gradient
 
 
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("L,block", [(5, 2), (300, 128), (256, 64)])
+def test_causal_attention_backward_matches_autograd(L, block):
+    """The hand-written training backward of attention against autograd through SDPA: equal in
+    float32, and in bf16 within the error SDPA's own bf16 backward makes (both vs float64)."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    H, K, E = 4, 2, 32
+    base = [torch.randn(1, n, L, E, dtype=torch.float64) * 2 for n in (H, K, K)] + [torch.randn(1, H, L, E, dtype=torch.float64)]
+
+    def grads(dtype, ours):
+        q, k, v = (t.to(dtype).requires_grad_() for t in base[:3])
+        o = (reranker.CausalAttention.apply(q, k, v, block) if ours
+             else F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        ref_o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert torch.equal(o, ref_o)                                   # forward is SDPA itself
+        return torch.autograd.grad(o, (q, k, v), base[3].to(dtype))
+
+    exact = grads(torch.float64, False)
+    for a, b in zip(grads(torch.float32, True), grads(torch.float32, False)):
+        assert _rel(a, b) < 1e-5
+    for ours, sdpa, ref in zip(grads(torch.bfloat16, True), grads(torch.bfloat16, False), exact):
+        assert _rel(ours, ref) < max(3 * _rel(sdpa, ref), 1e-2)
+
+
+def test_rmsnorm_backward_matches_autograd():
+    """Hand-written RMSNorm backward = autograd through Qwen3RMSNorm's formula; input untouched."""
+    def ref(x, w, eps=1e-6):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = (torch.randn(3, 7, 64) * 3).to(dtype).requires_grad_()
+        w = (torch.rand(64) + 0.5).to(dtype).requires_grad_()
+        g = torch.randn(3, 7, 64).to(dtype)
+        x0 = x.detach().clone()
+        y = reranker.RMSNormFunction.apply(x, w, 1e-6)
+        assert torch.equal(y, ref(x, w)) and torch.equal(x, x0)
+        for a, b in zip(torch.autograd.grad(y, (x, w), g), torch.autograd.grad(ref(x, w), (x, w), g)):
+            assert _rel(a, b) < tol
+
+
 # ----------------------------------------------------------------------------- LoRA (issue 3)
 
 
@@ -362,6 +407,39 @@ def test_lora_b_zero_equals_base_and_merge(tiny_dir):
     torch.testing.assert_close(rr.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
     lora.merge_lora(rr.model)                                        # idempotent
     torch.testing.assert_close(rr.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_mask_law_and_lora_train_forward():
+    torch.manual_seed(0)
+    p, n = 0.05, 2_000_000
+    m = lora.dropout_mask((1000, 2000), p).view(-1)
+    assert set(m.unique().tolist()) == {0.0, 1.0}
+    drop = (m == 0).double()
+    sd = (n * p * (1 - p)) ** 0.5
+    assert abs(drop.sum().item() - n * p) < 5 * sd                   # Bernoulli(p) rate
+    pairs = (drop[1:] * drop[:-1]).sum().item()                       # neighbours independent: rate p^2
+    assert abs(pairs - (n - 1) * p * p) < 5 * ((n - 1) * p * p) ** 0.5
+    assert drop[:1000].sum() > 0 and drop[-1000:].sum() > 0           # no region left undrawn
+    torch.manual_seed(1)
+    a = lora.dropout_mask((7, 5), 0.3)
+    torch.manual_seed(1)
+    assert torch.equal(a, lora.dropout_mask((7, 5), 0.3))             # reproducible from the seed
+    # LoRALinear in train mode: base(x) + (x * mask) A^T B^T * scaling / (1 - p), mask shared by layers
+    # reading the same input
+    base = torch.nn.Linear(5, 3, bias=False)
+    la, lb = lora.LoRALinear(base, r=2, alpha=4, dropout=0.3), lora.LoRALinear(base, r=2, alpha=4, dropout=0.3)
+    for mod in (la, lb):
+        torch.nn.init.normal_(mod.lora_B)
+    x = torch.randn(7, 5)
+    torch.manual_seed(2)
+    ya, yb = la(x), lb(x)
+    torch.manual_seed(2)
+    mask = lora.dropout_mask((7, 5), 0.3)
+    for mod, y in ((la, ya), (lb, yb)):
+        want = base(x) + (x * mask) @ mod.lora_A.t() @ mod.lora_B.t() * 2.0 / 0.7
+        torch.testing.assert_close(y, want)
+    with pytest.raises(ValueError):
+        lora.LoRALinear(base, dropout=1.0)
 
 
 def test_only_lora_gets_gradients(tiny_dir):
