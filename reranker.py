@@ -256,9 +256,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(Fd, C, bias=False)
 
     def forward(self, x):
-        g = F.silu(self.gate_proj(x))                                        # (N, F)
-        g = g * self.up_proj(x) if torch.is_grad_enabled() else g.mul_(self.up_proj(x))
-        return self.down_proj(g)                                             # SwiGLU, (N, F) -> (N, C)
+        g = self.gate_proj(x)                                                # (N, F)
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(g) * self.up_proj(x))              # SwiGLU, (N, F) -> (N, C)
+        return self.down_proj(F.silu(g, inplace=True).mul_(self.up_proj(x)))
 
 
 class Block(nn.Module):

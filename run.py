@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -885,18 +886,29 @@ def best_time(fn, repeat):
     return race({"fn": fn}, repeat)["fn"]
 
 
-def race(fns, repeat):
+def race(fns, repeat, rounds=None):
     """Best seconds of each function, timed round-robin (one call of each per round, after a warm-up
-    round), so that a machine whose speed drifts during the run slows every contender alike."""
+    round), so that a machine whose speed drifts during the run slows every contender alike. If a
+    list `rounds` is given, each round's {name: seconds} is appended to it (for paired ratios)."""
     for fn in fns.values():
         fn()
     best = {k: float("inf") for k in fns}
     for _ in range(repeat):
+        times = {}
         for k, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
+            times[k] = time.perf_counter() - t0
+            best[k] = min(best[k], times[k])
+        if rounds is not None:
+            rounds.append(times)
     return best
+
+
+def paired_ratio(rounds, peer, ours="ours"):
+    """Median over rounds of peer seconds / our seconds, each pair timed back to back: steadier than
+    the ratio of best times when the machine's speed changes between rounds."""
+    return statistics.median(r[peer] / r[ours] for r in rounds)
 
 
 def mixed_lengths(n=10, seed=1):
@@ -940,11 +952,14 @@ def bench_score(args):
         cands = {"ours": lambda: rr.score_ids(ids), "transformers": transformers_keep1}
         if name == "fixed":
             cands["model_card_snippet"] = snippet
-        for k, t in race(cands, args.repeat).items():
+        rounds = []
+        for k, t in race(cands, args.repeat, rounds).items():
             results[f"{name}/{k}"] = sum(lens) / t
         results[f"{name}/ours_vs_transformers"] = results[f"{name}/ours"] / results[f"{name}/transformers"]
+        results[f"{name}/ours_vs_transformers_paired_median"] = paired_ratio(rounds, "transformers")
         if name == "fixed":
             results["fixed/ours_vs_snippet"] = results["fixed/ours"] / results["fixed/model_card_snippet"]
+            results["fixed/ours_vs_snippet_paired_median"] = paired_ratio(rounds, "model_card_snippet")
     a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     results["matmul_gflops"] = 2 * 2048 ** 3 / best_time(lambda: a @ b, 10) / 1e9
     return results
@@ -1006,11 +1021,12 @@ def bench_train(args):
         lg = pm(input_ids=x, logits_to_keep=1).logits[:, -1, :].float()
         (lg[:, rr.yes_id] - lg[:, rr.no_id]).sum().backward()
 
-    res = {}
+    res, rounds = {}, []
     for k, t in race({"ours": lambda: rr.score_ids(ids, grad=True).sum().backward(), "peft": peft_step},
-                     args.repeat).items():
+                     args.repeat, rounds).items():
         res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * args.seq / t, t
     res["ours_vs_peft"] = res["ours_tok_s"] / res["peft_tok_s"]
+    res["ours_vs_peft_paired_median"] = paired_ratio(rounds, "peft")
     return res
 
 
