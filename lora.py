@@ -77,8 +77,8 @@ class LoRALinear(nn.Module):
     def weight(self):
         return self.base.weight
 
-    # The last (input, its dropout mask) pair: q/k/v (and gate/up) read the same tensor, so they share
-    # one mask instead of drawing three (PEFT draws one per module; the marginal is the same).
+    # The last (input, dropped input) pair: q/k/v (and gate/up) read the same tensor, so they share one
+    # dropped copy, one mask instead of three (PEFT draws one per module; the marginal is the same).
     _shared = (None, None)
 
     def forward(self, x):
@@ -87,11 +87,11 @@ class LoRALinear(nn.Module):
             return y
         scaling = self.scaling
         if self.training and self.dropout > 0:
-            src, mask = LoRALinear._shared
-            if src is not x or mask.shape != x.shape:
-                mask = dropout_mask(x.shape, self.dropout, x.dtype, x.device)
-                LoRALinear._shared = (x, mask)
-            x = x * mask                                      # 0/1 mask: exact in any dtype
+            src, dropped = LoRALinear._shared
+            if src is not x or dropped.shape != x.shape:
+                dropped = x * dropout_mask(x.shape, self.dropout, x.dtype, x.device)   # 0/1 mask: exact
+                LoRALinear._shared = (x, dropped)
+            x = dropped
             scaling = scaling / (1 - self.dropout)            # inverted dropout's rescale, on (N, r) not (N, in)
         # Computed in the activation dtype (bf16 over a bf16 base, fp32 over fp32); the parameters
         # stay float32 and get float32 gradients through the cast. Scaling is applied to the small

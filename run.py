@@ -965,9 +965,22 @@ def bench_score(args):
     return results
 
 
+def peak_rss_mib():
+    """This process's peak resident memory in MiB: VmHWM, which starts afresh at exec (ru_maxrss does
+    not: a child spawned by a big parent would report at least the parent's size)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _peak_rss_child(kind, folder, lens, dtype_name, q):
     """Runs one contender once in a fresh process and reports its peak resident memory (MiB)."""
-    import resource
     dtype = getattr(torch, dtype_name)
     ids = random_ids(lens)
     if kind == "ours":
@@ -981,7 +994,7 @@ def _peak_rss_child(kind, folder, lens, dtype_name, q):
             pad[i, T - len(x):], mask[i, T - len(x):] = torch.tensor(x), 1
         with torch.inference_mode():
             hf(input_ids=pad, attention_mask=mask, logits_to_keep=1)
-    q.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    q.put(peak_rss_mib())
 
 
 def bench_memory(args):
@@ -1002,28 +1015,58 @@ def bench_memory(args):
     return res
 
 
+def _train_steps(folder, dtype, ids, kinds=("ours", "peft")):
+    """The micro-step of `bench --what train` for each contender: forward + backward of the yes/no
+    margin through LoRA (r 16, alpha 32, dropout 0.05) on all 7 projections, same weights and ids."""
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    yes, no = (tok.encode(w, add_special_tokens=False).ids[0] for w in ("yes", "no"))
+    steps = {}
+    if "peft" in kinds:
+        import peft
+        import transformers
+        hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        pm = peft.get_peft_model(hf, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(lora.TARGETS)))
+        x = torch.tensor(ids)
+
+        def peft_step():
+            lg = pm(input_ids=x, logits_to_keep=1).logits[:, -1, :].float()
+            (lg[:, yes] - lg[:, no]).sum().backward()
+        steps["peft"] = peft_step
+    if "ours" in kinds:
+        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
+        assert (rr.yes_id, rr.no_id) == (yes, no)
+        lora.add_lora(rr.model)
+        rr.model.train()
+        steps["ours"] = lambda: rr.score_ids(ids, grad=True).sum().backward()
+    return steps
+
+
+def _peak_rss_train_child(kind, folder, ids, dtype_name, q):
+    """One training micro-step of one contender in a fresh process -> its peak resident memory (MiB)."""
+    _train_steps(folder, getattr(torch, dtype_name), ids, (kind,))[kind]()
+    q.put(peak_rss_mib())
+
+
 def bench_train(args):
     """One micro-step (3 documents x seq tokens, forward+backward through LoRA on all 7 projections)
-    at real width: ours vs transformers + peft on the same weights and ids."""
-    import peft
-    import transformers
+    at real width: ours vs transformers + peft on the same weights and ids; tokens/s timed round-robin
+    in one process, peak memory (weights included) of one step in a fresh process each."""
+    import multiprocessing as mp
     dtype = getattr(torch, args.dtype)
     folder = bench_folder(args)
     ids = random_ids([args.seq] * 3)
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    pm = peft.get_peft_model(hf, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(lora.TARGETS)))
-    rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
-    lora.add_lora(rr.model)
-    rr.model.train()
-    x = torch.tensor(ids)
-
-    def peft_step():
-        lg = pm(input_ids=x, logits_to_keep=1).logits[:, -1, :].float()
-        (lg[:, rr.yes_id] - lg[:, rr.no_id]).sum().backward()
-
     res, rounds = {}, []
-    for k, t in race({"ours": lambda: rr.score_ids(ids, grad=True).sum().backward(), "peft": peft_step},
-                     args.repeat, rounds).items():
+    ctx = mp.get_context("spawn")
+    for kind in ("ours", "peft"):
+        q = ctx.Queue()
+        p = ctx.Process(target=_peak_rss_train_child, args=(kind, folder, ids, args.dtype, q))
+        p.start()
+        res[f"{kind}_peak_MiB"] = q.get()
+        p.join()
+    res["ours_over_peft_memory"] = res["ours_peak_MiB"] / res["peft_peak_MiB"]
+    steps = _train_steps(folder, dtype, ids)
+    for k, t in race({"ours": steps["ours"], "peft": steps["peft"]}, args.repeat, rounds).items():
         res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * args.seq / t, t
     res["ours_vs_peft"] = res["ours_tok_s"] / res["peft_tok_s"]
     res["ours_vs_peft_paired_median"] = paired_ratio(rounds, "peft")
