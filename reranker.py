@@ -11,7 +11,10 @@ Deviations from the official snippet, all on purpose:
 - sequences are packed back to back (no padding); every sequence gets positions 0..L-1 and its own
   causal attention, so a document's score does not depend on its batch mates. The official batched
   snippet left-pads and uses arange positions, which changes only rounding (RoPE is relative);
-- in the last layer only the final token's query, attention output and MLP are computed.
+- in the last layer only the final token's query, attention output and MLP are computed;
+- for training, RMSNorm and (on the CPU) causal attention have hand-written backward passes: the
+  forward values are unchanged, the attention backward recomputes the probabilities block by block
+  in the model dtype (bf16 like transformers' eager attention) instead of SDPA's slower CPU backward.
 
 Shapes: N packed tokens of S sequences, C hidden, H query heads, K kv heads, E head dim, F MLP width.
 
