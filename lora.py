@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import weakref
 
 import torch
 import torch.nn as nn
@@ -77,9 +78,10 @@ class LoRALinear(nn.Module):
     def weight(self):
         return self.base.weight
 
-    # The last (input, dropped input) pair: q/k/v (and gate/up) read the same tensor, so they share one
-    # dropped copy, one mask instead of three (PEFT draws one per module; the marginal is the same).
-    _shared = (None, None)
+    # Weak references to the last (input, dropped input) pair: q/k/v (and gate/up) read the same
+    # tensor, so they share one dropped copy, one mask instead of three (PEFT draws one per module;
+    # the marginal is the same). Weak, so that nothing outlives the step that made it.
+    _shared = (lambda: None, lambda: None)
 
     def forward(self, x):
         y = self.base(x)                                                     # (N, out)
@@ -87,10 +89,10 @@ class LoRALinear(nn.Module):
             return y
         scaling = self.scaling
         if self.training and self.dropout > 0:
-            src, dropped = LoRALinear._shared
-            if src is not x or dropped.shape != x.shape:
+            src, dropped = LoRALinear._shared[0](), LoRALinear._shared[1]()
+            if src is not x or dropped is None:
                 dropped = x * dropout_mask(x.shape, self.dropout, x.dtype, x.device)   # 0/1 mask: exact
-                LoRALinear._shared = (x, dropped)
+                LoRALinear._shared = (weakref.ref(x), weakref.ref(dropped))
             x = dropped
             scaling = scaling / (1 - self.dropout)            # inverted dropout's rescale, on (N, r) not (N, in)
         # Computed in the activation dtype (bf16 over a bf16 base, fp32 over fp32); the parameters
