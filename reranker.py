@@ -169,7 +169,8 @@ class CausalAttention(torch.autograd.Function):
     q (1, H, L, E), k and v (1, K, L, E) -> (1, H, L, E). Forward: SDPA (fused, exact). Backward by
     hand over blocks of `block` query rows, each against only the keys it can see (0 .. its last
     row): about half the work of a dense backward, and the probabilities are recomputed, not stored.
-    On the CPU this was written on, it took half the time of SDPA's own backward (~24 ms at L=512).
+    On the CPU this was written on: ~16 ms at L=512 (16/8 heads, bf16) against 28-32 ms for SDPA's
+    forward + backward, whose CPU backward took 5-8x its forward.
     Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
     eager attention keeps them; softmax accumulates in float32); exact in float32."""
 
