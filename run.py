@@ -965,6 +965,18 @@ def bench_score(args):
     return results
 
 
+def in_fresh_process(fn, *args):
+    """fn(*args, queue) run in a new interpreter (spawn); returns the one value it puts on the queue."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=fn, args=(*args, q))
+    p.start()
+    out = q.get()
+    p.join()
+    return out
+
+
 def peak_rss_mib():
     """This process's peak resident memory in MiB: VmHWM, which starts afresh at exec (ru_maxrss does
     not: a child spawned by a big parent would report at least the parent's size)."""
@@ -1000,17 +1012,11 @@ def _peak_rss_child(kind, folder, lens, dtype_name, q):
 def bench_memory(args):
     """Peak resident memory of one scoring call (weights included), ours vs transformers, each in a
     fresh process, on the mixed and fixed workloads of `bench --what score`."""
-    import multiprocessing as mp
     folder = bench_folder(args)
-    ctx = mp.get_context("spawn")
     res = {}
     for name, lens in {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}.items():
         for kind in ("ours", "transformers"):
-            q = ctx.Queue()
-            p = ctx.Process(target=_peak_rss_child, args=(kind, folder, lens, args.dtype, q))
-            p.start()
-            res[f"{name}/{kind}_peak_MiB"] = q.get()
-            p.join()
+            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, args.dtype)
         res[f"{name}/ours_over_transformers"] = res[f"{name}/ours_peak_MiB"] / res[f"{name}/transformers_peak_MiB"]
     return res
 
@@ -1052,18 +1058,12 @@ def bench_train(args):
     """One micro-step (3 documents x seq tokens, forward+backward through LoRA on all 7 projections)
     at real width: ours vs transformers + peft on the same weights and ids; tokens/s timed round-robin
     in one process, peak memory (weights included) of one step in a fresh process each."""
-    import multiprocessing as mp
     dtype = getattr(torch, args.dtype)
     folder = bench_folder(args)
     ids = random_ids([args.seq] * 3)
     res, rounds = {}, []
-    ctx = mp.get_context("spawn")
     for kind in ("ours", "peft"):
-        q = ctx.Queue()
-        p = ctx.Process(target=_peak_rss_train_child, args=(kind, folder, ids, args.dtype, q))
-        p.start()
-        res[f"{kind}_peak_MiB"] = q.get()
-        p.join()
+        res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
     res["ours_over_peft_memory"] = res["ours_peak_MiB"] / res["peft_peak_MiB"]
     steps = _train_steps(folder, dtype, ids)
     for k, t in race({"ours": steps["ours"], "peft": steps["peft"]}, args.repeat, rounds).items():
