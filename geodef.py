@@ -79,9 +79,9 @@ def _need(obj, key, typ, path, line, prefix=""):
     return v
 
 
-def load_bench(path, n_docs=N_DOCS, with_meta=False):
-    """Read and validate a GEO-DefenseBench JSONL file -> list[QueryGroup] (and BenchMeta)."""
-    groups, meta, seen_ids = [], BenchMeta(), {}
+def read_jsonl(path):
+    """Yield (line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
+    object raises BenchFormatError naming the file and line."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     for n, raw in enumerate(lines, 1):
@@ -93,6 +93,13 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
             _fail(path, n, "(line)", f"invalid JSON: {e.msg} at column {e.colno}")
         if not isinstance(obj, dict):
             _fail(path, n, "(line)", f"expected a JSON object, got {type(obj).__name__}")
+        yield n, obj
+
+
+def load_bench(path, n_docs=N_DOCS, with_meta=False):
+    """Read and validate a GEO-DefenseBench JSONL file -> list[QueryGroup] (and BenchMeta)."""
+    groups, meta, seen_ids = [], BenchMeta(), {}
+    for n, obj in read_jsonl(path):
         if "_meta" in obj:
             if groups:
                 _fail(path, n, "_meta", "metadata must be the first line")

@@ -788,28 +788,21 @@ def validate_rewrite(src, new, min_ratio=0.5, max_ratio=4.0):
 def read_source_rows(path):
     """GEO-Bench test rows (query, sources[].cleaned_text, sugg_idx) or simple rows (query, docs[, source_index])."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                o = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise geodef.BenchFormatError(f"{path}:{n}: (line): invalid JSON: {e.msg}") from None
-            if "sources" in o:
-                docs = [s.get("cleaned_text") or s.get("raw_text") or "" for s in o["sources"]]
-                urls = [s.get("url", "") for s in o["sources"]]
-                src = int(o.get("sugg_idx", 0))
-            elif "docs" in o:
-                docs = [d if isinstance(d, str) else d.get("text", "") for d in o["docs"]]
-                urls = [("" if isinstance(d, str) else d.get("url", "")) for d in o["docs"]]
-                src = o.get("source_index")
-            else:
-                raise geodef.BenchFormatError(f"{path}:{n}: sources/docs: missing")
-            if not isinstance(o.get("query"), str) or not o["query"].strip():
-                raise geodef.BenchFormatError(f"{path}:{n}: query: missing or empty")
-            rows.append({"line": n, "query": o["query"], "docs": docs, "urls": urls, "source_index": src,
-                         "group_id": o.get("group_id") or o.get("query_id") or f"q{n:04d}"})
+    for n, o in geodef.read_jsonl(path):
+        if "sources" in o:
+            docs = [s.get("cleaned_text") or s.get("raw_text") or "" for s in o["sources"]]
+            urls = [s.get("url", "") for s in o["sources"]]
+            src = int(o.get("sugg_idx", 0))
+        elif "docs" in o:
+            docs = [d if isinstance(d, str) else d.get("text", "") for d in o["docs"]]
+            urls = [("" if isinstance(d, str) else d.get("url", "")) for d in o["docs"]]
+            src = o.get("source_index")
+        else:
+            raise geodef.BenchFormatError(f"{path}:{n}: sources/docs: missing")
+        if not isinstance(o.get("query"), str) or not o["query"].strip():
+            raise geodef.BenchFormatError(f"{path}:{n}: query: missing or empty")
+        rows.append({"line": n, "query": o["query"], "docs": docs, "urls": urls, "source_index": src,
+                     "group_id": o.get("group_id") or o.get("query_id") or f"q{n:04d}"})
     return rows
 
 
