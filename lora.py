@@ -78,10 +78,14 @@ class LoRALinear(nn.Module):
     def weight(self):
         return self.base.weight
 
-    # Weak references to the last (input, dropped input) pair: q/k/v (and gate/up) read the same
-    # tensor, so they share one dropped copy, one mask instead of three (PEFT draws one per module;
-    # the marginal is the same). Weak, so that nothing outlives the step that made it.
-    _shared = (lambda: None, lambda: None)
+    # The last (input, dropped input) pair: q/k/v (and gate/up) read the same tensor, so they share one
+    # dropped copy, one mask instead of three (PEFT draws one per module; the marginal is the same).
+    # The input is held weakly (only its identity matters); the dropped copy strongly, so that whether
+    # a mask is shared never depends on what autograd happens to keep alive: under gradient
+    # checkpointing the forward saves nothing, and a weakly held copy died after q_proj, so k/v drew
+    # fresh masks there but shared one in the recomputation, which then drew every later mask of the
+    # layer from a different RNG state than the forward did (wrong gradients with dropout > 0).
+    _shared = (lambda: None, None)
 
     def forward(self, x):
         y = self.base(x)                                                     # (N, out)
@@ -89,10 +93,10 @@ class LoRALinear(nn.Module):
             return y
         scaling = self.scaling
         if self.training and self.dropout > 0:
-            src, dropped = LoRALinear._shared[0](), LoRALinear._shared[1]()
-            if src is not x or dropped is None:
+            src, dropped = LoRALinear._shared[0](), LoRALinear._shared[1]
+            if src is not x:
                 dropped = x * dropout_mask(x.shape, self.dropout, x.dtype, x.device)   # 0/1 mask: exact
-                LoRALinear._shared = (weakref.ref(x), weakref.ref(dropped))
+                LoRALinear._shared = (weakref.ref(x), dropped)
             x = dropped
             scaling = scaling / (1 - self.dropout)            # inverted dropout's rescale, on (N, r) not (N, in)
         # Computed in the activation dtype (bf16 over a bf16 base, fp32 over fp32); the parameters

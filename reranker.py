@@ -15,6 +15,10 @@ Deviations from the official snippet, all on purpose:
 - for training, RMSNorm and (on the CPU) causal attention have hand-written backward passes: the
   forward values are unchanged, the attention backward recomputes the probabilities block by block
   in the model dtype (bf16 like transformers' eager attention) instead of SDPA's slower CPU backward.
+Optional (`compile=True`): the elementwise work around the matmuls (RMSNorm, q/k norm + RoPE, the
+residual add + norm, SwiGLU) runs as torch.compile'd fusions of the plain functions below, one loop
+each instead of several passes over memory; matmuls and attention stay as they are. Same equations,
+bf16 rounding differs only where the fused loop keeps an intermediate in float32.
 
 Shapes: N packed tokens of S sequences, C hidden, H query heads, K kv heads, E head dim, F MLP width.
 
@@ -22,6 +26,7 @@ Usage: rr = Reranker.from_pretrained("Qwen/Qwen3-Reranker-0.6B"); rr.rank(query,
 """
 import json
 import os
+import shutil
 from dataclasses import dataclass, fields
 
 import torch
@@ -127,6 +132,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
+    fused = False  # set by Qwen3Model.compile_elementwise
+
     def __init__(self, dim, eps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -134,12 +141,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # Qwen3RMSNorm: normalise in float32, cast back BEFORE the weight multiply (matters in bf16).
+        if self.fused:
+            return fused(rms_norm)(x, self.weight, self.eps)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return RMSNormFunction.apply(x, self.weight, self.eps)
+        if x.dtype == torch.float32:                                      # x.float() is x: do not overwrite it
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)     # (..., 1) float32
-        if x.dtype == torch.float32:                                      # xf is x: do not overwrite it
-            return self.weight * (xf * r)
         # bf16/f16 without gradient: same roundings, fewer large allocations (they dominate on CPU)
         return xf.mul_(r).to(x.dtype).mul_(self.weight)
 
@@ -162,6 +171,46 @@ def apply_rope(x, cos, sin_signed):
     if torch.is_grad_enabled():
         return x * cos + swapped * sin_signed
     return x.mul_(cos).add_(swapped.mul_(sin_signed))
+
+
+# ----------------------------------------------------------------------------- fused elementwise path
+# Plain-torch forms of the elementwise pieces. With compile=True each is torch.compile'd (dynamic
+# shapes, so one compilation serves every packed length) into one fused loop for the forward and one
+# for the backward; eager PyTorch would run each op as its own pass over memory, which on a
+# bandwidth-bound CPU costs about as much as the matmuls around them.
+
+def rms_norm(x, weight, eps):
+    """Qwen3RMSNorm: normalise in float32, cast back, then the weight. x (..., C)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def norm_rope(x, weight, eps, cos, sin_signed):
+    """Per-head q/k RMSNorm followed by RoPE, as one function. x (N, heads, E); cos, sin (N, 1, E)."""
+    x = rms_norm(x, weight, eps)
+    return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin_signed
+
+
+def add_rms_norm(x, h, weight, eps):
+    """The residual add and the post-attention norm: returns (x + h, rms_norm(x + h)). (N, C) each."""
+    x = x + h
+    return x, rms_norm(x, weight, eps)
+
+
+def swiglu(g, u):
+    """SwiGLU's elementwise part, silu(gate) * up. (N, F)."""
+    return F.silu(g) * u
+
+
+_FUSED = {}
+
+
+def fused(fn):
+    """torch.compile(fn, dynamic=True), compiled once per function on first use (needs a C++ compiler
+    on the CPU, Triton on CUDA: what torch.compile's inductor backend needs)."""
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=True)
+    return _FUSED[fn]
 
 
 class CausalAttention(torch.autograd.Function):
@@ -210,6 +259,8 @@ class CausalAttention(torch.autograd.Function):
 
 
 class Attention(nn.Module):
+    fused = False
+
     def __init__(self, cfg):
         super().__init__()
         self.H, self.K, self.E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -226,11 +277,16 @@ class Attention(nn.Module):
         token, or None. With `last`, only those S queries are computed: returns (S, C), else (N, C)."""
         N = x.shape[0]
         xq = x if last is None else x[last]                                       # (N or S, C)
-        q = self.q_norm(self.q_proj(xq).view(-1, self.H, self.E))                 # (N|S, H, E)
-        k = self.k_norm(self.k_proj(x).view(N, self.K, self.E))                   # (N, K, E)
+        cq, sq = (cos, sin) if last is None else (cos[last], sin[last])
+        q = self.q_proj(xq).view(-1, self.H, self.E)                              # (N|S, H, E)
+        k = self.k_proj(x).view(N, self.K, self.E)                                # (N, K, E)
         v = self.v_proj(x).view(N, self.K, self.E)                                # (N, K, E)
-        q = apply_rope(q, cos if last is None else cos[last], sin if last is None else sin[last])
-        k = apply_rope(k, cos, sin)
+        if self.fused:
+            q = fused(norm_rope)(q, self.q_norm.weight, self.q_norm.eps, cq, sq)
+            k = fused(norm_rope)(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
+        else:
+            q = apply_rope(self.q_norm(q), cq, sq)
+            k = apply_rope(self.k_norm(k), cos, sin)
         outs, start = [], 0
         for j, L in enumerate(lens):
             # 4-D (1, heads, L, E): 3-D inputs send CPU SDPA to its slow math path (7x slower, measured)
@@ -252,6 +308,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = False
+
     def __init__(self, cfg):
         super().__init__()
         C, Fd = cfg.hidden_size, cfg.intermediate_size
@@ -261,12 +319,16 @@ class MLP(nn.Module):
 
     def forward(self, x):
         g = self.gate_proj(x)                                                # (N, F)
+        if self.fused:
+            return self.down_proj(fused(swiglu)(g, self.up_proj(x)))
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(g) * self.up_proj(x))              # SwiGLU, (N, F) -> (N, C)
         return self.down_proj(F.silu(g, inplace=True).mul_(self.up_proj(x)))
 
 
 class Block(nn.Module):
+    fused = False
+
     def __init__(self, cfg):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -277,6 +339,10 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, lens, last=None):
         h = self.self_attn(self.input_layernorm(x), cos, sin, lens, last)
         x = x if last is None else x[last]                         # (N|S, C)
+        if self.fused:
+            norm = self.post_attention_layernorm
+            x, n = fused(add_rms_norm)(x, h, norm.weight, norm.eps)
+            return x + self.mlp(n)
         if torch.is_grad_enabled():
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -294,6 +360,18 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gradient_checkpointing = False
+
+    def compile_elementwise(self, on=True):
+        """Run the elementwise pieces (norms, q/k norm + RoPE, residual add + norm, SwiGLU) as
+        torch.compile'd fusions (see `fused`); matmuls, attention and LoRA are unchanged."""
+        if on and self.embed_tokens.weight.device.type == "cpu" and not (
+                shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")):
+            raise RuntimeError("compile=True needs a C++ compiler on the CPU (torch.compile's inductor "
+                               "backend builds its kernels with g++, or $CXX): install g++ or run without it")
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP, Block)):
+                m.fused = on
+        return self
 
     def forward(self, ids, lens):
         """ids (N,) packed token ids of S sequences with lengths `lens` -> final hidden state of each
@@ -408,7 +486,8 @@ class Reranker:
 
     @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", instruction=SHIELD_INSTRUCTION,
-                        max_length=8192, revision=None, token_budget=4096):
+                        max_length=8192, revision=None, token_budget=4096, compile=False):
+        """compile: fuse the elementwise work with torch.compile (Qwen3Model.compile_elementwise)."""
         from tokenizers import Tokenizer
         folder, sha = resolve_model_path(name_or_path, revision)
         tok_path = os.path.join(folder, "tokenizer.json")
@@ -422,6 +501,8 @@ class Reranker:
                 raise CheckpointError(f"{tok_path}: '{word}' must be a single token, got ids {enc}")
             ids.append(enc[0])
         model, cfg, lm_head = load_qwen3(folder, dtype=dtype, device=device)
+        if compile:
+            model.compile_elementwise()
         rr = cls(model, tok, ids, instruction=instruction, max_length=max_length, token_budget=token_budget,
                  name_or_path=str(name_or_path), revision=sha or revision)
         rr._lm_head = lm_head

@@ -43,6 +43,7 @@ class Config:
     device: str = "cpu"                        # "cuda" for a GPU
     quant: str = "none"                        # "nf4": 4-bit frozen base projections (Table A.1)
     max_length: int = 8192                     # reranker prompt length cap (model card)
+    compile: bool = False                      # torch.compile the elementwise work (needs g++ on CPU)
     bench: str = SAMPLE                        # GEO-DefenseBench JSONL
     n_construction: int = 12                   # construction query groups (B.1)
     seed: int = 0                              # split, order and init seed
@@ -148,7 +149,7 @@ def model_folder(cfg):
 def load_reranker(cfg):
     dtype = getattr(torch, cfg.dtype)
     rr = reranker.Reranker.from_pretrained(model_folder(cfg), dtype=dtype, device=cfg.device,
-                                           max_length=cfg.max_length, revision=cfg.revision)
+                                           max_length=cfg.max_length, revision=cfg.revision, compile=cfg.compile)
     if cfg.quant == "nf4":
         lora.quantize_nf4(rr.model)
     rr.model.gradient_checkpointing = cfg.grad_checkpointing
@@ -923,8 +924,13 @@ def bench_score(args):
     folder = bench_folder(args)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
     rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
+    rc = reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=True) if args.compile else None
     work = {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}
     results = {}
+    if rc is not None:  # compilation happens on the first call: timed here, outside the race
+        t0 = time.perf_counter()
+        rc.score_ids(random_ids(work["mixed"]))
+        results["compile_first_call_s"] = time.perf_counter() - t0
     for name, lens in work.items():
         ids = random_ids(lens)
         T = max(lens)
@@ -943,16 +949,19 @@ def bench_score(args):
                 return hf(input_ids=pad, attention_mask=mask).logits[:, -1, :]
 
         cands = {"ours": lambda: rr.score_ids(ids), "transformers": transformers_keep1}
+        if rc is not None:
+            cands["ours_compiled"] = lambda: rc.score_ids(ids)
         if name == "fixed":
             cands["model_card_snippet"] = snippet
         rounds = []
         for k, t in race(cands, args.repeat, rounds).items():
             results[f"{name}/{k}"] = sum(lens) / t
-        results[f"{name}/ours_vs_transformers"] = results[f"{name}/ours"] / results[f"{name}/transformers"]
-        results[f"{name}/ours_vs_transformers_paired_median"] = paired_ratio(rounds, "transformers")
-        if name == "fixed":
-            results["fixed/ours_vs_snippet"] = results["fixed/ours"] / results["fixed/model_card_snippet"]
-            results["fixed/ours_vs_snippet_paired_median"] = paired_ratio(rounds, "model_card_snippet")
+        peers = ["transformers"] + (["model_card_snippet"] if name == "fixed" else [])
+        for ours in [k for k in cands if k.startswith("ours")]:
+            for peer in peers:
+                tag = "snippet" if peer == "model_card_snippet" else peer
+                results[f"{name}/{ours}_vs_{tag}"] = results[f"{name}/{ours}"] / results[f"{name}/{peer}"]
+                results[f"{name}/{ours}_vs_{tag}_paired_median"] = paired_ratio(rounds, peer, ours)
     a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     results["matmul_gflops"] = 2 * 2048 ** 3 / best_time(lambda: a @ b, 10) / 1e9
     return results
@@ -988,8 +997,8 @@ def _peak_rss_child(kind, folder, lens, dtype_name, q):
     """Runs one contender once in a fresh process and reports its peak resident memory (MiB)."""
     dtype = getattr(torch, dtype_name)
     ids = random_ids(lens)
-    if kind == "ours":
-        reranker.Reranker.from_pretrained(folder, dtype=dtype).score_ids(ids)
+    if kind.startswith("ours"):
+        reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=kind == "ours_compiled").score_ids(ids)
     else:
         import transformers
         hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
@@ -1008,9 +1017,11 @@ def bench_memory(args):
     folder = bench_folder(args)
     res = {}
     for name, lens in {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}.items():
-        for kind in ("ours", "transformers"):
+        kinds = ("ours", "ours_compiled", "transformers") if args.compile else ("ours", "transformers")
+        for kind in kinds:
             res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, args.dtype)
-        res[f"{name}/ours_over_transformers"] = res[f"{name}/ours_peak_MiB"] / res[f"{name}/transformers_peak_MiB"]
+        for kind in kinds[:-1]:
+            res[f"{name}/{kind}_over_transformers"] = res[f"{name}/{kind}_peak_MiB"] / res[f"{name}/transformers_peak_MiB"]
     return res
 
 
@@ -1032,12 +1043,12 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft")):
             lg = pm(input_ids=x, logits_to_keep=1).logits[:, -1, :].float()
             (lg[:, yes] - lg[:, no]).sum().backward()
         steps["peft"] = peft_step
-    if "ours" in kinds:
-        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
+    for kind in [k for k in kinds if k.startswith("ours")]:
+        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=kind == "ours_compiled")
         assert (rr.yes_id, rr.no_id) == (yes, no)
         lora.add_lora(rr.model)
         rr.model.train()
-        steps["ours"] = lambda: rr.score_ids(ids, grad=True).sum().backward()
+        steps[kind] = lambda rr=rr: rr.score_ids(ids, grad=True).sum().backward()
     return steps
 
 
@@ -1054,15 +1065,21 @@ def bench_train(args):
     dtype = getattr(torch, args.dtype)
     folder = bench_folder(args)
     ids = random_ids([args.seq] * 3)
+    kinds = ("ours", "ours_compiled", "peft") if args.compile else ("ours", "peft")
     res, rounds = {}, []
-    for kind in ("ours", "peft"):
+    for kind in kinds:
         res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
-    res["ours_over_peft_memory"] = res["ours_peak_MiB"] / res["peft_peak_MiB"]
-    steps = _train_steps(folder, dtype, ids)
-    for k, t in race({"ours": steps["ours"], "peft": steps["peft"]}, args.repeat, rounds).items():
+    steps = _train_steps(folder, dtype, ids, kinds)
+    if args.compile:  # compilation happens on the first call: timed here, outside the race
+        t0 = time.perf_counter()
+        steps["ours_compiled"]()
+        res["compile_first_call_s"] = time.perf_counter() - t0
+    for k, t in race(steps, args.repeat, rounds).items():
         res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * args.seq / t, t
-    res["ours_vs_peft"] = res["ours_tok_s"] / res["peft_tok_s"]
-    res["ours_vs_peft_paired_median"] = paired_ratio(rounds, "peft")
+    for k in kinds[:-1]:
+        res[f"{k}_over_peft_memory"] = res[f"{k}_peak_MiB"] / res["peft_peak_MiB"]
+        res[f"{k}_vs_peft"] = res[f"{k}_tok_s"] / res["peft_tok_s"]
+        res[f"{k}_vs_peft_paired_median"] = paired_ratio(rounds, "peft", k)
     return res
 
 
@@ -1136,6 +1153,7 @@ HELP = {
     "beta": "Eq. 3 beta", "lam_def": "Eq. 5 lambda_def", "lam_util": "Eq. 5 lambda_util", "lam_cons": "Eq. 5 lambda_cons",
     "monitor_frac": "share of construction groups held out for monitoring",
     "grad_checkpointing": "recompute activations in backward (long documents)",
+    "compile": "fuse the norms, RoPE and SwiGLU with torch.compile (faster; needs a C++ compiler on CPU)",
     "save_every": "optimizer steps between resumable checkpoints",
     "llm": "target LLM as provider:model (offline, openai:, anthropic:, deepseek:, moonshot:, zhipu:, vllm:, ollama:, llama.cpp:)",
     "analyzer": "TFSG Analyzer LLM (default: the target)", "judge": "ASI/quality judge LLM (default: the target)",
@@ -1223,6 +1241,8 @@ def main(argv=None):
     be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
     be.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is reported)")
     be.add_argument("--out", default="runs/_bench", help="where the random real-width checkpoint is kept")
+    be.add_argument("--compile", default=True, action=argparse.BooleanOptionalAction,
+                    help="also race ours with compile=True (torch.compile'd elementwise work)")
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
     bb.add_argument("--input", required=True, help="GEO-Bench test rows or JSONL of {query, docs[, source_index]}")
     bb.add_argument("--output", required=True, help="GEO-DefenseBench JSONL to write")
