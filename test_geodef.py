@@ -185,6 +185,12 @@ def test_parity_real_width_fp32_and_bf16(tmp_path, tiny_dir):
     mb = rb.score_ids(ids)
     assert mb.dtype == torch.float32
     assert torch.all((mb - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mb, ref)
+    # the torch.compile'd elementwise path at real width, same references and tolerances
+    rr.model.compile_elementwise()
+    torch.testing.assert_close(rr.score_ids(ids), ref, rtol=1e-4, atol=1e-4)
+    rb.model.compile_elementwise()
+    mc = rb.score_ids(ids)
+    assert torch.all((mc - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mc, ref)
 
 
 def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
