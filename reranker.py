@@ -205,6 +205,11 @@ def swiglu(g, u):
 _FUSED = {}
 
 
+def cpp_compiler_available():
+    """Whether torch.compile can build CPU kernels here: inductor calls $CXX, else g++."""
+    return bool(shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++"))
+
+
 def fused(fn):
     """torch.compile(fn, dynamic=True), compiled once per function on first use (needs a C++ compiler
     on the CPU, Triton on CUDA: what torch.compile's inductor backend needs)."""
@@ -364,8 +369,7 @@ class Qwen3Model(nn.Module):
     def compile_elementwise(self, on=True):
         """Run the elementwise pieces (norms, q/k norm + RoPE, residual add + norm, SwiGLU) as
         torch.compile'd fusions (see `fused`); matmuls, attention and LoRA are unchanged."""
-        if on and self.embed_tokens.weight.device.type == "cpu" and not (
-                shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")):
+        if on and self.embed_tokens.weight.device.type == "cpu" and not cpp_compiler_available():
             raise RuntimeError("compile=True needs a C++ compiler on the CPU (torch.compile's inductor "
                                "backend builds its kernels with g++, or $CXX): install g++ or run without it")
         for m in self.modules():

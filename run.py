@@ -1241,8 +1241,8 @@ def main(argv=None):
     be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
     be.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is reported)")
     be.add_argument("--out", default="runs/_bench", help="where the random real-width checkpoint is kept")
-    be.add_argument("--compile", default=True, action=argparse.BooleanOptionalAction,
-                    help="also race ours with compile=True (torch.compile'd elementwise work)")
+    be.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                    help="also race ours with compile=True (default: when a C++ compiler is found)")
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
     bb.add_argument("--input", required=True, help="GEO-Bench test rows or JSONL of {query, docs[, source_index]}")
     bb.add_argument("--output", required=True, help="GEO-DefenseBench JSONL to write")
@@ -1275,6 +1275,10 @@ def main(argv=None):
         print(path)
         return path
     if args.cmd == "bench":
+        if args.compile is None:
+            args.compile = reranker.cpp_compiler_available()
+            if not args.compile:
+                log("bench: no C++ compiler found, so the compile=True contender is left out")
         fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
               "nf4": bench_nf4}[args.what]
         res = fn(args)
