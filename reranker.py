@@ -27,6 +27,7 @@ Usage: rr = Reranker.from_pretrained("Qwen/Qwen3-Reranker-0.6B"); rr.rank(query,
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, fields
 
 import torch
@@ -205,8 +206,8 @@ _FUSED = {}
 
 
 def cpp_compiler_available():
-    """Whether torch.compile can build CPU kernels here: inductor calls $CXX, else g++."""
-    return bool(shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++"))
+    """Whether torch.compile can build CPU kernels here: inductor calls $CXX, else g++ (clang++ on macOS)."""
+    return shutil.which(os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")) is not None
 
 
 def fused(fn):
@@ -370,7 +371,7 @@ class Qwen3Model(nn.Module):
         torch.compile'd fusions (see `fused`); matmuls, attention and LoRA are unchanged."""
         if on and self.embed_tokens.weight.device.type == "cpu" and not cpp_compiler_available():
             raise RuntimeError("compile=True needs a C++ compiler on the CPU (torch.compile's inductor "
-                               "backend builds its kernels with g++, or $CXX): install g++ or run without it")
+                               "backend builds its kernels with $CXX, else g++): install one or run without it")
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP, Block)):
                 m.fused = on
