@@ -962,6 +962,8 @@ def bench_score(args):
                 tag = "snippet" if peer == "model_card_snippet" else peer
                 results[f"{name}/{ours}_vs_{tag}"] = results[f"{name}/{ours}"] / results[f"{name}/{peer}"]
                 results[f"{name}/{ours}_vs_{tag}_paired_median"] = paired_ratio(rounds, peer, ours)
+        if rc is not None:
+            results[f"{name}/ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
     a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     results["matmul_gflops"] = 2 * 2048 ** 3 / best_time(lambda: a @ b, 10) / 1e9
     return results
@@ -1080,6 +1082,8 @@ def bench_train(args):
         res[f"{k}_over_peft_memory"] = res[f"{k}_peak_MiB"] / res["peft_peak_MiB"]
         res[f"{k}_vs_peft"] = res[f"{k}_tok_s"] / res["peft_tok_s"]
         res[f"{k}_vs_peft_paired_median"] = paired_ratio(rounds, "peft", k)
+    if args.compile:
+        res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
     return res
 
 
