@@ -911,9 +911,21 @@ def mixed_lengths(n=10, seed=1):
     return [rng.randint(100, 1000) for _ in range(n)]
 
 
-def random_ids(lens, seed=0):
+def random_ids(lens, seed=0, prefix=0):
+    """Random token ids of the given lengths; with `prefix`, the first `prefix` tokens (at most L - 1)
+    are the same in every sequence, as in one query's reranker prompts (system prompt, instruction and
+    query before the document: 86 tokens with Qwen3's vocabulary, the Shield instruction and the
+    sample's median query)."""
     rng = random.Random(seed)
-    return [[rng.randrange(1000, 150000) for _ in range(L)] for L in lens]
+    common = [rng.randrange(1000, 150000) for _ in range(prefix)]
+    return [common[:min(prefix, L - 1)] + [rng.randrange(1000, 150000) for _ in range(L - min(prefix, L - 1))]
+            for L in lens]
+
+
+def matmul_gflops(dtype, repeat=10):
+    """The machine's measured matmul rate (2048^3, best of `repeat`), GFLOP/s."""
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    return 2 * 2048 ** 3 / best_time(lambda: a @ b, repeat) / 1e9
 
 
 def bench_score(args):
@@ -929,10 +941,10 @@ def bench_score(args):
     results = {}
     if rc is not None:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
-        rc.score_ids(random_ids(work["mixed"]))
+        rc.score_ids(random_ids(work["mixed"], prefix=args.prefix))
         results["compile_first_call_s"] = time.perf_counter() - t0
     for name, lens in work.items():
-        ids = random_ids(lens)
+        ids = random_ids(lens, prefix=args.prefix)
         T = max(lens)
         pad = torch.full((len(ids), T), 151643)                    # left padding, as the model card
         mask = torch.zeros((len(ids), T), dtype=torch.long)
@@ -951,6 +963,8 @@ def bench_score(args):
         cands = {"ours": lambda: rr.score_ids(ids), "transformers": transformers_keep1}
         if rc is not None:
             cands["ours_compiled"] = lambda: rc.score_ids(ids)
+        if args.prefix:
+            cands["ours_unshared"] = lambda: unshared(rr, ids)
         if name == "fixed":
             cands["model_card_snippet"] = snippet
         rounds = []
@@ -964,9 +978,19 @@ def bench_score(args):
                 results[f"{name}/{ours}_vs_{tag}_paired_median"] = paired_ratio(rounds, peer, ours)
         if rc is not None:
             results[f"{name}/ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    results["matmul_gflops"] = 2 * 2048 ** 3 / best_time(lambda: a @ b, 10) / 1e9
+        if args.prefix:
+            results[f"{name}/ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
+    results["matmul_gflops"] = matmul_gflops(dtype)
     return results
+
+
+def unshared(rr, ids):
+    """Our scorer with prefix sharing off: every document's prompt runs in full."""
+    rr.share_prefix = False
+    try:
+        return rr.score_ids(ids)
+    finally:
+        rr.share_prefix = True
 
 
 def in_fresh_process(fn, *args):
@@ -995,10 +1019,10 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _peak_rss_child(kind, folder, lens, dtype_name, q):
+def _peak_rss_child(kind, folder, lens, prefix, dtype_name, q):
     """Runs one contender once in a fresh process and reports its peak resident memory (MiB)."""
     dtype = getattr(torch, dtype_name)
-    ids = random_ids(lens)
+    ids = random_ids(lens, prefix=prefix)
     if kind.startswith("ours"):
         reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=kind == "ours_compiled").score_ids(ids)
     else:
@@ -1021,7 +1045,7 @@ def bench_memory(args):
     for name, lens in {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}.items():
         kinds = ("ours", "ours_compiled", "transformers") if args.compile else ("ours", "transformers")
         for kind in kinds:
-            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, args.dtype)
+            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, args.prefix, args.dtype)
         for kind in kinds[:-1]:
             res[f"{name}/{kind}_over_transformers"] = res[f"{name}/{kind}_peak_MiB"] / res[f"{name}/transformers_peak_MiB"]
     return res
@@ -1046,7 +1070,8 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft")):
             (lg[:, yes] - lg[:, no]).sum().backward()
         steps["peft"] = peft_step
     for kind in [k for k in kinds if k.startswith("ours")]:
-        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=kind == "ours_compiled")
+        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=kind == "ours_compiled",
+                                               share_prefix=kind != "ours_unshared")
         assert (rr.yes_id, rr.no_id) == (yes, no)
         lora.add_lora(rr.model)
         rr.model.train()
@@ -1066,8 +1091,8 @@ def bench_train(args):
     in one process, peak memory (weights included) of one step in a fresh process each."""
     dtype = getattr(torch, args.dtype)
     folder = bench_folder(args)
-    ids = random_ids([args.seq] * 3)
-    kinds = ("ours", "ours_compiled", "peft") if args.compile else ("ours", "peft")
+    ids = random_ids([args.seq] * 3, prefix=args.prefix)
+    kinds = ("ours",) + ("ours_compiled",) * bool(args.compile) + ("ours_unshared",) * bool(args.prefix) + ("peft",)
     res, rounds = {}, []
     for kind in kinds:
         res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
@@ -1084,6 +1109,9 @@ def bench_train(args):
         res[f"{k}_vs_peft_paired_median"] = paired_ratio(rounds, "peft", k)
     if args.compile:
         res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
+    if args.prefix:
+        res["ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
+    res["matmul_gflops"] = matmul_gflops(dtype)
     return res
 
 
@@ -1092,7 +1120,7 @@ def bench_nf4(args):
     (dequantised on the fly), same random real-width weights and ids."""
     dtype = getattr(torch, args.dtype)
     folder = bench_folder(args)
-    ids = random_ids([args.seq] * 10)
+    ids = random_ids([args.seq] * 10, prefix=args.prefix)
     res = {}
     for name in ("bf16", "nf4"):
         rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
@@ -1243,6 +1271,9 @@ def main(argv=None):
     be.add_argument("--layers", type=int, default=28, help="decoder layers at real width")
     be.add_argument("--dtype", default="bfloat16", help="dtype of the weights")
     be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
+    be.add_argument("--prefix", type=int, default=0,
+                    help="first N tokens common to every document, as one query's prompts are (86 with "
+                         "Qwen3's vocabulary); also races ours with prefix sharing off. Default 0: unrelated ids")
     be.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is reported)")
     be.add_argument("--out", default="runs/_bench", help="where the random real-width checkpoint is kept")
     be.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,

@@ -247,6 +247,44 @@ def test_batch_invariance_and_order(tiny_dir):
     assert top == sorted(range(9), key=lambda i: (-float(alone[i]), i))[:5]
 
 
+def test_shared_prefix_exact_scores_and_gradients(hf_tiny):
+    """One query's documents share the prompt up to the document; score_ids runs that prefix once.
+    Scores equal transformers' and the unshared path, and LoRA gradients equal the unshared ones,
+    also with duplicate documents (prefix capped one short) and with gradient checkpointing."""
+    folder, hm = hf_tiny
+    assert reranker.common_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
+    assert reranker.common_prefix_len([[1, 2, 3], [1, 2, 3]]) == 2      # each keeps its final token
+    assert reranker.common_prefix_len([[5], [5, 6]]) == 0
+    assert reranker.common_prefix_len([[1, 2], [3, 2]]) == 0
+    docs = ["Paris is the capital of France. " * 3, "short", "short", "A much longer document about eggs. " * 40,
+            "Ünïcödé: naïve café, 東京の水道水は安全です。"]
+    shared = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    alone = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, share_prefix=False)
+    ids = shared.tokenize("What is the capital of France?", docs)
+    P = reranker.common_prefix_len(ids)
+    assert P > len(shared.prefix_ids) + 10                           # system prompt + instruction + query
+    ref = hf_margins(hm, ids, shared.yes_id, shared.no_id)
+    torch.testing.assert_close(shared.score_ids(ids), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(shared.score_ids(ids), alone.score_ids(ids), rtol=1e-5, atol=1e-6)
+    grads = []
+    for share, ckpt in ((False, False), (True, False), (True, True)):
+        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, share_prefix=share)
+        torch.manual_seed(0)
+        lora.add_lora(rr.model, dropout=0.0)
+        with torch.no_grad():
+            for m in lora.lora_modules(rr.model).values():
+                m.lora_B.normal_(0, 0.05)
+        rr.model.train()
+        rr.model.gradient_checkpointing = ckpt
+        s = rr.score_ids(ids, grad=True)
+        (s * torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in rr.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys() and grads[0]
+    for g in grads[1:]:
+        for n in grads[0]:
+            assert _rel(g[n], grads[0][n]) < 1e-5, n
+
+
 def test_tiny_checkpoint_deterministic_and_tokenizer(tmp_path):
     a = reranker.make_tiny_checkpoint(str(tmp_path / "a"), seed=0)
     b = reranker.make_tiny_checkpoint(str(tmp_path / "b"), seed=0)
@@ -392,21 +430,33 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("L,block", [(5, 2), (300, 128), (256, 64)])
-def test_causal_attention_backward_matches_autograd(L, block):
-    """The hand-written training backward of attention against autograd through SDPA: equal in
-    float32, and in bf16 within the error SDPA's own bf16 backward makes (both vs float64)."""
+@pytest.mark.parametrize("lens,P,block", [([5], 0, 2), ([300], 0, 128), ([256], 0, 64), ([40, 7, 130], 0, 32),
+                                          ([40, 7, 130], 23, 32), ([1, 200, 3], 150, 64)])
+def test_causal_attention_backward_matches_autograd(lens, P, block):
+    """The hand-written training attention over packed sequences (P shared prefix rows, then each
+    sequence's own rows) against autograd through per-sequence SDPA on the sequences written out in
+    full: equal in float32, and in bf16 within the error SDPA's own bf16 backward makes (vs float64)."""
     import torch.nn.functional as F
     torch.manual_seed(0)
     H, K, E = 4, 2, 32
-    base = [torch.randn(1, n, L, E, dtype=torch.float64) * 2 for n in (H, K, K)] + [torch.randn(1, H, L, E, dtype=torch.float64)]
+    N = P + sum(lens)
+    base = [torch.randn(N, n, E, dtype=torch.float64) * 2 for n in (H, K, K)] + [torch.randn(N, H, E, dtype=torch.float64)]
+
+    def reference(q, k, v):
+        """Each sequence as its own copy of prefix + own rows; outputs of the prefix rows kept once."""
+        outs, start = [], P
+        for j, L in enumerate(lens):
+            rows = list(range(P)) + list(range(start, start + L))
+            qj, kj, vj = (t[rows].transpose(0, 1)[None] for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            outs.append(o if j == 0 else o[P:])
+            start += L
+        return torch.cat(outs)
 
     def grads(dtype, ours):
         q, k, v = (t.to(dtype).requires_grad_() for t in base[:3])
-        o = (reranker.CausalAttention.apply(q, k, v, block) if ours
-             else F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-        ref_o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        assert torch.equal(o, ref_o)                                   # forward is SDPA itself
+        o = reranker.PackedCausalAttention.apply(q, k, v, lens, P, block) if ours else reference(q, k, v)
+        assert torch.equal(o, reference(q, k, v))                       # forward is SDPA itself
         return torch.autograd.grad(o, (q, k, v), base[3].to(dtype))
 
     exact = grads(torch.float64, False)
