@@ -882,14 +882,18 @@ def best_time(fn, repeat):
 
 def race(fns, repeat, rounds=None):
     """Best seconds of each function, timed round-robin (one call of each per round, after a warm-up
-    round), so that a machine whose speed drifts during the run slows every contender alike. If a
-    list `rounds` is given, each round's {name: seconds} is appended to it (for paired ratios)."""
+    round), so that a machine whose speed drifts during the run slows every contender alike. The
+    order rotates every round, so that no contender always runs in the same place (right after the
+    same other one). If a list `rounds` is given, each round's {name: seconds} is appended to it
+    (for paired ratios)."""
     for fn in fns.values():
         fn()
     best = {k: float("inf") for k in fns}
-    for _ in range(repeat):
+    names = list(fns)
+    for r in range(repeat):
         times = {}
-        for k, fn in fns.items():
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[k]
             t0 = time.perf_counter()
             fn()
             times[k] = time.perf_counter() - t0
