@@ -222,6 +222,11 @@ def fused(fn):
     return _FUSED[fn]
 
 
+# Devices whose training attention uses PackedCausalAttention's hand backward; elsewhere (CUDA) SDPA's
+# own fused backward is used through autograd.
+HAND_BACKWARD = ("cpu",)
+
+
 class PackedCausalAttention(torch.autograd.Function):
     """Causal grouped-query attention over packed sequences, for training on the CPU.
     q (N, H, E), k and v (N, K, E), packed as in Attention.forward (P shared prefix rows, then each
@@ -338,7 +343,7 @@ class Attention(nn.Module):
         else:
             q = apply_rope(self.q_norm(q), cq, sq)
             k = apply_rope(self.k_norm(k), cos, sin)
-        if last is None and torch.is_grad_enabled() and q.requires_grad and q.device.type == "cpu":
+        if last is None and torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
             o = PackedCausalAttention.apply(q, k, v, lens, P)                     # hand backward (CPU)
             return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
         outs, start = [], P
