@@ -136,6 +136,19 @@ def ok(text, **msg):
 # ----------------------------------------------------------------------------- reranker (issue 2)
 
 
+def train_with_lora(rr, seed, dropout, checkpointing=False):
+    """LoRA on the 7 projections (init from `seed`) with a random, non-zero B so that gradients
+    reach A too; the model in train mode."""
+    torch.manual_seed(seed)
+    lora.add_lora(rr.model, dropout=dropout)
+    with torch.no_grad():
+        for m in lora.lora_modules(rr.model).values():
+            m.lora_B.normal_(0, 0.05)
+    rr.model.train()
+    rr.model.gradient_checkpointing = checkpointing
+    return rr
+
+
 def hf_margins(model, ids, yes, no, pad_id=0):
     """transformers reference: one left-padded batch, logits at the last position."""
     T = max(len(x) for x in ids)
@@ -209,13 +222,7 @@ def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
     # also with gradient checkpointing on the compiled side
     grads = []
     for rr in (eager, comp):
-        torch.manual_seed(3)
-        lora.add_lora(rr.model, dropout=0.05)
-        with torch.no_grad():
-            for m in lora.lora_modules(rr.model).values():
-                m.lora_B.normal_(0, 0.05)
-        rr.model.train()
-        rr.model.gradient_checkpointing = rr is comp
+        train_with_lora(rr, seed=3, dropout=0.05, checkpointing=rr is comp)
         torch.manual_seed(4)
         rr.score_ids(ids, grad=True).pow(2).sum().backward()
         grads.append({n: p.grad for n, p in rr.model.named_parameters() if p.grad is not None})
@@ -273,13 +280,7 @@ def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
     for share, ckpt, hand in ((False, False, ("cpu",)), (True, False, ("cpu",)), (True, True, ("cpu",)), (True, False, ())):
         monkeypatch.setattr(reranker, "HAND_BACKWARD", hand)
         rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, share_prefix=share)
-        torch.manual_seed(0)
-        lora.add_lora(rr.model, dropout=0.0)
-        with torch.no_grad():
-            for m in lora.lora_modules(rr.model).values():
-                m.lora_B.normal_(0, 0.05)
-        rr.model.train()
-        rr.model.gradient_checkpointing = ckpt
+        train_with_lora(rr, seed=0, dropout=0.0, checkpointing=ckpt)
         s = rr.score_ids(ids, grad=True)
         (s * torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])).sum().backward()
         grads.append({n: p.grad.clone() for n, p in rr.model.named_parameters() if p.grad is not None})
@@ -1244,13 +1245,7 @@ def test_gradient_checkpointing_same_gradients(tiny_dir, dropout):
     grads = []
     for ckpt in (False, True):
         rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
-        torch.manual_seed(0)
-        lora.add_lora(rr.model, dropout=dropout)
-        with torch.no_grad():
-            for m in lora.lora_modules(rr.model).values():
-                m.lora_B.normal_(0, 0.05)
-        rr.model.train()
-        rr.model.gradient_checkpointing = ckpt
+        train_with_lora(rr, seed=0, dropout=dropout, checkpointing=ckpt)
         torch.manual_seed(1)
         rr.score("q", ["some document", "another, longer document text"], grad=True).sum().backward()
         grads.append({n: p.grad.clone() for n, p in rr.model.named_parameters() if p.grad is not None})
