@@ -245,18 +245,7 @@ class PackedCausalAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lens, P=0, block=128):
         ctx.save_for_backward(q, k, v)
         ctx.lens, ctx.P, ctx.block = lens, P, block
-        out = torch.empty_like(q)                                                 # (N, H, E)
-        start = P
-        for j, L in enumerate(lens):
-            qj, kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, P+L, E)
-            o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)
-            o = o[0].transpose(0, 1)                                              # (P+L, H, E)
-            if j == 0:
-                out[:start + L] = o                                               # the prefix rows, once
-            else:
-                out[start:start + L] = o[P:]
-            start += L
-        return out
+        return packed_causal_sdpa(q, k, v, lens, P)
 
     @staticmethod
     def backward(ctx, do):
@@ -305,6 +294,26 @@ class PackedCausalAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def packed_causal_sdpa(q, k, v, lens, P=0):
+    """Causal GQA of packed sequences by SDPA, one sequence at a time. q (N, H, E), k and v (N, K, E):
+    P shared prefix rows, then each sequence's own rows (lengths `lens`) -> (N, H, E). Each sequence
+    attends over prefix + own rows; the prefix queries ride along so that one square causal mask
+    serves, and their output rows are kept once (sequence 0): P*P/2 extra scores per other sequence."""
+    out = torch.empty_like(q)                                                     # (N, H, E)
+    start = P
+    for j, L in enumerate(lens):
+        # 4-D (1, heads, P+L, E): 3-D inputs send CPU SDPA to its slow math path (7x slower, measured);
+        # enable_gqa: kv head i serves query heads i*H/K .. (i+1)*H/K - 1 (repeat_interleave)
+        qj, kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        if j == 0:
+            out[:start + L] = o                                                   # with the prefix rows
+        else:
+            out[start:start + L] = o[P:]                                          # (L, H, E)
+        start += L
+    return out
+
+
 def seq_rows(t, P, start, L):
     """One sequence's rows of a packed (N, ...) tensor: the P shared prefix rows 0..P-1, then its own
     rows start..start+L-1 -> (P+L, ...). A view when they are adjacent (P = 0, or the first sequence)."""
@@ -343,28 +352,19 @@ class Attention(nn.Module):
         else:
             q = apply_rope(self.q_norm(q), cq, sq)
             k = apply_rope(self.k_norm(k), cos, sin)
-        if last is None and torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
-            o = PackedCausalAttention.apply(q, k, v, lens, P)                     # hand backward (CPU)
+        if last is None:
+            if torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
+                o = PackedCausalAttention.apply(q, k, v, lens, P)                 # hand backward (CPU)
+            else:
+                o = packed_causal_sdpa(q, k, v, lens, P)                          # (N, H, E)
             return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
         outs, start = [], P
-        for j, L in enumerate(lens):
-            # 4-D (1, heads, P+L, E): 3-D inputs send CPU SDPA to its slow math path (7x slower, measured)
-            kj = seq_rows(k, P, start, L).transpose(0, 1)[None]                   # (1, K, P+L, E)
-            vj = seq_rows(v, P, start, L).transpose(0, 1)[None]                   # (1, K, P+L, E)
-            if last is None:
-                # the prefix queries ride along so that one square causal mask serves; their rows
-                # are kept once (j = 0) and dropped for the other sequences (P*P/2 extra scores each)
-                qj = seq_rows(q, P, start, L).transpose(0, 1)[None]               # (1, H, P+L, E)
-                # enable_gqa: kv head i serves query heads i*H/K .. (i+1)*H/K - 1 (repeat_interleave)
-                o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)
-                o = o[0].transpose(0, 1).reshape(-1, self.H * self.E)             # (P+L, H*E)
-                outs.append(o if j == 0 else o[P:])
-            else:
-                qj = q[j:j + 1].transpose(0, 1)[None]                             # (1, H, 1, E) final query sees all keys
-                o = F.scaled_dot_product_attention(qj, kj, vj, enable_gqa=True)
-                outs.append(o[0].transpose(0, 1).reshape(-1, self.H * self.E))    # (1, H*E)
+        for j, L in enumerate(lens):                                              # final query sees all keys
+            kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (k, v))  # (1, K, P+L, E)
+            o = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], kj, vj, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(-1, self.H * self.E))        # (1, H*E)
             start += L
-        return self.o_proj(torch.cat(outs))                                       # (N|S, C)
+        return self.o_proj(torch.cat(outs))                                       # (S, C)
 
 
 class MLP(nn.Module):

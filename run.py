@@ -922,8 +922,11 @@ def random_ids(lens, seed=0, prefix=0):
     sample's median query)."""
     rng = random.Random(seed)
     common = [rng.randrange(1000, 150000) for _ in range(prefix)]
-    return [common[:min(prefix, L - 1)] + [rng.randrange(1000, 150000) for _ in range(L - min(prefix, L - 1))]
-            for L in lens]
+    out = []
+    for L in lens:
+        P = min(prefix, L - 1)
+        out.append(common[:P] + [rng.randrange(1000, 150000) for _ in range(L - P)])
+    return out
 
 
 def matmul_gflops(dtype, repeat=10):
