@@ -265,8 +265,11 @@ class PackedCausalAttention(torch.autograd.Function):
             # query head h = i*G + g reads kv head i (repeat-interleave order): group query heads by kv head
             qg = q[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)                # (K, G, R, E)
             dog = do[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)
-            k0 = seq_rows(k, P, start, L).transpose(0, 1)                         # (K, P+L, E)
-            v0 = seq_rows(v, P, start, L).transpose(0, 1)
+            # made contiguous once per sequence: bmm still copies each block's k0[:, :b] etc. into a
+            # dense operand, but from these rows rather than from the packed layout (same bits, this
+            # backward 1.01x-1.10x faster: paired races, 3 x 512 and mixed lengths, scratch script)
+            k0 = seq_rows(k, P, start, L).transpose(0, 1).contiguous()            # (K, P+L, E)
+            v0 = seq_rows(v, P, start, L).transpose(0, 1).contiguous()
             dqg = torch.empty_like(qg)
             dkl = torch.zeros(K, P + L, E, dtype=k.dtype, device=k.device)
             dvl = torch.zeros_like(dkl)
