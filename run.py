@@ -993,11 +993,11 @@ def bench_score(args):
 
 def unshared(rr, ids):
     """Our scorer with prefix sharing off: every document's prompt runs in full."""
-    rr.share_prefix = False
+    was, rr.share_prefix = rr.share_prefix, False
     try:
         return rr.score_ids(ids)
     finally:
-        rr.share_prefix = True
+        rr.share_prefix = was
 
 
 def in_fresh_process(fn, *args):
