@@ -88,6 +88,25 @@ class Config:
     transfer: str = None                       # Table C.2: "name=runs/x/library/E4.json,..." libraries of other LLMs
     prices: str = None                         # JSON file {model: [USD per 1M input tokens, per 1M output]}
 
+    def __post_init__(self):
+        """Reject out-of-range settings up front, naming the flag (not minutes later, deep inside a run)."""
+        checks = [("k", self.k >= 1), ("lora-r", self.lora_r >= 1), ("lora-alpha", self.lora_alpha > 0),
+                  ("lora-dropout", 0 <= self.lora_dropout < 1), ("lr", self.lr > 0), ("epochs", self.epochs >= 1),
+                  ("grad-accum", self.grad_accum >= 1), ("max-grad-norm", self.max_grad_norm > 0),
+                  ("beta", self.beta > 0), ("monitor-frac", 0 < self.monitor_frac < 1),
+                  ("lam-def", self.lam_def >= 0), ("lam-util", self.lam_util >= 0), ("lam-cons", self.lam_cons >= 0),
+                  ("save-every", self.save_every >= 1), ("n-construction", self.n_construction >= 1),
+                  ("max-length", self.max_length >= 64), ("workers", self.workers >= 1), ("rpm", self.rpm >= 0),
+                  ("max-tokens", self.max_tokens >= 1), ("temperature", self.temperature >= 0),
+                  ("batch-size", self.batch_size >= 1), ("n-batches", self.n_batches >= 1),
+                  ("n-seed-cases", self.n_seed_cases >= 0), ("max-initial-rules", self.max_initial_rules >= 1),
+                  ("ppl-quantile", 0 < self.ppl_quantile <= 1), ("n-boot", self.n_boot >= 1),
+                  ("max-test-groups", self.max_test_groups >= 0), ("quant", self.quant in ("none", "nf4")),
+                  ("dtype", self.dtype in ("bfloat16", "float16", "float32"))]
+        bad = [f"--{flag} {getattr(self, flag.replace('-', '_'))!r}" for flag, ok in checks if not ok]
+        if bad:
+            raise SystemExit(f"out of range: {', '.join(bad)} (see `python run.py train --help`)")
+
     @property
     def run_dir(self):
         return os.path.join(self.runs_dir, self.name)
@@ -388,6 +407,14 @@ def make_llm(cfg, spec=None):
     prices = {k: tuple(v) for k, v in read_json(cfg.prices, {}).items()} if cfg.prices else None
     return llm_clients.make_client(spec or cfg.llm, base_url=cfg.base_url,
                                    cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices)
+
+
+def check_llms(cfg):
+    """Build every client the command will use (target, analyzer, judge) once, so that an unknown
+    provider, a missing API key or a missing --base-url is reported before any model is loaded.
+    Builds clients only: no request is sent."""
+    for spec in dict.fromkeys(s for s in (cfg.llm, cfg.analyzer, cfg.judge) if s):
+        make_llm(cfg, spec)
 
 
 def _doc_key(query, doc):
@@ -1331,6 +1358,9 @@ def main(argv=None):
         args.runs_dir = args.out
         args.name = args.name or "demo"
     cfg = resolve_config(args)
+    stage = getattr(args, "stage", "all")
+    if args.cmd != "train" or stage in ("all", "tfsg"):
+        check_llms(cfg)   # a missing key or bad spec fails now, not after hours of Shield training
     if args.cmd == "build-bench":
         methods = [m.strip() for m in args.geo_methods.split(",")]
         bad = [m for m in methods if m not in GEO_METHODS]
@@ -1344,7 +1374,6 @@ def main(argv=None):
     record_config(cfg, args.cmd)
     try:
         if args.cmd in ("train", "demo"):
-            stage = getattr(args, "stage", "all")
             if stage in ("all", "shield"):
                 train_shield(cfg, resume=not getattr(args, "no_resume", False))
             if stage in ("all", "tfsg"):

@@ -862,6 +862,23 @@ def test_make_client_keys_and_fields(monkeypatch):
         llm_clients.make_client("nope:x")
 
 
+def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
+    """A missing API key must stop `train` before the Shield stage loads a model or trains (the
+    TFSG stage that needs the key comes after it); out-of-range flags are named up front."""
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    loaded = []
+    monkeypatch.setattr(run, "load_reranker", lambda cfg: loaded.append(cfg) or pytest.fail("model loaded"))
+    for argv in (["train", "--llm", "deepseek:deepseek-chat"], ["train", "--judge", "deepseek:deepseek-chat"],
+                 ["eval", "--llm", "offline", "--analyzer", "deepseek:deepseek-chat"]):
+        with pytest.raises(llm_clients.LLMError, match="DEEPSEEK_API_KEY"):
+            run.main(argv + ["--model", "tiny", "--name", "k", "--runs-dir", str(tmp_path)])
+    assert not loaded and not os.path.exists(tmp_path / "k" / "adapter")
+    with pytest.raises(SystemExit, match=r"--epochs 0.*--quant 'nf8'"):
+        run.main(["train", "--epochs", "0", "--quant", "nf8", "--model", "tiny", "--runs-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"--lora-dropout 1.0"):
+        run.Config(lora_dropout=1.0)
+
+
 # ----------------------------------------------------------------------------- TFSG (issue 6)
 
 
