@@ -956,21 +956,47 @@ def random_ids(lens, seed=0, prefix=0):
     return out
 
 
-def matmul_gflops(dtype, repeat=10):
+def matmul_gflops(dtype, repeat=10, device="cpu"):
     """The machine's measured matmul rate (2048^3, best of `repeat`), GFLOP/s."""
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    return 2 * 2048 ** 3 / best_time(lambda: a @ b, repeat) / 1e9
+    a, b = (torch.randn(2048, 2048, dtype=dtype, device=device) for _ in range(2))
+    return 2 * 2048 ** 3 / best_time(synced(lambda: a @ b, device), repeat) / 1e9
+
+
+def synced(fn, device):
+    """fn, waiting for the device to finish before returning (CUDA runs asynchronously: without
+    this a timer would measure only the kernel launches)."""
+    if torch.device(device).type != "cuda":
+        return fn
+
+    def run():
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+    return run
+
+
+def cuda_step_peaks(fns, device):
+    """On CUDA: MiB that one call of each function allocates above what is resident before it (its
+    activations, gradients and workspace; the weights of every contender stay resident throughout)."""
+    out = {}
+    for k, fn in fns.items():
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        out[k] = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+    return out
 
 
 def bench_score(args):
     """tokens/s of our scorer vs transformers (logits_to_keep=1, sdpa, one left-padded batch) and the
     model card snippet (full logits), same random real-width weights and ids; plus the bf16 matmul rate."""
     import transformers
-    dtype = getattr(torch, args.dtype)
+    dtype, dev = getattr(torch, args.dtype), args.device
     folder = bench_folder(args)
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
-    rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
-    rc = reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=True) if args.compile else None
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    rr = reranker.Reranker.from_pretrained(folder, dtype=dtype, device=dev)
+    rc = reranker.Reranker.from_pretrained(folder, dtype=dtype, device=dev, compile=True) if args.compile else None
     work = {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}
     results = {}
     if rc is not None:  # compilation happens on the first call: timed here, outside the race
@@ -985,6 +1011,7 @@ def bench_score(args):
         for i, x in enumerate(ids):
             pad[i, T - len(x):] = torch.tensor(x)
             mask[i, T - len(x):] = 1
+        pad, mask = pad.to(dev), mask.to(dev)
 
         def transformers_keep1():
             with torch.inference_mode():
@@ -1001,6 +1028,10 @@ def bench_score(args):
             cands["ours_unshared"] = lambda: unshared(rr, ids)
         if name == "fixed":
             cands["model_card_snippet"] = snippet
+        cands = {k: synced(fn, dev) for k, fn in cands.items()}
+        if torch.device(dev).type == "cuda":
+            for k, mib in cuda_step_peaks(cands, dev).items():
+                results[f"{name}/{k}_cuda_call_peak_MiB"] = mib
         rounds = []
         for k, t in race(cands, args.repeat, rounds).items():
             results[f"{name}/{k}"] = sum(lens) / t
@@ -1014,7 +1045,7 @@ def bench_score(args):
             results[f"{name}/ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
         if args.prefix:
             results[f"{name}/ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
-    results["matmul_gflops"] = matmul_gflops(dtype)
+    results["matmul_gflops"] = matmul_gflops(dtype, device=dev)
     return results
 
 
@@ -1085,7 +1116,7 @@ def bench_memory(args):
     return res
 
 
-def _train_steps(folder, dtype, ids, kinds=("ours", "peft")):
+def _train_steps(folder, dtype, ids, kinds=("ours", "peft"), device="cpu"):
     """The micro-step of `bench --what train` for each contender: forward + backward of the yes/no
     margin through LoRA (r 16, alpha 32, dropout 0.05) on all 7 projections, same weights and ids."""
     import tokenizers
@@ -1095,16 +1126,16 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft")):
     if "peft" in kinds:
         import peft
         import transformers
-        hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device)
         pm = peft.get_peft_model(hf, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(lora.TARGETS)))
-        x = torch.tensor(ids)
+        x = torch.tensor(ids, device=device)
 
         def peft_step():
             lg = pm(input_ids=x, logits_to_keep=1).logits[:, -1, :].float()
             (lg[:, yes] - lg[:, no]).sum().backward()
         steps["peft"] = peft_step
     for kind in [k for k in kinds if k.startswith("ours")]:
-        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=kind == "ours_compiled",
+        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype, device=device, compile=kind == "ours_compiled",
                                                share_prefix=kind != "ours_unshared")
         assert (rr.yes_id, rr.no_id) == (yes, no)
         lora.add_lora(rr.model)
@@ -1123,29 +1154,35 @@ def bench_train(args):
     """One micro-step (3 documents x seq tokens, forward+backward through LoRA on all 7 projections)
     at real width: ours vs transformers + peft on the same weights and ids; tokens/s timed round-robin
     in one process, peak memory (weights included) of one step in a fresh process each."""
-    dtype = getattr(torch, args.dtype)
+    dtype, dev = getattr(torch, args.dtype), args.device
+    cuda = torch.device(dev).type == "cuda"
     folder = bench_folder(args)
     ids = random_ids([args.seq] * 3, prefix=args.prefix)
     kinds = ("ours",) + ("ours_compiled",) * bool(args.compile) + ("ours_unshared",) * bool(args.prefix) + ("peft",)
     res, rounds = {}, []
-    for kind in kinds:
-        res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
-    steps = _train_steps(folder, dtype, ids, kinds)
+    if not cuda:  # peak RSS, weights included, each in a fresh process
+        for kind in kinds:
+            res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
+    steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds, dev).items()}
     if args.compile:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
         steps["ours_compiled"]()
         res["compile_first_call_s"] = time.perf_counter() - t0
+    if cuda:  # one step's allocations above the resident weights, all contenders in this process
+        for k, mib in cuda_step_peaks(steps, dev).items():
+            res[f"{k}_cuda_step_peak_MiB"] = mib
     for k, t in race(steps, args.repeat, rounds).items():
         res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * args.seq / t, t
+    mem = "cuda_step_peak_MiB" if cuda else "peak_MiB"
     for k in kinds[:-1]:
-        res[f"{k}_over_peft_memory"] = res[f"{k}_peak_MiB"] / res["peft_peak_MiB"]
+        res[f"{k}_over_peft_memory"] = res[f"{k}_{mem}"] / res[f"peft_{mem}"]
         res[f"{k}_vs_peft"] = res[f"{k}_tok_s"] / res["peft_tok_s"]
         res[f"{k}_vs_peft_paired_median"] = paired_ratio(rounds, "peft", k)
     if args.compile:
         res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
     if args.prefix:
         res["ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
-    res["matmul_gflops"] = matmul_gflops(dtype)
+    res["matmul_gflops"] = matmul_gflops(dtype, device=dev)
     return res
 
 
@@ -1304,6 +1341,9 @@ def main(argv=None):
     be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4"], required=True, help="which benchmark")
     be.add_argument("--layers", type=int, default=28, help="decoder layers at real width")
     be.add_argument("--dtype", default="bfloat16", help="dtype of the weights")
+    be.add_argument("--device", default="cpu",
+                    help="torch device for score and train (cuda: timed with synchronisation; memory as each "
+                         "contender's allocation peak above the resident weights instead of peak RSS)")
     be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
     be.add_argument("--prefix", type=int, default=0,
                     help="first N tokens common to every document, as one query's prompts are (86 with "
@@ -1348,6 +1388,8 @@ def main(argv=None):
             args.compile = reranker.cpp_compiler_available()
             if not args.compile:
                 log("bench: no C++ compiler found, so the compile=True contender is left out")
+        if args.what not in ("score", "train") and args.device != "cpu":
+            raise SystemExit(f"bench --what {args.what} runs on the CPU only; --device takes score and train")
         fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
               "nf4": bench_nf4}[args.what]
         res = fn(args)

@@ -176,9 +176,14 @@ def test_parity_tiny_fp32_single_and_batched(hf_tiny):
     assert ours.dtype == torch.float32 and ours.shape == (4,)
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (this CPU machine has none)")
+
+
 @pytest.mark.slow
-def test_parity_real_width_fp32_and_bf16(tmp_path, tiny_dir):
-    """Real width (hidden 1024, 16/8 heads, head_dim 128, MLP 3072, vocab 151669), 2 layers."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_parity_real_width_fp32_and_bf16(tmp_path, tiny_dir, device):
+    """Real width (hidden 1024, 16/8 heads, head_dim 128, MLP 3072, vocab 151669), 2 layers; ours on
+    `device` against transformers' fp32 forward on the CPU."""
     transformers = pytest.importorskip("transformers")
     hc = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
                                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
@@ -187,23 +192,50 @@ def test_parity_real_width_fp32_and_bf16(tmp_path, tiny_dir):
     hm = transformers.Qwen3ForCausalLM(hc).eval()
     hm.save_pretrained(tmp_path, safe_serialization=True)
     shutil.copy(os.path.join(tiny_dir, "tokenizer.json"), tmp_path)
-    rr = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.float32)
+    rr = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.float32, device=device)
     g = random.Random(0)
     ids = [[g.randrange(1000, 150000) for _ in range(n)] for n in (37, 120, 300)]
     ref = hf_margins(hm, ids, rr.yes_id, rr.no_id)
-    torch.testing.assert_close(rr.score_ids(ids), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-4)
     # bf16: our float32 margin over bf16 weights vs the fp32 reference. Stated tolerance: 0.05 + 5% of |m|
     # (bf16 keeps 8 mantissa bits; 2 layers of rounding).
-    rb = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
-    mb = rb.score_ids(ids)
+    rb = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.bfloat16, device=device)
+    mb = rb.score_ids(ids).cpu()
     assert mb.dtype == torch.float32
     assert torch.all((mb - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mb, ref)
     # the torch.compile'd elementwise path at real width, same references and tolerances
     rr.model.compile_elementwise()
-    torch.testing.assert_close(rr.score_ids(ids), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-4)
     rb.model.compile_elementwise()
-    mc = rb.score_ids(ids)
+    mc = rb.score_ids(ids).cpu()
     assert torch.all((mc - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mc, ref)
+
+
+@CUDA
+def test_cuda_matches_cpu_scores_and_lora_gradients(hf_tiny):
+    """Runs only where CUDA is available: the same transformers-saved weights on CUDA (SDPA's fused
+    attention and its own backward) and on the CPU (packed SDPA and the hand backward) give the same
+    fp32 scores and LoRA gradients (dropout 0), eager and compiled; bf16 on CUDA within the bf16
+    parity tolerance of the fp32 CPU scores."""
+    folder, hm = hf_tiny
+    docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
+    cpu = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    ids = cpu.tokenize("What is the capital of France?", docs)
+    ref = cpu.score_ids(ids)
+    torch.testing.assert_close(ref, hf_margins(hm, ids, cpu.yes_id, cpu.no_id), rtol=1e-4, atol=1e-5)
+    grads = {}
+    for name, compile_ in (("cpu", False), ("cuda", False), ("cuda_compiled", True)):
+        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, device=name[:4], compile=compile_)
+        torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-5)
+        train_with_lora(rr, seed=3, dropout=0.0)
+        rr.score_ids(ids, grad=True).pow(2).sum().backward()
+        grads[name] = {n: p.grad.cpu() for n, p in rr.model.named_parameters() if p.grad is not None}
+    for name in ("cuda", "cuda_compiled"):
+        assert grads[name].keys() == grads["cpu"].keys()
+        for n in grads["cpu"]:
+            assert _rel(grads[name][n], grads["cpu"][n]) < 1e-4, (name, n)
+    mb = reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16, device="cuda").score_ids(ids).cpu()
+    assert mb.dtype == torch.float32 and torch.all((mb - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mb, ref)
 
 
 def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
