@@ -1153,7 +1153,8 @@ def _peak_rss_train_child(kind, folder, ids, dtype_name, q):
 def bench_train(args):
     """One micro-step (3 documents x seq tokens, forward+backward through LoRA on all 7 projections)
     at real width: ours vs transformers + peft on the same weights and ids; tokens/s timed round-robin
-    in one process, peak memory (weights included) of one step in a fresh process each."""
+    in one process, peak memory (weights included) of one step in a fresh process each (on CUDA: one
+    step's allocation peak above the resident weights, in this process)."""
     dtype, dev = getattr(torch, args.dtype), args.device
     cuda = torch.device(dev).type == "cuda"
     folder = bench_folder(args)
