@@ -1287,8 +1287,24 @@ def add_config_flags(p):
 
 
 def resolve_config(args):
-    kw = dict(PRESETS.get(args.preset or "paper", {}))
-    kw.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None})
+    """Defaults, then (train and eval on an existing run folder) the settings recorded in its
+    config.json that the run depends on, then the preset and flags given. So `eval --name x` after
+    `train --name x --llm openai:gpt-5.5 --bench b.jsonl` evaluates what was trained, without
+    repeating the flags; a given flag that differs from the record is refused by record_config.
+    Not from a demo's record: its LLM is a loopback server that lived only as long as the demo."""
+    given = dict(PRESETS[args.preset]) if args.preset else {}   # a preset asked for counts as given
+    given.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None})
+    kw = {}
+    if args.cmd in ("train", "eval"):
+        where = Config(**{k: v for k, v in given.items() if k in ("name", "runs_dir")}).run_dir
+        old = read_json(os.path.join(where, "config.json"), {})
+        if old.get("command") != "demo":
+            rec = {k: v for k, v in old.get("config", {}).items() if k in PINNED + ("base_url",) and k not in given}
+            taken = {k: v for k, v in rec.items() if v != getattr(Config, k)}   # those that are not defaults
+            if taken:
+                log(f"[config] from {where}/config.json: " + ", ".join(f"{k}={v!r}" for k, v in sorted(taken.items())))
+            kw.update(rec)
+    kw.update(given)
     return Config(**kw)
 
 

@@ -2,6 +2,7 @@
 PEFT, hand-computed equations) and invariants where none exists. Real files, real checkpoints written
 by transformers itself, real HTTP on loopback. Run: python -m pytest -q test_geodef.py
 """
+import argparse
 import copy
 import json
 import math
@@ -909,6 +910,31 @@ def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
         run.main(["train", "--epochs", "0", "--quant", "nf8", "--model", "tiny", "--runs-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--lora-dropout 1.0"):
         run.Config(lora_dropout=1.0)
+
+
+def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench):
+    """`eval --name x` after `train --name x --llm ... --bench ...` evaluates what was trained (the
+    README's real-use pair of commands) instead of refusing for settings it was not given again."""
+    seen = []
+    monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: seen.append(cfg))
+    monkeypatch.setattr(run, "train_tfsg", lambda cfg: None)
+    monkeypatch.setattr(run, "print_summary", lambda s: None)
+    monkeypatch.setattr(run, "evaluate", lambda cfg: seen.append(cfg) or {})
+    common = ["--name", "x", "--runs-dir", str(tmp_path)]
+    run.main(["train", "--model", "tiny", "--llm", "openai-compatible:m", "--base-url", "http://127.0.0.1:9/v1",
+              "--bench", small_bench, "--n-construction", "4", "--lr", "2e-3"] + common)
+    run.main(["eval"] + common)
+    trained, evaluated = seen
+    for k in ("model", "llm", "base_url", "bench", "n_construction", "lr"):
+        assert getattr(evaluated, k) == getattr(trained, k), k
+    with pytest.raises(SystemExit, match="different llm"):     # a conflicting flag is still refused
+        run.main(["eval", "--llm", "offline"] + common)
+    with pytest.raises(SystemExit, match="different"):         # so is a preset asked for (tiny-demo: lr 1e-3)
+        run.main(["train", "--preset", "tiny-demo"] + common)
+    # a demo's record (its LLM a loopback server gone with the demo) is not taken over
+    run.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
+                                                          "command": "demo"})
+    assert run.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d", runs_dir=str(tmp_path))).llm == "offline"
 
 
 # ----------------------------------------------------------------------------- TFSG (issue 6)
