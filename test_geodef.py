@@ -224,11 +224,17 @@ def test_cuda_matches_cpu_scores_and_lora_gradients(hf_tiny):
     ids = cpu.tokenize("What is the capital of France?", docs)
     ref = cpu.score_ids(ids)
     torch.testing.assert_close(ref, hf_margins(hm, ids, cpu.yes_id, cpu.no_id), rtol=1e-4, atol=1e-5)
-    grads = {}
+    grads, init = {}, None
     for name, compile_ in (("cpu", False), ("cuda", False), ("cuda_compiled", True)):
         rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, device=name[:4], compile=compile_)
         torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-5)
         train_with_lora(rr, seed=3, dropout=0.0)
+        mods = lora.lora_modules(rr.model)
+        with torch.no_grad():   # the CPU's LoRA init on every device (CUDA's RNG draws a different stream)
+            init = init or {n: (m.lora_A.clone(), m.lora_B.clone()) for n, m in mods.items()}
+            for n, m in mods.items():
+                m.lora_A.copy_(init[n][0])
+                m.lora_B.copy_(init[n][1])
         rr.score_ids(ids, grad=True).pow(2).sum().backward()
         grads[name] = {n: p.grad.cpu() for n, p in rr.model.named_parameters() if p.grad is not None}
     for name in ("cuda", "cuda_compiled"):
