@@ -1296,7 +1296,7 @@ def resolve_config(args):
     given.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None})
     kw = {}
     if args.cmd in ("train", "eval"):
-        where = Config(**{k: v for k, v in given.items() if k in ("name", "runs_dir")}).run_dir
+        where = os.path.join(given.get("runs_dir", Config.runs_dir), given.get("name", Config.name))
         old = read_json(os.path.join(where, "config.json"), {})
         if old.get("command") != "demo":
             rec = {k: v for k, v in old.get("config", {}).items() if k in PINNED + ("base_url",) and k not in given}
