@@ -106,6 +106,10 @@ class Config:
         bad = [f"--{flag} {getattr(self, flag.replace('-', '_'))!r}" for flag, ok in checks if not ok]
         if bad:
             raise SystemExit(f"out of range: {', '.join(bad)} (see `python run.py train --help`)")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise SystemExit(f"--device {self.device}: no CUDA device visible to torch {torch.__version__} ({build}); "
+                             "use --device cpu, or a CUDA build of torch on a machine with a GPU")
 
     @property
     def run_dir(self):

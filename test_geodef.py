@@ -916,6 +916,9 @@ def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
         run.main(["train", "--epochs", "0", "--quant", "nf8", "--model", "tiny", "--runs-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--lora-dropout 1.0"):
         run.Config(lora_dropout=1.0)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: no CUDA device"):
+            run.Config(device="cuda")
 
 
 def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench):
