@@ -1411,6 +1411,8 @@ def main(argv=None):
                 log("bench: no C++ compiler found, so the compile=True contender is left out")
         if args.what not in ("score", "train") and args.device != "cpu":
             raise SystemExit(f"bench --what {args.what} runs on the CPU only; --device takes score and train")
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise SystemExit(f"bench --device {args.device}: no CUDA device visible to torch {torch.__version__}")
         fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
               "nf4": bench_nf4}[args.what]
         res = fn(args)
