@@ -183,12 +183,16 @@ def hub_id(cfg):
     return "tiny" if cfg.model == "tiny" else cfg.model
 
 
+def need_trained(cfg, path, what):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no {what}; run `python run.py train --name {cfg.name}` first")
+
+
 def load_shield(cfg, rr=None):
     """The base reranker with the run's trained adapter attached (LoRA enabled)."""
     rr = rr or load_reranker(cfg)
     path = os.path.join(cfg.run_dir, "adapter")
-    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-        raise FileNotFoundError(f"{path}: no trained adapter; run `python run.py train --name {cfg.name}` first")
+    need_trained(cfg, os.path.join(path, "adapter_config.json"), "trained adapter")
     lora.load_adapter(rr.model, path)
     rr.model.eval()
     return rr
@@ -497,7 +501,7 @@ def train_tfsg(cfg):
     """Algorithm 1: E0 -> E4 on the construction instances (A.2.2), with the Shield (or base) top-k."""
     import tfsg
     run = cfg.run_dir
-    if os.path.isfile(os.path.join(run, "library", f"E{cfg.n_batches + 1}.json")):
+    if os.path.isfile(library_path(cfg)):
         log(f"[train] TFSG library already built: {run}/library")
         return
     groups, meta, cons, test, seen, methods = load_data(cfg)
@@ -642,6 +646,24 @@ def summarize(recs, clean):
             "hallucinated_citations": sum(len(r["hallucinated"]) for r in recs)}
 
 
+def library_path(cfg):
+    return os.path.join(cfg.run_dir, "library", f"E{cfg.n_batches + 1}.json")
+
+
+def eval_conditions(cfg):
+    """The conditions --conditions asks for, checked before anything runs or is recorded: known
+    names, and what they need from `train` (the final TFSG library, the Shield adapter) present."""
+    conds = CONDITIONS if cfg.conditions == "all" else [c.strip() for c in cfg.conditions.split(",")]
+    for c in conds:
+        if c not in CONDITIONS:
+            raise ValueError(f"--conditions: unknown {c!r}; known {CONDITIONS}")
+    if any(c in ("GEO Defender", "TFSG only") for c in conds):
+        need_trained(cfg, library_path(cfg), "TFSG library")
+    if any(c in ("GEO Defender", "Shield only") for c in conds):
+        need_trained(cfg, os.path.join(cfg.run_dir, "adapter", "adapter_config.json"), "trained adapter")
+    return conds
+
+
 def evaluate(cfg):
     """All conditions of Table 1/2 on the test split, the clean reference, pairwise quality, method,
     epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg."""
@@ -651,16 +673,9 @@ def evaluate(cfg):
     groups, meta, cons, test, seen, methods = load_data(cfg)
     insts = geodef.expand(test, methods)
     cleans = [geodef.clean_instance(g) for g in test]
-    lib_dir = os.path.join(run, "library")
-    final = os.path.join(lib_dir, f"E{cfg.n_batches + 1}.json")
-    conds = CONDITIONS if cfg.conditions == "all" else [c.strip() for c in cfg.conditions.split(",")]
-    for c in conds:
-        if c not in CONDITIONS:
-            raise ValueError(f"--conditions: unknown {c!r}; known {CONDITIONS}")
+    conds = eval_conditions(cfg)
     needs_lib = any(c in ("GEO Defender", "TFSG only") for c in conds)
-    if needs_lib and not os.path.isfile(final):
-        raise FileNotFoundError(f"{final}: no TFSG library; run `python run.py train --name {cfg.name}` first")
-    lib = tfsg.ExperienceLibrary.from_dict(read_json(final)) if needs_lib else None
+    lib = tfsg.ExperienceLibrary.from_dict(read_json(library_path(cfg))) if needs_lib else None
     base, shield = rankers(cfg, any(c in ("GEO Defender", "Shield only") for c in conds))
     base.prepare(insts + cleans)
     if shield:
@@ -702,7 +717,7 @@ def evaluate(cfg):
     if "GEO Defender" in conds:
         epochs = {}
         for t in range(cfg.n_batches + 2):
-            p = os.path.join(lib_dir, f"E{t}.json")
+            p = os.path.join(run, "library", f"E{t}.json")
             if not os.path.isfile(p):
                 continue
             lt = tfsg.ExperienceLibrary.from_dict(read_json(p))
@@ -1426,6 +1441,8 @@ def main(argv=None):
     stage = getattr(args, "stage", "all")
     if args.cmd != "train" or stage in ("all", "tfsg"):
         check_llms(cfg)   # a missing key or bad spec fails now, not after hours of Shield training
+    if args.cmd == "eval":
+        eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
     if args.cmd == "build-bench":
         methods = [m.strip() for m in args.geo_methods.split(",")]
         bad = [m for m in methods if m not in GEO_METHODS]

@@ -932,6 +932,9 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     common = ["--name", "x", "--runs-dir", str(tmp_path)]
     run.main(["train", "--model", "tiny", "--llm", "openai-compatible:m", "--base-url", "http://127.0.0.1:9/v1",
               "--bench", small_bench, "--n-construction", "4", "--lr", "2e-3"] + common)
+    for f in ("library/E4.json", "adapter/adapter_config.json"):   # what the (mocked) training would leave
+        (tmp_path / "x" / f).parent.mkdir(exist_ok=True)
+        (tmp_path / "x" / f).write_text("{}")
     run.main(["eval"] + common)
     trained, evaluated = seen
     for k in ("model", "llm", "base_url", "bench", "n_construction", "lr"):
@@ -940,6 +943,13 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
         run.main(["eval", "--llm", "offline"] + common)
     with pytest.raises(SystemExit, match="different"):         # so is a preset asked for (tiny-demo: lr 1e-3)
         run.main(["train", "--preset", "tiny-demo"] + common)
+    # eval of a run not trained yet: refused before anything is recorded, so that the later
+    # `train --name y --llm ...` is not refused for settings that a failed eval pinned
+    with pytest.raises(FileNotFoundError, match="no TFSG library"):
+        run.main(["eval", "--name", "y", "--runs-dir", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="no trained adapter"):
+        run.main(["eval", "--name", "y", "--runs-dir", str(tmp_path), "--conditions", "Shield only"])
+    assert not os.path.exists(tmp_path / "y" / "config.json")
     # a demo's record (its LLM a loopback server gone with the demo) is not taken over
     run.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
                                                           "command": "demo"})
