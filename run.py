@@ -1333,11 +1333,23 @@ PINNED = ("model", "revision", "bench", "n_construction", "seed", "lora_r", "lor
           "batch_size", "n_batches", "reasoning_interface", "shield", "k", "temperature")
 
 
+def produced_anything(run_dir):
+    """Whether any step has left a file in the run folder (adapter, checkpoint, library, caches,
+    results) besides config.json itself."""
+    for root, _, files in os.walk(run_dir):
+        if any(root != run_dir or not f.startswith("config.json") for f in files):
+            return True
+    return False
+
+
 def record_config(cfg, command):
+    """Write the run's settings to config.json. Once a step has produced something, a rerun that
+    changes a setting it depends on (PINNED) is refused; before that (a start that failed, e.g. on a
+    model that could not be downloaded) the record is simply replaced."""
     path = os.path.join(cfg.run_dir, "config.json")
     old = read_json(path)
     new = dataclasses.asdict(cfg)
-    if old:
+    if old and produced_anything(cfg.run_dir):
         changed = [k for k in PINNED if k in old.get("config", {}) and old["config"][k] != new[k]]
         if changed:
             raise SystemExit(f"{path}: this run was made with different {', '.join(changed)} "

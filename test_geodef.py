@@ -950,6 +950,17 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     with pytest.raises(FileNotFoundError, match="no trained adapter"):
         run.main(["eval", "--name", "y", "--runs-dir", str(tmp_path), "--conditions", "Shield only"])
     assert not os.path.exists(tmp_path / "y" / "config.json")
+    # a start that failed before producing anything (here: a hub model that cannot be fetched offline)
+    # pins nothing: rerunning with a different --model, as the error suggests, is not refused
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: run.load_reranker(cfg) and   # then a file,
+                        run.write_json(os.path.join(cfg.run_dir, "checkpoint", "state.json"), {}))  # as training leaves
+    with pytest.raises(reranker.CheckpointError, match="--model tiny"):
+        run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
+    assert (tmp_path / "z" / "config.json").exists()
+    run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "tiny"])
+    with pytest.raises(SystemExit, match="different model"):  # now the run has produced files: pinned
+        run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
     # a demo's record (its LLM a loopback server gone with the demo) is not taken over
     run.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
                                                           "command": "demo"})
