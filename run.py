@@ -106,10 +106,7 @@ class Config:
         bad = [f"--{flag} {getattr(self, flag.replace('-', '_'))!r}" for flag, ok in checks if not ok]
         if bad:
             raise SystemExit(f"out of range: {', '.join(bad)} (see `python run.py train --help`)")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise SystemExit(f"--device {self.device}: no CUDA device visible to torch {torch.__version__} ({build}); "
-                             "use --device cpu, or a CUDA build of torch on a machine with a GPU")
+        check_device(self.device)
 
     @property
     def run_dir(self):
@@ -183,6 +180,23 @@ def hub_id(cfg):
     return "tiny" if cfg.model == "tiny" else cfg.model
 
 
+def check_device(device):
+    """A CUDA device asked for but not visible: a clear error up front, not torch's from inside loading."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise SystemExit(f"--device {device}: no CUDA device visible to torch {torch.__version__} ({build}); "
+                         "use --device cpu, or a CUDA build of torch on a machine with a GPU")
+
+
+def adapter_path(cfg):
+    return os.path.join(cfg.run_dir, "adapter")
+
+
+def library_path(cfg, epoch=None):
+    """The TFSG library E{epoch}; by default the final one, E{n_batches + 1}."""
+    return os.path.join(cfg.run_dir, "library", f"E{cfg.n_batches + 1 if epoch is None else epoch}.json")
+
+
 def need_trained(cfg, path, what):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no {what}; run `python run.py train --name {cfg.name}` first")
@@ -191,7 +205,7 @@ def need_trained(cfg, path, what):
 def load_shield(cfg, rr=None):
     """The base reranker with the run's trained adapter attached (LoRA enabled)."""
     rr = rr or load_reranker(cfg)
-    path = os.path.join(cfg.run_dir, "adapter")
+    path = adapter_path(cfg)
     need_trained(cfg, os.path.join(path, "adapter_config.json"), "trained adapter")
     lora.load_adapter(rr.model, path)
     rr.model.eval()
@@ -278,7 +292,7 @@ def train_shield(cfg, rr=None, resume=True):
     """Shield Reranker: LoRA on the frozen reranker, residual preference objective (Eqs. 1-5, Table A.1)."""
     from tqdm import tqdm
     run = cfg.run_dir
-    adapter_dir = os.path.join(run, "adapter")
+    adapter_dir = adapter_path(cfg)
     if read_json(os.path.join(run, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
         return
@@ -536,6 +550,8 @@ def train_tfsg(cfg):
 # ----------------------------------------------------------------------------- evaluation
 
 CONDITIONS = ["Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only"]
+WITH_LIBRARY = ("GEO Defender", "TFSG only")    # conditions that prompt with the TFSG library
+WITH_SHIELD = ("GEO Defender", "Shield only")   # conditions that rank with the Shield adapter
 
 
 def ppl_filter(cfg, base, cons, test_insts):
@@ -646,10 +662,6 @@ def summarize(recs, clean):
             "hallucinated_citations": sum(len(r["hallucinated"]) for r in recs)}
 
 
-def library_path(cfg):
-    return os.path.join(cfg.run_dir, "library", f"E{cfg.n_batches + 1}.json")
-
-
 def eval_conditions(cfg):
     """The conditions --conditions asks for, checked before anything runs or is recorded: known
     names, and what they need from `train` (the final TFSG library, the Shield adapter) present."""
@@ -657,10 +669,10 @@ def eval_conditions(cfg):
     for c in conds:
         if c not in CONDITIONS:
             raise ValueError(f"--conditions: unknown {c!r}; known {CONDITIONS}")
-    if any(c in ("GEO Defender", "TFSG only") for c in conds):
+    if any(c in WITH_LIBRARY for c in conds):
         need_trained(cfg, library_path(cfg), "TFSG library")
-    if any(c in ("GEO Defender", "Shield only") for c in conds):
-        need_trained(cfg, os.path.join(cfg.run_dir, "adapter", "adapter_config.json"), "trained adapter")
+    if any(c in WITH_SHIELD for c in conds):
+        need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
     return conds
 
 
@@ -674,9 +686,9 @@ def evaluate(cfg):
     insts = geodef.expand(test, methods)
     cleans = [geodef.clean_instance(g) for g in test]
     conds = eval_conditions(cfg)
-    needs_lib = any(c in ("GEO Defender", "TFSG only") for c in conds)
+    needs_lib = any(c in WITH_LIBRARY for c in conds)
     lib = tfsg.ExperienceLibrary.from_dict(read_json(library_path(cfg))) if needs_lib else None
-    base, shield = rankers(cfg, any(c in ("GEO Defender", "Shield only") for c in conds))
+    base, shield = rankers(cfg, any(c in WITH_SHIELD for c in conds))
     base.prepare(insts + cleans)
     if shield:
         shield.prepare(insts)
@@ -717,7 +729,7 @@ def evaluate(cfg):
     if "GEO Defender" in conds:
         epochs = {}
         for t in range(cfg.n_batches + 2):
-            p = os.path.join(run, "library", f"E{t}.json")
+            p = library_path(cfg, t)
             if not os.path.isfile(p):
                 continue
             lt = tfsg.ExperienceLibrary.from_dict(read_json(p))
@@ -1438,8 +1450,7 @@ def main(argv=None):
                 log("bench: no C++ compiler found, so the compile=True contender is left out")
         if args.what not in ("score", "train") and args.device != "cpu":
             raise SystemExit(f"bench --what {args.what} runs on the CPU only; --device takes score and train")
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise SystemExit(f"bench --device {args.device}: no CUDA device visible to torch {torch.__version__}")
+        check_device(args.device)
         fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
               "nf4": bench_nf4}[args.what]
         res = fn(args)
