@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import geodef
 import lora
@@ -993,6 +995,42 @@ def matmul_gflops(dtype, repeat=10, device="cpu"):
     return 2 * 2048 ** 3 / best_time(synced(lambda: a @ b, device), repeat) / 1e9
 
 
+def gemm_floor(rr, ids, grad=False):
+    """A function that runs only the frozen projection GEMMs of one `rr.score_ids(ids, grad)` call:
+    the same weights and, per micro-batch, the same rows (the last layer's q/o/MLP on the final tokens
+    only), and nothing else (no attention, norms, RoPE, embedding, LoRA, copies). With grad, each whose
+    input needs a gradient is followed by its input-gradient GEMM as in the backward (dY (n, out) @ W
+    -> (n, in); frozen weights get no gradient, and layer 0's q/k/v read the frozen embedding, so
+    autograd skips theirs). Timed in the same race as the contenders, it is a lower bound on this
+    machine at that moment for any implementation that runs these GEMMs with oneDNN: a peer's time
+    over the floor's is the most that removing all of our other work could reach against that peer
+    (the peers run at least these GEMMs: transformers on padded rows and every layer's rows in full)."""
+    gemms = []  # (weight (out, in), rows, whether the backward needs the input's gradient), call order
+    hooks = [m.register_forward_hook(lambda m, a, out: gemms.append((m.weight, a[0].shape[0], a[0].requires_grad)))
+             for m in rr.model.modules() if isinstance(m, nn.Linear)]
+    try:
+        rr.score_ids(ids, grad=grad)  # (with grad, the graph it builds is dropped unused)
+    finally:
+        for h in hooks:
+            h.remove()
+    bufs = {}  # one contiguous random operand per shape, as a layer's activations would be
+
+    def operand(n, c, w):
+        if (n, c) not in bufs:
+            bufs[n, c] = torch.randn(n, c, dtype=w.dtype, device=w.device)
+        return bufs[n, c]
+
+    def run():
+        with torch.inference_mode():
+            for w, n, needs_dx in gemms:
+                F.linear(operand(n, w.shape[1], w), w)                # (n, in) @ W^T -> (n, out)
+                if grad and needs_dx:
+                    torch.mm(operand(n, w.shape[0], w), w)            # dY (n, out) @ W -> (n, in)
+    run()  # allocate the operands outside the timing
+    run.gemms = gemms
+    return run
+
+
 def synced(fn, device):
     """fn, waiting for the device to finish before returning (CUDA runs asynchronously: without
     this a timer would measure only the kernel launches)."""
@@ -1021,7 +1059,8 @@ def cuda_step_peaks(fns, device):
 
 def bench_score(args):
     """tokens/s of our scorer vs transformers (logits_to_keep=1, sdpa, one left-padded batch) and the
-    model card snippet (full logits), same random real-width weights and ids; plus the bf16 matmul rate."""
+    model card snippet (full logits), same random real-width weights and ids; plus the GEMM floor of
+    our call (`gemm_floor`: the ceiling of any ratio against each peer) and the bf16 matmul rate."""
     import transformers
     dtype, dev = getattr(torch, args.dtype), args.device
     folder = bench_folder(args)
@@ -1059,6 +1098,7 @@ def bench_score(args):
             cands["ours_unshared"] = lambda: unshared(rr, ids)
         if name == "fixed":
             cands["model_card_snippet"] = snippet
+        cands["gemm_floor"] = gemm_floor(rr, ids)
         cands = {k: synced(fn, dev) for k, fn in cands.items()}
         if torch.device(dev).type == "cuda":
             for k, mib in cuda_step_peaks(cands, dev).items():
@@ -1072,6 +1112,11 @@ def bench_score(args):
                 tag = "snippet" if peer == "model_card_snippet" else peer
                 results[f"{name}/{ours}_vs_{tag}"] = results[f"{name}/{ours}"] / results[f"{name}/{peer}"]
                 results[f"{name}/{ours}_vs_{tag}_paired_median"] = paired_ratio(rounds, peer, ours)
+        for peer in peers:  # the most a zero-overhead implementation could reach (see gemm_floor)
+            tag = "snippet" if peer == "model_card_snippet" else peer
+            results[f"{name}/ceiling_vs_{tag}_paired_median"] = paired_ratio(rounds, peer, "gemm_floor")
+        for ours in [k for k in cands if k.startswith("ours")]:
+            results[f"{name}/{ours}_over_gemm_floor_paired_median"] = paired_ratio(rounds, ours, "gemm_floor")
         if rc is not None:
             results[f"{name}/ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
         if args.prefix:
@@ -1172,6 +1217,8 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft"), device="cpu"):
         lora.add_lora(rr.model)
         rr.model.train()
         steps[kind] = lambda rr=rr: rr.score_ids(ids, grad=True).sum().backward()
+        if kind == "ours" and "gemm_floor" in kinds:
+            steps["gemm_floor"] = gemm_floor(rr, ids, grad=True)
     return steps
 
 
@@ -1185,7 +1232,8 @@ def bench_train(args):
     """One micro-step (3 documents x seq tokens, forward+backward through LoRA on all 7 projections)
     at real width: ours vs transformers + peft on the same weights and ids; tokens/s timed round-robin
     in one process, peak memory (weights included) of one step in a fresh process each (on CUDA: one
-    step's allocation peak above the resident weights, in this process)."""
+    step's allocation peak above the resident weights, in this process); plus the GEMM floor of our
+    step (`gemm_floor`: frozen projections forward and input gradients only) and the matmul rate."""
     dtype, dev = getattr(torch, args.dtype), args.device
     cuda = torch.device(dev).type == "cuda"
     folder = bench_folder(args)
@@ -1195,7 +1243,7 @@ def bench_train(args):
     if not cuda:  # peak RSS, weights included, each in a fresh process
         for kind in kinds:
             res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
-    steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds, dev).items()}
+    steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor",), dev).items()}
     if args.compile:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
         steps["ours_compiled"]()
@@ -1210,6 +1258,8 @@ def bench_train(args):
         res[f"{k}_over_peft_memory"] = res[f"{k}_{mem}"] / res[f"peft_{mem}"]
         res[f"{k}_vs_peft"] = res[f"{k}_tok_s"] / res["peft_tok_s"]
         res[f"{k}_vs_peft_paired_median"] = paired_ratio(rounds, "peft", k)
+        res[f"{k}_over_gemm_floor_paired_median"] = paired_ratio(rounds, k, "gemm_floor")
+    res["ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "gemm_floor")  # see gemm_floor
     if args.compile:
         res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
     if args.prefix:

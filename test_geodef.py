@@ -293,6 +293,39 @@ def test_batch_invariance_and_order(tiny_dir):
     assert top == sorted(range(9), key=lambda i: (-float(alone[i]), i))[:5]
 
 
+def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
+    """`bench`'s zero-overhead floor (run.gemm_floor) runs exactly the frozen projections' GEMMs of one
+    scoring call: per micro-batch, every layer's seven on all N rows, except the last layer's q, o and
+    MLP on the S final tokens only; the same with LoRA added (its base weights, not A and B), where
+    every input but layer 0's q/k/v one (the frozen embedding, normed) needs its gradient."""
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, token_budget=64)
+    rng = random.Random(0)
+    ids = [[5 + j] + [rng.randrange(100, 700) for _ in range(L - 1)] for j, L in enumerate([30, 20, 10, 40])]
+
+    def expected():
+        out = []
+        for N, S in [(40, 1), (60, 3)]:                 # budget 64: [40], then [30, 20, 10] (no common prefix)
+            for i, layer in enumerate(rr.model.layers):
+                a, m = layer.self_attn, layer.mlp
+                n = S if i == len(rr.model.layers) - 1 else N
+                out += [(a.q_proj, n), (a.k_proj, N), (a.v_proj, N), (a.o_proj, n),
+                        (m.gate_proj, n), (m.up_proj, n), (m.down_proj, n)]
+        return [(getattr(p, "base", p).weight, n) for p, n in out]
+
+    for with_lora in (False, True):
+        if with_lora:
+            lora.add_lora(rr.model)
+            rr.model.train()
+        floor = run.gemm_floor(rr, ids, grad=with_lora)
+        got, want = floor.gemms, expected()
+        assert [n for _, n, _ in got] == [n for _, n in want]
+        assert all(w is v for (w, _, _), (v, _) in zip(got, want))
+        per_batch = 7 * len(rr.model.layers)
+        needs = [i % per_batch >= 3 for i in range(len(got))] if with_lora else [False] * len(got)
+        assert [d for _, _, d in got] == needs
+        floor()
+
+
 def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
     """One query's documents share the prompt up to the document; score_ids runs that prefix once.
     Scores equal transformers' and the unshared path, and LoRA gradients equal the unshared ones,
