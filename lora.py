@@ -217,6 +217,9 @@ def load_adapter(model, adapter_dir):
         add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                  targets=tuple(targets))
     mods = lora_modules(model)
+    if any(m.merged for m in mods.values()):  # new A, B would be ignored, the old delta kept in W
+        raise ValueError(f"{adapter_dir}: cannot load into a model whose LoRA is merged (merge_lora): its base "
+                         "weights hold the previous adapter; load the base model again")
     state = load_file(wpath)
     seen = set()
     for key, t in state.items():
