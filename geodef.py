@@ -82,9 +82,17 @@ def _need(obj, key, typ, path, line, prefix=""):
 def read_jsonl(path):
     """Yield (line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
     object raises BenchFormatError naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for n, raw in enumerate(lines, 1):
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors) is dropped
+    except UnicodeDecodeError as e:
+        line, col = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
+        _fail(path, line, "(line)", f"not UTF-8: byte 0x{data[e.start]:02x} (byte {col} of the line); "
+                                    "save the file as UTF-8")
+    # split on "\n" only: str.splitlines() also breaks at U+2028, U+0085, ..., which JSON strings may
+    # hold unescaped (json.dumps(..., ensure_ascii=False) writes them raw); a CRLF's "\r" is JSON whitespace
+    for n, raw in enumerate(text.split("\n"), 1):
         if not raw.strip():
             continue
         try:

@@ -571,7 +571,7 @@ def test_rmsnorm_backward_matches_autograd():
 # ----------------------------------------------------------------------------- LoRA (issue 3)
 
 
-def test_lora_b_zero_equals_base_and_merge(tiny_dir):
+def test_lora_b_zero_equals_base_and_merge(tiny_dir, tmp_path):
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     ids = rr.tokenize("q", ["doc one", "another document here"])
     base = rr.score_ids(ids)
@@ -589,6 +589,15 @@ def test_lora_b_zero_equals_base_and_merge(tiny_dir):
     torch.testing.assert_close(rr.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
     lora.merge_lora(rr.model)                                        # idempotent
     torch.testing.assert_close(rr.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="merged"):                  # the old delta would stay in W
+        with lora.lora_disabled(rr.model):
+            pass
+    lora.save_adapter(rr.model, str(tmp_path / "adapter"), "tiny")   # A and B are still the adapter's
+    with pytest.raises(ValueError, match="merged"):                  # new A, B would be silently ignored
+        lora.load_adapter(rr.model, str(tmp_path / "adapter"))
+    fresh = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    lora.load_adapter(fresh.model, str(tmp_path / "adapter"))
+    torch.testing.assert_close(fresh.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
 
 
 def test_dropout_mask_law_and_lora_train_forward():
@@ -729,6 +738,24 @@ def test_bench_validation_errors(tmp_path, mutate, msg):
     rows = [good_group("g0"), mutate(good_group("g1"))]
     with pytest.raises(geodef.BenchFormatError, match=msg):
         geodef.load_bench(write_lines(tmp_path, rows))
+
+
+def test_bench_file_encoding_bom_crlf_and_unicode_line_breaks(tmp_path):
+    """Files as users' tools write them: a UTF-8 byte-order mark, CRLF line ends, and web text holding
+    U+2028 / U+2029 / U+0085 unescaped (json.dumps(..., ensure_ascii=False) writes them raw; Python's
+    str.splitlines() would break a line there). A non-UTF-8 byte: an error naming the file and line."""
+    a, b = good_group("g0"), good_group("g1")
+    odd = "first\u2028second\u2029third\x85fourth \u00e9\u4e2d"
+    b["docs"][4]["text"] = odd
+    text = "\r\n".join(json.dumps(g, ensure_ascii=False) for g in (a, b)) + "\r\n"
+    p = tmp_path / "w.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    groups = geodef.load_bench(str(p))
+    assert [g.group_id for g in groups] == ["g0", "g1"] and groups[1].docs[4]["text"] == odd
+    p.write_bytes(json.dumps(a).encode() + b"\n" + json.dumps(b).replace("fourth", "caf\\u00e9").encode()
+                  .replace(b"\\u00e9", b"\xe9") + b"\n")             # latin-1 e-acute on line 2
+    with pytest.raises(geodef.BenchFormatError, match=r"w\.jsonl:2: \(line\): not UTF-8: byte 0xe9"):
+        geodef.load_bench(str(p))
 
 
 def test_bench_split_leakage_detected(tmp_path):
