@@ -196,9 +196,14 @@ def split_groups(groups, n_construction=12, seed=0):
     """Query-group split (B.1.2). Uses the file's `split` fields when present, else a seeded shuffle of
     the group ids: the first n_construction are construction, the rest test. -> (construction, test)."""
     if all(g.split for g in groups):
-        return [g for g in groups if g.split == "construction"], [g for g in groups if g.split == "test"]
+        cons, test = [g for g in groups if g.split == "construction"], [g for g in groups if g.split == "test"]
+        for side, name in ((cons, "construction"), (test, "test")):
+            if not side:  # training or evaluation would silently run on nothing
+                raise ValueError(f"the file's split fields put no group in {name!r} (all {len(groups)} are "
+                                 f"{groups[0].split!r}); the pipeline needs both")
+        return cons, test
     if n_construction >= len(groups):
-        raise ValueError(f"n_construction={n_construction} leaves no test group of {len(groups)}")
+        raise ValueError(f"n_construction={n_construction} leaves no test group ({len(groups)} groups in all)")
     ids = sorted(g.group_id for g in groups)
     random.Random(seed).shuffle(ids)
     cons = set(ids[:n_construction])

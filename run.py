@@ -219,7 +219,10 @@ def load_shield(cfg, rr=None):
 
 def load_data(cfg):
     groups, meta = geodef.load_bench(cfg.bench, with_meta=True)
-    cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
+    try:
+        cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
+    except ValueError as e:
+        raise SystemExit(f"{cfg.bench}: {e}")
     seen = meta.seen_methods or meta.methods[:3]
     if cfg.max_test_groups:
         test = test[:cfg.max_test_groups]
@@ -302,6 +305,11 @@ def train_shield(cfg, rr=None, resume=True):
     groups, meta, cons, test, seen, methods = load_data(cfg)
     inst = geodef.expand(cons, seen)
     opt_inst, mon_inst = geodef.monitoring_split(inst, cfg.monitor_frac, cfg.seed)
+    if not opt_inst or not mon_inst:  # else it "trains" on nothing, or keeps an epoch by empty metrics
+        raise SystemExit(f"{cfg.bench}: Shield training needs construction groups both to optimise on and to "
+                         f"monitor (--monitor-frac {cfg.monitor_frac}, at least one group each); its {len(cons)} "
+                         f"construction group(s) gave {len(opt_inst)} and {len(mon_inst)} instances: use 2 or "
+                         "more (--n-construction, or the file's split fields)")
     # Frozen base scores s_0, once, without gradient (TRL precompute_ref_log_probs): every distinct
     # document of the attack-injected lists (to pick d_b) and of the clean lists (d+), cached in the
     # same file the evaluation reads.
@@ -1543,4 +1551,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (geodef.BenchFormatError, reranker.CheckpointError) as e:  # they name the file, line and field
+        sys.exit(f"error: {e}")

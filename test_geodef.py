@@ -9,6 +9,8 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -979,6 +981,36 @@ def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--device cuda: no CUDA device"):
             run.Config(device="cuda")
+
+
+def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
+    """A file whose split fields are all "test" (or all "construction"), a --n-construction that leaves no
+    test group, and one construction group (nothing to monitor with) used to run on: an untrained
+    adapter kept by empty metrics. Now each stops before anything is written, naming the file; the rerun
+    with a usable setting goes ahead under the same name. Bad files: `error:` with file and line, no
+    traceback, from the command line."""
+    rows = [json.loads(x) for x in open(small_bench, encoding="utf-8").read().splitlines() if x.strip()]
+    meta, groups = rows[0], rows[1:]
+    for split in ("test", "construction"):
+        p = write_lines(tmp_path, [meta] + [dict(g, split=split) for g in groups], f"all_{split}.jsonl")
+        with pytest.raises(ValueError, match=f"no group in '{'construction' if split == 'test' else 'test'}'"):
+            geodef.split_groups(geodef.load_bench(p), 4)
+    common = ["--model", "tiny", "--llm", "offline", "--runs-dir", str(tmp_path), "--name", "x"]
+    with pytest.raises(SystemExit, match=r"all_test\.jsonl: the file's split fields put no group in 'construction'"):
+        run.main(["train", "--bench", str(tmp_path / "all_test.jsonl")] + common)
+    with pytest.raises(SystemExit, match=f"n_construction={len(groups)} leaves no test group"):
+        run.main(["train", "--bench", small_bench, "--n-construction", str(len(groups))] + common)
+    with pytest.raises(SystemExit, match=r"1 construction group\(s\) gave 3 and 0 instances"):
+        run.main(["train", "--bench", small_bench, "--n-construction", "1"] + common)
+    assert os.listdir(tmp_path / "x") == ["config.json"]
+    run.main(["train", "--bench", small_bench, "--n-construction", "2", "--stage", "shield", "--epochs", "1"] + common)
+    assert os.path.isfile(tmp_path / "x" / "adapter" / "adapter_model.safetensors")
+    bad = write_lines(tmp_path, [meta, "{not json"], "bad.jsonl")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "train", "--bench", bad] + common[:-1] + ["y"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().endswith("bad.jsonl:2: (line): invalid JSON: Expecting property name enclosed in "
+                                       "double quotes at column 2")
 
 
 def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench):
