@@ -986,9 +986,10 @@ def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
 def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
     """A file whose split fields are all "test" (or all "construction"), a --n-construction that leaves no
     test group, and one construction group (nothing to monitor with) used to run on: an untrained
-    adapter kept by empty metrics. Now each stops before anything is written, naming the file; the rerun
-    with a usable setting goes ahead under the same name. Bad files: `error:` with file and line, no
-    traceback, from the command line."""
+    adapter kept by empty metrics. Too few construction instances for TFSG's update batches built a
+    library short of E4 while eval looked for E4 ("run train first"). Now each stops before anything
+    is written, naming the file; the rerun with a usable setting goes ahead under the same name. Bad
+    files: `error:` with file and line, no traceback, from the command line."""
     rows = [json.loads(x) for x in open(small_bench, encoding="utf-8").read().splitlines() if x.strip()]
     meta, groups = rows[0], rows[1:]
     for split in ("test", "construction"):
@@ -1002,7 +1003,9 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
         run.main(["train", "--bench", small_bench, "--n-construction", str(len(groups))] + common)
     with pytest.raises(SystemExit, match=r"1 construction group\(s\) gave 3 and 0 instances"):
         run.main(["train", "--bench", small_bench, "--n-construction", "1"] + common)
-    assert os.listdir(tmp_path / "x") == ["config.json"]
+    with pytest.raises(SystemExit, match=r"6 construction instances fill 6 seed cases and 0 of the 3 update batches"):
+        run.main(["train", "--bench", small_bench, "--n-construction", "2"] + common)  # E4 would never be built
+    assert not os.path.exists(tmp_path / "x")
     run.main(["train", "--bench", small_bench, "--n-construction", "2", "--stage", "shield", "--epochs", "1"] + common)
     assert os.path.isfile(tmp_path / "x" / "adapter" / "adapter_model.safetensors")
     bad = write_lines(tmp_path, [meta, "{not json"], "bad.jsonl")
@@ -1023,13 +1026,13 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     monkeypatch.setattr(run, "evaluate", lambda cfg: seen.append(cfg) or {})
     common = ["--name", "x", "--runs-dir", str(tmp_path)]
     run.main(["train", "--model", "tiny", "--llm", "openai-compatible:m", "--base-url", "http://127.0.0.1:9/v1",
-              "--bench", small_bench, "--n-construction", "4", "--lr", "2e-3"] + common)
-    for f in ("library/E4.json", "adapter/adapter_config.json"):   # what the (mocked) training would leave
+              "--bench", small_bench, "--n-construction", "4", "--n-batches", "1", "--lr", "2e-3"] + common)
+    for f in ("library/E2.json", "adapter/adapter_config.json"):   # what the (mocked) training would leave
         (tmp_path / "x" / f).parent.mkdir(exist_ok=True)
         (tmp_path / "x" / f).write_text("{}")
     run.main(["eval"] + common)
     trained, evaluated = seen
-    for k in ("model", "llm", "base_url", "bench", "n_construction", "lr"):
+    for k in ("model", "llm", "base_url", "bench", "n_construction", "n_batches", "lr"):
         assert getattr(evaluated, k) == getattr(trained, k), k
     with pytest.raises(SystemExit, match="different llm"):     # a conflicting flag is still refused
         run.main(["eval", "--llm", "offline"] + common)
