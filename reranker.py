@@ -610,7 +610,8 @@ class Reranker:
             model.compile_elementwise()
         rr = cls(model, tok, ids, instruction=instruction, max_length=max_length, token_budget=token_budget,
                  name_or_path=str(name_or_path), revision=sha or revision, share_prefix=share_prefix)
-        rr._lm_head = lm_head
+        if lm_head is not None:  # an untied head (tie_word_embeddings false): only its yes/no rows are needed
+            rr._lm_head = lm_head[ids].to(device)                      # (2, C): yes, no
         return rr
 
     @property
@@ -618,10 +619,12 @@ class Reranker:
         return self.model.embed_tokens.weight.device
 
     def head(self):
-        """w = E[yes] - E[no] in float32, (C,): the margin is h_last . w (= z_yes - z_no)."""
+        """w = E[yes] - E[no] in float32, (C,): the margin is h_last . w (= z_yes - z_no). E is the tied
+        embedding, or an untied lm_head's two rows (kept as `_lm_head`, (2, C))."""
         rows = getattr(self, "_lm_head", None)
-        rows = self.model.embed_tokens.weight if rows is None else rows
-        return (rows[self.yes_id].float() - rows[self.no_id].float()).to(self.device)
+        if rows is None:
+            rows = self.model.embed_tokens.weight[[self.yes_id, self.no_id]]
+        return (rows[0].float() - rows[1].float()).to(self.device)
 
     def tokenize(self, query, docs):
         """Model card's process_inputs: prefix + body (tail cut to fit max_length) + suffix, per doc."""
