@@ -199,9 +199,13 @@ def library_path(cfg, epoch=None):
     return os.path.join(cfg.run_dir, "library", f"E{cfg.n_batches + 1 if epoch is None else epoch}.json")
 
 
+class NotTrainedError(FileNotFoundError):
+    """What an eval condition needs from `train` is not in the run folder."""
+
+
 def need_trained(cfg, path, what):
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no {what}; run `python run.py train --name {cfg.name}` first")
+        raise NotTrainedError(f"{path}: no {what}; run `python run.py train --name {cfg.name}` first")
 
 
 def load_shield(cfg, rr=None):
@@ -704,7 +708,7 @@ def eval_conditions(cfg):
     conds = CONDITIONS if cfg.conditions == "all" else [c.strip() for c in cfg.conditions.split(",")]
     for c in conds:
         if c not in CONDITIONS:
-            raise ValueError(f"--conditions: unknown {c!r}; known {CONDITIONS}")
+            raise SystemExit(f"--conditions: unknown {c!r}; known {CONDITIONS}")
     if any(c in WITH_LIBRARY for c in conds):
         need_trained(cfg, library_path(cfg), "TFSG library")
     if any(c in WITH_SHIELD for c in conds):
@@ -1585,5 +1589,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (geodef.BenchFormatError, reranker.CheckpointError) as e:  # they name the file, line and field
+    except (geodef.BenchFormatError, reranker.CheckpointError, NotTrainedError) as e:  # each names its file
         sys.exit(f"error: {e}")

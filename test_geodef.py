@@ -1009,7 +1009,7 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
     adapter kept by empty metrics. Too few construction instances for TFSG's update batches built a
     library short of E4 while eval looked for E4 ("run train first"). Now each stops before anything
     is written, naming the file; the rerun with a usable setting goes ahead under the same name. Bad
-    files: `error:` with file and line, no traceback, from the command line."""
+    files and untrained runs: `error:` naming the file, no traceback, from the command line."""
     rows = [json.loads(x) for x in open(small_bench, encoding="utf-8").read().splitlines() if x.strip()]
     meta, groups = rows[0], rows[1:]
     for split in ("test", "construction"):
@@ -1034,6 +1034,12 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().endswith("bad.jsonl:2: (line): invalid JSON: Expecting property name enclosed in "
                                        "double quotes at column 2")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "eval", "--name", "never", "--model", "tiny",
+                          "--llm", "offline", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().endswith("no TFSG library; run `python run.py train --name never` first")
+    with pytest.raises(SystemExit, match="--conditions: unknown 'GEO defender'"):
+        run.main(["eval", "--conditions", "GEO defender"] + common)
 
 
 def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench):
