@@ -286,7 +286,7 @@ class Client:
                                       timeout=(self.connect_timeout, self.timeout))
             except (requests.ConnectionError, requests.Timeout) as e:
                 if last:
-                    raise self._error(f"{type(e).__name__} after {attempt + 1} attempts") from None
+                    raise self._error(f"{type(e).__name__} on {url} after {attempt + 1} attempts") from None
                 self._sleep(attempt, None)
                 continue
             if r.status_code == 200:

@@ -1587,7 +1587,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    import llm_clients
     try:
         main()
-    except (geodef.BenchFormatError, reranker.CheckpointError, NotTrainedError) as e:  # each names its file
-        sys.exit(f"error: {e}")
+    except (geodef.BenchFormatError, reranker.CheckpointError, NotTrainedError, llm_clients.LLMError) as e:
+        sys.exit(f"error: {e}")  # each names its file, or the API and what it answered (rerun to resume)

@@ -904,7 +904,8 @@ def test_non_json_200_and_connection_refused(server):
     with pytest.raises(llm_clients.LLMError, match="not JSON") as e:
         client(server).chat([{"role": "user", "content": "x"}])
     assert e.value.status == 200
-    with pytest.raises(llm_clients.LLMError, match="ConnectionError"):
+    with pytest.raises(llm_clients.LLMError, match=r"ConnectionError on http://127\.0\.0\.1:9/v1/chat/completions "
+                                                   r"after 2 attempts"):
         llm_clients.Client("http://127.0.0.1:9/v1", "m", max_retries=1).chat([{"role": "user", "content": "x"}])
 
 
