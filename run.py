@@ -891,15 +891,21 @@ def read_source_rows(path):
         if "sources" in o:
             docs = [s.get("cleaned_text") or s.get("raw_text") or "" for s in o["sources"]]
             urls = [s.get("url", "") for s in o["sources"]]
-            src = int(o.get("sugg_idx", 0))
+            field = "sugg_idx"
         elif "docs" in o:
             docs = [d if isinstance(d, str) else d.get("text", "") for d in o["docs"]]
             urls = [("" if isinstance(d, str) else d.get("url", "")) for d in o["docs"]]
-            src = o.get("source_index")
+            field = "source_index"
         else:
             raise geodef.BenchFormatError(f"{path}:{n}: sources/docs: missing")
         if not isinstance(o.get("query"), str) or not o["query"].strip():
             raise geodef.BenchFormatError(f"{path}:{n}: query: missing or empty")
+        src = o.get(field)
+        if src is not None:
+            try:
+                src = int(src)  # GEO-Bench: an int, in some copies a numeric string
+            except (TypeError, ValueError):
+                raise geodef.BenchFormatError(f"{path}:{n}: {field}: expected an integer, got {src!r}") from None
         rows.append({"line": n, "query": o["query"], "docs": docs, "urls": urls, "source_index": src,
                      "group_id": o.get("group_id") or o.get("query_id") or f"q{n:04d}"})
     return rows
@@ -912,14 +918,20 @@ def build_bench(cfg, src_path, out_path, methods, n_docs=geodef.N_DOCS):
     rows = read_source_rows(src_path)
     kept, dropped = [], []
     for r in rows:
-        docs = [d for d in r["docs"] if d and d.strip()]
-        if len(docs) < n_docs:
-            dropped.append((r["line"], f"{len(docs)} non-empty documents < {n_docs}"))
+        keep = [i for i, d in enumerate(r["docs"]) if d and d.strip()][:n_docs]   # the row's own indices
+        if len(keep) < n_docs:
+            dropped.append((r["line"], f"{len(keep)} non-empty documents < {n_docs}"))
             continue
-        r["docs"] = docs[:n_docs]
-        if r["source_index"] is None or not 0 <= int(r["source_index"]) < n_docs:
-            # stated rule when none is given: the longest candidate, as the most content to rewrite
-            r["source_index"] = max(range(n_docs), key=lambda i: (len(r["docs"][i]), -i))
+        src = r["source_index"]
+        if src is not None and src not in keep:
+            dropped.append((r["line"], f"source document {src} is empty or not among the first {n_docs} "
+                                       "non-empty ones"))
+            continue
+        r["docs"], r["urls"] = [r["docs"][i] for i in keep], [r["urls"][i] for i in keep]
+        # the given source, renumbered past dropped empty documents; when none is given (stated rule):
+        # the longest candidate, as the most content to rewrite
+        r["source_index"] = keep.index(src) if src is not None else \
+            max(range(n_docs), key=lambda i: (len(r["docs"][i]), -i))
         kept.append(r)
     reqs = [{"messages": [{"role": "user", "content": builder_prompt(r["query"], r["docs"][r["source_index"]], m)}],
              "temperature": cfg.temperature, "max_tokens": max(cfg.max_tokens, 4096), "json": True}

@@ -1511,13 +1511,23 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
     rows.append({"query": "too few documents", "docs": ["only one"]})
     geo_rows = [{"query": groups[0].query + " (GEO-Bench layout)", "sugg_idx": 1,
                  "sources": [{"url": f"https://s/{i}", "cleaned_text": d["text"] + " v2"} for i, d in enumerate(groups[0].docs)]}]
+    # a source that failed to scrape (empty) before the suggested one: the index follows its document
+    gapped = [{"url": f"https://t/{i}", "cleaned_text": d} for i, d in
+              enumerate([groups[1].docs[0]["text"], ""] + [d["text"] + " v3" for d in groups[1].docs[1:]])]
+    geo_rows += [{"query": groups[1].query + " (gapped)", "sugg_idx": "3", "sources": gapped},
+                 {"query": groups[1].query + " (empty source)", "sugg_idx": 1, "sources": gapped}]
     src = write_lines(tmp_path, rows + geo_rows, "src.jsonl")
     cfg = run.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, workers=4)
     out = str(tmp_path / "built.jsonl")
     run.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
     built, meta = geodef.load_bench(out, with_meta=True)
-    assert len(built) == 4 and meta.methods == ["authoritative", "statistics", "citation"]
-    assert built[-1].source_index == 1 and built[-1].docs[0]["url"] == "https://s/0"
+    assert len(built) == 5 and meta.methods == ["authoritative", "statistics", "citation"]
+    assert built[3].source_index == 1 and built[3].docs[0]["url"] == "https://s/0"
+    g = built[4]                                          # sources 0, 2..10 kept; sugg_idx 3 -> position 2
+    assert g.source_index == 2 and g.docs[2]["url"] == "https://t/3" and g.docs[2]["text"] == gapped[3]["cleaned_text"]
+    assert [d["url"] for d in g.docs] == [f"https://t/{i}" for i in [0] + list(range(2, 11))]
+    with pytest.raises(geodef.BenchFormatError, match=r"bad_idx\.jsonl:1: sugg_idx: expected an integer, got \[2\]"):
+        run.read_source_rows(write_lines(tmp_path, [dict(geo_rows[0], sugg_idx=[2])], "bad_idx.jsonl"))
     for g in built:
         for m, t in g.attacks.items():
             assert run.validate_rewrite(g.docs[g.source_index]["text"], t) is None
