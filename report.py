@@ -172,6 +172,12 @@ def write_comparison(out_dir, summaries):
     notes = sorted({n for s in summaries.values() for n in s.get("notes", [])})
     if notes:
         lines.append("> **OFFLINE / SIMULATION RUNS INCLUDED.** " + " ".join(notes) + "\n")
+    sets = {name: (s.get("test_set_sha1"), s.get("test_instances")) for name, s in summaries.items()}
+    if len({d for d, _ in sets.values()}) > 1:  # the averages and the transfer matrix would mix test sets
+        lines.append("> **DIFFERENT TEST SETS.** These runs were not evaluated on the same instances ("
+                     + ", ".join(f"{k}: {n} instances, {d[:10] if d else 'no digest (older run)'}"
+                                 for k, (d, n) in sets.items())
+                     + "); their rows are not comparable and the averages mix them.\n")
     lines.append("# GEO Defender across target LLMs\n")
     conds = [c for c in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only")
              if all(c in s["conditions"] for s in summaries.values())]

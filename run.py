@@ -532,6 +532,15 @@ def rankers(cfg, shield):
     return base, sh
 
 
+def test_set_digest(insts):
+    """SHA-1 of the evaluated instances (ids, queries, document texts): runs compared in one table
+    (`compare`) must have been evaluated on the same test set."""
+    h = hashlib.sha1()
+    for x in sorted(insts, key=lambda x: x.instance_id):
+        h.update("\x00".join([x.instance_id, x.query] + list(x.docs)).encode("utf-8") + b"\x01")
+    return h.hexdigest()
+
+
 def labels_of(x, idx):
     return ["attack" if i == x.attack_index else "benign" for i in idx]
 
@@ -760,7 +769,8 @@ def evaluate(cfg):
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
-               "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts)}
+               "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
+               "test_set_sha1": test_set_digest(insts)}
     # pairwise quality of GEO Defender vs the clean reference (B.2.4)
     if "GEO Defender" in conds:
         summary["quality"] = pairwise_quality(cfg, llm, results["GEO Defender"], clean,

@@ -1417,6 +1417,7 @@ def test_demo_end_to_end_reduced(demo_run):
     s = json.load(open(demo_run / "summary.json"))
     assert s["offline"] is True and set(s["conditions"]) == set(run.CONDITIONS)
     assert s["conditions"]["GEO Defender"]["ASR"] < s["conditions"]["Non-Defense"]["ASR"]
+    assert len(s["test_set_sha1"]) == 40 and s["test_instances"] == 4 * 7
     assert any("SIMULATION" in n for n in s["notes"]) and any("random" in n for n in s["notes"])
     rep = open(demo_run / "report.md").read()
     assert rep.startswith("> **OFFLINE / SIMULATION RUN.**") and "Table 1" in rep and "Table C.1" in rep
@@ -1503,6 +1504,13 @@ def test_compare_runs_transfer_matrix(tmp_path):
     assert "| Average | 20.00 |" in text
     assert "| x:A | 5.00 | 8.00 |" in text and "| x:B | 7.00 | 6.00 |" in text     # rows: source, cols: target
     assert open(tmp_path / "figures" / "transfer_asr.svg").read().startswith("<svg")
+    assert "DIFFERENT TEST SETS" not in text                   # neither run recorded a digest: nothing to compare
+    for k, d in (("a", "1" * 40), ("b", "1" * 40)):
+        s[k]["test_set_sha1"], s[k]["test_instances"] = d, 7
+    assert "DIFFERENT TEST SETS" not in open(report.write_comparison(str(tmp_path), s)).read()
+    s["b"]["test_set_sha1"] = "2" * 40                         # evaluated on other instances: flagged
+    assert "DIFFERENT TEST SETS.** These runs were not evaluated on the same instances (a: 7 instances, 1111111111" \
+        in open(report.write_comparison(str(tmp_path), s)).read()
 
 
 def test_build_bench_over_http_validates_and_caches(tmp_path, server):
