@@ -237,35 +237,29 @@ def load_data(cfg):
     return groups, meta, cons, test, seen, methods
 
 
-def shield_split(cfg, data=None):
-    """The Shield's construction instances, split 80/20 by query group (Table A.1) -> (inst, optimise,
+def shield_split(cfg, inst):
+    """The Shield's construction instances split 80/20 by query group (Table A.1) -> (optimise,
     monitor). Refuses a split that leaves either side empty: it would train on nothing, or keep an
     epoch by empty monitoring metrics."""
-    data = data or load_data(cfg)
-    cons, seen = data[2], data[4]
-    inst = geodef.expand(cons, seen)
     opt, mon = geodef.monitoring_split(inst, cfg.monitor_frac, cfg.seed)
     if not opt or not mon:
         raise SystemExit(f"{cfg.bench}: Shield training needs construction groups both to optimise on and to "
-                         f"monitor (--monitor-frac {cfg.monitor_frac}, at least one group each); its {len(cons)} "
-                         f"construction group(s) gave {len(opt)} and {len(mon)} instances: use 2 or more "
-                         "(--n-construction, or the file's split fields)")
-    return inst, opt, mon
+                         f"monitor (--monitor-frac {cfg.monitor_frac}, at least one group each); its "
+                         f"{len({x.group_id for x in inst})} construction group(s) gave {len(opt)} and {len(mon)} "
+                         "instances: use 2 or more (--n-construction, or the file's split fields)")
+    return opt, mon
 
 
-def tfsg_schedule(cfg, data=None):
-    """TFSG's construction schedule (A.2.2) -> (inst, seed cases, update batches). Refuses one whose
+def tfsg_schedule(cfg, inst):
+    """TFSG's construction schedule (A.2.2) -> (seed cases, update batches). Refuses one whose
     instances do not reach every update batch: the library would stop short of E{n_batches + 1}, the
     one evaluation reads (a short last batch is fine)."""
-    data = data or load_data(cfg)
-    cons, seen = data[2], data[4]
-    inst = geodef.expand(cons, seen)
     seeds, batches = geodef.construction_schedule(inst, cfg.n_seed_cases, cfg.batch_size, cfg.n_batches, cfg.seed)
     if len(batches) < cfg.n_batches:
         raise SystemExit(f"{cfg.bench}: {len(inst)} construction instances fill {len(seeds)} seed cases and "
                          f"{len(batches)} of the {cfg.n_batches} update batches of {cfg.batch_size} "
                          f"(--n-seed-cases, --n-batches, --batch-size): lower those, or use more construction groups")
-    return inst, seeds, batches
+    return seeds, batches
 
 
 # ----------------------------------------------------------------------------- Shield training
@@ -336,9 +330,9 @@ def train_shield(cfg, rr=None, resume=True):
     if read_json(os.path.join(run, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
         return
-    data = load_data(cfg)
-    groups, meta, cons, test, seen, methods = data
-    inst, opt_inst, mon_inst = shield_split(cfg, data)
+    groups, meta, cons, test, seen, methods = load_data(cfg)
+    inst = geodef.expand(cons, seen)
+    opt_inst, mon_inst = shield_split(cfg, inst)
     rr = rr or load_reranker(cfg)
     # Frozen base scores s_0, once, without gradient (TRL precompute_ref_log_probs): every distinct
     # document of the attack-injected lists (to pick d_b) and of the clean lists (d+), cached in the
@@ -567,9 +561,9 @@ def train_tfsg(cfg):
     if os.path.isfile(library_path(cfg)):
         log(f"[train] TFSG library already built: {run}/library")
         return
-    data = load_data(cfg)
-    groups, meta, cons, test, seen, methods = data
-    inst, seeds, batches = tfsg_schedule(cfg, data)
+    groups, meta, cons, test, seen, methods = load_data(cfg)
+    inst = geodef.expand(cons, seen)
+    seeds, batches = tfsg_schedule(cfg, inst)
     base, shield = rankers(cfg, cfg.shield)
     ranker = shield or base
     ranker.prepare(inst)
@@ -1575,11 +1569,12 @@ def main(argv=None):
     if args.cmd != "train" or stage in ("all", "tfsg"):
         check_llms(cfg)   # a missing key or bad spec fails now, not after hours of Shield training
     if args.cmd in ("train", "demo"):  # what training needs from the benchmark, before anything is written
-        data = load_data(cfg)
+        groups, meta, cons, test, seen, methods = load_data(cfg)
+        inst = geodef.expand(cons, seen)
         if stage in ("all", "shield"):
-            shield_split(cfg, data)
+            shield_split(cfg, inst)
         if stage in ("all", "tfsg"):
-            tfsg_schedule(cfg, data)
+            tfsg_schedule(cfg, inst)
     if args.cmd == "eval":
         eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
     if args.cmd == "build-bench":
