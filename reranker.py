@@ -586,7 +586,7 @@ class Reranker:
         self.suffix_ids = tokenizer.encode(SUFFIX, add_special_tokens=False).ids
         if max_length <= len(self.prefix_ids) + len(self.suffix_ids):
             raise ValueError(f"max_length {max_length} leaves no room for the query and document")
-        self._head = None
+        self._lm_head = None  # an untied lm_head's yes/no rows, (2, C) (set by from_pretrained); else tied
 
     @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", instruction=SHIELD_INSTRUCTION,
@@ -621,7 +621,7 @@ class Reranker:
     def head(self):
         """w = E[yes] - E[no] in float32, (C,): the margin is h_last . w (= z_yes - z_no). E is the tied
         embedding, or an untied lm_head's two rows (kept as `_lm_head`, (2, C))."""
-        rows = getattr(self, "_lm_head", None)
+        rows = self._lm_head
         if rows is None:
             rows = self.model.embed_tokens.weight[[self.yes_id, self.no_id]]
         return (rows[0].float() - rows[1].float()).to(self.device)
