@@ -1085,6 +1085,94 @@ def gemm_floor(rr, ids, grad=False):
     return run
 
 
+def matmul_floor(rr, ids):
+    """A training step's floor with everything that multiplies matrices: `gemm_floor(rr, ids, grad=True)`
+    plus LoRA's own matmuls and the causal attention, replayed on random operands of the shapes one
+    `rr.score_ids(ids, grad=True)` call uses, and nothing elementwise (no norms, RoPE, SwiGLU, dropout
+    masks, residual adds, casts or copies beyond what the attention kernels do inside).
+    Per LoRA call on n rows: forward x A^T (n, r) and h B^T added to the output (n, out); backward
+    dh = dY B, dB = dY^T h, dA = dh^T x, and dx = dh A where the input needs a gradient.
+    Attention: the packed causal attention of every layer but the last (SDPA forward, then on the CPU
+    our hand backward, elsewhere SDPA's own): the fastest attention found in torch on this CPU; the
+    last layer's S single-query attentions are left out (a few rows; leaving work out keeps it a floor).
+    Timed in the race, a peer's time over this one's is the most any implementation using these
+    kernels could reach against that peer on this machine at that moment."""
+    gemm = gemm_floor(rr, ids, grad=True)
+    loras, atts = [], []  # (module, rows, needs dx); (rows, heads, kv heads, head dim, lens, prefix)
+
+    def on_lora(m, a, out):
+        loras.append((m, a[0].shape[0], a[0].requires_grad))
+
+    def on_attn(m, a, out):
+        x, lens, last, prefix = a[0], a[3], a[4], a[5] if len(a) > 5 else 0
+        if last is None:
+            atts.append((x.shape[0], m.H, m.K, m.E, list(lens), prefix))
+    hooks = [m.register_forward_hook(on_lora) for m in rr.model.modules() if isinstance(m, lora.LoRALinear)]
+    hooks += [m.register_forward_hook(on_attn) for m in rr.model.modules() if isinstance(m, reranker.Attention)]
+    try:
+        rr.score_ids(ids, grad=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    w = rr.model.embed_tokens.weight
+    dt, dev = w.dtype, w.device
+    bufs = {}
+
+    def operand(*shape):
+        if shape not in bufs:
+            bufs[shape] = torch.randn(*shape, dtype=dt, device=dev)
+        return bufs[shape]
+    # LoRA's factors in the activation dtype, as LoRALinear.forward computes them
+    factors = [(m.lora_A.detach().to(dt), m.lora_B.detach().to(dt), n, needs_dx) for m, n, needs_dx in loras]
+    qkv = [tuple(torch.randn(N, h, E, dtype=dt, device=dev, requires_grad=True) for h in (H, K, K)) + (lens, P)
+           for N, H, K, E, lens, P in atts]
+    hand = dev.type in reranker.HAND_BACKWARD
+
+    def lora_matmuls():
+        with torch.inference_mode():
+            for A, B, n, needs_dx in factors:
+                out, i = B.shape[0], A.shape[1]
+                x, y, dy = operand(n, i), operand(n, out), operand(n, out)
+                h = x @ A.t()                                             # (n, r)
+                torch.addmm(y, h, B.t())                                  # (n, out)
+                dh = dy @ B                                               # (n, r)
+                dy.t() @ h                                                # dB (out, r)
+                dh.t() @ x                                                # dA (r, in)
+                if needs_dx:
+                    dh @ A                                                # (n, in)
+
+    def attention():
+        for q, k, v, lens, P in qkv:
+            o = (reranker.PackedCausalAttention.apply(q, k, v, lens, P) if hand
+                 else reranker.packed_causal_sdpa(q, k, v, lens, P))     # (N, H, E)
+            o.backward(operand(*o.shape))
+            q.grad = k.grad = v.grad = None
+
+    def run():
+        gemm()
+        lora_matmuls()
+        attention()
+    run()  # allocate the operands outside the timing
+    run.loras, run.attentions = loras, atts
+    run.parts = {"gemm": gemm, "lora": lora_matmuls, "attention": attention}
+    return run
+
+
+def attention_flops(atts):
+    """Multiply-add FLOPs of exact causal attention, forward and backward, for the packed attentions
+    `matmul_floor` records: each query at position t meets its t+1 visible keys; per visible
+    (query, key) pair and head 2E FLOPs for each of QK^T and PV forward, and for each of the
+    backward's S recomputation, dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q: 14 H E per pair.
+    The prefix's queries count once (sequence 0), as `packed_causal_sdpa` keeps them."""
+    flops = 0
+    for N, H, K, E, lens, P in atts:
+        for j, L in enumerate(lens):
+            first = 0 if j == 0 else P                                    # first query position
+            pairs = sum(t + 1 for t in range(first, P + L))
+            flops += 14 * H * E * pairs
+    return flops
+
+
 def synced(fn, device):
     """fn, waiting for the device to finish before returning (CUDA runs asynchronously: without
     this a timer would measure only the kernel launches)."""
@@ -1273,6 +1361,8 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft"), device="cpu"):
         steps[kind] = lambda rr=rr: rr.score_ids(ids, grad=True).sum().backward()
         if kind == "ours" and "gemm_floor" in kinds:
             steps["gemm_floor"] = gemm_floor(rr, ids, grad=True)
+        if kind == "ours" and "matmul_floor" in kinds:
+            steps["matmul_floor"] = matmul_floor(rr, ids)
     return steps
 
 
@@ -1287,7 +1377,8 @@ def bench_train(args):
     at real width: ours vs transformers + peft on the same weights and ids; tokens/s timed round-robin
     in one process, peak memory (weights included) of one step in a fresh process each (on CUDA: one
     step's allocation peak above the resident weights, in this process); plus the GEMM floor of our
-    step (`gemm_floor`: frozen projections forward and input gradients only) and the matmul rate."""
+    step (`gemm_floor`: frozen projections forward and input gradients only; `matmul_floor`: those plus
+    LoRA's matmuls and the attention) and the matmul rate."""
     dtype, dev = getattr(torch, args.dtype), args.device
     cuda = torch.device(dev).type == "cuda"
     folder = bench_folder(args)
@@ -1297,7 +1388,7 @@ def bench_train(args):
     if not cuda:  # peak RSS, weights included, each in a fresh process
         for kind in kinds:
             res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
-    steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor",), dev).items()}
+    steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor", "matmul_floor"), dev).items()}
     if args.compile:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
         steps["ours_compiled"]()
@@ -1313,12 +1404,21 @@ def bench_train(args):
         res[f"{k}_vs_peft"] = res[f"{k}_tok_s"] / res["peft_tok_s"]
         res[f"{k}_vs_peft_paired_median"] = paired_ratio(rounds, "peft", k)
         res[f"{k}_over_gemm_floor_paired_median"] = paired_ratio(rounds, k, "gemm_floor")
+        res[f"{k}_over_matmul_floor_paired_median"] = paired_ratio(rounds, k, "matmul_floor")
     res["ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "gemm_floor")  # see gemm_floor
+    res["matmul_ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "matmul_floor")  # see matmul_floor
     if args.compile:
         res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
     if args.prefix:
         res["ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     res["matmul_gflops"] = matmul_gflops(dtype, device=dev)
+    # the matmul floor's parts, each timed alone after the race (best of 3), and what the attention
+    # would take at the measured matmul rate: exact causal FLOPs, no kernel overhead
+    for part, fn in steps["matmul_floor"].parts.items():
+        res[f"matmul_floor_{part}_s"] = best_time(synced(fn, dev), 3)
+    gflop = attention_flops(steps["matmul_floor"].attentions) / 1e9
+    res["attention_gflop_per_step"] = gflop
+    res["attention_at_matmul_rate_s"] = gflop / res["matmul_gflops"]
     return res
 
 

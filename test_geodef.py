@@ -319,7 +319,8 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
     """`bench`'s zero-overhead floor (run.gemm_floor) runs exactly the frozen projections' GEMMs of one
     scoring call: per micro-batch, every layer's seven on all N rows, except the last layer's q, o and
     MLP on the S final tokens only; the same with LoRA added (its base weights, not A and B), where
-    every input but layer 0's q/k/v one (the frozen embedding, normed) needs its gradient."""
+    every input but layer 0's q/k/v one (the frozen embedding, normed) needs its gradient. The
+    training step's matmul floor adds one LoRA call per projection and the packed attentions."""
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, token_budget=64)
     rng = random.Random(0)
     ids = [[5 + j] + [rng.randrange(100, 700) for _ in range(L - 1)] for j, L in enumerate([30, 20, 10, 40])]
@@ -346,6 +347,21 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
         needs = [i % per_batch >= 3 for i in range(len(got))] if with_lora else [False] * len(got)
         assert [d for _, _, d in got] == needs
         floor()
+    # the training floor with LoRA's matmuls and the attention (run.matmul_floor): one LoRA call per
+    # projection GEMM (same rows, same dx needs), one packed attention per layer but the last
+    full = run.matmul_floor(rr, ids)
+    assert [(m.base.weight, n, d) for m, n, d in full.loras] == [(w, n, d) for w, n, d in got]
+    cfg = rr.model.cfg
+    assert full.attentions == [(N, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, lens, 0)
+                               for N, lens in [(40, [40]), (60, [30, 20, 10])]
+                               for _ in range(len(rr.model.layers) - 1)]
+    full()
+    assert set(full.parts) == {"gemm", "lora", "attention"}
+    # exact causal attention FLOPs: 14 H E per visible (query, key) pair, T(T+1)/2 pairs per sequence
+    pairs = sum(T * (T + 1) // 2 for T in (40, 30, 20, 10)) * (len(rr.model.layers) - 1)
+    assert run.attention_flops(full.attentions) == 14 * cfg.num_attention_heads * cfg.head_dim * pairs
+    # with a shared prefix of P rows, the prefix's queries count once (in sequence 0)
+    assert run.attention_flops([(9, 1, 1, 1, [3, 2], 4)]) == 14 * (sum(range(1, 8)) + 6 + 5)
 
 
 def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
