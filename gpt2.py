@@ -56,17 +56,7 @@ class GPT2(nn.Module):
     def from_pretrained(cls, name_or_path, dtype=torch.float32):
         from safetensors import safe_open
         from tokenizers import Tokenizer
-        folder = name_or_path
-        if not os.path.isdir(folder):
-            from huggingface_hub import snapshot_download
-            try:
-                folder = snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
-            except Exception as e:
-                raise FileNotFoundError(f"{name_or_path}: not a folder and not downloadable ({type(e).__name__}); "
-                                        "use --ppl-model tiny offline") from None
-        for f in ("config.json", "model.safetensors", "tokenizer.json"):
-            if not os.path.isfile(os.path.join(folder, f)):
-                raise FileNotFoundError(f"{os.path.join(folder, f)}: missing")
+        folder = resolve(name_or_path)
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
         model = cls(cfg, Tokenizer.from_file(os.path.join(folder, "tokenizer.json")))
@@ -107,6 +97,23 @@ class GPT2(nn.Module):
             if end == len(ids):
                 break
         return math.exp(nll / n)
+
+
+def resolve(name_or_path):
+    """A local folder as is, else a hub id via huggingface-hub (respects HF_HOME, HF_HUB_OFFLINE) ->
+    the folder, checked to hold config.json, model.safetensors and tokenizer.json."""
+    folder = name_or_path
+    if not os.path.isdir(folder):
+        from huggingface_hub import snapshot_download
+        try:
+            folder = snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
+        except Exception as e:
+            raise FileNotFoundError(f"{name_or_path}: not a folder and not downloadable ({type(e).__name__}); "
+                                    "use --ppl-model tiny offline") from None
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not os.path.isfile(os.path.join(folder, f)):
+            raise FileNotFoundError(f"{os.path.join(folder, f)}: missing")
+    return folder
 
 
 def make_tiny_gpt2(out_dir, seed=0):

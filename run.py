@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -603,7 +604,8 @@ def ppl_filter(cfg, base, cons, test_insts):
     import numpy as np
     import gpt2
     from tqdm import tqdm
-    path = os.path.join(cfg.run_dir, "cache", "ppl.json")
+    # one cache file per scoring model: a perplexity is a property of the text AND the model
+    path = os.path.join(cfg.run_dir, "cache", f"ppl_{re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.ppl_model)}.json")
     cache = read_json(path, {})
     lm = None
     texts = {hashlib.sha1(d["text"].encode()).hexdigest(): d["text"] for g in cons for d in g.docs}
@@ -705,6 +707,29 @@ def summarize(recs, clean):
             "hallucinated_citations": sum(len(r["hallucinated"]) for r in recs)}
 
 
+def eval_settings(cfg, conds):
+    """The settings the values of results/*.jsonl depend on beyond the pinned ones: the judge (ASI,
+    pairwise quality), the answers' token cap, and for PPL-Filter its scoring model and quantile.
+    (Which conditions, methods and test groups are evaluated only selects records: not here.)"""
+    s = {"judge": cfg.judge or cfg.llm, "max_tokens": cfg.max_tokens}
+    if "PPL-Filter" in conds:
+        s.update(ppl_model=cfg.ppl_model, ppl_quantile=cfg.ppl_quantile)
+    return s
+
+
+def check_eval_settings(cfg, conds):
+    """Results are resumed record by record, so an eval with another judge (or PPL model, ...) would
+    silently reuse the records made with the old one: refused, naming both."""
+    res = os.path.join(cfg.run_dir, "results")
+    old = read_json(os.path.join(res, "settings.json"), {})
+    changed = {k: v for k, v in eval_settings(cfg, conds).items() if k in old and old[k] != v}
+    if changed:
+        raise SystemExit(f"{res}: its records were made with " + ", ".join(f"{k}={old[k]!r}" for k in changed)
+                         + "; this eval asks for " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
+                         + f". Move {res} aside to evaluate again (LLM replies stay cached in cache/), "
+                         "or use a new --name")
+
+
 def eval_conditions(cfg):
     """The conditions --conditions asks for, checked before anything runs or is recorded: known
     names, and what they need from `train` (the final TFSG library, the Shield adapter) present."""
@@ -712,10 +737,21 @@ def eval_conditions(cfg):
     for c in conds:
         if c not in CONDITIONS:
             raise SystemExit(f"--conditions: unknown {c!r}; known {CONDITIONS}")
-    if any(c in WITH_LIBRARY for c in conds):
-        need_trained(cfg, library_path(cfg), "TFSG library")
-    if any(c in WITH_SHIELD for c in conds):
-        need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
+    check_eval_settings(cfg, conds)
+    lib, adapter = library_path(cfg), os.path.join(adapter_path(cfg), "adapter_config.json")
+    missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
+                                                       (adapter, "trained adapter", WITH_SHIELD))
+               if not os.path.isfile(p)]
+    needing = [c for c in conds if any(c in needs for _, _, needs in missing)]
+    if needing:
+        # the stage that writes what is missing: TFSG alone only where its Shield ranking is there (or off)
+        lib_only = not os.path.isfile(lib) and os.path.isfile(adapter)
+        stage = " --stage tfsg" if lib_only or (not cfg.shield and os.path.isfile(adapter)) else ""
+        stage = " --stage shield" if os.path.isfile(lib) else stage
+        rest = [c for c in CONDITIONS if not any(c in needs for _, _, needs in missing)]
+        msg = (f"{' and '.join(f'{p}: no {what}' for p, what, _ in missing)}; run `python run.py train "
+               f"--name {cfg.name}{stage}` first ({', '.join(needing)} need{'s' * (len(needing) == 1)} it)")
+        raise NotTrainedError(msg + (f", or evaluate the others: --conditions \"{','.join(rest)}\"" if rest else ""))
     return conds
 
 
@@ -729,6 +765,9 @@ def evaluate(cfg):
     insts = geodef.expand(test, methods)
     cleans = [geodef.clean_instance(g) for g in test]
     conds = eval_conditions(cfg)
+    if "PPL-Filter" in conds and cfg.ppl_model != "tiny":
+        import gpt2
+        gpt2.resolve(cfg.ppl_model)     # download it, or fail, before the reranker scores every candidate
     needs_lib = any(c in WITH_LIBRARY for c in conds)
     lib = tfsg.ExperienceLibrary.from_dict(read_json(library_path(cfg))) if needs_lib else None
     base, shield = rankers(cfg, any(c in WITH_SHIELD for c in conds))
@@ -738,6 +777,8 @@ def evaluate(cfg):
     llm = make_llm(cfg)
     res = os.path.join(run, "results")
     os.makedirs(res, exist_ok=True)
+    settings = os.path.join(res, "settings.json")          # what the records below were made with
+    write_json(settings, {**read_json(settings, {}), **eval_settings(cfg, conds)})
     # clean reference (B.1.3): once per group, reused by its attack variants
     clean_recs = eval_condition(cfg, llm, "clean reference", cleans, lambda x: base.order(x)[:cfg.k],
                                 lambda x, d: tfsg.standard_prompt(x.query, d),
@@ -1707,5 +1748,7 @@ if __name__ == "__main__":
     import llm_clients
     try:
         main()
-    except (geodef.BenchFormatError, reranker.CheckpointError, NotTrainedError, llm_clients.LLMError) as e:
-        sys.exit(f"error: {e}")  # each names its file, or the API and what it answered (rerun to resume)
+    except (geodef.BenchFormatError, reranker.CheckpointError, FileNotFoundError, llm_clients.LLMError) as e:
+        # each names its file (a missing one: not trained yet, a PPL model not downloadable offline, a
+        # --transfer library), or the API and what it answered (rerun to resume)
+        sys.exit(f"error: {e}")

@@ -4,6 +4,7 @@ by transformers itself, real HTTP on loopback. Run: python -m pytest -q test_geo
 """
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -1002,7 +1003,8 @@ def test_make_client_keys_and_fields(monkeypatch):
 
 def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
     """A missing API key must stop `train` before the Shield stage loads a model or trains (the
-    TFSG stage that needs the key comes after it); out-of-range flags are named up front."""
+    TFSG stage that needs the key comes after it), a missing PPL model `eval` before the reranker
+    loads; out-of-range flags are named up front."""
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
     loaded = []
     monkeypatch.setattr(run, "load_reranker", lambda cfg: loaded.append(cfg) or pytest.fail("model loaded"))
@@ -1011,6 +1013,12 @@ def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
         with pytest.raises(llm_clients.LLMError, match="DEEPSEEK_API_KEY"):
             run.main(argv + ["--model", "tiny", "--name", "k", "--runs-dir", str(tmp_path)])
     assert not loaded and not os.path.exists(tmp_path / "k" / "adapter")
+    # a PPL-Filter model that cannot be had: named before the reranker scores every candidate
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="nobody/gpt2: not a folder and not downloadable"):
+        run.main(["eval", "--llm", "offline", "--conditions", "Non-Defense,PPL-Filter", "--ppl-model", "nobody/gpt2",
+                  "--model", "tiny", "--name", "p", "--runs-dir", str(tmp_path)])
+    assert not loaded
     with pytest.raises(SystemExit, match=r"--epochs 0.*--quant 'nf8'"):
         run.main(["train", "--epochs", "0", "--quant", "nf8", "--model", "tiny", "--runs-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--lora-dropout 1.0"):
@@ -1045,6 +1053,12 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
     assert not os.path.exists(tmp_path / "x")
     run.main(["train", "--bench", small_bench, "--n-construction", "2", "--stage", "shield", "--epochs", "1"] + common)
     assert os.path.isfile(tmp_path / "x" / "adapter" / "adapter_model.safetensors")
+    # evaluated after the Shield stage alone: the error names the stage still to run and the
+    # conditions that can be evaluated already
+    with pytest.raises(FileNotFoundError, match=r"no TFSG library; run `python run.py train --name x --stage tfsg` "
+                       r"first \(GEO Defender, TFSG only need it\), or evaluate the others: "
+                       r"--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt,Shield only\"$"):
+        run.main(["eval", "--bench", small_bench, "--n-construction", "2"] + common)
     bad = write_lines(tmp_path, [meta, "{not json"], "bad.jsonl")
     out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "train", "--bench", bad] + common[:-1] + ["y"],
                          capture_output=True, text=True, timeout=120)
@@ -1054,7 +1068,9 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
     out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "eval", "--name", "never", "--model", "tiny",
                           "--llm", "offline", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.strip().endswith("no TFSG library; run `python run.py train --name never` first")
+    assert out.stderr.strip().endswith("no trained adapter; run `python run.py train --name never` first (GEO "
+                                       "Defender, Shield only, TFSG only need it), or evaluate the others: "
+                                       "--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt\"")
     with pytest.raises(SystemExit, match="--conditions: unknown 'GEO defender'"):
         run.main(["eval", "--conditions", "GEO defender"] + common)
 
@@ -1333,6 +1349,14 @@ def test_ppl_threshold_and_stable_reordering(tmp_path, small_bench):
         flagged = [lm.perplexity(d) > diag["threshold"] for d in x.docs]
         o = orders[x.instance_id]
         assert o == [i for i in range(9, -1, -1) if not flagged[i]] + [i for i in range(9, -1, -1) if flagged[i]]
+    # another scoring model gets its own perplexities (the cache is per model, not per text alone)
+    other = gpt2.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
+    _, diag2 = run.ppl_filter(dataclasses.replace(cfg, ppl_model=other), Base(), cons, insts)
+    lm2 = gpt2.GPT2.from_pretrained(other)
+    calib2 = [lm2.perplexity(d["text"]) for g in cons for d in g.docs]
+    assert calib2 != calib and abs(diag2["threshold"] - float(np.quantile(calib2, 0.5))) < 1e-6
+    assert sorted(os.listdir(tmp_path / "ppl" / "cache")) == sorted(
+        ["ppl_tiny.json", "ppl_" + other.replace("/", "_") + ".json"])
 
 
 def test_gpt2_parity_with_transformers(tmp_path):
@@ -1488,6 +1512,18 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
     sent = len(Script.seen)
     again = run.evaluate(run.Config(**c))
     assert len(Script.seen) == sent and strip(again) == strip(full)   # a rerun sends nothing
+    # records are resumed one by one: an eval with another judge or PPL model would reuse the old
+    # ones, so it is refused, naming the setting (which conditions are evaluated may change)
+    assert json.load(open(tmp_path / "cut" / "results" / "settings.json")) == {
+        "judge": "openai-compatible:scripted", "max_tokens": c["max_tokens"], "ppl_model": "tiny", "ppl_quantile": 0.99}
+    for change, what in [({"judge": "openai-compatible:other"}, "judge='openai-compatible:scripted'"),
+                         ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),
+                         ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
+        with pytest.raises(SystemExit, match=f"records were made with {what}; this eval asks for"):
+            run.evaluate(run.Config(**{**c, **change}))
+    fewer = run.evaluate(run.Config(**{**c, "conditions": "Non-Defense,Shield only", "ppl_model": "elsewhere"}))
+    assert fewer["conditions"] == {k: v for k, v in full["conditions"].items() if k in ("Non-Defense", "Shield only")}
+    assert len(Script.seen) == sent
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
