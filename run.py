@@ -195,6 +195,16 @@ def adapter_path(cfg):
     return os.path.join(cfg.run_dir, "adapter")
 
 
+def shield_scores_path(cfg):
+    """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file): scores
+    cached under a retrained or replaced adapter are never read for another."""
+    h = hashlib.sha1()
+    with open(os.path.join(adapter_path(cfg), "adapter_model.safetensors"), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return os.path.join(cfg.run_dir, "cache", f"scores_shield_{h.hexdigest()[:12]}.json")
+
+
 def library_path(cfg, epoch=None):
     """The TFSG library E{epoch}; by default the final one, E{n_batches + 1}."""
     return os.path.join(cfg.run_dir, "library", f"E{cfg.n_batches + 1 if epoch is None else epoch}.json")
@@ -433,7 +443,7 @@ def shield_test_stats(cfg, rr, insts):
     """On the test instances: where the attack document ranks under the base scorer (LoRA disabled)
     and under the Shield scorer, and how much of the base top-k's benign evidence the Shield keeps."""
     base, shield = (Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=True),
-                    Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_shield.json"), "shield"))
+                    Ranker(rr, shield_scores_path(cfg), "shield"))
     base.prepare(insts)
     shield.prepare(insts)
     rank_b, rank_s, in_b, in_s, overlap = [], [], 0, 0, []
@@ -523,7 +533,7 @@ def rankers(cfg, shield):
     base scores come from the same weights with the adapter disabled (pi_0)."""
     rr = load_shield(cfg) if shield else load_reranker(cfg)
     base = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=shield)
-    sh = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_shield.json"), "shield") if shield else None
+    sh = Ranker(rr, shield_scores_path(cfg), "shield") if shield else None
     return base, sh
 
 
@@ -1586,8 +1596,9 @@ def resolve_config(args):
 
 # settings a finished step depends on: a rerun under the same --name must not change them
 PINNED = ("model", "revision", "bench", "n_construction", "seed", "lora_r", "lora_alpha", "lora_dropout", "lr", "epochs",
-          "grad_accum", "beta", "lam_def", "lam_util", "lam_cons", "quant", "dtype", "llm", "analyzer", "n_seed_cases",
-          "batch_size", "n_batches", "reasoning_interface", "shield", "k", "temperature")
+          "grad_accum", "max_grad_norm", "beta", "lam_def", "lam_util", "lam_cons", "monitor_frac", "quant", "dtype",
+          "max_length", "llm", "analyzer", "n_seed_cases", "batch_size", "n_batches", "max_initial_rules",
+          "reasoning_interface", "shield", "k", "temperature")
 
 
 def produced_anything(run_dir):

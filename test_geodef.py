@@ -1097,6 +1097,11 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
         run.main(["eval", "--llm", "offline"] + common)
     with pytest.raises(SystemExit, match="different"):         # so is a preset asked for (tiny-demo: lr 1e-3)
         run.main(["train", "--preset", "tiny-demo"] + common)
+    # every training setting the adapter, the library or the cached scores depend on is pinned
+    with pytest.raises(SystemExit, match="different max_grad_norm, monitor_frac, max_length, max_initial_rules "
+                                         r"\(max_grad_norm=1.0, monitor_frac=0.2, max_length=8192, max_initial_rules=10\)"):
+        run.main(["train", "--max-grad-norm", "2", "--monitor-frac", "0.3", "--max-length", "1024",
+                  "--max-initial-rules", "5"] + common)
     # eval of a run not trained yet: refused before anything is recorded, so that the later
     # `train --name y --llm ...` is not refused for settings that a failed eval pinned
     with pytest.raises(FileNotFoundError, match="no TFSG library"):
@@ -1469,6 +1474,29 @@ def test_demo_end_to_end_reduced(demo_run):
     assert len(recs) == 4 * 7 and {"top_ids", "answer", "cited_ids", "attack_cited", "asi", "benign_cited"} <= set(recs[0])
     adapter = json.load(open(demo_run / "adapter" / "adapter_config.json"))
     assert adapter["base_model_name_or_path"] == "tiny"
+
+
+def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
+    """The Shield's cached scores belong to one adapter: after the adapter is replaced (retrained, or
+    another copied in), the Shield ranks by the new one, not by scores cached under the old."""
+    shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
+    shutil.copytree(demo_run / "adapter", tmp_path / "r" / "adapter")
+    shutil.copytree(demo_run / "cache", tmp_path / "r" / "cache")
+    cfg = run.Config(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r", "runs_dir": str(tmp_path)})
+    old = run.shield_scores_path(cfg)
+    assert os.path.isfile(old)                                   # the demo's, under its adapter's digest
+    base, shield = run.rankers(cfg, True)
+    insts = [geodef.attack_instance(g, "stat_inject") for g in run.load_data(cfg)[3]]
+    shield.prepare(insts)
+    assert any(shield.scores(x) != base.scores(x) for x in insts)
+    for m in lora.lora_modules(base.rr.model).values():           # an adapter with B = 0: the base policy
+        m.lora_B.data.zero_()
+    lora.save_adapter(base.rr.model, str(tmp_path / "r" / "adapter"), "tiny")
+    assert run.shield_scores_path(cfg) != old
+    base2, shield2 = run.rankers(cfg, True)
+    shield2.prepare(insts)
+    for x in insts:
+        torch.testing.assert_close(torch.tensor(shield2.scores(x)), torch.tensor(base2.scores(x)), rtol=0, atol=1e-5)
 
 
 def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, monkeypatch):
