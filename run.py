@@ -719,11 +719,18 @@ def summarize(recs, clean):
 
 def eval_settings(cfg, conds):
     """The settings the values of results/*.jsonl depend on beyond the pinned ones: the judge (ASI,
-    pairwise quality), the answers' token cap, and for PPL-Filter its scoring model and quantile.
-    (Which conditions, methods and test groups are evaluated only selects records: not here.)"""
+    pairwise quality), the answers' token cap, for PPL-Filter its scoring model and quantile, and for
+    each --transfer name the SHA-1 of its library file. (Which conditions, methods and test groups
+    are evaluated only selects records: not here.)"""
     s = {"judge": cfg.judge or cfg.llm, "max_tokens": cfg.max_tokens}
     if "PPL-Filter" in conds:
         s.update(ppl_model=cfg.ppl_model, ppl_quantile=cfg.ppl_quantile)
+    if cfg.transfer and "GEO Defender" in conds:    # results/transfer_<name>.jsonl: that library's content
+        for item in cfg.transfer.split(","):
+            name, _, path = item.partition("=")
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    s[f"transfer {name}"] = hashlib.sha1(f.read()).hexdigest()[:12]
     return s
 
 

@@ -1552,6 +1552,17 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
     fewer = run.evaluate(run.Config(**{**c, "conditions": "Non-Defense,Shield only", "ppl_model": "elsewhere"}))
     assert fewer["conditions"] == {k: v for k, v in full["conditions"].items() if k in ("Non-Defense", "Shield only")}
     assert len(Script.seen) == sent
+    # Table C.2: another library under a name; the same name later pointing at different content is refused
+    lib = tmp_path / "lib_a.json"
+    shutil.copy(demo_run / "library" / "E4.json", lib)
+    t = run.evaluate(run.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+    assert t["transfer"]["a"] == t["transfer"]["(own)"]          # the own final library, so the same answers
+    assert len(Script.seen) == sent                              # ... all from the cache
+    e0 = (demo_run / "library" / "E0.json").read_bytes()
+    assert e0 != lib.read_bytes()
+    lib.write_bytes(e0)
+    with pytest.raises(SystemExit, match="records were made with transfer a='[0-9a-f]{12}'"):
+        run.evaluate(run.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
