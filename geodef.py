@@ -106,12 +106,20 @@ def read_jsonl(path):
 
 def load_bench(path, n_docs=N_DOCS, with_meta=False):
     """Read and validate a GEO-DefenseBench JSONL file -> list[QueryGroup] (and BenchMeta)."""
-    groups, meta, seen_ids = [], BenchMeta(), {}
+    groups, meta, seen_ids, meta_line = [], BenchMeta(), {}, 1
     for n, obj in read_jsonl(path):
         if "_meta" in obj:
+            meta_line = n
             if groups:
                 _fail(path, n, "_meta", "metadata must be the first line")
             m = _need(obj, "_meta", dict, path, n)
+            for key in ("methods", "seen_methods"):
+                v = m.get(key, [])
+                if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                    _fail(path, n, f"_meta.{key}", f"expected a list of method names, got {v!r}")
+            unknown = [x for x in m.get("seen_methods", []) if m.get("methods") and x not in m["methods"]]
+            if unknown:
+                _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.methods {m['methods']}")
             meta = BenchMeta(methods=list(m.get("methods", [])), seen_methods=list(m.get("seen_methods", [])),
                              synthetic=bool(m.get("synthetic", False)), raw=m)
             continue
@@ -172,8 +180,16 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
         _fail(path, g.line, "split", "some lines have a split and this one has none: give all or none")
     if all(has):
         check_no_leakage(groups, path)
-    if not meta.methods:
+    if not meta.methods:  # no _meta.methods: the methods are the first group's, and every group needs them
         meta.methods = sorted(groups[0].attacks)
+        for g in groups[1:]:
+            missing = [m for m in meta.methods if m not in g.attacks]
+            if missing:
+                _fail(path, g.line, "attacks", f"missing methods {missing} that the first group "
+                                               f"(line {groups[0].line}) has; every group needs every method")
+        unknown = [m for m in meta.seen_methods if m not in meta.methods]
+        if unknown:
+            _fail(path, meta_line, "_meta.seen_methods", f"{unknown} not among the groups' methods {meta.methods}")
     return (groups, meta) if with_meta else groups
 
 

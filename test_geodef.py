@@ -772,11 +772,23 @@ def good_group(gid="g1", n=10, q=None):
     (lambda g: {**g, "group_id": "g0"}, r":2: group_id: duplicate 'g0' \(first on line 1\)"),
     (lambda g: {**g, "docs": g["docs"][:9] + [dict(g["docs"][0], doc_id="z")]}, r":2: docs\[9\].text: duplicate"),
     (lambda g: {**g, "split": "train"}, r":2: split: expected 'construction' or 'test'"),
+    (lambda g: {**g, "attacks": {"A": g["attacks"]["A"]}},                   # no _meta: the first group's methods
+     r":2: attacks: missing methods \['B'\] that the first group \(line 1\) has"),
 ])
 def test_bench_validation_errors(tmp_path, mutate, msg):
     rows = [good_group("g0"), mutate(good_group("g1"))]
     with pytest.raises(geodef.BenchFormatError, match=msg):
         geodef.load_bench(write_lines(tmp_path, rows))
+
+
+@pytest.mark.parametrize("meta,msg", [
+    ({"methods": ["A", "B"], "seen_methods": ["A", "C"]}, r":1: _meta.seen_methods: \['C'\] not in _meta.methods"),
+    ({"seen_methods": ["Z"]}, r":1: _meta.seen_methods: \['Z'\] not among the groups' methods \['A', 'B'\]"),
+    ({"methods": "A,B"}, r":1: _meta.methods: expected a list of method names"),
+])
+def test_bench_meta_line_validated(tmp_path, meta, msg):
+    with pytest.raises(geodef.BenchFormatError, match=msg):
+        geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, good_group("g0"), good_group("g1")]))
 
 
 def test_bench_file_encoding_bom_crlf_and_unicode_line_breaks(tmp_path):
