@@ -276,9 +276,11 @@ def tfsg_schedule(cfg, inst):
 # ----------------------------------------------------------------------------- Shield training
 
 
-def _save_ckpt(path, model, opt, state):
-    """Resumable checkpoint without pickle: LoRA + AdamW tensors in safetensors, counters in JSON."""
+def _save_ckpt(path, model, opt, state, log_path):
+    """Resumable checkpoint without pickle: LoRA + AdamW tensors in safetensors, counters in JSON,
+    and how much of the training log belongs to it (a resume cuts what was logged after it)."""
     from safetensors.torch import save_file
+    state["log_bytes"] = os.path.getsize(log_path) if os.path.isfile(log_path) else 0
     tensors = {k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
@@ -366,10 +368,14 @@ def train_shield(cfg, rr=None, resume=True):
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     ckpt = os.path.join(run, "checkpoint")
     state = {"epoch": 0, "pos": 0, "step": 0, "best": None, "history": []}
+    log_path = os.path.join(run, "train_log.jsonl")
     if resume and os.path.isfile(os.path.join(ckpt, "state.json")):
         state = _load_ckpt(ckpt, rr.model, opt)
         log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
-    log_path = os.path.join(run, "train_log.jsonl")
+        with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
+            f.truncate(state.get("log_bytes", f.seek(0, os.SEEK_END)))
+    elif os.path.isfile(log_path):          # a fresh start: no lines of an earlier attempt
+        os.remove(log_path)
     if state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
         m0 = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
         state["history"].append({"epoch": 0, **m0})
@@ -405,7 +411,7 @@ def train_shield(cfg, rr=None, resume=True):
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['rewards/accuracies']:.2f}")
                 acc_stats = []
                 if state["step"] % cfg.save_every == 0 and state["pos"] < len(order):
-                    _save_ckpt(ckpt, rr.model, opt, state)
+                    _save_ckpt(ckpt, rr.model, opt, state, log_path)
         state["epoch"] += 1
         state["pos"] = 0
         m = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
@@ -416,7 +422,7 @@ def train_shield(cfg, rr=None, resume=True):
         if state["best"] is None or key > tuple(state["best"]["key"]):
             lora.save_adapter(rr.model, adapter_dir, hub_id(cfg))   # keep the best adapter by monitoring
             state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
-        _save_ckpt(ckpt, rr.model, opt, state)
+        _save_ckpt(ckpt, rr.model, opt, state, log_path)
     bar.close()
     lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
     rr.model.eval()
@@ -665,13 +671,15 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path):
     done = {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                    done[r["instance_id"]] = r
-                except (ValueError, KeyError):
-                    continue   # a line cut by a kill: redone
+        with open(path, "r+b") as f:        # a line cut by a kill: dropped (its instance is redone), so
+            data = f.read()                 # that the next record does not start on its end
+            f.truncate(data.rfind(b"\n") + 1)
+        for line in data[:data.rfind(b"\n") + 1].decode("utf-8").split("\n")[:-1]:   # not splitlines: U+2028
+            try:
+                r = json.loads(line)
+                done[r["instance_id"]] = r
+            except (ValueError, KeyError):
+                continue
     todo = [x for x in insts if x.instance_id not in done]
     judge = make_llm(cfg, cfg.judge) if cfg.judge else llm
     chunk = max(cfg.workers * 4, 16)

@@ -1438,25 +1438,31 @@ def test_offline_engine_answers_every_prompt_kind_in_schema():
 def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch):
     from safetensors.torch import load_file
     kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
-              epochs=2, grad_accum=2, save_every=1)
+              epochs=2, grad_accum=2, save_every=2)
     run.train_shield(run.Config(name="full", **kw))
     real = geodef.shield_loss
-    n = {"k": 0}
+    # killed: before the first checkpoint (a fresh restart), and twice where steps were logged after
+    # the last checkpoint (save_every 2), so that the resumed run redoes steps the log already holds
+    for name, kills in (("early", (3,)), ("cut", (9, 14))):
+        for kill in kills:
+            n = {"k": 0}
 
-    def dying(*a, **k):
-        n["k"] += 1
-        if n["k"] == 9:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-    monkeypatch.setattr(geodef, "shield_loss", dying)
-    with pytest.raises(KeyboardInterrupt):
-        run.train_shield(run.Config(name="cut", **kw))
-    monkeypatch.setattr(geodef, "shield_loss", real)
-    assert not os.path.exists(tmp_path / "cut" / "shield_done.json")
-    run.train_shield(run.Config(name="cut", **kw))
-    a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            def dying(*a, **k):
+                n["k"] += 1
+                if n["k"] == kill:
+                    raise KeyboardInterrupt
+                return real(*a, **k)
+            monkeypatch.setattr(geodef, "shield_loss", dying)
+            with pytest.raises(KeyboardInterrupt):
+                run.train_shield(run.Config(name=name, **kw))
+        monkeypatch.setattr(geodef, "shield_loss", real)
+        assert not os.path.exists(tmp_path / name / "shield_done.json")
+        run.train_shield(run.Config(name=name, **kw))
+        a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+        b = load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        # the training log equals the uninterrupted one: no line twice, none lost
+        assert (tmp_path / name / "train_log.jsonl").read_text() == (tmp_path / "full" / "train_log.jsonl").read_text()
     log = [json.loads(l) for l in open(tmp_path / "full" / "train_log.jsonl")]
     assert {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "grad_norm",
             "learning_rate"} <= set(next(r for r in log if r["event"] == "train"))
@@ -1552,6 +1558,12 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
     sent = len(Script.seen)
     again = run.evaluate(run.Config(**c))
     assert len(Script.seen) == sent and strip(again) == strip(full)   # a rerun sends nothing
+    # killed in the middle of writing a record: the cut line is dropped, not glued to the next record
+    p = tmp_path / "full" / "results" / "non_defense.jsonl"
+    orig = p.read_text(encoding="utf-8")
+    p.write_text(orig[:len(orig) - len(orig.split("\n")[-2]) // 2 - 1], encoding="utf-8")
+    assert strip(run.evaluate(run.Config(**{**c, "name": "full"}))) == strip(full)
+    assert p.read_text(encoding="utf-8") == orig and len(Script.seen) == sent
     # records are resumed one by one: an eval with another judge or PPL model would reuse the old
     # ones, so it is refused, naming the setting (which conditions are evaluated may change)
     assert json.load(open(tmp_path / "cut" / "results" / "settings.json")) == {
