@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -178,6 +179,9 @@ class Client:
         self.lock = threading.Lock()
         self.stats = {"calls": 0, "http_calls": 0, "cache_hits": 0, "retries": 0, "json_reasks": 0,
                       "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
+        self.send_temperature = True             # False once the API refused it (see _adapt)
+        self.adapted = []                        # what _adapt changed, in words (usage() reports it)
+        self._asked = (max_field, json_mode)     # the request as first built: the cache key's form
 
     def __repr__(self):
         return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
@@ -188,7 +192,10 @@ class Client:
 
     # --- request building
 
-    def _body(self, messages, temperature, max_tokens, json_flag):
+    def _body(self, messages, temperature, max_tokens, json_flag, asked=False):
+        """The request body; asked=True: in the form first configured, whatever _adapt changed since
+        (the cache key, so that replies cached before and after an adaptation are found again)."""
+        max_field, json_mode = self._asked if asked else (self.max_field, self.json_mode)
         if self.protocol == "anthropic":
             system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
             body = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature,
@@ -196,12 +203,47 @@ class Client:
             if system:
                 body["system"] = system
         else:
-            body = {"model": self.model, "messages": messages, "temperature": temperature,
-                    self.max_field: max_tokens}
-            if json_flag and self.json_mode:
+            body = {"model": self.model, "messages": messages, "temperature": temperature, max_field: max_tokens}
+            if json_flag and json_mode:
                 body["response_format"] = {"type": "json_object"}
         body.update(self.extra_body)
         return body
+
+    def _sent(self, body):
+        """The body as it goes out: without what the API has refused (the cache key keeps what was asked)."""
+        if self.send_temperature:
+            return body
+        return {k: v for k, v in body.items() if k != "temperature"}
+
+    def _adapt(self, body, err):
+        """An HTTP 400 that names a request parameter this model does not take -> True, with the change
+        remembered for every later request (the caller rebuilds and resends); else None. Cases seen
+        in the wild: reasoning models accept only their default temperature ("Unsupported value:
+        'temperature' does not support 0 with this model", OpenAI GPT-5.x, o-series); 'max_tokens'
+        vs 'max_completion_tokens' (o-series behind Azure or proxies; GLM knows only max_tokens);
+        servers without JSON mode ('response_format'). Each change is logged once and reported by
+        usage(), since it changes the decoding the run records."""
+        text = err.body or ""
+        m = re.search(r'"param"\s*:\s*"([^"]+)"', text)
+        param, low = (m.group(1) if m else ""), text.lower()
+        refused = lambda name: param == name or (f"'{name}'" in text and ("unsupported" in low or "not support" in low))
+        change = None
+        if "temperature" in body and refused("temperature"):
+            self.send_temperature, change = False, "temperature: not sent (the API accepts only the model's default)"
+        elif self._asked[0] in body and refused(self._asked[0]):           # once: never back
+            other = "max_completion_tokens" if self._asked[0] == "max_tokens" else "max_tokens"
+            self.max_field, change = other, f"token cap sent as {other}"
+        elif "response_format" in body and refused("response_format"):
+            self.json_mode, change = False, "JSON mode off (JSON still parsed from the text, with re-asks)"
+        if change is None:
+            return None
+        with self.lock:
+            new = change not in self.adapted
+            if new:
+                self.adapted.append(change)
+        if new:
+            print(f"[llm] {self.label}: HTTP 400 refused a parameter; {change}", file=sys.stderr, flush=True)
+        return True
 
     def cache_key(self, body, json_flag):
         host = urlparse(self.base_url).netloc if self.base_url else self.provider
@@ -269,7 +311,32 @@ class Client:
         return None
 
     def _post(self, body):
-        """One logical request with transport retries -> parsed response JSON."""
+        """One logical request -> parsed response JSON; a 400 that names a parameter this model does not
+        take is answered by adapting the request (_adapt) and sending it again."""
+        while True:                                      # ends: each kind of change happens once
+            sent = self._sent(body)
+            try:
+                return self._post_once(sent)
+            except LLMError as e:     # (another thread may have adapted meanwhile: judged on what was sent)
+                if e.status != 400 or not self._adapt(sent, e):
+                    raise
+                body = self._rebuild(body)
+
+    def _rebuild(self, body):
+        """The body with the current token-cap field and JSON mode (after _adapt changed them)."""
+        if self.protocol == "anthropic":
+            return body
+        body = dict(body)
+        cap = body.pop("max_tokens", None) or body.pop("max_completion_tokens", None)
+        body.pop("max_tokens", None), body.pop("max_completion_tokens", None)
+        if cap is not None:
+            body[self.max_field] = cap
+        if not self.json_mode:
+            body.pop("response_format", None)
+        return body
+
+    def _post_once(self, body):
+        """One request with transport retries -> parsed response JSON."""
         url = self.base_url + ("/messages" if self.protocol == "anthropic" else "/chat/completions")
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
@@ -352,8 +419,7 @@ class Client:
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
         with self.lock:
             self.stats["calls"] += 1
-        body = self._body(messages, temperature, max_tokens, json)
-        key = self.cache_key(body, json)
+        key = self.cache_key(self._body(messages, temperature, max_tokens, json, asked=True), json)
         hit = self._cache_get(key)
         if hit is not None:
             with self.lock:
@@ -400,6 +466,8 @@ class Client:
         p = self.prices.get(self.model)
         s["cost_usd"] = None if p is None else (s["prompt_tokens"] * p[0] + s["completion_tokens"] * p[1]) / 1e6
         s["model"] = self.label
+        if self.adapted:
+            s["adapted"] = list(self.adapted)
         return s
 
 

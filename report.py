@@ -138,6 +138,9 @@ def write_report(run_dir, s):
                  f"{u.get('cache_hits', 0)} from cache, {u.get('prompt_tokens', 0)} prompt / "
                  f"{u.get('completion_tokens', 0)} completion tokens"
                  + (f", ${u['cost_usd']:.4f}" if u.get("cost_usd") is not None else "") + ".\n")
+    for who, uu in (("target", u), ("judge", s.get("judge_usage") or {})):
+        if uu.get("adapted"):   # the API refused a parameter: what was sent instead (llm_clients._adapt)
+            lines.append(f"Requests to the {who} ({uu.get('model')}) adapted to its API: {'; '.join(uu['adapted'])}.\n")
     with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
 

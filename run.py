@@ -664,7 +664,7 @@ def _answer(reply):
         else (reply.text or "")
 
 
-def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path):
+def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
     appended as it finishes, so an interrupted run resumes with the instances it lacks."""
     import metrics
@@ -681,7 +681,7 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path):
             except (ValueError, KeyError):
                 continue
     todo = [x for x in insts if x.instance_id not in done]
-    judge = make_llm(cfg, cfg.judge) if cfg.judge else llm
+    judge = judge or (make_llm(cfg, cfg.judge) if cfg.judge else llm)
     chunk = max(cfg.workers * 4, 16)
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
@@ -701,7 +701,7 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path):
                          "attack_cited": att_id in cited_ids if att_id else False,
                          "benign_cited": sum(1 for c in cited_ids if c != att_id)})
         jreq = [(i, {"messages": [{"role": "user", "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
-                     "temperature": 0, "max_tokens": 1024, "json": True})
+                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True})
                 for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
         jrep = judge.map([q for _, q in jreq], workers=cfg.workers, desc=f"{name} ASI judge") if jreq else []
         for rec in recs:
@@ -800,6 +800,7 @@ def evaluate(cfg):
     if shield:
         shield.prepare(insts)
     llm = make_llm(cfg)
+    judge = make_llm(cfg, cfg.judge) if cfg.judge else llm   # one client: its usage and adaptations recorded
     res = os.path.join(run, "results")
     os.makedirs(res, exist_ok=True)
     settings = os.path.join(res, "settings.json")          # what the records below were made with
@@ -807,7 +808,7 @@ def evaluate(cfg):
     # clean reference (B.1.3): once per group, reused by its attack variants
     clean_recs = eval_condition(cfg, llm, "clean reference", cleans, lambda x: base.order(x)[:cfg.k],
                                 lambda x, d: tfsg.standard_prompt(x.query, d),
-                                os.path.join(res, "clean_reference.jsonl"))
+                                os.path.join(res, "clean_reference.jsonl"), judge)
     clean = {r["group_id"]: r for r in clean_recs}
     k = cfg.k
     topk = {"base": lambda x: base.order(x)[:k], "shield": (lambda x: shield.order(x)[:k]) if shield else None}
@@ -824,7 +825,7 @@ def evaluate(cfg):
     results = {}
     for c in conds:
         slug = c.lower().replace(" ", "_").replace("-", "_")
-        results[c] = eval_condition(cfg, llm, c, insts, plan[c][0], plan[c][1], os.path.join(res, f"{slug}.jsonl"))
+        results[c] = eval_condition(cfg, llm, c, insts, plan[c][0], plan[c][1], os.path.join(res, f"{slug}.jsonl"), judge)
     summary = {"offline": cfg.offline, "target_llm": llm.label, "model": hub_id(cfg),
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
@@ -833,7 +834,7 @@ def evaluate(cfg):
                "test_set_sha1": test_set_digest(insts)}
     # pairwise quality of GEO Defender vs the clean reference (B.2.4)
     if "GEO Defender" in conds:
-        summary["quality"] = pairwise_quality(cfg, llm, results["GEO Defender"], clean,
+        summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
                                               {x.instance_id: x for x in insts}, res)
     # Fig. 5: ASR/ASI by library epoch (GEO Defender with E0..E4)
     if "GEO Defender" in conds:
@@ -845,7 +846,7 @@ def evaluate(cfg):
             lt = tfsg.ExperienceLibrary.from_dict(read_json(p))
             recs = results["GEO Defender"] if t == cfg.n_batches + 1 else eval_condition(
                 cfg, llm, f"GEO Defender E{t}", insts, topk["shield"], lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
-                os.path.join(res, f"geo_defender_E{t}.jsonl"))
+                os.path.join(res, f"geo_defender_E{t}.jsonl"), judge)
             epochs[f"E{t}"] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI", "BER")}
         summary["epochs"] = epochs
     # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
@@ -858,18 +859,19 @@ def evaluate(cfg):
             lt = tfsg.ExperienceLibrary.from_dict(read_json(path))
             recs = eval_condition(cfg, llm, f"GEO Defender [{name}]", insts, topk["shield"],
                                   lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
-                                  os.path.join(res, f"transfer_{name}.jsonl"))
+                                  os.path.join(res, f"transfer_{name}.jsonl"), judge)
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
     summary["usage"] = llm.usage()
+    if judge is not llm:
+        summary["judge_usage"] = judge.usage()
     write_json(os.path.join(run, "summary.json"), summary)
     report.write_report(run, summary)
     log(f"[eval] wrote {run}/summary.json and {run}/report.md")
     return summary
 
 
-def pairwise_quality(cfg, llm, recs, clean, by_id, res):
+def pairwise_quality(cfg, judge, recs, clean, by_id, res):
     import metrics
-    judge = make_llm(cfg, cfg.judge) if cfg.judge else llm
     a_first = metrics.balanced_order([r["instance_id"] for r in recs])
     reqs = []
     for r in recs:
@@ -877,7 +879,7 @@ def pairwise_quality(cfg, llm, recs, clean, by_id, res):
         ref = clean[r["group_id"]]["answer"]
         a, b = (r["answer"], ref) if a_first[r["instance_id"]] else (ref, r["answer"])
         reqs.append({"messages": [{"role": "user", "content": metrics.pairwise_prompt(x.query, a, b)}],
-                     "temperature": 0, "max_tokens": 1024, "json": True})
+                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True})
     reps = judge.map(reqs, workers=cfg.workers, desc="pairwise quality")
     deltas, rows = [], []
     for r, rep in zip(recs, reps):

@@ -891,6 +891,72 @@ def test_retry_after_then_success(server):
     assert 0.375 <= sleeps[0] <= 0.5 and 0.75 <= sleeps[1] <= 1.0     # min(0.5 * 2^n, 8) s, 25% jitter
 
 
+class StrictModel(BaseHTTPRequestHandler):
+    """Loopback server answering like a reasoning model behind an OpenAI-style API: a 400 naming each
+    parameter it does not take (temperature other than its default, max_tokens, JSON mode)."""
+    seen = []
+    refusals = [("temperature", "Unsupported value: 'temperature' does not support 0 with this model. Only the "
+                                "default (1) value is supported.", "unsupported_value"),
+                ("max_tokens", "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                               "'max_completion_tokens' instead.", "unsupported_parameter"),
+                ("response_format", "Invalid parameter: 'response_format' of type 'json_object' is not supported "
+                                    "with this model.", "unsupported_parameter")]
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        StrictModel.seen.append(body)
+        status, payload = 200, ok(json.dumps({"echo": body["messages"][-1]["content"]}))
+        for param, message, code in self.refusals:
+            if param in body:
+                status, payload = 400, {"error": {"message": message, "type": "invalid_request_error",
+                                                  "param": param, "code": code}}
+                break
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
+    """GPT-5.x and o-series reject temperature 0 ("only the default (1) value is supported"), o-series
+    behind proxies reject max_tokens, some servers JSON mode: each 400 that names such a parameter
+    changes the request once for the client (logged once, reported by usage()), concurrent requests
+    included; replies are cached under the request as asked, so a new client finds them all."""
+    StrictModel.seen = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), StrictModel)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    reqs = [{"messages": [{"role": "user", "content": f"q{i}"}], "temperature": 0, "max_tokens": 64, "json": True}
+            for i in range(24)]
+    try:
+        c = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens", cache_dir=str(tmp_path / "c"))
+        out = c.map(reqs, workers=8, progress=False)
+        assert [r.data for r in out] == [{"echo": f"q{i}"} for i in range(24)]
+        assert c.usage()["adapted"] == ["temperature: not sent (the API accepts only the model's default)",
+                                        "token cap sent as max_completion_tokens",
+                                        "JSON mode off (JSON still parsed from the text, with re-asks)"]
+        assert capsys.readouterr().err.count("HTTP 400 refused a parameter") == 3
+        last = StrictModel.seen[-1]
+        assert "temperature" not in last and last["max_completion_tokens"] == 64 and "response_format" not in last
+        assert len(StrictModel.seen) <= 24 + 3 * 8            # at most one refused try per change and worker
+        n = len(StrictModel.seen)
+        again = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens", cache_dir=str(tmp_path / "c"))
+        assert [r.data for r in again.map(reqs, workers=8, progress=False)] == [r.data for r in out]
+        assert len(StrictModel.seen) == n and "adapted" not in again.usage()   # all from the cache
+        # a 400 about anything else is not retried
+        StrictModel.refusals = StrictModel.refusals + [("messages", "'messages' must not be empty", "bad")]
+        with pytest.raises(llm_clients.LLMError, match="HTTP 400"):
+            c.chat([{"role": "user", "content": "new"}], json=True)
+    finally:
+        StrictModel.refusals = StrictModel.refusals[:3]
+        srv.shutdown()
+
+
 @pytest.mark.parametrize("status", [500, 503, 529])
 def test_5xx_then_success(server, status):
     Script.script = [(status, {}, {"error": {"message": "overloaded"}}, 0)] * 2 + [(200, {}, ok("fine"), 0)]
