@@ -326,11 +326,9 @@ class Client:
         """The body with the current token-cap field and JSON mode (after _adapt changed them)."""
         if self.protocol == "anthropic":
             return body
-        body = dict(body)
-        cap = body.pop("max_tokens", None) or body.pop("max_completion_tokens", None)
-        body.pop("max_tokens", None), body.pop("max_completion_tokens", None)
-        if cap is not None:
-            body[self.max_field] = cap
+        cap = next(v for k, v in body.items() if k in ("max_tokens", "max_completion_tokens"))
+        body = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")}
+        body[self.max_field] = cap
         if not self.json_mode:
             body.pop("response_format", None)
         return body

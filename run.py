@@ -768,11 +768,8 @@ def eval_conditions(cfg):
                                                        (adapter, "trained adapter", WITH_SHIELD))
                if not os.path.isfile(p)]
     needing = [c for c in conds if any(c in needs for _, _, needs in missing)]
-    if needing:
-        # the stage that writes what is missing: TFSG alone only where its Shield ranking is there (or off)
-        lib_only = not os.path.isfile(lib) and os.path.isfile(adapter)
-        stage = " --stage tfsg" if lib_only or (not cfg.shield and os.path.isfile(adapter)) else ""
-        stage = " --stage shield" if os.path.isfile(lib) else stage
+    if needing:   # the stage that writes what is missing (both missing: the whole of train)
+        stage = " --stage shield" if os.path.isfile(lib) else " --stage tfsg" if os.path.isfile(adapter) else ""
         rest = [c for c in CONDITIONS if not any(c in needs for _, _, needs in missing)]
         msg = (f"{' and '.join(f'{p}: no {what}' for p, what, _ in missing)}; run `python run.py train "
                f"--name {cfg.name}{stage}` first ({', '.join(needing)} need{'s' * (len(needing) == 1)} it)")
