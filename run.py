@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -1721,6 +1722,12 @@ def main(argv=None):
         if args.what not in ("score", "train") and args.device != "cpu":
             raise SystemExit(f"bench --what {args.what} runs on the CPU only; --device takes score and train")
         check_device(args.device)
+        if args.what in ("score", "memory", "train", "nf4"):   # the peers and the random checkpoint's writer
+            missing = [m for m in ("transformers",) + ("peft",) * (args.what == "train")
+                       if importlib.util.find_spec(m) is None]
+            if missing:
+                raise SystemExit(f"bench --what {args.what} races {' and '.join(missing)} (not runtime dependencies):"
+                                 " pip install -r requirements-test.txt")
         fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
               "nf4": bench_nf4}[args.what]
         res = fn(args)
