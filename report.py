@@ -1,8 +1,8 @@
 """report.md and SVG figures for an evaluation run, laid out as the paper's tables and figures.
 
 A sibling of run.py (the design card's list has no place for plotting): plain string SVG, no plotting
-library. Table 1 (conditions x ASR/ASI/BER), Table 2 (ablation), the per-method breakdown (Fig. 3,
-seen methods solid, unseen dashed), the quality table (Table C.1), PPL-Filter diagnostics (Table B.2),
+library. Table 1 (conditions x ASR/ASI/BER), Table 2 (ablation), the per-method breakdown (Fig. 3:
+ASR, and (b) the Attack Influence Reduction from Non-Defense; unseen methods dashed), the quality table (Table C.1), PPL-Filter diagnostics (Table B.2),
 and ASR/ASI by library epoch (Fig. 5). A run on the tiny model or the offline engine says so first.
 
 Usage: write_report("runs/demo", summary)
@@ -37,7 +37,7 @@ def svg_bars(title, groups, series, values, ylabel="%", dashed=()):
         for si, s in enumerate(series):
             v = values.get((g, s), 0.0)
             v = 0.0 if v != v else v
-            h = (H - top - bottom) * v / vmax
+            h = (H - top - bottom) * max(0.0, v) / vmax      # a negative value: no bar (its tooltip and table say it)
             dash = ' stroke="#000" stroke-dasharray="3,2"' if g in dashed else ""
             parts.append(f'<rect x="{x0 + si * bw:.1f}" y="{H - bottom - h:.1f}" width="{bw - 1:.1f}" height="{h:.1f}" '
                          f'fill="{colors[si % len(colors)]}"{dash}><title>{html.escape(f"{g} / {s}: {v:.2f}")}</title></rect>')
@@ -103,6 +103,21 @@ def write_report(run_dir, s):
         f.write(svg_bars("ASR / ASI / BER by condition", list(c), ["ASR", "ASI", "BER"],
                          {(k, m): c[k][m] for k in c for m in ("ASR", "ASI", "BER")}))
     lines.append("![per method](figures/per_method_asr.svg) ![conditions](figures/conditions.svg)\n")
+    if "Non-Defense" in s["methods"]:
+        # Fig. 3 (b): Attack Influence Reduction, the relative ASI reduction from Non-Defense per method
+        # (panel (a), Attack Defense Success, is 100 - ASR of the table above)
+        nd = s["methods"]["Non-Defense"]
+        air = {(m, k): (100 * (nd[m]["ASI"] - s["methods"][k][m]["ASI"]) / nd[m]["ASI"] if nd[m]["ASI"] else float("nan"))
+               for m in methods for k in conds if k != "Non-Defense"}
+        others = [k for k in conds if k != "Non-Defense"]
+        lines.append("## Fig. 3 (b): Attack Influence Reduction (%), 100 (ASI_Non-Defense - ASI) / ASI_Non-Defense "
+                     "per GEO method; higher is stronger; unseen methods marked *\n")
+        lines.append(_table(["Condition"] + [m + ("" if nd[m]["seen"] else "*") for m in methods],
+                            [[k] + [_f(air[m, k]) for m in methods] for k in others]) + "\n")
+        with open(os.path.join(figs, "per_method_air.svg"), "w", encoding="utf-8") as f:
+            f.write(svg_bars("Attack Influence Reduction by GEO method (dashed outline: unseen)", methods, others,
+                             air, dashed=unseen))
+        lines.append("![attack influence reduction](figures/per_method_air.svg)\n")
     if s.get("quality"):
         q = s["quality"]
         lines.append("## Table C.1: pairwise answer quality of GEO Defender vs the clean reference\n")

@@ -1550,8 +1550,13 @@ def test_demo_end_to_end_reduced(demo_run):
     assert any("SIMULATION" in n for n in s["notes"]) and any("random" in n for n in s["notes"])
     rep = open(demo_run / "report.md").read()
     assert rep.startswith("> **OFFLINE / SIMULATION RUN.**") and "Table 1" in rep and "Table C.1" in rep
-    for f in ("per_method_asr.svg", "conditions.svg", "epochs.svg"):
+    for f in ("per_method_asr.svg", "per_method_air.svg", "conditions.svg", "epochs.svg"):
         assert open(demo_run / "figures" / f).read().startswith("<svg")
+    # Fig. 3 (b): relative ASI reduction from Non-Defense, per method
+    nd, gd = s["methods"]["Non-Defense"], s["methods"]["GEO Defender"]
+    row = next(l for l in rep[rep.index("## Fig. 3 (b)"):].splitlines() if l.startswith("| GEO Defender |"))
+    want = ["-" if not nd[m]["ASI"] else f"{100 * (nd[m]['ASI'] - gd[m]['ASI']) / nd[m]['ASI']:.2f}" for m in nd]
+    assert row == "| GEO Defender | " + " | ".join(want) + " |"
     for t in range(5):
         assert tfsg.check_library(tfsg.ExperienceLibrary.from_dict(json.load(open(demo_run / "library" / f"E{t}.json")))) == []
     recs = [json.loads(l) for l in open(demo_run / "results" / "geo_defender.jsonl")]
