@@ -1202,6 +1202,12 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     run.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
                                                           "command": "demo"})
     assert run.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d", runs_dir=str(tmp_path))).llm == "offline"
+    # the paper preset is Table A.1, its 4-bit base included; the plain defaults keep bf16
+    paper = run.resolve_config(argparse.Namespace(cmd="train", preset="paper", name="p", runs_dir=str(tmp_path)))
+    plain = run.resolve_config(argparse.Namespace(cmd="train", preset=None, name="p", runs_dir=str(tmp_path)))
+    assert (paper.quant, plain.quant) == ("nf4", "none")
+    assert (paper.lora_r, paper.lora_alpha, paper.lora_dropout, paper.lr, paper.grad_accum, paper.beta, paper.lam_def,
+            paper.lam_util, paper.lam_cons, paper.monitor_frac) == (16, 32, 0.05, 1e-4, 8, 0.1, 1.1, 0.9, 0.15, 0.2)
 
 
 # ----------------------------------------------------------------------------- TFSG (issue 6)
