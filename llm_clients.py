@@ -434,7 +434,10 @@ class Client:
                 break
             except ValueError as e:
                 if ask == self.json_retries:
-                    raise self._error(f"reply is not valid JSON after {ask + 1} attempts ({e})", None,
+                    cut = (f"; the reply stopped at the token cap ({self.max_field}={max_tokens}, finish_reason "
+                           "'length'; reasoning models count their reasoning in it): raise --max-tokens"
+                           if reply.finish_reason == "length" else "")
+                    raise self._error(f"reply is not valid JSON after {ask + 1} attempts ({e}){cut}", None,
                                       reply.text) from None
                 with self.lock:
                     self.stats["json_reasks"] += 1

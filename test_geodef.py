@@ -1019,6 +1019,11 @@ def test_json_extraction_fences_think_and_reask(server):
     r = c.chat([{"role": "user", "content": "4"}], json=True)
     assert r.reasoning == "because R2" and r.text == '{"answer": "x"}'
     assert Script.seen[0]["response_format"] == {"type": "json_object"}
+    # a reasoning model that spent the token cap on reasoning: the error says to raise --max-tokens
+    cut = {"choices": [{"message": {"content": "", "reasoning_content": "long..."}, "finish_reason": "length"}]}
+    Script.script = [(200, {}, cut, 0), (200, {}, cut, 0)]
+    with pytest.raises(llm_clients.LLMError, match=r"token cap \(max_tokens=64, finish_reason 'length'.*raise --max-tokens"):
+        c.chat([{"role": "user", "content": "5"}], max_tokens=64, json=True)
 
 
 def test_anthropic_protocol(server):
