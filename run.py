@@ -294,6 +294,8 @@ def _save_ckpt(path, model, opt, state, log_path):
         if "step" in st:
             state.setdefault("opt_steps", {})[str(i)] = float(st["step"])
     tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():   # dropout masks on a GPU draw from its generator
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "state.safetensors.tmp"))
     atomic_write(os.path.join(path, "state.json.tmp"), json.dumps(state))
@@ -316,6 +318,8 @@ def _load_ckpt(path, model, opt):
             opt.state[p] = {"step": torch.tensor(state["opt_steps"][str(i)]),
                             "exp_avg": tensors[f"opt.{i}.exp_avg"], "exp_avg_sq": tensors[f"opt.{i}.exp_avg_sq"]}
     torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
     return state
 
 
