@@ -315,8 +315,9 @@ def _load_ckpt(path, model, opt):
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
         if f"opt.{i}.exp_avg" in tensors:
-            opt.state[p] = {"step": torch.tensor(state["opt_steps"][str(i)]),
-                            "exp_avg": tensors[f"opt.{i}.exp_avg"], "exp_avg_sq": tensors[f"opt.{i}.exp_avg_sq"]}
+            opt.state[p] = {"step": torch.tensor(state["opt_steps"][str(i)]),   # (AdamW keeps it on the CPU)
+                            "exp_avg": tensors[f"opt.{i}.exp_avg"].to(p.device),
+                            "exp_avg_sq": tensors[f"opt.{i}.exp_avg_sq"].to(p.device)}
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
