@@ -332,7 +332,7 @@ def monitor(rr, triples, ids, s0, cfg, lists=()):
     rr.model.eval()
     for t in triples:
         s = rr.score_ids(ids[t["instance_id"]])                                  # (3,) pos, att, ben
-        r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]]))     # Eq. 2
+        r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]], device=s.device))   # Eq. 2
         losses.append(geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)[0].item())
         acc += [float(r[0] > r[1]), float(r[2] > r[1])]
         r_pos.append(float(r[0])); r_att.append(float(r[1])); r_ben.append(float(r[2]))
@@ -400,7 +400,7 @@ def train_shield(cfg, rr=None, resume=True):
         while state["pos"] < len(order):
             t = opt_triples[order[state["pos"]]]
             s = rr.score_ids(ids[t["instance_id"]], grad=True)                  # (3,) s_theta: d+, d_a, d_b
-            r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]]))  # (3,) Eq. 2
+            r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]], device=s.device))  # (3,) Eq. 2
             loss, st = geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)
             n_in_step = min(cfg.grad_accum, len(order) - (state["pos"] // cfg.grad_accum) * cfg.grad_accum)
             (loss / n_in_step).backward()                                       # mean over the accumulated examples
