@@ -230,7 +230,7 @@ class Client:
         change = None
         if "temperature" in body and refused("temperature"):
             self.send_temperature, change = False, "temperature: not sent (the API accepts only the model's default)"
-        elif self._asked[0] in body and refused(self._asked[0]):           # once: never back
+        elif self.protocol == "openai" and self._asked[0] in body and refused(self._asked[0]):   # once: never back
             other = "max_completion_tokens" if self._asked[0] == "max_tokens" else "max_tokens"
             self.max_field, change = other, f"token cap sent as {other}"
         elif "response_format" in body and refused("response_format"):
@@ -313,7 +313,7 @@ class Client:
     def _post(self, body):
         """One logical request -> parsed response JSON; a 400 that names a parameter this model does not
         take is answered by adapting the request (_adapt) and sending it again."""
-        while True:                                      # ends: each kind of change happens once
+        while True:                      # ends: each kind of change happens once, and each resend differs
             sent = self._sent(body)
             try:
                 return self._post_once(sent)
@@ -321,6 +321,8 @@ class Client:
                 if e.status != 400 or not self._adapt(sent, e):
                     raise
                 body = self._rebuild(body)
+                if self._sent(body) == sent:                 # nothing this client can change: the error stands
+                    raise
 
     def _rebuild(self, body):
         """The body with the current token-cap field and JSON mode (after _adapt changed them)."""

@@ -1036,6 +1036,12 @@ def test_anthropic_protocol(server):
     body, hdr = Script.seen[0], {k.lower(): v for k, v in Script.headers_seen[0].items()}
     assert body["system"] == "be brief" and body["messages"] == [{"role": "user", "content": "hi"}]
     assert body["max_tokens"] == 50 and hdr["x-api-key"] == "sk-ant-X" and hdr["anthropic-version"] == "2023-06-01"
+    # a 400 naming a parameter this protocol cannot send otherwise: raised at once, not resent in a loop
+    Script.script = [(400, {}, {"type": "error", "error": {"type": "invalid_request_error",
+                                                           "message": "'max_tokens' is not supported"}}, 0)] * 3
+    with pytest.raises(llm_clients.LLMError, match="HTTP 400"):
+        c.chat([{"role": "user", "content": "again"}], max_tokens=50)
+    assert len(Script.seen) == 2
 
 
 def test_cache_no_resend_no_key_on_disk_corrupt_entry(server, tmp_path):
