@@ -1108,6 +1108,12 @@ def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
         run.main(["eval", "--llm", "offline", "--conditions", "Non-Defense,PPL-Filter", "--ppl-model", "nobody/gpt2",
                   "--model", "tiny", "--name", "p", "--runs-dir", str(tmp_path)])
     assert not loaded
+    # bench races peers from the test-only requirements: without them, say so instead of an ImportError
+    real_find = run.importlib.util.find_spec
+    monkeypatch.setattr(run.importlib.util, "find_spec", lambda m, *a: None if m == "peft" else real_find(m, *a))
+    with pytest.raises(SystemExit, match=r"bench --what train races peft .*pip install -r requirements-test.txt"):
+        run.main(["bench", "--what", "train", "--no-compile"])
+    monkeypatch.setattr(run.importlib.util, "find_spec", real_find)
     with pytest.raises(SystemExit, match=r"--epochs 0.*--quant 'nf8'"):
         run.main(["train", "--epochs", "0", "--quant", "nf8", "--model", "tiny", "--runs-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--lora-dropout 1.0"):
