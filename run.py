@@ -770,6 +770,13 @@ def eval_conditions(cfg):
     for c in conds:
         if c not in CONDITIONS:
             raise SystemExit(f"--conditions: unknown {c!r}; known {CONDITIONS}")
+    for item in (cfg.transfer.split(",") if cfg.transfer else []):    # name=path, checked before anything runs
+        name, eq, path = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise SystemExit(f"--transfer: {item!r}: give name=path, the name in letters, digits, '.', '_', '-' "
+                             "(it names results/transfer_<name>.jsonl and the Table C.2 row)")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--transfer: {path}: no library file")
     check_eval_settings(cfg, conds)
     lib, adapter = library_path(cfg), os.path.join(adapter_path(cfg), "adapter_config.json")
     missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
@@ -857,10 +864,8 @@ def evaluate(cfg):
     # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
     if cfg.transfer and "GEO Defender" in conds:
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
-        for item in cfg.transfer.split(","):
+        for item in cfg.transfer.split(","):          # (checked in eval_conditions)
             name, _, path = item.partition("=")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"--transfer: {path}: no library file")
             lt = tfsg.ExperienceLibrary.from_dict(read_json(path))
             recs = eval_condition(cfg, llm, f"GEO Defender [{name}]", insts, topk["shield"],
                                   lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),

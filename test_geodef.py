@@ -1690,6 +1690,10 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
     lib.write_bytes(e0)
     with pytest.raises(SystemExit, match="records were made with transfer a='[0-9a-f]{12}'"):
         run.evaluate(run.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+    for bad, msg in [(str(lib), "give name=path"), (f"x/y={lib}", "give name=path"),
+                     ("b=nowhere.json", "--transfer: nowhere.json: no library file")]:
+        with pytest.raises((SystemExit, FileNotFoundError), match=msg):
+            run.evaluate(run.Config(**{**c, "conditions": "GEO Defender", "transfer": bad}))
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
