@@ -733,6 +733,21 @@ def summarize(recs, clean):
             "hallucinated_citations": sum(len(r["hallucinated"]) for r in recs)}
 
 
+def transfer_items(cfg):
+    """--transfer "name=path,..." -> [(name, path)], each checked: a name safe for a file name (it
+    names results/transfer_<name>.jsonl and the Table C.2 row) and the library file present."""
+    items = []
+    for item in (cfg.transfer.split(",") if cfg.transfer else []):
+        name, eq, path = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise SystemExit(f"--transfer: {item!r}: give name=path, the name in letters, digits, '.', '_', '-' "
+                             "(it names results/transfer_<name>.jsonl and the Table C.2 row)")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--transfer: {path}: no library file")
+        items.append((name, path))
+    return items
+
+
 def eval_settings(cfg, conds):
     """The settings the values of results/*.jsonl depend on beyond the pinned ones: the judge (ASI,
     pairwise quality), the answers' token cap, for PPL-Filter its scoring model and quantile, and for
@@ -741,12 +756,10 @@ def eval_settings(cfg, conds):
     s = {"judge": cfg.judge or cfg.llm, "max_tokens": cfg.max_tokens}
     if "PPL-Filter" in conds:
         s.update(ppl_model=cfg.ppl_model, ppl_quantile=cfg.ppl_quantile)
-    if cfg.transfer and "GEO Defender" in conds:    # results/transfer_<name>.jsonl: that library's content
-        for item in cfg.transfer.split(","):
-            name, _, path = item.partition("=")
-            if os.path.isfile(path):
-                with open(path, "rb") as f:
-                    s[f"transfer {name}"] = hashlib.sha1(f.read()).hexdigest()[:12]
+    if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
+        for name, path in transfer_items(cfg):
+            with open(path, "rb") as f:
+                s[f"transfer {name}"] = hashlib.sha1(f.read()).hexdigest()[:12]
     return s
 
 
@@ -770,13 +783,7 @@ def eval_conditions(cfg):
     for c in conds:
         if c not in CONDITIONS:
             raise SystemExit(f"--conditions: unknown {c!r}; known {CONDITIONS}")
-    for item in (cfg.transfer.split(",") if cfg.transfer else []):    # name=path, checked before anything runs
-        name, eq, path = item.partition("=")
-        if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-            raise SystemExit(f"--transfer: {item!r}: give name=path, the name in letters, digits, '.', '_', '-' "
-                             "(it names results/transfer_<name>.jsonl and the Table C.2 row)")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--transfer: {path}: no library file")
+    transfer_items(cfg)                              # checked before anything runs
     check_eval_settings(cfg, conds)
     lib, adapter = library_path(cfg), os.path.join(adapter_path(cfg), "adapter_config.json")
     missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
@@ -864,8 +871,7 @@ def evaluate(cfg):
     # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
     if cfg.transfer and "GEO Defender" in conds:
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
-        for item in cfg.transfer.split(","):          # (checked in eval_conditions)
-            name, _, path = item.partition("=")
+        for name, path in transfer_items(cfg):
             lt = tfsg.ExperienceLibrary.from_dict(read_json(path))
             recs = eval_condition(cfg, llm, f"GEO Defender [{name}]", insts, topk["shield"],
                                   lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
@@ -1127,6 +1133,18 @@ def matmul_gflops(dtype, repeat=10, device="cpu"):
     return 2 * 2048 ** 3 / best_time(synced(lambda: a @ b, device), repeat) / 1e9
 
 
+def random_operands(dtype, device):
+    """shape -> one contiguous random tensor per shape, made once and reused, as a layer's activations
+    would be (the floors' operands: allocated outside the timing)."""
+    bufs = {}
+
+    def operand(*shape):
+        if shape not in bufs:
+            bufs[shape] = torch.randn(*shape, dtype=dtype, device=device)
+        return bufs[shape]
+    return operand
+
+
 def gemm_floor(rr, ids, grad=False):
     """A function that runs only the frozen projection GEMMs of one `rr.score_ids(ids, grad)` call:
     the same weights and, per micro-batch, the same rows (the last layer's q/o/MLP on the final tokens
@@ -1145,19 +1163,15 @@ def gemm_floor(rr, ids, grad=False):
     finally:
         for h in hooks:
             h.remove()
-    bufs = {}  # one contiguous random operand per shape, as a layer's activations would be
-
-    def operand(n, c, w):
-        if (n, c) not in bufs:
-            bufs[n, c] = torch.randn(n, c, dtype=w.dtype, device=w.device)
-        return bufs[n, c]
+    w0 = rr.model.embed_tokens.weight
+    operand = random_operands(w0.dtype, w0.device)
 
     def run():
         with torch.inference_mode():
             for w, n, needs_dx in gemms:
-                F.linear(operand(n, w.shape[1], w), w)                # (n, in) @ W^T -> (n, out)
+                F.linear(operand(n, w.shape[1]), w)                   # (n, in) @ W^T -> (n, out)
                 if grad and needs_dx:
-                    torch.mm(operand(n, w.shape[0], w), w)            # dY (n, out) @ W -> (n, in)
+                    torch.mm(operand(n, w.shape[0]), w)               # dY (n, out) @ W -> (n, in)
     run()  # allocate the operands outside the timing
     run.gemms = gemms
     return run
@@ -1194,12 +1208,7 @@ def matmul_floor(rr, ids):
             h.remove()
     w = rr.model.embed_tokens.weight
     dt, dev = w.dtype, w.device
-    bufs = {}
-
-    def operand(*shape):
-        if shape not in bufs:
-            bufs[shape] = torch.randn(*shape, dtype=dt, device=dev)
-        return bufs[shape]
+    operand = random_operands(dt, dev)
     # LoRA's factors in the activation dtype, as LoRALinear.forward computes them
     factors = [(m.lora_A.detach().to(dt), m.lora_B.detach().to(dt), n, needs_dx) for m, n, needs_dx in loras]
     qkv = [tuple(torch.randn(N, h, E, dtype=dt, device=dev, requires_grad=True) for h in (H, K, K)) + (lens, P)
