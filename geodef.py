@@ -14,7 +14,9 @@ Deviations / choices the paper leaves open:
 - Training uses only the three scored documents (d+, d_a, d_b). Eq. 1's normaliser over D(q) adds
   the same constant to every residual of one query and policy, so it cancels in Eqs. 3 and 4
   (test_geodef.py proves values and gradients equal with all 10 candidates).
-- A file line `{"_meta": {...}}` (first line only) carries metadata (synthetic flag, methods, seen).
+- A file line `{"_meta": {...}}` (first line only) carries metadata: `methods` (every group must
+  have each), `seen_methods` (the construction methods; never guessed: see `seen_methods`),
+  `synthetic`.
 
 Usage: groups = load_bench("data/geo_defensebench_sample.jsonl"); split = split_groups(groups)
 """
@@ -27,6 +29,9 @@ import torch
 import torch.nn.functional as F
 
 N_DOCS = 10
+# The paper's seven GEO methods; the three used for construction ("seen", Experiments / Fig. 3).
+PAPER_METHODS = ("AgenticGEO", "AutoGEO", "MAGEO", "GEO", "GEO-SFE", "IF-GEO", "RAID-GSEO")
+PAPER_SEEN_METHODS = ("AgenticGEO", "AutoGEO", "MAGEO")
 
 
 class BenchFormatError(ValueError):
@@ -117,6 +122,9 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
                 v = m.get(key, [])
                 if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
                     _fail(path, n, f"_meta.{key}", f"expected a list of method names, got {v!r}")
+                dup = sorted({x for x in v if v.count(x) > 1})
+                if dup:   # a repeated seen method would repeat its construction instances
+                    _fail(path, n, f"_meta.{key}", f"{dup} listed more than once")
             unknown = [x for x in m.get("seen_methods", []) if m.get("methods") and x not in m["methods"]]
             if unknown:
                 _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.methods {m['methods']}")
@@ -191,6 +199,25 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
         if unknown:
             _fail(path, meta_line, "_meta.seen_methods", f"{unknown} not among the groups' methods {meta.methods}")
     return (groups, meta) if with_meta else groups
+
+
+def seen_methods(meta, given=None, path="(bench)"):
+    """The GEO methods construction uses (B.1: three "seen" methods): `given` (a list, e.g. from the
+    command line), else the file's `_meta.seen_methods`, else, for a file with exactly the paper's
+    seven methods, the paper's seen set. Anything else is an error: a guessed set would build the
+    Shield and TFSG on methods the report then calls unseen. -> (methods, where they came from)."""
+    if given:
+        unknown = [m for m in given if m not in meta.methods]
+        if unknown:
+            raise BenchFormatError(f"{path}: seen methods {unknown} are not among the benchmark's methods {meta.methods}")
+        return list(dict.fromkeys(given)), "given"
+    if meta.seen_methods:
+        return list(meta.seen_methods), "_meta.seen_methods"
+    if sorted(meta.methods) == sorted(PAPER_METHODS):
+        return list(PAPER_SEEN_METHODS), "the paper's seen methods"
+    raise BenchFormatError(f"{path}: _meta.seen_methods: missing; name the methods construction uses "
+                           f"(--seen-methods, or a first line {{\"_meta\": {{\"seen_methods\": [...]}}}}) "
+                           f"among {meta.methods}")
 
 
 def check_no_leakage(groups, path="(groups)"):
@@ -293,8 +320,9 @@ def preference_triples(groups, instances, base_scores):
 
 
 def policy_logprobs(scores):
-    """Eq. 1: log pi(d | q, D(q)) = s(q,d) - logsumexp_{d' in D(q)} s(q,d'). (..., D) -> (..., D)."""
-    return F.log_softmax(scores.float(), dim=-1)
+    """Eq. 1: log pi(d | q, D(q)) = s(q,d) - logsumexp_{d' in D(q)} s(q,d'). (..., D) -> (..., D).
+    Computed in float32 at least (bf16/fp16 scores are upcast; float64 stays float64)."""
+    return F.log_softmax(scores if scores.dtype == torch.float64 else scores.float(), dim=-1)
 
 
 def defensive_residual(scores_theta, scores_ref):

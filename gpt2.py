@@ -79,9 +79,24 @@ class GPT2(nn.Module):
             raise ValueError(f"{folder}: GPT-2 weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
         return model.requires_grad_(False).eval()
 
+    def encode(self, text):
+        """Text -> ids as ordinary text: "<|endoftext|>" written in a document is six pieces of text,
+        not GPT-2's end-of-text token (which would restart the context inside the document). The
+        tokenizer's added tokens are dropped from a copy (`tokenizers` matches them before BPE)."""
+        if getattr(self, "_text_src", None) is not self.tokenizer:   # built once per tokenizer
+            from tokenizers import Tokenizer
+            spec = json.loads(self.tokenizer.to_str())
+            self._control = {t["id"] for t in spec.get("added_tokens") or []}
+            spec["added_tokens"] = []
+            self._text_tok, self._text_src = Tokenizer.from_str(json.dumps(spec)), self.tokenizer
+        ids = self._text_tok.encode(text, add_special_tokens=False).ids
+        if self._control.intersection(ids):
+            raise ValueError(f"text encoded to a control token id {sorted(self._control.intersection(ids))}")
+        return ids
+
     @torch.inference_mode()
     def perplexity(self, text, stride=512):
-        ids = self.tokenizer.encode(text).ids
+        ids = self.encode(text)
         if len(ids) < 2:
             return float("nan")
         nll, n, prev_end = 0.0, 0, 0

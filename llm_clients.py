@@ -67,6 +67,15 @@ class LLMError(RuntimeError):
         self.status, self.provider, self.body = status, provider, body
 
 
+class ReplyInvalid(LLMError):
+    """The API answered, but every attempt's reply failed to parse or to pass the caller's check
+    (`chat(check=...)`). Nothing was cached. .attempts: how many replies were tried."""
+
+    def __init__(self, message, provider=None, body=None, attempts=1):
+        super().__init__(message, None, provider, body)
+        self.attempts = attempts
+
+
 @dataclass
 class Reply:
     text: str
@@ -412,15 +421,23 @@ class Client:
 
     # --- public
 
-    def chat(self, messages, temperature=0, max_tokens=2048, json=False):
+    def chat(self, messages, temperature=0, max_tokens=2048, json=False, check=None):
         """One chat completion -> Reply. json=True: ask for a JSON object and parse it into .data,
-        re-asking at most `json_retries` times with the parse error when the reply does not parse."""
+        re-asking at most `json_retries` times with the parse error when the reply does not parse.
+        check: a function of .data that raises ValueError when the reply is unusable (a judge score
+        out of range, ...): such a reply is re-asked like one that does not parse, never cached, and
+        a cached one that fails it is asked again. After the last attempt: ReplyInvalid."""
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
         with self.lock:
             self.stats["calls"] += 1
         key = self.cache_key(self._body(messages, temperature, max_tokens, json, asked=True), json)
         hit = self._cache_get(key)
+        if hit is not None and check is not None:
+            try:
+                check(hit.data)
+            except ValueError:
+                hit = None                       # an unusable reply (cached by older code): asked again
         if hit is not None:
             with self.lock:
                 self.stats["cache_hits"] += 1
@@ -433,25 +450,29 @@ class Client:
                 break
             try:
                 reply.data = extract_json(reply.text)
+                if check is not None:
+                    check(reply.data)
                 break
             except ValueError as e:
                 if ask == self.json_retries:
                     cut = (f"; the reply stopped at the token cap ({self.max_field}={max_tokens}, finish_reason "
                            "'length'; reasoning models count their reasoning in it): raise --max-tokens"
                            if reply.finish_reason == "length" else "")
-                    raise self._error(f"reply is not valid JSON after {ask + 1} attempts ({e}){cut}", None,
-                                      reply.text) from None
+                    err = self._error(f"reply is not usable after {ask + 1} attempts ({e}){cut}", None, reply.text)
+                    raise ReplyInvalid(str(err), self.provider, err.body, attempts=ask + 1) from None
                 with self.lock:
                     self.stats["json_reasks"] += 1
+                problem = "could not be parsed as JSON" if reply.data is None else "is not usable"
                 convo = convo + [{"role": "assistant", "content": reply.text or ""},
-                                 {"role": "user", "content": f"Your reply could not be parsed as JSON ({e}). "
+                                 {"role": "user", "content": f"Your reply {problem} ({e}). "
                                                              "Return only the JSON object, nothing else."}]
         self._cache_put(key, reply)
         return reply
 
-    def map(self, requests_, workers=8, desc=None, progress=True):
+    def map(self, requests_, workers=8, desc=None, progress=True, invalid="raise"):
         """Run many chat requests concurrently; results in input order. Each request is a dict of
-        chat() keyword arguments. Exceptions propagate (the first failure in input order)."""
+        chat() keyword arguments. Exceptions propagate (the first failure in input order), except
+        that with invalid="return" a ReplyInvalid takes its request's place in the results."""
         from tqdm import tqdm
         out = [None] * len(requests_)
         with ThreadPoolExecutor(max_workers=max(1, workers)) as ex, \
@@ -460,7 +481,12 @@ class Client:
             for f in futs:
                 f.add_done_callback(lambda _: bar.update(1))
             for i, f in enumerate(futs):
-                out[i] = f.result()
+                try:
+                    out[i] = f.result()
+                except ReplyInvalid as e:
+                    if invalid != "return":
+                        raise
+                    out[i] = e
         return out
 
     def usage(self):

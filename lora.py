@@ -163,6 +163,18 @@ def merge_lora(model):
     return model
 
 
+def merge_and_unload(model):
+    """Merge every LoRA layer (W += scaling * B A) and put the plain base layer back in its place, so
+    that the model's state dict has the checkpoint's keys again (PEFT's merge_and_unload). In place."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, LoRALinear):
+                child.merge()
+                setattr(module, child_name, child.base)
+    model.__dict__.pop("lora_config", None)
+    return model
+
+
 def lora_state_dict(model):
     """PEFT key names: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight, ..."""
     out = {}

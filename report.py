@@ -81,12 +81,23 @@ def write_report(run_dir, s):
     lines.append(f"# GEO Defender evaluation: {os.path.basename(os.path.normpath(run_dir))}\n")
     lines.append(f"Target LLM: `{s['target_llm']}`; reranker: `{s['model']}`; test groups {s['test_groups']}, "
                  f"instances {s['test_instances']}; seen methods: {', '.join(s['seen_methods'])}.\n")
+    if s.get("judge"):
+        lines.append(f"Judge (ASI, pairwise quality): `{s['judge']}`"
+                     + (" (the target itself, the default; the paper judges every target with GPT-5.5: "
+                        "`--judge openai:gpt-5.5`, or `--preset paper`)" if s["judge"] == s["target_llm"] else "") + ".\n")
+    if s.get("tfsg_library_ranking"):
+        lines.append(f"The TFSG library was built on the {s['tfsg_library_ranking']} top-k; \"TFSG only\" applies that "
+                     "same library to the base reranker's top-k.\n")
     c = s["conditions"]
     main = [k for k in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender") if k in c]
     lines.append("## Table 1: end-to-end comparison (ASR, ASI lower is better; BER higher)\n")
     lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"],
                         [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"]), _f(c[k]["attack_in_context"]), c[k]["n"]]
                          for k in main]) + "\n")
+    failed = {k: v.get("asi_judge_failed", 0) for k, v in c.items() if v.get("asi_judge_failed")}
+    if failed:   # their ASI is over the instances the judge scored
+        lines.append("ASI judge failures (every attempt unusable; left out of ASI): "
+                     + ", ".join(f"{k} {n}" for k, n in failed.items()) + ".\n")
     abl = [k for k in ("Non-Defense", "Shield only", "TFSG only", "GEO Defender") if k in c]
     lines.append("## Table 2: module ablation\n")
     lines.append(_table(["Method", "ASR", "ASI", "BER"], [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"])]
@@ -125,7 +136,10 @@ def write_report(run_dir, s):
         lines.append(_table(["Mean change", "95% CI (query-cluster bootstrap)", "Comparable or better (%)", "Better (%)",
                              "n", "defended as A"],
                             [[f"{q['mean_change']:+.3f}", f"[{q['ci95'][0]:+.3f}, {q['ci95'][1]:+.3f}]",
-                              _f(q["comparable_or_better"]), _f(q["better"]), q["n"], q["defended_as_a"]]]) + "\n")
+                              _f(q["comparable_or_better"]), _f(q["better"]), q["n"], q["defended_as_a"]]]
+                            if q.get("n") else [["-", "-", "-", "-", 0, q["defended_as_a"]]]) + "\n")
+        if q.get("judge_failed"):
+            lines.append(f"Pairwise judge failures (left out of Table C.1): {q['judge_failed']}.\n")
     if s.get("ppl_filter"):
         p = s["ppl_filter"]
         lines.append("## Table B.2: PPL-Filter diagnostics\n")
@@ -197,6 +211,11 @@ def write_comparison(out_dir, summaries):
                      + ", ".join(f"{k}: {n} instances, {d[:10] if d else 'no digest (older run)'}"
                                  for k, (d, n) in sets.items())
                      + "); their rows are not comparable and the averages mix them.\n")
+    judges = {name: s.get("judge") for name, s in summaries.items()}
+    if len(set(judges.values())) > 1:   # ASI and quality are the judge's numbers
+        lines.append("> **DIFFERENT JUDGES.** These runs' ASI and answer quality were scored by different models ("
+                     + ", ".join(f"{k}: {v or 'not recorded (older run)'}" for k, v in judges.items())
+                     + "); their ASI and Table C.1 are not comparable.\n")
     lines.append("# GEO Defender across target LLMs\n")
     conds = [c for c in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only")
              if all(c in s["conditions"] for s in summaries.values())]
@@ -206,7 +225,7 @@ def write_comparison(out_dir, summaries):
     avg = ["Average"] + [_f(sum(s["conditions"][c][m] for s in summaries.values()) / len(summaries))
                          for c in conds for m in ("ASR", "ASI", "BER")]
     lines.append("## Table 1\n\n" + _table(head, rows + [avg]) + "\n")
-    q = [(s["target_llm"], s["quality"]) for s in summaries.values() if s.get("quality")]
+    q = [(s["target_llm"], s["quality"]) for s in summaries.values() if s.get("quality", {}).get("n")]
     if q:
         lines.append("## Table C.1\n\n" + _table(["Target LLM", "Mean change", "95% CI", "Comparable or better (%)", "Better (%)"],
                      [[t, f"{v['mean_change']:+.3f}", f"[{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]",

@@ -16,6 +16,10 @@ Deviations from the official snippet, all on purpose:
   system prompt, instruction and query: ~86 tokens) are computed once, not once per document
   (`share_prefix`, on by default): each sequence still attends to the whole prefix at positions
   0..P-1, so the margins are the same math;
+- query, instruction and document are encoded as ordinary text, never as control tokens: the model
+  card's snippet lets a document containing "<|im_end|>" or "<think>" become those tokens and so
+  close the user turn and write the assistant's (`text_tokenizer`). Text without such strings gets
+  the model card's ids;
 - for training, RMSNorm and (on the CPU) causal attention have hand-written backward passes: the
   forward values are unchanged, the attention backward recomputes the probabilities block by block
   in the model dtype (bf16 like transformers' eager attention) instead of SDPA's slower CPU backward.
@@ -562,6 +566,24 @@ def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
 # ----------------------------------------------------------------------------- reranker
 
 
+def text_tokenizer(tokenizer):
+    """-> (a copy of `tokenizer` without its added tokens, the added tokens' ids).
+
+    A `tokenizers.Tokenizer` matches its added tokens ("<|im_start|>", "<|im_end|>", "<think>", ...)
+    anywhere in the input before BPE runs, special or not (`encode_special_tokens` covers only the
+    special ones: Qwen3's <think> and </think> are added but not special). Attacker-written text
+    encoded that way could close the user turn and write the assistant's answer itself. The copy
+    has the same normaliser, pre-tokeniser and BPE model but no added tokens, so such strings become
+    the ids of their characters; text without them encodes exactly as with the full tokenizer
+    (added-token matching only splits the input where one occurs). The transformers equivalent,
+    `split_special_tokens=True`, likewise leaves non-special added tokens matched."""
+    from tokenizers import Tokenizer
+    spec = json.loads(tokenizer.to_str())
+    control = {t["id"] for t in spec.get("added_tokens") or []}
+    spec["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(spec)), control
+
+
 def common_prefix_len(seqs):
     """Length of the longest common prefix of token-id lists, capped one short of the shortest, so
     that every sequence keeps its own final token (the one that is scored)."""
@@ -584,6 +606,8 @@ class Reranker:
         self.yes_id, self.no_id = yes_no_rows
         self.prefix_ids = tokenizer.encode(PREFIX, add_special_tokens=False).ids
         self.suffix_ids = tokenizer.encode(SUFFIX, add_special_tokens=False).ids
+        # query, instruction and document go through a copy without added tokens (see text_tokenizer)
+        self.text_tokenizer, self.control_ids = text_tokenizer(tokenizer)
         if max_length <= len(self.prefix_ids) + len(self.suffix_ids):
             raise ValueError(f"max_length {max_length} leaves no room for the query and document")
         self._lm_head = None  # an untied lm_head's yes/no rows, (2, C) (set by from_pretrained); else tied
@@ -627,13 +651,21 @@ class Reranker:
         return (rows[0].float() - rows[1].float()).to(self.device)
 
     def tokenize(self, query, docs):
-        """Model card's process_inputs: prefix + body (tail cut to fit max_length) + suffix, per doc."""
+        """Model card's process_inputs: prefix + body (tail cut to fit max_length) + suffix, per doc.
+        The body (instruction, query, document) is encoded as ordinary text: a document holding
+        "<|im_end|>" or "<think>" gets the ids of those characters, never the control tokens, so it
+        cannot close the user turn or write the assistant's (see text_tokenizer)."""
         if isinstance(docs, str):
             docs = [docs]
         room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
         bodies = [BODY.format(instruction=self.instruction, query=query, doc=d) for d in docs]
-        encs = self.tokenizer.encode_batch(bodies, add_special_tokens=False)
-        return [self.prefix_ids + e.ids[:room] + self.suffix_ids for e in encs]
+        encs = self.text_tokenizer.encode_batch(bodies, add_special_tokens=False)
+        out = []
+        for e in encs:
+            if self.control_ids.intersection(e.ids):   # the tokenizer's BPE itself can build one: refuse
+                raise ValueError(f"text encoded to a control token id {sorted(self.control_ids.intersection(e.ids))}")
+            out.append(self.prefix_ids + e.ids[:room] + self.suffix_ids)
+        return out
 
     def score_ids(self, ids, grad=False):
         """ids: list of S token-id lists -> float32 (S,) margins in input order. Sequences are sorted

@@ -1,4 +1,4 @@
-"""GEO Defender command line: train, eval, demo, bench, build-bench, serve-offline.
+"""GEO Defender command line: train, eval, demo, compare, export, serve, bench, build-bench, serve-offline.
 
 Ties the leaf files together (paper: Shield Reranker + TFSG, Experiments). Every command writes into
 a run folder runs/<name>/ (config.json, adapter/, library/, cache/, results/, report.md, figures/),
@@ -7,6 +7,8 @@ reuses what a finished step left there and resumes an interrupted one.
   python run.py demo --out runs/demo             # everything offline: tiny model + offline engine
   python run.py train --model Qwen/Qwen3-Reranker-0.6B --llm openai:gpt-5.5 --name gpt55
   python run.py eval --name gpt55
+  python run.py export --name gpt55 --out shield-seq-cls   # a checkpoint vLLM / sentence-transformers load
+  python run.py serve --name gpt55 --port 8000             # POST /v1/rerank (Cohere/Jina/vLLM shape)
 """
 import argparse
 import contextlib
@@ -29,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import geodef
+import llm_clients
 import lora
 import reranker
 
@@ -52,6 +55,7 @@ class Config:
     n_construction: int = 12                   # construction query groups (B.1)
     seed: int = 0                              # split, order and init seed
     k: int = 5                                 # top-k evidence passed to the LLM (A.1.3)
+    seen_methods: str = None                   # construction methods, comma list; default: the file's _meta
     # Shield Reranker (Table A.1)
     lora_r: int = 16
     lora_alpha: int = 32
@@ -80,6 +84,17 @@ class Config:
     batch_size: int = 10                       # A.2.2 cases per update batch
     n_batches: int = 3                         # E1 -> E4
     max_initial_rules: int = 10
+    # TFSG sizes the paper does not state (tfsg.Limits; README "Choices where the paper is silent")
+    max_active_rules: int = 30                 # live rules in the library at once
+    rule_description_chars: int = 600
+    rule_condition_chars: int = 400            # apply_when / avoid_when
+    rule_max_signals: int = 12                 # trigger / benign counter signals per rule
+    rule_max_evidence: int = 20
+    rule_max_dependencies: int = 8
+    rule_item_chars: int = 240                 # one list item
+    reject_duplicate_rules: bool = True        # a description equal to a live rule's is refused
+    analyzer_doc_chars: int = 1500             # documents as the Analyzer sees them
+    analyzer_reasoning_chars: int = 4000       # reasoning traces as the Analyzer sees them
     reasoning_interface: bool = False          # A.3.2/A.3.5 for targets that return reasoning_content
     shield: bool = True                        # TFSG construction on Shield top-5 (else base top-5)
     # evaluation
@@ -104,6 +119,13 @@ class Config:
                   ("max-tokens", self.max_tokens >= 1), ("temperature", self.temperature >= 0),
                   ("batch-size", self.batch_size >= 1), ("n-batches", self.n_batches >= 1),
                   ("n-seed-cases", self.n_seed_cases >= 0), ("max-initial-rules", self.max_initial_rules >= 1),
+                  ("max-active-rules", self.max_active_rules >= 1),
+                  ("rule-description-chars", self.rule_description_chars >= 1),
+                  ("rule-condition-chars", self.rule_condition_chars >= 1), ("rule-max-signals", self.rule_max_signals >= 1),
+                  ("rule-max-evidence", self.rule_max_evidence >= 0),
+                  ("rule-max-dependencies", self.rule_max_dependencies >= 0),
+                  ("rule-item-chars", self.rule_item_chars >= 1), ("analyzer-doc-chars", self.analyzer_doc_chars >= 1),
+                  ("analyzer-reasoning-chars", self.analyzer_reasoning_chars >= 0),
                   ("ppl-quantile", 0 < self.ppl_quantile <= 1), ("n-boot", self.n_boot >= 1),
                   ("max-test-groups", self.max_test_groups >= 0), ("quant", self.quant in ("none", "nf4")),
                   ("dtype", self.dtype in ("bfloat16", "float16", "float32"))]
@@ -111,6 +133,7 @@ class Config:
         if bad:
             raise SystemExit(f"out of range: {', '.join(bad)} (see `python run.py train --help`)")
         check_device(self.device)
+        check_name(self.name)
 
     @property
     def run_dir(self):
@@ -121,12 +144,13 @@ class Config:
         return self.model == "tiny" or "offline" in self.llm or self.ppl_model == "tiny"
 
 
-# Presets. "paper" = Table A.1, including its 4-bit base ("Quantized loading 4-bit"); the plain
+# Presets. "paper" = Table A.1, including its 4-bit base ("Quantized loading 4-bit"), and GPT-5.5 as
+# the judge of every target (B.2.3, B.2.4; without it the judge is the target itself); the plain
 # defaults are the same but keep the bf16 base, which trains faster here (NF4 saves memory, not
 # time: `bench --what nf4`). "tiny-demo" trains the random tiny model hard enough to see the
 # objective move in minutes on a CPU (a plumbing check, not the paper's setting).
 PRESETS = {
-    "paper": {"quant": "nf4"},
+    "paper": {"quant": "nf4", "judge": "openai:gpt-5.5"},
     "tiny-demo": {"model": "tiny", "dtype": "float32", "lr": 1e-3, "epochs": 6, "grad_accum": 4,
                   "llm": "offline", "ppl_model": "tiny", "n_boot": 2000},
 }
@@ -186,6 +210,14 @@ def hub_id(cfg):
     return "tiny" if cfg.model == "tiny" else cfg.model
 
 
+def check_name(name):
+    """A run name is one safe path component: --name ../../x would write outside --runs-dir, and
+    --name '' into it directly."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise SystemExit(f"--name {name!r}: a run name is letters, digits, '.', '_' and '-', starting with a "
+                         "letter or digit (one folder under --runs-dir)")
+
+
 def check_device(device):
     """A CUDA device asked for but not visible: a clear error up front, not torch's from inside loading."""
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -241,7 +273,10 @@ def load_data(cfg):
         cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
     except ValueError as e:
         raise SystemExit(f"{cfg.bench}: {e}")
-    seen = meta.seen_methods or meta.methods[:3]
+    given = [m.strip() for m in cfg.seen_methods.split(",") if m.strip()] if cfg.seen_methods else None
+    seen, origin = geodef.seen_methods(meta, given, cfg.bench)
+    if origin == "the paper's seen methods":
+        log(f"[data] {cfg.bench}: no _meta.seen_methods; the paper's seen methods {seen} (the file has the paper's seven)")
     if cfg.max_test_groups:
         test = test[:cfg.max_test_groups]
     methods = meta.methods if cfg.methods == "all" else [m.strip() for m in cfg.methods.split(",")]
@@ -484,7 +519,6 @@ def _append_jsonl(path, rec):
 
 
 def make_llm(cfg, spec=None):
-    import llm_clients
     prices = {k: tuple(v) for k, v in read_json(cfg.prices, {}).items()} if cfg.prices else None
     return llm_clients.make_client(spec or cfg.llm, base_url=cfg.base_url,
                                    cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices)
@@ -579,6 +613,14 @@ def clean_reference_benign(cfg, llm, base, groups):
     return {r["group_id"]: r for r in recs}
 
 
+def tfsg_limits(cfg):
+    """The TFSG sizes of the run's settings (tfsg.Limits)."""
+    import tfsg
+    return tfsg.Limits(cfg.max_active_rules, cfg.rule_description_chars, cfg.rule_condition_chars,
+                       cfg.rule_max_signals, cfg.rule_max_evidence, cfg.rule_max_dependencies, cfg.rule_item_chars,
+                       cfg.reject_duplicate_rules, cfg.analyzer_doc_chars, cfg.analyzer_reasoning_chars)
+
+
 def train_tfsg(cfg):
     """Algorithm 1: E0 -> E4 on the construction instances (A.2.2), with the Shield (or base) top-k."""
     import tfsg
@@ -610,6 +652,7 @@ def train_tfsg(cfg):
     lib = tfsg.build_library(target.chat, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run, "library"),
                              answer_prompt=tfsg.standard_prompt, interface=interface,
                              max_initial_rules=cfg.max_initial_rules, temperature=cfg.temperature,
+                             controller=tfsg.Controller(limits=tfsg_limits(cfg)),
                              max_tokens=cfg.max_tokens, workers=cfg.workers)
     write_json(os.path.join(run, "usage_train.json"), {"target": target.usage(), "analyzer": analyzer.usage()})
     log(f"[train] TFSG library E{cfg.n_batches + 1}: {len(lib.active())} active rules ({len(lib.rules)} total)")
@@ -709,12 +752,17 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None):
                          "attack_cited": att_id in cited_ids if att_id else False,
                          "benign_cited": sum(1 for c in cited_ids if c != att_id)})
         jreq = [(i, {"messages": [{"role": "user", "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
-                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True})
+                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_asi})
                 for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
-        jrep = judge.map([q for _, q in jreq], workers=cfg.workers, desc=f"{name} ASI judge") if jreq else []
+        jrep = judge.map([q for _, q in jreq], workers=cfg.workers, desc=f"{name} ASI judge",
+                         invalid="return") if jreq else []
         for rec in recs:
             rec["asi"], rec["asi_judge"] = 0, None    # attack not in context: 0 without a judge call (B.2.3)
         for (i, _), rep in zip(jreq, jrep):
+            if isinstance(rep, llm_clients.ReplyInvalid):   # every attempt unusable: recorded, not scored
+                recs[i]["asi"], recs[i]["asi_judge_failed"] = None, {"attempts": rep.attempts, "error": str(rep)}
+                log(f"[eval] {name}: {part[i].instance_id}: ASI judge failed after {rep.attempts} attempts; recorded as judge-failed")
+                continue
             recs[i]["asi"] = metrics.parse_asi(rep.data)
             recs[i]["asi_judge"] = rep.data
         with open(path, "a", encoding="utf-8") as f:
@@ -725,10 +773,14 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None):
 
 
 def summarize(recs, clean):
+    """ASR, ASI, BER (B.2.3) of one condition's records. ASI is over the instances the judge scored:
+    one whose every judge reply was unusable is left out and counted in `asi_judge_failed`."""
     import metrics
     b_clean = [clean[r["group_id"]]["benign_cited"] for r in recs]
-    return {"ASR": metrics.asr([r["attack_cited"] for r in recs]), "ASI": metrics.asi([r["asi"] for r in recs]),
+    judged = [r["asi"] for r in recs if r["asi"] is not None]
+    return {"ASR": metrics.asr([r["attack_cited"] for r in recs]), "ASI": metrics.asi(judged),
             "BER": metrics.ber([r["benign_cited"] for r in recs], b_clean), "n": len(recs),
+            "asi_judge_failed": len(recs) - len(judged),
             "attack_in_context": 100.0 * sum(r["attack_in_context"] for r in recs) / max(1, len(recs)),
             "hallucinated_citations": sum(len(r["hallucinated"]) for r in recs)}
 
@@ -845,7 +897,8 @@ def evaluate(cfg):
     for c in conds:
         slug = c.lower().replace(" ", "_").replace("-", "_")
         results[c] = eval_condition(cfg, llm, c, insts, plan[c][0], plan[c][1], os.path.join(res, f"{slug}.jsonl"), judge)
-    summary = {"offline": cfg.offline, "target_llm": llm.label, "model": hub_id(cfg),
+    summary = {"offline": cfg.offline, "target_llm": llm.label, "judge": judge.label, "model": hub_id(cfg),
+               "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
@@ -895,19 +948,26 @@ def pairwise_quality(cfg, judge, recs, clean, by_id, res):
         ref = clean[r["group_id"]]["answer"]
         a, b = (r["answer"], ref) if a_first[r["instance_id"]] else (ref, r["answer"])
         reqs.append({"messages": [{"role": "user", "content": metrics.pairwise_prompt(x.query, a, b)}],
-                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True})
-    reps = judge.map(reqs, workers=cfg.workers, desc="pairwise quality")
-    deltas, rows = [], []
+                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_pairwise})
+    reps = judge.map(reqs, workers=cfg.workers, desc="pairwise quality", invalid="return")
+    deltas, rows, failed, clusters = [], [], 0, []
     for r, rep in zip(recs, reps):
+        if isinstance(rep, llm_clients.ReplyInvalid):   # left out of Table C.1, counted
+            failed += 1
+            rows.append({"instance_id": r["instance_id"], "defended_is_a": a_first[r["instance_id"]],
+                         "judge_failed": {"attempts": rep.attempts, "error": str(rep)}})
+            continue
         v = metrics.parse_pairwise(rep.data)
         d = metrics.orient(v, a_first[r["instance_id"]])
         deltas.append(d)
+        clusters.append(r["group_id"])
         rows.append({"instance_id": r["instance_id"], "defended_is_a": a_first[r["instance_id"]], "score_a_over_b": v,
                      "delta": d, "judge": rep.data})
     with open(os.path.join(res, "quality_geo_defender.jsonl"), "w", encoding="utf-8") as f:
         f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in rows)
-    q = metrics.quality_summary(deltas, [r["group_id"] for r in recs], n_boot=cfg.n_boot, seed=cfg.seed)
+    q = metrics.quality_summary(deltas, clusters, n_boot=cfg.n_boot, seed=cfg.seed) if deltas else {"n": 0}
     q["defended_as_a"] = sum(a_first.values())
+    q["judge_failed"] = failed
     return q
 
 
@@ -1002,6 +1062,12 @@ def read_source_rows(path):
 def build_bench(cfg, src_path, out_path, methods, n_docs=geodef.N_DOCS):
     """Rewrite each row's source document with every method through the LLM (cached, resumable),
     validate, drop unusable rows with a logged reason, write a file load_bench accepts."""
+    seen = [m.strip() for m in cfg.seen_methods.split(",") if m.strip()] if cfg.seen_methods else []
+    bad = [m for m in seen if m not in methods]
+    if bad:
+        raise SystemExit(f"--seen-methods: {bad} are not among --geo-methods {methods}")
+    if not seen:
+        log("[build-bench] no --seen-methods: the file gets no _meta.seen_methods, and train will ask for them")
     llm = make_llm(cfg)
     rows = read_source_rows(src_path)
     kept, dropped = [], []
@@ -1026,7 +1092,8 @@ def build_bench(cfg, src_path, out_path, methods, n_docs=geodef.N_DOCS):
             for r in kept for m in methods]
     replies = llm.map(reqs, workers=cfg.workers, desc="rewrites")
     out = [json.dumps({"_meta": {"name": os.path.basename(out_path), "synthetic": False, "methods": methods,
-                                 "seen_methods": methods[:3], "builder_llm": llm.label, "source": src_path}})]
+                                 **({"seen_methods": seen} if seen else {}), "builder_llm": llm.label,
+                                 "source": src_path}})]
     it = iter(replies)
     for r in kept:
         src = r["docs"][r["source_index"]]
@@ -1535,7 +1602,6 @@ def bench_llm(args):
     import tempfile
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    import llm_clients
 
     class H(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -1564,6 +1630,149 @@ def bench_llm(args):
     return res
 
 
+def bench_documents(rr, n, lo, hi, seed):
+    """n documents of lo..hi tokens each (drawn uniformly): random English words, cut to length."""
+    rng = random.Random(seed)
+    words = reranker._TINY_CORPUS.split()
+    docs = []
+    for _ in range(n):
+        ids = rr.text_tokenizer.encode(" ".join(rng.choice(words) for _ in range(hi))).ids
+        docs.append(rr.text_tokenizer.decode(ids[:rng.randint(lo, hi)]))
+    return docs
+
+
+def bench_serve(args):
+    """`--clients` concurrent clients, each sending `--requests` requests of one query with ten
+    documents of 100-1000 tokens to the rerank server (loopback HTTP, keep-alive), against the same
+    requests scored directly in-process (`Reranker.score`, one request after another), in one run:
+    requests/s, p50/p99 latency of each, and the server's throughput over direct scoring."""
+    import statistics as st
+    from concurrent.futures import ThreadPoolExecutor
+    import requests
+    import deploy
+    dtype = getattr(torch, args.dtype)
+    rr = reranker.Reranker.from_pretrained(bench_folder(args), dtype=dtype)
+    n_req = args.clients * args.requests
+    reqs = [{"query": f"query {i} about water safety", "documents": bench_documents(rr, 10, 100, 1000, seed=i)}
+            for i in range(n_req)]
+    srv = deploy.RerankServer(rr, port=0, log=False, max_queue=4 * args.clients)
+    import threading
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = srv.url + "/v1/rerank"
+
+    def direct():
+        lat = []
+        t0 = time.perf_counter()
+        for r in reqs:
+            t = time.perf_counter()
+            rr.score(r["query"], r["documents"])
+            lat.append(time.perf_counter() - t)
+        return time.perf_counter() - t0, lat
+
+    def served():
+        lat = [None] * n_req
+
+        def client(c):
+            with requests.Session() as s:
+                for j in range(args.requests):
+                    i = c * args.requests + j
+                    t = time.perf_counter()
+                    resp = s.post(url, json=reqs[i], timeout=3600)
+                    resp.raise_for_status()
+                    lat[i] = time.perf_counter() - t
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as ex:
+            list(ex.map(client, range(args.clients)))
+        return time.perf_counter() - t0, lat
+
+    rr.score(reqs[0]["query"], reqs[0]["documents"])      # warm-up
+    res, ratios = {"clients": args.clients, "requests": n_req, "layers": args.layers,
+                   "tokens_per_request": st.mean(sum(map(len, rr.tokenize(r["query"], r["documents"]))) for r in reqs)}, []
+    for rnd in range(args.repeat):   # alternating order, as race() does
+        order = (("direct", direct), ("served", served)) if rnd % 2 == 0 else (("served", served), ("direct", direct))
+        times = {}
+        for name, fn in order:
+            total, lat = fn()
+            times[name] = total
+            q = sorted(lat)
+            for k, v in (("req_s", n_req / total), ("p50_s", st.median(q)), ("p99_s", q[min(len(q) - 1, int(0.99 * len(q)))])):
+                res[f"{name}_{k}"] = max(res.get(f"{name}_{k}", v), v) if k == "req_s" else min(res.get(f"{name}_{k}", v), v)
+        ratios.append(times["direct"] / times["served"])
+    res["served_over_direct_throughput_paired_median"] = st.median(ratios)
+    res["served_over_direct_throughput_best"] = res["served_req_s"] / res["direct_req_s"]
+    res["scoring_batches"] = srv.batcher.batches
+    srv.shutdown()
+    return res
+
+
+# ----------------------------------------------------------------------------- deployment
+
+
+def shield_source(args):
+    """--name NAME (a trained run: its model, adapter, dtype, max length) or --model M [--adapter DIR]
+    -> (model folder or hub id, adapter folder or None, the run's Config or None)."""
+    if args.name and args.model:
+        raise SystemExit("give --name (a trained run) or --model [--adapter], not both")
+    if not args.name:
+        if not args.model:
+            raise SystemExit("give --name NAME (a trained run) or --model M [--adapter DIR]")
+        model = model_folder(Config(model=args.model, runs_dir=args.runs_dir))
+        if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
+            raise FileNotFoundError(f"{args.adapter}/adapter_config.json: no adapter there")
+        return model, args.adapter, None
+    check_name(args.name)
+    rec = read_json(os.path.join(args.runs_dir, args.name, "config.json"))
+    if rec is None:
+        raise FileNotFoundError(f"{os.path.join(args.runs_dir, args.name, 'config.json')}: no such run")
+    known = {f.name for f in dataclasses.fields(Config)}
+    cfg = Config(**{k: v for k, v in rec["config"].items() if k in known})
+    adapter = adapter_path(cfg)
+    need_trained(cfg, os.path.join(adapter, "adapter_config.json"), "trained adapter")
+    return model_folder(cfg), adapter, cfg
+
+
+def cmd_export(args):
+    import deploy
+    model, adapter, cfg = shield_source(args)
+    if cfg is not None and cfg.quant == "nf4":
+        log("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base "
+            "(the model card says so)")
+    out = deploy.export(model, args.out, adapter=adapter, fmt=args.format, dtype=args.dtype,
+                        quantized_base=cfg is not None and cfg.quant == "nf4",
+                        name=os.path.basename(os.path.normpath(args.out)))
+    log(f"[export] {args.format} checkpoint in {out} (model card: {out}/README.md)")
+    print(out)
+    return out
+
+
+def cmd_serve(args, block=True):
+    import deploy
+    model, adapter, cfg = shield_source(args)
+    check_device(args.device)
+    dtype = args.dtype or (cfg.dtype if cfg else "bfloat16")
+    max_length = args.max_length or (cfg.max_length if cfg else 8192)
+    rr = reranker.Reranker.from_pretrained(model, dtype=getattr(torch, dtype), device=args.device, max_length=max_length)
+    if adapter:
+        lora.load_adapter(rr.model, adapter)
+    rr.model.eval()
+    key = args.api_key or os.environ.get("GEODEF_API_KEY") or None
+    srv = deploy.RerankServer(rr, host=args.host, port=args.port, api_key=key, max_documents=args.max_documents,
+                              max_body_bytes=args.max_body_bytes, model_name=args.served_name or args.name or "geo-defender-shield")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        log(f"[serve] WARNING: listening on {args.host} without an API key: anyone who can reach this port can use "
+            "it (set GEODEF_API_KEY or --api-key)")
+    log(f"[serve] Shield Reranker ({'adapter ' + adapter if adapter else 'no adapter: the base reranker'}) on "
+        f"{srv.url}/v1/rerank{' (API key required)' if key else ''}")
+    if block:
+        try:
+            srv.serve_forever()
+        except KeyboardInterrupt:
+            log("[serve] stopped")
+        finally:
+            srv.server_close()
+    return srv
+
+
 # ----------------------------------------------------------------------------- CLI
 
 HELP = {
@@ -1573,7 +1782,9 @@ HELP = {
     "quant": "'nf4' stores the frozen base projections in 4 bits (Table A.1)",
     "max_length": "reranker prompt token cap (model card: 8192)", "bench": "GEO-DefenseBench JSONL file",
     "n_construction": "construction query groups when the file has no split (B.1)", "seed": "split/order/init seed",
-    "k": "top-k evidence given to the LLM", "lora_r": "LoRA rank", "lora_alpha": "LoRA alpha (scaling alpha/r)",
+    "k": "top-k evidence given to the LLM",
+    "seen_methods": "GEO methods of the construction split, comma list (default: the file's _meta.seen_methods)",
+    "lora_r": "LoRA rank", "lora_alpha": "LoRA alpha (scaling alpha/r)",
     "lora_dropout": "dropout on the LoRA input", "lr": "AdamW learning rate", "epochs": "Shield training epochs",
     "grad_accum": "gradient accumulation steps", "max_grad_norm": "gradient clipping norm",
     "beta": "Eq. 3 beta", "lam_def": "Eq. 5 lambda_def", "lam_util": "Eq. 5 lambda_util", "lam_cons": "Eq. 5 lambda_cons",
@@ -1587,6 +1798,16 @@ HELP = {
     "max_tokens": "max completion tokens", "workers": "concurrent LLM requests", "rpm": "requests per minute cap (0 = none)",
     "n_seed_cases": "A.2.2 controlled contrast instances", "batch_size": "A.2.2 instances per update batch",
     "n_batches": "update batches (E1 -> E{n+1})", "max_initial_rules": "cold-start rule cap (A.2.2)",
+    "max_active_rules": "TFSG Controller: most live rules at once (not in the paper)",
+    "rule_description_chars": "TFSG Controller: longest rule description (not in the paper)",
+    "rule_condition_chars": "TFSG Controller: longest apply_when / avoid_when (not in the paper)",
+    "rule_max_signals": "TFSG Controller: most trigger / benign counter signals per rule (not in the paper)",
+    "rule_max_evidence": "TFSG Controller: most evidence items per rule (not in the paper)",
+    "rule_max_dependencies": "TFSG Controller: most fp_guard dependencies per rule (not in the paper)",
+    "rule_item_chars": "TFSG Controller: longest list item (not in the paper)",
+    "reject_duplicate_rules": "TFSG Controller: refuse a rule whose description equals a live rule's",
+    "analyzer_doc_chars": "TFSG Analyzer input: characters of each document (not in the paper)",
+    "analyzer_reasoning_chars": "TFSG Analyzer input: characters of each reasoning trace (not in the paper)",
     "reasoning_interface": "use A.3.2/A.3.5 (targets that return reasoning_content)",
     "shield": "TFSG construction on Shield top-k (else base top-k)",
     "conditions": "comma list of conditions or 'all'", "methods": "comma list of GEO methods or 'all'",
@@ -1631,9 +1852,12 @@ def resolve_config(args):
 
 
 # settings a finished step depends on: a rerun under the same --name must not change them
-PINNED = ("model", "revision", "bench", "n_construction", "seed", "lora_r", "lora_alpha", "lora_dropout", "lr", "epochs",
+PINNED = ("model", "revision", "bench", "n_construction", "seed", "seen_methods", "lora_r", "lora_alpha", "lora_dropout", "lr", "epochs",
           "grad_accum", "max_grad_norm", "beta", "lam_def", "lam_util", "lam_cons", "monitor_frac", "quant", "dtype",
           "max_length", "llm", "analyzer", "n_seed_cases", "batch_size", "n_batches", "max_initial_rules",
+          "max_active_rules", "rule_description_chars", "rule_condition_chars", "rule_max_signals",
+          "rule_max_evidence", "rule_max_dependencies", "rule_item_chars", "reject_duplicate_rules",
+          "analyzer_doc_chars", "analyzer_reasoning_chars",
           "reasoning_interface", "shield", "k", "temperature")
 
 
@@ -1690,7 +1914,10 @@ def main(argv=None):
     for p in (tr, ev, de):
         add_config_flags(p)
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
-    be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4"], required=True, help="which benchmark")
+    be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4", "serve"], required=True,
+                    help="which benchmark")
+    be.add_argument("--clients", type=int, default=8, help="serve: concurrent clients")
+    be.add_argument("--requests", type=int, default=2, help="serve: requests per client per round")
     be.add_argument("--layers", type=int, default=28, help="decoder layers at real width")
     be.add_argument("--dtype", default="bfloat16", help="dtype of the weights")
     be.add_argument("--device", default="cpu",
@@ -1713,6 +1940,30 @@ def main(argv=None):
     co = sub.add_parser("compare", help="Table 1 across target LLMs, Table C.1 and the transfer matrix (Table C.2)")
     co.add_argument("--runs", required=True, help="comma list of evaluated run folders (one per target LLM)")
     co.add_argument("--out", required=True, help="folder for comparison.md and figures")
+    for cmd, helptext in (("export", "write the merged Shield as a Hugging Face checkpoint (seq-cls or causal)"),
+                          ("serve", "serve the Shield as a rerank HTTP endpoint (Cohere/Jina/vLLM and TEI shapes)")):
+        p = sub.add_parser(cmd, help=helptext)
+        p.add_argument("--name", default=None, help="a trained run under --runs-dir (its model and adapter)")
+        p.add_argument("--runs-dir", default="runs", help="parent folder of run folders")
+        p.add_argument("--model", default=None, help="instead of --name: base reranker (hub id, folder or 'tiny')")
+        p.add_argument("--adapter", default=None, help="with --model: a PEFT LoRA adapter folder")
+        p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                       help="weights dtype (export default: the checkpoint's; serve default: the run's or bfloat16)")
+        if cmd == "export":
+            p.add_argument("--out", required=True, help="output folder")
+            p.add_argument("--format", default="seq-cls", choices=["seq-cls", "causal"],
+                           help="seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: Qwen3ForCausalLM")
+        else:
+            p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+            p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+            p.add_argument("--device", default="cpu", help="torch device")
+            p.add_argument("--api-key", default=None,
+                           help="require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment variable)")
+            p.add_argument("--served-name", default=None, help="model name in responses and /v1/models")
+            p.add_argument("--max-documents", type=int, default=1000, help="most documents per request")
+            p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
+            p.add_argument("--max-length", type=int, default=None,
+                           help="reranker prompt token cap (default: the run's, or 8192); longer documents are cut")
     so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
     args = ap.parse_args(argv)
@@ -1723,6 +1974,10 @@ def main(argv=None):
         print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
         srv.serve_forever()
         return
+    if args.cmd == "export":
+        return cmd_export(args)
+    if args.cmd == "serve":
+        return cmd_serve(args)
     if args.cmd == "compare":
         import report
         runs = [r.strip() for r in args.runs.split(",") if r.strip()]
@@ -1740,17 +1995,17 @@ def main(argv=None):
             args.compile = reranker.cpp_compiler_available()
             if not args.compile:
                 log("bench: no C++ compiler found, so the compile=True contender is left out")
-        if args.what not in ("score", "train") and args.device != "cpu":
+        if args.what not in ("score", "train", "serve") and args.device != "cpu":
             raise SystemExit(f"bench --what {args.what} runs on the CPU only; --device takes score and train")
         check_device(args.device)
-        if args.what in ("score", "memory", "train", "nf4"):   # the peers and the random checkpoint's writer
+        if args.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
             missing = [m for m in ("transformers",) + ("peft",) * (args.what == "train")
                        if importlib.util.find_spec(m) is None]
             if missing:
                 raise SystemExit(f"bench --what {args.what} races {' and '.join(missing)} (not runtime dependencies):"
                                  " pip install -r requirements-test.txt")
         fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
-              "nf4": bench_nf4}[args.what]
+              "nf4": bench_nf4, "serve": bench_serve}[args.what]
         res = fn(args)
         print(json.dumps(res, indent=1))
         return res
@@ -1798,7 +2053,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import llm_clients
     try:
         main()
     except (geodef.BenchFormatError, reranker.CheckpointError, FileNotFoundError, llm_clients.LLMError) as e:

@@ -22,6 +22,13 @@ Choices the paper leaves open, written down:
   holding instructions, quotes or fake JSON cannot change the prompt's structure. The A.3.7/A.3.8
   baseline prompts keep the paper's "[i] text" layout.
 - `doc_id` in A.3.1 is an opaque "doc-<index>" (a real id could carry labels).
+- Sizes (`Limits`): at most 30 active rules; description <= 600 characters, apply_when/avoid_when
+  <= 400, <= 12 signals of <= 240 characters each; a rule whose description equals a live rule's is
+  refused; the Analyzer sees each document cut to 1,500 characters and each reasoning trace to
+  4,000. All adjustable.
+- Cold start (A.3.3): the Analyzer's proposals are applied one by one, guards first, until
+  max_initial_rules are accepted; its own rule ids in dependencies are mapped to the ids the
+  Controller gave (`cold_start`).
 - Rule ids are assigned by the Controller (R1, R2, ... never reused); removal keeps the rule with
   status "retired" for provenance; merge retires its sources and records `merged_into`.
 
@@ -41,11 +48,38 @@ STRENGTHS = ("weak", "medium", "strong")
 UPDATE_ACTIONS = ("add_rule", "add_fp_guard", "modify_rule", "merge_rules", "delete_rule", "keep_rule")
 OPERATION = {"add_rule": "ADD", "add_fp_guard": "ADD", "modify_rule": "REFINE", "merge_rules": "MERGE",
              "delete_rule": "REMOVE", "keep_rule": "KEEP"}  # A.2.4 mapping to the paper's operators
-TEXT_FIELDS = {"description": 600, "apply_when": 400, "avoid_when": 400}
-LIST_FIELDS = {"trigger_signals": 12, "benign_counter_signals": 12, "evidence": 20, "depends_on_fp_guards": 8}
-MAX_ITEM_CHARS = 240
+TEXT_FIELDS = ("description", "apply_when", "avoid_when")
+LIST_FIELDS = ("trigger_signals", "benign_counter_signals", "evidence", "depends_on_fp_guards")
 DEFAULT_TASK_FRAME = ("Generative search source use: decide which search results are reliable evidence, "
                       "demote presentation-driven manipulation, and keep enough benign evidence to answer.")
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes the paper does not state, chosen here so that one Analyzer reply cannot flood the
+    library or the prompts it is put into (each a setting of `run.py`, recorded in config.json)."""
+    max_active_rules: int = 30        # Controller: live rules at once (ADD refused when full)
+    description_chars: int = 600      # a rule's description
+    condition_chars: int = 400        # apply_when / avoid_when
+    max_signals: int = 12             # items of trigger_signals / benign_counter_signals
+    max_evidence: int = 20            # items of evidence
+    max_dependencies: int = 8         # items of depends_on_fp_guards
+    item_chars: int = 240             # characters of one list item (and of an update's reason)
+    reject_duplicates: bool = True    # ADD/REFINE/MERGE refused when the description equals a live rule's
+    analyzer_doc_chars: int = 1500    # each document as the Analyzer sees it (A.3.3-A.3.5 case views)
+    analyzer_reasoning_chars: int = 4000   # each reasoning trace as the Analyzer sees it (A.3.5)
+
+    def text_max(self, k):
+        return self.description_chars if k == "description" else self.condition_chars
+
+    def list_max(self, k):
+        return {"evidence": self.max_evidence, "depends_on_fp_guards": self.max_dependencies}.get(k, self.max_signals)
+
+
+LIMITS = Limits()
 
 
 # ----------------------------------------------------------------------------- library
@@ -82,9 +116,9 @@ def new_stats():
     return {"invocations": 0, "in_success": 0, "in_failure": 0}
 
 
-def validate_rule(rule, partial=False):
-    """None if `rule` is a valid rule body (Table A.2 fields), else the reason. partial: only the
-    fields present are checked (modify_rule)."""
+def validate_rule(rule, partial=False, limits=LIMITS):
+    """None if `rule` is a valid rule body (Table A.2 fields, within `limits`), else the reason.
+    partial: only the fields present are checked (modify_rule)."""
     if not isinstance(rule, dict):
         return f"rule must be an object, got {type(rule).__name__}"
     required = ("rule_type", "description", "trigger_signals", "action", "strength")
@@ -98,7 +132,8 @@ def validate_rule(rule, partial=False):
         return f"action {rule['action']!r} not in {DECISIONS}"
     if "strength" in rule and rule["strength"] not in STRENGTHS:
         return f"strength {rule['strength']!r} not in {STRENGTHS}"
-    for k, n in TEXT_FIELDS.items():
+    for k in TEXT_FIELDS:
+        n = limits.text_max(k)
         if k in rule:
             if not isinstance(rule[k], str):
                 return f"{k} must be a string"
@@ -106,21 +141,22 @@ def validate_rule(rule, partial=False):
                 return f"{k} has {len(rule[k])} characters (max {n})"
     if "description" in rule and not rule["description"].strip():
         return "description is empty"
-    for k, n in LIST_FIELDS.items():
+    for k in LIST_FIELDS:
+        n = limits.list_max(k)
         if k in rule:
             v = rule[k]
             if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
                 return f"{k} must be a list of strings"
             if len(v) > n:
                 return f"{k} has {len(v)} items (max {n})"
-            if any(len(s) > MAX_ITEM_CHARS for s in v):
-                return f"{k} has an item over {MAX_ITEM_CHARS} characters"
+            if any(len(s) > limits.item_chars for s in v):
+                return f"{k} has an item over {limits.item_chars} characters"
     if not partial and rule.get("action") == "filter" and not rule.get("trigger_signals"):
         return "a filter rule needs trigger_signals"
     return None
 
 
-def check_library(lib, max_rules=None):
+def check_library(lib, max_rules=None, limits=LIMITS):
     """Invariants every library must satisfy; returns a list of problems (empty = valid)."""
     problems, ids = [], set()
     for r in lib.rules:
@@ -135,7 +171,7 @@ def check_library(lib, max_rules=None):
         if r.get("status") not in ("active", "retired"):
             problems.append(f"{rid}: status {r.get('status')!r}")
         err = validate_rule({k: v for k, v in r.items() if k not in ("rule_id", "status", "stats", "merged_into",
-                                                                     "history")})
+                                                                     "history")}, limits=limits)
         if err:
             problems.append(f"{rid}: {err}")
     active = {r["rule_id"]: r for r in lib.active()}
@@ -160,8 +196,9 @@ class Report:
 class Controller:
     """Deterministic, pure: apply(lib, updates) -> (new library, Report). No semantic judgement."""
 
-    def __init__(self, max_rules=30):
-        self.max_rules = max_rules
+    def __init__(self, max_rules=None, limits=LIMITS):
+        self.limits = limits
+        self.max_rules = limits.max_active_rules if max_rules is None else max_rules
 
     def _clean_rule(self, rule):
         keep = ("rule_type", "description", "trigger_signals", "benign_counter_signals", "apply_when",
@@ -185,6 +222,8 @@ class Controller:
         return None
 
     def _dup(self, lib, rule, ignore=()):
+        if not self.limits.reject_duplicates:
+            return None
         norm = " ".join(rule.get("description", "").lower().split())
         for r in lib.active():
             if r["rule_id"] not in ignore and " ".join(r["description"].lower().split()) == norm:
@@ -213,14 +252,14 @@ class Controller:
         if act not in UPDATE_ACTIONS:
             return f"action {act!r} not in {UPDATE_ACTIONS}"
         active = {r["rule_id"]: r for r in lib.active()}
-        prov = {"epoch": epoch, "reason": str(u.get("reason", ""))[:MAX_ITEM_CHARS]}
+        prov = {"epoch": epoch, "reason": str(u.get("reason", ""))[:self.limits.item_chars]}
         if act in ("add_rule", "add_fp_guard", "merge_rules"):
             rule = u.get("rule")
             if act == "add_fp_guard" and isinstance(rule, dict):
                 if rule.get("rule_type", "fp_guard") != "fp_guard":
                     return f"add_fp_guard with rule_type {rule.get('rule_type')!r}"
                 rule = {**rule, "rule_type": "fp_guard"}
-            err = validate_rule(rule)
+            err = validate_rule(rule, limits=self.limits)
             if err:
                 return err
             sources = []
@@ -274,7 +313,7 @@ class Controller:
         if target in deleted:
             return f"{target} is deleted in the same batch (delete takes precedence)"
         rule = u.get("rule")
-        err = validate_rule(rule, partial=True)
+        err = validate_rule(rule, partial=True, limits=self.limits)
         if err:
             return err
         cur = lib.get(target)
@@ -285,7 +324,7 @@ class Controller:
                   "avoid_when"):
             if k not in rule:
                 body[k] = cur.get(k, body.get(k))
-        err = validate_rule(body)
+        err = validate_rule(body, limits=self.limits)
         if err:
             return f"modified rule invalid: {err}"
         if cur["rule_type"] == "fp_guard" and body["rule_type"] != "fp_guard" and any(
@@ -610,9 +649,15 @@ def _as_int(v):
     return None
 
 
+def _confidence(v):
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 else None
+
+
 def normalize_trace(reply, n_docs, interface="structured"):
-    """One case schema from either interface: answer, cited indices, per-document decisions,
-    invoked rule ids, reasoning (A.2.3). Tolerant of missing or malformed trace fields."""
+    """One case schema from either interface: answer, cited indices, per-document decisions (with
+    their evidence spans and confidence), invoked rule ids, coverage_sufficient, brief_rationale,
+    reasoning (A.2.3, A.3.1's trace schema). Tolerant of missing or malformed trace fields: a field
+    of the wrong type becomes empty (None, []), never an error."""
     data = reply.data if isinstance(reply.data, dict) else {}
     answer = data.get("answer") if isinstance(data.get("answer"), str) else (reply.text or "")
     decisions, used = [], []
@@ -623,15 +668,23 @@ def normalize_trace(reply, n_docs, interface="structured"):
         if idx is None or not 1 <= idx <= n_docs:
             continue
         dec = d.get("source_decision") if d.get("source_decision") in DECISIONS else "keep"
-        rids = [r for r in d.get("used_rule_ids", []) if isinstance(r, str)] if isinstance(d.get("used_rule_ids"), list) else []
+        rids = [r for r in d.get("used_rule_ids", []) if isinstance(r, str) and re.fullmatch(r"R\d+", r)] \
+            if isinstance(d.get("used_rule_ids"), list) else []
+        spans = d.get("evidence_spans") if isinstance(d.get("evidence_spans"), list) else []
         decisions.append({"index": idx, "source_decision": dec, "used_for_answer": bool(d.get("used_for_answer")),
-                          "used_rule_ids": rids, "reason": str(d.get("reason", ""))[:400]})
+                          "used_rule_ids": rids, "reason": str(d.get("reason", ""))[:400],
+                          "evidence_spans": [x[:400] for x in spans if isinstance(x, str)][:8],
+                          "confidence": _confidence(d.get("confidence"))})
         used += rids
     reasoning = reply.reasoning
     if interface == "reasoning" and reasoning:
         used += re.findall(r"\bR\d+\b", reasoning)
+    cov = data.get("coverage_sufficient")
+    why = data.get("brief_rationale")
     return {"answer": answer, "cited": cited(answer, n_docs), "per_doc_decision": decisions,
-            "used_rule_ids": sorted(set(used), key=lambda r: int(r[1:])), "reasoning": reasoning}
+            "used_rule_ids": sorted(set(used), key=lambda r: int(r[1:])), "reasoning": reasoning,
+            "coverage_sufficient": cov if isinstance(cov, bool) else None,
+            "brief_rationale": why[:1000] if isinstance(why, str) else None}
 
 
 def classify(trace, attack_pos, labels, b_clean):
@@ -647,15 +700,18 @@ def classify(trace, attack_pos, labels, b_clean):
     return "both" if missed and fp else "missed_attack" if missed else "false_positive" if fp else "success"
 
 
-def _case_view(case, doc_chars=1500):
-    """What the Analyzer sees of a case: texts, labels (construction only), answer and trace."""
+def _case_view(case, limits=LIMITS):
+    """What the Analyzer sees of a case: texts, labels (construction only), answer and trace, the
+    documents and reasoning cut to the limits' sizes."""
+    doc_chars = limits.analyzer_doc_chars
     return {"case_id": case["case_id"], "user_question": case["query"], "outcome": case["outcome"],
             "search_results": [{"index": i, "label": lab, "text": t[:doc_chars]}
                                for i, (t, lab) in enumerate(zip(case["docs"], case["labels"]), 1)],
             "answer": case["trace"]["answer"], "cited_indices": case["trace"]["cited"],
             "per_doc_decision": case["trace"]["per_doc_decision"],
             "used_rule_ids": case["trace"]["used_rule_ids"],
-            **({"reasoning_content": case["trace"]["reasoning"][:4000]} if case["trace"].get("reasoning") else {})}
+            **({"reasoning_content": case["trace"]["reasoning"][:limits.analyzer_reasoning_chars]}
+               if case["trace"].get("reasoning") else {})}
 
 
 # ----------------------------------------------------------------------------- construction (Algorithm 1)
@@ -677,7 +733,7 @@ def run_case(chat, case_input, lib, interface, temperature=0, max_tokens=2048):
     return {**case_input, "trace": trace, "outcome": outcome}
 
 
-def controlled_rollouts(chat, seed_inputs, answer_prompt, temperature=0, max_tokens=2048):
+def controlled_rollouts(chat, seed_inputs, answer_prompt, temperature=0, max_tokens=2048, limits=LIMITS):
     """A.3.3 controlled contrasts: for each seed instance, the target LLM answers four controlled
     contexts (attack filtered; 1 and 2 benign filtered; keep-all). answer_prompt(query, docs) -> str."""
     rollouts = []
@@ -697,7 +753,7 @@ def controlled_rollouts(chat, seed_inputs, answer_prompt, temperature=0, max_tok
             rollouts.append({
                 "rollout_id": f"seed:{s['case_id']}:{name}", "kind": name, "user_question": s["query"],
                 "documents": [{"index": i + 1, "label": labels[i], "decision": "filter" if i in filt else "keep",
-                               "text": docs[i][:1500]} for i in range(len(docs))],
+                               "text": docs[i][:limits.analyzer_doc_chars]} for i in range(len(docs))],
                 "answer": answer, "cited_indices": cited_orig,
                 "attack_cited": (a + 1) in cited_orig,
                 "benign_cited": sum(1 for i in cited_orig if labels[i - 1] == "benign")})
@@ -732,24 +788,18 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
     if os.path.isfile(path(1)):
         lib = ExperienceLibrary.from_dict(_load(path(1)))
     else:
-        rollouts = controlled_rollouts(target_chat, seed_inputs, answer_prompt, temperature, max_tokens)
+        rollouts = controlled_rollouts(target_chat, seed_inputs, answer_prompt, temperature, max_tokens,
+                                       controller.limits)
         reply = analyzer_chat(_msg(cold_start_prompt(rollouts, max_initial_rules)), temperature=temperature,
                               max_tokens=max(max_tokens, 4096), json=True)
         data = reply.data if isinstance(reply.data, dict) else {}
         proposed = (data.get("experience_library") or {}).get("rules", []) if isinstance(
             data.get("experience_library"), dict) else []
-        updates = [{"action": "add_fp_guard" if isinstance(r, dict) and r.get("rule_type") == "fp_guard" else "add_rule",
-                    "rule": r, "reason": "cold start"} for r in (proposed if isinstance(proposed, list) else [])]
-        # guards first so that attack rules can depend on them; proposed ids are remapped to the Controller's
-        updates.sort(key=lambda u: u["action"] != "add_fp_guard")
-        updates = _remap_ids(updates, lib)
-        rejected_cap = [{"update": u, "reason": f"over max_initial_rules={max_initial_rules}"}
-                        for u in updates[max_initial_rules:]]
-        lib, report = controller.apply(lib, updates[:max_initial_rules], epoch=1)
-        report.rejected += rejected_cap
+        lib, report = cold_start(controller, lib, proposed if isinstance(proposed, list) else [],
+                                 max_initial_rules, epoch=1)
         tf = (data.get("experience_library") or {}).get("task_frame") if isinstance(data.get("experience_library"), dict) else None
         if isinstance(tf, str) and tf.strip():
-            lib.task_frame = tf.strip()[:600]
+            lib.task_frame = tf.strip()[:controller.limits.description_chars]
         _save(path(1, ".report"), {**report.to_dict(), "analyzer": {k: data.get(k) for k in
                                                                      ("seed_contrast_summary", "case_patterns", "controller_notes")},
                                    "rollouts": [{k: v for k, v in r.items() if k != "documents"} for r in rollouts]})
@@ -761,9 +811,10 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
             continue
         cases = _map(lambda c: run_case(target_chat, c, lib, interface, temperature, max_tokens), batch, workers)
         lib_stats = record_outcomes(lib, cases)
-        succ = [_case_view(c) for c in cases if c["outcome"] == "success"]
-        miss = [_case_view(c) for c in cases if c["outcome"] in ("missed_attack", "both")]
-        fp = [_case_view(c) for c in cases if c["outcome"] in ("false_positive", "both")]
+        view = lambda c: _case_view(c, controller.limits)
+        succ = [view(c) for c in cases if c["outcome"] == "success"]
+        miss = [view(c) for c in cases if c["outcome"] in ("missed_attack", "both")]
+        fp = [view(c) for c in cases if c["outcome"] in ("false_positive", "both")]
         feedback = [{"case_id": c["case_id"], "attack_cited": c["outcome"] in ("missed_attack", "both"),
                      "benign_cited": sum(1 for i in c["trace"]["cited"] if c["labels"][i - 1] == "benign"),
                      "clean_reference_benign_cited": c["b_clean"]} for c in cases]
@@ -786,22 +837,34 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
     return lib
 
 
-def _remap_ids(updates, lib):
-    """Cold start: the Analyzer names rules R1..Rn itself; map its ids in depends_on_fp_guards to the
-    ids the Controller will assign (in update order)."""
-    mapping, nxt = {}, lib.next_id
+def cold_start(controller, lib, proposed, max_initial_rules, epoch=1):
+    """E0 -> E1 from the Analyzer's proposed rules (A.3.3) -> (library, Report). Guards go first so
+    that attack rules can depend on them; each proposal is validated and applied alone, in that
+    order, until `max_initial_rules` have been ACCEPTED (the rest are rejected with that reason).
+    The Analyzer names its rules itself (R1, R2, ...); a dependency on one of its ids is rewritten
+    to the id the Controller gave that rule when it was accepted, so a rejected proposal never
+    shifts the ids of the ones after it. A dependency on a proposal that was not accepted (or not
+    yet applied) stays in the Analyzer's namespace ("proposed R2") and the Controller rejects it."""
+    updates = [{"action": "add_fp_guard" if isinstance(r, dict) and r.get("rule_type") == "fp_guard" else "add_rule",
+                "rule": r, "reason": "cold start"} for r in proposed]
+    updates.sort(key=lambda u: u["action"] != "add_fp_guard")          # stable: guards first
+    version, mapping, report = lib.library_version, {}, Report()
     for u in updates:
-        r = u.get("rule")
-        if isinstance(r, dict) and isinstance(r.get("rule_id"), str):
-            mapping[r["rule_id"]] = f"R{nxt}"
-        nxt += 1
-    out = []
-    for u in updates:
-        r = u.get("rule")
+        if len(report.applied) >= max_initial_rules:
+            report.rejected.append({"update": u, "reason": f"over max_initial_rules={max_initial_rules}"})
+            continue
+        r = u["rule"]
         if isinstance(r, dict) and isinstance(r.get("depends_on_fp_guards"), list):
-            r = {**r, "depends_on_fp_guards": [mapping.get(g, g) for g in r["depends_on_fp_guards"]]}
-        out.append({**u, "rule": r})
-    return out
+            deps = [mapping.get(g, f"proposed {g}") if isinstance(g, str) else g for g in r["depends_on_fp_guards"]]
+            u = {**u, "rule": {**r, "depends_on_fp_guards": deps}}
+        lib, rep = controller.apply(lib, [u], epoch=epoch)
+        for a in rep.applied:
+            if isinstance(a.get("proposed_id"), str):
+                mapping[a["proposed_id"]] = a["rule_id"]
+        report.applied += rep.applied
+        report.rejected += rep.rejected
+    lib.library_version = version + 1                                   # one update of the library
+    return lib, report
 
 
 def _map(fn, items, workers):
