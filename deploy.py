@@ -271,13 +271,18 @@ def parse_rerank(body, max_documents):
 
 
 class Batcher:
-    """One scoring thread: takes the jobs waiting in a bounded queue together and scores all their
-    documents in one `score_ids` call (the reranker packs them into shared micro-batches; a score
-    does not depend on its batch mates beyond float rounding)."""
+    """One scoring thread over a bounded queue of jobs (one job = one request's token-id lists). Jobs
+    waiting together are scored in one `score_ids` call, which packs their documents into shared
+    micro-batches, as long as they fit one micro-batch's token budget together: small requests
+    share the GEMMs, while a request that fills a micro-batch on its own is scored alone, so that its
+    documents keep sharing their query's prompt prefix (`Reranker.share_prefix`) and it is answered
+    as soon as it is done. A score does not depend on its batch mates beyond float rounding."""
 
-    def __init__(self, rr, max_queue=64, max_batch_tokens=65536):
-        self.rr, self.max_batch_tokens = rr, max_batch_tokens
+    def __init__(self, rr, max_queue=64, max_batch_tokens=None):
+        self.rr = rr
+        self.max_batch_tokens = max_batch_tokens or rr.token_budget
         self.jobs = queue.Queue(maxsize=max_queue)
+        self.held = None           # a job taken from the queue that did not fit the last call
         self.batches = 0
         threading.Thread(target=self._loop, daemon=True, name="rerank-batcher").start()
 
@@ -296,16 +301,20 @@ class Batcher:
         return job["scores"]
 
     def _loop(self):
+        size = lambda job: sum(map(len, job["ids"]))
         while True:
-            batch = [self.jobs.get()]
-            n = len(batch[0]["ids"])
-            while n < self.max_batch_tokens:   # whatever else is waiting joins this call
+            batch = [self.held or self.jobs.get()]
+            self.held, n = None, size(batch[0])
+            while n < self.max_batch_tokens:   # what else is waiting joins this call while it fits
                 try:
                     job = self.jobs.get_nowait()
                 except queue.Empty:
                     break
+                if n + size(job) > self.max_batch_tokens:
+                    self.held = job           # first in the next call
+                    break
                 batch.append(job)
-                n += len(job["ids"])
+                n += size(job)
             try:
                 flat = [x for job in batch for x in job["ids"]]
                 margins = self.rr.score_ids(flat).tolist()

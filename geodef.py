@@ -75,6 +75,15 @@ def _fail(path, line, fld, msg):
     raise BenchFormatError(f"{path}:{line}: {fld}: {msg}")
 
 
+def _unicode(text, path, line, fld):
+    """Text that cannot be written as UTF-8 (a lone surrogate such as "\\ud800", which JSON escapes
+    allow) would fail far later, in the tokenizer or an HTTP request."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        _fail(path, line, fld, f"not valid Unicode text (character {e.start}: lone surrogate {text[e.start]!r})")
+
+
 def _need(obj, key, typ, path, line, prefix=""):
     if key not in obj:
         _fail(path, line, prefix + key, "missing")
@@ -144,11 +153,15 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
         if len(docs) != n_docs:
             _fail(path, n, "docs", f"must hold {n_docs} items, got {len(docs)}")
         texts = set()
+        _unicode(query, path, n, "query")
         for i, d in enumerate(docs):
             if not isinstance(d, dict):
                 _fail(path, n, f"docs[{i}]", f"expected object, got {type(d).__name__}")
-            _need(d, "doc_id", str, path, n, f"docs[{i}].")
+            did = _need(d, "doc_id", str, path, n, f"docs[{i}].")
+            if "#" in did:   # attack documents get "<source doc_id>#<method>": a benign one must not look like one
+                _fail(path, n, f"docs[{i}].doc_id", f"{did!r}: '#' is reserved for attack document ids")
             t = _need(d, "text", str, path, n, f"docs[{i}].")
+            _unicode(t, path, n, f"docs[{i}].text")
             if not t.strip():
                 _fail(path, n, f"docs[{i}].text", "empty")
             if " ".join(t.split()) in texts:
@@ -170,6 +183,7 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
                 _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
             if not t.strip():
                 _fail(path, n, f"attacks.{m}", "empty rewrite")
+            _unicode(t, path, n, f"attacks.{m}")
             if " ".join(t.split()) == source_norm:
                 _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
         if meta.methods:

@@ -15,6 +15,7 @@ Conventions (reference/ecosystem.md §1-4):
 Usage: client = make_client("openai:gpt-5.5", cache_dir="runs/x/cache")
        reply = client.chat([{"role": "user", "content": "..."}], json=True); reply.data
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -54,9 +55,22 @@ PROVIDERS = {
                    default_key="ollama", base_env="OLLAMA_BASE_URL", json_mode=True),
     "llama.cpp": dict(protocol="openai", base="http://127.0.0.1:8080/v1", keys=["LLAMACPP_API_KEY"],
                       key_optional=True, base_env="LLAMACPP_BASE_URL", json_mode=True),
-    "openai-compatible": dict(protocol="openai", base=None, keys=["OPENAI_API_KEY"], key_optional=True,
+    "openai-compatible": dict(protocol="openai", base=None, keys=["OPENAI_COMPATIBLE_API_KEY"], key_optional=True,
                               base_env=None, json_mode=False),
 }
+# Providers whose key belongs to one public API: it is sent only to that host (or to the provider's
+# own *_BASE_URL variable's), never to a --base-url elsewhere (`make_client`).
+HOSTED = ("openai", "anthropic", "deepseek", "moonshot", "zhipu", "openrouter")
+
+
+def redact_url(url):
+    """The URL without credentials: http://user:pass@host/v1 -> http://***@host/v1."""
+    if not url:
+        return url
+    p = urlparse(url)
+    if p.username is None and p.password is None:
+        return url
+    return p._replace(netloc="***@" + p.netloc.rpartition("@")[2]).geturl()
 
 
 class LLMError(RuntimeError):
@@ -193,7 +207,7 @@ class Client:
         self._asked = (max_field, json_mode)     # the request as first built: the cache key's form
 
     def __repr__(self):
-        return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
+        return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={redact_url(self.base_url)!r})"
 
     @property
     def label(self):
@@ -281,9 +295,14 @@ class Client:
         path = self._cache_path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"provider": self.provider, "model": self.model, "reply": reply.to_dict()}, f, ensure_ascii=False)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"provider": self.provider, "model": self.model, "reply": reply.to_dict()}, f, ensure_ascii=False)
+            os.replace(tmp, path)
+        except BaseException:   # a full disk or a kill: no half-written entry left behind
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
     # --- transport
 
@@ -298,10 +317,11 @@ class Client:
         return h
 
     def _error(self, msg, status=None, body=None):
-        text = (body or "")[:300]
-        if self._key:
-            text = text.replace(self._key, "***")
-            msg = msg.replace(self._key, "***")
+        text = body or ""
+        secrets = [s for s in (self._key, urlparse(self.base_url).password if self.base_url else None) if s]
+        for s in secrets:             # masked BEFORE the body is cut: a cut must not leave part of a key
+            text, msg = text.replace(s, "***"), msg.replace(s, "***")
+        text = text[:300]
         return LLMError(f"{self.label}: {msg}" + (f": {text}" if text else ""), status, self.provider, text)
 
     def _retry_after(self, headers):
@@ -362,7 +382,7 @@ class Client:
                                       timeout=(self.connect_timeout, self.timeout))
             except (requests.ConnectionError, requests.Timeout) as e:
                 if last:
-                    raise self._error(f"{type(e).__name__} on {url} after {attempt + 1} attempts") from None
+                    raise self._error(f"{type(e).__name__} on {redact_url(url)} after {attempt + 1} attempts") from None
                 self._sleep(attempt, None)
                 continue
             if r.status_code == 200:
@@ -475,18 +495,25 @@ class Client:
         that with invalid="return" a ReplyInvalid takes its request's place in the results."""
         from tqdm import tqdm
         out = [None] * len(requests_)
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as ex, \
-                tqdm(total=len(requests_), desc=desc or self.label, disable=not progress or not requests_) as bar:
-            futs = [ex.submit(self.chat, **r) for r in requests_]
-            for f in futs:
-                f.add_done_callback(lambda _: bar.update(1))
-            for i, f in enumerate(futs):
-                try:
-                    out[i] = f.result()
-                except ReplyInvalid as e:
-                    if invalid != "return":
-                        raise
-                    out[i] = e
+        ex = ThreadPoolExecutor(max_workers=max(1, workers))
+        try:
+            with tqdm(total=len(requests_), desc=desc or self.label, disable=not progress or not requests_) as bar:
+                futs = [ex.submit(self.chat, **r) for r in requests_]
+                for f in futs:
+                    f.add_done_callback(lambda _: bar.update(1))
+                for i, f in enumerate(futs):
+                    try:
+                        out[i] = f.result()
+                    except ReplyInvalid as e:
+                        if invalid != "return":
+                            raise
+                        out[i] = e
+        except BaseException:
+            # Ctrl-C or a failure: requests not yet started are cancelled; those in flight finish (their
+            # replies are cached) without holding up the exit
+            ex.shutdown(wait=False, cancel_futures=True)
+            raise
+        ex.shutdown()
         return out
 
     def usage(self):
@@ -515,6 +542,10 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     if not model:
         raise ValueError(f"{spec!r}: give provider:model, e.g. openai:gpt-5.5")
     p = PROVIDERS[provider]
+    if base_url and provider in HOSTED and urlparse(base_url).hostname != urlparse(p["base"]).hostname:
+        raise ValueError(f"{spec!r} with --base-url {redact_url(base_url)}: {provider}'s key ({p['keys'][0]}) goes only "
+                         f"to {urlparse(p['base']).hostname} (or to {p['base_env']}); for another server use "
+                         "openai-compatible:MODEL (its key from OPENAI_COMPATIBLE_API_KEY)")
     base = base_url or (os.environ.get(p["base_env"]) if p.get("base_env") else None) or p["base"]
     if provider == "openai" and not base_url and not os.environ.get("OPENAI_BASE_URL"):
         base = os.environ.get("OPENAI_API_BASE") or base   # legacy name many .env files still use

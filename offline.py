@@ -444,12 +444,19 @@ def complete(prompt):
 
 
 def respond(body):
-    """OpenAI Chat Completions request body -> response body (what serve-offline returns)."""
-    msgs = body.get("messages") or []
+    """OpenAI Chat Completions request body -> response body (what serve-offline returns). A body not
+    of that shape raises ValueError naming the field."""
+    if not isinstance(body, dict):
+        raise ValueError(f"the body must be a JSON object, got {type(body).__name__}")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise ValueError("messages: a list of {role, content} objects is required")
     user = [m for m in msgs if m.get("role") == "user"]
     if not user:
-        raise ValueError("offline engine: no user message")
-    prompt = user[0]["content"]   # a JSON re-ask repeats it: the engine's JSON is always valid
+        raise ValueError("messages: no user message")
+    prompt = user[0].get("content")   # a JSON re-ask repeats it: the engine's JSON is always valid
+    if not isinstance(prompt, str):
+        raise ValueError("messages[].content: the offline engine takes a string")
     text, reasoning = complete(prompt)
     msg = {"role": "assistant", "content": text}
     if reasoning:
@@ -460,23 +467,46 @@ def respond(body):
             "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
 
 
+MAX_BODY = 64 << 20
+
+
 class _Handler(BaseHTTPRequestHandler):
+    timeout = 30             # socket timeout: a client that stops sending is dropped, the thread freed
+
     def do_POST(self):
         if not self.path.rstrip("/").endswith("/chat/completions"):
             return self._send(404, {"error": {"message": "not found", "type": "not_found"}})
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            return self._send(200, respond(body))
-        except (ValueError, KeyError, TypeError) as e:
-            return self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
+            n = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            n = -1
+        if not 0 <= n <= MAX_BODY:
+            self.close_connection = True
+            return self._send(400 if n < 0 else 413, {"error": {"message": f"Content-Length: 0..{MAX_BODY} required",
+                                                                "type": "invalid_request_error"}})
+        try:
+            raw = self.rfile.read(n)
+            if len(raw) < n:
+                raise ValueError(f"the body ended after {len(raw)} of {n} bytes")
+            return self._send(200, respond(json.loads(raw)))
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
+        except (ValueError, KeyError, TypeError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+            return self._send(400, {"error": {"message": str(e)[:300], "type": "invalid_request_error"}})
+        except Exception as e:   # never a request left unanswered
+            return self._send(500, {"error": {"message": f"offline engine failed ({type(e).__name__})",
+                                              "type": "server_error"}})
 
     def _send(self, code, obj):
         data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:      # the client went away
+            self.close_connection = True
 
     def log_message(self, *a):
         pass

@@ -61,6 +61,10 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded: names the file and the key or field."""
 
 
+class PromptLengthError(ValueError):
+    """max_length too small for the prompt: the document would get no tokens."""
+
+
 @dataclass
 class Qwen3Config:
     vocab_size: int = 151669          # 151643 BPE + 26 added tokens (reference/qwen3.md §1)
@@ -609,7 +613,8 @@ class Reranker:
         # query, instruction and document go through a copy without added tokens (see text_tokenizer)
         self.text_tokenizer, self.control_ids = text_tokenizer(tokenizer)
         if max_length <= len(self.prefix_ids) + len(self.suffix_ids):
-            raise ValueError(f"max_length {max_length} leaves no room for the query and document")
+            raise PromptLengthError(f"max_length {max_length} leaves no room for the query and document (the "
+                                    f"prompt's fixed parts take {len(self.prefix_ids) + len(self.suffix_ids)} tokens)")
         self._lm_head = None  # an untied lm_head's yes/no rows, (2, C) (set by from_pretrained); else tied
 
     @classmethod
@@ -660,12 +665,25 @@ class Reranker:
         room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
         bodies = [BODY.format(instruction=self.instruction, query=query, doc=d) for d in docs]
         encs = self.text_tokenizer.encode_batch(bodies, add_special_tokens=False)
+        if any(len(e.ids) > room for e in encs):   # a cut: it must leave the document some tokens
+            head = len(self.text_tokenizer.encode(BODY.format(instruction=self.instruction, query=query, doc=""),
+                                                  add_special_tokens=False).ids)
+            if head >= room:
+                raise PromptLengthError(
+                    f"max_length {self.max_length} leaves the document no tokens: the prompt without it takes "
+                    f"{head + len(self.prefix_ids) + len(self.suffix_ids)} tokens (instruction and query included)")
         out = []
         for e in encs:
             if self.control_ids.intersection(e.ids):   # the tokenizer's BPE itself can build one: refuse
                 raise ValueError(f"text encoded to a control token id {sorted(self.control_ids.intersection(e.ids))}")
             out.append(self.prefix_ids + e.ids[:room] + self.suffix_ids)
         return out
+
+    def overflow(self, query, docs):
+        """How many of `docs` `tokenize` cuts (their prompts exceed max_length; the tail is dropped)."""
+        room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
+        bodies = [BODY.format(instruction=self.instruction, query=query, doc=d) for d in docs]
+        return sum(len(e.ids) > room for e in self.text_tokenizer.encode_batch(bodies, add_special_tokens=False))
 
     def score_ids(self, ids, grad=False):
         """ids: list of S token-id lists -> float32 (S,) margins in input order. Sequences are sorted

@@ -109,7 +109,8 @@ class Config:
 
     def __post_init__(self):
         """Reject out-of-range settings up front, naming the flag (not minutes later, deep inside a run)."""
-        checks = [("k", self.k >= 1), ("lora-r", self.lora_r >= 1), ("lora-alpha", self.lora_alpha > 0),
+        # k: below the candidate count (at k = 10 every candidate is in context and no reranker matters)
+        checks = [("k", 1 <= self.k < geodef.N_DOCS), ("lora-r", self.lora_r >= 1), ("lora-alpha", self.lora_alpha > 0),
                   ("lora-dropout", 0 <= self.lora_dropout < 1), ("lr", self.lr > 0), ("epochs", self.epochs >= 1),
                   ("grad-accum", self.grad_accum >= 1), ("max-grad-norm", self.max_grad_norm > 0),
                   ("beta", self.beta > 0), ("monitor-frac", 0 < self.monitor_frac < 1),
@@ -161,11 +162,17 @@ def log(msg):
 
 
 def atomic_write(path, text):
+    """Write aside, then rename: the file is whole or as before; a failure (full disk) leaves no temp file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def write_json(path, obj):
@@ -177,6 +184,14 @@ def read_json(path, default=None):
         return default
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def file_sha1(path):
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def code_version():
@@ -220,6 +235,10 @@ def check_name(name):
 
 def check_device(device):
     """A CUDA device asked for but not visible: a clear error up front, not torch's from inside loading."""
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SystemExit(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise SystemExit(f"--device {device}: no CUDA device visible to torch {torch.__version__} ({build}); "
@@ -233,11 +252,8 @@ def adapter_path(cfg):
 def shield_scores_path(cfg):
     """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file): scores
     cached under a retrained or replaced adapter are never read for another."""
-    h = hashlib.sha1()
-    with open(os.path.join(adapter_path(cfg), "adapter_model.safetensors"), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return os.path.join(cfg.run_dir, "cache", f"scores_shield_{h.hexdigest()[:12]}.json")
+    digest = file_sha1(os.path.join(adapter_path(cfg), "adapter_model.safetensors"))
+    return os.path.join(cfg.run_dir, "cache", f"scores_shield_{digest[:12]}.json")
 
 
 def library_path(cfg, epoch=None):
@@ -315,8 +331,10 @@ def tfsg_schedule(cfg, inst):
 
 
 def _save_ckpt(path, model, opt, state, log_path):
-    """Resumable checkpoint without pickle: LoRA + AdamW tensors in safetensors, counters in JSON,
-    and how much of the training log belongs to it (a resume cuts what was logged after it)."""
+    """Resumable checkpoint without pickle: LoRA + AdamW tensors in safetensors, with the counters
+    and how much of the training log belongs to it (a resume cuts what was logged after it) as JSON
+    in the same file's metadata: one file, written aside and renamed, so a checkpoint is whole or
+    absent whenever the process dies."""
     from safetensors.torch import save_file
     state["log_bytes"] = os.path.getsize(log_path) if os.path.isfile(log_path) else 0
     tensors = {k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
@@ -332,16 +350,17 @@ def _save_ckpt(path, model, opt, state, log_path):
     if torch.cuda.is_available() and torch.cuda.is_initialized():   # dropout masks on a GPU draw from its generator
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "state.safetensors.tmp"))
-    atomic_write(os.path.join(path, "state.json.tmp"), json.dumps(state))
-    os.replace(os.path.join(path, "state.safetensors.tmp"), os.path.join(path, "state.safetensors"))
-    os.replace(os.path.join(path, "state.json.tmp"), os.path.join(path, "state.json"))
+    tmp = os.path.join(path, f"state.safetensors.tmp{os.getpid()}")
+    save_file(tensors, tmp, metadata={"format": "pt", "state": json.dumps(state)})
+    os.replace(tmp, os.path.join(path, "state.safetensors"))
 
 
 def _load_ckpt(path, model, opt):
+    from safetensors import safe_open
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(path, "state.safetensors"))
-    state = read_json(os.path.join(path, "state.json"))
+    with safe_open(os.path.join(path, "state.safetensors"), "pt") as f:
+        state = json.loads(f.metadata()["state"])
     mods = lora.lora_modules(model)
     with torch.no_grad():
         for name, m in mods.items():
@@ -412,7 +431,7 @@ def train_shield(cfg, rr=None, resume=True):
     ckpt = os.path.join(run, "checkpoint")
     state = {"epoch": 0, "pos": 0, "step": 0, "best": None, "history": []}
     log_path = os.path.join(run, "train_log.jsonl")
-    if resume and os.path.isfile(os.path.join(ckpt, "state.json")):
+    if resume and os.path.isfile(os.path.join(ckpt, "state.safetensors")):
         state = _load_ckpt(ckpt, rr.model, opt)
         log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
         with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
@@ -518,8 +537,24 @@ def _append_jsonl(path, rec):
 # ----------------------------------------------------------------------------- LLMs and rankings
 
 
+def read_prices(path):
+    """--prices: a JSON object {model: [USD per 1M input tokens, USD per 1M output tokens]}."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--prices {path}: no such file")
+    try:
+        table = read_json(path)
+    except ValueError as e:
+        raise SystemExit(f"--prices {path}: not JSON ({e})") from None
+    ok = lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x >= 0 for x in v)
+    bad = [k for k, v in table.items() if not ok(v)] if isinstance(table, dict) else None
+    if bad is None or bad:
+        raise SystemExit(f"--prices {path}: expected {{model: [USD per 1M input, USD per 1M output]}}"
+                         + (f"; bad entries {bad[:3]}" if bad else ""))
+    return {k: tuple(v) for k, v in table.items()}
+
+
 def make_llm(cfg, spec=None):
-    prices = {k: tuple(v) for k, v in read_json(cfg.prices, {}).items()} if cfg.prices else None
+    prices = read_prices(cfg.prices) if cfg.prices else None
     return llm_clients.make_client(spec or cfg.llm, base_url=cfg.base_url,
                                    cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices)
 
@@ -529,7 +564,10 @@ def check_llms(cfg):
     provider, a missing API key or a missing --base-url is reported before any model is loaded.
     Builds clients only: no request is sent."""
     for spec in dict.fromkeys(s for s in (cfg.llm, cfg.analyzer, cfg.judge) if s):
-        make_llm(cfg, spec)
+        try:
+            make_llm(cfg, spec)
+        except ValueError as e:     # unknown provider, no model, no --base-url, a key's wrong host
+            raise SystemExit(f"--llm/--analyzer/--judge: {e}") from None
 
 
 def _doc_key(query, doc):
@@ -583,6 +621,19 @@ def rankers(cfg, shield):
     base = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=shield)
     sh = Ranker(rr, shield_scores_path(cfg), "shield") if shield else None
     return base, sh
+
+
+def documents_cut(rr, insts):
+    """Distinct (query, document) prompts longer than --max-length among `insts`: their tails are cut
+    (the model card's truncation); logged as a warning when there are any."""
+    pairs = {}
+    for x in insts:
+        pairs.setdefault(x.query, set()).update(x.docs)
+    n = sum(rr.overflow(q, sorted(d)) for q, d in pairs.items())
+    if n:
+        log(f"[rerank] WARNING: {n} of {sum(map(len, pairs.values()))} documents are cut to --max-length "
+            f"{rr.max_length} tokens (their ends are not scored)")
+    return n
 
 
 def test_set_digest(insts):
@@ -715,9 +766,10 @@ def _answer(reply):
         else (reply.text or "")
 
 
-def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None):
+def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, before_write=None):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
-    appended as it finishes, so an interrupted run resumes with the instances it lacks."""
+    appended as it finishes, so an interrupted run resumes with the instances it lacks.
+    before_write: called with the records before they are appended (evaluate records its settings then)."""
     import metrics
     done = {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -765,6 +817,8 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None):
                 continue
             recs[i]["asi"] = metrics.parse_asi(rep.data)
             recs[i]["asi_judge"] = rep.data
+        if before_write:
+            before_write(recs)
         with open(path, "a", encoding="utf-8") as f:
             for rec in recs:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -796,6 +850,11 @@ def transfer_items(cfg):
                              "(it names results/transfer_<name>.jsonl and the Table C.2 row)")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--transfer: {path}: no library file")
+        import tfsg
+        try:
+            tfsg.load_library(path, tfsg_limits(cfg))      # its content checked now, not after the other conditions
+        except tfsg.LibraryError as e:
+            raise SystemExit(f"--transfer {name}: {e}") from None
         items.append((name, path))
     return items
 
@@ -810,9 +869,21 @@ def eval_settings(cfg, conds):
         s.update(ppl_model=cfg.ppl_model, ppl_quantile=cfg.ppl_quantile)
     if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
         for name, path in transfer_items(cfg):
-            with open(path, "rb") as f:
-                s[f"transfer {name}"] = hashlib.sha1(f.read()).hexdigest()[:12]
+            s[f"transfer {name}"] = file_sha1(path)[:12]
     return s
+
+
+def settings_of(name, recs, settings):
+    """Which of `settings` (eval_settings) the records `recs` of condition `name` were made with: the
+    token cap always, the judge when it was asked (attack in context), PPL-Filter's model for its
+    records, a transfer library's digest for its records. Recorded as records are written, so a
+    failed eval pins nothing its records do not depend on."""
+    keep = {"max_tokens"} | ({"judge"} if any(r["attack_in_context"] for r in recs) else set())
+    if name == "PPL-Filter":
+        keep |= {"ppl_model", "ppl_quantile"}
+    if name.startswith("GEO Defender [") and name.endswith("]"):
+        keep.add(f"transfer {name[len('GEO Defender ['):-1]}")
+    return {k: v for k, v in settings.items() if k in keep}
 
 
 def check_eval_settings(cfg, conds):
@@ -874,12 +945,22 @@ def evaluate(cfg):
     judge = make_llm(cfg, cfg.judge) if cfg.judge else llm   # one client: its usage and adaptations recorded
     res = os.path.join(run, "results")
     os.makedirs(res, exist_ok=True)
-    settings = os.path.join(res, "settings.json")          # what the records below were made with
-    write_json(settings, {**read_json(settings, {}), **eval_settings(cfg, conds)})
+    settings = os.path.join(res, "settings.json")          # what the records below were made with,
+
+    wanted = eval_settings(cfg, conds)
+
+    def record_settings(name, recs):                        # written with the records that depend on them
+        new = settings_of(name, recs, wanted)
+        old = read_json(settings, {})
+        if any(old.get(k) != v for k, v in new.items()):
+            write_json(settings, {**old, **new})
+
+    def condition(name, insts, topk_of, prompt_of, file):  # one condition's records in results/<file>.jsonl
+        return eval_condition(cfg, llm, name, insts, topk_of, prompt_of, os.path.join(res, file + ".jsonl"), judge,
+                              before_write=lambda recs: record_settings(name, recs))
     # clean reference (B.1.3): once per group, reused by its attack variants
-    clean_recs = eval_condition(cfg, llm, "clean reference", cleans, lambda x: base.order(x)[:cfg.k],
-                                lambda x, d: tfsg.standard_prompt(x.query, d),
-                                os.path.join(res, "clean_reference.jsonl"), judge)
+    clean_recs = condition("clean reference", cleans, lambda x: base.order(x)[:cfg.k],
+                           lambda x, d: tfsg.standard_prompt(x.query, d), "clean_reference")
     clean = {r["group_id"]: r for r in clean_recs}
     k = cfg.k
     topk = {"base": lambda x: base.order(x)[:k], "shield": (lambda x: shield.order(x)[:k]) if shield else None}
@@ -896,14 +977,14 @@ def evaluate(cfg):
     results = {}
     for c in conds:
         slug = c.lower().replace(" ", "_").replace("-", "_")
-        results[c] = eval_condition(cfg, llm, c, insts, plan[c][0], plan[c][1], os.path.join(res, f"{slug}.jsonl"), judge)
+        results[c] = condition(c, insts, plan[c][0], plan[c][1], slug)
     summary = {"offline": cfg.offline, "target_llm": llm.label, "judge": judge.label, "model": hub_id(cfg),
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
-               "test_set_sha1": test_set_digest(insts)}
+               "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
     # pairwise quality of GEO Defender vs the clean reference (B.2.4)
     if "GEO Defender" in conds:
         summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
@@ -916,19 +997,18 @@ def evaluate(cfg):
             if not os.path.isfile(p):
                 continue
             lt = tfsg.ExperienceLibrary.from_dict(read_json(p))
-            recs = results["GEO Defender"] if t == cfg.n_batches + 1 else eval_condition(
-                cfg, llm, f"GEO Defender E{t}", insts, topk["shield"], lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
-                os.path.join(res, f"geo_defender_E{t}.jsonl"), judge)
+            recs = results["GEO Defender"] if t == cfg.n_batches + 1 else condition(
+                f"GEO Defender E{t}", insts, topk["shield"], lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
+                f"geo_defender_E{t}")
             epochs[f"E{t}"] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI", "BER")}
         summary["epochs"] = epochs
     # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
     if cfg.transfer and "GEO Defender" in conds:
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
         for name, path in transfer_items(cfg):
-            lt = tfsg.ExperienceLibrary.from_dict(read_json(path))
-            recs = eval_condition(cfg, llm, f"GEO Defender [{name}]", insts, topk["shield"],
-                                  lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
-                                  os.path.join(res, f"transfer_{name}.jsonl"), judge)
+            lt = tfsg.load_library(path, tfsg_limits(cfg))
+            recs = condition(f"GEO Defender [{name}]", insts, topk["shield"],
+                             lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
     summary["usage"] = llm.usage()
     if judge is not llm:
@@ -1036,14 +1116,24 @@ def read_source_rows(path):
     """GEO-Bench test rows (query, sources[].cleaned_text, sugg_idx) or simple rows (query, docs[, source_index])."""
     rows = []
     for n, o in geodef.read_jsonl(path):
-        if "sources" in o:
-            docs = [s.get("cleaned_text") or s.get("raw_text") or "" for s in o["sources"]]
-            urls = [s.get("url", "") for s in o["sources"]]
-            field = "sugg_idx"
-        elif "docs" in o:
-            docs = [d if isinstance(d, str) else d.get("text", "") for d in o["docs"]]
-            urls = [("" if isinstance(d, str) else d.get("url", "")) for d in o["docs"]]
-            field = "source_index"
+        if "sources" in o or "docs" in o:
+            key = "sources" if "sources" in o else "docs"
+            items = o[key]
+            if not isinstance(items, list):
+                raise geodef.BenchFormatError(f"{path}:{n}: {key}: expected a list, got {type(items).__name__}")
+            docs, urls = [], []
+            for i, d in enumerate(items):
+                if isinstance(d, dict):
+                    t = (d.get("cleaned_text") or d.get("raw_text")) if key == "sources" else d.get("text")
+                    t, u = ("" if t is None else t), d.get("url", "")
+                else:
+                    t, u = d, ""
+                if not isinstance(t, str) or not isinstance(u, str):
+                    raise geodef.BenchFormatError(f"{path}:{n}: {key}[{i}]: text and url must be strings")
+                geodef._unicode(t, path, n, f"{key}[{i}]")
+                docs.append(t)
+                urls.append(u)
+            field = "sugg_idx" if key == "sources" else "source_index"
         else:
             raise geodef.BenchFormatError(f"{path}:{n}: sources/docs: missing")
         if not isinstance(o.get("query"), str) or not o["query"].strip():
@@ -1110,10 +1200,17 @@ def build_bench(cfg, src_path, out_path, methods, n_docs=geodef.N_DOCS):
                                "docs": [{"doc_id": f"{r['group_id']}-{i}", "url": r["urls"][i] if i < len(r["urls"]) else "",
                                          "text": d} for i, d in enumerate(r["docs"])], "attacks": attacks},
                               ensure_ascii=False))
-    atomic_write(out_path, "\n".join(out) + "\n")
     for line, why in dropped:
         log(f"[build-bench] dropped {src_path}:{line}: {why}")
-    geodef.load_bench(out_path)
+    # written aside and validated before it replaces anything: a bad run never destroys an existing file
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    try:
+        atomic_write(tmp, "\n".join(out) + "\n")
+        geodef.load_bench(tmp)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     u = llm.usage()
     log(f"[build-bench] wrote {len(out) - 1} groups to {out_path}; dropped {len(dropped)}; usage {u}")
     return out_path
@@ -1756,8 +1853,14 @@ def cmd_serve(args, block=True):
         lora.load_adapter(rr.model, adapter)
     rr.model.eval()
     key = args.api_key or os.environ.get("GEODEF_API_KEY") or None
-    srv = deploy.RerankServer(rr, host=args.host, port=args.port, api_key=key, max_documents=args.max_documents,
-                              max_body_bytes=args.max_body_bytes, model_name=args.served_name or args.name or "geo-defender-shield")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"--port {args.port}: out of range 0..65535")
+    try:
+        srv = deploy.RerankServer(rr, host=args.host, port=args.port, api_key=key, max_documents=args.max_documents,
+                                  max_body_bytes=args.max_body_bytes,
+                                  model_name=args.served_name or args.name or "geo-defender-shield")
+    except OSError as e:
+        raise SystemExit(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
         log(f"[serve] WARNING: listening on {args.host} without an API key: anyone who can reach this port can use "
             "it (set GEODEF_API_KEY or --api-key)")
@@ -1842,7 +1945,10 @@ def resolve_config(args):
         where = os.path.join(given.get("runs_dir", Config.runs_dir), given.get("name", Config.name))
         old = read_json(os.path.join(where, "config.json"), {})
         if old.get("command") != "demo":
-            rec = {k: v for k, v in old.get("config", {}).items() if k in PINNED + ("base_url",) and k not in given}
+            rec = {k: v for k, v in old.get("config", {}).items() if k in PINNED + TAKEN and k not in given}
+            if "***@" in str(rec.get("base_url")):   # stored without its credentials: give --base-url again
+                log(f"[config] {where}/config.json: base_url was stored without its credentials; give --base-url again")
+                rec.pop("base_url")
             taken = {k: v for k, v in rec.items() if v != getattr(Config, k)}   # those that are not defaults
             if taken:
                 log(f"[config] from {where}/config.json: " + ", ".join(f"{k}={v!r}" for k, v in sorted(taken.items())))
@@ -1851,6 +1957,8 @@ def resolve_config(args):
     return Config(**kw)
 
 
+# settings taken over from a run's config.json when not given again (not pinned: eval records its own)
+TAKEN = ("base_url", "judge", "ppl_model", "ppl_quantile", "max_tokens", "n_boot", "workers", "rpm")
 # settings a finished step depends on: a rerun under the same --name must not change them
 PINNED = ("model", "revision", "bench", "n_construction", "seed", "seen_methods", "lora_r", "lora_alpha", "lora_dropout", "lr", "epochs",
           "grad_accum", "max_grad_norm", "beta", "lam_def", "lam_util", "lam_cons", "monitor_frac", "quant", "dtype",
@@ -1865,9 +1973,42 @@ def produced_anything(run_dir):
     """Whether any step has left a file in the run folder (adapter, checkpoint, library, caches,
     results) besides config.json itself."""
     for root, _, files in os.walk(run_dir):
-        if any(root != run_dir or not f.startswith("config.json") for f in files):
+        if any(root != run_dir or not (f.startswith("config.json") or f == LOCK) for f in files):
             return True
     return False
+
+
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def run_lock(run_dir):
+    """One writer per run folder: an exclusive lock on run_dir/.lock for the command's lifetime. The
+    operating system releases it when the process ends, however it ends, so a crashed command leaves
+    no stale lock. A second command on the same folder is refused at once, naming the holder."""
+    os.makedirs(run_dir, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:          # no flock (Windows): unlocked, as before
+        yield
+        return
+    path = os.path.join(run_dir, LOCK)
+    f = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise SystemExit(f"{run_dir}: in use by {holder}; wait for it to finish, or use another --name") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} ({' '.join(sys.argv[1:3])})")
+    f.flush()
+    try:
+        yield
+    finally:
+        f.close()                # closing releases the lock
 
 
 def record_config(cfg, command):
@@ -1877,13 +2018,19 @@ def record_config(cfg, command):
     path = os.path.join(cfg.run_dir, "config.json")
     old = read_json(path)
     new = dataclasses.asdict(cfg)
+    new["base_url"] = llm_clients.redact_url(cfg.base_url)          # credentials in a URL are not stored
+    digest = file_sha1(cfg.bench)
     if old and produced_anything(cfg.run_dir):
         changed = [k for k in PINNED if k in old.get("config", {}) and old["config"][k] != new[k]]
         if changed:
             raise SystemExit(f"{path}: this run was made with different {', '.join(changed)} "
                              "(" + ", ".join(f"{k}={old['config'][k]!r}" for k in changed) + "); use a new --name")
-    write_json(path, {"config": new, "command": command, "code_version": code_version(), "offline": cfg.offline,
-                      "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})
+        if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
+            raise SystemExit(f"{cfg.bench}: its content changed since this run used it (SHA-1 {old['bench_sha1'][:12]}, "
+                             f"now {digest[:12]}); the run's adapter, library and results belong to the old content. "
+                             "Restore the file, or use a new --name")
+    write_json(path, {"config": new, "bench_sha1": digest, "command": command, "code_version": code_version(),
+                      "offline": cfg.offline, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})
 
 
 def serve_offline_background(port=0):
@@ -1970,7 +2117,12 @@ def main(argv=None):
 
     if args.cmd == "serve-offline":
         import offline
-        srv = offline.make_server(args.port)
+        if not 0 <= args.port <= 65535:
+            raise SystemExit(f"--port {args.port}: out of range 0..65535")
+        try:
+            srv = offline.make_server(args.port)
+        except OSError as e:
+            raise SystemExit(f"--port {args.port}: cannot listen on 127.0.0.1:{args.port} ({e.strerror or e})") from None
         print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
         srv.serve_forever()
         return
@@ -1980,13 +2132,14 @@ def main(argv=None):
         return cmd_serve(args)
     if args.cmd == "compare":
         import report
-        runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+        runs = list(dict.fromkeys(os.path.normpath(r.strip()) for r in args.runs.split(",") if r.strip()))
+        names = [os.path.basename(r) for r in runs]
         summaries = {}
-        for r in runs:
+        for r, name in zip(runs, names):
             sm = read_json(os.path.join(r, "summary.json"))
             if sm is None:
                 raise SystemExit(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
-            summaries[os.path.basename(os.path.normpath(r))] = sm
+            summaries[r if names.count(name) > 1 else name] = sm   # two runs/x under different parents: both kept
         path = report.write_comparison(args.out, summaries)
         print(path)
         return path
@@ -2010,10 +2163,14 @@ def main(argv=None):
         print(json.dumps(res, indent=1))
         return res
     if args.cmd == "demo":
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise SystemExit(f"--out {args.out}: a file, not a folder")
         args.preset = args.preset or "tiny-demo"
         args.runs_dir = args.out
         args.name = args.name or "demo"
     cfg = resolve_config(args)
+    if args.cmd != "build-bench" and not os.path.isfile(cfg.bench):
+        raise SystemExit(f"--bench {cfg.bench}: {'a folder, not a file' if os.path.isdir(cfg.bench) else 'no such file'}")
     stage = getattr(args, "stage", "all")
     if args.cmd != "train" or stage in ("all", "tfsg"):
         check_llms(cfg)   # a missing key or bad spec fails now, not after hours of Shield training
@@ -2036,17 +2193,18 @@ def main(argv=None):
     if args.cmd == "demo" and cfg.llm == "offline":
         srv = serve_offline_background(0)    # the demo goes through real HTTP on loopback
         cfg.llm, cfg.base_url = "openai-compatible:offline-engine", f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    record_config(cfg, args.cmd)
     try:
-        if args.cmd in ("train", "demo"):
-            if stage in ("all", "shield"):
-                train_shield(cfg, resume=not getattr(args, "no_resume", False))
-            if stage in ("all", "tfsg"):
-                train_tfsg(cfg)
-        if args.cmd in ("eval", "demo"):
-            s = evaluate(cfg)
-            print_summary(s)
-            print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
+        with run_lock(cfg.run_dir):
+            record_config(cfg, args.cmd)
+            if args.cmd in ("train", "demo"):
+                if stage in ("all", "shield"):
+                    train_shield(cfg, resume=not getattr(args, "no_resume", False))
+                if stage in ("all", "tfsg"):
+                    train_tfsg(cfg)
+            if args.cmd in ("eval", "demo"):
+                s = evaluate(cfg)
+                print_summary(s)
+                print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
     finally:
         if srv:
             srv.shutdown()
@@ -2055,7 +2213,12 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (geodef.BenchFormatError, reranker.CheckpointError, FileNotFoundError, llm_clients.LLMError) as e:
+    except KeyboardInterrupt:
+        sys.exit("interrupted: rerun the same command to resume (finished steps and LLM replies are kept)")
+    except (geodef.BenchFormatError, reranker.CheckpointError, reranker.PromptLengthError, FileNotFoundError,
+            llm_clients.LLMError) as e:
         # each names its file (a missing one: not trained yet, a PPL model not downloadable offline, a
         # --transfer library), or the API and what it answered (rerun to resume)
         sys.exit(f"error: {e}")
+    except OSError as e:         # a read-only folder, a full disk, a port in use: the file or address and why
+        sys.exit(f"error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}")

@@ -1172,7 +1172,19 @@ def test_make_client_keys_and_fields(monkeypatch):
     monkeypatch.delenv("OPENAI_API_BASE", raising=False)
     c = llm_clients.make_client("openai:gpt-5.5")
     assert c.max_field == "max_completion_tokens" and c.base_url == "https://api.openai.com/v1"
-    assert llm_clients.make_client("openai:x", base_url="http://127.0.0.1:1/v1").max_field == "max_tokens"
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:1/v1")      # the provider's own variable: its key goes there
+    assert llm_clients.make_client("openai:x").max_field == "max_tokens"
+    monkeypatch.delenv("OPENAI_BASE_URL")
+    # a key goes only to the provider it belongs to: not to an arbitrary --base-url
+    with pytest.raises(ValueError, match="OPENAI_API_KEY.*goes only to api.openai.com.*openai-compatible"):
+        llm_clients.make_client("openai:x", base_url="http://evil.example/v1")
+    c = llm_clients.make_client("openai-compatible:m", base_url="http://user:pw@127.0.0.1:1/v1", max_retries=0)
+    assert c._key is None and "pw" not in repr(c)                       # OPENAI_API_KEY is not sent there
+    monkeypatch.setenv("OPENAI_COMPATIBLE_API_KEY", "ck")
+    assert llm_clients.make_client("openai-compatible:m", base_url="http://127.0.0.1:1/v1")._key == "ck"
+    with pytest.raises(llm_clients.LLMError) as e:
+        c.chat([{"role": "user", "content": "x"}])
+    assert "pw" not in str(e.value) and "***@127.0.0.1:1" in str(e.value)
     assert llm_clients.make_client("ollama:qwen3").base_url == "http://localhost:11434/v1"
     assert llm_clients.make_client("offline").chat([{"role": "user", "content": metrics.asi_prompt("q", "a b c d", "x")}],
                                                    json=True).data["attack_influence_score"] == 0
@@ -2072,7 +2084,7 @@ def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, unti
 def test_export_template_renders_the_prompt(tmp_path, tiny_dir):
     """The chat template written beside the weights renders exactly our prompt (Shield instruction as
     the default, or the one given), by the Jinja engine transformers uses."""
-    jinja2 = pytest.importorskip("jinja2")
+    pytest.importorskip("jinja2")
     from jinja2.sandbox import ImmutableSandboxedEnvironment        # as transformers renders chat templates
     t = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
         deploy.chat_template(reranker.SHIELD_INSTRUCTION))
@@ -2098,7 +2110,6 @@ def test_export_and_serve_commands_from_a_trained_run(demo_run, tmp_path):
 @pytest.fixture(scope="module")
 def shield_server(tmp_path_factory, tiny_dir):
     """The rerank server over the tiny model with a non-zero adapter, API key required."""
-    d = tmp_path_factory.mktemp("serve")
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     train_with_lora(rr, 3, 0.0)
     rr.model.eval()
@@ -2246,3 +2257,261 @@ def test_serve_concurrent_clients_get_their_own_scores(shield_server):
         for x in g["results"]:
             assert abs(x["relevance_score"] - float(torch.sigmoid(m[x["index"]]))) < 1e-6
     assert srv.batcher.batches - before < len(reqs)          # some requests shared a scoring call
+
+
+# ----------------------------------------------------------------------------- what a run folder promises
+
+
+def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
+    """The benchmark's content is pinned with the run: the same path with other content is refused
+    once the run has produced something (its results belong to the old content)."""
+    bench = tmp_path / "b.jsonl"
+    shutil.copy(small_bench, bench)
+    cfg = run.Config(name="e", runs_dir=str(tmp_path), bench=str(bench))
+    run.record_config(cfg, "train")
+    rec = json.load(open(tmp_path / "e" / "config.json"))
+    assert rec["bench_sha1"] == run.file_sha1(str(bench))
+    run.record_config(cfg, "eval")                               # unchanged: fine
+    (tmp_path / "e" / "results").mkdir()
+    (tmp_path / "e" / "results" / "x.jsonl").write_text("{}\n")
+    bench.write_text(bench.read_text().replace("boil", "cook", 1))
+    with pytest.raises(SystemExit, match=r"b.jsonl: its content changed since this run used it \(SHA-1 [0-9a-f]{12}, now"):
+        run.record_config(cfg, "eval")
+
+
+def test_one_writer_per_run_folder(tmp_path, small_bench):
+    """A second command on a run folder in use is refused at once, naming the holder; the lock dies
+    with its process (no stale lock after a crash)."""
+    d = tmp_path / "r"
+    code = ("import sys, run\ntry:\n    with run.run_lock(sys.argv[1]):\n        print('got it')\n"
+            "except SystemExit as e:\n    print(e)\n")
+    with run.run_lock(str(d)):
+        out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
+        assert "in use by pid" in out and "use another --name" in out
+        # a real command on the same folder: refused before it writes anything
+        p = subprocess.run([sys.executable, "run.py", "demo", "--out", str(tmp_path), "--name", "r", "--bench", small_bench,
+                            "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3"],
+                           capture_output=True, text=True, cwd=HERE)
+        assert p.returncode != 0 and "in use by pid" in p.stderr and "Traceback" not in p.stderr
+        assert not os.path.exists(d / "config.json")
+    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
+    killed = subprocess.Popen([sys.executable, "-c", "import run, time, sys\nwith run.run_lock(sys.argv[1]):\n"
+                               "    print('held', flush=True); time.sleep(60)", str(d)], stdout=subprocess.PIPE, text=True, cwd=HERE)
+    assert killed.stdout.readline().strip() == "held"
+    killed.kill()
+    killed.wait()
+    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
+
+
+def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
+    c = json.load(open(demo_run / "config.json"))["config"]
+    cfg = lambda t: run.Config(**{**c, "runs_dir": str(demo_run.parent), "transfer": t})
+    for content, msg in [('{"a": 1}', "rules: an experience library is a JSON object"), ("not json", "not a JSON library"),
+                         ('{"rules": [{"rule_id": "R1"}]}', "not a valid library"), ("[]", "rules:")]:
+        p = tmp_path / "lib.json"
+        p.write_text(content)
+        with pytest.raises(SystemExit, match=f"--transfer x: .*{msg}"):
+            run.transfer_items(cfg(f"x={p}"))
+    assert run.transfer_items(cfg(f"x={demo_run / 'library' / 'E4.json'}"))[0][0] == "x"
+
+
+def test_failed_eval_records_no_settings(demo_run, tmp_path):
+    """An eval whose judge cannot be reached records no judge in results/settings.json, so the next
+    plain eval is not refused for records that do not exist."""
+    for d in ("_tiny_qwen3", "_tiny_gpt2"):
+        shutil.copytree(demo_run.parent / d, tmp_path / d)
+    for d in ("adapter", "library"):
+        shutil.copytree(demo_run / d, tmp_path / "f" / d)
+    c = json.load(open(demo_run / "config.json"))["config"]
+    c.update(name="f", runs_dir=str(tmp_path), max_test_groups=1, conditions="Non-Defense", llm="offline", base_url=None)
+    with pytest.raises(llm_clients.LLMError, match="ConnectionError on http://127.0.0.1:9/v1"):
+        run.evaluate(run.Config(**{**c, "judge": "openai-compatible:gone", "base_url": "http://127.0.0.1:9/v1"}))
+    # the clean reference's records were written (no judge call: the attack is not in them): the
+    # token cap is recorded, the judge that never scored a record is not
+    assert json.load(open(tmp_path / "f" / "results" / "settings.json")) == {"max_tokens": c["max_tokens"]}
+    s = run.evaluate(run.Config(**c))
+    assert s["judge"] == "offline:offline-engine" and json.load(open(tmp_path / "f" / "results" / "settings.json"))["judge"] == "offline"
+
+
+def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    fixed = len(rr.prefix_ids) + len(rr.suffix_ids)
+    with pytest.raises(reranker.PromptLengthError, match="leaves no room"):
+        reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, max_length=fixed)
+    rr.max_length = fixed + 20                            # the instruction alone is longer than 20 tokens
+    with pytest.raises(reranker.PromptLengthError, match="leaves the document no tokens"):
+        rr.tokenize("a query", ["a document " * 50])
+    rr.max_length = 300
+    assert rr.overflow("q", ["short", "long " * 500, "long " * 400]) == 2 and len(rr.tokenize("q", ["long " * 500])[0]) == 300
+    with pytest.raises(SystemExit, match="--k 10"):
+        run.Config(k=10)
+    for name in ("../x", "", ".hidden", "a/b"):
+        with pytest.raises(SystemExit, match="a run name is"):
+            run.Config(name=name)
+    g = good_group()
+    g["docs"][4]["doc_id"] = "g1-2#A"                     # would count as the attack's citation
+    with pytest.raises(geodef.BenchFormatError, match=r":1: docs\[4\].doc_id: 'g1-2#A': '#' is reserved"):
+        geodef.load_bench(write_lines(tmp_path, [g], "hash.jsonl"))
+    p = tmp_path / "sur.jsonl"
+    g = good_group()
+    p.write_text(json.dumps(g).replace("doc g1 3 text", "doc \\ud800 3"), encoding="utf-8")
+    with pytest.raises(geodef.BenchFormatError, match=r"docs\[3\].text: not valid Unicode text"):
+        geodef.load_bench(str(p))
+
+
+def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
+    s = {"target_llm": "x:A", "notes": [], "conditions": {k: {"ASR": 1.0, "ASI": 1.0, "BER": 1.0} for k in run.CONDITIONS}}
+    for parent in ("p", "q"):
+        os.makedirs(tmp_path / parent / "x")
+        run.write_json(str(tmp_path / parent / "x" / "summary.json"), {**s, "target_llm": f"{parent}:A"})
+    path = run.main(["compare", "--runs", f"{tmp_path / 'p' / 'x'},{tmp_path / 'q' / 'x'}", "--out", str(tmp_path / "c")])
+    text = open(path).read()
+    assert "| p:A |" in text and "| q:A |" in text
+
+
+def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
+    run.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
+        "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
+    cfg = run.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="t", runs_dir=str(tmp_path)))
+    assert (cfg.ppl_model, cfg.judge, cfg.base_url) == ("tiny", "offline", None)   # credentials were never stored
+    run.record_config(dataclasses.replace(cfg, base_url="http://user:pw@host/v1", bench=SAMPLE), "eval")
+    assert json.load(open(tmp_path / "t" / "config.json"))["config"]["base_url"] == "http://***@host/v1"
+
+
+def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
+    out = tmp_path / "bench.jsonl"
+    out.write_text("precious\n")
+    src = write_lines(tmp_path, [{"query": "q", "docs": ["only one"]}], "src.jsonl")
+    cfg = run.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server)
+    with pytest.raises(geodef.BenchFormatError, match="no query groups"):
+        run.build_bench(cfg, src, str(out), ["authoritative"])
+    assert out.read_text() == "precious\n" and [f for f in os.listdir(tmp_path) if ".tmp" in f] == []
+    for rows, msg in [([{"query": "q", "docs": [1, 2]}], r"docs\[0\]: text and url must be strings"),
+                      ([{"query": "q", "sources": "x"}], "sources: expected a list"),
+                      ([{"query": "q", "docs": ["a\ud800"]}], r"docs\[0\]: not valid Unicode")]:
+        p = tmp_path / "rows.jsonl"
+        p.write_text("\n".join(json.dumps(r) for r in rows))
+        with pytest.raises(geodef.BenchFormatError, match=msg):
+            run.read_source_rows(str(p))
+
+
+def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
+    """A kill while a checkpoint is written leaves the previous one whole: the resumed run trains to
+    the same adapter as an uninterrupted one."""
+    from safetensors.torch import load_file
+    kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
+              epochs=2, grad_accum=2, save_every=2)
+    run.train_shield(run.Config(name="full", **kw))
+    real, n = os.replace, {"k": 0}
+
+    def dying(a, b):
+        if str(b).endswith("state.safetensors"):
+            n["k"] += 1
+            if n["k"] == 2:                                       # the second checkpoint: killed mid-write
+                raise KeyboardInterrupt
+        return real(a, b)
+    monkeypatch.setattr(run.os, "replace", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run.train_shield(run.Config(name="cut", **kw))
+    monkeypatch.setattr(run.os, "replace", real)
+    assert os.listdir(tmp_path / "cut" / "checkpoint") == ["state.safetensors"] or \
+        "state.safetensors" in os.listdir(tmp_path / "cut" / "checkpoint")
+    run.train_shield(run.Config(name="cut", **kw))
+    a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_cancels_queued_llm_requests(server):
+    """After Ctrl-C, requests not yet started are cancelled (those in flight finish), instead of the
+    pool sending every queued request first."""
+    import _thread
+    Script.script = [(200, {}, ok("x"), 0.3) for _ in range(40)]
+    c = llm_clients.Client(server, "m", max_retries=0)
+    threading.Timer(0.45, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        c.map([{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(40)], workers=2, progress=False)
+    assert time.monotonic() - t0 < 2
+    time.sleep(0.8)
+    assert len(Script.seen) <= 6                          # ~2 rounds of 2 before the interrupt, 2 in flight
+
+
+def test_secrets_masked_before_cut_and_no_temp_files_on_full_disk(server, tmp_path, monkeypatch):
+    key = "sk-" + "A1b2C3d4" * 6
+    Script.script = [(400, {}, {"error": {"message": "x" * 270 + key}}, 0)]   # the key straddles character 300
+    c = llm_clients.Client(server, "m", api_key=key, max_retries=0, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(llm_clients.LLMError) as e:
+        c.chat([{"role": "user", "content": "hi"}])
+    assert key[:6] not in str(e.value).replace("sk-***", "") and "***" in str(e.value)
+    real = json.dump
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(llm_clients.json, "dump", full)
+    Script.script = [(200, {}, ok("fine"), 0)]
+    with pytest.raises(OSError, match="No space"):
+        c.chat([{"role": "user", "content": "hello"}])
+    monkeypatch.setattr(llm_clients.json, "dump", real)
+    assert [f for r, _, fs in os.walk(tmp_path / "c") for f in fs] == []
+
+
+def test_bad_flags_and_files_are_sentences_not_tracebacks(tmp_path, small_bench):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    prices = tmp_path / "prices.json"
+    prices.write_text("{bad")
+    common = ["--runs-dir", str(tmp_path), "--name", "t", "--model", "tiny"]
+    cases = [(["demo", "--out", str(f)], "a file, not a folder"),
+             (["train", "--bench", str(tmp_path)] + common, "a folder, not a file"),
+             (["train", "--device", "foo"] + common, "--device 'foo': not a torch device"),
+             (["train", "--llm", "foo:bar", "--bench", small_bench] + common, "unknown provider 'foo'"),
+             (["train", "--llm", "openai", "--bench", small_bench] + common, "give provider:model"),
+             (["train", "--llm", "openai-compatible:m", "--bench", small_bench] + common, "needs base_url"),
+             (["train", "--prices", str(prices), "--bench", small_bench] + common, "not JSON"),
+             (["train", "--prices", str(tmp_path / "none.json"), "--bench", small_bench] + common, "no such file"),
+             (["serve-offline", "--port", "70000"], "out of range")]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit, match=msg):
+            run.main(argv)
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        p = subprocess.run([sys.executable, "run.py", "serve-offline", "--port", str(s.getsockname()[1])],
+                           capture_output=True, text=True, cwd=HERE, timeout=60)
+        assert p.returncode != 0 and "cannot listen" in p.stderr and "Traceback" not in p.stderr
+    finally:
+        s.close()
+
+
+def test_offline_server_answers_every_hostile_request():
+    """serve-offline answers bodies of the wrong shape with 4xx JSON, and a client that promises more
+    body than it sends is dropped after the socket timeout; the server keeps answering."""
+    import requests
+    srv = offline.make_server(0)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/v1/chat/completions"
+    try:
+        for body in (b"[1]", b'"s"', b'{"messages": 3}', b'{"messages": [{"role": "user", "content": ["a"]}]}',
+                     b'{"messages": [{"role": "user", "content": null}]}', b"[" * 100000 + b"]" * 100000, b"\xff"):
+            r = requests.post(url, data=body, timeout=10)
+            assert r.status_code == 400 and "error" in r.json(), body[:40]
+        for head in (b"Content-Length: -1\r\n", b""):
+            status, _ = _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+            assert status == 400
+        old = offline._Handler.timeout
+        offline._Handler.timeout = 1
+        try:
+            t0 = time.monotonic()
+            _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{", timeout=5)
+            assert time.monotonic() - t0 < 4
+        finally:
+            offline._Handler.timeout = old
+        ok_ = requests.post(url, json={"messages": [{"role": "user", "content": metrics.asi_prompt("q", "a b c", "x")}]},
+                            timeout=10)
+        assert ok_.status_code == 200
+    finally:
+        srv.shutdown()

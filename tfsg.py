@@ -112,6 +112,33 @@ class ExperienceLibrary:
         return next((r for r in self.rules if r["rule_id"] == rule_id), None)
 
 
+class LibraryError(ValueError):
+    """A library file that is not a valid experience library: names the file and what is wrong."""
+
+
+def load_library(path, limits=LIMITS):
+    """Read and validate a library file (E{t}.json as `build_library` writes it) -> ExperienceLibrary.
+    A JSON object with a `rules` list whose every rule passes the Controller's checks (`check_library`);
+    anything else raises LibraryError naming the file. Rule sizes are checked against `limits`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise LibraryError(f"{path}: not a JSON library file ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("rules"), list):
+        raise LibraryError(f"{path}: rules: an experience library is a JSON object with a list of rules")
+    if not all(isinstance(r, dict) for r in d["rules"]):
+        raise LibraryError(f"{path}: rules: every rule must be an object")
+    for k, typ in (("library_version", int), ("next_id", int), ("task_frame", str)):
+        if k in d and (not isinstance(d[k], typ) or isinstance(d[k], bool)):
+            raise LibraryError(f"{path}: {k}: expected {typ.__name__}")
+    lib = ExperienceLibrary.from_dict(d)
+    problems = check_library(lib, limits=limits)
+    if problems:
+        raise LibraryError(f"{path}: not a valid library: {'; '.join(problems[:3])}")
+    return lib
+
+
 def new_stats():
     return {"invocations": 0, "in_success": 0, "in_failure": 0}
 
