@@ -22,54 +22,169 @@ def _table(header, rows):
     return "\n".join(out)
 
 
+# ----------------------------------------------------------------------------- SVG figures
+# Plain-string SVG. Text width is estimated (CHAR_W x font size per character, generous for the
+# sans-serif fonts browsers use), and every label is placed from that estimate: wrapped to the room
+# it has, never outside the canvas, never over another label (test_geodef.py checks both).
+
+CHAR_W = 0.62
+COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"]
+
+
+def text_width(s, size=11):
+    return CHAR_W * size * len(s)
+
+
+def wrap(label, width, size=11):
+    """Words of `label` in lines no wider than `width` px (a word longer than that is cut at the
+    underscore or hyphen nearest its middle, else hard)."""
+    per = max(4, int(width // (CHAR_W * size)))
+    words = []
+    for w in label.replace("_", "_ ").replace("-", "- ").split():
+        while len(w) > per:
+            words.append(w[:per])
+            w = w[per:]
+        words.append(w)
+    lines, cur = [], ""
+    for w in words:
+        join = cur + ("" if cur.endswith(("_", "-")) or not cur else " ") + w
+        if cur and len(join) > per:
+            lines.append(cur.rstrip())
+            cur = w
+        else:
+            cur = join
+    return lines + ([cur.rstrip()] if cur else [])
+
+
+def nice_ticks(lo, hi, n=5):
+    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 x 10^k)."""
+    import math
+    span = max(hi - lo, 1e-9)
+    raw = span / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.floor(lo / step) * step
+    ticks, v = [], first
+    while v < hi + step * 1e-6:
+        ticks.append(round(v, 10))
+        v += step
+    if ticks[-1] < hi:
+        ticks.append(round(ticks[-1] + step, 10))
+    return ticks
+
+
+def _svg(W, H, body):
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+            f'font-family="sans-serif" font-size="11">\n<rect width="{W}" height="{H}" fill="white"/>\n'
+            + "\n".join(body) + "\n</svg>")
+
+
+def _text(x, y, s, anchor="middle", size=11, extra=""):
+    return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" font-size="{size}"{extra}>{html.escape(s)}</text>'
+
+
+def _legend(series, W, y, markers=False):
+    """Legend rows inside the canvas, under the title: as many entries per row as fit. -> (svg, height)."""
+    out, x, row_h = [], 60.0, 16
+    for si, s in enumerate(series):
+        w = 18 + text_width(s) + 16
+        if x + w > W - 10 and x > 60:
+            x, y = 60.0, y + row_h
+        c = COLORS[si % len(COLORS)]
+        if markers:
+            out.append(f'<line x1="{x:.1f}" y1="{y - 4:.1f}" x2="{x + 14:.1f}" y2="{y - 4:.1f}" stroke="{c}" stroke-width="2"/>'
+                       f'<circle cx="{x + 7:.1f}" cy="{y - 4:.1f}" r="3" fill="{c}"/>')
+        else:
+            out.append(f'<rect x="{x:.1f}" y="{y - 10:.1f}" width="12" height="12" fill="{c}"/>')
+        out.append(_text(x + 18, y, s, anchor="start"))
+        x += w
+    return out, y
+
+
+def _y_axis(lo, hi, left, top, plot_h, plot_w, unit):
+    """Gridlines, ticks and tick labels for [lo, hi] -> (svg, y(v) mapping)."""
+    ticks = nice_ticks(lo, hi)
+    lo, hi = min(ticks[0], lo), max(ticks[-1], hi)
+    y = lambda v: top + plot_h * (hi - v) / (hi - lo)
+    out = []
+    for tv in ticks:
+        out.append(f'<line x1="{left}" y1="{y(tv):.1f}" x2="{left + plot_w}" y2="{y(tv):.1f}" stroke="#ddd"/>')
+        out.append(_text(left - 6, y(tv) + 4, f"{tv:g}", anchor="end"))
+    out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#333"/>')
+    out.append(_text(14, top + plot_h / 2, unit, extra=f' transform="rotate(-90 14 {top + plot_h / 2:.1f})"'))
+    return out, y
+
+
 def svg_bars(title, groups, series, values, ylabel="%", dashed=()):
-    """Grouped bars: groups on x, one bar per series; values[(group, series)] -> float."""
-    W, H, left, top, bottom = 760, 340, 50, 30, 70
-    colors = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377"]
-    vmax = max([v for v in values.values() if v == v] + [1.0])
-    gw = (W - left - 20) / max(1, len(groups))
+    """Grouped bars: groups on x, one bar per series; values[(group, series)] -> float (NaN: no bar).
+    Negative values go below the zero line; value labels when the bars are few (<= 12)."""
+    W = max(640, 110 * len(groups) + 80)
+    left, right = 60, 20
+    plot_w = W - left - right
+    gw = plot_w / max(1, len(groups))
+    labels = {g: wrap(g, gw - 8) + (["(unseen)"] if g in dashed else []) for g in groups}
+    n_lines = max([len(v) for v in labels.values()] + [1])
+    legend, ly = _legend(series, W, 44)
+    top = ly + 22
+    plot_h = 230
+    H = top + plot_h + 14 * n_lines + 24
+    vals = [v for v in values.values() if v == v]
+    lo, hi = min(vals + [0.0]), max(vals + [1.0])
+    body = [_text(W / 2, 20, title, size=13)] + legend
+    axis, y = _y_axis(lo, hi, left, top, plot_h, plot_w, ylabel)
+    body += axis
     bw = gw * 0.8 / max(1, len(series))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-             f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
-             f'<line x1="{left}" y1="{H - bottom}" x2="{W - 10}" y2="{H - bottom}" stroke="#333"/>',
-             f'<text x="12" y="{top + 10}">{html.escape(ylabel)}</text>']
+    few = len(groups) * len(series) <= 12
     for gi, g in enumerate(groups):
         x0 = left + gi * gw + gw * 0.1
         for si, s in enumerate(series):
-            v = values.get((g, s), 0.0)
-            v = 0.0 if v != v else v
-            h = (H - top - bottom) * max(0.0, v) / vmax      # a negative value: no bar (its tooltip and table say it)
+            v = values.get((g, s), float("nan"))
+            if v != v:
+                continue
+            y0, y1 = sorted((y(0.0), y(v)))
             dash = ' stroke="#000" stroke-dasharray="3,2"' if g in dashed else ""
-            parts.append(f'<rect x="{x0 + si * bw:.1f}" y="{H - bottom - h:.1f}" width="{bw - 1:.1f}" height="{h:.1f}" '
-                         f'fill="{colors[si % len(colors)]}"{dash}><title>{html.escape(f"{g} / {s}: {v:.2f}")}</title></rect>')
-        parts.append(f'<text x="{x0 + gw * 0.4:.1f}" y="{H - bottom + 14}" text-anchor="middle">'
-                     f'{html.escape(g[:18])}{" (unseen)" if g in dashed else ""}</text>')
-    for si, s in enumerate(series):
-        parts.append(f'<rect x="{left + si * 130}" y="{H - 22}" width="10" height="10" fill="{colors[si % len(colors)]}"/>'
-                     f'<text x="{left + si * 130 + 14}" y="{H - 13}">{html.escape(s)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+            body.append(f'<rect x="{x0 + si * bw:.1f}" y="{y0:.1f}" width="{max(bw - 1, 1):.1f}" height="{y1 - y0:.1f}" '
+                        f'fill="{COLORS[si % len(COLORS)]}"{dash}><title>{html.escape(f"{g} / {s}: {v:.2f}")}</title></rect>')
+            if few:
+                body.append(_text(x0 + si * bw + bw / 2, (y(v) - 4) if v >= 0 else (y(v) + 12), f"{v:.1f}", size=10))
+        for li, line in enumerate(labels[g]):
+            body.append(_text(left + gi * gw + gw / 2, top + plot_h + 16 + 14 * li, line))
+    body.append(f'<line x1="{left}" y1="{y(0.0):.1f}" x2="{left + plot_w}" y2="{y(0.0):.1f}" stroke="#333"/>')
+    return _svg(W, H, body)
 
 
-def svg_lines(title, xs, series):
-    """Line chart: series name -> list of y over xs."""
-    W, H, left, top, bottom = 560, 300, 50, 30, 60
-    colors = ["#4477aa", "#ee6677", "#228833"]
+def svg_lines(title, xs, series, ylabel="%"):
+    """Line chart with markers and value labels: series name -> list of y over xs."""
+    W, left, right = 600, 60, 30
+    plot_w = W - left - right
+    legend, ly = _legend(list(series), W, 44, markers=True)
+    top, plot_h = ly + 22, 230
+    H = top + plot_h + 40
     ys = [v for s in series.values() for v in s if v == v]
-    vmax = max(ys + [1.0])
-    step = (W - left - 30) / max(1, len(xs) - 1)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-             f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
-             f'<line x1="{left}" y1="{H - bottom}" x2="{W - 20}" y2="{H - bottom}" stroke="#333"/>']
+    axis, y = _y_axis(min(ys + [0.0]), max(ys + [1.0]), left, top, plot_h, plot_w, ylabel)
+    step = plot_w / max(1, len(xs))
+    xpos = lambda i: left + step * (i + 0.5)
+    body = [_text(W / 2, 20, title, size=13)] + legend + axis
     for i, x in enumerate(xs):
-        parts.append(f'<text x="{left + i * step:.1f}" y="{H - bottom + 14}" text-anchor="middle">{html.escape(x)}</text>')
+        body.append(_text(xpos(i), top + plot_h + 16, x))
+    labels = {}                                     # x index -> [(baseline y, text, colour)]
     for si, (name, vals) in enumerate(series.items()):
-        pts = " ".join(f"{left + i * step:.1f},{H - bottom - (H - top - bottom) * (v if v == v else 0) / vmax:.1f}"
-                       for i, v in enumerate(vals))
-        parts.append(f'<polyline points="{pts}" fill="none" stroke="{colors[si % 3]}" stroke-width="2"/>')
-        parts.append(f'<text x="{left + si * 120}" y="{H - 15}" fill="{colors[si % 3]}">{html.escape(name)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+        c = COLORS[si % len(COLORS)]
+        pts = [(i, xpos(i), y(v), v) for i, v in enumerate(vals) if v == v]
+        body.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for _, a, b, _ in pts)}" fill="none" stroke="{c}" '
+                    'stroke-width="2"/>')
+        for i, a, b, v in pts:
+            body.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3.5" fill="{c}"><title>{html.escape(f"{name}: {v:.2f}")}</title></circle>')
+            labels.setdefault(i, []).append((b - 7, f"{v:.1f}", c))
+    for i, items in labels.items():                 # value labels above their points, pushed apart when close
+        items.sort()
+        for k in range(1, len(items)):
+            if items[k][0] - items[k - 1][0] < 12:
+                items[k] = (items[k - 1][0] + 12,) + items[k][1:]
+        for b, s, c in items:
+            body.append(_text(xpos(i), b, s, size=10, extra=f' fill="{c}"'))
+    body.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#333"/>')
+    return _svg(W, H, body)
 
 
 def write_report(run_dir, s):
@@ -176,25 +291,26 @@ def write_report(run_dir, s):
 
 
 def svg_heatmap(title, rows, cols, values):
-    """values[(row, col)] -> float or None; darker = higher."""
-    cw, ch, left, top = 90, 26, 150, 60
-    W, H = left + cw * len(cols) + 20, top + ch * len(rows) + 20
+    """values[(row, col)] -> float or None; darker = higher; each cell labelled with its value."""
+    cw = max(90, max(text_width(c) for c in cols) + 12)
+    left = max(150, max(text_width(r) for r in rows) + 20)
+    ch, top = 26, 60
+    W, H = int(left + cw * len(cols) + 20), top + ch * len(rows) + 20
+    W = max(W, int(text_width(title, 13)) + 20)
     vals = [v for v in values.values() if v is not None and v == v]
     lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-             f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="13">{html.escape(title)}</text>']
+    body = [_text(W / 2, 20, title, size=13)]
     for j, c in enumerate(cols):
-        parts.append(f'<text x="{left + j * cw + cw / 2}" y="{top - 8}" text-anchor="middle">{html.escape(c[:14])}</text>')
+        body.append(_text(left + j * cw + cw / 2, top - 8, c))
     for i, rname in enumerate(rows):
-        parts.append(f'<text x="{left - 6}" y="{top + i * ch + 17}" text-anchor="end">{html.escape(rname[:22])}</text>')
+        body.append(_text(left - 6, top + i * ch + 17, rname, anchor="end"))
         for j, c in enumerate(cols):
             v = values.get((rname, c))
             t = 0.0 if v is None or hi == lo else (v - lo) / (hi - lo)
             fill = "#eee" if v is None else f"rgb({int(255 - 170 * t)},{int(255 - 120 * t)},255)"
-            parts.append(f'<rect x="{left + j * cw}" y="{top + i * ch}" width="{cw - 2}" height="{ch - 2}" fill="{fill}"/>'
-                         f'<text x="{left + j * cw + cw / 2}" y="{top + i * ch + 17}" text-anchor="middle">{_f(v)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+            body.append(f'<rect x="{left + j * cw}" y="{top + i * ch}" width="{cw - 2}" height="{ch - 2}" fill="{fill}"/>')
+            body.append(_text(left + j * cw + cw / 2, top + i * ch + 17, _f(v)))
+    return _svg(W, H, body)
 
 
 def write_comparison(out_dir, summaries):

@@ -19,15 +19,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+import bench
+import build_bench
+import deploy
+import evaluation
 import geodef
 import gpt2
 import llm_clients
 import lora
 import metrics
 import offline
+import report
 import reranker
 import run
+import runs
 import tfsg
+import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAMPLE = os.path.join(HERE, "data", "geo_defensebench_sample.jsonl")
@@ -317,7 +324,7 @@ def test_batch_invariance_and_order(tiny_dir):
 
 
 def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
-    """`bench`'s zero-overhead floor (run.gemm_floor) runs exactly the frozen projections' GEMMs of one
+    """`bench`'s zero-overhead floor (bench.gemm_floor) runs exactly the frozen projections' GEMMs of one
     scoring call: per micro-batch, every layer's seven on all N rows, except the last layer's q, o and
     MLP on the S final tokens only; the same with LoRA added (its base weights, not A and B), where
     every input but layer 0's q/k/v one (the frozen embedding, normed) needs its gradient. The
@@ -340,7 +347,7 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
         if with_lora:
             lora.add_lora(rr.model)
             rr.model.train()
-        floor = run.gemm_floor(rr, ids, grad=with_lora)
+        floor = bench.gemm_floor(rr, ids, grad=with_lora)
         got, want = floor.gemms, expected()
         assert [n for _, n, _ in got] == [n for _, n in want]
         assert all(w is v for (w, _, _), (v, _) in zip(got, want))
@@ -348,9 +355,9 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
         needs = [i % per_batch >= 3 for i in range(len(got))] if with_lora else [False] * len(got)
         assert [d for _, _, d in got] == needs
         floor()
-    # the training floor with LoRA's matmuls and the attention (run.matmul_floor): one LoRA call per
+    # the training floor with LoRA's matmuls and the attention (bench.matmul_floor): one LoRA call per
     # projection GEMM (same rows, same dx needs), one packed attention per layer but the last
-    full = run.matmul_floor(rr, ids)
+    full = bench.matmul_floor(rr, ids)
     assert [(m.base.weight, n, d) for m, n, d in full.loras] == [(w, n, d) for w, n, d in got]
     cfg = rr.model.cfg
     assert full.attentions == [(N, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, lens, 0)
@@ -360,9 +367,9 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
     assert set(full.parts) == {"gemm", "lora", "attention"}
     # exact causal attention FLOPs: 14 H E per visible (query, key) pair, T(T+1)/2 pairs per sequence
     pairs = sum(T * (T + 1) // 2 for T in (40, 30, 20, 10)) * (len(rr.model.layers) - 1)
-    assert run.attention_flops(full.attentions) == 14 * cfg.num_attention_heads * cfg.head_dim * pairs
+    assert bench.attention_flops(full.attentions) == 14 * cfg.num_attention_heads * cfg.head_dim * pairs
     # with a shared prefix of P rows, the prefix's queries count once (in sequence 0)
-    assert run.attention_flops([(9, 1, 1, 1, [3, 2], 4)]) == 14 * (sum(range(1, 8)) + 6 + 5)
+    assert bench.attention_flops([(9, 1, 1, 1, [3, 2], 4)]) == 14 * (sum(range(1, 8)) + 6 + 5)
 
 
 def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
@@ -873,10 +880,10 @@ def test_seen_methods_are_never_guessed(tmp_path):
     paper = [{**good_group(f"g{i}"), "attacks": {m: f"{m} rewrite {i}" for m in geodef.PAPER_METHODS}} for i in range(3)]
     meta = geodef.load_bench(write_lines(tmp_path, paper, "paper.jsonl"), with_meta=True)[1]
     assert geodef.seen_methods(meta) == (["AgenticGEO", "AutoGEO", "MAGEO"], "the paper's seen methods")
-    cfg = run.Config(name="s", runs_dir=str(tmp_path), bench=p, n_construction=1)
+    cfg = runs.Config(name="s", runs_dir=str(tmp_path), bench=p, n_construction=1)
     with pytest.raises(geodef.BenchFormatError, match="--seen-methods"):
-        run.load_data(cfg)
-    assert run.load_data(dataclasses.replace(cfg, seen_methods="B"))[4] == ["B"]
+        runs.load_data(cfg)
+    assert runs.load_data(dataclasses.replace(cfg, seen_methods="B"))[4] == ["B"]
     with pytest.raises(geodef.BenchFormatError, match=r"seen_methods: \['A'\] listed more than once"):
         geodef.load_bench(write_lines(tmp_path, [{"_meta": {"seen_methods": ["A", "A"]}}, good_group()], "d.jsonl"))
 
@@ -1198,7 +1205,8 @@ def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
     loads; out-of-range flags are named up front."""
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
     loaded = []
-    monkeypatch.setattr(run, "load_reranker", lambda cfg: loaded.append(cfg) or pytest.fail("model loaded"))
+    for module in (runs, train):
+        monkeypatch.setattr(module, "load_reranker", lambda cfg: loaded.append(cfg) or pytest.fail("model loaded"))
     for argv in (["train", "--llm", "deepseek:deepseek-chat"], ["train", "--judge", "deepseek:deepseek-chat"],
                  ["eval", "--llm", "offline", "--analyzer", "deepseek:deepseek-chat"]):
         with pytest.raises(llm_clients.LLMError, match="DEEPSEEK_API_KEY"):
@@ -1219,10 +1227,10 @@ def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--epochs 0.*--quant 'nf8'"):
         run.main(["train", "--epochs", "0", "--quant", "nf8", "--model", "tiny", "--runs-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--lora-dropout 1.0"):
-        run.Config(lora_dropout=1.0)
+        runs.Config(lora_dropout=1.0)
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--device cuda: no CUDA device"):
-            run.Config(device="cuda")
+            runs.Config(device="cuda")
 
 
 def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
@@ -1309,8 +1317,8 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     # a start that failed before producing anything (here: a hub model that cannot be fetched offline)
     # pins nothing: rerunning with a different --model, as the error suggests, is not refused
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: run.load_reranker(cfg) and   # then a file,
-                        run.write_json(os.path.join(cfg.run_dir, "checkpoint", "state.json"), {}))  # as training leaves
+    monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: runs.load_reranker(cfg) and   # then a file,
+                        runs.write_json(os.path.join(cfg.run_dir, "checkpoint", "state.json"), {}))  # as training leaves
     with pytest.raises(reranker.CheckpointError, match="--model tiny"):
         run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
     assert (tmp_path / "z" / "config.json").exists()
@@ -1318,12 +1326,12 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     with pytest.raises(SystemExit, match="different model"):  # now the run has produced files: pinned
         run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
     # a demo's record (its LLM a loopback server gone with the demo) is not taken over
-    run.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
+    runs.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
                                                           "command": "demo"})
-    assert run.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d", runs_dir=str(tmp_path))).llm == "offline"
+    assert runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d", runs_dir=str(tmp_path))).llm == "offline"
     # the paper preset is Table A.1, its 4-bit base included; the plain defaults keep bf16
-    paper = run.resolve_config(argparse.Namespace(cmd="train", preset="paper", name="p", runs_dir=str(tmp_path)))
-    plain = run.resolve_config(argparse.Namespace(cmd="train", preset=None, name="p", runs_dir=str(tmp_path)))
+    paper = runs.resolve_config(argparse.Namespace(cmd="train", preset="paper", name="p", runs_dir=str(tmp_path)))
+    plain = runs.resolve_config(argparse.Namespace(cmd="train", preset=None, name="p", runs_dir=str(tmp_path)))
     assert (paper.quant, plain.quant) == ("nf4", "none")
     assert (paper.lora_r, paper.lora_alpha, paper.lora_dropout, paper.lr, paper.grad_accum, paper.beta, paper.lam_def,
             paper.lam_util, paper.lam_cons, paper.monitor_frac) == (16, 32, 0.05, 1e-4, 8, 0.1, 1.1, 0.9, 0.15, 0.2)
@@ -1429,9 +1437,9 @@ def test_controller_limits_are_settings():
             "trace": {"answer": "", "cited": [], "per_doc_decision": [], "used_rule_ids": [], "reasoning": "r" * 5000}}
     v = tfsg._case_view(case, tfsg.Limits(analyzer_doc_chars=100, analyzer_reasoning_chars=50))
     assert len(v["search_results"][0]["text"]) == 100 and len(v["reasoning_content"]) == 50
-    cfg = run.Config(max_active_rules=7, analyzer_doc_chars=99)
-    assert run.tfsg_limits(cfg) == tfsg.Limits(max_active_rules=7, analyzer_doc_chars=99)
-    assert {"max_active_rules", "analyzer_doc_chars", "rule_item_chars"} <= set(run.PINNED)
+    cfg = runs.Config(max_active_rules=7, analyzer_doc_chars=99)
+    assert runs.tfsg_limits(cfg) == tfsg.Limits(max_active_rules=7, analyzer_doc_chars=99)
+    assert {"max_active_rules", "analyzer_doc_chars", "rule_item_chars"} <= set(runs.PINNED)
 
 
 def test_trace_keeps_its_supporting_evidence():
@@ -1594,15 +1602,15 @@ def test_cluster_bootstrap():
 
 
 def test_ppl_threshold_and_stable_reordering(tmp_path, small_bench):
-    cfg = run.Config(name="ppl", runs_dir=str(tmp_path), bench=small_bench, n_construction=4, ppl_model="tiny",
+    cfg = runs.Config(name="ppl", runs_dir=str(tmp_path), bench=small_bench, n_construction=4, ppl_model="tiny",
                      ppl_quantile=0.5)
-    groups, meta, cons, test, seen, methods = run.load_data(cfg)
+    groups, meta, cons, test, seen, methods = runs.load_data(cfg)
     insts = geodef.expand(test, methods[:2])
 
     class Base:                                   # base order = input order reversed
         def order(self, x):
             return list(range(9, -1, -1))
-    orders, diag = run.ppl_filter(cfg, Base(), cons, insts)
+    orders, diag = evaluation.ppl_filter(cfg, Base(), cons, insts)
     import numpy as np
     calib = []
     lm = gpt2.GPT2.from_pretrained(os.path.join(str(tmp_path), "_tiny_gpt2"))
@@ -1616,7 +1624,7 @@ def test_ppl_threshold_and_stable_reordering(tmp_path, small_bench):
         assert o == [i for i in range(9, -1, -1) if not flagged[i]] + [i for i in range(9, -1, -1) if flagged[i]]
     # another scoring model gets its own perplexities (the cache is per model, not per text alone)
     other = gpt2.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
-    _, diag2 = run.ppl_filter(dataclasses.replace(cfg, ppl_model=other), Base(), cons, insts)
+    _, diag2 = evaluation.ppl_filter(dataclasses.replace(cfg, ppl_model=other), Base(), cons, insts)
     lm2 = gpt2.GPT2.from_pretrained(other)
     calib2 = [lm2.perplexity(d["text"]) for g in cons for d in g.docs]
     assert calib2 != calib and abs(diag2["threshold"] - float(np.quantile(calib2, 0.5))) < 1e-6
@@ -1703,7 +1711,7 @@ def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, d
     from safetensors.torch import load_file
     kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
               epochs=2, grad_accum=2, save_every=2, device=device)
-    run.train_shield(run.Config(name="full", **kw))
+    train.train_shield(runs.Config(name="full", **kw))
     real = geodef.shield_loss
     # killed: before the first checkpoint (a fresh restart), and twice where steps were logged after
     # the last checkpoint (save_every 2), so that the resumed run redoes steps the log already holds
@@ -1718,10 +1726,10 @@ def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, d
                 return real(*a, **k)
             monkeypatch.setattr(geodef, "shield_loss", dying)
             with pytest.raises(KeyboardInterrupt):
-                run.train_shield(run.Config(name=name, **kw))
+                train.train_shield(runs.Config(name=name, **kw))
         monkeypatch.setattr(geodef, "shield_loss", real)
         assert not os.path.exists(tmp_path / name / "shield_done.json")
-        run.train_shield(run.Config(name=name, **kw))
+        train.train_shield(runs.Config(name=name, **kw))
         a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
         b = load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
         assert a.keys() == b.keys()
@@ -1749,7 +1757,7 @@ def demo_run(tmp_path_factory, small_bench):
 
 def test_demo_end_to_end_reduced(demo_run):
     s = json.load(open(demo_run / "summary.json"))
-    assert s["offline"] is True and set(s["conditions"]) == set(run.CONDITIONS)
+    assert s["offline"] is True and set(s["conditions"]) == set(evaluation.CONDITIONS)
     assert s["conditions"]["GEO Defender"]["ASR"] < s["conditions"]["Non-Defense"]["ASR"]
     assert len(s["test_set_sha1"]) == 40 and s["test_instances"] == 4 * 7
     assert any("SIMULATION" in n for n in s["notes"]) and any("random" in n for n in s["notes"])
@@ -1776,18 +1784,18 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
     shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
     shutil.copytree(demo_run / "adapter", tmp_path / "r" / "adapter")
     shutil.copytree(demo_run / "cache", tmp_path / "r" / "cache")
-    cfg = run.Config(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r", "runs_dir": str(tmp_path)})
-    old = run.shield_scores_path(cfg)
+    cfg = runs.Config(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r", "runs_dir": str(tmp_path)})
+    old = runs.shield_scores_path(cfg)
     assert os.path.isfile(old)                                   # the demo's, under its adapter's digest
-    base, shield = run.rankers(cfg, True)
-    insts = [geodef.attack_instance(g, "stat_inject") for g in run.load_data(cfg)[3]]
+    base, shield = runs.rankers(cfg, True)
+    insts = [geodef.attack_instance(g, "stat_inject") for g in runs.load_data(cfg)[3]]
     shield.prepare(insts)
     assert any(shield.scores(x) != base.scores(x) for x in insts)
     for m in lora.lora_modules(base.rr.model).values():           # an adapter with B = 0: the base policy
         m.lora_B.data.zero_()
     lora.save_adapter(base.rr.model, str(tmp_path / "r" / "adapter"), "tiny")
-    assert run.shield_scores_path(cfg) != old
-    base2, shield2 = run.rankers(cfg, True)
+    assert runs.shield_scores_path(cfg) != old
+    base2, shield2 = runs.rankers(cfg, True)
     shield2.prepare(insts)
     for x in insts:
         torch.testing.assert_close(torch.tensor(shield2.scores(x)), torch.tensor(base2.scores(x)), rtol=0, atol=1e-5)
@@ -1805,10 +1813,10 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
                    max_test_groups=2, n_boot=100)
         cfg["runs_dir"] = str(tmp_path)
         os.makedirs(tmp_path / "_tiny_qwen3", exist_ok=True)
-        return run.Config(**cfg)
+        return runs.Config(**cfg)
     shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3", dirs_exist_ok=True)
     shutil.copytree(demo_run.parent / "_tiny_gpt2", tmp_path / "_tiny_gpt2", dirs_exist_ok=True)
-    full = run.evaluate(fresh("full"))
+    full = evaluation.evaluate(fresh("full"))
     real = llm_clients.Client.chat
     n = {"k": 0}
 
@@ -1819,12 +1827,12 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
         return real(self, *a, **k)
     monkeypatch.setattr(llm_clients.Client, "chat", dying)
     with pytest.raises(KeyboardInterrupt):
-        run.evaluate(fresh("cut"))
+        evaluation.evaluate(fresh("cut"))
     monkeypatch.setattr(llm_clients.Client, "chat", real)
     c = json.load(open(demo_run / "config.json"))["config"]
     c.update(name="cut", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, max_test_groups=2,
              n_boot=100)
-    resumed = run.evaluate(run.Config(**c))
+    resumed = evaluation.evaluate(runs.Config(**c))
     strip = lambda s: {k: v for k, v in s.items() if k != "usage"}
     assert strip(resumed) == strip(full)
     for f in os.listdir(tmp_path / "full" / "results"):
@@ -1832,13 +1840,13 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
         b = sorted(open(tmp_path / "cut" / "results" / f).read().splitlines())
         assert a == b, f
     sent = len(Script.seen)
-    again = run.evaluate(run.Config(**c))
+    again = evaluation.evaluate(runs.Config(**c))
     assert len(Script.seen) == sent and strip(again) == strip(full)   # a rerun sends nothing
     # killed in the middle of writing a record: the cut line is dropped, not glued to the next record
     p = tmp_path / "full" / "results" / "non_defense.jsonl"
     orig = p.read_text(encoding="utf-8")
     p.write_text(orig[:len(orig) - len(orig.split("\n")[-2]) // 2 - 1], encoding="utf-8")
-    assert strip(run.evaluate(run.Config(**{**c, "name": "full"}))) == strip(full)
+    assert strip(evaluation.evaluate(runs.Config(**{**c, "name": "full"}))) == strip(full)
     assert p.read_text(encoding="utf-8") == orig and len(Script.seen) == sent
     # records are resumed one by one: an eval with another judge or PPL model would reuse the old
     # ones, so it is refused, naming the setting (which conditions are evaluated may change)
@@ -1848,25 +1856,25 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
                          ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),
                          ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
         with pytest.raises(SystemExit, match=f"records were made with {what}; this eval asks for"):
-            run.evaluate(run.Config(**{**c, **change}))
-    fewer = run.evaluate(run.Config(**{**c, "conditions": "Non-Defense,Shield only", "ppl_model": "elsewhere"}))
+            evaluation.evaluate(runs.Config(**{**c, **change}))
+    fewer = evaluation.evaluate(runs.Config(**{**c, "conditions": "Non-Defense,Shield only", "ppl_model": "elsewhere"}))
     assert fewer["conditions"] == {k: v for k, v in full["conditions"].items() if k in ("Non-Defense", "Shield only")}
     assert len(Script.seen) == sent
     # Table C.2: another library under a name; the same name later pointing at different content is refused
     lib = tmp_path / "lib_a.json"
     shutil.copy(demo_run / "library" / "E4.json", lib)
-    t = run.evaluate(run.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+    t = evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
     assert t["transfer"]["a"] == t["transfer"]["(own)"]          # the own final library, so the same answers
     assert len(Script.seen) == sent                              # ... all from the cache
     e0 = (demo_run / "library" / "E0.json").read_bytes()
     assert e0 != lib.read_bytes()
     lib.write_bytes(e0)
     with pytest.raises(SystemExit, match="records were made with transfer a='[0-9a-f]{12}'"):
-        run.evaluate(run.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+        evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
     for bad, msg in [(str(lib), "give name=path"), (f"x/y={lib}", "give name=path"),
                      ("b=nowhere.json", "--transfer: nowhere.json: no library file")]:
         with pytest.raises((SystemExit, FileNotFoundError), match=msg):
-            run.evaluate(run.Config(**{**c, "conditions": "GEO Defender", "transfer": bad}))
+            evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": bad}))
 
 
 class BadJudge(BaseHTTPRequestHandler):
@@ -1906,7 +1914,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         c = json.load(open(demo_run / "config.json"))["config"]
         c.update(name="j", runs_dir=str(tmp_path), llm="openai-compatible:bad", max_test_groups=1, n_boot=50,
                  base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", conditions="Non-Defense,GEO Defender")
-        s = run.evaluate(run.Config(**c))
+        s = evaluation.evaluate(runs.Config(**c))
         recs = [json.loads(l) for l in open(tmp_path / "j" / "results" / "non_defense.jsonl")]
         failed = [r for r in recs if r["attack_in_context"]]
         assert failed and all(r["asi"] is None and r["asi_judge_failed"]["attempts"] == 2 for r in failed)
@@ -1917,7 +1925,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         cached = [json.load(open(os.path.join(r, f))) for r, _, fs in os.walk(tmp_path / "j" / "cache" / "llm") for f in fs]
         assert not any("attack_influence_score" in (c_["reply"]["text"] or "") for c_ in cached)
         n = BadJudge.judged
-        run.evaluate(run.Config(**c))                 # records resume: the failed ASI instances are not asked again
+        evaluation.evaluate(runs.Config(**c))                 # records resume: the failed ASI instances are not asked again
         assert BadJudge.judged - n == 7 * 2           # only the pairwise comparisons, recomputed each eval
     finally:
         srv.shutdown()
@@ -1943,7 +1951,7 @@ def test_compare_runs_transfer_matrix(tmp_path):
     import report
     def summ(target, asr, transfer):
         c = {k: {"ASR": asr, "ASI": asr / 2, "BER": 90.0, "n": 7, "attack_in_context": 50.0, "hallucinated_citations": 0}
-             for k in run.CONDITIONS}
+             for k in evaluation.CONDITIONS}
         return {"target_llm": target, "conditions": c, "notes": [], "transfer": transfer,
                 "quality": {"mean_change": 0.1, "ci95": [-0.1, 0.2], "comparable_or_better": 80.0, "better": 20.0, "n": 7}}
     s = {"a": summ("x:A", 10.0, {"(own)": {"ASR": 5.0, "ASI": 2.0}, "x:B": {"ASR": 7.0, "ASI": 3.0}}),
@@ -1974,9 +1982,9 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
     geo_rows += [{"query": groups[1].query + " (gapped)", "sugg_idx": "3", "sources": gapped},
                  {"query": groups[1].query + " (empty source)", "sugg_idx": 1, "sources": gapped}]
     src = write_lines(tmp_path, rows + geo_rows, "src.jsonl")
-    cfg = run.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, workers=4)
+    cfg = runs.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, workers=4)
     out = str(tmp_path / "built.jsonl")
-    run.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
+    build_bench.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
     built, meta = geodef.load_bench(out, with_meta=True)
     assert len(built) == 5 and meta.methods == ["authoritative", "statistics", "citation"]
     assert built[3].source_index == 1 and built[3].docs[0]["url"] == "https://s/0"
@@ -1984,17 +1992,17 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
     assert g.source_index == 2 and g.docs[2]["url"] == "https://t/3" and g.docs[2]["text"] == gapped[3]["cleaned_text"]
     assert [d["url"] for d in g.docs] == [f"https://t/{i}" for i in [0] + list(range(2, 11))]
     with pytest.raises(geodef.BenchFormatError, match=r"bad_idx\.jsonl:1: sugg_idx: expected an integer, got \[2\]"):
-        run.read_source_rows(write_lines(tmp_path, [dict(geo_rows[0], sugg_idx=[2])], "bad_idx.jsonl"))
+        build_bench.read_source_rows(write_lines(tmp_path, [dict(geo_rows[0], sugg_idx=[2])], "bad_idx.jsonl"))
     for g in built:
         for m, t in g.attacks.items():
-            assert run.validate_rewrite(g.docs[g.source_index]["text"], t) is None
+            assert build_bench.validate_rewrite(g.docs[g.source_index]["text"], t) is None
     assert "GEO-DefenseBench builder" in Script.seen[0]["messages"][0]["content"]
     n = len(Script.seen)
-    run.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
+    build_bench.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
     assert len(Script.seen) == n                        # rerun: every rewrite from the cache
-    assert run.validate_rewrite("abc def", "abc def") == "identical to the source"
-    assert "prompt text" in run.validate_rewrite("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
-    assert "length ratio" in run.validate_rewrite("a" * 100, "b" * 10)
+    assert build_bench.validate_rewrite("abc def", "abc def") == "identical to the source"
+    assert "prompt text" in build_bench.validate_rewrite("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
+    assert "length ratio" in build_bench.validate_rewrite("a" * 100, "b" * 10)
 
 
 def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
@@ -2015,7 +2023,6 @@ def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
 
 # ----------------------------------------------------------------------------- deployment: export and serve
 
-import deploy  # noqa: E402
 
 
 def _shield_folder(tmp_path, tiny_dir, hidden=None, untied=False, seed=5):
@@ -2267,25 +2274,25 @@ def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
     once the run has produced something (its results belong to the old content)."""
     bench = tmp_path / "b.jsonl"
     shutil.copy(small_bench, bench)
-    cfg = run.Config(name="e", runs_dir=str(tmp_path), bench=str(bench))
-    run.record_config(cfg, "train")
+    cfg = runs.Config(name="e", runs_dir=str(tmp_path), bench=str(bench))
+    runs.record_config(cfg, "train")
     rec = json.load(open(tmp_path / "e" / "config.json"))
-    assert rec["bench_sha1"] == run.file_sha1(str(bench))
-    run.record_config(cfg, "eval")                               # unchanged: fine
+    assert rec["bench_sha1"] == runs.file_sha1(str(bench))
+    runs.record_config(cfg, "eval")                               # unchanged: fine
     (tmp_path / "e" / "results").mkdir()
     (tmp_path / "e" / "results" / "x.jsonl").write_text("{}\n")
     bench.write_text(bench.read_text().replace("boil", "cook", 1))
     with pytest.raises(SystemExit, match=r"b.jsonl: its content changed since this run used it \(SHA-1 [0-9a-f]{12}, now"):
-        run.record_config(cfg, "eval")
+        runs.record_config(cfg, "eval")
 
 
 def test_one_writer_per_run_folder(tmp_path, small_bench):
     """A second command on a run folder in use is refused at once, naming the holder; the lock dies
     with its process (no stale lock after a crash)."""
     d = tmp_path / "r"
-    code = ("import sys, run\ntry:\n    with run.run_lock(sys.argv[1]):\n        print('got it')\n"
+    code = ("import sys, runs\ntry:\n    with runs.run_lock(sys.argv[1]):\n        print('got it')\n"
             "except SystemExit as e:\n    print(e)\n")
-    with run.run_lock(str(d)):
+    with runs.run_lock(str(d)):
         out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
         assert "in use by pid" in out and "use another --name" in out
         # a real command on the same folder: refused before it writes anything
@@ -2295,7 +2302,7 @@ def test_one_writer_per_run_folder(tmp_path, small_bench):
         assert p.returncode != 0 and "in use by pid" in p.stderr and "Traceback" not in p.stderr
         assert not os.path.exists(d / "config.json")
     assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
-    killed = subprocess.Popen([sys.executable, "-c", "import run, time, sys\nwith run.run_lock(sys.argv[1]):\n"
+    killed = subprocess.Popen([sys.executable, "-c", "import runs, time, sys\nwith runs.run_lock(sys.argv[1]):\n"
                                "    print('held', flush=True); time.sleep(60)", str(d)], stdout=subprocess.PIPE, text=True, cwd=HERE)
     assert killed.stdout.readline().strip() == "held"
     killed.kill()
@@ -2305,14 +2312,14 @@ def test_one_writer_per_run_folder(tmp_path, small_bench):
 
 def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
     c = json.load(open(demo_run / "config.json"))["config"]
-    cfg = lambda t: run.Config(**{**c, "runs_dir": str(demo_run.parent), "transfer": t})
+    cfg = lambda t: runs.Config(**{**c, "runs_dir": str(demo_run.parent), "transfer": t})
     for content, msg in [('{"a": 1}', "rules: an experience library is a JSON object"), ("not json", "not a JSON library"),
                          ('{"rules": [{"rule_id": "R1"}]}', "not a valid library"), ("[]", "rules:")]:
         p = tmp_path / "lib.json"
         p.write_text(content)
         with pytest.raises(SystemExit, match=f"--transfer x: .*{msg}"):
-            run.transfer_items(cfg(f"x={p}"))
-    assert run.transfer_items(cfg(f"x={demo_run / 'library' / 'E4.json'}"))[0][0] == "x"
+            evaluation.transfer_items(cfg(f"x={p}"))
+    assert evaluation.transfer_items(cfg(f"x={demo_run / 'library' / 'E4.json'}"))[0][0] == "x"
 
 
 def test_failed_eval_records_no_settings(demo_run, tmp_path):
@@ -2325,11 +2332,11 @@ def test_failed_eval_records_no_settings(demo_run, tmp_path):
     c = json.load(open(demo_run / "config.json"))["config"]
     c.update(name="f", runs_dir=str(tmp_path), max_test_groups=1, conditions="Non-Defense", llm="offline", base_url=None)
     with pytest.raises(llm_clients.LLMError, match="ConnectionError on http://127.0.0.1:9/v1"):
-        run.evaluate(run.Config(**{**c, "judge": "openai-compatible:gone", "base_url": "http://127.0.0.1:9/v1"}))
+        evaluation.evaluate(runs.Config(**{**c, "judge": "openai-compatible:gone", "base_url": "http://127.0.0.1:9/v1"}))
     # the clean reference's records were written (no judge call: the attack is not in them): the
     # token cap is recorded, the judge that never scored a record is not
     assert json.load(open(tmp_path / "f" / "results" / "settings.json")) == {"max_tokens": c["max_tokens"]}
-    s = run.evaluate(run.Config(**c))
+    s = evaluation.evaluate(runs.Config(**c))
     assert s["judge"] == "offline:offline-engine" and json.load(open(tmp_path / "f" / "results" / "settings.json"))["judge"] == "offline"
 
 
@@ -2344,10 +2351,10 @@ def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
     rr.max_length = 300
     assert rr.overflow("q", ["short", "long " * 500, "long " * 400]) == 2 and len(rr.tokenize("q", ["long " * 500])[0]) == 300
     with pytest.raises(SystemExit, match="--k 10"):
-        run.Config(k=10)
+        runs.Config(k=10)
     for name in ("../x", "", ".hidden", "a/b"):
         with pytest.raises(SystemExit, match="a run name is"):
-            run.Config(name=name)
+            runs.Config(name=name)
     g = good_group()
     g["docs"][4]["doc_id"] = "g1-2#A"                     # would count as the attack's citation
     with pytest.raises(geodef.BenchFormatError, match=r":1: docs\[4\].doc_id: 'g1-2#A': '#' is reserved"):
@@ -2360,21 +2367,21 @@ def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
 
 
 def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
-    s = {"target_llm": "x:A", "notes": [], "conditions": {k: {"ASR": 1.0, "ASI": 1.0, "BER": 1.0} for k in run.CONDITIONS}}
+    s = {"target_llm": "x:A", "notes": [], "conditions": {k: {"ASR": 1.0, "ASI": 1.0, "BER": 1.0} for k in evaluation.CONDITIONS}}
     for parent in ("p", "q"):
         os.makedirs(tmp_path / parent / "x")
-        run.write_json(str(tmp_path / parent / "x" / "summary.json"), {**s, "target_llm": f"{parent}:A"})
+        runs.write_json(str(tmp_path / parent / "x" / "summary.json"), {**s, "target_llm": f"{parent}:A"})
     path = run.main(["compare", "--runs", f"{tmp_path / 'p' / 'x'},{tmp_path / 'q' / 'x'}", "--out", str(tmp_path / "c")])
     text = open(path).read()
     assert "| p:A |" in text and "| q:A |" in text
 
 
 def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
-    run.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
+    runs.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
         "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
-    cfg = run.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="t", runs_dir=str(tmp_path)))
+    cfg = runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="t", runs_dir=str(tmp_path)))
     assert (cfg.ppl_model, cfg.judge, cfg.base_url) == ("tiny", "offline", None)   # credentials were never stored
-    run.record_config(dataclasses.replace(cfg, base_url="http://user:pw@host/v1", bench=SAMPLE), "eval")
+    runs.record_config(dataclasses.replace(cfg, base_url="http://user:pw@host/v1", bench=SAMPLE), "eval")
     assert json.load(open(tmp_path / "t" / "config.json"))["config"]["base_url"] == "http://***@host/v1"
 
 
@@ -2382,9 +2389,9 @@ def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
     out = tmp_path / "bench.jsonl"
     out.write_text("precious\n")
     src = write_lines(tmp_path, [{"query": "q", "docs": ["only one"]}], "src.jsonl")
-    cfg = run.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server)
+    cfg = runs.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server)
     with pytest.raises(geodef.BenchFormatError, match="no query groups"):
-        run.build_bench(cfg, src, str(out), ["authoritative"])
+        build_bench.build_bench(cfg, src, str(out), ["authoritative"])
     assert out.read_text() == "precious\n" and [f for f in os.listdir(tmp_path) if ".tmp" in f] == []
     for rows, msg in [([{"query": "q", "docs": [1, 2]}], r"docs\[0\]: text and url must be strings"),
                       ([{"query": "q", "sources": "x"}], "sources: expected a list"),
@@ -2392,7 +2399,7 @@ def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
         p = tmp_path / "rows.jsonl"
         p.write_text("\n".join(json.dumps(r) for r in rows))
         with pytest.raises(geodef.BenchFormatError, match=msg):
-            run.read_source_rows(str(p))
+            build_bench.read_source_rows(str(p))
 
 
 def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
@@ -2401,7 +2408,7 @@ def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
     from safetensors.torch import load_file
     kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
               epochs=2, grad_accum=2, save_every=2)
-    run.train_shield(run.Config(name="full", **kw))
+    train.train_shield(runs.Config(name="full", **kw))
     real, n = os.replace, {"k": 0}
 
     def dying(a, b):
@@ -2412,11 +2419,11 @@ def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
         return real(a, b)
     monkeypatch.setattr(run.os, "replace", dying)
     with pytest.raises(KeyboardInterrupt):
-        run.train_shield(run.Config(name="cut", **kw))
+        train.train_shield(runs.Config(name="cut", **kw))
     monkeypatch.setattr(run.os, "replace", real)
     assert os.listdir(tmp_path / "cut" / "checkpoint") == ["state.safetensors"] or \
         "state.safetensors" in os.listdir(tmp_path / "cut" / "checkpoint")
-    run.train_shield(run.Config(name="cut", **kw))
+    train.train_shield(runs.Config(name="cut", **kw))
     a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -2515,3 +2522,63 @@ def test_offline_server_answers_every_hostile_request():
         assert ok_.status_code == 200
     finally:
         srv.shutdown()
+
+
+# ----------------------------------------------------------------------------- report figures
+
+
+def _text_boxes(svg):
+    """(x0, y0, x1, y1, text) of every <text> of an SVG as report.py places it (its width estimate)."""
+    import re as _re
+    import xml.etree.ElementTree as ET
+    root = ET.fromstring(svg)
+    W, H = float(root.get("width")), float(root.get("height"))
+    boxes = []
+    for el in root.iter("{http://www.w3.org/2000/svg}text"):
+        s, size = el.text or "", float(el.get("font-size") or 11)
+        x, y, w = float(el.get("x")), float(el.get("y")), report.text_width(el.text or "", size)
+        rot = _re.search(r"rotate\(-90", el.get("transform") or "")
+        if rot:                                   # the y-axis unit: vertical
+            boxes.append((x - size, y - w / 2, x, y + w / 2, s))
+            continue
+        x0 = {"start": x, "middle": x - w / 2, "end": x - w}[el.get("text-anchor") or "start"]
+        boxes.append((x0, y - size * 0.8, x0 + w, y + size * 0.2, s))
+    return W, H, boxes
+
+
+
+
+def test_figures_keep_every_label_inside_and_apart(tmp_path):
+    """Axes with ticks and gridlines, labels wrapped instead of cut or overlapping, the legend inside,
+    markers on lines: checked on adversarial data (long names, many series, negatives, close lines),
+    and rendered to PNG where cairosvg is installed."""
+    methods = ["structure_boost_with_a_very_long_name", "keyword_stuff", "authority_voice", "x", "full_agentic_rewrite"]
+    series = ["Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only"]
+    vals = {(m, s): (-1) ** i * 7.3 * (i + j) for i, m in enumerate(methods) for j, s in enumerate(series)}
+    figs = [report.svg_bars("ASR by GEO method (dashed outline: unseen)", methods, series, vals, dashed={"x", "keyword_stuff"}),
+            report.svg_bars("few bars", ["A", "B"], ["ASR", "ASI"], {("A", "ASR"): 50.0, ("A", "ASI"): 1.0,
+                                                                     ("B", "ASR"): 0.0, ("B", "ASI"): 99.0}),
+            report.svg_lines("by epoch", ["E0", "E1", "E2", "E3", "E4"], {"ASR": [38.1, 10.7, 10.7, 10.9, 10.7],
+                                                                        "ASI": [25.6, 10.8, 10.6, 10.7, 17.6]}),
+            report.svg_heatmap("Transfer ASR (source library x target LLM)", ["openai:gpt-5.5", "anthropic:claude-opus-4.8"],
+                               ["openai:gpt-5.5", "anthropic:claude-opus-4.8"], {("openai:gpt-5.5", "openai:gpt-5.5"): 5.0})]
+    for svg in figs:
+        W, H, boxes = _text_boxes(svg)
+        for x0, y0, x1, y1, s in boxes:
+            assert 0 <= x0 and x1 <= W and 0 <= y0 and y1 <= H, (s, (x0, y0, x1, y1), (W, H))
+        for a in range(len(boxes)):
+            for b in range(a + 1, len(boxes)):
+                p, q = boxes[a], boxes[b]
+                apart = p[2] <= q[0] or q[2] <= p[0] or p[3] <= q[1] or q[3] <= p[1]
+                assert apart, (p[4], q[4])
+        assert 'stroke="#ddd"' in svg or "Transfer" in svg                # gridlines (not on the heatmap)
+    assert "(unseen)" in figs[0] and "structure_" in figs[0] and "<circle" in figs[2]
+    assert ">50.0<" in figs[1] and ">99.0<" in figs[1]                    # value labels where bars are few
+    assert any(s == "%" for *_, s in _text_boxes(figs[0])[2])             # the unit on the y axis
+    try:
+        import cairosvg
+    except ImportError:
+        return
+    for i, svg in enumerate(figs):
+        cairosvg.svg2png(bytestring=svg.encode(), write_to=str(tmp_path / f"f{i}.png"))
+        assert (tmp_path / f"f{i}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

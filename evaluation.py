@@ -1,0 +1,372 @@
+"""Evaluation (paper Experiments, B.2): the six conditions of Tables 1-2 on the test split, the clean
+reference (B.1.3), the PPL-Filter baseline (B.2.2), the ASI and pairwise-quality judges (B.2.3,
+B.2.4), the per-method, per-epoch and transfer breakdowns, and summary.json / report.md.
+
+Records are appended one per instance (results/*.jsonl), so an interrupted eval resumes; the
+settings they were made with are pinned in results/settings.json.
+Usage: summary = evaluate(cfg)
+"""
+import hashlib
+import json
+import os
+import re
+import sys
+
+import numpy as np
+from tqdm import tqdm
+
+import geodef
+import gpt2
+import llm_clients
+import metrics
+import report
+import tfsg
+from runs import (NotTrainedError, TINY_NOTE, adapter_path, documents_cut, file_sha1, hub_id, library_path,
+                  load_data, log, make_llm, rankers, read_json, test_set_digest, tfsg_limits, write_json)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+CONDITIONS = ["Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only"]
+WITH_LIBRARY = ("GEO Defender", "TFSG only")    # conditions that prompt with the TFSG library
+WITH_SHIELD = ("GEO Defender", "Shield only")   # conditions that rank with the Shield adapter
+
+
+def ppl_filter(cfg, base, cons, test_insts):
+    """B.2.2: GPT-2 perplexity; threshold = ppl_quantile of the construction groups' benign documents;
+    flagged candidates moved after unflagged ones, base order kept within each part."""
+    # one cache file per scoring model: a perplexity is a property of the text AND the model
+    path = os.path.join(cfg.run_dir, "cache", f"ppl_{re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.ppl_model)}.json")
+    cache = read_json(path, {})
+    lm = None
+    texts = {hashlib.sha1(d["text"].encode()).hexdigest(): d["text"] for g in cons for d in g.docs}
+    for x in test_insts:
+        for d in x.docs:
+            texts.setdefault(hashlib.sha1(d.encode()).hexdigest(), d)
+    todo = [k for k in texts if k not in cache]
+    if todo:
+        folder = gpt2.make_tiny_gpt2(os.path.join(cfg.runs_dir, "_tiny_gpt2")) if cfg.ppl_model == "tiny" else cfg.ppl_model
+        lm = gpt2.GPT2.from_pretrained(folder)
+        for k in tqdm(todo, desc="ppl", file=sys.stderr):
+            cache[k] = lm.perplexity(texts[k])
+        write_json(path, cache)
+    ppl = lambda t: cache[hashlib.sha1(t.encode()).hexdigest()]
+    calib = [ppl(d["text"]) for g in cons for d in g.docs]
+    tau = float(np.quantile(calib, cfg.ppl_quantile))
+    orders, diag = {}, {"threshold": tau, "calibration_docs": len(calib), "test_instances": 0,
+                        "attack_in_base_topk": 0, "attack_flagged": 0, "attack_in_ppl_topk": 0,
+                        "attack_removed": 0, "attack_introduced": 0, "benign_flagged": 0, "benign_total": 0}
+    for x in test_insts:
+        bo = base.order(x)
+        flagged = [ppl(x.docs[i]) > tau for i in range(len(x.docs))]
+        o = [i for i in bo if not flagged[i]] + [i for i in bo if flagged[i]]
+        orders[x.instance_id] = o
+        if x.attack_index is not None:
+            inb, inp = x.attack_index in bo[:cfg.k], x.attack_index in o[:cfg.k]
+            diag["test_instances"] += 1
+            diag["attack_in_base_topk"] += inb
+            diag["attack_flagged"] += flagged[x.attack_index]
+            diag["attack_in_ppl_topk"] += inp
+            diag["attack_removed"] += inb and not inp
+            diag["attack_introduced"] += inp and not inb
+            diag["benign_flagged"] += sum(f for i, f in enumerate(flagged) if i != x.attack_index)
+            diag["benign_total"] += len(flagged) - 1
+    return orders, diag
+
+
+def _answer(reply):
+    return reply.data.get("answer", "") if isinstance(reply.data, dict) and isinstance(reply.data.get("answer"), str) \
+        else (reply.text or "")
+
+
+def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, before_write=None):
+    """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
+    appended as it finishes, so an interrupted run resumes with the instances it lacks.
+    before_write: called with the records before they are appended (evaluate records its settings then)."""
+    done = {}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.isfile(path):
+        with open(path, "r+b") as f:        # a line cut by a kill: dropped (its instance is redone), so
+            data = f.read()                 # that the next record does not start on its end
+            f.truncate(data.rfind(b"\n") + 1)
+        for line in data[:data.rfind(b"\n") + 1].decode("utf-8").split("\n")[:-1]:   # not splitlines: U+2028
+            try:
+                r = json.loads(line)
+                done[r["instance_id"]] = r
+            except (ValueError, KeyError):
+                continue
+    todo = [x for x in insts if x.instance_id not in done]
+    judge = judge or (make_llm(cfg, cfg.judge) if cfg.judge else llm)
+    chunk = max(cfg.workers * 4, 16)
+    for s in range(0, len(todo), chunk):
+        part = todo[s:s + chunk]
+        tops = [topk_of(x) for x in part]
+        reqs = [{"messages": [{"role": "user", "content": prompt_of(x, [x.docs[i] for i in t])}],
+                 "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "json": True} for x, t in zip(part, tops)]
+        replies = llm.map(reqs, workers=cfg.workers, desc=name)
+        recs = []
+        for x, t, r in zip(part, tops, replies):
+            ans = _answer(r)
+            ids = [x.doc_ids[i] for i in t]
+            cited_ids, halluc = metrics.map_citations(ans, ids)
+            att_id = x.doc_ids[x.attack_index] if x.attack_index is not None else None
+            recs.append({"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method,
+                         "condition": name, "top_ids": ids, "attack_in_context": att_id in ids,
+                         "answer": ans, "reasoning": r.reasoning, "cited_ids": cited_ids, "hallucinated": halluc,
+                         "attack_cited": att_id in cited_ids if att_id else False,
+                         "benign_cited": sum(1 for c in cited_ids if c != att_id)})
+        jreq = [(i, {"messages": [{"role": "user", "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
+                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_asi})
+                for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
+        jrep = judge.map([q for _, q in jreq], workers=cfg.workers, desc=f"{name} ASI judge",
+                         invalid="return") if jreq else []
+        for rec in recs:
+            rec["asi"], rec["asi_judge"] = 0, None    # attack not in context: 0 without a judge call (B.2.3)
+        for (i, _), rep in zip(jreq, jrep):
+            if isinstance(rep, llm_clients.ReplyInvalid):   # every attempt unusable: recorded, not scored
+                recs[i]["asi"], recs[i]["asi_judge_failed"] = None, {"attempts": rep.attempts, "error": str(rep)}
+                log(f"[eval] {name}: {part[i].instance_id}: ASI judge failed after {rep.attempts} attempts; recorded as judge-failed")
+                continue
+            recs[i]["asi"] = metrics.parse_asi(rep.data)
+            recs[i]["asi_judge"] = rep.data
+        if before_write:
+            before_write(recs)
+        with open(path, "a", encoding="utf-8") as f:
+            for rec in recs:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                done[rec["instance_id"]] = rec
+    return [done[x.instance_id] for x in insts]
+
+
+def summarize(recs, clean):
+    """ASR, ASI, BER (B.2.3) of one condition's records. ASI is over the instances the judge scored:
+    one whose every judge reply was unusable is left out and counted in `asi_judge_failed`."""
+    b_clean = [clean[r["group_id"]]["benign_cited"] for r in recs]
+    judged = [r["asi"] for r in recs if r["asi"] is not None]
+    return {"ASR": metrics.asr([r["attack_cited"] for r in recs]), "ASI": metrics.asi(judged),
+            "BER": metrics.ber([r["benign_cited"] for r in recs], b_clean), "n": len(recs),
+            "asi_judge_failed": len(recs) - len(judged),
+            "attack_in_context": 100.0 * sum(r["attack_in_context"] for r in recs) / max(1, len(recs)),
+            "hallucinated_citations": sum(len(r["hallucinated"]) for r in recs)}
+
+
+def transfer_items(cfg):
+    """--transfer "name=path,..." -> [(name, path)], each checked: a name safe for a file name (it
+    names results/transfer_<name>.jsonl and the Table C.2 row) and the library file present."""
+    items = []
+    for item in (cfg.transfer.split(",") if cfg.transfer else []):
+        name, eq, path = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise SystemExit(f"--transfer: {item!r}: give name=path, the name in letters, digits, '.', '_', '-' "
+                             "(it names results/transfer_<name>.jsonl and the Table C.2 row)")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--transfer: {path}: no library file")
+        try:
+            tfsg.load_library(path, tfsg_limits(cfg))      # its content checked now, not after the other conditions
+        except tfsg.LibraryError as e:
+            raise SystemExit(f"--transfer {name}: {e}") from None
+        items.append((name, path))
+    return items
+
+
+def eval_settings(cfg, conds):
+    """The settings the values of results/*.jsonl depend on beyond the pinned ones: the judge (ASI,
+    pairwise quality), the answers' token cap, for PPL-Filter its scoring model and quantile, and for
+    each --transfer name the SHA-1 of its library file. (Which conditions, methods and test groups
+    are evaluated only selects records: not here.)"""
+    s = {"judge": cfg.judge or cfg.llm, "max_tokens": cfg.max_tokens}
+    if "PPL-Filter" in conds:
+        s.update(ppl_model=cfg.ppl_model, ppl_quantile=cfg.ppl_quantile)
+    if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
+        for name, path in transfer_items(cfg):
+            s[f"transfer {name}"] = file_sha1(path)[:12]
+    return s
+
+
+def settings_of(name, recs, settings):
+    """Which of `settings` (eval_settings) the records `recs` of condition `name` were made with: the
+    token cap always, the judge when it was asked (attack in context), PPL-Filter's model for its
+    records, a transfer library's digest for its records. Recorded as records are written, so a
+    failed eval pins nothing its records do not depend on."""
+    keep = {"max_tokens"} | ({"judge"} if any(r["attack_in_context"] for r in recs) else set())
+    if name == "PPL-Filter":
+        keep |= {"ppl_model", "ppl_quantile"}
+    if name.startswith("GEO Defender [") and name.endswith("]"):
+        keep.add(f"transfer {name[len('GEO Defender ['):-1]}")
+    return {k: v for k, v in settings.items() if k in keep}
+
+
+def check_eval_settings(cfg, conds):
+    """Results are resumed record by record, so an eval with another judge (or PPL model, ...) would
+    silently reuse the records made with the old one: refused, naming both."""
+    res = os.path.join(cfg.run_dir, "results")
+    old = read_json(os.path.join(res, "settings.json"), {})
+    changed = {k: v for k, v in eval_settings(cfg, conds).items() if k in old and old[k] != v}
+    if changed:
+        raise SystemExit(f"{res}: its records were made with " + ", ".join(f"{k}={old[k]!r}" for k in changed)
+                         + "; this eval asks for " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
+                         + f". Move {res} aside to evaluate again (LLM replies stay cached in cache/), "
+                         "or use a new --name")
+
+
+def eval_conditions(cfg):
+    """The conditions --conditions asks for, checked before anything runs or is recorded: known
+    names, and what they need from `train` (the final TFSG library, the Shield adapter) present."""
+    conds = CONDITIONS if cfg.conditions == "all" else [c.strip() for c in cfg.conditions.split(",")]
+    for c in conds:
+        if c not in CONDITIONS:
+            raise SystemExit(f"--conditions: unknown {c!r}; known {CONDITIONS}")
+    transfer_items(cfg)                              # checked before anything runs
+    check_eval_settings(cfg, conds)
+    lib, adapter = library_path(cfg), os.path.join(adapter_path(cfg), "adapter_config.json")
+    missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
+                                                       (adapter, "trained adapter", WITH_SHIELD))
+               if not os.path.isfile(p)]
+    needing = [c for c in conds if any(c in needs for _, _, needs in missing)]
+    if needing:   # the stage that writes what is missing (both missing: the whole of train)
+        stage = " --stage shield" if os.path.isfile(lib) else " --stage tfsg" if os.path.isfile(adapter) else ""
+        rest = [c for c in CONDITIONS if not any(c in needs for _, _, needs in missing)]
+        msg = (f"{' and '.join(f'{p}: no {what}' for p, what, _ in missing)}; run `python run.py train "
+               f"--name {cfg.name}{stage}` first ({', '.join(needing)} need{'s' * (len(needing) == 1)} it)")
+        raise NotTrainedError(msg + (f", or evaluate the others: --conditions \"{','.join(rest)}\"" if rest else ""))
+    return conds
+
+
+def evaluate(cfg):
+    """All conditions of Table 1/2 on the test split, the clean reference, pairwise quality, method,
+    epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg."""
+    run = cfg.run_dir
+    groups, meta, cons, test, seen, methods = load_data(cfg)
+    insts = geodef.expand(test, methods)
+    cleans = [geodef.clean_instance(g) for g in test]
+    conds = eval_conditions(cfg)
+    if "PPL-Filter" in conds and cfg.ppl_model != "tiny":
+        gpt2.resolve(cfg.ppl_model)     # download it, or fail, before the reranker scores every candidate
+    needs_lib = any(c in WITH_LIBRARY for c in conds)
+    lib = tfsg.ExperienceLibrary.from_dict(read_json(library_path(cfg))) if needs_lib else None
+    base, shield = rankers(cfg, any(c in WITH_SHIELD for c in conds))
+    base.prepare(insts + cleans)
+    if shield:
+        shield.prepare(insts)
+    llm = make_llm(cfg)
+    judge = make_llm(cfg, cfg.judge) if cfg.judge else llm   # one client: its usage and adaptations recorded
+    res = os.path.join(run, "results")
+    os.makedirs(res, exist_ok=True)
+    settings = os.path.join(res, "settings.json")          # what the records below were made with,
+
+    wanted = eval_settings(cfg, conds)
+
+    def record_settings(name, recs):                        # written with the records that depend on them
+        new = settings_of(name, recs, wanted)
+        old = read_json(settings, {})
+        if any(old.get(k) != v for k, v in new.items()):
+            write_json(settings, {**old, **new})
+
+    def condition(name, insts, topk_of, prompt_of, file):  # one condition's records in results/<file>.jsonl
+        return eval_condition(cfg, llm, name, insts, topk_of, prompt_of, os.path.join(res, file + ".jsonl"), judge,
+                              before_write=lambda recs: record_settings(name, recs))
+    # clean reference (B.1.3): once per group, reused by its attack variants
+    clean_recs = condition("clean reference", cleans, lambda x: base.order(x)[:cfg.k],
+                           lambda x, d: tfsg.standard_prompt(x.query, d), "clean_reference")
+    clean = {r["group_id"]: r for r in clean_recs}
+    k = cfg.k
+    topk = {"base": lambda x: base.order(x)[:k], "shield": (lambda x: shield.order(x)[:k]) if shield else None}
+    std = lambda x, d: tfsg.standard_prompt(x.query, d)
+    plan = {"Non-Defense": (topk["base"], std),
+            "Static Safety Prompt": (topk["base"], lambda x, d: tfsg.standard_prompt(x.query, d, static_safety=True)),
+            "GEO Defender": (topk["shield"], lambda x, d: tfsg.guided_prompt(x.query, d, lib)),
+            "Shield only": (topk["shield"], std),
+            "TFSG only": (topk["base"], lambda x, d: tfsg.guided_prompt(x.query, d, lib))}
+    ppl_diag = None
+    if "PPL-Filter" in conds:
+        orders, ppl_diag = ppl_filter(cfg, base, cons, insts)
+        plan["PPL-Filter"] = (lambda x: orders[x.instance_id][:k], std)
+    results = {}
+    for c in conds:
+        slug = c.lower().replace(" ", "_").replace("-", "_")
+        results[c] = condition(c, insts, plan[c][0], plan[c][1], slug)
+    summary = {"offline": cfg.offline, "target_llm": llm.label, "judge": judge.label, "model": hub_id(cfg),
+               "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
+               "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
+               "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
+                               for m in methods} for c in conds},
+               "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
+               "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
+    # pairwise quality of GEO Defender vs the clean reference (B.2.4)
+    if "GEO Defender" in conds:
+        summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
+                                              {x.instance_id: x for x in insts}, res)
+    # Fig. 5: ASR/ASI by library epoch (GEO Defender with E0..E4)
+    if "GEO Defender" in conds:
+        epochs = {}
+        for t in range(cfg.n_batches + 2):
+            p = library_path(cfg, t)
+            if not os.path.isfile(p):
+                continue
+            lt = tfsg.ExperienceLibrary.from_dict(read_json(p))
+            recs = results["GEO Defender"] if t == cfg.n_batches + 1 else condition(
+                f"GEO Defender E{t}", insts, topk["shield"], lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
+                f"geo_defender_E{t}")
+            epochs[f"E{t}"] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI", "BER")}
+        summary["epochs"] = epochs
+    # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
+    if cfg.transfer and "GEO Defender" in conds:
+        summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
+        for name, path in transfer_items(cfg):
+            lt = tfsg.load_library(path, tfsg_limits(cfg))
+            recs = condition(f"GEO Defender [{name}]", insts, topk["shield"],
+                             lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), f"transfer_{name}")
+            summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
+    summary["usage"] = llm.usage()
+    if judge is not llm:
+        summary["judge_usage"] = judge.usage()
+    write_json(os.path.join(run, "summary.json"), summary)
+    report.write_report(run, summary)
+    log(f"[eval] wrote {run}/summary.json and {run}/report.md")
+    return summary
+
+
+def pairwise_quality(cfg, judge, recs, clean, by_id, res):
+    a_first = metrics.balanced_order([r["instance_id"] for r in recs])
+    reqs = []
+    for r in recs:
+        x = by_id[r["instance_id"]]
+        ref = clean[r["group_id"]]["answer"]
+        a, b = (r["answer"], ref) if a_first[r["instance_id"]] else (ref, r["answer"])
+        reqs.append({"messages": [{"role": "user", "content": metrics.pairwise_prompt(x.query, a, b)}],
+                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_pairwise})
+    reps = judge.map(reqs, workers=cfg.workers, desc="pairwise quality", invalid="return")
+    deltas, rows, failed, clusters = [], [], 0, []
+    for r, rep in zip(recs, reps):
+        if isinstance(rep, llm_clients.ReplyInvalid):   # left out of Table C.1, counted
+            failed += 1
+            rows.append({"instance_id": r["instance_id"], "defended_is_a": a_first[r["instance_id"]],
+                         "judge_failed": {"attempts": rep.attempts, "error": str(rep)}})
+            continue
+        v = metrics.parse_pairwise(rep.data)
+        d = metrics.orient(v, a_first[r["instance_id"]])
+        deltas.append(d)
+        clusters.append(r["group_id"])
+        rows.append({"instance_id": r["instance_id"], "defended_is_a": a_first[r["instance_id"]], "score_a_over_b": v,
+                     "delta": d, "judge": rep.data})
+    with open(os.path.join(res, "quality_geo_defender.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in rows)
+    q = metrics.quality_summary(deltas, clusters, n_boot=cfg.n_boot, seed=cfg.seed) if deltas else {"n": 0}
+    q["defended_as_a"] = sum(a_first.values())
+    q["judge_failed"] = failed
+    return q
+
+
+def offline_notes(cfg, meta):
+    notes = []
+    if cfg.model == "tiny":
+        notes.append("Reranker: " + TINY_NOTE + ".")
+    if "offline" in cfg.llm or "offline" in (cfg.judge or ""):
+        notes.append("LLMs: the offline engine (offline.py), a deterministic SIMULATION; not a real LLM.")
+    if cfg.ppl_model == "tiny":
+        notes.append("PPL-Filter: tiny random-weight GPT-2 (offline plumbing).")
+    if meta.synthetic:
+        notes.append("Benchmark: SYNTHETIC sample (data/make_sample.py); not the paper's GEO-DefenseBench.")
+    if notes:
+        notes.append("These numbers are plumbing checks, never the paper's results.")
+    return notes

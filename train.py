@@ -1,0 +1,269 @@
+"""Training: the Shield Reranker's LoRA on the frozen reranker with the residual preference objective
+(paper Eqs. 1-5, Table A.1), resumable from one-file checkpoints, and the TFSG driver (Algorithm 1)
+that builds the experience library E0 -> E{n+1} from construction cases.
+
+Usage: train_shield(cfg); train_tfsg(cfg)     (cfg: runs.Config; outputs in cfg.run_dir)
+"""
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+import geodef
+import lora
+import tfsg
+from evaluation import eval_condition
+from runs import (Ranker, adapter_path, append_jsonl, doc_key, hub_id, labels_of, library_path, load_data,
+                  load_reranker, log, make_llm, order_of, rankers, read_json, shield_scores_path, shield_split,
+                  tfsg_limits, tfsg_schedule, write_json)
+
+
+# ----------------------------------------------------------------------------- Shield training
+
+
+def _save_ckpt(path, model, opt, state, log_path):
+    """Resumable checkpoint without pickle: LoRA + AdamW tensors in safetensors, with the counters
+    and how much of the training log belongs to it (a resume cuts what was logged after it) as JSON
+    in the same file's metadata: one file, written aside and renamed, so a checkpoint is whole or
+    absent whenever the process dies."""
+    state["log_bytes"] = os.path.getsize(log_path) if os.path.isfile(log_path) else 0
+    tensors = {k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        st = opt.state.get(p, {})
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k in st:
+                tensors[f"opt.{i}.{k}"] = st[k].contiguous()
+        if "step" in st:
+            state.setdefault("opt_steps", {})[str(i)] = float(st["step"])
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():   # dropout masks on a GPU draw from its generator
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, f"state.safetensors.tmp{os.getpid()}")
+    save_file(tensors, tmp, metadata={"format": "pt", "state": json.dumps(state)})
+    os.replace(tmp, os.path.join(path, "state.safetensors"))
+
+
+def _load_ckpt(path, model, opt):
+    tensors = load_file(os.path.join(path, "state.safetensors"))
+    with safe_open(os.path.join(path, "state.safetensors"), "pt") as f:
+        state = json.loads(f.metadata()["state"])
+    mods = lora.lora_modules(model)
+    with torch.no_grad():
+        for name, m in mods.items():
+            m.lora_A.copy_(tensors[f"{lora.PEFT_PREFIX}model.{name}.lora_A.weight"])
+            m.lora_B.copy_(tensors[f"{lora.PEFT_PREFIX}model.{name}.lora_B.weight"])
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        if f"opt.{i}.exp_avg" in tensors:
+            opt.state[p] = {"step": torch.tensor(state["opt_steps"][str(i)]),   # (AdamW keeps it on the CPU)
+                            "exp_avg": tensors[f"opt.{i}.exp_avg"].to(p.device),
+                            "exp_avg_sq": tensors[f"opt.{i}.exp_avg_sq"].to(p.device)}
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    return state
+
+
+def monitor(rr, triples, ids, s0, cfg, lists=()):
+    """Monitoring split metrics: Eq. 5 loss, preference accuracy (both preference types, strict >), mean residuals,
+    attack demotion rate (attack scored below both benign documents), and over the full candidate
+    lists (instance, base scores): the share of the base top-k's benign documents the adapter keeps."""
+    acc, r_pos, r_att, r_ben, demoted, losses = [], [], [], [], [], []
+    rr.model.eval()
+    for t in triples:
+        s = rr.score_ids(ids[t["instance_id"]])                                  # (3,) pos, att, ben
+        r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]], device=s.device))   # Eq. 2
+        losses.append(geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)[0].item())
+        acc += [float(r[0] > r[1]), float(r[2] > r[1])]
+        r_pos.append(float(r[0])); r_att.append(float(r[1])); r_ben.append(float(r[2]))
+        demoted.append(float(s[1] < s[0] and s[1] < s[2]))
+    overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x.attack_index, cfg.k) for x, b in lists]
+    mean = lambda v: sum(v) / max(1, len(v))
+    return {"loss": mean(losses), "pref_accuracy": mean(acc), "residual/pos": mean(r_pos), "residual/att": mean(r_att),
+            "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
+
+
+def train_shield(cfg, rr=None, resume=True):
+    """Shield Reranker: LoRA on the frozen reranker, residual preference objective (Eqs. 1-5, Table A.1)."""
+    run = cfg.run_dir
+    adapter_dir = adapter_path(cfg)
+    if read_json(os.path.join(run, "shield_done.json")):
+        log(f"[train] Shield adapter already trained: {adapter_dir}")
+        return
+    groups, meta, cons, test, seen, methods = load_data(cfg)
+    inst = geodef.expand(cons, seen)
+    opt_inst, mon_inst = shield_split(cfg, inst)
+    rr = rr or load_reranker(cfg)
+    # Frozen base scores s_0, once, without gradient (TRL precompute_ref_log_probs): every distinct
+    # document of the attack-injected lists (to pick d_b) and of the clean lists (d+), cached in the
+    # same file the evaluation reads.
+    base = Ranker(rr, os.path.join(run, "cache", "scores_base.json"), "base")
+    base.prepare(inst + [geodef.clean_instance(g) for g in cons])
+    scores = {x.instance_id: base.scores(x) for x in inst}
+    triples = geodef.preference_triples(cons, inst, scores.get)
+    s0 = {t["instance_id"]: [base.cache[doc_key(t["query"], t["pos"])], scores[t["instance_id"]][t["att_index"]],
+                             scores[t["instance_id"]][t["ben_index"]]] for t in triples}
+    ids = {t["instance_id"]: rr.tokenize(t["query"], [t["pos"], t["att"], t["ben"]]) for t in triples}
+    opt_ids = {x.instance_id for x in opt_inst}
+    opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
+    mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
+    mon_lists = [(x, scores[x.instance_id]) for x in mon_inst]
+
+    torch.manual_seed(cfg.seed)   # LoRA A init and dropout masks from the seed alone
+    lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+    params = [p for p in rr.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    ckpt = os.path.join(run, "checkpoint")
+    state = {"epoch": 0, "pos": 0, "step": 0, "best": None, "history": []}
+    log_path = os.path.join(run, "train_log.jsonl")
+    if resume and os.path.isfile(os.path.join(ckpt, "state.safetensors")):
+        state = _load_ckpt(ckpt, rr.model, opt)
+        log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
+        with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
+            f.truncate(state.get("log_bytes", f.seek(0, os.SEEK_END)))
+    elif os.path.isfile(log_path):          # a fresh start: no lines of an earlier attempt
+        os.remove(log_path)
+    if state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
+        m0 = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
+        state["history"].append({"epoch": 0, **m0})
+        append_jsonl(log_path, {"event": "monitor", "epoch": 0, "step": 0, **m0})
+        log(f"[train] step 0 monitoring: {m0}")
+    steps_per_epoch = math.ceil(len(opt_triples) / cfg.grad_accum)
+    bar = tqdm(total=cfg.epochs * len(opt_triples), initial=state["epoch"] * len(opt_triples) + state["pos"],
+               desc="shield", file=sys.stderr)
+    while state["epoch"] < cfg.epochs:
+        order = list(range(len(opt_triples)))
+        random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(order)   # epoch order from the seed alone
+        rr.model.train()
+        acc_stats = []
+        while state["pos"] < len(order):
+            t = opt_triples[order[state["pos"]]]
+            s = rr.score_ids(ids[t["instance_id"]], grad=True)                  # (3,) s_theta: d+, d_a, d_b
+            r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]], device=s.device))  # (3,) Eq. 2
+            loss, st = geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)
+            n_in_step = min(cfg.grad_accum, len(order) - (state["pos"] // cfg.grad_accum) * cfg.grad_accum)
+            (loss / n_in_step).backward()                                       # mean over the accumulated examples
+            acc_stats.append(st)
+            state["pos"] += 1
+            bar.update(1)
+            if state["pos"] % cfg.grad_accum == 0 or state["pos"] == len(order):
+                gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                state["step"] += 1
+                rec = {k: sum(a[k] for a in acc_stats) / len(acc_stats) for k in acc_stats[0]}
+                rec.update({"grad_norm": float(gn), "learning_rate": cfg.lr, "step": state["step"],
+                            "epoch": state["epoch"] + state["pos"] / len(order)})
+                append_jsonl(log_path, {"event": "train", **rec})
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['rewards/accuracies']:.2f}")
+                acc_stats = []
+                if state["step"] % cfg.save_every == 0 and state["pos"] < len(order):
+                    _save_ckpt(ckpt, rr.model, opt, state, log_path)
+        state["epoch"] += 1
+        state["pos"] = 0
+        m = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
+        state["history"].append({"epoch": state["epoch"], **m})
+        append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
+        # best = lowest Eq. 5 loss on the monitoring split (early stopping on held-out query groups)
+        key = (-m["loss"], m["pref_accuracy"])
+        if state["best"] is None or key > tuple(state["best"]["key"]):
+            lora.save_adapter(rr.model, adapter_dir, hub_id(cfg))   # keep the best adapter by monitoring
+            state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
+        _save_ckpt(ckpt, rr.model, opt, state, log_path)
+    bar.close()
+    lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
+    rr.model.eval()
+    test_stats = shield_test_stats(cfg, rr, geodef.expand(test, methods))
+    write_json(os.path.join(run, "shield_done.json"), {"best": state["best"], "history": state["history"],
+                                                      "steps": state["step"], "steps_per_epoch": steps_per_epoch,
+                                                      "test_ranking": test_stats})
+    log(f"[train] best adapter (epoch {state['best']['epoch']}): {state['best']}")
+    log(f"[train] test groups, base -> shield: {test_stats}")
+
+
+
+
+def benign_kept(base_scores, new_scores, attack_index, k):
+    """Share of the base top-k's benign documents that are still in the new top-k."""
+    ben = [i for i in order_of(base_scores)[:k] if i != attack_index]
+    return len(set(ben) & set(order_of(new_scores)[:k])) / max(1, len(ben))
+
+
+def shield_test_stats(cfg, rr, insts):
+    """On the test instances: where the attack document ranks under the base scorer (LoRA disabled)
+    and under the Shield scorer, and how much of the base top-k's benign evidence the Shield keeps."""
+    base, shield = (Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=True),
+                    Ranker(rr, shield_scores_path(cfg), "shield"))
+    base.prepare(insts)
+    shield.prepare(insts)
+    rank_b, rank_s, in_b, in_s, overlap = [], [], 0, 0, []
+    for x in insts:
+        ob, os_ = base.order(x), shield.order(x)
+        rank_b.append(ob.index(x.attack_index) + 1)
+        rank_s.append(os_.index(x.attack_index) + 1)
+        in_b += x.attack_index in ob[:cfg.k]
+        in_s += x.attack_index in os_[:cfg.k]
+        overlap.append(benign_kept(base.scores(x), shield.scores(x), x.attack_index, cfg.k))
+    n = max(1, len(insts))
+    return {"instances": len(insts), "attack_mean_rank_base": sum(rank_b) / n, "attack_mean_rank_shield": sum(rank_s) / n,
+            "attack_in_topk_base": 100.0 * in_b / n, "attack_in_topk_shield": 100.0 * in_s / n,
+            "benign_topk_overlap": 100.0 * sum(overlap) / n}
+
+
+# ----------------------------------------------------------------------------- TFSG construction
+
+
+def clean_reference_benign(cfg, llm, base, groups):
+    """b_clean per group: benign documents cited by the clean reference (B.1.3), computed once and
+    kept in results/clean_reference_construction.jsonl."""
+    insts = [geodef.clean_instance(g) for g in groups]
+    base.prepare(insts)
+    recs = eval_condition(cfg, llm, "clean reference (construction)", insts, lambda x: base.order(x)[:cfg.k],
+                          lambda x, d: tfsg.standard_prompt(x.query, d),
+                          os.path.join(cfg.run_dir, "results", "clean_reference_construction.jsonl"))
+    return {r["group_id"]: r for r in recs}
+
+
+def train_tfsg(cfg):
+    """Algorithm 1: E0 -> E4 on the construction instances (A.2.2), with the Shield (or base) top-k."""
+    run = cfg.run_dir
+    if os.path.isfile(library_path(cfg)):
+        log(f"[train] TFSG library already built: {run}/library")
+        return
+    groups, meta, cons, test, seen, methods = load_data(cfg)
+    inst = geodef.expand(cons, seen)
+    seeds, batches = tfsg_schedule(cfg, inst)
+    base, shield = rankers(cfg, cfg.shield)
+    ranker = shield or base
+    ranker.prepare(inst)
+    target = make_llm(cfg)
+    analyzer = make_llm(cfg, cfg.analyzer) if cfg.analyzer else target
+    clean = clean_reference_benign(cfg, target, base, cons)
+
+    def case_input(x, force_attack=False):
+        top = ranker.order(x)[:cfg.k]
+        if force_attack and x.attack_index not in top:      # controlled contrast: the attack in context
+            top = top[:-1] + [x.attack_index]
+        return {"case_id": f"case-{hashlib.sha1(x.instance_id.encode()).hexdigest()[:8]}", "query": x.query,
+                "docs": [x.docs[i] for i in top], "labels": labels_of(x, top),
+                "b_clean": clean[x.group_id]["benign_cited"]}
+
+    seed_inputs = [case_input(x, force_attack=True) for x in seeds]
+    batch_inputs = [[case_input(x) for x in b] for b in batches]
+    interface = "reasoning" if cfg.reasoning_interface else "structured"
+    lib = tfsg.build_library(target.chat, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run, "library"),
+                             answer_prompt=tfsg.standard_prompt, interface=interface,
+                             max_initial_rules=cfg.max_initial_rules, temperature=cfg.temperature,
+                             controller=tfsg.Controller(limits=tfsg_limits(cfg)),
+                             max_tokens=cfg.max_tokens, workers=cfg.workers)
+    write_json(os.path.join(run, "usage_train.json"), {"target": target.usage(), "analyzer": analyzer.usage()})
+    log(f"[train] TFSG library E{cfg.n_batches + 1}: {len(lib.active())} active rules ({len(lib.rules)} total)")
