@@ -28,6 +28,7 @@ import deploy
 import llm_clients
 import lora
 import reranker
+import tiny
 
 
 # ----------------------------------------------------------------------------- benchmarks
@@ -45,7 +46,7 @@ def bench_folder(args):
                                        head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
                                        max_position_embeddings=40960)
         transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype)).save_pretrained(folder, safe_serialization=True)
-        tok = reranker.make_tiny_checkpoint(folder + "_tok")
+        tok = tiny.make_tiny_checkpoint(folder + "_tok")
         shutil.copy(os.path.join(tok, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
     return folder
 
@@ -537,7 +538,7 @@ def bench_llm(args):
 def bench_documents(rr, n, lo, hi, seed):
     """n documents of lo..hi tokens each (drawn uniformly): random English words, cut to length."""
     rng = random.Random(seed)
-    words = reranker._TINY_CORPUS.split()
+    words = tiny.TINY_CORPUS.split()
     docs = []
     for _ in range(n):
         ids = rr.text_tokenizer.encode(" ".join(rng.choice(words) for _ in range(hi))).ids

@@ -13,7 +13,7 @@ from runs import atomic_write, log, make_llm
 
 # ----------------------------------------------------------------------------- benchmark builder
 
-# Our own wording of the nine GEO methods of Aggarwal et al. 2024 (reference/geo_tfsg.md §1.3) plus a
+# Our own wording of the nine GEO methods of Aggarwal et al. 2024 (GEO, arXiv 2311.09735, Sec. 3) plus a
 # generic visibility rewrite. Every prompt keeps the facts; none is the original GEO prompt text.
 GEO_METHODS = {
     "fluency": "Rewrite the document so that it reads more fluently and smoothly. Keep every fact unchanged.",

@@ -21,6 +21,7 @@ import llm_clients
 import metrics
 import report
 import tfsg
+import tiny
 from runs import (NotTrainedError, TINY_NOTE, adapter_path, documents_cut, file_sha1, hub_id, library_path,
                   load_data, log, make_llm, rankers, read_json, test_set_digest, tfsg_limits, write_json)
 
@@ -45,7 +46,7 @@ def ppl_filter(cfg, base, cons, test_insts):
             texts.setdefault(hashlib.sha1(d.encode()).hexdigest(), d)
     todo = [k for k in texts if k not in cache]
     if todo:
-        folder = gpt2.make_tiny_gpt2(os.path.join(cfg.runs_dir, "_tiny_gpt2")) if cfg.ppl_model == "tiny" else cfg.ppl_model
+        folder = tiny.make_tiny_gpt2(os.path.join(cfg.runs_dir, "_tiny_gpt2")) if cfg.ppl_model == "tiny" else cfg.ppl_model
         lm = gpt2.GPT2.from_pretrained(folder)
         for k in tqdm(todo, desc="ppl", file=sys.stderr):
             cache[k] = lm.perplexity(texts[k])

@@ -1,6 +1,6 @@
 """GEO-DefenseBench data and the Shield Reranker objective (paper: "Shield Reranker", Eqs. 1-5; A.1; B.1).
 
-Data: the JSON Lines format of DESIGN.md (one query group per line: query, 10 ordered candidate
+Data: the JSON Lines format of the README's "Your own benchmark" (one query group per line: query, 10 ordered candidate
 documents, the source document's index, one rewrite per GEO method, optional split), a validating
 loader, the query-group split (B.1.2), instance expansion (B.1.1, B.1.3), the TFSG construction
 schedule (A.2.2) and the Shield preference triples (A.1.1).

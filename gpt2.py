@@ -1,8 +1,8 @@
 """GPT-2 by hand, for the PPL-Filter baseline (paper B.2.2): perplexity with a sliding window.
 
 A sibling file because PPL-Filter is a baseline with its own language model, not part of GEO
-Defender. Loads openai-community/gpt2 (or any GPT-2 folder) from safetensors; `make_tiny_gpt2`
-writes a tiny random-weight GPT-2 for offline runs (its perplexities mean nothing).
+Defender. Loads openai-community/gpt2 (or any GPT-2 folder) from safetensors (tiny.py writes a
+random-weight one for offline runs).
 PPL(x) = exp(-1/(L-1) * sum_{l=2..L} log p(x_l | x_<l)); documents longer than the 1024-token
 context are scored with a sliding window of stride 512: every token is predicted once, with up
 to 1024 - 512 tokens of left context carried over (the transformers perplexity recipe).
@@ -129,38 +129,3 @@ def resolve(name_or_path):
         if not os.path.isfile(os.path.join(folder, f)):
             raise FileNotFoundError(f"{os.path.join(folder, f)}: missing")
     return folder
-
-
-def make_tiny_gpt2(out_dir, seed=0):
-    """A tiny GPT-2 with RANDOM weights (config.json, model.safetensors, tokenizer.json) for offline runs."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    if all(os.path.isfile(os.path.join(out_dir, f)) for f in ("config.json", "model.safetensors", "tokenizer.json")):
-        return out_dir
-    os.makedirs(out_dir, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ("the of and to in a is that for it as was with be by on not this are or from at which have an they "
-              "you were there one all we their has been if more when will would who so what about up out them some") * 4
-    tok.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=600, show_progress=False,
-                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    cfg = {"model_type": "gpt2", "vocab_size": tok.get_vocab_size(), "n_embd": 32, "n_layer": 2, "n_head": 2,
-           "n_positions": 256, "layer_norm_epsilon": 1e-5, "_note": "tiny random-weight GPT-2, offline plumbing"}
-    g = torch.Generator().manual_seed(seed)
-    m = GPT2(cfg)
-    state = {}
-    for k, v in m.state_dict().items():
-        t = 0.02 * torch.randn(v.shape, generator=g) if k.endswith("weight") and v.dim() == 2 else \
-            (torch.ones(v.shape) if ".ln" in k or k.startswith("ln_f") and k.endswith("weight") else torch.zeros(v.shape))
-        for a, b in ((".c_attn.", ".attn.c_attn."), (".c_proj.", ".attn.c_proj."), (".c_fc.", ".mlp.c_fc."),
-                     (".mlp_proj.", ".mlp.c_proj.")):
-            if a in k:
-                k = k.replace(a, b)
-                t = t.t() if k.endswith(".weight") else t            # store as HF Conv1D (in, out)
-        state[k] = t.contiguous()
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=1)
-    return out_dir

@@ -2,7 +2,7 @@
 a disk cache, concurrency and usage accounting. Every LLM call of GEO Defender goes through here
 (target LLMs, the TFSG Analyzer, the judges, the benchmark builder). `requests` only, no vendor SDK.
 
-Conventions (reference/ecosystem.md §1-4):
+Conventions (those of the openai-python and anthropic-sdk-python clients, whose retry schedule is reproduced):
 - transport retries only where retrying can help: connection errors, timeouts, 408/409/429/5xx/529,
   backoff min(0.5 * 2^n, 8) s with 25% jitter (the Stainless SDKs' schedule); a server hint
   (retry-after-ms, Retry-After) is honoured up to `max_retry_after` s, a longer hint fails at once;
@@ -161,6 +161,14 @@ def extract_json(text):
 # ----------------------------------------------------------------------------- client
 
 
+def _usable(check, data):
+    try:
+        check(data)
+        return True
+    except ValueError:
+        return False
+
+
 class RateLimiter:
     """At most `rpm` request starts per minute across threads (evenly spaced)."""
 
@@ -204,6 +212,7 @@ class Client:
                       "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
         self.send_temperature = True             # False once the API refused it (see _adapt)
         self.adapted = []                        # what _adapt changed, in words (usage() reports it)
+        self.inflight = {}                       # cache key -> Event of the request being sent for it
         self._asked = (max_field, json_mode)     # the request as first built: the cache key's form
 
     def __repr__(self):
@@ -452,16 +461,41 @@ class Client:
         with self.lock:
             self.stats["calls"] += 1
         key = self.cache_key(self._body(messages, temperature, max_tokens, json, asked=True), json)
+        mine = None
+        while True:
+            hit = self._usable_hit(key, check)
+            if hit is not None:
+                return hit
+            with self.lock:                      # the same request already on its way (another thread):
+                wait = self.inflight.get(key)    # wait for its reply in the cache instead of paying twice
+                if wait is None and self.cache_dir and not self.refresh:
+                    mine = self.inflight[key] = threading.Event()
+            if wait is None:
+                break
+            wait.wait()
+            if self._cache_get(key) is None:     # it failed: this thread asks itself
+                break
+        try:
+            hit = self._usable_hit(key, check) if mine is not None else None   # answered meanwhile
+            return hit if hit is not None else self._ask(key, messages, temperature, max_tokens, json, check)
+        finally:
+            if mine is not None:
+                with self.lock:
+                    del self.inflight[key]
+                mine.set()
+
+    def _usable_hit(self, key, check):
+        """The cached reply for `key`, counted as a cache hit, or None; a cached reply that fails
+        `check` (cached by older code) is None: asked again."""
         hit = self._cache_get(key)
-        if hit is not None and check is not None:
-            try:
-                check(hit.data)
-            except ValueError:
-                hit = None                       # an unusable reply (cached by older code): asked again
-        if hit is not None:
-            with self.lock:
-                self.stats["cache_hits"] += 1
-            return hit
+        if hit is None or (check is not None and not _usable(check, hit.data)):
+            return None
+        with self.lock:
+            self.stats["cache_hits"] += 1
+        return hit
+
+    def _ask(self, key, messages, temperature, max_tokens, json, check):
+        """chat() past the cache: send, parse, re-ask when unusable, cache."""
         convo = list(messages)
         for ask in range(self.json_retries + 1):
             reply = self._parse(self._post(self._body(convo, temperature, max_tokens, json)))

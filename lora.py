@@ -2,7 +2,7 @@
 
 `LoRALinear` holds the frozen base nn.Linear (composition, no subclassing of the model) and adds
 lora_A (r, in) and lora_B (out, r): y = base(x) + (dropout(x) @ A^T @ B^T) * alpha / r.
-Init, scaling, dropout placement and file format follow PEFT (reference/ecosystem.md §5), so PEFT
+Init, scaling, dropout placement and file format follow PEFT (peft/tuners/lora/layer.py, peft/utils/save_and_load.py), so PEFT
 and vLLM load our adapter unchanged and we load theirs. Paper Table A.1: r 16, alpha 32, dropout
 0.05 on q/k/v/o and gate/up/down projections; everything else frozen; 4-bit base ("--quant nf4").
 
@@ -37,7 +37,7 @@ def dropout_mask(shape, p, dtype=torch.float32, device="cpu"):
     """A 0/1 keep-mask of `shape`: each element 0 with probability p, independently (nn.Dropout's law,
     without its 1/(1-p) rescale). Drawn as the gaps between dropped positions, which in a Bernoulli(p)
     process are i.i.d. Geometric(p) on {1, 2, ...}: about p*n random numbers instead of n. On the CPU
-    this was written on, one random number per element cost 12 ns: 24% of a real-width training step."""
+    per-element bernoulli_ took 24% of a real-width training step on a 2-core CPU (docs/PERF.md)."""
     n = math.prod(shape)
     mask = torch.ones(n, dtype=dtype, device=device)
     last = -1                                                       # flat index of the last dropped element
@@ -184,6 +184,16 @@ def lora_state_dict(model):
     return out
 
 
+def load_lora_state_dict(model, state):
+    """The inverse of lora_state_dict: every LoRA layer's A and B from `state` (PEFT key names; keys
+    that are not LoRA tensors are ignored). A missing tensor raises KeyError naming it."""
+    with torch.no_grad():
+        for name, m in lora_modules(model).items():
+            m.lora_A.copy_(state[f"{PEFT_PREFIX}model.{name}.lora_A.weight"])
+            m.lora_B.copy_(state[f"{PEFT_PREFIX}model.{name}.lora_B.weight"])
+    return model
+
+
 def save_adapter(model, out_dir, base_model_name_or_path, dtype=torch.float32):
     """adapter_config.json (standard PEFT keys only) + adapter_model.safetensors, written atomically."""
     from safetensors.torch import save_file
@@ -264,7 +274,7 @@ def load_adapter(model, adapter_dir):
 
 # ----------------------------------------------------------------------------- NF4 (QLoRA) storage
 
-# bitsandbytes get_4bit_type("nf4"): 16 sorted values, index 7 = 0 exactly (reference/ecosystem.md §8).
+# bitsandbytes get_4bit_type("nf4"): 16 sorted values, index 7 = 0 exactly (bitsandbytes functional.py, get_4bit_type).
 NF4_CODE = torch.tensor([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,

@@ -20,13 +20,11 @@ Deviations from the official snippet, all on purpose:
   card's snippet lets a document containing "<|im_end|>" or "<think>" become those tokens and so
   close the user turn and write the assistant's (`text_tokenizer`). Text without such strings gets
   the model card's ids;
-- for training, RMSNorm and (on the CPU) causal attention have hand-written backward passes: the
-  forward values are unchanged, the attention backward recomputes the probabilities block by block
-  in the model dtype (bf16 like transformers' eager attention) instead of SDPA's slower CPU backward.
-Optional (`compile=True`): the elementwise work around the matmuls (RMSNorm, q/k norm + RoPE, the
-residual add + norm, SwiGLU) runs as torch.compile'd fusions of the plain functions below, one loop
-each instead of several passes over memory; matmuls and attention stay as they are. Same equations,
-bf16 rounding differs only where the fused loop keeps an intermediate in float32.
+- for training, RMSNorm and (on the CPU) causal attention have hand-written backward passes, and
+  `compile=True` runs the elementwise work as torch.compile'd fusions: the same equations, kept
+  together at the end of the file ("CPU and speed paths").
+
+Read top to bottom: config, RMSNorm, RoPE, packed attention, MLP, block, model, loading, Reranker.
 
 Shapes: N packed tokens of S sequences, C hidden, H query heads, K kv heads, E head dim, F MLP width.
 
@@ -67,7 +65,7 @@ class PromptLengthError(ValueError):
 
 @dataclass
 class Qwen3Config:
-    vocab_size: int = 151669          # 151643 BPE + 26 added tokens (reference/qwen3.md §1)
+    vocab_size: int = 151669          # 151643 BPE + 26 added tokens (Qwen3-Reranker-0.6B's config.json)
     hidden_size: int = 1024
     intermediate_size: int = 3072
     num_hidden_layers: int = 28
@@ -115,33 +113,10 @@ class Qwen3Config:
 # ----------------------------------------------------------------------------- decoder
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """Qwen3RMSNorm with a hand-written backward: y = w * bf16(x r), r = (mean(x^2) + eps)^(-1/2).
-    Autograd through the float32 upcast keeps several (N, C) float32 copies and spends ~10 passes
-    over them; here only x and r (N, 1) are kept. The bf16 rounding counts as identity in the
-    backward, as it does for autograd."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = x.float()
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)              # (..., 1) float32
-        ctx.save_for_backward(x, weight, r)
-        return weight * (xf * r).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight, r = ctx.saved_tensors
-        gw = None
-        if ctx.needs_input_grad[1]:
-            xhat = (x.float() * r).to(x.dtype)
-            gw = (g * xhat).float().reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gh = (g * weight).float()                                             # dL/dx_hat, (..., C)
-        xf = x.float()
-        xhat = xf.mul_(r) if xf is not x else xf * r                          # x_hat = x r (never overwrite x)
-        # dx_hat_i/dx_j = r delta_ij - x_hat_i x_hat_j r / C  =>  dL/dx = r (gh - x_hat mean(gh x_hat))
-        coef = torch.linalg.vecdot(gh, xhat).unsqueeze(-1).div_(x.shape[-1])  # (..., 1)
-        gx = gh.sub_(xhat.mul_(coef)).mul_(r)
-        return gx.to(x.dtype), gw, None
+def rms_norm(x, weight, eps):
+    """Qwen3RMSNorm: normalise in float32, cast back, then the weight. x (..., C)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -186,123 +161,12 @@ def apply_rope(x, cos, sin_signed):
     return x.mul_(cos).add_(swapped.mul_(sin_signed))
 
 
-# ----------------------------------------------------------------------------- fused elementwise path
-# Plain-torch forms of the elementwise pieces. With compile=True each is torch.compile'd (dynamic
-# shapes, so one compilation serves every packed length) into one fused loop for the forward and one
-# for the backward. Eager PyTorch runs each op as its own pass over memory: on the 2-core CPU this was
-# written on, about a quarter of scoring time and a third of a training step (profiles, bf16).
-
-def rms_norm(x, weight, eps):
-    """Qwen3RMSNorm: normalise in float32, cast back, then the weight. x (..., C)."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def norm_rope(x, weight, eps, cos, sin_signed):
-    """Per-head q/k RMSNorm followed by RoPE, as one function. x (N, heads, E); cos, sin (N, 1, E)."""
-    return apply_rope(rms_norm(x, weight, eps), cos, sin_signed)
-
-
-def add_rms_norm(x, h, weight, eps):
-    """The residual add and the post-attention norm: returns (x + h, rms_norm(x + h)). (N, C) each."""
-    x = x + h
-    return x, rms_norm(x, weight, eps)
-
-
-def swiglu(g, u):
-    """SwiGLU's elementwise part, silu(gate) * up. (N, F)."""
-    return F.silu(g) * u
-
-
-_FUSED = {}
-
-
-def cpp_compiler_available():
-    """Whether torch.compile can build CPU kernels here: inductor calls $CXX, else g++ (clang++ on macOS)."""
-    return shutil.which(os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")) is not None
-
-
-def fused(fn):
-    """torch.compile(fn, dynamic=True), compiled once per function on first use (needs a C++ compiler
-    on the CPU, Triton on CUDA: what torch.compile's inductor backend needs)."""
-    if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=True)
-    return _FUSED[fn]
-
-
-# Devices whose training attention uses PackedCausalAttention's hand backward; elsewhere (CUDA) SDPA's
-# own fused backward is used through autograd.
-HAND_BACKWARD = ("cpu",)
-
-
-class PackedCausalAttention(torch.autograd.Function):
-    """Causal grouped-query attention over packed sequences, for training on the CPU.
-    q (N, H, E), k and v (N, K, E), packed as in Attention.forward (P shared prefix rows, then each
-    sequence's own rows, lengths `lens`) -> (N, H, E). Forward: SDPA per sequence (fused, exact),
-    written straight into one packed output. Backward by hand, per sequence, over blocks of `block`
-    query rows, each against only the keys it can see (0 .. its last row): about half the work of a
-    dense backward, and the probabilities are recomputed, not stored. The gradients land directly in
-    packed (N, ...) buffers: slicing the packed tensors per sequence and letting autograd undo it
-    would zero-fill and add a full-size gradient for every sequence and each of q, k, v.
-    On the CPU this was written on: ~16 ms at L=512 (16/8 heads, bf16) against 28-32 ms for SDPA's
-    forward + backward, whose CPU backward took 5-8x its forward.
-    Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
-    eager attention keeps them; softmax accumulates in float32); exact in float32."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, lens, P=0, block=128):
-        ctx.save_for_backward(q, k, v)
-        ctx.lens, ctx.P, ctx.block = lens, P, block
-        return packed_causal_sdpa(q, k, v, lens, P)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v = ctx.saved_tensors
-        P, block = ctx.P, ctx.block
-        N, H, E = q.shape
-        K = k.shape[1]
-        G, scale = H // K, E ** -0.5
-        dq = torch.empty_like(q)                                                  # every row written once
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)                         # prefix rows: summed over sequences
-        start = P
-        for j, L in enumerate(ctx.lens):
-            # local frame: keys 0..P+L-1 (prefix, then own); queries from r0 (the prefix's queries
-            # count only once, in sequence 0), held at packed rows lo..lo+R-1
-            r0, lo = (0, 0) if j == 0 else (P, start)
-            R = P + L - r0
-            # query head h = i*G + g reads kv head i (repeat-interleave order): group query heads by kv head
-            qg = q[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)                # (K, G, R, E)
-            dog = do[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)
-            # made contiguous once per sequence: bmm still copies each block's k0[:, :b] etc. into a
-            # dense operand, but from these rows rather than from the packed layout (same bits, this
-            # backward 1.01x-1.10x faster: paired races, 3 x 512 and mixed lengths, scratch script)
-            k0 = seq_rows(k, P, start, L).transpose(0, 1).contiguous()            # (K, P+L, E)
-            v0 = seq_rows(v, P, start, L).transpose(0, 1).contiguous()
-            dqg = torch.empty_like(qg)
-            dkl = torch.zeros(K, P + L, E, dtype=k.dtype, device=k.device)
-            dvl = torch.zeros_like(dkl)
-            for a in range(r0, P + L, block):
-                b = min(a + block, P + L)                                         # rows a..b-1 see keys 0..b-1
-                n = b - a
-                qb = qg[:, :, a - r0:b - r0].reshape(K, G * n, E)                 # (K, G*n, E)
-                dob = dog[:, :, a - r0:b - r0].reshape(K, G * n, E)
-                bias = torch.zeros(n, b, dtype=q.dtype, device=q.device)          # causal mask as -inf bias
-                bias[:, a:] = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-                s = torch.baddbmm(bias.repeat(G, 1), qb, k0[:, :b].transpose(1, 2), alpha=scale)  # (K, G*n, b)
-                p = torch.softmax(s, dim=-1)                                      # P
-                dvl[:, :b].baddbmm_(p.transpose(1, 2), dob)                       # dV = P^T dO
-                dp = torch.bmm(dob, v0[:, :b].transpose(1, 2))                    # dP = dO V^T, (K, G*n, b)
-                # softmax backward dS = P * (dP - rowsum(P * dP)), times the scores' 1/sqrt(E)
-                ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
-                dqg[:, :, a - r0:b - r0] = torch.bmm(ds, k0[:, :b]).view(K, G, n, E)  # dQ = dS K
-                dkl[:, :b].baddbmm_(ds.transpose(1, 2), qb)                       # dK = dS^T Q
-            dq[lo:lo + R] = dqg.view(H, R, E).transpose(0, 1)
-            for d, dl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
-                dl = dl.transpose(0, 1)                                           # (P+L, K, E)
-                d[:P] += dl[:P]
-                d[start:start + L] += dl[P:]
-            start += L
-        return dq, dk, dv, None, None, None
+def seq_rows(t, P, start, L):
+    """One sequence's rows of a packed (N, ...) tensor: the P shared prefix rows 0..P-1, then its own
+    rows start..start+L-1 -> (P+L, ...). A view when they are adjacent (P = 0, or the first sequence)."""
+    if P == 0 or start == P:
+        return t[start - P:start + L]
+    return torch.cat([t[:P], t[start:start + L]])
 
 
 def packed_causal_sdpa(q, k, v, lens, P=0):
@@ -331,34 +195,6 @@ def packed_causal_sdpa(q, k, v, lens, P=0):
             out[start:start + L] = o[P:P + L]                                     # (L, H, E)
         start += L
     return out
-
-
-# CPU SDPA (torch 2.13's flash kernel, bf16, head_dim 128) is slow at many sequence lengths: 361
-# tokens took 12 ms against 2.7 ms padded to 384, 967 took 19-27 ms (three runs) against 15 ms padded
-# to 992, while multiples of 32 run at full speed. Padded to a multiple of 32 (through a contiguous
-# head-major buffer: 1.28x against 1.11x for padding the strided rows), the attention of the
-# mixed-length benchmark's ten sequences (100-1000 tokens) ran 1.28x-1.52x faster (paired medians of
-# 10-12 rounds, scratch races; 32 and 64 alike, 128 worse). Lengths that are already multiples are
-# left as they are (copying 10 x 512 into such buffers read 0.97x).
-CPU_SDPA_PAD = 32
-
-
-def seq_heads(t, P, start, L, n):
-    """One sequence's rows of a packed (N, heads, E) tensor, as seq_rows, copied into a contiguous
-    head-major (1, heads, n, E) buffer whose rows P+L..n-1 are zero."""
-    buf = t.new_empty(1, t.shape[1], n, t.shape[2])
-    buf[0, :, :P] = t[:P].transpose(0, 1)
-    buf[0, :, P:P + L] = t[start:start + L].transpose(0, 1)
-    buf[0, :, P + L:] = 0
-    return buf
-
-
-def seq_rows(t, P, start, L):
-    """One sequence's rows of a packed (N, ...) tensor: the P shared prefix rows 0..P-1, then its own
-    rows start..start+L-1 -> (P+L, ...). A view when they are adjacent (P = 0, or the first sequence)."""
-    if P == 0 or start == P:
-        return t[start - P:start + L]
-    return torch.cat([t[:P], t[start:start + L]])
 
 
 class Attention(nn.Module):
@@ -731,81 +567,170 @@ class Reranker:
         return sorted(range(len(docs)), key=lambda i: (-float(m[i]), i))[:k]
 
 
-# ----------------------------------------------------------------------------- tiny offline checkpoint
-
-# Training text for the tiny tokenizer: common English plus the prompt's own words, so that the
-# byte-level BPE learns real merges. Deterministic; the tiny model's weights are random regardless.
-_TINY_CORPUS = """
-the of and to in a is that for it as was with be by on not he this are or his from at which but have an they
-you were her she there one all we their has been if more when will would who so no yes what about up out
-them some could into only other then time these two may first than any its new like also people years year
-over after most such made well many where through back much before good very should because each those
-between under how both during while against without within along following across behind beyond percent
-study research report data according survey results found university institute published journal review
-experts analysis million billion average rate increase decrease health energy water climate city market
-price cost system program school students children patients treatment risk use used using guide best
-recommended official government national international century history science technology software
-document query judge whether meets requirements based instruct provided note answer can only system user
-assistant think relevant passages retrieve given web search identify reliable safe selected evidence
-downstream generative answer generation source sources cited citation quote said according statistics
-yes
-no
-Yes
-No
-""" * 3
+# =============================================================================
+# CPU and speed paths. Same equations as the modules above, chosen once when the model is built
+# or by the device: a hand-written RMSNorm backward, the packed causal attention backward used on
+# the CPU, the CPU SDPA length padding, and torch.compile'd elementwise fusions (compile=True).
+# Measurements behind each choice: docs/PERF.md.
+# =============================================================================
 
 
-def _tiny_tokenizer(vocab_size=2048):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    split = Regex(r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.train_from_iterator([_TINY_CORPUS], trainer=trainer)
-    from tokenizers import AddedToken
-    tok.add_tokens([AddedToken("<think>", normalized=False, special=False),
-                    AddedToken("</think>", normalized=False, special=False)])
-    return tok
+class RMSNormFunction(torch.autograd.Function):
+    """Qwen3RMSNorm with a hand-written backward: y = w * bf16(x r), r = (mean(x^2) + eps)^(-1/2).
+    Autograd through the float32 upcast keeps several (N, C) float32 copies and spends ~10 passes
+    over them; here only x and r (N, 1) are kept. The bf16 rounding counts as identity in the
+    backward, as it does for autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)              # (..., 1) float32
+        ctx.save_for_backward(x, weight, r)
+        return weight * (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, r = ctx.saved_tensors
+        gw = None
+        if ctx.needs_input_grad[1]:
+            xhat = (x.float() * r).to(x.dtype)
+            gw = (g * xhat).float().reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gh = (g * weight).float()                                             # dL/dx_hat, (..., C)
+        xf = x.float()
+        xhat = xf.mul_(r) if xf is not x else xf * r                          # x_hat = x r (never overwrite x)
+        # dx_hat_i/dx_j = r delta_ij - x_hat_i x_hat_j r / C  =>  dL/dx = r (gh - x_hat mean(gh x_hat))
+        coef = torch.linalg.vecdot(gh, xhat).unsqueeze(-1).div_(x.shape[-1])  # (..., 1)
+        gx = gh.sub_(xhat.mul_(coef)).mul_(r)
+        return gx.to(x.dtype), gw, None
 
 
-def make_tiny_checkpoint(out_dir, seed=0, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, std=0.08):
-    """Write a tiny Qwen3-architecture checkpoint with RANDOM weights (config.json, model.safetensors,
-    tokenizer.json in the HF layout) and return its folder. Deterministic for a seed; an existing
-    complete folder is reused. Plumbing for offline runs and tests: its scores mean nothing.
-    std 0.08 (transformers initialises with 0.02): at 0.02 the ten candidates' margins differ by ~0.01,
-    so any adapter reshuffles them; at 0.08 they spread by ~0.16 and a benign ordering exists to keep."""
-    from safetensors.torch import save_file
-    files = [os.path.join(out_dir, f) for f in ("config.json", "model.safetensors", "tokenizer.json")]
-    if all(os.path.isfile(f) for f in files):
-        return out_dir
-    os.makedirs(out_dir, exist_ok=True)
-    tok = _tiny_tokenizer()
-    cfg = Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=mlp,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, max_position_embeddings=32768, torch_dtype="float32")
-    g = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):   # shapes only: no default init, so the global RNG is left untouched
-        model = Qwen3Model(cfg)
-    state = {}
-    for k, v in model.state_dict().items():
-        if k.endswith("norm.weight"):   # near-one norms, so that the norm weights are exercised
-            state["model." + k] = 1.0 + 0.1 * torch.randn(v.shape, generator=g)
-        else:                           # N(0, std), see the docstring
-            state["model." + k] = std * torch.randn(v.shape, generator=g)
-    tmp = out_dir + f".tmp{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
-              metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
-    tok.save(os.path.join(tmp, "tokenizer.json"))
-    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-        json.dump({**cfg.to_dict(), "bos_token_id": None, "eos_token_id": None,
-                   "_note": "tiny random-weight Qwen3 for offline plumbing; not a trained model"}, f, indent=1)
-    for name in ("tokenizer.json", "config.json", "model.safetensors"):
-        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-    os.rmdir(tmp)
-    return out_dir
+HAND_BACKWARD = ("cpu",)
+
+
+class PackedCausalAttention(torch.autograd.Function):
+    """Causal grouped-query attention over packed sequences, for training on the CPU.
+    q (N, H, E), k and v (N, K, E), packed as in Attention.forward (P shared prefix rows, then each
+    sequence's own rows, lengths `lens`) -> (N, H, E). Forward: SDPA per sequence (fused, exact),
+    written straight into one packed output. Backward by hand, per sequence, over blocks of `block`
+    query rows, each against only the keys it can see (0 .. its last row): about half the work of a
+    dense backward, and the probabilities are recomputed, not stored. The gradients land directly in
+    packed (N, ...) buffers: slicing the packed tensors per sequence and letting autograd undo it
+    would zero-fill and add a full-size gradient for every sequence and each of q, k, v.
+    On a 2-core CPU: ~16 ms at L=512 (16/8 heads, bf16) against 28-32 ms for SDPA's forward +
+    backward, whose CPU backward takes 5-8x its forward.
+    Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
+    eager attention keeps them; softmax accumulates in float32); exact in float32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lens, P=0, block=128):
+        ctx.save_for_backward(q, k, v)
+        ctx.lens, ctx.P, ctx.block = lens, P, block
+        return packed_causal_sdpa(q, k, v, lens, P)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        P, block = ctx.P, ctx.block
+        N, H, E = q.shape
+        K = k.shape[1]
+        G, scale = H // K, E ** -0.5
+        dq = torch.empty_like(q)                                                  # every row written once
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)                         # prefix rows: summed over sequences
+        start = P
+        for j, L in enumerate(ctx.lens):
+            # local frame: keys 0..P+L-1 (prefix, then own); queries from r0 (the prefix's queries
+            # count only once, in sequence 0), held at packed rows lo..lo+R-1
+            r0, lo = (0, 0) if j == 0 else (P, start)
+            R = P + L - r0
+            # query head h = i*G + g reads kv head i (repeat-interleave order): group query heads by kv head
+            qg = q[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)                # (K, G, R, E)
+            dog = do[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)
+            # made contiguous once per sequence: bmm still copies each block's k0[:, :b] etc. into a
+            # dense operand, but from these rows rather than from the packed layout (same bits, this
+            # backward up to 1.1x faster)
+            k0 = seq_rows(k, P, start, L).transpose(0, 1).contiguous()            # (K, P+L, E)
+            v0 = seq_rows(v, P, start, L).transpose(0, 1).contiguous()
+            dqg = torch.empty_like(qg)
+            dkl = torch.zeros(K, P + L, E, dtype=k.dtype, device=k.device)
+            dvl = torch.zeros_like(dkl)
+            for a in range(r0, P + L, block):
+                b = min(a + block, P + L)                                         # rows a..b-1 see keys 0..b-1
+                n = b - a
+                qb = qg[:, :, a - r0:b - r0].reshape(K, G * n, E)                 # (K, G*n, E)
+                dob = dog[:, :, a - r0:b - r0].reshape(K, G * n, E)
+                bias = torch.zeros(n, b, dtype=q.dtype, device=q.device)          # causal mask as -inf bias
+                bias[:, a:] = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+                s = torch.baddbmm(bias.repeat(G, 1), qb, k0[:, :b].transpose(1, 2), alpha=scale)  # (K, G*n, b)
+                p = torch.softmax(s, dim=-1)                                      # P
+                dvl[:, :b].baddbmm_(p.transpose(1, 2), dob)                       # dV = P^T dO
+                dp = torch.bmm(dob, v0[:, :b].transpose(1, 2))                    # dP = dO V^T, (K, G*n, b)
+                # softmax backward dS = P * (dP - rowsum(P * dP)), times the scores' 1/sqrt(E)
+                ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
+                dqg[:, :, a - r0:b - r0] = torch.bmm(ds, k0[:, :b]).view(K, G, n, E)  # dQ = dS K
+                dkl[:, :b].baddbmm_(ds.transpose(1, 2), qb)                       # dK = dS^T Q
+            dq[lo:lo + R] = dqg.view(H, R, E).transpose(0, 1)
+            for d, dl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
+                dl = dl.transpose(0, 1)                                           # (P+L, K, E)
+                d[:P] += dl[:P]
+                d[start:start + L] += dl[P:]
+            start += L
+        return dq, dk, dv, None, None, None
+
+
+# CPU SDPA (torch 2.13's flash kernel, bf16, head_dim 128) runs several times slower at lengths that
+# are not a multiple of 32 (e.g. 361 tokens: 12 ms, padded to 384: 2.7 ms), so on the CPU a sequence
+# is copied into a zero-padded head-major buffer of such a length (causal: no real query sees the
+# padding); lengths that are already multiples are used as they are.
+CPU_SDPA_PAD = 32
+
+
+def seq_heads(t, P, start, L, n):
+    """One sequence's rows of a packed (N, heads, E) tensor, as seq_rows, copied into a contiguous
+    head-major (1, heads, n, E) buffer whose rows P+L..n-1 are zero."""
+    buf = t.new_empty(1, t.shape[1], n, t.shape[2])
+    buf[0, :, :P] = t[:P].transpose(0, 1)
+    buf[0, :, P:P + L] = t[start:start + L].transpose(0, 1)
+    buf[0, :, P + L:] = 0
+    return buf
+
+
+# ----------------------------------------------------------------------------- fused elementwise path
+# Plain-torch forms of the elementwise pieces. With compile=True each is torch.compile'd (dynamic
+# shapes, so one compilation serves every packed length) into one fused loop for the forward and one
+# for the backward. Eager PyTorch runs each op as its own pass over memory: on a 2-core CPU about a
+# quarter of scoring time and a third of a training step (profiles, bf16; docs/PERF.md).
+
+def norm_rope(x, weight, eps, cos, sin_signed):
+    """Per-head q/k RMSNorm followed by RoPE, as one function. x (N, heads, E); cos, sin (N, 1, E)."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin_signed)
+
+
+def add_rms_norm(x, h, weight, eps):
+    """The residual add and the post-attention norm: returns (x + h, rms_norm(x + h)). (N, C) each."""
+    x = x + h
+    return x, rms_norm(x, weight, eps)
+
+
+def swiglu(g, u):
+    """SwiGLU's elementwise part, silu(gate) * up. (N, F)."""
+    return F.silu(g) * u
+
+
+_FUSED = {}
+
+
+def cpp_compiler_available():
+    """Whether torch.compile can build CPU kernels here: inductor calls $CXX, else g++ (clang++ on macOS)."""
+    return shutil.which(os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")) is not None
+
+
+def fused(fn):
+    """torch.compile(fn, dynamic=True), compiled once per function on first use (needs a C++ compiler
+    on the CPU, Triton on CUDA: what torch.compile's inductor backend needs)."""
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=True)
+    return _FUSED[fn]
+
+
+# Devices whose training attention uses PackedCausalAttention's hand backward; elsewhere (CUDA) SDPA's
+# own fused backward is used through autograd.

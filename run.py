@@ -135,7 +135,8 @@ def print_summary(s):
         print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}")
 
 
-def main(argv=None):
+def parser():
+    """The command line: one subcommand per job, every Config field a flag (see runs.HELP)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="train the Shield Reranker and build the TFSG library")
@@ -199,53 +200,68 @@ def main(argv=None):
                            help="reranker prompt token cap (default: the run's, or 8192); longer documents are cut")
     so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
-    args = ap.parse_args(argv)
+    return ap
 
-    if args.cmd == "serve-offline":
-        if not 0 <= args.port <= 65535:
-            raise SystemExit(f"--port {args.port}: out of range 0..65535")
-        try:
-            srv = offline.make_server(args.port)
-        except OSError as e:
-            raise SystemExit(f"--port {args.port}: cannot listen on 127.0.0.1:{args.port} ({e.strerror or e})") from None
-        print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
-        srv.serve_forever()
-        return
-    if args.cmd == "export":
-        return cmd_export(args)
-    if args.cmd == "serve":
-        return cmd_serve(args)
-    if args.cmd == "compare":
-        runs = list(dict.fromkeys(os.path.normpath(r.strip()) for r in args.runs.split(",") if r.strip()))
-        names = [os.path.basename(r) for r in runs]
-        summaries = {}
-        for r, name in zip(runs, names):
-            sm = read_json(os.path.join(r, "summary.json"))
-            if sm is None:
-                raise SystemExit(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
-            summaries[r if names.count(name) > 1 else name] = sm   # two runs/x under different parents: both kept
-        path = report.write_comparison(args.out, summaries)
-        print(path)
-        return path
-    if args.cmd == "bench":
-        if args.compile is None:
-            args.compile = reranker.cpp_compiler_available()
-            if not args.compile:
-                log("bench: no C++ compiler found, so the compile=True contender is left out")
-        if args.what not in ("score", "train", "serve") and args.device != "cpu":
-            raise SystemExit(f"bench --what {args.what} runs on the CPU only; --device takes score and train")
-        check_device(args.device)
-        if args.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
-            missing = [m for m in ("transformers",) + ("peft",) * (args.what == "train")
-                       if importlib.util.find_spec(m) is None]
-            if missing:
-                raise SystemExit(f"bench --what {args.what} races {' and '.join(missing)} (not runtime dependencies):"
-                                 " pip install -r requirements-test.txt")
-        fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
-              "nf4": bench_nf4, "serve": bench_serve}[args.what]
-        res = fn(args)
-        print(json.dumps(res, indent=1))
-        return res
+
+def cmd_serve_offline(args):
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"--port {args.port}: out of range 0..65535")
+    try:
+        srv = offline.make_server(args.port)
+    except OSError as e:
+        raise SystemExit(f"--port {args.port}: cannot listen on 127.0.0.1:{args.port} ({e.strerror or e})") from None
+    print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
+    srv.serve_forever()
+
+
+def cmd_compare(args):
+    folders = list(dict.fromkeys(os.path.normpath(r.strip()) for r in args.runs.split(",") if r.strip()))
+    names = [os.path.basename(r) for r in folders]
+    summaries = {}
+    for r, name in zip(folders, names):
+        sm = read_json(os.path.join(r, "summary.json"))
+        if sm is None:
+            raise SystemExit(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
+        summaries[r if names.count(name) > 1 else name] = sm   # two runs/x under different parents: both kept
+    path = report.write_comparison(args.out, summaries)
+    print(path)
+    return path
+
+
+def cmd_bench(args):
+    if args.compile is None:
+        args.compile = reranker.cpp_compiler_available()
+        if not args.compile:
+            log("bench: no C++ compiler found, so the compile=True contender is left out")
+    if args.what not in ("score", "train", "serve") and args.device != "cpu":
+        raise SystemExit(f"bench --what {args.what} runs on the CPU only; --device takes score and train")
+    check_device(args.device)
+    if args.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
+        missing = [m for m in ("transformers",) + ("peft",) * (args.what == "train")
+                   if importlib.util.find_spec(m) is None]
+        if missing:
+            raise SystemExit(f"bench --what {args.what} races {' and '.join(missing)} (not runtime dependencies):"
+                             " pip install -r requirements-test.txt")
+    fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
+          "nf4": bench_nf4, "serve": bench_serve}[args.what]
+    res = fn(args)
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def cmd_build_bench(args):
+    cfg = resolve_config(args)
+    check_llms(cfg)
+    methods = [m.strip() for m in args.geo_methods.split(",")]
+    bad = [m for m in methods if m not in GEO_METHODS]
+    if bad:
+        raise SystemExit(f"--geo-methods: unknown {bad}; known {list(GEO_METHODS)}")
+    return build_bench(cfg, args.input, args.output, methods)
+
+
+def cmd_pipeline(args):
+    """train, eval and demo: everything checked that can be before the first expensive step, then the
+    run folder locked and its settings recorded, then the stages."""
     if args.cmd == "demo":
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise SystemExit(f"--out {args.out}: a file, not a folder")
@@ -253,7 +269,7 @@ def main(argv=None):
         args.runs_dir = args.out
         args.name = args.name or "demo"
     cfg = resolve_config(args)
-    if args.cmd != "build-bench" and not os.path.isfile(cfg.bench):
+    if not os.path.isfile(cfg.bench):
         raise SystemExit(f"--bench {cfg.bench}: {'a folder, not a file' if os.path.isdir(cfg.bench) else 'no such file'}")
     stage = getattr(args, "stage", "all")
     if args.cmd != "train" or stage in ("all", "tfsg"):
@@ -267,12 +283,6 @@ def main(argv=None):
             tfsg_schedule(cfg, inst)
     if args.cmd == "eval":
         eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
-    if args.cmd == "build-bench":
-        methods = [m.strip() for m in args.geo_methods.split(",")]
-        bad = [m for m in methods if m not in GEO_METHODS]
-        if bad:
-            raise SystemExit(f"--geo-methods: unknown {bad}; known {list(GEO_METHODS)}")
-        return build_bench(cfg, args.input, args.output, methods)
     srv = None
     if args.cmd == "demo" and cfg.llm == "offline":
         srv = serve_offline_background(0)    # the demo goes through real HTTP on loopback
@@ -292,6 +302,16 @@ def main(argv=None):
     finally:
         if srv:
             srv.shutdown()
+
+
+COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "compare": cmd_compare,
+            "bench": cmd_bench, "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
+            "serve-offline": cmd_serve_offline}
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    return COMMANDS[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import llm_clients
 import lora
 import reranker
 import tfsg
+import tiny
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -204,7 +205,7 @@ def append_jsonl(path, rec):
 
 def model_folder(cfg):
     if cfg.model == "tiny":
-        return reranker.make_tiny_checkpoint(os.path.join(cfg.runs_dir, "_tiny_qwen3"), seed=0)
+        return tiny.make_tiny_checkpoint(os.path.join(cfg.runs_dir, "_tiny_qwen3"), seed=0)
     return cfg.model
 
 

@@ -34,6 +34,7 @@ import reranker
 import run
 import runs
 import tfsg
+import tiny
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,7 +46,7 @@ SAMPLE = os.path.join(HERE, "data", "geo_defensebench_sample.jsonl")
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    return reranker.make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "qwen3"), seed=0)
+    return tiny.make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "qwen3"), seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +145,7 @@ def ok(text, **msg):
             "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
 
 
-# ----------------------------------------------------------------------------- reranker (issue 2)
+# ----------------------------------------------------------------------------- reranker
 
 
 def train_with_lora(rr, seed, dropout, checkpointing=False):
@@ -409,9 +410,9 @@ def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
 
 
 def test_tiny_checkpoint_deterministic_and_tokenizer(tmp_path):
-    a = reranker.make_tiny_checkpoint(str(tmp_path / "a"), seed=0)
-    b = reranker.make_tiny_checkpoint(str(tmp_path / "b"), seed=0)
-    c = reranker.make_tiny_checkpoint(str(tmp_path / "c"), seed=1)
+    a = tiny.make_tiny_checkpoint(str(tmp_path / "a"), seed=0)
+    b = tiny.make_tiny_checkpoint(str(tmp_path / "b"), seed=0)
+    c = tiny.make_tiny_checkpoint(str(tmp_path / "c"), seed=1)
     read = lambda d, f: open(os.path.join(d, f), "rb").read()
     assert read(a, "model.safetensors") == read(b, "model.safetensors")
     assert read(a, "tokenizer.json") == read(b, "tokenizer.json")
@@ -549,7 +550,7 @@ def test_hub_offline_error_names_tiny(monkeypatch, tmp_path):
         reranker.Reranker.from_pretrained("Qwen/Qwen3-Reranker-0.6B")
 
 
-# ----------------------------------------------------------------------------- objective (issue 3)
+# ----------------------------------------------------------------------------- objective
 
 
 def test_equations_hand_computed():
@@ -683,7 +684,7 @@ def test_rmsnorm_backward_matches_autograd():
             assert _rel(a, b) < tol
 
 
-# ----------------------------------------------------------------------------- LoRA (issue 3)
+# ----------------------------------------------------------------------------- LoRA
 
 
 def test_lora_b_zero_equals_base_and_merge(tiny_dir, tmp_path):
@@ -821,7 +822,7 @@ def test_nf4_round_trip_bound(tiny_dir):
     assert torch.isfinite(q).all() and (q - base).abs().max() < 0.5
 
 
-# ----------------------------------------------------------------------------- benchmark data (issue 4)
+# ----------------------------------------------------------------------------- benchmark data
 
 
 def write_lines(tmp_path, rows, name="b.jsonl"):
@@ -966,7 +967,7 @@ def test_sample_is_synthetic_and_benign_side_is_hard():
             assert all(s.rstrip(".") in flat for s in src), (g.group_id, m)
 
 
-# ----------------------------------------------------------------------------- LLM clients (issue 5)
+# ----------------------------------------------------------------------------- LLM clients
 
 
 def client(url, sleeps=None, **kw):
@@ -1337,7 +1338,7 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
             paper.lam_util, paper.lam_cons, paper.monitor_frac) == (16, 32, 0.05, 1e-4, 8, 0.1, 1.1, 0.9, 0.15, 0.2)
 
 
-# ----------------------------------------------------------------------------- TFSG (issue 6)
+# ----------------------------------------------------------------------------- TFSG
 
 
 def R(**kw):
@@ -1554,7 +1555,7 @@ def test_classify_outcomes():
     assert tfsg.classify(t([2]), 2, labels, 2) == "both"
 
 
-# ----------------------------------------------------------------------------- metrics (issue 7)
+# ----------------------------------------------------------------------------- metrics
 
 
 def test_cited_indices_edge_cases():
@@ -1623,7 +1624,7 @@ def test_ppl_threshold_and_stable_reordering(tmp_path, small_bench):
         o = orders[x.instance_id]
         assert o == [i for i in range(9, -1, -1) if not flagged[i]] + [i for i in range(9, -1, -1) if flagged[i]]
     # another scoring model gets its own perplexities (the cache is per model, not per text alone)
-    other = gpt2.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
+    other = tiny.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
     _, diag2 = evaluation.ppl_filter(dataclasses.replace(cfg, ppl_model=other), Base(), cons, insts)
     lm2 = gpt2.GPT2.from_pretrained(other)
     calib2 = [lm2.perplexity(d["text"]) for g in cons for d in g.docs]
@@ -1636,7 +1637,7 @@ def test_gpt2_document_text_never_becomes_end_of_text(tmp_path):
     """A document holding "<|endoftext|>" is scored as that text: the token would restart GPT-2's
     context inside the document and change its perplexity."""
     from tokenizers import AddedToken
-    lm = gpt2.GPT2.from_pretrained(gpt2.make_tiny_gpt2(str(tmp_path / "g")))
+    lm = gpt2.GPT2.from_pretrained(tiny.make_tiny_gpt2(str(tmp_path / "g")))
     plain = lm.encode("a <|endoftext|> b")
     eot = lm.tokenizer.get_vocab_size()
     lm.tokenizer.add_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])   # as GPT-2's own
@@ -1648,13 +1649,13 @@ def test_gpt2_document_text_never_becomes_end_of_text(tmp_path):
 
 def test_gpt2_parity_with_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    tiny = gpt2.make_tiny_gpt2(str(tmp_path / "tiny"))
-    cfg = json.load(open(os.path.join(tiny, "config.json")))
+    folder = tiny.make_tiny_gpt2(str(tmp_path / "tiny"))
+    cfg = json.load(open(os.path.join(folder, "config.json")))
     torch.manual_seed(0)
     hm = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=cfg["vocab_size"], n_embd=48, n_layer=2,
                                                               n_head=4, n_positions=64)).eval()
     hm.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    shutil.copy(os.path.join(tiny, "tokenizer.json"), tmp_path / "hf")
+    shutil.copy(os.path.join(folder, "tokenizer.json"), tmp_path / "hf")
     ours = gpt2.GPT2.from_pretrained(str(tmp_path / "hf"))
     ids = torch.randint(0, cfg["vocab_size"], (2, 40))
     with torch.no_grad():
@@ -2582,3 +2583,14 @@ def test_figures_keep_every_label_inside_and_apart(tmp_path):
     for i, svg in enumerate(figs):
         cairosvg.svg2png(bytestring=svg.encode(), write_to=str(tmp_path / f"f{i}.png"))
         assert (tmp_path / f"f{i}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_identical_requests_in_flight_are_sent_once(server, tmp_path):
+    """The same request asked by several threads at once is sent once; the others wait for its
+    cached reply (a run's HTTP calls, cost and usage are the same however the threads interleave)."""
+    Script.script = [(200, {}, ok("only once"), 0.3)] * 2
+    c = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c"))
+    req = {"messages": [{"role": "user", "content": "same"}]}
+    out = c.map([req] * 8 + [{"messages": [{"role": "user", "content": "other"}]}], workers=9, progress=False)
+    assert [r.text for r in out[:8]] == ["only once"] * 8 and len(Script.seen) == 2
+    assert c.stats["http_calls"] == 2 and c.stats["cache_hits"] == 7

@@ -6,7 +6,7 @@ E0 (empty) -> E1 from controlled contrast cases (A.2.2, A.3.3) -> E2..E4 from ba
 cases (A.3.4 / A.3.5), each update proposed by an Analyzer LLM and applied by the Controller, which
 checks format, enums, required fields, sizes, ids, merge arity, guard dependencies and library size,
 applies the valid updates and rejects the rest with a reason. Whatever the Analyzer returns, the
-library stays valid (Training-Free GRPO's code lacks this: reference/geo_tfsg.md §2.3, §2.5).
+library stays valid (Training-Free GRPO's public code applies Analyzer output unchecked).
 
 Choices the paper leaves open, written down:
 - Outcome of a construction case (A.2.4), from hidden labels after generation only:
@@ -263,7 +263,7 @@ class Controller:
         if not isinstance(updates, list):
             report.rejected.append({"update": updates, "reason": "updates must be a list"})
             return lib, report
-        # DELETE takes precedence over REFINE of the same rule within one batch (geo_tfsg §2.5).
+        # DELETE takes precedence over REFINE of the same rule within one batch.
         deleted = {u.get("target_rule_id") for u in updates if isinstance(u, dict) and u.get("action") == "delete_rule"}
         for u in updates:
             reason = self._apply_one(lib, u, deleted, report, epoch)
@@ -391,7 +391,7 @@ def record_outcomes(lib, cases):
 
 # ----------------------------------------------------------------------------- prompts (A.3)
 
-# A.3.7 first paragraph: the GEO engine instruction (reference/geo_tfsg.md §1.2), as the paper prints it.
+# A.3.7 first paragraph: the GEO engine instruction (GEO, Aggarwal et al. 2024, the engine's answer instruction), as the paper prints it.
 ANSWER_INSTRUCTION = (
     "Write an accurate and concise answer for the given user question, using only the provided summarized "
     "web search results. The answer should be correct, high-quality, and written by an expert using an "

@@ -56,11 +56,7 @@ def _load_ckpt(path, model, opt):
     tensors = load_file(os.path.join(path, "state.safetensors"))
     with safe_open(os.path.join(path, "state.safetensors"), "pt") as f:
         state = json.loads(f.metadata()["state"])
-    mods = lora.lora_modules(model)
-    with torch.no_grad():
-        for name, m in mods.items():
-            m.lora_A.copy_(tensors[f"{lora.PEFT_PREFIX}model.{name}.lora_A.weight"])
-            m.lora_B.copy_(tensors[f"{lora.PEFT_PREFIX}model.{name}.lora_B.weight"])
+    lora.load_lora_state_dict(model, tensors)
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
         if f"opt.{i}.exp_avg" in tensors:
@@ -73,6 +69,31 @@ def _load_ckpt(path, model, opt):
     return state
 
 
+def prepare_triples(cfg, rr, cons, inst):
+    """A.1.1 preference triples of the construction instances, tokenized, with their frozen base
+    scores s_0 (once, without gradient, as TRL's precompute_ref_log_probs): every distinct document
+    of the attack-injected lists (to pick d_b) and of the clean lists (d+), cached in the file the
+    evaluation reads. -> (triples, ids {instance_id: 3 token-id lists}, s0 {instance_id: 3 floats},
+    base scores {instance_id: the 10 candidates' scores})."""
+    base = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base")
+    base.prepare(inst + [geodef.clean_instance(g) for g in cons])
+    scores = {x.instance_id: base.scores(x) for x in inst}
+    triples = geodef.preference_triples(cons, inst, scores.get)
+    s0 = {t["instance_id"]: [base.cache[doc_key(t["query"], t["pos"])], scores[t["instance_id"]][t["att_index"]],
+                             scores[t["instance_id"]][t["ben_index"]]] for t in triples}
+    ids = {t["instance_id"]: rr.tokenize(t["query"], [t["pos"], t["att"], t["ben"]]) for t in triples}
+    return triples, ids, s0, scores
+
+
+def triple_loss(rr, cfg, ids, s0, grad):
+    """Eqs. 2-5 for one triple, scored in the order (d+, d_a, d_b) -> (loss, stats, s (3,), r (3,)).
+    The training loop and the monitoring split compute their loss here."""
+    s = rr.score_ids(ids, grad=grad)                                           # (3,) s_theta: d+, d_a, d_b
+    r = geodef.defensive_residual(s, torch.tensor(s0, device=s.device))       # (3,) Eq. 2
+    loss, stats = geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)
+    return loss, stats, s, r
+
+
 def monitor(rr, triples, ids, s0, cfg, lists=()):
     """Monitoring split metrics: Eq. 5 loss, preference accuracy (both preference types, strict >), mean residuals,
     attack demotion rate (attack scored below both benign documents), and over the full candidate
@@ -80,9 +101,8 @@ def monitor(rr, triples, ids, s0, cfg, lists=()):
     acc, r_pos, r_att, r_ben, demoted, losses = [], [], [], [], [], []
     rr.model.eval()
     for t in triples:
-        s = rr.score_ids(ids[t["instance_id"]])                                  # (3,) pos, att, ben
-        r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]], device=s.device))   # Eq. 2
-        losses.append(geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)[0].item())
+        loss, _, s, r = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=False)
+        losses.append(loss.item())
         acc += [float(r[0] > r[1]), float(r[2] > r[1])]
         r_pos.append(float(r[0])); r_att.append(float(r[1])); r_ben.append(float(r[2]))
         demoted.append(float(s[1] < s[0] and s[1] < s[2]))
@@ -92,8 +112,47 @@ def monitor(rr, triples, ids, s0, cfg, lists=()):
             "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
 
 
+def fit(cfg, rr, opt, params, triples, ids, s0, state, on_step, on_epoch):
+    """The training loop, from `state` (epoch, position in the epoch's order, optimizer step) to
+    cfg.epochs: per example forward and loss, backward scaled to the mean over the accumulated
+    examples, then clip, step and log every grad_accum examples (on_step(record)), and on_epoch()
+    after each epoch. Each epoch's order comes from the seed alone, so a resumed run redoes exactly
+    the examples it lost."""
+    bar = tqdm(total=cfg.epochs * len(triples), initial=state["epoch"] * len(triples) + state["pos"],
+               desc="shield", file=sys.stderr)
+    while state["epoch"] < cfg.epochs:
+        order = list(range(len(triples)))
+        random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(order)
+        rr.model.train()
+        acc_stats = []
+        while state["pos"] < len(order):
+            t = triples[order[state["pos"]]]
+            loss, st, _, _ = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=True)
+            n_in_step = min(cfg.grad_accum, len(order) - (state["pos"] // cfg.grad_accum) * cfg.grad_accum)
+            (loss / n_in_step).backward()                                       # mean over the accumulated examples
+            acc_stats.append(st)
+            state["pos"] += 1
+            bar.update(1)
+            if state["pos"] % cfg.grad_accum == 0 or state["pos"] == len(order):
+                gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                state["step"] += 1
+                rec = {k: sum(a[k] for a in acc_stats) / len(acc_stats) for k in acc_stats[0]}
+                rec.update({"grad_norm": float(gn), "learning_rate": cfg.lr, "step": state["step"],
+                            "epoch": state["epoch"] + state["pos"] / len(order)})
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['rewards/accuracies']:.2f}")
+                acc_stats = []
+                on_step(rec, mid_epoch=state["pos"] < len(order))
+        state["epoch"] += 1
+        state["pos"] = 0
+        on_epoch()
+    bar.close()
+
+
 def train_shield(cfg, rr=None, resume=True):
-    """Shield Reranker: LoRA on the frozen reranker, residual preference objective (Eqs. 1-5, Table A.1)."""
+    """Shield Reranker: LoRA on the frozen reranker, residual preference objective (Eqs. 1-5, Table A.1).
+    Keeps the adapter of the epoch with the lowest Eq. 5 loss on the monitoring split; resumable."""
     run = cfg.run_dir
     adapter_dir = adapter_path(cfg)
     if read_json(os.path.join(run, "shield_done.json")):
@@ -103,16 +162,7 @@ def train_shield(cfg, rr=None, resume=True):
     inst = geodef.expand(cons, seen)
     opt_inst, mon_inst = shield_split(cfg, inst)
     rr = rr or load_reranker(cfg)
-    # Frozen base scores s_0, once, without gradient (TRL precompute_ref_log_probs): every distinct
-    # document of the attack-injected lists (to pick d_b) and of the clean lists (d+), cached in the
-    # same file the evaluation reads.
-    base = Ranker(rr, os.path.join(run, "cache", "scores_base.json"), "base")
-    base.prepare(inst + [geodef.clean_instance(g) for g in cons])
-    scores = {x.instance_id: base.scores(x) for x in inst}
-    triples = geodef.preference_triples(cons, inst, scores.get)
-    s0 = {t["instance_id"]: [base.cache[doc_key(t["query"], t["pos"])], scores[t["instance_id"]][t["att_index"]],
-                             scores[t["instance_id"]][t["ben_index"]]] for t in triples}
-    ids = {t["instance_id"]: rr.tokenize(t["query"], [t["pos"], t["att"], t["ben"]]) for t in triples}
+    triples, ids, s0, scores = prepare_triples(cfg, rr, cons, inst)
     opt_ids = {x.instance_id for x in opt_inst}
     opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
     mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
@@ -137,59 +187,32 @@ def train_shield(cfg, rr=None, resume=True):
         state["history"].append({"epoch": 0, **m0})
         append_jsonl(log_path, {"event": "monitor", "epoch": 0, "step": 0, **m0})
         log(f"[train] step 0 monitoring: {m0}")
-    steps_per_epoch = math.ceil(len(opt_triples) / cfg.grad_accum)
-    bar = tqdm(total=cfg.epochs * len(opt_triples), initial=state["epoch"] * len(opt_triples) + state["pos"],
-               desc="shield", file=sys.stderr)
-    while state["epoch"] < cfg.epochs:
-        order = list(range(len(opt_triples)))
-        random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(order)   # epoch order from the seed alone
-        rr.model.train()
-        acc_stats = []
-        while state["pos"] < len(order):
-            t = opt_triples[order[state["pos"]]]
-            s = rr.score_ids(ids[t["instance_id"]], grad=True)                  # (3,) s_theta: d+, d_a, d_b
-            r = geodef.defensive_residual(s, torch.tensor(s0[t["instance_id"]], device=s.device))  # (3,) Eq. 2
-            loss, st = geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)
-            n_in_step = min(cfg.grad_accum, len(order) - (state["pos"] // cfg.grad_accum) * cfg.grad_accum)
-            (loss / n_in_step).backward()                                       # mean over the accumulated examples
-            acc_stats.append(st)
-            state["pos"] += 1
-            bar.update(1)
-            if state["pos"] % cfg.grad_accum == 0 or state["pos"] == len(order):
-                gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                state["step"] += 1
-                rec = {k: sum(a[k] for a in acc_stats) / len(acc_stats) for k in acc_stats[0]}
-                rec.update({"grad_norm": float(gn), "learning_rate": cfg.lr, "step": state["step"],
-                            "epoch": state["epoch"] + state["pos"] / len(order)})
-                append_jsonl(log_path, {"event": "train", **rec})
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['rewards/accuracies']:.2f}")
-                acc_stats = []
-                if state["step"] % cfg.save_every == 0 and state["pos"] < len(order):
-                    _save_ckpt(ckpt, rr.model, opt, state, log_path)
-        state["epoch"] += 1
-        state["pos"] = 0
+
+    def on_step(rec, mid_epoch):
+        append_jsonl(log_path, {"event": "train", **rec})
+        if state["step"] % cfg.save_every == 0 and mid_epoch:
+            _save_ckpt(ckpt, rr.model, opt, state, log_path)
+
+    def on_epoch():
         m = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
         state["history"].append({"epoch": state["epoch"], **m})
         append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
-        # best = lowest Eq. 5 loss on the monitoring split (early stopping on held-out query groups)
-        key = (-m["loss"], m["pref_accuracy"])
+        key = (-m["loss"], m["pref_accuracy"])   # best = lowest Eq. 5 loss on the held-out groups
         if state["best"] is None or key > tuple(state["best"]["key"]):
-            lora.save_adapter(rr.model, adapter_dir, hub_id(cfg))   # keep the best adapter by monitoring
+            lora.save_adapter(rr.model, adapter_dir, hub_id(cfg))
             state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
         _save_ckpt(ckpt, rr.model, opt, state, log_path)
-    bar.close()
+
+    fit(cfg, rr, opt, params, opt_triples, ids, s0, state, on_step, on_epoch)
     lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
     rr.model.eval()
     test_stats = shield_test_stats(cfg, rr, geodef.expand(test, methods))
     write_json(os.path.join(run, "shield_done.json"), {"best": state["best"], "history": state["history"],
-                                                      "steps": state["step"], "steps_per_epoch": steps_per_epoch,
+                                                      "steps": state["step"],
+                                                      "steps_per_epoch": math.ceil(len(opt_triples) / cfg.grad_accum),
                                                       "test_ranking": test_stats})
     log(f"[train] best adapter (epoch {state['best']['epoch']}): {state['best']}")
     log(f"[train] test groups, base -> shield: {test_stats}")
-
-
 
 
 def benign_kept(base_scores, new_scores, attack_index, k):
