@@ -51,6 +51,16 @@ def bench_folder(args):
     return folder
 
 
+def left_padded(ids, pad_id=151643):
+    """Token-id lists -> (ids (B, T), attention mask (B, T)) left-padded with <|endoftext|>, as the
+    model card's snippet batches them for transformers."""
+    T = max(map(len, ids))
+    out, mask = torch.full((len(ids), T), pad_id), torch.zeros((len(ids), T), dtype=torch.long)
+    for i, x in enumerate(ids):
+        out[i, T - len(x):], mask[i, T - len(x):] = torch.tensor(x), 1
+    return out, mask
+
+
 def best_time(fn, repeat):
     """Seconds of the fastest of `repeat` timed calls after one warm-up call."""
     return race({"fn": fn}, repeat)["fn"]
@@ -282,13 +292,7 @@ def bench_score(args):
         results["compile_first_call_s"] = time.perf_counter() - t0
     for name, lens in work.items():
         ids = random_ids(lens, prefix=args.prefix)
-        T = max(lens)
-        pad = torch.full((len(ids), T), 151643)                    # left padding, as the model card
-        mask = torch.zeros((len(ids), T), dtype=torch.long)
-        for i, x in enumerate(ids):
-            pad[i, T - len(x):] = torch.tensor(x)
-            mask[i, T - len(x):] = 1
-        pad, mask = pad.to(dev), mask.to(dev)
+        pad, mask = (t.to(dev) for t in left_padded(ids))
 
         def transformers_keep1():
             with torch.inference_mode():
@@ -374,10 +378,7 @@ def _peak_rss_child(kind, folder, lens, prefix, dtype_name, q):
     else:
         import transformers
         hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
-        T = max(lens)
-        pad, mask = torch.full((len(ids), T), 151643), torch.zeros((len(ids), T), dtype=torch.long)
-        for i, x in enumerate(ids):
-            pad[i, T - len(x):], mask[i, T - len(x):] = torch.tensor(x), 1
+        pad, mask = left_padded(ids)
         with torch.inference_mode():
             hf(input_ids=pad, attention_mask=mask, logits_to_keep=1)
     q.put(peak_rss_mib())

@@ -70,11 +70,8 @@ def chat_template(instruction):
 
 
 def _sha1(path):
-    h = hashlib.sha1()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha1").hexdigest()
 
 
 def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=reranker.SHIELD_INSTRUCTION,
@@ -197,12 +194,13 @@ default). Score the last token; relevance = sigmoid(z_yes - z_no).
 
 Run here (tests of the repository that exported it): loading this folder with transformers
 (`AutoModelForSequenceClassification` / `AutoModelForCausalLM`) gives the Shield's margins to
-1e-4 in float32. **Not run here**: vLLM (needs a GPU), Infinity and sentence-transformers; the
-commands below follow their documentation.
+1e-4 in float32, and sentence-transformers' `CrossEncoder` (seq-cls) gives sigmoid of them on the
+formatted pairs below. **Not run here**: vLLM (needs a GPU) and Infinity; their commands follow
+their documentation.
 
 - vLLM, many GPUs or replicas (OpenAI/Cohere-style `/rerank`, `/v1/rerank`, `/score`):
   `{vllm}`
-- sentence-transformers: `CrossEncoder("./{name}")` (one label: sigmoid applied) on pairs
+- sentence-transformers (run here): `CrossEncoder("./{name}")` (one label: sigmoid applied) on pairs
   `(prefix + "<Instruct>: ...\\n<Query>: " + query + "\\n", "<Document>: " + document + suffix)`,
   the prompt above split before `<Document>:`; a bare (query, document) pair lacks the prompt and
   scores poorly.

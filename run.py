@@ -275,8 +275,8 @@ def cmd_pipeline(args):
     if args.cmd != "train" or stage in ("all", "tfsg"):
         check_llms(cfg)   # a missing key or bad spec fails now, not after hours of Shield training
     if args.cmd in ("train", "demo"):  # what training needs from the benchmark, before anything is written
-        groups, meta, cons, test, seen, methods = load_data(cfg)
-        inst = geodef.expand(cons, seen)
+        data = load_data(cfg)
+        inst = geodef.expand(data.construction, data.seen)
         if stage in ("all", "shield"):
             shield_split(cfg, inst)
         if stage in ("all", "tfsg"):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -179,11 +180,8 @@ def read_json(path, default=None):
 
 
 def file_sha1(path):
-    h = hashlib.sha1()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha1").hexdigest()
 
 
 def code_version():
@@ -281,7 +279,19 @@ def load_shield(cfg, rr=None):
 # ----------------------------------------------------------------------------- data
 
 
+class BenchData(NamedTuple):
+    """A benchmark as a run uses it: all groups, the file's _meta, the construction and test groups
+    (B.1.2), the construction (seen) methods and the evaluated methods."""
+    groups: list
+    meta: geodef.BenchMeta
+    construction: list
+    test: list
+    seen: list
+    methods: list
+
+
 def load_data(cfg):
+    """The run's benchmark, split and with its methods resolved -> BenchData."""
     groups, meta = geodef.load_bench(cfg.bench, with_meta=True)
     try:
         cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
@@ -297,7 +307,7 @@ def load_data(cfg):
     for m in methods:
         if m not in meta.methods:
             raise SystemExit(f"--methods: {m!r} is not in the benchmark's methods {meta.methods}")
-    return groups, meta, cons, test, seen, methods
+    return BenchData(groups, meta, cons, test, seen, methods)
 
 
 def shield_split(cfg, inst):
@@ -413,9 +423,18 @@ def rankers(cfg, shield):
     """(base, shield or None) Rankers over ONE loaded model: with the trained adapter attached, the
     base scores come from the same weights with the adapter disabled (pi_0)."""
     rr = load_shield(cfg) if shield else load_reranker(cfg)
-    base = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=shield)
-    sh = Ranker(rr, shield_scores_path(cfg), "shield") if shield else None
-    return base, sh
+    return base_ranker(cfg, rr, adapter_off=shield), (shield_ranker(cfg, rr) if shield else None)
+
+
+def base_ranker(cfg, rr, adapter_off=False):
+    """The frozen base reranker's Ranker, its scores cached in cache/scores_base.json (adapter_off: the
+    model carries the Shield adapter, disabled for these scores)."""
+    return Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=adapter_off)
+
+
+def shield_ranker(cfg, rr):
+    """The Shield's Ranker (rr with the run's adapter), its scores cached per adapter (shield_scores_path)."""
+    return Ranker(rr, shield_scores_path(cfg), "shield")
 
 
 def documents_cut(rr, insts):

@@ -2594,3 +2594,19 @@ def test_identical_requests_in_flight_are_sent_once(server, tmp_path):
     out = c.map([req] * 8 + [{"messages": [{"role": "user", "content": "other"}]}], workers=9, progress=False)
     assert [r.text for r in out[:8]] == ["only once"] * 8 and len(Script.seen) == 2
     assert c.stats["http_calls"] == 2 and c.stats["cache_hits"] == 7
+
+
+def test_seq_cls_export_as_a_sentence_transformers_cross_encoder(tmp_path, tiny_dir):
+    """sentence-transformers' CrossEncoder loads the seq-cls export (one label: sigmoid) and, on the
+    prompt split before <Document>: as the model card says, scores sigmoid of our Shield margins."""
+    st = pytest.importorskip("sentence_transformers")
+    folder, adapter = _shield_folder(tmp_path, tiny_dir)
+    rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    lora.load_adapter(rr.model, adapter)
+    rr.model.eval()
+    out = deploy.export(folder, str(tmp_path / "sc"), adapter=adapter, dtype="float32")
+    ce = st.CrossEncoder(out, device="cpu")
+    q, docs = "how long to boil an egg", ["Boil eggs for six minutes.", "Stocks fell today.", "eggs " * 30]
+    head = reranker.PREFIX + f"<Instruct>: {reranker.SHIELD_INSTRUCTION}\n<Query>: {q}\n"
+    got = ce.predict([(head, f"<Document>: {d}" + reranker.SUFFIX) for d in docs])
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), torch.sigmoid(rr.score(q, docs)), rtol=1e-4, atol=1e-5)

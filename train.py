@@ -20,8 +20,8 @@ import geodef
 import lora
 import tfsg
 from evaluation import eval_condition
-from runs import (Ranker, adapter_path, append_jsonl, doc_key, hub_id, labels_of, library_path, load_data,
-                  load_reranker, log, make_llm, order_of, rankers, read_json, shield_scores_path, shield_split,
+from runs import (adapter_path, append_jsonl, base_ranker, doc_key, hub_id, labels_of, library_path, load_data,
+                  load_reranker, log, make_llm, order_of, rankers, read_json, shield_ranker, shield_split,
                   tfsg_limits, tfsg_schedule, write_json)
 
 
@@ -75,7 +75,7 @@ def prepare_triples(cfg, rr, cons, inst):
     of the attack-injected lists (to pick d_b) and of the clean lists (d+), cached in the file the
     evaluation reads. -> (triples, ids {instance_id: 3 token-id lists}, s0 {instance_id: 3 floats},
     base scores {instance_id: the 10 candidates' scores})."""
-    base = Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base")
+    base = base_ranker(cfg, rr)
     base.prepare(inst + [geodef.clean_instance(g) for g in cons])
     scores = {x.instance_id: base.scores(x) for x in inst}
     triples = geodef.preference_triples(cons, inst, scores.get)
@@ -158,8 +158,8 @@ def train_shield(cfg, rr=None, resume=True):
     if read_json(os.path.join(run, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
         return
-    groups, meta, cons, test, seen, methods = load_data(cfg)
-    inst = geodef.expand(cons, seen)
+    data = load_data(cfg)
+    cons, inst = data.construction, geodef.expand(data.construction, data.seen)
     opt_inst, mon_inst = shield_split(cfg, inst)
     rr = rr or load_reranker(cfg)
     triples, ids, s0, scores = prepare_triples(cfg, rr, cons, inst)
@@ -206,7 +206,7 @@ def train_shield(cfg, rr=None, resume=True):
     fit(cfg, rr, opt, params, opt_triples, ids, s0, state, on_step, on_epoch)
     lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
     rr.model.eval()
-    test_stats = shield_test_stats(cfg, rr, geodef.expand(test, methods))
+    test_stats = shield_test_stats(cfg, rr, geodef.expand(data.test, data.methods))
     write_json(os.path.join(run, "shield_done.json"), {"best": state["best"], "history": state["history"],
                                                       "steps": state["step"],
                                                       "steps_per_epoch": math.ceil(len(opt_triples) / cfg.grad_accum),
@@ -224,8 +224,7 @@ def benign_kept(base_scores, new_scores, attack_index, k):
 def shield_test_stats(cfg, rr, insts):
     """On the test instances: where the attack document ranks under the base scorer (LoRA disabled)
     and under the Shield scorer, and how much of the base top-k's benign evidence the Shield keeps."""
-    base, shield = (Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=True),
-                    Ranker(rr, shield_scores_path(cfg), "shield"))
+    base, shield = base_ranker(cfg, rr, adapter_off=True), shield_ranker(cfg, rr)
     base.prepare(insts)
     shield.prepare(insts)
     rank_b, rank_s, in_b, in_s, overlap = [], [], 0, 0, []
@@ -262,8 +261,8 @@ def train_tfsg(cfg):
     if os.path.isfile(library_path(cfg)):
         log(f"[train] TFSG library already built: {run}/library")
         return
-    groups, meta, cons, test, seen, methods = load_data(cfg)
-    inst = geodef.expand(cons, seen)
+    data = load_data(cfg)
+    cons, inst = data.construction, geodef.expand(data.construction, data.seen)
     seeds, batches = tfsg_schedule(cfg, inst)
     base, shield = rankers(cfg, cfg.shield)
     ranker = shield or base
