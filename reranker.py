@@ -31,6 +31,7 @@ Shapes: N packed tokens of S sequences, C hidden, H query heads, K kv heads, E h
 Usage: rr = Reranker.from_pretrained("Qwen/Qwen3-Reranker-0.6B"); rr.rank(query, docs, k=5)
 """
 import json
+import operator
 import os
 import shutil
 import sys
@@ -120,7 +121,7 @@ def rms_norm(x, weight, eps):
 
 
 class RMSNorm(nn.Module):
-    fused = False  # set by Qwen3Model.compile_elementwise
+    kernels = None  # the Kernels the model was built with (Qwen3Model sets them)
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -128,17 +129,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Qwen3RMSNorm: normalise in float32, cast back BEFORE the weight multiply (matters in bf16).
-        if self.fused:
-            return fused(rms_norm)(x, self.weight, self.eps)
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return RMSNormFunction.apply(x, self.weight, self.eps)
-        if x.dtype == torch.float32:                                      # x.float() is x: do not overwrite it
-            return rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)     # (..., 1) float32
-        # bf16/f16 without gradient: same roundings, fewer large allocations (they dominate on CPU)
-        return xf.mul_(r).to(x.dtype).mul_(self.weight)
+        return self.kernels.rms_norm(x, self.weight, self.eps)            # (..., C)
 
 
 def rope_cos_sin(pos, head_dim, theta, dtype):
@@ -198,7 +189,7 @@ def packed_causal_sdpa(q, k, v, lens, P=0):
 
 
 class Attention(nn.Module):
-    fused = False
+    kernels = None
 
     def __init__(self, cfg):
         super().__init__()
@@ -221,17 +212,10 @@ class Attention(nn.Module):
         q = self.q_proj(xq).view(-1, self.H, self.E)                              # (N|S, H, E)
         k = self.k_proj(x).view(N, self.K, self.E)                                # (N, K, E)
         v = self.v_proj(x).view(N, self.K, self.E)                                # (N, K, E)
-        if self.fused:
-            q = fused(norm_rope)(q, self.q_norm.weight, self.q_norm.eps, cq, sq)
-            k = fused(norm_rope)(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
-        else:
-            q = apply_rope(self.q_norm(q), cq, sq)
-            k = apply_rope(self.k_norm(k), cos, sin)
+        q = self.kernels.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cq, sq)  # per-head norm, then RoPE
+        k = self.kernels.norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
         if last is None:
-            if torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
-                o = PackedCausalAttention.apply(q, k, v, lens, P)                 # hand backward (CPU)
-            else:
-                o = packed_causal_sdpa(q, k, v, lens, P)                          # (N, H, E)
+            o = self.kernels.attention(q, k, v, lens, P)                          # (N, H, E)
             return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
         outs, start = [], P
         for j, L in enumerate(lens):                                              # final query sees all keys
@@ -243,7 +227,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused = False
+    kernels = None
 
     def __init__(self, cfg):
         super().__init__()
@@ -253,16 +237,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(Fd, C, bias=False)
 
     def forward(self, x):
-        g = self.gate_proj(x)                                                # (N, F)
-        if self.fused:
-            return self.down_proj(fused(swiglu)(g, self.up_proj(x)))
-        if torch.is_grad_enabled():
-            return self.down_proj(F.silu(g) * self.up_proj(x))              # SwiGLU, (N, F) -> (N, C)
-        return self.down_proj(F.silu(g, inplace=True).mul_(self.up_proj(x)))
+        return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))   # (N, F) -> (N, C)
 
 
 class Block(nn.Module):
-    fused = False
+    kernels = None
 
     def __init__(self, cfg):
         super().__init__()
@@ -274,15 +253,9 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, lens, last=None, prefix=0):
         h = self.self_attn(self.input_layernorm(x), cos, sin, lens, last, prefix)
         x = x if last is None else x[last]                         # (N|S, C)
-        if self.fused:
-            norm = self.post_attention_layernorm
-            x, n = fused(add_rms_norm)(x, h, norm.weight, norm.eps)
-            return x + self.mlp(n)
-        if torch.is_grad_enabled():
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = h.add_(x)                                              # in inference the residual adds reuse h
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        norm = self.post_attention_layernorm
+        x, n = self.kernels.add_rms_norm(x, h, norm.weight, norm.eps)   # x + h, and its norm
+        return self.kernels.add(x, self.mlp(n))                          # the second residual
 
 
 class Qwen3Model(nn.Module):
@@ -295,17 +268,22 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gradient_checkpointing = False
+        self.use_kernels(EAGER)
+
+    def use_kernels(self, kernels):
+        """Every module computes its elementwise and attention work with `kernels` (EAGER, COMPILED)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP, Block)):
+                m.kernels = kernels
+        return self
 
     def compile_elementwise(self, on=True):
         """Run the elementwise pieces (norms, q/k norm + RoPE, residual add + norm, SwiGLU) as
-        torch.compile'd fusions (see `fused`); matmuls, attention and LoRA are unchanged."""
+        torch.compile'd fusions (COMPILED); matmuls, attention and LoRA are unchanged."""
         if on and self.embed_tokens.weight.device.type == "cpu" and not cpp_compiler_available():
             raise RuntimeError("compile=True needs a C++ compiler on the CPU (torch.compile's inductor "
                                "backend builds its kernels with $CXX, else g++): install one or run without it")
-        for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention, MLP, Block)):
-                m.fused = on
-        return self
+        return self.use_kernels(COMPILED if on else EAGER)
 
     def forward(self, ids, lens, prefix=0):
         """ids (N,) packed token ids: `prefix` tokens shared by all S sequences (stored once), then each
@@ -604,6 +582,8 @@ class RMSNormFunction(torch.autograd.Function):
         return gx.to(x.dtype), gw, None
 
 
+# Devices whose training attention uses PackedCausalAttention's hand backward; elsewhere (CUDA) SDPA's
+# own fused backward is used through autograd.
 HAND_BACKWARD = ("cpu",)
 
 
@@ -732,5 +712,61 @@ def fused(fn):
     return _FUSED[fn]
 
 
-# Devices whose training attention uses PackedCausalAttention's hand backward; elsewhere (CUDA) SDPA's
-# own fused backward is used through autograd.
+# ----------------------------------------------------------------------------- kernel sets
+
+
+def rms_norm_eager(x, weight, eps):
+    """rms_norm with the hand backward when a gradient is needed, in place at inference."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return RMSNormFunction.apply(x, weight, eps)
+    if x.dtype == torch.float32:                                          # x.float() is x: do not overwrite it
+        return rms_norm(x, weight, eps)
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)              # (..., 1) float32
+    # bf16/f16 without gradient: same roundings, fewer large allocations (they dominate on CPU)
+    return xf.mul_(r).to(x.dtype).mul_(weight)
+
+
+def norm_rope_eager(x, weight, eps, cos, sin_signed):
+    return apply_rope(rms_norm_eager(x, weight, eps), cos, sin_signed)
+
+
+def add_rms_norm_eager(x, h, weight, eps):
+    """add_rms_norm; at inference the sum reuses h's memory (h is a fresh attention output)."""
+    x = x + h if torch.is_grad_enabled() else h.add_(x)
+    return x, rms_norm_eager(x, weight, eps)
+
+
+def swiglu_eager(g, u):
+    """swiglu; at inference in place in g."""
+    return F.silu(g) * u if torch.is_grad_enabled() else F.silu(g, inplace=True).mul_(u)
+
+
+def residual_add(x, y):
+    """x + y; at inference in place in x."""
+    return x + y if torch.is_grad_enabled() else x.add_(y)
+
+
+def attention_packed(q, k, v, lens, P):
+    """Packed causal attention: in training on HAND_BACKWARD devices with the hand backward, else
+    SDPA (autograd takes its own backward)."""
+    if torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
+        return PackedCausalAttention.apply(q, k, v, lens, P)
+    return packed_causal_sdpa(q, k, v, lens, P)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The decoder's non-matmul work, one function each, chosen once for the whole model."""
+    rms_norm: object        # (x, weight, eps) -> norm(x)
+    norm_rope: object       # (x, weight, eps, cos, sin_signed) -> RoPE(norm(x)), per head
+    add_rms_norm: object    # (x, h, weight, eps) -> (x + h, norm(x + h))
+    swiglu: object          # (gate, up) -> silu(gate) * up
+    add: object             # (x, y) -> x + y
+    attention: object       # (q, k, v, lens, P) -> packed causal attention output
+
+
+EAGER = Kernels(rms_norm_eager, norm_rope_eager, add_rms_norm_eager, swiglu_eager, residual_add, attention_packed)
+# torch.compile'd on first use (`fused`): the plain functions as one loop each; attention as EAGER
+COMPILED = Kernels(lambda *a: fused(rms_norm)(*a), lambda *a: fused(norm_rope)(*a),
+                   lambda *a: fused(add_rms_norm)(*a), lambda *a: fused(swiglu)(*a), operator.add, attention_packed)
