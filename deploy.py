@@ -494,7 +494,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"id": uuid.uuid4().hex, "model": body.get("model") if isinstance(body.get("model"), str)
                          else conf["model_name"], "results": results,
                          "usage": {"total_tokens": sum(map(len, ids))},
-                         "meta": {"scoring_ms": round(1000 * (time.perf_counter() - t0), 1)}})
+                         "meta": {"elapsed_ms": round(1000 * (time.perf_counter() - t0), 1)}})
 
 
 class RerankServer(ThreadingHTTPServer):

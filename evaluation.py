@@ -244,7 +244,7 @@ def evaluate(cfg):
     if "PPL-Filter" in conds and cfg.ppl_model != "tiny":
         gpt2.resolve(cfg.ppl_model)     # download it, or fail, before the reranker scores every candidate
     needs_lib = any(c in WITH_LIBRARY for c in conds)
-    lib = tfsg.ExperienceLibrary.from_dict(read_json(library_path(cfg))) if needs_lib else None
+    lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg)) if needs_lib else None
     base, shield = rankers(cfg, any(c in WITH_SHIELD for c in conds))
     base.prepare(insts + cleans)
     if shield:
@@ -304,7 +304,7 @@ def evaluate(cfg):
             p = library_path(cfg, t)
             if not os.path.isfile(p):
                 continue
-            lt = tfsg.ExperienceLibrary.from_dict(read_json(p))
+            lt = tfsg.load_library(p, tfsg_limits(cfg))
             recs = results["GEO Defender"] if t == cfg.n_batches + 1 else condition(
                 f"GEO Defender E{t}", insts, topk["shield"], lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
                 f"geo_defender_E{t}")

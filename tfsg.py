@@ -123,12 +123,10 @@ def load_library(path, limits=LIMITS):
     try:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
-    except (UnicodeDecodeError, ValueError) as e:
+    except ValueError as e:                    # UnicodeDecodeError included
         raise LibraryError(f"{path}: not a JSON library file ({e})") from None
-    if not isinstance(d, dict) or not isinstance(d.get("rules"), list):
-        raise LibraryError(f"{path}: rules: an experience library is a JSON object with a list of rules")
-    if not all(isinstance(r, dict) for r in d["rules"]):
-        raise LibraryError(f"{path}: rules: every rule must be an object")
+    if not isinstance(d, dict) or not isinstance(d.get("rules"), list) or not all(isinstance(r, dict) for r in d["rules"]):
+        raise LibraryError(f"{path}: rules: an experience library is a JSON object with a list of rule objects")
     for k, typ in (("library_version", int), ("next_id", int), ("task_frame", str)):
         if k in d and (not isinstance(d[k], typ) or isinstance(d[k], bool)):
             raise LibraryError(f"{path}: {k}: expected {typ.__name__}")
