@@ -293,6 +293,7 @@ class Batcher:
         except queue.Full:
             raise RequestError(503, "the server is busy (request queue full); retry later") from None
         if not job["done"].wait(timeout):
+            job["cancelled"] = True           # not scored later for nobody
             raise RequestError(503, f"not scored within {timeout:.0f} s; retry later")
         if job["error"] is not None:
             raise job["error"]
@@ -313,6 +314,9 @@ class Batcher:
                     break
                 batch.append(job)
                 n += size(job)
+            batch = [job for job in batch if not job.get("cancelled")]
+            if not batch:
+                continue
             try:
                 flat = [x for job in batch for x in job["ids"]]
                 margins = self.rr.score_ids(flat).tolist()
