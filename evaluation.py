@@ -152,8 +152,8 @@ def summarize(recs, clean):
 
 
 def transfer_items(cfg):
-    """--transfer "name=path,..." -> [(name, path)], each checked: a name safe for a file name (it
-    names results/transfer_<name>.jsonl and the Table C.2 row) and the library file present."""
+    """--transfer "name=path,..." -> [(name, path, library)], each checked: a name safe for a file name
+    (it names results/transfer_<name>.jsonl and the Table C.2 row) and a valid library file."""
     items = []
     for item in (cfg.transfer.split(",") if cfg.transfer else []):
         name, eq, path = item.partition("=")
@@ -163,14 +163,14 @@ def transfer_items(cfg):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--transfer: {path}: no library file")
         try:
-            tfsg.load_library(path, tfsg_limits(cfg))      # its content checked now, not after the other conditions
+            lib = tfsg.load_library(path, tfsg_limits(cfg))   # checked now, not after the other conditions
         except tfsg.LibraryError as e:
             raise SystemExit(f"--transfer {name}: {e}") from None
-        items.append((name, path))
+        items.append((name, path, lib))
     return items
 
 
-def eval_settings(cfg, conds):
+def eval_settings(cfg, conds, transfers):
     """The settings the values of results/*.jsonl depend on beyond the pinned ones: the judge (ASI,
     pairwise quality), the answers' token cap, for PPL-Filter its scoring model and quantile, and for
     each --transfer name the SHA-1 of its library file. (Which conditions, methods and test groups
@@ -179,7 +179,7 @@ def eval_settings(cfg, conds):
     if "PPL-Filter" in conds:
         s.update(ppl_model=cfg.ppl_model, ppl_quantile=cfg.ppl_quantile)
     if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
-        for name, path in transfer_items(cfg):
+        for name, path, _ in transfers:
             s[f"transfer {name}"] = file_sha1(path)[:12]
     return s
 
@@ -197,12 +197,12 @@ def settings_of(name, recs, settings):
     return {k: v for k, v in settings.items() if k in keep}
 
 
-def check_eval_settings(cfg, conds):
+def check_eval_settings(cfg, conds, transfers):
     """Results are resumed record by record, so an eval with another judge (or PPL model, ...) would
     silently reuse the records made with the old one: refused, naming both."""
     res = os.path.join(cfg.run_dir, "results")
     old = read_json(os.path.join(res, "settings.json"), {})
-    changed = {k: v for k, v in eval_settings(cfg, conds).items() if k in old and old[k] != v}
+    changed = {k: v for k, v in eval_settings(cfg, conds, transfers).items() if k in old and old[k] != v}
     if changed:
         raise SystemExit(f"{res}: its records were made with " + ", ".join(f"{k}={old[k]!r}" for k in changed)
                          + "; this eval asks for " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
@@ -211,14 +211,16 @@ def check_eval_settings(cfg, conds):
 
 
 def eval_conditions(cfg):
-    """The conditions --conditions asks for, checked before anything runs or is recorded: known
-    names, and what they need from `train` (the final TFSG library, the Shield adapter) present."""
+    """The conditions --conditions asks for and the --transfer libraries, checked before anything runs
+    or is recorded: known names, valid libraries, settings that match the records already made, and
+    what the conditions need from `train` (the final TFSG library, the Shield adapter) present.
+    -> (conditions, transfer_items)."""
     conds = CONDITIONS if cfg.conditions == "all" else [c.strip() for c in cfg.conditions.split(",")]
     for c in conds:
         if c not in CONDITIONS:
             raise SystemExit(f"--conditions: unknown {c!r}; known {CONDITIONS}")
-    transfer_items(cfg)                              # checked before anything runs
-    check_eval_settings(cfg, conds)
+    transfers = transfer_items(cfg)
+    check_eval_settings(cfg, conds, transfers)
     lib, adapter = library_path(cfg), os.path.join(adapter_path(cfg), "adapter_config.json")
     missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
                                                        (adapter, "trained adapter", WITH_SHIELD))
@@ -230,7 +232,7 @@ def eval_conditions(cfg):
         msg = (f"{' and '.join(f'{p}: no {what}' for p, what, _ in missing)}; run `python run.py train "
                f"--name {cfg.name}{stage}` first ({', '.join(needing)} need{'s' * (len(needing) == 1)} it)")
         raise NotTrainedError(msg + (f", or evaluate the others: --conditions \"{','.join(rest)}\"" if rest else ""))
-    return conds
+    return conds, transfers
 
 
 def evaluate(cfg):
@@ -240,7 +242,7 @@ def evaluate(cfg):
     groups, meta, cons, test, seen, methods = load_data(cfg)
     insts = geodef.expand(test, methods)
     cleans = [geodef.clean_instance(g) for g in test]
-    conds = eval_conditions(cfg)
+    conds, transfers = eval_conditions(cfg)
     if "PPL-Filter" in conds and cfg.ppl_model != "tiny":
         gpt2.resolve(cfg.ppl_model)     # download it, or fail, before the reranker scores every candidate
     needs_lib = any(c in WITH_LIBRARY for c in conds)
@@ -255,7 +257,7 @@ def evaluate(cfg):
     os.makedirs(res, exist_ok=True)
     settings = os.path.join(res, "settings.json")          # what the records below were made with,
 
-    wanted = eval_settings(cfg, conds)
+    wanted = eval_settings(cfg, conds, transfers)
 
     def record_settings(name, recs):                        # written with the records that depend on them
         new = settings_of(name, recs, wanted)
@@ -313,8 +315,7 @@ def evaluate(cfg):
     # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
     if cfg.transfer and "GEO Defender" in conds:
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
-        for name, path in transfer_items(cfg):
-            lt = tfsg.load_library(path, tfsg_limits(cfg))
+        for name, _, lt in transfers:
             recs = condition(f"GEO Defender [{name}]", insts, topk["shield"],
                              lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}

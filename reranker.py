@@ -469,6 +469,12 @@ class Reranker:
             rows = self.model.embed_tokens.weight[[self.yes_id, self.no_id]]
         return (rows[0].float() - rows[1].float()).to(self.device)
 
+    def _bodies(self, query, docs):
+        """-> (token room for a body, each document's body encoded as ordinary text)."""
+        room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
+        bodies = [BODY.format(instruction=self.instruction, query=query, doc=d) for d in docs]
+        return room, self.text_tokenizer.encode_batch(bodies, add_special_tokens=False)
+
     def tokenize(self, query, docs):
         """Model card's process_inputs: prefix + body (tail cut to fit max_length) + suffix, per doc.
         The body (instruction, query, document) is encoded as ordinary text: a document holding
@@ -476,12 +482,9 @@ class Reranker:
         cannot close the user turn or write the assistant's (see text_tokenizer)."""
         if isinstance(docs, str):
             docs = [docs]
-        room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
-        bodies = [BODY.format(instruction=self.instruction, query=query, doc=d) for d in docs]
-        encs = self.text_tokenizer.encode_batch(bodies, add_special_tokens=False)
+        room, encs = self._bodies(query, docs)
         if any(len(e.ids) > room for e in encs):   # a cut: it must leave the document some tokens
-            head = len(self.text_tokenizer.encode(BODY.format(instruction=self.instruction, query=query, doc=""),
-                                                  add_special_tokens=False).ids)
+            head = len(self._bodies(query, [""])[1][0].ids)
             if head >= room:
                 raise PromptLengthError(
                     f"max_length {self.max_length} leaves the document no tokens: the prompt without it takes "
@@ -495,9 +498,8 @@ class Reranker:
 
     def overflow(self, query, docs):
         """How many of `docs` `tokenize` cuts (their prompts exceed max_length; the tail is dropped)."""
-        room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
-        bodies = [BODY.format(instruction=self.instruction, query=query, doc=d) for d in docs]
-        return sum(len(e.ids) > room for e in self.text_tokenizer.encode_batch(bodies, add_special_tokens=False))
+        room, encs = self._bodies(query, docs)
+        return sum(len(e.ids) > room for e in encs)
 
     def score_ids(self, ids, grad=False):
         """ids: list of S token-id lists -> float32 (S,) margins in input order. Sequences are sorted

@@ -77,7 +77,9 @@ def cmd_export(args):
     return out
 
 
-def cmd_serve(args, block=True):
+def cmd_serve(args):
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"--port {args.port}: out of range 0..65535")
     model, adapter, cfg = shield_source(args)
     check_device(args.device)
     dtype = args.dtype or (cfg.dtype if cfg else "bfloat16")
@@ -87,8 +89,6 @@ def cmd_serve(args, block=True):
         lora.load_adapter(rr.model, adapter)
     rr.model.eval()
     key = args.api_key or os.environ.get("GEODEF_API_KEY") or None
-    if not 0 <= args.port <= 65535:
-        raise SystemExit(f"--port {args.port}: out of range 0..65535")
     try:
         srv = deploy.RerankServer(rr, host=args.host, port=args.port, api_key=key, max_documents=args.max_documents,
                                   max_body_bytes=args.max_body_bytes,
@@ -100,14 +100,12 @@ def cmd_serve(args, block=True):
             "it (set GEODEF_API_KEY or --api-key)")
     log(f"[serve] Shield Reranker ({'adapter ' + adapter if adapter else 'no adapter: the base reranker'}) on "
         f"{srv.url}/v1/rerank{' (API key required)' if key else ''}")
-    if block:
-        try:
-            srv.serve_forever()
-        except KeyboardInterrupt:
-            log("[serve] stopped")
-        finally:
-            srv.server_close()
-    return srv
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        log("[serve] stopped")
+    finally:
+        srv.server_close()
 
 
 def add_config_flags(p):

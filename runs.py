@@ -465,9 +465,11 @@ def labels_of(x, idx):
 
 def tfsg_limits(cfg):
     """The TFSG sizes of the run's settings (tfsg.Limits)."""
-    return tfsg.Limits(cfg.max_active_rules, cfg.rule_description_chars, cfg.rule_condition_chars,
-                       cfg.rule_max_signals, cfg.rule_max_evidence, cfg.rule_max_dependencies, cfg.rule_item_chars,
-                       cfg.reject_duplicate_rules, cfg.analyzer_doc_chars, cfg.analyzer_reasoning_chars)
+    return tfsg.Limits(max_active_rules=cfg.max_active_rules, description_chars=cfg.rule_description_chars,
+                       condition_chars=cfg.rule_condition_chars, max_signals=cfg.rule_max_signals,
+                       max_evidence=cfg.rule_max_evidence, max_dependencies=cfg.rule_max_dependencies,
+                       item_chars=cfg.rule_item_chars, reject_duplicates=cfg.reject_duplicate_rules,
+                       analyzer_doc_chars=cfg.analyzer_doc_chars, analyzer_reasoning_chars=cfg.analyzer_reasoning_chars)
 
 
 HELP = {
