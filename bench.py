@@ -602,5 +602,25 @@ def bench_serve(args):
     res["served_over_direct_throughput_paired_median"] = statistics.median(ratios)
     res["served_over_direct_throughput_best"] = res["served_req_s"] / res["direct_req_s"]
     res["scoring_batches"] = srv.batcher.batches
+    res.update(connection_latency(url))
     srv.shutdown()
+    srv.server_close()
     return res
+
+
+def connection_latency(url, n=100):
+    """p50 / p99 of a small rerank request (two short documents) sent one after another on one
+    kept-alive connection (what SDK clients with a session do) and on a fresh connection each."""
+    body = {"query": "q", "documents": ["a short document", "another one"]}
+    out = {}
+    for name, fresh in (("kept_alive", False), ("fresh_connection", True)):
+        lat = []
+        with requests.Session() as s:
+            for _ in range(n):
+                t = time.perf_counter()
+                (requests.post if fresh else s.post)(url, json=body, timeout=60).raise_for_status()
+                lat.append(time.perf_counter() - t)
+        q = sorted(lat)
+        out[f"small_request_{name}_p50_ms"] = round(1000 * statistics.median(q), 2)
+        out[f"small_request_{name}_p99_ms"] = round(1000 * q[min(n - 1, int(0.99 * n))], 2)
+    return out

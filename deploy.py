@@ -6,7 +6,7 @@ dtype), written in one of two standard Hugging Face layouts:
 - "seq-cls": Qwen3ForSequenceClassification with one label. Its classifier row is
   score.weight = E[yes] - E[no] (the tied embedding's rows, or an untied head's), so its logit on
   the reranker prompt is our margin z_yes - z_no and sigmoid(logit) is P(yes) of the 2-way softmax
-  (the model card's score). vLLM (`--runner pooling`), Infinity and sentence-transformers'
+  (the model card's score). vLLM (`--runner pooling`) and sentence-transformers'
   CrossEncoder load this layout as a Qwen3 reranker (vLLM's convert_model_to_seq_cls.py,
   method from_2_way_softmax, writes the same row).
 - "causal": the merged Qwen3ForCausalLM, what the model card's snippet and vLLM's
@@ -34,12 +34,15 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
+import socket
 import sys
 import threading
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -74,16 +77,85 @@ def _sha1(path):
         return hashlib.file_digest(f, "sha1").hexdigest()
 
 
+class ExportError(ValueError):
+    """An export refused (the output folder) or failed (a write): the folder named, nothing half-written left."""
+
+
+def check_out_dir(out_dir, overwrite=False, protected=()):
+    """Refuse an output folder that export must not replace: "/", the home folder, one of `protected`
+    (a run folder, the runs directory, the model or adapter being exported) or a folder holding one,
+    a folder that holds a run (config.json with a "config" record) or run folders; and an existing
+    non-empty folder unless `overwrite`, which replaces only an earlier export (geodef_export.json)."""
+    real = os.path.realpath(out_dir)
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real in (os.path.realpath(os.sep), home):
+        raise ExportError(f"--out {out_dir}: refusing to export into {real}")
+    for p in protected:
+        rp = os.path.realpath(p)
+        if real == rp or rp.startswith(real.rstrip(os.sep) + os.sep):
+            raise ExportError(f"--out {out_dir}: holds {p}, which export must not replace; choose a new folder")
+    if not os.path.exists(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise ExportError(f"--out {out_dir}: a file, not a folder")
+    if _is_run(out_dir) or any(_is_run(os.path.join(out_dir, d)) for d in os.listdir(out_dir)):
+        raise ExportError(f"--out {out_dir}: a run folder or a folder of runs; choose a new folder")
+    if os.listdir(out_dir):
+        if not overwrite:
+            raise ExportError(f"--out {out_dir}: not empty; choose a new folder, or --overwrite to replace an "
+                              "earlier export")
+        if not os.path.isfile(os.path.join(out_dir, "geodef_export.json")):
+            raise ExportError(f"--out {out_dir}: not an earlier export (no geodef_export.json); --overwrite "
+                              "replaces only exports")
+
+
+def _is_run(folder):
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return "config" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=reranker.SHIELD_INSTRUCTION,
-           quantized_base=False, name=None):
+           quantized_base=False, name=None, overwrite=False, protected=()):
     """Write the merged Shield (base `model`: hub id or folder; `adapter`: a PEFT LoRA folder or None)
     to `out_dir` in `fmt` and `dtype` (default: the checkpoint's config dtype). quantized_base: the
     adapter was trained over an NF4 base (said in the model card: the merge uses the full-precision
-    base weights). Returns out_dir."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer
+    base weights). The folder is built beside `out_dir` and renamed into place whole: a failure (a
+    full disk, a kill) leaves what was there before (see check_out_dir for what is refused).
+    Returns out_dir."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    check_out_dir(out_dir, overwrite, protected=[p for p in (model, adapter, *protected) if p and os.path.exists(p)])
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.export-{os.getpid()}")
+    old = tmp + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_export(model, tmp, adapter, fmt, dtype, instruction, quantized_base,
+                      name or os.path.basename(os.path.normpath(out_dir)))
+        if os.path.exists(out_dir):          # an empty folder, or an earlier export with --overwrite
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+    except Exception as e:
+        if os.path.exists(old) and not os.path.exists(out_dir):
+            os.rename(old, out_dir)
+        if isinstance(e, (ValueError, reranker.CheckpointError)):
+            raise
+        raise ExportError(f"{out_dir}: export failed, nothing written ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _write_export(model, out_dir, adapter, fmt, dtype, instruction, quantized_base, name):
+    """The export's files into a new folder `out_dir` (export() renames it into place)."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
     folder, sha = reranker.resolve_model_path(model)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         raw_cfg = json.load(f)
@@ -116,10 +188,8 @@ def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=
             state["lm_head.weight"] = lm_head.to(out_dt).contiguous()
     if pad is not None:   # AutoModelForSequenceClassification pools the last token that is not pad
         config["pad_token_id"] = pad
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".model.safetensors.tmp{os.getpid()}")
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    os.makedirs(out_dir)
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     for f in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(folder, f)):
             shutil.copy(os.path.join(folder, f), os.path.join(out_dir, f))
@@ -137,8 +207,7 @@ def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=
             "yes_id": yes[0], "no_id": no[0], "instruction": instruction, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write_json(os.path.join(out_dir, "geodef_export.json"), meta)
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
-        f.write(model_card(meta, name or os.path.basename(os.path.normpath(out_dir))))
-    return out_dir
+        f.write(model_card(meta, name))
 
 
 def _write_json(path, obj):
@@ -192,11 +261,16 @@ default). Score the last token; relevance = sigmoid(z_yes - z_no).
 
 ## Serving
 
-Run here (tests of the repository that exported it): loading this folder with transformers
-(`AutoModelForSequenceClassification` / `AutoModelForCausalLM`) gives the Shield's margins to
-1e-4 in float32, and sentence-transformers' `CrossEncoder` (seq-cls) gives sigmoid of them on the
-formatted pairs below. **Not run here**: vLLM (needs a GPU) and Infinity; their commands follow
-their documentation.
+What reproduces the Shield's scores (its margins; relevance = sigmoid of them):
+- run (tests of the repository that exported it): transformers (`AutoModelForSequenceClassification` /
+  `AutoModelForCausalLM`) on the prompt above, to 1e-4 in float32; sentence-transformers'
+  `CrossEncoder` (seq-cls) on the formatted pairs below, sigmoid of them; GEO Defender's own
+  `python run.py serve` (Cohere/Jina/vLLM and TEI request shapes).
+- not run (it needs a GPU): vLLM with the template below; it renders the same prompt, so it is
+  expected to, within its kernels' rounding.
+- does **not**: Infinity (0.0.78) strips whitespace from query and document before scoring, which
+  deletes the prompt's final `\\n` and `</think>\\n\\n`: its scores and rankings differ from the
+  Shield's. Use one of the above.
 
 - vLLM, many GPUs or replicas (OpenAI/Cohere-style `/rerank`, `/v1/rerank`, `/score`):
   `{vllm}`
@@ -204,8 +278,6 @@ their documentation.
   `(prefix + "<Instruct>: ...\\n<Query>: " + query + "\\n", "<Document>: " + document + suffix)`,
   the prompt above split before `<Document>:`; a bare (query, document) pair lacks the prompt and
   scores poorly.
-- Infinity: `infinity_emb v2 --model-id ./{name}`; it applies no template, so send the formatted
-  query and document strings as above.
 
 ## Security
 
@@ -231,41 +303,123 @@ def sigmoid(m):
     return 1.0 / (1.0 + math.exp(-m)) if m >= 0 else math.exp(m) / (1.0 + math.exp(m))
 
 
+@dataclass
+class RerankRequest:
+    """A validated rerank request (parse_rerank)."""
+    query: str
+    texts: list
+    tei: bool = False             # TEI's request and response shape
+    top_n: int = None             # None: every document
+    with_text: bool = False       # return_documents / return_text
+    raw: bool = False             # TEI raw_scores: margins instead of sigmoid(margin)
+    truncate: bool = True         # TEI truncate false: a too-long input is an error (413, as TEI)
+    left: bool = False            # TEI truncation_direction Left: a too-long document loses its start
+    max_doc_tokens: int = None    # Cohere max_tokens_per_doc: each document cut to that many tokens
+
+
+def _text(v, field):
+    """A request string that can be encoded: a lone surrogate ("\\ud800" is valid JSON) is a 400 here,
+    not a failure inside the tokenizer."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"{field}: not valid Unicode text (character {e.start}: lone surrogate)", field) from None
+    return v
+
+
+def _flag(body, k):
+    """A boolean field; "true"/"false" as strings too (RAGFlow's Xinference provider sends them)."""
+    v = body.get(k, False)
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    if not isinstance(v, bool):
+        raise RequestError(400, f"{k}: true or false is required", k)
+    return v
+
+
+def _document(d, i, tei):
+    """One entry of `documents` (a string, {text}, or {content: [{type: "text", text}]} as Dify's
+    OpenAI-compatible provider sends with vision on) or of TEI's `texts` (a string) -> its text."""
+    field = f"{'texts' if tei else 'documents'}[{i}]"
+    if isinstance(d, dict) and not tei:
+        if isinstance(d.get("content"), list) and "text" not in d:
+            parts = d["content"]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+                raise RequestError(400, f"{field}.content: only text parts ({{type: text, text}}) can be reranked",
+                                   f"{field}.content")
+            return _text("".join(p["text"] for p in parts), f"{field}.content")
+        d = d.get("text")
+        if not isinstance(d, str):
+            raise RequestError(400, f"{field}.text: a string is required", f"{field}.text")
+        return _text(d, f"{field}.text")
+    if not isinstance(d, str):
+        raise RequestError(400, f"{field}: a string{'' if tei else ' or {text}'} is required", field)
+    return _text(d, field)
+
+
+def _count(body, k, minimum):
+    v = body.get(k)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
+        raise RequestError(400, f"{k}: an integer >= {minimum} is required, got {v!r}", k)
+    return v
+
+
 def parse_rerank(body, max_documents):
-    """A decoded JSON body -> (query, texts, top_n or None, return_documents, tei). Cohere/Jina/vLLM
-    shape ({query, documents, top_n, return_documents}) or TEI's ({query, texts, return_text,
-    raw_scores}). Unknown fields are ignored; every known one is checked."""
+    """A decoded JSON body -> RerankRequest. Cohere/Jina/vLLM shape ({query, documents, top_n,
+    return_documents, max_tokens_per_doc}) or TEI's ({query, texts, return_text, raw_scores,
+    truncate, truncation_direction}). Unknown fields are ignored; every known one is checked.
+    top_n 0 means all documents, as vLLM reads it."""
     if not isinstance(body, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
     tei = "texts" in body and "documents" not in body
     q = body.get("query")
     if not isinstance(q, str) or not q.strip():
         raise RequestError(400, "query: a non-empty string is required", "query")
+    _text(q, "query")
     field = "texts" if tei else "documents"
     docs = body.get(field)
     if not isinstance(docs, list) or not docs:
         raise RequestError(400, f"{field}: a non-empty list is required", field)
     if len(docs) > max_documents:
         raise RequestError(400, f"{field}: {len(docs)} items, at most {max_documents}", field)
-    texts = []
-    for i, d in enumerate(docs):
-        if isinstance(d, dict) and not tei:
-            d = d.get("text")
-            if not isinstance(d, str):
-                raise RequestError(400, f"documents[{i}].text: a string is required", f"documents[{i}].text")
-        if not isinstance(d, str):
-            raise RequestError(400, f"{field}[{i}]: a string{'' if tei else ' or {text}'} is required", f"{field}[{i}]")
-        texts.append(d)
-    top_n = body.get("top_n")
-    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0):
-        raise RequestError(400, f"top_n: a non-negative integer is required, got {top_n!r}", "top_n")
-    flags = ("return_text", "raw_scores") if tei else ("return_documents",)
-    for k in flags:
-        if k in body and not isinstance(body[k], bool):
-            raise RequestError(400, f"{k}: true or false is required", k)
+    texts = [_document(d, i, tei) for i, d in enumerate(docs)]
+    req = RerankRequest(q, texts, tei=tei)
     if tei:
-        return q, texts, None, bool(body.get("return_text")), (True, bool(body.get("raw_scores")))
-    return q, texts, top_n, bool(body.get("return_documents")), (False, False)
+        req.with_text, req.raw = _flag(body, "return_text"), _flag(body, "raw_scores")
+        if "truncate" in body:
+            req.truncate = _flag(body, "truncate")
+        direction = body.get("truncation_direction", "Right")
+        if not isinstance(direction, str) or direction.lower() not in ("left", "right"):
+            raise RequestError(422, f"truncation_direction: Left or Right, got {direction!r}", "truncation_direction")
+        req.left = direction.lower() == "left"
+    else:
+        req.top_n = _count(body, "top_n", 0) or None
+        req.with_text = _flag(body, "return_documents")
+        req.max_doc_tokens = _count(body, "max_tokens_per_doc", 1)
+    return req
+
+
+def fit_documents(rr, req):
+    """The documents as the reranker will score them under the request's truncation settings: cut
+    to max_doc_tokens, or (TEI) refused or cut from the left when the prompt exceeds max_length.
+    Cuts fall on token boundaries of the document encoded alone (its character offsets)."""
+    if req.max_doc_tokens is None and req.truncate and not req.left:
+        return req.texts                  # Reranker.tokenize cuts the tail, as the model card does
+    room = rr.max_length - len(rr.tokenize(req.query, [""])[0])      # tokens left for a document
+    out = []
+    for i, t in enumerate(req.texts):
+        enc = rr.text_tokenizer.encode(t, add_special_tokens=False)
+        n = len(enc.ids)
+        if req.max_doc_tokens is not None and n > req.max_doc_tokens:
+            t, n = t[:enc.offsets[req.max_doc_tokens - 1][1]], req.max_doc_tokens
+        if n > room:
+            if not req.truncate:
+                raise RequestError(413, f"texts[{i}]: the input is {n} document tokens, at most {room} fit "
+                                        f"max_length {rr.max_length} (truncate is false)", f"texts[{i}]")
+            if req.left:
+                t = t[enc.offsets[n - room][0]:]
+        out.append(t)
+    return out
 
 
 class Batcher:
@@ -333,7 +487,7 @@ class Batcher:
 
 
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
-GET_PATHS = ("/health", "/v1/models")
+GET_PATHS = ("/health", "/v1/models", "/info")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -344,6 +498,9 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self):
         self.timeout = self.server.conf["read_timeout"]   # socket timeout: an idle or slow client is dropped
         super().setup()
+        # small replies leave at once: with Nagle on, a kept-alive connection waits for the client's
+        # delayed ACK (~40 ms) on every reply
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # -- replies
     def _send(self, status, obj, headers=()):
@@ -361,16 +518,22 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         if self.close_connection:
             self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+        self._headers_buffer.append(b"\r\n" + data)   # head and body in one write
+        self.flush_headers()
 
     def _fail(self, e, headers=()):
+        # OpenAI-style `error` and FastAPI-style `detail` (LlamaIndex's JinaRerank and xinference-client read it)
         self._send(e.status, {"error": {"message": str(e), "type": "invalid_request_error" if e.status < 500 else
-                                        "server_error", "param": e.param, "code": e.status}}, headers)
+                                        "server_error", "param": e.param, "code": e.status}, "detail": str(e)}, headers)
 
-    def log_message(self, fmt, *args):   # one line per request; never headers (the key) or bodies
+    def log_request(self, code="-", size="-"):   # the path without its query string (it may hold a key)
+        path = urlsplit(getattr(self, "path", "") or "").path      # none on a malformed request line
+        self.log_message('"%s %s" %s', self.command, path, getattr(code, "value", code))
+
+    def log_message(self, fmt, *args):   # one line per request; never headers (the key), bodies or queries
         if self.server.conf["log"]:
-            sys.stderr.write(f"[serve] {self.address_string()} {fmt % args}\n")
+            line = re.sub(r"\?[^\s'\"]*", "?...", fmt % args)
+            sys.stderr.write(f"[serve] {self.address_string()} {line}\n")
 
     # -- request parts
     def _authorised(self):
@@ -386,6 +549,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise RequestError(411, "send the body with a Content-Length (no Transfer-Encoding)")
+        lengths = set(self.headers.get_all("Content-Length") or [])
+        if len(lengths) > 1:            # which one frames the body is ambiguous (request smuggling)
+            self.close_connection = True
+            raise RequestError(400, "Content-Length: given more than once with different values")
         n = self.headers.get("Content-Length")
         if n is None:
             self.close_connection = True
@@ -433,6 +600,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if path == "/health":
                 return self._send(200, {"status": "ok"})
+            if path == "/info":                     # Text Embeddings Inference's shape (tei-client)
+                return self._send(200, self.server.info())
             if path in RERANK_PATHS:
                 raise RequestError(405, f"{path} takes POST")
             if path != "/v1/models":
@@ -481,20 +650,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _rerank(self, body, t0):
         conf, rr = self.server.conf, self.server.rr
-        query, texts, top_n, with_text, (tei, raw) = parse_rerank(body, conf["max_documents"])
+        req = parse_rerank(body, conf["max_documents"])
+        texts = fit_documents(rr, req)
         try:
-            ids = rr.tokenize(query, texts)
+            ids = rr.tokenize(req.query, texts)
         except ValueError as e:   # text the tokenizer's BPE turns into a control token
             raise RequestError(400, f"query/documents: {e}") from None
         m = self.server.batcher.submit(ids, conf["score_timeout"])
         order = sorted(range(len(texts)), key=lambda i: (-m[i], i))              # best first, ties by index
-        if tei:
-            out = [{"index": i, "score": m[i] if raw else sigmoid(m[i]), **({"text": texts[i]} if with_text else {})}
-                   for i in order]
+        if req.tei:
+            out = [{"index": i, "score": m[i] if req.raw else sigmoid(m[i]),
+                    **({"text": req.texts[i]} if req.with_text else {})} for i in order]
             return self._send(200, out)
-        order = order[:top_n] if top_n is not None else order
-        results = [{"index": i, "relevance_score": sigmoid(m[i]), **({"document": {"text": texts[i]}} if with_text else {})}
-                   for i in order]
+        order = order[:req.top_n] if req.top_n is not None else order
+        results = [{"index": i, "relevance_score": sigmoid(m[i]),
+                    **({"document": {"text": req.texts[i]}} if req.with_text else {})} for i in order]
         self._send(200, {"id": uuid.uuid4().hex, "model": body.get("model") if isinstance(body.get("model"), str)
                          else conf["model_name"], "results": results,
                          "usage": {"total_tokens": sum(map(len, ids))},
@@ -505,6 +675,8 @@ class RerankServer(ThreadingHTTPServer):
     """The rerank endpoint over one loaded `Reranker` (adapter attached or not). Port 0 picks a free
     one (`server_address[1]`)."""
     daemon_threads = True
+    request_queue_size = 1024    # listen backlog: a burst of new connections waits to be accepted (then
+                                 # a full request queue answers 503), instead of TCP resets at 5
 
     def __init__(self, rr, host="127.0.0.1", port=8000, api_key=None, model_name="geo-defender-shield",
                  max_documents=1000, max_body_bytes=8 << 20, read_timeout=30.0, body_timeout=60.0,
@@ -515,6 +687,17 @@ class RerankServer(ThreadingHTTPServer):
         self.conf = {"api_key": api_key or None, "model_name": model_name, "max_documents": max_documents,
                      "max_body_bytes": max_body_bytes, "read_timeout": read_timeout, "body_timeout": body_timeout,
                      "score_timeout": score_timeout, "log": log}
+
+    def info(self):
+        """GET /info in Text Embeddings Inference's shape (its router's `Info`)."""
+        rr = self.rr
+        return {"model_id": self.conf["model_name"], "model_sha": rr.revision,
+                "model_dtype": str(rr.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                "model_type": {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}},
+                "max_concurrent_requests": self.batcher.jobs.maxsize, "max_input_length": rr.max_length,
+                "max_batch_tokens": self.batcher.max_batch_tokens, "max_batch_requests": None,
+                "max_client_batch_size": self.conf["max_documents"], "auto_truncate": True,
+                "tokenization_workers": 1, "version": "geo-defender", "sha": None, "docker_label": None}
 
     @property
     def url(self):

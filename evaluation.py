@@ -23,7 +23,7 @@ import report
 import tfsg
 import tiny
 from runs import (NotTrainedError, TINY_NOTE, adapter_path, documents_cut, file_sha1, hub_id, library_path,
-                  load_data, log, make_llm, rankers, read_json, test_set_digest, tfsg_limits, write_json)
+                  load_data, log, make_llm, rankers, read_json, run_usage, test_set_digest, tfsg_limits, write_json)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -97,7 +97,7 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
             except (ValueError, KeyError):
                 continue
     todo = [x for x in insts if x.instance_id not in done]
-    judge = judge or (make_llm(cfg, cfg.judge) if cfg.judge else llm)
+    judge = judge or (make_llm(cfg, cfg.judge, stage=llm.stage) if cfg.judge else llm)
     chunk = max(cfg.workers * 4, 16)
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
@@ -251,8 +251,8 @@ def evaluate(cfg):
     base.prepare(insts + cleans)
     if shield:
         shield.prepare(insts)
-    llm = make_llm(cfg)
-    judge = make_llm(cfg, cfg.judge) if cfg.judge else llm   # one client: its usage and adaptations recorded
+    llm = make_llm(cfg, stage="eval")
+    judge = make_llm(cfg, cfg.judge, stage="eval") if cfg.judge else llm   # one client: its adaptations recorded
     res = os.path.join(run, "results")
     os.makedirs(res, exist_ok=True)
     settings = os.path.join(res, "settings.json")          # what the records below were made with,
@@ -319,9 +319,15 @@ def evaluate(cfg):
             recs = condition(f"GEO Defender [{name}]", insts, topk["shield"],
                              lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
-    summary["usage"] = llm.usage()
-    if judge is not llm:
-        summary["judge_usage"] = judge.usage()
+    # the run folder's cost over all invocations (a resumed run reports what the whole run cost);
+    # this invocation's requests and cache hits go to the log, not into the summary
+    summary["usage"] = run_usage(cfg)
+    adapted = {c.label: c.adapted for c in dict.fromkeys((llm, judge)) if c.adapted}
+    if adapted:
+        summary["adapted"] = adapted
+    for c in dict.fromkeys((llm, judge)):
+        log(f"[eval] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
+            f"{c.stats['cache_hits']} from the cache")
     write_json(os.path.join(run, "summary.json"), summary)
     report.write_report(run, summary)
     log(f"[eval] wrote {run}/summary.json and {run}/report.md")

@@ -113,6 +113,10 @@ def read_jsonl(path):
             obj = json.loads(raw)
         except json.JSONDecodeError as e:
             _fail(path, n, "(line)", f"invalid JSON: {e.msg} at column {e.colno}")
+        except RecursionError:
+            _fail(path, n, "(line)", "invalid JSON: nested too deeply")
+        except ValueError as e:          # an integer of more than 4300 digits (int_max_str_digits)
+            _fail(path, n, "(line)", f"invalid JSON: {str(e).split(';')[0]}")
         if not isinstance(obj, dict):
             _fail(path, n, "(line)", f"expected a JSON object, got {type(obj).__name__}")
         yield n, obj
@@ -120,12 +124,12 @@ def read_jsonl(path):
 
 def load_bench(path, n_docs=N_DOCS, with_meta=False):
     """Read and validate a GEO-DefenseBench JSONL file -> list[QueryGroup] (and BenchMeta)."""
-    groups, meta, seen_ids, meta_line = [], BenchMeta(), {}, 1
+    groups, meta, seen_ids, meta_line, has_meta = [], BenchMeta(), {}, 1, False
     for n, obj in read_jsonl(path):
         if "_meta" in obj:
-            meta_line = n
-            if groups:
-                _fail(path, n, "_meta", "metadata must be the first line")
+            if groups or has_meta:   # a second _meta would silently replace the first
+                _fail(path, n, "_meta", "metadata must be the first line, and only there")
+            meta_line, has_meta = n, True
             m = _need(obj, "_meta", dict, path, n)
             for key in ("methods", "seen_methods"):
                 v = m.get(key, [])

@@ -15,6 +15,7 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
 Usage: client = make_client("openai:gpt-5.5", cache_dir="runs/x/cache")
        reply = client.chat([{"role": "user", "content": "..."}], json=True); reply.data
 """
+import base64
 import contextlib
 import hashlib
 import json
@@ -27,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from email.utils import parsedate_to_datetime
-from urllib.parse import urlparse
+from urllib.parse import quote, unquote, urlparse
 
 import requests
 
@@ -191,10 +192,14 @@ class Client:
     def __init__(self, base_url, model, api_key=None, protocol="openai", timeout=600, max_retries=2,
                  cache_dir=None, provider=None, connect_timeout=10, max_retry_after=60, json_retries=1,
                  max_field="max_tokens", json_mode=True, rpm=0, prices=None, handler=None, refresh=False,
-                 extra_body=None):
+                 extra_body=None, ledger=None, stage=None):
         if protocol not in ("openai", "anthropic"):
             raise ValueError(f"protocol must be 'openai' or 'anthropic', got {protocol!r}")
-        self.base_url = (base_url or "").rstrip("/")
+        # credentials in the URL (http://user:pass@host/v1) are taken out of it: they go only into an
+        # explicit Basic header when no API key is given, never into cache keys, messages or logs
+        p = urlparse((base_url or "").rstrip("/"))
+        self._basic = (unquote(p.username or ""), unquote(p.password or "")) if p.username or p.password else None
+        self.base_url = p._replace(netloc=p.netloc.rpartition("@")[2]).geturl() if self._basic else p.geturl()
         self.model, self.protocol, self.provider = model, protocol, provider or protocol
         self._key = api_key                      # never logged, never cached, never in errors
         self.timeout, self.connect_timeout = timeout, connect_timeout
@@ -213,6 +218,7 @@ class Client:
         self.send_temperature = True             # False once the API refused it (see _adapt)
         self.adapted = []                        # what _adapt changed, in words (usage() reports it)
         self.inflight = {}                       # cache key -> Event of the request being sent for it
+        self.ledger, self.stage = ledger, stage  # JSONL file: one line per reply received (see _count)
         self._asked = (max_field, json_mode)     # the request as first built: the cache key's form
 
     def __repr__(self):
@@ -278,7 +284,7 @@ class Client:
         return True
 
     def cache_key(self, body, json_flag):
-        host = urlparse(self.base_url).netloc if self.base_url else self.provider
+        host = urlparse(self.base_url).netloc if self.base_url else self.provider   # no credentials (__init__)
         if urlparse(self.base_url).hostname in ("127.0.0.1", "localhost", "::1"):
             host = "loopback"   # a local server on another port is the same cache (model names tell them apart)
         canon = json.dumps({"protocol": self.protocol, "host": host, "body": body, "json": bool(json_flag)},
@@ -323,12 +329,23 @@ class Client:
                 h["x-api-key"] = self._key
         elif self._key:
             h["Authorization"] = f"Bearer {self._key}"
+        if self._basic and "Authorization" not in h and "x-api-key" not in h:   # the URL's user:pass
+            h["Authorization"] = "Basic " + base64.b64encode(":".join(self._basic).encode()).decode()
         return h
+
+    def _secrets(self):
+        """Every form in which a credential could come back in an error body: the key, the URL's user
+        and password (also percent-encoded), and their Basic-auth base64."""
+        out = [self._key] if self._key else []
+        if self._basic:
+            user, pw = self._basic
+            pair = f"{user}:{pw}"
+            out += [pair, base64.b64encode(pair.encode()).decode(), pw, quote(pw, safe=""), quote(user, safe="")]
+        return sorted((s for s in out if s and len(s) >= 3), key=len, reverse=True)   # longest first
 
     def _error(self, msg, status=None, body=None):
         text = body or ""
-        secrets = [s for s in (self._key, urlparse(self.base_url).password if self.base_url else None) if s]
-        for s in secrets:             # masked BEFORE the body is cut: a cut must not leave part of a key
+        for s in self._secrets():     # masked BEFORE the body is cut: a cut must not leave part of a key
             text, msg = text.replace(s, "***"), msg.replace(s, "***")
         text = text[:300]
         return LLMError(f"{self.label}: {msg}" + (f": {text}" if text else ""), status, self.provider, text)
@@ -444,9 +461,16 @@ class Client:
                               json.dumps(resp)[:300]) from None
 
     def _count(self, reply):
+        """A reply received (paid for): added to this client's stats and, with a ledger, appended to
+        it. The ledger outlives the process: a run folder's cost over all its invocations (ledger_usage)."""
+        tokens = {k: int(reply.usage.get(k, 0) or 0) for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens")}
         with self.lock:
-            for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
-                self.stats[k] += int(reply.usage.get(k, 0) or 0)
+            for k, v in tokens.items():
+                self.stats[k] += v
+            if self.ledger:
+                os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
+                with open(self.ledger, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"stage": self.stage, "model": self.label, **tokens}) + "\n")
 
     # --- public
 
@@ -559,6 +583,35 @@ class Client:
         if self.adapted:
             s["adapted"] = list(self.adapted)
         return s
+
+
+def ledger_usage(path, prices=None):
+    """A usage ledger (Client(ledger=...)) summed per stage and model, and in total:
+    {"stages": {stage: {model: {replies, prompt_tokens, completion_tokens, reasoning_tokens, cost_usd}}},
+    "total": {...}}. cost_usd is None where `prices` (model -> USD per 1M input, output) lacks the
+    model. A line cut by a kill is skipped (its reply was not cached either, and is asked again)."""
+    keys = ("prompt_tokens", "completion_tokens", "reasoning_tokens")
+    stages = {}
+    lines = open(path, encoding="utf-8").read().splitlines() if path and os.path.isfile(path) else []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        row = stages.setdefault(str(rec.get("stage")), {}).setdefault(rec.get("model", "?"), dict.fromkeys(keys, 0))
+        row["replies"] = row.get("replies", 0) + 1
+        for k in keys:
+            row[k] += int(rec.get(k, 0))
+    total = {"replies": 0, **dict.fromkeys(keys, 0), "cost_usd": 0.0}
+    for rows in stages.values():
+        for label, row in rows.items():
+            p = (prices or {}).get(label.partition(":")[2])
+            row["cost_usd"] = None if p is None else (row["prompt_tokens"] * p[0] + row["completion_tokens"] * p[1]) / 1e6
+            for k in ("replies",) + keys:
+                total[k] += row[k]
+            total["cost_usd"] = None if row["cost_usd"] is None or total["cost_usd"] is None else \
+                total["cost_usd"] + row["cost_usd"]
+    return {"stages": {k: stages[k] for k in sorted(stages)}, "total": total}
 
 
 def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):

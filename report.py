@@ -278,16 +278,24 @@ def write_report(run_dir, s):
         lines.append("## Table C.2 row: libraries from other runs applied to this target\n")
         lines.append(_table(["Source library", "ASR", "ASI"], [[k, _f(v["ASR"]), _f(v["ASI"])]
                                                                 for k, v in s["transfer"].items()]) + "\n")
-    u = s.get("usage") or {}
-    lines.append(f"LLM usage (this eval): {u.get('calls', 0)} calls, {u.get('http_calls', 0)} sent, "
-                 f"{u.get('cache_hits', 0)} from cache, {u.get('prompt_tokens', 0)} prompt / "
-                 f"{u.get('completion_tokens', 0)} completion tokens"
-                 + (f", ${u['cost_usd']:.4f}" if u.get("cost_usd") is not None else "") + ".\n")
-    for who, uu in (("target", u), ("judge", s.get("judge_usage") or {})):
-        if uu.get("adapted"):   # the API refused a parameter: what was sent instead (llm_clients._adapt)
-            lines.append(f"Requests to the {who} ({uu.get('model')}) adapted to its API: {'; '.join(uu['adapted'])}.\n")
+    lines += usage_lines(s.get("usage") or {})
+    for who, changes in (s.get("adapted") or {}).items():   # the API refused a parameter (llm_clients._adapt)
+        lines.append(f"Requests to {who} adapted to its API: {'; '.join(changes)}.\n")
     with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
+
+
+def usage_lines(u):
+    """The run folder's LLM cost over all its invocations (summary.json's usage), a table by stage and model."""
+    if not u.get("stages"):
+        return []
+    money = lambda c: "" if c is None else f"{c:.4f}"
+    rows = [[stage, model, v["replies"], v["prompt_tokens"], v["completion_tokens"], money(v["cost_usd"])]
+            for stage, models in u["stages"].items() for model, v in models.items()]
+    t = u["total"]
+    rows.append(["total", "", t["replies"], t["prompt_tokens"], t["completion_tokens"], money(t["cost_usd"])])
+    return ["## LLM usage of this run folder (all invocations; cached replies cost nothing)\n",
+            _table(["Stage", "Model", "Replies", "Prompt tokens", "Completion tokens", "USD"], rows) + "\n"]
 
 
 def svg_heatmap(title, rows, cols, values):

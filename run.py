@@ -13,6 +13,7 @@ build_bench, bench, deploy); this file parses arguments and dispatches.
   python run.py serve --name gpt55 --port 8000             # POST /v1/rerank (Cohere/Jina/vLLM shape)
 """
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -29,11 +30,12 @@ import lora
 import offline
 import report
 import reranker
+import tfsg
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from build_bench import GEO_METHODS, build_bench
 from evaluation import eval_conditions, evaluate
 from runs import (HELP, PRESETS, Config, adapter_path, check_device, check_llms, check_name, load_data, log,
-                  model_folder, need_trained, read_json, record_config, resolve_config, run_lock, shield_split,
+                  model_folder, need_trained, read_json, record_config, resolve_config, run_lock, RunInUse, shield_split,
                   tfsg_schedule)
 from train import train_shield, train_tfsg
 
@@ -64,14 +66,22 @@ def shield_source(args):
     return model_folder(cfg), adapter, cfg
 
 
+def reading(cfg):
+    """A trained run's folder held for reading (export, serve loading its adapter): refused while a
+    train or eval writes it."""
+    return run_lock(cfg.run_dir, shared=True) if cfg is not None else contextlib.nullcontext()
+
+
 def cmd_export(args):
     model, adapter, cfg = shield_source(args)
     if cfg is not None and cfg.quant == "nf4":
         log("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base "
             "(the model card says so)")
-    out = deploy.export(model, args.out, adapter=adapter, fmt=args.format, dtype=args.dtype,
-                        quantized_base=cfg is not None and cfg.quant == "nf4",
-                        name=os.path.basename(os.path.normpath(args.out)))
+    with reading(cfg):
+        out = deploy.export(model, args.out, adapter=adapter, fmt=args.format, dtype=args.dtype,
+                            quantized_base=cfg is not None and cfg.quant == "nf4",
+                            name=os.path.basename(os.path.normpath(args.out)), overwrite=args.overwrite,
+                            protected=[args.runs_dir] + ([cfg.run_dir] if cfg else []))
     log(f"[export] {args.format} checkpoint in {out} (model card: {out}/README.md)")
     print(out)
     return out
@@ -84,9 +94,11 @@ def cmd_serve(args):
     check_device(args.device)
     dtype = args.dtype or (cfg.dtype if cfg else "bfloat16")
     max_length = args.max_length or (cfg.max_length if cfg else 8192)
-    rr = reranker.Reranker.from_pretrained(model, dtype=getattr(torch, dtype), device=args.device, max_length=max_length)
-    if adapter:
-        lora.load_adapter(rr.model, adapter)
+    with reading(cfg):
+        rr = reranker.Reranker.from_pretrained(model, dtype=getattr(torch, dtype), device=args.device,
+                                               max_length=max_length)
+        if adapter:
+            lora.load_adapter(rr.model, adapter)
     rr.model.eval()
     key = args.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
@@ -185,6 +197,8 @@ def parser():
             p.add_argument("--out", required=True, help="output folder")
             p.add_argument("--format", default="seq-cls", choices=["seq-cls", "causal"],
                            help="seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: Qwen3ForCausalLM")
+            p.add_argument("--overwrite", action="store_true",
+                           help="replace an earlier export in --out (it is replaced whole, once the new one is written)")
         else:
             p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
             p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
@@ -254,7 +268,8 @@ def cmd_build_bench(args):
     bad = [m for m in methods if m not in GEO_METHODS]
     if bad:
         raise SystemExit(f"--geo-methods: unknown {bad}; known {list(GEO_METHODS)}")
-    return build_bench(cfg, args.input, args.output, methods)
+    with run_lock(cfg.run_dir):      # its LLM cache lives in the run folder
+        return build_bench(cfg, args.input, args.output, methods)
 
 
 def cmd_pipeline(args):
@@ -298,8 +313,9 @@ def cmd_pipeline(args):
                 print_summary(s)
                 print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
     finally:
-        if srv:
-            srv.shutdown()
+        if srv:              # closed, not only stopped: requests still queued fail now instead of
+            srv.shutdown()   # waiting out their timeouts on a socket nobody accepts from
+            srv.server_close()
 
 
 COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "compare": cmd_compare,
@@ -318,7 +334,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         sys.exit("interrupted: rerun the same command to resume (finished steps and LLM replies are kept)")
     except (geodef.BenchFormatError, reranker.CheckpointError, reranker.PromptLengthError, FileNotFoundError,
-            llm_clients.LLMError) as e:
+            llm_clients.LLMError, tfsg.LibraryError, deploy.ExportError, RunInUse) as e:
         # each names its file (a missing one: not trained yet, a PPL model not downloadable offline, a
         # --transfer library), or the API and what it answered (rerun to resume)
         sys.exit(f"error: {e}")

@@ -354,10 +354,23 @@ def read_prices(path):
     return {k: tuple(v) for k, v in table.items()}
 
 
-def make_llm(cfg, spec=None):
+def make_llm(cfg, spec=None, stage=None):
+    """The client for `spec` (default: the target LLM), caching in the run folder; with `stage`, every
+    reply it receives is entered in the run's usage ledger under that stage (usage_path)."""
     prices = read_prices(cfg.prices) if cfg.prices else None
     return llm_clients.make_client(spec or cfg.llm, base_url=cfg.base_url,
-                                   cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices)
+                                   cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices,
+                                   ledger=usage_path(cfg) if stage else None, stage=stage)
+
+
+def usage_path(cfg):
+    """The run folder's usage ledger: one line per LLM reply received, by stage, over every invocation."""
+    return os.path.join(cfg.run_dir, "usage.jsonl")
+
+
+def run_usage(cfg):
+    """What the run folder's LLM calls cost over all its invocations (llm_clients.ledger_usage)."""
+    return llm_clients.ledger_usage(usage_path(cfg), read_prices(cfg.prices) if cfg.prices else None)
 
 
 def check_llms(cfg):
@@ -565,33 +578,40 @@ LOCK = ".lock"
 
 
 @contextlib.contextmanager
-def run_lock(run_dir):
+def run_lock(run_dir, shared=False):
     """One writer per run folder: an exclusive lock on run_dir/.lock for the command's lifetime. The
     operating system releases it when the process ends, however it ends, so a crashed command leaves
-    no stale lock. A second command on the same folder is refused at once, naming the holder."""
+    no stale lock. A second command on the same folder is refused at once, naming the holder.
+    shared=True: a reader (export, serve loading the adapter): readers go together, never beside a
+    writer, so nothing reads an adapter while train writes it."""
     os.makedirs(run_dir, exist_ok=True)
     try:
         import fcntl
-    except ImportError:          # no flock (Windows): unlocked, as before
+    except ImportError:          # no flock (Windows): unlocked
         yield
         return
     path = os.path.join(run_dir, LOCK)
     f = open(path, "a+", encoding="utf-8")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise SystemExit(f"{run_dir}: in use by {holder}; wait for it to finish, or use another --name") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} ({' '.join(sys.argv[1:3])})")
-    f.flush()
+        raise RunInUse(f"{run_dir}: in use by {holder}; wait for it to finish, or use another --name") from None
+    if not shared:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} ({' '.join(sys.argv[1:3])})")
+        f.flush()
     try:
         yield
     finally:
         f.close()                # closing releases the lock
+
+
+class RunInUse(RuntimeError):
+    """Another command holds the run folder (run_lock)."""
 
 
 def record_config(cfg, command):
@@ -604,7 +624,8 @@ def record_config(cfg, command):
     new["base_url"] = llm_clients.redact_url(cfg.base_url)          # credentials in a URL are not stored
     digest = file_sha1(cfg.bench)
     if old and produced_anything(cfg.run_dir):
-        changed = [k for k in PINNED if k in old.get("config", {}) and old["config"][k] != new[k]]
+        changed = [k for k in PINNED if k in old.get("config", {}) and old["config"][k] != new[k]
+                   and not (k == "bench" and old.get("bench_sha1") == digest)]   # same content, other path
         if changed:
             raise SystemExit(f"{path}: this run was made with different {', '.join(changed)} "
                              "(" + ", ".join(f"{k}={old['config'][k]!r}" for k in changed) + "); use a new --name")

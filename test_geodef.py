@@ -1192,7 +1192,7 @@ def test_make_client_keys_and_fields(monkeypatch):
     assert llm_clients.make_client("openai-compatible:m", base_url="http://127.0.0.1:1/v1")._key == "ck"
     with pytest.raises(llm_clients.LLMError) as e:
         c.chat([{"role": "user", "content": "x"}])
-    assert "pw" not in str(e.value) and "***@127.0.0.1:1" in str(e.value)
+    assert "pw" not in str(e.value) and "http://127.0.0.1:1/v1" in str(e.value)   # credentials taken out
     assert llm_clients.make_client("ollama:qwen3").base_url == "http://localhost:11434/v1"
     assert llm_clients.make_client("offline").chat([{"role": "user", "content": metrics.asi_prompt("q", "a b c d", "x")}],
                                                    json=True).data["attack_influence_score"] == 0
@@ -1835,7 +1835,7 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
              n_boot=100)
     resumed = evaluation.evaluate(runs.Config(**c))
     strip = lambda s: {k: v for k, v in s.items() if k != "usage"}
-    assert strip(resumed) == strip(full)
+    assert strip(resumed) == strip(full) and resumed["usage"] == full["usage"]   # the whole run's cost
     for f in os.listdir(tmp_path / "full" / "results"):
         a = sorted(open(tmp_path / "full" / "results" / f).read().splitlines())
         b = sorted(open(tmp_path / "cut" / "results" / f).read().splitlines())
@@ -2086,7 +2086,7 @@ def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, unti
     with safe_open(os.path.join(sc, "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys() and not any("lora" in k for k in f.keys())
     card = open(os.path.join(sc, "README.md")).read()
-    assert "vllm serve" in card and "Not run here" in card and "<|im_end|>" in card
+    assert "vllm serve" in card and "does **not**: Infinity" in card and "<|im_end|>" in card
 
 
 def test_export_template_renders_the_prompt(tmp_path, tiny_dir):
@@ -2209,8 +2209,8 @@ def test_serve_rejects_bad_requests_with_a_named_field(shield_server):
     for body, status, msg in cases:
         r = post(body)
         assert r.status_code == status and msg in r.json()["error"]["message"], (body, r.status_code, r.text)
-    r = post({"query": "q", "documents": ["a"], "top_n": 0})
-    assert r.status_code == 200 and r.json()["results"] == []
+    r = post({"query": "q", "documents": ["a", "b"], "top_n": 0})       # as vLLM reads it: every document
+    assert r.status_code == 200 and len(r.json()["results"]) == 2
     assert requests.post(srv.url + "/nope", json={}, headers=AUTH, timeout=5).status_code == 404
     assert requests.get(url, headers=AUTH, timeout=5).status_code == 405
     assert requests.put(url, json={}, headers=AUTH, timeout=5).status_code == 405
@@ -2292,7 +2292,7 @@ def test_one_writer_per_run_folder(tmp_path, small_bench):
     with its process (no stale lock after a crash)."""
     d = tmp_path / "r"
     code = ("import sys, runs\ntry:\n    with runs.run_lock(sys.argv[1]):\n        print('got it')\n"
-            "except SystemExit as e:\n    print(e)\n")
+            "except runs.RunInUse as e:\n    print(e)\n")
     with runs.run_lock(str(d)):
         out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
         assert "in use by pid" in out and "use another --name" in out
@@ -2610,3 +2610,249 @@ def test_seq_cls_export_as_a_sentence_transformers_cross_encoder(tmp_path, tiny_
     head = reranker.PREFIX + f"<Instruct>: {reranker.SHIELD_INSTRUCTION}\n<Query>: {q}\n"
     got = ce.predict([(head, f"<Document>: {d}" + reranker.SUFFIX) for d in docs])
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), torch.sigmoid(rr.score(q, docs)), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- holding up in the field
+
+
+def test_export_is_built_aside_and_never_replaces_what_it_must_not(tmp_path, tiny_dir, monkeypatch):
+    """An export lands whole or not at all; a non-empty --out needs --overwrite and then replaces
+    only an earlier export; a run folder, the runs directory, / and home are refused."""
+    base, adapter = _shield_folder(tmp_path, tiny_dir)
+    out = tmp_path / "exp"
+    deploy.export(base, str(out), adapter=adapter, fmt="seq-cls", dtype="float32")
+    seq_cls = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    with pytest.raises(deploy.ExportError, match="not empty"):
+        deploy.export(base, str(out), adapter=adapter, fmt="causal", dtype="float32")
+    # killed (here: a full disk) after the weights of the new format land: the old export stays whole
+    from safetensors.torch import save_file as real_save
+
+    def full(state, path, metadata=None):
+        real_save(state, path, metadata=metadata)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    with pytest.raises(deploy.ExportError, match="No space left"):
+        deploy.export(base, str(out), adapter=adapter, fmt="causal", dtype="float32", overwrite=True)
+    monkeypatch.undo()
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == seq_cls
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []          # nothing left aside
+    deploy.export(base, str(out), adapter=adapter, fmt="causal", dtype="float32", overwrite=True)
+    assert json.load(open(out / "config.json"))["architectures"] == ["Qwen3ForCausalLM"]
+    assert json.load(open(out / "geodef_export.json"))["format"] == "causal"
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    with pytest.raises(deploy.ExportError, match="not an earlier export"):
+        deploy.export(base, str(tmp_path / "notes"), adapter=adapter, overwrite=True)
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"config": {"name": "r1"}}))
+    for bad, msg in [(run_dir, "run folder"), (tmp_path / "runs", "run folder"), ("/", "refusing"),
+                     (os.path.expanduser("~"), "refusing"), (os.path.dirname(adapter), "holds")]:
+        with pytest.raises(deploy.ExportError, match=msg):
+            deploy.export(base, str(bad), adapter=adapter, overwrite=True)
+    assert json.load(open(run_dir / "config.json")) == {"config": {"name": "r1"}}
+
+
+def test_export_command_refuses_the_run_folder_as_one_line(demo_run):
+    p = subprocess.run([sys.executable, "run.py", "export", "--runs-dir", str(demo_run.parent), "--name", "demo",
+                        "--out", str(demo_run)], capture_output=True, text=True, cwd=HERE)
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "export must not replace" in p.stderr
+    assert "config" in json.load(open(demo_run / "config.json"))
+
+
+def test_serve_speaks_the_clients_dialects(shield_server):
+    import requests
+    srv, rr = shield_server
+    q, texts = "how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell.", "Eggs: 9 minutes."]
+    order = rr.rank(q, texts, k=3)
+    post = lambda body: requests.post(srv.url + "/v1/rerank", json=body, headers=AUTH, timeout=30)
+    r = post({"query": q, "documents": texts, "return_documents": "true"})           # RAGFlow's Xinference provider
+    assert r.status_code == 200 and [x["document"]["text"] for x in r.json()["results"]] == [texts[i] for i in order]
+    docs = [{"content": [{"type": "text", "text": t[:8]}, {"type": "text", "text": t[8:]}]} for t in texts]   # Dify
+    assert [x["index"] for x in post({"query": q, "documents": docs}).json()["results"]] == order
+    assert post({"query": q, "documents": [{"content": [{"type": "image_url", "image_url": {}}]}]}).status_code == 400
+    assert len(post({"query": q, "documents": texts, "top_n": 0}).json()["results"]) == 3     # vLLM: 0 = all
+    # Cohere's max_tokens_per_doc: each document scored as its first N tokens
+    long = "Boil the eggs for six minutes. " + "Then cool them in cold water and peel the shells. " * 40
+    n = len(rr.text_tokenizer.encode(texts[1], add_special_tokens=False).ids) + 3       # texts[1] stays whole
+    cut = rr.text_tokenizer.encode(long, add_special_tokens=False)
+    head = long[:cut.offsets[n - 1][1]]
+    got = post({"query": q, "documents": [long, texts[1]], "max_tokens_per_doc": n}).json()["results"]
+    want = rr.score(q, [head, texts[1]])
+    assert {x["index"]: x["relevance_score"] for x in got} == pytest.approx(
+        {i: float(torch.sigmoid(want[i])) for i in range(2)}, abs=1e-6)
+    # TEI: truncate false refuses a too-long input; truncation_direction Left keeps the document's end
+    tei = lambda body: requests.post(srv.url + "/rerank", json={"query": q, "texts": [long], "raw_scores": True,
+                                                              **body}, headers=AUTH, timeout=60)
+    rr.max_length, max_length = 200, rr.max_length           # the document needs more than that
+    try:
+        r = tei({"truncate": False})
+        assert r.status_code == 413 and "truncate" in r.json()["detail"]
+        assert tei({"truncation_direction": "Up"}).status_code == 422
+        left, right = tei({"truncation_direction": "Left"}).json()[0]["score"], tei({}).json()[0]["score"]
+        assert right == pytest.approx(float(rr.score(q, [long])[0]), abs=1e-5) and left != right
+        tail = long[cut.offsets[len(cut.ids) - (200 - len(rr.tokenize(q, [""])[0]))][0]:]
+        assert left == pytest.approx(float(rr.score(q, [tail])[0]), abs=1e-5)
+    finally:
+        rr.max_length = max_length
+    # errors carry `detail` beside `error` (LlamaIndex's JinaRerank, xinference-client)
+    bad = post({"query": q})
+    assert bad.status_code == 400 and bad.json()["detail"] == bad.json()["error"]["message"]
+    info = requests.get(srv.url + "/info", timeout=5).json()              # tei-client's /info
+    assert info["model_type"] == {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
+    assert info["max_input_length"] == rr.max_length and info["max_client_batch_size"] == 20
+
+
+def test_serve_refuses_surrogates_and_two_lengths_and_logs_no_query(shield_server, capfd):
+    import requests
+    srv, _ = shield_server
+    for body in ('{"query": "\\ud800", "documents": ["a"]}', '{"query": "q", "documents": ["a\\udfff"]}',
+                 '{"query": "q", "texts": ["\\ud800"]}', '{"query": "q", "documents": [{"text": "\\ud800"}]}'):
+        r = requests.post(srv.url + "/v1/rerank", data=body, headers=AUTH, timeout=10)
+        assert r.status_code == 400 and "surrogate" in r.json()["detail"], body
+    status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-key\r\n"
+                          b"Content-Length: 5\r\nContent-Length: 50\r\n\r\n{\"a\":1}")
+    assert status == 400
+    assert requests.get(srv.url + "/v1/models?api_key=TOPSECRET", timeout=5).status_code == 401
+    import socket
+    with socket.create_connection(srv.server_address[:2], timeout=5) as s:   # a malformed request line
+        s.sendall(b"GET /v1/models?api_key=TOPSECRET HTTP/1.1 junk\r\n\r\n")
+        s.recv(65536)
+    out, err = capfd.readouterr()
+    assert "TOPSECRET" not in out + err and "Traceback" not in err and "/v1/models" in err
+
+
+def test_serve_kept_alive_requests_are_not_delayed_and_bursts_get_503_not_resets(tiny_dir):
+    """Replies leave in one write with TCP_NODELAY (no ~40 ms Nagle/delayed-ACK stall per request
+    on a kept-alive connection); 200 connections at once are all answered (200 or 503 +
+    Retry-After), none reset by a full listen backlog."""
+    import http.client
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    srv = deploy.RerankServer(rr, port=0, max_queue=2, log=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection(*srv.server_address[:2], timeout=10)
+        body = json.dumps({"query": "q", "documents": ["a b", "c d"]})
+        times = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/rerank", body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            times.append(time.perf_counter() - t0)
+            assert r.status == 200
+        assert sorted(times)[6] < 0.03, times                     # the median, kept alive
+
+        def one(_):
+            try:
+                s = socket.create_connection(srv.server_address[:2], timeout=30)
+                s.sendall(f"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                          f"Connection: close\r\n\r\n{body}".encode())
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+                s.close()
+                return int(data.split()[1]) if data else "empty"
+            except ConnectionResetError:
+                return "reset"
+        barrier = threading.Barrier(50)
+
+        def burst(i):
+            barrier.wait()
+            return one(i)
+        with ThreadPoolExecutor(50) as ex:
+            got = list(ex.map(burst, range(200)))
+        assert set(got) <= {200, 503}, sorted(set(map(str, got)))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_hostile_json_is_a_line_error_and_caps_come_first(tmp_path):
+    g = good_group()
+    deep = "[" * 100000 + "]" * 100000
+    for line, msg in [('{"group_id": ' + "1" * 5000 + "}", "4300"), ('{"group_id": ' + deep + "}", "nested too deeply")]:
+        p = write_lines(tmp_path, [json.dumps(g), line])
+        with pytest.raises(geodef.BenchFormatError, match=rf"b\.jsonl:2: \(line\): invalid JSON: .*{msg}"):
+            geodef.load_bench(p)
+    meta = {"_meta": {"methods": sorted(g["attacks"])}}
+    p = write_lines(tmp_path, [json.dumps(meta), json.dumps({"_meta": {"synthetic": True}}), json.dumps(g)])
+    with pytest.raises(geodef.BenchFormatError, match=r":2: _meta: metadata must be the first line, and only there"):
+        geodef.load_bench(p)
+    lib = tmp_path / "lib.json"
+    lib.write_text('{"rules": ' + deep + "}")
+    with pytest.raises(tfsg.LibraryError, match="nested too deeply"):
+        tfsg.load_library(str(lib))
+    rule = {"rule_id": "R1", "rule_type": "attack_pattern", "description": "d", "trigger_signals": ["s"],
+            "action": "filter", "strength": "weak", "status": "removed"}
+    lib.write_text(json.dumps({"rules": [rule] * (tfsg.MAX_LIBRARY_RULES + 1)}))
+    t0 = time.monotonic()
+    with pytest.raises(tfsg.LibraryError, match="at most 10000"):
+        tfsg.load_library(str(lib))
+    assert time.monotonic() - t0 < 2
+    lib.write_text(" " * (tfsg.MAX_LIBRARY_BYTES + 1))
+    with pytest.raises(tfsg.LibraryError, match="bytes"):
+        tfsg.load_library(str(lib))
+
+
+def test_url_credentials_stay_out_of_auth_cache_keys_and_errors(server, tmp_path):
+    import base64
+    Script.script = [(200, {}, ok("hi"), 0)]
+    c = llm_clients.Client(server.replace("http://", "http://alice:pa55word@"), "m", api_key="sk-key-123",
+                           cache_dir=str(tmp_path / "c"), max_retries=0)
+    c.chat([{"role": "user", "content": "x"}])
+    assert Script.headers_seen[-1]["Authorization"] == "Bearer sk-key-123"     # the key is sent, not Basic
+    rotated = llm_clients.Client(server.replace("http://", "http://alice:other@"), "m", api_key="sk-key-123",
+                                 cache_dir=str(tmp_path / "c"), max_retries=0)
+    assert rotated.chat([{"role": "user", "content": "x"}]).cached          # a new password keeps the cache
+    basic = llm_clients.Client(server.replace("http://", "http://alice:pa55word@"), "m", max_retries=0)
+    echo = base64.b64encode(b"alice:pa55word").decode()
+    Script.script = [(403, {}, {"error": {"message": f"denied Basic {echo} alice:pa55word pa55word"}}, 0)]
+    with pytest.raises(llm_clients.LLMError) as e:
+        basic.chat([{"role": "user", "content": "y"}])
+    assert Script.headers_seen[-1]["Authorization"] == "Basic " + echo        # no key: the URL's user:pass
+    assert echo not in str(e.value) and "pa55word" not in str(e.value) and "pa55word" not in repr(basic)
+
+
+def test_resumed_run_reports_the_whole_runs_usage(demo_run, tmp_path):
+    """summary.json's usage is the run folder's over all invocations (the usage ledger), so a rerun
+    that takes everything from the cache reports the same cost as the run that paid it."""
+    d = tmp_path / "demo"
+    shutil.copytree(demo_run, d)
+    first = json.load(open(d / "summary.json"))["usage"]
+    assert first["total"]["replies"] > 0 and set(first["stages"]) == {"train", "eval"}
+    assert first["total"]["prompt_tokens"] == sum(v["prompt_tokens"] for m in first["stages"].values() for v in m.values())
+    shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
+    shutil.copytree(demo_run.parent / "_tiny_gpt2", tmp_path / "_tiny_gpt2")
+    cfg = json.load(open(d / "config.json"))["config"]
+    cfg.update(runs_dir=str(tmp_path))
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps({"offline-engine": [1.0, 2.0]}))
+    again = evaluation.evaluate(runs.Config(**{**cfg, "prices": str(prices)}))
+    assert {k: v for k, v in again["usage"]["total"].items() if k != "cost_usd"} == \
+        {k: v for k, v in first["total"].items() if k != "cost_usd"}
+    t = again["usage"]["total"]
+    assert t["cost_usd"] == pytest.approx((t["prompt_tokens"] * 1 + t["completion_tokens"] * 2) / 1e6)
+    assert f"| total |  | {t['replies']} |" in (d / "report.md").read_text()
+
+
+def test_demo_ends_within_seconds_after_an_error_in_the_llm_phase(demo_run, tmp_path):
+    """A full disk while eval writes the LLM cache: the error is printed and the process ends (the
+    loopback engine is closed, so queued requests fail at once instead of waiting out timeouts)."""
+    shutil.copytree(demo_run.parent, tmp_path / "o")
+    d = tmp_path / "o" / "demo"
+    shutil.rmtree(d / "results")
+    shutil.rmtree(d / "cache" / "llm")
+    argv = json.dumps(["demo", "--out", str(tmp_path / "o"), "--bench", json.load(open(d / "config.json"))["config"]["bench"],
+                       "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3", "--n-batches", "3",
+                       "--n-boot", "200"])
+    code = ("import json, sys, runpy, llm_clients\nn = [0]\nreal = llm_clients.Client._cache_put\n"
+            "def full(self, key, reply):\n    n[0] += 1\n    if n[0] > 20:\n        raise OSError(28, 'No space left on device')\n"
+            "    return real(self, key, reply)\nllm_clients.Client._cache_put = full\n"
+            f"sys.argv = ['run.py'] + json.loads({argv!r})\nrunpy.run_path('run.py', run_name='__main__')\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
+    assert p.returncode != 0 and "No space left on device" in p.stderr, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 60

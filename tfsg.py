@@ -116,17 +116,30 @@ class LibraryError(ValueError):
     """A library file that is not a valid experience library: names the file and what is wrong."""
 
 
+# A library on disk: far above what Algorithm 1 writes (every update batch adds at most a few dozen
+# rules, removed ones kept), low enough that a hostile file is refused before it is validated.
+MAX_LIBRARY_RULES = 10000
+MAX_LIBRARY_BYTES = 32 << 20
+
+
 def load_library(path, limits=LIMITS):
     """Read and validate a library file (E{t}.json as `build_library` writes it) -> ExperienceLibrary.
     A JSON object with a `rules` list whose every rule passes the Controller's checks (`check_library`);
     anything else raises LibraryError naming the file. Rule sizes are checked against `limits`."""
+    size = os.path.getsize(path)
+    if size > MAX_LIBRARY_BYTES:               # caps first: a hostile file is refused before it is parsed
+        raise LibraryError(f"{path}: {size} bytes; a library file is at most {MAX_LIBRARY_BYTES}")
     try:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
-    except ValueError as e:                    # UnicodeDecodeError included
-        raise LibraryError(f"{path}: not a JSON library file ({e})") from None
+    except RecursionError:
+        raise LibraryError(f"{path}: not a JSON library file (nested too deeply)") from None
+    except ValueError as e:                    # UnicodeDecodeError and over-long integers included
+        raise LibraryError(f"{path}: not a JSON library file ({str(e).split(';')[0]})") from None
     if not isinstance(d, dict) or not isinstance(d.get("rules"), list) or not all(isinstance(r, dict) for r in d["rules"]):
         raise LibraryError(f"{path}: rules: an experience library is a JSON object with a list of rule objects")
+    if len(d["rules"]) > MAX_LIBRARY_RULES:
+        raise LibraryError(f"{path}: rules: {len(d['rules'])} rules; a library holds at most {MAX_LIBRARY_RULES}")
     for k, typ in (("library_version", int), ("next_id", int), ("task_frame", str)):
         if k in d and (not isinstance(d[k], typ) or isinstance(d[k], bool)):
             raise LibraryError(f"{path}: {k}: expected {typ.__name__}")

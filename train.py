@@ -267,8 +267,8 @@ def train_tfsg(cfg):
     base, shield = rankers(cfg, cfg.shield)
     ranker = shield or base
     ranker.prepare(inst)
-    target = make_llm(cfg)
-    analyzer = make_llm(cfg, cfg.analyzer) if cfg.analyzer else target
+    target = make_llm(cfg, stage="train")
+    analyzer = make_llm(cfg, cfg.analyzer, stage="train") if cfg.analyzer else target
     clean = clean_reference_benign(cfg, target, base, cons)
 
     def case_input(x, force_attack=False):
@@ -287,5 +287,7 @@ def train_tfsg(cfg):
                              max_initial_rules=cfg.max_initial_rules, temperature=cfg.temperature,
                              controller=tfsg.Controller(limits=tfsg_limits(cfg)),
                              max_tokens=cfg.max_tokens, workers=cfg.workers)
-    write_json(os.path.join(run, "usage_train.json"), {"target": target.usage(), "analyzer": analyzer.usage()})
+    for c in dict.fromkeys((target, analyzer)):
+        log(f"[train] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
+            f"{c.stats['cache_hits']} from the cache (the run's cost: usage.jsonl, summed in summary.json)")
     log(f"[train] TFSG library E{cfg.n_batches + 1}: {len(lib.active())} active rules ({len(lib.rules)} total)")
