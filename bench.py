@@ -28,11 +28,19 @@ import deploy
 import llm_clients
 import lora
 import reranker
+import speed
 import tiny
 
 
 # ----------------------------------------------------------------------------- benchmarks
 
+
+
+def load_ours(folder, compile=False, **kw):
+    """Our reranker as the jobs run it: reranker.py with the speed paths installed (speed.install)."""
+    rr = reranker.Reranker.from_pretrained(folder, **kw)
+    speed.install(rr.model, compile=compile)
+    return rr
 
 def bench_folder(args):
     """A random real-width Qwen3 checkpoint (hidden 1024, 16/8 heads, MLP 3072, vocab 151669,
@@ -184,7 +192,7 @@ def matmul_floor(rr, ids):
         loras.append((m, a[0].shape[0], a[0].requires_grad))
 
     def on_attn(m, a, out):
-        x, lens, last, prefix = a[0], a[3], a[4], a[5] if len(a) > 5 else 0
+        x, lens, prefix, last = a[0], a[3], a[4], a[5]         # speed.attention_forward's arguments
         if last is None:
             atts.append((x.shape[0], m.H, m.K, m.E, list(lens), prefix))
     hooks = [m.register_forward_hook(on_lora) for m in rr.model.modules() if isinstance(m, lora.LoRALinear)]
@@ -201,7 +209,7 @@ def matmul_floor(rr, ids):
     factors = [(m.lora_A.detach().to(dt), m.lora_B.detach().to(dt), n, needs_dx) for m, n, needs_dx in loras]
     qkv = [tuple(torch.randn(N, h, E, dtype=dt, device=dev, requires_grad=True) for h in (H, K, K)) + (lens, P)
            for N, H, K, E, lens, P in atts]
-    hand = dev.type in reranker.HAND_BACKWARD
+    hand = dev.type in speed.HAND_BACKWARD
 
     def lora_matmuls():
         with torch.inference_mode():
@@ -218,8 +226,8 @@ def matmul_floor(rr, ids):
 
     def attention():
         for q, k, v, lens, P in qkv:
-            o = (reranker.PackedCausalAttention.apply(q, k, v, lens, P) if hand
-                 else reranker.packed_causal_sdpa(q, k, v, lens, P))     # (N, H, E)
+            o = (speed.PackedCausalAttention.apply(q, k, v, lens, P) if hand
+                 else speed.packed_causal_sdpa(q, k, v, lens, P))     # (N, H, E)
             o.backward(operand(*o.shape))
             q.grad = k.grad = v.grad = None
 
@@ -282,8 +290,8 @@ def bench_score(args):
     dtype, dev = getattr(torch, args.dtype), args.device
     folder = bench_folder(args)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
-    rr = reranker.Reranker.from_pretrained(folder, dtype=dtype, device=dev)
-    rc = reranker.Reranker.from_pretrained(folder, dtype=dtype, device=dev, compile=True) if args.compile else None
+    rr = load_ours(folder, dtype=dtype, device=dev)
+    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if args.compile else None
     work = {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}
     results = {}
     if rc is not None:  # compilation happens on the first call: timed here, outside the race
@@ -374,7 +382,7 @@ def _peak_rss_child(kind, folder, lens, prefix, dtype_name, q):
     dtype = getattr(torch, dtype_name)
     ids = random_ids(lens, prefix=prefix)
     if kind.startswith("ours"):
-        reranker.Reranker.from_pretrained(folder, dtype=dtype, compile=kind == "ours_compiled").score_ids(ids)
+        load_ours(folder, dtype=dtype, compile=kind == "ours_compiled").score_ids(ids)
     else:
         import transformers
         hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
@@ -416,10 +424,11 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft"), device="cpu"):
             (lg[:, yes] - lg[:, no]).sum().backward()
         steps["peft"] = peft_step
     for kind in [k for k in kinds if k.startswith("ours")]:
-        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype, device=device, compile=kind == "ours_compiled",
-                                               share_prefix=kind != "ours_unshared")
+        rr = load_ours(folder, dtype=dtype, device=device, compile=kind == "ours_compiled",
+                  share_prefix=kind != "ours_unshared")
         assert (rr.yes_id, rr.no_id) == (yes, no)
         lora.add_lora(rr.model)
+        speed.install(rr.model, compile=kind == "ours_compiled")
         rr.model.train()
         steps[kind] = lambda rr=rr: rr.score_ids(ids, grad=True).sum().backward()
         if kind == "ours" and "gemm_floor" in kinds:
@@ -553,7 +562,7 @@ def bench_serve(args):
     requests scored directly in-process (`Reranker.score`, one request after another), in one run:
     requests/s, p50/p99 latency of each, and the server's throughput over direct scoring."""
     dtype = getattr(torch, args.dtype)
-    rr = reranker.Reranker.from_pretrained(bench_folder(args), dtype=dtype)
+    rr = load_ours(bench_folder(args), dtype=dtype)
     n_req = args.clients * args.requests
     reqs = [{"query": f"query {i} about water safety", "documents": bench_documents(rr, 10, 100, 1000, seed=i)}
             for i in range(n_req)]

@@ -9,13 +9,10 @@ and vLLM load our adapter unchanged and we load theirs. Paper Table A.1: r 16, a
 Deviations from PEFT:
 - the LoRA product is computed in the activation dtype (bf16 over a bf16 base; PEFT casts the input
   to the adapter's float32); the parameters and their gradients stay float32. Identical in fp32.
-- LoRA layers that read the same input tensor (q/k/v; gate/up) share one dropout mask; PEFT draws
-  one per module. Each layer's input is still dropped with probability `dropout`.
-- the dropout mask is drawn as geometric gaps between dropped positions (`dropout_mask`): the same
-  i.i.d. Bernoulli law as nn.Dropout from ~p*n random numbers instead of n; the 1/(1-p) rescale is
-  folded into the scaling of the (N, r) product.
 - NF4 (QLoRA: bitsandbytes' code table, blocks of 64, float32 absmax, no double quantisation) is
   dequantised on the fly in pure PyTorch: it saves memory, not time.
+Dropout is PEFT's: nn.Dropout on the LoRA input, one mask per module. speed.py binds a faster
+forward that shares one mask between layers reading the same input (declared there).
 
 Usage: add_lora(model); ...train...; save_adapter(model, "runs/x/adapter", "Qwen/Qwen3-Reranker-0.6B")
 """
@@ -23,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import weakref
 
 import torch
 import torch.nn as nn
@@ -31,23 +27,6 @@ import torch.nn.functional as F
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PeftModel.base_model (LoraModel) .model (the *ForCausalLM)
-
-
-def dropout_mask(shape, p, dtype=torch.float32, device="cpu"):
-    """A 0/1 keep-mask of `shape`: each element 0 with probability p, independently (nn.Dropout's law,
-    without its 1/(1-p) rescale). Drawn as the gaps between dropped positions, which in a Bernoulli(p)
-    process are i.i.d. Geometric(p) on {1, 2, ...}: about p*n random numbers instead of n. On the CPU
-    per-element bernoulli_ took 24% of a real-width training step on a 2-core CPU (docs/PERF.md)."""
-    n = math.prod(shape)
-    mask = torch.ones(n, dtype=dtype, device=device)
-    last = -1                                                       # flat index of the last dropped element
-    while last < n:
-        k = int(n * p + 6 * math.sqrt(n * p + 1)) + 16              # enough gaps to pass n almost always
-        gaps = torch.empty(k, dtype=torch.float64, device=device).geometric_(p)
-        pos = last + gaps.cumsum(0).long()                          # (k,) increasing dropped positions
-        mask[pos[pos < n]] = 0
-        last = int(pos[-1])                                         # < n: rare, draw more gaps from there
-    return mask.view(shape)
 
 
 class LoRALinear(nn.Module):
@@ -78,33 +57,16 @@ class LoRALinear(nn.Module):
     def weight(self):
         return self.base.weight
 
-    # The last (input, dropped input) pair: q/k/v (and gate/up) read the same tensor, so they share one
-    # dropped copy, one mask instead of three (PEFT draws one per module; the marginal is the same).
-    # The input is held weakly (only its identity matters); the dropped copy strongly, so that whether
-    # a mask is shared never depends on what autograd happens to keep alive: under gradient
-    # checkpointing the forward saves nothing, and a weakly held copy died after q_proj, so k/v drew
-    # fresh masks there but shared one in the recomputation, which then drew every later mask of the
-    # layer from a different RNG state than the forward did (wrong gradients with dropout > 0).
-    _shared = (lambda: None, None)
-
     def forward(self, x):
-        y = self.base(x)                                                     # (N, out)
+        """y = base(x) + dropout(x) A^T B^T * alpha/r (PEFT's LoRA Linear). x (..., in) -> (..., out)."""
+        y = self.base(x)                                                     # (..., out)
         if not self.enabled or self.merged:
             return y
-        scaling = self.scaling
-        if self.training and self.dropout > 0:
-            src, dropped = LoRALinear._shared[0](), LoRALinear._shared[1]
-            if src is not x:
-                dropped = x * dropout_mask(x.shape, self.dropout, x.dtype, x.device)   # 0/1 mask: exact
-                LoRALinear._shared = (weakref.ref(x), dropped)
-            x = dropped
-            scaling = scaling / (1 - self.dropout)            # inverted dropout's rescale, on (N, r) not (N, in)
-        # Computed in the activation dtype (bf16 over a bf16 base, fp32 over fp32); the parameters
-        # stay float32 and get float32 gradients through the cast. Scaling is applied to the small
-        # (N, r) product and the add is fused into the second GEMM.
+        x = F.dropout(x, self.dropout, self.training)                       # nn.Dropout, as PEFT
+        # in the activation dtype (bf16 over a bf16 base, fp32 over fp32); the parameters stay float32
+        # and get float32 gradients through the cast
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        h = (x @ A.t()) * scaling                                            # (N, r)
-        return torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t()).view(y.shape)  # (N, out)
+        return y + (x @ A.t() @ B.t()) * self.scaling                        # (..., r) -> (..., out)
 
     def delta(self):
         return (self.lora_B @ self.lora_A) * self.scaling                    # (out, in) = scaling * B A

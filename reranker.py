@@ -11,7 +11,6 @@ Deviations from the official snippet, all on purpose:
 - sequences are packed back to back (no padding); every sequence gets positions 0..L-1 and its own
   causal attention, so a document's score does not depend on its batch mates. The official batched
   snippet left-pads and uses arange positions, which changes only rounding (RoPE is relative);
-- in the last layer only the final token's query, attention output and MLP are computed;
 - the tokens a micro-batch's sequences have in common at the start (one query's prompts share the
   system prompt, instruction and query: ~86 tokens) are computed once, not once per document
   (`share_prefix`, on by default): each sequence still attends to the whole prefix at positions
@@ -20,9 +19,11 @@ Deviations from the official snippet, all on purpose:
   card's snippet lets a document containing "<|im_end|>" or "<think>" become those tokens and so
   close the user turn and write the assistant's (`text_tokenizer`). Text without such strings gets
   the model card's ids;
-- for training, RMSNorm and (on the CPU) causal attention have hand-written backward passes, and
-  `compile=True` runs the elementwise work as torch.compile'd fusions: the same equations, kept
-  together at the end of the file ("CPU and speed paths").
+- this file is the reference: each module's forward is the plain math and works on its own.
+  speed.py (beside it) binds faster forwards of the same equations on a built model in one call
+  (`speed.install(model)`: in-place inference, hand-written backward passes, padded CPU
+  attention, the last layer for the final token only, torch.compile'd fusions); it is tested
+  equal to this file.
 
 Read top to bottom: config, RMSNorm, RoPE, packed attention, MLP, block, model, loading, Reranker.
 
@@ -31,10 +32,7 @@ Shapes: N packed tokens of S sequences, C hidden, H query heads, K kv heads, E h
 Usage: rr = Reranker.from_pretrained("Qwen/Qwen3-Reranker-0.6B"); rr.rank(query, docs, k=5)
 """
 import json
-import operator
 import os
-import shutil
-import sys
 from dataclasses import dataclass, fields
 
 import torch
@@ -121,15 +119,13 @@ def rms_norm(x, weight, eps):
 
 
 class RMSNorm(nn.Module):
-    kernels = None  # the Kernels the model was built with (Qwen3Model sets them)
-
     def __init__(self, dim, eps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x):
-        return self.kernels.rms_norm(x, self.weight, self.eps)            # (..., C)
+        return rms_norm(x, self.weight, self.eps)                        # (..., C)
 
 
 def rope_cos_sin(pos, head_dim, theta, dtype):
@@ -144,12 +140,9 @@ def rope_cos_sin(pos, head_dim, theta, dtype):
 
 def apply_rope(x, cos, sin_signed):
     """x (N, heads, E): x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1], computed as
-    [x2, x1] * [-sin1, sin2] (sin_signed, bit-identical: negation is exact). In inference x is
-    overwritten (it is a fresh projection output)."""
+    [x2, x1] * [-sin1, sin2] (sin_signed, bit-identical: negation is exact)."""
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)                 # [x2, x1]
-    if torch.is_grad_enabled():
-        return x * cos + swapped * sin_signed
-    return x.mul_(cos).add_(swapped.mul_(sin_signed))
+    return x * cos + swapped * sin_signed
 
 
 def seq_rows(t, P, start, L):
@@ -164,21 +157,12 @@ def packed_causal_sdpa(q, k, v, lens, P=0):
     """Causal GQA of packed sequences by SDPA, one sequence at a time. q (N, H, E), k and v (N, K, E):
     P shared prefix rows, then each sequence's own rows (lengths `lens`) -> (N, H, E). Each sequence
     attends over prefix + own rows; the prefix queries ride along so that one square causal mask
-    serves, and their output rows are kept once (sequence 0): P*P/2 extra scores per other sequence.
-    On the CPU a sequence whose length is not a multiple of CPU_SDPA_PAD is first copied into a
-    head-major buffer padded with zero rows up to one (see there); causal, so no real query sees a
-    padding key, and the padding queries' outputs are dropped."""
+    serves, and their output rows are kept once (sequence 0)."""
     out = torch.empty_like(q)                                                     # (N, H, E)
-    cpu = q.device.type == "cpu"
     start = P
     for j, L in enumerate(lens):
-        # 4-D (1, heads, P+L, E): 3-D inputs send CPU SDPA to its slow math path (7x slower, measured);
-        # enable_gqa: kv head i serves query heads i*H/K .. (i+1)*H/K - 1 (repeat_interleave)
-        if cpu and (P + L) % CPU_SDPA_PAD:
-            n = -(-(P + L) // CPU_SDPA_PAD) * CPU_SDPA_PAD
-            qj, kj, vj = (seq_heads(t, P, start, L, n) for t in (q, k, v))     # (1, heads, n, E)
-        else:
-            qj, kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (q, k, v))
+        # 4-D (1, heads, P+L, E); enable_gqa: kv head i serves query heads i*H/K .. (i+1)*H/K - 1
+        qj, kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (q, k, v))
         o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
         if j == 0:
             out[:start + L] = o[:start + L]                                       # with the prefix rows
@@ -189,8 +173,6 @@ def packed_causal_sdpa(q, k, v, lens, P=0):
 
 
 class Attention(nn.Module):
-    kernels = None
-
     def __init__(self, cfg):
         super().__init__()
         self.H, self.K, self.E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -202,33 +184,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.E, cfg.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.E, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, lens, last=None, prefix=0):
+    def forward(self, x, cos, sin, lens, prefix=0):
         """x (N, C) packed: `prefix` rows shared by every sequence, then each sequence's own rows
-        (lengths `lens`); last: (S,) row index of each sequence's final token, or None. With `last`,
-        only those S queries are computed: returns (S, C), else (N, C)."""
-        N, P = x.shape[0], prefix
-        xq = x if last is None else x[last]                                       # (N or S, C)
-        cq, sq = (cos, sin) if last is None else (cos[last], sin[last])
-        q = self.q_proj(xq).view(-1, self.H, self.E)                              # (N|S, H, E)
+        (lengths `lens`) -> (N, C)."""
+        N = x.shape[0]
+        q = self.q_proj(x).view(N, self.H, self.E)                                # (N, H, E)
         k = self.k_proj(x).view(N, self.K, self.E)                                # (N, K, E)
         v = self.v_proj(x).view(N, self.K, self.E)                                # (N, K, E)
-        q = self.kernels.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cq, sq)  # per-head norm, then RoPE
-        k = self.kernels.norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
-        if last is None:
-            o = self.kernels.attention(q, k, v, lens, P)                          # (N, H, E)
-            return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
-        outs, start = [], P
-        for j, L in enumerate(lens):                                              # final query sees all keys
-            kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (k, v))  # (1, K, P+L, E)
-            o = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], kj, vj, enable_gqa=True)
-            outs.append(o[0].transpose(0, 1).reshape(-1, self.H * self.E))        # (1, H*E)
-            start += L
-        return self.o_proj(torch.cat(outs))                                       # (S, C)
+        q = apply_rope(self.q_norm(q), cos, sin)                                  # per-head norm, then RoPE
+        k = apply_rope(self.k_norm(k), cos, sin)
+        o = packed_causal_sdpa(q, k, v, lens, prefix)                             # (N, H, E)
+        return self.o_proj(o.reshape(N, self.H * self.E))                         # (N, C)
 
 
 class MLP(nn.Module):
-    kernels = None
-
     def __init__(self, cfg):
         super().__init__()
         C, Fd = cfg.hidden_size, cfg.intermediate_size
@@ -237,12 +206,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(Fd, C, bias=False)
 
     def forward(self, x):
-        return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))   # (N, F) -> (N, C)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))      # SwiGLU: (N, F) -> (N, C)
 
 
 class Block(nn.Module):
-    kernels = None
-
     def __init__(self, cfg):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -250,12 +217,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, lens, last=None, prefix=0):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, lens, last, prefix)
-        x = x if last is None else x[last]                         # (N|S, C)
-        norm = self.post_attention_layernorm
-        x, n = self.kernels.add_rms_norm(x, h, norm.weight, norm.eps)   # x + h, and its norm
-        return self.kernels.add(x, self.mlp(n))                          # the second residual
+    def forward(self, x, cos, sin, lens, prefix=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, lens, prefix)   # (N, C)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen3Model(nn.Module):
@@ -268,22 +232,13 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gradient_checkpointing = False
-        self.use_kernels(EAGER)
 
-    def use_kernels(self, kernels):
-        """Every module computes its elementwise and attention work with `kernels` (EAGER, COMPILED)."""
-        for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention, MLP, Block)):
-                m.kernels = kernels
-        return self
-
-    def compile_elementwise(self, on=True):
-        """Run the elementwise pieces (norms, q/k norm + RoPE, residual add + norm, SwiGLU) as
-        torch.compile'd fusions (COMPILED); matmuls, attention and LoRA are unchanged."""
-        if on and self.embed_tokens.weight.device.type == "cpu" and not cpp_compiler_available():
-            raise RuntimeError("compile=True needs a C++ compiler on the CPU (torch.compile's inductor "
-                               "backend builds its kernels with $CXX, else g++): install one or run without it")
-        return self.use_kernels(COMPILED if on else EAGER)
+    def positions(self, ids, lens, prefix):
+        """-> RoPE cos, sin (N, 1, E) of the packed rows and the row of each sequence's last token (S,)."""
+        pos = torch.cat([torch.arange(prefix, device=ids.device)]                 # (N,) 0..P-1, then
+                        + [torch.arange(prefix, prefix + L, device=ids.device) for L in lens])  # P..P+L-1 each
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, self.embed_tokens.weight.dtype)
+        return cos, sin, prefix + torch.tensor(lens, device=ids.device).cumsum(0) - 1
 
     def forward(self, ids, lens, prefix=0):
         """ids (N,) packed token ids: `prefix` tokens shared by all S sequences (stored once), then each
@@ -291,18 +246,13 @@ class Qwen3Model(nn.Module):
         (S, C) after the final norm. Causal attention makes the prefix's states independent of what
         follows, so sharing it is exact: sequence j is prefix + its own tokens at positions 0..P+L_j-1."""
         x = self.embed_tokens(ids)                                                # (N, C)
-        pos = torch.cat([torch.arange(prefix, device=ids.device)]                 # (N,) 0..P-1, then
-                        + [torch.arange(prefix, prefix + L, device=ids.device) for L in lens])  # P..P+L-1 each
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        last = prefix + torch.tensor(lens, device=ids.device).cumsum(0) - 1       # (S,)
-        n = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            li = last if i == n - 1 else None
+        cos, sin, last = self.positions(ids, lens, prefix)
+        for layer in self.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, li, prefix, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, prefix, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, lens, li, prefix)
-        return self.norm(x)                                                       # (S, C)
+                x = layer(x, cos, sin, lens, prefix)
+        return self.norm(x[last])                                                 # (S, C)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -433,9 +383,8 @@ class Reranker:
 
     @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", instruction=SHIELD_INSTRUCTION,
-                        max_length=8192, revision=None, token_budget=4096, compile=False, share_prefix=True):
-        """compile: fuse the elementwise work with torch.compile (Qwen3Model.compile_elementwise).
-        share_prefix: see score_ids."""
+                        max_length=8192, revision=None, token_budget=4096, share_prefix=True):
+        """share_prefix: see score_ids. Faster forwards for the same math: speed.install(rr.model)."""
         from tokenizers import Tokenizer
         folder, sha = resolve_model_path(name_or_path, revision)
         tok_path = os.path.join(folder, "tokenizer.json")
@@ -449,8 +398,6 @@ class Reranker:
                 raise CheckpointError(f"{tok_path}: '{word}' must be a single token, got ids {enc}")
             ids.append(enc[0])
         model, cfg, lm_head = load_qwen3(folder, dtype=dtype, device=device)
-        if compile:
-            model.compile_elementwise()
         rr = cls(model, tok, ids, instruction=instruction, max_length=max_length, token_budget=token_budget,
                  name_or_path=str(name_or_path), revision=sha or revision, share_prefix=share_prefix)
         if lm_head is not None:  # an untied head (tie_word_embeddings false): only its yes/no rows are needed
@@ -545,230 +492,3 @@ class Reranker:
         """Indices of the top-k documents, best first (ties keep input order)."""
         m = self.score(query, docs)
         return sorted(range(len(docs)), key=lambda i: (-float(m[i]), i))[:k]
-
-
-# =============================================================================
-# CPU and speed paths. Same equations as the modules above, chosen once when the model is built
-# or by the device: a hand-written RMSNorm backward, the packed causal attention backward used on
-# the CPU, the CPU SDPA length padding, and torch.compile'd elementwise fusions (compile=True).
-# Measurements behind each choice: docs/PERF.md.
-# =============================================================================
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """Qwen3RMSNorm with a hand-written backward: y = w * bf16(x r), r = (mean(x^2) + eps)^(-1/2).
-    Autograd through the float32 upcast keeps several (N, C) float32 copies and spends ~10 passes
-    over them; here only x and r (N, 1) are kept. The bf16 rounding counts as identity in the
-    backward, as it does for autograd."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = x.float()
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)              # (..., 1) float32
-        ctx.save_for_backward(x, weight, r)
-        return weight * (xf * r).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight, r = ctx.saved_tensors
-        gw = None
-        if ctx.needs_input_grad[1]:
-            xhat = (x.float() * r).to(x.dtype)
-            gw = (g * xhat).float().reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gh = (g * weight).float()                                             # dL/dx_hat, (..., C)
-        xf = x.float()
-        xhat = xf.mul_(r) if xf is not x else xf * r                          # x_hat = x r (never overwrite x)
-        # dx_hat_i/dx_j = r delta_ij - x_hat_i x_hat_j r / C  =>  dL/dx = r (gh - x_hat mean(gh x_hat))
-        coef = torch.linalg.vecdot(gh, xhat).unsqueeze(-1).div_(x.shape[-1])  # (..., 1)
-        gx = gh.sub_(xhat.mul_(coef)).mul_(r)
-        return gx.to(x.dtype), gw, None
-
-
-# Devices whose training attention uses PackedCausalAttention's hand backward; elsewhere (CUDA) SDPA's
-# own fused backward is used through autograd.
-HAND_BACKWARD = ("cpu",)
-
-
-class PackedCausalAttention(torch.autograd.Function):
-    """Causal grouped-query attention over packed sequences, for training on the CPU.
-    q (N, H, E), k and v (N, K, E), packed as in Attention.forward (P shared prefix rows, then each
-    sequence's own rows, lengths `lens`) -> (N, H, E). Forward: SDPA per sequence (fused, exact),
-    written straight into one packed output. Backward by hand, per sequence, over blocks of `block`
-    query rows, each against only the keys it can see (0 .. its last row): about half the work of a
-    dense backward, and the probabilities are recomputed, not stored. The gradients land directly in
-    packed (N, ...) buffers: slicing the packed tensors per sequence and letting autograd undo it
-    would zero-fill and add a full-size gradient for every sequence and each of q, k, v.
-    On a 2-core CPU: ~16 ms at L=512 (16/8 heads, bf16) against 28-32 ms for SDPA's forward +
-    backward, whose CPU backward takes 5-8x its forward.
-    Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
-    eager attention keeps them; softmax accumulates in float32); exact in float32."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, lens, P=0, block=128):
-        ctx.save_for_backward(q, k, v)
-        ctx.lens, ctx.P, ctx.block = lens, P, block
-        return packed_causal_sdpa(q, k, v, lens, P)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v = ctx.saved_tensors
-        P, block = ctx.P, ctx.block
-        N, H, E = q.shape
-        K = k.shape[1]
-        G, scale = H // K, E ** -0.5
-        dq = torch.empty_like(q)                                                  # every row written once
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)                         # prefix rows: summed over sequences
-        start = P
-        for j, L in enumerate(ctx.lens):
-            # local frame: keys 0..P+L-1 (prefix, then own); queries from r0 (the prefix's queries
-            # count only once, in sequence 0), held at packed rows lo..lo+R-1
-            r0, lo = (0, 0) if j == 0 else (P, start)
-            R = P + L - r0
-            # query head h = i*G + g reads kv head i (repeat-interleave order): group query heads by kv head
-            qg = q[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)                # (K, G, R, E)
-            dog = do[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)
-            # made contiguous once per sequence: bmm still copies each block's k0[:, :b] etc. into a
-            # dense operand, but from these rows rather than from the packed layout (same bits, this
-            # backward up to 1.1x faster)
-            k0 = seq_rows(k, P, start, L).transpose(0, 1).contiguous()            # (K, P+L, E)
-            v0 = seq_rows(v, P, start, L).transpose(0, 1).contiguous()
-            dqg = torch.empty_like(qg)
-            dkl = torch.zeros(K, P + L, E, dtype=k.dtype, device=k.device)
-            dvl = torch.zeros_like(dkl)
-            for a in range(r0, P + L, block):
-                b = min(a + block, P + L)                                         # rows a..b-1 see keys 0..b-1
-                n = b - a
-                qb = qg[:, :, a - r0:b - r0].reshape(K, G * n, E)                 # (K, G*n, E)
-                dob = dog[:, :, a - r0:b - r0].reshape(K, G * n, E)
-                bias = torch.zeros(n, b, dtype=q.dtype, device=q.device)          # causal mask as -inf bias
-                bias[:, a:] = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-                s = torch.baddbmm(bias.repeat(G, 1), qb, k0[:, :b].transpose(1, 2), alpha=scale)  # (K, G*n, b)
-                p = torch.softmax(s, dim=-1)                                      # P
-                dvl[:, :b].baddbmm_(p.transpose(1, 2), dob)                       # dV = P^T dO
-                dp = torch.bmm(dob, v0[:, :b].transpose(1, 2))                    # dP = dO V^T, (K, G*n, b)
-                # softmax backward dS = P * (dP - rowsum(P * dP)), times the scores' 1/sqrt(E)
-                ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
-                dqg[:, :, a - r0:b - r0] = torch.bmm(ds, k0[:, :b]).view(K, G, n, E)  # dQ = dS K
-                dkl[:, :b].baddbmm_(ds.transpose(1, 2), qb)                       # dK = dS^T Q
-            dq[lo:lo + R] = dqg.view(H, R, E).transpose(0, 1)
-            for d, dl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
-                dl = dl.transpose(0, 1)                                           # (P+L, K, E)
-                d[:P] += dl[:P]
-                d[start:start + L] += dl[P:]
-            start += L
-        return dq, dk, dv, None, None, None
-
-
-# CPU SDPA (torch 2.13's flash kernel, bf16, head_dim 128) runs several times slower at lengths that
-# are not a multiple of 32 (e.g. 361 tokens: 12 ms, padded to 384: 2.7 ms), so on the CPU a sequence
-# is copied into a zero-padded head-major buffer of such a length (causal: no real query sees the
-# padding); lengths that are already multiples are used as they are.
-CPU_SDPA_PAD = 32
-
-
-def seq_heads(t, P, start, L, n):
-    """One sequence's rows of a packed (N, heads, E) tensor, as seq_rows, copied into a contiguous
-    head-major (1, heads, n, E) buffer whose rows P+L..n-1 are zero."""
-    buf = t.new_empty(1, t.shape[1], n, t.shape[2])
-    buf[0, :, :P] = t[:P].transpose(0, 1)
-    buf[0, :, P:P + L] = t[start:start + L].transpose(0, 1)
-    buf[0, :, P + L:] = 0
-    return buf
-
-
-# ----------------------------------------------------------------------------- fused elementwise path
-# Plain-torch forms of the elementwise pieces. With compile=True each is torch.compile'd (dynamic
-# shapes, so one compilation serves every packed length) into one fused loop for the forward and one
-# for the backward. Eager PyTorch runs each op as its own pass over memory: on a 2-core CPU about a
-# quarter of scoring time and a third of a training step (profiles, bf16; docs/PERF.md).
-
-def norm_rope(x, weight, eps, cos, sin_signed):
-    """Per-head q/k RMSNorm followed by RoPE, as one function. x (N, heads, E); cos, sin (N, 1, E)."""
-    return apply_rope(rms_norm(x, weight, eps), cos, sin_signed)
-
-
-def add_rms_norm(x, h, weight, eps):
-    """The residual add and the post-attention norm: returns (x + h, rms_norm(x + h)). (N, C) each."""
-    x = x + h
-    return x, rms_norm(x, weight, eps)
-
-
-def swiglu(g, u):
-    """SwiGLU's elementwise part, silu(gate) * up. (N, F)."""
-    return F.silu(g) * u
-
-
-_FUSED = {}
-
-
-def cpp_compiler_available():
-    """Whether torch.compile can build CPU kernels here: inductor calls $CXX, else g++ (clang++ on macOS)."""
-    return shutil.which(os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")) is not None
-
-
-def fused(fn):
-    """torch.compile(fn, dynamic=True), compiled once per function on first use (needs a C++ compiler
-    on the CPU, Triton on CUDA: what torch.compile's inductor backend needs)."""
-    if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=True)
-    return _FUSED[fn]
-
-
-# ----------------------------------------------------------------------------- kernel sets
-
-
-def rms_norm_eager(x, weight, eps):
-    """rms_norm with the hand backward when a gradient is needed, in place at inference."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return RMSNormFunction.apply(x, weight, eps)
-    if x.dtype == torch.float32:                                          # x.float() is x: do not overwrite it
-        return rms_norm(x, weight, eps)
-    xf = x.float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)              # (..., 1) float32
-    # bf16/f16 without gradient: same roundings, fewer large allocations (they dominate on CPU)
-    return xf.mul_(r).to(x.dtype).mul_(weight)
-
-
-def norm_rope_eager(x, weight, eps, cos, sin_signed):
-    return apply_rope(rms_norm_eager(x, weight, eps), cos, sin_signed)
-
-
-def add_rms_norm_eager(x, h, weight, eps):
-    """add_rms_norm; at inference the sum reuses h's memory (h is a fresh attention output)."""
-    x = x + h if torch.is_grad_enabled() else h.add_(x)
-    return x, rms_norm_eager(x, weight, eps)
-
-
-def swiglu_eager(g, u):
-    """swiglu; at inference in place in g."""
-    return F.silu(g) * u if torch.is_grad_enabled() else F.silu(g, inplace=True).mul_(u)
-
-
-def residual_add(x, y):
-    """x + y; at inference in place in x."""
-    return x + y if torch.is_grad_enabled() else x.add_(y)
-
-
-def attention_packed(q, k, v, lens, P):
-    """Packed causal attention: in training on HAND_BACKWARD devices with the hand backward, else
-    SDPA (autograd takes its own backward)."""
-    if torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
-        return PackedCausalAttention.apply(q, k, v, lens, P)
-    return packed_causal_sdpa(q, k, v, lens, P)
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The decoder's non-matmul work, one function each, chosen once for the whole model."""
-    rms_norm: object        # (x, weight, eps) -> norm(x)
-    norm_rope: object       # (x, weight, eps, cos, sin_signed) -> RoPE(norm(x)), per head
-    add_rms_norm: object    # (x, h, weight, eps) -> (x + h, norm(x + h))
-    swiglu: object          # (gate, up) -> silu(gate) * up
-    add: object             # (x, y) -> x + y
-    attention: object       # (q, k, v, lens, P) -> packed causal attention output
-
-
-EAGER = Kernels(rms_norm_eager, norm_rope_eager, add_rms_norm_eager, swiglu_eager, residual_add, attention_packed)
-# torch.compile'd on first use (`fused`): the plain functions as one loop each; attention as EAGER
-COMPILED = Kernels(lambda *a: fused(rms_norm)(*a), lambda *a: fused(norm_rope)(*a),
-                   lambda *a: fused(add_rms_norm)(*a), lambda *a: fused(swiglu)(*a), operator.add, attention_packed)

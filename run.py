@@ -30,6 +30,7 @@ import lora
 import offline
 import report
 import reranker
+import speed
 import tfsg
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from build_bench import GEO_METHODS, build_bench
@@ -99,6 +100,7 @@ def cmd_serve(args):
                                                max_length=max_length)
         if adapter:
             lora.load_adapter(rr.model, adapter)
+        speed.install(rr.model)
     rr.model.eval()
     key = args.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
@@ -242,7 +244,7 @@ def cmd_compare(args):
 
 def cmd_bench(args):
     if args.compile is None:
-        args.compile = reranker.cpp_compiler_available()
+        args.compile = speed.cpp_compiler_available()
         if not args.compile:
             log("bench: no C++ compiler found, so the compile=True contender is left out")
     if args.what not in ("score", "train", "serve") and args.device != "cpu":

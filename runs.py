@@ -24,6 +24,7 @@ import geodef
 import llm_clients
 import lora
 import reranker
+import speed
 import tfsg
 import tiny
 
@@ -210,10 +211,16 @@ def model_folder(cfg):
 def load_reranker(cfg):
     dtype = getattr(torch, cfg.dtype)
     rr = reranker.Reranker.from_pretrained(model_folder(cfg), dtype=dtype, device=cfg.device,
-                                           max_length=cfg.max_length, revision=cfg.revision, compile=cfg.compile)
+                                           max_length=cfg.max_length, revision=cfg.revision)
     if cfg.quant == "nf4":
         lora.quantize_nf4(rr.model)
     rr.model.gradient_checkpointing = cfg.grad_checkpointing
+    return fast(cfg, rr)
+
+
+def fast(cfg, rr):
+    """The speed paths on rr's model (speed.install, the run's --compile); again after LoRA is attached."""
+    speed.install(rr.model, compile=cfg.compile)
     return rr
 
 
@@ -273,7 +280,7 @@ def load_shield(cfg, rr=None):
     need_trained(cfg, os.path.join(path, "adapter_config.json"), "trained adapter")
     lora.load_adapter(rr.model, path)
     rr.model.eval()
-    return rr
+    return fast(cfg, rr)
 
 
 # ----------------------------------------------------------------------------- data

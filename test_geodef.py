@@ -32,6 +32,7 @@ import offline
 import report
 import reranker
 import run
+import speed
 import runs
 import tfsg
 import tiny
@@ -161,6 +162,12 @@ def train_with_lora(rr, seed, dropout, checkpointing=False):
     return rr
 
 
+def fast(rr, compile=False):
+    """rr with the speed paths installed (as the jobs run it)."""
+    speed.install(rr.model, compile=compile)
+    return rr
+
+
 def hf_margins(model, ids, yes, no, pad_id=0):
     """transformers reference: one left-padded batch, logits at the last position."""
     T = max(len(x) for x in ids)
@@ -236,9 +243,9 @@ def test_parity_real_width_fp32_and_bf16(tmp_path, tiny_dir, device):
     assert mb.dtype == torch.float32
     assert torch.all((mb - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mb, ref)
     # the torch.compile'd elementwise path at real width, same references and tolerances
-    rr.model.compile_elementwise()
+    speed.install(rr.model, compile=True)
     torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-4)
-    rb.model.compile_elementwise()
+    speed.install(rb.model, compile=True)
     mc = rb.score_ids(ids).cpu()
     assert torch.all((mc - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mc, ref)
 
@@ -257,9 +264,11 @@ def test_cuda_matches_cpu_scores_and_lora_gradients(hf_tiny):
     torch.testing.assert_close(ref, hf_margins(hm, ids, cpu.yes_id, cpu.no_id), rtol=1e-4, atol=1e-5)
     grads, init = {}, None
     for name, compile_ in (("cpu", False), ("cuda", False), ("cuda_compiled", True)):
-        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, device=name[:4], compile=compile_)
+        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, device=name[:4])
+        speed.install(rr.model, compile=compile_)
         torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-5)
         train_with_lora(rr, seed=3, dropout=0.0)
+        speed.install(rr.model, compile=compile_)
         mods = lora.lora_modules(rr.model)
         with torch.no_grad():   # the CPU's LoRA init on every device (CUDA's RNG draws a different stream)
             init = init or {n: (m.lora_A.clone(), m.lora_B.clone()) for n, m in mods.items()}
@@ -281,18 +290,19 @@ def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
     eager scores and LoRA gradients: fp32 to rounding, bf16 within the parity test's tolerance."""
     folder, _ = hf_tiny
     docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
-    eager = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
-    comp = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, compile=True)
-    assert all(m.kernels is reranker.COMPILED for m in comp.model.modules() if hasattr(m, "kernels"))
+    eager = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32))
+    comp = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32), compile=True)
+    assert all(m.kernels is speed.COMPILED for m in comp.model.modules() if hasattr(m, "kernels"))
     ids = eager.tokenize("What is the capital of France?", docs)
     torch.testing.assert_close(comp.score_ids(ids), eager.score_ids(ids), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(comp.score_ids(ids[1:2]), eager.score_ids(ids[1:2]), rtol=1e-5, atol=1e-5)
-    assert {reranker.rms_norm, reranker.norm_rope, reranker.add_rms_norm, reranker.swiglu} <= set(reranker._FUSED)
+    assert {speed.rms_norm, speed.norm_rope, speed.add_rms_norm, speed.swiglu} <= set(speed._FUSED)
     # training: same LoRA init and dropout masks (drawn eagerly from the same seed) -> same gradients,
     # also with gradient checkpointing on the compiled side
     grads = []
     for rr in (eager, comp):
         train_with_lora(rr, seed=3, dropout=0.05, checkpointing=rr is comp)
+        speed.install(rr.model, compile=rr is comp)
         torch.manual_seed(4)
         rr.score_ids(ids, grad=True).pow(2).sum().backward()
         grads.append({n: p.grad for n, p in rr.model.named_parameters() if p.grad is not None})
@@ -300,15 +310,15 @@ def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
     for n in grads[0]:
         assert _rel(grads[1][n], grads[0][n]) < 1e-4, n
     # bf16: the fused loops keep some intermediates in float32; same tolerance as the bf16 parity test
-    eb = reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16)
-    cb = reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16, compile=True)
+    eb = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16))
+    cb = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16), compile=True)
     me, mc = eb.score_ids(ids), cb.score_ids(ids)
     assert torch.all((mc - me).abs() <= 0.05 + 0.05 * me.abs()), (mc, me)
     # no C++ compiler on the CPU: a clear error up front, not a failure deep inside inductor
     # (shutil.which mocked: this machine has g++)
-    monkeypatch.setattr(reranker.shutil, "which", lambda name: None)
+    monkeypatch.setattr(speed.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="C\\+\\+ compiler"):
-        eager.model.compile_elementwise()
+        speed.install(eager.model, compile=True)
 
 
 def test_batch_invariance_and_order(tiny_dir):
@@ -330,7 +340,7 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
     MLP on the S final tokens only; the same with LoRA added (its base weights, not A and B), where
     every input but layer 0's q/k/v one (the frozen embedding, normed) needs its gradient. The
     training step's matmul floor adds one LoRA call per projection and the packed attentions."""
-    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, token_budget=64)
+    rr = fast(reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, token_budget=64))
     rng = random.Random(0)
     ids = [[5 + j] + [rng.randrange(100, 700) for _ in range(L - 1)] for j, L in enumerate([30, 20, 10, 40])]
 
@@ -347,6 +357,7 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
     for with_lora in (False, True):
         if with_lora:
             lora.add_lora(rr.model)
+            speed.install(rr.model)
             rr.model.train()
         floor = bench.gemm_floor(rr, ids, grad=with_lora)
         got, want = floor.gemms, expected()
@@ -397,9 +408,10 @@ def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
     # the last configuration runs attention the way it runs on CUDA (SDPA's own backward, autograd
     # through the per-sequence slices), here on the CPU
     for share, ckpt, hand in ((False, False, ("cpu",)), (True, False, ("cpu",)), (True, True, ("cpu",)), (True, False, ())):
-        monkeypatch.setattr(reranker, "HAND_BACKWARD", hand)
+        monkeypatch.setattr(speed, "HAND_BACKWARD", hand)
         rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, share_prefix=share)
         train_with_lora(rr, seed=0, dropout=0.0, checkpointing=ckpt)
+        speed.install(rr.model)
         s = rr.score_ids(ids, grad=True)
         (s * torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])).sum().backward()
         grads.append({n: p.grad.clone() for n, p in rr.model.named_parameters() if p.grad is not None})
@@ -651,7 +663,7 @@ def test_causal_attention_backward_matches_autograd(lens, P, block):
     def run(dtype, ours):
         """-> (output, (dq, dk, dv))"""
         q, k, v = (t.to(dtype).requires_grad_() for t in base[:3])
-        o = reranker.PackedCausalAttention.apply(q, k, v, lens, P, block) if ours else reference(q, k, v)
+        o = speed.PackedCausalAttention.apply(q, k, v, lens, P, block) if ours else reference(q, k, v)
         return o, torch.autograd.grad(o, (q, k, v), base[3].to(dtype))
 
     exact_o, exact = run(torch.float64, False)
@@ -678,7 +690,7 @@ def test_rmsnorm_backward_matches_autograd():
         w = (torch.rand(64) + 0.5).to(dtype).requires_grad_()
         g = torch.randn(3, 7, 64).to(dtype)
         x0 = x.detach().clone()
-        y = reranker.RMSNormFunction.apply(x, w, 1e-6)
+        y = speed.RMSNormFunction.apply(x, w, 1e-6)
         assert torch.equal(y, ref(x, w)) and torch.equal(x, x0)
         for a, b in zip(torch.autograd.grad(y, (x, w), g), torch.autograd.grad(ref(x, w), (x, w), g)):
             assert _rel(a, b) < tol
@@ -719,7 +731,7 @@ def test_lora_b_zero_equals_base_and_merge(tiny_dir, tmp_path):
 def test_dropout_mask_law_and_lora_train_forward():
     torch.manual_seed(0)
     p, n = 0.05, 2_000_000
-    m = lora.dropout_mask((1000, 2000), p).view(-1)
+    m = speed.dropout_mask((1000, 2000), p).view(-1)
     assert set(m.unique().tolist()) == {0.0, 1.0}
     drop = (m == 0).double()
     sd = (n * p * (1 - p)) ** 0.5
@@ -728,20 +740,21 @@ def test_dropout_mask_law_and_lora_train_forward():
     assert abs(pairs - (n - 1) * p * p) < 5 * ((n - 1) * p * p) ** 0.5
     assert drop[:1000].sum() > 0 and drop[-1000:].sum() > 0           # no region left undrawn
     torch.manual_seed(1)
-    a = lora.dropout_mask((7, 5), 0.3)
+    a = speed.dropout_mask((7, 5), 0.3)
     torch.manual_seed(1)
-    assert torch.equal(a, lora.dropout_mask((7, 5), 0.3))             # reproducible from the seed
+    assert torch.equal(a, speed.dropout_mask((7, 5), 0.3))             # reproducible from the seed
     # LoRALinear in train mode: base(x) + (x * mask) A^T B^T * scaling / (1 - p), mask shared by layers
     # reading the same input
     base = torch.nn.Linear(5, 3, bias=False)
     la, lb = lora.LoRALinear(base, r=2, alpha=4, dropout=0.3), lora.LoRALinear(base, r=2, alpha=4, dropout=0.3)
     for mod in (la, lb):
         torch.nn.init.normal_(mod.lora_B)
+        speed.install(mod)
     x = torch.randn(7, 5)
     torch.manual_seed(2)
     ya, yb = la(x), lb(x)
     torch.manual_seed(2)
-    mask = lora.dropout_mask((7, 5), 0.3)
+    mask = speed.dropout_mask((7, 5), 0.3)
     for mod, y in ((la, ya), (lb, yb)):
         want = base(x) + (x * mask) @ mod.lora_A.t() @ mod.lora_B.t() * 2.0 / 0.7
         torch.testing.assert_close(y, want)
@@ -2856,3 +2869,77 @@ def test_demo_ends_within_seconds_after_an_error_in_the_llm_phase(demo_run, tmp_
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
     assert p.returncode != 0 and "No space left on device" in p.stderr, p.stderr[-2000:]
     assert time.monotonic() - t0 < 60
+
+
+def test_run_folder_moved_with_its_benchmark_elsewhere_is_accepted(tmp_path, small_bench):
+    """The benchmark is pinned by content: the same file at another path (a clone elsewhere) resumes;
+    other content at the same path is still refused."""
+    cfg = runs.Config(name="r", runs_dir=str(tmp_path), bench=small_bench)
+    runs.record_config(cfg, "train")
+    (tmp_path / "r" / "adapter").mkdir()
+    (tmp_path / "r" / "adapter" / "x").write_text("made")
+    moved = tmp_path / "elsewhere.jsonl"
+    shutil.copy(small_bench, moved)
+    runs.record_config(runs.Config(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
+    moved.write_text(open(small_bench).read().replace("a", "b", 1))
+    with pytest.raises(SystemExit, match="different bench|content changed"):
+        runs.record_config(runs.Config(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
+
+
+# ----------------------------------------------------------------------------- speed paths against the reference
+
+
+def test_speed_paths_equal_the_reference(hf_tiny):
+    """speed.install changes how, not what: float32 margins, LoRA gradients and one AdamW step of
+    the installed model (SGD) equal reranker.py's and lora.py's plain forwards (1e-5 relative; dropout 0,
+    since the speed path shares masks across q/k/v where PEFT draws one per module)."""
+    folder, hm = hf_tiny
+    docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
+    ref, quick = (reranker.Reranker.from_pretrained(folder, dtype=torch.float32) for _ in range(2))
+    speed.install(quick.model)
+    assert speed.installed(quick.model) is speed.EAGER and speed.installed(ref.model) is None
+    ids = ref.tokenize("What is the capital of France?", docs)
+    torch.testing.assert_close(quick.score_ids(ids), ref.score_ids(ids), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref.score_ids(ids), hf_margins(hm, ids, ref.yes_id, ref.no_id), rtol=1e-4, atol=1e-5)
+    params, opts = [], []
+    for rr in (ref, quick):
+        train_with_lora(rr, seed=3, dropout=0.0)
+        if rr is quick:
+            speed.install(rr.model)
+        ps = [p for p in rr.model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(ps, lr=0.5)          # (AdamW's first step is ~lr * sign(g): it hides nothing)
+        m = rr.score_ids(ids, grad=True)
+        (m.pow(2).sum() - m[0]).backward()
+        params.append({n: p for n, p in rr.model.named_parameters() if p.requires_grad})
+        opts.append(opt)
+    assert params[0].keys() == params[1].keys()
+    for n in params[0]:
+        assert _rel(params[1][n].grad, params[0][n].grad) < 1e-5, n
+    for opt in opts:
+        opt.step()
+    for n in params[0]:
+        assert _rel(params[1][n].detach(), params[0][n].detach()) < 1e-5, n
+
+
+def test_reference_modules_work_alone_and_lora_dropout_is_peft_s():
+    """A Block (and each of its parts) built on its own runs its plain forward; the reference LoRA
+    layer draws nn.Dropout's mask per module, as PEFT does."""
+    cfg = reranker.Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    block = reranker.Block(cfg)
+    x = torch.randn(9, 16)
+    cos, sin = reranker.rope_cos_sin(torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4]), 8, 1e6, torch.float32)
+    y = block(x, cos, sin, [4, 5])
+    # sequence 2 alone gives the same rows: packing keeps sequences apart
+    cos2, sin2 = reranker.rope_cos_sin(torch.arange(5), 8, 1e6, torch.float32)
+    torch.testing.assert_close(y[4:], block(x[4:], cos2, sin2, [5]), rtol=1e-5, atol=1e-6)
+    base = torch.nn.Linear(6, 3, bias=False)
+    la = lora.LoRALinear(base, r=2, alpha=4, dropout=0.3)
+    torch.nn.init.normal_(la.lora_B)
+    xin = torch.randn(5, 6)
+    torch.manual_seed(7)
+    got = la(xin)
+    torch.manual_seed(7)
+    want = base(xin) + torch.nn.functional.dropout(xin, 0.3, True) @ la.lora_A.t() @ la.lora_B.t() * 2.0
+    torch.testing.assert_close(got, want)

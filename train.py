@@ -21,7 +21,7 @@ import lora
 import tfsg
 from evaluation import eval_condition
 from runs import (adapter_path, append_jsonl, base_ranker, doc_key, hub_id, labels_of, library_path, load_data,
-                  load_reranker, log, make_llm, order_of, rankers, read_json, shield_ranker, shield_split,
+                  fast, load_reranker, log, make_llm, order_of, rankers, read_json, shield_ranker, shield_split,
                   tfsg_limits, tfsg_schedule, write_json)
 
 
@@ -170,6 +170,7 @@ def train_shield(cfg, rr=None, resume=True):
 
     torch.manual_seed(cfg.seed)   # LoRA A init and dropout masks from the seed alone
     lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+    fast(cfg, rr)                 # the LoRA layers get the speed paths too
     params = [p for p in rr.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     ckpt = os.path.join(run, "checkpoint")

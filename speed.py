@@ -1,0 +1,413 @@
+"""Speed paths for reranker.py and lora.py: the same equations, faster. Nothing in the building
+blocks imports this file; the jobs install it on a built model in one call, as liger-kernel patches
+transformers' module forwards:
+
+    rr = reranker.Reranker.from_pretrained(...); lora.add_lora(rr.model); speed.install(rr.model)
+
+`install` binds a faster forward on each RMSNorm, Attention, MLP, Block, Qwen3Model and LoRALinear
+of the model (call it again after adding LoRA layers; it is idempotent). What it changes, and what
+it does not:
+- the same margins and gradients as reranker.py and lora.py up to float rounding (tested: 1e-5
+  relative in float32 on margins, gradients and a training step; test_speed.py);
+- inference works in place on fresh activations; training uses a hand-written RMSNorm backward and,
+  on the CPU, a hand-written packed causal attention backward (recomputes probabilities, visits only
+  visible keys); CPU SDPA gets sequence lengths padded to a multiple of 32;
+- the last layer computes only each sequence's final token (the only row the margin reads);
+- compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU)
+  as torch.compile'd fusions (needs a C++ compiler on the CPU);
+- LoRA dropout: layers that read the same input (q/k/v; gate/up) share one mask, drawn as geometric
+  gaps between dropped positions (nn.Dropout's Bernoulli law from ~p*n random numbers). The law of
+  each layer's mask is PEFT's; the sharing is a declared deviation (PEFT draws one per module), so
+  with dropout > 0 training draws other masks than the reference.
+Why each path is faster, with measurements: docs/PERF.md.
+
+Usage: speed.install(rr.model, compile=False)
+"""
+import math
+import os
+import shutil
+import sys
+import types
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import lora
+import reranker
+from reranker import apply_rope, packed_causal_sdpa as reference_sdpa, rms_norm, seq_rows
+
+
+# ----------------------------------------------------------------------------- hand-written backward passes
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Qwen3RMSNorm with a hand-written backward: y = w * bf16(x r), r = (mean(x^2) + eps)^(-1/2).
+    Autograd through the float32 upcast keeps several (N, C) float32 copies and spends ~10 passes
+    over them; here only x and r (N, 1) are kept. The bf16 rounding counts as identity in the
+    backward, as it does for autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)              # (..., 1) float32
+        ctx.save_for_backward(x, weight, r)
+        return weight * (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, r = ctx.saved_tensors
+        gw = None
+        if ctx.needs_input_grad[1]:
+            xhat = (x.float() * r).to(x.dtype)
+            gw = (g * xhat).float().reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gh = (g * weight).float()                                             # dL/dx_hat, (..., C)
+        xf = x.float()
+        xhat = xf.mul_(r) if xf is not x else xf * r                          # x_hat = x r (never overwrite x)
+        # dx_hat_i/dx_j = r delta_ij - x_hat_i x_hat_j r / C  =>  dL/dx = r (gh - x_hat mean(gh x_hat))
+        coef = torch.linalg.vecdot(gh, xhat).unsqueeze(-1).div_(x.shape[-1])  # (..., 1)
+        gx = gh.sub_(xhat.mul_(coef)).mul_(r)
+        return gx.to(x.dtype), gw, None
+
+
+# Devices whose training attention uses PackedCausalAttention's hand backward; elsewhere (CUDA) SDPA's
+# own fused backward is used through autograd.
+HAND_BACKWARD = ("cpu",)
+
+
+class PackedCausalAttention(torch.autograd.Function):
+    """Causal grouped-query attention over packed sequences, for training on the CPU.
+    q (N, H, E), k and v (N, K, E), packed as in Attention.forward (P shared prefix rows, then each
+    sequence's own rows, lengths `lens`) -> (N, H, E). Forward: SDPA per sequence (fused, exact),
+    written straight into one packed output. Backward by hand, per sequence, over blocks of `block`
+    query rows, each against only the keys it can see (0 .. its last row): about half the work of a
+    dense backward, and the probabilities are recomputed, not stored. The gradients land directly in
+    packed (N, ...) buffers: slicing the packed tensors per sequence and letting autograd undo it
+    would zero-fill and add a full-size gradient for every sequence and each of q, k, v.
+    Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
+    eager attention keeps them; softmax accumulates in float32); exact in float32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lens, P=0, block=128):
+        ctx.save_for_backward(q, k, v)
+        ctx.lens, ctx.P, ctx.block = lens, P, block
+        return packed_causal_sdpa(q, k, v, lens, P)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        P, block = ctx.P, ctx.block
+        N, H, E = q.shape
+        K = k.shape[1]
+        G, scale = H // K, E ** -0.5
+        dq = torch.empty_like(q)                                                  # every row written once
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)                         # prefix rows: summed over sequences
+        start = P
+        for j, L in enumerate(ctx.lens):
+            # local frame: keys 0..P+L-1 (prefix, then own); queries from r0 (the prefix's queries
+            # count only once, in sequence 0), held at packed rows lo..lo+R-1
+            r0, lo = (0, 0) if j == 0 else (P, start)
+            R = P + L - r0
+            # query head h = i*G + g reads kv head i (repeat-interleave order): group query heads by kv head
+            qg = q[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)                # (K, G, R, E)
+            dog = do[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)
+            # made contiguous once per sequence: bmm then copies each block's k0[:, :b] into a dense
+            # operand from these rows rather than from the packed layout (same bits)
+            k0 = seq_rows(k, P, start, L).transpose(0, 1).contiguous()            # (K, P+L, E)
+            v0 = seq_rows(v, P, start, L).transpose(0, 1).contiguous()
+            dqg = torch.empty_like(qg)
+            dkl = torch.zeros(K, P + L, E, dtype=k.dtype, device=k.device)
+            dvl = torch.zeros_like(dkl)
+            for a in range(r0, P + L, block):
+                b = min(a + block, P + L)                                         # rows a..b-1 see keys 0..b-1
+                n = b - a
+                qb = qg[:, :, a - r0:b - r0].reshape(K, G * n, E)                 # (K, G*n, E)
+                dob = dog[:, :, a - r0:b - r0].reshape(K, G * n, E)
+                bias = torch.zeros(n, b, dtype=q.dtype, device=q.device)          # causal mask as -inf bias
+                bias[:, a:] = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+                s = torch.baddbmm(bias.repeat(G, 1), qb, k0[:, :b].transpose(1, 2), alpha=scale)  # (K, G*n, b)
+                p = torch.softmax(s, dim=-1)                                      # P
+                dvl[:, :b].baddbmm_(p.transpose(1, 2), dob)                       # dV = P^T dO
+                dp = torch.bmm(dob, v0[:, :b].transpose(1, 2))                    # dP = dO V^T, (K, G*n, b)
+                # softmax backward dS = P * (dP - rowsum(P * dP)), times the scores' 1/sqrt(E)
+                ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
+                dqg[:, :, a - r0:b - r0] = torch.bmm(ds, k0[:, :b]).view(K, G, n, E)  # dQ = dS K
+                dkl[:, :b].baddbmm_(ds.transpose(1, 2), qb)                       # dK = dS^T Q
+            dq[lo:lo + R] = dqg.view(H, R, E).transpose(0, 1)
+            for d, dl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
+                dl = dl.transpose(0, 1)                                           # (P+L, K, E)
+                d[:P] += dl[:P]
+                d[start:start + L] += dl[P:]
+            start += L
+        return dq, dk, dv, None, None, None
+
+
+# CPU SDPA (torch 2.13's flash kernel) runs several times slower at lengths that are not a multiple
+# of 32, so on the CPU a sequence is copied into a zero-padded head-major buffer of such a length
+# (causal: no real query sees the padding); lengths that are already multiples are used as they are.
+CPU_SDPA_PAD = 32
+
+
+def seq_heads(t, P, start, L, n):
+    """One sequence's rows of a packed (N, heads, E) tensor, as seq_rows, copied into a contiguous
+    head-major (1, heads, n, E) buffer whose rows P+L..n-1 are zero."""
+    buf = t.new_empty(1, t.shape[1], n, t.shape[2])
+    buf[0, :, :P] = t[:P].transpose(0, 1)
+    buf[0, :, P:P + L] = t[start:start + L].transpose(0, 1)
+    buf[0, :, P + L:] = 0
+    return buf
+
+
+# ----------------------------------------------------------------------------- fused elementwise path
+# Plain-torch forms of the elementwise pieces. With compile=True each is torch.compile'd (dynamic
+# shapes, so one compilation serves every packed length) into one fused loop for the forward and one
+# for the backward. Eager PyTorch runs each op as its own pass over memory (docs/PERF.md).
+
+def norm_rope(x, weight, eps, cos, sin_signed):
+    """Per-head q/k RMSNorm followed by RoPE, as one function. x (N, heads, E); cos, sin (N, 1, E)."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin_signed)
+
+
+def add_rms_norm(x, h, weight, eps):
+    """The residual add and the post-attention norm: returns (x + h, rms_norm(x + h)). (N, C) each."""
+    x = x + h
+    return x, rms_norm(x, weight, eps)
+
+
+def swiglu(g, u):
+    """SwiGLU's elementwise part, silu(gate) * up. (N, F)."""
+    return F.silu(g) * u
+
+
+_FUSED = {}
+
+
+def cpp_compiler_available():
+    """Whether torch.compile can build CPU kernels here: inductor calls $CXX, else g++ (clang++ on macOS)."""
+    return shutil.which(os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")) is not None
+
+
+def fused(fn):
+    """torch.compile(fn, dynamic=True), compiled once per function on first use (needs a C++ compiler
+    on the CPU, Triton on CUDA: what torch.compile's inductor backend needs)."""
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=True)
+    return _FUSED[fn]
+
+
+# ----------------------------------------------------------------------------- kernel sets
+
+
+def rms_norm_eager(x, weight, eps):
+    """rms_norm with the hand backward when a gradient is needed, in place at inference."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return RMSNormFunction.apply(x, weight, eps)
+    if x.dtype == torch.float32:                                          # x.float() is x: do not overwrite it
+        return rms_norm(x, weight, eps)
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)              # (..., 1) float32
+    # bf16/f16 without gradient: same roundings, fewer large allocations (they dominate on CPU)
+    return xf.mul_(r).to(x.dtype).mul_(weight)
+
+
+def norm_rope_eager(x, weight, eps, cos, sin_signed):
+    return apply_rope_(rms_norm_eager(x, weight, eps), cos, sin_signed)
+
+
+def add_rms_norm_eager(x, h, weight, eps):
+    """add_rms_norm; at inference the sum reuses h's memory (h is a fresh attention output)."""
+    x = x + h if torch.is_grad_enabled() else h.add_(x)
+    return x, rms_norm_eager(x, weight, eps)
+
+
+def swiglu_eager(g, u):
+    """swiglu; at inference in place in g."""
+    return F.silu(g) * u if torch.is_grad_enabled() else F.silu(g, inplace=True).mul_(u)
+
+
+def residual_add(x, y):
+    """x + y; at inference in place in x."""
+    return x + y if torch.is_grad_enabled() else x.add_(y)
+
+
+def attention_packed(q, k, v, lens, P):
+    """Packed causal attention: in training on HAND_BACKWARD devices with the hand backward, else
+    SDPA (autograd takes its own backward)."""
+    if torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
+        return PackedCausalAttention.apply(q, k, v, lens, P)
+    return packed_causal_sdpa(q, k, v, lens, P)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The decoder's non-matmul work, one function each, chosen once for the whole model."""
+    rms_norm: object        # (x, weight, eps) -> norm(x)
+    norm_rope: object       # (x, weight, eps, cos, sin_signed) -> RoPE(norm(x)), per head
+    add_rms_norm: object    # (x, h, weight, eps) -> (x + h, norm(x + h))
+    swiglu: object          # (gate, up) -> silu(gate) * up
+    add: object             # (x, y) -> x + y
+    attention: object       # (q, k, v, lens, P) -> packed causal attention output
+
+
+EAGER = Kernels(rms_norm_eager, norm_rope_eager, add_rms_norm_eager, swiglu_eager, residual_add, attention_packed)
+# torch.compile'd on first use (`fused`): the plain functions as one loop each; attention as EAGER
+COMPILED = Kernels(lambda *a: fused(rms_norm)(*a), lambda *a: fused(norm_rope)(*a),
+                   lambda *a: fused(add_rms_norm)(*a), lambda *a: fused(swiglu)(*a), torch.add, attention_packed)
+
+
+# ----------------------------------------------------------------------------- fast forwards
+
+
+def packed_causal_sdpa(q, k, v, lens, P=0):
+    """reranker.packed_causal_sdpa with the CPU's length padding: on the CPU a sequence whose length is
+    not a multiple of CPU_SDPA_PAD is first copied into a head-major buffer padded with zero rows up
+    to one. Causal, so no real query sees a padding key; the padding queries' outputs are dropped."""
+    if q.device.type != "cpu":
+        return reference_sdpa(q, k, v, lens, P)
+    out = torch.empty_like(q)                                                     # (N, H, E)
+    start = P
+    for j, L in enumerate(lens):
+        if (P + L) % CPU_SDPA_PAD:
+            n = -(-(P + L) // CPU_SDPA_PAD) * CPU_SDPA_PAD
+            qj, kj, vj = (seq_heads(t, P, start, L, n) for t in (q, k, v))     # (1, heads, n, E)
+        else:
+            qj, kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        if j == 0:
+            out[:start + L] = o[:start + L]
+        else:
+            out[start:start + L] = o[P:P + L]
+        start += L
+    return out
+
+
+def apply_rope_(x, cos, sin_signed):
+    """apply_rope, in place at inference (x is a fresh projection output)."""
+    if torch.is_grad_enabled():
+        return apply_rope(x, cos, sin_signed)
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x.mul_(cos).add_(swapped.mul_(sin_signed))
+
+
+def rmsnorm_forward(self, x):
+    return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+def attention_forward(self, x, cos, sin, lens, prefix=0, last=None):
+    """Attention.forward; with `last` ((S,) final-token rows) only those S queries: -> (S, C)."""
+    N, P = x.shape[0], prefix
+    xq = x if last is None else x[last]                                       # (N or S, C)
+    cq, sq = (cos, sin) if last is None else (cos[last], sin[last])
+    q = self.q_proj(xq).view(-1, self.H, self.E)                              # (N|S, H, E)
+    k = self.k_proj(x).view(N, self.K, self.E)                                # (N, K, E)
+    v = self.v_proj(x).view(N, self.K, self.E)                                # (N, K, E)
+    q = self.kernels.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cq, sq)
+    k = self.kernels.norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
+    if last is None:
+        o = self.kernels.attention(q, k, v, lens, P)                          # (N, H, E)
+        return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
+    outs, start = [], P
+    for j, L in enumerate(lens):                                              # the final query sees all keys
+        kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (k, v))  # (1, K, P+L, E)
+        o = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], kj, vj, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1).reshape(-1, self.H * self.E))        # (1, H*E)
+        start += L
+    return self.o_proj(torch.cat(outs))                                       # (S, C)
+
+
+def mlp_forward(self, x):
+    return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def block_forward(self, x, cos, sin, lens, prefix=0, last=None):
+    h = self.self_attn(self.input_layernorm(x), cos, sin, lens, prefix, last)
+    x = x if last is None else x[last]                                        # (N|S, C)
+    norm = self.post_attention_layernorm
+    x, n = self.kernels.add_rms_norm(x, h, norm.weight, norm.eps)            # x + h, and its norm
+    return self.kernels.add(x, self.mlp(n))
+
+
+def model_forward(self, ids, lens, prefix=0):
+    """Qwen3Model.forward with the last layer computed for the final tokens only."""
+    x = self.embed_tokens(ids)                                                # (N, C)
+    cos, sin, last = self.positions(ids, lens, prefix)
+    n = len(self.layers)
+    for i, layer in enumerate(self.layers):
+        li = last if i == n - 1 else None
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, prefix, li, use_reentrant=False)
+        else:
+            x = layer(x, cos, sin, lens, prefix, li)
+    return self.norm(x)                                                       # (S, C)
+
+
+# ----------------------------------------------------------------------------- LoRA dropout
+
+
+def dropout_mask(shape, p, dtype=torch.float32, device="cpu"):
+    """A 0/1 keep-mask of `shape`: each element 0 with probability p, independently (nn.Dropout's law,
+    without its 1/(1-p) rescale). Drawn as the gaps between dropped positions, which in a Bernoulli(p)
+    process are i.i.d. Geometric(p) on {1, 2, ...}: about p*n random numbers instead of n."""
+    n = math.prod(shape)
+    mask = torch.ones(n, dtype=dtype, device=device)
+    last = -1                                                       # flat index of the last dropped element
+    while last < n:
+        k = int(n * p + 6 * math.sqrt(n * p + 1)) + 16              # enough gaps to pass n almost always
+        gaps = torch.empty(k, dtype=torch.float64, device=device).geometric_(p)
+        pos = last + gaps.cumsum(0).long()                          # (k,) increasing dropped positions
+        mask[pos[pos < n]] = 0
+        last = int(pos[-1])                                         # < n: rare, draw more gaps from there
+    return mask.view(shape)
+
+
+# The last (input, dropped input) pair: q/k/v (and gate/up) read the same tensor, so they share one
+# dropped copy. The input is held weakly (only its identity matters); the dropped copy strongly, so
+# that whether a mask is shared never depends on what autograd keeps alive (under gradient
+# checkpointing the recomputation must draw exactly the masks the forward drew).
+_SHARED = [lambda: None, None]
+
+
+def lora_forward(self, x):
+    """LoRALinear.forward with the shared geometric-gap dropout mask; the rescale 1/(1-p) is applied to
+    the (N, r) product, and the add fused into the second GEMM (addmm)."""
+    y = self.base(x)                                                     # (N, out)
+    if not self.enabled or self.merged:
+        return y
+    scaling = self.scaling
+    if self.training and self.dropout > 0:
+        src, dropped = _SHARED[0](), _SHARED[1]
+        if src is not x:
+            dropped = x * dropout_mask(x.shape, self.dropout, x.dtype, x.device)   # 0/1 mask: exact
+            _SHARED[:] = [weakref.ref(x), dropped]
+        x = dropped
+        scaling = scaling / (1 - self.dropout)
+    A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+    h = (x @ A.t()) * scaling                                            # (N, r)
+    return torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t()).view(y.shape)
+
+
+# ----------------------------------------------------------------------------- install
+
+FORWARDS = {reranker.RMSNorm: rmsnorm_forward, reranker.Attention: attention_forward, reranker.MLP: mlp_forward,
+            reranker.Block: block_forward, reranker.Qwen3Model: model_forward, lora.LoRALinear: lora_forward}
+
+
+def install(model, compile=False):
+    """Bind the fast forwards on every module of `model` (a reranker.Qwen3Model, LoRA attached or not)
+    whose type has one; EAGER kernels, or COMPILED with compile=True. Idempotent; returns the model."""
+    if compile and next(model.parameters()).device.type == "cpu" and not cpp_compiler_available():
+        raise RuntimeError("compile=True needs a C++ compiler on the CPU (torch.compile's inductor "
+                           "backend builds its kernels with $CXX, else g++): install one or run without it")
+    kernels = COMPILED if compile else EAGER
+    for m in model.modules():
+        fn = FORWARDS.get(type(m))
+        if fn is not None:
+            m.forward = types.MethodType(fn, m)
+            m.kernels = kernels
+    return model
+
+
+def installed(model):
+    """The Kernels installed on `model`, or None (the reference forwards)."""
+    return getattr(model, "kernels", None)
