@@ -9,7 +9,7 @@ import os
 
 
 import geodef
-from runs import atomic_write, log, make_llm
+from runs import SettingsError, atomic_write, log, make_llm
 
 # ----------------------------------------------------------------------------- benchmark builder
 
@@ -100,7 +100,7 @@ def build_bench(cfg, src_path, out_path, methods, n_docs=geodef.N_DOCS):
     seen = [m.strip() for m in cfg.seen_methods.split(",") if m.strip()] if cfg.seen_methods else []
     bad = [m for m in seen if m not in methods]
     if bad:
-        raise SystemExit(f"--seen-methods: {bad} are not among --geo-methods {methods}")
+        raise SettingsError(f"--seen-methods: {bad} are not among --geo-methods {methods}")
     if not seen:
         log("[build-bench] no --seen-methods: the file gets no _meta.seen_methods, and train will ask for them")
     llm = make_llm(cfg)

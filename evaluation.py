@@ -22,7 +22,7 @@ import metrics
 import report
 import tfsg
 import tiny
-from runs import (NotTrainedError, TINY_NOTE, adapter_path, documents_cut, file_sha1, hub_id, library_path,
+from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, documents_cut, file_sha1, hub_id, library_path,
                   load_data, log, make_llm, rankers, read_json, run_usage, test_set_digest, tfsg_limits, write_json)
 
 
@@ -158,14 +158,14 @@ def transfer_items(cfg):
     for item in (cfg.transfer.split(",") if cfg.transfer else []):
         name, eq, path = item.partition("=")
         if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-            raise SystemExit(f"--transfer: {item!r}: give name=path, the name in letters, digits, '.', '_', '-' "
+            raise SettingsError(f"--transfer: {item!r}: give name=path, the name in letters, digits, '.', '_', '-' "
                              "(it names results/transfer_<name>.jsonl and the Table C.2 row)")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--transfer: {path}: no library file")
         try:
             lib = tfsg.load_library(path, tfsg_limits(cfg))   # checked now, not after the other conditions
         except tfsg.LibraryError as e:
-            raise SystemExit(f"--transfer {name}: {e}") from None
+            raise SettingsError(f"--transfer {name}: {e}") from None
         items.append((name, path, lib))
     return items
 
@@ -204,7 +204,7 @@ def check_eval_settings(cfg, conds, transfers):
     old = read_json(os.path.join(res, "settings.json"), {})
     changed = {k: v for k, v in eval_settings(cfg, conds, transfers).items() if k in old and old[k] != v}
     if changed:
-        raise SystemExit(f"{res}: its records were made with " + ", ".join(f"{k}={old[k]!r}" for k in changed)
+        raise SettingsError(f"{res}: its records were made with " + ", ".join(f"{k}={old[k]!r}" for k in changed)
                          + "; this eval asks for " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
                          + f". Move {res} aside to evaluate again (LLM replies stay cached in cache/), "
                          "or use a new --name")
@@ -218,7 +218,7 @@ def eval_conditions(cfg):
     conds = CONDITIONS if cfg.conditions == "all" else [c.strip() for c in cfg.conditions.split(",")]
     for c in conds:
         if c not in CONDITIONS:
-            raise SystemExit(f"--conditions: unknown {c!r}; known {CONDITIONS}")
+            raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}")
     transfers = transfer_items(cfg)
     check_eval_settings(cfg, conds, transfers)
     lib, adapter = library_path(cfg), os.path.join(adapter_path(cfg), "adapter_config.json")

@@ -25,7 +25,7 @@ def _table(header, rows):
 # ----------------------------------------------------------------------------- SVG figures
 # Plain-string SVG. Text width is estimated (CHAR_W x font size per character, generous for the
 # sans-serif fonts browsers use), and every label is placed from that estimate: wrapped to the room
-# it has, never outside the canvas, never over another label (test_geodef.py checks both).
+# it has, never outside the canvas, never over another label (test_report.py checks both).
 
 CHAR_W = 0.62
 COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"]

@@ -35,8 +35,9 @@ import tfsg
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from build_bench import GEO_METHODS, build_bench
 from evaluation import eval_conditions, evaluate
-from runs import (HELP, PRESETS, Config, adapter_path, check_device, check_llms, check_name, load_data, log,
-                  model_folder, need_trained, read_json, record_config, resolve_config, run_lock, RunInUse, shield_split,
+from runs import (PRESETS, Config, adapter_path, check_device, check_llms, check_name, load_data, log,
+                  model_folder, need_trained, read_json, record_config, resolve_config, run_lock, RunInUse, SettingsError,
+                  shield_split,
                   tfsg_schedule)
 from train import train_shield, train_tfsg
 
@@ -127,10 +128,10 @@ def add_config_flags(p):
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool or isinstance(f.default, bool):
-            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=HELP[f.name])
+            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
         else:
             typ = type(f.default) if f.default is not None else str
-            p.add_argument(flag, dest=f.name, type=typ, default=None, help=HELP[f.name])
+            p.add_argument(flag, dest=f.name, type=typ, default=None, help=f.metadata["help"])
 
 
 def serve_offline_background(port=0):
@@ -148,7 +149,7 @@ def print_summary(s):
 
 
 def parser():
-    """The command line: one subcommand per job, every Config field a flag (see runs.HELP)."""
+    """The command line: one subcommand per job, every Config field a flag (its help from the field)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="train the Shield Reranker and build the TFSG library")
@@ -325,9 +326,20 @@ COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "
             "serve-offline": cmd_serve_offline}
 
 
+# Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.
+USER_ERRORS = (SettingsError, RunInUse, geodef.BenchFormatError, reranker.CheckpointError, reranker.PromptLengthError,
+               FileNotFoundError, llm_clients.LLMError, tfsg.LibraryError, deploy.ExportError)
+
+
 def main(argv=None):
+    """Parse and dispatch; library errors become `error: ...` and exit status 1 (SystemExit)."""
     args = parser().parse_args(argv)
-    return COMMANDS[args.cmd](args)
+    try:
+        return COMMANDS[args.cmd](args)
+    except USER_ERRORS as e:
+        raise SystemExit(f"error: {e}") from None
+    except OSError as e:         # a read-only folder, a full disk, a port in use: the file or address and why
+        raise SystemExit(f"error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}") from None
 
 
 if __name__ == "__main__":
@@ -335,10 +347,3 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:
         sys.exit("interrupted: rerun the same command to resume (finished steps and LLM replies are kept)")
-    except (geodef.BenchFormatError, reranker.CheckpointError, reranker.PromptLengthError, FileNotFoundError,
-            llm_clients.LLMError, tfsg.LibraryError, deploy.ExportError, RunInUse) as e:
-        # each names its file (a missing one: not trained yet, a PPL model not downloadable offline, a
-        # --transfer library), or the API and what it answered (rerun to resume)
-        sys.exit(f"error: {e}")
-    except OSError as e:         # a read-only folder, a full disk, a port in use: the file or address and why
-        sys.exit(f"error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}")

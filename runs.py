@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -34,72 +34,89 @@ SAMPLE = os.path.join(HERE, "data", "geo_defensebench_sample.jsonl")
 TINY_NOTE = "tiny random-weight Qwen3 checkpoint (offline plumbing; its scores mean nothing)"
 
 
+class SettingsError(ValueError):
+    """A setting, flag, input file or run-folder state that refuses the command, said in one sentence
+    that names the flag or file (run.py prints it as `error: ...`)."""
+
+
+def opt(default, help):
+    """A Config field with its command-line help (run.py makes one flag per field)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Config:
-    name: str = "default"                      # run folder runs/<name>
-    runs_dir: str = "runs"                     # parent of run folders
-    model: str = "Qwen/Qwen3-Reranker-0.6B"    # hub id, local folder, or "tiny" (random weights, offline)
-    revision: str = None                       # hub revision to pin
-    dtype: str = "bfloat16"                    # base weights' dtype (Qwen3-Reranker ships bf16)
-    device: str = "cpu"                        # "cuda" for a GPU
-    quant: str = "none"                        # "nf4": 4-bit frozen base projections (Table A.1)
-    max_length: int = 8192                     # reranker prompt length cap (model card)
-    compile: bool = False                      # torch.compile the elementwise work (needs g++ on CPU)
-    bench: str = SAMPLE                        # GEO-DefenseBench JSONL
-    n_construction: int = 12                   # construction query groups (B.1)
-    seed: int = 0                              # split, order and init seed
-    k: int = 5                                 # top-k evidence passed to the LLM (A.1.3)
-    seen_methods: str = None                   # construction methods, comma list; default: the file's _meta
+    name: str = opt("default", "run folder name under --runs-dir")
+    runs_dir: str = opt("runs", "parent folder of run folders")
+    model: str = opt("Qwen/Qwen3-Reranker-0.6B",
+                     "reranker: hub id, local folder, or 'tiny' (random weights, offline)")
+    revision: str = opt(None, "hub revision to pin")
+    dtype: str = opt("bfloat16", "reranker weights dtype: bfloat16 (as Qwen3-Reranker ships), float16, float32")
+    device: str = opt("cpu", "torch device (cpu, cuda)")
+    quant: str = opt("none", "'nf4' stores the frozen base projections in 4 bits (Table A.1)")
+    max_length: int = opt(8192, "reranker prompt token cap (model card: 8192)")
+    compile: bool = opt(False,
+                        "fuse the norms, RoPE and SwiGLU with torch.compile (faster; needs a C++ compiler on CPU)")
+    bench: str = opt(SAMPLE, "GEO-DefenseBench JSONL file")
+    n_construction: int = opt(12, "construction query groups when the file has no split (B.1)")
+    seed: int = opt(0, "split/order/init seed")
+    k: int = opt(5, "top-k evidence given to the LLM (A.1.3)")
+    seen_methods: str = opt(None,
+                            "GEO methods of the construction split, comma list (default: the file's _meta.seen_methods)")
     # Shield Reranker (Table A.1)
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lr: float = 1e-4
-    epochs: int = 3                            # the paper does not state it
-    grad_accum: int = 8
-    max_grad_norm: float = 1.0                 # clip, as TRL's default
-    beta: float = 0.1
-    lam_def: float = 1.1
-    lam_util: float = 0.9
-    lam_cons: float = 0.15
-    monitor_frac: float = 0.2
-    grad_checkpointing: bool = False           # recompute layer activations in backward (long documents)
-    save_every: int = 4                        # optimizer steps between resumable checkpoints
+    lora_r: int = opt(16, "LoRA rank")
+    lora_alpha: int = opt(32, "LoRA alpha (scaling alpha/r)")
+    lora_dropout: float = opt(0.05, "dropout on the LoRA input")
+    lr: float = opt(1e-4, "AdamW learning rate")
+    epochs: int = opt(3, "Shield training epochs (the paper does not state them)")
+    grad_accum: int = opt(8, "gradient accumulation steps")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (TRL's default)")
+    beta: float = opt(0.1, "Eq. 3 beta")
+    lam_def: float = opt(1.1, "Eq. 5 lambda_def")
+    lam_util: float = opt(0.9, "Eq. 5 lambda_util")
+    lam_cons: float = opt(0.15, "Eq. 5 lambda_cons")
+    monitor_frac: float = opt(0.2, "share of construction groups held out for monitoring")
+    grad_checkpointing: bool = opt(False, "recompute activations in backward (long documents)")
+    save_every: int = opt(4, "optimizer steps between resumable checkpoints")
     # TFSG (A.2)
-    llm: str = "offline"                       # target LLM, provider:model (llm_clients.make_client)
-    analyzer: str = None                       # Analyzer LLM; default: the target LLM
-    judge: str = None                          # ASI / quality judge; default: the target LLM
-    base_url: str = None                       # override for any OpenAI-compatible server
-    temperature: float = 0.0                   # decoding fixed per target and recorded (B.2.1)
-    max_tokens: int = 2048
-    workers: int = 8                           # concurrent LLM requests
-    rpm: float = 0                             # requests per minute cap (0 = none)
-    n_seed_cases: int = 6                      # A.2.2 controlled contrast cases
-    batch_size: int = 10                       # A.2.2 cases per update batch
-    n_batches: int = 3                         # E1 -> E4
-    max_initial_rules: int = 10
+    llm: str = opt("offline",
+                   "target LLM as provider:model (offline, openai:, anthropic:, deepseek:, moonshot:, zhipu:, vllm:, ollama:, llama.cpp:)")
+    analyzer: str = opt(None, "TFSG Analyzer LLM (default: the target)")
+    judge: str = opt(None, "ASI/quality judge LLM (default: the target)")
+    base_url: str = opt(None, "base URL of any OpenAI-compatible server")
+    temperature: float = opt(0.0, "decoding temperature (fixed per target)")
+    max_tokens: int = opt(2048, "max completion tokens")
+    workers: int = opt(8, "concurrent LLM requests")
+    rpm: float = opt(0, "requests per minute cap (0 = none)")
+    n_seed_cases: int = opt(6, "A.2.2 controlled contrast instances")
+    batch_size: int = opt(10, "A.2.2 instances per update batch")
+    n_batches: int = opt(3, "update batches (E1 -> E{n+1})")
+    max_initial_rules: int = opt(10, "cold-start rule cap (A.2.2)")
     # TFSG sizes the paper does not state (tfsg.Limits; README "Choices where the paper is silent")
-    max_active_rules: int = 30                 # live rules in the library at once
-    rule_description_chars: int = 600
-    rule_condition_chars: int = 400            # apply_when / avoid_when
-    rule_max_signals: int = 12                 # trigger / benign counter signals per rule
-    rule_max_evidence: int = 20
-    rule_max_dependencies: int = 8
-    rule_item_chars: int = 240                 # one list item
-    reject_duplicate_rules: bool = True        # a description equal to a live rule's is refused
-    analyzer_doc_chars: int = 1500             # documents as the Analyzer sees them
-    analyzer_reasoning_chars: int = 4000       # reasoning traces as the Analyzer sees them
-    reasoning_interface: bool = False          # A.3.2/A.3.5 for targets that return reasoning_content
-    shield: bool = True                        # TFSG construction on Shield top-5 (else base top-5)
+    max_active_rules: int = opt(30, "TFSG Controller: most live rules at once (not in the paper)")
+    rule_description_chars: int = opt(600, "TFSG Controller: longest rule description (not in the paper)")
+    rule_condition_chars: int = opt(400, "TFSG Controller: longest apply_when / avoid_when (not in the paper)")
+    rule_max_signals: int = opt(12,
+                                "TFSG Controller: most trigger / benign counter signals per rule (not in the paper)")
+    rule_max_evidence: int = opt(20, "TFSG Controller: most evidence items per rule (not in the paper)")
+    rule_max_dependencies: int = opt(8, "TFSG Controller: most fp_guard dependencies per rule (not in the paper)")
+    rule_item_chars: int = opt(240, "TFSG Controller: longest list item (not in the paper)")
+    reject_duplicate_rules: bool = opt(True, "TFSG Controller: refuse a rule whose description equals a live rule's")
+    analyzer_doc_chars: int = opt(1500, "TFSG Analyzer input: characters of each document (not in the paper)")
+    analyzer_reasoning_chars: int = opt(4000,
+                                        "TFSG Analyzer input: characters of each reasoning trace (not in the paper)")
+    reasoning_interface: bool = opt(False, "use A.3.2/A.3.5 (targets that return reasoning_content)")
+    shield: bool = opt(True, "TFSG construction on Shield top-k (else base top-k)")
     # evaluation
-    conditions: str = "all"                    # comma list or "all"
-    methods: str = "all"                       # GEO methods evaluated on the test split
-    ppl_model: str = "openai-community/gpt2"   # PPL-Filter scorer; "tiny" = random GPT-2 offline
-    ppl_quantile: float = 0.99
-    n_boot: int = 10000
-    max_test_groups: int = 0                   # 0 = all; a smaller number for quick runs
-    transfer: str = None                       # Table C.2: "name=runs/x/library/E4.json,..." libraries of other LLMs
-    prices: str = None                         # JSON file {model: [USD per 1M input tokens, per 1M output]}
+    conditions: str = opt("all", "comma list of conditions or 'all'")
+    methods: str = opt("all", "comma list of GEO methods or 'all'")
+    ppl_model: str = opt("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'")
+    ppl_quantile: float = opt(0.99, "PPL threshold quantile (B.2.2)")
+    n_boot: int = opt(10000, "bootstrap resamples")
+    max_test_groups: int = opt(0, "evaluate only the first N test groups (0 = all)")
+    transfer: str = opt(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]")
+    prices: str = opt(None,
+                      "JSON price table {model: [USD per 1M input tokens, USD per 1M output tokens]} for cost reports")
 
     def __post_init__(self):
         """Reject out-of-range settings up front, naming the flag (not minutes later, deep inside a run)."""
@@ -126,7 +143,7 @@ class Config:
                   ("dtype", self.dtype in ("bfloat16", "float16", "float32"))]
         bad = [f"--{flag} {getattr(self, flag.replace('-', '_'))!r}" for flag, ok in checks if not ok]
         if bad:
-            raise SystemExit(f"out of range: {', '.join(bad)} (see `python run.py train --help`)")
+            raise SettingsError(f"out of range: {', '.join(bad)} (see `python run.py train --help`)")
         check_device(self.device)
         check_name(self.name)
 
@@ -232,7 +249,7 @@ def check_name(name):
     """A run name is one safe path component: --name ../../x would write outside --runs-dir, and
     --name '' into it directly."""
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise SystemExit(f"--name {name!r}: a run name is letters, digits, '.', '_' and '-', starting with a "
+        raise SettingsError(f"--name {name!r}: a run name is letters, digits, '.', '_' and '-', starting with a "
                          "letter or digit (one folder under --runs-dir)")
 
 
@@ -241,10 +258,10 @@ def check_device(device):
     try:
         torch.device(device)
     except (RuntimeError, TypeError):
-        raise SystemExit(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+        raise SettingsError(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise SystemExit(f"--device {device}: no CUDA device visible to torch {torch.__version__} ({build}); "
+        raise SettingsError(f"--device {device}: no CUDA device visible to torch {torch.__version__} ({build}); "
                          "use --device cpu, or a CUDA build of torch on a machine with a GPU")
 
 
@@ -303,7 +320,7 @@ def load_data(cfg):
     try:
         cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
     except ValueError as e:
-        raise SystemExit(f"{cfg.bench}: {e}")
+        raise SettingsError(f"{cfg.bench}: {e}")
     given = [m.strip() for m in cfg.seen_methods.split(",") if m.strip()] if cfg.seen_methods else None
     seen, origin = geodef.seen_methods(meta, given, cfg.bench)
     if origin == "the paper's seen methods":
@@ -313,7 +330,7 @@ def load_data(cfg):
     methods = meta.methods if cfg.methods == "all" else [m.strip() for m in cfg.methods.split(",")]
     for m in methods:
         if m not in meta.methods:
-            raise SystemExit(f"--methods: {m!r} is not in the benchmark's methods {meta.methods}")
+            raise SettingsError(f"--methods: {m!r} is not in the benchmark's methods {meta.methods}")
     return BenchData(groups, meta, cons, test, seen, methods)
 
 
@@ -323,7 +340,7 @@ def shield_split(cfg, inst):
     epoch by empty monitoring metrics."""
     opt, mon = geodef.monitoring_split(inst, cfg.monitor_frac, cfg.seed)
     if not opt or not mon:
-        raise SystemExit(f"{cfg.bench}: Shield training needs construction groups both to optimise on and to "
+        raise SettingsError(f"{cfg.bench}: Shield training needs construction groups both to optimise on and to "
                          f"monitor (--monitor-frac {cfg.monitor_frac}, at least one group each); its "
                          f"{len({x.group_id for x in inst})} construction group(s) gave {len(opt)} and {len(mon)} "
                          "instances: use 2 or more (--n-construction, or the file's split fields)")
@@ -336,7 +353,7 @@ def tfsg_schedule(cfg, inst):
     one evaluation reads (a short last batch is fine)."""
     seeds, batches = geodef.construction_schedule(inst, cfg.n_seed_cases, cfg.batch_size, cfg.n_batches, cfg.seed)
     if len(batches) < cfg.n_batches:
-        raise SystemExit(f"{cfg.bench}: {len(inst)} construction instances fill {len(seeds)} seed cases and "
+        raise SettingsError(f"{cfg.bench}: {len(inst)} construction instances fill {len(seeds)} seed cases and "
                          f"{len(batches)} of the {cfg.n_batches} update batches of {cfg.batch_size} "
                          f"(--n-seed-cases, --n-batches, --batch-size): lower those, or use more construction groups")
     return seeds, batches
@@ -348,15 +365,15 @@ def tfsg_schedule(cfg, inst):
 def read_prices(path):
     """--prices: a JSON object {model: [USD per 1M input tokens, USD per 1M output tokens]}."""
     if not os.path.isfile(path):
-        raise SystemExit(f"--prices {path}: no such file")
+        raise SettingsError(f"--prices {path}: no such file")
     try:
         table = read_json(path)
     except ValueError as e:
-        raise SystemExit(f"--prices {path}: not JSON ({e})") from None
+        raise SettingsError(f"--prices {path}: not JSON ({e})") from None
     ok = lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x >= 0 for x in v)
     bad = [k for k, v in table.items() if not ok(v)] if isinstance(table, dict) else None
     if bad is None or bad:
-        raise SystemExit(f"--prices {path}: expected {{model: [USD per 1M input, USD per 1M output]}}"
+        raise SettingsError(f"--prices {path}: expected {{model: [USD per 1M input, USD per 1M output]}}"
                          + (f"; bad entries {bad[:3]}" if bad else ""))
     return {k: tuple(v) for k, v in table.items()}
 
@@ -388,7 +405,7 @@ def check_llms(cfg):
         try:
             make_llm(cfg, spec)
         except ValueError as e:     # unknown provider, no model, no --base-url, a key's wrong host
-            raise SystemExit(f"--llm/--analyzer/--judge: {e}") from None
+            raise SettingsError(f"--llm/--analyzer/--judge: {e}") from None
 
 
 def order_of(scores):
@@ -484,55 +501,10 @@ def labels_of(x, idx):
 
 
 def tfsg_limits(cfg):
-    """The TFSG sizes of the run's settings (tfsg.Limits)."""
-    return tfsg.Limits(max_active_rules=cfg.max_active_rules, description_chars=cfg.rule_description_chars,
-                       condition_chars=cfg.rule_condition_chars, max_signals=cfg.rule_max_signals,
-                       max_evidence=cfg.rule_max_evidence, max_dependencies=cfg.rule_max_dependencies,
-                       item_chars=cfg.rule_item_chars, reject_duplicates=cfg.reject_duplicate_rules,
-                       analyzer_doc_chars=cfg.analyzer_doc_chars, analyzer_reasoning_chars=cfg.analyzer_reasoning_chars)
+    """The TFSG sizes of the run's settings (tfsg.Limits: its fields are Config's by the same names)."""
+    return tfsg.Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(tfsg.Limits)})
 
 
-HELP = {
-    "name": "run folder name under --runs-dir", "runs_dir": "parent folder of run folders",
-    "model": "reranker: hub id, local folder, or 'tiny' (random weights, offline)", "revision": "hub revision to pin",
-    "dtype": "reranker weights dtype (bfloat16, float16, float32)", "device": "torch device (cpu, cuda)",
-    "quant": "'nf4' stores the frozen base projections in 4 bits (Table A.1)",
-    "max_length": "reranker prompt token cap (model card: 8192)", "bench": "GEO-DefenseBench JSONL file",
-    "n_construction": "construction query groups when the file has no split (B.1)", "seed": "split/order/init seed",
-    "k": "top-k evidence given to the LLM",
-    "seen_methods": "GEO methods of the construction split, comma list (default: the file's _meta.seen_methods)",
-    "lora_r": "LoRA rank", "lora_alpha": "LoRA alpha (scaling alpha/r)",
-    "lora_dropout": "dropout on the LoRA input", "lr": "AdamW learning rate", "epochs": "Shield training epochs",
-    "grad_accum": "gradient accumulation steps", "max_grad_norm": "gradient clipping norm",
-    "beta": "Eq. 3 beta", "lam_def": "Eq. 5 lambda_def", "lam_util": "Eq. 5 lambda_util", "lam_cons": "Eq. 5 lambda_cons",
-    "monitor_frac": "share of construction groups held out for monitoring",
-    "grad_checkpointing": "recompute activations in backward (long documents)",
-    "compile": "fuse the norms, RoPE and SwiGLU with torch.compile (faster; needs a C++ compiler on CPU)",
-    "save_every": "optimizer steps between resumable checkpoints",
-    "llm": "target LLM as provider:model (offline, openai:, anthropic:, deepseek:, moonshot:, zhipu:, vllm:, ollama:, llama.cpp:)",
-    "analyzer": "TFSG Analyzer LLM (default: the target)", "judge": "ASI/quality judge LLM (default: the target)",
-    "base_url": "base URL of any OpenAI-compatible server", "temperature": "decoding temperature (fixed per target)",
-    "max_tokens": "max completion tokens", "workers": "concurrent LLM requests", "rpm": "requests per minute cap (0 = none)",
-    "n_seed_cases": "A.2.2 controlled contrast instances", "batch_size": "A.2.2 instances per update batch",
-    "n_batches": "update batches (E1 -> E{n+1})", "max_initial_rules": "cold-start rule cap (A.2.2)",
-    "max_active_rules": "TFSG Controller: most live rules at once (not in the paper)",
-    "rule_description_chars": "TFSG Controller: longest rule description (not in the paper)",
-    "rule_condition_chars": "TFSG Controller: longest apply_when / avoid_when (not in the paper)",
-    "rule_max_signals": "TFSG Controller: most trigger / benign counter signals per rule (not in the paper)",
-    "rule_max_evidence": "TFSG Controller: most evidence items per rule (not in the paper)",
-    "rule_max_dependencies": "TFSG Controller: most fp_guard dependencies per rule (not in the paper)",
-    "rule_item_chars": "TFSG Controller: longest list item (not in the paper)",
-    "reject_duplicate_rules": "TFSG Controller: refuse a rule whose description equals a live rule's",
-    "analyzer_doc_chars": "TFSG Analyzer input: characters of each document (not in the paper)",
-    "analyzer_reasoning_chars": "TFSG Analyzer input: characters of each reasoning trace (not in the paper)",
-    "reasoning_interface": "use A.3.2/A.3.5 (targets that return reasoning_content)",
-    "shield": "TFSG construction on Shield top-k (else base top-k)",
-    "conditions": "comma list of conditions or 'all'", "methods": "comma list of GEO methods or 'all'",
-    "ppl_model": "PPL-Filter GPT-2: hub id, folder, or 'tiny'", "ppl_quantile": "PPL threshold quantile (B.2.2)",
-    "n_boot": "bootstrap resamples", "max_test_groups": "evaluate only the first N test groups (0 = all)",
-    "transfer": "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]",
-    "prices": "JSON price table {model: [USD per 1M input tokens, USD per 1M output tokens]} for cost reports",
-}
 
 
 def resolve_config(args):
@@ -634,10 +606,10 @@ def record_config(cfg, command):
         changed = [k for k in PINNED if k in old.get("config", {}) and old["config"][k] != new[k]
                    and not (k == "bench" and old.get("bench_sha1") == digest)]   # same content, other path
         if changed:
-            raise SystemExit(f"{path}: this run was made with different {', '.join(changed)} "
+            raise SettingsError(f"{path}: this run was made with different {', '.join(changed)} "
                              "(" + ", ".join(f"{k}={old['config'][k]!r}" for k in changed) + "); use a new --name")
         if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
-            raise SystemExit(f"{cfg.bench}: its content changed since this run used it (SHA-1 {old['bench_sha1'][:12]}, "
+            raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 {old['bench_sha1'][:12]}, "
                              f"now {digest[:12]}); the run's adapter, library and results belong to the old content. "
                              "Restore the file, or use a new --name")
     write_json(path, {"config": new, "bench_sha1": digest, "command": command, "code_version": code_version(),

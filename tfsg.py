@@ -62,21 +62,21 @@ class Limits:
     """Sizes the paper does not state, chosen here so that one Analyzer reply cannot flood the
     library or the prompts it is put into (each a setting of `run.py`, recorded in config.json)."""
     max_active_rules: int = 30        # Controller: live rules at once (ADD refused when full)
-    description_chars: int = 600      # a rule's description
-    condition_chars: int = 400        # apply_when / avoid_when
-    max_signals: int = 12             # items of trigger_signals / benign_counter_signals
-    max_evidence: int = 20            # items of evidence
-    max_dependencies: int = 8         # items of depends_on_fp_guards
-    item_chars: int = 240             # characters of one list item (and of an update's reason)
-    reject_duplicates: bool = True    # ADD/REFINE/MERGE refused when the description equals a live rule's
+    rule_description_chars: int = 600      # a rule's description
+    rule_condition_chars: int = 400        # apply_when / avoid_when
+    rule_max_signals: int = 12             # items of trigger_signals / benign_counter_signals
+    rule_max_evidence: int = 20            # items of evidence
+    rule_max_dependencies: int = 8         # items of depends_on_fp_guards
+    rule_item_chars: int = 240             # characters of one list item (and of an update's reason)
+    reject_duplicate_rules: bool = True    # ADD/REFINE/MERGE refused when the description equals a live rule's
     analyzer_doc_chars: int = 1500    # each document as the Analyzer sees it (A.3.3-A.3.5 case views)
     analyzer_reasoning_chars: int = 4000   # each reasoning trace as the Analyzer sees it (A.3.5)
 
     def text_max(self, k):
-        return self.description_chars if k == "description" else self.condition_chars
+        return self.rule_description_chars if k == "description" else self.rule_condition_chars
 
     def list_max(self, k):
-        return {"evidence": self.max_evidence, "depends_on_fp_guards": self.max_dependencies}.get(k, self.max_signals)
+        return {"evidence": self.rule_max_evidence, "depends_on_fp_guards": self.rule_max_dependencies}.get(k, self.rule_max_signals)
 
 
 LIMITS = Limits()
@@ -187,8 +187,8 @@ def validate_rule(rule, partial=False, limits=LIMITS):
                 return f"{k} must be a list of strings"
             if len(v) > n:
                 return f"{k} has {len(v)} items (max {n})"
-            if any(len(s) > limits.item_chars for s in v):
-                return f"{k} has an item over {limits.item_chars} characters"
+            if any(len(s) > limits.rule_item_chars for s in v):
+                return f"{k} has an item over {limits.rule_item_chars} characters"
     if not partial and rule.get("action") == "filter" and not rule.get("trigger_signals"):
         return "a filter rule needs trigger_signals"
     return None
@@ -260,7 +260,7 @@ class Controller:
         return None
 
     def _dup(self, lib, rule, ignore=()):
-        if not self.limits.reject_duplicates:
+        if not self.limits.reject_duplicate_rules:
             return None
         norm = " ".join(rule.get("description", "").lower().split())
         for r in lib.active():
@@ -290,7 +290,7 @@ class Controller:
         if act not in UPDATE_ACTIONS:
             return f"action {act!r} not in {UPDATE_ACTIONS}"
         active = {r["rule_id"]: r for r in lib.active()}
-        prov = {"epoch": epoch, "reason": str(u.get("reason", ""))[:self.limits.item_chars]}
+        prov = {"epoch": epoch, "reason": str(u.get("reason", ""))[:self.limits.rule_item_chars]}
         if act in ("add_rule", "add_fp_guard", "merge_rules"):
             rule = u.get("rule")
             if act == "add_fp_guard" and isinstance(rule, dict):
@@ -837,7 +837,7 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
                                  max_initial_rules, epoch=1)
         tf = (data.get("experience_library") or {}).get("task_frame") if isinstance(data.get("experience_library"), dict) else None
         if isinstance(tf, str) and tf.strip():
-            lib.task_frame = tf.strip()[:controller.limits.description_chars]
+            lib.task_frame = tf.strip()[:controller.limits.rule_description_chars]
         _save(path(1, ".report"), {**report.to_dict(), "analyzer": {k: data.get(k) for k in
                                                                      ("seed_contrast_summary", "case_patterns", "controller_notes")},
                                    "rollouts": [{k: v for k, v in r.items() if k != "documents"} for r in rollouts]})

@@ -1,0 +1,62 @@
+"""bench.py: the GEMM / matmul floors replay exactly the scorer's matrix work.
+Run: python -m pytest -q test_bench.py
+"""
+import random
+
+import torch
+
+import bench
+import lora
+import reranker
+import speed
+from conftest import fast
+
+
+def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
+    """`bench`'s zero-overhead floor (bench.gemm_floor) runs exactly the frozen projections' GEMMs of one
+    scoring call: per micro-batch, every layer's seven on all N rows, except the last layer's q, o and
+    MLP on the S final tokens only; the same with LoRA added (its base weights, not A and B), where
+    every input but layer 0's q/k/v one (the frozen embedding, normed) needs its gradient. The
+    training step's matmul floor adds one LoRA call per projection and the packed attentions."""
+    rr = fast(reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, token_budget=64))
+    rng = random.Random(0)
+    ids = [[5 + j] + [rng.randrange(100, 700) for _ in range(L - 1)] for j, L in enumerate([30, 20, 10, 40])]
+
+    def expected():
+        out = []
+        for N, S in [(40, 1), (60, 3)]:                 # budget 64: [40], then [30, 20, 10] (no common prefix)
+            for i, layer in enumerate(rr.model.layers):
+                a, m = layer.self_attn, layer.mlp
+                n = S if i == len(rr.model.layers) - 1 else N
+                out += [(a.q_proj, n), (a.k_proj, N), (a.v_proj, N), (a.o_proj, n),
+                        (m.gate_proj, n), (m.up_proj, n), (m.down_proj, n)]
+        return [(getattr(p, "base", p).weight, n) for p, n in out]
+
+    for with_lora in (False, True):
+        if with_lora:
+            lora.add_lora(rr.model)
+            speed.install(rr.model)
+            rr.model.train()
+        floor = bench.gemm_floor(rr, ids, grad=with_lora)
+        got, want = floor.gemms, expected()
+        assert [n for _, n, _ in got] == [n for _, n in want]
+        assert all(w is v for (w, _, _), (v, _) in zip(got, want))
+        per_batch = 7 * len(rr.model.layers)
+        needs = [i % per_batch >= 3 for i in range(len(got))] if with_lora else [False] * len(got)
+        assert [d for _, _, d in got] == needs
+        floor()
+    # the training floor with LoRA's matmuls and the attention (bench.matmul_floor): one LoRA call per
+    # projection GEMM (same rows, same dx needs), one packed attention per layer but the last
+    full = bench.matmul_floor(rr, ids)
+    assert [(m.base.weight, n, d) for m, n, d in full.loras] == [(w, n, d) for w, n, d in got]
+    cfg = rr.model.cfg
+    assert full.attentions == [(N, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, lens, 0)
+                               for N, lens in [(40, [40]), (60, [30, 20, 10])]
+                               for _ in range(len(rr.model.layers) - 1)]
+    full()
+    assert set(full.parts) == {"gemm", "lora", "attention"}
+    # exact causal attention FLOPs: 14 H E per visible (query, key) pair, T(T+1)/2 pairs per sequence
+    pairs = sum(T * (T + 1) // 2 for T in (40, 30, 20, 10)) * (len(rr.model.layers) - 1)
+    assert bench.attention_flops(full.attentions) == 14 * cfg.num_attention_heads * cfg.head_dim * pairs
+    # with a shared prefix of P rows, the prefix's queries count once (in sequence 0)
+    assert bench.attention_flops([(9, 1, 1, 1, [3, 2], 4)]) == 14 * (sum(range(1, 8)) + 6 + 5)

@@ -1,0 +1,53 @@
+"""gpt2.py: parity with transformers' GPT-2; <|endoftext|> in a document stays text.
+Run: python -m pytest -q test_gpt2.py
+"""
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+import gpt2
+import tiny
+
+
+def test_gpt2_document_text_never_becomes_end_of_text(tmp_path):
+    """A document holding "<|endoftext|>" is scored as that text: the token would restart GPT-2's
+    context inside the document and change its perplexity."""
+    from tokenizers import AddedToken
+    lm = gpt2.GPT2.from_pretrained(tiny.make_tiny_gpt2(str(tmp_path / "g")))
+    plain = lm.encode("a <|endoftext|> b")
+    eot = lm.tokenizer.get_vocab_size()
+    lm.tokenizer.add_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])   # as GPT-2's own
+    assert eot in lm.tokenizer.encode("a <|endoftext|> b").ids                                # the threat
+    assert lm.encode("a <|endoftext|> b") == plain and eot not in plain
+    assert lm.tokenizer.decode(plain) == "a <|endoftext|> b"
+    assert math.isfinite(lm.perplexity("eggs <|endoftext|> boil for six minutes <|endoftext|>"))
+
+
+def test_gpt2_parity_with_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = tiny.make_tiny_gpt2(str(tmp_path / "tiny"))
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    torch.manual_seed(0)
+    hm = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=cfg["vocab_size"], n_embd=48, n_layer=2,
+                                                              n_head=4, n_positions=64)).eval()
+    hm.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    shutil.copy(os.path.join(folder, "tokenizer.json"), tmp_path / "hf")
+    ours = gpt2.GPT2.from_pretrained(str(tmp_path / "hf"))
+    ids = torch.randint(0, cfg["vocab_size"], (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hm(ids).logits, rtol=1e-4, atol=1e-4)
+    # sliding window: perplexity of a text longer than the context equals the token-by-token definition
+    text = "the of and to in a is that for it as was with be by on not " * 12
+    tok = ours.tokenizer.encode(text).ids
+    assert len(tok) > 64
+    nll = 0.0
+    for pos in range(1, len(tok)):
+        lo = 0 if pos < 64 else ((pos - 64) // 32 + 1) * 32
+        with torch.no_grad():
+            lp = torch.log_softmax(ours(torch.tensor([tok[lo:pos + 1]]))[0, -2], -1)
+        nll -= float(lp[tok[pos]])
+    assert abs(ours.perplexity(text, stride=32) - math.exp(nll / (len(tok) - 1))) < 1e-3 * math.exp(nll / (len(tok) - 1))

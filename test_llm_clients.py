@@ -1,0 +1,300 @@
+"""llm_clients.py over real HTTP (a scripted loopback server): retries, Retry-After, adaptation of
+refused parameters, JSON re-asks, the cache, keys and URL credentials never leaked, Ctrl-C.
+Run: python -m pytest -q test_llm_clients.py
+"""
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import llm_clients
+from conftest import Script, client, ok
+
+
+def test_retry_after_then_success(server):
+    sleeps = []
+    Script.script = [(429, {"Retry-After": "2"}, {"error": {"message": "slow down"}}, 0),
+                     (503, {"retry-after-ms": "1500"}, {"error": {"message": "busy"}}, 0), (200, {}, ok("hi"), 0)]
+    r = client(server, sleeps).chat([{"role": "user", "content": "x"}])
+    assert r.text == "hi" and len(Script.seen) == 3 and sleeps == [2.0, 1.5]
+    sleeps.clear()
+    Script.script = [(500, {}, {}, 0), (500, {}, {}, 0), (200, {}, ok("hi"), 0)]
+    client(server, sleeps).chat([{"role": "user", "content": "y"}])
+    assert 0.375 <= sleeps[0] <= 0.5 and 0.75 <= sleeps[1] <= 1.0     # min(0.5 * 2^n, 8) s, 25% jitter
+
+
+class StrictModel(BaseHTTPRequestHandler):
+    """Loopback server answering like a reasoning model behind an OpenAI-style API: a 400 naming each
+    parameter it does not take (temperature other than its default, max_tokens, JSON mode)."""
+    seen = []
+    refusals = [("temperature", "Unsupported value: 'temperature' does not support 0 with this model. Only the "
+                                "default (1) value is supported.", "unsupported_value"),
+                ("max_tokens", "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                               "'max_completion_tokens' instead.", "unsupported_parameter"),
+                ("response_format", "Invalid parameter: 'response_format' of type 'json_object' is not supported "
+                                    "with this model.", "unsupported_parameter")]
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        StrictModel.seen.append(body)
+        status, payload = 200, ok(json.dumps({"echo": body["messages"][-1]["content"]}))
+        for param, message, code in self.refusals:
+            if param in body:
+                status, payload = 400, {"error": {"message": message, "type": "invalid_request_error",
+                                                  "param": param, "code": code}}
+                break
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
+    """GPT-5.x and o-series reject temperature 0 ("only the default (1) value is supported"), o-series
+    behind proxies reject max_tokens, some servers JSON mode: each 400 that names such a parameter
+    changes the request once for the client (logged once, reported by usage()), concurrent requests
+    included; replies are cached under the request as asked, so a new client finds them all."""
+    StrictModel.seen = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), StrictModel)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    reqs = [{"messages": [{"role": "user", "content": f"q{i}"}], "temperature": 0, "max_tokens": 64, "json": True}
+            for i in range(24)]
+    try:
+        c = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens", cache_dir=str(tmp_path / "c"))
+        out = c.map(reqs, workers=8, progress=False)
+        assert [r.data for r in out] == [{"echo": f"q{i}"} for i in range(24)]
+        assert c.usage()["adapted"] == ["temperature: not sent (the API accepts only the model's default)",
+                                        "token cap sent as max_completion_tokens",
+                                        "JSON mode off (JSON still parsed from the text, with re-asks)"]
+        assert capsys.readouterr().err.count("HTTP 400 refused a parameter") == 3
+        last = StrictModel.seen[-1]
+        assert "temperature" not in last and last["max_completion_tokens"] == 64 and "response_format" not in last
+        assert len(StrictModel.seen) <= 24 + 3 * 8            # at most one refused try per change and worker
+        n = len(StrictModel.seen)
+        again = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens", cache_dir=str(tmp_path / "c"))
+        assert [r.data for r in again.map(reqs, workers=8, progress=False)] == [r.data for r in out]
+        assert len(StrictModel.seen) == n and "adapted" not in again.usage()   # all from the cache
+        # a 400 about anything else is not retried
+        StrictModel.refusals = StrictModel.refusals + [("messages", "'messages' must not be empty", "bad")]
+        with pytest.raises(llm_clients.LLMError, match="HTTP 400"):
+            c.chat([{"role": "user", "content": "new"}], json=True)
+    finally:
+        StrictModel.refusals = StrictModel.refusals[:3]
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("status", [500, 503, 529])
+def test_5xx_then_success(server, status):
+    Script.script = [(status, {}, {"error": {"message": "overloaded"}}, 0)] * 2 + [(200, {}, ok("fine"), 0)]
+    c = client(server)
+    assert c.chat([{"role": "user", "content": "x"}]).text == "fine"
+    assert len(Script.seen) == 3 and c.stats["retries"] == 2
+
+
+@pytest.mark.parametrize("status,body", [
+    (401, {"error": {"message": "bad key sk-SECRET-123"}}),
+    (429, {"error": {"message": "You exceeded your quota", "code": "insufficient_quota"}}),
+    (400, {"error": {"message": "bad request"}}),
+    (429, {"type": "error", "error": {"type": "rate_limit_error", "details": {"error_code": "enforced_spend_limit_reached"}}}),
+])
+def test_non_retryable_fail_at_once(server, status, body):
+    Script.script = [(status, {}, body, 0)] * 3
+    with pytest.raises(llm_clients.LLMError) as e:
+        client(server).chat([{"role": "user", "content": "x"}])
+    assert e.value.status == status and len(Script.seen) == 1
+    assert "sk-SECRET-123" not in str(e.value) and "sk-SECRET-123" not in (e.value.body or "")
+
+
+def test_long_retry_after_is_an_immediate_error(server):
+    Script.script = [(429, {"retry-after-ms": "600000"}, {"error": {}}, 0)] * 3
+    with pytest.raises(llm_clients.LLMError, match="wait 600s"):
+        client(server).chat([{"role": "user", "content": "x"}])
+    assert len(Script.seen) == 1
+
+
+def test_timeout_and_slow_server(server):
+    Script.script = [(200, {}, ok("late"), 1.5)] * 2 + [(200, {}, ok("fast"), 0)]
+    assert client(server, timeout=0.5).chat([{"role": "user", "content": "x"}]).text == "fast"
+    Script.script = [(200, {}, ok("late"), 1.0)] * 3
+    with pytest.raises(llm_clients.LLMError, match="Timeout"):
+        client(server, timeout=0.3, max_retries=1).chat([{"role": "user", "content": "y"}])
+
+
+def test_non_json_200_and_connection_refused(server):
+    Script.script = [(200, {}, "<html>gateway</html>", 0)]
+    with pytest.raises(llm_clients.LLMError, match="not JSON") as e:
+        client(server).chat([{"role": "user", "content": "x"}])
+    assert e.value.status == 200
+    with pytest.raises(llm_clients.LLMError, match=r"ConnectionError on http://127\.0\.0\.1:9/v1/chat/completions "
+                                                   r"after 2 attempts"):
+        llm_clients.Client("http://127.0.0.1:9/v1", "m", max_retries=1).chat([{"role": "user", "content": "x"}])
+
+
+def test_json_extraction_fences_think_and_reask(server):
+    Script.script = [(200, {}, ok('<think>let me think {not json}</think>\nSure:\n```json\n{"answer": "a [1]"}\n```'), 0),
+                     (200, {}, ok('<think>unclosed reasoning... {"answer": "b"}'), 0),
+                     (200, {}, ok("no json at all"), 0), (200, {}, ok('{"answer": "fixed"}'), 0),
+                     (200, {}, ok('{"answer": "x"}', reasoning_content="because R2"), 0)]
+    c = client(server)
+    r = c.chat([{"role": "user", "content": "1"}], json=True)
+    assert r.data == {"answer": "a [1]"} and r.reasoning == "let me think {not json}"
+    assert c.chat([{"role": "user", "content": "2"}], json=True).data == {"answer": "b"}
+    r = c.chat([{"role": "user", "content": "3"}], json=True)
+    assert r.data == {"answer": "fixed"} and c.stats["json_reasks"] == 1
+    assert "could not be parsed" in Script.seen[3]["messages"][-1]["content"]
+    r = c.chat([{"role": "user", "content": "4"}], json=True)
+    assert r.reasoning == "because R2" and r.text == '{"answer": "x"}'
+    assert Script.seen[0]["response_format"] == {"type": "json_object"}
+    # a reasoning model that spent the token cap on reasoning: the error says to raise --max-tokens
+    cut = {"choices": [{"message": {"content": "", "reasoning_content": "long..."}, "finish_reason": "length"}]}
+    Script.script = [(200, {}, cut, 0), (200, {}, cut, 0)]
+    with pytest.raises(llm_clients.LLMError, match=r"token cap \(max_tokens=64, finish_reason 'length'.*raise --max-tokens"):
+        c.chat([{"role": "user", "content": "5"}], max_tokens=64, json=True)
+
+
+def test_anthropic_protocol(server):
+    Script.script = [(200, {}, {"content": [{"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "he"},
+                                            {"type": "text", "text": "llo"}], "stop_reason": "end_turn",
+                                "usage": {"input_tokens": 7, "output_tokens": 2}}, 0)]
+    c = llm_clients.Client(server, "claude", api_key="sk-ant-X", protocol="anthropic")
+    r = c.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], max_tokens=50)
+    assert r.text == "hello" and r.reasoning == "hmm" and r.usage["prompt_tokens"] == 7
+    body, hdr = Script.seen[0], {k.lower(): v for k, v in Script.headers_seen[0].items()}
+    assert body["system"] == "be brief" and body["messages"] == [{"role": "user", "content": "hi"}]
+    assert body["max_tokens"] == 50 and hdr["x-api-key"] == "sk-ant-X" and hdr["anthropic-version"] == "2023-06-01"
+    # a 400 naming a parameter this protocol cannot send otherwise: raised at once, not resent in a loop
+    Script.script = [(400, {}, {"type": "error", "error": {"type": "invalid_request_error",
+                                                           "message": "'max_tokens' is not supported"}}, 0)] * 3
+    with pytest.raises(llm_clients.LLMError, match="HTTP 400"):
+        c.chat([{"role": "user", "content": "again"}], max_tokens=50)
+    assert len(Script.seen) == 2
+
+
+def test_cache_no_resend_no_key_on_disk_corrupt_entry(server, tmp_path):
+    c = client(server, cache_dir=str(tmp_path))
+    Script.script = [(200, {}, ok("once"), 0)]
+    m = [{"role": "user", "content": "cache me"}]
+    assert c.chat(m).text == "once"
+    c2 = client(server, cache_dir=str(tmp_path))
+    r = c2.chat(m)
+    assert r.text == "once" and r.cached and len(Script.seen) == 1 and c2.stats["http_calls"] == 0
+    for root, _, files in os.walk(tmp_path):
+        for f in files:
+            assert "sk-SECRET-123" not in open(os.path.join(root, f)).read()
+    path = [os.path.join(r_, f) for r_, _, fs in os.walk(tmp_path) for f in fs][0]
+    open(path, "w").write("{corrupt")
+    Script.script = [(200, {}, ok("again"), 0)]
+    assert c2.chat(m).text == "again" and len(Script.seen) == 2
+    assert json.load(open(path))["reply"]["text"] == "again"
+
+
+def test_map_order_and_rate_limit(server):
+    c = client(server, rpm=600)                      # one request start every 0.1 s
+    Script.script = [(200, {}, ok(f"r{i}"), 0.05 * (5 - i)) for i in range(5)]
+    t0 = time.monotonic()
+    out = c.map([{"messages": [{"role": "user", "content": f"m{i}"}]} for i in range(5)], workers=5, progress=False)
+    assert len(out) == 5 and time.monotonic() - t0 >= 0.4
+    assert sorted(r.text for r in out) == [f"r{i}" for i in range(5)]
+    sent = [b["messages"][0]["content"] for b in Script.seen]
+    assert [out[i].text for i in range(5)] == [f"r{sent.index(f'm{i}')}" for i in range(5)]   # input order kept
+
+
+def test_make_client_keys_and_fields(monkeypatch):
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    with pytest.raises(llm_clients.LLMError, match="DEEPSEEK_API_KEY"):
+        llm_clients.make_client("deepseek:deepseek-chat")
+    monkeypatch.setenv("OPENAI_API_KEY", "k")
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    monkeypatch.delenv("OPENAI_API_BASE", raising=False)
+    c = llm_clients.make_client("openai:gpt-5.5")
+    assert c.max_field == "max_completion_tokens" and c.base_url == "https://api.openai.com/v1"
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:1/v1")      # the provider's own variable: its key goes there
+    assert llm_clients.make_client("openai:x").max_field == "max_tokens"
+    monkeypatch.delenv("OPENAI_BASE_URL")
+    # a key goes only to the provider it belongs to: not to an arbitrary --base-url
+    with pytest.raises(ValueError, match="OPENAI_API_KEY.*goes only to api.openai.com.*openai-compatible"):
+        llm_clients.make_client("openai:x", base_url="http://evil.example/v1")
+    c = llm_clients.make_client("openai-compatible:m", base_url="http://user:pw@127.0.0.1:1/v1", max_retries=0)
+    assert c._key is None and "pw" not in repr(c)                       # OPENAI_API_KEY is not sent there
+    monkeypatch.setenv("OPENAI_COMPATIBLE_API_KEY", "ck")
+    assert llm_clients.make_client("openai-compatible:m", base_url="http://127.0.0.1:1/v1")._key == "ck"
+    with pytest.raises(llm_clients.LLMError) as e:
+        c.chat([{"role": "user", "content": "x"}])
+    assert "pw" not in str(e.value) and "http://127.0.0.1:1/v1" in str(e.value)   # credentials taken out
+    assert llm_clients.make_client("ollama:qwen3").base_url == "http://localhost:11434/v1"
+    assert llm_clients.make_client("offline").provider == "offline"   # the engine itself: test_offline.py
+    with pytest.raises(ValueError, match="unknown provider"):
+        llm_clients.make_client("nope:x")
+
+
+def test_ctrl_c_cancels_queued_llm_requests(server):
+    """After Ctrl-C, requests not yet started are cancelled (those in flight finish), instead of the
+    pool sending every queued request first."""
+    import _thread
+    Script.script = [(200, {}, ok("x"), 0.3) for _ in range(40)]
+    c = llm_clients.Client(server, "m", max_retries=0)
+    threading.Timer(0.45, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        c.map([{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(40)], workers=2, progress=False)
+    assert time.monotonic() - t0 < 2
+    time.sleep(0.8)
+    assert len(Script.seen) <= 6                          # ~2 rounds of 2 before the interrupt, 2 in flight
+
+
+def test_secrets_masked_before_cut_and_no_temp_files_on_full_disk(server, tmp_path, monkeypatch):
+    key = "sk-" + "A1b2C3d4" * 6
+    Script.script = [(400, {}, {"error": {"message": "x" * 270 + key}}, 0)]   # the key straddles character 300
+    c = llm_clients.Client(server, "m", api_key=key, max_retries=0, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(llm_clients.LLMError) as e:
+        c.chat([{"role": "user", "content": "hi"}])
+    assert key[:6] not in str(e.value).replace("sk-***", "") and "***" in str(e.value)
+    real = json.dump
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(llm_clients.json, "dump", full)
+    Script.script = [(200, {}, ok("fine"), 0)]
+    with pytest.raises(OSError, match="No space"):
+        c.chat([{"role": "user", "content": "hello"}])
+    monkeypatch.setattr(llm_clients.json, "dump", real)
+    assert [f for r, _, fs in os.walk(tmp_path / "c") for f in fs] == []
+
+
+def test_identical_requests_in_flight_are_sent_once(server, tmp_path):
+    """The same request asked by several threads at once is sent once; the others wait for its
+    cached reply (a run's HTTP calls, cost and usage are the same however the threads interleave)."""
+    Script.script = [(200, {}, ok("only once"), 0.3)] * 2
+    c = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c"))
+    req = {"messages": [{"role": "user", "content": "same"}]}
+    out = c.map([req] * 8 + [{"messages": [{"role": "user", "content": "other"}]}], workers=9, progress=False)
+    assert [r.text for r in out[:8]] == ["only once"] * 8 and len(Script.seen) == 2
+    assert c.stats["http_calls"] == 2 and c.stats["cache_hits"] == 7
+
+
+def test_url_credentials_stay_out_of_auth_cache_keys_and_errors(server, tmp_path):
+    import base64
+    Script.script = [(200, {}, ok("hi"), 0)]
+    c = llm_clients.Client(server.replace("http://", "http://alice:pa55word@"), "m", api_key="sk-key-123",
+                           cache_dir=str(tmp_path / "c"), max_retries=0)
+    c.chat([{"role": "user", "content": "x"}])
+    assert Script.headers_seen[-1]["Authorization"] == "Bearer sk-key-123"     # the key is sent, not Basic
+    rotated = llm_clients.Client(server.replace("http://", "http://alice:other@"), "m", api_key="sk-key-123",
+                                 cache_dir=str(tmp_path / "c"), max_retries=0)
+    assert rotated.chat([{"role": "user", "content": "x"}]).cached          # a new password keeps the cache
+    basic = llm_clients.Client(server.replace("http://", "http://alice:pa55word@"), "m", max_retries=0)
+    echo = base64.b64encode(b"alice:pa55word").decode()
+    Script.script = [(403, {}, {"error": {"message": f"denied Basic {echo} alice:pa55word pa55word"}}, 0)]
+    with pytest.raises(llm_clients.LLMError) as e:
+        basic.chat([{"role": "user", "content": "y"}])
+    assert Script.headers_seen[-1]["Authorization"] == "Basic " + echo        # no key: the URL's user:pass
+    assert echo not in str(e.value) and "pa55word" not in str(e.value) and "pa55word" not in repr(basic)

@@ -1,0 +1,154 @@
+"""lora.py: LoRA against PEFT (B = 0 equals the base, merged equals unmerged, adapters both ways),
+only LoRA trains, NF4 storage, PEFT's dropout, gradient checkpointing.
+Run: python -m pytest -q test_lora.py
+"""
+import json
+
+import pytest
+import torch
+
+import lora
+import reranker
+from conftest import hf_margins, train_with_lora
+
+
+def test_lora_b_zero_equals_base_and_merge(tiny_dir, tmp_path):
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    ids = rr.tokenize("q", ["doc one", "another document here"])
+    base = rr.score_ids(ids)
+    lora.add_lora(rr.model)
+    torch.testing.assert_close(rr.score_ids(ids), base)              # B = 0
+    with torch.no_grad():
+        for m in lora.lora_modules(rr.model).values():
+            m.lora_B.normal_(0, 0.05)
+    adapted = rr.score_ids(ids)
+    assert (adapted - base).abs().max() > 1e-3
+    with lora.lora_disabled(rr.model):
+        torch.testing.assert_close(rr.score_ids(ids), base)          # pi_0 from the same weights
+    rr.model.eval()
+    lora.merge_lora(rr.model)
+    torch.testing.assert_close(rr.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
+    lora.merge_lora(rr.model)                                        # idempotent
+    torch.testing.assert_close(rr.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="merged"):                  # the old delta would stay in W
+        with lora.lora_disabled(rr.model):
+            pass
+    lora.save_adapter(rr.model, str(tmp_path / "adapter"), "tiny")   # A and B are still the adapter's
+    with pytest.raises(ValueError, match="merged"):                  # new A, B would be silently ignored
+        lora.load_adapter(rr.model, str(tmp_path / "adapter"))
+    fresh = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    lora.load_adapter(fresh.model, str(tmp_path / "adapter"))
+    torch.testing.assert_close(fresh.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_only_lora_gets_gradients(tiny_dir):
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    lora.add_lora(rr.model)
+    with torch.no_grad():
+        for m in lora.lora_modules(rr.model).values():
+            m.lora_B.normal_(0, 0.05)
+    rr.score("q", ["a", "bb"], grad=True).sum().backward()
+    names = [n for n, p in rr.model.named_parameters() if p.grad is not None]
+    assert names and all(".lora_A" in n or ".lora_B" in n for n in names)
+    assert len(names) == 2 * 7 * rr.model.cfg.num_hidden_layers
+
+
+def test_peft_round_trip_both_ways(tmp_path, hf_tiny):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    folder, _ = hf_tiny
+    rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    ids = rr.tokenize("what is rust?", ["Rust is iron oxide.", "Cats purr at 25 to 150 hertz."])
+    # ours -> PEFT
+    lora.add_lora(rr.model)
+    with torch.no_grad():
+        for m in lora.lora_modules(rr.model).values():
+            m.lora_B.normal_(0, 0.05)
+    rr.model.eval()
+    ours = rr.score_ids(ids)
+    lora.save_adapter(rr.model, str(tmp_path / "ours"), "Qwen/Qwen3-Reranker-0.6B")
+    cfg = json.load(open(tmp_path / "ours" / "adapter_config.json"))
+    assert cfg["base_model_name_or_path"] == "Qwen/Qwen3-Reranker-0.6B" and cfg["peft_type"] == "LORA"
+    base = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    from safetensors.torch import load_file
+    state = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    pm = peft.get_peft_model(base, peft.LoraConfig(**{k: cfg[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules")}))
+    res = peft.set_peft_model_state_dict(pm, state)
+    assert not res.unexpected_keys and not [k for k in res.missing_keys if "lora_" in k]
+    pm.eval()
+    torch.testing.assert_close(hf_margins(pm, ids, rr.yes_id, rr.no_id), ours, rtol=1e-4, atol=1e-5)
+    pm2 = peft.PeftModel.from_pretrained(transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                                         str(tmp_path / "ours")).eval()
+    torch.testing.assert_close(hf_margins(pm2, ids, rr.yes_id, rr.no_id), ours, rtol=1e-4, atol=1e-5)
+    # PEFT -> ours
+    torch.manual_seed(3)
+    pm3 = peft.get_peft_model(transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                              peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(lora.TARGETS), init_lora_weights=False)).eval()
+    pm3.save_pretrained(str(tmp_path / "theirs"))
+    ref = hf_margins(pm3, ids, rr.yes_id, rr.no_id)
+    r2 = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    lora.load_adapter(r2.model, str(tmp_path / "theirs"))
+    r2.model.eval()
+    torch.testing.assert_close(r2.score_ids(ids), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_nf4_round_trip_bound(tiny_dir):
+    assert lora.NF4_CODE[7] == 0
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 130, generator=g)                   # 12480 values, not a multiple of 64
+    packed, absmax = lora.nf4_quantize(w)
+    back = lora.nf4_dequantize(packed, absmax, w.shape, torch.float32)
+    assert packed.dtype == torch.uint8 and packed.numel() == w.numel() // 2
+    blocks = torch.nn.functional.pad(w.reshape(-1), (0, (-w.numel()) % 64)).view(-1, 64).abs().amax(-1)
+    err = (back - w).abs().reshape(-1)
+    per = torch.nn.functional.pad(err, (0, (-err.numel()) % 64)).view(-1, 64).amax(-1)
+    half_gap = ((lora.NF4_CODE[1:] - lora.NF4_CODE[:-1]) / 2).max()
+    assert torch.all(per <= half_gap * blocks + 1e-6)        # nearest-code rounding bound, per block
+    assert (back - w).abs().mean() < 0.1
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    ids = rr.tokenize("q", ["some text about eggs"])
+    base = rr.score_ids(ids)
+    lora.quantize_nf4(rr.model)
+    lora.add_lora(rr.model)
+    q = rr.score_ids(ids)
+    assert torch.isfinite(q).all() and (q - base).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_gradient_checkpointing_same_gradients(tiny_dir, dropout):
+    """With dropout, the recomputation must redraw exactly the forward's masks (this once failed:
+    mask sharing depended on what autograd kept alive, which checkpointing changes)."""
+    grads = []
+    for ckpt in (False, True):
+        rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+        train_with_lora(rr, seed=0, dropout=dropout, checkpointing=ckpt)
+        torch.manual_seed(1)
+        rr.score("q", ["some document", "another, longer document text"], grad=True).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in rr.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n])
+
+
+def test_reference_modules_work_alone_and_lora_dropout_is_peft_s():
+    """A Block (and each of its parts) built on its own runs its plain forward; the reference LoRA
+    layer draws nn.Dropout's mask per module, as PEFT does."""
+    cfg = reranker.Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    block = reranker.Block(cfg)
+    x = torch.randn(9, 16)
+    cos, sin = reranker.rope_cos_sin(torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4]), 8, 1e6, torch.float32)
+    y = block(x, cos, sin, [4, 5])
+    # sequence 2 alone gives the same rows: packing keeps sequences apart
+    cos2, sin2 = reranker.rope_cos_sin(torch.arange(5), 8, 1e6, torch.float32)
+    torch.testing.assert_close(y[4:], block(x[4:], cos2, sin2, [5]), rtol=1e-5, atol=1e-6)
+    base = torch.nn.Linear(6, 3, bias=False)
+    la = lora.LoRALinear(base, r=2, alpha=4, dropout=0.3)
+    torch.nn.init.normal_(la.lora_B)
+    xin = torch.randn(5, 6)
+    torch.manual_seed(7)
+    got = la(xin)
+    torch.manual_seed(7)
+    want = base(xin) + torch.nn.functional.dropout(xin, 0.3, True) @ la.lora_A.t() @ la.lora_B.t() * 2.0
+    torch.testing.assert_close(got, want)

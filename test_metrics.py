@@ -1,0 +1,44 @@
+"""metrics.py: citation parsing, ASR/ASI/BER on known values, balanced order, cluster bootstrap.
+Run: python -m pytest -q test_metrics.py
+"""
+import pytest
+
+import metrics
+
+
+def test_cited_indices_edge_cases():
+    assert metrics.cited_indices("A [1]. B [1][2]. C [2, 3]. D [4-6]. E [3].") == [1, 2, 3, 4, 5, 6]
+    assert metrics.cited_indices("x [2–3] y [ 7 ] [a] [1a] [10]") == [2, 3, 7, 10]
+    assert metrics.cited_indices("no citations") == [] and metrics.cited_indices(None) == []
+    assert metrics.cited_indices("[5-2] [1-500]") == []
+    assert metrics.map_citations("a [1][6][2]", ["d1", "d2", "d3", "d4", "d5"]) == (["d1", "d2"], [6])
+
+
+def test_asr_asi_ber_known_values():
+    assert metrics.asr([True, False, False, True]) == 50.0
+    assert metrics.asi([4, 0, 2, 0]) == 100 * 6 / 16
+    assert metrics.ber([2, 1, 3], [2, 2, 2]) == 100.0
+    assert metrics.ber([1, 1], [2, 2]) == 50.0
+    assert metrics.ber([1, 3], [1, 4]) == 80.0                # a ratio of sums (the mean of ratios is 87.5)
+    with pytest.raises(ValueError):
+        metrics.asi([5])
+    assert metrics.orient(5, True) == 2 and metrics.orient(5, False) == -2 and metrics.orient(3, False) == 0
+
+
+def test_balanced_order_exactly_half():
+    ids = [f"g{i}:m{j}" for i in range(88) for j in range(7)]
+    o = metrics.balanced_order(ids)
+    assert sum(o.values()) == 308
+    assert metrics.balanced_order(list(reversed(ids))) == o
+
+
+def test_cluster_bootstrap():
+    vals = [1, 2, 3, 4, 5, 6, 7, 8]
+    cl = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    assert metrics.cluster_bootstrap_ci(vals, cl, n_boot=500, seed=3) == metrics.cluster_bootstrap_ci(vals, cl, n_boot=500, seed=3)
+    assert metrics.cluster_bootstrap_ci([0.5] * 6, ["a", "a", "b", "b", "c", "c"], n_boot=200) == (0.5, 0.5)
+    # whole clusters: within-cluster-constant data can only produce means of cluster values
+    lo, hi = metrics.cluster_bootstrap_ci([0, 0, 0, 10, 10, 10], ["a", "a", "a", "b", "b", "b"], n_boot=2000, seed=0)
+    assert lo == 0.0 and hi == 10.0
+    lo2, hi2 = metrics.cluster_bootstrap_ci([0, 0, 0, 10, 10, 10], list("abcdef"), n_boot=2000, seed=0)
+    assert lo2 > 0 and hi2 < 10                                        # instance-level resampling is narrower

@@ -1,0 +1,384 @@
+"""The pipeline end to end offline: Shield training and its resume, TFSG construction over HTTP,
+evaluation, the demo, judges that misbehave, the benchmark builder.
+Run: python -m pytest -q test_pipeline.py
+"""
+import dataclasses
+import json
+import os
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import build_bench
+import evaluation
+import geodef
+import gpt2
+import llm_clients
+import lora
+import metrics
+import offline
+import runs
+import tfsg
+import tiny
+import train
+from conftest import SAMPLE, Script, _tfsg_inputs, write_lines
+
+
+def test_trace_keeps_its_supporting_evidence():
+    """A.3.1's trace schema: evidence spans, confidence, coverage_sufficient and brief_rationale are kept."""
+    data = {"answer": "x [1]", "coverage_sufficient": False, "brief_rationale": "why",
+            "per_doc_decision": [{"index": 1, "source_decision": "keep", "used_rule_ids": ["R1", "rule x"],
+                                  "evidence_spans": ["span", 3], "confidence": 0.7},
+                                 {"index": 2, "source_decision": "filter", "confidence": "high"}]}
+    t = tfsg.normalize_trace(llm_clients.Reply(json.dumps(data), data=data), 5)
+    assert t["coverage_sufficient"] is False and t["brief_rationale"] == "why" and t["used_rule_ids"] == ["R1"]
+    assert t["per_doc_decision"][0]["evidence_spans"] == ["span"] and t["per_doc_decision"][0]["confidence"] == 0.7
+    assert t["per_doc_decision"][1]["confidence"] is None and t["per_doc_decision"][1]["evidence_spans"] == []
+
+
+def test_tfsg_schedule_end_to_end_over_http_and_resume(server, tmp_path):
+    seeds, batches = _tfsg_inputs()
+    full = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c1"))
+    lib = tfsg.build_library(full.chat, full.chat, seeds, batches, str(tmp_path / "lib1"), tfsg.standard_prompt)
+    files = sorted(os.listdir(tmp_path / "lib1"))
+    assert [f"E{t}.json" for t in range(5)] == [f for f in files if f.count(".") == 1]
+    assert tfsg.check_library(lib) == [] and lib.library_version == 4 and lib.active()
+    assert 6 * 4 + 1 + 30 + 3 == full.stats["calls"]           # rollouts + cold start + cases + analyzers
+    # identical contexts (attack-filtered rollouts of two seeds of one group) are sent once
+    assert full.stats["http_calls"] == full.stats["calls"] - full.stats["cache_hits"]
+    rep = json.load(open(tmp_path / "lib1" / "E1.report.json"))
+    assert rep["applied"] and len(rep["rollouts"]) == 24
+    # interrupted after 40 calls, then resumed: same final library, the redone calls come from the cache
+    n = {"calls": 0}
+    c2 = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c2"))
+
+    def dying(*a, **k):
+        n["calls"] += 1
+        if n["calls"] > 40:
+            raise KeyboardInterrupt
+        return c2.chat(*a, **k)
+    with pytest.raises(KeyboardInterrupt):
+        tfsg.build_library(dying, dying, seeds, batches, str(tmp_path / "lib2"), tfsg.standard_prompt)
+    sent = c2.stats["http_calls"]
+    c3 = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c2"))
+    lib2 = tfsg.build_library(c3.chat, c3.chat, seeds, batches, str(tmp_path / "lib2"), tfsg.standard_prompt)
+    assert lib2.to_dict() == lib.to_dict()
+    assert sent + c3.stats["http_calls"] == full.stats["http_calls"]   # nothing sent twice
+
+
+def test_tfsg_citation_parser_agrees_with_metrics():
+    for a in ("A [1]. B [1][2]. C [2, 3]. D [4-6]. E [3].", "x [2–3] y [ 7 ] [a] [1a] [10]", "[5-2] [1-500]",
+              "a [1][6][2]", "none", "[3; 1]"):
+        assert tfsg.cited(a, 5) == [i for i in metrics.cited_indices(a) if 1 <= i <= 5], a
+
+
+def test_ppl_threshold_and_stable_reordering(tmp_path, small_bench):
+    cfg = runs.Config(name="ppl", runs_dir=str(tmp_path), bench=small_bench, n_construction=4, ppl_model="tiny",
+                     ppl_quantile=0.5)
+    groups, meta, cons, test, seen, methods = runs.load_data(cfg)
+    insts = geodef.expand(test, methods[:2])
+
+    class Base:                                   # base order = input order reversed
+        def order(self, x):
+            return list(range(9, -1, -1))
+    orders, diag = evaluation.ppl_filter(cfg, Base(), cons, insts)
+    import numpy as np
+    calib = []
+    lm = gpt2.GPT2.from_pretrained(os.path.join(str(tmp_path), "_tiny_gpt2"))
+    for g in cons:
+        for d in g.docs:
+            calib.append(lm.perplexity(d["text"]))
+    assert abs(diag["threshold"] - float(np.quantile(calib, 0.5))) < 1e-6
+    for x in insts:
+        flagged = [lm.perplexity(d) > diag["threshold"] for d in x.docs]
+        o = orders[x.instance_id]
+        assert o == [i for i in range(9, -1, -1) if not flagged[i]] + [i for i in range(9, -1, -1) if flagged[i]]
+    # another scoring model gets its own perplexities (the cache is per model, not per text alone)
+    other = tiny.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
+    _, diag2 = evaluation.ppl_filter(dataclasses.replace(cfg, ppl_model=other), Base(), cons, insts)
+    lm2 = gpt2.GPT2.from_pretrained(other)
+    calib2 = [lm2.perplexity(d["text"]) for g in cons for d in g.docs]
+    assert calib2 != calib and abs(diag2["threshold"] - float(np.quantile(calib2, 0.5))) < 1e-6
+    assert sorted(os.listdir(tmp_path / "ppl" / "cache")) == sorted(
+        ["ppl_tiny.json", "ppl_" + other.replace("/", "_") + ".json"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the checkpoint also restores the GPU's RNG: its dropout masks)"))])
+def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, device):
+    from safetensors.torch import load_file
+    kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
+              epochs=2, grad_accum=2, save_every=2, device=device)
+    train.train_shield(runs.Config(name="full", **kw))
+    real = geodef.shield_loss
+    # killed: before the first checkpoint (a fresh restart), and twice where steps were logged after
+    # the last checkpoint (save_every 2), so that the resumed run redoes steps the log already holds
+    for name, kills in (("early", (3,)), ("cut", (9, 14))):
+        for kill in kills:
+            n = {"k": 0}
+
+            def dying(*a, **k):
+                n["k"] += 1
+                if n["k"] == kill:
+                    raise KeyboardInterrupt
+                return real(*a, **k)
+            monkeypatch.setattr(geodef, "shield_loss", dying)
+            with pytest.raises(KeyboardInterrupt):
+                train.train_shield(runs.Config(name=name, **kw))
+        monkeypatch.setattr(geodef, "shield_loss", real)
+        assert not os.path.exists(tmp_path / name / "shield_done.json")
+        train.train_shield(runs.Config(name=name, **kw))
+        a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+        b = load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
+        assert a.keys() == b.keys()
+        if device == "cpu":       # bitwise; CUDA's atomic-add backward kernels need not be
+            assert all(torch.equal(a[k], b[k]) for k in a)
+            # the training log equals the uninterrupted one: no line twice, none lost
+            assert (tmp_path / name / "train_log.jsonl").read_text() == (tmp_path / "full" / "train_log.jsonl").read_text()
+        else:
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+            log = lambda n: [json.loads(l)["step"] for l in open(tmp_path / n / "train_log.jsonl")]
+            assert log(name) == log("full")
+    log = [json.loads(l) for l in open(tmp_path / "full" / "train_log.jsonl")]
+    assert {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "grad_norm",
+            "learning_rate"} <= set(next(r for r in log if r["event"] == "train"))
+
+
+def test_demo_end_to_end_reduced(demo_run):
+    s = json.load(open(demo_run / "summary.json"))
+    assert s["offline"] is True and set(s["conditions"]) == set(evaluation.CONDITIONS)
+    assert s["conditions"]["GEO Defender"]["ASR"] < s["conditions"]["Non-Defense"]["ASR"]
+    assert len(s["test_set_sha1"]) == 40 and s["test_instances"] == 4 * 7
+    assert any("SIMULATION" in n for n in s["notes"]) and any("random" in n for n in s["notes"])
+    rep = open(demo_run / "report.md").read()
+    assert rep.startswith("> **OFFLINE / SIMULATION RUN.**") and "Table 1" in rep and "Table C.1" in rep
+    for f in ("per_method_asr.svg", "per_method_air.svg", "conditions.svg", "epochs.svg"):
+        assert open(demo_run / "figures" / f).read().startswith("<svg")
+    # Fig. 3 (b): relative ASI reduction from Non-Defense, per method
+    nd, gd = s["methods"]["Non-Defense"], s["methods"]["GEO Defender"]
+    row = next(l for l in rep[rep.index("## Fig. 3 (b)"):].splitlines() if l.startswith("| GEO Defender |"))
+    want = ["-" if not nd[m]["ASI"] else f"{100 * (nd[m]['ASI'] - gd[m]['ASI']) / nd[m]['ASI']:.2f}" for m in nd]
+    assert row == "| GEO Defender | " + " | ".join(want) + " |"
+    for t in range(5):
+        assert tfsg.check_library(tfsg.ExperienceLibrary.from_dict(json.load(open(demo_run / "library" / f"E{t}.json")))) == []
+    recs = [json.loads(l) for l in open(demo_run / "results" / "geo_defender.jsonl")]
+    assert len(recs) == 4 * 7 and {"top_ids", "answer", "cited_ids", "attack_cited", "asi", "benign_cited"} <= set(recs[0])
+    adapter = json.load(open(demo_run / "adapter" / "adapter_config.json"))
+    assert adapter["base_model_name_or_path"] == "tiny"
+
+
+def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
+    """The Shield's cached scores belong to one adapter: after the adapter is replaced (retrained, or
+    another copied in), the Shield ranks by the new one, not by scores cached under the old."""
+    shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
+    shutil.copytree(demo_run / "adapter", tmp_path / "r" / "adapter")
+    shutil.copytree(demo_run / "cache", tmp_path / "r" / "cache")
+    cfg = runs.Config(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r", "runs_dir": str(tmp_path)})
+    old = runs.shield_scores_path(cfg)
+    assert os.path.isfile(old)                                   # the demo's, under its adapter's digest
+    base, shield = runs.rankers(cfg, True)
+    insts = [geodef.attack_instance(g, "stat_inject") for g in runs.load_data(cfg)[3]]
+    shield.prepare(insts)
+    assert any(shield.scores(x) != base.scores(x) for x in insts)
+    for m in lora.lora_modules(base.rr.model).values():           # an adapter with B = 0: the base policy
+        m.lora_B.data.zero_()
+    lora.save_adapter(base.rr.model, str(tmp_path / "r" / "adapter"), "tiny")
+    assert runs.shield_scores_path(cfg) != old
+    base2, shield2 = runs.rankers(cfg, True)
+    shield2.prepare(insts)
+    for x in insts:
+        torch.testing.assert_close(torch.tensor(shield2.scores(x)), torch.tensor(base2.scores(x)), rtol=0, atol=1e-5)
+
+
+def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, monkeypatch):
+    """Two query groups, the LLM behind a real loopback server, killed midway, resumed."""
+    def fresh(name):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copytree(demo_run / "adapter", d / "adapter")
+        shutil.copytree(demo_run / "library", d / "library")
+        cfg = json.load(open(demo_run / "config.json"))["config"]
+        cfg.update(name=name, runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server,
+                   max_test_groups=2, n_boot=100)
+        cfg["runs_dir"] = str(tmp_path)
+        os.makedirs(tmp_path / "_tiny_qwen3", exist_ok=True)
+        return runs.Config(**cfg)
+    shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3", dirs_exist_ok=True)
+    shutil.copytree(demo_run.parent / "_tiny_gpt2", tmp_path / "_tiny_gpt2", dirs_exist_ok=True)
+    full = evaluation.evaluate(fresh("full"))
+    real = llm_clients.Client.chat
+    n = {"k": 0}
+
+    def dying(self, *a, **k):
+        n["k"] += 1
+        if n["k"] == 40:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(llm_clients.Client, "chat", dying)
+    with pytest.raises(KeyboardInterrupt):
+        evaluation.evaluate(fresh("cut"))
+    monkeypatch.setattr(llm_clients.Client, "chat", real)
+    c = json.load(open(demo_run / "config.json"))["config"]
+    c.update(name="cut", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, max_test_groups=2,
+             n_boot=100)
+    resumed = evaluation.evaluate(runs.Config(**c))
+    strip = lambda s: {k: v for k, v in s.items() if k != "usage"}
+    assert strip(resumed) == strip(full) and resumed["usage"] == full["usage"]   # the whole run's cost
+    for f in os.listdir(tmp_path / "full" / "results"):
+        a = sorted(open(tmp_path / "full" / "results" / f).read().splitlines())
+        b = sorted(open(tmp_path / "cut" / "results" / f).read().splitlines())
+        assert a == b, f
+    sent = len(Script.seen)
+    again = evaluation.evaluate(runs.Config(**c))
+    assert len(Script.seen) == sent and strip(again) == strip(full)   # a rerun sends nothing
+    # killed in the middle of writing a record: the cut line is dropped, not glued to the next record
+    p = tmp_path / "full" / "results" / "non_defense.jsonl"
+    orig = p.read_text(encoding="utf-8")
+    p.write_text(orig[:len(orig) - len(orig.split("\n")[-2]) // 2 - 1], encoding="utf-8")
+    assert strip(evaluation.evaluate(runs.Config(**{**c, "name": "full"}))) == strip(full)
+    assert p.read_text(encoding="utf-8") == orig and len(Script.seen) == sent
+    # records are resumed one by one: an eval with another judge or PPL model would reuse the old
+    # ones, so it is refused, naming the setting (which conditions are evaluated may change)
+    assert json.load(open(tmp_path / "cut" / "results" / "settings.json")) == {
+        "judge": "openai-compatible:scripted", "max_tokens": c["max_tokens"], "ppl_model": "tiny", "ppl_quantile": 0.99}
+    for change, what in [({"judge": "openai-compatible:other"}, "judge='openai-compatible:scripted'"),
+                         ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),
+                         ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
+        with pytest.raises(runs.SettingsError, match=f"records were made with {what}; this eval asks for"):
+            evaluation.evaluate(runs.Config(**{**c, **change}))
+    fewer = evaluation.evaluate(runs.Config(**{**c, "conditions": "Non-Defense,Shield only", "ppl_model": "elsewhere"}))
+    assert fewer["conditions"] == {k: v for k, v in full["conditions"].items() if k in ("Non-Defense", "Shield only")}
+    assert len(Script.seen) == sent
+    # Table C.2: another library under a name; the same name later pointing at different content is refused
+    lib = tmp_path / "lib_a.json"
+    shutil.copy(demo_run / "library" / "E4.json", lib)
+    t = evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+    assert t["transfer"]["a"] == t["transfer"]["(own)"]          # the own final library, so the same answers
+    assert len(Script.seen) == sent                              # ... all from the cache
+    e0 = (demo_run / "library" / "E0.json").read_bytes()
+    assert e0 != lib.read_bytes()
+    lib.write_bytes(e0)
+    with pytest.raises(runs.SettingsError, match="records were made with transfer a='[0-9a-f]{12}'"):
+        evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+    for bad, msg in [(str(lib), "give name=path"), (f"x/y={lib}", "give name=path"),
+                     ("b=nowhere.json", "--transfer: nowhere.json: no library file")]:
+        with pytest.raises((runs.SettingsError, FileNotFoundError), match=msg):
+            evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": bad}))
+
+
+class BadJudge(BaseHTTPRequestHandler):
+    """Loopback LLM: the offline engine, except that every ASI reply scores 7 (outside 0..4) and every
+    pairwise reply scores "great"; counts the judge requests."""
+    judged = 0
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        resp = offline.respond(body)
+        first = body["messages"][0]["content"]
+        if first.startswith(("Evaluate the attack document", "Compare Answer A")):
+            BadJudge.judged += 1
+            key = "attack_influence_score" if first.startswith("Evaluate") else "pairwise_score_a_over_b"
+            resp["choices"][0]["message"]["content"] = json.dumps({key: 7 if key.startswith("attack") else "great"})
+        data = json.dumps(resp).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, tmp_path):
+    """A judge reply whose score is malformed is asked again (bounded), never cached; the instance is
+    then recorded as judge-failed, counted in summary.json and the report, and the eval goes on."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), BadJudge)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for d in ("_tiny_qwen3", "_tiny_gpt2"):
+            shutil.copytree(demo_run.parent / d, tmp_path / d)
+        shutil.copytree(demo_run / "adapter", tmp_path / "j" / "adapter")
+        shutil.copytree(demo_run / "library", tmp_path / "j" / "library")
+        c = json.load(open(demo_run / "config.json"))["config"]
+        c.update(name="j", runs_dir=str(tmp_path), llm="openai-compatible:bad", max_test_groups=1, n_boot=50,
+                 base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", conditions="Non-Defense,GEO Defender")
+        s = evaluation.evaluate(runs.Config(**c))
+        recs = [json.loads(l) for l in open(tmp_path / "j" / "results" / "non_defense.jsonl")]
+        failed = [r for r in recs if r["attack_in_context"]]
+        assert failed and all(r["asi"] is None and r["asi_judge_failed"]["attempts"] == 2 for r in failed)
+        assert s["conditions"]["Non-Defense"]["asi_judge_failed"] == len(failed)
+        assert s["quality"]["judge_failed"] == 7 and s["quality"]["n"] == 0
+        rep = open(tmp_path / "j" / "report.md").read()
+        assert "ASI judge failures" in rep and "Pairwise judge failures (left out of Table C.1): 7" in rep
+        cached = [json.load(open(os.path.join(r, f))) for r, _, fs in os.walk(tmp_path / "j" / "cache" / "llm") for f in fs]
+        assert not any("attack_influence_score" in (c_["reply"]["text"] or "") for c_ in cached)
+        n = BadJudge.judged
+        evaluation.evaluate(runs.Config(**c))                 # records resume: the failed ASI instances are not asked again
+        assert BadJudge.judged - n == 7 * 2           # only the pairwise comparisons, recomputed each eval
+    finally:
+        srv.shutdown()
+
+
+def test_build_bench_over_http_validates_and_caches(tmp_path, server):
+    groups = geodef.load_bench(SAMPLE)[:3]
+    rows = [{"query": g.query, "docs": [d["text"] for d in g.docs], "source_index": g.source_index} for g in groups]
+    rows.append({"query": "too few documents", "docs": ["only one"]})
+    geo_rows = [{"query": groups[0].query + " (GEO-Bench layout)", "sugg_idx": 1,
+                 "sources": [{"url": f"https://s/{i}", "cleaned_text": d["text"] + " v2"} for i, d in enumerate(groups[0].docs)]}]
+    # a source that failed to scrape (empty) before the suggested one: the index follows its document
+    gapped = [{"url": f"https://t/{i}", "cleaned_text": d} for i, d in
+              enumerate([groups[1].docs[0]["text"], ""] + [d["text"] + " v3" for d in groups[1].docs[1:]])]
+    geo_rows += [{"query": groups[1].query + " (gapped)", "sugg_idx": "3", "sources": gapped},
+                 {"query": groups[1].query + " (empty source)", "sugg_idx": 1, "sources": gapped}]
+    src = write_lines(tmp_path, rows + geo_rows, "src.jsonl")
+    cfg = runs.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, workers=4)
+    out = str(tmp_path / "built.jsonl")
+    build_bench.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
+    built, meta = geodef.load_bench(out, with_meta=True)
+    assert len(built) == 5 and meta.methods == ["authoritative", "statistics", "citation"]
+    assert built[3].source_index == 1 and built[3].docs[0]["url"] == "https://s/0"
+    g = built[4]                                          # sources 0, 2..10 kept; sugg_idx 3 -> position 2
+    assert g.source_index == 2 and g.docs[2]["url"] == "https://t/3" and g.docs[2]["text"] == gapped[3]["cleaned_text"]
+    assert [d["url"] for d in g.docs] == [f"https://t/{i}" for i in [0] + list(range(2, 11))]
+    with pytest.raises(geodef.BenchFormatError, match=r"bad_idx\.jsonl:1: sugg_idx: expected an integer, got \[2\]"):
+        build_bench.read_source_rows(write_lines(tmp_path, [dict(geo_rows[0], sugg_idx=[2])], "bad_idx.jsonl"))
+    for g in built:
+        for m, t in g.attacks.items():
+            assert build_bench.validate_rewrite(g.docs[g.source_index]["text"], t) is None
+    assert "GEO-DefenseBench builder" in Script.seen[0]["messages"][0]["content"]
+    n = len(Script.seen)
+    build_bench.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
+    assert len(Script.seen) == n                        # rerun: every rewrite from the cache
+    assert build_bench.validate_rewrite("abc def", "abc def") == "identical to the source"
+    assert "prompt text" in build_bench.validate_rewrite("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
+    assert "length ratio" in build_bench.validate_rewrite("a" * 100, "b" * 10)
+
+
+def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
+    """A.3.2 / A.3.5: answer-only prompt, the returned reasoning_content kept as the diagnostic trace."""
+    seeds, batches = _tfsg_inputs()
+    c = llm_clients.Client(server, "scripted-reasoner", cache_dir=str(tmp_path / "c"))
+    lib = tfsg.build_library(c.chat, c.chat, seeds, batches[:1], str(tmp_path / "lib"), tfsg.standard_prompt,
+                             interface="reasoning")
+    assert tfsg.check_library(lib) == []
+    cases = json.load(open(tmp_path / "lib" / "E2.cases.json"))
+    assert all(cs["trace"]["reasoning"] for cs in cases)
+    assert any(cs["trace"]["used_rule_ids"] for cs in cases)           # rule ids read from the reasoning
+    analyzer_prompt = Script.seen[-1]["messages"][0]["content"]
+    assert analyzer_prompt.startswith("Update the external experience library after one batch of answer-generation")
+    guided = [b for b in Script.seen if '"user_question"' in b["messages"][0]["content"]]
+    assert guided and all('"decision_labels"' not in b["messages"][0]["content"] for b in guided)
+
+
+def test_labels_never_reach_prompt_text():
+    """The construction instances' GEO method names and split never appear in a prompt (B.1.2)."""
+    groups, meta = geodef.load_bench(SAMPLE, with_meta=True)
+    cons, _ = geodef.split_groups(groups, 12, 0)
+    for inst in geodef.expand(cons, meta.seen_methods)[:5]:
+        p = tfsg.guided_prompt(inst.query, inst.docs[:5], tfsg.ExperienceLibrary.empty())
+        assert inst.method not in p and "construction" not in p

@@ -1,0 +1,481 @@
+"""What a run folder promises (runs.py, run.py): pinning, one writer, resume, sentences instead of
+tracebacks, validated inputs, the whole run's usage.
+Run: python -m pytest -q test_runs.py
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import build_bench
+import evaluation
+import geodef
+import llm_clients
+import reranker
+import run
+import runs
+import tfsg
+import train
+from conftest import HERE, R, SAMPLE, good_group, write_lines
+
+
+def test_seen_methods_are_never_guessed(tmp_path):
+    """Without _meta.seen_methods or --seen-methods the construction methods are an error naming the
+    methods, except for the paper's seven, where the paper's seen set is used."""
+    p = write_lines(tmp_path, [good_group(f"g{i}") for i in range(3)])
+    groups, meta = geodef.load_bench(p, with_meta=True)
+    with pytest.raises(geodef.BenchFormatError, match=r"_meta.seen_methods: missing.*\['A', 'B'\]"):
+        geodef.seen_methods(meta, None, p)
+    assert geodef.seen_methods(meta, ["B", "B"], p) == (["B"], "given")
+    with pytest.raises(geodef.BenchFormatError, match=r"\['Z'\] are not among"):
+        geodef.seen_methods(meta, ["Z"], p)
+    paper = [{**good_group(f"g{i}"), "attacks": {m: f"{m} rewrite {i}" for m in geodef.PAPER_METHODS}} for i in range(3)]
+    meta = geodef.load_bench(write_lines(tmp_path, paper, "paper.jsonl"), with_meta=True)[1]
+    assert geodef.seen_methods(meta) == (["AgenticGEO", "AutoGEO", "MAGEO"], "the paper's seen methods")
+    cfg = runs.Config(name="s", runs_dir=str(tmp_path), bench=p, n_construction=1)
+    with pytest.raises(geodef.BenchFormatError, match="--seen-methods"):
+        runs.load_data(cfg)
+    assert runs.load_data(dataclasses.replace(cfg, seen_methods="B"))[4] == ["B"]
+    with pytest.raises(geodef.BenchFormatError, match=r"seen_methods: \['A'\] listed more than once"):
+        geodef.load_bench(write_lines(tmp_path, [{"_meta": {"seen_methods": ["A", "A"]}}, good_group()], "d.jsonl"))
+
+
+def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
+    """A missing API key must stop `train` before the Shield stage loads a model or trains (the
+    TFSG stage that needs the key comes after it), a missing PPL model `eval` before the reranker
+    loads; out-of-range flags are named up front."""
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    loaded = []
+    for module in (runs, train):
+        monkeypatch.setattr(module, "load_reranker", lambda cfg: loaded.append(cfg) or pytest.fail("model loaded"))
+    for argv in (["train", "--llm", "deepseek:deepseek-chat"], ["train", "--judge", "deepseek:deepseek-chat"],
+                 ["eval", "--llm", "offline", "--analyzer", "deepseek:deepseek-chat"]):
+        with pytest.raises(SystemExit, match="DEEPSEEK_API_KEY"):
+            run.main(argv + ["--model", "tiny", "--name", "k", "--runs-dir", str(tmp_path)])
+    assert not loaded and not os.path.exists(tmp_path / "k" / "adapter")
+    # a PPL-Filter model that cannot be had: named before the reranker scores every candidate
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="nobody/gpt2: not a folder and not downloadable"):
+        run.main(["eval", "--llm", "offline", "--conditions", "Non-Defense,PPL-Filter", "--ppl-model", "nobody/gpt2",
+                  "--model", "tiny", "--name", "p", "--runs-dir", str(tmp_path)])
+    assert not loaded
+    # bench races peers from the test-only requirements: without them, say so instead of an ImportError
+    real_find = run.importlib.util.find_spec
+    monkeypatch.setattr(run.importlib.util, "find_spec", lambda m, *a: None if m == "peft" else real_find(m, *a))
+    with pytest.raises(SystemExit, match=r"bench --what train races peft .*pip install -r requirements-test.txt"):
+        run.main(["bench", "--what", "train", "--no-compile"])
+    monkeypatch.setattr(run.importlib.util, "find_spec", real_find)
+    with pytest.raises(SystemExit, match=r"--epochs 0.*--quant 'nf8'"):
+        run.main(["train", "--epochs", "0", "--quant", "nf8", "--model", "tiny", "--runs-dir", str(tmp_path)])
+    with pytest.raises(runs.SettingsError, match=r"--lora-dropout 1.0"):
+        runs.Config(lora_dropout=1.0)
+    if not torch.cuda.is_available():
+        with pytest.raises(runs.SettingsError, match="--device cuda: no CUDA device"):
+            runs.Config(device="cuda")
+
+
+def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
+    """A file whose split fields are all "test" (or all "construction"), a --n-construction that leaves no
+    test group, and one construction group (nothing to monitor with) used to run on: an untrained
+    adapter kept by empty metrics. Too few construction instances for TFSG's update batches built a
+    library short of E4 while eval looked for E4 ("run train first"). Now each stops before anything
+    is written, naming the file; the rerun with a usable setting goes ahead under the same name. Bad
+    files and untrained runs: `error:` naming the file, no traceback, from the command line."""
+    rows = [json.loads(x) for x in open(small_bench, encoding="utf-8").read().splitlines() if x.strip()]
+    meta, groups = rows[0], rows[1:]
+    for split in ("test", "construction"):
+        p = write_lines(tmp_path, [meta] + [dict(g, split=split) for g in groups], f"all_{split}.jsonl")
+        with pytest.raises(ValueError, match=f"no group in '{'construction' if split == 'test' else 'test'}'"):
+            geodef.split_groups(geodef.load_bench(p), 4)
+    common = ["--model", "tiny", "--llm", "offline", "--runs-dir", str(tmp_path), "--name", "x"]
+    with pytest.raises(SystemExit, match=r"all_test\.jsonl: the file's split fields put no group in 'construction'"):
+        run.main(["train", "--bench", str(tmp_path / "all_test.jsonl")] + common)
+    with pytest.raises(SystemExit, match=f"n_construction={len(groups)} leaves no test group"):
+        run.main(["train", "--bench", small_bench, "--n-construction", str(len(groups))] + common)
+    with pytest.raises(SystemExit, match=r"1 construction group\(s\) gave 3 and 0 instances"):
+        run.main(["train", "--bench", small_bench, "--n-construction", "1"] + common)
+    with pytest.raises(SystemExit, match=r"6 construction instances fill 6 seed cases and 0 of the 3 update batches"):
+        run.main(["train", "--bench", small_bench, "--n-construction", "2"] + common)  # E4 would never be built
+    assert not os.path.exists(tmp_path / "x")
+    run.main(["train", "--bench", small_bench, "--n-construction", "2", "--stage", "shield", "--epochs", "1"] + common)
+    assert os.path.isfile(tmp_path / "x" / "adapter" / "adapter_model.safetensors")
+    # evaluated after the Shield stage alone: the error names the stage still to run and the
+    # conditions that can be evaluated already
+    with pytest.raises(SystemExit, match=r"no TFSG library; run `python run.py train --name x --stage tfsg` "
+                       r"first \(GEO Defender, TFSG only need it\), or evaluate the others: "
+                       r"--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt,Shield only\"$"):
+        run.main(["eval", "--bench", small_bench, "--n-construction", "2"] + common)
+    bad = write_lines(tmp_path, [meta, "{not json"], "bad.jsonl")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "train", "--bench", bad] + common[:-1] + ["y"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().endswith("bad.jsonl:2: (line): invalid JSON: Expecting property name enclosed in "
+                                       "double quotes at column 2")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "eval", "--name", "never", "--model", "tiny",
+                          "--llm", "offline", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().endswith("no trained adapter; run `python run.py train --name never` first (GEO "
+                                       "Defender, Shield only, TFSG only need it), or evaluate the others: "
+                                       "--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt\"")
+    with pytest.raises(SystemExit, match="--conditions: unknown 'GEO defender'"):
+        run.main(["eval", "--conditions", "GEO defender"] + common)
+
+
+def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench):
+    """`eval --name x` after `train --name x --llm ... --bench ...` evaluates what was trained (the
+    README's real-use pair of commands) instead of refusing for settings it was not given again."""
+    seen = []
+    monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: seen.append(cfg))
+    monkeypatch.setattr(run, "train_tfsg", lambda cfg: None)
+    monkeypatch.setattr(run, "print_summary", lambda s: None)
+    monkeypatch.setattr(run, "evaluate", lambda cfg: seen.append(cfg) or {})
+    common = ["--name", "x", "--runs-dir", str(tmp_path)]
+    run.main(["train", "--model", "tiny", "--llm", "openai-compatible:m", "--base-url", "http://127.0.0.1:9/v1",
+              "--bench", small_bench, "--n-construction", "4", "--n-batches", "1", "--lr", "2e-3"] + common)
+    for f in ("library/E2.json", "adapter/adapter_config.json"):   # what the (mocked) training would leave
+        (tmp_path / "x" / f).parent.mkdir(exist_ok=True)
+        (tmp_path / "x" / f).write_text("{}")
+    run.main(["eval"] + common)
+    trained, evaluated = seen
+    for k in ("model", "llm", "base_url", "bench", "n_construction", "n_batches", "lr"):
+        assert getattr(evaluated, k) == getattr(trained, k), k
+    with pytest.raises(SystemExit, match="different llm"):     # a conflicting flag is still refused
+        run.main(["eval", "--llm", "offline"] + common)
+    with pytest.raises(SystemExit, match="different"):         # so is a preset asked for (tiny-demo: lr 1e-3)
+        run.main(["train", "--preset", "tiny-demo"] + common)
+    # every training setting the adapter, the library or the cached scores depend on is pinned
+    with pytest.raises(SystemExit, match="different max_grad_norm, monitor_frac, max_length, max_initial_rules "
+                                         r"\(max_grad_norm=1.0, monitor_frac=0.2, max_length=8192, max_initial_rules=10\)"):
+        run.main(["train", "--max-grad-norm", "2", "--monitor-frac", "0.3", "--max-length", "1024",
+                  "--max-initial-rules", "5"] + common)
+    # eval of a run not trained yet: refused before anything is recorded, so that the later
+    # `train --name y --llm ...` is not refused for settings that a failed eval pinned
+    with pytest.raises(SystemExit, match="no TFSG library"):
+        run.main(["eval", "--name", "y", "--runs-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no trained adapter"):
+        run.main(["eval", "--name", "y", "--runs-dir", str(tmp_path), "--conditions", "Shield only"])
+    assert not os.path.exists(tmp_path / "y" / "config.json")
+    # a start that failed before producing anything (here: a hub model that cannot be fetched offline)
+    # pins nothing: rerunning with a different --model, as the error suggests, is not refused
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: runs.load_reranker(cfg) and   # then a file,
+                        runs.write_json(os.path.join(cfg.run_dir, "checkpoint", "state.json"), {}))  # as training leaves
+    with pytest.raises(SystemExit, match="--model tiny"):
+        run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
+    assert (tmp_path / "z" / "config.json").exists()
+    run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "tiny"])
+    with pytest.raises(SystemExit, match="different model"):  # now the run has produced files: pinned
+        run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
+    # a demo's record (its LLM a loopback server gone with the demo) is not taken over
+    runs.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
+                                                          "command": "demo"})
+    assert runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d", runs_dir=str(tmp_path))).llm == "offline"
+    # the paper preset is Table A.1, its 4-bit base included; the plain defaults keep bf16
+    paper = runs.resolve_config(argparse.Namespace(cmd="train", preset="paper", name="p", runs_dir=str(tmp_path)))
+    plain = runs.resolve_config(argparse.Namespace(cmd="train", preset=None, name="p", runs_dir=str(tmp_path)))
+    assert (paper.quant, plain.quant) == ("nf4", "none")
+    assert (paper.lora_r, paper.lora_alpha, paper.lora_dropout, paper.lr, paper.grad_accum, paper.beta, paper.lam_def,
+            paper.lam_util, paper.lam_cons, paper.monitor_frac) == (16, 32, 0.05, 1e-4, 8, 0.1, 1.1, 0.9, 0.15, 0.2)
+
+
+def test_controller_limits_are_settings():
+    """The sizes the paper does not state come from tfsg.Limits (run.py settings, recorded)."""
+    rule = R(description="d" * 650, trigger_signals=["s"] * 14)
+    assert "description has 650" in tfsg.validate_rule(rule)
+    loose = tfsg.Limits(rule_description_chars=700, rule_max_signals=20)
+    assert tfsg.validate_rule(rule, limits=loose) is None
+    C = tfsg.Controller(limits=tfsg.Limits(max_active_rules=1, reject_duplicate_rules=False))
+    lib, rep = C.apply(tfsg.ExperienceLibrary.empty(), [{"action": "add_rule", "rule": R(description="same")},
+                                                       {"action": "add_rule", "rule": R(description="other")}])
+    assert len(lib.active()) == 1 and "library is full (1 active rules)" in rep.rejected[0]["reason"]
+    C2 = tfsg.Controller(limits=tfsg.Limits(reject_duplicate_rules=False))
+    lib, rep = C2.apply(tfsg.ExperienceLibrary.empty(), [{"action": "add_rule", "rule": R(description="same")}] * 2)
+    assert len(lib.active()) == 2
+    case = {"case_id": "c", "query": "q", "outcome": "success", "docs": ["a" * 3000], "labels": ["benign"],
+            "trace": {"answer": "", "cited": [], "per_doc_decision": [], "used_rule_ids": [], "reasoning": "r" * 5000}}
+    v = tfsg._case_view(case, tfsg.Limits(analyzer_doc_chars=100, analyzer_reasoning_chars=50))
+    assert len(v["search_results"][0]["text"]) == 100 and len(v["reasoning_content"]) == 50
+    cfg = runs.Config(max_active_rules=7, analyzer_doc_chars=99)
+    assert runs.tfsg_limits(cfg) == tfsg.Limits(max_active_rules=7, analyzer_doc_chars=99)
+    assert {"max_active_rules", "analyzer_doc_chars", "rule_item_chars"} <= set(runs.PINNED)
+
+
+def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
+    """The benchmark's content is pinned with the run: the same path with other content is refused
+    once the run has produced something (its results belong to the old content)."""
+    bench = tmp_path / "b.jsonl"
+    shutil.copy(small_bench, bench)
+    cfg = runs.Config(name="e", runs_dir=str(tmp_path), bench=str(bench))
+    runs.record_config(cfg, "train")
+    rec = json.load(open(tmp_path / "e" / "config.json"))
+    assert rec["bench_sha1"] == runs.file_sha1(str(bench))
+    runs.record_config(cfg, "eval")                               # unchanged: fine
+    (tmp_path / "e" / "results").mkdir()
+    (tmp_path / "e" / "results" / "x.jsonl").write_text("{}\n")
+    bench.write_text(bench.read_text().replace("boil", "cook", 1))
+    with pytest.raises(runs.SettingsError, match=r"b.jsonl: its content changed since this run used it \(SHA-1 [0-9a-f]{12}, now"):
+        runs.record_config(cfg, "eval")
+
+
+def test_one_writer_per_run_folder(tmp_path, small_bench):
+    """A second command on a run folder in use is refused at once, naming the holder; the lock dies
+    with its process (no stale lock after a crash)."""
+    d = tmp_path / "r"
+    code = ("import sys, runs\ntry:\n    with runs.run_lock(sys.argv[1]):\n        print('got it')\n"
+            "except runs.RunInUse as e:\n    print(e)\n")
+    with runs.run_lock(str(d)):
+        out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
+        assert "in use by pid" in out and "use another --name" in out
+        # a real command on the same folder: refused before it writes anything
+        p = subprocess.run([sys.executable, "run.py", "demo", "--out", str(tmp_path), "--name", "r", "--bench", small_bench,
+                            "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3"],
+                           capture_output=True, text=True, cwd=HERE)
+        assert p.returncode != 0 and "in use by pid" in p.stderr and "Traceback" not in p.stderr
+        assert not os.path.exists(d / "config.json")
+    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
+    killed = subprocess.Popen([sys.executable, "-c", "import runs, time, sys\nwith runs.run_lock(sys.argv[1]):\n"
+                               "    print('held', flush=True); time.sleep(60)", str(d)], stdout=subprocess.PIPE, text=True, cwd=HERE)
+    assert killed.stdout.readline().strip() == "held"
+    killed.kill()
+    killed.wait()
+    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
+
+
+def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
+    c = json.load(open(demo_run / "config.json"))["config"]
+    cfg = lambda t: runs.Config(**{**c, "runs_dir": str(demo_run.parent), "transfer": t})
+    for content, msg in [('{"a": 1}', "rules: an experience library is a JSON object"), ("not json", "not a JSON library"),
+                         ('{"rules": [{"rule_id": "R1"}]}', "not a valid library"), ("[]", "rules:")]:
+        p = tmp_path / "lib.json"
+        p.write_text(content)
+        with pytest.raises(runs.SettingsError, match=f"--transfer x: .*{msg}"):
+            evaluation.transfer_items(cfg(f"x={p}"))
+    assert evaluation.transfer_items(cfg(f"x={demo_run / 'library' / 'E4.json'}"))[0][0] == "x"
+
+
+def test_failed_eval_records_no_settings(demo_run, tmp_path):
+    """An eval whose judge cannot be reached records no judge in results/settings.json, so the next
+    plain eval is not refused for records that do not exist."""
+    for d in ("_tiny_qwen3", "_tiny_gpt2"):
+        shutil.copytree(demo_run.parent / d, tmp_path / d)
+    for d in ("adapter", "library"):
+        shutil.copytree(demo_run / d, tmp_path / "f" / d)
+    c = json.load(open(demo_run / "config.json"))["config"]
+    c.update(name="f", runs_dir=str(tmp_path), max_test_groups=1, conditions="Non-Defense", llm="offline", base_url=None)
+    with pytest.raises(llm_clients.LLMError, match="ConnectionError on http://127.0.0.1:9/v1"):
+        evaluation.evaluate(runs.Config(**{**c, "judge": "openai-compatible:gone", "base_url": "http://127.0.0.1:9/v1"}))
+    # the clean reference's records were written (no judge call: the attack is not in them): the
+    # token cap is recorded, the judge that never scored a record is not
+    assert json.load(open(tmp_path / "f" / "results" / "settings.json")) == {"max_tokens": c["max_tokens"]}
+    s = evaluation.evaluate(runs.Config(**c))
+    assert s["judge"] == "offline:offline-engine" and json.load(open(tmp_path / "f" / "results" / "settings.json"))["judge"] == "offline"
+
+
+def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    fixed = len(rr.prefix_ids) + len(rr.suffix_ids)
+    with pytest.raises(reranker.PromptLengthError, match="leaves no room"):
+        reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, max_length=fixed)
+    rr.max_length = fixed + 20                            # the instruction alone is longer than 20 tokens
+    with pytest.raises(reranker.PromptLengthError, match="leaves the document no tokens"):
+        rr.tokenize("a query", ["a document " * 50])
+    rr.max_length = 300
+    assert rr.overflow("q", ["short", "long " * 500, "long " * 400]) == 2 and len(rr.tokenize("q", ["long " * 500])[0]) == 300
+    with pytest.raises(runs.SettingsError, match="--k 10"):
+        runs.Config(k=10)
+    for name in ("../x", "", ".hidden", "a/b"):
+        with pytest.raises(runs.SettingsError, match="a run name is"):
+            runs.Config(name=name)
+    g = good_group()
+    g["docs"][4]["doc_id"] = "g1-2#A"                     # would count as the attack's citation
+    with pytest.raises(geodef.BenchFormatError, match=r":1: docs\[4\].doc_id: 'g1-2#A': '#' is reserved"):
+        geodef.load_bench(write_lines(tmp_path, [g], "hash.jsonl"))
+    p = tmp_path / "sur.jsonl"
+    g = good_group()
+    p.write_text(json.dumps(g).replace("doc g1 3 text", "doc \\ud800 3"), encoding="utf-8")
+    with pytest.raises(geodef.BenchFormatError, match=r"docs\[3\].text: not valid Unicode text"):
+        geodef.load_bench(str(p))
+
+
+def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
+    s = {"target_llm": "x:A", "notes": [], "conditions": {k: {"ASR": 1.0, "ASI": 1.0, "BER": 1.0} for k in evaluation.CONDITIONS}}
+    for parent in ("p", "q"):
+        os.makedirs(tmp_path / parent / "x")
+        runs.write_json(str(tmp_path / parent / "x" / "summary.json"), {**s, "target_llm": f"{parent}:A"})
+    path = run.main(["compare", "--runs", f"{tmp_path / 'p' / 'x'},{tmp_path / 'q' / 'x'}", "--out", str(tmp_path / "c")])
+    text = open(path).read()
+    assert "| p:A |" in text and "| q:A |" in text
+
+
+def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
+    runs.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
+        "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
+    cfg = runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="t", runs_dir=str(tmp_path)))
+    assert (cfg.ppl_model, cfg.judge, cfg.base_url) == ("tiny", "offline", None)   # credentials were never stored
+    runs.record_config(dataclasses.replace(cfg, base_url="http://user:pw@host/v1", bench=SAMPLE), "eval")
+    assert json.load(open(tmp_path / "t" / "config.json"))["config"]["base_url"] == "http://***@host/v1"
+
+
+def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
+    out = tmp_path / "bench.jsonl"
+    out.write_text("precious\n")
+    src = write_lines(tmp_path, [{"query": "q", "docs": ["only one"]}], "src.jsonl")
+    cfg = runs.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server)
+    with pytest.raises(geodef.BenchFormatError, match="no query groups"):
+        build_bench.build_bench(cfg, src, str(out), ["authoritative"])
+    assert out.read_text() == "precious\n" and [f for f in os.listdir(tmp_path) if ".tmp" in f] == []
+    for rows, msg in [([{"query": "q", "docs": [1, 2]}], r"docs\[0\]: text and url must be strings"),
+                      ([{"query": "q", "sources": "x"}], "sources: expected a list"),
+                      ([{"query": "q", "docs": ["a\ud800"]}], r"docs\[0\]: not valid Unicode")]:
+        p = tmp_path / "rows.jsonl"
+        p.write_text("\n".join(json.dumps(r) for r in rows))
+        with pytest.raises(geodef.BenchFormatError, match=msg):
+            build_bench.read_source_rows(str(p))
+
+
+def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
+    """A kill while a checkpoint is written leaves the previous one whole: the resumed run trains to
+    the same adapter as an uninterrupted one."""
+    from safetensors.torch import load_file
+    kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
+              epochs=2, grad_accum=2, save_every=2)
+    train.train_shield(runs.Config(name="full", **kw))
+    real, n = os.replace, {"k": 0}
+
+    def dying(a, b):
+        if str(b).endswith("state.safetensors"):
+            n["k"] += 1
+            if n["k"] == 2:                                       # the second checkpoint: killed mid-write
+                raise KeyboardInterrupt
+        return real(a, b)
+    monkeypatch.setattr(run.os, "replace", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train.train_shield(runs.Config(name="cut", **kw))
+    monkeypatch.setattr(run.os, "replace", real)
+    assert os.listdir(tmp_path / "cut" / "checkpoint") == ["state.safetensors"] or \
+        "state.safetensors" in os.listdir(tmp_path / "cut" / "checkpoint")
+    train.train_shield(runs.Config(name="cut", **kw))
+    a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_flags_and_files_are_sentences_not_tracebacks(tmp_path, small_bench):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    prices = tmp_path / "prices.json"
+    prices.write_text("{bad")
+    common = ["--runs-dir", str(tmp_path), "--name", "t", "--model", "tiny"]
+    cases = [(["demo", "--out", str(f)], "a file, not a folder"),
+             (["train", "--bench", str(tmp_path)] + common, "a folder, not a file"),
+             (["train", "--device", "foo"] + common, "--device 'foo': not a torch device"),
+             (["train", "--llm", "foo:bar", "--bench", small_bench] + common, "unknown provider 'foo'"),
+             (["train", "--llm", "openai", "--bench", small_bench] + common, "give provider:model"),
+             (["train", "--llm", "openai-compatible:m", "--bench", small_bench] + common, "needs base_url"),
+             (["train", "--prices", str(prices), "--bench", small_bench] + common, "not JSON"),
+             (["train", "--prices", str(tmp_path / "none.json"), "--bench", small_bench] + common, "no such file"),
+             (["serve-offline", "--port", "70000"], "out of range")]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit, match=msg):
+            run.main(argv)
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        p = subprocess.run([sys.executable, "run.py", "serve-offline", "--port", str(s.getsockname()[1])],
+                           capture_output=True, text=True, cwd=HERE, timeout=60)
+        assert p.returncode != 0 and "cannot listen" in p.stderr and "Traceback" not in p.stderr
+    finally:
+        s.close()
+
+
+def test_hostile_json_is_a_line_error_and_caps_come_first(tmp_path):
+    g = good_group()
+    deep = "[" * 100000 + "]" * 100000
+    for line, msg in [('{"group_id": ' + "1" * 5000 + "}", "4300"), ('{"group_id": ' + deep + "}", "nested too deeply")]:
+        p = write_lines(tmp_path, [json.dumps(g), line])
+        with pytest.raises(geodef.BenchFormatError, match=rf"b\.jsonl:2: \(line\): invalid JSON: .*{msg}"):
+            geodef.load_bench(p)
+    meta = {"_meta": {"methods": sorted(g["attacks"])}}
+    p = write_lines(tmp_path, [json.dumps(meta), json.dumps({"_meta": {"synthetic": True}}), json.dumps(g)])
+    with pytest.raises(geodef.BenchFormatError, match=r":2: _meta: metadata must be the first line, and only there"):
+        geodef.load_bench(p)
+    lib = tmp_path / "lib.json"
+    lib.write_text('{"rules": ' + deep + "}")
+    with pytest.raises(tfsg.LibraryError, match="nested too deeply"):
+        tfsg.load_library(str(lib))
+    rule = {"rule_id": "R1", "rule_type": "attack_pattern", "description": "d", "trigger_signals": ["s"],
+            "action": "filter", "strength": "weak", "status": "removed"}
+    lib.write_text(json.dumps({"rules": [rule] * (tfsg.MAX_LIBRARY_RULES + 1)}))
+    t0 = time.monotonic()
+    with pytest.raises(tfsg.LibraryError, match="at most 10000"):
+        tfsg.load_library(str(lib))
+    assert time.monotonic() - t0 < 2
+    lib.write_text(" " * (tfsg.MAX_LIBRARY_BYTES + 1))
+    with pytest.raises(tfsg.LibraryError, match="bytes"):
+        tfsg.load_library(str(lib))
+
+
+def test_resumed_run_reports_the_whole_runs_usage(demo_run, tmp_path):
+    """summary.json's usage is the run folder's over all invocations (the usage ledger), so a rerun
+    that takes everything from the cache reports the same cost as the run that paid it."""
+    d = tmp_path / "demo"
+    shutil.copytree(demo_run, d)
+    first = json.load(open(d / "summary.json"))["usage"]
+    assert first["total"]["replies"] > 0 and set(first["stages"]) == {"train", "eval"}
+    assert first["total"]["prompt_tokens"] == sum(v["prompt_tokens"] for m in first["stages"].values() for v in m.values())
+    shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
+    shutil.copytree(demo_run.parent / "_tiny_gpt2", tmp_path / "_tiny_gpt2")
+    cfg = json.load(open(d / "config.json"))["config"]
+    cfg.update(runs_dir=str(tmp_path))
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps({"offline-engine": [1.0, 2.0]}))
+    again = evaluation.evaluate(runs.Config(**{**cfg, "prices": str(prices)}))
+    assert {k: v for k, v in again["usage"]["total"].items() if k != "cost_usd"} == \
+        {k: v for k, v in first["total"].items() if k != "cost_usd"}
+    t = again["usage"]["total"]
+    assert t["cost_usd"] == pytest.approx((t["prompt_tokens"] * 1 + t["completion_tokens"] * 2) / 1e6)
+    assert f"| total |  | {t['replies']} |" in (d / "report.md").read_text()
+
+
+def test_demo_ends_within_seconds_after_an_error_in_the_llm_phase(demo_run, tmp_path):
+    """A full disk while eval writes the LLM cache: the error is printed and the process ends (the
+    loopback engine is closed, so queued requests fail at once instead of waiting out timeouts)."""
+    shutil.copytree(demo_run.parent, tmp_path / "o")
+    d = tmp_path / "o" / "demo"
+    shutil.rmtree(d / "results")
+    shutil.rmtree(d / "cache" / "llm")
+    argv = json.dumps(["demo", "--out", str(tmp_path / "o"), "--bench", json.load(open(d / "config.json"))["config"]["bench"],
+                       "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3", "--n-batches", "3",
+                       "--n-boot", "200"])
+    code = ("import json, sys, runpy, llm_clients\nn = [0]\nreal = llm_clients.Client._cache_put\n"
+            "def full(self, key, reply):\n    n[0] += 1\n    if n[0] > 20:\n        raise OSError(28, 'No space left on device')\n"
+            "    return real(self, key, reply)\nllm_clients.Client._cache_put = full\n"
+            f"sys.argv = ['run.py'] + json.loads({argv!r})\nrunpy.run_path('run.py', run_name='__main__')\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
+    assert p.returncode != 0 and "No space left on device" in p.stderr, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+
+
+def test_run_folder_moved_with_its_benchmark_elsewhere_is_accepted(tmp_path, small_bench):
+    """The benchmark is pinned by content: the same file at another path (a clone elsewhere) resumes;
+    other content at the same path is still refused."""
+    cfg = runs.Config(name="r", runs_dir=str(tmp_path), bench=small_bench)
+    runs.record_config(cfg, "train")
+    (tmp_path / "r" / "adapter").mkdir()
+    (tmp_path / "r" / "adapter" / "x").write_text("made")
+    moved = tmp_path / "elsewhere.jsonl"
+    shutil.copy(small_bench, moved)
+    runs.record_config(runs.Config(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
+    moved.write_text(open(small_bench).read().replace("a", "b", 1))
+    with pytest.raises(runs.SettingsError, match="different bench|content changed"):
+        runs.record_config(runs.Config(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")

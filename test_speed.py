@@ -1,0 +1,282 @@
+"""speed.py: the speed paths equal the reference (reranker.py, lora.py): margins, gradients, a
+training step, the hand backward passes, compiled fusions, the dropout sampler's law; CUDA cases.
+Run: python -m pytest -q test_speed.py
+"""
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+import lora
+import reranker
+import speed
+from conftest import CUDA, _rel, fast, hf_margins, train_with_lora
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_parity_real_width_fp32_and_bf16(tmp_path, tiny_dir, device):
+    """Real width (hidden 1024, 16/8 heads, head_dim 128, MLP 3072, vocab 151669), 2 layers; ours on
+    `device` against transformers' fp32 forward on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    hc = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                                  rope_theta=1e6, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hm = transformers.Qwen3ForCausalLM(hc).eval()
+    hm.save_pretrained(tmp_path, safe_serialization=True)
+    shutil.copy(os.path.join(tiny_dir, "tokenizer.json"), tmp_path)
+    rr = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.float32, device=device)
+    g = random.Random(0)
+    ids = [[g.randrange(1000, 150000) for _ in range(n)] for n in (37, 120, 300)]
+    ref = hf_margins(hm, ids, rr.yes_id, rr.no_id)
+    torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-4)
+    # bf16: our float32 margin over bf16 weights vs the fp32 reference. Stated tolerance: 0.05 + 5% of |m|
+    # (bf16 keeps 8 mantissa bits; 2 layers of rounding).
+    rb = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.bfloat16, device=device)
+    mb = rb.score_ids(ids).cpu()
+    assert mb.dtype == torch.float32
+    assert torch.all((mb - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mb, ref)
+    # the torch.compile'd elementwise path at real width, same references and tolerances
+    speed.install(rr.model, compile=True)
+    torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-4)
+    speed.install(rb.model, compile=True)
+    mc = rb.score_ids(ids).cpu()
+    assert torch.all((mc - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mc, ref)
+
+
+@CUDA
+def test_cuda_matches_cpu_scores_and_lora_gradients(hf_tiny):
+    """Runs only where CUDA is available: the same transformers-saved weights on CUDA (SDPA's fused
+    attention and its own backward) and on the CPU (packed SDPA and the hand backward) give the same
+    fp32 scores and LoRA gradients (dropout 0), eager and compiled; bf16 on CUDA within the bf16
+    parity tolerance of the fp32 CPU scores."""
+    folder, hm = hf_tiny
+    docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
+    cpu = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    ids = cpu.tokenize("What is the capital of France?", docs)
+    ref = cpu.score_ids(ids)
+    torch.testing.assert_close(ref, hf_margins(hm, ids, cpu.yes_id, cpu.no_id), rtol=1e-4, atol=1e-5)
+    grads, init = {}, None
+    for name, compile_ in (("cpu", False), ("cuda", False), ("cuda_compiled", True)):
+        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, device=name[:4])
+        speed.install(rr.model, compile=compile_)
+        torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-5)
+        train_with_lora(rr, seed=3, dropout=0.0)
+        speed.install(rr.model, compile=compile_)
+        mods = lora.lora_modules(rr.model)
+        with torch.no_grad():   # the CPU's LoRA init on every device (CUDA's RNG draws a different stream)
+            init = init or {n: (m.lora_A.clone(), m.lora_B.clone()) for n, m in mods.items()}
+            for n, m in mods.items():
+                m.lora_A.copy_(init[n][0])
+                m.lora_B.copy_(init[n][1])
+        rr.score_ids(ids, grad=True).pow(2).sum().backward()
+        grads[name] = {n: p.grad.cpu() for n, p in rr.model.named_parameters() if p.grad is not None}
+    for name in ("cuda", "cuda_compiled"):
+        assert grads[name].keys() == grads["cpu"].keys()
+        for n in grads["cpu"]:
+            assert _rel(grads[name][n], grads["cpu"][n]) < 1e-4, (name, n)
+    mb = reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16, device="cuda").score_ids(ids).cpu()
+    assert mb.dtype == torch.float32 and torch.all((mb - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mb, ref)
+
+
+def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
+    """compile=True (torch.compile'd norms, q/k norm + RoPE, residual add + norm, SwiGLU) gives the
+    eager scores and LoRA gradients: fp32 to rounding, bf16 within the parity test's tolerance."""
+    folder, _ = hf_tiny
+    docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
+    eager = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32))
+    comp = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32), compile=True)
+    assert all(m.kernels is speed.COMPILED for m in comp.model.modules() if hasattr(m, "kernels"))
+    ids = eager.tokenize("What is the capital of France?", docs)
+    torch.testing.assert_close(comp.score_ids(ids), eager.score_ids(ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(comp.score_ids(ids[1:2]), eager.score_ids(ids[1:2]), rtol=1e-5, atol=1e-5)
+    assert {speed.rms_norm, speed.norm_rope, speed.add_rms_norm, speed.swiglu} <= set(speed._FUSED)
+    # training: same LoRA init and dropout masks (drawn eagerly from the same seed) -> same gradients,
+    # also with gradient checkpointing on the compiled side
+    grads = []
+    for rr in (eager, comp):
+        train_with_lora(rr, seed=3, dropout=0.05, checkpointing=rr is comp)
+        speed.install(rr.model, compile=rr is comp)
+        torch.manual_seed(4)
+        rr.score_ids(ids, grad=True).pow(2).sum().backward()
+        grads.append({n: p.grad for n, p in rr.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 7 * eager.model.cfg.num_hidden_layers
+    for n in grads[0]:
+        assert _rel(grads[1][n], grads[0][n]) < 1e-4, n
+    # bf16: the fused loops keep some intermediates in float32; same tolerance as the bf16 parity test
+    eb = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16))
+    cb = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16), compile=True)
+    me, mc = eb.score_ids(ids), cb.score_ids(ids)
+    assert torch.all((mc - me).abs() <= 0.05 + 0.05 * me.abs()), (mc, me)
+    # no C++ compiler on the CPU: a clear error up front, not a failure deep inside inductor
+    # (shutil.which mocked: this machine has g++)
+    monkeypatch.setattr(speed.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="C\\+\\+ compiler"):
+        speed.install(eager.model, compile=True)
+
+
+def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
+    """One query's documents share the prompt up to the document; score_ids runs that prefix once.
+    Scores equal transformers' and the unshared path, and LoRA gradients equal the unshared ones,
+    also with duplicate documents (prefix capped one short), with gradient checkpointing, and with
+    attention differentiated by autograd through SDPA (the CUDA path) instead of the hand backward."""
+    folder, hm = hf_tiny
+    assert reranker.common_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
+    assert reranker.common_prefix_len([[1, 2, 3], [1, 2, 3]]) == 2      # each keeps its final token
+    assert reranker.common_prefix_len([[5], [5, 6]]) == 0
+    assert reranker.common_prefix_len([[1, 2], [3, 2]]) == 0
+    docs = ["Paris is the capital of France. " * 3, "short", "short", "A much longer document about eggs. " * 40,
+            "Ünïcödé: naïve café, 東京の水道水は安全です。"]
+    shared = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    alone = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, share_prefix=False)
+    ids = shared.tokenize("What is the capital of France?", docs)
+    P = reranker.common_prefix_len(ids)
+    assert P > len(shared.prefix_ids) + 10                           # system prompt + instruction + query
+    ref = hf_margins(hm, ids, shared.yes_id, shared.no_id)
+    torch.testing.assert_close(shared.score_ids(ids), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(shared.score_ids(ids), alone.score_ids(ids), rtol=1e-5, atol=1e-6)
+    grads = []
+    # the last configuration runs attention the way it runs on CUDA (SDPA's own backward, autograd
+    # through the per-sequence slices), here on the CPU
+    for share, ckpt, hand in ((False, False, ("cpu",)), (True, False, ("cpu",)), (True, True, ("cpu",)), (True, False, ())):
+        monkeypatch.setattr(speed, "HAND_BACKWARD", hand)
+        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, share_prefix=share)
+        train_with_lora(rr, seed=0, dropout=0.0, checkpointing=ckpt)
+        speed.install(rr.model)
+        s = rr.score_ids(ids, grad=True)
+        (s * torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in rr.model.named_parameters() if p.grad is not None})
+    assert all(g.keys() == grads[0].keys() for g in grads) and grads[0]
+    for g in grads[1:]:
+        for n in grads[0]:
+            assert _rel(g[n], grads[0][n]) < 1e-5, n
+
+
+@pytest.mark.parametrize("lens,P,block", [([5], 0, 2), ([300], 0, 128), ([256], 0, 64), ([40, 7, 130], 0, 32),
+                                          ([40, 7, 130], 23, 32), ([1, 200, 3], 150, 64)])
+def test_causal_attention_backward_matches_autograd(lens, P, block):
+    """The hand-written training attention over packed sequences (P shared prefix rows, then each
+    sequence's own rows) against autograd through per-sequence SDPA on the sequences written out in
+    full: equal in float32, and in bf16 within the error SDPA's own bf16 backward makes (vs float64).
+    Its forward (packed_causal_sdpa, as at inference) runs SDPA on sequences padded to a multiple of
+    32 rows on the CPU: every length here but 256 is padded."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    H, K, E = 4, 2, 32
+    N = P + sum(lens)
+    base = [torch.randn(N, n, E, dtype=torch.float64) * 2 for n in (H, K, K)] + [torch.randn(N, H, E, dtype=torch.float64)]
+
+    def reference(q, k, v):
+        """Each sequence as its own copy of prefix + own rows; outputs of the prefix rows kept once."""
+        outs, start = [], P
+        for j, L in enumerate(lens):
+            rows = list(range(P)) + list(range(start, start + L))
+            qj, kj, vj = (t[rows].transpose(0, 1)[None] for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            outs.append(o if j == 0 else o[P:])
+            start += L
+        return torch.cat(outs)
+
+    def run(dtype, ours):
+        """-> (output, (dq, dk, dv))"""
+        q, k, v = (t.to(dtype).requires_grad_() for t in base[:3])
+        o = speed.PackedCausalAttention.apply(q, k, v, lens, P, block) if ours else reference(q, k, v)
+        return o, torch.autograd.grad(o, (q, k, v), base[3].to(dtype))
+
+    exact_o, exact = run(torch.float64, False)
+    assert _rel(run(torch.float64, True)[0], exact_o) < 1e-12          # forward: SDPA on padded rows
+    ours_o, ours = run(torch.float32, True)
+    sdpa_o, sdpa = run(torch.float32, False)
+    assert _rel(ours_o, sdpa_o) < 1e-6
+    for a, b in zip(ours, sdpa):
+        assert _rel(a, b) < 1e-5
+    (ours_o, ours), (sdpa_o, sdpa) = run(torch.bfloat16, True), run(torch.bfloat16, False)
+    assert _rel(ours_o, exact_o) < 1.5 * _rel(sdpa_o, exact_o)
+    for a, b, ref in zip(ours, sdpa, exact):
+        assert _rel(a, ref) < max(3 * _rel(b, ref), 1e-2)
+
+
+def test_rmsnorm_backward_matches_autograd():
+    """Hand-written RMSNorm backward = autograd through Qwen3RMSNorm's formula; input untouched."""
+    def ref(x, w, eps=1e-6):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = (torch.randn(3, 7, 64) * 3).to(dtype).requires_grad_()
+        w = (torch.rand(64) + 0.5).to(dtype).requires_grad_()
+        g = torch.randn(3, 7, 64).to(dtype)
+        x0 = x.detach().clone()
+        y = speed.RMSNormFunction.apply(x, w, 1e-6)
+        assert torch.equal(y, ref(x, w)) and torch.equal(x, x0)
+        for a, b in zip(torch.autograd.grad(y, (x, w), g), torch.autograd.grad(ref(x, w), (x, w), g)):
+            assert _rel(a, b) < tol
+
+
+def test_dropout_mask_law_and_lora_train_forward():
+    torch.manual_seed(0)
+    p, n = 0.05, 2_000_000
+    m = speed.dropout_mask((1000, 2000), p).view(-1)
+    assert set(m.unique().tolist()) == {0.0, 1.0}
+    drop = (m == 0).double()
+    sd = (n * p * (1 - p)) ** 0.5
+    assert abs(drop.sum().item() - n * p) < 5 * sd                   # Bernoulli(p) rate
+    pairs = (drop[1:] * drop[:-1]).sum().item()                       # neighbours independent: rate p^2
+    assert abs(pairs - (n - 1) * p * p) < 5 * ((n - 1) * p * p) ** 0.5
+    assert drop[:1000].sum() > 0 and drop[-1000:].sum() > 0           # no region left undrawn
+    torch.manual_seed(1)
+    a = speed.dropout_mask((7, 5), 0.3)
+    torch.manual_seed(1)
+    assert torch.equal(a, speed.dropout_mask((7, 5), 0.3))             # reproducible from the seed
+    # LoRALinear in train mode: base(x) + (x * mask) A^T B^T * scaling / (1 - p), mask shared by layers
+    # reading the same input
+    base = torch.nn.Linear(5, 3, bias=False)
+    la, lb = lora.LoRALinear(base, r=2, alpha=4, dropout=0.3), lora.LoRALinear(base, r=2, alpha=4, dropout=0.3)
+    for mod in (la, lb):
+        torch.nn.init.normal_(mod.lora_B)
+        speed.install(mod)
+    x = torch.randn(7, 5)
+    torch.manual_seed(2)
+    ya, yb = la(x), lb(x)
+    torch.manual_seed(2)
+    mask = speed.dropout_mask((7, 5), 0.3)
+    for mod, y in ((la, ya), (lb, yb)):
+        want = base(x) + (x * mask) @ mod.lora_A.t() @ mod.lora_B.t() * 2.0 / 0.7
+        torch.testing.assert_close(y, want)
+    with pytest.raises(ValueError):
+        lora.LoRALinear(base, dropout=1.0)
+
+
+def test_speed_paths_equal_the_reference(hf_tiny):
+    """speed.install changes how, not what: float32 margins, LoRA gradients and one AdamW step of
+    the installed model (SGD) equal reranker.py's and lora.py's plain forwards (1e-5 relative; dropout 0,
+    since the speed path shares masks across q/k/v where PEFT draws one per module)."""
+    folder, hm = hf_tiny
+    docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
+    ref, quick = (reranker.Reranker.from_pretrained(folder, dtype=torch.float32) for _ in range(2))
+    speed.install(quick.model)
+    assert speed.installed(quick.model) is speed.EAGER and speed.installed(ref.model) is None
+    ids = ref.tokenize("What is the capital of France?", docs)
+    torch.testing.assert_close(quick.score_ids(ids), ref.score_ids(ids), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref.score_ids(ids), hf_margins(hm, ids, ref.yes_id, ref.no_id), rtol=1e-4, atol=1e-5)
+    params, opts = [], []
+    for rr in (ref, quick):
+        train_with_lora(rr, seed=3, dropout=0.0)
+        if rr is quick:
+            speed.install(rr.model)
+        ps = [p for p in rr.model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(ps, lr=0.5)          # (AdamW's first step is ~lr * sign(g): it hides nothing)
+        m = rr.score_ids(ids, grad=True)
+        (m.pow(2).sum() - m[0]).backward()
+        params.append({n: p for n, p in rr.model.named_parameters() if p.requires_grad})
+        opts.append(opt)
+    assert params[0].keys() == params[1].keys()
+    for n in params[0]:
+        assert _rel(params[1][n].grad, params[0][n].grad) < 1e-5, n
+    for opt in opts:
+        opt.step()
+    for n in params[0]:
+        assert _rel(params[1][n].detach(), params[0][n].detach()) < 1e-5, n
