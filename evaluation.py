@@ -22,7 +22,7 @@ import metrics
 import report
 import tfsg
 import tiny
-from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, documents_cut, file_sha1, hub_id, library_path,
+from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, documents_cut, file_sha1, library_path,
                   load_data, log, make_llm, rankers, read_json, run_usage, test_set_digest, tfsg_limits, write_json)
 
 
@@ -272,23 +272,12 @@ def evaluate(cfg):
     clean_recs = condition("clean reference", cleans, lambda x: base.order(x)[:cfg.k],
                            lambda x, d: tfsg.standard_prompt(x.query, d), "clean_reference")
     clean = {r["group_id"]: r for r in clean_recs}
-    k = cfg.k
-    topk = {"base": lambda x: base.order(x)[:k], "shield": (lambda x: shield.order(x)[:k]) if shield else None}
-    std = lambda x, d: tfsg.standard_prompt(x.query, d)
-    plan = {"Non-Defense": (topk["base"], std),
-            "Static Safety Prompt": (topk["base"], lambda x, d: tfsg.standard_prompt(x.query, d, static_safety=True)),
-            "GEO Defender": (topk["shield"], lambda x, d: tfsg.guided_prompt(x.query, d, lib)),
-            "Shield only": (topk["shield"], std),
-            "TFSG only": (topk["base"], lambda x, d: tfsg.guided_prompt(x.query, d, lib))}
-    ppl_diag = None
-    if "PPL-Filter" in conds:
-        orders, ppl_diag = ppl_filter(cfg, base, cons, insts)
-        plan["PPL-Filter"] = (lambda x: orders[x.instance_id][:k], std)
+    plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
     results = {}
     for c in conds:
         slug = c.lower().replace(" ", "_").replace("-", "_")
         results[c] = condition(c, insts, plan[c][0], plan[c][1], slug)
-    summary = {"offline": cfg.offline, "target_llm": llm.label, "judge": judge.label, "model": hub_id(cfg),
+    summary = {"offline": cfg.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
@@ -299,39 +288,68 @@ def evaluate(cfg):
     if "GEO Defender" in conds:
         summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
                                               {x.instance_id: x for x in insts}, res)
-    # Fig. 5: ASR/ASI by library epoch (GEO Defender with E0..E4)
-    if "GEO Defender" in conds:
-        epochs = {}
-        for t in range(cfg.n_batches + 2):
-            p = library_path(cfg, t)
-            if not os.path.isfile(p):
-                continue
-            lt = tfsg.load_library(p, tfsg_limits(cfg))
-            recs = results["GEO Defender"] if t == cfg.n_batches + 1 else condition(
-                f"GEO Defender E{t}", insts, topk["shield"], lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
-                f"geo_defender_E{t}")
-            epochs[f"E{t}"] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI", "BER")}
-        summary["epochs"] = epochs
-    # Table C.2 row: libraries built with other target LLMs, applied to this target (Shield fixed)
-    if cfg.transfer and "GEO Defender" in conds:
+    if "GEO Defender" in conds:          # Fig. 5: GEO Defender with E0..E4
+        summary["epochs"] = library_epochs(cfg, results["GEO Defender"], insts, plan["Shield only"][0], clean,
+                                           condition)
+    if cfg.transfer and "GEO Defender" in conds:   # Table C.2 row: other targets' libraries, Shield fixed
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
         for name, _, lt in transfers:
-            recs = condition(f"GEO Defender [{name}]", insts, topk["shield"],
+            recs = condition(f"GEO Defender [{name}]", insts, plan["Shield only"][0],
                              lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
-    # the run folder's cost over all invocations (a resumed run reports what the whole run cost);
-    # this invocation's requests and cache hits go to the log, not into the summary
-    summary["usage"] = run_usage(cfg)
-    adapted = {c.label: c.adapted for c in dict.fromkeys((llm, judge)) if c.adapted}
-    if adapted:
-        summary["adapted"] = adapted
-    for c in dict.fromkeys((llm, judge)):
-        log(f"[eval] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
-            f"{c.stats['cache_hits']} from the cache")
+    summary.update(usage_summary(cfg, (llm, judge)))
     write_json(os.path.join(run, "summary.json"), summary)
     report.write_report(run, summary)
     log(f"[eval] wrote {run}/summary.json and {run}/report.md")
     return summary
+
+
+def condition_plan(cfg, conds, base, shield, lib, cons, insts):
+    """Each condition's (top-k of an instance, prompt of query and documents) -> ({name: pair},
+    PPL-Filter diagnostics or None). Shield conditions need `shield`, library ones `lib`."""
+    k = cfg.k
+    base_k = lambda x: base.order(x)[:k]
+    shield_k = (lambda x: shield.order(x)[:k]) if shield else None
+    std = lambda x, d: tfsg.standard_prompt(x.query, d)
+    guided = lambda x, d: tfsg.guided_prompt(x.query, d, lib)
+    plan = {"Non-Defense": (base_k, std),
+            "Static Safety Prompt": (base_k, lambda x, d: tfsg.standard_prompt(x.query, d, static_safety=True)),
+            "GEO Defender": (shield_k, guided), "Shield only": (shield_k, std), "TFSG only": (base_k, guided)}
+    ppl_diag = None
+    if "PPL-Filter" in conds:
+        orders, ppl_diag = ppl_filter(cfg, base, cons, insts)
+        plan["PPL-Filter"] = (lambda x: orders[x.instance_id][:k], std)
+    return plan, ppl_diag
+
+
+def usage_summary(cfg, clients):
+    """summary.json's usage: the run folder's cost over all invocations (a resumed run reports what
+    the whole run cost), and any parameter the APIs refused. This invocation's requests and cache
+    hits go to the log, not into the summary (it must not depend on where a run was resumed)."""
+    out = {"usage": run_usage(cfg)}
+    adapted = {c.label: c.adapted for c in dict.fromkeys(clients) if c.adapted}
+    if adapted:
+        out["adapted"] = adapted
+    for c in dict.fromkeys(clients):
+        log(f"[eval] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
+            f"{c.stats['cache_hits']} from the cache")
+    return out
+
+
+def library_epochs(cfg, final, insts, shield_topk, clean, condition):
+    """Fig. 5: ASR, ASI and BER of GEO Defender with each library epoch E0..E{n+1} found in the run
+    (the final one's records are `final`; the others evaluated through `condition`)."""
+    epochs = {}
+    for t in range(cfg.n_batches + 2):
+        p = library_path(cfg, t)
+        if not os.path.isfile(p):
+            continue
+        lt = tfsg.load_library(p, tfsg_limits(cfg))
+        recs = final if t == cfg.n_batches + 1 else condition(
+            f"GEO Defender E{t}", insts, shield_topk, lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
+            f"geo_defender_E{t}")
+        epochs[f"E{t}"] = {k: v for k, v in summarize(recs, clean).items() if k in ("ASR", "ASI", "BER")}
+    return epochs
 
 
 def pairwise_quality(cfg, judge, recs, clean, by_id, res):

@@ -129,75 +129,13 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
         if "_meta" in obj:
             if groups or has_meta:   # a second _meta would silently replace the first
                 _fail(path, n, "_meta", "metadata must be the first line, and only there")
-            meta_line, has_meta = n, True
-            m = _need(obj, "_meta", dict, path, n)
-            for key in ("methods", "seen_methods"):
-                v = m.get(key, [])
-                if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-                    _fail(path, n, f"_meta.{key}", f"expected a list of method names, got {v!r}")
-                dup = sorted({x for x in v if v.count(x) > 1})
-                if dup:   # a repeated seen method would repeat its construction instances
-                    _fail(path, n, f"_meta.{key}", f"{dup} listed more than once")
-            unknown = [x for x in m.get("seen_methods", []) if m.get("methods") and x not in m["methods"]]
-            if unknown:
-                _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.methods {m['methods']}")
-            meta = BenchMeta(methods=list(m.get("methods", [])), seen_methods=list(m.get("seen_methods", [])),
-                             synthetic=bool(m.get("synthetic", False)), raw=m)
+            meta_line, has_meta, meta = n, True, _read_meta(obj, path, n)
             continue
-        gid = _need(obj, "group_id", str, path, n)
-        if not gid.strip():
-            _fail(path, n, "group_id", "empty")
-        if gid in seen_ids:
-            _fail(path, n, "group_id", f"duplicate {gid!r} (first on line {seen_ids[gid]})")
-        seen_ids[gid] = n
-        query = _need(obj, "query", str, path, n)
-        if not query.strip():
-            _fail(path, n, "query", "empty")
-        docs = _need(obj, "docs", list, path, n)
-        if len(docs) != n_docs:
-            _fail(path, n, "docs", f"must hold {n_docs} items, got {len(docs)}")
-        texts = set()
-        _unicode(query, path, n, "query")
-        for i, d in enumerate(docs):
-            if not isinstance(d, dict):
-                _fail(path, n, f"docs[{i}]", f"expected object, got {type(d).__name__}")
-            did = _need(d, "doc_id", str, path, n, f"docs[{i}].")
-            if "#" in did:   # attack documents get "<source doc_id>#<method>": a benign one must not look like one
-                _fail(path, n, f"docs[{i}].doc_id", f"{did!r}: '#' is reserved for attack document ids")
-            t = _need(d, "text", str, path, n, f"docs[{i}].")
-            _unicode(t, path, n, f"docs[{i}].text")
-            if not t.strip():
-                _fail(path, n, f"docs[{i}].text", "empty")
-            if " ".join(t.split()) in texts:
-                _fail(path, n, f"docs[{i}].text", "duplicate of an earlier document in this group")
-            texts.add(" ".join(t.split()))
-            if "url" in d and not isinstance(d["url"], str):
-                _fail(path, n, f"docs[{i}].url", f"expected str, got {type(d['url']).__name__}")
-        if len({d["doc_id"] for d in docs}) != n_docs:
-            _fail(path, n, "docs", "doc_id values must be unique within the group")
-        src = _need(obj, "source_index", int, path, n)
-        if not 0 <= src < n_docs:
-            _fail(path, n, "source_index", f"{src} out of range 0..{n_docs - 1}")
-        attacks = _need(obj, "attacks", dict, path, n)
-        if not attacks:
-            _fail(path, n, "attacks", "no rewrites")
-        source_norm = " ".join(docs[src]["text"].split())
-        for m, t in attacks.items():
-            if not isinstance(t, str):
-                _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
-            if not t.strip():
-                _fail(path, n, f"attacks.{m}", "empty rewrite")
-            _unicode(t, path, n, f"attacks.{m}")
-            if " ".join(t.split()) == source_norm:
-                _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
-        if meta.methods:
-            missing = [m for m in meta.methods if m not in attacks]
-            if missing:
-                _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.methods")
-        split = obj.get("split")
-        if split is not None and split not in ("construction", "test"):
-            _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
-        groups.append(QueryGroup(gid, query, docs, src, dict(attacks), split, n))
+        g = _read_group(obj, path, n, n_docs, meta)
+        if g.group_id in seen_ids:
+            _fail(path, n, "group_id", f"duplicate {g.group_id!r} (first on line {seen_ids[g.group_id]})")
+        seen_ids[g.group_id] = n
+        groups.append(g)
     if not groups:
         raise BenchFormatError(f"{path}: no query groups")
     has = [g.split is not None for g in groups]
@@ -217,6 +155,77 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
         if unknown:
             _fail(path, meta_line, "_meta.seen_methods", f"{unknown} not among the groups' methods {meta.methods}")
     return (groups, meta) if with_meta else groups
+
+
+def _read_meta(obj, path, n):
+    """The `_meta` line -> BenchMeta (methods and seen_methods: lists of distinct names)."""
+    m = _need(obj, "_meta", dict, path, n)
+    for key in ("methods", "seen_methods"):
+        v = m.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            _fail(path, n, f"_meta.{key}", f"expected a list of method names, got {v!r}")
+        dup = sorted({x for x in v if v.count(x) > 1})
+        if dup:   # a repeated seen method would repeat its construction instances
+            _fail(path, n, f"_meta.{key}", f"{dup} listed more than once")
+    unknown = [x for x in m.get("seen_methods", []) if m.get("methods") and x not in m["methods"]]
+    if unknown:
+        _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.methods {m['methods']}")
+    return BenchMeta(methods=list(m.get("methods", [])), seen_methods=list(m.get("seen_methods", [])),
+                     synthetic=bool(m.get("synthetic", False)), raw=m)
+
+
+def _read_group(obj, path, n, n_docs, meta):
+    """One query-group line -> QueryGroup, every field checked (file:line: field: what is wrong)."""
+    gid = _need(obj, "group_id", str, path, n)
+    if not gid.strip():
+        _fail(path, n, "group_id", "empty")
+    query = _need(obj, "query", str, path, n)
+    if not query.strip():
+        _fail(path, n, "query", "empty")
+    _unicode(query, path, n, "query")
+    docs = _need(obj, "docs", list, path, n)
+    if len(docs) != n_docs:
+        _fail(path, n, "docs", f"must hold {n_docs} items, got {len(docs)}")
+    texts = set()
+    for i, d in enumerate(docs):
+        if not isinstance(d, dict):
+            _fail(path, n, f"docs[{i}]", f"expected object, got {type(d).__name__}")
+        did = _need(d, "doc_id", str, path, n, f"docs[{i}].")
+        if "#" in did:   # attack documents get "<source doc_id>#<method>": a benign one must not look like one
+            _fail(path, n, f"docs[{i}].doc_id", f"{did!r}: '#' is reserved for attack document ids")
+        t = _need(d, "text", str, path, n, f"docs[{i}].")
+        _unicode(t, path, n, f"docs[{i}].text")
+        if not t.strip():
+            _fail(path, n, f"docs[{i}].text", "empty")
+        if " ".join(t.split()) in texts:
+            _fail(path, n, f"docs[{i}].text", "duplicate of an earlier document in this group")
+        texts.add(" ".join(t.split()))
+        if "url" in d and not isinstance(d["url"], str):
+            _fail(path, n, f"docs[{i}].url", f"expected str, got {type(d['url']).__name__}")
+    if len({d["doc_id"] for d in docs}) != n_docs:
+        _fail(path, n, "docs", "doc_id values must be unique within the group")
+    src = _need(obj, "source_index", int, path, n)
+    if not 0 <= src < n_docs:
+        _fail(path, n, "source_index", f"{src} out of range 0..{n_docs - 1}")
+    attacks = _need(obj, "attacks", dict, path, n)
+    if not attacks:
+        _fail(path, n, "attacks", "no rewrites")
+    source_norm = " ".join(docs[src]["text"].split())
+    for m, t in attacks.items():
+        if not isinstance(t, str):
+            _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
+        if not t.strip():
+            _fail(path, n, f"attacks.{m}", "empty rewrite")
+        _unicode(t, path, n, f"attacks.{m}")
+        if " ".join(t.split()) == source_norm:
+            _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
+    missing = [m for m in meta.methods if m not in attacks]
+    if missing:
+        _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.methods")
+    split = obj.get("split")
+    if split is not None and split not in ("construction", "test"):
+        _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
+    return QueryGroup(gid, query, docs, src, dict(attacks), split, n)
 
 
 def seen_methods(meta, given=None, path="(bench)"):

@@ -69,12 +69,6 @@ def ber(benign_cited, benign_cited_clean):
     return float("nan") if den == 0 else 100.0 * sum(benign_cited) / den
 
 
-def defended_is_a(instance_id):
-    """B.2.4 balanced order: a fixed hash of the instance id decides whether the defended answer is
-    Answer A. Balanced in expectation; `balanced_order` makes it exactly half."""
-    return int(hashlib.sha256(instance_id.encode("utf-8")).hexdigest(), 16) % 2 == 0
-
-
 def balanced_order(instance_ids):
     """Exactly half (floor) of the instances get the defended answer as A: sort by the fixed hash and
     give A to the first half. Deterministic, independent of input order. -> {instance_id: bool}."""

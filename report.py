@@ -188,8 +188,19 @@ def svg_lines(title, xs, series, ylabel="%"):
 
 
 def write_report(run_dir, s):
+    """report.md and figures/*.svg of one evaluated run from its summary `s`."""
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
+    lines = _header_lines(run_dir, s) + _table_lines(s) + _method_lines(s, figs) + _appendix_lines(s, figs)
+    lines += usage_lines(s.get("usage") or {})
+    for who, changes in (s.get("adapted") or {}).items():   # the API refused a parameter (llm_clients._adapt)
+        lines.append(f"Requests to {who} adapted to its API: {'; '.join(changes)}.\n")
+    with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
+def _header_lines(run_dir, s):
+    """The run's labels: offline notes, target, reranker, judge, which ranking built the library."""
     lines = []
     if s.get("notes"):
         lines.append("> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n")
@@ -203,6 +214,12 @@ def write_report(run_dir, s):
     if s.get("tfsg_library_ranking"):
         lines.append(f"The TFSG library was built on the {s['tfsg_library_ranking']} top-k; \"TFSG only\" applies that "
                      "same library to the base reranker's top-k.\n")
+    return lines
+
+
+def _table_lines(s):
+    """Tables 1 and 2 (end to end, ablation)."""
+    lines = []
     c = s["conditions"]
     main = [k for k in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender") if k in c]
     lines.append("## Table 1: end-to-end comparison (ASR, ASI lower is better; BER higher)\n")
@@ -217,11 +234,18 @@ def write_report(run_dir, s):
     lines.append("## Table 2: module ablation\n")
     lines.append(_table(["Method", "ASR", "ASI", "BER"], [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"])]
                                                           for k in abl]) + "\n")
+    return lines
+
+
+def _method_lines(s, figs):
+    """Per GEO method (Fig. 3 (a) as ASR, (b) Attack Influence Reduction) with their figures."""
+    lines, c = [], s["conditions"]
+    seen = next(iter(s["methods"].values()))          # {method: {..., "seen"}}, the same for every condition
     methods = list(next(iter(s["methods"].values())).keys())
     lines.append("## Per GEO method (Fig. 3): ASR by condition; unseen methods marked *\n")
-    lines.append(_table(["Condition"] + [m + ("" if s["methods"][main[0]][m]["seen"] else "*") for m in methods],
+    lines.append(_table(["Condition"] + [m + ("" if seen[m]["seen"] else "*") for m in methods],
                         [[k] + [_f(s["methods"][k][m]["ASR"]) for m in methods] for k in s["methods"]]) + "\n")
-    unseen = {m for m in methods if not s["methods"][main[0]][m]["seen"]}
+    unseen = {m for m in methods if not seen[m]["seen"]}
     conds = list(s["methods"])
     with open(os.path.join(figs, "per_method_asr.svg"), "w", encoding="utf-8") as f:
         f.write(svg_bars("ASR by GEO method (dashed outline: unseen)", methods, conds,
@@ -245,6 +269,12 @@ def write_report(run_dir, s):
             f.write(svg_bars("Attack Influence Reduction by GEO method (dashed outline: unseen)", methods, others,
                              air, dashed=unseen))
         lines.append("![attack influence reduction](figures/per_method_air.svg)\n")
+    return lines
+
+
+def _appendix_lines(s, figs):
+    """Table C.1 (pairwise quality), Table B.2 (PPL-Filter), Fig. 5 (epochs), Table C.2 row (transfer)."""
+    lines = []
     if s.get("quality"):
         q = s["quality"]
         lines.append("## Table C.1: pairwise answer quality of GEO Defender vs the clean reference\n")
@@ -278,11 +308,7 @@ def write_report(run_dir, s):
         lines.append("## Table C.2 row: libraries from other runs applied to this target\n")
         lines.append(_table(["Source library", "ASR", "ASI"], [[k, _f(v["ASR"]), _f(v["ASI"])]
                                                                 for k, v in s["transfer"].items()]) + "\n")
-    lines += usage_lines(s.get("usage") or {})
-    for who, changes in (s.get("adapted") or {}).items():   # the API refused a parameter (llm_clients._adapt)
-        lines.append(f"Requests to {who} adapted to its API: {'; '.join(changes)}.\n")
-    with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    return lines
 
 
 def usage_lines(u):

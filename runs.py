@@ -241,10 +241,6 @@ def fast(cfg, rr):
     return rr
 
 
-def hub_id(cfg):
-    return "tiny" if cfg.model == "tiny" else cfg.model
-
-
 def check_name(name):
     """A run name is one safe path component: --name ../../x would write outside --runs-dir, and
     --name '' into it directly."""

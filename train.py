@@ -20,7 +20,7 @@ import geodef
 import lora
 import tfsg
 from evaluation import eval_condition
-from runs import (adapter_path, append_jsonl, base_ranker, doc_key, hub_id, labels_of, library_path, load_data,
+from runs import (adapter_path, append_jsonl, base_ranker, doc_key, labels_of, library_path, load_data,
                   fast, load_reranker, log, make_llm, order_of, rankers, read_json, shield_ranker, shield_split,
                   tfsg_limits, tfsg_schedule, write_json)
 
@@ -200,7 +200,7 @@ def train_shield(cfg, rr=None, resume=True):
         append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
         key = (-m["loss"], m["pref_accuracy"])   # best = lowest Eq. 5 loss on the held-out groups
         if state["best"] is None or key > tuple(state["best"]["key"]):
-            lora.save_adapter(rr.model, adapter_dir, hub_id(cfg))
+            lora.save_adapter(rr.model, adapter_dir, cfg.model)
             state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
         _save_ckpt(ckpt, rr.model, opt, state, log_path)
 

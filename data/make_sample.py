@@ -201,10 +201,6 @@ ATTACK_SOURCES = ["the International Institute of Applied Research", "a landmark
 EXPERTS = ["Dr. Helen Marsh", "Prof. Daniel Okafor", "Dr. Priya Raman", "Prof. Lena Vogel"]
 
 
-def sentences_words(text):
-    return len(text.split())
-
-
 def benign_doc(rng, subject, facts, style, long):
     fs = facts[:]
     rng.shuffle(fs)
