@@ -180,7 +180,7 @@ def client(url, sleeps=None, **kw):
     import llm_clients
     kw.setdefault("max_retries", 2)
     c = llm_clients.Client(url, "m", api_key="sk-SECRET-123", **kw)
-    c.sleep = (sleeps.append if sleeps is not None else lambda s: None)   # record backoff, do not wait
+    c.transport.sleep = (sleeps.append if sleeps is not None else lambda s: None)   # record backoff, do not wait
     return c
 
 

@@ -12,6 +12,10 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
   params, JSON flag) and never contains the API key; entries are written atomically;
 - every failure raises LLMError(status, provider, short body); no placeholder text is returned.
 
+Parts, each small: RequestShape (the body of a protocol, parameters an API refused adapted once),
+ReplyCache (replies on disk by request hash, in-flight de-duplication), Transport (POST with
+retries, credentials, rate limit), Client (chat with JSON re-asks, map, usage), make_client.
+
 Usage: client = make_client("openai:gpt-5.5", cache_dir="runs/x/cache")
        reply = client.chat([{"role": "user", "content": "..."}], json=True); reply.data
 """
@@ -159,15 +163,153 @@ def extract_json(text):
     raise ValueError(f"no JSON object found in a reply of {len(text)} characters")
 
 
-# ----------------------------------------------------------------------------- client
+# ----------------------------------------------------------------------------- request shape
 
 
-def _usable(check, data):
-    try:
-        check(data)
-        return True
-    except ValueError:
-        return False
+class RequestShape:
+    """The request body of one protocol (OpenAI Chat Completions or Anthropic Messages), and the
+    parameters an API has refused: each is adapted once, for every later request, and the cache key
+    keeps the body as first asked (`body(asked=True)`) so that replies cached before and after an
+    adaptation are found again."""
+
+    def __init__(self, model, protocol="openai", max_field="max_tokens", json_mode=True, extra_body=None):
+        if protocol not in ("openai", "anthropic"):
+            raise ValueError(f"protocol must be 'openai' or 'anthropic', got {protocol!r}")
+        self.model, self.protocol, self.extra_body = model, protocol, extra_body or {}
+        self.max_field, self.json_mode = max_field, json_mode
+        self.asked = (max_field, json_mode)      # the request as first built: the cache key's form
+        self.send_temperature = True             # False once the API refused it
+        self.adapted = []                        # what adapt() changed, in words (usage() reports it)
+        self.lock = threading.Lock()
+
+    def body(self, messages, temperature, max_tokens, want_json, asked=False):
+        max_field, json_mode = self.asked if asked else (self.max_field, self.json_mode)
+        if self.protocol == "anthropic":
+            system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+            body = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature,
+                    "messages": [m for m in messages if m["role"] != "system"]}
+            if system:
+                body["system"] = system
+        else:
+            body = {"model": self.model, "messages": messages, "temperature": temperature, max_field: max_tokens}
+            if want_json and json_mode:
+                body["response_format"] = {"type": "json_object"}
+        body.update(self.extra_body)
+        return body
+
+    def sent(self, body):
+        """The body as it goes out: without what the API has refused."""
+        return body if self.send_temperature else {k: v for k, v in body.items() if k != "temperature"}
+
+    def adapt(self, body, err):
+        """An HTTP 400 that names a request parameter this model does not take -> (the change made, in
+        words, whether it is new); the caller rebuilds and resends. Else (None, False). Cases seen in the wild: reasoning models
+        accept only their default temperature ("Unsupported value: 'temperature' does not support 0
+        with this model", OpenAI GPT-5.x, o-series); 'max_tokens' vs 'max_completion_tokens'
+        (o-series behind Azure or proxies; GLM knows only max_tokens); servers without JSON mode."""
+        text = err.body or ""
+        m = re.search(r'"param"\s*:\s*"([^"]+)"', text)
+        param, low = (m.group(1) if m else ""), text.lower()
+        refused = lambda name: param == name or (f"'{name}'" in text and ("unsupported" in low or "not support" in low))
+        change = None
+        if "temperature" in body and refused("temperature"):
+            self.send_temperature, change = False, "temperature: not sent (the API accepts only the model's default)"
+        elif self.protocol == "openai" and self.asked[0] in body and refused(self.asked[0]):   # once: never back
+            other = "max_completion_tokens" if self.asked[0] == "max_tokens" else "max_tokens"
+            self.max_field, change = other, f"token cap sent as {other}"
+        elif "response_format" in body and refused("response_format"):
+            self.json_mode, change = False, "JSON mode off (JSON still parsed from the text, with re-asks)"
+        if change is None:
+            return None, False
+        with self.lock:
+            first = change not in self.adapted     # threads that met the same refusal log it once
+            if first:
+                self.adapted.append(change)
+        return change, first
+
+    def rebuild(self, body):
+        """The body with the current token-cap field and JSON mode (after adapt changed them)."""
+        if self.protocol == "anthropic":
+            return body
+        cap = next(v for k, v in body.items() if k in ("max_tokens", "max_completion_tokens"))
+        body = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")}
+        body[self.max_field] = cap
+        if not self.json_mode:
+            body.pop("response_format", None)
+        return body
+
+
+# ----------------------------------------------------------------------------- reply cache
+
+
+class ReplyCache:
+    """Replies on disk, one JSON file per request hash (written aside and renamed: whole or absent),
+    and in-flight de-duplication: while one thread sends a request, the others asking the same wait
+    for its cached reply instead of paying twice. No cache_dir: nothing is kept."""
+
+    def __init__(self, cache_dir=None, refresh=False):
+        self.dir, self.refresh = cache_dir, refresh
+        self.inflight = {}                       # key -> Event of the request being sent for it
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def key(protocol, base_url, provider, body, want_json):
+        """A hash of the canonical request: protocol, host (no credentials; every loopback port is one
+        host, models tell servers apart), the body as asked and the JSON flag. Never the key."""
+        host = urlparse(base_url).netloc if base_url else provider
+        if urlparse(base_url).hostname in ("127.0.0.1", "localhost", "::1"):
+            host = "loopback"
+        canon = json.dumps({"protocol": protocol, "host": host, "body": body, "json": bool(want_json)},
+                           sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+    def _path(self, key):
+        return os.path.join(self.dir, key[:2], key + ".json")
+
+    def get(self, key):
+        if not self.dir or self.refresh:
+            return None
+        try:
+            with open(self._path(key), encoding="utf-8") as f:
+                d = json.load(f)
+            return Reply(**d["reply"], cached=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None                          # missing or corrupt: ignored, rewritten after the call
+
+    def put(self, key, reply, provider, model):
+        if not self.dir:
+            return
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"provider": provider, "model": model, "reply": reply.to_dict()}, f, ensure_ascii=False)
+            os.replace(tmp, path)
+        except BaseException:   # a full disk or a kill: no half-written entry left behind
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+
+    def claim(self, key):
+        """-> (Event to set when done, None) if this thread sends `key`, or (None, Event to wait for)
+        if another thread is sending it. Without a cache nothing is shared: (None, None)."""
+        with self.lock:
+            wait = self.inflight.get(key)
+            if wait is not None:
+                return None, wait
+            if not self.dir or self.refresh:
+                return None, None
+            mine = self.inflight[key] = threading.Event()
+            return mine, None
+
+    def release(self, key, mine):
+        with self.lock:
+            del self.inflight[key]
+        mine.set()
+
+
+# ----------------------------------------------------------------------------- transport
 
 
 class RateLimiter:
@@ -188,140 +330,34 @@ class RateLimiter:
             time.sleep(t - now)
 
 
-class Client:
-    def __init__(self, base_url, model, api_key=None, protocol="openai", timeout=600, max_retries=2,
-                 cache_dir=None, provider=None, connect_timeout=10, max_retry_after=60, json_retries=1,
-                 max_field="max_tokens", json_mode=True, rpm=0, prices=None, handler=None, refresh=False,
-                 extra_body=None, ledger=None, stage=None):
-        if protocol not in ("openai", "anthropic"):
-            raise ValueError(f"protocol must be 'openai' or 'anthropic', got {protocol!r}")
+class Transport:
+    """POST JSON to one API with retries where retrying can help (module docstring), credentials sent
+    only in headers and masked in every error, a rate limit, and counters. `handler`: a callable
+    body -> response dict instead of HTTP (the offline engine in-process)."""
+
+    def __init__(self, base_url, label, protocol="openai", api_key=None, timeout=600, connect_timeout=10,
+                 max_retries=2, max_retry_after=60, rpm=0, handler=None, provider=None):
         # credentials in the URL (http://user:pass@host/v1) are taken out of it: they go only into an
         # explicit Basic header when no API key is given, never into cache keys, messages or logs
         p = urlparse((base_url or "").rstrip("/"))
         self._basic = (unquote(p.username or ""), unquote(p.password or "")) if p.username or p.password else None
         self.base_url = p._replace(netloc=p.netloc.rpartition("@")[2]).geturl() if self._basic else p.geturl()
-        self.model, self.protocol, self.provider = model, protocol, provider or protocol
+        self.label, self.protocol, self.provider = label, protocol, provider or protocol
         self._key = api_key                      # never logged, never cached, never in errors
         self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.max_retries, self.max_retry_after, self.json_retries = max_retries, max_retry_after, json_retries
-        self.max_field, self.json_mode = max_field, json_mode
-        self.cache_dir, self.refresh = cache_dir, refresh
-        self.handler = handler                   # callable(body)->response dict instead of HTTP (offline engine)
-        self.extra_body = extra_body or {}
+        self.max_retries, self.max_retry_after = max_retries, max_retry_after
+        self.handler = handler
         self.limiter = RateLimiter(rpm)
         self.sleep = time.sleep                  # backoff sleep (tests replace it to record delays)
-        self.prices = prices or {}               # model -> (USD per 1M input tokens, per 1M output tokens)
         self.session = requests.Session()
         self.lock = threading.Lock()
-        self.stats = {"calls": 0, "http_calls": 0, "cache_hits": 0, "retries": 0, "json_reasks": 0,
-                      "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
-        self.send_temperature = True             # False once the API refused it (see _adapt)
-        self.adapted = []                        # what _adapt changed, in words (usage() reports it)
-        self.inflight = {}                       # cache key -> Event of the request being sent for it
-        self.ledger, self.stage = ledger, stage  # JSONL file: one line per reply received (see _count)
-        self._asked = (max_field, json_mode)     # the request as first built: the cache key's form
-
-    def __repr__(self):
-        return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={redact_url(self.base_url)!r})"
+        self.http_calls = self.retries = 0
 
     @property
-    def label(self):
-        return f"{self.provider}:{self.model}"
+    def url(self):
+        return self.base_url + ("/messages" if self.protocol == "anthropic" else "/chat/completions")
 
-    # --- request building
-
-    def _body(self, messages, temperature, max_tokens, json_flag, asked=False):
-        """The request body; asked=True: in the form first configured, whatever _adapt changed since
-        (the cache key, so that replies cached before and after an adaptation are found again)."""
-        max_field, json_mode = self._asked if asked else (self.max_field, self.json_mode)
-        if self.protocol == "anthropic":
-            system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
-            body = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature,
-                    "messages": [m for m in messages if m["role"] != "system"]}
-            if system:
-                body["system"] = system
-        else:
-            body = {"model": self.model, "messages": messages, "temperature": temperature, max_field: max_tokens}
-            if json_flag and json_mode:
-                body["response_format"] = {"type": "json_object"}
-        body.update(self.extra_body)
-        return body
-
-    def _sent(self, body):
-        """The body as it goes out: without what the API has refused (the cache key keeps what was asked)."""
-        if self.send_temperature:
-            return body
-        return {k: v for k, v in body.items() if k != "temperature"}
-
-    def _adapt(self, body, err):
-        """An HTTP 400 that names a request parameter this model does not take -> True, with the change
-        remembered for every later request (the caller rebuilds and resends); else None. Cases seen
-        in the wild: reasoning models accept only their default temperature ("Unsupported value:
-        'temperature' does not support 0 with this model", OpenAI GPT-5.x, o-series); 'max_tokens'
-        vs 'max_completion_tokens' (o-series behind Azure or proxies; GLM knows only max_tokens);
-        servers without JSON mode ('response_format'). Each change is logged once and reported by
-        usage(), since it changes the decoding the run records."""
-        text = err.body or ""
-        m = re.search(r'"param"\s*:\s*"([^"]+)"', text)
-        param, low = (m.group(1) if m else ""), text.lower()
-        refused = lambda name: param == name or (f"'{name}'" in text and ("unsupported" in low or "not support" in low))
-        change = None
-        if "temperature" in body and refused("temperature"):
-            self.send_temperature, change = False, "temperature: not sent (the API accepts only the model's default)"
-        elif self.protocol == "openai" and self._asked[0] in body and refused(self._asked[0]):   # once: never back
-            other = "max_completion_tokens" if self._asked[0] == "max_tokens" else "max_tokens"
-            self.max_field, change = other, f"token cap sent as {other}"
-        elif "response_format" in body and refused("response_format"):
-            self.json_mode, change = False, "JSON mode off (JSON still parsed from the text, with re-asks)"
-        if change is None:
-            return None
-        with self.lock:
-            new = change not in self.adapted
-            if new:
-                self.adapted.append(change)
-        if new:
-            print(f"[llm] {self.label}: HTTP 400 refused a parameter; {change}", file=sys.stderr, flush=True)
-        return True
-
-    def cache_key(self, body, json_flag):
-        host = urlparse(self.base_url).netloc if self.base_url else self.provider   # no credentials (__init__)
-        if urlparse(self.base_url).hostname in ("127.0.0.1", "localhost", "::1"):
-            host = "loopback"   # a local server on another port is the same cache (model names tell them apart)
-        canon = json.dumps({"protocol": self.protocol, "host": host, "body": body, "json": bool(json_flag)},
-                           sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-        return hashlib.sha256(canon.encode("utf-8")).hexdigest()
-
-    def _cache_path(self, key):
-        return os.path.join(self.cache_dir, key[:2], key + ".json")
-
-    def _cache_get(self, key):
-        if not self.cache_dir or self.refresh:
-            return None
-        try:
-            with open(self._cache_path(key), encoding="utf-8") as f:
-                d = json.load(f)
-            return Reply(**d["reply"], cached=True)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None                          # missing or corrupt: ignored, rewritten after the call
-
-    def _cache_put(self, key, reply):
-        if not self.cache_dir:
-            return
-        path = self._cache_path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"provider": self.provider, "model": self.model, "reply": reply.to_dict()}, f, ensure_ascii=False)
-            os.replace(tmp, path)
-        except BaseException:   # a full disk or a kill: no half-written entry left behind
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
-
-    # --- transport
-
-    def _headers(self):
+    def headers(self):
         h = {"Content-Type": "application/json"}
         if self.protocol == "anthropic":
             h["anthropic-version"] = "2023-06-01"
@@ -333,7 +369,7 @@ class Client:
             h["Authorization"] = "Basic " + base64.b64encode(":".join(self._basic).encode()).decode()
         return h
 
-    def _secrets(self):
+    def secrets(self):
         """Every form in which a credential could come back in an error body: the key, the URL's user
         and password (also percent-encoded), and their Basic-auth base64."""
         out = [self._key] if self._key else []
@@ -343,14 +379,14 @@ class Client:
             out += [pair, base64.b64encode(pair.encode()).decode(), pw, quote(pw, safe=""), quote(user, safe="")]
         return sorted((s for s in out if s and len(s) >= 3), key=len, reverse=True)   # longest first
 
-    def _error(self, msg, status=None, body=None):
+    def error(self, msg, status=None, body=None):
         text = body or ""
-        for s in self._secrets():     # masked BEFORE the body is cut: a cut must not leave part of a key
+        for s in self.secrets():      # masked BEFORE the body is cut: a cut must not leave part of a key
             text, msg = text.replace(s, "***"), msg.replace(s, "***")
         text = text[:300]
         return LLMError(f"{self.label}: {msg}" + (f": {text}" if text else ""), status, self.provider, text)
 
-    def _retry_after(self, headers):
+    def retry_after(self, headers):
         """Server hint in seconds, or None."""
         try:
             if headers.get("retry-after-ms"):
@@ -365,74 +401,124 @@ class Client:
             return None
         return None
 
-    def _post(self, body):
-        """One logical request -> parsed response JSON; a 400 that names a parameter this model does not
-        take is answered by adapting the request (_adapt) and sending it again."""
-        while True:                      # ends: each kind of change happens once, and each resend differs
-            sent = self._sent(body)
-            try:
-                return self._post_once(sent)
-            except LLMError as e:     # (another thread may have adapted meanwhile: judged on what was sent)
-                if e.status != 400 or not self._adapt(sent, e):
-                    raise
-                body = self._rebuild(body)
-                if self._sent(body) == sent:                 # nothing this client can change: the error stands
-                    raise
-
-    def _rebuild(self, body):
-        """The body with the current token-cap field and JSON mode (after _adapt changed them)."""
-        if self.protocol == "anthropic":
-            return body
-        cap = next(v for k, v in body.items() if k in ("max_tokens", "max_completion_tokens"))
-        body = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")}
-        body[self.max_field] = cap
-        if not self.json_mode:
-            body.pop("response_format", None)
-        return body
-
-    def _post_once(self, body):
-        """One request with transport retries -> parsed response JSON."""
-        url = self.base_url + ("/messages" if self.protocol == "anthropic" else "/chat/completions")
+    def post(self, body):
+        """One request with transport retries -> parsed response JSON; raises LLMError."""
+        url = self.url
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             self.limiter.wait()
             with self.lock:
-                self.stats["http_calls"] += 1
+                self.http_calls += 1
             try:
                 if self.handler is not None:
                     try:
                         return self.handler(body)
                     except (ValueError, KeyError, TypeError) as e:   # the local engine's 400
-                        raise self._error(f"offline engine rejected the request ({e})", 400) from None
-                r = self.session.post(url, json=body, headers=self._headers(),
-                                      timeout=(self.connect_timeout, self.timeout))
+                        raise self.error(f"offline engine rejected the request ({e})", 400) from None
+                r = self.session.post(url, json=body, headers=self.headers(), timeout=(self.connect_timeout, self.timeout))
             except (requests.ConnectionError, requests.Timeout) as e:
                 if last:
-                    raise self._error(f"{type(e).__name__} on {redact_url(url)} after {attempt + 1} attempts") from None
-                self._sleep(attempt, None)
+                    raise self.error(f"{type(e).__name__} on {redact_url(url)} after {attempt + 1} attempts") from None
+                self.backoff(attempt, None)
                 continue
             if r.status_code == 200:
                 try:
                     return r.json()
                 except ValueError:
-                    raise self._error("HTTP 200 with a body that is not JSON", 200, r.text) from None
+                    raise self.error("HTTP 200 with a body that is not JSON", 200, r.text) from None
             text = r.text
-            low = text.lower()
-            if r.status_code not in RETRY_STATUS or any(c in low for c in NO_RETRY_CODES):
-                raise self._error(f"HTTP {r.status_code}", r.status_code, text)
-            hint = self._retry_after(r.headers)
+            if r.status_code not in RETRY_STATUS or any(c in text.lower() for c in NO_RETRY_CODES):
+                raise self.error(f"HTTP {r.status_code}", r.status_code, text)
+            hint = self.retry_after(r.headers)
             if hint is not None and hint > self.max_retry_after:
-                raise self._error(f"HTTP {r.status_code}, server asks to wait {hint:.0f}s "
-                                  f"(> {self.max_retry_after}s cap)", r.status_code, text)
+                raise self.error(f"HTTP {r.status_code}, server asks to wait {hint:.0f}s "
+                                 f"(> {self.max_retry_after}s cap)", r.status_code, text)
             if last:
-                raise self._error(f"HTTP {r.status_code} after {attempt + 1} attempts", r.status_code, text)
-            self._sleep(attempt, hint)
+                raise self.error(f"HTTP {r.status_code} after {attempt + 1} attempts", r.status_code, text)
+            self.backoff(attempt, hint)
 
-    def _sleep(self, attempt, hint):
+    def backoff(self, attempt, hint):
         with self.lock:
-            self.stats["retries"] += 1
+            self.retries += 1
         delay = hint if hint is not None else min(0.5 * 2 ** attempt, 8.0) * (1 - 0.25 * random.random())
         self.sleep(max(0.0, delay))
+
+
+# ----------------------------------------------------------------------------- client
+
+
+def _usable(check, data):
+    try:
+        check(data)
+        return True
+    except ValueError:
+        return False
+
+
+class Client:
+    """A chat client: RequestShape (what is sent), ReplyCache (what is kept), Transport (how it is
+    sent), with JSON re-asks, usage accounting and an optional usage ledger."""
+
+    def __init__(self, base_url, model, api_key=None, protocol="openai", timeout=600, max_retries=2,
+                 cache_dir=None, provider=None, connect_timeout=10, max_retry_after=60, json_retries=1,
+                 max_field="max_tokens", json_mode=True, rpm=0, prices=None, handler=None, refresh=False,
+                 extra_body=None, ledger=None, stage=None):
+        self.shape = RequestShape(model, protocol, max_field, json_mode, extra_body)
+        self.model, self.protocol, self.provider = model, protocol, provider or protocol
+        self.transport = Transport(base_url, self.label, protocol, api_key, timeout, connect_timeout, max_retries,
+                                   max_retry_after, rpm, handler, self.provider)
+        self.cache = ReplyCache(cache_dir, refresh)
+        self.json_retries = json_retries
+        self.prices = prices or {}               # model -> (USD per 1M input tokens, per 1M output tokens)
+        self.ledger, self.stage = ledger, stage  # JSONL file: one line per reply received (see _count)
+        self.lock = threading.Lock()
+        self._stats = {"calls": 0, "cache_hits": 0, "json_reasks": 0,
+                       "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
+
+    def __repr__(self):
+        return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
+
+    @property
+    def label(self):
+        return f"{self.provider}:{self.model}"
+
+    @property
+    def base_url(self):
+        return self.transport.base_url           # without credentials
+
+    @property
+    def stats(self):
+        """This client's counters: calls, cache hits, JSON re-asks, tokens; HTTP calls and retries."""
+        return {**self._stats, "http_calls": self.transport.http_calls, "retries": self.transport.retries}
+
+    @property
+    def max_field(self):
+        return self.shape.max_field
+
+    @property
+    def adapted(self):
+        return self.shape.adapted
+
+    @property
+    def _key(self):
+        return self.transport._key
+
+    def _send(self, body):
+        """One logical request -> parsed response JSON; a 400 that names a parameter this model does
+        not take is answered by adapting the request (RequestShape.adapt) and sending it again."""
+        while True:                      # ends: each kind of change happens once, and each resend differs
+            sent = self.shape.sent(body)
+            try:
+                return self.transport.post(sent)
+            except LLMError as e:     # (another thread may have adapted meanwhile: judged on what was sent)
+                change, first = self.shape.adapt(sent, e) if e.status == 400 else (None, False)
+                if change is None:
+                    raise
+                if first:
+                    print(f"[llm] {self.label}: HTTP 400 refused a parameter; {change}", file=sys.stderr, flush=True)
+                body = self.shape.rebuild(body)
+                if self.shape.sent(body) == sent:            # nothing this client can change: the error stands
+                    raise
 
     def _parse(self, resp):
         try:
@@ -457,8 +543,8 @@ class Client:
             return Reply(text if text is not None else "", reasoning, usage, choice.get("finish_reason"),
                          resp.get("model"))
         except (KeyError, IndexError, TypeError, AttributeError) as e:
-            raise self._error(f"unexpected response shape ({type(e).__name__}: {e})", 200,
-                              json.dumps(resp)[:300]) from None
+            raise self.transport.error(f"unexpected response shape ({type(e).__name__}: {e})", 200,
+                                       json.dumps(resp)[:300]) from None
 
     def _count(self, reply):
         """A reply received (paid for): added to this client's stats and, with a ledger, appended to
@@ -466,7 +552,7 @@ class Client:
         tokens = {k: int(reply.usage.get(k, 0) or 0) for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens")}
         with self.lock:
             for k, v in tokens.items():
-                self.stats[k] += v
+                self._stats[k] += v
             if self.ledger:
                 os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
                 with open(self.ledger, "a", encoding="utf-8") as f:
@@ -480,51 +566,48 @@ class Client:
         check: a function of .data that raises ValueError when the reply is unusable (a judge score
         out of range, ...): such a reply is re-asked like one that does not parse, never cached, and
         a cached one that fails it is asked again. After the last attempt: ReplyInvalid."""
+        want_json = json                         # the public name; `json` is the module everywhere else
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
         with self.lock:
-            self.stats["calls"] += 1
-        key = self.cache_key(self._body(messages, temperature, max_tokens, json, asked=True), json)
+            self._stats["calls"] += 1
+        key = self.cache.key(self.protocol, self.base_url, self.provider,
+                             self.shape.body(messages, temperature, max_tokens, want_json, asked=True), want_json)
         mine = None
         while True:
             hit = self._usable_hit(key, check)
             if hit is not None:
                 return hit
-            with self.lock:                      # the same request already on its way (another thread):
-                wait = self.inflight.get(key)    # wait for its reply in the cache instead of paying twice
-                if wait is None and self.cache_dir and not self.refresh:
-                    mine = self.inflight[key] = threading.Event()
-            if wait is None:
+            mine, wait = self.cache.claim(key)   # the same request already on its way (another thread):
+            if wait is None:                     # wait for its reply in the cache instead of paying twice
                 break
             wait.wait()
-            if self._cache_get(key) is None:     # it failed: this thread asks itself
+            if self.cache.get(key) is None:      # it failed: this thread asks itself
                 break
         try:
             hit = self._usable_hit(key, check) if mine is not None else None   # answered meanwhile
-            return hit if hit is not None else self._ask(key, messages, temperature, max_tokens, json, check)
+            return hit if hit is not None else self._ask(key, messages, temperature, max_tokens, want_json, check)
         finally:
             if mine is not None:
-                with self.lock:
-                    del self.inflight[key]
-                mine.set()
+                self.cache.release(key, mine)
 
     def _usable_hit(self, key, check):
         """The cached reply for `key`, counted as a cache hit, or None; a cached reply that fails
-        `check` (cached by older code) is None: asked again."""
-        hit = self._cache_get(key)
+        `check` is None: asked again."""
+        hit = self.cache.get(key)
         if hit is None or (check is not None and not _usable(check, hit.data)):
             return None
         with self.lock:
-            self.stats["cache_hits"] += 1
+            self._stats["cache_hits"] += 1
         return hit
 
-    def _ask(self, key, messages, temperature, max_tokens, json, check):
+    def _ask(self, key, messages, temperature, max_tokens, want_json, check):
         """chat() past the cache: send, parse, re-ask when unusable, cache."""
         convo = list(messages)
         for ask in range(self.json_retries + 1):
-            reply = self._parse(self._post(self._body(convo, temperature, max_tokens, json)))
+            reply = self._parse(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
             self._count(reply)
-            if not json:
+            if not want_json:
                 break
             try:
                 reply.data = extract_json(reply.text)
@@ -533,18 +616,19 @@ class Client:
                 break
             except ValueError as e:
                 if ask == self.json_retries:
-                    cut = (f"; the reply stopped at the token cap ({self.max_field}={max_tokens}, finish_reason "
+                    cut = (f"; the reply stopped at the token cap ({self.shape.max_field}={max_tokens}, finish_reason "
                            "'length'; reasoning models count their reasoning in it): raise --max-tokens"
                            if reply.finish_reason == "length" else "")
-                    err = self._error(f"reply is not usable after {ask + 1} attempts ({e}){cut}", None, reply.text)
+                    err = self.transport.error(f"reply is not usable after {ask + 1} attempts ({e}){cut}", None,
+                                               reply.text)
                     raise ReplyInvalid(str(err), self.provider, err.body, attempts=ask + 1) from None
                 with self.lock:
-                    self.stats["json_reasks"] += 1
+                    self._stats["json_reasks"] += 1
                 problem = "could not be parsed as JSON" if reply.data is None else "is not usable"
                 convo = convo + [{"role": "assistant", "content": reply.text or ""},
                                  {"role": "user", "content": f"Your reply {problem} ({e}). "
                                                              "Return only the JSON object, nothing else."}]
-        self._cache_put(key, reply)
+        self.cache.put(key, reply, self.provider, self.model)
         return reply
 
     def map(self, requests_, workers=8, desc=None, progress=True, invalid="raise"):
@@ -575,8 +659,8 @@ class Client:
         return out
 
     def usage(self):
-        """Calls, HTTP calls, cache hits, tokens and (with a price table entry) cost in USD."""
-        s = dict(self.stats)
+        """Calls, HTTP calls, cache hits, retries, tokens and (with a price table entry) cost in USD."""
+        s = self.stats
         p = self.prices.get(self.model)
         s["cost_usd"] = None if p is None else (s["prompt_tokens"] * p[0] + s["completion_tokens"] * p[1]) / 1e6
         s["model"] = self.label

@@ -3,7 +3,10 @@
 A sibling of llm_clients.py (which imports it only for the "offline" provider) because it is a
 simulator, not a client. It answers every prompt the project sends by reading the prompt's own
 content (the JSON <input> block, the numbered search results, the judge fields), never labels it
-was not shown. It is plumbing: its numbers say nothing about real LLMs.
+was not shown. It is plumbing: its numbers say nothing about real LLMs. The kind of a prompt comes
+from its <input> keys, or, for the prompts without one (A.3.7/A.3.8 and the judges), from the
+template of the function that writes it (`tfsg.standard_prompt`, `metrics.asi_prompt`,
+`metrics.pairwise_prompt`: `prompt_kind`); anything else is refused with an error.
 
 Behaviour, per prompt kind:
 - target LLM (A.3.7 / A.3.8 / A.3.1 / A.3.2 / A.3.6): scores each search result by query-word
@@ -30,6 +33,9 @@ Usage: python run.py serve-offline --port 8765  (OpenAI-compatible /v1/chat/comp
 import json
 import re
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import metrics
+import tfsg
 
 ENGINE = "offline-engine"
 STOP = set("the a an of and or to in on for is are was be by with as at it this that from how what why when "
@@ -391,56 +397,81 @@ def rewrite_doc(doc, method):
 # ----------------------------------------------------------------------------- dispatch
 
 
-def _field(text, start, end):
-    i = text.find(start)
-    if i < 0:
-        return None
-    i += len(start)
-    j = text.find(end, i) if end else -1
-    return text[i:j if j >= 0 else None].strip()
-
-
 def _input(text):
     i, j = text.find("<input>"), text.rfind("</input>")
     return json.loads(text[i + len("<input>"):j]) if 0 <= i < j else None
 
 
+def template_pattern(template, **fields):
+    """A prompt template -> regex that matches exactly its prompts, capturing `fields`. The template
+    is a string in which each field's value appears as its marker (fields: name -> marker). Built
+    from the prompt-writing code itself, so a reworded prompt is still recognised, and a prompt of
+    another shape is never mistaken for it."""
+    pattern, rest = "", template
+    while True:
+        hits = [(rest.find(m), name, m) for name, m in fields.items() if rest.find(m) >= 0]
+        if not hits:
+            return re.compile(pattern + re.escape(rest), re.S)
+        i, name, m = min(hits)
+        pattern += re.escape(rest[:i]) + f"(?P<{name}>.*?)"
+        rest = rest[i + len(m):]
+
+
+Q, A, B, D = "\x00query\x00", "\x00a\x00", "\x00b\x00", "\x00results\x00"
+# Prompt kinds without an <input> block, recognised by the templates of the code that writes them
+PATTERNS = {
+    "asi_judge": template_pattern(metrics.asi_prompt(Q, A, B), query=Q, attack=A, answer=B),
+    "pairwise_judge": template_pattern(metrics.pairwise_prompt(Q, A, B), query=Q, a=A, b=B),
+    # the guidance-bearing A.3.8 first: A.3.7's pattern would take its guidance for part of the query
+    "answer_static_safety": template_pattern(tfsg.standard_prompt(Q, [D], static_safety=True).replace("[1] " + D, D),
+                                             query=Q, results=D),
+    "answer": template_pattern(tfsg.standard_prompt(Q, [D]).replace("[1] " + D, D), query=Q, results=D),
+}
+
+
+def prompt_kind(prompt):
+    """-> (kind, fields): the kind of GEO Defender prompt, from its <input> keys or its template.
+    Raises ValueError for anything else (the engine answers only the project's prompts)."""
+    inp = _input(prompt) if "<input>" in prompt else None
+    if isinstance(inp, dict):
+        for kind, key in (("cold_start", "controlled_contrastive_rollouts"), ("evolution", "current_experience_library"),
+                          ("guided_answer", "user_question")):
+            if key in inp:
+                return kind, inp
+        if {"query", "method", "document"} <= set(inp):
+            return "rewrite", inp
+    for kind, pat in PATTERNS.items():
+        m = pat.fullmatch(prompt)
+        if m:
+            return kind, m.groupdict()
+    raise ValueError("offline engine: not a GEO Defender prompt (no known <input> keys, no known template)")
+
+
 def complete(prompt):
     """Prompt text -> (reply text, reasoning or None). Raises ValueError for an unknown prompt kind."""
-    if prompt.startswith("Evaluate the attack document's influence"):
-        q = _field(prompt, "Query: ", "\nAttack document: ")
-        att = _field(prompt, "\nAttack document: ", "\nFinal answer: ")
-        ans = _field(prompt, "\nFinal answer: ", "\n\nReturn strict JSON:")
-        u, parts = judge_asi(q, att or "", ans or "")
+    kind, f = prompt_kind(prompt)
+    if kind == "asi_judge":
+        u, parts = judge_asi(f["query"], f["attack"], f["answer"])
         return json.dumps({"attack_influence_score": u, "influenced_parts": parts,
                            "rationale": "offline overlap judge", "confidence": 0.5}), None
-    if prompt.startswith("Compare Answer A with Answer B"):
-        q = _field(prompt, "Question: ", "\nAnswer A: ")
-        a = _field(prompt, "\nAnswer A: ", "\nAnswer B: ")
-        b = _field(prompt, "\nAnswer B: ", "\n\nReturn strict JSON:")
-        v = judge_pairwise(q or "", a or "", b or "")
+    if kind == "pairwise_judge":
+        v = judge_pairwise(f["query"], f["a"], f["b"])
         return json.dumps({"pairwise_score_a_over_b": v, "answer_a_satisfies_question": True,
                            "answer_b_satisfies_question": True, "key_differences": [],
                            "rationale": "offline coverage judge", "confidence": 0.5}), None
-    if prompt.startswith("GEO-DefenseBench builder"):
-        inp = _input(prompt)
-        return json.dumps({"rewritten_document": rewrite_doc(inp["document"], inp["method"])}), None
-    inp = _input(prompt) if "<input>" in prompt else None
-    if inp is not None and "controlled_contrastive_rollouts" in inp:
-        return json.dumps(analyze_cold_start(inp)), None
-    if inp is not None and "current_experience_library" in inp:
-        return json.dumps(analyze_batch(inp)), None
-    if inp is not None and "user_question" in inp:
-        docs = [r["text"] for r in inp["search_results"]]
-        rules = (inp.get("experience_library") or {}).get("rules", [])
-        structured = "decision_labels" in inp
-        return answer_target(inp["user_question"], docs, rules, structured=structured, reasoning=not structured)
-    if "Please answer the question:\n" in prompt and "Search Results:\n" in prompt:
-        q = _field(prompt, "Please answer the question:\n", "\n\n")
-        block = _field(prompt, "Search Results:\n", "\n\nReturn JSON with exactly this schema:")
-        docs = [d.strip() for d in re.split(r"(?:^|\n)\[\d+\] ", "\n" + block)[1:]]
-        return answer_target(q, docs, static_safety="Source-selection guidance:" in prompt)
-    raise ValueError("offline engine: unrecognised prompt kind (it answers only GEO Defender's prompts)")
+    if kind == "rewrite":
+        return json.dumps({"rewritten_document": rewrite_doc(f["document"], f["method"])}), None
+    if kind == "cold_start":
+        return json.dumps(analyze_cold_start(f)), None
+    if kind == "evolution":
+        return json.dumps(analyze_batch(f)), None
+    if kind == "guided_answer":
+        docs = [r["text"] for r in f["search_results"]]
+        rules = (f.get("experience_library") or {}).get("rules", [])
+        structured = "decision_labels" in f
+        return answer_target(f["user_question"], docs, rules, structured=structured, reasoning=not structured)
+    docs = [d.strip() for d in re.split(r"(?:^|\n)\[\d+\] ", "\n" + f["results"])[1:]]
+    return answer_target(f["query"], docs, static_safety=kind == "answer_static_safety")
 
 
 def respond(body):

@@ -193,7 +193,7 @@ def write_report(run_dir, s):
     os.makedirs(figs, exist_ok=True)
     lines = _header_lines(run_dir, s) + _table_lines(s) + _method_lines(s, figs) + _appendix_lines(s, figs)
     lines += usage_lines(s.get("usage") or {})
-    for who, changes in (s.get("adapted") or {}).items():   # the API refused a parameter (llm_clients._adapt)
+    for who, changes in (s.get("adapted") or {}).items():   # the API refused a parameter (llm_clients.RequestShape.adapt)
         lines.append(f"Requests to {who} adapted to its API: {'; '.join(changes)}.\n")
     with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))

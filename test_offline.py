@@ -60,7 +60,7 @@ def test_offline_engine_answers_every_prompt_kind_in_schema():
     assert all(tfsg.validate_rule(r) is None for r in cs["experience_library"]["rules"])
     ev = ask(tfsg.evolution_prompt(lib, [], [], [], []))
     assert {"batch_analysis", "updates", "controller_notes"} <= set(ev)
-    with pytest.raises(ValueError, match="unrecognised"):
+    with pytest.raises(ValueError, match="not a GEO Defender prompt"):
         offline.complete("hello")
 
 
@@ -99,3 +99,17 @@ def test_offline_provider_answers_through_the_client():
     c = llm_clients.make_client("offline")
     assert c.chat([{"role": "user", "content": metrics.asi_prompt("q", "a b c d", "x")}],
                   json=True).data["attack_influence_score"] == 0
+
+
+def test_prompt_kinds_come_from_markers_and_templates_never_guessed():
+    """Each prompt kind is recognised from its <input> keys or the template of the code that writes it;
+    a prompt that merely starts like one is refused loudly."""
+    assert offline.prompt_kind(metrics.asi_prompt("q?", "doc", "ans"))[0] == "asi_judge"
+    assert offline.prompt_kind(metrics.pairwise_prompt("q?", "a", "b"))[1] == {"query": "q?", "a": "a", "b": "b"}
+    kind, f = offline.prompt_kind(tfsg.standard_prompt("q\n\nwith breaks", ["d1", "d2\n[x]"], static_safety=True))
+    assert kind == "answer_static_safety" and f["query"] == "q\n\nwith breaks"
+    assert offline.prompt_kind(tfsg.standard_prompt("q", ["d"]))[0] == "answer"
+    for bad in (metrics.asi_prompt("q", "d", "a") + " extra", "Evaluate the attack document's influence on x",
+                "<input>{\"other\": 1}</input>", "Please answer the question:\nq\n\nSearch Results:\n[1] d"):
+        with pytest.raises(ValueError, match="not a GEO Defender prompt"):
+            offline.complete(bad)

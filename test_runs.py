@@ -456,9 +456,9 @@ def test_demo_ends_within_seconds_after_an_error_in_the_llm_phase(demo_run, tmp_
     argv = json.dumps(["demo", "--out", str(tmp_path / "o"), "--bench", json.load(open(d / "config.json"))["config"]["bench"],
                        "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3", "--n-batches", "3",
                        "--n-boot", "200"])
-    code = ("import json, sys, runpy, llm_clients\nn = [0]\nreal = llm_clients.Client._cache_put\n"
-            "def full(self, key, reply):\n    n[0] += 1\n    if n[0] > 20:\n        raise OSError(28, 'No space left on device')\n"
-            "    return real(self, key, reply)\nllm_clients.Client._cache_put = full\n"
+    code = ("import json, sys, runpy, llm_clients\nn = [0]\nreal = llm_clients.ReplyCache.put\n"
+            "def full(self, key, reply, *a):\n    n[0] += 1\n    if n[0] > 20:\n        raise OSError(28, 'No space left on device')\n"
+            "    return real(self, key, reply, *a)\nllm_clients.ReplyCache.put = full\n"
             f"sys.argv = ['run.py'] + json.loads({argv!r})\nrunpy.run_path('run.py', run_name='__main__')\n")
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
