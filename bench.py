@@ -9,7 +9,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import resource
 import shutil
 import statistics
 import tempfile
@@ -374,6 +373,7 @@ def peak_rss_mib():
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
+    import resource                      # Unix only: imported here so that run.py starts on every OS
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -99,8 +99,17 @@ def add_lora(model, r=16, alpha=32, dropout=0.05, targets=TARGETS):
                 found += 1
     if not found:
         raise ValueError(f"add_lora: no nn.Linear named {targets} in the model")
-    model.lora_config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(set(targets))}
     return model
+
+
+def lora_config(model):
+    """The LoRA settings of `model`, read from its LoRA layers (PEFT's adapter_config names), or None."""
+    mods = lora_modules(model)
+    if not mods:
+        return None
+    m = next(iter(mods.values()))
+    return {"r": m.r, "lora_alpha": m.alpha, "lora_dropout": m.dropout,
+            "target_modules": sorted({name.rsplit(".", 1)[-1] for name in mods})}
 
 
 @contextlib.contextmanager
@@ -133,17 +142,19 @@ def merge_and_unload(model):
             if isinstance(child, LoRALinear):
                 child.merge()
                 setattr(module, child_name, child.base)
-    model.__dict__.pop("lora_config", None)
     return model
 
 
+def peft_key(name, part):
+    """PEFT's file key of LoRA layer `name`'s `part` (lora_A / lora_B):
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight."""
+    return f"{PEFT_PREFIX}model.{name}.{part}.weight"
+
+
 def lora_state_dict(model):
-    """PEFT key names: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight, ..."""
-    out = {}
-    for name, m in lora_modules(model).items():
-        out[f"{PEFT_PREFIX}model.{name}.lora_A.weight"] = m.lora_A.detach()
-        out[f"{PEFT_PREFIX}model.{name}.lora_B.weight"] = m.lora_B.detach()
-    return out
+    """Every LoRA layer's A and B under PEFT's key names (peft_key)."""
+    return {peft_key(name, part): getattr(m, part).detach()
+            for name, m in lora_modules(model).items() for part in ("lora_A", "lora_B")}
 
 
 def load_lora_state_dict(model, state):
@@ -151,15 +162,15 @@ def load_lora_state_dict(model, state):
     that are not LoRA tensors are ignored). A missing tensor raises KeyError naming it."""
     with torch.no_grad():
         for name, m in lora_modules(model).items():
-            m.lora_A.copy_(state[f"{PEFT_PREFIX}model.{name}.lora_A.weight"])
-            m.lora_B.copy_(state[f"{PEFT_PREFIX}model.{name}.lora_B.weight"])
+            m.lora_A.copy_(state[peft_key(name, "lora_A")])
+            m.lora_B.copy_(state[peft_key(name, "lora_B")])
     return model
 
 
 def save_adapter(model, out_dir, base_model_name_or_path, dtype=torch.float32):
     """adapter_config.json (standard PEFT keys only) + adapter_model.safetensors, written atomically."""
     from safetensors.torch import save_file
-    cfg = getattr(model, "lora_config", None)
+    cfg = lora_config(model)
     if cfg is None:
         raise ValueError("save_adapter: the model has no LoRA layers (call add_lora first)")
     os.makedirs(out_dir, exist_ok=True)
@@ -228,9 +239,7 @@ def load_adapter(model, adapter_dir):
     if missing:
         raise ValueError(f"{wpath}: missing LoRA tensors: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
     for m in mods.values():
-        m.scaling = cfg["lora_alpha"] / cfg["r"]
-    model.lora_config = {"r": cfg["r"], "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg.get("lora_dropout", 0.0),
-                         "target_modules": sorted(targets)}
+        m.alpha, m.scaling = cfg["lora_alpha"], cfg["lora_alpha"] / cfg["r"]
     return model
 
 
