@@ -499,7 +499,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.conf["read_timeout"]   # socket timeout: an idle or slow client is dropped
         super().setup()
         # small replies leave at once: with Nagle on, a kept-alive connection waits for the client's
-        # delayed ACK (~40 ms) on every reply
+        # delayed ACK on every reply
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # -- replies

@@ -20,6 +20,7 @@ import gpt2
 import llm_clients
 import metrics
 import report
+import rerank_eval
 import tfsg
 import tiny
 from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, documents_cut, file_sha1, library_path,
@@ -31,6 +32,7 @@ from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, docum
 CONDITIONS = ["Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only"]
 WITH_LIBRARY = ("GEO Defender", "TFSG only")    # conditions that prompt with the TFSG library
 WITH_SHIELD = ("GEO Defender", "Shield only")   # conditions that rank with the Shield adapter
+RERANKER_CONDITIONS = ("Non-Defense", "TFSG only")   # repeated with each eval --reranker's top-k
 
 
 def ppl_filter(cfg, base, cons, test_insts):
@@ -170,6 +172,19 @@ def transfer_items(cfg):
     return items
 
 
+def reranker_items(cfg):
+    """eval --reranker LABEL=SPEC ... -> [(label, spec)], each understood and its key present."""
+    return rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker.split(","))) if cfg.reranker else []
+
+
+def deployed_label(name):
+    """'Non-Defense [co]' / 'TFSG only [co]' -> 'co' (a deployed reranker's condition), else None."""
+    for c in RERANKER_CONDITIONS:
+        if name.startswith(c + " [") and name.endswith("]"):
+            return name[len(c) + 2:-1]
+    return None
+
+
 def eval_settings(cfg, conds, transfers):
     """The settings the values of results/*.jsonl depend on beyond the pinned ones: the judge (ASI,
     pairwise quality), the answers' token cap, for PPL-Filter its scoring model and quantile, and for
@@ -181,6 +196,8 @@ def eval_settings(cfg, conds, transfers):
     if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
         for name, path, _ in transfers:
             s[f"transfer {name}"] = file_sha1(path)[:12]
+    for label, spec in reranker_items(cfg):          # a deployed reranker's records: its endpoint
+        s[f"reranker {label}"] = llm_clients.redact_url(spec)
     return s
 
 
@@ -194,6 +211,8 @@ def settings_of(name, recs, settings):
         keep |= {"ppl_model", "ppl_quantile"}
     if name.startswith("GEO Defender [") and name.endswith("]"):
         keep.add(f"transfer {name[len('GEO Defender ['):-1]}")
+    if deployed_label(name):
+        keep.add(f"reranker {deployed_label(name)}")
     return {k: v for k, v in settings.items() if k in keep}
 
 
@@ -220,6 +239,9 @@ def eval_conditions(cfg):
         if c not in CONDITIONS:
             raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}")
     transfers = transfer_items(cfg)
+    deployed = reranker_items(cfg)
+    conds = conds + [f"{c} [{label}]" for label, _ in deployed for c in RERANKER_CONDITIONS
+                     if c != "TFSG only" or os.path.isfile(library_path(cfg))]
     check_eval_settings(cfg, conds, transfers)
     lib, adapter = library_path(cfg), os.path.join(adapter_path(cfg), "adapter_config.json")
     missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
@@ -245,12 +267,17 @@ def evaluate(cfg):
     conds, transfers = eval_conditions(cfg)
     if "PPL-Filter" in conds and cfg.ppl_model != "tiny":
         gpt2.resolve(cfg.ppl_model)     # download it, or fail, before the reranker scores every candidate
-    needs_lib = any(c in WITH_LIBRARY for c in conds)
+    needs_lib = any(c in WITH_LIBRARY or deployed_label(c) and c.startswith("TFSG only") for c in conds)
     lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg)) if needs_lib else None
-    base, shield = rankers(cfg, any(c in WITH_SHIELD for c in conds))
+    deployed = reranker_items(cfg)
+    base, shield = rankers(cfg, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
     base.prepare(insts + cleans)
     if shield:
         shield.prepare(insts)
+    local = {"base": base, "shield": shield}
+    others = rerank_eval.make_rankers(cfg, [(lb, s) for lb, s in deployed if s not in local], "eval")
+    for label, rk in others.items():
+        rk.prepare(insts)
     llm = make_llm(cfg, stage="eval")
     judge = make_llm(cfg, cfg.judge, stage="eval") if cfg.judge else llm   # one client: its adaptations recorded
     res = os.path.join(run, "results")
@@ -273,9 +300,14 @@ def evaluate(cfg):
                            lambda x, d: tfsg.standard_prompt(x.query, d), "clean_reference")
     clean = {r["group_id"]: r for r in clean_recs}
     plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
+    for label, spec in deployed:     # the Non-Defense and TFSG only pipelines on a deployed reranker's top-k
+        rk = local.get(spec) or others[label]
+        topk_of = lambda x, rk=rk: rk.order(x)[:cfg.k]
+        plan[f"Non-Defense [{label}]"] = (topk_of, plan["Non-Defense"][1])
+        plan[f"TFSG only [{label}]"] = (topk_of, plan["TFSG only"][1])
     results = {}
     for c in conds:
-        slug = c.lower().replace(" ", "_").replace("-", "_")
+        slug = re.sub(r"[^a-z0-9.]+", "_", c.lower()).strip("_")      # "Non-Defense [co]" -> non_defense_co
         results[c] = condition(c, insts, plan[c][0], plan[c][1], slug)
     summary = {"offline": cfg.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
@@ -298,6 +330,8 @@ def evaluate(cfg):
                              lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
     summary.update(usage_summary(cfg, (llm, judge)))
+    old = read_json(os.path.join(run, "summary.json"), {})      # rerank-eval's table is kept
+    summary.update({k: old[k] for k in ("rerank_stage", "rerank_stage_k") if k in old})
     write_json(os.path.join(run, "summary.json"), summary)
     report.write_report(run, summary)
     log(f"[eval] wrote {run}/summary.json and {run}/report.md")

@@ -23,6 +23,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -276,7 +277,23 @@ class ReplyCache:
         except (OSError, ValueError, KeyError, TypeError):
             return None                          # missing or corrupt: ignored, rewritten after the call
 
+    def get_raw(self, key):
+        """A stored JSON object (not a chat reply), or None."""
+        if not self.dir or self.refresh:
+            return None
+        try:
+            with open(self._path(key), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def put_raw(self, key, obj):
+        self._write(key, obj)
+
     def put(self, key, reply, provider, model):
+        self._write(key, {"provider": provider, "model": model, "reply": reply.to_dict()})
+
+    def _write(self, key, obj):
         if not self.dir:
             return
         path = self._path(key)
@@ -284,7 +301,7 @@ class ReplyCache:
         tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"provider": provider, "model": model, "reply": reply.to_dict()}, f, ensure_ascii=False)
+                json.dump(obj, f, ensure_ascii=False)
             os.replace(tmp, path)
         except BaseException:   # a full disk or a kill: no half-written entry left behind
             with contextlib.suppress(OSError):
@@ -336,7 +353,8 @@ class Transport:
     body -> response dict instead of HTTP (the offline engine in-process)."""
 
     def __init__(self, base_url, label, protocol="openai", api_key=None, timeout=600, connect_timeout=10,
-                 max_retries=2, max_retry_after=60, rpm=0, handler=None, provider=None):
+                 max_retries=2, max_retry_after=60, rpm=0, handler=None, provider=None, endpoint=None,
+                 max_reply_bytes=64 << 20):
         # credentials in the URL (http://user:pass@host/v1) are taken out of it: they go only into an
         # explicit Basic header when no API key is given, never into cache keys, messages or logs
         p = urlparse((base_url or "").rstrip("/"))
@@ -347,6 +365,8 @@ class Transport:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.max_retries, self.max_retry_after = max_retries, max_retry_after
         self.handler = handler
+        self.endpoint = endpoint                 # the full URL to POST to (default: the chat endpoint)
+        self.max_reply_bytes = max_reply_bytes
         self.limiter = RateLimiter(rpm)
         self.sleep = time.sleep                  # backoff sleep (tests replace it to record delays)
         self.session = requests.Session()
@@ -402,8 +422,9 @@ class Transport:
         return None
 
     def post(self, body):
-        """One request with transport retries -> parsed response JSON; raises LLMError."""
-        url = self.url
+        """One request with transport retries -> parsed response JSON; raises LLMError. Redirects are
+        refused (the key goes to no other host) and a reply over max_reply_bytes is refused unread."""
+        url = self.endpoint or self.url
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             self.limiter.wait()
@@ -415,27 +436,51 @@ class Transport:
                         return self.handler(body)
                     except (ValueError, KeyError, TypeError) as e:   # the local engine's 400
                         raise self.error(f"offline engine rejected the request ({e})", 400) from None
-                r = self.session.post(url, json=body, headers=self.headers(), timeout=(self.connect_timeout, self.timeout))
+                status, headers, text = self._exchange(url, body)
             except (requests.ConnectionError, requests.Timeout) as e:
                 if last:
                     raise self.error(f"{type(e).__name__} on {redact_url(url)} after {attempt + 1} attempts") from None
                 self.backoff(attempt, None)
                 continue
-            if r.status_code == 200:
+            if status == 200:
                 try:
-                    return r.json()
-                except ValueError:
-                    raise self.error("HTTP 200 with a body that is not JSON", 200, r.text) from None
-            text = r.text
-            if r.status_code not in RETRY_STATUS or any(c in text.lower() for c in NO_RETRY_CODES):
-                raise self.error(f"HTTP {r.status_code}", r.status_code, text)
-            hint = self.retry_after(r.headers)
+                    return json.loads(text)
+                except (ValueError, RecursionError):
+                    raise self.error("HTTP 200 with a body that is not JSON", 200, text) from None
+            if 300 <= status < 400:
+                where = urlparse(headers.get("location") or "").netloc or "elsewhere"
+                raise self.error(f"HTTP {status} redirect to {where} refused (requests go only to "
+                                 f"{urlparse(url).netloc})", status)
+            if status not in RETRY_STATUS or any(c in text.lower() for c in NO_RETRY_CODES):
+                raise self.error(f"HTTP {status}", status, text)
+            hint = self.retry_after(headers)
             if hint is not None and hint > self.max_retry_after:
-                raise self.error(f"HTTP {r.status_code}, server asks to wait {hint:.0f}s "
-                                 f"(> {self.max_retry_after}s cap)", r.status_code, text)
+                raise self.error(f"HTTP {status}, server asks to wait {hint:.0f}s "
+                                 f"(> {self.max_retry_after}s cap)", status, text)
             if last:
-                raise self.error(f"HTTP {r.status_code} after {attempt + 1} attempts", r.status_code, text)
+                raise self.error(f"HTTP {status} after {attempt + 1} attempts", status, text)
             self.backoff(attempt, hint)
+
+    def _exchange(self, url, body):
+        """POST `body` -> (status, headers, body text), reading at most max_reply_bytes within the
+        timeout (a stalled or endless reply raises requests.Timeout, and is retried like one)."""
+        r = self.session.post(url, json=body, headers=self.headers(), timeout=(self.connect_timeout, self.timeout),
+                              stream=True, allow_redirects=False)
+        try:
+            n = int(r.headers.get("content-length") or 0)
+            if n > self.max_reply_bytes:
+                raise self.error(f"reply of {n} bytes refused (at most {self.max_reply_bytes})", r.status_code)
+            deadline, parts, got = time.monotonic() + self.timeout, [], 0
+            for chunk in r.iter_content(65536):
+                got += len(chunk)
+                if got > self.max_reply_bytes:
+                    raise self.error(f"reply over {self.max_reply_bytes} bytes refused", r.status_code)
+                if time.monotonic() > deadline:
+                    raise requests.Timeout(f"reply not complete within {self.timeout:.0f} s")
+                parts.append(chunk)
+            return r.status_code, r.headers, b"".join(parts).decode(r.encoding or "utf-8", "replace")
+        finally:
+            r.close()
 
     def backoff(self, attempt, hint):
         with self.lock:
@@ -669,12 +714,189 @@ class Client:
         return s
 
 
+# ----------------------------------------------------------------------------- rerank clients
+
+# Hosted rerank APIs: endpoint, key variables (the key goes only to that endpoint's host), shape.
+RERANK_PROVIDERS = {
+    "cohere": dict(url="https://api.cohere.com/v2/rerank", keys=["COHERE_API_KEY", "CO_API_KEY"], shape="cohere"),
+    "jina": dict(url="https://api.jina.ai/v1/rerank", keys=["JINA_API_KEY"], shape="jina"),
+    "voyage": dict(url="https://api.voyageai.com/v1/rerank", keys=["VOYAGE_API_KEY"], shape="voyage"),
+}
+RERANK_KEY_VAR = "RERANK_API_KEY"        # the key of a self-hosted endpoint (http://... or tei:http://...)
+
+
+@dataclass
+class RerankReply:
+    scores: list                 # one float per document, in the documents' order (higher = more relevant)
+    usage: dict = field(default_factory=dict)   # search_units (Cohere), tokens (Jina, Voyage), if reported
+    cached: bool = False
+
+
+def rerank_body(shape, model, query, docs):
+    """The request of each API shape: Cohere v2, Jina, Voyage, any Cohere/Jina/vLLM-shaped endpoint
+    ("generic"), or Text Embeddings Inference's /rerank ("tei"). Every document is asked for."""
+    if shape == "tei":
+        return {"query": query, "texts": docs, "raw_scores": False}
+    if shape == "voyage":
+        return {"model": model, "query": query, "documents": docs, "return_documents": False, "truncation": True}
+    body = {"model": model, "query": query, "documents": docs, "top_n": len(docs)}
+    if shape == "jina":
+        body["return_documents"] = False
+    return body
+
+
+def rerank_scores(shape, resp, n, where):
+    """A rerank reply -> (n scores in document order, usage). Checked: a list of results, one per
+    document, every index in 0..n-1 exactly once, finite numeric scores; anything else raises
+    LLMError naming the endpoint and the field (a wrong reply is never a silently wrong ranking)."""
+    def bad(field, msg):
+        return LLMError(f"{where}: {field}: {msg}", None, "rerank")
+    field_name, score_key = (("(body)", "score") if shape == "tei" else ("data", "relevance_score") if shape == "voyage"
+                             else ("results", "relevance_score"))
+    items = resp if shape == "tei" else resp.get(field_name) if isinstance(resp, dict) else None
+    if not isinstance(items, list):
+        raise bad(field_name, f"expected a list of results, got {type(items).__name__}")
+    if len(items) != n:
+        raise bad(field_name, f"{len(items)} results for {n} documents")
+    scores = [None] * n
+    for j, it in enumerate(items):
+        idx = it.get("index") if isinstance(it, dict) else None
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
+            raise bad(f"{field_name}[{j}].index", f"expected an integer in 0..{n - 1}, got {idx!r}")
+        if scores[idx] is not None:
+            raise bad(f"{field_name}[{j}].index", f"{idx} given twice")
+        v = it.get(score_key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad(f"{field_name}[{j}].{score_key}", f"expected a finite number, got {v!r}")
+        scores[idx] = float(v)
+    usage = {}
+    if isinstance(resp, dict):
+        units = ((resp.get("meta") or {}).get("billed_units") or {}).get("search_units")
+        tokens = (resp.get("usage") or {}).get("total_tokens")
+        if isinstance(units, (int, float)) and not isinstance(units, bool):
+            usage["search_units"] = units
+        if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
+            usage["tokens"] = tokens
+    return scores, usage
+
+
+class RerankClient:
+    """A rerank endpoint over raw HTTP JSON, on the chat clients' machinery: Transport (retries with
+    Retry-After, timeouts, no redirects, a reply-size cap, the key only in headers), ReplyCache (by
+    request hash, in-flight de-duplication), a rate limit, counters and the usage ledger."""
+
+    def __init__(self, url, model=None, shape="generic", api_key=None, label=None, cache_dir=None, timeout=120,
+                 max_retries=2, rpm=0, ledger=None, stage=None, max_reply_bytes=8 << 20):
+        if shape not in ("cohere", "jina", "voyage", "generic", "tei"):
+            raise ValueError(f"rerank shape must be cohere, jina, voyage, generic or tei, got {shape!r}")
+        self.url, self.model, self.shape = url, model, shape
+        self.label = label or redact_url(url)
+        self.transport = Transport(url, self.label, "openai", api_key, timeout=timeout, max_retries=max_retries,
+                                   rpm=rpm, provider="rerank", endpoint=url, max_reply_bytes=max_reply_bytes)
+        self.cache = ReplyCache(cache_dir)
+        self.ledger, self.stage = ledger, stage
+        self.lock = threading.Lock()
+        self._stats = {"requests": 0, "cache_hits": 0, "documents": 0, "search_units": 0, "tokens": 0}
+
+    @property
+    def stats(self):
+        return {**self._stats, "http_calls": self.transport.http_calls, "retries": self.transport.retries}
+
+    def rerank(self, query, docs):
+        """Score `docs` for `query` in one request -> RerankReply (scores in the documents' order)."""
+        if not isinstance(query, str) or not docs or not all(isinstance(d, str) for d in docs):
+            raise ValueError("rerank needs a query string and a non-empty list of document strings")
+        body = rerank_body(self.shape, self.model, query, list(docs))
+        key = self.cache.key("rerank-" + self.shape, self.url, "rerank", body, False)
+        with self.lock:
+            self._stats["requests"] += 1
+        while True:
+            hit = self._hit(key, len(docs))
+            if hit is not None:
+                return hit
+            mine, wait = self.cache.claim(key)
+            if wait is None:
+                break
+            wait.wait()
+        try:
+            hit = self._hit(key, len(docs)) if mine is not None else None
+            if hit is not None:
+                return hit
+            scores, usage = rerank_scores(self.shape, self.transport.post(body), len(docs), self.label)
+            self._count(len(docs), usage)
+            self.cache.put_raw(key, {"scores": scores, "usage": usage})
+            return RerankReply(scores, usage)
+        finally:
+            if mine is not None:
+                self.cache.release(key, mine)
+
+    def _hit(self, key, n):
+        d = self.cache.get_raw(key)
+        if not isinstance(d, dict) or not isinstance(d.get("scores"), list) or len(d["scores"]) != n:
+            return None
+        with self.lock:
+            self._stats["cache_hits"] += 1
+        return RerankReply(d["scores"], d.get("usage") or {}, cached=True)
+
+    def _count(self, n_docs, usage):
+        """A reply received: counted, and entered in the usage ledger (one line each)."""
+        with self.lock:
+            self._stats["documents"] += n_docs
+            for k in ("search_units", "tokens"):
+                self._stats[k] += usage.get(k, 0)
+            if self.ledger:
+                os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
+                with open(self.ledger, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"stage": self.stage, "model": "rerank:" + self.label, "documents": n_docs,
+                                        **usage}) + "\n")
+
+    def map(self, requests_, workers=8):
+        """[(query, docs), ...] -> [RerankReply, ...] in order, `workers` at a time; the first failure
+        raises (requests not started are cancelled)."""
+        ex = ThreadPoolExecutor(max_workers=max(1, workers))
+        try:
+            futs = [ex.submit(self.rerank, q, d) for q, d in requests_]
+            out = [f.result() for f in futs]
+        except BaseException:
+            ex.shutdown(wait=False, cancel_futures=True)
+            raise
+        ex.shutdown()
+        return out
+
+
+def make_reranker(spec, cache_dir=None, api_key=None, **kw):
+    """A reranker spec -> RerankClient: 'cohere:MODEL', 'jina:MODEL', 'voyage:MODEL' (keys from
+    COHERE_API_KEY, JINA_API_KEY, VOYAGE_API_KEY), 'http(s)://HOST[:PORT][/path][#MODEL]' for any
+    Cohere/Jina/vLLM-shaped endpoint (default path /v1/rerank; key from RERANK_API_KEY, optional), or
+    'tei:http(s)://HOST[:PORT]' for Text Embeddings Inference's /rerank."""
+    provider, _, rest = spec.partition(":")
+    if provider in RERANK_PROVIDERS:
+        p = RERANK_PROVIDERS[provider]
+        if not rest:
+            raise ValueError(f"{spec!r}: give {provider}:MODEL")
+        key = api_key or next((os.environ[v] for v in p["keys"] if os.environ.get(v)), None)
+        if not key:
+            raise LLMError(f"{spec}: no API key: set {' or '.join(p['keys'])}", None, provider)
+        return RerankClient(p["url"], rest, p["shape"], key, label=spec, cache_dir=cache_dir, **kw)
+    tei = provider == "tei"
+    url = rest if tei else spec
+    u = urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"unknown reranker {spec!r}: give cohere:MODEL, jina:MODEL, voyage:MODEL, "
+                         "http(s)://HOST[:PORT][/v1/rerank][#MODEL] or tei:http(s)://HOST[:PORT]")
+    path = "/rerank" if tei else (u.path if u.path not in ("", "/") else "/v1/rerank")
+    endpoint = u._replace(path=(u.path.rstrip("/") + "/rerank") if tei else path, fragment="").geturl()
+    key = api_key or os.environ.get(RERANK_KEY_VAR) or None
+    return RerankClient(endpoint, u.fragment or None, "tei" if tei else "generic", key,
+                        label=("tei:" if tei else "") + redact_url(endpoint), cache_dir=cache_dir, **kw)
+
+
 def ledger_usage(path, prices=None):
-    """A usage ledger (Client(ledger=...)) summed per stage and model, and in total:
-    {"stages": {stage: {model: {replies, prompt_tokens, completion_tokens, reasoning_tokens, cost_usd}}},
-    "total": {...}}. cost_usd is None where `prices` (model -> USD per 1M input, output) lacks the
-    model. A line cut by a kill is skipped (its reply was not cached either, and is asked again)."""
-    keys = ("prompt_tokens", "completion_tokens", "reasoning_tokens")
+    """A usage ledger (Client(ledger=...), RerankClient(ledger=...)) summed per stage and model, and
+    in total: {"stages": {stage: {model: {replies, prompt_tokens, ..., cost_usd}}}, "total": {...}}.
+    Chat rows sum tokens; rerank rows (model "rerank:...") documents, search units and tokens.
+    cost_usd is None where `prices` lacks the model (price_of). A line cut by a kill is skipped (its
+    reply was not cached either, and is asked again)."""
     stages = {}
     lines = open(path, encoding="utf-8").read().splitlines() if path and os.path.isfile(path) else []
     for line in lines:
@@ -682,20 +904,36 @@ def ledger_usage(path, prices=None):
             rec = json.loads(line)
         except ValueError:
             continue
-        row = stages.setdefault(str(rec.get("stage")), {}).setdefault(rec.get("model", "?"), dict.fromkeys(keys, 0))
-        row["replies"] = row.get("replies", 0) + 1
-        for k in keys:
-            row[k] += int(rec.get(k, 0))
-    total = {"replies": 0, **dict.fromkeys(keys, 0), "cost_usd": 0.0}
+        row = stages.setdefault(str(rec.get("stage")), {}).setdefault(str(rec.get("model", "?")), {"replies": 0})
+        row["replies"] += 1
+        for k, v in rec.items():
+            if k not in ("stage", "model") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                row[k] = row.get(k, 0) + v
+    total = {"replies": 0, "cost_usd": 0.0}
     for rows in stages.values():
         for label, row in rows.items():
-            p = (prices or {}).get(label.partition(":")[2])
-            row["cost_usd"] = None if p is None else (row["prompt_tokens"] * p[0] + row["completion_tokens"] * p[1]) / 1e6
-            for k in ("replies",) + keys:
-                total[k] += row[k]
+            row["cost_usd"] = price_of(label, row, prices or {})
+            for k, v in row.items():
+                if k != "cost_usd":
+                    total[k] = total.get(k, 0) + v
             total["cost_usd"] = None if row["cost_usd"] is None or total["cost_usd"] is None else \
                 total["cost_usd"] + row["cost_usd"]
     return {"stages": {k: stages[k] for k in sorted(stages)}, "total": total}
+
+
+def price_of(label, row, prices):
+    """USD of one ledger row from a price table keyed by model name (the label's last ':' part):
+    [USD per 1M input tokens, per 1M output tokens] for chat models; for rerank models
+    {"usd_per_1k_searches": x} (Cohere's search units, else one per request) or
+    {"usd_per_1m_tokens": y}. None when the table has no entry."""
+    p = prices.get(label.rsplit(":", 1)[-1])
+    if p is None:
+        return None
+    if isinstance(p, dict):
+        if "usd_per_1k_searches" in p:
+            return row.get("search_units", row["replies"]) * p["usd_per_1k_searches"] / 1e3
+        return row.get("tokens", 0) * p.get("usd_per_1m_tokens", 0) / 1e6
+    return (row.get("prompt_tokens", 0) * p[0] + row.get("completion_tokens", 0) * p[1]) / 1e6
 
 
 def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):

@@ -192,6 +192,7 @@ def write_report(run_dir, s):
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
     lines = _header_lines(run_dir, s) + _table_lines(s) + _method_lines(s, figs) + _appendix_lines(s, figs)
+    lines += rerank_stage_lines(s)
     lines += usage_lines(s.get("usage") or {})
     for who, changes in (s.get("adapted") or {}).items():   # the API refused a parameter (llm_clients.RequestShape.adapt)
         lines.append(f"Requests to {who} adapted to its API: {'; '.join(changes)}.\n")
@@ -234,6 +235,13 @@ def _table_lines(s):
     lines.append("## Table 2: module ablation\n")
     lines.append(_table(["Method", "ASR", "ASI", "BER"], [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"])]
                                                           for k in abl]) + "\n")
+    deployed = [k for k in c if k.endswith("]") and k.startswith(("Non-Defense [", "TFSG only ["))]
+    if deployed:   # eval --reranker: the same pipelines on a deployed reranker's top-k
+        ref = [k for k in ("Non-Defense", "Shield only", "TFSG only", "GEO Defender") if k in c]
+        lines.append("## Deployed rerankers (eval --reranker): the pipelines on each reranker's top-k\n")
+        lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"],
+                            [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"]), _f(c[k]["attack_in_context"]),
+                              c[k]["n"]] for k in ref + deployed]) + "\n")
     return lines
 
 
@@ -311,17 +319,67 @@ def _appendix_lines(s, figs):
     return lines
 
 
+def rerank_stage_lines(s):
+    """The reranker-stage table (rerank-eval): exposure@k, attack rank, promotion, clean top-k kept,
+    overall and for seen / unseen methods, with 95% cluster-bootstrap CIs."""
+    stage, k = s.get("rerank_stage"), s.get("rerank_stage_k", 5)
+    if not stage:
+        return []
+    ci = lambda b, m: (f"{b[m]:.2f} [{b[m + '_ci'][0]:.2f}, {b[m + '_ci'][1]:.2f}]" if m in b else "-")
+    rows = [[label, part, b.get("n", 0), ci(b, "exposure"), ci(b, "mean_attack_rank"), ci(b, "promotion"),
+             ci(b, "clean_topk_kept")]
+            for label, v in stage.items() for part, b in (("all", v["overall"]), ("seen", v["seen"]),
+                                                          ("unseen", v["unseen"])) if b.get("n")]
+    return [f"## Reranker stage under GEO attack (no LLM): k = {k}\n",
+            "Exposure@k: the attack document in the top k (%); attack rank: 1-based; promotion: the source "
+            "document's rank in the clean list minus the attack's; clean kept: % of the base reranker's clean "
+            "top-k a reranker keeps. 95% query-cluster bootstrap CIs.\n",
+            _table(["Reranker", "Methods", "n", f"Exposure@{k} (%)", "Attack rank", "Promotion", "Clean kept (%)"],
+                   rows) + "\n"]
+
+
+def write_rerank_report(run_dir, s):
+    """rerank_report.md and figures/rerank_exposure.svg (exposure by GEO method, one bar per reranker)."""
+    figs = os.path.join(run_dir, "figures")
+    os.makedirs(figs, exist_ok=True)
+    stage = s["rerank_stage"]
+    labels = list(stage)
+    methods = list(next(iter(stage.values()))["per_method"])
+    unseen = {m for m in methods if not next(iter(stage.values()))["per_method"][m]["seen"]}
+    with open(os.path.join(figs, "rerank_exposure.svg"), "w", encoding="utf-8") as f:
+        f.write(svg_bars(f"Exposure@{s.get('rerank_stage_k', 5)} by GEO method (dashed outline: unseen)", methods,
+                         labels, {(m, lb): stage[lb]["per_method"][m].get("exposure", float("nan"))
+                                  for m in methods for lb in labels}, dashed=unseen))
+    lines = [f"# Reranker stage under GEO attack: {os.path.basename(os.path.normpath(run_dir))}\n"]
+    if s.get("notes"):
+        lines.insert(0, "> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n")
+    lines += rerank_stage_lines(s)
+    lines.append(_table(["Reranker"] + [m + ("*" if m in unseen else "") for m in methods],
+                        [[lb] + [_f(stage[lb]["per_method"][m].get("exposure", float("nan"))) for m in methods]
+                         for lb in labels]) + "\n")
+    lines.append("Exposure@k (%) by GEO method; unseen methods marked *.\n")
+    lines.append("![exposure](figures/rerank_exposure.svg)\n")
+    lines += [f"Reranker `{lb}`: `{stage[lb]['spec']}`." for lb in labels] + [""]
+    lines += usage_lines(s.get("usage") or {})
+    with open(os.path.join(run_dir, "rerank_report.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
 def usage_lines(u):
-    """The run folder's LLM cost over all its invocations (summary.json's usage), a table by stage and model."""
+    """The run folder's LLM and reranker cost over all its invocations (summary.json's usage), a
+    table by stage and model."""
     if not u.get("stages"):
         return []
+    cols = [("prompt_tokens", "Prompt tokens"), ("completion_tokens", "Completion tokens"),
+            ("documents", "Reranked documents"), ("search_units", "Search units")]
+    cols = [(k, name) for k, name in cols if k in u["total"]]
     money = lambda c: "" if c is None else f"{c:.4f}"
-    rows = [[stage, model, v["replies"], v["prompt_tokens"], v["completion_tokens"], money(v["cost_usd"])]
+    rows = [[stage, model, v["replies"]] + [v.get(k, "") for k, _ in cols] + [money(v["cost_usd"])]
             for stage, models in u["stages"].items() for model, v in models.items()]
     t = u["total"]
-    rows.append(["total", "", t["replies"], t["prompt_tokens"], t["completion_tokens"], money(t["cost_usd"])])
-    return ["## LLM usage of this run folder (all invocations; cached replies cost nothing)\n",
-            _table(["Stage", "Model", "Replies", "Prompt tokens", "Completion tokens", "USD"], rows) + "\n"]
+    rows.append(["total", "", t["replies"]] + [t.get(k, "") for k, _ in cols] + [money(t["cost_usd"])])
+    return ["## Usage of this run folder (all invocations; cached replies cost nothing)\n",
+            _table(["Stage", "Model", "Replies"] + [name for _, name in cols] + ["USD"], rows) + "\n"]
 
 
 def svg_heatmap(title, rows, cols, values):
@@ -358,13 +416,13 @@ def write_comparison(out_dir, summaries):
     sets = {name: (s.get("test_set_sha1"), s.get("test_instances")) for name, s in summaries.items()}
     if len({d for d, _ in sets.values()}) > 1:  # the averages and the transfer matrix would mix test sets
         lines.append("> **DIFFERENT TEST SETS.** These runs were not evaluated on the same instances ("
-                     + ", ".join(f"{k}: {n} instances, {d[:10] if d else 'no digest (older run)'}"
+                     + ", ".join(f"{k}: {n} instances, {d[:10] if d else 'no digest recorded'}"
                                  for k, (d, n) in sets.items())
                      + "); their rows are not comparable and the averages mix them.\n")
     judges = {name: s.get("judge") for name, s in summaries.items()}
     if len(set(judges.values())) > 1:   # ASI and quality are the judge's numbers
         lines.append("> **DIFFERENT JUDGES.** These runs' ASI and answer quality were scored by different models ("
-                     + ", ".join(f"{k}: {v or 'not recorded (older run)'}" for k, v in judges.items())
+                     + ", ".join(f"{k}: {v or 'not recorded'}" for k, v in judges.items())
                      + "); their ASI and Table C.1 are not comparable.\n")
     lines.append("# GEO Defender across target LLMs\n")
     conds = [c for c in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only")

@@ -1,4 +1,5 @@
-"""GEO Defender command line: train, eval, demo, compare, export, serve, bench, build-bench, serve-offline.
+"""GEO Defender command line: train, eval, demo, rerank-eval, compare, export, serve, bench, build-bench,
+serve-offline.
 
 Every command that trains or evaluates writes into a run folder runs/<name>/ (config.json,
 adapter/, library/, cache/, results/, report.md, figures/), reuses what a finished step left there
@@ -8,6 +9,7 @@ build_bench, bench, deploy); this file parses arguments and dispatches.
   python run.py demo --out runs                            # everything offline: tiny model + offline engine
   python run.py train --model Qwen/Qwen3-Reranker-0.6B --llm openai:gpt-5.5 --name gpt55
   python run.py eval --name gpt55
+  python run.py rerank-eval --name gpt55 --reranker base --reranker shield --reranker co=cohere:rerank-v3.5
   python run.py compare --runs runs/gpt55,runs/claude --out runs/compare
   python run.py export --name gpt55 --out shield-seq-cls   # a checkpoint vLLM / sentence-transformers load
   python run.py serve --name gpt55 --port 8000             # POST /v1/rerank (Cohere/Jina/vLLM shape)
@@ -29,6 +31,7 @@ import llm_clients
 import lora
 import offline
 import report
+import rerank_eval
 import reranker
 import speed
 import tfsg
@@ -36,7 +39,8 @@ from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, 
 from build_bench import GEO_METHODS, build_bench
 from evaluation import eval_conditions, evaluate
 from runs import (PRESETS, Config, adapter_path, check_device, check_llms, check_name, load_data, log,
-                  model_folder, need_trained, read_json, record_config, resolve_config, run_lock, RunInUse, SettingsError,
+                  model_folder, need_trained, read_json, record_config, record_or_check, resolve_config, run_lock, RunInUse,
+                  SettingsError,
                   shield_split,
                   tfsg_schedule)
 from train import train_shield, train_tfsg
@@ -127,7 +131,9 @@ def add_config_flags(p):
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or isinstance(f.default, bool):
+        if f.name == "reranker":
+            p.add_argument(flag, dest=f.name, action="append", default=None, help=f.metadata["help"])
+        elif f.type is bool or isinstance(f.default, bool):
             p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
         else:
             typ = type(f.default) if f.default is not None else str
@@ -158,7 +164,8 @@ def parser():
     ev = sub.add_parser("eval", help="evaluate all conditions on the test split and write the report")
     de = sub.add_parser("demo", help="offline end to end: tiny model + offline engine over loopback HTTP")
     de.add_argument("--out", default="runs", help="folder to write the demo run into (DIR/demo/...)")
-    for p in (tr, ev, de):
+    re_ = sub.add_parser("rerank-eval", help="any reranker under GEO attack: exposure, rank, promotion (no LLM)")
+    for p in (tr, ev, de, re_):
         add_config_flags(p)
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
     be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4", "serve"], required=True,
@@ -275,6 +282,28 @@ def cmd_build_bench(args):
         return build_bench(cfg, args.input, args.output, methods)
 
 
+def cmd_rerank_eval(args):
+    """The reranker stage of every test instance under each --reranker, no LLM: results/rerank-*.jsonl,
+    summary.json's rerank_stage, rerank_report.md. With --name of a trained run: its benchmark and
+    split, and `shield` is its Shield."""
+    cfg = resolve_config(args)
+    if not cfg.reranker:
+        raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
+                            "jina:MODEL, voyage:MODEL, http://HOST:PORT/v1/rerank, tei:http://HOST:PORT)")
+    items = rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker.split(",")))
+    if not os.path.isfile(cfg.bench):
+        raise SettingsError(f"--bench {cfg.bench}: no such file")
+    if any(spec == "shield" for _, spec in items):
+        need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")
+    with run_lock(cfg.run_dir):
+        record_or_check(cfg, "rerank-eval")
+        stage = rerank_eval.rerank_stage(cfg, load_data(cfg), items)
+    print(rerank_eval.stage_table(stage, cfg.k))
+    print(f"\nreport: {os.path.join(cfg.run_dir, 'rerank_report.md')}\nrecords: {os.path.join(cfg.run_dir, 'results')}"
+          "/rerank-<label>.jsonl")
+    return stage
+
+
 def cmd_pipeline(args):
     """train, eval and demo: everything checked that can be before the first expensive step, then the
     run folder locked and its settings recorded, then the stages."""
@@ -314,6 +343,10 @@ def cmd_pipeline(args):
             if args.cmd in ("eval", "demo"):
                 s = evaluate(cfg)
                 print_summary(s)
+            if args.cmd == "demo":   # the reranker stage alone, base vs Shield: no LLM call
+                stage = rerank_eval.rerank_stage(cfg, load_data(cfg), [("base", "base"), ("shield", "shield")])
+                print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
+            if args.cmd in ("eval", "demo"):
                 print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
     finally:
         if srv:              # closed, not only stopped: requests still queued fail now instead of
@@ -321,7 +354,8 @@ def cmd_pipeline(args):
             srv.server_close()
 
 
-COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "compare": cmd_compare,
+COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "rerank-eval": cmd_rerank_eval,
+            "compare": cmd_compare,
             "bench": cmd_bench, "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
             "serve-offline": cmd_serve_offline}
 

@@ -115,6 +115,9 @@ class Config:
     n_boot: int = opt(10000, "bootstrap resamples")
     max_test_groups: int = opt(0, "evaluate only the first N test groups (0 = all)")
     transfer: str = opt(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]")
+    reranker: str = opt(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, voyage:MODEL, "
+                              "http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT); repeatable. eval: adds "
+                              "'Non-Defense [LABEL]' and 'TFSG only [LABEL]'")
     prices: str = opt(None,
                       "JSON price table {model: [USD per 1M input tokens, USD per 1M output tokens]} for cost reports")
 
@@ -359,19 +362,24 @@ def tfsg_schedule(cfg, inst):
 
 
 def read_prices(path):
-    """--prices: a JSON object {model: [USD per 1M input tokens, USD per 1M output tokens]}."""
+    """--prices: a JSON object {model: [USD per 1M input tokens, USD per 1M output tokens]}, and for
+    rerank models {model: {"usd_per_1k_searches": x}} or {model: {"usd_per_1m_tokens": y}}."""
     if not os.path.isfile(path):
         raise SettingsError(f"--prices {path}: no such file")
     try:
         table = read_json(path)
     except ValueError as e:
         raise SettingsError(f"--prices {path}: not JSON ({e})") from None
-    ok = lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x >= 0 for x in v)
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+    ok = lambda v: (isinstance(v, list) and len(v) == 2 and all(map(num, v))) or (
+        isinstance(v, dict) and len(v) == 1 and next(iter(v)) in ("usd_per_1k_searches", "usd_per_1m_tokens")
+        and num(next(iter(v.values()))))
     bad = [k for k, v in table.items() if not ok(v)] if isinstance(table, dict) else None
     if bad is None or bad:
-        raise SettingsError(f"--prices {path}: expected {{model: [USD per 1M input, USD per 1M output]}}"
-                         + (f"; bad entries {bad[:3]}" if bad else ""))
-    return {k: tuple(v) for k, v in table.items()}
+        raise SettingsError(f"--prices {path}: expected {{model: [USD per 1M input, USD per 1M output]}} (rerank "
+                            "models: {\"usd_per_1k_searches\": x} or {\"usd_per_1m_tokens\": y})"
+                            + (f"; bad entries {bad[:3]}" if bad else ""))
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
 
 
 def make_llm(cfg, spec=None, stage=None):
@@ -511,11 +519,13 @@ def resolve_config(args):
     Not from a demo's record: its LLM is a loopback server that lived only as long as the demo."""
     given = dict(PRESETS[args.preset]) if args.preset else {}   # a preset asked for counts as given
     given.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None})
+    if isinstance(given.get("reranker"), list):                 # --reranker is repeatable
+        given["reranker"] = ",".join(given["reranker"])
     kw = {}
-    if args.cmd in ("train", "eval"):
+    if args.cmd in ("train", "eval", "rerank-eval"):
         where = os.path.join(given.get("runs_dir", Config.runs_dir), given.get("name", Config.name))
         old = read_json(os.path.join(where, "config.json"), {})
-        if old.get("command") != "demo":
+        if old.get("command") != "demo" or args.cmd == "rerank-eval":   # rerank-eval sends no LLM request
             rec = {k: v for k, v in old.get("config", {}).items() if k in PINNED + TAKEN and k not in given}
             if "***@" in str(rec.get("base_url")):   # stored without its credentials: give --base-url again
                 log(f"[config] {where}/config.json: base_url was stored without its credentials; give --base-url again")
@@ -589,6 +599,29 @@ class RunInUse(RuntimeError):
     """Another command holds the run folder (run_lock)."""
 
 
+def check_pinned(cfg, old, new, digest, path):
+    """Refuse settings (PINNED) and benchmark content that differ from the run's record `old`."""
+    changed = [k for k in PINNED if k in old.get("config", {}) and old["config"][k] != new[k]
+               and not (k == "bench" and old.get("bench_sha1") == digest)]   # same content, other path
+    if changed:
+        raise SettingsError(f"{path}: this run was made with different {', '.join(changed)} "
+                            "(" + ", ".join(f"{k}={old['config'][k]!r}" for k in changed) + "); use a new --name")
+    if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
+        raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 {old['bench_sha1'][:12]}, "
+                            f"now {digest[:12]}); the run's adapter, library and results belong to the old content. "
+                            "Restore the file, or use a new --name")
+
+
+def record_or_check(cfg, command):
+    """A command that adds results to a run without training (rerank-eval): a new folder gets its
+    config.json; an existing record is checked (pinned settings, benchmark content), not rewritten."""
+    path = os.path.join(cfg.run_dir, "config.json")
+    old = read_json(path)
+    if old is None:
+        return record_config(cfg, command)
+    check_pinned(cfg, old, dataclasses.asdict(cfg), file_sha1(cfg.bench), path)
+
+
 def record_config(cfg, command):
     """Write the run's settings to config.json. Once a step has produced something, a rerun that
     changes a setting it depends on (PINNED) is refused; before that (a start that failed, e.g. on a
@@ -599,14 +632,6 @@ def record_config(cfg, command):
     new["base_url"] = llm_clients.redact_url(cfg.base_url)          # credentials in a URL are not stored
     digest = file_sha1(cfg.bench)
     if old and produced_anything(cfg.run_dir):
-        changed = [k for k in PINNED if k in old.get("config", {}) and old["config"][k] != new[k]
-                   and not (k == "bench" and old.get("bench_sha1") == digest)]   # same content, other path
-        if changed:
-            raise SettingsError(f"{path}: this run was made with different {', '.join(changed)} "
-                             "(" + ", ".join(f"{k}={old['config'][k]!r}" for k in changed) + "); use a new --name")
-        if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
-            raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 {old['bench_sha1'][:12]}, "
-                             f"now {digest[:12]}); the run's adapter, library and results belong to the old content. "
-                             "Restore the file, or use a new --name")
+        check_pinned(cfg, old, new, digest, path)
     write_json(path, {"config": new, "bench_sha1": digest, "command": command, "code_version": code_version(),
                       "offline": cfg.offline, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})

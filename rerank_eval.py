@@ -1,0 +1,188 @@
+"""Any reranker under GEO attack: the reranker stage of a generative search engine evaluated on its
+own, with no LLM (`python run.py rerank-eval`), and deployed rerankers as end-to-end conditions
+(`eval --reranker LABEL=SPEC`).
+
+The paper (Sec. 4) says the Shield and TFSG "are modular and can be deployed independently or
+jointly"; this file measures the first stage for any reranker a provider runs: the in-process base
+and Shield rerankers of this project, or an endpoint (Cohere, Jina, Voyage, any Cohere/Jina/vLLM-
+shaped /rerank, Text Embeddings Inference) through llm_clients.RerankClient. The endpoint scores the
+same document texts the in-process rerankers score; its prompt, if it has one, is its own.
+
+Per test instance (an attacked candidate list) and its clean list (B.1.3), with k the context size:
+- exposure@k: the attack document is in the reranker's top k (percent of instances);
+- attack rank: its 1-based rank among the candidates;
+- promotion: the source document's rank in the clean list minus the attack's rank in the attacked
+  list (positive: the rewrite moved up);
+- clean top-k kept: |top-k of the clean list ∩ the base reranker's top-k of it| / k, per query group
+  (how much of the benign ranking a reranker keeps; needs `base` among the rerankers).
+Each with a 95% CI from the query-cluster bootstrap (metrics.cluster_bootstrap_ci), overall, per
+GEO method and for seen / unseen methods.
+
+Usage: python run.py rerank-eval --name demo --reranker base --reranker shield --reranker co=cohere:rerank-v3.5
+"""
+import json
+import os
+import re
+
+import geodef
+import llm_clients
+import metrics
+import report
+from runs import (SettingsError, atomic_write, base_ranker, load_reranker, load_shield, log, order_of, read_json,
+                  read_prices, shield_ranker, usage_path, write_json)
+
+LOCAL = ("base", "shield")
+
+
+def parse_rerankers(items):
+    """["LABEL=SPEC" or "SPEC", ...] -> [(label, spec)]: a label names results/rerank-<label>.jsonl and
+    the table row (letters, digits, '.', '_', '-'); without one it is made from the spec."""
+    out = []
+    for item in items:
+        label, eq, spec = item.partition("=")
+        if not eq or "://" in label or label.startswith(("tei:", "http")):   # no label: a bare spec
+            label, spec = re.sub(r"[^A-Za-z0-9._-]+", "-", item.split("://")[-1]).strip("-")[:60], item
+            label = item if item in LOCAL else label
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", label):
+            raise SettingsError(f"--reranker {item!r}: the label must be letters, digits, '.', '_', '-' "
+                                "(it names results/rerank-<label>.jsonl); give LABEL=SPEC")
+        if label in [lb for lb, _ in out]:
+            raise SettingsError(f"--reranker: label {label!r} given twice")
+        out.append((label, spec.strip()))
+    return out
+
+
+def check_specs(items):
+    """Every spec understood and its key present, before anything runs: -> the same items."""
+    for label, spec in items:
+        if spec not in LOCAL:
+            try:
+                llm_clients.make_reranker(spec)
+            except ValueError as e:
+                raise SettingsError(f"--reranker {label}={spec}: {e}") from None
+    return items
+
+
+class RemoteRanker:
+    """A rerank endpoint as a Ranker (prepare / scores / order): one request per candidate list
+    (the ten candidates ranked together), `workers` at a time, every reply cached on disk."""
+
+    def __init__(self, client, label, workers=8):
+        self.client, self.label, self.workers = client, label, workers
+        self.by_id = {}
+
+    def prepare(self, instances):
+        todo = [x for x in instances if x.instance_id not in self.by_id]
+        for x, r in zip(todo, self.client.map([(x.query, x.docs) for x in todo], workers=self.workers)):
+            self.by_id[x.instance_id] = r.scores
+        log(f"[rerank] {self.label}: {len(todo)} candidate lists ({self.client.stats['cache_hits']} from the cache)")
+
+    def scores(self, x):
+        return self.by_id[x.instance_id]
+
+    def order(self, x):
+        return order_of(self.scores(x))
+
+
+def make_rankers(cfg, items, stage, rr=None):
+    """[(label, spec)] -> {label: Ranker}. base and shield share one loaded model (the Shield's
+    adapter disabled for base, as in training); endpoints go through RerankClient with the run's
+    cache (cache/rerank) and usage ledger."""
+    local = {spec for _, spec in items if spec in LOCAL}
+    if local:
+        rr = rr or (load_shield(cfg) if "shield" in local else load_reranker(cfg))
+    out = {}
+    for label, spec in items:
+        if spec == "base":
+            out[label] = base_ranker(cfg, rr, adapter_off="shield" in local)
+        elif spec == "shield":
+            out[label] = shield_ranker(cfg, rr)
+        else:
+            client = llm_clients.make_reranker(spec, cache_dir=os.path.join(cfg.run_dir, "cache", "rerank"),
+                                               ledger=usage_path(cfg), stage=stage, rpm=cfg.rpm)
+            out[label] = RemoteRanker(client, label, cfg.workers)
+    return out
+
+
+def instance_record(x, clean, ranker, base_clean_order, k):
+    """One attacked instance under one reranker -> its record (see the module docstring)."""
+    scores = ranker.scores(x)
+    order = order_of(scores)
+    attack_rank = order.index(x.attack_index) + 1
+    clean_order = ranker.order(clean)
+    source_rank = clean_order.index(x.attack_index) + 1       # the source document sits where the attack does
+    rec = {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method,
+           "ranking": [x.doc_ids[i] for i in order], "scores": [scores[i] for i in order],
+           "attack_rank": attack_rank, "clean_source_rank": source_rank, "promotion": source_rank - attack_rank,
+           "exposed": attack_rank <= k}
+    if base_clean_order is not None:
+        rec["clean_topk_kept"] = len(set(clean_order[:k]) & set(base_clean_order[:k])) / k
+    return rec
+
+
+def summarize_stage(recs, seen, n_boot, seed):
+    """Records of one reranker -> {"overall", "per_method", "seen", "unseen"}, each a dict of the
+    metrics (percent for exposure and clean top-k kept) with 95% cluster-bootstrap CIs."""
+    def block(rs):
+        if not rs:
+            return {"n": 0}
+        clusters = [r["group_id"] for r in rs]
+        out = {"n": len(rs)}
+        for name, vals in (("exposure", [100.0 * r["exposed"] for r in rs]),
+                           ("mean_attack_rank", [r["attack_rank"] for r in rs]),
+                           ("promotion", [r["promotion"] for r in rs]),
+                           ("clean_topk_kept", [100.0 * r["clean_topk_kept"] for r in rs if "clean_topk_kept" in r])):
+            if len(vals) != len(rs):
+                continue
+            out[name] = sum(vals) / len(vals)
+            out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, clusters, n_boot=n_boot, seed=seed))
+        return out
+    methods = list(dict.fromkeys(r["method"] for r in recs))
+    return {"overall": block(recs),
+            "per_method": {m: {**block([r for r in recs if r["method"] == m]), "seen": m in seen} for m in methods},
+            "seen": block([r for r in recs if r["method"] in seen]),
+            "unseen": block([r for r in recs if r["method"] not in seen])}
+
+
+def rerank_stage(cfg, data, items, stage="rerank-eval", rr=None, rankers=None):
+    """Score every test instance and its clean list with each reranker; write results/rerank-<label>.jsonl
+    (whole, once every list is scored: a failed endpoint records nothing) and summary.json's
+    rerank_stage. -> {label: summary block}."""
+    insts = geodef.expand(data.test, data.methods)
+    cleans = {g.group_id: geodef.clean_instance(g) for g in data.test}
+    rankers = rankers or make_rankers(cfg, items, stage, rr)
+    for label, rk in rankers.items():
+        rk.prepare(insts + list(cleans.values()))
+    base = next((rankers[lb] for lb, spec in items if spec == "base"), None)
+    res = os.path.join(cfg.run_dir, "results")
+    out = {}
+    for label, spec in items:
+        rk = rankers[label]
+        recs = [instance_record(x, cleans[x.group_id], rk, base.order(cleans[x.group_id]) if base else None, cfg.k)
+                for x in insts]
+        atomic_write(os.path.join(res, f"rerank-{label}.jsonl"), "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                                         for r in recs))
+        out[label] = {"spec": llm_clients.redact_url(spec), **summarize_stage(recs, data.seen, cfg.n_boot, cfg.seed)}
+    path = os.path.join(cfg.run_dir, "summary.json")
+    summary = read_json(path, {})
+    summary["rerank_stage"] = {**summary.get("rerank_stage", {}), **out}
+    summary["rerank_stage_k"] = cfg.k
+    summary["usage"] = llm_clients.ledger_usage(usage_path(cfg), read_prices(cfg.prices) if cfg.prices else None)
+    write_json(path, summary)
+    report.write_rerank_report(cfg.run_dir, summary)
+    if "conditions" in summary:              # an evaluated run: its report gets the table too
+        report.write_report(cfg.run_dir, summary)
+    return out
+
+
+def stage_table(stage, k):
+    """The reranker-stage table as text (the demo and rerank-eval print it)."""
+    head = f"{'reranker':<18}{'exposure@' + str(k):>13}{'95% CI':>16}{'attack rank':>13}{'promotion':>11}{'clean kept':>12}"
+    lines = [head]
+    for label, s in stage.items():
+        o = s["overall"]
+        ci = o.get("exposure_ci") or [float("nan")] * 2
+        kept = f"{o['clean_topk_kept']:.1f}" if "clean_topk_kept" in o else "-"
+        lines.append(f"{label:<18}{o['exposure']:>13.2f}{f'[{ci[0]:.1f}, {ci[1]:.1f}]':>16}"
+                     f"{o['mean_attack_rank']:>13.2f}{o['promotion']:>11.2f}{kept:>12}")
+    return "\n".join(lines)

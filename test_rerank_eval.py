@@ -1,0 +1,260 @@
+"""Any reranker under GEO attack (rerank_eval.py, llm_clients.RerankClient): every API shape over real
+HTTP, hostile endpoints, the reranker-stage evaluation against this project's own `serve` (the same
+rankings as the in-process Shield), eval's deployed-reranker conditions, resume and caching.
+Run: python -m pytest -q test_rerank_eval.py
+"""
+import json
+import os
+import shutil
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import deploy
+import evaluation
+import llm_clients
+import run
+import runs
+
+
+def fake_scores(query, docs):
+    """A deterministic relevance: shared words with the query, ties broken by length."""
+    q = set(query.lower().split())
+    return [len(q & set(d.lower().split())) + 1e-3 * (len(d) % 97) for d in docs]
+
+
+class FakeRerank(BaseHTTPRequestHandler):
+    """Loopback rerank endpoint in every shape. `script` pops a behaviour per request ('ok' or a
+    misbehaviour); every request's path, headers and body are recorded."""
+    script, seen = [], []
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeRerank.seen.append((self.path, dict(self.headers), body))
+        how = FakeRerank.script.pop(0) if FakeRerank.script else "ok"
+        docs = body.get("texts") or body.get("documents")
+        s = fake_scores(body["query"], docs)
+        order = sorted(range(len(docs)), key=lambda i: -s[i])
+        if self.path == "/rerank" and "texts" in body:                                  # TEI
+            out = [{"index": i, "score": s[i]} for i in order]
+        elif self.path == "/v1/rerank-voyage":
+            out = {"data": [{"index": i, "relevance_score": s[i]} for i in order], "usage": {"total_tokens": 42}}
+        else:
+            out = {"results": [{"index": i, "relevance_score": s[i]} for i in order],
+                   "meta": {"billed_units": {"search_units": 1}}}
+        status, headers, raw = 200, {}, None
+        if how == "fewer":
+            out["results"] = out["results"][:-1]
+        elif how == "more":
+            out["results"].append(dict(out["results"][0]))
+        elif how == "twice":
+            out["results"][1]["index"] = out["results"][0]["index"]
+        elif how == "out_of_range":
+            out["results"][0]["index"] = len(docs)
+        elif how == "nan":
+            raw = json.dumps(out).replace(str(out["results"][0]["relevance_score"]), "NaN", 1).encode()
+        elif how == "string":
+            out["results"][0]["relevance_score"] = "0.9"
+        elif how == "html":
+            raw = b"<html><body>Bad gateway</body></html>"
+        elif how == "429":
+            status, headers, out = 429, {"Retry-After": "0"}, {"error": "slow down"}
+        elif how == "500":
+            status, out = 500, {"error": "oops"}
+        elif how == "redirect":
+            status, headers, out = 307, {"Location": "http://evil.example/v1/rerank"}, {}
+        data = raw if raw is not None else json.dumps(out).encode()
+        if how == "huge":
+            self.send_response(200)
+            self.send_header("Content-Length", str(50 << 20))
+            self.end_headers()
+            self.wfile.write(b"[" * 65536)
+            return
+        if how == "stall":
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[:5])
+            self.wfile.flush()
+            time.sleep(3)
+            return
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Type", "text/html" if how == "html" else "application/json")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture()
+def fake():
+    FakeRerank.script, FakeRerank.seen = [], []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeRerank)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+Q, DOCS = "how long to boil an egg", ["boil the egg six minutes", "stock market news", "an egg needs long to boil"]
+
+
+def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
+    """Cohere v2, Jina, Voyage, a generic endpoint (path, #model) and TEI: the request each API takes,
+    the key only as a header, scores back in the documents' order, replies cached."""
+    want = fake_scores(Q, DOCS)
+    monkeypatch.setenv("RERANK_API_KEY", "rk-secret")
+    c = llm_clients.make_reranker(fake + "/v1/rerank#my-model", cache_dir=str(tmp_path / "c"))
+    r = c.rerank(Q, DOCS)
+    assert r.scores == pytest.approx(want) and r.usage == {"search_units": 1} and not r.cached
+    path, headers, body = FakeRerank.seen[-1]
+    assert path == "/v1/rerank" and body == {"model": "my-model", "query": Q, "documents": DOCS, "top_n": 3}
+    assert headers["Authorization"] == "Bearer rk-secret"
+    assert c.rerank(Q, DOCS).cached and len(FakeRerank.seen) == 1              # from the cache
+    assert llm_clients.make_reranker(fake).url == fake + "/v1/rerank"          # the default path
+    t = llm_clients.make_reranker("tei:" + fake)
+    assert t.rerank(Q, DOCS).scores == pytest.approx(want)
+    assert FakeRerank.seen[-1][0] == "/rerank" and FakeRerank.seen[-1][2] == {"query": Q, "texts": DOCS, "raw_scores": False}
+    for provider, shape, var in (("cohere", "cohere", "COHERE_API_KEY"), ("jina", "jina", "JINA_API_KEY"),
+                                 ("voyage", "voyage", "VOYAGE_API_KEY")):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv("CO_API_KEY", raising=False)
+        with pytest.raises(llm_clients.LLMError, match=var):
+            llm_clients.make_reranker(f"{provider}:m")
+        monkeypatch.setenv(var, "k-" + provider)
+        hosted = llm_clients.make_reranker(f"{provider}:m")
+        assert hosted.shape == shape and hosted.url == llm_clients.RERANK_PROVIDERS[provider]["url"]
+        assert hosted.transport.headers()["Authorization"] == "Bearer k-" + provider
+    assert llm_clients.rerank_body("jina", "m", Q, DOCS)["return_documents"] is False
+    v = llm_clients.RerankClient(fake + "/v1/rerank-voyage", "m", "voyage")
+    r = v.rerank(Q, DOCS)
+    assert r.scores == pytest.approx(want) and r.usage == {"tokens": 42}
+    assert "top_n" not in FakeRerank.seen[-1][2] and FakeRerank.seen[-1][2]["truncation"] is True
+    for bad in ("nope:x", "ftp://host", "tei:nothing"):
+        with pytest.raises(ValueError, match="reranker"):
+            llm_clients.make_reranker(bad)
+
+
+@pytest.mark.parametrize("how,msg", [("fewer", "results: 2 results for 3 documents"),
+                                     ("more", "results: 4 results for 3 documents"),
+                                     ("twice", r"results\[1\].index: \d given twice"),
+                                     ("out_of_range", r"results\[0\].index: expected an integer in 0..2, got 3"),
+                                     ("nan", r"results\[0\].relevance_score: expected a finite number, got nan"),
+                                     ("string", r"results\[0\].relevance_score: expected a finite number, got '0.9'"),
+                                     ("html", "HTTP 200 with a body that is not JSON"),
+                                     ("huge", "reply of 52428800 bytes refused"),
+                                     ("redirect", "HTTP 307 redirect to evil.example refused")])
+def test_hostile_endpoints_are_one_line_errors_never_a_ranking(fake, tmp_path, how, msg):
+    c = llm_clients.RerankClient(fake + "/v1/rerank", "m", api_key="rk-secret", cache_dir=str(tmp_path / "c"),
+                                 max_retries=2)
+    c.transport.sleep = lambda s: None
+    FakeRerank.script = [how]
+    with pytest.raises(llm_clients.LLMError, match=msg) as e:
+        c.rerank(Q, DOCS)
+    assert str(e.value).startswith(c.label) and "\n" not in str(e.value) and "rk-secret" not in str(e.value)
+    assert len(FakeRerank.seen) == 1                                    # not retried: retrying cannot help
+    assert not os.path.exists(tmp_path / "c") or not any(f for _, _, f in os.walk(tmp_path / "c"))   # nothing kept
+    assert c.rerank(Q, DOCS).scores == pytest.approx(fake_scores(Q, DOCS))      # the next reply is fine
+
+
+def test_rate_limits_server_errors_and_stalls_are_retried(fake):
+    c = llm_clients.RerankClient(fake + "/v1/rerank", "m", max_retries=2, timeout=1)
+    delays = []
+    c.transport.sleep = delays.append
+    FakeRerank.script = ["429", "500"]
+    assert c.rerank(Q, DOCS).scores == pytest.approx(fake_scores(Q, DOCS))
+    assert len(FakeRerank.seen) == 3 and delays[0] == 0.0 and c.stats["retries"] == 2
+    FakeRerank.script = ["stall", "stall", "stall"]
+    t0 = time.monotonic()
+    with pytest.raises(llm_clients.LLMError, match="after 3 attempts"):
+        c.rerank(Q + "?", DOCS)
+    assert time.monotonic() - t0 < 8
+
+
+def _run_copy(demo_run, tmp_path):
+    """A copy of the demo run (trained adapter, library, results) and the tiny checkpoints beside it."""
+    shutil.copytree(demo_run.parent, tmp_path / "o")
+    return tmp_path / "o", "demo"
+
+
+def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path):
+    """This project's `serve` as a deployed reranker: every instance ranked exactly as the in-process
+    Shield ranks it, in the Cohere and TEI shapes; eval's 'Non-Defense [it]' has Shield only's figures."""
+    out, name = _run_copy(demo_run, tmp_path)
+    cfg = runs.Config(**{**json.load(open(out / name / "config.json"))["config"], "runs_dir": str(out)})
+    rr = runs.load_shield(cfg)
+    srv = deploy.RerankServer(rr, port=0, log=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        stage = run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", "shield",
+                          "--reranker", f"ours={srv.url}/v1/rerank", "--reranker", f"ourtei=tei:{srv.url}",
+                          "--reranker", "base"])
+        wall = time.monotonic() - t0
+        recs = {lb: [json.loads(l) for l in open(out / name / "results" / f"rerank-{lb}.jsonl")]
+                for lb in ("shield", "ours", "ourtei", "base")}
+        assert len(recs["shield"]) > 0 and wall < 120
+        for lb in ("ours", "ourtei"):
+            assert [r["ranking"] for r in recs[lb]] == [r["ranking"] for r in recs["shield"]], lb
+            assert [r["attack_rank"] for r in recs[lb]] == [r["attack_rank"] for r in recs["shield"]]
+            assert stage[lb]["overall"]["exposure"] == stage["shield"]["overall"]["exposure"]
+        r0 = recs["shield"][0]
+        assert set(r0) >= {"instance_id", "ranking", "scores", "attack_rank"} and r0["scores"] == sorted(r0["scores"], reverse=True)
+        assert recs["base"][0]["clean_topk_kept"] == 1.0
+        s = json.load(open(out / name / "summary.json"))
+        for lb in ("shield", "ours"):
+            blk = s["rerank_stage"][lb]
+            assert set(blk["overall"]) >= {"exposure", "exposure_ci", "mean_attack_rank", "mean_attack_rank_ci",
+                                           "promotion", "promotion_ci", "n"}
+            assert all(set(v) >= {"exposure", "mean_attack_rank", "promotion", "seen"} for v in blk["per_method"].values())
+            lo, hi = blk["overall"]["exposure_ci"]
+            assert lo <= blk["overall"]["exposure"] <= hi
+        assert "Reranker stage under GEO attack" in (out / name / "rerank_report.md").read_text()
+        assert (out / name / "figures" / "rerank_exposure.svg").exists()
+        assert "rerank:" in json.dumps(s["usage"]["stages"]["rerank-eval"])     # the endpoint's requests counted
+        # end to end: Non-Defense over the served Shield is Shield only
+        ev = evaluation.evaluate(runs.Config(**{**cfg.__dict__, "reranker": f"ours={srv.url}/v1/rerank",
+                                                "conditions": "Non-Defense,Shield only"}))
+        for key in ("ASR", "ASI", "BER"):
+            assert ev["conditions"]["Non-Defense [ours]"][key] == ev["conditions"]["Shield only"][key]
+        assert "TFSG only [ours]" in ev["conditions"]
+        assert json.load(open(out / name / "results" / "settings.json"))["reranker ours"] == f"{srv.url}/v1/rerank"
+        assert "Deployed rerankers" in (out / name / "report.md").read_text()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_rerank_eval_records_nothing_partial_and_resumes_from_the_cache(demo_run, tmp_path, fake):
+    out, name = _run_copy(demo_run, tmp_path)
+    argv = ["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"fk={fake}/v1/rerank", "--workers", "1"]
+    FakeRerank.script = ["ok"] * 5 + ["fewer"]
+    with pytest.raises(SystemExit, match=r"error: .*results: 9 results for 10 documents"):
+        run.main(argv)
+    assert not (out / name / "results" / "rerank-fk.jsonl").exists()
+    time.sleep(0.5)                          # a request in flight at the failure finishes (and is cached)
+    sent = len(FakeRerank.seen)
+    key = lambda b: json.dumps(b, sort_keys=True)
+    answered = {key(b) for i, (_, _, b) in enumerate(FakeRerank.seen) if i != 5}   # the 6th got "fewer"
+    run.main(argv)
+    first = (out / name / "results" / "rerank-fk.jsonl").read_text()
+    n_lists = len(first.splitlines()) + len({json.loads(l)["group_id"] for l in first.splitlines()})
+    resumed = [key(b) for _, _, b in FakeRerank.seen[sent:]]
+    assert not set(resumed) & answered and len(resumed) == n_lists - len(answered)   # nothing paid twice
+    again = len(FakeRerank.seen)
+    run.main(argv)
+    assert len(FakeRerank.seen) == again and (out / name / "results" / "rerank-fk.jsonl").read_text() == first
+    for bad, msg in ([f"x y={fake}"], "the label must be"), (["a=base", "a=shield"], "given twice"), \
+                    (["q=nope:thing"], "unknown reranker"):
+        with pytest.raises(SystemExit, match=msg):
+            run.main(["rerank-eval", "--runs-dir", str(out), "--name", name] + sum((["--reranker", b] for b in bad), []))
+    with pytest.raises(SystemExit, match="at least one --reranker"):
+        run.main(["rerank-eval", "--runs-dir", str(out), "--name", name])
