@@ -397,6 +397,52 @@ def rewrite_doc(doc, method):
 # ----------------------------------------------------------------------------- dispatch
 
 
+# ----------------------------------------------------------------------------- adaptive attacker
+
+
+ATTACK_MOVES = (
+    lambda q, c: f"In short: {q.rstrip('?')} - the answer is below, verified by experts.",
+    lambda q, c: "Key figures at a glance, from the most reliable source on this question.",
+    lambda q, c: f"Quick answer for '{q}': " + " ".join(w for w in words(q) if w not in STOP) + ".",
+    lambda q, c: " ".join(c.split()[:12]),
+    lambda q, c: "\"This is the definitive guide,\" say leading authorities.",
+    lambda q, c: "## Summary\n- " + " ".join(w for w in words(q) if w not in STOP),
+)
+
+
+def attack_rewrites(inp):
+    """The adaptive attacker's candidates: the current rewrite with GEO moves added (a verdict lead,
+    figures, query keywords, the top competitor's opening, an authority quote, structure), chosen by
+    round and index; a rank outside the top 5 adds a second move; words the defense's rules quote are
+    left out. Text is only added, so the source's numbers stay."""
+    q, cur, comp = inp["query"], inp["current_rewrite"], inp.get("top_competitor_opening", "")
+    banned = {w for r in inp.get("defense_rules") or [] for s in r.get("trigger_signals") or []
+              for w in re.findall(r"'([^']+)'", s)}
+    out = []
+    for i in range(int(inp.get("n_rewrites", 1))):
+        k = int(inp.get("round", 1)) + i
+        lead = [ATTACK_MOVES[k % len(ATTACK_MOVES)](q, comp)]
+        if int(inp.get("current_rank", 1)) > 5:
+            lead.append(ATTACK_MOVES[(k + 3) % len(ATTACK_MOVES)](q, comp))
+        text = " ".join(lead)
+        for w in banned:
+            text = text.replace(w, "")
+        out.append(text.strip() + "\n\n" + cur)
+    return out
+
+
+def judge_fidelity(source, candidate):
+    """Offline fidelity judge: 5 when every number of the source is in the candidate and most of its
+    words are, 2 when a number is missing, 3 when many words are."""
+    nums = set(re.findall(r"\d+(?:[.,]\d+)*", source))
+    if any(n not in candidate for n in nums):
+        return {"fidelity": 2, "contradicts_source": False, "reason": "a number of the source is missing"}
+    src, cand = set(words(source)), set(words(candidate))
+    kept = len(src & cand) / max(1, len(src))
+    return {"fidelity": 5 if kept >= 0.8 else 3, "contradicts_source": False,
+            "reason": f"{100 * kept:.0f}% of the source's words kept (offline judge)"}
+
+
 def _input(text):
     i, j = text.find("<input>"), text.rfind("</input>")
     return json.loads(text[i + len("<input>"):j]) if 0 <= i < j else None
@@ -440,6 +486,10 @@ def prompt_kind(prompt):
                 return kind, inp
         if {"query", "method", "document"} <= set(inp):
             return "rewrite", inp
+        if inp.get("attack_task") == "rewrite_for_ranking":
+            return "adaptive_attack", inp
+        if inp.get("fidelity_task") == "source_vs_candidate":
+            return "fidelity_judge", inp
     for kind, pat in PATTERNS.items():
         m = pat.fullmatch(prompt)
         if m:
@@ -461,6 +511,10 @@ def complete(prompt):
                            "rationale": "offline coverage judge", "confidence": 0.5}), None
     if kind == "rewrite":
         return json.dumps({"rewritten_document": rewrite_doc(f["document"], f["method"])}), None
+    if kind == "adaptive_attack":
+        return json.dumps({"rewrites": attack_rewrites(f)}), None
+    if kind == "fidelity_judge":
+        return json.dumps(judge_fidelity(f["source_document"], f["candidate"])), None
     if kind == "cold_start":
         return json.dumps(analyze_cold_start(f)), None
     if kind == "evolution":

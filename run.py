@@ -25,6 +25,7 @@ import threading
 
 import torch
 
+import attack
 import deploy
 import geodef
 import llm_clients
@@ -38,7 +39,8 @@ import tfsg
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from build_bench import GEO_METHODS, build_bench
 from evaluation import eval_conditions, evaluate
-from runs import (PRESETS, Config, adapter_path, check_device, check_llms, check_name, load_data, log,
+from runs import (PRESETS, Config, adapter_path, check_device, check_llms, check_name, library_path, load_data, log,
+                  read_prices,
                   model_folder, need_trained, read_json, record_config, record_or_check, resolve_config, run_lock, RunInUse,
                   SettingsError,
                   shield_split,
@@ -165,7 +167,16 @@ def parser():
     de = sub.add_parser("demo", help="offline end to end: tiny model + offline engine over loopback HTTP")
     de.add_argument("--out", default="runs", help="folder to write the demo run into (DIR/demo/...)")
     re_ = sub.add_parser("rerank-eval", help="any reranker under GEO attack: exposure, rank, promotion (no LLM)")
-    for p in (tr, ev, de, re_):
+    at = sub.add_parser("attack", help="an adaptive GEO attacker against the deployed defense, evaluated end to end")
+    at.add_argument("--target", default="shield",
+                    help="the reranker the attacker queries: shield, base, or a reranker spec (see --reranker)")
+    at.add_argument("--budgets", default="1,4,16", help="candidates per instance, comma list (nested: one run)")
+    at.add_argument("--rounds", type=int, default=None, help="attacker rounds (default: enough for the largest budget)")
+    at.add_argument("--candidates-per-round", type=int, default=2, help="rewrites the attacker writes a round (MAGEO: 2)")
+    at.add_argument("--attacker", default=None, help="attacker LLM, provider:model (default: the target LLM)")
+    at.add_argument("--aware-of-library", action="store_true", help="the attacker reads the TFSG library's rules")
+    at.add_argument("--dry-run", action="store_true", help="print what the attack would send, and send nothing")
+    for p in (tr, ev, de, re_, at):
         add_config_flags(p)
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
     be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4", "serve"], required=True,
@@ -304,6 +315,45 @@ def cmd_rerank_eval(args):
     return stage
 
 
+def cmd_attack(args):
+    """The adaptive attacker (attack.py) on a trained run's test instances, then every budget's
+    documents evaluated end to end. On a demo run the offline engine plays the LLMs again."""
+    old = read_json(os.path.join(args.runs_dir or "runs", args.name or "default", "config.json"), {})
+    cfg = resolve_config(args)
+    if old.get("command") == "demo":                 # its LLM was a loopback engine gone with the demo
+        cfg.llm, cfg.base_url = "offline", None
+    need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
+    need_trained(cfg, library_path(cfg), "TFSG library")
+    budgets = attack.parse_budgets(args.budgets)
+    if args.candidates_per_round < 1 or (args.rounds is not None and args.rounds < 1):
+        raise SettingsError("--candidates-per-round and --rounds: positive integers")
+    if args.target not in ("shield", "base"):
+        rerank_eval.check_specs(rerank_eval.parse_rerankers([args.target]))
+    if args.dry_run:
+        insts = attack.attack_instances(load_data(cfg), load_data(cfg).methods)
+        rounds = args.rounds or -(-(max(budgets) - 1) // args.candidates_per_round)
+        plan = attack.dry_run(cfg, insts, budgets, args.candidates_per_round, rounds,
+                              read_prices(cfg.prices) if cfg.prices else None)
+        print(json.dumps(plan, indent=1))
+        return plan
+    check_llms(cfg)
+    srv = None
+    if cfg.llm == "offline":                         # through real HTTP on loopback, as the demo
+        srv = serve_offline_background(0)
+        cfg.llm, cfg.base_url = "openai-compatible:offline-engine", f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    try:
+        with run_lock(cfg.run_dir):
+            block = attack.run_attack(cfg, args.target, budgets, args.rounds, args.candidates_per_round,
+                                      args.attacker, args.aware_of_library)
+    finally:
+        if srv:
+            srv.shutdown()
+            srv.server_close()
+    print(attack.attack_table(block))
+    print(f"\ngate: {block['gate']}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
+    return block
+
+
 def cmd_pipeline(args):
     """train, eval and demo: everything checked that can be before the first expensive step, then the
     run folder locked and its settings recorded, then the stages."""
@@ -355,6 +405,7 @@ def cmd_pipeline(args):
 
 
 COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "rerank-eval": cmd_rerank_eval,
+            "attack": cmd_attack,
             "compare": cmd_compare,
             "bench": cmd_bench, "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
             "serve-offline": cmd_serve_offline}

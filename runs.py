@@ -522,10 +522,10 @@ def resolve_config(args):
     if isinstance(given.get("reranker"), list):                 # --reranker is repeatable
         given["reranker"] = ",".join(given["reranker"])
     kw = {}
-    if args.cmd in ("train", "eval", "rerank-eval"):
+    if args.cmd in ("train", "eval", "rerank-eval", "attack"):
         where = os.path.join(given.get("runs_dir", Config.runs_dir), given.get("name", Config.name))
         old = read_json(os.path.join(where, "config.json"), {})
-        if old.get("command") != "demo" or args.cmd == "rerank-eval":   # rerank-eval sends no LLM request
+        if old.get("command") != "demo" or args.cmd in ("rerank-eval", "attack"):   # these bring their own LLM
             rec = {k: v for k, v in old.get("config", {}).items() if k in PINNED + TAKEN and k not in given}
             if "***@" in str(rec.get("base_url")):   # stored without its credentials: give --base-url again
                 log(f"[config] {where}/config.json: base_url was stored without its credentials; give --base-url again")
