@@ -30,6 +30,7 @@ import re
 
 import geodef
 import llm_clients
+import report
 import rerank_eval
 import tfsg
 from evaluation import condition_plan, eval_condition, summarize
@@ -335,7 +336,9 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     path = os.path.join(cfg.run_dir, "summary.json")
     summary = read_json(path, {})
     summary.setdefault("attack", {}).setdefault(label, {})[mode] = block
+    summary["usage"] = run_usage(cfg)
     write_json(path, summary)
+    report.write_attack_report(cfg.run_dir, summary)
     log(f"[attack] wrote {res}/attack-{label}-{mode}.jsonl and summary.json's attack.{label}.{mode}")
     return block
 

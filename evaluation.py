@@ -24,7 +24,8 @@ import rerank_eval
 import tfsg
 import tiny
 from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, documents_cut, file_sha1, library_path,
-                  load_data, log, make_llm, rankers, read_json, run_usage, test_set_digest, tfsg_limits, write_json)
+                  load_data, log, make_llm, rankers, read_json, read_prices, run_usage, test_set_digest, tfsg_limits,
+                  write_json)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -331,7 +332,7 @@ def evaluate(cfg):
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
     summary.update(usage_summary(cfg, (llm, judge)))
     old = read_json(os.path.join(run, "summary.json"), {})      # rerank-eval's table is kept
-    summary.update({k: old[k] for k in ("rerank_stage", "rerank_stage_k") if k in old})
+    summary.update({k: old[k] for k in ("rerank_stage", "rerank_stage_k", "attack") if k in old})
     write_json(os.path.join(run, "summary.json"), summary)
     report.write_report(run, summary)
     log(f"[eval] wrote {run}/summary.json and {run}/report.md")
@@ -368,6 +369,60 @@ def usage_summary(cfg, clients):
         log(f"[eval] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
             f"{c.stats['cache_hits']} from the cache")
     return out
+
+
+def estimate(requests, prompt_chars, completion_tokens):
+    """A stage of a dry run: requests, prompt tokens at 4 characters a token, completion tokens."""
+    return {"requests": requests, "prompt_tokens": int(requests * prompt_chars / 4),
+            "completion_tokens": int(requests * completion_tokens)}
+
+
+def price_plan(cfg, stages, model_of):
+    """USD of a dry run's stages with --prices ([USD per 1M in, per 1M out] by model), or None."""
+    prices = read_prices(cfg.prices) if cfg.prices else {}
+    total = 0.0
+    for name, st in stages.items():
+        p = prices.get(model_of(name).partition(":")[2])
+        if p is None or isinstance(p, dict):
+            return None
+        total += (st["prompt_tokens"] * p[0] + st["completion_tokens"] * p[1]) / 1e6
+    return total
+
+
+def records_done(path):
+    """Records already in a results file (they cost nothing on a rerun)."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.endswith("\n"))
+
+
+def plan_eval(cfg):
+    """eval --dry-run: what the evaluation would send, stage by stage, and nothing sent. Answers and
+    ASI judge calls are counted for the records the results files lack (the ASI judge only runs when
+    the attack is in context: an upper bound); pairwise quality asks once per GEO Defender instance
+    (cached replies cost nothing and are not subtracted); prompt sizes from the first k candidates."""
+    data = load_data(cfg)
+    insts = geodef.expand(data.test, data.methods)
+    conds, transfers = eval_conditions(cfg)
+    res = os.path.join(cfg.run_dir, "results")
+    slug = lambda c: re.sub(r"[^a-z0-9.]+", "_", c.lower()).strip("_")
+    files = {"clean reference": (os.path.join(res, "clean_reference.jsonl"), len(data.test))}
+    files.update({c: (os.path.join(res, slug(c) + ".jsonl"), len(insts)) for c in conds})
+    if "GEO Defender" in conds:
+        files.update({f"GEO Defender E{t}": (os.path.join(res, f"geo_defender_E{t}.jsonl"), len(insts))
+                      for t in range(cfg.n_batches + 1) if os.path.isfile(library_path(cfg, t))})
+        files.update({f"GEO Defender [{n}]": (os.path.join(res, f"transfer_{n}.jsonl"), len(insts)) for n, _, _ in transfers})
+    todo = sum(max(0, n - records_done(p)) for p, n in files.values())
+    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in insts) / max(1, len(insts))
+    att = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))
+    stages = {"target answers": estimate(todo, ctx + 2500, 300), "ASI judge": estimate(todo, att + 2400, 80)}
+    if "GEO Defender" in conds:
+        stages["pairwise quality judge"] = estimate(len(insts), 2 * 1200 + 1500, 120)
+    judge = cfg.judge or cfg.llm
+    return {"instances": len(insts), "records_to_make": todo, "stages": stages,
+            "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm if s == "target answers" else judge),
+            "note": "upper bounds; records already made and LLM replies already cached cost nothing"}
 
 
 def library_epochs(cfg, final, insts, shield_topk, clean, condition):

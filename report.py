@@ -365,6 +365,53 @@ def write_rerank_report(run_dir, s):
         f.write("\n".join(lines))
 
 
+def write_attack_report(run_dir, s):
+    """attack_report.md and figures/attack_<target>_<mode>.svg: exposure and ASR against the budget, one
+    line per condition (B = 1 is the static attack), the gate's verdicts and the attacker's cost."""
+    figs = os.path.join(run_dir, "figures")
+    os.makedirs(figs, exist_ok=True)
+    lines = []
+    if s.get("notes"):
+        lines.append("> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n")
+    lines.append(f"# Adaptive GEO attacker: {os.path.basename(os.path.normpath(run_dir))}\n")
+    lines.append("Each budget's documents replace the static attack (B = 1 is the benchmark's own rewrite); "
+                 "exposure: the attack document in the top k (%).\n")
+    for target, modes in s.get("attack", {}).items():
+        for mode, b in modes.items():
+            xs = list(b["budgets"])
+            conds = list(next(iter(b["budgets"].values()))["conditions"])
+            lines.append(f"## Target `{target}` ({b['target']}), attacker {mode} of the library\n")
+            lines.append(f"Attacker `{b['attacker']}`, fidelity judge `{b['judge']}`, {b['rounds']} rounds of "
+                         f"{b['per_round']} candidates." + (" Optimised against the base reranker: the Shield "
+                                                             "conditions are the transfer case." if target == "base" else "") + "\n")
+            lines.append(_table(["Budget"] + [f"{c} {m}" for c in conds for m in ("exposure", "ASR")],
+                                [[f"B={x}"] + [_f(b["budgets"][x]["conditions"][c][m]) for c in conds
+                                                for m in ("exposure", "ASR")] for x in xs]) + "\n")
+            # exposure depends only on the ranking: one line for the base top-k, one for the Shield's
+            ranked = {"base top-k (Non-Defense, TFSG only)": "Non-Defense", "Shield top-k (Shield only, GEO Defender)":
+                      "Shield only"}
+            plots = {"exposure": {k: [b["budgets"][x]["conditions"][c]["exposure"] for x in xs]
+                                  for k, c in ranked.items() if c in conds},
+                     "asr": {c: [b["budgets"][x]["conditions"][c]["ASR"] for x in xs] for c in conds}}
+            for what, series in plots.items():
+                name = f"attack_{target}_{mode}_{what}.svg"
+                with open(os.path.join(figs, name), "w", encoding="utf-8") as f:
+                    f.write(svg_lines(f"Adaptive attack on {target} ({mode}): {'exposure' if what == 'exposure' else 'ASR'}"
+                                      " by budget", [f"B={x}" for x in xs], series))
+                lines.append(f"![{target} {mode} {what}](figures/{name})")
+            lines.append("")
+            total = sum(b["gate"].values())
+            lines.append("Fidelity gate over the attacker's candidates: " + ", ".join(
+                f"{k} {v} ({100 * v / total:.1f}%)" for k, v in b["gate"].items()) + ".\n")
+            c = b["cost"]
+            lines.append(f"Cost of this attack: {c['attacker']['calls']} attacker calls ({c['attacker']['http_calls']} sent), "
+                         f"{(c['judge'] or {}).get('calls', 0)} fidelity judge calls, {c['reranker_queries']} reranker "
+                         f"queries, {c['candidates']} candidates.\n")
+    lines += usage_lines(s.get("usage") or {})
+    with open(os.path.join(run_dir, "attack_report.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
 def usage_lines(u):
     """The run folder's LLM and reranker cost over all its invocations (summary.json's usage), a
     table by stage and model."""

@@ -38,14 +38,14 @@ import speed
 import tfsg
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from build_bench import GEO_METHODS, build_bench
-from evaluation import eval_conditions, evaluate
+from evaluation import eval_conditions, evaluate, plan_eval
 from runs import (PRESETS, Config, adapter_path, check_device, check_llms, check_name, library_path, load_data, log,
                   read_prices,
                   model_folder, need_trained, read_json, record_config, record_or_check, resolve_config, run_lock, RunInUse,
                   SettingsError,
                   shield_split,
                   tfsg_schedule)
-from train import train_shield, train_tfsg
+from train import plan_train, train_shield, train_tfsg
 
 
 # ----------------------------------------------------------------------------- commands
@@ -164,6 +164,8 @@ def parser():
     tr.add_argument("--stage", choices=["all", "shield", "tfsg"], default="all", help="which part to train")
     tr.add_argument("--no-resume", action="store_true", help="ignore an existing Shield checkpoint")
     ev = sub.add_parser("eval", help="evaluate all conditions on the test split and write the report")
+    for p in (tr, ev):
+        p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
     de = sub.add_parser("demo", help="offline end to end: tiny model + offline engine over loopback HTTP")
     de.add_argument("--out", default="runs", help="folder to write the demo run into (DIR/demo/...)")
     re_ = sub.add_parser("rerank-eval", help="any reranker under GEO attack: exposure, rank, promotion (no LLM)")
@@ -366,6 +368,10 @@ def cmd_pipeline(args):
     cfg = resolve_config(args)
     if not os.path.isfile(cfg.bench):
         raise SystemExit(f"--bench {cfg.bench}: {'a folder, not a file' if os.path.isdir(cfg.bench) else 'no such file'}")
+    if getattr(args, "dry_run", False):
+        plan = plan_eval(cfg) if args.cmd == "eval" else plan_train(cfg)
+        print(json.dumps(plan, indent=1))
+        return plan
     stage = getattr(args, "stage", "all")
     if args.cmd != "train" or stage in ("all", "tfsg"):
         check_llms(cfg)   # a missing key or bad spec fails now, not after hours of Shield training

@@ -124,3 +124,25 @@ def test_dry_run_sends_nothing(demo_copy, monkeypatch):
     assert plan["stages"]["attacker"]["requests"] == n * 2 and plan["reranker_queries"] == n * 5
     assert plan["stages"]["target answers"]["requests"] == n * 3 * 4
     assert not (demo_copy / "demo" / "results" / "attack-shield-unaware.jsonl").exists()
+
+
+def test_train_and_eval_dry_runs_send_and_write_nothing(demo_copy, tmp_path, monkeypatch, small_bench):
+    monkeypatch.setattr(llm_clients.Client, "chat", lambda *a, **k: pytest.fail("a request was sent"))
+    prices = tmp_path / "p.json"
+    prices.write_text(json.dumps({"gpt-5.5": [1.25, 10.0]}))
+    plan = run.main(["train", "--runs-dir", str(tmp_path / "r"), "--name", "x", "--model", "tiny", "--bench", small_bench,
+                     "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3", "--llm", "openai:gpt-5.5",
+                     "--dry-run", "--prices", str(prices)])
+    st = plan["stages"]
+    assert st["target answers"]["requests"] == 4 + 4 * 3 + 3 * 3 and st["Analyzer"]["requests"] == 1 + 3
+    assert plan["usd_at_most"] == pytest.approx(sum(v["prompt_tokens"] * 1.25 + v["completion_tokens"] * 10
+                                                    for v in st.values()) / 1e6)
+    assert not (tmp_path / "r").exists()
+    common = ["--runs-dir", str(demo_copy), "--name", "demo", "--llm", "openai-compatible:offline-engine", "--base-url",
+              "http://127.0.0.1:9/v1", "--ppl-model", "tiny", "--model", "tiny", "--dtype", "float32", "--dry-run",
+              "--bench", small_bench, "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3"]
+    assert run.main(["eval"] + common)["records_to_make"] == 0          # every record made: only cached judges
+    os.remove(demo_copy / "demo" / "results" / "non_defense.jsonl")
+    plan = run.main(["eval"] + common)
+    assert plan["records_to_make"] == plan["instances"] and plan["stages"]["target answers"]["requests"] == plan["instances"]
+    assert not (demo_copy / "demo" / "results" / "non_defense.jsonl").exists()

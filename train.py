@@ -292,3 +292,25 @@ def train_tfsg(cfg):
         log(f"[train] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
             f"{c.stats['cache_hits']} from the cache (the run's cost: usage.jsonl, summed in summary.json)")
     log(f"[train] TFSG library E{cfg.n_batches + 1}: {len(lib.active())} active rules ({len(lib.rules)} total)")
+
+
+def plan_train(cfg):
+    """train --dry-run: what training would send, and nothing sent. The Shield sends nothing (its
+    optimizer steps are given); TFSG (A.2.2): the clean reference of each construction group, four
+    controlled rollouts per seed case, one cold-start Analyzer call, and per update batch one answer
+    per case and one Analyzer call. A finished library costs nothing."""
+    from evaluation import estimate, price_plan
+    data = load_data(cfg)
+    inst = geodef.expand(data.construction, data.seen)
+    opt, _ = shield_split(cfg, inst)
+    seeds, batches = tfsg_schedule(cfg, inst)
+    done = os.path.isfile(library_path(cfg))
+    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in inst) / max(1, len(inst))
+    answers = 0 if done else len(data.construction) + 4 * len(seeds) + sum(map(len, batches))
+    analyzer = 0 if done else 1 + len(batches)
+    stages = {"target answers": estimate(answers, ctx + 2500, 400),
+              "Analyzer": estimate(analyzer, cfg.batch_size * (cfg.k * cfg.analyzer_doc_chars + 1500) + 6000, 1500)}
+    return {"shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum), "tfsg_library_built": done,
+            "stages": stages, "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm if s == "target answers"
+                                                        else cfg.analyzer or cfg.llm),
+            "note": "estimates: prompt tokens at 4 characters a token; cached replies cost nothing"}
