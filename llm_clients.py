@@ -23,7 +23,6 @@ import base64
 import contextlib
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -478,7 +477,7 @@ class Transport:
                 if time.monotonic() > deadline:
                     raise requests.Timeout(f"reply not complete within {self.timeout:.0f} s")
                 parts.append(chunk)
-            return r.status_code, r.headers, b"".join(parts).decode(r.encoding or "utf-8", "replace")
+            return r.status_code, r.headers, b"".join(parts).decode("utf-8", "replace")   # JSON is UTF-8 (RFC 8259)
         finally:
             r.close()
 
@@ -712,183 +711,6 @@ class Client:
         if self.adapted:
             s["adapted"] = list(self.adapted)
         return s
-
-
-# ----------------------------------------------------------------------------- rerank clients
-
-# Hosted rerank APIs: endpoint, key variables (the key goes only to that endpoint's host), shape.
-RERANK_PROVIDERS = {
-    "cohere": dict(url="https://api.cohere.com/v2/rerank", keys=["COHERE_API_KEY", "CO_API_KEY"], shape="cohere"),
-    "jina": dict(url="https://api.jina.ai/v1/rerank", keys=["JINA_API_KEY"], shape="jina"),
-    "voyage": dict(url="https://api.voyageai.com/v1/rerank", keys=["VOYAGE_API_KEY"], shape="voyage"),
-}
-RERANK_KEY_VAR = "RERANK_API_KEY"        # the key of a self-hosted endpoint (http://... or tei:http://...)
-
-
-@dataclass
-class RerankReply:
-    scores: list                 # one float per document, in the documents' order (higher = more relevant)
-    usage: dict = field(default_factory=dict)   # search_units (Cohere), tokens (Jina, Voyage), if reported
-    cached: bool = False
-
-
-def rerank_body(shape, model, query, docs):
-    """The request of each API shape: Cohere v2, Jina, Voyage, any Cohere/Jina/vLLM-shaped endpoint
-    ("generic"), or Text Embeddings Inference's /rerank ("tei"). Every document is asked for."""
-    if shape == "tei":
-        return {"query": query, "texts": docs, "raw_scores": False}
-    if shape == "voyage":
-        return {"model": model, "query": query, "documents": docs, "return_documents": False, "truncation": True}
-    body = {"model": model, "query": query, "documents": docs, "top_n": len(docs)}
-    if shape == "jina":
-        body["return_documents"] = False
-    return body
-
-
-def rerank_scores(shape, resp, n, where):
-    """A rerank reply -> (n scores in document order, usage). Checked: a list of results, one per
-    document, every index in 0..n-1 exactly once, finite numeric scores; anything else raises
-    LLMError naming the endpoint and the field (a wrong reply is never a silently wrong ranking)."""
-    def bad(field, msg):
-        return LLMError(f"{where}: {field}: {msg}", None, "rerank")
-    field_name, score_key = (("(body)", "score") if shape == "tei" else ("data", "relevance_score") if shape == "voyage"
-                             else ("results", "relevance_score"))
-    items = resp if shape == "tei" else resp.get(field_name) if isinstance(resp, dict) else None
-    if not isinstance(items, list):
-        raise bad(field_name, f"expected a list of results, got {type(items).__name__}")
-    if len(items) != n:
-        raise bad(field_name, f"{len(items)} results for {n} documents")
-    scores = [None] * n
-    for j, it in enumerate(items):
-        idx = it.get("index") if isinstance(it, dict) else None
-        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
-            raise bad(f"{field_name}[{j}].index", f"expected an integer in 0..{n - 1}, got {idx!r}")
-        if scores[idx] is not None:
-            raise bad(f"{field_name}[{j}].index", f"{idx} given twice")
-        v = it.get(score_key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise bad(f"{field_name}[{j}].{score_key}", f"expected a finite number, got {v!r}")
-        scores[idx] = float(v)
-    usage = {}
-    if isinstance(resp, dict):
-        units = ((resp.get("meta") or {}).get("billed_units") or {}).get("search_units")
-        tokens = (resp.get("usage") or {}).get("total_tokens")
-        if isinstance(units, (int, float)) and not isinstance(units, bool):
-            usage["search_units"] = units
-        if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
-            usage["tokens"] = tokens
-    return scores, usage
-
-
-class RerankClient:
-    """A rerank endpoint over raw HTTP JSON, on the chat clients' machinery: Transport (retries with
-    Retry-After, timeouts, no redirects, a reply-size cap, the key only in headers), ReplyCache (by
-    request hash, in-flight de-duplication), a rate limit, counters and the usage ledger."""
-
-    def __init__(self, url, model=None, shape="generic", api_key=None, label=None, cache_dir=None, timeout=120,
-                 max_retries=2, rpm=0, ledger=None, stage=None, max_reply_bytes=8 << 20):
-        if shape not in ("cohere", "jina", "voyage", "generic", "tei"):
-            raise ValueError(f"rerank shape must be cohere, jina, voyage, generic or tei, got {shape!r}")
-        self.url, self.model, self.shape = url, model, shape
-        self.label = label or redact_url(url)
-        self.transport = Transport(url, self.label, "openai", api_key, timeout=timeout, max_retries=max_retries,
-                                   rpm=rpm, provider="rerank", endpoint=url, max_reply_bytes=max_reply_bytes)
-        self.cache = ReplyCache(cache_dir)
-        self.ledger, self.stage = ledger, stage
-        self.lock = threading.Lock()
-        self._stats = {"requests": 0, "cache_hits": 0, "documents": 0, "search_units": 0, "tokens": 0}
-
-    @property
-    def stats(self):
-        return {**self._stats, "http_calls": self.transport.http_calls, "retries": self.transport.retries}
-
-    def rerank(self, query, docs):
-        """Score `docs` for `query` in one request -> RerankReply (scores in the documents' order)."""
-        if not isinstance(query, str) or not docs or not all(isinstance(d, str) for d in docs):
-            raise ValueError("rerank needs a query string and a non-empty list of document strings")
-        body = rerank_body(self.shape, self.model, query, list(docs))
-        key = self.cache.key("rerank-" + self.shape, self.url, "rerank", body, False)
-        with self.lock:
-            self._stats["requests"] += 1
-        while True:
-            hit = self._hit(key, len(docs))
-            if hit is not None:
-                return hit
-            mine, wait = self.cache.claim(key)
-            if wait is None:
-                break
-            wait.wait()
-        try:
-            hit = self._hit(key, len(docs)) if mine is not None else None
-            if hit is not None:
-                return hit
-            scores, usage = rerank_scores(self.shape, self.transport.post(body), len(docs), self.label)
-            self._count(len(docs), usage)
-            self.cache.put_raw(key, {"scores": scores, "usage": usage})
-            return RerankReply(scores, usage)
-        finally:
-            if mine is not None:
-                self.cache.release(key, mine)
-
-    def _hit(self, key, n):
-        d = self.cache.get_raw(key)
-        if not isinstance(d, dict) or not isinstance(d.get("scores"), list) or len(d["scores"]) != n:
-            return None
-        with self.lock:
-            self._stats["cache_hits"] += 1
-        return RerankReply(d["scores"], d.get("usage") or {}, cached=True)
-
-    def _count(self, n_docs, usage):
-        """A reply received: counted, and entered in the usage ledger (one line each)."""
-        with self.lock:
-            self._stats["documents"] += n_docs
-            for k in ("search_units", "tokens"):
-                self._stats[k] += usage.get(k, 0)
-            if self.ledger:
-                os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
-                with open(self.ledger, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"stage": self.stage, "model": "rerank:" + self.label, "documents": n_docs,
-                                        **usage}) + "\n")
-
-    def map(self, requests_, workers=8):
-        """[(query, docs), ...] -> [RerankReply, ...] in order, `workers` at a time; the first failure
-        raises (requests not started are cancelled)."""
-        ex = ThreadPoolExecutor(max_workers=max(1, workers))
-        try:
-            futs = [ex.submit(self.rerank, q, d) for q, d in requests_]
-            out = [f.result() for f in futs]
-        except BaseException:
-            ex.shutdown(wait=False, cancel_futures=True)
-            raise
-        ex.shutdown()
-        return out
-
-
-def make_reranker(spec, cache_dir=None, api_key=None, **kw):
-    """A reranker spec -> RerankClient: 'cohere:MODEL', 'jina:MODEL', 'voyage:MODEL' (keys from
-    COHERE_API_KEY, JINA_API_KEY, VOYAGE_API_KEY), 'http(s)://HOST[:PORT][/path][#MODEL]' for any
-    Cohere/Jina/vLLM-shaped endpoint (default path /v1/rerank; key from RERANK_API_KEY, optional), or
-    'tei:http(s)://HOST[:PORT]' for Text Embeddings Inference's /rerank."""
-    provider, _, rest = spec.partition(":")
-    if provider in RERANK_PROVIDERS:
-        p = RERANK_PROVIDERS[provider]
-        if not rest:
-            raise ValueError(f"{spec!r}: give {provider}:MODEL")
-        key = api_key or next((os.environ[v] for v in p["keys"] if os.environ.get(v)), None)
-        if not key:
-            raise LLMError(f"{spec}: no API key: set {' or '.join(p['keys'])}", None, provider)
-        return RerankClient(p["url"], rest, p["shape"], key, label=spec, cache_dir=cache_dir, **kw)
-    tei = provider == "tei"
-    url = rest if tei else spec
-    u = urlparse(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise ValueError(f"unknown reranker {spec!r}: give cohere:MODEL, jina:MODEL, voyage:MODEL, "
-                         "http(s)://HOST[:PORT][/v1/rerank][#MODEL] or tei:http(s)://HOST[:PORT]")
-    path = "/rerank" if tei else (u.path if u.path not in ("", "/") else "/v1/rerank")
-    endpoint = u._replace(path=(u.path.rstrip("/") + "/rerank") if tei else path, fragment="").geturl()
-    key = api_key or os.environ.get(RERANK_KEY_VAR) or None
-    return RerankClient(endpoint, u.fragment or None, "tei" if tei else "generic", key,
-                        label=("tei:" if tei else "") + redact_url(endpoint), cache_dir=cache_dir, **kw)
 
 
 def ledger_usage(path, prices=None):

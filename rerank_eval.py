@@ -5,7 +5,7 @@ own, with no LLM (`python run.py rerank-eval`), and deployed rerankers as end-to
 The paper (Sec. 4) says the Shield and TFSG "are modular and can be deployed independently or
 jointly"; this file measures the first stage for any reranker a provider runs: the in-process base
 and Shield rerankers of this project, or an endpoint (Cohere, Jina, Voyage, any Cohere/Jina/vLLM-
-shaped /rerank, Text Embeddings Inference) through llm_clients.RerankClient. The endpoint scores the
+shaped /rerank, Text Embeddings Inference) through rerank_clients.RerankClient. The endpoint scores the
 same document texts the in-process rerankers score; its prompt, if it has one, is its own.
 
 Per test instance (an attacked candidate list) and its clean list (B.1.3), with k the context size:
@@ -26,6 +26,7 @@ import re
 
 import geodef
 import llm_clients
+import rerank_clients
 import metrics
 import report
 from runs import (SettingsError, atomic_write, base_ranker, load_reranker, load_shield, log, order_of, read_json,
@@ -57,7 +58,7 @@ def check_specs(items):
     for label, spec in items:
         if spec not in LOCAL:
             try:
-                llm_clients.make_reranker(spec)
+                rerank_clients.make_reranker(spec)
             except ValueError as e:
                 raise SettingsError(f"--reranker {label}={spec}: {e}") from None
     return items
@@ -98,7 +99,7 @@ def make_rankers(cfg, items, stage, rr=None):
         elif spec == "shield":
             out[label] = shield_ranker(cfg, rr)
         else:
-            client = llm_clients.make_reranker(spec, cache_dir=os.path.join(cfg.run_dir, "cache", "rerank"),
+            client = rerank_clients.make_reranker(spec, cache_dir=os.path.join(cfg.run_dir, "cache", "rerank"),
                                                ledger=usage_path(cfg), stage=stage, rpm=cfg.rpm)
             out[label] = RemoteRanker(client, label, cfg.workers)
     return out

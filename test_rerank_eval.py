@@ -1,4 +1,4 @@
-"""Any reranker under GEO attack (rerank_eval.py, llm_clients.RerankClient): every API shape over real
+"""Any reranker under GEO attack (rerank_eval.py, rerank_clients.RerankClient): every API shape over real
 HTTP, hostile endpoints, the reranker-stage evaluation against this project's own `serve` (the same
 rankings as the in-process Shield), eval's deployed-reranker conditions, resume and caching.
 Run: python -m pytest -q test_rerank_eval.py
@@ -15,6 +15,7 @@ import pytest
 import deploy
 import evaluation
 import llm_clients
+import rerank_clients
 import run
 import runs
 
@@ -112,15 +113,15 @@ def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
     the key only as a header, scores back in the documents' order, replies cached."""
     want = fake_scores(Q, DOCS)
     monkeypatch.setenv("RERANK_API_KEY", "rk-secret")
-    c = llm_clients.make_reranker(fake + "/v1/rerank#my-model", cache_dir=str(tmp_path / "c"))
+    c = rerank_clients.make_reranker(fake + "/v1/rerank#my-model", cache_dir=str(tmp_path / "c"))
     r = c.rerank(Q, DOCS)
     assert r.scores == pytest.approx(want) and r.usage == {"search_units": 1} and not r.cached
     path, headers, body = FakeRerank.seen[-1]
     assert path == "/v1/rerank" and body == {"model": "my-model", "query": Q, "documents": DOCS, "top_n": 3}
     assert headers["Authorization"] == "Bearer rk-secret"
     assert c.rerank(Q, DOCS).cached and len(FakeRerank.seen) == 1              # from the cache
-    assert llm_clients.make_reranker(fake).url == fake + "/v1/rerank"          # the default path
-    t = llm_clients.make_reranker("tei:" + fake)
+    assert rerank_clients.make_reranker(fake).url == fake + "/v1/rerank"          # the default path
+    t = rerank_clients.make_reranker("tei:" + fake)
     assert t.rerank(Q, DOCS).scores == pytest.approx(want)
     assert FakeRerank.seen[-1][0] == "/rerank" and FakeRerank.seen[-1][2] == {"query": Q, "texts": DOCS, "raw_scores": False}
     for provider, shape, var in (("cohere", "cohere", "COHERE_API_KEY"), ("jina", "jina", "JINA_API_KEY"),
@@ -128,19 +129,19 @@ def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
         monkeypatch.delenv("CO_API_KEY", raising=False)
         with pytest.raises(llm_clients.LLMError, match=var):
-            llm_clients.make_reranker(f"{provider}:m")
+            rerank_clients.make_reranker(f"{provider}:m")
         monkeypatch.setenv(var, "k-" + provider)
-        hosted = llm_clients.make_reranker(f"{provider}:m")
-        assert hosted.shape == shape and hosted.url == llm_clients.RERANK_PROVIDERS[provider]["url"]
+        hosted = rerank_clients.make_reranker(f"{provider}:m")
+        assert hosted.shape == shape and hosted.url == rerank_clients.RERANK_PROVIDERS[provider]["url"]
         assert hosted.transport.headers()["Authorization"] == "Bearer k-" + provider
-    assert llm_clients.rerank_body("jina", "m", Q, DOCS)["return_documents"] is False
-    v = llm_clients.RerankClient(fake + "/v1/rerank-voyage", "m", "voyage")
+    assert rerank_clients.rerank_body("jina", "m", Q, DOCS)["return_documents"] is False
+    v = rerank_clients.RerankClient(fake + "/v1/rerank-voyage", "m", "voyage")
     r = v.rerank(Q, DOCS)
     assert r.scores == pytest.approx(want) and r.usage == {"tokens": 42}
     assert "top_n" not in FakeRerank.seen[-1][2] and FakeRerank.seen[-1][2]["truncation"] is True
     for bad in ("nope:x", "ftp://host", "tei:nothing"):
         with pytest.raises(ValueError, match="reranker"):
-            llm_clients.make_reranker(bad)
+            rerank_clients.make_reranker(bad)
 
 
 @pytest.mark.parametrize("how,msg", [("fewer", "results: 2 results for 3 documents"),
@@ -153,7 +154,7 @@ def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
                                      ("huge", "reply of 52428800 bytes refused"),
                                      ("redirect", "HTTP 307 redirect to evil.example refused")])
 def test_hostile_endpoints_are_one_line_errors_never_a_ranking(fake, tmp_path, how, msg):
-    c = llm_clients.RerankClient(fake + "/v1/rerank", "m", api_key="rk-secret", cache_dir=str(tmp_path / "c"),
+    c = rerank_clients.RerankClient(fake + "/v1/rerank", "m", api_key="rk-secret", cache_dir=str(tmp_path / "c"),
                                  max_retries=2)
     c.transport.sleep = lambda s: None
     FakeRerank.script = [how]
@@ -166,7 +167,7 @@ def test_hostile_endpoints_are_one_line_errors_never_a_ranking(fake, tmp_path, h
 
 
 def test_rate_limits_server_errors_and_stalls_are_retried(fake):
-    c = llm_clients.RerankClient(fake + "/v1/rerank", "m", max_retries=2, timeout=1)
+    c = rerank_clients.RerankClient(fake + "/v1/rerank", "m", max_retries=2, timeout=1)
     delays = []
     c.transport.sleep = delays.append
     FakeRerank.script = ["429", "500"]
