@@ -239,8 +239,9 @@ def parse_budgets(text):
     return b
 
 
-def target_label(spec):
-    return spec if spec in rerank_eval.LOCAL else rerank_eval.parse_rerankers([spec])[0][0]
+def target_of(text):
+    """--target -> (label, spec): shield, base, or [LABEL=]SPEC as rerank-eval takes it."""
+    return (text, text) if text in rerank_eval.LOCAL else rerank_eval.parse_rerankers([text])[0]
 
 
 def plan_calls(n_inst, budget, per_round, rounds, n_budgets):
@@ -289,7 +290,7 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     insts = attack_instances(data, data.methods)
     budget = max(budgets)
     rounds = rounds or -(-(budget - 1) // per_round)
-    label, mode = target_label(spec), "aware" if aware else "unaware"
+    (label, spec), mode = target_of(spec), "aware" if aware else "unaware"
     lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg))
     check_settings(cfg, f"{label}-{mode}", {"target": llm_clients.redact_url(spec), "attacker": attacker_spec or cfg.llm,
                                            "judge": cfg.judge or cfg.llm, "budget": budget, "rounds": rounds,

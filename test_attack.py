@@ -14,6 +14,7 @@ import llm_clients
 import offline
 import reranker
 import run
+import runs
 
 
 @pytest.fixture()
@@ -146,3 +147,23 @@ def test_train_and_eval_dry_runs_send_and_write_nothing(demo_copy, tmp_path, mon
     plan = run.main(["eval"] + common)
     assert plan["records_to_make"] == plan["instances"] and plan["stages"]["target answers"]["requests"] == plan["instances"]
     assert not (demo_copy / "demo" / "results" / "non_defense.jsonl").exists()
+
+
+def test_attack_through_a_deployed_endpoint_equals_the_in_process_target(demo_copy):
+    """--target takes any reranker spec: the Shield served over HTTP is the same oracle as the
+    in-process Shield, so the attack finds the same documents and the same figures."""
+    import threading
+    import deploy
+    cfg = runs.Config(**{**json.load(open(demo_copy / "demo" / "config.json"))["config"], "runs_dir": str(demo_copy)})
+    srv = deploy.RerankServer(runs.load_shield(cfg), port=0, log=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        inproc = run.main(_argv(demo_copy))
+        served = run.main(_argv(demo_copy, "--target", f"srv={srv.url}/v1/rerank"))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert served["budgets"] == inproc["budgets"] and served["target"] == f"{srv.url}/v1/rerank"
+    recs = lambda lb: [(r["instance_id"], r["text"], r["rank"]) for r in
+                       map(json.loads, open(demo_copy / "demo" / "results" / f"attack-{lb}-unaware.jsonl"))]
+    assert recs("srv") == recs("shield")
