@@ -33,7 +33,7 @@ import llm_clients
 import report
 import rerank_eval
 import tfsg
-from evaluation import condition_plan, eval_condition, summarize
+from evaluation import condition_plan, condition_slug, estimate, eval_condition, price_plan, summarize
 from runs import (SettingsError, atomic_write, library_path, load_data, log, make_llm, order_of, rankers, read_json,
                   run_usage, tfsg_limits, write_json)
 
@@ -215,14 +215,12 @@ def with_doc(x, text, suffix=""):
     return y
 
 
-def attack_instances(data, methods):
-    """The test instances of `methods`, each carrying its clean source text (`.source`)."""
-    out = []
-    for g in data.test:
-        for m in methods:
-            x = geodef.attack_instance(g, m)
-            x.source = g.docs[g.source_index]["text"]
-            out.append(x)
+def attack_instances(data):
+    """The run's test instances (geodef.expand), each carrying its clean source text (`.source`)."""
+    source = {g.group_id: g.docs[g.source_index]["text"] for g in data.test}
+    out = geodef.expand(data.test, data.methods)
+    for x in out:
+        x.source = source[x.group_id]
     return out
 
 
@@ -252,22 +250,19 @@ def plan_calls(n_inst, budget, per_round, rounds, n_budgets):
             "asi_judge_calls": n_inst * n_budgets * len(CONDITIONS)}
 
 
-def dry_run(cfg, insts, budgets, per_round, rounds, prices):
+def dry_run(cfg, insts, budgets, per_round, rounds):
     """What `attack` would send, without sending anything: upper bounds per stage, prompt tokens
     estimated at 4 characters a token, and the price with --prices."""
     calls = plan_calls(len(insts), max(budgets), per_round, rounds, len(budgets))
-    doc = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts)) / 4     # tokens of a rewrite
-    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in insts) / max(1, len(insts)) / 4   # tokens of a top-k context
-    est = {"attacker": (calls["attacker_calls"], 3 * doc + 300, per_round * doc),
-           "fidelity judge": (calls["fidelity_calls"], 2 * doc + 150, 60),
-           "target answers": (calls["answer_calls"], ctx + 400, 300),
-           "ASI judge": (calls["asi_judge_calls"], doc + 600, 80)}
-    rows = {k: {"requests": n, "prompt_tokens": int(n * p), "completion_tokens": int(n * c)} for k, (n, p, c) in est.items()}
-    p = prices.get(cfg.llm.partition(":")[2]) if prices else None
-    cost = None if p is None or isinstance(p, dict) else sum(
-        r["prompt_tokens"] * p[0] + r["completion_tokens"] * p[1] for r in rows.values()) / 1e6
-    return {"instances": len(insts), "reranker_queries": calls["reranker_queries"], "stages": rows,
-            "usd_at_most": cost, "note": "upper bounds; replies already cached cost nothing and are not subtracted"}
+    doc = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))      # characters of a rewrite
+    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in insts) / max(1, len(insts))    # ... of a top-k context
+    stages = {"attacker": estimate(calls["attacker_calls"], 3 * doc + 1200, per_round * doc / 4),
+              "fidelity judge": estimate(calls["fidelity_calls"], 2 * doc + 600, 60),
+              "target answers": estimate(calls["answer_calls"], ctx + 1600, 300),
+              "ASI judge": estimate(calls["asi_judge_calls"], doc + 2400, 80)}
+    return {"instances": len(insts), "reranker_queries": calls["reranker_queries"], "stages": stages,
+            "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm),
+            "note": "upper bounds; replies already cached cost nothing and are not subtracted"}
 
 
 def check_settings(cfg, key, settings):
@@ -287,7 +282,7 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     """The attack at the largest budget, its records, and the end-to-end evaluation of every budget
     -> the summary block attack.<target>.<aware|unaware>."""
     data = load_data(cfg)
-    insts = attack_instances(data, data.methods)
+    insts = attack_instances(data)
     budget = max(budgets)
     rounds = rounds or -(-(budget - 1) // per_round)
     (label, spec), mode = target_of(spec), "aware" if aware else "unaware"
@@ -301,7 +296,7 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     target = {"base": base, "shield": shield}.get(spec) or \
         rerank_eval.make_rankers(cfg, [(label, spec)], "attack")[label]
     attacker = make_llm(cfg, attacker_spec, stage="attack")
-    judge = make_llm(cfg, cfg.judge, stage="attack") if cfg.judge else make_llm(cfg, stage="attack")
+    judge = make_llm(cfg, cfg.judge, stage="attack")          # the run's judge, default its target LLM
     a = Attack(cfg, label, target, attacker, judge, rounds, per_round, budget, lib if aware else None)
     cands = a.run(insts)
     res = os.path.join(cfg.run_dir, "results")
@@ -325,8 +320,8 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
         conds = {}
         for c in CONDITIONS:
             recs = eval_condition(cfg, llm, c, docs, plan[c][0], plan[c][1],
-                                  os.path.join(res, "attack", f"{label}-{mode}", f"B{b}",
-                                               re.sub(r"[^a-z0-9]+", "_", c.lower()) + ".jsonl"), eval_judge)
+                                  os.path.join(res, "attack", f"{label}-{mode}", f"B{b}", condition_slug(c) + ".jsonl"),
+                                  eval_judge)
             s = summarize(recs, clean)
             conds[c] = {"ASR": s["ASR"], "ASI": s["ASI"], "BER": s["BER"], "exposure": s["attack_in_context"]}
         ranks = [cands[x.instance_id][best_of(cands[x.instance_id], b)]["rank"] for x in insts]

@@ -308,8 +308,7 @@ def evaluate(cfg):
         plan[f"TFSG only [{label}]"] = (topk_of, plan["TFSG only"][1])
     results = {}
     for c in conds:
-        slug = re.sub(r"[^a-z0-9.]+", "_", c.lower()).strip("_")      # "Non-Defense [co]" -> non_defense_co
-        results[c] = condition(c, insts, plan[c][0], plan[c][1], slug)
+        results[c] = condition(c, insts, plan[c][0], plan[c][1], condition_slug(c))
     summary = {"offline": cfg.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
@@ -337,6 +336,11 @@ def evaluate(cfg):
     report.write_report(run, summary)
     log(f"[eval] wrote {run}/summary.json and {run}/report.md")
     return summary
+
+
+def condition_slug(name):
+    """A condition's records file name: "Non-Defense" -> non_defense, "Non-Defense [co]" -> non_defense_co."""
+    return re.sub(r"[^a-z0-9.]+", "_", name.lower()).strip("_")
 
 
 def condition_plan(cfg, conds, base, shield, lib, cons, insts):
@@ -406,9 +410,8 @@ def plan_eval(cfg):
     insts = geodef.expand(data.test, data.methods)
     conds, transfers = eval_conditions(cfg)
     res = os.path.join(cfg.run_dir, "results")
-    slug = lambda c: re.sub(r"[^a-z0-9.]+", "_", c.lower()).strip("_")
     files = {"clean reference": (os.path.join(res, "clean_reference.jsonl"), len(data.test))}
-    files.update({c: (os.path.join(res, slug(c) + ".jsonl"), len(insts)) for c in conds})
+    files.update({c: (os.path.join(res, condition_slug(c) + ".jsonl"), len(insts)) for c in conds})
     if "GEO Defender" in conds:
         files.update({f"GEO Defender E{t}": (os.path.join(res, f"geo_defender_E{t}.jsonl"), len(insts))
                       for t in range(cfg.n_batches + 1) if os.path.isfile(library_path(cfg, t))})

@@ -324,6 +324,36 @@ class ReplyCache:
             del self.inflight[key]
         mine.set()
 
+    def through(self, key, lookup, ask):
+        """The value for `key`: lookup() (a usable cached entry, or None), else ask() (sends, stores).
+        While one thread asks, the others asking the same key wait for its entry instead of paying
+        twice; if it failed, the next waiter asks itself."""
+        mine = None
+        while True:
+            hit = lookup()
+            if hit is not None:
+                return hit
+            mine, wait = self.claim(key)
+            if wait is None:
+                break
+            wait.wait()
+            if self.get_raw(key) is None:        # it failed: this thread asks itself
+                break
+        try:
+            hit = lookup() if mine is not None else None   # answered meanwhile
+            return hit if hit is not None else ask()
+        finally:
+            if mine is not None:
+                self.release(key, mine)
+
+
+def append_ledger(path, record, lock):
+    """One line of a usage ledger (see ledger_usage), written under `lock`."""
+    with lock:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
 
 # ----------------------------------------------------------------------------- transport
 
@@ -597,10 +627,8 @@ class Client:
         with self.lock:
             for k, v in tokens.items():
                 self._stats[k] += v
-            if self.ledger:
-                os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
-                with open(self.ledger, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"stage": self.stage, "model": self.label, **tokens}) + "\n")
+        if self.ledger:
+            append_ledger(self.ledger, {"stage": self.stage, "model": self.label, **tokens}, self.lock)
 
     # --- public
 
@@ -617,23 +645,8 @@ class Client:
             self._stats["calls"] += 1
         key = self.cache.key(self.protocol, self.base_url, self.provider,
                              self.shape.body(messages, temperature, max_tokens, want_json, asked=True), want_json)
-        mine = None
-        while True:
-            hit = self._usable_hit(key, check)
-            if hit is not None:
-                return hit
-            mine, wait = self.cache.claim(key)   # the same request already on its way (another thread):
-            if wait is None:                     # wait for its reply in the cache instead of paying twice
-                break
-            wait.wait()
-            if self.cache.get(key) is None:      # it failed: this thread asks itself
-                break
-        try:
-            hit = self._usable_hit(key, check) if mine is not None else None   # answered meanwhile
-            return hit if hit is not None else self._ask(key, messages, temperature, max_tokens, want_json, check)
-        finally:
-            if mine is not None:
-                self.cache.release(key, mine)
+        return self.cache.through(key, lambda: self._usable_hit(key, check),
+                                  lambda: self._ask(key, messages, temperature, max_tokens, want_json, check))
 
     def _usable_hit(self, key, check):
         """The cached reply for `key`, counted as a cache hit, or None; a cached reply that fails

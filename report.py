@@ -200,12 +200,15 @@ def write_report(run_dir, s):
         f.write("\n".join(lines))
 
 
+def _title(run_dir, s, what):
+    """A report's first lines: the offline/simulation banner when the run has notes, then its title."""
+    banner = ["> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n"] if s.get("notes") else []
+    return banner + [f"# {what}: {os.path.basename(os.path.normpath(run_dir))}\n"]
+
+
 def _header_lines(run_dir, s):
     """The run's labels: offline notes, target, reranker, judge, which ranking built the library."""
-    lines = []
-    if s.get("notes"):
-        lines.append("> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n")
-    lines.append(f"# GEO Defender evaluation: {os.path.basename(os.path.normpath(run_dir))}\n")
+    lines = _title(run_dir, s, "GEO Defender evaluation")
     lines.append(f"Target LLM: `{s['target_llm']}`; reranker: `{s['model']}`; test groups {s['test_groups']}, "
                  f"instances {s['test_instances']}; seen methods: {', '.join(s['seen_methods'])}.\n")
     if s.get("judge"):
@@ -350,9 +353,7 @@ def write_rerank_report(run_dir, s):
         f.write(svg_bars(f"Exposure@{s.get('rerank_stage_k', 5)} by GEO method (dashed outline: unseen)", methods,
                          labels, {(m, lb): stage[lb]["per_method"][m].get("exposure", float("nan"))
                                   for m in methods for lb in labels}, dashed=unseen))
-    lines = [f"# Reranker stage under GEO attack: {os.path.basename(os.path.normpath(run_dir))}\n"]
-    if s.get("notes"):
-        lines.insert(0, "> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n")
+    lines = _title(run_dir, s, "Reranker stage under GEO attack")
     lines += rerank_stage_lines(s)
     lines.append(_table(["Reranker"] + [m + ("*" if m in unseen else "") for m in methods],
                         [[lb] + [_f(stage[lb]["per_method"][m].get("exposure", float("nan"))) for m in methods]
@@ -370,10 +371,7 @@ def write_attack_report(run_dir, s):
     line per condition (B = 1 is the static attack), the gate's verdicts and the attacker's cost."""
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
-    lines = []
-    if s.get("notes"):
-        lines.append("> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n")
-    lines.append(f"# Adaptive GEO attacker: {os.path.basename(os.path.normpath(run_dir))}\n")
+    lines = _title(run_dir, s, "Adaptive GEO attacker")
     lines.append("Each budget's documents replace the static attack (B = 1 is the benchmark's own rewrite); "
                  "exposure: the attack document in the top k (%).\n")
     for target, modes in s.get("attack", {}).items():

@@ -7,7 +7,6 @@ never a silently wrong ranking.
 
 Usage: rc = make_reranker("cohere:rerank-v3.5", cache_dir="runs/x/cache/rerank"); rc.rerank(query, docs).scores
 """
-import json
 import math
 import os
 import threading
@@ -15,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from llm_clients import LLMError, ReplyCache, Transport, redact_url
+from llm_clients import LLMError, ReplyCache, Transport, append_ledger, redact_url
 
 # Hosted rerank APIs: endpoint, key variables (the key goes only to that endpoint's host), shape.
 RERANK_PROVIDERS = {
@@ -111,25 +110,13 @@ class RerankClient:
         key = self.cache.key("rerank-" + self.shape, self.url, "rerank", body, False)
         with self.lock:
             self._stats["requests"] += 1
-        while True:
-            hit = self._hit(key, len(docs))
-            if hit is not None:
-                return hit
-            mine, wait = self.cache.claim(key)
-            if wait is None:
-                break
-            wait.wait()
-        try:
-            hit = self._hit(key, len(docs)) if mine is not None else None
-            if hit is not None:
-                return hit
-            scores, usage = rerank_scores(self.shape, self.transport.post(body), len(docs), self.label)
-            self._count(len(docs), usage)
-            self.cache.put_raw(key, {"scores": scores, "usage": usage})
-            return RerankReply(scores, usage)
-        finally:
-            if mine is not None:
-                self.cache.release(key, mine)
+        return self.cache.through(key, lambda: self._hit(key, len(docs)), lambda: self._ask(key, body, len(docs)))
+
+    def _ask(self, key, body, n):
+        scores, usage = rerank_scores(self.shape, self.transport.post(body), n, self.label)
+        self._count(n, usage)
+        self.cache.put_raw(key, {"scores": scores, "usage": usage})
+        return RerankReply(scores, usage)
 
     def _hit(self, key, n):
         d = self.cache.get_raw(key)
@@ -145,11 +132,9 @@ class RerankClient:
             self._stats["documents"] += n_docs
             for k in ("search_units", "tokens"):
                 self._stats[k] += usage.get(k, 0)
-            if self.ledger:
-                os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
-                with open(self.ledger, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"stage": self.stage, "model": "rerank:" + self.label, "documents": n_docs,
-                                        **usage}) + "\n")
+        if self.ledger:
+            append_ledger(self.ledger, {"stage": self.stage, "model": "rerank:" + self.label, "documents": n_docs,
+                                        **usage}, self.lock)
 
     def map(self, requests_, workers=8):
         """[(query, docs), ...] -> [RerankReply, ...] in order, `workers` at a time; the first failure

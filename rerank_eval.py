@@ -30,7 +30,7 @@ import rerank_clients
 import metrics
 import report
 from runs import (SettingsError, atomic_write, base_ranker, load_reranker, load_shield, log, order_of, read_json,
-                  read_prices, shield_ranker, usage_path, write_json)
+                  run_usage, shield_ranker, usage_path, write_json)
 
 LOCAL = ("base", "shield")
 
@@ -168,7 +168,7 @@ def rerank_stage(cfg, data, items, stage="rerank-eval", rr=None, rankers=None):
     summary = read_json(path, {})
     summary["rerank_stage"] = {**summary.get("rerank_stage", {}), **out}
     summary["rerank_stage_k"] = cfg.k
-    summary["usage"] = llm_clients.ledger_usage(usage_path(cfg), read_prices(cfg.prices) if cfg.prices else None)
+    summary["usage"] = run_usage(cfg)
     write_json(path, summary)
     report.write_rerank_report(cfg.run_dir, summary)
     if "conditions" in summary:              # an evaluated run: its report gets the table too

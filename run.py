@@ -40,7 +40,6 @@ from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, 
 from build_bench import GEO_METHODS, build_bench
 from evaluation import eval_conditions, evaluate, plan_eval
 from runs import (PRESETS, Config, adapter_path, check_device, check_llms, check_name, library_path, load_data, log,
-                  read_prices,
                   model_folder, need_trained, read_json, record_config, record_or_check, resolve_config, run_lock, RunInUse,
                   SettingsError,
                   shield_split,
@@ -332,10 +331,8 @@ def cmd_attack(args):
     if args.target not in ("shield", "base"):
         rerank_eval.check_specs(rerank_eval.parse_rerankers([args.target]))
     if args.dry_run:
-        insts = attack.attack_instances(load_data(cfg), load_data(cfg).methods)
         rounds = args.rounds or -(-(max(budgets) - 1) // args.candidates_per_round)
-        plan = attack.dry_run(cfg, insts, budgets, args.candidates_per_round, rounds,
-                              read_prices(cfg.prices) if cfg.prices else None)
+        plan = attack.dry_run(cfg, attack.attack_instances(load_data(cfg)), budgets, args.candidates_per_round, rounds)
         print(json.dumps(plan, indent=1))
         return plan
     check_llms(cfg)
