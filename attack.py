@@ -102,6 +102,8 @@ def cheap_gate(source, candidate):
         return f"length ratio {ratio:.2f} outside {MIN_RATIO}-{MAX_RATIO}"
     if "<input>" in candidate or "</input>" in candidate or ATTACKER_INSTRUCTION[:60] in candidate:
         return "holds prompt text"
+    if geodef.control_tokens(candidate):
+        return f"holds chat control tokens {geodef.control_tokens(candidate)[:3]}"
     missing = [x for x in dict.fromkeys(NUMBER.findall(source)) if x not in candidate]
     if missing:
         return f"drops source numbers {missing[:3]}"
@@ -239,15 +241,17 @@ def parse_budgets(text):
 
 def target_of(text):
     """--target -> (label, spec): shield, base, or [LABEL=]SPEC as rerank-eval takes it."""
-    return (text, text) if text in rerank_eval.LOCAL else rerank_eval.parse_rerankers([text])[0]
+    return rerank_eval.parse_rerankers([text])[0]
 
 
-def plan_calls(n_inst, budget, per_round, rounds, n_budgets):
+def plan_calls(n_inst, budget, per_round, rounds, n_budgets, reasks=1):
     """Upper bounds of what an attack sends: attacker calls, fidelity judge calls, reranker queries
-    (candidate lists scored), and the end-to-end evaluation's answers and ASI judge calls."""
-    return {"attacker_calls": n_inst * rounds, "fidelity_calls": n_inst * (budget - 1),
+    (candidate lists scored), and the end-to-end evaluation's answers and ASI judge calls. Every JSON
+    request may be asked again `reasks` times when its reply does not parse (Client.json_retries)."""
+    ask = 1 + reasks
+    return {"attacker_calls": n_inst * rounds * ask, "fidelity_calls": n_inst * (budget - 1) * ask,
             "reranker_queries": n_inst * budget, "answer_calls": n_inst * n_budgets * len(CONDITIONS),
-            "asi_judge_calls": n_inst * n_budgets * len(CONDITIONS)}
+            "asi_judge_calls": n_inst * n_budgets * len(CONDITIONS) * ask}
 
 
 def dry_run(cfg, insts, budgets, per_round, rounds):
@@ -262,12 +266,13 @@ def dry_run(cfg, insts, budgets, per_round, rounds):
               "ASI judge": estimate(calls["asi_judge_calls"], doc + 2400, 80)}
     return {"instances": len(insts), "reranker_queries": calls["reranker_queries"], "stages": stages,
             "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm),
-            "note": "upper bounds; replies already cached cost nothing and are not subtracted"}
+            "note": "upper bounds, JSON re-asks included; replies already cached cost nothing and are not "
+                    "subtracted"}
 
 
-def check_settings(cfg, key, settings):
+def check_settings(cfg, key, settings, pin=False):
     """The settings an attack's records depend on, pinned per target and setting (results/attack-
-    settings.json): a rerun that changes them is refused."""
+    settings.json) with pin=True once the attack has run: a rerun that changes them is refused."""
     path = os.path.join(cfg.run_dir, "results", "attack-settings.json")
     old = read_json(path, {})
     if key in old and old[key] != settings:
@@ -275,7 +280,8 @@ def check_settings(cfg, key, settings):
         raise SettingsError(f"{path}: the {key} attack was made with " + ", ".join(f"{k}={old[key].get(k)!r}" for k in diff)
                             + "; this run asks for " + ", ".join(f"{k}={settings[k]!r}" for k in diff)
                             + ". Use another --name, or move the attack's records aside")
-    write_json(path, {**old, key: settings})
+    if pin:
+        write_json(path, {**old, key: settings})
 
 
 def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
@@ -287,23 +293,24 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     rounds = rounds or -(-(budget - 1) // per_round)
     (label, spec), mode = target_of(spec), "aware" if aware else "unaware"
     lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg))
-    check_settings(cfg, f"{label}-{mode}", {"target": llm_clients.redact_url(spec), "attacker": attacker_spec or cfg.llm,
-                                           "judge": cfg.judge or cfg.llm, "budget": budget, "rounds": rounds,
-                                           "per_round": per_round, "fidelity_threshold": FIDELITY_THRESHOLD,
-                                           "library": hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True)
-                                                                   .encode()).hexdigest()[:12] if aware else None})
+    lib_digest = hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    settings = {"target": str(spec), "attacker": attacker_spec or cfg.llm, "judge": cfg.judge or cfg.llm,
+                "budget": budget, "rounds": rounds, "per_round": per_round, "fidelity_threshold": FIDELITY_THRESHOLD,
+                "library": lib_digest if aware else None}
+    check_settings(cfg, f"{label}-{mode}", settings)
     base, shield = rankers(cfg, True)
-    target = {"base": base, "shield": shield}.get(spec) or \
+    target = {"base": base, "shield": shield}.get(spec.kind) or \
         rerank_eval.make_rankers(cfg, [(label, spec)], "attack")[label]
     attacker = make_llm(cfg, attacker_spec, stage="attack")
     judge = make_llm(cfg, cfg.judge, stage="attack")          # the run's judge, default its target LLM
     a = Attack(cfg, label, target, attacker, judge, rounds, per_round, budget, lib if aware else None)
     cands = a.run(insts)
+    check_settings(cfg, f"{label}-{mode}", settings, pin=True)
     res = os.path.join(cfg.run_dir, "results")
     atomic_write(os.path.join(res, f"attack-{label}-{mode}.jsonl"), "".join(
         json.dumps({"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, **c},
                    ensure_ascii=False) + "\n" for x in insts for c in cands[x.instance_id]))
-    block = {"target": llm_clients.redact_url(spec), "attacker": attacker.label, "judge": judge.label,
+    block = {"target": str(spec), "attacker": attacker.label, "judge": judge.label,
              "rounds": rounds, "per_round": per_round, "budgets": {},
              "gate": gate_counts(cands), "cost": {}}
     llm, eval_judge = make_llm(cfg, stage="attack-eval"), (make_llm(cfg, cfg.judge, stage="attack-eval")

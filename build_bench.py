@@ -54,6 +54,8 @@ def validate_rewrite(src, new, min_ratio=0.5, max_ratio=4.0):
     low = new.lower()
     if BUILDER_HEADER.lower()[:30] in low or "rewritten_document" in low or "<input>" in low:
         return "contains prompt text"
+    if geodef.control_tokens(new):
+        return f"holds chat control tokens {geodef.control_tokens(new)[:3]}"
     return None
 
 

@@ -28,6 +28,7 @@ compared in constant time and never printed.
 Usage: export(rr_folder, "out/shield", adapter="runs/x/adapter")
        RerankServer(rr, port=8000).serve_forever()
 """
+import contextlib
 import hashlib
 import hmac
 import json
@@ -315,6 +316,8 @@ class RerankRequest:
     truncate: bool = True         # TEI truncate false: a too-long input is an error (413, as TEI)
     left: bool = False            # TEI truncation_direction Left: a too-long document loses its start
     max_doc_tokens: int = None    # Cohere max_tokens_per_doc: each document cut to that many tokens
+    model: str = None             # echoed in the reply
+    document_string: bool = False  # Infinity's /rerank shape: results[].document a string, not {text}
 
 
 def _text(v, field):
@@ -383,15 +386,18 @@ def parse_rerank(body, max_documents):
     if len(docs) > max_documents:
         raise RequestError(400, f"{field}: {len(docs)} items, at most {max_documents}", field)
     texts = [_document(d, i, tei) for i, d in enumerate(docs)]
-    req = RerankRequest(q, texts, tei=tei)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(400, "model: a string is required", "model")
+    req = RerankRequest(q, texts, tei=tei, model=_text(model, "model") if model else None)
     if tei:
         req.with_text, req.raw = _flag(body, "return_text"), _flag(body, "raw_scores")
         if "truncate" in body:
             req.truncate = _flag(body, "truncate")
         direction = body.get("truncation_direction", "Right")
-        if not isinstance(direction, str) or direction.lower() not in ("left", "right"):
+        if direction not in ("Left", "Right"):     # TEI's enum, spelled as TEI spells it
             raise RequestError(422, f"truncation_direction: Left or Right, got {direction!r}", "truncation_direction")
-        req.left = direction.lower() == "left"
+        req.left = direction == "Left"
     else:
         req.top_n = _count(body, "top_n", 0) or None
         req.with_text = _flag(body, "return_documents")
@@ -535,6 +541,14 @@ class _Handler(BaseHTTPRequestHandler):
             line = re.sub(r"\?[^\s'\"]*", "?...", fmt % args)
             sys.stderr.write(f"[serve] {self.address_string()} {line}\n")
 
+    def parse_request(self):
+        ok = super().parse_request()
+        if ok and self.request_version == "HTTP/0.9":   # no headers and no status line to answer with
+            self.close_connection = True
+            self.log_message('"%s" refused: an HTTP/0.9 request line', self.command)
+            return False
+        return ok
+
     # -- request parts
     def _authorised(self):
         key = self.server.conf["api_key"]
@@ -557,15 +571,14 @@ class _Handler(BaseHTTPRequestHandler):
         if n is None:
             self.close_connection = True
             raise RequestError(411, "Content-Length is required")
-        try:
-            n = int(n)
-        except ValueError:
-            n = -1
-        if n < 0:
+        n = n.strip()
+        if not n.isascii() or not n.isdigit():   # 1*DIGIT (RFC 9110 8.6): not int()'s "+49", "4_9", " 49 "
             self.close_connection = True
             raise RequestError(400, "Content-Length: a non-negative integer is required")
+        n = int(n)
         if n > conf["max_body_bytes"]:
             self.close_connection = True     # the unread body must not be parsed as the next request
+            self._drain(n)
             raise RequestError(413, f"body of {n} bytes, at most {conf['max_body_bytes']}")
         deadline, parts, got = time.monotonic() + conf["body_timeout"], [], 0
         while got < n:
@@ -593,6 +606,18 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(400, "the body nests too deeply") from None
         except ValueError as e:
             raise RequestError(400, f"the body is not JSON ({e})") from None
+
+    def _drain(self, n):
+        """Read and drop up to `n` body bytes (at most 4x the body cap, within the body timeout) so
+        that a client still writing its oversized body reads the 413 instead of a broken pipe."""
+        conf = self.server.conf
+        left, deadline = min(n, 4 * conf["max_body_bytes"]), time.monotonic() + conf["body_timeout"]
+        with contextlib.suppress(OSError):
+            while left > 0 and time.monotonic() < deadline:
+                chunk = self.rfile.read1(min(65536, left))
+                if not chunk:
+                    break
+                left -= len(chunk)
 
     # -- methods
     def do_GET(self):
@@ -651,6 +676,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _rerank(self, body, t0):
         conf, rr = self.server.conf, self.server.rr
         req = parse_rerank(body, conf["max_documents"])
+        # Infinity owns POST /rerank with `documents` and answers the document as a string; LiteLLM's
+        # infinity/ provider posts there ({api_base}/rerank) and validates that shape. /v1 and /v2
+        # answer Cohere's {text} object.
+        req.document_string = urlsplit(self.path).path.rstrip("/") == "/rerank" and not req.tei
         texts = fit_documents(rr, req)
         try:
             ids = rr.tokenize(req.query, texts)
@@ -663,10 +692,10 @@ class _Handler(BaseHTTPRequestHandler):
                     **({"text": req.texts[i]} if req.with_text else {})} for i in order]
             return self._send(200, out)
         order = order[:req.top_n] if req.top_n is not None else order
+        doc = (lambda t: t) if req.document_string else (lambda t: {"text": t})
         results = [{"index": i, "relevance_score": sigmoid(m[i]),
-                    **({"document": {"text": req.texts[i]}} if req.with_text else {})} for i in order]
-        self._send(200, {"id": uuid.uuid4().hex, "model": body.get("model") if isinstance(body.get("model"), str)
-                         else conf["model_name"], "results": results,
+                    **({"document": doc(req.texts[i])} if req.with_text else {})} for i in order]
+        self._send(200, {"id": uuid.uuid4().hex, "model": req.model or conf["model_name"], "results": results,
                          "usage": {"total_tokens": sum(map(len, ids))},
                          "meta": {"elapsed_ms": round(1000 * (time.perf_counter() - t0), 1)}})
 

@@ -24,7 +24,7 @@ import rerank_eval
 import tfsg
 import tiny
 from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, documents_cut, file_sha1, library_path,
-                  load_data, log, make_llm, rankers, read_json, read_prices, run_usage, test_set_digest, tfsg_limits,
+                  load_data, log, make_llm, naming, rankers, read_json, read_prices, run_usage, test_set_digest, tfsg_limits,
                   write_json)
 
 
@@ -135,7 +135,7 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
             recs[i]["asi_judge"] = rep.data
         if before_write:
             before_write(recs)
-        with open(path, "a", encoding="utf-8") as f:
+        with naming(path), open(path, "a", encoding="utf-8") as f:
             for rec in recs:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 done[rec["instance_id"]] = rec
@@ -198,7 +198,7 @@ def eval_settings(cfg, conds, transfers):
         for name, path, _ in transfers:
             s[f"transfer {name}"] = file_sha1(path)[:12]
     for label, spec in reranker_items(cfg):          # a deployed reranker's records: its endpoint
-        s[f"reranker {label}"] = llm_clients.redact_url(spec)
+        s[f"reranker {label}"] = str(spec)
     return s
 
 
@@ -276,7 +276,7 @@ def evaluate(cfg):
     if shield:
         shield.prepare(insts)
     local = {"base": base, "shield": shield}
-    others = rerank_eval.make_rankers(cfg, [(lb, s) for lb, s in deployed if s not in local], "eval")
+    others = rerank_eval.make_rankers(cfg, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
     for label, rk in others.items():
         rk.prepare(insts)
     llm = make_llm(cfg, stage="eval")
@@ -302,7 +302,7 @@ def evaluate(cfg):
     clean = {r["group_id"]: r for r in clean_recs}
     plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
     for label, spec in deployed:     # the Non-Defense and TFSG only pipelines on a deployed reranker's top-k
-        rk = local.get(spec) or others[label]
+        rk = local.get(spec.kind) or others[label]
         topk_of = lambda x, rk=rk: rk.order(x)[:cfg.k]
         plan[f"Non-Defense [{label}]"] = (topk_of, plan["Non-Defense"][1])
         plan[f"TFSG only [{label}]"] = (topk_of, plan["TFSG only"][1])

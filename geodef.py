@@ -23,6 +23,7 @@ Usage: groups = load_bench("data/geo_defensebench_sample.jsonl"); split = split_
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,17 @@ N_DOCS = 10
 # The paper's seven GEO methods; the three used for construction ("seen", Experiments / Fig. 3).
 PAPER_METHODS = ("AgenticGEO", "AutoGEO", "MAGEO", "GEO", "GEO-SFE", "IF-GEO", "RAID-GSEO")
 PAPER_SEEN_METHODS = ("AgenticGEO", "AutoGEO", "MAGEO")
+
+
+# Chat-template control tokens spelled as text: <|im_start|>, <|im_end|>, <|endoftext|> (Qwen), <|eot_id|>,
+# <|start_header_id|> (Llama 3), ... An attacker's rewrite holding one would reach a self-hosted target
+# LLM's prompt, where a template that tokenizes added tokens in text reads it as structure.
+CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_.:-]{1,48}\|>")
+
+
+def control_tokens(text):
+    """The chat control tokens `text` spells out, in order of first appearance (none: [])."""
+    return list(dict.fromkeys(CONTROL_TOKEN.findall(text)))
 
 
 class BenchFormatError(ValueError):
@@ -93,6 +105,19 @@ def _need(obj, key, typ, path, line, prefix=""):
     return v
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs):
+    """A JSON object's pairs -> dict; a key given twice raises (json.loads would keep the later one)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return d
+
+
 def read_jsonl(path):
     """Yield (line number, object) for each non-blank line of a JSONL file; a line that is not a JSON
     object raises BenchFormatError naming the file and line."""
@@ -110,7 +135,9 @@ def read_jsonl(path):
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            _fail(path, n, "(line)", f"invalid JSON: key {e.args[0]!r} given twice in one object")
         except json.JSONDecodeError as e:
             _fail(path, n, "(line)", f"invalid JSON: {e.msg} at column {e.colno}")
         except RecursionError:

@@ -22,10 +22,12 @@ Usage: client = make_client("openai:gpt-5.5", cache_dir="runs/x/cache")
 import base64
 import contextlib
 import hashlib
+import http.client
 import json
 import os
 import random
 import re
+import socket
 import sys
 import threading
 import time
@@ -36,6 +38,9 @@ from urllib.parse import quote, unquote, urlparse
 
 import requests
 
+# transport failures worth another attempt: refused or reset connections, timeouts, a reply cut short
+RETRY_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                requests.exceptions.ContentDecodingError, http.client.IncompleteRead, ConnectionError)
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504, 529}
 NO_RETRY_CODES = ("insufficient_quota", "billing_hard_limit_reached", "enforced_spend_limit_reached",
                   "spend_limit", "billing_error")
@@ -78,6 +83,58 @@ def redact_url(url):
     return p._replace(netloc="***@" + p.netloc.rpartition("@")[2]).geturl()
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """A URL parsed once, its credentials held apart. str() is the URL with `***@` where credentials
+    were (never them); `identity` tells endpoints apart for cache keys: scheme, host, port and path,
+    loopback or not (two local servers are two endpoints), never credentials.
+
+    Endpoint.parse("http://usr:pw@127.0.0.1:8802/v1/rerank#m") -> .url 'http://127.0.0.1:8802/v1/rerank',
+    .model 'm', .basic ('usr', 'pw'), str() 'http://***@127.0.0.1:8802/v1/rerank#m'."""
+    scheme: str
+    host: str
+    port: int
+    path: str
+    model: str = None                        # the URL's #fragment (a rerank spec names its model there)
+    basic: tuple = field(default=None, repr=False, compare=False)   # (user, password) from the URL
+
+    @classmethod
+    def parse(cls, url):
+        p = urlparse((url or "").strip())
+        if p.scheme not in ("http", "https") or not p.hostname:
+            raise ValueError(f"{redact_url(url)!r}: expected http(s)://HOST[:PORT][/path]")
+        try:
+            port = p.port or (443 if p.scheme == "https" else 80)
+        except ValueError:
+            raise ValueError(f"{redact_url(url)!r}: the port is not a number in 0..65535") from None
+        basic = (unquote(p.username or ""), unquote(p.password or "")) if p.username or p.password else None
+        return cls(p.scheme, p.hostname, port, p.path.rstrip("/"), unquote(p.fragment) or None, basic)
+
+    @property
+    def netloc(self):
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == (443 if self.scheme == "https" else 80) else f"{host}:{self.port}"
+
+    @property
+    def url(self):
+        """The URL to send to: no credentials, no fragment."""
+        return f"{self.scheme}://{self.netloc}{self.path}"
+
+    @property
+    def identity(self):
+        return f"{self.scheme}://{self.host}:{self.port}{self.path}"
+
+    def with_path(self, path):
+        return Endpoint(self.scheme, self.host, self.port, path, self.model, self.basic)
+
+    def __str__(self):
+        return (f"{self.scheme}://{'***@' if self.basic else ''}{self.netloc}{self.path}"
+                + (f"#{self.model}" if self.model else ""))
+
+    def __format__(self, spec):
+        return format(str(self), spec)
+
+
 class LLMError(RuntimeError):
     """Any failed LLM call. .status is the HTTP status (None for transport or parse failures)."""
 
@@ -109,6 +166,22 @@ class Reply:
         d = asdict(self)
         d.pop("cached")
         return d
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def no_lone_surrogates(obj):
+    """Every string in a parsed reply with lone surrogates (a JSON "\\ud800" escape, or one a handler
+    made) replaced by U+FFFD, as a UTF-8 decoder replaces bytes it cannot read: such text cannot be
+    written as UTF-8 (cache, records) and means nothing. Paired escapes are one character already."""
+    if isinstance(obj, str):
+        return _SURROGATE.sub("\ufffd", obj)
+    if isinstance(obj, dict):
+        return {no_lone_surrogates(k): no_lone_surrogates(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [no_lone_surrogates(v) for v in obj]
+    return obj
 
 
 # ----------------------------------------------------------------------------- JSON extraction
@@ -253,13 +326,12 @@ class ReplyCache:
         self.lock = threading.Lock()
 
     @staticmethod
-    def key(protocol, base_url, provider, body, want_json):
-        """A hash of the canonical request: protocol, host (no credentials; every loopback port is one
-        host, models tell servers apart), the body as asked and the JSON flag. Never the key."""
-        host = urlparse(base_url).netloc if base_url else provider
-        if urlparse(base_url).hostname in ("127.0.0.1", "localhost", "::1"):
-            host = "loopback"
-        canon = json.dumps({"protocol": protocol, "host": host, "body": body, "json": bool(want_json)},
+    def key(protocol, where, body, want_json):
+        """A hash of the canonical request: the protocol or shape, where it goes (an Endpoint's
+        identity: scheme, host, port and path, loopback included; or a provider name such as
+        'offline'), the body as asked (model, messages, sampling) and the JSON flag. Never a key or
+        URL credentials."""
+        canon = json.dumps({"protocol": protocol, "where": where, "body": body, "json": bool(want_json)},
                            sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
@@ -302,6 +374,13 @@ class ReplyCache:
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(obj, f, ensure_ascii=False)
             os.replace(tmp, path)
+        except UnicodeEncodeError:  # text UTF-8 cannot hold: not kept (no_lone_surrogates prevents it)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        except OSError as e:        # a full disk names no file: this one is named
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise OSError(e.errno, e.strerror, e.filename or path) from None
         except BaseException:   # a full disk or a kill: no half-written entry left behind
             with contextlib.suppress(OSError):
                 os.remove(tmp)
@@ -351,8 +430,11 @@ def append_ledger(path, record, lock):
     """One line of a usage ledger (see ledger_usage), written under `lock`."""
     with lock:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:      # a full disk names no file: this one is named
+            raise OSError(e.errno, e.strerror, e.filename or path) from None
 
 
 # ----------------------------------------------------------------------------- transport
@@ -384,11 +466,13 @@ class Transport:
     def __init__(self, base_url, label, protocol="openai", api_key=None, timeout=600, connect_timeout=10,
                  max_retries=2, max_retry_after=60, rpm=0, handler=None, provider=None, endpoint=None,
                  max_reply_bytes=64 << 20):
-        # credentials in the URL (http://user:pass@host/v1) are taken out of it: they go only into an
-        # explicit Basic header when no API key is given, never into cache keys, messages or logs
-        p = urlparse((base_url or "").rstrip("/"))
-        self._basic = (unquote(p.username or ""), unquote(p.password or "")) if p.username or p.password else None
-        self.base_url = p._replace(netloc=p.netloc.rpartition("@")[2]).geturl() if self._basic else p.geturl()
+        # base_url: a URL or an Endpoint. Credentials in it (http://user:pass@host/v1) are held apart:
+        # they go only into an explicit Basic header when no API key is given, never into cache
+        # keys, messages or logs
+        ep = base_url if isinstance(base_url, Endpoint) or not base_url else Endpoint.parse(base_url)
+        self.where = ep or None                  # None: an in-process handler
+        self._basic = ep.basic if ep else None
+        self.base_url = ep.url if ep else None
         self.label, self.protocol, self.provider = label, protocol, provider or protocol
         self._key = api_key                      # never logged, never cached, never in errors
         self.timeout, self.connect_timeout = timeout, connect_timeout
@@ -453,7 +537,7 @@ class Transport:
     def post(self, body):
         """One request with transport retries -> parsed response JSON; raises LLMError. Redirects are
         refused (the key goes to no other host) and a reply over max_reply_bytes is refused unread."""
-        url = self.endpoint or self.url
+        url = self.endpoint or (self.url if self.base_url else None)   # None: the in-process handler
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             self.limiter.wait()
@@ -462,18 +546,20 @@ class Transport:
             try:
                 if self.handler is not None:
                     try:
-                        return self.handler(body)
+                        return no_lone_surrogates(self.handler(body))
                     except (ValueError, KeyError, TypeError) as e:   # the local engine's 400
                         raise self.error(f"offline engine rejected the request ({e})", 400) from None
                 status, headers, text = self._exchange(url, body)
-            except (requests.ConnectionError, requests.Timeout) as e:
+            except RETRY_ERRORS as e:            # the connection failed, timed out or broke mid-reply
                 if last:
-                    raise self.error(f"{type(e).__name__} on {redact_url(url)} after {attempt + 1} attempts") from None
+                    raise self.error(f"{type(e).__name__} on {url} after {attempt + 1} attempts") from None
                 self.backoff(attempt, None)
                 continue
+            except (requests.RequestException, http.client.HTTPException, OSError) as e:   # nothing to retry
+                raise self.error(f"{type(e).__name__} on {url}: {str(e)[:200]}") from None
             if status == 200:
                 try:
-                    return json.loads(text)
+                    return no_lone_surrogates(json.loads(text))
                 except (ValueError, RecursionError):
                     raise self.error("HTTP 200 with a body that is not JSON", 200, text) from None
             if 300 <= status < 400:
@@ -491,24 +577,36 @@ class Transport:
             self.backoff(attempt, hint)
 
     def _exchange(self, url, body):
-        """POST `body` -> (status, headers, body text), reading at most max_reply_bytes within the
-        timeout (a stalled or endless reply raises requests.Timeout, and is retried like one)."""
+        """POST `body` -> (status, headers, body text), reading at most max_reply_bytes, the whole reply
+        within `timeout` seconds of sending: a watchdog shuts the socket at the deadline, so a reply
+        trickled a byte at a time ends like a stalled one (requests.Timeout, retried like one)."""
+        deadline = time.monotonic() + self.timeout
         r = self.session.post(url, json=body, headers=self.headers(), timeout=(self.connect_timeout, self.timeout),
                               stream=True, allow_redirects=False)
+        sock = getattr(getattr(r.raw, "connection", None), "sock", None)
+        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (sock,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             n = int(r.headers.get("content-length") or 0)
             if n > self.max_reply_bytes:
                 raise self.error(f"reply of {n} bytes refused (at most {self.max_reply_bytes})", r.status_code)
-            deadline, parts, got = time.monotonic() + self.timeout, [], 0
-            for chunk in r.iter_content(65536):
-                got += len(chunk)
-                if got > self.max_reply_bytes:
-                    raise self.error(f"reply over {self.max_reply_bytes} bytes refused", r.status_code)
-                if time.monotonic() > deadline:
-                    raise requests.Timeout(f"reply not complete within {self.timeout:.0f} s")
-                parts.append(chunk)
+            parts, got = [], 0
+            try:
+                for chunk in r.iter_content(65536):
+                    got += len(chunk)
+                    if got > self.max_reply_bytes:
+                        raise self.error(f"reply over {self.max_reply_bytes} bytes refused", r.status_code)
+                    parts.append(chunk)
+            except requests.RequestException:
+                if time.monotonic() >= deadline:
+                    raise requests.Timeout(f"reply not complete within {self.timeout:g} s") from None
+                raise
+            if time.monotonic() >= deadline:
+                raise requests.Timeout(f"reply not complete within {self.timeout:g} s")
             return r.status_code, r.headers, b"".join(parts).decode("utf-8", "replace")   # JSON is UTF-8 (RFC 8259)
         finally:
+            watchdog.cancel()
             r.close()
 
     def backoff(self, attempt, hint):
@@ -516,6 +614,12 @@ class Transport:
             self.retries += 1
         delay = hint if hint is not None else min(0.5 * 2 ** attempt, 8.0) * (1 - 0.25 * random.random())
         self.sleep(max(0.0, delay))
+
+
+def _shut(sock):
+    """Wake a read blocked on `sock` (the reply deadline passed): shutdown ends a recv at once."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 # ----------------------------------------------------------------------------- client
@@ -536,12 +640,15 @@ class Client:
     def __init__(self, base_url, model, api_key=None, protocol="openai", timeout=600, max_retries=2,
                  cache_dir=None, provider=None, connect_timeout=10, max_retry_after=60, json_retries=1,
                  max_field="max_tokens", json_mode=True, rpm=0, prices=None, handler=None, refresh=False,
-                 extra_body=None, ledger=None, stage=None):
+                 extra_body=None, ledger=None, stage=None, identity=None):
         self.shape = RequestShape(model, protocol, max_field, json_mode, extra_body)
         self.model, self.protocol, self.provider = model, protocol, provider or protocol
         self.transport = Transport(base_url, self.label, protocol, api_key, timeout, connect_timeout, max_retries,
                                    max_retry_after, rpm, handler, self.provider)
         self.cache = ReplyCache(cache_dir, refresh)
+        # what tells this server apart in cache keys: its endpoint (scheme, host, port, path), or a
+        # stable name for a server whose address changes (the offline engine on a new port each run)
+        self.identity = identity or (self.transport.where.identity if self.transport.where else self.provider)
         self.json_retries = json_retries
         self.prices = prices or {}               # model -> (USD per 1M input tokens, per 1M output tokens)
         self.ledger, self.stage = ledger, stage  # JSONL file: one line per reply received (see _count)
@@ -643,7 +750,7 @@ class Client:
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
         with self.lock:
             self._stats["calls"] += 1
-        key = self.cache.key(self.protocol, self.base_url, self.provider,
+        key = self.cache.key(self.protocol, self.identity,
                              self.shape.body(messages, temperature, max_tokens, want_json, asked=True), want_json)
         return self.cache.through(key, lambda: self._usable_hit(key, check),
                                   lambda: self._ask(key, messages, temperature, max_tokens, want_json, check))
@@ -775,9 +882,13 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     """'provider:model' -> Client. Keys come from the provider's conventional environment variable;
     a missing key is an error naming it. base_url overrides the provider's (any OpenAI-compatible
     server). 'offline' is the deterministic offline engine (offline.py, imported only here and only
-    for this provider) behind the same interface."""
+    for this provider) behind the same interface: in process, or with base_url over HTTP from
+    `serve-offline`, both under one cache identity ('offline')."""
     provider, _, model = spec.partition(":")
     if provider == "offline":
+        if base_url:   # the offline engine served over HTTP (serve-offline): a stable identity, whatever its port
+            return Client(base_url, model or "offline-engine", protocol="openai", provider="offline",
+                          cache_dir=cache_dir, identity="offline", **kw)
         from offline import respond  # sibling file: the simulation engine (see its docstring)
         return Client(None, model or "offline-engine", protocol="openai", provider="offline",
                       handler=kw.pop("handler", respond), cache_dir=cache_dir, **kw)

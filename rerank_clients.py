@@ -9,12 +9,13 @@ Usage: rc = make_reranker("cohere:rerank-v3.5", cache_dir="runs/x/cache/rerank")
 """
 import math
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from llm_clients import LLMError, ReplyCache, Transport, append_ledger, redact_url
+from llm_clients import Endpoint, LLMError, ReplyCache, Transport, append_ledger, redact_url
 
 # Hosted rerank APIs: endpoint, key variables (the key goes only to that endpoint's host), shape.
 RERANK_PROVIDERS = {
@@ -40,6 +41,8 @@ def rerank_body(shape, model, query, docs):
     if shape == "voyage":
         return {"model": model, "query": query, "documents": docs, "return_documents": False, "truncation": True}
     body = {"model": model, "query": query, "documents": docs, "top_n": len(docs)}
+    if model is None:            # no #MODEL in the spec: the field is left out (the server's own model)
+        del body["model"]
     if shape == "jina":
         body["return_documents"] = False
     return body
@@ -89,10 +92,11 @@ class RerankClient:
                  max_retries=2, rpm=0, ledger=None, stage=None, max_reply_bytes=8 << 20):
         if shape not in ("cohere", "jina", "voyage", "generic", "tei"):
             raise ValueError(f"rerank shape must be cohere, jina, voyage, generic or tei, got {shape!r}")
-        self.url, self.model, self.shape = url, model, shape
-        self.label = label or redact_url(url)
-        self.transport = Transport(url, self.label, "openai", api_key, timeout=timeout, max_retries=max_retries,
-                                   rpm=rpm, provider="rerank", endpoint=url, max_reply_bytes=max_reply_bytes)
+        self.where = url if isinstance(url, Endpoint) else Endpoint.parse(url)   # credentials held apart
+        self.url, self.model, self.shape = self.where.url, model, shape
+        self.label = label or str(self.where)
+        self.transport = Transport(self.where, self.label, "openai", api_key, timeout=timeout, max_retries=max_retries,
+                                   rpm=rpm, provider="rerank", endpoint=self.url, max_reply_bytes=max_reply_bytes)
         self.cache = ReplyCache(cache_dir)
         self.ledger, self.stage = ledger, stage
         self.lock = threading.Lock()
@@ -107,7 +111,7 @@ class RerankClient:
         if not isinstance(query, str) or not docs or not all(isinstance(d, str) for d in docs):
             raise ValueError("rerank needs a query string and a non-empty list of document strings")
         body = rerank_body(self.shape, self.model, query, list(docs))
-        key = self.cache.key("rerank-" + self.shape, self.url, "rerank", body, False)
+        key = self.cache.key("rerank-" + self.shape, self.where.identity, body, False)
         with self.lock:
             self._stats["requests"] += 1
         return self.cache.through(key, lambda: self._hit(key, len(docs)), lambda: self._ask(key, body, len(docs)))
@@ -150,28 +154,75 @@ class RerankClient:
         return out
 
 
-def make_reranker(spec, cache_dir=None, api_key=None, **kw):
-    """A reranker spec -> RerankClient: 'cohere:MODEL', 'jina:MODEL', 'voyage:MODEL' (keys from
-    COHERE_API_KEY, JINA_API_KEY, VOYAGE_API_KEY), 'http(s)://HOST[:PORT][/path][#MODEL]' for any
-    Cohere/Jina/vLLM-shaped endpoint (default path /v1/rerank; key from RERANK_API_KEY, optional), or
-    'tei:http(s)://HOST[:PORT]' for Text Embeddings Inference's /rerank."""
+@dataclass(frozen=True)
+class RerankSpec:
+    """A reranker spec parsed once: `kind` (cohere, jina, voyage: hosted; generic: any Cohere/Jina/
+    vLLM-shaped endpoint; tei: Text Embeddings Inference; base, shield: this project's in-process
+    rerankers), the model, and the Endpoint (credentials held apart). str() is the spec as given
+    without credentials: what config.json, records, reports and messages show."""
+    kind: str
+    model: str = None
+    endpoint: Endpoint = None
+
+    def __str__(self):
+        if self.kind in LOCAL_RERANKERS:
+            return self.kind
+        if self.kind in RERANK_PROVIDERS:
+            return f"{self.kind}:{self.model}"
+        return ("tei:" if self.kind == "tei" else "") + str(self.endpoint)
+
+    def __format__(self, spec):
+        return format(str(self), spec)
+
+    @property
+    def slug(self):
+        """A default label: the host, port and path (never credentials), e.g. 127.0.0.1-8802-v1-rerank."""
+        if self.endpoint is None:
+            return str(self).replace(":", "-")
+        e = self.endpoint
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{e.host}-{e.port}{e.path}").strip("-")[:60]
+
+
+LOCAL_RERANKERS = ("base", "shield")
+
+
+def parse_spec(spec):
+    """'base' | 'shield' | 'cohere:MODEL' | 'jina:MODEL' | 'voyage:MODEL' | 'http(s)://[USER:PW@]HOST[:PORT]
+    [/path][#MODEL]' (default path /v1/rerank) | 'tei:http(s)://HOST[:PORT]' (its /rerank) -> RerankSpec.
+    A RerankSpec is returned as it is."""
+    if isinstance(spec, RerankSpec):
+        return spec
+    spec = spec.strip()
+    if spec in LOCAL_RERANKERS:
+        return RerankSpec(spec)
     provider, _, rest = spec.partition(":")
     if provider in RERANK_PROVIDERS:
-        p = RERANK_PROVIDERS[provider]
         if not rest:
             raise ValueError(f"{spec!r}: give {provider}:MODEL")
+        return RerankSpec(provider, rest)
+    tei = provider == "tei"
+    try:
+        ep = Endpoint.parse(rest if tei else spec)
+    except ValueError:
+        raise ValueError(f"unknown reranker {redact_url(spec)!r}: give base, shield, cohere:MODEL, jina:MODEL, "
+                         "voyage:MODEL, http(s)://HOST[:PORT][/v1/rerank][#MODEL] or tei:http(s)://HOST[:PORT]") from None
+    if tei:
+        return RerankSpec("tei", None, ep.with_path(ep.path + "/rerank"))
+    return RerankSpec("generic", ep.model, ep if ep.path else ep.with_path("/v1/rerank"))
+
+
+def make_reranker(spec, cache_dir=None, api_key=None, **kw):
+    """A reranker spec (text or RerankSpec, see parse_spec) -> RerankClient. Hosted APIs take their
+    keys from COHERE_API_KEY, JINA_API_KEY, VOYAGE_API_KEY; a self-hosted endpoint from
+    RERANK_API_KEY (optional), or the URL's user:password as Basic auth."""
+    s = parse_spec(spec)
+    if s.kind in LOCAL_RERANKERS:
+        raise ValueError(f"{s.kind!r} is this project's in-process reranker, not an endpoint")
+    if s.kind in RERANK_PROVIDERS:
+        p = RERANK_PROVIDERS[s.kind]
         key = api_key or next((os.environ[v] for v in p["keys"] if os.environ.get(v)), None)
         if not key:
-            raise LLMError(f"{spec}: no API key: set {' or '.join(p['keys'])}", None, provider)
-        return RerankClient(p["url"], rest, p["shape"], key, label=spec, cache_dir=cache_dir, **kw)
-    tei = provider == "tei"
-    url = rest if tei else spec
-    u = urlparse(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise ValueError(f"unknown reranker {spec!r}: give cohere:MODEL, jina:MODEL, voyage:MODEL, "
-                         "http(s)://HOST[:PORT][/v1/rerank][#MODEL] or tei:http(s)://HOST[:PORT]")
-    path = "/rerank" if tei else (u.path if u.path not in ("", "/") else "/v1/rerank")
-    endpoint = u._replace(path=(u.path.rstrip("/") + "/rerank") if tei else path, fragment="").geturl()
+            raise LLMError(f"{s}: no API key: set {' or '.join(p['keys'])}", None, s.kind)
+        return RerankClient(Endpoint.parse(p["url"]), s.model, p["shape"], key, label=str(s), cache_dir=cache_dir, **kw)
     key = api_key or os.environ.get(RERANK_KEY_VAR) or None
-    return RerankClient(endpoint, u.fragment or None, "tei" if tei else "generic", key,
-                        label=("tei:" if tei else "") + redact_url(endpoint), cache_dir=cache_dir, **kw)
+    return RerankClient(s.endpoint, s.model, s.kind, key, label=str(s), cache_dir=cache_dir, **kw)

@@ -36,27 +36,32 @@ LOCAL = ("base", "shield")
 
 
 def parse_rerankers(items):
-    """["LABEL=SPEC" or "SPEC", ...] -> [(label, spec)]: a label names results/rerank-<label>.jsonl and
-    the table row (letters, digits, '.', '_', '-'); without one it is made from the spec."""
+    """["LABEL=SPEC" or "SPEC", ...] -> [(label, RerankSpec)], each spec parsed once (its printable
+    form never shows credentials). A label names results/rerank-<label>.jsonl and the table row
+    (letters, digits, '.', '_', '-'); without one it is made from the host, port and path."""
     out = []
     for item in items:
-        label, eq, spec = item.partition("=")
+        label, eq, text = item.partition("=")
         if not eq or "://" in label or label.startswith(("tei:", "http")):   # no label: a bare spec
-            label, spec = re.sub(r"[^A-Za-z0-9._-]+", "-", item.split("://")[-1]).strip("-")[:60], item
-            label = item if item in LOCAL else label
+            label, text = None, item
+        try:
+            spec = rerank_clients.parse_spec(text)
+        except ValueError as e:
+            raise SettingsError(f"--reranker: {e}") from None
+        label = label or spec.slug
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", label):
-            raise SettingsError(f"--reranker {item!r}: the label must be letters, digits, '.', '_', '-' "
+            raise SettingsError(f"--reranker {label}={spec}: the label must be letters, digits, '.', '_', '-' "
                                 "(it names results/rerank-<label>.jsonl); give LABEL=SPEC")
         if label in [lb for lb, _ in out]:
             raise SettingsError(f"--reranker: label {label!r} given twice")
-        out.append((label, spec.strip()))
+        out.append((label, spec))
     return out
 
 
 def check_specs(items):
-    """Every spec understood and its key present, before anything runs: -> the same items."""
+    """Every endpoint's key present, before anything runs: -> the same items."""
     for label, spec in items:
-        if spec not in LOCAL:
+        if spec.kind not in LOCAL:
             try:
                 rerank_clients.make_reranker(spec)
             except ValueError as e:
@@ -89,18 +94,19 @@ def make_rankers(cfg, items, stage, rr=None):
     """[(label, spec)] -> {label: Ranker}. base and shield share one loaded model (the Shield's
     adapter disabled for base, as in training); endpoints go through RerankClient with the run's
     cache (cache/rerank) and usage ledger."""
-    local = {spec for _, spec in items if spec in LOCAL}
+    local = {spec.kind for _, spec in items if spec.kind in LOCAL}
     if local:
         rr = rr or (load_shield(cfg) if "shield" in local else load_reranker(cfg))
     out = {}
     for label, spec in items:
-        if spec == "base":
+        if spec.kind == "base":
             out[label] = base_ranker(cfg, rr, adapter_off="shield" in local)
-        elif spec == "shield":
+        elif spec.kind == "shield":
             out[label] = shield_ranker(cfg, rr)
         else:
             client = rerank_clients.make_reranker(spec, cache_dir=os.path.join(cfg.run_dir, "cache", "rerank"),
-                                               ledger=usage_path(cfg), stage=stage, rpm=cfg.rpm)
+                                               ledger=usage_path(cfg), stage=stage, rpm=cfg.rpm,
+                                               **({"timeout": cfg.timeout} if cfg.timeout else {}))
             out[label] = RemoteRanker(client, label, cfg.workers)
     return out
 
@@ -154,7 +160,7 @@ def rerank_stage(cfg, data, items, stage="rerank-eval", rr=None, rankers=None):
     rankers = rankers or make_rankers(cfg, items, stage, rr)
     for label, rk in rankers.items():
         rk.prepare(insts + list(cleans.values()))
-    base = next((rankers[lb] for lb, spec in items if spec == "base"), None)
+    base = next((rankers[lb] for lb, spec in items if spec.kind == "base"), None)
     res = os.path.join(cfg.run_dir, "results")
     out = {}
     for label, spec in items:
@@ -163,7 +169,7 @@ def rerank_stage(cfg, data, items, stage="rerank-eval", rr=None, rankers=None):
                 for x in insts]
         atomic_write(os.path.join(res, f"rerank-{label}.jsonl"), "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                                                          for r in recs))
-        out[label] = {"spec": llm_clients.redact_url(spec), **summarize_stage(recs, data.seen, cfg.n_boot, cfg.seed)}
+        out[label] = {"spec": str(spec), **summarize_stage(recs, data.seen, cfg.n_boot, cfg.seed)}
     path = os.path.join(cfg.run_dir, "summary.json")
     summary = read_json(path, {})
     summary["rerank_stage"] = {**summary.get("rerank_stage", {}), **out}

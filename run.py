@@ -305,7 +305,7 @@ def cmd_rerank_eval(args):
     items = rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker.split(",")))
     if not os.path.isfile(cfg.bench):
         raise SettingsError(f"--bench {cfg.bench}: no such file")
-    if any(spec == "shield" for _, spec in items):
+    if any(spec.kind == "shield" for _, spec in items):
         need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")
     with run_lock(cfg.run_dir):
         record_or_check(cfg, "rerank-eval")
@@ -319,10 +319,7 @@ def cmd_rerank_eval(args):
 def cmd_attack(args):
     """The adaptive attacker (attack.py) on a trained run's test instances, then every budget's
     documents evaluated end to end. On a demo run the offline engine plays the LLMs again."""
-    old = read_json(os.path.join(args.runs_dir or "runs", args.name or "default", "config.json"), {})
     cfg = resolve_config(args)
-    if old.get("command") == "demo":                 # its LLM was a loopback engine gone with the demo
-        cfg.llm, cfg.base_url = "offline", None
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
     need_trained(cfg, library_path(cfg), "TFSG library")
     budgets = attack.parse_budgets(args.budgets)
@@ -339,7 +336,7 @@ def cmd_attack(args):
     srv = None
     if cfg.llm == "offline":                         # through real HTTP on loopback, as the demo
         srv = serve_offline_background(0)
-        cfg.llm, cfg.base_url = "openai-compatible:offline-engine", f"http://127.0.0.1:{srv.server_address[1]}/v1"
+        cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
     try:
         with run_lock(cfg.run_dir):
             block = attack.run_attack(cfg, args.target, budgets, args.rounds, args.candidates_per_round,
@@ -384,7 +381,7 @@ def cmd_pipeline(args):
     srv = None
     if args.cmd == "demo" and cfg.llm == "offline":
         srv = serve_offline_background(0)    # the demo goes through real HTTP on loopback
-        cfg.llm, cfg.base_url = "openai-compatible:offline-engine", f"http://127.0.0.1:{srv.server_address[1]}/v1"
+        cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
     try:
         with run_lock(cfg.run_dir):
             record_config(cfg, args.cmd)
@@ -397,7 +394,7 @@ def cmd_pipeline(args):
                 s = evaluate(cfg)
                 print_summary(s)
             if args.cmd == "demo":   # the reranker stage alone, base vs Shield: no LLM call
-                stage = rerank_eval.rerank_stage(cfg, load_data(cfg), [("base", "base"), ("shield", "shield")])
+                stage = rerank_eval.rerank_stage(cfg, load_data(cfg), rerank_eval.parse_rerankers(["base", "shield"]))
                 print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
             if args.cmd in ("eval", "demo"):
                 print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")

@@ -88,6 +88,8 @@ class Config:
     max_tokens: int = opt(2048, "max completion tokens")
     workers: int = opt(8, "concurrent LLM requests")
     rpm: float = opt(0, "requests per minute cap (0 = none)")
+    timeout: float = opt(None, "seconds for one whole reply of an LLM, rerank or search endpoint, retries apart "
+                               "(default: 600 for LLMs, 120 for rerank and search)")
     n_seed_cases: int = opt(6, "A.2.2 controlled contrast instances")
     batch_size: int = opt(10, "A.2.2 instances per update batch")
     n_batches: int = opt(3, "update batches (E1 -> E{n+1})")
@@ -121,6 +123,10 @@ class Config:
     prices: str = opt(None,
                       "JSON price table {model: [USD per 1M input tokens, USD per 1M output tokens]} for cost reports")
 
+    # the offline engine's loopback URL while a command serves it (demo, attack): not a setting, never
+    # recorded; the engine's replies are cached under 'offline' whatever its port
+    engine_url = None
+
     def __post_init__(self):
         """Reject out-of-range settings up front, naming the flag (not minutes later, deep inside a run)."""
         # k: below the candidate count (at k = 10 every candidate is in context and no reranker matters)
@@ -131,6 +137,7 @@ class Config:
                   ("lam-def", self.lam_def >= 0), ("lam-util", self.lam_util >= 0), ("lam-cons", self.lam_cons >= 0),
                   ("save-every", self.save_every >= 1), ("n-construction", self.n_construction >= 1),
                   ("max-length", self.max_length >= 64), ("workers", self.workers >= 1), ("rpm", self.rpm >= 0),
+                  ("timeout", self.timeout is None or self.timeout > 0),
                   ("max-tokens", self.max_tokens >= 1), ("temperature", self.temperature >= 0),
                   ("batch-size", self.batch_size >= 1), ("n-batches", self.n_batches >= 1),
                   ("n-seed-cases", self.n_seed_cases >= 0), ("max-initial-rules", self.max_initial_rules >= 1),
@@ -175,12 +182,24 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def naming(path):
+    """An OSError raised without a file name (write() on a full disk or past a size limit: "No space
+    left on device", "File too large") re-raised naming `path`, so the one-line error says where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
+
+
 def atomic_write(path, text):
     """Write aside, then rename: the file is whole or as before; a failure (full disk) leaves no temp file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with naming(path), open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -215,7 +234,7 @@ def code_version():
 
 def append_jsonl(path, rec):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    with naming(path), open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")
 
 
@@ -386,8 +405,11 @@ def make_llm(cfg, spec=None, stage=None):
     """The client for `spec` (default: the target LLM), caching in the run folder; with `stage`, every
     reply it receives is entered in the run's usage ledger under that stage (usage_path)."""
     prices = read_prices(cfg.prices) if cfg.prices else None
-    return llm_clients.make_client(spec or cfg.llm, base_url=cfg.base_url,
+    spec = spec or cfg.llm
+    base_url = cfg.engine_url if spec.partition(":")[0] == "offline" else cfg.base_url
+    return llm_clients.make_client(spec, base_url=base_url,
                                    cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices,
+                                   **({"timeout": cfg.timeout} if cfg.timeout else {}),
                                    ledger=usage_path(cfg) if stage else None, stage=stage)
 
 
@@ -516,7 +538,8 @@ def resolve_config(args):
     config.json that the run depends on, then the preset and flags given. So `eval --name x` after
     `train --name x --llm openai:gpt-5.5 --bench b.jsonl` evaluates what was trained, without
     repeating the flags; a given flag that differs from the record is refused by record_config.
-    Not from a demo's record: its LLM is a loopback server that lived only as long as the demo."""
+    A demo's record names its LLMs `offline` (served on loopback while it ran), so its settings are
+    taken too; a record older than that named the loopback server itself, and is not taken."""
     given = dict(PRESETS[args.preset]) if args.preset else {}   # a preset asked for counts as given
     given.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None})
     if isinstance(given.get("reranker"), list):                 # --reranker is repeatable
@@ -525,7 +548,7 @@ def resolve_config(args):
     if args.cmd in ("train", "eval", "rerank-eval", "attack"):
         where = os.path.join(given.get("runs_dir", Config.runs_dir), given.get("name", Config.name))
         old = read_json(os.path.join(where, "config.json"), {})
-        if old.get("command") != "demo" or args.cmd in ("rerank-eval", "attack"):   # these bring their own LLM
+        if old.get("config", {}).get("llm") != "openai-compatible:offline-engine":   # an old demo's dead server
             rec = {k: v for k, v in old.get("config", {}).items() if k in PINNED + TAKEN and k not in given}
             if "***@" in str(rec.get("base_url")):   # stored without its credentials: give --base-url again
                 log(f"[config] {where}/config.json: base_url was stored without its credentials; give --base-url again")
@@ -539,7 +562,7 @@ def resolve_config(args):
 
 
 # settings taken over from a run's config.json when not given again (not pinned: eval records its own)
-TAKEN = ("base_url", "judge", "ppl_model", "ppl_quantile", "max_tokens", "n_boot", "workers", "rpm")
+TAKEN = ("base_url", "judge", "ppl_model", "ppl_quantile", "max_tokens", "n_boot", "workers", "rpm", "timeout")
 # settings a finished step depends on: a rerun under the same --name must not change them
 PINNED = ("model", "revision", "bench", "n_construction", "seed", "seen_methods", "lora_r", "lora_alpha", "lora_dropout", "lr", "epochs",
           "grad_accum", "max_grad_norm", "beta", "lam_def", "lam_util", "lam_cons", "monitor_frac", "quant", "dtype",
@@ -622,6 +645,12 @@ def record_or_check(cfg, command):
     check_pinned(cfg, old, dataclasses.asdict(cfg), file_sha1(cfg.bench), path)
 
 
+def without_credentials(text):
+    """Every URL in `text` (a spec, or a comma list of them, `tei:` and `LABEL=` prefixes included)
+    with its user:password replaced by ***: http://u:pw@h/x -> http://***@h/x."""
+    return re.sub(r"(?i)(https?://)[^/?#@\s,]*@", r"\1***@", text) if text else text
+
+
 def record_config(cfg, command):
     """Write the run's settings to config.json. Once a step has produced something, a rerun that
     changes a setting it depends on (PINNED) is refused; before that (a start that failed, e.g. on a
@@ -629,7 +658,8 @@ def record_config(cfg, command):
     path = os.path.join(cfg.run_dir, "config.json")
     old = read_json(path)
     new = dataclasses.asdict(cfg)
-    new["base_url"] = llm_clients.redact_url(cfg.base_url)          # credentials in a URL are not stored
+    for k in ("base_url", "reranker"):                              # credentials in a URL are not stored
+        new[k] = without_credentials(new[k])
     digest = file_sha1(cfg.bench)
     if old and produced_anything(cfg.run_dir):
         check_pinned(cfg, old, new, digest, path)

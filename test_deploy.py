@@ -367,3 +367,37 @@ def test_serve_kept_alive_requests_are_not_delayed_and_bursts_get_503_not_resets
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_serve_field_round_two(shield_server, capfd):
+    """A lone surrogate in `model` is a 400 naming it; an HTTP/0.9 request line logs no traceback;
+    Content-Length is digits only (RFC 9110), not int()'s "+49" or "4_9"; truncation_direction is TEI's
+    Left/Right; an oversized body written whole gets its 413, not a broken pipe; /rerank answers the
+    document as a string (Infinity's shape, which LiteLLM's infinity/ provider validates), /v1 as {text}."""
+    import requests
+    srv, rr = shield_server
+    r = requests.post(srv.url + "/v1/rerank", data='{"model": "\\ud800", "query": "q", "documents": ["a"]}',
+                      headers=AUTH, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    status, _ = _raw(srv, b"GET /\r\n\r\n")
+    for cl in (b"+9", b"4_9", b"0x9"):
+        status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-key\r\n"
+                              b"Content-Length: " + cl + b"\r\n\r\n{\"a\": 1}")
+        assert status == 400, cl
+    q, texts = "boil an egg", ["Boil eggs for six minutes.", "The stock market fell."]
+    tei = requests.post(srv.url + "/rerank", json={"query": q, "texts": texts, "truncation_direction": "left"},
+                        headers=AUTH, timeout=10)
+    assert tei.status_code == 422
+    big = json.dumps({"query": q, "documents": ["x" * 1000] * 200})           # 10x the test server's cap
+    r = requests.post(srv.url + "/v1/rerank", data=big, headers={**AUTH, "Content-Type": "application/json"},
+                      timeout=10)
+    assert r.status_code == 413
+    inf = requests.post(srv.url + "/rerank", json={"model": "m", "query": q, "documents": texts,
+                                                   "return_documents": True}, headers=AUTH, timeout=10).json()
+    coh = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": texts, "return_documents": True},
+                        headers=AUTH, timeout=10).json()
+    assert {x["document"] for x in inf["results"]} == set(texts) and inf["model"] == "m"
+    assert {x["document"]["text"] for x in coh["results"]} == set(texts)
+    _, err = capfd.readouterr()
+    assert "Traceback" not in err, err
+    assert "HTTP/0.9" in err, err

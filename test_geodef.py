@@ -164,3 +164,12 @@ def test_split_determinism_no_leakage_and_expansion():
     assert len({x.instance_id for x in seeds + sum(batches, [])}) == 36
     opt, mon = geodef.monitoring_split(cons, 0.2)
     assert not {x.group_id for x in opt} & {x.group_id for x in mon} and len(mon) > 0
+
+
+def test_duplicate_keys_in_a_line_are_refused(tmp_path):
+    """json.loads keeps the later of two equal keys without a word: the loader names the key instead."""
+    g = json.dumps(good_group())
+    p = tmp_path / "dup.jsonl"
+    p.write_text(g[:-1] + ', "query": "another query"}\n', encoding="utf-8")
+    with pytest.raises(geodef.BenchFormatError, match=r"dup.jsonl:1: \(line\): invalid JSON: key 'query' given twice"):
+        geodef.load_bench(str(p))

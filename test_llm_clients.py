@@ -298,3 +298,91 @@ def test_url_credentials_stay_out_of_auth_cache_keys_and_errors(server, tmp_path
         basic.chat([{"role": "user", "content": "y"}])
     assert Script.headers_seen[-1]["Authorization"] == "Basic " + echo        # no key: the URL's user:pass
     assert echo not in str(e.value) and "pa55word" not in str(e.value) and "pa55word" not in repr(basic)
+
+
+class Trickle(BaseHTTPRequestHandler):
+    """A reply that arrives a byte at a time (`delay` s apart), or one cut short after its headers."""
+    delay, cut = 0.2, False
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        data = json.dumps(ok("slowly")).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            if Trickle.cut:                  # 5 bytes of a longer body, then the connection closes
+                self.wfile.write(data[:5])
+                self.close_connection = True
+                return
+            for b in data:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(Trickle.delay)
+        except OSError:
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+def _serve(handler):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
+
+
+def test_timeout_bounds_the_whole_reply_and_a_cut_reply_is_retried_and_named():
+    """A reply trickled a byte at a time ends at the timeout (not after its last byte); a body cut short
+    is retried like a dropped connection, and the error names the endpoint."""
+    srv, url = _serve(Trickle)
+    try:
+        Trickle.cut = False
+        c = client(url, timeout=1.0, max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(llm_clients.LLMError, match=r"Timeout on http://127\.0\.0\.1:\d+/v1/chat/completions"):
+            c.chat([{"role": "user", "content": "x"}])
+        assert time.monotonic() - t0 < 3           # the body needs ~20 s at this pace
+        Trickle.cut = True
+        c = client(url, max_retries=2)
+        with pytest.raises(llm_clients.LLMError, match=r"on http://127\.0\.0\.1:\d+/v1/chat/completions after 3 attempts"):
+            c.chat([{"role": "user", "content": "y"}])
+        assert c.stats["http_calls"] == 3
+    finally:
+        srv.shutdown()
+
+
+def test_two_loopback_servers_never_share_cache_entries(server, tmp_path):
+    """Same model name, same request, two local servers: two cache entries, two requests (the port and
+    path are part of the key); the offline engine keeps one identity whatever its port."""
+    srv, other = _serve(Script)
+    try:
+        Script.script = [(200, {}, ok("from A"), 0), (200, {}, ok("from B"), 0)]
+        msg = [{"role": "user", "content": "same"}]
+        a = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat(msg)
+        b = llm_clients.Client(other, "m", cache_dir=str(tmp_path / "c")).chat(msg)
+        assert (a.text, b.text, len(Script.seen)) == ("from A", "from B", 2)
+        other_path = llm_clients.Client(server.replace("/v1", "/v2"), "m", cache_dir=str(tmp_path / "c"))
+        assert other_path.cache.key("openai", other_path.identity, {}, False) != \
+            llm_clients.ReplyCache.key("openai", llm_clients.Endpoint.parse(server).identity, {}, False)
+    finally:
+        srv.shutdown()
+    off = [llm_clients.make_client("offline", base_url=u, cache_dir=str(tmp_path / "o")) for u in (server, other)]
+    assert off[0].identity == off[1].identity == llm_clients.make_client("offline").identity == "offline"
+
+
+def test_lone_surrogates_in_a_reply_are_replaced_and_the_reply_is_cached(server, tmp_path):
+    """A JSON "\\ud800" escape (valid JSON, not writable as UTF-8) becomes U+FFFD, as a UTF-8 decoder
+    replaces bytes it cannot read; the reply is cached and a rerun reads it back."""
+    raw = '{"choices": [{"message": {"content": "a\\ud800b", "reasoning_content": "r\\udfff"}, ' \
+          '"finish_reason": "stop"}], "usage": {}}'
+    Script.script = [(200, {}, raw, 0)]
+    c = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c"))
+    r = c.chat([{"role": "user", "content": "x"}])
+    assert (r.text, r.reasoning) == ("a\ufffdb", "r\ufffd")
+    again = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}])
+    assert again.cached and again.text == "a\ufffdb" and len(Script.seen) == 1
+    pair = llm_clients.no_lone_surrogates(json.loads('"\\ud83d\\ude00"'))       # a pair is one character
+    assert pair == "\U0001F600"

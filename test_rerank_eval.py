@@ -259,3 +259,45 @@ def test_rerank_eval_records_nothing_partial_and_resumes_from_the_cache(demo_run
             run.main(["rerank-eval", "--runs-dir", str(out), "--name", name] + sum((["--reranker", b] for b in bad), []))
     with pytest.raises(SystemExit, match="at least one --reranker"):
         run.main(["rerank-eval", "--runs-dir", str(out), "--name", name])
+
+
+def test_credentials_never_reach_disk_or_output_and_each_endpoint_has_its_own_cache(demo_run, tmp_path, fake,
+                                                                                   capsys):
+    """URL passwords (plain and tei:) appear in no file of the run folder and in no output; default
+    labels come from host, port and path; without #MODEL no model field is sent; a second loopback
+    endpoint (another port) is asked itself, never answered from the first one's cache."""
+    out, name = _run_copy(demo_run, tmp_path)
+    port = fake.rsplit(":", 1)[1]
+    secret = fake.replace("http://", "http://usr:PASSw0rd@")
+    run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"{secret}/v1/rerank",
+              "--reranker", f"tei:{secret}", "--workers", "2"])
+    label = f"127.0.0.1-{port}-v1-rerank"
+    assert (out / name / "results" / f"rerank-{label}.jsonl").exists()
+    assert (out / name / "results" / f"rerank-127.0.0.1-{port}-rerank.jsonl").exists()
+    printed = capsys.readouterr()
+    assert "PASSw0rd" not in printed.out + printed.err
+    for root, _, files in os.walk(out / name):
+        for f in files:
+            assert b"PASSw0rd" not in open(os.path.join(root, f), "rb").read(), os.path.join(root, f)
+    fresh = runs.Config(name="fresh", runs_dir=str(tmp_path), reranker=f"a={secret}/v1/rerank,tei:{secret}",
+                        base_url=secret + "/v1")
+    runs.record_config(fresh, "rerank-eval")                     # a new run folder's record
+    rec = json.load(open(tmp_path / "fresh" / "config.json"))["config"]
+    assert rec["reranker"].count("***@") == 2 and rec["base_url"].count("***@") == 1
+    assert "PASSw0rd" not in open(tmp_path / "fresh" / "config.json").read()
+    assert all("model" not in body for _, _, body in FakeRerank.seen)          # no #MODEL: no model field
+    sent = len(FakeRerank.seen)
+    srv2 = ThreadingHTTPServer(("127.0.0.1", 0), FakeRerank)
+    srv2.daemon_threads = True
+    threading.Thread(target=srv2.serve_forever, daemon=True).start()
+    try:
+        other = f"http://127.0.0.1:{srv2.server_address[1]}/v1/rerank"
+        run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"two={other}"])
+        n_lists = len(open(out / name / "results" / "rerank-two.jsonl").read().splitlines())
+        assert len(FakeRerank.seen) - sent >= n_lists        # asked itself: nothing from the first port's cache
+    finally:
+        srv2.shutdown()
+        srv2.server_close()
+    c = rerank_clients.make_reranker(f"{fake}/v1/rerank#my-model")
+    c.rerank(Q, DOCS)
+    assert FakeRerank.seen[-1][2]["model"] == "my-model"

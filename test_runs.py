@@ -177,6 +177,12 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     runs.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
                                                           "command": "demo"})
     assert runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d", runs_dir=str(tmp_path))).llm == "offline"
+    # today's demo records `offline` (its engine's port is never stored): every command takes its settings
+    runs.write_json(str(tmp_path / "n" / "config.json"), {"config": {"llm": "offline", "ppl_model": "tiny",
+                                                                     "model": "tiny"}, "command": "demo"})
+    for cmd in ("eval", "rerank-eval", "attack"):
+        c = runs.resolve_config(argparse.Namespace(cmd=cmd, preset=None, name="n", runs_dir=str(tmp_path)))
+        assert (c.llm, c.ppl_model, c.model) == ("offline", "tiny", "tiny") and c.engine_url is None
     # the paper preset is Table A.1, its 4-bit base included; the plain defaults keep bf16
     paper = runs.resolve_config(argparse.Namespace(cmd="train", preset="paper", name="p", runs_dir=str(tmp_path)))
     plain = runs.resolve_config(argparse.Namespace(cmd="train", preset=None, name="p", runs_dir=str(tmp_path)))
@@ -479,3 +485,22 @@ def test_run_folder_moved_with_its_benchmark_elsewhere_is_accepted(tmp_path, sma
     moved.write_text(open(small_bench).read().replace("a", "b", 1))
     with pytest.raises(runs.SettingsError, match="different bench|content changed"):
         runs.record_config(runs.Config(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
+
+
+def test_a_write_past_the_file_size_limit_names_its_file(tmp_path):
+    """write() on a full disk or past RLIMIT_FSIZE raises OSError without a file name; the one-line
+    error names the file (atomic_write, record appends, the reply cache, the ledger)."""
+    code = ("import resource, signal, sys, runs, llm_clients, threading\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "d = sys.argv[1]\n"
+            "for write in (lambda: runs.atomic_write(d + '/a.json', 'x' * 10000),\n"
+            "              lambda: runs.append_jsonl(d + '/b.jsonl', {'x': 'y' * 10000}),\n"
+            "              lambda: llm_clients.append_ledger(d + '/u.jsonl', {'x': 'y' * 10000}, threading.Lock()),\n"
+            "              lambda: llm_clients.ReplyCache(d + '/c').put_raw('ab' * 32, {'x': 'y' * 10000})):\n"
+            "    try:\n        write()\n    except OSError as e:\n        print(e.strerror, e.filename)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=HERE, timeout=60)
+    lines = p.stdout.splitlines()
+    assert len(lines) == 4 and all(l.startswith("File too large ") for l in lines), p.stdout + p.stderr
+    assert [l.split(" ", 3)[-1].rsplit("/", 1)[-1] for l in lines][:3] == ["a.json", "b.jsonl", "u.jsonl"]
+    assert lines[3].endswith(".json") and "/c/ab/" in lines[3]
