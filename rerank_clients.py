@@ -13,7 +13,6 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 from llm_clients import Endpoint, LLMError, ReplyCache, Transport, append_ledger, redact_url
 

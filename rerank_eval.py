@@ -25,7 +25,6 @@ import os
 import re
 
 import geodef
-import llm_clients
 import rerank_clients
 import metrics
 import report
