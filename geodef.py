@@ -81,6 +81,7 @@ class BenchMeta:
     seen_methods: list = field(default_factory=list)
     synthetic: bool = False
     raw: dict = field(default_factory=dict)
+    n_docs: int = N_DOCS      # candidates per list (_meta.n_docs; the paper's ten by default)
 
 
 def _fail(path, line, fld, msg):
@@ -157,6 +158,10 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
             if groups or has_meta:   # a second _meta would silently replace the first
                 _fail(path, n, "_meta", "metadata must be the first line, and only there")
             meta_line, has_meta, meta = n, True, _read_meta(obj, path, n)
+            n_docs = meta.raw.get("n_docs", n_docs)       # a list length the builder was asked for (--docs)
+            if isinstance(n_docs, bool) or not isinstance(n_docs, int) or not 2 <= n_docs <= N_DOCS:
+                _fail(path, n, "_meta.n_docs", f"an integer in 2..{N_DOCS}, got {n_docs!r}")
+            meta.n_docs = n_docs
             continue
         g = _read_group(obj, path, n, n_docs, meta)
         if g.group_id in seen_ids:
@@ -246,10 +251,13 @@ def _read_group(obj, path, n, n_docs, meta):
         _unicode(t, path, n, f"attacks.{m}")
         if " ".join(t.split()) == source_norm:
             _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
-    missing = [m for m in meta.methods if m not in attacks]
-    if missing:
-        _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.methods")
     split = obj.get("split")
+    # a construction group needs only the seen methods (Table B.1: 12 x 3), a test group every method
+    need = meta.seen_methods if split == "construction" and meta.seen_methods else meta.methods
+    missing = [m for m in need if m not in attacks]
+    if missing:
+        _fail(path, n, "attacks", f"missing methods {missing} listed in _meta."
+                                  + ("seen_methods" if need is meta.seen_methods else "methods"))
     if split is not None and split not in ("construction", "test"):
         _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
     return QueryGroup(gid, query, docs, src, dict(attacks), split, n)

@@ -394,6 +394,77 @@ def rewrite_doc(doc, method):
     return f"{lead}\n\n{doc}"
 
 
+# ----------------------------------------------------------------------------- GEO attack families
+
+
+def _key_terms(query, k=4):
+    return [w for w in words(query) if w not in STOP][:k] or words(query)[:k]
+
+
+def _first_sentence(doc):
+    s = sentences(doc)
+    return s[0] if s else doc.strip().split("\n")[0]
+
+
+def _paragraphs(doc):
+    return [p.strip() for p in re.split(r"\n\s*\n", doc) if p.strip()]
+
+
+def _sectioned(doc, terms):
+    """The document's paragraphs under headings made of the query's terms (a structure-only change)."""
+    paras = _paragraphs(doc)
+    heads = [f"## {' '.join(terms[:2]).title() or 'Overview'}", "## Details", "## Practical notes", "## More"]
+    return "\n\n".join(f"{heads[min(i, 3)]}\n{p}" for i, p in enumerate(paras))
+
+
+def family_step(inp):
+    """One step of a GEO attack family (geo_attacks.py), played deterministically: every rewrite keeps
+    the document's text and adds what the family's step adds (an answer-first lead, headings, figure
+    call-outs, coverage of latent queries, an intent lead), so that families differ as their methods do."""
+    fam, step, q, doc = inp["geo_family"], inp["step"], inp.get("query", ""), inp.get("document", "")
+    terms = _key_terms(q)
+    nums = re.findall(r"\d+(?:[.,]\d+)*(?:\s*(?:%|percent))?", doc)
+    again = f" (revision {inp['attempt']})" if inp.get("attempt") else ""
+    if step == "latent_queries":
+        return {"latent_queries": [f"{q} explained", f"why {' '.join(terms)}", f"{' '.join(terms[:2])} tips"]}
+    if step == "edit_requests":
+        return {"edit_requests": [f"Add a sentence that answers '{x}' from the document's facts."
+                                  for x in inp["latent_queries"]]}
+    if step == "blueprint":
+        return {"blueprint": "; ".join(inp["edit_requests"])}
+    if step == "role_intents":
+        return {"role_intents": [f"{r} wants to know {q.rstrip('?')}" for r in inp["roles"]]}
+    if step == "reflect":
+        return {"intent": f"a clear, actionable answer to: {q.rstrip('?')}"}
+    if step == "plan":
+        return {"plan": [f"lead with the answer about {' '.join(terms)}", "add headings", "surface the figures"]}
+    if fam == "MAGEO" and step == "edit":
+        r = int(inp.get("round", 1))
+        return {"candidates": [f"Answer{again}: {' '.join(terms)} - {_first_sentence(doc)}\n\n{doc}",
+                               f"Key facts on {' '.join(terms)} (round {r}): "
+                               + ", ".join(nums[:3]) + ".\n\n" + _sectioned(doc, terms)]}
+    if fam == "GEO":
+        new = f"Put simply{again}, here is what matters. By the numbers: {', '.join(nums[:3]) or 'see below'}.\n\n{doc}"
+    elif fam == "AutoGEO":
+        new = (f"In short{again}: {_first_sentence(doc)}\n\n{_sectioned(doc, terms)}\n\n"
+               f"Summary: the key points on {' '.join(terms)} are above.")
+    elif fam == "AgenticGEO":
+        new = f"[{inp.get('strategy', '')[:40].rstrip()}]{again}\n{doc}"
+    elif fam == "GEO-SFE":
+        new = {"architecture": f"# {' '.join(terms).title()}{again}\n\nSummary: {_first_sentence(doc)}\n\n{doc}"
+                               "\n\nRecap: the points above answer the question.",
+               "sections": _sectioned(doc, terms),
+               "sentences": re.sub(r"^(?!#)([^\n]{10,}?[.!?])", r"**\1**", doc, count=3, flags=re.M)}[step]
+    elif fam == "IF-GEO":
+        new = f"{doc}\n\nThis page also covers{again}: " + "; ".join(
+            x.split("'")[1] if "'" in x else x for x in inp.get("blueprint", "").split("; ")) + "."
+    elif fam == "RAID-GSEO":
+        new = f"For readers looking for {inp.get('intent', q)}{again}:\n\n{doc}"
+    else:
+        raise ValueError(f"offline engine: unknown GEO family {fam!r}")
+    return {"rewritten_document": new}
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -484,6 +555,8 @@ def prompt_kind(prompt):
                           ("guided_answer", "user_question")):
             if key in inp:
                 return kind, inp
+        if "geo_family" in inp and "step" in inp:
+            return "geo_family", inp
         if {"query", "method", "document"} <= set(inp):
             return "rewrite", inp
         if inp.get("attack_task") == "rewrite_for_ranking":
@@ -511,6 +584,8 @@ def complete(prompt):
                            "rationale": "offline coverage judge", "confidence": 0.5}), None
     if kind == "rewrite":
         return json.dumps({"rewritten_document": rewrite_doc(f["document"], f["method"])}), None
+    if kind == "geo_family":
+        return json.dumps(family_step(f), ensure_ascii=False), None
     if kind == "adaptive_attack":
         return json.dumps({"rewrites": attack_rewrites(f)}), None
     if kind == "fidelity_judge":
@@ -555,11 +630,38 @@ def respond(body):
 MAX_BODY = 64 << 20
 
 
+def load_corpus(path):
+    """A synthetic search corpus (JSONL of {query, url, text}; data/make_sample.py writes one) -> list."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def search(body, corpus):
+    """A Tavily-shaped /search request -> its reply, from the corpus: the pages of the corpus query
+    that shares most words with the asked one, best first (deterministic; a SIMULATION of a web search)."""
+    if not isinstance(body, dict) or not isinstance(body.get("query"), str) or not body["query"].strip():
+        raise ValueError("query: a non-empty string is required")
+    n = body.get("max_results", 5)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= 20:
+        raise ValueError("max_results: an integer in 1..20 is required")
+    q = set(words(body["query"])) - STOP
+    by_query = {}
+    for page in corpus or []:
+        by_query.setdefault(page["query"], []).append(page)
+    best = max(by_query, key=lambda k: (len(q & set(words(k))), k), default=None)
+    pages = by_query.get(best, []) if best is not None and q & set(words(best)) else []
+    return {"query": body["query"], "response_time": 0.0, "images": [],
+            "results": [{"title": p["text"].split(".")[0][:80], "url": p["url"], "content": p["text"][:300],
+                         "raw_content": p["text"] if body.get("include_raw_content") else None,
+                         "score": round(1.0 - 0.05 * i, 2)} for i, p in enumerate(pages[:n])]}
+
+
 class _Handler(BaseHTTPRequestHandler):
     timeout = 30             # socket timeout: a client that stops sending is dropped, the thread freed
 
     def do_POST(self):
-        if not self.path.rstrip("/").endswith("/chat/completions"):
+        is_search = self.path.rstrip("/") == "/search"        # Tavily's route, answered from the corpus
+        if not self.path.rstrip("/").endswith("/chat/completions") and not is_search:
             return self._send(404, {"error": {"message": "not found", "type": "not_found"}})
         try:
             n = int(self.headers.get("Content-Length", ""))
@@ -573,7 +675,8 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(n)
             if len(raw) < n:
                 raise ValueError(f"the body ended after {len(raw)} of {n} bytes")
-            return self._send(200, respond(json.loads(raw)))
+            body = json.loads(raw)
+            return self._send(200, search(body, self.server.corpus) if is_search else respond(body))
         except (TimeoutError, ConnectionError):
             self.close_connection = True
         except (ValueError, KeyError, TypeError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
@@ -597,6 +700,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def make_server(port=0, host="127.0.0.1"):
-    """A loopback OpenAI-compatible server; port 0 picks a free port (server.server_address[1])."""
-    return ThreadingHTTPServer((host, port), _Handler)
+def make_server(port=0, host="127.0.0.1", corpus=None):
+    """A loopback OpenAI-compatible server, and a Tavily-shaped /search over `corpus` (load_corpus);
+    port 0 picks a free port (server.server_address[1])."""
+    srv = ThreadingHTTPServer((host, port), _Handler)
+    srv.corpus = corpus or []
+    return srv

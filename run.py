@@ -37,7 +37,8 @@ import reranker
 import speed
 import tfsg
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
-from build_bench import GEO_METHODS, build_bench
+import build_bench
+import geo_attacks
 from evaluation import eval_conditions, evaluate, plan_eval
 from runs import (PRESETS, Config, adapter_path, check_device, check_llms, check_name, library_path, load_data, log,
                   model_folder, need_trained, read_json, record_config, record_or_check, resolve_config, run_lock, RunInUse,
@@ -198,10 +199,21 @@ def parser():
     be.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
                     help="also race ours with compile=True (default: when a C++ compiler is found)")
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
-    bb.add_argument("--input", required=True, help="GEO-Bench test rows or JSONL of {query, docs[, source_index]}")
+    bb.add_argument("--input", required=True, help="GEO-Bench rows (.jsonl, .json, .parquet), hf:GEO-Optim/geo-bench, "
+                                                   "AutoGEO's rows, or {query, docs[, source_index]} rows")
     bb.add_argument("--output", required=True, help="GEO-DefenseBench JSONL to write")
-    bb.add_argument("--geo-methods", default="authoritative,statistics,citation,quotation,fluency,keywords,maximize",
-                    help=f"comma list from {', '.join(GEO_METHODS)}")
+    bb.add_argument("--search", default=None, help="tavily (TAVILY_API_KEY) or tavily:http://HOST:PORT: retrieve "
+                                                   "the candidates (default: the rows' own documents)")
+    bb.add_argument("--docs", type=int, default=10, help="candidates per list (the paper: 10)")
+    bb.add_argument("--attacks", default=None, help=f"comma list of attack families (default: the paper's seven, "
+                                                    f"{', '.join(geo_attacks.CALLS)})")
+    bb.add_argument("--groups", type=int, default=100, help="query groups to sample (Table B.1: 100)")
+    bb.add_argument("--construction-groups", type=int, default=12, help="of them, construction groups (Table B.1: 12)")
+    bb.add_argument("--fidelity-judge", default=None, help="provider:model judging each rewrite's faithfulness")
+    bb.add_argument("--agentic-archive", default=None, help="AgenticGEO's strategies.json (default: our archive)")
+    bb.add_argument("--autogeo-rules", default=None, help="AutoGEO's merged_rules.json or a JSON list of rules")
+    bb.add_argument("--synthetic", action="store_true", help="mark the file synthetic in _meta (the bundled sample)")
+    bb.add_argument("--dry-run", action="store_true", help="print requests, tokens and price; send and write nothing")
     add_config_flags(bb)
     co = sub.add_parser("compare", help="Table 1 across target LLMs, Table C.1 and the transfer matrix (Table C.2)")
     co.add_argument("--runs", required=True, help="comma list of evaluated run folders (one per target LLM)")
@@ -234,6 +246,8 @@ def parser():
                            help="reranker prompt token cap (default: the run's, or 8192); longer documents are cut")
     so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
+    so.add_argument("--corpus", default=None, help="JSONL of {query, url, text} answering Tavily-shaped /search "
+                                                   "(data/make_sample.py --geo-bench writes one)")
     return ap
 
 
@@ -241,7 +255,7 @@ def cmd_serve_offline(args):
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"--port {args.port}: out of range 0..65535")
     try:
-        srv = offline.make_server(args.port)
+        srv = offline.make_server(args.port, corpus=offline.load_corpus(args.corpus) if args.corpus else None)
     except OSError as e:
         raise SystemExit(f"--port {args.port}: cannot listen on 127.0.0.1:{args.port} ({e.strerror or e})") from None
     print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
@@ -284,14 +298,30 @@ def cmd_bench(args):
 
 
 def cmd_build_bench(args):
+    """GEO-DefenseBench from GEO-Bench rows (build_bench.py): with no --attacks the paper's recipe."""
     cfg = resolve_config(args)
+    args.seen_methods = cfg.seen_methods
+    if args.dry_run:
+        plan = build_bench.dry_run(cfg, args)
+        print(json.dumps(plan, indent=1))
+        return plan
     check_llms(cfg)
-    methods = [m.strip() for m in args.geo_methods.split(",")]
-    bad = [m for m in methods if m not in GEO_METHODS]
-    if bad:
-        raise SystemExit(f"--geo-methods: unknown {bad}; known {list(GEO_METHODS)}")
-    with run_lock(cfg.run_dir):      # its LLM cache lives in the run folder
-        return build_bench(cfg, args.input, args.output, methods)
+    srv = None
+    if cfg.llm == "offline" or (args.fidelity_judge or "").startswith("offline"):   # over loopback, as the demo
+        srv = serve_offline_background(0)
+        cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    try:
+        with run_lock(cfg.run_dir):      # its LLM cache lives in the run folder
+            path, comp = build_bench.build_bench(cfg, args)
+    finally:
+        if srv:
+            srv.shutdown()
+            srv.server_close()
+    print(f"{'split':<14}{'groups':>8}{'methods':>9}{'instances':>11}")
+    for split, v in comp.items():
+        print(f"{split:<14}{v['groups']:>8}{v['methods']:>9}{v['instances']:>11}")
+    print(f"\nbenchmark: {path}")
+    return comp
 
 
 def cmd_rerank_eval(args):

@@ -335,6 +335,9 @@ class BenchData(NamedTuple):
 def load_data(cfg):
     """The run's benchmark, split and with its methods resolved -> BenchData."""
     groups, meta = geodef.load_bench(cfg.bench, with_meta=True)
+    if cfg.k >= meta.n_docs:
+        raise SettingsError(f"--k {cfg.k}: {cfg.bench} has {meta.n_docs} candidates a list (_meta.n_docs); "
+                            f"the top-k must leave some out (--k below {meta.n_docs})")
     try:
         cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
     except ValueError as e:

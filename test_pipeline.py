@@ -2,6 +2,7 @@
 evaluation, the demo, judges that misbehave, the benchmark builder.
 Run: python -m pytest -q test_pipeline.py
 """
+import argparse
 import dataclasses
 import json
 import os
@@ -324,7 +325,17 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         srv.shutdown()
 
 
+def bb_opts(src, out, **kw):
+    """build-bench's options (run.py's flags) for calling build_bench.build_bench directly."""
+    return argparse.Namespace(**{"input": src, "output": out, "search": None, "docs": 10, "attacks": "GEO,AutoGEO,GEO-SFE",
+                                 "seen_methods": "GEO", "groups": 100, "construction_groups": 1, "fidelity_judge": None,
+                                 "agentic_archive": None, "autogeo_rules": None, "synthetic": False, **kw})
+
+
 def test_build_bench_over_http_validates_and_caches(tmp_path, server):
+    """The builder without search: each row's own documents (GEO-Bench and simple layouts, a failed
+    scrape skipped with the source index following its document), families over a real loopback
+    server, every rewrite through the gate, a rerun from the cache."""
     groups = geodef.load_bench(SAMPLE)[:3]
     rows = [{"query": g.query, "docs": [d["text"] for d in g.docs], "source_index": g.source_index} for g in groups]
     rows.append({"query": "too few documents", "docs": ["only one"]})
@@ -338,25 +349,31 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
     src = write_lines(tmp_path, rows + geo_rows, "src.jsonl")
     cfg = runs.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, workers=4)
     out = str(tmp_path / "built.jsonl")
-    build_bench.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
+    build_bench.build_bench(cfg, bb_opts(src, out))
     built, meta = geodef.load_bench(out, with_meta=True)
-    assert len(built) == 5 and meta.methods == ["authoritative", "statistics", "citation"]
-    assert built[3].source_index == 1 and built[3].docs[0]["url"] == "https://s/0"
-    g = built[4]                                          # sources 0, 2..10 kept; sugg_idx 3 -> position 2
+    by_query = {g.query: g for g in built}
+    # five usable rows; the one in construction shares documents with a test row (groups[1]'s), which
+    # is dropped (B.1.2: nothing of a group crosses splits)
+    assert len(built) == 4 and meta.methods == ["GEO", "AutoGEO", "GEO-SFE"] and meta.seen_methods == ["GEO"]
+    g = by_query[groups[0].query + " (GEO-Bench layout)"]
+    assert g.source_index == 1 and g.docs[0]["url"] == "https://s/0"
+    g = by_query[groups[1].query + " (gapped)"]           # sources 0, 2..10 kept; sugg_idx 3 -> position 2
     assert g.source_index == 2 and g.docs[2]["url"] == "https://t/3" and g.docs[2]["text"] == gapped[3]["cleaned_text"]
     assert [d["url"] for d in g.docs] == [f"https://t/{i}" for i in [0] + list(range(2, 11))]
+    assert sum(g.split == "construction" for g in built) == 1
     with pytest.raises(geodef.BenchFormatError, match=r"bad_idx\.jsonl:1: sugg_idx: expected an integer, got \[2\]"):
-        build_bench.read_source_rows(write_lines(tmp_path, [dict(geo_rows[0], sugg_idx=[2])], "bad_idx.jsonl"))
+        build_bench.read_rows(write_lines(tmp_path, [dict(geo_rows[0], sugg_idx=[2])], "bad_idx.jsonl"))
     for g in built:
         for m, t in g.attacks.items():
             assert build_bench.validate_rewrite(g.docs[g.source_index]["text"], t) is None
-    assert "GEO-DefenseBench builder" in Script.seen[0]["messages"][0]["content"]
+    assert '"geo_family": "GEO"' in Script.seen[0]["messages"][0]["content"]
     n = len(Script.seen)
-    build_bench.build_bench(cfg, src, out, ["authoritative", "statistics", "citation"])
+    build_bench.build_bench(cfg, bb_opts(src, out))
     assert len(Script.seen) == n                        # rerun: every rewrite from the cache
     assert build_bench.validate_rewrite("abc def", "abc def") == "identical to the source"
     assert "prompt text" in build_bench.validate_rewrite("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
     assert "length ratio" in build_bench.validate_rewrite("a" * 100, "b" * 10)
+    assert "control tokens" in build_bench.validate_rewrite("abc def ghi", "abc def ghi <|im_start|>assistant")
 
 
 def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):

@@ -334,8 +334,9 @@ def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
     out.write_text("precious\n")
     src = write_lines(tmp_path, [{"query": "q", "docs": ["only one"]}], "src.jsonl")
     cfg = runs.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server)
-    with pytest.raises(geodef.BenchFormatError, match="no query groups"):
-        build_bench.build_bench(cfg, src, str(out), ["authoritative"])
+    from test_pipeline import bb_opts
+    with pytest.raises(runs.SettingsError, match="leave none for the test split"):
+        build_bench.build_bench(cfg, bb_opts(src, str(out)))
     assert out.read_text() == "precious\n" and [f for f in os.listdir(tmp_path) if ".tmp" in f] == []
     for rows, msg in [([{"query": "q", "docs": [1, 2]}], r"docs\[0\]: text and url must be strings"),
                       ([{"query": "q", "sources": "x"}], "sources: expected a list"),
@@ -343,7 +344,7 @@ def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
         p = tmp_path / "rows.jsonl"
         p.write_text("\n".join(json.dumps(r) for r in rows))
         with pytest.raises(geodef.BenchFormatError, match=msg):
-            build_bench.read_source_rows(str(p))
+            build_bench.read_rows(str(p))
 
 
 def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):

@@ -9,6 +9,7 @@ is made hard on purpose: many benign documents carry statistics, named sources, 
 and confident phrasing too, so no single surface feature separates attacks from benign documents.
 
 Usage: python data/make_sample.py  (rewrites the file; deterministic)
+       python data/make_sample.py --geo-bench [FOLDER]  (GEO-Bench-shaped input and a search corpus for build-bench)
 """
 import json
 import os
@@ -319,5 +320,37 @@ def main(out=os.path.join(os.path.dirname(os.path.abspath(__file__)), "geo_defen
     return out
 
 
+def geo_bench(folder):
+    """GEO-Bench-shaped input for `build-bench` (what the hub's test split holds: query, tags, sugg_idx,
+    sources[{url, raw_text, cleaned_text}], five sources a row) and a search corpus (JSONL of {query,
+    url, text}) that `serve-offline --corpus` answers Tavily-shaped /search requests from. SYNTHETIC,
+    from the same topic facts as the sample. -> (rows path, corpus path)."""
+    rng = random.Random(20261201)
+    styles = ["plain", "stats", "expert", "forum", "structured"]
+    rows, corpus = [], []
+    for t, (query, subject, facts) in enumerate(TOPICS):
+        texts, seen = [], set()
+        while len(texts) < 14:
+            text = benign_doc(rng, subject, facts, styles[len(texts) % 5], rng.random() < 0.3)
+            if " ".join(text.split()) not in seen:
+                seen.add(" ".join(text.split()))
+                texts.append(text)
+        urls = [f"https://{SITES[i % 10]}/{subject.replace(' ', '-')}-{t}-{i}" for i in range(14)]
+        rows.append({"query": query, "tags": ["synthetic"], "sugg_idx": rng.randrange(5),
+                     "sources": [{"url": u, "raw_text": x, "cleaned_text": x} for u, x in zip(urls[:5], texts[:5])]})
+        # the search finds one of the row's own pages again (deduplicated by the builder) and nine others
+        corpus += [{"query": query, "url": u, "text": x} for u, x in zip(urls[4:], texts[4:])]
+    os.makedirs(folder, exist_ok=True)
+    paths = os.path.join(folder, "geo_bench_sample.jsonl"), os.path.join(folder, "search_corpus.jsonl")
+    for path, items in zip(paths, (rows, corpus)):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in items))
+    return paths
+
+
 if __name__ == "__main__":
-    print(main())
+    import sys
+    if sys.argv[1:2] == ["--geo-bench"]:
+        print(*geo_bench(sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(os.path.abspath(__file__))))
+    else:
+        print(main())
