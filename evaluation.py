@@ -381,15 +381,16 @@ def estimate(requests, prompt_chars, completion_tokens):
             "completion_tokens": int(requests * completion_tokens)}
 
 
-def price_plan(cfg, stages, model_of):
-    """USD of a dry run's stages with --prices ([USD per 1M in, per 1M out] by model), or None."""
+def price_plan(cfg, stages, model_of, batch=False):
+    """USD of a dry run's stages with --prices ([USD per 1M in, per 1M out(, batch share)] by model),
+    or None; batch=True: through the batch APIs (llm_clients.price_of's batch share, default half)."""
     prices = read_prices(cfg.prices) if cfg.prices else {}
     total = 0.0
     for name, st in stages.items():
-        p = prices.get(model_of(name).partition(":")[2])
-        if p is None or isinstance(p, dict):
+        model = model_of(name).partition(":")[2]
+        if model not in prices or isinstance(prices[model], dict):
             return None
-        total += (st["prompt_tokens"] * p[0] + st["completion_tokens"] * p[1]) / 1e6
+        total += llm_clients.price_of("x:" + model + (" [batch]" if batch else ""), st, prices)
     return total
 
 
@@ -425,6 +426,8 @@ def plan_eval(cfg):
     judge = cfg.judge or cfg.llm
     return {"instances": len(insts), "records_to_make": todo, "stages": stages,
             "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm if s == "target answers" else judge),
+            "usd_at_most_batch_api": price_plan(cfg, stages, lambda s: cfg.llm if s == "target answers" else judge,
+                                                batch=True),
             "note": "upper bounds; records already made and LLM replies already cached cost nothing"}
 
 

@@ -537,7 +537,12 @@ class Transport:
     def post(self, body):
         """One request with transport retries -> parsed response JSON; raises LLMError. Redirects are
         refused (the key goes to no other host) and a reply over max_reply_bytes is refused unread."""
-        url = self.endpoint or (self.url if self.base_url else None)   # None: the in-process handler
+        return self.send("POST", self.endpoint or (self.url if self.base_url else None), body)
+
+    def send(self, method, url, body=None, files=None, raw=False):
+        """`post` for any method and URL of this API (the batch clients: GET a batch, upload a file as
+        multipart `files`); raw=True returns the reply text instead of parsed JSON. url None: the
+        in-process handler."""
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             self.limiter.wait()
@@ -549,7 +554,7 @@ class Transport:
                         return no_lone_surrogates(self.handler(body))
                     except (ValueError, KeyError, TypeError) as e:   # the local engine's 400
                         raise self.error(f"offline engine rejected the request ({e})", 400) from None
-                status, headers, text = self._exchange(url, body)
+                status, headers, text = self._exchange(url, body, method, files)
             except RETRY_ERRORS as e:            # the connection failed, timed out or broke mid-reply
                 if last:
                     raise self.error(f"{type(e).__name__} on {url} after {attempt + 1} attempts") from None
@@ -558,6 +563,8 @@ class Transport:
             except (requests.RequestException, http.client.HTTPException, OSError) as e:   # nothing to retry
                 raise self.error(f"{type(e).__name__} on {url}: {str(e)[:200]}") from None
             if status == 200:
+                if raw:
+                    return text
                 try:
                     return no_lone_surrogates(json.loads(text))
                 except (ValueError, RecursionError):
@@ -576,13 +583,16 @@ class Transport:
                 raise self.error(f"HTTP {status} after {attempt + 1} attempts", status, text)
             self.backoff(attempt, hint)
 
-    def _exchange(self, url, body):
+    def _exchange(self, url, body, method="POST", files=None):
         """POST `body` -> (status, headers, body text), reading at most max_reply_bytes, the whole reply
         within `timeout` seconds of sending: a watchdog shuts the socket at the deadline, so a reply
         trickled a byte at a time ends like a stalled one (requests.Timeout, retried like one)."""
         deadline = time.monotonic() + self.timeout
-        r = self.session.post(url, json=body, headers=self.headers(), timeout=(self.connect_timeout, self.timeout),
-                              stream=True, allow_redirects=False)
+        headers = self.headers()
+        if files:                                 # multipart: requests sets its own Content-Type
+            headers.pop("Content-Type")
+        r = self.session.request(method, url, json=body, files=files, data=None, headers=headers,
+                                 timeout=(self.connect_timeout, self.timeout), stream=True, allow_redirects=False)
         sock = getattr(getattr(r.raw, "connection", None), "sock", None)
         watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (sock,))
         watchdog.daemon = True
@@ -652,6 +662,7 @@ class Client:
         self.json_retries = json_retries
         self.prices = prices or {}               # model -> (USD per 1M input tokens, per 1M output tokens)
         self.ledger, self.stage = ledger, stage  # JSONL file: one line per reply received (see _count)
+        self.batch = None                        # a batch_clients.BatchRunner: map() sends through it first
         self.lock = threading.Lock()
         self._stats = {"calls": 0, "cache_hits": 0, "json_reasks": 0,
                        "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
@@ -727,15 +738,39 @@ class Client:
             raise self.transport.error(f"unexpected response shape ({type(e).__name__}: {e})", 200,
                                        json.dumps(resp)[:300]) from None
 
-    def _count(self, reply):
+    def _count(self, reply, mode=None):
         """A reply received (paid for): added to this client's stats and, with a ledger, appended to
-        it. The ledger outlives the process: a run folder's cost over all its invocations (ledger_usage)."""
+        it. The ledger outlives the process: a run folder's cost over all its invocations (ledger_usage).
+        mode "batch": a batch API's reply, entered as '<label> [batch]' (priced at the batch discount)."""
         tokens = {k: int(reply.usage.get(k, 0) or 0) for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens")}
         with self.lock:
             for k, v in tokens.items():
                 self._stats[k] += v
         if self.ledger:
-            append_ledger(self.ledger, {"stage": self.stage, "model": self.label, **tokens}, self.lock)
+            label = self.label + (" [batch]" if mode == "batch" else "")
+            append_ledger(self.ledger, {"stage": self.stage, "model": label, **tokens}, self.lock)
+
+    def request_key(self, messages, temperature=0, max_tokens=2048, json=False, check=None):
+        """The cache key of a chat() request, and the body to send for it (what a batch line carries)."""
+        key = self.cache.key(self.protocol, self.identity,
+                             self.shape.body(messages, temperature, max_tokens, json, asked=True), json)
+        return key, self.shape.sent(self.shape.body(messages, temperature, max_tokens, json))
+
+    def store(self, key, resp, want_json, check, mode=None):
+        """A reply received another way (a batch API's line) -> parsed, counted, and cached under `key`
+        when usable, exactly as chat() would have cached it. -> True if cached; an unusable reply is
+        not cached (chat() asks again, re-asking as usual)."""
+        reply = self._parse(no_lone_surrogates(resp))
+        self._count(reply, mode)
+        if want_json:
+            try:
+                reply.data = extract_json(reply.text)
+                if check is not None:
+                    check(reply.data)
+            except ValueError:
+                return False
+        self.cache.put(key, reply, self.provider, self.model)
+        return True
 
     # --- public
 
@@ -750,8 +785,7 @@ class Client:
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
         with self.lock:
             self._stats["calls"] += 1
-        key = self.cache.key(self.protocol, self.identity,
-                             self.shape.body(messages, temperature, max_tokens, want_json, asked=True), want_json)
+        key, _ = self.request_key(messages, temperature, max_tokens, want_json)
         return self.cache.through(key, lambda: self._usable_hit(key, check),
                                   lambda: self._ask(key, messages, temperature, max_tokens, want_json, check))
 
@@ -800,6 +834,8 @@ class Client:
         chat() keyword arguments. Exceptions propagate (the first failure in input order), except
         that with invalid="return" a ReplyInvalid takes its request's place in the results."""
         from tqdm import tqdm
+        if self.batch is not None and requests_:   # the provider's batch API fills the cache first
+            self.batch.run(requests_, desc or self.label)
         out = [None] * len(requests_)
         ex = ThreadPoolExecutor(max_workers=max(1, workers))
         try:
@@ -863,14 +899,23 @@ def ledger_usage(path, prices=None):
     return {"stages": {k: stages[k] for k in sorted(stages)}, "total": total}
 
 
+BATCH_SHARE = 0.5
+
+
 def price_of(label, row, prices):
     """USD of one ledger row from a price table keyed by model name (the label's last ':' part):
     [USD per 1M input tokens, per 1M output tokens] for chat models; for rerank models
     {"usd_per_1k_searches": x} (Cohere's search units, else one per request) or
-    {"usd_per_1m_tokens": y}. None when the table has no entry."""
-    p = prices.get(label.rsplit(":", 1)[-1])
+    {"usd_per_1m_tokens": y}. None when the table has no entry. A batch API's rows ('<label> [batch]')
+    cost the entry's third number times the full price (default BATCH_SHARE: half, OpenAI's and
+    Anthropic's batch discount)."""
+    batch = label.endswith(" [batch]")
+    p = prices.get(label.removesuffix(" [batch]").rsplit(":", 1)[-1])
     if p is None:
         return None
+    if batch and not isinstance(p, dict):
+        share = p[2] if len(p) > 2 else BATCH_SHARE
+        return share * (row.get("prompt_tokens", 0) * p[0] + row.get("completion_tokens", 0) * p[1]) / 1e6
     if isinstance(p, dict):
         if "usd_per_1k_searches" in p:
             return row.get("search_units", row["replies"]) * p["usd_per_1k_searches"] / 1e3

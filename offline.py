@@ -30,8 +30,11 @@ Behaviour, per prompt kind:
 
 Usage: python run.py serve-offline --port 8765  (OpenAI-compatible /v1/chat/completions on loopback)
 """
+import email.parser
+import email.policy
 import json
 import re
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import metrics
@@ -630,6 +633,101 @@ def respond(body):
 MAX_BODY = 64 << 20
 
 
+# ----------------------------------------------------------------------------- batch APIs
+
+
+class Batches:
+    """OpenAI's Files + Batches and Anthropic's Message Batches, answered by the engine. A batch stays
+    in progress for `polls` status checks, then runs every line. Test knobs: `expire_after` (lines run
+    before the next batch expires, once), `fail_first` (that many lines answer 500, once each), `reject`
+    (creation refused with 400), `missing` (no batch endpoint: 404); Anthropic results come back in
+    reverse order (the API promises none)."""
+
+    def __init__(self):
+        self.files, self.batches, self.failed, self.lock = {}, {}, set(), threading.Lock()
+        self.polls, self.expire_after, self.fail_first, self.reject, self.missing = 1, None, 0, False, False
+        self.created = 0
+
+    def upload(self, content_type, raw):
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + raw)
+        parts = {p.get_param("name", header="content-disposition"): p.get_payload(decode=True) for p in msg.iter_parts()}
+        if parts.get("purpose") != b"batch" or "file" not in parts:
+            raise ValueError("multipart fields purpose=batch and file are required")
+        with self.lock:
+            fid = f"file-{len(self.files) + 1}"
+            self.files[fid] = parts["file"].decode("utf-8")
+        return {"id": fid, "object": "file", "purpose": "batch", "bytes": len(parts["file"])}
+
+    def create(self, body, anthropic=False):
+        if self.reject:
+            raise ValueError("batch refused (offline engine's reject knob)")
+        lines = body["requests"] if anthropic else [json.loads(x) for x in self.files[body["input_file_id"]].splitlines()]
+        with self.lock:
+            self.created += 1
+            bid = f"batch-{self.created}"
+            self.batches[bid] = {"lines": lines, "polls": 0, "anthropic": anthropic, "out": None}
+        return self.status(bid, count=False)
+
+    def status(self, bid, count=True):
+        b = self.batches[bid]
+        with self.lock:
+            if count:
+                b["polls"] += 1
+            if b["out"] is None and b["polls"] > self.polls:
+                b["out"] = self._run(b)
+        done = b["out"] is not None
+        if b["anthropic"]:
+            return {"id": bid, "type": "message_batch", "processing_status": "ended" if done else "in_progress",
+                    "results_url": f"/v1/messages/batches/{bid}/results" if done else None}
+        state = "in_progress" if not done else "expired" if b["expired"] else "completed"
+        return {"id": bid, "object": "batch", "status": state, "output_file_id": f"{bid}-out" if done else None,
+                "error_file_id": f"{bid}-err" if done and b["errors"] else None}
+
+    def _run(self, b):
+        out, b["errors"], b["expired"] = [], [], False
+        for i, line in enumerate(b["lines"]):
+            cid = line["custom_id"]
+            if self.expire_after is not None and i >= self.expire_after:
+                b["expired"] = True
+                if not b["anthropic"]:
+                    b["errors"].append({"custom_id": cid, "response": None,
+                                        "error": {"code": "batch_expired", "message": "expired"}})
+                else:
+                    out.append({"custom_id": cid, "result": {"type": "expired"}})
+                continue
+            if cid not in self.failed and len(self.failed) < self.fail_first:
+                self.failed.add(cid)
+                if b["anthropic"]:
+                    out.append({"custom_id": cid, "result": {"type": "errored",
+                                                             "error": {"type": "api_error", "message": "offline"}}})
+                else:
+                    b["errors"].append({"custom_id": cid, "response": {"status_code": 500, "body": {}}, "error": None})
+                continue
+            params = line["params"] if b["anthropic"] else line["body"]
+            resp = respond({"messages": ([{"role": "system", "content": params["system"]}] if params.get("system") else [])
+                           + params["messages"]})
+            if b["anthropic"]:
+                text = resp["choices"][0]["message"]["content"]
+                resp = {"type": "message", "role": "assistant", "model": ENGINE, "stop_reason": "end_turn",
+                        "content": [{"type": "text", "text": text}],
+                        "usage": {"input_tokens": resp["usage"]["prompt_tokens"],
+                                  "output_tokens": resp["usage"]["completion_tokens"]}}
+                out.append({"custom_id": cid, "result": {"type": "succeeded", "message": resp}})
+            else:
+                out.append({"custom_id": cid, "response": {"status_code": 200, "body": resp}, "error": None})
+        if b["expired"]:
+            self.expire_after = None           # one batch expires; the resubmitted lines run
+        return out[::-1] if b["anthropic"] else out
+
+    def content(self, path):
+        """GET .../files/{id}/content or .../messages/batches/{id}/results -> JSONL text."""
+        bid = path.split("/")[-2].removesuffix("-out").removesuffix("-err")
+        b = self.batches[bid]
+        rows = b["errors"] if path.split("/")[-2].endswith("-err") else b["out"]
+        return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 def load_corpus(path):
     """A synthetic search corpus (JSONL of {query, url, text}; data/make_sample.py writes one) -> list."""
     with open(path, encoding="utf-8") as f:
@@ -659,12 +757,35 @@ def search(body, corpus):
 class _Handler(BaseHTTPRequestHandler):
     timeout = 30             # socket timeout: a client that stops sending is dropped, the thread freed
 
-    def do_POST(self):
-        is_search = self.path.rstrip("/") == "/search"        # Tavily's route, answered from the corpus
-        if not self.path.rstrip("/").endswith("/chat/completions") and not is_search:
-            return self._send(404, {"error": {"message": "not found", "type": "not_found"}})
+    def _route(self, method, path, raw):
+        """-> (status, reply object or JSONL text) for the engine's routes; raises ValueError (400),
+        KeyError (404)."""
+        bt = self.server.batches
+        if method == "POST" and path.endswith("/chat/completions"):
+            return 200, respond(json.loads(raw))
+        if method == "POST" and path == "/search":               # Tavily's route, answered from the corpus
+            return 200, search(json.loads(raw), self.server.corpus)
+        if bt.missing and ("batches" in path or "files" in path):
+            raise KeyError(path)
+        if method == "POST" and path.endswith("/v1/files"):
+            return 200, bt.upload(self.headers.get("Content-Type", ""), raw)
+        if method == "POST" and path.endswith("/v1/batches"):
+            return 200, bt.create(json.loads(raw))
+        if method == "POST" and path.endswith("/v1/messages/batches"):
+            return 200, bt.create(json.loads(raw), anthropic=True)
+        if method == "GET" and (path.endswith("/content") or path.endswith("/results")):
+            return 200, bt.content(path)
+        if method == "GET" and "/batches/" in path:
+            st = bt.status(path.rsplit("/", 1)[1])
+            if st.get("results_url"):             # absolute, as Anthropic gives it
+                st["results_url"] = f"http://{self.headers.get('Host')}{st['results_url']}"
+            return 200, st
+        raise KeyError(path)
+
+    def _handle(self, method):
+        path = self.path.split("?")[0].rstrip("/")
         try:
-            n = int(self.headers.get("Content-Length", ""))
+            n = int(self.headers.get("Content-Length", "0"))
         except ValueError:
             n = -1
         if not 0 <= n <= MAX_BODY:
@@ -672,21 +793,28 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(400 if n < 0 else 413, {"error": {"message": f"Content-Length: 0..{MAX_BODY} required",
                                                                 "type": "invalid_request_error"}})
         try:
-            raw = self.rfile.read(n)
+            raw = self.rfile.read(n) if n else b""
             if len(raw) < n:
                 raise ValueError(f"the body ended after {len(raw)} of {n} bytes")
-            body = json.loads(raw)
-            return self._send(200, search(body, self.server.corpus) if is_search else respond(body))
+            return self._send(*self._route(method, path, raw))
         except (TimeoutError, ConnectionError):
             self.close_connection = True
-        except (ValueError, KeyError, TypeError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+        except KeyError:
+            return self._send(404, {"error": {"message": "not found", "type": "not_found"}})
+        except (ValueError, TypeError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
             return self._send(400, {"error": {"message": str(e)[:300], "type": "invalid_request_error"}})
         except Exception as e:   # never a request left unanswered
             return self._send(500, {"error": {"message": f"offline engine failed ({type(e).__name__})",
                                               "type": "server_error"}})
 
+    def do_POST(self):
+        self._handle("POST")
+
+    def do_GET(self):
+        self._handle("GET")
+
     def _send(self, code, obj):
-        data = json.dumps(obj).encode()
+        data = obj.encode("utf-8") if isinstance(obj, str) else json.dumps(obj).encode()
         try:
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -704,5 +832,5 @@ def make_server(port=0, host="127.0.0.1", corpus=None):
     """A loopback OpenAI-compatible server, and a Tavily-shaped /search over `corpus` (load_corpus);
     port 0 picks a free port (server.server_address[1])."""
     srv = ThreadingHTTPServer((host, port), _Handler)
-    srv.corpus = corpus or []
+    srv.corpus, srv.batches = corpus or [], Batches()
     return srv

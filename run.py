@@ -409,7 +409,7 @@ def cmd_pipeline(args):
     if args.cmd == "eval":
         eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
     srv = None
-    if args.cmd == "demo" and cfg.llm == "offline":
+    if cfg.llm == "offline" and (args.cmd == "demo" or cfg.batch_api):   # batches need HTTP
         srv = serve_offline_background(0)    # the demo goes through real HTTP on loopback
         cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
     try:

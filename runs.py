@@ -88,6 +88,9 @@ class Config:
     max_tokens: int = opt(2048, "max completion tokens")
     workers: int = opt(8, "concurrent LLM requests")
     rpm: float = opt(0, "requests per minute cap (0 = none)")
+    batch_api: str = opt(None, "send bulk LLM stages through the provider's batch API (OpenAI Batch, Anthropic "
+                               "Message Batches; half price): 'on', or 'auto' (synchronous where there is none)")
+    batch_poll: float = opt(60.0, "seconds between batch status checks at first (then growing)")
     timeout: float = opt(None, "seconds for one whole reply of an LLM, rerank or search endpoint, retries apart "
                                "(default: 600 for LLMs, 120 for rerank and search)")
     n_seed_cases: int = opt(6, "A.2.2 controlled contrast instances")
@@ -138,6 +141,7 @@ class Config:
                   ("save-every", self.save_every >= 1), ("n-construction", self.n_construction >= 1),
                   ("max-length", self.max_length >= 64), ("workers", self.workers >= 1), ("rpm", self.rpm >= 0),
                   ("timeout", self.timeout is None or self.timeout > 0),
+                  ("batch-api", self.batch_api in (None, "on", "auto")), ("batch-poll", self.batch_poll > 0),
                   ("max-tokens", self.max_tokens >= 1), ("temperature", self.temperature >= 0),
                   ("batch-size", self.batch_size >= 1), ("n-batches", self.n_batches >= 1),
                   ("n-seed-cases", self.n_seed_cases >= 0), ("max-initial-rules", self.max_initial_rules >= 1),
@@ -384,7 +388,8 @@ def tfsg_schedule(cfg, inst):
 
 
 def read_prices(path):
-    """--prices: a JSON object {model: [USD per 1M input tokens, USD per 1M output tokens]}, and for
+    """--prices: a JSON object {model: [USD per 1M input tokens, USD per 1M output tokens(, the batch
+    APIs' price as a share of the full one, default 0.5)]}, and for
     rerank models {model: {"usd_per_1k_searches": x}} or {model: {"usd_per_1m_tokens": y}}."""
     if not os.path.isfile(path):
         raise SettingsError(f"--prices {path}: no such file")
@@ -393,7 +398,7 @@ def read_prices(path):
     except ValueError as e:
         raise SettingsError(f"--prices {path}: not JSON ({e})") from None
     num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
-    ok = lambda v: (isinstance(v, list) and len(v) == 2 and all(map(num, v))) or (
+    ok = lambda v: (isinstance(v, list) and len(v) in (2, 3) and all(map(num, v))) or (
         isinstance(v, dict) and len(v) == 1 and next(iter(v)) in ("usd_per_1k_searches", "usd_per_1m_tokens")
         and num(next(iter(v.values()))))
     bad = [k for k, v in table.items() if not ok(v)] if isinstance(table, dict) else None
@@ -410,10 +415,15 @@ def make_llm(cfg, spec=None, stage=None):
     prices = read_prices(cfg.prices) if cfg.prices else None
     spec = spec or cfg.llm
     base_url = cfg.engine_url if spec.partition(":")[0] == "offline" else cfg.base_url
-    return llm_clients.make_client(spec, base_url=base_url,
-                                   cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices,
-                                   **({"timeout": cfg.timeout} if cfg.timeout else {}),
-                                   ledger=usage_path(cfg) if stage else None, stage=stage)
+    client = llm_clients.make_client(spec, base_url=base_url,
+                                     cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices,
+                                     **({"timeout": cfg.timeout} if cfg.timeout else {}),
+                                     ledger=usage_path(cfg) if stage else None, stage=stage)
+    if cfg.batch_api and stage and client.transport.base_url:
+        import batch_clients
+        client.batch = batch_clients.BatchRunner(client, os.path.join(cfg.run_dir, "batches.json"),
+                                                 poll=cfg.batch_poll, auto=cfg.batch_api == "auto", log=log)
+    return client
 
 
 def usage_path(cfg):
