@@ -1,7 +1,8 @@
 """Shared test fixtures and fakes: the tiny checkpoints (ours, and one written by transformers), the
 real Qwen3 vocabulary rebuilt offline, a scripted loopback LLM server, a demo run, the rerank server.
-Project modules other than tiny.py are imported inside the fixture that needs them, so that a
-building block's test file runs with only that block, tiny.py and this file beside it.
+Project modules and torch are imported inside the fixture or helper that needs them, so that a
+building block's test file runs with only that block, this file and what its docstring's
+"Vendors with:" line names (test_vendoring.py checks it).
 """
 import json
 import os
@@ -12,11 +13,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import torch
 
-import tiny
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (this CPU machine has none)")
+# a string condition: evaluated when a CUDA test is collected, so this file imports no torch itself
+CUDA = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs CUDA (this CPU machine has none)")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,12 +25,14 @@ SAMPLE = os.path.join(HERE, "data", "geo_defensebench_sample.jsonl")
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
+    import tiny
     return tiny.make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "qwen3"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def hf_tiny(tmp_path_factory, tiny_dir):
     """The tiny config with random weights initialised and SAVED BY transformers in the official layout."""
+    import torch
     transformers = pytest.importorskip("transformers")
     cfg = json.load(open(os.path.join(tiny_dir, "config.json")))
     hc = transformers.Qwen3Config(**{k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
@@ -129,6 +130,7 @@ def ok(text, **msg):
 def train_with_lora(rr, seed, dropout, checkpointing=False):
     """LoRA on the 7 projections (init from `seed`) with a random, non-zero B so that gradients
     reach A too; the model in train mode."""
+    import torch
     import lora
     torch.manual_seed(seed)
     lora.add_lora(rr.model, dropout=dropout)
@@ -149,6 +151,7 @@ def fast(rr, compile=False):
 
 def hf_margins(model, ids, yes, no, pad_id=0):
     """transformers reference: one left-padded batch, logits at the last position."""
+    import torch
     T = max(len(x) for x in ids)
     inp = torch.full((len(ids), T), pad_id)
     mask = torch.zeros((len(ids), T), dtype=torch.long)
@@ -219,6 +222,7 @@ def demo_run(tmp_path_factory, small_bench):
 def _shield_folder(tmp_path, tiny_dir, hidden=None, untied=False, seed=5):
     """A base checkpoint written by transformers (tiny, or real width with 1 layer; tied or untied head)
     and a non-zero LoRA adapter trained-looking (random A and B) -> (folder, adapter dir)."""
+    import torch
     import lora, reranker
     transformers = pytest.importorskip("transformers")
     cfg = json.load(open(os.path.join(tiny_dir, "config.json")))
@@ -241,6 +245,7 @@ def _shield_folder(tmp_path, tiny_dir, hidden=None, untied=False, seed=5):
 @pytest.fixture(scope="module")
 def shield_server(tmp_path_factory, tiny_dir):
     """The rerank server over the tiny model with a non-zero adapter, API key required."""
+    import torch
     import deploy, reranker
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     train_with_lora(rr, 3, 0.0)

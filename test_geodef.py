@@ -1,5 +1,6 @@
 """geodef.py: Eqs. 1-5 hand-computed, preference triples, the benchmark format and its validation,
 splits without leakage.
+Vendors with: geodef.py conftest.py data/geo_defensebench_sample.jsonl
 Run: python -m pytest -q test_geodef.py
 """
 import copy

@@ -1,5 +1,6 @@
 """llm_clients.py over real HTTP (a scripted loopback server): retries, Retry-After, adaptation of
 refused parameters, JSON re-asks, the cache, keys and URL credentials never leaked, Ctrl-C.
+Vendors with: llm_clients.py conftest.py (no torch)
 Run: python -m pytest -q test_llm_clients.py
 """
 import json
@@ -231,7 +232,6 @@ def test_make_client_keys_and_fields(monkeypatch):
         c.chat([{"role": "user", "content": "x"}])
     assert "pw" not in str(e.value) and "http://127.0.0.1:1/v1" in str(e.value)   # credentials taken out
     assert llm_clients.make_client("ollama:qwen3").base_url == "http://localhost:11434/v1"
-    assert llm_clients.make_client("offline").provider == "offline"   # the engine itself: test_offline.py
     with pytest.raises(ValueError, match="unknown provider"):
         llm_clients.make_client("nope:x")
 
@@ -356,7 +356,7 @@ def test_timeout_bounds_the_whole_reply_and_a_cut_reply_is_retried_and_named():
 
 def test_two_loopback_servers_never_share_cache_entries(server, tmp_path):
     """Same model name, same request, two local servers: two cache entries, two requests (the port and
-    path are part of the key); the offline engine keeps one identity whatever its port."""
+    path are part of the key)."""
     srv, other = _serve(Script)
     try:
         Script.script = [(200, {}, ok("from A"), 0), (200, {}, ok("from B"), 0)]
@@ -369,8 +369,6 @@ def test_two_loopback_servers_never_share_cache_entries(server, tmp_path):
             llm_clients.ReplyCache.key("openai", llm_clients.Endpoint.parse(server).identity, {}, False)
     finally:
         srv.shutdown()
-    off = [llm_clients.make_client("offline", base_url=u, cache_dir=str(tmp_path / "o")) for u in (server, other)]
-    assert off[0].identity == off[1].identity == llm_clients.make_client("offline").identity == "offline"
 
 
 def test_lone_surrogates_in_a_reply_are_replaced_and_the_reply_is_cached(server, tmp_path):

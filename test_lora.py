@@ -1,5 +1,6 @@
 """lora.py: LoRA against PEFT (B = 0 equals the base, merged equals unmerged, adapters both ways),
 only LoRA trains, NF4 storage, PEFT's dropout, gradient checkpointing.
+Vendors with: lora.py reranker.py tiny.py conftest.py
 Run: python -m pytest -q test_lora.py
 """
 import json

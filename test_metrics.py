@@ -1,4 +1,5 @@
 """metrics.py: citation parsing, ASR/ASI/BER on known values, balanced order, cluster bootstrap.
+Vendors with: metrics.py conftest.py (no torch)
 Run: python -m pytest -q test_metrics.py
 """
 import pytest

@@ -1,5 +1,6 @@
 """offline.py: the offline engine answers every prompt kind in schema; its server refuses hostile
 requests; the bundled synthetic sample.
+Vendors with: offline.py llm_clients.py metrics.py tfsg.py geodef.py conftest.py data/geo_defensebench_sample.jsonl
 Run: python -m pytest -q test_offline.py
 """
 import json
@@ -113,3 +114,12 @@ def test_prompt_kinds_come_from_markers_and_templates_never_guessed():
                 "<input>{\"other\": 1}</input>", "Please answer the question:\nq\n\nSearch Results:\n[1] d"):
         with pytest.raises(ValueError, match="not a GEO Defender prompt"):
             offline.complete(bad)
+
+
+def test_the_offline_engine_keeps_one_cache_identity_over_http_and_in_process(server, tmp_path):
+    """make_client('offline') in process and over HTTP on any port share the identity 'offline', so
+    the demo's loopback engine (a new port each run) finds its cache again."""
+    import llm_clients
+    off = llm_clients.make_client("offline", base_url=server, cache_dir=str(tmp_path / "o"))
+    assert off.identity == llm_clients.make_client("offline").identity == "offline"
+    assert llm_clients.make_client("offline").provider == "offline"

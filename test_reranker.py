@@ -1,5 +1,6 @@
 """reranker.py: parity with transformers' Qwen3 (tiny checkpoints written by transformers), the prompt
 and token ids with the real Qwen3 vocabulary, control tokens never made from text, loading errors.
+Vendors with: reranker.py tiny.py conftest.py
 Run: python -m pytest -q test_reranker.py
 """
 import json

@@ -1,5 +1,6 @@
 """tfsg.py: the Controller's actions and invariants, cold start, prompts that hostile documents
 cannot restructure, outcome classes.
+Vendors with: tfsg.py conftest.py (no torch)
 Run: python -m pytest -q test_tfsg.py
 """
 import json
