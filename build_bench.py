@@ -88,12 +88,12 @@ def row_of(o, path, n):
         t = "" if t is None else t
         if not isinstance(t, str) or not isinstance(u, str):
             raise geodef.BenchFormatError(f"{path}:{n}: {key}[{i}]: text and url must be strings")
-        geodef._unicode(t, path, n, f"{key}[{i}]")
+        geodef.check_unicode(t, path, n, f"{key}[{i}]")
         docs.append({"url": u, "text": t})
     q = o.get("query")
     if not isinstance(q, str) or not q.strip():
         raise geodef.BenchFormatError(f"{path}:{n}: query: missing or empty")
-    geodef._unicode(q, path, n, "query")
+    geodef.check_unicode(q, path, n, "query")
     src = o.get(src_key)
     if src is not None:
         try:

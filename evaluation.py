@@ -262,7 +262,7 @@ def evaluate(cfg):
     """All conditions of Table 1/2 on the test split, the clean reference, pairwise quality, method,
     epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg."""
     run = cfg.run_dir
-    groups, meta, cons, test, seen, methods = load_data(cfg)
+    _, meta, cons, test, seen, methods = load_data(cfg)
     insts = geodef.expand(test, methods)
     cleans = [geodef.clean_instance(g) for g in test]
     conds, transfers = eval_conditions(cfg)
@@ -316,11 +316,10 @@ def evaluate(cfg):
                                for m in methods} for c in conds},
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
-    # pairwise quality of GEO Defender vs the clean reference (B.2.4)
     if "GEO Defender" in conds:
+        # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
         summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
                                               {x.instance_id: x for x in insts}, res)
-    if "GEO Defender" in conds:          # Fig. 5: GEO Defender with E0..E4
         summary["epochs"] = library_epochs(cfg, results["GEO Defender"], insts, plan["Shield only"][0], clean,
                                            condition)
     if cfg.transfer and "GEO Defender" in conds:   # Table C.2 row: other targets' libraries, Shield fixed

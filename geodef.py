@@ -24,7 +24,7 @@ import hashlib
 import json
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +88,7 @@ def _fail(path, line, fld, msg):
     raise BenchFormatError(f"{path}:{line}: {fld}: {msg}")
 
 
-def _unicode(text, path, line, fld):
+def check_unicode(text, path, line, fld):
     """Text that cannot be written as UTF-8 (a lone surrogate such as "\\ud800", which JSON escapes
     allow) would fail far later, in the tokenizer or an HTTP request."""
     try:
@@ -214,7 +214,7 @@ def _read_group(obj, path, n, n_docs, meta):
     query = _need(obj, "query", str, path, n)
     if not query.strip():
         _fail(path, n, "query", "empty")
-    _unicode(query, path, n, "query")
+    check_unicode(query, path, n, "query")
     docs = _need(obj, "docs", list, path, n)
     if len(docs) != n_docs:
         _fail(path, n, "docs", f"must hold {n_docs} items, got {len(docs)}")
@@ -226,7 +226,7 @@ def _read_group(obj, path, n, n_docs, meta):
         if "#" in did:   # attack documents get "<source doc_id>#<method>": a benign one must not look like one
             _fail(path, n, f"docs[{i}].doc_id", f"{did!r}: '#' is reserved for attack document ids")
         t = _need(d, "text", str, path, n, f"docs[{i}].")
-        _unicode(t, path, n, f"docs[{i}].text")
+        check_unicode(t, path, n, f"docs[{i}].text")
         if not t.strip():
             _fail(path, n, f"docs[{i}].text", "empty")
         if " ".join(t.split()) in texts:
@@ -248,7 +248,7 @@ def _read_group(obj, path, n, n_docs, meta):
             _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
         if not t.strip():
             _fail(path, n, f"attacks.{m}", "empty rewrite")
-        _unicode(t, path, n, f"attacks.{m}")
+        check_unicode(t, path, n, f"attacks.{m}")
         if " ".join(t.split()) == source_norm:
             _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
     split = obj.get("split")
@@ -312,13 +312,9 @@ def split_groups(groups, n_construction=12, seed=0):
     ids = sorted(g.group_id for g in groups)
     random.Random(seed).shuffle(ids)
     cons = set(ids[:n_construction])
-    out_c = [g for g in groups if g.group_id in cons]
-    out_t = [g for g in groups if g.group_id not in cons]
-    for g in out_c:
-        g.split = "construction"
-    for g in out_t:
-        g.split = "test"
-    return out_c, out_t
+    # copies: the caller's groups keep their (absent) split
+    return ([replace(g, split="construction") for g in groups if g.group_id in cons],
+            [replace(g, split="test") for g in groups if g.group_id not in cons])
 
 
 def attack_instance(g, method):

@@ -30,6 +30,16 @@ PEFT_PREFIX = "base_model.model."  # PeftModel.base_model (LoraModel) .model (th
 
 
 class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (Hu et al. 2021, arXiv 2106.09685):
+    y = base(x) + dropout(x) A^T B^T * alpha / r, with B = 0 at the start so the layer starts as base.
+
+    Args:
+        base: the frozen nn.Linear (or NF4Linear) whose output is corrected; its weights never train.
+        r: the rank of the update (A is (r, in_features), B is (out_features, r)).
+        alpha: the update's scale numerator; the update is multiplied by alpha / r.
+        dropout: probability of zeroing each element of the update's input (PEFT's lora_dropout).
+    """
+
     def __init__(self, base, r=16, alpha=32, dropout=0.05):
         super().__init__()
         self.base = base                       # frozen nn.Linear (or NF4Linear)
@@ -129,18 +139,19 @@ def lora_disabled(model):
 
 
 def merge_lora(model):
+    """Fold every LoRA update into its base weight (W += scaling * B A); the LoRA layers stay, inert."""
     for m in lora_modules(model).values():
         m.merge()
     return model
 
 
 def merge_and_unload(model):
-    """Merge every LoRA layer (W += scaling * B A) and put the plain base layer back in its place, so
-    that the model's state dict has the checkpoint's keys again (PEFT's merge_and_unload). In place."""
-    for name, module in list(model.named_modules()):
+    """merge_lora, then the plain base layers put back in place of the LoRA layers, so that the model's
+    state dict has the checkpoint's keys again (PEFT's merge_and_unload). In place."""
+    merge_lora(model)
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, LoRALinear):
-                child.merge()
                 setattr(module, child_name, child.base)
     return model
 
@@ -192,7 +203,9 @@ def save_adapter(model, out_dir, base_model_name_or_path, dtype=torch.float32):
 
 def load_adapter(model, adapter_dir):
     """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, adding LoRA layers if it has none.
-    Every key must match a LoRA module and every LoRA module must get its A and B."""
+    Every key must match a LoRA module and every LoRA module must get its A and B. The two files are
+    read by hand (JSON and safetensors) rather than through peft: the format is two small files, and
+    this keeps lora.py free of any dependency but torch and safetensors."""
     from safetensors.torch import load_file
     cpath = os.path.join(adapter_dir, "adapter_config.json")
     wpath = os.path.join(adapter_dir, "adapter_model.safetensors")

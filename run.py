@@ -4,7 +4,8 @@ serve-offline.
 Every command that trains or evaluates writes into a run folder runs/<name>/ (config.json,
 adapter/, library/, cache/, results/, report.md, figures/), reuses what a finished step left there
 and resumes an interrupted one. The work is in the job files (runs, train, evaluation,
-build_bench, bench, deploy); this file parses arguments and dispatches.
+build_bench, bench, deploy); this file parses arguments, checks what each
+command needs before its first expensive step, and dispatches.
 
   python run.py demo --out runs                            # everything offline: tiny model + offline engine
   python run.py train --model Qwen/Qwen3-Reranker-0.6B --llm openai:gpt-5.5 --name gpt55
@@ -150,7 +151,9 @@ def serve_offline_background(port=0):
 
 
 def print_summary(s):
-    print("\n" + ("OFFLINE / SIMULATION: " + " ".join(s["notes"]) if s.get("notes") else ""))
+    # one short line; what is simulated (model, LLMs, PPL model, benchmark) is listed in report.md
+    print("\n" + ("OFFLINE / SIMULATION: plumbing checks, never the paper's results (what is simulated: "
+                  "report.md)" if s.get("notes") else ""))
     print(f"{'condition':<22}{'ASR':>8}{'ASI':>8}{'BER':>8}")
     for k, v in s["conditions"].items():
         print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}")

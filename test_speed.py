@@ -251,8 +251,8 @@ def test_dropout_mask_law_and_lora_train_forward():
 
 
 def test_speed_paths_equal_the_reference(hf_tiny):
-    """speed.install changes how, not what: float32 margins, LoRA gradients and one AdamW step of
-    the installed model (SGD) equal reranker.py's and lora.py's plain forwards (1e-5 relative; dropout 0,
+    """speed.install changes how, not what: float32 margins, LoRA gradients and one SGD step of
+    the installed model equal reranker.py's and lora.py's plain forwards (1e-5 relative; dropout 0,
     since the speed path shares masks across q/k/v where PEFT draws one per module)."""
     folder, hm = hf_tiny
     docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]

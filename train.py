@@ -104,7 +104,8 @@ def monitor(rr, triples, ids, s0, cfg, lists=()):
         loss, _, s, r = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=False)
         losses.append(loss.item())
         acc += [float(r[0] > r[1]), float(r[2] > r[1])]
-        r_pos.append(float(r[0])); r_att.append(float(r[1])); r_ben.append(float(r[2]))
+        for out, v in zip((r_pos, r_att, r_ben), r):
+            out.append(float(v))
         demoted.append(float(s[1] < s[0] and s[1] < s[2]))
     overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x.attack_index, cfg.k) for x, b in lists]
     mean = lambda v: sum(v) / max(1, len(v))
