@@ -266,6 +266,7 @@ def dry_run(cfg, insts, budgets, per_round, rounds):
               "ASI judge": estimate(calls["asi_judge_calls"], doc + 2400, 80)}
     return {"instances": len(insts), "reranker_queries": calls["reranker_queries"], "stages": stages,
             "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm),
+            "usd_at_most_batch_api": price_plan(cfg, stages, lambda s: cfg.llm, batch=True),
             "note": "upper bounds, JSON re-asks included; replies already cached cost nothing and are not "
                     "subtracted"}
 

@@ -140,6 +140,9 @@ def test_train_and_eval_dry_runs_send_and_write_nothing(demo_copy, tmp_path, mon
     assert st["target answers"]["requests"] == 4 + 4 * 3 + 3 * 3 and st["Analyzer"]["requests"] == 1 + 3
     assert plan["usd_at_most"] == pytest.approx(sum(v["prompt_tokens"] * 1.25 + v["completion_tokens"] * 10
                                                     for v in st.values()) / 1e6)
+    full = lambda v: (v["prompt_tokens"] * 1.25 + v["completion_tokens"] * 10) / 1e6
+    # through a batch API the rollouts cost half; the Analyzer stays synchronous
+    assert plan["usd_at_most_batch_api"] == pytest.approx(0.5 * full(st["target answers"]) + full(st["Analyzer"]))
     assert not (tmp_path / "r").exists()
     common = ["--runs-dir", str(demo_copy), "--name", "demo", "--dry-run"]     # a demo run: its settings taken
     assert run.main(["eval"] + common)["records_to_make"] == 0          # every record made: only cached judges

@@ -314,4 +314,12 @@ def plan_train(cfg):
     return {"shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum), "tfsg_library_built": done,
             "stages": stages, "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm if s == "target answers"
                                                         else cfg.analyzer or cfg.llm),
+            # the rollouts through a batch API; the Analyzer's calls stay synchronous (each needs the last)
+            "usd_at_most_batch_api": _sum_or_none(
+                price_plan(cfg, {"target answers": stages["target answers"]}, lambda s: cfg.llm, batch=True),
+                price_plan(cfg, {"Analyzer": stages["Analyzer"]}, lambda s: cfg.analyzer or cfg.llm)),
             "note": "estimates: prompt tokens at 4 characters a token; cached replies cost nothing"}
+
+
+def _sum_or_none(*xs):
+    return None if any(x is None for x in xs) else sum(xs)
