@@ -110,6 +110,23 @@ def cheap_gate(source, candidate):
     return None
 
 
+def fidelity_verdicts(judge, pairs, max_tokens, workers, desc="fidelity"):
+    """The fidelity judge on [(source, candidate)] -> per pair None (faithful: a score of at least
+    FIDELITY_THRESHOLD and no contradiction) or the reason it is refused."""
+    reps = judge.map([{"messages": [{"role": "user", "content": fidelity_prompt(s, t)}], "temperature": 0,
+                       "max_tokens": max_tokens, "json": True, "check": parse_fidelity} for s, t in pairs],
+                     workers=workers, desc=desc, invalid="return")
+    out = []
+    for rep in reps:
+        if isinstance(rep, llm_clients.ReplyInvalid):
+            out.append("fidelity judge failed")
+            continue
+        v, contra = parse_fidelity(rep.data)
+        out.append(f"fidelity {v} < {FIDELITY_THRESHOLD}" if v < FIDELITY_THRESHOLD else
+                   "contradicts the source" if contra else None)
+    return out
+
+
 def best_of(cands, budget):
     """The index of the best accepted candidate among the first `budget` (highest target score;
     ties: the earlier)."""
@@ -179,18 +196,9 @@ class Attack:
                 checks.append((x, t, "the attacker returned fewer rewrites" if t is None else
                                cheap_gate(source_of(x), t)))
         to_judge = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None]
-        reps = self.judge.map([{"messages": [{"role": "user", "content": fidelity_prompt(source_of(x), t)}],
-                                "temperature": 0, "max_tokens": self.cfg.max_tokens, "json": True,
-                                "check": parse_fidelity} for _, x, t in to_judge],
-                              workers=self.cfg.workers, desc=f"fidelity round {rnd}", invalid="return")
-        verdict = {}
-        for (i, _, _), rep in zip(to_judge, reps):
-            if isinstance(rep, llm_clients.ReplyInvalid):
-                verdict[i] = "fidelity judge failed"
-                continue
-            v, contra = parse_fidelity(rep.data)
-            verdict[i] = (f"fidelity {v} < {FIDELITY_THRESHOLD}" if v < FIDELITY_THRESHOLD else
-                          "contradicts the source" if contra else None)
+        verdict = dict(zip([i for i, _, _ in to_judge], fidelity_verdicts(
+            self.judge, [(source_of(x), t) for _, x, t in to_judge], self.cfg.max_tokens, self.cfg.workers,
+            f"fidelity round {rnd}")))
         accepted = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None and verdict.get(i) is None]
         scored = dict(zip([i for i, _, _ in accepted],
                           self.score([with_doc(x, t, f"~{rnd}.{i}") for i, x, t in accepted])))

@@ -253,16 +253,9 @@ def gate(ctx, jobs, texts):
     if ctx.judge is None:
         return why
     ask = [i for i, w in enumerate(why) if w is None]
-    reps = ctx.judge.map([{"messages": [{"role": "user", "content": attack.fidelity_prompt(jobs[i].source, texts[i])}],
-                           "temperature": 0, "max_tokens": ctx.max_tokens, "json": True, "check": attack.parse_fidelity}
-                          for i in ask], workers=ctx.workers, desc="fidelity", invalid="return")
-    for i, rep in zip(ask, reps):
-        if isinstance(rep, llm_clients.ReplyInvalid):
-            why[i] = "fidelity judge failed"
-            continue
-        v, contra = attack.parse_fidelity(rep.data)
-        why[i] = (f"fidelity {v} < {attack.FIDELITY_THRESHOLD}" if v < attack.FIDELITY_THRESHOLD else
-                  "contradicts the source" if contra else None)
+    for i, w in zip(ask, attack.fidelity_verdicts(ctx.judge, [(jobs[i].source, texts[i]) for i in ask],
+                                                  ctx.max_tokens, ctx.workers)):
+        why[i] = w
     return why
 
 
@@ -342,7 +335,7 @@ def dry_run(cfg, opts):
     price = prices.get(cfg.llm.rsplit(":", 1)[-1])
     stages = {}
     for f in fams:
-        n = n_cons + (len(picked) - n_cons) if f in seen else len(picked) - n_cons
+        n = len(picked) if f in seen else len(picked) - n_cons
         req = n * geo_attacks.CALLS[f] * REWRITE_TRIES * 2
         tok_in, tok_out = int(req * (chars / 4 * 2 + 400)), int(req * chars / 4 * 1.3)
         stages[f] = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out,

@@ -386,10 +386,10 @@ def price_plan(cfg, stages, model_of, batch=False):
     prices = read_prices(cfg.prices) if cfg.prices else {}
     total = 0.0
     for name, st in stages.items():
-        model = model_of(name).partition(":")[2]
-        if model not in prices or isinstance(prices[model], dict):
+        p = prices.get(model_of(name).partition(":")[2])
+        if p is None or isinstance(p, dict):
             return None
-        total += llm_clients.price_of("x:" + model + (" [batch]" if batch else ""), st, prices)
+        total += llm_clients.token_cost(p, st, batch)
     return total
 
 

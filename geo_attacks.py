@@ -371,18 +371,17 @@ class Mageo(attack.Attack):
         self.ctx, self.patience = ctx, patience
 
     def _propose(self, live, cands, rnd):
+        best = [cands[x.instance_id][attack.best_of(cands[x.instance_id], len(cands[x.instance_id]))]["text"]
+                for x in live]                                  # each instance's current best
         plans = self.ctx.ask(self.name, "plan", MAGEO_PLAN, [
-            {"query": x.query, "document": cands[x.instance_id][attack.best_of(cands[x.instance_id],
-                                                                               len(cands[x.instance_id]))]["text"],
-             "source_document": x.source, "round": rnd, "attempt": x.attempt} for x in live],
-            '{"plan": ["..."]}', need_list("plan"))
+            {"query": x.query, "document": b, "source_document": x.source, "round": rnd, "attempt": x.attempt}
+            for x, b in zip(live, best)], '{"plan": ["..."]}', need_list("plan"))
         edits = self.ctx.ask(self.name, "edit", MAGEO_EDIT, [
-            {"query": x.query, "document": cands[x.instance_id][attack.best_of(cands[x.instance_id],
-                                                                               len(cands[x.instance_id]))]["text"],
-             "source_document": x.source, "plan": (p or {}).get("plan", []), "round": rnd, "attempt": x.attempt}
-            for x, p in zip(live, plans)], '{"candidates": ["...", "..."]}', need_list("candidates"))
-        return [((e or {}).get("candidates") or [])[:2] + [None] * (2 - len(((e or {}).get("candidates") or [])[:2]))
-                for e in edits]
+            {"query": x.query, "document": b, "source_document": x.source, "plan": (p or {}).get("plan", []),
+             "round": rnd, "attempt": x.attempt} for x, b, p in zip(live, best, plans)],
+            '{"candidates": ["...", "..."]}', need_list("candidates"))
+        two = [((e or {}).get("candidates") or [])[:2] for e in edits]
+        return [c + [None] * (2 - len(c)) for c in two]     # a missing candidate still spends its budget
 
     def run(self, ctx, jobs):
         insts = [self.ctx.engine(j) for j in jobs]          # each job as an instance: the source at its position

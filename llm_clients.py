@@ -374,16 +374,13 @@ class ReplyCache:
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(obj, f, ensure_ascii=False)
             os.replace(tmp, path)
-        except UnicodeEncodeError:  # text UTF-8 cannot hold: not kept (no_lone_surrogates prevents it)
+        except BaseException as e:   # a full disk or a kill: no half-written entry left behind
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-        except OSError as e:        # a full disk names no file: this one is named
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise OSError(e.errno, e.strerror, e.filename or path) from None
-        except BaseException:   # a full disk or a kill: no half-written entry left behind
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+            if isinstance(e, UnicodeEncodeError):   # text UTF-8 cannot hold: not kept (no_lone_surrogates
+                return                               # prevents it)
+            if isinstance(e, OSError) and e.filename is None:   # a full disk names no file: this one is named
+                raise OSError(e.errno, e.strerror, path) from None
             raise
 
     def claim(self, key):
@@ -635,6 +632,13 @@ def _shut(sock):
 # ----------------------------------------------------------------------------- client
 
 
+def _fill_data(reply, check):
+    """reply.data from its text's JSON, then `check` on it; ValueError when either fails."""
+    reply.data = extract_json(reply.text)
+    if check is not None:
+        check(reply.data)
+
+
 def _usable(check, data):
     try:
         check(data)
@@ -764,9 +768,7 @@ class Client:
         self._count(reply, mode)
         if want_json:
             try:
-                reply.data = extract_json(reply.text)
-                if check is not None:
-                    check(reply.data)
+                _fill_data(reply, check)
             except ValueError:
                 return False
         self.cache.put(key, reply, self.provider, self.model)
@@ -808,9 +810,7 @@ class Client:
             if not want_json:
                 break
             try:
-                reply.data = extract_json(reply.text)
-                if check is not None:
-                    check(reply.data)
+                _fill_data(reply, check)
                 break
             except ValueError as e:
                 if ask == self.json_retries:
@@ -909,18 +909,21 @@ def price_of(label, row, prices):
     {"usd_per_1m_tokens": y}. None when the table has no entry. A batch API's rows ('<label> [batch]')
     cost the entry's third number times the full price (default BATCH_SHARE: half, OpenAI's and
     Anthropic's batch discount)."""
-    batch = label.endswith(" [batch]")
     p = prices.get(label.removesuffix(" [batch]").rsplit(":", 1)[-1])
     if p is None:
         return None
-    if batch and not isinstance(p, dict):
-        share = p[2] if len(p) > 2 else BATCH_SHARE
-        return share * (row.get("prompt_tokens", 0) * p[0] + row.get("completion_tokens", 0) * p[1]) / 1e6
     if isinstance(p, dict):
         if "usd_per_1k_searches" in p:
             return row.get("search_units", row["replies"]) * p["usd_per_1k_searches"] / 1e3
         return row.get("tokens", 0) * p.get("usd_per_1m_tokens", 0) / 1e6
-    return (row.get("prompt_tokens", 0) * p[0] + row.get("completion_tokens", 0) * p[1]) / 1e6
+    return token_cost(p, row, batch=label.endswith(" [batch]"))
+
+
+def token_cost(p, row, batch=False):
+    """USD of a chat model's tokens under price entry p = [USD per 1M input, per 1M output(, batch
+    share)]; batch=True: the batch APIs' share of that (default BATCH_SHARE)."""
+    full = (row.get("prompt_tokens", 0) * p[0] + row.get("completion_tokens", 0) * p[1]) / 1e6
+    return full * (p[2] if len(p) > 2 else BATCH_SHARE) if batch else full
 
 
 def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):

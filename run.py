@@ -143,11 +143,24 @@ def add_config_flags(p):
             p.add_argument(flag, dest=f.name, type=typ, default=None, help=f.metadata["help"])
 
 
-def serve_offline_background(port=0):
-    srv = offline.make_server(port)
+@contextlib.contextmanager
+def offline_engine(cfg, needed):
+    """While the block runs and when `needed`, the offline engine on a loopback port (cfg.engine_url):
+    the demo, attack and build-bench reach it through real HTTP, and batch APIs need HTTP. Closed, not
+    only stopped, on the way out: requests still queued fail at once instead of waiting out their
+    timeouts on a socket nobody accepts from."""
+    if not needed:
+        yield
+        return
+    srv = offline.make_server(0)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
+    cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    try:
+        yield
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def print_summary(s):
@@ -157,6 +170,25 @@ def print_summary(s):
     print(f"{'condition':<22}{'ASR':>8}{'ASI':>8}{'BER':>8}")
     for k, v in s["conditions"].items():
         print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}")
+
+
+def build_bench_flags(bb):
+    """build-bench's own flags (besides the Config ones)."""
+    bb.add_argument("--input", required=True, help="GEO-Bench rows (.jsonl, .json, .parquet), hf:GEO-Optim/geo-bench, "
+                                                   "AutoGEO's rows, or {query, docs[, source_index]} rows")
+    bb.add_argument("--output", required=True, help="GEO-DefenseBench JSONL to write")
+    bb.add_argument("--search", default=None, help="tavily (TAVILY_API_KEY) or tavily:http://HOST:PORT: retrieve "
+                                                   "the candidates (default: the rows' own documents)")
+    bb.add_argument("--docs", type=int, default=10, help="candidates per list (the paper: 10)")
+    bb.add_argument("--attacks", default=None, help=f"comma list of attack families (default: the paper's seven, "
+                                                    f"{', '.join(geo_attacks.CALLS)})")
+    bb.add_argument("--groups", type=int, default=100, help="query groups to sample (Table B.1: 100)")
+    bb.add_argument("--construction-groups", type=int, default=12, help="of them, construction groups (Table B.1: 12)")
+    bb.add_argument("--fidelity-judge", default=None, help="provider:model judging each rewrite's faithfulness")
+    bb.add_argument("--agentic-archive", default=None, help="AgenticGEO's strategies.json (default: our archive)")
+    bb.add_argument("--autogeo-rules", default=None, help="AutoGEO's merged_rules.json or a JSON list of rules")
+    bb.add_argument("--synthetic", action="store_true", help="mark the file synthetic in _meta (the bundled sample)")
+    bb.add_argument("--dry-run", action="store_true", help="print requests, tokens and price; send and write nothing")
 
 
 def parser():
@@ -202,21 +234,7 @@ def parser():
     be.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
                     help="also race ours with compile=True (default: when a C++ compiler is found)")
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
-    bb.add_argument("--input", required=True, help="GEO-Bench rows (.jsonl, .json, .parquet), hf:GEO-Optim/geo-bench, "
-                                                   "AutoGEO's rows, or {query, docs[, source_index]} rows")
-    bb.add_argument("--output", required=True, help="GEO-DefenseBench JSONL to write")
-    bb.add_argument("--search", default=None, help="tavily (TAVILY_API_KEY) or tavily:http://HOST:PORT: retrieve "
-                                                   "the candidates (default: the rows' own documents)")
-    bb.add_argument("--docs", type=int, default=10, help="candidates per list (the paper: 10)")
-    bb.add_argument("--attacks", default=None, help=f"comma list of attack families (default: the paper's seven, "
-                                                    f"{', '.join(geo_attacks.CALLS)})")
-    bb.add_argument("--groups", type=int, default=100, help="query groups to sample (Table B.1: 100)")
-    bb.add_argument("--construction-groups", type=int, default=12, help="of them, construction groups (Table B.1: 12)")
-    bb.add_argument("--fidelity-judge", default=None, help="provider:model judging each rewrite's faithfulness")
-    bb.add_argument("--agentic-archive", default=None, help="AgenticGEO's strategies.json (default: our archive)")
-    bb.add_argument("--autogeo-rules", default=None, help="AutoGEO's merged_rules.json or a JSON list of rules")
-    bb.add_argument("--synthetic", action="store_true", help="mark the file synthetic in _meta (the bundled sample)")
-    bb.add_argument("--dry-run", action="store_true", help="print requests, tokens and price; send and write nothing")
+    build_bench_flags(bb)
     add_config_flags(bb)
     co = sub.add_parser("compare", help="Table 1 across target LLMs, Table C.1 and the transfer matrix (Table C.2)")
     co.add_argument("--runs", required=True, help="comma list of evaluated run folders (one per target LLM)")
@@ -309,17 +327,9 @@ def cmd_build_bench(args):
         print(json.dumps(plan, indent=1))
         return plan
     check_llms(cfg)
-    srv = None
-    if cfg.llm == "offline" or (args.fidelity_judge or "").startswith("offline"):   # over loopback, as the demo
-        srv = serve_offline_background(0)
-        cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    try:
-        with run_lock(cfg.run_dir):      # its LLM cache lives in the run folder
-            path, comp = build_bench.build_bench(cfg, args)
-    finally:
-        if srv:
-            srv.shutdown()
-            srv.server_close()
+    offline_llm = cfg.llm == "offline" or (args.fidelity_judge or "").startswith("offline")
+    with offline_engine(cfg, offline_llm), run_lock(cfg.run_dir):      # its LLM cache lives in the run folder
+        path, comp = build_bench.build_bench(cfg, args)
     print(f"{'split':<14}{'groups':>8}{'methods':>9}{'instances':>11}")
     for split, v in comp.items():
         print(f"{split:<14}{v['groups']:>8}{v['methods']:>9}{v['instances']:>11}")
@@ -366,18 +376,9 @@ def cmd_attack(args):
         print(json.dumps(plan, indent=1))
         return plan
     check_llms(cfg)
-    srv = None
-    if cfg.llm == "offline":                         # through real HTTP on loopback, as the demo
-        srv = serve_offline_background(0)
-        cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    try:
-        with run_lock(cfg.run_dir):
-            block = attack.run_attack(cfg, args.target, budgets, args.rounds, args.candidates_per_round,
-                                      args.attacker, args.aware_of_library)
-    finally:
-        if srv:
-            srv.shutdown()
-            srv.server_close()
+    with offline_engine(cfg, cfg.llm == "offline"), run_lock(cfg.run_dir):
+        block = attack.run_attack(cfg, args.target, budgets, args.rounds, args.candidates_per_round,
+                                  args.attacker, args.aware_of_library)
     print(attack.attack_table(block))
     print(f"\ngate: {block['gate']}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
     return block
@@ -411,11 +412,7 @@ def cmd_pipeline(args):
             tfsg_schedule(cfg, inst)
     if args.cmd == "eval":
         eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
-    srv = None
-    if cfg.llm == "offline" and (args.cmd == "demo" or cfg.batch_api):   # batches need HTTP
-        srv = serve_offline_background(0)    # the demo goes through real HTTP on loopback
-        cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    try:
+    with offline_engine(cfg, cfg.llm == "offline" and (args.cmd == "demo" or cfg.batch_api)):
         with run_lock(cfg.run_dir):
             record_config(cfg, args.cmd)
             if args.cmd in ("train", "demo"):
@@ -431,10 +428,6 @@ def cmd_pipeline(args):
                 print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
             if args.cmd in ("eval", "demo"):
                 print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
-    finally:
-        if srv:              # closed, not only stopped: requests still queued fail now instead of
-            srv.shutdown()   # waiting out their timeouts on a socket nobody accepts from
-            srv.server_close()
 
 
 COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "rerank-eval": cmd_rerank_eval,
