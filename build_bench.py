@@ -12,7 +12,9 @@ source_index]} rows. The source document is the row's (sugg_idx / target_id / so
 Candidates: `--search tavily[:URL]` asks Tavily's search API (raw HTTP JSON, key TAVILY_API_KEY,
 sent only to its host) for the query's pages with their raw content; the row's source is placed
 among them at a position drawn from --seed (recorded), duplicates (URL or text) and near-empty pages
-dropped. Without --search, a row needs --docs documents of its own; rows with fewer are reported.
+dropped; `--search offline:CORPUS` searches a synthetic corpus the same way (a simulation, for the
+bundled sample). Without --search, a row needs --docs documents of its own; rows with fewer are
+reported.
 
 Every rewrite passes the fidelity gate (attack.cheap_gate, then --fidelity-judge when given); a
 refused one is asked again (REWRITE_TRIES attempts in all), then its group is dropped with the
@@ -130,19 +132,30 @@ def fetch_hf(spec):
 class SearchClient:
     """Tavily's search API over raw HTTP JSON on the chat clients' machinery (llm_clients.Transport:
     retries, timeouts, reply cap, the key only in headers and only to its host; ReplyCache; the usage
-    ledger). `tavily:http://HOST:PORT` names a Tavily-shaped endpoint (a proxy, a test server)."""
+    ledger). `tavily:http://HOST:PORT` names a Tavily-shaped endpoint (a proxy, a test server);
+    `offline:CORPUS` is the offline engine's /search over a synthetic corpus at `engine_url` (run.py
+    serves it on loopback), cached under the corpus's digest, not the port."""
 
-    def __init__(self, spec, cache_dir=None, ledger=None, timeout=120, rpm=0):
+    def __init__(self, spec, cache_dir=None, ledger=None, timeout=120, rpm=0, engine_url=None):
         provider, _, url = spec.partition(":")
-        if provider != "tavily":
-            raise SettingsError(f"--search {spec!r}: give tavily or tavily:http(s)://HOST[:PORT]")
-        self.where = llm_clients.Endpoint.parse(url or TAVILY_URL)
+        if provider not in ("tavily", "offline") or (provider == "offline" and not url):
+            raise SettingsError(f"--search {spec!r}: give tavily, tavily:http(s)://HOST[:PORT] or offline:CORPUS.jsonl")
+        if provider == "offline":
+            if not engine_url:
+                raise SettingsError(f"--search {spec}: the offline engine is not running (run.py serves it)")
+            with open(url, "rb") as f:
+                self.identity = ("offline-search", hashlib.sha1(f.read()).hexdigest())
+            self.where = llm_clients.Endpoint.parse(engine_url.removesuffix("/v1"))
+            self.label = f"offline:{os.path.basename(url)}"
+        else:
+            self.where = llm_clients.Endpoint.parse(url or TAVILY_URL)
+            self.identity = self.where.identity
+            self.label = f"tavily:{self.where}" if url else "tavily"
         # TAVILY_API_KEY goes only to Tavily's own host; another endpoint gets SEARCH_API_KEY (optional)
         key = os.environ.get("TAVILY_API_KEY") if self.where.host == "api.tavily.com" else \
             os.environ.get("SEARCH_API_KEY")
         if self.where.host == "api.tavily.com" and not key:
             raise SettingsError("--search tavily: set TAVILY_API_KEY")
-        self.label = f"tavily:{self.where}" if url else "tavily"
         self.transport = llm_clients.Transport(self.where, self.label, api_key=key, timeout=timeout, rpm=rpm,
                                                provider="search", endpoint=self.where.url + "/search",
                                                max_reply_bytes=32 << 20)
@@ -151,7 +164,7 @@ class SearchClient:
     def search(self, query, n):
         """Up to n results [{url, text}] with their raw page content (falling back to the snippet)."""
         body = {"query": query, "max_results": n, "search_depth": "advanced", "include_raw_content": True}
-        key = self.cache.key("tavily-search", self.where.identity, body, False)
+        key = self.cache.key("tavily-search", self.identity, body, False)
         hit = self.cache.get_raw(key)
         if not isinstance(hit, dict) or not isinstance(hit.get("results"), list):
             resp = self.transport.post(body)
@@ -355,7 +368,7 @@ def build_bench(cfg, opts):
     llm = make_llm(cfg, stage="build-bench")
     judge = make_llm(cfg, opts.fidelity_judge, stage="build-bench") if opts.fidelity_judge else None
     search = SearchClient(opts.search, os.path.join(cfg.run_dir, "cache", "search"), usage_path(cfg),
-                          timeout=cfg.timeout or 120, rpm=cfg.rpm) if opts.search else None
+                          timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=cfg.engine_url) if opts.search else None
     groups, dropped = [], []
     for row in order:                   # in the seeded order until --groups lists are complete
         if len(groups) == opts.groups:
@@ -422,6 +435,10 @@ def write(cfg, opts, fams, seen, groups, attacks, traces, llm, search):
             "builder_llm": llm.label, "fidelity_judge": opts.fidelity_judge, "seed": cfg.seed,
             "groups": len(groups), "source": os.path.basename(opts.input),
             "prompt_digests": geo_attacks.prompt_digests(fams)}
+    if opts.synthetic:
+        meta["note"] = ("SYNTHETIC: programmatic pages and offline-engine rewrites for offline plumbing; not the "
+                        "paper's benchmark and not real web pages. Numbers measured on it say nothing about real "
+                        "engines.")
     lines = [json.dumps({"_meta": meta}, ensure_ascii=False)]
     for g in groups:
         gid = g["group_id"]

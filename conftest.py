@@ -75,10 +75,12 @@ def qwen_vocab():
 
 @pytest.fixture(scope="session")
 def small_bench(tmp_path_factory):
-    """The first 8 groups of the bundled sample (its metadata line kept)."""
-    lines = open(SAMPLE, encoding="utf-8").read().splitlines()
+    """8 test groups of the bundled sample (all seven families each) without their split fields, so
+    that --n-construction splits them; its metadata line kept."""
+    lines = [json.loads(x) for x in open(SAMPLE, encoding="utf-8").read().splitlines()]
+    groups = [{k: v for k, v in g.items() if k != "split"} for g in lines[1:] if g["split"] == "test"][:8]
     p = tmp_path_factory.mktemp("bench") / "small.jsonl"
-    p.write_text("\n".join(lines[:9]) + "\n", encoding="utf-8")
+    p.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in [lines[0]] + groups), encoding="utf-8")
     return str(p)
 
 

@@ -486,7 +486,8 @@ def offline_notes(cfg, meta):
     if cfg.ppl_model == "tiny":
         notes.append("PPL-Filter: tiny random-weight GPT-2 (offline plumbing).")
     if meta.synthetic:
-        notes.append("Benchmark: SYNTHETIC sample (data/make_sample.py); not the paper's GEO-DefenseBench.")
+        notes.append("Benchmark: SYNTHETIC (build-bench with the offline engine on data/make_sample.py's "
+                     "pages); not the paper's GEO-DefenseBench.")
     if notes:
         notes.append("These numbers are plumbing checks, never the paper's results.")
     return notes

@@ -451,8 +451,16 @@ def family_step(inp):
     elif fam == "AutoGEO":
         new = (f"In short{again}: {_first_sentence(doc)}\n\n{_sectioned(doc, terms)}\n\n"
                f"Summary: the key points on {' '.join(terms)} are above.")
-    elif fam == "AgenticGEO":
-        new = f"[{inp.get('strategy', '')[:40].rstrip()}]{again}\n{doc}"
+    elif fam == "AgenticGEO":        # the strategy's move, recognised by its wording
+        s = inp.get("strategy", "").lower()
+        if "heading" in s or "list" in s:
+            new = _sectioned(doc, terms) + (f"\n\n(revision {inp['attempt']})" if again else "")
+        elif "answer" in s or "takeaway" in s:
+            new = f"Answer{again}: {_first_sentence(doc)}\n\n{doc}"
+        elif "figure" in s or "attribute" in s:
+            new = f"{doc}\n\nKey figures{again}: {', '.join(nums[:3]) or 'as given above'}."
+        else:
+            new = f"{doc}\n\nIn brief{again}: {_first_sentence(doc)}"
     elif fam == "GEO-SFE":
         new = {"architecture": f"# {' '.join(terms).title()}{again}\n\nSummary: {_first_sentence(doc)}\n\n{doc}"
                                "\n\nRecap: the points above answer the question.",

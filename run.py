@@ -144,15 +144,15 @@ def add_config_flags(p):
 
 
 @contextlib.contextmanager
-def offline_engine(cfg, needed):
+def offline_engine(cfg, needed, corpus=None):
     """While the block runs and when `needed`, the offline engine on a loopback port (cfg.engine_url):
-    the demo, attack and build-bench reach it through real HTTP, and batch APIs need HTTP. Closed, not
-    only stopped, on the way out: requests still queued fail at once instead of waiting out their
-    timeouts on a socket nobody accepts from."""
+    the demo, attack and build-bench reach it through real HTTP, and batch APIs need HTTP; with a
+    `corpus` it also answers Tavily-shaped /search. Closed, not only stopped, on the way out: requests
+    still queued fail at once instead of waiting out their timeouts on a socket nobody accepts from."""
     if not needed:
         yield
         return
-    srv = offline.make_server(0)
+    srv = offline.make_server(0, corpus=corpus)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
@@ -177,8 +177,9 @@ def build_bench_flags(bb):
     bb.add_argument("--input", required=True, help="GEO-Bench rows (.jsonl, .json, .parquet), hf:GEO-Optim/geo-bench, "
                                                    "AutoGEO's rows, or {query, docs[, source_index]} rows")
     bb.add_argument("--output", required=True, help="GEO-DefenseBench JSONL to write")
-    bb.add_argument("--search", default=None, help="tavily (TAVILY_API_KEY) or tavily:http://HOST:PORT: retrieve "
-                                                   "the candidates (default: the rows' own documents)")
+    bb.add_argument("--search", default=None, help="tavily (TAVILY_API_KEY), tavily:http://HOST:PORT, or "
+                                                   "offline:CORPUS.jsonl (a SIMULATED search): retrieve the "
+                                                   "candidates (default: the rows' own documents)")
     bb.add_argument("--docs", type=int, default=10, help="candidates per list (the paper: 10)")
     bb.add_argument("--attacks", default=None, help=f"comma list of attack families (default: the paper's seven, "
                                                     f"{', '.join(geo_attacks.CALLS)})")
@@ -268,7 +269,9 @@ def parser():
     so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
     so.add_argument("--corpus", default=None, help="JSONL of {query, url, text} answering Tavily-shaped /search "
-                                                   "(data/make_sample.py --geo-bench writes one)")
+                                                   "(data/make_sample.py writes one)")
+    for p in [ap, *sub.choices.values()]:   # `--out` must not silently mean build-bench's --output
+        p.allow_abbrev = False
     return ap
 
 
@@ -328,7 +331,13 @@ def cmd_build_bench(args):
         return plan
     check_llms(cfg)
     offline_llm = cfg.llm == "offline" or (args.fidelity_judge or "").startswith("offline")
-    with offline_engine(cfg, offline_llm), run_lock(cfg.run_dir):      # its LLM cache lives in the run folder
+    corpus = None
+    if (args.search or "").startswith("offline:"):                  # the synthetic corpus, over loopback HTTP
+        path = args.search.partition(":")[2]
+        if not os.path.isfile(path):
+            raise SettingsError(f"--search {args.search}: no such file")
+        corpus = offline.load_corpus(path)
+    with offline_engine(cfg, offline_llm or corpus is not None, corpus), run_lock(cfg.run_dir):
         path, comp = build_bench.build_bench(cfg, args)
     print(f"{'split':<14}{'groups':>8}{'methods':>9}{'instances':>11}")
     for split, v in comp.items():

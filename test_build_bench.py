@@ -103,6 +103,20 @@ def test_a_killed_build_reruns_to_the_same_bytes_and_dry_run_sends_nothing(geo_i
     assert plan["stages"]["IF-GEO"]["groups"] == 7 and plan["stages"]["MAGEO"]["groups"] == 10
 
 
+def test_the_bundled_sample_is_what_the_builder_makes(tmp_path):
+    """data/geo_defensebench_sample.jsonl is this builder's output on make_sample.py's input (the
+    command in its docstring), byte for byte: the demo runs on what a user's build-bench writes."""
+    spec = importlib.util.spec_from_file_location("make_sample", os.path.join(HERE, "data", "make_sample.py"))
+    ms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ms)
+    rows, corpus = ms.geo_bench(str(tmp_path))
+    out = tmp_path / "geo_defensebench_sample.jsonl"
+    run.main(["build-bench", "--input", rows, "--search", f"offline:{corpus}", "--output", str(out), "--groups", "24",
+              "--construction-groups", "12", "--llm", "offline", "--fidelity-judge", "offline", "--model", "tiny",
+              "--dtype", "float32", "--synthetic", "--name", "sample", "--runs-dir", str(tmp_path / "r")])
+    assert out.read_bytes() == open(os.path.join(HERE, "data", "geo_defensebench_sample.jsonl"), "rb").read()
+
+
 def test_inputs_and_list_lengths(geo_input, tmp_path):
     """Without search, rows shorter than --docs are reported, not silently lost; --docs 5 is recorded
     and eval's --k must stay below it; AutoGEO's rows, a .json list, parquet without pyarrow and a
@@ -130,5 +144,7 @@ def test_inputs_and_list_lengths(geo_input, tmp_path):
     if importlib.util.find_spec("pyarrow") is None:
         with pytest.raises(SystemExit, match="needs pyarrow"):
             run.main(argv[:2] + [str(tmp_path / "x.parquet")] + argv[3:])
+    with pytest.raises(SystemExit):           # no abbreviations: --out is not --output
+        run.main(argv + ["--docs", "5", "--k", "3", "--out", str(tmp_path / "elsewhere.jsonl")])
     with pytest.raises(SystemExit, match="only GEO-Bench's test split has source texts"):
         run.main(argv[:2] + ["hf:GEO-Optim/geo-bench:train"] + argv[3:])

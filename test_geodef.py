@@ -4,6 +4,7 @@ Vendors with: geodef.py conftest.py data/geo_defensebench_sample.jsonl
 Run: python -m pytest -q test_geodef.py
 """
 import copy
+import dataclasses
 import json
 import math
 
@@ -143,11 +144,16 @@ def test_bench_split_leakage_detected(tmp_path):
 
 def test_split_determinism_no_leakage_and_expansion():
     groups, meta = geodef.load_bench(SAMPLE, with_meta=True)
+    # the sample's split fields (build-bench writes them) decide, whatever the seed
     c1, t1 = geodef.split_groups(copy.deepcopy(groups), 12, seed=0)
-    c2, t2 = geodef.split_groups(copy.deepcopy(groups), 12, seed=0)
-    c3, _ = geodef.split_groups(copy.deepcopy(groups), 12, seed=1)
-    assert [g.group_id for g in c1] == [g.group_id for g in c2] and len(c1) == 12 and len(t1) == len(groups) - 12
-    assert {g.group_id for g in c1} != {g.group_id for g in c3}
+    c3, t3 = geodef.split_groups(copy.deepcopy(groups), 5, seed=1)
+    assert [g.group_id for g in c1] == [g.group_id for g in c3] and len(c1) == 12 and len(t1) == len(groups) - 12
+    # without split fields: a seeded shuffle of the group ids, the same for the same seed
+    bare = [dataclasses.replace(g, split=None) for g in t1]
+    s0, s0b, s1 = (geodef.split_groups(bare, 4, seed=s) for s in (0, 0, 1))
+    assert [g.group_id for g in s0[0]] == [g.group_id for g in s0b[0]] and len(s0[0]) == 4 and len(s0[1]) == 8
+    assert {g.group_id for g in s0[0]} != {g.group_id for g in s1[0]}
+    assert not {g.group_id for g in s0[0]} & {g.group_id for g in s0[1]} and all(g.split is None for g in bare)
     assert not {g.group_id for g in c1} & {g.group_id for g in t1}
     geodef.check_no_leakage(c1 + t1)
     cons = geodef.expand(c1, meta.seen_methods)

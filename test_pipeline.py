@@ -182,7 +182,7 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
     old = runs.shield_scores_path(cfg)
     assert os.path.isfile(old)                                   # the demo's, under its adapter's digest
     base, shield = runs.rankers(cfg, True)
-    insts = [geodef.attack_instance(g, "stat_inject") for g in runs.load_data(cfg)[3]]
+    insts = [geodef.attack_instance(g, "GEO") for g in runs.load_data(cfg)[3]]
     shield.prepare(insts)
     assert any(shield.scores(x) != base.scores(x) for x in insts)
     for m in lora.lora_modules(base.rr.model).values():           # an adapter with B = 0: the base policy

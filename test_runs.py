@@ -225,7 +225,7 @@ def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
     runs.record_config(cfg, "eval")                               # unchanged: fine
     (tmp_path / "e" / "results").mkdir()
     (tmp_path / "e" / "results" / "x.jsonl").write_text("{}\n")
-    bench.write_text(bench.read_text().replace("boil", "cook", 1))
+    bench.write_text(bench.read_text().replace('"query": "', '"query": "edited ', 1))
     with pytest.raises(runs.SettingsError, match=r"b.jsonl: its content changed since this run used it \(SHA-1 [0-9a-f]{12}, now"):
         runs.record_config(cfg, "eval")
 
