@@ -286,7 +286,8 @@ def check_settings(cfg, key, settings, pin=False):
     old = read_json(path, {})
     if key in old and old[key] != settings:
         diff = [k for k in settings if old[key].get(k) != settings[k]]
-        raise SettingsError(f"{path}: the {key} attack was made with " + ", ".join(f"{k}={old[key].get(k)!r}" for k in diff)
+        raise SettingsError(f"{path}: the {key} attack was made with "
+                            + ", ".join(f"{k}={old[key].get(k)!r}" for k in diff)
                             + "; this run asks for " + ", ".join(f"{k}={settings[k]!r}" for k in diff)
                             + ". Use another --name, or move the attack's records aside")
     if pin:
@@ -336,7 +337,8 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
         conds = {}
         for c in CONDITIONS:
             recs = eval_condition(cfg, llm, c, docs, plan[c][0], plan[c][1],
-                                  os.path.join(res, "attack", f"{label}-{mode}", f"B{b}", condition_slug(c) + ".jsonl"),
+                                  os.path.join(res, "attack", f"{label}-{mode}", f"B{b}",
+                                               condition_slug(c) + ".jsonl"),
                                   eval_judge)
             s = summarize(recs, clean)
             conds[c] = {"ASR": s["ASR"], "ASI": s["ASI"], "BER": s["BER"], "exposure": s["attack_in_context"]}
@@ -370,6 +372,7 @@ def attack_table(block):
     """Exposure and ASR by budget and condition, as text (the command prints it)."""
     lines = [f"{'budget':<8}" + "".join(f"{c[:14] + ' exp/ASR':>24}" for c in CONDITIONS)]
     for b, v in block["budgets"].items():
-        lines.append(f"{'B=' + b:<8}" + "".join(f"{v['conditions'][c]['exposure']:>13.2f} /{v['conditions'][c]['ASR']:>8.2f}"
+        lines.append(f"{'B=' + b:<8}" + "".join(f"{v['conditions'][c]['exposure']:>13.2f} "
+                                                f"/{v['conditions'][c]['ASR']:>8.2f}"
                                                for c in CONDITIONS))
     return "\n".join(lines)

@@ -58,7 +58,8 @@ class Manifest:
 
     def open_for(self, keys):
         """Recorded batches, created and not yet collected, holding any of `keys`."""
-        return [b for b in self.data["batches"] if b.get("id") and not b.get("collected") and set(b["custom_ids"]) & keys]
+        return [b for b in self.data["batches"]
+                if b.get("id") and not b.get("collected") and set(b["custom_ids"]) & keys]
 
 
 class BatchRunner:
@@ -132,7 +133,8 @@ class BatchRunner:
     def _line(self, key, body):
         if self.anthropic:
             return {"custom_id": key, "params": body}
-        return {"custom_id": key, "method": "POST", "url": urlparse(self.base + "/chat/completions").path, "body": body}
+        return {"custom_id": key, "method": "POST", "url": urlparse(self.base + "/chat/completions").path,
+                "body": body}
 
     def _submit(self, chunk, todo, desc):
         """Record the chunk, create its batch, record the id -> the manifest entry."""
@@ -194,7 +196,8 @@ class BatchRunner:
                 raise BatchUnsupported(f"{self.client.label}: no batch endpoint at {self.base}/batches "
                                        f"(HTTP {e.status})", e.status) from None
             if e.status is not None and 400 <= e.status < 500:
-                raise BatchUnsupported(f"{self.client.label}: the batch was refused at creation: {e}", e.status) from None
+                raise BatchUnsupported(f"{self.client.label}: the batch was refused at creation: {e}",
+                                       e.status) from None
             raise
         return b["id"]
 

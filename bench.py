@@ -35,10 +35,10 @@ import tiny
 
 
 
-def load_ours(folder, compile=False, **kw):
+def load_ours(folder, compile=False, share_prefix=True, **kw):
     """Our reranker as the jobs run it: reranker.py with the speed paths installed (speed.install)."""
     rr = reranker.Reranker.from_pretrained(folder, **kw)
-    speed.install(rr.model, compile=compile)
+    speed.install(rr.model, compile=compile, share_prefix=share_prefix)
     return rr
 
 def bench_folder(args):
@@ -52,7 +52,8 @@ def bench_folder(args):
                                        num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
                                        head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
                                        max_position_embeddings=40960)
-        transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype)).save_pretrained(folder, safe_serialization=True)
+        model = transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype))
+        model.save_pretrained(folder, safe_serialization=True)
         tok = tiny.make_tiny_checkpoint(folder + "_tok")
         shutil.copy(os.path.join(tok, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
     return folder
@@ -345,11 +346,11 @@ def bench_score(args):
 
 def unshared(rr, ids):
     """Our scorer with prefix sharing off: every document's prompt runs in full."""
-    was, rr.share_prefix = rr.share_prefix, False
+    was, rr.model.share_prefix = rr.model.share_prefix, False
     try:
         return rr.score_ids(ids)
     finally:
-        rr.share_prefix = was
+        rr.model.share_prefix = was
 
 
 def in_fresh_process(fn, *args):
@@ -400,9 +401,11 @@ def bench_memory(args):
     for name, lens in {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}.items():
         kinds = ("ours", "ours_compiled", "transformers") if args.compile else ("ours", "transformers")
         for kind in kinds:
-            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, args.prefix, args.dtype)
+            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, args.prefix,
+                                                              args.dtype)
         for kind in kinds[:-1]:
-            res[f"{name}/{kind}_over_transformers"] = res[f"{name}/{kind}_peak_MiB"] / res[f"{name}/transformers_peak_MiB"]
+            peer = res[f"{name}/transformers_peak_MiB"]
+            res[f"{name}/{kind}_over_transformers"] = res[f"{name}/{kind}_peak_MiB"] / peer
     return res
 
 
@@ -416,7 +419,8 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft"), device="cpu"):
         import peft
         import transformers
         hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device)
-        pm = peft.get_peft_model(hf, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(lora.TARGETS)))
+        pm = peft.get_peft_model(hf, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
+                                                     target_modules=list(lora.TARGETS)))
         x = torch.tensor(ids, device=device)
 
         def peft_step():
@@ -425,10 +429,10 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft"), device="cpu"):
         steps["peft"] = peft_step
     for kind in [k for k in kinds if k.startswith("ours")]:
         rr = load_ours(folder, dtype=dtype, device=device, compile=kind == "ours_compiled",
-                  share_prefix=kind != "ours_unshared")
+                       share_prefix=kind != "ours_unshared")
         assert (rr.yes_id, rr.no_id) == (yes, no)
         lora.add_lora(rr.model)
-        speed.install(rr.model, compile=kind == "ours_compiled")
+        speed.install(rr.model, compile=kind == "ours_compiled", share_prefix=kind != "ours_unshared")
         rr.model.train()
         steps[kind] = lambda rr=rr: rr.score_ids(ids, grad=True).sum().backward()
         if kind == "ours" and "gemm_floor" in kinds:
@@ -460,7 +464,8 @@ def bench_train(args):
     if not cuda:  # peak RSS, weights included, each in a fresh process
         for kind in kinds:
             res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
-    steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor", "matmul_floor"), dev).items()}
+    steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor", "matmul_floor"),
+                                                          dev).items()}
     if args.compile:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
         steps["ours_compiled"]()
@@ -522,7 +527,8 @@ def bench_llm(args):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             time.sleep(0.2)
-            data = json.dumps({"choices": [{"message": {"content": body["messages"][0]["content"]}, "finish_reason": "stop"}],
+            data = json.dumps({"choices": [{"message": {"content": body["messages"][0]["content"]},
+                                            "finish_reason": "stop"}],
                                "usage": {"prompt_tokens": 5, "completion_tokens": 5}}).encode()
             self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
             self.wfile.write(data)
@@ -596,8 +602,10 @@ def bench_serve(args):
         return time.perf_counter() - t0, lat
 
     rr.score(reqs[0]["query"], reqs[0]["documents"])      # warm-up
-    res, ratios = {"clients": args.clients, "requests": n_req, "layers": args.layers,
-                   "tokens_per_request": statistics.mean(sum(map(len, rr.tokenize(r["query"], r["documents"]))) for r in reqs)}, []
+    tokens = [sum(map(len, rr.tokenize(r["query"], r["documents"]))) for r in reqs]
+    res = {"clients": args.clients, "requests": n_req, "layers": args.layers,
+           "tokens_per_request": statistics.mean(tokens)}
+    ratios = []
     for rnd in range(args.repeat):   # alternating order, as race() does
         order = (("direct", direct), ("served", served)) if rnd % 2 == 0 else (("served", served), ("direct", direct))
         times = {}
@@ -605,8 +613,10 @@ def bench_serve(args):
             total, lat = fn()
             times[name] = total
             q = sorted(lat)
-            for k, v in (("req_s", n_req / total), ("p50_s", statistics.median(q)), ("p99_s", q[min(len(q) - 1, int(0.99 * len(q)))])):
-                res[f"{name}_{k}"] = max(res.get(f"{name}_{k}", v), v) if k == "req_s" else min(res.get(f"{name}_{k}", v), v)
+            p99 = q[min(len(q) - 1, int(0.99 * len(q)))]
+            for k, v in (("req_s", n_req / total), ("p50_s", statistics.median(q)), ("p99_s", p99)):
+                best = max if k == "req_s" else min                  # the best round of each figure
+                res[f"{name}_{k}"] = best(res.get(f"{name}_{k}", v), v)
         ratios.append(times["direct"] / times["served"])
     res["served_over_direct_throughput_paired_median"] = statistics.median(ratios)
     res["served_over_direct_throughput_best"] = res["served_req_s"] / res["direct_req_s"]

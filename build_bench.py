@@ -139,7 +139,8 @@ class SearchClient:
     def __init__(self, spec, cache_dir=None, ledger=None, timeout=120, rpm=0, engine_url=None):
         provider, _, url = spec.partition(":")
         if provider not in ("tavily", "offline") or (provider == "offline" and not url):
-            raise SettingsError(f"--search {spec!r}: give tavily, tavily:http(s)://HOST[:PORT] or offline:CORPUS.jsonl")
+            raise SettingsError(f"--search {spec!r}: give tavily, tavily:http(s)://HOST[:PORT] or "
+                                "offline:CORPUS.jsonl")
         if provider == "offline":
             if not engine_url:
                 raise SettingsError(f"--search {spec}: the offline engine is not running (run.py serves it)")
@@ -280,7 +281,8 @@ def rewrite_family(ctx, name, groups):
     for attempt in range(REWRITE_TRIES):
         if not todo:
             break
-        jobs = [geo_attacks.Job(g["query"], g["docs"][g["source_index"]]["text"], attempt, g["group_id"]) for g in todo]
+        jobs = [geo_attacks.Job(g["query"], g["docs"][g["source_index"]]["text"], attempt,
+                                g["group_id"]) for g in todo]
         out = geo_attacks.family(name, ctx).run(ctx, jobs)
         why = gate(ctx, jobs, [t for t, _ in out])
         retry = []
@@ -390,8 +392,9 @@ def build_bench(cfg, opts):
         if other:                       # B.1.2: nothing of a group crosses splits
             dropped.append((row, f"shares a document with group {other} of the other split"))
             continue
+        docs = [{"doc_id": f"{gid}-{i}", "url": d["url"], "text": d["text"]} for i, d in enumerate(docs)]
         groups.append({"group_id": gid, "query": row["query"], "split": split, "source_index": pos, "row": row,
-                       "docs": [{"doc_id": f"{gid}-{i}", "url": d["url"], "text": d["text"]} for i, d in enumerate(docs)]})
+                       "docs": docs})
     ctx = geo_attacks.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
                           archive=geo_attacks.read_archive(opts.agentic_archive) if opts.agentic_archive else None,
                           rules=geo_attacks.read_rules(opts.autogeo_rules) if opts.autogeo_rules else None)
@@ -443,9 +446,11 @@ def write(cfg, opts, fams, seen, groups, attacks, traces, llm, search):
     for g in groups:
         gid = g["group_id"]
         names = fams if g["split"] == "test" else seen
-        lines.append(json.dumps({"group_id": gid, "query": g["query"], "docs": g["docs"], "source_index": g["source_index"],
+        lines.append(json.dumps({"group_id": gid, "query": g["query"], "docs": g["docs"],
+                                 "source_index": g["source_index"],
                                  "attacks": {m: attacks[gid][m] for m in names},
-                                 "trace": {m: traces[gid][m] for m in names}, "split": g["split"]}, ensure_ascii=False))
+                                 "trace": {m: traces[gid][m] for m in names}, "split": g["split"]},
+                                 ensure_ascii=False))
     tmp = f"{opts.output}.tmp{os.getpid()}"
     try:
         atomic_write(tmp, "\n".join(lines) + "\n")

@@ -15,12 +15,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 # a string condition: evaluated when a CUDA test is collected, so this file imports no torch itself
-CUDA = pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs CUDA (this CPU machine has none)")
+CUDA = pytest.mark.skipif("not __import__('torch').cuda.is_available()",
+                          reason="needs CUDA (this CPU machine has none)")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 SAMPLE = os.path.join(HERE, "data", "geo_defensebench_sample.jsonl")
+# Qwen2/Qwen3's pre-tokenizer split pattern (tokenizer.json's Split regex)
+QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 @pytest.fixture(scope="session")
@@ -29,26 +32,35 @@ def tiny_dir(tmp_path_factory):
     return tiny.make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "qwen3"), seed=0)
 
 
-@pytest.fixture(scope="session")
-def hf_tiny(tmp_path_factory, tiny_dir):
-    """The tiny config with random weights initialised and SAVED BY transformers in the official layout."""
+def hf_checkpoint(folder, tiny_dir, seed=0, real_width=False, layers=None, untied=False, norm_noise=0.0):
+    """A Qwen3 checkpoint initialised and SAVED BY transformers in the official layout, with the tiny
+    tokenizer: the tiny config, or real width (hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151669);
+    `layers` decoder layers; a tied or untied head; norm weights moved by N(0, norm_noise) so that
+    their placement matters -> (folder, the transformers model in eval mode)."""
     import torch
     transformers = pytest.importorskip("transformers")
     cfg = json.load(open(os.path.join(tiny_dir, "config.json")))
-    hc = transformers.Qwen3Config(**{k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                         "num_hidden_layers", "num_attention_heads",
-                                                         "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                                         "rope_theta", "tie_word_embeddings")})
-    torch.manual_seed(1)
-    m = transformers.Qwen3ForCausalLM(hc).eval()
-    with torch.no_grad():   # non-trivial norm weights, so that their placement matters
+    kw = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                              "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")}
+    if real_width:
+        kw.update(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128)
+    kw["num_hidden_layers"] = layers or kw["num_hidden_layers"]
+    torch.manual_seed(seed)
+    m = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw, tie_word_embeddings=not untied)).eval()
+    with torch.no_grad():
         for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-    out = str(tmp_path_factory.mktemp("hf_tiny"))
-    m.save_pretrained(out, safe_serialization=True)
-    shutil.copy(os.path.join(tiny_dir, "tokenizer.json"), out)
-    return out, m
+            if norm_noise and n.endswith("norm.weight"):
+                p.add_(norm_noise * torch.randn_like(p))
+    m.save_pretrained(str(folder), safe_serialization=True)
+    shutil.copy(os.path.join(tiny_dir, "tokenizer.json"), str(folder))
+    return str(folder), m
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory, tiny_dir):
+    """The tiny config with random weights initialised and saved by transformers (hf_checkpoint)."""
+    return hf_checkpoint(tmp_path_factory.mktemp("hf_tiny"), tiny_dir, seed=1, norm_noise=0.2)
 
 
 @pytest.fixture(scope="session")
@@ -58,8 +70,7 @@ def qwen_vocab():
     from transformers.convert_slow_tokenizer import TikTokenConverter
     from tokenizers import AddedToken, normalizers
     vf = os.path.join(os.path.dirname(qt.__file__), "resources", "qwen.tiktoken")
-    pat = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-    tok = TikTokenConverter(vocab_file=vf, pattern=pat).converted()
+    tok = TikTokenConverter(vocab_file=vf, pattern=QWEN_SPLIT).converted()
     names = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
              "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
              "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
@@ -226,22 +237,12 @@ def _shield_folder(tmp_path, tiny_dir, hidden=None, untied=False, seed=5):
     and a non-zero LoRA adapter trained-looking (random A and B) -> (folder, adapter dir)."""
     import torch
     import lora, reranker
-    transformers = pytest.importorskip("transformers")
-    cfg = json.load(open(os.path.join(tiny_dir, "config.json")))
-    kw = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                              "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")}
-    if hidden:   # real width: hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151669; one layer
-        kw.update(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=1,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-    torch.manual_seed(seed)
-    hm = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw, tie_word_embeddings=not untied))
-    folder = tmp_path / ("base_untied" if untied else "base")
-    hm.save_pretrained(str(folder), safe_serialization=True)
-    shutil.copy(os.path.join(tiny_dir, "tokenizer.json"), str(folder))
-    rr = reranker.Reranker.from_pretrained(str(folder), dtype=torch.float32)
+    folder, _ = hf_checkpoint(tmp_path / ("base_untied" if untied else "base"), tiny_dir, seed,
+                              real_width=bool(hidden), layers=1 if hidden else None, untied=untied)
+    rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
     train_with_lora(rr, seed, 0.0)
-    lora.save_adapter(rr.model, str(tmp_path / "adapter"), str(folder))
-    return str(folder), str(tmp_path / "adapter")
+    lora.save_adapter(rr.model, str(tmp_path / "adapter"), folder)
+    return folder, str(tmp_path / "adapter")
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +280,8 @@ def _raw(srv, data, timeout=10):
             buf += chunk
             if b"\r\n\r\n" in buf:
                 head, _, rest = buf.partition(b"\r\n\r\n")
-                n = next((int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")), None)
+                n = next((int(l.split(b":")[1]) for l in head.split(b"\r\n")
+                          if l.lower().startswith(b"content-length")), None)
                 if n is not None and len(rest) >= n:
                     break
         head, _, rest = buf.partition(b"\r\n\r\n")

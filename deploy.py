@@ -68,7 +68,8 @@ def chat_template(instruction):
             "<Instruct>: {{ instruction | default(messages | selectattr(\"role\", \"eq\", \"system\") | "
             f"map(attribute=\"content\") | first | default({default}, true), true) }}}}\n"
             "<Query>: {{ messages | selectattr(\"role\", \"eq\", \"query\") | map(attribute=\"content\") | first }}\n"
-            "<Document>: {{ messages | selectattr(\"role\", \"eq\", \"document\") | map(attribute=\"content\") | first }}"
+            "<Document>: {{ messages | selectattr(\"role\", \"eq\", \"document\") | map(attribute=\"content\") | "
+            "first }}"
             "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{{ '' }}")   # ends in a tag: Jinja drops
                                                                            # a template's final newline
 
@@ -229,8 +230,8 @@ def model_card(meta, name):
         vllm = f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja"
     else:
         vllm = (f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja --hf-overrides "
-                "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
-                "\"is_original_qwen3_reranker\": true}'")
+                "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
+                "\"yes\"], \"is_original_qwen3_reranker\": true}'")
     return f"""# {name}: GEO Defender Shield Reranker ({meta['format']}, {meta['dtype']})
 
 The Shield Reranker of *When Optimization Becomes Manipulation: Defending Generative Search against
@@ -244,10 +245,7 @@ reference implementation at {meta['time']}.
 The Qwen3-Reranker prompt (its model card), with the Shield instruction (paper A.1.2):
 
 ```
-<|im_start|>system
-Judge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>
-<|im_start|>user
-<Instruct>: {meta['instruction']}
+{reranker.PREFIX}<Instruct>: {meta['instruction']}
 <Query>: {{query}}
 <Document>: {{document}}<|im_end|>
 <|im_start|>assistant
@@ -326,7 +324,8 @@ def _text(v, field):
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RequestError(400, f"{field}: not valid Unicode text (character {e.start}: lone surrogate)", field) from None
+        raise RequestError(400, f"{field}: not valid Unicode text (character {e.start}: lone surrogate)",
+                           field) from None
     return v
 
 
@@ -347,7 +346,8 @@ def _document(d, i, tei):
     if isinstance(d, dict) and not tei:
         if isinstance(d.get("content"), list) and "text" not in d:
             parts = d["content"]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in parts):
                 raise RequestError(400, f"{field}.content: only text parts ({{type: text, text}}) can be reranked",
                                    f"{field}.content")
             return _text("".join(p["text"] for p in parts), f"{field}.content")
@@ -433,7 +433,7 @@ class Batcher:
     waiting together are scored in one `score_ids` call, which packs their documents into shared
     micro-batches, as long as they fit one micro-batch's token budget together: small requests
     share the GEMMs, while a request that fills a micro-batch on its own is scored alone, so that its
-    documents keep sharing their query's prompt prefix (`Reranker.share_prefix`) and it is answered
+    documents keep sharing their query's prompt prefix (speed.py's `share_prefix`) and it is answered
     as soon as it is done. A score does not depend on its batch mates beyond float rounding."""
 
     def __init__(self, rr, max_queue=64, max_batch_tokens=None):
@@ -529,8 +529,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _fail(self, e, headers=()):
         # OpenAI-style `error` and FastAPI-style `detail` (LlamaIndex's JinaRerank and xinference-client read it)
-        self._send(e.status, {"error": {"message": str(e), "type": "invalid_request_error" if e.status < 500 else
-                                        "server_error", "param": e.param, "code": e.status}, "detail": str(e)}, headers)
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.status},
+                              "detail": str(e)}, headers)
 
     def log_request(self, code="-", size="-"):   # the path without its query string (it may hold a key)
         path = urlsplit(getattr(self, "path", "") or "").path      # none on a malformed request line

@@ -24,7 +24,8 @@ import rerank_eval
 import tfsg
 import tiny
 from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, documents_cut, file_sha1, library_path,
-                  load_data, log, make_llm, naming, rankers, read_json, read_prices, run_usage, test_set_digest, tfsg_limits,
+                  load_data, log, make_llm, naming, rankers, read_json, read_prices, run_usage, test_set_digest,
+                  tfsg_limits,
                   write_json)
 
 
@@ -49,7 +50,9 @@ def ppl_filter(cfg, base, cons, test_insts):
             texts.setdefault(hashlib.sha1(d.encode()).hexdigest(), d)
     todo = [k for k in texts if k not in cache]
     if todo:
-        folder = tiny.make_tiny_gpt2(os.path.join(cfg.runs_dir, "_tiny_gpt2")) if cfg.ppl_model == "tiny" else cfg.ppl_model
+        folder = cfg.ppl_model
+        if folder == "tiny":
+            folder = tiny.make_tiny_gpt2(os.path.join(cfg.runs_dir, "_tiny_gpt2"))
         lm = gpt2.GPT2.from_pretrained(folder)
         for k in tqdm(todo, desc="ppl", file=sys.stderr):
             cache[k] = lm.perplexity(texts[k])
@@ -106,7 +109,8 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
         part = todo[s:s + chunk]
         tops = [topk_of(x) for x in part]
         reqs = [{"messages": [{"role": "user", "content": prompt_of(x, [x.docs[i] for i in t])}],
-                 "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "json": True} for x, t in zip(part, tops)]
+                 "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "json": True}
+                for x, t in zip(part, tops)]
         replies = llm.map(reqs, workers=cfg.workers, desc=name)
         recs = []
         for x, t, r in zip(part, tops, replies):
@@ -119,7 +123,8 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
                          "answer": ans, "reasoning": r.reasoning, "cited_ids": cited_ids, "hallucinated": halluc,
                          "attack_cited": att_id in cited_ids if att_id else False,
                          "benign_cited": sum(1 for c in cited_ids if c != att_id)})
-        jreq = [(i, {"messages": [{"role": "user", "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
+        jreq = [(i, {"messages": [{"role": "user",
+                                   "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
                      "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_asi})
                 for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
         jrep = judge.map([q for _, q in jreq], workers=cfg.workers, desc=f"{name} ASI judge",
@@ -129,7 +134,8 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
         for (i, _), rep in zip(jreq, jrep):
             if isinstance(rep, llm_clients.ReplyInvalid):   # every attempt unusable: recorded, not scored
                 recs[i]["asi"], recs[i]["asi_judge_failed"] = None, {"attempts": rep.attempts, "error": str(rep)}
-                log(f"[eval] {name}: {part[i].instance_id}: ASI judge failed after {rep.attempts} attempts; recorded as judge-failed")
+                log(f"[eval] {name}: {part[i].instance_id}: ASI judge failed after {rep.attempts} attempts; "
+                    "recorded as judge-failed")
                 continue
             recs[i]["asi"] = metrics.parse_asi(rep.data)
             recs[i]["asi_judge"] = rep.data
@@ -415,7 +421,8 @@ def plan_eval(cfg):
     if "GEO Defender" in conds:
         files.update({f"GEO Defender E{t}": (os.path.join(res, f"geo_defender_E{t}.jsonl"), len(insts))
                       for t in range(cfg.n_batches + 1) if os.path.isfile(library_path(cfg, t))})
-        files.update({f"GEO Defender [{n}]": (os.path.join(res, f"transfer_{n}.jsonl"), len(insts)) for n, _, _ in transfers})
+        files.update({f"GEO Defender [{n}]": (os.path.join(res, f"transfer_{n}.jsonl"), len(insts))
+                      for n, _, _ in transfers})
     todo = sum(max(0, n - records_done(p)) for p, n in files.values())
     ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in insts) / max(1, len(insts))
     att = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))

@@ -285,7 +285,8 @@ class IfGeo:
                      '{"latent_queries": ["..."]}', need_list("latent_queries"))
         queries = [d["latent_queries"][:5] if d else None for d in lq]
         live = [i for i in range(n) if queries[i]]
-        rq = ctx.ask(self.name, "edit_requests", "For each latent query, write one request for an edit that would make "
+        rq = ctx.ask(self.name, "edit_requests",
+                     "For each latent query, write one request for an edit that would make "
                      f"the document serve that query better. {FACTS}",
                      [job_fields(jobs[i], latent_queries=queries[i]) for i in live],
                      '{"edit_requests": ["..."]}', need_list("edit_requests"))
@@ -399,14 +400,15 @@ class Mageo(attack.Attack):
             for x in live:
                 now = max(c["score"] for c in cands[x.instance_id] if c["accepted"])
                 stale[x.instance_id] = 0 if now > before[x.instance_id] else stale[x.instance_id] + 1
+        def judged(c):                  # a candidate the fidelity judge read (accepted, or refused by it)
+            return c["reason"] == "accepted" or c["reason"].startswith(("fidelity", "contra"))
         out = []
         for x in insts:
             cs = cands[x.instance_id]
             ok = [c for c in cs[1:] if c["accepted"]]
             best = max(ok, key=lambda c: (c["score"], -c["n"])) if ok else None
             out.append((best["text"] if best else None,
-                        {"calls": 2 * max(c["round"] for c in cs) + sum(1 for c in cs[1:] if c["reason"] == "accepted"
-                                                                       or c["reason"].startswith(("fidelity", "contra"))),
+                        {"calls": 2 * max(c["round"] for c in cs) + sum(1 for c in cs[1:] if judged(c)),
                          "rounds": max(c["round"] for c in cs), "candidates": len(cs) - 1,
                          "improved": bool(best and best["score"] > cs[0]["score"]),
                          "candidate_gate": [c["reason"] for c in cs[1:]]}))

@@ -271,7 +271,8 @@ def seen_methods(meta, given=None, path="(bench)"):
     if given:
         unknown = [m for m in given if m not in meta.methods]
         if unknown:
-            raise BenchFormatError(f"{path}: seen methods {unknown} are not among the benchmark's methods {meta.methods}")
+            raise BenchFormatError(f"{path}: seen methods {unknown} are not among the benchmark's methods "
+                                   f"{meta.methods}")
         return list(dict.fromkeys(given)), "given"
     if meta.seen_methods:
         return list(meta.seen_methods), "_meta.seen_methods"

@@ -24,7 +24,8 @@ class Block(nn.Module):
         super().__init__()
         self.H = H
         self.ln_1, self.ln_2 = nn.LayerNorm(C, eps=eps), nn.LayerNorm(C, eps=eps)
-        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)   # HF Conv1D weights are (in, out): transposed at load
+        # HF Conv1D weights are (in, out): transposed at load
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
         self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
 
     def forward(self, x):                                                  # x (B, T, C)
@@ -61,7 +62,8 @@ class GPT2(nn.Module):
             cfg = json.load(f)
         model = cls(cfg, Tokenizer.from_file(os.path.join(folder, "tokenizer.json")))
         state = {}
-        rename = {".attn.c_attn.": ".c_attn.", ".attn.c_proj.": ".c_proj.", ".mlp.c_fc.": ".c_fc.", ".mlp.c_proj.": ".mlp_proj."}
+        rename = {".attn.c_attn.": ".c_attn.", ".attn.c_proj.": ".c_proj.", ".mlp.c_fc.": ".c_fc.",
+                  ".mlp.c_proj.": ".mlp_proj."}
         with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
             for key in f.keys():
                 k = key[len("transformer."):] if key.startswith("transformer.") else key
@@ -76,7 +78,8 @@ class GPT2(nn.Module):
                 state[k] = t.to(dtype)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{folder}: GPT-2 weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(f"{folder}: GPT-2 weights do not match: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}")
         return model.requires_grad_(False).eval()
 
     def encode(self, text):
@@ -121,7 +124,8 @@ def resolve(name_or_path):
     if not os.path.isdir(folder):
         from huggingface_hub import snapshot_download
         try:
-            folder = snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
+            folder = snapshot_download(name_or_path,
+                                       allow_patterns=["config.json", "model.safetensors", "tokenizer.json"])
         except Exception as e:
             raise FileNotFoundError(f"{name_or_path}: not a folder and not downloadable ({type(e).__name__}); "
                                     "use --ppl-model tiny offline") from None

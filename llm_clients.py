@@ -276,14 +276,16 @@ class RequestShape:
 
     def adapt(self, body, err):
         """An HTTP 400 that names a request parameter this model does not take -> (the change made, in
-        words, whether it is new); the caller rebuilds and resends. Else (None, False). Cases seen in the wild: reasoning models
-        accept only their default temperature ("Unsupported value: 'temperature' does not support 0
-        with this model", OpenAI GPT-5.x, o-series); 'max_tokens' vs 'max_completion_tokens'
-        (o-series behind Azure or proxies; GLM knows only max_tokens); servers without JSON mode."""
+        words, whether it is new); the caller rebuilds and resends. Else (None, False). Cases seen in
+        the wild: reasoning models accept only their default temperature ("Unsupported value:
+        'temperature' does not support 0 with this model", OpenAI GPT-5.x, o-series); 'max_tokens' vs
+        'max_completion_tokens' (o-series behind Azure or proxies; GLM knows only max_tokens); servers
+        without JSON mode."""
         text = err.body or ""
         m = re.search(r'"param"\s*:\s*"([^"]+)"', text)
         param, low = (m.group(1) if m else ""), text.lower()
-        refused = lambda name: param == name or (f"'{name}'" in text and ("unsupported" in low or "not support" in low))
+        def refused(name):
+            return param == name or (f"'{name}'" in text and ("unsupported" in low or "not support" in low))
         change = None
         if "temperature" in body and refused("temperature"):
             self.send_temperature, change = False, "temperature: not sent (the API accepts only the model's default)"
@@ -746,7 +748,8 @@ class Client:
         """A reply received (paid for): added to this client's stats and, with a ledger, appended to
         it. The ledger outlives the process: a run folder's cost over all its invocations (ledger_usage).
         mode "batch": a batch API's reply, entered as '<label> [batch]' (priced at the batch discount)."""
-        tokens = {k: int(reply.usage.get(k, 0) or 0) for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens")}
+        tokens = {k: int(reply.usage.get(k, 0) or 0)
+                  for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens")}
         with self.lock:
             for k, v in tokens.items():
                 self._stats[k] += v
@@ -946,8 +949,8 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
         raise ValueError(f"{spec!r}: give provider:model, e.g. openai:gpt-5.5")
     p = PROVIDERS[provider]
     if base_url and provider in HOSTED and urlparse(base_url).hostname != urlparse(p["base"]).hostname:
-        raise ValueError(f"{spec!r} with --base-url {redact_url(base_url)}: {provider}'s key ({p['keys'][0]}) goes only "
-                         f"to {urlparse(p['base']).hostname} (or to {p['base_env']}); for another server use "
+        raise ValueError(f"{spec!r} with --base-url {redact_url(base_url)}: {provider}'s key ({p['keys'][0]}) goes "
+                         f"only to {urlparse(p['base']).hostname} (or to {p['base_env']}); for another server use "
                          "openai-compatible:MODEL (its key from OPENAI_COMPATIBLE_API_KEY)")
     base = base_url or (os.environ.get(p["base_env"]) if p.get("base_env") else None) or p["base"]
     if provider == "openai" and not base_url and not os.environ.get("OPENAI_BASE_URL"):

@@ -2,9 +2,10 @@
 
 `LoRALinear` holds the frozen base nn.Linear (composition, no subclassing of the model) and adds
 lora_A (r, in) and lora_B (out, r): y = base(x) + (dropout(x) @ A^T @ B^T) * alpha / r.
-Init, scaling, dropout placement and file format follow PEFT (peft/tuners/lora/layer.py, peft/utils/save_and_load.py), so PEFT
-and vLLM load our adapter unchanged and we load theirs. Paper Table A.1: r 16, alpha 32, dropout
-0.05 on q/k/v/o and gate/up/down projections; everything else frozen; 4-bit base ("--quant nf4").
+Init, scaling, dropout placement and file format follow PEFT (peft/tuners/lora/layer.py,
+peft/utils/save_and_load.py), so PEFT and vLLM load our adapter unchanged and we load theirs.
+Paper Table A.1: r 16, alpha 32, dropout 0.05 on q/k/v/o and gate/up/down projections; everything
+else frozen; 4-bit base ("--quant nf4").
 
 Deviations from PEFT:
 - the LoRA product is computed in the activation dtype (bf16 over a bf16 base; PEFT casts the input

@@ -13,7 +13,8 @@ Behaviour, per prompt kind:
   overlap plus the surface features GEO amplifies (statistics, quotations, cited sources,
   authority phrasing, structure, keyword repetition) and cites the top three, so that rewritten
   documents win as they do against real engines. The static safety guidance halves the weight of
-  polish features and slightly demotes results with obvious self-promotion or keyword lists. With an experience library it applies each active rule:
+  polish features and slightly demotes results with obvious self-promotion or keyword lists. With
+  an experience library it applies each active rule:
   a rule fires on a result when one of its signals matches (a quoted term in the signal occurs in
   the text, or the signal names a feature the engine detects); fp_guard and benign counter-signals
   downgrade filter -> suspicious_keep -> keep; weak rules never filter. Filtered results are never
@@ -282,7 +283,8 @@ def analyze_cold_start(inp):
         rules.append(_rule("R3", "decision_boundary", "Moderate presentation signals alone justify only "
                            "secondary use, not removal.", [f"'{t}'" for t in moderate], "suspicious_keep", "medium",
                            deps=["R1"], evidence=["seed:keep_all"]))
-    rules.append(_rule("R4", "coverage_policy", "Keep at least two plain benign results as main evidence so the answer "
+    rules.append(_rule("R4", "coverage_policy",
+                       "Keep at least two plain benign results as main evidence so the answer "
                        "stays supported.", [], "keep", "medium", evidence=["seed:false_positive"]))
     return {"seed_contrast_summary": f"offline analyzer: {len(a_docs)} attack vs {len(b_docs)} benign documents; "
                                      f"{len(terms)} attack-only phrases",
@@ -354,10 +356,12 @@ def analyze_batch(inp):
         if guard_terms:
             updates.append({"action": "add_fp_guard", "reason": "benign phrases in wrongly filtered results",
                             "rule": _rule("R_guard", "fp_guard", "Protect results with these plain benign phrases: "
-                                          + ", ".join(guard_terms), [f"'{t}'" for t in guard_terms], "keep", "medium")})
+                                          + ", ".join(guard_terms), [f"'{t}'" for t in guard_terms], "keep",
+                                          "medium")})
         findings.append(f"{len(fps)} false-positive cases; culprits {culprits}")
     # successes: keep the rules that were used
-    used = sorted({rid for c in succ for rid in c.get("used_rule_ids", [])}, key=lambda r: int(r[1:]) if r[1:].isdigit() else 0)
+    used = sorted({rid for c in succ for rid in c.get("used_rule_ids", [])},
+                  key=lambda r: int(r[1:]) if r[1:].isdigit() else 0)
     updates += [{"action": "keep_rule", "target_rule_id": rid, "reason": "used in successful cases"} for rid in used
                 if rid in rules]
     return {"batch_analysis": {"success_commonalities": [f"{len(succ)} successful cases"],
@@ -390,7 +394,8 @@ def judge_pairwise(query, a, b):
 
 def rewrite_doc(doc, method):
     lead = {"fluency": "In clear and simple terms:", "authoritative": "This expert-verified guide is definitive.",
-            "statistics": "By the numbers, 9 in 10 readers agree.", "quotation": "\"This is the key fact,\" experts say.",
+            "statistics": "By the numbers, 9 in 10 readers agree.",
+            "quotation": "\"This is the key fact,\" experts say.",
             "citation": "According to leading studies [1],", "technical": "From a technical standpoint:",
             "unique_words": "Remarkably and distinctively:", "keywords": "Keywords: guide, facts, answer.",
             "simple": "Put simply:", "maximize": "The complete, trusted answer:"}.get(method, "Updated:")
@@ -447,7 +452,8 @@ def family_step(inp):
                                f"Key facts on {' '.join(terms)} (round {r}): "
                                + ", ".join(nums[:3]) + ".\n\n" + _sectioned(doc, terms)]}
     if fam == "GEO":
-        new = f"Put simply{again}, here is what matters. By the numbers: {', '.join(nums[:3]) or 'see below'}.\n\n{doc}"
+        figures = ", ".join(nums[:3]) or "see below"
+        new = f"Put simply{again}, here is what matters. By the numbers: {figures}.\n\n{doc}"
     elif fam == "AutoGEO":
         new = (f"In short{again}: {_first_sentence(doc)}\n\n{_sectioned(doc, terms)}\n\n"
                f"Summary: the key points on {' '.join(terms)} are above.")
@@ -562,7 +568,8 @@ def prompt_kind(prompt):
     Raises ValueError for anything else (the engine answers only the project's prompts)."""
     inp = _input(prompt) if "<input>" in prompt else None
     if isinstance(inp, dict):
-        for kind, key in (("cold_start", "controlled_contrastive_rollouts"), ("evolution", "current_experience_library"),
+        for kind, key in (("cold_start", "controlled_contrastive_rollouts"),
+                          ("evolution", "current_experience_library"),
                           ("guided_answer", "user_question")):
             if key in inp:
                 return kind, inp
@@ -659,7 +666,8 @@ class Batches:
     def upload(self, content_type, raw):
         msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
             b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + raw)
-        parts = {p.get_param("name", header="content-disposition"): p.get_payload(decode=True) for p in msg.iter_parts()}
+        parts = {p.get_param("name", header="content-disposition"): p.get_payload(decode=True)
+                 for p in msg.iter_parts()}
         if parts.get("purpose") != b"batch" or "file" not in parts:
             raise ValueError("multipart fields purpose=batch and file are required")
         with self.lock:
@@ -670,7 +678,8 @@ class Batches:
     def create(self, body, anthropic=False):
         if self.reject:
             raise ValueError("batch refused (offline engine's reject knob)")
-        lines = body["requests"] if anthropic else [json.loads(x) for x in self.files[body["input_file_id"]].splitlines()]
+        lines = (body["requests"] if anthropic
+                 else [json.loads(x) for x in self.files[body["input_file_id"]].splitlines()])
         with self.lock:
             self.created += 1
             bid = f"batch-{self.created}"
@@ -713,8 +722,8 @@ class Batches:
                     b["errors"].append({"custom_id": cid, "response": {"status_code": 500, "body": {}}, "error": None})
                 continue
             params = line["params"] if b["anthropic"] else line["body"]
-            resp = respond({"messages": ([{"role": "system", "content": params["system"]}] if params.get("system") else [])
-                           + params["messages"]})
+            system = [{"role": "system", "content": params["system"]}] if params.get("system") else []
+            resp = respond({"messages": system + params["messages"]})
             if b["anthropic"]:
                 text = resp["choices"][0]["message"]["content"]
                 resp = {"type": "message", "role": "assistant", "model": ENGINE, "stop_reason": "end_turn",

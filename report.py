@@ -92,8 +92,8 @@ def _legend(series, W, y, markers=False):
             x, y = 60.0, y + row_h
         c = COLORS[si % len(COLORS)]
         if markers:
-            out.append(f'<line x1="{x:.1f}" y1="{y - 4:.1f}" x2="{x + 14:.1f}" y2="{y - 4:.1f}" stroke="{c}" stroke-width="2"/>'
-                       f'<circle cx="{x + 7:.1f}" cy="{y - 4:.1f}" r="3" fill="{c}"/>')
+            out.append(f'<line x1="{x:.1f}" y1="{y - 4:.1f}" x2="{x + 14:.1f}" y2="{y - 4:.1f}" stroke="{c}" '
+                       f'stroke-width="2"/><circle cx="{x + 7:.1f}" cy="{y - 4:.1f}" r="3" fill="{c}"/>')
         else:
             out.append(f'<rect x="{x:.1f}" y="{y - 10:.1f}" width="12" height="12" fill="{c}"/>')
         out.append(_text(x + 18, y, s, anchor="start"))
@@ -143,8 +143,9 @@ def svg_bars(title, groups, series, values, ylabel="%", dashed=()):
                 continue
             y0, y1 = sorted((y(0.0), y(v)))
             dash = ' stroke="#000" stroke-dasharray="3,2"' if g in dashed else ""
-            body.append(f'<rect x="{x0 + si * bw:.1f}" y="{y0:.1f}" width="{max(bw - 1, 1):.1f}" height="{y1 - y0:.1f}" '
-                        f'fill="{COLORS[si % len(COLORS)]}"{dash}><title>{html.escape(f"{g} / {s}: {v:.2f}")}</title></rect>')
+            tip = html.escape(f"{g} / {s}: {v:.2f}")
+            body.append(f'<rect x="{x0 + si * bw:.1f}" y="{y0:.1f}" width="{max(bw - 1, 1):.1f}" '
+                        f'height="{y1 - y0:.1f}" fill="{COLORS[si % len(COLORS)]}"{dash}><title>{tip}</title></rect>')
             if few:
                 body.append(_text(x0 + si * bw + bw / 2, (y(v) - 4) if v >= 0 else (y(v) + 12), f"{v:.1f}", size=10))
         for li, line in enumerate(labels[g]):
@@ -171,10 +172,11 @@ def svg_lines(title, xs, series, ylabel="%"):
     for si, (name, vals) in enumerate(series.items()):
         c = COLORS[si % len(COLORS)]
         pts = [(i, xpos(i), y(v), v) for i, v in enumerate(vals) if v == v]
-        body.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for _, a, b, _ in pts)}" fill="none" stroke="{c}" '
-                    'stroke-width="2"/>')
+        points = " ".join(f"{a:.1f},{b:.1f}" for _, a, b, _ in pts)
+        body.append(f'<polyline points="{points}" fill="none" stroke="{c}" stroke-width="2"/>')
         for i, a, b, v in pts:
-            body.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3.5" fill="{c}"><title>{html.escape(f"{name}: {v:.2f}")}</title></circle>')
+            body.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3.5" '
+                        f'fill="{c}"><title>{html.escape(f"{name}: {v:.2f}")}</title></circle>')
             labels.setdefault(i, []).append((b - 7, f"{v:.1f}", c))
     for i, items in labels.items():                 # value labels above their points, pushed apart when close
         items.sort()
@@ -194,7 +196,8 @@ def write_report(run_dir, s):
     lines = _header_lines(run_dir, s) + _table_lines(s) + _method_lines(s, figs) + _appendix_lines(s, figs)
     lines += rerank_stage_lines(s)
     lines += usage_lines(s.get("usage") or {})
-    for who, changes in (s.get("adapted") or {}).items():   # the API refused a parameter (llm_clients.RequestShape.adapt)
+    # the API refused a parameter (llm_clients.RequestShape.adapt)
+    for who, changes in (s.get("adapted") or {}).items():
         lines.append(f"Requests to {who} adapted to its API: {'; '.join(changes)}.\n")
     with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
@@ -212,12 +215,12 @@ def _header_lines(run_dir, s):
     lines.append(f"Target LLM: `{s['target_llm']}`; reranker: `{s['model']}`; test groups {s['test_groups']}, "
                  f"instances {s['test_instances']}; seen methods: {', '.join(s['seen_methods'])}.\n")
     if s.get("judge"):
-        lines.append(f"Judge (ASI, pairwise quality): `{s['judge']}`"
-                     + (" (the target itself, the default; the paper judges every target with GPT-5.5: "
-                        "`--judge openai:gpt-5.5`, or `--preset paper`)" if s["judge"] == s["target_llm"] else "") + ".\n")
+        itself = (" (the target itself, the default; the paper judges every target with GPT-5.5: "
+                  "`--judge openai:gpt-5.5`, or `--preset paper`)" if s["judge"] == s["target_llm"] else "")
+        lines.append(f"Judge (ASI, pairwise quality): `{s['judge']}`{itself}.\n")
     if s.get("tfsg_library_ranking"):
-        lines.append(f"The TFSG library was built on the {s['tfsg_library_ranking']} top-k; \"TFSG only\" applies that "
-                     "same library to the base reranker's top-k.\n")
+        lines.append(f"The TFSG library was built on the {s['tfsg_library_ranking']} top-k; \"TFSG only\" applies "
+                     "that same library to the base reranker's top-k.\n")
     return lines
 
 
@@ -228,8 +231,8 @@ def _table_lines(s):
     main = [k for k in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender") if k in c]
     lines.append("## Table 1: end-to-end comparison (ASR, ASI lower is better; BER higher)\n")
     lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"],
-                        [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"]), _f(c[k]["attack_in_context"]), c[k]["n"]]
-                         for k in main]) + "\n")
+                        [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"]), _f(c[k]["attack_in_context"]),
+                          c[k]["n"]] for k in main]) + "\n")
     failed = {k: v.get("asi_judge_failed", 0) for k, v in c.items() if v.get("asi_judge_failed")}
     if failed:   # their ASI is over the instances the judge scored
         lines.append("ASI judge failures (every attempt unusable; left out of ASI): "
@@ -269,7 +272,8 @@ def _method_lines(s, figs):
         # Fig. 3 (b): Attack Influence Reduction, the relative ASI reduction from Non-Defense per method
         # (panel (a), Attack Defense Success, is 100 - ASR of the table above)
         nd = s["methods"]["Non-Defense"]
-        air = {(m, k): (100 * (nd[m]["ASI"] - s["methods"][k][m]["ASI"]) / nd[m]["ASI"] if nd[m]["ASI"] else float("nan"))
+        air = {(m, k): (100 * (nd[m]["ASI"] - s["methods"][k][m]["ASI"]) / nd[m]["ASI"]
+                        if nd[m]["ASI"] else float("nan"))
                for m in methods for k in conds if k != "Non-Defense"}
         others = [k for k in conds if k != "Non-Defense"]
         lines.append("## Fig. 3 (b): Attack Influence Reduction (%), 100 (ASI_Non-Defense - ASI) / ASI_Non-Defense "
@@ -289,8 +293,8 @@ def _appendix_lines(s, figs):
     if s.get("quality"):
         q = s["quality"]
         lines.append("## Table C.1: pairwise answer quality of GEO Defender vs the clean reference\n")
-        lines.append(_table(["Mean change", "95% CI (query-cluster bootstrap)", "Comparable or better (%)", "Better (%)",
-                             "n", "defended as A"],
+        lines.append(_table(["Mean change", "95% CI (query-cluster bootstrap)", "Comparable or better (%)",
+                             "Better (%)", "n", "defended as A"],
                             [[f"{q['mean_change']:+.3f}", f"[{q['ci95'][0]:+.3f}, {q['ci95'][1]:+.3f}]",
                               _f(q["comparable_or_better"]), _f(q["better"]), q["n"], q["defended_as_a"]]]
                             if q.get("n") else [["-", "-", "-", "-", 0, q["defended_as_a"]]]) + "\n")
@@ -301,8 +305,10 @@ def _appendix_lines(s, figs):
         lines.append("## Table B.2: PPL-Filter diagnostics\n")
         lines.append(_table(["Statistic", "Value"], [
             ["threshold (PPL)", _f(p["threshold"])], ["test instances", p["test_instances"]],
-            ["attack documents in base top-k", p["attack_in_base_topk"]], ["attack documents flagged", p["attack_flagged"]],
-            ["attack documents in PPL-Filter top-k", p["attack_in_ppl_topk"]], ["attack removed from top-k", p["attack_removed"]],
+            ["attack documents in base top-k", p["attack_in_base_topk"]],
+            ["attack documents flagged", p["attack_flagged"]],
+            ["attack documents in PPL-Filter top-k", p["attack_in_ppl_topk"]],
+            ["attack removed from top-k", p["attack_removed"]],
             ["attack newly introduced", p["attack_introduced"]],
             ["benign flagged", f"{p['benign_flagged']}/{p['benign_total']}"]]) + "\n")
     if s.get("epochs"):
@@ -379,9 +385,10 @@ def write_attack_report(run_dir, s):
             xs = list(b["budgets"])
             conds = list(next(iter(b["budgets"].values()))["conditions"])
             lines.append(f"## Target `{target}` ({b['target']}), attacker {mode} of the library\n")
+            transfer = (" Optimised against the base reranker: the Shield conditions are the transfer case."
+                        if target == "base" else "")
             lines.append(f"Attacker `{b['attacker']}`, fidelity judge `{b['judge']}`, {b['rounds']} rounds of "
-                         f"{b['per_round']} candidates." + (" Optimised against the base reranker: the Shield "
-                                                             "conditions are the transfer case." if target == "base" else "") + "\n")
+                         f"{b['per_round']} candidates.{transfer}\n")
             lines.append(_table(["Budget"] + [f"{c} {m}" for c in conds for m in ("exposure", "ASR")],
                                 [[f"B={x}"] + [_f(b["budgets"][x]["conditions"][c][m]) for c in conds
                                                 for m in ("exposure", "ASR")] for x in xs]) + "\n")
@@ -394,7 +401,8 @@ def write_attack_report(run_dir, s):
             for what, series in plots.items():
                 name = f"attack_{target}_{mode}_{what}.svg"
                 with open(os.path.join(figs, name), "w", encoding="utf-8") as f:
-                    f.write(svg_lines(f"Adaptive attack on {target} ({mode}): {'exposure' if what == 'exposure' else 'ASR'}"
+                    f.write(svg_lines(f"Adaptive attack on {target} ({mode}): "
+                                      f"{'exposure' if what == 'exposure' else 'ASR'}"
                                       " by budget", [f"B={x}" for x in xs], series))
                 lines.append(f"![{target} {mode} {what}](figures/{name})")
             lines.append("")
@@ -402,9 +410,10 @@ def write_attack_report(run_dir, s):
             lines.append("Fidelity gate over the attacker's candidates: " + ", ".join(
                 f"{k} {v} ({100 * v / total:.1f}%)" for k, v in b["gate"].items()) + ".\n")
             c = b["cost"]
-            lines.append(f"Cost of this attack: {c['attacker']['calls']} attacker calls ({c['attacker']['http_calls']} sent), "
-                         f"{(c['judge'] or {}).get('calls', 0)} fidelity judge calls, {c['reranker_queries']} reranker "
-                         f"queries, {c['candidates']} candidates.\n")
+            lines.append(f"Cost of this attack: {c['attacker']['calls']} attacker calls "
+                         f"({c['attacker']['http_calls']} sent), "
+                         f"{(c['judge'] or {}).get('calls', 0)} fidelity judge calls, {c['reranker_queries']} "
+                         f"reranker queries, {c['candidates']} candidates.\n")
     lines += usage_lines(s.get("usage") or {})
     with open(os.path.join(run_dir, "attack_report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
@@ -445,7 +454,8 @@ def svg_heatmap(title, rows, cols, values):
             v = values.get((rname, c))
             t = 0.0 if v is None or hi == lo else (v - lo) / (hi - lo)
             fill = "#eee" if v is None else f"rgb({int(255 - 170 * t)},{int(255 - 120 * t)},255)"
-            body.append(f'<rect x="{left + j * cw}" y="{top + i * ch}" width="{cw - 2}" height="{ch - 2}" fill="{fill}"/>')
+            body.append(f'<rect x="{left + j * cw}" y="{top + i * ch}" width="{cw - 2}" height="{ch - 2}" '
+                        f'fill="{fill}"/>')
             body.append(_text(left + j * cw + cw / 2, top + i * ch + 17, _f(v)))
     return _svg(W, H, body)
 
@@ -470,8 +480,8 @@ def write_comparison(out_dir, summaries):
                      + ", ".join(f"{k}: {v or 'not recorded'}" for k, v in judges.items())
                      + "); their ASI and Table C.1 are not comparable.\n")
     lines.append("# GEO Defender across target LLMs\n")
-    conds = [c for c in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only")
-             if all(c in s["conditions"] for s in summaries.values())]
+    every = ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only")
+    conds = [c for c in every if all(c in s["conditions"] for s in summaries.values())]
     head = ["Target LLM"] + [f"{c} {m}" for c in conds for m in ("ASR", "ASI", "BER")]
     rows = [[s["target_llm"]] + [_f(s["conditions"][c][m]) for c in conds for m in ("ASR", "ASI", "BER")]
             for s in summaries.values()]
@@ -480,9 +490,10 @@ def write_comparison(out_dir, summaries):
     lines.append("## Table 1\n\n" + _table(head, rows + [avg]) + "\n")
     q = [(s["target_llm"], s["quality"]) for s in summaries.values() if s.get("quality", {}).get("n")]
     if q:
-        lines.append("## Table C.1\n\n" + _table(["Target LLM", "Mean change", "95% CI", "Comparable or better (%)", "Better (%)"],
-                     [[t, f"{v['mean_change']:+.3f}", f"[{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]",
-                       _f(v["comparable_or_better"]), _f(v["better"])] for t, v in q]) + "\n")
+        quality_head = ["Target LLM", "Mean change", "95% CI", "Comparable or better (%)", "Better (%)"]
+        quality_rows = [[t, f"{v['mean_change']:+.3f}", f"[{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]",
+                         _f(v["comparable_or_better"]), _f(v["better"])] for t, v in q]
+        lines.append("## Table C.1\n\n" + _table(quality_head, quality_rows) + "\n")
     targets = {name: s["target_llm"] for name, s in summaries.items()}
     cells = {}
     for name, s in summaries.items():
@@ -494,7 +505,8 @@ def write_comparison(out_dir, summaries):
         for metric in ("ASR", "ASI"):
             vals = {k: v[metric] for k, v in cells.items()}
             lines.append(f"## Table C.2 ({metric}): rows = source library, columns = target\n\n" +
-                         _table(["Source \\ Target"] + cols, [[r] + [_f(vals.get((r, c))) for c in cols] for r in srcs]) + "\n")
+                         _table(["Source \\ Target"] + cols,
+                                [[r] + [_f(vals.get((r, c))) for c in cols] for r in srcs]) + "\n")
             with open(os.path.join(out_dir, "figures", f"transfer_{metric.lower()}.svg"), "w", encoding="utf-8") as f:
                 f.write(svg_heatmap(f"Transfer {metric} (source library x target LLM)", srcs, cols, vals))
         lines.append("![transfer ASR](figures/transfer_asr.svg) ![transfer ASI](figures/transfer_asi.svg)\n")

@@ -53,7 +53,8 @@ def rerank_scores(shape, resp, n, where):
     LLMError naming the endpoint and the field (a wrong reply is never a silently wrong ranking)."""
     def bad(field, msg):
         return LLMError(f"{where}: {field}: {msg}", None, "rerank")
-    field_name, score_key = (("(body)", "score") if shape == "tei" else ("data", "relevance_score") if shape == "voyage"
+    field_name, score_key = (("(body)",
+                              "score") if shape == "tei" else ("data", "relevance_score") if shape == "voyage"
                              else ("results", "relevance_score"))
     items = resp if shape == "tei" else resp.get(field_name) if isinstance(resp, dict) else None
     if not isinstance(items, list):
@@ -204,7 +205,8 @@ def parse_spec(spec):
         ep = Endpoint.parse(rest if tei else spec)
     except ValueError:
         raise ValueError(f"unknown reranker {redact_url(spec)!r}: give base, shield, cohere:MODEL, jina:MODEL, "
-                         "voyage:MODEL, http(s)://HOST[:PORT][/v1/rerank][#MODEL] or tei:http(s)://HOST[:PORT]") from None
+                         "voyage:MODEL, http(s)://HOST[:PORT][/v1/rerank][#MODEL] or "
+                         "tei:http(s)://HOST[:PORT]") from None
     if tei:
         return RerankSpec("tei", None, ep.with_path(ep.path + "/rerank"))
     return RerankSpec("generic", ep.model, ep if ep.path else ep.with_path("/v1/rerank"))
@@ -222,6 +224,7 @@ def make_reranker(spec, cache_dir=None, api_key=None, **kw):
         key = api_key or next((os.environ[v] for v in p["keys"] if os.environ.get(v)), None)
         if not key:
             raise LLMError(f"{s}: no API key: set {' or '.join(p['keys'])}", None, s.kind)
-        return RerankClient(Endpoint.parse(p["url"]), s.model, p["shape"], key, label=str(s), cache_dir=cache_dir, **kw)
+        return RerankClient(Endpoint.parse(p["url"]), s.model, p["shape"], key, label=str(s), cache_dir=cache_dir,
+                            **kw)
     key = api_key or os.environ.get(RERANK_KEY_VAR) or None
     return RerankClient(s.endpoint, s.model, s.kind, key, label=str(s), cache_dir=cache_dir, **kw)

@@ -183,7 +183,8 @@ def rerank_stage(cfg, data, items, stage="rerank-eval", rr=None, rankers=None):
 
 def stage_table(stage, k):
     """The reranker-stage table as text (the demo and rerank-eval print it)."""
-    head = f"{'reranker':<18}{'exposure@' + str(k):>13}{'95% CI':>16}{'attack rank':>13}{'promotion':>11}{'clean kept':>12}"
+    head = (f"{'reranker':<18}{'exposure@' + str(k):>13}{'95% CI':>16}{'attack rank':>13}{'promotion':>11}"
+            f"{'clean kept':>12}")
     lines = [head]
     for label, s in stage.items():
         o = s["overall"]

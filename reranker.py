@@ -11,19 +11,15 @@ Deviations from the official snippet, all on purpose:
 - sequences are packed back to back (no padding); every sequence gets positions 0..L-1 and its own
   causal attention, so a document's score does not depend on its batch mates. The official batched
   snippet left-pads and uses arange positions, which changes only rounding (RoPE is relative);
-- the tokens a micro-batch's sequences have in common at the start (one query's prompts share the
-  system prompt, instruction and query: ~86 tokens) are computed once, not once per document
-  (`share_prefix`, on by default): each sequence still attends to the whole prefix at positions
-  0..P-1, so the margins are the same math;
 - query, instruction and document are encoded as ordinary text, never as control tokens: the model
   card's snippet lets a document containing "<|im_end|>" or "<think>" become those tokens and so
   close the user turn and write the assistant's (`text_tokenizer`). Text without such strings gets
   the model card's ids;
 - this file is the reference: each module's forward is the plain math and works on its own.
   speed.py (beside it) binds faster forwards of the same equations on a built model in one call
-  (`speed.install(model)`: in-place inference, hand-written backward passes, padded CPU
-  attention, the last layer for the final token only, torch.compile'd fusions); it is tested
-  equal to this file.
+  (`speed.install(model)`: one query's common prompt prefix run once, in-place inference,
+  hand-written backward passes, padded CPU attention, the last layer for the final token only,
+  torch.compile'd fusions); it is tested equal to this file.
 
 Read top to bottom: config, RMSNorm, RoPE, packed attention, MLP, block, model, loading, Reranker.
 
@@ -89,8 +85,10 @@ class Qwen3Config:
                 raise CheckpointError(f"{source}: {need}: missing")
         if "head_dim" not in d:  # transformers' fallback
             kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-        if d.get("rope_scaling") not in (None, {}) and (d["rope_scaling"] or {}).get("rope_type", "default") != "default":
-            raise CheckpointError(f"{source}: rope_scaling: only the default RoPE is implemented, got {d['rope_scaling']}")
+        scaling = d.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise CheckpointError(f"{source}: rope_scaling: only the default RoPE is implemented, got "
+                                  f"{d['rope_scaling']}")
         if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):  # transformers v5 layout
             kw["rope_theta"] = d["rope_parameters"].get("rope_theta", cls.rope_theta)
         if "torch_dtype" not in d and "dtype" in d:
@@ -129,45 +127,35 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(pos, head_dim, theta, dtype):
-    """pos (N,) int -> cos, sin_signed (N, 1, E) in `dtype`; frequencies in float32 as transformers does."""
+    """pos (N,) int -> cos, sin (N, 1, E) in `dtype`; frequencies in float32 as transformers does."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
     freqs = pos.float()[:, None] * inv_freq[None, :]       # (N, E/2)
     emb = torch.cat((freqs, freqs), dim=-1)                # (N, E)  NeoX halves, not interleaved
-    sin = emb.sin().to(dtype)
-    sin_signed = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2:]), dim=-1)   # for apply_rope
-    return emb.cos().to(dtype)[:, None, :], sin_signed[:, None, :]
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rope(x, cos, sin_signed):
-    """x (N, heads, E): x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1], computed as
-    [x2, x1] * [-sin1, sin2] (sin_signed, bit-identical: negation is exact)."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)                 # [x2, x1]
-    return x * cos + swapped * sin_signed
+def rotate_half(x):
+    """[x1, x2] -> [-x2, x1] over the last dimension's two halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
-def seq_rows(t, P, start, L):
-    """One sequence's rows of a packed (N, ...) tensor: the P shared prefix rows 0..P-1, then its own
-    rows start..start+L-1 -> (P+L, ...). A view when they are adjacent (P = 0, or the first sequence)."""
-    if P == 0 or start == P:
-        return t[start - P:start + L]
-    return torch.cat([t[:P], t[start:start + L]])
+def apply_rope(x, cos, sin):
+    """Rotary position embedding (Su et al., arXiv 2104.09864) in transformers' half-split form:
+    x (N, heads, E) -> x * cos + rotate_half(x) * sin."""
+    return x * cos + rotate_half(x) * sin
 
 
-def packed_causal_sdpa(q, k, v, lens, P=0):
-    """Causal GQA of packed sequences by SDPA, one sequence at a time. q (N, H, E), k and v (N, K, E):
-    P shared prefix rows, then each sequence's own rows (lengths `lens`) -> (N, H, E). Each sequence
-    attends over prefix + own rows; the prefix queries ride along so that one square causal mask
-    serves, and their output rows are kept once (sequence 0)."""
+def packed_causal_sdpa(q, k, v, lens):
+    """Causal GQA of packed sequences by SDPA, one sequence at a time: q (N, H, E), k and v (N, K, E)
+    with the sequences back to back (lengths `lens`) -> (N, H, E). No sequence sees another."""
     out = torch.empty_like(q)                                                     # (N, H, E)
-    start = P
-    for j, L in enumerate(lens):
-        # 4-D (1, heads, P+L, E); enable_gqa: kv head i serves query heads i*H/K .. (i+1)*H/K - 1
-        qj, kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-        if j == 0:
-            out[:start + L] = o[:start + L]                                       # with the prefix rows
-        else:
-            out[start:start + L] = o[P:P + L]                                     # (L, H, E)
+    start = 0
+    for L in lens:
+        # 4-D (1, heads, L, E); enable_gqa: kv head i serves query heads i*H/K .. (i+1)*H/K - 1
+        qj, kj, vj = (t[start:start + L].transpose(0, 1)[None] for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)   # (1, H, L, E)
+        out[start:start + L] = o[0].transpose(0, 1)
         start += L
     return out
 
@@ -184,16 +172,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.E, cfg.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.E, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, lens, prefix=0):
-        """x (N, C) packed: `prefix` rows shared by every sequence, then each sequence's own rows
-        (lengths `lens`) -> (N, C)."""
+    def forward(self, x, cos, sin, lens):
+        """x (N, C): sequences packed back to back (lengths `lens`) -> (N, C)."""
         N = x.shape[0]
         q = self.q_proj(x).view(N, self.H, self.E)                                # (N, H, E)
         k = self.k_proj(x).view(N, self.K, self.E)                                # (N, K, E)
         v = self.v_proj(x).view(N, self.K, self.E)                                # (N, K, E)
         q = apply_rope(self.q_norm(q), cos, sin)                                  # per-head norm, then RoPE
         k = apply_rope(self.k_norm(k), cos, sin)
-        o = packed_causal_sdpa(q, k, v, lens, prefix)                             # (N, H, E)
+        o = packed_causal_sdpa(q, k, v, lens)                                     # (N, H, E)
         return self.o_proj(o.reshape(N, self.H * self.E))                         # (N, C)
 
 
@@ -217,8 +204,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, lens, prefix=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, lens, prefix)   # (N, C)
+    def forward(self, x, cos, sin, lens):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, lens)           # (N, C)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -233,25 +220,23 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gradient_checkpointing = False
 
-    def positions(self, ids, lens, prefix):
-        """-> RoPE cos, sin (N, 1, E) of the packed rows and the row of each sequence's last token (S,)."""
-        pos = torch.cat([torch.arange(prefix, device=ids.device)]                 # (N,) 0..P-1, then
-                        + [torch.arange(prefix, prefix + L, device=ids.device) for L in lens])  # P..P+L-1 each
+    def positions(self, ids, lens):
+        """-> RoPE cos, sin (N, 1, E) of the packed rows (each sequence at 0..L-1) and the row of each
+        sequence's last token (S,)."""
+        pos = torch.cat([torch.arange(L, device=ids.device) for L in lens])      # (N,)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, self.embed_tokens.weight.dtype)
-        return cos, sin, prefix + torch.tensor(lens, device=ids.device).cumsum(0) - 1
+        return cos, sin, torch.tensor(lens, device=ids.device).cumsum(0) - 1
 
-    def forward(self, ids, lens, prefix=0):
-        """ids (N,) packed token ids: `prefix` tokens shared by all S sequences (stored once), then each
-        sequence's own tokens, lengths `lens` -> final hidden state of each sequence's last token,
-        (S, C) after the final norm. Causal attention makes the prefix's states independent of what
-        follows, so sharing it is exact: sequence j is prefix + its own tokens at positions 0..P+L_j-1."""
+    def forward(self, ids, lens):
+        """ids (N,) token ids of S sequences packed back to back (lengths `lens`) -> the final hidden
+        state of each sequence's last token, (S, C) after the final norm."""
         x = self.embed_tokens(ids)                                                # (N, C)
-        cos, sin, last = self.positions(ids, lens, prefix)
+        cos, sin, last = self.positions(ids, lens)
         for layer in self.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, prefix, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, lens, prefix)
+                x = layer(x, cos, sin, lens)
         return self.norm(x[last])                                                 # (S, C)
 
 
@@ -352,26 +337,15 @@ def text_tokenizer(tokenizer):
     return Tokenizer.from_str(json.dumps(spec)), control
 
 
-def common_prefix_len(seqs):
-    """Length of the longest common prefix of token-id lists, capped one short of the shortest, so
-    that every sequence keeps its own final token (the one that is scored)."""
-    n = min(len(x) for x in seqs) - 1
-    first = seqs[0]
-    for x in seqs[1:]:
-        n = next((i for i in range(n) if x[i] != first[i]), n)
-    return max(n, 0)
-
-
 class Reranker:
     """Tokenizer + decoder + yes/no margin. `score_ids` is the one forward path (inference and training)."""
 
-    def __init__(self, model, tokenizer, yes_no_rows, instruction=SHIELD_INSTRUCTION, max_length=8192,
-                 token_budget=4096, name_or_path=None, revision=None, share_prefix=True):
+    def __init__(self, model, tokenizer, yes_no_ids, instruction=SHIELD_INSTRUCTION, max_length=8192,
+                 token_budget=4096, name_or_path=None, revision=None):
         self.model, self.tokenizer = model, tokenizer
-        self.share_prefix = share_prefix  # run a micro-batch's common token prefix once (see score_ids)
         self.instruction, self.max_length, self.token_budget = instruction, max_length, token_budget
         self.name_or_path, self.revision = name_or_path, revision
-        self.yes_id, self.no_id = yes_no_rows
+        self.yes_id, self.no_id = yes_no_ids
         self.prefix_ids = tokenizer.encode(PREFIX, add_special_tokens=False).ids
         self.suffix_ids = tokenizer.encode(SUFFIX, add_special_tokens=False).ids
         # query, instruction and document go through a copy without added tokens (see text_tokenizer)
@@ -383,8 +357,8 @@ class Reranker:
 
     @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", instruction=SHIELD_INSTRUCTION,
-                        max_length=8192, revision=None, token_budget=4096, share_prefix=True):
-        """share_prefix: see score_ids. Faster forwards for the same math: speed.install(rr.model)."""
+                        max_length=8192, revision=None, token_budget=4096):
+        """Faster forwards for the same math: speed.install(rr.model)."""
         from tokenizers import Tokenizer
         folder, sha = resolve_model_path(name_or_path, revision)
         tok_path = os.path.join(folder, "tokenizer.json")
@@ -399,7 +373,7 @@ class Reranker:
             ids.append(enc[0])
         model, cfg, lm_head = load_qwen3(folder, dtype=dtype, device=device)
         rr = cls(model, tok, ids, instruction=instruction, max_length=max_length, token_budget=token_budget,
-                 name_or_path=str(name_or_path), revision=sha or revision, share_prefix=share_prefix)
+                 name_or_path=str(name_or_path), revision=sha or revision)
         if lm_head is not None:  # an untied head (tie_word_embeddings false): only its yes/no rows are needed
             rr._lm_head = lm_head[ids].to(device)                      # (2, C): yes, no
         return rr
@@ -408,7 +382,7 @@ class Reranker:
     def device(self):
         return self.model.embed_tokens.weight.device
 
-    def head(self):
+    def yes_minus_no(self):
         """w = E[yes] - E[no] in float32, (C,): the margin is h_last . w (= z_yes - z_no). E is the tied
         embedding, or an untied lm_head's two rows (kept as `_lm_head`, (2, C))."""
         rows = self._lm_head
@@ -450,24 +424,16 @@ class Reranker:
 
     def score_ids(self, ids, grad=False):
         """ids: list of S token-id lists -> float32 (S,) margins in input order. Sequences are sorted
-        by length and packed into micro-batches of at most `token_budget` tokens (a longer one runs alone).
-
-        With share_prefix, a micro-batch's longest common token prefix (the system prompt, instruction
-        and query when the documents answer one query: ~86 tokens with Qwen3's vocabulary) runs once
-        instead of once per document; every sequence keeps at least its final token. The margins are
-        the same math (causal attention); in training with LoRA dropout the shared rows draw one mask
-        for the whole micro-batch, where separate forwards would draw one per document."""
+        by length and packed into micro-batches of at most `token_budget` tokens (a longer one runs alone)."""
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         out = [None] * len(ids)
-        w = self.head()
+        w = self.yes_minus_no()
         batch, used = [], 0
 
         def flush():
             seqs = [ids[i] for i in batch]
-            P = common_prefix_len(seqs) if self.share_prefix and len(seqs) > 1 else 0
-            lens = [len(x) - P for x in seqs]
-            flat = torch.tensor(seqs[0][:P] + [t for x in seqs for t in x[P:]], dtype=torch.long, device=self.device)
-            h = self.model(flat, lens, prefix=P)                       # (S, C)
+            flat = torch.tensor([t for x in seqs for t in x], dtype=torch.long, device=self.device)   # (N,)
+            h = self.model(flat, [len(x) for x in seqs])               # (S, C)
             m = h.float() @ w                                          # (S,) float32 margin
             for j, i in enumerate(batch):
                 out[i] = m[j]

@@ -41,11 +41,9 @@ from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, 
 import build_bench
 import geo_attacks
 from evaluation import eval_conditions, evaluate, plan_eval
-from runs import (PRESETS, Config, adapter_path, check_device, check_llms, check_name, library_path, load_data, log,
-                  model_folder, need_trained, read_json, record_config, record_or_check, resolve_config, run_lock, RunInUse,
-                  SettingsError,
-                  shield_split,
-                  tfsg_schedule)
+from runs import (PRESETS, Config, RunInUse, SettingsError, adapter_path, check_device, check_llms, check_name,
+                  library_path, load_data, log, model_folder, need_trained, read_json, record_config, record_or_check,
+                  resolve_config, run_lock, shield_split, tfsg_schedule)
 from train import plan_train, train_shield, train_tfsg
 
 
@@ -131,13 +129,15 @@ def cmd_serve(args):
 
 
 def add_config_flags(p):
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "reranker":
             p.add_argument(flag, dest=f.name, action="append", default=None, help=f.metadata["help"])
         elif f.type is bool or isinstance(f.default, bool):
-            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                           help=f.metadata["help"])
         else:
             typ = type(f.default) if f.default is not None else str
             p.add_argument(flag, dest=f.name, type=typ, default=None, help=f.metadata["help"])
@@ -209,8 +209,10 @@ def parser():
     at.add_argument("--target", default="shield",
                     help="the reranker the attacker queries: shield, base, or a reranker spec (see --reranker)")
     at.add_argument("--budgets", default="1,4,16", help="candidates per instance, comma list (nested: one run)")
-    at.add_argument("--rounds", type=int, default=None, help="attacker rounds (default: enough for the largest budget)")
-    at.add_argument("--candidates-per-round", type=int, default=2, help="rewrites the attacker writes a round (MAGEO: 2)")
+    at.add_argument("--rounds", type=int, default=None,
+                    help="attacker rounds (default: enough for the largest budget)")
+    at.add_argument("--candidates-per-round", type=int, default=2,
+                    help="rewrites the attacker writes a round (MAGEO: 2)")
     at.add_argument("--attacker", default=None, help="attacker LLM, provider:model (default: the target LLM)")
     at.add_argument("--aware-of-library", action="store_true", help="the attacker reads the TFSG library's rules")
     at.add_argument("--dry-run", action="store_true", help="print what the attack would send, and send nothing")
@@ -252,15 +254,18 @@ def parser():
         if cmd == "export":
             p.add_argument("--out", required=True, help="output folder")
             p.add_argument("--format", default="seq-cls", choices=["seq-cls", "causal"],
-                           help="seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: Qwen3ForCausalLM")
+                           help="seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: "
+                                "Qwen3ForCausalLM")
             p.add_argument("--overwrite", action="store_true",
-                           help="replace an earlier export in --out (it is replaced whole, once the new one is written)")
+                           help="replace an earlier export in --out (it is replaced whole, once the new one is "
+                                "written)")
         else:
             p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
             p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
             p.add_argument("--device", default="cpu", help="torch device")
             p.add_argument("--api-key", default=None,
-                           help="require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment variable)")
+                           help="require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment "
+                                "variable)")
             p.add_argument("--served-name", default=None, help="model name in responses and /v1/models")
             p.add_argument("--max-documents", type=int, default=1000, help="most documents per request")
             p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
@@ -404,7 +409,8 @@ def cmd_pipeline(args):
         args.name = args.name or "demo"
     cfg = resolve_config(args)
     if not os.path.isfile(cfg.bench):
-        raise SystemExit(f"--bench {cfg.bench}: {'a folder, not a file' if os.path.isdir(cfg.bench) else 'no such file'}")
+        raise SystemExit(f"--bench {cfg.bench}: "
+                         f"{'a folder, not a file' if os.path.isdir(cfg.bench) else 'no such file'}")
     if getattr(args, "dry_run", False):
         plan = plan_eval(cfg) if args.cmd == "eval" else plan_train(cfg)
         print(json.dumps(plan, indent=1))
@@ -436,7 +442,8 @@ def cmd_pipeline(args):
                 stage = rerank_eval.rerank_stage(cfg, load_data(cfg), rerank_eval.parse_rerankers(["base", "shield"]))
                 print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
             if args.cmd in ("eval", "demo"):
-                print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
+                print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: "
+                      f"{os.path.join(cfg.run_dir, 'summary.json')}")
 
 
 COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "rerank-eval": cmd_rerank_eval,

@@ -62,7 +62,8 @@ class Config:
     seed: int = opt(0, "split/order/init seed")
     k: int = opt(5, "top-k evidence given to the LLM (A.1.3)")
     seen_methods: str = opt(None,
-                            "GEO methods of the construction split, comma list (default: the file's _meta.seen_methods)")
+                            "GEO methods of the construction split, comma list (default: the file's "
+                            "_meta.seen_methods)")
     # Shield Reranker (Table A.1)
     lora_r: int = opt(16, "LoRA rank")
     lora_alpha: int = opt(32, "LoRA alpha (scaling alpha/r)")
@@ -80,7 +81,8 @@ class Config:
     save_every: int = opt(4, "optimizer steps between resumable checkpoints")
     # TFSG (A.2)
     llm: str = opt("offline",
-                   "target LLM as provider:model (offline, openai:, anthropic:, deepseek:, moonshot:, zhipu:, vllm:, ollama:, llama.cpp:)")
+                   "target LLM as provider:model (offline, openai:, anthropic:, deepseek:, moonshot:, zhipu:, vllm:, "
+                   "ollama:, llama.cpp:)")
     analyzer: str = opt(None, "TFSG Analyzer LLM (default: the target)")
     judge: str = opt(None, "ASI/quality judge LLM (default: the target)")
     base_url: str = opt(None, "base URL of any OpenAI-compatible server")
@@ -120,7 +122,8 @@ class Config:
     n_boot: int = opt(10000, "bootstrap resamples")
     max_test_groups: int = opt(0, "evaluate only the first N test groups (0 = all)")
     transfer: str = opt(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]")
-    reranker: str = opt(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, voyage:MODEL, "
+    reranker: str = opt(None,
+                        "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, voyage:MODEL, "
                               "http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT); repeatable. eval: adds "
                               "'Non-Defense [LABEL]' and 'TFSG only [LABEL]'")
     prices: str = opt(None,
@@ -133,7 +136,8 @@ class Config:
     def __post_init__(self):
         """Reject out-of-range settings up front, naming the flag (not minutes later, deep inside a run)."""
         # k: below the candidate count (at k = 10 every candidate is in context and no reranker matters)
-        checks = [("k", 1 <= self.k < geodef.N_DOCS), ("lora-r", self.lora_r >= 1), ("lora-alpha", self.lora_alpha > 0),
+        checks = [("k", 1 <= self.k < geodef.N_DOCS), ("lora-r", self.lora_r >= 1),
+                  ("lora-alpha", self.lora_alpha > 0),
                   ("lora-dropout", 0 <= self.lora_dropout < 1), ("lr", self.lr > 0), ("epochs", self.epochs >= 1),
                   ("grad-accum", self.grad_accum >= 1), ("max-grad-norm", self.max_grad_norm > 0),
                   ("beta", self.beta > 0), ("monitor-frac", 0 < self.monitor_frac < 1),
@@ -147,7 +151,8 @@ class Config:
                   ("n-seed-cases", self.n_seed_cases >= 0), ("max-initial-rules", self.max_initial_rules >= 1),
                   ("max-active-rules", self.max_active_rules >= 1),
                   ("rule-description-chars", self.rule_description_chars >= 1),
-                  ("rule-condition-chars", self.rule_condition_chars >= 1), ("rule-max-signals", self.rule_max_signals >= 1),
+                  ("rule-condition-chars", self.rule_condition_chars >= 1),
+                  ("rule-max-signals", self.rule_max_signals >= 1),
                   ("rule-max-evidence", self.rule_max_evidence >= 0),
                   ("rule-max-dependencies", self.rule_max_dependencies >= 0),
                   ("rule-item-chars", self.rule_item_chars >= 1), ("analyzer-doc-chars", self.analyzer_doc_chars >= 1),
@@ -349,7 +354,8 @@ def load_data(cfg):
     given = [m.strip() for m in cfg.seen_methods.split(",") if m.strip()] if cfg.seen_methods else None
     seen, origin = geodef.seen_methods(meta, given, cfg.bench)
     if origin == "the paper's seen methods":
-        log(f"[data] {cfg.bench}: no _meta.seen_methods; the paper's seen methods {seen} (the file has the paper's seven)")
+        log(f"[data] {cfg.bench}: no _meta.seen_methods; the paper's seen methods {seen} (the file has the "
+            "paper's seven)")
     if cfg.max_test_groups:
         test = test[:cfg.max_test_groups]
     methods = meta.methods if cfg.methods == "all" else [m.strip() for m in cfg.methods.split(",")]
@@ -554,7 +560,8 @@ def resolve_config(args):
     A demo's record names its LLMs `offline` (served on loopback while it ran), so its settings are
     taken too; a record older than that named the loopback server itself, and is not taken."""
     given = dict(PRESETS[args.preset]) if args.preset else {}   # a preset asked for counts as given
-    given.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name, None) is not None})
+    given.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
+                  if getattr(args, f.name, None) is not None})
     if isinstance(given.get("reranker"), list):                 # --reranker is repeatable
         given["reranker"] = ",".join(given["reranker"])
     kw = {}
@@ -564,7 +571,8 @@ def resolve_config(args):
         if old.get("config", {}).get("llm") != "openai-compatible:offline-engine":   # an old demo's dead server
             rec = {k: v for k, v in old.get("config", {}).items() if k in PINNED + TAKEN and k not in given}
             if "***@" in str(rec.get("base_url")):   # stored without its credentials: give --base-url again
-                log(f"[config] {where}/config.json: base_url was stored without its credentials; give --base-url again")
+                log(f"[config] {where}/config.json: base_url was stored without its credentials; "
+                    "give --base-url again")
                 rec.pop("base_url")
             taken = {k: v for k, v in rec.items() if v != getattr(Config, k)}   # those that are not defaults
             if taken:
@@ -577,7 +585,8 @@ def resolve_config(args):
 # settings taken over from a run's config.json when not given again (not pinned: eval records its own)
 TAKEN = ("base_url", "judge", "ppl_model", "ppl_quantile", "max_tokens", "n_boot", "workers", "rpm", "timeout")
 # settings a finished step depends on: a rerun under the same --name must not change them
-PINNED = ("model", "revision", "bench", "n_construction", "seed", "seen_methods", "lora_r", "lora_alpha", "lora_dropout", "lr", "epochs",
+PINNED = ("model", "revision", "bench", "n_construction", "seed", "seen_methods", "lora_r", "lora_alpha",
+          "lora_dropout", "lr", "epochs",
           "grad_accum", "max_grad_norm", "beta", "lam_def", "lam_util", "lam_cons", "monitor_frac", "quant", "dtype",
           "max_length", "llm", "analyzer", "n_seed_cases", "batch_size", "n_batches", "max_initial_rules",
           "max_active_rules", "rule_description_chars", "rule_condition_chars", "rule_max_signals",
@@ -643,7 +652,8 @@ def check_pinned(cfg, old, new, digest, path):
         raise SettingsError(f"{path}: this run was made with different {', '.join(changed)} "
                             "(" + ", ".join(f"{k}={old['config'][k]!r}" for k in changed) + "); use a new --name")
     if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
-        raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 {old['bench_sha1'][:12]}, "
+        raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 "
+                            f"{old['bench_sha1'][:12]}, "
                             f"now {digest[:12]}); the run's adapter, library and results belong to the old content. "
                             "Restore the file, or use a new --name")
 

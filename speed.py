@@ -5,10 +5,19 @@ transformers' module forwards:
     rr = reranker.Reranker.from_pretrained(...); lora.add_lora(rr.model); speed.install(rr.model)
 
 `install` binds a faster forward on each RMSNorm, Attention, MLP, Block, Qwen3Model and LoRALinear
-of the model (call it again after adding LoRA layers; it is idempotent). What it changes, and what
-it does not:
+of the model (call it again after adding LoRA layers; it is idempotent). A call then goes: the
+module's bound forward -> `module.kernels.<piece>` (EAGER or COMPILED, chosen once by install) ->
+the piece, whose eager form picks its training or in-place inference variant by grad mode.
+What it changes, and what it does not:
 - the same margins and gradients as reranker.py and lora.py up to float rounding (tested: 1e-5
-  relative in float32 on margins, gradients and a training step; test_speed.py);
+  relative in float32 on margins, gradients and a training step; bf16 margins and gradients
+  within stated tolerances; test_speed.py);
+- the tokens a micro-batch's sequences have in common at the start (one query's prompts share the
+  system prompt, instruction and query: ~86 tokens with Qwen3's vocabulary) run once, not once per
+  document (`share_prefix`, on by default): each sequence still attends to the whole prefix at
+  positions 0..P-1, so the margins are the same math (causal attention);
+- RoPE multiplies the halves swapped ([x2, x1]) by a signed sine ([-sin1, sin2]) instead of
+  building rotate_half(x) = [-x2, x1]: one negation fewer per call, bit-identical (negation is exact);
 - inference works in place on fresh activations; training uses a hand-written RMSNorm backward and,
   on the CPU, a hand-written packed causal attention backward (recomputes probabilities, visits only
   visible keys); CPU SDPA gets sequence lengths padded to a multiple of 32;
@@ -16,9 +25,10 @@ it does not:
 - compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU)
   as torch.compile'd fusions (needs a C++ compiler on the CPU);
 - LoRA dropout: layers that read the same input (q/k/v; gate/up) share one mask, drawn as geometric
-  gaps between dropped positions (nn.Dropout's Bernoulli law from ~p*n random numbers). The law of
-  each layer's mask is PEFT's; the sharing is a declared deviation (PEFT draws one per module), so
-  with dropout > 0 training draws other masks than the reference.
+  gaps between dropped positions (nn.Dropout's Bernoulli law from ~p*n random numbers), and the
+  shared prefix rows draw one mask for the whole micro-batch. The law of each mask is PEFT's; the
+  sharing is a declared deviation (PEFT draws one per module and per sequence), so with dropout > 0
+  training draws other masks than the reference.
 Why each path is faster, with measurements: docs/PERF.md.
 
 Usage: speed.install(rr.model, compile=False)
@@ -30,13 +40,119 @@ import sys
 import types
 import weakref
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
 import lora
 import reranker
-from reranker import apply_rope, packed_causal_sdpa as reference_sdpa, rms_norm, seq_rows
+from reranker import rms_norm, rope_cos_sin
+
+
+# ----------------------------------------------------------------------------- RoPE, signed sine
+
+
+def signed_sine(sin):
+    """sin (..., E) -> [-sin1, sin2]: with it RoPE's rotate_half(x) * sin is [x2, x1] * signed sine."""
+    h = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+
+
+def apply_rope_signed(x, cos, sin_signed):
+    """reranker.apply_rope with the signed sine: x (N, heads, E) -> x * cos + [x2, x1] * sin_signed."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)                     # [x2, x1]
+    return x * cos + swapped * sin_signed
+
+
+# ----------------------------------------------------------------------------- shared prompt prefix
+
+
+def common_prefix_len(seqs):
+    """Length of the longest common prefix of token-id lists, capped one short of the shortest, so
+    that every sequence keeps its own final token (the one that is scored)."""
+    n = min(len(x) for x in seqs) - 1
+    first = seqs[0]
+    for x in seqs[1:]:
+        n = next((i for i in range(n) if x[i] != first[i]), n)
+    return max(n, 0)
+
+
+def shared_prefix(ids, lens):
+    """ids (N,) of S sequences packed back to back (lengths `lens`) -> (P, ids, own lengths): the
+    sequences' common first P tokens kept once at the front (the first sequence's), every other
+    sequence's copy dropped. P = 0 for a single sequence."""
+    flat = ids.tolist()
+    starts = list(accumulate([0] + lens[:-1]))
+    P = common_prefix_len([flat[s:s + L] for s, L in zip(starts, lens)]) if len(lens) > 1 else 0
+    if P == 0:
+        return 0, ids, lens
+    keep = torch.ones(len(flat), dtype=torch.bool)
+    for s in starts[1:]:
+        keep[s:s + P] = False
+    return P, ids[keep.to(ids.device)], [L - P for L in lens]
+
+
+def sequence_rows(t, prefix, start, length):
+    """One sequence's rows of a packed (N, ...) tensor whose first `prefix` rows are shared: rows
+    0..prefix-1, then its own rows start..start+length-1 -> (prefix+length, ...). A view when the
+    two are adjacent (no prefix, or the first sequence)."""
+    if prefix == 0 or start == prefix:
+        return t[start - prefix:start + length]
+    return torch.cat([t[:prefix], t[start:start + length]])
+
+
+def positions(model, lens, prefix, device):
+    """RoPE cos and signed sine (N, 1, E) of rows packed as `prefix` shared rows (positions 0..P-1),
+    then each sequence's own rows (P..P+L-1); and each sequence's final row (S,)."""
+    pos = torch.cat([torch.arange(prefix, device=device)]
+                    + [torch.arange(prefix, prefix + L, device=device) for L in lens])      # (N,)
+    cos, sin = rope_cos_sin(pos, model.cfg.head_dim, model.cfg.rope_theta, model.embed_tokens.weight.dtype)
+    return cos, signed_sine(sin), prefix + torch.tensor(lens, device=device).cumsum(0) - 1
+
+
+# ----------------------------------------------------------------------------- packed attention
+
+
+# CPU SDPA (torch 2.13's flash kernel) runs several times slower at lengths that are not a multiple
+# of 32, so on the CPU a sequence is copied into a zero-padded head-major buffer of such a length
+# (causal: no real query sees the padding); lengths that are already multiples are used as they are.
+CPU_SDPA_PAD = 32
+
+
+def seq_heads(t, P, start, L, n):
+    """One sequence's rows of a packed (N, heads, E) tensor, as sequence_rows, copied into a contiguous
+    head-major (1, heads, n, E) buffer whose rows P+L..n-1 are zero."""
+    buf = t.new_empty(1, t.shape[1], n, t.shape[2])
+    buf[0, :, :P] = t[:P].transpose(0, 1)
+    buf[0, :, P:P + L] = t[start:start + L].transpose(0, 1)
+    buf[0, :, P + L:] = 0
+    return buf
+
+
+def packed_causal_sdpa(q, k, v, lens, P=0):
+    """reranker.packed_causal_sdpa with a shared prefix and the CPU's length padding. q (N, H, E), k
+    and v (N, K, E): P shared prefix rows, then each sequence's own rows (lengths `lens`) -> (N, H, E).
+    Each sequence attends over prefix + own rows; the prefix queries ride along so that one square
+    causal mask serves, and their output rows are kept once (sequence 0). On the CPU a sequence
+    whose length is not a multiple of CPU_SDPA_PAD is first copied into a head-major buffer padded
+    with zero rows up to one: causal, so no real query sees a padding key, and the padding queries'
+    outputs are dropped."""
+    out = torch.empty_like(q)                                                     # (N, H, E)
+    start = P
+    for j, L in enumerate(lens):
+        if q.device.type == "cpu" and (P + L) % CPU_SDPA_PAD:
+            n = -(-(P + L) // CPU_SDPA_PAD) * CPU_SDPA_PAD
+            qj, kj, vj = (seq_heads(t, P, start, L, n) for t in (q, k, v))     # (1, heads, n, E)
+        else:
+            qj, kj, vj = (sequence_rows(t, P, start, L).transpose(0, 1)[None] for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        if j == 0:
+            out[:start + L] = o[:start + L]                                       # with the prefix rows
+        else:
+            out[start:start + L] = o[P:P + L]                                     # (L, H, E)
+        start += L
+    return out
 
 
 # ----------------------------------------------------------------------------- hand-written backward passes
@@ -114,8 +230,8 @@ class PackedCausalAttention(torch.autograd.Function):
             dog = do[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)
             # made contiguous once per sequence: bmm then copies each block's k0[:, :b] into a dense
             # operand from these rows rather than from the packed layout (same bits)
-            k0 = seq_rows(k, P, start, L).transpose(0, 1).contiguous()            # (K, P+L, E)
-            v0 = seq_rows(v, P, start, L).transpose(0, 1).contiguous()
+            k0 = sequence_rows(k, P, start, L).transpose(0, 1).contiguous()            # (K, P+L, E)
+            v0 = sequence_rows(v, P, start, L).transpose(0, 1).contiguous()
             dqg = torch.empty_like(qg)
             dkl = torch.zeros(K, P + L, E, dtype=k.dtype, device=k.device)
             dvl = torch.zeros_like(dkl)
@@ -143,22 +259,6 @@ class PackedCausalAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-# CPU SDPA (torch 2.13's flash kernel) runs several times slower at lengths that are not a multiple
-# of 32, so on the CPU a sequence is copied into a zero-padded head-major buffer of such a length
-# (causal: no real query sees the padding); lengths that are already multiples are used as they are.
-CPU_SDPA_PAD = 32
-
-
-def seq_heads(t, P, start, L, n):
-    """One sequence's rows of a packed (N, heads, E) tensor, as seq_rows, copied into a contiguous
-    head-major (1, heads, n, E) buffer whose rows P+L..n-1 are zero."""
-    buf = t.new_empty(1, t.shape[1], n, t.shape[2])
-    buf[0, :, :P] = t[:P].transpose(0, 1)
-    buf[0, :, P:P + L] = t[start:start + L].transpose(0, 1)
-    buf[0, :, P + L:] = 0
-    return buf
-
-
 # ----------------------------------------------------------------------------- fused elementwise path
 # Plain-torch forms of the elementwise pieces. With compile=True each is torch.compile'd (dynamic
 # shapes, so one compilation serves every packed length) into one fused loop for the forward and one
@@ -166,7 +266,7 @@ def seq_heads(t, P, start, L, n):
 
 def norm_rope(x, weight, eps, cos, sin_signed):
     """Per-head q/k RMSNorm followed by RoPE, as one function. x (N, heads, E); cos, sin (N, 1, E)."""
-    return apply_rope(rms_norm(x, weight, eps), cos, sin_signed)
+    return apply_rope_signed(rms_norm(x, weight, eps), cos, sin_signed)
 
 
 def add_rms_norm(x, h, weight, eps):
@@ -197,6 +297,14 @@ def fused(fn):
 
 
 # ----------------------------------------------------------------------------- kernel sets
+
+
+def apply_rope_(x, cos, sin_signed):
+    """apply_rope_signed, in place at inference (x is a fresh projection output)."""
+    if torch.is_grad_enabled():
+        return apply_rope_signed(x, cos, sin_signed)
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x.mul_(cos).add_(swapped.mul_(sin_signed))
 
 
 def rms_norm_eager(x, weight, eps):
@@ -259,37 +367,6 @@ COMPILED = Kernels(lambda *a: fused(rms_norm)(*a), lambda *a: fused(norm_rope)(*
 # ----------------------------------------------------------------------------- fast forwards
 
 
-def packed_causal_sdpa(q, k, v, lens, P=0):
-    """reranker.packed_causal_sdpa with the CPU's length padding: on the CPU a sequence whose length is
-    not a multiple of CPU_SDPA_PAD is first copied into a head-major buffer padded with zero rows up
-    to one. Causal, so no real query sees a padding key; the padding queries' outputs are dropped."""
-    if q.device.type != "cpu":
-        return reference_sdpa(q, k, v, lens, P)
-    out = torch.empty_like(q)                                                     # (N, H, E)
-    start = P
-    for j, L in enumerate(lens):
-        if (P + L) % CPU_SDPA_PAD:
-            n = -(-(P + L) // CPU_SDPA_PAD) * CPU_SDPA_PAD
-            qj, kj, vj = (seq_heads(t, P, start, L, n) for t in (q, k, v))     # (1, heads, n, E)
-        else:
-            qj, kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-        if j == 0:
-            out[:start + L] = o[:start + L]
-        else:
-            out[start:start + L] = o[P:P + L]
-        start += L
-    return out
-
-
-def apply_rope_(x, cos, sin_signed):
-    """apply_rope, in place at inference (x is a fresh projection output)."""
-    if torch.is_grad_enabled():
-        return apply_rope(x, cos, sin_signed)
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return x.mul_(cos).add_(swapped.mul_(sin_signed))
-
-
 def rmsnorm_forward(self, x):
     return self.kernels.rms_norm(x, self.weight, self.eps)
 
@@ -309,7 +386,7 @@ def attention_forward(self, x, cos, sin, lens, prefix=0, last=None):
         return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
     outs, start = [], P
     for j, L in enumerate(lens):                                              # the final query sees all keys
-        kj, vj = (seq_rows(t, P, start, L).transpose(0, 1)[None] for t in (k, v))  # (1, K, P+L, E)
+        kj, vj = (sequence_rows(t, P, start, L).transpose(0, 1)[None] for t in (k, v))  # (1, K, P+L, E)
         o = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], kj, vj, enable_gqa=True)
         outs.append(o[0].transpose(0, 1).reshape(-1, self.H * self.E))        # (1, H*E)
         start += L
@@ -328,17 +405,22 @@ def block_forward(self, x, cos, sin, lens, prefix=0, last=None):
     return self.kernels.add(x, self.mlp(n))
 
 
-def model_forward(self, ids, lens, prefix=0):
-    """Qwen3Model.forward with the last layer computed for the final tokens only."""
+def model_forward(self, ids, lens):
+    """Qwen3Model.forward: ids (N,) of S sequences packed back to back (lengths `lens`) -> (S, C).
+    The sequences' common first tokens run once (share_prefix), and the last layer computes the
+    final tokens only."""
+    P = 0
+    if self.share_prefix:
+        P, ids, lens = shared_prefix(ids, lens)
     x = self.embed_tokens(ids)                                                # (N, C)
-    cos, sin, last = self.positions(ids, lens, prefix)
+    cos, sin, last = positions(self, lens, P, ids.device)
     n = len(self.layers)
     for i, layer in enumerate(self.layers):
         li = last if i == n - 1 else None
         if self.gradient_checkpointing and torch.is_grad_enabled():
-            x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, prefix, li, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, P, li, use_reentrant=False)
         else:
-            x = layer(x, cos, sin, lens, prefix, li)
+            x = layer(x, cos, sin, lens, P, li)
     return self.norm(x)                                                       # (S, C)
 
 
@@ -393,9 +475,10 @@ FORWARDS = {reranker.RMSNorm: rmsnorm_forward, reranker.Attention: attention_for
             reranker.Block: block_forward, reranker.Qwen3Model: model_forward, lora.LoRALinear: lora_forward}
 
 
-def install(model, compile=False):
+def install(model, compile=False, share_prefix=True):
     """Bind the fast forwards on every module of `model` (a reranker.Qwen3Model, LoRA attached or not)
-    whose type has one; EAGER kernels, or COMPILED with compile=True. Idempotent; returns the model."""
+    whose type has one; EAGER kernels, or COMPILED with compile=True; `share_prefix` runs a
+    micro-batch's common prompt prefix once (model.share_prefix). Idempotent; returns the model."""
     if compile and next(model.parameters()).device.type == "cpu" and not cpp_compiler_available():
         raise RuntimeError("compile=True needs a C++ compiler on the CPU (torch.compile's inductor "
                            "backend builds its kernels with $CXX, else g++): install one or run without it")
@@ -405,6 +488,8 @@ def install(model, compile=False):
         if fn is not None:
             m.forward = types.MethodType(fn, m)
             m.kernels = kernels
+    if isinstance(model, reranker.Qwen3Model):
+        model.share_prefix = share_prefix
     return model
 
 

@@ -46,9 +46,11 @@ def test_budgets_nested_monotone_and_b1_is_the_static_attack(demo_copy):
     assert b["5"]["conditions"]["Shield only"]["exposure"] >= b["1"]["conditions"]["Shield only"]["exposure"]
     assert b["5"]["mean_target_rank"] <= b["3"]["mean_target_rank"] <= b["1"]["mean_target_rank"]
     s = json.load(open(demo_copy / "demo" / "summary.json"))
-    assert set(s["attack"]["shield"]["unaware"]["budgets"]["5"]["conditions"]["GEO Defender"]) == {"ASR", "ASI", "BER", "exposure"}
+    conds = s["attack"]["shield"]["unaware"]["budgets"]["5"]["conditions"]
+    assert set(conds["GEO Defender"]) == {"ASR", "ASI", "BER", "exposure"}
     cost = s["attack"]["shield"]["unaware"]["cost"]
-    assert cost["attacker"]["calls"] > 0 and cost["reranker_queries"] > 0 and sum(block["gate"].values()) == cost["candidates"] - len(by)
+    assert cost["attacker"]["calls"] > 0 and cost["reranker_queries"] > 0
+    assert sum(block["gate"].values()) == cost["candidates"] - len(by)
     # another setting under the same target and mode is refused, naming it
     with pytest.raises(SystemExit, match="per_round=2"):
         run.main(_argv(demo_copy)[:-1] + ["3"])
@@ -65,7 +67,8 @@ def test_gate_rejects_dropped_numbers_prompt_text_and_low_fidelity(server, tmp_p
                      (200, {}, ok(json.dumps({"fidelity": 5, "contradicts_source": True, "reason": "no"})), 0)]
     judge = llm_clients.Client(server, "judge", cache_dir=str(tmp_path / "c"))
     for want in (2, 5):
-        v, c = attack.parse_fidelity(judge.chat([{"role": "user", "content": attack.fidelity_prompt(src, src + str(want))}],
+        v, c = attack.parse_fidelity(judge.chat([{"role": "user",
+                                                  "content": attack.fidelity_prompt(src, src + str(want))}],
                                                 json=True, check=attack.parse_fidelity).data)
         assert v == want and c == (want == 5)
     with pytest.raises(ValueError):
@@ -103,7 +106,8 @@ def test_killed_attack_resumes_to_identical_files(demo_copy, tmp_path, monkeypat
         for f in files:
             other = a / os.path.relpath(os.path.join(root, f), b)
             assert sorted(open(other).read().splitlines()) == sorted(open(os.path.join(root, f)).read().splitlines())
-    sa, sb = (json.load(open(d / "demo" / "summary.json"))["attack"]["shield"]["aware"] for d in (demo_copy, tmp_path / "p"))
+    sa, sb = (json.load(open(d / "demo" / "summary.json"))["attack"]["shield"]["aware"]
+              for d in (demo_copy, tmp_path / "p"))
     assert sa["budgets"] == sb["budgets"] and sa["gate"] == sb["gate"]
 
 
@@ -133,7 +137,8 @@ def test_train_and_eval_dry_runs_send_and_write_nothing(demo_copy, tmp_path, mon
     monkeypatch.setattr(llm_clients.Client, "chat", lambda *a, **k: pytest.fail("a request was sent"))
     prices = tmp_path / "p.json"
     prices.write_text(json.dumps({"gpt-5.5": [1.25, 10.0]}))
-    plan = run.main(["train", "--runs-dir", str(tmp_path / "r"), "--name", "x", "--model", "tiny", "--bench", small_bench,
+    plan = run.main(["train", "--runs-dir", str(tmp_path / "r"), "--name", "x", "--model", "tiny",
+                     "--bench", small_bench,
                      "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3", "--llm", "openai:gpt-5.5",
                      "--dry-run", "--prices", str(prices)])
     st = plan["stages"]
@@ -148,7 +153,8 @@ def test_train_and_eval_dry_runs_send_and_write_nothing(demo_copy, tmp_path, mon
     assert run.main(["eval"] + common)["records_to_make"] == 0          # every record made: only cached judges
     os.remove(demo_copy / "demo" / "results" / "non_defense.jsonl")
     plan = run.main(["eval"] + common)
-    assert plan["records_to_make"] == plan["instances"] and plan["stages"]["target answers"]["requests"] == plan["instances"]
+    assert plan["records_to_make"] == plan["instances"]
+    assert plan["stages"]["target answers"]["requests"] == plan["instances"]
     assert not (demo_copy / "demo" / "results" / "non_defense.jsonl").exists()
 
 

@@ -125,7 +125,8 @@ def test_inputs_and_list_lengths(geo_input, tmp_path):
     argv = ["build-bench", "--input", rows, "--output", str(tmp_path / "b.jsonl"), "--groups", "6",
             "--construction-groups", "2", "--llm", "offline", "--runs-dir", str(tmp_path / "r"), "--name", "b",
             "--attacks", "GEO,AutoGEO", "--seen-methods", "GEO"]
-    with pytest.raises(SystemExit, match="no query group left, all 24 dropped .first: 5 non-empty documents < --docs 10"):
+    with pytest.raises(SystemExit,
+                       match="no query group left, all 24 dropped .first: 5 non-empty documents < --docs 10"):
         run.main(argv)                   # five sources a row, ten asked: every row reported and dropped
     with pytest.raises(SystemExit, match="--docs 5: eval's top-k"):
         run.main(argv + ["--docs", "5"])

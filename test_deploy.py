@@ -20,7 +20,8 @@ import run
 from conftest import AUTH, HERE, _raw, _shield_folder, hf_margins
 
 
-@pytest.mark.parametrize("width,untied", [("tiny", False), ("tiny", True), pytest.param("real", False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("width,untied", [("tiny", False), ("tiny", True),
+                                          pytest.param("real", False, marks=pytest.mark.slow)])
 def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, untied):
     """The exported checkpoint, loaded by transformers itself: seq-cls logits and causal z_yes - z_no
     equal our Shield's margins (base + non-zero LoRA) within 1e-4 relative in float32."""
@@ -38,10 +39,12 @@ def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, unti
     assert (ours - base).abs().max() > 1e-3                          # the adapter matters
     sc = deploy.export(folder, str(tmp_path / "sc"), adapter=adapter, fmt="seq-cls", dtype="float32")
     hs = transformers.AutoModelForSequenceClassification.from_pretrained(sc, dtype=torch.float32).eval()
-    assert hs.config.num_labels == 1 and hs.config.pad_token_id == 0 and hs.score.weight.shape == (1, rr.model.cfg.hidden_size)
+    assert hs.config.num_labels == 1 and hs.config.pad_token_id == 0
+    assert hs.score.weight.shape == (1, rr.model.cfg.hidden_size)
     with torch.no_grad():
         seq = torch.stack([hs(input_ids=torch.tensor([x])).logits[0, 0] for x in ids])
-        T = max(map(len, ids))                                      # one padded batch: the last non-pad token is pooled
+        # one padded batch: the last non-pad token is pooled
+        T = max(map(len, ids))
         pad = torch.tensor([[0] * (T - len(x)) + x for x in ids])
         batched = hs(input_ids=pad, attention_mask=(pad != 0).long()).logits[:, 0]
     torch.testing.assert_close(seq, ours, rtol=1e-4, atol=1e-5)
@@ -73,12 +76,14 @@ def test_export_template_renders_the_prompt(tmp_path, tiny_dir):
     want = reranker.PREFIX + reranker.BODY.format(instruction=reranker.SHIELD_INSTRUCTION, query="q?",
                                                   doc="doc text") + reranker.SUFFIX
     assert t.render(messages=msgs) == want
-    assert t.render(messages=[{"role": "system", "content": "other"}] + msgs) == want.replace(reranker.SHIELD_INSTRUCTION, "other")
+    other = [{"role": "system", "content": "other"}] + msgs
+    assert t.render(messages=other) == want.replace(reranker.SHIELD_INSTRUCTION, "other")
 
 
 def test_export_and_serve_commands_from_a_trained_run(demo_run, tmp_path):
     out = tmp_path / "exp"
-    got = run.main(["export", "--name", "demo", "--runs-dir", str(demo_run.parent), "--out", str(out), "--dtype", "float32"])
+    got = run.main(["export", "--name", "demo", "--runs-dir", str(demo_run.parent), "--out", str(out), "--dtype",
+                    "float32"])
     meta = json.load(open(out / "geodef_export.json"))
     assert got == str(out) and meta["adapter"].endswith("adapter") and meta["format"] == "seq-cls"
     for argv, msg in [(["export", "--out", str(out)], "give --name"),
@@ -110,13 +115,15 @@ def test_served_ranking_equals_reranker_rank(shield_server):
         assert body["model"] == "x" and body["usage"]["total_tokens"] == sum(map(len, rr.tokenize(q, texts)))
     r = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": texts}, headers=AUTH, timeout=30).json()
     assert len(r["results"]) == 4 and "document" not in r["results"][0]
-    tei = requests.post(srv.url + "/rerank", json={"query": q, "texts": texts, "raw_scores": True, "return_text": True},
+    tei = requests.post(srv.url + "/rerank", json={"query": q, "texts": texts, "raw_scores": True,
+                                                   "return_text": True},
                         headers=AUTH, timeout=30).json()
     assert [x["index"] for x in tei] == rr.rank(q, texts, k=4)
     for x in tei:
         assert abs(x["score"] - float(m[x["index"]])) < 1e-5 and x["text"] == texts[x["index"]]
     assert requests.get(srv.url + "/health", timeout=5).json() == {"status": "ok"}
-    assert requests.get(srv.url + "/v1/models", headers=AUTH, timeout=5).json()["data"][0]["id"] == "geo-defender-shield"
+    models = requests.get(srv.url + "/v1/models", headers=AUTH, timeout=5).json()
+    assert models["data"][0]["id"] == "geo-defender-shield"
 
 
 def test_serve_rejects_bad_requests_with_a_named_field(shield_server):
@@ -130,7 +137,8 @@ def test_serve_rejects_bad_requests_with_a_named_field(shield_server):
              (b"[" * 5000 + b"]" * 5000, 400, "nests too deeply"),
              ({"documents": ["a"]}, 400, "query"), ({"query": 3, "documents": ["a"]}, 400, "query"),
              ({"query": "q"}, 400, "documents"), ({"query": "q", "documents": "a"}, 400, "documents"),
-             ({"query": "q", "documents": []}, 400, "documents"), ({"query": "q", "documents": [1]}, 400, "documents[0]"),
+             ({"query": "q", "documents": []}, 400, "documents"),
+             ({"query": "q", "documents": [1]}, 400, "documents[0]"),
              ({"query": "q", "documents": [{"txt": "a"}]}, 400, "documents[0].text"),
              ({"query": "q", "documents": [None]}, 400, "documents[0]"),
              ({"query": "q", "documents": ["a"], "top_n": -1}, 400, "top_n"),
@@ -213,7 +221,8 @@ def test_seq_cls_export_as_a_sentence_transformers_cross_encoder(tmp_path, tiny_
     q, docs = "how long to boil an egg", ["Boil eggs for six minutes.", "Stocks fell today.", "eggs " * 30]
     head = reranker.PREFIX + f"<Instruct>: {reranker.SHIELD_INSTRUCTION}\n<Query>: {q}\n"
     got = ce.predict([(head, f"<Document>: {d}" + reranker.SUFFIX) for d in docs])
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), torch.sigmoid(rr.score(q, docs)), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), torch.sigmoid(rr.score(q, docs)), rtol=1e-4,
+                               atol=1e-5)
 
 
 def test_export_is_built_aside_and_never_replaces_what_it_must_not(tmp_path, tiny_dir, monkeypatch):

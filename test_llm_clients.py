@@ -70,7 +70,8 @@ def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
     reqs = [{"messages": [{"role": "user", "content": f"q{i}"}], "temperature": 0, "max_tokens": 64, "json": True}
             for i in range(24)]
     try:
-        c = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens", cache_dir=str(tmp_path / "c"))
+        c = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens",
+                               cache_dir=str(tmp_path / "c"))
         out = c.map(reqs, workers=8, progress=False)
         assert [r.data for r in out] == [{"echo": f"q{i}"} for i in range(24)]
         assert c.usage()["adapted"] == ["temperature: not sent (the API accepts only the model's default)",
@@ -81,7 +82,8 @@ def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
         assert "temperature" not in last and last["max_completion_tokens"] == 64 and "response_format" not in last
         assert len(StrictModel.seen) <= 24 + 3 * 8            # at most one refused try per change and worker
         n = len(StrictModel.seen)
-        again = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens", cache_dir=str(tmp_path / "c"))
+        again = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens",
+                                   cache_dir=str(tmp_path / "c"))
         assert [r.data for r in again.map(reqs, workers=8, progress=False)] == [r.data for r in out]
         assert len(StrictModel.seen) == n and "adapted" not in again.usage()   # all from the cache
         # a 400 about anything else is not retried
@@ -105,7 +107,8 @@ def test_5xx_then_success(server, status):
     (401, {"error": {"message": "bad key sk-SECRET-123"}}),
     (429, {"error": {"message": "You exceeded your quota", "code": "insufficient_quota"}}),
     (400, {"error": {"message": "bad request"}}),
-    (429, {"type": "error", "error": {"type": "rate_limit_error", "details": {"error_code": "enforced_spend_limit_reached"}}}),
+    (429, {"type": "error", "error": {"type": "rate_limit_error",
+                                      "details": {"error_code": "enforced_spend_limit_reached"}}}),
 ])
 def test_non_retryable_fail_at_once(server, status, body):
     Script.script = [(status, {}, body, 0)] * 3
@@ -141,7 +144,8 @@ def test_non_json_200_and_connection_refused(server):
 
 
 def test_json_extraction_fences_think_and_reask(server):
-    Script.script = [(200, {}, ok('<think>let me think {not json}</think>\nSure:\n```json\n{"answer": "a [1]"}\n```'), 0),
+    fenced = '<think>let me think {not json}</think>\nSure:\n```json\n{"answer": "a [1]"}\n```'
+    Script.script = [(200, {}, ok(fenced), 0),
                      (200, {}, ok('<think>unclosed reasoning... {"answer": "b"}'), 0),
                      (200, {}, ok("no json at all"), 0), (200, {}, ok('{"answer": "fixed"}'), 0),
                      (200, {}, ok('{"answer": "x"}', reasoning_content="because R2"), 0)]
@@ -158,7 +162,8 @@ def test_json_extraction_fences_think_and_reask(server):
     # a reasoning model that spent the token cap on reasoning: the error says to raise --max-tokens
     cut = {"choices": [{"message": {"content": "", "reasoning_content": "long..."}, "finish_reason": "length"}]}
     Script.script = [(200, {}, cut, 0), (200, {}, cut, 0)]
-    with pytest.raises(llm_clients.LLMError, match=r"token cap \(max_tokens=64, finish_reason 'length'.*raise --max-tokens"):
+    with pytest.raises(llm_clients.LLMError,
+                       match=r"token cap \(max_tokens=64, finish_reason 'length'.*raise --max-tokens"):
         c.chat([{"role": "user", "content": "5"}], max_tokens=64, json=True)
 
 
@@ -218,7 +223,8 @@ def test_make_client_keys_and_fields(monkeypatch):
     monkeypatch.delenv("OPENAI_API_BASE", raising=False)
     c = llm_clients.make_client("openai:gpt-5.5")
     assert c.max_field == "max_completion_tokens" and c.base_url == "https://api.openai.com/v1"
-    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:1/v1")      # the provider's own variable: its key goes there
+    # the provider's own variable: its key goes there
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:1/v1")
     assert llm_clients.make_client("openai:x").max_field == "max_tokens"
     monkeypatch.delenv("OPENAI_BASE_URL")
     # a key goes only to the provider it belongs to: not to an arbitrary --base-url
@@ -347,7 +353,8 @@ def test_timeout_bounds_the_whole_reply_and_a_cut_reply_is_retried_and_named():
         assert time.monotonic() - t0 < 3           # the body needs ~20 s at this pace
         Trickle.cut = True
         c = client(url, max_retries=2)
-        with pytest.raises(llm_clients.LLMError, match=r"on http://127\.0\.0\.1:\d+/v1/chat/completions after 3 attempts"):
+        with pytest.raises(llm_clients.LLMError,
+                           match=r"on http://127\.0\.0\.1:\d+/v1/chat/completions after 3 attempts"):
             c.chat([{"role": "user", "content": "y"}])
         assert c.stats["http_calls"] == 3
     finally:

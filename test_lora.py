@@ -73,7 +73,8 @@ def test_peft_round_trip_both_ways(tmp_path, hf_tiny):
     base = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     from safetensors.torch import load_file
     state = load_file(tmp_path / "ours" / "adapter_model.safetensors")
-    pm = peft.get_peft_model(base, peft.LoraConfig(**{k: cfg[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules")}))
+    keys = ("r", "lora_alpha", "lora_dropout", "target_modules")
+    pm = peft.get_peft_model(base, peft.LoraConfig(**{k: cfg[k] for k in keys}))
     res = peft.set_peft_model_state_dict(pm, state)
     assert not res.unexpected_keys and not [k for k in res.missing_keys if "lora_" in k]
     pm.eval()
@@ -84,7 +85,8 @@ def test_peft_round_trip_both_ways(tmp_path, hf_tiny):
     # PEFT -> ours
     torch.manual_seed(3)
     pm3 = peft.get_peft_model(transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                              peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(lora.TARGETS), init_lora_weights=False)).eval()
+                              peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(lora.TARGETS),
+                                              init_lora_weights=False)).eval()
     pm3.save_pretrained(str(tmp_path / "theirs"))
     ref = hf_margins(pm3, ids, rr.yes_id, rr.no_id)
     r2 = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)

@@ -36,7 +36,8 @@ def test_balanced_order_exactly_half():
 def test_cluster_bootstrap():
     vals = [1, 2, 3, 4, 5, 6, 7, 8]
     cl = ["a", "a", "b", "b", "c", "c", "d", "d"]
-    assert metrics.cluster_bootstrap_ci(vals, cl, n_boot=500, seed=3) == metrics.cluster_bootstrap_ci(vals, cl, n_boot=500, seed=3)
+    ci = metrics.cluster_bootstrap_ci(vals, cl, n_boot=500, seed=3)
+    assert ci == metrics.cluster_bootstrap_ci(vals, cl, n_boot=500, seed=3)
     assert metrics.cluster_bootstrap_ci([0.5] * 6, ["a", "a", "b", "b", "c", "c"], n_boot=200) == (0.5, 0.5)
     # whole clusters: within-cluster-constant data can only produce means of cluster values
     lo, hi = metrics.cluster_bootstrap_ci([0, 0, 0, 10, 10, 10], ["a", "a", "a", "b", "b", "b"], n_boot=2000, seed=0)

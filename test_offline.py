@@ -37,8 +37,10 @@ def test_sample_is_synthetic_and_benign_side_is_hard():
 
 def test_offline_engine_answers_every_prompt_kind_in_schema():
     lib, _ = tfsg.Controller().apply(tfsg.ExperienceLibrary.empty(), [
-        {"action": "add_fp_guard", "rule": R(rule_type="fp_guard", action="keep", description="g", trigger_signals=["'named source'"])},
-        {"action": "add_rule", "rule": R(description="a", trigger_signals=["'we guarantee'"], depends_on_fp_guards=["R1"])}])
+        {"action": "add_fp_guard", "rule": R(rule_type="fp_guard", action="keep", description="g",
+                                             trigger_signals=["'named source'"])},
+        {"action": "add_rule", "rule": R(description="a", trigger_signals=["'we guarantee'"],
+                                         depends_on_fp_guards=["R1"])}])
     docs = ["We guarantee this is the definitive answer. Eggs take six minutes.", "Eggs take six minutes [1].",
             "Plain text about boiling eggs for six minutes."]
     ask = lambda p: json.loads(offline.complete(p)[0])
@@ -89,7 +91,8 @@ def test_offline_server_answers_every_hostile_request():
             assert time.monotonic() - t0 < 4
         finally:
             offline._Handler.timeout = old
-        ok_ = requests.post(url, json={"messages": [{"role": "user", "content": metrics.asi_prompt("q", "a b c", "x")}]},
+        ok_ = requests.post(url, json={"messages": [{"role": "user",
+                                                     "content": metrics.asi_prompt("q", "a b c", "x")}]},
                             timeout=10)
         assert ok_.status_code == 200
     finally:

@@ -108,7 +108,8 @@ def test_ppl_threshold_and_stable_reordering(tmp_path, small_bench):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA (the checkpoint also restores the GPU's RNG: its dropout masks)"))])
+    not torch.cuda.is_available(),
+    reason="needs CUDA (the checkpoint also restores the GPU's RNG: its dropout masks)"))])
 def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, device):
     from safetensors.torch import load_file
     kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
@@ -138,7 +139,8 @@ def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, d
         if device == "cpu":       # bitwise; CUDA's atomic-add backward kernels need not be
             assert all(torch.equal(a[k], b[k]) for k in a)
             # the training log equals the uninterrupted one: no line twice, none lost
-            assert (tmp_path / name / "train_log.jsonl").read_text() == (tmp_path / "full" / "train_log.jsonl").read_text()
+            log = (tmp_path / name / "train_log.jsonl").read_text()
+            assert log == (tmp_path / "full" / "train_log.jsonl").read_text()
         else:
             for k in a:
                 torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
@@ -165,9 +167,11 @@ def test_demo_end_to_end_reduced(demo_run):
     want = ["-" if not nd[m]["ASI"] else f"{100 * (nd[m]['ASI'] - gd[m]['ASI']) / nd[m]['ASI']:.2f}" for m in nd]
     assert row == "| GEO Defender | " + " | ".join(want) + " |"
     for t in range(5):
-        assert tfsg.check_library(tfsg.ExperienceLibrary.from_dict(json.load(open(demo_run / "library" / f"E{t}.json")))) == []
+        lib = json.load(open(demo_run / "library" / f"E{t}.json"))
+        assert tfsg.check_library(tfsg.ExperienceLibrary.from_dict(lib)) == []
     recs = [json.loads(l) for l in open(demo_run / "results" / "geo_defender.jsonl")]
-    assert len(recs) == 4 * 7 and {"top_ids", "answer", "cited_ids", "attack_cited", "asi", "benign_cited"} <= set(recs[0])
+    assert len(recs) == 4 * 7 and {"top_ids", "answer", "cited_ids", "attack_cited", "asi",
+                                   "benign_cited"} <= set(recs[0])
     adapter = json.load(open(demo_run / "adapter" / "adapter_config.json"))
     assert adapter["base_model_name_or_path"] == "tiny"
 
@@ -178,7 +182,8 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
     shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
     shutil.copytree(demo_run / "adapter", tmp_path / "r" / "adapter")
     shutil.copytree(demo_run / "cache", tmp_path / "r" / "cache")
-    cfg = runs.Config(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r", "runs_dir": str(tmp_path)})
+    cfg = runs.Config(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r",
+                         "runs_dir": str(tmp_path)})
     old = runs.shield_scores_path(cfg)
     assert os.path.isfile(old)                                   # the demo's, under its adapter's digest
     base, shield = runs.rankers(cfg, True)
@@ -245,13 +250,15 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
     # records are resumed one by one: an eval with another judge or PPL model would reuse the old
     # ones, so it is refused, naming the setting (which conditions are evaluated may change)
     assert json.load(open(tmp_path / "cut" / "results" / "settings.json")) == {
-        "judge": "openai-compatible:scripted", "max_tokens": c["max_tokens"], "ppl_model": "tiny", "ppl_quantile": 0.99}
+        "judge": "openai-compatible:scripted", "max_tokens": c["max_tokens"], "ppl_model": "tiny",
+        "ppl_quantile": 0.99}
     for change, what in [({"judge": "openai-compatible:other"}, "judge='openai-compatible:scripted'"),
                          ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),
                          ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
         with pytest.raises(runs.SettingsError, match=f"records were made with {what}; this eval asks for"):
             evaluation.evaluate(runs.Config(**{**c, **change}))
-    fewer = evaluation.evaluate(runs.Config(**{**c, "conditions": "Non-Defense,Shield only", "ppl_model": "elsewhere"}))
+    fewer = evaluation.evaluate(runs.Config(**{**c, "conditions": "Non-Defense,Shield only",
+                                               "ppl_model": "elsewhere"}))
     assert fewer["conditions"] == {k: v for k, v in full["conditions"].items() if k in ("Non-Defense", "Shield only")}
     assert len(Script.seen) == sent
     # Table C.2: another library under a name; the same name later pointing at different content is refused
@@ -316,10 +323,12 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         assert s["quality"]["judge_failed"] == 7 and s["quality"]["n"] == 0
         rep = open(tmp_path / "j" / "report.md").read()
         assert "ASI judge failures" in rep and "Pairwise judge failures (left out of Table C.1): 7" in rep
-        cached = [json.load(open(os.path.join(r, f))) for r, _, fs in os.walk(tmp_path / "j" / "cache" / "llm") for f in fs]
+        cached = [json.load(open(os.path.join(r, f)))
+                  for r, _, fs in os.walk(tmp_path / "j" / "cache" / "llm") for f in fs]
         assert not any("attack_influence_score" in (c_["reply"]["text"] or "") for c_ in cached)
         n = BadJudge.judged
-        evaluation.evaluate(runs.Config(**c))                 # records resume: the failed ASI instances are not asked again
+        # records resume: the failed ASI instances are not asked again
+        evaluation.evaluate(runs.Config(**c))
         assert BadJudge.judged - n == 7 * 2           # only the pairwise comparisons, recomputed each eval
     finally:
         srv.shutdown()
@@ -327,9 +336,10 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
 
 def bb_opts(src, out, **kw):
     """build-bench's options (run.py's flags) for calling build_bench.build_bench directly."""
-    return argparse.Namespace(**{"input": src, "output": out, "search": None, "docs": 10, "attacks": "GEO,AutoGEO,GEO-SFE",
-                                 "seen_methods": "GEO", "groups": 100, "construction_groups": 1, "fidelity_judge": None,
-                                 "agentic_archive": None, "autogeo_rules": None, "synthetic": False, **kw})
+    return argparse.Namespace(**{"input": src, "output": out, "search": None, "docs": 10,
+                                 "attacks": "GEO,AutoGEO,GEO-SFE", "seen_methods": "GEO", "groups": 100,
+                                 "construction_groups": 1, "fidelity_judge": None, "agentic_archive": None,
+                                 "autogeo_rules": None, "synthetic": False, **kw})
 
 
 def test_build_bench_over_http_validates_and_caches(tmp_path, server):
@@ -340,7 +350,8 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
     rows = [{"query": g.query, "docs": [d["text"] for d in g.docs], "source_index": g.source_index} for g in groups]
     rows.append({"query": "too few documents", "docs": ["only one"]})
     geo_rows = [{"query": groups[0].query + " (GEO-Bench layout)", "sugg_idx": 1,
-                 "sources": [{"url": f"https://s/{i}", "cleaned_text": d["text"] + " v2"} for i, d in enumerate(groups[0].docs)]}]
+                 "sources": [{"url": f"https://s/{i}", "cleaned_text": d["text"] + " v2"}
+                             for i, d in enumerate(groups[0].docs)]}]
     # a source that failed to scrape (empty) before the suggested one: the index follows its document
     gapped = [{"url": f"https://t/{i}", "cleaned_text": d} for i, d in
               enumerate([groups[1].docs[0]["text"], ""] + [d["text"] + " v3" for d in groups[1].docs[1:]])]

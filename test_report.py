@@ -8,10 +8,12 @@ import report
 def test_compare_runs_transfer_matrix(tmp_path):
     import report
     def summ(target, asr, transfer):
-        c = {k: {"ASR": asr, "ASI": asr / 2, "BER": 90.0, "n": 7, "attack_in_context": 50.0, "hallucinated_citations": 0}
+        c = {k: {"ASR": asr, "ASI": asr / 2, "BER": 90.0, "n": 7, "attack_in_context": 50.0,
+                 "hallucinated_citations": 0}
              for k in evaluation.CONDITIONS}
         return {"target_llm": target, "conditions": c, "notes": [], "transfer": transfer,
-                "quality": {"mean_change": 0.1, "ci95": [-0.1, 0.2], "comparable_or_better": 80.0, "better": 20.0, "n": 7}}
+                "quality": {"mean_change": 0.1, "ci95": [-0.1, 0.2], "comparable_or_better": 80.0, "better": 20.0,
+                            "n": 7}}
     s = {"a": summ("x:A", 10.0, {"(own)": {"ASR": 5.0, "ASI": 2.0}, "x:B": {"ASR": 7.0, "ASI": 3.0}}),
          "b": summ("x:B", 30.0, {"(own)": {"ASR": 6.0, "ASI": 4.0}, "x:A": {"ASR": 8.0, "ASI": 1.0}})}
     path = report.write_comparison(str(tmp_path), s)
@@ -51,16 +53,20 @@ def test_figures_keep_every_label_inside_and_apart(tmp_path):
     """Axes with ticks and gridlines, labels wrapped instead of cut or overlapping, the legend inside,
     markers on lines: checked on adversarial data (long names, many series, negatives, close lines),
     and rendered to PNG where cairosvg is installed."""
-    methods = ["structure_boost_with_a_very_long_name", "keyword_stuff", "authority_voice", "x", "full_agentic_rewrite"]
+    methods = ["structure_boost_with_a_very_long_name", "keyword_stuff", "authority_voice", "x",
+               "full_agentic_rewrite"]
     series = ["Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only"]
     vals = {(m, s): (-1) ** i * 7.3 * (i + j) for i, m in enumerate(methods) for j, s in enumerate(series)}
-    figs = [report.svg_bars("ASR by GEO method (dashed outline: unseen)", methods, series, vals, dashed={"x", "keyword_stuff"}),
+    figs = [report.svg_bars("ASR by GEO method (dashed outline: unseen)", methods, series, vals,
+                            dashed={"x", "keyword_stuff"}),
             report.svg_bars("few bars", ["A", "B"], ["ASR", "ASI"], {("A", "ASR"): 50.0, ("A", "ASI"): 1.0,
                                                                      ("B", "ASR"): 0.0, ("B", "ASI"): 99.0}),
             report.svg_lines("by epoch", ["E0", "E1", "E2", "E3", "E4"], {"ASR": [38.1, 10.7, 10.7, 10.9, 10.7],
                                                                         "ASI": [25.6, 10.8, 10.6, 10.7, 17.6]}),
-            report.svg_heatmap("Transfer ASR (source library x target LLM)", ["openai:gpt-5.5", "anthropic:claude-opus-4.8"],
-                               ["openai:gpt-5.5", "anthropic:claude-opus-4.8"], {("openai:gpt-5.5", "openai:gpt-5.5"): 5.0})]
+            report.svg_heatmap("Transfer ASR (source library x target LLM)",
+                               ["openai:gpt-5.5", "anthropic:claude-opus-4.8"],
+                               ["openai:gpt-5.5", "anthropic:claude-opus-4.8"],
+                               {("openai:gpt-5.5", "openai:gpt-5.5"): 5.0})]
     for svg in figs:
         W, H, boxes = _text_boxes(svg)
         for x0, y0, x1, y1, s in boxes:

@@ -123,7 +123,8 @@ def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
     assert rerank_clients.make_reranker(fake).url == fake + "/v1/rerank"          # the default path
     t = rerank_clients.make_reranker("tei:" + fake)
     assert t.rerank(Q, DOCS).scores == pytest.approx(want)
-    assert FakeRerank.seen[-1][0] == "/rerank" and FakeRerank.seen[-1][2] == {"query": Q, "texts": DOCS, "raw_scores": False}
+    assert FakeRerank.seen[-1][0] == "/rerank"
+    assert FakeRerank.seen[-1][2] == {"query": Q, "texts": DOCS, "raw_scores": False}
     for provider, shape, var in (("cohere", "cohere", "COHERE_API_KEY"), ("jina", "jina", "JINA_API_KEY"),
                                  ("voyage", "voyage", "VOYAGE_API_KEY")):
         monkeypatch.delenv(var, raising=False)
@@ -208,14 +209,16 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
             assert [r["attack_rank"] for r in recs[lb]] == [r["attack_rank"] for r in recs["shield"]]
             assert stage[lb]["overall"]["exposure"] == stage["shield"]["overall"]["exposure"]
         r0 = recs["shield"][0]
-        assert set(r0) >= {"instance_id", "ranking", "scores", "attack_rank"} and r0["scores"] == sorted(r0["scores"], reverse=True)
+        assert set(r0) >= {"instance_id", "ranking", "scores", "attack_rank"}
+        assert r0["scores"] == sorted(r0["scores"], reverse=True)
         assert recs["base"][0]["clean_topk_kept"] == 1.0
         s = json.load(open(out / name / "summary.json"))
         for lb in ("shield", "ours"):
             blk = s["rerank_stage"][lb]
             assert set(blk["overall"]) >= {"exposure", "exposure_ci", "mean_attack_rank", "mean_attack_rank_ci",
                                            "promotion", "promotion_ci", "n"}
-            assert all(set(v) >= {"exposure", "mean_attack_rank", "promotion", "seen"} for v in blk["per_method"].values())
+            assert all(set(v) >= {"exposure", "mean_attack_rank", "promotion",
+                                  "seen"} for v in blk["per_method"].values())
             lo, hi = blk["overall"]["exposure_ci"]
             assert lo <= blk["overall"]["exposure"] <= hi
         assert "Reranker stage under GEO attack" in (out / name / "rerank_report.md").read_text()
@@ -236,7 +239,8 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
 
 def test_rerank_eval_records_nothing_partial_and_resumes_from_the_cache(demo_run, tmp_path, fake):
     out, name = _run_copy(demo_run, tmp_path)
-    argv = ["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"fk={fake}/v1/rerank", "--workers", "1"]
+    argv = ["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"fk={fake}/v1/rerank", "--workers",
+            "1"]
     FakeRerank.script = ["ok"] * 5 + ["fewer"]
     with pytest.raises(SystemExit, match=r"error: .*results: 9 results for 10 documents"):
         run.main(argv)
@@ -256,7 +260,8 @@ def test_rerank_eval_records_nothing_partial_and_resumes_from_the_cache(demo_run
     for bad, msg in ([f"x y={fake}"], "the label must be"), (["a=base", "a=shield"], "given twice"), \
                     (["q=nope:thing"], "unknown reranker"):
         with pytest.raises(SystemExit, match=msg):
-            run.main(["rerank-eval", "--runs-dir", str(out), "--name", name] + sum((["--reranker", b] for b in bad), []))
+            run.main(["rerank-eval", "--runs-dir", str(out), "--name",
+                      name] + sum((["--reranker", b] for b in bad), []))
     with pytest.raises(SystemExit, match="at least one --reranker"):
         run.main(["rerank-eval", "--runs-dir", str(out), "--name", name])
 

@@ -12,7 +12,7 @@ import torch
 
 import reranker
 import tiny
-from conftest import hf_margins
+from conftest import hf_checkpoint, hf_margins
 
 
 def test_parity_tiny_fp32_single_and_batched(hf_tiny):
@@ -32,21 +32,12 @@ def test_parity_tiny_fp32_single_and_batched(hf_tiny):
 def test_parity_untied_lm_head(tmp_path, tiny_dir):
     """A checkpoint with its own lm_head (tie_word_embeddings false, as Qwen3-8B-based rerankers): the
     margin uses the head's yes/no rows, not the embedding's; only those two rows are kept."""
-    transformers = pytest.importorskip("transformers")
-    cfg = json.load(open(os.path.join(tiny_dir, "config.json")))
-    hc = transformers.Qwen3Config(**{**{k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                           "num_hidden_layers", "num_attention_heads",
-                                                           "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                                           "rope_theta")}, "tie_word_embeddings": False})
-    torch.manual_seed(2)
-    hm = transformers.Qwen3ForCausalLM(hc).eval()
+    _, hm = hf_checkpoint(tmp_path, tiny_dir, seed=2, untied=True)
     assert hm.lm_head.weight.data_ptr() != hm.model.embed_tokens.weight.data_ptr()
-    hm.save_pretrained(str(tmp_path), safe_serialization=True)
-    shutil.copy(os.path.join(tiny_dir, "tokenizer.json"), str(tmp_path))
     rr = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.float32)
     ids = rr.tokenize("What is the capital of France?", ["Paris is the capital of France.", "eggs " * 30])
     torch.testing.assert_close(rr.score_ids(ids), hf_margins(hm, ids, rr.yes_id, rr.no_id), rtol=1e-4, atol=1e-5)
-    assert rr._lm_head.shape == (2, cfg["hidden_size"])
+    assert rr._lm_head.shape == (2, hm.config.hidden_size)
 
 
 def test_batch_invariance_and_order(tiny_dir):
@@ -158,7 +149,8 @@ def test_loader_errors(tmp_path, tiny_dir):
         return str(d)
 
     cases = [
-        ("missing", lambda st: st.pop("model.layers.0.mlp.up_proj.weight"), "missing keys: model.layers.0.mlp.up_proj.weight"),
+        ("missing", lambda st: st.pop("model.layers.0.mlp.up_proj.weight"),
+         "missing keys: model.layers.0.mlp.up_proj.weight"),
         ("shape", lambda st: st.update({"model.norm.weight": torch.ones(7)}), r"model.norm.weight: shape \(7,\)"),
         ("dtype", lambda st: st.update({"model.norm.weight": st["model.norm.weight"].to(torch.int32)}),
          "model.norm.weight: unsupported dtype I32"),

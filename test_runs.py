@@ -36,7 +36,8 @@ def test_seen_methods_are_never_guessed(tmp_path):
     assert geodef.seen_methods(meta, ["B", "B"], p) == (["B"], "given")
     with pytest.raises(geodef.BenchFormatError, match=r"\['Z'\] are not among"):
         geodef.seen_methods(meta, ["Z"], p)
-    paper = [{**good_group(f"g{i}"), "attacks": {m: f"{m} rewrite {i}" for m in geodef.PAPER_METHODS}} for i in range(3)]
+    paper = [{**good_group(f"g{i}"),
+              "attacks": {m: f"{m} rewrite {i}" for m in geodef.PAPER_METHODS}} for i in range(3)]
     meta = geodef.load_bench(write_lines(tmp_path, paper, "paper.jsonl"), with_meta=True)[1]
     assert geodef.seen_methods(meta) == (["AgenticGEO", "AutoGEO", "MAGEO"], "the paper's seen methods")
     cfg = runs.Config(name="s", runs_dir=str(tmp_path), bench=p, n_construction=1)
@@ -119,7 +120,8 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
     assert out.stderr.strip().endswith("bad.jsonl:2: (line): invalid JSON: Expecting property name enclosed in "
                                        "double quotes at column 2")
     out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "eval", "--name", "never", "--model", "tiny",
-                          "--llm", "offline", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+                          "--llm", "offline", "--runs-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().endswith("no trained adapter; run `python run.py train --name never` first (GEO "
                                        "Defender, Shield only, TFSG only need it), or evaluate the others: "
@@ -152,7 +154,8 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
         run.main(["train", "--preset", "tiny-demo"] + common)
     # every training setting the adapter, the library or the cached scores depend on is pinned
     with pytest.raises(SystemExit, match="different max_grad_norm, monitor_frac, max_length, max_initial_rules "
-                                         r"\(max_grad_norm=1.0, monitor_frac=0.2, max_length=8192, max_initial_rules=10\)"):
+                                         r"\(max_grad_norm=1.0, monitor_frac=0.2, max_length=8192, "
+                                         r"max_initial_rules=10\)"):
         run.main(["train", "--max-grad-norm", "2", "--monitor-frac", "0.3", "--max-length", "1024",
                   "--max-initial-rules", "5"] + common)
     # eval of a run not trained yet: refused before anything is recorded, so that the later
@@ -166,7 +169,8 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     # pins nothing: rerunning with a different --model, as the error suggests, is not refused
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: runs.load_reranker(cfg) and   # then a file,
-                        runs.write_json(os.path.join(cfg.run_dir, "checkpoint", "state.json"), {}))  # as training leaves
+                        # as training leaves
+                        runs.write_json(os.path.join(cfg.run_dir, "checkpoint", "state.json"), {}))
     with pytest.raises(SystemExit, match="--model tiny"):
         run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
     assert (tmp_path / "z" / "config.json").exists()
@@ -176,7 +180,8 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     # a demo's record (its LLM a loopback server gone with the demo) is not taken over
     runs.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
                                                           "command": "demo"})
-    assert runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d", runs_dir=str(tmp_path))).llm == "offline"
+    assert runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d",
+                                                  runs_dir=str(tmp_path))).llm == "offline"
     # today's demo records `offline` (its engine's port is never stored): every command takes its settings
     runs.write_json(str(tmp_path / "n" / "config.json"), {"config": {"llm": "offline", "ppl_model": "tiny",
                                                                      "model": "tiny"}, "command": "demo"})
@@ -226,7 +231,8 @@ def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
     (tmp_path / "e" / "results").mkdir()
     (tmp_path / "e" / "results" / "x.jsonl").write_text("{}\n")
     bench.write_text(bench.read_text().replace('"query": "', '"query": "edited ', 1))
-    with pytest.raises(runs.SettingsError, match=r"b.jsonl: its content changed since this run used it \(SHA-1 [0-9a-f]{12}, now"):
+    with pytest.raises(runs.SettingsError,
+                       match=r"b.jsonl: its content changed since this run used it \(SHA-1 [0-9a-f]{12}, now"):
         runs.record_config(cfg, "eval")
 
 
@@ -240,24 +246,29 @@ def test_one_writer_per_run_folder(tmp_path, small_bench):
         out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
         assert "in use by pid" in out and "use another --name" in out
         # a real command on the same folder: refused before it writes anything
-        p = subprocess.run([sys.executable, "run.py", "demo", "--out", str(tmp_path), "--name", "r", "--bench", small_bench,
+        p = subprocess.run([sys.executable, "run.py", "demo", "--out", str(tmp_path), "--name", "r",
+                            "--bench", small_bench,
                             "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3"],
                            capture_output=True, text=True, cwd=HERE)
         assert p.returncode != 0 and "in use by pid" in p.stderr and "Traceback" not in p.stderr
         assert not os.path.exists(d / "config.json")
-    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
+    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
+                                      cwd=HERE).stdout
     killed = subprocess.Popen([sys.executable, "-c", "import runs, time, sys\nwith runs.run_lock(sys.argv[1]):\n"
-                               "    print('held', flush=True); time.sleep(60)", str(d)], stdout=subprocess.PIPE, text=True, cwd=HERE)
+                               "    print('held', flush=True); time.sleep(60)", str(d)], stdout=subprocess.PIPE,
+                               text=True, cwd=HERE)
     assert killed.stdout.readline().strip() == "held"
     killed.kill()
     killed.wait()
-    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
+    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
+                                      cwd=HERE).stdout
 
 
 def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
     c = json.load(open(demo_run / "config.json"))["config"]
     cfg = lambda t: runs.Config(**{**c, "runs_dir": str(demo_run.parent), "transfer": t})
-    for content, msg in [('{"a": 1}', "rules: an experience library is a JSON object"), ("not json", "not a JSON library"),
+    for content, msg in [('{"a": 1}', "rules: an experience library is a JSON object"),
+                         ("not json", "not a JSON library"),
                          ('{"rules": [{"rule_id": "R1"}]}', "not a valid library"), ("[]", "rules:")]:
         p = tmp_path / "lib.json"
         p.write_text(content)
@@ -274,14 +285,17 @@ def test_failed_eval_records_no_settings(demo_run, tmp_path):
     for d in ("adapter", "library"):
         shutil.copytree(demo_run / d, tmp_path / "f" / d)
     c = json.load(open(demo_run / "config.json"))["config"]
-    c.update(name="f", runs_dir=str(tmp_path), max_test_groups=1, conditions="Non-Defense", llm="offline", base_url=None)
+    c.update(name="f", runs_dir=str(tmp_path), max_test_groups=1, conditions="Non-Defense", llm="offline",
+             base_url=None)
     with pytest.raises(llm_clients.LLMError, match="ConnectionError on http://127.0.0.1:9/v1"):
-        evaluation.evaluate(runs.Config(**{**c, "judge": "openai-compatible:gone", "base_url": "http://127.0.0.1:9/v1"}))
+        evaluation.evaluate(runs.Config(**{**c, "judge": "openai-compatible:gone",
+                                           "base_url": "http://127.0.0.1:9/v1"}))
     # the clean reference's records were written (no judge call: the attack is not in them): the
     # token cap is recorded, the judge that never scored a record is not
     assert json.load(open(tmp_path / "f" / "results" / "settings.json")) == {"max_tokens": c["max_tokens"]}
     s = evaluation.evaluate(runs.Config(**c))
-    assert s["judge"] == "offline:offline-engine" and json.load(open(tmp_path / "f" / "results" / "settings.json"))["judge"] == "offline"
+    assert s["judge"] == "offline:offline-engine"
+    assert json.load(open(tmp_path / "f" / "results" / "settings.json"))["judge"] == "offline"
 
 
 def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
@@ -293,7 +307,8 @@ def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
     with pytest.raises(reranker.PromptLengthError, match="leaves the document no tokens"):
         rr.tokenize("a query", ["a document " * 50])
     rr.max_length = 300
-    assert rr.overflow("q", ["short", "long " * 500, "long " * 400]) == 2 and len(rr.tokenize("q", ["long " * 500])[0]) == 300
+    assert rr.overflow("q", ["short", "long " * 500,
+                             "long " * 400]) == 2 and len(rr.tokenize("q", ["long " * 500])[0]) == 300
     with pytest.raises(runs.SettingsError, match="--k 10"):
         runs.Config(k=10)
     for name in ("../x", "", ".hidden", "a/b"):
@@ -311,11 +326,13 @@ def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
 
 
 def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
-    s = {"target_llm": "x:A", "notes": [], "conditions": {k: {"ASR": 1.0, "ASI": 1.0, "BER": 1.0} for k in evaluation.CONDITIONS}}
+    s = {"target_llm": "x:A", "notes": [],
+         "conditions": {k: {"ASR": 1.0, "ASI": 1.0, "BER": 1.0} for k in evaluation.CONDITIONS}}
     for parent in ("p", "q"):
         os.makedirs(tmp_path / parent / "x")
         runs.write_json(str(tmp_path / parent / "x" / "summary.json"), {**s, "target_llm": f"{parent}:A"})
-    path = run.main(["compare", "--runs", f"{tmp_path / 'p' / 'x'},{tmp_path / 'q' / 'x'}", "--out", str(tmp_path / "c")])
+    path = run.main(["compare", "--runs", f"{tmp_path / 'p' / 'x'},{tmp_path / 'q' / 'x'}", "--out",
+                     str(tmp_path / "c")])
     text = open(path).read()
     assert "| p:A |" in text and "| q:A |" in text
 
@@ -407,7 +424,8 @@ def test_bad_flags_and_files_are_sentences_not_tracebacks(tmp_path, small_bench)
 def test_hostile_json_is_a_line_error_and_caps_come_first(tmp_path):
     g = good_group()
     deep = "[" * 100000 + "]" * 100000
-    for line, msg in [('{"group_id": ' + "1" * 5000 + "}", "4300"), ('{"group_id": ' + deep + "}", "nested too deeply")]:
+    for line, msg in [('{"group_id": ' + "1" * 5000 + "}", "4300"),
+                      ('{"group_id": ' + deep + "}", "nested too deeply")]:
         p = write_lines(tmp_path, [json.dumps(g), line])
         with pytest.raises(geodef.BenchFormatError, match=rf"b\.jsonl:2: \(line\): invalid JSON: .*{msg}"):
             geodef.load_bench(p)
@@ -438,7 +456,8 @@ def test_resumed_run_reports_the_whole_runs_usage(demo_run, tmp_path):
     shutil.copytree(demo_run, d)
     first = json.load(open(d / "summary.json"))["usage"]
     assert first["total"]["replies"] > 0 and set(first["stages"]) == {"train", "eval"}
-    assert first["total"]["prompt_tokens"] == sum(v["prompt_tokens"] for m in first["stages"].values() for v in m.values())
+    stages = first["stages"].values()
+    assert first["total"]["prompt_tokens"] == sum(v["prompt_tokens"] for m in stages for v in m.values())
     shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
     shutil.copytree(demo_run.parent / "_tiny_gpt2", tmp_path / "_tiny_gpt2")
     cfg = json.load(open(d / "config.json"))["config"]
@@ -460,12 +479,13 @@ def test_demo_ends_within_seconds_after_an_error_in_the_llm_phase(demo_run, tmp_
     d = tmp_path / "o" / "demo"
     shutil.rmtree(d / "results")
     shutil.rmtree(d / "cache" / "llm")
-    argv = json.dumps(["demo", "--out", str(tmp_path / "o"), "--bench", json.load(open(d / "config.json"))["config"]["bench"],
+    argv = json.dumps(["demo", "--out", str(tmp_path / "o"), "--bench",
+                       json.load(open(d / "config.json"))["config"]["bench"],
                        "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3", "--n-batches", "3",
                        "--n-boot", "200"])
     code = ("import json, sys, runpy, llm_clients\nn = [0]\nreal = llm_clients.ReplyCache.put\n"
-            "def full(self, key, reply, *a):\n    n[0] += 1\n    if n[0] > 20:\n        raise OSError(28, 'No space left on device')\n"
-            "    return real(self, key, reply, *a)\nllm_clients.ReplyCache.put = full\n"
+            "def full(self, key, reply, *a):\n    n[0] += 1\n    if n[0] > 20:\n        raise OSError(28, 'No space "
+            "left on device')\n    return real(self, key, reply, *a)\nllm_clients.ReplyCache.put = full\n"
             f"sys.argv = ['run.py'] + json.loads({argv!r})\nrunpy.run_path('run.py', run_name='__main__')\n")
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
@@ -500,7 +520,8 @@ def test_a_write_past_the_file_size_limit_names_its_file(tmp_path):
             "              lambda: llm_clients.append_ledger(d + '/u.jsonl', {'x': 'y' * 10000}, threading.Lock()),\n"
             "              lambda: llm_clients.ReplyCache(d + '/c').put_raw('ab' * 32, {'x': 'y' * 10000})):\n"
             "    try:\n        write()\n    except OSError as e:\n        print(e.strerror, e.filename)\n")
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=HERE, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=HERE,
+                       timeout=60)
     lines = p.stdout.splitlines()
     assert len(lines) == 4 and all(l.startswith("File too large ") for l in lines), p.stdout + p.stderr
     assert [l.split(" ", 3)[-1].rsplit("/", 1)[-1] for l in lines][:3] == ["a.json", "b.jsonl", "u.jsonl"]

@@ -2,9 +2,7 @@
 training step, the hand backward passes, compiled fusions, the dropout sampler's law; CUDA cases.
 Run: python -m pytest -q test_speed.py
 """
-import os
 import random
-import shutil
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import torch
 import lora
 import reranker
 import speed
-from conftest import CUDA, _rel, fast, hf_margins, train_with_lora
+from conftest import CUDA, _rel, fast, hf_checkpoint, hf_margins, train_with_lora
 
 
 @pytest.mark.slow
@@ -20,14 +18,7 @@ from conftest import CUDA, _rel, fast, hf_margins, train_with_lora
 def test_parity_real_width_fp32_and_bf16(tmp_path, tiny_dir, device):
     """Real width (hidden 1024, 16/8 heads, head_dim 128, MLP 3072, vocab 151669), 2 layers; ours on
     `device` against transformers' fp32 forward on the CPU."""
-    transformers = pytest.importorskip("transformers")
-    hc = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
-                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                                  rope_theta=1e6, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    hm = transformers.Qwen3ForCausalLM(hc).eval()
-    hm.save_pretrained(tmp_path, safe_serialization=True)
-    shutil.copy(os.path.join(tiny_dir, "tokenizer.json"), tmp_path)
+    _, hm = hf_checkpoint(tmp_path, tiny_dir, seed=0, real_width=True, layers=2)
     rr = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.float32, device=device)
     g = random.Random(0)
     ids = [[g.randrange(1000, 150000) for _ in range(n)] for n in (37, 120, 300)]
@@ -119,33 +110,40 @@ def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
 
 
 def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
-    """One query's documents share the prompt up to the document; score_ids runs that prefix once.
-    Scores equal transformers' and the unshared path, and LoRA gradients equal the unshared ones,
-    also with duplicate documents (prefix capped one short), with gradient checkpointing, and with
-    attention differentiated by autograd through SDPA (the CUDA path) instead of the hand backward."""
+    """One query's documents share the prompt up to the document; the speed path runs that prefix
+    once. Scores equal transformers' and the unshared path, and LoRA gradients equal the unshared
+    ones, also with duplicate documents (prefix capped one short), with gradient checkpointing, and
+    with attention differentiated by autograd through SDPA (the CUDA path) instead of the hand
+    backward."""
     folder, hm = hf_tiny
-    assert reranker.common_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
-    assert reranker.common_prefix_len([[1, 2, 3], [1, 2, 3]]) == 2      # each keeps its final token
-    assert reranker.common_prefix_len([[5], [5, 6]]) == 0
-    assert reranker.common_prefix_len([[1, 2], [3, 2]]) == 0
+    assert speed.common_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
+    assert speed.common_prefix_len([[1, 2, 3], [1, 2, 3]]) == 2      # each keeps its final token
+    assert speed.common_prefix_len([[5], [5, 6]]) == 0
+    assert speed.common_prefix_len([[1, 2], [3, 2]]) == 0
     docs = ["Paris is the capital of France. " * 3, "short", "short", "A much longer document about eggs. " * 40,
             "Ünïcödé: naïve café, 東京の水道水は安全です。"]
-    shared = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
-    alone = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, share_prefix=False)
+    shared = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32))
+    alone = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    speed.install(alone.model, share_prefix=False)
     ids = shared.tokenize("What is the capital of France?", docs)
-    P = reranker.common_prefix_len(ids)
+    P = speed.common_prefix_len(ids)
     assert P > len(shared.prefix_ids) + 10                           # system prompt + instruction + query
+    lens = [len(x) for x in ids]
+    kept = speed.shared_prefix(torch.tensor(sum(ids, [])), lens)     # what the model runs: the prefix once
+    assert kept[0] == P and kept[1].tolist() == ids[0] + sum((x[P:] for x in ids[1:]), [])
+    assert kept[2] == [L - P for L in lens]
     ref = hf_margins(hm, ids, shared.yes_id, shared.no_id)
     torch.testing.assert_close(shared.score_ids(ids), ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(shared.score_ids(ids), alone.score_ids(ids), rtol=1e-5, atol=1e-6)
     grads = []
     # the last configuration runs attention the way it runs on CUDA (SDPA's own backward, autograd
     # through the per-sequence slices), here on the CPU
-    for share, ckpt, hand in ((False, False, ("cpu",)), (True, False, ("cpu",)), (True, True, ("cpu",)), (True, False, ())):
+    cases = ((False, False, ("cpu",)), (True, False, ("cpu",)), (True, True, ("cpu",)), (True, False, ()))
+    for share, ckpt, hand in cases:
         monkeypatch.setattr(speed, "HAND_BACKWARD", hand)
-        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, share_prefix=share)
+        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
         train_with_lora(rr, seed=0, dropout=0.0, checkpointing=ckpt)
-        speed.install(rr.model)
+        speed.install(rr.model, share_prefix=share)
         s = rr.score_ids(ids, grad=True)
         (s * torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])).sum().backward()
         grads.append({n: p.grad.clone() for n, p in rr.model.named_parameters() if p.grad is not None})
@@ -167,7 +165,8 @@ def test_causal_attention_backward_matches_autograd(lens, P, block):
     torch.manual_seed(0)
     H, K, E = 4, 2, 32
     N = P + sum(lens)
-    base = [torch.randn(N, n, E, dtype=torch.float64) * 2 for n in (H, K, K)] + [torch.randn(N, H, E, dtype=torch.float64)]
+    base = [torch.randn(N, n, E, dtype=torch.float64) * 2 for n in (H, K, K)]         # q, k, v
+    base.append(torch.randn(N, H, E, dtype=torch.float64))                               # the output's gradient
 
     def reference(q, k, v):
         """Each sequence as its own copy of prefix + own rows; outputs of the prefix rows kept once."""
@@ -253,7 +252,7 @@ def test_dropout_mask_law_and_lora_train_forward():
 def test_speed_paths_equal_the_reference(hf_tiny):
     """speed.install changes how, not what: float32 margins, LoRA gradients and one SGD step of
     the installed model equal reranker.py's and lora.py's plain forwards (1e-5 relative; dropout 0,
-    since the speed path shares masks across q/k/v where PEFT draws one per module)."""
+    since the speed path shares masks across q/k/v where PEFT draws one per module). bf16 below."""
     folder, hm = hf_tiny
     docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
     ref, quick = (reranker.Reranker.from_pretrained(folder, dtype=torch.float32) for _ in range(2))
@@ -280,3 +279,43 @@ def test_speed_paths_equal_the_reference(hf_tiny):
         opt.step()
     for n in params[0]:
         assert _rel(params[1][n].detach(), params[0][n].detach()) < 1e-5, n
+
+
+def test_signed_sine_rope_is_the_reference_bit_for_bit():
+    """speed's RoPE ([x2, x1] times the signed sine) gives reranker.apply_rope's bits (rotate_half)."""
+    torch.manual_seed(0)
+    cos, sin = reranker.rope_cos_sin(torch.arange(7), 16, 1e6, torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(7, 3, 16).to(dtype)
+        c, s = cos.to(dtype), sin.to(dtype)
+        want = reranker.apply_rope(x, c, s)
+        assert torch.equal(speed.apply_rope_signed(x, c, speed.signed_sine(s)), want)
+        assert torch.equal(speed.apply_rope_(x.clone(), c, speed.signed_sine(s)), want)      # in place
+
+
+def test_speed_paths_in_bf16(hf_tiny):
+    """bf16, as training runs: the installed model's inference margins equal reranker.py's (bitwise
+    on the CPUs measured; allowed one bf16 step of the largest margin, 2^-8 relative, because the
+    last layer's final-token-only GEMMs have other shapes, whose float32 accumulation may round
+    differently on other CPUs), and its LoRA gradients are within 8e-2 relative of the float32
+    reference (bf16 keeps 8 mantissa bits; the fused LoRA add and the hand backward round elsewhere
+    than autograd)."""
+    folder, _ = hf_tiny
+    docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
+    ref, quick = (reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16) for _ in range(2))
+    speed.install(quick.model)
+    ids = ref.tokenize("What is the capital of France?", docs)
+    a, b = ref.score_ids(ids), quick.score_ids(ids)
+    assert (a - b).abs().max() <= 2 ** -8 * a.abs().max(), (a, b)
+    grads = []
+    for dtype in (torch.float32, torch.bfloat16):
+        rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
+        train_with_lora(rr, seed=3, dropout=0.0)
+        if dtype == torch.bfloat16:
+            speed.install(rr.model)
+        m = rr.score_ids(ids, grad=True)
+        (m.pow(2).sum() - m[0]).backward()
+        grads.append({n: p.grad.float() for n, p in rr.model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        assert _rel(grads[1][n], grads[0][n]) < 8e-2, n

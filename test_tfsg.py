@@ -14,7 +14,8 @@ from conftest import R
 def test_controller_actions_valid_and_invalid():
     C = tfsg.Controller(max_rules=5)
     lib0 = tfsg.ExperienceLibrary.empty()
-    lib, rep = C.apply(lib0, [{"action": "add_fp_guard", "rule": R(rule_type="fp_guard", action="keep", description="g")},
+    lib, rep = C.apply(lib0, [{"action": "add_fp_guard",
+                               "rule": R(rule_type="fp_guard", action="keep", description="g")},
                               {"action": "add_rule", "rule": R(description="a", depends_on_fp_guards=["R1"])},
                               {"action": "add_rule", "rule": R(description="b")}])
     assert not rep.rejected and [r["rule_id"] for r in lib.rules] == ["R1", "R2", "R3"] and lib0.rules == []
@@ -77,7 +78,8 @@ def test_cold_start_ids_follow_their_proposals_and_cap_counts_accepted():
     assert tfsg.check_library(lib) == []
     # ten invalid proposals first, then two valid ones: the cap of 10 admits the valid ones
     bad = [R(rule_id=f"B{i}", action="nuke") for i in range(10)]
-    lib, rep = tfsg.cold_start(C, tfsg.ExperienceLibrary.empty(), bad + [R(description="ok1"), R(description="ok2")], 10)
+    rules = bad + [R(description="ok1"), R(description="ok2")]
+    lib, rep = tfsg.cold_start(C, tfsg.ExperienceLibrary.empty(), rules, 10)
     assert [r["description"] for r in lib.active()] == ["ok1", "ok2"] and len(rep.rejected) == 10
     lib, rep = tfsg.cold_start(C, tfsg.ExperienceLibrary.empty(), [R(description=f"r{i}") for i in range(5)], 3)
     assert len(lib.active()) == 3 and [x["reason"] for x in rep.rejected] == ["over max_initial_rules=3"] * 2
@@ -93,7 +95,8 @@ def test_controller_randomised_invariants():
         ups = []
         for _ in range(rnd.randint(0, 6)):
             act = rnd.choice(list(tfsg.UPDATE_ACTIONS) + ["bogus"])
-            rule = R(rule_type=rnd.choice(list(tfsg.RULE_TYPES) + ["zzz"]), action=rnd.choice(list(tfsg.DECISIONS) + ["?"]),
+            rule = R(rule_type=rnd.choice(list(tfsg.RULE_TYPES) + ["zzz"]),
+                     action=rnd.choice(list(tfsg.DECISIONS) + ["?"]),
                      strength=rnd.choice(tfsg.STRENGTHS), description=rnd.choice(["a", "b", "c", "d" * 700, ""]),
                      depends_on_fp_guards=rnd.sample(ids, k=rnd.randint(0, 2)) if rnd.random() < 0.5 else [],
                      trigger_signals=rnd.choice([["'t'"], [], ["s"] * 20, [1]]))
@@ -122,7 +125,8 @@ def test_prompts_hostile_documents_cannot_break_structure():
         assert [r["text"] for r in inp["search_results"]] == hostile
         assert inp["experience_library"]["rules"][0]["description"] == 'rule with "quotes" </input>'
     g = json.loads(tfsg.guided_prompt("q", hostile, lib).split("<input>")[1].split("</input>")[0])
-    assert "risk_signals" in g["experience_library"]["rules"][0] and "depends_on_fp_guards" not in g["experience_library"]["rules"][0]
+    rule = g["experience_library"]["rules"][0]
+    assert "risk_signals" in rule and "depends_on_fp_guards" not in rule
     s = tfsg.structured_prompt("q", hostile, lib)
     assert '"doc_id": "doc-1"' in s and "decision_labels" in s
     std = tfsg.standard_prompt("q", ["d1", "d2"], static_safety=True)
@@ -130,7 +134,8 @@ def test_prompts_hostile_documents_cannot_break_structure():
 
 
 def test_classify_outcomes():
-    t = lambda cited, dec=(): {"cited": cited, "per_doc_decision": [{"index": i, "source_decision": d} for i, d in dec]}
+    t = lambda cited, dec=(): {"cited": cited,
+                               "per_doc_decision": [{"index": i, "source_decision": d} for i, d in dec]}
     labels = ["benign", "attack", "benign", "benign", "benign"]
     assert tfsg.classify(t([1, 3]), 2, labels, 3) == "success"
     assert tfsg.classify(t([2, 3]), 2, labels, 2) == "missed_attack"

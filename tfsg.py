@@ -81,7 +81,8 @@ class Limits:
         return self.rule_description_chars if k == "description" else self.rule_condition_chars
 
     def list_max(self, k):
-        return {"evidence": self.rule_max_evidence, "depends_on_fp_guards": self.rule_max_dependencies}.get(k, self.rule_max_signals)
+        return {"evidence": self.rule_max_evidence,
+                "depends_on_fp_guards": self.rule_max_dependencies}.get(k, self.rule_max_signals)
 
 
 LIMITS = Limits()
@@ -141,7 +142,7 @@ def load_library(path, limits=LIMITS):
         raise LibraryError(f"{path}: not a JSON library file (nested too deeply)") from None
     except ValueError as e:                    # UnicodeDecodeError and over-long integers included
         raise LibraryError(f"{path}: not a JSON library file ({str(e).split(';')[0]})") from None
-    if not isinstance(d, dict) or not isinstance(d.get("rules"), list) or not all(isinstance(r, dict) for r in d["rules"]):
+    if not (isinstance(d, dict) and isinstance(d.get("rules"), list) and all(isinstance(r, dict) for r in d["rules"])):
         raise LibraryError(f"{path}: rules: an experience library is a JSON object with a list of rule objects")
     if len(d["rules"]) > MAX_LIBRARY_RULES:
         raise LibraryError(f"{path}: rules: {len(d['rules'])} rules; a library holds at most {MAX_LIBRARY_RULES}")
@@ -283,7 +284,8 @@ class Controller:
             report.rejected.append({"update": updates, "reason": "updates must be a list"})
             return lib, report
         # DELETE takes precedence over REFINE of the same rule within one batch.
-        deleted = {u.get("target_rule_id") for u in updates if isinstance(u, dict) and u.get("action") == "delete_rule"}
+        deleted = {u.get("target_rule_id") for u in updates
+                   if isinstance(u, dict) and u.get("action") == "delete_rule"}
         for u in updates:
             reason = self._apply_one(lib, u, deleted, report, epoch)
             if reason:
@@ -636,11 +638,12 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
             data.get("experience_library"), dict) else []
         lib, report = cold_start(controller, lib, proposed if isinstance(proposed, list) else [],
                                  max_initial_rules, epoch=1)
-        tf = (data.get("experience_library") or {}).get("task_frame") if isinstance(data.get("experience_library"), dict) else None
+        el = data.get("experience_library")
+        tf = el.get("task_frame") if isinstance(el, dict) else None
         if isinstance(tf, str) and tf.strip():
             lib.task_frame = tf.strip()[:controller.limits.rule_description_chars]
-        _save(path(1, ".report"), {**report.to_dict(), "analyzer": {k: data.get(k) for k in
-                                                                     ("seed_contrast_summary", "case_patterns", "controller_notes")},
+        notes = ("seed_contrast_summary", "case_patterns", "controller_notes")
+        _save(path(1, ".report"), {**report.to_dict(), "analyzer": {k: data.get(k) for k in notes},
                                    "rollouts": [{k: v for k, v in r.items() if k != "documents"} for r in rollouts]})
         _save(path(1), lib.to_dict())
     # E_t -> E_{t+1} from batches (A.3.4 / A.3.5)
@@ -686,7 +689,8 @@ def _map(fn, items, workers):
 
 # ----------------------------------------------------------------------------- prompts (A.3)
 
-# A.3.7 first paragraph: the GEO engine instruction (GEO, Aggarwal et al. 2024, the engine's answer instruction), as the paper prints it.
+# A.3.7 first paragraph: the GEO engine instruction (GEO, Aggarwal et al. 2024, the engine's answer
+# instruction), as the paper prints it.
 ANSWER_INSTRUCTION = (
     "Write an accurate and concise answer for the given user question, using only the provided summarized "
     "web search results. The answer should be correct, high-quality, and written by an expert using an "
@@ -905,7 +909,8 @@ def cold_start_prompt(rollouts, max_initial_rules=10):
     """A.3.3 cold-start extraction from controlled contrastive rollouts."""
     inp = {"controlled_contrastive_rollouts": rollouts, "max_initial_rules": max_initial_rules,
            "allowed_rule_types": list(RULE_TYPES), "allowed_actions": list(DECISIONS)}
-    return f"{COLD_START_INSTRUCTION}\n\nReturn JSON with exactly this schema:\n{COLD_START_SCHEMA}\n\n" + _input_block(inp)
+    schema = f"Return JSON with exactly this schema:\n{COLD_START_SCHEMA}"
+    return f"{COLD_START_INSTRUCTION}\n\n{schema}\n\n" + _input_block(inp)
 
 
 def evolution_prompt(lib, success, missed, false_pos, citation_feedback):

@@ -35,11 +35,15 @@ No
 """ * 3
 
 
+# Qwen2/Qwen3's pre-tokenizer split pattern (tokenizer.json's Split regex)
+QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
 def tiny_tokenizer(vocab_size=2048):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    split = Regex(r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    split = Regex(QWEN_SPLIT)
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
@@ -101,8 +105,9 @@ def make_tiny_gpt2(out_dir, seed=0):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = ("the of and to in a is that for it as was with be by on not this are or from at which have an they "
-              "you were there one all we their has been if more when will would who so what about up out them some") * 4
+    corpus = ("the of and to in a is that for it as was with be by on not this are or from at which have an "
+              "they you were there one all we their has been if more when will would who so what about up out "
+              "them some") * 4
     tok.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=600, show_progress=False,
                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     cfg = {"model_type": "gpt2", "vocab_size": tok.get_vocab_size(), "n_embd": 32, "n_layer": 2, "n_head": 2,
@@ -112,8 +117,12 @@ def make_tiny_gpt2(out_dir, seed=0):
     m = gpt2.GPT2(cfg)
     state = {}
     for k, v in m.state_dict().items():
-        t = 0.02 * torch.randn(v.shape, generator=g) if k.endswith("weight") and v.dim() == 2 else \
-            (torch.ones(v.shape) if ".ln" in k or k.startswith("ln_f") and k.endswith("weight") else torch.zeros(v.shape))
+        if k.endswith("weight") and v.dim() == 2:                 # matrices: N(0, 0.02)
+            t = 0.02 * torch.randn(v.shape, generator=g)
+        elif ".ln" in k or k.startswith("ln_f") and k.endswith("weight"):   # layer-norm gains: 1
+            t = torch.ones(v.shape)
+        else:                                                       # biases: 0
+            t = torch.zeros(v.shape)
         for a, b in ((".c_attn.", ".attn.c_attn."), (".c_proj.", ".attn.c_proj."), (".c_fc.", ".mlp.c_fc."),
                      (".mlp_proj.", ".mlp.c_proj.")):
             if a in k:

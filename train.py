@@ -238,7 +238,8 @@ def shield_test_stats(cfg, rr, insts):
         in_s += x.attack_index in os_[:cfg.k]
         overlap.append(benign_kept(base.scores(x), shield.scores(x), x.attack_index, cfg.k))
     n = max(1, len(insts))
-    return {"instances": len(insts), "attack_mean_rank_base": sum(rank_b) / n, "attack_mean_rank_shield": sum(rank_s) / n,
+    return {"instances": len(insts), "attack_mean_rank_base": sum(rank_b) / n,
+            "attack_mean_rank_shield": sum(rank_s) / n,
             "attack_in_topk_base": 100.0 * in_b / n, "attack_in_topk_shield": 100.0 * in_s / n,
             "benign_topk_overlap": 100.0 * sum(overlap) / n}
 

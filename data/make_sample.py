@@ -39,7 +39,8 @@ TOPICS = [
   "Washing basil only right before use prevents the leaves from bruising and rotting."]),
  ("how does compound interest work", "compound interest", [
   "Compound interest is interest calculated on both the original principal and the interest already earned.",
-  "With an annual rate of 5 percent, 1,000 dollars grows to about 1,629 dollars after ten years when compounded yearly.",
+  "With an annual rate of 5 percent, 1,000 dollars grows to about 1,629 dollars after ten years when compounded "
+  "yearly.",
   "More frequent compounding, such as monthly, produces a slightly higher effective annual rate.",
   "The rule of 72 estimates the years needed to double money by dividing 72 by the interest rate.",
   "Debt with compound interest, such as credit card balances, grows in the same way against the borrower.",
@@ -68,13 +69,16 @@ TOPICS = [
  ("how to remove rust from a cast iron pan", "rusty cast iron", [
   "Light rust on cast iron can be scrubbed off with steel wool and warm soapy water.",
   "A paste of coarse salt and a little oil works as a gentle abrasive for small spots.",
-  "Soaking the pan for about an hour in equal parts white vinegar and water loosens heavy rust, but longer soaks can damage the metal.",
+  "Soaking the pan for about an hour in equal parts white vinegar and water loosens heavy rust, but longer soaks can "
+  "damage the metal.",
   "After cleaning, the pan must be dried completely, for example on a warm burner.",
-  "Re-seasoning means coating the pan with a thin layer of oil and baking it upside down at around 230 degrees Celsius for an hour.",
+  "Re-seasoning means coating the pan with a thin layer of oil and baking it upside down at around 230 degrees "
+  "Celsius for an hour.",
   "Storing cast iron in a dry place with a light coat of oil prevents rust from returning."]),
  ("is it safe to drink tap water in tokyo", "tap water in Tokyo", [
   "Tokyo's tap water meets Japan's national drinking water standards, which cover more than 50 quality items.",
-  "The Tokyo Metropolitan Government Bureau of Waterworks treats most water with advanced purification including ozone and activated carbon.",
+  "The Tokyo Metropolitan Government Bureau of Waterworks treats most water with advanced purification including "
+  "ozone and activated carbon.",
   "Residents and visitors can drink tap water directly without boiling.",
   "Older buildings may have aging pipes that affect taste, so some people use filters.",
   "Tokyo's water leakage rate is around 3 percent, among the lowest of large cities.",
@@ -85,11 +89,13 @@ TOPICS = [
   "People with limited sun exposure, darker skin or older age are at higher risk.",
   "A blood test measuring 25-hydroxyvitamin D is used to diagnose deficiency.",
   "Many guidelines consider levels below 20 nanograms per millilitre to be deficient.",
-  "Treatment usually involves supplements, and doses should be set by a clinician because excess vitamin D can be harmful."]),
+  "Treatment usually involves supplements, and doses should be set by a clinician because excess vitamin D can be "
+  "harmful."]),
  ("how do heat pumps work in cold climates", "cold-climate heat pumps", [
   "A heat pump moves heat from outside air into a building using a refrigerant cycle rather than burning fuel.",
   "Cold-climate models can keep heating at outdoor temperatures of minus 25 degrees Celsius.",
-  "Efficiency falls as it gets colder, but typical units still deliver two or more units of heat per unit of electricity near freezing.",
+  "Efficiency falls as it gets colder, but typical units still deliver two or more units of heat per unit of "
+  "electricity near freezing.",
   "Variable-speed compressors help the units adjust output smoothly to demand.",
   "Some homes keep a backup heat source for the coldest days.",
   "Good insulation and air sealing reduce the size of heat pump a house needs."]),
@@ -172,10 +178,12 @@ TOPICS = [
   "People with high readings should still see a doctor, since lifestyle changes may not be enough."]),
  ("why is the sky blue", "the blue sky", [
   "Sunlight contains all colours of visible light.",
-  "Molecules in the air scatter shorter blue wavelengths much more than longer red ones, an effect called Rayleigh scattering.",
+  "Molecules in the air scatter shorter blue wavelengths much more than longer red ones, an effect called Rayleigh "
+  "scattering.",
   "Scattered blue light reaches our eyes from every direction, so the sky looks blue.",
   "At sunrise and sunset light passes through more air, scattering away blue and leaving reds and oranges.",
-  "Violet light scatters even more, but our eyes are less sensitive to it and some is absorbed high in the atmosphere.",
+  "Violet light scatters even more, but our eyes are less sensitive to it and some is absorbed high in the "
+  "atmosphere.",
   "On the Moon, which has no atmosphere, the daytime sky looks black."]),
  ("how to train a puppy to stop biting", "puppy biting", [
   "Puppies bite as a normal part of play and exploring the world with their mouths.",
@@ -196,7 +204,8 @@ TOPICS = [
 SITES = ["homeguide.example.org", "dailyexplainer.example.com", "learnbase.example.net", "qa-forum.example.com",
          "citynews.example.com", "wiki-notes.example.org", "healthdesk.example.com", "blog.example.io",
          "reference-hub.example.org", "howto-weekly.example.com"]
-BENIGN_SOURCES = ["a 2022 review in a peer-reviewed journal", "a national statistics office", "a university extension service",
+BENIGN_SOURCES = ["a 2022 review in a peer-reviewed journal", "a national statistics office",
+                  "a university extension service",
                   "a government agency", "a professional association", "a survey of 2,000 adults"]
 EXPERTS = ["Dr. Helen Marsh", "Prof. Daniel Okafor", "Dr. Priya Raman", "Prof. Lena Vogel"]
 
@@ -230,15 +239,21 @@ def benign_doc(rng, subject, facts, style, long):
         paras.append(f"## {subject.capitalize()}: key points")
         paras.extend("- " + f for f in body)
         paras.append("## Summary\nThe points above cover the main questions most readers have.")
-    closing = {"plain": f"This overview is general information about {subject}; individual situations vary, so check details that matter to you.",
-               "stats": "Numbers differ between studies because of different samples, methods and years, so treat single figures as approximate rather than exact.",
-               "expert": "The specialist added that readers should be wary of pages that promise quick fixes, and should look for consistent advice across sources.",
-               "forum": "Edit: several replies below agree with the main points, and one user linked the official guidance for anyone who wants the full detail.",
-               "structured": "Last reviewed by our editors. We update this page when guidance changes and list corrections at the bottom."}[style]
+    closing = {"plain": f"This overview is general information about {subject}; individual situations vary, so check "
+                        f"details that matter to you.",
+               "stats": "Numbers differ between studies because of different samples, methods and years, so treat "
+                        "single figures as approximate rather than exact.",
+               "expert": "The specialist added that readers should be wary of pages that promise quick fixes, and "
+                         "should look for consistent advice across sources.",
+               "forum": "Edit: several replies below agree with the main points, and one user linked the official "
+                        "guidance for anyone who wants the full detail.",
+               "structured": "Last reviewed by our editors. We update this page when guidance changes and list "
+                             "corrections at the bottom."}[style]
     paras.append(closing)
     if long:
         paras.append("Why this matters. " + " ".join(rng.sample(facts, len(facts))) + " Readers often ask follow-up "
-                     "questions about timing, cost and common mistakes, and the answers depend on the same basic facts.")
+                     "questions about timing, cost and common mistakes, and the answers depend on the same basic "
+                     "facts.")
         extra = [f for f in facts if f not in body] or facts
         paras.append("Background. " + " ".join(extra) + " " + " ".join(rng.sample(facts, min(3, len(facts)))))
         paras.append(f"Further reading on {subject} includes standard references and official guidance, "
