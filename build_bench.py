@@ -152,9 +152,12 @@ class SearchClient:
             self.where = llm_clients.Endpoint.parse(url or TAVILY_URL)
             self.identity = self.where.identity
             self.label = f"tavily:{self.where}" if url else "tavily"
-        # TAVILY_API_KEY goes only to Tavily's own host; another endpoint gets SEARCH_API_KEY (optional)
-        key = os.environ.get("TAVILY_API_KEY") if self.where.host == "api.tavily.com" else \
-            os.environ.get("SEARCH_API_KEY")
+        # TAVILY_API_KEY goes only to Tavily's own host; another endpoint gets SEARCH_API_KEY (optional);
+        # the offline engine none
+        if self.where.host == "api.tavily.com":
+            key = os.environ.get("TAVILY_API_KEY")
+        else:
+            key = os.environ.get("SEARCH_API_KEY") if provider == "tavily" else None
         if self.where.host == "api.tavily.com" and not key:
             raise SettingsError("--search tavily: set TAVILY_API_KEY")
         self.transport = llm_clients.Transport(self.where, self.label, api_key=key, timeout=timeout, rpm=rpm,

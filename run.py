@@ -192,6 +192,57 @@ def build_bench_flags(bb):
     bb.add_argument("--dry-run", action="store_true", help="print requests, tokens and price; send and write nothing")
 
 
+def bench_flags(be):
+    """bench's flags."""
+    be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4", "serve"], required=True,
+                    help="which benchmark")
+    be.add_argument("--clients", type=int, default=8, help="serve: concurrent clients")
+    be.add_argument("--requests", type=int, default=2, help="serve: requests per client per round")
+    be.add_argument("--layers", type=int, default=28, help="decoder layers at real width")
+    be.add_argument("--dtype", default="bfloat16", help="dtype of the weights")
+    be.add_argument("--device", default="cpu",
+                    help="torch device for score and train (cuda: timed with synchronisation; memory as each "
+                         "contender's allocation peak above the resident weights instead of peak RSS)")
+    be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
+    be.add_argument("--prefix", type=int, default=0,
+                    help="first N tokens common to every document, as one query's prompts are (86 with "
+                         "Qwen3's vocabulary); also races ours with prefix sharing off. Default 0: unrelated ids")
+    be.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is reported)")
+    be.add_argument("--out", default="runs/_bench", help="where the random real-width checkpoint is kept")
+    be.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                    help="also race ours with compile=True (default: when a C++ compiler is found)")
+
+
+def shield_flags(p, cmd):
+    """export's and serve's flags: where the Shield comes from, then the command's own."""
+    p.add_argument("--name", default=None, help="a trained run under --runs-dir (its model and adapter)")
+    p.add_argument("--runs-dir", default="runs", help="parent folder of run folders")
+    p.add_argument("--model", default=None, help="instead of --name: base reranker (hub id, folder or 'tiny')")
+    p.add_argument("--adapter", default=None, help="with --model: a PEFT LoRA adapter folder")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="weights dtype (export default: the checkpoint's; serve default: the run's or bfloat16)")
+    if cmd == "export":
+        p.add_argument("--out", required=True, help="output folder")
+        p.add_argument("--format", default="seq-cls", choices=["seq-cls", "causal"],
+                       help="seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: "
+                            "Qwen3ForCausalLM")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace an earlier export in --out (it is replaced whole, once the new one is "
+                            "written)")
+    else:
+        p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+        p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+        p.add_argument("--device", default="cpu", help="torch device")
+        p.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment "
+                            "variable)")
+        p.add_argument("--served-name", default=None, help="model name in responses and /v1/models")
+        p.add_argument("--max-documents", type=int, default=1000, help="most documents per request")
+        p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
+        p.add_argument("--max-length", type=int, default=None,
+                       help="reranker prompt token cap (default: the run's, or 8192); longer documents are cut")
+
+
 def parser():
     """The command line: one subcommand per job, every Config field a flag (its help from the field)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,23 +270,7 @@ def parser():
     for p in (tr, ev, de, re_, at):
         add_config_flags(p)
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
-    be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4", "serve"], required=True,
-                    help="which benchmark")
-    be.add_argument("--clients", type=int, default=8, help="serve: concurrent clients")
-    be.add_argument("--requests", type=int, default=2, help="serve: requests per client per round")
-    be.add_argument("--layers", type=int, default=28, help="decoder layers at real width")
-    be.add_argument("--dtype", default="bfloat16", help="dtype of the weights")
-    be.add_argument("--device", default="cpu",
-                    help="torch device for score and train (cuda: timed with synchronisation; memory as each "
-                         "contender's allocation peak above the resident weights instead of peak RSS)")
-    be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
-    be.add_argument("--prefix", type=int, default=0,
-                    help="first N tokens common to every document, as one query's prompts are (86 with "
-                         "Qwen3's vocabulary); also races ours with prefix sharing off. Default 0: unrelated ids")
-    be.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is reported)")
-    be.add_argument("--out", default="runs/_bench", help="where the random real-width checkpoint is kept")
-    be.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
-                    help="also race ours with compile=True (default: when a C++ compiler is found)")
+    bench_flags(be)
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
     build_bench_flags(bb)
     add_config_flags(bb)
@@ -245,32 +280,7 @@ def parser():
     for cmd, helptext in (("export", "write the merged Shield as a Hugging Face checkpoint (seq-cls or causal)"),
                           ("serve", "serve the Shield as a rerank HTTP endpoint (Cohere/Jina/vLLM and TEI shapes)")):
         p = sub.add_parser(cmd, help=helptext)
-        p.add_argument("--name", default=None, help="a trained run under --runs-dir (its model and adapter)")
-        p.add_argument("--runs-dir", default="runs", help="parent folder of run folders")
-        p.add_argument("--model", default=None, help="instead of --name: base reranker (hub id, folder or 'tiny')")
-        p.add_argument("--adapter", default=None, help="with --model: a PEFT LoRA adapter folder")
-        p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                       help="weights dtype (export default: the checkpoint's; serve default: the run's or bfloat16)")
-        if cmd == "export":
-            p.add_argument("--out", required=True, help="output folder")
-            p.add_argument("--format", default="seq-cls", choices=["seq-cls", "causal"],
-                           help="seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: "
-                                "Qwen3ForCausalLM")
-            p.add_argument("--overwrite", action="store_true",
-                           help="replace an earlier export in --out (it is replaced whole, once the new one is "
-                                "written)")
-        else:
-            p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-            p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
-            p.add_argument("--device", default="cpu", help="torch device")
-            p.add_argument("--api-key", default=None,
-                           help="require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment "
-                                "variable)")
-            p.add_argument("--served-name", default=None, help="model name in responses and /v1/models")
-            p.add_argument("--max-documents", type=int, default=1000, help="most documents per request")
-            p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
-            p.add_argument("--max-length", type=int, default=None,
-                           help="reranker prompt token cap (default: the run's, or 8192); longer documents are cut")
+        shield_flags(p, cmd)
     so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
     so.add_argument("--corpus", default=None, help="JSONL of {query, url, text} answering Tavily-shaped /search "

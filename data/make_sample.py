@@ -292,7 +292,7 @@ def geo_bench(folder):
 
 
 if __name__ == "__main__":
-    import sys
-    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
-        raise SystemExit(__doc__.rsplit("Usage: ", 1)[1])
-    print(*geo_bench(sys.argv[1]))
+    import argparse
+    ap = argparse.ArgumentParser(description="The synthetic GEO-Bench-shaped rows and search corpus.")
+    ap.add_argument("folder", help="writes FOLDER/geo_bench_sample.jsonl and FOLDER/search_corpus.jsonl")
+    print(*geo_bench(ap.parse_args().folder))
