@@ -298,7 +298,7 @@ def test_speed_paths_in_bf16(hf_tiny):
     """bf16, as training runs: the installed model's inference margins equal reranker.py's (bitwise
     on the CPUs measured; allowed one bf16 step of the largest margin, 2^-8 relative, because the
     last layer's final-token-only GEMMs have other shapes, whose float32 accumulation may round
-    differently on other CPUs), and its LoRA gradients are within 8e-2 relative of the float32
+    differently on other CPUs), and its LoRA gradients are within 0.1 relative of the float32
     reference (bf16 keeps 8 mantissa bits; the fused LoRA add and the hand backward round elsewhere
     than autograd)."""
     folder, _ = hf_tiny
@@ -319,4 +319,4 @@ def test_speed_paths_in_bf16(hf_tiny):
         grads.append({n: p.grad.float() for n, p in rr.model.named_parameters() if p.requires_grad})
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
-        assert _rel(grads[1][n], grads[0][n]) < 8e-2, n
+        assert _rel(grads[1][n], grads[0][n]) < 0.1, n
