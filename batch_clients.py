@@ -2,26 +2,41 @@
 also any OpenAI-shaped server that offers /v1/batches) and Anthropic's Message Batches, at half the
 price within a day, without the synchronous rate limits.
 
-A BatchRunner sits in front of a Client's map(): the requests not yet in the reply cache are written
-as batch lines (custom_id = the request's cache key), submitted, polled with backoff, and every
-usable reply is parsed and cached exactly as a synchronous call would cache it; map() then reads
-them all from the cache, so a batch run and a synchronous run give identical records, and a rerun
-sends nothing. What the batch could not answer goes through map()'s synchronous path (re-asks of
-unparsable replies, a 400's parameter adaptation), so nothing is silently lost.
+A BatchRunner sits in front of a Client's map() (client.use_batch(runner)): fill_cache() writes the
+requests not yet in the reply cache as batch lines (custom_id = the request's cache key), submits
+them, polls with backoff, and parses and caches every usable reply exactly as a synchronous call
+would cache it; map() then reads them all from the cache, so a batch run and a synchronous run give
+identical records, and a rerun sends nothing. What the batches did not answer goes through map()'s
+synchronous path (re-asks of unparsable replies, a 400's parameter adaptation): nothing is lost.
+
+An answer is one line with a usable reply for an id the batch asked. An id on more than one line
+(the last line must not win), lines for ids the batch never asked, and unusable lines (no body, no
+choices, odd types) are no answer: such requests are sent again; the log says how many, once per batch.
 
 Resumable: before a batch is created, the run folder's manifest records its requests' custom ids;
-its id is recorded as soon as the provider returns it. A rerun after a kill first collects every
-recorded batch that holds requests still missing, instead of submitting them again. Lines that
-failed for a reason retrying can help (5xx, rate limit, expired or cancelled batches) are
-resubmitted, exactly those, up to `rounds` batch rounds in all.
+its id is recorded as soon as the provider returns it. The manifest is one object per file in the
+process (Manifest.at): the target's and the judge's runners share it, every change written under its
+lock. A rerun after a kill first collects every recorded batch that holds requests still missing,
+instead of submitting them again. Lines that failed for a reason retrying can help (5xx, rate
+limit, expired or cancelled) are resubmitted, exactly those, up to `rounds` batch rounds in all.
 
-Usage: client.batch = BatchRunner(client, "runs/x/batches.json", poll=60); client.map(requests)
+Polling logs the request counts when they change (else every PROGRESS_EVERY polls) and ends at the
+batch's deadline (`deadline` seconds after submission; by default the providers' 24 h window): the
+batch is cancelled, the replies it has are kept, and the rest go synchronously. A batch that failed,
+one the server no longer knows (HTTP 404: another API key, a purged file), results over the size cap,
+or a status without a status field (MALFORMED_POLLS times) is closed in the manifest with its reason,
+and its requests are sent again once, in a new batch, then synchronously.
+
+Usage: client.use_batch(BatchRunner(client, "runs/x/batches.json", poll=60)); client.map(requests)
 """
+import contextlib
 import hashlib
 import json
 import os
 import threading
 import time
+import weakref
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from llm_clients import LLMError
@@ -29,59 +44,133 @@ from llm_clients import LLMError
 # Provider limits per batch (OpenAI: 50,000 requests and a 200 MB input file; Anthropic: 100,000
 # requests and 256 MB).
 LIMITS = {"openai": (50_000, 200 << 20), "anthropic": (100_000, 256 << 20)}
+# A batch's results are read whole: far above one chat reply's cap, since a batch of the largest input
+# the providers take returns a file of its replies (OpenAI's output files run to hundreds of MB)
+RESULTS_CAP = 2 << 30
 RETRYABLE_TYPES = ("overloaded_error", "api_error", "rate_limit_error", "timeout_error")
 ENDED = {"completed", "failed", "expired", "cancelled", "ended"}
+DEADLINE = 24 * 3600        # the providers' completion window: a batch still running then is cancelled
+PROGRESS_EVERY = 10         # polls between progress lines while the counts stay the same
+MALFORMED_POLLS = 3         # status replies in a row without a status field before the batch counts as lost
+GONE = (404, 410)           # the server no longer knows the batch or file
 
 
 class BatchUnsupported(LLMError):
     """The server has no batch endpoint (404/405 on it), or refused to create the batch."""
 
 
+class _Lost(Exception):
+    """A batch that cannot give its answers (failed, unknown to the server, results over the size
+    cap, no status field): closed with this reason, its requests sent again."""
+
+    def __init__(self, reason, state=None):
+        super().__init__(reason)
+        self.state = state
+
+
 class Manifest:
     """The run folder's record of batches: {"batches": [{"digest", "custom_ids", "id", "provider",
-    "status", "collected"}]}, rewritten whole (aside, then renamed) after every change."""
+    "submitted_at", "status", "collected", "reason"}]}; `collected`: closed, nothing more to fetch,
+    `reason` saying why when it did not end normally. One object per file in the process
+    (Manifest.at), so that runners sharing a run folder (the target's, the judge's) never write over
+    each other's batches: every change is made under its lock, and the whole file is rewritten from
+    it (aside, then renamed)."""
+
+    _open = weakref.WeakValueDictionary()     # absolute path -> that file's Manifest, while one is in use
+    _open_lock = threading.Lock()
+
+    @classmethod
+    def at(cls, path):
+        """The one Manifest of `path` in this process (read from the file when first asked for)."""
+        path = os.path.abspath(path)
+        with cls._open_lock:
+            m = cls._open.get(path)
+            if m is None:
+                m = cls._open[path] = cls(path)
+            return m
 
     def __init__(self, path):
-        self.path, self.lock = path, threading.Lock()
+        self.path, self.lock = path, threading.RLock()
         try:
             with open(path, encoding="utf-8") as f:
-                self.data = json.load(f)
+                data = json.load(f)
         except (OSError, ValueError):
-            self.data = {"batches": []}
+            data = None
+        ok = isinstance(data, dict) and isinstance(data.get("batches"), list)
+        self.data = {"batches": [b for b in data["batches"] if isinstance(b, dict) and
+                                 isinstance(b.get("custom_ids"), list)] if ok else []}
 
-    def save(self):
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.data, f, indent=1)
-        os.replace(tmp, self.path)
+    def add(self, entry):
+        with self.lock:
+            self.data["batches"].append(entry)
+            self.save()
+
+    def update(self, entry, **fields):
+        with self.lock:
+            entry.update(fields)
+            self.save()
 
     def open_for(self, keys):
         """Recorded batches, created and not yet collected, holding any of `keys`."""
-        return [b for b in self.data["batches"]
-                if b.get("id") and not b.get("collected") and set(b["custom_ids"]) & keys]
+        with self.lock:
+            return [b for b in self.data["batches"]
+                    if b.get("id") and not b.get("collected") and not keys.isdisjoint(b["custom_ids"])]
+
+    def save(self):
+        """The whole record written aside and renamed: the file is whole or as it was, and a failed
+        write leaves no temporary file behind."""
+        with self.lock:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            tmp = f"{self.path}.tmp{os.getpid()}"
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(self.data, f, indent=1)
+                os.replace(tmp, self.path)
+            except BaseException as e:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                if isinstance(e, OSError) and e.filename is None:   # a full disk names no file: this one is named
+                    raise OSError(e.errno, e.strerror, self.path) from None
+                raise
+
+
+@dataclass
+class _Job:
+    """One fill_cache() call: its unanswered requests by cache key -> (chat() keywords, body to send),
+    and the keys already sent again after a lost batch (that happens once)."""
+    desc: str
+    todo: dict
+    resent: set = field(default_factory=set)
 
 
 class BatchRunner:
     """A client's batch API (see the module docstring). poll: seconds between status checks at first
     (growing by half each time up to 10x); auto: a server without a batch endpoint falls back to
-    synchronous calls (else an error); rounds: batch rounds before what is left goes synchronous."""
+    synchronous calls (else an error); rounds: batch rounds before what is left goes synchronous;
+    deadline: seconds from a batch's submission to its cancellation (None: DEADLINE); limits:
+    (requests, bytes) per batch (None: the provider's); results_cap: the largest results file read
+    (bytes); log, sleep, clock: replaceable for tests."""
 
-    def __init__(self, client, manifest, poll=60.0, auto=False, rounds=3, limits=None, log=print, sleep=time.sleep):
+    def __init__(self, client, manifest, poll=60.0, auto=False, rounds=3, limits=None, deadline=None, log=print,
+                 sleep=time.sleep, clock=time.time, results_cap=RESULTS_CAP):
         if client.transport.base_url is None:
             raise ValueError(f"{client.label}: the batch API needs an HTTP endpoint")
-        self.client, self.manifest = client, Manifest(manifest)
-        self.poll, self.auto, self.rounds, self.log, self.sleep = poll, auto, rounds, log, sleep
+        self.client, self.manifest = client, Manifest.at(manifest)
+        self.poll, self.auto, self.rounds = poll, auto, rounds
+        self.deadline = DEADLINE if deadline is None else deadline
+        self.results_cap = results_cap
+        self.log, self.sleep, self.clock = log, sleep, clock
         self.anthropic = client.protocol == "anthropic"
         self.limits = limits or LIMITS["anthropic" if self.anthropic else "openai"]
         self.base = client.transport.base_url
         self.unsupported = False
-        self.stats = {"batches": 0, "lines": 0, "cached": 0, "retried": 0}
+        self.stats = {"batches": 0, "lines": 0, "cached": 0, "retried": 0, "closed": 0}
 
     # --- the runner
 
-    def run(self, requests_, desc="batch"):
-        """Every request of `requests_` (chat() keyword dicts) not in the cache, through batches."""
+    def fill_cache(self, requests_, desc="batch"):
+        """Every request of `requests_` (chat() keyword dicts) not in the reply cache, answered through
+        batches where they can be; what is left is for map()'s synchronous path."""
         if self.unsupported:
             return
         todo = {}
@@ -89,34 +178,34 @@ class BatchRunner:
             key, body = self.client.request_key(**r)
             if key not in todo and self.client.cache.get(key) is None:
                 todo[key] = (r, body)
-        for rnd in range(self.rounds):
-            if not todo:
+        job = _Job(desc, todo)
+        for _ in range(self.rounds):
+            if not job.todo:
                 return
             try:
-                retry = self._round(todo, desc)
+                again = self._round(job)
             except BatchUnsupported as e:
                 if not self.auto:
                     raise
                 self.unsupported = True
                 self.log(f"[batch] {e}; --batch-api auto: synchronous calls instead")
                 return
-            self.stats["retried"] += len(retry)
-            todo = {k: todo[k] for k in retry}
-        if todo:
-            self.log(f"[batch] {desc}: {len(todo)} requests still unanswered after {self.rounds} batch rounds: "
+            self.stats["retried"] += len(again)
+            job.todo = {k: job.todo[k] for k in again}
+        if job.todo:
+            self.log(f"[batch] {desc}: {len(job.todo)} requests still unanswered after {self.rounds} batch rounds: "
                      "sent synchronously")
 
-    def _round(self, todo, desc):
-        """One round: recorded batches collected, the rest submitted and collected -> keys to retry."""
-        retry, keys = set(), set(todo)
+    def _round(self, job):
+        """One round: recorded batches collected, the rest submitted and collected -> keys to send again."""
+        again, keys = set(), set(job.todo)
         for b in self.manifest.open_for(keys):
-            retry |= self._collect(b, todo)
+            again |= self._collect(b, job)
             keys -= set(b["custom_ids"])
-        keys = [k for k in todo if k in keys and self.client.cache.get(k) is None]
-        for chunk in self._chunks(keys, todo):
-            b = self._submit(chunk, todo, desc)
-            retry |= self._collect(b, todo)
-        return retry
+        keys = [k for k in job.todo if k in keys and self.client.cache.get(k) is None]
+        for chunk in self._chunks(keys, job.todo):
+            again |= self._collect(self._submit(chunk, job), job)
+        return again
 
     def _chunks(self, keys, todo):
         """Keys split at the provider's limits (requests and bytes per batch)."""
@@ -136,52 +225,166 @@ class BatchRunner:
         return {"custom_id": key, "method": "POST", "url": urlparse(self.base + "/chat/completions").path,
                 "body": body}
 
-    def _submit(self, chunk, todo, desc):
+    def _submit(self, chunk, job):
         """Record the chunk, create its batch, record the id -> the manifest entry."""
         entry = {"digest": hashlib.sha256("".join(sorted(chunk)).encode()).hexdigest()[:16], "custom_ids": chunk,
-                 "id": None, "provider": self.client.label, "status": None, "collected": False}
-        with self.manifest.lock:
-            self.manifest.data["batches"].append(entry)
-            self.manifest.save()
-        lines = [self._line(k, todo[k][1]) for k in chunk]
-        entry["id"] = self._create_anthropic(lines) if self.anthropic else self._create_openai(lines)
-        with self.manifest.lock:
-            self.manifest.save()
+                 "id": None, "provider": self.client.label, "submitted_at": None, "status": None,
+                 "collected": False, "reason": None}
+        self.manifest.add(entry)
+        lines = [self._line(k, job.todo[k][1]) for k in chunk]
+        batch_id = self._create_anthropic(lines) if self.anthropic else self._create_openai(lines)
+        self.manifest.update(entry, id=batch_id, submitted_at=self.clock())
         self.stats["batches"] += 1
         self.stats["lines"] += len(chunk)
-        self.log(f"[batch] {desc}: batch {entry['id']} of {len(chunk)} requests submitted")
+        self.log(f"[batch] {job.desc}: batch {batch_id} of {len(chunk)} requests submitted "
+                 f"(deadline: {_span(self.deadline)})")
         return entry
 
-    def _collect(self, entry, todo):
-        """Poll the batch until it ends; cache every usable reply -> keys worth another batch."""
-        status, wait = self._status(entry["id"]), self.poll
-        while status["state"] not in ENDED:
-            self.sleep(wait)
-            wait = min(wait * 1.5, 10 * self.poll)
-            status = self._status(entry["id"])
-        if status["state"] == "failed":                        # OpenAI: the input file did not validate
-            raise BatchUnsupported(f"{self.client.label}: batch {entry['id']} failed validation", None)
-        results = self._results(status)
-        retry = set()
-        for key in entry["custom_ids"]:
-            if key not in todo:
-                continue
-            got = results.get(key)
-            if got is None:                                    # expired or cancelled before it ran
-                retry.add(key)
-            elif got[0] == "ok":
-                r = todo[key][0]
-                self.client.store(key, got[1], r.get("json", False), r.get("check"), mode="batch")
-                self.stats["cached"] += 1
-            elif got[0] == "retry":
-                retry.add(key)
-            # "fail": left to the synchronous path (a 400's parameter adaptation, or its error)
-        entry["status"], entry["collected"] = status["state"], True
-        with self.manifest.lock:
-            self.manifest.save()
-        return retry
+    def _collect(self, entry, job):
+        """Poll the batch until it ends or its deadline passes; cache every usable reply -> keys worth
+        another batch (a lost batch's: see _lost; past the deadline: none, the rest go synchronously)."""
+        try:
+            status, late = self._poll(entry, job.desc)
+            if status["state"] == "failed":
+                raise _Lost(f"failed ({status['why']})", "failed")
+            results = self._results(status, entry, job.desc) if status["state"] in ENDED else {}
+        except _Lost as e:
+            return self._lost(entry, job, e)
+        again, kept = self._take(entry, job, results)
+        self.manifest.update(entry, status=status["state"], collected=True, reason="deadline" if late else None)
+        if not late:
+            return again
+        rest = [k for k in entry["custom_ids"] if k in job.todo and self.client.cache.get(k) is None]
+        self.log(f"[batch] {job.desc}: batch {entry['id']} still running at its deadline ({_span(self.deadline)} "
+                 f"after submission): cancelled; {kept} replies kept, {len(rest)} requests sent synchronously")
+        return set()
 
-    # --- OpenAI Batch API
+    def _lost(self, entry, job, lost):
+        """A batch that cannot give its answers: closed in the manifest with the reason; its unanswered
+        requests are sent again once, in a new batch, then synchronously -> the keys to send again."""
+        self.manifest.update(entry, status=lost.state or entry.get("status"), collected=True, reason=str(lost))
+        self.stats["closed"] += 1
+        keys = [k for k in entry["custom_ids"] if k in job.todo and self.client.cache.get(k) is None]
+        again = {k for k in keys if k not in job.resent}
+        job.resent |= again
+        sync = len(keys) - len(again)
+        then = ", ".join(([f"{len(again)} requests go into a new batch"] if again else []) +
+                         ([f"{sync} requests are sent synchronously"] if sync else [])) or "nothing left to send"
+        self.log(f"[batch] {job.desc}: batch {entry['id']} {lost}: closed; {then}")
+        return again
+
+    def _poll(self, entry, desc):
+        """Status checks with backoff until the batch ends -> (status, False); at its deadline it is
+        cancelled -> (its status then, True). The request counts are logged when they change, else
+        every PROGRESS_EVERY polls. Raises _Lost (unknown to the server, or no status field)."""
+        end = (entry.get("submitted_at") or self.clock()) + self.deadline
+        wait, shown, polls, malformed = self.poll, None, 0, 0
+        while True:
+            status = self._status(entry["id"])
+            polls += 1
+            malformed = malformed + 1 if status["state"] is None else 0
+            if malformed >= MALFORMED_POLLS:
+                raise _Lost(f"answered {malformed} status checks in a row without a status field")
+            if status["state"] in ENDED:
+                return status, False
+            progress = _progress(status)
+            if progress != shown or polls % PROGRESS_EVERY == 0:
+                self.log(f"[batch] {desc}: batch {entry['id']} {progress}")
+                shown = progress
+            left = end - self.clock()
+            if left <= 0:
+                return self._cancel(entry["id"]), True
+            self.sleep(min(wait, left))
+            wait = min(wait * 1.5, 10 * self.poll)
+
+    def _results(self, status, entry, desc):
+        """The ended batch's lines -> {custom_id: ("ok", reply) | ("retry", why) | ("fail", why)}. An id
+        on more than one line is no answer (sent again); lines for ids never asked are dropped."""
+        lines = self._lines(status)
+        asked, seen = set(entry["custom_ids"]), {}
+        for rec in lines:
+            seen[rec["custom_id"]] = seen.get(rec["custom_id"], 0) + 1
+        twice = {k for k, n in seen.items() if n > 1 and k in asked}
+        stray = sum(n for k, n in seen.items() if k not in asked)
+        if twice or stray:
+            self.log(f"[batch] {desc}: batch {entry['id']}: {len(twice)} requests answered on more than one line "
+                     f"and {stray} lines for ids it never asked: not taken (those requests are sent again)")
+        outcome = _anthropic_outcome if self.anthropic else _openai_outcome
+        return {rec["custom_id"]: ("retry", "more than one line") if rec["custom_id"] in twice else outcome(rec)
+                for rec in lines if rec["custom_id"] in asked}
+
+    def _take(self, entry, job, results):
+        """Cache the usable replies of one ended batch -> (keys worth another batch, replies kept)."""
+        again, kept = set(), 0
+        for key in entry["custom_ids"]:
+            if key not in job.todo or self.client.cache.get(key) is not None:
+                continue                                   # another call's request, or answered already
+            kind, got = results.get(key, ("retry", "no line"))     # no line: expired or cancelled unrun
+            if kind == "retry":
+                again.add(key)
+            elif kind == "ok" and self._store(key, got, job.todo[key][0]):
+                kept += 1
+            # "fail", and replies no parser takes: left to the synchronous path (a 400's adaptation, re-asks)
+        self.stats["cached"] += kept
+        return again, kept
+
+    def _store(self, key, reply, request):
+        """A line's reply parsed, counted and cached as chat() would -> True if cached. A reply of a
+        shape no parser takes (no choices, a null message, odd usage) is no answer, not an error."""
+        try:
+            return self.client.store(key, reply, request.get("json", False), request.get("check"), mode="batch")
+        except (LLMError, ValueError, TypeError, AttributeError):
+            return False
+
+    # --- the providers' endpoints
+
+    def _path(self, batch_id):
+        return f"{self.base}/messages/batches/{batch_id}" if self.anthropic else f"{self.base}/batches/{batch_id}"
+
+    def _status(self, batch_id):
+        """GET the batch -> {"state" (None without a status field), "counts", where its results are,
+        "why" it failed}. Raises _Lost when the server no longer knows it."""
+        try:
+            b = self.client.transport.send("GET", self._path(batch_id))
+        except LLMError as e:
+            if e.status in GONE:
+                raise _Lost(f"is unknown to the server (HTTP {e.status}: another API key, or deleted)") from None
+            raise
+        return (_anthropic_status if self.anthropic else _openai_status)(b if isinstance(b, dict) else {})
+
+    def _cancel(self, batch_id):
+        """Ask the server to cancel the batch -> its status after that ({"state": None} if unknown)."""
+        try:
+            self.client.transport.send("POST", self._path(batch_id) + "/cancel", {})
+            return self._status(batch_id)
+        except (LLMError, _Lost) as e:
+            self.log(f"[batch] batch {batch_id}: the cancel was not confirmed ({e})")
+            return {"state": None, "counts": None}
+
+    def _lines(self, status):
+        """The JSONL lines of an ended batch: Anthropic's results, OpenAI's output and error files.
+        Raises _Lost for results the server no longer has, or over the size cap."""
+        t = self.client.transport
+        if self.anthropic:
+            url = status.get("results_url")
+            if url and urlparse(url).netloc != urlparse(self.base).netloc:
+                raise LLMError(f"{self.client.label}: results_url on another host ({urlparse(url).netloc}) refused")
+            urls = [url] if url else []
+        else:
+            urls = [f"{self.base}/files/{fid}/content" for fid in (status.get("output"), status.get("errors")) if fid]
+        out = []
+        for url in urls:
+            try:
+                out += _jsonl(t.send("GET", url, raw=True, max_bytes=self.results_cap))
+            except LLMError as e:
+                if e.status in GONE:
+                    raise _Lost(f"has results the server no longer has ({urlparse(url).path}: HTTP {e.status})",
+                                status["state"]) from None
+                if e.status == 200:                    # refused unread: over results_cap
+                    raise _Lost(f"has results over the size cap ({self.results_cap} bytes)", status["state"]) \
+                        from None
+                raise
+        return out
 
     def _create_openai(self, lines):
         t = self.client.transport
@@ -189,7 +392,8 @@ class BatchRunner:
         try:
             f = t.send("POST", self.base + "/files", files={"purpose": (None, "batch"),
                                                             "file": ("batch.jsonl", data, "application/jsonl")})
-            b = t.send("POST", self.base + "/batches", {"input_file_id": f["id"], "completion_window": "24h",
+            b = t.send("POST", self.base + "/batches", {"input_file_id": _id(f, self.client.label, "file"),
+                                                        "completion_window": "24h",
                                                         "endpoint": urlparse(self.base + "/chat/completions").path})
         except LLMError as e:
             if e.status in (404, 405):
@@ -199,49 +403,7 @@ class BatchRunner:
                 raise BatchUnsupported(f"{self.client.label}: the batch was refused at creation: {e}",
                                        e.status) from None
             raise
-        return b["id"]
-
-    def _status(self, batch_id):
-        t = self.client.transport
-        if self.anthropic:
-            b = t.send("GET", f"{self.base}/messages/batches/{batch_id}")
-            return {"state": "ended" if b.get("processing_status") == "ended" else b.get("processing_status"),
-                    "results_url": b.get("results_url")}
-        b = t.send("GET", f"{self.base}/batches/{batch_id}")
-        return {"state": b.get("status"), "output": b.get("output_file_id"), "errors": b.get("error_file_id")}
-
-    def _results(self, status):
-        """-> {custom_id: ("ok", response body) | ("retry", why) | ("fail", why)}."""
-        t, out = self.client.transport, {}
-        if self.anthropic:
-            url = status.get("results_url")
-            if url and urlparse(url).netloc != urlparse(self.base).netloc:
-                raise LLMError(f"{self.client.label}: results_url on another host ({urlparse(url).netloc}) refused")
-            for rec in _jsonl(t.send("GET", url, raw=True) if url else ""):
-                res = rec.get("result") or {}
-                kind = res.get("type")
-                if kind == "succeeded":
-                    out[rec["custom_id"]] = ("ok", res.get("message"))
-                elif kind in ("canceled", "expired") or (res.get("error") or {}).get("type") in RETRYABLE_TYPES:
-                    out[rec["custom_id"]] = ("retry", kind)
-                else:
-                    out[rec["custom_id"]] = ("fail", json.dumps(res)[:200])
-            return out
-        for fid in (status.get("output"), status.get("errors")):
-            if not fid:
-                continue
-            for rec in _jsonl(t.send("GET", f"{self.base}/files/{fid}/content", raw=True)):
-                resp, err = rec.get("response") or {}, rec.get("error") or {}
-                code = resp.get("status_code")
-                if code == 200:
-                    out[rec["custom_id"]] = ("ok", resp.get("body"))
-                elif code in (408, 409, 429) or (code or 0) >= 500 or err.get("code") == "batch_expired":
-                    out[rec["custom_id"]] = ("retry", str(code or err.get("code")))
-                else:
-                    out[rec["custom_id"]] = ("fail", json.dumps(resp.get("body") or err)[:200])
-        return out
-
-    # --- Anthropic Message Batches
+        return _id(b, self.client.label, "batch")
 
     def _create_anthropic(self, lines):
         try:
@@ -251,7 +413,77 @@ class BatchRunner:
                 raise BatchUnsupported(f"{self.client.label}: the batch was refused at creation "
                                        f"(HTTP {e.status}): {e}", e.status) from None
             raise
-        return b["id"]
+        return _id(b, self.client.label, "batch")
+
+
+# ----------------------------------------------------------------------------- the providers' shapes
+
+
+def _obj(x):
+    """x if it is a JSON object, else {} (a field of the wrong type reads as absent)."""
+    return x if isinstance(x, dict) else {}
+
+
+def _int(x):
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _id(reply, label, what):
+    """The id of a created file or batch; a reply without one is an error naming it."""
+    if not isinstance(_obj(reply).get("id"), str):
+        raise LLMError(f"{label}: the {what} creation reply has no id: {json.dumps(reply)[:200]}")
+    return reply["id"]
+
+
+def _openai_status(b):
+    """An OpenAI Batch object -> the runner's status (see BatchRunner._status)."""
+    rc = _obj(b.get("request_counts"))
+    counts = tuple(_int(rc.get(k)) for k in ("completed", "failed", "total"))
+    why = "; ".join(str(_obj(e).get("message"))[:200] for e in (_obj(b.get("errors")).get("data") or [])[:3]
+                    if _obj(e).get("message"))
+    return {"state": b.get("status") if isinstance(b.get("status"), str) else None,
+            "counts": counts if None not in counts else None, "why": why or "the provider gave no reason",
+            "output": b.get("output_file_id"), "errors": b.get("error_file_id")}
+
+
+def _anthropic_status(b):
+    """An Anthropic MessageBatch object -> the runner's status (see BatchRunner._status)."""
+    rc = _obj(b.get("request_counts"))
+    n = {k: _int(rc.get(k)) for k in ("processing", "succeeded", "errored", "canceled", "expired")}
+    counts = None if None in n.values() else (n["succeeded"], n["errored"] + n["canceled"] + n["expired"],
+                                              sum(n.values()))
+    state = b.get("processing_status")
+    return {"state": state if isinstance(state, str) else None, "counts": counts, "why": "",
+            "results_url": b.get("results_url") if isinstance(b.get("results_url"), str) else None}
+
+
+def _progress(status):
+    """A status in words: 'in_progress: 40/100 completed, 2 failed'."""
+    state, c = status["state"] or "(no status field)", status.get("counts")
+    return f"{state}: {c[0]}/{c[2]} completed, {c[1]} failed" if c else f"{state} (no request counts)"
+
+
+def _openai_outcome(rec):
+    """One line of an OpenAI output or error file -> ("ok", reply) | ("retry", why) | ("fail", why)."""
+    resp, err = _obj(rec.get("response")), _obj(rec.get("error"))
+    code = _int(resp.get("status_code"))
+    if code == 200 and isinstance(resp.get("body"), dict):
+        return "ok", resp["body"]
+    if code in (408, 409, 429) or (code or 0) >= 500 or err.get("code") in ("batch_expired", "batch_cancelled"):
+        return "retry", str(code or err.get("code"))
+    return "fail", json.dumps(resp.get("body") or err)[:200]
+
+
+def _anthropic_outcome(rec):
+    """One line of Anthropic's results -> ("ok", message) | ("retry", why) | ("fail", why)."""
+    res = _obj(rec.get("result"))
+    err = _obj(res.get("error"))
+    err = _obj(err.get("error")) if err.get("type") == "error" else err    # the API wraps it: {type: error, error}
+    if res.get("type") == "succeeded" and isinstance(res.get("message"), dict):
+        return "ok", res["message"]
+    if res.get("type") in ("canceled", "expired") or err.get("type") in RETRYABLE_TYPES:
+        return "retry", str(res.get("type"))
+    return "fail", json.dumps(res)[:200]
 
 
 def _jsonl(text):
@@ -264,3 +496,7 @@ def _jsonl(text):
         if isinstance(rec, dict) and isinstance(rec.get("custom_id"), str):
             out.append(rec)
     return out
+
+
+def _span(seconds):
+    return f"{seconds:g} s" if seconds < 3600 else f"{seconds / 3600:g} h"

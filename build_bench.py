@@ -16,8 +16,9 @@ dropped; `--search offline:CORPUS` searches a synthetic corpus the same way (a s
 bundled sample). Without --search, a row needs --docs documents of its own; rows with fewer are
 reported.
 
-Every rewrite passes the fidelity gate (attack.cheap_gate, then --fidelity-judge when given); a
-refused one is asked again (REWRITE_TRIES attempts in all), then its group is dropped with the
+Every rewrite passes one fidelity gate (geo_attacks.gate: cheap checks, then the fidelity judge,
+--fidelity-judge or the builder's LLM); a refused one is asked again (REWRITE_TRIES attempts in
+all, the retry marked in the prompt), then its group is dropped with the
 reason. Every call is cached in the run folder: a killed build reruns to the same bytes. The output
 is written aside, validated, and only then replaces the file.
 
@@ -28,16 +29,19 @@ import json
 import os
 import random
 import re
+from dataclasses import dataclass
+from typing import NamedTuple
 
-import attack
 import geo_attacks
 import geodef
 import llm_clients
-from runs import SettingsError, atomic_write, log, make_llm, read_prices, usage_path
+import offline
+from runs import SettingsError, atomic_write, log, make_llm, rankers, read_prices, usage_path
 
 REWRITE_TRIES = 2                 # attempts per family and group before the group is dropped
 MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped
 TAVILY_URL = "https://api.tavily.com"
+TAVILY_MAX_RESULTS = 20           # Tavily's documented cap on max_results
 HF_DATASET = "GEO-Optim/geo-bench"
 
 
@@ -48,27 +52,57 @@ def read_rows(path):
     """Any supported input -> [{"id", "line", "query", "docs": [{"url", "text"}], "source_index"}]."""
     if path.startswith("hf:"):
         path = fetch_hf(path[3:])
+    if os.path.isdir(path):                             # AutoGEO ships its splits as datachunk_N.json files
+        return [row_of(o, f, n) for f in autogeo_chunks(path) for n, o in read_json_rows(f)]
+    if not os.path.isfile(path):
+        raise SettingsError(f"--input {path}: no such file")
     if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise SettingsError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow), "
-                                "or give the .jsonl") from None
-        objs = list(enumerate(pq.read_table(path).to_pylist(), 1))
+        objs = read_parquet(path)
     elif path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except ValueError as e:
-                raise geodef.BenchFormatError(f"{path}: invalid JSON ({e})") from None
-        if isinstance(data, dict):                      # AutoGEO: {query_id: {query, text_list, target_id}}
-            data = [{"query_id": k, **v} if isinstance(v, dict) else v for k, v in data.items()]
-        if not isinstance(data, list):
-            raise geodef.BenchFormatError(f"{path}: expected a list of rows or AutoGEO's {{query_id: row}}")
-        objs = list(enumerate(data, 1))
+        objs = read_json_rows(path)
     else:
         objs = list(geodef.read_jsonl(path))
     return [row_of(o, path, n) for n, o in objs]
+
+
+def autogeo_chunks(folder):
+    """A folder of AutoGEO's datachunk_N.json files, in the order of N."""
+    chunks = sorted((int(m.group(1)), f) for f in os.listdir(folder)
+                    if (m := re.fullmatch(r"datachunk_(\d+)\.json", f)))
+    if not chunks:
+        raise SettingsError(f"--input {folder}: a folder, with no datachunk_N.json files (AutoGEO's layout)")
+    return [os.path.join(folder, f) for _, f in chunks]
+
+
+def read_json_rows(path):
+    """A .json file: a list of rows, or AutoGEO's {query_id: {query, text_list, target_id}} -> [(n, row)]."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:      # a byte-order mark is dropped, as in .jsonl
+            data = json.load(f)
+    except UnicodeDecodeError as e:
+        raise geodef.BenchFormatError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise geodef.BenchFormatError(f"{path}: invalid JSON (nested too deeply)") from None
+    except ValueError as e:
+        raise geodef.BenchFormatError(f"{path}: invalid JSON ({str(e)[:200]})") from None
+    if isinstance(data, dict):                      # AutoGEO: {query_id: {query, text_list, target_id}}
+        data = [{"query_id": k, **v} if isinstance(v, dict) else v for k, v in data.items()]
+    if not isinstance(data, list):
+        raise geodef.BenchFormatError(f"{path}: expected a list of rows or AutoGEO's {{query_id: row}}")
+    return list(enumerate(data, 1))
+
+
+def read_parquet(path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise SettingsError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow), "
+                            "or give the .jsonl") from None
+    try:
+        return list(enumerate(pq.read_table(path).to_pylist(), 1))
+    except Exception as e:                 # pyarrow's ArrowInvalid, OSError, ...: a corrupt or empty file
+        raise geodef.BenchFormatError(f"{path}: not a readable parquet file ({type(e).__name__}: "
+                                      f"{str(e)[:200]})") from None
 
 
 def row_of(o, path, n):
@@ -93,19 +127,40 @@ def row_of(o, path, n):
         geodef.check_unicode(t, path, n, f"{key}[{i}]")
         docs.append({"url": u, "text": t})
     q = o.get("query")
-    if not isinstance(q, str) or not q.strip():
-        raise geodef.BenchFormatError(f"{path}:{n}: query: missing or empty")
+    if q is None:
+        raise geodef.BenchFormatError(f"{path}:{n}: query: missing")
+    if not isinstance(q, str):
+        raise geodef.BenchFormatError(f"{path}:{n}: query: expected a string, got {type(q).__name__}")
+    if not visible(q):
+        raise geodef.BenchFormatError(f"{path}:{n}: query: empty (only spaces or invisible characters)")
     geodef.check_unicode(q, path, n, "query")
-    src = o.get(src_key)
-    if src is not None:
-        try:
-            src = int(src)                      # GEO-Bench: an int, in some copies a numeric string
-        except (TypeError, ValueError):
-            raise geodef.BenchFormatError(f"{path}:{n}: {src_key}: expected an integer, got {src!r}") from None
-        if not 0 <= src < len(docs):
-            raise geodef.BenchFormatError(f"{path}:{n}: {src_key}: {src} out of range 0..{len(docs) - 1}")
-    rid = str(o.get("group_id") or o.get("query_id") or f"q{n:04d}")
-    return {"id": rid, "line": n, "query": q, "docs": docs, "source_index": src}
+    src = source_index(o.get(src_key), len(docs), path, n, src_key)
+    rid = o.get("group_id") or o.get("query_id") or f"q{n:04d}"
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise geodef.BenchFormatError(f"{path}:{n}: query_id: expected a string or an integer, got {rid!r}")
+    return {"id": str(rid), "line": n, "path": path, "query": q, "docs": docs, "source_index": src}
+
+
+INVISIBLE = re.compile(r"[\s\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u034f\u180e]+")
+
+
+def visible(text):
+    """Whether `text` has a character a reader sees (zero-width spaces, joiners and marks are not)."""
+    return bool(INVISIBLE.sub("", text))
+
+
+def source_index(v, n_docs, path, n, key):
+    """The row's source document index: an integer, or a string of digits (GEO-Bench's loaders cast it);
+    None when the row names none. 1.9, true or "a" are refused: rounding would rewrite another document."""
+    if v is None:
+        return None
+    if isinstance(v, str) and re.fullmatch(r"\s*\d+\s*", v):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise geodef.BenchFormatError(f"{path}:{n}: {key}: expected an integer, got {v!r}")
+    if not 0 <= v < n_docs:
+        raise geodef.BenchFormatError(f"{path}:{n}: {key}: {v} out of range 0..{n_docs - 1}")
+    return v
 
 
 def fetch_hf(spec):
@@ -129,6 +184,40 @@ def fetch_hf(spec):
 # ----------------------------------------------------------------------------- search
 
 
+@dataclass(frozen=True)
+class SearchSpec:
+    """--search parsed once: provider "tavily" (Tavily's API, or a Tavily-shaped endpoint) or
+    "offline" (a synthetic corpus, its pages loaded and checked). str() never shows credentials."""
+    provider: str
+    endpoint: llm_clients.Endpoint = None       # tavily:URL
+    corpus: str = None                          # offline:CORPUS, its path
+    pages: tuple = ()                           # the corpus's pages
+
+    def __str__(self):
+        if self.provider == "offline":
+            return f"offline:{os.path.basename(self.corpus)}"
+        return f"tavily:{self.endpoint}" if self.endpoint else "tavily"
+
+
+def parse_search(spec):
+    """'tavily' | 'tavily:http(s)://HOST[:PORT]' | 'offline:CORPUS.jsonl' -> SearchSpec, or SettingsError
+    naming the flag (the spec printed without credentials)."""
+    provider, _, rest = spec.partition(":")
+    if provider == "tavily":
+        if not rest:
+            return SearchSpec("tavily")
+        try:
+            return SearchSpec("tavily", llm_clients.Endpoint.parse(rest))
+        except ValueError as e:
+            raise SettingsError(f"--search tavily:...: {e}") from None
+    if provider == "offline" and rest:
+        if not os.path.isfile(rest):
+            raise SettingsError(f"--search {spec}: no such file")
+        return SearchSpec("offline", corpus=rest, pages=tuple(offline.load_corpus(rest)))
+    raise SettingsError(f"--search {llm_clients.redact_url(spec)!r}: give tavily, tavily:http(s)://HOST[:PORT] or "
+                        "offline:CORPUS.jsonl")
+
+
 class SearchClient:
     """Tavily's search API over raw HTTP JSON on the chat clients' machinery (llm_clients.Transport:
     retries, timeouts, reply cap, the key only in headers and only to its host; ReplyCache; the usage
@@ -137,27 +226,22 @@ class SearchClient:
     serves it on loopback), cached under the corpus's digest, not the port."""
 
     def __init__(self, spec, cache_dir=None, ledger=None, timeout=120, rpm=0, engine_url=None):
-        provider, _, url = spec.partition(":")
-        if provider not in ("tavily", "offline") or (provider == "offline" and not url):
-            raise SettingsError(f"--search {spec!r}: give tavily, tavily:http(s)://HOST[:PORT] or "
-                                "offline:CORPUS.jsonl")
-        if provider == "offline":
+        if spec.provider == "offline":
             if not engine_url:
                 raise SettingsError(f"--search {spec}: the offline engine is not running (run.py serves it)")
-            with open(url, "rb") as f:
+            with open(spec.corpus, "rb") as f:
                 self.identity = ("offline-search", hashlib.sha1(f.read()).hexdigest())
             self.where = llm_clients.Endpoint.parse(engine_url.removesuffix("/v1"))
-            self.label = f"offline:{os.path.basename(url)}"
         else:
-            self.where = llm_clients.Endpoint.parse(url or TAVILY_URL)
+            self.where = spec.endpoint or llm_clients.Endpoint.parse(TAVILY_URL)
             self.identity = self.where.identity
-            self.label = f"tavily:{self.where}" if url else "tavily"
+        self.label = str(spec)
         # TAVILY_API_KEY goes only to Tavily's own host; another endpoint gets SEARCH_API_KEY (optional);
         # the offline engine none
         if self.where.host == "api.tavily.com":
             key = os.environ.get("TAVILY_API_KEY")
         else:
-            key = os.environ.get("SEARCH_API_KEY") if provider == "tavily" else None
+            key = os.environ.get("SEARCH_API_KEY") if spec.provider == "tavily" else None
         if self.where.host == "api.tavily.com" and not key:
             raise SettingsError("--search tavily: set TAVILY_API_KEY")
         self.transport = llm_clients.Transport(self.where, self.label, api_key=key, timeout=timeout, rpm=rpm,
@@ -167,7 +251,8 @@ class SearchClient:
 
     def search(self, query, n):
         """Up to n results [{url, text}] with their raw page content (falling back to the snippet)."""
-        body = {"query": query, "max_results": n, "search_depth": "advanced", "include_raw_content": True}
+        body = {"query": query, "max_results": min(n, TAVILY_MAX_RESULTS), "search_depth": "advanced",
+                "include_raw_content": True}
         key = self.cache.key("tavily-search", self.identity, body, False)
         hit = self.cache.get_raw(key)
         if not isinstance(hit, dict) or not isinstance(hit.get("results"), list):
@@ -211,11 +296,20 @@ def candidates(row, results, n_docs, seed):
 
 
 def own_candidates(row, n_docs):
-    """Without search: the row's first n_docs non-empty documents, its source among them."""
-    keep = [i for i, d in enumerate(row["docs"]) if d["text"].strip()][:n_docs]
-    if len(keep) < n_docs:
-        return None, f"{len(keep)} non-empty documents < --docs {n_docs} (give --search tavily to retrieve more)"
+    """Without search: the row's first n_docs non-empty, distinct documents, its source among them (a
+    document repeating an earlier one's text, or the source's, is skipped: a list holds each text once)."""
     src = row["source_index"]
+    texts = {norm(row["docs"][src]["text"])} if src is not None else set()
+    keep = []
+    for i, d in enumerate(row["docs"]):
+        t = norm(d["text"])
+        if t and (i == src or t not in texts):
+            keep.append(i)
+            texts.add(t)
+    keep = keep[:n_docs]
+    if len(keep) < n_docs:
+        return None, (f"{len(keep)} non-empty, distinct documents < --docs {n_docs} (give --search tavily to "
+                      "retrieve more)")
     if src is None:     # stated rule: the longest candidate, as the most content to rewrite
         src = max(keep, key=lambda i: (len(row["docs"][i]["text"]), -i))
     if src not in keep:
@@ -231,63 +325,77 @@ def compose(rows, n_groups, n_construction, seed):
     and splits those (the first C construction) before any rewrite (B.1.2). -> [(row, split)] of the
     first N rows, construction first (what the dry run plans), and the whole order."""
     rows = sorted(rows, key=lambda r: r["id"])
-    if len({r["id"] for r in rows}) != len(rows):
-        raise SettingsError("the input has two rows with the same query id")
     order = random.Random(seed).sample(rows, len(rows))
     picked = order[:n_groups]
     if len(picked) < n_groups:
-        log(f"[build-bench] the input has {len(picked)} rows, fewer than --groups {n_groups}: all taken")
+        log(f"[build-bench] the input has {len(picked)} usable rows, fewer than --groups {n_groups}: all taken")
     if len(picked) <= n_construction:
         raise SettingsError(f"{len(picked)} query groups leave none for the test split after "
                             f"--construction-groups {n_construction}")
     return [(r, "construction" if i < n_construction else "test") for i, r in enumerate(picked)], order
 
 
-def group_id(row):
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", row["id"])[:40] or hashlib.sha1(row["query"].encode()).hexdigest()[:10]
+def where(row):
+    return f"{row['path']}:{row['line']}"
+
+
+def usable_rows(rows, search):
+    """The rows a build can use, every check the inputs allow made before the first request: ids
+    unique (their group ids too), one row per query (a query in both splits would leak, B.1.2), a
+    source document with text when candidates are searched. -> (rows, [(row, why dropped)])."""
+    by_id = {}
+    for r in rows:
+        if r["id"] in by_id:
+            raise SettingsError(f"query id {r['id']!r} given twice: {where(by_id[r['id']])} and {where(r)}")
+        by_id[r["id"]] = r
+    by_gid = {}
+    for r in rows:
+        r["group_id"] = group_id(r["id"])
+        if r["group_id"] in by_gid:             # only a hash collision: group_id keeps distinct ids apart
+            raise SettingsError(f"query ids {by_gid[r['group_id']]['id']!r} ({where(by_gid[r['group_id']])}) and "
+                                f"{r['id']!r} ({where(r)}) give the same group id {r['group_id']!r}")
+        by_gid[r["group_id"]] = r
+    kept, dropped, queries = [], [], {}
+    for r in rows:
+        q = norm(r["query"])
+        if q in queries:
+            dropped.append((r, f"the same query as {where(queries[q])}"))
+        elif search and r["source_index"] is None:
+            dropped.append((r, "no source document (sugg_idx / target_id / source_index)"))
+        elif search and not r["docs"][r["source_index"]]["text"].strip():
+            dropped.append((r, f"its source document ({r['source_index']}) has no text"))
+        else:
+            queries[q] = r
+            kept.append(r)
+    return kept, dropped
+
+
+def group_id(rid):
+    """A row id as a group id (letters, digits, '.', '_', '-'; at most 40 characters). An id that had to
+    be changed gets a digest of itself, so 'a b' and 'a-b', or two long ids sharing 40 characters,
+    stay two groups."""
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", rid)
+    if clean == rid and 0 < len(rid) <= 40:
+        return rid
+    return f"{clean[:31]}-{hashlib.sha1(rid.encode('utf-8')).hexdigest()[:8]}"
 
 
 # ----------------------------------------------------------------------------- rewriting
 
 
-def validate_rewrite(src, new):
-    """None if a rewrite may go to the fidelity judge, else the reason it is refused: the attacker's
-    cheap gate (length, prompt text, every number of the source kept, chat control tokens) and a
-    rewrite that changes nothing or spells our prompt's JSON."""
-    if not isinstance(new, str) or not new.strip():
-        return "empty"
-    if " ".join(new.split()) == " ".join(src.split()):
-        return "identical to the source"
-    if "rewritten_document" in new or '"geo_family"' in new:
-        return "contains prompt text"
-    return attack.cheap_gate(src, new)
-
-
-def gate(ctx, jobs, texts):
-    """Each rewrite's verdict: None (kept) or why it is refused; the fidelity judge (ctx.judge) asked
-    for those that pass the cheap checks."""
-    why = [validate_rewrite(j.source, t) for j, t in zip(jobs, texts)]
-    if ctx.judge is None:
-        return why
-    ask = [i for i, w in enumerate(why) if w is None]
-    for i, w in zip(ask, attack.fidelity_verdicts(ctx.judge, [(jobs[i].source, texts[i]) for i in ask],
-                                                  ctx.max_tokens, ctx.workers)):
-        why[i] = w
-    return why
-
-
-def rewrite_family(ctx, name, groups):
-    """Family `name` on every group (dicts with query, docs, source_index): -> {group_id: (text, trace)}
-    for the rewrites that passed the gate, and {group_id: reason} for the groups it failed on."""
+def rewrite_family(ctx, fam, groups):
+    """Family `fam` (a geo_attacks rewriter) on every group (dicts with query, docs, source_index): ->
+    {group_id: (text, trace)} for the rewrites that passed the gate, and {group_id: reason} for the
+    groups it failed on."""
     done, failed, todo = {}, {}, list(groups)
     verdicts = {g["group_id"]: [] for g in groups}
     for attempt in range(REWRITE_TRIES):
         if not todo:
             break
-        jobs = [geo_attacks.Job(g["query"], g["docs"][g["source_index"]]["text"], attempt,
-                                g["group_id"]) for g in todo]
-        out = geo_attacks.family(name, ctx).run(ctx, jobs)
-        why = gate(ctx, jobs, [t for t, _ in out])
+        jobs = [geo_attacks.Job(g["query"], g["docs"][g["source_index"]]["text"], attempt, g["group_id"],
+                                [d["text"] for d in g["docs"]], g["source_index"]) for g in todo]
+        out = fam.run(ctx, jobs)
+        why = geo_attacks.gate(ctx, [j.source for j in jobs], [t for t, _ in out], f"{fam.name} fidelity")
         retry = []
         for g, (t, trace), w in zip(todo, out, why):
             verdicts[g["group_id"]].append(w or "accepted")
@@ -297,22 +405,8 @@ def rewrite_family(ctx, name, groups):
                 retry.append(g)
         todo = retry
     for g in todo:
-        failed[g["group_id"]] = f"{name}: every attempt refused ({'; '.join(verdicts[g['group_id']])})"
+        failed[g["group_id"]] = f"{fam.name}: every attempt refused ({'; '.join(verdicts[g['group_id']])})"
     return done, failed
-
-
-def mageo_engine(groups):
-    """MAGEO's engine signal: each job as a geodef.Instance of its group's candidates (source in place)."""
-    by_id = {g["group_id"]: g for g in groups}
-
-    def instance(job):
-        g = by_id[job.group_id]
-        x = geodef.Instance(f"{g['group_id']}@build{job.attempt}", g["group_id"], g["query"],
-                            [d["text"] for d in g["docs"]], [f"{g['group_id']}-{i}" for i in range(len(g["docs"]))],
-                            g["source_index"], "MAGEO")
-        x.source, x.attempt = job.source, job.attempt
-        return x
-    return instance
 
 
 # ----------------------------------------------------------------------------- the command
@@ -320,14 +414,42 @@ def mageo_engine(groups):
 
 def parse_families(text, default):
     names = [m.strip() for m in text.split(",") if m.strip()] if text else list(default)
-    bad = [m for m in names if m not in geo_attacks.CALLS]
+    bad = [m for m in names if m not in geo_attacks.FAMILIES]
     if bad or not names:
-        raise SettingsError(f"unknown attack families {bad}; known: {', '.join(geo_attacks.CALLS)}")
+        raise SettingsError(f"unknown attack families {bad}; known: {', '.join(geo_attacks.FAMILIES)}")
     return names
 
 
+class Plan(NamedTuple):
+    """A build, checked before any request: the families, the seen ones, the first --groups rows with
+    their splits (what the dry run prices), the whole seeded order the build walks, the rows dropped
+    up front, the parsed --search, and AgenticGEO's archive and AutoGEO's rules when given."""
+    families: list
+    seen: list
+    picked: list
+    order: list
+    dropped: list
+    search: SearchSpec
+    archive: list
+    rules: list
+
+
+def read_resource(flag, reader, path):
+    """--agentic-archive / --autogeo-rules, read and checked before anything is paid for."""
+    if path is None:
+        return None
+    try:
+        return reader(path)
+    except OSError as e:
+        raise SettingsError(f"{flag} {path}: {e.strerror or e}") from None
+    except RecursionError:
+        raise SettingsError(f"{flag} {path}: invalid JSON (nested too deeply)") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise SettingsError(f"{flag} {path}: {str(e)[:200]}") from None
+
+
 def plan(cfg, opts):
-    """The families, seen families and groups a build makes, checked: -> (families, seen, [(row, split)])."""
+    """Every check the inputs allow, before the first request (and in --dry-run) -> Plan."""
     fams = parse_families(opts.attacks, geodef.PAPER_METHODS)
     if opts.attacks and not opts.seen_methods:
         raise SettingsError("--attacks: name the construction (seen) families too, with --seen-methods")
@@ -338,15 +460,25 @@ def plan(cfg, opts):
         raise SettingsError(f"--docs {opts.docs}: between 2 and {geodef.N_DOCS}")
     if opts.docs <= cfg.k:
         raise SettingsError(f"--docs {opts.docs}: eval's top-k (--k {cfg.k}) needs more candidates than k")
-    rows = read_rows(opts.input)
-    return (fams, seen, *compose(rows, opts.groups, opts.construction_groups, cfg.seed))
+    if opts.groups < 2 or opts.construction_groups < 1:
+        raise SettingsError(f"--groups {opts.groups} --construction-groups {opts.construction_groups}: at least one "
+                            "construction group and one test group")
+    if os.path.isdir(opts.output):
+        raise SettingsError(f"--output {opts.output}: a folder; give the JSONL file to write")
+    search = parse_search(opts.search) if opts.search else None
+    archive = read_resource("--agentic-archive", geo_attacks.read_archive, opts.agentic_archive)
+    rules = read_resource("--autogeo-rules", geo_attacks.read_rules, opts.autogeo_rules)
+    rows, dropped = usable_rows(read_rows(opts.input), search is not None)
+    picked, order = compose(rows, opts.groups, opts.construction_groups, cfg.seed)
+    return Plan(fams, seen, picked, order, dropped, search, archive, rules)
 
 
 def dry_run(cfg, opts):
     """What build-bench would send, without sending or writing anything: requests per family (at most,
     retries and JSON re-asks included), search requests, tokens estimated at 4 characters a token, and
     the price with --prices."""
-    fams, seen, picked, _ = plan(cfg, opts)
+    p = plan(cfg, opts)
+    fams, seen, picked = p.families, p.seen, p.picked
     n_cons = sum(1 for _, s in picked if s == "construction")
     chars = sum(len(max((d["text"] for d in r["docs"]), key=len, default="")) for r, _ in picked) / max(1, len(picked))
     prices = read_prices(cfg.prices) if cfg.prices else {}
@@ -354,41 +486,40 @@ def dry_run(cfg, opts):
     stages = {}
     for f in fams:
         n = len(picked) if f in seen else len(picked) - n_cons
-        req = n * geo_attacks.CALLS[f] * REWRITE_TRIES * 2
+        req = n * geo_attacks.FAMILIES[f].calls * REWRITE_TRIES * 2
         tok_in, tok_out = int(req * (chars / 4 * 2 + 400)), int(req * chars / 4 * 1.3)
         stages[f] = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out,
                      "usd": None if price is None else (tok_in * price[0] + tok_out * price[1]) / 1e6}
-    if opts.fidelity_judge:
-        n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2
-        stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
+    n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every family's rewrites are judged
+    stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
     return {"groups": len(picked), "construction": n_cons, "test": len(picked) - n_cons,
             "instances": {"construction": n_cons * len(seen), "test": (len(picked) - n_cons) * len(fams)},
-            "search_requests": len(picked) if opts.search else 0, "stages": stages,
+            "search_requests": len(picked) if opts.search else 0, "dropped_up_front": len(p.dropped),
+            "stages": stages,
             "note": "upper bounds (gate retries and JSON re-asks included); cached replies cost nothing"}
 
 
-def build_bench(cfg, opts):
-    """Build the benchmark file `opts.output` (see the module docstring) -> (path, composition)."""
-    fams, seen, _, order = plan(cfg, opts)
+def build_bench(cfg, opts, p=None):
+    """Build the benchmark file `opts.output` (see the module docstring) -> (path, composition). `p`: the
+    build's Plan when the caller has made it (run.py does, to serve the offline corpus)."""
+    p = p or plan(cfg, opts)
+    fams, seen = p.families, p.seen
     llm = make_llm(cfg, stage="build-bench")
     judge = make_llm(cfg, opts.fidelity_judge, stage="build-bench") if opts.fidelity_judge else None
-    search = SearchClient(opts.search, os.path.join(cfg.run_dir, "cache", "search"), usage_path(cfg),
-                          timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=cfg.engine_url) if opts.search else None
-    groups, dropped = [], []
-    for row in order:                   # in the seeded order until --groups lists are complete
+    search = SearchClient(p.search, os.path.join(cfg.run_dir, "cache", "search"), usage_path(cfg),
+                          timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=cfg.engine_url) if p.search else None
+    groups, dropped = [], list(p.dropped)
+    for row in p.order:                 # in the seeded order until --groups lists are complete
         if len(groups) == opts.groups:
             break
         if search:
-            if row["source_index"] is None:
-                dropped.append((row, "no source document (sugg_idx / target_id / source_index)"))
-                continue
             docs, pos = candidates(row, search.search(row["query"], opts.docs + 5), opts.docs, cfg.seed)
         else:
             docs, pos = own_candidates(row, opts.docs)
         if docs is None:
             dropped.append((row, pos))
             continue
-        gid = group_id(row)
+        gid = row["group_id"]
         split = "construction" if len(groups) < opts.construction_groups else "test"
         other = next((g["group_id"] for g in groups if g["split"] != split and
                       {norm(d["text"]) for d in g["docs"]} & {norm(d["text"]) for d in docs}), None)
@@ -398,31 +529,44 @@ def build_bench(cfg, opts):
         docs = [{"doc_id": f"{gid}-{i}", "url": d["url"], "text": d["text"]} for i, d in enumerate(docs)]
         groups.append({"group_id": gid, "query": row["query"], "split": split, "source_index": pos, "row": row,
                        "docs": docs})
+    ranker = rankers(cfg, False)[0] if "MAGEO" in fams and opts.mageo_signal == "reranker" and groups else None
     ctx = geo_attacks.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
-                          archive=geo_attacks.read_archive(opts.agentic_archive) if opts.agentic_archive else None,
-                          rules=geo_attacks.read_rules(opts.autogeo_rules) if opts.autogeo_rules else None)
-    if "MAGEO" in fams and groups:
-        from runs import rankers
-        ctx.ranker, ctx.engine = rankers(cfg, False)[0], mageo_engine(groups)
+                          archive=p.archive, rules=p.rules, ranker=ranker)
     attacks, traces, failed = {g["group_id"]: {} for g in groups}, {g["group_id"]: {} for g in groups}, {}
     for f in fams:
         todo = [g for g in groups if (f in seen or g["split"] == "test") and g["group_id"] not in failed]
-        done, bad = rewrite_family(ctx, f, todo)
+        fam = geo_attacks.Mageo(opts.mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
+        done, bad = rewrite_family(ctx, fam, todo)
         failed.update(bad)
         for gid, (text, trace) in done.items():
             attacks[gid][f], traces[gid][f] = text, trace
     kept = [g for g in groups if g["group_id"] not in failed]
     dropped += [(g["row"], failed[g["group_id"]]) for g in groups if g["group_id"] in failed]
     for row, why in dropped:
-        log(f"[build-bench] dropped {opts.input}:{row['line']} ({row['id']}): {why}")
+        log(f"[build-bench] dropped {where(row)} ({row['id']}): {why}")
     if not kept:
         raise SettingsError(f"{opts.input}: no query group left, all {len(dropped)} dropped "
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
-    write(cfg, opts, fams, seen, kept, attacks, traces, llm, search)
+    markers = surface_markers(kept, attacks, fams)
+    for name, rates in markers.items():
+        log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
+    write(cfg, opts, fams, seen, kept, attacks, traces, llm, search, markers)
     comp = composition(kept, fams, seen)
     log(f"[build-bench] wrote {len(kept)} groups to {opts.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
     return opts.output, comp
+
+
+def surface_markers(groups, attacks, fams):
+    """How often each surface marker (geo_attacks.SURFACE_MARKERS: headings, bold, lists, summary
+    phrases, ...) appears in each family's rewrites, in the sources they rewrote and in the benign
+    candidates: a family far from the benign rates is detectable by its template, not its intent."""
+    benign = [d["text"] for g in groups for i, d in enumerate(g["docs"]) if i != g["source_index"]]
+    out = {"benign candidates": geo_attacks.surface_rates(benign),
+           "sources": geo_attacks.surface_rates(g["docs"][g["source_index"]]["text"] for g in groups)}
+    for f in fams:
+        out[f] = geo_attacks.surface_rates(attacks[g["group_id"]][f] for g in groups if f in attacks[g["group_id"]])
+    return out
 
 
 def composition(groups, fams, seen):
@@ -434,13 +578,14 @@ def composition(groups, fams, seen):
     return out
 
 
-def write(cfg, opts, fams, seen, groups, attacks, traces, llm, search):
+def write(cfg, opts, fams, seen, groups, attacks, traces, llm, search, markers):
     """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output."""
     meta = {"name": os.path.basename(opts.output), "synthetic": bool(opts.synthetic), "methods": fams,
             "seen_methods": seen, "n_docs": opts.docs, "search": search.label if search else None,
-            "builder_llm": llm.label, "fidelity_judge": opts.fidelity_judge, "seed": cfg.seed,
+            "builder_llm": llm.label, "fidelity_judge": opts.fidelity_judge or llm.label, "seed": cfg.seed,
             "groups": len(groups), "source": os.path.basename(opts.input),
-            "prompt_digests": geo_attacks.prompt_digests(fams)}
+            "prompt_digests": geo_attacks.prompt_digests(fams, opts.mageo_signal),
+            "mageo_signal": opts.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
     if opts.synthetic:
         meta["note"] = ("SYNTHETIC: programmatic pages and offline-engine rewrites for offline plumbing; not the "
                         "paper's benchmark and not real web pages. Numbers measured on it say nothing about real "

@@ -19,8 +19,10 @@ Serving (`RerankServer`): `POST /v1/rerank` (aliases `/rerank`, `/v2/rerank`) ta
 Cohere/Jina/vLLM request {model, query, documents: [str | {text}], top_n?, return_documents?} and
 answers {id, model, results: [{index, relevance_score, document?}] best first, usage}; a body with
 `texts` on /rerank gets Text Embeddings Inference's shape [{index, score, text?}]. relevance_score
-= sigmoid(margin). `GET /health`, `GET /v1/models`. Requests arriving together are scored in
-shared micro-batches by one scoring thread (a bounded queue; a full queue answers 503).
+= sigmoid(margin). An `instruction` takes the prompt's <Instruct>: place for that request on the
+base model; the Shield refuses one other than its own (400) unless started with allow_instruction.
+`GET /health`, `GET /v1/models`. Requests arriving together are scored in shared micro-batches by
+one scoring thread (a bounded queue; a full queue answers 503).
 Every request is untrusted: sizes are capped, every field is validated (4xx naming it), documents
 are tokenized as text (reranker.text_tokenizer), slow clients time out, and an optional API key is
 compared in constant time and never printed.
@@ -29,6 +31,7 @@ Usage: export(rr_folder, "out/shield", adapter="runs/x/adapter")
        RerankServer(rr, port=8000).serve_forever()
 """
 import contextlib
+import copy
 import hashlib
 import hmac
 import json
@@ -61,17 +64,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 def chat_template(instruction):
     """vLLM's Qwen3-reranker score template (examples/pooling/score/template/qwen3_reranker.jinja)
     with `instruction` as the default <Instruct>: the model card's prompt, query and document as
-    the "query" and "document" messages."""
+    the "query" and "document" messages. Built from reranker.PREFIX, BODY and SUFFIX (which hold no
+    Jinja syntax), so it renders the bytes the reranker scores."""
     default = json.dumps(instruction)       # a JSON string is a valid Jinja string literal
-    return ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
-            "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"
-            "<Instruct>: {{ instruction | default(messages | selectattr(\"role\", \"eq\", \"system\") | "
-            f"map(attribute=\"content\") | first | default({default}, true), true) }}}}\n"
-            "<Query>: {{ messages | selectattr(\"role\", \"eq\", \"query\") | map(attribute=\"content\") | first }}\n"
-            "<Document>: {{ messages | selectattr(\"role\", \"eq\", \"document\") | map(attribute=\"content\") | "
-            "first }}"
-            "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{{ '' }}")   # ends in a tag: Jinja drops
-                                                                           # a template's final newline
+    content = lambda role: f'messages | selectattr("role", "eq", "{role}") | map(attribute="content") | first'
+    body = reranker.BODY.format(   # a request's `instruction`, else a system message, else the default
+        instruction="{{ instruction | default(" + content("system") + " | default(" + default + ", true), true) }}",
+        query="{{ " + content("query") + " }}", doc="{{ " + content("document") + " }}")
+    # Jinja drops a template's final newline (SUFFIX ends in two): an empty expression after it keeps them
+    return reranker.PREFIX + body + reranker.SUFFIX + "{{ '' }}"
 
 
 def _sha1(path):
@@ -262,18 +263,21 @@ default). Score the last token; relevance = sigmoid(z_yes - z_no).
 
 What reproduces the Shield's scores (its margins; relevance = sigmoid of them):
 - run (tests of the repository that exported it): transformers (`AutoModelForSequenceClassification` /
-  `AutoModelForCausalLM`) on the prompt above, to 1e-4 in float32; sentence-transformers'
-  `CrossEncoder` (seq-cls) on the formatted pairs below, sigmoid of them; GEO Defender's own
-  `python run.py serve` (Cohere/Jina/vLLM and TEI request shapes).
+  `AutoModelForCausalLM`) on the prompt above, to 1e-4 in float32; sentence-transformers 4.0 or newer
+  (its `CrossEncoder.predict` tokenizes a pair as given; the tests run 5 or newer): `CrossEncoder`
+  (seq-cls) on the formatted pairs below, sigmoid of them; GEO Defender's own `python run.py serve`
+  (Cohere/Jina/vLLM and TEI request shapes).
 - not run (it needs a GPU): vLLM with the template below; it renders the same prompt, so it is
   expected to, within its kernels' rounding.
-- does **not**: Infinity (0.0.78) strips whitespace from query and document before scoring, which
-  deletes the prompt's final `\\n` and `</think>\\n\\n`: its scores and rankings differ from the
-  Shield's. Use one of the above.
+- does **not**: Infinity (0.0.78), which strips leading and trailing whitespace from query and
+  document, nor sentence-transformers 3.x (which Infinity installs), whose `CrossEncoder.predict`
+  strips both texts of a pair: the newline after the query and the blank line after `</think>` are
+  lost (`</think>` stays), so their scores and rankings differ from the Shield's. Use one of the above.
 
 - vLLM, many GPUs or replicas (OpenAI/Cohere-style `/rerank`, `/v1/rerank`, `/score`):
   `{vllm}`
-- sentence-transformers (run here): `CrossEncoder("./{name}")` (one label: sigmoid applied) on pairs
+- sentence-transformers 4.0 or newer (run here): `CrossEncoder("./{name}")` (one label: sigmoid
+  applied) on pairs
   `(prefix + "<Instruct>: ...\\n<Query>: " + query + "\\n", "<Document>: " + document + suffix)`,
   the prompt above split before `<Document>:`; a bare (query, document) pair lacks the prompt and
   scores poorly.
@@ -316,6 +320,7 @@ class RerankRequest:
     max_doc_tokens: int = None    # Cohere max_tokens_per_doc: each document cut to that many tokens
     model: str = None             # echoed in the reply
     document_string: bool = False  # Infinity's /rerank shape: results[].document a string, not {text}
+    instruction: str = None       # the prompt's <Instruct>: for this request; None: the server's
 
 
 def _text(v, field):
@@ -360,18 +365,35 @@ def _document(d, i, tei):
     return _text(d, field)
 
 
-def _count(body, k, minimum):
+def _int_field(body, k, minimum):
     v = body.get(k)
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < minimum):
         raise RequestError(400, f"{k}: an integer >= {minimum} is required, got {v!r}", k)
     return v
 
 
+MAX_INSTRUCTION_CHARS = 4096
+
+
+def _instruction(body):
+    """The optional `instruction` (LiteLLM, llama.cpp and vLLM forward one to Qwen3 rerankers) -> a
+    string or None. Empty means the server's, as vLLM's template reads it. Its text can never become
+    prompt structure: it is tokenized with the query and documents as ordinary text (Reranker.tokenize)."""
+    v = body.get("instruction")
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise RequestError(400, f"instruction: a string is required, got {type(v).__name__}", "instruction")
+    if len(v) > MAX_INSTRUCTION_CHARS:
+        raise RequestError(400, f"instruction: {len(v)} characters, at most {MAX_INSTRUCTION_CHARS}", "instruction")
+    return _text(v, "instruction")
+
+
 def parse_rerank(body, max_documents):
     """A decoded JSON body -> RerankRequest. Cohere/Jina/vLLM shape ({query, documents, top_n,
     return_documents, max_tokens_per_doc}) or TEI's ({query, texts, return_text, raw_scores,
-    truncate, truncation_direction}). Unknown fields are ignored; every known one is checked.
-    top_n 0 means all documents, as vLLM reads it."""
+    truncate, truncation_direction}), either with an optional `instruction`. Unknown fields are
+    ignored; every known one is checked. top_n 0 means all documents, as vLLM reads it."""
     if not isinstance(body, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
     tei = "texts" in body and "documents" not in body
@@ -389,7 +411,8 @@ def parse_rerank(body, max_documents):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "model: a string is required", "model")
-    req = RerankRequest(q, texts, tei=tei, model=_text(model, "model") if model else None)
+    req = RerankRequest(q, texts, tei=tei, model=_text(model, "model") if model else None,
+                        instruction=_instruction(body))
     if tei:
         req.with_text, req.raw = _flag(body, "return_text"), _flag(body, "raw_scores")
         if "truncate" in body:
@@ -399,9 +422,9 @@ def parse_rerank(body, max_documents):
             raise RequestError(422, f"truncation_direction: Left or Right, got {direction!r}", "truncation_direction")
         req.left = direction == "Left"
     else:
-        req.top_n = _count(body, "top_n", 0) or None
+        req.top_n = _int_field(body, "top_n", 0) or None
         req.with_text = _flag(body, "return_documents")
-        req.max_doc_tokens = _count(body, "max_tokens_per_doc", 1)
+        req.max_doc_tokens = _int_field(body, "max_tokens_per_doc", 1)
     return req
 
 
@@ -675,17 +698,18 @@ class _Handler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
 
     def _rerank(self, body, t0):
-        conf, rr = self.server.conf, self.server.rr
+        conf = self.server.conf
         req = parse_rerank(body, conf["max_documents"])
+        rr = self.server.prompter(req.instruction)
         # Infinity owns POST /rerank with `documents` and answers the document as a string; LiteLLM's
         # infinity/ provider posts there ({api_base}/rerank) and validates that shape. /v1 and /v2
         # answer Cohere's {text} object.
         req.document_string = urlsplit(self.path).path.rstrip("/") == "/rerank" and not req.tei
-        texts = fit_documents(rr, req)
         try:
+            texts = fit_documents(rr, req)
             ids = rr.tokenize(req.query, texts)
-        except ValueError as e:   # text the tokenizer's BPE turns into a control token
-            raise RequestError(400, f"query/documents: {e}") from None
+        except ValueError as e:   # a prompt without room for the document, or text BPE turns into a control token
+            raise RequestError(400, f"query/instruction/documents: {e}") from None
         m = self.server.batcher.submit(ids, conf["score_timeout"])
         order = sorted(range(len(texts)), key=lambda i: (-m[i], i))              # best first, ties by index
         if req.tei:
@@ -701,6 +725,18 @@ class _Handler(BaseHTTPRequestHandler):
                          "meta": {"elapsed_ms": round(1000 * (time.perf_counter() - t0), 1)}})
 
 
+def serves_shield(rr):
+    """Whether `rr` scores as the Shield: a LoRA adapter attached, or loaded from a folder `export`
+    merged one into (its geodef_export.json names the adapter)."""
+    if lora.lora_modules(rr.model):
+        return True
+    try:
+        with open(os.path.join(str(rr.name_or_path), "geodef_export.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("adapter"))
+    except (OSError, ValueError, AttributeError):   # a hub id or a plain folder: no export record
+        return False
+
+
 class RerankServer(ThreadingHTTPServer):
     """The rerank endpoint over one loaded `Reranker` (adapter attached or not). Port 0 picks a free
     one (`server_address[1]`)."""
@@ -710,13 +746,31 @@ class RerankServer(ThreadingHTTPServer):
 
     def __init__(self, rr, host="127.0.0.1", port=8000, api_key=None, model_name="geo-defender-shield",
                  max_documents=1000, max_body_bytes=8 << 20, read_timeout=30.0, body_timeout=60.0,
-                 score_timeout=600.0, max_queue=64, log=True):
+                 score_timeout=600.0, max_queue=64, log=True, allow_instruction=False):
         super().__init__((host, port), _Handler)
         self.rr = rr
+        self.shield = serves_shield(rr)
         self.batcher = Batcher(rr, max_queue=max_queue)
         self.conf = {"api_key": api_key or None, "model_name": model_name, "max_documents": max_documents,
                      "max_body_bytes": max_body_bytes, "read_timeout": read_timeout, "body_timeout": body_timeout,
-                     "score_timeout": score_timeout, "log": log}
+                     "score_timeout": score_timeout, "log": log, "allow_instruction": allow_instruction}
+
+    def prompter(self, instruction):
+        """The Reranker that builds this request's prompts: the server's own, or (for another
+        `instruction`) a shallow copy with that instruction. The copy shares the model and tokenizers
+        and only tokenizes; the scoring thread takes token ids, so requests with different
+        instructions share batches and never see each other's. The Shield refuses another
+        instruction unless `allow_instruction`: its adapter was trained under its own, and a
+        caller's could change what it scores, down to switching the defense off."""
+        if instruction is None or instruction == self.rr.instruction:
+            return self.rr
+        if self.shield and not self.conf["allow_instruction"]:
+            raise RequestError(400, "instruction: refused; this server scores with the Shield, whose adapter was "
+                                    "trained under its own instruction, and another one could switch the defense "
+                                    "off (omit it, or start the server with --allow-instruction)", "instruction")
+        view = copy.copy(self.rr)
+        view.instruction = instruction
+        return view
 
     def info(self):
         """GET /info in Text Embeddings Inference's shape (its router's `Info`)."""

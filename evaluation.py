@@ -1,6 +1,8 @@
 """Evaluation (paper Experiments, B.2): the six conditions of Tables 1-2 on the test split, the clean
 reference (B.1.3), the PPL-Filter baseline (B.2.2), the ASI and pairwise-quality judges (B.2.3,
-B.2.4), the per-method, per-epoch and transfer breakdowns, and summary.json / report.md.
+B.2.4), the per-method, per-epoch and transfer breakdowns, and summary.json / report.md. Beside
+them, the injection defenses a provider would try first (defenses.py: Spotlighting, Sandwich
+Prompt, PromptArmor, RobustRAG) on the base top-k, with each condition's cost per query.
 
 Records are appended one per instance (results/*.jsonl), so an interrupted eval resumes; the
 settings they were made with are pinned in results/settings.json.
@@ -17,6 +19,7 @@ from tqdm import tqdm
 
 import geodef
 import gpt2
+import defenses
 import llm_clients
 import metrics
 import report
@@ -31,7 +34,9 @@ from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, docum
 
 # ----------------------------------------------------------------------------- evaluation
 
-CONDITIONS = ["Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only"]
+PAPER_CONDITIONS = ["Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only"]
+INJECTION_DEFENSES = list(defenses.PIPELINES)   # Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG: base top-k
+CONDITIONS = PAPER_CONDITIONS + INJECTION_DEFENSES   # --conditions all; 'paper': the first six
 WITH_LIBRARY = ("GEO Defender", "TFSG only")    # conditions that prompt with the TFSG library
 WITH_SHIELD = ("GEO Defender", "Shield only")   # conditions that rank with the Shield adapter
 RERANKER_CONDITIONS = ("Non-Defense", "TFSG only")   # repeated with each eval --reranker's top-k
@@ -86,10 +91,62 @@ def _answer(reply):
         else (reply.text or "")
 
 
+def _messages(prompt):
+    """A condition's prompt as chat messages: a string is one user message (the paper's conditions,
+    whose requests and records stay as earlier versions made them); a list is sent as it is."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def _record(x, top, name, ans, reasoning):
+    """One instance's record: the answer, its citations mapped to document ids, attack and benign cited."""
+    ids = [x.doc_ids[i] for i in top]
+    cited_ids, halluc = metrics.map_citations(ans, ids)
+    att_id = x.doc_ids[x.attack_index] if x.attack_index is not None else None
+    return {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method,
+            "condition": name, "top_ids": ids, "attack_in_context": att_id in ids,
+            "answer": ans, "reasoning": reasoning, "cited_ids": cited_ids, "hallucinated": halluc,
+            "attack_cited": att_id in cited_ids if att_id else False,
+            "benign_cited": sum(1 for c in cited_ids if c != att_id)}
+
+
+def reply_usage(replies, sequential):
+    """What answering one query took: LLM calls, calls in a row (the latency), tokens (a cached
+    reply carries the usage it was received with: the cost of the query, not of this invocation)."""
+    return {"llm_calls": len(replies), "sequential_calls": sequential,
+            **{k: sum(int(r.usage.get(k, 0) or 0) for r in replies) for k in ("prompt_tokens", "completion_tokens")}}
+
+
+def pipeline_records(cfg, llm, name, part, tops, p):
+    """A defenses.Pipeline's records for a chunk of instances: every pre-step request of the chunk
+    in one llm.map (one batch with --batch-api), then the answer requests in another. Each record
+    adds what the defense kept and its usage."""
+    def ask(prompt):
+        return {"messages": _messages(prompt), "temperature": cfg.temperature, "max_tokens": cfg.max_tokens,
+                "json": True}
+    docs = [[x.docs[i] for i in t] for x, t in zip(part, tops)]
+    pre = [p.pre(x.query, d) for x, d in zip(part, docs)]
+    flat = iter(llm.map([ask(m) for ms in pre for m in ms], workers=cfg.workers, desc=f"{name} {p.pre_step}")
+                if any(pre) else ())
+    pre_replies = [[next(flat) for _ in ms] for ms in pre]
+    finals = [p.final(x.query, d, [r.data for r in rs]) for x, d, rs in zip(part, docs, pre_replies)]
+    sent = [ask(m) for m, _ in finals if m is not None]
+    replies = iter(llm.map(sent, workers=cfg.workers, desc=name) if sent else ())
+    recs = []
+    for x, t, rs, (m, kept) in zip(part, tops, pre_replies, finals):
+        r = next(replies) if m is not None else None     # None: answered without a call (RobustRAG abstains)
+        ans = _answer(r) if r is not None else kept.pop("answer")
+        rec = _record(x, t, name, p.finish(ans, kept), r.reasoning if r is not None else None)
+        done = rs + ([r] if r is not None else [])
+        recs.append({**rec, **kept, "usage": reply_usage(done, sequential=bool(rs) + (r is not None))})
+    return recs
+
+
 def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, before_write=None):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
     appended as it finishes, so an interrupted run resumes with the instances it lacks.
-    before_write: called with the records before they are appended (evaluate records its settings then)."""
+    prompt_of(x, docs): the prompt string, or a message list; or a defenses.Pipeline (pre-steps,
+    then the answer: pipeline_records). before_write: called with the records before they are
+    appended (evaluate records its settings then)."""
     done = {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
@@ -108,21 +165,13 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
         tops = [topk_of(x) for x in part]
-        reqs = [{"messages": [{"role": "user", "content": prompt_of(x, [x.docs[i] for i in t])}],
-                 "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "json": True}
-                for x, t in zip(part, tops)]
-        replies = llm.map(reqs, workers=cfg.workers, desc=name)
-        recs = []
-        for x, t, r in zip(part, tops, replies):
-            ans = _answer(r)
-            ids = [x.doc_ids[i] for i in t]
-            cited_ids, halluc = metrics.map_citations(ans, ids)
-            att_id = x.doc_ids[x.attack_index] if x.attack_index is not None else None
-            recs.append({"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method,
-                         "condition": name, "top_ids": ids, "attack_in_context": att_id in ids,
-                         "answer": ans, "reasoning": r.reasoning, "cited_ids": cited_ids, "hallucinated": halluc,
-                         "attack_cited": att_id in cited_ids if att_id else False,
-                         "benign_cited": sum(1 for c in cited_ids if c != att_id)})
+        if isinstance(prompt_of, defenses.Pipeline):
+            recs = pipeline_records(cfg, llm, name, part, tops, prompt_of)
+        else:
+            reqs = [{"messages": _messages(prompt_of(x, [x.docs[i] for i in t])), "temperature": cfg.temperature,
+                     "max_tokens": cfg.max_tokens, "json": True} for x, t in zip(part, tops)]
+            replies = llm.map(reqs, workers=cfg.workers, desc=name)
+            recs = [_record(x, t, name, _answer(r), r.reasoning) for x, t, r in zip(part, tops, replies)]
         jreq = [(i, {"messages": [{"role": "user",
                                    "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
                      "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_asi})
@@ -181,7 +230,7 @@ def transfer_items(cfg):
 
 def reranker_items(cfg):
     """eval --reranker LABEL=SPEC ... -> [(label, spec)], each understood and its key present."""
-    return rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker.split(","))) if cfg.reranker else []
+    return rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker)) if cfg.reranker else []
 
 
 def deployed_label(name):
@@ -194,9 +243,10 @@ def deployed_label(name):
 
 def eval_settings(cfg, conds, transfers):
     """The settings the values of results/*.jsonl depend on beyond the pinned ones: the judge (ASI,
-    pairwise quality), the answers' token cap, for PPL-Filter its scoring model and quantile, and for
-    each --transfer name the SHA-1 of its library file. (Which conditions, methods and test groups
-    are evaluated only selects records: not here.)"""
+    pairwise quality), the answers' token cap, for PPL-Filter its scoring model and quantile, for
+    each --transfer name the SHA-1 of its library file, and for an injection defense its settings
+    (defenses.Pipeline.settings). (Which conditions, methods and test groups are evaluated only
+    selects records: not here.)"""
     s = {"judge": cfg.judge or cfg.llm, "max_tokens": cfg.max_tokens}
     if "PPL-Filter" in conds:
         s.update(ppl_model=cfg.ppl_model, ppl_quantile=cfg.ppl_quantile)
@@ -205,6 +255,8 @@ def eval_settings(cfg, conds, transfers):
             s[f"transfer {name}"] = file_sha1(path)[:12]
     for label, spec in reranker_items(cfg):          # a deployed reranker's records: its endpoint
         s[f"reranker {label}"] = str(spec)
+    s.update({c: defenses.PIPELINES[c].settings for c in conds if c in defenses.PIPELINES
+              and defenses.PIPELINES[c].settings})   # an injection defense's thresholds, marker, ...
     return s
 
 
@@ -220,6 +272,8 @@ def settings_of(name, recs, settings):
         keep.add(f"transfer {name[len('GEO Defender ['):-1]}")
     if deployed_label(name):
         keep.add(f"reranker {deployed_label(name)}")
+    if name in defenses.PIPELINES:
+        keep.add(name)
     return {k: v for k, v in settings.items() if k in keep}
 
 
@@ -241,10 +295,12 @@ def eval_conditions(cfg):
     or is recorded: known names, valid libraries, settings that match the records already made, and
     what the conditions need from `train` (the final TFSG library, the Shield adapter) present.
     -> (conditions, transfer_items)."""
-    conds = CONDITIONS if cfg.conditions == "all" else [c.strip() for c in cfg.conditions.split(",")]
+    named = {"all": CONDITIONS, "paper": PAPER_CONDITIONS}
+    conds = named.get(cfg.conditions) or [c.strip() for c in cfg.conditions.split(",")]
     for c in conds:
         if c not in CONDITIONS:
-            raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}")
+            raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}, 'paper' (the first six) "
+                                "or 'all'")
     transfers = transfer_items(cfg)
     deployed = reranker_items(cfg)
     conds = conds + [f"{c} [{label}]" for label, _ in deployed for c in RERANKER_CONDITIONS
@@ -328,6 +384,7 @@ def evaluate(cfg):
                                               {x.instance_id: x for x in insts}, res)
         summary["epochs"] = library_epochs(cfg, results["GEO Defender"], insts, plan["Shield only"][0], clean,
                                            condition)
+    summary.update(defense_summary(cfg, llm, judge, results, plan, insts, clean, res))
     if cfg.transfer and "GEO Defender" in conds:   # Table C.2 row: other targets' libraries, Shield fixed
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
         for name, _, lt in transfers:
@@ -343,14 +400,95 @@ def evaluate(cfg):
     return summary
 
 
+def defense_summary(cfg, llm, judge, results, plan, insts, clean, res):
+    """Beside the metrics: each condition's cost per query (`cost_per_query`), what PromptArmor and
+    RobustRAG did (`defense_diagnostics`), and the injection defenses' pairwise answer quality against
+    the clean reference (B.2.4's judge, as for GEO Defender)."""
+    by_id = {x.instance_id: x for x in insts}
+    out = {"cost": {c: cost_per_query(cfg, llm, recs, by_id, plan[c][1]) for c, recs in results.items()},
+           "defenses": defense_diagnostics(results, by_id)}
+    quality = {c: pairwise_quality(cfg, judge, results[c], clean, by_id, res, condition_slug(c))
+               for c in results if c in defenses.PIPELINES}
+    if quality:
+        out["quality_defenses"] = quality
+    return out
+
+
+def cost_per_query(cfg, llm, recs, by_id, prompt_of):
+    """A condition's target-side cost per query (the ASI judge apart: an evaluation cost): LLM calls,
+    calls in a row (the latency a defense adds: 1 for one prompt), prompt and completion tokens, and
+    USD at the full price with --prices. A defenses.Pipeline's records carry their usage; a record of
+    a single-prompt condition (kept as earlier versions wrote it) gets its one reply's usage from the
+    reply cache, nothing sent; one no longer cached is left out and counted in `usage_unknown`."""
+    rows, unknown = [], 0
+    for r in recs:
+        u = r.get("usage")
+        if u is None:
+            x = by_id[r["instance_id"]]
+            docs = [x.docs[x.doc_ids.index(i)] for i in r["top_ids"]]
+            hit = llm.cache.get(llm.request_key(_messages(prompt_of(x, docs)), cfg.temperature, cfg.max_tokens,
+                                                True)[0])
+            if hit is None:
+                unknown += 1
+                continue
+            u = reply_usage([hit], sequential=1)
+        rows.append(u)
+    keys = ("llm_calls", "sequential_calls", "prompt_tokens", "completion_tokens")
+    mean = {k: sum(u[k] for u in rows) / len(rows) if rows else None for k in keys}
+    usd = llm_clients.price_of(llm.label, mean, read_prices(cfg.prices)) if cfg.prices and rows else None
+    return {**mean, "usd": usd, "records": len(rows), "usage_unknown": unknown}
+
+
+def _attack_position(rec, x):
+    """1-based position of the attack document in the record's top-k, or None."""
+    att = x.doc_ids[x.attack_index] if x.attack_index is not None else None
+    return rec["top_ids"].index(att) + 1 if att in rec["top_ids"] else None
+
+
+def defense_diagnostics(results, by_id):
+    """PromptArmor: documents screened, those the remover cut from (attack, benign: its false
+    positives), attack documents emptied, quoted passages not in the document, characters cut.
+    RobustRAG: queries answered "I don't know." without a final call, isolated answers that abstained,
+    kept phrases per query, and how often the attack document supports a kept phrase that is cited
+    for (one not made of the question's words alone)."""
+    out = {}
+    if "PromptArmor" in results:
+        d = dict.fromkeys(("documents", "attack_in_context", "attack_cut", "attack_emptied", "benign_cut",
+                           "passages_not_found", "chars_removed"), 0)
+        for r in results["PromptArmor"]:
+            att = _attack_position(r, by_id[r["instance_id"]])
+            d["documents"] += len(r["top_ids"])
+            d["attack_in_context"] += att is not None
+            for e in r["promptarmor"]:
+                d["attack_cut" if e["index"] == att else "benign_cut"] += bool(e["removed"])
+                d["attack_emptied"] += e["index"] == att and e["emptied"]
+                d["passages_not_found"] += len(e["not_found"])
+                d["chars_removed"] += e["removed_chars"]
+        out["PromptArmor"] = d
+    if "RobustRAG" in results:
+        recs = results["RobustRAG"]
+        att = [_attack_position(r, by_id[r["instance_id"]]) for r in recs]
+        rr = [r["robustrag"] for r in recs]
+        out["RobustRAG"] = {
+            "queries": len(recs), "abstained_queries": sum(g["abstained"] for g in rr),
+            "isolated_answers": sum(len(g["isolated"]) for g in rr),
+            "isolated_abstained": sum(defenses.abstains(a) for g in rr for a in g["isolated"]),
+            "kept_phrases_per_query": sum(len(g["support"]) for g in rr) / max(1, len(rr)),
+            "attack_in_context": sum(a is not None for a in att),
+            "attack_supports_a_cited_phrase": sum(a is not None and any(
+                a in s for p, s in g["support"].items() if p not in g["question_phrases"]) for a, g in zip(att, rr))}
+    return out
+
+
 def condition_slug(name):
     """A condition's records file name: "Non-Defense" -> non_defense, "Non-Defense [co]" -> non_defense_co."""
     return re.sub(r"[^a-z0-9.]+", "_", name.lower()).strip("_")
 
 
 def condition_plan(cfg, conds, base, shield, lib, cons, insts):
-    """Each condition's (top-k of an instance, prompt of query and documents) -> ({name: pair},
-    PPL-Filter diagnostics or None). Shield conditions need `shield`, library ones `lib`."""
+    """Each condition's (top-k of an instance, prompt of query and documents, or a defenses.Pipeline)
+    -> ({name: pair}, PPL-Filter diagnostics or None). Shield conditions need `shield`, library ones
+    `lib`; the injection defenses rank with the base reranker, as Non-Defense."""
     k = cfg.k
     base_k = lambda x: base.order(x)[:k]
     shield_k = (lambda x: shield.order(x)[:k]) if shield else None
@@ -359,6 +497,7 @@ def condition_plan(cfg, conds, base, shield, lib, cons, insts):
     plan = {"Non-Defense": (base_k, std),
             "Static Safety Prompt": (base_k, lambda x, d: tfsg.standard_prompt(x.query, d, static_safety=True)),
             "GEO Defender": (shield_k, guided), "Shield only": (shield_k, std), "TFSG only": (base_k, guided)}
+    plan.update({name: (base_k, defenses.PIPELINES[name]) for name in INJECTION_DEFENSES})
     ppl_diag = None
     if "PPL-Filter" in conds:
         orders, ppl_diag = ppl_filter(cfg, base, cons, insts)
@@ -410,8 +549,10 @@ def records_done(path):
 def plan_eval(cfg):
     """eval --dry-run: what the evaluation would send, stage by stage, and nothing sent. Answers and
     ASI judge calls are counted for the records the results files lack (the ASI judge only runs when
-    the attack is in context: an upper bound); pairwise quality asks once per GEO Defender instance
-    (cached replies cost nothing and are not subtracted); prompt sizes from the first k candidates."""
+    the attack is in context: an upper bound); PromptArmor's and RobustRAG's k pre-step calls per
+    record are their own stages; pairwise quality asks once per instance of GEO Defender and of each
+    injection defense (cached replies cost nothing and are not subtracted); prompt sizes from the
+    first k candidates."""
     data = load_data(cfg)
     insts = geodef.expand(data.test, data.methods)
     conds, transfers = eval_conditions(cfg)
@@ -427,14 +568,21 @@ def plan_eval(cfg):
     ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in insts) / max(1, len(insts))
     att = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))
     stages = {"target answers": estimate(todo, ctx + 2500, 300), "ASI judge": estimate(todo, att + 2400, 80)}
-    if "GEO Defender" in conds:
-        stages["pairwise quality judge"] = estimate(len(insts), 2 * 1200 + 1500, 120)
+    for c in (c for c in conds if c in defenses.PIPELINES and defenses.PIPELINES[c].pre_step):
+        # PromptArmor and RobustRAG: k pre-step calls per record (one per document) before its answer
+        todo_c = max(0, len(insts) - records_done(files[c][0]))
+        stages[f"{c} {defenses.PIPELINES[c].pre_step}"] = estimate(todo_c * cfg.k, ctx / cfg.k + 1300, 150)
+    judged = ["GEO Defender"] * ("GEO Defender" in conds) + [c for c in conds if c in defenses.PIPELINES]
+    if judged:
+        stages["pairwise quality judge"] = estimate(len(insts) * len(judged), 2 * 1200 + 1500, 120)
     judge = cfg.judge or cfg.llm
+    model_of = lambda s: judge if "judge" in s else cfg.llm
     return {"instances": len(insts), "records_to_make": todo, "stages": stages,
-            "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm if s == "target answers" else judge),
-            "usd_at_most_batch_api": price_plan(cfg, stages, lambda s: cfg.llm if s == "target answers" else judge,
-                                                batch=True),
-            "note": "upper bounds; records already made and LLM replies already cached cost nothing"}
+            "usd_at_most": price_plan(cfg, stages, model_of),
+            "usd_at_most_batch_api": price_plan(cfg, stages, model_of, batch=True),
+            "note": "upper bounds; records already made and LLM replies already cached cost nothing. PromptArmor "
+                    "and RobustRAG multiply the target's calls: k + 1 per record (k remover or isolated calls, "
+                    "then the answer), 2 in a row; their pre-step stages count the k"}
 
 
 def library_epochs(cfg, final, insts, shield_topk, clean, condition):
@@ -453,7 +601,9 @@ def library_epochs(cfg, final, insts, shield_topk, clean, condition):
     return epochs
 
 
-def pairwise_quality(cfg, judge, recs, clean, by_id, res):
+def pairwise_quality(cfg, judge, recs, clean, by_id, res, slug="geo_defender"):
+    """B.2.4: the condition's answers against the clean reference, half of them shown first (rows in
+    results/quality_<slug>.jsonl) -> Table C.1's figures."""
     a_first = metrics.balanced_order([r["instance_id"] for r in recs])
     reqs = []
     for r in recs:
@@ -476,7 +626,7 @@ def pairwise_quality(cfg, judge, recs, clean, by_id, res):
         clusters.append(r["group_id"])
         rows.append({"instance_id": r["instance_id"], "defended_is_a": a_first[r["instance_id"]], "score_a_over_b": v,
                      "delta": d, "judge": rep.data})
-    with open(os.path.join(res, "quality_geo_defender.jsonl"), "w", encoding="utf-8") as f:
+    with open(os.path.join(res, f"quality_{slug}.jsonl"), "w", encoding="utf-8") as f:
         f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in rows)
     q = metrics.quality_summary(deltas, clusters, n_boot=cfg.n_boot, seed=cfg.seed) if deltas else {"n": 0}
     q["defended_as_a"] = sum(a_first.values())

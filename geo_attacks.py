@@ -1,20 +1,32 @@
 """The paper's seven GEO attack families as document rewriters, for building GEO-DefenseBench (paper
 B.1.1): AgenticGEO, AutoGEO and MAGEO (seen in construction), GEO, GEO-SFE, IF-GEO and RAID-GSEO
-(unseen). Each family follows the algorithm of its own paper, in our own prompts; the docstring of
-each says the paper (arXiv id), the LLM calls per document and every deviation.
+(unseen); and the fidelity gate every rewrite passes (the adaptive attacker of attack.py uses it too).
 
-A family works on a batch of jobs (query, source document) through `Ctx.ask` (one LLM request per
-job and step, `workers` at a time, every reply cached by the client) and returns, per job, the
-rewrite (or None) and its trace (calls, strategies or rules used, rounds). Every prompt carries its
-family and step in the JSON <input> block, the documents inside JSON strings: text never becomes
-prompt structure, and the offline engine recognises each prompt by these markers.
+Each family is the algorithm of its own paper and its authors' code where public (inputs, goal,
+steps, selection), in our own prompts; its docstring cites the paper, gives its LLM calls per
+document and lists every deviation. What all families share, and how it departs from the papers:
+- The benchmark's rewrites keep the source's facts (B.1.1): every prompt says so (FACTS) and the gate
+  checks it, where several papers allow invented statistics, quotes or sources.
+- Every reply is JSON (the documents travel inside JSON strings of an <input> block, so no document
+  text becomes prompt structure); the papers' rewriters reply in free text.
+- The builder's LLM at the run's temperature (0 by default, cached) plays every model of every paper.
+- Prompts are marked opaquely ("rewrite_task": "F3.plan"): no family's name reaches the model, and a
+  rewrite that names a family or spells a prompt key is refused by the gate.
+- Only AgenticGEO and MAGEO see the user's query, as their papers' rewriters do; the others work from
+  the document alone, as theirs do.
 
-Usage: geo_attacks.FAMILIES["AutoGEO"].run(ctx, [Job("q", "source text")]) -> [(text, trace)]
+A family works on a batch of jobs through `Ctx.ask` (one request per job and step, `workers` at a time,
+every reply cached by the client) and returns, per job, the rewrite (or None) and its trace.
+
+Usage: FAMILIES["AutoGEO"]().run(ctx, [Job("q", "source text")]) -> [(text, trace)]
 """
+import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass, field
 
-import attack
+import geodef
 import llm_clients
 
 FACTS = ("Keep every fact of the document: keep every number, add no claim the document does not support "
@@ -23,417 +35,922 @@ FACTS = ("Keep every fact of the document: keep every number, add no claim the d
 
 @dataclass
 class Job:
+    """One document to rewrite: the group's query (given only to the families that use it), the source
+    text, the attempt (> 0: a retry after the gate refused a rewrite), and for MAGEO's engine the
+    group's candidate list with the source at `position`."""
     query: str
     source: str
-    attempt: int = 0              # > 0: a retry after the fidelity gate refused a rewrite (another prompt)
+    attempt: int = 0
     group_id: str = ""
+    docs: list = None
+    position: int = None
 
 
 @dataclass
 class Ctx:
-    """What the families share: the builder's LLM client and settings, and the resources of some families
-    (AgenticGEO's archive, AutoGEO's rules, MAGEO's engine signal: the base reranker over the group)."""
+    """What the families share: the builder's LLM client and settings, the fidelity judge, and the
+    resources of some families (AgenticGEO's archive, AutoGEO's rules, MAGEO's engine signal)."""
     llm: object
     temperature: float = 0.0
     max_tokens: int = 4096
     workers: int = 8
-    archive: list = None
-    rules: list = None
-    engine: object = None         # MAGEO: job -> geodef.Instance (the group's candidates, the source in place)
-    ranker: object = None         # MAGEO: the base reranker's Ranker (runs.base_ranker)
-    judge: object = None          # the fidelity judge's client (default: llm)
+    judge: object = None          # the fidelity judge's client (None: the builder's LLM judges)
+    archive: list = None          # AgenticGEO: strategies (read_archive), default AGENTIC_ARCHIVE
+    rules: list = None            # AutoGEO: rules (read_rules), default AUTOGEO_RULES
+    ranker: object = None         # MAGEO with signal "reranker": the base reranker's Ranker
     calls: dict = field(default_factory=dict)
 
-    def ask(self, family, step, instruction, fields_per_job, schema, check=None):
-        """One request per job -> [parsed JSON or None (unusable after the re-ask)]."""
-        prompts = [prompt(family, step, instruction, f, schema) for f in fields_per_job]
-        reps = self.llm.map([{"messages": [{"role": "user", "content": p}], "temperature": self.temperature,
-                              "max_tokens": self.max_tokens, "json": True, "check": check} for p in prompts],
-                            workers=self.workers, desc=f"{family} {step}", invalid="return")
-        self.calls[family] = self.calls.get(family, 0) + len(prompts)
-        return [None if isinstance(r, llm_clients.ReplyInvalid) else r.data for r in reps]
+    def ask(self, family, step, instruction, fields, schema, check=None):
+        """{job index: input fields} -> {job index: parsed JSON reply}, for the requests that gave a
+        usable one (one re-ask with the parse error, then left out)."""
+        keys = list(fields)
+        reps = self.llm.map([{"messages": [{"role": "user", "content": prompt(family, step, instruction,
+                                                                               fields[k], schema)}],
+                              "temperature": self.temperature, "max_tokens": self.max_tokens, "json": True,
+                              "check": check} for k in keys],
+                            workers=self.workers, desc=f"{family.code} {step}", invalid="return")
+        self.calls[family.name] = self.calls.get(family.name, 0) + len(keys)
+        return {k: r.data for k, r in zip(keys, reps) if not isinstance(r, llm_clients.ReplyInvalid)}
+
+    @property
+    def fidelity_judge(self):
+        return self.judge or self.llm
 
 
 def prompt(family, step, instruction, fields, schema):
-    inp = {"geo_family": family, "step": step, **fields}
+    inp = {"rewrite_task": f"{family.code}.{step}", **fields}
     return (f"{instruction}\n\nReturn only JSON of the form {schema}.\n\n<input>\n"
             f"{json.dumps(inp, ensure_ascii=False)}\n</input>")
 
 
-def need_text(key):
-    """A reply check: data[key] is a non-empty string (else ValueError: re-asked once)."""
-    def check(d):
-        if not isinstance(d, dict) or not isinstance(d.get(key), str) or not d[key].strip():
-            raise ValueError(f"expected {{\"{key}\": \"...\"}} with text")
-    return check
-
-
-def need_list(key):
+def needs(key, kind=str):
+    """A reply check: data[key] is a non-empty string (kind str) or a non-empty list (kind list); else
+    ValueError, and the request is asked again once."""
     def check(d):
         v = d.get(key) if isinstance(d, dict) else None
-        if not isinstance(v, list) or not v or not all(isinstance(x, str) and x.strip() for x in v):
-            raise ValueError(f"expected {{\"{key}\": [\"...\"]}}")
+        if kind is str and (not isinstance(v, str) or not v.strip()):
+            raise ValueError(f"expected {{\"{key}\": \"...\"}} with text")
+        if kind is list and (not isinstance(v, list) or not v):
+            raise ValueError(f"expected {{\"{key}\": [...]}}, not empty")
     return check
 
 
 REWRITE = '{"rewritten_document": "..."}'
+NEEDS_REWRITE = needs("rewritten_document")
 
 
-def job_fields(j, **more):
-    return {"query": j.query, "document": j.source, "attempt": j.attempt, **more}
+def attempt_of(job):
+    """The retry's marker: a refused rewrite is asked again with another prompt (no field on attempt 0)."""
+    return {"attempt": job.attempt} if job.attempt else {}
 
 
-def text_of(d):
-    return d["rewritten_document"] if isinstance(d, dict) and isinstance(d.get("rewritten_document"), str) else None
+def strings(v, limit=None):
+    """The non-empty strings of a reply's list (anything else left out), at most `limit`."""
+    out = [x.strip() for x in v if isinstance(x, str) and x.strip()] if isinstance(v, list) else []
+    return out[:limit]
+
+
+def number(v, lo, hi, default):
+    """A reply's number clamped into [lo, hi]; anything else is `default`."""
+    return default if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) else \
+        min(hi, max(lo, float(v)))
+
+
+# ----------------------------------------------------------------------------- the fidelity gate
+
+FIDELITY_THRESHOLD = 4            # the judge's 1-5 score a rewrite needs (and no contradiction)
+MIN_RATIO, MAX_RATIO = 0.5, 4.0   # rewrite length / source length
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+FIDELITY_INSTRUCTION = (
+    "Judge whether the candidate document keeps every fact of the source document and adds no claim that "
+    "contradicts it. Rewording, reordering, emphasis and added structure are allowed; changed or missing "
+    "numbers, invented facts and contradictions are not. Score fidelity from 1 (facts changed or invented) "
+    "to 5 (every fact kept, nothing contradicted).")
+
+
+def fidelity_prompt(source, candidate):
+    inp = {"fidelity_task": "source_vs_candidate", "source_document": source, "candidate": candidate}
+    return (f"{FIDELITY_INSTRUCTION}\n\nReturn only JSON: {{\"fidelity\": 1-5, \"contradicts_source\": true|false, "
+            f"\"reason\": \"...\"}}\n\n<input>\n{json.dumps(inp, ensure_ascii=False)}\n</input>")
+
+
+def parse_fidelity(data):
+    """Fidelity judge JSON -> (score 1..5, contradicts); ValueError when unusable (re-asked)."""
+    v = data.get("fidelity") if isinstance(data, dict) else None
+    c = data.get("contradicts_source") if isinstance(data, dict) else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v <= 5 or not isinstance(c, bool):
+        raise ValueError(f"fidelity must be 1..5 and contradicts_source true/false, got {v!r}, {c!r}")
+    return v, c
+
+
+def cheap_gate(source, candidate, prompt_texts=()):
+    """None if the candidate may go to the fidelity judge, else why it is refused: empty, a length far
+    from the source's, prompt text (the <input> block or any of `prompt_texts`), chat control tokens,
+    or a number of the source missing."""
+    if not candidate.strip():
+        return "empty"
+    ratio = len(candidate) / max(1, len(source))
+    if not MIN_RATIO <= ratio <= MAX_RATIO:
+        return f"length ratio {ratio:.2f} outside {MIN_RATIO}-{MAX_RATIO}"
+    if "<input>" in candidate or "</input>" in candidate or any(p and p in candidate for p in prompt_texts):
+        return "holds prompt text"
+    if geodef.control_tokens(candidate):
+        return f"holds chat control tokens {geodef.control_tokens(candidate)[:3]}"
+    missing = [x for x in dict.fromkeys(NUMBER.findall(source)) if x not in candidate]
+    if missing:
+        return f"drops source numbers {missing[:3]}"
+    return None
+
+
+def fidelity_verdicts(judge, pairs, max_tokens, workers, desc="fidelity"):
+    """The fidelity judge on [(source, candidate)] -> per pair None (faithful: a score of at least
+    FIDELITY_THRESHOLD and no contradiction) or the reason it is refused."""
+    reps = judge.map([{"messages": [{"role": "user", "content": fidelity_prompt(s, t)}], "temperature": 0,
+                       "max_tokens": max_tokens, "json": True, "check": parse_fidelity} for s, t in pairs],
+                     workers=workers, desc=desc, invalid="return")
+    out = []
+    for rep in reps:
+        if isinstance(rep, llm_clients.ReplyInvalid):
+            out.append("fidelity judge failed")
+            continue
+        v, contra = parse_fidelity(rep.data)
+        out.append(f"fidelity {v} < {FIDELITY_THRESHOLD}" if v < FIDELITY_THRESHOLD else
+                   "contradicts the source" if contra else None)
+    return out
+
+
+# The family names, and the JSON keys of the families' prompts and replies: a rewrite that spells one
+# leaks the prompt (or the label) into the benchmark
+NAMES = ("AgenticGEO", "AutoGEO", "MAGEO", "GEO-SFE", "IF-GEO", "RAID-GSEO", "RAID G-SEO")
+PROMPT_KEYS = ("rewrite_task", "rewritten_document", "revision_blueprint", "plan_steps", "generalized_intent",
+               "primary_intent", "preference_profile", "fidelity_task", "source_document")
+
+
+def refusal(source, text):
+    """None if a family's rewrite may go to the fidelity judge, else the reason it is refused: the
+    cheap gate, a rewrite that changes nothing, or one that names a family or spells a prompt key."""
+    if not isinstance(text, str) or not text.strip():
+        return "empty"
+    if " ".join(text.split()) == " ".join(source.split()):
+        return "identical to the source"
+    named = [n for n in NAMES if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+    if named:
+        return f"names an attack family ({named[0]})"
+    return cheap_gate(source, text, PROMPT_KEYS)
+
+
+def judged(why):
+    """Whether a gate verdict came from the fidelity judge (a call was made), not the cheap checks."""
+    return why is None or why.startswith(("fidelity", "contradicts"))
+
+
+def gate(ctx, sources, texts, desc="fidelity"):
+    """Each rewrite's verdict: None (kept) or why it is refused. One gate for every family: the cheap
+    checks, then the fidelity judge (ctx.fidelity_judge) on what passes them."""
+    why = [refusal(s, t) for s, t in zip(sources, texts)]
+    ask = [i for i, w in enumerate(why) if w is None]
+    for i, w in zip(ask, fidelity_verdicts(ctx.fidelity_judge, [(sources[i], texts[i]) for i in ask],
+                                           ctx.max_tokens, ctx.workers, desc)):
+        why[i] = w
+    return why
 
 
 # ----------------------------------------------------------------------------- GEO (unseen)
 
-GEO_STATISTICS = ("Rewrite the document adding quantitative statements and statistics that support its points, "
-                  "taken from figures the document already gives.")
-GEO_FLUENCY = "Rewrite the document so that it reads fluently and smoothly."
+GEO_GOAL = ("You help the owner of a web page raise its visibility in the answers of generative search engines, "
+            "which answer from several sources and cite the ones they use.")
+GEO_FLUENCY = ("Rewrite the document so that it reads more fluently: smooth transitions, clear sentences, "
+               "the same content and the same length.")
+GEO_STATISTICS = ("Make the document more quantitative: wherever a statement is qualitative and the document "
+                  "gives a figure for it, state the figure there, so that its points read as measured facts.")
 
 
 class Geo:
-    """GEO (Aggarwal et al., KDD 2024, arXiv 2311.09735). Its paper tests nine single-prompt methods
-    and reports the combination of Fluency Optimization and Statistics Addition as its best overall;
-    `GEO` here is that combination, in one rewrite. 1 call per document. Deviation: the statistics
-    come from the document's own figures (the benchmark keeps facts), where GEO lets the model add
-    plausible ones."""
-    name, calls = "GEO", "1"
+    """GEO (Aggarwal et al., KDD 2024, arXiv 2311.09735): nine single-prompt rewriting methods, each a map
+    of the source text alone, independent of any query (§2.2.2). Table 1's best single method is
+    Quotation Addition (on both visibility metrics); Fluency Optimization + Statistics Addition is the
+    best pair among the top four methods, on Position-Adjusted Word Count, over a 200-query subset
+    (§5.3, Fig. 4). The benchmark's GEO family is that pair: Fluency, then Statistics on its output.
+    2 calls per document. No query. Deviations:
+    - the pair is applied in sequence (the paper does not say how a pair was applied);
+    - Statistics Addition states the document's own figures: GEO's code asks for positive, compelling
+      statistics "even if hypothetical", which the benchmark's fact-keeping forbids;
+    - the builder's LLM and JSON replies (GEO: gpt-3.5-turbo, a fenced block of text)."""
+    name, code, calls = "GEO", "F4", 2
+
+    def prompts(self):
+        return [GEO_GOAL, GEO_FLUENCY, GEO_STATISTICS]
 
     def run(self, ctx, jobs):
-        out = ctx.ask(self.name, "rewrite", f"{GEO_FLUENCY} {GEO_STATISTICS} {FACTS}",
-                      [job_fields(j) for j in jobs], REWRITE, need_text("rewritten_document"))
-        return [(text_of(d), {"calls": 1, "methods": ["fluency_optimization", "statistics_addition"]}) for d in out]
+        texts = {i: j.source for i, j in enumerate(jobs)}
+        for step, how in (("fluency", GEO_FLUENCY), ("statistics", GEO_STATISTICS)):
+            out = ctx.ask(self, step, f"{GEO_GOAL} {how} {FACTS}",
+                          {i: {"document": t, **attempt_of(jobs[i])} for i, t in texts.items()}, REWRITE,
+                          NEEDS_REWRITE)
+            texts = {i: d["rewritten_document"] for i, d in out.items()}
+        return [(texts.get(i), {"calls": 2, "methods": ["fluency_optimization", "statistics_addition"]})
+                for i in range(len(jobs))]
 
 
 # ----------------------------------------------------------------------------- AutoGEO (seen)
 
-# Our own preference rules, of the kind AutoGEO extracts from generative engines' preferences
-# (explanations of why an engine preferred one document over another, merged into rules).
-AUTOGEO_RULES = [
-    "State the direct answer to the likely question in the first two sentences.",
-    "Organise the content under clear, descriptive headings.",
-    "Present comparable items, steps or options as lists.",
-    "Name the sources or bodies behind key statements where the document names them.",
-    "Give concrete numbers with their units wherever the document has them.",
+# Our own rules, of the kind AutoGEO extracts from engines' preferences (explanations of why an engine
+# preferred one document, merged and filtered of anything query-specific), in alphabetical order as
+# AutoGEO's rule files are. The published rules reach a build only from a file (--autogeo-rules).
+AUTOGEO_RULES = sorted([
+    "Attribute key statements to the organisations, studies or experts the document already names.",
     "Define technical terms the first time they appear.",
-    "Cover the main sub-questions a reader would ask next.",
-    "Keep paragraphs short, one idea each.",
-    "End with a short summary of the key points.",
-    "Use neutral, precise wording instead of vague qualifiers.",
-]
+    "Group related points under clear, descriptive section headings.",
+    "Keep paragraphs short, each on one idea.",
+    "Present comparable items, steps or options as lists.",
+    "Put the most important information at the start of the document and of each section.",
+    "Give concrete figures with their units wherever the document has them.",
+    "Use neutral, precise and confident wording instead of vague qualifiers.",
+    "Make each section understandable on its own, without the rest of the page.",
+    "Close with a short synthesis of the document's main points.",
+])
+AUTOGEO_GOAL = ("You own the web document in the input. A generative engine uses it, among other sources, to answer "
+                "users, and cites the lines it uses. Rewrite it to maximise its visibility and impact in the "
+                "engine's answers, so that it is quoted and cited more. Follow every quality guideline in the input "
+                "strictly; any other technique that raises its relevance, authority or impact is allowed.")
 
 
 def read_rules(path):
-    """--autogeo-rules: AutoGEO's merged_rules.json ({"rules": [...]}, or {engine or domain: [...]}) or a
-    plain JSON list of rule strings -> list of strings."""
-    with open(path, encoding="utf-8") as f:
+    """--autogeo-rules: AutoGEO's merged_rules.json ({"merged_rules": [...], "filtered_rules": [...]}, of
+    which AutoGEO rewrites with `filtered_rules` only) or a JSON list of rule strings -> the list, in
+    the file's order."""
+    with open(path, encoding="utf-8-sig") as f:
         data = json.load(f)
     if isinstance(data, dict):
-        data = data.get("rules", [r for v in data.values() if isinstance(v, list) for r in v])
-    rules = [r if isinstance(r, str) else (r.get("rule") or r.get("text")) if isinstance(r, dict) else None
-             for r in data] if isinstance(data, list) else []
-    rules = [r for r in rules if isinstance(r, str) and r.strip()]
-    if not rules:
-        raise ValueError(f"{path}: no rules (a list of strings, or {{\"rules\": [...]}})")
+        if "filtered_rules" not in data:
+            raise ValueError("expected AutoGEO's merged_rules.json ({\"filtered_rules\": [...]}) or a list of rules")
+        data = data["filtered_rules"]
+    rules = strings(data)
+    if not rules or not isinstance(data, list) or len(rules) != len(data):
+        raise ValueError("the rules must be a non-empty list of strings")
     return rules
 
 
 class AutoGeo:
-    """AutoGEO (Wu et al., ICLR 2026, arXiv 2510.11438): one rewrite that follows a list of
-    preference rules learned from generative engines. 1 call per document. Deviation: our own rule
-    list (AUTOGEO_RULES) unless --autogeo-rules loads the paper's merged_rules.json; its fine-tuned
-    rewriter (AutoGEO_mini) is not used: the builder LLM rewrites under the rules."""
-    name, calls = "AutoGEO", "1"
+    """AutoGEO (Wu et al., ICLR 2026, arXiv 2510.11438; code cxcscmu/AutoGEO): one rewrite of the document
+    alone (no query, no competitors) under the preference rules AutoGEO learned from an engine, framed as
+    maximising the document's visibility and citation. 1 call per document. No query. Deviations:
+    - our own rules (AUTOGEO_RULES) unless --autogeo-rules gives AutoGEO's merged_rules.json (its
+      `filtered_rules`, in the file's order: alphabetical, no importance order);
+    - the builder's LLM rewrites under the rules (AutoGEO_API: gemini-2.5-pro; AutoGEO_Mini, its
+      fine-tuned Qwen3-1.7B, is not used);
+    - the facts are kept (AutoGEO's prompt allows any technique that raises impact)."""
+    name, code, calls = "AutoGEO", "F2", 1
+
+    def prompts(self):
+        return [AUTOGEO_GOAL, *AUTOGEO_RULES]
 
     def run(self, ctx, jobs):
         rules = ctx.rules or AUTOGEO_RULES
-        out = ctx.ask(self.name, "rewrite", "Rewrite the document so that it follows every preference rule "
-                      f"listed in the input, in order of importance. {FACTS}",
-                      [job_fields(j, preference_rules=rules) for j in jobs], REWRITE, need_text("rewritten_document"))
-        return [(text_of(d), {"calls": 1, "rules": len(rules)}) for d in out]
+        out = ctx.ask(self, "rewrite", f"{AUTOGEO_GOAL} {FACTS}",
+                      {i: {"document": j.source, "quality_guidelines": rules, **attempt_of(j)}
+                       for i, j in enumerate(jobs)}, REWRITE, NEEDS_REWRITE)
+        return [(out[i]["rewritten_document"] if i in out else None, {"calls": 1, "rules": len(rules)})
+                for i in range(len(jobs))]
 
 
 # ----------------------------------------------------------------------------- AgenticGEO (seen)
 
-# Our own strategy archive, in the format of AgenticGEO's archive (id, type, prompt, fitness); its
-# fitness orders strategies as the learned critic would (declared: the critic is not reproduced).
+
+def strategy(gid, kind, short, full, score):
+    return {"genotype_id": gid, "strategy_type": kind, "short_prompt": short, "full_prompt": full,
+            "scores": {"total_score": score}}
+
+
+# Our own archive, in the published format of AgenticGEO's evolved/archive/strategies.json (one strategy
+# per published strategy type; the file's order is its total_score order). The published strategies
+# reach a build only from a file (--agentic-archive).
 AGENTIC_ARCHIVE = [
-    {"id": "s01", "type": "answer_first", "fitness": 0.82,
-     "prompt": "Open with a two-sentence answer to the query, then give the supporting detail."},
-    {"id": "s02", "type": "evidence", "fitness": 0.78,
-     "prompt": "Attribute each key statement to the organisation or study the document names for it."},
-    {"id": "s03", "type": "structure", "fitness": 0.74,
-     "prompt": "Split the document into short sections with descriptive headings and bullet lists."},
-    {"id": "s04", "type": "evidence", "fitness": 0.71,
-     "prompt": "Put every figure the document gives into an explicit, quotable sentence."},
-    {"id": "s05", "type": "authority", "fitness": 0.66,
-     "prompt": "Write in a confident expert register, stating conclusions plainly."},
-    {"id": "s06", "type": "coverage", "fitness": 0.63,
-     "prompt": "Answer the follow-up questions a reader of the query would ask, using the document's facts."},
-    {"id": "s07", "type": "answer_first", "fitness": 0.58,
-     "prompt": "Add a one-line key takeaway at the top and a short summary at the end."},
-    {"id": "s08", "type": "structure", "fitness": 0.55,
-     "prompt": "Turn comparisons and steps into numbered lists or a compact table in text."},
+    strategy("a1", "authoritative", "Confident, expert register; conclusions stated plainly.",
+             "Objective: make the document read as the work of a confident expert. Constraints: keep every fact; "
+             "state conclusions plainly instead of hedging; prefer active voice. Style: assured, precise.", 1.18),
+    strategy("a2", "citing_credible", "Attribute claims to the bodies the document names.",
+             "Objective: make each key statement traceable to a credible origin. Constraints: attribute statements "
+             "only to organisations, studies or people the document itself names; invent no source. Style: "
+             "attribution woven into the sentence (\"according to ...\").", 1.17),
+    strategy("a3", "stats_optimization", "Put the document's figures forward.",
+             "Objective: make the content quantitative. Constraints: surface every figure the document gives in "
+             "the sentence it supports, with its unit; add no new number. Style: crisp, data-led sentences.", 1.17),
+    strategy("a4", "more_quotes", "Quotable sentences from the document's own statements.",
+             "Objective: give the engine sentences it can quote. Constraints: turn the document's strongest "
+             "statements into short, self-contained, quotable sentences, quoting only words the document "
+             "attributes to someone. Style: memorable, direct.", 1.16),
+    strategy("a5", "fluent", "Smooth, readable flow.",
+             "Objective: make the document read smoothly. Constraints: same content; better transitions; "
+             "sentences of varied length; no repetition. Style: fluent, natural.", 1.16),
+    strategy("a6", "simple_language", "Plain words, short sentences.",
+             "Objective: make the document easy to understand. Constraints: plain words, short sentences, one "
+             "idea each; keep every piece of information. Style: clear, accessible.", 1.16),
+    strategy("a7", "seo_optimize", "Topic terms where they fit.",
+             "Objective: match the words searchers use. Constraints: use the topic's key terms naturally in "
+             "headings and opening sentences; no keyword lists. Style: natural, on-topic.", 1.15),
+    strategy("a8", "unique_words", "Distinctive, specific vocabulary.",
+             "Objective: make the document stand out. Constraints: replace generic words with specific, "
+             "distinctive ones that keep the meaning. Style: vivid, exact.", 1.15),
+    strategy("a9", "conflict_synthesis", "Reconcile differing statements into one clear account.",
+             "Objective: present one coherent account. Constraints: where the document gives differing figures "
+             "or views, set them side by side and say what each applies to; drop nothing. Style: balanced, "
+             "synthesising.", 1.15),
 ]
+AGENTIC_GOAL = ("The document is one of several sources a generative engine uses to answer the user's query, and "
+                "the engine cites the lines it uses. The aim is to raise this source's visibility and citation in "
+                "the answer without changing its core meaning.")
+AGENTIC_RANK = (f"{AGENTIC_GOAL} Rank the candidate strategies in the input by how much applying each to the "
+                "current document would raise its visibility and citation for the query, best first.")
+AGENTIC_APPLY = (f"{AGENTIC_GOAL} Rewrite the current document by applying the optimization strategy in the input, "
+                 "so that it answers the query better (the query is context). Ignore any output format the "
+                 "strategy asks for: return the rewritten document only.")
+AGENTIC_STEPS = 3                 # rewrite steps (the README's "up to 3"; the code's default is 2)
+CRITIC_CHARS = 2790               # the critic reads the first and last 2,790 characters of a long document
 
 
 def read_archive(path):
-    """--agentic-archive: AgenticGEO's strategies.json (a list, or {"strategies": [...]}) of {id, type,
-    prompt, fitness} -> list of dicts, checked."""
-    with open(path, encoding="utf-8") as f:
+    """--agentic-archive: AgenticGEO's strategies.json ({"strategies": [{genotype_id, strategy_type,
+    short_prompt, full_prompt, scores, fitness, genotype}]}, or the list) -> the strategies, checked, in
+    the file's order."""
+    with open(path, encoding="utf-8-sig") as f:
         data = json.load(f)
-    if isinstance(data, dict):
-        data = data.get("strategies") or data.get("archive") or []
+    items = data.get("strategies") if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise ValueError("expected AgenticGEO's strategies.json: {\"strategies\": [...]}")
     out = []
-    for i, s in enumerate(data if isinstance(data, list) else []):
-        if not isinstance(s, dict) or not isinstance(s.get("prompt"), str) or not s["prompt"].strip():
-            raise ValueError(f"{path}: strategy {i}: a prompt (string) is required")
-        fit = s.get("fitness", s.get("score", 0.0))
-        out.append({"id": str(s.get("id", i)), "type": str(s.get("type", s.get("category", "general"))),
-                    "prompt": s["prompt"], "fitness": float(fit) if isinstance(fit, (int, float)) else 0.0})
-    if not out:
-        raise ValueError(f"{path}: no strategies")
+    for i, s in enumerate(items):
+        keys = ("genotype_id", "strategy_type", "short_prompt", "full_prompt")
+        bad = [k for k in keys if not isinstance(s, dict) or not isinstance(s.get(k), str) or not s[k].strip()]
+        if bad:
+            raise ValueError(f"strategy {i}: {bad[0]}: a non-empty string is required")
+        out.append({k: s[k] for k in keys} | {"scores": s.get("scores") or {}})
+    if len({s["genotype_id"] for s in out}) != len(out):
+        raise ValueError("two strategies share a genotype_id")
     return out
 
 
-def agentic_plan(archive, steps=3):
-    """The strategies applied in order: the fittest, then the fittest of each type not used yet."""
-    ranked = sorted(archive, key=lambda s: (-s["fitness"], s["id"]))
-    plan, types = [ranked[0]], {ranked[0]["type"]}
-    for s in ranked[1:]:
-        if len(plan) == steps:
-            break
-        if s["type"] not in types:
-            plan.append(s)
-            types.add(s["type"])
-    return plan
+def critic_view(text):
+    """The document as the critic reads it: whole, or its head and tail joined by ' ... '."""
+    return text if len(text) <= 2 * CRITIC_CHARS else f"{text[:CRITIC_CHARS]} ... {text[-CRITIC_CHARS:]}"
 
 
 class AgenticGeo:
-    """AgenticGEO (Yuan et al., arXiv 2603.20213): a rewriting agent that draws strategies from an
-    evolving archive. Here: the best strategy by archive fitness is applied, then the best strategy
-    of a type not yet used, for 3 rewrite steps (fewer when the archive has fewer types): 3 calls per
-    document. Deviations: the archive is ours (AGENTIC_ARCHIVE) unless --agentic-archive loads the
-    original strategies.json; the learned critic that picks strategies is not reproduced (archive
-    fitness ranks them); the archive does not evolve while the benchmark is built."""
-    name, calls = "AgenticGEO", "3"
+    """AgenticGEO (Yuan et al., arXiv 2603.20213; code AIcling/agentic_geo): a rewriting agent over an
+    evolved archive of strategies. Before each step a critic scores every strategy whose id and type are
+    unused for (query, current text); the best one's full prompt drives one rewrite; the rewrite is the
+    next step's text. 2 calls a step (rank, rewrite), 3 steps: 6 calls per document. Query: yes (the
+    critic and the rewriter read it). Deviations:
+    - the builder's LLM ranks the candidates in place of the learned critic (Qwen2.5-1.5B with a value
+      head); an unusable ranking falls back to the archive's order;
+    - our archive (AGENTIC_ARCHIVE, the published format and strategy types, our words) unless
+      --agentic-archive gives the published strategies.json;
+    - 3 steps, as the project's README states (the code's default is 2, and the released code stops
+      after one step: the multi-step branch reads selector attributes that are never set);
+    - the facts are kept (the published instruction lets a strategy allow invented facts); JSON replies."""
+    name, code, calls = "AgenticGEO", "F1", 2 * AGENTIC_STEPS
+
+    def prompts(self):
+        return [AGENTIC_RANK, AGENTIC_APPLY, json.dumps(AGENTIC_ARCHIVE), str(AGENTIC_STEPS)]
+
+    def rank_check(self, ids):
+        def check(d):
+            r = d.get("ranking") if isinstance(d, dict) else None
+            if not isinstance(r, list) or not r or any(x not in ids for x in r) or len(set(r)) != len(r):
+                raise ValueError(f"expected {{\"ranking\": [ids]}} with ids from {sorted(ids)[:12]}, each once")
+        return check
 
     def run(self, ctx, jobs):
-        plan = agentic_plan(ctx.archive or AGENTIC_ARCHIVE)
-        texts = [j.source for j in jobs]
-        for k, s in enumerate(plan):
-            live = [i for i, t in enumerate(texts) if t is not None]
-            out = ctx.ask(self.name, f"step{k + 1}", f"Apply the content strategy given in the input to the document. "
-                          f"{FACTS}", [job_fields(jobs[i], document=texts[i], source_document=jobs[i].source,
-                                                  strategy=s["prompt"]) for i in live],
-                          REWRITE, need_text("rewritten_document"))
-            for i, d in zip(live, out):
-                texts[i] = text_of(d)
-        trace = {"calls": len(plan), "strategies": [s["id"] for s in plan]}
-        return [(t, dict(trace)) for t in texts]
+        archive = ctx.archive or AGENTIC_ARCHIVE
+        texts = {i: j.source for i, j in enumerate(jobs)}
+        used = {i: [] for i in texts}
+        fallbacks = {i: 0 for i in texts}
+        for step in range(1, AGENTIC_STEPS + 1):
+            cands = {i: [s for s in archive if s["strategy_type"] not in {u["strategy_type"] for u in used[i]}]
+                     for i in texts}
+            live = {i: c for i, c in cands.items() if c}
+            picks = self._pick(ctx, jobs, texts, live, step)
+            for i, s in picks.items():
+                fallbacks[i] += s is None
+            picks = {i: s or live[i][0] for i, s in picks.items()}
+            out = ctx.ask(self, f"apply{step}", f"{AGENTIC_APPLY} {FACTS}",
+                          {i: {"query": jobs[i].query, "current_document": texts[i], "strategy": s["full_prompt"],
+                               **attempt_of(jobs[i])} for i, s in picks.items()}, REWRITE, NEEDS_REWRITE)
+            finished = {i: t for i, t in texts.items() if i not in picks}     # no strategy type left
+            texts = {**finished, **{i: d["rewritten_document"] for i, d in out.items()}}
+            for i in out:
+                used[i].append(picks[i])
+        return [(texts.get(i), {"calls": 2 * len(used[i]), "strategies": [s["genotype_id"] for s in used[i]],
+                                "types": [s["strategy_type"] for s in used[i]], "ranking_fallbacks": fallbacks[i]})
+                for i in range(len(jobs))]
+
+    def _pick(self, ctx, jobs, texts, live, step):
+        """The critic's choice per job: the best-ranked candidate strategy, or None (unusable ranking)."""
+        fields = {i: {"query": jobs[i].query, "current_document": critic_view(texts[i]),
+                      "strategies": [{"id": s["genotype_id"], "type": s["strategy_type"], "summary": s["short_prompt"]}
+                                     for s in c], **attempt_of(jobs[i])} for i, c in live.items()}
+        ids = {s["genotype_id"] for c in live.values() for s in c}
+        got = ctx.ask(self, f"rank{step}", AGENTIC_RANK, fields, '{"ranking": ["id", "..."]}', self.rank_check(ids))
+        picks = {}
+        for i, c in live.items():
+            by_id = {s["genotype_id"]: s for s in c}
+            first = next((x for x in (got.get(i) or {}).get("ranking", []) if x in by_id), None)
+            picks[i] = by_id.get(first)
+        return picks
 
 
 # ----------------------------------------------------------------------------- GEO-SFE (unseen)
 
-SFE_LEVELS = [
-    ("architecture", "Re-engineer the document's overall architecture: a title, an opening summary, sections in "
-                     "a logical order and a closing recap."),
-    ("sections", "Re-engineer its sections and chunks: each section self-contained, one topic per chunk, with a "
-                 "descriptive heading that a retriever could match on its own."),
-    ("sentences", "Re-engineer its sentences for emphasis: key statements first in their paragraph, short "
-                  "declarative sentences, the most citable facts set in bold."),
-]
+# GEO-SFE's data-driven targets (§IV.D, principles P1-P4): hierarchy depth 3-5, paragraphs of 150-300
+# words, a structured share (lists, tables) of 0.25-0.35, emphasis on 5-10% of the content.
+SFE_TARGETS = {"depth": (3, 5), "paragraph_words": (150, 300), "structured": (0.25, 0.35), "emphasis": (0.05, 0.10)}
+SFE_KEEP = 0.85                   # meaning check: share of the last valid text's content words kept
+SFE_GOAL = ("You engineer the structure of a web document so that generative engines select and cite it more, "
+            "changing its structure and emphasis, never its meaning.")
+SFE_LEVELS = {
+    "macro": ("Restructure the document's hierarchy: headings of 3 to 5 levels where the content allows, sections "
+              "of balanced size (merge closely related sections, split one that covers several topics), and short "
+              "cross-references between related sections."),
+    "meso": ("Restructure its paragraphs: 150 to 300 words each (split long ones at topic shifts, merge short "
+             "related ones), and turn suitable prose (steps, options, comparisons, figures) into lists or tables "
+             "until about 25 to 35% of the content is structured."),
+    "micro": ("Add emphasis: in the 5 to 10% most important sentences, set the key terms in bold where they open the "
+              "sentence or a section and in italics elsewhere, and simplify any sentence that is hard to read."),
+}
+
+
+def words_of(text):
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def structure_features(text):
+    """GEO-SFE's structural features of a Markdown-ish text: heading depth, paragraph lengths in words,
+    the share of lines in lists or tables, and the share of words set in bold or italics."""
+    lines = [x for x in text.splitlines() if x.strip()]
+    depth = max((len(m.group(1)) for x in lines if (m := re.match(r"\s*(#{1,6})\s", x))), default=0)
+    paras = [len(p.split()) for p in re.split(r"\n\s*\n", text)     # prose paragraphs: no headings, lists, tables
+             if p.strip() and not re.match(r"\s*(#|[-*+]\s|\d+[.)]\s|\|)", p)]
+    structured = sum(1 for x in lines if re.match(r"\s*([-*+]|\d+[.)]|\|)\s", x)) / max(1, len(lines))
+    emphasised = sum(len(m.split()) for m in re.findall(r"\*\*([^*]+)\*\*|\*([^*]+)\*", text) for m in m if m)
+    return {"depth": depth, "paragraph_words": paras, "structured": structured,
+            "emphasis": emphasised / max(1, len(text.split()))}
+
+
+def sfe_gaps(text):
+    """Which levels a text needs (GEO-SFE Alg. 2 runs a level only when its gap to the targets is
+    over a threshold): macro when the heading depth is below the target, meso when most paragraphs
+    are outside 150-300 words or the structured share is below 0.25, micro when the emphasis is below
+    5% of the words. (The paper's thresholds are not published; these are ours.)"""
+    f = structure_features(text)
+    lo, hi = SFE_TARGETS["paragraph_words"]
+    outside = sum(1 for n in f["paragraph_words"] if not lo <= n <= hi) / max(1, len(f["paragraph_words"]))
+    return {"macro": f["depth"] < SFE_TARGETS["depth"][0],
+            "meso": outside > 0.5 or f["structured"] < SFE_TARGETS["structured"][0],
+            "micro": f["emphasis"] < SFE_TARGETS["emphasis"][0]}
+
+
+def meaning_kept(before, after):
+    """Our stand-in for GEO-SFE's semantic checks (BGE-M3 similarity, LDA topic divergence): every number
+    kept and at least SFE_KEEP of the content words of `before` still in `after`."""
+    if cheap_gate(before, after) is not None:
+        return False
+    old, new = set(words_of(before)), set(words_of(after))
+    return len(old & new) >= SFE_KEEP * len(old)
 
 
 class GeoSfe:
-    """GEO-SFE (arXiv 2603.29979): structural feature engineering at three levels (document
-    architecture, sections and chunks, sentence-level emphasis), content kept. One call per level,
-    each on the previous level's output: 3 calls per document. Deviation: the paper's level-specific
-    feature scoring is not reproduced; each level is one guided rewrite."""
-    name, calls = "GEO-SFE", "3"
+    """GEO-SFE (Yu, Yang, Ding, Sato, arXiv 2603.29979): structural feature engineering at three levels, in
+    order: macro (heading hierarchy, section balance, internal links), meso (paragraph chunking to 150-300
+    words, prose turned into lists and tables), micro (bold and italic emphasis on key terms of the top
+    sentences, readability). A level runs only when the document's gap to its targets is large (Alg. 2);
+    after each level the meaning is checked and a failed level rolled back; a failed macro level ends
+    the run. At most 3 calls per document (one per level that runs). No query (its transforms take
+    none). Deviations:
+    - the paper's transforms are algorithmic (no LLM, no prompts are given); here each level is one
+      LLM rewrite told the level's targets;
+    - gap thresholds are ours (sfe_gaps; the paper does not publish them), and the meaning check is
+      lexical (meaning_kept) where the paper uses BGE-M3 similarity and LDA topic divergence;
+    - no engine-weighted selection among versions (the paper's V = sum over architectures of their
+      visibility) and no citation predictor;
+    - GEO-Bench's cleaned text has no markup for the features to read; they are read from Markdown."""
+    name, code, calls = "GEO-SFE", "F5", 3
+
+    def prompts(self):
+        return [SFE_GOAL, *SFE_LEVELS.values(), json.dumps(SFE_TARGETS), str(SFE_KEEP)]
 
     def run(self, ctx, jobs):
-        texts = [j.source for j in jobs]
-        for level, how in SFE_LEVELS:
-            live = [i for i, t in enumerate(texts) if t is not None]
-            out = ctx.ask(self.name, level, f"{how} Change structure and emphasis only. {FACTS}",
-                          [job_fields(jobs[i], document=texts[i], source_document=jobs[i].source) for i in live],
-                          REWRITE, need_text("rewritten_document"))
-            for i, d in zip(live, out):
-                texts[i] = text_of(d)
-        return [(t, {"calls": 3, "levels": [lv for lv, _ in SFE_LEVELS]}) for t in texts]
+        texts = {i: j.source for i, j in enumerate(jobs)}
+        trace = {i: {"calls": 0, "levels": [], "rolled_back": []} for i in texts}
+        live = set(texts)
+        for level, how in SFE_LEVELS.items():
+            todo = [i for i in sorted(live) if sfe_gaps(texts[i])[level]]
+            out = ctx.ask(self, level, f"{SFE_GOAL} {how} {FACTS}",
+                          {i: {"document": texts[i], **attempt_of(jobs[i])} for i in todo}, REWRITE, NEEDS_REWRITE)
+            for i in todo:
+                trace[i]["calls"] += 1
+                new = out.get(i, {}).get("rewritten_document")
+                if new is not None and meaning_kept(texts[i], new):
+                    texts[i] = new
+                    trace[i]["levels"].append(level)
+                else:                   # rolled back to the last valid text; a failed macro ends the run
+                    trace[i]["rolled_back"].append(level)
+                    if level == "macro":
+                        live.discard(i)
+        return [(texts[i] if trace[i]["levels"] else None, trace[i]) for i in range(len(jobs))]
 
 
 # ----------------------------------------------------------------------------- IF-GEO (unseen)
 
+IF_QUERIES, IF_SUGGESTIONS = 5, 5    # latent queries mined, suggestions per query at most (§5.4)
+IF_NECESSITY = 60                    # requests below this necessity are dropped (App. B's filter)
+IF_GOAL = ("The document should be selected and cited by generative engines for the many different queries it "
+           "can serve, not for one.")
+IF_MINE = (f"{IF_GOAL} Infer, from the document alone, {IF_QUERIES} realistic and different search queries that "
+           "would lead users to it, each on a different facet of its central topic (no paraphrases of one "
+           "another), with a popularity score from 0 to 100.")
+IF_REQUEST = (f"{IF_GOAL} For the latent query in the input, judge how well the document answers it and give up to "
+              f"{IF_SUGGESTIONS} specific edit suggestions, each anchored to a short excerpt of the document that it "
+              "changes, saying how to change it (add detail, clarify, restructure, simplify), with a necessity "
+              "score from 0 to 100.")
+IF_DEDUP = ("Merge duplicate edit requests: two requests merge only when they are about the same topic and the "
+            "same place in the document (never requests on distant paragraphs); a merged request keeps the "
+            "highest necessity and lists the ids it merges. Give each request a short topic tag.")
+IF_CONFLICTS = ("Resolve conflicting edit requests (mutually exclusive changes to the same excerpt or topic): when "
+                "their priorities differ clearly keep the higher one; when they are close, write one compromise "
+                "instruction that serves both. Combine compatible requests on the same excerpt into one.")
+IF_BLUEPRINT = ("Turn the checked instructions into a revision blueprint ordered by the document's structure: "
+                "assign each instruction to the section it changes, group the instructions of one section into "
+                "one plan item, and give an insertion point for any new section.")
+IF_REVISE = (f"{IF_GOAL} Revise the document by carrying out every directive of the revision blueprint. Return the "
+             "whole document: leave every section the blueprint does not mention exactly as it is, summarise "
+             "nothing, use Markdown, and change the tone only where the blueprint asks.")
+
+
+def priority(weight, necessity):
+    """IF-GEO's global priority of a request (§4.3.1): its latent query's weight times its necessity."""
+    return round(weight / 100 * necessity / 100, 4)
+
 
 class IfGeo:
-    """IF-GEO (Zhou et al., arXiv 2601.13938): diverge then converge. Diverge: the latent queries the
-    document could serve (1 call) and one edit request per latent query (1 call); converge: the
-    requests fused into one revision blueprint, conflicts resolved (1 call), then one edit guided by
-    the blueprint (1 call): 4 calls per document. Deviation: the paper's conflict-aware scoring of
-    requests is done by the LLM inside the fusion step."""
-    name, calls = "IF-GEO", "4"
+    """IF-GEO (Zhou et al., arXiv 2601.13938): diverge, then converge. Diverge: latent queries mined from
+    the document alone, with weights (1 call), then per latent query the edit requests it needs, each
+    with an excerpt anchor and a necessity (Nq calls). Converge: requests filtered and prioritised
+    (weight x necessity), de-duplicated (1 call), conflicts resolved by priority (1 call), a
+    section-mapped revision blueprint (1 call), one revision that leaves unmentioned sections unchanged
+    (1 call). 10 calls per document (Nq = 5). No query. Deviations:
+    - requests under necessity 60 are dropped in code (App. B's rule; §4.3.1's threshold of 0.7 on
+      weight x necessity is not applied: its scale is not stated); priorities order the rest;
+    - the builder's LLM at the run's temperature (the paper: GPT-4o-mini at 0.2);
+    - the facts are kept (the paper's directives may add content)."""
+    name, code, calls = "IF-GEO", "F6", IF_QUERIES + 5
+
+    def prompts(self):
+        return [IF_MINE, IF_REQUEST, IF_DEDUP, IF_CONFLICTS, IF_BLUEPRINT, IF_REVISE, str(IF_NECESSITY)]
 
     def run(self, ctx, jobs):
         n = len(jobs)
-        lq = ctx.ask(self.name, "latent_queries", "List up to five different search queries, related to the given "
-                     "query, that this document could answer.", [job_fields(j) for j in jobs],
-                     '{"latent_queries": ["..."]}', need_list("latent_queries"))
-        queries = [d["latent_queries"][:5] if d else None for d in lq]
-        live = [i for i in range(n) if queries[i]]
-        rq = ctx.ask(self.name, "edit_requests",
-                     "For each latent query, write one request for an edit that would make "
-                     f"the document serve that query better. {FACTS}",
-                     [job_fields(jobs[i], latent_queries=queries[i]) for i in live],
-                     '{"edit_requests": ["..."]}', need_list("edit_requests"))
-        reqs = [None] * n
-        for i, d in zip(live, rq):
-            reqs[i] = d["edit_requests"] if d else None
-        live = [i for i in live if reqs[i]]
-        bp = ctx.ask(self.name, "blueprint", "Fuse the edit requests into one revision blueprint: merge overlapping "
-                     "requests, resolve conflicting ones in favour of the main query, order the edits.",
-                     [job_fields(jobs[i], edit_requests=reqs[i]) for i in live],
-                     '{"blueprint": "..."}', need_text("blueprint"))
-        plans = [None] * n
-        for i, d in zip(live, bp):
-            plans[i] = d["blueprint"] if d else None
-        live = [i for i in live if plans[i]]
-        ed = ctx.ask(self.name, "edit", f"Revise the document following the revision blueprint. {FACTS}",
-                     [job_fields(jobs[i], blueprint=plans[i]) for i in live], REWRITE, need_text("rewritten_document"))
-        texts = [None] * n
-        for i, d in zip(live, ed):
-            texts[i] = text_of(d)
-        return [(texts[i], {"calls": 4, "latent_queries": len(queries[i] or []), "edit_requests": len(reqs[i] or [])})
-                for i in range(n)]
+        docs = {i: {"document": j.source, **attempt_of(j)} for i, j in enumerate(jobs)}
+        mined = ctx.ask(self, "mine", IF_MINE, docs,
+                        '{"queries": [{"query": "...", "probability": 0}]}', needs("queries", list))
+        latent = {i: [(q["query"], number(q.get("probability"), 0, 100, 0)) for q in d["queries"]
+                      if isinstance(q, dict) and isinstance(q.get("query"), str) and q["query"].strip()][:IF_QUERIES]
+                  for i, d in mined.items()}
+        asks = {(i, k): {"document": jobs[i].source, "latent_query": q, **attempt_of(jobs[i])}
+                for i, qs in latent.items() for k, (q, _) in enumerate(qs)}
+        got = ctx.ask(self, "request", IF_REQUEST, asks,
+                      '{"suggestions": [{"excerpt": "...", "suggestion": "...", "necessity": 0}]}',
+                      needs("suggestions", list))
+        pool = {i: [] for i in latent}
+        for (i, k), d in sorted(got.items()):
+            for s in d["suggestions"][:IF_SUGGESTIONS]:
+                if isinstance(s, dict) and isinstance(s.get("suggestion"), str) and s["suggestion"].strip():
+                    need = number(s.get("necessity"), 0, 100, 0)
+                    if need >= IF_NECESSITY:
+                        pool[i].append({"id": f"r{len(pool[i]) + 1}", "latent_query": latent[i][k][0],
+                                        "excerpt": str(s.get("excerpt") or ""), "suggestion": s["suggestion"],
+                                        "necessity": need, "priority": priority(latent[i][k][1], need)})
+        pool = {i: sorted(p, key=lambda r: -r["priority"]) for i, p in pool.items() if p}
+        items = ctx.ask(self, "dedup", IF_DEDUP, {i: {"requests": p, **attempt_of(jobs[i])} for i, p in pool.items()},
+                        '{"requests": [{"id": "...", "merged_ids": ["..."], "topic": "...", "excerpt": "...", '
+                        '"suggestion": "...", "necessity": 0}]}', needs("requests", list))
+        for i, d in items.items():        # a merged request's priority: the highest of those it merges
+            best = {r["id"]: r["priority"] for r in pool[i]}
+            for r in d["requests"]:
+                if isinstance(r, dict):
+                    r["priority"] = max([best.get(x, 0) for x in strings(r.get("merged_ids")) + [r.get("id")]
+                                         if isinstance(x, str)] or [0])
+        checked = ctx.ask(self, "conflicts", IF_CONFLICTS,
+                          {i: {"requests": d["requests"], **attempt_of(jobs[i])} for i, d in items.items()},
+                          '{"instructions": [{"id": "...", "excerpt": "...", "suggestion": "..."}]}',
+                          needs("instructions", list))
+        plans = ctx.ask(self, "blueprint", IF_BLUEPRINT,
+                        {i: {"document": jobs[i].source, "instructions": d["instructions"], **attempt_of(jobs[i])}
+                         for i, d in checked.items()},
+                        '{"revision_blueprint": [{"section_name": "...", "target_location": "...", '
+                        '"modification_intent": "...", "directives": ["..."], "format_note": "..."}]}',
+                        needs("revision_blueprint", list))
+        out = ctx.ask(self, "revise", f"{IF_REVISE} {FACTS}",
+                      {i: {"document": jobs[i].source, "revision_blueprint": d["revision_blueprint"],
+                           **attempt_of(jobs[i])} for i, d in plans.items()}, REWRITE, NEEDS_REWRITE)
+        return [(out[i]["rewritten_document"] if i in out else None,
+                 {"calls": 1 + len(latent.get(i, [])) + sum(i in x for x in (items, checked, plans, out)),
+                  "latent_queries": [q for q, _ in latent.get(i, [])], "requests_kept": len(pool.get(i, [])),
+                  "blueprint_items": len(plans.get(i, {}).get("revision_blueprint", []))}) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------- RAID-GSEO (unseen)
 
-RAID_ROLES = ["a newcomer to the topic", "a practitioner who must act on the answer", "a sceptical fact-checker"]
+RAID_GOAL = ("You optimise a web document so that generative engines select and cite it more, improving its "
+             "visibility and its value to readers while keeping its core meaning and key information. The user "
+             "query that will retrieve it is unknown: infer intent from the content.")
+RAID_SUMMARY = (f"{RAID_GOAL} Summarise the document concisely: its key information and main points, without "
+                "incidental detail or style, so that someone who has not read it can follow it.")
+RAID_INTENT = f"{RAID_GOAL} From the document and its summary, state the primary search intent it serves."
+RAID_REFLECT = (f"{RAID_GOAL} Reflect on the primary intent in four steps. Who: infer one to three kinds of readers "
+                "most likely to search for this content. What: each one's core needs, given their background and "
+                "knowledge. Why: where the primary intent misses those needs, and why. How: rewrite the intent as "
+                "one generalised intent covering every reader's core needs while keeping its focus (unchanged if "
+                "it is already precise and sufficient).")
+RAID_PLAN = (f"{RAID_GOAL} Plan the optimisation as an ordered list of concrete steps that raise the document's "
+             "visibility and engagement. The primary intent takes priority; use the generalised intent only for "
+             "minor adjustments.")
+RAID_REWRITE = f"{RAID_GOAL} Rewrite the document by carrying out the optimisation steps in the input, in order."
 
 
 class RaidGseo:
-    """RAID G-SEO (Chen et al., arXiv 2508.11158): the search intent behind the query inferred by
-    reflective refinement across informational roles (a draft of each role's intent, 1 call; a
-    reflection that reconciles them into one refined intent, 1 call), then a rewrite targeted at
-    that intent (1 call): 3 calls per document. Deviation: one reflection round (the paper iterates)."""
-    name, calls = "RAID-GSEO", "3"
+    """RAID G-SEO (Chen et al., arXiv 2508.11158): role-augmented intent-driven optimisation with the user
+    query hidden from the content creator (§III-A): a summary (1 call), the primary intent inferred from
+    document and summary (1 call), one 4W reflection (who: 1-3 inferred roles; what: their needs; why:
+    the gaps; how: one generalised intent) (1 call), a step plan led by the primary intent (1 call) and
+    the rewrite that carries out the steps (1 call). 5 calls per document. No query. Deviations:
+    - the builder's LLM, greedy at temperature 0 as the paper's decoding (the paper: GLM-4-9B);
+    - the facts are kept (the paper's plans may enrich content); JSON replies."""
+    name, code, calls = "RAID-GSEO", "F7", 5
+
+    def prompts(self):
+        return [RAID_SUMMARY, RAID_INTENT, RAID_REFLECT, RAID_PLAN, RAID_REWRITE]
 
     def run(self, ctx, jobs):
-        n = len(jobs)
-        dr = ctx.ask(self.name, "role_intents", "For each informational role, state in one sentence what that reader "
-                     "wants to learn from the query.", [job_fields(j, roles=RAID_ROLES) for j in jobs],
-                     '{"role_intents": ["..."]}', need_list("role_intents"))
-        drafts = [d["role_intents"] if d else None for d in dr]
-        live = [i for i in range(n) if drafts[i]]
-        rf = ctx.ask(self.name, "reflect", "Reflect on the role intents: what do they share, what does each miss? "
-                     "State the one refined search intent behind the query.",
-                     [job_fields(jobs[i], role_intents=drafts[i]) for i in live],
-                     '{"intent": "..."}', need_text("intent"))
-        intent = [None] * n
-        for i, d in zip(live, rf):
-            intent[i] = d["intent"] if d else None
-        live = [i for i in live if intent[i]]
-        ed = ctx.ask(self.name, "rewrite", f"Rewrite the document so that it serves the refined search intent "
-                     f"directly. {FACTS}", [job_fields(jobs[i], intent=intent[i]) for i in live],
-                     REWRITE, need_text("rewritten_document"))
-        texts = [None] * n
-        for i, d in zip(live, ed):
-            texts[i] = text_of(d)
-        return [(texts[i], {"calls": 3, "roles": len(RAID_ROLES)}) for i in range(n)]
+        src = {i: {"document": j.source, **attempt_of(j)} for i, j in enumerate(jobs)}
+        summ = ctx.ask(self, "summary", RAID_SUMMARY, src, '{"summary": "..."}', needs("summary"))
+        intent = ctx.ask(self, "intent", RAID_INTENT,
+                         {i: {**src[i], "summary": d["summary"]} for i, d in summ.items()},
+                         '{"primary_intent": "..."}', needs("primary_intent"))
+        refl = ctx.ask(self, "reflect", RAID_REFLECT,
+                       {i: {**src[i], "summary": summ[i]["summary"], "primary_intent": d["primary_intent"]}
+                        for i, d in intent.items()},
+                       '{"roles": [{"role": "...", "needs": "...", "mismatch": "..."}], "generalized_intent": "..."}',
+                       needs("generalized_intent"))
+        plan = ctx.ask(self, "plan", RAID_PLAN,
+                       {i: {**src[i], "primary_intent": intent[i]["primary_intent"],
+                            "generalized_intent": d["generalized_intent"]} for i, d in refl.items()},
+                       '{"steps": ["..."]}', needs("steps", list))
+        out = ctx.ask(self, "rewrite", f"{RAID_REWRITE} {FACTS}",
+                      {i: {**src[i], "steps": strings(d["steps"])} for i, d in plan.items()}, REWRITE, NEEDS_REWRITE)
+        return [(out[i]["rewritten_document"] if i in out else None,
+                 {"calls": sum(i in x for x in (summ, intent, refl, plan, out)),
+                  "roles": [r.get("role") for r in (refl.get(i, {}).get("roles") or []) if isinstance(r, dict)][:3],
+                  "steps": len(strings(plan.get(i, {}).get("steps")))}) for i in range(len(jobs))]
 
 
 # ----------------------------------------------------------------------------- MAGEO (seen)
 
-MAGEO_PLAN = ("Plan edits that would make a generative search engine select and cite this document for the query: "
-              "list up to four concrete edits, each naming what to change and why.")
-MAGEO_EDIT = f"Carry out the edit plan on the current document and return two different candidate rewrites. {FACTS}"
+MAGEO_ROUNDS, MAGEO_PATIENCE = 10, 2     # rounds at most; stop after 2 rounds without an accepted edit
+MAGEO_CANDIDATES, MAGEO_MEMORY = 2, 5    # candidates the editor writes a round; past edits shown the planner
+MAGEO_EPSILON = 0.01                     # an edit is accepted when the engine signal rises by more than this
+MAGEO_FAITHFULNESS = 6                   # the evaluator's predicted faithfulness (1-10) a candidate needs
+MAGEO_GOAL = ("A generative search engine answers the user's query from retrieved web documents and cites the "
+              "sources of every sentence. The aim is to make the target document more visible in that answer "
+              "(cited more, and earlier) while keeping its attribution faithful.")
+MAGEO_ENGINE = ("The engine retrieves about ten web documents for a query, answers from them in prose, and ends each "
+                "sentence with the numbers of the documents it used, as [1] or [2][3].")
+MAGEO_PROFILE = ("Describe the preferences of the generative engine in the input as a profile for editors: the "
+                 "formats, content and style it favours, and the risks it penalises.")
+MAGEO_PLAN = (f"{MAGEO_GOAL} Plan a few high-level revision steps for the current document, learning from the "
+              "successful past edits in the input and following the engine's preference profile. Do not rewrite "
+              "the document.")
+MAGEO_EDIT = ("Carry out the revision plan on the current document and write {k} diverse candidate versions that "
+              "stay faithful to it but try different structure, evidence and style; for each, list the edit "
+              "operations applied.")
+MAGEO_EVALUATE = (f"{MAGEO_GOAL} Predict for each candidate, from 1 to 10: its visibility in the engine's cited "
+                  "answer to the query, how early it would be cited, its faithfulness to the current document, and "
+                  "the accuracy of its attributions. Penalise weak attribution and poor faithfulness.")
+MAGEO_ANSWER = ("Answer the user's query using only the numbered documents in the input. End every sentence with "
+                "the numbers of the documents it is based on, as [1] or [2][3]. Cite only documents that support "
+                "the sentence.")
+PLAN_SCHEMA = ('{"plan_steps": [{"edit_type": "Structure|Evidence|Safety|Style|Formatting", "target_span": "...", '
+               '"rationale": "...", "operations": ["..."]}]}')
+EDIT_SCHEMA = ('{"candidates": [{"revised_content": "...", "applied_edit_ops": [{"edit_type": "...", '
+               '"target_span": "...", "op_pattern": "..."}]}]}')
+EVAL_SCHEMA = ('{"evaluations": [{"candidate": 1, "visibility": 5, "position": 5, "faithfulness": 5, '
+               '"attribution": 5}]}')
 
 
-class Mageo(attack.Attack):
-    """MAGEO (Wu et al., ACL 2026, arXiv 2604.19516): a multi-agent loop. Each round a planner proposes
-    edits (1 call) and an editor writes two candidates (1 call); an evaluator checks faithfulness and
-    attribution (the attacker's fidelity gate: cheap checks, then the fidelity judge, 1 call per
-    candidate that passes them); the best candidate is kept only if the engine signal improves; up to
-    R rounds, stopping after 2 rounds without improvement (patience 2). At most R x (2 + 2) calls
-    per document (R = 3: 12). Built on attack.Attack's loop and gate. Deviations: the engine signal
-    is the base reranker's score of the document among the group's candidates (MAGEO re-scores it in
-    a simulated engine's answer); when no round improves, the best faithful candidate is kept
-    (trace: improved false) so that every group has a rewrite."""
-    name, calls = "MAGEO", "<= 12"
+def visibility(answer, index):
+    """MAGEO's citation visibility of document `index` (1-based) in an answer: each sentence's words are
+    shared equally among the documents it cites; WLV is the document's share of cited words, DPA the
+    same with sentence j weighted exp(-(j+1)/n), earlier first; both normalised over the cited
+    documents -> (WLV + DPA) / 2, 0 when the document is not cited."""
+    sents = [s for s in re.split(r"(?<=[.!?;])\s+|\n+", answer or "") if s.strip()]
+    wlv, dpa = {}, {}
+    for j, s in enumerate(sents):
+        ids = list(dict.fromkeys(int(x) for x in re.findall(r"\[(\d+)\]", s)))
+        n_words = len(re.findall(r"\w+", re.sub(r"\[\d+\]", " ", s)))
+        for i in ids:
+            share = n_words / len(ids)
+            wlv[i] = wlv.get(i, 0.0) + share
+            dpa[i] = dpa.get(i, 0.0) + share * math.exp(-(j + 1) / len(sents))
+    if not wlv.get(index):
+        return 0.0
+    return (wlv[index] / sum(wlv.values()) + dpa[index] / sum(dpa.values())) / 2
 
-    def __init__(self, ctx, ranker, rounds=3, patience=2):
-        cfg = type("S", (), {"temperature": ctx.temperature, "max_tokens": ctx.max_tokens, "workers": ctx.workers})
-        super().__init__(cfg, "base", ranker, ctx.llm, ctx.judge or ctx.llm, rounds, 2, 1 + 2 * rounds)
-        self.ctx, self.patience = ctx, patience
 
-    def _propose(self, live, cands, rnd):
-        best = [cands[x.instance_id][attack.best_of(cands[x.instance_id], len(cands[x.instance_id]))]["text"]
-                for x in live]                                  # each instance's current best
-        plans = self.ctx.ask(self.name, "plan", MAGEO_PLAN, [
-            {"query": x.query, "document": b, "source_document": x.source, "round": rnd, "attempt": x.attempt}
-            for x, b in zip(live, best)], '{"plan": ["..."]}', need_list("plan"))
-        edits = self.ctx.ask(self.name, "edit", MAGEO_EDIT, [
-            {"query": x.query, "document": b, "source_document": x.source, "plan": (p or {}).get("plan", []),
-             "round": rnd, "attempt": x.attempt} for x, b, p in zip(live, best, plans)],
-            '{"candidates": ["...", "..."]}', need_list("candidates"))
-        two = [((e or {}).get("candidates") or [])[:2] for e in edits]
-        return [c + [None] * (2 - len(c)) for c in two]     # a missing candidate still spends its budget
+def predicted(e):
+    """The evaluator's predicted score of a candidate (mean of its four 1-10 predictions)."""
+    return sum(number(e.get(k), 1, 10, 1) for k in ("visibility", "position", "faithfulness", "attribution")) / 4
+
+
+class Mageo:
+    """MAGEO (Wu et al., ACL 2026, arXiv 2604.19516; code Wu-beining/MAGEO): multi-agent optimisation with
+    a simulated engine. Once per build a preference agent turns the engine's description into a profile
+    (1 call, shared). The source is scored in the simulated engine (1 call). Each round: a planner
+    plans edits from the query, the current document, the profile and the best past edits in memory
+    (1 call); an editor writes 2 candidates from the plan, without the query (1 call); an evaluator
+    predicts their scores (1 call); the best predicted candidate that passes the faithfulness check
+    and the gate is scored in the engine (1 call, plus 1-2 judge calls), and accepted when its
+    visibility rises by more than 0.01, its edit then stored in memory. Up to 10 rounds, stopping after
+    2 rounds without an accepted edit. At most 2 + 10 x 6 = 62 calls per document. Query: yes (planner,
+    evaluator, engine). Engine signal: the answer of a generative engine over the group's candidates,
+    the candidate in place, scored by MAGEO's citation visibility (word share and position-weighted
+    share). Deviations:
+    - the signal is the citation visibility alone; MAGEO's DSV-CF adds six dimensions judged on the
+      document alone, which the evaluator's prediction stands for in selection only;
+    - the target is not marked in the engine's context (MAGEO's engine prompt marks it with '*');
+    - the engine's description stands in for the engine statistics MAGEO's profile reads (its released
+      runs pass zeros);
+    - memory: the accepted edits of earlier rounds of every document of the build (one engine), the
+      best 5 by gain; MAGEO keeps memory across documents in the order they are optimised;
+    - the gate (cheap checks and the fidelity judge against the original source) comes before the
+      engine; MAGEO checks predicted faithfulness against the current version only;
+    - when no round is accepted, the first candidate that passed the gate is kept (trace: improved
+      false) so that every group has a rewrite; MAGEO returns the source;
+    - signal "reranker" (--mageo-signal reranker): the base reranker's score of the document among the
+      group's candidates instead of the engine, a declared option (it hill-climbs on the model the
+      benchmark then measures)."""
+    name, code, calls = "MAGEO", "F3", 2 + MAGEO_ROUNDS * 6
+
+    def __init__(self, signal="engine"):
+        if signal not in ("engine", "reranker"):
+            raise ValueError(f"MAGEO's signal must be 'engine' or 'reranker', got {signal!r}")
+        self.signal = signal
+
+    def prompts(self):
+        return [MAGEO_GOAL, MAGEO_ENGINE, MAGEO_PROFILE, MAGEO_PLAN, MAGEO_EDIT, MAGEO_EVALUATE, MAGEO_ANSWER,
+                PLAN_SCHEMA, EDIT_SCHEMA, EVAL_SCHEMA, self.signal,
+                json.dumps([MAGEO_ROUNDS, MAGEO_PATIENCE, MAGEO_CANDIDATES, MAGEO_MEMORY, MAGEO_EPSILON])]
+
+    def profile(self, ctx):
+        got = ctx.ask(self, "profile", MAGEO_PROFILE, {0: {"engine": MAGEO_ENGINE}},
+                      '{"format_preferences": ["..."], "content_preferences": ["..."], "style_preferences": ["..."], '
+                      '"risk_constraints": ["..."], "summary": "..."}', needs("summary"))
+        return got.get(0, {"summary": MAGEO_ENGINE})
+
+    def engine(self, ctx, jobs, texts):
+        """{job index: text} -> {job index: the signal of the text at the source's place in its group}."""
+        if self.signal == "reranker":
+            insts = {i: geodef.Instance(f"{jobs[i].group_id}@mageo{jobs[i].attempt}", jobs[i].group_id,
+                                        jobs[i].query, self._docs(jobs[i], t),
+                                        [f"{jobs[i].group_id}-{k}" for k in range(len(jobs[i].docs))],
+                                        jobs[i].position, "MAGEO") for i, t in texts.items()}
+            ctx.ranker.prepare(list(insts.values()))
+            return {i: ctx.ranker.scores(x)[x.attack_index] for i, x in insts.items()}
+        answers = ctx.ask(self, "engine", MAGEO_ANSWER, {i: {
+            "query": jobs[i].query, "documents": [{"index": k + 1, "text": d}
+                                                  for k, d in enumerate(self._docs(jobs[i], t))]}
+            for i, t in texts.items()}, '{"answer": "..."}', needs("answer"))
+        return {i: visibility(answers[i]["answer"], jobs[i].position + 1) if i in answers else 0.0 for i in texts}
+
+    @staticmethod
+    def _docs(job, text):
+        docs = list(job.docs)
+        docs[job.position] = text
+        return docs
 
     def run(self, ctx, jobs):
-        insts = [self.ctx.engine(j) for j in jobs]          # each job as an instance: the source at its position
-        cands = {x.instance_id: [] for x in insts}
-        for x, (s, r) in zip(insts, self.score(insts)):
-            cands[x.instance_id].append({"n": 0, "round": 0, "sid": "", "text": x.source, "accepted": True,
-                                         "reason": "the source", "score": s, "rank": r})
-        stale = {x.instance_id: 0 for x in insts}
-        for rnd in range(1, self.rounds + 1):
-            live = [x for x in insts if stale[x.instance_id] < self.patience]
+        profile = self.profile(ctx)
+        cur = {i: j.source for i, j in enumerate(jobs)}
+        score = self.engine(ctx, jobs, cur)
+        first = dict(score)
+        trace = {i: {"calls": 2, "rounds": 0, "accepted_rounds": [], "candidate_gate": []} for i in cur}
+        stale, memory, fallback = {i: 0 for i in cur}, [], {}
+        for rnd in range(1, MAGEO_ROUNDS + 1):
+            live = [i for i in cur if stale[i] < MAGEO_PATIENCE]
             if not live:
                 break
-            before = {x.instance_id: max(c["score"] for c in cands[x.instance_id] if c["accepted"]) for x in live}
-            self._gate_and_score(live, cands, self._propose(live, cands, rnd), rnd)
-            for x in live:
-                now = max(c["score"] for c in cands[x.instance_id] if c["accepted"])
-                stale[x.instance_id] = 0 if now > before[x.instance_id] else stale[x.instance_id] + 1
-        def judged(c):                  # a candidate the fidelity judge read (accepted, or refused by it)
-            return c["reason"] == "accepted" or c["reason"].startswith(("fidelity", "contra"))
+            past = sorted(memory, key=lambda m: -m["gain"])[:MAGEO_MEMORY]
+            cands, plans = self._propose(ctx, jobs, cur, live, profile, past, rnd)
+            picked = self._select(ctx, jobs, cur, cands, trace, fallback)
+            got = self.engine(ctx, jobs, {i: c["revised_content"] for i, c in picked.items()})
+            for i in live:
+                trace[i]["rounds"] = rnd
+                trace[i]["calls"] += 3 + (i in picked)
+                if i in picked and got[i] > score[i] + MAGEO_EPSILON:
+                    memory.append({"round": rnd, "gain": round(got[i] - score[i], 4), "plan_steps": plans.get(i),
+                                   "applied_edit_ops": picked[i].get("applied_edit_ops")})
+                    cur[i], score[i], stale[i] = picked[i]["revised_content"], got[i], 0
+                    trace[i]["accepted_rounds"].append(rnd)
+                else:
+                    stale[i] += 1
         out = []
-        for x in insts:
-            cs = cands[x.instance_id]
-            ok = [c for c in cs[1:] if c["accepted"]]
-            best = max(ok, key=lambda c: (c["score"], -c["n"])) if ok else None
-            out.append((best["text"] if best else None,
-                        {"calls": 2 * max(c["round"] for c in cs) + sum(1 for c in cs[1:] if judged(c)),
-                         "rounds": max(c["round"] for c in cs), "candidates": len(cs) - 1,
-                         "improved": bool(best and best["score"] > cs[0]["score"]),
-                         "candidate_gate": [c["reason"] for c in cs[1:]]}))
+        for i, j in enumerate(jobs):
+            improved = cur[i] != j.source
+            trace[i].update(improved=improved, signal=self.signal, score_before=round(first[i], 4),
+                            score_after=round(score[i], 4))
+            out.append((cur[i] if improved else fallback.get(i), trace[i]))
         return out
 
+    def _propose(self, ctx, jobs, cur, live, profile, past, rnd):
+        """The planner's and the editor's round -> ({i: [candidate dicts]}, {i: plan steps})."""
+        plans = ctx.ask(self, "plan", MAGEO_PLAN, {i: {
+            "query": jobs[i].query, "current_document": cur[i], "preference_profile": profile,
+            "memory": past, "round": rnd, **attempt_of(jobs[i])} for i in live}, PLAN_SCHEMA,
+            needs("plan_steps", list))
+        edits = ctx.ask(self, "edit", MAGEO_EDIT.format(k=MAGEO_CANDIDATES), {i: {
+            "current_document": cur[i], "plan_steps": d["plan_steps"], "preference_profile": profile,
+            "round": rnd, **attempt_of(jobs[i])} for i, d in plans.items()}, EDIT_SCHEMA, needs("candidates", list))
+        cands = {i: [c for c in d["candidates"] if isinstance(c, dict) and isinstance(c.get("revised_content"), str)
+                     and c["revised_content"].strip()][:MAGEO_CANDIDATES] for i, d in edits.items()}
+        return {i: c for i, c in cands.items() if c}, {i: d["plan_steps"] for i, d in plans.items()}
 
-FAMILIES = {"AgenticGEO": AgenticGeo(), "AutoGEO": AutoGeo(), "MAGEO": None, "GEO": Geo(), "GEO-SFE": GeoSfe(),
-            "IF-GEO": IfGeo(), "RAID-GSEO": RaidGseo()}
-CALLS = {"AgenticGEO": 3, "AutoGEO": 1, "MAGEO": 12, "GEO": 1, "GEO-SFE": 3, "IF-GEO": 4, "RAID-GSEO": 3}
+    def _select(self, ctx, jobs, cur, cands, trace, fallback):
+        """The evaluator's predictions, then per job the best predicted candidate that is predicted
+        faithful and passes the gate -> {i: candidate}. The first gate-passing candidate of a job is
+        kept as its fallback."""
+        evals = ctx.ask(self, "evaluate", MAGEO_EVALUATE, {i: {
+            "query": jobs[i].query, "current_document": cur[i],
+            "candidates": [{"candidate": k + 1, "text": c["revised_content"]} for k, c in enumerate(cs)],
+            **attempt_of(jobs[i])} for i, cs in cands.items()}, EVAL_SCHEMA, needs("evaluations", list))
+        order = {}
+        for i, cs in cands.items():
+            pred = {k: 1.0 for k in range(len(cs))}
+            ok = set(range(len(cs)))
+            for e in (evals.get(i) or {}).get("evaluations", []):
+                k = int(number(e.get("candidate"), 1, len(cs), 1)) - 1 if isinstance(e, dict) else None
+                if k is not None:
+                    pred[k] = predicted(e)
+                    if number(e.get("faithfulness"), 1, 10, 1) < MAGEO_FAITHFULNESS:
+                        ok.discard(k)
+            order[i] = sorted(ok, key=lambda k: (-pred[k], k))
+        picked = {}
+        for turn in range(MAGEO_CANDIDATES):  # the next best candidate of the jobs whose earlier one was refused
+            todo = [i for i in order if i not in picked and turn < len(order[i])]
+            texts = [cands[i][order[i][turn]]["revised_content"] for i in todo]
+            for i, why in zip(todo, gate(ctx, [jobs[i].source for i in todo], texts, "MAGEO fidelity")):
+                trace[i]["candidate_gate"].append(why or "accepted")
+                trace[i]["calls"] += judged(why)
+                if why is None:
+                    picked[i] = cands[i][order[i][turn]]
+                    fallback.setdefault(i, picked[i]["revised_content"])
+        return picked
 
 
-def family(name, ctx=None):
-    """The rewriter of family `name` (MAGEO is built per context: it needs the engine signal)."""
-    return Mageo(ctx, ctx.ranker) if name == "MAGEO" else FAMILIES[name]
+# ----------------------------------------------------------------------------- the registry
+
+FAMILIES = {"AgenticGEO": AgenticGeo, "AutoGEO": AutoGeo, "MAGEO": Mageo, "GEO": Geo, "GEO-SFE": GeoSfe,
+            "IF-GEO": IfGeo, "RAID-GSEO": RaidGseo}
 
 
-def prompt_digests(names):
-    """SHA-1 (12 hex) of each family's code, its prompts, rules and archive included, and of the shared
-    fact-keeping instruction: recorded in the benchmark's _meta so that a file says what wrote it."""
-    import hashlib
-    import inspect
-    classes = {"MAGEO": Mageo, **{k: type(v) for k, v in FAMILIES.items() if v is not None}}
-    extra = {"AgenticGEO": json.dumps(AGENTIC_ARCHIVE), "AutoGEO": json.dumps(AUTOGEO_RULES),
-             "GEO-SFE": json.dumps(SFE_LEVELS), "RAID-GSEO": json.dumps(RAID_ROLES),
-             "MAGEO": MAGEO_PLAN + MAGEO_EDIT, "GEO": GEO_FLUENCY + GEO_STATISTICS}
-    out = {n: hashlib.sha1((inspect.getsource(classes[n]) + extra.get(n, "") + FACTS).encode()).hexdigest()[:12]
-           for n in names}
+def prompt_digests(names, mageo_signal="engine"):
+    """SHA-1 (12 hex) of what each family's model reads: its prompts, schemas, bundled archive or rules
+    and parameters, and the shared fact-keeping instruction and gate. Recorded in the benchmark's _meta
+    (with the code version beside it) so that a file says what wrote it; a docstring edit leaves it."""
+    shared = [FACTS, FIDELITY_INSTRUCTION, str(FIDELITY_THRESHOLD), str((MIN_RATIO, MAX_RATIO))]
+    out = {}
+    for n in names:
+        fam = FAMILIES[n](mageo_signal) if n == "MAGEO" else FAMILIES[n]()
+        out[n] = hashlib.sha1(json.dumps([fam.code, *fam.prompts(), *shared]).encode()).hexdigest()[:12]
     return out
+
+
+# ----------------------------------------------------------------------------- surface markers
+
+# Surface features a fixed prompt can stamp on every document of a family: a defense that keys on them
+# detects the template, not the intent (build-bench reports their rates per family against the benign
+# candidates)
+SURFACE_MARKERS = {
+    "heading": r"(?m)^\s*#{1,6}\s",
+    "bold": r"\*\*[^*\n]+\*\*",
+    "bullet list": r"(?m)^\s*(?:[-*+]|\d+[.)])\s",
+    "table": r"(?m)^\s*\|.*\|\s*$",
+    "summary phrase": r"(?i)\b(?:in summary|in short|to summari[sz]e|key takeaways?|bottom line|tl;dr)\b",
+    "recap": r"(?i)\b(?:recap|in conclusion|overall)\b",
+    "attribution": r"(?i)\baccording to\b",
+    "quotation": r"[\u201c\"][^\u201d\"\n]{12,}[\u201d\"]",
+}
+
+
+def surface_rates(texts):
+    """Percent of `texts` that show each surface marker at least once."""
+    texts = list(texts)
+    return {k: round(100.0 * sum(bool(re.search(p, t)) for t in texts) / max(1, len(texts)), 1)
+            for k, p in SURFACE_MARKERS.items()}

@@ -42,6 +42,7 @@ import requests
 RETRY_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                 requests.exceptions.ContentDecodingError, http.client.IncompleteRead, ConnectionError)
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504, 529}
+ABORT_GRACE = 1.0                # seconds a reply in flight may still arrive after its run failed
 NO_RETRY_CODES = ("insufficient_quota", "billing_hard_limit_reached", "enforced_spend_limit_reached",
                   "spend_limit", "billing_error")
 
@@ -73,14 +74,16 @@ PROVIDERS = {
 HOSTED = ("openai", "anthropic", "deepseek", "moonshot", "zhipu", "openrouter")
 
 
-def redact_url(url):
-    """The URL without credentials: http://user:pass@host/v1 -> http://***@host/v1."""
-    if not url:
-        return url
-    p = urlparse(url)
-    if p.username is None and p.password is None:
-        return url
-    return p._replace(netloc="***@" + p.netloc.rpartition("@")[2]).geturl()
+def redact_url(text):
+    """A URL, or a spec holding one (`tei:URL`, `LABEL=URL`), for printing when it could not be parsed
+    into an Endpoint (whose str() already hides credentials): everything between '://' and the last '@'
+    becomes ***. A password may hold ',', '@', '#', '/' or '?' (unencoded, or the URL is malformed), so
+    no pattern over the text can tell where it ends; the last '@' is as far as it can reach.
+    http://user:p#w@host/v1 -> http://***@host/v1."""
+    if not text or "://" not in text:
+        return text
+    head, _, rest = text.partition("://")
+    return f"{head}://***@{rest.rpartition('@')[2]}" if "@" in rest else text
 
 
 @dataclass(frozen=True)
@@ -100,13 +103,19 @@ class Endpoint:
 
     @classmethod
     def parse(cls, url):
-        p = urlparse((url or "").strip())
+        url = (url or "").strip()
+        p = urlparse(url)
+        # '/', '?' and '#' end the authority: in a password they must be percent-encoded (RFC 3986 3.2.1)
+        hint = ("; percent-encode '/', '?' and '#' in URL credentials" if "@" in url.partition("://")[2]
+                and "@" not in p.netloc else "")
         if p.scheme not in ("http", "https") or not p.hostname:
-            raise ValueError(f"{redact_url(url)!r}: expected http(s)://HOST[:PORT][/path]")
+            raise ValueError(f"{redact_url(url)!r}: expected http(s)://HOST[:PORT][/path]{hint}")
         try:
             port = p.port or (443 if p.scheme == "https" else 80)
         except ValueError:
-            raise ValueError(f"{redact_url(url)!r}: the port is not a number in 0..65535") from None
+            raise ValueError(f"{redact_url(url)!r}: the port is not a number in 0..65535{hint}") from None
+        if hint:
+            raise ValueError(f"{redact_url(url)!r}: '@' after the host{hint}")
         basic = (unquote(p.username or ""), unquote(p.password or "")) if p.username or p.password else None
         return cls(p.scheme, p.hostname, port, p.path.rstrip("/"), unquote(p.fragment) or None, basic)
 
@@ -480,9 +489,12 @@ class Transport:
         self.endpoint = endpoint                 # the full URL to POST to (default: the chat endpoint)
         self.max_reply_bytes = max_reply_bytes
         self.limiter = RateLimiter(rpm)
-        self.sleep = time.sleep                  # backoff sleep (tests replace it to record delays)
+        self.aborted = threading.Event()         # set by abort(): the run has failed, stop sending
+        self.abort_at = 0.0                      # when abort() shuts the sockets still open
+        self.sleep = self.aborted.wait           # backoff sleep, woken by abort (tests replace it)
         self.session = requests.Session()
         self.lock = threading.Lock()
+        self.open_sockets = set()                # sockets of replies being read (abort shuts them)
         self.http_calls = self.retries = 0
 
     @property
@@ -533,17 +545,38 @@ class Transport:
             return None
         return None
 
+    def abort(self, grace=ABORT_GRACE):
+        """The caller's run has failed: no request is sent or retried until resume(), backoff sleeps
+        wake, and a reply still in flight gets `grace` seconds to arrive (it is paid for; arrived, it is
+        cached) before its socket is shut. Otherwise worker threads would run out their retries,
+        minutes after the error was reported."""
+        self.abort_at = time.monotonic() + grace
+        self.aborted.set()
+        timer = threading.Timer(grace, self._shut_open)
+        timer.daemon = True
+        timer.start()
+
+    def _shut_open(self):
+        with self.lock:
+            for sock in list(self.open_sockets):
+                _shut(sock)
+
+    def resume(self):
+        self.aborted.clear()
+
     def post(self, body):
         """One request with transport retries -> parsed response JSON; raises LLMError. Redirects are
         refused (the key goes to no other host) and a reply over max_reply_bytes is refused unread."""
         return self.send("POST", self.endpoint or (self.url if self.base_url else None), body)
 
-    def send(self, method, url, body=None, files=None, raw=False):
+    def send(self, method, url, body=None, files=None, raw=False, max_bytes=None):
         """`post` for any method and URL of this API (the batch clients: GET a batch, upload a file as
         multipart `files`); raw=True returns the reply text instead of parsed JSON. url None: the
         in-process handler."""
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
+            if self.aborted.is_set():
+                raise self.error("not sent: the run stopped after another request failed")
             self.limiter.wait()
             with self.lock:
                 self.http_calls += 1
@@ -553,8 +586,10 @@ class Transport:
                         return no_lone_surrogates(self.handler(body))
                     except (ValueError, KeyError, TypeError) as e:   # the local engine's 400
                         raise self.error(f"offline engine rejected the request ({e})", 400) from None
-                status, headers, text = self._exchange(url, body, method, files)
+                status, headers, text = self._exchange(url, body, method, files, max_bytes or self.max_reply_bytes)
             except RETRY_ERRORS as e:            # the connection failed, timed out or broke mid-reply
+                if self.aborted.is_set():
+                    raise self.error("stopped: the run failed on another request") from None
                 if last:
                     raise self.error(f"{type(e).__name__} on {url} after {attempt + 1} attempts") from None
                 self.backoff(attempt, None)
@@ -582,7 +617,7 @@ class Transport:
                 raise self.error(f"HTTP {status} after {attempt + 1} attempts", status, text)
             self.backoff(attempt, hint)
 
-    def _exchange(self, url, body, method="POST", files=None):
+    def _exchange(self, url, body, method="POST", files=None, max_bytes=None):
         """POST `body` -> (status, headers, body text), reading at most max_reply_bytes, the whole reply
         within `timeout` seconds of sending: a watchdog shuts the socket at the deadline, so a reply
         trickled a byte at a time ends like a stalled one (requests.Timeout, retried like one)."""
@@ -596,16 +631,22 @@ class Transport:
         watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (sock,))
         watchdog.daemon = True
         watchdog.start()
+        if sock is not None:
+            with self.lock:
+                self.open_sockets.add(sock)
+            if self.aborted.is_set() and time.monotonic() >= self.abort_at:   # sent after the grace ran out
+                _shut(sock)
         try:
+            cap = max_bytes or self.max_reply_bytes
             n = int(r.headers.get("content-length") or 0)
-            if n > self.max_reply_bytes:
-                raise self.error(f"reply of {n} bytes refused (at most {self.max_reply_bytes})", r.status_code)
+            if n > cap:
+                raise self.error(f"reply of {n} bytes refused (at most {cap})", r.status_code)
             parts, got = [], 0
             try:
                 for chunk in r.iter_content(65536):
                     got += len(chunk)
-                    if got > self.max_reply_bytes:
-                        raise self.error(f"reply over {self.max_reply_bytes} bytes refused", r.status_code)
+                    if got > cap:
+                        raise self.error(f"reply over {cap} bytes refused", r.status_code)
                     parts.append(chunk)
             except requests.RequestException:
                 if time.monotonic() >= deadline:
@@ -616,6 +657,8 @@ class Transport:
             return r.status_code, r.headers, b"".join(parts).decode("utf-8", "replace")   # JSON is UTF-8 (RFC 8259)
         finally:
             watchdog.cancel()
+            with self.lock:
+                self.open_sockets.discard(sock)
             r.close()
 
     def backoff(self, attempt, hint):
@@ -636,7 +679,7 @@ def _shut(sock):
 
 def _fill_data(reply, check):
     """reply.data from its text's JSON, then `check` on it; ValueError when either fails."""
-    reply.data = extract_json(reply.text)
+    reply.data = no_lone_surrogates(extract_json(reply.text))   # an escaped "\\ud800" inside the JSON string
     if check is not None:
         check(reply.data)
 
@@ -668,13 +711,21 @@ class Client:
         self.json_retries = json_retries
         self.prices = prices or {}               # model -> (USD per 1M input tokens, per 1M output tokens)
         self.ledger, self.stage = ledger, stage  # JSONL file: one line per reply received (see _count)
-        self.batch = None                        # a batch_clients.BatchRunner: map() sends through it first
+        self.batch = None                        # a batch_clients.BatchRunner (use_batch): map() uses it first
         self.lock = threading.Lock()
         self._stats = {"calls": 0, "cache_hits": 0, "json_reasks": 0,
                        "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
 
     def __repr__(self):
         return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
+
+    def use_batch(self, runner):
+        """map() sends through `runner` first (a batch_clients.BatchRunner built on this client: it
+        fills the reply cache, map() reads from it); None: synchronous calls only. -> self."""
+        if runner is not None and runner.client is not self:
+            raise ValueError(f"{self.label}: the batch runner belongs to another client ({runner.client.label})")
+        self.batch = runner
+        return self
 
     @property
     def label(self):
@@ -838,7 +889,7 @@ class Client:
         that with invalid="return" a ReplyInvalid takes its request's place in the results."""
         from tqdm import tqdm
         if self.batch is not None and requests_:   # the provider's batch API fills the cache first
-            self.batch.run(requests_, desc or self.label)
+            self.batch.fill_cache(requests_, desc or self.label)
         out = [None] * len(requests_)
         ex = ThreadPoolExecutor(max_workers=max(1, workers))
         try:
@@ -854,9 +905,10 @@ class Client:
                             raise
                         out[i] = e
         except BaseException:
-            # Ctrl-C or a failure: requests not yet started are cancelled; those in flight finish (their
-            # replies are cached) without holding up the exit
+            # Ctrl-C or a failure: requests not yet started are cancelled, those in flight stopped
+            # (Transport.abort), so the exit is not held up by workers running out their retries
             ex.shutdown(wait=False, cancel_futures=True)
+            self.transport.abort()
             raise
         ex.shutdown()
         return out

@@ -33,11 +33,17 @@ Usage: python run.py serve-offline --port 8765  (OpenAI-compatible /v1/chat/comp
 """
 import email.parser
 import email.policy
+import hashlib
 import json
 import re
 import threading
+import time
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
+import defenses
+import geodef
 import metrics
 import tfsg
 
@@ -402,6 +408,100 @@ def rewrite_doc(doc, method):
     return f"{lead}\n\n{doc}"
 
 
+# ----------------------------------------------------------------------------- injection defenses
+# The prompts of defenses.py, each recognised exactly (its template, or its <input> key with the whole
+# prompt rebuilt and compared) and played as simply as the rest of this engine: plumbing, never a
+# measure of those defenses. Spotlighting and the Sandwich Prompt: the target answers without the
+# weight it gives a document's claims about itself (authority markers); PromptArmor's remover quotes
+# the sentences with promotional or authority markers; RobustRAG's isolated answer restates the
+# question's terms and quotes the document's most relevant sentence, citing [1] ("I don't know." when
+# no query term is in it); its keyword answer lists the kept phrases.
+
+SYSTEM_JOIN = "\n\n[user message]\n\n"   # between the system messages and the user message the engine reads
+PROMOTION = AUTHORITY + ["this page", "this guide", "this article", "keywords:", "by the numbers",
+                         "for readers looking for", "also covers"]
+DEFENSE_INPUTS = {"document_to_screen": "remover", "single_search_result": "isolated_answer",
+                  "key_phrases": "keyword_answer"}
+
+
+def with_system(messages, user):
+    """The text the engine reads: the first user message `user`, after the system messages when
+    there are any (the defenses put their rules there)."""
+    system = [m.get("content") for m in messages if m.get("role") == "system"]
+    if not all(isinstance(s, str) for s in system):
+        raise ValueError("messages[].content: the offline engine takes a string")
+    return "\n\n".join(system) + SYSTEM_JOIN + user if system else user
+
+
+def chat_text(messages):
+    """with_system for a message list the project writes (its first user message)."""
+    return with_system(messages, next(m["content"] for m in messages if m["role"] == "user"))
+
+
+def defense_input(inp, prompt):
+    """-> (kind, inp) of a defense prompt with an <input> block, if rebuilding it from its input
+    gives exactly `prompt`; ValueError otherwise (a prompt of another shape is not guessed at)."""
+    kind = next(DEFENSE_INPUTS[k] for k in DEFENSE_INPUTS if k in inp)
+    rebuilt = {"remover": lambda: defenses.remover_messages(inp.get("document_to_screen")),
+               "isolated_answer": lambda: defenses.isolated_messages(inp.get("question"),
+                                                                     inp.get("single_search_result")),
+               "keyword_answer": lambda: defenses.keyword_messages(inp.get("question"), inp.get("key_phrases"))}[kind]
+    if chat_text(rebuilt()) != prompt:
+        raise ValueError(f"offline engine: {kind}: the prompt is not as defenses.py writes it")
+    return kind, inp
+
+
+def answer_unswayed(query, docs):
+    """The target's answer with no weight on a document's claims about itself: the top three by the
+    engine's attractiveness less its authority term."""
+    def score(i):
+        return attractiveness(query, docs[i - 1]) - 0.5 * min(features(docs[i - 1], query)["authority"], 4)
+    cite = sorted(range(1, len(docs) + 1), key=lambda i: (-score(i), i))[:3]
+    return {"answer": write_answer(query, docs, cite)}
+
+
+def screen(doc):
+    """PromptArmor's remover: the sentences (as written) that hold a promotional or authority marker."""
+    found = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", doc)
+             if s.strip() and any(m in s.lower() for m in PROMOTION)]
+    return {"manipulative": bool(found), "passages": found}
+
+
+def isolated_answer(query, doc):
+    """RobustRAG's answer from one document: its sentence most relevant to the query, after the
+    query's terms, citing [1]; "I don't know." when the document holds no query term."""
+    best = max(sentences(doc), key=lambda s: relevance(query, s), default=None)
+    if best is None or relevance(query, doc) == 0:
+        return {"answer": "I don't know."}
+    terms = " ".join(w for w in words(query) if w not in STOP)
+    best = re.sub(r"\s*\[[\d,\s\-–]+\]", "", best).rstrip(".")   # the document's own references are not ours
+    return {"answer": f"On {terms}: {best} [1]."}
+
+
+def keyword_answer(phrases):
+    """RobustRAG's final answer from the kept phrases, three to a sentence (at most nine)."""
+    if not phrases:
+        return {"answer": "I don't know."}
+    parts = [phrases[i:i + 3] for i in range(0, min(len(phrases), 9), 3)]
+    return {"answer": " ".join("The sources agree on " + (", ".join(p[:-1]) + " and " if len(p) > 1 else "")
+                               + p[-1] + "." for p in parts)}
+
+
+def play_defense(kind, f):
+    """A defense prompt's fields -> the engine's JSON reply."""
+    if kind == "answer_spotlight":
+        docs = [re.sub(r"^\[\d+\] ", "", line).replace(defenses.MARKER, " ") for line in f["results"].split("\n")]
+        return answer_unswayed(f["query"], docs)
+    if kind == "answer_sandwich":
+        block = defenses.read_block("search_results", f["results"])
+        return answer_unswayed(f["query"], [r["text"] for r in block])
+    if kind == "remover":
+        return screen(f["document_to_screen"])
+    if kind == "isolated_answer":
+        return isolated_answer(f["question"], f["single_search_result"])
+    return keyword_answer(f["key_phrases"])
+
+
 # ----------------------------------------------------------------------------- GEO attack families
 
 
@@ -425,60 +525,158 @@ def _sectioned(doc, terms):
     return "\n\n".join(f"{heads[min(i, 3)]}\n{p}" for i, p in enumerate(paras))
 
 
-def family_step(inp):
-    """One step of a GEO attack family (geo_attacks.py), played deterministically: every rewrite keeps
-    the document's text and adds what the family's step adds (an answer-first lead, headings, figure
-    call-outs, coverage of latent queries, an intent lead), so that families differ as their methods do."""
-    fam, step, q, doc = inp["geo_family"], inp["step"], inp.get("query", ""), inp.get("document", "")
+def _again(inp):
+    return f" (revision {inp['attempt']})" if inp.get("attempt") else ""
+
+
+def _figures(doc, k=3):
+    return re.findall(r"\d+(?:[.,]\d+)*(?:\s*(?:%|percent))?", doc)[:k]
+
+
+def _topic(doc):
+    """A document's topic words (no query needed): its most frequent content words."""
+    counts = {}
+    for w in words(doc):
+        if w not in STOP and len(w) > 3 and not w.isdigit():
+            counts[w] = counts.get(w, 0) + 1
+    return [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:3]] or ["topic"]
+
+
+def _emphasised(doc, n=2):
+    """The first n sentence openings in bold (micro-level emphasis)."""
+    return re.sub(r"^(?![#|*-])([^\n]{12,}?[.!?])", r"**\1**", doc, count=n, flags=re.M)
+
+
+def _agentic(inp):
+    """AgenticGEO (F1): the critic's ranking (by a digest of the current text and each id: it depends on
+    the content) and each strategy's move, recognised by its type word in the strategy text."""
+    doc, q = inp.get("current_document", ""), inp.get("query", "")
+    if "strategies" in inp:
+        ids = [s["id"] for s in inp["strategies"]]
+        return {"ranking": sorted(ids, key=lambda x: hashlib.sha1((doc + x).encode()).hexdigest())}
+    s, again, terms = inp["strategy"].lower(), _again(inp), _key_terms(q)
+    moves = [("expert", f"Verified by experts{again}: {_first_sentence(doc)}\n\n{doc}"),
+             ("credible", f"{doc}\n\nAccording to the sources named above{again}, these points hold."),
+             ("quantitative", f"{doc}\n\nBy the numbers{again}: {', '.join(_figures(doc)) or 'as given above'}."),
+             ("quotable", f'"{_first_sentence(doc)}"{again}\n\n{doc}'),
+             ("smoothly", f"{doc}\n\nPut together{again}, these facts give the definitive answer."),
+             ("plain words", f"In plain words{again}: {_first_sentence(doc)}\n\n{doc}"),
+             ("key terms", f"## {' '.join(terms).title() or 'Overview'}{again}\n\n{doc}")]
+    return {"rewritten_document": next((t for k, t in moves if k in s), f"{doc}\n\nIn brief{again}: "
+                                       f"{_first_sentence(doc)}")}
+
+
+def _mageo(step, inp):
+    """MAGEO (F3): profile, plan, two candidates, predicted scores, and the simulated engine's answer."""
+    if step == "profile":
+        return {"format_preferences": ["headings", "lists"], "content_preferences": ["figures", "named sources"],
+                "style_preferences": ["direct answers"], "risk_constraints": ["unsupported claims"],
+                "summary": "prefers direct, structured, sourced answers"}
+    if step == "engine":
+        docs = [d["text"] for d in inp["documents"]]
+        return json.loads(answer_target(inp["query"], docs)[0])
+    doc, q, again, r = inp.get("current_document", ""), inp.get("query", ""), _again(inp), int(inp.get("round", 1))
     terms = _key_terms(q)
-    nums = re.findall(r"\d+(?:[.,]\d+)*(?:\s*(?:%|percent))?", doc)
-    again = f" (revision {inp['attempt']})" if inp.get("attempt") else ""
-    if step == "latent_queries":
-        return {"latent_queries": [f"{q} explained", f"why {' '.join(terms)}", f"{' '.join(terms[:2])} tips"]}
-    if step == "edit_requests":
-        return {"edit_requests": [f"Add a sentence that answers '{x}' from the document's facts."
-                                  for x in inp["latent_queries"]]}
-    if step == "blueprint":
-        return {"blueprint": "; ".join(inp["edit_requests"])}
-    if step == "role_intents":
-        return {"role_intents": [f"{r} wants to know {q.rstrip('?')}" for r in inp["roles"]]}
-    if step == "reflect":
-        return {"intent": f"a clear, actionable answer to: {q.rstrip('?')}"}
     if step == "plan":
-        return {"plan": [f"lead with the answer about {' '.join(terms)}", "add headings", "surface the figures"]}
-    if fam == "MAGEO" and step == "edit":
-        r = int(inp.get("round", 1))
-        return {"candidates": [f"Answer{again}: {' '.join(terms)} - {_first_sentence(doc)}\n\n{doc}",
-                               f"Key facts on {' '.join(terms)} (round {r}): "
-                               + ", ".join(nums[:3]) + ".\n\n" + _sectioned(doc, terms)]}
-    if fam == "GEO":
-        figures = ", ".join(nums[:3]) or "see below"
-        new = f"Put simply{again}, here is what matters. By the numbers: {figures}.\n\n{doc}"
-    elif fam == "AutoGEO":
-        new = (f"In short{again}: {_first_sentence(doc)}\n\n{_sectioned(doc, terms)}\n\n"
-               f"Summary: the key points on {' '.join(terms)} are above.")
-    elif fam == "AgenticGEO":        # the strategy's move, recognised by its wording
-        s = inp.get("strategy", "").lower()
-        if "heading" in s or "list" in s:
-            new = _sectioned(doc, terms) + (f"\n\n(revision {inp['attempt']})" if again else "")
-        elif "answer" in s or "takeaway" in s:
-            new = f"Answer{again}: {_first_sentence(doc)}\n\n{doc}"
-        elif "figure" in s or "attribute" in s:
-            new = f"{doc}\n\nKey figures{again}: {', '.join(nums[:3]) or 'as given above'}."
-        else:
-            new = f"{doc}\n\nIn brief{again}: {_first_sentence(doc)}"
-    elif fam == "GEO-SFE":
-        new = {"architecture": f"# {' '.join(terms).title()}{again}\n\nSummary: {_first_sentence(doc)}\n\n{doc}"
-                               "\n\nRecap: the points above answer the question.",
-               "sections": _sectioned(doc, terms),
-               "sentences": re.sub(r"^(?!#)([^\n]{10,}?[.!?])", r"**\1**", doc, count=3, flags=re.M)}[step]
-    elif fam == "IF-GEO":
-        new = f"{doc}\n\nThis page also covers{again}: " + "; ".join(
-            x.split("'")[1] if "'" in x else x for x in inp.get("blueprint", "").split("; ")) + "."
-    elif fam == "RAID-GSEO":
-        new = f"For readers looking for {inp.get('intent', q)}{again}:\n\n{doc}"
+        return {"plan_steps": [{"edit_type": t, "target_span": "opening", "rationale": "visibility",
+                                "operations": [op]} for t, op in (("Structure", "lead with the answer"),
+                                                                  ("Evidence", "surface the figures"))]}
+    if step == "edit":
+        first, figs = _first_sentence(doc), ", ".join(_figures(doc)) or "see below"
+        return {"candidates": [
+            {"revised_content": f"Answer verified by experts{again}, round {r}: {first}\n\n{doc}",
+             "applied_edit_ops": [{"edit_type": "Structure", "target_span": "opening", "op_pattern": "answer lead"}]},
+            {"revised_content": f"Key facts by the numbers (round {r}){again}: {figs}.\n\n{_sectioned(doc, terms)}",
+             "applied_edit_ops": [{"edit_type": "Evidence", "target_span": "opening", "op_pattern": "figures lead"}]}]}
+    if step == "evaluate":
+        return {"evaluations": [{"candidate": c["candidate"], "visibility": 6 + (c["candidate"] + r) % 3,
+                                 "position": 6, "faithfulness": 8, "attribution": 7} for c in inp["candidates"]]}
+    raise ValueError(f"offline engine: unknown MAGEO step {step!r}")
+
+
+def _ifgeo(step, inp):
+    """IF-GEO (F6): latent queries from the document's topic words, one request each, the converge steps."""
+    doc, again = inp.get("document", ""), _again(inp)
+    if step == "mine":
+        t = _topic(doc)
+        return {"queries": [{"query": q, "probability": p} for q, p in
+                            ((f"what is {t[0]}", 90), (f"{t[0]} {t[-1]} facts", 80), (f"how {t[0]} works", 75),
+                             (f"{t[0]} figures", 70), (f"{t[0]} tips", 60))]}
+    if step == "request":
+        q = inp["latent_query"]
+        return {"suggestions": [{"excerpt": _first_sentence(doc)[:60], "necessity": 70 + len(q) % 20,
+                                 "suggestion": f"add a sentence that answers '{q}' from the document's facts"},
+                                {"excerpt": "", "suggestion": "reword a passage", "necessity": 30}]}
+    if step == "dedup":
+        seen, out = {}, []
+        for r in inp["requests"]:
+            if r["suggestion"] not in seen:
+                seen[r["suggestion"]] = r
+                out.append({**r, "merged_ids": [r["id"]], "topic": r["latent_query"]})
+        return {"requests": out}
+    if step == "conflicts":
+        return {"instructions": [{"id": r["id"], "excerpt": r.get("excerpt", ""), "suggestion": r["suggestion"]}
+                                 for r in inp["requests"]]}
+    if step == "blueprint":
+        return {"revision_blueprint": [{"section_name": "end", "target_location": "after the last paragraph",
+                                        "modification_intent": "cover the latent queries",
+                                        "directives": [x["suggestion"] for x in inp["instructions"]],
+                                        "format_note": "one line"}]}
+    if step == "revise":
+        asks = [re.search(r"'([^']+)'", d) for b in inp["revision_blueprint"] for d in b["directives"]]
+        return {"rewritten_document": f"{doc}\n\nThis page also answers{again}: "
+                                      + "; ".join(m.group(1) for m in asks if m) + "."}
+    raise ValueError(f"offline engine: unknown IF-GEO step {step!r}")
+
+
+def _raid(step, inp):
+    """RAID G-SEO (F7): summary, intent, 4W reflection, plan and rewrite, from the content alone."""
+    doc, t = inp.get("document", ""), _topic(inp.get("document", ""))
+    if step == "summary":
+        return {"summary": _first_sentence(doc)}
+    if step == "intent":
+        return {"primary_intent": f"understand {' '.join(t[:2])}"}
+    if step == "reflect":
+        return {"roles": [{"role": "newcomer", "needs": "basics", "mismatch": "jargon"},
+                          {"role": "practitioner", "needs": "steps", "mismatch": "missing steps"}],
+                "generalized_intent": f"understand and apply {' '.join(t[:2])}"}
+    if step == "plan":
+        return {"steps": [f"open with what a reader needs about {t[0]}", "make the steps explicit"]}
+    if step == "rewrite":
+        return {"rewritten_document": f"What you need to know about {' '.join(t[:2])}{_again(inp)}:\n\n{doc}\n\n"
+                                      f"Next step: {_first_sentence(doc)}"}
+    raise ValueError(f"offline engine: unknown RAID-GSEO step {step!r}")
+
+
+def family_step(inp):
+    """One step of a GEO attack family (geo_attacks.py), played deterministically from the opaque marker
+    ("rewrite_task": "F<n>.<step>"): every rewrite keeps the document's text and adds what the family's
+    step adds (a confident lead, figures, headings and emphasis, latent-query coverage, an intent lead),
+    so that the families differ as their methods do. Plumbing, not the papers' rewriters."""
+    code, _, step = inp["rewrite_task"].partition(".")
+    doc, again = inp.get("document", ""), _again(inp)
+    if code == "F1":
+        return _agentic(inp)
+    if code == "F3":
+        return _mageo(step, inp)
+    if code == "F6":
+        return _ifgeo(step, inp)
+    if code == "F7":
+        return _raid(step, inp)
+    if code == "F4" and step == "fluency":
+        new = f"Put simply{again}, here is what matters.\n\n{doc}"
+    elif code == "F4" and step == "statistics":
+        new = f"{doc}\n\nBy the numbers: {', '.join(_figures(doc)) or 'as stated above'}."
+    elif code == "F2":
+        new = (f"In short{again}: {_first_sentence(doc)}\n\n{_sectioned(doc, _topic(doc))}\n\n"
+               f"Synthesis: the main points on {' '.join(_topic(doc)[:2])} are above.")
+    elif code == "F5" and step in ("macro", "meso", "micro"):
+        t = _topic(doc)
+        new = {"macro": f"# {' '.join(t).title()}{again}\n\n## Overview\n\n{doc}\n\n### See also\n\nthe overview",
+               "meso": f"{doc}\n\n- " + "\n- ".join(_figures(doc) or [t[0]]),
+               "micro": _emphasised(doc)}[step]
     else:
-        raise ValueError(f"offline engine: unknown GEO family {fam!r}")
+        raise ValueError(f"offline engine: unknown family step {inp['rewrite_task']!r}")
     return {"rewritten_document": new}
 
 
@@ -556,6 +754,11 @@ Q, A, B, D = "\x00query\x00", "\x00a\x00", "\x00b\x00", "\x00results\x00"
 PATTERNS = {
     "asi_judge": template_pattern(metrics.asi_prompt(Q, A, B), query=Q, attack=A, answer=B),
     "pairwise_judge": template_pattern(metrics.pairwise_prompt(Q, A, B), query=Q, a=A, b=B),
+    # the defenses' system + user prompts (with_system), their documents captured whole
+    "answer_spotlight": template_pattern(chat_text(defenses.spotlight_messages(Q, [D])).replace("[1] " + D, D),
+                                         query=Q, results=D),
+    "answer_sandwich": template_pattern(chat_text(defenses.sandwich_messages(Q, [D])).replace(
+        defenses.results_block([D]), D), query=Q, results=D),
     # the guidance-bearing A.3.8 first: A.3.7's pattern would take its guidance for part of the query
     "answer_static_safety": template_pattern(tfsg.standard_prompt(Q, [D], static_safety=True).replace("[1] " + D, D),
                                              query=Q, results=D),
@@ -573,7 +776,7 @@ def prompt_kind(prompt):
                           ("guided_answer", "user_question")):
             if key in inp:
                 return kind, inp
-        if "geo_family" in inp and "step" in inp:
+        if isinstance(inp.get("rewrite_task"), str):
             return "geo_family", inp
         if {"query", "method", "document"} <= set(inp):
             return "rewrite", inp
@@ -581,6 +784,8 @@ def prompt_kind(prompt):
             return "adaptive_attack", inp
         if inp.get("fidelity_task") == "source_vs_candidate":
             return "fidelity_judge", inp
+        if DEFENSE_INPUTS.keys() & inp.keys():
+            return defense_input(inp, prompt)
     for kind, pat in PATTERNS.items():
         m = pat.fullmatch(prompt)
         if m:
@@ -612,6 +817,8 @@ def complete(prompt):
         return json.dumps(analyze_cold_start(f)), None
     if kind == "evolution":
         return json.dumps(analyze_batch(f)), None
+    if kind in ("answer_spotlight", "answer_sandwich") or kind in DEFENSE_INPUTS.values():
+        return json.dumps(play_defense(kind, f), ensure_ascii=False), None
     if kind == "guided_answer":
         docs = [r["text"] for r in f["search_results"]]
         rules = (f.get("experience_library") or {}).get("rules", [])
@@ -635,6 +842,7 @@ def respond(body):
     prompt = user[0].get("content")   # a JSON re-ask repeats it: the engine's JSON is always valid
     if not isinstance(prompt, str):
         raise ValueError("messages[].content: the offline engine takes a string")
+    prompt = with_system(msgs, prompt)
     text, reasoning = complete(prompt)
     msg = {"role": "assistant", "content": text}
     if reasoning:
@@ -650,105 +858,376 @@ MAX_BODY = 64 << 20
 
 # ----------------------------------------------------------------------------- batch APIs
 
+DAY = 24 * 3600
+OPENAI_ENDPOINT = "/v1/chat/completions"
+# the batch routes: OpenAI's /v1/files[/ID[/content]] and /v1/batches[/ID[/cancel]], Anthropic's
+# /v1/messages/batches[/ID[/cancel | /results]]
+BATCH_ROUTE = re.compile(r"/v1/(files|batches|messages/batches)(?:/([^/]+))?(?:/(content|cancel|results))?$")
+RUNNING = ("validating", "in_progress", "cancelling")
+
+
+def _iso(t):
+    """Unix seconds -> Anthropic's RFC 3339 timestamp ('2024-08-20T18:37:24.100435Z'); None stays None."""
+    return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _text(content):
+    """Anthropic content: a string, or its text blocks joined (what the engine reads)."""
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return content
+
+
+def _chat_body(params):
+    """Anthropic Messages params -> the Chat Completions body the engine answers."""
+    system = _text(params.get("system"))
+    msgs = [{"role": m["role"], "content": _text(m["content"])} for m in params["messages"]]
+    return {"messages": ([{"role": "system", "content": system}] if system else []) + msgs}
+
+
+def _as_message(resp):
+    """The engine's Chat Completions reply -> Anthropic's Message object."""
+    return {"id": "msg_offline", "type": "message", "role": "assistant", "model": ENGINE,
+            "content": [{"type": "text", "text": resp["choices"][0]["message"]["content"]}],
+            "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": resp["usage"]["prompt_tokens"],
+                      "output_tokens": resp["usage"]["completion_tokens"]}}
+
+
+def _file_object(f):
+    """A stored file as OpenAI's File object."""
+    return {"id": f["id"], "object": "file", "bytes": len(f["content"].encode("utf-8")), "created_at": f["created_at"],
+            "filename": f["filename"], "purpose": f["purpose"], "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+def _line_problem(line, seen):
+    """An OpenAI batch input line -> (error code, message) when it would fail the batch's validation."""
+    if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str):
+        return "missing_custom_id", "custom_id: a string is required"
+    if line["custom_id"] in seen:
+        return "duplicate_custom_id", f"custom_id {line['custom_id'][:40]!r} is used more than once"
+    if line.get("method") != "POST" or line.get("url") != OPENAI_ENDPOINT:
+        return "invalid_url", f"method POST and url {OPENAI_ENDPOINT} are required"
+    if not isinstance(line.get("body"), dict):
+        return "invalid_body", "body: an object is required"
+    return None
+
 
 class Batches:
-    """OpenAI's Files + Batches and Anthropic's Message Batches, answered by the engine. A batch stays
-    in progress for `polls` status checks, then runs every line. Test knobs: `expire_after` (lines run
-    before the next batch expires, once), `fail_first` (that many lines answer 500, once each), `reject`
-    (creation refused with 400), `missing` (no batch endpoint: 404); Anthropic results come back in
-    reverse order (the API promises none)."""
+    """OpenAI's Files + Batches and Anthropic's Message Batches, answered by the engine, with the
+    objects and routes the official SDKs read (`route`). A batch stays in progress for `polls` status
+    checks (its request counts advancing), then runs every line. A line the engine cannot answer is
+    an error line (OpenAI: status_code 400 in the error file; Anthropic: an `errored` result), never a
+    failed call. Anthropic results come back in reverse order (the API promises none).
+
+    `knobs`, for tests (a "once" knob clears itself when used):
+      polls         status checks a batch stays in progress (1)
+      stall         lines a batch completes before it stops progressing, never ending (None: it ends)
+      expire_after  lines run before the next batch to end expires (once)
+      fail_first    that many lines answer 500 (Anthropic: api_error), once each
+      fail          a message: the next OpenAI batch created fails validation with it (once)
+      reject        creation refused with 400
+      missing       no batch endpoints: 404 on each of them
+      no_status     the next that many status replies lack their status field
+      purge         the next batch to end has its output purged: reading it answers 404 (once)
+      tamper        a function of the next ended batch's output rows -> the rows served (once)
+    """
+    KNOBS = {"polls": 1, "stall": None, "expire_after": None, "fail_first": 0, "fail": None, "reject": False,
+             "missing": False, "no_status": 0, "purge": False, "tamper": None}
 
     def __init__(self):
-        self.files, self.batches, self.failed, self.lock = {}, {}, set(), threading.Lock()
-        self.polls, self.expire_after, self.fail_first, self.reject, self.missing = 1, None, 0, False, False
-        self.created = 0
+        self.files, self.batches, self.failed, self.lock = {}, {}, set(), threading.RLock()
+        self.knobs = dict(self.KNOBS)
+        self.created = self.n_files = 0
+
+    def route(self, method, path, query, raw, content_type, host):
+        """A batch API request -> (200, reply object or JSONL text); raises KeyError (404: no such
+        route, batch or file) or ValueError (400)."""
+        m = BATCH_ROUTE.search(path)
+        if m is None or self.knobs["missing"]:
+            raise KeyError(path)
+        kind, oid, verb = m.groups()
+        anthropic = kind == "messages/batches"
+        if kind == "files":
+            if method == "POST" and oid is None:
+                return 200, self.upload(content_type, raw)
+            if method == "GET" and oid is not None and verb in (None, "content"):
+                f = self._file(oid)
+                return 200, f["content"] if verb else _file_object(f)
+        elif method == "POST" and oid is None:
+            return 200, self.create(json.loads(raw), anthropic, host)
+        elif method == "GET" and oid is None:
+            return 200, self.listing(anthropic, query, host)
+        elif method == "GET" and verb is None:
+            return 200, self.status(oid, anthropic, host)
+        elif method == "POST" and verb == "cancel":
+            return 200, self.cancel(oid, anthropic, host)
+        elif method == "GET" and verb == "results" and anthropic:
+            return 200, self.results(oid)
+        raise KeyError(path)
+
+    # --- files
 
     def upload(self, content_type, raw):
+        """POST /v1/files (multipart: purpose=batch and the file) -> its File object."""
         msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
             b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + raw)
-        parts = {p.get_param("name", header="content-disposition"): p.get_payload(decode=True)
-                 for p in msg.iter_parts()}
-        if parts.get("purpose") != b"batch" or "file" not in parts:
-            raise ValueError("multipart fields purpose=batch and file are required")
-        with self.lock:
-            fid = f"file-{len(self.files) + 1}"
-            self.files[fid] = parts["file"].decode("utf-8")
-        return {"id": fid, "object": "file", "purpose": "batch", "bytes": len(parts["file"])}
+        parts = {p.get_param("name", header="content-disposition"): p for p in msg.iter_parts()}
+        if "file" not in parts or "purpose" not in parts or parts["purpose"].get_payload(decode=True) != b"batch":
+            raise ValueError("multipart/form-data fields purpose=batch and file are required")
+        data = parts["file"].get_payload(decode=True).decode("utf-8")
+        return _file_object(self._keep(data, parts["file"].get_filename() or "batch.jsonl", "batch"))
 
-    def create(self, body, anthropic=False):
-        if self.reject:
-            raise ValueError("batch refused (offline engine's reject knob)")
-        lines = (body["requests"] if anthropic
-                 else [json.loads(x) for x in self.files[body["input_file_id"]].splitlines()])
+    def _keep(self, content, filename, purpose):
         with self.lock:
+            self.n_files += 1
+            fid = f"file-{self.n_files}"
+            self.files[fid] = {"id": fid, "content": content, "filename": filename, "purpose": purpose,
+                               "created_at": int(time.time())}
+            return self.files[fid]
+
+    def _file(self, fid):
+        if fid not in self.files:
+            raise KeyError(fid)
+        return self.files[fid]
+
+    # --- batches
+
+    def create(self, body, anthropic, host):
+        """POST /v1/batches or /v1/messages/batches -> the new batch. A request not of the API's shape
+        is refused (400); OpenAI's input lines are validated as the batch starts: a bad one fails the
+        batch, its line number in `errors`."""
+        if self.knobs["reject"]:
+            raise ValueError("batch refused (offline engine's reject knob)")
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        lines, problem = (self._anthropic_requests(body), None) if anthropic else self._openai_lines(body)
+        with self.lock:
+            if problem is None and not anthropic and self.knobs["fail"]:
+                problem, self.knobs["fail"] = {"code": "invalid_request", "message": self.knobs["fail"]}, None
             self.created += 1
             bid = f"batch-{self.created}"
-            self.batches[bid] = {"lines": lines, "polls": 0, "anthropic": anthropic, "out": None}
-        return self.status(bid, count=False)
+            b = self.batches[bid] = {
+                "id": bid, "anthropic": anthropic, "lines": lines, "polls": 0, "state": "validating",
+                "at": {"created": time.time()}, "counts": {"succeeded": 0}, "out": [], "problem": problem,
+                "input_file_id": body.get("input_file_id"), "metadata": body.get("metadata")}
+            return self.view(b, host)
 
-    def status(self, bid, count=True):
-        b = self.batches[bid]
+    def _openai_lines(self, body):
+        """An OpenAI batch request -> (its input file's lines, the first problem with them or None)."""
+        if body.get("endpoint") != OPENAI_ENDPOINT:
+            raise ValueError(f"endpoint: the offline engine serves {OPENAI_ENDPOINT} only")
+        if body.get("completion_window") != "24h":
+            raise ValueError("completion_window: '24h' is required")
+        lines, seen = [], set()
+        for n, text in enumerate(self._file(body.get("input_file_id"))["content"].splitlines(), 1):
+            try:
+                line = json.loads(text)
+            except ValueError:
+                line = None
+            bad = _line_problem(line, seen)
+            if bad:
+                return lines, {"code": bad[0], "message": f"line {n}: {bad[1]}", "param": None, "line": n}
+            seen.add(line["custom_id"])
+            lines.append(line)
+        return lines, None if lines else {"code": "empty_file", "message": "the input file has no lines",
+                                          "param": None, "line": None}
+
+    @staticmethod
+    def _anthropic_requests(body):
+        reqs = body.get("requests")
+        if not isinstance(reqs, list) or not reqs or not all(
+                isinstance(r, dict) and isinstance(r.get("custom_id"), str) and isinstance(r.get("params"), dict)
+                for r in reqs):
+            raise ValueError("requests: a non-empty list of {custom_id, params} objects is required")
+        if len({r["custom_id"] for r in reqs}) != len(reqs):
+            raise ValueError("requests: each custom_id must be unique")
+        return reqs
+
+    def _batch(self, bid, anthropic):
+        b = self.batches.get(bid)
+        if b is None or b["anthropic"] != anthropic:
+            raise KeyError(bid)
+        return b
+
+    def status(self, bid, anthropic, host):
+        """GET a batch: one status check (the batch advances) -> its object."""
         with self.lock:
-            if count:
-                b["polls"] += 1
-            if b["out"] is None and b["polls"] > self.polls:
-                b["out"] = self._run(b)
-        done = b["out"] is not None
+            b = self._batch(bid, anthropic)
+            self._advance(b)
+            view = self.view(b, host)
+            if self.knobs["no_status"]:
+                self.knobs["no_status"] -= 1
+                view.pop("processing_status" if anthropic else "status")
+            return view
+
+    def cancel(self, bid, anthropic, host):
+        """POST .../cancel: a batch in progress ends at its next status check with the lines it has done."""
+        with self.lock:
+            b = self._batch(bid, anthropic)
+            if b["state"] in ("validating", "in_progress"):
+                b["state"], b["at"]["cancelling"] = "cancelling", time.time()
+            return self.view(b, host)
+
+    def listing(self, anthropic, query, host):
+        """GET /v1/batches or /v1/messages/batches: newest first, `limit` (1..100, default 20) after
+        `after` (OpenAI) or `after_id`, or before `before_id` (Anthropic)."""
+        q = {k: v[-1] for k, v in query.items()}
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise ValueError("limit: an integer in 1..100 is required")
+        limit = int(limit)
+        with self.lock:
+            ids = [bid for bid, b in reversed(self.batches.items()) if b["anthropic"] == anthropic]
+            after, before = q.get("after_id" if anthropic else "after"), q.get("before_id") if anthropic else None
+            if after:
+                ids = ids[ids.index(after) + 1:]          # an unknown id: ValueError, 400
+            page = ids[:ids.index(before)][-limit:] if before else ids[:limit]
+            more = ids.index(page[0]) > 0 if before and page else len(ids) > limit
+            out = {"data": [self.view(self.batches[i], host) for i in page], "has_more": more,
+                   "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
+        return out if anthropic else {"object": "list", **out}
+
+    def results(self, bid):
+        """GET /v1/messages/batches/{id}/results (the results_url) -> JSONL."""
+        with self.lock:
+            b = self._batch(bid, True)
+            if b["state"] in RUNNING or b.get("purged"):
+                raise KeyError(bid)
+            return "".join(json.dumps(r) + "\n" for r in b["out"])
+
+    # --- running a batch
+
+    def _advance(self, b):
+        """One status check's progress: lines complete over `polls` checks, then the batch ends (expired
+        under expire_after; never while `stall` holds it); a cancelled one ends with what it has done."""
+        k, now = self.knobs, time.time()
+        if b["state"] == "cancelling":
+            return self._end(b, "cancelled", b["counts"]["succeeded"])
+        if b["state"] not in RUNNING:
+            return
+        if b["problem"]:
+            b["state"], b["at"]["failed"] = "failed", now
+            return
+        b["polls"] += 1
+        b["state"] = "in_progress"
+        b["at"].setdefault("in_progress", now)
+        total = len(b["lines"])
+        b["counts"]["succeeded"] = min(total * b["polls"] // (k["polls"] + 1), total if k["stall"] is None else
+                                       k["stall"])
+        if b["polls"] > k["polls"] and k["stall"] is None:
+            n = total if k["expire_after"] is None else min(k["expire_after"], total)
+            if n < total:
+                k["expire_after"] = None           # one batch expires; the resubmitted lines run
+            self._end(b, "completed" if n == total else "expired", n)
+
+    def _end(self, b, state, n):
+        """The batch ends in `state` with its first n lines run, the others expired or cancelled; its
+        output and error files (OpenAI) or results (Anthropic) are written."""
+        rows = [self._run_line(b, i, line) if i < n else self._unrun(b, i, line, state)
+                for i, line in enumerate(b["lines"])]
+        gone = {"batch_expired": "expired", "batch_cancelled": "canceled"}
+        kinds = [r["result"]["type"] if b["anthropic"] else "succeeded" if ok else
+                 gone.get((r["error"] or {}).get("code"), "errored") for r, ok in rows]
+        b["counts"] = {k: kinds.count(k) for k in ("succeeded", "errored", "canceled", "expired")}
+        out, errors = [r for r, ok in rows if ok or b["anthropic"]], [r for r, ok in rows if not ok]
+        out = out[::-1] if b["anthropic"] else out
+        if self.knobs["tamper"]:
+            out, self.knobs["tamper"] = self.knobs["tamper"](out), None
+        b["state"], b["at"]["finalizing"], b["at"][state] = state, time.time(), time.time()
         if b["anthropic"]:
-            return {"id": bid, "type": "message_batch", "processing_status": "ended" if done else "in_progress",
-                    "results_url": f"/v1/messages/batches/{bid}/results" if done else None}
-        state = "in_progress" if not done else "expired" if b["expired"] else "completed"
-        return {"id": bid, "object": "batch", "status": state, "output_file_id": f"{bid}-out" if done else None,
-                "error_file_id": f"{bid}-err" if done and b["errors"] else None}
+            b["out"] = out
+        else:
+            jsonl = lambda rows_: "".join(json.dumps(r) + "\n" for r in rows_)
+            b["output_file_id"] = self._keep(jsonl(out), f"{b['id']}_output.jsonl", "batch_output")["id"]
+            if errors:
+                b["error_file_id"] = self._keep(jsonl(errors), f"{b['id']}_error.jsonl", "batch_output")["id"]
+        if self.knobs["purge"]:
+            self.knobs["purge"], b["purged"] = False, True
+            for fid in (b.get("output_file_id"), b.get("error_file_id")):
+                self.files.pop(fid, None)
 
-    def _run(self, b):
-        out, b["errors"], b["expired"] = [], [], False
-        for i, line in enumerate(b["lines"]):
-            cid = line["custom_id"]
-            if self.expire_after is not None and i >= self.expire_after:
-                b["expired"] = True
-                if not b["anthropic"]:
-                    b["errors"].append({"custom_id": cid, "response": None,
-                                        "error": {"code": "batch_expired", "message": "expired"}})
-                else:
-                    out.append({"custom_id": cid, "result": {"type": "expired"}})
-                continue
-            if cid not in self.failed and len(self.failed) < self.fail_first:
-                self.failed.add(cid)
-                if b["anthropic"]:
-                    out.append({"custom_id": cid, "result": {"type": "errored",
-                                                             "error": {"type": "api_error", "message": "offline"}}})
-                else:
-                    b["errors"].append({"custom_id": cid, "response": {"status_code": 500, "body": {}}, "error": None})
-                continue
-            params = line["params"] if b["anthropic"] else line["body"]
-            system = [{"role": "system", "content": params["system"]}] if params.get("system") else []
-            resp = respond({"messages": system + params["messages"]})
-            if b["anthropic"]:
-                text = resp["choices"][0]["message"]["content"]
-                resp = {"type": "message", "role": "assistant", "model": ENGINE, "stop_reason": "end_turn",
-                        "content": [{"type": "text", "text": text}],
-                        "usage": {"input_tokens": resp["usage"]["prompt_tokens"],
-                                  "output_tokens": resp["usage"]["completion_tokens"]}}
-                out.append({"custom_id": cid, "result": {"type": "succeeded", "message": resp}})
-            else:
-                out.append({"custom_id": cid, "response": {"status_code": 200, "body": resp}, "error": None})
-        if b["expired"]:
-            self.expire_after = None           # one batch expires; the resubmitted lines run
-        return out[::-1] if b["anthropic"] else out
+    def _run_line(self, b, i, line):
+        """One line answered by the engine -> (row, answered): OpenAI's output or error-file row, or
+        Anthropic's result (succeeded, or errored where the engine cannot answer the prompt)."""
+        cid = line["custom_id"]
+        if cid not in self.failed and len(self.failed) < self.knobs["fail_first"]:
+            self.failed.add(cid)
+            return self._row(b, i, cid, 500, {"type": "api_error", "message": "offline engine's fail_first knob"})
+        try:
+            resp = respond(_chat_body(line["params"]) if b["anthropic"] else line["body"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:    # a prompt the engine cannot answer
+            return self._row(b, i, cid, 400, {"type": "invalid_request_error", "message": str(e)[:300]})
+        return self._row(b, i, cid, 200, _as_message(resp) if b["anthropic"] else resp)
 
-    def content(self, path):
-        """GET .../files/{id}/content or .../messages/batches/{id}/results -> JSONL text."""
-        bid = path.split("/")[-2].removesuffix("-out").removesuffix("-err")
-        b = self.batches[bid]
-        rows = b["errors"] if path.split("/")[-2].endswith("-err") else b["out"]
-        return "".join(json.dumps(r) + "\n" for r in rows)
+    @staticmethod
+    def _row(b, i, cid, code, payload):
+        if b["anthropic"]:
+            res = ({"type": "succeeded", "message": payload} if code == 200 else
+                   {"type": "errored", "error": {"type": "error", "error": payload}})
+            return {"custom_id": cid, "result": res}, code == 200
+        body = payload if code == 200 else {"error": {**payload, "param": None, "code": None}}
+        return {"id": f"batch_req_{b['id']}_{i}", "custom_id": cid,
+                "response": {"status_code": code, "request_id": f"req_{b['id']}_{i}", "body": body},
+                "error": None}, code == 200
+
+    @staticmethod
+    def _unrun(b, i, line, state):
+        """A line the batch ended without running (expired, or cancelled) -> (row, False)."""
+        if b["anthropic"]:
+            return {"custom_id": line["custom_id"], "result": {"type": "expired" if state == "expired" else
+                                                               "canceled"}}, False
+        why = "batch_expired" if state == "expired" else "batch_cancelled"
+        return {"id": f"batch_req_{b['id']}_{i}", "custom_id": line["custom_id"], "response": None,
+                "error": {"code": why, "message": f"the batch was {state} before this request ran"}}, False
+
+    def view(self, b, host):
+        """The batch as its API returns it: OpenAI's Batch or Anthropic's MessageBatch object."""
+        return self._anthropic_view(b, host) if b["anthropic"] else self._openai_view(b)
+
+    @staticmethod
+    def _anthropic_view(b, host):
+        at, c, ended = b["at"], b["counts"], b["state"] not in RUNNING
+        counts = {k: c.get(k, 0) for k in ("succeeded", "errored", "canceled", "expired")}
+        return {"id": b["id"], "type": "message_batch",
+                "processing_status": "ended" if ended else "canceling" if b["state"] == "cancelling" else
+                "in_progress",
+                "request_counts": {"processing": len(b["lines"]) - sum(counts.values()), **counts},
+                "created_at": _iso(at["created"]), "expires_at": _iso(at["created"] + DAY),
+                "ended_at": _iso(at.get(b["state"])) if ended else None,
+                "cancel_initiated_at": _iso(at.get("cancelling")), "archived_at": None,
+                "results_url": f"http://{host}/v1/messages/batches/{b['id']}/results" if ended else None}
+
+    @staticmethod
+    def _openai_view(b):
+        at, c = b["at"], b["counts"]
+        stamps = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
+        return {"id": b["id"], "object": "batch", "endpoint": OPENAI_ENDPOINT, "input_file_id": b["input_file_id"],
+                "completion_window": "24h", "status": b["state"], "output_file_id": b.get("output_file_id"),
+                "error_file_id": b.get("error_file_id"),
+                "errors": {"object": "list", "data": [b["problem"]]} if b["state"] == "failed" else None,
+                "created_at": int(at["created"]), "expires_at": int(at["created"] + DAY),
+                **{f"{k}_at": int(at[k]) if k in at else None for k in stamps},
+                "request_counts": {"total": len(b["lines"]), "completed": c["succeeded"],
+                                   "failed": sum(c.get(k, 0) for k in ("errored", "canceled", "expired"))},
+                "metadata": b["metadata"]}
 
 
 def load_corpus(path):
-    """A synthetic search corpus (JSONL of {query, url, text}; data/make_sample.py writes one) -> list."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """A synthetic search corpus (JSONL of {query, url, text}; data/make_sample.py writes one) -> list,
+    every line checked (file:line: field: what is wrong, as geodef.BenchFormatError)."""
+    pages = []
+    for n, obj in geodef.read_jsonl(path):
+        for key in ("query", "url", "text"):
+            if not isinstance(obj.get(key), str) or (key != "url" and not obj[key].strip()):
+                raise geodef.BenchFormatError(f"{path}:{n}: {key}: expected a non-empty string"
+                                              if key != "url" else f"{path}:{n}: url: expected a string")
+            geodef.check_unicode(obj[key], path, n, key)
+        pages.append(obj)
+    if not pages:
+        raise geodef.BenchFormatError(f"{path}: no pages (JSONL of {{query, url, text}})")
+    return pages
 
 
 def search(body, corpus):
@@ -771,49 +1250,48 @@ def search(body, corpus):
                          "score": round(1.0 - 0.05 * i, 2)} for i, p in enumerate(pages[:n])]}
 
 
+def content_length(headers):
+    """A request's body length by deploy.py's rules: one value of digits only (RFC 9110's 1*DIGIT,
+    not int()'s '+49', '4_9' or '-1'); none: 0 -> int, else ValueError naming the header."""
+    if len(set(headers.get_all("Content-Length") or [])) > 1:   # which one frames the body is ambiguous
+        raise ValueError("Content-Length: given more than once with different values")
+    n = headers.get("Content-Length")
+    if n is None:
+        return 0
+    n = n.strip()
+    if not n.isascii() or not n.isdigit():
+        raise ValueError("Content-Length: a non-negative integer is required")
+    return int(n)
+
+
 class _Handler(BaseHTTPRequestHandler):
     timeout = 30             # socket timeout: a client that stops sending is dropped, the thread freed
 
-    def _route(self, method, path, raw):
+    def _route(self, method, path, query, raw):
         """-> (status, reply object or JSONL text) for the engine's routes; raises ValueError (400),
         KeyError (404)."""
-        bt = self.server.batches
         if method == "POST" and path.endswith("/chat/completions"):
             return 200, respond(json.loads(raw))
         if method == "POST" and path == "/search":               # Tavily's route, answered from the corpus
             return 200, search(json.loads(raw), self.server.corpus)
-        if bt.missing and ("batches" in path or "files" in path):
-            raise KeyError(path)
-        if method == "POST" and path.endswith("/v1/files"):
-            return 200, bt.upload(self.headers.get("Content-Type", ""), raw)
-        if method == "POST" and path.endswith("/v1/batches"):
-            return 200, bt.create(json.loads(raw))
-        if method == "POST" and path.endswith("/v1/messages/batches"):
-            return 200, bt.create(json.loads(raw), anthropic=True)
-        if method == "GET" and (path.endswith("/content") or path.endswith("/results")):
-            return 200, bt.content(path)
-        if method == "GET" and "/batches/" in path:
-            st = bt.status(path.rsplit("/", 1)[1])
-            if st.get("results_url"):             # absolute, as Anthropic gives it
-                st["results_url"] = f"http://{self.headers.get('Host')}{st['results_url']}"
-            return 200, st
-        raise KeyError(path)
+        host = self.headers.get("Host") or "%s:%d" % self.server.server_address[:2]
+        return self.server.batches.route(method, path, query, raw, self.headers.get("Content-Type", ""), host)
 
     def _handle(self, method):
-        path = self.path.split("?")[0].rstrip("/")
+        url = urlsplit(self.path)
+        if self.headers.get("Transfer-Encoding"):
+            return self._refuse(411, "send the body with a Content-Length (no Transfer-Encoding)")
         try:
-            n = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            n = -1
-        if not 0 <= n <= MAX_BODY:
-            self.close_connection = True
-            return self._send(400 if n < 0 else 413, {"error": {"message": f"Content-Length: 0..{MAX_BODY} required",
-                                                                "type": "invalid_request_error"}})
+            n = content_length(self.headers)
+        except ValueError as e:
+            return self._refuse(400, str(e))
+        if n > MAX_BODY:
+            return self._refuse(413, f"body of {n} bytes, at most {MAX_BODY}")
         try:
             raw = self.rfile.read(n) if n else b""
             if len(raw) < n:
                 raise ValueError(f"the body ended after {len(raw)} of {n} bytes")
-            return self._send(*self._route(method, path, raw))
+            return self._send(*self._route(method, url.path.rstrip("/"), parse_qs(url.query), raw))
         except (TimeoutError, ConnectionError):
             self.close_connection = True
         except KeyError:
@@ -824,6 +1302,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(500, {"error": {"message": f"offline engine failed ({type(e).__name__})",
                                               "type": "server_error"}})
 
+    def _refuse(self, code, message):
+        """An error before the body is read: the connection closes, so the unread body is never taken
+        for the next request."""
+        self.close_connection = True
+        self._send(code, {"error": {"message": message, "type": "invalid_request_error"}})
+
     def do_POST(self):
         self._handle("POST")
 
@@ -831,10 +1315,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._handle("GET")
 
     def _send(self, code, obj):
-        data = obj.encode("utf-8") if isinstance(obj, str) else json.dumps(obj).encode()
+        text = isinstance(obj, str)                  # JSONL: a batch's output file or results
+        data = obj.encode("utf-8") if text else json.dumps(obj).encode()
         try:
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "application/x-ndjson" if text else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -845,9 +1330,14 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024    # listen backlog (deploy.py's): a burst of new connections waits to be
+                                 # accepted instead of being dropped or reset past socketserver's 5
+
+
 def make_server(port=0, host="127.0.0.1", corpus=None):
-    """A loopback OpenAI-compatible server, and a Tavily-shaped /search over `corpus` (load_corpus);
-    port 0 picks a free port (server.server_address[1])."""
-    srv = ThreadingHTTPServer((host, port), _Handler)
+    """A loopback OpenAI-compatible server (chat completions and the batch APIs: `Batches`), and a
+    Tavily-shaped /search over `corpus` (load_corpus); port 0 picks a free port (server.server_address[1])."""
+    srv = _Server((host, port), _Handler)
     srv.corpus, srv.batches = corpus or [], Batches()
     return srv

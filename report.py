@@ -4,7 +4,8 @@ A sibling of run.py (the design card's list has no place for plotting): plain st
 library. Table 1 (conditions x ASR/ASI/BER), Table 2 (ablation), the per-method breakdown (Fig. 3:
 ASR, and (b) the Attack Influence Reduction from Non-Defense; unseen methods dashed), the quality
 table (Table C.1), PPL-Filter diagnostics (Table B.2), and ASR/ASI by library epoch (Fig. 5). A run
-on the tiny model or the offline engine says so first.
+on the tiny model or the offline engine says so first. Beside them: every condition with its latency
+and cost per query, and what the injection defenses (defenses.py) did, with their answer quality.
 
 Usage: write_report("runs/demo", summary)
 """
@@ -28,7 +29,9 @@ def _table(header, rows):
 # it has, never outside the canvas, never over another label (test_report.py checks both).
 
 CHAR_W = 0.62
-COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"]
+# Paul Tol's "bright" scheme, then three of his "muted" and "vibrant" ones: ten series told apart
+COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#332288", "#ee7733",
+          "#999933"]
 
 
 def text_width(s, size=11):
@@ -57,19 +60,19 @@ def wrap(label, width, size=11):
 
 
 def nice_ticks(lo, hi, n=5):
-    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 x 10^k)."""
+    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 x 10^k), from the last tick at or
+    below lo to the first at or above hi; a value within a millionth of a step of a tick is on it (a
+    reduction of 100.00000000000001 % ends the axis at 100, not 125)."""
     import math
     span = max(hi - lo, 1e-9)
     raw = span / n
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.floor(lo / step) * step
-    ticks, v = [], first
-    while v < hi + step * 1e-6:
-        ticks.append(round(v, 10))
-        v += step
-    if ticks[-1] < hi:
-        ticks.append(round(ticks[-1] + step, 10))
+    eps = step * 1e-6
+    ticks, k = [], math.floor((lo + eps) / step)
+    while not ticks or ticks[-1] < hi - eps:
+        ticks.append(round(k * step, 10))
+        k += 1
     return ticks
 
 
@@ -83,14 +86,14 @@ def _text(x, y, s, anchor="middle", size=11, extra=""):
     return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" font-size="{size}"{extra}>{html.escape(s)}</text>'
 
 
-def _legend(series, W, y, markers=False):
+def _legend(series, W, y, markers=False, colors=None):
     """Legend rows inside the canvas, under the title: as many entries per row as fit. -> (svg, height)."""
     out, x, row_h = [], 60.0, 16
     for si, s in enumerate(series):
         w = 18 + text_width(s) + 16
         if x + w > W - 10 and x > 60:
             x, y = 60.0, y + row_h
-        c = COLORS[si % len(COLORS)]
+        c = colors[si] if colors else COLORS[si % len(COLORS)]
         if markers:
             out.append(f'<line x1="{x:.1f}" y1="{y - 4:.1f}" x2="{x + 14:.1f}" y2="{y - 4:.1f}" stroke="{c}" '
                        f'stroke-width="2"/><circle cx="{x + 7:.1f}" cy="{y - 4:.1f}" r="3" fill="{c}"/>')
@@ -115,26 +118,56 @@ def _y_axis(lo, hi, left, top, plot_h, plot_w, unit):
     return out, y
 
 
-def svg_bars(title, groups, series, values, ylabel="%", dashed=()):
-    """Grouped bars: groups on x, one bar per series; values[(group, series)] -> float (NaN: no bar).
-    Negative values go below the zero line; value labels when the bars are few (<= 12)."""
-    W = max(640, 110 * len(groups) + 80)
+LABEL_SIZE = 9      # a bar's value label
+
+
+def value_label(v):
+    """A bar's value as its label: one decimal, a trailing ".0" dropped ("0", "12.5", "-33.3")."""
+    s = f"{v:.1f}".removesuffix(".0")
+    return "0" if s == "-0" else s
+
+
+def _bar_label(cx, v, y, width, upright):
+    """The value label of the bar centred at cx: beyond its end (above a bar up, below a bar down),
+    upright (turned -90 degrees, centred on its own middle) when it is wider than the bar."""
+    s, gap = value_label(v), 3
+    if not upright:
+        return _text(cx, y(v) - gap if v >= 0 else y(v) + gap + LABEL_SIZE * 0.8, s, size=LABEL_SIZE)
+    w = text_width(s, LABEL_SIZE)
+    cy = y(v) - gap - w / 2 if v >= 0 else y(v) + gap + w / 2
+    x = cx + LABEL_SIZE / 2                       # the glyphs lie left of the turned baseline
+    return _text(x, cy, s, size=LABEL_SIZE, extra=f' transform="rotate(-90 {x:.1f} {cy:.1f})"')
+
+
+def svg_bars(title, groups, series, values, ylabel="%", dashed=(), colors=None):
+    """Grouped bars: groups on x, one bar per series (colors: one per series, default COLORS in
+    order); values[(group, series)] -> float (NaN: no bar and no label). Every bar carries its
+    value: a zero bar is a line on the zero line labelled "0", bars below zero hang from it with
+    their labels beneath; labels lie flat when they fit the bar's width, else upright. The axis
+    spans nice ticks over [min(0, lo), max(0, hi)]."""
+    ns = max(1, len(series))
+    vals = [v for v in values.values() if v == v]
+    widest = max([text_width(value_label(v), LABEL_SIZE) for v in vals] + [0.0])
+    # wide enough for every bar to hold an upright label (LABEL_SIZE + 4 px a bar, bars filling 80% of a group)
+    W = max(640, 110 * len(groups) + 80, int(len(groups) * ns * (LABEL_SIZE + 4) / 0.8) + 80)
     left, right = 60, 20
     plot_w = W - left - right
     gw = plot_w / max(1, len(groups))
+    bw = gw * 0.8 / ns
+    upright = widest + 2 > bw
+    room = (widest if upright else LABEL_SIZE) + 6         # beyond the longest bar, for its label
     labels = {g: wrap(g, gw - 8) + (["(unseen)"] if g in dashed else []) for g in groups}
     n_lines = max([len(v) for v in labels.values()] + [1])
-    legend, ly = _legend(series, W, 44)
-    top = ly + 22
-    plot_h = 230
-    H = top + plot_h + 14 * n_lines + 24
-    vals = [v for v in values.values() if v == v]
-    lo, hi = min(vals + [0.0]), max(vals + [1.0])
+    colors = colors or [COLORS[si % len(COLORS)] for si in range(ns)]
+    legend, ly = _legend(series, W, 44, colors=colors)
+    lo, hi = min(vals + [0.0]), max(vals + [0.0])
+    hi = hi if hi > lo else lo + 1.0
+    top, plot_h = ly + 22 + (room if hi > 0 else 0), 230
+    below = top + plot_h + (room if lo < 0 else 0)          # where the group names start
+    H = below + 14 * n_lines + 24
     body = [_text(W / 2, 20, title, size=13)] + legend
     axis, y = _y_axis(lo, hi, left, top, plot_h, plot_w, ylabel)
     body += axis
-    bw = gw * 0.8 / max(1, len(series))
-    few = len(groups) * len(series) <= 12
     for gi, g in enumerate(groups):
         x0 = left + gi * gw + gw * 0.1
         for si, s in enumerate(series):
@@ -142,14 +175,15 @@ def svg_bars(title, groups, series, values, ylabel="%", dashed=()):
             if v != v:
                 continue
             y0, y1 = sorted((y(0.0), y(v)))
+            if y1 - y0 < 1.5:                                # a zero bar: a line, told apart from no bar
+                y0, y1 = y(0.0) - 0.75, y(0.0) + 0.75
             dash = ' stroke="#000" stroke-dasharray="3,2"' if g in dashed else ""
             tip = html.escape(f"{g} / {s}: {v:.2f}")
             body.append(f'<rect x="{x0 + si * bw:.1f}" y="{y0:.1f}" width="{max(bw - 1, 1):.1f}" '
-                        f'height="{y1 - y0:.1f}" fill="{COLORS[si % len(COLORS)]}"{dash}><title>{tip}</title></rect>')
-            if few:
-                body.append(_text(x0 + si * bw + bw / 2, (y(v) - 4) if v >= 0 else (y(v) + 12), f"{v:.1f}", size=10))
+                        f'height="{y1 - y0:.1f}" fill="{colors[si]}"{dash}><title>{tip}</title></rect>')
+            body.append(_bar_label(x0 + si * bw + bw / 2, v, y, bw, upright))
         for li, line in enumerate(labels[g]):
-            body.append(_text(left + gi * gw + gw / 2, top + plot_h + 16 + 14 * li, line))
+            body.append(_text(left + gi * gw + gw / 2, below + 16 + 14 * li, line))
     body.append(f'<line x1="{left}" y1="{y(0.0):.1f}" x2="{left + plot_w}" y2="{y(0.0):.1f}" stroke="#333"/>')
     return _svg(W, H, body)
 
@@ -193,7 +227,8 @@ def write_report(run_dir, s):
     """report.md and figures/*.svg of one evaluated run from its summary `s`."""
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
-    lines = _header_lines(run_dir, s) + _table_lines(s) + _method_lines(s, figs) + _appendix_lines(s, figs)
+    lines = _header_lines(run_dir, s) + _table_lines(s) + cost_lines(s) + _method_lines(s, figs)
+    lines += _appendix_lines(s, figs) + defense_lines(s)
     lines += rerank_stage_lines(s)
     lines += usage_lines(s.get("usage") or {})
     # the API refused a parameter (llm_clients.RequestShape.adapt)
@@ -251,6 +286,38 @@ def _table_lines(s):
     return lines
 
 
+def cost_lines(s):
+    """Every condition in one table: ASR, ASI, BER beside the latency and cost per query each adds."""
+    c, cost = s["conditions"], s.get("cost") or {}
+    if not cost:
+        return []
+    usd = lambda q: "-" if q.get("usd") is None else f"{q['usd']:.6f}"
+    rows = [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"]), _f(c[k]["attack_in_context"]), c[k]["n"]]
+            + [_f(cost.get(k, {}).get(m), nd) for m, nd in (("sequential_calls", 2), ("llm_calls", 2),
+                                                               ("prompt_tokens", 0), ("completion_tokens", 0))]
+            + [usd(cost.get(k, {}))] for k in c]
+    lines = ["## All conditions: metrics, latency and cost per query\n",
+             "The paper's six conditions, then the injection defenses a provider would try first (defenses.py), "
+             "which rank with the base reranker. Latency: LLM calls in a row per query (1 for one prompt; 2 for "
+             "PromptArmor and RobustRAG, whose k remover or isolated calls run side by side before the answer); "
+             "wall seconds are not measured (replies come concurrently, from batches or from the cache). Calls, "
+             "tokens and USD per query are the target LLM's, the ASI judge apart, from the replies' usage (an "
+             "injection defense's records carry theirs; a single-prompt condition's one reply is read back from the "
+             "reply cache); USD at the full price of --prices (- without one). PromptArmor and RobustRAG send k + 1 "
+             "calls per query.\n"]
+    if s.get("notes"):
+        lines.append("On the offline engine these figures are plumbing: its tokens are characters / 4 and its "
+                     "answers a simulation (offline.py); they say nothing about the defenses or their cost.\n")
+    lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n", "Latency (calls in a row)",
+                         "LLM calls / query", "Prompt tokens / query", "Completion tokens / query", "USD / query"],
+                        rows) + "\n")
+    unknown = {k: q["usage_unknown"] for k, q in cost.items() if q.get("usage_unknown")}
+    if unknown:
+        lines.append("Records whose reply is no longer in the cache (left out of the cost): "
+                     + ", ".join(f"{k} {n}" for k, n in unknown.items()) + ".\n")
+    return lines
+
+
 def _method_lines(s, figs):
     """Per GEO method (Fig. 3 (a) as ASR, (b) Attack Influence Reduction) with their figures."""
     lines, c = [], s["conditions"]
@@ -282,7 +349,7 @@ def _method_lines(s, figs):
                             [[k] + [_f(air[m, k]) for m in methods] for k in others]) + "\n")
         with open(os.path.join(figs, "per_method_air.svg"), "w", encoding="utf-8") as f:
             f.write(svg_bars("Attack Influence Reduction by GEO method (dashed outline: unseen)", methods, others,
-                             air, dashed=unseen))
+                             air, dashed=unseen, colors=[COLORS[conds.index(k) % len(COLORS)] for k in others]))
         lines.append("![attack influence reduction](figures/per_method_air.svg)\n")
     return lines
 
@@ -300,6 +367,15 @@ def _appendix_lines(s, figs):
                             if q.get("n") else [["-", "-", "-", "-", 0, q["defended_as_a"]]]) + "\n")
         if q.get("judge_failed"):
             lines.append(f"Pairwise judge failures (left out of Table C.1): {q['judge_failed']}.\n")
+    if s.get("quality_defenses"):
+        qd = s["quality_defenses"]
+        lines.append("## Table C.1 for the injection defenses: pairwise answer quality vs the clean reference\n")
+        lines.append(_table(["Condition", "Mean change", "95% CI (query-cluster bootstrap)",
+                             "Comparable or better (%)", "Better (%)", "n", "judge failed"],
+                            [[k, f"{q['mean_change']:+.3f}", f"[{q['ci95'][0]:+.3f}, {q['ci95'][1]:+.3f}]",
+                              _f(q["comparable_or_better"]), _f(q["better"]), q["n"], q["judge_failed"]]
+                             if q.get("n") else [k, "-", "-", "-", "-", 0, q["judge_failed"]]
+                             for k, q in qd.items()]) + "\n")
     if s.get("ppl_filter"):
         p = s["ppl_filter"]
         lines.append("## Table B.2: PPL-Filter diagnostics\n")
@@ -325,6 +401,32 @@ def _appendix_lines(s, figs):
         lines.append("## Table C.2 row: libraries from other runs applied to this target\n")
         lines.append(_table(["Source library", "ASR", "ASI"], [[k, _f(v["ASR"]), _f(v["ASI"])]
                                                                 for k, v in s["transfer"].items()]) + "\n")
+    return lines
+
+
+def defense_lines(s):
+    """What PromptArmor's remover cut and how RobustRAG's aggregation went (summary.json's defenses)."""
+    d, lines = s.get("defenses") or {}, []
+    if d.get("PromptArmor"):
+        p = d["PromptArmor"]
+        lines.append("## PromptArmor: what the remover cut\n")
+        lines.append(_table(["Statistic", "Value"], [
+            ["documents screened", p["documents"]], ["attack documents in the top-k", p["attack_in_context"]],
+            ["attack documents cut from", p["attack_cut"]], ["attack documents emptied", p["attack_emptied"]],
+            ["benign documents cut from (false positives)", p["benign_cut"]],
+            ["quoted passages not found in the document", p["passages_not_found"]],
+            ["characters cut", p["chars_removed"]]]) + "\n")
+    if d.get("RobustRAG"):
+        r = d["RobustRAG"]
+        lines.append("## RobustRAG: keyword aggregation\n")
+        lines.append(_table(["Statistic", "Value"], [
+            ["queries", r["queries"]], ["answered \"I don't know.\" (every isolated answer abstained)",
+                                        r["abstained_queries"]],
+            ["isolated answers that abstained", f"{r['isolated_abstained']}/{r['isolated_answers']}"],
+            ["kept phrases per query", _f(r["kept_phrases_per_query"])],
+            ["attack documents in the top-k", r["attack_in_context"]],
+            ["... whose isolated answer supports a kept phrase cited for", r["attack_supports_a_cited_phrase"]]])
+            + "\n")
     return lines
 
 
@@ -393,8 +495,8 @@ def write_attack_report(run_dir, s):
                                 [[f"B={x}"] + [_f(b["budgets"][x]["conditions"][c][m]) for c in conds
                                                 for m in ("exposure", "ASR")] for x in xs]) + "\n")
             # exposure depends only on the ranking: one line for the base top-k, one for the Shield's
-            ranked = {"base top-k (Non-Defense, TFSG only)": "Non-Defense", "Shield top-k (Shield only, GEO Defender)":
-                      "Shield only"}
+            ranked = {"base top-k (Non-Defense, TFSG only, injection defenses)": "Non-Defense",
+                      "Shield top-k (Shield only, GEO Defender)": "Shield only"}
             plots = {"exposure": {k: [b["budgets"][x]["conditions"][c]["exposure"] for x in xs]
                                   for k, c in ranked.items() if c in conds},
                      "asr": {c: [b["budgets"][x]["conditions"][c]["ASR"] for x in xs] for c in conds}}
@@ -480,7 +582,8 @@ def write_comparison(out_dir, summaries):
                      + ", ".join(f"{k}: {v or 'not recorded'}" for k, v in judges.items())
                      + "); their ASI and Table C.1 are not comparable.\n")
     lines.append("# GEO Defender across target LLMs\n")
-    every = ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only")
+    every = ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only",
+             "Spotlighting", "Sandwich Prompt", "PromptArmor", "RobustRAG")
     conds = [c for c in every if all(c in s["conditions"] for s in summaries.values())]
     head = ["Target LLM"] + [f"{c} {m}" for c in conds for m in ("ASR", "ASI", "BER")]
     rows = [[s["target_llm"]] + [_f(s["conditions"][c][m]) for c in conds for m in ("ASR", "ASI", "BER")]

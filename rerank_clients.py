@@ -11,7 +11,7 @@ import math
 import os
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from llm_clients import Endpoint, LLMError, ReplyCache, Transport, append_ledger, redact_url
@@ -142,13 +142,18 @@ class RerankClient:
 
     def map(self, requests_, workers=8):
         """[(query, docs), ...] -> [RerankReply, ...] in order, `workers` at a time; the first failure
-        raises (requests not started are cancelled)."""
+        raises: requests not started are cancelled, those in flight stopped (Transport.abort)."""
         ex = ThreadPoolExecutor(max_workers=max(1, workers))
         try:
             futs = [ex.submit(self.rerank, q, d) for q, d in requests_]
+            wait(futs, return_when=FIRST_EXCEPTION)            # a failure ends the wait at once
+            failed = next((f for f in futs if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()
             out = [f.result() for f in futs]
         except BaseException:
             ex.shutdown(wait=False, cancel_futures=True)
+            self.transport.abort()
             raise
         ex.shutdown()
         return out
@@ -210,6 +215,15 @@ def parse_spec(spec):
     if tei:
         return RerankSpec("tei", None, ep.with_path(ep.path + "/rerank"))
     return RerankSpec("generic", ep.model, ep if ep.path else ep.with_path("/v1/rerank"))
+
+
+def parse_labelled(item):
+    """'LABEL=SPEC' or 'SPEC' -> (label or None, RerankSpec). A bare URL's '=' (in a password or a
+    query) is not a label's."""
+    label, eq, text = item.partition("=")
+    if not eq or "://" in label or label.startswith(("tei:", "http")):
+        return None, parse_spec(item)
+    return label, parse_spec(text)
 
 
 def make_reranker(spec, cache_dir=None, api_key=None, **kw):

@@ -40,11 +40,8 @@ def parse_rerankers(items):
     (letters, digits, '.', '_', '-'); without one it is made from the host, port and path."""
     out = []
     for item in items:
-        label, eq, text = item.partition("=")
-        if not eq or "://" in label or label.startswith(("tei:", "http")):   # no label: a bare spec
-            label, text = None, item
         try:
-            spec = rerank_clients.parse_spec(text)
+            label, spec = rerank_clients.parse_labelled(item)
         except ValueError as e:
             raise SettingsError(f"--reranker: {e}") from None
         label = label or spec.slug

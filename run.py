@@ -112,7 +112,8 @@ def cmd_serve(args):
     try:
         srv = deploy.RerankServer(rr, host=args.host, port=args.port, api_key=key, max_documents=args.max_documents,
                                   max_body_bytes=args.max_body_bytes,
-                                  model_name=args.served_name or args.name or "geo-defender-shield")
+                                  model_name=args.served_name or args.name or "geo-defender-shield",
+                                  allow_instruction=args.allow_instruction)
     except OSError as e:
         raise SystemExit(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
@@ -135,12 +136,11 @@ def add_config_flags(p):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "reranker":
             p.add_argument(flag, dest=f.name, action="append", default=None, help=f.metadata["help"])
-        elif f.type is bool or isinstance(f.default, bool):
+        elif f.type is bool:
             p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                            help=f.metadata["help"])
-        else:
-            typ = type(f.default) if f.default is not None else str
-            p.add_argument(flag, dest=f.name, type=typ, default=None, help=f.metadata["help"])
+        else:                            # the field's declared type, never its default's (None: any)
+            p.add_argument(flag, dest=f.name, type=f.type, default=None, help=f.metadata["help"])
 
 
 @contextlib.contextmanager
@@ -182,10 +182,14 @@ def build_bench_flags(bb):
                                                    "candidates (default: the rows' own documents)")
     bb.add_argument("--docs", type=int, default=10, help="candidates per list (the paper: 10)")
     bb.add_argument("--attacks", default=None, help=f"comma list of attack families (default: the paper's seven, "
-                                                    f"{', '.join(geo_attacks.CALLS)})")
+                                                    f"{', '.join(geo_attacks.FAMILIES)})")
     bb.add_argument("--groups", type=int, default=100, help="query groups to sample (Table B.1: 100)")
     bb.add_argument("--construction-groups", type=int, default=12, help="of them, construction groups (Table B.1: 12)")
-    bb.add_argument("--fidelity-judge", default=None, help="provider:model judging each rewrite's faithfulness")
+    bb.add_argument("--fidelity-judge", default=None, help="provider:model judging each rewrite's faithfulness "
+                                                           "(default: the builder's --llm)")
+    bb.add_argument("--mageo-signal", default="engine", choices=["engine", "reranker"],
+                    help="MAGEO's signal: a simulated generative engine's citations of the document (as MAGEO), "
+                         "or the base reranker's score (hill-climbs on the model the benchmark measures)")
     bb.add_argument("--agentic-archive", default=None, help="AgenticGEO's strategies.json (default: our archive)")
     bb.add_argument("--autogeo-rules", default=None, help="AutoGEO's merged_rules.json or a JSON list of rules")
     bb.add_argument("--synthetic", action="store_true", help="mark the file synthetic in _meta (the bundled sample)")
@@ -241,6 +245,9 @@ def shield_flags(p, cmd):
         p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
         p.add_argument("--max-length", type=int, default=None,
                        help="reranker prompt token cap (default: the run's, or 8192); longer documents are cut")
+        p.add_argument("--allow-instruction", action="store_true",
+                       help="let clients send an `instruction` to the Shield too (by default refused with a 400: "
+                            "the adapter was trained under its own, and another could switch the defense off)")
 
 
 def parser():
@@ -345,15 +352,13 @@ def cmd_build_bench(args):
         print(json.dumps(plan, indent=1))
         return plan
     check_llms(cfg)
+    if args.fidelity_judge:
+        check_llms(dataclasses.replace(cfg, llm=args.fidelity_judge))
+    plan = build_bench.plan(cfg, args)
     offline_llm = cfg.llm == "offline" or (args.fidelity_judge or "").startswith("offline")
-    corpus = None
-    if (args.search or "").startswith("offline:"):                  # the synthetic corpus, over loopback HTTP
-        path = args.search.partition(":")[2]
-        if not os.path.isfile(path):
-            raise SettingsError(f"--search {args.search}: no such file")
-        corpus = offline.load_corpus(path)
+    corpus = list(plan.search.pages) if plan.search and plan.search.provider == "offline" else None
     with offline_engine(cfg, offline_llm or corpus is not None, corpus), run_lock(cfg.run_dir):
-        path, comp = build_bench.build_bench(cfg, args)
+        path, comp = build_bench.build_bench(cfg, args, plan)
     print(f"{'split':<14}{'groups':>8}{'methods':>9}{'instances':>11}")
     for split, v in comp.items():
         print(f"{split:<14}{v['groups']:>8}{v['methods']:>9}{v['instances']:>11}")
@@ -369,7 +374,7 @@ def cmd_rerank_eval(args):
     if not cfg.reranker:
         raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
                             "jina:MODEL, voyage:MODEL, http://HOST:PORT/v1/rerank, tei:http://HOST:PORT)")
-    items = rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker.split(",")))
+    items = rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker))
     if not os.path.isfile(cfg.bench):
         raise SettingsError(f"--bench {cfg.bench}: no such file")
     if any(spec.kind == "shield" for _, spec in items):

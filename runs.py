@@ -23,6 +23,7 @@ from tqdm import tqdm
 import geodef
 import llm_clients
 import lora
+import rerank_clients
 import reranker
 import speed
 import tfsg
@@ -93,6 +94,8 @@ class Config:
     batch_api: str = opt(None, "send bulk LLM stages through the provider's batch API (OpenAI Batch, Anthropic "
                                "Message Batches; half price): 'on', or 'auto' (synchronous where there is none)")
     batch_poll: float = opt(60.0, "seconds between batch status checks at first (then growing)")
+    batch_deadline: float = opt(None, "seconds a batch may run before it is cancelled, its replies kept and the "
+                                      "rest sent synchronously (default: the providers' 24 h window)")
     timeout: float = opt(None, "seconds for one whole reply of an LLM, rerank or search endpoint, retries apart "
                                "(default: 600 for LLMs, 120 for rerank and search)")
     n_seed_cases: int = opt(6, "A.2.2 controlled contrast instances")
@@ -115,14 +118,15 @@ class Config:
     reasoning_interface: bool = opt(False, "use A.3.2/A.3.5 (targets that return reasoning_content)")
     shield: bool = opt(True, "TFSG construction on Shield top-k (else base top-k)")
     # evaluation
-    conditions: str = opt("all", "comma list of conditions or 'all'")
+    conditions: str = opt("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then the "
+                                 "injection defenses Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG)")
     methods: str = opt("all", "comma list of GEO methods or 'all'")
     ppl_model: str = opt("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'")
     ppl_quantile: float = opt(0.99, "PPL threshold quantile (B.2.2)")
     n_boot: int = opt(10000, "bootstrap resamples")
     max_test_groups: int = opt(0, "evaluate only the first N test groups (0 = all)")
     transfer: str = opt(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]")
-    reranker: str = opt(None,
+    reranker: list = opt(None,
                         "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, voyage:MODEL, "
                               "http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT); repeatable. eval: adds "
                               "'Non-Defense [LABEL]' and 'TFSG only [LABEL]'")
@@ -146,6 +150,7 @@ class Config:
                   ("max-length", self.max_length >= 64), ("workers", self.workers >= 1), ("rpm", self.rpm >= 0),
                   ("timeout", self.timeout is None or self.timeout > 0),
                   ("batch-api", self.batch_api in (None, "on", "auto")), ("batch-poll", self.batch_poll > 0),
+                  ("batch-deadline", self.batch_deadline is None or self.batch_deadline > 0),
                   ("max-tokens", self.max_tokens >= 1), ("temperature", self.temperature >= 0),
                   ("batch-size", self.batch_size >= 1), ("n-batches", self.n_batches >= 1),
                   ("n-seed-cases", self.n_seed_cases >= 0), ("max-initial-rules", self.max_initial_rules >= 1),
@@ -427,8 +432,9 @@ def make_llm(cfg, spec=None, stage=None):
                                      ledger=usage_path(cfg) if stage else None, stage=stage)
     if cfg.batch_api and stage and client.transport.base_url:
         import batch_clients
-        client.batch = batch_clients.BatchRunner(client, os.path.join(cfg.run_dir, "batches.json"),
-                                                 poll=cfg.batch_poll, auto=cfg.batch_api == "auto", log=log)
+        client.use_batch(batch_clients.BatchRunner(client, os.path.join(cfg.run_dir, "batches.json"),
+                                                   poll=cfg.batch_poll, auto=cfg.batch_api == "auto",
+                                                   deadline=cfg.batch_deadline, log=log))
     return client
 
 
@@ -562,8 +568,6 @@ def resolve_config(args):
     given = dict(PRESETS[args.preset]) if args.preset else {}   # a preset asked for counts as given
     given.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                   if getattr(args, f.name, None) is not None})
-    if isinstance(given.get("reranker"), list):                 # --reranker is repeatable
-        given["reranker"] = ",".join(given["reranker"])
     kw = {}
     if args.cmd in ("train", "eval", "rerank-eval", "attack"):
         where = os.path.join(given.get("runs_dir", Config.runs_dir), given.get("name", Config.name))
@@ -668,10 +672,24 @@ def record_or_check(cfg, command):
     check_pinned(cfg, old, dataclasses.asdict(cfg), file_sha1(cfg.bench), path)
 
 
-def without_credentials(text):
-    """Every URL in `text` (a spec, or a comma list of them, `tei:` and `LABEL=` prefixes included)
-    with its user:password replaced by ***: http://u:pw@h/x -> http://***@h/x."""
-    return re.sub(r"(?i)(https?://)[^/?#@\s,]*@", r"\1***@", text) if text else text
+def printable(cfg):
+    """The settings as config.json stores them: URLs from their parsed endpoints, so no credential is
+    written whatever characters it holds (llm_clients.Endpoint, rerank_clients.RerankSpec)."""
+    new = dataclasses.asdict(cfg)
+    if cfg.base_url:
+        try:
+            new["base_url"] = str(llm_clients.Endpoint.parse(cfg.base_url))
+        except ValueError:
+            new["base_url"] = llm_clients.redact_url(cfg.base_url)
+    if cfg.reranker:
+        new["reranker"] = []
+        for item in cfg.reranker:
+            try:
+                label, spec = rerank_clients.parse_labelled(item)
+                new["reranker"].append(f"{label}={spec}" if label else str(spec))
+            except ValueError:
+                new["reranker"].append(llm_clients.redact_url(item))
+    return new
 
 
 def record_config(cfg, command):
@@ -680,9 +698,7 @@ def record_config(cfg, command):
     model that could not be downloaded) the record is simply replaced."""
     path = os.path.join(cfg.run_dir, "config.json")
     old = read_json(path)
-    new = dataclasses.asdict(cfg)
-    for k in ("base_url", "reranker"):                              # credentials in a URL are not stored
-        new[k] = without_credentials(new[k])
+    new = printable(cfg)
     digest = file_sha1(cfg.bench)
     if old and produced_anything(cfg.run_dir):
         check_pinned(cfg, old, new, digest, path)

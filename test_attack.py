@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 import attack
+import geo_attacks
 import llm_clients
 import offline
 import reranker
@@ -67,12 +68,12 @@ def test_gate_rejects_dropped_numbers_prompt_text_and_low_fidelity(server, tmp_p
                      (200, {}, ok(json.dumps({"fidelity": 5, "contradicts_source": True, "reason": "no"})), 0)]
     judge = llm_clients.Client(server, "judge", cache_dir=str(tmp_path / "c"))
     for want in (2, 5):
-        v, c = attack.parse_fidelity(judge.chat([{"role": "user",
-                                                  "content": attack.fidelity_prompt(src, src + str(want))}],
-                                                json=True, check=attack.parse_fidelity).data)
+        v, c = geo_attacks.parse_fidelity(judge.chat([{"role": "user",
+                                                  "content": geo_attacks.fidelity_prompt(src, src + str(want))}],
+                                                json=True, check=geo_attacks.parse_fidelity).data)
         assert v == want and c == (want == 5)
     with pytest.raises(ValueError):
-        attack.parse_fidelity({"fidelity": 7, "contradicts_source": False})
+        geo_attacks.parse_fidelity({"fidelity": 7, "contradicts_source": False})
 
 
 def test_the_gate_inside_the_loop_records_its_reasons(demo_copy, monkeypatch):
@@ -81,7 +82,8 @@ def test_the_gate_inside_the_loop_records_its_reasons(demo_copy, monkeypatch):
     monkeypatch.setattr(offline, "judge_fidelity", lambda s, c: {"fidelity": 2, "contradicts_source": False,
                                                                  "reason": "strict"})
     block = run.main(_argv(demo_copy, "--target", "base"))
-    assert block["gate"] == {"fidelity N < N": block["gate"]["fidelity N < N"]} and block["gate"]["fidelity N < N"] > 0
+    assert block["gate"]["fidelity N < N"] > 0 and "accepted" not in block["gate"]   # every candidate rejected,
+    assert set(block["gate"]) <= {"fidelity N < N", "length ratio N outside N-N"}     # by the judge or the length
     assert block["budgets"]["5"]["conditions"] == block["budgets"]["1"]["conditions"]
 
 
@@ -129,7 +131,7 @@ def test_dry_run_sends_nothing(demo_copy, monkeypatch):
     # 2 rounds, each JSON request asked at most twice (one re-ask when its reply does not parse)
     assert plan["stages"]["attacker"]["requests"] == n * 2 * 2 and plan["reranker_queries"] == n * 5
     assert plan["stages"]["fidelity judge"]["requests"] == n * 4 * 2 and "re-asks included" in plan["note"]
-    assert plan["stages"]["target answers"]["requests"] == n * 3 * 4
+    assert plan["stages"]["target answers"]["requests"] == n * 3 * len(attack.CONDITIONS)
     assert not (demo_copy / "demo" / "results" / "attack-shield-unaware.jsonl").exists()
 
 

@@ -1,26 +1,32 @@
 """batch_clients.py over real HTTP: the offline engine's loopback server answering OpenAI's Files +
 Batches and Anthropic's Message Batches. Equal to synchronous calls, batches in progress, expired
-half done, failed lines, a kill while polling, results out of order, refusals, size limits, and
-`eval --batch-api` on the demo run giving the synchronous records at the batch price.
-Needs: batch_clients.py, llm_clients.py, offline.py (and metrics.py, tfsg.py it imports); the eval
-test also the jobs and the demo run (conftest.py).
+half done, failed lines, a kill while polling, results out of order, refusals, size limits; what is
+no answer (an id on two lines, unusable lines); failed, lost and purged batches closed and sent
+again once; progress lines and the deadline; one manifest writer for two runners; the engine's
+objects read by the official openai and anthropic SDKs, and its HTTP framing; and `eval
+--batch-api` on the demo run giving the synchronous records at the batch price.
+Needs: batch_clients.py, llm_clients.py, offline.py (and metrics.py, tfsg.py it imports); the SDK
+test the openai and anthropic packages (requirements-test.txt); the eval test also the jobs and the
+demo run (conftest.py).
 Run: python -m pytest -q test_batch_clients.py
 """
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+import requests
 
 import batch_clients
 import llm_clients
 import offline
 import tfsg
-from conftest import HERE
+from conftest import HERE, _raw
 
 
 @pytest.fixture()
@@ -39,10 +45,19 @@ def requests_(n, tag="q"):
             for i in range(n)]
 
 
-def batched(url, tmp_path, protocol="openai", **kw):
-    c = llm_clients.Client(url, "m", protocol=protocol, cache_dir=str(tmp_path / "cache"))
-    c.batch = batch_clients.BatchRunner(c, str(tmp_path / "batches.json"), poll=0.01, log=lambda m: None, **kw)
-    return c
+def batched(url, tmp_path, protocol="openai", model="m", logs=None, **kw):
+    c = llm_clients.Client(url, model, protocol=protocol, cache_dir=str(tmp_path / "cache"))
+    kw.setdefault("poll", 0.01)
+    log = logs.append if logs is not None else lambda m: None
+    return c.use_batch(batch_clients.BatchRunner(c, str(tmp_path / "batches.json"), log=log, **kw))
+
+
+def synchronous(url, reqs):
+    return [r.text for r in llm_clients.Client(url, "m").map(reqs, progress=False)]
+
+
+def manifest(tmp_path):
+    return json.load(open(tmp_path / "batches.json"))["batches"]
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
@@ -50,28 +65,27 @@ def test_batches_equal_synchronous_calls_and_reruns_send_nothing(engine, tmp_pat
     """Results matched on custom_id (Anthropic's come back reversed), in progress for several polls,
     replies cached as chat() caches them; a rerun sends no request."""
     srv, url = engine
-    srv.batches.polls = 4
+    srv.batches.knobs["polls"] = 4
     reqs = requests_(6)
     c = batched(url, tmp_path, protocol)
     got = c.map(reqs, progress=False)
-    want = llm_clients.Client(url, "m").map(reqs, progress=False)      # the engine speaks OpenAI synchronously
-    assert [r.text for r in got] == [r.text for r in want] and c.batch.stats["batches"] == 1
+    want = synchronous(url, reqs)                     # the engine speaks OpenAI synchronously
+    assert [r.text for r in got] == want and c.batch.stats["batches"] == 1
     assert srv.batches.batches["batch-1"]["polls"] >= 4
     again = batched(url, tmp_path, protocol)
-    assert [r.text for r in again.map(reqs, progress=False)] == [r.text for r in want]
+    assert [r.text for r in again.map(reqs, progress=False)] == want
     assert again.stats["http_calls"] == 0 and srv.batches.created == 1
 
 
 def test_expired_half_done_and_failed_lines_resubmit_exactly_what_is_missing(engine, tmp_path):
     srv, url = engine
-    srv.batches.expire_after, srv.batches.fail_first = 4, 1
+    srv.batches.knobs.update(expire_after=4, fail_first=1)
     c = batched(url, tmp_path)
     got = c.map(requests_(8), progress=False)
     b1, b2 = srv.batches.batches["batch-1"], srv.batches.batches["batch-2"]
     assert len(b1["lines"]) == 8 and len(b2["lines"]) == 4 + 1      # 4 expired + 1 failed (500), nothing else
     assert c.batch.stats["retried"] == 5 and all(r.text for r in got)
-    manifest = json.load(open(tmp_path / "batches.json"))
-    assert [b["status"] for b in manifest["batches"]] == ["expired", "completed"]
+    assert [b["status"] for b in manifest(tmp_path)] == ["expired", "completed"]
 
 
 def test_size_limits_split_a_stage_into_several_batches(engine, tmp_path):
@@ -86,10 +100,10 @@ def test_size_limits_split_a_stage_into_several_batches(engine, tmp_path):
 
 def test_refused_batches_fail_or_fall_back_as_asked(engine, tmp_path):
     srv, url = engine
-    srv.batches.reject = True
+    srv.batches.knobs["reject"] = True
     with pytest.raises(batch_clients.BatchUnsupported, match="refused at creation"):
         batched(url, tmp_path).map(requests_(2), progress=False)
-    srv.batches.reject, srv.batches.missing = False, True
+    srv.batches.knobs.update(reject=False, missing=True)
     with pytest.raises(batch_clients.BatchUnsupported, match="no batch endpoint"):
         batched(url, tmp_path / "x").map(requests_(2), progress=False)
     auto = batched(url, tmp_path / "y", auto=True)
@@ -100,10 +114,10 @@ def test_a_kill_while_polling_resumes_the_same_batch(engine, tmp_path):
     """SIGKILL while the batch is in progress; the rerun collects the recorded batch instead of
     submitting the requests again."""
     srv, url = engine
-    srv.batches.polls = 10 ** 6
+    srv.batches.knobs["polls"] = 10 ** 6
     code = ("import sys, json, llm_clients, batch_clients, test_batch_clients as t\n"
             "c = llm_clients.Client(sys.argv[1], 'm', cache_dir=sys.argv[2] + '/cache')\n"
-            "c.batch = batch_clients.BatchRunner(c, sys.argv[2] + '/batches.json', poll=0.01, log=print)\n"
+            "c.use_batch(batch_clients.BatchRunner(c, sys.argv[2] + '/batches.json', poll=0.01, log=print))\n"
             "c.map(t.requests_(4), progress=False)\n")
     p = subprocess.Popen([sys.executable, "-c", code, url, str(tmp_path)], cwd=HERE, stdout=subprocess.PIPE)
     deadline = time.monotonic() + 60
@@ -114,10 +128,301 @@ def test_a_kill_while_polling_resumes_the_same_batch(engine, tmp_path):
         time.sleep(0.05)
     p.kill()
     p.wait()
-    srv.batches.polls = 0
+    srv.batches.knobs["polls"] = 0
     c = batched(url, tmp_path)
     out = c.map(requests_(4), progress=False)
     assert srv.batches.created == 1 and all(r.text for r in out) and c.batch.stats["batches"] == 0
+
+
+# ----------------------------------------------------------------------------- what is no answer
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_an_id_on_two_lines_or_one_never_asked_is_no_answer(engine, tmp_path, protocol):
+    """The output answers the first request twice (the second line with another text) and an id the
+    batch never asked: neither is cached; the request goes into the next batch; one log line says so."""
+    srv, url = engine
+    stray = {"custom_id": "never-asked", "result": {"type": "succeeded", "message": {}},
+             "response": {"status_code": 200, "body": {}}}
+    srv.batches.knobs["tamper"] = lambda rows: rows + [json.loads(json.dumps(rows[0]).replace("eggs", "WRONG")),
+                                                       stray]
+    logs, reqs = [], requests_(3)
+    got = batched(url, tmp_path, protocol, logs=logs).map(reqs, progress=False)
+    assert [r.text for r in got] == synchronous(url, reqs)
+    assert len(srv.batches.batches["batch-2"]["lines"]) == 1
+    said = [m for m in logs if "more than one line" in m]
+    assert len(said) == 1 and "batch-1" in said[0] and "1 requests" in said[0] and "1 lines for ids" in said[0]
+
+
+@pytest.mark.parametrize("odd", [{"body": None}, {"body": {"choices": []}}, "not an object",
+                                 {"status_code": "200"}])
+def test_an_unusable_200_line_goes_the_synchronous_way(engine, tmp_path, odd):
+    srv, url = engine
+
+    def spoil(rows):
+        r = rows[0]["response"]
+        rows[0]["response"] = odd if isinstance(odd, str) else {**r, **odd, "body": odd.get("body", r["body"])}
+        return rows
+    srv.batches.knobs["tamper"] = spoil
+    reqs = requests_(3)
+    c = batched(url, tmp_path)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert srv.batches.created == 1 and c.batch.stats["cached"] == 2
+
+
+# ----------------------------------------------------------------------------- batches that cannot answer
+
+
+def test_a_failed_batch_names_the_providers_reason_and_is_sent_again_once(engine, tmp_path):
+    srv, url = engine
+    srv.batches.knobs["fail"] = "line 1: model 'm' does not exist"
+    logs, reqs = [], requests_(3)
+    got = batched(url, tmp_path, logs=logs).map(reqs, progress=False)
+    assert [r.text for r in got] == synchronous(url, reqs) and srv.batches.created == 2
+    said = next(m for m in logs if "batch-1 failed" in m)
+    assert "model 'm' does not exist" in said and "3 requests go into a new batch" in said
+    first, second = manifest(tmp_path)
+    assert first["collected"] and "does not exist" in first["reason"] and second["status"] == "completed"
+
+
+def test_a_recorded_batch_the_server_no_longer_knows_is_closed_and_sent_again(engine, tmp_path):
+    """batches.json records an open batch from another API key (HTTP 404): the rerun closes it with its
+    reason and answers its requests in a new batch; nobody deletes the file by hand."""
+    srv, url = engine
+    reqs = requests_(3)
+    keys = [llm_clients.Client(url, "m").request_key(**r)[0] for r in reqs]
+    (tmp_path / "batches.json").write_text(json.dumps({"batches": [
+        {"digest": "x", "custom_ids": keys, "id": "batch_from_another_key", "provider": "openai:m",
+         "status": None, "collected": False}]}))
+    c = batched(url, tmp_path)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    lost, new = manifest(tmp_path)
+    assert lost["collected"] and "HTTP 404" in lost["reason"] and new["status"] == "completed"
+    assert srv.batches.created == 1
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_purged_results_are_closed_and_sent_again(engine, tmp_path, protocol):
+    srv, url = engine
+    srv.batches.knobs["purge"] = True
+    reqs = requests_(3)
+    got = batched(url, tmp_path, protocol).map(reqs, progress=False)
+    assert [r.text for r in got] == synchronous(url, reqs) and srv.batches.created == 2
+    assert "HTTP 404" in manifest(tmp_path)[0]["reason"]
+
+
+def test_results_over_the_size_cap_go_to_a_new_batch_once_then_synchronously(engine, tmp_path):
+    srv, url = engine
+    logs, reqs = [], requests_(3)
+    c = batched(url, tmp_path, logs=logs)
+    c.batch.results_cap = 1000                  # one reply (~300 bytes) fits, three output lines do not
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert srv.batches.created == 2 and all("size cap" in b["reason"] for b in manifest(tmp_path))
+    assert any("batch-2" in m and "3 requests are sent synchronously" in m for m in logs)
+
+
+def test_a_status_without_a_status_field_counts_as_lost(engine, tmp_path):
+    srv, url = engine
+    srv.batches.knobs["no_status"] = batch_clients.MALFORMED_POLLS
+    reqs = requests_(2)
+    got = batched(url, tmp_path).map(reqs, progress=False)
+    assert [r.text for r in got] == synchronous(url, reqs) and srv.batches.created == 2
+    assert "without a status field" in manifest(tmp_path)[0]["reason"]
+
+
+# ----------------------------------------------------------------------------- progress and deadline
+
+
+def virtual_time(limit):
+    """(sleep, clock) over a virtual clock: polls take no real time; sleeping past `limit` fails the test
+    (a runner that polls forever)."""
+    now = [1000.0]
+
+    def sleep(s):
+        now[0] += s
+        assert now[0] < 1000.0 + limit, "still polling past the deadline"
+    return sleep, lambda: now[0]
+
+
+def test_progress_is_logged_as_the_request_counts_change(engine, tmp_path):
+    srv, url = engine
+    srv.batches.knobs["polls"] = 4                 # 8 lines: 1, 3, 4, 6 completed at polls 1..4, then done
+    logs = []
+    batched(url, tmp_path, logs=logs).map(requests_(8), progress=False)
+    shown = [m.split("batch-1 ")[1] for m in logs if "in_progress" in m]
+    assert shown == [f"in_progress: {n}/8 completed, 0 failed" for n in (1, 3, 4, 6)]
+
+
+def test_progress_of_a_stalled_batch_is_logged_every_few_polls(engine, tmp_path):
+    srv, url = engine
+    srv.batches.knobs["stall"] = 3
+    sleep, clock = virtual_time(2 * 600)
+    logs = []
+    c = batched(url, tmp_path, logs=logs, poll=1.0, deadline=600, sleep=sleep, clock=clock)
+    c.map(requests_(8), progress=False)
+    polls = srv.batches.batches["batch-1"]["polls"]
+    shown = [m for m in logs if "in_progress" in m]
+    assert polls > 3 * batch_clients.PROGRESS_EVERY and 1 <= len(shown) <= polls // batch_clients.PROGRESS_EVERY + 1
+
+
+def test_a_batch_that_never_ends_is_cancelled_at_its_deadline(engine, tmp_path):
+    """The batch stalls with 3 of 8 lines done: at the deadline it is cancelled and recorded so, its 3
+    replies are kept and the 5 others sent synchronously."""
+    srv, url = engine
+    srv.batches.knobs["stall"] = 3
+    sleep, clock = virtual_time(2 * 90)
+    logs, reqs = [], requests_(8)
+    c = batched(url, tmp_path, logs=logs, poll=1.0, deadline=90, sleep=sleep, clock=clock)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert c.batch.stats["cached"] == 3 and srv.batches.created == 1
+    assert [(b["status"], b["reason"]) for b in manifest(tmp_path)] == [("cancelled", "deadline")]
+    assert any("batch-1 still running at its deadline" in m and "5 requests sent synchronously" in m for m in logs)
+
+
+# ----------------------------------------------------------------------------- the manifest
+
+
+def test_two_runners_on_one_manifest_record_every_batch(engine, tmp_path):
+    """A target's and a judge's runner on the same run folder, polling at once: after each submission
+    (where a kill could come) every batch submitted so far is in batches.json."""
+    srv, url = engine
+    srv.batches.knobs["polls"] = 3
+    submitted, missing = [], []
+
+    def log(m):
+        if "submitted" in m:
+            submitted.append(m.split()[3])
+            on_disk = {b["id"] for b in manifest(tmp_path)}
+            missing.extend(set(submitted) - on_disk)
+    clients = [batched(url, tmp_path, model=name, limits=(2, 1 << 20)) for name in ("target", "judge")]
+    for c in clients:
+        c.batch.log = log
+    threads = [threading.Thread(target=c.map, args=(requests_(6, c.model),), kwargs={"progress": False})
+               for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(submitted) == 6 and not missing
+    assert {b["id"] for b in manifest(tmp_path)} == set(srv.batches.batches)
+
+
+def test_a_failed_manifest_write_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "batches.json").mkdir()           # the rename fails: a folder holds the file's place
+    m = batch_clients.Manifest.at(str(tmp_path / "batches.json"))
+    with pytest.raises(OSError):
+        m.add({"custom_ids": ["k"], "id": None})
+    assert os.listdir(tmp_path) == ["batches.json"]
+
+
+# ----------------------------------------------------------------------------- the engine's batch APIs
+
+
+def test_the_official_openai_sdk_runs_a_batch_on_the_engine(engine):
+    """Unchanged SDK calls, every reply validated against the SDK's models: upload, create, retrieve
+    until ended, list, read the output, cancel another."""
+    openai = pytest.importorskip("openai")
+    srv, url = engine
+    sdk = openai.OpenAI(base_url=url, api_key="offline", max_retries=0, _strict_response_validation=True)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", **r}} for i, r in enumerate(requests_(2))]
+    f = sdk.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    assert sdk.files.retrieve(f.id).filename == "in.jsonl"
+    b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    while b.status not in ("completed", "failed", "expired", "cancelled"):
+        b = sdk.batches.retrieve(b.id)
+    assert b.status == "completed" and b.request_counts.completed == 2 and b.completed_at >= b.created_at
+    out = [json.loads(x) for x in sdk.files.content(b.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in out) == ["r0", "r1"] and out[0]["response"]["status_code"] == 200
+    other = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert sdk.batches.cancel(other.id).status == "cancelling"
+    assert sdk.batches.retrieve(other.id).status == "cancelled"
+    assert [x.id for x in sdk.batches.list(limit=1)] == [other.id, b.id]      # newest first, paged
+
+
+def test_the_official_anthropic_sdk_runs_a_batch_on_the_engine(engine):
+    anthropic = pytest.importorskip("anthropic")
+    srv, url = engine
+    sdk = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="offline", max_retries=0,
+                              _strict_response_validation=True)        # the SDK adds /v1/messages/batches
+    reqs = [{"custom_id": f"r{i}", "params": {"model": "m", "max_tokens": 100, **r}}
+            for i, r in enumerate(requests_(2))]
+    b = sdk.messages.batches.create(requests=reqs)
+    while b.processing_status != "ended":
+        b = sdk.messages.batches.retrieve(b.id)
+    assert b.request_counts.succeeded == 2 and b.ended_at >= b.created_at
+    results = {r.custom_id: r.result for r in sdk.messages.batches.results(b.id)}
+    assert set(results) == {"r0", "r1"} and results["r0"].type == "succeeded"
+    other = sdk.messages.batches.create(requests=reqs)
+    assert sdk.messages.batches.cancel(other.id).processing_status == "canceling"
+    assert sdk.messages.batches.retrieve(other.id).request_counts.canceled == 2
+    assert [x.id for x in sdk.messages.batches.list(limit=1)] == [other.id, b.id]
+
+
+def raw_batch(url, protocol, bodies):
+    """A batch of chat bodies created and polled over plain HTTP until it ends -> its JSONL lines
+    (Anthropic's results; OpenAI's output and error files), every status call answered 200."""
+    if protocol == "anthropic":
+        reqs = [{"custom_id": f"r{i}", "params": {"model": "m", "max_tokens": 100, **b}} for i, b in enumerate(bodies)]
+        path = f"{url}/messages/batches/" + requests.post(f"{url}/messages/batches",
+                                                          json={"requests": reqs}).json()["id"]
+    else:
+        lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                    "body": {"model": "m", **b}}) + "\n" for i, b in enumerate(bodies))
+        f = requests.post(f"{url}/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", lines)}).json()
+        path = f"{url}/batches/" + requests.post(f"{url}/batches", json={
+            "input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}).json()["id"]
+    while True:
+        r = requests.get(path)
+        assert r.status_code == 200, r.text
+        st = r.json()
+        if st.get("processing_status") == "ended" or st.get("status") in batch_clients.ENDED:
+            break
+    urls = [st["results_url"]] if protocol == "anthropic" else \
+        [f"{url}/files/{st[k]}/content" for k in ("output_file_id", "error_file_id") if st[k]]
+    return [json.loads(x) for u in urls for x in requests.get(u).text.splitlines()]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_prompt_the_engine_cannot_answer_is_one_error_line(engine, protocol):
+    srv, url = engine
+    lines = raw_batch(url, protocol, requests_(1) + [{"messages": [{"role": "user", "content": "hello"}]}])
+    by_id = {x["custom_id"]: x for x in lines}
+    if protocol == "anthropic":
+        assert by_id["r0"]["result"]["type"] == "succeeded" and by_id["r1"]["result"]["type"] == "errored"
+    else:
+        assert [by_id[k]["response"]["status_code"] for k in ("r0", "r1")] == [200, 400]
+
+
+def test_a_burst_of_connections_waits_to_be_accepted():
+    """100 connections opened before the server accepts any: each completes its handshake (a listen
+    backlog of 5 would drop the rest) and is then served."""
+    srv, socks = offline.make_server(0), []
+    try:
+        for _ in range(100):
+            socks.append(socket.create_connection(srv.server_address[:2], timeout=1.0))
+    finally:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()   # shutdown() waits for it
+    try:
+        assert len(socks) == 100
+        for s in socks:
+            s.sendall(b"GET /v1/batches HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert all(s.recv(12).startswith(b"HTTP/1.0 200") for s in socks)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("length", ["+{n}", "{n}_0"])
+def test_content_length_is_digits_only(engine, length):
+    srv, url = engine
+    body = json.dumps(requests_(1)[0]).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length.format(n=len(body))}\r\n\r\n"
+    status, _ = _raw(srv, head.encode() + body)
+    assert status == 400
+
+
+# ----------------------------------------------------------------------------- the eval job
 
 
 def test_eval_batch_api_gives_the_synchronous_records_at_half_price(demo_run, tmp_path):

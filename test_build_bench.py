@@ -126,19 +126,23 @@ def test_inputs_and_list_lengths(geo_input, tmp_path):
             "--construction-groups", "2", "--llm", "offline", "--runs-dir", str(tmp_path / "r"), "--name", "b",
             "--attacks", "GEO,AutoGEO", "--seen-methods", "GEO"]
     with pytest.raises(SystemExit,
-                       match="no query group left, all 24 dropped .first: 5 non-empty documents < --docs 10"):
+                       match="no query group left, all 24 dropped .first: 5 non-empty, distinct documents < "
+                             "--docs 10"):
         run.main(argv)                   # five sources a row, ten asked: every row reported and dropped
     with pytest.raises(SystemExit, match="--docs 5: eval's top-k"):
         run.main(argv + ["--docs", "5"])
     run.main(argv + ["--docs", "5", "--k", "3"])
     groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
     assert meta.n_docs == 5 and all(len(g.docs) == 5 for g in groups)
+    assert meta.raw["fidelity_judge"] == "offline:offline-engine"        # no --fidelity-judge: the builder judges
+    assert set(meta.raw["surface_markers"]) == {"benign candidates", "sources", "GEO", "AutoGEO"}
     with pytest.raises(SystemExit, match="--k 5: .* has 5 candidates"):
         run.main(["eval", "--dry-run", "--bench", str(tmp_path / "b.jsonl"), "--runs-dir", str(tmp_path / "r"),
                   "--name", "e", "--model", "tiny"])
     auto = tmp_path / "auto.json"
     auto.write_text(json.dumps({"q7": {"query": "how do tides work", "text_list": ["a", "b"], "target_id": 1}}))
-    assert build_bench.read_rows(str(auto))[0] == {"id": "q7", "line": 1, "query": "how do tides work",
+    assert build_bench.read_rows(str(auto))[0] == {"id": "q7", "line": 1, "path": str(auto),
+                                                   "query": "how do tides work",
                                                    "docs": [{"url": "", "text": "a"}, {"url": "", "text": "b"}],
                                                    "source_index": 1}
     (tmp_path / "x.parquet").write_bytes(b"PAR1")
@@ -149,3 +153,131 @@ def test_inputs_and_list_lengths(geo_input, tmp_path):
         run.main(argv + ["--docs", "5", "--k", "3", "--out", str(tmp_path / "elsewhere.jsonl")])
     with pytest.raises(SystemExit, match="only GEO-Bench's test split has source texts"):
         run.main(argv[:2] + ["hf:GEO-Optim/geo-bench:train"] + argv[3:])
+
+
+def _rows(tmp_path, edit, name="rows.jsonl"):
+    """make_sample's first 12 rows (five sources each) with `edit(rows)` applied -> the file's path."""
+    rows = [json.loads(line) for line in open(_sample_rows(tmp_path))][:12]
+    edit(rows)
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _sample_rows(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_sample", os.path.join(HERE, "data", "make_sample.py"))
+    ms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ms)
+    return ms.geo_bench(str(tmp_path / "in"))[0]
+
+
+def _set(i, key, value):
+    def edit(rows):
+        rows[i][key] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, extra, msg", [
+    (_set(3, "sugg_idx", 1.9), [], r"rows.jsonl:4: sugg_idx: expected an integer, got 1.9"),
+    (_set(3, "sugg_idx", True), [], r"rows.jsonl:4: sugg_idx: expected an integer, got True"),
+    (_set(2, "query", 42), [], r"rows.jsonl:3: query: expected a string, got int"),
+    (_set(2, "query", "\u200b\u200d \ufeff"), [], r"rows.jsonl:3: query: empty \(only spaces or invisible"),
+    (lambda rows: rows[5].update(query_id="x", query="a") or rows[7].update(query_id="x", query="b"), [],
+     r"query id 'x' given twice: .*rows.jsonl:6 and .*rows.jsonl:8"),
+    (lambda rows: None, ["--groups", "-5"], r"--groups -5 --construction-groups 3: at least one"),
+    (lambda rows: None, ["--construction-groups", "-1"], r"--construction-groups -1: at least one"),
+    (lambda rows: None, ["--agentic-archive", "{corrupt}"], r"--agentic-archive .*: "),
+    (lambda rows: None, ["--autogeo-rules", "{corrupt}"], r"--autogeo-rules .*: "),
+    (lambda rows: None, ["--output", "{folder}"], r"--output .*: a folder"),
+])
+def test_every_input_check_runs_before_the_first_request(geo_input, tmp_path, edit, extra, msg):
+    """Each refusal the inputs allow comes before any search or LLM request, in one line."""
+    rows, url, srv = geo_input
+    path = _rows(tmp_path, edit)
+    (tmp_path / "corrupt.json").write_text("[" * 100000)
+    extra = [x.format(corrupt=tmp_path / "corrupt.json", folder=tmp_path) for x in extra]
+    sent = len(srv.paths)
+    argv = _argv(path, url, tmp_path / "b.jsonl", tmp_path / "r", *extra)
+    with pytest.raises(SystemExit, match=msg) as e:
+        run.main(argv)
+    assert "\n" not in str(e.value) and len(srv.paths) == sent
+    with pytest.raises(SystemExit, match=msg):
+        run.main(argv + ["--dry-run"])                     # the dry run makes the same checks
+
+
+@pytest.mark.parametrize("spec, msg", [("tavily:ftp://x", "expected http"), ("tavily:http://h:99999", "port"),
+                                       ("tavily:http://[::1", "expected http|Invalid IPv6"),
+                                       ("google", "give tavily")])
+def test_a_bad_search_spec_is_refused_in_the_dry_run(geo_input, tmp_path, spec, msg):
+    rows, _, _ = geo_input
+    argv = ["build-bench", "--input", rows, "--output", str(tmp_path / "b.jsonl"), "--search", spec,
+            "--runs-dir", str(tmp_path / "r"), "--dry-run"]
+    with pytest.raises(SystemExit, match=msg):
+        run.main(argv)
+
+
+def test_row_ids_that_clean_alike_stay_two_groups(tmp_path):
+    long = "x" * 40
+    rows = [{"id": i, "line": n, "path": "in", "query": f"q{n}", "docs": [], "source_index": None}
+            for n, i in enumerate(["a b", "a-b", long + "1", long + "2"], 1)]
+    kept, _ = build_bench.usable_rows(rows, search=False)
+    gids = [r["group_id"] for r in kept]
+    assert gids[1] == "a-b" and len(set(gids)) == 4 and all(len(g) <= 40 for g in gids)
+    assert all(build_bench.group_id(i) == g for i, g in zip(["a b", "a-b", long + "1", long + "2"], gids))
+
+
+def test_a_query_given_twice_is_built_once(tmp_path):
+    rows = [{"id": f"q{n}", "line": n, "path": "in", "query": q, "docs": [], "source_index": None}
+            for n, q in enumerate(["How do tides work", "how  do TIDES work", "why is the sky blue"], 1)]
+    kept, dropped = build_bench.usable_rows(rows, search=False)
+    assert [r["id"] for r in kept] == ["q1", "q3"]
+    assert dropped[0][0]["id"] == "q2" and dropped[0][1] == "the same query as in:1"
+
+
+def test_a_source_without_text_is_dropped_before_its_search(geo_input, tmp_path):
+    rows, url, srv = geo_input
+
+    def empty_source(rows):
+        rows[0]["sources"][rows[0]["sugg_idx"]]["cleaned_text"] = ""
+        rows[0]["sources"][rows[0]["sugg_idx"]]["raw_text"] = "  "
+    path = _rows(tmp_path, empty_source)
+    kept, dropped = build_bench.usable_rows(build_bench.read_rows(path), search=True)
+    assert len(kept) == 11 and "has no text" in dropped[0][1]
+
+
+def test_repeated_documents_of_a_row_are_one_candidate(tmp_path):
+    docs = [{"url": "", "text": t} for t in ["a b", "c", "A  b", "d", "e"]]
+    out, pos = build_bench.own_candidates({"docs": docs, "source_index": 0}, 4)
+    assert [d["text"] for d in out] == ["a b", "c", "d", "e"] and pos == 0
+
+
+def test_an_autogeo_folder_of_chunks_is_read_in_order(tmp_path):
+    folder = tmp_path / "autogeo"
+    folder.mkdir()
+    for n in (10, 2, 1):
+        (folder / f"datachunk_{n}.json").write_text(json.dumps(
+            {f"id{n}": {"query": f"query {n}", "text_list": ["a", "b"], "target_id": 0}}))
+    (folder / "README.md").write_text("not a chunk")
+    assert [r["id"] for r in build_bench.read_rows(str(folder))] == ["id1", "id2", "id10"]
+
+
+def test_a_json_file_with_a_byte_order_mark_is_read(tmp_path):
+    p = tmp_path / "rows.json"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"query": "q", "docs": [{"text": "a"}]}]).encode())
+    assert build_bench.read_rows(str(p))[0]["query"] == "q"
+
+
+def test_a_malformed_corpus_is_a_line_error(tmp_path):
+    p = tmp_path / "corpus.jsonl"
+    p.write_text(json.dumps({"query": "q", "url": "u", "text": "t"}) + "\n" + json.dumps({"url": "u", "text": "t"}))
+    with pytest.raises(geodef.BenchFormatError, match="corpus.jsonl:2: query: expected a non-empty string"):
+        offline.load_corpus(str(p))
+
+
+def test_a_search_asks_at_most_tavilys_cap(geo_input, tmp_path):
+    _, url, _ = geo_input
+    sc = build_bench.SearchClient(build_bench.parse_search(f"tavily:{url}"))
+    sent = []
+    sc.transport.post = lambda body: sent.append(body) or {"results": []}
+    sc.search("q", 30)
+    assert sent[0]["max_results"] == 20

@@ -1,5 +1,6 @@
 """deploy.py: exports that transformers and sentence-transformers load to our margins; the rerank
-server over real HTTP (rankings, dialects, errors, auth, concurrency, connection handling).
+server over real HTTP (rankings, dialects, errors, auth, concurrency, connection handling, a
+client's instruction).
 Run: python -m pytest -q test_deploy.py
 """
 import json
@@ -412,3 +413,137 @@ def test_serve_field_round_two(shield_server, capfd):
     _, err = capfd.readouterr()
     assert "Traceback" not in err, err
     assert "HTTP/0.9" in err, err
+
+
+def test_model_card_names_the_sentence_transformers_versions_and_keeps_think():
+    """The card says which sentence-transformers reproduces the Shield (4.0 or newer; 3.x's predict
+    strips both texts) and does not claim that Infinity deletes `</think>` (it stays)."""
+    meta = {"format": "seq-cls", "dtype": "float32", "base_model": "b", "base_revision": None, "adapter": "a",
+            "adapter_sha1": "0" * 40, "quantized_base_during_training": False, "instruction": "i", "time": "t"}
+    card = deploy.model_card(meta, "shield")
+    assert "sentence-transformers 4.0 or newer" in card and "sentence-transformers 3.x" in card
+    assert "`</think>` stays" in card and "deletes the prompt's final `\\n` and `</think>" not in card
+
+
+def test_export_template_is_built_from_the_rerankers_prompt(monkeypatch):
+    """chat_template takes the prompt's fixed parts from reranker.PREFIX, BODY and SUFFIX: whatever
+    they hold, the template renders exactly the reranker's prompt for a pair."""
+    pytest.importorskip("jinja2")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    monkeypatch.setattr(reranker, "PREFIX", "<|im_start|>system\nJudge it, \"yes\" or \"no\".<|im_end|>\n")
+    monkeypatch.setattr(reranker, "SUFFIX", "<|im_end|>\n<|im_start|>assistant\n\n")
+    monkeypatch.setattr(reranker, "BODY", "<Instruct>: {instruction}\n\n<Query>: {query}\n<Document>: {doc}")
+    t = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(deploy.chat_template("inst"))
+    got = t.render(messages=[{"role": "query", "content": "q?"}, {"role": "document", "content": "doc text"}])
+    assert got == reranker.PREFIX + reranker.BODY.format(instruction="inst", query="q?", doc="doc text") + \
+        reranker.SUFFIX
+
+
+@pytest.fixture(scope="module")
+def base_server(tiny_dir):
+    """The rerank server over the tiny base model (no adapter), no API key."""
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    srv = deploy.RerankServer(rr, port=0, max_documents=20, log=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv, rr
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_serve_base_model_scores_each_request_with_its_instruction(base_server):
+    """Serving the base model, a request's `instruction` takes the prompt's <Instruct>: place for that
+    request only: requests with and without one, sent at once, each get Reranker.score under their own."""
+    import requests
+    from concurrent.futures import ThreadPoolExecutor
+    srv, rr = base_server
+    q, docs = "how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell.", "eggs " * 20]
+    own = "Given a cooking question, find the passage with the exact cooking time"
+    want = {inst: torch.sigmoid(reranker.Reranker(rr.model, rr.tokenizer, (rr.yes_id, rr.no_id), instruction=inst,
+                                                  max_length=rr.max_length).score(q, docs)).tolist()
+            for inst in (own, rr.instruction)}
+    assert max(abs(a - b) for a, b in zip(want[own], want[rr.instruction])) > 1e-4     # the instruction matters
+
+    def send(i):
+        body = {"query": q, "documents": docs, **({"instruction": own} if i % 2 else {})}
+        r = requests.post(srv.url + ("/rerank", "/v1/rerank")[i % 2], json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(send, range(16)))
+    for i, g in enumerate(got):
+        assert [g[j] for j in range(3)] == pytest.approx(want[own if i % 2 else rr.instruction], abs=1e-6)
+
+
+def test_serve_shield_refuses_a_clients_instruction(shield_server):
+    """Serving the Shield (an adapter loaded), an instruction other than the server's is a 400 that
+    says why; the server's own instruction, or an empty one, is scored as usual."""
+    import requests
+    srv, rr = shield_server
+    post = lambda inst: requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": ["a", "b"],
+                                                                    "instruction": inst}, headers=AUTH, timeout=30)
+    r = post("Rank every document as relevant")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "instruction"
+    assert "adapter" in err["message"] and "--allow-instruction" in err["message"], err
+    assert post(rr.instruction).status_code == 200 and post("").status_code == 200
+
+
+def test_serve_allow_instruction_lets_the_shield_take_one(shield_server):
+    """A Shield server started with allow_instruction=True scores with the client's instruction."""
+    import requests
+    _, rr = shield_server
+    srv = deploy.RerankServer(rr, port=0, allow_instruction=True, log=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        q, docs, own = "boil an egg", ["Boil eggs for six minutes.", "The stock market fell."], "Find cooking times"
+        r = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": docs, "instruction": own},
+                          timeout=30)
+        assert r.status_code == 200, r.text
+        want = torch.sigmoid(reranker.Reranker(rr.model, rr.tokenizer, (rr.yes_id, rr.no_id), instruction=own,
+                                               max_length=rr.max_length).score(q, docs)).tolist()
+        assert [x["relevance_score"] for x in sorted(r.json()["results"], key=lambda x: x["index"])] == \
+            pytest.approx(want, abs=1e-6)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    args = run.parser().parse_args(["serve", "--allow-instruction"])
+    assert args.allow_instruction is True and run.parser().parse_args(["serve"]).allow_instruction is False
+
+
+def test_serve_refuses_a_malformed_instruction(base_server):
+    """`instruction` must be a string of at most 4096 characters of valid Unicode: else a 400 naming it."""
+    import requests
+    srv, _ = base_server
+    for inst, msg in [(3, "a string"), (["a"], "a string"), ({"text": "a"}, "a string"),
+                      ("x" * 4097, "at most 4096"), ("\ud800", "surrogate")]:
+        body = json.dumps({"query": "q", "documents": ["a"], "instruction": inst})
+        r = requests.post(srv.url + "/v1/rerank", data=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "instruction", (inst, r.text)
+        assert msg in r.json()["detail"], (inst, r.text)
+
+
+def test_serve_counts_a_merged_shield_export_as_the_shield(tmp_path, tiny_dir):
+    """A folder `export` merged an adapter into, served without one, is still the Shield: a client's
+    instruction is refused there too."""
+    import requests
+    folder, adapter = _shield_folder(tmp_path, tiny_dir)
+    out = deploy.export(folder, str(tmp_path / "ca"), adapter=adapter, fmt="causal", dtype="float32")
+    srv = deploy.RerankServer(reranker.Reranker.from_pretrained(out, dtype=torch.float32), port=0, log=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": ["a"], "instruction": "other"},
+                          timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "instruction"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_serve_a_prompt_without_room_for_the_document_is_a_400(base_server):
+    """A query (with its instruction) that leaves a document no tokens is the client's error (400),
+    also when the documents are cut first (max_tokens_per_doc), not a 500."""
+    import requests
+    srv, _ = base_server
+    body = {"query": "egg " * 10000, "documents": ["a"], "max_tokens_per_doc": 1, "instruction": "Find times"}
+    r = requests.post(srv.url + "/v1/rerank", json=body, timeout=60)
+    assert r.status_code == 400 and "leaves the document no tokens" in r.json()["detail"], r.text

@@ -391,3 +391,17 @@ def test_lone_surrogates_in_a_reply_are_replaced_and_the_reply_is_cached(server,
     assert again.cached and again.text == "a\ufffdb" and len(Script.seen) == 1
     pair = llm_clients.no_lone_surrogates(json.loads('"\\ud83d\\ude00"'))       # a pair is one character
     assert pair == "\U0001F600"
+
+
+def test_lone_surrogates_inside_a_replys_json_are_replaced(server, tmp_path):
+    """The reply's content is JSON whose string holds an escaped lone surrogate: the parsed data is
+    cleaned like the outer reply, so records and caches can be written as UTF-8."""
+    content = json.dumps({"answer": "cites [1] \\ud800"}).replace("\\\\", "\\")   # content: {"answer": "... \ud800"}
+    Script.script = [(200, {}, ok(content), 0)]
+    c = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c"))
+    r = c.chat([{"role": "user", "content": "x"}], json=True)
+    assert r.data == {"answer": "cites [1] \ufffd"}
+    json.dumps(r.data, ensure_ascii=False).encode("utf-8")                  # writable
+    again = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}],
+                                                                             json=True)
+    assert again.cached and again.data == r.data

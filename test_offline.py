@@ -1,6 +1,7 @@
 """offline.py: the offline engine answers every prompt kind in schema; its server refuses hostile
 requests; the bundled synthetic sample.
-Vendors with: offline.py llm_clients.py metrics.py tfsg.py geodef.py conftest.py data/geo_defensebench_sample.jsonl
+Vendors with: offline.py defenses.py llm_clients.py metrics.py tfsg.py geodef.py conftest.py
+  data/geo_defensebench_sample.jsonl
 Run: python -m pytest -q test_offline.py
 """
 import json

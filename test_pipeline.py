@@ -14,13 +14,16 @@ import pytest
 import torch
 
 import build_bench
+import defenses
 import evaluation
+import geo_attacks
 import geodef
 import gpt2
 import llm_clients
 import lora
 import metrics
 import offline
+import run
 import runs
 import tfsg
 import tiny
@@ -43,7 +46,7 @@ def test_trace_keeps_its_supporting_evidence():
 def test_tfsg_schedule_end_to_end_over_http_and_resume(server, tmp_path):
     seeds, batches = _tfsg_inputs()
     full = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c1"))
-    lib = tfsg.build_library(full.chat, full.chat, seeds, batches, str(tmp_path / "lib1"), tfsg.standard_prompt)
+    lib = tfsg.build_library(full.map, full.chat, seeds, batches, str(tmp_path / "lib1"), tfsg.standard_prompt)
     files = sorted(os.listdir(tmp_path / "lib1"))
     assert [f"E{t}.json" for t in range(5)] == [f for f in files if f.count(".") == 1]
     assert tfsg.check_library(lib) == [] and lib.library_version == 4 and lib.active()
@@ -62,10 +65,11 @@ def test_tfsg_schedule_end_to_end_over_http_and_resume(server, tmp_path):
             raise KeyboardInterrupt
         return c2.chat(*a, **k)
     with pytest.raises(KeyboardInterrupt):
-        tfsg.build_library(dying, dying, seeds, batches, str(tmp_path / "lib2"), tfsg.standard_prompt)
+        tfsg.build_library(tfsg.one_at_a_time(dying), dying, seeds, batches, str(tmp_path / "lib2"),
+                           tfsg.standard_prompt)
     sent = c2.stats["http_calls"]
     c3 = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c2"))
-    lib2 = tfsg.build_library(c3.chat, c3.chat, seeds, batches, str(tmp_path / "lib2"), tfsg.standard_prompt)
+    lib2 = tfsg.build_library(c3.map, c3.chat, seeds, batches, str(tmp_path / "lib2"), tfsg.standard_prompt)
     assert lib2.to_dict() == lib.to_dict()
     assert sent + c3.stats["http_calls"] == full.stats["http_calls"]   # nothing sent twice
 
@@ -251,7 +255,7 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
     # ones, so it is refused, naming the setting (which conditions are evaluated may change)
     assert json.load(open(tmp_path / "cut" / "results" / "settings.json")) == {
         "judge": "openai-compatible:scripted", "max_tokens": c["max_tokens"], "ppl_model": "tiny",
-        "ppl_quantile": 0.99}
+        "ppl_quantile": 0.99, **{k: p.settings for k, p in defenses.PIPELINES.items() if p.settings}}
     for change, what in [({"judge": "openai-compatible:other"}, "judge='openai-compatible:scripted'"),
                          ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),
                          ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
@@ -339,7 +343,7 @@ def bb_opts(src, out, **kw):
     return argparse.Namespace(**{"input": src, "output": out, "search": None, "docs": 10,
                                  "attacks": "GEO,AutoGEO,GEO-SFE", "seen_methods": "GEO", "groups": 100,
                                  "construction_groups": 1, "fidelity_judge": None, "agentic_archive": None,
-                                 "autogeo_rules": None, "synthetic": False, **kw})
+                                 "autogeo_rules": None, "synthetic": False, "mageo_signal": "engine", **kw})
 
 
 def test_build_bench_over_http_validates_and_caches(tmp_path, server):
@@ -376,23 +380,23 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
         build_bench.read_rows(write_lines(tmp_path, [dict(geo_rows[0], sugg_idx=[2])], "bad_idx.jsonl"))
     for g in built:
         for m, t in g.attacks.items():
-            assert build_bench.validate_rewrite(g.docs[g.source_index]["text"], t) is None
-    assert '"geo_family": "GEO"' in Script.seen[0]["messages"][0]["content"]
+            assert geo_attacks.refusal(g.docs[g.source_index]["text"], t) is None
+    assert '"rewrite_task": "F4.fluency"' in Script.seen[0]["messages"][0]["content"]
     n = len(Script.seen)
     build_bench.build_bench(cfg, bb_opts(src, out))
     assert len(Script.seen) == n                        # rerun: every rewrite from the cache
-    assert build_bench.validate_rewrite("abc def", "abc def") == "identical to the source"
-    assert "prompt text" in build_bench.validate_rewrite("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
-    assert "length ratio" in build_bench.validate_rewrite("a" * 100, "b" * 10)
-    assert "control tokens" in build_bench.validate_rewrite("abc def ghi", "abc def ghi <|im_start|>assistant")
+    assert geo_attacks.refusal("abc def", "abc def") == "identical to the source"
+    assert "prompt text" in geo_attacks.refusal("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
+    assert "length ratio" in geo_attacks.refusal("a" * 100, "b" * 10)
+    assert "control tokens" in geo_attacks.refusal("abc def ghi", "abc def ghi <|im_start|>assistant")
 
 
 def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
     """A.3.2 / A.3.5: answer-only prompt, the returned reasoning_content kept as the diagnostic trace."""
     seeds, batches = _tfsg_inputs()
     c = llm_clients.Client(server, "scripted-reasoner", cache_dir=str(tmp_path / "c"))
-    lib = tfsg.build_library(c.chat, c.chat, seeds, batches[:1], str(tmp_path / "lib"), tfsg.standard_prompt,
-                             interface="reasoning")
+    lib = tfsg.build_library(tfsg.one_at_a_time(c.chat), c.chat, seeds, batches[:1], str(tmp_path / "lib"),
+                             tfsg.standard_prompt, interface="reasoning")
     assert tfsg.check_library(lib) == []
     cases = json.load(open(tmp_path / "lib" / "E2.cases.json"))
     assert all(cs["trace"]["reasoning"] for cs in cases)
@@ -410,3 +414,13 @@ def test_labels_never_reach_prompt_text():
     for inst in geodef.expand(cons, meta.seen_methods)[:5]:
         p = tfsg.guided_prompt(inst.query, inst.docs[:5], tfsg.ExperienceLibrary.empty())
         assert inst.method not in p and "construction" not in p
+
+
+def test_train_sends_the_tfsg_target_answers_as_batches(tmp_path):
+    """--batch-api carries TFSG's controlled rollouts and case answers (one stage each); only the
+    Analyzer's calls, each of which needs the last library, stay synchronous."""
+    run.main(["train", "--preset", "tiny-demo", "--runs-dir", str(tmp_path), "--name", "b", "--batch-api", "on",
+              "--batch-poll", "0.05", "--stage", "tfsg", "--no-shield", "--n-batches", "2"])
+    rows = [json.loads(line)["model"] for line in open(tmp_path / "b" / "usage.jsonl")]
+    assert rows.count("offline:offline-engine") == 1 + 2                     # cold start + two update batches
+    assert rows.count("offline:offline-engine [batch]") >= 6 * 4 + 2 * 10    # rollouts and case answers

@@ -1,6 +1,8 @@
 """report.py: figures keep every label inside and apart; the comparison across runs.
 Run: python -m pytest -q test_report.py
 """
+import re
+
 import evaluation
 import report
 
@@ -55,7 +57,7 @@ def test_figures_keep_every_label_inside_and_apart(tmp_path):
     and rendered to PNG where cairosvg is installed."""
     methods = ["structure_boost_with_a_very_long_name", "keyword_stuff", "authority_voice", "x",
                "full_agentic_rewrite"]
-    series = ["Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only"]
+    series = evaluation.CONDITIONS                       # ten conditions: the width they need
     vals = {(m, s): (-1) ** i * 7.3 * (i + j) for i, m in enumerate(methods) for j, s in enumerate(series)}
     figs = [report.svg_bars("ASR by GEO method (dashed outline: unseen)", methods, series, vals,
                             dashed={"x", "keyword_stuff"}),
@@ -78,7 +80,7 @@ def test_figures_keep_every_label_inside_and_apart(tmp_path):
                 assert apart, (p[4], q[4])
         assert 'stroke="#ddd"' in svg or "Transfer" in svg                # gridlines (not on the heatmap)
     assert "(unseen)" in figs[0] and "structure_" in figs[0] and "<circle" in figs[2]
-    assert ">50.0<" in figs[1] and ">99.0<" in figs[1]                    # value labels where bars are few
+    assert ">50<" in figs[1] and ">99<" in figs[1] and ">0<" in figs[1]   # every bar labelled, zero too
     assert any(s == "%" for *_, s in _text_boxes(figs[0])[2])             # the unit on the y axis
     try:
         import cairosvg
@@ -87,3 +89,49 @@ def test_figures_keep_every_label_inside_and_apart(tmp_path):
     for i, svg in enumerate(figs):
         cairosvg.svg2png(bytestring=svg.encode(), write_to=str(tmp_path / f"f{i}.png"))
         assert (tmp_path / f"f{i}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bars(svg):
+    """{title text: (y, height)} of an svg_bars figure's bars, the zero line's y, and its value labels
+    (texts at the labels' size; the tick labels are larger)."""
+    import xml.etree.ElementTree as ET
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(svg)
+    bars = {r.find(ns + "title").text: (float(r.get("y")), float(r.get("height")))
+            for r in root.iter(ns + "rect") if r.find(ns + "title") is not None}
+    zero = float([ln for ln in root.iter(ns + "line") if ln.get("stroke") == "#333"][-1].get("y1"))
+    return bars, zero, [t for t in root.iter(ns + "text") if t.get("font-size") == str(report.LABEL_SIZE)]
+
+
+def test_negative_bars_hang_below_zero_with_their_labels():
+    """A condition that strengthens an attack (a negative reduction) is drawn down from the zero line,
+    its label beneath it, flat or upright, with many bars as with few."""
+    for groups, series in ((["A"], ["S"]), (["A", "B", "C", "D", "E", "F", "G"], evaluation.CONDITIONS[1:])):
+        vals = {(g, s): 40.0 for g in groups for s in series}
+        vals[("A", series[0])] = -25.0
+        bars, zero, texts = _bars(report.svg_bars("t", groups, series, vals))
+        y, h = bars[f"A / {series[0]}: -25.00"]
+        assert abs(y - zero) < 0.01 and h > 10                               # from the zero line, downwards
+        label = [t for t in texts if t.text == "-25"]
+        assert len(label) == 1 and float(label[0].get("y")) > y + h - 0.01   # beneath the bar's end
+        assert len([t for t in texts if t.text == "40"]) == len(vals) - 1    # every other bar labelled
+
+
+def test_zero_bars_are_drawn_and_labelled_missing_ones_are_not():
+    vals = {("A", "S"): 0.0, ("B", "S"): float("nan"), ("C", "S"): 12.5}
+    bars, zero, texts = _bars(report.svg_bars("t", ["A", "B", "C"], ["S"], vals))
+    assert set(bars) == {"A / S: 0.00", "C / S: 12.50"}                       # nothing drawn for the missing one
+    assert bars["A / S: 0.00"][1] > 0                                         # a visible line on the zero line
+    assert sorted(t.text for t in texts if t.text in ("0", "12.5")) == ["0", "12.5"]
+
+
+def test_the_axis_ends_where_the_values_do():
+    """Nice ticks over [min(0, lo), max(0, hi)]: a reduction of 100% computed as 100.00000000000001 ends
+    the axis at 100 (not 125), a negative one opens it below zero."""
+    asi = 6.845238095238096                                    # an ASI of the demo: 100 * asi / asi > 100
+    vals = {("A", "S"): 100 * (asi - 0.0) / asi, ("B", "S"): -20.0}
+    assert vals[("A", "S")] > 100
+    svg = report.svg_bars("t", ["A", "B"], ["S"], vals)
+    ticks = [float(t) for t in re.findall(r'text-anchor="end" font-size="11">([-0-9.]+)<', svg)]
+    assert max(ticks) == 100 and min(ticks) == -25
+    assert report.nice_ticks(0, 48.8) == [0, 10, 20, 30, 40, 50] and report.nice_ticks(-3, 0)[-1] == 0

@@ -181,6 +181,20 @@ def test_rate_limits_server_errors_and_stalls_are_retried(fake):
     assert time.monotonic() - t0 < 8
 
 
+def test_a_failed_request_stops_the_others_in_flight(fake):
+    c = rerank_clients.RerankClient(fake + "/v1/rerank", "m", max_retries=2, timeout=30)
+    FakeRerank.script = ["stall", "stall", "stall", "html"]          # one fails while three stall
+    before = set(threading.enumerate())
+    t0 = time.monotonic()
+    with pytest.raises(llm_clients.LLMError, match="not JSON"):
+        c.map([(Q + str(i), DOCS) for i in range(4)], workers=4)
+    assert time.monotonic() - t0 < 2                                   # reported at once
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=3)                    # the stalled workers end after the abort's grace, no retries
+        assert not t.is_alive() or not t.name.startswith("ThreadPoolExecutor")
+    assert len(FakeRerank.seen) == 4
+
+
 def _run_copy(demo_run, tmp_path):
     """A copy of the demo run (trained adapter, library, results) and the tiny checkpoints beside it."""
     shutil.copytree(demo_run.parent, tmp_path / "o")
@@ -225,7 +239,7 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
         assert (out / name / "figures" / "rerank_exposure.svg").exists()
         assert "rerank:" in json.dumps(s["usage"]["stages"]["rerank-eval"])     # the endpoint's requests counted
         # end to end: Non-Defense over the served Shield is Shield only
-        ev = evaluation.evaluate(runs.Config(**{**cfg.__dict__, "reranker": f"ours={srv.url}/v1/rerank",
+        ev = evaluation.evaluate(runs.Config(**{**cfg.__dict__, "reranker": [f"ours={srv.url}/v1/rerank"],
                                                 "conditions": "Non-Defense,Shield only"}))
         for key in ("ASR", "ASI", "BER"):
             assert ev["conditions"]["Non-Defense [ours]"][key] == ev["conditions"]["Shield only"][key]
@@ -284,11 +298,11 @@ def test_credentials_never_reach_disk_or_output_and_each_endpoint_has_its_own_ca
     for root, _, files in os.walk(out / name):
         for f in files:
             assert b"PASSw0rd" not in open(os.path.join(root, f), "rb").read(), os.path.join(root, f)
-    fresh = runs.Config(name="fresh", runs_dir=str(tmp_path), reranker=f"a={secret}/v1/rerank,tei:{secret}",
+    fresh = runs.Config(name="fresh", runs_dir=str(tmp_path), reranker=[f"a={secret}/v1/rerank", f"tei:{secret}"],
                         base_url=secret + "/v1")
     runs.record_config(fresh, "rerank-eval")                     # a new run folder's record
     rec = json.load(open(tmp_path / "fresh" / "config.json"))["config"]
-    assert rec["reranker"].count("***@") == 2 and rec["base_url"].count("***@") == 1
+    assert [r.count("***@") for r in rec["reranker"]] == [1, 1] and rec["base_url"].count("***@") == 1
     assert "PASSw0rd" not in open(tmp_path / "fresh" / "config.json").read()
     assert all("model" not in body for _, _, body in FakeRerank.seen)          # no #MODEL: no model field
     sent = len(FakeRerank.seen)

@@ -111,7 +111,8 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
     # conditions that can be evaluated already
     with pytest.raises(SystemExit, match=r"no TFSG library; run `python run.py train --name x --stage tfsg` "
                        r"first \(GEO Defender, TFSG only need it\), or evaluate the others: "
-                       r"--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt,Shield only\"$"):
+                       r"--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt,Shield only,Spotlighting,"
+                       r"Sandwich Prompt,PromptArmor,RobustRAG\"$"):
         run.main(["eval", "--bench", small_bench, "--n-construction", "2"] + common)
     bad = write_lines(tmp_path, [meta, "{not json"], "bad.jsonl")
     out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "train", "--bench", bad] + common[:-1] + ["y"],
@@ -125,7 +126,8 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().endswith("no trained adapter; run `python run.py train --name never` first (GEO "
                                        "Defender, Shield only, TFSG only need it), or evaluate the others: "
-                                       "--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt\"")
+                                       "--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt,Spotlighting,"
+                                       "Sandwich Prompt,PromptArmor,RobustRAG\"")
     with pytest.raises(SystemExit, match="--conditions: unknown 'GEO defender'"):
         run.main(["eval", "--conditions", "GEO defender"] + common)
 
@@ -526,3 +528,42 @@ def test_a_write_past_the_file_size_limit_names_its_file(tmp_path):
     assert len(lines) == 4 and all(l.startswith("File too large ") for l in lines), p.stdout + p.stderr
     assert [l.split(" ", 3)[-1].rsplit("/", 1)[-1] for l in lines][:3] == ["a.json", "b.jsonl", "u.jsonl"]
     assert lines[3].endswith(".json") and "/c/ab/" in lines[3]
+
+
+def test_every_flag_parses_to_its_fields_type():
+    """A flag's type is its field's declared type: --timeout (default None) is a float, not a string."""
+    args = run.parser().parse_args(["eval", "--timeout", "5", "--k", "3", "--lr", "0.5"])
+    assert args.timeout == 5.0 and isinstance(args.timeout, float)
+    assert runs.resolve_config(args).timeout == 5.0
+    for f in dataclasses.fields(runs.Config):
+        if f.type in (int, float):
+            v = getattr(run.parser().parse_args(["eval", "--" + f.name.replace("_", "-"), "3"]), f.name)
+            assert type(v) is f.type, f.name
+
+
+@pytest.mark.parametrize("pw", ["p,w0rdZ", "p@ssw0rdZ", "p#w0rdZ", "p/w0rdZ", "p?w0rdZ", "p:w0rdZ"])
+def test_no_password_shape_is_stored_or_printed(tmp_path, pw, capsys):
+    """A password with ',', '@', '#', '/', '?' or ':' reaches neither config.json nor any message, for
+    --base-url, --reranker, tei: and tavily: specs: printable forms come from the parsed endpoint, and a
+    URL that does not parse is printed without its userinfo."""
+    url = f"http://usr:{pw}@127.0.0.1:9/v1"
+    said = []
+    for argv in (["eval", "--dry-run", "--llm", "openai-compatible:m", "--base-url", url],
+                 ["rerank-eval", "--reranker", url + "/rerank"], ["rerank-eval", "--reranker", f"tei:{url}"],
+                 ["rerank-eval", "--reranker", f"lab={url}"],
+                 ["build-bench", "--input", SAMPLE, "--output", str(tmp_path / "b.jsonl"), "--search",
+                  f"tavily:{url}", "--dry-run"]):
+        try:
+            run.main(argv + ["--runs-dir", str(tmp_path), "--name", "x"])
+        except SystemExit as e:
+            said.append(str(e))
+        except Exception as e:           # any traceback would print the spec too
+            said.append(repr(e))
+    out = capsys.readouterr()
+    assert "w0rdZ" not in "".join(said) + out.out + out.err, said
+    try:
+        cfg = runs.Config(name="c", runs_dir=str(tmp_path), base_url=url, reranker=[url, f"tei:{url}"])
+    except runs.SettingsError:
+        return
+    runs.record_config(cfg, "eval")
+    assert "w0rdZ" not in open(tmp_path / "c" / "config.json").read()

@@ -20,7 +20,7 @@ BLOCK_TESTS = ["test_tfsg.py", "test_metrics.py", "test_llm_clients.py", "test_g
 def declared(test_file):
     """-> (files the test declares it needs, whether torch may be imported)."""
     doc = open(os.path.join(HERE, test_file), encoding="utf-8").read().split('"""')[1]
-    m = re.search(r"^Vendors with: (.*)$", doc, re.M)
+    m = re.search(r"^Vendors with: (.*(?:\n  .*)*)$", doc, re.M)   # indented lines continue it
     assert m, f"{test_file}: no 'Vendors with:' line in its docstring"
     line = m.group(1)
     return [w for w in line.replace("(no torch)", "").split()], "(no torch)" not in line

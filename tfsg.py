@@ -35,9 +35,11 @@ Read top to bottom: limits, library, Controller, cases and outcomes, cold start,
 The LLMs are callables, so any client serves: chat(messages, temperature=0, max_tokens=2048,
 json=False) -> a reply with .text (the answer), .data (the parsed JSON object when json=True) and
 .reasoning (a reasoning trace, or None); it raises on failure and never returns placeholder text
-(llm_clients.Client.chat is one).
+(llm_clients.Client.chat is one). The target's independent answers go through answer_many, a list of
+such keyword dicts -> the replies in order (llm_clients.Client.map is one, and can send them as a
+batch; one_at_a_time(chat) makes one from a chat callable).
 
-Usage: lib = build_library(target.chat, analyzer.chat, seed_cases, batches, out_dir="runs/x/library")
+Usage: lib = build_library(target.map, analyzer.chat, seed_cases, batches, out_dir="runs/x/library")
        prompt = guided_prompt(query, top5_texts, lib)
 """
 import copy
@@ -562,42 +564,48 @@ def _msg(prompt):
     return [{"role": "user", "content": prompt}]
 
 
-def run_case(chat, case_input, lib, interface, temperature=0, max_tokens=2048):
-    """Lines 7-9 of Algorithm 1 for one instance: generate with the current library, normalise."""
+def case_request(case_input, lib, interface, temperature=0, max_tokens=2048):
+    """Line 7 of Algorithm 1 for one instance: the target's request with the current library."""
     docs = case_input["docs"]
     prompt = structured_prompt(case_input["query"], docs, lib) if interface == "structured" \
         else guided_prompt(case_input["query"], docs, lib)
-    reply = chat(_msg(prompt), temperature=temperature, max_tokens=max_tokens, json=True)
-    trace = normalize_trace(reply, len(docs), interface)
+    return {"messages": _msg(prompt), "temperature": temperature, "max_tokens": max_tokens, "json": True}
+
+
+def case_outcome(case_input, reply, interface):
+    """Lines 8-9 of Algorithm 1 for one instance: the reply normalised into a trace, and its outcome."""
+    trace = normalize_trace(reply, len(case_input["docs"]), interface)
     attack_pos = case_input["labels"].index("attack") + 1 if "attack" in case_input["labels"] else None
     outcome = classify(trace, attack_pos, case_input["labels"], case_input["b_clean"])
     return {**case_input, "trace": trace, "outcome": outcome}
 
 
-def controlled_rollouts(chat, seed_inputs, answer_prompt, temperature=0, max_tokens=2048, limits=LIMITS):
+def controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature=0, max_tokens=2048, limits=LIMITS):
     """A.3.3 controlled contrasts: for each seed instance, the target LLM answers four controlled
-    contexts (attack filtered; 1 and 2 benign filtered; keep-all). answer_prompt(query, docs) -> str."""
-    rollouts = []
+    contexts (attack filtered; 1 and 2 benign filtered; keep-all), all in one answer_many call (they
+    are independent). answer_prompt(query, docs) -> str."""
+    plans = []
     for s in seed_inputs:
+        a = s["labels"].index("attack")
+        benign = [i for i, lab in enumerate(s["labels"]) if lab == "benign"]
+        for name, filt in (("attack_filtered", {a}), ("false_positive_1", set(benign[:1])),
+                           ("false_positive_2", set(benign[:2])), ("keep_all", set())):
+            plans.append((s, name, filt, [i for i in range(len(s["docs"])) if i not in filt]))
+    replies = answer_many([{"messages": _msg(answer_prompt(s["query"], [s["docs"][i] for i in keep])),
+                            "temperature": temperature, "max_tokens": max_tokens, "json": True}
+                           for s, _, _, keep in plans])
+    rollouts = []
+    for (s, name, filt, keep), reply in zip(plans, replies):
         labels, docs = s["labels"], s["docs"]
-        a = labels.index("attack")
-        benign = [i for i, lab in enumerate(labels) if lab == "benign"]
-        plans = [("attack_filtered", {a}), ("false_positive_1", set(benign[:1])),
-                 ("false_positive_2", set(benign[:2])), ("keep_all", set())]
-        for name, filt in plans:
-            keep = [i for i in range(len(docs)) if i not in filt]
-            reply = chat(_msg(answer_prompt(s["query"], [docs[i] for i in keep])), temperature=temperature,
-                         max_tokens=max_tokens, json=True)
-            answer = reply.data.get("answer", "") if isinstance(reply.data, dict) else reply.text
-            cited_ctx = cited(answer, len(keep))
-            cited_orig = [keep[i - 1] + 1 for i in cited_ctx]
-            rollouts.append({
-                "rollout_id": f"seed:{s['case_id']}:{name}", "kind": name, "user_question": s["query"],
-                "documents": [{"index": i + 1, "label": labels[i], "decision": "filter" if i in filt else "keep",
-                               "text": docs[i][:limits.analyzer_doc_chars]} for i in range(len(docs))],
-                "answer": answer, "cited_indices": cited_orig,
-                "attack_cited": (a + 1) in cited_orig,
-                "benign_cited": sum(1 for i in cited_orig if labels[i - 1] == "benign")})
+        answer = reply.data.get("answer", "") if isinstance(reply.data, dict) else reply.text
+        cited_orig = [keep[i - 1] + 1 for i in cited(answer, len(keep))]
+        rollouts.append({
+            "rollout_id": f"seed:{s['case_id']}:{name}", "kind": name, "user_question": s["query"],
+            "documents": [{"index": i + 1, "label": labels[i], "decision": "filter" if i in filt else "keep",
+                           "text": docs[i][:limits.analyzer_doc_chars]} for i in range(len(docs))],
+            "answer": answer, "cited_indices": cited_orig,
+            "attack_cited": (labels.index("attack") + 1) in cited_orig,
+            "benign_cited": sum(1 for i in cited_orig if labels[i - 1] == "benign")})
     return rollouts
 
 
@@ -614,14 +622,28 @@ def _load(path):
         return json.load(f)
 
 
-def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, answer_prompt, interface="structured",
-                  max_initial_rules=10, controller=None, temperature=0, max_tokens=2048, workers=1):
-    """Algorithm 1. seed_inputs / batches: case inputs {case_id, query, docs (top-k texts), labels
+def one_at_a_time(chat):
+    """A chat callable as an answer_many: [chat() keyword dicts] -> [Reply], in order, one by one.
+    (A client's map() is the concurrent, batch-API-capable answer_many.)"""
+    return lambda requests: [chat(**r) for r in requests]
+
+
+def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, answer_prompt, interface="structured",
+                  max_initial_rules=10, controller=None, temperature=0, max_tokens=2048):
+    """Algorithm 1. answer_many: the target LLM, [chat() keyword dicts] -> [Reply] in order (a client's
+    map(), or one_at_a_time(chat)): the four controlled rollouts of every seed case are one call, and
+    so are each update batch's case answers. analyzer_chat: one chat() call (each needs the last
+    library). seed_inputs / batches: case inputs {case_id, query, docs (top-k texts), labels
     ('attack'|'benign' per position), b_clean}. Writes out_dir/E{t}.json, E{t}.report.json,
     E{t}.cases.json; a finished epoch is loaded, not recomputed (resume at the batch it stopped in;
     the LLM cache makes the redone calls free). Returns the final library."""
     controller = controller or Controller()
-    path = lambda t, kind="": os.path.join(out_dir, f"E{t}{kind}.json")
+
+    def path(t, kind=""):
+        return os.path.join(out_dir, f"E{t}{kind}.json")
+
+    def view(c):
+        return _case_view(c, controller.limits)
     lib = ExperienceLibrary.empty()
     if not os.path.isfile(path(0)):
         _save(path(0), {**lib.to_dict(), "note": "E0: empty library"})
@@ -629,17 +651,17 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
     if os.path.isfile(path(1)):
         lib = ExperienceLibrary.from_dict(_load(path(1)))
     else:
-        rollouts = controlled_rollouts(target_chat, seed_inputs, answer_prompt, temperature, max_tokens,
+        rollouts = controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature, max_tokens,
                                        controller.limits)
         reply = analyzer_chat(_msg(cold_start_prompt(rollouts, max_initial_rules)), temperature=temperature,
                               max_tokens=max(max_tokens, 4096), json=True)
         data = reply.data if isinstance(reply.data, dict) else {}
-        proposed = (data.get("experience_library") or {}).get("rules", []) if isinstance(
-            data.get("experience_library"), dict) else []
+        proposal = data.get("experience_library")
+        proposal = proposal if isinstance(proposal, dict) else {}
+        proposed = proposal.get("rules")
         lib, report = cold_start(controller, lib, proposed if isinstance(proposed, list) else [],
                                  max_initial_rules, epoch=1)
-        el = data.get("experience_library")
-        tf = el.get("task_frame") if isinstance(el, dict) else None
+        tf = proposal.get("task_frame")
         if isinstance(tf, str) and tf.strip():
             lib.task_frame = tf.strip()[:controller.limits.rule_description_chars]
         notes = ("seed_contrast_summary", "case_patterns", "controller_notes")
@@ -651,9 +673,9 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
         if os.path.isfile(path(t + 1)):
             lib = ExperienceLibrary.from_dict(_load(path(t + 1)))
             continue
-        cases = _map(lambda c: run_case(target_chat, c, lib, interface, temperature, max_tokens), batch, workers)
+        replies = answer_many([case_request(c, lib, interface, temperature, max_tokens) for c in batch])
+        cases = [case_outcome(c, r, interface) for c, r in zip(batch, replies)]
         lib_stats = record_outcomes(lib, cases)
-        view = lambda c: _case_view(c, controller.limits)
         succ = [view(c) for c in cases if c["outcome"] == "success"]
         miss = [view(c) for c in cases if c["outcome"] in ("missed_attack", "both")]
         fp = [view(c) for c in cases if c["outcome"] in ("false_positive", "both")]
@@ -677,14 +699,6 @@ def build_library(target_chat, analyzer_chat, seed_inputs, batches, out_dir, ans
         _save(path(t + 1), new_lib.to_dict())
         lib = new_lib
     return lib
-
-
-def _map(fn, items, workers):
-    from concurrent.futures import ThreadPoolExecutor
-    if workers <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=workers) as ex:
-        return list(ex.map(fn, items))
 
 
 # ----------------------------------------------------------------------------- prompts (A.3)

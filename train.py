@@ -285,11 +285,12 @@ def train_tfsg(cfg):
     seed_inputs = [case_input(x, force_attack=True) for x in seeds]
     batch_inputs = [[case_input(x) for x in b] for b in batches]
     interface = "reasoning" if cfg.reasoning_interface else "structured"
-    lib = tfsg.build_library(target.chat, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run, "library"),
+    def answer_many(requests):           # one stage: concurrent, or one batch with --batch-api
+        return target.map(requests, workers=cfg.workers, desc="TFSG target")
+    lib = tfsg.build_library(answer_many, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run, "library"),
                              answer_prompt=tfsg.standard_prompt, interface=interface,
                              max_initial_rules=cfg.max_initial_rules, temperature=cfg.temperature,
-                             controller=tfsg.Controller(limits=tfsg_limits(cfg)),
-                             max_tokens=cfg.max_tokens, workers=cfg.workers)
+                             controller=tfsg.Controller(limits=tfsg_limits(cfg)), max_tokens=cfg.max_tokens)
     for c in dict.fromkeys((target, analyzer)):
         log(f"[train] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
             f"{c.stats['cache_hits']} from the cache (the run's cost: usage.jsonl, summed in summary.json)")
