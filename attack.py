@@ -24,6 +24,7 @@ the Shield conditions are the transfer case.
 
 Usage: python run.py attack --name gpt55 --target shield --budgets 1,4,16 --aware-of-library
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,12 +34,13 @@ import geo_attacks
 import geodef
 import llm_clients
 import report
-import rerank_eval
+import rankers
 import tfsg
 from evaluation import (INJECTION_DEFENSES, condition_plan, condition_slug, estimate, eval_condition, price_plan,
                         summarize)
-from runs import (SettingsError, atomic_write, library_path, load_data, log, make_llm, order_of, rankers, read_json,
-                  run_usage, tfsg_limits, write_json)
+from rankers import load_rankers, order_of
+from runs import (atomic_write, library_path, load_data, log, make_llm, read_json, run_usage, SettingsError,
+                  tfsg_limits, write_json)
 
 CONDITIONS = ("Non-Defense", "Shield only", "TFSG only", "GEO Defender", *INJECTION_DEFENSES)  # those on base top-k
 ATTACKER_INSTRUCTION = (
@@ -126,7 +128,7 @@ class Attack:
             others = self.target.scores(with_doc(x, best["text"], best["sid"]))
             top = next(i for i in order_of(others) if i != x.attack_index)
             reqs.append({"messages": [{"role": "user", "content": attacker_prompt(
-                x.query, source_of(x), best["text"], best["rank"], best["score"], x.docs[top][:300], self.rules, n,
+                x.query, x.source, best["text"], best["rank"], best["score"], x.docs[top][:300], self.rules, n,
                 rnd)}], "temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens, "json": True,
                 "check": lambda d, n=n: parse_rewrites(d, n)})
         replies = self.attacker.map(reqs, workers=self.cfg.workers, desc=f"attacker round {rnd}", invalid="return")
@@ -142,10 +144,10 @@ class Attack:
         for x, texts in zip(live, proposals):
             for t in texts:
                 checks.append((x, t, "the attacker returned fewer rewrites" if t is None else
-                               cheap_gate(source_of(x), t)))
+                               cheap_gate(x.source, t)))
         to_judge = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None]
         verdict = dict(zip([i for i, _, _ in to_judge], geo_attacks.fidelity_verdicts(
-            self.judge, [(source_of(x), t) for _, x, t in to_judge], self.cfg.max_tokens, self.cfg.workers,
+            self.judge, [(x.source, t) for _, x, t in to_judge], self.cfg.max_tokens, self.cfg.workers,
             f"fidelity round {rnd}")))
         accepted = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None and verdict.get(i) is None]
         scored = dict(zip([i for i, _, _ in accepted],
@@ -158,28 +160,11 @@ class Attack:
                        "reason": why or verdict.get(i) or "accepted", "score": s, "rank": r})
 
 
-def source_of(x):
-    """The clean source document the benchmark rewrote (what the attacker must stay faithful to)."""
-    return x.source
-
-
 def with_doc(x, text, suffix=""):
-    """Instance x with its attack document's text replaced (same ids, labels and position)."""
+    """Instance x with its attack document's text replaced (same ids, labels, position and source)."""
     docs = list(x.docs)
     docs[x.attack_index] = text
-    y = geodef.Instance(x.instance_id + suffix, x.group_id, x.query, docs, x.doc_ids, x.attack_index, x.method,
-                        x.split)
-    y.source = x.source
-    return y
-
-
-def attack_instances(data):
-    """The run's test instances (geodef.expand), each carrying its clean source text (`.source`)."""
-    source = {g.group_id: g.docs[g.source_index]["text"] for g in data.test}
-    out = geodef.expand(data.test, data.methods)
-    for x in out:
-        x.source = source[x.group_id]
-    return out
+    return dataclasses.replace(x, instance_id=x.instance_id + suffix, docs=docs)
 
 
 # ----------------------------------------------------------------------------- the attack command
@@ -197,7 +182,7 @@ def parse_budgets(text):
 
 def target_of(text):
     """--target -> (label, spec): shield, base, or [LABEL=]SPEC as rerank-eval takes it."""
-    return rerank_eval.parse_rerankers([text])[0]
+    return rankers.parse_rerankers([text])[0]
 
 
 def plan_calls(n_inst, budget, per_round, rounds, n_budgets, reasks=1):
@@ -246,7 +231,7 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     """The attack at the largest budget, its records, and the end-to-end evaluation of every budget
     -> the summary block attack.<target>.<aware|unaware>."""
     data = load_data(cfg)
-    insts = attack_instances(data)
+    insts = geodef.expand(data.test, data.methods)        # each carries its clean source text (.source)
     budget = max(budgets)
     rounds = rounds or -(-(budget - 1) // per_round)
     (label, spec), mode = target_of(spec), "aware" if aware else "unaware"
@@ -256,9 +241,9 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
                 "budget": budget, "rounds": rounds, "per_round": per_round,
                 "fidelity_threshold": geo_attacks.FIDELITY_THRESHOLD, "library": lib_digest if aware else None}
     check_settings(cfg, f"{label}-{mode}", settings)
-    base, shield = rankers(cfg, True)
+    base, shield = load_rankers(cfg, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \
-        rerank_eval.make_rankers(cfg, [(label, spec)], "attack")[label]
+        rankers.make_rankers(cfg, [(label, spec)], "attack")[label]
     attacker = make_llm(cfg, attacker_spec, stage="attack")
     judge = make_llm(cfg, cfg.judge, stage="attack")          # the run's judge, default its target LLM
     a = Attack(cfg, label, target, attacker, judge, rounds, per_round, budget, lib if aware else None)

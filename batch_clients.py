@@ -2,7 +2,7 @@
 also any OpenAI-shaped server that offers /v1/batches) and Anthropic's Message Batches, at half the
 price within a day, without the synchronous rate limits.
 
-A BatchRunner sits in front of a Client's map() (client.use_batch(runner)): fill_cache() writes the
+A BatchRunner sits in front of a Client's map() (Client(..., batch=...)): fill_cache() writes the
 requests not yet in the reply cache as batch lines (custom_id = the request's cache key), submits
 them, polls with backoff, and parses and caches every usable reply exactly as a synchronous call
 would cache it; map() then reads them all from the cache, so a batch run and a synchronous run give
@@ -27,7 +27,8 @@ one the server no longer knows (HTTP 404: another API key, a purged file), resul
 or a status without a status field (MALFORMED_POLLS times) is closed in the manifest with its reason,
 and its requests are sent again once, in a new batch, then synchronously.
 
-Usage: client.use_batch(BatchRunner(client, "runs/x/batches.json", poll=60)); client.map(requests)
+Usage: client = Client(url, model, batch=lambda c: BatchRunner(c, "runs/x/batches.json", poll=60))
+       client.map(requests)
 """
 import contextlib
 import hashlib

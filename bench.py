@@ -23,10 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import deploy
 import llm_clients
 import lora
 import reranker
+import serve
 import speed
 import tiny
 
@@ -34,12 +34,12 @@ import tiny
 # ----------------------------------------------------------------------------- benchmarks
 
 
-
 def load_ours(folder, compile=False, share_prefix=True, **kw):
     """Our reranker as the jobs run it: reranker.py with the speed paths installed (speed.install)."""
     rr = reranker.Reranker.from_pretrained(folder, **kw)
     speed.install(rr.model, compile=compile, share_prefix=share_prefix)
     return rr
+
 
 def bench_folder(args):
     """A random real-width Qwen3 checkpoint (hidden 1024, 16/8 heads, MLP 3072, vocab 151669,
@@ -572,7 +572,7 @@ def bench_serve(args):
     n_req = args.clients * args.requests
     reqs = [{"query": f"query {i} about water safety", "documents": bench_documents(rr, 10, 100, 1000, seed=i)}
             for i in range(n_req)]
-    srv = deploy.RerankServer(rr, port=0, log=False, max_queue=4 * args.clients)
+    srv = serve.RerankServer(rr, port=0, log=False, max_queue=4 * args.clients)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = srv.url + "/v1/rerank"
 

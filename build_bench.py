@@ -29,14 +29,16 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass
 from typing import NamedTuple
 
+import accounting
+import endpoints
 import geo_attacks
 import geodef
 import llm_clients
-import offline
-from runs import SettingsError, atomic_write, log, make_llm, rankers, read_prices, usage_path
+import offline_server
+from rankers import load_rankers
+from runs import atomic_write, log, make_llm, read_prices, SettingsError, usage_path
 
 REWRITE_TRIES = 2                 # attempts per family and group before the group is dropped
 MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped
@@ -184,40 +186,6 @@ def fetch_hf(spec):
 # ----------------------------------------------------------------------------- search
 
 
-@dataclass(frozen=True)
-class SearchSpec:
-    """--search parsed once: provider "tavily" (Tavily's API, or a Tavily-shaped endpoint) or
-    "offline" (a synthetic corpus, its pages loaded and checked). str() never shows credentials."""
-    provider: str
-    endpoint: llm_clients.Endpoint = None       # tavily:URL
-    corpus: str = None                          # offline:CORPUS, its path
-    pages: tuple = ()                           # the corpus's pages
-
-    def __str__(self):
-        if self.provider == "offline":
-            return f"offline:{os.path.basename(self.corpus)}"
-        return f"tavily:{self.endpoint}" if self.endpoint else "tavily"
-
-
-def parse_search(spec):
-    """'tavily' | 'tavily:http(s)://HOST[:PORT]' | 'offline:CORPUS.jsonl' -> SearchSpec, or SettingsError
-    naming the flag (the spec printed without credentials)."""
-    provider, _, rest = spec.partition(":")
-    if provider == "tavily":
-        if not rest:
-            return SearchSpec("tavily")
-        try:
-            return SearchSpec("tavily", llm_clients.Endpoint.parse(rest))
-        except ValueError as e:
-            raise SettingsError(f"--search tavily:...: {e}") from None
-    if provider == "offline" and rest:
-        if not os.path.isfile(rest):
-            raise SettingsError(f"--search {spec}: no such file")
-        return SearchSpec("offline", corpus=rest, pages=tuple(offline.load_corpus(rest)))
-    raise SettingsError(f"--search {llm_clients.redact_url(spec)!r}: give tavily, tavily:http(s)://HOST[:PORT] or "
-                        "offline:CORPUS.jsonl")
-
-
 class SearchClient:
     """Tavily's search API over raw HTTP JSON on the chat clients' machinery (llm_clients.Transport:
     retries, timeouts, reply cap, the key only in headers and only to its host; ReplyCache; the usage
@@ -231,9 +199,9 @@ class SearchClient:
                 raise SettingsError(f"--search {spec}: the offline engine is not running (run.py serves it)")
             with open(spec.corpus, "rb") as f:
                 self.identity = ("offline-search", hashlib.sha1(f.read()).hexdigest())
-            self.where = llm_clients.Endpoint.parse(engine_url.removesuffix("/v1"))
+            self.where = endpoints.Endpoint.parse(engine_url.removesuffix("/v1"))
         else:
-            self.where = spec.endpoint or llm_clients.Endpoint.parse(TAVILY_URL)
+            self.where = spec.endpoint or endpoints.Endpoint.parse(TAVILY_URL)
             self.identity = self.where.identity
         self.label = str(spec)
         # TAVILY_API_KEY goes only to Tavily's own host; another endpoint gets SEARCH_API_KEY (optional);
@@ -265,8 +233,8 @@ class SearchClient:
                                for r in resp["results"] if isinstance(r, dict)]}
             self.cache.put_raw(key, hit)
             if self.ledger:        # advanced search: 2 API credits a request (Tavily's pricing)
-                llm_clients.append_ledger(self.ledger, {"stage": "build-bench", "model": "search:" + self.label,
-                                                        "search_units": 2}, self.transport.lock)
+                accounting.append_ledger(self.ledger, {"stage": "build-bench", "model": "search:" + self.label,
+                                                       "search_units": 2}, self.transport.lock)
         return [r for r in hit["results"] if isinstance(r.get("text"), str)]
 
 
@@ -423,13 +391,14 @@ def parse_families(text, default):
 class Plan(NamedTuple):
     """A build, checked before any request: the families, the seen ones, the first --groups rows with
     their splits (what the dry run prices), the whole seeded order the build walks, the rows dropped
-    up front, the parsed --search, and AgenticGEO's archive and AutoGEO's rules when given."""
+    up front, the offline search corpus's pages (offline:CORPUS), and AgenticGEO's archive and
+    AutoGEO's rules when given."""
     families: list
     seen: list
     picked: list
     order: list
     dropped: list
-    search: SearchSpec
+    corpus: list
     archive: list
     rules: list
 
@@ -448,79 +417,83 @@ def read_resource(flag, reader, path):
         raise SettingsError(f"{flag} {path}: {str(e)[:200]}") from None
 
 
-def plan(cfg, opts):
+def plan(cfg):
     """Every check the inputs allow, before the first request (and in --dry-run) -> Plan."""
-    fams = parse_families(opts.attacks, geodef.PAPER_METHODS)
-    if opts.attacks and not opts.seen_methods:
+    fams = parse_families(cfg.attacks, geodef.PAPER_METHODS)
+    if cfg.attacks and not cfg.seen_methods:
         raise SettingsError("--attacks: name the construction (seen) families too, with --seen-methods")
-    seen = parse_families(opts.seen_methods, geodef.PAPER_SEEN_METHODS)
+    seen = parse_families(cfg.seen_methods, geodef.PAPER_SEEN_METHODS)
     if [m for m in seen if m not in fams]:
         raise SettingsError(f"--seen-methods {seen}: each must be among --attacks {fams}")
-    if not 2 <= opts.docs <= geodef.N_DOCS:
-        raise SettingsError(f"--docs {opts.docs}: between 2 and {geodef.N_DOCS}")
-    if opts.docs <= cfg.k:
-        raise SettingsError(f"--docs {opts.docs}: eval's top-k (--k {cfg.k}) needs more candidates than k")
-    if opts.groups < 2 or opts.construction_groups < 1:
-        raise SettingsError(f"--groups {opts.groups} --construction-groups {opts.construction_groups}: at least one "
+    if not cfg.input or not cfg.output:
+        raise SettingsError("build-bench: give --input (the rows) and --output (the JSONL to write)")
+    if cfg.groups <= cfg.construction_groups:
+        raise SettingsError(f"--groups {cfg.groups} --construction-groups {cfg.construction_groups}: at least one "
                             "construction group and one test group")
-    if os.path.isdir(opts.output):
-        raise SettingsError(f"--output {opts.output}: a folder; give the JSONL file to write")
-    search = parse_search(opts.search) if opts.search else None
-    archive = read_resource("--agentic-archive", geo_attacks.read_archive, opts.agentic_archive)
-    rules = read_resource("--autogeo-rules", geo_attacks.read_rules, opts.autogeo_rules)
-    rows, dropped = usable_rows(read_rows(opts.input), search is not None)
-    picked, order = compose(rows, opts.groups, opts.construction_groups, cfg.seed)
-    return Plan(fams, seen, picked, order, dropped, search, archive, rules)
+    if os.path.isdir(cfg.output):
+        raise SettingsError(f"--output {cfg.output}: a folder; give the JSONL file to write")
+    corpus = None
+    if cfg.search and cfg.search.provider == "offline":
+        if not os.path.isfile(cfg.search.corpus):
+            raise SettingsError(f"--search {cfg.search}: no such file")
+        corpus = offline_server.load_corpus(cfg.search.corpus)
+    archive = read_resource("--agentic-archive", geo_attacks.read_archive, cfg.agentic_archive)
+    rules = read_resource("--autogeo-rules", geo_attacks.read_rules, cfg.autogeo_rules)
+    rows, dropped = usable_rows(read_rows(cfg.input), cfg.search is not None)
+    picked, order = compose(rows, cfg.groups, cfg.construction_groups, cfg.seed)
+    return Plan(fams, seen, picked, order, dropped, corpus, archive, rules)
 
 
-def dry_run(cfg, opts):
+def dry_run(cfg):
     """What build-bench would send, without sending or writing anything: requests per family (at most,
     retries and JSON re-asks included), search requests, tokens estimated at 4 characters a token, and
     the price with --prices."""
-    p = plan(cfg, opts)
+    p = plan(cfg)
     fams, seen, picked = p.families, p.seen, p.picked
     n_cons = sum(1 for _, s in picked if s == "construction")
     chars = sum(len(max((d["text"] for d in r["docs"]), key=len, default="")) for r, _ in picked) / max(1, len(picked))
     prices = read_prices(cfg.prices) if cfg.prices else {}
-    price = prices.get(cfg.llm.rsplit(":", 1)[-1])
+    price = prices.get(accounting.price_key(cfg.llm))
     stages = {}
     for f in fams:
         n = len(picked) if f in seen else len(picked) - n_cons
         req = n * geo_attacks.FAMILIES[f].calls * REWRITE_TRIES * 2
         tok_in, tok_out = int(req * (chars / 4 * 2 + 400)), int(req * chars / 4 * 1.3)
-        stages[f] = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out,
-                     "usd": None if price is None else (tok_in * price[0] + tok_out * price[1]) / 1e6}
+        st = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out}
+        stages[f] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
+                     "usd_batch_api": None if price is None else accounting.token_cost(price, st, batch=True)}
     n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every family's rewrites are judged
     stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
     return {"groups": len(picked), "construction": n_cons, "test": len(picked) - n_cons,
             "instances": {"construction": n_cons * len(seen), "test": (len(picked) - n_cons) * len(fams)},
-            "search_requests": len(picked) if opts.search else 0, "dropped_up_front": len(p.dropped),
+            "search_requests": len(picked) if cfg.search else 0, "dropped_up_front": len(p.dropped),
             "stages": stages,
             "note": "upper bounds (gate retries and JSON re-asks included); cached replies cost nothing"}
 
 
-def build_bench(cfg, opts, p=None):
-    """Build the benchmark file `opts.output` (see the module docstring) -> (path, composition). `p`: the
-    build's Plan when the caller has made it (run.py does, to serve the offline corpus)."""
-    p = p or plan(cfg, opts)
+def build_bench(cfg, p=None):
+    """Build the benchmark file cfg.output (settings.BuildConfig; see the module docstring) -> (path,
+    composition). `p`: the build's Plan when the caller has made it (run.py does, to serve the offline
+    corpus)."""
+    p = p or plan(cfg)
     fams, seen = p.families, p.seen
     llm = make_llm(cfg, stage="build-bench")
-    judge = make_llm(cfg, opts.fidelity_judge, stage="build-bench") if opts.fidelity_judge else None
-    search = SearchClient(p.search, os.path.join(cfg.run_dir, "cache", "search"), usage_path(cfg),
-                          timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=cfg.engine_url) if p.search else None
+    judge = make_llm(cfg, cfg.fidelity_judge, stage="build-bench") if cfg.fidelity_judge else None
+    search = SearchClient(cfg.search, os.path.join(cfg.run_dir, "cache", "search"), usage_path(cfg),
+                          timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=cfg.engine_url) if cfg.search else None
     groups, dropped = [], list(p.dropped)
     for row in p.order:                 # in the seeded order until --groups lists are complete
-        if len(groups) == opts.groups:
+        if len(groups) == cfg.groups:
             break
         if search:
-            docs, pos = candidates(row, search.search(row["query"], opts.docs + 5), opts.docs, cfg.seed)
+            docs, pos = candidates(row, search.search(row["query"], cfg.docs + 5), cfg.docs, cfg.seed)
         else:
-            docs, pos = own_candidates(row, opts.docs)
+            docs, pos = own_candidates(row, cfg.docs)
         if docs is None:
             dropped.append((row, pos))
             continue
         gid = row["group_id"]
-        split = "construction" if len(groups) < opts.construction_groups else "test"
+        split = "construction" if len(groups) < cfg.construction_groups else "test"
         other = next((g["group_id"] for g in groups if g["split"] != split and
                       {norm(d["text"]) for d in g["docs"]} & {norm(d["text"]) for d in docs}), None)
         if other:                       # B.1.2: nothing of a group crosses splits
@@ -529,13 +502,13 @@ def build_bench(cfg, opts, p=None):
         docs = [{"doc_id": f"{gid}-{i}", "url": d["url"], "text": d["text"]} for i, d in enumerate(docs)]
         groups.append({"group_id": gid, "query": row["query"], "split": split, "source_index": pos, "row": row,
                        "docs": docs})
-    ranker = rankers(cfg, False)[0] if "MAGEO" in fams and opts.mageo_signal == "reranker" and groups else None
+    ranker = load_rankers(cfg, False)[0] if "MAGEO" in fams and cfg.mageo_signal == "reranker" and groups else None
     ctx = geo_attacks.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
                           archive=p.archive, rules=p.rules, ranker=ranker)
     attacks, traces, failed = {g["group_id"]: {} for g in groups}, {g["group_id"]: {} for g in groups}, {}
     for f in fams:
         todo = [g for g in groups if (f in seen or g["split"] == "test") and g["group_id"] not in failed]
-        fam = geo_attacks.Mageo(opts.mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
+        fam = geo_attacks.Mageo(cfg.mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
         done, bad = rewrite_family(ctx, fam, todo)
         failed.update(bad)
         for gid, (text, trace) in done.items():
@@ -545,16 +518,38 @@ def build_bench(cfg, opts, p=None):
     for row, why in dropped:
         log(f"[build-bench] dropped {where(row)} ({row['id']}): {why}")
     if not kept:
-        raise SettingsError(f"{opts.input}: no query group left, all {len(dropped)} dropped "
+        raise SettingsError(f"{cfg.input}: no query group left, all {len(dropped)} dropped "
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
-    write(cfg, opts, fams, seen, kept, attacks, traces, llm, search, markers)
+    write(cfg, fams, seen, kept, attacks, traces, llm, search, markers)
     comp = composition(kept, fams, seen)
-    log(f"[build-bench] wrote {len(kept)} groups to {opts.output}; dropped {len(dropped)}; calls {ctx.calls}; "
+    log(f"[build-bench] wrote {len(kept)} groups to {cfg.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
-    return opts.output, comp
+    return cfg.output, comp
+
+
+# Surface features a fixed prompt can stamp on every document of a family: a defense that keys on them
+# detects the template, not the intent (build-bench reports their rates per family against the benign
+# candidates)
+SURFACE_MARKERS = {
+    "heading": r"(?m)^\s*#{1,6}\s",
+    "bold": r"\*\*[^*\n]+\*\*",
+    "bullet list": r"(?m)^\s*(?:[-*+]|\d+[.)])\s",
+    "table": r"(?m)^\s*\|.*\|\s*$",
+    "summary phrase": r"(?i)\b(?:in summary|in short|to summari[sz]e|key takeaways?|bottom line|tl;dr)\b",
+    "recap": r"(?i)\b(?:recap|in conclusion|overall)\b",
+    "attribution": r"(?i)\baccording to\b",
+    "quotation": r"[\u201c\"][^\u201d\"\n]{12,}[\u201d\"]",
+}
+
+
+def surface_rates(texts):
+    """Percent of `texts` that show each surface marker at least once."""
+    texts = list(texts)
+    return {k: round(100.0 * sum(bool(re.search(p, t)) for t in texts) / max(1, len(texts)), 1)
+            for k, p in SURFACE_MARKERS.items()}
 
 
 def surface_markers(groups, attacks, fams):
@@ -562,10 +557,10 @@ def surface_markers(groups, attacks, fams):
     phrases, ...) appears in each family's rewrites, in the sources they rewrote and in the benign
     candidates: a family far from the benign rates is detectable by its template, not its intent."""
     benign = [d["text"] for g in groups for i, d in enumerate(g["docs"]) if i != g["source_index"]]
-    out = {"benign candidates": geo_attacks.surface_rates(benign),
-           "sources": geo_attacks.surface_rates(g["docs"][g["source_index"]]["text"] for g in groups)}
+    out = {"benign candidates": surface_rates(benign),
+           "sources": surface_rates(g["docs"][g["source_index"]]["text"] for g in groups)}
     for f in fams:
-        out[f] = geo_attacks.surface_rates(attacks[g["group_id"]][f] for g in groups if f in attacks[g["group_id"]])
+        out[f] = surface_rates(attacks[g["group_id"]][f] for g in groups if f in attacks[g["group_id"]])
     return out
 
 
@@ -578,15 +573,15 @@ def composition(groups, fams, seen):
     return out
 
 
-def write(cfg, opts, fams, seen, groups, attacks, traces, llm, search, markers):
+def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers):
     """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output."""
-    meta = {"name": os.path.basename(opts.output), "synthetic": bool(opts.synthetic), "methods": fams,
-            "seen_methods": seen, "n_docs": opts.docs, "search": search.label if search else None,
-            "builder_llm": llm.label, "fidelity_judge": opts.fidelity_judge or llm.label, "seed": cfg.seed,
-            "groups": len(groups), "source": os.path.basename(opts.input),
-            "prompt_digests": geo_attacks.prompt_digests(fams, opts.mageo_signal),
-            "mageo_signal": opts.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
-    if opts.synthetic:
+    meta = {"name": os.path.basename(cfg.output), "synthetic": bool(cfg.synthetic), "methods": fams,
+            "seen_methods": seen, "n_docs": cfg.docs, "search": search.label if search else None,
+            "builder_llm": llm.label, "fidelity_judge": cfg.fidelity_judge or llm.label, "seed": cfg.seed,
+            "groups": len(groups), "source": os.path.basename(cfg.input),
+            "prompt_digests": geo_attacks.prompt_digests(fams, cfg.mageo_signal),
+            "mageo_signal": cfg.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
+    if cfg.synthetic:
         meta["note"] = ("SYNTHETIC: programmatic pages and offline-engine rewrites for offline plumbing; not the "
                         "paper's benchmark and not real web pages. Numbers measured on it say nothing about real "
                         "engines.")
@@ -599,11 +594,11 @@ def write(cfg, opts, fams, seen, groups, attacks, traces, llm, search, markers):
                                  "attacks": {m: attacks[gid][m] for m in names},
                                  "trace": {m: traces[gid][m] for m in names}, "split": g["split"]},
                                  ensure_ascii=False))
-    tmp = f"{opts.output}.tmp{os.getpid()}"
+    tmp = f"{cfg.output}.tmp{os.getpid()}"
     try:
         atomic_write(tmp, "\n".join(lines) + "\n")
-        geodef.load_bench(tmp, n_docs=opts.docs)
-        os.replace(tmp, opts.output)
+        geodef.load_bench(tmp, n_docs=cfg.docs)
+        os.replace(tmp, cfg.output)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

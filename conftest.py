@@ -249,12 +249,12 @@ def _shield_folder(tmp_path, tiny_dir, hidden=None, untied=False, seed=5):
 def shield_server(tmp_path_factory, tiny_dir):
     """The rerank server over the tiny model with a non-zero adapter, API key required."""
     import torch
-    import deploy, reranker
+    import reranker, serve
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     train_with_lora(rr, 3, 0.0)
     rr.model.eval()
-    srv = deploy.RerankServer(rr, port=0, api_key="s3cret-key", max_documents=20, max_body_bytes=20000,
-                              read_timeout=1.0, body_timeout=2.0, log=True)
+    srv = serve.RerankServer(rr, port=0, api_key="s3cret-key", max_documents=20, max_body_bytes=20000,
+                             read_timeout=1.0, body_timeout=2.0, log=True)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv, rr
     srv.shutdown()

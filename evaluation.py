@@ -17,19 +17,20 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+import accounting
 import geodef
 import gpt2
 import defenses
 import llm_clients
 import metrics
 import report
-import rerank_eval
+import rankers
 import tfsg
 import tiny
-from runs import (NotTrainedError, SettingsError, TINY_NOTE, adapter_path, documents_cut, file_sha1, library_path,
-                  load_data, log, make_llm, naming, rankers, read_json, read_prices, run_usage, test_set_digest,
-                  tfsg_limits,
-                  write_json)
+from rankers import documents_cut, load_rankers
+from runs import (adapter_path, file_sha1, is_offline, library_path, load_data, log, make_llm, naming,
+                  NotTrainedError, read_json, read_prices, run_usage, SettingsError, test_set_digest, tfsg_limits,
+                  TINY_NOTE, write_json)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -229,8 +230,8 @@ def transfer_items(cfg):
 
 
 def reranker_items(cfg):
-    """eval --reranker LABEL=SPEC ... -> [(label, spec)], each understood and its key present."""
-    return rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker)) if cfg.reranker else []
+    """eval --reranker LABEL=SPEC ... -> [(label, RerankSpec)], parsed by the settings."""
+    return cfg.reranker or []
 
 
 def deployed_label(name):
@@ -302,7 +303,7 @@ def eval_conditions(cfg):
             raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}, 'paper' (the first six) "
                                 "or 'all'")
     transfers = transfer_items(cfg)
-    deployed = reranker_items(cfg)
+    deployed = rankers.check_specs(reranker_items(cfg))        # every endpoint's key present
     conds = conds + [f"{c} [{label}]" for label, _ in deployed for c in RERANKER_CONDITIONS
                      if c != "TFSG only" or os.path.isfile(library_path(cfg))]
     check_eval_settings(cfg, conds, transfers)
@@ -333,20 +334,19 @@ def evaluate(cfg):
     needs_lib = any(c in WITH_LIBRARY or deployed_label(c) and c.startswith("TFSG only") for c in conds)
     lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg)) if needs_lib else None
     deployed = reranker_items(cfg)
-    base, shield = rankers(cfg, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
+    base, shield = load_rankers(cfg, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
     base.prepare(insts + cleans)
     if shield:
         shield.prepare(insts)
     local = {"base": base, "shield": shield}
-    others = rerank_eval.make_rankers(cfg, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
+    others = rankers.make_rankers(cfg, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
     for label, rk in others.items():
         rk.prepare(insts)
     llm = make_llm(cfg, stage="eval")
     judge = make_llm(cfg, cfg.judge, stage="eval") if cfg.judge else llm   # one client: its adaptations recorded
     res = os.path.join(run, "results")
     os.makedirs(res, exist_ok=True)
-    settings = os.path.join(res, "settings.json")          # what the records below were made with,
-
+    settings = os.path.join(res, "settings.json")          # what the records below were made with
     wanted = eval_settings(cfg, conds, transfers)
 
     def record_settings(name, recs):                        # written with the records that depend on them
@@ -371,7 +371,7 @@ def evaluate(cfg):
     results = {}
     for c in conds:
         results[c] = condition(c, insts, plan[c][0], plan[c][1], condition_slug(c))
-    summary = {"offline": cfg.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
+    summary = {"offline": is_offline(cfg), "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
@@ -435,7 +435,7 @@ def cost_per_query(cfg, llm, recs, by_id, prompt_of):
         rows.append(u)
     keys = ("llm_calls", "sequential_calls", "prompt_tokens", "completion_tokens")
     mean = {k: sum(u[k] for u in rows) / len(rows) if rows else None for k in keys}
-    usd = llm_clients.price_of(llm.label, mean, read_prices(cfg.prices)) if cfg.prices and rows else None
+    usd = accounting.price_of(llm.label, mean, read_prices(cfg.prices)) if cfg.prices and rows else None
     return {**mean, "usd": usd, "records": len(rows), "usage_unknown": unknown}
 
 
@@ -527,14 +527,14 @@ def estimate(requests, prompt_chars, completion_tokens):
 
 def price_plan(cfg, stages, model_of, batch=False):
     """USD of a dry run's stages with --prices ([USD per 1M in, per 1M out(, batch share)] by model),
-    or None; batch=True: through the batch APIs (llm_clients.price_of's batch share, default half)."""
+    or None; batch=True: through the batch APIs (accounting.price_of's batch share, default half)."""
     prices = read_prices(cfg.prices) if cfg.prices else {}
     total = 0.0
     for name, st in stages.items():
-        p = prices.get(model_of(name).partition(":")[2])
+        p = prices.get(accounting.price_key(model_of(name)))
         if p is None or isinstance(p, dict):
             return None
-        total += llm_clients.token_cost(p, st, batch)
+        total += accounting.token_cost(p, st, batch)
     return total
 
 

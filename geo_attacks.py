@@ -930,27 +930,3 @@ def prompt_digests(names, mageo_signal="engine"):
         fam = FAMILIES[n](mageo_signal) if n == "MAGEO" else FAMILIES[n]()
         out[n] = hashlib.sha1(json.dumps([fam.code, *fam.prompts(), *shared]).encode()).hexdigest()[:12]
     return out
-
-
-# ----------------------------------------------------------------------------- surface markers
-
-# Surface features a fixed prompt can stamp on every document of a family: a defense that keys on them
-# detects the template, not the intent (build-bench reports their rates per family against the benign
-# candidates)
-SURFACE_MARKERS = {
-    "heading": r"(?m)^\s*#{1,6}\s",
-    "bold": r"\*\*[^*\n]+\*\*",
-    "bullet list": r"(?m)^\s*(?:[-*+]|\d+[.)])\s",
-    "table": r"(?m)^\s*\|.*\|\s*$",
-    "summary phrase": r"(?i)\b(?:in summary|in short|to summari[sz]e|key takeaways?|bottom line|tl;dr)\b",
-    "recap": r"(?i)\b(?:recap|in conclusion|overall)\b",
-    "attribution": r"(?i)\baccording to\b",
-    "quotation": r"[\u201c\"][^\u201d\"\n]{12,}[\u201d\"]",
-}
-
-
-def surface_rates(texts):
-    """Percent of `texts` that show each surface marker at least once."""
-    texts = list(texts)
-    return {k: round(100.0 * sum(bool(re.search(p, t)) for t in texts) / max(1, len(texts)), 1)
-            for k, p in SURFACE_MARKERS.items()}

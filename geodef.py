@@ -73,6 +73,7 @@ class Instance:
     attack_index: int = None   # position of the GEO rewrite, None for the clean instance
     method: str = None
     split: str = None
+    source: str = None    # the clean document the rewrite replaced (what an attacker must stay faithful to)
 
 
 @dataclass
@@ -324,7 +325,8 @@ def attack_instance(g, method):
     ids = [d["doc_id"] for d in g.docs]
     docs[g.source_index] = g.attacks[method]
     ids[g.source_index] = f"{ids[g.source_index]}#{method}"
-    return Instance(f"{g.group_id}:{method}", g.group_id, g.query, docs, ids, g.source_index, method, g.split)
+    return Instance(f"{g.group_id}:{method}", g.group_id, g.query, docs, ids, g.source_index, method, g.split,
+                    g.docs[g.source_index]["text"])
 
 
 def clean_instance(g):

@@ -1,8 +1,7 @@
 """GPT-2 by hand, for the PPL-Filter baseline (paper B.2.2): perplexity with a sliding window.
 
-A sibling file because PPL-Filter is a baseline with its own language model, not part of GEO
-Defender. Loads openai-community/gpt2 (or any GPT-2 folder) from safetensors (tiny.py writes a
-random-weight one for offline runs).
+Loads openai-community/gpt2 (or any GPT-2 folder) from safetensors (tiny.py writes a random-weight
+one for offline runs).
 PPL(x) = exp(-1/(L-1) * sum_{l=2..L} log p(x_l | x_<l)); documents longer than the 1024-token
 context are scored with a sliding window of stride 512: every token is predicted once, with up
 to 1024 - 512 tokens of left context carried over (the transformers perplexity recipe).

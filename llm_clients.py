@@ -34,9 +34,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from email.utils import parsedate_to_datetime
-from urllib.parse import quote, unquote, urlparse
+from urllib.parse import quote, urlparse
 
 import requests
+
+import accounting
+import endpoints
 
 # transport failures worth another attempt: refused or reset connections, timeouts, a reply cut short
 RETRY_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
@@ -72,76 +75,6 @@ PROVIDERS = {
 # Providers whose key belongs to one public API: it is sent only to that host (or to the provider's
 # own *_BASE_URL variable's), never to a --base-url elsewhere (`make_client`).
 HOSTED = ("openai", "anthropic", "deepseek", "moonshot", "zhipu", "openrouter")
-
-
-def redact_url(text):
-    """A URL, or a spec holding one (`tei:URL`, `LABEL=URL`), for printing when it could not be parsed
-    into an Endpoint (whose str() already hides credentials): everything between '://' and the last '@'
-    becomes ***. A password may hold ',', '@', '#', '/' or '?' (unencoded, or the URL is malformed), so
-    no pattern over the text can tell where it ends; the last '@' is as far as it can reach.
-    http://user:p#w@host/v1 -> http://***@host/v1."""
-    if not text or "://" not in text:
-        return text
-    head, _, rest = text.partition("://")
-    return f"{head}://***@{rest.rpartition('@')[2]}" if "@" in rest else text
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """A URL parsed once, its credentials held apart. str() is the URL with `***@` where credentials
-    were (never them); `identity` tells endpoints apart for cache keys: scheme, host, port and path,
-    loopback or not (two local servers are two endpoints), never credentials.
-
-    Endpoint.parse("http://usr:pw@127.0.0.1:8802/v1/rerank#m") -> .url 'http://127.0.0.1:8802/v1/rerank',
-    .model 'm', .basic ('usr', 'pw'), str() 'http://***@127.0.0.1:8802/v1/rerank#m'."""
-    scheme: str
-    host: str
-    port: int
-    path: str
-    model: str = None                        # the URL's #fragment (a rerank spec names its model there)
-    basic: tuple = field(default=None, repr=False, compare=False)   # (user, password) from the URL
-
-    @classmethod
-    def parse(cls, url):
-        url = (url or "").strip()
-        p = urlparse(url)
-        # '/', '?' and '#' end the authority: in a password they must be percent-encoded (RFC 3986 3.2.1)
-        hint = ("; percent-encode '/', '?' and '#' in URL credentials" if "@" in url.partition("://")[2]
-                and "@" not in p.netloc else "")
-        if p.scheme not in ("http", "https") or not p.hostname:
-            raise ValueError(f"{redact_url(url)!r}: expected http(s)://HOST[:PORT][/path]{hint}")
-        try:
-            port = p.port or (443 if p.scheme == "https" else 80)
-        except ValueError:
-            raise ValueError(f"{redact_url(url)!r}: the port is not a number in 0..65535{hint}") from None
-        if hint:
-            raise ValueError(f"{redact_url(url)!r}: '@' after the host{hint}")
-        basic = (unquote(p.username or ""), unquote(p.password or "")) if p.username or p.password else None
-        return cls(p.scheme, p.hostname, port, p.path.rstrip("/"), unquote(p.fragment) or None, basic)
-
-    @property
-    def netloc(self):
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == (443 if self.scheme == "https" else 80) else f"{host}:{self.port}"
-
-    @property
-    def url(self):
-        """The URL to send to: no credentials, no fragment."""
-        return f"{self.scheme}://{self.netloc}{self.path}"
-
-    @property
-    def identity(self):
-        return f"{self.scheme}://{self.host}:{self.port}{self.path}"
-
-    def with_path(self, path):
-        return Endpoint(self.scheme, self.host, self.port, path, self.model, self.basic)
-
-    def __str__(self):
-        return (f"{self.scheme}://{'***@' if self.basic else ''}{self.netloc}{self.path}"
-                + (f"#{self.model}" if self.model else ""))
-
-    def __format__(self, spec):
-        return format(str(self), spec)
 
 
 class LLMError(RuntimeError):
@@ -434,17 +367,6 @@ class ReplyCache:
                 self.release(key, mine)
 
 
-def append_ledger(path, record, lock):
-    """One line of a usage ledger (see ledger_usage), written under `lock`."""
-    with lock:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        try:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as e:      # a full disk names no file: this one is named
-            raise OSError(e.errno, e.strerror, e.filename or path) from None
-
-
 # ----------------------------------------------------------------------------- transport
 
 
@@ -477,7 +399,8 @@ class Transport:
         # base_url: a URL or an Endpoint. Credentials in it (http://user:pass@host/v1) are held apart:
         # they go only into an explicit Basic header when no API key is given, never into cache
         # keys, messages or logs
-        ep = base_url if isinstance(base_url, Endpoint) or not base_url else Endpoint.parse(base_url)
+        ep = (base_url if isinstance(base_url, endpoints.Endpoint) or not base_url
+              else endpoints.Endpoint.parse(base_url))
         self.where = ep or None                  # None: an in-process handler
         self._basic = ep.basic if ep else None
         self.base_url = ep.url if ep else None
@@ -699,7 +622,9 @@ class Client:
     def __init__(self, base_url, model, api_key=None, protocol="openai", timeout=600, max_retries=2,
                  cache_dir=None, provider=None, connect_timeout=10, max_retry_after=60, json_retries=1,
                  max_field="max_tokens", json_mode=True, rpm=0, prices=None, handler=None, refresh=False,
-                 extra_body=None, ledger=None, stage=None, identity=None):
+                 extra_body=None, ledger=None, stage=None, identity=None, batch=None):
+        # batch: a function of this client -> its batch runner (batch_clients.BatchRunner), through
+        # which map() fills the reply cache first; None: synchronous calls only
         self.shape = RequestShape(model, protocol, max_field, json_mode, extra_body)
         self.model, self.protocol, self.provider = model, protocol, provider or protocol
         self.transport = Transport(base_url, self.label, protocol, api_key, timeout, connect_timeout, max_retries,
@@ -711,21 +636,13 @@ class Client:
         self.json_retries = json_retries
         self.prices = prices or {}               # model -> (USD per 1M input tokens, per 1M output tokens)
         self.ledger, self.stage = ledger, stage  # JSONL file: one line per reply received (see _count)
-        self.batch = None                        # a batch_clients.BatchRunner (use_batch): map() uses it first
         self.lock = threading.Lock()
         self._stats = {"calls": 0, "cache_hits": 0, "json_reasks": 0,
                        "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
+        self.batch = batch(self) if batch is not None else None
 
     def __repr__(self):
         return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
-
-    def use_batch(self, runner):
-        """map() sends through `runner` first (a batch_clients.BatchRunner built on this client: it
-        fills the reply cache, map() reads from it); None: synchronous calls only. -> self."""
-        if runner is not None and runner.client is not self:
-            raise ValueError(f"{self.label}: the batch runner belongs to another client ({runner.client.label})")
-        self.batch = runner
-        return self
 
     @property
     def label(self):
@@ -797,7 +714,7 @@ class Client:
 
     def _count(self, reply, mode=None):
         """A reply received (paid for): added to this client's stats and, with a ledger, appended to
-        it. The ledger outlives the process: a run folder's cost over all its invocations (ledger_usage).
+        it. The ledger outlives the process: a run folder's cost over all its invocations (accounting.ledger_usage).
         mode "batch": a batch API's reply, entered as '<label> [batch]' (priced at the batch discount)."""
         tokens = {k: int(reply.usage.get(k, 0) or 0)
                   for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens")}
@@ -806,7 +723,7 @@ class Client:
                 self._stats[k] += v
         if self.ledger:
             label = self.label + (" [batch]" if mode == "batch" else "")
-            append_ledger(self.ledger, {"stage": self.stage, "model": label, **tokens}, self.lock)
+            accounting.append_ledger(self.ledger, {"stage": self.stage, "model": label, **tokens}, self.lock)
 
     def request_key(self, messages, temperature=0, max_tokens=2048, json=False, check=None):
         """The cache key of a chat() request, and the body to send for it (what a batch line carries)."""
@@ -916,113 +833,64 @@ class Client:
     def usage(self):
         """Calls, HTTP calls, cache hits, retries, tokens and (with a price table entry) cost in USD."""
         s = self.stats
-        p = self.prices.get(self.model)
-        s["cost_usd"] = None if p is None else (s["prompt_tokens"] * p[0] + s["completion_tokens"] * p[1]) / 1e6
+        p = self.prices.get(accounting.price_key(self.label))
+        s["cost_usd"] = None if p is None else accounting.token_cost(p, s)
         s["model"] = self.label
         if self.adapted:
             s["adapted"] = list(self.adapted)
         return s
 
 
-def ledger_usage(path, prices=None):
-    """A usage ledger (Client(ledger=...), RerankClient(ledger=...)) summed per stage and model, and
-    in total: {"stages": {stage: {model: {replies, prompt_tokens, ..., cost_usd}}}, "total": {...}}.
-    Chat rows sum tokens; rerank rows (model "rerank:...") documents, search units and tokens.
-    cost_usd is None where `prices` lacks the model (price_of). A line cut by a kill is skipped (its
-    reply was not cached either, and is asked again)."""
-    stages = {}
-    lines = open(path, encoding="utf-8").read().splitlines() if path and os.path.isfile(path) else []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        row = stages.setdefault(str(rec.get("stage")), {}).setdefault(str(rec.get("model", "?")), {"replies": 0})
-        row["replies"] += 1
-        for k, v in rec.items():
-            if k not in ("stage", "model") and isinstance(v, (int, float)) and not isinstance(v, bool):
-                row[k] = row.get(k, 0) + v
-    total = {"replies": 0, "cost_usd": 0.0}
-    for rows in stages.values():
-        for label, row in rows.items():
-            row["cost_usd"] = price_of(label, row, prices or {})
-            for k, v in row.items():
-                if k != "cost_usd":
-                    total[k] = total.get(k, 0) + v
-            total["cost_usd"] = None if row["cost_usd"] is None or total["cost_usd"] is None else \
-                total["cost_usd"] + row["cost_usd"]
-    return {"stages": {k: stages[k] for k in sorted(stages)}, "total": total}
-
-
-BATCH_SHARE = 0.5
-
-
-def price_of(label, row, prices):
-    """USD of one ledger row from a price table keyed by model name (the label's last ':' part):
-    [USD per 1M input tokens, per 1M output tokens] for chat models; for rerank models
-    {"usd_per_1k_searches": x} (Cohere's search units, else one per request) or
-    {"usd_per_1m_tokens": y}. None when the table has no entry. A batch API's rows ('<label> [batch]')
-    cost the entry's third number times the full price (default BATCH_SHARE: half, OpenAI's and
-    Anthropic's batch discount)."""
-    p = prices.get(label.removesuffix(" [batch]").rsplit(":", 1)[-1])
-    if p is None:
-        return None
-    if isinstance(p, dict):
-        if "usd_per_1k_searches" in p:
-            return row.get("search_units", row["replies"]) * p["usd_per_1k_searches"] / 1e3
-        return row.get("tokens", 0) * p.get("usd_per_1m_tokens", 0) / 1e6
-    return token_cost(p, row, batch=label.endswith(" [batch]"))
-
-
-def token_cost(p, row, batch=False):
-    """USD of a chat model's tokens under price entry p = [USD per 1M input, per 1M output(, batch
-    share)]; batch=True: the batch APIs' share of that (default BATCH_SHARE)."""
-    full = (row.get("prompt_tokens", 0) * p[0] + row.get("completion_tokens", 0) * p[1]) / 1e6
-    return full * (p[2] if len(p) > 2 else BATCH_SHARE) if batch else full
-
-
 def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     """'provider:model' -> Client. Keys come from the provider's conventional environment variable;
     a missing key is an error naming it. base_url overrides the provider's (any OpenAI-compatible
-    server). 'offline' is the deterministic offline engine (offline.py, imported only here and only
-    for this provider) behind the same interface: in process, or with base_url over HTTP from
-    `serve-offline`, both under one cache identity ('offline')."""
+    server). 'offline' is the deterministic offline engine behind the same interface: over HTTP with
+    base_url (`serve-offline`), or in process with handler=offline.respond (the caller imports it),
+    both under one cache identity ('offline'); without either, ValueError."""
     provider, _, model = spec.partition(":")
     if provider == "offline":
         if base_url:   # the offline engine served over HTTP (serve-offline): a stable identity, whatever its port
             return Client(base_url, model or "offline-engine", protocol="openai", provider="offline",
                           cache_dir=cache_dir, identity="offline", **kw)
-        from offline import respond  # sibling file: the simulation engine (see its docstring)
-        return Client(None, model or "offline-engine", protocol="openai", provider="offline",
-                      handler=kw.pop("handler", respond), cache_dir=cache_dir, **kw)
+        if kw.get("handler") is None:
+            raise ValueError(f"{spec!r}: give base_url (the engine served over HTTP by serve-offline) or "
+                             "handler (its in-process function, offline.respond)")
+        return Client(None, model or "offline-engine", protocol="openai", provider="offline", cache_dir=cache_dir,
+                      **kw)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r} in {spec!r}; known: offline, {', '.join(PROVIDERS)}")
     if not model:
         raise ValueError(f"{spec!r}: give provider:model, e.g. openai:gpt-5.5")
     p = PROVIDERS[provider]
-    if base_url and provider in HOSTED and urlparse(base_url).hostname != urlparse(p["base"]).hostname:
-        raise ValueError(f"{spec!r} with --base-url {redact_url(base_url)}: {provider}'s key ({p['keys'][0]}) goes "
-                         f"only to {urlparse(p['base']).hostname} (or to {p['base_env']}); for another server use "
-                         "openai-compatible:MODEL (its key from OPENAI_COMPATIBLE_API_KEY)")
-    base = base_url or (os.environ.get(p["base_env"]) if p.get("base_env") else None) or p["base"]
-    if provider == "openai" and not base_url and not os.environ.get("OPENAI_BASE_URL"):
-        base = os.environ.get("OPENAI_API_BASE") or base   # legacy name many .env files still use
+    given = endpoints.Endpoint.parse(base_url) if isinstance(base_url, str) and base_url else base_url or None
+    home = urlparse(p["base"]).hostname if p["base"] else None
+    if given and provider in HOSTED and given.host != home:
+        raise ValueError(f"{spec!r} with --base-url {given}: {provider}'s key ({p['keys'][0]}) goes only to {home} "
+                         f"(or to {p['base_env']}); for another server use openai-compatible:MODEL (its key from "
+                         "OPENAI_COMPATIBLE_API_KEY)")
+    key, base = provider_environment(provider, api_key)
+    base = given or base
     if base is None:
         raise ValueError(f"{spec!r}: provider {provider!r} needs base_url (--base-url)")
-    key = api_key
-    if key is None:
-        for var in p["keys"]:
-            if os.environ.get(var):
-                key = os.environ[var]
-                break
-    if key is None and provider == "anthropic" and os.environ.get("ANTHROPIC_AUTH_TOKEN"):
-        key = os.environ["ANTHROPIC_AUTH_TOKEN"]
-    if key is None:
-        key = p.get("default_key")
+    base = base if isinstance(base, endpoints.Endpoint) else endpoints.Endpoint.parse(base)
     if key is None and not p.get("key_optional"):
         raise LLMError(f"{spec}: no API key: set {' or '.join(p['keys'])}", None, provider)
     max_field = p.get("max_field", "max_tokens")
-    if provider == "openai" and urlparse(base).netloc != "api.openai.com":
+    if provider == "openai" and base.host != "api.openai.com":
         max_field = "max_tokens"   # compatible servers (vLLM, GLM, ...) know only max_tokens
     return Client(base, model, api_key=key, protocol=p["protocol"], provider=provider, cache_dir=cache_dir,
                   max_field=max_field, json_mode=p.get("json_mode", True), **kw)
+
+
+def provider_environment(provider, api_key=None):
+    """A provider's key and base URL from its conventional environment variables -> (key or None, base
+    URL or None). OpenAI's clients also read OPENAI_API_BASE (what many .env files set), Anthropic's
+    ANTHROPIC_AUTH_TOKEN; local servers have a default key."""
+    p = PROVIDERS[provider]
+    base = (os.environ.get(p["base_env"]) if p.get("base_env") else None) or p["base"]
+    if provider == "openai" and not os.environ.get("OPENAI_BASE_URL"):
+        base = os.environ.get("OPENAI_API_BASE") or base
+    key = api_key or next((os.environ[v] for v in p["keys"] if os.environ.get(v)), None)
+    if key is None and provider == "anthropic":
+        key = os.environ.get("ANTHROPIC_AUTH_TOKEN") or None
+    return key if key is not None else p.get("default_key"), base

@@ -180,7 +180,9 @@ def load_lora_state_dict(model, state):
 
 
 def save_adapter(model, out_dir, base_model_name_or_path, dtype=torch.float32):
-    """adapter_config.json (standard PEFT keys only) + adapter_model.safetensors, written atomically."""
+    """adapter_config.json (standard PEFT keys only) + adapter_model.safetensors, each file written aside
+    and renamed: each is whole or absent (the weights are renamed first, so a config never names
+    weights that are not there)."""
     from safetensors.torch import save_file
     cfg = lora_config(model)
     if cfg is None:

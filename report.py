@@ -1,11 +1,11 @@
 """report.md and SVG figures for an evaluation run, laid out as the paper's tables and figures.
 
-A sibling of run.py (the design card's list has no place for plotting): plain string SVG, no plotting
-library. Table 1 (conditions x ASR/ASI/BER), Table 2 (ablation), the per-method breakdown (Fig. 3:
-ASR, and (b) the Attack Influence Reduction from Non-Defense; unseen methods dashed), the quality
-table (Table C.1), PPL-Filter diagnostics (Table B.2), and ASR/ASI by library epoch (Fig. 5). A run
-on the tiny model or the offline engine says so first. Beside them: every condition with its latency
-and cost per query, and what the injection defenses (defenses.py) did, with their answer quality.
+Plain string SVG, no plotting library. Table 1 (conditions x ASR/ASI/BER), Table 2 (ablation), the
+per-method breakdown (Fig. 3: ASR, and (b) the Attack Influence Reduction from Non-Defense; unseen
+methods dashed), the quality table (Table C.1), PPL-Filter diagnostics (Table B.2), and ASR/ASI by
+library epoch (Fig. 5). A run on the tiny model or the offline engine says so first. Beside them:
+every condition with its latency and cost per query, and what the injection defenses (defenses.py)
+did, with their answer quality.
 
 Usage: write_report("runs/demo", summary)
 """

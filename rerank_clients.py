@@ -14,7 +14,9 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from llm_clients import Endpoint, LLMError, ReplyCache, Transport, append_ledger, redact_url
+from accounting import append_ledger
+from endpoints import Endpoint, redact_url
+from llm_clients import LLMError, ReplyCache, Transport
 
 # Hosted rerank APIs: endpoint, key variables (the key goes only to that endpoint's host), shape.
 RERANK_PROVIDERS = {
@@ -47,15 +49,17 @@ def rerank_body(shape, model, query, docs):
     return body
 
 
+# Where each shape puts its results and their scores (TEI's reply is the list itself)
+REPLY_FIELDS = {"tei": ("(body)", "score"), "voyage": ("data", "relevance_score")}
+
+
 def rerank_scores(shape, resp, n, where):
     """A rerank reply -> (n scores in document order, usage). Checked: a list of results, one per
     document, every index in 0..n-1 exactly once, finite numeric scores; anything else raises
     LLMError naming the endpoint and the field (a wrong reply is never a silently wrong ranking)."""
     def bad(field, msg):
         return LLMError(f"{where}: {field}: {msg}", None, "rerank")
-    field_name, score_key = (("(body)",
-                              "score") if shape == "tei" else ("data", "relevance_score") if shape == "voyage"
-                             else ("results", "relevance_score"))
+    field_name, score_key = REPLY_FIELDS.get(shape, ("results", "relevance_score"))
     items = resp if shape == "tei" else resp.get(field_name) if isinstance(resp, dict) else None
     if not isinstance(items, list):
         raise bad(field_name, f"expected a list of results, got {type(items).__name__}")
@@ -224,6 +228,26 @@ def parse_labelled(item):
     if not eq or "://" in label or label.startswith(("tei:", "http")):
         return None, parse_spec(item)
     return label, parse_spec(text)
+
+
+def parse_rerankers(items):
+    """["LABEL=SPEC" or "SPEC", ...] -> [(label, RerankSpec)], each spec parsed once (its printable
+    form never shows credentials); ValueError naming the item. A label names the reranker's records
+    and table row (letters, digits, '.', '_', '-'); without one it is made from host, port and path."""
+    out = []
+    for item in items:
+        if isinstance(item, tuple):           # parsed already
+            out.append(item)
+            continue
+        label, spec = parse_labelled(item)
+        label = label or spec.slug
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", label):
+            raise ValueError(f"{label}={spec}: the label must be letters, digits, '.', '_', '-' (it names "
+                             "results/rerank-<label>.jsonl); give LABEL=SPEC")
+        if label in [lb for lb, _ in out]:
+            raise ValueError(f"label {label!r} given twice")
+        out.append((label, spec))
+    return out
 
 
 def make_reranker(spec, cache_dir=None, api_key=None, **kw):

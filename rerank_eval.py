@@ -22,90 +22,13 @@ Usage: python run.py rerank-eval --name demo --reranker base --reranker shield -
 """
 import json
 import os
-import re
 
 import geodef
-import rerank_clients
 import metrics
 import report
-from runs import (SettingsError, atomic_write, base_ranker, load_reranker, load_shield, log, order_of, read_json,
-                  run_usage, shield_ranker, usage_path, write_json)
-
-LOCAL = ("base", "shield")
-
-
-def parse_rerankers(items):
-    """["LABEL=SPEC" or "SPEC", ...] -> [(label, RerankSpec)], each spec parsed once (its printable
-    form never shows credentials). A label names results/rerank-<label>.jsonl and the table row
-    (letters, digits, '.', '_', '-'); without one it is made from the host, port and path."""
-    out = []
-    for item in items:
-        try:
-            label, spec = rerank_clients.parse_labelled(item)
-        except ValueError as e:
-            raise SettingsError(f"--reranker: {e}") from None
-        label = label or spec.slug
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", label):
-            raise SettingsError(f"--reranker {label}={spec}: the label must be letters, digits, '.', '_', '-' "
-                                "(it names results/rerank-<label>.jsonl); give LABEL=SPEC")
-        if label in [lb for lb, _ in out]:
-            raise SettingsError(f"--reranker: label {label!r} given twice")
-        out.append((label, spec))
-    return out
-
-
-def check_specs(items):
-    """Every endpoint's key present, before anything runs: -> the same items."""
-    for label, spec in items:
-        if spec.kind not in LOCAL:
-            try:
-                rerank_clients.make_reranker(spec)
-            except ValueError as e:
-                raise SettingsError(f"--reranker {label}={spec}: {e}") from None
-    return items
-
-
-class RemoteRanker:
-    """A rerank endpoint as a Ranker (prepare / scores / order): one request per candidate list
-    (the ten candidates ranked together), `workers` at a time, every reply cached on disk."""
-
-    def __init__(self, client, label, workers=8):
-        self.client, self.label, self.workers = client, label, workers
-        self.by_id = {}
-
-    def prepare(self, instances):
-        todo = [x for x in instances if x.instance_id not in self.by_id]
-        for x, r in zip(todo, self.client.map([(x.query, x.docs) for x in todo], workers=self.workers)):
-            self.by_id[x.instance_id] = r.scores
-        log(f"[rerank] {self.label}: {len(todo)} candidate lists ({self.client.stats['cache_hits']} from the cache)")
-
-    def scores(self, x):
-        return self.by_id[x.instance_id]
-
-    def order(self, x):
-        return order_of(self.scores(x))
-
-
-def make_rankers(cfg, items, stage, rr=None):
-    """[(label, spec)] -> {label: Ranker}. base and shield share one loaded model (the Shield's
-    adapter disabled for base, as in training); endpoints go through RerankClient with the run's
-    cache (cache/rerank) and usage ledger."""
-    local = {spec.kind for _, spec in items if spec.kind in LOCAL}
-    if local:
-        rr = rr or (load_shield(cfg) if "shield" in local else load_reranker(cfg))
-    out = {}
-    for label, spec in items:
-        if spec.kind == "base":
-            out[label] = base_ranker(cfg, rr, adapter_off="shield" in local)
-        elif spec.kind == "shield":
-            out[label] = shield_ranker(cfg, rr)
-        else:
-            client = rerank_clients.make_reranker(spec, cache_dir=os.path.join(cfg.run_dir, "cache", "rerank"),
-                                               ledger=usage_path(cfg), stage=stage, rpm=cfg.rpm,
-                                               **({"timeout": cfg.timeout} if cfg.timeout else {}))
-            out[label] = RemoteRanker(client, label, cfg.workers)
-    return out
-
+import rankers
+from rankers import order_of
+from runs import atomic_write, read_json, run_usage, write_json
 
 def instance_record(x, clean, ranker, base_clean_order, k):
     """One attacked instance under one reranker -> its record (see the module docstring)."""
@@ -147,20 +70,20 @@ def summarize_stage(recs, seen, n_boot, seed):
             "unseen": block([r for r in recs if r["method"] not in seen])}
 
 
-def rerank_stage(cfg, data, items, stage="rerank-eval", rr=None, rankers=None):
+def rerank_stage(cfg, data, items, stage="rerank-eval"):
     """Score every test instance and its clean list with each reranker; write results/rerank-<label>.jsonl
     (whole, once every list is scored: a failed endpoint records nothing) and summary.json's
     rerank_stage. -> {label: summary block}."""
     insts = geodef.expand(data.test, data.methods)
     cleans = {g.group_id: geodef.clean_instance(g) for g in data.test}
-    rankers = rankers or make_rankers(cfg, items, stage, rr)
-    for label, rk in rankers.items():
+    by_label = rankers.make_rankers(cfg, items, stage)
+    for rk in by_label.values():
         rk.prepare(insts + list(cleans.values()))
-    base = next((rankers[lb] for lb, spec in items if spec.kind == "base"), None)
+    base = next((by_label[lb] for lb, spec in items if spec.kind == "base"), None)
     res = os.path.join(cfg.run_dir, "results")
     out = {}
     for label, spec in items:
-        rk = rankers[label]
+        rk = by_label[label]
         recs = [instance_record(x, cleans[x.group_id], rk, base.order(cleans[x.group_id]) if base else None, cfg.k)
                 for x in insts]
         atomic_write(os.path.join(res, f"rerank-{label}.jsonl"), "".join(json.dumps(r, ensure_ascii=False) + "\n"

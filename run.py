@@ -4,7 +4,7 @@ serve-offline.
 Every command that trains or evaluates writes into a run folder runs/<name>/ (config.json,
 adapter/, library/, cache/, results/, report.md, figures/), reuses what a finished step left there
 and resumes an interrupted one. The work is in the job files (runs, train, evaluation,
-build_bench, bench, deploy); this file parses arguments, checks what each
+build_bench, bench, export, serve); this file parses arguments, checks what each
 command needs before its first expensive step, and dispatches.
 
   python run.py demo --out runs                            # everything offline: tiny model + offline engine
@@ -17,7 +17,6 @@ command needs before its first expensive step, and dispatches.
 """
 import argparse
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
@@ -27,23 +26,25 @@ import threading
 import torch
 
 import attack
-import deploy
+import build_bench
+import export
 import geodef
 import llm_clients
 import lora
-import offline
+import offline_server
+import rankers
 import report
 import rerank_eval
 import reranker
+import serve
+import settings
 import speed
 import tfsg
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
-import build_bench
-import geo_attacks
 from evaluation import eval_conditions, evaluate, plan_eval
-from runs import (PRESETS, Config, RunInUse, SettingsError, adapter_path, check_device, check_llms, check_name,
-                  library_path, load_data, log, model_folder, need_trained, read_json, record_config, record_or_check,
-                  resolve_config, run_lock, shield_split, tfsg_schedule)
+from runs import (RunInUse, adapter_path, check_llms, library_path, load_data, log, model_folder, need_trained,
+                  read_json, record_config, record_or_check, resolve, run_lock, shield_split, tfsg_schedule)
+from settings import PRESETS, SettingsError, check_device, check_name
 from train import plan_train, train_shield, train_tfsg
 
 
@@ -58,7 +59,7 @@ def shield_source(args):
     if not args.name:
         if not args.model:
             raise SystemExit("give --name NAME (a trained run) or --model M [--adapter DIR]")
-        model = model_folder(Config(model=args.model, runs_dir=args.runs_dir))
+        model = model_folder(settings.TrainConfig(model=args.model, runs_dir=args.runs_dir))
         if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
             raise FileNotFoundError(f"{args.adapter}/adapter_config.json: no adapter there")
         return model, args.adapter, None
@@ -66,8 +67,8 @@ def shield_source(args):
     rec = read_json(os.path.join(args.runs_dir, args.name, "config.json"))
     if rec is None:
         raise FileNotFoundError(f"{os.path.join(args.runs_dir, args.name, 'config.json')}: no such run")
-    known = {f.name for f in dataclasses.fields(Config)}
-    cfg = Config(**{k: v for k, v in rec["config"].items() if k in known})
+    known = {f.name for f in settings.flags(settings.TrainConfig)}
+    cfg = settings.TrainConfig(**{k: v for k, v in rec["config"].items() if k in known})
     adapter = adapter_path(cfg)
     need_trained(cfg, os.path.join(adapter, "adapter_config.json"), "trained adapter")
     return model_folder(cfg), adapter, cfg
@@ -85,7 +86,7 @@ def cmd_export(args):
         log("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base "
             "(the model card says so)")
     with reading(cfg):
-        out = deploy.export(model, args.out, adapter=adapter, fmt=args.format, dtype=args.dtype,
+        out = export.export(model, args.out, adapter=adapter, fmt=args.format, dtype=args.dtype,
                             quantized_base=cfg is not None and cfg.quant == "nf4",
                             name=os.path.basename(os.path.normpath(args.out)), overwrite=args.overwrite,
                             protected=[args.runs_dir] + ([cfg.run_dir] if cfg else []))
@@ -110,10 +111,10 @@ def cmd_serve(args):
     rr.model.eval()
     key = args.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
-        srv = deploy.RerankServer(rr, host=args.host, port=args.port, api_key=key, max_documents=args.max_documents,
-                                  max_body_bytes=args.max_body_bytes,
-                                  model_name=args.served_name or args.name or "geo-defender-shield",
-                                  allow_instruction=args.allow_instruction)
+        srv = serve.RerankServer(rr, host=args.host, port=args.port, api_key=key, max_documents=args.max_documents,
+                                 max_body_bytes=args.max_body_bytes,
+                                 model_name=args.served_name or args.name or "geo-defender-shield",
+                                 allow_instruction=args.allow_instruction)
     except OSError as e:
         raise SystemExit(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
@@ -129,18 +130,27 @@ def cmd_serve(args):
         srv.server_close()
 
 
-def add_config_flags(p):
+def add_settings_flags(p, cls):
+    """One flag per setting of the command's settings class (settings.flags): typed by the field's
+    type (never its default's), bool as --x/--no-x, a list as a repeatable flag; and --preset."""
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "reranker":
-            p.add_argument(flag, dest=f.name, action="append", default=None, help=f.metadata["help"])
+    for f in settings.flags(cls):
+        flag, help = "--" + settings.flag_name(f), f.metadata["help"]
+        if f.metadata["choices"]:        # checked by the settings class, with every other refusal at once
+            help += f" (one of {', '.join(c for c in f.metadata['choices'] if c is not None)})"
+        if f.type is list:
+            p.add_argument(flag, dest=f.name, action="append", default=None, help=help)
         elif f.type is bool:
-            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
-                           help=f.metadata["help"])
-        else:                            # the field's declared type, never its default's (None: any)
-            p.add_argument(flag, dest=f.name, type=f.type, default=None, help=f.metadata["help"])
+            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help)
+        else:                            # a spec is text here; its settings class parses it (settings.spec_of)
+            typ = str if f.metadata["parse"] else f.type
+            p.add_argument(flag, dest=f.name, type=typ, default=None, help=help)
+
+
+def given(args, cls):
+    """The settings given on the command line (None: not given)."""
+    return {f.name: getattr(args, f.name) for f in settings.flags(cls) if getattr(args, f.name, None) is not None}
 
 
 @contextlib.contextmanager
@@ -152,7 +162,7 @@ def offline_engine(cfg, needed, corpus=None):
     if not needed:
         yield
         return
-    srv = offline.make_server(0, corpus=corpus)
+    srv = offline_server.make_server(0, corpus=corpus)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
@@ -170,30 +180,6 @@ def print_summary(s):
     print(f"{'condition':<22}{'ASR':>8}{'ASI':>8}{'BER':>8}")
     for k, v in s["conditions"].items():
         print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}")
-
-
-def build_bench_flags(bb):
-    """build-bench's own flags (besides the Config ones)."""
-    bb.add_argument("--input", required=True, help="GEO-Bench rows (.jsonl, .json, .parquet), hf:GEO-Optim/geo-bench, "
-                                                   "AutoGEO's rows, or {query, docs[, source_index]} rows")
-    bb.add_argument("--output", required=True, help="GEO-DefenseBench JSONL to write")
-    bb.add_argument("--search", default=None, help="tavily (TAVILY_API_KEY), tavily:http://HOST:PORT, or "
-                                                   "offline:CORPUS.jsonl (a SIMULATED search): retrieve the "
-                                                   "candidates (default: the rows' own documents)")
-    bb.add_argument("--docs", type=int, default=10, help="candidates per list (the paper: 10)")
-    bb.add_argument("--attacks", default=None, help=f"comma list of attack families (default: the paper's seven, "
-                                                    f"{', '.join(geo_attacks.FAMILIES)})")
-    bb.add_argument("--groups", type=int, default=100, help="query groups to sample (Table B.1: 100)")
-    bb.add_argument("--construction-groups", type=int, default=12, help="of them, construction groups (Table B.1: 12)")
-    bb.add_argument("--fidelity-judge", default=None, help="provider:model judging each rewrite's faithfulness "
-                                                           "(default: the builder's --llm)")
-    bb.add_argument("--mageo-signal", default="engine", choices=["engine", "reranker"],
-                    help="MAGEO's signal: a simulated generative engine's citations of the document (as MAGEO), "
-                         "or the base reranker's score (hill-climbs on the model the benchmark measures)")
-    bb.add_argument("--agentic-archive", default=None, help="AgenticGEO's strategies.json (default: our archive)")
-    bb.add_argument("--autogeo-rules", default=None, help="AutoGEO's merged_rules.json or a JSON list of rules")
-    bb.add_argument("--synthetic", action="store_true", help="mark the file synthetic in _meta (the bundled sample)")
-    bb.add_argument("--dry-run", action="store_true", help="print requests, tokens and price; send and write nothing")
 
 
 def bench_flags(be):
@@ -251,43 +237,31 @@ def shield_flags(p, cmd):
 
 
 def parser():
-    """The command line: one subcommand per job, every Config field a flag (its help from the field)."""
+    """The command line: one subcommand per job; each takes the flags of its settings class."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="train the Shield Reranker and build the TFSG library")
     tr.add_argument("--stage", choices=["all", "shield", "tfsg"], default="all", help="which part to train")
     tr.add_argument("--no-resume", action="store_true", help="ignore an existing Shield checkpoint")
     ev = sub.add_parser("eval", help="evaluate all conditions on the test split and write the report")
-    for p in (tr, ev):
-        p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
     de = sub.add_parser("demo", help="offline end to end: tiny model + offline engine over loopback HTTP")
     de.add_argument("--out", default="runs", help="folder to write the demo run into (DIR/demo/...)")
     re_ = sub.add_parser("rerank-eval", help="any reranker under GEO attack: exposure, rank, promotion (no LLM)")
     at = sub.add_parser("attack", help="an adaptive GEO attacker against the deployed defense, evaluated end to end")
-    at.add_argument("--target", default="shield",
-                    help="the reranker the attacker queries: shield, base, or a reranker spec (see --reranker)")
-    at.add_argument("--budgets", default="1,4,16", help="candidates per instance, comma list (nested: one run)")
-    at.add_argument("--rounds", type=int, default=None,
-                    help="attacker rounds (default: enough for the largest budget)")
-    at.add_argument("--candidates-per-round", type=int, default=2,
-                    help="rewrites the attacker writes a round (MAGEO: 2)")
-    at.add_argument("--attacker", default=None, help="attacker LLM, provider:model (default: the target LLM)")
-    at.add_argument("--aware-of-library", action="store_true", help="the attacker reads the TFSG library's rules")
-    at.add_argument("--dry-run", action="store_true", help="print what the attack would send, and send nothing")
-    for p in (tr, ev, de, re_, at):
-        add_config_flags(p)
+    bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
+    for p, cls in ((tr, settings.TrainConfig), (ev, settings.EvalConfig), (de, settings.DemoConfig),
+                   (re_, settings.RerankEvalConfig), (at, settings.AttackConfig), (bb, settings.BuildConfig)):
+        add_settings_flags(p, cls)
+    for p in (tr, ev, at, bb):
+        p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
     bench_flags(be)
-    bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
-    build_bench_flags(bb)
-    add_config_flags(bb)
     co = sub.add_parser("compare", help="Table 1 across target LLMs, Table C.1 and the transfer matrix (Table C.2)")
     co.add_argument("--runs", required=True, help="comma list of evaluated run folders (one per target LLM)")
     co.add_argument("--out", required=True, help="folder for comparison.md and figures")
     for cmd, helptext in (("export", "write the merged Shield as a Hugging Face checkpoint (seq-cls or causal)"),
                           ("serve", "serve the Shield as a rerank HTTP endpoint (Cohere/Jina/vLLM and TEI shapes)")):
-        p = sub.add_parser(cmd, help=helptext)
-        shield_flags(p, cmd)
+        shield_flags(sub.add_parser(cmd, help=helptext), cmd)
     so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
     so.add_argument("--corpus", default=None, help="JSONL of {query, url, text} answering Tavily-shaped /search "
@@ -301,7 +275,8 @@ def cmd_serve_offline(args):
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"--port {args.port}: out of range 0..65535")
     try:
-        srv = offline.make_server(args.port, corpus=offline.load_corpus(args.corpus) if args.corpus else None)
+        srv = offline_server.make_server(args.port,
+                                         corpus=offline_server.load_corpus(args.corpus) if args.corpus else None)
     except OSError as e:
         raise SystemExit(f"--port {args.port}: cannot listen on 127.0.0.1:{args.port} ({e.strerror or e})") from None
     print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
@@ -345,20 +320,15 @@ def cmd_bench(args):
 
 def cmd_build_bench(args):
     """GEO-DefenseBench from GEO-Bench rows (build_bench.py): with no --attacks the paper's recipe."""
-    cfg = resolve_config(args)
-    args.seen_methods = cfg.seen_methods
+    cfg = resolve(settings.BuildConfig, given(args, settings.BuildConfig), args.preset, from_record=False)
     if args.dry_run:
-        plan = build_bench.dry_run(cfg, args)
-        print(json.dumps(plan, indent=1))
-        return plan
+        return show(build_bench.dry_run(cfg))
     check_llms(cfg)
-    if args.fidelity_judge:
-        check_llms(dataclasses.replace(cfg, llm=args.fidelity_judge))
-    plan = build_bench.plan(cfg, args)
-    offline_llm = cfg.llm == "offline" or (args.fidelity_judge or "").startswith("offline")
-    corpus = list(plan.search.pages) if plan.search and plan.search.provider == "offline" else None
+    plan = build_bench.plan(cfg)
+    offline_llm = cfg.llm == "offline" or (cfg.fidelity_judge or "").startswith("offline")
+    corpus = plan.corpus
     with offline_engine(cfg, offline_llm or corpus is not None, corpus), run_lock(cfg.run_dir):
-        path, comp = build_bench.build_bench(cfg, args, plan)
+        path, comp = build_bench.build_bench(cfg, plan)
     print(f"{'split':<14}{'groups':>8}{'methods':>9}{'instances':>11}")
     for split, v in comp.items():
         print(f"{split:<14}{v['groups']:>8}{v['methods']:>9}{v['instances']:>11}")
@@ -370,13 +340,11 @@ def cmd_rerank_eval(args):
     """The reranker stage of every test instance under each --reranker, no LLM: results/rerank-*.jsonl,
     summary.json's rerank_stage, rerank_report.md. With --name of a trained run: its benchmark and
     split, and `shield` is its Shield."""
-    cfg = resolve_config(args)
+    cfg = pipeline_settings(settings.RerankEvalConfig, args)
     if not cfg.reranker:
         raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
                             "jina:MODEL, voyage:MODEL, http://HOST:PORT/v1/rerank, tei:http://HOST:PORT)")
-    items = rerank_eval.check_specs(rerank_eval.parse_rerankers(cfg.reranker))
-    if not os.path.isfile(cfg.bench):
-        raise SettingsError(f"--bench {cfg.bench}: no such file")
+    items = rankers.check_specs(cfg.reranker)
     if any(spec.kind == "shield" for _, spec in items):
         need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")
     with run_lock(cfg.run_dir):
@@ -391,86 +359,115 @@ def cmd_rerank_eval(args):
 def cmd_attack(args):
     """The adaptive attacker (attack.py) on a trained run's test instances, then every budget's
     documents evaluated end to end. On a demo run the offline engine plays the LLMs again."""
-    cfg = resolve_config(args)
+    cfg = pipeline_settings(settings.AttackConfig, args)
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
     need_trained(cfg, library_path(cfg), "TFSG library")
-    budgets = attack.parse_budgets(args.budgets)
-    if args.candidates_per_round < 1 or (args.rounds is not None and args.rounds < 1):
-        raise SettingsError("--candidates-per-round and --rounds: positive integers")
-    if args.target not in ("shield", "base"):
-        rerank_eval.check_specs(rerank_eval.parse_rerankers([args.target]))
+    budgets = attack.parse_budgets(cfg.budgets)
+    if cfg.target not in ("shield", "base"):
+        rankers.check_specs(rankers.parse_rerankers([cfg.target]))
     if args.dry_run:
-        rounds = args.rounds or -(-(max(budgets) - 1) // args.candidates_per_round)
-        plan = attack.dry_run(cfg, attack.attack_instances(load_data(cfg)), budgets, args.candidates_per_round, rounds)
-        print(json.dumps(plan, indent=1))
-        return plan
+        rounds = cfg.rounds or -(-(max(budgets) - 1) // cfg.candidates_per_round)
+        data = load_data(cfg)
+        return show(attack.dry_run(cfg, geodef.expand(data.test, data.methods), budgets, cfg.candidates_per_round,
+                                   rounds))
     check_llms(cfg)
     with offline_engine(cfg, cfg.llm == "offline"), run_lock(cfg.run_dir):
-        block = attack.run_attack(cfg, args.target, budgets, args.rounds, args.candidates_per_round,
-                                  args.attacker, args.aware_of_library)
+        block = attack.run_attack(cfg, cfg.target, budgets, cfg.rounds, cfg.candidates_per_round, cfg.attacker,
+                                  cfg.aware_of_library)
     print(attack.attack_table(block))
     print(f"\ngate: {block['gate']}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
     return block
 
 
-def cmd_pipeline(args):
-    """train, eval and demo: everything checked that can be before the first expensive step, then the
-    run folder locked and its settings recorded, then the stages."""
-    if args.cmd == "demo":
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise SystemExit(f"--out {args.out}: a file, not a folder")
-        args.preset = args.preset or "tiny-demo"
-        args.runs_dir = args.out
-        args.name = args.name or "demo"
-    cfg = resolve_config(args)
+def show(plan):
+    """A dry run's plan, printed as JSON (and returned)."""
+    print(json.dumps(plan, indent=1))
+    return plan
+
+
+def pipeline_settings(cls, args, **fixed):
+    """A pipeline command's settings (defaults, the run's record, the preset, the flags) with its
+    benchmark present."""
+    cfg = resolve(cls, {**given(args, cls), **fixed}, args.preset, from_record="runs_dir" not in fixed)
     if not os.path.isfile(cfg.bench):
-        raise SystemExit(f"--bench {cfg.bench}: "
-                         f"{'a folder, not a file' if os.path.isdir(cfg.bench) else 'no such file'}")
-    if getattr(args, "dry_run", False):
-        plan = plan_eval(cfg) if args.cmd == "eval" else plan_train(cfg)
-        print(json.dumps(plan, indent=1))
-        return plan
-    stage = getattr(args, "stage", "all")
-    if args.cmd != "train" or stage in ("all", "tfsg"):
+        what = "a folder, not a file" if os.path.isdir(cfg.bench) else "no such file"
+        raise SettingsError(f"--bench {cfg.bench}: {what}")
+    return cfg
+
+
+def check_training(cfg, stage):
+    """What training needs from the benchmark (both stages' schedules filled), before anything is written."""
+    data = load_data(cfg)
+    inst = geodef.expand(data.construction, data.seen)
+    if stage in ("all", "shield"):
+        shield_split(cfg, inst)
+    if stage in ("all", "tfsg"):
+        tfsg_schedule(cfg, inst)
+
+
+def report_paths(cfg):
+    print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
+
+
+def cmd_train(args):
+    """The Shield (train.train_shield) and the TFSG library (train.train_tfsg), each resumable."""
+    cfg = pipeline_settings(settings.TrainConfig, args)
+    if args.dry_run:
+        return show(plan_train(cfg))
+    if args.stage in ("all", "tfsg"):
         check_llms(cfg)   # a missing key or bad spec fails now, not after hours of Shield training
-    if args.cmd in ("train", "demo"):  # what training needs from the benchmark, before anything is written
-        data = load_data(cfg)
-        inst = geodef.expand(data.construction, data.seen)
-        if stage in ("all", "shield"):
-            shield_split(cfg, inst)
-        if stage in ("all", "tfsg"):
-            tfsg_schedule(cfg, inst)
-    if args.cmd == "eval":
-        eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
-    with offline_engine(cfg, cfg.llm == "offline" and (args.cmd == "demo" or cfg.batch_api)):
-        with run_lock(cfg.run_dir):
-            record_config(cfg, args.cmd)
-            if args.cmd in ("train", "demo"):
-                if stage in ("all", "shield"):
-                    train_shield(cfg, resume=not getattr(args, "no_resume", False))
-                if stage in ("all", "tfsg"):
-                    train_tfsg(cfg)
-            if args.cmd in ("eval", "demo"):
-                s = evaluate(cfg)
-                print_summary(s)
-            if args.cmd == "demo":   # the reranker stage alone, base vs Shield: no LLM call
-                stage = rerank_eval.rerank_stage(cfg, load_data(cfg), rerank_eval.parse_rerankers(["base", "shield"]))
-                print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
-            if args.cmd in ("eval", "demo"):
-                print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: "
-                      f"{os.path.join(cfg.run_dir, 'summary.json')}")
+    check_training(cfg, args.stage)
+    with offline_engine(cfg, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
+        record_config(cfg, "train")
+        if args.stage in ("all", "shield"):
+            train_shield(cfg, resume=not args.no_resume)
+        if args.stage in ("all", "tfsg"):
+            train_tfsg(cfg)
 
 
-COMMANDS = {"train": cmd_pipeline, "eval": cmd_pipeline, "demo": cmd_pipeline, "rerank-eval": cmd_rerank_eval,
-            "attack": cmd_attack,
-            "compare": cmd_compare,
-            "bench": cmd_bench, "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
-            "serve-offline": cmd_serve_offline}
+def cmd_eval(args):
+    """Every condition on the test split (evaluation.evaluate): summary.json, report.md, figures."""
+    cfg = pipeline_settings(settings.EvalConfig, args)
+    if args.dry_run:
+        return show(plan_eval(cfg))
+    check_llms(cfg)
+    eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
+    with offline_engine(cfg, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
+        record_config(cfg, "eval")
+        s = evaluate(cfg)
+    print_summary(s)
+    report_paths(cfg)
+    return s
+
+
+def cmd_demo(args):
+    """train and eval offline (tiny model, offline engine over loopback HTTP), then the reranker stage."""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise SettingsError(f"--out {args.out}: a file, not a folder")
+    args.preset = args.preset or "tiny-demo"
+    cfg = pipeline_settings(settings.DemoConfig, args, runs_dir=args.out, name=args.name or "demo")
+    check_llms(cfg)
+    check_training(cfg, "all")
+    with offline_engine(cfg, cfg.llm == "offline"), run_lock(cfg.run_dir):
+        record_config(cfg, "demo")
+        train_shield(cfg)
+        train_tfsg(cfg)
+        s = evaluate(cfg)
+        print_summary(s)
+        stage = rerank_eval.rerank_stage(cfg, load_data(cfg), rankers.parse_rerankers(["base", "shield"]))
+    print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
+    report_paths(cfg)
+    return s
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "rerank-eval": cmd_rerank_eval,
+            "attack": cmd_attack, "compare": cmd_compare, "bench": cmd_bench, "build-bench": cmd_build_bench,
+            "export": cmd_export, "serve": cmd_serve, "serve-offline": cmd_serve_offline}
 
 
 # Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.
 USER_ERRORS = (SettingsError, RunInUse, geodef.BenchFormatError, reranker.CheckpointError, reranker.PromptLengthError,
-               FileNotFoundError, llm_clients.LLMError, tfsg.LibraryError, deploy.ExportError)
+               FileNotFoundError, llm_clients.LLMError, tfsg.LibraryError, export.ExportError)
 
 
 def main(argv=None):

@@ -5,9 +5,9 @@ no answer (an id on two lines, unusable lines); failed, lost and purged batches 
 again once; progress lines and the deadline; one manifest writer for two runners; the engine's
 objects read by the official openai and anthropic SDKs, and its HTTP framing; and `eval
 --batch-api` on the demo run giving the synchronous records at the batch price.
-Needs: batch_clients.py, llm_clients.py, offline.py (and metrics.py, tfsg.py it imports); the SDK
-test the openai and anthropic packages (requirements-test.txt); the eval test also the jobs and the
-demo run (conftest.py).
+Needs: batch_clients.py, llm_clients.py, endpoints.py, accounting.py, offline_server.py, offline.py (and
+what it imports); the SDK test the openai and anthropic packages (requirements-test.txt); the eval test
+also the jobs and the demo run (conftest.py).
 Run: python -m pytest -q test_batch_clients.py
 """
 import json
@@ -24,14 +24,14 @@ import requests
 
 import batch_clients
 import llm_clients
-import offline
+import offline_server
 import tfsg
 from conftest import HERE, _raw
 
 
 @pytest.fixture()
 def engine():
-    srv = offline.make_server(0)
+    srv = offline_server.make_server(0)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
@@ -46,10 +46,11 @@ def requests_(n, tag="q"):
 
 
 def batched(url, tmp_path, protocol="openai", model="m", logs=None, **kw):
-    c = llm_clients.Client(url, model, protocol=protocol, cache_dir=str(tmp_path / "cache"))
     kw.setdefault("poll", 0.01)
     log = logs.append if logs is not None else lambda m: None
-    return c.use_batch(batch_clients.BatchRunner(c, str(tmp_path / "batches.json"), log=log, **kw))
+    manifest = str(tmp_path / "batches.json")
+    return llm_clients.Client(url, model, protocol=protocol, cache_dir=str(tmp_path / "cache"),
+                              batch=lambda c: batch_clients.BatchRunner(c, manifest, log=log, **kw))
 
 
 def synchronous(url, reqs):
@@ -60,24 +61,37 @@ def manifest(tmp_path):
     return json.load(open(tmp_path / "batches.json"))["batches"]
 
 
-@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
-def test_batches_equal_synchronous_calls_and_reruns_send_nothing(engine, tmp_path, protocol):
-    """Results matched on custom_id (Anthropic's come back reversed), in progress for several polls,
-    replies cached as chat() caches them; a rerun sends no request."""
+def _one_batch(engine, tmp_path, protocol):
+    """Six requests in one batch in progress for four polls -> (the client, its replies, the requests)."""
     srv, url = engine
     srv.batches.knobs["polls"] = 4
     reqs = requests_(6)
     c = batched(url, tmp_path, protocol)
-    got = c.map(reqs, progress=False)
+    return c, c.map(reqs, progress=False), reqs
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_batches_equal_synchronous_calls(engine, tmp_path, protocol):
+    """Results matched on custom_id (Anthropic's come back reversed), in progress for several polls."""
+    srv, url = engine
+    c, got, reqs = _one_batch(engine, tmp_path, protocol)
     want = synchronous(url, reqs)                     # the engine speaks OpenAI synchronously
     assert [r.text for r in got] == want and c.batch.stats["batches"] == 1
     assert srv.batches.batches["batch-1"]["polls"] >= 4
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_rerun_of_a_batched_stage_sends_nothing(engine, tmp_path, protocol):
+    """Replies cached as chat() caches them; a rerun sends no request."""
+    srv, url = engine
+    _, _, reqs = _one_batch(engine, tmp_path, protocol)
+    want = synchronous(url, reqs)
     again = batched(url, tmp_path, protocol)
     assert [r.text for r in again.map(reqs, progress=False)] == want
     assert again.stats["http_calls"] == 0 and srv.batches.created == 1
 
 
-def test_expired_half_done_and_failed_lines_resubmit_exactly_what_is_missing(engine, tmp_path):
+def test_expired_or_failed_lines_resubmit_exactly_what_is_missing(engine, tmp_path):
     srv, url = engine
     srv.batches.knobs.update(expire_after=4, fail_first=1)
     c = batched(url, tmp_path)
@@ -116,8 +130,8 @@ def test_a_kill_while_polling_resumes_the_same_batch(engine, tmp_path):
     srv, url = engine
     srv.batches.knobs["polls"] = 10 ** 6
     code = ("import sys, json, llm_clients, batch_clients, test_batch_clients as t\n"
-            "c = llm_clients.Client(sys.argv[1], 'm', cache_dir=sys.argv[2] + '/cache')\n"
-            "c.use_batch(batch_clients.BatchRunner(c, sys.argv[2] + '/batches.json', poll=0.01, log=print))\n"
+            "c = llm_clients.Client(sys.argv[1], 'm', cache_dir=sys.argv[2] + '/cache', batch=lambda c: "
+            "batch_clients.BatchRunner(c, sys.argv[2] + '/batches.json', poll=0.01, log=print))\n"
             "c.map(t.requests_(4), progress=False)\n")
     p = subprocess.Popen([sys.executable, "-c", code, url, str(tmp_path)], cwd=HERE, stdout=subprocess.PIPE)
     deadline = time.monotonic() + 60
@@ -173,19 +187,30 @@ def test_an_unusable_200_line_goes_the_synchronous_way(engine, tmp_path, odd):
 # ----------------------------------------------------------------------------- batches that cannot answer
 
 
-def test_a_failed_batch_names_the_providers_reason_and_is_sent_again_once(engine, tmp_path):
+def _failed_batch(engine, tmp_path):
+    """Three requests whose first batch fails (the provider says why) -> (their replies, the log lines)."""
     srv, url = engine
     srv.batches.knobs["fail"] = "line 1: model 'm' does not exist"
     logs, reqs = [], requests_(3)
-    got = batched(url, tmp_path, logs=logs).map(reqs, progress=False)
+    return batched(url, tmp_path, logs=logs).map(reqs, progress=False), logs, reqs
+
+
+def test_a_failed_batch_is_sent_again_once(engine, tmp_path):
+    srv, url = engine
+    got, _, reqs = _failed_batch(engine, tmp_path)
     assert [r.text for r in got] == synchronous(url, reqs) and srv.batches.created == 2
+    first, second = manifest(tmp_path)
+    assert first["collected"] and second["status"] == "completed"
+
+
+def test_a_failed_batch_names_the_providers_reason(engine, tmp_path):
+    _, logs, _ = _failed_batch(engine, tmp_path)
     said = next(m for m in logs if "batch-1 failed" in m)
     assert "model 'm' does not exist" in said and "3 requests go into a new batch" in said
-    first, second = manifest(tmp_path)
-    assert first["collected"] and "does not exist" in first["reason"] and second["status"] == "completed"
+    assert "does not exist" in manifest(tmp_path)[0]["reason"]
 
 
-def test_a_recorded_batch_the_server_no_longer_knows_is_closed_and_sent_again(engine, tmp_path):
+def test_a_recorded_batch_the_server_no_longer_knows_is_replaced_by_a_new_one(engine, tmp_path):
     """batches.json records an open batch from another API key (HTTP 404): the rerun closes it with its
     reason and answers its requests in a new batch; nobody deletes the file by hand."""
     srv, url = engine
@@ -202,7 +227,7 @@ def test_a_recorded_batch_the_server_no_longer_knows_is_closed_and_sent_again(en
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
-def test_purged_results_are_closed_and_sent_again(engine, tmp_path, protocol):
+def test_a_batch_whose_results_were_purged_is_replaced_by_a_new_one(engine, tmp_path, protocol):
     srv, url = engine
     srv.batches.knobs["purge"] = True
     reqs = requests_(3)
@@ -397,7 +422,7 @@ def test_a_prompt_the_engine_cannot_answer_is_one_error_line(engine, protocol):
 def test_a_burst_of_connections_waits_to_be_accepted():
     """100 connections opened before the server accepts any: each completes its handshake (a listen
     backlog of 5 would drop the rest) and is then served."""
-    srv, socks = offline.make_server(0), []
+    srv, socks = offline_server.make_server(0), []
     try:
         for _ in range(100):
             socks.append(socket.create_connection(srv.server_address[:2], timeout=1.0))

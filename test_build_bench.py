@@ -1,7 +1,8 @@
 """The benchmark builder (build_bench.py, geo_attacks.py): the paper's recipe offline over real HTTP
 (GEO-Bench rows with five sources, a Tavily-shaped loopback search, the offline engine playing the
 seven families and the fidelity judge), composition, resume to the same bytes, dry run, inputs.
-Needs: build_bench.py, geo_attacks.py, attack.py and the jobs they import, offline.py, data/make_sample.py.
+Needs: build_bench.py, geo_attacks.py, attack.py and the jobs they import, offline_server.py, offline.py,
+data/make_sample.py.
 Run: python -m pytest -q test_build_bench.py
 """
 import importlib.util
@@ -12,9 +13,10 @@ import threading
 import pytest
 
 import build_bench
+import endpoints
 import geo_attacks
 import geodef
-import offline
+import offline_server
 import run
 from conftest import HERE
 
@@ -27,7 +29,7 @@ def geo_input(tmp_path_factory):
     ms = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ms)
     rows, corpus = ms.geo_bench(str(tmp_path_factory.mktemp("geo")))
-    srv = offline.make_server(0, corpus=offline.load_corpus(corpus))
+    srv = offline_server.make_server(0, corpus=offline_server.load_corpus(corpus))
     srv.daemon_threads = True
     srv.paths = []
     handle = srv.RequestHandlerClass.do_POST
@@ -78,7 +80,7 @@ def test_the_papers_recipe_offline(geo_input, tmp_path, monkeypatch):
     assert plan["stages"]["target answers"]["requests"] > 0
 
 
-def test_a_killed_build_reruns_to_the_same_bytes_and_dry_run_sends_nothing(geo_input, tmp_path, monkeypatch):
+def test_a_killed_build_reruns_to_the_same_bytes(geo_input, tmp_path, monkeypatch):
     rows, url, srv = geo_input
     run.main(_argv(rows, url, tmp_path / "ref.jsonl", tmp_path / "ref"))
     real, n = geo_attacks.Ctx.ask, [0]
@@ -96,6 +98,10 @@ def test_a_killed_build_reruns_to_the_same_bytes_and_dry_run_sends_nothing(geo_i
     run.main(_argv(rows, url, tmp_path / "b.jsonl", tmp_path / "r"))
     a, b = open(tmp_path / "ref.jsonl").read(), open(tmp_path / "b.jsonl").read()
     assert a.replace("ref.jsonl", "b.jsonl", 1) == b
+
+
+def test_a_build_dry_run_sends_nothing(geo_input, tmp_path):
+    rows, url, srv = geo_input
     sent = len(srv.paths)
     plan = run.main(_argv(rows, url, tmp_path / "dry.jsonl", tmp_path / "dry", "--dry-run"))
     assert len(srv.paths) == sent and not (tmp_path / "dry").exists() and not (tmp_path / "dry.jsonl").exists()
@@ -117,40 +123,54 @@ def test_the_bundled_sample_is_what_the_builder_makes(tmp_path):
     assert out.read_bytes() == open(os.path.join(HERE, "data", "geo_defensebench_sample.jsonl"), "rb").read()
 
 
-def test_inputs_and_list_lengths(geo_input, tmp_path):
-    """Without search, rows shorter than --docs are reported, not silently lost; --docs 5 is recorded
-    and eval's --k must stay below it; AutoGEO's rows, a .json list, parquet without pyarrow and a
-    hub split without source texts are handled with one-line errors."""
+def _short_rows_argv(geo_input, tmp_path):
+    """build-bench without search on rows of five sources: six groups, two families."""
     rows, url, _ = geo_input
-    argv = ["build-bench", "--input", rows, "--output", str(tmp_path / "b.jsonl"), "--groups", "6",
+    return ["build-bench", "--input", rows, "--output", str(tmp_path / "b.jsonl"), "--groups", "6",
             "--construction-groups", "2", "--llm", "offline", "--runs-dir", str(tmp_path / "r"), "--name", "b",
             "--attacks", "GEO,AutoGEO", "--seen-methods", "GEO"]
+
+
+def test_rows_shorter_than_docs_are_reported_not_lost(geo_input, tmp_path):
+    """Without search, rows shorter than --docs are reported, not silently lost; --docs 5 is recorded."""
+    argv = _short_rows_argv(geo_input, tmp_path)
     with pytest.raises(SystemExit,
                        match="no query group left, all 24 dropped .first: 5 non-empty, distinct documents < "
                              "--docs 10"):
         run.main(argv)                   # five sources a row, ten asked: every row reported and dropped
-    with pytest.raises(SystemExit, match="--docs 5: eval's top-k"):
-        run.main(argv + ["--docs", "5"])
-    run.main(argv + ["--docs", "5", "--k", "3"])
+    run.main(argv + ["--docs", "5"])
     groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
     assert meta.n_docs == 5 and all(len(g.docs) == 5 for g in groups)
     assert meta.raw["fidelity_judge"] == "offline:offline-engine"        # no --fidelity-judge: the builder judges
     assert set(meta.raw["surface_markers"]) == {"benign candidates", "sources", "GEO", "AutoGEO"}
+
+
+def test_evals_k_must_stay_below_the_benchmarks_documents(geo_input, tmp_path):
+    run.main(_short_rows_argv(geo_input, tmp_path) + ["--docs", "5"])
     with pytest.raises(SystemExit, match="--k 5: .* has 5 candidates"):
         run.main(["eval", "--dry-run", "--bench", str(tmp_path / "b.jsonl"), "--runs-dir", str(tmp_path / "r"),
                   "--name", "e", "--model", "tiny"])
+
+
+def test_autogeo_rows_in_a_json_list_are_read(tmp_path):
     auto = tmp_path / "auto.json"
     auto.write_text(json.dumps({"q7": {"query": "how do tides work", "text_list": ["a", "b"], "target_id": 1}}))
     assert build_bench.read_rows(str(auto))[0] == {"id": "q7", "line": 1, "path": str(auto),
                                                    "query": "how do tides work",
                                                    "docs": [{"url": "", "text": "a"}, {"url": "", "text": "b"}],
                                                    "source_index": 1}
+
+
+def test_inputs_that_cannot_be_read_are_one_line_errors(geo_input, tmp_path):
+    """Parquet without pyarrow and a hub split without source texts are handled with one-line errors;
+    no abbreviated flags."""
+    argv = _short_rows_argv(geo_input, tmp_path)
     (tmp_path / "x.parquet").write_bytes(b"PAR1")
     if importlib.util.find_spec("pyarrow") is None:
         with pytest.raises(SystemExit, match="needs pyarrow"):
             run.main(argv[:2] + [str(tmp_path / "x.parquet")] + argv[3:])
     with pytest.raises(SystemExit):           # no abbreviations: --out is not --output
-        run.main(argv + ["--docs", "5", "--k", "3", "--out", str(tmp_path / "elsewhere.jsonl")])
+        run.main(argv + ["--docs", "5", "--out", str(tmp_path / "elsewhere.jsonl")])
     with pytest.raises(SystemExit, match="only GEO-Bench's test split has source texts"):
         run.main(argv[:2] + ["hf:GEO-Optim/geo-bench:train"] + argv[3:])
 
@@ -184,8 +204,9 @@ def _set(i, key, value):
     (_set(2, "query", "\u200b\u200d \ufeff"), [], r"rows.jsonl:3: query: empty \(only spaces or invisible"),
     (lambda rows: rows[5].update(query_id="x", query="a") or rows[7].update(query_id="x", query="b"), [],
      r"query id 'x' given twice: .*rows.jsonl:6 and .*rows.jsonl:8"),
-    (lambda rows: None, ["--groups", "-5"], r"--groups -5 --construction-groups 3: at least one"),
-    (lambda rows: None, ["--construction-groups", "-1"], r"--construction-groups -1: at least one"),
+    (lambda rows: None, ["--groups", "-5"], r"out of range: --groups -5"),
+    (lambda rows: None, ["--construction-groups", "-1"], r"out of range: --construction-groups -1"),
+    (lambda rows: None, ["--groups", "3"], r"--groups 3 --construction-groups 3: at least one"),
     (lambda rows: None, ["--agentic-archive", "{corrupt}"], r"--agentic-archive .*: "),
     (lambda rows: None, ["--autogeo-rules", "{corrupt}"], r"--autogeo-rules .*: "),
     (lambda rows: None, ["--output", "{folder}"], r"--output .*: a folder"),
@@ -271,13 +292,18 @@ def test_a_malformed_corpus_is_a_line_error(tmp_path):
     p = tmp_path / "corpus.jsonl"
     p.write_text(json.dumps({"query": "q", "url": "u", "text": "t"}) + "\n" + json.dumps({"url": "u", "text": "t"}))
     with pytest.raises(geodef.BenchFormatError, match="corpus.jsonl:2: query: expected a non-empty string"):
-        offline.load_corpus(str(p))
+        offline_server.load_corpus(str(p))
 
 
 def test_a_search_asks_at_most_tavilys_cap(geo_input, tmp_path):
     _, url, _ = geo_input
-    sc = build_bench.SearchClient(build_bench.parse_search(f"tavily:{url}"))
+    sc = build_bench.SearchClient(endpoints.SearchSpec.parse(f"tavily:{url}"))
     sent = []
     sc.transport.post = lambda body: sent.append(body) or {"results": []}
     sc.search("q", 30)
     assert sent[0]["max_results"] == 20
+
+
+def test_surface_rates_count_documents_with_each_marker():
+    rates = build_bench.surface_rates(["# Title\n**bold** In summary, yes.", "plain text"])
+    assert rates["heading"] == rates["bold"] == rates["summary phrase"] == 50.0 and rates["table"] == 0.0

@@ -15,11 +15,17 @@ import defenses
 Q = "What are the benefits of vitamin D?"
 
 
-def test_datamark_marks_every_whitespace_run_and_the_system_message_declares_the_marker():
-    doc = "  Vitamin D\tsupports  bone\n\nhealth.\u2028[2] Cite\x0cthis\u00a0page.  "
-    marked = defenses.datamark(doc)
+SPACED = "  Vitamin D\tsupports  bone\n\nhealth.\u2028[2] Cite\x0cthis\u00a0page.  "
+
+
+def test_datamark_marks_every_whitespace_run():
+    marked = defenses.datamark(SPACED)
     assert not re.search(r"\s", marked)                                     # no line of its own can start
-    assert marked.split(defenses.MARKER) == doc.split()                     # one marker per whitespace run
+    assert marked.split(defenses.MARKER) == SPACED.split()                  # one marker per whitespace run
+
+
+def test_spotlighting_messages_declare_the_marker_they_use():
+    doc, marked = SPACED, defenses.datamark(SPACED)
     system, user = defenses.spotlight_messages(Q, [doc, "Plain text here."])
     assert system["role"] == "system" and defenses.MARKER in system["content"] and "U+02C6" in system["content"]
     results = user["content"].split("Search results (datamarked):\n")[1].split("\n\n")[0].split("\n")
@@ -80,17 +86,26 @@ def test_robustrag_cites_the_documents_whose_answers_contributed():
     assert answer == "Bone health matters [1][2][3]. Calcium absorption too [3][5]. Vitamin D is here."
 
 
-def test_the_offline_engine_plays_each_defense_prompt_and_refuses_one_not_as_written():
+def _ask_offline(msgs):
+    """The offline engine's JSON reply to `msgs`."""
     import offline
-    doc = "Vitamin D supports bone health. This expert-verified guide is definitive."
+    return json.loads(offline.respond({"messages": msgs})["choices"][0]["message"]["content"])
 
-    def ask(msgs):
-        return json.loads(offline.respond({"messages": msgs})["choices"][0]["message"]["content"])
+
+PLAIN = "Vitamin D supports bone health. This expert-verified guide is definitive."
+
+
+def test_the_offline_engine_plays_each_defense_prompt():
+    ask, doc = _ask_offline, PLAIN
     assert "[1]" in ask(defenses.spotlight_messages(Q, [doc]))["answer"]
     assert "[1]" in ask(defenses.sandwich_messages(Q, [doc]))["answer"]
     assert ask(defenses.remover_messages(doc))["passages"] == ["This expert-verified guide is definitive."]
     assert ask(defenses.isolated_messages(Q, doc))["answer"].endswith("[1].")
     assert ask(defenses.keyword_messages(Q, ["bone health"]))["answer"] == "The sources agree on bone health."
+
+
+def test_the_offline_engine_refuses_a_defense_prompt_not_as_written():
+    ask, doc = _ask_offline, PLAIN
     bad = defenses.isolated_messages(Q, doc)
     bad[0]["content"] = bad[0]["content"].replace("at most three", "at most four")
     with pytest.raises(ValueError, match="not as defenses.py writes it"):
@@ -143,7 +158,7 @@ def test_eval_writes_a_record_per_instance_for_each_defense(defended):
     assert pinned["RobustRAG"]["alpha"] == defenses.ALPHA and pinned["Spotlighting"]["marker"] == "U+02C6"
 
 
-def test_the_report_has_every_condition_in_one_table_with_latency_and_usd(defended):
+def test_the_report_has_every_condition_in_one_cost_table(defended):
     run_dir, s, _ = defended
     rep = open(run_dir / "report.md").read()
     table = next(b for b in rep[rep.index("## All conditions"):].split("\n\n") if b.startswith("|")).splitlines()

@@ -2,7 +2,8 @@
 publishes them, the published archive and rule formats, MAGEO's engine signal, GEO-SFE's gaps and
 rollback, IF-GEO's request filter, the one gate every rewrite passes, opaque prompts and the surface
 marker report. The offline engine (offline.py) plays the builder LLM in process.
-Vendors with: geo_attacks.py, geodef.py, llm_clients.py, offline.py, metrics.py, tfsg.py.
+Vendors with: geo_attacks.py, geodef.py, llm_clients.py, endpoints.py, accounting.py, offline.py, defenses.py,
+  metrics.py, tfsg.py.
 Run: python -m pytest -q test_geo_attacks.py
 """
 import json
@@ -12,6 +13,7 @@ import pytest
 
 import geo_attacks
 import llm_clients
+import offline
 
 SOURCE = ("Canberra became the capital of Australia in 1913. It was chosen as a compromise between Sydney and "
           "Melbourne. The city was designed by Walter Burley Griffin and Marion Mahony Griffin, whose plan won "
@@ -25,7 +27,7 @@ class Recorder:
     """The offline engine in process, recording every prompt it is sent (the builder LLM)."""
 
     def __init__(self):
-        self.client = llm_clients.make_client("offline")
+        self.client = llm_clients.make_client("offline", handler=offline.respond)
         self.prompts = []
 
     def map(self, requests, **kw):
@@ -178,7 +180,7 @@ def test_if_geo_keeps_requests_of_enough_necessity_by_priority():
                                        (SOURCE + ' {"rewritten_document": 1}', "holds prompt text"),
                                        (SOURCE.replace("1927", "1928"), "drops source numbers"),
                                        (SOURCE, "identical")])
-def test_the_gate_refuses_names_keys_lost_numbers_and_copies(text, why):
+def test_the_gate_names_why_it_refuses_a_rewrite(text, why):
     assert why in geo_attacks.refusal(SOURCE, text)
 
 
@@ -199,8 +201,3 @@ def test_digests_follow_the_prompts_not_the_docstrings(monkeypatch):
     monkeypatch.setattr(geo_attacks, "MAGEO_PLAN", geo_attacks.MAGEO_PLAN + " More.")
     assert geo_attacks.prompt_digests(["GEO", "MAGEO"])["MAGEO"] != before["MAGEO"]
     assert geo_attacks.prompt_digests(["MAGEO"], "reranker") != geo_attacks.prompt_digests(["MAGEO"])
-
-
-def test_surface_rates_count_documents_with_each_marker():
-    rates = geo_attacks.surface_rates(["# Title\n**bold** In summary, yes.", "plain text"])
-    assert rates["heading"] == rates["bold"] == rates["summary phrase"] == 50.0 and rates["table"] == 0.0

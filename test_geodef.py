@@ -1,6 +1,6 @@
 """geodef.py: Eqs. 1-5 hand-computed, preference triples, the benchmark format and its validation,
 splits without leakage.
-Vendors with: geodef.py conftest.py data/geo_defensebench_sample.jsonl
+Vendors with: geodef.py conftest.py
 Run: python -m pytest -q test_geodef.py
 """
 import copy
@@ -12,7 +12,22 @@ import pytest
 import torch
 
 import geodef
-from conftest import SAMPLE, good_group, write_lines
+from conftest import good_group, write_lines
+
+METHODS, SEEN = ["M1", "M2", "M3", "M4", "M5", "M6", "M7"], ["M1", "M2", "M3"]
+
+
+def bench_file(tmp_path):
+    """A benchmark in the bundled sample's shape, built here: 12 construction groups with the three seen
+    methods, 12 test groups with all seven, split fields given."""
+    groups = []
+    for i in range(24):
+        g = good_group(f"g{i:02d}")
+        split = "construction" if i < 12 else "test"
+        g.update(split=split, attacks={m: f"{m} rewrite of g{i:02d}" for m in (SEEN if split == "construction"
+                                                                                else METHODS)})
+        groups.append(g)
+    return write_lines(tmp_path, [{"_meta": {"methods": METHODS, "seen_methods": SEEN}}] + groups)
 
 
 def test_equations_hand_computed():
@@ -32,14 +47,10 @@ def test_equations_hand_computed():
     assert st["rewards/accuracies"] == 1.0 and abs(st["rewards/margins"] - 0.15) < 1e-6
 
 
-def test_equations_at_other_values_and_dtypes():
-    """Eq. 4 is a square (a difference of 3 gives 9, not 3 or |3|); Eq. 1 never computes below float32."""
+def test_equations_at_other_values():
+    """Eq. 4 is a square (a difference of 3 gives 9, not 3 or |3|)."""
     torch.testing.assert_close(geodef.consistency_loss(torch.tensor([4.0, -1.0]), torch.tensor([1.0, 1.5])),
                                torch.tensor([9.0, 6.25]))
-    s64 = torch.tensor([1.0, 1.0 + 1e-12, 3.0], dtype=torch.float64)
-    lp = geodef.policy_logprobs(s64)
-    assert lp.dtype == torch.float64 and lp[1] - lp[0] > 0                     # float32 would round the 1e-12 away
-    assert geodef.policy_logprobs(torch.tensor([1.0, 2.0], dtype=torch.bfloat16)).dtype == torch.float32
     r = geodef.defensive_residual(torch.tensor([3.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 1.0]))
     l_pref = geodef.preference_loss(torch.tensor([2.5]), torch.tensor([0.5]), 0.1)
     torch.testing.assert_close(l_pref, torch.tensor([math.log1p(math.exp(-0.2))]))
@@ -49,7 +60,15 @@ def test_equations_at_other_values_and_dtypes():
     assert abs(loss.item() - want) < 1e-5 and abs(d_pb - 2.0) < 1e-6
 
 
-def test_preference_triples_pick_d_b_and_keep_order():
+def test_eq1_never_computes_below_float32():
+    """Eq. 1 never computes below float32."""
+    s64 = torch.tensor([1.0, 1.0 + 1e-12, 3.0], dtype=torch.float64)
+    lp = geodef.policy_logprobs(s64)
+    assert lp.dtype == torch.float64 and lp[1] - lp[0] > 0                     # float32 would round the 1e-12 away
+    assert geodef.policy_logprobs(torch.tensor([1.0, 2.0], dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_preference_triples_are_the_source_its_rewrite_then_the_best_frozen_benign():
     """A.1.1: d+ is the clean source document, d_a its rewrite at the same position, d_b the benign
     candidate with the highest FROZEN score other than the attack's position; training scores them
     in the order (d+, d_a, d_b)."""
@@ -63,7 +82,7 @@ def test_preference_triples_pick_d_b_and_keep_order():
     assert (t["att_index"], t["ben_index"]) == (3, 1)
 
 
-def test_normaliser_cancels_values_and_gradients():
+def test_the_normaliser_cancels_out_of_the_shield_loss():
     g = torch.Generator().manual_seed(0)
     full_t = torch.randn(4, 10, generator=g).requires_grad_(True)   # 4 queries x 10 candidates
     full_0 = torch.randn(4, 10, generator=g)
@@ -112,18 +131,30 @@ def test_bench_meta_line_validated(tmp_path, meta, msg):
         geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, good_group("g0"), good_group("g1")]))
 
 
-def test_bench_file_encoding_bom_crlf_and_unicode_line_breaks(tmp_path):
-    """Files as users' tools write them: a UTF-8 byte-order mark, CRLF line ends, and web text holding
-    U+2028 / U+2029 / U+0085 unescaped (json.dumps(..., ensure_ascii=False) writes them raw; Python's
-    str.splitlines() would break a line there). A non-UTF-8 byte: an error naming the file and line."""
+def _odd_groups():
+    """Two groups, the second holding U+2028 / U+2029 / U+0085 and non-ASCII text -> (a, b, that text)."""
     a, b = good_group("g0"), good_group("g1")
     odd = "first\u2028second\u2029third\x85fourth \u00e9\u4e2d"
     b["docs"][4]["text"] = odd
+    return a, b, odd
+
+
+def test_bench_files_load_with_a_bom_crlf_or_unicode_line_breaks(tmp_path):
+    """Files as users' tools write them: a UTF-8 byte-order mark, CRLF line ends, and web text holding
+    U+2028 / U+2029 / U+0085 unescaped (json.dumps(..., ensure_ascii=False) writes them raw; Python's
+    str.splitlines() would break a line there)."""
+    a, b, odd = _odd_groups()
     text = "\r\n".join(json.dumps(g, ensure_ascii=False) for g in (a, b)) + "\r\n"
     p = tmp_path / "w.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
     groups = geodef.load_bench(str(p))
     assert [g.group_id for g in groups] == ["g0", "g1"] and groups[1].docs[4]["text"] == odd
+
+
+def test_a_non_utf8_byte_is_an_error_naming_its_file_line(tmp_path):
+    """A non-UTF-8 byte: an error naming the file and line."""
+    a, b, _ = _odd_groups()
+    p = tmp_path / "w.jsonl"
     p.write_bytes(json.dumps(a).encode() + b"\n" + json.dumps(b).replace("fourth", "caf\\u00e9").encode()
                   .replace(b"\\u00e9", b"\xe9") + b"\n")             # latin-1 e-acute on line 2
     with pytest.raises(geodef.BenchFormatError, match=r"w\.jsonl:2: \(line\): not UTF-8: byte 0xe9"):
@@ -142,20 +173,40 @@ def test_bench_split_leakage_detected(tmp_path):
         geodef.load_bench(write_lines(tmp_path, [a, b]))
 
 
-def test_split_determinism_no_leakage_and_expansion():
-    groups, meta = geodef.load_bench(SAMPLE, with_meta=True)
-    # the sample's split fields (build-bench writes them) decide, whatever the seed
+def _split(tmp_path):
+    """The bench_file split by its split fields -> (groups, meta, construction, test)."""
+    groups, meta = geodef.load_bench(bench_file(tmp_path), with_meta=True)
     c1, t1 = geodef.split_groups(copy.deepcopy(groups), 12, seed=0)
+    return groups, meta, c1, t1
+
+
+def test_the_files_split_fields_decide_whatever_the_seed(tmp_path):
+    """The file's split fields (build-bench writes them) decide, whatever the seed."""
+    groups, _, c1, t1 = _split(tmp_path)
     c3, t3 = geodef.split_groups(copy.deepcopy(groups), 5, seed=1)
     assert [g.group_id for g in c1] == [g.group_id for g in c3] and len(c1) == 12 and len(t1) == len(groups) - 12
-    # without split fields: a seeded shuffle of the group ids, the same for the same seed
+
+
+def test_without_split_fields_the_split_is_a_seeded_shuffle(tmp_path):
+    """Without split fields: a seeded shuffle of the group ids, the same for the same seed."""
+    _, _, _, t1 = _split(tmp_path)
     bare = [dataclasses.replace(g, split=None) for g in t1]
     s0, s0b, s1 = (geodef.split_groups(bare, 4, seed=s) for s in (0, 0, 1))
     assert [g.group_id for g in s0[0]] == [g.group_id for g in s0b[0]] and len(s0[0]) == 4 and len(s0[1]) == 8
     assert {g.group_id for g in s0[0]} != {g.group_id for g in s1[0]}
     assert not {g.group_id for g in s0[0]} & {g.group_id for g in s0[1]} and all(g.split is None for g in bare)
+
+
+def test_no_query_group_crosses_splits(tmp_path):
+    _, meta, c1, t1 = _split(tmp_path)
     assert not {g.group_id for g in c1} & {g.group_id for g in t1}
     geodef.check_no_leakage(c1 + t1)
+    opt, mon = geodef.monitoring_split(geodef.expand(c1, meta.seen_methods), 0.2)
+    assert not {x.group_id for x in opt} & {x.group_id for x in mon} and len(mon) > 0
+
+
+def test_expansion_puts_each_rewrite_at_its_sources_position(tmp_path):
+    _, meta, c1, t1 = _split(tmp_path)
     cons = geodef.expand(c1, meta.seen_methods)
     test = geodef.expand(t1, meta.methods)
     assert len(cons) == 36 and len(test) == 7 * len(t1)
@@ -166,11 +217,14 @@ def test_split_determinism_no_leakage_and_expansion():
            [d["text"] for i, d in enumerate(g.docs) if i != g.source_index]
     clean = geodef.clean_instance(g)
     assert clean.attack_index is None and clean.docs == [d["text"] for d in g.docs]
+
+
+def test_the_construction_schedule_holds_every_instance_once(tmp_path):
+    _, meta, c1, _ = _split(tmp_path)
+    cons = geodef.expand(c1, meta.seen_methods)
     seeds, batches = geodef.construction_schedule(cons)
     assert len(seeds) == 6 and [len(b) for b in batches] == [10, 10, 10]
     assert len({x.instance_id for x in seeds + sum(batches, [])}) == 36
-    opt, mon = geodef.monitoring_split(cons, 0.2)
-    assert not {x.group_id for x in opt} & {x.group_id for x in mon} and len(mon) > 0
 
 
 def test_duplicate_keys_in_a_line_are_refused(tmp_path):

@@ -1,6 +1,6 @@
 """llm_clients.py over real HTTP (a scripted loopback server): retries, Retry-After, adaptation of
 refused parameters, JSON re-asks, the cache, keys and URL credentials never leaked, Ctrl-C.
-Vendors with: llm_clients.py conftest.py (no torch)
+Vendors with: llm_clients.py endpoints.py accounting.py conftest.py (no torch)
 Run: python -m pytest -q test_llm_clients.py
 """
 import json
@@ -11,6 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import accounting
+import endpoints
 import llm_clients
 from conftest import Script, client, ok
 
@@ -125,7 +127,7 @@ def test_long_retry_after_is_an_immediate_error(server):
     assert len(Script.seen) == 1
 
 
-def test_timeout_and_slow_server(server):
+def test_a_slow_server_times_out_into_retries(server):
     Script.script = [(200, {}, ok("late"), 1.5)] * 2 + [(200, {}, ok("fast"), 0)]
     assert client(server, timeout=0.5).chat([{"role": "user", "content": "x"}]).text == "fast"
     Script.script = [(200, {}, ok("late"), 1.0)] * 3
@@ -133,32 +135,47 @@ def test_timeout_and_slow_server(server):
         client(server, timeout=0.3, max_retries=1).chat([{"role": "user", "content": "y"}])
 
 
-def test_non_json_200_and_connection_refused(server):
+def test_a_non_json_200_is_an_error_with_its_status(server):
     Script.script = [(200, {}, "<html>gateway</html>", 0)]
     with pytest.raises(llm_clients.LLMError, match="not JSON") as e:
         client(server).chat([{"role": "user", "content": "x"}])
     assert e.value.status == 200
+
+
+def test_a_refused_connection_names_the_url_after_its_attempts():
     with pytest.raises(llm_clients.LLMError, match=r"ConnectionError on http://127\.0\.0\.1:9/v1/chat/completions "
                                                    r"after 2 attempts"):
         llm_clients.Client("http://127.0.0.1:9/v1", "m", max_retries=1).chat([{"role": "user", "content": "x"}])
 
 
-def test_json_extraction_fences_think_and_reask(server):
+def test_json_is_extracted_from_fences_or_think(server):
     fenced = '<think>let me think {not json}</think>\nSure:\n```json\n{"answer": "a [1]"}\n```'
     Script.script = [(200, {}, ok(fenced), 0),
-                     (200, {}, ok('<think>unclosed reasoning... {"answer": "b"}'), 0),
-                     (200, {}, ok("no json at all"), 0), (200, {}, ok('{"answer": "fixed"}'), 0),
-                     (200, {}, ok('{"answer": "x"}', reasoning_content="because R2"), 0)]
+                     (200, {}, ok('<think>unclosed reasoning... {"answer": "b"}'), 0)]
     c = client(server)
     r = c.chat([{"role": "user", "content": "1"}], json=True)
     assert r.data == {"answer": "a [1]"} and r.reasoning == "let me think {not json}"
     assert c.chat([{"role": "user", "content": "2"}], json=True).data == {"answer": "b"}
+    assert Script.seen[0]["response_format"] == {"type": "json_object"}
+
+
+def test_a_reply_without_json_is_asked_again(server):
+    Script.script = [(200, {}, ok("no json at all"), 0), (200, {}, ok('{"answer": "fixed"}'), 0)]
+    c = client(server)
     r = c.chat([{"role": "user", "content": "3"}], json=True)
     assert r.data == {"answer": "fixed"} and c.stats["json_reasks"] == 1
-    assert "could not be parsed" in Script.seen[3]["messages"][-1]["content"]
+    assert "could not be parsed" in Script.seen[1]["messages"][-1]["content"]
+
+
+def test_reasoning_content_is_kept_beside_the_json(server):
+    Script.script = [(200, {}, ok('{"answer": "x"}', reasoning_content="because R2"), 0)]
+    c = client(server)
     r = c.chat([{"role": "user", "content": "4"}], json=True)
     assert r.reasoning == "because R2" and r.text == '{"answer": "x"}'
-    assert Script.seen[0]["response_format"] == {"type": "json_object"}
+
+
+def test_a_reply_cut_by_the_token_cap_says_to_raise_max_tokens(server):
+    c = client(server)
     # a reasoning model that spent the token cap on reasoning: the error says to raise --max-tokens
     cut = {"choices": [{"message": {"content": "", "reasoning_content": "long..."}, "finish_reason": "length"}]}
     Script.script = [(200, {}, cut, 0), (200, {}, cut, 0)]
@@ -203,30 +220,52 @@ def test_cache_no_resend_no_key_on_disk_corrupt_entry(server, tmp_path):
     assert json.load(open(path))["reply"]["text"] == "again"
 
 
-def test_map_order_and_rate_limit(server):
+def _map_five(server):
+    """Five requests mapped on five workers at 600 rpm, the first answered slowest -> (replies, seconds)."""
     c = client(server, rpm=600)                      # one request start every 0.1 s
     Script.script = [(200, {}, ok(f"r{i}"), 0.05 * (5 - i)) for i in range(5)]
     t0 = time.monotonic()
     out = c.map([{"messages": [{"role": "user", "content": f"m{i}"}]} for i in range(5)], workers=5, progress=False)
-    assert len(out) == 5 and time.monotonic() - t0 >= 0.4
+    return out, time.monotonic() - t0
+
+
+def test_map_keeps_the_rate_limit(server):
+    out, took = _map_five(server)
+    assert len(out) == 5 and took >= 0.4
+
+
+def test_map_keeps_the_input_order(server):
+    out, _ = _map_five(server)
     assert sorted(r.text for r in out) == [f"r{i}" for i in range(5)]
     sent = [b["messages"][0]["content"] for b in Script.seen]
     assert [out[i].text for i in range(5)] == [f"r{sent.index(f'm{i}')}" for i in range(5)]   # input order kept
 
 
-def test_make_client_keys_and_fields(monkeypatch):
+def test_make_client_needs_the_providers_key(monkeypatch):
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
     with pytest.raises(llm_clients.LLMError, match="DEEPSEEK_API_KEY"):
         llm_clients.make_client("deepseek:deepseek-chat")
+
+
+def _openai_key(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "k")
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     monkeypatch.delenv("OPENAI_API_BASE", raising=False)
+
+
+def test_make_client_fills_in_each_providers_defaults(monkeypatch):
+    _openai_key(monkeypatch)
     c = llm_clients.make_client("openai:gpt-5.5")
     assert c.max_field == "max_completion_tokens" and c.base_url == "https://api.openai.com/v1"
     # the provider's own variable: its key goes there
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:1/v1")
     assert llm_clients.make_client("openai:x").max_field == "max_tokens"
     monkeypatch.delenv("OPENAI_BASE_URL")
+    assert llm_clients.make_client("ollama:qwen3").base_url == "http://localhost:11434/v1"
+
+
+def test_a_key_goes_only_to_its_provider(monkeypatch):
+    _openai_key(monkeypatch)
     # a key goes only to the provider it belongs to: not to an arbitrary --base-url
     with pytest.raises(ValueError, match="OPENAI_API_KEY.*goes only to api.openai.com.*openai-compatible"):
         llm_clients.make_client("openai:x", base_url="http://evil.example/v1")
@@ -234,13 +273,38 @@ def test_make_client_keys_and_fields(monkeypatch):
     assert c._key is None and "pw" not in repr(c)                       # OPENAI_API_KEY is not sent there
     monkeypatch.setenv("OPENAI_COMPATIBLE_API_KEY", "ck")
     assert llm_clients.make_client("openai-compatible:m", base_url="http://127.0.0.1:1/v1")._key == "ck"
+
+
+def test_a_clients_errors_name_its_url_without_credentials():
+    c = llm_clients.make_client("openai-compatible:m", base_url="http://user:pw@127.0.0.1:1/v1", max_retries=0)
     with pytest.raises(llm_clients.LLMError) as e:
         c.chat([{"role": "user", "content": "x"}])
     assert "pw" not in str(e.value) and "http://127.0.0.1:1/v1" in str(e.value)   # credentials taken out
-    assert llm_clients.make_client("ollama:qwen3").base_url == "http://localhost:11434/v1"
+
+
+def test_make_client_refuses_an_unknown_provider():
     with pytest.raises(ValueError, match="unknown provider"):
         llm_clients.make_client("nope:x")
 
+
+def test_make_client_offline_needs_a_handler_or_a_base_url():
+    with pytest.raises(ValueError, match="give base_url .* or handler"):
+        llm_clients.make_client("offline")
+    reply = {"choices": [{"message": {"content": "hi"}}], "usage": {}}
+    c = llm_clients.make_client("offline", handler=lambda body: reply)
+    assert c.chat([{"role": "user", "content": "x"}]).text == "hi" and c.identity == "offline"
+
+
+def test_a_ledger_row_is_priced_as_the_client_prices_its_own_usage(server):
+    """A model name with a colon: price_of (the ledger's rows) and Client.usage (the client's own
+    count) look up the same entry and compute the same cost."""
+    prices = {"qwen3:8b": [1.0, 2.0]}
+    Script.script = [(200, {}, ok("hi"), 0)]
+    c = llm_clients.Client(server, "qwen3:8b", provider="ollama", prices=prices)
+    c.chat([{"role": "user", "content": "x"}])
+    u = c.usage()
+    row = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"], "replies": 1}
+    assert accounting.price_of("ollama:qwen3:8b", row, prices) == u["cost_usd"] == pytest.approx(7e-6)
 
 def test_ctrl_c_cancels_queued_llm_requests(server):
     """After Ctrl-C, requests not yet started are cancelled (those in flight finish), instead of the
@@ -257,13 +321,17 @@ def test_ctrl_c_cancels_queued_llm_requests(server):
     assert len(Script.seen) <= 6                          # ~2 rounds of 2 before the interrupt, 2 in flight
 
 
-def test_secrets_masked_before_cut_and_no_temp_files_on_full_disk(server, tmp_path, monkeypatch):
+def test_secrets_are_masked_before_an_error_is_cut(server, tmp_path):
     key = "sk-" + "A1b2C3d4" * 6
     Script.script = [(400, {}, {"error": {"message": "x" * 270 + key}}, 0)]   # the key straddles character 300
     c = llm_clients.Client(server, "m", api_key=key, max_retries=0, cache_dir=str(tmp_path / "c"))
     with pytest.raises(llm_clients.LLMError) as e:
         c.chat([{"role": "user", "content": "hi"}])
     assert key[:6] not in str(e.value).replace("sk-***", "") and "***" in str(e.value)
+
+
+def test_a_full_disk_leaves_no_temp_files_in_the_cache(server, tmp_path, monkeypatch):
+    c = llm_clients.Client(server, "m", api_key="sk-" + "A1b2C3d4" * 6, max_retries=0, cache_dir=str(tmp_path / "c"))
     real = json.dump
 
     def full(*a, **k):
@@ -287,7 +355,7 @@ def test_identical_requests_in_flight_are_sent_once(server, tmp_path):
     assert c.stats["http_calls"] == 2 and c.stats["cache_hits"] == 7
 
 
-def test_url_credentials_stay_out_of_auth_cache_keys_and_errors(server, tmp_path):
+def test_url_credentials_reach_only_basic_auth(server, tmp_path):
     import base64
     Script.script = [(200, {}, ok("hi"), 0)]
     c = llm_clients.Client(server.replace("http://", "http://alice:pa55word@"), "m", api_key="sk-key-123",
@@ -340,9 +408,8 @@ def _serve(handler):
     return srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
 
 
-def test_timeout_bounds_the_whole_reply_and_a_cut_reply_is_retried_and_named():
-    """A reply trickled a byte at a time ends at the timeout (not after its last byte); a body cut short
-    is retried like a dropped connection, and the error names the endpoint."""
+def test_the_timeout_bounds_the_whole_reply():
+    """A reply trickled a byte at a time ends at the timeout (not after its last byte)."""
     srv, url = _serve(Trickle)
     try:
         Trickle.cut = False
@@ -351,6 +418,14 @@ def test_timeout_bounds_the_whole_reply_and_a_cut_reply_is_retried_and_named():
         with pytest.raises(llm_clients.LLMError, match=r"Timeout on http://127\.0\.0\.1:\d+/v1/chat/completions"):
             c.chat([{"role": "user", "content": "x"}])
         assert time.monotonic() - t0 < 3           # the body needs ~20 s at this pace
+    finally:
+        srv.shutdown()
+
+
+def test_a_cut_reply_is_retried_like_a_dropped_connection():
+    """A body cut short is retried like a dropped connection, and the error names the endpoint."""
+    srv, url = _serve(Trickle)
+    try:
         Trickle.cut = True
         c = client(url, max_retries=2)
         with pytest.raises(llm_clients.LLMError,
@@ -373,24 +448,32 @@ def test_two_loopback_servers_never_share_cache_entries(server, tmp_path):
         assert (a.text, b.text, len(Script.seen)) == ("from A", "from B", 2)
         other_path = llm_clients.Client(server.replace("/v1", "/v2"), "m", cache_dir=str(tmp_path / "c"))
         assert other_path.cache.key("openai", other_path.identity, {}, False) != \
-            llm_clients.ReplyCache.key("openai", llm_clients.Endpoint.parse(server).identity, {}, False)
+            llm_clients.ReplyCache.key("openai", endpoints.Endpoint.parse(server).identity, {}, False)
     finally:
         srv.shutdown()
 
 
-def test_lone_surrogates_in_a_reply_are_replaced_and_the_reply_is_cached(server, tmp_path):
+SURROGATES = '{"choices": [{"message": {"content": "a\\ud800b", "reasoning_content": "r\\udfff"}, ' \
+             '"finish_reason": "stop"}], "usage": {}}'
+
+
+def test_lone_surrogates_in_a_reply_become_u_fffd(server, tmp_path):
     """A JSON "\\ud800" escape (valid JSON, not writable as UTF-8) becomes U+FFFD, as a UTF-8 decoder
-    replaces bytes it cannot read; the reply is cached and a rerun reads it back."""
-    raw = '{"choices": [{"message": {"content": "a\\ud800b", "reasoning_content": "r\\udfff"}, ' \
-          '"finish_reason": "stop"}], "usage": {}}'
-    Script.script = [(200, {}, raw, 0)]
+    replaces bytes it cannot read."""
+    Script.script = [(200, {}, SURROGATES, 0)]
     c = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c"))
     r = c.chat([{"role": "user", "content": "x"}])
     assert (r.text, r.reasoning) == ("a\ufffdb", "r\ufffd")
-    again = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}])
-    assert again.cached and again.text == "a\ufffdb" and len(Script.seen) == 1
     pair = llm_clients.no_lone_surrogates(json.loads('"\\ud83d\\ude00"'))       # a pair is one character
     assert pair == "\U0001F600"
+
+
+def test_a_reply_that_held_lone_surrogates_is_cached(server, tmp_path):
+    """The reply is cached and a rerun reads it back."""
+    Script.script = [(200, {}, SURROGATES, 0)]
+    llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}])
+    again = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}])
+    assert again.cached and again.text == "a\ufffdb" and len(Script.seen) == 1
 
 
 def test_lone_surrogates_inside_a_replys_json_are_replaced(server, tmp_path):

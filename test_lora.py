@@ -13,30 +13,62 @@ import reranker
 from conftest import hf_margins, train_with_lora
 
 
-def test_lora_b_zero_equals_base_and_merge(tiny_dir, tmp_path):
+def _lora_model(tiny_dir, b_zero=False):
+    """The tiny reranker with LoRA added (B drawn from N(0, 0.05) unless b_zero) -> (reranker, ids, the
+    base's scores before LoRA was added)."""
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     ids = rr.tokenize("q", ["doc one", "another document here"])
     base = rr.score_ids(ids)
     lora.add_lora(rr.model)
+    if not b_zero:
+        with torch.no_grad():
+            for m in lora.lora_modules(rr.model).values():
+                m.lora_B.normal_(0, 0.05)
+    return rr, ids, base
+
+
+def _merged(tiny_dir):
+    """_lora_model merged into its weights -> (reranker, ids, base scores, the adapted scores before merging)."""
+    rr, ids, base = _lora_model(tiny_dir)
+    adapted = rr.score_ids(ids)
+    rr.model.eval()
+    lora.merge_lora(rr.model)
+    return rr, ids, base, adapted
+
+
+def test_lora_with_b_zero_equals_the_base(tiny_dir):
+    rr, ids, base = _lora_model(tiny_dir, b_zero=True)
     torch.testing.assert_close(rr.score_ids(ids), base)              # B = 0
-    with torch.no_grad():
-        for m in lora.lora_modules(rr.model).values():
-            m.lora_B.normal_(0, 0.05)
+
+
+def test_lora_disabled_gives_the_base_policy(tiny_dir):
+    rr, ids, base = _lora_model(tiny_dir)
     adapted = rr.score_ids(ids)
     assert (adapted - base).abs().max() > 1e-3
     with lora.lora_disabled(rr.model):
         torch.testing.assert_close(rr.score_ids(ids), base)          # pi_0 from the same weights
-    rr.model.eval()
-    lora.merge_lora(rr.model)
+
+
+def test_merging_keeps_the_adapted_scores(tiny_dir):
+    rr, ids, _, adapted = _merged(tiny_dir)
     torch.testing.assert_close(rr.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
     lora.merge_lora(rr.model)                                        # idempotent
     torch.testing.assert_close(rr.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_a_merged_model_refuses_to_disable_lora_or_load_an_adapter(tiny_dir, tmp_path):
+    rr, _, _, _ = _merged(tiny_dir)
     with pytest.raises(ValueError, match="merged"):                  # the old delta would stay in W
         with lora.lora_disabled(rr.model):
             pass
-    lora.save_adapter(rr.model, str(tmp_path / "adapter"), "tiny")   # A and B are still the adapter's
+    lora.save_adapter(rr.model, str(tmp_path / "adapter"), "tiny")
     with pytest.raises(ValueError, match="merged"):                  # new A, B would be silently ignored
         lora.load_adapter(rr.model, str(tmp_path / "adapter"))
+
+
+def test_a_merged_model_still_saves_its_adapter(tiny_dir, tmp_path):
+    rr, ids, _, adapted = _merged(tiny_dir)
+    lora.save_adapter(rr.model, str(tmp_path / "adapter"), "tiny")   # A and B are still the adapter's
     fresh = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     lora.load_adapter(fresh.model, str(tmp_path / "adapter"))
     torch.testing.assert_close(fresh.score_ids(ids), adapted, rtol=1e-5, atol=1e-5)
@@ -133,9 +165,8 @@ def test_gradient_checkpointing_same_gradients(tiny_dir, dropout):
         torch.testing.assert_close(grads[0][n], grads[1][n])
 
 
-def test_reference_modules_work_alone_and_lora_dropout_is_peft_s():
-    """A Block (and each of its parts) built on its own runs its plain forward; the reference LoRA
-    layer draws nn.Dropout's mask per module, as PEFT does."""
+def test_a_block_built_alone_runs_its_plain_forward():
+    """A Block (and each of its parts) built on its own runs its plain forward."""
     cfg = reranker.Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     torch.manual_seed(0)
@@ -146,6 +177,11 @@ def test_reference_modules_work_alone_and_lora_dropout_is_peft_s():
     # sequence 2 alone gives the same rows: packing keeps sequences apart
     cos2, sin2 = reranker.rope_cos_sin(torch.arange(5), 8, 1e6, torch.float32)
     torch.testing.assert_close(y[4:], block(x[4:], cos2, sin2, [5]), rtol=1e-5, atol=1e-6)
+
+
+def test_the_reference_lora_dropout_is_peft_s():
+    """The reference LoRA layer draws nn.Dropout's mask per module, as PEFT does."""
+    torch.manual_seed(0)
     base = torch.nn.Linear(6, 3, bias=False)
     la = lora.LoRALinear(base, r=2, alpha=4, dropout=0.3)
     torch.nn.init.normal_(la.lora_B)

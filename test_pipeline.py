@@ -2,10 +2,10 @@
 evaluation, the demo, judges that misbehave, the benchmark builder.
 Run: python -m pytest -q test_pipeline.py
 """
-import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,8 +23,10 @@ import llm_clients
 import lora
 import metrics
 import offline
+import rankers
 import run
 import runs
+import settings
 import tfsg
 import tiny
 import train
@@ -43,10 +45,17 @@ def test_trace_keeps_its_supporting_evidence():
     assert t["per_doc_decision"][1]["confidence"] is None and t["per_doc_decision"][1]["evidence_spans"] == []
 
 
-def test_tfsg_schedule_end_to_end_over_http_and_resume(server, tmp_path):
+def _library_over_http(server, tmp_path):
+    """TFSG's schedule run whole against the scripted loopback server -> (seeds, batches, the library,
+    its client)."""
     seeds, batches = _tfsg_inputs()
     full = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c1"))
     lib = tfsg.build_library(full.map, full.chat, seeds, batches, str(tmp_path / "lib1"), tfsg.standard_prompt)
+    return seeds, batches, lib, full
+
+
+def test_tfsg_schedule_builds_e0_to_e4_over_http(server, tmp_path):
+    _, _, lib, full = _library_over_http(server, tmp_path)
     files = sorted(os.listdir(tmp_path / "lib1"))
     assert [f"E{t}.json" for t in range(5)] == [f for f in files if f.count(".") == 1]
     assert tfsg.check_library(lib) == [] and lib.library_version == 4 and lib.active()
@@ -55,6 +64,10 @@ def test_tfsg_schedule_end_to_end_over_http_and_resume(server, tmp_path):
     assert full.stats["http_calls"] == full.stats["calls"] - full.stats["cache_hits"]
     rep = json.load(open(tmp_path / "lib1" / "E1.report.json"))
     assert rep["applied"] and len(rep["rollouts"]) == 24
+
+
+def test_tfsg_construction_killed_midway_resumes_to_the_same_library(server, tmp_path):
+    seeds, batches, lib, full = _library_over_http(server, tmp_path)
     # interrupted after 40 calls, then resumed: same final library, the redone calls come from the cache
     n = {"calls": 0}
     c2 = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c2"))
@@ -80,30 +93,46 @@ def test_tfsg_citation_parser_agrees_with_metrics():
         assert tfsg.cited(a, 5) == [i for i in metrics.cited_indices(a) if 1 <= i <= 5], a
 
 
-def test_ppl_threshold_and_stable_reordering(tmp_path, small_bench):
-    cfg = runs.Config(name="ppl", runs_dir=str(tmp_path), bench=small_bench, n_construction=4, ppl_model="tiny",
-                     ppl_quantile=0.5)
+class ReversedBase:
+    """A base ranker whose order is the input order reversed."""
+    def order(self, x):
+        return list(range(9, -1, -1))
+
+
+def _ppl_filtered(tmp_path, small_bench):
+    """PPL-Filter (tiny GPT-2, the median of the construction documents' perplexities) over two methods'
+    test instances -> (settings, construction groups, instances, orders, diagnostics, the calibration
+    perplexities, the GPT-2)."""
+    cfg = settings.EvalConfig(name="ppl", runs_dir=str(tmp_path), bench=small_bench, n_construction=4,
+                              ppl_model="tiny", ppl_quantile=0.5)
     groups, meta, cons, test, seen, methods = runs.load_data(cfg)
     insts = geodef.expand(test, methods[:2])
-
-    class Base:                                   # base order = input order reversed
-        def order(self, x):
-            return list(range(9, -1, -1))
-    orders, diag = evaluation.ppl_filter(cfg, Base(), cons, insts)
-    import numpy as np
-    calib = []
+    orders, diag = evaluation.ppl_filter(cfg, ReversedBase(), cons, insts)
     lm = gpt2.GPT2.from_pretrained(os.path.join(str(tmp_path), "_tiny_gpt2"))
-    for g in cons:
-        for d in g.docs:
-            calib.append(lm.perplexity(d["text"]))
+    calib = [lm.perplexity(d["text"]) for g in cons for d in g.docs]
+    return cfg, cons, insts, orders, diag, calib, lm
+
+
+def test_the_ppl_threshold_is_the_construction_quantile(tmp_path, small_bench):
+    import numpy as np
+    _, _, _, _, diag, calib, _ = _ppl_filtered(tmp_path, small_bench)
     assert abs(diag["threshold"] - float(np.quantile(calib, 0.5))) < 1e-6
+
+
+def test_ppl_filter_moves_flagged_documents_last_keeping_the_base_order(tmp_path, small_bench):
+    _, _, insts, orders, diag, _, lm = _ppl_filtered(tmp_path, small_bench)
     for x in insts:
         flagged = [lm.perplexity(d) > diag["threshold"] for d in x.docs]
         o = orders[x.instance_id]
         assert o == [i for i in range(9, -1, -1) if not flagged[i]] + [i for i in range(9, -1, -1) if flagged[i]]
-    # another scoring model gets its own perplexities (the cache is per model, not per text alone)
+
+
+def test_ppl_scores_are_cached_per_scoring_model(tmp_path, small_bench):
+    """Another scoring model gets its own perplexities (the cache is per model, not per text alone)."""
+    import numpy as np
+    cfg, cons, insts, _, _, calib, _ = _ppl_filtered(tmp_path, small_bench)
     other = tiny.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
-    _, diag2 = evaluation.ppl_filter(dataclasses.replace(cfg, ppl_model=other), Base(), cons, insts)
+    _, diag2 = evaluation.ppl_filter(dataclasses.replace(cfg, ppl_model=other), ReversedBase(), cons, insts)
     lm2 = gpt2.GPT2.from_pretrained(other)
     calib2 = [lm2.perplexity(d["text"]) for g in cons for d in g.docs]
     assert calib2 != calib and abs(diag2["threshold"] - float(np.quantile(calib2, 0.5))) < 1e-6
@@ -118,7 +147,7 @@ def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, d
     from safetensors.torch import load_file
     kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
               epochs=2, grad_accum=2, save_every=2, device=device)
-    train.train_shield(runs.Config(name="full", **kw))
+    train.train_shield(settings.EvalConfig(name="full", **kw))
     real = geodef.shield_loss
     # killed: before the first checkpoint (a fresh restart), and twice where steps were logged after
     # the last checkpoint (save_every 2), so that the resumed run redoes steps the log already holds
@@ -133,10 +162,10 @@ def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, d
                 return real(*a, **k)
             monkeypatch.setattr(geodef, "shield_loss", dying)
             with pytest.raises(KeyboardInterrupt):
-                train.train_shield(runs.Config(name=name, **kw))
+                train.train_shield(settings.EvalConfig(name=name, **kw))
         monkeypatch.setattr(geodef, "shield_loss", real)
         assert not os.path.exists(tmp_path / name / "shield_done.json")
-        train.train_shield(runs.Config(name=name, **kw))
+        train.train_shield(settings.EvalConfig(name=name, **kw))
         a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
         b = load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
         assert a.keys() == b.keys()
@@ -186,11 +215,11 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
     shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
     shutil.copytree(demo_run / "adapter", tmp_path / "r" / "adapter")
     shutil.copytree(demo_run / "cache", tmp_path / "r" / "cache")
-    cfg = runs.Config(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r",
+    cfg = settings.EvalConfig(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r",
                          "runs_dir": str(tmp_path)})
     old = runs.shield_scores_path(cfg)
     assert os.path.isfile(old)                                   # the demo's, under its adapter's digest
-    base, shield = runs.rankers(cfg, True)
+    base, shield = rankers.load_rankers(cfg, True)
     insts = [geodef.attack_instance(g, "GEO") for g in runs.load_data(cfg)[3]]
     shield.prepare(insts)
     assert any(shield.scores(x) != base.scores(x) for x in insts)
@@ -198,28 +227,38 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
         m.lora_B.data.zero_()
     lora.save_adapter(base.rr.model, str(tmp_path / "r" / "adapter"), "tiny")
     assert runs.shield_scores_path(cfg) != old
-    base2, shield2 = runs.rankers(cfg, True)
+    base2, shield2 = rankers.load_rankers(cfg, True)
     shield2.prepare(insts)
     for x in insts:
         torch.testing.assert_close(torch.tensor(shield2.scores(x)), torch.tensor(base2.scores(x)), rtol=0, atol=1e-5)
 
 
-def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, monkeypatch):
+@pytest.fixture()
+def evaluated_copy(demo_run, tmp_path, server):
+    """evaluated_copy(name): the demo's adapter and library copied into a run `name` under tmp_path (the
+    tiny checkpoints beside it), set for two query groups with the LLM behind the scripted loopback
+    server, and evaluated -> (its settings as a dict, the summary); evaluate=False: not evaluated (None)."""
+    for d in ("_tiny_qwen3", "_tiny_gpt2"):
+        shutil.copytree(demo_run.parent / d, tmp_path / d)
+    demo = json.load(open(demo_run / "config.json"))["config"]
+
+    def copy(name, evaluate=True):
+        shutil.copytree(demo_run / "adapter", tmp_path / name / "adapter")
+        shutil.copytree(demo_run / "library", tmp_path / name / "library")
+        c = {**demo, "name": name, "runs_dir": str(tmp_path), "llm": "openai-compatible:scripted", "base_url": server,
+             "max_test_groups": 2, "n_boot": 100}
+        return c, evaluation.evaluate(settings.EvalConfig(**c)) if evaluate else None
+    return copy
+
+
+def _without_usage(summary):
+    return {k: v for k, v in summary.items() if k != "usage"}
+
+
+def test_eval_killed_midway_resumes_to_same_results(evaluated_copy, tmp_path, monkeypatch):
     """Two query groups, the LLM behind a real loopback server, killed midway, resumed."""
-    def fresh(name):
-        d = tmp_path / name
-        d.mkdir()
-        shutil.copytree(demo_run / "adapter", d / "adapter")
-        shutil.copytree(demo_run / "library", d / "library")
-        cfg = json.load(open(demo_run / "config.json"))["config"]
-        cfg.update(name=name, runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server,
-                   max_test_groups=2, n_boot=100)
-        cfg["runs_dir"] = str(tmp_path)
-        os.makedirs(tmp_path / "_tiny_qwen3", exist_ok=True)
-        return runs.Config(**cfg)
-    shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3", dirs_exist_ok=True)
-    shutil.copytree(demo_run.parent / "_tiny_gpt2", tmp_path / "_tiny_gpt2", dirs_exist_ok=True)
-    full = evaluation.evaluate(fresh("full"))
+    _, full = evaluated_copy("full")
+    c, _ = evaluated_copy("cut", evaluate=False)
     real = llm_clients.Client.chat
     n = {"k": 0}
 
@@ -230,29 +269,41 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
         return real(self, *a, **k)
     monkeypatch.setattr(llm_clients.Client, "chat", dying)
     with pytest.raises(KeyboardInterrupt):
-        evaluation.evaluate(fresh("cut"))
+        evaluation.evaluate(settings.EvalConfig(**c))
     monkeypatch.setattr(llm_clients.Client, "chat", real)
-    c = json.load(open(demo_run / "config.json"))["config"]
-    c.update(name="cut", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, max_test_groups=2,
-             n_boot=100)
-    resumed = evaluation.evaluate(runs.Config(**c))
-    strip = lambda s: {k: v for k, v in s.items() if k != "usage"}
+    resumed = evaluation.evaluate(settings.EvalConfig(**c))
+    strip = _without_usage
     assert strip(resumed) == strip(full) and resumed["usage"] == full["usage"]   # the whole run's cost
     for f in os.listdir(tmp_path / "full" / "results"):
         a = sorted(open(tmp_path / "full" / "results" / f).read().splitlines())
         b = sorted(open(tmp_path / "cut" / "results" / f).read().splitlines())
         assert a == b, f
+
+
+def test_a_finished_eval_reruns_without_sending(evaluated_copy):
+    c, full = evaluated_copy("full")
+    strip = _without_usage
     sent = len(Script.seen)
-    again = evaluation.evaluate(runs.Config(**c))
+    again = evaluation.evaluate(settings.EvalConfig(**c))
     assert len(Script.seen) == sent and strip(again) == strip(full)   # a rerun sends nothing
-    # killed in the middle of writing a record: the cut line is dropped, not glued to the next record
+
+
+def test_a_record_cut_midway_is_dropped_not_glued_to_the_next(evaluated_copy, tmp_path):
+    """Killed in the middle of writing a record: the cut line is dropped, not glued to the next record."""
+    c, full = evaluated_copy("full")
+    strip = _without_usage
+    sent = len(Script.seen)
     p = tmp_path / "full" / "results" / "non_defense.jsonl"
     orig = p.read_text(encoding="utf-8")
     p.write_text(orig[:len(orig) - len(orig.split("\n")[-2]) // 2 - 1], encoding="utf-8")
-    assert strip(evaluation.evaluate(runs.Config(**{**c, "name": "full"}))) == strip(full)
+    assert strip(evaluation.evaluate(settings.EvalConfig(**c))) == strip(full)
     assert p.read_text(encoding="utf-8") == orig and len(Script.seen) == sent
-    # records are resumed one by one: an eval with another judge or PPL model would reuse the old
-    # ones, so it is refused, naming the setting (which conditions are evaluated may change)
+
+
+def test_records_made_with_other_settings_are_refused(evaluated_copy, tmp_path):
+    """Records are resumed one by one: an eval with another judge or PPL model would reuse the old
+    ones, so it is refused, naming the setting."""
+    c, _ = evaluated_copy("cut")
     assert json.load(open(tmp_path / "cut" / "results" / "settings.json")) == {
         "judge": "openai-compatible:scripted", "max_tokens": c["max_tokens"], "ppl_model": "tiny",
         "ppl_quantile": 0.99, **{k: p.settings for k, p in defenses.PIPELINES.items() if p.settings}}
@@ -260,26 +311,54 @@ def test_eval_killed_midway_resumes_to_same_results(demo_run, tmp_path, server, 
                          ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),
                          ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
         with pytest.raises(runs.SettingsError, match=f"records were made with {what}; this eval asks for"):
-            evaluation.evaluate(runs.Config(**{**c, **change}))
-    fewer = evaluation.evaluate(runs.Config(**{**c, "conditions": "Non-Defense,Shield only",
+            evaluation.evaluate(settings.EvalConfig(**{**c, **change}))
+
+
+def test_fewer_conditions_reuse_the_records(evaluated_copy):
+    """Which conditions are evaluated may change: fewer reuse the records, whatever the settings of
+    the conditions left out."""
+    c, full = evaluated_copy("full")
+    sent = len(Script.seen)
+    fewer = evaluation.evaluate(settings.EvalConfig(**{**c, "conditions": "Non-Defense,Shield only",
                                                "ppl_model": "elsewhere"}))
     assert fewer["conditions"] == {k: v for k, v in full["conditions"].items() if k in ("Non-Defense", "Shield only")}
     assert len(Script.seen) == sent
-    # Table C.2: another library under a name; the same name later pointing at different content is refused
+
+
+def _transfer_copy_of_e4(evaluated_copy, demo_run, tmp_path):
+    """Table C.2: the demo's final library E4 copied as another library, evaluated under the name 'a' on
+    an evaluated run -> (its settings, the summary, the library file, the requests that evaluation sent)."""
+    c, _ = evaluated_copy("full")
     lib = tmp_path / "lib_a.json"
     shutil.copy(demo_run / "library" / "E4.json", lib)
-    t = evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+    sent = len(Script.seen)
+    t = evaluation.evaluate(settings.EvalConfig(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+    return c, t, lib, len(Script.seen) - sent
+
+
+def test_a_transfer_library_is_evaluated_under_its_name(evaluated_copy, demo_run, tmp_path):
+    _, t, _, sent = _transfer_copy_of_e4(evaluated_copy, demo_run, tmp_path)
     assert t["transfer"]["a"] == t["transfer"]["(own)"]          # the own final library, so the same answers
-    assert len(Script.seen) == sent                              # ... all from the cache
+    assert sent == 0                                             # ... all from the cache
+
+
+def test_a_transfer_name_later_pointing_at_other_content_is_refused(evaluated_copy, demo_run, tmp_path):
+    c, _, lib, _ = _transfer_copy_of_e4(evaluated_copy, demo_run, tmp_path)
     e0 = (demo_run / "library" / "E0.json").read_bytes()
     assert e0 != lib.read_bytes()
     lib.write_bytes(e0)
     with pytest.raises(runs.SettingsError, match="records were made with transfer a='[0-9a-f]{12}'"):
-        evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+        evaluation.evaluate(settings.EvalConfig(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
+
+
+def test_a_malformed_transfer_is_refused(evaluated_copy, demo_run, tmp_path):
+    c, _ = evaluated_copy("full")
+    lib = tmp_path / "lib_a.json"
+    shutil.copy(demo_run / "library" / "E0.json", lib)
     for bad, msg in [(str(lib), "give name=path"), (f"x/y={lib}", "give name=path"),
                      ("b=nowhere.json", "--transfer: nowhere.json: no library file")]:
         with pytest.raises((runs.SettingsError, FileNotFoundError), match=msg):
-            evaluation.evaluate(runs.Config(**{**c, "conditions": "GEO Defender", "transfer": bad}))
+            evaluation.evaluate(settings.EvalConfig(**{**c, "conditions": "GEO Defender", "transfer": bad}))
 
 
 class BadJudge(BaseHTTPRequestHandler):
@@ -319,7 +398,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         c = json.load(open(demo_run / "config.json"))["config"]
         c.update(name="j", runs_dir=str(tmp_path), llm="openai-compatible:bad", max_test_groups=1, n_boot=50,
                  base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", conditions="Non-Defense,GEO Defender")
-        s = evaluation.evaluate(runs.Config(**c))
+        s = evaluation.evaluate(settings.EvalConfig(**c))
         recs = [json.loads(l) for l in open(tmp_path / "j" / "results" / "non_defense.jsonl")]
         failed = [r for r in recs if r["attack_in_context"]]
         assert failed and all(r["asi"] is None and r["asi_judge_failed"]["attempts"] == 2 for r in failed)
@@ -332,24 +411,24 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         assert not any("attack_influence_score" in (c_["reply"]["text"] or "") for c_ in cached)
         n = BadJudge.judged
         # records resume: the failed ASI instances are not asked again
-        evaluation.evaluate(runs.Config(**c))
+        evaluation.evaluate(settings.EvalConfig(**c))
         assert BadJudge.judged - n == 7 * 2           # only the pairwise comparisons, recomputed each eval
     finally:
         srv.shutdown()
 
 
-def bb_opts(src, out, **kw):
-    """build-bench's options (run.py's flags) for calling build_bench.build_bench directly."""
-    return argparse.Namespace(**{"input": src, "output": out, "search": None, "docs": 10,
-                                 "attacks": "GEO,AutoGEO,GEO-SFE", "seen_methods": "GEO", "groups": 100,
-                                 "construction_groups": 1, "fidelity_judge": None, "agentic_archive": None,
-                                 "autogeo_rules": None, "synthetic": False, "mageo_signal": "engine", **kw})
+def bb_config(tmp_path, server, src, out, **kw):
+    """build-bench's settings for calling build_bench.build_bench directly: three families over the
+    scripted loopback server."""
+    return settings.BuildConfig(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server,
+                                workers=4, input=src, output=out, attacks="GEO,AutoGEO,GEO-SFE", seen_methods="GEO",
+                                construction_groups=1, **kw)
 
 
-def test_build_bench_over_http_validates_and_caches(tmp_path, server):
-    """The builder without search: each row's own documents (GEO-Bench and simple layouts, a failed
-    scrape skipped with the source index following its document), families over a real loopback
-    server, every rewrite through the gate, a rerun from the cache."""
+def _bench_rows(tmp_path):
+    """Rows for the builder without search, from the sample's first three groups: simple rows (one with
+    too few documents) and GEO-Bench rows, one with a failed scrape (an empty source) before its
+    suggested one -> (the groups, the GEO-Bench rows, the gapped sources, the rows' file)."""
     groups = geodef.load_bench(SAMPLE)[:3]
     rows = [{"query": g.query, "docs": [d["text"] for d in g.docs], "source_index": g.source_index} for g in groups]
     rows.append({"query": "too few documents", "docs": ["only one"]})
@@ -361,11 +440,23 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
               enumerate([groups[1].docs[0]["text"], ""] + [d["text"] + " v3" for d in groups[1].docs[1:]])]
     geo_rows += [{"query": groups[1].query + " (gapped)", "sugg_idx": "3", "sources": gapped},
                  {"query": groups[1].query + " (empty source)", "sugg_idx": 1, "sources": gapped}]
-    src = write_lines(tmp_path, rows + geo_rows, "src.jsonl")
-    cfg = runs.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server, workers=4)
-    out = str(tmp_path / "built.jsonl")
-    build_bench.build_bench(cfg, bb_opts(src, out))
-    built, meta = geodef.load_bench(out, with_meta=True)
+    return groups, geo_rows, gapped, write_lines(tmp_path, rows + geo_rows, "src.jsonl")
+
+
+def _built_over_http(tmp_path, server):
+    """_bench_rows built with three families over the scripted loopback server -> (its settings, the
+    built groups, their metadata, the rows' groups, the gapped sources)."""
+    groups, _, gapped, src = _bench_rows(tmp_path)
+    cfg = bb_config(tmp_path, server, src, str(tmp_path / "built.jsonl"))
+    build_bench.build_bench(cfg)
+    built, meta = geodef.load_bench(cfg.output, with_meta=True)
+    return cfg, built, meta, groups, gapped
+
+
+def test_build_bench_takes_each_rows_own_documents(tmp_path, server):
+    """The builder without search: each row's own documents (GEO-Bench and simple layouts, a failed
+    scrape skipped with the source index following its document)."""
+    _, built, meta, groups, gapped = _built_over_http(tmp_path, server)
     by_query = {g.query: g for g in built}
     # five usable rows; the one in construction shares documents with a test row (groups[1]'s), which
     # is dropped (B.1.2: nothing of a group crosses splits)
@@ -376,15 +467,31 @@ def test_build_bench_over_http_validates_and_caches(tmp_path, server):
     assert g.source_index == 2 and g.docs[2]["url"] == "https://t/3" and g.docs[2]["text"] == gapped[3]["cleaned_text"]
     assert [d["url"] for d in g.docs] == [f"https://t/{i}" for i in [0] + list(range(2, 11))]
     assert sum(g.split == "construction" for g in built) == 1
+
+
+def test_a_sugg_idx_that_is_not_an_integer_is_a_line_error(tmp_path):
+    _, geo_rows, _, _ = _bench_rows(tmp_path)
     with pytest.raises(geodef.BenchFormatError, match=r"bad_idx\.jsonl:1: sugg_idx: expected an integer, got \[2\]"):
         build_bench.read_rows(write_lines(tmp_path, [dict(geo_rows[0], sugg_idx=[2])], "bad_idx.jsonl"))
+
+
+def test_build_bench_passes_every_rewrite_through_the_gate(tmp_path, server):
+    """Families over a real loopback server, every rewrite through the gate."""
+    _, built, _, _, _ = _built_over_http(tmp_path, server)
     for g in built:
         for m, t in g.attacks.items():
             assert geo_attacks.refusal(g.docs[g.source_index]["text"], t) is None
     assert '"rewrite_task": "F4.fluency"' in Script.seen[0]["messages"][0]["content"]
+
+
+def test_build_bench_reruns_from_the_cache(tmp_path, server):
+    cfg, _, _, _, _ = _built_over_http(tmp_path, server)
     n = len(Script.seen)
-    build_bench.build_bench(cfg, bb_opts(src, out))
+    build_bench.build_bench(cfg)
     assert len(Script.seen) == n                        # rerun: every rewrite from the cache
+
+
+def test_the_gate_says_why_it_refuses_a_rewrite():
     assert geo_attacks.refusal("abc def", "abc def") == "identical to the source"
     assert "prompt text" in geo_attacks.refusal("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
     assert "length ratio" in geo_attacks.refusal("a" * 100, "b" * 10)
@@ -407,13 +514,43 @@ def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
     assert guided and all('"decision_labels"' not in b["messages"][0]["content"] for b in guided)
 
 
-def test_labels_never_reach_prompt_text():
-    """The construction instances' GEO method names and split never appear in a prompt (B.1.2)."""
-    groups, meta = geodef.load_bench(SAMPLE, with_meta=True)
-    cons, _ = geodef.split_groups(groups, 12, 0)
-    for inst in geodef.expand(cons, meta.seen_methods)[:5]:
-        p = tfsg.guided_prompt(inst.query, inst.docs[:5], tfsg.ExperienceLibrary.empty())
-        assert inst.method not in p and "construction" not in p
+def test_labels_never_reach_prompt_text(demo_run, tmp_path, server):
+    """B.1.2: no prompt the target LLM is sent names a GEO method, a split or an attack/benign label.
+    The demo's run again from an empty LLM cache (TFSG construction, then the evaluation of every
+    condition), each request recorded as the loopback server receives it; the target, the Analyzer
+    and the judge under their own model names, and only the target's prompts checked (the Analyzer's
+    show labels by design, the judges' name the attack document)."""
+    for d in ("_tiny_qwen3", "_tiny_gpt2"):
+        shutil.copytree(demo_run.parent / d, tmp_path / d)
+    shutil.copytree(demo_run / "adapter", tmp_path / "p" / "adapter")
+    shutil.copytree(demo_run / "cache", tmp_path / "p" / "cache", ignore=shutil.ignore_patterns("llm"))
+    c = json.load(open(demo_run / "config.json"))["config"]
+    c.update(name="p", runs_dir=str(tmp_path), llm="openai-compatible:target", base_url=server,
+             analyzer="openai-compatible:analyzer", judge="openai-compatible:judge", max_test_groups=2, n_boot=50)
+    cfg = settings.EvalConfig(**c)
+    train.train_tfsg(cfg)
+    n_train = sum(b["model"] == "target" for b in Script.seen)
+    evaluation.evaluate(cfg)
+    prompts = ["\n".join(m["content"] for m in b["messages"]) for b in Script.seen if b["model"] == "target"]
+    assert 0 < n_train < len(prompts)                 # construction rollouts, then the evaluation's answers
+    kinds = {offline.prompt_kind(offline.with_system(b["messages"], b["messages"][-1]["content"]))[0]
+             for b in Script.seen if b["model"] == "target"}
+    assert {"answer", "answer_static_safety", "guided_answer", "answer_spotlight", "answer_sandwich", "remover",
+            "isolated_answer", "keyword_answer"} <= kinds, kinds
+    assert any('"decision_labels"' in p for p in prompts)           # TFSG's structured interface too
+    methods = geodef.load_bench(cfg.bench, with_meta=True)[1].methods
+    assert {"AgenticGEO", "GEO", "GEO-SFE"} <= set(methods)
+    leaks = {"a GEO method": "(?<![\\w-])(" + "|".join(map(re.escape, sorted(methods, key=len, reverse=True)))
+                             + ")(?![\\w-])",
+             "a split": r'(?i)\bconstruction\b|"test"|\bsplits?\b',
+             "a label": r'(?i)"(attack|benign)"|[\[(<]\s*(attack|benign)\s*[\])>]|\b(attack|benign|labels?)\s*[:=]'
+                        r'|"labels?"|\blabels?\b'}
+    for p in prompts:
+        for fixed in tfsg.DECISION_LABELS.values():   # A.3's wording: "high-risk GEO attack-like source"
+            p = p.replace(fixed, "")
+        for what, pattern in leaks.items():
+            m = re.search(pattern, p)
+            assert m is None, f"a target prompt names {what}: ...{p[max(0, m.start() - 80):m.end() + 80]}..."
 
 
 def test_train_sends_the_tfsg_target_answers_as_batches(tmp_path):

@@ -3,6 +3,8 @@ Run: python -m pytest -q test_report.py
 """
 import re
 
+import pytest
+
 import evaluation
 import report
 
@@ -51,10 +53,8 @@ def _text_boxes(svg):
     return W, H, boxes
 
 
-def test_figures_keep_every_label_inside_and_apart(tmp_path):
-    """Axes with ticks and gridlines, labels wrapped instead of cut or overlapping, the legend inside,
-    markers on lines: checked on adversarial data (long names, many series, negatives, close lines),
-    and rendered to PNG where cairosvg is installed."""
+def _figures():
+    """One figure of each kind on adversarial data (long names, many series, negatives, close lines)."""
     methods = ["structure_boost_with_a_very_long_name", "keyword_stuff", "authority_voice", "x",
                "full_agentic_rewrite"]
     series = evaluation.CONDITIONS                       # ten conditions: the width they need
@@ -69,7 +69,12 @@ def test_figures_keep_every_label_inside_and_apart(tmp_path):
                                ["openai:gpt-5.5", "anthropic:claude-opus-4.8"],
                                ["openai:gpt-5.5", "anthropic:claude-opus-4.8"],
                                {("openai:gpt-5.5", "openai:gpt-5.5"): 5.0})]
-    for svg in figs:
+    return figs
+
+
+def test_figure_labels_stay_inside_without_overlapping():
+    """Labels wrapped instead of cut or overlapping, the legend inside: checked on adversarial data."""
+    for svg in _figures():
         W, H, boxes = _text_boxes(svg)
         for x0, y0, x1, y1, s in boxes:
             assert 0 <= x0 and x1 <= W and 0 <= y0 and y1 <= H, (s, (x0, y0, x1, y1), (W, H))
@@ -78,14 +83,21 @@ def test_figures_keep_every_label_inside_and_apart(tmp_path):
                 p, q = boxes[a], boxes[b]
                 apart = p[2] <= q[0] or q[2] <= p[0] or p[3] <= q[1] or q[3] <= p[1]
                 assert apart, (p[4], q[4])
+
+
+def test_figures_draw_axes_with_gridlines_units_markers():
+    """Axes with ticks and gridlines, every bar labelled, the unit on the y axis, markers on lines."""
+    figs = _figures()
+    for svg in figs:
         assert 'stroke="#ddd"' in svg or "Transfer" in svg                # gridlines (not on the heatmap)
     assert "(unseen)" in figs[0] and "structure_" in figs[0] and "<circle" in figs[2]
     assert ">50<" in figs[1] and ">99<" in figs[1] and ">0<" in figs[1]   # every bar labelled, zero too
     assert any(s == "%" for *_, s in _text_boxes(figs[0])[2])             # the unit on the y axis
-    try:
-        import cairosvg
-    except ImportError:
-        return
+
+
+def test_figures_render_to_png_where_cairosvg_is_installed(tmp_path):
+    cairosvg = pytest.importorskip("cairosvg")
+    figs = _figures()
     for i, svg in enumerate(figs):
         cairosvg.svg2png(bytestring=svg.encode(), write_to=str(tmp_path / f"f{i}.png"))
         assert (tmp_path / f"f{i}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -117,7 +129,7 @@ def test_negative_bars_hang_below_zero_with_their_labels():
         assert len([t for t in texts if t.text == "40"]) == len(vals) - 1    # every other bar labelled
 
 
-def test_zero_bars_are_drawn_and_labelled_missing_ones_are_not():
+def test_a_zero_bar_is_drawn_labelled_a_missing_one_is_not():
     vals = {("A", "S"): 0.0, ("B", "S"): float("nan"), ("C", "S"): 12.5}
     bars, zero, texts = _bars(report.svg_bars("t", ["A", "B", "C"], ["S"], vals))
     assert set(bars) == {"A / S: 0.00", "C / S: 12.50"}                       # nothing drawn for the missing one

@@ -12,12 +12,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import deploy
 import evaluation
 import llm_clients
 import rerank_clients
 import run
 import runs
+import serve
+import settings
 
 
 def fake_scores(query, docs):
@@ -167,7 +168,7 @@ def test_hostile_endpoints_are_one_line_errors_never_a_ranking(fake, tmp_path, h
     assert c.rerank(Q, DOCS).scores == pytest.approx(fake_scores(Q, DOCS))      # the next reply is fine
 
 
-def test_rate_limits_server_errors_and_stalls_are_retried(fake):
+def test_rate_limits_server_errors_or_stalls_are_retried(fake):
     c = rerank_clients.RerankClient(fake + "/v1/rerank", "m", max_retries=2, timeout=1)
     delays = []
     c.transport.sleep = delays.append
@@ -205,9 +206,9 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
     """This project's `serve` as a deployed reranker: every instance ranked exactly as the in-process
     Shield ranks it, in the Cohere and TEI shapes; eval's 'Non-Defense [it]' has Shield only's figures."""
     out, name = _run_copy(demo_run, tmp_path)
-    cfg = runs.Config(**{**json.load(open(out / name / "config.json"))["config"], "runs_dir": str(out)})
+    cfg = settings.EvalConfig(**{**json.load(open(out / name / "config.json"))["config"], "runs_dir": str(out)})
     rr = runs.load_shield(cfg)
-    srv = deploy.RerankServer(rr, port=0, log=False)
+    srv = serve.RerankServer(rr, port=0, log=False)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         t0 = time.monotonic()
@@ -239,7 +240,7 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
         assert (out / name / "figures" / "rerank_exposure.svg").exists()
         assert "rerank:" in json.dumps(s["usage"]["stages"]["rerank-eval"])     # the endpoint's requests counted
         # end to end: Non-Defense over the served Shield is Shield only
-        ev = evaluation.evaluate(runs.Config(**{**cfg.__dict__, "reranker": [f"ours={srv.url}/v1/rerank"],
+        ev = evaluation.evaluate(settings.EvalConfig(**{**cfg.__dict__, "reranker": [f"ours={srv.url}/v1/rerank"],
                                                 "conditions": "Non-Defense,Shield only"}))
         for key in ("ASR", "ASI", "BER"):
             assert ev["conditions"]["Non-Defense [ours]"][key] == ev["conditions"]["Shield only"][key]
@@ -251,26 +252,53 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
         srv.server_close()
 
 
-def test_rerank_eval_records_nothing_partial_and_resumes_from_the_cache(demo_run, tmp_path, fake):
-    out, name = _run_copy(demo_run, tmp_path)
-    argv = ["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"fk={fake}/v1/rerank", "--workers",
+def _rerank_eval_argv(out, name, fake):
+    return ["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"fk={fake}/v1/rerank", "--workers",
             "1"]
+
+
+def _request_key(body):
+    return json.dumps(body, sort_keys=True)
+
+
+def _failed_rerank_eval(demo_run, tmp_path, fake):
+    """rerank-eval on a copy of the demo run, its sixth reply one result short: it fails -> (the copy,
+    the run's name, the keys of the requests answered, how many requests were sent)."""
+    out, name = _run_copy(demo_run, tmp_path)
     FakeRerank.script = ["ok"] * 5 + ["fewer"]
     with pytest.raises(SystemExit, match=r"error: .*results: 9 results for 10 documents"):
-        run.main(argv)
-    assert not (out / name / "results" / "rerank-fk.jsonl").exists()
+        run.main(_rerank_eval_argv(out, name, fake))
     time.sleep(0.5)                          # a request in flight at the failure finishes (and is cached)
-    sent = len(FakeRerank.seen)
-    key = lambda b: json.dumps(b, sort_keys=True)
-    answered = {key(b) for i, (_, _, b) in enumerate(FakeRerank.seen) if i != 5}   # the 6th got "fewer"
-    run.main(argv)
+    answered = {_request_key(b) for i, (_, _, b) in enumerate(FakeRerank.seen) if i != 5}   # the 6th got "fewer"
+    return out, name, answered, len(FakeRerank.seen)
+
+
+def test_a_failed_rerank_eval_records_nothing_partial(demo_run, tmp_path, fake):
+    out, name, _, _ = _failed_rerank_eval(demo_run, tmp_path, fake)
+    assert not (out / name / "results" / "rerank-fk.jsonl").exists()
+
+
+def test_a_failed_rerank_eval_resumes_from_the_cache(demo_run, tmp_path, fake):
+    out, name, answered, sent = _failed_rerank_eval(demo_run, tmp_path, fake)
+    run.main(_rerank_eval_argv(out, name, fake))
     first = (out / name / "results" / "rerank-fk.jsonl").read_text()
     n_lists = len(first.splitlines()) + len({json.loads(l)["group_id"] for l in first.splitlines()})
-    resumed = [key(b) for _, _, b in FakeRerank.seen[sent:]]
+    resumed = [_request_key(b) for _, _, b in FakeRerank.seen[sent:]]
     assert not set(resumed) & answered and len(resumed) == n_lists - len(answered)   # nothing paid twice
+
+
+def test_a_finished_rerank_eval_reruns_without_sending(demo_run, tmp_path, fake):
+    out, name = _run_copy(demo_run, tmp_path)
+    argv = _rerank_eval_argv(out, name, fake)
+    run.main(argv)
+    first = (out / name / "results" / "rerank-fk.jsonl").read_text()
     again = len(FakeRerank.seen)
     run.main(argv)
     assert len(FakeRerank.seen) == again and (out / name / "results" / "rerank-fk.jsonl").read_text() == first
+
+
+def test_rerank_eval_refuses_bad_reranker_flags(demo_run, tmp_path, fake):
+    out, name = _run_copy(demo_run, tmp_path)
     for bad, msg in ([f"x y={fake}"], "the label must be"), (["a=base", "a=shield"], "given twice"), \
                     (["q=nope:thing"], "unknown reranker"):
         with pytest.raises(SystemExit, match=msg):
@@ -280,31 +308,52 @@ def test_rerank_eval_records_nothing_partial_and_resumes_from_the_cache(demo_run
         run.main(["rerank-eval", "--runs-dir", str(out), "--name", name])
 
 
-def test_credentials_never_reach_disk_or_output_and_each_endpoint_has_its_own_cache(demo_run, tmp_path, fake,
-                                                                                   capsys):
-    """URL passwords (plain and tei:) appear in no file of the run folder and in no output; default
-    labels come from host, port and path; without #MODEL no model field is sent; a second loopback
-    endpoint (another port) is asked itself, never answered from the first one's cache."""
+def _rerank_eval_with_passwords(demo_run, tmp_path, fake):
+    """rerank-eval on a copy of the demo run against two endpoints (plain and tei:) whose URLs hold a
+    user and password, no labels given -> (the copy, the run's name, the endpoint's port, the URL)."""
     out, name = _run_copy(demo_run, tmp_path)
-    port = fake.rsplit(":", 1)[1]
     secret = fake.replace("http://", "http://usr:PASSw0rd@")
     run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"{secret}/v1/rerank",
               "--reranker", f"tei:{secret}", "--workers", "2"])
+    return out, name, fake.rsplit(":", 1)[1], secret
+
+
+def test_default_rerank_labels_come_from_host_port_path(demo_run, tmp_path, fake):
+    out, name, port, _ = _rerank_eval_with_passwords(demo_run, tmp_path, fake)
     label = f"127.0.0.1-{port}-v1-rerank"
     assert (out / name / "results" / f"rerank-{label}.jsonl").exists()
     assert (out / name / "results" / f"rerank-127.0.0.1-{port}-rerank.jsonl").exists()
+
+
+def test_url_passwords_never_reach_disk_or_output(demo_run, tmp_path, fake, capsys):
+    """URL passwords (plain and tei:) appear in no file of the run folder and in no output."""
+    out, name, _, secret = _rerank_eval_with_passwords(demo_run, tmp_path, fake)
     printed = capsys.readouterr()
     assert "PASSw0rd" not in printed.out + printed.err
     for root, _, files in os.walk(out / name):
         for f in files:
             assert b"PASSw0rd" not in open(os.path.join(root, f), "rb").read(), os.path.join(root, f)
-    fresh = runs.Config(name="fresh", runs_dir=str(tmp_path), reranker=[f"a={secret}/v1/rerank", f"tei:{secret}"],
-                        base_url=secret + "/v1")
+    fresh = settings.EvalConfig(name="fresh", runs_dir=str(tmp_path),
+                                reranker=[f"a={secret}/v1/rerank", f"tei:{secret}"],
+                                base_url=secret + "/v1")
     runs.record_config(fresh, "rerank-eval")                     # a new run folder's record
     rec = json.load(open(tmp_path / "fresh" / "config.json"))["config"]
     assert [r.count("***@") for r in rec["reranker"]] == [1, 1] and rec["base_url"].count("***@") == 1
     assert "PASSw0rd" not in open(tmp_path / "fresh" / "config.json").read()
+
+
+def test_a_model_field_is_sent_only_with_hash_model(demo_run, tmp_path, fake):
+    """Without #MODEL no model field is sent."""
+    _rerank_eval_with_passwords(demo_run, tmp_path, fake)
     assert all("model" not in body for _, _, body in FakeRerank.seen)          # no #MODEL: no model field
+    c = rerank_clients.make_reranker(f"{fake}/v1/rerank#my-model")
+    c.rerank(Q, DOCS)
+    assert FakeRerank.seen[-1][2]["model"] == "my-model"
+
+
+def test_each_rerank_endpoint_has_its_own_cache(demo_run, tmp_path, fake):
+    """A second loopback endpoint (another port) is asked itself, never answered from the first one's cache."""
+    out, name, _, _ = _rerank_eval_with_passwords(demo_run, tmp_path, fake)
     sent = len(FakeRerank.seen)
     srv2 = ThreadingHTTPServer(("127.0.0.1", 0), FakeRerank)
     srv2.daemon_threads = True
@@ -317,6 +366,3 @@ def test_credentials_never_reach_disk_or_output_and_each_endpoint_has_its_own_ca
     finally:
         srv2.shutdown()
         srv2.server_close()
-    c = rerank_clients.make_reranker(f"{fake}/v1/rerank#my-model")
-    c.rerank(Q, DOCS)
-    assert FakeRerank.seen[-1][2]["model"] == "my-model"

@@ -15,7 +15,7 @@ import tiny
 from conftest import hf_checkpoint, hf_margins
 
 
-def test_parity_tiny_fp32_single_and_batched(hf_tiny):
+def test_parity_tiny_fp32_alone_or_batched(hf_tiny):
     folder, hm = hf_tiny
     rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
     docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40,
@@ -40,20 +40,29 @@ def test_parity_untied_lm_head(tmp_path, tiny_dir):
     assert rr._lm_head.shape == (2, hm.config.hidden_size)
 
 
-def test_batch_invariance_and_order(tiny_dir):
+def _scored_alone(tiny_dir):
+    """Nine documents of many lengths, each scored alone -> (reranker, documents, ids, scores)."""
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     docs = [f"document {i} " + "word " * (i * 37 % 200) for i in range(9)]
     ids = rr.tokenize("query", docs)
-    alone = torch.stack([rr.score_ids([x])[0] for x in ids])
+    return rr, docs, ids, torch.stack([rr.score_ids([x])[0] for x in ids])
+
+
+def test_scores_do_not_depend_on_batching_or_order(tiny_dir):
+    rr, _, ids, alone = _scored_alone(tiny_dir)
     rr.token_budget = 300          # forces several micro-batches, sorted by length
     torch.testing.assert_close(rr.score_ids(ids), alone, rtol=1e-5, atol=1e-6)
     rev = rr.score_ids(ids[::-1])
     torch.testing.assert_close(rev, alone.flip(0), rtol=1e-5, atol=1e-6)
+
+
+def test_rank_orders_by_score_then_position(tiny_dir):
+    rr, docs, _, alone = _scored_alone(tiny_dir)
     top = rr.rank("query", docs, k=5)
     assert top == sorted(range(9), key=lambda i: (-float(alone[i]), i))[:5]
 
 
-def test_tiny_checkpoint_deterministic_and_tokenizer(tmp_path):
+def test_the_tiny_checkpoint_is_deterministic_per_seed(tmp_path):
     a = tiny.make_tiny_checkpoint(str(tmp_path / "a"), seed=0)
     b = tiny.make_tiny_checkpoint(str(tmp_path / "b"), seed=0)
     c = tiny.make_tiny_checkpoint(str(tmp_path / "c"), seed=1)
@@ -61,19 +70,28 @@ def test_tiny_checkpoint_deterministic_and_tokenizer(tmp_path):
     assert read(a, "model.safetensors") == read(b, "model.safetensors")
     assert read(a, "tokenizer.json") == read(b, "tokenizer.json")
     assert read(a, "model.safetensors") != read(c, "model.safetensors")
+
+
+def test_the_tiny_tokenizer_keeps_control_words_whole(tiny_dir):
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(os.path.join(a, "tokenizer.json"))
+    tok = Tokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json"))
     for s in ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "yes", "no"):
         assert len(tok.encode(s, add_special_tokens=False).ids) == 1, s
 
 
-def test_real_vocab_ids_and_prompt(qwen_vocab, tiny_dir, tmp_path):
-    from transformers import PreTrainedTokenizerFast
+def test_real_vocab_ids_of_the_prompt_parts(qwen_vocab):
     tok = qwen_vocab
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
     assert enc("yes") == [9693] and enc("no") == [2152]
     assert enc(reranker.SUFFIX) == [151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271]
     assert enc(reranker.PREFIX)[:3] == [151644, 8948, 198]
+
+
+def _real_vocab_prompts(qwen_vocab, tiny_dir, tmp_path):
+    """Four documents tokenized by a reranker on the real vocabulary and by the model card's
+    process_inputs through transformers -> (ours, the model card's, its prefix ids, its suffix ids, max_length)."""
+    from transformers import PreTrainedTokenizerFast
+    tok = qwen_vocab
     # a reranker on the real vocabulary (weights irrelevant for tokenisation)
     folder = tmp_path / "rv"
     folder.mkdir()
@@ -93,9 +111,17 @@ def test_real_vocab_ids_and_prompt(qwen_vocab, tiny_dir, tmp_path):
     body = hf_tok(pairs, padding=False, truncation="longest_first", return_attention_mask=False,
                   max_length=max_length - len(pre) - len(suf))["input_ids"]
     expected = [pre + b + suf for b in body]
-    got = rr.tokenize(q, docs)
+    return rr.tokenize(q, docs), expected, pre, suf, max_length
+
+
+def test_tokenize_gives_the_model_cards_ids(qwen_vocab, tiny_dir, tmp_path):
+    got, expected, pre, suf, max_length = _real_vocab_prompts(qwen_vocab, tiny_dir, tmp_path)
     assert got[:3] == expected[:3]                     # text without control strings: the model card's ids
     assert len(got[2]) == max_length and got[2][-9:] == suf
+
+
+def test_control_strings_in_a_document_stay_text(qwen_vocab, tiny_dir, tmp_path):
+    got, expected, pre, suf, _ = _real_vocab_prompts(qwen_vocab, tiny_dir, tmp_path)
     # the model card's snippet turns a document's "<|im_end|>" and "<think>" into control tokens;
     # here they stay text (on purpose, see reranker.text_tokenizer)
     assert {151645, 151667} <= set(expected[3]) and got[3] != expected[3]
@@ -166,7 +192,7 @@ def test_loader_errors(tmp_path, tiny_dir):
         reranker.Reranker.from_pretrained(str(d))
 
 
-def test_sharded_and_dtype_cast(tmp_path, hf_tiny):
+def test_a_sharded_checkpoint_of_mixed_dtypes_loads_cast(tmp_path, hf_tiny):
     folder, hm = hf_tiny
     from safetensors.torch import load_file, save_file
     st = load_file(os.path.join(folder, "model.safetensors"))

@@ -2,7 +2,6 @@
 tracebacks, validated inputs, the whole run's usage.
 Run: python -m pytest -q test_runs.py
 """
-import argparse
 import dataclasses
 import json
 import os
@@ -21,6 +20,7 @@ import llm_clients
 import reranker
 import run
 import runs
+import settings
 import tfsg
 import train
 from conftest import HERE, R, SAMPLE, good_group, write_lines
@@ -40,7 +40,7 @@ def test_seen_methods_are_never_guessed(tmp_path):
               "attacks": {m: f"{m} rewrite {i}" for m in geodef.PAPER_METHODS}} for i in range(3)]
     meta = geodef.load_bench(write_lines(tmp_path, paper, "paper.jsonl"), with_meta=True)[1]
     assert geodef.seen_methods(meta) == (["AgenticGEO", "AutoGEO", "MAGEO"], "the paper's seen methods")
-    cfg = runs.Config(name="s", runs_dir=str(tmp_path), bench=p, n_construction=1)
+    cfg = settings.EvalConfig(name="s", runs_dir=str(tmp_path), bench=p, n_construction=1)
     with pytest.raises(geodef.BenchFormatError, match="--seen-methods"):
         runs.load_data(cfg)
     assert runs.load_data(dataclasses.replace(cfg, seen_methods="B"))[4] == ["B"]
@@ -48,38 +48,53 @@ def test_seen_methods_are_never_guessed(tmp_path):
         geodef.load_bench(write_lines(tmp_path, [{"_meta": {"seen_methods": ["A", "A"]}}, good_group()], "d.jsonl"))
 
 
-def test_commands_fail_fast_on_missing_key_and_bad_flags(tmp_path, monkeypatch):
-    """A missing API key must stop `train` before the Shield stage loads a model or trains (the
-    TFSG stage that needs the key comes after it), a missing PPL model `eval` before the reranker
-    loads; out-of-range flags are named up front."""
-    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+def _no_model_loads(monkeypatch):
+    """load_reranker fails the test when called -> the list of the configs it was called with."""
     loaded = []
     for module in (runs, train):
         monkeypatch.setattr(module, "load_reranker", lambda cfg: loaded.append(cfg) or pytest.fail("model loaded"))
-    for argv in (["train", "--llm", "deepseek:deepseek-chat"], ["train", "--judge", "deepseek:deepseek-chat"],
-                 ["eval", "--llm", "offline", "--analyzer", "deepseek:deepseek-chat"]):
+    return loaded
+
+
+def test_a_missing_key_stops_a_command_before_any_model_loads(tmp_path, monkeypatch):
+    """A missing API key must stop `train` before the Shield stage loads a model or trains (the
+    TFSG stage that needs the key comes after it)."""
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    loaded = _no_model_loads(monkeypatch)
+    for argv in (["train", "--llm", "deepseek:deepseek-chat"], ["train", "--analyzer", "deepseek:deepseek-chat"],
+                 ["eval", "--llm", "offline", "--judge", "deepseek:deepseek-chat"]):
         with pytest.raises(SystemExit, match="DEEPSEEK_API_KEY"):
             run.main(argv + ["--model", "tiny", "--name", "k", "--runs-dir", str(tmp_path)])
     assert not loaded and not os.path.exists(tmp_path / "k" / "adapter")
+
+
+def test_a_missing_ppl_model_is_named_before_the_reranker_loads(tmp_path, monkeypatch):
+    """A missing PPL model must stop `eval` before the reranker loads."""
+    loaded = _no_model_loads(monkeypatch)
     # a PPL-Filter model that cannot be had: named before the reranker scores every candidate
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit, match="nobody/gpt2: not a folder and not downloadable"):
         run.main(["eval", "--llm", "offline", "--conditions", "Non-Defense,PPL-Filter", "--ppl-model", "nobody/gpt2",
                   "--model", "tiny", "--name", "p", "--runs-dir", str(tmp_path)])
     assert not loaded
+
+
+def test_bench_without_its_race_peers_says_what_to_install(monkeypatch):
     # bench races peers from the test-only requirements: without them, say so instead of an ImportError
     real_find = run.importlib.util.find_spec
     monkeypatch.setattr(run.importlib.util, "find_spec", lambda m, *a: None if m == "peft" else real_find(m, *a))
     with pytest.raises(SystemExit, match=r"bench --what train races peft .*pip install -r requirements-test.txt"):
         run.main(["bench", "--what", "train", "--no-compile"])
-    monkeypatch.setattr(run.importlib.util, "find_spec", real_find)
-    with pytest.raises(SystemExit, match=r"--epochs 0.*--quant 'nf8'"):
+
+
+def test_out_of_range_flags_are_named_up_front(tmp_path):
+    with pytest.raises(SystemExit, match=r"--quant 'nf8' .one of none, nf4.*--epochs 0"):
         run.main(["train", "--epochs", "0", "--quant", "nf8", "--model", "tiny", "--runs-dir", str(tmp_path)])
     with pytest.raises(runs.SettingsError, match=r"--lora-dropout 1.0"):
-        runs.Config(lora_dropout=1.0)
+        settings.EvalConfig(lora_dropout=1.0)
     if not torch.cuda.is_available():
         with pytest.raises(runs.SettingsError, match="--device cuda: no CUDA device"):
-            runs.Config(device="cuda")
+            settings.EvalConfig(device="cuda")
 
 
 def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
@@ -155,8 +170,8 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     with pytest.raises(SystemExit, match="different"):         # so is a preset asked for (tiny-demo: lr 1e-3)
         run.main(["train", "--preset", "tiny-demo"] + common)
     # every training setting the adapter, the library or the cached scores depend on is pinned
-    with pytest.raises(SystemExit, match="different max_grad_norm, monitor_frac, max_length, max_initial_rules "
-                                         r"\(max_grad_norm=1.0, monitor_frac=0.2, max_length=8192, "
+    with pytest.raises(SystemExit, match="different max_length, max_grad_norm, monitor_frac, max_initial_rules "
+                                         r"\(max_length=8192, max_grad_norm=1.0, monitor_frac=0.2, "
                                          r"max_initial_rules=10\)"):
         run.main(["train", "--max-grad-norm", "2", "--monitor-frac", "0.3", "--max-length", "1024",
                   "--max-initial-rules", "5"] + common)
@@ -179,20 +194,15 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "tiny"])
     with pytest.raises(SystemExit, match="different model"):  # now the run has produced files: pinned
         run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
-    # a demo's record (its LLM a loopback server gone with the demo) is not taken over
-    runs.write_json(str(tmp_path / "d" / "config.json"), {"config": {"llm": "openai-compatible:offline-engine"},
-                                                          "command": "demo"})
-    assert runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="d",
-                                                  runs_dir=str(tmp_path))).llm == "offline"
-    # today's demo records `offline` (its engine's port is never stored): every command takes its settings
+    # a demo records `offline` (its engine's port is never stored): every command takes its settings
     runs.write_json(str(tmp_path / "n" / "config.json"), {"config": {"llm": "offline", "ppl_model": "tiny",
                                                                      "model": "tiny"}, "command": "demo"})
-    for cmd in ("eval", "rerank-eval", "attack"):
-        c = runs.resolve_config(argparse.Namespace(cmd=cmd, preset=None, name="n", runs_dir=str(tmp_path)))
+    for cls in (settings.EvalConfig, settings.RerankEvalConfig, settings.AttackConfig):
+        c = runs.resolve(cls, {"name": "n", "runs_dir": str(tmp_path)})
         assert (c.llm, c.ppl_model, c.model) == ("offline", "tiny", "tiny") and c.engine_url is None
     # the paper preset is Table A.1, its 4-bit base included; the plain defaults keep bf16
-    paper = runs.resolve_config(argparse.Namespace(cmd="train", preset="paper", name="p", runs_dir=str(tmp_path)))
-    plain = runs.resolve_config(argparse.Namespace(cmd="train", preset=None, name="p", runs_dir=str(tmp_path)))
+    paper = runs.resolve(settings.TrainConfig, {"name": "p", "runs_dir": str(tmp_path)}, "paper")
+    plain = runs.resolve(settings.TrainConfig, {"name": "p", "runs_dir": str(tmp_path)})
     assert (paper.quant, plain.quant) == ("nf4", "none")
     assert (paper.lora_r, paper.lora_alpha, paper.lora_dropout, paper.lr, paper.grad_accum, paper.beta, paper.lam_def,
             paper.lam_util, paper.lam_cons, paper.monitor_frac) == (16, 32, 0.05, 1e-4, 8, 0.1, 1.1, 0.9, 0.15, 0.2)
@@ -215,9 +225,9 @@ def test_controller_limits_are_settings():
             "trace": {"answer": "", "cited": [], "per_doc_decision": [], "used_rule_ids": [], "reasoning": "r" * 5000}}
     v = tfsg._case_view(case, tfsg.Limits(analyzer_doc_chars=100, analyzer_reasoning_chars=50))
     assert len(v["search_results"][0]["text"]) == 100 and len(v["reasoning_content"]) == 50
-    cfg = runs.Config(max_active_rules=7, analyzer_doc_chars=99)
+    cfg = settings.EvalConfig(max_active_rules=7, analyzer_doc_chars=99)
     assert runs.tfsg_limits(cfg) == tfsg.Limits(max_active_rules=7, analyzer_doc_chars=99)
-    assert {"max_active_rules", "analyzer_doc_chars", "rule_item_chars"} <= set(runs.PINNED)
+    assert {"max_active_rules", "analyzer_doc_chars", "rule_item_chars"} <= set(settings.EvalConfig.pinned())
 
 
 def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
@@ -225,7 +235,7 @@ def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
     once the run has produced something (its results belong to the old content)."""
     bench = tmp_path / "b.jsonl"
     shutil.copy(small_bench, bench)
-    cfg = runs.Config(name="e", runs_dir=str(tmp_path), bench=str(bench))
+    cfg = settings.EvalConfig(name="e", runs_dir=str(tmp_path), bench=str(bench))
     runs.record_config(cfg, "train")
     rec = json.load(open(tmp_path / "e" / "config.json"))
     assert rec["bench_sha1"] == runs.file_sha1(str(bench))
@@ -268,7 +278,7 @@ def test_one_writer_per_run_folder(tmp_path, small_bench):
 
 def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
     c = json.load(open(demo_run / "config.json"))["config"]
-    cfg = lambda t: runs.Config(**{**c, "runs_dir": str(demo_run.parent), "transfer": t})
+    cfg = lambda t: settings.EvalConfig(**{**c, "runs_dir": str(demo_run.parent), "transfer": t})
     for content, msg in [('{"a": 1}', "rules: an experience library is a JSON object"),
                          ("not json", "not a JSON library"),
                          ('{"rules": [{"rule_id": "R1"}]}', "not a valid library"), ("[]", "rules:")]:
@@ -290,17 +300,17 @@ def test_failed_eval_records_no_settings(demo_run, tmp_path):
     c.update(name="f", runs_dir=str(tmp_path), max_test_groups=1, conditions="Non-Defense", llm="offline",
              base_url=None)
     with pytest.raises(llm_clients.LLMError, match="ConnectionError on http://127.0.0.1:9/v1"):
-        evaluation.evaluate(runs.Config(**{**c, "judge": "openai-compatible:gone",
+        evaluation.evaluate(settings.EvalConfig(**{**c, "judge": "openai-compatible:gone",
                                            "base_url": "http://127.0.0.1:9/v1"}))
     # the clean reference's records were written (no judge call: the attack is not in them): the
     # token cap is recorded, the judge that never scored a record is not
     assert json.load(open(tmp_path / "f" / "results" / "settings.json")) == {"max_tokens": c["max_tokens"]}
-    s = evaluation.evaluate(runs.Config(**c))
+    s = evaluation.evaluate(settings.EvalConfig(**c))
     assert s["judge"] == "offline:offline-engine"
     assert json.load(open(tmp_path / "f" / "results" / "settings.json"))["judge"] == "offline"
 
 
-def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
+def test_a_prompt_length_that_leaves_no_room_for_the_document_is_an_error(tiny_dir):
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     fixed = len(rr.prefix_ids) + len(rr.suffix_ids)
     with pytest.raises(reranker.PromptLengthError, match="leaves no room"):
@@ -311,15 +321,27 @@ def test_prompt_length_k_and_loader_gaps(tmp_path, tiny_dir):
     rr.max_length = 300
     assert rr.overflow("q", ["short", "long " * 500,
                              "long " * 400]) == 2 and len(rr.tokenize("q", ["long " * 500])[0]) == 300
+
+
+def test_a_k_out_of_range_is_refused():
     with pytest.raises(runs.SettingsError, match="--k 10"):
-        runs.Config(k=10)
+        settings.EvalConfig(k=10)
+
+
+def test_a_run_name_that_is_not_one_folder_is_refused():
     for name in ("../x", "", ".hidden", "a/b"):
         with pytest.raises(runs.SettingsError, match="a run name is"):
-            runs.Config(name=name)
+            settings.EvalConfig(name=name)
+
+
+def test_a_hash_in_a_doc_id_is_refused(tmp_path):
     g = good_group()
     g["docs"][4]["doc_id"] = "g1-2#A"                     # would count as the attack's citation
     with pytest.raises(geodef.BenchFormatError, match=r":1: docs\[4\].doc_id: 'g1-2#A': '#' is reserved"):
         geodef.load_bench(write_lines(tmp_path, [g], "hash.jsonl"))
+
+
+def test_lone_surrogates_in_a_bench_file_are_refused(tmp_path):
     p = tmp_path / "sur.jsonl"
     g = good_group()
     p.write_text(json.dumps(g).replace("doc g1 3 text", "doc \\ud800 3"), encoding="utf-8")
@@ -342,7 +364,7 @@ def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
 def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
     runs.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
         "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
-    cfg = runs.resolve_config(argparse.Namespace(cmd="eval", preset=None, name="t", runs_dir=str(tmp_path)))
+    cfg = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
     assert (cfg.ppl_model, cfg.judge, cfg.base_url) == ("tiny", "offline", None)   # credentials were never stored
     runs.record_config(dataclasses.replace(cfg, base_url="http://user:pw@host/v1", bench=SAMPLE), "eval")
     assert json.load(open(tmp_path / "t" / "config.json"))["config"]["base_url"] == "http://***@host/v1"
@@ -352,10 +374,9 @@ def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
     out = tmp_path / "bench.jsonl"
     out.write_text("precious\n")
     src = write_lines(tmp_path, [{"query": "q", "docs": ["only one"]}], "src.jsonl")
-    cfg = runs.Config(name="bb", runs_dir=str(tmp_path), llm="openai-compatible:scripted", base_url=server)
-    from test_pipeline import bb_opts
+    from test_pipeline import bb_config
     with pytest.raises(runs.SettingsError, match="leave none for the test split"):
-        build_bench.build_bench(cfg, bb_opts(src, str(out)))
+        build_bench.build_bench(bb_config(tmp_path, server, src, str(out)))
     assert out.read_text() == "precious\n" and [f for f in os.listdir(tmp_path) if ".tmp" in f] == []
     for rows, msg in [([{"query": "q", "docs": [1, 2]}], r"docs\[0\]: text and url must be strings"),
                       ([{"query": "q", "sources": "x"}], "sources: expected a list"),
@@ -372,7 +393,7 @@ def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
     from safetensors.torch import load_file
     kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
               epochs=2, grad_accum=2, save_every=2)
-    train.train_shield(runs.Config(name="full", **kw))
+    train.train_shield(settings.EvalConfig(name="full", **kw))
     real, n = os.replace, {"k": 0}
 
     def dying(a, b):
@@ -383,17 +404,17 @@ def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
         return real(a, b)
     monkeypatch.setattr(run.os, "replace", dying)
     with pytest.raises(KeyboardInterrupt):
-        train.train_shield(runs.Config(name="cut", **kw))
+        train.train_shield(settings.EvalConfig(name="cut", **kw))
     monkeypatch.setattr(run.os, "replace", real)
     assert os.listdir(tmp_path / "cut" / "checkpoint") == ["state.safetensors"] or \
         "state.safetensors" in os.listdir(tmp_path / "cut" / "checkpoint")
-    train.train_shield(runs.Config(name="cut", **kw))
+    train.train_shield(settings.EvalConfig(name="cut", **kw))
     a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_bad_flags_and_files_are_sentences_not_tracebacks(tmp_path, small_bench):
+def test_bad_flags_or_files_are_sentences_not_tracebacks(tmp_path, small_bench):
     f = tmp_path / "afile"
     f.write_text("x")
     prices = tmp_path / "prices.json"
@@ -411,6 +432,9 @@ def test_bad_flags_and_files_are_sentences_not_tracebacks(tmp_path, small_bench)
     for argv, msg in cases:
         with pytest.raises(SystemExit, match=msg):
             run.main(argv)
+
+
+def test_a_busy_port_is_a_sentence_not_a_traceback():
     import socket
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -423,7 +447,7 @@ def test_bad_flags_and_files_are_sentences_not_tracebacks(tmp_path, small_bench)
         s.close()
 
 
-def test_hostile_json_is_a_line_error_and_caps_come_first(tmp_path):
+def test_hostile_bench_json_is_a_line_error(tmp_path):
     g = good_group()
     deep = "[" * 100000 + "]" * 100000
     for line, msg in [('{"group_id": ' + "1" * 5000 + "}", "4300"),
@@ -431,10 +455,18 @@ def test_hostile_json_is_a_line_error_and_caps_come_first(tmp_path):
         p = write_lines(tmp_path, [json.dumps(g), line])
         with pytest.raises(geodef.BenchFormatError, match=rf"b\.jsonl:2: \(line\): invalid JSON: .*{msg}"):
             geodef.load_bench(p)
+
+
+def test_metadata_must_be_the_first_line(tmp_path):
+    g = good_group()
     meta = {"_meta": {"methods": sorted(g["attacks"])}}
     p = write_lines(tmp_path, [json.dumps(meta), json.dumps({"_meta": {"synthetic": True}}), json.dumps(g)])
     with pytest.raises(geodef.BenchFormatError, match=r":2: _meta: metadata must be the first line, and only there"):
         geodef.load_bench(p)
+
+
+def test_hostile_library_json_meets_its_caps_first(tmp_path):
+    deep = "[" * 100000 + "]" * 100000
     lib = tmp_path / "lib.json"
     lib.write_text('{"rules": ' + deep + "}")
     with pytest.raises(tfsg.LibraryError, match="nested too deeply"):
@@ -466,7 +498,7 @@ def test_resumed_run_reports_the_whole_runs_usage(demo_run, tmp_path):
     cfg.update(runs_dir=str(tmp_path))
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"offline-engine": [1.0, 2.0]}))
-    again = evaluation.evaluate(runs.Config(**{**cfg, "prices": str(prices)}))
+    again = evaluation.evaluate(settings.EvalConfig(**{**cfg, "prices": str(prices)}))
     assert {k: v for k, v in again["usage"]["total"].items() if k != "cost_usd"} == \
         {k: v for k, v in first["total"].items() if k != "cost_usd"}
     t = again["usage"]["total"]
@@ -498,28 +530,28 @@ def test_demo_ends_within_seconds_after_an_error_in_the_llm_phase(demo_run, tmp_
 def test_run_folder_moved_with_its_benchmark_elsewhere_is_accepted(tmp_path, small_bench):
     """The benchmark is pinned by content: the same file at another path (a clone elsewhere) resumes;
     other content at the same path is still refused."""
-    cfg = runs.Config(name="r", runs_dir=str(tmp_path), bench=small_bench)
+    cfg = settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=small_bench)
     runs.record_config(cfg, "train")
     (tmp_path / "r" / "adapter").mkdir()
     (tmp_path / "r" / "adapter" / "x").write_text("made")
     moved = tmp_path / "elsewhere.jsonl"
     shutil.copy(small_bench, moved)
-    runs.record_config(runs.Config(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
+    runs.record_config(settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
     moved.write_text(open(small_bench).read().replace("a", "b", 1))
     with pytest.raises(runs.SettingsError, match="different bench|content changed"):
-        runs.record_config(runs.Config(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
+        runs.record_config(settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
 
 
 def test_a_write_past_the_file_size_limit_names_its_file(tmp_path):
     """write() on a full disk or past RLIMIT_FSIZE raises OSError without a file name; the one-line
     error names the file (atomic_write, record appends, the reply cache, the ledger)."""
-    code = ("import resource, signal, sys, runs, llm_clients, threading\n"
+    code = ("import resource, signal, sys, runs, accounting, llm_clients, threading\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
             "d = sys.argv[1]\n"
             "for write in (lambda: runs.atomic_write(d + '/a.json', 'x' * 10000),\n"
             "              lambda: runs.append_jsonl(d + '/b.jsonl', {'x': 'y' * 10000}),\n"
-            "              lambda: llm_clients.append_ledger(d + '/u.jsonl', {'x': 'y' * 10000}, threading.Lock()),\n"
+            "              lambda: accounting.append_ledger(d + '/u.jsonl', {'x': 'y' * 10000}, threading.Lock()),\n"
             "              lambda: llm_clients.ReplyCache(d + '/c').put_raw('ab' * 32, {'x': 'y' * 10000})):\n"
             "    try:\n        write()\n    except OSError as e:\n        print(e.strerror, e.filename)\n")
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=HERE,
@@ -532,12 +564,12 @@ def test_a_write_past_the_file_size_limit_names_its_file(tmp_path):
 
 def test_every_flag_parses_to_its_fields_type():
     """A flag's type is its field's declared type: --timeout (default None) is a float, not a string."""
-    args = run.parser().parse_args(["eval", "--timeout", "5", "--k", "3", "--lr", "0.5"])
+    args = run.parser().parse_args(["train", "--timeout", "5", "--k", "3", "--lr", "0.5"])
     assert args.timeout == 5.0 and isinstance(args.timeout, float)
-    assert runs.resolve_config(args).timeout == 5.0
-    for f in dataclasses.fields(runs.Config):
+    assert runs.resolve(settings.TrainConfig, run.given(args, settings.TrainConfig)).timeout == 5.0
+    for f in settings.flags(settings.TrainConfig):
         if f.type in (int, float):
-            v = getattr(run.parser().parse_args(["eval", "--" + f.name.replace("_", "-"), "3"]), f.name)
+            v = getattr(run.parser().parse_args(["train", "--" + f.name.replace("_", "-"), "3"]), f.name)
             assert type(v) is f.type, f.name
 
 
@@ -562,7 +594,7 @@ def test_no_password_shape_is_stored_or_printed(tmp_path, pw, capsys):
     out = capsys.readouterr()
     assert "w0rdZ" not in "".join(said) + out.out + out.err, said
     try:
-        cfg = runs.Config(name="c", runs_dir=str(tmp_path), base_url=url, reranker=[url, f"tei:{url}"])
+        cfg = settings.EvalConfig(name="c", runs_dir=str(tmp_path), base_url=url, reranker=[url, f"tei:{url}"])
     except runs.SettingsError:
         return
     runs.record_config(cfg, "eval")

@@ -13,33 +13,54 @@ import speed
 from conftest import CUDA, _rel, fast, hf_checkpoint, hf_margins, train_with_lora
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-def test_parity_real_width_fp32_and_bf16(tmp_path, tiny_dir, device):
-    """Real width (hidden 1024, 16/8 heads, head_dim 128, MLP 3072, vocab 151669), 2 layers; ours on
-    `device` against transformers' fp32 forward on the CPU."""
-    _, hm = hf_checkpoint(tmp_path, tiny_dir, seed=0, real_width=True, layers=2)
-    rr = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.float32, device=device)
+@pytest.fixture(scope="module")
+def real_width(tmp_path_factory, tiny_dir):
+    """Real width (hidden 1024, 16/8 heads, head_dim 128, MLP 3072, vocab 151669), 2 layers, written
+    by transformers -> (folder, three token lists, the yes/no ids, transformers' fp32 margins on the
+    CPU)."""
+    from tokenizers import Tokenizer
+    folder = tmp_path_factory.mktemp("real_width")
+    _, hm = hf_checkpoint(folder, tiny_dir, seed=0, real_width=True, layers=2)
     g = random.Random(0)
     ids = [[g.randrange(1000, 150000) for _ in range(n)] for n in (37, 120, 300)]
-    ref = hf_margins(hm, ids, rr.yes_id, rr.no_id)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    yes, no = (tok.encode(w, add_special_tokens=False).ids[0] for w in ("yes", "no"))
+    return str(folder), ids, (yes, no), hf_margins(hm, ids, yes, no)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_parity_real_width_fp32(real_width, device):
+    """Ours on `device` in fp32, eager and with the torch.compile'd elementwise path, against
+    transformers' fp32 forward on the CPU."""
+    folder, ids, yes_no, ref = real_width
+    rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32, device=device)
+    assert (rr.yes_id, rr.no_id) == yes_no
     torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-4)
-    # bf16: our float32 margin over bf16 weights vs the fp32 reference. Stated tolerance: 0.05 + 5% of |m|
-    # (bf16 keeps 8 mantissa bits; 2 layers of rounding).
-    rb = reranker.Reranker.from_pretrained(str(tmp_path), dtype=torch.bfloat16, device=device)
-    mb = rb.score_ids(ids).cpu()
-    assert mb.dtype == torch.float32
-    assert torch.all((mb - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mb, ref)
     # the torch.compile'd elementwise path at real width, same references and tolerances
     speed.install(rr.model, compile=True)
     torch.testing.assert_close(rr.score_ids(ids).cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_parity_real_width_bf16(real_width, device):
+    """Ours on `device`, bf16 weights, eager and compiled: our float32 margin over bf16 weights vs the
+    fp32 reference. Stated tolerance: 0.05 + 5% of |m| (bf16 keeps 8 mantissa bits; 2 layers of
+    rounding)."""
+    folder, ids, yes_no, ref = real_width
+    rb = reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16, device=device)
+    assert (rb.yes_id, rb.no_id) == yes_no
+    mb = rb.score_ids(ids).cpu()
+    assert mb.dtype == torch.float32
+    assert torch.all((mb - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mb, ref)
     speed.install(rb.model, compile=True)
     mc = rb.score_ids(ids).cpu()
     assert torch.all((mc - ref).abs() <= 0.05 + 0.05 * ref.abs()), (mc, ref)
 
 
 @CUDA
-def test_cuda_matches_cpu_scores_and_lora_gradients(hf_tiny):
+def test_cuda_matches_the_cpu(hf_tiny):
     """Runs only where CUDA is available: the same transformers-saved weights on CUDA (SDPA's fused
     attention and its own backward) and on the CPU (packed SDPA and the hand backward) give the same
     fp32 scores and LoRA gradients (dropout 0), eager and compiled; bf16 on CUDA within the bf16
@@ -109,32 +130,49 @@ def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
         speed.install(eager.model, compile=True)
 
 
-def test_shared_prefix_exact_scores_and_gradients(hf_tiny, monkeypatch):
+PREFIX_DOCS = ["Paris is the capital of France. " * 3, "short", "short", "A much longer document about eggs. " * 40,
+               "Ünïcödé: naïve café, 東京の水道水は安全です。"]
+
+
+def _prefix_ids(folder):
+    """One query's five documents (two of them equal), tokenized -> (the speed path sharing the prefix, ids)."""
+    shared = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32))
+    return shared, shared.tokenize("What is the capital of France?", PREFIX_DOCS)
+
+
+def test_the_shared_prefix_is_run_once(hf_tiny):
     """One query's documents share the prompt up to the document; the speed path runs that prefix
-    once. Scores equal transformers' and the unshared path, and LoRA gradients equal the unshared
-    ones, also with duplicate documents (prefix capped one short), with gradient checkpointing, and
-    with attention differentiated by autograd through SDPA (the CUDA path) instead of the hand
-    backward."""
-    folder, hm = hf_tiny
+    once, also with duplicate documents (prefix capped one short)."""
+    folder, _ = hf_tiny
     assert speed.common_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
     assert speed.common_prefix_len([[1, 2, 3], [1, 2, 3]]) == 2      # each keeps its final token
     assert speed.common_prefix_len([[5], [5, 6]]) == 0
     assert speed.common_prefix_len([[1, 2], [3, 2]]) == 0
-    docs = ["Paris is the capital of France. " * 3, "short", "short", "A much longer document about eggs. " * 40,
-            "Ünïcödé: naïve café, 東京の水道水は安全です。"]
-    shared = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32))
-    alone = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
-    speed.install(alone.model, share_prefix=False)
-    ids = shared.tokenize("What is the capital of France?", docs)
+    shared, ids = _prefix_ids(folder)
     P = speed.common_prefix_len(ids)
     assert P > len(shared.prefix_ids) + 10                           # system prompt + instruction + query
     lens = [len(x) for x in ids]
     kept = speed.shared_prefix(torch.tensor(sum(ids, [])), lens)     # what the model runs: the prefix once
     assert kept[0] == P and kept[1].tolist() == ids[0] + sum((x[P:] for x in ids[1:]), [])
     assert kept[2] == [L - P for L in lens]
+
+
+def test_shared_prefix_scores_are_exact(hf_tiny):
+    """Scores equal transformers' and the unshared path."""
+    folder, hm = hf_tiny
+    shared, ids = _prefix_ids(folder)
+    alone = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    speed.install(alone.model, share_prefix=False)
     ref = hf_margins(hm, ids, shared.yes_id, shared.no_id)
     torch.testing.assert_close(shared.score_ids(ids), ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(shared.score_ids(ids), alone.score_ids(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_shared_prefix_lora_gradients_are_exact(hf_tiny, monkeypatch):
+    """LoRA gradients equal the unshared ones, also with gradient checkpointing, and with attention
+    differentiated by autograd through SDPA (the CUDA path) instead of the hand backward."""
+    folder, _ = hf_tiny
+    _, ids = _prefix_ids(folder)
     grads = []
     # the last configuration runs attention the way it runs on CUDA (SDPA's own backward, autograd
     # through the per-sequence slices), here on the CPU
@@ -215,7 +253,7 @@ def test_rmsnorm_backward_matches_autograd():
             assert _rel(a, b) < tol
 
 
-def test_dropout_mask_law_and_lora_train_forward():
+def test_dropout_masks_are_independent_bernoulli_draws():
     torch.manual_seed(0)
     p, n = 0.05, 2_000_000
     m = speed.dropout_mask((1000, 2000), p).view(-1)
@@ -230,6 +268,9 @@ def test_dropout_mask_law_and_lora_train_forward():
     a = speed.dropout_mask((7, 5), 0.3)
     torch.manual_seed(1)
     assert torch.equal(a, speed.dropout_mask((7, 5), 0.3))             # reproducible from the seed
+
+
+def test_lora_train_forward_shares_one_mask_per_input():
     # LoRALinear in train mode: base(x) + (x * mask) A^T B^T * scaling / (1 - p), mask shared by layers
     # reading the same input
     base = torch.nn.Linear(5, 3, bias=False)
@@ -298,9 +339,10 @@ def test_speed_paths_in_bf16(hf_tiny):
     """bf16, as training runs: the installed model's inference margins equal reranker.py's (bitwise
     on the CPUs measured; allowed one bf16 step of the largest margin, 2^-8 relative, because the
     last layer's final-token-only GEMMs have other shapes, whose float32 accumulation may round
-    differently on other CPUs), and its LoRA gradients are within 0.1 relative of the float32
-    reference (bf16 keeps 8 mantissa bits; the fused LoRA add and the hand backward round elsewhere
-    than autograd)."""
+    differently on other CPUs), and its LoRA gradients are as close to the float32 reference as
+    reranker.py's own bf16 gradients are: over all LoRA parameters at most 1.75 times the reference's
+    bf16 error plus 0.005, each parameter at most 3 times (the fused LoRA add and the hand backward
+    round elsewhere than autograd), so that a speed path whose error doubles fails."""
     folder, _ = hf_tiny
     docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
     ref, quick = (reranker.Reranker.from_pretrained(folder, dtype=torch.bfloat16) for _ in range(2))
@@ -308,15 +350,19 @@ def test_speed_paths_in_bf16(hf_tiny):
     ids = ref.tokenize("What is the capital of France?", docs)
     a, b = ref.score_ids(ids), quick.score_ids(ids)
     assert (a - b).abs().max() <= 2 ** -8 * a.abs().max(), (a, b)
-    grads = []
-    for dtype in (torch.float32, torch.bfloat16):
+    grads = []   # float32 reference, bf16 reference, bf16 speed path
+    for dtype, installed in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
         rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
         train_with_lora(rr, seed=3, dropout=0.0)
-        if dtype == torch.bfloat16:
+        if installed:
             speed.install(rr.model)
         m = rr.score_ids(ids, grad=True)
         (m.pow(2).sum() - m[0]).backward()
         grads.append({n: p.grad.float() for n, p in rr.model.named_parameters() if p.requires_grad})
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    for n in grads[0]:
-        assert _rel(grads[1][n], grads[0][n]) < 0.1, n
+    exact, ref16, fast16 = grads
+    assert exact.keys() == ref16.keys() == fast16.keys() and exact
+    flat = lambda g: torch.cat([g[n].flatten() for n in exact])
+    ref_err, fast_err = _rel(flat(ref16), flat(exact)), _rel(flat(fast16), flat(exact))
+    assert fast_err <= 1.75 * ref_err + 0.005, (fast_err, ref_err)
+    for n in exact:
+        assert _rel(fast16[n], exact[n]) <= 3 * _rel(ref16[n], exact[n]) + 0.005, n

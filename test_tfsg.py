@@ -11,14 +11,25 @@ import tfsg
 from conftest import R
 
 
-def test_controller_actions_valid_and_invalid():
+def _three_rules():
+    """A Controller of five rules at most and a library it built from empty: a guard R1, R2 depending
+    on it, R3 -> (controller, empty library, library, report)."""
     C = tfsg.Controller(max_rules=5)
     lib0 = tfsg.ExperienceLibrary.empty()
     lib, rep = C.apply(lib0, [{"action": "add_fp_guard",
                                "rule": R(rule_type="fp_guard", action="keep", description="g")},
                               {"action": "add_rule", "rule": R(description="a", depends_on_fp_guards=["R1"])},
                               {"action": "add_rule", "rule": R(description="b")}])
+    return C, lib0, lib, rep
+
+
+def test_controller_adds_valid_rules_under_new_ids():
+    C, lib0, lib, rep = _three_rules()
     assert not rep.rejected and [r["rule_id"] for r in lib.rules] == ["R1", "R2", "R3"] and lib0.rules == []
+
+
+def test_controller_rejects_each_invalid_action_with_its_reason():
+    C, _, lib, _ = _three_rules()
     bad = [
         ("not a dict", "must be an object"),
         ({"action": "explode"}, "not in"),
@@ -45,7 +56,11 @@ def test_controller_actions_valid_and_invalid():
     for (u, why), rj in zip(bad, rep.rejected):
         assert why in rj["reason"], (u, rj["reason"])
     assert [r["rule_id"] for r in lib2.active()] == ["R1", "R2", "R3"]
-    # modify, merge, delete, keep; delete beats modify in one batch; ids never reused
+
+
+def test_controller_modifies_merges_deletes_keeps_without_reusing_ids():
+    """Modify, merge, delete, keep; delete beats modify in one batch; ids never reused."""
+    C, _, lib, _ = _three_rules()
     lib3, rep = C.apply(lib, [{"action": "modify_rule", "target_rule_id": "R2", "rule": {"strength": "medium"}},
                               {"action": "merge_rules", "source_rule_ids": ["R2", "R3"], "rule": R(description="m")},
                               {"action": "keep_rule", "target_rule_id": "R1"},
@@ -58,13 +73,17 @@ def test_controller_actions_valid_and_invalid():
     lib4, _ = C.apply(lib3, [{"action": "add_rule", "rule": R(description="new")}])
     assert lib4.active()[-1]["rule_id"] == "R5"
     assert tfsg.check_library(lib4) == []
+
+
+def test_controller_rejects_rules_past_a_full_library():
+    C, _, _, _ = _three_rules()
     full, rep = C.apply(tfsg.ExperienceLibrary.empty(), [{"action": "add_rule", "rule": R()} for _ in range(7)])
     assert len(full.active()) == 5 and "library is full" in rep.rejected[0]["reason"]
 
 
-def test_cold_start_ids_follow_their_proposals_and_cap_counts_accepted():
+def test_cold_start_ids_follow_their_proposals():
     """A rejected proposal does not shift the ids of later ones: a rule depending on the Analyzer's
-    guard "R2" depends on the id that guard received. The cap counts ACCEPTED rules."""
+    guard "R2" depends on the id that guard received."""
     C = tfsg.Controller()
     proposed = [R(rule_id="R1", rule_type="fp_guard", action="keep", description="x" * 700),   # too long: rejected
                 R(rule_id="R2", rule_type="fp_guard", action="keep", description="guard"),
@@ -76,6 +95,11 @@ def test_cold_start_ids_follow_their_proposals_and_cap_counts_accepted():
     assert [x["reason"] for x in rep.rejected][0].startswith("description has 700")
     assert "proposed R1 is not a live rule" in rep.rejected[1]["reason"]
     assert tfsg.check_library(lib) == []
+
+
+def test_the_cold_start_cap_counts_accepted_rules():
+    """The cap counts ACCEPTED rules."""
+    C = tfsg.Controller()
     # ten invalid proposals first, then two valid ones: the cap of 10 admits the valid ones
     bad = [R(rule_id=f"B{i}", action="nuke") for i in range(10)]
     rules = bad + [R(description="ok1"), R(description="ok2")]

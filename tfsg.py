@@ -64,20 +64,26 @@ DEFAULT_TASK_FRAME = ("Generative search source use: decide which search results
 # ----------------------------------------------------------------------------- limits
 
 
+def size(default, minimum, help):
+    """A Limits field: its default, its smallest sensible value and what it bounds."""
+    return field(default=default, metadata={"help": help, "min": minimum})
+
+
 @dataclass(frozen=True)
 class Limits:
     """Sizes the paper does not state, chosen here so that one Analyzer reply cannot flood the
     library or the prompts it is put into (each a setting of `run.py`, recorded in config.json)."""
-    max_active_rules: int = 30        # Controller: live rules at once (ADD refused when full)
-    rule_description_chars: int = 600      # a rule's description
-    rule_condition_chars: int = 400        # apply_when / avoid_when
-    rule_max_signals: int = 12             # items of trigger_signals / benign_counter_signals
-    rule_max_evidence: int = 20            # items of evidence
-    rule_max_dependencies: int = 8         # items of depends_on_fp_guards
-    rule_item_chars: int = 240             # characters of one list item (and of an update's reason)
-    reject_duplicate_rules: bool = True    # ADD/REFINE/MERGE refused when the description equals a live rule's
-    analyzer_doc_chars: int = 1500    # each document as the Analyzer sees it (A.3.3-A.3.5 case views)
-    analyzer_reasoning_chars: int = 4000   # each reasoning trace as the Analyzer sees it (A.3.5)
+    max_active_rules: int = size(30, 1, "Controller: most live rules at once (ADD refused when full)")
+    rule_description_chars: int = size(600, 1, "Controller: longest rule description")
+    rule_condition_chars: int = size(400, 1, "Controller: longest apply_when / avoid_when")
+    rule_max_signals: int = size(12, 1, "Controller: most trigger / benign counter signals per rule")
+    rule_max_evidence: int = size(20, 0, "Controller: most evidence items per rule")
+    rule_max_dependencies: int = size(8, 0, "Controller: most fp_guard dependencies per rule")
+    rule_item_chars: int = size(240, 1, "Controller: longest list item (and an update's reason)")
+    reject_duplicate_rules: bool = size(True, None, "Controller: refuse a rule (ADD/REFINE/MERGE) whose description "
+                                                    "equals a live rule's")
+    analyzer_doc_chars: int = size(1500, 1, "Analyzer input: characters of each document (A.3.3-A.3.5 case views)")
+    analyzer_reasoning_chars: int = size(4000, 0, "Analyzer input: characters of each reasoning trace (A.3.5)")
 
     def text_max(self, k):
         return self.rule_description_chars if k == "description" else self.rule_condition_chars
@@ -212,7 +218,7 @@ def check_library(lib, max_rules=None, limits=LIMITS):
         if rid in ids:
             problems.append(f"duplicate rule_id {rid}")
         ids.add(rid)
-        if int(rid[1:]) >= lib.next_id if isinstance(rid, str) and rid[1:].isdigit() else False:
+        if isinstance(rid, str) and rid[1:].isdigit() and int(rid[1:]) >= lib.next_id:
             problems.append(f"{rid} >= next_id {lib.next_id}")
         if r.get("status") not in ("active", "retired"):
             problems.append(f"{rid}: status {r.get('status')!r}")

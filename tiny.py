@@ -40,7 +40,7 @@ QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 
 
 def tiny_tokenizer(vocab_size=2048):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     split = Regex(QWEN_SPLIT)
@@ -51,7 +51,6 @@ def tiny_tokenizer(vocab_size=2048):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.train_from_iterator([TINY_CORPUS], trainer=trainer)
-    from tokenizers import AddedToken
     tok.add_tokens([AddedToken("<think>", normalized=False, special=False),
                     AddedToken("</think>", normalized=False, special=False)])
     return tok
@@ -119,7 +118,7 @@ def make_tiny_gpt2(out_dir, seed=0):
     for k, v in m.state_dict().items():
         if k.endswith("weight") and v.dim() == 2:                 # matrices: N(0, 0.02)
             t = 0.02 * torch.randn(v.shape, generator=g)
-        elif ".ln" in k or k.startswith("ln_f") and k.endswith("weight"):   # layer-norm gains: 1
+        elif ".ln" in k or (k.startswith("ln_f") and k.endswith("weight")):   # layer-norm gains: 1
             t = torch.ones(v.shape)
         else:                                                       # biases: 0
             t = torch.zeros(v.shape)

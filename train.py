@@ -20,9 +20,9 @@ import geodef
 import lora
 import tfsg
 from evaluation import eval_condition
-from runs import (adapter_path, append_jsonl, base_ranker, doc_key, labels_of, library_path, load_data,
-                  fast, load_reranker, log, make_llm, order_of, rankers, read_json, shield_ranker, shield_split,
-                  tfsg_limits, tfsg_schedule, write_json)
+from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
+from runs import (adapter_path, append_jsonl, fast, labels_of, library_path, load_data, load_reranker, log, make_llm,
+                  read_json, shield_split, tfsg_limits, tfsg_schedule, write_json)
 
 
 # ----------------------------------------------------------------------------- Shield training
@@ -254,7 +254,8 @@ def clean_reference_benign(cfg, llm, base, groups):
     base.prepare(insts)
     recs = eval_condition(cfg, llm, "clean reference (construction)", insts, lambda x: base.order(x)[:cfg.k],
                           lambda x, d: tfsg.standard_prompt(x.query, d),
-                          os.path.join(cfg.run_dir, "results", "clean_reference_construction.jsonl"))
+                          os.path.join(cfg.run_dir, "results", "clean_reference_construction.jsonl"),
+                          judge=llm)                  # no attack in a clean list: the judge is never asked
     return {r["group_id"]: r for r in recs}
 
 
@@ -267,7 +268,7 @@ def train_tfsg(cfg):
     data = load_data(cfg)
     cons, inst = data.construction, geodef.expand(data.construction, data.seen)
     seeds, batches = tfsg_schedule(cfg, inst)
-    base, shield = rankers(cfg, cfg.shield)
+    base, shield = load_rankers(cfg, cfg.shield)
     ranker = shield or base
     ranker.prepare(inst)
     target = make_llm(cfg, stage="train")

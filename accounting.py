@@ -1,0 +1,89 @@
+"""Usage accounting for the LLM, rerank and search calls of a run: the usage ledger (one JSON line
+per reply received, over every invocation), its sums per stage and model, and their price from a
+price table: one key (`price_key`, the model name after the provider) and one formula for tokens
+(`token_cost`), a batch API's rows at the batch share.
+
+Usage: append_ledger("runs/x/usage.jsonl", {"stage": "eval", "model": "openai:gpt-5.5", ...}, lock)
+       ledger_usage("runs/x/usage.jsonl", {"gpt-5.5": [1.25, 10.0]})["total"]["cost_usd"]
+"""
+import json
+import os
+
+BATCH_SHARE = 0.5
+LEDGER_KINDS = ("rerank:", "search:")    # ledger rows other than chat replies: 'rerank:SPEC', 'search:SPEC'
+
+
+def price_key(label):
+    """A usage label's key in a price table: the model name after the provider prefix, a batch row's
+    ' [batch]' removed, and a rerank or search row's kind before it: 'ollama:qwen3:8b' -> 'qwen3:8b',
+    'openai:gpt-5.5 [batch]' -> 'gpt-5.5', 'rerank:cohere:rerank-v3.5' -> 'rerank-v3.5'."""
+    spec = label.removesuffix(" [batch]")
+    if spec.startswith(LEDGER_KINDS):
+        spec = spec.partition(":")[2]
+    _, colon, model = spec.partition(":")
+    return model if colon else spec
+
+
+def token_cost(p, row, batch=False):
+    """USD of a chat model's tokens under price entry p = [USD per 1M input, per 1M output(, batch
+    share)]; batch=True: the batch APIs' share of that (default BATCH_SHARE)."""
+    full = (row.get("prompt_tokens", 0) * p[0] + row.get("completion_tokens", 0) * p[1]) / 1e6
+    return full * (p[2] if len(p) > 2 else BATCH_SHARE) if batch else full
+
+
+def price_of(label, row, prices):
+    """USD of one ledger row from a price table keyed by model name (price_key):
+    [USD per 1M input tokens, per 1M output tokens] for chat models; for rerank models
+    {"usd_per_1k_searches": x} (Cohere's search units, else one per request) or
+    {"usd_per_1m_tokens": y}. None when the table has no entry. A batch API's rows ('<label> [batch]')
+    cost the entry's third number times the full price (default BATCH_SHARE: half, OpenAI's and
+    Anthropic's batch discount)."""
+    p = prices.get(price_key(label))
+    if p is None:
+        return None
+    if isinstance(p, dict):
+        if "usd_per_1k_searches" in p:
+            return row.get("search_units", row["replies"]) * p["usd_per_1k_searches"] / 1e3
+        return row.get("tokens", 0) * p.get("usd_per_1m_tokens", 0) / 1e6
+    return token_cost(p, row, batch=label.endswith(" [batch]"))
+
+
+def append_ledger(path, record, lock):
+    """One line of a usage ledger (see ledger_usage), written under `lock`."""
+    with lock:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:      # a full disk names no file: this one is named
+            raise OSError(e.errno, e.strerror, e.filename or path) from None
+
+
+def ledger_usage(path, prices=None):
+    """A usage ledger (Client(ledger=...), RerankClient(ledger=...)) summed per stage and model, and
+    in total: {"stages": {stage: {model: {replies, prompt_tokens, ..., cost_usd}}}, "total": {...}}.
+    Chat rows sum tokens; rerank rows (model "rerank:...") documents, search units and tokens.
+    cost_usd is None where `prices` lacks the model (price_of). A line cut by a kill is skipped (its
+    reply was not cached either, and is asked again)."""
+    stages = {}
+    lines = open(path, encoding="utf-8").read().splitlines() if path and os.path.isfile(path) else []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        row = stages.setdefault(str(rec.get("stage")), {}).setdefault(str(rec.get("model", "?")), {"replies": 0})
+        row["replies"] += 1
+        for k, v in rec.items():
+            if k not in ("stage", "model") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                row[k] = row.get(k, 0) + v
+    total = {"replies": 0, "cost_usd": 0.0}
+    for rows in stages.values():
+        for label, row in rows.items():
+            row["cost_usd"] = price_of(label, row, prices or {})
+            for k, v in row.items():
+                if k != "cost_usd":
+                    total[k] = total.get(k, 0) + v
+            total["cost_usd"] = None if row["cost_usd"] is None or total["cost_usd"] is None else \
+                total["cost_usd"] + row["cost_usd"]
+    return {"stages": {k: stages[k] for k in sorted(stages)}, "total": total}

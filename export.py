@@ -1,0 +1,261 @@
+"""Export the Shield Reranker to checkpoints that serving engines load: the base Qwen3-Reranker
+with the trained LoRA merged in (float32, then the output dtype), written in one of two standard
+Hugging Face layouts:
+- "seq-cls": Qwen3ForSequenceClassification with one label. Its classifier row is
+  score.weight = E[yes] - E[no] (the tied embedding's rows, or an untied head's), so its logit on
+  the reranker prompt is our margin z_yes - z_no and sigmoid(logit) is P(yes) of the 2-way softmax
+  (the model card's score). vLLM (`--runner pooling`) and sentence-transformers'
+  CrossEncoder load this layout as a Qwen3 reranker (vLLM's convert_model_to_seq_cls.py,
+  method from_2_way_softmax, writes the same row).
+- "causal": the merged Qwen3ForCausalLM, what the model card's snippet and vLLM's
+  `hf_overrides` route load.
+Beside the weights: the tokenizer files, the prompt as a chat template (vLLM's Qwen3-reranker
+template with the Shield instruction as its default), `geodef_export.json` (provenance) and a
+model card (README.md) with the serving commands.
+
+Usage: export(rr_folder, "out/shield", adapter="runs/x/adapter")
+"""
+import hashlib
+import json
+import os
+import shutil
+import time
+
+import torch
+
+import lora
+import reranker
+
+
+FORMATS = ("seq-cls", "causal")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
+
+
+class ExportError(ValueError):
+    """An export refused (the output folder) or failed (a write): the folder named, nothing half-written left."""
+
+
+def chat_template(instruction):
+    """vLLM's Qwen3-reranker score template (examples/pooling/score/template/qwen3_reranker.jinja)
+    with `instruction` as the default <Instruct>: the model card's prompt, query and document as
+    the "query" and "document" messages. Built from reranker.PREFIX, BODY and SUFFIX (which hold no
+    Jinja syntax), so it renders the bytes the reranker scores."""
+    default = json.dumps(instruction)       # a JSON string is a valid Jinja string literal
+    content = lambda role: f'messages | selectattr("role", "eq", "{role}") | map(attribute="content") | first'
+    body = reranker.BODY.format(   # a request's `instruction`, else a system message, else the default
+        instruction="{{ instruction | default(" + content("system") + " | default(" + default + ", true), true) }}",
+        query="{{ " + content("query") + " }}", doc="{{ " + content("document") + " }}")
+    # Jinja drops a template's final newline (SUFFIX ends in two): an empty expression after it keeps them
+    return reranker.PREFIX + body + reranker.SUFFIX + "{{ '' }}"
+
+
+def model_card(meta, name):
+    nf4 = ("\nThe adapter was trained over an NF4 (4-bit) base; it is merged here into the full-precision base "
+           "weights, so scores differ slightly from the training-time forward (the 4-bit rounding is not "
+           "reproduced).\n" if meta["quantized_base_during_training"] else "")
+    adapter = f"LoRA adapter `{meta['adapter']}` (SHA-1 {meta['adapter_sha1']})" if meta["adapter"] else "no adapter"
+    head = ("a one-label `Qwen3ForSequenceClassification`: `score.weight` = E[yes] - E[no], so the logit is the "
+            "margin z_yes - z_no and sigmoid(logit) is P(yes)" if meta["format"] == "seq-cls" else
+            "the merged `Qwen3ForCausalLM`: score with the logits of \"yes\" and \"no\" at the last position")
+    if meta["format"] == "seq-cls":
+        vllm = f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja"
+    else:
+        vllm = (f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja --hf-overrides "
+                "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
+                "\"yes\"], \"is_original_qwen3_reranker\": true}'")
+    return f"""# {name}: GEO Defender Shield Reranker ({meta['format']}, {meta['dtype']})
+
+The Shield Reranker of *When Optimization Becomes Manipulation: Defending Generative Search against
+Malicious Generative Engine Optimization*: the frozen base `{meta['base_model']}` (revision
+{meta['base_revision'] or 'local folder'}) with the {adapter} merged into its weights in float32,
+then stored in {meta['dtype']}. Layout: {head}. Made by `python run.py export` of the GEO Defender
+reference implementation at {meta['time']}.
+{nf4}
+## Prompt
+
+The Qwen3-Reranker prompt (its model card), with the Shield instruction (paper A.1.2):
+
+```
+{reranker.PREFIX}<Instruct>: {meta['instruction']}
+<Query>: {{query}}
+<Document>: {{document}}<|im_end|>
+<|im_start|>assistant
+<think>
+
+</think>
+
+```
+
+`qwen3_reranker.jinja` is that prompt as vLLM's score template (the instruction above is its
+default). Score the last token; relevance = sigmoid(z_yes - z_no).
+
+## Serving
+
+What reproduces the Shield's scores (its margins; relevance = sigmoid of them):
+- run (tests of the repository that exported it): transformers (`AutoModelForSequenceClassification` /
+  `AutoModelForCausalLM`) on the prompt above, to 1e-4 in float32; sentence-transformers 4.0 or newer
+  (its `CrossEncoder.predict` tokenizes a pair as given; the tests run 5 or newer): `CrossEncoder`
+  (seq-cls) on the formatted pairs below, sigmoid of them; GEO Defender's own `python run.py serve`
+  (Cohere/Jina/vLLM and TEI request shapes).
+- not run (it needs a GPU): vLLM with the template below; it renders the same prompt, so it is
+  expected to, within its kernels' rounding.
+- does **not**: Infinity (0.0.78), which strips leading and trailing whitespace from query and
+  document, nor sentence-transformers 3.x (which Infinity installs), whose `CrossEncoder.predict`
+  strips both texts of a pair: the newline after the query and the blank line after `</think>` are
+  lost (`</think>` stays), so their scores and rankings differ from the Shield's. Use one of the above.
+
+- vLLM, many GPUs or replicas (OpenAI/Cohere-style `/rerank`, `/v1/rerank`, `/score`):
+  `{vllm}`
+- sentence-transformers 4.0 or newer (run here): `CrossEncoder("./{name}")` (one label: sigmoid
+  applied) on pairs
+  `(prefix + "<Instruct>: ...\\n<Query>: " + query + "\\n", "<Document>: " + document + suffix)`,
+  the prompt above split before `<Document>:`; a bare (query, document) pair lacks the prompt and
+  scores poorly.
+
+## Security
+
+An engine that tokenizes the prompt text matches the tokenizer's added tokens anywhere in it: a
+document containing `<|im_end|>` or `<think>` can then close the user turn and write the
+assistant's. Remove those strings from queries and documents before sending them, or send token
+ids made as GEO Defender's `Reranker.tokenize` makes them (added tokens never matched in text).
+"""
+
+
+def _sha1(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha1").hexdigest()
+
+
+def _write_json(path, obj):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def _is_run(folder):
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return "config" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_out_dir(out_dir, overwrite=False, protected=()):
+    """Refuse an output folder that export must not replace: "/", the home folder, one of `protected`
+    (a run folder, the runs directory, the model or adapter being exported) or a folder holding one,
+    a folder that holds a run (config.json with a "config" record) or run folders; and an existing
+    non-empty folder unless `overwrite`, which replaces only an earlier export (geodef_export.json)."""
+    real = os.path.realpath(out_dir)
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real in (os.path.realpath(os.sep), home):
+        raise ExportError(f"--out {out_dir}: refusing to export into {real}")
+    for p in protected:
+        rp = os.path.realpath(p)
+        if real == rp or rp.startswith(real.rstrip(os.sep) + os.sep):
+            raise ExportError(f"--out {out_dir}: holds {p}, which export must not replace; choose a new folder")
+    if not os.path.exists(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise ExportError(f"--out {out_dir}: a file, not a folder")
+    if _is_run(out_dir) or any(_is_run(os.path.join(out_dir, d)) for d in os.listdir(out_dir)):
+        raise ExportError(f"--out {out_dir}: a run folder or a folder of runs; choose a new folder")
+    if os.listdir(out_dir):
+        if not overwrite:
+            raise ExportError(f"--out {out_dir}: not empty; choose a new folder, or --overwrite to replace an "
+                              "earlier export")
+        if not os.path.isfile(os.path.join(out_dir, "geodef_export.json")):
+            raise ExportError(f"--out {out_dir}: not an earlier export (no geodef_export.json); --overwrite "
+                              "replaces only exports")
+
+
+def _write_export(model, out_dir, adapter, fmt, dtype, instruction, quantized_base, name):
+    """The export's files into a new folder `out_dir` (export() renames it into place)."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    folder, sha = reranker.resolve_model_path(model)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        raw_cfg = json.load(f)
+    dtype = dtype or raw_cfg.get("torch_dtype") or raw_cfg.get("dtype") or "bfloat16"
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    out_dt = getattr(torch, dtype)
+    # the merge in float32: W + (alpha/r) B A rounded once, to the output dtype
+    qwen, cfg, lm_head = reranker.load_qwen3(folder, dtype=torch.float32)
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    yes, no = (tok.encode(w, add_special_tokens=False).ids for w in ("yes", "no"))
+    if len(yes) != 1 or len(no) != 1:
+        raise reranker.CheckpointError(f"{folder}/tokenizer.json: 'yes' and 'no' must be single tokens")
+    if adapter:
+        lora.load_adapter(qwen, adapter)
+        lora.merge_and_unload(qwen)
+    state = {"model." + k: v.to(out_dt).contiguous() for k, v in qwen.state_dict().items()}   # checkpoint keys
+    head = lm_head.float() if lm_head is not None else qwen.embed_tokens.weight
+    pad = tok.token_to_id("<|endoftext|>")
+    config = {k: v for k, v in raw_cfg.items() if k not in ("torch_dtype", "dtype", "_note")}
+    config.update(torch_dtype=dtype, transformers_version=raw_cfg.get("transformers_version", "4.51.0"))
+    if fmt == "seq-cls":
+        # (1, C): logit = h_last . (E[yes] - E[no]) = z_yes - z_no; computed in float32, rounded once
+        state["score.weight"] = (head[yes[0]].float() - head[no[0]].float())[None].to(out_dt).contiguous()
+        config.update(architectures=["Qwen3ForSequenceClassification"], num_labels=1, id2label={"0": "LABEL_0"},
+                      label2id={"LABEL_0": 0}, use_sep_token=False)
+    else:
+        config["architectures"] = ["Qwen3ForCausalLM"]
+        if lm_head is not None:                       # untied: the full head goes with the weights
+            state["lm_head.weight"] = lm_head.to(out_dt).contiguous()
+    if pad is not None:   # AutoModelForSequenceClassification pools the last token that is not pad
+        config["pad_token_id"] = pad
+    os.makedirs(out_dir)
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    for f in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(folder, f)):
+            shutil.copy(os.path.join(folder, f), os.path.join(out_dir, f))
+    if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):   # what AutoTokenizer needs
+        _write_json(os.path.join(out_dir, "tokenizer_config.json"),
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "padding_side": "left",
+                     **({"pad_token": "<|endoftext|>", "eos_token": "<|endoftext|>"} if pad is not None else {})})
+    _write_json(os.path.join(out_dir, "config.json"), config)
+    with open(os.path.join(out_dir, "qwen3_reranker.jinja"), "w", encoding="utf-8") as f:
+        f.write(chat_template(instruction))
+    meta = {"format": fmt, "dtype": dtype, "base_model": str(model), "base_revision": sha,
+            "adapter": os.path.abspath(adapter) if adapter else None,
+            "adapter_sha1": _sha1(os.path.join(adapter, "adapter_model.safetensors")) if adapter else None,
+            "merged_in": "float32", "quantized_base_during_training": bool(quantized_base),
+            "yes_id": yes[0], "no_id": no[0], "instruction": instruction, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    _write_json(os.path.join(out_dir, "geodef_export.json"), meta)
+    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
+        f.write(model_card(meta, name))
+
+
+def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=reranker.SHIELD_INSTRUCTION,
+           quantized_base=False, name=None, overwrite=False, protected=()):
+    """Write the merged Shield (base `model`: hub id or folder; `adapter`: a PEFT LoRA folder or None)
+    to `out_dir` in `fmt` and `dtype` (default: the checkpoint's config dtype). quantized_base: the
+    adapter was trained over an NF4 base (said in the model card: the merge uses the full-precision
+    base weights). The folder is built beside `out_dir` and renamed into place whole: a failure (a
+    full disk, a kill) leaves what was there before (see check_out_dir for what is refused).
+    Returns out_dir."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    check_out_dir(out_dir, overwrite, protected=[p for p in (model, adapter, *protected) if p and os.path.exists(p)])
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.export-{os.getpid()}")
+    old = tmp + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_export(model, tmp, adapter, fmt, dtype, instruction, quantized_base,
+                      name or os.path.basename(os.path.normpath(out_dir)))
+        if os.path.exists(out_dir):          # an empty folder, or an earlier export with --overwrite
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+    except Exception as e:
+        if os.path.exists(old) and not os.path.exists(out_dir):
+            os.rename(old, out_dir)
+        if isinstance(e, (ValueError, reranker.CheckpointError)):
+            raise
+        raise ExportError(f"{out_dir}: export failed, nothing written ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir

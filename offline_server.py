@@ -1,0 +1,514 @@
+"""The offline engine's loopback HTTP server: OpenAI-compatible /v1/chat/completions answered by
+offline.respond, the batch APIs the official SDKs call (OpenAI Files + Batches, Anthropic Message
+Batches: `Batches`), and a Tavily-shaped /search over a synthetic corpus (`load_corpus`). A
+SIMULATION, as the engine is: its replies say nothing about real LLMs or web search.
+
+Usage: srv = make_server(8765, corpus=load_corpus("corpus.jsonl")); srv.serve_forever()
+       (python run.py serve-offline --port 8765)
+"""
+import email.parser
+import email.policy
+import json
+import re
+import threading
+import time
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import geodef
+import offline
+
+MAX_BODY = 64 << 20
+DAY = 24 * 3600
+OPENAI_ENDPOINT = "/v1/chat/completions"
+# the batch routes: OpenAI's /v1/files[/ID[/content]] and /v1/batches[/ID[/cancel]], Anthropic's
+# /v1/messages/batches[/ID[/cancel | /results]]
+BATCH_ROUTE = re.compile(r"/v1/(files|batches|messages/batches)(?:/([^/]+))?(?:/(content|cancel|results))?$")
+RUNNING = ("validating", "in_progress", "cancelling")
+
+
+# ----------------------------------------------------------------------------- batch APIs
+
+
+def _iso(t):
+    """Unix seconds -> Anthropic's RFC 3339 timestamp ('2024-08-20T18:37:24.100435Z'); None stays None."""
+    return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _text(content):
+    """Anthropic content: a string, or its text blocks joined (what the engine reads)."""
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return content
+
+
+def _chat_body(params):
+    """Anthropic Messages params -> the Chat Completions body the engine answers."""
+    system = _text(params.get("system"))
+    msgs = [{"role": m["role"], "content": _text(m["content"])} for m in params["messages"]]
+    return {"messages": ([{"role": "system", "content": system}] if system else []) + msgs}
+
+
+def _as_message(resp):
+    """The engine's Chat Completions reply -> Anthropic's Message object."""
+    return {"id": "msg_offline", "type": "message", "role": "assistant", "model": offline.ENGINE,
+            "content": [{"type": "text", "text": resp["choices"][0]["message"]["content"]}],
+            "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": resp["usage"]["prompt_tokens"],
+                      "output_tokens": resp["usage"]["completion_tokens"]}}
+
+
+def _file_object(f):
+    """A stored file as OpenAI's File object."""
+    return {"id": f["id"], "object": "file", "bytes": len(f["content"].encode("utf-8")), "created_at": f["created_at"],
+            "filename": f["filename"], "purpose": f["purpose"], "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+def _line_problem(line, seen):
+    """An OpenAI batch input line -> (error code, message) when it would fail the batch's validation."""
+    if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str):
+        return "missing_custom_id", "custom_id: a string is required"
+    if line["custom_id"] in seen:
+        return "duplicate_custom_id", f"custom_id {line['custom_id'][:40]!r} is used more than once"
+    if line.get("method") != "POST" or line.get("url") != OPENAI_ENDPOINT:
+        return "invalid_url", f"method POST and url {OPENAI_ENDPOINT} are required"
+    if not isinstance(line.get("body"), dict):
+        return "invalid_body", "body: an object is required"
+    return None
+
+
+class Batches:
+    """OpenAI's Files + Batches and Anthropic's Message Batches, answered by the engine, with the
+    objects and routes the official SDKs read (`route`). A batch stays in progress for `polls` status
+    checks (its request counts advancing), then runs every line. A line the engine cannot answer is
+    an error line (OpenAI: status_code 400 in the error file; Anthropic: an `errored` result), never a
+    failed call. Anthropic results come back in reverse order (the API promises none).
+
+    `knobs`, for tests (a "once" knob clears itself when used):
+      polls         status checks a batch stays in progress (1)
+      stall         lines a batch completes before it stops progressing, never ending (None: it ends)
+      expire_after  lines run before the next batch to end expires (once)
+      fail_first    that many lines answer 500 (Anthropic: api_error), once each
+      fail          a message: the next OpenAI batch created fails validation with it (once)
+      reject        creation refused with 400
+      missing       no batch endpoints: 404 on each of them
+      no_status     the next that many status replies lack their status field
+      purge         the next batch to end has its output purged: reading it answers 404 (once)
+      tamper        a function of the next ended batch's output rows -> the rows served (once)
+    """
+    KNOBS = {"polls": 1, "stall": None, "expire_after": None, "fail_first": 0, "fail": None, "reject": False,
+             "missing": False, "no_status": 0, "purge": False, "tamper": None}
+
+    def __init__(self):
+        self.files, self.batches, self.failed, self.lock = {}, {}, set(), threading.RLock()
+        self.knobs = dict(self.KNOBS)
+        self.created = self.n_files = 0
+
+    def route(self, method, path, query, raw, content_type, host):
+        """A batch API request -> (200, reply object or JSONL text); raises KeyError (404: no such
+        route, batch or file) or ValueError (400)."""
+        m = BATCH_ROUTE.search(path)
+        if m is None or self.knobs["missing"]:
+            raise KeyError(path)
+        kind, oid, verb = m.groups()
+        anthropic = kind == "messages/batches"
+        if kind == "files":
+            if method == "POST" and oid is None:
+                return 200, self.upload(content_type, raw)
+            if method == "GET" and oid is not None and verb in (None, "content"):
+                f = self._file(oid)
+                return 200, f["content"] if verb else _file_object(f)
+        elif method == "POST" and oid is None:
+            return 200, self.create(json.loads(raw), anthropic, host)
+        elif method == "GET" and oid is None:
+            return 200, self.listing(anthropic, query, host)
+        elif method == "GET" and verb is None:
+            return 200, self.status(oid, anthropic, host)
+        elif method == "POST" and verb == "cancel":
+            return 200, self.cancel(oid, anthropic, host)
+        elif method == "GET" and verb == "results" and anthropic:
+            return 200, self.results(oid)
+        raise KeyError(path)
+
+    # --- files
+
+    def upload(self, content_type, raw):
+        """POST /v1/files (multipart: purpose=batch and the file) -> its File object."""
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + raw)
+        parts = {p.get_param("name", header="content-disposition"): p for p in msg.iter_parts()}
+        if "file" not in parts or "purpose" not in parts or parts["purpose"].get_payload(decode=True) != b"batch":
+            raise ValueError("multipart/form-data fields purpose=batch and file are required")
+        data = parts["file"].get_payload(decode=True).decode("utf-8")
+        return _file_object(self._keep(data, parts["file"].get_filename() or "batch.jsonl", "batch"))
+
+    def _keep(self, content, filename, purpose):
+        with self.lock:
+            self.n_files += 1
+            fid = f"file-{self.n_files}"
+            self.files[fid] = {"id": fid, "content": content, "filename": filename, "purpose": purpose,
+                               "created_at": int(time.time())}
+            return self.files[fid]
+
+    def _file(self, fid):
+        if fid not in self.files:
+            raise KeyError(fid)
+        return self.files[fid]
+
+    # --- batches
+
+    def create(self, body, anthropic, host):
+        """POST /v1/batches or /v1/messages/batches -> the new batch. A request not of the API's shape
+        is refused (400); OpenAI's input lines are validated as the batch starts: a bad one fails the
+        batch, its line number in `errors`."""
+        if self.knobs["reject"]:
+            raise ValueError("batch refused (offline engine's reject knob)")
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        lines, problem = (self._anthropic_requests(body), None) if anthropic else self._openai_lines(body)
+        with self.lock:
+            if problem is None and not anthropic and self.knobs["fail"]:
+                problem, self.knobs["fail"] = {"code": "invalid_request", "message": self.knobs["fail"]}, None
+            self.created += 1
+            bid = f"batch-{self.created}"
+            b = self.batches[bid] = {
+                "id": bid, "anthropic": anthropic, "lines": lines, "polls": 0, "state": "validating",
+                "at": {"created": time.time()}, "counts": {"succeeded": 0}, "out": [], "problem": problem,
+                "input_file_id": body.get("input_file_id"), "metadata": body.get("metadata")}
+            return self.view(b, host)
+
+    def _openai_lines(self, body):
+        """An OpenAI batch request -> (its input file's lines, the first problem with them or None)."""
+        if body.get("endpoint") != OPENAI_ENDPOINT:
+            raise ValueError(f"endpoint: the offline engine serves {OPENAI_ENDPOINT} only")
+        if body.get("completion_window") != "24h":
+            raise ValueError("completion_window: '24h' is required")
+        lines, seen = [], set()
+        for n, text in enumerate(self._file(body.get("input_file_id"))["content"].splitlines(), 1):
+            try:
+                line = json.loads(text)
+            except ValueError:
+                line = None
+            bad = _line_problem(line, seen)
+            if bad:
+                return lines, {"code": bad[0], "message": f"line {n}: {bad[1]}", "param": None, "line": n}
+            seen.add(line["custom_id"])
+            lines.append(line)
+        return lines, None if lines else {"code": "empty_file", "message": "the input file has no lines",
+                                          "param": None, "line": None}
+
+    @staticmethod
+    def _anthropic_requests(body):
+        reqs = body.get("requests")
+        if not isinstance(reqs, list) or not reqs or not all(
+                isinstance(r, dict) and isinstance(r.get("custom_id"), str) and isinstance(r.get("params"), dict)
+                for r in reqs):
+            raise ValueError("requests: a non-empty list of {custom_id, params} objects is required")
+        if len({r["custom_id"] for r in reqs}) != len(reqs):
+            raise ValueError("requests: each custom_id must be unique")
+        return reqs
+
+    def _batch(self, bid, anthropic):
+        b = self.batches.get(bid)
+        if b is None or b["anthropic"] != anthropic:
+            raise KeyError(bid)
+        return b
+
+    def status(self, bid, anthropic, host):
+        """GET a batch: one status check (the batch advances) -> its object."""
+        with self.lock:
+            b = self._batch(bid, anthropic)
+            self._advance(b)
+            view = self.view(b, host)
+            if self.knobs["no_status"]:
+                self.knobs["no_status"] -= 1
+                view.pop("processing_status" if anthropic else "status")
+            return view
+
+    def cancel(self, bid, anthropic, host):
+        """POST .../cancel: a batch in progress ends at its next status check with the lines it has done."""
+        with self.lock:
+            b = self._batch(bid, anthropic)
+            if b["state"] in ("validating", "in_progress"):
+                b["state"], b["at"]["cancelling"] = "cancelling", time.time()
+            return self.view(b, host)
+
+    def listing(self, anthropic, query, host):
+        """GET /v1/batches or /v1/messages/batches: newest first, `limit` (1..100, default 20) after
+        `after` (OpenAI) or `after_id`, or before `before_id` (Anthropic)."""
+        q = {k: v[-1] for k, v in query.items()}
+        limit = q.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise ValueError("limit: an integer in 1..100 is required")
+        limit = int(limit)
+        with self.lock:
+            ids = [bid for bid, b in reversed(self.batches.items()) if b["anthropic"] == anthropic]
+            after, before = q.get("after_id" if anthropic else "after"), q.get("before_id") if anthropic else None
+            if after:
+                ids = ids[ids.index(after) + 1:]          # an unknown id: ValueError, 400
+            page = ids[:ids.index(before)][-limit:] if before else ids[:limit]
+            more = ids.index(page[0]) > 0 if before and page else len(ids) > limit
+            out = {"data": [self.view(self.batches[i], host) for i in page], "has_more": more,
+                   "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
+        return out if anthropic else {"object": "list", **out}
+
+    def results(self, bid):
+        """GET /v1/messages/batches/{id}/results (the results_url) -> JSONL."""
+        with self.lock:
+            b = self._batch(bid, True)
+            if b["state"] in RUNNING or b.get("purged"):
+                raise KeyError(bid)
+            return "".join(json.dumps(r) + "\n" for r in b["out"])
+
+    # --- running a batch
+
+    def _advance(self, b):
+        """One status check's progress: lines complete over `polls` checks, then the batch ends (expired
+        under expire_after; never while `stall` holds it); a cancelled one ends with what it has done."""
+        k, now = self.knobs, time.time()
+        if b["state"] == "cancelling":
+            return self._end(b, "cancelled", b["counts"]["succeeded"])
+        if b["state"] not in RUNNING:
+            return
+        if b["problem"]:
+            b["state"], b["at"]["failed"] = "failed", now
+            return
+        b["polls"] += 1
+        b["state"] = "in_progress"
+        b["at"].setdefault("in_progress", now)
+        total = len(b["lines"])
+        b["counts"]["succeeded"] = min(total * b["polls"] // (k["polls"] + 1), total if k["stall"] is None else
+                                       k["stall"])
+        if b["polls"] > k["polls"] and k["stall"] is None:
+            n = total if k["expire_after"] is None else min(k["expire_after"], total)
+            if n < total:
+                k["expire_after"] = None           # one batch expires; the resubmitted lines run
+            self._end(b, "completed" if n == total else "expired", n)
+
+    def _end(self, b, state, n):
+        """The batch ends in `state` with its first n lines run, the others expired or cancelled; its
+        output and error files (OpenAI) or results (Anthropic) are written."""
+        rows = [self._run_line(b, i, line) if i < n else self._unrun(b, i, line, state)
+                for i, line in enumerate(b["lines"])]
+        gone = {"batch_expired": "expired", "batch_cancelled": "canceled"}
+        kinds = [r["result"]["type"] if b["anthropic"] else "succeeded" if ok else
+                 gone.get((r["error"] or {}).get("code"), "errored") for r, ok in rows]
+        b["counts"] = {k: kinds.count(k) for k in ("succeeded", "errored", "canceled", "expired")}
+        out, errors = [r for r, ok in rows if ok or b["anthropic"]], [r for r, ok in rows if not ok]
+        out = out[::-1] if b["anthropic"] else out
+        if self.knobs["tamper"]:
+            out, self.knobs["tamper"] = self.knobs["tamper"](out), None
+        b["state"], b["at"]["finalizing"], b["at"][state] = state, time.time(), time.time()
+        if b["anthropic"]:
+            b["out"] = out
+        else:
+            jsonl = lambda rows_: "".join(json.dumps(r) + "\n" for r in rows_)
+            b["output_file_id"] = self._keep(jsonl(out), f"{b['id']}_output.jsonl", "batch_output")["id"]
+            if errors:
+                b["error_file_id"] = self._keep(jsonl(errors), f"{b['id']}_error.jsonl", "batch_output")["id"]
+        if self.knobs["purge"]:
+            self.knobs["purge"], b["purged"] = False, True
+            for fid in (b.get("output_file_id"), b.get("error_file_id")):
+                self.files.pop(fid, None)
+
+    def _run_line(self, b, i, line):
+        """One line answered by the engine -> (row, answered): OpenAI's output or error-file row, or
+        Anthropic's result (succeeded, or errored where the engine cannot answer the prompt)."""
+        cid = line["custom_id"]
+        if cid not in self.failed and len(self.failed) < self.knobs["fail_first"]:
+            self.failed.add(cid)
+            return self._row(b, i, cid, 500, {"type": "api_error", "message": "offline engine's fail_first knob"})
+        try:
+            resp = offline.respond(_chat_body(line["params"]) if b["anthropic"] else line["body"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:    # a prompt the engine cannot answer
+            return self._row(b, i, cid, 400, {"type": "invalid_request_error", "message": str(e)[:300]})
+        return self._row(b, i, cid, 200, _as_message(resp) if b["anthropic"] else resp)
+
+    @staticmethod
+    def _row(b, i, cid, code, payload):
+        if b["anthropic"]:
+            res = ({"type": "succeeded", "message": payload} if code == 200 else
+                   {"type": "errored", "error": {"type": "error", "error": payload}})
+            return {"custom_id": cid, "result": res}, code == 200
+        body = payload if code == 200 else {"error": {**payload, "param": None, "code": None}}
+        return {"id": f"batch_req_{b['id']}_{i}", "custom_id": cid,
+                "response": {"status_code": code, "request_id": f"req_{b['id']}_{i}", "body": body},
+                "error": None}, code == 200
+
+    @staticmethod
+    def _unrun(b, i, line, state):
+        """A line the batch ended without running (expired, or cancelled) -> (row, False)."""
+        if b["anthropic"]:
+            return {"custom_id": line["custom_id"], "result": {"type": "expired" if state == "expired" else
+                                                               "canceled"}}, False
+        why = "batch_expired" if state == "expired" else "batch_cancelled"
+        return {"id": f"batch_req_{b['id']}_{i}", "custom_id": line["custom_id"], "response": None,
+                "error": {"code": why, "message": f"the batch was {state} before this request ran"}}, False
+
+    def view(self, b, host):
+        """The batch as its API returns it: OpenAI's Batch or Anthropic's MessageBatch object."""
+        return self._anthropic_view(b, host) if b["anthropic"] else self._openai_view(b)
+
+    @staticmethod
+    def _anthropic_view(b, host):
+        at, c, ended = b["at"], b["counts"], b["state"] not in RUNNING
+        counts = {k: c.get(k, 0) for k in ("succeeded", "errored", "canceled", "expired")}
+        return {"id": b["id"], "type": "message_batch",
+                "processing_status": "ended" if ended else "canceling" if b["state"] == "cancelling" else
+                "in_progress",
+                "request_counts": {"processing": len(b["lines"]) - sum(counts.values()), **counts},
+                "created_at": _iso(at["created"]), "expires_at": _iso(at["created"] + DAY),
+                "ended_at": _iso(at.get(b["state"])) if ended else None,
+                "cancel_initiated_at": _iso(at.get("cancelling")), "archived_at": None,
+                "results_url": f"http://{host}/v1/messages/batches/{b['id']}/results" if ended else None}
+
+    @staticmethod
+    def _openai_view(b):
+        at, c = b["at"], b["counts"]
+        stamps = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
+        return {"id": b["id"], "object": "batch", "endpoint": OPENAI_ENDPOINT, "input_file_id": b["input_file_id"],
+                "completion_window": "24h", "status": b["state"], "output_file_id": b.get("output_file_id"),
+                "error_file_id": b.get("error_file_id"),
+                "errors": {"object": "list", "data": [b["problem"]]} if b["state"] == "failed" else None,
+                "created_at": int(at["created"]), "expires_at": int(at["created"] + DAY),
+                **{f"{k}_at": int(at[k]) if k in at else None for k in stamps},
+                "request_counts": {"total": len(b["lines"]), "completed": c["succeeded"],
+                                   "failed": sum(c.get(k, 0) for k in ("errored", "canceled", "expired"))},
+                "metadata": b["metadata"]}
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def load_corpus(path):
+    """A synthetic search corpus (JSONL of {query, url, text}; data/make_sample.py writes one) -> list,
+    every line checked (file:line: field: what is wrong, as geodef.BenchFormatError)."""
+    pages = []
+    for n, obj in geodef.read_jsonl(path):
+        for key in ("query", "url", "text"):
+            if not isinstance(obj.get(key), str) or (key != "url" and not obj[key].strip()):
+                raise geodef.BenchFormatError(f"{path}:{n}: {key}: expected a non-empty string"
+                                              if key != "url" else f"{path}:{n}: url: expected a string")
+            geodef.check_unicode(obj[key], path, n, key)
+        pages.append(obj)
+    if not pages:
+        raise geodef.BenchFormatError(f"{path}: no pages (JSONL of {{query, url, text}})")
+    return pages
+
+
+def search(body, corpus):
+    """A Tavily-shaped /search request -> its reply, from the corpus: the pages of the corpus query
+    that shares most words with the asked one, best first (deterministic; a SIMULATION of a web search)."""
+    if not isinstance(body, dict) or not isinstance(body.get("query"), str) or not body["query"].strip():
+        raise ValueError("query: a non-empty string is required")
+    n = body.get("max_results", 5)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= 20:
+        raise ValueError("max_results: an integer in 1..20 is required")
+    q = set(offline.words(body["query"])) - offline.STOP
+    by_query = {}
+    for page in corpus or []:
+        by_query.setdefault(page["query"], []).append(page)
+    best = max(by_query, key=lambda k: (len(q & set(offline.words(k))), k), default=None)
+    pages = by_query.get(best, []) if best is not None and q & set(offline.words(best)) else []
+    return {"query": body["query"], "response_time": 0.0, "images": [],
+            "results": [{"title": p["text"].split(".")[0][:80], "url": p["url"], "content": p["text"][:300],
+                         "raw_content": p["text"] if body.get("include_raw_content") else None,
+                         "score": round(1.0 - 0.05 * i, 2)} for i, p in enumerate(pages[:n])]}
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+
+def content_length(headers):
+    """A request's body length by serve.py's rules: one value of digits only (RFC 9110's 1*DIGIT,
+    not int()'s '+49', '4_9' or '-1'); none: 0 -> int, else ValueError naming the header."""
+    if len(set(headers.get_all("Content-Length") or [])) > 1:   # which one frames the body is ambiguous
+        raise ValueError("Content-Length: given more than once with different values")
+    n = headers.get("Content-Length")
+    if n is None:
+        return 0
+    n = n.strip()
+    if not n.isascii() or not n.isdigit():
+        raise ValueError("Content-Length: a non-negative integer is required")
+    return int(n)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    timeout = 30             # socket timeout: a client that stops sending is dropped, the thread freed
+
+    def _route(self, method, path, query, raw):
+        """-> (status, reply object or JSONL text) for the engine's routes; raises ValueError (400),
+        KeyError (404)."""
+        if method == "POST" and path.endswith("/chat/completions"):
+            return 200, offline.respond(json.loads(raw))
+        if method == "POST" and path == "/search":               # Tavily's route, answered from the corpus
+            return 200, search(json.loads(raw), self.server.corpus)
+        host = self.headers.get("Host") or "%s:%d" % self.server.server_address[:2]
+        return self.server.batches.route(method, path, query, raw, self.headers.get("Content-Type", ""), host)
+
+    def _handle(self, method):
+        url = urlsplit(self.path)
+        if self.headers.get("Transfer-Encoding"):
+            return self._refuse(411, "send the body with a Content-Length (no Transfer-Encoding)")
+        try:
+            n = content_length(self.headers)
+        except ValueError as e:
+            return self._refuse(400, str(e))
+        if n > MAX_BODY:
+            return self._refuse(413, f"body of {n} bytes, at most {MAX_BODY}")
+        try:
+            raw = self.rfile.read(n) if n else b""
+            if len(raw) < n:
+                raise ValueError(f"the body ended after {len(raw)} of {n} bytes")
+            return self._send(*self._route(method, url.path.rstrip("/"), parse_qs(url.query), raw))
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
+        except KeyError:
+            return self._send(404, {"error": {"message": "not found", "type": "not_found"}})
+        except (ValueError, TypeError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+            return self._send(400, {"error": {"message": str(e)[:300], "type": "invalid_request_error"}})
+        except Exception as e:   # never a request left unanswered
+            return self._send(500, {"error": {"message": f"offline engine failed ({type(e).__name__})",
+                                              "type": "server_error"}})
+
+    def _refuse(self, code, message):
+        """An error before the body is read: the connection closes, so the unread body is never taken
+        for the next request."""
+        self.close_connection = True
+        self._send(code, {"error": {"message": message, "type": "invalid_request_error"}})
+
+    def do_POST(self):
+        self._handle("POST")
+
+    def do_GET(self):
+        self._handle("GET")
+
+    def _send(self, code, obj):
+        text = isinstance(obj, str)                  # JSONL: a batch's output file or results
+        data = obj.encode("utf-8") if text else json.dumps(obj).encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/x-ndjson" if text else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:      # the client went away
+            self.close_connection = True
+
+    def log_message(self, *a):
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024    # listen backlog (serve.py's): a burst of new connections waits to be
+                                 # accepted instead of being dropped or reset past socketserver's 5
+
+
+def make_server(port=0, host="127.0.0.1", corpus=None):
+    """A loopback OpenAI-compatible server (chat completions and the batch APIs: `Batches`), and a
+    Tavily-shaped /search over `corpus` (load_corpus); port 0 picks a free port (server.server_address[1])."""
+    srv = _Server((host, port), _Handler)
+    srv.corpus, srv.batches = corpus or [], Batches()
+    return srv

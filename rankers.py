@@ -1,0 +1,164 @@
+"""Rankings of candidate lists: the protocol every ranker follows (prepare a batch of instances, then
+scores and order of each), the in-process base and Shield rankers over one loaded Qwen3-Reranker,
+rerank endpoints (Cohere, Jina, Voyage, vLLM- or TEI-shaped) through rerank_clients, and the
+--reranker specs that name them.
+
+Usage: base, shield = load_rankers(cfg, shield=True); base.prepare(insts); base.order(insts[0])[:5]
+"""
+import contextlib
+import hashlib
+import os
+import sys
+
+from tqdm import tqdm
+
+import lora
+import rerank_clients
+from runs import (SettingsError, load_reranker, load_shield, log, read_json, shield_scores_path, usage_path,
+                  write_json)
+
+
+def order_of(scores):
+    """Candidate indices, best score first (ties keep input order)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+
+
+def doc_key(query, doc):
+    return hashlib.sha1((query + "\x00" + doc).encode("utf-8")).hexdigest()
+
+
+class Ranker:
+    """Top-k by a reranker, scoring each distinct (query, document) once: the nine benign documents
+    are shared by a group's seven attack variants and its clean list. Margins cached on disk."""
+
+    def __init__(self, rr, path, label, adapter_off=False):
+        self.rr, self.path, self.label = rr, path, label
+        self.adapter_off = adapter_off      # the frozen base policy from a model that carries the adapter
+        self.cache = read_json(path, {})
+
+    def prepare(self, instances):
+        todo = {}
+        for x in instances:
+            for d in x.docs:
+                k = doc_key(x.query, d)
+                if k not in self.cache:
+                    todo.setdefault(x.query, {})[k] = d
+        items = [(q, k, d) for q, kd in todo.items() for k, d in kd.items()]
+        bar = tqdm(total=len(items), desc=f"rerank ({self.label})", file=sys.stderr, disable=not items)
+        with (lora.lora_disabled(self.rr.model) if self.adapter_off else contextlib.nullcontext()):
+            self._score(todo, bar)
+        bar.close()
+
+    def _score(self, todo, bar):
+        for q, kd in todo.items():
+            keys = list(kd)
+            for i in range(0, len(keys), 16):
+                chunk = keys[i:i + 16]
+                for k, v in zip(chunk, self.rr.score(q, [kd[k] for k in chunk])):
+                    self.cache[k] = float(v)
+                bar.update(len(chunk))
+            write_json(self.path, self.cache)
+
+    def scores(self, x):
+        return [self.cache[doc_key(x.query, d)] for d in x.docs]
+
+    def order(self, x):
+        return order_of(self.scores(x))
+
+
+def load_rankers(cfg, shield):
+    """(base, shield or None) Rankers over ONE loaded model: with the trained adapter attached, the
+    base scores come from the same weights with the adapter disabled (pi_0)."""
+    rr = load_shield(cfg) if shield else load_reranker(cfg)
+    return base_ranker(cfg, rr, adapter_off=shield), (shield_ranker(cfg, rr) if shield else None)
+
+
+def base_ranker(cfg, rr, adapter_off=False):
+    """The frozen base reranker's Ranker, its scores cached in cache/scores_base.json (adapter_off: the
+    model carries the Shield adapter, disabled for these scores)."""
+    return Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=adapter_off)
+
+
+def shield_ranker(cfg, rr):
+    """The Shield's Ranker (rr with the run's adapter), its scores cached per adapter (shield_scores_path)."""
+    return Ranker(rr, shield_scores_path(cfg), "shield")
+
+
+def documents_cut(rr, insts):
+    """Distinct (query, document) prompts longer than --max-length among `insts`: their tails are cut
+    (the model card's truncation); logged as a warning when there are any."""
+    pairs = {}
+    for x in insts:
+        pairs.setdefault(x.query, set()).update(x.docs)
+    n = sum(rr.overflow(q, sorted(d)) for q, d in pairs.items())
+    if n:
+        log(f"[rerank] WARNING: {n} of {sum(map(len, pairs.values()))} documents are cut to --max-length "
+            f"{rr.max_length} tokens (their ends are not scored)")
+    return n
+
+
+LOCAL = ("base", "shield")
+
+
+def parse_rerankers(items):
+    """["LABEL=SPEC" or "SPEC", ...] -> [(label, RerankSpec)] (rerank_clients.parse_rerankers), a bad
+    one refused naming --reranker."""
+    try:
+        return rerank_clients.parse_rerankers(items)
+    except ValueError as e:
+        raise SettingsError(f"--reranker {e}") from None
+
+
+def check_specs(items):
+    """Every endpoint's key present, before anything runs: -> the same items."""
+    for label, spec in items:
+        if spec.kind not in LOCAL:
+            try:
+                rerank_clients.make_reranker(spec)
+            except ValueError as e:
+                raise SettingsError(f"--reranker {label}={spec}: {e}") from None
+    return items
+
+
+class RemoteRanker:
+    """A rerank endpoint as a Ranker (prepare / scores / order): one request per candidate list
+    (the ten candidates ranked together), `workers` at a time, every reply cached on disk."""
+
+    def __init__(self, client, label, workers=8):
+        self.client, self.label, self.workers = client, label, workers
+        self.by_id = {}
+
+    def prepare(self, instances):
+        todo = [x for x in instances if x.instance_id not in self.by_id]
+        for x, r in zip(todo, self.client.map([(x.query, x.docs) for x in todo], workers=self.workers)):
+            self.by_id[x.instance_id] = r.scores
+        log(f"[rerank] {self.label}: {len(todo)} candidate lists ({self.client.stats['cache_hits']} from the cache)")
+
+    def scores(self, x):
+        return self.by_id[x.instance_id]
+
+    def order(self, x):
+        return order_of(self.scores(x))
+
+
+def make_rankers(cfg, items, stage, rr=None):
+    """[(label, spec)] -> {label: Ranker}. base and shield share one loaded model (the Shield's
+    adapter disabled for base, as in training); endpoints go through RerankClient with the run's
+    cache (cache/rerank) and usage ledger."""
+    local = {spec.kind for _, spec in items if spec.kind in LOCAL}
+    if local:
+        rr = rr or (load_shield(cfg) if "shield" in local else load_reranker(cfg))
+    out = {}
+    for label, spec in items:
+        if spec.kind == "base":
+            out[label] = base_ranker(cfg, rr, adapter_off="shield" in local)
+        elif spec.kind == "shield":
+            out[label] = shield_ranker(cfg, rr)
+        else:
+            client = rerank_clients.make_reranker(spec, cache_dir=os.path.join(cfg.run_dir, "cache", "rerank"),
+                                               ledger=usage_path(cfg), stage=stage, rpm=cfg.rpm,
+                                               **({"timeout": cfg.timeout} if cfg.timeout else {}))
+            out[label] = RemoteRanker(client, label, cfg.workers)
+    return out
+
+

@@ -1,0 +1,357 @@
+"""Every command's settings, each declared once: its type, default, help (the flag's), the check of its
+value, and whether a finished step pins it. Settings come in small groups (the run folder, the
+reranker model, the benchmark, the LLM clients, the Shield of Table A.1, TFSG of A.2, evaluation, the
+adaptive attack, the benchmark builder); a command's settings are the groups it reads, composed, as
+litgpt's args.py composes TrainArgs and EvalArgs. run.py makes one flag per field of the groups a
+command takes from its command line, typed by the field's type.
+
+Usage: cfg = TrainConfig(name="gpt55", llm="openai:gpt-5.5"); TrainConfig.pinned(); flags(EvalConfig)
+"""
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+import endpoints
+import rerank_clients
+import tfsg
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SAMPLE = os.path.join(HERE, "data", "geo_defensebench_sample.jsonl")
+N_DOCS = 10                           # candidates a list (geodef.N_DOCS): the top-k must leave some out
+
+
+class SettingsError(ValueError):
+    """A setting, flag, input file or run-folder state that refuses the command, said in one sentence
+    that names the flag or file (run.py prints it as `error: ...`)."""
+
+
+def setting(default, help, ok=None, pinned=False, taken=False, choices=None, flag=True, parse=None):
+    """One setting. ok: a check of its value (refused up front, naming the flag); pinned: a finished
+    step depends on it, so a rerun under the same run folder may not change it; taken: a later command
+    on the run folder takes it from config.json when it is not given again; choices: the values the
+    flag accepts; flag False: not a command-line setting (set by the code, never recorded); parse: the
+    text of a spec (a URL, a reranker, a search) -> its object, parsed once here; str() of the object
+    is its printable form (never a credential)."""
+    return field(default=default, metadata={"help": help, "ok": ok, "pinned": pinned, "taken": taken,
+                                            "choices": choices, "flag": flag, "parse": parse})
+
+
+def spec_of(parse):
+    """A parser for a spec given as text; an object already parsed is kept as it is."""
+    return lambda v: parse(v) if isinstance(v, str) else v
+
+
+def at_least(lo):
+    return lambda v: v >= lo
+
+
+def positive(v):
+    return v > 0
+
+
+def positive_or_none(v):
+    return v is None or v > 0
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_device(device):
+    """A CUDA device asked for but not visible: a clear error up front, not torch's from inside loading."""
+    import torch
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SettingsError(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise SettingsError(f"--device {device}: no CUDA device visible to torch {torch.__version__} ({build}); "
+                            "use --device cpu, or a CUDA build of torch on a machine with a GPU")
+    return True
+
+
+def check_name(name):
+    """A run name is one safe path component: --name ../../x would write outside --runs-dir, and
+    --name '' into it directly."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise SettingsError(f"--name {name!r}: a run name is letters, digits, '.', '_' and '-', starting with a "
+                            "letter or digit (one folder under --runs-dir)")
+    return True
+
+
+@dataclass
+class Settings:
+    """The checks every group shares: each field's `ok`, naming the flags refused in one sentence."""
+
+    def __post_init__(self):
+        for f in fields(self):          # specs given as text are parsed once, into the objects that travel
+            parse, v = f.metadata.get("parse"), getattr(self, f.name)
+            if parse is not None and v is not None:
+                try:
+                    object.__setattr__(self, f.name, parse(v))
+                except ValueError as e:
+                    raise SettingsError(f"--{flag_name(f)} {e}") from None
+        bad = []
+        for f in fields(self):
+            v, ok, choices = getattr(self, f.name), f.metadata.get("ok"), f.metadata.get("choices")
+            if ok is not None and v is not None and not ok(v):
+                bad.append(f"--{flag_name(f)} {v!r}")
+            if choices and v not in choices:
+                bad.append(f"--{flag_name(f)} {v!r} (one of {', '.join(c for c in choices if c is not None)})")
+        if bad:
+            raise SettingsError(f"out of range: {', '.join(bad)}")
+
+    @classmethod
+    def pinned(cls):
+        return [f.name for f in fields(cls) if f.metadata.get("pinned")]
+
+    @classmethod
+    def taken(cls):
+        return [f.name for f in fields(cls) if f.metadata.get("taken")]
+
+
+def flag_name(f):
+    return f.name.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+@dataclass
+class RunSettings(Settings):
+    """The run folder (README "What a run folder guarantees") and the seed of everything drawn."""
+    name: str = setting("default", "run folder name under --runs-dir", ok=check_name)
+    runs_dir: str = setting("runs", "parent folder of run folders")
+    seed: int = setting(0, "split, order and initialisation seed", pinned=True)
+
+    @property
+    def run_dir(self):
+        return os.path.join(self.runs_dir, self.name)
+
+
+@dataclass
+class ModelSettings(Settings):
+    """The reranker: Qwen3-Reranker (or the tiny random checkpoint) and how it is loaded."""
+    model: str = setting("Qwen/Qwen3-Reranker-0.6B", "reranker: hub id, local folder, or 'tiny' (random weights, "
+                         "offline)", pinned=True)
+    revision: str = setting(None, "hub revision to pin", pinned=True)
+    dtype: str = setting("bfloat16", "reranker weights dtype (bfloat16: as Qwen3-Reranker ships)", pinned=True,
+                         choices=("bfloat16", "float16", "float32"))
+    device: str = setting("cpu", "torch device (cpu, cuda)", ok=check_device)
+    quant: str = setting("none", "'nf4' stores the frozen base projections in 4 bits (Table A.1)", pinned=True,
+                         choices=("none", "nf4"))
+    max_length: int = setting(8192, "reranker prompt token cap (model card: 8192)", ok=at_least(64), pinned=True)
+    compile: bool = setting(False, "fuse the norms, RoPE and SwiGLU with torch.compile (faster; needs a C++ "
+                                   "compiler on CPU)")
+
+
+@dataclass
+class DataSettings(Settings):
+    """The benchmark a run trains and evaluates on, its split (B.1.2) and the top-k (A.1.3)."""
+    bench: str = setting(SAMPLE, "GEO-DefenseBench JSONL file", pinned=True)
+    n_construction: int = setting(12, "construction query groups when the file has no split (B.1)", ok=at_least(1),
+                                  pinned=True)
+    seen_methods: str = setting(None, "GEO methods of the construction split, comma list (default: the file's "
+                                      "_meta.seen_methods)", pinned=True)
+    # k below the candidate count: at k = 10 every candidate is in context and no reranker matters
+    k: int = setting(5, "top-k evidence given to the LLM (A.1.3)", ok=lambda v: 1 <= v < N_DOCS, pinned=True)
+    methods: str = setting("all", "comma list of GEO methods to evaluate, or 'all'")
+    max_test_groups: int = setting(0, "evaluate only the first N test groups (0 = all)", ok=at_least(0))
+
+
+@dataclass
+class LLMSettings(Settings):
+    """The target LLM, how it is reached (any OpenAI-compatible server), decoding and batch APIs."""
+    llm: str = setting("offline", "target LLM as provider:model (offline, openai:, anthropic:, deepseek:, moonshot:, "
+                                  "zhipu:, vllm:, ollama:, llama.cpp:)", pinned=True)
+    base_url: endpoints.Endpoint = setting(None, "base URL of any OpenAI-compatible server", taken=True,
+                                           parse=spec_of(endpoints.Endpoint.parse))
+    temperature: float = setting(0.0, "decoding temperature (fixed per target)", ok=at_least(0), pinned=True)
+    max_tokens: int = setting(2048, "max completion tokens", ok=at_least(1), taken=True)
+    batch_api: str = setting(None, "send bulk LLM stages through the provider's batch API (OpenAI Batch, Anthropic "
+                                   "Message Batches; half price): 'on', or 'auto' (synchronous where there is none)",
+                             choices=(None, "on", "auto"))
+    batch_poll: float = setting(60.0, "seconds between batch status checks at first (then growing)", ok=positive)
+    batch_deadline: float = setting(None, "seconds a batch may run before it is cancelled, its replies kept and the "
+                                          "rest sent synchronously (default: the providers' 24 h window)",
+                                    ok=positive_or_none)
+    # the offline engine's loopback URL while a command serves it (demo, attack, build-bench): not a
+    # setting, never recorded; the engine's replies are cached under 'offline' whatever its port
+    engine_url: str = setting(None, "", flag=False)
+
+
+@dataclass
+class RequestSettings(Settings):
+    """How requests to any endpoint go out (LLM, rerank, search): concurrency, rate, timeout, prices."""
+    workers: int = setting(8, "concurrent requests", ok=at_least(1), taken=True)
+    rpm: float = setting(0, "requests per minute cap (0 = none)", ok=at_least(0), taken=True)
+    timeout: float = setting(None, "seconds for one whole reply of an LLM, rerank or search endpoint, retries apart "
+                                   "(default: 600 for LLMs, 120 for rerank and search)", ok=positive_or_none,
+                             taken=True)
+    prices: str = setting(None, "JSON price table {model: [USD per 1M input tokens, USD per 1M output tokens]} "
+                                "for cost reports")
+
+
+@dataclass
+class ShieldSettings(Settings):
+    """The Shield Reranker's LoRA and objective (Table A.1, Eqs. 1-5) and its training loop."""
+    lora_r: int = setting(16, "LoRA rank", ok=at_least(1), pinned=True)
+    lora_alpha: int = setting(32, "LoRA alpha (scaling alpha/r)", ok=positive, pinned=True)
+    lora_dropout: float = setting(0.05, "dropout on the LoRA input", ok=lambda v: 0 <= v < 1, pinned=True)
+    lr: float = setting(1e-4, "AdamW learning rate", ok=positive, pinned=True)
+    epochs: int = setting(3, "Shield training epochs (the paper does not state them)", ok=at_least(1), pinned=True)
+    grad_accum: int = setting(8, "gradient accumulation steps", ok=at_least(1), pinned=True)
+    max_grad_norm: float = setting(1.0, "gradient clipping norm (TRL's default)", ok=positive, pinned=True)
+    beta: float = setting(0.1, "Eq. 3 beta", ok=positive, pinned=True)
+    lam_def: float = setting(1.1, "Eq. 5 lambda_def", ok=at_least(0), pinned=True)
+    lam_util: float = setting(0.9, "Eq. 5 lambda_util", ok=at_least(0), pinned=True)
+    lam_cons: float = setting(0.15, "Eq. 5 lambda_cons", ok=at_least(0), pinned=True)
+    monitor_frac: float = setting(0.2, "share of construction groups held out for monitoring",
+                                  ok=lambda v: 0 < v < 1, pinned=True)
+    grad_checkpointing: bool = setting(False, "recompute activations in backward (long documents)")
+    save_every: int = setting(4, "optimizer steps between resumable checkpoints", ok=at_least(1))
+
+
+@dataclass
+class TFSGSettings(Settings):
+    """TFSG's construction (A.2): the Analyzer, the schedule, the interface, and the Controller's sizes
+    that the paper does not state (tfsg.Limits, whose fields are settings under their own names)."""
+    analyzer: str = setting(None, "TFSG Analyzer LLM (default: the target)", pinned=True)
+    n_seed_cases: int = setting(6, "A.2.2 controlled contrast instances", ok=at_least(0), pinned=True)
+    batch_size: int = setting(10, "A.2.2 instances per update batch", ok=at_least(1), pinned=True)
+    n_batches: int = setting(3, "update batches (E1 -> E{n+1})", ok=at_least(1), pinned=True)
+    max_initial_rules: int = setting(10, "cold-start rule cap (A.2.2)", ok=at_least(1), pinned=True)
+    reasoning_interface: bool = setting(False, "use A.3.2/A.3.5 (targets that return reasoning_content)",
+                                        pinned=True)
+    shield: bool = setting(True, "TFSG construction on Shield top-k (else base top-k)", pinned=True)
+
+
+def _limit(f):
+    lo = f.metadata.get("min")
+    return (f.name, f.type, setting(f.default, f"TFSG {f.metadata['help']} (not in the paper)",
+                                    ok=None if lo is None else at_least(lo), pinned=True))
+
+
+# tfsg.Limits' sizes as settings: each declared once, in tfsg.py (type, default, help, minimum)
+TFSGLimits = dataclasses.make_dataclass("TFSGLimits", [_limit(f) for f in fields(tfsg.Limits)], bases=(Settings,))
+
+
+@dataclass
+class EvalSettings(Settings):
+    """Evaluation (B.2): the conditions, the judge, PPL-Filter, transfer libraries (Table C.2)."""
+    judge: str = setting(None, "ASI and pairwise-quality judge LLM (default: the target)", taken=True)
+    conditions: str = setting("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then "
+                                     "the injection defenses Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG)")
+    ppl_model: str = setting("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'", taken=True)
+    ppl_quantile: float = setting(0.99, "PPL threshold quantile (B.2.2)", ok=lambda v: 0 < v <= 1, taken=True)
+    transfer: str = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]")
+
+
+@dataclass
+class RerankSettings(Settings):
+    """Deployed rerankers under GEO attack (rerank-eval; eval --reranker) and the bootstrap's size."""
+    reranker: list = setting(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, "
+                                   "voyage:MODEL, http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT); "
+                                   "repeatable. eval: adds 'Non-Defense [LABEL]' and 'TFSG only [LABEL]'",
+                             parse=rerank_clients.parse_rerankers)
+    n_boot: int = setting(10000, "bootstrap resamples", ok=at_least(1), taken=True)
+
+
+@dataclass
+class AttackSettings(Settings):
+    """The adaptive attacker (attack.py): its target, budgets, rounds, LLM and knowledge."""
+    target: str = setting("shield", "the reranker the attacker queries: shield, base, or a reranker spec "
+                                    "(see --reranker)")
+    budgets: str = setting("1,4,16", "candidates per instance, comma list (nested: one run)")
+    rounds: int = setting(None, "attacker rounds (default: enough for the largest budget)", ok=at_least(1))
+    candidates_per_round: int = setting(2, "rewrites the attacker writes a round (MAGEO: 2)", ok=at_least(1))
+    attacker: str = setting(None, "attacker LLM, provider:model (default: the target LLM)")
+    aware_of_library: bool = setting(False, "the attacker reads the TFSG library's rules")
+
+
+@dataclass
+class BuildSettings(Settings):
+    """The benchmark builder (build_bench.py, B.1.1): inputs, search, the families and the split."""
+    input: str = setting(None, "GEO-Bench rows (.jsonl, .json, .parquet), a folder of AutoGEO's datachunk_N.json, "
+                               "hf:GEO-Optim/geo-bench, or {query, docs[, source_index]} rows")
+    output: str = setting(None, "GEO-DefenseBench JSONL to write")
+    search: endpoints.SearchSpec = setting(None, "tavily (TAVILY_API_KEY), tavily:http://HOST:PORT, or "
+                                                 "offline:CORPUS.jsonl (a SIMULATED search): retrieve the candidates "
+                                                 "(default: the rows' own documents)",
+                                           parse=spec_of(endpoints.SearchSpec.parse))
+    docs: int = setting(10, "candidates per list (the paper: 10)", ok=lambda v: 2 <= v <= N_DOCS)
+    attacks: str = setting(None, "comma list of attack families (default: the paper's seven)")
+    seen_methods: str = setting(None, "with --attacks: the construction (seen) families, comma list")
+    groups: int = setting(100, "query groups to sample (Table B.1: 100)", ok=at_least(2))
+    construction_groups: int = setting(12, "of them, construction groups (Table B.1: 12)", ok=at_least(1))
+    fidelity_judge: str = setting(None, "provider:model judging each rewrite's faithfulness (default: --llm)")
+    mageo_signal: str = setting("engine", "MAGEO's signal: a simulated generative engine's citations of the "
+                                          "document (as MAGEO), or the base reranker's score (hill-climbs on the "
+                                          "model the benchmark measures)", choices=("engine", "reranker"))
+    agentic_archive: str = setting(None, "AgenticGEO's strategies.json (default: our archive)")
+    autogeo_rules: str = setting(None, "AutoGEO's merged_rules.json or a JSON list of rules")
+    synthetic: bool = setting(False, "mark the file synthetic in _meta (the bundled sample)")
+
+
+# ----------------------------------------------------------------------------- commands
+
+# A command's class composes the groups it reads (its fields come base by base from the last listed:
+# the run folder first); FLAGS are the groups it takes from its command line, the rest it takes from
+# the run's record.
+
+
+@dataclass
+class TrainConfig(TFSGLimits, TFSGSettings, ShieldSettings, RequestSettings, LLMSettings, DataSettings,
+                  ModelSettings, RunSettings):
+    """train: the Shield (Eqs. 1-5) and the TFSG library (Algorithm 1)."""
+    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, ShieldSettings, TFSGSettings,
+             TFSGLimits)
+
+
+@dataclass
+class EvalConfig(RerankSettings, EvalSettings, TrainConfig):
+    """eval: every condition on what `train` made; the trained run's settings come from its record."""
+    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, EvalSettings, RerankSettings)
+
+
+@dataclass
+class DemoConfig(EvalConfig):
+    """demo: train then eval, offline."""
+    FLAGS = TrainConfig.FLAGS + (EvalSettings, RerankSettings)
+
+
+@dataclass
+class RerankEvalConfig(EvalConfig):
+    """rerank-eval: the reranker stage alone (no LLM call)."""
+    FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, RerankSettings)
+
+
+@dataclass
+class AttackConfig(AttackSettings, EvalConfig):
+    """attack: the adaptive attacker against a trained run, then every budget end to end."""
+    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, EvalSettings, AttackSettings)
+
+
+@dataclass
+class BuildConfig(BuildSettings, RequestSettings, LLMSettings, ModelSettings, RunSettings):
+    """build-bench: GEO-DefenseBench from GEO-Bench rows."""
+    FLAGS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, BuildSettings)
+
+
+# Presets. "paper" = Table A.1, including its 4-bit base ("Quantized loading 4-bit"), and GPT-5.5 as the
+# judge of every target (B.2.3, B.2.4; without it the judge is the target itself); the plain defaults
+# are the same but keep the bf16 base, which trains faster here (NF4 saves memory, not time: `bench
+# --what nf4`). "tiny-demo" trains the random tiny model hard enough to see the objective move in
+# minutes on a CPU (a plumbing check, not the paper's setting).
+PRESETS = {
+    "paper": {"quant": "nf4", "judge": "openai:gpt-5.5"},
+    "tiny-demo": {"model": "tiny", "dtype": "float32", "lr": 1e-3, "epochs": 6, "grad_accum": 4,
+                  "llm": "offline", "ppl_model": "tiny", "n_boot": 2000},
+}
+
+
+def flags(cls):
+    """The fields a command takes from its command line: those of its FLAGS groups, in their order."""
+    names = {f.name for g in cls.FLAGS for f in fields(g)}
+    return [f for f in fields(cls) if f.name in names and f.metadata.get("flag", True)]
