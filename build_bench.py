@@ -22,6 +22,12 @@ all, the retry marked in the prompt), then its group is dropped with the
 reason. Every call is cached in the run folder: a killed build reruns to the same bytes. The output
 is written aside, validated, and only then replaces the file.
 
+`--honest` adds, per group, an honest edit of the source (honest.HonestEdit: clearer wording and
+structure, nothing GEO adds), through its own gate (honest_gate: the families' checks, then no new
+number, quotation, name or authority wording, then the fidelity judge), REWRITE_TRIES attempts; a
+group whose every attempt is refused keeps its attacks without an honest edit. eval and rerank-eval
+measure on it whether a defense punishes honest optimisation (the honest penalty).
+
 Usage: python run.py build-bench --input test.jsonl --output bench.jsonl --search tavily --llm openai:gpt-5.5
 """
 import hashlib
@@ -35,6 +41,7 @@ import accounting
 import endpoints
 import geo_attacks
 import geodef
+import honest
 import llm_clients
 import offline_server
 from rankers import load_rankers
@@ -351,10 +358,10 @@ def group_id(rid):
 # ----------------------------------------------------------------------------- rewriting
 
 
-def rewrite_family(ctx, fam, groups):
-    """Family `fam` (a geo_attacks rewriter) on every group (dicts with query, docs, source_index): ->
-    {group_id: (text, trace)} for the rewrites that passed the gate, and {group_id: reason} for the
-    groups it failed on."""
+def rewrite_family(ctx, fam, groups, gate=geo_attacks.gate):
+    """Family `fam` (a geo_attacks rewriter, or the honest editor with its gate) on every group (dicts
+    with query, docs, source_index): -> {group_id: (text, trace)} for the rewrites that passed the gate,
+    and {group_id: reason} for the groups it failed on."""
     done, failed, todo = {}, {}, list(groups)
     verdicts = {g["group_id"]: [] for g in groups}
     for attempt in range(REWRITE_TRIES):
@@ -363,7 +370,7 @@ def rewrite_family(ctx, fam, groups):
         jobs = [geo_attacks.Job(g["query"], g["docs"][g["source_index"]]["text"], attempt, g["group_id"],
                                 [d["text"] for d in g["docs"]], g["source_index"]) for g in todo]
         out = fam.run(ctx, jobs)
-        why = geo_attacks.gate(ctx, [j.source for j in jobs], [t for t, _ in out], f"{fam.name} fidelity")
+        why = gate(ctx, [j.source for j in jobs], [t for t, _ in out], f"{fam.name} fidelity")
         retry = []
         for g, (t, trace), w in zip(todo, out, why):
             verdicts[g["group_id"]].append(w or "accepted")
@@ -375,6 +382,17 @@ def rewrite_family(ctx, fam, groups):
     for g in todo:
         failed[g["group_id"]] = f"{fam.name}: every attempt refused ({'; '.join(verdicts[g['group_id']])})"
     return done, failed
+
+
+def honest_edits(ctx, groups):
+    """The honest editor (honest.HonestEdit) on every kept group, through its own gate
+    (honest_gate), REWRITE_TRIES attempts: -> {group_id: (text or None, trace)}. A group whose every
+    attempt is refused keeps its attacks and has no honest edit; its trace says why."""
+    done, failed = rewrite_family(ctx, honest.HonestEdit(), groups, honest.honest_gate)
+    for gid, why in failed.items():
+        log(f"[build-bench] {gid}: no honest edit ({why})")
+    return {**{gid: (t, tr) for gid, (t, tr) in done.items()},
+            **{gid: (None, {"attempts": REWRITE_TRIES, "refused": why}) for gid, why in failed.items()}}
 
 
 # ----------------------------------------------------------------------------- the command
@@ -462,7 +480,13 @@ def dry_run(cfg):
         st = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out}
         stages[f] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
                      "usd_batch_api": None if price is None else accounting.token_cost(price, st, batch=True)}
-    n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every family's rewrites are judged
+    if cfg.honest:                      # one edit per group, each judged like a family's rewrite
+        st = {"groups": len(picked), "requests": len(picked) * REWRITE_TRIES * 2,
+              "prompt_tokens": int(len(picked) * REWRITE_TRIES * 2 * (chars / 4 + 400)),
+              "completion_tokens": int(len(picked) * REWRITE_TRIES * 2 * chars / 4 * 1.1)}
+        stages["honest edit"] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
+                                 "usd_batch_api": None if price is None else accounting.token_cost(price, st, True)}
+    n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every rewrite (and edit) is judged
     stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
     return {"groups": len(picked), "construction": n_cons, "test": len(picked) - n_cons,
             "instances": {"construction": n_cons * len(seen), "test": (len(picked) - n_cons) * len(fams)},
@@ -521,9 +545,12 @@ def build_bench(cfg, p=None):
         raise SettingsError(f"{cfg.input}: no query group left, all {len(dropped)} dropped "
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
+    edits = honest_edits(ctx, kept) if cfg.honest else None
+    if edits:                           # the honest edits' template, beside the families'
+        markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
-    write(cfg, fams, seen, kept, attacks, traces, llm, search, markers)
+    write(cfg, fams, seen, kept, attacks, traces, llm, search, markers, edits)
     comp = composition(kept, fams, seen)
     log(f"[build-bench] wrote {len(kept)} groups to {cfg.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
@@ -573,14 +600,20 @@ def composition(groups, fams, seen):
     return out
 
 
-def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers):
-    """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output."""
+def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=None):
+    """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output.
+    edits ({group_id: (text or None, trace)}, build-bench --honest): each line's `honest` edit and its
+    `honest_trace`, and _meta's `honest`, `honest_digest` and `honest_edits`; without it the lines are as
+    before."""
     meta = {"name": os.path.basename(cfg.output), "synthetic": bool(cfg.synthetic), "methods": fams,
             "seen_methods": seen, "n_docs": cfg.docs, "search": search.label if search else None,
             "builder_llm": llm.label, "fidelity_judge": cfg.fidelity_judge or llm.label, "seed": cfg.seed,
             "groups": len(groups), "source": os.path.basename(cfg.input),
             "prompt_digests": geo_attacks.prompt_digests(fams, cfg.mageo_signal),
             "mageo_signal": cfg.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
+    if edits is not None:
+        meta.update(honest=True, honest_digest=honest.HonestEdit().digest(),
+                    honest_edits=sum(t is not None for t, _ in edits.values()))
     if cfg.synthetic:
         meta["note"] = ("SYNTHETIC: programmatic pages and offline-engine rewrites for offline plumbing; not the "
                         "paper's benchmark and not real web pages. Numbers measured on it say nothing about real "
@@ -589,11 +622,12 @@ def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers):
     for g in groups:
         gid = g["group_id"]
         names = fams if g["split"] == "test" else seen
-        lines.append(json.dumps({"group_id": gid, "query": g["query"], "docs": g["docs"],
-                                 "source_index": g["source_index"],
-                                 "attacks": {m: attacks[gid][m] for m in names},
-                                 "trace": {m: traces[gid][m] for m in names}, "split": g["split"]},
-                                 ensure_ascii=False))
+        line = {"group_id": gid, "query": g["query"], "docs": g["docs"], "source_index": g["source_index"],
+                "attacks": {m: attacks[gid][m] for m in names}, "trace": {m: traces[gid][m] for m in names}}
+        if edits is not None:
+            text, trace = edits[gid]
+            line.update(({"honest": text} if text is not None else {}), honest_trace=trace)
+        lines.append(json.dumps({**line, "split": g["split"]}, ensure_ascii=False))
     tmp = f"{cfg.output}.tmp{os.getpid()}"
     try:
         atomic_write(tmp, "\n".join(lines) + "\n")

@@ -2,7 +2,9 @@
 reference (B.1.3), the PPL-Filter baseline (B.2.2), the ASI and pairwise-quality judges (B.2.3,
 B.2.4), the per-method, per-epoch and transfer breakdowns, and summary.json / report.md. Beside
 them, the injection defenses a provider would try first (defenses.py: Spotlighting, Sandwich
-Prompt, PromptArmor, RobustRAG) on the base top-k, with each condition's cost per query.
+Prompt, PromptArmor, RobustRAG) on the base top-k, with each condition's cost per query. On a
+benchmark with honest edits (build-bench --honest), each condition's honest penalty (honest_audit):
+does it stop citing a source once the source is honestly edited, as it stops citing its attacks?
 
 Records are appended one per instance (results/*.jsonl), so an interrupted eval resumes; the
 settings they were made with are pinned in results/settings.json.
@@ -142,12 +144,13 @@ def pipeline_records(cfg, llm, name, part, tops, p):
     return recs
 
 
-def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, before_write=None):
+def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, before_write=None, judge_asi=True):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
     appended as it finishes, so an interrupted run resumes with the instances it lacks.
     prompt_of(x, docs): the prompt string, or a message list; or a defenses.Pipeline (pre-steps,
     then the answer: pipeline_records). before_write: called with the records before they are
-    appended (evaluate records its settings then)."""
+    appended (evaluate records its settings then). judge_asi False: no ASI judge and no ASI fields
+    (the honest audit's lists hold no attack)."""
     done = {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
@@ -173,13 +176,13 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
                      "max_tokens": cfg.max_tokens, "json": True} for x, t in zip(part, tops)]
             replies = llm.map(reqs, workers=cfg.workers, desc=name)
             recs = [_record(x, t, name, _answer(r), r.reasoning) for x, t, r in zip(part, tops, replies)]
-        jreq = [(i, {"messages": [{"role": "user",
+        jreq = [] if not judge_asi else [(i, {"messages": [{"role": "user",
                                    "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
                      "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_asi})
                 for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
         jrep = judge.map([q for _, q in jreq], workers=cfg.workers, desc=f"{name} ASI judge",
                          invalid="return") if jreq else []
-        for rec in recs:
+        for rec in recs if judge_asi else ():
             rec["asi"], rec["asi_judge"] = 0, None    # attack not in context: 0 without a judge call (B.2.3)
         for (i, _), rep in zip(jreq, jrep):
             if isinstance(rep, llm_clients.ReplyInvalid):   # every attempt unusable: recorded, not scored
@@ -355,9 +358,9 @@ def evaluate(cfg):
         if any(old.get(k) != v for k, v in new.items()):
             write_json(settings, {**old, **new})
 
-    def condition(name, insts, topk_of, prompt_of, file):  # one condition's records in results/<file>.jsonl
+    def condition(name, insts, topk_of, prompt_of, file, asi=True):  # one condition's records in results/<file>.jsonl
         return eval_condition(cfg, llm, name, insts, topk_of, prompt_of, os.path.join(res, file + ".jsonl"), judge,
-                              before_write=lambda recs: record_settings(name, recs))
+                              before_write=lambda recs: record_settings(name, recs), judge_asi=asi)
     # clean reference (B.1.3): once per group, reused by its attack variants
     clean_recs = condition("clean reference", cleans, lambda x: base.order(x)[:cfg.k],
                            lambda x, d: tfsg.standard_prompt(x.query, d), "clean_reference")
@@ -371,6 +374,7 @@ def evaluate(cfg):
     results = {}
     for c in conds:
         results[c] = condition(c, insts, plan[c][0], plan[c][1], condition_slug(c))
+    honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
     summary = {"offline": is_offline(cfg), "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
@@ -378,6 +382,7 @@ def evaluate(cfg):
                                for m in methods} for c in conds},
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
+    summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
     if "GEO Defender" in conds:
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
         summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
@@ -398,6 +403,50 @@ def evaluate(cfg):
     report.write_report(run, summary)
     log(f"[eval] wrote {run}/summary.json and {run}/report.md")
     return summary
+
+
+def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):
+    """Does the defense punish honest optimisation (#40)? Each condition on the clean list and on the
+    honest list (geodef.honest_instance) of every test group with an honest edit, two records per
+    group in results/<slug>.honest.jsonl (no ASI judge), then its honest_penalty. ranked_by: the
+    rankers the conditions' top-k come from (the base first; None for one not loaded), to score the new
+    lists. None without honest edits (then nothing is scored, asked or written)."""
+    groups = [g for g in test if g.honest is not None]
+    if not groups:
+        return None
+    lists = [x for g in groups for x in (geodef.clean_instance(g), geodef.honest_instance(g))]
+    for rk in filter(None, ranked_by):
+        rk.prepare(lists)
+    topk = {c: plan[c][0] for c in conds}
+    if "PPL-Filter" in conds:           # the same threshold; the new lists' flagged candidates moved last
+        orders, _ = ppl_filter(cfg, ranked_by[0], cons, lists)
+        topk["PPL-Filter"] = lambda x: orders[x.instance_id][:cfg.k]
+    out = {}
+    for c in conds:
+        recs = condition(c, lists, topk[c], plan[c][1], condition_slug(c) + ".honest", asi=False)
+        out[c] = honest_penalty(recs, results[c], groups, cfg.n_boot, cfg.seed)
+    return {"groups": len(groups), "test_groups": len(test), "conditions": out}
+
+
+def honest_penalty(recs, attack_recs, groups, n_boot=10000, seed=0):
+    """One condition's honest penalty: over the groups whose source it cites on the clean list, the % whose
+    honest edit it does not cite on the honest list ("loses its citation"); beside it `attack_loss`,
+    the same for the attack rewrites of those groups (% of their attack instances not cited). 95%
+    query-cluster bootstrap CIs (metrics.cluster_bootstrap_ci); None where no source is cited."""
+    by = {r["instance_id"]: r for r in recs}
+    src = {g.group_id: g.docs[g.source_index]["doc_id"] for g in groups}
+    kept = [gid for gid, d in src.items() if d in by[f"{gid}:clean"]["cited_ids"]]
+    lost = [100.0 * (f"{src[gid]}#honest" not in by[f"{gid}:honest"]["cited_ids"]) for gid in kept]
+    attacks = [r for r in attack_recs if r["group_id"] in set(kept)]
+    out = {"groups": len(groups), "source_cited": len(kept), "n_attack": len(attacks),
+           "honest_cited": sum(f"{d}#honest" in by[f"{gid}:honest"]["cited_ids"] for gid, d in src.items())}
+    for name, vals, clusters in (("honest_penalty", lost, kept),
+                                 ("attack_loss", [100.0 * (not r["attack_cited"]) for r in attacks],
+                                  [r["group_id"] for r in attacks])):
+        out[name] = sum(vals) / len(vals) if vals else None
+        out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, clusters, n_boot=n_boot, seed=seed)) if vals \
+            else None
+    return out
 
 
 def defense_summary(cfg, llm, judge, results, plan, insts, clean, res):
@@ -575,6 +624,7 @@ def plan_eval(cfg):
     judged = ["GEO Defender"] * ("GEO Defender" in conds) + [c for c in conds if c in defenses.PIPELINES]
     if judged:
         stages["pairwise quality judge"] = estimate(len(insts) * len(judged), 2 * 1200 + 1500, 120)
+    honest = plan_honest(cfg, data.test, conds, res, ctx, stages)
     judge = cfg.judge or cfg.llm
     model_of = lambda s: judge if "judge" in s else cfg.llm
     return {"instances": len(insts), "records_to_make": todo, "stages": stages,
@@ -582,7 +632,25 @@ def plan_eval(cfg):
             "usd_at_most_batch_api": price_plan(cfg, stages, model_of, batch=True),
             "note": "upper bounds; records already made and LLM replies already cached cost nothing. PromptArmor "
                     "and RobustRAG multiply the target's calls: k + 1 per record (k remover or isolated calls, "
-                    "then the answer), 2 in a row; their pre-step stages count the k"}
+                    "then the answer), 2 in a row; their pre-step stages count the k", **honest}
+
+
+def plan_honest(cfg, test, conds, res, ctx, stages):
+    """eval --dry-run's honest audit (a benchmark with honest edits): per condition, 2 answers per group
+    with an honest edit (its clean and honest lists; PromptArmor and RobustRAG k + 1 calls each), no
+    ASI judge; the records results/<slug>.honest.jsonl lack. Adds its stages -> the plan's `honest_audit`
+    entry ({} without honest edits)."""
+    n = sum(g.honest is not None for g in test)
+    if not n:
+        return {}
+    todo = {c: max(0, 2 * n - records_done(os.path.join(res, condition_slug(c) + ".honest.jsonl"))) for c in conds}
+    stages["honest audit answers"] = estimate(sum(todo.values()), ctx + 2500, 300)
+    for c in (c for c in conds if c in defenses.PIPELINES and defenses.PIPELINES[c].pre_step):
+        stages[f"honest audit {c} {defenses.PIPELINES[c].pre_step}"] = estimate(todo[c] * cfg.k, ctx / cfg.k + 1300,
+                                                                               150)
+    return {"honest_audit": {"groups": n, "records_to_make": sum(todo.values()),
+                             "extra_calls_per_group_per_condition": "2 (the clean list and the honest list); "
+                             "PromptArmor and RobustRAG 2 x (k + 1); no ASI judge"}}
 
 
 def library_epochs(cfg, final, insts, shield_topk, clean, condition):
@@ -640,7 +708,7 @@ def offline_notes(cfg, meta):
         notes.append("Reranker: " + TINY_NOTE + ".")
     if "offline" in cfg.llm or "offline" in (cfg.judge or ""):
         notes.append("LLMs: the offline engine (offline.py), a deterministic SIMULATION; not a real LLM.")
-    if cfg.ppl_model == "tiny":
+    if getattr(cfg, "ppl_model", None) == "tiny":
         notes.append("PPL-Filter: tiny random-weight GPT-2 (offline plumbing).")
     if meta.synthetic:
         notes.append("Benchmark: SYNTHETIC (build-bench with the offline engine on data/make_sample.py's "

@@ -1,6 +1,9 @@
 """The paper's seven GEO attack families as document rewriters, for building GEO-DefenseBench (paper
 B.1.1): AgenticGEO, AutoGEO and MAGEO (seen in construction), GEO, GEO-SFE, IF-GEO and RAID-GSEO
 (unseen); and the fidelity gate every rewrite passes (the adaptive attacker of attack.py uses it too).
+Beside them, not an attack and not in FAMILIES: the honest editor (HonestEdit, `build-bench --honest`),
+clearer wording and structure with nothing GEO adds, on which eval and rerank-eval measure whether a
+defense punishes honest optimisation.
 
 Each family is the algorithm of its own paper and its authors' code where public (inputs, goal,
 steps, selection), in our own prompts; its docstring cites the paper, gives its LLM calls per

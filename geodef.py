@@ -17,6 +17,9 @@ Deviations / choices the paper leaves open:
 - A file line `{"_meta": {...}}` (first line only) carries metadata: `methods` (every group must
   have each), `seen_methods` (the construction methods; never guessed: see `seen_methods`),
   `synthetic`.
+- A group line may carry `honest` (build-bench --honest): an honest edit of the source, not an
+  attack; `honest_instance` puts it in the clean list, where eval and rerank-eval measure the honest
+  penalty. Files without it load as before.
 
 Usage: groups = load_bench("data/geo_defensebench_sample.jsonl"); split = split_groups(groups)
 """
@@ -59,6 +62,7 @@ class QueryGroup:
     attacks: dict         # method name -> rewritten text of docs[source_index]
     split: str = None     # "construction" | "test" | None (then split_groups decides)
     line: int = 0
+    honest: str = None    # an honest edit of docs[source_index] (build-bench --honest), or None
 
 
 @dataclass
@@ -261,7 +265,24 @@ def _read_group(obj, path, n, n_docs, meta):
                                   + ("seen_methods" if need is meta.seen_methods else "methods"))
     if split is not None and split not in ("construction", "test"):
         _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
-    return QueryGroup(gid, query, docs, src, dict(attacks), split, n)
+    honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
+    return QueryGroup(gid, query, docs, src, dict(attacks), split, n, honest)
+
+
+def _read_honest(obj, path, n, source_norm):
+    """The optional `honest` field (build-bench --honest): an honest edit of the source, text that is
+    not the source and spells no chat control token (it reaches the target LLM's prompt as a document)."""
+    t = obj["honest"]
+    if not isinstance(t, str):
+        _fail(path, n, "honest", f"expected str, got {type(t).__name__}")
+    if not t.strip():
+        _fail(path, n, "honest", "empty edit")
+    check_unicode(t, path, n, "honest")
+    if control_tokens(t):
+        _fail(path, n, "honest", f"holds chat control tokens {control_tokens(t)[:3]}")
+    if " ".join(t.split()) == source_norm:
+        _fail(path, n, "honest", "edit is identical to its source document")
+    return t
 
 
 def seen_methods(meta, given=None, path="(bench)"):
@@ -333,6 +354,19 @@ def clean_instance(g):
     """B.1.3: the original benign list; its base top-5 + A.3.7 answer is the clean reference."""
     return Instance(f"{g.group_id}:clean", g.group_id, g.query, [d["text"] for d in g.docs],
                     [d["doc_id"] for d in g.docs], None, None, g.split)
+
+
+def honest_instance(g):
+    """The clean list with docs[source_index] replaced IN PLACE by the group's honest edit (method
+    "honest", its doc id "<source doc_id>#honest"): where the honest penalty is measured."""
+    if g.honest is None:
+        raise ValueError(f"group {g.group_id}: no honest edit (build-bench --honest writes one)")
+    docs = [d["text"] for d in g.docs]
+    ids = [d["doc_id"] for d in g.docs]
+    docs[g.source_index] = g.honest
+    ids[g.source_index] = f"{ids[g.source_index]}#honest"
+    return Instance(f"{g.group_id}:honest", g.group_id, g.query, docs, ids, g.source_index, "honest", g.split,
+                    g.docs[g.source_index]["text"])
 
 
 def expand(groups, methods):

@@ -27,7 +27,8 @@ Behaviour, per prompt kind:
   engine pre-validates its proposals: they go through the Controller like any Analyzer's.
 - judges (B.2.3, B.2.4): ASI from the share of answer sentences that closely follow a sentence of
   the attack document; pairwise quality from query coverage and distinct content of the answers.
-- benchmark builder rewrites: a method-specific, fact-keeping rewrite of the given document.
+- benchmark builder rewrites: a method-specific, fact-keeping rewrite of the given document; the
+  honest editor (build-bench --honest) re-cuts its paragraphs under a heading of its own words.
 
 Usage: respond({"messages": [...]})  (a Chat Completions body -> its reply; in process as
        make_client("offline", handler=offline.respond), over loopback HTTP by offline_server.py)
@@ -35,6 +36,7 @@ Usage: respond({"messages": [...]})  (a Chat Completions body -> its reply; in p
 import hashlib
 import json
 import re
+import zlib
 
 import defenses
 import metrics
@@ -641,13 +643,28 @@ def _raid(step, inp):
     raise ValueError(f"offline engine: unknown RAID-GSEO step {step!r}")
 
 
+def _honest(inp):
+    """The honest editor (H1, build-bench --honest): the document under a heading of its own most frequent
+    word, its paragraphs re-cut to at most two sentences each; no number, quotation, name or claim added
+    (the attempt number is not written: it would be a new number)."""
+    doc = inp["document"]
+    paras = []
+    for p in _paragraphs(doc):
+        s = re.split(r"(?<=[.!?])\s+", " ".join(p.split()))
+        paras += [" ".join(s[i:i + 2]) for i in range(0, len(s), 2)]
+    return {"rewritten_document": f"## {_topic(doc)[0].capitalize()}\n\n" + "\n\n".join(paras)}
+
+
 def family_step(inp):
     """One step of a GEO attack family (geo_attacks.py), played deterministically from the opaque marker
     ("rewrite_task": "F<n>.<step>"): every rewrite keeps the document's text and adds what the family's
     step adds (a confident lead, figures, headings and emphasis, latent-query coverage, an intent lead),
-    so that the families differ as their methods do. Plumbing, not the papers' rewriters."""
+    so that the families differ as their methods do; "H1.edit" is the honest editor (_honest). Plumbing,
+    not the papers' rewriters."""
     code, _, step = inp["rewrite_task"].partition(".")
     doc, again = inp.get("document", ""), _again(inp)
+    if code == "H1" and step == "edit":
+        return _honest(inp)
     if code == "F1":
         return _agentic(inp)
     if code == "F3":
@@ -695,8 +712,9 @@ def attack_rewrites(inp):
     banned = {w for r in inp.get("defense_rules") or [] for s in r.get("trigger_signals") or []
               for w in re.findall(r"'([^']+)'", s)}
     out = []
+    shift = zlib.crc32(str(inp["attacker_seed"]).encode()) if "attacker_seed" in inp else 0   # another attacker
     for i in range(int(inp.get("n_rewrites", 1))):
-        k = int(inp.get("round", 1)) + i
+        k = int(inp.get("round", 1)) + i + shift
         lead = [ATTACK_MOVES[k % len(ATTACK_MOVES)](q, comp)]
         if int(inp.get("current_rank", 1)) > 5:
             lead.append(ATTACK_MOVES[(k + 3) % len(ATTACK_MOVES)](q, comp))

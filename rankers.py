@@ -12,6 +12,7 @@ import sys
 
 from tqdm import tqdm
 
+import endpoints
 import lora
 import rerank_clients
 from runs import (SettingsError, load_reranker, load_shield, log, read_json, shield_scores_path, usage_path,
@@ -66,11 +67,13 @@ class Ranker:
         return order_of(self.scores(x))
 
 
-def load_rankers(cfg, shield):
+def load_rankers(cfg, shield, adapter=None):
     """(base, shield or None) Rankers over ONE loaded model: with the trained adapter attached, the
-    base scores come from the same weights with the adapter disabled (pi_0)."""
-    rr = load_shield(cfg) if shield else load_reranker(cfg)
-    return base_ranker(cfg, rr, adapter_off=shield), (shield_ranker(cfg, rr) if shield else None)
+    base scores come from the same weights with the adapter disabled (pi_0). adapter: another adapter
+    folder than the run's (a hardening round's)."""
+    rr = load_shield(cfg, adapter=adapter) if shield else load_reranker(cfg)
+    return (base_ranker(cfg, rr, adapter_off=shield),
+            shield_ranker(cfg, rr, adapter) if shield else None)
 
 
 def base_ranker(cfg, rr, adapter_off=False):
@@ -79,9 +82,10 @@ def base_ranker(cfg, rr, adapter_off=False):
     return Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=adapter_off)
 
 
-def shield_ranker(cfg, rr):
-    """The Shield's Ranker (rr with the run's adapter), its scores cached per adapter (shield_scores_path)."""
-    return Ranker(rr, shield_scores_path(cfg), "shield")
+def shield_ranker(cfg, rr, adapter=None):
+    """The Shield's Ranker (rr with the run's adapter, or `adapter`), its scores cached per adapter
+    (shield_scores_path)."""
+    return Ranker(rr, shield_scores_path(cfg, adapter), "shield")
 
 
 def documents_cut(rr, insts):
@@ -101,10 +105,10 @@ LOCAL = ("base", "shield")
 
 
 def parse_rerankers(items):
-    """["LABEL=SPEC" or "SPEC", ...] -> [(label, RerankSpec)] (rerank_clients.parse_rerankers), a bad
-    one refused naming --reranker."""
+    """["LABEL=SPEC" or "SPEC", ...] -> [(label, RerankSpec)] (endpoints.parse_rerankers), a bad one
+    refused naming --reranker."""
     try:
-        return rerank_clients.parse_rerankers(items)
+        return endpoints.parse_rerankers(items)
     except ValueError as e:
         raise SettingsError(f"--reranker {e}") from None
 

@@ -5,7 +5,8 @@ per-method breakdown (Fig. 3: ASR, and (b) the Attack Influence Reduction from N
 methods dashed), the quality table (Table C.1), PPL-Filter diagnostics (Table B.2), and ASR/ASI by
 library epoch (Fig. 5). A run on the tiny model or the offline engine says so first. Beside them:
 every condition with its latency and cost per query, and what the injection defenses (defenses.py)
-did, with their answer quality.
+did, with their answer quality; on a benchmark with honest edits, each condition's and reranker's
+honest penalty beside the attacks' (honest_cells, honest_lines).
 
 Usage: write_report("runs/demo", summary)
 """
@@ -286,16 +287,59 @@ def _table_lines(s):
     return lines
 
 
+def honest_cells(b, other):
+    """A condition's or reranker's honest penalty and, beside it, the attacks' figure `other` (attack_loss,
+    attack_demotion): each "value [CI], n" of its honest_penalty block, "-" where nothing is measurable."""
+    def cell(key, n):
+        if not b or b.get(key) is None:
+            return "-"
+        lo, hi = b[key + "_ci"]
+        return f"{b[key]:.2f} [{lo:.1f}, {hi:.1f}], n={b[n]}"
+    return [cell("honest_penalty", "source_cited" if other == "attack_loss" else "source_in_topk"),
+            cell(other, "n_attack")]
+
+
+def honest_lines(s, stage):
+    """What the honest penalty means, its goal, and on this run the Shield's gap to the base (stage "eval":
+    Shield only against Non-Defense; "rerank": the shield reranker against base)."""
+    if stage == "eval":
+        h = s["honest"]
+        blocks, pair, where = h["conditions"], ("Shield only", "Non-Defense"), f"{h['groups']} of {h['test_groups']} "
+        what = ("each condition also answers each such group's clean list and its honest list; honest penalty: of "
+                "the groups whose source it cites on the clean list, the % whose honest edit it does not cite on "
+                "the honest list; attack citation lost: the same for the attack rewrites of those groups")
+    else:
+        blocks = {v["spec"]: v["honest"] for v in s["rerank_stage"].values() if v.get("honest")}   # by spec: any label
+        pair, where = ("shield", "base"), f"{next(iter(blocks.values()))['groups']} "
+        what = ("honest penalty: of the groups whose source a reranker puts in its clean top k, the % whose "
+                "honest edit it leaves out of the honest list's top k; attack demoted: the same for the attack "
+                "rewrites of those groups")
+    gap = [blocks.get(p, {}).get("honest_penalty") for p in pair]
+    measured = (f" Here {pair[0]}'s honest penalty is {gap[0] - gap[1]:+.2f} points from {pair[1]}'s."
+                if None not in gap else "")
+    lines = [f"**Honest penalty** ({where}test groups have an honest edit, build-bench --honest: the source in "
+             "clearer wording and structure, every fact kept, no number, quotation, name or authority wording "
+             f"added). Does the defense punish honest optimisation? {what[0].upper() + what[1:]}; 95% query-cluster "
+             "bootstrap CIs. A defense that separates manipulation from optimisation loses the attacks and keeps "
+             "the honest edits. Goal on real models (a target, not a test): the Shield's honest penalty within 5 "
+             f"points of the base reranker's while the attack's exposure falls as in the paper.{measured}\n"]
+    if s.get("notes"):
+        lines.append("On the offline engine the honest editor is simulated too (offline.py re-cuts the source's "
+                     "paragraphs under a heading of its own words): these honest figures are plumbing.\n")
+    return lines
+
+
 def cost_lines(s):
     """Every condition in one table: ASR, ASI, BER beside the latency and cost per query each adds."""
     c, cost = s["conditions"], s.get("cost") or {}
     if not cost:
         return []
     usd = lambda q: "-" if q.get("usd") is None else f"{q['usd']:.6f}"
+    honest = (s.get("honest") or {}).get("conditions")     # a benchmark with honest edits: two more columns
     rows = [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"]), _f(c[k]["attack_in_context"]), c[k]["n"]]
             + [_f(cost.get(k, {}).get(m), nd) for m, nd in (("sequential_calls", 2), ("llm_calls", 2),
                                                                ("prompt_tokens", 0), ("completion_tokens", 0))]
-            + [usd(cost.get(k, {}))] for k in c]
+            + [usd(cost.get(k, {}))] + (honest_cells(honest.get(k), "attack_loss") if honest else []) for k in c]
     lines = ["## All conditions: metrics, latency and cost per query\n",
              "The paper's six conditions, then the injection defenses a provider would try first (defenses.py), "
              "which rank with the base reranker. Latency: LLM calls in a row per query (1 for one prompt; 2 for "
@@ -309,8 +353,10 @@ def cost_lines(s):
         lines.append("On the offline engine these figures are plumbing: its tokens are characters / 4 and its "
                      "answers a simulation (offline.py); they say nothing about the defenses or their cost.\n")
     lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n", "Latency (calls in a row)",
-                         "LLM calls / query", "Prompt tokens / query", "Completion tokens / query", "USD / query"],
-                        rows) + "\n")
+                         "LLM calls / query", "Prompt tokens / query", "Completion tokens / query", "USD / query"]
+                        + (["Honest penalty (%)", "Attack citation lost (%)"] if honest else []), rows) + "\n")
+    if honest:
+        lines += honest_lines(s, "eval")
     unknown = {k: q["usage_unknown"] for k, q in cost.items() if q.get("usage_unknown")}
     if unknown:
         lines.append("Records whose reply is no longer in the cache (left out of the cost): "
@@ -437,16 +483,19 @@ def rerank_stage_lines(s):
     if not stage:
         return []
     ci = lambda b, m: (f"{b[m]:.2f} [{b[m + '_ci'][0]:.2f}, {b[m + '_ci'][1]:.2f}]" if m in b else "-")
+    honest = any(v.get("honest") for v in stage.values())   # a benchmark with honest edits: two more columns
     rows = [[label, part, b.get("n", 0), ci(b, "exposure"), ci(b, "mean_attack_rank"), ci(b, "promotion"),
              ci(b, "clean_topk_kept")]
+            + ((honest_cells(v.get("honest"), "attack_demotion") if part == "all" else ["", ""]) if honest else [])
             for label, v in stage.items() for part, b in (("all", v["overall"]), ("seen", v["seen"]),
                                                           ("unseen", v["unseen"])) if b.get("n")]
     return [f"## Reranker stage under GEO attack (no LLM): k = {k}\n",
             "Exposure@k: the attack document in the top k (%); attack rank: 1-based; promotion: the source "
             "document's rank in the clean list minus the attack's; clean kept: % of the base reranker's clean "
             "top-k a reranker keeps. 95% query-cluster bootstrap CIs.\n",
-            _table(["Reranker", "Methods", "n", f"Exposure@{k} (%)", "Attack rank", "Promotion", "Clean kept (%)"],
-                   rows) + "\n"]
+            _table(["Reranker", "Methods", "n", f"Exposure@{k} (%)", "Attack rank", "Promotion", "Clean kept (%)"]
+                   + (["Honest penalty (%)", "Attack demoted (%)"] if honest else []), rows) + "\n"] \
+        + (honest_lines(s, "rerank") if honest else [])
 
 
 def write_rerank_report(run_dir, s):
@@ -617,3 +666,67 @@ def write_comparison(out_dir, summaries):
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     return path
+
+
+HARDEN_THREAT = (
+    "Threat model: the adaptive attacker of `attack` (one document's text, its facts kept by the fidelity gate, "
+    "the deployed Shield as a score oracle, the TFSG library read unless `--unaware`) moves second; the "
+    "provider moves third, retraining the Shield on the construction set plus the pool of every round's "
+    "survivors (each beside its group's benign list) and growing the library by one update batch. The test "
+    "groups are never attacked for training; each round is measured with a fresh attacker (a seed no training "
+    "round used) and with the round-0 attacker (stale).")
+
+
+def write_harden_report(run_dir, s):
+    """harden_report.md and figures/harden_*.svg: by round, the fresh and stale attackers' exposure and ASR,
+    the static families, utility (clean top-k kept, BER), the cross-play matrix and the cost."""
+    b = s["harden"]
+    figs = os.path.join(run_dir, "figures")
+    os.makedirs(figs, exist_ok=True)
+    lines = _title(run_dir, {"notes": b.get("notes")}, "Hardening rounds") + [HARDEN_THREAT + "\n"]
+    rounds, k = b["rounds"], b["k"]
+    top = max(rounds[0]["fresh"], key=int)
+    xs = [f"r{r['round']}" for r in rounds]
+    rows = []
+    for r in rounds:
+        st = r.get("stale")
+        rows.append([r["round"], r.get("survivors", "-"), r.get("pool", "-")]
+                    + [_f(r["fresh"][top][c][m]) for c, m in (("Shield only", "exposure"), ("GEO Defender", "ASR"))]
+                    + ([_f(st["Shield only"]["exposure"]), _f(st["GEO Defender"]["ASR"])] if st else ["-", "-"])
+                    + [_f(r["static"]["Shield only"]["exposure"]), _f(r["static"]["GEO Defender"]["ASR"]),
+                       _f(r["clean_topk_kept"], 1), _f(r["static"]["GEO Defender"]["BER"]),
+                       r["cost"]["replies"], _f(r["cost"]["usd"], 4)])
+    lines.append(_table(["Round", "Survivors", "Pool", f"Fresh B={top} exposure@{k}", f"Fresh B={top} ASR",
+                         "Stale exposure", "Stale ASR", "Static exposure", "Static ASR", "Clean top-k kept",
+                         "BER (static)", "LLM replies", "USD"], rows) + "\n")
+    lines.append("Exposure: the attack document in the Shield's top-k (%); ASR: under GEO Defender (Shield top-k "
+                 "and the round's library). Fresh: an attacker of its own seed at each round; stale: round 0's.\n")
+    attack_plot = {"fresh exposure": [r["fresh"][top]["Shield only"]["exposure"] for r in rounds],
+                   "stale exposure": [r["stale"]["Shield only"]["exposure"] if r.get("stale") else
+                                      r["fresh"][top]["Shield only"]["exposure"] for r in rounds],
+                   "fresh ASR": [r["fresh"][top]["GEO Defender"]["ASR"] for r in rounds],
+                   "stale ASR": [r["stale"]["GEO Defender"]["ASR"] if r.get("stale") else
+                                 r["fresh"][top]["GEO Defender"]["ASR"] for r in rounds]}
+    utility = {"clean top-k kept": [r["clean_topk_kept"] for r in rounds],
+               "BER (GEO Defender)": [r["static"]["GEO Defender"]["BER"] for r in rounds],
+               "BER (Shield only)": [r["static"]["Shield only"]["BER"] for r in rounds]}
+    for name, title, series in (("harden_attack.svg", f"Attackers by round (B={top})", attack_plot),
+                                ("harden_utility.svg", "Utility by round", utility)):
+        with open(os.path.join(figs, name), "w", encoding="utf-8") as f:
+            f.write(svg_lines(title, xs, series))
+        lines.append(f"![{title}](figures/{name})")
+    m = b["crossplay"]["exposure"]
+    lines += ["", f"## Cross-play: exposure@{k} (%), defense round by attacker round\n",
+              "Each round's test documents (its fresh attacker's best at the largest budget) rescored under every "
+              "round's Shield; the diagonal is the fresh attacker of each round.\n",
+              _table(["defense \\ attacker"] + [f"r{a}" for a in range(len(m))],
+                     [[f"r{d}"] + [_f(v) for v in row] for d, row in enumerate(m)]) + "\n"]
+    with open(os.path.join(figs, "harden_crossplay.svg"), "w", encoding="utf-8") as f:
+        f.write(svg_heatmap(f"Cross-play exposure@{k} (%)", [f"defense r{d}" for d in range(len(m))],
+                            [f"attacker r{a}" for a in range(len(m))],
+                            {(f"defense r{d}", f"attacker r{a}"): v for d, row in enumerate(m)
+                             for a, v in enumerate(row)}))
+    lines.append("![Cross-play](figures/harden_crossplay.svg)\n")
+    lines += usage_lines(s.get("usage") or {})
+    with open(os.path.join(run_dir, "harden_report.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))

@@ -9,21 +9,14 @@ Usage: rc = make_reranker("cohere:rerank-v3.5", cache_dir="runs/x/cache/rerank")
 """
 import math
 import os
-import re
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from accounting import append_ledger
-from endpoints import Endpoint, redact_url
+from endpoints import LOCAL_RERANKERS, RERANK_PROVIDERS, Endpoint, parse_spec
 from llm_clients import LLMError, ReplyCache, Transport
 
-# Hosted rerank APIs: endpoint, key variables (the key goes only to that endpoint's host), shape.
-RERANK_PROVIDERS = {
-    "cohere": dict(url="https://api.cohere.com/v2/rerank", keys=["COHERE_API_KEY", "CO_API_KEY"], shape="cohere"),
-    "jina": dict(url="https://api.jina.ai/v1/rerank", keys=["JINA_API_KEY"], shape="jina"),
-    "voyage": dict(url="https://api.voyageai.com/v1/rerank", keys=["VOYAGE_API_KEY"], shape="voyage"),
-}
 RERANK_KEY_VAR = "RERANK_API_KEY"        # the key of a self-hosted endpoint (http://... or tei:http://...)
 
 
@@ -161,93 +154,6 @@ class RerankClient:
             raise
         ex.shutdown()
         return out
-
-
-@dataclass(frozen=True)
-class RerankSpec:
-    """A reranker spec parsed once: `kind` (cohere, jina, voyage: hosted; generic: any Cohere/Jina/
-    vLLM-shaped endpoint; tei: Text Embeddings Inference; base, shield: this project's in-process
-    rerankers), the model, and the Endpoint (credentials held apart). str() is the spec as given
-    without credentials: what config.json, records, reports and messages show."""
-    kind: str
-    model: str = None
-    endpoint: Endpoint = None
-
-    def __str__(self):
-        if self.kind in LOCAL_RERANKERS:
-            return self.kind
-        if self.kind in RERANK_PROVIDERS:
-            return f"{self.kind}:{self.model}"
-        return ("tei:" if self.kind == "tei" else "") + str(self.endpoint)
-
-    def __format__(self, spec):
-        return format(str(self), spec)
-
-    @property
-    def slug(self):
-        """A default label: the host, port and path (never credentials), e.g. 127.0.0.1-8802-v1-rerank."""
-        if self.endpoint is None:
-            return str(self).replace(":", "-")
-        e = self.endpoint
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{e.host}-{e.port}{e.path}").strip("-")[:60]
-
-
-LOCAL_RERANKERS = ("base", "shield")
-
-
-def parse_spec(spec):
-    """'base' | 'shield' | 'cohere:MODEL' | 'jina:MODEL' | 'voyage:MODEL' | 'http(s)://[USER:PW@]HOST[:PORT]
-    [/path][#MODEL]' (default path /v1/rerank) | 'tei:http(s)://HOST[:PORT]' (its /rerank) -> RerankSpec.
-    A RerankSpec is returned as it is."""
-    if isinstance(spec, RerankSpec):
-        return spec
-    spec = spec.strip()
-    if spec in LOCAL_RERANKERS:
-        return RerankSpec(spec)
-    provider, _, rest = spec.partition(":")
-    if provider in RERANK_PROVIDERS:
-        if not rest:
-            raise ValueError(f"{spec!r}: give {provider}:MODEL")
-        return RerankSpec(provider, rest)
-    tei = provider == "tei"
-    try:
-        ep = Endpoint.parse(rest if tei else spec)
-    except ValueError:
-        raise ValueError(f"unknown reranker {redact_url(spec)!r}: give base, shield, cohere:MODEL, jina:MODEL, "
-                         "voyage:MODEL, http(s)://HOST[:PORT][/v1/rerank][#MODEL] or "
-                         "tei:http(s)://HOST[:PORT]") from None
-    if tei:
-        return RerankSpec("tei", None, ep.with_path(ep.path + "/rerank"))
-    return RerankSpec("generic", ep.model, ep if ep.path else ep.with_path("/v1/rerank"))
-
-
-def parse_labelled(item):
-    """'LABEL=SPEC' or 'SPEC' -> (label or None, RerankSpec). A bare URL's '=' (in a password or a
-    query) is not a label's."""
-    label, eq, text = item.partition("=")
-    if not eq or "://" in label or label.startswith(("tei:", "http")):
-        return None, parse_spec(item)
-    return label, parse_spec(text)
-
-
-def parse_rerankers(items):
-    """["LABEL=SPEC" or "SPEC", ...] -> [(label, RerankSpec)], each spec parsed once (its printable
-    form never shows credentials); ValueError naming the item. A label names the reranker's records
-    and table row (letters, digits, '.', '_', '-'); without one it is made from host, port and path."""
-    out = []
-    for item in items:
-        if isinstance(item, tuple):           # parsed already
-            out.append(item)
-            continue
-        label, spec = parse_labelled(item)
-        label = label or spec.slug
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", label):
-            raise ValueError(f"{label}={spec}: the label must be letters, digits, '.', '_', '-' (it names "
-                             "results/rerank-<label>.jsonl); give LABEL=SPEC")
-        if label in [lb for lb, _ in out]:
-            raise ValueError(f"label {label!r} given twice")
-        out.append((label, spec))
-    return out
 
 
 def make_reranker(spec, cache_dir=None, api_key=None, **kw):

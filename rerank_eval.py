@@ -18,6 +18,14 @@ Per test instance (an attacked candidate list) and its clean list (B.1.3), with 
 Each with a 95% CI from the query-cluster bootstrap (metrics.cluster_bootstrap_ci), overall, per
 GEO method and for seen / unseen methods.
 
+On a benchmark with honest edits (build-bench --honest), per reranker its honest penalty: over the
+groups whose source is in its top k of the clean list, % whose honest edit (geodef.honest_instance)
+is not in its top k of the honest list; beside it the attack demotion, the same for the attack
+rewrites of those groups (% of attack instances whose source was in the clean top k but whose rewrite
+is not). A defense that demotes attacks but not honest edits separates manipulation from optimisation.
+The honest lists' records (the attack records' layout, method "honest", `attack_*` naming the honest
+edit) go to results/rerank-<label>.honest.jsonl, so the attack records stay as they are.
+
 Usage: python run.py rerank-eval --name demo --reranker base --reranker shield --reranker co=cohere:rerank-v3.5
 """
 import json
@@ -70,15 +78,34 @@ def summarize_stage(recs, seen, n_boot, seed):
             "unseen": block([r for r in recs if r["method"] not in seen])}
 
 
+def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
+    """One reranker's honest penalty and, on the same groups, its attack demotion (module docstring), in
+    percent with 95% cluster-bootstrap CIs; None where no source is in the clean top k."""
+    groups = {r["group_id"] for r in honest_recs}
+    kept = [r for r in honest_recs if r["clean_source_rank"] <= k]
+    attacks = [r for r in attack_recs if r["group_id"] in groups and r["clean_source_rank"] <= k]
+    out = {"groups": len(honest_recs), "source_in_topk": len(kept), "n_attack": len(attacks)}
+    for name, rs in (("honest_penalty", kept), ("attack_demotion", attacks)):
+        vals = [100.0 * (not r["exposed"]) for r in rs]
+        out[name] = sum(vals) / len(vals) if vals else None
+        out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, [r["group_id"] for r in rs], n_boot=n_boot,
+                                                              seed=seed)) if vals else None
+    return out
+
+
 def rerank_stage(cfg, data, items, stage="rerank-eval"):
     """Score every test instance and its clean list with each reranker; write results/rerank-<label>.jsonl
     (whole, once every list is scored: a failed endpoint records nothing) and summary.json's
-    rerank_stage. -> {label: summary block}."""
+    rerank_stage; with honest edits also results/rerank-<label>.honest.jsonl and each block's `honest`.
+    -> {label: summary block}."""
     insts = geodef.expand(data.test, data.methods)
     cleans = {g.group_id: geodef.clean_instance(g) for g in data.test}
+    honest = [geodef.honest_instance(g) for g in data.test if g.honest is not None]
     by_label = rankers.make_rankers(cfg, items, stage)
     for rk in by_label.values():
         rk.prepare(insts + list(cleans.values()))
+        if honest:
+            rk.prepare(honest)
     base = next((by_label[lb] for lb, spec in items if spec.kind == "base"), None)
     res = os.path.join(cfg.run_dir, "results")
     out = {}
@@ -89,6 +116,11 @@ def rerank_stage(cfg, data, items, stage="rerank-eval"):
         atomic_write(os.path.join(res, f"rerank-{label}.jsonl"), "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                                                          for r in recs))
         out[label] = {"spec": str(spec), **summarize_stage(recs, data.seen, cfg.n_boot, cfg.seed)}
+        if honest:
+            hrecs = [instance_record(x, cleans[x.group_id], rk, None, cfg.k) for x in honest]
+            atomic_write(os.path.join(res, f"rerank-{label}.honest.jsonl"),
+                         "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in hrecs))
+            out[label]["honest"] = honest_stage(hrecs, recs, cfg.k, cfg.n_boot, cfg.seed)
     path = os.path.join(cfg.run_dir, "summary.json")
     summary = read_json(path, {})
     summary["rerank_stage"] = {**summary.get("rerank_stage", {}), **out}
@@ -103,13 +135,17 @@ def rerank_stage(cfg, data, items, stage="rerank-eval"):
 
 def stage_table(stage, k):
     """The reranker-stage table as text (the demo and rerank-eval print it)."""
+    honest = any("honest" in s for s in stage.values())     # a benchmark with honest edits: two more columns
     head = (f"{'reranker':<18}{'exposure@' + str(k):>13}{'95% CI':>16}{'attack rank':>13}{'promotion':>11}"
-            f"{'clean kept':>12}")
+            f"{'clean kept':>12}" + (f"{'honest penalty':>16}{'attack demoted':>16}" if honest else ""))
     lines = [head]
     for label, s in stage.items():
         o = s["overall"]
         ci = o.get("exposure_ci") or [float("nan")] * 2
         kept = f"{o['clean_topk_kept']:.1f}" if "clean_topk_kept" in o else "-"
+        h = s.get("honest") or {}
+        pct = lambda v: "-" if v is None else f"{v:.1f}"
         lines.append(f"{label:<18}{o['exposure']:>13.2f}{f'[{ci[0]:.1f}, {ci[1]:.1f}]':>16}"
-                     f"{o['mean_attack_rank']:>13.2f}{o['promotion']:>11.2f}{kept:>12}")
+                     f"{o['mean_attack_rank']:>13.2f}{o['promotion']:>11.2f}{kept:>12}"
+                     + (f"{pct(h.get('honest_penalty')):>16}{pct(h.get('attack_demotion')):>16}" if honest else ""))
     return "\n".join(lines)

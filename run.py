@@ -29,6 +29,7 @@ import attack
 import build_bench
 import export
 import geodef
+import harden
 import llm_clients
 import lora
 import offline_server
@@ -177,9 +178,14 @@ def print_summary(s):
     # one short line; what is simulated (model, LLMs, PPL model, benchmark) is listed in report.md
     print("\n" + ("OFFLINE / SIMULATION: plumbing checks, never the paper's results (what is simulated: "
                   "report.md)" if s.get("notes") else ""))
-    print(f"{'condition':<22}{'ASR':>8}{'ASI':>8}{'BER':>8}")
+    honest = s.get("honest", {}).get("conditions", {})   # with honest edits: each condition's honest penalty
+
+    def penalty(c):
+        h = honest.get(c, {}).get("honest_penalty")
+        return "" if not honest else f"{'-' if h is None else f'{h:.2f}':>16}"
+    print(f"{'condition':<22}{'ASR':>8}{'ASI':>8}{'BER':>8}" + (f"{'honest penalty':>16}" if honest else ""))
     for k, v in s["conditions"].items():
-        print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}")
+        print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}{penalty(k)}")
 
 
 def bench_flags(be):
@@ -248,11 +254,14 @@ def parser():
     de.add_argument("--out", default="runs", help="folder to write the demo run into (DIR/demo/...)")
     re_ = sub.add_parser("rerank-eval", help="any reranker under GEO attack: exposure, rank, promotion (no LLM)")
     at = sub.add_parser("attack", help="an adaptive GEO attacker against the deployed defense, evaluated end to end")
+    ha = sub.add_parser("harden", help="hardening rounds: the attacker on the construction groups, the defense "
+                                       "retrained on what got through, a fresh attacker on the test groups")
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
     for p, cls in ((tr, settings.TrainConfig), (ev, settings.EvalConfig), (de, settings.DemoConfig),
-                   (re_, settings.RerankEvalConfig), (at, settings.AttackConfig), (bb, settings.BuildConfig)):
+                   (re_, settings.RerankEvalConfig), (at, settings.AttackConfig), (ha, settings.HardenConfig),
+                   (bb, settings.BuildConfig)):
         add_settings_flags(p, cls)
-    for p in (tr, ev, at, bb):
+    for p in (tr, ev, at, ha, bb):
         p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
     bench_flags(be)
@@ -379,6 +388,27 @@ def cmd_attack(args):
     return block
 
 
+def cmd_harden(args):
+    """Hardening rounds (harden.py) on a trained run: attack, harvest, retrain, measure; the cross-play."""
+    cfg = pipeline_settings(settings.HardenConfig, args)
+    need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
+    need_trained(cfg, library_path(cfg), "TFSG library")
+    budgets = attack.parse_budgets(cfg.eval_budgets)
+    n_test = len(load_data(cfg).test)
+    if cfg.eval_groups > n_test:
+        raise SettingsError(f"--eval-groups {cfg.eval_groups}: the benchmark has {n_test} test groups")
+    if args.dry_run:
+        return show(harden.dry_run(cfg))
+    check_llms(cfg)
+    with offline_engine(cfg, cfg.llm == "offline"), run_lock(cfg.run_dir):
+        record_or_check(cfg, "harden")
+        block = harden.harden(cfg)
+    print(harden.round_table(block, budgets))
+    print(f"\nreport: {os.path.join(cfg.run_dir, 'harden_report.md')}\nsummary: "
+          f"{os.path.join(cfg.run_dir, 'summary.json')}")
+    return block
+
+
 def show(plan):
     """A dry run's plan, printed as JSON (and returned)."""
     print(json.dumps(plan, indent=1))
@@ -461,8 +491,9 @@ def cmd_demo(args):
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "rerank-eval": cmd_rerank_eval,
-            "attack": cmd_attack, "compare": cmd_compare, "bench": cmd_bench, "build-bench": cmd_build_bench,
-            "export": cmd_export, "serve": cmd_serve, "serve-offline": cmd_serve_offline}
+            "attack": cmd_attack, "harden": cmd_harden, "compare": cmd_compare, "bench": cmd_bench,
+            "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
+            "serve-offline": cmd_serve_offline}
 
 
 # Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.

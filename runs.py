@@ -122,10 +122,11 @@ def adapter_path(cfg):
     return os.path.join(cfg.run_dir, "adapter")
 
 
-def shield_scores_path(cfg):
+def shield_scores_path(cfg, adapter=None):
     """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file): scores
-    cached under a retrained or replaced adapter are never read for another."""
-    digest = file_sha1(os.path.join(adapter_path(cfg), "adapter_model.safetensors"))
+    cached under a retrained or replaced adapter are never read for another. adapter: a folder other
+    than the run's (a hardening round's)."""
+    digest = file_sha1(os.path.join(adapter or adapter_path(cfg), "adapter_model.safetensors"))
     return os.path.join(cfg.run_dir, "cache", f"scores_shield_{digest[:12]}.json")
 
 
@@ -143,10 +144,11 @@ def need_trained(cfg, path, what):
         raise NotTrainedError(f"{path}: no {what}; run `python run.py train --name {cfg.name}` first")
 
 
-def load_shield(cfg, rr=None):
-    """The base reranker with the run's trained adapter attached (LoRA enabled)."""
+def load_shield(cfg, rr=None, adapter=None):
+    """The base reranker with the run's trained adapter attached (LoRA enabled); adapter: another
+    adapter folder (a hardening round's)."""
     rr = rr or load_reranker(cfg)
-    path = adapter_path(cfg)
+    path = adapter or adapter_path(cfg)
     need_trained(cfg, os.path.join(path, "adapter_config.json"), "trained adapter")
     lora.load_adapter(rr.model, path)
     rr.model.eval()
@@ -410,7 +412,7 @@ def record_or_check(cfg, command):
 def printable(cfg):
     """The settings as config.json stores them: every setting (not the code's own fields such as the
     engine's URL), each spec in its printable form, which its parsed object gives without credentials
-    whatever characters they hold (endpoints.Endpoint, endpoints.SearchSpec, rerank_clients.RerankSpec)."""
+    whatever characters they hold (endpoints.Endpoint, endpoints.SearchSpec, endpoints.RerankSpec)."""
     new = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)

@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass, field, fields
 
 import endpoints
-import rerank_clients
 import tfsg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -238,9 +237,14 @@ TFSGLimits = dataclasses.make_dataclass("TFSGLimits", [_limit(f) for f in fields
 
 
 @dataclass
+class JudgeSettings(Settings):
+    """The judge of the answers (ASI, pairwise quality: B.2.3, B.2.4) and of an attacker's fidelity."""
+    judge: str = setting(None, "ASI, pairwise-quality and fidelity judge LLM (default: the target)", taken=True)
+
+
+@dataclass
 class EvalSettings(Settings):
-    """Evaluation (B.2): the conditions, the judge, PPL-Filter, transfer libraries (Table C.2)."""
-    judge: str = setting(None, "ASI and pairwise-quality judge LLM (default: the target)", taken=True)
+    """Evaluation (B.2): the conditions, PPL-Filter, transfer libraries (Table C.2)."""
     conditions: str = setting("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then "
                                      "the injection defenses Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG)")
     ppl_model: str = setting("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'", taken=True)
@@ -254,7 +258,7 @@ class RerankSettings(Settings):
     reranker: list = setting(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, "
                                    "voyage:MODEL, http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT); "
                                    "repeatable. eval: adds 'Non-Defense [LABEL]' and 'TFSG only [LABEL]'",
-                             parse=rerank_clients.parse_rerankers)
+                             parse=endpoints.parse_rerankers)
     n_boot: int = setting(10000, "bootstrap resamples", ok=at_least(1), taken=True)
 
 
@@ -292,6 +296,25 @@ class BuildSettings(Settings):
     agentic_archive: str = setting(None, "AgenticGEO's strategies.json (default: our archive)")
     autogeo_rules: str = setting(None, "AutoGEO's merged_rules.json or a JSON list of rules")
     synthetic: bool = setting(False, "mark the file synthetic in _meta (the bundled sample)")
+    honest: bool = setting(False, "also write each group's honest edit of its source (clearer wording and structure, "
+                                  "nothing GEO adds): eval's and rerank-eval's honest penalty")
+
+
+@dataclass
+class HardenSettings(Settings):
+    """Hardening rounds (harden.py): attacker and defender in turns on a trained run."""
+    rounds: int = setting(2, "hardening rounds R: each attacks the construction groups, retrains the Shield and "
+                             "grows the library on the survivors, then measures a fresh attacker", ok=at_least(1))
+    budget: int = setting(16, "candidates the training-side attacker scores per construction instance",
+                          ok=at_least(2))
+    eval_budgets: str = setting("1,4,16", "the fresh test-side attacker's budgets, comma list (nested: one run)")
+    eval_groups: int = setting(0, "test groups the test side measures (0: all)", ok=at_least(0))
+    candidates_per_round: int = setting(2, "rewrites an attacker writes a round (MAGEO: 2)", ok=at_least(1))
+    attacker: str = setting(None, "the training-side attacker LLM, provider:model (default: the target LLM)")
+    test_attacker: str = setting(None, "the test-side (fresh) attacker LLM (default: --attacker)")
+    unaware: bool = setting(False, "attackers do not read the TFSG library (default: they do)")
+    restart: bool = setting(False, "retrain the Shield from the base each round (default: warm start from the "
+                                   "previous round's adapter)")
 
 
 # ----------------------------------------------------------------------------- commands
@@ -310,15 +333,16 @@ class TrainConfig(TFSGLimits, TFSGSettings, ShieldSettings, RequestSettings, LLM
 
 
 @dataclass
-class EvalConfig(RerankSettings, EvalSettings, TrainConfig):
+class EvalConfig(RerankSettings, EvalSettings, JudgeSettings, TrainConfig):
     """eval: every condition on what `train` made; the trained run's settings come from its record."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, EvalSettings, RerankSettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, JudgeSettings, EvalSettings,
+             RerankSettings)
 
 
 @dataclass
 class DemoConfig(EvalConfig):
     """demo: train then eval, offline."""
-    FLAGS = TrainConfig.FLAGS + (EvalSettings, RerankSettings)
+    FLAGS = TrainConfig.FLAGS + (JudgeSettings, EvalSettings, RerankSettings)
 
 
 @dataclass
@@ -330,7 +354,14 @@ class RerankEvalConfig(EvalConfig):
 @dataclass
 class AttackConfig(AttackSettings, EvalConfig):
     """attack: the adaptive attacker against a trained run, then every budget end to end."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, EvalSettings, AttackSettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, JudgeSettings, EvalSettings,
+             AttackSettings)
+
+
+@dataclass
+class HardenConfig(HardenSettings, JudgeSettings, TrainConfig):
+    """harden: hardening rounds on a trained run; the trained run's settings come from its record."""
+    FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings)
 
 
 @dataclass

@@ -164,6 +164,8 @@ def test_dry_run_sends_nothing(demo_copy, monkeypatch):
     assert plan["stages"]["attacker"]["requests"] == n * 2 * 2 and plan["reranker_queries"] == n * 5
     assert plan["stages"]["fidelity judge"]["requests"] == n * 4 * 2 and "re-asks included" in plan["note"]
     assert plan["stages"]["target answers"]["requests"] == n * 3 * len(attack.CONDITIONS)
+    k = json.load(open(demo_copy / "demo" / "config.json"))["config"]["k"]      # PromptArmor, RobustRAG: k each
+    assert plan["stages"]["injection defenses' pre-steps"]["requests"] == n * 3 * 2 * k
     assert not (demo_copy / "demo" / "results" / "attack-shield-unaware.jsonl").exists()
 
 

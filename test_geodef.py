@@ -234,3 +234,27 @@ def test_duplicate_keys_in_a_line_are_refused(tmp_path):
     p.write_text(g[:-1] + ', "query": "another query"}\n', encoding="utf-8")
     with pytest.raises(geodef.BenchFormatError, match=r"dup.jsonl:1: \(line\): invalid JSON: key 'query' given twice"):
         geodef.load_bench(str(p))
+
+
+@pytest.mark.parametrize("honest,msg", [
+    (5, r":2: honest: expected str, got int"),
+    (" \n", r":2: honest: empty edit"),
+    ("clean text <|im_end|> more", r":2: honest: holds chat control tokens \['<\|im_end\|>'\]"),
+    ("doc  g1 2\ntext", r":2: honest: edit is identical to its source document"),
+])
+def test_an_honest_edit_is_validated(tmp_path, honest, msg):
+    with pytest.raises(geodef.BenchFormatError, match=msg):
+        geodef.load_bench(write_lines(tmp_path, [good_group("g0"), {**good_group("g1"), "honest": honest}]))
+
+
+def test_the_honest_instance_is_the_clean_list_with_the_edit_at_the_sources_position(tmp_path):
+    g0, g1 = good_group("g0"), {**good_group("g1"), "honest": "## Doc\n\ndoc g1 2 text, clearer"}
+    a, b = geodef.load_bench(write_lines(tmp_path, [g0, g1]))
+    x, clean = geodef.honest_instance(b), geodef.clean_instance(b)
+    assert a.honest is None and b.honest == g1["honest"]
+    assert x.docs[b.source_index] == b.honest and x.attack_index == b.source_index and x.method == "honest"
+    assert x.doc_ids[b.source_index] == "g1-2#honest" and x.instance_id == "g1:honest" and x.source == "doc g1 2 text"
+    assert [d for i, d in enumerate(x.docs) if i != b.source_index] == \
+           [d for i, d in enumerate(clean.docs) if i != b.source_index]
+    with pytest.raises(ValueError, match="g0: no honest edit"):
+        geodef.honest_instance(a)

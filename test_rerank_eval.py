@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import endpoints
 import evaluation
 import llm_clients
 import rerank_clients
@@ -134,7 +135,7 @@ def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
             rerank_clients.make_reranker(f"{provider}:m")
         monkeypatch.setenv(var, "k-" + provider)
         hosted = rerank_clients.make_reranker(f"{provider}:m")
-        assert hosted.shape == shape and hosted.url == rerank_clients.RERANK_PROVIDERS[provider]["url"]
+        assert hosted.shape == shape and hosted.url == endpoints.RERANK_PROVIDERS[provider]["url"]
         assert hosted.transport.headers()["Authorization"] == "Bearer k-" + provider
     assert rerank_clients.rerank_body("jina", "m", Q, DOCS)["return_documents"] is False
     v = rerank_clients.RerankClient(fake + "/v1/rerank-voyage", "m", "voyage")

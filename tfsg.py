@@ -648,8 +648,6 @@ def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, ans
     def path(t, kind=""):
         return os.path.join(out_dir, f"E{t}{kind}.json")
 
-    def view(c):
-        return _case_view(c, controller.limits)
     lib = ExperienceLibrary.empty()
     if not os.path.isfile(path(0)):
         _save(path(0), {**lib.to_dict(), "note": "E0: empty library"})
@@ -676,35 +674,48 @@ def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, ans
         _save(path(1), lib.to_dict())
     # E_t -> E_{t+1} from batches (A.3.4 / A.3.5)
     for t, batch in enumerate(batches, start=1):
-        if os.path.isfile(path(t + 1)):
-            lib = ExperienceLibrary.from_dict(_load(path(t + 1)))
-            continue
-        replies = answer_many([case_request(c, lib, interface, temperature, max_tokens) for c in batch])
-        cases = [case_outcome(c, r, interface) for c, r in zip(batch, replies)]
-        lib_stats = record_outcomes(lib, cases)
-        succ = [view(c) for c in cases if c["outcome"] == "success"]
-        miss = [view(c) for c in cases if c["outcome"] in ("missed_attack", "both")]
-        fp = [view(c) for c in cases if c["outcome"] in ("false_positive", "both")]
-        feedback = [{"case_id": c["case_id"], "attack_cited": c["outcome"] in ("missed_attack", "both"),
-                     "benign_cited": sum(1 for i in c["trace"]["cited"] if c["labels"][i - 1] == "benign"),
-                     "clean_reference_benign_cited": c["b_clean"]} for c in cases]
-        if interface == "structured":
-            prompt = evolution_prompt(lib_stats, succ, miss, fp, feedback)
-        else:
-            summary = {"cases": len(cases), "citation_failures": len(miss), "over_defense": len(fp)}
-            prompt = evolution_reasoning_prompt(lib_stats, succ + fp, miss, summary)
-        reply = analyzer_chat(_msg(prompt), temperature=temperature, max_tokens=max(max_tokens, 4096), json=True)
-        data = reply.data if isinstance(reply.data, dict) else {}
-        new_lib, report = controller.apply(lib_stats, data.get("updates", []), epoch=t + 1)
-        _save(path(t + 1, ".cases"), [{"case_id": c["case_id"], "outcome": c["outcome"], "trace": c["trace"],
-                                       "labels": c["labels"], "b_clean": c["b_clean"]} for c in cases])
-        _save(path(t + 1, ".report"), {**report.to_dict(), "batch_analysis": data.get("batch_analysis"),
-                                       "controller_notes": data.get("controller_notes"),
-                                       "outcomes": {k: sum(c["outcome"] == k for c in cases) for k in
-                                                    ("success", "missed_attack", "false_positive", "both")}})
-        _save(path(t + 1), new_lib.to_dict())
-        lib = new_lib
+        lib = update_library(answer_many, analyzer_chat, lib, batch, t + 1, out_dir, interface, controller,
+                             temperature, max_tokens)
     return lib
+
+
+def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, interface="structured", controller=None,
+                   temperature=0, max_tokens=2048):
+    """Lines 7-12 of Algorithm 1 for one update batch: the target answers every case with library
+    `lib` (one answer_many call), the Analyzer reads the outcomes, the Controller applies its updates
+    -> E{epoch}, written to out_dir/E{epoch}.json with its .cases and .report files; a finished
+    epoch is loaded, not recomputed."""
+    controller = controller or Controller()
+    path = os.path.join(out_dir, f"E{epoch}.json")
+    if os.path.isfile(path):
+        return ExperienceLibrary.from_dict(_load(path))
+    replies = answer_many([case_request(c, lib, interface, temperature, max_tokens) for c in batch])
+    cases = [case_outcome(c, r, interface) for c, r in zip(batch, replies)]
+    lib_stats = record_outcomes(lib, cases)
+    def views(*outcomes):
+        return [_case_view(c, controller.limits) for c in cases if c["outcome"] in outcomes]
+    succ, miss, fp = views("success"), views("missed_attack", "both"), views("false_positive", "both")
+    feedback = [{"case_id": c["case_id"], "attack_cited": c["outcome"] in ("missed_attack", "both"),
+                 "benign_cited": sum(1 for i in c["trace"]["cited"] if c["labels"][i - 1] == "benign"),
+                 "clean_reference_benign_cited": c["b_clean"]} for c in cases]
+    if interface == "structured":
+        prompt = evolution_prompt(lib_stats, succ, miss, fp, feedback)
+    else:
+        summary = {"cases": len(cases), "citation_failures": len(miss), "over_defense": len(fp)}
+        prompt = evolution_reasoning_prompt(lib_stats, succ + fp, miss, summary)
+    reply = analyzer_chat(_msg(prompt), temperature=temperature, max_tokens=max(max_tokens, 4096), json=True)
+    data = reply.data if isinstance(reply.data, dict) else {}
+    new_lib, report = controller.apply(lib_stats, data.get("updates", []), epoch=epoch)
+    _save(path.replace(".json", ".cases.json"), [{"case_id": c["case_id"], "outcome": c["outcome"],
+                                                 "trace": c["trace"], "labels": c["labels"],
+                                                 "b_clean": c["b_clean"]} for c in cases])
+    outcomes = {k: sum(c["outcome"] == k for c in cases) for k in ("success", "missed_attack", "false_positive",
+                                                                  "both")}
+    _save(path.replace(".json", ".report.json"), {**report.to_dict(), "batch_analysis": data.get("batch_analysis"),
+                                                 "controller_notes": data.get("controller_notes"),
+                                                 "outcomes": outcomes})
+    _save(path, new_lib.to_dict())
+    return new_lib
 
 
 # ----------------------------------------------------------------------------- prompts (A.3)

@@ -151,16 +151,19 @@ def fit(cfg, rr, opt, params, triples, ids, s0, state, on_step, on_epoch):
     bar.close()
 
 
-def train_shield(cfg, rr=None, resume=True):
+def train_shield(cfg, rr=None, resume=True, out=None, extra=(), init=None):
     """Shield Reranker: LoRA on the frozen reranker, residual preference objective (Eqs. 1-5, Table A.1).
-    Keeps the adapter of the epoch with the lowest Eq. 5 loss on the monitoring split; resumable."""
-    run = cfg.run_dir
-    adapter_dir = adapter_path(cfg)
+    Keeps the adapter of the epoch with the lowest Eq. 5 loss on the monitoring split; resumable.
+    out: the folder for the adapter, checkpoint and logs (default: the run folder); extra: more
+    construction instances (a hardening round's survivors); init: an adapter folder to start from
+    (warm start) instead of PEFT's initialisation."""
+    run = out or cfg.run_dir
+    adapter_dir = os.path.join(out, "adapter") if out else adapter_path(cfg)
     if read_json(os.path.join(run, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
         return
     data = load_data(cfg)
-    cons, inst = data.construction, geodef.expand(data.construction, data.seen)
+    cons, inst = data.construction, geodef.expand(data.construction, data.seen) + list(extra)
     opt_inst, mon_inst = shield_split(cfg, inst)
     rr = rr or load_reranker(cfg)
     triples, ids, s0, scores = prepare_triples(cfg, rr, cons, inst)
@@ -171,6 +174,8 @@ def train_shield(cfg, rr=None, resume=True):
 
     torch.manual_seed(cfg.seed)   # LoRA A init and dropout masks from the seed alone
     lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+    if init:
+        lora.load_adapter(rr.model, init)
     fast(cfg, rr)                 # the LoRA layers get the speed paths too
     params = [p for p in rr.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
@@ -208,7 +213,7 @@ def train_shield(cfg, rr=None, resume=True):
     fit(cfg, rr, opt, params, opt_triples, ids, s0, state, on_step, on_epoch)
     lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
     rr.model.eval()
-    test_stats = shield_test_stats(cfg, rr, geodef.expand(data.test, data.methods))
+    test_stats = shield_test_stats(cfg, rr, geodef.expand(data.test, data.methods), adapter_dir)
     write_json(os.path.join(run, "shield_done.json"), {"best": state["best"], "history": state["history"],
                                                       "steps": state["step"],
                                                       "steps_per_epoch": math.ceil(len(opt_triples) / cfg.grad_accum),
@@ -223,10 +228,10 @@ def benign_kept(base_scores, new_scores, attack_index, k):
     return len(set(ben) & set(order_of(new_scores)[:k])) / max(1, len(ben))
 
 
-def shield_test_stats(cfg, rr, insts):
+def shield_test_stats(cfg, rr, insts, adapter_dir=None):
     """On the test instances: where the attack document ranks under the base scorer (LoRA disabled)
     and under the Shield scorer, and how much of the base top-k's benign evidence the Shield keeps."""
-    base, shield = base_ranker(cfg, rr, adapter_off=True), shield_ranker(cfg, rr)
+    base, shield = base_ranker(cfg, rr, adapter_off=True), shield_ranker(cfg, rr, adapter_dir)
     base.prepare(insts)
     shield.prepare(insts)
     rank_b, rank_s, in_b, in_s, overlap = [], [], 0, 0, []
@@ -286,6 +291,7 @@ def train_tfsg(cfg):
     seed_inputs = [case_input(x, force_attack=True) for x in seeds]
     batch_inputs = [[case_input(x) for x in b] for b in batches]
     interface = "reasoning" if cfg.reasoning_interface else "structured"
+
     def answer_many(requests):           # one stage: concurrent, or one batch with --batch-api
         return target.map(requests, workers=cfg.workers, desc="TFSG target")
     lib = tfsg.build_library(answer_many, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run, "library"),

@@ -1,0 +1,403 @@
+"""The defender moves third: hardening rounds (`python run.py harden`), attacker and defender in turns
+on a trained run, each round measured against an attacker that produced none of its training data.
+
+Threat model. The attacker of attack.py (it controls one document's text, keeps its facts through the
+fidelity gate, queries the deployed Shield as a score oracle and, unless --unaware, reads the TFSG
+library) adapts to the defense; the provider answers by training on what got through. As in the
+prompt-injection and jailbreak literature that closes this loop (ATM, arXiv 2405.18111; ARLAS, arXiv
+2510.05442; ANLI's rounds, arXiv 1910.14599; RvB, arXiv 2601.19726 for training-free memories): the
+defense trains on the pool of every round's survivors, not the last round alone (the latest alone
+cycles); attacker and defender share no weights (the attacker is an LLM that is never tuned); each
+survivor comes with its group's benign list, so the defense does not learn to distrust every
+well-written page; the groups the rounds are tested on are never attacked for training; and each
+round is tested with a fresh attacker whose seed no training round used.
+
+Round k = 1..R:
+1. attack: the attacker (attack.Attack: MAGEO's loop, the fidelity gate, seed "train-k") rewrites the
+   construction instances (construction groups only, from each instance's benchmark rewrite) against
+   the round k-1 defense, up to --budget candidates each;
+2. harvest: every gate-passing candidate in the round k-1 Shield's top-k is a survivor (and, when the
+   target also cites it under GEO Defender with the round k-1 library, a TFSG survivor): a new
+   construction instance (method adaptive-r{k}); the pool is every round's survivors, checked to hold
+   no test group; harden/round-k/survivors.jsonl;
+3. update: the Shield retrained on the construction set plus the pool (Eqs. 1-5 unchanged, s_0 from the
+   frozen base; warm started from round k-1's adapter unless --restart); TFSG one more Algorithm 1
+   update batch (tfsg.update_library) on survivor cases mixed with their groups' benign lists;
+   harden/round-k/adapter and harden/round-k/library. A round without survivors keeps the defense;
+4. measure (test split, --eval-groups): a fresh attacker (seed "test-k") at --eval-budgets against the
+   round-k defense, and the benchmark's static families: exposure@k, ASR/ASI/BER under GEO Defender,
+   Shield only and TFSG only, the clean top-k the Shield keeps, calls and USD. Round 0 is train's
+   defense, measured the same way; the round-0 attacker, kept, is each later round's stale attacker.
+Cross-play: every round's test documents rescored under every round's Shield (no new attacker call):
+the (R+1) x (R+1) exposure matrix, defense rounds by attacker rounds, fresh on the diagonal.
+
+Each stage writes its files whole when it ends, and every LLM reply is cached: a killed command reruns
+to the same files without paying twice.
+
+Usage: python run.py harden --name gpt55 --rounds 3 --budget 16 --eval-budgets 1,4,16 --eval-groups 20
+"""
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+
+import geodef
+import report
+import tfsg
+from attack import Attack, best_of, evaluate_documents, parse_budgets, with_doc
+from evaluation import eval_condition, estimate, offline_notes, price_plan
+from rankers import base_ranker, load_rankers, shield_ranker
+from runs import (SettingsError, adapter_path, atomic_write, labels_of, library_path, load_data, load_reranker,
+                  load_shield, log, make_llm, read_json, run_usage, tfsg_limits, write_json)
+from train import clean_reference_benign, train_shield
+
+MEASURED = ("GEO Defender", "Shield only", "TFSG only")
+
+
+# ----------------------------------------------------------------------------- a round's defense and files
+
+
+def round_dir(cfg, k):
+    return os.path.join(cfg.run_dir, "harden", f"round-{k}")
+
+
+def defense_of(cfg, k):
+    """Round k's defense: (adapter folder, library file). Round 0 is train's."""
+    if k == 0:
+        return adapter_path(cfg), library_path(cfg)
+    return (os.path.join(round_dir(cfg, k), "adapter"),
+            os.path.join(round_dir(cfg, k), "library", f"E{cfg.n_batches + 1 + k}.json"))
+
+
+def load_defense(cfg, k):
+    """Round k's (base ranker, Shield ranker, library) over one loaded model."""
+    adapter, lib = defense_of(cfg, k)
+    base, shield = load_rankers(cfg, True, adapter)
+    return base, shield, tfsg.load_library(lib, tfsg_limits(cfg))
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(path, recs):
+    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+
+
+def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed):
+    """The adaptive attacker's candidates for `insts` against `target` (attack.Attack), read from
+    `path` when a finished stage wrote them -> {instance_id: [candidate records]}."""
+    if os.path.isfile(path):
+        return read_attack(path)
+    rounds = -(-(budget - 1) // cfg.candidates_per_round)
+    cands = Attack(cfg, "shield", target, attacker, judge, rounds, cfg.candidates_per_round, budget,
+                   None if cfg.unaware else lib, seed=seed).run(insts)
+    write_jsonl(path, [{"instance_id": x.instance_id, **c} for x in insts for c in cands[x.instance_id]])
+    return cands
+
+
+# ----------------------------------------------------------------------------- harvest
+
+
+def survivor_instance(x, cand, k):
+    """A survivor as a construction instance: the group's list with the candidate in the attacked slot."""
+    ids = list(x.doc_ids)
+    ids[x.attack_index] = f"{ids[x.attack_index].split('#')[0]}#adaptive-r{k}.{cand['n']}"
+    docs = list(x.docs)
+    docs[x.attack_index] = cand["text"]
+    return dataclasses.replace(x, instance_id=f"{x.group_id}:adaptive-r{k}.{cand['n']}", docs=docs, doc_ids=ids,
+                               method=f"adaptive-r{k}", split="construction")
+
+
+def harvest(cfg, k, insts, cands, defense, llm, test_groups):
+    """Round k's survivors: gate-passing candidates in the round k-1 Shield's top-k, each marked whether
+    the target still cites it under GEO Defender (round k-1 library) -> survivor records."""
+    base, shield, lib = defense
+    found = [(x, c) for x in insts for c in cands[x.instance_id][1:] if c["accepted"] and c["rank"] <= cfg.k]
+    bad = sorted({x.group_id for x, _ in found} & test_groups)
+    if bad:                    # never: the attacker saw construction groups only
+        raise SettingsError(f"harden round {k}: test groups {bad[:3]} among the survivors; the pool takes "
+                            "construction groups only")
+    surv = [survivor_instance(x, c, k) for x, c in found]
+    shield.prepare(surv)
+    path = os.path.join(round_dir(cfg, k), "cited.jsonl")
+    recs = eval_condition(cfg, llm, "GEO Defender (survivors)", surv, lambda y: shield.order(y)[:cfg.k],
+                          lambda y, d: tfsg.guided_prompt(y.query, d, lib), path, judge=llm)
+    cited = {r["instance_id"]: r["attack_cited"] for r in recs}
+    return [{"instance_id": y.instance_id, "group_id": y.group_id, "split": y.split, "method": y.method,
+             "source_method": x.method, "candidate": c["n"], "shield_rank": c["rank"],
+             "tfsg_cited": cited[y.instance_id], "text": c["text"]} for (x, c), y in zip(found, surv)]
+
+
+def pool_instances(cfg, data, k):
+    """Every round's survivors up to k, as construction instances; refused if any is a test group's."""
+    by_id = {x.instance_id: x for x in geodef.expand(data.construction, data.seen)}
+    test = {g.group_id for g in data.test}
+    pool = []
+    for j in range(1, k + 1):
+        for r in read_jsonl(os.path.join(round_dir(cfg, j), "survivors.jsonl")):
+            if r["group_id"] in test or r["split"] != "construction":
+                raise SettingsError(f"harden round {j}: survivor {r['instance_id']} is of a test group")
+            x = by_id[f"{r['group_id']}:{r['source_method']}"]
+            pool.append(survivor_instance(x, {"n": r["candidate"], "text": r["text"]}, j))
+    return pool
+
+
+# ----------------------------------------------------------------------------- the defender's update
+
+
+def update_library(cfg, k, survivors, data, defense, target, analyzer, clean):
+    """One more Algorithm 1 update batch on round k's survivors (cited ones first) mixed with their groups'
+    benign lists, half and half within --batch-size -> the round-k library."""
+    base, shield, lib = defense
+    _, path = defense_of(cfg, k)
+    if os.path.isfile(path):
+        return tfsg.load_library(path, tfsg_limits(cfg))
+    by_id = {x.instance_id: x for x in geodef.expand(data.construction, data.seen)}
+    ranked = sorted(survivors, key=lambda r: (not r["tfsg_cited"], hashlib.sha1(
+        f"{cfg.seed}:{k}:{r['instance_id']}".encode()).hexdigest()))[:max(1, cfg.batch_size // 2)]
+    attacks = [survivor_instance(by_id[f"{r['group_id']}:{r['source_method']}"],
+                                 {"n": r["candidate"], "text": r["text"]}, k) for r in ranked]
+    groups = {g.group_id: g for g in data.construction}
+    controls = [geodef.clean_instance(groups[gid]) for gid in dict.fromkeys(x.group_id for x in attacks)]
+    if not attacks:            # nothing got through: the library stays as it is
+        write_json(path, lib.to_dict())
+        return lib
+    ranker = shield if cfg.shield else base
+    ranker.prepare(attacks + controls)
+
+    def case(x):
+        top = ranker.order(x)[:cfg.k]
+        if x.attack_index is not None and x.attack_index not in top:      # the survivor in context
+            top = top[:-1] + [x.attack_index]
+        return {"case_id": f"case-{hashlib.sha1(x.instance_id.encode()).hexdigest()[:8]}", "query": x.query,
+                "docs": [x.docs[i] for i in top], "labels": labels_of(x, top),
+                "b_clean": clean[x.group_id]["benign_cited"]}
+    batch = [case(x) for x in attacks + controls]           # each survivor beside its group's benign list
+    interface = "reasoning" if cfg.reasoning_interface else "structured"
+    return tfsg.update_library(lambda reqs: target.map(reqs, workers=cfg.workers, desc=f"harden r{k} TFSG"),
+                               analyzer.chat, lib, batch, cfg.n_batches + 1 + k, os.path.dirname(path), interface,
+                               tfsg.Controller(limits=tfsg_limits(cfg)), cfg.temperature, cfg.max_tokens)
+
+
+# ----------------------------------------------------------------------------- measuring a round
+
+
+def test_instances(cfg, data):
+    """The test side's instances: the static attacks of the first --eval-groups test groups."""
+    groups = data.test[:cfg.eval_groups] if cfg.eval_groups else data.test
+    return groups, geodef.expand(groups, data.methods)
+
+
+def best_documents(insts, cands, budget, tag):
+    """Each instance with the best of its first `budget` candidates in the attacked slot."""
+    return [with_doc(x, cands[x.instance_id][best_of(cands[x.instance_id], budget)]["text"], tag) for x in insts]
+
+
+def measure(cfg, k, data, clients, clean):
+    """Round k's defense against a fresh attacker at every --eval-budgets, the static families and (k > 0)
+    the stale round-0 attacker -> the round's figures, kept in harden/round-k/measure.json."""
+    path = os.path.join(round_dir(cfg, k), "measure.json")
+    if os.path.isfile(path):
+        return read_json(path)
+    llm, judge, _, tester, _ = clients
+    groups, insts = test_instances(cfg, data)
+    base, shield, lib = load_defense(cfg, k)
+    budgets = parse_budgets(cfg.eval_budgets)
+    cands = attacked(cfg, os.path.join(round_dir(cfg, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
+                     tester, judge, seed=f"test-{cfg.seed}-{k}")
+    res = os.path.join(round_dir(cfg, k), "results")
+    setup = (base, shield, lib, data.construction)
+    fresh = {str(b): evaluate_documents(cfg, llm, judge, best_documents(insts, cands, b, f"@r{k}-B{b}"), setup, clean,
+                                        os.path.join(res, f"B{b}"), MEASURED) for b in budgets}
+    out = {"round": k, "fresh": fresh,
+           "static": evaluate_documents(cfg, llm, judge, insts, setup, clean, os.path.join(res, "static"), MEASURED),
+           "clean_topk_kept": clean_kept(cfg, groups, base, shield)}
+    if k:
+        stale = read_attack(os.path.join(round_dir(cfg, 0), "attack-test.jsonl"))
+        out["stale"] = evaluate_documents(cfg, llm, judge, best_documents(insts, stale, max(budgets), f"@r{k}-stale"),
+                                          setup, clean, os.path.join(res, "stale"), MEASURED)
+    out["gate"] = {"accepted": sum(c["accepted"] for cs in cands.values() for c in cs[1:]),
+                   "candidates": sum(len(cs) - 1 for cs in cands.values())}
+    write_json(path, out)
+    return out
+
+
+def read_attack(path):
+    out = {}
+    for r in read_jsonl(path):
+        out.setdefault(r["instance_id"], []).append(r)
+    return out
+
+
+def clean_kept(cfg, groups, base, shield):
+    """% of the base top-k of each test group's clean list that the Shield keeps in its top-k (utility)."""
+    cleans = [geodef.clean_instance(g) for g in groups]
+    base.prepare(cleans)
+    shield.prepare(cleans)
+    kept = [len(set(base.order(x)[:cfg.k]) & set(shield.order(x)[:cfg.k])) / cfg.k for x in cleans]
+    return 100.0 * sum(kept) / max(1, len(kept))
+
+
+def crossplay(cfg, R, data):
+    """Exposure@k of every round's test documents (the fresh attacker's best at the largest budget)
+    under every round's Shield: rescoring only, no attacker call -> rows defense rounds, columns
+    attacker rounds."""
+    _, insts = test_instances(cfg, data)
+    top = max(parse_budgets(cfg.eval_budgets))
+    docs = [best_documents(insts, read_attack(os.path.join(round_dir(cfg, a), "attack-test.jsonl")), top,
+                           f"@cross-a{a}") for a in range(R + 1)]
+    matrix = []
+    for d in range(R + 1):
+        rr = load_shield(cfg, load_reranker(cfg), defense_of(cfg, d)[0])
+        shield = shield_ranker(cfg, rr, defense_of(cfg, d)[0])
+        row = []
+        for ds in docs:
+            shield.prepare(ds)
+            row.append(100.0 * sum(x.attack_index in shield.order(x)[:cfg.k] for x in ds) / max(1, len(ds)))
+        matrix.append(row)
+    return matrix
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def check_settings(cfg):
+    """The settings the rounds' files depend on, pinned in harden/settings.json when the first round
+    starts: a rerun that changes one is refused (--rounds may grow: finished rounds are kept)."""
+    keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
+            "unaware", "restart", "judge")
+    now = {k: getattr(cfg, k) for k in keys}
+    path = os.path.join(cfg.run_dir, "harden", "settings.json")
+    old = read_json(path)
+    if old is not None and old != now:
+        diff = [k for k in keys if old.get(k) != now[k]]
+        raise SettingsError(f"{path}: the rounds were made with " + ", ".join(f"{k}={old.get(k)!r}" for k in diff)
+                            + "; this run asks for " + ", ".join(f"{k}={now[k]!r}" for k in diff)
+                            + ". Use another --name, or move harden/ aside")
+    return path, now
+
+
+def round_clients(cfg, k):
+    """Round k's LLM clients, each reply entered in the usage ledger under stage harden-r{k}: (target,
+    judge, training attacker, test attacker, Analyzer)."""
+    stage = f"harden-r{k}"
+    llm = make_llm(cfg, stage=stage)
+    judge = make_llm(cfg, cfg.judge, stage=stage) if cfg.judge else llm
+    attacker = make_llm(cfg, cfg.attacker, stage=stage) if cfg.attacker else llm
+    tester = make_llm(cfg, cfg.test_attacker, stage=stage) if cfg.test_attacker else attacker
+    analyzer = make_llm(cfg, cfg.analyzer, stage=stage) if cfg.analyzer else llm
+    return llm, judge, attacker, tester, analyzer
+
+
+def clean_references(cfg, data, llm):
+    """The clean reference (B.1.3) of the construction groups (b_clean of TFSG's cases) and of the test
+    side's groups: base top-k, the A.3.7 answer -> ({group_id: record}, {group_id: record})."""
+    base = base_ranker(cfg, load_reranker(cfg))
+    cons = clean_reference_benign(cfg, llm, base, data.construction)
+    groups, _ = test_instances(cfg, data)
+    insts = [geodef.clean_instance(g) for g in groups]
+    base.prepare(insts)
+    recs = eval_condition(cfg, llm, "clean reference", insts, lambda x: base.order(x)[:cfg.k],
+                          lambda x, d: tfsg.standard_prompt(x.query, d),
+                          os.path.join(cfg.run_dir, "harden", "clean_reference.jsonl"), judge=llm)
+    return cons, {r["group_id"]: r for r in recs}
+
+
+def attack_round(cfg, k, data, clients, clean_cons):
+    """Round k's training side: attack, harvest, the defender's update (module docstring, steps 1-3)."""
+    llm, judge, attacker, _, analyzer = clients
+    folder = round_dir(cfg, k)
+    prev = load_defense(cfg, k - 1)
+    cons = geodef.expand(data.construction, data.seen)
+    cands = attacked(cfg, os.path.join(folder, "attack-train.jsonl"), cons, prev[1], prev[2], cfg.budget, attacker,
+                     judge, seed=f"train-{cfg.seed}-{k}")
+    path = os.path.join(folder, "survivors.jsonl")
+    if not os.path.isfile(path):
+        write_jsonl(path, harvest(cfg, k, cons, cands, prev, llm, {g.group_id for g in data.test}))
+    survivors = read_jsonl(path)
+    pool = pool_instances(cfg, data, k)
+    log(f"[harden] round {k}: {len(survivors)} survivors, a pool of {len(pool)}")
+    adapter = defense_of(cfg, k)[0]
+    if survivors:
+        train_shield(cfg, out=folder, extra=pool, init=None if cfg.restart else defense_of(cfg, k - 1)[0])
+    elif not os.path.isdir(adapter):    # nothing got through: the Shield stays as it is
+        tmp = f"{adapter}.tmp{os.getpid()}"
+        shutil.copytree(defense_of(cfg, k - 1)[0], tmp)
+        os.replace(tmp, adapter)
+    update_library(cfg, k, survivors, data, prev, llm, analyzer, clean_cons)
+    return {"survivors": len(survivors), "tfsg_survivors": sum(r["tfsg_cited"] for r in survivors),
+            "pool": len(pool), "candidates": sum(len(cs) - 1 for cs in cands.values())}
+
+
+def harden(cfg):
+    """Hardening rounds 1..R on a trained run (module docstring) -> summary.json's harden block."""
+    data = load_data(cfg)
+    settings_path, pinned = check_settings(cfg)
+    write_json(settings_path, pinned)
+    clean_cons, clean_test = clean_references(cfg, data, make_llm(cfg, stage="harden-r0"))
+    rounds = [measure(cfg, 0, data, round_clients(cfg, 0), clean_test)]
+    for k in range(1, cfg.rounds + 1):
+        clients = round_clients(cfg, k)
+        trained = attack_round(cfg, k, data, clients, clean_cons)
+        rounds.append({**measure(cfg, k, data, clients, clean_test), **trained})
+    usage = run_usage(cfg)["stages"]
+    for r in rounds:                   # a round's replies and their price (None without --prices)
+        rows = list(usage.get(f"harden-r{r['round']}", {}).values())
+        costs = [v["cost_usd"] for v in rows]
+        r["cost"] = {"replies": sum(v["replies"] for v in rows),
+                     "usd": None if None in costs else round(sum(costs), 6)}
+    block = {"settings": pinned, "rounds": rounds, "k": cfg.k, "notes": offline_notes(cfg, data.meta),
+             "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
+                           "exposure": crossplay(cfg, cfg.rounds, data)}}
+    path = os.path.join(cfg.run_dir, "summary.json")
+    summary = read_json(path, {})
+    summary["harden"] = block
+    summary["usage"] = run_usage(cfg)
+    write_json(path, summary)
+    report.write_harden_report(cfg.run_dir, summary)
+    log(f"[harden] wrote {cfg.run_dir}/harden_report.md and summary.json's harden block")
+    return block
+
+
+def dry_run(cfg):
+    """What `harden` would send, without sending anything: upper bounds per round (JSON re-asks
+    included), prompt tokens at 4 characters a token, the price with --prices, full and batch."""
+    data = load_data(cfg)
+    cons = geodef.expand(data.construction, data.seen)
+    _, test = test_instances(cfg, data)
+    budgets = parse_budgets(cfg.eval_budgets)
+    doc = sum(len(x.docs[x.attack_index]) for x in cons + test) / max(1, len(cons + test))
+    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in test) / max(1, len(test))
+    rounds = lambda b: -(-(b - 1) // cfg.candidates_per_round)
+    evaluated = len(test) * (len(budgets) + 2) * len(MEASURED)           # budgets, static, stale
+    per_round = {"attacker": estimate(2 * (len(cons) * rounds(cfg.budget) + len(test) * rounds(max(budgets))),
+                                      3 * doc + 1200, cfg.candidates_per_round * doc / 4),
+                 "fidelity judge": estimate(2 * (len(cons) * (cfg.budget - 1) + len(test) * (max(budgets) - 1)),
+                                            2 * doc + 600, 60),
+                 "target answers": estimate(len(cons) * (cfg.budget - 1) + cfg.batch_size + evaluated,
+                                            ctx + 2500, 400),
+                 "ASI judge": estimate(2 * evaluated, doc + 2400, 80),
+                 "Analyzer": estimate(1, cfg.batch_size * (cfg.k * cfg.analyzer_doc_chars + 1500) + 6000, 1500)}
+    model = lambda s: cfg.llm
+    batched = price_plan(cfg, {s: v for s, v in per_round.items() if s != "Analyzer"}, model, batch=True)
+    alone = price_plan(cfg, {"Analyzer": per_round["Analyzer"]}, model)
+    return {"rounds": cfg.rounds, "construction_instances": len(cons), "test_instances": len(test),
+            "per_round": per_round, "usd_per_round": price_plan(cfg, per_round, model),
+            "usd_per_round_batch_api": None if batched is None or alone is None else batched + alone,
+            "note": "upper bounds per round (round 0 measures only: no attacker on construction groups, no "
+                    "update); the attacker's rounds and the Analyzer stay synchronous under --batch-api"}
+
+
+def round_table(block, budgets):
+    """Exposure@k (Shield) and ASR (GEO Defender) by round, fresh attacker at each budget and stale, as text."""
+    cols = [f"B={b}" for b in budgets] + ["static", "stale"]
+    lines = [f"{'round':<7}" + "".join(f"{c + ' exp/ASR':>20}" for c in cols) + f"{'clean kept':>12}"]
+    for r in block["rounds"]:
+        cells = [r["fresh"][str(b)] for b in budgets] + [r["static"], r.get("stale")]
+        lines.append(f"{r['round']:<7}" + "".join(
+            f"{c['Shield only']['exposure']:>11.2f} /{c['GEO Defender']['ASR']:>6.2f}" if c else f"{'-':>20}"
+            for c in cells) + f"{r['clean_topk_kept']:>12.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""The honest edit of a source document (`build-bench --honest`): what a publisher optimising honestly
+does, clearer wording and structure with every fact kept and nothing GEO adds, and the gate that holds
+it to that. Not an attack: eval and rerank-eval measure on it whether a defense punishes honest
+optimisation (the paper's Introduction: the features GEO amplifies also mark high-quality benign
+content, so a defense keyed to them over-defends). The editor runs like a family (geo_attacks.Ctx, an
+opaque prompt marker, JSON replies); its prompt is ours.
+
+Usage: HonestEdit().run(ctx, [geo_attacks.Job("", source)]); honest_gate(ctx, sources, texts)
+"""
+import hashlib
+import json
+import re
+
+from geo_attacks import (FACTS, FIDELITY_INSTRUCTION, FIDELITY_THRESHOLD, MAX_RATIO, MIN_RATIO, NEEDS_REWRITE, NUMBER,
+                         REWRITE, attempt_of, fidelity_verdicts, refusal)
+
+HONEST_INSTRUCTION = ("You edit the web document in the input for its readers, as a careful publisher would: clearer "
+                      "wording, shorter sentences, paragraphs in a sensible order, a plain heading where it helps. "
+                      "Add nothing to it: no new figures, no quotations, no source, person or organisation the "
+                      "document does not name, no claim of expertise or trust, no promotional or superlative wording.")
+# Wording an honest edit may not add where the source lacks it: attribution, authority and promotion, the moves
+# GEO makes besides structure (a short list, declared; the fidelity judge sees what it misses)
+HONEST_BANNED = ("according to", "expert", "experts", "studies show", "research shows", "proven", "verified",
+                 "official", "renowned", "leading", "authoritative", "definitive", "trusted", "guarantee",
+                 "guaranteed", "best", "ultimate", "unmatched", "world-class", "must-read", "the only", "exclusive")
+QUOTED = re.compile(r"[\"\u201c\u201d]([^\"\u201c\u201d\n]{3,}?)[\"\u201c\u201d]")
+LETTERS = re.compile(r"[^\W\d_]+")
+
+
+def new_names(source, text):
+    """Capitalised words of `text` the source lacks in any case: a word with a capital inside a sentence (not
+    its first word, markdown marks apart) or an all-capitals word anywhere. A heuristic for an added person,
+    organisation, study or place; a sentence-initial new word is left to the fidelity judge."""
+    have = {w.lower() for w in LETTERS.findall(source)}
+    out = []
+    for sent in re.split(r"(?<=[.!?:])\s+|\n+", text):
+        for i, w in enumerate(LETTERS.findall(sent)):
+            if (i > 0 and w[0].isupper() or len(w) > 1 and w.isupper()) and w.lower() not in have:
+                out.append(w)
+    return list(dict.fromkeys(out))
+
+
+def _says(text, phrase):
+    return re.search(rf"(?<![\w-]){re.escape(phrase)}(?![\w-])", text, re.I) is not None
+
+
+def honest_refusal(source, text):
+    """None if an honest edit may go to the fidelity judge, else why it is refused: the families' checks
+    (refusal), then anything GEO adds that the source lacks: a number, a quotation, a name (new_names),
+    authority or promotional wording (HONEST_BANNED)."""
+    why = refusal(source, text)
+    if why:
+        return why
+    have = set(NUMBER.findall(source))
+    added = [x for x in dict.fromkeys(NUMBER.findall(text)) if x not in have]
+    if added:
+        return f"adds numbers {added[:3]}"
+    src = " ".join(source.split())
+    quotes = [q for q in QUOTED.findall(text) if " ".join(q.split()) not in src]
+    if quotes:
+        return f"adds a quotation ({quotes[0][:40]!r})"
+    names = new_names(source, text)
+    if names:
+        return f"adds names {names[:3]}"
+    said = [p for p in HONEST_BANNED if _says(text, p) and not _says(source, p)]
+    if said:
+        return f"adds authority or promotional wording {said[:3]}"
+    return None
+
+
+def honest_gate(ctx, sources, texts, desc="honest edit fidelity"):
+    """Each honest edit's verdict, None (kept) or why it is refused: honest_refusal, then the same fidelity
+    judge as the families' gate."""
+    why = [honest_refusal(s, t) for s, t in zip(sources, texts)]
+    ask = [i for i, w in enumerate(why) if w is None]
+    for i, w in zip(ask, fidelity_verdicts(ctx.judge or ctx.llm, [(sources[i], texts[i]) for i in ask],
+                                           ctx.max_tokens, ctx.workers, desc)):
+        why[i] = w
+    return why
+
+
+class HonestEdit:
+    """The honest editor: 1 call per document; no query (an editor writes for the page's readers, not
+    for one search); not in geo_attacks.FAMILIES. Checked by honest_gate."""
+    name, code, calls = "honest edit", "H1", 1
+
+    def prompts(self):
+        return [HONEST_INSTRUCTION, FACTS, *HONEST_BANNED]
+
+    def run(self, ctx, jobs):
+        out = ctx.ask(self, "edit", f"{HONEST_INSTRUCTION} {FACTS}",
+                      {i: {"document": j.source, **attempt_of(j)} for i, j in enumerate(jobs)}, REWRITE,
+                      NEEDS_REWRITE)
+        return [(out[i]["rewritten_document"] if i in out else None, {"calls": 1}) for i in range(len(jobs))]
+
+    def digest(self):
+        """SHA-1 (12 hex) of what the honest editor's model reads and what checks it (_meta.honest_digest)."""
+        shared = [FIDELITY_INSTRUCTION, str(FIDELITY_THRESHOLD), str((MIN_RATIO, MAX_RATIO))]
+        return hashlib.sha1(json.dumps([self.code, *self.prompts(), *shared]).encode()).hexdigest()[:12]

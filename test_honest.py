@@ -1,0 +1,206 @@
+"""The honest-edit audit (#40): does a defense punish honest optimisation? The honest editor's gate
+(honest.honest_refusal), the offline engine playing the editor, `build-bench --honest`, and the
+honest penalty of eval (per condition) and rerank-eval (per reranker) on an offline build: records,
+resume, dry-run pricing, and nothing changed on a benchmark without honest edits.
+Run: python -m pytest -q test_honest.py
+"""
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+
+import geo_attacks
+import geodef
+import honest
+import offline
+import rerank_eval
+import run
+from conftest import HERE, SAMPLE
+
+SOURCE = ("Canberra was chosen in 1908 as a compromise between Sydney and Melbourne. It has roughly 470,000 "
+          "people.\n\nParliament moved there in 1927.")
+
+
+@pytest.mark.parametrize("edit, why", [
+    ("## Canberra\n\n" + SOURCE, None),
+    (SOURCE + " It grew by 12% since.", "adds numbers ['12']"),
+    (SOURCE + ' Locals call it "the bush capital".', "adds a quotation ('the bush capital')"),
+    (SOURCE + " Planners at UNESCO approved it.", "adds names ['UNESCO']"),
+    (SOURCE.replace("Sydney", "Sydney of the Royal Society"), "adds names ['Royal', 'Society']"),
+    (SOURCE + " This is the definitive account.", "adds authority or promotional wording ['definitive']"),
+    (SOURCE.replace("1927", "1928"), "drops source numbers ['1927']"),
+])
+def test_the_honest_gate_refuses_what_geo_adds(edit, why):
+    assert honest.honest_refusal(SOURCE, edit) == why
+
+
+def test_the_offline_honest_editor_passes_its_gate_on_every_sample_source():
+    for line in open(SAMPLE, encoding="utf-8").read().splitlines()[1:]:
+        g = json.loads(line)
+        src = g["docs"][g["source_index"]]["text"]
+        out = offline.family_step({"rewrite_task": "H1.edit", "document": src})["rewritten_document"]
+        assert honest.honest_refusal(src, out) is None, g["group_id"]
+        assert offline.judge_fidelity(src, out)["fidelity"] >= geo_attacks.FIDELITY_THRESHOLD
+
+
+# ----------------------------------------------------------------------------- an offline build with --honest
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """make_sample's GEO-Bench-shaped rows and search corpus -> (rows path, corpus path)."""
+    spec = importlib.util.spec_from_file_location("make_sample", os.path.join(HERE, "data", "make_sample.py"))
+    ms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ms)
+    return ms.geo_bench(str(tmp_path_factory.mktemp("geo")))
+
+
+def _build(rows, out, runs_dir, *extra, groups=24):
+    """build-bench over the rows with the offline engine and search: the bundled sample's recipe (24
+    groups, 12 construction), or `groups` groups of which a third construction."""
+    return run.main(["build-bench", "--input", rows[0], "--search", f"offline:{rows[1]}", "--output", str(out),
+                     "--groups", str(groups), "--construction-groups", str(12 if groups == 24 else groups // 3),
+                     "--llm", "offline", "--fidelity-judge", "offline", "--model", "tiny", "--dtype", "float32",
+                     "--synthetic", "--name", "hb", "--runs-dir", str(runs_dir), *extra])
+
+
+@pytest.fixture(scope="module")
+def honest_bench(rows, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hb")
+    _build(rows, d / "honest.jsonl", d / "r", "--honest")
+    return d
+
+
+@pytest.fixture(scope="module")
+def honest_run(honest_bench, tmp_path_factory):
+    """The demo (train, eval, the reranker stage) on the honest build -> its run folder."""
+    out = tmp_path_factory.mktemp("honest_demo")
+    run.main(["demo", "--out", str(out), "--bench", str(honest_bench / "honest.jsonl"), "--n-seed-cases", "3",
+              "--batch-size", "3", "--n-batches", "3", "--n-boot", "200"])
+    return out / "demo"
+
+
+def _lines(path):
+    return [json.loads(x) for x in open(path, encoding="utf-8").read().splitlines()]
+
+
+def test_build_bench_honest_adds_an_edit_and_its_trace_and_changes_nothing_else(rows, honest_bench):
+    lines = _lines(honest_bench / "honest.jsonl")
+    meta = lines[0]["_meta"]
+    assert meta["honest"] is True and meta["honest_digest"] == honest.HonestEdit().digest()
+    assert meta["honest_edits"] == 24 and "honest edits" in meta["surface_markers"]
+    for g in lines[1:]:
+        assert g["honest_trace"]["gate"][-1] == "accepted"
+        assert honest.honest_refusal(g["docs"][g["source_index"]]["text"], g["honest"]) is None
+    _build(rows, honest_bench / "plain.jsonl", honest_bench / "r")            # the same build without --honest
+    plain = _lines(honest_bench / "plain.jsonl")
+    assert "honest" not in plain[0]["_meta"]
+    assert [{k: v for k, v in g.items() if k not in ("honest", "honest_trace")} for g in lines[1:]] == plain[1:]
+
+
+def test_a_refused_honest_edit_leaves_its_group_without_one(rows, tmp_path, monkeypatch):
+    """Every attempt adds a number: refused twice, recorded in the trace, the group kept with its attacks."""
+    monkeypatch.setattr(offline, "_honest", lambda inp: {"rewritten_document": inp["document"] + "\n\nUpdated 2031."})
+    _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=10)
+    groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
+    assert len(groups) == 10 and all(g.honest is None for g in groups) and meta.raw["honest_edits"] == 0
+    trace = _lines(tmp_path / "b.jsonl")[1]["honest_trace"]
+    assert trace["attempts"] == 2 and "adds numbers ['2031']" in trace["refused"]
+
+
+def test_a_build_dry_run_prices_the_honest_edits(rows, tmp_path):
+    plan = _build(rows, tmp_path / "dry.jsonl", tmp_path / "r", "--honest", "--dry-run")
+    assert plan["stages"]["honest edit"]["groups"] == 24 and plan["stages"]["honest edit"]["requests"] == 96
+    assert "honest edit" not in _build(rows, tmp_path / "dry.jsonl", tmp_path / "r", "--dry-run")["stages"]
+
+
+def _honest_groups(run_dir):
+    cfg = json.load(open(run_dir / "config.json"))["config"]
+    return [g for g in geodef.load_bench(cfg["bench"]) if g.split == "test"]
+
+
+def test_eval_answers_each_condition_on_the_clean_and_honest_lists(honest_run):
+    s = json.load(open(honest_run / "summary.json"))
+    test = _honest_groups(honest_run)
+    assert s["honest"]["groups"] == s["honest"]["test_groups"] == len(test) == 12
+    for c in s["conditions"]:
+        recs = _lines(honest_run / "results" / f"{c.lower().replace(' ', '_').replace('-', '_')}.honest.jsonl")
+        assert sorted(r["instance_id"] for r in recs) == sorted(f"{g.group_id}:{w}" for g in test
+                                                                for w in ("clean", "honest")), c
+        assert all("asi" not in r for r in recs) and {r["condition"] for r in recs} == {c}
+
+
+def test_eval_honest_penalty_is_the_share_of_cited_sources_whose_edit_loses_its_citation(honest_run, capsys):
+    s = json.load(open(honest_run / "summary.json"))
+    test = {g.group_id: g for g in _honest_groups(honest_run)}
+    for c, slug in (("Non-Defense", "non_defense"), ("Shield only", "shield_only"), ("RobustRAG", "robustrag")):
+        by = {r["instance_id"]: r for r in _lines(honest_run / "results" / f"{slug}.honest.jsonl")}
+        src = {gid: g.docs[g.source_index]["doc_id"] for gid, g in test.items()}
+        cited = [gid for gid in test if src[gid] in by[f"{gid}:clean"]["cited_ids"]]
+        lost = [src[gid] + "#honest" not in by[f"{gid}:honest"]["cited_ids"] for gid in cited]
+        attacks = [r for r in _lines(honest_run / "results" / f"{slug}.jsonl") if r["group_id"] in cited]
+        b = s["honest"]["conditions"][c]
+        assert b["source_cited"] == len(cited) > 0 and b["n_attack"] == len(attacks) == 7 * len(cited)
+        assert b["honest_penalty"] == (pytest.approx(100 * sum(lost) / len(lost)) if lost else None)
+        assert b["attack_loss"] == pytest.approx(100 * sum(not r["attack_cited"] for r in attacks) / len(attacks))
+    run.print_summary(s)
+    table = capsys.readouterr().out.splitlines()
+    assert next(line for line in table if line.startswith("condition")).endswith("honest penalty")
+    row = next(line for line in table if line.startswith("Shield only"))
+    h = s["honest"]["conditions"]["Shield only"]["honest_penalty"]
+    assert row.split()[-1] == ("-" if h is None else f"{h:.2f}")
+    rep = (honest_run / "report.md").read_text()
+    assert "Honest penalty (%)" in rep and "Attack citation lost (%)" in rep
+    assert "within 5 points of the base reranker's" in rep and "these honest figures are plumbing" in rep
+
+
+def test_the_reranker_stage_reports_the_honest_penalty_beside_the_attacks_demotion(honest_run):
+    s = json.load(open(honest_run / "summary.json"))
+    k = s["rerank_stage_k"]
+    for label in ("base", "shield"):
+        hrecs = _lines(honest_run / "results" / f"rerank-{label}.honest.jsonl")
+        recs = _lines(honest_run / "results" / f"rerank-{label}.jsonl")
+        assert {r["method"] for r in hrecs} == {"honest"} and "honest" not in {r["method"] for r in recs}
+        kept = [r for r in hrecs if r["clean_source_rank"] <= k]
+        att = [r for r in recs if r["clean_source_rank"] <= k]
+        h = s["rerank_stage"][label]["honest"]
+        assert h["source_in_topk"] == len(kept) > 0 and h["n_attack"] == len(att)
+        assert h["honest_penalty"] == pytest.approx(100 * sum(r["attack_rank"] > k for r in kept) / len(kept))
+        assert h["attack_demotion"] == pytest.approx(100 * sum(r["attack_rank"] > k for r in att) / len(att))
+    assert "honest penalty" in rerank_eval.stage_table(s["rerank_stage"], k).splitlines()[0]
+    assert "Attack demoted (%)" in (honest_run / "rerank_report.md").read_text()
+
+
+def test_honest_records_resume_and_a_finished_eval_sends_nothing(honest_run, tmp_path):
+    """A cut honest file and a missing one are remade to the same bytes, every reply from the cache."""
+    shutil.copytree(honest_run.parent, tmp_path / "o")
+    res = tmp_path / "o" / "demo" / "results"
+    old = {p.name: p.read_bytes() for p in res.glob("*.honest.jsonl")}
+    cut = old["non_defense.honest.jsonl"]
+    (res / "non_defense.honest.jsonl").write_bytes(cut[:cut.index(b"\n", len(cut) // 2) + 40])   # killed mid-record
+    os.remove(res / "shield_only.honest.jsonl")
+    ledger = (tmp_path / "o" / "demo" / "usage.jsonl").read_bytes()
+    run.main(["eval", "--runs-dir", str(tmp_path / "o"), "--name", "demo"])
+    assert {p.name: p.read_bytes() for p in res.glob("*.honest.jsonl")} == old
+    assert (tmp_path / "o" / "demo" / "usage.jsonl").read_bytes() == ledger
+
+
+def test_the_eval_dry_run_prices_the_honest_audit(honest_run, tmp_path):
+    shutil.copytree(honest_run.parent, tmp_path / "o")
+    for p in (tmp_path / "o" / "demo" / "results").glob("*.honest.jsonl"):
+        os.remove(p)
+    plan = run.main(["eval", "--dry-run", "--runs-dir", str(tmp_path / "o"), "--name", "demo"])
+    n_conds = len(json.load(open(honest_run / "summary.json"))["conditions"])
+    assert plan["honest_audit"]["records_to_make"] == 2 * 12 * n_conds
+    assert plan["stages"]["honest audit answers"]["requests"] == 2 * 12 * n_conds
+    assert plan["stages"]["honest audit PromptArmor remover"]["requests"] == 2 * 12 * 5
+
+
+def test_without_honest_edits_eval_and_the_reranker_stage_are_as_before(demo_run):
+    s = json.load(open(demo_run / "summary.json"))
+    assert "honest" not in s and not any("honest" in v for v in s["rerank_stage"].values())
+    assert not list((demo_run / "results").glob("*.honest.jsonl"))
+    assert "Honest penalty" not in (demo_run / "report.md").read_text()
+    assert "honest" not in rerank_eval.stage_table(s["rerank_stage"], 5)
