@@ -388,7 +388,8 @@ def dry_run(cfg):
             "per_round": per_round, "usd_per_round": price_plan(cfg, per_round, model),
             "usd_per_round_batch_api": None if batched is None or alone is None else batched + alone,
             "note": "upper bounds per round (round 0 measures only: no attacker on construction groups, no "
-                    "update); the attacker's rounds and the Analyzer stay synchronous under --batch-api"}
+                    "update); under --batch-api each attacker round, its judges and the answers are batches, only the "
+                    "Analyzer's call is synchronous"}
 
 
 def round_table(block, budgets):

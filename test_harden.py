@@ -138,7 +138,12 @@ def test_a_killed_harden_reruns_to_the_same_files(hardened, tmp_path, demo_run, 
         run.main(one_round)
     monkeypatch.setattr(harden, "measure", real)
     run.main(one_round)
-    ref, got = out / "demo" / "harden", tmp_path / "o" / "demo" / "harden"
+    assert same_round_files(out / "demo" / "harden", tmp_path / "o" / "demo" / "harden") > 10
+
+
+def same_round_files(ref, got):
+    """How many files of `got`'s harden folder there are, each equal to `ref`'s (its Shield's training
+    checkpoint and the pinned settings aside)."""
     compared = 0
     for root, _, files in os.walk(got):
         for f in files:
@@ -146,7 +151,18 @@ def test_a_killed_harden_reruns_to_the_same_files(hardened, tmp_path, demo_run, 
             if rel.split(os.sep)[1:2] != ["checkpoint"] and rel != "settings.json":
                 assert (got / rel).read_bytes() == (ref / rel).read_bytes(), rel
                 compared += 1
-    assert compared > 10
+    return compared
+
+
+def test_harden_through_the_batch_api_makes_the_synchronous_files(hardened, tmp_path, demo_run):
+    out, _, _ = hardened
+    shutil.copytree(demo_run.parent, tmp_path / "o")
+    run.main(argv(tmp_path / "o") + ["--rounds", "1", "--batch-api", "on", "--batch-poll", "0.1"])
+    assert same_round_files(out / "demo" / "harden", tmp_path / "o" / "demo" / "harden") > 10
+    stages = json.load(open(tmp_path / "o" / "demo" / "summary.json"))["usage"]["stages"]
+    rows = {s: set(v) for s, v in stages.items() if s.startswith("harden")}
+    # round 1's attacker, judges and answers by batch; only the Analyzer's one call is synchronous
+    assert all("offline:offline-engine [batch]" in v for v in rows.values()) and rows
 
 
 def test_a_harden_dry_run_sends_and_writes_nothing(demo_run, tmp_path):
