@@ -137,9 +137,11 @@ def pool_instances(cfg, data, k):
     test = {g.group_id for g in data.test}
     pool = []
     for j in range(1, k + 1):
-        for r in read_jsonl(os.path.join(round_dir(cfg, j), "survivors.jsonl")):
+        path = os.path.join(round_dir(cfg, j), "survivors.jsonl")
+        for n, r in enumerate(read_jsonl(path), 1):
             if r["group_id"] in test or r["split"] != "construction":
-                raise SettingsError(f"harden round {j}: survivor {r['instance_id']} is of a test group")
+                raise SettingsError(f"{path}, line {n}: survivor {r['instance_id']} is of a test group; the pool "
+                                    "takes construction groups only")
             x = by_id[f"{r['group_id']}:{r['source_method']}"]
             pool.append(survivor_instance(x, {"n": r["candidate"], "text": r["text"]}, j))
     return pool

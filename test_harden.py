@@ -90,7 +90,7 @@ def test_a_test_group_in_a_survivors_file_is_refused(hardened, tmp_path):
     path.write_text(json.dumps({"instance_id": "x", "group_id": sorted(test)[0], "split": "construction",
                                 "source_method": "AutoGEO", "candidate": 1, "text": "t"}) + "\n")
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path / "o"), "name": "demo"})
-    with pytest.raises(runs.SettingsError, match="is of a test group"):
+    with pytest.raises(runs.SettingsError, match=r"survivors.jsonl, line 1: survivor x is of a test group"):
         harden.pool_instances(cfg, runs.load_data(cfg), 1)
 
 
