@@ -22,8 +22,9 @@ limit, expired or cancelled) are resubmitted, exactly those, up to `rounds` batc
 
 Polling logs the request counts when they change (else every PROGRESS_EVERY polls) and ends at the
 batch's deadline (`deadline` seconds after submission; by default the providers' 24 h window): the
-batch is cancelled, the replies it has are kept, and the rest go synchronously. A batch that failed,
-one the server no longer knows (HTTP 404: another API key, a purged file), results over the size cap,
+batch is cancelled, and once it has ended (it may stay cancelling for up to CANCEL_GRACE) the replies it
+has are kept and the rest go synchronously. A batch that failed, one the server no longer knows (HTTP
+404: another API key, a purged file), results over the size cap,
 or a status without a status field (MALFORMED_POLLS times) is closed in the manifest with its reason,
 and its requests are sent again once, in a new batch, then synchronously.
 
@@ -51,6 +52,9 @@ RESULTS_CAP = 2 << 30
 RETRYABLE_TYPES = ("overloaded_error", "api_error", "rate_limit_error", "timeout_error")
 ENDED = {"completed", "failed", "expired", "cancelled", "ended"}
 DEADLINE = 24 * 3600        # the providers' completion window: a batch still running then is cancelled
+# A cancelled batch stays "cancelling" for up to 10 minutes (OpenAI's cancel reference), then ends with the
+# lines it ran; waiting for that keeps those replies, which are billed, from being bought again synchronously
+CANCEL_GRACE = 600
 PROGRESS_EVERY = 10         # polls between progress lines while the counts stay the same
 MALFORMED_POLLS = 3         # status replies in a row without a status field before the batch counts as lost
 GONE = (404, 410)           # the server no longer knows the batch or file
@@ -294,9 +298,28 @@ class BatchRunner:
                 shown = progress
             left = end - self.clock()
             if left <= 0:
-                return self._cancel(entry["id"]), True
+                return self._cancelled(entry["id"], desc), True
             self.sleep(min(wait, left))
             wait = min(wait * 1.5, 10 * self.poll)
+
+    def _cancelled(self, batch_id, desc):
+        """Cancel the batch and wait while it is cancelling, up to CANCEL_GRACE -> its status then: ended
+        (its lines are taken) or not (nothing is taken; the rest go synchronously)."""
+        status, end, wait = self._cancel(batch_id), self.clock() + CANCEL_GRACE, self.poll
+        while status["state"] is not None and status["state"] not in ENDED:
+            left = end - self.clock()
+            if left <= 0:
+                self.log(f"[batch] {desc}: batch {batch_id} still {status['state']} {_span(CANCEL_GRACE)} after its "
+                         "cancel: the lines it ran are not taken")
+                break
+            self.sleep(min(wait, left))
+            wait = min(wait * 1.5, 10 * self.poll)
+            try:
+                status = self._status(batch_id)
+            except (LLMError, _Lost) as e:
+                self.log(f"[batch] {desc}: batch {batch_id}: no status after its cancel ({e})")
+                break
+        return status
 
     def _results(self, status, entry, desc):
         """The ended batch's lines -> {custom_id: ("ok", reply) | ("retry", why) | ("fail", why)}. An id

@@ -97,9 +97,10 @@ class Batches:
       no_status     the next that many status replies lack their status field
       purge         the next batch to end has its output purged: reading it answers 404 (once)
       tamper        a function of the next ended batch's output rows -> the rows served (once)
+      cancelling    status checks a cancelled batch stays cancelling before it ends (0: the next one ends it)
     """
     KNOBS = {"polls": 1, "stall": None, "expire_after": None, "fail_first": 0, "fail": None, "reject": False,
-             "missing": False, "no_status": 0, "purge": False, "tamper": None}
+             "missing": False, "no_status": 0, "purge": False, "tamper": None, "cancelling": 0}
 
     def __init__(self):
         self.files, self.batches, self.failed, self.lock = {}, {}, set(), threading.RLock()
@@ -228,7 +229,7 @@ class Batches:
             return view
 
     def cancel(self, bid, anthropic, host):
-        """POST .../cancel: a batch in progress ends at its next status check with the lines it has done."""
+        """POST .../cancel: a batch in progress is cancelling; it ends with the lines it has done (_advance)."""
         with self.lock:
             b = self._batch(bid, anthropic)
             if b["state"] in ("validating", "in_progress"):
@@ -266,10 +267,14 @@ class Batches:
 
     def _advance(self, b):
         """One status check's progress: lines complete over `polls` checks, then the batch ends (expired
-        under expire_after; never while `stall` holds it); a cancelled one ends with what it has done."""
+        under expire_after; never while `stall` holds it); a cancelled one ends with what it has done
+        after `cancelling` more checks."""
         k, now = self.knobs, time.time()
         if b["state"] == "cancelling":
-            return self._end(b, "cancelled", b["counts"]["succeeded"])
+            b["cancel_checks"] = b.get("cancel_checks", 0) + 1
+            if b["cancel_checks"] > k["cancelling"]:
+                self._end(b, "cancelled", b["counts"]["succeeded"])
+            return
         if b["state"] not in RUNNING:
             return
         if b["problem"]:

@@ -304,6 +304,34 @@ def test_a_batch_that_never_ends_is_cancelled_at_its_deadline(engine, tmp_path):
     assert any("batch-1 still running at its deadline" in m and "5 requests sent synchronously" in m for m in logs)
 
 
+@pytest.mark.parametrize("protocol, ran", [("openai", 3), ("anthropic", 8)])
+def test_a_cancelled_batch_is_waited_for_while_it_is_cancelling(engine, tmp_path, protocol, ran):
+    """The provider takes 4 status checks to end a cancelled batch (OpenAI: up to 10 minutes): the lines
+    it ran are still taken, not bought again synchronously (the engine answers Anthropic's protocol by
+    batch only, so there every line has run)."""
+    srv, url = engine
+    srv.batches.knobs.update(stall=ran, cancelling=4)
+    sleep, clock = virtual_time(90 + batch_clients.CANCEL_GRACE)
+    reqs = requests_(8)
+    c = batched(url, tmp_path, protocol, poll=1.0, deadline=90, sleep=sleep, clock=clock)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert c.batch.stats["cached"] == ran and srv.batches.created == 1
+    assert [(b["status"], b["reason"]) for b in manifest(tmp_path)] == [(
+        "ended" if protocol == "anthropic" else "cancelled", "deadline")]
+
+
+def test_a_batch_still_cancelling_after_the_grace_is_left_for_the_synchronous_path(engine, tmp_path):
+    srv, url = engine
+    srv.batches.knobs.update(stall=3, cancelling=10 ** 6)
+    sleep, clock = virtual_time(90 + batch_clients.CANCEL_GRACE + 60)
+    logs, reqs = [], requests_(8)
+    c = batched(url, tmp_path, logs=logs, poll=1.0, deadline=90, sleep=sleep, clock=clock)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert c.batch.stats["cached"] == 0
+    assert any("batch-1 still cancelling 600 s after its cancel" in m for m in logs)
+    assert any("8 requests sent synchronously" in m for m in logs)
+
+
 # ----------------------------------------------------------------------------- the manifest
 
 
