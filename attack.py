@@ -174,13 +174,13 @@ def with_doc(x, text, suffix=""):
 # ----------------------------------------------------------------------------- the attack command
 
 
-def parse_budgets(text):
+def parse_budgets(text, flag="--budgets"):
     try:
         b = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         b = []
     if not b or b[0] < 1:
-        raise SettingsError(f"--budgets {text!r}: a comma list of positive integers, e.g. 1,4,16")
+        raise SettingsError(f"{flag} {text!r}: a comma list of positive integers, e.g. 1,4,16")
     return b
 
 

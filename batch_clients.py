@@ -377,12 +377,16 @@ class BatchRunner:
         return (_anthropic_status if self.anthropic else _openai_status)(b if isinstance(b, dict) else {})
 
     def _cancel(self, batch_id):
-        """Ask the server to cancel the batch -> its status after that ({"state": None} if unknown)."""
+        """Ask the server to cancel the batch -> its status after that ({"state": None} if unknown). A
+        refused cancel (one already cancelling, after a kill) still reads the status."""
         try:
             self.client.transport.send("POST", self._path(batch_id) + "/cancel", {})
+        except LLMError as e:
+            self.log(f"[batch] batch {batch_id}: the cancel was not confirmed ({e})")
+        try:
             return self._status(batch_id)
         except (LLMError, _Lost) as e:
-            self.log(f"[batch] batch {batch_id}: the cancel was not confirmed ({e})")
+            self.log(f"[batch] batch {batch_id}: no status after the cancel ({e})")
             return {"state": None, "counts": None}
 
     def _lines(self, status):

@@ -22,11 +22,12 @@ all, the retry marked in the prompt), then its group is dropped with the
 reason. Every call is cached in the run folder: a killed build reruns to the same bytes. The output
 is written aside, validated, and only then replaces the file.
 
-`--honest` adds, per group, an honest edit of the source (honest.HonestEdit: clearer wording and
+`--honest` adds, per test group, an honest edit of the source (honest.HonestEdit: clearer wording and
 structure, nothing GEO adds), through its own gate (honest_gate: the families' checks, then no new
 number, quotation, name or authority wording, then the fidelity judge), REWRITE_TRIES attempts; a
 group whose every attempt is refused keeps its attacks without an honest edit. eval and rerank-eval
-measure on it whether a defense punishes honest optimisation (the honest penalty).
+measure on it whether a defense punishes honest optimisation (the honest penalty); they measure the
+test split, so construction groups get no edit (none is paid for that nothing reads).
 
 Usage: python run.py build-bench --input test.jsonl --output bench.jsonl --search tavily --llm openai:gpt-5.5
 """
@@ -480,10 +481,11 @@ def dry_run(cfg):
         st = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out}
         stages[f] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
                      "usd_batch_api": None if price is None else accounting.token_cost(price, st, batch=True)}
-    if cfg.honest:                      # one edit per group, each judged like a family's rewrite
-        st = {"groups": len(picked), "requests": len(picked) * REWRITE_TRIES * 2,
-              "prompt_tokens": int(len(picked) * REWRITE_TRIES * 2 * (chars / 4 + 400)),
-              "completion_tokens": int(len(picked) * REWRITE_TRIES * 2 * chars / 4 * 1.1)}
+    if cfg.honest:                      # one edit per test group, each judged like a family's rewrite
+        n_test = len(picked) - n_cons
+        st = {"groups": n_test, "requests": n_test * REWRITE_TRIES * 2,
+              "prompt_tokens": int(n_test * REWRITE_TRIES * 2 * (chars / 4 + 400)),
+              "completion_tokens": int(n_test * REWRITE_TRIES * 2 * chars / 4 * 1.1)}
         stages["honest edit"] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
                                  "usd_batch_api": None if price is None else accounting.token_cost(price, st, True)}
     n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every rewrite (and edit) is judged
@@ -545,7 +547,7 @@ def build_bench(cfg, p=None):
         raise SettingsError(f"{cfg.input}: no query group left, all {len(dropped)} dropped "
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
-    edits = honest_edits(ctx, kept) if cfg.honest else None
+    edits = honest_edits(ctx, [g for g in kept if g["split"] == "test"]) if cfg.honest else None
     if edits:                           # the honest edits' template, beside the families'
         markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():
@@ -602,9 +604,9 @@ def composition(groups, fams, seen):
 
 def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=None):
     """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output.
-    edits ({group_id: (text or None, trace)}, build-bench --honest): each line's `honest` edit and its
-    `honest_trace`, and _meta's `honest`, `honest_digest` and `honest_edits`; without it the lines are as
-    before."""
+    edits ({group_id: (text or None, trace)} of the test groups, build-bench --honest): each test line's
+    `honest` edit and its `honest_trace`, and _meta's `honest`, `honest_digest` and `honest_edits`; without
+    it the lines are as before."""
     meta = {"name": os.path.basename(cfg.output), "synthetic": bool(cfg.synthetic), "methods": fams,
             "seen_methods": seen, "n_docs": cfg.docs, "search": search.label if search else None,
             "builder_llm": llm.label, "fidelity_judge": cfg.fidelity_judge or llm.label, "seed": cfg.seed,
@@ -624,7 +626,7 @@ def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=
         names = fams if g["split"] == "test" else seen
         line = {"group_id": gid, "query": g["query"], "docs": g["docs"], "source_index": g["source_index"],
                 "attacks": {m: attacks[gid][m] for m in names}, "trace": {m: traces[gid][m] for m in names}}
-        if edits is not None:
+        if edits is not None and gid in edits:             # test groups
             text, trace = edits[gid]
             line.update(({"honest": text} if text is not None else {}), honest_trace=trace)
         lines.append(json.dumps({**line, "split": g["split"]}, ensure_ascii=False))

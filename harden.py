@@ -78,8 +78,16 @@ def load_defense(cfg, k):
 
 
 def read_jsonl(path):
+    """A JSONL file the rounds wrote; a line that does not parse is an error naming the file and line."""
+    out = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except ValueError as e:
+                    raise SettingsError(f"{path}, line {n}: not JSON ({e})") from None
+    return out
 
 
 def write_jsonl(path, recs):
@@ -102,29 +110,31 @@ def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed):
 
 
 def survivor_instance(x, cand, k):
-    """A survivor as a construction instance: the group's list with the candidate in the attacked slot."""
+    """A survivor as a construction instance: the group's list with the candidate in the attacked slot. Its
+    ids name the round, the family it was attacked from and the candidate: unique within the pool."""
+    tag = f"adaptive-r{k}.{x.method}.{cand['n']}"
     ids = list(x.doc_ids)
-    ids[x.attack_index] = f"{ids[x.attack_index].split('#')[0]}#adaptive-r{k}.{cand['n']}"
+    ids[x.attack_index] = f"{ids[x.attack_index].split('#')[0]}#{tag}"
     docs = list(x.docs)
     docs[x.attack_index] = cand["text"]
-    return dataclasses.replace(x, instance_id=f"{x.group_id}:adaptive-r{k}.{cand['n']}", docs=docs, doc_ids=ids,
+    return dataclasses.replace(x, instance_id=f"{x.group_id}:{tag}", docs=docs, doc_ids=ids,
                                method=f"adaptive-r{k}", split="construction")
 
 
-def harvest(cfg, k, insts, cands, defense, llm, test_groups):
+def harvest(cfg, k, insts, cands, defense, llm, construction_groups):
     """Round k's survivors: gate-passing candidates in the round k-1 Shield's top-k, each marked whether
-    the target still cites it under GEO Defender (round k-1 library) -> survivor records."""
+    the target still cites it under GEO Defender (round k-1 library; no ASI judge) -> survivor records."""
     base, shield, lib = defense
     found = [(x, c) for x in insts for c in cands[x.instance_id][1:] if c["accepted"] and c["rank"] <= cfg.k]
-    bad = sorted({x.group_id for x, _ in found} & test_groups)
+    bad = sorted({x.group_id for x, _ in found} - construction_groups)
     if bad:                    # never: the attacker saw construction groups only
-        raise SettingsError(f"harden round {k}: test groups {bad[:3]} among the survivors; the pool takes "
-                            "construction groups only")
+        raise SettingsError(f"harden round {k}: groups {bad[:3]} among the survivors are not construction "
+                            "groups; the pool takes construction groups only")
     surv = [survivor_instance(x, c, k) for x, c in found]
     shield.prepare(surv)
     path = os.path.join(round_dir(cfg, k), "cited.jsonl")
     recs = eval_condition(cfg, llm, "GEO Defender (survivors)", surv, lambda y: shield.order(y)[:cfg.k],
-                          lambda y, d: tfsg.guided_prompt(y.query, d, lib), path, judge=llm)
+                          lambda y, d: tfsg.guided_prompt(y.query, d, lib), path, judge_asi=False)
     cited = {r["instance_id"]: r["attack_cited"] for r in recs}
     return [{"instance_id": y.instance_id, "group_id": y.group_id, "split": y.split, "method": y.method,
              "source_method": x.method, "candidate": c["n"], "shield_rank": c["rank"],
@@ -132,18 +142,24 @@ def harvest(cfg, k, insts, cands, defense, llm, test_groups):
 
 
 def pool_instances(cfg, data, k):
-    """Every round's survivors up to k, as construction instances; refused if any is a test group's."""
+    """Every round's survivors up to k, as construction instances; a line that is not a construction
+    instance's survivor (a test group's, a family or field the benchmark lacks) is refused, naming it."""
     by_id = {x.instance_id: x for x in geodef.expand(data.construction, data.seen)}
-    test = {g.group_id for g in data.test}
     pool = []
     for j in range(1, k + 1):
         path = os.path.join(round_dir(cfg, j), "survivors.jsonl")
         for n, r in enumerate(read_jsonl(path), 1):
-            if r["group_id"] in test or r["split"] != "construction":
-                raise SettingsError(f"{path}, line {n}: survivor {r['instance_id']} is of a test group; the pool "
-                                    "takes construction groups only")
-            x = by_id[f"{r['group_id']}:{r['source_method']}"]
+            r = r if isinstance(r, dict) else {}
+            x = by_id.get(f"{r.get('group_id')}:{r.get('source_method')}")
+            if x is None or r.get("split") != "construction":
+                raise SettingsError(f"{path}, line {n}: not the survivor of a construction instance (group "
+                                    f"{r.get('group_id')!r}); the pool takes construction groups only")
+            if not isinstance(r.get("candidate"), int) or not isinstance(r.get("text"), str):
+                raise SettingsError(f"{path}, line {n}: candidate (an integer) and text (a string) are required")
             pool.append(survivor_instance(x, {"n": r["candidate"], "text": r["text"]}, j))
+    ids = [y.instance_id for y in pool]
+    if len(set(ids)) != len(ids):
+        raise SettingsError(f"harden rounds 1..{k}: a survivor appears twice in the pool")
     return pool
 
 
@@ -207,7 +223,7 @@ def measure(cfg, k, data, clients, clean):
     llm, judge, _, tester, _ = clients
     groups, insts = test_instances(cfg, data)
     base, shield, lib = load_defense(cfg, k)
-    budgets = parse_budgets(cfg.eval_budgets)
+    budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
     cands = attacked(cfg, os.path.join(round_dir(cfg, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
                      tester, judge, seed=f"test-{cfg.seed}-{k}")
     res = os.path.join(round_dir(cfg, k), "results")
@@ -248,7 +264,7 @@ def crossplay(cfg, R, data):
     under every round's Shield: rescoring only, no attacker call -> rows defense rounds, columns
     attacker rounds."""
     _, insts = test_instances(cfg, data)
-    top = max(parse_budgets(cfg.eval_budgets))
+    top = max(parse_budgets(cfg.eval_budgets, "--eval-budgets"))
     docs = [best_documents(insts, read_attack(os.path.join(round_dir(cfg, a), "attack-test.jsonl")), top,
                            f"@cross-a{a}") for a in range(R + 1)]
     matrix = []
@@ -270,7 +286,7 @@ def check_settings(cfg):
     """The settings the rounds' files depend on, pinned in harden/settings.json when the first round
     starts: a rerun that changes one is refused (--rounds may grow: finished rounds are kept)."""
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
-            "unaware", "restart", "judge")
+            "unaware", "restart", "judge", "max_tokens")
     now = {k: getattr(cfg, k) for k in keys}
     path = os.path.join(cfg.run_dir, "harden", "settings.json")
     old = read_json(path)
@@ -318,7 +334,7 @@ def attack_round(cfg, k, data, clients, clean_cons):
                      judge, seed=f"train-{cfg.seed}-{k}")
     path = os.path.join(folder, "survivors.jsonl")
     if not os.path.isfile(path):
-        write_jsonl(path, harvest(cfg, k, cons, cands, prev, llm, {g.group_id for g in data.test}))
+        write_jsonl(path, harvest(cfg, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))
     survivors = read_jsonl(path)
     pool = pool_instances(cfg, data, k)
     log(f"[harden] round {k}: {len(survivors)} survivors, a pool of {len(pool)}")
@@ -370,20 +386,23 @@ def dry_run(cfg):
     data = load_data(cfg)
     cons = geodef.expand(data.construction, data.seen)
     _, test = test_instances(cfg, data)
-    budgets = parse_budgets(cfg.eval_budgets)
+    budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
     doc = sum(len(x.docs[x.attack_index]) for x in cons + test) / max(1, len(cons + test))
     ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in test) / max(1, len(test))
     rounds = lambda b: -(-(b - 1) // cfg.candidates_per_round)
     evaluated = len(test) * (len(budgets) + 2) * len(MEASURED)           # budgets, static, stale
-    per_round = {"attacker": estimate(2 * (len(cons) * rounds(cfg.budget) + len(test) * rounds(max(budgets))),
-                                      3 * doc + 1200, cfg.candidates_per_round * doc / 4),
+    written = cfg.candidates_per_round * doc / 4
+    per_round = {"training attacker": estimate(2 * len(cons) * rounds(cfg.budget), 3 * doc + 1200, written),
+                 "test attacker": estimate(2 * len(test) * rounds(max(budgets)), 3 * doc + 1200, written),
                  "fidelity judge": estimate(2 * (len(cons) * (cfg.budget - 1) + len(test) * (max(budgets) - 1)),
                                             2 * doc + 600, 60),
                  "target answers": estimate(len(cons) * (cfg.budget - 1) + cfg.batch_size + evaluated,
                                             ctx + 2500, 400),
                  "ASI judge": estimate(2 * evaluated, doc + 2400, 80),
                  "Analyzer": estimate(1, cfg.batch_size * (cfg.k * cfg.analyzer_doc_chars + 1500) + 6000, 1500)}
-    model = lambda s: cfg.llm
+    models = {"training attacker": cfg.attacker, "test attacker": cfg.test_attacker or cfg.attacker,
+              "fidelity judge": cfg.judge, "ASI judge": cfg.judge, "Analyzer": cfg.analyzer}
+    model = lambda s: models.get(s) or cfg.llm          # each stage priced at its own client's model
     batched = price_plan(cfg, {s: v for s, v in per_round.items() if s != "Analyzer"}, model, batch=True)
     alone = price_plan(cfg, {"Analyzer": per_round["Analyzer"]}, model)
     return {"rounds": cfg.rounds, "construction_instances": len(cons), "test_instances": len(test),

@@ -393,7 +393,7 @@ def cmd_harden(args):
     cfg = pipeline_settings(settings.HardenConfig, args)
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
     need_trained(cfg, library_path(cfg), "TFSG library")
-    budgets = attack.parse_budgets(cfg.eval_budgets)
+    budgets = attack.parse_budgets(cfg.eval_budgets, "--eval-budgets")
     n_test = len(load_data(cfg).test)
     if cfg.eval_groups > n_test:
         raise SettingsError(f"--eval-groups {cfg.eval_groups}: the benchmark has {n_test} test groups")

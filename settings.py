@@ -296,8 +296,8 @@ class BuildSettings(Settings):
     agentic_archive: str = setting(None, "AgenticGEO's strategies.json (default: our archive)")
     autogeo_rules: str = setting(None, "AutoGEO's merged_rules.json or a JSON list of rules")
     synthetic: bool = setting(False, "mark the file synthetic in _meta (the bundled sample)")
-    honest: bool = setting(False, "also write each group's honest edit of its source (clearer wording and structure, "
-                                  "nothing GEO adds): eval's and rerank-eval's honest penalty")
+    honest: bool = setting(False, "also write each test group's honest edit of its source (clearer wording and "
+                                  "structure, nothing GEO adds): eval's and rerank-eval's honest penalty")
 
 
 @dataclass

@@ -23,13 +23,28 @@ def argv(out, *extra):
     return ["harden", "--runs-dir", str(out), "--name", "demo", *ARGS, *extra]
 
 
+def near_copies_in_round_1(real):
+    """The offline attacker, except on the training side: round 1's writes near-copies of the source (it
+    and the query), which the small demo's Shield keeps in its top-5, so round 1 has survivors to harvest,
+    retrain on and grow the library with; round 2's writes only what the gate refuses (too short), so
+    round 2 has none. The test side's fresh attackers are the offline engine's."""
+    def attacker(inp):
+        seed, n = str(inp.get("attacker_seed", "")), int(inp["n_rewrites"])
+        if seed.startswith("train-") and seed.endswith("-1"):
+            return [f"{inp['source_document']}\n\nIn short: {inp['query']}" + " (see above)" * i for i in range(n)]
+        if seed.startswith("train-"):
+            return [f"Short {i}." for i in range(n)]
+        return real(inp)
+    return attacker
+
+
 @pytest.fixture(scope="module")
 def hardened(demo_run, tmp_path_factory):
-    """One hardening run on a copy of the demo run, the adaptive attacker's requests recorded:
-    -> (the run's parent folder, the harden block, [(attacker seed, group id)])."""
+    """One hardening run on a copy of the demo run (near_copies_in_round_1), the adaptive attacker's
+    requests recorded: -> (the run's parent folder, the harden block, [(attacker seed, group id)])."""
     out = tmp_path_factory.mktemp("h")
     shutil.copytree(demo_run.parent, out, dirs_exist_ok=True)
-    seen, real = [], offline.attack_rewrites
+    seen, real = [], near_copies_in_round_1(offline.attack_rewrites)
     mp = pytest.MonkeyPatch()
 
     def recording(inp):
@@ -79,7 +94,35 @@ def test_survivors_are_construction_instances_in_the_pool(hardened):
         for line in open(out / "demo" / "harden" / f"round-{k}" / "survivors.jsonl"):
             r = json.loads(line)
             assert r["group_id"] in cons and r["split"] == "construction" and r["method"] == f"adaptive-r{k}"
+    assert block["rounds"][1]["survivors"] > 0
     assert block["rounds"][2]["pool"] == block["rounds"][1]["survivors"] + block["rounds"][2]["survivors"]
+
+
+def test_survivors_of_one_group_and_candidate_number_stay_apart(hardened):
+    """Two families' candidates n of one group both survive: each its own pool instance, trained on."""
+    out, block, _ = hardened
+    recs = [json.loads(x) for x in open(out / "demo" / "harden" / "round-1" / "survivors.jsonl")]
+    by = {}
+    for r in recs:
+        by.setdefault((r["group_id"], r["candidate"]), set()).add(r["source_method"])
+    assert any(len(m) > 1 for m in by.values())
+    cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
+    pool = harden.pool_instances(cfg, runs.load_data(cfg), 1)
+    assert len({x.instance_id for x in pool}) == len({x.doc_ids[x.attack_index] for x in pool}) == len(recs)
+
+
+def test_the_shield_is_retrained_and_the_library_grows_on_the_survivors(hardened):
+    out, _, _ = hardened
+    r1 = out / "demo" / "harden" / "round-1"
+    cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
+    prev = harden.defense_of(cfg, 0)
+    assert (r1 / "adapter" / "adapter_model.safetensors").read_bytes() != \
+        open(os.path.join(prev[0], "adapter_model.safetensors"), "rb").read()
+    cases = json.load(open(r1 / "library" / f"E{cfg.n_batches + 2}.cases.json"))
+    cited = [json.loads(x) for x in open(r1 / "cited.jsonl")]            # GEO Defender's citations, no ASI judge
+    assert cited and all("asi" not in r and "asi_judge" not in r for r in cited)
+    # the survivors' cases (their attack in context) beside their groups' benign lists
+    assert any("attack" in c["labels"] for c in cases) and any("attack" not in c["labels"] for c in cases)
 
 
 def test_a_test_group_in_a_survivors_file_is_refused(hardened, tmp_path):
@@ -90,7 +133,7 @@ def test_a_test_group_in_a_survivors_file_is_refused(hardened, tmp_path):
     path.write_text(json.dumps({"instance_id": "x", "group_id": sorted(test)[0], "split": "construction",
                                 "source_method": "AutoGEO", "candidate": 1, "text": "t"}) + "\n")
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path / "o"), "name": "demo"})
-    with pytest.raises(runs.SettingsError, match=r"survivors.jsonl, line 1: survivor x is of a test group"):
+    with pytest.raises(runs.SettingsError, match=r"survivors.jsonl, line 1: not the survivor of a construction"):
         harden.pool_instances(cfg, runs.load_data(cfg), 1)
 
 
@@ -103,7 +146,7 @@ def test_a_round_without_survivors_keeps_the_defense(hardened):
             new = out / "demo" / "harden" / f"round-{k}" / "adapter" / "adapter_model.safetensors"
             assert new.read_bytes() == open(os.path.join(prev, "adapter_model.safetensors"), "rb").read()
             return
-    pytest.skip("every round had survivors on this run")
+    pytest.fail("no round without survivors on this run")
 
 
 def test_crossplay_is_square_with_each_rounds_fresh_attacker_on_the_diagonal(hardened):
@@ -133,6 +176,7 @@ def test_a_killed_harden_reruns_to_the_same_files(hardened, tmp_path, demo_run, 
             raise KeyboardInterrupt
         return real(*a, **k)
     monkeypatch.setattr(harden, "measure", dies)
+    monkeypatch.setattr(offline, "attack_rewrites", near_copies_in_round_1(offline.attack_rewrites))
     one_round = argv(tmp_path / "o") + ["--rounds", "1"]       # round 1's files are those of the 2-round run
     with pytest.raises(KeyboardInterrupt):
         run.main(one_round)
@@ -154,9 +198,10 @@ def same_round_files(ref, got):
     return compared
 
 
-def test_harden_through_the_batch_api_makes_the_synchronous_files(hardened, tmp_path, demo_run):
+def test_harden_through_the_batch_api_makes_the_synchronous_files(hardened, tmp_path, demo_run, monkeypatch):
     out, _, _ = hardened
     shutil.copytree(demo_run.parent, tmp_path / "o")
+    monkeypatch.setattr(offline, "attack_rewrites", near_copies_in_round_1(offline.attack_rewrites))
     run.main(argv(tmp_path / "o") + ["--rounds", "1", "--batch-api", "on", "--batch-poll", "0.1"])
     assert same_round_files(out / "demo" / "harden", tmp_path / "o" / "demo" / "harden") > 10
     stages = json.load(open(tmp_path / "o" / "demo" / "summary.json"))["usage"]["stages"]
@@ -171,7 +216,10 @@ def test_a_harden_dry_run_sends_and_writes_nothing(demo_run, tmp_path):
     plan = run.main(argv(tmp_path / "o", "--dry-run"))
     assert not (tmp_path / "o" / "demo" / "harden").exists()
     assert (tmp_path / "o" / "demo" / "usage.jsonl").read_bytes() == before
-    assert plan["per_round"]["attacker"]["requests"] > 0 and plan["test_instances"] == 2 * 7
+    # a JSON request asked at most twice; budget 5: 2 attacker rounds of 2 candidates; budgets 1,3: 1 round
+    assert plan["per_round"]["training attacker"]["requests"] == 2 * plan["construction_instances"] * 2
+    assert plan["per_round"]["test attacker"]["requests"] == 2 * plan["test_instances"] * 1
+    assert plan["test_instances"] == 2 * 7
 
 
 def test_changed_settings_are_refused_on_a_hardened_run(hardened, tmp_path):

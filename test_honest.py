@@ -90,8 +90,11 @@ def test_build_bench_honest_adds_an_edit_and_its_trace_and_changes_nothing_else(
     lines = _lines(honest_bench / "honest.jsonl")
     meta = lines[0]["_meta"]
     assert meta["honest"] is True and meta["honest_digest"] == honest.HonestEdit().digest()
-    assert meta["honest_edits"] == 24 and "honest edits" in meta["surface_markers"]
-    for g in lines[1:]:
+    assert meta["honest_edits"] == 12 and "honest edits" in meta["surface_markers"]
+    for g in lines[1:]:                 # test groups only: the honest audit measures the test split
+        if g["split"] == "construction":
+            assert "honest" not in g and "honest_trace" not in g
+            continue
         assert g["honest_trace"]["gate"][-1] == "accepted"
         assert honest.honest_refusal(g["docs"][g["source_index"]]["text"], g["honest"]) is None
     _build(rows, honest_bench / "plain.jsonl", honest_bench / "r")            # the same build without --honest
@@ -106,13 +109,13 @@ def test_a_refused_honest_edit_leaves_its_group_without_one(rows, tmp_path, monk
     _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=10)
     groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
     assert len(groups) == 10 and all(g.honest is None for g in groups) and meta.raw["honest_edits"] == 0
-    trace = _lines(tmp_path / "b.jsonl")[1]["honest_trace"]
+    trace = next(g for g in _lines(tmp_path / "b.jsonl")[1:] if g["split"] == "test")["honest_trace"]
     assert trace["attempts"] == 2 and "adds numbers ['2031']" in trace["refused"]
 
 
 def test_a_build_dry_run_prices_the_honest_edits(rows, tmp_path):
     plan = _build(rows, tmp_path / "dry.jsonl", tmp_path / "r", "--honest", "--dry-run")
-    assert plan["stages"]["honest edit"]["groups"] == 24 and plan["stages"]["honest edit"]["requests"] == 96
+    assert plan["stages"]["honest edit"]["groups"] == 12 and plan["stages"]["honest edit"]["requests"] == 48
     assert "honest edit" not in _build(rows, tmp_path / "dry.jsonl", tmp_path / "r", "--dry-run")["stages"]
 
 

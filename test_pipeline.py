@@ -514,6 +514,16 @@ def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
     assert guided and all('"decision_labels"' not in b["messages"][0]["content"] for b in guided)
 
 
+def test_a_library_folder_with_json_in_its_path_holds_all_its_files(server, tmp_path):
+    """A run named demo.json: every epoch's library, cases and report inside the library folder."""
+    seeds, batches = _tfsg_inputs()
+    c = llm_clients.Client(server, "scripted-reasoner", cache_dir=str(tmp_path / "c"))
+    out = tmp_path / "demo.json" / "library"
+    tfsg.build_library(tfsg.one_at_a_time(c.chat), c.chat, seeds, batches[:1], str(out), tfsg.standard_prompt)
+    assert sorted(os.listdir(tmp_path)) == ["c", "demo.json"] and os.listdir(tmp_path / "demo.json") == ["library"]
+    assert {"E2.json", "E2.cases.json", "E2.report.json"} <= set(os.listdir(out))
+
+
 def test_labels_never_reach_prompt_text(demo_run, tmp_path, server):
     """B.1.2: no prompt the target LLM is sent names a GEO method, a split or an attack/benign label.
     The demo's run again from an empty LLM cache (TFSG construction, then the evaluation of every

@@ -706,14 +706,13 @@ def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, inter
     reply = analyzer_chat(_msg(prompt), temperature=temperature, max_tokens=max(max_tokens, 4096), json=True)
     data = reply.data if isinstance(reply.data, dict) else {}
     new_lib, report = controller.apply(lib_stats, data.get("updates", []), epoch=epoch)
-    _save(path.replace(".json", ".cases.json"), [{"case_id": c["case_id"], "outcome": c["outcome"],
-                                                 "trace": c["trace"], "labels": c["labels"],
-                                                 "b_clean": c["b_clean"]} for c in cases])
+    cases_out = [{k: c[k] for k in ("case_id", "outcome", "trace", "labels", "b_clean")} for c in cases]
+    _save(os.path.join(out_dir, f"E{epoch}.cases.json"), cases_out)
     outcomes = {k: sum(c["outcome"] == k for c in cases) for k in ("success", "missed_attack", "false_positive",
                                                                   "both")}
-    _save(path.replace(".json", ".report.json"), {**report.to_dict(), "batch_analysis": data.get("batch_analysis"),
-                                                 "controller_notes": data.get("controller_notes"),
-                                                 "outcomes": outcomes})
+    _save(os.path.join(out_dir, f"E{epoch}.report.json"),
+          {**report.to_dict(), "batch_analysis": data.get("batch_analysis"),
+           "controller_notes": data.get("controller_notes"), "outcomes": outcomes})
     _save(path, new_lib.to_dict())
     return new_lib
 
