@@ -328,6 +328,7 @@ def attack_round(cfg, k, data, clients, clean_cons):
     """Round k's training side: attack, harvest, the defender's update (module docstring, steps 1-3)."""
     llm, judge, attacker, _, analyzer = clients
     folder = round_dir(cfg, k)
+    pool_instances(cfg, data, k - 1)            # the earlier rounds' survivors files, checked before paying
     prev = load_defense(cfg, k - 1)
     cons = geodef.expand(data.construction, data.seen)
     cands = attacked(cfg, os.path.join(folder, "attack-train.jsonl"), cons, prev[1], prev[2], cfg.budget, attacker,

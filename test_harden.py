@@ -135,6 +135,11 @@ def test_a_test_group_in_a_survivors_file_is_refused(hardened, tmp_path):
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path / "o"), "name": "demo"})
     with pytest.raises(runs.SettingsError, match=r"survivors.jsonl, line 1: not the survivor of a construction"):
         harden.pool_instances(cfg, runs.load_data(cfg), 1)
+    shutil.rmtree(tmp_path / "o" / "demo" / "harden" / "round-2")      # round 2 again: refused before it pays
+    usage = (tmp_path / "o" / "demo" / "usage.jsonl").read_bytes()
+    with pytest.raises(SystemExit, match=r"round-1/survivors.jsonl, line 1: not the survivor"):
+        run.main(argv(tmp_path / "o"))
+    assert (tmp_path / "o" / "demo" / "usage.jsonl").read_bytes() == usage
 
 
 def test_a_round_without_survivors_keeps_the_defense(hardened):
