@@ -290,8 +290,8 @@ class BatchRunner:
             malformed = malformed + 1 if status["state"] is None else 0
             if malformed >= MALFORMED_POLLS:
                 raise _Lost(f"answered {malformed} status checks in a row without a status field")
-            if status["state"] in ENDED:
-                return status, False
+            if status["state"] in ENDED:       # past the deadline (a resume after a kill while cancelling):
+                return status, status["state"] != "completed" and self.clock() >= end    # its rest synchronous
             progress = _progress(status)
             if progress != shown or polls % PROGRESS_EVERY == 0:
                 self.log(f"[batch] {desc}: batch {entry['id']} {progress}")

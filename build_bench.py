@@ -386,7 +386,7 @@ def rewrite_family(ctx, fam, groups, gate=geo_attacks.gate):
 
 
 def honest_edits(ctx, groups):
-    """The honest editor (honest.HonestEdit) on every kept group, through its own gate
+    """The honest editor (honest.HonestEdit) on the kept test groups, through its own gate
     (honest_gate), REWRITE_TRIES attempts: -> {group_id: (text or None, trace)}. A group whose every
     attempt is refused keeps its attacks and has no honest edit; its trace says why."""
     done, failed = rewrite_family(ctx, honest.HonestEdit(), groups, honest.honest_gate)

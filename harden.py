@@ -80,13 +80,17 @@ def load_defense(cfg, k):
 def read_jsonl(path):
     """A JSONL file the rounds wrote; a line that does not parse is an error naming the file and line."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except ValueError as e:
-                    raise SettingsError(f"{path}, line {n}: not JSON ({e})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"{path}: not UTF-8 ({e})") from None
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:
+                raise SettingsError(f"{path}, line {n}: not JSON ({e})") from None
     return out
 
 
@@ -134,7 +138,7 @@ def harvest(cfg, k, insts, cands, defense, llm, construction_groups):
     shield.prepare(surv)
     path = os.path.join(round_dir(cfg, k), "cited.jsonl")
     recs = eval_condition(cfg, llm, "GEO Defender (survivors)", surv, lambda y: shield.order(y)[:cfg.k],
-                          lambda y, d: tfsg.guided_prompt(y.query, d, lib), path, judge_asi=False)
+                          lambda y, d: tfsg.guided_prompt(y.query, d, lib), path, judge=llm, judge_asi=False)
     cited = {r["instance_id"]: r["attack_cited"] for r in recs}
     return [{"instance_id": y.instance_id, "group_id": y.group_id, "split": y.split, "method": y.method,
              "source_method": x.method, "candidate": c["n"], "shield_rank": c["rank"],
@@ -328,7 +332,6 @@ def attack_round(cfg, k, data, clients, clean_cons):
     """Round k's training side: attack, harvest, the defender's update (module docstring, steps 1-3)."""
     llm, judge, attacker, _, analyzer = clients
     folder = round_dir(cfg, k)
-    pool_instances(cfg, data, k - 1)            # the earlier rounds' survivors files, checked before paying
     prev = load_defense(cfg, k - 1)
     cons = geodef.expand(data.construction, data.seen)
     cands = attacked(cfg, os.path.join(folder, "attack-train.jsonl"), cons, prev[1], prev[2], cfg.budget, attacker,
@@ -355,6 +358,8 @@ def harden(cfg):
     """Hardening rounds 1..R on a trained run (module docstring) -> summary.json's harden block."""
     data = load_data(cfg)
     settings_path, pinned = check_settings(cfg)
+    made = [k for k in range(1, cfg.rounds + 1) if os.path.isfile(os.path.join(round_dir(cfg, k), "survivors.jsonl"))]
+    pool_instances(cfg, data, len(made))        # the finished rounds' survivors files, checked before any call
     write_json(settings_path, pinned)
     clean_cons, clean_test = clean_references(cfg, data, make_llm(cfg, stage="harden-r0"))
     rounds = [measure(cfg, 0, data, round_clients(cfg, 0), clean_test)]

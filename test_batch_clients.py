@@ -320,6 +320,30 @@ def test_a_cancelled_batch_is_waited_for_while_it_is_cancelling(engine, tmp_path
         "ended" if protocol == "anthropic" else "cancelled", "deadline")]
 
 
+def test_a_kill_while_cancelling_resumes_to_the_deadlines_outcome(engine, tmp_path):
+    """Killed while the batch cancelled at its deadline is still cancelling; it has ended when the run is
+    resumed (past its deadline): the lines it ran are taken and the rest go synchronously, as without the
+    kill, not into a new batch."""
+    srv, url = engine
+    srv.batches.knobs.update(stall=3, cancelling=1)
+    sleep, clock = virtual_time(90 + batch_clients.CANCEL_GRACE)
+
+    def killed_while_cancelling(s):
+        if any(b["state"] == "cancelling" for b in srv.batches.batches.values()):
+            raise KeyboardInterrupt
+        sleep(s)
+    reqs = requests_(8)
+    c = batched(url, tmp_path, poll=1.0, deadline=90, sleep=killed_while_cancelling, clock=clock)
+    with pytest.raises(KeyboardInterrupt):
+        c.map(reqs, progress=False)
+    logs = []
+    c = batched(url, tmp_path, logs=logs, poll=1.0, deadline=90, sleep=sleep, clock=clock)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert c.batch.stats["cached"] == 3 and srv.batches.created == 1
+    assert [(b["status"], b["reason"]) for b in manifest(tmp_path)] == [("cancelled", "deadline")]
+    assert any("5 requests sent synchronously" in m for m in logs)
+
+
 def test_a_batch_still_cancelling_after_the_grace_is_left_for_the_synchronous_path(engine, tmp_path):
     srv, url = engine
     srv.batches.knobs.update(stall=3, cancelling=10 ** 6)
