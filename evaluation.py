@@ -437,7 +437,8 @@ def honest_penalty(recs, attack_recs, groups, n_boot=10000, seed=0):
     src = {g.group_id: g.docs[g.source_index]["doc_id"] for g in groups}
     kept = [gid for gid, d in src.items() if d in by[f"{gid}:clean"]["cited_ids"]]
     lost = [100.0 * (f"{src[gid]}#honest" not in by[f"{gid}:honest"]["cited_ids"]) for gid in kept]
-    attacks = [r for r in attack_recs if r["group_id"] in set(kept)]
+    cited_groups = set(kept)
+    attacks = [r for r in attack_recs if r["group_id"] in cited_groups]
     out = {"groups": len(groups), "source_cited": len(kept), "n_attack": len(attacks),
            "honest_cited": sum(f"{d}#honest" in by[f"{gid}:honest"]["cited_ids"] for gid, d in src.items())}
     for name, vals, clusters in (("honest_penalty", lost, kept),

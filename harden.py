@@ -47,9 +47,9 @@ import report
 import tfsg
 from attack import Attack, best_of, evaluate_documents, parse_budgets, with_doc
 from evaluation import eval_condition, estimate, offline_notes, price_plan
-from rankers import base_ranker, load_rankers, shield_ranker
-from runs import (SettingsError, adapter_path, atomic_write, labels_of, library_path, load_data, load_reranker,
-                  load_shield, log, make_llm, read_json, run_usage, tfsg_limits, write_json)
+from rankers import base_ranker, load_rankers
+from runs import (SettingsError, adapter_path, atomic_write, labels_of, library_path, load_data, load_reranker, log,
+                  make_llm, read_json, run_usage, tfsg_limits, write_json)
 from train import clean_reference_benign, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
@@ -273,8 +273,7 @@ def crossplay(cfg, R, data):
                            f"@cross-a{a}") for a in range(R + 1)]
     matrix = []
     for d in range(R + 1):
-        rr = load_shield(cfg, load_reranker(cfg), defense_of(cfg, d)[0])
-        shield = shield_ranker(cfg, rr, defense_of(cfg, d)[0])
+        _, shield = load_rankers(cfg, True, defense_of(cfg, d)[0])
         row = []
         for ds in docs:
             shield.prepare(ds)

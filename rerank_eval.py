@@ -103,9 +103,7 @@ def rerank_stage(cfg, data, items, stage="rerank-eval"):
     honest = [geodef.honest_instance(g) for g in data.test if g.honest is not None]
     by_label = rankers.make_rankers(cfg, items, stage)
     for rk in by_label.values():
-        rk.prepare(insts + list(cleans.values()))
-        if honest:
-            rk.prepare(honest)
+        rk.prepare(insts + list(cleans.values()) + honest)
     base = next((by_label[lb] for lb, spec in items if spec.kind == "base"), None)
     res = os.path.join(cfg.run_dir, "results")
     out = {}

@@ -692,6 +692,7 @@ def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, inter
     replies = answer_many([case_request(c, lib, interface, temperature, max_tokens) for c in batch])
     cases = [case_outcome(c, r, interface) for c, r in zip(batch, replies)]
     lib_stats = record_outcomes(lib, cases)
+
     def views(*outcomes):
         return [_case_view(c, controller.limits) for c in cases if c["outcome"] in outcomes]
     succ, miss, fp = views("success"), views("missed_attack", "both"), views("false_positive", "both")
