@@ -41,7 +41,7 @@ from evaluation import (INJECTION_DEFENSES, condition_plan, condition_slug, esti
                         summarize)
 from rankers import load_rankers, order_of
 from runs import (atomic_write, library_path, load_data, log, make_llm, read_json, run_usage, SettingsError,
-                  tfsg_limits, write_json)
+                  tfsg_limits, write_json, write_summary)
 
 CONDITIONS = ("Non-Defense", "Shield only", "TFSG only", "GEO Defender", *INJECTION_DEFENSES)  # those on base top-k
 ATTACKER_INSTRUCTION = (
@@ -279,11 +279,9 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     block["cost"] = {"attacker": attacker.stats, "judge": judge.stats if judge is not attacker else None,
                      "reranker_queries": a.queries, "candidates": sum(map(len, cands.values())),
                      "run_folder_usage": run_usage(cfg)["stages"].get("attack")}
-    path = os.path.join(cfg.run_dir, "summary.json")
-    summary = read_json(path, {})
-    summary.setdefault("attack", {}).setdefault(label, {})[mode] = block
-    summary["usage"] = run_usage(cfg)
-    write_json(path, summary)
+    attacks = read_json(os.path.join(cfg.run_dir, "summary.json"), {}).get("attack", {})
+    attacks.setdefault(label, {})[mode] = block
+    summary = write_summary(cfg.run_dir, "attack", {"attack": attacks, "usage": run_usage(cfg)})
     report.write_attack_report(cfg.run_dir, summary)
     log(f"[attack] wrote {res}/attack-{label}-{mode}.jsonl and summary.json's attack.{label}.{mode}")
     return block

@@ -22,9 +22,9 @@ limit, expired or cancelled) are resubmitted, exactly those, up to `rounds` batc
 
 Polling logs the request counts when they change (else every PROGRESS_EVERY polls) and ends at the
 batch's deadline (`deadline` seconds after submission; by default the providers' 24 h window): the
-batch is cancelled, and once it has ended (it may stay cancelling for up to CANCEL_GRACE) the replies it
-has are kept and the rest go synchronously. A batch that failed, one the server no longer knows (HTTP
-404: another API key, a purged file), results over the size cap,
+batch is cancelled, and once it has ended (it may stay cancelling for up to CANCEL_GRACE, a wait logged
+as polling is) the replies it has are kept and the rest go synchronously. A batch that failed, one the
+server no longer knows (HTTP 404: another API key, a purged file), results over the size cap,
 or a status without a status field (MALFORMED_POLLS times) is closed in the manifest with its reason,
 and its requests are sent again once, in a new batch, then synchronously.
 
@@ -292,20 +292,30 @@ class BatchRunner:
                 raise _Lost(f"answered {malformed} status checks in a row without a status field")
             if status["state"] in ENDED:       # past the deadline (a resume after a kill while cancelling):
                 return status, status["state"] != "completed" and self.clock() >= end    # its rest synchronous
-            progress = _progress(status)
-            if progress != shown or polls % PROGRESS_EVERY == 0:
-                self.log(f"[batch] {desc}: batch {entry['id']} {progress}")
-                shown = progress
+            shown = self._show(desc, entry["id"], status, shown, polls)
             left = end - self.clock()
             if left <= 0:
                 return self._cancelled(entry["id"], desc), True
             self.sleep(min(wait, left))
             wait = min(wait * 1.5, 10 * self.poll)
 
+    def _show(self, desc, batch_id, status, shown, polls):
+        """Log the batch's status when its request counts changed since `shown`, else every PROGRESS_EVERY
+        polls -> the status in words."""
+        progress = _progress(status)
+        if progress != shown or polls % PROGRESS_EVERY == 0:
+            self.log(f"[batch] {desc}: batch {batch_id} {progress}")
+        return progress
+
     def _cancelled(self, batch_id, desc):
         """Cancel the batch and wait while it is cancelling, up to CANCEL_GRACE -> its status then: ended
-        (its lines are taken) or not (nothing is taken; the rest go synchronously)."""
-        status, end, wait = self._cancel(batch_id), self.clock() + CANCEL_GRACE, self.poll
+        (its lines are taken) or not (nothing is taken; the rest go synchronously). The wait is logged as
+        it starts, then as polling logs progress."""
+        status, end, wait, polls = self._cancel(batch_id), self.clock() + CANCEL_GRACE, self.poll, 0
+        shown = _progress(status)
+        if status["state"] is not None and status["state"] not in ENDED:
+            self.log(f"[batch] {desc}: batch {batch_id} {shown}: waiting up to {_span(CANCEL_GRACE)} for the "
+                     "cancel to end, to keep the lines it ran")
         while status["state"] is not None and status["state"] not in ENDED:
             left = end - self.clock()
             if left <= 0:
@@ -319,6 +329,9 @@ class BatchRunner:
             except (LLMError, _Lost) as e:
                 self.log(f"[batch] {desc}: batch {batch_id}: no status after its cancel ({e})")
                 break
+            polls += 1
+            if status["state"] not in ENDED:
+                shown = self._show(desc, batch_id, status, shown, polls)
         return status
 
     def _results(self, status, entry, desc):

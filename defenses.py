@@ -28,18 +28,21 @@ Deviations (each detailed in its section's main function):
 - Spotlighting: the "[i]" index before a document stays unmarked; markers the answer copies are undone.
 - Sandwich Prompt: the instruction hierarchy prompted, not trained; the reminder restates the task.
 - PromptArmor: the guard (the target LLM itself) looks for manipulative passages as well as injected
-  instructions and lists them in JSON; matching is word for word with free whitespace; an emptied
-  document keeps its slot.
-- RobustRAG: a function-word split into runs and their sub-runs instead of spaCy's POS tags, lower
-  case instead of lemmas; a kept phrase inside a longer one with the same supporters dropped; the
-  answer's citations added in code (RobustRAG's cites nothing), never for the question's own words.
+  instructions and lists them in JSON; matching is word for word, whole words, with free whitespace;
+  an emptied document keeps its slot.
+- RobustRAG: a function-word split into runs and their sub-runs (up to 8 words) instead of spaCy's POS
+  tags, lower case instead of lemmas; a kept phrase inside a longer one with the same supporters
+  dropped; the answer's citations added in code (RobustRAG's cites nothing), never for the question's
+  own words.
 
 Usage: p = PIPELINES["RobustRAG"]; pre = p.pre(query, docs); msgs, kept = p.final(query, docs, replies_data)
 """
 import json
 import re
+from bisect import bisect, insort
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable
 
 from tfsg import ANSWER_INSTRUCTION, standard_prompt
@@ -182,28 +185,87 @@ def quoted_passages(data):
     return [p for p in got if isinstance(p, str) and p.strip()] if isinstance(got, list) else []
 
 
-def _cut(text, start, end):
-    """text without text[start:end]; the whitespace around the cut becomes one separator of its kind."""
-    left, right = text[:start], text[end:]
-    if not left.strip() or not right.strip():
-        return (left + right).strip()
-    gap = left[len(left.rstrip()):] + right[:len(right) - len(right.lstrip())]
-    sep = "\n\n" if gap.count("\n") >= 2 else "\n" if "\n" in gap else " " if gap else ""
-    return left.rstrip() + sep + right.lstrip()
+_GAP = re.compile(r"\s+")
+_WORD = re.compile(r"\w+")
+
+
+def _separator(gap):
+    """One separator of the kind of whitespace in `gap`: a blank line, a line break, a space or nothing."""
+    return "\n\n" if gap.count("\n") >= 2 else "\n" if "\n" in gap else " " if gap else ""
+
+
+def _cut(text, spans):
+    """text without text[s:e] for each of the sorted, disjoint `spans`: the pieces left, blank ones
+    dropped, joined by one separator of the kind of whitespace around each cut; stripped when what
+    precedes the first cut or follows the last is blank. One pass, whatever the number of cuts."""
+    bounds = [0, *(x for span in spans for x in span), len(text)]
+    pieces = [text[a:b] for a, b in zip(bounds[::2], bounds[1::2])]
+    out, gap = [], ""
+    for piece in pieces:
+        if not piece.strip():
+            gap += piece
+            continue
+        lead, trail = piece[:len(piece) - len(piece.lstrip())], piece[len(piece.rstrip()):]
+        out += [_separator(gap + lead) if out else lead, piece.strip()]
+        gap = trail
+    text = "".join(out) + gap
+    return text.strip() if not pieces[0].strip() or not pieces[-1].strip() else text
+
+
+def occurrences(flat, needle):
+    """The spans of `flat` that hold `needle` as whole words (no letter, digit or _ glued to either end:
+    a quoted "is" is not the one in "this"), left to right without overlap; a needle with no letter or
+    digit has none (a quoted "." would cut every period). Plain-text search (str.find), no regular
+    expression whose backtracking a long needle could multiply by the length of the document."""
+    if not _WORD.search(needle):
+        return []
+    starts_word, ends_word = bool(_WORD.match(needle)), bool(_WORD.match(needle[-1]))
+    found, i = [], flat.find(needle)
+    while i >= 0:
+        j = i + len(needle)
+        if (starts_word and i and _WORD.match(flat, i - 1)) or (ends_word and _WORD.match(flat, j)):
+            i = flat.find(needle, _WORD.match(flat, i).end() if starts_word else i + 1)   # on past this word
+            continue
+        found.append((i, j))
+        i = flat.find(needle, j)
+    return found
+
+
+def _overlaps(cuts, span):
+    """Whether `span` overlaps one of the sorted, disjoint `cuts`."""
+    k = bisect(cuts, span)
+    return (k > 0 and cuts[k - 1][1] > span[0]) or (k < len(cuts) and cuts[k][0] < span[1])
+
+
+def _unflatten(doc, flat, spans):
+    """Sorted spans of `flat` (doc with each whitespace run collapsed to one space) -> the same spans of
+    `doc`: each offset moved right by what the whitespace runs before it lost."""
+    lost = [0, *accumulate(len(g) - 1 for g in _GAP.findall(doc))]
+    out, at, runs = [], 0, 0
+    for s, e in spans:
+        runs += flat.count(" ", at, s)
+        start = s + lost[runs]
+        runs += flat.count(" ", s, e)
+        out.append((start, e + lost[runs]))
+        at = e
+    return out
 
 
 def remove_passages(doc, passages):
     """Every occurrence of each quoted passage cut out of `doc`, matched word for word with any
-    whitespace between the words -> (cleaned text, passages found, passages not found). A document
-    left without a letter or digit becomes "" (its slot stays, so citation numbers do not move)."""
-    found, missing = [], []
+    whitespace between the words, as whole words (`occurrences`) -> (cleaned text, passages found,
+    passages not found). Each passage is looked up in the document as the guard read it, in order; an
+    occurrence overlapping one already cut does not count (a passage quoted twice is found once). A
+    document left without a letter or digit becomes "" (its slot stays, so citation numbers do not move)."""
+    flat = _GAP.sub(" ", doc)                                   # each whitespace run -> one space
+    cuts, found, missing = [], [], []
     for p in passages:
-        pat = re.compile(r"\s+".join(map(re.escape, p.split())))
-        spans = [m.span() for m in pat.finditer(doc) if m.end() > m.start()]
+        spans = [s for s in occurrences(flat, " ".join(p.split())) if not _overlaps(cuts, s)]
         (found if spans else missing).append(p)
-        for s, e in reversed(spans):
-            doc = _cut(doc, s, e)
-    return (doc if re.search(r"\w", doc) else ""), found, missing
+        for s in spans:
+            insort(cuts, s)
+    text = _cut(doc, _unflatten(doc, flat, cuts)) if cuts else doc
+    return (text if re.search(r"\w", text) else ""), found, missing
 
 
 def promptarmor_final(query, docs, pre_data):
@@ -215,8 +277,9 @@ def promptarmor_final(query, docs, pre_data):
     Deviations: the guard looks for manipulative passages (self-promotion, authority claims) as well
     as injected instructions, GEO's means; it answers in JSON with a list of passages (several may
     be cut); the guard is the target LLM itself; matching is word for word with free whitespace
-    (the paper's reimplementations allow any characters between words); an emptied document keeps
-    its "[i]" slot. Cost: one remover call per document (identical documents are one cached call)."""
+    (the paper's reimplementations allow any characters between words), whole words only, each
+    passage looked up in the document as the guard read it; an emptied document keeps its "[i]" slot.
+    Cost: one remover call per document (identical documents are one cached call)."""
     cleaned, kept = [], []
     for i, (d, data) in enumerate(zip(docs, pre_data), 1):
         text, found, missing = remove_passages(d, quoted_passages(data))
@@ -230,6 +293,9 @@ def promptarmor_final(query, docs, pre_data):
 # ----------------------------------------------------------------------------- RobustRAG
 
 ALPHA, BETA = 0.4, 4   # the paper's long-form (biography generation) thresholds: run.sh, main.py
+MAX_TOKENS = 500      # an isolated answer is read up to here: RobustRAG's long-form answers stop at 500 tokens
+                      # (main.py: max_output_tokens=500 for biogen)
+MAX_WORDS = 8         # the longest stretch inside a run that counts as a phrase (ours: RobustRAG counts none)
 
 ISOLATED_INSTRUCTION = (
     "Answer the question using only the one search result given, in at most three sentences, and cite it as [1]. "
@@ -279,29 +345,72 @@ def _runs(tokens):
     runs, cur = [], []
     for tok in tokens:
         if tok in FUNCTION_WORDS or not _is_word(tok):
-            runs, cur = (runs + [cur] if cur else runs), []
+            if cur:
+                runs.append(cur)
+            cur = []
         else:
             cur.append(tok)
     return runs + ([cur] if cur else [])
 
 
-def phrases(answer):
+def _stretches(words, n):
+    """Every stretch of 1 to n consecutive words, joined by spaces: about len(words) * n strings."""
+    return {" ".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, min(i + n, len(words)) + 1)}
+
+
+def phrases(answer, n=MAX_WORDS, max_tokens=MAX_TOKENS):
     """RobustRAG's keyword set of one isolated answer, each once: the whole answer, the runs of
     content words and their single words. RobustRAG takes spaCy's maximal runs between words tagged
-    VERB, ADP, DET, ...; a word list cannot tag every verb, so every stretch of two or more words
-    inside a run counts (a run "vitamin d supports bone health" yields "vitamin d" and "bone health"
-    as spaCy's would, and more), and words are lower-cased, not lemmatised: declared deviations."""
-    toks = _tokens(answer)
+    VERB, ADP, DET, ...; a word list cannot tag every verb, so every stretch of two to `n` words
+    inside a run counts too (a run "vitamin d supports bone health" yields "vitamin d" and "bone health"
+    as spaCy's would, and more), and words are lower-cased, not lemmatised: declared deviations.
+    Two bounds keep the set linear in the answer: only its first `max_tokens` word and punctuation
+    tokens are read (RobustRAG's answers stop at 500 generated tokens, and a token is at most about a
+    word), and a stretch has at most `n` words (a run of r words gives about r * n of them, not
+    r * r / 2); the run itself counts whole, as in RobustRAG."""
+    toks = _tokens(answer)[:max_tokens]
     runs = _runs(toks)
-    grams = {" ".join(r[i:j]) for r in runs for i in range(len(r)) for j in range(i + 2, len(r) + 1)}
     whole = " ".join(t for t in toks if _is_word(t))            # phrases are compared as words alone
-    return grams | {w for r in runs for w in r} | ({whole} if whole else set())
+    grams = set().union(*(_stretches(r, n) for r in runs))
+    return grams | {" ".join(r) for r in runs} | ({whole} if whole else set())
+
+
+def _shorter(phrase, n):
+    """The stretches one word shorter than `phrase`; of a phrase longer than `n` words, its n-word stretches."""
+    w = phrase.split(" ")
+    if len(w) > n:
+        return [" ".join(w[i:i + n]) for i in range(len(w) - n + 1)]
+    return [" ".join(w[1:]), " ".join(w[:-1])] if len(w) > 1 else []
+
+
+def inside_longer(support, n=MAX_WORDS):
+    """The phrases of `support` ({phrase: supporters}) that lie, as whole words, inside a longer phrase
+    with the same supporters. Phrases of up to `n` words: found by walking down from each phrase one word
+    at a time (each stretch visited once); longer ones (maximal runs, whole answers) against the longer
+    ones only, so the work grows with the phrases' total length, not with its square."""
+    groups = {}
+    for p, s in support.items():
+        groups.setdefault(tuple(s), []).append(p)
+    inside = set()
+    for group in groups.values():
+        seen, todo = set(), [c for q in group for c in _shorter(q, n)]
+        while todo:
+            c = todo.pop()
+            if c not in seen:
+                seen.add(c)
+                todo += _shorter(c, n)
+        inside |= seen.intersection(group)
+        long = [p for p in group if p.count(" ") >= n]
+        joined = "\n".join(f" {p} " for p in long)
+        inside |= {p for p in long if joined.count(f" {p} ") > 1}     # its own entry and inside another
+    return inside
 
 
 def aggregate(answers, alpha=ALPHA, beta=BETA, long_form=True):
     """RobustRAG keyword aggregation: drop abstaining answers; with m left, keep a phrase found in at
     least mu = min(beta, alpha * m) answers, no function word, and (long form) of several words.
-    A kept phrase inside a longer kept one with the same supporters is dropped (it adds nothing; ours).
+    A kept phrase inside a longer kept one with the same supporters is dropped (it adds nothing; ours;
+    `inside_longer`).
     -> {phrase: 1-based indices of the answers holding it}, longest phrase first (the paper's order),
     or None when every answer abstains (the paper answers "I don't know." without a final call)."""
     sets = {i: phrases(a) for i, a in enumerate(answers, 1) if not abstains(a)}
@@ -311,20 +420,25 @@ def aggregate(answers, alpha=ALPHA, beta=BETA, long_form=True):
     count = Counter(p for s in sets.values() for p in s)
     keep = [p for p, c in count.items() if c >= mu and p not in FUNCTION_WORDS and (" " in p or not long_form)]
     support = {p: [i for i in sets if p in sets[i]] for p in sorted(keep, key=lambda p: (len(p), p), reverse=True)}
-    return {p: s for p, s in support.items()
-            if not any(q != p and f" {p} " in f" {q} " and support[q] == s for q in support)}
+    dropped = inside_longer(support)
+    return {p: s for p, s in support.items() if p not in dropped}
 
 
-def cite_supporters(answer, support):
+def cite_supporters(answer, support, n=MAX_WORDS):
     """Our citation rule (RobustRAG's answer cites nothing): each sentence of the final answer cites
     the documents whose isolated answers hold a kept phrase that the sentence contains (the same
     words in a row, punctuation aside), as [i][j] before its closing punctuation. [n] that the LLM wrote itself are
-    removed first: it saw no document."""
+    removed first: it saw no document. A sentence's stretches of up to `n` words are looked up among the
+    phrases, so the work grows with the sentence, not with the number of phrases."""
     text = re.sub(r"[ \t]+([.!?,;:])", r"\1", _CITATION.sub("", answer)).strip()
+    long = {p: idx for p, idx in support.items() if p.count(" ") >= n}
     out = []
     for s in re.split(r"(?<=[.!?])\s+", text):
-        norm = " " + " ".join(t for t in _tokens(s) if _is_word(t)) + " "
-        tags = "".join(f"[{i}]" for i in sorted({i for p, idx in support.items() if f" {p} " in norm for i in idx}))
+        words = [t for t in _tokens(s) if _is_word(t)]
+        norm = " " + " ".join(words) + " "
+        found = [support[p] for p in _stretches(words, n) if p in support]
+        found += [idx for p, idx in long.items() if f" {p} " in norm]
+        tags = "".join(f"[{i}]" for i in sorted({i for idx in found for i in idx}))
         body = s.rstrip(".!?")
         out.append(f"{body.rstrip()} {tags}{s[len(body):]}" if tags else s)
     return " ".join(x for x in out if x)
@@ -348,7 +462,8 @@ def robustrag_final(query, docs, pre_data):
     from them. The paper's setting: each passage alone (v1 and the code), abstaining answers dropped
     ("I don't"), all abstaining -> "I don't know." without a final call, mu = min(beta, alpha * m),
     long-form alpha = 0.4, beta = 4 with multi-word phrases only; spaCy keyword extraction.
-    Deviations: a fixed function-word split instead of spaCy (`phrases`); the isolated answers'
+    Deviations: a fixed function-word split instead of spaCy, its sub-runs of up to MAX_WORDS words
+    counted too, an answer read up to its MAX_TOKENS-th token (`phrases`); the isolated answers'
     [n] citations ignored; the final answer's citations added in code (`cite_supporters`), since the
     paper's answer cites nothing, and never for a phrase made only of the question's words
     (`robustrag_finish`). Cost: k isolated calls + 1 (2 in a row); k when all abstain."""

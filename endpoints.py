@@ -1,6 +1,7 @@
 """Endpoints parsed once: a URL (`http://user:pw@host:port/path#model`) becomes an Endpoint that
 holds its credentials apart, prints without them, and tells servers apart in cache keys by scheme,
-host, port and path (`identity`); `redact_url` hides the credentials of text that does not parse.
+host, port and path (`identity`); `redact_url` hides the credentials and query of text that does
+not parse.
 
 A search spec (`--search`) and a reranker spec (`--reranker`: base, shield, cohere:MODEL, a URL,
 tei:URL, with an optional LABEL=) are parsed the same way (SearchSpec, RerankSpec).
@@ -13,16 +14,31 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
 
 
+# What is kept at the start of text that does not parse: a LABEL=, tei: or tavily:, then a scheme with
+# its '://', or a mistyped one (http:/, http//, https:). Nothing else there is known not to be a secret.
+HEAD = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*=)?(?:tei:|tavily:)?"
+                  r"(?:[A-Za-z][A-Za-z0-9+.-]*://|https?:/{0,2}|https?/+)?")
+
+
 def redact_url(text):
     """A URL, or a spec holding one (`tei:URL`, `LABEL=URL`), for printing when it could not be parsed
-    into an Endpoint (whose str() already hides credentials): everything between '://' and the last '@'
-    becomes ***. A password may hold ',', '@', '#', '/' or '?' (unencoded, or the URL is malformed), so
-    no pattern over the text can tell where it ends; the last '@' is as far as it can reach.
-    http://user:p#w@host/v1 -> http://***@host/v1."""
-    if not text or "://" not in text:
+    into an Endpoint (whose str() already hides credentials). Two parts may hold a secret: userinfo
+    (`user:password@` or a key typed as `key@`) and a query string (`?api_key=...`). Everything after
+    the HEAD up to the last '@' becomes ***, and so does everything after a '?' beyond it. A password
+    may hold ',', '@', '#', '/', '?' or '://' (unencoded, or the URL is malformed), so no pattern over
+    the text can tell where it ends; the last '@' is as far as it can reach. Without '://' the userinfo
+    may start the text (`usr:pw@host`, `http:/usr:pw@host`): only the HEAD is kept before it. Text
+    with no '@' and no '?' (`cohere:m`, `127.0.0.1:8000`) is shown as it is.
+    http://user:p#w@host/v1 -> http://***@host/v1; usr:pw@host:1/v1 -> ***@host:1/v1;
+    http://host:x/v1?key=k -> http://host:x/v1?***."""
+    if not text:
         return text
-    head, _, rest = text.partition("://")
-    return f"{head}://***@{rest.rpartition('@')[2]}" if "@" in rest else text
+    head = HEAD.match(text).group()
+    rest = text[len(head):]
+    if "@" in rest:
+        head, rest = head + "***@", rest.rpartition("@")[2]
+    host, query, _ = rest.partition("?")
+    return head + host + ("?***" if query else "")
 
 
 @dataclass(frozen=True)
@@ -195,7 +211,7 @@ def parse_rerankers(items):
         label, spec = parse_labelled(item)
         label = label or spec.slug
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", label):
-            raise ValueError(f"{label}={spec}: the label must be letters, digits, '.', '_', '-' (it names "
+            raise ValueError(f"{redact_url(label)}={spec}: the label must be letters, digits, '.', '_', '-' (it names "
                              "results/rerank-<label>.jsonl); give LABEL=SPEC")
         if label in [lb for lb, _ in out]:
             raise ValueError(f"label {label!r} given twice")

@@ -32,7 +32,7 @@ import tiny
 from rankers import documents_cut, load_rankers
 from runs import (adapter_path, file_sha1, is_offline, library_path, load_data, log, make_llm, naming,
                   NotTrainedError, read_json, read_prices, run_usage, SettingsError, test_set_digest, tfsg_limits,
-                  TINY_NOTE, write_json)
+                  TINY_NOTE, write_json, write_summary)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -397,9 +397,7 @@ def evaluate(cfg):
                              lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
     summary.update(usage_summary(cfg, (llm, judge)))
-    old = read_json(os.path.join(run, "summary.json"), {})      # rerank-eval's table is kept
-    summary.update({k: old[k] for k in ("rerank_stage", "rerank_stage_k", "attack") if k in old})
-    write_json(os.path.join(run, "summary.json"), summary)
+    summary = write_summary(run, "eval", summary)              # rerank-eval's, attack's and harden's blocks kept
     report.write_report(run, summary)
     log(f"[eval] wrote {run}/summary.json and {run}/report.md")
     return summary

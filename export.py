@@ -11,7 +11,11 @@ Hugging Face layouts:
   `hf_overrides` route load.
 Beside the weights: the tokenizer files, the prompt as a chat template (vLLM's Qwen3-reranker
 template with the Shield instruction as its default), `geodef_export.json` (provenance) and a
-model card (README.md) with the serving commands.
+model card (README.md) with the serving commands. The Shield's identity (`identity`: whether an
+adapter is merged in, its SHA-1, the instruction) also goes into the files every copy keeps: the
+`geodef_export` entry of config.json (transformers keeps unknown config keys when it re-saves) and of
+the weights' safetensors header `__metadata__`; `identity_marks` reads them back, wherever the
+folder was resolved to (a hub id's snapshot folder included).
 
 Usage: export(rr_folder, "out/shield", adapter="runs/x/adapter")
 """
@@ -29,10 +33,73 @@ import reranker
 
 FORMATS = ("seq-cls", "causal")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
+IDENTITY_KEY = "geodef_export"    # the identity's key in config.json and in the safetensors __metadata__
 
 
 class ExportError(ValueError):
     """An export refused (the output folder) or failed (a write): the folder named, nothing half-written left."""
+
+
+class IdentityError(ValueError):
+    """A model folder whose Shield identity cannot be read (a file unreadable, a mark malformed): names the file."""
+
+
+def identity(adapter_sha1, instruction, base_is_shield=False):
+    """The record an export carries in config.json and the weights' header: whether it scores as the
+    Shield (an adapter merged in, named by its SHA-1, or a base that already was a Shield export) and
+    the instruction it was trained under. No path, no time: exports of the same inputs stay
+    byte-identical."""
+    return {"shield": bool(adapter_sha1) or base_is_shield, "adapter_sha1": adapter_sha1, "instruction": instruction}
+
+
+def _mark(record, where):
+    """A decoded identity record -> the record; IdentityError unless it is one (a JSON object with a
+    boolean `shield`)."""
+    if not isinstance(record, dict) or not isinstance(record.get("shield"), bool):
+        raise IdentityError(f"{where}: {IDENTITY_KEY}: not an identity record (an object with a boolean 'shield')")
+    return record
+
+
+def _json_file(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _marks(folder):
+    """identity_marks' reading, file by file; lets OSError, ValueError (bad JSON) and SafetensorError out."""
+    from safetensors import safe_open
+    marks = []
+    if os.path.isfile(os.path.join(folder, "geodef_export.json")):
+        meta = _json_file(os.path.join(folder, "geodef_export.json"))
+        if not isinstance(meta, dict):
+            raise IdentityError(f"{folder}/geodef_export.json: not a JSON object")
+        shield = bool(meta.get("adapter")) or meta.get("shield") is True
+        marks.append(("geodef_export.json", {**meta, "shield": shield}))
+    cfg = _json_file(os.path.join(folder, "config.json"))
+    if not isinstance(cfg, dict):
+        raise IdentityError(f"{folder}/config.json: not a JSON object")
+    if IDENTITY_KEY in cfg:
+        marks.append(("config.json", _mark(cfg[IDENTITY_KEY], f"{folder}/config.json")))
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            header = f.metadata() or {}
+        if IDENTITY_KEY in header:
+            marks.append((name, _mark(json.loads(header[IDENTITY_KEY]), f"{folder}/{name}")))
+    return marks
+
+
+def identity_marks(folder):
+    """Every identity record the files of a model folder carry -> [(file, record)]: geodef_export.json
+    (older exports carry only this one; an `adapter` in it says Shield), config.json's `geodef_export`
+    and each *.safetensors header's. [] for a checkpoint no export wrote. IdentityError when one of
+    these files cannot be read or holds a malformed record: then nobody can tell what the folder holds."""
+    from safetensors import SafetensorError
+    try:
+        return _marks(folder)
+    except IdentityError:
+        raise
+    except (OSError, ValueError, SafetensorError) as e:
+        raise IdentityError(f"{folder}: its identity cannot be read ({type(e).__name__}: {e})") from None
 
 
 def chat_template(instruction):
@@ -118,6 +185,10 @@ An engine that tokenizes the prompt text matches the tokenizer's added tokens an
 document containing `<|im_end|>` or `<think>` can then close the user turn and write the
 assistant's. Remove those strings from queries and documents before sending them, or send token
 ids made as GEO Defender's `Reranker.tokenize` makes them (added tokens never matched in text).
+
+`config.json` and the weights' safetensors header carry this checkpoint's identity (`geodef_export`:
+Shield or not): GEO Defender's `serve` reads it, from a copy or a hub download too, and refuses a
+client's `instruction` to the Shield. Keep both when copying or re-uploading.
 """
 
 
@@ -130,6 +201,22 @@ def _write_json(path, obj):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+def _sort_metadata(path):
+    """Rewrite a safetensors file's `__metadata__` with its keys sorted, in place. safetensors writes it
+    in hash-map order, which changes from run to run once it holds two keys; sorted, exports of the same
+    inputs are byte-identical. The header keeps its length (the same JSON reordered, space-padded as
+    the format pads it)."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")           # the format: u64 header length, then JSON
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))   # keeps its place
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) > n:
+            raise ExportError(f"{path}: the weights' header grew when its metadata was sorted")
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
 
 
 def _is_run(folder):
@@ -204,8 +291,13 @@ def _write_export(model, out_dir, adapter, fmt, dtype, instruction, quantized_ba
             state["lm_head.weight"] = lm_head.to(out_dt).contiguous()
     if pad is not None:   # AutoModelForSequenceClassification pools the last token that is not pad
         config["pad_token_id"] = pad
+    adapter_sha1 = _sha1(os.path.join(adapter, "adapter_model.safetensors")) if adapter else None
+    ident = identity(adapter_sha1, instruction, any(m["shield"] for _, m in identity_marks(folder)))
+    config[IDENTITY_KEY] = ident        # travels with the weights: a copy or hub upload keeps both files
     os.makedirs(out_dir)
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt", IDENTITY_KEY: json.dumps(ident, sort_keys=True)})
+    _sort_metadata(os.path.join(out_dir, "model.safetensors"))
     for f in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(folder, f)):
             shutil.copy(os.path.join(folder, f), os.path.join(out_dir, f))
@@ -217,9 +309,8 @@ def _write_export(model, out_dir, adapter, fmt, dtype, instruction, quantized_ba
     with open(os.path.join(out_dir, "qwen3_reranker.jinja"), "w", encoding="utf-8") as f:
         f.write(chat_template(instruction))
     meta = {"format": fmt, "dtype": dtype, "base_model": str(model), "base_revision": sha,
-            "adapter": os.path.abspath(adapter) if adapter else None,
-            "adapter_sha1": _sha1(os.path.join(adapter, "adapter_model.safetensors")) if adapter else None,
-            "merged_in": "float32", "quantized_base_during_training": bool(quantized_base),
+            "adapter": os.path.abspath(adapter) if adapter else None, "adapter_sha1": adapter_sha1,
+            "shield": ident["shield"], "merged_in": "float32", "quantized_base_during_training": bool(quantized_base),
             "yes_id": yes[0], "no_id": no[0], "instruction": instruction, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write_json(os.path.join(out_dir, "geodef_export.json"), meta)
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:

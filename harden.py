@@ -49,7 +49,7 @@ from attack import Attack, best_of, evaluate_documents, parse_budgets, with_doc
 from evaluation import eval_condition, estimate, offline_notes, price_plan
 from rankers import base_ranker, load_rankers
 from runs import (SettingsError, adapter_path, atomic_write, labels_of, library_path, load_data, load_reranker, log,
-                  make_llm, read_json, run_usage, tfsg_limits, write_json)
+                  make_llm, read_json, run_usage, tfsg_limits, write_json, write_summary)
 from train import clean_reference_benign, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
@@ -77,21 +77,30 @@ def load_defense(cfg, k):
     return base, shield, tfsg.load_library(lib, tfsg_limits(cfg))
 
 
-def read_jsonl(path):
-    """A JSONL file the rounds wrote; a line that does not parse is an error naming the file and line."""
+def numbered_lines(path):
+    """A JSONL file the rounds wrote -> [(line number, value)], blank lines skipped; a line that does not
+    parse (nested too deeply included) is an error naming the file and line. Lines end at "\n" only:
+    str.splitlines() would also break at U+2028 or U+0085, which write_jsonl leaves raw inside strings."""
     out = []
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            lines = f.read().split("\n")
     except UnicodeDecodeError as e:
         raise SettingsError(f"{path}: not UTF-8 ({e})") from None
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                out.append(json.loads(line))
+                out.append((n, json.loads(line)))
             except ValueError as e:
                 raise SettingsError(f"{path}, line {n}: not JSON ({e})") from None
+            except RecursionError:
+                raise SettingsError(f"{path}, line {n}: not JSON (nested too deeply)") from None
     return out
+
+
+def read_jsonl(path):
+    """A JSONL file the rounds wrote -> its values (numbered_lines)."""
+    return [v for _, v in numbered_lines(path)]
 
 
 def write_jsonl(path, recs):
@@ -145,6 +154,31 @@ def harvest(cfg, k, insts, cands, defense, llm, construction_groups):
              "tfsg_cited": cited[y.instance_id], "text": c["text"]} for (x, c), y in zip(found, surv)]
 
 
+# a survivors line's fields as harvest writes them, each of exactly this JSON type
+SURVIVOR_FIELDS = {"instance_id": str, "group_id": str, "split": str, "method": str, "source_method": str,
+                   "candidate": int, "shield_rank": int, "tfsg_cited": bool, "text": str}
+JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
+              dict: "an object", type(None): "null"}
+
+
+def check_survivor(path, n, r):
+    """Line n of a survivors file, checked against SURVIVOR_FIELDS before anything is trained on it -> r;
+    a line that is not an object, or whose field is missing or of another type, is an error naming the
+    file, the line and the field."""
+    if not isinstance(r, dict):
+        raise SettingsError(f"{path}, line {n}: a survivor must be a JSON object, got {JSON_TYPES[type(r)]}")
+    for name, kind in SURVIVOR_FIELDS.items():
+        if type(r.get(name)) is not kind:               # exact: true is no integer here, 1 no boolean
+            got = JSON_TYPES[type(r[name])] if name in r else "no such field"
+            raise SettingsError(f"{path}, line {n}: {name} must be {JSON_TYPES[kind]}, got {got}")
+    return r
+
+
+def read_survivors(path):
+    """A round's survivors file -> its records, every line checked (check_survivor)."""
+    return [check_survivor(path, n, r) for n, r in numbered_lines(path)]
+
+
 def pool_instances(cfg, data, k):
     """Every round's survivors up to k, as construction instances; a line that is not a construction
     instance's survivor (a test group's, a family or field the benchmark lacks) is refused, naming it."""
@@ -152,14 +186,13 @@ def pool_instances(cfg, data, k):
     pool = []
     for j in range(1, k + 1):
         path = os.path.join(round_dir(cfg, j), "survivors.jsonl")
-        for n, r in enumerate(read_jsonl(path), 1):
-            r = r if isinstance(r, dict) else {}
-            x = by_id.get(f"{r.get('group_id')}:{r.get('source_method')}")
-            if x is None or r.get("split") != "construction":
+        for n, r in numbered_lines(path):
+            got = r if isinstance(r, dict) else {}
+            x = by_id.get(f"{got.get('group_id')}:{got.get('source_method')}")
+            if x is None or got.get("split") != "construction":
                 raise SettingsError(f"{path}, line {n}: not the survivor of a construction instance (group "
-                                    f"{r.get('group_id')!r}); the pool takes construction groups only")
-            if not isinstance(r.get("candidate"), int) or not isinstance(r.get("text"), str):
-                raise SettingsError(f"{path}, line {n}: candidate (an integer) and text (a string) are required")
+                                    f"{got.get('group_id')!r}); the pool takes construction groups only")
+            check_survivor(path, n, r)
             pool.append(survivor_instance(x, {"n": r["candidate"], "text": r["text"]}, j))
     ids = [y.instance_id for y in pool]
     if len(set(ids)) != len(ids):
@@ -338,7 +371,7 @@ def attack_round(cfg, k, data, clients, clean_cons):
     path = os.path.join(folder, "survivors.jsonl")
     if not os.path.isfile(path):
         write_jsonl(path, harvest(cfg, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))
-    survivors = read_jsonl(path)
+    survivors = read_survivors(path)
     pool = pool_instances(cfg, data, k)
     log(f"[harden] round {k}: {len(survivors)} survivors, a pool of {len(pool)}")
     adapter = defense_of(cfg, k)[0]
@@ -375,11 +408,7 @@ def harden(cfg):
     block = {"settings": pinned, "rounds": rounds, "k": cfg.k, "notes": offline_notes(cfg, data.meta),
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
                            "exposure": crossplay(cfg, cfg.rounds, data)}}
-    path = os.path.join(cfg.run_dir, "summary.json")
-    summary = read_json(path, {})
-    summary["harden"] = block
-    summary["usage"] = run_usage(cfg)
-    write_json(path, summary)
+    summary = write_summary(cfg.run_dir, "harden", {"harden": block, "usage": run_usage(cfg)})
     report.write_harden_report(cfg.run_dir, summary)
     log(f"[harden] wrote {cfg.run_dir}/harden_report.md and summary.json's harden block")
     return block

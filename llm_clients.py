@@ -7,6 +7,8 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
   backoff min(0.5 * 2^n, 8) s with 25% jitter (the Stainless SDKs' schedule); a server hint
   (retry-after-ms, Retry-After) is honoured up to `max_retry_after` s, a longer hint fails at once;
   never retried: 400/401/403/404/422, `insufficient_quota` and spend limits;
+- `timeout` bounds a whole exchange, status line and headers included: a Deadline shuts the socket
+  when it runs out, so a reply trickled a byte at a time cannot hold a request open;
 - JSON re-asks (the reply did not parse) are separate from transport retries and bounded;
 - the cache key is a hash of the canonical request (protocol, host, model, messages, sampling
   params, JSON flag) and never contains the API key; entries are written atomically;
@@ -37,6 +39,9 @@ from email.utils import parsedate_to_datetime
 from urllib.parse import quote, urlparse
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection    # requests' own HTTP layer
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 import accounting
 import endpoints
@@ -388,6 +393,102 @@ class RateLimiter:
             time.sleep(t - now)
 
 
+def _shut(sock):
+    """Wake a connect, send or recv blocked on `sock`: shutdown ends it at once (None: nothing to shut)."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class Deadline:
+    """One exchange (connect, request, status line, headers, body) within `seconds`: a watchdog timer
+    shuts the socket it is on when they run out, so a reply trickled a byte at a time ends like a stalled
+    one. requests hands the socket over only with the headers, too late for a reply trickled from its
+    first byte, so the connections of Transport's session note themselves here as they connect and send."""
+
+    def __init__(self, seconds):
+        self.at = time.monotonic() + seconds
+        self.conn, self.ended = None, False     # the urllib3 connection noted last; end() has run
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(seconds, self.end)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def note(self, conn):
+        """`conn` carries the exchange now; shut at once when the exchange has already ended."""
+        with self.lock:
+            self.conn = conn
+            if self.ended:
+                _shut(getattr(conn, "sock", None))
+
+    def end(self):
+        """Shut the exchange's socket now, and any it goes on to use (the deadline, or Transport.abort)."""
+        with self.lock:
+            self.ended = True
+            _shut(getattr(self.conn, "sock", None))
+
+    def passed(self):
+        return time.monotonic() >= self.at
+
+    def cancel(self):
+        self.timer.cancel()
+
+
+# The Deadline of the exchange the calling thread is sending, read by the noting connections: a thread
+# sends one request at a time, and requests calls the connection in the thread that sends
+_SENDING = threading.local()
+
+
+class _NotesDeadline:
+    """urllib3's connection, noting itself in the calling thread's Deadline as it connects (a fresh
+    connection) and as it sends a request (a kept-alive one)."""
+
+    def connect(self):
+        super().connect()
+        _note(self)
+
+    def request(self, *args, **kw):
+        _note(self)
+        return super().request(*args, **kw)
+
+
+def _note(conn):
+    deadline = getattr(_SENDING, "deadline", None)
+    if deadline is not None:
+        deadline.note(conn)
+
+
+class _NotingHTTPConnection(_NotesDeadline, HTTPConnection):
+    pass
+
+
+class _NotingHTTPSConnection(_NotesDeadline, HTTPSConnection):
+    pass
+
+
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = _NotingHTTPConnection
+
+
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _NotingHTTPSConnection
+
+
+class DeadlineAdapter(HTTPAdapter):
+    """requests' adapter on pools of noting connections (a proxy's pools too; a SOCKS proxy's keep their
+    own, whose socket the Deadline gets only with the headers)."""
+    POOLS = {"http": _HTTPPool, "https": _HTTPSPool}
+
+    def init_poolmanager(self, *args, **kw):
+        super().init_poolmanager(*args, **kw)
+        self.poolmanager.pool_classes_by_scheme = self.POOLS
+
+    def proxy_manager_for(self, proxy, **kw):
+        manager = super().proxy_manager_for(proxy, **kw)
+        if not proxy.lower().startswith("socks"):
+            manager.pool_classes_by_scheme = self.POOLS
+        return manager
+
+
 class Transport:
     """POST JSON to one API with retries where retrying can help (module docstring), credentials sent
     only in headers and masked in every error, a rate limit, and counters. `handler`: a callable
@@ -416,8 +517,10 @@ class Transport:
         self.abort_at = 0.0                      # when abort() shuts the sockets still open
         self.sleep = self.aborted.wait           # backoff sleep, woken by abort (tests replace it)
         self.session = requests.Session()
+        for scheme in ("http://", "https://"):   # connections that tell a Deadline their socket (see there)
+            self.session.mount(scheme, DeadlineAdapter())
         self.lock = threading.Lock()
-        self.open_sockets = set()                # sockets of replies being read (abort shuts them)
+        self.exchanges = set()                   # the Deadlines of requests in flight (abort ends them)
         self.http_calls = self.retries = 0
 
     @property
@@ -481,8 +584,8 @@ class Transport:
 
     def _shut_open(self):
         with self.lock:
-            for sock in list(self.open_sockets):
-                _shut(sock)
+            for deadline in list(self.exchanges):
+                deadline.end()
 
     def resume(self):
         self.aborted.clear()
@@ -541,60 +644,70 @@ class Transport:
             self.backoff(attempt, hint)
 
     def _exchange(self, url, body, method="POST", files=None, max_bytes=None):
-        """POST `body` -> (status, headers, body text), reading at most max_reply_bytes, the whole reply
-        within `timeout` seconds of sending: a watchdog shuts the socket at the deadline, so a reply
-        trickled a byte at a time ends like a stalled one (requests.Timeout, retried like one)."""
-        deadline = time.monotonic() + self.timeout
+        """Send `body` -> (status, headers, body text), reading at most max_reply_bytes, the whole exchange
+        (connect, request, status line, headers, body) within `timeout` seconds: a Deadline shuts the
+        socket when they run out, so a reply trickled a byte at a time, headers included, ends like a
+        stalled one (requests.Timeout, retried like one)."""
         headers = self.headers()
         if files:                                 # multipart: requests sets its own Content-Type
             headers.pop("Content-Type")
-        r = self.session.request(method, url, json=body, files=files, data=None, headers=headers,
-                                 timeout=(self.connect_timeout, self.timeout), stream=True, allow_redirects=False)
-        sock = getattr(getattr(r.raw, "connection", None), "sock", None)
-        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (sock,))
-        watchdog.daemon = True
-        watchdog.start()
-        if sock is not None:
-            with self.lock:
-                self.open_sockets.add(sock)
-            if self.aborted.is_set() and time.monotonic() >= self.abort_at:   # sent after the grace ran out
-                _shut(sock)
+        deadline = Deadline(self.timeout)
+        with self.lock:
+            self.exchanges.add(deadline)
+        if self.aborted.is_set() and time.monotonic() >= self.abort_at:   # sent after the grace ran out
+            deadline.end()
+        r = None
         try:
-            cap = max_bytes or self.max_reply_bytes
-            n = int(r.headers.get("content-length") or 0)
-            if n > cap:
-                raise self.error(f"reply of {n} bytes refused (at most {cap})", r.status_code)
-            parts, got = [], 0
-            try:
-                for chunk in r.iter_content(65536):
-                    got += len(chunk)
-                    if got > cap:
-                        raise self.error(f"reply over {cap} bytes refused", r.status_code)
-                    parts.append(chunk)
-            except requests.RequestException:
-                if time.monotonic() >= deadline:
-                    raise requests.Timeout(f"reply not complete within {self.timeout:g} s") from None
-                raise
-            if time.monotonic() >= deadline:
-                raise requests.Timeout(f"reply not complete within {self.timeout:g} s")
-            return r.status_code, r.headers, b"".join(parts).decode("utf-8", "replace")   # JSON is UTF-8 (RFC 8259)
+            r = self._request(deadline, method, url, body, files, headers)
+            deadline.note(getattr(r.raw, "connection", None))    # a SOCKS proxy's connection: noted only now
+            return r.status_code, r.headers, self._read(r, deadline, max_bytes or self.max_reply_bytes)
         finally:
-            watchdog.cancel()
+            deadline.cancel()
             with self.lock:
-                self.open_sockets.discard(sock)
-            r.close()
+                self.exchanges.discard(deadline)
+            if r is not None:
+                r.close()
+
+    def _request(self, deadline, method, url, body, files, headers):
+        """The request sent and its status line and headers read under `deadline` -> the streamed response;
+        a connection shut at the deadline is requests.Timeout."""
+        _SENDING.deadline = deadline
+        try:
+            return self.session.request(method, url, json=body, files=files, data=None, headers=headers,
+                                        timeout=(self.connect_timeout, self.timeout), stream=True,
+                                        allow_redirects=False)
+        except requests.RequestException:
+            if deadline.passed():
+                raise requests.Timeout(f"reply not complete within {self.timeout:g} s") from None
+            raise
+        finally:
+            _SENDING.deadline = None
+
+    def _read(self, r, deadline, cap):
+        """The body of `r` as text, at most `cap` bytes (a larger one is refused unread), before `deadline`."""
+        n = int(r.headers.get("content-length") or 0)
+        if n > cap:
+            raise self.error(f"reply of {n} bytes refused (at most {cap})", r.status_code)
+        parts, got = [], 0
+        try:
+            for chunk in r.iter_content(65536):
+                got += len(chunk)
+                if got > cap:
+                    raise self.error(f"reply over {cap} bytes refused", r.status_code)
+                parts.append(chunk)
+        except requests.RequestException:
+            if deadline.passed():
+                raise requests.Timeout(f"reply not complete within {self.timeout:g} s") from None
+            raise
+        if deadline.passed():
+            raise requests.Timeout(f"reply not complete within {self.timeout:g} s")
+        return b"".join(parts).decode("utf-8", "replace")     # JSON is UTF-8 (RFC 8259)
 
     def backoff(self, attempt, hint):
         with self.lock:
             self.retries += 1
         delay = hint if hint is not None else min(0.5 * 2 ** attempt, 8.0) * (1 - 0.25 * random.random())
         self.sleep(max(0.0, delay))
-
-
-def _shut(sock):
-    """Wake a read blocked on `sock` (the reply deadline passed): shutdown ends a recv at once."""
-    with contextlib.suppress(OSError, AttributeError):
-        sock.shutdown(socket.SHUT_RDWR)
 
 
 # ----------------------------------------------------------------------------- client
@@ -848,33 +961,36 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     base_url (`serve-offline`), or in process with handler=offline.respond (the caller imports it),
     both under one cache identity ('offline'); without either, ValueError."""
     provider, _, model = spec.partition(":")
+    shown = endpoints.redact_url(spec)      # a spec typed with credentials in it is never echoed
     if provider == "offline":
         if base_url:   # the offline engine served over HTTP (serve-offline): a stable identity, whatever its port
             return Client(base_url, model or "offline-engine", protocol="openai", provider="offline",
                           cache_dir=cache_dir, identity="offline", **kw)
         if kw.get("handler") is None:
-            raise ValueError(f"{spec!r}: give base_url (the engine served over HTTP by serve-offline) or "
+            raise ValueError(f"{shown!r}: give base_url (the engine served over HTTP by serve-offline) or "
                              "handler (its in-process function, offline.respond)")
         return Client(None, model or "offline-engine", protocol="openai", provider="offline", cache_dir=cache_dir,
                       **kw)
     if provider not in PROVIDERS:
-        raise ValueError(f"unknown provider {provider!r} in {spec!r}; known: offline, {', '.join(PROVIDERS)}")
+        raise ValueError(f"unknown provider {endpoints.redact_url(provider)!r} in {shown!r}; known: offline, "
+                         f"{', '.join(PROVIDERS)}")
     if not model:
-        raise ValueError(f"{spec!r}: give provider:model, e.g. openai:gpt-5.5")
+        raise ValueError(f"{shown!r}: give provider:model, e.g. openai:gpt-5.5")
     p = PROVIDERS[provider]
     given = endpoints.Endpoint.parse(base_url) if isinstance(base_url, str) and base_url else base_url or None
     home = urlparse(p["base"]).hostname if p["base"] else None
     if given and provider in HOSTED and given.host != home:
-        raise ValueError(f"{spec!r} with --base-url {given}: {provider}'s key ({p['keys'][0]}) goes only to {home} "
+        raise ValueError(f"{shown!r} with --base-url {given}: {provider}'s key ({p['keys'][0]}) goes only to "
+                         f"{home} "
                          f"(or to {p['base_env']}); for another server use openai-compatible:MODEL (its key from "
                          "OPENAI_COMPATIBLE_API_KEY)")
     key, base = provider_environment(provider, api_key)
     base = given or base
     if base is None:
-        raise ValueError(f"{spec!r}: provider {provider!r} needs base_url (--base-url)")
+        raise ValueError(f"{shown!r}: provider {provider!r} needs base_url (--base-url)")
     base = base if isinstance(base, endpoints.Endpoint) else endpoints.Endpoint.parse(base)
     if key is None and not p.get("key_optional"):
-        raise LLMError(f"{spec}: no API key: set {' or '.join(p['keys'])}", None, provider)
+        raise LLMError(f"{shown}: no API key: set {' or '.join(p['keys'])}", None, provider)
     max_field = p.get("max_field", "max_tokens")
     if provider == "openai" and base.host != "api.openai.com":
         max_field = "max_tokens"   # compatible servers (vLLM, GLM, ...) know only max_tokens

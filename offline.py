@@ -30,6 +30,9 @@ Behaviour, per prompt kind:
 - benchmark builder rewrites: a method-specific, fact-keeping rewrite of the given document; the
   honest editor (build-bench --honest) re-cuts its paragraphs under a heading of its own words.
 
+Every reply is a function of its request alone: no clock, no randomness, and no set's order (which
+follows the process's hash seed) reaches a reply, so a killed run resumes to the same answers.
+
 Usage: respond({"messages": [...]})  (a Chat Completions body -> its reply; in process as
        make_client("offline", handler=offline.respond), over loopback HTTP by offline_server.py)
 """
@@ -43,6 +46,8 @@ import metrics
 import tfsg
 
 ENGINE = "offline-engine"
+CREATED = 0   # a reply's `created` (Unix seconds, an int in OpenAI's chat completion object): a constant, not the
+              # clock, so that a reply is a function of its request alone
 STOP = set("the a an of and or to in on for is are was be by with as at it this that from how what why when "
            "which who does do can you your should i my me best way".split())
 AUTHORITY = ["guarantee", "definitive", "authoritative", "expert-verified", "verified by experts", "unequivocal",
@@ -360,9 +365,10 @@ def analyze_batch(inp):
                                           + ", ".join(guard_terms), [f"'{t}'" for t in guard_terms], "keep",
                                           "medium")})
         findings.append(f"{len(fps)} false-positive cases; culprits {culprits}")
-    # successes: keep the rules that were used
+    # successes: keep the rules that were used, by number, then name ('R01' and 'R1', or two ids without a
+    # number, would otherwise keep the set's order, which follows the hash seed)
     used = sorted({rid for c in succ for rid in c.get("used_rule_ids", [])},
-                  key=lambda r: int(r[1:]) if r[1:].isdigit() else 0)
+                  key=lambda r: (int(r[1:]) if r[1:].isdigit() else 0, r))
     updates += [{"action": "keep_rule", "target_rule_id": rid, "reason": "used in successful cases"} for rid in used
                 if rid in rules]
     return {"batch_analysis": {"success_commonalities": [f"{len(succ)} successful cases"],
@@ -703,6 +709,17 @@ ATTACK_MOVES = (
 )
 
 
+def strip_phrases(text, phrases):
+    """`text` with every occurrence of `phrases` removed, longest phrase first (then alphabetically), again
+    until none is left. A fixed order because overlapping phrases ('by experts', 'verified by') leave
+    different text in different orders, and a set's order changes with the process's hash seed."""
+    order = sorted({p for p in phrases if p}, key=lambda p: (-len(p), p))
+    while any(p in text for p in order):   # a removal can join two halves of a phrase
+        for p in order:
+            text = text.replace(p, "")
+    return text
+
+
 def attack_rewrites(inp):
     """The adaptive attacker's candidates: the current rewrite with GEO moves added (a verdict lead,
     figures, query keywords, the top competitor's opening, an authority quote, structure), chosen by
@@ -718,10 +735,7 @@ def attack_rewrites(inp):
         lead = [ATTACK_MOVES[k % len(ATTACK_MOVES)](q, comp)]
         if int(inp.get("current_rank", 1)) > 5:
             lead.append(ATTACK_MOVES[(k + 3) % len(ATTACK_MOVES)](q, comp))
-        text = " ".join(lead)
-        for w in banned:
-            text = text.replace(w, "")
-        out.append(text.strip() + "\n\n" + cur)
+        out.append(strip_phrases(" ".join(lead), banned).strip() + "\n\n" + cur)
     return out
 
 
@@ -859,6 +873,6 @@ def respond(body):
     if reasoning:
         msg["reasoning_content"] = reasoning
     n_in, n_out = len(prompt) // 4, len(text) // 4
-    return {"id": "offline", "object": "chat.completion", "model": ENGINE,
+    return {"id": "offline", "object": "chat.completion", "created": CREATED, "model": ENGINE,
             "choices": [{"index": 0, "finish_reason": "stop", "message": msg}],
             "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}

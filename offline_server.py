@@ -3,6 +3,10 @@ offline.respond, the batch APIs the official SDKs call (OpenAI Files + Batches, 
 Batches: `Batches`), and a Tavily-shaped /search over a synthetic corpus (`load_corpus`). A
 SIMULATION, as the engine is: its replies say nothing about real LLMs or web search.
 
+Errors come in the shape of the API a route belongs to (`error_body`): Anthropic's
+{"type": "error", "error": {type, message}} on /v1/messages routes, OpenAI's
+{"error": {message, type, param, code}} elsewhere, an unknown route or method a 404 "Invalid URL".
+
 Usage: srv = make_server(8765, corpus=load_corpus("corpus.jsonl")); srv.serve_forever()
        (python run.py serve-offline --port 8765)
 """
@@ -26,6 +30,42 @@ OPENAI_ENDPOINT = "/v1/chat/completions"
 # /v1/messages/batches[/ID[/cancel | /results]]
 BATCH_ROUTE = re.compile(r"/v1/(files|batches|messages/batches)(?:/([^/]+))?(?:/(content|cancel|results))?$")
 RUNNING = ("validating", "in_progress", "cancelling")
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors); other 4xx: invalid_request_error
+ANTHROPIC_ERRORS = {404: "not_found_error", 413: "request_too_large", 500: "api_error"}
+ANTHROPIC_ROUTE = re.compile(r"/v1/messages(?:/|$)")
+PARAM = re.compile(r"([A-Za-z_][\w.\[\]]*): ")   # the field a 400's message starts with ("limit: ..."): its param
+
+
+class NotFound(LookupError):
+    """404: no such route, file or batch. `param` names the path parameter that held the id (None for a
+    route), as OpenAI's error object does."""
+
+    def __init__(self, message, param=None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def error_body(status, message, anthropic, param=None):
+    """An error reply in its API's shape: Anthropic's (https://docs.anthropic.com/en/api/errors) or OpenAI's
+    error object (https://platform.openai.com/docs/guides/error-codes): message, type, param, code. A 400's
+    param, when not given, is the field its message names first ("after: ..." -> "after")."""
+    if anthropic:
+        kind = ANTHROPIC_ERRORS.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    if param is None and status == 400:
+        m = PARAM.match(message)
+        param = m.group(1) if m else None
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": param, "code": None}}
+
+
+def answer(body):
+    """offline.respond, a request the engine cannot answer (a prompt missing a field its kind needs, a
+    value of the wrong type) raised as ValueError: a 400, never a 404 or a 500."""
+    try:
+        return offline.respond(body)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"the offline engine cannot answer this request ({type(e).__name__}: {e})") from None
 
 
 # ----------------------------------------------------------------------------- batch APIs
@@ -57,6 +97,15 @@ def _as_message(resp):
             "stop_reason": "end_turn", "stop_sequence": None,
             "usage": {"input_tokens": resp["usage"]["prompt_tokens"],
                       "output_tokens": resp["usage"]["completion_tokens"]}}
+
+
+def _usage(rows):
+    """OpenAI's batch `usage` (https://platform.openai.com/docs/api-reference/batch/object): the answered
+    lines' tokens summed; the engine caches nothing and does not reason, so those details are 0."""
+    used = [r["response"]["body"]["usage"] for r in rows if (r.get("response") or {}).get("status_code") == 200]
+    n_in, n_out = sum(u["prompt_tokens"] for u in used), sum(u["completion_tokens"] for u in used)
+    return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
 
 
 def _file_object(f):
@@ -108,19 +157,23 @@ class Batches:
         self.created = self.n_files = 0
 
     def route(self, method, path, query, raw, content_type, host):
-        """A batch API request -> (200, reply object or JSONL text); raises KeyError (404: no such
+        """A batch API request -> (200, reply object or JSONL text); raises NotFound (404: no such
         route, batch or file) or ValueError (400)."""
         m = BATCH_ROUTE.search(path)
         if m is None or self.knobs["missing"]:
-            raise KeyError(path)
+            raise NotFound(f"Invalid URL ({method} {path[:200]})")
         kind, oid, verb = m.groups()
         anthropic = kind == "messages/batches"
         if kind == "files":
             if method == "POST" and oid is None:
                 return 200, self.upload(content_type, raw)
-            if method == "GET" and oid is not None and verb in (None, "content"):
+            if method == "GET" and oid is None:
+                return 200, self.file_listing(query)
+            if method == "GET" and verb in (None, "content"):
                 f = self._file(oid)
                 return 200, f["content"] if verb else _file_object(f)
+            if method == "DELETE" and verb is None:
+                return 200, self.delete_file(oid)
         elif method == "POST" and oid is None:
             return 200, self.create(json.loads(raw), anthropic, host)
         elif method == "GET" and oid is None:
@@ -131,7 +184,7 @@ class Batches:
             return 200, self.cancel(oid, anthropic, host)
         elif method == "GET" and verb == "results" and anthropic:
             return 200, self.results(oid)
-        raise KeyError(path)
+        raise NotFound(f"Invalid URL ({method} {path[:200]})")
 
     # --- files
 
@@ -155,8 +208,36 @@ class Batches:
 
     def _file(self, fid):
         if fid not in self.files:
-            raise KeyError(fid)
+            raise NotFound(f"No such File object: {str(fid)[:80]}", "file_id")
         return self.files[fid]
+
+    def file_listing(self, query):
+        """GET /v1/files (https://platform.openai.com/docs/api-reference/files/list): `order` by creation
+        (desc, the default, or asc), `purpose` only, `limit` (1..10000, default 10000) after `after`."""
+        q = {k: v[-1] for k, v in query.items()}
+        limit, order = q.get("limit", "10000"), q.get("order", "desc")
+        if not limit.isdigit() or not 1 <= int(limit) <= 10000:
+            raise ValueError("limit: an integer in 1..10000 is required")
+        if order not in ("asc", "desc"):
+            raise ValueError("order: 'asc' or 'desc' is required")
+        with self.lock:
+            files = [f for f in self.files.values() if q.get("purpose") in (None, f["purpose"])]
+            ids = [f["id"] for f in (files if order == "asc" else files[::-1])]
+            if "after" in q:
+                if q["after"] not in ids:
+                    raise ValueError(f"after: no file {q['after'][:80]!r} in this list")
+                ids = ids[ids.index(q["after"]) + 1:]
+            page = ids[:int(limit)]
+            return {"object": "list", "data": [_file_object(self.files[i]) for i in page],
+                    "has_more": len(ids) > len(page), "first_id": page[0] if page else None,
+                    "last_id": page[-1] if page else None}
+
+    def delete_file(self, fid):
+        """DELETE /v1/files/{file_id} -> OpenAI's deletion status; the file's content is gone."""
+        with self.lock:
+            self._file(fid)
+            del self.files[fid]
+            return {"id": fid, "object": "file", "deleted": True}
 
     # --- batches
 
@@ -186,8 +267,11 @@ class Batches:
             raise ValueError(f"endpoint: the offline engine serves {OPENAI_ENDPOINT} only")
         if body.get("completion_window") != "24h":
             raise ValueError("completion_window: '24h' is required")
+        fid = body.get("input_file_id")
+        if not isinstance(fid, str) or fid not in self.files:
+            raise ValueError(f"input_file_id: no file {str(fid)[:80]!r} (upload it first)")
         lines, seen = [], set()
-        for n, text in enumerate(self._file(body.get("input_file_id"))["content"].splitlines(), 1):
+        for n, text in enumerate(self.files[fid]["content"].splitlines(), 1):
             try:
                 line = json.loads(text)
             except ValueError:
@@ -214,7 +298,7 @@ class Batches:
     def _batch(self, bid, anthropic):
         b = self.batches.get(bid)
         if b is None or b["anthropic"] != anthropic:
-            raise KeyError(bid)
+            raise NotFound(f"No batch found with id {bid[:80]!r}", "batch_id")
         return b
 
     def status(self, bid, anthropic, host):
@@ -247,8 +331,13 @@ class Batches:
         with self.lock:
             ids = [bid for bid, b in reversed(self.batches.items()) if b["anthropic"] == anthropic]
             after, before = q.get("after_id" if anthropic else "after"), q.get("before_id") if anthropic else None
+            for name, cursor in (("after_id" if anthropic else "after", after), ("before_id", before)):
+                if cursor and cursor not in ids:
+                    raise ValueError(f"{name}: no batch {cursor[:80]!r} in this list")
             if after:
-                ids = ids[ids.index(after) + 1:]          # an unknown id: ValueError, 400
+                ids = ids[ids.index(after) + 1:]
+            if before and before not in ids:   # before_id at or above after_id: nothing lies between them
+                ids = []
             page = ids[:ids.index(before)][-limit:] if before else ids[:limit]
             more = ids.index(page[0]) > 0 if before and page else len(ids) > limit
             out = {"data": [self.view(self.batches[i], host) for i in page], "has_more": more,
@@ -260,7 +349,8 @@ class Batches:
         with self.lock:
             b = self._batch(bid, True)
             if b["state"] in RUNNING or b.get("purged"):
-                raise KeyError(bid)
+                raise NotFound(f"No results for batch {bid!r}: " + ("it has not ended" if b["state"] in RUNNING else
+                                                                     "they were purged"))
             return "".join(json.dumps(r) + "\n" for r in b["out"])
 
     # --- running a batch
@@ -302,6 +392,7 @@ class Batches:
                  gone.get((r["error"] or {}).get("code"), "errored") for r, ok in rows]
         b["counts"] = {k: kinds.count(k) for k in ("succeeded", "errored", "canceled", "expired")}
         out, errors = [r for r, ok in rows if ok or b["anthropic"]], [r for r, ok in rows if not ok]
+        b["usage"] = None if b["anthropic"] else _usage(out)
         out = out[::-1] if b["anthropic"] else out
         if self.knobs["tamper"]:
             out, self.knobs["tamper"] = self.knobs["tamper"](out), None
@@ -326,9 +417,10 @@ class Batches:
             self.failed.add(cid)
             return self._row(b, i, cid, 500, {"type": "api_error", "message": "offline engine's fail_first knob"})
         try:
-            resp = offline.respond(_chat_body(line["params"]) if b["anthropic"] else line["body"])
+            resp = answer(_chat_body(line["params"]) if b["anthropic"] else line["body"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:    # a prompt the engine cannot answer
-            return self._row(b, i, cid, 400, {"type": "invalid_request_error", "message": str(e)[:300]})
+            msg = str(e)[:300]                  # (_chat_body: Anthropic params of the wrong shape)
+            return self._row(b, i, cid, 400, error_body(400, msg, b["anthropic"])["error"])
         return self._row(b, i, cid, 200, _as_message(resp) if b["anthropic"] else resp)
 
     @staticmethod
@@ -337,7 +429,8 @@ class Batches:
             res = ({"type": "succeeded", "message": payload} if code == 200 else
                    {"type": "errored", "error": {"type": "error", "error": payload}})
             return {"custom_id": cid, "result": res}, code == 200
-        body = payload if code == 200 else {"error": {**payload, "param": None, "code": None}}
+        body = payload if code == 200 else {"error": {**payload, "param": payload.get("param"),
+                                                      "code": payload.get("code")}}
         return {"id": f"batch_req_{b['id']}_{i}", "custom_id": cid,
                 "response": {"status_code": code, "request_id": f"req_{b['id']}_{i}", "body": body},
                 "error": None}, code == 200
@@ -373,15 +466,16 @@ class Batches:
     def _openai_view(b):
         at, c = b["at"], b["counts"]
         stamps = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
-        return {"id": b["id"], "object": "batch", "endpoint": OPENAI_ENDPOINT, "input_file_id": b["input_file_id"],
-                "completion_window": "24h", "status": b["state"], "output_file_id": b.get("output_file_id"),
+        return {"id": b["id"], "object": "batch", "endpoint": OPENAI_ENDPOINT, "model": offline.ENGINE,
+                "input_file_id": b["input_file_id"], "completion_window": "24h", "status": b["state"],
+                "output_file_id": b.get("output_file_id"),
                 "error_file_id": b.get("error_file_id"),
                 "errors": {"object": "list", "data": [b["problem"]]} if b["state"] == "failed" else None,
                 "created_at": int(at["created"]), "expires_at": int(at["created"] + DAY),
                 **{f"{k}_at": int(at[k]) if k in at else None for k in stamps},
                 "request_counts": {"total": len(b["lines"]), "completed": c["succeeded"],
                                    "failed": sum(c.get(k, 0) for k in ("errored", "canceled", "expired"))},
-                "metadata": b["metadata"]}
+                "usage": b.get("usage") or _usage([]), "metadata": b["metadata"]}
 
 
 # ----------------------------------------------------------------------------- search
@@ -445,13 +539,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self, method, path, query, raw):
         """-> (status, reply object or JSONL text) for the engine's routes; raises ValueError (400),
-        KeyError (404)."""
+        NotFound (404)."""
         if method == "POST" and path.endswith("/chat/completions"):
-            return 200, offline.respond(json.loads(raw))
+            return 200, answer(json.loads(raw))
         if method == "POST" and path == "/search":               # Tavily's route, answered from the corpus
             return 200, search(json.loads(raw), self.server.corpus)
         host = self.headers.get("Host") or "%s:%d" % self.server.server_address[:2]
         return self.server.batches.route(method, path, query, raw, self.headers.get("Content-Type", ""), host)
+
+    def _error(self, status, message, param=None):
+        """error_body for this request's route: Anthropic's shape on /v1/messages routes."""
+        anthropic = ANTHROPIC_ROUTE.search(urlsplit(getattr(self, "path", "") or "").path) is not None
+        return error_body(status, message, anthropic, param)
 
     def _handle(self, method):
         url = urlsplit(self.path)
@@ -470,25 +569,42 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(*self._route(method, url.path.rstrip("/"), parse_qs(url.query), raw))
         except (TimeoutError, ConnectionError):
             self.close_connection = True
-        except KeyError:
-            return self._send(404, {"error": {"message": "not found", "type": "not_found"}})
+        except NotFound as e:
+            return self._send(404, self._error(404, e.message, e.param))
         except (ValueError, TypeError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
-            return self._send(400, {"error": {"message": str(e)[:300], "type": "invalid_request_error"}})
+            return self._send(400, self._error(400, str(e)[:300]))
         except Exception as e:   # never a request left unanswered
-            return self._send(500, {"error": {"message": f"offline engine failed ({type(e).__name__})",
-                                              "type": "server_error"}})
+            return self._send(500, self._error(500, f"offline engine failed ({type(e).__name__})"))
 
     def _refuse(self, code, message):
         """An error before the body is read: the connection closes, so the unread body is never taken
         for the next request."""
         self.close_connection = True
-        self._send(code, {"error": {"message": message, "type": "invalid_request_error"}})
+        self._send(code, self._error(code, message))
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a malformed request line, an overlong line) as JSON in the route's API
+        shape instead of its HTML page; a method no do_* serves is OpenAI's 404 "Invalid URL", not a 501. The
+        connection closes."""
+        self.close_connection = True
+        if code == 501:
+            code, message = 404, f"Invalid URL ({self.command} {urlsplit(self.path).path[:200]})"
+        self._send(code, self._error(code, message or self.responses.get(code, ("error",))[0]))
 
     def do_POST(self):
         self._handle("POST")
 
     def do_GET(self):
         self._handle("GET")
+
+    def do_DELETE(self):
+        self._handle("DELETE")
+
+    def do_PUT(self):
+        self._handle("PUT")
+
+    def do_PATCH(self):
+        self._handle("PATCH")
 
     def _send(self, code, obj):
         text = isinstance(obj, str)                  # JSONL: a batch's output file or results
@@ -498,7 +614,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/x-ndjson" if text else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":               # a HEAD reply has no body (RFC 9110, 9.3.2)
+                self.wfile.write(data)
         except OSError:      # the client went away
             self.close_connection = True
 

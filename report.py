@@ -3,7 +3,8 @@
 Plain string SVG, no plotting library. Table 1 (conditions x ASR/ASI/BER), Table 2 (ablation), the
 per-method breakdown (Fig. 3: ASR, and (b) the Attack Influence Reduction from Non-Defense; unseen
 methods dashed), the quality table (Table C.1), PPL-Filter diagnostics (Table B.2), and ASR/ASI by
-library epoch (Fig. 5). A run on the tiny model or the offline engine says so first. Beside them:
+library epoch (Fig. 5). A run on the tiny model or the offline engine says so first, in the report and
+under each figure's title; every figure titles both its axes. Beside them:
 every condition with its latency and cost per query, and what the injection defenses (defenses.py)
 did, with their answer quality; on a benchmark with honest edits, each condition's and reranker's
 honest penalty beside the attacks' (honest_cells, honest_lines).
@@ -14,8 +15,13 @@ import html
 import os
 
 
+def given(v):
+    """A measured value: neither None nor NaN. Tables print "-" and figures draw nothing where not."""
+    return v is not None and v == v
+
+
 def _f(v, nd=2):
-    return "-" if v is None or v != v else f"{v:.{nd}f}"
+    return f"{v:.{nd}f}" if given(v) else "-"
 
 
 def _table(header, rows):
@@ -27,12 +33,20 @@ def _table(header, rows):
 # ----------------------------------------------------------------------------- SVG figures
 # Plain-string SVG. Text width is estimated (CHAR_W x font size per character, generous for the
 # sans-serif fonts browsers use), and every label is placed from that estimate: wrapped to the room
-# it has, never outside the canvas, never over another label (test_report.py checks both).
+# it has, never outside the canvas, never over another label (test_report.py checks both). Every
+# figure names both its axes, and a figure of an offline or simulation run says so under its title.
 
 CHAR_W = 0.62
 # Paul Tol's "bright" scheme, then three of his "muted" and "vibrant" ones: ten series told apart
 COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#332288", "#ee7733",
           "#999933"]
+OFFLINE_FIGURE = "offline / simulation run: plumbing figures, not the paper's results"
+NOTE_COLOR = "#cc3311"      # Paul Tol's "vibrant" red: the note is read before the data
+
+
+def figure_note(notes):
+    """The note a figure carries under its title: OFFLINE_FIGURE when the run has offline notes, else None."""
+    return OFFLINE_FIGURE if notes else None
 
 
 def text_width(s, size=11):
@@ -87,6 +101,19 @@ def _text(x, y, s, anchor="middle", size=11, extra=""):
     return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" font-size="{size}"{extra}>{html.escape(s)}</text>'
 
 
+def _upright(x, y, s):
+    """Text turned -90 degrees, centred on (x, y): a y-axis title (its glyphs lie left of x)."""
+    return _text(x, y, s, extra=f' transform="rotate(-90 {x:.1f} {y:.1f})"')
+
+
+def _head(title, W, note):
+    """The title and, for an offline or simulation run, the note under it -> (svg, baseline of the next row)."""
+    body = [_text(W / 2, 20, title, size=13)]
+    if note:
+        body.append(_text(W / 2, 36, note, extra=f' fill="{NOTE_COLOR}"'))
+    return body, 60 if note else 44
+
+
 def _legend(series, W, y, markers=False, colors=None):
     """Legend rows inside the canvas, under the title: as many entries per row as fit. -> (svg, height)."""
     out, x, row_h = [], 60.0, 16
@@ -105,8 +132,8 @@ def _legend(series, W, y, markers=False, colors=None):
     return out, y
 
 
-def _y_axis(lo, hi, left, top, plot_h, plot_w, unit):
-    """Gridlines, ticks and tick labels for [lo, hi] -> (svg, y(v) mapping)."""
+def _y_axis(lo, hi, left, top, plot_h, plot_w, title):
+    """Gridlines, ticks, tick labels for [lo, hi] and the axis title -> (svg, y(v) mapping)."""
     ticks = nice_ticks(lo, hi)
     lo, hi = min(ticks[0], lo), max(ticks[-1], hi)
     y = lambda v: top + plot_h * (hi - v) / (hi - lo)
@@ -115,7 +142,7 @@ def _y_axis(lo, hi, left, top, plot_h, plot_w, unit):
         out.append(f'<line x1="{left}" y1="{y(tv):.1f}" x2="{left + plot_w}" y2="{y(tv):.1f}" stroke="#ddd"/>')
         out.append(_text(left - 6, y(tv) + 4, f"{tv:g}", anchor="end"))
     out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#333"/>')
-    out.append(_text(14, top + plot_h / 2, unit, extra=f' transform="rotate(-90 14 {top + plot_h / 2:.1f})"'))
+    out.append(_upright(14, top + plot_h / 2, title))
     return out, y
 
 
@@ -140,14 +167,15 @@ def _bar_label(cx, v, y, width, upright):
     return _text(x, cy, s, size=LABEL_SIZE, extra=f' transform="rotate(-90 {x:.1f} {cy:.1f})"')
 
 
-def svg_bars(title, groups, series, values, ylabel="%", dashed=(), colors=None):
+def svg_bars(title, groups, series, values, *, xlabel, ylabel, dashed=(), colors=None, note=None):
     """Grouped bars: groups on x, one bar per series (colors: one per series, default COLORS in
-    order); values[(group, series)] -> float (NaN: no bar and no label). Every bar carries its
+    order); values[(group, series)] -> float (None or NaN: no bar and no label). Every bar carries its
     value: a zero bar is a line on the zero line labelled "0", bars below zero hang from it with
     their labels beneath; labels lie flat when they fit the bar's width, else upright. The axis
-    spans nice ticks over [min(0, lo), max(0, hi)]."""
+    spans nice ticks over [min(0, lo), max(0, hi)]; xlabel and ylabel title the axes, note (figure_note)
+    goes under the title."""
     ns = max(1, len(series))
-    vals = [v for v in values.values() if v == v]
+    vals = [v for v in values.values() if given(v)]
     widest = max([text_width(value_label(v), LABEL_SIZE) for v in vals] + [0.0])
     # wide enough for every bar to hold an upright label (LABEL_SIZE + 4 px a bar, bars filling 80% of a group)
     W = max(640, 110 * len(groups) + 80, int(len(groups) * ns * (LABEL_SIZE + 4) / 0.8) + 80)
@@ -160,20 +188,21 @@ def svg_bars(title, groups, series, values, ylabel="%", dashed=(), colors=None):
     labels = {g: wrap(g, gw - 8) + (["(unseen)"] if g in dashed else []) for g in groups}
     n_lines = max([len(v) for v in labels.values()] + [1])
     colors = colors or [COLORS[si % len(COLORS)] for si in range(ns)]
-    legend, ly = _legend(series, W, 44, colors=colors)
+    head, row = _head(title, W, note)
+    legend, ly = _legend(series, W, row, colors=colors)
     lo, hi = min(vals + [0.0]), max(vals + [0.0])
     hi = hi if hi > lo else lo + 1.0
     top, plot_h = ly + 22 + (room if hi > 0 else 0), 230
     below = top + plot_h + (room if lo < 0 else 0)          # where the group names start
-    H = below + 14 * n_lines + 24
-    body = [_text(W / 2, 20, title, size=13)] + legend
+    H = below + 14 * n_lines + 32
+    body = head + legend
     axis, y = _y_axis(lo, hi, left, top, plot_h, plot_w, ylabel)
     body += axis
     for gi, g in enumerate(groups):
         x0 = left + gi * gw + gw * 0.1
         for si, s in enumerate(series):
-            v = values.get((g, s), float("nan"))
-            if v != v:
+            v = values.get((g, s))
+            if not given(v):
                 continue
             y0, y1 = sorted((y(0.0), y(v)))
             if y1 - y0 < 1.5:                                # a zero bar: a line, told apart from no bar
@@ -185,41 +214,146 @@ def svg_bars(title, groups, series, values, ylabel="%", dashed=(), colors=None):
             body.append(_bar_label(x0 + si * bw + bw / 2, v, y, bw, upright))
         for li, line in enumerate(labels[g]):
             body.append(_text(left + gi * gw + gw / 2, below + 16 + 14 * li, line))
+    body.append(_text(left + plot_w / 2, below + 22 + 14 * n_lines, xlabel))
     body.append(f'<line x1="{left}" y1="{y(0.0):.1f}" x2="{left + plot_w}" y2="{y(0.0):.1f}" stroke="#333"/>')
     return _svg(W, H, body)
 
 
-def svg_lines(title, xs, series, ylabel="%"):
-    """Line chart with markers and value labels: series name -> list of y over xs."""
-    W, left, right = 600, 60, 30
+LINE_LABEL_SIZE = 10    # a line chart's value label
+LABEL_GAP = 2.0         # px between two value labels of one column
+MARKER_R = 3.5          # a line chart's point
+CLEAR = 1.5             # px between a value label and any marker
+
+
+def _gap(py, j, h, lo, hi):
+    """The highest and lowest label centres of gap j of a column whose points lie at py (sorted, px down):
+    the gap above point j (below the last point when j == len(py)), CLEAR px off the markers around it."""
+    off = MARKER_R + CLEAR + h / 2
+    return (py[j - 1] + off if j else lo + h / 2), (py[j] - off if j < len(py) else hi - h / 2)
+
+
+def _gap_centres(py, j, a, b, h, lo, hi):
+    """Centres of labels a..b-1 (those of points py[a:b]) in gap j: the labels of points above the gap
+    hang from its top, those of points below it stand on its bottom, in their points' order."""
+    (top, bottom), step = _gap(py, j, h, lo, hi), h + LABEL_GAP
+    down, up = max(0, min(b, j) - a), b - max(a, j)
+    return [top + s * step for s in range(down)] + [bottom - (up - 1 - s) * step for s in range(up)]
+
+
+def label_slots(ys, h, lo, hi):
+    """Wanted centres of the value labels (h px tall) of points at heights `ys` (px, down) sharing one x,
+    between lo and hi. The markers cut the column into gaps; each label goes in a gap, in its points'
+    order, as many to a gap as fit LABEL_GAP apart and CLEAR off the markers, so no label covers another
+    or a marker. Of those assignments, a dynamic programme over (gap, labels placed) picks the one whose
+    labels lie nearest their points, above them on a tie. A column too crowded for any gets every label
+    above its point, for place_labels to push apart."""
+    order = sorted(range(len(ys)), key=lambda i: (ys[i], i))
+    py, n, step = [ys[i] for i in order], len(ys), h + LABEL_GAP
+    f, back = [0.0] + [float("inf")] * n, []       # f[i]: least cost of labels 0..i-1 in the gaps so far
+    for j in range(n + 1):
+        top, bottom = _gap(py, j, h, lo, hi)
+        cap = int((bottom - top) // step) + 1 if bottom >= top else 0
+        g, arg = [float("inf")] * (n + 1), [0] * (n + 1)
+        for i in range(n + 1):
+            for a in range(max(0, i - cap), i + 1):        # labels a..i-1 in gap j
+                cs = _gap_centres(py, j, a, i, h, lo, hi)
+                c = f[a] + sum(abs(y - py[k]) + (0.01 if k < j else 0.0) for k, y in zip(range(a, i), cs))
+                if c < g[i]:
+                    g[i], arg[i] = c, a
+        f = g
+        back.append(arg)
+    want, i = [0.0] * n, n
+    if f[n] == float("inf"):
+        for k in range(n):
+            want[order[k]] = py[k] - MARKER_R - CLEAR - h / 2
+        return want
+    for j in range(n, -1, -1):                              # walk the choices back: gap j held labels a..i-1
+        a = back[j][i]
+        for k, y in zip(range(a, i), _gap_centres(py, j, a, i, h, lo, hi)):
+            want[order[k]] = y
+        i = a
+    return want
+
+
+def place_labels(want, h, lo, hi, gap=LABEL_GAP):
+    """Centres for labels h px tall wanted at centres `want` (label_slots'): in the order of `want`,
+    boxes at least `gap` px apart, inside [lo, hi], as close to the wanted centres as that allows (least
+    squares): the wanted ones themselves unless the column is too crowded for its room. Stacked, the
+    k-th label from the top sits k steps below the first, so the offsets centre_k - k * step must not
+    decrease: an isotonic fit, solved by pool-adjacent-violators, then clipped to the room (clipping
+    keeps the offsets in order, so the boxes stay apart)."""
+    step = h + gap
+    first, last = lo + h / 2, hi - h / 2 - (len(want) - 1) * step
+    if last < first:
+        raise ValueError(f"{len(want)} labels {h} px tall need {len(want) * step - gap:.0f} px, have {hi - lo:.0f}")
+    order = sorted(range(len(want)), key=lambda i: (want[i], i))
+    pools = []                                   # [sum, count] of pooled offsets, their means increasing
+    for k, i in enumerate(order):
+        pools.append([want[i] - k * step, 1])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            s, n = pools.pop()
+            pools[-1][0] += s
+            pools[-1][1] += n
+    offsets = [min(max(s / n, first), last) for s, n in pools for _ in range(n)]
+    out = [0.0] * len(want)
+    for k, i in enumerate(order):
+        out[i] = offsets[k] + k * step
+    return out
+
+
+def _segments(points):
+    """Points (x index, ...) split where an index is missing: a line is broken where a value is."""
+    out = []
+    for p in points:
+        if not out or p[0] != out[-1][-1][0] + 1:
+            out.append([])
+        out[-1].append(p)
+    return out
+
+
+def svg_lines(title, xs, series, *, xlabel, ylabel, note=None):
+    """Line chart with markers and value labels: series name -> list of y over xs (None or NaN: no point,
+    the line broken there). Each x's value labels are placed by label_slots and place_labels: off the
+    markers, apart, between the legend and the band under the x axis (room for the label of a point on
+    it); an x's column is wider than its widest label, so columns never meet. xlabel and ylabel title
+    the axes, note (figure_note) goes under the title."""
+    h = LINE_LABEL_SIZE
+    texts = [f"{v:.1f}" for vs in series.values() for v in vs if given(v)]
+    widest = max([text_width(s, h) for s in texts] + [text_width(x) for x in xs] + [0.0])
+    left, right = 60, 30
+    W = max(600, left + right + int(len(xs) * (widest + 8)) + 1)
     plot_w = W - left - right
-    legend, ly = _legend(list(series), W, 44, markers=True)
-    top, plot_h = ly + 22, 230
-    H = top + plot_h + 40
-    ys = [v for s in series.values() for v in s if v == v]
+    head, row = _head(title, W, note)
+    legend, ly = _legend(list(series), W, row, markers=True)
+    top, plot_h = ly + 22, max(230, len(series) * (h + LABEL_GAP))
+    below = top + plot_h + h + 6                   # room for a label under a point on the axis; then the x labels
+    H = below + 40
+    ys = [v for vs in series.values() for v in vs if given(v)]
     axis, y = _y_axis(min(ys + [0.0]), max(ys + [1.0]), left, top, plot_h, plot_w, ylabel)
     step = plot_w / max(1, len(xs))
     xpos = lambda i: left + step * (i + 0.5)
-    body = [_text(W / 2, 20, title, size=13)] + legend + axis
+    body = head + legend + axis
     for i, x in enumerate(xs):
-        body.append(_text(xpos(i), top + plot_h + 16, x))
-    labels = {}                                     # x index -> [(baseline y, text, colour)]
+        body.append(_text(xpos(i), below + 12, x))
+    body.append(_text(left + plot_w / 2, below + 30, xlabel))
+    columns = {}                                    # x index -> [(point y, text, colour)]
     for si, (name, vals) in enumerate(series.items()):
         c = COLORS[si % len(COLORS)]
-        pts = [(i, xpos(i), y(v), v) for i, v in enumerate(vals) if v == v]
-        points = " ".join(f"{a:.1f},{b:.1f}" for _, a, b, _ in pts)
-        body.append(f'<polyline points="{points}" fill="none" stroke="{c}" stroke-width="2"/>')
+        pts = [(i, xpos(i), y(v), v) for i, v in enumerate(vals) if given(v)]
+        for seg in _segments(pts):
+            points = " ".join(f"{a:.1f},{b:.1f}" for _, a, b, _ in seg)
+            body.append(f'<polyline points="{points}" fill="none" stroke="{c}" stroke-width="2"/>')
         for i, a, b, v in pts:
-            body.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3.5" '
+            body.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="{MARKER_R}" '
                         f'fill="{c}"><title>{html.escape(f"{name}: {v:.2f}")}</title></circle>')
-            labels.setdefault(i, []).append((b - 7, f"{v:.1f}", c))
-    for i, items in labels.items():                 # value labels above their points, pushed apart when close
-        items.sort()
-        for k in range(1, len(items)):
-            if items[k][0] - items[k - 1][0] < 12:
-                items[k] = (items[k - 1][0] + 12,) + items[k][1:]
-        for b, s, c in items:
-            body.append(_text(xpos(i), b, s, size=10, extra=f' fill="{c}"'))
+            columns.setdefault(i, []).append((b, f"{v:.1f}", c))
+    for i, items in sorted(columns.items()):
+        centres = place_labels(label_slots([b for b, _, _ in items], h, ly + 6, below), h, ly + 6, below)
+        for (_, s, c), cy in zip(items, centres):          # on a white card: lines crossing it stay behind
+            w = text_width(s, h)
+            body.append(f'<rect x="{xpos(i) - w / 2:.1f}" y="{cy - h / 2:.1f}" width="{w:.1f}" height="{h}" '
+                        f'fill="white" fill-opacity="0.85"/>')
+            body.append(_text(xpos(i), cy + 0.3 * h, s, size=h, extra=f' fill="{c}"'))   # baseline: 0.3 h below
     body.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#333"/>')
     return _svg(W, H, body)
 
@@ -374,12 +508,15 @@ def _method_lines(s, figs):
                         [[k] + [_f(s["methods"][k][m]["ASR"]) for m in methods] for k in s["methods"]]) + "\n")
     unseen = {m for m in methods if not seen[m]["seen"]}
     conds = list(s["methods"])
+    note = figure_note(s.get("notes"))
     with open(os.path.join(figs, "per_method_asr.svg"), "w", encoding="utf-8") as f:
         f.write(svg_bars("ASR by GEO method (dashed outline: unseen)", methods, conds,
-                         {(m, k): s["methods"][k][m]["ASR"] for m in methods for k in conds}, dashed=unseen))
+                         {(m, k): s["methods"][k][m]["ASR"] for m in methods for k in conds}, dashed=unseen,
+                         xlabel="GEO method", ylabel="ASR (%)", note=note))
     with open(os.path.join(figs, "conditions.svg"), "w", encoding="utf-8") as f:
         f.write(svg_bars("ASR / ASI / BER by condition", list(c), ["ASR", "ASI", "BER"],
-                         {(k, m): c[k][m] for k in c for m in ("ASR", "ASI", "BER")}))
+                         {(k, m): c[k][m] for k in c for m in ("ASR", "ASI", "BER")},
+                         xlabel="condition", ylabel="ASR / ASI / BER (%)", note=note))
     lines.append("![per method](figures/per_method_asr.svg) ![conditions](figures/conditions.svg)\n")
     if "Non-Defense" in s["methods"]:
         # Fig. 3 (b): Attack Influence Reduction, the relative ASI reduction from Non-Defense per method
@@ -395,7 +532,8 @@ def _method_lines(s, figs):
                             [[k] + [_f(air[m, k]) for m in methods] for k in others]) + "\n")
         with open(os.path.join(figs, "per_method_air.svg"), "w", encoding="utf-8") as f:
             f.write(svg_bars("Attack Influence Reduction by GEO method (dashed outline: unseen)", methods, others,
-                             air, dashed=unseen, colors=[COLORS[conds.index(k) % len(COLORS)] for k in others]))
+                             air, dashed=unseen, colors=[COLORS[conds.index(k) % len(COLORS)] for k in others],
+                             xlabel="GEO method", ylabel="Attack Influence Reduction (%)", note=note))
         lines.append("![attack influence reduction](figures/per_method_air.svg)\n")
     return lines
 
@@ -441,7 +579,8 @@ def _appendix_lines(s, figs):
                                                             for t in xs]) + "\n")
         with open(os.path.join(figs, "epochs.svg"), "w", encoding="utf-8") as f:
             f.write(svg_lines("GEO Defender by TFSG epoch", xs, {"ASR": [e[t]["ASR"] for t in xs],
-                                                                 "ASI": [e[t]["ASI"] for t in xs]}))
+                                                                 "ASI": [e[t]["ASI"] for t in xs]},
+                              xlabel="TFSG library epoch", ylabel="ASR / ASI (%)", note=figure_note(s.get("notes"))))
         lines.append("![epochs](figures/epochs.svg)\n")
     if s.get("transfer"):
         lines.append("## Table C.2 row: libraries from other runs applied to this target\n")
@@ -502,18 +641,19 @@ def write_rerank_report(run_dir, s):
     """rerank_report.md and figures/rerank_exposure.svg (exposure by GEO method, one bar per reranker)."""
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
-    stage = s["rerank_stage"]
+    stage, k = s["rerank_stage"], s.get("rerank_stage_k", 5)
     labels = list(stage)
     methods = list(next(iter(stage.values()))["per_method"])
     unseen = {m for m in methods if not next(iter(stage.values()))["per_method"][m]["seen"]}
     with open(os.path.join(figs, "rerank_exposure.svg"), "w", encoding="utf-8") as f:
-        f.write(svg_bars(f"Exposure@{s.get('rerank_stage_k', 5)} by GEO method (dashed outline: unseen)", methods,
-                         labels, {(m, lb): stage[lb]["per_method"][m].get("exposure", float("nan"))
-                                  for m in methods for lb in labels}, dashed=unseen))
+        f.write(svg_bars(f"Exposure@{k} by GEO method (dashed outline: unseen)", methods, labels,
+                         {(m, lb): stage[lb]["per_method"][m].get("exposure") for m in methods for lb in labels},
+                         dashed=unseen, xlabel="GEO method", ylabel=f"exposure@{k} (%)",
+                         note=figure_note(s.get("notes"))))
     lines = _title(run_dir, s, "Reranker stage under GEO attack")
     lines += rerank_stage_lines(s)
     lines.append(_table(["Reranker"] + [m + ("*" if m in unseen else "") for m in methods],
-                        [[lb] + [_f(stage[lb]["per_method"][m].get("exposure", float("nan"))) for m in methods]
+                        [[lb] + [_f(stage[lb]["per_method"][m].get("exposure")) for m in methods]
                          for lb in labels]) + "\n")
     lines.append("Exposure@k (%) by GEO method; unseen methods marked *.\n")
     lines.append("![exposure](figures/rerank_exposure.svg)\n")
@@ -549,12 +689,13 @@ def write_attack_report(run_dir, s):
             plots = {"exposure": {k: [b["budgets"][x]["conditions"][c]["exposure"] for x in xs]
                                   for k, c in ranked.items() if c in conds},
                      "asr": {c: [b["budgets"][x]["conditions"][c]["ASR"] for x in xs] for c in conds}}
+            ylabel = {"exposure": "exposure", "asr": "ASR"}
             for what, series in plots.items():
                 name = f"attack_{target}_{mode}_{what}.svg"
                 with open(os.path.join(figs, name), "w", encoding="utf-8") as f:
-                    f.write(svg_lines(f"Adaptive attack on {target} ({mode}): "
-                                      f"{'exposure' if what == 'exposure' else 'ASR'}"
-                                      " by budget", [f"B={x}" for x in xs], series))
+                    f.write(svg_lines(f"Adaptive attack on {target} ({mode}): {ylabel[what]} by budget",
+                                      [f"B={x}" for x in xs], series, xlabel="attacker budget B (candidates)",
+                                      ylabel=f"{ylabel[what]} (%)", note=figure_note(s.get("notes"))))
                 lines.append(f"![{target} {mode} {what}](figures/{name})")
             lines.append("")
             total = sum(b["gate"].values())
@@ -587,24 +728,28 @@ def usage_lines(u):
             _table(["Stage", "Model", "Replies"] + [name for _, name in cols] + ["USD"], rows) + "\n"]
 
 
-def svg_heatmap(title, rows, cols, values):
-    """values[(row, col)] -> float or None; darker = higher; each cell labelled with its value."""
+def svg_heatmap(title, rows, cols, values, *, xlabel, ylabel, note=None):
+    """values[(row, col)] -> float (None or NaN: a grey cell labelled "-"); darker = higher; each cell
+    labelled with its value. xlabel titles the columns (above their names), ylabel the rows (above their
+    names, the header of that column, as in a table); note (figure_note) goes under the title."""
     cw = max(90, max(text_width(c) for c in cols) + 12)
-    left = max(150, max(text_width(r) for r in rows) + 20)
-    ch, top = 26, 60
-    W, H = int(left + cw * len(cols) + 20), top + ch * len(rows) + 20
-    W = max(W, int(text_width(title, 13)) + 20)
-    vals = [v for v in values.values() if v is not None and v == v]
+    left = max(150, max(text_width(r) for r in [*rows, ylabel]) + 20)
+    ch = 26
+    W = int(max(left + cw * len(cols) + 20, text_width(title, 13) + 20, text_width(note or "") + 20))
+    head, row = _head(title, W, note)
+    top = row + 30                                  # the columns' title, then their names, then the cells
+    H = top + ch * len(rows) + 20
+    vals = [v for v in values.values() if given(v)]
     lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
-    body = [_text(W / 2, 20, title, size=13)]
+    body = head + [_text(left + cw * len(cols) / 2, row + 4, xlabel), _text(left - 6, top - 8, ylabel, anchor="end")]
     for j, c in enumerate(cols):
         body.append(_text(left + j * cw + cw / 2, top - 8, c))
     for i, rname in enumerate(rows):
         body.append(_text(left - 6, top + i * ch + 17, rname, anchor="end"))
         for j, c in enumerate(cols):
             v = values.get((rname, c))
-            t = 0.0 if v is None or hi == lo else (v - lo) / (hi - lo)
-            fill = "#eee" if v is None else f"rgb({int(255 - 170 * t)},{int(255 - 120 * t)},255)"
+            t = 0.0 if not given(v) or hi == lo else (v - lo) / (hi - lo)
+            fill = "#eee" if not given(v) else f"rgb({int(255 - 170 * t)},{int(255 - 120 * t)},255)"
             body.append(f'<rect x="{left + j * cw}" y="{top + i * ch}" width="{cw - 2}" height="{ch - 2}" '
                         f'fill="{fill}"/>')
             body.append(_text(left + j * cw + cw / 2, top + i * ch + 17, _f(v)))
@@ -660,7 +805,8 @@ def write_comparison(out_dir, summaries):
                          _table(["Source \\ Target"] + cols,
                                 [[r] + [_f(vals.get((r, c))) for c in cols] for r in srcs]) + "\n")
             with open(os.path.join(out_dir, "figures", f"transfer_{metric.lower()}.svg"), "w", encoding="utf-8") as f:
-                f.write(svg_heatmap(f"Transfer {metric} (source library x target LLM)", srcs, cols, vals))
+                f.write(svg_heatmap(f"Transfer {metric} (source library x target LLM)", srcs, cols, vals,
+                                    xlabel="target LLM", ylabel="source library", note=figure_note(notes)))
         lines.append("![transfer ASR](figures/transfer_asr.svg) ![transfer ASI](figures/transfer_asi.svg)\n")
     path = os.path.join(out_dir, "comparison.md")
     with open(path, "w", encoding="utf-8") as f:
@@ -677,6 +823,22 @@ HARDEN_THREAT = (
     "round used) and with the round-0 attacker (stale).")
 
 
+def harden_cells(r, top):
+    """One round's figures by name, as harden_report.md's table and its figures both read them: the fresh
+    attacker at budget `top`, the stale one (None at round 0, which has none: "-" in the table, no point
+    in the figure), the static families, and utility. Exposure under the Shield only, ASR under GEO Defender."""
+    st = r.get("stale")
+    return {"fresh exposure": r["fresh"][top]["Shield only"]["exposure"],
+            "fresh ASR": r["fresh"][top]["GEO Defender"]["ASR"],
+            "stale exposure": st["Shield only"]["exposure"] if st else None,
+            "stale ASR": st["GEO Defender"]["ASR"] if st else None,
+            "static exposure": r["static"]["Shield only"]["exposure"],
+            "static ASR": r["static"]["GEO Defender"]["ASR"],
+            "clean top-k kept": r["clean_topk_kept"],
+            "BER (GEO Defender)": r["static"]["GEO Defender"]["BER"],
+            "BER (Shield only)": r["static"]["Shield only"]["BER"]}
+
+
 def write_harden_report(run_dir, s):
     """harden_report.md and figures/harden_*.svg: by round, the fresh and stale attackers' exposure and ASR,
     the static families, utility (clean top-k kept, BER), the cross-play matrix and the cost."""
@@ -684,36 +846,29 @@ def write_harden_report(run_dir, s):
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
     lines = _title(run_dir, {"notes": b.get("notes")}, "Hardening rounds") + [HARDEN_THREAT + "\n"]
-    rounds, k = b["rounds"], b["k"]
+    rounds, k, note = b["rounds"], b["k"], figure_note(b.get("notes"))
     top = max(rounds[0]["fresh"], key=int)
     xs = [f"r{r['round']}" for r in rounds]
-    rows = []
-    for r in rounds:
-        st = r.get("stale")
-        rows.append([r["round"], r.get("survivors", "-"), r.get("pool", "-")]
-                    + [_f(r["fresh"][top][c][m]) for c, m in (("Shield only", "exposure"), ("GEO Defender", "ASR"))]
-                    + ([_f(st["Shield only"]["exposure"]), _f(st["GEO Defender"]["ASR"])] if st else ["-", "-"])
-                    + [_f(r["static"]["Shield only"]["exposure"]), _f(r["static"]["GEO Defender"]["ASR"]),
-                       _f(r["clean_topk_kept"], 1), _f(r["static"]["GEO Defender"]["BER"]),
-                       r["cost"]["replies"], _f(r["cost"]["usd"], 4)])
+    cells = [harden_cells(r, top) for r in rounds]
+    rows = [[r["round"], r.get("survivors", "-"), r.get("pool", "-")]
+            + [_f(c[n]) for n in ("fresh exposure", "fresh ASR", "stale exposure", "stale ASR", "static exposure",
+                                  "static ASR")]
+            + [_f(c["clean top-k kept"], 1), _f(c["BER (GEO Defender)"]), r["cost"]["replies"],
+               _f(r["cost"]["usd"], 4)]
+            for r, c in zip(rounds, cells)]
     lines.append(_table(["Round", "Survivors", "Pool", f"Fresh B={top} exposure@{k}", f"Fresh B={top} ASR",
                          "Stale exposure", "Stale ASR", "Static exposure", "Static ASR", "Clean top-k kept",
                          "BER (static)", "LLM replies", "USD"], rows) + "\n")
     lines.append("Exposure: the attack document in the Shield's top-k (%); ASR: under GEO Defender (Shield top-k "
                  "and the round's library). Fresh: an attacker of its own seed at each round; stale: round 0's.\n")
-    attack_plot = {"fresh exposure": [r["fresh"][top]["Shield only"]["exposure"] for r in rounds],
-                   "stale exposure": [r["stale"]["Shield only"]["exposure"] if r.get("stale") else
-                                      r["fresh"][top]["Shield only"]["exposure"] for r in rounds],
-                   "fresh ASR": [r["fresh"][top]["GEO Defender"]["ASR"] for r in rounds],
-                   "stale ASR": [r["stale"]["GEO Defender"]["ASR"] if r.get("stale") else
-                                 r["fresh"][top]["GEO Defender"]["ASR"] for r in rounds]}
-    utility = {"clean top-k kept": [r["clean_topk_kept"] for r in rounds],
-               "BER (GEO Defender)": [r["static"]["GEO Defender"]["BER"] for r in rounds],
-               "BER (Shield only)": [r["static"]["Shield only"]["BER"] for r in rounds]}
-    for name, title, series in (("harden_attack.svg", f"Attackers by round (B={top})", attack_plot),
-                                ("harden_utility.svg", "Utility by round", utility)):
+    plot = lambda names: {n: [c[n] for c in cells] for n in names}
+    for name, title, series, ylabel in (
+            ("harden_attack.svg", f"Attackers by round (B={top})",
+             plot(("fresh exposure", "stale exposure", "fresh ASR", "stale ASR")), f"exposure@{k} / ASR (%)"),
+            ("harden_utility.svg", "Utility by round", plot(("clean top-k kept", "BER (GEO Defender)",
+                                                             "BER (Shield only)")), "clean top-k kept / BER (%)")):
         with open(os.path.join(figs, name), "w", encoding="utf-8") as f:
-            f.write(svg_lines(title, xs, series))
+            f.write(svg_lines(title, xs, series, xlabel="hardening round", ylabel=ylabel, note=note))
         lines.append(f"![{title}](figures/{name})")
     m = b["crossplay"]["exposure"]
     lines += ["", f"## Cross-play: exposure@{k} (%), defense round by attacker round\n",
@@ -725,7 +880,9 @@ def write_harden_report(run_dir, s):
         f.write(svg_heatmap(f"Cross-play exposure@{k} (%)", [f"defense r{d}" for d in range(len(m))],
                             [f"attacker r{a}" for a in range(len(m))],
                             {(f"defense r{d}", f"attacker r{a}"): v for d, row in enumerate(m)
-                             for a, v in enumerate(row)}))
+                             for a, v in enumerate(row)},
+                            xlabel="attacker round (its test documents)", ylabel="defense round (its Shield)",
+                            note=note))
     lines.append("![Cross-play](figures/harden_crossplay.svg)\n")
     lines += usage_lines(s.get("usage") or {})
     with open(os.path.join(run_dir, "harden_report.md"), "w", encoding="utf-8") as f:

@@ -1,7 +1,8 @@
 """Rerank clients over raw HTTP JSON: Cohere (v2), Jina, Voyage, any Cohere/Jina/vLLM-shaped /rerank
 endpoint and Text Embeddings Inference, on the chat clients' machinery (llm_clients.Transport:
-retries with Retry-After, timeouts, no redirects, a reply-size cap, the key only in headers and
-only to its own host; llm_clients.ReplyCache: replies by request hash, in-flight de-duplication).
+retries with Retry-After, a whole-reply deadline, no redirects, a reply-size cap, the key only in
+headers and only to its own host; llm_clients.ReplyCache: replies by request hash, in-flight
+de-duplication).
 Every reply is checked index by index: a wrong one is an error naming the endpoint and the field,
 never a silently wrong ranking.
 
@@ -82,8 +83,8 @@ def rerank_scores(shape, resp, n, where):
 
 class RerankClient:
     """A rerank endpoint over raw HTTP JSON, on the chat clients' machinery: Transport (retries with
-    Retry-After, timeouts, no redirects, a reply-size cap, the key only in headers), ReplyCache (by
-    request hash, in-flight de-duplication), a rate limit, counters and the usage ledger."""
+    Retry-After, a whole-reply deadline, no redirects, a reply-size cap, the key only in headers),
+    ReplyCache (by request hash, in-flight de-duplication), a rate limit, counters and the usage ledger."""
 
     def __init__(self, url, model=None, shape="generic", api_key=None, label=None, cache_dir=None, timeout=120,
                  max_retries=2, rpm=0, ledger=None, stage=None, max_reply_bytes=8 << 20):

@@ -36,7 +36,7 @@ import metrics
 import report
 import rankers
 from rankers import order_of
-from runs import atomic_write, read_json, run_usage, write_json
+from runs import atomic_write, read_json, run_usage, write_summary
 
 def instance_record(x, clean, ranker, base_clean_order, k):
     """One attacked instance under one reranker -> its record (see the module docstring)."""
@@ -119,12 +119,9 @@ def rerank_stage(cfg, data, items, stage="rerank-eval"):
             atomic_write(os.path.join(res, f"rerank-{label}.honest.jsonl"),
                          "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in hrecs))
             out[label]["honest"] = honest_stage(hrecs, recs, cfg.k, cfg.n_boot, cfg.seed)
-    path = os.path.join(cfg.run_dir, "summary.json")
-    summary = read_json(path, {})
-    summary["rerank_stage"] = {**summary.get("rerank_stage", {}), **out}
-    summary["rerank_stage_k"] = cfg.k
-    summary["usage"] = run_usage(cfg)
-    write_json(path, summary)
+    stage = read_json(os.path.join(cfg.run_dir, "summary.json"), {}).get("rerank_stage", {})
+    summary = write_summary(cfg.run_dir, "rerank-eval", {"rerank_stage": {**stage, **out}, "rerank_stage_k": cfg.k,
+                                                         "usage": run_usage(cfg)})
     report.write_rerank_report(cfg.run_dir, summary)
     if "conditions" in summary:              # an evaluated run: its report gets the table too
         report.write_report(cfg.run_dir, summary)

@@ -341,10 +341,11 @@ class Reranker:
     """Tokenizer + decoder + yes/no margin. `score_ids` is the one forward path (inference and training)."""
 
     def __init__(self, model, tokenizer, yes_no_ids, instruction=SHIELD_INSTRUCTION, max_length=8192,
-                 token_budget=4096, name_or_path=None, revision=None):
+                 token_budget=4096, name_or_path=None, revision=None, folder=None):
         self.model, self.tokenizer = model, tokenizer
         self.instruction, self.max_length, self.token_budget = instruction, max_length, token_budget
         self.name_or_path, self.revision = name_or_path, revision
+        self.folder = folder   # where the files were read from: a hub id's snapshot folder, or the folder given
         self.yes_id, self.no_id = yes_no_ids
         self.prefix_ids = tokenizer.encode(PREFIX, add_special_tokens=False).ids
         self.suffix_ids = tokenizer.encode(SUFFIX, add_special_tokens=False).ids
@@ -373,7 +374,7 @@ class Reranker:
             ids.append(enc[0])
         model, cfg, lm_head = load_qwen3(folder, dtype=dtype, device=device)
         rr = cls(model, tok, ids, instruction=instruction, max_length=max_length, token_budget=token_budget,
-                 name_or_path=str(name_or_path), revision=sha or revision)
+                 name_or_path=str(name_or_path), revision=sha or revision, folder=folder)
         if lm_head is not None:  # an untied head (tie_word_embeddings false): only its yes/no rows are needed
             rr._lm_head = lm_head[ids].to(device)                      # (2, C): yes, no
         return rr

@@ -17,9 +17,11 @@ command needs before its first expensive step, and dispatches.
 """
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
 
@@ -43,8 +45,9 @@ import speed
 import tfsg
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from evaluation import eval_conditions, evaluate, plan_eval
-from runs import (RunInUse, adapter_path, check_llms, library_path, load_data, log, model_folder, need_trained,
-                  read_json, record_config, record_or_check, resolve, run_lock, shield_split, tfsg_schedule)
+from runs import (RunInUse, adapter_path, check_llms, check_record, library_path, load_data, log, model_folder,
+                  need_trained, read_json, record_config, record_or_check, resolve, run_lock, shield_split,
+                  tfsg_schedule)
 from settings import PRESETS, SettingsError, check_device, check_name
 from train import plan_train, train_shield, train_tfsg
 
@@ -121,7 +124,7 @@ def cmd_serve(args):
     if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
         log(f"[serve] WARNING: listening on {args.host} without an API key: anyone who can reach this port can use "
             "it (set GEODEF_API_KEY or --api-key)")
-    log(f"[serve] Shield Reranker ({'adapter ' + adapter if adapter else 'no adapter: the base reranker'}) on "
+    log(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on "
         f"{srv.url}/v1/rerank{' (API key required)' if key else ''}")
     try:
         srv.serve_forever()
@@ -242,6 +245,31 @@ def shield_flags(p, cmd):
                             "the adapter was trained under its own, and another could switch the defense off)")
 
 
+# A value argparse quotes in its message ("invalid choice: 'p@ss'"): repr, in either quote; a flag's name.
+QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+FLAG = re.compile(r"--[A-Za-z][A-Za-z0-9-]*")
+
+
+def unrecognized(word):
+    """One word of argparse's "unrecognized arguments: ..." -> itself when it is a flag's name, its
+    value as ***: --api-key=S3cret -> --api-key=***, S3cret -> ***."""
+    name, eq, _ = word.partition("=")
+    return (name + ("=***" if eq else "")) if FLAG.fullmatch(name) else "***"
+
+
+def redacted_error(p, message):
+    """argparse's error (usage, message, exit status 2) with no value the user typed in it: a value given
+    to a flag the command does not take (--api-key S3cret to train), or refused by a flag's type or
+    choices, may be a secret. Flag names stay, and a quoted value that is a word of the usage (a choice
+    it lists); every other value is ***."""
+    head, sep, rest = message.partition("unrecognized arguments: ")
+    if sep:                              # argparse joins the words unquoted
+        message = head + sep + " ".join(unrecognized(w) for w in rest.split())
+    usage = set(re.findall(r"[\w.-]+", p.format_usage()))
+    message = QUOTED.sub(lambda m: m[0] if m[0][1:-1] in usage else "***", message)
+    argparse.ArgumentParser.error(p, message)
+
+
 def parser():
     """The command line: one subcommand per job; each takes the flags of its settings class."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,8 +303,9 @@ def parser():
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
     so.add_argument("--corpus", default=None, help="JSONL of {query, url, text} answering Tavily-shaped /search "
                                                    "(data/make_sample.py writes one)")
-    for p in [ap, *sub.choices.values()]:   # `--out` must not silently mean build-bench's --output
-        p.allow_abbrev = False
+    for p in [ap, *sub.choices.values()]:
+        p.allow_abbrev = False                           # `--out` must not silently mean build-bench's --output
+        p.error = functools.partial(redacted_error, p)   # error(): argparse's documented override
     return ap
 
 
@@ -442,11 +471,12 @@ def report_paths(cfg):
 def cmd_train(args):
     """The Shield (train.train_shield) and the TFSG library (train.train_tfsg), each resumable."""
     cfg = pipeline_settings(settings.TrainConfig, args)
+    if args.stage in ("all", "tfsg"):
+        check_llms(cfg, keys=not args.dry_run)   # a bad spec fails now, not after hours of Shield training
+    check_training(cfg, args.stage)
+    check_record(cfg)     # every check the command runs, the dry run runs too
     if args.dry_run:
         return show(plan_train(cfg))
-    if args.stage in ("all", "tfsg"):
-        check_llms(cfg)   # a missing key or bad spec fails now, not after hours of Shield training
-    check_training(cfg, args.stage)
     with offline_engine(cfg, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
         record_config(cfg, "train")
         if args.stage in ("all", "shield"):
@@ -458,10 +488,11 @@ def cmd_train(args):
 def cmd_eval(args):
     """Every condition on the test split (evaluation.evaluate): summary.json, report.md, figures."""
     cfg = pipeline_settings(settings.EvalConfig, args)
+    check_llms(cfg, keys=not args.dry_run)
+    eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
+    check_record(cfg)      # every check the command runs, the dry run runs too
     if args.dry_run:
         return show(plan_eval(cfg))
-    check_llms(cfg)
-    eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
     with offline_engine(cfg, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
         record_config(cfg, "eval")
         s = evaluate(cfg)

@@ -74,6 +74,26 @@ def read_json(path, default=None):
         return json.load(f)
 
 
+# summary.json holds a block per command: each command rewrites its own keys and keeps every other's
+SUMMARY_KEYS = {"rerank-eval": ("rerank_stage", "rerank_stage_k"), "attack": ("attack",), "harden": ("harden",)}
+
+
+def write_summary(run_dir, command, blocks):
+    """The one writer of run_dir/summary.json -> the summary written. `command`'s `blocks` replace its
+    own keys and every other command's stay. eval owns every key no other command names and rewrites
+    them whole (a condition it no longer evaluates leaves no stale figure); `usage`, the run folder's
+    cost, is refreshed by whichever command writes."""
+    path = os.path.join(run_dir, "summary.json")
+    old = read_json(path, {})
+    if command == "eval":
+        others = {k for c, keys in SUMMARY_KEYS.items() for k in keys}
+        summary = {**blocks, **{k: v for k, v in old.items() if k in others}}
+    else:
+        summary = {**old, **blocks}
+    write_json(path, summary)
+    return summary
+
+
 def file_sha1(path):
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha1").hexdigest()
@@ -271,16 +291,21 @@ def run_usage(cfg):
     return accounting.ledger_usage(usage_path(cfg), read_prices(cfg.prices) if cfg.prices else None)
 
 
-def check_llms(cfg):
+def check_llms(cfg, keys=True):
     """Build every client the command will use (target, analyzer, judge) once, so that an unknown
     provider, a missing API key or a missing --base-url is reported before any model is loaded.
-    Builds clients only: no request is sent."""
+    Builds clients only: no request is sent. keys=False (a dry run, which prices a plan before any
+    key is bought): a missing key is said, not refused."""
     specs = [cfg.llm] + [getattr(cfg, k, None) for k in ("analyzer", "judge", "fidelity_judge")]
     for spec in dict.fromkeys(s for s in specs if s):
         try:
             make_llm(cfg, spec)
         except ValueError as e:     # unknown provider, no model, no --base-url, a key's wrong host
             raise SettingsError(f"--llm/--analyzer/--judge/--fidelity-judge: {e}") from None
+        except llm_clients.LLMError as e:        # no API key
+            if keys:
+                raise
+            log(f"[dry-run] {e}; the run itself refuses until it is set")
 
 
 def test_set_digest(insts):
@@ -424,16 +449,21 @@ def printable(cfg):
     return new
 
 
+def check_record(cfg):
+    """The check record_config runs before it writes, alone (a dry run runs it too): once a step has
+    produced something, pinned settings and benchmark content must match the run's config.json."""
+    path = os.path.join(cfg.run_dir, "config.json")
+    old = read_json(path)
+    if old and produced_anything(cfg.run_dir):
+        check_pinned(cfg, old, printable(cfg), file_sha1(cfg.bench), path)
+
+
 def record_config(cfg, command):
     """Write the run's settings to config.json. Once a step has produced something, a rerun that
     changes a setting it depends on (pinned) is refused; before that (a start that failed, e.g. on a
     model that could not be downloaded) the record is simply replaced."""
-    path = os.path.join(cfg.run_dir, "config.json")
-    old = read_json(path)
-    new = printable(cfg)
-    digest = file_sha1(cfg.bench)
-    if old and produced_anything(cfg.run_dir):
-        check_pinned(cfg, old, new, digest, path)
-    write_json(path, {"config": new, "bench_sha1": digest, "command": command, "code_version": code_version(),
-                      "offline": is_offline(cfg), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                      "torch": torch.__version__})
+    check_record(cfg)
+    write_json(os.path.join(cfg.run_dir, "config.json"),
+               {"config": printable(cfg), "bench_sha1": file_sha1(cfg.bench), "command": command,
+                "code_version": code_version(), "offline": is_offline(cfg),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})

@@ -1,13 +1,15 @@
 """A rerank HTTP server over one loaded Reranker, the Shield or the base model (`RerankServer`).
 
-`POST /v1/rerank` (aliases `/rerank`, `/v2/rerank`) takes the Cohere/Jina/vLLM request {model,
-query, documents: [str | {text}], top_n?, return_documents?} and answers {id, model, results:
-[{index, relevance_score, document?}] best first, usage}; a body with `texts` on /rerank gets Text
-Embeddings Inference's shape [{index, score, text?}]. relevance_score = sigmoid(margin). An
-`instruction` takes the prompt's <Instruct>: place for that request on the base model; the Shield
-refuses one other than its own (400) unless started with allow_instruction. `GET /health`,
-`GET /v1/models`. Requests arriving together are scored in shared micro-batches by one scoring
-thread (a bounded queue; a full queue answers 503).
+`POST /v1/rerank` (aliases `/rerank`, `/v2/rerank`, `/infinity/rerank`) takes the Cohere/Jina/vLLM
+request {model, query, documents: [str | {text}], top_n?, return_documents?} and answers {id, model,
+results: [{index, relevance_score, document?}] best first, usage}, the document as {text}; an
+Infinity-shaped request (`infinity_shaped`) gets the document as a string; a body with `texts` on
+/rerank gets Text Embeddings Inference's shape [{index, score, text?}]. relevance_score =
+sigmoid(margin). An `instruction` takes the prompt's <Instruct>: place for that request on the base
+model; the Shield, or weights the server cannot tell from it (`scoring_identity`), refuses one other
+than its own (400) unless started with allow_instruction. `GET /health`, `GET /v1/models`. Requests
+arriving together are scored in shared micro-batches by one scoring thread (a bounded queue; a full
+queue answers 503).
 Every request is untrusted: sizes are capped, every field is validated (4xx naming it), documents
 are tokenized as text (reranker.text_tokenizer), slow clients time out, and an optional API key is
 compared in constant time and never printed.
@@ -19,7 +21,6 @@ import copy
 import hmac
 import json
 import math
-import os
 import queue
 import re
 import socket
@@ -32,9 +33,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+import export
 import lora
 
-RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
+INFINITY_PATH = "/infinity/rerank"   # LiteLLM's infinity/ provider with api_base http://HOST:PORT/infinity
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank", INFINITY_PATH)
 GET_PATHS = ("/health", "/v1/models", "/info")
 MAX_INSTRUCTION_CHARS = 4096
 
@@ -59,12 +62,12 @@ class RerankRequest:
     tei: bool = False             # TEI's request and response shape
     top_n: int = None             # None: every document
     with_text: bool = False       # return_documents / return_text
-    raw: bool = False             # TEI raw_scores: margins instead of sigmoid(margin)
+    raw: bool = False             # TEI's and Infinity's raw_scores: margins instead of sigmoid(margin)
     truncate: bool = True         # TEI truncate false: a too-long input is an error (413, as TEI)
     left: bool = False            # TEI truncation_direction Left: a too-long document loses its start
     max_doc_tokens: int = None    # Cohere max_tokens_per_doc: each document cut to that many tokens
     model: str = None             # echoed in the reply
-    document_string: bool = False  # Infinity's /rerank shape: results[].document a string, not {text}
+    document_string: bool = False  # Infinity's reply: results[].document a string, not {text}
     instruction: str = None       # the prompt's <Instruct>: for this request; None: the server's
 
 
@@ -132,8 +135,8 @@ def _instruction(body):
 
 
 def parse_rerank(body, max_documents):
-    """A decoded JSON body -> RerankRequest. Cohere/Jina/vLLM shape ({query, documents, top_n,
-    return_documents, max_tokens_per_doc}) or TEI's ({query, texts, return_text, raw_scores,
+    """A decoded JSON body -> RerankRequest. Cohere/Jina/vLLM/Infinity shape ({query, documents, top_n,
+    return_documents, max_tokens_per_doc, raw_scores}) or TEI's ({query, texts, return_text, raw_scores,
     truncate, truncation_direction}), either with an optional `instruction`. Unknown fields are
     ignored; every known one is checked. top_n 0 means all documents, as vLLM reads it."""
     if not isinstance(body, dict):
@@ -155,8 +158,9 @@ def parse_rerank(body, max_documents):
         raise RequestError(400, "model: a string is required", "model")
     req = RerankRequest(q, texts, tei=tei, model=_text(model, "model") if model else None,
                         instruction=_instruction(body))
+    req.raw = _flag(body, "raw_scores")
     if tei:
-        req.with_text, req.raw = _flag(body, "return_text"), _flag(body, "raw_scores")
+        req.with_text = _flag(body, "return_text")
         if "truncate" in body:
             req.truncate = _flag(body, "truncate")
         direction = body.get("truncation_direction", "Right")
@@ -168,6 +172,17 @@ def parse_rerank(body, max_documents):
         req.with_text = _flag(body, "return_documents")
         req.max_doc_tokens = _int_field(body, "max_tokens_per_doc", 1)
     return req
+
+
+def infinity_shaped(path, body):
+    """Whether a `documents` request gets Infinity's reply (results[].document a string) instead of the
+    Cohere/Jina/vLLM one ({text}). vLLM and Infinity both own POST /rerank, and LiteLLM's hosted_vllm/
+    and infinity/ providers post the same body there ({model, query, documents, top_n?,
+    return_documents: true}: litellm/llms/{hosted_vllm,infinity}/rerank/transformation.py), so on that
+    route the body cannot tell them apart. The rule: Infinity's shape for a body with `raw_scores` (a
+    field only Infinity's RerankInput defines; its own client, infinity_client, sends it every time)
+    or one posted to /infinity/rerank; vLLM's (= Cohere's) everywhere else."""
+    return path == INFINITY_PATH or "raw_scores" in body
 
 
 def fit_documents(rr, req):
@@ -275,12 +290,13 @@ def tei_results(req, m):
 
 
 def rerank_results(req, m):
-    """Cohere's `results`: [{index, relevance_score, document?}] best first, the first top_n; the
-    document as {text}, or as a string on Infinity's route (req.document_string)."""
+    """Cohere's and vLLM's `results`: [{index, relevance_score, document?}] best first, the first top_n;
+    the document as {text}, or as a string for an Infinity-shaped request (req.document_string).
+    relevance_score sigmoid(margin), or the margin (Infinity's raw_scores)."""
     order = _ranked(m)
     order = order[:req.top_n] if req.top_n is not None else order
     doc = (lambda t: t) if req.document_string else (lambda t: {"text": t})
-    return [{"index": i, "relevance_score": sigmoid(m[i]),
+    return [{"index": i, "relevance_score": m[i] if req.raw else sigmoid(m[i]),
              **({"document": doc(req.texts[i])} if req.with_text else {})} for i in order]
 
 
@@ -351,16 +367,26 @@ class Batcher:
                 job["done"].set()
 
 
-def serves_shield(rr):
-    """Whether `rr` scores as the Shield: a LoRA adapter attached, or loaded from a folder `export`
-    merged one into (its geodef_export.json names the adapter)."""
+def scoring_identity(rr):
+    """What `rr` scores as -> ("shield" | "base" | "unknown", why, for the operator's log). The Shield: a
+    LoRA adapter attached, or weights `export` merged one into, told by the identity export writes into
+    config.json and the weights' safetensors header (export.identity_marks), read in the folder the
+    weights were resolved to (for a hub id, its snapshot folder; never the id string). The base: that
+    folder is known, its files read, and none says Shield. Unknown otherwise: the server then refuses
+    a client's instruction as it does for the Shield, since it cannot tell."""
     if lora.lora_modules(rr.model):
-        return True
+        return "shield", "the Shield: a LoRA adapter is attached"
+    folder = getattr(rr, "folder", None)
+    if not folder:
+        return "unknown", "weights from an unknown folder, taken for the Shield's"
     try:
-        with open(os.path.join(str(rr.name_or_path), "geodef_export.json"), encoding="utf-8") as f:
-            return bool(json.load(f).get("adapter"))
-    except (OSError, ValueError, AttributeError):   # a hub id or a plain folder: no export record
-        return False
+        marks = export.identity_marks(folder)
+    except export.IdentityError as e:
+        return "unknown", f"weights whose identity cannot be read, taken for the Shield's ({e})"
+    said = [f for f, m in marks if m["shield"]]
+    if said:
+        return "shield", f"the Shield: an export with an adapter merged in ({', '.join(said)} in {folder})"
+    return "base", f"the base reranker: no Shield identity in {folder} (config.json, weights, geodef_export.json)"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -496,10 +522,7 @@ class _Handler(BaseHTTPRequestHandler):
         conf = self.server.conf
         req = parse_rerank(body, conf["max_documents"])
         rr = self.server.prompter(req.instruction)
-        # Infinity owns POST /rerank with `documents` and answers the document as a string; LiteLLM's
-        # infinity/ provider posts there ({api_base}/rerank) and validates that shape. /v1 and /v2
-        # answer Cohere's {text} object.
-        req.document_string = urlsplit(self.path).path.rstrip("/") == "/rerank" and not req.tei
+        req.document_string = not req.tei and infinity_shaped(urlsplit(self.path).path.rstrip("/"), body)
         try:
             texts = fit_documents(rr, req)
             ids = rr.tokenize(req.query, texts)
@@ -525,11 +548,14 @@ class RerankServer(ThreadingHTTPServer):
                  score_timeout=600.0, max_queue=64, log=True, allow_instruction=False):
         super().__init__((host, port), _Handler)
         self.rr = rr
-        self.shield = serves_shield(rr)
+        self.identity, self.scoring = scoring_identity(rr)    # "shield" | "base" | "unknown", and why
         self.batcher = Batcher(rr, max_queue=max_queue)
         self.conf = {"api_key": api_key or None, "model_name": model_name, "max_documents": max_documents,
                      "max_body_bytes": max_body_bytes, "read_timeout": read_timeout, "body_timeout": body_timeout,
                      "score_timeout": score_timeout, "log": log, "allow_instruction": allow_instruction}
+        if log:
+            taken = "accepted" if self.identity == "base" or allow_instruction else "refused"
+            sys.stderr.write(f"[serve] scoring with {self.scoring}; a client's instruction is {taken}\n")
 
     def prompter(self, instruction):
         """The Reranker that builds this request's prompts: the server's own, or (for another
@@ -537,13 +563,15 @@ class RerankServer(ThreadingHTTPServer):
         and only tokenizes; the scoring thread takes token ids, so requests with different
         instructions share batches and never see each other's. The Shield refuses another
         instruction unless `allow_instruction`: its adapter was trained under its own, and a
-        caller's could change what it scores, down to switching the defense off."""
+        caller's could change what it scores, down to switching the defense off. So do weights the
+        server cannot tell from the Shield's (scoring_identity); the reply names no file."""
         if instruction is None or instruction == self.rr.instruction:
             return self.rr
-        if self.shield and not self.conf["allow_instruction"]:
-            raise RequestError(400, "instruction: refused; this server scores with the Shield, whose adapter was "
-                                    "trained under its own instruction, and another one could switch the defense "
-                                    "off (omit it, or start the server with --allow-instruction)", "instruction")
+        if self.identity != "base" and not self.conf["allow_instruction"]:
+            what = "with the Shield" if self.identity == "shield" else "with weights it cannot tell from the Shield's"
+            raise RequestError(400, f"instruction: refused; this server scores {what}, whose adapter was trained "
+                                    "under its own instruction, and another one could switch the defense off (omit "
+                                    "it, or start the server with --allow-instruction)", "instruction")
         view = copy.copy(self.rr)
         view.instruction = instruction
         return view

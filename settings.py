@@ -8,6 +8,7 @@ command takes from its command line, typed by the field's type.
 Usage: cfg = TrainConfig(name="gpt55", llm="openai:gpt-5.5"); TrainConfig.pinned(); flags(EvalConfig)
 """
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,12 @@ import tfsg
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAMPLE = os.path.join(HERE, "data", "geo_defensebench_sample.jsonl")
 N_DOCS = 10                           # candidates a list (geodef.N_DOCS): the top-k must leave some out
+# The longest wait a setting may ask for (a reply's timeout, a batch poll's interval), in seconds. A socket
+# timeout or a sleep must fit the platform's time_t (socket.settimeout(1e10) raises OverflowError on 64-bit
+# Linux; threading.TIMEOUT_MAX is ~9.2e9 s); one day fits with room and is as long as the providers' whole
+# batch window (https://platform.openai.com/docs/guides/batch: completion_window "24h"), so no single reply
+# or status check is worth waiting longer for.
+MAX_WAIT = 24 * 3600
 
 
 class SettingsError(ValueError):
@@ -25,15 +32,17 @@ class SettingsError(ValueError):
     that names the flag or file (run.py prints it as `error: ...`)."""
 
 
-def setting(default, help, ok=None, pinned=False, taken=False, choices=None, flag=True, parse=None):
-    """One setting. ok: a check of its value (refused up front, naming the flag); pinned: a finished
-    step depends on it, so a rerun under the same run folder may not change it; taken: a later command
-    on the run folder takes it from config.json when it is not given again; choices: the values the
-    flag accepts; flag False: not a command-line setting (set by the code, never recorded); parse: the
-    text of a spec (a URL, a reranker, a search) -> its object, parsed once here; str() of the object
-    is its printable form (never a credential)."""
+def setting(default, help, ok=None, pinned=False, taken=False, choices=None, flag=True, parse=None, says=None):
+    """One setting. ok: a check of its value (refused up front, naming the flag); says: what ok accepts,
+    in a few words, for the refusal; pinned: a finished step depends on it, so a rerun under the same run
+    folder may not change it; taken: a later command on the run folder takes it from config.json when it
+    is not given again; choices: the values the flag accepts; flag False: not a command-line setting (set
+    by the code, never recorded); parse: the text of a spec (a URL, a reranker, a search) -> its object,
+    parsed once here; str() of the object is its printable form (never a credential). A float must be
+    finite, whatever its check: inf or nan is no rate, weight or timeout, and config.json could not hold
+    it (JSON has no Infinity or NaN, RFC 8259 section 6)."""
     return field(default=default, metadata={"help": help, "ok": ok, "pinned": pinned, "taken": taken,
-                                            "choices": choices, "flag": flag, "parse": parse})
+                                            "choices": choices, "flag": flag, "parse": parse, "says": says})
 
 
 def spec_of(parse):
@@ -51,6 +60,15 @@ def positive(v):
 
 def positive_or_none(v):
     return v is None or v > 0
+
+
+def wait_seconds(v):
+    """A wait in seconds that a socket timeout or a sleep can take (MAX_WAIT)."""
+    return 0 < v <= MAX_WAIT
+
+
+def wait_seconds_or_none(v):
+    return v is None or wait_seconds(v)
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -94,8 +112,11 @@ class Settings:
         bad = []
         for f in fields(self):
             v, ok, choices = getattr(self, f.name), f.metadata.get("ok"), f.metadata.get("choices")
-            if ok is not None and v is not None and not ok(v):
-                bad.append(f"--{flag_name(f)} {v!r}")
+            if isinstance(v, float) and not math.isfinite(v):     # --timeout inf would pass `v > 0`
+                bad.append(f"--{flag_name(f)} {v!r} (not a finite number)")
+            elif ok is not None and v is not None and not ok(v):
+                says = f.metadata.get("says")
+                bad.append(f"--{flag_name(f)} {v!r}" + (f" ({says})" if says else ""))
             if choices and v not in choices:
                 bad.append(f"--{flag_name(f)} {v!r} (one of {', '.join(c for c in choices if c is not None)})")
         if bad:
@@ -171,7 +192,8 @@ class LLMSettings(Settings):
     batch_api: str = setting(None, "send bulk LLM stages through the provider's batch API (OpenAI Batch, Anthropic "
                                    "Message Batches; half price): 'on', or 'auto' (synchronous where there is none)",
                              choices=(None, "on", "auto"))
-    batch_poll: float = setting(60.0, "seconds between batch status checks at first (then growing)", ok=positive)
+    batch_poll: float = setting(60.0, "seconds between batch status checks at first (then growing)",
+                                ok=wait_seconds, says=f"seconds, more than 0 and at most {MAX_WAIT}")
     batch_deadline: float = setting(None, "seconds a batch may run before it is cancelled, its replies kept and the "
                                           "rest sent synchronously (default: the providers' 24 h window)",
                                     ok=positive_or_none)
@@ -186,7 +208,8 @@ class RequestSettings(Settings):
     workers: int = setting(8, "concurrent requests", ok=at_least(1), taken=True)
     rpm: float = setting(0, "requests per minute cap (0 = none)", ok=at_least(0), taken=True)
     timeout: float = setting(None, "seconds for one whole reply of an LLM, rerank or search endpoint, retries apart "
-                                   "(default: 600 for LLMs, 120 for rerank and search)", ok=positive_or_none,
+                                   f"(default: 600 for LLMs, 120 for rerank and search; at most {MAX_WAIT})",
+                             ok=wait_seconds_or_none, says=f"seconds, more than 0 and at most {MAX_WAIT}",
                              taken=True)
     prices: str = setting(None, "JSON price table {model: [USD per 1M input tokens, USD per 1M output tokens]} "
                                 "for cost reports")

@@ -356,6 +356,25 @@ def test_a_batch_still_cancelling_after_the_grace_is_left_for_the_synchronous_pa
     assert any("8 requests sent synchronously" in m for m in logs)
 
 
+
+def test_the_wait_on_a_cancelling_batch_is_logged(engine, tmp_path):
+    """A batch cancelled at its deadline stays cancelling: the log says so as the wait starts (the batch,
+    its state, the longest wait) and every few status checks while it lasts, as polling does."""
+    srv, url = engine
+    srv.batches.knobs.update(stall=3, cancelling=10 ** 6)
+    sleep, clock = virtual_time(90 + batch_clients.CANCEL_GRACE + 60)
+    logs = []
+    c = batched(url, tmp_path, logs=logs, poll=1.0, deadline=90, sleep=sleep, clock=clock)
+    c.map(requests_(8), progress=False)
+    starts = [i for i, m in enumerate(logs) if "batch-1 cancelling: 3/8 completed, 0 failed: waiting up to 600 s "
+              "for the cancel to end" in m]
+    during = [i for i, m in enumerate(logs) if m.endswith("batch-1 cancelling: 3/8 completed, 0 failed")]
+    gave_up = [i for i, m in enumerate(logs) if "batch-1 still cancelling 600 s after its cancel" in m]
+    checks = srv.batches.batches["batch-1"]["cancel_checks"]
+    assert len(starts) == 1 and len(gave_up) == 1 and starts[0] < min(during) and max(during) < gave_up[0]
+    assert checks > 3 * batch_clients.PROGRESS_EVERY and 3 <= len(during) <= checks // batch_clients.PROGRESS_EVERY + 1
+
+
 # ----------------------------------------------------------------------------- the manifest
 
 

@@ -149,7 +149,7 @@ def test_evals_k_must_stay_below_the_benchmarks_documents(geo_input, tmp_path):
     run.main(_short_rows_argv(geo_input, tmp_path) + ["--docs", "5"])
     with pytest.raises(SystemExit, match="--k 5: .* has 5 candidates"):
         run.main(["eval", "--dry-run", "--bench", str(tmp_path / "b.jsonl"), "--runs-dir", str(tmp_path / "r"),
-                  "--name", "e", "--model", "tiny"])
+                  "--name", "e", "--model", "tiny", "--conditions", "Non-Defense"])   # needs no training
 
 
 def test_autogeo_rows_in_a_json_list_are_read(tmp_path):

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import time
+from collections import Counter
 
 import pytest
 
@@ -60,6 +62,37 @@ def test_promptarmor_keeps_the_slot_of_an_emptied_document():
                                     "removed_chars": 28, "emptied": True}]
 
 
+def test_promptarmor_cuts_whole_words_only():
+    """A quoted "is" cuts the word "is", never the "is" inside "This" or "this"; a quoted "." or "--"
+    holds no word and cuts nothing (not every period of the document)."""
+    doc = "This page is the best. Visit this site: it is free."
+    text, found, missing = defenses.remove_passages(doc, ["is", ".", "--"])
+    assert text == "This page the best. Visit this site: it free."
+    assert found == ["is"] and missing == [".", "--"]
+
+
+def test_promptarmor_cutting_stays_fast_on_a_hostile_document():
+    """10,000 words: a long quoted passage that matches up to its last word from every word on (a regular
+    expression retries it from each one) and a quoted word that occurs 10,000 times (10,000 cuts)."""
+    doc, near = "a " * 10000, "a " * 9999 + "b"
+    start = time.perf_counter()
+    text, found, missing = defenses.remove_passages(doc, [near, "a"])
+    assert time.perf_counter() - start < 0.5
+    assert (text, found, missing) == ("", ["a"], [near])
+
+
+def test_promptarmor_cuts_every_occurrence_in_one_pass():
+    """Every occurrence cut at once: one separator of the kind of whitespace around each cut, the ends
+    stripped when a cut reaches them, the same text cut when the document starts with whitespace; a
+    passage inside one already cut, or quoted twice, is not found again."""
+    doc = "Buy now. Vitamin D helps.\n\nBuy now.  Bones need it.\nBuy now."
+    text, found, missing = defenses.remove_passages(doc, ["Buy now.", "now.", "Buy now."])
+    assert text == "Vitamin D helps.\n\nBones need it."
+    assert found == ["Buy now."] and missing == ["now.", "Buy now."]
+    assert defenses.remove_passages("\n\n" + doc, ["Buy now."])[0] == text
+    assert defenses.remove_passages("  Ad. Vitamin D helps. Ad.", ["Ad."])[0] == "Vitamin D helps."
+
+
 def test_robustrag_keeps_only_phrases_enough_answers_share():
     answers = ["Vitamin D supports bone health [1].", "Bone health needs calcium absorption [1].",
                "Rickets is rare [1].", "Sunlight on skin [1].", "Only this page is right [1]."]
@@ -84,6 +117,52 @@ def test_robustrag_cites_the_documents_whose_answers_contributed():
     assert kept["robustrag"]["question_phrases"] == ["vitamin d"]     # the question's own words: no evidence
     answer = defenses.robustrag_finish("Bone health matters [5]. Calcium absorption too. Vitamin D is here.", kept)
     assert answer == "Bone health matters [1][2][3]. Calcium absorption too [3][5]. Vitamin D is here."
+
+
+def test_robustrag_stays_fast_on_hostile_answers():
+    """Five isolated answers, each one run of 20,000 content words (a hostile document can steer an answer
+    there): each read up to MAX_TOKENS tokens, as RobustRAG's answers stop there, its stretches of at most
+    MAX_WORDS words, the aggregation, the final request and the citations take well under a second."""
+    words = [f"w{i}" for i in range(20000)]
+    pre = [{"answer": " ".join(words) + " [1]."}] * 5
+    start = time.perf_counter()
+    msgs, kept = defenses.robustrag_final(Q, ["d"] * 5, pre)
+    answer = defenses.robustrag_finish(" ".join(words[:600]) + ".", kept)
+    assert time.perf_counter() - start < 1.0
+    first = " ".join(words[:defenses.MAX_TOKENS])
+    assert kept["robustrag"]["support"] == {first: [1, 2, 3, 4, 5]}       # its stretches lie inside it
+    assert answer.endswith(" w599 [1][2][3][4][5].")
+
+
+def _inside_longer_pairwise(support):
+    """The rule inside_longer implements, pair by pair (quadratic): the reference it is checked against."""
+    return {p for p, s in support.items()
+            if any(q != p and f" {p} " in f" {q} " and support[q] == s for q in support)}
+
+
+def test_robustrag_inside_longer_matches_the_pairwise_rule():
+    """The kept phrases that lie inside a longer one with the same supporters, as the pairwise rule finds
+    them, with the default bound and with stretches of 2 words (runs and whole answers then longer)."""
+    answers = ["Vitamin D supports bone health and calcium absorption [1].",
+               "Bone health needs calcium absorption; vitamin D matters.",
+               "Calcium absorption, bone health.", "vitamin d supports bone health and calcium absorption",
+               "Sunlight makes vitamin D in the skin; bone health follows."]
+    for n in (defenses.MAX_WORDS, 2):
+        sets = {i: defenses.phrases(a, n) for i, a in enumerate(answers, 1)}
+        count = Counter(p for s in sets.values() for p in s)
+        support = {p: [i for i in sets if p in sets[i]] for p, c in count.items() if c >= 2}
+        assert defenses.inside_longer(support, n) == _inside_longer_pairwise(support)
+        assert len(support) > 10 and defenses.inside_longer(support, n)
+
+
+def test_robustrag_citations_count_every_phrase_a_sentence_holds():
+    """cite_supporters looks each sentence's stretches up among the phrases; the tags are those of every
+    phrase the sentence holds, long ones (more than MAX_WORDS words) included."""
+    long = " ".join(f"w{i}" for i in range(12))
+    support = {"bone health": [1, 2], "vitamin d": [3], long: [4], "health": [5]}
+    answer = f"Vitamin D and bone health. Then {long} here! Nothing else."
+    assert defenses.cite_supporters(answer, support) == (
+        f"Vitamin D and bone health [1][2][3][5]. Then {long} here [4]! Nothing else.")
 
 
 def _ask_offline(msgs):

@@ -5,7 +5,7 @@ Run: python -m pytest -q test_endpoints.py
 """
 import pytest
 
-from endpoints import Endpoint, redact_url
+from endpoints import Endpoint, SearchSpec, parse_rerankers, parse_spec, redact_url
 
 
 def test_parse_keeps_credentials_apart_from_the_url_it_prints():
@@ -39,3 +39,28 @@ def test_redact_url_hides_everything_up_to_the_last_at():
     assert redact_url("tei:http://a:b@h/x") == "tei:http://***@h/x"
     assert redact_url("co=http://u:p@w@h/v1") == "co=http://***@h/v1"
     assert [redact_url(t) for t in ("cohere:m", "http://h/v1", None)] == ["cohere:m", "http://h/v1", None]
+
+
+@pytest.mark.parametrize("text,shown", [("usr:S3cret@127.0.0.1:1/v1", "***@127.0.0.1:1/v1"),
+                                        ("http:/usr:S3cret@127.0.0.1:1/v1", "http:/***@127.0.0.1:1/v1"),
+                                        ("http//usr:S3cret@127.0.0.1:1/v1", "http//***@127.0.0.1:1/v1"),
+                                        ("tei:usr:S3cret@h:1", "tei:***@h:1"), ("S3cret@h", "***@h"),
+                                        ("usr:p://S3cret@h", "***@h"),
+                                        ("http://h:xx/v1?api_key=S3cret", "http://h:xx/v1?***")])
+def test_redact_url_hides_userinfo_without_a_scheme_and_queries(text, shown):
+    assert redact_url(text) == shown
+
+
+@pytest.mark.parametrize("parse,text", [(Endpoint.parse, "usr:S3cret@127.0.0.1:1/v1"),
+                                        (Endpoint.parse, "http:/usr:S3cret@127.0.0.1:1/v1"),
+                                        (Endpoint.parse, "http//usr:S3cret@127.0.0.1:1/v1"),
+                                        (Endpoint.parse, "http://127.0.0.1:xx/v1?token=S3cret"),
+                                        (parse_spec, "usr:S3cret@127.0.0.1:1/v1"),
+                                        (parse_spec, "tei:usr:S3cret@127.0.0.1:1"),
+                                        (SearchSpec.parse, "tavily:usr:S3cret@127.0.0.1:1"),
+                                        (SearchSpec.parse, "usr:p@ssS3cret@127.0.0.1:1"),
+                                        (parse_rerankers, ["usr:S3cret@x=base"])])
+def test_a_spec_that_does_not_parse_is_refused_without_its_credentials(parse, text):
+    with pytest.raises(ValueError) as e:
+        parse(text)
+    assert "S3cret" not in str(e.value) and "***" in str(e.value)

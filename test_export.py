@@ -49,6 +49,8 @@ def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, unti
     ca = export.export(folder, str(tmp_path / "ca"), adapter=adapter, fmt="causal", dtype="float32")
     hc = transformers.AutoModelForCausalLM.from_pretrained(ca, dtype=torch.float32).eval()
     torch.testing.assert_close(hf_margins(hc, ids, rr.yes_id, rr.no_id), ours, rtol=1e-4, atol=1e-5)
+    hc.save_pretrained(str(tmp_path / "resaved"))          # re-saved by transformers: config.json keeps the identity
+    assert dict(export.identity_marks(str(tmp_path / "resaved")))["config.json"]["shield"] is True
     # the same files our own loader reads: the merged weights score as base + adapter
     torch.testing.assert_close(reranker.Reranker.from_pretrained(ca, dtype=torch.float32).score_ids(ids), ours,
                                rtol=1e-4, atol=1e-5)
@@ -200,3 +202,53 @@ def test_export_command_refuses_the_run_folder_as_one_line(demo_run):
                         "--out", str(demo_run)], capture_output=True, text=True, cwd=HERE)
     assert p.returncode != 0 and "Traceback" not in p.stderr and "export must not replace" in p.stderr
     assert "config" in json.load(open(demo_run / "config.json"))
+
+
+def _tiny_adapter(tmp_path, tiny_dir):
+    """A non-zero LoRA adapter over the tiny model -> its folder."""
+    from conftest import train_with_lora
+    rr = train_with_lora(reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32), 11, 0.0)
+    lora.save_adapter(rr.model, str(tmp_path / "adapter"), tiny_dir)
+    return str(tmp_path / "adapter")
+
+
+def test_export_writes_the_shields_identity_where_every_copy_keeps_it(tmp_path, tiny_dir):
+    """The Shield's identity goes into config.json and the weights' safetensors header (besides
+    geodef_export.json): Shield with an adapter merged in, or with a base that was one; not without.
+    Exports of the same inputs are byte-identical in those files."""
+    from safetensors import safe_open
+    adapter = _tiny_adapter(tmp_path, tiny_dir)
+    out = export.export(tiny_dir, str(tmp_path / "a"), adapter=adapter, fmt="causal", dtype="float32")
+    want = {"shield": True, "adapter_sha1": export._sha1(os.path.join(adapter, "adapter_model.safetensors")),
+            "instruction": reranker.SHIELD_INSTRUCTION}
+    assert json.load(open(os.path.join(out, "config.json")))[export.IDENTITY_KEY] == want
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()[export.IDENTITY_KEY]) == want and f.metadata()["format"] == "pt"
+    marks = dict(export.identity_marks(out))
+    assert set(marks) == {"geodef_export.json", "config.json", "model.safetensors"}
+    assert all(m["shield"] for m in marks.values())
+    again = export.export(tiny_dir, str(tmp_path / "b"), adapter=adapter, fmt="causal", dtype="float32")
+    for f in ("config.json", "model.safetensors"):
+        assert open(os.path.join(out, f), "rb").read() == open(os.path.join(again, f), "rb").read(), f
+    base = export.export(tiny_dir, str(tmp_path / "base"), fmt="causal", dtype="float32")
+    assert [m["shield"] for _, m in export.identity_marks(base)] == [False, False, False]
+    assert export.identity_marks(tiny_dir) == []                       # a checkpoint no export wrote
+    re_export = export.export(out, str(tmp_path / "re"), fmt="causal", dtype="float32")   # no adapter this time
+    assert [m["shield"] for _, m in export.identity_marks(re_export)] == [True, True, True]
+
+
+def test_identity_marks_refuses_what_it_cannot_read(tmp_path, tiny_dir):
+    """A malformed identity record or a corrupt weights header is an IdentityError naming the folder,
+    never read as 'no Shield'."""
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    cfg = json.load(open(bad / "config.json"))
+    for record in ("shield", {"shield": "yes"}, None):
+        json.dump({**cfg, export.IDENTITY_KEY: record}, open(bad / "config.json", "w"))
+        with pytest.raises(export.IdentityError, match="not an identity record"):
+            export.identity_marks(str(bad))
+    json.dump(cfg, open(bad / "config.json", "w"))
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}  ")
+    with pytest.raises(export.IdentityError, match="cannot be read"):
+        export.identity_marks(str(bad))

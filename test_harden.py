@@ -141,6 +141,39 @@ def test_a_test_group_in_a_survivors_file_is_refused(hardened, tmp_path, monkeyp
         run.main(argv(tmp_path / "o"))
 
 
+SURVIVOR = {"instance_id": "q0013:adaptive-r1.AutoGEO.2", "group_id": "q0013", "split": "construction",
+            "method": "adaptive-r1", "source_method": "AutoGEO", "candidate": 2, "shield_rank": 3,
+            "tfsg_cited": False, "text": "Canberra is the capital of Australia."}
+
+
+@pytest.mark.parametrize("line, says", [
+    (json.dumps({k: v for k, v in SURVIVOR.items() if k != "tfsg_cited"}),
+     "tfsg_cited must be true or false, got no such field"),
+    (json.dumps({**SURVIVOR, "tfsg_cited": "yes"}), "tfsg_cited must be true or false, got a string"),
+    (json.dumps({**SURVIVOR, "candidate": True}), "candidate must be an integer, got true or false"),
+    ("[" * 100000 + "]" * 100000, "not JSON (nested too deeply)"),
+    ("[1, 2]", "a survivor must be a JSON object, got a list"),
+], ids=["no tfsg_cited", "tfsg_cited yes", "candidate true", "nested 100000 deep", "a list"])
+def test_a_bad_survivors_line_is_one_error_naming_file_line_and_field(tmp_path, line, says):
+    """Line 3 (after a good line and a blank one) of the wrong shape: a SettingsError, which run.py prints
+    as one line without a traceback, naming the file, the line and the field."""
+    path = tmp_path / "round-1" / "survivors.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps(SURVIVOR) + "\n\n" + line + "\n", encoding="utf-8")
+    with pytest.raises(runs.SettingsError) as e:
+        harden.read_survivors(str(path))
+    assert str(e.value) == f"{path}, line 3: {says}"
+    assert isinstance(e.value, run.USER_ERRORS) and (e.value.__context__ is None or e.value.__suppress_context__)
+
+
+def test_a_survivor_text_with_unicode_line_breaks_reads_back(tmp_path):
+    """write_jsonl leaves U+2028 and U+0085 raw inside a string; reading ends lines at line feeds only."""
+    path = tmp_path / "survivors.jsonl"
+    rec = {**SURVIVOR, "text": "Canberra\u2028is the capital\x85of Australia."}
+    harden.write_jsonl(str(path), [rec, SURVIVOR])
+    assert harden.read_survivors(str(path)) == [rec, SURVIVOR]
+
+
 def test_a_round_without_survivors_keeps_the_defense(hardened):
     out, block, _ = hardened
     for k in (1, 2):
@@ -212,6 +245,18 @@ def test_harden_through_the_batch_api_makes_the_synchronous_files(hardened, tmp_
     rows = {s: set(v) for s, v in stages.items() if s.startswith("harden")}
     # round 1's attacker, judges and answers by batch; only the Analyzer's one call is synchronous
     assert all("offline:offline-engine [batch]" in v for v in rows.values()) and rows
+
+
+def test_eval_after_harden_keeps_the_harden_block(hardened, tmp_path):
+    """summary.json has one writer (runs.write_summary): eval rewrites its own figures and keeps the
+    blocks of harden and of the reranker stage."""
+    out, _, _ = hardened
+    shutil.copytree(out, tmp_path / "o")
+    before = json.load(open(tmp_path / "o" / "demo" / "summary.json"))
+    run.main(["eval", "--runs-dir", str(tmp_path / "o"), "--name", "demo"])
+    after = json.load(open(tmp_path / "o" / "demo" / "summary.json"))
+    assert after["harden"] == before["harden"] and after["rerank_stage"] == before["rerank_stage"]
+    assert after["conditions"] == before["conditions"]
 
 
 def test_a_harden_dry_run_sends_and_writes_nothing(demo_run, tmp_path):

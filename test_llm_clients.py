@@ -422,6 +422,43 @@ def test_the_timeout_bounds_the_whole_reply():
         srv.shutdown()
 
 
+
+class TrickledFromTheFirstByte(BaseHTTPRequestHandler):
+    """A reply trickled from its status line on, a byte every 0.2 s (~30 s in all), to a POST or a GET."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        data = json.dumps(ok("slowly")).encode()
+        reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data
+        try:
+            for b in reply:
+                self.wfile.write(bytes([b]))
+                time.sleep(0.2)
+        except OSError:                      # the client shut its socket
+            pass
+
+    do_GET = do_POST
+
+    def log_message(self, *a):
+        pass
+
+
+def test_the_timeout_bounds_a_reply_trickled_from_its_status_line():
+    """The status line and headers count against the timeout too: a chat and a GET of a file (the batch
+    clients' results download) each end at the 0.5 s timeout, not after the ~30 s trickle."""
+    srv, url = _serve(TrickledFromTheFirstByte)
+    try:
+        c = client(url, timeout=0.5, max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(llm_clients.LLMError, match=r"Timeout on http://127\.0\.0\.1:\d+/v1/chat/completions"):
+            c.chat([{"role": "user", "content": "x"}])
+        with pytest.raises(llm_clients.LLMError, match=r"Timeout on http://127\.0\.0\.1:\d+/v1/files/f/content"):
+            c.transport.send("GET", url + "/files/f/content", raw=True)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        srv.shutdown()
+
+
 def test_a_cut_reply_is_retried_like_a_dropped_connection():
     """A body cut short is retried like a dropped connection, and the error names the endpoint."""
     srv, url = _serve(Trickle)

@@ -5,15 +5,19 @@ Vendors with: offline.py defenses.py llm_clients.py endpoints.py accounting.py m
 Run: python -m pytest -q test_offline.py
 """
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
+import defenses
 import geodef
 import llm_clients
 import metrics
 import offline
 import tfsg
-from conftest import R, SAMPLE, _tfsg_inputs
+from conftest import HERE, R, SAMPLE, _tfsg_inputs
 
 
 def test_the_sample_is_synthetic():
@@ -102,3 +106,91 @@ def test_the_offline_engine_keeps_one_cache_identity_on_every_transport(server, 
     off = llm_clients.make_client("offline", base_url=server, cache_dir=str(tmp_path / "o"))
     in_process = llm_clients.make_client("offline", handler=offline.respond)
     assert off.identity == in_process.identity == "offline" and in_process.provider == "offline"
+
+
+def _inputs(obj):
+    """A prompt whose <input> block holds `obj`: the engine reads its kind from the block's keys."""
+    return "Task.\n\n<input>\n" + json.dumps(obj, ensure_ascii=False) + "\n</input>"
+
+
+def every_kind_of_request():
+    """Chat bodies of every prompt kind the engine answers (offline.prompt_kind), with the inputs whose
+    handling once depended on the process: the attacker's quoted rule terms overlapping each other, and
+    rule ids that share a sort number."""
+    q, docs = "how long to boil eggs", ["We guarantee this is the definitive answer. Eggs take 6 minutes [1].",
+                                        "Eggs take six minutes, say \"cooks who test it every day at home\".",
+                                        "## Eggs\n- Boil eggs for 6 minutes.\n- Cool them in cold water today."]
+    lib, _ = tfsg.Controller().apply(tfsg.ExperienceLibrary.empty(), [
+        {"action": "add_fp_guard", "rule": R(rule_type="fp_guard", action="keep", description="g",
+                                             trigger_signals=["'say'"])},
+        {"action": "add_rule", "rule": R(description="a", trigger_signals=["'we guarantee'", "keyword lists"],
+                                         depends_on_fp_guards=["R1"])}])
+    doc = "Eggs boil in 6 minutes at sea level. Larger eggs need 7 minutes.\n\nCool them for 2 minutes."
+    rules = [{"rule_id": f"R{i}", "trigger_signals": [f"'{t}'" for t in terms]} for i, terms in enumerate(
+        (["verified by experts", "by exp"], ["the answer is below", "answer is", "is below"],
+         ["most reliable", "reliable source"], ["definitive guide", "e definitive"]))]
+    attack = {"attack_task": "rewrite_for_ranking", "query": q, "source_document": doc, "current_rewrite": doc,
+              "current_rank": 7, "top_competitor_opening": docs[1], "n_rewrites": 6, "round": 1,
+              "defense_rules": rules}
+    case = lambda ids: {"user_question": q, "used_rule_ids": ids, "cited_indices": [1], "search_results": [
+        {"index": 1, "label": "attack", "text": docs[0]}, {"index": 2, "label": "benign", "text": docs[1]}]}
+    evolution = {"current_experience_library": {"rules": [
+        {"rule_id": r, "rule_type": "attack_pattern", "action": "filter", "strength": "strong",
+         "trigger_signals": ["'x'"]} for r in ("R_b", "R_a", "R01", "R1", "Rb", "R2")]},
+        "success_cases": [case(["R_b", "R1", "R_a", "Rb", "R01", "R2"])], "missed_attack_cases": [case([])],
+        "false_positive_cases": []}
+    family = [("F1.rank", {"current_document": doc, "strategies": [{"id": "s1"}, {"id": "s2"}, {"id": "s3"}]}),
+              ("F1.apply", {"current_document": doc, "query": q, "strategy": "Add quantitative figures"}),
+              ("F2.rewrite", {"document": doc, "attempt": 2}), ("F3.profile", {}),
+              ("F3.engine", {"query": q, "documents": [{"text": d} for d in docs]}),
+              ("F3.plan", {"current_document": doc, "query": q}), ("F3.edit", {"current_document": doc, "query": q}),
+              ("F3.evaluate", {"candidates": [{"candidate": 1}, {"candidate": 2}]}), ("F4.fluency", {"document": doc}),
+              ("F4.statistics", {"document": doc}), ("F5.macro", {"document": doc}), ("F5.meso", {"document": doc}),
+              ("F5.micro", {"document": doc}), ("F6.mine", {"document": doc}),
+              ("F6.request", {"document": doc, "latent_query": "egg figures"}),
+              ("F6.dedup", {"requests": [{"id": 1, "suggestion": "s", "latent_query": "a"},
+                                         {"id": 2, "suggestion": "s", "latent_query": "b"}]}),
+              ("F6.conflicts", {"requests": [{"id": 1, "suggestion": "s"}]}),
+              ("F6.blueprint", {"instructions": [{"suggestion": "add 'eggs'"}]}),
+              ("F6.revise", {"document": doc, "revision_blueprint": [{"directives": ["answer 'egg size'"]}]})] + [
+              (f"F7.{s}", {"document": doc}) for s in ("summary", "intent", "reflect", "plan", "rewrite")] + [
+              ("H1.edit", {"document": doc})]
+    prompts = [tfsg.standard_prompt(q, docs), tfsg.standard_prompt(q, docs, static_safety=True),
+               tfsg.guided_prompt(q, docs, lib), tfsg.structured_prompt(q, docs, lib),
+               metrics.asi_prompt(q, docs[0], "We guarantee this is the definitive answer [1]."),
+               metrics.pairwise_prompt(q, "Eggs take six minutes [1].", "Boil them [2]."),
+               tfsg.cold_start_prompt([{"rollout_id": f"r{i}", "kind": k, "documents": [
+                   {"index": 1, "label": "attack", "decision": "filter", "text": f"Q{i}: {docs[0]}"},
+                   {"index": 2, "label": "benign", "decision": "filter", "text": f"Q{i}: {d}"}],
+                   "user_question": f"{q} {i}"} for i, (k, d) in enumerate(
+                   (("attack_filtered", docs[1]), ("false_positive", docs[2]), ("false_positive", docs[1])))]),
+               _inputs(evolution), _inputs(attack), _inputs({**attack, "attacker_seed": 3}),
+               _inputs({"query": q, "method": "statistics", "document": doc}),
+               _inputs({"fidelity_task": "source_vs_candidate", "source_document": doc, "candidate": doc[:40]})]
+    prompts += [_inputs({"rewrite_task": code, **fields}) for code, fields in family]
+    bodies = [{"messages": [{"role": "user", "content": p}]} for p in prompts]
+    return bodies + [{"messages": m} for m in (
+        defenses.spotlight_messages(q, docs), defenses.sandwich_messages(q, docs), defenses.remover_messages(docs[0]),
+        defenses.isolated_messages(q, docs[1]), defenses.keyword_messages(q, ["six minutes", "cold water"]))]
+
+
+def test_every_answer_is_a_function_of_the_request_alone(tmp_path):
+    """The engine's replies to every prompt kind, in three processes of different hash seeds, are the
+    same bytes: no answer depends on set or dict order, the clock or the process (a killed run resumes
+    to the same results). One subprocess per seed."""
+    bodies = every_kind_of_request()
+    kinds = {offline.prompt_kind(offline.chat_text(b["messages"]))[0] for b in bodies}
+    assert kinds == {"cold_start", "evolution", "guided_answer", "geo_family", "rewrite", "adaptive_attack",
+                     "fidelity_judge"} | set(offline.PATTERNS) | set(offline.DEFENSE_INPUTS.values())
+    path = tmp_path / "bodies.json"
+    path.write_text(json.dumps(bodies), encoding="utf-8")
+    code = ("import json, sys, offline; print(json.dumps([offline.respond(b) for b in "
+            "json.load(open(sys.argv[1], encoding='utf-8'))]))")
+    out = [subprocess.run([sys.executable, "-c", code, str(path)], cwd=HERE, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
+           for seed in ("1", "2", "3")]
+    replies = [json.loads(o) for o in out]
+    differ = [offline.prompt_kind(offline.chat_text(b["messages"]))[0] for i, b in enumerate(bodies)
+              if not replies[0][i] == replies[1][i] == replies[2][i]]
+    assert not differ and len(replies[0]) == len(bodies), f"answered differently under hash seeds 1, 2, 3: {differ}"
+    assert out[1] == out[0] and out[2] == out[0]

@@ -1,20 +1,45 @@
 """offline_server.py: the offline engine's loopback server refuses hostile requests with 4xx JSON and
-keeps answering.
+keeps answering; its errors and objects are the APIs' as the official openai and anthropic SDKs read them
+(those tests need the SDKs, requirements-test.txt).
 Vendors with: offline_server.py offline.py defenses.py metrics.py tfsg.py geodef.py conftest.py
 Run: python -m pytest -q test_offline_server.py
 """
+import json
 import threading
 import time
 
+import pytest
+import requests
+
 import metrics
 import offline_server
+import tfsg
 from conftest import _raw
+
+
+@pytest.fixture()
+def engine():
+    srv = offline_server.make_server(0)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _openai(url):
+    openai = pytest.importorskip("openai")
+    return openai, openai.OpenAI(base_url=url, api_key="offline", max_retries=0, _strict_response_validation=True)
+
+
+def _chat(i):
+    return {"model": "m", "messages": [{"role": "user", "content": tfsg.standard_prompt(f"boil eggs {i}",
+                                                                                        ["eggs boil 6 minutes"])}]}
 
 
 def test_offline_server_answers_every_hostile_request():
     """serve-offline answers bodies of the wrong shape with 4xx JSON, and a client that promises more
     body than it sends is dropped after the socket timeout; the server keeps answering."""
-    import requests
     srv = offline_server.make_server(0)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -41,3 +66,70 @@ def test_offline_server_answers_every_hostile_request():
         assert ok_.status_code == 200
     finally:
         srv.shutdown()
+
+
+def test_errors_are_the_apis_error_objects(engine):
+    """A bad id is OpenAI's 404 error object naming the path parameter and the id; an unknown cursor a 400
+    naming `after` (not Python's "'x' is not in list"); Anthropic's routes answer in Anthropic's shape; a
+    DELETE, PUT or OPTIONS on no route is a JSON 404 (not http.server's HTML 501); a prompt missing a field
+    is a 400, not a 404."""
+    srv, url = engine
+    openai, sdk = _openai(url)
+    for call, param, oid in ((lambda: sdk.files.retrieve("file-9"), "file_id", "file-9"),
+                             (lambda: sdk.batches.retrieve("batch-9"), "batch_id", "batch-9")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.param == param and e.value.code is None and oid in e.value.message
+        assert set(e.value.body) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.batches.list(after="batch-9")
+    assert e.value.param == "after" and "batch-9" in e.value.message and "not in list" not in e.value.message
+    r = requests.get(f"{url}/messages/batches/batch-9", timeout=10)            # Anthropic's shape, no SDK needed
+    assert r.status_code == 404 and r.json() == {"type": "error", "error": {
+        "type": "not_found_error", "message": "No batch found with id 'batch-9'"}}
+    r = requests.get(f"{url}/messages/batches", params={"after_id": "batch-9"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    for method in ("DELETE", "PUT", "OPTIONS"):
+        r = requests.request(method, f"{url}/batches/batch-1", timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["message"] == f"Invalid URL ({method} /v1/batches/batch-1)"
+    r = requests.delete(f"{url}/messages/batches/b", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    prompt = "<input>" + json.dumps({"rewrite_task": "F6.request", "document": "d"}) + "</input>"
+    r = requests.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": prompt}]}, timeout=10)
+    assert r.status_code == 400 and "latent_query" in r.json()["error"]["message"]
+
+
+def test_files_are_listed_and_deleted_through_the_sdk(engine):
+    """files.list (newest first; asc, a purpose and pages of `limit` followed by `after`) and files.delete,
+    every reply validated by the SDK's models; a deleted file is gone."""
+    srv, url = engine
+    openai, sdk = _openai(url)
+    ids = [sdk.files.create(file=(f"in{i}.jsonl", b"{}\n"), purpose="batch").id for i in range(3)]
+    assert [f.id for f in sdk.files.list()] == ids[::-1]
+    assert [f.id for f in sdk.files.list(order="asc", limit=1)] == ids            # paged: after the last id
+    assert list(sdk.files.list(purpose="batch_output")) == []
+    gone = sdk.files.delete(ids[1])
+    assert gone.id == ids[1] and gone.deleted and gone.object == "file"
+    assert [f.id for f in sdk.files.list()] == [ids[2], ids[0]]
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.delete(ids[1])
+
+
+def test_a_batch_carries_model_and_usage_and_a_completion_its_created_time(engine):
+    """OpenAI's batch object has `model` and `usage` (the lines' tokens summed); a chat completion has
+    `created`, an int, as the SDK's strict models require."""
+    srv, url = engine
+    openai, sdk = _openai(url)
+    done = sdk.chat.completions.create(**_chat(0))
+    assert isinstance(done.created, int) and done.model == "offline-engine"
+    lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": _chat(i)}) + "\n" for i in range(2))
+    f = sdk.files.create(file=("in.jsonl", lines.encode()), purpose="batch")
+    b = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert b.model == "offline-engine" and b.usage.total_tokens == 0
+    while b.status != "completed":
+        b = sdk.batches.retrieve(b.id)
+    rows = [json.loads(x)["response"]["body"]["usage"] for x in sdk.files.content(b.output_file_id).text.splitlines()]
+    assert b.usage.input_tokens == sum(u["prompt_tokens"] for u in rows) > 0
+    assert b.usage.total_tokens == sum(u["total_tokens"] for u in rows)
+    assert b.usage.output_tokens_details.reasoning_tokens == 0

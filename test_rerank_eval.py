@@ -76,6 +76,16 @@ class FakeRerank(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"[" * 65536)
             return
+        if how == "trickle":                 # the whole reply, from its status line, a byte every 0.2 s
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+            try:
+                for b in head + data:
+                    self.wfile.write(bytes([b]))
+                    time.sleep(0.2)
+            except OSError:                  # the client shut its socket
+                pass
+            self.close_connection = True
+            return
         if how == "stall":
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -181,6 +191,17 @@ def test_rate_limits_server_errors_or_stalls_are_retried(fake):
     with pytest.raises(llm_clients.LLMError, match="after 3 attempts"):
         c.rerank(Q + "?", DOCS)
     assert time.monotonic() - t0 < 8
+
+
+def test_the_timeout_bounds_a_reply_trickled_from_its_first_byte(fake):
+    """`--timeout` bounds the whole rerank reply: one trickled a byte every 0.2 s, status line and headers
+    included (~50 s in all), fails at the 1 s timeout with the error naming the endpoint."""
+    c = rerank_clients.RerankClient(fake + "/v1/rerank", "m", max_retries=0, timeout=1)
+    FakeRerank.script = ["trickle"]
+    t0 = time.monotonic()
+    with pytest.raises(llm_clients.LLMError, match=r"Timeout on http://127\.0\.0\.1:\d+/v1/rerank after 1 attempts"):
+        c.rerank(Q, DOCS)
+    assert time.monotonic() - t0 < 2
 
 
 def test_a_failed_request_stops_the_others_in_flight(fake):

@@ -167,6 +167,9 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
         assert getattr(evaluated, k) == getattr(trained, k), k
     with pytest.raises(SystemExit, match="different llm"):     # a conflicting flag is still refused
         run.main(["eval", "--llm", "offline"] + common)
+    for cmd in ("eval", "train"):                              # by the dry runs too: they run every check
+        with pytest.raises(SystemExit, match="different llm"):
+            run.main([cmd, "--dry-run", "--llm", "offline"] + common)
     with pytest.raises(SystemExit, match="different"):         # so is a preset asked for (tiny-demo: lr 1e-3)
         run.main(["train", "--preset", "tiny-demo"] + common)
     # every training setting the adapter, the library or the cached scores depend on is pinned
@@ -599,3 +602,45 @@ def test_no_password_shape_is_stored_or_printed(tmp_path, pw, capsys):
         return
     runs.record_config(cfg, "eval")
     assert "w0rdZ" not in open(tmp_path / "c" / "config.json").read()
+
+
+def test_no_secret_in_a_url_without_a_scheme_or_a_flag_error_is_printed(tmp_path, capsys):
+    """A URL typed without '://' (--base-url, --reranker, tei:, --search), and any value argparse
+    refuses (a flag the command does not take, a bad int, float or choice, an explicit argument to a
+    switch, an unknown command) may hold a secret: none reaches a message. Flag names and a flag's
+    choices still do."""
+    spec = "usr:p@ssS3cret@127.0.0.1:1/v1"
+    common = ["--runs-dir", str(tmp_path), "--name", "x"]
+    said = []
+    for argv in (["train", "--base-url", spec] + common, ["train", "--base-url", "http:/" + spec] + common,
+                 ["train", "--base-url", "http//" + spec] + common, ["rerank-eval", "--reranker", spec] + common,
+                 ["rerank-eval", "--reranker", "tei:" + spec] + common,
+                 ["build-bench", "--search", "tavily:" + spec] + common,
+                 ["train", "--api-key", "p@ssS3cret"], ["train", "--api-key=p@ssS3cret"],
+                 ["train", "--epochs", "p@ssS3cret"], ["train", "--timeout", "p@ssS3cret"],
+                 ["train", "--stage", "p@ssS3cret"], ["train", "--no-resume=p@ssS3cret"], ["p@ssS3cret"],
+                 ["train", "--llm", spec] + common, ["train", "--llm", "openai:m@" + spec] + common):
+        with pytest.raises(SystemExit) as e:
+            run.main(argv)
+        said.append(str(e.value.code))
+    out = capsys.readouterr()
+    printed = "\n".join(said) + out.out + out.err
+    assert "S3cret" not in printed and "***@127.0.0.1:1/v1" in printed
+    assert "unrecognized arguments: --api-key ***\n" in printed and "unrecognized arguments: --api-key=***" in printed
+    assert "invalid choice: *** (choose from 'all', 'shield', 'tfsg')" in printed
+
+
+def test_a_wait_a_socket_cannot_take_or_a_float_that_is_not_finite_is_refused_up_front(tmp_path):
+    """--timeout inf passed `> 0` and failed at the first socket (OverflowError); every float setting
+    refuses inf and nan, and a wait (timeout, batch poll) is at most MAX_WAIT seconds."""
+    with pytest.raises(SystemExit, match=r"--timeout inf \(not a finite number\)"):
+        run.main(["train", "--timeout", "inf", "--bench", str(tmp_path / "none.jsonl"), "--runs-dir", str(tmp_path)])
+    with pytest.raises(runs.SettingsError, match=r"--timeout 1e\+30 \(seconds, more than 0 and at most 86400\)"):
+        settings.EvalConfig(timeout=1e30)
+    for name in ("temperature", "rpm", "lr", "beta", "lam_def", "max_grad_norm", "batch_deadline", "lora_dropout"):
+        for v in (float("inf"), float("nan")):
+            with pytest.raises(runs.SettingsError, match=f"--{name.replace('_', '-')} {v} .not a finite number"):
+                settings.EvalConfig(**{name: v})
+    with pytest.raises(runs.SettingsError, match="--batch-poll 1000000000.0"):
+        settings.EvalConfig(batch_poll=1e9)
+    assert settings.EvalConfig(timeout=86400.0, batch_poll=86400.0).timeout == settings.MAX_WAIT

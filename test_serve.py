@@ -3,7 +3,9 @@ connection handling, a client's instruction).
 Run: python -m pytest -q test_serve.py
 """
 import json
+import os
 import random
+import shutil
 import threading
 import time
 
@@ -33,8 +35,8 @@ def test_served_ranking_equals_reranker_rank(shield_server):
         assert [x["index"] for x in body["results"]] == rr.rank(q, texts, k=3)
         for x in body["results"]:
             assert abs(x["relevance_score"] - float(torch.sigmoid(m[x["index"]]))) < 1e-6
-            # /rerank is Infinity's route: the document as a string; /v1 and /v2 Cohere's {text}
-            got = x["document"] if path == "/rerank" else x["document"]["text"]
+            # /infinity/rerank answers Infinity's shape: the document as a string; the others {text}
+            got = x["document"] if path == serve.INFINITY_PATH else x["document"]["text"]
             assert got == texts[x["index"]]
         assert body["model"] == "x" and body["usage"]["total_tokens"] == sum(map(len, rr.tokenize(q, texts)))
     r = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": texts}, headers=AUTH, timeout=30).json()
@@ -280,8 +282,8 @@ def test_serve_bursts_get_503_not_resets(small_queue_server):
 def test_serve_field_round_two(shield_server, capfd):
     """A lone surrogate in `model` is a 400 naming it; an HTTP/0.9 request line logs no traceback;
     Content-Length is digits only (RFC 9110), not int()'s "+49" or "4_9"; truncation_direction is TEI's
-    Left/Right; an oversized body written whole gets its 413, not a broken pipe; /rerank answers the
-    document as a string (Infinity's shape, which LiteLLM's infinity/ provider validates), /v1 as {text}."""
+    Left/Right; an oversized body written whole gets its 413, not a broken pipe; /infinity/rerank answers
+    the document as a string (Infinity's shape, which LiteLLM's infinity/ provider validates), /v1 as {text}."""
     import requests
     srv, rr = shield_server
     r = requests.post(srv.url + "/v1/rerank", data='{"model": "\\ud800", "query": "q", "documents": ["a"]}',
@@ -300,7 +302,7 @@ def test_serve_field_round_two(shield_server, capfd):
     r = requests.post(srv.url + "/v1/rerank", data=big, headers={**AUTH, "Content-Type": "application/json"},
                       timeout=10)
     assert r.status_code == 413
-    inf = requests.post(srv.url + "/rerank", json={"model": "m", "query": q, "documents": texts,
+    inf = requests.post(srv.url + serve.INFINITY_PATH, json={"model": "m", "query": q, "documents": texts,
                                                    "return_documents": True}, headers=AUTH, timeout=10).json()
     coh = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": texts, "return_documents": True},
                         headers=AUTH, timeout=10).json()
@@ -419,3 +421,179 @@ def test_serve_a_prompt_without_room_for_the_document_is_a_400(base_server):
     body = {"query": "egg " * 10000, "documents": ["a"], "max_tokens_per_doc": 1, "instruction": "Find times"}
     r = requests.post(srv.url + "/v1/rerank", json=body, timeout=60)
     assert r.status_code == 400 and "leaves the document no tokens" in r.json()["detail"], r.text
+
+
+# ----------------------------------------------------------------------------- round 4: the Shield's identity
+
+
+@pytest.fixture(scope="module")
+def shield_export(tmp_path_factory, tiny_dir):
+    """The tiny model with a non-zero LoRA adapter merged in by `export` (causal: the layout serve loads)."""
+    import lora
+    from conftest import train_with_lora
+    tmp = tmp_path_factory.mktemp("shield_export")
+    rr = train_with_lora(reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32), 7, 0.0)
+    lora.save_adapter(rr.model, str(tmp / "adapter"), tiny_dir)
+    return export.export(tiny_dir, str(tmp / "shield"), adapter=str(tmp / "adapter"), fmt="causal", dtype="float32")
+
+
+def _instruction_status(rr):
+    """A server over `rr` (no key, no log) asked with a client's own instruction -> the HTTP status."""
+    import requests
+    srv = serve.RerankServer(rr, port=0, log=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": ["a", "b"],
+                                                        "instruction": "Rank every document as relevant"}, timeout=30)
+        return r.status_code
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _hub_cache(root, folder, repo_id, rev="0123456789abcdef0123456789abcdef01234567"):
+    """`folder` laid out as the Hugging Face cache holds a downloaded repo: blobs, a snapshot of links to
+    them, refs/main naming the revision -> the snapshot folder."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / rev
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for name in os.listdir(folder):
+        shutil.copy(os.path.join(folder, name), repo / "blobs" / name)
+        os.symlink(os.path.join("..", "..", "blobs", name), snap / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_serve_refuses_an_instruction_to_a_shield_served_by_hub_id(shield_export, tmp_path, monkeypatch):
+    """`serve --model me/shield` with the export in the Hugging Face cache (offline): the id resolves to
+    the snapshot folder, the Shield's identity is read there (not under the id string), and a client's
+    instruction is refused. huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE when it is imported,
+    so the test sets its constants besides the environment."""
+    import huggingface_hub.constants as hub
+    snap = _hub_cache(tmp_path / "hub", shield_export, "me/shield")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)                       # no folder named me/shield here: a hub id
+    rr = reranker.Reranker.from_pretrained("me/shield", dtype=torch.float32)
+    assert _instruction_status(rr) == 400
+    assert os.path.realpath(rr.folder) == os.path.realpath(snap) and rr.name_or_path == "me/shield"
+    assert serve.scoring_identity(rr)[0] == "shield"
+
+
+def test_serve_refuses_an_instruction_to_a_copy_of_a_shield_export(shield_export, tmp_path):
+    """A copy of the export without geodef_export.json is still the Shield: its identity travels in
+    config.json and in the weights' safetensors header, and either one alone is enough."""
+    from safetensors.torch import load_file, save_file
+    cp = tmp_path / "copy"
+    shutil.copytree(shield_export, cp)
+    os.remove(cp / "geodef_export.json")
+    load = lambda: reranker.Reranker.from_pretrained(str(cp), dtype=torch.float32)
+    assert _instruction_status(load()) == 400
+    cfg = json.loads((cp / "config.json").read_text())
+    (cp / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != export.IDENTITY_KEY}))
+    assert _instruction_status(load()) == 400                           # the weights' header alone
+    (cp / "config.json").write_text(json.dumps(cfg))
+    save_file(load_file(str(cp / "model.safetensors")), str(cp / "model.safetensors"), metadata={"format": "pt"})
+    assert _instruction_status(load()) == 400                           # config.json alone
+    assert serve.scoring_identity(load()) == ("shield", f"the Shield: an export with an adapter merged in "
+                                                        f"(config.json in {cp})")
+
+
+def test_serve_refuses_an_instruction_when_it_cannot_tell_the_base(tiny_dir, tmp_path, capfd):
+    """Weights whose identity the server cannot read (a Reranker built without a folder, a malformed
+    identity record) are taken for the Shield's: a client's instruction is refused, the reply names no
+    file, and the log says why. The plain base checkpoint takes one, as before."""
+    import requests
+    base = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    bare = reranker.Reranker(base.model, base.tokenizer, (base.yes_id, base.no_id))
+    assert _instruction_status(base) == 200 and _instruction_status(bare) == 400
+    assert serve.scoring_identity(base)[0] == "base" and serve.scoring_identity(bare)[0] == "unknown"
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, export.IDENTITY_KEY: "shield"}))
+    rr = reranker.Reranker.from_pretrained(str(bad), dtype=torch.float32)
+    srv = serve.RerankServer(rr, port=0, log=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": ["a"], "instruction": "x"},
+                          timeout=30)
+        assert r.status_code == 400 and "cannot tell" in r.json()["detail"] and str(bad) not in r.text
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    _, err = capfd.readouterr()
+    assert "taken for the Shield's" in err and "instruction is refused" in err
+
+
+# ----------------------------------------------------------------------------- round 4: each client its shape
+
+
+def _litellm_types():
+    """LiteLLM's rerank result types (litellm/types/rerank.py: RerankResponseResult, its document
+    {text: str}) as pydantic validates them inside LiteLLM's RerankResponse."""
+    pydantic = pytest.importorskip("pydantic")
+    from typing_extensions import Required, TypedDict
+
+    class RerankResponseDocument(TypedDict):
+        text: str
+
+    class RerankResponseResult(TypedDict, total=False):
+        index: Required[int]
+        relevance_score: Required[float]
+        document: RerankResponseDocument
+    return pydantic.TypeAdapter(list[RerankResponseResult])
+
+
+def test_serve_answers_litellms_hosted_vllm_in_vllms_shape(base_server):
+    """LiteLLM's hosted_vllm/ provider given the host URL posts {model, query, documents, top_n,
+    return_documents: true, instruction} to {api_base}/rerank and reads each result's document with
+    `.get("text")` (litellm/llms/hosted_vllm/rerank/transformation.py, _transform_response). litellm is
+    not installed here: the reply is parsed as that function parses it, then validated with LiteLLM's
+    result types. /rerank answers it in vLLM's shape: the document as {text}."""
+    import requests
+    results_type = _litellm_types()
+    srv, rr = base_server
+    q, docs, own = "how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell."], "Find times"
+    body = {"model": "shield", "query": q, "documents": docs, "top_n": 2, "return_documents": True,
+            "instruction": own}
+    reply = requests.post(srv.url + "/rerank", json=body, timeout=30).json()
+    parsed = []
+    for result in reply["results"]:                    # as _transform_response reads it
+        document_data = result.get("document", {})
+        document = {"text": str(document_data.get("text", ""))} if document_data else None
+        parsed.append({"index": int(result["index"]), "relevance_score": float(result["relevance_score"]),
+                       **({"document": document} if document else {})})
+    results_type.validate_python(parsed)
+    view = reranker.Reranker(rr.model, rr.tokenizer, (rr.yes_id, rr.no_id), instruction=own)
+    assert [x["index"] for x in parsed] == view.rank(q, docs, k=2)
+    assert [x["document"]["text"] for x in parsed] == [docs[x["index"]] for x in parsed]
+    assert reply["usage"]["total_tokens"] == sum(map(len, view.tokenize(q, docs))) and reply["model"] == "shield"
+
+
+def test_serve_answers_infinitys_clients_in_infinitys_shape(base_server):
+    """Infinity's own client (infinity_client's RerankInput sends raw_scores and return_documents every
+    time) gets the document as a string on /rerank, raw margins when raw_scores is true; LiteLLM's
+    infinity/ provider, whose body is hosted_vllm's, gets that shape on /infinity/rerank (api_base
+    http://HOST:PORT/infinity), where LiteLLM wraps the string as {text} and validates it
+    (litellm/llms/infinity/rerank/transformation.py; litellm is not installed: parsed as it parses)."""
+    import requests
+    results_type = _litellm_types()
+    srv, rr = base_server
+    q, docs = "how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell."]
+    m = rr.score(q, docs)
+    client = {"query": q, "documents": docs, "return_documents": True, "raw_scores": False, "model": "default"}
+    for raw in (False, True):
+        got = requests.post(srv.url + "/rerank", json={**client, "raw_scores": raw}, timeout=30).json()["results"]
+        assert [x["document"] for x in got] == [docs[i] for i in rr.rank(q, docs, k=2)]
+        want = [float(m[x["index"]]) if raw else float(torch.sigmoid(m[x["index"]])) for x in got]
+        assert [x["relevance_score"] for x in got] == pytest.approx(want, abs=1e-5)
+    body = {"model": "shield", "query": q, "documents": docs, "top_n": 2, "return_documents": True}
+    reply = requests.post(srv.url + serve.INFINITY_PATH, json=body, timeout=30).json()
+    parsed = [{"index": x.get("index"), "relevance_score": x.get("relevance_score"),
+               **({"document": {"text": x.get("document")}} if x.get("document") else {})} for x in reply["results"]]
+    assert [x["document"]["text"] for x in results_type.validate_python(parsed)] == [docs[i] for i in rr.rank(q, docs)]

@@ -166,3 +166,13 @@ def test_classify_outcomes():
     assert tfsg.classify(t([3]), 2, labels, 4) == "false_positive"           # 1 < ceil(0.5 * 4)
     assert tfsg.classify(t([1, 3], [(4, "filter")]), 2, labels, 2) == "false_positive"
     assert tfsg.classify(t([2]), 2, labels, 2) == "both"
+
+
+def test_invoked_rule_ids_are_in_one_order_whatever_the_hash_seed():
+    """R1, R01, R001... name one number: they tie on it and are ordered by name, not by the set's
+    iteration order (which follows the process's hash seed)."""
+    from types import SimpleNamespace
+    ids = ["R0001", "R1", "R001", "R00001", "R01", "R000001", "R2"]
+    reply = SimpleNamespace(text="", reasoning=None, data={"answer": "a", "per_doc_decision": [
+        {"index": 1, "used_rule_ids": ids}]})
+    assert tfsg.normalize_trace(reply, 3)["used_rule_ids"] == sorted(ids, key=lambda r: (int(r[1:]), r))

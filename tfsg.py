@@ -494,7 +494,7 @@ def normalize_trace(reply, n_docs, interface="structured"):
     cov = data.get("coverage_sufficient")
     why = data.get("brief_rationale")
     return {"answer": answer, "cited": cited(answer, n_docs), "per_doc_decision": decisions,
-            "used_rule_ids": sorted(set(used), key=lambda r: int(r[1:])), "reasoning": reasoning,
+            "used_rule_ids": sorted(set(used), key=lambda r: (int(r[1:]), r)), "reasoning": reasoning,
             "coverage_sufficient": cov if isinstance(cov, bool) else None,
             "brief_rationale": why[:1000] if isinstance(why, str) else None}
 
