@@ -202,24 +202,31 @@ def test_the_report_says_offline_and_draws_both_figures(hardened):
         assert (out / "demo" / "figures" / f).read_text().startswith("<svg")
 
 
-def test_a_killed_harden_reruns_to_the_same_files(hardened, tmp_path, demo_run, monkeypatch):
+def test_a_killed_batch_api_harden_reruns_to_the_synchronous_files(hardened, tmp_path, demo_run, monkeypatch):
+    """Killed as round 1 starts measuring and rerun, a harden through the batch API ends with the files
+    of the uninterrupted synchronous run, every harden stage's replies bought by batch."""
     out, _, _ = hardened
     shutil.copytree(demo_run.parent, tmp_path / "o")
     real, n = harden.measure, [0]
 
-    def dies(*a, **k):                      # killed as round 1 starts measuring
+    def dies(*a, **k):
         n[0] += 1
         if n[0] == 2:
             raise KeyboardInterrupt
         return real(*a, **k)
     monkeypatch.setattr(harden, "measure", dies)
     monkeypatch.setattr(offline, "attack_rewrites", near_copies_in_round_1(offline.attack_rewrites))
-    one_round = argv(tmp_path / "o") + ["--rounds", "1"]       # round 1's files are those of the 2-round run
+    # round 1's files are those of the 2-round run
+    one_round = argv(tmp_path / "o") + ["--rounds", "1", "--batch-api", "on", "--batch-poll", "0.1"]
     with pytest.raises(KeyboardInterrupt):
         run.main(one_round)
     monkeypatch.setattr(harden, "measure", real)
     run.main(one_round)
     assert same_round_files(out / "demo" / "harden", tmp_path / "o" / "demo" / "harden") > 10
+    stages = json.load(open(tmp_path / "o" / "demo" / "summary.json"))["usage"]["stages"]
+    rows = {s: set(v) for s, v in stages.items() if s.startswith("harden")}
+    # round 1's attacker, judges and answers by batch; only the Analyzer's one call is synchronous
+    assert all("offline:offline-engine [batch]" in v for v in rows.values()) and rows
 
 
 def same_round_files(ref, got):
@@ -233,18 +240,6 @@ def same_round_files(ref, got):
                 assert (got / rel).read_bytes() == (ref / rel).read_bytes(), rel
                 compared += 1
     return compared
-
-
-def test_harden_through_the_batch_api_makes_the_synchronous_files(hardened, tmp_path, demo_run, monkeypatch):
-    out, _, _ = hardened
-    shutil.copytree(demo_run.parent, tmp_path / "o")
-    monkeypatch.setattr(offline, "attack_rewrites", near_copies_in_round_1(offline.attack_rewrites))
-    run.main(argv(tmp_path / "o") + ["--rounds", "1", "--batch-api", "on", "--batch-poll", "0.1"])
-    assert same_round_files(out / "demo" / "harden", tmp_path / "o" / "demo" / "harden") > 10
-    stages = json.load(open(tmp_path / "o" / "demo" / "summary.json"))["usage"]["stages"]
-    rows = {s: set(v) for s, v in stages.items() if s.startswith("harden")}
-    # round 1's attacker, judges and answers by batch; only the Analyzer's one call is synchronous
-    assert all("offline:offline-engine [batch]" in v for v in rows.values()) and rows
 
 
 def test_eval_after_harden_keeps_the_harden_block(hardened, tmp_path):

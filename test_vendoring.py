@@ -1,6 +1,7 @@
 """Each building block vendors with its tests: the block, its test file and only what the test file's
 "Vendors with:" line names, copied into an empty folder, pass there; "(no torch)" means they pass
-with torch unimportable.
+with torch unimportable. In a session that runs these checks they are the blocks' test runs
+(conftest.py deselects the same tests in the project folder).
 Run: python -m pytest -q test_vendoring.py
 """
 import os
@@ -36,8 +37,8 @@ def test_block_passes_alone_with_its_declared_needs(test_file, tmp_path):
     if not torch_ok:                         # a package named torch that refuses to be imported
         (tmp_path / "torch").mkdir()
         (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch is not a need of this block')\n")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
                        cwd=str(tmp_path), capture_output=True, text=True, timeout=900,
                        env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    tail = (p.stdout + p.stderr)[-3000:]
+    tail = (p.stdout + p.stderr)[-6000:]        # the failures' summary: this is the block's only test run
     assert p.returncode == 0 and re.search(r"\d+ passed", tail), tail
