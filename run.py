@@ -28,6 +28,7 @@ import threading
 import torch
 
 import attack
+import bench_audit
 import build_bench
 import export
 import geodef
@@ -43,11 +44,12 @@ import serve
 import settings
 import speed
 import tfsg
+import tiny
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from evaluation import eval_conditions, evaluate, plan_eval
-from runs import (RunInUse, adapter_path, check_llms, check_record, library_path, load_data, log, model_folder,
-                  need_trained, read_json, record_config, record_or_check, resolve, run_lock, shield_split,
-                  tfsg_schedule)
+from runs import (TINY_NOTE, RunInUse, adapter_path, check_llms, check_record, library_path, load_data, log,
+                  model_folder, need_trained, read_json, record_config, record_or_check, resolve, run_lock,
+                  shield_split, tfsg_schedule)
 from settings import PRESETS, SettingsError, check_device, check_name
 from train import plan_train, train_shield, train_tfsg
 
@@ -299,6 +301,16 @@ def parser():
     for cmd, helptext in (("export", "write the merged Shield as a Hugging Face checkpoint (seq-cls or causal)"),
                           ("serve", "serve the Shield as a rerank HTTP endpoint (Cohere/Jina/vLLM and TEI shapes)")):
         shield_flags(sub.add_parser(cmd, help=helptext), cmd)
+    au = sub.add_parser("bench-audit", help="are the benchmark's families told apart, and does each raise "
+                                            "visibility? (no LLM)")
+    au.add_argument("--bench", required=True, help="a GEO-DefenseBench JSONL file")
+    au.add_argument("--model", default="Qwen/Qwen3-Reranker-0.6B",
+                    help="base reranker for the exposure gain: hub id, folder, 'tiny', or 'none' to skip it")
+    au.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the reranker's dtype")
+    au.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    au.add_argument("--k", type=int, default=5, help="top-k of the exposure gain")
+    au.add_argument("--folds", type=int, default=5, help="cross-validation folds of the family classifier")
+    au.add_argument("--out", default=None, help="folder for bench_audit.json and .md (default: BENCH_audit/)")
     so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
     so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
     so.add_argument("--corpus", default=None, help="JSONL of {query, url, text} answering Tavily-shaped /search "
@@ -307,6 +319,25 @@ def parser():
         p.allow_abbrev = False                           # `--out` must not silently mean build-bench's --output
         p.error = functools.partial(redacted_error, p)   # error(): argparse's documented override
     return ap
+
+
+def cmd_bench_audit(args):
+    """Families told apart (bench_audit.py): bench_audit.json and bench_audit.md."""
+    if args.k < 1 or args.folds < 2:
+        raise SettingsError(f"--k {args.k} --folds {args.folds}: k at least 1, folds at least 2")
+    check_device(args.device)
+    out = args.out or os.path.splitext(args.bench)[0] + "_audit"
+    rr, note = None, None
+    if args.model != "none":
+        folder = tiny.make_tiny_checkpoint(os.path.join(out, "_tiny_qwen3"), seed=0) if args.model == "tiny" \
+            else args.model
+        note = TINY_NOTE if args.model == "tiny" else None
+        rr = reranker.Reranker.from_pretrained(folder, dtype=getattr(torch, args.dtype), device=args.device)
+        speed.install(rr.model)
+    result, path = bench_audit.run_audit(args.bench, rr, out, k=args.k, folds=args.folds, offline_note=note)
+    print(f"family classifier accuracy {100 * result['classifier']['accuracy']:.1f}% "
+          f"(chance {100 * result['classifier']['chance']:.1f}%)\nreport: {path}")
+    return result
 
 
 def cmd_serve_offline(args):
@@ -404,7 +435,7 @@ def cmd_attack(args):
     if cfg.target not in ("shield", "base"):
         rankers.check_specs(rankers.parse_rerankers([cfg.target]))
     if args.dry_run:
-        rounds = cfg.rounds or -(-(max(budgets) - 1) // cfg.candidates_per_round)
+        rounds = cfg.rounds or attack.rounds_for(max(budgets), cfg.candidates_per_round)
         data = load_data(cfg)
         return show(attack.dry_run(cfg, geodef.expand(data.test, data.methods), budgets, cfg.candidates_per_round,
                                    rounds))
@@ -524,7 +555,7 @@ def cmd_demo(args):
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "rerank-eval": cmd_rerank_eval,
             "attack": cmd_attack, "harden": cmd_harden, "compare": cmd_compare, "bench": cmd_bench,
             "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
-            "serve-offline": cmd_serve_offline}
+            "serve-offline": cmd_serve_offline, "bench-audit": cmd_bench_audit}
 
 
 # Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.

@@ -1,0 +1,304 @@
+"""Are the benchmark's families told apart? An audit of a GEO-DefenseBench file before a seen/unseen
+table is built on it.
+
+The paper's central claim (Sec. 5, Table 1) is that a defense built on three seen families holds on
+four unseen ones. That claim means something only if the unseen families differ from the seen ones in
+what they do to a document, and if each family raises a document's visibility at all. This audit
+measures both on the file itself, with no LLM:
+
+- a family classifier on the edits (what a rewrite adds to its source: word 1- and 2-grams, edit size,
+  length ratio, surface markers), a multinomial naive Bayes cross-validated by query group, so no
+  group's edits are both trained on and scored; its confusion matrix, and the same collapsed to seen
+  against unseen. A family the classifier cannot tell from a seen one is an unseen template over seen
+  operations;
+- pairwise distances between families: Jensen-Shannon divergence of their added-n-gram distributions,
+  and the gaps in mean edit size and mean length ratio;
+- surface-marker rates (headings, bold, lists, summary phrases, ...) of each family against the benign
+  candidates and the sources (build_bench.SURFACE_MARKERS);
+- refusal rates per family from the build traces (a first attempt the fidelity gate refused);
+  dropped groups are not written to the file (build-bench's log names them), so drop rates are not
+  recoverable here and are reported as such;
+- the base reranker's exposure gain per family: P(rewrite in the top-k) - P(source in the top-k) on
+  the same list, with a cluster-bootstrap CI over query groups (metrics.cluster_bootstrap_ci). A family
+  whose interval holds 0 does not raise visibility on this ranker, and a blocked rate says nothing.
+
+Deviations: the classifier is deliberately simple (naive Bayes over hashed features, numpy only), so a
+high accuracy is a lower bound on how separable the families are, and a low one is evidence, not proof,
+that they overlap. Scores are pointwise (reranker.py scores each (query, document) pair alone), so a
+list with the source replaced is scored by scoring the rewrite once.
+
+Usage: python run.py bench-audit --bench FILE [--model tiny] [--k 5] [--folds 5] [--out DIR]
+"""
+import collections
+import difflib
+import os
+import re
+import zlib
+
+import numpy as np
+
+import build_bench
+import geodef
+import metrics
+from runs import atomic_write, log, write_json
+
+BUCKETS = 1 << 15          # hashed feature space of the classifier
+TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+# ----------------------------------------------------------------------------- what an edit adds
+
+
+def tokens(text):
+    return TOKEN.findall(text.lower())
+
+
+def added_ngrams(source, rewrite, n_max=2):
+    """The word 1..n_max-grams the rewrite holds more often than its source (multiset difference)."""
+    s, r = tokens(source), tokens(rewrite)
+    out = collections.Counter()
+    for n in range(1, n_max + 1):
+        grams = lambda t: collections.Counter(" ".join(t[i:i + n]) for i in range(len(t) - n + 1))
+        out.update(grams(r) - grams(s))
+    return out
+
+
+def edit_size(source, rewrite):
+    """1 - difflib's similarity ratio over word tokens: 0 for no change, 1 for nothing kept."""
+    return 1.0 - difflib.SequenceMatcher(None, tokens(source), tokens(rewrite), autojunk=False).ratio()
+
+
+def length_ratio(source, rewrite):
+    return len(tokens(rewrite)) / max(1, len(tokens(source)))
+
+
+def markers_added(source, rewrite):
+    """Surface markers the rewrite shows and its source does not."""
+    return [k for k, p in build_bench.SURFACE_MARKERS.items() if re.search(p, rewrite) and not re.search(p, source)]
+
+
+def edit_features(source, rewrite):
+    """One edit as a bag of string features: added n-grams, binned edit size and length ratio, added
+    markers. The bins are coarse on purpose: the classifier should key on what is done, not on noise."""
+    bag = collections.Counter({f"+{g}": c for g, c in added_ngrams(source, rewrite).items()})
+    bag[f"edit={min(9, int(10 * edit_size(source, rewrite)))}"] += 3
+    bag[f"len={min(12, int(4 * length_ratio(source, rewrite)))}"] += 3
+    bag.update({f"marker={m}": 3 for m in markers_added(source, rewrite)})
+    return bag
+
+
+def hashed(bag):
+    """A bag of string features -> a count vector of BUCKETS (crc32: the same in every process)."""
+    v = np.zeros(BUCKETS)
+    for f, c in bag.items():
+        v[zlib.crc32(f.encode("utf-8")) % BUCKETS] += c
+    return v
+
+
+# ----------------------------------------------------------------------------- the classifier
+
+
+def group_folds(group_ids, k):
+    """Each group to one of k folds: sorted ids dealt round-robin (deterministic, groups never split)."""
+    ids = sorted(set(group_ids))
+    return {g: i % k for i, g in enumerate(ids)}
+
+
+def naive_bayes(X, y, classes, alpha=1.0):
+    """Multinomial naive Bayes fitted on count rows X (N, V) with labels y -> (log priors (C,),
+    log likelihoods (C, V)); Laplace smoothing alpha."""
+    prior = np.array([np.mean([t == c for t in y]) for c in classes])
+    counts = np.stack([X[[t == c for t in y]].sum(0) for c in classes]) + alpha      # (C, V)
+    return np.log(np.maximum(prior, 1e-12)), np.log(counts / counts.sum(1, keepdims=True))
+
+
+def cross_validated_confusion(edits, families, folds=5):
+    """edits: [(group_id, family, feature bag)] -> confusion counts (F, F), rows true, columns predicted,
+    each edit predicted by a model fitted on the other folds' groups only."""
+    fold_of = group_folds([g for g, _, _ in edits], folds)
+    X = np.stack([hashed(b) for _, _, b in edits])
+    y = [f for _, f, _ in edits]
+    conf = np.zeros((len(families), len(families)), dtype=int)
+    for k in sorted(set(fold_of.values())):
+        test = [fold_of[g] == k for g, _, _ in edits]
+        train = [not t for t in test]
+        if not any(train):
+            continue
+        prior, like = naive_bayes(X[train], [t for t, keep in zip(y, train) if keep], families)
+        pred = (X[test] @ like.T + prior).argmax(1)                                  # (N_test,)
+        for t, p in zip([t for t, keep in zip(y, test) if keep], pred):
+            conf[families.index(t), p] += 1
+    return conf
+
+
+def seen_unseen(conf, families, seen):
+    """The confusion collapsed to seen vs unseen: 2 x 2, rows true, columns predicted."""
+    side = [0 if f in seen else 1 for f in families]
+    out = np.zeros((2, 2), dtype=int)
+    for i, a in enumerate(side):
+        for j, b in enumerate(side):
+            out[a, b] += conf[i, j]
+    return out
+
+
+# ----------------------------------------------------------------------------- distances and rates
+
+
+def js_divergence(p, q):
+    """Jensen-Shannon divergence (bits, 0..1) of two Counters read as distributions."""
+    keys = sorted(set(p) | set(q))
+    a = np.array([p[k] for k in keys], dtype=float)
+    b = np.array([q[k] for k in keys], dtype=float)
+    if not a.sum() or not b.sum():
+        return None
+    a, b = a / a.sum(), b / b.sum()
+    m = (a + b) / 2
+    kl = lambda x: float(np.sum(x[x > 0] * np.log2(x[x > 0] / m[x > 0])))
+    return round((kl(a) + kl(b)) / 2, 4)
+
+
+def refusal_rates(raw_groups, families):
+    """Share of each family's kept rewrites whose first attempt the fidelity gate refused (build traces);
+    None where the file holds no trace for the family."""
+    out = {}
+    for f in families:
+        traces = [g.get("trace", {}).get(f) for g in raw_groups if f in g.get("attacks", {})]
+        traces = [t for t in traces if isinstance(t, dict)]
+        out[f] = round(100.0 * sum(t.get("attempts", 1) > 1 for t in traces) / len(traces), 1) if traces else None
+    return out
+
+
+def exposure_gain(rr, groups, families, k, n_boot=2000, seed=0):
+    """Per family: P(rewrite in the base top-k) - P(source in the base top-k) on the same list, and its
+    cluster-bootstrap CI over groups. Scores are pointwise, so the rewrite is scored once per list."""
+    out = {}
+    per = {f: ([], []) for f in families}                  # family -> (per-group gain, group ids)
+    for g in groups:
+        scores = rr.score(g.query, [d["text"] for d in g.docs]).tolist()
+        rank_above = lambda s: sum(x > s for i, x in enumerate(scores) if i != g.source_index)
+        clean_in = rank_above(scores[g.source_index]) < k
+        names = [f for f in families if f in g.attacks]
+        for f, s in zip(names, rr.score(g.query, [g.attacks[f] for f in names]).tolist() if names else []):
+            per[f][0].append(float(rank_above(s) < k) - float(clean_in))
+            per[f][1].append(g.group_id)
+    for f, (vals, gids) in per.items():
+        if not vals:
+            out[f] = None
+            continue
+        lo, hi = metrics.cluster_bootstrap_ci(vals, gids, n_boot=n_boot, seed=seed)
+        mean = 100.0 * sum(vals) / len(vals)
+        out[f] = {"gain": round(mean, 2), "ci": [round(100.0 * lo, 2), round(100.0 * hi, 2)], "n": len(vals),
+                  "holds_zero": lo <= 0 <= hi, "raises": lo > 0}
+    return out
+
+
+# ----------------------------------------------------------------------------- the audit
+
+
+def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
+    """The whole audit of one benchmark file -> a JSON-able dict (module docstring)."""
+    groups, meta = geodef.load_bench(bench, with_meta=True)
+    raw = [obj for _, obj in geodef.read_jsonl(bench) if "_meta" not in obj]
+    families = list(meta.methods)
+    seen = [f for f in families if f in (meta.seen_methods or [])]
+    edits = [(g.group_id, f, edit_features(g.docs[g.source_index]["text"], g.attacks[f]))
+             for g in groups for f in families if f in g.attacks]
+    conf = cross_validated_confusion(edits, families, folds)
+    total = int(conf.sum())
+    added = {f: sum((b for _, ff, b in edits if ff == f), collections.Counter()) for f in families}
+    size = {f: [edit_size(g.docs[g.source_index]["text"], g.attacks[f]) for g in groups if f in g.attacks]
+            for f in families}
+    ratio = {f: [length_ratio(g.docs[g.source_index]["text"], g.attacks[f]) for g in groups if f in g.attacks]
+             for f in families}
+    mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None
+    benign = [d["text"] for g in groups for i, d in enumerate(g.docs) if i != g.source_index]
+    out = {"bench": os.path.abspath(bench), "synthetic": bool(meta.synthetic), "families": families,
+           "seen": seen, "groups": len(groups), "edits": len(edits),
+           "classifier": {"model": "multinomial naive Bayes, hashed added 1-2-grams + binned edit size, length "
+                                   "ratio, added markers", "folds": folds, "cross_validated_by": "query group",
+                          "confusion": conf.tolist(), "accuracy": round(float(np.trace(conf)) / max(1, total), 4),
+                          "chance": round(1 / len(families), 4),
+                          "recall": {f: round(conf[i, i] / max(1, conf[i].sum()), 4) for i, f in enumerate(families)},
+                          "seen_vs_unseen": seen_unseen(conf, families, seen).tolist() if seen else None},
+           "distances": {"added_ngram_js": [[js_divergence(added[a], added[b]) for b in families] for a in families],
+                         "edit_size": {f: mean(size[f]) for f in families},
+                         "length_ratio": {f: mean(ratio[f]) for f in families}},
+           "surface_markers": {"benign candidates": build_bench.surface_rates(benign),
+                               "sources": build_bench.surface_rates(g.docs[g.source_index]["text"] for g in groups),
+                               **{f: build_bench.surface_rates(g.attacks[f] for g in groups if f in g.attacks)
+                                  for f in families}},
+           "refusal_rate": refusal_rates(raw, families),
+           "drop_rate": None, "drop_rate_note": "dropped groups are not written to the file; build-bench's log "
+                                                "names each one and why"}
+    if rr is not None:
+        out["exposure_gain"] = {"k": k, "ranker": "base reranker", "per_family": exposure_gain(rr, groups, families,
+                                                                                            k, n_boot)}
+    return out
+
+
+def write_audit(result, out_dir, offline_note=None):
+    """bench_audit.json and bench_audit.md in out_dir -> the markdown's path."""
+    os.makedirs(out_dir, exist_ok=True)
+    write_json(os.path.join(out_dir, "bench_audit.json"), result)
+    path = os.path.join(out_dir, "bench_audit.md")
+    atomic_write(path, markdown(result, offline_note))
+    return path
+
+
+def markdown(r, offline_note=None):
+    fams, c = r["families"], r["classifier"]
+    short = [f[:10] for f in fams]
+    lines = [f"# Benchmark audit: {os.path.basename(r['bench'])}", ""]
+    if offline_note or r["synthetic"]:
+        lines += [f"> **{offline_note or 'SYNTHETIC BENCHMARK'}**: plumbing figures, not findings about the "
+                  "families on real models.", ""]
+    lines += [f"{r['groups']} groups, {r['edits']} edits; seen: {', '.join(r['seen']) or 'none recorded'}.", "",
+              f"## Family classifier ({c['folds']}-fold, by query group)", "",
+              f"Accuracy {100 * c['accuracy']:.1f}% (chance {100 * c['chance']:.1f}%). Rows: true family; columns: "
+              "predicted.", "", "| | " + " | ".join(short) + " | recall |", "|---" * (len(fams) + 2) + "|"]
+    for f, row in zip(fams, c["confusion"]):
+        lines.append(f"| {f} | " + " | ".join(map(str, row)) + f" | {100 * c['recall'][f]:.0f}% |")
+    if c["seen_vs_unseen"]:
+        (ss, su), (us, uu) = c["seen_vs_unseen"]
+        lines += ["", f"Seen vs unseen: seen edits taken for seen {ss}, for unseen {su}; unseen edits taken for "
+                      f"seen {us}, for unseen {uu}."]
+    d = r["distances"]
+    lines += ["", "## Distances between families", "", "Jensen-Shannon divergence of added 1-2-grams (0: the "
+              "same additions, 1: disjoint):", "", "| | " + " | ".join(short) + " |", "|---" * (len(fams) + 1) + "|"]
+    lines += [f"| {f} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in row) + " |"
+              for f, row in zip(fams, d["added_ngram_js"])]
+    lines += ["", "| family | mean edit size | mean length ratio | refusal rate (%) |", "|---|---|---|---|"]
+    lines += [f"| {f} | {d['edit_size'][f]} | {d['length_ratio'][f]} | {_or_dash(r['refusal_rate'][f])} |"
+              for f in fams]
+    sm = r["surface_markers"]
+    keys = list(next(iter(sm.values())))
+    lines += ["", "## Surface markers (% of documents)", "", "| | " + " | ".join(keys) + " |",
+              "|---" * (len(keys) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{rates[k]:g}" for k in keys) + " |" for name, rates in sm.items()]
+    if "exposure_gain" in r:
+        e = r["exposure_gain"]
+        lines += ["", f"## Exposure gain on the {e['ranker']} (top-{e['k']}, percentage points, 95% CI over groups)",
+                  "", "| family | gain | CI | n | raises visibility |", "|---|---|---|---|---|"]
+        for f, v in e["per_family"].items():
+            lines.append(f"| {f} | - | - | 0 | - |" if v is None else
+                         f"| {f} | {v['gain']:+.1f} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {v['n']} | "
+                         f"{_verdict(v)} |")
+    lines += ["", f"Drop rates: {r['drop_rate_note']}.", ""]
+    return "\n".join(lines)
+
+
+def _verdict(v):
+    return "yes" if v["raises"] else "not shown (CI holds 0)" if v["holds_zero"] else "no: it lowers it"
+
+
+def _or_dash(v):
+    return "-" if v is None else f"{v:g}"
+
+
+def run_audit(bench, rr, out_dir, k=5, folds=5, offline_note=None):
+    """The audit written -> (result, markdown path)."""
+    result = audit(bench, rr, k=k, folds=folds)
+    path = write_audit(result, out_dir, offline_note)
+    log(f"[bench-audit] wrote {path} and bench_audit.json")
+    return result, path
+

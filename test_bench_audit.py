@@ -1,0 +1,77 @@
+"""bench_audit.py: the family classifier is cross-validated by group and tells apart what differs and
+not what is alike; distances, surface markers, refusal rates; the exposure gain against a hand count;
+the command writes its JSON and markdown.
+Run: python -m pytest -q test_bench_audit.py
+"""
+import json
+
+import numpy as np
+import pytest
+
+import bench_audit
+import run
+from conftest import SAMPLE
+
+
+def _bench(tmp_path, edit_of, families, n=12):
+    """A benchmark whose family f rewrites each source as edit_of[f](source, group number)."""
+    lines = [{"_meta": {"methods": families, "seen_methods": families[:1], "synthetic": True}}]
+    for i in range(n):
+        docs = [{"doc_id": f"g{i}-{j}", "url": f"https://e.org/{i}/{j}",
+                 "text": f"Document {j} of group {i} says that item {i * 7 + j} costs {j + 1} units."}
+                for j in range(10)]
+        src = docs[3]["text"]
+        lines.append({"group_id": f"g{i:02d}", "query": f"What does item {i * 7 + 3} cost?", "docs": docs,
+                      "source_index": 3, "attacks": {f: edit_of[f](src, i) for f in families}})
+    p = tmp_path / "b.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    return str(p)
+
+
+def test_folds_never_split_a_group_and_every_edit_is_predicted_once():
+    folds = bench_audit.group_folds(["b", "a", "c", "a", "d", "b"], 3)
+    assert set(folds) == {"a", "b", "c", "d"} and folds == bench_audit.group_folds(["d", "c", "b", "a"], 3)
+    r = bench_audit.audit(SAMPLE)
+    conf = np.array(r["classifier"]["confusion"])
+    assert conf.shape == (7, 7) and conf.sum() == r["edits"]
+    groups = bench_audit.geodef.load_bench(SAMPLE)
+    assert [conf[i].sum() for i in range(7)] == [sum(f in g.attacks for g in groups) for f in r["families"]]
+    (ss, su), (us, uu) = r["classifier"]["seen_vs_unseen"]
+    assert ss + su == sum(conf[i].sum() for i, f in enumerate(r["families"]) if f in r["seen"])
+
+
+def test_the_classifier_tells_a_distinct_family_apart_and_not_two_alike(tmp_path):
+    """A and B append the same kind of sentence; C adds a heading and a list: C is recognised, A and B
+    are confused with each other (and never with C)."""
+    same = lambda s, i: s + f" Experts agree this is the best choice for item {i}."
+    edit_of = {"A": same, "B": lambda s, i: s + f" Experts agree this is the best choice for item {i}.",
+               "C": lambda s, i: f"## Overview\n\n- {s}\n- Key takeaway: see item {i}."}
+    r = bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B", "C"]), folds=4)
+    conf = np.array(r["classifier"]["confusion"])
+    assert r["classifier"]["recall"]["C"] == 1.0 and conf[0, 2] == conf[1, 2] == 0
+    assert r["distances"]["added_ngram_js"][0][1] == 0.0 and r["distances"]["added_ngram_js"][0][2] > 0.5
+    assert r["surface_markers"]["C"]["heading"] == 100.0 and r["surface_markers"]["A"]["heading"] == 0.0
+
+
+def test_the_exposure_gain_is_the_top_k_share_of_the_rewrite_minus_the_sources():
+    """A ranker that scores by the number of '!' in a document: the rewrite with five '!' enters the top
+    1 of every list, the source never was there."""
+    class Bangs:
+        def score(self, query, docs):
+            import torch
+            return torch.tensor([float(d.count("!")) for d in docs])
+    groups = [bench_audit.geodef.QueryGroup(f"g{i}", "q", [{"text": "!!" if j == 0 else "x"} for j in range(4)], 2,
+                                            {"loud": "!!!!!", "quiet": "y"}) for i in range(6)]
+    e = bench_audit.exposure_gain(Bangs(), groups, ["loud", "quiet"], k=1, n_boot=200)
+    assert e["loud"]["gain"] == 100.0 and e["loud"]["raises"] and e["quiet"]["gain"] == 0.0
+    assert e["quiet"]["holds_zero"] and not e["quiet"]["raises"]
+
+
+def test_bench_audit_writes_its_json_and_markdown(tmp_path, capsys):
+    r = run.main(["bench-audit", "--bench", SAMPLE, "--model", "none", "--out", str(tmp_path / "a")])
+    assert json.load(open(tmp_path / "a" / "bench_audit.json"))["classifier"] == r["classifier"]
+    md = (tmp_path / "a" / "bench_audit.md").read_text()
+    assert "SYNTHETIC BENCHMARK" in md and "Seen vs unseen" in md and "Drop rates" in md
+    assert "accuracy" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="folds at least 2"):
+        run.main(["bench-audit", "--bench", SAMPLE, "--folds", "1"])
