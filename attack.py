@@ -40,8 +40,8 @@ import tfsg
 from evaluation import (INJECTION_DEFENSES, condition_plan, condition_slug, estimate, eval_condition, price_plan,
                         summarize)
 from rankers import load_rankers, order_of
-from runs import (atomic_write, library_path, load_data, log, make_llm, read_json, run_usage, SettingsError,
-                  tfsg_limits, write_json, write_summary)
+from runs import (atomic_write, changed_settings, library_path, load_data, log, make_llm, read_json, run_usage,
+                  SettingsError, tfsg_limits, write_json, write_summary)
 
 CONDITIONS = ("Non-Defense", "Shield only", "TFSG only", "GEO Defender", *INJECTION_DEFENSES)  # those on base top-k
 ATTACKER_INSTRUCTION = (
@@ -184,6 +184,12 @@ def parse_budgets(text, flag="--budgets"):
     return b
 
 
+def rounds_for(budget, per_round):
+    """Rewrite rounds a budget of `budget` candidates takes: candidate 0 is the benchmark's rewrite, and
+    each round adds `per_round` -> ceil((budget - 1) / per_round)."""
+    return -(-(budget - 1) // per_round)
+
+
 def target_of(text):
     """--target -> (label, spec): shield, base, or [LABEL=]SPEC as rerank-eval takes it."""
     return rankers.parse_rerankers([text])[0]
@@ -226,11 +232,9 @@ def check_settings(cfg, key, settings, pin=False):
     path = os.path.join(cfg.run_dir, "results", "attack-settings.json")
     old = read_json(path, {})
     if key in old and old[key] != settings:
-        diff = [k for k in settings if old[key].get(k) != settings[k]]
-        raise SettingsError(f"{path}: the {key} attack was made with "
-                            + ", ".join(f"{k}={old[key].get(k)!r}" for k in diff)
-                            + "; this run asks for " + ", ".join(f"{k}={settings[k]!r}" for k in diff)
-                            + ". Use another --name, or move the attack's records aside")
+        raise changed_settings(path, f"the {key} attack was made", old[key],
+                               {k: v for k, v in settings.items() if old[key].get(k) != v},
+                               "Use another --name, or move the attack's records aside")
     if pin:
         write_json(path, {**old, key: settings})
 
@@ -241,7 +245,7 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     data = load_data(cfg)
     insts = geodef.expand(data.test, data.methods)        # each carries its clean source text (.source)
     budget = max(budgets)
-    rounds = rounds or -(-(budget - 1) // per_round)
+    rounds = rounds or rounds_for(budget, per_round)
     (label, spec), mode = target_of(spec), "aware" if aware else "unaware"
     lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg))
     lib_digest = hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True).encode()).hexdigest()[:12]

@@ -30,9 +30,9 @@ import rankers
 import tfsg
 import tiny
 from rankers import documents_cut, load_rankers
-from runs import (adapter_path, file_sha1, is_offline, library_path, load_data, log, make_llm, naming,
-                  NotTrainedError, read_json, read_prices, run_usage, SettingsError, test_set_digest, tfsg_limits,
-                  TINY_NOTE, write_json, write_summary)
+from runs import (adapter_path, changed_settings, file_sha1, is_offline, library_path, load_data, log, make_llm,
+                  naming, NotTrainedError, read_json, read_prices, run_usage, SettingsError, test_set_digest,
+                  tfsg_limits, TINY_NOTE, write_json, write_summary)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -288,10 +288,8 @@ def check_eval_settings(cfg, conds, transfers):
     old = read_json(os.path.join(res, "settings.json"), {})
     changed = {k: v for k, v in eval_settings(cfg, conds, transfers).items() if k in old and old[k] != v}
     if changed:
-        raise SettingsError(f"{res}: its records were made with " + ", ".join(f"{k}={old[k]!r}" for k in changed)
-                         + "; this eval asks for " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
-                         + f". Move {res} aside to evaluate again (LLM replies stay cached in cache/), "
-                         "or use a new --name")
+        raise changed_settings(res, "its records were made", old, changed, f"Move {res} aside to evaluate again "
+                               "(LLM replies stay cached in cache/), or use a new --name")
 
 
 def eval_conditions(cfg):
@@ -383,6 +381,9 @@ def evaluate(cfg):
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
+    if "Non-Defense" in conds:
+        summary["attack_strength"] = attack_strength(results["Non-Defense"], clean, test, methods, cfg.n_boot,
+                                                     cfg.seed)
     if "GEO Defender" in conds:
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
         summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
@@ -445,6 +446,34 @@ def honest_penalty(recs, attack_recs, groups, n_boot=10000, seed=0):
         out[name] = sum(vals) / len(vals) if vals else None
         out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, clusters, n_boot=n_boot, seed=seed)) if vals \
             else None
+    return out
+
+
+# What each family's own paper reports as its visibility gain, to read beside the measured strength; a
+# family without an entry publishes no figure over the unoptimised source that we could check
+PAPER_GAINS = {
+    "GEO": "+41% relative position-adjusted word count, best method (19.3 -> 27.2; arXiv 2311.09735, main results)",
+    "GEO-SFE": "+17.3% citation, six engines (arXiv 2603.29979, abstract)",
+    "AutoGEO": "not comparable: up to +51% over the strongest baseline, not the source (arXiv 2510.11438)",
+}
+
+
+def attack_strength(recs, clean, test, methods, n_boot, seed):
+    """Does each family raise visibility on this target at all? Per family, the Non-Defense citation of
+    its rewrite minus the clean reference's citation of the same source on the unattacked list of the
+    same group, in percentage points, with a cluster-bootstrap CI over groups (metrics). A family whose
+    interval holds 0 is flagged: the defense blocking it says nothing, since it never worked."""
+    source = {g.group_id: g.docs[g.source_index]["doc_id"] for g in test}
+    out = {}
+    for m in methods:
+        rs = [r for r in recs if r["method"] == m]
+        if not rs:
+            continue
+        vals = [float(r["attack_cited"]) - float(source[r["group_id"]] in clean[r["group_id"]]["cited_ids"])
+                for r in rs]
+        lo, hi = metrics.cluster_bootstrap_ci(vals, [r["group_id"] for r in rs], n_boot=n_boot, seed=seed)
+        out[m] = {"gain": round(100.0 * sum(vals) / len(vals), 2), "ci": [round(100.0 * lo, 2), round(100.0 * hi, 2)],
+                  "n": len(vals), "holds_zero": bool(lo <= 0 <= hi), "paper": PAPER_GAINS.get(m)}
     return out
 
 

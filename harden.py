@@ -45,11 +45,11 @@ import shutil
 import geodef
 import report
 import tfsg
-from attack import Attack, best_of, evaluate_documents, parse_budgets, with_doc
+from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
 from evaluation import eval_condition, estimate, offline_notes, price_plan
 from rankers import base_ranker, load_rankers
-from runs import (SettingsError, adapter_path, atomic_write, labels_of, library_path, load_data, load_reranker, log,
-                  make_llm, read_json, run_usage, tfsg_limits, write_json, write_summary)
+from runs import (SettingsError, adapter_path, changed_settings, atomic_write, labels_of, library_path, load_data,
+                  load_reranker, log, make_llm, read_json, run_usage, tfsg_limits, write_json, write_summary)
 from train import clean_reference_benign, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
@@ -112,7 +112,7 @@ def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed):
     `path` when a finished stage wrote them -> {instance_id: [candidate records]}."""
     if os.path.isfile(path):
         return read_attack(path)
-    rounds = -(-(budget - 1) // cfg.candidates_per_round)
+    rounds = rounds_for(budget, cfg.candidates_per_round)
     cands = Attack(cfg, "shield", target, attacker, judge, rounds, cfg.candidates_per_round, budget,
                    None if cfg.unaware else lib, seed=seed).run(insts)
     write_jsonl(path, [{"instance_id": x.instance_id, **c} for x in insts for c in cands[x.instance_id]])
@@ -327,10 +327,8 @@ def check_settings(cfg):
     path = os.path.join(cfg.run_dir, "harden", "settings.json")
     old = read_json(path)
     if old is not None and old != now:
-        diff = [k for k in keys if old.get(k) != now[k]]
-        raise SettingsError(f"{path}: the rounds were made with " + ", ".join(f"{k}={old.get(k)!r}" for k in diff)
-                            + "; this run asks for " + ", ".join(f"{k}={now[k]!r}" for k in diff)
-                            + ". Use another --name, or move harden/ aside")
+        raise changed_settings(path, "the rounds were made", old, {k: now[k] for k in keys if old.get(k) != now[k]},
+                               "Use another --name, or move harden/ aside")
     return path, now
 
 
@@ -423,7 +421,7 @@ def dry_run(cfg):
     budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
     doc = sum(len(x.docs[x.attack_index]) for x in cons + test) / max(1, len(cons + test))
     ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in test) / max(1, len(test))
-    rounds = lambda b: -(-(b - 1) // cfg.candidates_per_round)
+    rounds = lambda b: rounds_for(b, cfg.candidates_per_round)
     evaluated = len(test) * (len(budgets) + 2) * len(MEASURED)           # budgets, static, stale
     written = cfg.candidates_per_round * doc / 4
     per_round = {"training attacker": estimate(2 * len(cons) * rounds(cfg.budget), 3 * doc + 1200, written),

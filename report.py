@@ -362,7 +362,7 @@ def write_report(run_dir, s):
     """report.md and figures/*.svg of one evaluated run from its summary `s`."""
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
-    lines = _header_lines(run_dir, s) + _table_lines(s) + cost_lines(s) + _method_lines(s, figs)
+    lines = _header_lines(run_dir, s) + _table_lines(s) + strength_lines(s) + cost_lines(s) + _method_lines(s, figs)
     lines += _appendix_lines(s, figs) + defense_lines(s)
     lines += rerank_stage_lines(s)
     lines += usage_lines(s.get("usage") or {})
@@ -377,6 +377,23 @@ def _title(run_dir, s, what):
     """A report's first lines: the offline/simulation banner when the run has notes, then its title."""
     banner = ["> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n"] if s.get("notes") else []
     return banner + [f"# {what}: {os.path.basename(os.path.normpath(run_dir))}\n"]
+
+
+def strength_lines(s):
+    """Attack strength: does each family raise its source's citation on this target (Non-Defense)?"""
+    st = s.get("attack_strength")
+    if not st:
+        return []
+    lines = ["## Attack strength (Non-Defense)\n",
+             "Citation of each family's rewrite minus the clean reference's citation of the same source, percentage "
+             "points, 95% CI over query groups. A family whose interval holds 0 did not raise visibility on this "
+             "target: its blocked rate says nothing about the defense.\n",
+             "| family | gain | 95% CI | n | its paper reports |", "|---|---|---|---|---|"]
+    for m, v in st.items():
+        flag = " (CI holds 0)" if v["holds_zero"] else ""
+        lines.append(f"| {m} | {v['gain']:+.1f}{flag} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {v['n']} | "
+                     f"{v['paper'] or '-'} |")
+    return lines + [""]
 
 
 def _header_lines(run_dir, s):

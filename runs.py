@@ -411,13 +411,22 @@ def run_lock(run_dir, shared=False):
         f.close()                # closing releases the lock
 
 
+def changed_settings(path, made, old, new, todo):
+    """The one refusal of settings that differ from those a file records (config.json, results/
+    settings.json, attack-settings.json, harden/settings.json): the file, what was made with which
+    values, what this command asks for, what to do. `old`, `new`: the differing settings only."""
+    shown = lambda d: ", ".join(f"{k}={d.get(k)!r}" for k in new)
+    return SettingsError(f"{path}: {made} with different {', '.join(new)} ({shown(old)}); this command asks for "
+                         f"{shown(new)}. {todo}")
+
+
 def check_pinned(cfg, old, new, digest, path):
     """Refuse pinned settings and benchmark content that differ from the run's record `old`."""
     changed = [k for k in type(cfg).pinned() if k in old.get("config", {}) and old["config"][k] != new[k]
                and not (k == "bench" and old.get("bench_sha1") == digest)]   # same content, other path
     if changed:
-        raise SettingsError(f"{path}: this run was made with different {', '.join(changed)} "
-                            "(" + ", ".join(f"{k}={old['config'][k]!r}" for k in changed) + "); use a new --name")
+        raise changed_settings(path, "this run was made", old["config"], {k: new[k] for k in changed},
+                               "Use a new --name")
     if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
         raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 "
                             f"{old['bench_sha1'][:12]}, now {digest[:12]}); the run's adapter, library and results "

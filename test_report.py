@@ -317,3 +317,19 @@ def test_report_figures_are_byte_identical_on_rerun(tmp_path):
         report.write_harden_report(str(tmp_path / d), _harden_summary(["offline"]))
     for name in os.listdir(tmp_path / "a" / "figures"):
         assert (tmp_path / "a" / "figures" / name).read_bytes() == (tmp_path / "b" / "figures" / name).read_bytes()
+
+
+def test_attack_strength_is_the_rewrites_citation_minus_the_sources_and_flags_a_ci_holding_zero():
+    """Non-Defense records against the clean reference: a family always cited, whose source was cited in
+    2 of 6 groups, gains 66.67 points; one cited exactly where its source was gains 0 and is flagged; the report prints both."""
+    import geodef
+    groups = [geodef.QueryGroup(f"g{i}", "q", [{"doc_id": f"g{i}-{j}", "text": "t"} for j in range(4)], 1,
+                                {"A": "a", "B": "b"}) for i in range(6)]
+    clean = {g.group_id: {"cited_ids": [f"{g.group_id}-1"] if i < 2 else []} for i, g in enumerate(groups)}
+    recs = [{"method": "A", "group_id": g.group_id, "attack_cited": True} for g in groups]
+    recs += [{"method": "B", "group_id": g.group_id, "attack_cited": i < 2} for i, g in enumerate(groups)]
+    st = evaluation.attack_strength(recs, clean, groups, ["A", "B"], n_boot=200, seed=0)
+    assert st["A"]["gain"] == 66.67 and not st["A"]["holds_zero"] and st["A"]["n"] == 6
+    assert st["B"]["gain"] == 0.0 and st["B"]["ci"] == [0.0, 0.0] and st["B"]["holds_zero"]
+    text = "\n".join(report.strength_lines({"attack_strength": st}))
+    assert "| B | +0.0 (CI holds 0) |" in text and "| A | +66.7 |" in text
