@@ -143,7 +143,7 @@ def server():
     Script.script, Script.seen, Script.headers_seen = [], [], []
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Script)
     srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()  # quick teardown
     yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
     srv.shutdown()
 
@@ -268,7 +268,7 @@ def shield_server(tmp_path_factory, tiny_dir):
     rr.model.eval()
     srv = serve.RerankServer(rr, port=0, api_key="s3cret-key", max_documents=20, max_body_bytes=20000,
                              read_timeout=1.0, body_timeout=2.0, log=True)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()  # quick teardown
     yield srv, rr
     srv.shutdown()
 

@@ -33,11 +33,14 @@ def _argv(out, *extra):
 @pytest.fixture(scope="module")
 def attacked(demo_run, tmp_path_factory):
     """A copy of the demo run attacked once (the Shield, unaware, budgets 1, 3, 5) -> (the copy, the
-    static attack's conditions from before, the attack's block)."""
+    static attack's conditions from before, the attack's block). A second copy of the folder as the
+    attack left it (`just-attacked` beside it) is for tests that go on from there."""
     out = tmp_path_factory.mktemp("attacked") / "o"
     shutil.copytree(demo_run.parent, out)
     static = json.load(open(out / "demo" / "summary.json"))["conditions"]
-    return out, static, run.main(_argv(out))
+    block = run.main(_argv(out))
+    shutil.copytree(out, out.parent / "just-attacked")
+    return out, static, block
 
 
 def _candidates(out):
@@ -198,24 +201,27 @@ def test_an_eval_dry_run_plans_only_the_missing_records(demo_copy, monkeypatch):
     assert not (demo_copy / "demo" / "results" / "non_defense.jsonl").exists()
 
 
-def test_attack_through_a_deployed_endpoint_equals_the_in_process_target(demo_copy):
+def test_attack_through_a_deployed_endpoint_equals_the_in_process_target(attacked, tmp_path):
     """--target takes any reranker spec: the Shield served over HTTP is the same oracle as the
-    in-process Shield, so the attack finds the same documents and the same figures."""
+    in-process Shield, so the attack finds the same documents and the same figures. The in-process
+    attack is the `attacked` fixture's; the served one goes on from a copy of the folder it left."""
     import threading
     import serve
-    rec = json.load(open(demo_copy / "demo" / "config.json"))["config"]
-    cfg = settings.EvalConfig(**{**rec, "runs_dir": str(demo_copy)})
+    done, _, inproc = attacked
+    out = tmp_path / "o"
+    shutil.copytree(done.parent / "just-attacked", out)
+    rec = json.load(open(out / "demo" / "config.json"))["config"]
+    cfg = settings.EvalConfig(**{**rec, "runs_dir": str(out)})
     srv = serve.RerankServer(runs.load_shield(cfg), port=0, log=False)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, args=(0.01,), daemon=True).start()   # a quick shutdown()
     try:
-        inproc = run.main(_argv(demo_copy))
-        served = run.main(_argv(demo_copy, "--target", f"srv={srv.url}/v1/rerank"))
+        served = run.main(_argv(out, "--target", f"srv={srv.url}/v1/rerank"))
     finally:
         srv.shutdown()
         srv.server_close()
     assert served["budgets"] == inproc["budgets"] and served["target"] == f"{srv.url}/v1/rerank"
     recs = lambda lb: [(r["instance_id"], r["text"], r["rank"]) for r in
-                       map(json.loads, open(demo_copy / "demo" / "results" / f"attack-{lb}-unaware.jsonl"))]
+                       map(json.loads, open(out / "demo" / "results" / f"attack-{lb}-unaware.jsonl"))]
     assert recs("srv") == recs("shield")
 
 

@@ -29,11 +29,15 @@ import tfsg
 from conftest import HERE, _raw
 
 
+# how often a server's loop looks for shutdown(): its default 0.5 s would hold every teardown that long
+POLL = 0.01
+
+
 @pytest.fixture()
 def engine():
     srv = offline_server.make_server(0)
     srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, args=(POLL,), daemon=True).start()
     yield srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
     srv.shutdown()
     srv.server_close()
@@ -129,11 +133,13 @@ def test_a_kill_while_polling_resumes_the_same_batch(engine, tmp_path):
     submitting the requests again."""
     srv, url = engine
     srv.batches.knobs["polls"] = 10 ** 6
-    code = ("import sys, json, llm_clients, batch_clients, test_batch_clients as t\n"
+    # the requests go in as JSON: the child imports only the clients, not this file (and torch through it)
+    code = ("import sys, json, llm_clients, batch_clients\n"
             "c = llm_clients.Client(sys.argv[1], 'm', cache_dir=sys.argv[2] + '/cache', batch=lambda c: "
             "batch_clients.BatchRunner(c, sys.argv[2] + '/batches.json', poll=0.01, log=print))\n"
-            "c.map(t.requests_(4), progress=False)\n")
-    p = subprocess.Popen([sys.executable, "-c", code, url, str(tmp_path)], cwd=HERE, stdout=subprocess.PIPE)
+            "c.map(json.loads(sys.argv[3]), progress=False)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, url, str(tmp_path), json.dumps(requests_(4))], cwd=HERE,
+                         stdout=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         m = tmp_path / "batches.json"
@@ -498,7 +504,7 @@ def test_a_burst_of_connections_waits_to_be_accepted():
         for _ in range(100):
             socks.append(socket.create_connection(srv.server_address[:2], timeout=1.0))
     finally:
-        threading.Thread(target=srv.serve_forever, daemon=True).start()   # shutdown() waits for it
+        threading.Thread(target=srv.serve_forever, args=(POLL,), daemon=True).start()   # shutdown() waits for it
     try:
         assert len(socks) == 100
         for s in socks:
@@ -536,7 +542,7 @@ def test_eval_batch_api_gives_the_synchronous_records_at_half_price(demo_run, tm
     prices.write_text(json.dumps({"offline-engine": [1.0, 2.0]}))
     t0 = time.monotonic()
     run.main(["eval", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--batch-api", "on",
-                  "--batch-poll", "0.1", "--prices", str(prices)])
+                  "--batch-poll", "0.01", "--prices", str(prices)])
     wall = time.monotonic() - t0
     got = {f: open(d / "results" / f).read() for f in os.listdir(d / "results") if f.endswith(".jsonl")}
     assert len(got) >= 8 and all(got[f] == want[f] for f in got)      # every condition, the clean reference

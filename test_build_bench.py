@@ -38,7 +38,7 @@ def geo_input(tmp_path_factory):
         srv.paths.append((h.path, h.headers.get("Authorization")))
         return handle(h)
     srv.RequestHandlerClass = type("Recorded", (srv.RequestHandlerClass,), {"do_POST": record})
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, args=(0.01,), daemon=True).start()   # a quick shutdown()
     yield rows, f"http://127.0.0.1:{srv.server_address[1]}", srv
     srv.shutdown()
     srv.server_close()
@@ -50,16 +50,27 @@ def _argv(rows, url, out, runs_dir, *extra):
             "--name", "build", "--fidelity-judge", "offline", "--workers", "4", *extra]
 
 
-def test_the_papers_recipe_offline(geo_input, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def built(geo_input, tmp_path_factory):
+    """The build of _argv, with a Tavily key set, run once for the tests that read it -> (its output
+    b.jsonl, what the command returned)."""
+    rows, url, _ = geo_input
+    d = tmp_path_factory.mktemp("built")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TAVILY_API_KEY", "tvly-SECRET")
+        comp = run.main(_argv(rows, url, d / "b.jsonl", d / "r"))
+    return d / "b.jsonl", comp
+
+
+def test_the_papers_recipe_offline(geo_input, built, tmp_path):
     """Five sources a row + search -> ten candidates with the row's own source among them, the seven
     families under the paper's names, construction groups with the seen three only, the split asked
     for; train accepts the file; the key of Tavily never goes to another host."""
     rows, url, srv = geo_input
-    monkeypatch.setenv("TAVILY_API_KEY", "tvly-SECRET")
-    comp = run.main(_argv(rows, url, tmp_path / "b.jsonl", tmp_path / "r"))
+    bench, comp = built
     assert comp == {"construction": {"groups": 3, "methods": 3, "instances": 9},
                     "test": {"groups": 7, "methods": 7, "instances": 49}}
-    groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
+    groups, meta = geodef.load_bench(str(bench), with_meta=True)
     assert meta.methods == list(geodef.PAPER_METHODS) and meta.seen_methods == list(geodef.PAPER_SEEN_METHODS)
     assert meta.raw["search"] == f"tavily:{url}" and meta.raw["n_docs"] == 10 and meta.raw["seed"] == 0
     src_rows = {r["id"]: r for r in build_bench.read_rows(rows)}
@@ -71,18 +82,20 @@ def test_the_papers_recipe_offline(geo_input, tmp_path, monkeypatch):
         assert sorted(g.attacks) == sorted(want), g.group_id
         texts = list(g.attacks.values())
         assert len(set(texts)) == len(texts)                        # the families differ
-    line = json.loads(open(tmp_path / "b.jsonl").read().splitlines()[1])
+    line = json.loads(open(bench).read().splitlines()[1])
     assert line["trace"]["AgenticGEO"]["strategies"] and line["trace"]["AutoGEO"]["calls"] == 1
     assert all(auth is None for path, auth in srv.paths if path == "/search")    # tvly-SECRET stays home
-    plan = run.main(["train", "--dry-run", "--bench", str(tmp_path / "b.jsonl"), "--model", "tiny",
+    plan = run.main(["train", "--dry-run", "--bench", str(bench), "--model", "tiny",
                      "--runs-dir", str(tmp_path / "r"), "--name", "t", "--n-seed-cases", "3", "--batch-size", "3",
                      "--n-batches", "2"])
     assert plan["stages"]["target answers"]["requests"] > 0
 
 
-def test_a_killed_build_reruns_to_the_same_bytes(geo_input, tmp_path, monkeypatch):
+def test_a_killed_build_reruns_to_the_same_bytes(geo_input, built, tmp_path, monkeypatch):
+    """Killed in its fifth family step, the build writes nothing; rerun, it writes the bytes of the
+    `built` build that was never killed (the same settings and key, a fresh runs folder)."""
     rows, url, srv = geo_input
-    run.main(_argv(rows, url, tmp_path / "ref.jsonl", tmp_path / "ref"))
+    monkeypatch.setenv("TAVILY_API_KEY", "tvly-SECRET")
     real, n = geo_attacks.Ctx.ask, [0]
 
     def dies(self, *a, **k):                # the build is killed in its fifth family step
@@ -96,8 +109,8 @@ def test_a_killed_build_reruns_to_the_same_bytes(geo_input, tmp_path, monkeypatc
     assert not (tmp_path / "b.jsonl").exists()
     monkeypatch.setattr(geo_attacks.Ctx, "ask", real)
     run.main(_argv(rows, url, tmp_path / "b.jsonl", tmp_path / "r"))
-    a, b = open(tmp_path / "ref.jsonl").read(), open(tmp_path / "b.jsonl").read()
-    assert a.replace("ref.jsonl", "b.jsonl", 1) == b
+    a, b = open(built[0]).read(), open(tmp_path / "b.jsonl").read()
+    assert a == b                           # both files are named b.jsonl, the name the metadata records
 
 
 def test_a_build_dry_run_sends_nothing(geo_input, tmp_path):
@@ -131,24 +144,32 @@ def _short_rows_argv(geo_input, tmp_path):
             "--attacks", "GEO,AutoGEO", "--seen-methods", "GEO"]
 
 
-def test_rows_shorter_than_docs_are_reported_not_lost(geo_input, tmp_path):
-    """Without search, rows shorter than --docs are reported, not silently lost; --docs 5 is recorded."""
+@pytest.fixture(scope="module")
+def short_rows(geo_input, tmp_path_factory):
+    """_short_rows_argv's build with --docs 5, run once for the tests that read it -> its output file."""
+    d = tmp_path_factory.mktemp("short")
+    run.main(_short_rows_argv(geo_input, d) + ["--docs", "5"])
+    return d / "b.jsonl"
+
+
+def test_rows_shorter_than_docs_are_reported_not_lost(geo_input, short_rows, tmp_path):
+    """Without search, rows shorter than --docs are reported, not silently lost; --docs 5 (the
+    short_rows build, the same command) is recorded."""
     argv = _short_rows_argv(geo_input, tmp_path)
     with pytest.raises(SystemExit,
                        match="no query group left, all 24 dropped .first: 5 non-empty, distinct documents < "
                              "--docs 10"):
         run.main(argv)                   # five sources a row, ten asked: every row reported and dropped
-    run.main(argv + ["--docs", "5"])
-    groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
+    assert not (tmp_path / "b.jsonl").exists()
+    groups, meta = geodef.load_bench(str(short_rows), with_meta=True)
     assert meta.n_docs == 5 and all(len(g.docs) == 5 for g in groups)
     assert meta.raw["fidelity_judge"] == "offline:offline-engine"        # no --fidelity-judge: the builder judges
     assert set(meta.raw["surface_markers"]) == {"benign candidates", "sources", "GEO", "AutoGEO"}
 
 
-def test_evals_k_must_stay_below_the_benchmarks_documents(geo_input, tmp_path):
-    run.main(_short_rows_argv(geo_input, tmp_path) + ["--docs", "5"])
+def test_evals_k_must_stay_below_the_benchmarks_documents(short_rows, tmp_path):
     with pytest.raises(SystemExit, match="--k 5: .* has 5 candidates"):
-        run.main(["eval", "--dry-run", "--bench", str(tmp_path / "b.jsonl"), "--runs-dir", str(tmp_path / "r"),
+        run.main(["eval", "--dry-run", "--bench", str(short_rows), "--runs-dir", str(tmp_path / "r"),
                   "--name", "e", "--model", "tiny", "--conditions", "Non-Defense"])   # needs no training
 
 

@@ -14,11 +14,18 @@ import gpt2
 import tiny
 
 
-def test_gpt2_document_text_never_becomes_end_of_text(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    """The tiny GPT-2 folder (tiny.py), written once for the module: tests load it and change only what
+    they loaded."""
+    return tiny.make_tiny_gpt2(str(tmp_path_factory.mktemp("gpt2") / "tiny"))
+
+
+def test_gpt2_document_text_never_becomes_end_of_text(tiny_gpt2):
     """A document holding "<|endoftext|>" is scored as that text: the token would restart GPT-2's
     context inside the document and change its perplexity."""
     from tokenizers import AddedToken
-    lm = gpt2.GPT2.from_pretrained(tiny.make_tiny_gpt2(str(tmp_path / "g")))
+    lm = gpt2.GPT2.from_pretrained(tiny_gpt2)
     plain = lm.encode("a <|endoftext|> b")
     eot = lm.tokenizer.get_vocab_size()
     lm.tokenizer.add_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])   # as GPT-2's own
@@ -28,9 +35,13 @@ def test_gpt2_document_text_never_becomes_end_of_text(tmp_path):
     assert math.isfinite(lm.perplexity("eggs <|endoftext|> boil for six minutes <|endoftext|>"))
 
 
-def test_gpt2_parity_with_transformers(tmp_path):
+def test_gpt2_parity_with_transformers(tmp_path, tiny_gpt2):
+    """Logits equal transformers' GPT-2 on the same saved weights; the sliding-window perplexity equals
+    the token-by-token definition. The text is 103 tokens, three windows of the 64-token context at
+    stride 32 (a first, a middle and a last, shorter one): each window kind and both carry-overs once,
+    at one forward per token for the definition."""
     transformers = pytest.importorskip("transformers")
-    folder = tiny.make_tiny_gpt2(str(tmp_path / "tiny"))
+    folder = tiny_gpt2
     cfg = json.load(open(os.path.join(folder, "config.json")))
     torch.manual_seed(0)
     hm = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=cfg["vocab_size"], n_embd=48, n_layer=2,
@@ -42,9 +53,9 @@ def test_gpt2_parity_with_transformers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hm(ids).logits, rtol=1e-4, atol=1e-4)
     # sliding window: perplexity of a text longer than the context equals the token-by-token definition
-    text = "the of and to in a is that for it as was with be by on not " * 12
+    text = "the of and to in a is that for it as was with be by on not " * 6
     tok = ours.tokenizer.encode(text).ids
-    assert len(tok) > 64
+    assert 96 < len(tok) < 128                               # windows at 0, 32 and 64, the last one cut
     nll = 0.0
     for pos in range(1, len(tok)):
         lo = 0 if pos < 64 else ((pos - 64) // 32 + 1) * 32

@@ -24,14 +24,17 @@ def argv(out, *extra):
 
 
 def near_copies_in_round_1(real):
-    """The offline attacker, except on the training side: round 1's writes near-copies of the source (it
-    and the query), which the small demo's Shield keeps in its top-5, so round 1 has survivors to harvest,
-    retrain on and grow the library with; round 2's writes only what the gate refuses (too short), so
-    round 2 has none. The test side's fresh attackers are the offline engine's."""
+    """The offline attacker, except on the training side: round 1's first call writes, as its second
+    rewrite, a near-copy of the source (it, the query and a pointer back), which the small demo's Shield
+    keeps in its top-5, so round 1 has survivors to harvest, retrain on and grow the library with: candidate
+    2 of every family of the groups where it ranks so, a few survivors, which keeps the retraining short.
+    Every other training-side rewrite is what the gate refuses (too short), so round 2 has none. The test
+    side's fresh attackers are the offline engine's."""
     def attacker(inp):
         seed, n = str(inp.get("attacker_seed", "")), int(inp["n_rewrites"])
-        if seed.startswith("train-") and seed.endswith("-1"):
-            return [f"{inp['source_document']}\n\nIn short: {inp['query']}" + " (see above)" * i for i in range(n)]
+        if seed.startswith("train-") and seed.endswith("-1") and inp["round"] == 1:
+            return [f"{inp['source_document']}\n\nIn short: {inp['query']} (see above)" if i else f"Short {i}."
+                    for i in range(n)]
         if seed.startswith("train-"):
             return [f"Short {i}." for i in range(n)]
         return real(inp)
@@ -217,7 +220,7 @@ def test_a_killed_batch_api_harden_reruns_to_the_synchronous_files(hardened, tmp
     monkeypatch.setattr(harden, "measure", dies)
     monkeypatch.setattr(offline, "attack_rewrites", near_copies_in_round_1(offline.attack_rewrites))
     # round 1's files are those of the 2-round run
-    one_round = argv(tmp_path / "o") + ["--rounds", "1", "--batch-api", "on", "--batch-poll", "0.1"]
+    one_round = argv(tmp_path / "o") + ["--rounds", "1", "--batch-api", "on", "--batch-poll", "0.01"]
     with pytest.raises(KeyboardInterrupt):
         run.main(one_round)
     monkeypatch.setattr(harden, "measure", real)
@@ -269,6 +272,6 @@ def test_a_harden_dry_run_sends_and_writes_nothing(demo_run, tmp_path):
 def test_changed_settings_are_refused_on_a_hardened_run(hardened, tmp_path):
     out, _, _ = hardened
     shutil.copytree(out, tmp_path / "o")
-    with pytest.raises(SystemExit, match="the rounds were made with budget=5"):
+    with pytest.raises(SystemExit, match=r"the rounds were made with different budget \(budget=5\)"):
         run.main(["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "2", "--budget", "7",
                   "--eval-budgets", "1,3", "--eval-groups", "2"])

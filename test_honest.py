@@ -57,11 +57,13 @@ def rows(tmp_path_factory):
     return ms.geo_bench(str(tmp_path_factory.mktemp("geo")))
 
 
-def _build(rows, out, runs_dir, *extra, groups=24):
-    """build-bench over the rows with the offline engine and search: the bundled sample's recipe (24
-    groups, 12 construction), or `groups` groups of which a third construction."""
+def _build(rows, out, runs_dir, *extra, groups=16, construction=4):
+    """build-bench over the rows with the offline engine and search: by default 16 groups of which 4
+    construction. The honest audit measures the test split, so it keeps the 12 test groups of the bundled
+    sample's recipe (24 groups, 12 construction); its construction groups only train the Shield and TFSG,
+    and 4 fill the demo's TFSG schedule (3 seed cases, 3 batches of 3) as they do for the demo run."""
     return run.main(["build-bench", "--input", rows[0], "--search", f"offline:{rows[1]}", "--output", str(out),
-                     "--groups", str(groups), "--construction-groups", str(12 if groups == 24 else groups // 3),
+                     "--groups", str(groups), "--construction-groups", str(construction),
                      "--llm", "offline", "--fidelity-judge", "offline", "--model", "tiny", "--dtype", "float32",
                      "--synthetic", "--name", "hb", "--runs-dir", str(runs_dir), *extra])
 
@@ -106,7 +108,7 @@ def test_build_bench_honest_adds_an_edit_and_its_trace_and_changes_nothing_else(
 def test_a_refused_honest_edit_leaves_its_group_without_one(rows, tmp_path, monkeypatch):
     """Every attempt adds a number: refused twice, recorded in the trace, the group kept with its attacks."""
     monkeypatch.setattr(offline, "_honest", lambda inp: {"rewritten_document": inp["document"] + "\n\nUpdated 2031."})
-    _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=10)
+    _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=10, construction=3)
     groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
     assert len(groups) == 10 and all(g.honest is None for g in groups) and meta.raw["honest_edits"] == 0
     trace = next(g for g in _lines(tmp_path / "b.jsonl")[1:] if g["split"] == "test")["honest_trace"]

@@ -65,10 +65,7 @@ def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
     changes the request once for the client (logged once, reported by usage()), concurrent requests
     included; replies are cached under the request as asked, so a new client finds them all."""
     StrictModel.seen = []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), StrictModel)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv, url = _serve(StrictModel)
     reqs = [{"messages": [{"role": "user", "content": f"q{i}"}], "temperature": 0, "max_tokens": 64, "json": True}
             for i in range(24)]
     try:
@@ -402,9 +399,11 @@ class Trickle(BaseHTTPRequestHandler):
 
 
 def _serve(handler):
+    """A loopback server for `handler` in a daemon thread -> (server, its /v1 URL). It polls for
+    shutdown every 0.05 s (serve_forever's default 0.5 s is what each test's shutdown() would wait)."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
 
 

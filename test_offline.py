@@ -177,7 +177,7 @@ def every_kind_of_request():
 def test_every_answer_is_a_function_of_the_request_alone(tmp_path):
     """The engine's replies to every prompt kind, in three processes of different hash seeds, are the
     same bytes: no answer depends on set or dict order, the clock or the process (a killed run resumes
-    to the same results). One subprocess per seed."""
+    to the same results). One subprocess per seed, the three at once."""
     bodies = every_kind_of_request()
     kinds = {offline.prompt_kind(offline.chat_text(b["messages"]))[0] for b in bodies}
     assert kinds == {"cold_start", "evolution", "guided_answer", "geo_family", "rewrite", "adaptive_attack",
@@ -186,9 +186,16 @@ def test_every_answer_is_a_function_of_the_request_alone(tmp_path):
     path.write_text(json.dumps(bodies), encoding="utf-8")
     code = ("import json, sys, offline; print(json.dumps([offline.respond(b) for b in "
             "json.load(open(sys.argv[1], encoding='utf-8'))]))")
-    out = [subprocess.run([sys.executable, "-c", code, str(path)], cwd=HERE, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
-           for seed in ("1", "2", "3")]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=HERE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONHASHSEED": seed})
+             for seed in ("1", "2", "3")]
+    try:
+        done = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()                        # none left running if one timed out
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in done]
+    out = [o for o, _ in done]
     replies = [json.loads(o) for o in out]
     differ = [offline.prompt_kind(offline.chat_text(b["messages"]))[0] for i, b in enumerate(bodies)
               if not replies[0][i] == replies[1][i] == replies[2][i]]

@@ -17,11 +17,17 @@ import tfsg
 from conftest import _raw
 
 
+def _start(srv):
+    """Serve in a daemon thread, polling for shutdown every 0.05 s (serve_forever's default 0.5 s is what
+    each test's shutdown() would wait) -> srv."""
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return srv
+
+
 @pytest.fixture()
 def engine():
-    srv = offline_server.make_server(0)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = _start(offline_server.make_server(0))
     yield srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
     srv.shutdown()
     srv.server_close()
@@ -39,10 +45,9 @@ def _chat(i):
 
 def test_offline_server_answers_every_hostile_request():
     """serve-offline answers bodies of the wrong shape with 4xx JSON, and a client that promises more
-    body than it sends is dropped after the socket timeout; the server keeps answering."""
-    srv = offline_server.make_server(0)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    body than it sends is dropped after the socket timeout (0.3 s here, well apart from the client's 5 s);
+    the server keeps answering."""
+    srv = _start(offline_server.make_server(0))
     url = f"http://127.0.0.1:{srv.server_address[1]}/v1/chat/completions"
     try:
         for body in (b"[1]", b'"s"', b'{"messages": 3}', b'{"messages": [{"role": "user", "content": ["a"]}]}',
@@ -53,7 +58,7 @@ def test_offline_server_answers_every_hostile_request():
             status, _ = _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
             assert status == 400
         old = offline_server._Handler.timeout
-        offline_server._Handler.timeout = 1
+        offline_server._Handler.timeout = 0.3
         try:
             t0 = time.monotonic()
             _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{", timeout=5)

@@ -2,6 +2,7 @@
 evaluation, the demo, judges that misbehave, the benchmark builder.
 Run: python -m pytest -q test_pipeline.py
 """
+import copy
 import dataclasses
 import json
 import os
@@ -99,38 +100,42 @@ class ReversedBase:
         return list(range(9, -1, -1))
 
 
-def _ppl_filtered(tmp_path, small_bench):
+@pytest.fixture(scope="module")
+def ppl_filtered(tmp_path_factory, small_bench):
     """PPL-Filter (tiny GPT-2, the median of the construction documents' perplexities) over two methods'
-    test instances -> (settings, construction groups, instances, orders, diagnostics, the calibration
-    perplexities, the GPT-2)."""
-    cfg = settings.EvalConfig(name="ppl", runs_dir=str(tmp_path), bench=small_bench, n_construction=4,
-                              ppl_model="tiny", ppl_quantile=0.5)
+    test instances, once for the tests that read it -> (settings, construction groups, instances,
+    orders, diagnostics, the calibration perplexities, the GPT-2)."""
+    cfg = settings.EvalConfig(name="ppl", runs_dir=str(tmp_path_factory.mktemp("ppl")), bench=small_bench,
+                              n_construction=4, ppl_model="tiny", ppl_quantile=0.5)
     groups, meta, cons, test, seen, methods = runs.load_data(cfg)
     insts = geodef.expand(test, methods[:2])
     orders, diag = evaluation.ppl_filter(cfg, ReversedBase(), cons, insts)
-    lm = gpt2.GPT2.from_pretrained(os.path.join(str(tmp_path), "_tiny_gpt2"))
+    lm = gpt2.GPT2.from_pretrained(os.path.join(cfg.runs_dir, "_tiny_gpt2"))
     calib = [lm.perplexity(d["text"]) for g in cons for d in g.docs]
     return cfg, cons, insts, orders, diag, calib, lm
 
 
-def test_the_ppl_threshold_is_the_construction_quantile(tmp_path, small_bench):
+def test_the_ppl_threshold_is_the_construction_quantile(ppl_filtered):
     import numpy as np
-    _, _, _, _, diag, calib, _ = _ppl_filtered(tmp_path, small_bench)
+    _, _, _, _, diag, calib, _ = ppl_filtered
     assert abs(diag["threshold"] - float(np.quantile(calib, 0.5))) < 1e-6
 
 
-def test_ppl_filter_moves_flagged_documents_last_keeping_the_base_order(tmp_path, small_bench):
-    _, _, insts, orders, diag, _, lm = _ppl_filtered(tmp_path, small_bench)
+def test_ppl_filter_moves_flagged_documents_last_keeping_the_base_order(ppl_filtered):
+    _, _, insts, orders, diag, _, lm = ppl_filtered
     for x in insts:
         flagged = [lm.perplexity(d) > diag["threshold"] for d in x.docs]
         o = orders[x.instance_id]
         assert o == [i for i in range(9, -1, -1) if not flagged[i]] + [i for i in range(9, -1, -1) if flagged[i]]
 
 
-def test_ppl_scores_are_cached_per_scoring_model(tmp_path, small_bench):
-    """Another scoring model gets its own perplexities (the cache is per model, not per text alone)."""
+def test_ppl_scores_are_cached_per_scoring_model(ppl_filtered, tmp_path):
+    """Another scoring model gets its own perplexities (the cache is per model, not per text alone);
+    on a copy of the filtered run's folder."""
     import numpy as np
-    cfg, cons, insts, _, _, calib, _ = _ppl_filtered(tmp_path, small_bench)
+    cfg, cons, insts, _, _, calib, _ = ppl_filtered
+    shutil.copytree(cfg.runs_dir, tmp_path, dirs_exist_ok=True)
+    cfg = dataclasses.replace(cfg, runs_dir=str(tmp_path))
     other = tiny.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
     _, diag2 = evaluation.ppl_filter(dataclasses.replace(cfg, ppl_model=other), ReversedBase(), cons, insts)
     lm2 = gpt2.GPT2.from_pretrained(other)
@@ -140,14 +145,32 @@ def test_ppl_scores_are_cached_per_scoring_model(tmp_path, small_bench):
         ["ppl_tiny.json", "ppl_" + other.replace("/", "_") + ".json"])
 
 
+# the Shield's training settings of the resume tests: small enough to train in seconds, checkpoints
+# every 2 of its steps so that a kill can fall between two checkpoints
+SHIELD_KW = dict(n_construction=4, model="tiny", dtype="float32", lr=2e-3, epochs=2, grad_accum=2, save_every=2)
+_TRAINED = {}
+
+
+def trained_shield(tmp_path_factory, bench, device="cpu"):
+    """The Shield trained uninterrupted on `bench` with SHIELD_KW on `device`, once a session: the
+    reference that the interrupted and resumed runs (here and in test_runs.py) must equal -> its run
+    folder, to read only."""
+    if (bench, device) not in _TRAINED:
+        runs_dir = tmp_path_factory.mktemp("shield_full")
+        train.train_shield(settings.EvalConfig(name="full", runs_dir=str(runs_dir), bench=bench, device=device,
+                                               **SHIELD_KW))
+        _TRAINED[bench, device] = runs_dir / "full"
+    return _TRAINED[bench, device]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs CUDA (the checkpoint also restores the GPU's RNG: its dropout masks)"))])
-def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, device):
+def test_train_resume_equals_uninterrupted(tmp_path, tmp_path_factory, small_bench, monkeypatch, device):
+    """Killed runs resumed train to the uninterrupted run's adapter and log (trained_shield)."""
     from safetensors.torch import load_file
-    kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
-              epochs=2, grad_accum=2, save_every=2, device=device)
-    train.train_shield(settings.EvalConfig(name="full", **kw))
+    kw = dict(runs_dir=str(tmp_path), bench=small_bench, device=device, **SHIELD_KW)
+    full = trained_shield(tmp_path_factory, small_bench, device)
     real = geodef.shield_loss
     # killed: before the first checkpoint (a fresh restart), and twice where steps were logged after
     # the last checkpoint (save_every 2), so that the resumed run redoes steps the log already holds
@@ -166,20 +189,20 @@ def test_train_resume_equals_uninterrupted(tmp_path, small_bench, monkeypatch, d
         monkeypatch.setattr(geodef, "shield_loss", real)
         assert not os.path.exists(tmp_path / name / "shield_done.json")
         train.train_shield(settings.EvalConfig(name=name, **kw))
-        a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+        a = load_file(full / "adapter" / "adapter_model.safetensors")
         b = load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
         assert a.keys() == b.keys()
         if device == "cpu":       # bitwise; CUDA's atomic-add backward kernels need not be
             assert all(torch.equal(a[k], b[k]) for k in a)
             # the training log equals the uninterrupted one: no line twice, none lost
             log = (tmp_path / name / "train_log.jsonl").read_text()
-            assert log == (tmp_path / "full" / "train_log.jsonl").read_text()
+            assert log == (full / "train_log.jsonl").read_text()
         else:
             for k in a:
                 torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
-            log = lambda n: [json.loads(l)["step"] for l in open(tmp_path / n / "train_log.jsonl")]
-            assert log(name) == log("full")
-    log = [json.loads(l) for l in open(tmp_path / "full" / "train_log.jsonl")]
+            log = lambda d: [json.loads(l)["step"] for l in open(d / "train_log.jsonl")]
+            assert log(tmp_path / name) == log(full)
+    log = [json.loads(l) for l in open(full / "train_log.jsonl")]
     assert {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "grad_norm",
             "learning_rate"} <= set(next(r for r in log if r["event"] == "train"))
 
@@ -211,7 +234,9 @@ def test_demo_end_to_end_reduced(demo_run):
 
 def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
     """The Shield's cached scores belong to one adapter: after the adapter is replaced (retrained, or
-    another copied in), the Shield ranks by the new one, not by scores cached under the old."""
+    another copied in), the Shield ranks by the new one, not by scores cached under the old. On one
+    test group's GEO instance: ten documents that the new adapter must score anew show it as well as
+    four groups' forty."""
     shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
     shutil.copytree(demo_run / "adapter", tmp_path / "r" / "adapter")
     shutil.copytree(demo_run / "cache", tmp_path / "r" / "cache")
@@ -220,7 +245,7 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
     old = runs.shield_scores_path(cfg)
     assert os.path.isfile(old)                                   # the demo's, under its adapter's digest
     base, shield = rankers.load_rankers(cfg, True)
-    insts = [geodef.attack_instance(g, "GEO") for g in runs.load_data(cfg)[3]]
+    insts = [geodef.attack_instance(g, "GEO") for g in runs.load_data(cfg)[3][:1]]
     shield.prepare(insts)
     assert any(shield.scores(x) != base.scores(x) for x in insts)
     for m in lora.lora_modules(base.rr.model).values():           # an adapter with B = 0: the base policy
@@ -233,22 +258,57 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
         torch.testing.assert_close(torch.tensor(shield2.scores(x)), torch.tensor(base2.scores(x)), rtol=0, atol=1e-5)
 
 
-@pytest.fixture()
-def evaluated_copy(demo_run, tmp_path, server):
-    """evaluated_copy(name): the demo's adapter and library copied into a run `name` under tmp_path (the
-    tiny checkpoints beside it), set for two query groups with the LLM behind the scripted loopback
-    server, and evaluated -> (its settings as a dict, the summary); evaluate=False: not evaluated (None)."""
-    for d in ("_tiny_qwen3", "_tiny_gpt2"):
-        shutil.copytree(demo_run.parent / d, tmp_path / d)
-    demo = json.load(open(demo_run / "config.json"))["config"]
+@pytest.fixture(scope="module")
+def engine():
+    """The scripted loopback LLM server (conftest's Script: the offline engine answers what is not
+    scripted) for the module: an endpoint's port is part of every LLM cache key, so a run evaluated
+    once and copied answers from its cache in every test."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Script)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
 
-    def copy(name, evaluate=True):
-        shutil.copytree(demo_run / "adapter", tmp_path / name / "adapter")
-        shutil.copytree(demo_run / "library", tmp_path / name / "library")
-        c = {**demo, "name": name, "runs_dir": str(tmp_path), "llm": "openai-compatible:scripted", "base_url": server,
-             "max_test_groups": 2, "n_boot": 100}
-        return c, evaluation.evaluate(settings.EvalConfig(**c)) if evaluate else None
-    return copy
+
+@pytest.fixture(scope="module")
+def evaluated_demo(demo_run, tmp_path_factory, engine):
+    """The demo's adapter, library and reranker and perplexity scores (its cache/ without the LLM
+    replies) copied into a run `full` (the tiny checkpoints beside it), set for two query groups with
+    the LLM behind `engine`, and evaluated once for the module -> (its runs folder, its settings as a
+    dict, the summary)."""
+    runs_dir = tmp_path_factory.mktemp("evaluated")
+    for d in ("_tiny_qwen3", "_tiny_gpt2"):
+        shutil.copytree(demo_run.parent / d, runs_dir / d)
+    for d in ("adapter", "library"):
+        shutil.copytree(demo_run / d, runs_dir / "full" / d)
+    shutil.copytree(demo_run / "cache", runs_dir / "full" / "cache", ignore=shutil.ignore_patterns("llm"))
+    c = {**json.load(open(demo_run / "config.json"))["config"], "name": "full", "runs_dir": str(runs_dir),
+         "llm": "openai-compatible:scripted", "base_url": engine, "max_test_groups": 2, "n_boot": 100}
+    Script.script = []                       # nothing scripted: the offline engine answers
+    return runs_dir, c, evaluation.evaluate(settings.EvalConfig(**c))
+
+
+@pytest.fixture()
+def evaluated_copy(demo_run, evaluated_demo, tmp_path, server):
+    """evaluated_copy(name): evaluated_demo's run folder copied as a run `name` under tmp_path (the tiny
+    checkpoints beside it) -> (its settings as a dict, the summary of its evaluation); evaluate=False:
+    the demo's adapter, library and reranker and perplexity scores (cache/ without the LLM replies),
+    set the same way, not evaluated (None). `server` clears the scripted server's records
+    (Script.seen) for the test."""
+    src, settings_, summary = evaluated_demo
+    for d in ("_tiny_qwen3", "_tiny_gpt2"):
+        shutil.copytree(src / d, tmp_path / d)
+
+    def make(name, evaluate=True):
+        c = {**settings_, "name": name, "runs_dir": str(tmp_path)}
+        if evaluate:
+            shutil.copytree(src / "full", tmp_path / name)
+            return c, copy.deepcopy(summary)
+        for d in ("adapter", "library"):
+            shutil.copytree(demo_run / d, tmp_path / name / d)
+        shutil.copytree(demo_run / "cache", tmp_path / name / "cache", ignore=shutil.ignore_patterns("llm"))
+        return c, None
+    return make
 
 
 def _without_usage(summary):
@@ -256,7 +316,9 @@ def _without_usage(summary):
 
 
 def test_eval_killed_midway_resumes_to_same_results(evaluated_copy, tmp_path, monkeypatch):
-    """Two query groups, the LLM behind a real loopback server, killed midway, resumed."""
+    """Two query groups, the LLM behind a real loopback server, killed midway in its LLM phase, resumed
+    (the reranker and perplexity scores come from the demo's cache: the kill is in the LLM calls that
+    follow them)."""
     _, full = evaluated_copy("full")
     c, _ = evaluated_copy("cut", evaluate=False)
     real = llm_clients.Client.chat
@@ -310,7 +372,8 @@ def test_records_made_with_other_settings_are_refused(evaluated_copy, tmp_path):
     for change, what in [({"judge": "openai-compatible:other"}, "judge='openai-compatible:scripted'"),
                          ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),
                          ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
-        with pytest.raises(runs.SettingsError, match=f"records were made with {what}; this eval asks for"):
+        with pytest.raises(runs.SettingsError, match=rf"records were made with different \w+ \({re.escape(what)}\); "
+                                                     "this command asks for"):
             evaluation.evaluate(settings.EvalConfig(**{**c, **change}))
 
 
@@ -347,7 +410,8 @@ def test_a_transfer_name_later_pointing_at_other_content_is_refused(evaluated_co
     e0 = (demo_run / "library" / "E0.json").read_bytes()
     assert e0 != lib.read_bytes()
     lib.write_bytes(e0)
-    with pytest.raises(runs.SettingsError, match="records were made with transfer a='[0-9a-f]{12}'"):
+    with pytest.raises(runs.SettingsError,
+                       match=r"records were made with different transfer a \(transfer a='[0-9a-f]{12}'"):
         evaluation.evaluate(settings.EvalConfig(**{**c, "conditions": "GEO Defender", "transfer": f"a={lib}"}))
 
 
@@ -386,7 +450,8 @@ class BadJudge(BaseHTTPRequestHandler):
 
 def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, tmp_path):
     """A judge reply whose score is malformed is asked again (bounded), never cached; the instance is
-    then recorded as judge-failed, counted in summary.json and the report, and the eval goes on."""
+    then recorded as judge-failed, counted in summary.json and the report, and the eval goes on. The
+    demo's reranker scores come along (its cache/ without the LLM replies): the judge's are the point."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), BadJudge)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -395,6 +460,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
             shutil.copytree(demo_run.parent / d, tmp_path / d)
         shutil.copytree(demo_run / "adapter", tmp_path / "j" / "adapter")
         shutil.copytree(demo_run / "library", tmp_path / "j" / "library")
+        shutil.copytree(demo_run / "cache", tmp_path / "j" / "cache", ignore=shutil.ignore_patterns("llm"))
         c = json.load(open(demo_run / "config.json"))["config"]
         c.update(name="j", runs_dir=str(tmp_path), llm="openai-compatible:bad", max_test_groups=1, n_boot=50,
                  base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", conditions="Non-Defense,GEO Defender")
@@ -563,11 +629,14 @@ def test_labels_never_reach_prompt_text(demo_run, tmp_path, server):
             assert m is None, f"a target prompt names {what}: ...{p[max(0, m.start() - 80):m.end() + 80]}..."
 
 
-def test_train_sends_the_tfsg_target_answers_as_batches(tmp_path):
+def test_train_sends_the_tfsg_target_answers_as_batches(tmp_path, small_bench):
     """--batch-api carries TFSG's controlled rollouts and case answers (one stage each); only the
-    Analyzer's calls, each of which needs the last library, stay synchronous."""
+    Analyzer's calls, each of which needs the last library, stay synchronous. On the small benchmark
+    (4 construction groups, 3 seed cases, update batches of 3): the same stages as the sample's 12
+    groups, 6 seed cases and batches of 10, with a third of the construction instances to rank."""
     run.main(["train", "--preset", "tiny-demo", "--runs-dir", str(tmp_path), "--name", "b", "--batch-api", "on",
-              "--batch-poll", "0.05", "--stage", "tfsg", "--no-shield", "--n-batches", "2"])
+              "--batch-poll", "0.05", "--stage", "tfsg", "--no-shield", "--n-batches", "2", "--bench", small_bench,
+              "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3"])
     rows = [json.loads(line)["model"] for line in open(tmp_path / "b" / "usage.jsonl")]
     assert rows.count("offline:offline-engine") == 1 + 2                     # cold start + two update batches
-    assert rows.count("offline:offline-engine [batch]") >= 6 * 4 + 2 * 10    # rollouts and case answers
+    assert rows.count("offline:offline-engine [batch]") >= 3 * 4 + 2 * 3     # rollouts and case answers

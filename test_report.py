@@ -321,7 +321,8 @@ def test_report_figures_are_byte_identical_on_rerun(tmp_path):
 
 def test_attack_strength_is_the_rewrites_citation_minus_the_sources_and_flags_a_ci_holding_zero():
     """Non-Defense records against the clean reference: a family always cited, whose source was cited in
-    2 of 6 groups, gains 66.67 points; one cited exactly where its source was gains 0 and is flagged; the report prints both."""
+    2 of 6 groups, gains 66.67 points; one cited exactly where its source was gains 0 and is flagged; the
+    report prints both."""
     import geodef
     groups = [geodef.QueryGroup(f"g{i}", "q", [{"doc_id": f"g{i}-{j}", "text": "t"} for j in range(4)], 1,
                                 {"A": "a", "B": "b"}) for i in range(6)]

@@ -3,6 +3,8 @@ HTTP, hostile endpoints, the reranker-stage evaluation against this project's ow
 rankings as the in-process Shield), eval's deployed-reranker conditions, resume and caching.
 Run: python -m pytest -q test_rerank_eval.py
 """
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -106,15 +108,28 @@ class FakeRerank(BaseHTTPRequestHandler):
         pass
 
 
+# how often a server's loop looks for shutdown(): its default 0.5 s would hold every teardown that long
+POLL = 0.01
+
+
+@contextlib.contextmanager
+def fake_server():
+    """A FakeRerank server on a free port -> its base URL; shut at the end."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeRerank)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, args=(POLL,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.fixture()
 def fake():
     FakeRerank.script, FakeRerank.seen = [], []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeRerank)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with fake_server() as url:
+        yield url
 
 
 Q, DOCS = "how long to boil an egg", ["boil the egg six minutes", "stock market news", "an egg needs long to boil"]
@@ -180,16 +195,20 @@ def test_hostile_endpoints_are_one_line_errors_never_a_ranking(fake, tmp_path, h
 
 
 def test_rate_limits_server_errors_or_stalls_are_retried(fake):
+    """429 and 500 are retried with the server's Retry-After; a stalled reply is retried too, and three
+    stalls end in one error in bounded time (a 0.3 s timeout there: each stall waits it out)."""
     c = rerank_clients.RerankClient(fake + "/v1/rerank", "m", max_retries=2, timeout=1)
     delays = []
     c.transport.sleep = delays.append
     FakeRerank.script = ["429", "500"]
     assert c.rerank(Q, DOCS).scores == pytest.approx(fake_scores(Q, DOCS))
     assert len(FakeRerank.seen) == 3 and delays[0] == 0.0 and c.stats["retries"] == 2
+    stalled = rerank_clients.RerankClient(fake + "/v1/rerank", "m", max_retries=2, timeout=0.3)
+    stalled.transport.sleep = delays.append
     FakeRerank.script = ["stall", "stall", "stall"]
     t0 = time.monotonic()
     with pytest.raises(llm_clients.LLMError, match="after 3 attempts"):
-        c.rerank(Q + "?", DOCS)
+        stalled.rerank(Q + "?", DOCS)
     assert time.monotonic() - t0 < 8
 
 
@@ -213,8 +232,9 @@ def test_a_failed_request_stops_the_others_in_flight(fake):
         c.map([(Q + str(i), DOCS) for i in range(4)], workers=4)
     assert time.monotonic() - t0 < 2                                   # reported at once
     for t in set(threading.enumerate()) - before:
-        t.join(timeout=3)                    # the stalled workers end after the abort's grace, no retries
-        assert not t.is_alive() or not t.name.startswith("ThreadPoolExecutor")
+        if t.name.startswith("ThreadPoolExecutor"):     # not the server's threads, which sleep out their stall
+            t.join(timeout=3)                # the stalled workers end after the abort's grace, no retries
+            assert not t.is_alive()
     assert len(FakeRerank.seen) == 4
 
 
@@ -231,7 +251,7 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
     cfg = settings.EvalConfig(**{**json.load(open(out / name / "config.json"))["config"], "runs_dir": str(out)})
     rr = runs.load_shield(cfg)
     srv = serve.RerankServer(rr, port=0, log=False)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, args=(POLL,), daemon=True).start()
     try:
         t0 = time.monotonic()
         stage = run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", "shield",
@@ -283,25 +303,20 @@ def _request_key(body):
     return json.dumps(body, sort_keys=True)
 
 
-def _failed_rerank_eval(demo_run, tmp_path, fake):
-    """rerank-eval on a copy of the demo run, its sixth reply one result short: it fails -> (the copy,
-    the run's name, the keys of the requests answered, how many requests were sent)."""
+def test_a_failed_rerank_eval_records_nothing_partial_and_resumes_from_the_cache(demo_run, tmp_path, fake):
+    """rerank-eval on a copy of the demo run, its sixth reply one result short, fails: no partial
+    records; the rerun sends only the requests that were not answered (one failed run for both)."""
     out, name = _run_copy(demo_run, tmp_path)
     FakeRerank.script = ["ok"] * 5 + ["fewer"]
+    before = set(threading.enumerate())
     with pytest.raises(SystemExit, match=r"error: .*results: 9 results for 10 documents"):
         run.main(_rerank_eval_argv(out, name, fake))
-    time.sleep(0.5)                          # a request in flight at the failure finishes (and is cached)
+    for t in set(threading.enumerate()) - before:    # a request in flight at the failure finishes (and is cached)
+        if t.name.startswith("ThreadPoolExecutor"):
+            t.join(timeout=10)
     answered = {_request_key(b) for i, (_, _, b) in enumerate(FakeRerank.seen) if i != 5}   # the 6th got "fewer"
-    return out, name, answered, len(FakeRerank.seen)
-
-
-def test_a_failed_rerank_eval_records_nothing_partial(demo_run, tmp_path, fake):
-    out, name, _, _ = _failed_rerank_eval(demo_run, tmp_path, fake)
+    sent = len(FakeRerank.seen)
     assert not (out / name / "results" / "rerank-fk.jsonl").exists()
-
-
-def test_a_failed_rerank_eval_resumes_from_the_cache(demo_run, tmp_path, fake):
-    out, name, answered, sent = _failed_rerank_eval(demo_run, tmp_path, fake)
     run.main(_rerank_eval_argv(out, name, fake))
     first = (out / name / "results" / "rerank-fk.jsonl").read_text()
     n_lists = len(first.splitlines()) + len({json.loads(l)["group_id"] for l in first.splitlines()})
@@ -330,28 +345,33 @@ def test_rerank_eval_refuses_bad_reranker_flags(demo_run, tmp_path, fake):
         run.main(["rerank-eval", "--runs-dir", str(out), "--name", name])
 
 
-def _rerank_eval_with_passwords(demo_run, tmp_path, fake):
-    """rerank-eval on a copy of the demo run against two endpoints (plain and tei:) whose URLs hold a
-    user and password, no labels given -> (the copy, the run's name, the endpoint's port, the URL)."""
-    out, name = _run_copy(demo_run, tmp_path)
-    secret = fake.replace("http://", "http://usr:PASSw0rd@")
-    run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"{secret}/v1/rerank",
-              "--reranker", f"tei:{secret}", "--workers", "2"])
-    return out, name, fake.rsplit(":", 1)[1], secret
+@pytest.fixture(scope="module")
+def with_passwords(demo_run, tmp_path_factory):
+    """rerank-eval on a copy of the demo run against two endpoints (plain and tei:) of one FakeRerank
+    server whose URLs hold a user and password, no labels given; run once for the tests below, which
+    only read what it left -> (the copy, the run's name, the endpoint's port, the URL, what it printed
+    (stdout + stderr), the requests the endpoint saw)."""
+    out, name = _run_copy(demo_run, tmp_path_factory.mktemp("passwords"))
+    FakeRerank.script, FakeRerank.seen = [], []
+    printed = io.StringIO()
+    with fake_server() as url, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        secret = url.replace("http://", "http://usr:PASSw0rd@")
+        run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"{secret}/v1/rerank",
+                  "--reranker", f"tei:{secret}", "--workers", "2"])
+    return out, name, url.rsplit(":", 1)[1], secret, printed.getvalue(), list(FakeRerank.seen)
 
 
-def test_default_rerank_labels_come_from_host_port_path(demo_run, tmp_path, fake):
-    out, name, port, _ = _rerank_eval_with_passwords(demo_run, tmp_path, fake)
+def test_default_rerank_labels_come_from_host_port_path(with_passwords):
+    out, name, port, _, _, _ = with_passwords
     label = f"127.0.0.1-{port}-v1-rerank"
     assert (out / name / "results" / f"rerank-{label}.jsonl").exists()
     assert (out / name / "results" / f"rerank-127.0.0.1-{port}-rerank.jsonl").exists()
 
 
-def test_url_passwords_never_reach_disk_or_output(demo_run, tmp_path, fake, capsys):
+def test_url_passwords_never_reach_disk_or_output(with_passwords, tmp_path):
     """URL passwords (plain and tei:) appear in no file of the run folder and in no output."""
-    out, name, _, secret = _rerank_eval_with_passwords(demo_run, tmp_path, fake)
-    printed = capsys.readouterr()
-    assert "PASSw0rd" not in printed.out + printed.err
+    out, name, _, secret, printed, _ = with_passwords
+    assert "PASSw0rd" not in printed
     for root, _, files in os.walk(out / name):
         for f in files:
             assert b"PASSw0rd" not in open(os.path.join(root, f), "rb").read(), os.path.join(root, f)
@@ -364,27 +384,24 @@ def test_url_passwords_never_reach_disk_or_output(demo_run, tmp_path, fake, caps
     assert "PASSw0rd" not in open(tmp_path / "fresh" / "config.json").read()
 
 
-def test_a_model_field_is_sent_only_with_hash_model(demo_run, tmp_path, fake):
+def test_a_model_field_is_sent_only_with_hash_model(with_passwords, fake):
     """Without #MODEL no model field is sent."""
-    _rerank_eval_with_passwords(demo_run, tmp_path, fake)
-    assert all("model" not in body for _, _, body in FakeRerank.seen)          # no #MODEL: no model field
+    seen = with_passwords[5]
+    assert seen and all("model" not in body for _, _, body in seen)          # no #MODEL: no model field
     c = rerank_clients.make_reranker(f"{fake}/v1/rerank#my-model")
     c.rerank(Q, DOCS)
     assert FakeRerank.seen[-1][2]["model"] == "my-model"
 
 
-def test_each_rerank_endpoint_has_its_own_cache(demo_run, tmp_path, fake):
-    """A second loopback endpoint (another port) is asked itself, never answered from the first one's cache."""
-    out, name, _, _ = _rerank_eval_with_passwords(demo_run, tmp_path, fake)
+def test_each_rerank_endpoint_has_its_own_cache(with_passwords, tmp_path, fake):
+    """A second loopback endpoint (another port) is asked itself, never answered from the first one's cache
+    (on a copy of the run the first endpoint answered, its cache included)."""
+    done, name = with_passwords[:2]
+    shutil.copytree(done, tmp_path / "o")
+    out = tmp_path / "o"
     sent = len(FakeRerank.seen)
-    srv2 = ThreadingHTTPServer(("127.0.0.1", 0), FakeRerank)
-    srv2.daemon_threads = True
-    threading.Thread(target=srv2.serve_forever, daemon=True).start()
-    try:
-        other = f"http://127.0.0.1:{srv2.server_address[1]}/v1/rerank"
+    with fake_server() as url2:
+        other = f"{url2}/v1/rerank"
         run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"two={other}"])
         n_lists = len(open(out / name / "results" / "rerank-two.jsonl").read().splitlines())
         assert len(FakeRerank.seen) - sent >= n_lists        # asked itself: nothing from the first port's cache
-    finally:
-        srv2.shutdown()
-        srv2.server_close()

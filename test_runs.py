@@ -4,17 +4,23 @@ Run: python -m pytest -q test_runs.py
 """
 import dataclasses
 import json
+import multiprocessing
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 import pytest
 import torch
 
 import build_bench
 import evaluation
+import accounting
 import geodef
 import llm_clients
 import reranker
@@ -24,6 +30,31 @@ import settings
 import tfsg
 import train
 from conftest import HERE, R, SAMPLE, good_group, write_lines
+
+
+def _in_a_child(fn, *args, timeout=60):
+    """fn(*args) in a forked child process -> ("returned", its value), ("exit", SystemExit's code) or
+    ("raised", the traceback). A second process where the property needs one (a lock held elsewhere, a
+    process-wide file size limit) without a fresh interpreter's seconds of imports; the child uses no
+    torch (a fork after torch's thread pools started is not safe for torch work)."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(("returned", fn(*args)))
+        except SystemExit as e:
+            send.send(("exit", e.code))
+        except BaseException:
+            send.send(("raised", traceback.format_exc()))
+    p = ctx.Process(target=child)
+    p.start()
+    try:
+        assert recv.poll(timeout), f"no answer from the child process within {timeout} s"
+        return recv.recv()
+    finally:
+        p.kill()
+        p.join()
 
 
 def test_seen_methods_are_never_guessed(tmp_path):
@@ -97,13 +128,14 @@ def test_out_of_range_flags_are_named_up_front(tmp_path):
             settings.EvalConfig(device="cuda")
 
 
-def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
+def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench, capsys):
     """A file whose split fields are all "test" (or all "construction"), a --n-construction that leaves no
     test group, and one construction group (nothing to monitor with) used to run on: an untrained
     adapter kept by empty metrics. Too few construction instances for TFSG's update batches built a
     library short of E4 while eval looked for E4 ("run train first"). Now each stops before anything
     is written, naming the file; the rerun with a usable setting goes ahead under the same name. Bad
-    files and untrained runs: `error:` naming the file, no traceback, from the command line."""
+    files and untrained runs: `error:` naming the file, no traceback, as the command line prints it
+    (run.main's SystemExit: its message, exit status 1)."""
     rows = [json.loads(x) for x in open(small_bench, encoding="utf-8").read().splitlines() if x.strip()]
     meta, groups = rows[0], rows[1:]
     for split in ("test", "construction"):
@@ -130,19 +162,18 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench):
                        r"Sandwich Prompt,PromptArmor,RobustRAG\"$"):
         run.main(["eval", "--bench", small_bench, "--n-construction", "2"] + common)
     bad = write_lines(tmp_path, [meta, "{not json"], "bad.jsonl")
-    out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "train", "--bench", bad] + common[:-1] + ["y"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.strip().endswith("bad.jsonl:2: (line): invalid JSON: Expecting property name enclosed in "
-                                       "double quotes at column 2")
-    out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "eval", "--name", "never", "--model", "tiny",
-                          "--llm", "offline", "--runs-dir", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.strip().endswith("no trained adapter; run `python run.py train --name never` first (GEO "
-                                       "Defender, Shield only, TFSG only need it), or evaluate the others: "
-                                       "--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt,Spotlighting,"
-                                       "Sandwich Prompt,PromptArmor,RobustRAG\"")
+    for argv, said in [(["train", "--bench", bad] + common[:-1] + ["y"],
+                        "bad.jsonl:2: (line): invalid JSON: Expecting property name enclosed in double quotes at "
+                        "column 2"),
+                       (["eval", "--name", "never", "--model", "tiny", "--llm", "offline",
+                         "--runs-dir", str(tmp_path)],
+                        "no trained adapter; run `python run.py train --name never` first (GEO Defender, Shield "
+                        "only, TFSG only need it), or evaluate the others: --conditions \"Non-Defense,PPL-Filter,"
+                        "Static Safety Prompt,Spotlighting,Sandwich Prompt,PromptArmor,RobustRAG\"")]:
+        with pytest.raises(SystemExit) as e:     # what the command line prints: this message, exit status 1
+            run.main(argv)
+        assert isinstance(e.value.code, str) and e.value.code.strip().endswith(said), e.value.code
+        assert e.value.code.startswith("error: ") and "Traceback" not in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--conditions: unknown 'GEO defender'"):
         run.main(["eval", "--conditions", "GEO defender"] + common)
 
@@ -251,32 +282,46 @@ def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
         runs.record_config(cfg, "eval")
 
 
-def test_one_writer_per_run_folder(tmp_path, small_bench):
+def _try_lock(run_dir):
+    """run_lock on `run_dir` -> 'got it', or the refusal's message."""
+    try:
+        with runs.run_lock(run_dir):
+            return "got it"
+    except runs.RunInUse as e:
+        return str(e)
+
+
+def _hold_lock(run_dir, held):
+    """Hold run_lock on `run_dir`, set `held`, and wait to be killed."""
+    with runs.run_lock(run_dir):
+        held.set()
+        time.sleep(60)
+
+
+def test_one_writer_per_run_folder(tmp_path, small_bench, capsys):
     """A second command on a run folder in use is refused at once, naming the holder; the lock dies
-    with its process (no stale lock after a crash)."""
+    with its process (no stale lock after a crash). The other processes are forked children (the
+    lock is the operating system's, per process, as between commands), the real command runs here."""
     d = tmp_path / "r"
-    code = ("import sys, runs\ntry:\n    with runs.run_lock(sys.argv[1]):\n        print('got it')\n"
-            "except runs.RunInUse as e:\n    print(e)\n")
     with runs.run_lock(str(d)):
-        out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, cwd=HERE).stdout
-        assert "in use by pid" in out and "use another --name" in out
-        # a real command on the same folder: refused before it writes anything
-        p = subprocess.run([sys.executable, "run.py", "demo", "--out", str(tmp_path), "--name", "r",
-                            "--bench", small_bench,
-                            "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3"],
-                           capture_output=True, text=True, cwd=HERE)
-        assert p.returncode != 0 and "in use by pid" in p.stderr and "Traceback" not in p.stderr
+        kind, out = _in_a_child(_try_lock, str(d))
+        assert kind == "returned" and "in use by pid" in out and "use another --name" in out
+        # a real command on the same folder: refused before it writes anything, a sentence, no traceback
+        with pytest.raises(SystemExit, match="in use by pid") as e:
+            run.main(["demo", "--out", str(tmp_path), "--name", "r", "--bench", small_bench,
+                      "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3"])
+        assert isinstance(e.value.code, str) and "Traceback" not in capsys.readouterr().err
         assert not os.path.exists(d / "config.json")
-    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
-                                      cwd=HERE).stdout
-    killed = subprocess.Popen([sys.executable, "-c", "import runs, time, sys\nwith runs.run_lock(sys.argv[1]):\n"
-                               "    print('held', flush=True); time.sleep(60)", str(d)], stdout=subprocess.PIPE,
-                               text=True, cwd=HERE)
-    assert killed.stdout.readline().strip() == "held"
+    assert _in_a_child(_try_lock, str(d)) == ("returned", "got it")
+    ctx = multiprocessing.get_context("fork")
+    held = ctx.Event()
+    killed = ctx.Process(target=_hold_lock, args=(str(d), held))
+    killed.start()
+    assert held.wait(60)
+    assert "in use by pid" in _try_lock(str(d))
     killed.kill()
-    killed.wait()
-    assert "got it" in subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
-                                      cwd=HERE).stdout
+    killed.join()
+    assert _in_a_child(_try_lock, str(d)) == ("returned", "got it")
 
 
 def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
@@ -292,13 +337,17 @@ def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
     assert evaluation.transfer_items(cfg(f"x={demo_run / 'library' / 'E4.json'}"))[0][0] == "x"
 
 
-def test_failed_eval_records_no_settings(demo_run, tmp_path):
+def test_failed_eval_records_no_settings(demo_run, tmp_path, monkeypatch):
     """An eval whose judge cannot be reached records no judge in results/settings.json, so the next
-    plain eval is not refused for records that do not exist."""
+    plain eval is not refused for records that do not exist. The demo's reranker and perplexity scores
+    come along (its cache/ without the LLM replies), and the closed port is retried without backoff
+    waits: neither is what the records hold."""
+    _backoff_without_waiting(monkeypatch)
     for d in ("_tiny_qwen3", "_tiny_gpt2"):
         shutil.copytree(demo_run.parent / d, tmp_path / d)
     for d in ("adapter", "library"):
         shutil.copytree(demo_run / d, tmp_path / "f" / d)
+    shutil.copytree(demo_run / "cache", tmp_path / "f" / "cache", ignore=shutil.ignore_patterns("llm"))
     c = json.load(open(demo_run / "config.json"))["config"]
     c.update(name="f", runs_dir=str(tmp_path), max_test_groups=1, conditions="Non-Defense", llm="offline",
              base_url=None)
@@ -390,13 +439,14 @@ def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
             build_bench.read_rows(str(p))
 
 
-def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
+def test_checkpoint_is_whole_or_absent(tmp_path, tmp_path_factory, small_bench, monkeypatch):
     """A kill while a checkpoint is written leaves the previous one whole: the resumed run trains to
-    the same adapter as an uninterrupted one."""
+    the same adapter as an uninterrupted one (the session's one uninterrupted run of these settings,
+    test_pipeline.trained_shield)."""
     from safetensors.torch import load_file
-    kw = dict(runs_dir=str(tmp_path), bench=small_bench, n_construction=4, model="tiny", dtype="float32", lr=2e-3,
-              epochs=2, grad_accum=2, save_every=2)
-    train.train_shield(settings.EvalConfig(name="full", **kw))
+    from test_pipeline import SHIELD_KW, trained_shield
+    kw = dict(runs_dir=str(tmp_path), bench=small_bench, **SHIELD_KW)
+    full = trained_shield(tmp_path_factory, small_bench)
     real, n = os.replace, {"k": 0}
 
     def dying(a, b):
@@ -412,7 +462,7 @@ def test_checkpoint_is_whole_or_absent(tmp_path, small_bench, monkeypatch):
     assert os.listdir(tmp_path / "cut" / "checkpoint") == ["state.safetensors"] or \
         "state.safetensors" in os.listdir(tmp_path / "cut" / "checkpoint")
     train.train_shield(settings.EvalConfig(name="cut", **kw))
-    a = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")
+    a = load_file(full / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -438,14 +488,15 @@ def test_bad_flags_or_files_are_sentences_not_tracebacks(tmp_path, small_bench):
 
 
 def test_a_busy_port_is_a_sentence_not_a_traceback():
+    """serve-offline on a port another socket listens on ends with a sentence (SystemExit's message,
+    exit status 1), not a traceback; in a forked child, so that a server that did start is killed."""
     import socket
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     s.listen()
     try:
-        p = subprocess.run([sys.executable, "run.py", "serve-offline", "--port", str(s.getsockname()[1])],
-                           capture_output=True, text=True, cwd=HERE, timeout=60)
-        assert p.returncode != 0 and "cannot listen" in p.stderr and "Traceback" not in p.stderr
+        kind, said = _in_a_child(run.main, ["serve-offline", "--port", str(s.getsockname()[1])])
+        assert kind == "exit" and isinstance(said, str) and "cannot listen" in said, said
     finally:
         s.close()
 
@@ -545,22 +596,29 @@ def test_run_folder_moved_with_its_benchmark_elsewhere_is_accepted(tmp_path, sma
         runs.record_config(settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
 
 
+def _write_past_4096_bytes(d):
+    """Each writer past a 4096-byte RLIMIT_FSIZE (this process's) -> its OSErrors as 'strerror filename'."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    said = []
+    for write in (lambda: runs.atomic_write(d + "/a.json", "x" * 10000),
+                  lambda: runs.append_jsonl(d + "/b.jsonl", {"x": "y" * 10000}),
+                  lambda: accounting.append_ledger(d + "/u.jsonl", {"x": "y" * 10000}, threading.Lock()),
+                  lambda: llm_clients.ReplyCache(d + "/c").put_raw("ab" * 32, {"x": "y" * 10000})):
+        try:
+            write()
+        except OSError as e:
+            said.append(f"{e.strerror} {e.filename}")
+    return said
+
+
 def test_a_write_past_the_file_size_limit_names_its_file(tmp_path):
     """write() on a full disk or past RLIMIT_FSIZE raises OSError without a file name; the one-line
-    error names the file (atomic_write, record appends, the reply cache, the ledger)."""
-    code = ("import resource, signal, sys, runs, accounting, llm_clients, threading\n"
-            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
-            "d = sys.argv[1]\n"
-            "for write in (lambda: runs.atomic_write(d + '/a.json', 'x' * 10000),\n"
-            "              lambda: runs.append_jsonl(d + '/b.jsonl', {'x': 'y' * 10000}),\n"
-            "              lambda: accounting.append_ledger(d + '/u.jsonl', {'x': 'y' * 10000}, threading.Lock()),\n"
-            "              lambda: llm_clients.ReplyCache(d + '/c').put_raw('ab' * 32, {'x': 'y' * 10000})):\n"
-            "    try:\n        write()\n    except OSError as e:\n        print(e.strerror, e.filename)\n")
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=HERE,
-                       timeout=60)
-    lines = p.stdout.splitlines()
-    assert len(lines) == 4 and all(l.startswith("File too large ") for l in lines), p.stdout + p.stderr
+    error names the file (atomic_write, record appends, the reply cache, the ledger). The limit is set
+    in a forked child: it holds for the whole process."""
+    kind, lines = _in_a_child(_write_past_4096_bytes, str(tmp_path))
+    assert kind == "returned", lines
+    assert len(lines) == 4 and all(l.startswith("File too large ") for l in lines), lines
     assert [l.split(" ", 3)[-1].rsplit("/", 1)[-1] for l in lines][:3] == ["a.json", "b.jsonl", "u.jsonl"]
     assert lines[3].endswith(".json") and "/c/ab/" in lines[3]
 
@@ -576,11 +634,25 @@ def test_every_flag_parses_to_its_fields_type():
             assert type(v) is f.type, f.name
 
 
+def _backoff_without_waiting(monkeypatch):
+    """Every Transport made from now on records its backoff waits instead of sleeping them (a refused
+    connection is retried at once) -> the list of waits."""
+    waits, made = [], llm_clients.Transport.__init__
+
+    def init(self, *a, **k):
+        made(self, *a, **k)
+        self.sleep = waits.append
+    monkeypatch.setattr(llm_clients.Transport, "__init__", init)
+    return waits
+
+
 @pytest.mark.parametrize("pw", ["p,w0rdZ", "p@ssw0rdZ", "p#w0rdZ", "p/w0rdZ", "p?w0rdZ", "p:w0rdZ"])
-def test_no_password_shape_is_stored_or_printed(tmp_path, pw, capsys):
+def test_no_password_shape_is_stored_or_printed(tmp_path, pw, capsys, monkeypatch):
     """A password with ',', '@', '#', '/', '?' or ':' reaches neither config.json nor any message, for
     --base-url, --reranker, tei: and tavily: specs: printable forms come from the parsed endpoint, and a
-    URL that does not parse is printed without its userinfo."""
+    URL that does not parse is printed without its userinfo. The rerank commands reach the closed port
+    127.0.0.1:9 and retry without their backoff waits (seconds that only wait)."""
+    _backoff_without_waiting(monkeypatch)
     url = f"http://usr:{pw}@127.0.0.1:9/v1"
     said = []
     for argv in (["eval", "--dry-run", "--llm", "openai-compatible:m", "--base-url", url],

@@ -19,6 +19,13 @@ import serve
 from conftest import AUTH, _raw, _shield_folder
 
 
+def _serving(srv):
+    """Serve in a daemon thread, polling for shutdown every 0.05 s (serve_forever's default 0.5 s is what
+    each shutdown() here would wait) -> srv."""
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return srv
+
+
 def test_served_ranking_equals_reranker_rank(shield_server):
     import requests
     srv, rr = shield_server
@@ -224,7 +231,7 @@ def small_queue_server(tiny_dir):
     """The rerank server over the tiny model, without a key, two requests queued at most."""
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     srv = serve.RerankServer(rr, port=0, max_queue=2, log=False)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _serving(srv)
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -318,7 +325,7 @@ def base_server(tiny_dir):
     """The rerank server over the tiny base model (no adapter), no API key."""
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
     srv = serve.RerankServer(rr, port=0, max_documents=20, log=False)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _serving(srv)
     yield srv, rr
     srv.shutdown()
     srv.server_close()
@@ -367,7 +374,7 @@ def test_serve_allow_instruction_lets_the_shield_take_one(shield_server):
     import requests
     _, rr = shield_server
     srv = serve.RerankServer(rr, port=0, allow_instruction=True, log=False)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _serving(srv)
     try:
         q, docs, own = "boil an egg", ["Boil eggs for six minutes.", "The stock market fell."], "Find cooking times"
         r = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": docs, "instruction": own},
@@ -403,7 +410,7 @@ def test_serve_counts_a_merged_shield_export_as_the_shield(tmp_path, tiny_dir):
     folder, adapter = _shield_folder(tmp_path, tiny_dir)
     out = export.export(folder, str(tmp_path / "ca"), adapter=adapter, fmt="causal", dtype="float32")
     srv = serve.RerankServer(reranker.Reranker.from_pretrained(out, dtype=torch.float32), port=0, log=False)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _serving(srv)
     try:
         r = requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": ["a"], "instruction": "other"},
                           timeout=30)
@@ -441,7 +448,7 @@ def _instruction_status(rr):
     """A server over `rr` (no key, no log) asked with a client's own instruction -> the HTTP status."""
     import requests
     srv = serve.RerankServer(rr, port=0, log=False)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _serving(srv)
     try:
         r = requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": ["a", "b"],
                                                         "instruction": "Rank every document as relevant"}, timeout=30)
@@ -518,7 +525,7 @@ def test_serve_refuses_an_instruction_when_it_cannot_tell_the_base(tiny_dir, tmp
     (bad / "config.json").write_text(json.dumps({**cfg, export.IDENTITY_KEY: "shield"}))
     rr = reranker.Reranker.from_pretrained(str(bad), dtype=torch.float32)
     srv = serve.RerankServer(rr, port=0, log=True)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _serving(srv)
     try:
         r = requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": ["a"], "instruction": "x"},
                           timeout=30)
