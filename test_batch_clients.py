@@ -30,14 +30,14 @@ from conftest import HERE, _raw
 
 
 # how often a server's loop looks for shutdown(): its default 0.5 s would hold every teardown that long
-POLL = 0.01
+POLL = 0.05
 
 
 @pytest.fixture()
 def engine():
     srv = offline_server.make_server(0)
     srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, args=(POLL,), daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": POLL}, daemon=True).start()
     yield srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
     srv.shutdown()
     srv.server_close()
@@ -504,7 +504,8 @@ def test_a_burst_of_connections_waits_to_be_accepted():
         for _ in range(100):
             socks.append(socket.create_connection(srv.server_address[:2], timeout=1.0))
     finally:
-        threading.Thread(target=srv.serve_forever, args=(POLL,), daemon=True).start()   # shutdown() waits for it
+        # shutdown() waits for it
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": POLL}, daemon=True).start()
     try:
         assert len(socks) == 100
         for s in socks:

@@ -24,17 +24,16 @@ def argv(out, *extra):
 
 
 def near_copies_in_round_1(real):
-    """The offline attacker, except on the training side: round 1's first call writes, as its second
-    rewrite, a near-copy of the source (it, the query and a pointer back), which the small demo's Shield
-    keeps in its top-5, so round 1 has survivors to harvest, retrain on and grow the library with: candidate
-    2 of every family of the groups where it ranks so, a few survivors, which keeps the retraining short.
-    Every other training-side rewrite is what the gate refuses (too short), so round 2 has none. The test
-    side's fresh attackers are the offline engine's."""
+    """The offline attacker, except on the training side: round 1's first call writes, as its first
+    rewrite, a near-copy of the source headed by the query, which the small demo's Shield ranks 2nd in one
+    construction group and 7th or lower in the others. So round 1 has survivors to harvest, retrain on and
+    grow the library with: candidate 1 of each of that group's three families, few enough that the
+    retraining is short. Every other training-side rewrite is what the gate refuses (too short), so round
+    2 has none. The test side's fresh attackers are the offline engine's."""
     def attacker(inp):
         seed, n = str(inp.get("attacker_seed", "")), int(inp["n_rewrites"])
         if seed.startswith("train-") and seed.endswith("-1") and inp["round"] == 1:
-            return [f"{inp['source_document']}\n\nIn short: {inp['query']} (see above)" if i else f"Short {i}."
-                    for i in range(n)]
+            return [f"{inp['query']}\n\n{inp['source_document']}"] + [f"Short {i}." for i in range(1, n)]
         if seed.startswith("train-"):
             return [f"Short {i}." for i in range(n)]
         return real(inp)

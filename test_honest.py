@@ -77,10 +77,12 @@ def honest_bench(rows, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def honest_run(honest_bench, tmp_path_factory):
-    """The demo (train, eval, the reranker stage) on the honest build -> its run folder."""
+    """The demo (train, eval, the reranker stage) on the honest build -> its run folder. The Shield trains
+    2 epochs, not the tiny demo's 6: the audit's records and figures are computed the same way on whichever
+    Shield the run trained (the report calls them plumbing), and two epochs take a third of the steps."""
     out = tmp_path_factory.mktemp("honest_demo")
     run.main(["demo", "--out", str(out), "--bench", str(honest_bench / "honest.jsonl"), "--n-seed-cases", "3",
-              "--batch-size", "3", "--n-batches", "3", "--n-boot", "200"])
+              "--batch-size", "3", "--n-batches", "3", "--n-boot", "200", "--epochs", "2"])
     return out / "demo"
 
 
@@ -106,11 +108,12 @@ def test_build_bench_honest_adds_an_edit_and_its_trace_and_changes_nothing_else(
 
 
 def test_a_refused_honest_edit_leaves_its_group_without_one(rows, tmp_path, monkeypatch):
-    """Every attempt adds a number: refused twice, recorded in the trace, the group kept with its attacks."""
+    """Every attempt adds a number: refused twice, recorded in the trace, the group kept with its attacks.
+    4 groups (3 of them test groups, each refused): every group is refused alike, so a few show it."""
     monkeypatch.setattr(offline, "_honest", lambda inp: {"rewritten_document": inp["document"] + "\n\nUpdated 2031."})
-    _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=10, construction=3)
+    _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=4, construction=1)
     groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
-    assert len(groups) == 10 and all(g.honest is None for g in groups) and meta.raw["honest_edits"] == 0
+    assert len(groups) == 4 and all(g.honest is None for g in groups) and meta.raw["honest_edits"] == 0
     trace = next(g for g in _lines(tmp_path / "b.jsonl")[1:] if g["split"] == "test")["honest_trace"]
     assert trace["attempts"] == 2 and "adds numbers ['2031']" in trace["refused"]
 

@@ -109,7 +109,7 @@ class FakeRerank(BaseHTTPRequestHandler):
 
 
 # how often a server's loop looks for shutdown(): its default 0.5 s would hold every teardown that long
-POLL = 0.01
+POLL = 0.05
 
 
 @contextlib.contextmanager
@@ -117,7 +117,7 @@ def fake_server():
     """A FakeRerank server on a free port -> its base URL; shut at the end."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeRerank)
     srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, args=(POLL,), daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": POLL}, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}"
     finally:
@@ -251,7 +251,7 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
     cfg = settings.EvalConfig(**{**json.load(open(out / name / "config.json"))["config"], "runs_dir": str(out)})
     rr = runs.load_shield(cfg)
     srv = serve.RerankServer(rr, port=0, log=False)
-    threading.Thread(target=srv.serve_forever, args=(POLL,), daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": POLL}, daemon=True).start()
     try:
         t0 = time.monotonic()
         stage = run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", "shield",

@@ -9,8 +9,6 @@ import os
 import resource
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -29,7 +27,7 @@ import runs
 import settings
 import tfsg
 import train
-from conftest import HERE, R, SAMPLE, good_group, write_lines
+from conftest import R, SAMPLE, good_group, write_lines
 
 
 def _in_a_child(fn, *args, timeout=60):
@@ -152,7 +150,8 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench, ca
     with pytest.raises(SystemExit, match=r"6 construction instances fill 6 seed cases and 0 of the 3 update batches"):
         run.main(["train", "--bench", small_bench, "--n-construction", "2"] + common)  # E4 would never be built
     assert not os.path.exists(tmp_path / "x")
-    run.main(["train", "--bench", small_bench, "--n-construction", "2", "--stage", "shield", "--epochs", "1"] + common)
+    run.main(["train", "--bench", small_bench, "--n-construction", "2", "--stage", "shield", "--epochs", "1",
+              "--max-test-groups", "1"] + common)      # one test group for the closing test-ranking report
     assert os.path.isfile(tmp_path / "x" / "adapter" / "adapter_model.safetensors")
     # evaluated after the Shield stage alone: the error names the stage still to run and the
     # conditions that can be evaluated already
@@ -560,24 +559,49 @@ def test_resumed_run_reports_the_whole_runs_usage(demo_run, tmp_path):
     assert f"| total |  | {t['replies']} |" in (d / "report.md").read_text()
 
 
+def _demo_with_a_full_disk(argv, said):
+    """run.main(argv) with the LLM reply cache failing as a full disk does after 20 replies; the
+    SystemExit's message sent on `said`, then raised (a process ends on it). For a forked child: torch
+    on one thread, as a fork keeps none of its parent's thread pool."""
+    torch.set_num_threads(1)
+    real, n = llm_clients.ReplyCache.put, [0]
+
+    def full(self, key, reply, *a):
+        n[0] += 1
+        if n[0] > 20:
+            raise OSError(28, "No space left on device")
+        return real(self, key, reply, *a)
+    llm_clients.ReplyCache.put = full
+    try:
+        run.main(argv)
+    except SystemExit as e:
+        said.send(str(e.code))
+        raise
+
+
 def test_demo_ends_within_seconds_after_an_error_in_the_llm_phase(demo_run, tmp_path):
     """A full disk while eval writes the LLM cache: the error is printed and the process ends (the
-    loopback engine is closed, so queued requests fail at once instead of waiting out timeouts)."""
+    loopback engine is closed, so queued requests fail at once instead of waiting out timeouts). The
+    process is a forked child: it ends as an interpreter does (its threads joined, the executors'
+    exit hooks run), without a fresh interpreter's seconds of imports."""
     shutil.copytree(demo_run.parent, tmp_path / "o")
     d = tmp_path / "o" / "demo"
     shutil.rmtree(d / "results")
     shutil.rmtree(d / "cache" / "llm")
-    argv = json.dumps(["demo", "--out", str(tmp_path / "o"), "--bench",
-                       json.load(open(d / "config.json"))["config"]["bench"],
-                       "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3", "--n-batches", "3",
-                       "--n-boot", "200"])
-    code = ("import json, sys, runpy, llm_clients\nn = [0]\nreal = llm_clients.ReplyCache.put\n"
-            "def full(self, key, reply, *a):\n    n[0] += 1\n    if n[0] > 20:\n        raise OSError(28, 'No space "
-            "left on device')\n    return real(self, key, reply, *a)\nllm_clients.ReplyCache.put = full\n"
-            f"sys.argv = ['run.py'] + json.loads({argv!r})\nrunpy.run_path('run.py', run_name='__main__')\n")
+    argv = ["demo", "--out", str(tmp_path / "o"), "--bench", json.load(open(d / "config.json"))["config"]["bench"],
+            "--n-construction", "4", "--n-seed-cases", "3", "--batch-size", "3", "--n-batches", "3", "--n-boot", "200"]
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_demo_with_a_full_disk, args=(argv, send))
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=120)
-    assert p.returncode != 0 and "No space left on device" in p.stderr, p.stderr[-2000:]
+    p.start()
+    p.join(120)
+    ended = p.exitcode is not None
+    if not ended:
+        p.kill()
+        p.join()
+    said = recv.recv() if recv.poll() else ""
+    assert ended and p.exitcode != 0 and "No space left on device" in said, said
     assert time.monotonic() - t0 < 60
 
 
