@@ -29,6 +29,10 @@ group whose every attempt is refused keeps its attacks without an honest edit. e
 measure on it whether a defense punishes honest optimisation (the honest penalty); they measure the
 test split, so construction groups get no edit (none is paid for that nothing reads).
 
+`--construction-families all` rewrites the construction groups with every family, not only the seen
+three (recorded as _meta.construction_methods; _meta.seen_methods stays the default training set), so
+that `holdout` can train a Shield with any one family left out and measure it on that family.
+
 Usage: python run.py build-bench --input test.jsonl --output bench.jsonl --search tavily --llm openai:gpt-5.5
 """
 import hashlib
@@ -410,8 +414,8 @@ def parse_families(text, default):
 class Plan(NamedTuple):
     """A build, checked before any request: the families, the seen ones, the first --groups rows with
     their splits (what the dry run prices), the whole seeded order the build walks, the rows dropped
-    up front, the offline search corpus's pages (offline:CORPUS), and AgenticGEO's archive and
-    AutoGEO's rules when given."""
+    up front, the offline search corpus's pages (offline:CORPUS), AgenticGEO's archive and AutoGEO's
+    rules when given, and the families rewritten in the construction groups (the seen ones, or more)."""
     families: list
     seen: list
     picked: list
@@ -420,6 +424,19 @@ class Plan(NamedTuple):
     corpus: list
     archive: list
     rules: list
+    construction: list
+
+
+def construction_families(text, fams, seen):
+    """--construction-families: None -> the seen families (the paper's 12 x 3), 'all' -> every family,
+    else a comma list among --attacks that holds the seen ones (the Shield's default training set)."""
+    if not text:
+        return list(seen)
+    names = list(fams) if text.strip() == "all" else parse_families(text, ())
+    if [m for m in names if m not in fams] or [m for m in seen if m not in names]:
+        raise SettingsError(f"--construction-families {text}: each among --attacks {fams}, and holding the seen "
+                            f"families {seen}")
+    return [m for m in fams if m in names]           # in --attacks' order
 
 
 def read_resource(flag, reader, path):
@@ -458,9 +475,10 @@ def plan(cfg):
         corpus = offline_server.load_corpus(cfg.search.corpus)
     archive = read_resource("--agentic-archive", geo_attacks.read_archive, cfg.agentic_archive)
     rules = read_resource("--autogeo-rules", geo_attacks.read_rules, cfg.autogeo_rules)
+    cons = construction_families(cfg.construction_families, fams, seen)
     rows, dropped = usable_rows(read_rows(cfg.input), cfg.search is not None)
     picked, order = compose(rows, cfg.groups, cfg.construction_groups, cfg.seed)
-    return Plan(fams, seen, picked, order, dropped, corpus, archive, rules)
+    return Plan(fams, seen, picked, order, dropped, corpus, archive, rules, cons)
 
 
 def dry_run(cfg):
@@ -468,14 +486,14 @@ def dry_run(cfg):
     retries and JSON re-asks included), search requests, tokens estimated at 4 characters a token, and
     the price with --prices."""
     p = plan(cfg)
-    fams, seen, picked = p.families, p.seen, p.picked
+    fams, cons, picked = p.families, p.construction, p.picked
     n_cons = sum(1 for _, s in picked if s == "construction")
     chars = sum(len(max((d["text"] for d in r["docs"]), key=len, default="")) for r, _ in picked) / max(1, len(picked))
     prices = read_prices(cfg.prices) if cfg.prices else {}
     price = prices.get(accounting.price_key(cfg.llm))
     stages = {}
     for f in fams:
-        n = len(picked) if f in seen else len(picked) - n_cons
+        n = len(picked) if f in cons else len(picked) - n_cons
         req = n * geo_attacks.FAMILIES[f].calls * REWRITE_TRIES * 2
         tok_in, tok_out = int(req * (chars / 4 * 2 + 400)), int(req * chars / 4 * 1.3)
         st = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out}
@@ -491,7 +509,7 @@ def dry_run(cfg):
     n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every rewrite (and edit) is judged
     stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
     return {"groups": len(picked), "construction": n_cons, "test": len(picked) - n_cons,
-            "instances": {"construction": n_cons * len(seen), "test": (len(picked) - n_cons) * len(fams)},
+            "instances": {"construction": n_cons * len(cons), "test": (len(picked) - n_cons) * len(fams)},
             "search_requests": len(picked) if cfg.search else 0, "dropped_up_front": len(p.dropped),
             "stages": stages,
             "note": "upper bounds (gate retries and JSON re-asks included); cached replies cost nothing"}
@@ -502,7 +520,7 @@ def build_bench(cfg, p=None):
     composition). `p`: the build's Plan when the caller has made it (run.py does, to serve the offline
     corpus)."""
     p = p or plan(cfg)
-    fams, seen = p.families, p.seen
+    fams, seen, cons = p.families, p.seen, p.construction
     llm = make_llm(cfg, stage="build-bench")
     judge = make_llm(cfg, cfg.fidelity_judge, stage="build-bench") if cfg.fidelity_judge else None
     search = SearchClient(cfg.search, os.path.join(cfg.run_dir, "cache", "search"), usage_path(cfg),
@@ -533,7 +551,7 @@ def build_bench(cfg, p=None):
                           archive=p.archive, rules=p.rules, ranker=ranker)
     attacks, traces, failed = {g["group_id"]: {} for g in groups}, {g["group_id"]: {} for g in groups}, {}
     for f in fams:
-        todo = [g for g in groups if (f in seen or g["split"] == "test") and g["group_id"] not in failed]
+        todo = [g for g in groups if (f in cons or g["split"] == "test") and g["group_id"] not in failed]
         fam = geo_attacks.Mageo(cfg.mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
         done, bad = rewrite_family(ctx, fam, todo)
         failed.update(bad)
@@ -552,8 +570,8 @@ def build_bench(cfg, p=None):
         markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
-    write(cfg, fams, seen, kept, attacks, traces, llm, search, markers, edits)
-    comp = composition(kept, fams, seen)
+    write(cfg, fams, seen, kept, attacks, traces, llm, search, markers, edits, cons)
+    comp = composition(kept, fams, cons)
     log(f"[build-bench] wrote {len(kept)} groups to {cfg.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
     return cfg.output, comp
@@ -593,26 +611,31 @@ def surface_markers(groups, attacks, fams):
     return out
 
 
-def composition(groups, fams, seen):
-    """Table B.1 of a build: groups and attack-injected instances per split."""
+def composition(groups, fams, cons):
+    """Table B.1 of a build: groups and attack-injected instances per split (cons: the construction
+    groups' families)."""
     out = {}
-    for split, names in (("construction", seen), ("test", fams)):
+    for split, names in (("construction", cons), ("test", fams)):
         n = sum(1 for g in groups if g["split"] == split)
         out[split] = {"groups": n, "methods": len(names), "instances": n * len(names)}
     return out
 
 
-def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=None):
+def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=None, cons=None):
     """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output.
     edits ({group_id: (text or None, trace)} of the test groups, build-bench --honest): each test line's
     `honest` edit and its `honest_trace`, and _meta's `honest`, `honest_digest` and `honest_edits`; without
-    it the lines are as before."""
+    it the lines are as before. cons: the construction groups' families; _meta.construction_methods
+    records them when they are more than the seen ones."""
+    cons = list(cons or seen)
     meta = {"name": os.path.basename(cfg.output), "synthetic": bool(cfg.synthetic), "methods": fams,
             "seen_methods": seen, "n_docs": cfg.docs, "search": search.label if search else None,
             "builder_llm": llm.label, "fidelity_judge": cfg.fidelity_judge or llm.label, "seed": cfg.seed,
             "groups": len(groups), "source": os.path.basename(cfg.input),
             "prompt_digests": geo_attacks.prompt_digests(fams, cfg.mageo_signal),
             "mageo_signal": cfg.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
+    if cons != list(seen):
+        meta["construction_methods"] = cons
     if edits is not None:
         meta.update(honest=True, honest_digest=honest.HonestEdit().digest(),
                     honest_edits=sum(t is not None for t, _ in edits.values()))
@@ -623,7 +646,7 @@ def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=
     lines = [json.dumps({"_meta": meta}, ensure_ascii=False)]
     for g in groups:
         gid = g["group_id"]
-        names = fams if g["split"] == "test" else seen
+        names = fams if g["split"] == "test" else cons
         line = {"group_id": gid, "query": g["query"], "docs": g["docs"], "source_index": g["source_index"],
                 "attacks": {m: attacks[gid][m] for m in names}, "trace": {m: traces[gid][m] for m in names}}
         if edits is not None and gid in edits:             # test groups

@@ -16,7 +16,8 @@ Deviations / choices the paper leaves open:
   (test_geodef.py proves values and gradients equal with all 10 candidates).
 - A file line `{"_meta": {...}}` (first line only) carries metadata: `methods` (every group must
   have each), `seen_methods` (the construction methods; never guessed: see `seen_methods`),
-  `synthetic`.
+  `construction_methods` (when the construction groups hold more families than the seen ones, so
+  that a Shield can be trained with any family held out), `synthetic`.
 - A group line may carry `honest` (build-bench --honest): an honest edit of the source, not an
   attack; `honest_instance` puts it in the clean list, where eval and rerank-eval measure the honest
   penalty. Files without it load as before.
@@ -87,6 +88,13 @@ class BenchMeta:
     synthetic: bool = False
     raw: dict = field(default_factory=dict)
     n_docs: int = N_DOCS      # candidates per list (_meta.n_docs; the paper's ten by default)
+    # the families rewritten in the construction groups (_meta.construction_methods, written by
+    # build-bench --construction-families): absent, the seen ones (B.1: 12 x 3), else every method
+    construction_methods: list = field(default_factory=list)
+
+    def construction(self):
+        """The methods every construction group holds: those a Shield may be trained on."""
+        return self.construction_methods or self.seen_methods or self.methods
 
 
 def _fail(path, line, fld, msg):
@@ -197,18 +205,23 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
 def _read_meta(obj, path, n):
     """The `_meta` line -> BenchMeta (methods and seen_methods: lists of distinct names)."""
     m = _need(obj, "_meta", dict, path, n)
-    for key in ("methods", "seen_methods"):
+    for key in ("methods", "seen_methods", "construction_methods"):
         v = m.get(key, [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             _fail(path, n, f"_meta.{key}", f"expected a list of method names, got {v!r}")
         dup = sorted({x for x in v if v.count(x) > 1})
         if dup:   # a repeated seen method would repeat its construction instances
             _fail(path, n, f"_meta.{key}", f"{dup} listed more than once")
-    unknown = [x for x in m.get("seen_methods", []) if m.get("methods") and x not in m["methods"]]
+    for key in ("seen_methods", "construction_methods"):
+        unknown = [x for x in m.get(key, []) if m.get("methods") and x not in m["methods"]]
+        if unknown:
+            _fail(path, n, f"_meta.{key}", f"{unknown} not in _meta.methods {m['methods']}")
+    cons = m.get("construction_methods", [])
+    unknown = [x for x in m.get("seen_methods", []) if cons and x not in cons]
     if unknown:
-        _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.methods {m['methods']}")
+        _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.construction_methods {cons}")
     return BenchMeta(methods=list(m.get("methods", [])), seen_methods=list(m.get("seen_methods", [])),
-                     synthetic=bool(m.get("synthetic", False)), raw=m)
+                     synthetic=bool(m.get("synthetic", False)), raw=m, construction_methods=list(cons))
 
 
 def _read_group(obj, path, n, n_docs, meta):
@@ -257,12 +270,13 @@ def _read_group(obj, path, n, n_docs, meta):
         if " ".join(t.split()) == source_norm:
             _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
     split = obj.get("split")
-    # a construction group needs only the seen methods (Table B.1: 12 x 3), a test group every method
-    need = meta.seen_methods if split == "construction" and meta.seen_methods else meta.methods
+    # a construction group needs only its families (Table B.1: 12 x 3, the seen ones), a test group every method
+    need = meta.construction() if split == "construction" else meta.methods
     missing = [m for m in need if m not in attacks]
     if missing:
-        _fail(path, n, "attacks", f"missing methods {missing} listed in _meta."
-                                  + ("seen_methods" if need is meta.seen_methods else "methods"))
+        key = ("construction_methods" if need is meta.construction_methods else
+               "seen_methods" if need is meta.seen_methods else "methods")
+        _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.{key}")
     if split is not None and split not in ("construction", "test"):
         _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
     honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
@@ -295,6 +309,11 @@ def seen_methods(meta, given=None, path="(bench)"):
         if unknown:
             raise BenchFormatError(f"{path}: seen methods {unknown} are not among the benchmark's methods "
                                    f"{meta.methods}")
+        absent = [m for m in given if m not in meta.construction()]
+        if absent:
+            raise BenchFormatError(f"{path}: seen methods {absent} have no construction instances (its construction "
+                                   f"groups hold {meta.construction()}; build-bench --construction-families all "
+                                   "rewrites them for every family)")
         return list(dict.fromkeys(given)), "given"
     if meta.seen_methods:
         return list(meta.seen_methods), "_meta.seen_methods"

@@ -1,5 +1,5 @@
-"""GEO Defender command line: train, eval, demo, rerank-eval, compare, export, serve, bench, build-bench,
-serve-offline.
+"""GEO Defender command line: train, eval, demo, rerank-eval, attack, harden, holdout, compare, export,
+serve, bench, build-bench, bench-audit, serve-offline.
 
 Every command that trains or evaluates writes into a run folder runs/<name>/ (config.json,
 adapter/, library/, cache/, results/, report.md, figures/), reuses what a finished step left there
@@ -11,6 +11,7 @@ command needs before its first expensive step, and dispatches.
   python run.py train --model Qwen/Qwen3-Reranker-0.6B --llm openai:gpt-5.5 --name gpt55
   python run.py eval --name gpt55
   python run.py rerank-eval --name gpt55 --reranker base --reranker shield --reranker co=cohere:rerank-v3.5
+  python run.py holdout --name gpt55                       # a Shield without each family, measured on it
   python run.py compare --runs runs/gpt55,runs/claude --out runs/compare
   python run.py export --name gpt55 --out shield-seq-cls   # a checkpoint vLLM / sentence-transformers load
   python run.py serve --name gpt55 --port 8000             # POST /v1/rerank (Cohere/Jina/vLLM shape)
@@ -33,6 +34,7 @@ import build_bench
 import export
 import geodef
 import harden
+import holdout
 import llm_clients
 import lora
 import offline_server
@@ -286,12 +288,14 @@ def parser():
     at = sub.add_parser("attack", help="an adaptive GEO attacker against the deployed defense, evaluated end to end")
     ha = sub.add_parser("harden", help="hardening rounds: the attacker on the construction groups, the defense "
                                        "retrained on what got through, a fresh attacker on the test groups")
+    ho = sub.add_parser("holdout", help="leave-one-family-out: a Shield trained without each family, measured on it "
+                                        "(no LLM)")
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
     for p, cls in ((tr, settings.TrainConfig), (ev, settings.EvalConfig), (de, settings.DemoConfig),
                    (re_, settings.RerankEvalConfig), (at, settings.AttackConfig), (ha, settings.HardenConfig),
-                   (bb, settings.BuildConfig)):
+                   (bb, settings.BuildConfig), (ho, settings.HoldoutConfig)):
         add_settings_flags(p, cls)
-    for p in (tr, ev, at, ha, bb):
+    for p in (tr, ev, at, ha, bb, ho):
         p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
     bench_flags(be)
@@ -469,6 +473,21 @@ def cmd_harden(args):
     return block
 
 
+def cmd_holdout(args):
+    """Leave-one-family-out (holdout.py): a Shield per held-out family, scored on the test split (no LLM)."""
+    cfg = pipeline_settings(settings.HoldoutConfig, args)
+    check_record(cfg)
+    if args.dry_run:
+        return show(holdout.dry_run(cfg))
+    with run_lock(cfg.run_dir):
+        record_or_check(cfg, "holdout")
+        s = holdout.holdout(cfg)
+    print(holdout.table(s))
+    print(f"\nreport: {os.path.join(cfg.run_dir, 'holdout', 'report.md')}\nsummary: "
+          f"{os.path.join(cfg.run_dir, 'holdout', 'summary.json')}")
+    return s
+
+
 def show(plan):
     """A dry run's plan, printed as JSON (and returned)."""
     print(json.dumps(plan, indent=1))
@@ -555,7 +574,7 @@ def cmd_demo(args):
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "rerank-eval": cmd_rerank_eval,
             "attack": cmd_attack, "harden": cmd_harden, "compare": cmd_compare, "bench": cmd_bench,
             "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
-            "serve-offline": cmd_serve_offline, "bench-audit": cmd_bench_audit}
+            "serve-offline": cmd_serve_offline, "bench-audit": cmd_bench_audit, "holdout": cmd_holdout}
 
 
 # Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.

@@ -167,13 +167,18 @@ class ModelSettings(Settings):
 
 
 @dataclass
-class DataSettings(Settings):
+class SeenSettings(Settings):
+    """The seen GEO families (B.1): those whose construction instances build the Shield and the library."""
+    seen_methods: str = setting(None, "the seen (construction) GEO families, comma list (build-bench default: the "
+                                      "paper's three; train: the file's _meta.seen_methods)", pinned=True)
+
+
+@dataclass
+class DataSettings(SeenSettings):
     """The benchmark a run trains and evaluates on, its split (B.1.2) and the top-k (A.1.3)."""
     bench: str = setting(SAMPLE, "GEO-DefenseBench JSONL file", pinned=True)
     n_construction: int = setting(12, "construction query groups when the file has no split (B.1)", ok=at_least(1),
                                   pinned=True)
-    seen_methods: str = setting(None, "GEO methods of the construction split, comma list (default: the file's "
-                                      "_meta.seen_methods)", pinned=True)
     # k below the candidate count: at k = 10 every candidate is in context and no reranker matters
     k: int = setting(5, "top-k evidence given to the LLM (A.1.3)", ok=lambda v: 1 <= v < N_DOCS, pinned=True)
     methods: str = setting("all", "comma list of GEO methods to evaluate, or 'all'")
@@ -286,19 +291,25 @@ class RerankSettings(Settings):
 
 
 @dataclass
-class AttackSettings(Settings):
+class AttackerSettings(Settings):
+    """The attacker LLM of `attack` and `harden` and how many rewrites it writes a round."""
+    candidates_per_round: int = setting(2, "rewrites the attacker writes a round (MAGEO: 2)", ok=at_least(1))
+    attacker: str = setting(None, "attacker LLM, provider:model (default: the target LLM; harden: the training-side "
+                                  "attacker)")
+
+
+@dataclass
+class AttackSettings(AttackerSettings):
     """The adaptive attacker (attack.py): its target, budgets, rounds, LLM and knowledge."""
     target: str = setting("shield", "the reranker the attacker queries: shield, base, or a reranker spec "
                                     "(see --reranker)")
     budgets: str = setting("1,4,16", "candidates per instance, comma list (nested: one run)")
     rounds: int = setting(None, "attacker rounds (default: enough for the largest budget)", ok=at_least(1))
-    candidates_per_round: int = setting(2, "rewrites the attacker writes a round (MAGEO: 2)", ok=at_least(1))
-    attacker: str = setting(None, "attacker LLM, provider:model (default: the target LLM)")
     aware_of_library: bool = setting(False, "the attacker reads the TFSG library's rules")
 
 
 @dataclass
-class BuildSettings(Settings):
+class BuildSettings(SeenSettings):
     """The benchmark builder (build_bench.py, B.1.1): inputs, search, the families and the split."""
     input: str = setting(None, "GEO-Bench rows (.jsonl, .json, .parquet), a folder of AutoGEO's datachunk_N.json, "
                                "hf:GEO-Optim/geo-bench, or {query, docs[, source_index]} rows")
@@ -309,7 +320,9 @@ class BuildSettings(Settings):
                                            parse=spec_of(endpoints.SearchSpec.parse))
     docs: int = setting(10, "candidates per list (the paper: 10)", ok=lambda v: 2 <= v <= N_DOCS)
     attacks: str = setting(None, "comma list of attack families (default: the paper's seven)")
-    seen_methods: str = setting(None, "with --attacks: the construction (seen) families, comma list")
+    construction_families: str = setting(None, "families rewritten in the construction groups too: 'all', or a "
+                                               "comma list holding the seen ones (default: the seen ones, as "
+                                               "the paper); `holdout` trains with any of them left out")
     groups: int = setting(100, "query groups to sample (Table B.1: 100)", ok=at_least(2))
     construction_groups: int = setting(12, "of them, construction groups (Table B.1: 12)", ok=at_least(1))
     fidelity_judge: str = setting(None, "provider:model judging each rewrite's faithfulness (default: --llm)")
@@ -324,7 +337,7 @@ class BuildSettings(Settings):
 
 
 @dataclass
-class HardenSettings(Settings):
+class HardenSettings(AttackerSettings):
     """Hardening rounds (harden.py): attacker and defender in turns on a trained run."""
     rounds: int = setting(2, "hardening rounds R: each attacks the construction groups, retrains the Shield and "
                              "grows the library on the survivors, then measures a fresh attacker", ok=at_least(1))
@@ -332,12 +345,17 @@ class HardenSettings(Settings):
                           ok=at_least(2))
     eval_budgets: str = setting("1,4,16", "the fresh test-side attacker's budgets, comma list (nested: one run)")
     eval_groups: int = setting(0, "test groups the test side measures (0: all)", ok=at_least(0))
-    candidates_per_round: int = setting(2, "rewrites an attacker writes a round (MAGEO: 2)", ok=at_least(1))
-    attacker: str = setting(None, "the training-side attacker LLM, provider:model (default: the target LLM)")
     test_attacker: str = setting(None, "the test-side (fresh) attacker LLM (default: --attacker)")
     unaware: bool = setting(False, "attackers do not read the TFSG library (default: they do)")
     restart: bool = setting(False, "retrain the Shield from the base each round (default: warm start from the "
                                    "previous round's adapter)")
+
+
+@dataclass
+class HoldoutSettings(Settings):
+    """Leave-one-family-out (holdout.py): which families are held out in turn."""
+    families: str = setting("all", "families to hold out in turn, comma list, or 'all' (every family the construction "
+                                   "groups hold)")
 
 
 # ----------------------------------------------------------------------------- commands
@@ -385,6 +403,14 @@ class AttackConfig(AttackSettings, EvalConfig):
 class HardenConfig(HardenSettings, JudgeSettings, TrainConfig):
     """harden: hardening rounds on a trained run; the trained run's settings come from its record."""
     FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings)
+
+
+@dataclass
+class HoldoutConfig(HoldoutSettings, RerankSettings, TrainConfig):
+    """holdout: a Shield per held-out family, each scored on the test split; a trained run's settings come
+    from its record."""
+    FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, ShieldSettings, RerankSettings,
+             HoldoutSettings)
 
 
 @dataclass

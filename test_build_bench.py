@@ -38,7 +38,7 @@ def geo_input(tmp_path_factory):
         srv.paths.append((h.path, h.headers.get("Authorization")))
         return handle(h)
     srv.RequestHandlerClass = type("Recorded", (srv.RequestHandlerClass,), {"do_POST": record})
-    threading.Thread(target=srv.serve_forever, args=(0.01,), daemon=True).start()   # a quick shutdown()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()  # quick teardown
     yield rows, f"http://127.0.0.1:{srv.server_address[1]}", srv
     srv.shutdown()
     srv.server_close()
@@ -165,6 +165,26 @@ def test_rows_shorter_than_docs_are_reported_not_lost(geo_input, short_rows, tmp
     assert meta.n_docs == 5 and all(len(g.docs) == 5 for g in groups)
     assert meta.raw["fidelity_judge"] == "offline:offline-engine"        # no --fidelity-judge: the builder judges
     assert set(meta.raw["surface_markers"]) == {"benign candidates", "sources", "GEO", "AutoGEO"}
+
+
+def test_construction_families_all_lets_train_hold_any_family_out(geo_input, short_rows, tmp_path):
+    """--construction-families all: the construction groups rewritten by every family, recorded in _meta
+    (seen_methods stays the default training set); train may then take any of them as its seen families,
+    which a build of the seen ones alone refuses before anything runs."""
+    argv = _short_rows_argv(geo_input, tmp_path) + ["--docs", "5", "--construction-families", "all"]
+    comp = run.main(argv)
+    assert comp["construction"] == {"groups": 2, "methods": 2, "instances": 4}
+    groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
+    assert meta.construction_methods == ["GEO", "AutoGEO"] and meta.seen_methods == ["GEO"]
+    assert all(sorted(g.attacks) == ["AutoGEO", "GEO"] for g in groups)
+    train = ["train", "--dry-run", "--model", "tiny", "--k", "3", "--n-construction", "2", "--seen-methods", "AutoGEO",
+             "--runs-dir", str(tmp_path / "t"), "--n-seed-cases", "1", "--batch-size", "1", "--n-batches", "1"]
+    assert run.main(train + ["--bench", str(tmp_path / "b.jsonl"), "--name", "all"])["shield_optimizer_steps"] > 0
+    with pytest.raises(SystemExit, match=r"seen methods \['AutoGEO'\] have no construction instances .*"
+                                         r"hold \['GEO'\]; build-bench --construction-families all"):
+        run.main(train + ["--bench", str(short_rows), "--name", "seen"])
+    with pytest.raises(SystemExit, match=r"--construction-families GEO-SFE: each among --attacks"):
+        run.main(argv + ["--construction-families", "GEO-SFE", "--dry-run"])
 
 
 def test_evals_k_must_stay_below_the_benchmarks_documents(short_rows, tmp_path):

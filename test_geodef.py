@@ -125,10 +125,32 @@ def test_bench_validation_errors(tmp_path, mutate, msg):
     ({"methods": ["A", "B"], "seen_methods": ["A", "C"]}, r":1: _meta.seen_methods: \['C'\] not in _meta.methods"),
     ({"seen_methods": ["Z"]}, r":1: _meta.seen_methods: \['Z'\] not among the groups' methods \['A', 'B'\]"),
     ({"methods": "A,B"}, r":1: _meta.methods: expected a list of method names"),
+    ({"methods": ["A", "B"], "construction_methods": ["C"]}, r":1: _meta.construction_methods: \['C'\] not in "),
+    ({"methods": ["A", "B"], "seen_methods": ["A", "B"], "construction_methods": ["A"]},
+     r":1: _meta.seen_methods: \['B'\] not in _meta.construction_methods \['A'\]"),
 ])
 def test_bench_meta_line_validated(tmp_path, meta, msg):
     with pytest.raises(geodef.BenchFormatError, match=msg):
         geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, good_group("g0"), good_group("g1")]))
+
+
+def test_construction_groups_hold_their_families_and_seen_methods_come_from_them(tmp_path):
+    """_meta.construction_methods: every construction group holds each, and any of them may be the seen
+    methods; without it, only the seen ones are construction methods."""
+    a, b = good_group("g0"), good_group("g1")
+    a.update(split="construction", attacks={"A": "a rewrite"})
+    b.update(split="test")
+    meta = {"methods": ["A", "B"], "seen_methods": ["A"], "construction_methods": ["A", "B"]}
+    with pytest.raises(geodef.BenchFormatError, match=r":2: attacks: missing methods \['B'\] listed in "
+                                                      r"_meta.construction_methods"):
+        geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, a, b]))
+    a["attacks"]["B"] = "b rewrite"
+    _, m = geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, a, b]), with_meta=True)
+    assert m.construction() == ["A", "B"] and geodef.seen_methods(m, ["B"]) == (["B"], "given")
+    _, m = geodef.load_bench(write_lines(tmp_path, [{"_meta": {**meta, "construction_methods": []}}, a, b]),
+                             with_meta=True)
+    with pytest.raises(geodef.BenchFormatError, match=r"seen methods \['B'\] have no construction instances"):
+        geodef.seen_methods(m, ["B"])
 
 
 def _odd_groups():

@@ -1,0 +1,226 @@
+"""Leave-one-family-out (`python run.py holdout`): does a Shield built on some GEO families hold on a
+family it never saw?
+
+The paper's central claim (Experiments, Fig. 3) is that a defense constructed on three seen families
+(AgenticGEO, AutoGEO, MAGEO) generalises to four unseen ones. With one fixed split that claim rests on
+one draw of which families are seen. The protocol of domain generalisation (leave-one-domain-out, as
+in DomainBed, Gulrajani & Lopez-Paz 2021, arXiv 2007.01434) asks it of every family in turn:
+
+For each family F the construction groups hold (build-bench --construction-families all writes all
+seven), a Shield is trained on the construction instances of every family but F (Eqs. 1-5, the run's
+settings otherwise) and, with the same settings, one on every family ("all", the reference). On the
+test split, for each fold (test instances of every method, the reranker stage alone, no LLM):
+- held out: F's exposure@k under the fold's Shield, beside the base reranker's;
+- trained: the exposure@k of the families the fold's Shield trained on, beside the base's;
+- gap vs seen: F's exposure under the Shield trained without F minus under the Shield trained with it
+  ("all"), paired on the same instances: what not having seen F costs;
+- gap vs trained: the drop the fold's Shield makes on its trained families (base minus Shield, per
+  group) minus the drop it makes on F: how much less it removes of a family it did not see.
+Each gap has a 95% CI from the query-cluster bootstrap (metrics.cluster_bootstrap_ci); positive gaps
+mean the held-out family gets through more.
+
+Each fold is a run folder of its own, <run>/holdout/without-<F> (and <run>/holdout/all): its
+config.json pins its settings, its Shield trains and resumes as `train` does, its reranker records
+and rerank_report.md are rerank-eval's. holdout/summary.json and holdout/report.md (with a figure) are
+rewritten whole from the folds' records, so a killed holdout reruns to the same files.
+
+Deviations: the LLM stages (each fold's TFSG library and ASR under Shield only and GEO Defender) are not
+run here; this measures the reranker stage, where the Shield acts.
+
+Usage: python run.py holdout --name gpt55      (a trained run's settings; or --bench and the rest)
+"""
+import dataclasses
+import json
+import os
+
+import geodef
+import metrics
+import report
+import rerank_eval
+from evaluation import offline_notes
+from rankers import parse_rerankers
+from runs import SettingsError, load_data, log, read_json, record_or_check, shield_split, write_json
+from train import train_shield
+
+ALL = "all"                       # the reference fold: every construction family
+
+
+def families(cfg, data):
+    """The families to hold out in turn (--families; default every family the construction groups
+    hold) and the construction families -> (held out, construction)."""
+    cons = data.meta.construction()
+    if len(cons) < 2:
+        raise SettingsError(f"{cfg.bench}: its construction groups hold one family ({cons}); nothing can be held "
+                            "out. Build it with build-bench --construction-families all")
+    if cfg.families == ALL:
+        return list(cons), list(cons)
+    asked = [m.strip() for m in cfg.families.split(",") if m.strip()]
+    absent = [m for m in asked if m not in cons]
+    if absent or not asked:
+        raise SettingsError(f"--families {cfg.families}: {absent} have no construction instances in {cfg.bench} "
+                            f"(its construction groups hold {cons}; build-bench --construction-families all)")
+    return asked, list(cons)
+
+
+def fold_settings(cfg, name, trained):
+    """A fold's settings: the run's, in the run folder <run>/holdout/<name>, trained on `trained`."""
+    return dataclasses.replace(cfg, runs_dir=os.path.join(cfg.run_dir, "holdout"), name=name,
+                               seen_methods=",".join(trained))
+
+
+def folds(cfg, data):
+    """[(fold name, held-out family or None, fold settings)]: one per held-out family, then 'all'."""
+    held, cons = families(cfg, data)
+    out = [(f"without-{f}", f, fold_settings(cfg, f"without-{f}", [m for m in cons if m != f])) for f in held]
+    return out + [(ALL, None, fold_settings(cfg, ALL, cons))]
+
+
+def run_fold(fcfg):
+    """Train the fold's Shield (resumable) and score the test split with it and the base -> {label:
+    [instance records]} (rerank_eval.instance_record's)."""
+    record_or_check(fcfg, "holdout")
+    train_shield(fcfg)
+    items = parse_rerankers(["base", "shield"])
+    rerank_eval.rerank_stage(fcfg, load_data(fcfg), items, stage="holdout")
+    res = os.path.join(fcfg.run_dir, "results")
+    return {label: [json.loads(line) for line in open(os.path.join(res, f"rerank-{label}.jsonl"), encoding="utf-8")]
+            for label, _ in items}
+
+
+def exposure(recs, methods):
+    """Exposure@k (%) over the records of `methods` (None when there are none)."""
+    rs = [r["exposed"] for r in recs if r["method"] in methods]
+    return 100.0 * sum(rs) / len(rs) if rs else None
+
+
+def paired_gap(cfg, a, b):
+    """mean(a) - mean(b) per query group, a and b {group_id: [values]}, over the groups both hold, with
+    its cluster-bootstrap CI -> {"gap", "gap_ci", "groups"}."""
+    gids = sorted(set(a) & set(b))
+    diffs = [sum(a[g]) / len(a[g]) - sum(b[g]) / len(b[g]) for g in gids]
+    if not diffs:
+        return {"gap": None, "gap_ci": None, "groups": 0}
+    ci = metrics.cluster_bootstrap_ci(diffs, gids, n_boot=cfg.n_boot, seed=cfg.seed)
+    return {"gap": sum(diffs) / len(diffs), "gap_ci": list(ci), "groups": len(gids)}
+
+
+def by_group(recs, methods, base=None):
+    """{group_id: [100 * exposed]} of the records of `methods`; with `base` (the same instances' base
+    records) the drop base minus Shield instead."""
+    b = {r["instance_id"]: r["exposed"] for r in base} if base is not None else None
+    out = {}
+    for r in recs:
+        if r["method"] in methods:
+            v = 100.0 * (b[r["instance_id"]] - r["exposed"]) if b is not None else 100.0 * r["exposed"]
+            out.setdefault(r["group_id"], []).append(v)
+    return out
+
+
+def fold_row(cfg, family, trained, recs, ref):
+    """One held-out family's row of the table (see the module docstring)."""
+    base, shield = recs["base"], recs["shield"]
+    row = {"family": family, "trained_on": trained}
+    for name, ms in (("held_out", [family]), ("trained", trained)):
+        rs = [r for r in shield if r["method"] in ms]
+        ci = metrics.cluster_bootstrap_ci([100.0 * r["exposed"] for r in rs], [r["group_id"] for r in rs],
+                                          n_boot=cfg.n_boot, seed=cfg.seed) if rs else None
+        row[name] = {"instances": len(rs), "base_exposure": exposure(base, ms),
+                     "shield_exposure": exposure(shield, ms), "shield_exposure_ci": list(ci) if ci else None}
+    row["seen_exposure"] = exposure(ref, [family])
+    row["gap_vs_seen"] = paired_gap(cfg, by_group(shield, [family]), by_group(ref, [family]))
+    row["gap_vs_trained"] = paired_gap(cfg, by_group(shield, trained, base), by_group(shield, [family], base))
+    return row
+
+
+def holdout(cfg):
+    """Every fold, then holdout/summary.json and holdout/report.md -> the summary."""
+    data = load_data(cfg)
+    plan = folds(cfg, data)
+    recs = {}
+    for name, family, fcfg in plan:
+        log(f"[holdout] fold {name}: the Shield trained on {fcfg.seen_methods}")
+        recs[name] = run_fold(fcfg)
+    ref = recs[ALL]["shield"]
+    rows = [fold_row(cfg, family, fcfg.seen_methods.split(","), recs[name], ref)
+            for name, family, fcfg in plan if family is not None]
+    unseen = [m for m in data.methods if m not in data.meta.construction()]
+    summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
+               "test_groups": len(data.test), "folds": rows,
+               "never_trained": {m: exposure(ref, [m]) for m in unseen},
+               "all_families_exposure": exposure(ref, data.meta.construction()),
+               "notes": offline_notes(cfg, data.meta)}
+    out = os.path.join(cfg.run_dir, "holdout")
+    write_json(os.path.join(out, "summary.json"), summary)
+    write_report(out, summary)
+    return summary
+
+
+def dry_run(cfg):
+    """What holdout would train and score, nothing sent (it calls no LLM): per fold its families, its
+    optimizer steps, whether its Shield is already trained, and the test instances it scores."""
+    data = load_data(cfg)
+    out = {}
+    for name, family, fcfg in folds(cfg, data):
+        opt, _ = shield_split(fcfg, geodef.expand(data.construction, fcfg.seen_methods.split(",")))
+        out[name] = {"held_out": family, "trained_on": fcfg.seen_methods.split(","),
+                     "shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum),
+                     "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json")),
+                     "test_instances_scored": len(data.test) * len(data.methods)}
+    return {"folds": out, "llm_requests": 0}
+
+
+def pct(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+def gap_text(g):
+    return "-" if g["gap"] is None else f"{g['gap']:+.1f} [{g['gap_ci'][0]:+.1f}, {g['gap_ci'][1]:+.1f}]"
+
+
+def cells(r):
+    """One fold's row as text: F, base, Shield -F, Shield +F, the trained families, the two gaps."""
+    return [r["family"], pct(r["held_out"]["base_exposure"]), pct(r["held_out"]["shield_exposure"]),
+            pct(r["seen_exposure"]), pct(r["trained"]["shield_exposure"]), gap_text(r["gap_vs_seen"]),
+            gap_text(r["gap_vs_trained"])]
+
+
+def table(s):
+    """The held-out table as text (run.py prints it)."""
+    widths = (14, 8, 11, 11, 9, 22, 22)
+    head = ("held out", "base", "Shield -F", "Shield +F", "trained", "gap vs seen", "gap vs trained")
+    line = lambda cs: "".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cs, widths)))
+    rows = [line(head)] + [line(cells(r)) for r in s["folds"]]
+    return f"exposure@{s['k']} (%) on the test split\n" + "\n".join(rows)
+
+
+def write_report(out, s):
+    """holdout/report.md and holdout/figures/holdout.svg: the table, its reading, the figure."""
+    k, note = s["k"], report.figure_note(s["notes"])
+    lines = (["> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n"] if s["notes"] else [])
+    lines += [f"# Leave-one-family-out: {os.path.basename(os.path.dirname(os.path.normpath(out)))}\n",
+              f"Benchmark {s['bench']}, {s['test_groups']} test groups; construction families "
+              f"{', '.join(s['construction_families'])}. Exposure@{k}: the attack document in the reranker's top "
+              f"{k} (%). Shield -F: trained without the held-out family F; Shield +F: trained on every construction "
+              "family. Gap vs seen: Shield -F minus Shield +F on F's instances (what not seeing F costs); gap vs "
+              "trained: the drop (base minus Shield) on the fold's trained families minus the drop on F. Positive "
+              "gaps: the held-out family gets through more. 95% CIs over query groups.\n"]
+    head = ["Held out (F)", "Base", "Shield -F", "Shield +F", "Trained families (Shield -F)", "Gap vs seen",
+            "Gap vs trained"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in s["folds"]] + [""]
+    if s["never_trained"]:
+        lines.append("Families no fold trains on (no construction instances), under the all-families Shield: "
+                     + ", ".join(f"{m} {pct(v)}" for m, v in s["never_trained"].items()) + ".\n")
+    series = ["base", "Shield -F (held out)", "Shield +F (seen)"]
+    values = {}
+    for r in s["folds"]:
+        values.update({(r["family"], series[0]): r["held_out"]["base_exposure"],
+                       (r["family"], series[1]): r["held_out"]["shield_exposure"],
+                       (r["family"], series[2]): r["seen_exposure"]})
+    os.makedirs(os.path.join(out, "figures"), exist_ok=True)
+    with open(os.path.join(out, "figures", "holdout.svg"), "w", encoding="utf-8") as f:
+        f.write(report.svg_bars(f"Each family held out: exposure@{k}", [r["family"] for r in s["folds"]], series,
+                                values, xlabel="held-out family (F)", ylabel=f"exposure@{k} (%)", note=note))
+    lines.append("![Each family held out](figures/holdout.svg)\n")
+    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))

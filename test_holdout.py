@@ -1,0 +1,88 @@
+"""Leave-one-family-out (holdout.py) on the bundled sample: a Shield trained without each held-out family
+(and one with every family), each scored on the test split; the table recomputed from the folds' own
+records; resume, pinning, the dry run and the refusals. The tiny random model: plumbing, not results."""
+import json
+
+import pytest
+
+import run
+import train
+
+
+def argv(out, *extra):
+    return ["holdout", "--runs-dir", str(out), "--name", "h", "--preset", "tiny-demo", "--epochs", "1",
+            "--families", "AutoGEO", "--max-test-groups", "4", "--n-boot", "200", *extra]
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory):
+    """holdout of AutoGEO on the bundled sample -> (run folder, summary, {fold: methods it trained on})."""
+    out = tmp_path_factory.mktemp("holdout")
+    trained, real = {}, train.prepare_triples
+
+    def spy(cfg, rr, cons, inst):             # the real preparation; the fold's training methods noted
+        trained[cfg.name] = sorted({x.method for x in inst})
+        return real(cfg, rr, cons, inst)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "prepare_triples", spy)
+        s = run.main(argv(out))
+    return out / "h", s, trained
+
+
+def records(run_dir, fold, label="shield"):
+    path = run_dir / "holdout" / fold / "results" / f"rerank-{label}.jsonl"
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def test_each_fold_trains_without_its_family_and_the_table_is_its_records(held):
+    run_dir, s, trained = held
+    assert trained == {"without-AutoGEO": ["AgenticGEO", "MAGEO"], "all": ["AgenticGEO", "AutoGEO", "MAGEO"]}
+    assert json.load(open(run_dir / "holdout" / "without-AutoGEO" / "config.json"))["config"]["seen_methods"] == \
+        "AgenticGEO,MAGEO"
+    (row,) = s["folds"]
+    wo, ref, base = records(run_dir, "without-AutoGEO"), records(run_dir, "all"), records(run_dir, "all", "base")
+    held_out = [r for r in wo if r["method"] == "AutoGEO"]
+    assert len(held_out) == 4 and row["held_out"]["instances"] == 4
+    assert row["held_out"]["shield_exposure"] == pytest.approx(100 * mean([r["exposed"] for r in held_out]))
+    assert row["held_out"]["base_exposure"] == pytest.approx(
+        100 * mean([r["exposed"] for r in base if r["method"] == "AutoGEO"]))
+    assert row["seen_exposure"] == pytest.approx(100 * mean([r["exposed"] for r in ref if r["method"] == "AutoGEO"]))
+    # gap vs seen: paired by group, the fold's Shield minus the all-families Shield on AutoGEO's instances
+    per = lambda rs: {r["group_id"]: 100 * r["exposed"] for r in rs if r["method"] == "AutoGEO"}
+    a, b = per(wo), per(ref)
+    assert row["gap_vs_seen"]["gap"] == pytest.approx(mean([a[g] - b[g] for g in a]))
+    lo, hi = row["gap_vs_seen"]["gap_ci"]
+    assert lo <= row["gap_vs_seen"]["gap"] <= hi and row["gap_vs_seen"]["groups"] == 4
+    # the two Shields were trained on different data: their adapters differ
+    adapters = [open(run_dir / "holdout" / f / "adapter" / "adapter_model.safetensors", "rb").read()
+                for f in ("without-AutoGEO", "all")]
+    assert adapters[0] != adapters[1]
+    assert set(s["never_trained"]) == {"GEO", "GEO-SFE", "IF-GEO", "RAID-GSEO"}
+    md = (run_dir / "holdout" / "report.md").read_text()
+    assert "OFFLINE / SIMULATION RUN" in md and "| AutoGEO |" in md and "figures/holdout.svg" in md
+    assert "plumbing figures" in (run_dir / "holdout" / "figures" / "holdout.svg").read_text()
+
+
+def test_a_rerun_resumes_to_the_same_files_and_a_changed_setting_is_refused(held, monkeypatch):
+    run_dir, s, _ = held
+    files = [run_dir / "holdout" / n for n in ("summary.json", "report.md", "figures/holdout.svg")]
+    before = [f.read_bytes() for f in files]
+    monkeypatch.setattr(train, "prepare_triples", lambda *a: pytest.fail("a finished fold trained again"))
+    assert run.main(argv(run_dir.parent)) == s
+    assert [f.read_bytes() for f in files] == before
+    with pytest.raises(SystemExit, match=r"config.json: this run was made with different lr .*Use a new --name"):
+        run.main(argv(run_dir.parent, "--lr", "0.5"))
+
+
+def test_a_holdout_dry_run_writes_nothing_and_a_family_without_construction_instances_is_refused(tmp_path):
+    plan = run.main(argv(tmp_path, "--dry-run", "--families", "all"))
+    assert list(plan["folds"]) == ["without-AgenticGEO", "without-AutoGEO", "without-MAGEO", "all"]
+    assert plan["folds"]["without-MAGEO"]["trained_on"] == ["AgenticGEO", "AutoGEO"] and plan["llm_requests"] == 0
+    assert not (tmp_path / "h").exists()
+    with pytest.raises(SystemExit, match=r"--families GEO: \['GEO'\] have no construction instances .*"
+                                         r"--construction-families all"):
+        run.main(argv(tmp_path, "--families", "GEO"))

@@ -1,0 +1,68 @@
+"""The rules settings.py keeps: every setting declared once, in one group, with help; every command's
+flags are its settings' fields, and nothing else besides its few command options."""
+import argparse
+import dataclasses
+
+import pytest
+
+import run
+import settings
+
+
+def groups():
+    """Every settings group: a class of settings.py that declares fields of its own."""
+    return [c for c in vars(settings).values()
+            if isinstance(c, type) and issubclass(c, settings.Settings) and c.__dict__.get("__annotations__")
+            and not hasattr(c, "FLAGS")]
+
+
+# the command-line options that are not settings: how a command runs, never what it computes
+COMMAND_OPTIONS = {"help", "preset", "dry_run", "stage", "no_resume", "out"}
+COMMANDS = {"train": settings.TrainConfig, "eval": settings.EvalConfig, "demo": settings.DemoConfig,
+            "rerank-eval": settings.RerankEvalConfig, "attack": settings.AttackConfig,
+            "harden": settings.HardenConfig, "build-bench": settings.BuildConfig, "holdout": settings.HoldoutConfig}
+
+
+# one name, two settings of commands that never compose both: attack's attacker rounds, harden's hardening rounds
+HOMONYMS = {"rounds": {"AttackSettings", "HardenSettings"}}
+
+
+def test_every_setting_is_declared_in_one_group():
+    declared = {}
+    for g in groups():
+        for name in g.__dict__["__annotations__"]:
+            declared.setdefault(name, set()).add(g.__name__)
+    twice = {k: v for k, v in declared.items() if len(v) > 1 and HOMONYMS.get(k) != v}
+    assert not twice, f"declared in two groups: {twice}"
+    for cls in COMMANDS.values():           # a command composing both would silently take one of them
+        for name, owners in HOMONYMS.items():
+            assert len(owners & {c.__name__ for c in cls.__mro__}) <= 1, f"{cls.__name__} composes two {name}"
+
+
+def test_every_setting_a_flag_has_its_help():
+    for g in groups():
+        for f in dataclasses.fields(g):
+            if f.metadata.get("flag", True):
+                assert f.metadata.get("help", "").strip(), f"{g.__name__}.{f.name}: no help"
+
+
+def test_a_command_class_composes_groups_and_declares_nothing():
+    """A command's settings are its groups' fields; its FLAGS are among those groups."""
+    for cmd, cls in COMMANDS.items():
+        assert not cls.__dict__.get("__annotations__"), f"{cls.__name__} declares a field of its own"
+        mro = set(cls.__mro__)
+        assert all(g in mro for g in cls.FLAGS), f"{cmd}: a FLAGS group it does not compose"
+
+
+@pytest.mark.parametrize("cmd", sorted(COMMANDS))
+def test_every_flag_is_a_field_and_every_field_of_its_groups_a_flag(cmd):
+    cls = COMMANDS[cmd]
+    sub = next(a for a in run.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    dests = {a.dest for a in sub._actions}
+    fields = {f.name for f in settings.flags(cls)}
+    assert fields <= dests, f"{cmd}: settings without a flag: {sorted(fields - dests)}"
+    extra = sorted(dests - fields - COMMAND_OPTIONS)
+    assert not extra, f"{cmd}: flags that are no setting: {extra}"
+    for a in sub._actions:                     # a setting's flag is spelled as its field, '_' as '-'
+        if a.dest in fields:
+            assert "--" + a.dest.replace("_", "-") in a.option_strings
