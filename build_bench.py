@@ -551,12 +551,14 @@ def build_bench(cfg, p=None):
                           archive=p.archive, rules=p.rules, ranker=ranker)
     attacks, traces, failed = {g["group_id"]: {} for g in groups}, {g["group_id"]: {} for g in groups}, {}
     for f in fams:
-        todo = [g for g in groups if (f in cons or g["split"] == "test") and g["group_id"] not in failed]
         fam = geo_attacks.Mageo(cfg.mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
-        done, bad = rewrite_family(ctx, fam, todo)
-        failed.update(bad)
-        for gid, (text, trace) in done.items():
-            attacks[gid][f], traces[gid][f] = text, trace
+        for split in ("construction", "test"):     # one split at a time: MAGEO's memory never crosses splits
+            todo = [g for g in groups if g["split"] == split and (f in cons or split == "test")
+                    and g["group_id"] not in failed]
+            done, bad = rewrite_family(ctx, fam, todo) if todo else ({}, {})
+            failed.update(bad)
+            for gid, (text, trace) in done.items():
+                attacks[gid][f], traces[gid][f] = text, trace
     kept = [g for g in groups if g["group_id"] not in failed]
     dropped += [(g["row"], failed[g["group_id"]]) for g in groups if g["group_id"] in failed]
     for row, why in dropped:
@@ -634,6 +636,8 @@ def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=
             "groups": len(groups), "source": os.path.basename(cfg.input),
             "prompt_digests": geo_attacks.prompt_digests(fams, cfg.mageo_signal),
             "mageo_signal": cfg.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
+    if "MAGEO" in fams and cfg.mageo_signal == "engine":     # the model MAGEO's edits hill-climbed on
+        meta["mageo_engine"] = llm.label
     if cons != list(seen):
         meta["construction_methods"] = cons
     if edits is not None:

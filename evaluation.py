@@ -31,8 +31,8 @@ import tfsg
 import tiny
 from rankers import documents_cut, load_rankers
 from runs import (adapter_path, changed_settings, file_sha1, is_offline, library_path, load_data, log, make_llm,
-                  naming, NotTrainedError, read_json, read_prices, run_usage, SettingsError, test_set_digest,
-                  tfsg_limits, TINY_NOTE, write_json, write_summary)
+                  naming, NotTrainedError, read_json, read_prices, run_usage, SettingsError, shared_roles,
+                  test_set_digest, tfsg_limits, TINY_NOTE, write_json, write_summary)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -381,6 +381,7 @@ def evaluate(cfg):
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
+    summary.update({"shared_roles": shared} if (shared := shared_roles(cfg)) else {})   # --allow-shared-roles
     if "Non-Defense" in conds:
         summary["attack_strength"] = attack_strength(results["Non-Defense"], clean, test, methods, cfg.n_boot,
                                                      cfg.seed)

@@ -791,8 +791,9 @@ class Mageo:
     - the target is not marked in the engine's context (MAGEO's engine prompt marks it with '*');
     - the engine's description stands in for the engine statistics MAGEO's profile reads (its released
       runs pass zeros);
-    - memory: the accepted edits of earlier rounds of every document of the build (one engine), the
-      best 5 by gain; MAGEO keeps memory across documents in the order they are optimised;
+    - memory: the accepted edits of earlier rounds of every document of one split of the build (one
+      engine), the best 5 by gain; MAGEO keeps memory across documents in the order they are optimised,
+      and build-bench runs each split apart so that no construction edit reaches a test rewrite (B.1.2);
     - the gate (cheap checks and the fidelity judge against the original source) comes before the
       engine; MAGEO checks predicted faithfulness against the current version only;
     - when no round is accepted, the first candidate that passed the gate is kept (trace: improved

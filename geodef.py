@@ -202,6 +202,18 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
     return (groups, meta) if with_meta else groups
 
 
+def read_meta(path):
+    """The `_meta` line of a benchmark file alone (its first line; BenchMeta() when it has none), for
+    checks that need no group, such as who built the file."""
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        obj = json.loads(first)
+    except ValueError:
+        return BenchMeta()                 # load_bench reports the line
+    return _read_meta(obj, path, 1) if isinstance(obj, dict) and "_meta" in obj else BenchMeta()
+
+
 def _read_meta(obj, path, n):
     """The `_meta` line -> BenchMeta (methods and seen_methods: lists of distinct names)."""
     m = _need(obj, "_meta", dict, path, n)

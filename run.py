@@ -49,8 +49,8 @@ import tfsg
 import tiny
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from evaluation import eval_conditions, evaluate, plan_eval
-from runs import (TINY_NOTE, RunInUse, adapter_path, check_llms, check_record, library_path, load_data, log,
-                  model_folder, need_trained, read_json, record_config, record_or_check, resolve, run_lock,
+from runs import (TINY_NOTE, RunInUse, adapter_path, check_llms, check_record, check_roles, library_path, load_data,
+                  log, model_folder, need_trained, read_json, record_config, record_or_check, resolve, run_lock,
                   shield_split, tfsg_schedule)
 from settings import PRESETS, SettingsError, check_device, check_name
 from train import plan_train, train_shield, train_tfsg
@@ -433,6 +433,7 @@ def cmd_attack(args):
     """The adaptive attacker (attack.py) on a trained run's test instances, then every budget's
     documents evaluated end to end. On a demo run the offline engine plays the LLMs again."""
     cfg = pipeline_settings(settings.AttackConfig, args)
+    check_roles(cfg)
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
     need_trained(cfg, library_path(cfg), "TFSG library")
     budgets = attack.parse_budgets(cfg.budgets)
@@ -455,6 +456,7 @@ def cmd_attack(args):
 def cmd_harden(args):
     """Hardening rounds (harden.py) on a trained run: attack, harvest, retrain, measure; the cross-play."""
     cfg = pipeline_settings(settings.HardenConfig, args)
+    check_roles(cfg)
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
     need_trained(cfg, library_path(cfg), "TFSG library")
     budgets = attack.parse_budgets(cfg.eval_budgets, "--eval-budgets")
@@ -523,6 +525,7 @@ def cmd_train(args):
     cfg = pipeline_settings(settings.TrainConfig, args)
     if args.stage in ("all", "tfsg"):
         check_llms(cfg, keys=not args.dry_run)   # a bad spec fails now, not after hours of Shield training
+        check_roles(cfg)
     check_training(cfg, args.stage)
     check_record(cfg)     # every check the command runs, the dry run runs too
     if args.dry_run:
@@ -539,6 +542,7 @@ def cmd_eval(args):
     """Every condition on the test split (evaluation.evaluate): summary.json, report.md, figures."""
     cfg = pipeline_settings(settings.EvalConfig, args)
     check_llms(cfg, keys=not args.dry_run)
+    check_roles(cfg)
     eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
     check_record(cfg)      # every check the command runs, the dry run runs too
     if args.dry_run:

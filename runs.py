@@ -308,6 +308,43 @@ def check_llms(cfg, keys=True):
             log(f"[dry-run] {e}; the run itself refuses until it is set")
 
 
+def role_model(spec):
+    """The model a provider:model spec names, for telling roles apart across providers ('openai:gpt-5.5' and
+    'openai-compatible:gpt-5.5' are one model); None for the offline engine, which may play every role (a
+    labelled simulation)."""
+    provider, _, model = str(spec or "").partition(":")
+    return None if not spec or provider == "offline" else (model or provider).strip().lower()
+
+
+# the benchmark's roles, as build-bench records them in _meta
+BENCH_ROLES = {"builder_llm": "built the benchmark", "fidelity_judge": "judged its rewrites' fidelity",
+               "mageo_engine": "was MAGEO's engine"}
+
+
+def shared_roles(cfg):
+    """The benchmark's roles (_meta: builder, fidelity judge, MAGEO's engine) that this command's target
+    or judge also plays -> ["the target openai:gpt-5.5 built the benchmark", ...]."""
+    meta = geodef.read_meta(cfg.bench).raw
+    out = []
+    for role, spec in (("target", cfg.llm), ("judge", getattr(cfg, "judge", None))):
+        for key, did in BENCH_ROLES.items():
+            if role_model(spec) and role_model(spec) == role_model(meta.get(key)):
+                out.append(f"the {role} {spec} {did}")
+    return out
+
+
+def check_roles(cfg):
+    """A target or judge that played one of the benchmark's roles is refused before any paid call, unless
+    --allow-shared-roles: a model scoring attacks it wrote, judged or was hill-climbed on (MAGEO's edits
+    climb its engine's citations) measures them in its own favour. -> the shared roles (allowed ones)."""
+    shared = shared_roles(cfg)
+    if shared and not cfg.allow_shared_roles:
+        raise SettingsError(f"{cfg.bench}: {'; '.join(shared)} (its _meta). A model that made, judged or steered the "
+                            "attacks measures them in its own favour: give another --llm / --judge, or "
+                            "--allow-shared-roles (the report then says so)")
+    return shared
+
+
 def test_set_digest(insts):
     """SHA-1 of the evaluated instances (ids, queries, document texts): runs compared in one table
     (`compare`) must have been evaluated on the same test set."""

@@ -265,6 +265,14 @@ TFSGLimits = dataclasses.make_dataclass("TFSGLimits", [_limit(f) for f in fields
 
 
 @dataclass
+class RolesSettings(Settings):
+    """Who may play which part: a target or judge that built or judged the benchmark is refused by default."""
+    allow_shared_roles: bool = setting(False, "let the target or judge be a model that built the benchmark, judged "
+                                              "its rewrites' fidelity or was MAGEO's engine (_meta); the report says "
+                                              "so")
+
+
+@dataclass
 class JudgeSettings(Settings):
     """The judge of the answers (ASI, pairwise quality: B.2.3, B.2.4) and of an attacker's fidelity."""
     judge: str = setting(None, "ASI, pairwise-quality and fidelity judge LLM (default: the target)", taken=True)
@@ -366,24 +374,24 @@ class HoldoutSettings(Settings):
 
 
 @dataclass
-class TrainConfig(TFSGLimits, TFSGSettings, ShieldSettings, RequestSettings, LLMSettings, DataSettings,
+class TrainConfig(RolesSettings, TFSGLimits, TFSGSettings, ShieldSettings, RequestSettings, LLMSettings, DataSettings,
                   ModelSettings, RunSettings):
     """train: the Shield (Eqs. 1-5) and the TFSG library (Algorithm 1)."""
     FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, ShieldSettings, TFSGSettings,
-             TFSGLimits)
+             TFSGLimits, RolesSettings)
 
 
 @dataclass
 class EvalConfig(RerankSettings, EvalSettings, JudgeSettings, TrainConfig):
     """eval: every condition on what `train` made; the trained run's settings come from its record."""
     FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, JudgeSettings, EvalSettings,
-             RerankSettings)
+             RerankSettings, RolesSettings)
 
 
 @dataclass
 class DemoConfig(EvalConfig):
     """demo: train then eval, offline."""
-    FLAGS = TrainConfig.FLAGS + (JudgeSettings, EvalSettings, RerankSettings)
+    FLAGS = TrainConfig.FLAGS + (JudgeSettings, EvalSettings, RerankSettings)   # RolesSettings: in TrainConfig's
 
 
 @dataclass
@@ -396,13 +404,13 @@ class RerankEvalConfig(EvalConfig):
 class AttackConfig(AttackSettings, EvalConfig):
     """attack: the adaptive attacker against a trained run, then every budget end to end."""
     FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, JudgeSettings, EvalSettings,
-             AttackSettings)
+             AttackSettings, RolesSettings)
 
 
 @dataclass
 class HardenConfig(HardenSettings, JudgeSettings, TrainConfig):
     """harden: hardening rounds on a trained run; the trained run's settings come from its record."""
-    FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings)
+    FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings, RolesSettings)
 
 
 @dataclass

@@ -187,6 +187,23 @@ def test_construction_families_all_lets_train_hold_any_family_out(geo_input, sho
         run.main(argv + ["--construction-families", "GEO-SFE", "--dry-run"])
 
 
+def test_mageos_memory_never_crosses_splits(geo_input, tmp_path, monkeypatch):
+    """MAGEO carries memory across the documents of one run: the build runs it on each split apart, so no
+    construction edit can reach a test rewrite (B.1.2)."""
+    runs, real = [], geo_attacks.Mageo.run
+
+    def spy(self, ctx, jobs):
+        runs.append({j.group_id for j in jobs})
+        return real(self, ctx, jobs)
+    monkeypatch.setattr(geo_attacks.Mageo, "run", spy)
+    argv = _short_rows_argv(geo_input, tmp_path)
+    argv[argv.index("--attacks") + 1:argv.index("--attacks") + 4] = ["GEO,MAGEO", "--seen-methods", "MAGEO"]
+    run.main(argv + ["--docs", "5"])
+    groups = geodef.load_bench(str(tmp_path / "b.jsonl"))
+    split = {g.group_id: g.split for g in groups}
+    assert len(runs) == 2 and [{split[g] for g in r} for r in runs] == [{"construction"}, {"test"}]
+
+
 def test_evals_k_must_stay_below_the_benchmarks_documents(short_rows, tmp_path):
     with pytest.raises(SystemExit, match="--k 5: .* has 5 candidates"):
         run.main(["eval", "--dry-run", "--bench", str(short_rows), "--runs-dir", str(tmp_path / "r"),

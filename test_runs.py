@@ -6,6 +6,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import resource
 import shutil
 import signal
@@ -21,6 +22,7 @@ import evaluation
 import accounting
 import geodef
 import llm_clients
+import report
 import reranker
 import run
 import runs
@@ -95,6 +97,44 @@ def test_a_missing_key_stops_a_command_before_any_model_loads(tmp_path, monkeypa
         with pytest.raises(SystemExit, match="DEEPSEEK_API_KEY"):
             run.main(argv + ["--model", "tiny", "--name", "k", "--runs-dir", str(tmp_path)])
     assert not loaded and not os.path.exists(tmp_path / "k" / "adapter")
+
+
+def test_a_target_or_judge_that_built_the_benchmark_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """_meta's builder, fidelity judge and MAGEO engine may not be the target or judge (compared by model
+    name across providers), in every command that calls them, before any model loads or request goes;
+    --allow-shared-roles lets it through and the report says so. (The offline engine plays every role of the
+    bundled sample in every demo.)"""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    monkeypatch.setenv("DEEPSEEK_API_KEY", "sk-test")
+    lines = open(settings.SAMPLE, encoding="utf-8").read().splitlines()
+    meta = json.loads(lines[0])
+    meta["_meta"].update(builder_llm="openai:gpt-5.5", mageo_engine="openai:gpt-5.5",
+                         fidelity_judge="deepseek:judge-x")
+    bench = tmp_path / "b.jsonl"
+    bench.write_text("\n".join([json.dumps(meta)] + lines[1:]) + "\n")
+    loaded = _no_model_loads(monkeypatch)
+    common = ["--model", "tiny", "--runs-dir", str(tmp_path), "--bench", str(bench), "--dry-run"]
+    judged = "the judge deepseek:judge-x judged its rewrites' fidelity"
+    cases = ((["train", "--llm", "openai:GPT-5.5"], "the target openai:GPT-5.5 built the benchmark; "
+                                                    "the target openai:GPT-5.5 was MAGEO's engine"),
+             (["eval", "--llm", "openai:gpt-5-mini", "--judge", "deepseek:judge-x"], judged),
+             (["attack", "--llm", "openai:gpt-5-mini", "--judge", "deepseek:judge-x"], judged),
+             (["harden", "--llm", "deepseek:JUDGE-X"], "the target deepseek:JUDGE-X judged"))
+    # harden takes its benchmark from the trained run's record
+    (tmp_path / "harden").mkdir()
+    (tmp_path / "harden" / "config.json").write_text(json.dumps({"config": {"bench": str(bench), "model": "tiny"}}))
+    for argv, said in cases:
+        with pytest.raises(SystemExit, match=re.escape(said) + r".* \(its _meta\).*--allow-shared-roles"):
+            run.main(argv + (common[2:4] + common[-1:] if argv[0] == "harden" else common) + ["--name", argv[0]])
+    assert not loaded
+    allowed = ["eval", "--conditions", "Non-Defense", *common]
+    assert run.main(allowed + ["--llm", "openai:gpt-5.5", "--allow-shared-roles", "--name", "ok"])["stages"]
+    assert not loaded
+    s = {"notes": [], "target_llm": "openai:gpt-5.5", "model": "m", "test_groups": 1, "test_instances": 7,
+         "seen_methods": ["A"], "shared_roles": runs.shared_roles(settings.EvalConfig(llm="openai:gpt-5.5",
+                                                                                     bench=str(bench)))}
+    assert "**Roles shared with the benchmark's construction** (--allow-shared-roles): the target openai:gpt-5.5 " \
+           "built the benchmark" in "".join(report._header_lines(str(tmp_path), s))
 
 
 def test_a_missing_ppl_model_is_named_before_the_reranker_loads(tmp_path, monkeypatch):
