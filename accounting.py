@@ -66,7 +66,7 @@ def ledger_usage(path, prices=None):
     cost_usd is None where `prices` lacks the model (price_of). A line cut by a kill is skipped (its
     reply was not cached either, and is asked again)."""
     stages = {}
-    lines = open(path, encoding="utf-8").read().splitlines() if path and os.path.isfile(path) else []
+    lines = open(path, encoding="utf-8").read().split("\n") if path and os.path.isfile(path) else []
     for line in lines:
         try:
             rec = json.loads(line)

@@ -18,9 +18,10 @@ reported.
 
 Every rewrite passes one fidelity gate (geo_attacks.gate: cheap checks, then the fidelity judge,
 --fidelity-judge or the builder's LLM); a refused one is asked again (REWRITE_TRIES attempts in
-all, the retry marked in the prompt), then its group is dropped with the
-reason. Every call is cached in the run folder: a killed build reruns to the same bytes. The output
-is written aside, validated, and only then replaces the file.
+all, the retry marked in the prompt), then the group is kept without that family, the reason in its
+line's `failed` and _meta.family_drops (each family measured over the groups it rewrote); a group
+no family rewrote is dropped with the reasons. Every call is cached in the run folder: a killed build
+reruns to the same bytes. The output is written aside, validated, and only then replaces the file.
 
 `--honest` adds, per test group, an honest edit of the source (honest.HonestEdit: clearer wording and
 structure, nothing GEO adds), through its own gate (honest_gate: the families' checks, then no new
@@ -389,15 +390,48 @@ def rewrite_family(ctx, fam, groups, gate=geo_attacks.gate):
     return done, failed
 
 
+def rewrite_all(ctx, fams, cons, groups, mageo_signal):
+    """Every family on every group of its splits (cons: the construction groups' families), one split at
+    a time (MAGEO's memory never crosses splits, B.1.2) -> ({gid: {family: text}}, {gid: {family: trace}},
+    {gid: {family: why every attempt was refused}}). A family refused on a group leaves the group its
+    other families: each family is measured over the groups it rewrote."""
+    attacks, traces, failed = ({g["group_id"]: {} for g in groups} for _ in range(3))
+    for f in fams:
+        fam = geo_attacks.Mageo(mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
+        for split in ("construction", "test"):
+            todo = [g for g in groups if g["split"] == split and (f in cons or split == "test")]
+            done, bad = rewrite_family(ctx, fam, todo) if todo else ({}, {})
+            for gid, why in bad.items():
+                failed[gid][f] = why
+            for gid, (text, trace) in done.items():
+                attacks[gid][f], traces[gid][f] = text, trace
+    return attacks, traces, failed
+
+
+def refusal_kind(why):
+    """A gate verdict without its particulars: "adds numbers ['12']" -> "adds numbers", "fidelity 0.4 < 0.8"
+    -> "fidelity"."""
+    return re.split(r"\s*[\[(\d<:]", why, maxsplit=1)[0].strip()
+
+
 def honest_edits(ctx, groups):
     """The honest editor (honest.HonestEdit) on the kept test groups, through its own gate
-    (honest_gate), REWRITE_TRIES attempts: -> {group_id: (text or None, trace)}. A group whose every
-    attempt is refused keeps its attacks and has no honest edit; its trace says why."""
-    done, failed = rewrite_family(ctx, honest.HonestEdit(), groups, honest.honest_gate)
+    (honest_gate), REWRITE_TRIES attempts: -> ({group_id: (text or None, trace)}, {refusal kind: attempts
+    refused so}). A group whose every attempt is refused keeps its attacks and has no honest edit; its
+    trace says why."""
+    verdicts = []
+
+    def gate(ctx, sources, texts, desc="honest edit fidelity"):
+        why = honest.honest_gate(ctx, sources, texts, desc)
+        verdicts.extend(w for w in why if w)
+        return why
+    done, failed = rewrite_family(ctx, honest.HonestEdit(), groups, gate)
     for gid, why in failed.items():
         log(f"[build-bench] {gid}: no honest edit ({why})")
-    return {**{gid: (t, tr) for gid, (t, tr) in done.items()},
-            **{gid: (None, {"attempts": REWRITE_TRIES, "refused": why}) for gid, why in failed.items()}}
+    kinds = [refusal_kind(w) for w in verdicts]
+    return ({**{gid: (t, tr) for gid, (t, tr) in done.items()},
+             **{gid: (None, {"attempts": REWRITE_TRIES, "refused": why}) for gid, why in failed.items()}},
+            {k: kinds.count(k) for k in sorted(set(kinds))})
 
 
 # ----------------------------------------------------------------------------- the command
@@ -549,31 +583,25 @@ def build_bench(cfg, p=None):
     ranker = load_rankers(cfg, False)[0] if "MAGEO" in fams and cfg.mageo_signal == "reranker" and groups else None
     ctx = geo_attacks.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
                           archive=p.archive, rules=p.rules, ranker=ranker)
-    attacks, traces, failed = {g["group_id"]: {} for g in groups}, {g["group_id"]: {} for g in groups}, {}
-    for f in fams:
-        fam = geo_attacks.Mageo(cfg.mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
-        for split in ("construction", "test"):     # one split at a time: MAGEO's memory never crosses splits
-            todo = [g for g in groups if g["split"] == split and (f in cons or split == "test")
-                    and g["group_id"] not in failed]
-            done, bad = rewrite_family(ctx, fam, todo) if todo else ({}, {})
-            failed.update(bad)
-            for gid, (text, trace) in done.items():
-                attacks[gid][f], traces[gid][f] = text, trace
-    kept = [g for g in groups if g["group_id"] not in failed]
-    dropped += [(g["row"], failed[g["group_id"]]) for g in groups if g["group_id"] in failed]
+    attacks, traces, failed = rewrite_all(ctx, fams, cons, groups, cfg.mageo_signal)
+    kept = [g for g in groups if attacks[g["group_id"]]]
+    dropped += [(g["row"], "; ".join(failed[g["group_id"]].values())) for g in groups if not attacks[g["group_id"]]]
+    for g in kept:
+        for f, why in failed[g["group_id"]].items():
+            log(f"[build-bench] {g['group_id']}: no {f} rewrite, the group kept without it ({why})")
     for row, why in dropped:
         log(f"[build-bench] dropped {where(row)} ({row['id']}): {why}")
     if not kept:
         raise SettingsError(f"{cfg.input}: no query group left, all {len(dropped)} dropped "
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
-    edits = honest_edits(ctx, [g for g in kept if g["split"] == "test"]) if cfg.honest else None
+    edits, refused = honest_edits(ctx, [g for g in kept if g["split"] == "test"]) if cfg.honest else (None, None)
     if edits:                           # the honest edits' template, beside the families'
         markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
-    write(cfg, fams, seen, kept, attacks, traces, llm, search, markers, edits, cons)
-    comp = composition(kept, fams, cons)
+    write(cfg, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused), cons)
+    comp = composition(kept, fams, cons, attacks)
     log(f"[build-bench] wrote {len(kept)} groups to {cfg.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
     return cfg.output, comp
@@ -613,22 +641,28 @@ def surface_markers(groups, attacks, fams):
     return out
 
 
-def composition(groups, fams, cons):
+def composition(groups, fams, cons, attacks):
     """Table B.1 of a build: groups and attack-injected instances per split (cons: the construction
-    groups' families)."""
+    groups' families; a family refused on a group adds no instance there)."""
     out = {}
     for split, names in (("construction", cons), ("test", fams)):
-        n = sum(1 for g in groups if g["split"] == split)
-        out[split] = {"groups": n, "methods": len(names), "instances": n * len(names)}
+        gs = [g for g in groups if g["split"] == split]
+        out[split] = {"groups": len(gs), "methods": len(names),
+                      "instances": sum(m in attacks[g["group_id"]] for g in gs for m in names)}
     return out
 
 
-def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=None, cons=None):
+def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None):
     """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output.
-    edits ({group_id: (text or None, trace)} of the test groups, build-bench --honest): each test line's
-    `honest` edit and its `honest_trace`, and _meta's `honest`, `honest_digest` and `honest_edits`; without
-    it the lines are as before. cons: the construction groups' families; _meta.construction_methods
-    records them when they are more than the seen ones."""
+    honest_audit ({group_id: (text or None, trace)} of the test groups and the refusal kinds' counts,
+    build-bench --honest): each test line's `honest` edit and its `honest_trace`, and _meta's `honest`,
+    `honest_digest`, `honest_edits`, `honest_edit_rate` (% of test groups) and `honest_refusals`; without
+    it the lines are as before. rewrites: rewrite_all's (attacks, traces, failed); a family refused on a
+    group is in the line's `failed` with why, and _meta.family_drops counts them per family. cons: the
+    construction groups' families; _meta.construction_methods records them when they are more than the
+    seen ones."""
+    attacks, traces, failed = rewrites
+    edits, refused = honest_audit
     cons = list(cons or seen)
     meta = {"name": os.path.basename(cfg.output), "synthetic": bool(cfg.synthetic), "methods": fams,
             "seen_methods": seen, "n_docs": cfg.docs, "search": search.label if search else None,
@@ -640,9 +674,13 @@ def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=
         meta["mageo_engine"] = llm.label
     if cons != list(seen):
         meta["construction_methods"] = cons
+    drops = {f: sum(f in why for why in failed.values()) for f in fams}       # dropped groups' too
+    if any(drops.values()):                  # each family's own denominator: the groups it rewrote
+        meta["family_drops"] = drops
     if edits is not None:
-        meta.update(honest=True, honest_digest=honest.HonestEdit().digest(),
-                    honest_edits=sum(t is not None for t, _ in edits.values()))
+        n = sum(t is not None for t, _ in edits.values())
+        meta.update(honest=True, honest_digest=honest.HonestEdit().digest(), honest_edits=n,
+                    honest_edit_rate=round(100.0 * n / max(1, len(edits)), 1), honest_refusals=refused)
     if cfg.synthetic:
         meta["note"] = ("SYNTHETIC: programmatic pages and offline-engine rewrites for offline plumbing; not the "
                         "paper's benchmark and not real web pages. Numbers measured on it say nothing about real "
@@ -652,7 +690,9 @@ def write(cfg, fams, seen, groups, attacks, traces, llm, search, markers, edits=
         gid = g["group_id"]
         names = fams if g["split"] == "test" else cons
         line = {"group_id": gid, "query": g["query"], "docs": g["docs"], "source_index": g["source_index"],
-                "attacks": {m: attacks[gid][m] for m in names}, "trace": {m: traces[gid][m] for m in names}}
+                "attacks": {m: attacks[gid][m] for m in names if m in attacks[gid]},
+                "trace": {m: traces[gid][m] for m in names if m in traces[gid]}}
+        line.update({"failed": {m: failed[gid][m] for m in names if m in failed[gid]}} if failed[gid] else {})
         if edits is not None and gid in edits:             # test groups
             text, trace = edits[gid]
             line.update(({"honest": text} if text is not None else {}), honest_trace=trace)

@@ -31,7 +31,7 @@ import tfsg
 import tiny
 from rankers import documents_cut, load_rankers
 from runs import (adapter_path, changed_settings, file_sha1, is_offline, library_path, load_data, log, make_llm,
-                  naming, NotTrainedError, read_json, read_prices, run_usage, SettingsError, shared_roles,
+                  naming, NotTrainedError, read_json, read_jsonl, read_prices, run_usage, SettingsError, shared_roles,
                   test_set_digest, tfsg_limits, TINY_NOTE, write_json, write_summary)
 
 
@@ -157,12 +157,8 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
         with open(path, "r+b") as f:        # a line cut by a kill: dropped (its instance is redone), so
             data = f.read()                 # that the next record does not start on its end
             f.truncate(data.rfind(b"\n") + 1)
-        for line in data[:data.rfind(b"\n") + 1].decode("utf-8").split("\n")[:-1]:   # not splitlines: U+2028
-            try:
-                r = json.loads(line)
-                done[r["instance_id"]] = r
-            except (ValueError, KeyError):
-                continue
+        done = {r["instance_id"]: r for _, r in read_jsonl(path, skip_bad=True)
+                if isinstance(r, dict) and "instance_id" in r}
     todo = [x for x in insts if x.instance_id not in done]
     judge = judge or (make_llm(cfg, cfg.judge, stage=llm.stage) if cfg.judge else llm)
     chunk = max(cfg.workers * 4, 16)
@@ -382,6 +378,7 @@ def evaluate(cfg):
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
     summary.update({"shared_roles": shared} if (shared := shared_roles(cfg)) else {})   # --allow-shared-roles
+    summary.update({"family_drops": meta.raw["family_drops"]} if meta.raw.get("family_drops") else {})
     if "Non-Defense" in conds:
         summary["attack_strength"] = attack_strength(results["Non-Defense"], clean, test, methods, cfg.n_boot,
                                                      cfg.seed)
@@ -425,7 +422,9 @@ def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):
     for c in conds:
         recs = condition(c, lists, topk[c], plan[c][1], condition_slug(c) + ".honest", asi=False)
         out[c] = honest_penalty(recs, results[c], groups, cfg.n_boot, cfg.seed)
-    return {"groups": len(groups), "test_groups": len(test), "conditions": out}
+    refused = geodef.read_meta(cfg.bench).raw.get("honest_refusals")      # the editor's refused attempts, by reason
+    return {"groups": len(groups), "test_groups": len(test), "conditions": out, **({"refusals": refused}
+                                                                                  if refused else {})}
 
 
 def honest_penalty(recs, attack_recs, groups, n_boot=10000, seed=0):

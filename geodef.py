@@ -64,6 +64,7 @@ class QueryGroup:
     split: str = None     # "construction" | "test" | None (then split_groups decides)
     line: int = 0
     honest: str = None    # an honest edit of docs[source_index] (build-bench --honest), or None
+    failed: dict = None   # method -> why build-bench's gate refused its every rewrite: the group has none of it
 
 
 @dataclass
@@ -281,10 +282,17 @@ def _read_group(obj, path, n, n_docs, meta):
         check_unicode(t, path, n, f"attacks.{m}")
         if " ".join(t.split()) == source_norm:
             _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
+    failed = obj.get("failed", {})
+    if not isinstance(failed, dict) or not all(isinstance(v, str) for v in failed.values()):
+        _fail(path, n, "failed", f"expected {{method: why}}, got {failed!r}"[:200])
+    both = [m for m in failed if m in attacks]
+    if both:
+        _fail(path, n, "failed", f"{both} have a rewrite in attacks too")
     split = obj.get("split")
-    # a construction group needs only its families (Table B.1: 12 x 3, the seen ones), a test group every method
+    # a construction group needs only its families (Table B.1: 12 x 3, the seen ones), a test group every
+    # method; a method the build's gate refused on this group (`failed`) is absent, with its reason
     need = meta.construction() if split == "construction" else meta.methods
-    missing = [m for m in need if m not in attacks]
+    missing = [m for m in need if m not in attacks and m not in failed]
     if missing:
         key = ("construction_methods" if need is meta.construction_methods else
                "seen_methods" if need is meta.seen_methods else "methods")
@@ -292,7 +300,7 @@ def _read_group(obj, path, n, n_docs, meta):
     if split is not None and split not in ("construction", "test"):
         _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
     honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
-    return QueryGroup(gid, query, docs, src, dict(attacks), split, n, honest)
+    return QueryGroup(gid, query, docs, src, dict(attacks), split, n, honest, dict(failed) or None)
 
 
 def _read_honest(obj, path, n, source_norm):
@@ -401,8 +409,9 @@ def honest_instance(g):
 
 
 def expand(groups, methods):
-    """Every group x method (in the given method order), group-major."""
-    return [attack_instance(g, m) for g in groups for m in methods]
+    """Every group x method (in the given method order), group-major; a method a group has no rewrite of
+    (its `failed` ones) is left out, so each method is measured over the groups it rewrote."""
+    return [attack_instance(g, m) for g in groups for m in methods if m in g.attacks]
 
 
 def construction_schedule(instances, n_seed=6, batch_size=10, n_batches=3, seed=0):

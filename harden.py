@@ -38,7 +38,6 @@ Usage: python run.py harden --name gpt55 --rounds 3 --budget 16 --eval-budgets 1
 """
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 
@@ -48,8 +47,9 @@ import tfsg
 from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
 from evaluation import eval_condition, estimate, offline_notes, price_plan
 from rankers import base_ranker, load_rankers
-from runs import (SettingsError, adapter_path, changed_settings, atomic_write, labels_of, library_path, load_data,
-                  load_reranker, log, make_llm, read_json, run_usage, tfsg_limits, write_json, write_summary)
+from runs import (SettingsError, adapter_path, changed_settings, labels_of, library_path, load_data,
+                  load_reranker, log, make_llm, read_json, read_jsonl, run_usage, tfsg_limits, write_json, write_jsonl,
+                  write_summary)
 from train import clean_reference_benign, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
@@ -75,36 +75,6 @@ def load_defense(cfg, k):
     adapter, lib = defense_of(cfg, k)
     base, shield = load_rankers(cfg, True, adapter)
     return base, shield, tfsg.load_library(lib, tfsg_limits(cfg))
-
-
-def numbered_lines(path):
-    """A JSONL file the rounds wrote -> [(line number, value)], blank lines skipped; a line that does not
-    parse (nested too deeply included) is an error naming the file and line. Lines end at "\n" only:
-    str.splitlines() would also break at U+2028 or U+0085, which write_jsonl leaves raw inside strings."""
-    out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-    except UnicodeDecodeError as e:
-        raise SettingsError(f"{path}: not UTF-8 ({e})") from None
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                out.append((n, json.loads(line)))
-            except ValueError as e:
-                raise SettingsError(f"{path}, line {n}: not JSON ({e})") from None
-            except RecursionError:
-                raise SettingsError(f"{path}, line {n}: not JSON (nested too deeply)") from None
-    return out
-
-
-def read_jsonl(path):
-    """A JSONL file the rounds wrote -> its values (numbered_lines)."""
-    return [v for _, v in numbered_lines(path)]
-
-
-def write_jsonl(path, recs):
-    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
 
 
 def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed):
@@ -176,7 +146,7 @@ def check_survivor(path, n, r):
 
 def read_survivors(path):
     """A round's survivors file -> its records, every line checked (check_survivor)."""
-    return [check_survivor(path, n, r) for n, r in numbered_lines(path)]
+    return [check_survivor(path, n, r) for n, r in read_jsonl(path)]
 
 
 def pool_instances(cfg, data, k):
@@ -186,7 +156,7 @@ def pool_instances(cfg, data, k):
     pool = []
     for j in range(1, k + 1):
         path = os.path.join(round_dir(cfg, j), "survivors.jsonl")
-        for n, r in numbered_lines(path):
+        for n, r in read_jsonl(path):
             got = r if isinstance(r, dict) else {}
             x = by_id.get(f"{got.get('group_id')}:{got.get('source_method')}")
             if x is None or got.get("split") != "construction":
@@ -282,7 +252,7 @@ def measure(cfg, k, data, clients, clean):
 
 def read_attack(path):
     out = {}
-    for r in read_jsonl(path):
+    for _, r in read_jsonl(path):
         out.setdefault(r["instance_id"], []).append(r)
     return out
 

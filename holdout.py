@@ -30,7 +30,6 @@ run here; this measures the reranker stage, where the Shield acts.
 Usage: python run.py holdout --name gpt55      (a trained run's settings; or --bench and the rest)
 """
 import dataclasses
-import json
 import os
 
 import geodef
@@ -39,7 +38,7 @@ import report
 import rerank_eval
 from evaluation import offline_notes
 from rankers import parse_rerankers
-from runs import SettingsError, load_data, log, read_json, record_or_check, shield_split, write_json
+from runs import SettingsError, load_data, log, read_jsonl, record_or_check, shield_split, write_json
 from train import train_shield
 
 ALL = "all"                       # the reference fold: every construction family
@@ -83,8 +82,7 @@ def run_fold(fcfg):
     items = parse_rerankers(["base", "shield"])
     rerank_eval.rerank_stage(fcfg, load_data(fcfg), items, stage="holdout")
     res = os.path.join(fcfg.run_dir, "results")
-    return {label: [json.loads(line) for line in open(os.path.join(res, f"rerank-{label}.jsonl"), encoding="utf-8")]
-            for label, _ in items}
+    return {label: [r for _, r in read_jsonl(os.path.join(res, f"rerank-{label}.jsonl"))] for label, _ in items}
 
 
 def exposure(recs, methods):

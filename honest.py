@@ -18,25 +18,40 @@ HONEST_INSTRUCTION = ("You edit the web document in the input for its readers, a
                       "wording, shorter sentences, paragraphs in a sensible order, a plain heading where it helps. "
                       "Add nothing to it: no new figures, no quotations, no source, person or organisation the "
                       "document does not name, no claim of expertise or trust, no promotional or superlative wording.")
-# Wording an honest edit may not add where the source lacks it: attribution, authority and promotion, the moves
-# GEO makes besides structure (a short list, declared; the fidelity judge sees what it misses)
-HONEST_BANNED = ("according to", "expert", "experts", "studies show", "research shows", "proven", "verified",
-                 "official", "renowned", "leading", "authoritative", "definitive", "trusted", "guarantee",
-                 "guaranteed", "best", "ultimate", "unmatched", "world-class", "must-read", "the only", "exclusive")
+# Wording an honest edit may not add where the source lacks it, the moves GEO makes besides structure (short
+# lists, declared; the fidelity judge sees what they miss). Authority and attribution wording is refused
+# wherever it is added, except "according to" a name the source already holds (a sentence reworded around
+# an attribution the page makes is no new source).
+HONEST_AUTHORITY = ("according to", "expert", "experts", "studies show", "research shows", "proven", "verified",
+                    "official", "guarantee", "guaranteed")
+# Promotion is refused where it praises the document itself ("this guide is the definitive one"), not where it
+# is the content's own wording ("the best way to store basil is ..."), which an honest edit may keep or write.
+HONEST_PROMOTION = ("renowned", "leading", "authoritative", "definitive", "trusted", "best", "ultimate", "unmatched",
+                    "world-class", "must-read", "the only", "exclusive")
+HONEST_BANNED = HONEST_AUTHORITY + HONEST_PROMOTION
+# a sentence about the page itself: "this guide", "our article", "here you", "we ..."
+SELF = re.compile(r"(?i)\b(?:this|our|these)\s+(?:guide|article|page|post|resource|site|website|document|overview|"
+                  r"explainer|tutorial|list|review)s?\b|\b(?:we|us|here you)\b")
 QUOTED = re.compile(r"[\"\u201c\u201d]([^\"\u201c\u201d\n]{3,}?)[\"\u201c\u201d]")
 LETTERS = re.compile(r"[^\W\d_]+")
+HEADING = re.compile(r"^\s*#{1,6}\s")
+SENTENCES = re.compile(r"(?<=[.!?:])\s+|\n+")
 
 
 def new_names(source, text):
     """Capitalised words of `text` the source lacks in any case: a word with a capital inside a sentence (not
     its first word, markdown marks apart) or an all-capitals word anywhere. A heuristic for an added person,
-    organisation, study or place; a sentence-initial new word is left to the fidelity judge."""
+    organisation, study or place; a sentence-initial new word is left to the fidelity judge. A markdown
+    heading is title case by convention ("## How The Clinic Works"), so there only all-capitals words count."""
     have = {w.lower() for w in LETTERS.findall(source)}
     out = []
-    for sent in re.split(r"(?<=[.!?:])\s+|\n+", text):
-        for i, w in enumerate(LETTERS.findall(sent)):
-            if (i > 0 and w[0].isupper() or len(w) > 1 and w.isupper()) and w.lower() not in have:
-                out.append(w)
+    for line in text.splitlines():
+        heading = HEADING.match(line) is not None
+        for sent in SENTENCES.split(line):
+            for i, w in enumerate(LETTERS.findall(sent)):
+                capital = i > 0 and w[0].isupper() and not heading
+                if (capital or len(w) > 1 and w.isupper()) and w.lower() not in have:
+                    out.append(w)
     return list(dict.fromkeys(out))
 
 
@@ -44,10 +59,27 @@ def _says(text, phrase):
     return re.search(rf"(?<![\w-]){re.escape(phrase)}(?![\w-])", text, re.I) is not None
 
 
+def attributed_to_the_source(source, text):
+    """Whether every "according to" of `text` is followed by a name (capitalised words, after an optional
+    "the") that the source holds word for word: the page's own attribution, reworded."""
+    have = f" {' '.join(LETTERS.findall(source.lower()))} "
+    for m in re.finditer(r"(?i)(?<![\w-])according to\s+(?:the\s+)?", text):
+        name = re.match(r"(?:[A-Z][^\W\d_]*[ \t]*)+", text[m.end():])
+        if not name or f" {' '.join(LETTERS.findall(name.group(0).lower()))} " not in have:
+            return False
+    return True
+
+
+def promotes_itself(text, phrase):
+    """Whether `phrase` stands in a sentence of `text` about the page itself (SELF)."""
+    return any(_says(sent, phrase) and SELF.search(sent) for sent in SENTENCES.split(text))
+
+
 def honest_refusal(source, text):
     """None if an honest edit may go to the fidelity judge, else why it is refused: the families' checks
     (refusal), then anything GEO adds that the source lacks: a number, a quotation, a name (new_names),
-    authority or promotional wording (HONEST_BANNED)."""
+    authority wording (HONEST_AUTHORITY; "according to" only when it names what the source does not), or
+    promotion of the page itself (HONEST_PROMOTION in a sentence about the page)."""
     why = refusal(source, text)
     if why:
         return why
@@ -62,7 +94,9 @@ def honest_refusal(source, text):
     names = new_names(source, text)
     if names:
         return f"adds names {names[:3]}"
-    said = [p for p in HONEST_BANNED if _says(text, p) and not _says(source, p)]
+    said = [p for p in HONEST_AUTHORITY if _says(text, p) and not _says(source, p)
+            and not (p == "according to" and attributed_to_the_source(source, text))]
+    said += [p for p in HONEST_PROMOTION if promotes_itself(text, p) and not _says(source, p)]
     if said:
         return f"adds authority or promotional wording {said[:3]}"
     return None

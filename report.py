@@ -477,6 +477,10 @@ def honest_lines(s, stage):
              "bootstrap CIs. A defense that separates manipulation from optimisation loses the attacks and keeps "
              "the honest edits. Goal on real models (a target, not a test): the Shield's honest penalty within 5 "
              f"points of the base reranker's while the attack's exposure falls as in the paper.{measured}\n"]
+    refused = s["honest"].get("refusals") if stage == "eval" else None
+    if refused:
+        lines.append("The honest editor's refused attempts, by reason (build-bench's gate): "
+                     + ", ".join(f"{k} {v}" for k, v in refused.items()) + ".\n")
     if s.get("notes"):
         lines.append("On the offline engine the honest editor is simulated too (offline.py re-cuts the source's "
                      "paragraphs under a heading of its own words): these honest figures are plumbing.\n")
@@ -526,6 +530,11 @@ def _method_lines(s, figs):
     lines.append("## Per GEO method (Fig. 3): ASR by condition; unseen methods marked *\n")
     lines.append(_table(["Condition"] + [m + ("" if seen[m]["seen"] else "*") for m in methods],
                         [[k] + [_f(s["methods"][k][m]["ASR"]) for m in methods] for k in s["methods"]]) + "\n")
+    drops = {m: n for m, n in (s.get("family_drops") or {}).items() if n and m in methods}
+    if drops:                   # each method over the test groups it rewrote
+        lines.append("Test instances per method (groups where build-bench's gate refused every rewrite of a method "
+                     "have none of it): " + ", ".join(f"{m} {seen[m].get('n', '-')} ({drops.get(m, 0)} groups "
+                                                      "refused)" for m in methods) + ".\n")
     unseen = {m for m in methods if not seen[m]["seen"]}
     conds = list(s["methods"])
     note = figure_note(s.get("notes"))

@@ -28,7 +28,6 @@ edit) go to results/rerank-<label>.honest.jsonl, so the attack records stay as t
 
 Usage: python run.py rerank-eval --name demo --reranker base --reranker shield --reranker co=cohere:rerank-v3.5
 """
-import json
 import os
 
 import geodef
@@ -36,7 +35,7 @@ import metrics
 import report
 import rankers
 from rankers import order_of
-from runs import atomic_write, read_json, run_usage, write_summary
+from runs import read_json, run_usage, write_jsonl, write_summary
 
 def instance_record(x, clean, ranker, base_clean_order, k):
     """One attacked instance under one reranker -> its record (see the module docstring)."""
@@ -111,13 +110,11 @@ def rerank_stage(cfg, data, items, stage="rerank-eval"):
         rk = by_label[label]
         recs = [instance_record(x, cleans[x.group_id], rk, base.order(cleans[x.group_id]) if base else None, cfg.k)
                 for x in insts]
-        atomic_write(os.path.join(res, f"rerank-{label}.jsonl"), "".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                                                         for r in recs))
+        write_jsonl(os.path.join(res, f"rerank-{label}.jsonl"), recs)
         out[label] = {"spec": str(spec), **summarize_stage(recs, data.seen, cfg.n_boot, cfg.seed)}
         if honest:
             hrecs = [instance_record(x, cleans[x.group_id], rk, None, cfg.k) for x in honest]
-            atomic_write(os.path.join(res, f"rerank-{label}.honest.jsonl"),
-                         "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in hrecs))
+            write_jsonl(os.path.join(res, f"rerank-{label}.honest.jsonl"), hrecs)
             out[label]["honest"] = honest_stage(hrecs, recs, cfg.k, cfg.n_boot, cfg.seed)
     stage = read_json(os.path.join(cfg.run_dir, "summary.json"), {}).get("rerank_stage", {})
     summary = write_summary(cfg.run_dir, "rerank-eval", {"rerank_stage": {**stage, **out}, "rerank_stage_k": cfg.k,

@@ -113,6 +113,35 @@ def append_jsonl(path, rec):
         f.write(json.dumps(rec) + "\n")
 
 
+def write_jsonl(path, recs):
+    """A JSONL file of the run folder written whole (atomic_write); strings keep their characters."""
+    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+
+
+def read_jsonl(path, skip_bad=False):
+    """The one reader of the run folder's JSONL files -> [(line number, value)], blank lines skipped.
+    Lines end at "\n" only: str.splitlines() would also break at U+2028 or U+0085, which write_jsonl
+    leaves raw inside strings. A line that does not parse (nested too deeply included) is an error naming
+    the file and line, or, with skip_bad (a record file appended to as it goes, whose last line a kill
+    may cut), skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"{path}: not UTF-8 ({e})") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((n, json.loads(line)))
+        except (ValueError, RecursionError) as e:
+            if not skip_bad:
+                why = "nested too deeply" if isinstance(e, RecursionError) else e
+                raise SettingsError(f"{path}, line {n}: not JSON ({why})") from None
+    return out
+
+
 # ----------------------------------------------------------------------------- models
 
 

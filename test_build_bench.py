@@ -204,6 +204,37 @@ def test_mageos_memory_never_crosses_splits(geo_input, tmp_path, monkeypatch):
     assert len(runs) == 2 and [{split[g] for g in r} for r in runs] == [{"construction"}, {"test"}]
 
 
+def test_a_family_refused_on_a_group_leaves_the_group_its_other_families(geo_input, short_rows, tmp_path,
+                                                                         monkeypatch):
+    """GEO's every rewrite refused on one test group and on one construction group: the test group is kept
+    with AutoGEO alone (the reason in its line's `failed`, _meta.family_drops counting it), each family
+    measured over the groups it rewrote; the construction group, whose only family is GEO, is dropped.
+    Every other line is the bytes of the build where nothing was refused."""
+    plain = [json.loads(line) for line in open(short_rows, encoding="utf-8")]
+    test_gid = next(g["group_id"] for g in plain[1:] if g["split"] == "test")
+    cons_gid = next(g["group_id"] for g in plain[1:] if g["split"] == "construction")
+    real = geo_attacks.Geo.run
+
+    def refused_there(self, ctx, jobs):
+        return [("Short." if j.group_id in (test_gid, cons_gid) else t, tr)
+                for j, (t, tr) in zip(jobs, real(self, ctx, jobs))]
+    monkeypatch.setattr(geo_attacks.Geo, "run", refused_there)
+    comp = run.main(_short_rows_argv(geo_input, tmp_path) + ["--docs", "5"])
+    lines = [json.loads(line) for line in open(tmp_path / "b.jsonl", encoding="utf-8")]
+    assert lines[0]["_meta"]["family_drops"] == {"GEO": 2, "AutoGEO": 0}
+    by = {g["group_id"]: g for g in lines[1:]}
+    assert cons_gid not in by and sorted(by[test_gid]["attacks"]) == ["AutoGEO"]
+    assert by[test_gid]["failed"]["GEO"].startswith("GEO: every attempt refused")
+    assert [g for g in plain[1:] if g["group_id"] not in (test_gid, cons_gid)] == \
+        [g for g in lines[1:] if g["group_id"] != test_gid]
+    n_test = sum(g["split"] == "test" for g in lines[1:])
+    assert comp["test"]["instances"] == 2 * n_test - 1
+    groups = geodef.load_bench(str(tmp_path / "b.jsonl"))
+    test = [g for g in groups if g.split == "test"]
+    insts = geodef.expand(test, ["GEO", "AutoGEO"])
+    assert len(insts) == 2 * n_test - 1 and sum(x.method == "GEO" for x in insts) == n_test - 1
+
+
 def test_evals_k_must_stay_below_the_benchmarks_documents(short_rows, tmp_path):
     with pytest.raises(SystemExit, match="--k 5: .* has 5 candidates"):
         run.main(["eval", "--dry-run", "--bench", str(short_rows), "--runs-dir", str(tmp_path / "r"),

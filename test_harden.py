@@ -172,7 +172,7 @@ def test_a_survivor_text_with_unicode_line_breaks_reads_back(tmp_path):
     """write_jsonl leaves U+2028 and U+0085 raw inside a string; reading ends lines at line feeds only."""
     path = tmp_path / "survivors.jsonl"
     rec = {**SURVIVOR, "text": "Canberra\u2028is the capital\x85of Australia."}
-    harden.write_jsonl(str(path), [rec, SURVIVOR])
+    runs.write_jsonl(str(path), [rec, SURVIVOR])
     assert harden.read_survivors(str(path)) == [rec, SURVIVOR]
 
 

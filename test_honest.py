@@ -15,6 +15,7 @@ import geo_attacks
 import geodef
 import honest
 import offline
+import report
 import rerank_eval
 import run
 from conftest import HERE, SAMPLE
@@ -29,8 +30,17 @@ SOURCE = ("Canberra was chosen in 1908 as a compromise between Sydney and Melbou
     (SOURCE + ' Locals call it "the bush capital".', "adds a quotation ('the bush capital')"),
     (SOURCE + " Planners at UNESCO approved it.", "adds names ['UNESCO']"),
     (SOURCE.replace("Sydney", "Sydney of the Royal Society"), "adds names ['Royal', 'Society']"),
-    (SOURCE + " This is the definitive account.", "adds authority or promotional wording ['definitive']"),
+    (SOURCE + " This article is the definitive account.", "adds authority or promotional wording ['definitive']"),
+    (SOURCE + " We keep the best record.", "adds authority or promotional wording ['best']"),
+    (SOURCE + " According to experts, it is calm.", "adds authority or promotional wording ['according to', "
+                                                    "'experts']"),
+    (SOURCE + " According to the UN, it is calm.", "adds names ['UN']"),
     (SOURCE.replace("1927", "1928"), "drops source numbers ['1927']"),
+    # what an honest editor writes: a title-case heading, the content's own superlative, the page's attribution
+    ("## How The Capital Was Chosen\n\n" + SOURCE, None),
+    (SOURCE + " The best way to arrive is by train.", None),
+    (SOURCE.replace("Sydney and", "Sydney and, according to the Parliament,"), None),
+    ("## What UNESCO Says\n\n" + SOURCE, "adds names ['UNESCO']"),     # a heading's acronym is still a new name
 ])
 def test_the_honest_gate_refuses_what_geo_adds(edit, why):
     assert honest.honest_refusal(SOURCE, edit) == why
@@ -95,6 +105,7 @@ def test_build_bench_honest_adds_an_edit_and_its_trace_and_changes_nothing_else(
     meta = lines[0]["_meta"]
     assert meta["honest"] is True and meta["honest_digest"] == honest.HonestEdit().digest()
     assert meta["honest_edits"] == 12 and "honest edits" in meta["surface_markers"]
+    assert meta["honest_edit_rate"] == 100.0 and meta["honest_refusals"] == {}
     for g in lines[1:]:                 # test groups only: the honest audit measures the test split
         if g["split"] == "construction":
             assert "honest" not in g and "honest_trace" not in g
@@ -114,8 +125,16 @@ def test_a_refused_honest_edit_leaves_its_group_without_one(rows, tmp_path, monk
     _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=4, construction=1)
     groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
     assert len(groups) == 4 and all(g.honest is None for g in groups) and meta.raw["honest_edits"] == 0
+    assert meta.raw["honest_edit_rate"] == 0.0 and meta.raw["honest_refusals"] == {"adds numbers": 6}   # 3 x 2
     trace = next(g for g in _lines(tmp_path / "b.jsonl")[1:] if g["split"] == "test")["honest_trace"]
     assert trace["attempts"] == 2 and "adds numbers ['2031']" in trace["refused"]
+
+
+def test_the_report_names_the_honest_editors_refusals():
+    s = {"honest": {"groups": 3, "test_groups": 4, "conditions": {}, "refusals": {"adds names": 2, "fidelity": 1}}}
+    text = "".join(report.honest_lines(s, "eval"))
+    assert "3 of 4 test groups have an honest edit" in text
+    assert "refused attempts, by reason (build-bench's gate): adds names 2, fidelity 1." in text
 
 
 def test_a_build_dry_run_prices_the_honest_edits(rows, tmp_path):

@@ -334,3 +334,16 @@ def test_attack_strength_is_the_rewrites_citation_minus_the_sources_and_flags_a_
     assert st["B"]["gain"] == 0.0 and st["B"]["ci"] == [0.0, 0.0] and st["B"]["holds_zero"]
     text = "\n".join(report.strength_lines({"attack_strength": st}))
     assert "| B | +0.0 (CI holds 0) |" in text and "| A | +66.7 |" in text
+
+
+def test_the_report_gives_each_method_its_own_count_where_a_family_was_refused(tmp_path):
+    """A benchmark where build-bench's gate refused every rewrite of m2 on one group: the per-method section
+    names each method's instances and refused groups; without refusals it says nothing of them."""
+    s = _eval_summary([])
+    for k in s["methods"]:
+        s["methods"][k]["m1"]["n"], s["methods"][k]["m2"]["n"] = 4, 3
+    report.write_report(str(tmp_path / "a"), s)
+    assert "Test instances per method" not in (tmp_path / "a" / "report.md").read_text()
+    report.write_report(str(tmp_path / "b"), {**s, "family_drops": {"m1": 0, "m2": 1}})
+    assert "per method (groups where build-bench's gate refused every rewrite of a method have none of it): m1 4 " \
+           "(0 groups refused), m2 3 (1 groups refused)." in (tmp_path / "b" / "report.md").read_text()
