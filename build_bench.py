@@ -670,8 +670,6 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
             "groups": len(groups), "source": os.path.basename(cfg.input),
             "prompt_digests": geo_attacks.prompt_digests(fams, cfg.mageo_signal),
             "mageo_signal": cfg.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
-    if "MAGEO" in fams and cfg.mageo_signal == "engine":     # the model MAGEO's edits hill-climbed on
-        meta["mageo_engine"] = llm.label
     if cons != list(seen):
         meta["construction_methods"] = cons
     drops = {f: sum(f in why for why in failed.values()) for f in fams}       # dropped groups' too

@@ -24,7 +24,8 @@ Round k = 1..R:
    frozen base; warm started from round k-1's adapter unless --restart); TFSG one more Algorithm 1
    update batch (tfsg.update_library) on survivor cases mixed with their groups' benign lists;
    harden/round-k/adapter and harden/round-k/library. A round without survivors keeps the defense;
-4. measure (test split, --eval-groups): a fresh attacker (seed "test-k") at --eval-budgets against the
+4. measure (test split, --eval-groups): a fresh attacker (seed "test-k"; --test-algorithm, default the
+   training side's --algorithm, which the report then labels in-distribution) at --eval-budgets against the
    round-k defense, and the benchmark's static families: exposure@k, ASR/ASI/BER under GEO Defender,
    Shield only and TFSG only, the clean top-k the Shield keeps, calls and USD. Round 0 is train's
    defense, measured the same way; the round-0 attacker, kept, is each later round's stale attacker.
@@ -77,14 +78,14 @@ def load_defense(cfg, k):
     return base, shield, tfsg.load_library(lib, tfsg_limits(cfg))
 
 
-def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed):
-    """The adaptive attacker's candidates for `insts` against `target` (attack.Attack), read from
-    `path` when a finished stage wrote them -> {instance_id: [candidate records]}."""
+def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed, algorithm="mageo"):
+    """The adaptive attacker's candidates for `insts` against `target` (attack.Attack, its `algorithm`),
+    read from `path` when a finished stage wrote them -> {instance_id: [candidate records]}."""
     if os.path.isfile(path):
         return read_attack(path)
     rounds = rounds_for(budget, cfg.candidates_per_round)
     cands = Attack(cfg, "shield", target, attacker, judge, rounds, cfg.candidates_per_round, budget,
-                   None if cfg.unaware else lib, seed=seed).run(insts)
+                   None if cfg.unaware else lib, seed=seed, algorithm=algorithm).run(insts)
     write_jsonl(path, [{"instance_id": x.instance_id, **c} for x in insts for c in cands[x.instance_id]])
     return cands
 
@@ -232,7 +233,7 @@ def measure(cfg, k, data, clients, clean):
     base, shield, lib = load_defense(cfg, k)
     budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
     cands = attacked(cfg, os.path.join(round_dir(cfg, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
-                     tester, judge, seed=f"test-{cfg.seed}-{k}")
+                     tester, judge, seed=f"test-{cfg.seed}-{k}", algorithm=cfg.test_algorithm or cfg.algorithm)
     res = os.path.join(round_dir(cfg, k), "results")
     setup = (base, shield, lib, data.construction)
     fresh = {str(b): evaluate_documents(cfg, llm, judge, best_documents(insts, cands, b, f"@r{k}-B{b}"), setup, clean,
@@ -294,6 +295,8 @@ def check_settings(cfg):
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
             "unaware", "restart", "judge", "max_tokens")
     now = {k: getattr(cfg, k) for k in keys}
+    if cfg.algorithm != "mageo" or cfg.test_algorithm:     # recorded when not MAGEO's loop on both sides
+        now.update(algorithm=cfg.algorithm, test_algorithm=cfg.test_algorithm or cfg.algorithm)
     path = os.path.join(cfg.run_dir, "harden", "settings.json")
     old = read_json(path)
     if old is not None and old != now:
@@ -335,7 +338,7 @@ def attack_round(cfg, k, data, clients, clean_cons):
     prev = load_defense(cfg, k - 1)
     cons = geodef.expand(data.construction, data.seen)
     cands = attacked(cfg, os.path.join(folder, "attack-train.jsonl"), cons, prev[1], prev[2], cfg.budget, attacker,
-                     judge, seed=f"train-{cfg.seed}-{k}")
+                     judge, seed=f"train-{cfg.seed}-{k}", algorithm=cfg.algorithm)
     path = os.path.join(folder, "survivors.jsonl")
     if not os.path.isfile(path):
         write_jsonl(path, harvest(cfg, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))

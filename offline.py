@@ -739,6 +739,47 @@ def attack_rewrites(inp):
     return out
 
 
+# the diagnose-and-repair attacker's failure modes (attack.REPAIR_MODES), in the order a rewrite tries them
+REPAIRS = ("answer_buried", "query_terms_missing", "hard_to_extract", "weaker_than_competitor")
+
+
+def _sentences(text):
+    return [s for s in re.split(r"(?<=[.!?])\s+|\n+", text) if s.strip()]
+
+
+def repair(mode, query, doc):
+    """One repair of `doc` for a failure mode, moving, splitting or restating its own sentences (the
+    query's words added only as a heading): every fact stays."""
+    sents = _sentences(doc)
+    q = set(words(query))
+    best = max(sents, key=lambda s: (len(q & set(words(s))), -sents.index(s))) if sents else doc
+    if mode == "answer_buried":
+        rest = doc.replace(best, "", 1).strip()
+        return f"{best}\n\n{rest}"
+    if mode == "query_terms_missing":
+        return f"## {query[:1].upper() + query[1:]}\n\n{doc}"
+    if mode == "hard_to_extract":
+        return doc.replace(best, re.sub(r",\s+", ". ", best), 1)
+    return f"In short: {best}\n\n{doc}"
+
+
+def repair_rewrites(inp):
+    """The diagnose-and-repair attacker offline -> (failure mode, rewrites): the mode from the document's
+    shape (the sentence sharing most words with the query not first: answer_buried; the query's words
+    missing from the opening: query_terms_missing; else hard_to_extract), each rewrite one repair, the
+    diagnosed one first (another attacker seed starts elsewhere)."""
+    q, cur = inp["query"], inp["current_rewrite"]
+    sents = _sentences(cur)
+    qw = set(words(q))
+    overlap = [len(qw & set(words(s))) for s in sents] or [0]
+    opening = set(words(" ".join(sents[:1])))
+    mode = ("answer_buried" if overlap.index(max(overlap)) > 0 else
+            "query_terms_missing" if not qw <= opening else "hard_to_extract")
+    shift = zlib.crc32(str(inp["attacker_seed"]).encode()) if "attacker_seed" in inp else 0
+    first = REPAIRS.index(mode) + shift
+    return mode, [repair(REPAIRS[(first + i) % len(REPAIRS)], q, cur) for i in range(int(inp.get("n_rewrites", 1)))]
+
+
 def judge_fidelity(source, candidate):
     """Offline fidelity judge: 5 when every number of the source is in the candidate and most of its
     words are, 2 when a number is missing, 3 when many words are."""
@@ -807,6 +848,8 @@ def prompt_kind(prompt):
             return "rewrite", inp
         if inp.get("attack_task") == "rewrite_for_ranking":
             return "adaptive_attack", inp
+        if inp.get("attack_task") == "diagnose_and_repair":
+            return "repair_attack", inp
         if inp.get("fidelity_task") == "source_vs_candidate":
             return "fidelity_judge", inp
         if DEFENSE_INPUTS.keys() & inp.keys():
@@ -836,6 +879,9 @@ def complete(prompt):
         return json.dumps(family_step(f), ensure_ascii=False), None
     if kind == "adaptive_attack":
         return json.dumps({"rewrites": attack_rewrites(f)}), None
+    if kind == "repair_attack":
+        mode, rewrites = repair_rewrites(f)
+        return json.dumps({"failure_mode": mode, "evidence": "offline shape check", "rewrites": rewrites}), None
     if kind == "fidelity_judge":
         return json.dumps(judge_fidelity(f["source_document"], f["candidate"])), None
     if kind == "cold_start":

@@ -704,7 +704,10 @@ def write_attack_report(run_dir, s):
         for mode, b in modes.items():
             xs = list(b["budgets"])
             conds = list(next(iter(b["budgets"].values()))["conditions"])
-            lines.append(f"## Target `{target}` ({b['target']}), attacker {mode} of the library\n")
+            aware = mode.split("-")[0]
+            how = (" (diagnose-and-repair, AgentGEO: one targeted repair a candidate, small edits)"
+                   if b.get("algorithm") == "repair" else "")
+            lines.append(f"## Target `{target}` ({b['target']}), attacker {aware} of the library{how}\n")
             transfer = (" Optimised against the base reranker: the Shield conditions are the transfer case."
                         if target == "base" else "")
             lines.append(f"Attacker `{b['attacker']}`, fidelity judge `{b['judge']}`, {b['rounds']} rounds of "
@@ -852,6 +855,9 @@ HARDEN_THREAT = (
     "round used) and with the round-0 attacker (stale).")
 
 
+ALGORITHM_NAMES = {"mageo": "MAGEO's loop", "repair": "diagnose-and-repair (AgentGEO)"}
+
+
 def harden_cells(r, top):
     """One round's figures by name, as harden_report.md's table and its figures both read them: the fresh
     attacker at budget `top`, the stale one (None at round 0, which has none: "-" in the table, no point
@@ -875,6 +881,13 @@ def write_harden_report(run_dir, s):
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
     lines = _title(run_dir, {"notes": b.get("notes")}, "Hardening rounds") + [HARDEN_THREAT + "\n"]
+    train_alg = b.get("settings", {}).get("algorithm", "mageo")
+    test_alg = b.get("settings", {}).get("test_algorithm") or train_alg
+    lines.append(f"Attacker algorithms: training rounds {ALGORITHM_NAMES[train_alg]}, fresh test attacker "
+                 f"{ALGORITHM_NAMES[test_alg]}: "
+                 + ("**in-distribution** (the test attacker runs the training rounds' algorithm with another seed, "
+                    "the easy case for the defender; `--test-algorithm repair` tests another)."
+                    if test_alg == train_alg else "out of distribution (an algorithm no training round used).") + "\n")
     rounds, k, note = b["rounds"], b["k"], figure_note(b.get("notes"))
     top = max(rounds[0]["fresh"], key=int)
     xs = [f"r{r['round']}" for r in rounds]

@@ -351,9 +351,12 @@ BENCH_ROLES = {"builder_llm": "built the benchmark", "fidelity_judge": "judged i
 
 
 def shared_roles(cfg):
-    """The benchmark's roles (_meta: builder, fidelity judge, MAGEO's engine) that this command's target
-    or judge also plays -> ["the target openai:gpt-5.5 built the benchmark", ...]."""
-    meta = geodef.read_meta(cfg.bench).raw
+    """The benchmark's roles (_meta: builder, fidelity judge, MAGEO's engine: the builder when MAGEO's signal
+    is the engine's citations) that this command's target or judge also plays -> ["the target
+    openai:gpt-5.5 built the benchmark", ...]."""
+    meta = dict(geodef.read_meta(cfg.bench).raw)
+    if meta.get("mageo_signal") == "engine":
+        meta.setdefault("mageo_engine", meta.get("builder_llm"))
     out = []
     for role, spec in (("target", cfg.llm), ("judge", getattr(cfg, "judge", None))):
         for key, did in BENCH_ROLES.items():

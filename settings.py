@@ -304,6 +304,9 @@ class AttackerSettings(Settings):
     candidates_per_round: int = setting(2, "rewrites the attacker writes a round (MAGEO: 2)", ok=at_least(1))
     attacker: str = setting(None, "attacker LLM, provider:model (default: the target LLM; harden: the training-side "
                                   "attacker)")
+    algorithm: str = setting("mageo", "the attacker's algorithm: mageo (MAGEO's loop of full rewrites) or repair "
+                                      "(AgentGEO's diagnose-and-repair, small edits; harden: the training side's)",
+                             choices=("mageo", "repair"))
 
 
 @dataclass
@@ -354,6 +357,8 @@ class HardenSettings(AttackerSettings):
     eval_budgets: str = setting("1,4,16", "the fresh test-side attacker's budgets, comma list (nested: one run)")
     eval_groups: int = setting(0, "test groups the test side measures (0: all)", ok=at_least(0))
     test_attacker: str = setting(None, "the test-side (fresh) attacker LLM (default: --attacker)")
+    test_algorithm: str = setting(None, "the fresh attacker's algorithm (default: --algorithm, which the report "
+                                        "labels in-distribution)", choices=(None, "mageo", "repair"))
     unaware: bool = setting(False, "attackers do not read the TFSG library (default: they do)")
     restart: bool = setting(False, "retrain the Shield from the base each round (default: warm start from the "
                                    "previous round's adapter)")

@@ -242,3 +242,43 @@ def test_a_failed_attack_pins_no_settings(demo_copy, monkeypatch):
     with pytest.raises(SystemExit, match="attacker down"):
         run.main(_argv(demo_copy))
     assert not (demo_copy / "demo" / "results" / "attack-settings.json").exists()
+
+
+def test_the_diagnose_and_repair_attacker_makes_small_targeted_edits(attacked, tmp_path):
+    """--algorithm repair (AgentGEO's loop): every candidate carries the failure mode its round diagnosed,
+    each accepted one changes at most MAX_REPAIR_EDIT of the words of the best before it, its files and
+    summary block sit beside MAGEO's (kept), and the report names the algorithm."""
+    out = tmp_path / "o"
+    shutil.copytree(attacked[0].parent / "just-attacked", out)
+    before = json.load(open(out / "demo" / "summary.json"))["attack"]["shield"]["unaware"]
+    block = run.main(_argv(out, "--algorithm", "repair", "--budgets", "1,3"))
+    s = json.load(open(out / "demo" / "summary.json"))["attack"]["shield"]
+    assert s["unaware"] == before and s["unaware-repair"] == block and block["algorithm"] == "repair"
+    recs = [json.loads(line) for line in open(out / "demo" / "results" / "attack-shield-unaware-repair.jsonl")]
+    by = {}
+    for r in recs:
+        by.setdefault(r["instance_id"], []).append(r)
+    accepted = 0
+    for cs in by.values():
+        assert len(cs) == 3 and all(c["diagnosis"] in attack.REPAIR_MODES for c in cs[1:])
+        best = cs[0]["text"]
+        for c in cs[1:]:
+            if c["accepted"]:
+                accepted += 1
+                assert attack.edit_share(best, c["text"]) <= attack.MAX_REPAIR_EDIT
+        assert cs[1]["text"] != cs[2]["text"]                      # two repairs, not one twice
+    assert accepted > 0
+    assert "diagnose-and-repair, AgentGEO" in (out / "demo" / "attack_report.md").read_text()
+
+
+def test_a_repairs_edit_share_and_its_reply_are_measured_and_checked():
+    """edit_share: the share of words a candidate changes (what the repair loop refuses above
+    MAX_REPAIR_EDIT before any judge call); a reply without a known failure mode is re-asked."""
+    cur = " ".join(f"word{i}" for i in range(100))
+    small = cur.replace("word5 ", "word5 and ", 1)
+    whole = " ".join(f"other{i}" for i in range(100))
+    assert attack.edit_share(cur, small) < 0.02 and attack.edit_share(cur, whole) == 1.0
+    with pytest.raises(ValueError, match="failure_mode"):
+        attack.parse_repair({"failure_mode": "made up", "rewrites": ["x"]}, 1)
+    assert attack.parse_repair({"failure_mode": "answer_buried", "rewrites": ["a", "b"]}, 1) == ("answer_buried",
+                                                                                               ["a"])

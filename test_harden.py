@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+import attack
 import geodef
 import harden
 import offline
@@ -200,6 +201,7 @@ def test_the_report_says_offline_and_draws_both_figures(hardened):
     out, _, _ = hardened
     rep = (out / "demo" / "harden_report.md").read_text()
     assert rep.startswith("> **OFFLINE / SIMULATION RUN.**") and "Threat model" in rep and "Cross-play" in rep
+    assert "fresh test attacker MAGEO's loop: **in-distribution**" in rep     # the default: one algorithm
     for f in ("harden_attack.svg", "harden_utility.svg", "harden_crossplay.svg"):
         assert (out / "demo" / "figures" / f).read_text().startswith("<svg")
 
@@ -274,3 +276,21 @@ def test_changed_settings_are_refused_on_a_hardened_run(hardened, tmp_path):
     with pytest.raises(SystemExit, match=r"the rounds were made with different budget \(budget=5\)"):
         run.main(["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "2", "--budget", "7",
                   "--eval-budgets", "1,3", "--eval-groups", "2"])
+
+
+def test_a_test_attacker_of_another_algorithm_is_recorded_and_labelled(demo_run, tmp_path):
+    """--test-algorithm repair: the training rounds attack with MAGEO's loop, every fresh test attacker with
+    the diagnose-and-repair loop (its candidates carry their diagnosis); harden/settings.json pins both and
+    the report calls the test attacker out of distribution."""
+    shutil.copytree(demo_run.parent, tmp_path / "o")
+    run.main(["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "1", "--budget", "3",
+              "--eval-budgets", "1,3", "--eval-groups", "2", "--test-algorithm", "repair"])
+    h = tmp_path / "o" / "demo" / "harden"
+    lines = lambda p: [json.loads(x) for x in open(p, encoding="utf-8")]
+    for k in (0, 1):
+        test = [c for c in lines(h / f"round-{k}" / "attack-test.jsonl") if c["n"] > 0]
+        assert test and all(c["diagnosis"] in attack.REPAIR_MODES for c in test)
+    assert not any("diagnosis" in c for c in lines(h / "round-1" / "attack-train.jsonl"))
+    pinned = json.load(open(h / "settings.json"))
+    assert pinned["algorithm"] == "mageo" and pinned["test_algorithm"] == "repair"
+    assert "diagnose-and-repair (AgentGEO): out of distribution" in (h.parent / "harden_report.md").read_text()

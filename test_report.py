@@ -347,3 +347,11 @@ def test_the_report_gives_each_method_its_own_count_where_a_family_was_refused(t
     report.write_report(str(tmp_path / "b"), {**s, "family_drops": {"m1": 0, "m2": 1}})
     assert "per method (groups where build-bench's gate refused every rewrite of a method have none of it): m1 4 " \
            "(0 groups refused), m2 3 (1 groups refused)." in (tmp_path / "b" / "report.md").read_text()
+
+
+def test_a_harden_test_attacker_of_another_algorithm_is_out_of_distribution(tmp_path):
+    s = _harden_summary([])
+    s["harden"]["settings"] = {"algorithm": "mageo", "test_algorithm": "repair"}
+    report.write_harden_report(str(tmp_path), s)
+    assert "fresh test attacker diagnose-and-repair (AgentGEO): out of distribution" in \
+        (tmp_path / "harden_report.md").read_text()

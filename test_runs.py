@@ -108,8 +108,7 @@ def test_a_target_or_judge_that_built_the_benchmark_is_refused_unless_allowed(tm
     monkeypatch.setenv("DEEPSEEK_API_KEY", "sk-test")
     lines = open(settings.SAMPLE, encoding="utf-8").read().splitlines()
     meta = json.loads(lines[0])
-    meta["_meta"].update(builder_llm="openai:gpt-5.5", mageo_engine="openai:gpt-5.5",
-                         fidelity_judge="deepseek:judge-x")
+    meta["_meta"].update(builder_llm="openai:gpt-5.5", fidelity_judge="deepseek:judge-x")    # mageo_signal "engine"
     bench = tmp_path / "b.jsonl"
     bench.write_text("\n".join([json.dumps(meta)] + lines[1:]) + "\n")
     loaded = _no_model_loads(monkeypatch)
