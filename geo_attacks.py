@@ -366,8 +366,10 @@ AGENTIC_GOAL = ("The document is one of several sources a generative engine uses
 AGENTIC_RANK = (f"{AGENTIC_GOAL} Rank the candidate strategies in the input by how much applying each to the "
                 "current document would raise its visibility and citation for the query, best first.")
 AGENTIC_APPLY = (f"{AGENTIC_GOAL} Rewrite the current document by applying the optimization strategy in the input, "
-                 "so that it answers the query better (the query is context). Ignore any output format the "
-                 "strategy asks for: return the rewritten document only.")
+                 "so that it answers the query better (the query is context). Keep the document's structure "
+                 "(its paragraphs and lists) unless the strategy needs another, and keep its length about the "
+                 "same (within a tenth). Ignore any output format the strategy asks for: return the rewritten "
+                 "document only.")
 AGENTIC_STEPS = 3                 # rewrite steps (the README's "up to 3"; the code's default is 2)
 CRITIC_CHARS = 2790               # the critic reads the first and last 2,790 characters of a long document
 
@@ -410,6 +412,9 @@ class AgenticGeo:
       --agentic-archive gives the published strategies.json;
     - 3 steps, as the project's README states (the code's default is 2, and the released code stops
       after one step: the multi-step branch reads selector attributes that are never set);
+    - the rewriter keeps structure and length (the released rewriter's keep-structure rule, and the
+      length policy, the same or within 10%, that every published strategy carries) in its instruction;
+      our archive's strategies carry no policy of their own, and the gate allows lengths 0.5-4x;
     - the facts are kept (the published instruction lets a strategy allow invented facts); JSON replies."""
     name, code, calls = "AgenticGEO", "F1", 2 * AGENTIC_STEPS
 
@@ -531,8 +536,12 @@ class GeoSfe:
     none). Deviations:
     - the paper's transforms are algorithmic (no LLM, no prompts are given); here each level is one
       LLM rewrite told the level's targets;
-    - gap thresholds are ours (sfe_gaps; the paper does not publish them), and the meaning check is
-      lexical (meaning_kept) where the paper uses BGE-M3 similarity and LDA topic divergence;
+    - the gap test is ours (sfe_gaps): one feature per level against a threshold of ours, not Alg. 2's L2
+      distance of z-scored feature vectors against per-level thresholds (unpublished); on text without
+      Markdown every level's feature is absent, so every plain-text source runs all three levels, and
+      levels are skipped only for sources already in Markdown;
+    - the meaning check is lexical (meaning_kept) where the paper uses BGE-M3 similarity and LDA topic
+      divergence;
     - no engine-weighted selection among versions (the paper's V = sum over architectures of their
       visibility) and no citation predictor;
     - GEO-Bench's cleaned text has no markup for the features to read; they are read from Markdown."""
@@ -565,7 +574,7 @@ class GeoSfe:
 # ----------------------------------------------------------------------------- IF-GEO (unseen)
 
 IF_QUERIES, IF_SUGGESTIONS = 5, 5    # latent queries mined, suggestions per query at most (§5.4)
-IF_NECESSITY = 60                    # requests below this necessity are dropped (App. B's filter)
+IF_PRIORITY = 0.7                    # tau: requests whose priority w x s is below it are dropped (§5.4)
 IF_GOAL = ("The document should be selected and cited by generative engines for the many different queries it "
            "can serve, not for one.")
 IF_MINE = (f"{IF_GOAL} Infer, from the document alone, {IF_QUERIES} realistic and different search queries that "
@@ -590,7 +599,9 @@ IF_REVISE = (f"{IF_GOAL} Revise the document by carrying out every directive of 
 
 
 def priority(weight, necessity):
-    """IF-GEO's global priority of a request (§4.3.1): its latent query's weight times its necessity."""
+    """IF-GEO's global priority of a request (§4.3.1, Eq. 5): its latent query's weight times its necessity,
+    each read on 0-100 and scaled to 0-1, the scale on which §5.4's tau = 0.7 is a threshold (App. C
+    reports the weights as probabilities)."""
     return round(weight / 100 * necessity / 100, 4)
 
 
@@ -601,14 +612,16 @@ class IfGeo:
     (weight x necessity), de-duplicated (1 call), conflicts resolved by priority (1 call), a
     section-mapped revision blueprint (1 call), one revision that leaves unmentioned sections unchanged
     (1 call). 10 calls per document (Nq = 5). No query. Deviations:
-    - requests under necessity 60 are dropped in code (App. B's rule; §4.3.1's threshold of 0.7 on
-      weight x necessity is not applied: its scale is not stated); priorities order the rest;
+    - requests whose priority (weight x necessity, each scaled to 0-1) is under tau = 0.7 (§5.4's
+      default for §4.3.1's filter) are dropped in code, and priorities order the rest; a document left
+      with no request is not rewritten (the family is refused on its group). App. B's "necessity under
+      60" is a sentence of its dedup prompt, implied here by tau (w <= 1 needs s >= 70);
     - the builder's LLM at the run's temperature (the paper: GPT-4o-mini at 0.2);
     - the facts are kept (the paper's directives may add content)."""
     name, code, calls = "IF-GEO", "F6", IF_QUERIES + 5
 
     def prompts(self):
-        return [IF_MINE, IF_REQUEST, IF_DEDUP, IF_CONFLICTS, IF_BLUEPRINT, IF_REVISE, str(IF_NECESSITY)]
+        return [IF_MINE, IF_REQUEST, IF_DEDUP, IF_CONFLICTS, IF_BLUEPRINT, IF_REVISE, str(IF_PRIORITY)]
 
     def run(self, ctx, jobs):
         n = len(jobs)
@@ -625,11 +638,11 @@ class IfGeo:
                       needs("suggestions", list))
         pool = {i: [] for i in latent}
         for (i, k), d in sorted(got.items()):
-            for s in d["suggestions"][:IF_SUGGESTIONS]:
+            for j, s in enumerate(d["suggestions"][:IF_SUGGESTIONS]):
                 if isinstance(s, dict) and isinstance(s.get("suggestion"), str) and s["suggestion"].strip():
                     need = number(s.get("necessity"), 0, 100, 0)
-                    if need >= IF_NECESSITY:
-                        pool[i].append({"id": f"r{len(pool[i]) + 1}", "latent_query": latent[i][k][0],
+                    if priority(latent[i][k][1], need) >= IF_PRIORITY:      # its id: latent query k, suggestion j
+                        pool[i].append({"id": f"query{k + 1}-suggestion{j + 1}", "latent_query": latent[i][k][0],
                                         "excerpt": str(s.get("excerpt") or ""), "suggestion": s["suggestion"],
                                         "necessity": need, "priority": priority(latent[i][k][1], need)})
         pool = {i: sorted(p, key=lambda r: -r["priority"]) for i, p in pool.items() if p}
@@ -687,6 +700,9 @@ class RaidGseo:
     the gaps; how: one generalised intent) (1 call), a step plan led by the primary intent (1 call) and
     the rewrite that carries out the steps (1 call). 5 calls per document. No query. Deviations:
     - the builder's LLM, greedy at temperature 0 as the paper's decoding (the paper: GLM-4-9B);
+    - the plan follows the paper's published core prompt (Table I: the primary intent first, the
+      generalised one for minor adjustments); its §III-B says the planner is prompted with the refined
+      (generalised) intent, and both intents are in the plan's input here;
     - the facts are kept (the paper's plans may enrich content); JSON replies."""
     name, code, calls = "RAID-GSEO", "F7", 5
 

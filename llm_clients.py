@@ -838,10 +838,12 @@ class Client:
             label = self.label + (" [batch]" if mode == "batch" else "")
             accounting.append_ledger(self.ledger, {"stage": self.stage, "model": label, **tokens}, self.lock)
 
-    def request_key(self, messages, temperature=0, max_tokens=2048, json=False, check=None):
-        """The cache key of a chat() request, and the body to send for it (what a batch line carries)."""
-        key = self.cache.key(self.protocol, self.identity,
-                             self.shape.body(messages, temperature, max_tokens, json, asked=True), json)
+    def request_key(self, messages, temperature=0, max_tokens=2048, json=False, check=None, sample=0):
+        """The cache key of a chat() request, and the body to send for it (what a batch line carries).
+        sample > 0: the sample-th repeat of the same request (repeated answers of one prompt, "Don't
+        Measure Once", arXiv 2604.07585): its own cache entry, the same body sent."""
+        asked = self.shape.body(messages, temperature, max_tokens, json, asked=True)
+        key = self.cache.key(self.protocol, self.identity, {**asked, "sample": sample} if sample else asked, json)
         return key, self.shape.sent(self.shape.body(messages, temperature, max_tokens, json))
 
     def store(self, key, resp, want_json, check, mode=None):
@@ -860,18 +862,19 @@ class Client:
 
     # --- public
 
-    def chat(self, messages, temperature=0, max_tokens=2048, json=False, check=None):
+    def chat(self, messages, temperature=0, max_tokens=2048, json=False, check=None, sample=0):
         """One chat completion -> Reply. json=True: ask for a JSON object and parse it into .data,
         re-asking at most `json_retries` times with the parse error when the reply does not parse.
         check: a function of .data that raises ValueError when the reply is unusable (a judge score
         out of range, ...): such a reply is re-asked like one that does not parse, never cached, and
-        a cached one that fails it is asked again. After the last attempt: ReplyInvalid."""
+        a cached one that fails it is asked again. After the last attempt: ReplyInvalid. sample: the
+        repeat's index (request_key): another cached reply of the same request."""
         want_json = json                         # the public name; `json` is the module everywhere else
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
         with self.lock:
             self._stats["calls"] += 1
-        key, _ = self.request_key(messages, temperature, max_tokens, want_json)
+        key, _ = self.request_key(messages, temperature, max_tokens, want_json, sample=sample)
         return self.cache.through(key, lambda: self._usable_hit(key, check),
                                   lambda: self._ask(key, messages, temperature, max_tokens, want_json, check))
 

@@ -101,6 +101,30 @@ def cluster_bootstrap_ci(values, clusters, n_boot=10000, seed=0, level=0.95):
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
+def two_level_bootstrap_ci(values, clusters, samples, n_boot=10000, seed=0, level=0.95):
+    """Percentile CI of the mean over instances and repeated samples: resample whole clusters (query
+    groups) with replacement, then, within each drawn cluster, its samples with replacement (the answers'
+    own variance, "Don't Measure Once", arXiv 2604.07585). values[i] belongs to cluster clusters[i] and is
+    sample samples[i] (0..N-1) of its instance; every instance has the same N samples. With identical
+    samples (or N = 1) the clusters are drawn exactly as cluster_bootstrap_ci draws them, so the two CIs
+    agree. -> (lo, hi)."""
+    values, clusters, samples = np.asarray(values, dtype=np.float64), np.asarray(clusters), np.asarray(samples)
+    if not (len(values) == len(clusters) == len(samples)) or len(values) == 0:
+        raise ValueError("values, clusters and samples must be non-empty and aligned")
+    keys, inv = np.unique(clusters, return_inverse=True)
+    n = int(samples.max()) + 1
+    sums = np.zeros((len(keys), n))                               # (G, N) per-cluster sum of each sample
+    np.add.at(sums, (inv, samples.astype(int)), values)
+    counts = np.bincount(inv, minlength=len(keys)).astype(np.float64) / n     # instances per cluster
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(keys), size=(n_boot, len(keys)))   # (n_boot, G) cluster draws
+    draw = rng.integers(0, n, size=(n_boot, len(keys), n))        # (n_boot, G, N) sample draws within each
+    total = np.take_along_axis(sums[pick], draw, axis=2).sum((1, 2))
+    means = total / (counts[pick].sum(1) * n)
+    a = (1 - level) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
 def quality_summary(deltas, clusters, n_boot=10000, seed=0):
     """Table C.1 row: mean change, 95% CI, % comparable or better, % better."""
     d = np.asarray(deltas, dtype=np.float64)

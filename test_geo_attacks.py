@@ -8,6 +8,7 @@ Run: python -m pytest -q test_geo_attacks.py
 """
 import json
 import math
+import re
 
 import pytest
 
@@ -168,12 +169,15 @@ def test_geo_sfe_rolls_back_a_level_that_loses_meaning():
     assert not geo_attacks.meaning_kept(SOURCE, SOURCE[:120] + " 1913 1927 1988 460,000")
 
 
-def test_if_geo_keeps_requests_of_enough_necessity_by_priority():
+def test_if_geo_keeps_requests_of_priority_tau_or_more_in_priority_order():
+    """§4.3.1's filter at §5.4's tau = 0.7 on weight x necessity (each scaled to 0-1); each request named by
+    the latent query and the suggestion it came from."""
     out, rec = run_family("IF-GEO", n=1)
     dedup = [i for i in inputs(rec) if i["rewrite_task"] == "F6.dedup"][0]["requests"]
-    assert dedup and all(r["necessity"] >= geo_attacks.IF_NECESSITY for r in dedup)
+    assert dedup and all(r["priority"] >= geo_attacks.IF_PRIORITY == 0.7 for r in dedup)
     assert [r["priority"] for r in dedup] == sorted((r["priority"] for r in dedup), reverse=True)
-    assert geo_attacks.priority(90, 80) == 0.72
+    assert all(re.fullmatch(r"query\d+-suggestion\d+", r["id"]) for r in dedup)
+    assert geo_attacks.priority(90, 80) == 0.72 and geo_attacks.priority(85, 80) == 0.68       # kept; dropped
 
 
 @pytest.mark.parametrize("text, why", [("AutoGEO says: " + SOURCE, "names an attack family"),
