@@ -119,13 +119,13 @@ def reply_usage(replies, sequential):
             **{k: sum(int(r.usage.get(k, 0) or 0) for r in replies) for k in ("prompt_tokens", "completion_tokens")}}
 
 
-def pipeline_records(cfg, llm, name, part, tops, p):
+def pipeline_records(cfg, llm, name, part, tops, p, sample=0):
     """A defenses.Pipeline's records for a chunk of instances: every pre-step request of the chunk
     in one llm.map (one batch with --batch-api), then the answer requests in another. Each record
-    adds what the defense kept and its usage."""
+    adds what the defense kept and its usage. sample > 0: the whole pipeline's repeat of that index."""
     def ask(prompt):
         return {"messages": _messages(prompt), "temperature": cfg.temperature, "max_tokens": cfg.max_tokens,
-                "json": True}
+                "json": True, **({"sample": sample} if sample else {})}
     docs = [[x.docs[i] for i in t] for x, t in zip(part, tops)]
     pre = [p.pre(x.query, d) for x, d in zip(part, docs)]
     flat = iter(llm.map([ask(m) for ms in pre for m in ms], workers=cfg.workers, desc=f"{name} {p.pre_step}")
@@ -144,13 +144,15 @@ def pipeline_records(cfg, llm, name, part, tops, p):
     return recs
 
 
-def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, before_write=None, judge_asi=True):
+def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, before_write=None, judge_asi=True,
+                   sample=0):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
     appended as it finishes, so an interrupted run resumes with the instances it lacks.
     prompt_of(x, docs): the prompt string, or a message list; or a defenses.Pipeline (pre-steps,
     then the answer: pipeline_records). before_write: called with the records before they are
     appended (evaluate records its settings then). judge_asi False: no ASI judge and no ASI fields
-    (the honest audit's lists hold no attack)."""
+    (the honest audit's lists hold no attack). sample > 0: the sample-th repeat of every answer (its
+    own cached replies, its records marked with it; eval --samples)."""
     done = {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
@@ -166,12 +168,15 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
         part = todo[s:s + chunk]
         tops = [topk_of(x) for x in part]
         if isinstance(prompt_of, defenses.Pipeline):
-            recs = pipeline_records(cfg, llm, name, part, tops, prompt_of)
+            recs = pipeline_records(cfg, llm, name, part, tops, prompt_of, sample)
         else:
             reqs = [{"messages": _messages(prompt_of(x, [x.docs[i] for i in t])), "temperature": cfg.temperature,
-                     "max_tokens": cfg.max_tokens, "json": True} for x, t in zip(part, tops)]
-            replies = llm.map(reqs, workers=cfg.workers, desc=name)
+                     "max_tokens": cfg.max_tokens, "json": True, **({"sample": sample} if sample else {})}
+                    for x, t in zip(part, tops)]
+            replies = llm.map(reqs, workers=cfg.workers, desc=name + (f" (sample {sample})" if sample else ""))
             recs = [_record(x, t, name, _answer(r), r.reasoning) for x, t, r in zip(part, tops, replies)]
+        for rec in recs if sample else ():
+            rec["sample"] = sample
         jreq = [] if not judge_asi else [(i, {"messages": [{"role": "user",
                                    "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
                      "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_asi})
@@ -195,6 +200,26 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 done[rec["instance_id"]] = rec
     return [done[x.instance_id] for x in insts]
+
+
+def sample_summary(by_condition, conds, n_boot, seed):
+    """eval --samples N: per condition its ASR over every sample, each sample's ASR, and two 95% CIs: the
+    two-level bootstrap (query groups, then samples within each: metrics.two_level_bootstrap_ci) and the
+    groups-only one of the per-instance mean over samples, which leaves the answers' own variance out."""
+    out = {}
+    for c, per_sample in zip(conds, by_condition):
+        recs = [(i, r) for i, rs in enumerate(per_sample) for r in rs]
+        vals = [100.0 * r["attack_cited"] for _, r in recs]
+        mean = {}
+        for i, r in recs:
+            mean.setdefault(r["instance_id"], [r["group_id"], []])[1].append(100.0 * r["attack_cited"])
+        out[c] = {"ASR": sum(vals) / len(vals),
+                  "ASR_per_sample": [metrics.asr([r["attack_cited"] for r in rs]) for rs in per_sample],
+                  "ASR_ci": list(metrics.two_level_bootstrap_ci(vals, [r["group_id"] for _, r in recs],
+                                                                [i for i, _ in recs], n_boot, seed)),
+                  "ASR_ci_groups_only": list(metrics.cluster_bootstrap_ci(
+                      [sum(v) / len(v) for _, v in mean.values()], [g for g, _ in mean.values()], n_boot, seed))}
+    return {"n": len(by_condition[0]), "conditions": out}
 
 
 def summarize(recs, clean):
@@ -352,9 +377,9 @@ def evaluate(cfg):
         if any(old.get(k) != v for k, v in new.items()):
             write_json(settings, {**old, **new})
 
-    def condition(name, insts, topk_of, prompt_of, file, asi=True):  # one condition's records in results/<file>.jsonl
+    def condition(name, insts, topk_of, prompt_of, file, asi=True, sample=0):  # records in results/<file>.jsonl
         return eval_condition(cfg, llm, name, insts, topk_of, prompt_of, os.path.join(res, file + ".jsonl"), judge,
-                              before_write=lambda recs: record_settings(name, recs), judge_asi=asi)
+                              before_write=lambda recs: record_settings(name, recs), judge_asi=asi, sample=sample)
     # clean reference (B.1.3): once per group, reused by its attack variants
     clean_recs = condition("clean reference", cleans, lambda x: base.order(x)[:cfg.k],
                            lambda x, d: tfsg.standard_prompt(x.query, d), "clean_reference")
@@ -365,20 +390,26 @@ def evaluate(cfg):
         topk_of = lambda x, rk=rk: rk.order(x)[:cfg.k]
         plan[f"Non-Defense [{label}]"] = (topk_of, plan["Non-Defense"][1])
         plan[f"TFSG only [{label}]"] = (topk_of, plan["TFSG only"][1])
-    results = {}
+    results, repeats = {}, {}
     for c in conds:
         results[c] = condition(c, insts, plan[c][0], plan[c][1], condition_slug(c))
+        # eval --samples N: samples 1..N-1 in results/<slug>.s<i>.jsonl; every other figure reads sample 0
+        repeats[c] = [condition(c, insts, plan[c][0], plan[c][1], f"{condition_slug(c)}.s{i}", sample=i)
+                      for i in range(1, cfg.samples)]
     honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
+    every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
     summary = {"offline": is_offline(cfg), "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
-               "notes": offline_notes(cfg, meta), "conditions": {c: summarize(results[c], clean) for c in conds},
-               "methods": {c: {m: {**summarize([r for r in results[c] if r["method"] == m], clean), "seen": m in seen}
+               "notes": offline_notes(cfg, meta), "conditions": {c: summarize(every(c), clean) for c in conds},
+               "methods": {c: {m: {**summarize([r for r in every(c) if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
     summary.update({"shared_roles": shared} if (shared := shared_roles(cfg)) else {})   # --allow-shared-roles
     summary.update({"family_drops": meta.raw["family_drops"]} if meta.raw.get("family_drops") else {})
+    if cfg.samples > 1:
+        summary["samples"] = sample_summary([[results[c], *repeats[c]] for c in conds], conds, cfg.n_boot, cfg.seed)
     if "Non-Defense" in conds:
         summary["attack_strength"] = attack_strength(results["Non-Defense"], clean, test, methods, cfg.n_boot,
                                                      cfg.seed)
@@ -636,6 +667,8 @@ def plan_eval(cfg):
     res = os.path.join(cfg.run_dir, "results")
     files = {"clean reference": (os.path.join(res, "clean_reference.jsonl"), len(data.test))}
     files.update({c: (os.path.join(res, condition_slug(c) + ".jsonl"), len(insts)) for c in conds})
+    files.update({f"{c} sample {i}": (os.path.join(res, f"{condition_slug(c)}.s{i}.jsonl"), len(insts))
+                  for c in conds for i in range(1, cfg.samples)})              # eval --samples N
     if "GEO Defender" in conds:
         files.update({f"GEO Defender E{t}": (os.path.join(res, f"geo_defender_E{t}.jsonl"), len(insts))
                       for t in range(cfg.n_batches + 1) if os.path.isfile(library_path(cfg, t))})
@@ -647,7 +680,8 @@ def plan_eval(cfg):
     stages = {"target answers": estimate(todo, ctx + 2500, 300), "ASI judge": estimate(todo, att + 2400, 80)}
     for c in (c for c in conds if c in defenses.PIPELINES and defenses.PIPELINES[c].pre_step):
         # PromptArmor and RobustRAG: k pre-step calls per record (one per document) before its answer
-        todo_c = max(0, len(insts) - records_done(files[c][0]))
+        todo_c = sum(max(0, len(insts) - records_done(p)) for k, (p, _) in files.items()
+                     if k == c or k.startswith(f"{c} sample "))
         stages[f"{c} {defenses.PIPELINES[c].pre_step}"] = estimate(todo_c * cfg.k, ctx / cfg.k + 1300, 150)
     judged = ["GEO Defender"] * ("GEO Defender" in conds) + [c for c in conds if c in defenses.PIPELINES]
     if judged:

@@ -438,7 +438,23 @@ def _table_lines(s):
         lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"],
                             [[k, _f(c[k]["ASR"]), _f(c[k]["ASI"]), _f(c[k]["BER"]), _f(c[k]["attack_in_context"]),
                               c[k]["n"]] for k in ref + deployed]) + "\n")
-    return lines
+    return lines + sample_lines(s)
+
+
+def sample_lines(s):
+    """eval --samples N: each condition's ASR over the samples with both intervals, and per sample."""
+    if not s.get("samples"):
+        return []
+    b = s["samples"]
+    ci = lambda v: f"[{v[0]:.1f}, {v[1]:.1f}]"
+    return [f"## Repeated samples: {b['n']} answers per instance\n",
+            "Every condition answered each instance N times (each its own cached reply); the tables above "
+            "average over them. 95% CIs of ASR: over query groups then samples within each (two-level "
+            "bootstrap), beside the groups-only CI of each instance's mean, which leaves the answers' own "
+            "variance out.\n",
+            _table(["Condition", "ASR", "95% CI (groups, samples)", "95% CI (groups only)", "ASR per sample"],
+                   [[k, _f(v["ASR"]), ci(v["ASR_ci"]), ci(v["ASR_ci_groups_only"]),
+                     ", ".join(_f(a) for a in v["ASR_per_sample"])] for k, v in b["conditions"].items()]) + "\n"]
 
 
 def honest_cells(b, other):

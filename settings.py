@@ -286,6 +286,9 @@ class EvalSettings(Settings):
     ppl_model: str = setting("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'", taken=True)
     ppl_quantile: float = setting(0.99, "PPL threshold quantile (B.2.2)", ok=lambda v: 0 < v <= 1, taken=True)
     transfer: str = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]")
+    samples: int = setting(1, "answers per instance and condition, each its own cached reply (Don't Measure Once, "
+                              "arXiv 2604.07585); intervals then bootstrap groups, then samples (the paper: 1)",
+                           ok=at_least(1))
 
 
 @dataclass

@@ -2,6 +2,7 @@
 Vendors with: metrics.py conftest.py (no torch)
 Run: python -m pytest -q test_metrics.py
 """
+import numpy as np
 import pytest
 
 import metrics
@@ -31,6 +32,22 @@ def test_balanced_order_exactly_half():
     o = metrics.balanced_order(ids)
     assert sum(o.values()) == 308
     assert metrics.balanced_order(list(reversed(ids))) == o
+
+
+def test_two_level_bootstrap_draws_groups_then_samples():
+    """Identical samples: the two-level CI is the groups-only one (the same cluster draws); samples that
+    differ widen it beyond the groups-only CI of the per-instance means."""
+    rng = np.random.default_rng(1)
+    groups = np.repeat(np.arange(12), 7)                  # 12 groups x 7 instances
+    once = 100.0 * (rng.random(84) < 0.4)
+    same = metrics.two_level_bootstrap_ci(np.tile(once, 3), np.tile(groups, 3), np.repeat(np.arange(3), 84), 2000)
+    assert same == metrics.cluster_bootstrap_ci(once, groups, 2000)
+    noisy = 100.0 * (rng.random(3 * 84) < 0.4)
+    lo, hi = metrics.two_level_bootstrap_ci(noisy, np.tile(groups, 3), np.repeat(np.arange(3), 84), 2000)
+    glo, ghi = metrics.cluster_bootstrap_ci(noisy.reshape(3, 84).mean(0), groups, 2000)
+    assert lo <= noisy.mean() <= hi and hi - lo > ghi - glo
+    with pytest.raises(ValueError):
+        metrics.two_level_bootstrap_ci([1.0], ["a", "b"], [0])
 
 
 def test_cluster_bootstrap():

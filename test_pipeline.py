@@ -390,6 +390,44 @@ def test_fewer_conditions_reuse_the_records(evaluated_copy):
     assert len(Script.seen) == sent
 
 
+def test_repeated_samples_are_cached_apart_and_bootstrapped_by_group_then_sample(evaluated_copy, monkeypatch):
+    """eval --samples 2: each condition answers every instance again (sample 1: the same request sent, its own
+    cache entry and records, results/<slug>.s1.jsonl), sample 0's records untouched. Here the second answers
+    cite nothing, as a real model's next sample may differ: the tables average the samples, the per-sample
+    ASRs are 0's and 0, and the two-level CI is at least as wide as the groups-only one. A rerun sends
+    nothing; --samples 1 writes no samples block."""
+    c, full = evaluated_copy("full")
+    res = os.path.join(c["runs_dir"], "full", "results")
+    before = open(os.path.join(res, "non_defense.jsonl"), "rb").read()
+    real = offline.respond
+
+    def uncited(body):                       # every answer that reaches the server: sample 1's
+        out = real(body)
+        msg = out["choices"][0]["message"]
+        d = json.loads(msg["content"]) if msg["content"].startswith("{") else None
+        if isinstance(d, dict) and isinstance(d.get("answer"), str):
+            msg["content"] = json.dumps({**d, "answer": re.sub(r"\[\d+\]", "", d["answer"])})
+        return out
+    monkeypatch.setattr(offline, "respond", uncited)
+    cfg = settings.EvalConfig(**{**c, "conditions": "Non-Defense,PromptArmor", "samples": 2})
+    s = evaluation.evaluate(cfg)
+    assert open(os.path.join(res, "non_defense.jsonl"), "rb").read() == before
+    for slug in ("non_defense", "promptarmor"):
+        s0 = [json.loads(x) for x in open(os.path.join(res, f"{slug}.jsonl"))]
+        s1 = [json.loads(x) for x in open(os.path.join(res, f"{slug}.s1.jsonl"))]
+        assert [r["instance_id"] for r in s1] == [r["instance_id"] for r in s0] and all(r["sample"] == 1 for r in s1)
+        assert not any(r["attack_cited"] for r in s1)
+    b = s["samples"]["conditions"]["Non-Defense"]
+    first = full["conditions"]["Non-Defense"]["ASR"]
+    assert s["samples"]["n"] == 2 and b["ASR_per_sample"] == [first, 0.0] > [0.0, 0.0]
+    assert b["ASR"] == pytest.approx(first / 2) == s["conditions"]["Non-Defense"]["ASR"]
+    assert b["ASR_ci"][1] - b["ASR_ci"][0] >= b["ASR_ci_groups_only"][1] - b["ASR_ci_groups_only"][0]
+    sent = len(Script.seen)
+    assert evaluation.evaluate(cfg)["samples"] == s["samples"] and len(Script.seen) == sent
+    assert "samples" not in evaluation.evaluate(dataclasses.replace(cfg, samples=1))
+    assert evaluation.plan_eval(dataclasses.replace(cfg, samples=3))["records_to_make"] == 2 * len(s0)  # sample 2
+
+
 def _transfer_copy_of_e4(evaluated_copy, demo_run, tmp_path):
     """Table C.2: the demo's final library E4 copied as another library, evaluated under the name 'a' on
     an evaluated run -> (its settings, the summary, the library file, the requests that evaluation sent)."""
