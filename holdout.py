@@ -24,8 +24,10 @@ config.json pins its settings, its Shield trains and resumes as `train` does, it
 and rerank_report.md are rerank-eval's. holdout/summary.json and holdout/report.md (with a figure) are
 rewritten whole from the folds' records, so a killed holdout reruns to the same files.
 
-Deviations: the LLM stages (each fold's TFSG library and ASR under Shield only and GEO Defender) are not
-run here; this measures the reranker stage, where the Shield acts.
+With --llm-stage each fold also builds its TFSG library on its trained families' construction instances
+(train's TFSG stage) and evaluates "Shield only" and "GEO Defender" end to end (eval's records in the
+fold's results/): per F its ASR under the fold's defense, under the all-families defense (+F) and on the
+trained families, and the gap vs seen with its CI.
 
 Usage: python run.py holdout --name gpt55      (a trained run's settings; or --bench and the rest)
 """
@@ -36,10 +38,10 @@ import geodef
 import metrics
 import report
 import rerank_eval
-from evaluation import offline_notes
+from evaluation import condition_slug, evaluate, offline_notes
 from rankers import parse_rerankers
-from runs import SettingsError, load_data, log, read_jsonl, record_or_check, shield_split, write_json
-from train import train_shield
+from runs import SettingsError, load_data, log, read_jsonl, record_or_check, shield_split, tfsg_schedule, write_json
+from train import plan_train, train_shield, train_tfsg
 
 ALL = "all"                       # the reference fold: every construction family
 
@@ -68,21 +70,39 @@ def fold_settings(cfg, name, trained):
 
 
 def folds(cfg, data):
-    """[(fold name, held-out family or None, fold settings)]: one per held-out family, then 'all'."""
+    """[(fold name, held-out family or None, fold settings)]: one per held-out family, then 'all'. Each
+    fold's Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
     held, cons = families(cfg, data)
     out = [(f"without-{f}", f, fold_settings(cfg, f"without-{f}", [m for m in cons if m != f])) for f in held]
-    return out + [(ALL, None, fold_settings(cfg, ALL, cons))]
+    out += [(ALL, None, fold_settings(cfg, ALL, cons))]
+    for _, _, fcfg in out:
+        inst = geodef.expand(data.construction, fcfg.seen_methods.split(","))
+        shield_split(fcfg, inst)
+        if cfg.llm_stage:
+            tfsg_schedule(fcfg, inst)
+    return out
 
 
-def run_fold(fcfg):
-    """Train the fold's Shield (resumable) and score the test split with it and the base -> {label:
-    [instance records]} (rerank_eval.instance_record's)."""
+LLM_CONDITIONS = ("Shield only", "GEO Defender")      # --llm-stage: the fold's defense end to end
+
+
+def run_fold(fcfg, llm_stage=False):
+    """Train the fold's Shield (resumable) and score the test split with it and the base; with llm_stage
+    also build its TFSG library (train_tfsg) and evaluate LLM_CONDITIONS (evaluation.evaluate) -> {label:
+    [instance records]}: rerank_eval.instance_record's under "base" and "shield", eval's under each
+    condition."""
     record_or_check(fcfg, "holdout")
     train_shield(fcfg)
     items = parse_rerankers(["base", "shield"])
     rerank_eval.rerank_stage(fcfg, load_data(fcfg), items, stage="holdout")
     res = os.path.join(fcfg.run_dir, "results")
-    return {label: [r for _, r in read_jsonl(os.path.join(res, f"rerank-{label}.jsonl"))] for label, _ in items}
+    out = {label: [r for _, r in read_jsonl(os.path.join(res, f"rerank-{label}.jsonl"))] for label, _ in items}
+    if llm_stage:
+        train_tfsg(fcfg)
+        evaluate(dataclasses.replace(fcfg, conditions=",".join(LLM_CONDITIONS), transfer=None, reranker=None))
+        out.update({c: [r for _, r in read_jsonl(os.path.join(res, condition_slug(c) + ".jsonl"))]
+                    for c in LLM_CONDITIONS})
+    return out
 
 
 def exposure(recs, methods):
@@ -102,16 +122,23 @@ def paired_gap(cfg, a, b):
     return {"gap": sum(diffs) / len(diffs), "gap_ci": list(ci), "groups": len(gids)}
 
 
-def by_group(recs, methods, base=None):
-    """{group_id: [100 * exposed]} of the records of `methods`; with `base` (the same instances' base
-    records) the drop base minus Shield instead."""
-    b = {r["instance_id"]: r["exposed"] for r in base} if base is not None else None
+def by_group(recs, methods, base=None, key="exposed"):
+    """{group_id: [100 * rec[key]]} of the records of `methods` (key "exposed": rerank records;
+    "attack_cited": eval's); with `base` (the same instances' base records) the drop base minus Shield
+    instead."""
+    b = {r["instance_id"]: r[key] for r in base} if base is not None else None
     out = {}
     for r in recs:
         if r["method"] in methods:
-            v = 100.0 * (b[r["instance_id"]] - r["exposed"]) if b is not None else 100.0 * r["exposed"]
+            v = 100.0 * (b[r["instance_id"]] - r[key]) if b is not None else 100.0 * r[key]
             out.setdefault(r["group_id"], []).append(v)
     return out
+
+
+def cited(recs, methods):
+    """ASR (%) over eval records of `methods` (None when there are none)."""
+    rs = [r["attack_cited"] for r in recs if r["method"] in methods]
+    return 100.0 * sum(rs) / len(rs) if rs else None
 
 
 def fold_row(cfg, family, trained, recs, ref):
@@ -124,9 +151,15 @@ def fold_row(cfg, family, trained, recs, ref):
                                           n_boot=cfg.n_boot, seed=cfg.seed) if rs else None
         row[name] = {"instances": len(rs), "base_exposure": exposure(base, ms),
                      "shield_exposure": exposure(shield, ms), "shield_exposure_ci": list(ci) if ci else None}
-    row["seen_exposure"] = exposure(ref, [family])
-    row["gap_vs_seen"] = paired_gap(cfg, by_group(shield, [family]), by_group(ref, [family]))
+    row["seen_exposure"] = exposure(ref["shield"], [family])
+    row["gap_vs_seen"] = paired_gap(cfg, by_group(shield, [family]), by_group(ref["shield"], [family]))
     row["gap_vs_trained"] = paired_gap(cfg, by_group(shield, trained, base), by_group(shield, [family], base))
+    for c in (c for c in LLM_CONDITIONS if c in recs):        # --llm-stage: ASR end to end
+        row.setdefault("asr", {})[c] = {
+            "held_out": cited(recs[c], [family]), "trained": cited(recs[c], trained),
+            "seen": cited(ref[c], [family]),
+            "gap_vs_seen": paired_gap(cfg, by_group(recs[c], [family], key="attack_cited"),
+                                      by_group(ref[c], [family], key="attack_cited"))}
     return row
 
 
@@ -136,16 +169,17 @@ def holdout(cfg):
     plan = folds(cfg, data)
     recs = {}
     for name, family, fcfg in plan:
-        log(f"[holdout] fold {name}: the Shield trained on {fcfg.seen_methods}")
-        recs[name] = run_fold(fcfg)
-    ref = recs[ALL]["shield"]
+        log(f"[holdout] fold {name}: the Shield{' and library' if cfg.llm_stage else ''} trained on "
+            f"{fcfg.seen_methods}")
+        recs[name] = run_fold(fcfg, cfg.llm_stage)
+    ref = recs[ALL]
     rows = [fold_row(cfg, family, fcfg.seen_methods.split(","), recs[name], ref)
             for name, family, fcfg in plan if family is not None]
     unseen = [m for m in data.methods if m not in data.meta.construction()]
     summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
                "test_groups": len(data.test), "folds": rows,
-               "never_trained": {m: exposure(ref, [m]) for m in unseen},
-               "all_families_exposure": exposure(ref, data.meta.construction()),
+               "never_trained": {m: exposure(ref["shield"], [m]) for m in unseen},
+               "all_families_exposure": exposure(ref["shield"], data.meta.construction()),
                "notes": offline_notes(cfg, data.meta)}
     out = os.path.join(cfg.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
@@ -154,8 +188,9 @@ def holdout(cfg):
 
 
 def dry_run(cfg):
-    """What holdout would train and score, nothing sent (it calls no LLM): per fold its families, its
-    optimizer steps, whether its Shield is already trained, and the test instances it scores."""
+    """What holdout would train, score and send, nothing sent: per fold its families, its optimizer
+    steps, whether its Shield is already trained, the test instances it scores, and with --llm-stage
+    the requests its library and its two conditions would send (train's and eval's dry runs)."""
     data = load_data(cfg)
     out = {}
     for name, family, fcfg in folds(cfg, data):
@@ -164,7 +199,13 @@ def dry_run(cfg):
                      "shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum),
                      "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json")),
                      "test_instances_scored": len(data.test) * len(data.methods)}
-    return {"folds": out, "llm_requests": 0}
+        if cfg.llm_stage:        # eval's requests at most: the clean reference, both conditions, E0..E4, quality
+            n = len(data.test) * len(data.methods)
+            answers = len(data.test) + n * (len(LLM_CONDITIONS) + cfg.n_batches + 1)
+            out[name]["train"] = plan_train(fcfg)["stages"]
+            out[name]["eval_requests_at_most"] = {"target answers": answers, "ASI judge": answers,
+                                                  "pairwise quality judge": n}
+    return {"folds": out, **({} if cfg.llm_stage else {"llm_requests": 0})}
 
 
 def pct(v):
@@ -206,6 +247,15 @@ def write_report(out, s):
             "Gap vs trained"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells(r)) + " |" for r in s["folds"]] + [""]
+    if any("asr" in r for r in s["folds"]):          # --llm-stage
+        conds = list(s["folds"][0]["asr"])
+        head = ["Held out (F)"] + [f"{c} ASR: {w}" for c in conds for w in ("-F on F", "+F on F", "-F on trained",
+                                                                             "gap vs seen")]
+        lines += ["ASR (%) end to end: each fold's Shield and TFSG library (`--llm-stage`).\n",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join([r["family"]] + [x for c in conds for x in (
+            pct(r["asr"][c]["held_out"]), pct(r["asr"][c]["seen"]), pct(r["asr"][c]["trained"]),
+            gap_text(r["asr"][c]["gap_vs_seen"]))]) + " |" for r in s["folds"]] + [""]
     if s["never_trained"]:
         lines.append("Families no fold trains on (no construction instances), under the all-families Shield: "
                      + ", ".join(f"{m} {pct(v)}" for m, v in s["never_trained"].items()) + ".\n")

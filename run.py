@@ -476,12 +476,16 @@ def cmd_harden(args):
 
 
 def cmd_holdout(args):
-    """Leave-one-family-out (holdout.py): a Shield per held-out family, scored on the test split (no LLM)."""
+    """Leave-one-family-out (holdout.py): a Shield per held-out family, scored on the test split; with
+    --llm-stage also its library and the two conditions end to end."""
     cfg = pipeline_settings(settings.HoldoutConfig, args)
+    if cfg.llm_stage:
+        check_llms(cfg, keys=not args.dry_run)
+        check_roles(cfg)
     check_record(cfg)
     if args.dry_run:
         return show(holdout.dry_run(cfg))
-    with run_lock(cfg.run_dir):
+    with offline_engine(cfg, cfg.llm_stage and cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
         record_or_check(cfg, "holdout")
         s = holdout.holdout(cfg)
     print(holdout.table(s))

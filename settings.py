@@ -369,9 +369,11 @@ class HardenSettings(AttackerSettings):
 
 @dataclass
 class HoldoutSettings(Settings):
-    """Leave-one-family-out (holdout.py): which families are held out in turn."""
+    """Leave-one-family-out (holdout.py): which families are held out in turn, and whether the LLM stage runs."""
     families: str = setting("all", "families to hold out in turn, comma list, or 'all' (every family the construction "
                                    "groups hold)")
+    llm_stage: bool = setting(False, "also build each fold's TFSG library and measure ASR under Shield only and GEO "
+                                     "Defender end to end (the target, analyzer and judge LLMs)")
 
 
 # ----------------------------------------------------------------------------- commands
@@ -422,11 +424,11 @@ class HardenConfig(HardenSettings, JudgeSettings, TrainConfig):
 
 
 @dataclass
-class HoldoutConfig(HoldoutSettings, RerankSettings, TrainConfig):
-    """holdout: a Shield per held-out family, each scored on the test split; a trained run's settings come
-    from its record."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, ShieldSettings, RerankSettings,
-             HoldoutSettings)
+class HoldoutConfig(HoldoutSettings, EvalConfig):
+    """holdout: a Shield (and with --llm-stage a library) per held-out family, each measured on the test
+    split; a trained run's settings come from its record."""
+    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, ShieldSettings, TFSGSettings,
+             TFSGLimits, JudgeSettings, RerankSettings, RolesSettings, HoldoutSettings)
 
 
 @dataclass

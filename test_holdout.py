@@ -86,3 +86,27 @@ def test_a_holdout_dry_run_writes_nothing_and_a_family_without_construction_inst
     with pytest.raises(SystemExit, match=r"--families GEO: \['GEO'\] have no construction instances .*"
                                          r"--construction-families all"):
         run.main(argv(tmp_path, "--families", "GEO"))
+
+
+def test_the_llm_stage_builds_each_folds_library_and_measures_asr_end_to_end(tmp_path):
+    """--llm-stage: each fold also builds its TFSG library on its trained families and evaluates Shield only
+    and GEO Defender (eval's records in the fold); the ASR table is those records'. A schedule the folds'
+    fewer construction instances cannot fill is refused before any training."""
+    extra = ["--llm-stage", "--n-seed-cases", "3", "--batch-size", "4", "--n-batches", "2"]
+    s = run.main(argv(tmp_path, *extra))
+    (row,) = s["folds"]
+    h = tmp_path / "h" / "holdout"
+    for fold in ("without-AutoGEO", "all"):
+        assert (h / fold / "library" / "E3.json").is_file()
+    for cond, slug in (("Shield only", "shield_only"), ("GEO Defender", "geo_defender")):
+        recs = {f: [json.loads(x) for x in open(h / f / "results" / f"{slug}.jsonl")]
+                for f in ("without-AutoGEO", "all")}
+        asr = lambda rs, ms: 100 * mean([r["attack_cited"] for r in rs if r["method"] in ms])
+        assert row["asr"][cond]["held_out"] == pytest.approx(asr(recs["without-AutoGEO"], ["AutoGEO"]))
+        assert row["asr"][cond]["seen"] == pytest.approx(asr(recs["all"], ["AutoGEO"]))
+        assert row["asr"][cond]["trained"] == pytest.approx(asr(recs["without-AutoGEO"], ["AgenticGEO", "MAGEO"]))
+    assert "ASR (%) end to end" in (h / "report.md").read_text()
+    plan = run.main(argv(tmp_path, *extra, "--dry-run"))
+    assert plan["folds"]["all"]["train"]["target answers"]["requests"] >= 0 and "llm_requests" not in plan
+    with pytest.raises(SystemExit, match=r"construction instances fill .* update batches"):
+        run.main(argv(tmp_path, "--llm-stage", "--name", "big"))

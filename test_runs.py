@@ -118,7 +118,8 @@ def test_a_target_or_judge_that_built_the_benchmark_is_refused_unless_allowed(tm
                                                     "the target openai:GPT-5.5 was MAGEO's engine"),
              (["eval", "--llm", "openai:gpt-5-mini", "--judge", "deepseek:judge-x"], judged),
              (["attack", "--llm", "openai:gpt-5-mini", "--judge", "deepseek:judge-x"], judged),
-             (["harden", "--llm", "deepseek:JUDGE-X"], "the target deepseek:JUDGE-X judged"))
+             (["harden", "--llm", "deepseek:JUDGE-X"], "the target deepseek:JUDGE-X judged"),
+             (["holdout", "--llm-stage", "--llm", "openai:gpt-5.5"], "the target openai:gpt-5.5 built"))
     # harden takes its benchmark from the trained run's record
     (tmp_path / "harden").mkdir()
     (tmp_path / "harden" / "config.json").write_text(json.dumps({"config": {"bench": str(bench), "model": "tiny"}}))
