@@ -48,8 +48,8 @@ import llm_clients
 import report
 import rankers
 import tfsg
-from evaluation import (INJECTION_DEFENSES, condition_plan, condition_slug, estimate, eval_condition, price_plan,
-                        summarize)
+from evaluation import (INJECTION_DEFENSES, clean_reference, condition_plan, condition_slug, estimate, eval_condition,
+                        price_plan, summarize)
 from rankers import load_rankers, order_of
 from runs import (atomic_write, changed_settings, library_path, load_data, log, make_llm, read_json, run_usage,
                   SettingsError, tfsg_limits, write_json, write_summary)
@@ -357,9 +357,10 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     block.update({"algorithm": "repair"} if cfg.algorithm == "repair" else {})
     llm, eval_judge = make_llm(cfg, stage="attack-eval"), (make_llm(cfg, cfg.judge, stage="attack-eval")
                                                           if cfg.judge else None)
+    ref = clean_reference(cfg, base)
     clean = {r["group_id"]: r for r in eval_condition(
-        cfg, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], lambda x: base.order(x)[:cfg.k],
-        lambda x, d: tfsg.standard_prompt(x.query, d), os.path.join(res, "clean_reference.jsonl"), eval_judge)}
+        cfg, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk, ref.pipeline,
+        os.path.join(res, "clean_reference.jsonl"), eval_judge)}
     for b in budgets:
         docs = [with_doc(x, cands[x.instance_id][best_of(cands[x.instance_id], b)]["text"], f"@{label}-{mode}-B{b}")
                 for x in insts]
@@ -388,7 +389,7 @@ def evaluate_documents(cfg, llm, judge, docs, defense, clean, folder, conditions
     plan, _ = condition_plan(cfg, conditions, base, shield, lib, construction, docs)
     out = {}
     for c in conditions:
-        recs = eval_condition(cfg, llm, c, docs, plan[c][0], plan[c][1],
+        recs = eval_condition(cfg, llm, c, docs, plan[c].topk, plan[c].pipeline,
                               os.path.join(folder, condition_slug(c) + ".jsonl"), judge)
         s = summarize(recs, clean)
         out[c] = {"ASR": s["ASR"], "ASI": s["ASI"], "BER": s["BER"], "exposure": s["attack_in_context"]}

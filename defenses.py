@@ -87,6 +87,14 @@ class Pipeline:
     finish: Callable = keep_answer
     pre_step: str = ""
     settings: dict = field(default_factory=dict)
+    usage: bool = True    # each record keeps its calls' usage (one_prompt's: read from the reply cache instead)
+
+
+def one_prompt(prompt):
+    """A single-prompt condition (the paper's six, the clean reference) as a Pipeline: no pre-step, the
+    answer request prompt(query, docs). Its records are the paper's: no usage field (cost_per_query reads
+    the one reply's usage from the cache)."""
+    return Pipeline(final=lambda query, docs, _: (prompt(query, docs), {}), usage=False)
 
 
 # ----------------------------------------------------------------------------- Spotlighting

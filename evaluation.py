@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+from typing import Callable, NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -133,23 +134,25 @@ def pipeline_records(cfg, llm, name, part, tops, p, sample=0):
     pre_replies = [[next(flat) for _ in ms] for ms in pre]
     finals = [p.final(x.query, d, [r.data for r in rs]) for x, d, rs in zip(part, docs, pre_replies)]
     sent = [ask(m) for m, _ in finals if m is not None]
-    replies = iter(llm.map(sent, workers=cfg.workers, desc=name) if sent else ())
+    desc = name + (f" (sample {sample})" if sample else "")
+    replies = iter(llm.map(sent, workers=cfg.workers, desc=desc) if sent else ())
     recs = []
     for x, t, rs, (m, kept) in zip(part, tops, pre_replies, finals):
         r = next(replies) if m is not None else None     # None: answered without a call (RobustRAG abstains)
         ans = _answer(r) if r is not None else kept.pop("answer")
         rec = _record(x, t, name, p.finish(ans, kept), r.reasoning if r is not None else None)
         done = rs + ([r] if r is not None else [])
-        recs.append({**rec, **kept, "usage": reply_usage(done, sequential=bool(rs) + (r is not None))})
+        usage = {"usage": reply_usage(done, sequential=bool(rs) + (r is not None))} if p.usage else {}
+        recs.append({**rec, **kept, **usage})
     return recs
 
 
-def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, before_write=None, judge_asi=True,
+def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge=None, before_write=None, judge_asi=True,
                    sample=0):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
     appended as it finishes, so an interrupted run resumes with the instances it lacks.
-    prompt_of(x, docs): the prompt string, or a message list; or a defenses.Pipeline (pre-steps,
-    then the answer: pipeline_records). before_write: called with the records before they are
+    pipeline: how the condition answers (a defenses.Pipeline: pre-steps, then the answer;
+    defenses.one_prompt for a single prompt; pipeline_records). before_write: called with the records before they are
     appended (evaluate records its settings then). judge_asi False: no ASI judge and no ASI fields
     (the honest audit's lists hold no attack). sample > 0: the sample-th repeat of every answer (its
     own cached replies, its records marked with it; eval --samples)."""
@@ -167,14 +170,7 @@ def eval_condition(cfg, llm, name, insts, topk_of, prompt_of, path, judge=None, 
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
         tops = [topk_of(x) for x in part]
-        if isinstance(prompt_of, defenses.Pipeline):
-            recs = pipeline_records(cfg, llm, name, part, tops, prompt_of, sample)
-        else:
-            reqs = [{"messages": _messages(prompt_of(x, [x.docs[i] for i in t])), "temperature": cfg.temperature,
-                     "max_tokens": cfg.max_tokens, "json": True, **({"sample": sample} if sample else {})}
-                    for x, t in zip(part, tops)]
-            replies = llm.map(reqs, workers=cfg.workers, desc=name + (f" (sample {sample})" if sample else ""))
-            recs = [_record(x, t, name, _answer(r), r.reasoning) for x, t, r in zip(part, tops, replies)]
+        recs = pipeline_records(cfg, llm, name, part, tops, pipeline, sample)
         for rec in recs if sample else ():
             rec["sample"] = sample
         jreq = [] if not judge_asi else [(i, {"messages": [{"role": "user",
@@ -377,24 +373,24 @@ def evaluate(cfg):
         if any(old.get(k) != v for k, v in new.items()):
             write_json(settings, {**old, **new})
 
-    def condition(name, insts, topk_of, prompt_of, file, asi=True, sample=0):  # records in results/<file>.jsonl
-        return eval_condition(cfg, llm, name, insts, topk_of, prompt_of, os.path.join(res, file + ".jsonl"), judge,
-                              before_write=lambda recs: record_settings(name, recs), judge_asi=asi, sample=sample)
+    def condition(name, insts, cond, file, asi=True, sample=0):  # one condition's records in results/<file>.jsonl
+        return eval_condition(cfg, llm, name, insts, cond.topk, cond.pipeline, os.path.join(res, file + ".jsonl"),
+                              judge, before_write=lambda recs: record_settings(name, recs), judge_asi=asi,
+                              sample=sample)
     # clean reference (B.1.3): once per group, reused by its attack variants
-    clean_recs = condition("clean reference", cleans, lambda x: base.order(x)[:cfg.k],
-                           lambda x, d: tfsg.standard_prompt(x.query, d), "clean_reference")
+    clean_recs = condition("clean reference", cleans, clean_reference(cfg, base), "clean_reference")
     clean = {r["group_id"]: r for r in clean_recs}
     plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
     for label, spec in deployed:     # the Non-Defense and TFSG only pipelines on a deployed reranker's top-k
         rk = local.get(spec.kind) or others[label]
         topk_of = lambda x, rk=rk: rk.order(x)[:cfg.k]
-        plan[f"Non-Defense [{label}]"] = (topk_of, plan["Non-Defense"][1])
-        plan[f"TFSG only [{label}]"] = (topk_of, plan["TFSG only"][1])
+        plan[f"Non-Defense [{label}]"] = Condition(topk_of, plan["Non-Defense"].pipeline)
+        plan[f"TFSG only [{label}]"] = Condition(topk_of, plan["TFSG only"].pipeline)
     results, repeats = {}, {}
     for c in conds:
-        results[c] = condition(c, insts, plan[c][0], plan[c][1], condition_slug(c))
+        results[c] = condition(c, insts, plan[c], condition_slug(c))
         # eval --samples N: samples 1..N-1 in results/<slug>.s<i>.jsonl; every other figure reads sample 0
-        repeats[c] = [condition(c, insts, plan[c][0], plan[c][1], f"{condition_slug(c)}.s{i}", sample=i)
+        repeats[c] = [condition(c, insts, plan[c], f"{condition_slug(c)}.s{i}", sample=i)
                       for i in range(1, cfg.samples)]
     honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
     every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
@@ -417,14 +413,14 @@ def evaluate(cfg):
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
         summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
                                               {x.instance_id: x for x in insts}, res)
-        summary["epochs"] = library_epochs(cfg, results["GEO Defender"], insts, plan["Shield only"][0], clean,
+        summary["epochs"] = library_epochs(cfg, results["GEO Defender"], insts, plan["Shield only"].topk, clean,
                                            condition)
     summary.update(defense_summary(cfg, llm, judge, results, plan, insts, clean, res))
     if cfg.transfer and "GEO Defender" in conds:   # Table C.2 row: other targets' libraries, Shield fixed
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
         for name, _, lt in transfers:
-            recs = condition(f"GEO Defender [{name}]", insts, plan["Shield only"][0],
-                             lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt), f"transfer_{name}")
+            recs = condition(f"GEO Defender [{name}]", insts, Condition(plan["Shield only"].topk, guided(lt)),
+                             f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
     summary.update(usage_summary(cfg, (llm, judge)))
     summary = write_summary(run, "eval", summary)              # rerank-eval's, attack's and harden's blocks kept
@@ -445,13 +441,13 @@ def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):
     lists = [x for g in groups for x in (geodef.clean_instance(g), geodef.honest_instance(g))]
     for rk in filter(None, ranked_by):
         rk.prepare(lists)
-    topk = {c: plan[c][0] for c in conds}
+    topk = {c: plan[c].topk for c in conds}
     if "PPL-Filter" in conds:           # the same threshold; the new lists' flagged candidates moved last
         orders, _ = ppl_filter(cfg, ranked_by[0], cons, lists)
         topk["PPL-Filter"] = lambda x: orders[x.instance_id][:cfg.k]
     out = {}
     for c in conds:
-        recs = condition(c, lists, topk[c], plan[c][1], condition_slug(c) + ".honest", asi=False)
+        recs = condition(c, lists, Condition(topk[c], plan[c].pipeline), condition_slug(c) + ".honest", asi=False)
         out[c] = honest_penalty(recs, results[c], groups, cfg.n_boot, cfg.seed)
     refused = geodef.read_meta(cfg.bench).raw.get("honest_refusals")      # the editor's refused attempts, by reason
     return {"groups": len(groups), "test_groups": len(test), "conditions": out, **({"refusals": refused}
@@ -513,7 +509,7 @@ def defense_summary(cfg, llm, judge, results, plan, insts, clean, res):
     RobustRAG did (`defense_diagnostics`), and the injection defenses' pairwise answer quality against
     the clean reference (B.2.4's judge, as for GEO Defender)."""
     by_id = {x.instance_id: x for x in insts}
-    out = {"cost": {c: cost_per_query(cfg, llm, recs, by_id, plan[c][1]) for c, recs in results.items()},
+    out = {"cost": {c: cost_per_query(cfg, llm, recs, by_id, plan[c].pipeline) for c, recs in results.items()},
            "defenses": defense_diagnostics(results, by_id)}
     quality = {c: pairwise_quality(cfg, judge, results[c], clean, by_id, res, condition_slug(c))
                for c in results if c in defenses.PIPELINES}
@@ -522,20 +518,26 @@ def defense_summary(cfg, llm, judge, results, plan, insts, clean, res):
     return out
 
 
-def cost_per_query(cfg, llm, recs, by_id, prompt_of):
+def clean_reference(cfg, base):
+    """B.1.3's clean reference as a Condition: the base reranker's top-k of the clean list, answered with
+    the Non-Defense prompt (A.3.7). One helper for every command that measures against it."""
+    return Condition(lambda x: base.order(x)[:cfg.k], STANDARD)
+
+
+def cost_per_query(cfg, llm, recs, by_id, pipeline):
     """A condition's target-side cost per query (the ASI judge apart: an evaluation cost): LLM calls,
     calls in a row (the latency a defense adds: 1 for one prompt), prompt and completion tokens, and
-    USD at the full price with --prices. A defenses.Pipeline's records carry their usage; a record of
-    a single-prompt condition (kept as earlier versions wrote it) gets its one reply's usage from the
-    reply cache, nothing sent; one no longer cached is left out and counted in `usage_unknown`."""
+    USD at the full price with --prices. A defense's records carry their usage; a one-prompt condition's
+    record (defenses.one_prompt: the paper's records) gets its one reply's usage from the reply cache,
+    nothing sent; one no longer cached is left out and counted in `usage_unknown`."""
     rows, unknown = [], 0
     for r in recs:
         u = r.get("usage")
         if u is None:
             x = by_id[r["instance_id"]]
             docs = [x.docs[x.doc_ids.index(i)] for i in r["top_ids"]]
-            hit = llm.cache.get(llm.request_key(_messages(prompt_of(x, docs)), cfg.temperature, cfg.max_tokens,
-                                                True)[0])
+            hit = llm.cache.get(llm.request_key(_messages(pipeline.final(x.query, docs, [])[0]), cfg.temperature,
+                                                cfg.max_tokens, True)[0])
             if hit is None:
                 unknown += 1
                 continue
@@ -593,23 +595,36 @@ def condition_slug(name):
     return re.sub(r"[^a-z0-9.]+", "_", name.lower()).strip("_")
 
 
+class Condition(NamedTuple):
+    """An evaluated condition: the top-k an instance is answered from, and how (a defenses.Pipeline)."""
+    topk: Callable
+    pipeline: defenses.Pipeline
+
+
+STANDARD = defenses.one_prompt(tfsg.standard_prompt)          # A.3.7: Non-Defense's and the clean reference's
+
+
+def guided(lib):
+    """The experience-guided answer (A.3.3) with library `lib`, as a one-prompt pipeline."""
+    return defenses.one_prompt(lambda query, docs: tfsg.guided_prompt(query, docs, lib))
+
+
 def condition_plan(cfg, conds, base, shield, lib, cons, insts):
-    """Each condition's (top-k of an instance, prompt of query and documents, or a defenses.Pipeline)
-    -> ({name: pair}, PPL-Filter diagnostics or None). Shield conditions need `shield`, library ones
-    `lib`; the injection defenses rank with the base reranker, as Non-Defense."""
+    """Each condition's Condition(top-k of an instance, pipeline) -> ({name: Condition}, PPL-Filter
+    diagnostics or None). Shield conditions need `shield`, library ones `lib`; the injection defenses
+    rank with the base reranker, as Non-Defense."""
     k = cfg.k
     base_k = lambda x: base.order(x)[:k]
     shield_k = (lambda x: shield.order(x)[:k]) if shield else None
-    std = lambda x, d: tfsg.standard_prompt(x.query, d)
-    guided = lambda x, d: tfsg.guided_prompt(x.query, d, lib)
-    plan = {"Non-Defense": (base_k, std),
-            "Static Safety Prompt": (base_k, lambda x, d: tfsg.standard_prompt(x.query, d, static_safety=True)),
-            "GEO Defender": (shield_k, guided), "Shield only": (shield_k, std), "TFSG only": (base_k, guided)}
-    plan.update({name: (base_k, defenses.PIPELINES[name]) for name in INJECTION_DEFENSES})
+    safety = defenses.one_prompt(lambda query, docs: tfsg.standard_prompt(query, docs, static_safety=True))
+    plan = {"Non-Defense": Condition(base_k, STANDARD), "Static Safety Prompt": Condition(base_k, safety),
+            "GEO Defender": Condition(shield_k, guided(lib)), "Shield only": Condition(shield_k, STANDARD),
+            "TFSG only": Condition(base_k, guided(lib))}
+    plan.update({name: Condition(base_k, defenses.PIPELINES[name]) for name in INJECTION_DEFENSES})
     ppl_diag = None
     if "PPL-Filter" in conds:
         orders, ppl_diag = ppl_filter(cfg, base, cons, insts)
-        plan["PPL-Filter"] = (lambda x: orders[x.instance_id][:k], std)
+        plan["PPL-Filter"] = Condition(lambda x: orders[x.instance_id][:k], STANDARD)
     return plan, ppl_diag
 
 
@@ -725,8 +740,7 @@ def library_epochs(cfg, final, insts, shield_topk, clean, condition):
             continue
         lt = tfsg.load_library(p, tfsg_limits(cfg))
         recs = final if t == cfg.n_batches + 1 else condition(
-            f"GEO Defender E{t}", insts, shield_topk, lambda x, d, lt=lt: tfsg.guided_prompt(x.query, d, lt),
-            f"geo_defender_E{t}")
+            f"GEO Defender E{t}", insts, Condition(shield_topk, guided(lt)), f"geo_defender_E{t}")
         epochs[f"E{t}"] = {k: v for k, v in summarize(recs, clean).items() if k in ("ASR", "ASI", "BER")}
     return epochs
 

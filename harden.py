@@ -46,7 +46,7 @@ import geodef
 import report
 import tfsg
 from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
-from evaluation import eval_condition, estimate, offline_notes, price_plan
+from evaluation import clean_reference, eval_condition, estimate, guided, offline_notes, price_plan
 from rankers import base_ranker, load_rankers
 from runs import (SettingsError, adapter_path, changed_settings, labels_of, library_path, load_data,
                   load_reranker, log, make_llm, read_json, read_jsonl, run_usage, tfsg_limits, write_json, write_jsonl,
@@ -118,7 +118,7 @@ def harvest(cfg, k, insts, cands, defense, llm, construction_groups):
     shield.prepare(surv)
     path = os.path.join(round_dir(cfg, k), "cited.jsonl")
     recs = eval_condition(cfg, llm, "GEO Defender (survivors)", surv, lambda y: shield.order(y)[:cfg.k],
-                          lambda y, d: tfsg.guided_prompt(y.query, d, lib), path, judge=llm, judge_asi=False)
+                          guided(lib), path, judge=llm, judge_asi=False)
     cited = {r["instance_id"]: r["attack_cited"] for r in recs}
     return [{"instance_id": y.instance_id, "group_id": y.group_id, "split": y.split, "method": y.method,
              "source_method": x.method, "candidate": c["n"], "shield_rank": c["rank"],
@@ -325,8 +325,8 @@ def clean_references(cfg, data, llm):
     groups, _ = test_instances(cfg, data)
     insts = [geodef.clean_instance(g) for g in groups]
     base.prepare(insts)
-    recs = eval_condition(cfg, llm, "clean reference", insts, lambda x: base.order(x)[:cfg.k],
-                          lambda x, d: tfsg.standard_prompt(x.query, d),
+    ref = clean_reference(cfg, base)
+    recs = eval_condition(cfg, llm, "clean reference", insts, ref.topk, ref.pipeline,
                           os.path.join(cfg.run_dir, "harden", "clean_reference.jsonl"), judge=llm)
     return cons, {r["group_id"]: r for r in recs}
 

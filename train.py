@@ -19,7 +19,7 @@ from tqdm import tqdm
 import geodef
 import lora
 import tfsg
-from evaluation import eval_condition
+from evaluation import clean_reference, eval_condition
 from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
 from runs import (adapter_path, append_jsonl, fast, labels_of, library_path, load_data, load_reranker, log, make_llm,
                   read_json, shield_split, tfsg_limits, tfsg_schedule, write_json)
@@ -257,8 +257,8 @@ def clean_reference_benign(cfg, llm, base, groups):
     kept in results/clean_reference_construction.jsonl."""
     insts = [geodef.clean_instance(g) for g in groups]
     base.prepare(insts)
-    recs = eval_condition(cfg, llm, "clean reference (construction)", insts, lambda x: base.order(x)[:cfg.k],
-                          lambda x, d: tfsg.standard_prompt(x.query, d),
+    ref = clean_reference(cfg, base)
+    recs = eval_condition(cfg, llm, "clean reference (construction)", insts, ref.topk, ref.pipeline,
                           os.path.join(cfg.run_dir, "results", "clean_reference_construction.jsonl"),
                           judge=llm)                  # no attack in a clean list: the judge is never asked
     return {r["group_id"]: r for r in recs}
