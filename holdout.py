@@ -35,8 +35,8 @@ import dataclasses
 import os
 
 import geodef
+import figures
 import metrics
-import report
 import rerank_eval
 from evaluation import condition_slug, evaluate, offline_notes
 from rankers import parse_rerankers
@@ -234,7 +234,7 @@ def table(s):
 
 def write_report(out, s):
     """holdout/report.md and holdout/figures/holdout.svg: the table, its reading, the figure."""
-    k, note = s["k"], report.figure_note(s["notes"])
+    k, note = s["k"], figures.figure_note(s["notes"])
     lines = (["> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n"] if s["notes"] else [])
     lines += [f"# Leave-one-family-out: {os.path.basename(os.path.dirname(os.path.normpath(out)))}\n",
               f"Benchmark {s['bench']}, {s['test_groups']} test groups; construction families "
@@ -267,7 +267,7 @@ def write_report(out, s):
                        (r["family"], series[2]): r["seen_exposure"]})
     os.makedirs(os.path.join(out, "figures"), exist_ok=True)
     with open(os.path.join(out, "figures", "holdout.svg"), "w", encoding="utf-8") as f:
-        f.write(report.svg_bars(f"Each family held out: exposure@{k}", [r["family"] for r in s["folds"]], series,
+        f.write(figures.svg_bars(f"Each family held out: exposure@{k}", [r["family"] for r in s["folds"]], series,
                                 values, xlabel="held-out family (F)", ylabel=f"exposure@{k} (%)", note=note))
     lines.append("![Each family held out](figures/holdout.svg)\n")
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:

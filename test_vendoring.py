@@ -25,7 +25,7 @@ from conftest import HERE
 # worker while the others keep the cores busy
 BLOCK_TESTS = ["test_llm_clients.py", "test_reranker.py", "test_lora.py", "test_gpt2.py", "test_offline_server.py",
                "test_geodef.py", "test_offline.py", "test_tfsg.py", "test_metrics.py", "test_accounting.py",
-               "test_endpoints.py"]
+               "test_endpoints.py", "test_figures.py"]
 
 
 def declared(test_file):
