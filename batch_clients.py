@@ -2,12 +2,15 @@
 also any OpenAI-shaped server that offers /v1/batches) and Anthropic's Message Batches, at half the
 price within a day, without the synchronous rate limits.
 
-A BatchRunner sits in front of a Client's map() (Client(..., batch=...)): fill_cache() writes the
-requests not yet in the reply cache as batch lines (custom_id = the request's cache key), submits
-them, polls with backoff, and parses and caches every usable reply exactly as a synchronous call
-would cache it; map() then reads them all from the cache, so a batch run and a synchronous run give
-identical records, and a rerun sends nothing. What the batches did not answer goes through map()'s
-synchronous path (re-asks of unparsable replies, a 400's parameter adaptation): nothing is lost.
+A BatchRunner is the algorithm (rounds, manifest, polling, deadline, what is kept or sent again) over a
+provider (OpenAIBatches, AnthropicBatches: a request's line, creating a batch, its status, where its
+results are, and each result line's outcome). It sits in front of a Client's map() (Client(...,
+batch=...)): fill_cache() writes the requests not yet in the reply cache as batch lines (custom_id =
+the request's cache key), submits them, polls with backoff, and parses and caches every usable reply
+exactly as a synchronous call would cache it; map() then reads them all from the cache, so a batch run
+and a synchronous run give identical records, and a rerun sends nothing. What the batches did not
+answer goes through map()'s synchronous path (re-asks of unparsable replies, a 400's parameter
+adaptation): nothing is lost.
 
 An answer is one line with a usable reply for an id the batch asked. An id on more than one line
 (the last line must not win), lines for ids the batch never asked, and unusable lines (no body, no
@@ -165,9 +168,9 @@ class BatchRunner:
         self.deadline = DEADLINE if deadline is None else deadline
         self.results_cap = results_cap
         self.log, self.sleep, self.clock = log, sleep, clock
-        self.anthropic = client.protocol == "anthropic"
-        self.limits = limits or LIMITS["anthropic" if self.anthropic else "openai"]
-        self.base = client.transport.base_url
+        self.provider = (AnthropicBatches if client.protocol == "anthropic" else OpenAIBatches)(client.transport,
+                                                                                                 client.label)
+        self.limits = limits or LIMITS[self.provider.name]
         self.unsupported = False
         self.stats = {"batches": 0, "lines": 0, "cached": 0, "retried": 0, "closed": 0}
 
@@ -216,7 +219,7 @@ class BatchRunner:
         """Keys split at the provider's limits (requests and bytes per batch)."""
         out, cur, size = [], [], 0
         for k in keys:
-            n = len(json.dumps(self._line(k, todo[k][1]))) + 1
+            n = len(json.dumps(self.provider.line(k, todo[k][1]))) + 1
             if cur and (len(cur) == self.limits[0] or size + n > self.limits[1]):
                 out.append(cur)
                 cur, size = [], 0
@@ -224,20 +227,13 @@ class BatchRunner:
             size += n
         return out + ([cur] if cur else [])
 
-    def _line(self, key, body):
-        if self.anthropic:
-            return {"custom_id": key, "params": body}
-        return {"custom_id": key, "method": "POST", "url": urlparse(self.base + "/chat/completions").path,
-                "body": body}
-
     def _submit(self, chunk, job):
         """Record the chunk, create its batch, record the id -> the manifest entry."""
         entry = {"digest": hashlib.sha256("".join(sorted(chunk)).encode()).hexdigest()[:16], "custom_ids": chunk,
                  "id": None, "provider": self.client.label, "submitted_at": None, "status": None,
                  "collected": False, "reason": None}
         self.manifest.add(entry)
-        lines = [self._line(k, job.todo[k][1]) for k in chunk]
-        batch_id = self._create_anthropic(lines) if self.anthropic else self._create_openai(lines)
+        batch_id = self.provider.create([self.provider.line(k, job.todo[k][1]) for k in chunk])
         self.manifest.update(entry, id=batch_id, submitted_at=self.clock())
         self.stats["batches"] += 1
         self.stats["lines"] += len(chunk)
@@ -346,8 +342,8 @@ class BatchRunner:
         if twice or stray:
             self.log(f"[batch] {desc}: batch {entry['id']}: {len(twice)} requests answered on more than one line "
                      f"and {stray} lines for ids it never asked: not taken (those requests are sent again)")
-        outcome = _anthropic_outcome if self.anthropic else _openai_outcome
-        return {rec["custom_id"]: ("retry", "more than one line") if rec["custom_id"] in twice else outcome(rec)
+        return {rec["custom_id"]: ("retry", "more than one line") if rec["custom_id"] in twice
+                else self.provider.outcome(rec)
                 for rec in lines if rec["custom_id"] in asked}
 
     def _take(self, entry, job, results):
@@ -375,25 +371,22 @@ class BatchRunner:
 
     # --- the providers' endpoints
 
-    def _path(self, batch_id):
-        return f"{self.base}/messages/batches/{batch_id}" if self.anthropic else f"{self.base}/batches/{batch_id}"
-
     def _status(self, batch_id):
         """GET the batch -> {"state" (None without a status field), "counts", where its results are,
         "why" it failed}. Raises _Lost when the server no longer knows it."""
         try:
-            b = self.client.transport.send("GET", self._path(batch_id))
+            b = self.client.transport.send("GET", self.provider.path(batch_id))
         except LLMError as e:
             if e.status in GONE:
                 raise _Lost(f"is unknown to the server (HTTP {e.status}: another API key, or deleted)") from None
             raise
-        return (_anthropic_status if self.anthropic else _openai_status)(b if isinstance(b, dict) else {})
+        return self.provider.status(b if isinstance(b, dict) else {})
 
     def _cancel(self, batch_id):
         """Ask the server to cancel the batch -> its status after that ({"state": None} if unknown). A
         refused cancel (one already cancelling, after a kill) still reads the status."""
         try:
-            self.client.transport.send("POST", self._path(batch_id) + "/cancel", {})
+            self.client.transport.send("POST", self.provider.path(batch_id) + "/cancel", {})
         except LLMError as e:
             self.log(f"[batch] batch {batch_id}: the cancel was not confirmed ({e})")
         try:
@@ -403,20 +396,12 @@ class BatchRunner:
             return {"state": None, "counts": None}
 
     def _lines(self, status):
-        """The JSONL lines of an ended batch: Anthropic's results, OpenAI's output and error files.
-        Raises _Lost for results the server no longer has, or over the size cap."""
-        t = self.client.transport
-        if self.anthropic:
-            url = status.get("results_url")
-            if url and urlparse(url).netloc != urlparse(self.base).netloc:
-                raise LLMError(f"{self.client.label}: results_url on another host ({urlparse(url).netloc}) refused")
-            urls = [url] if url else []
-        else:
-            urls = [f"{self.base}/files/{fid}/content" for fid in (status.get("output"), status.get("errors")) if fid]
+        """The JSONL lines of an ended batch (the provider's result files). Raises _Lost for results the
+        server no longer has, or over the size cap."""
         out = []
-        for url in urls:
+        for url in self.provider.result_urls(status):
             try:
-                out += _jsonl(t.send("GET", url, raw=True, max_bytes=self.results_cap))
+                out += _jsonl(self.client.transport.send("GET", url, raw=True, max_bytes=self.results_cap))
             except LLMError as e:
                 if e.status in GONE:
                     raise _Lost(f"has results the server no longer has ({urlparse(url).path}: HTTP {e.status})",
@@ -427,34 +412,122 @@ class BatchRunner:
                 raise
         return out
 
-    def _create_openai(self, lines):
-        t = self.client.transport
+
+# ----------------------------------------------------------------------------- the providers
+
+
+class OpenAIBatches:
+    """OpenAI's Batch API (and any OpenAI-shaped server with /v1/batches): the input uploaded as a JSONL
+    file, the batch created over it; results in an output file and an error file
+    (https://platform.openai.com/docs/api-reference/batch)."""
+    name = "openai"
+
+    def __init__(self, transport, label):
+        self.transport, self.label, self.base = transport, label, transport.base_url
+
+    def line(self, key, body):
+        return {"custom_id": key, "method": "POST", "url": urlparse(self.base + "/chat/completions").path,
+                "body": body}
+
+    def create(self, lines):
+        """Upload the lines and create the batch -> its id; a refusal at creation is BatchUnsupported."""
         data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8")
         try:
-            f = t.send("POST", self.base + "/files", files={"purpose": (None, "batch"),
-                                                            "file": ("batch.jsonl", data, "application/jsonl")})
-            b = t.send("POST", self.base + "/batches", {"input_file_id": _id(f, self.client.label, "file"),
-                                                        "completion_window": "24h",
-                                                        "endpoint": urlparse(self.base + "/chat/completions").path})
+            f = self.transport.send("POST", self.base + "/files", files={
+                "purpose": (None, "batch"), "file": ("batch.jsonl", data, "application/jsonl")})
+            b = self.transport.send("POST", self.base + "/batches", {
+                "input_file_id": _id(f, self.label, "file"), "completion_window": "24h",
+                "endpoint": urlparse(self.base + "/chat/completions").path})
         except LLMError as e:
             if e.status in (404, 405):
-                raise BatchUnsupported(f"{self.client.label}: no batch endpoint at {self.base}/batches "
+                raise BatchUnsupported(f"{self.label}: no batch endpoint at {self.base}/batches "
                                        f"(HTTP {e.status})", e.status) from None
             if e.status is not None and 400 <= e.status < 500:
-                raise BatchUnsupported(f"{self.client.label}: the batch was refused at creation: {e}",
-                                       e.status) from None
+                raise BatchUnsupported(f"{self.label}: the batch was refused at creation: {e}", e.status) from None
             raise
-        return _id(b, self.client.label, "batch")
+        return _id(b, self.label, "batch")
 
-    def _create_anthropic(self, lines):
+    def path(self, batch_id):
+        return f"{self.base}/batches/{batch_id}"
+
+    def status(self, b):
+        """An OpenAI Batch object -> the runner's status (see BatchRunner._status)."""
+        rc = _obj(b.get("request_counts"))
+        counts = tuple(_int(rc.get(k)) for k in ("completed", "failed", "total"))
+        why = "; ".join(str(_obj(e).get("message"))[:200] for e in (_obj(b.get("errors")).get("data") or [])[:3]
+                        if _obj(e).get("message"))
+        return {"state": b.get("status") if isinstance(b.get("status"), str) else None,
+                "counts": counts if None not in counts else None, "why": why or "the provider gave no reason",
+                "output": b.get("output_file_id"), "errors": b.get("error_file_id")}
+
+    def result_urls(self, status):
+        return [f"{self.base}/files/{fid}/content" for fid in (status.get("output"), status.get("errors")) if fid]
+
+    @staticmethod
+    def outcome(rec):
+        """One line of an output or error file -> ("ok", reply) | ("retry", why) | ("fail", why)."""
+        resp, err = _obj(rec.get("response")), _obj(rec.get("error"))
+        code = _int(resp.get("status_code"))
+        if code == 200 and isinstance(resp.get("body"), dict):
+            return "ok", resp["body"]
+        if code in (408, 409, 429) or (code or 0) >= 500 or err.get("code") in ("batch_expired", "batch_cancelled"):
+            return "retry", str(code or err.get("code"))
+        return "fail", json.dumps(resp.get("body") or err)[:200]
+
+
+class AnthropicBatches:
+    """Anthropic's Message Batches: the requests posted in the create call; results as one JSONL at the
+    batch's results_url (https://docs.anthropic.com/en/api/creating-message-batches)."""
+    name = "anthropic"
+
+    def __init__(self, transport, label):
+        self.transport, self.label, self.base = transport, label, transport.base_url
+
+    def line(self, key, body):
+        return {"custom_id": key, "params": body}
+
+    def create(self, lines):
+        """Create the batch with its requests -> its id; a refusal at creation is BatchUnsupported."""
         try:
-            b = self.client.transport.send("POST", self.base + "/messages/batches", {"requests": lines})
+            b = self.transport.send("POST", self.base + "/messages/batches", {"requests": lines})
         except LLMError as e:
             if e.status is not None and 400 <= e.status < 500:
-                raise BatchUnsupported(f"{self.client.label}: the batch was refused at creation "
+                raise BatchUnsupported(f"{self.label}: the batch was refused at creation "
                                        f"(HTTP {e.status}): {e}", e.status) from None
             raise
-        return _id(b, self.client.label, "batch")
+        return _id(b, self.label, "batch")
+
+    def path(self, batch_id):
+        return f"{self.base}/messages/batches/{batch_id}"
+
+    def status(self, b):
+        """A MessageBatch object -> the runner's status (see BatchRunner._status)."""
+        rc = _obj(b.get("request_counts"))
+        n = {k: _int(rc.get(k)) for k in ("processing", "succeeded", "errored", "canceled", "expired")}
+        counts = None if None in n.values() else (n["succeeded"], n["errored"] + n["canceled"] + n["expired"],
+                                                  sum(n.values()))
+        state = b.get("processing_status")
+        return {"state": state if isinstance(state, str) else None, "counts": counts, "why": "",
+                "results_url": b.get("results_url") if isinstance(b.get("results_url"), str) else None}
+
+    def result_urls(self, status):
+        """The results_url, on the API's own host only (a URL elsewhere is refused: the key would go there)."""
+        url = status.get("results_url")
+        if url and urlparse(url).netloc != urlparse(self.base).netloc:
+            raise LLMError(f"{self.label}: results_url on another host ({urlparse(url).netloc}) refused")
+        return [url] if url else []
+
+    @staticmethod
+    def outcome(rec):
+        """One line of the results -> ("ok", message) | ("retry", why) | ("fail", why)."""
+        res = _obj(rec.get("result"))
+        err = _obj(res.get("error"))
+        err = _obj(err.get("error")) if err.get("type") == "error" else err    # the API wraps it: {type: error, error}
+        if res.get("type") == "succeeded" and isinstance(res.get("message"), dict):
+            return "ok", res["message"]
+        if res.get("type") in ("canceled", "expired") or err.get("type") in RETRYABLE_TYPES:
+            return "retry", str(res.get("type"))
+        return "fail", json.dumps(res)[:200]
 
 
 # ----------------------------------------------------------------------------- the providers' shapes
@@ -476,55 +549,10 @@ def _id(reply, label, what):
     return reply["id"]
 
 
-def _openai_status(b):
-    """An OpenAI Batch object -> the runner's status (see BatchRunner._status)."""
-    rc = _obj(b.get("request_counts"))
-    counts = tuple(_int(rc.get(k)) for k in ("completed", "failed", "total"))
-    why = "; ".join(str(_obj(e).get("message"))[:200] for e in (_obj(b.get("errors")).get("data") or [])[:3]
-                    if _obj(e).get("message"))
-    return {"state": b.get("status") if isinstance(b.get("status"), str) else None,
-            "counts": counts if None not in counts else None, "why": why or "the provider gave no reason",
-            "output": b.get("output_file_id"), "errors": b.get("error_file_id")}
-
-
-def _anthropic_status(b):
-    """An Anthropic MessageBatch object -> the runner's status (see BatchRunner._status)."""
-    rc = _obj(b.get("request_counts"))
-    n = {k: _int(rc.get(k)) for k in ("processing", "succeeded", "errored", "canceled", "expired")}
-    counts = None if None in n.values() else (n["succeeded"], n["errored"] + n["canceled"] + n["expired"],
-                                              sum(n.values()))
-    state = b.get("processing_status")
-    return {"state": state if isinstance(state, str) else None, "counts": counts, "why": "",
-            "results_url": b.get("results_url") if isinstance(b.get("results_url"), str) else None}
-
-
 def _progress(status):
     """A status in words: 'in_progress: 40/100 completed, 2 failed'."""
     state, c = status["state"] or "(no status field)", status.get("counts")
     return f"{state}: {c[0]}/{c[2]} completed, {c[1]} failed" if c else f"{state} (no request counts)"
-
-
-def _openai_outcome(rec):
-    """One line of an OpenAI output or error file -> ("ok", reply) | ("retry", why) | ("fail", why)."""
-    resp, err = _obj(rec.get("response")), _obj(rec.get("error"))
-    code = _int(resp.get("status_code"))
-    if code == 200 and isinstance(resp.get("body"), dict):
-        return "ok", resp["body"]
-    if code in (408, 409, 429) or (code or 0) >= 500 or err.get("code") in ("batch_expired", "batch_cancelled"):
-        return "retry", str(code or err.get("code"))
-    return "fail", json.dumps(resp.get("body") or err)[:200]
-
-
-def _anthropic_outcome(rec):
-    """One line of Anthropic's results -> ("ok", message) | ("retry", why) | ("fail", why)."""
-    res = _obj(rec.get("result"))
-    err = _obj(res.get("error"))
-    err = _obj(err.get("error")) if err.get("type") == "error" else err    # the API wraps it: {type: error, error}
-    if res.get("type") == "succeeded" and isinstance(res.get("message"), dict):
-        return "ok", res["message"]
-    if res.get("type") in ("canceled", "expired") or err.get("type") in RETRYABLE_TYPES:
-        return "retry", str(res.get("type"))
-    return "fail", json.dumps(res)[:200]
 
 
 def _jsonl(text):
