@@ -31,7 +31,7 @@ server no longer knows (HTTP 404: another API key, a purged file), results over 
 or a status without a status field (MALFORMED_POLLS times) is closed in the manifest with its reason,
 and its requests are sent again once, in a new batch, then synchronously.
 
-Usage: client = Client(url, model, batch=lambda c: BatchRunner(c, "runs/x/batches.json", poll=60))
+Usage: client = Client.open(url, model, batch=lambda c: BatchRunner(c, "runs/x/batches.json", poll=60))
        client.map(requests)
 """
 import contextlib

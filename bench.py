@@ -540,7 +540,7 @@ def bench_llm(args):
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     with tempfile.TemporaryDirectory() as d:
-        c = llm_clients.Client(f"http://127.0.0.1:{srv.server_address[1]}/v1", "bench", cache_dir=d)
+        c = llm_clients.Client.open(f"http://127.0.0.1:{srv.server_address[1]}/v1", "bench", cache_dir=d)
         reqs = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(200)]
         t0 = time.perf_counter(); c.map(reqs, workers=16, progress=False); t1 = time.perf_counter() - t0
         before = c.stats["http_calls"]

@@ -208,7 +208,7 @@ def good_group(gid="g1", n=10, q=None):
 def client(url, sleeps=None, **kw):
     import llm_clients
     kw.setdefault("max_retries", 2)
-    c = llm_clients.Client(url, "m", api_key="sk-SECRET-123", **kw)
+    c = llm_clients.Client.open(url, "m", api_key="sk-SECRET-123", **kw)
     c.transport.sleep = (sleeps.append if sleeps is not None else lambda s: None)   # record backoff, do not wait
     return c
 

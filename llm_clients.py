@@ -729,20 +729,16 @@ def _usable(check, data):
 
 
 class Client:
-    """A chat client: RequestShape (what is sent), ReplyCache (what is kept), Transport (how it is
-    sent), with JSON re-asks, usage accounting and an optional usage ledger."""
+    """A chat client over its parts: RequestShape (what is sent), Transport (how it is sent), ReplyCache
+    (what is kept), with JSON re-asks, usage accounting and an optional usage ledger. Client.open builds
+    the parts from a URL and a model; make_client from a provider:model spec."""
 
-    def __init__(self, base_url, model, api_key=None, protocol="openai", timeout=600, max_retries=2,
-                 cache_dir=None, provider=None, connect_timeout=10, max_retry_after=60, json_retries=1,
-                 max_field="max_tokens", json_mode=True, rpm=0, prices=None, handler=None, refresh=False,
-                 extra_body=None, ledger=None, stage=None, identity=None, batch=None):
+    def __init__(self, shape, transport, cache, provider, identity=None, json_retries=1, prices=None, ledger=None,
+                 stage=None, batch=None):
         # batch: a function of this client -> its batch runner (batch_clients.BatchRunner), through
         # which map() fills the reply cache first; None: synchronous calls only
-        self.shape = RequestShape(model, protocol, max_field, json_mode, extra_body)
-        self.model, self.protocol, self.provider = model, protocol, provider or protocol
-        self.transport = Transport(base_url, self.label, protocol, api_key, timeout, connect_timeout, max_retries,
-                                   max_retry_after, rpm, handler, self.provider)
-        self.cache = ReplyCache(cache_dir, refresh)
+        self.shape, self.transport, self.cache = shape, transport, cache
+        self.model, self.protocol, self.provider = shape.model, shape.protocol, provider
         # what tells this server apart in cache keys: its endpoint (scheme, host, port, path), or a
         # stable name for a server whose address changes (the offline engine on a new port each run)
         self.identity = identity or (self.transport.where.identity if self.transport.where else self.provider)
@@ -753,6 +749,18 @@ class Client:
         self._stats = {"calls": 0, "cache_hits": 0, "json_reasks": 0,
                        "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
         self.batch = batch(self) if batch is not None else None
+
+    @classmethod
+    def open(cls, base_url, model, api_key=None, protocol="openai", provider=None, cache_dir=None, refresh=False,
+             timeout=600, connect_timeout=10, max_retries=2, max_retry_after=60, rpm=0, handler=None,
+             max_field="max_tokens", json_mode=True, extra_body=None, **kw):
+        """A Client from a base URL (or an in-process `handler`) and a model: its RequestShape, Transport
+        (timeouts, retries, rate) and ReplyCache (cache_dir); the rest of `kw` goes to Client."""
+        provider = provider or protocol
+        shape = RequestShape(model, protocol, max_field, json_mode, extra_body)
+        transport = Transport(base_url, f"{provider}:{model}", protocol, api_key, timeout, connect_timeout,
+                              max_retries, max_retry_after, rpm, handler, provider)
+        return cls(shape, transport, ReplyCache(cache_dir, refresh), provider, **kw)
 
     def __repr__(self):
         return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
@@ -967,12 +975,12 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     shown = endpoints.redact_url(spec)      # a spec typed with credentials in it is never echoed
     if provider == "offline":
         if base_url:   # the offline engine served over HTTP (serve-offline): a stable identity, whatever its port
-            return Client(base_url, model or "offline-engine", protocol="openai", provider="offline",
+            return Client.open(base_url, model or "offline-engine", protocol="openai", provider="offline",
                           cache_dir=cache_dir, identity="offline", **kw)
         if kw.get("handler") is None:
             raise ValueError(f"{shown!r}: give base_url (the engine served over HTTP by serve-offline) or "
                              "handler (its in-process function, offline.respond)")
-        return Client(None, model or "offline-engine", protocol="openai", provider="offline", cache_dir=cache_dir,
+        return Client.open(None, model or "offline-engine", protocol="openai", provider="offline", cache_dir=cache_dir,
                       **kw)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {endpoints.redact_url(provider)!r} in {shown!r}; known: offline, "
@@ -997,7 +1005,7 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     max_field = p.get("max_field", "max_tokens")
     if provider == "openai" and base.host != "api.openai.com":
         max_field = "max_tokens"   # compatible servers (vLLM, GLM, ...) know only max_tokens
-    return Client(base, model, api_key=key, protocol=p["protocol"], provider=provider, cache_dir=cache_dir,
+    return Client.open(base, model, api_key=key, protocol=p["protocol"], provider=provider, cache_dir=cache_dir,
                   max_field=max_field, json_mode=p.get("json_mode", True), **kw)
 
 

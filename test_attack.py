@@ -101,7 +101,7 @@ def test_fidelity_verdicts_are_parsed_from_the_judges_reply(server, tmp_path):
     from conftest import Script, ok
     Script.script = [(200, {}, ok(json.dumps({"fidelity": 2, "contradicts_source": False, "reason": "changed"})), 0),
                      (200, {}, ok(json.dumps({"fidelity": 5, "contradicts_source": True, "reason": "no"})), 0)]
-    judge = llm_clients.Client(server, "judge", cache_dir=str(tmp_path / "c"))
+    judge = llm_clients.Client.open(server, "judge", cache_dir=str(tmp_path / "c"))
     for want in (2, 5):
         v, c = geo_attacks.parse_fidelity(judge.chat([{"role": "user",
                                                   "content": geo_attacks.fidelity_prompt(src, src + str(want))}],

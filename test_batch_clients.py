@@ -53,12 +53,12 @@ def batched(url, tmp_path, protocol="openai", model="m", logs=None, **kw):
     kw.setdefault("poll", 0.01)
     log = logs.append if logs is not None else lambda m: None
     manifest = str(tmp_path / "batches.json")
-    return llm_clients.Client(url, model, protocol=protocol, cache_dir=str(tmp_path / "cache"),
+    return llm_clients.Client.open(url, model, protocol=protocol, cache_dir=str(tmp_path / "cache"),
                               batch=lambda c: batch_clients.BatchRunner(c, manifest, log=log, **kw))
 
 
 def synchronous(url, reqs):
-    return [r.text for r in llm_clients.Client(url, "m").map(reqs, progress=False)]
+    return [r.text for r in llm_clients.Client.open(url, "m").map(reqs, progress=False)]
 
 
 def manifest(tmp_path):
@@ -135,7 +135,7 @@ def test_a_kill_while_polling_resumes_the_same_batch(engine, tmp_path):
     srv.batches.knobs["polls"] = 10 ** 6
     # the requests go in as JSON: the child imports only the clients, not this file (and torch through it)
     code = ("import sys, json, llm_clients, batch_clients\n"
-            "c = llm_clients.Client(sys.argv[1], 'm', cache_dir=sys.argv[2] + '/cache', batch=lambda c: "
+            "c = llm_clients.Client.open(sys.argv[1], 'm', cache_dir=sys.argv[2] + '/cache', batch=lambda c: "
             "batch_clients.BatchRunner(c, sys.argv[2] + '/batches.json', poll=0.01, log=print))\n"
             "c.map(json.loads(sys.argv[3]), progress=False)\n")
     p = subprocess.Popen([sys.executable, "-c", code, url, str(tmp_path), json.dumps(requests_(4))], cwd=HERE,
@@ -221,7 +221,7 @@ def test_a_recorded_batch_the_server_no_longer_knows_is_replaced_by_a_new_one(en
     reason and answers its requests in a new batch; nobody deletes the file by hand."""
     srv, url = engine
     reqs = requests_(3)
-    keys = [llm_clients.Client(url, "m").request_key(**r)[0] for r in reqs]
+    keys = [llm_clients.Client.open(url, "m").request_key(**r)[0] for r in reqs]
     (tmp_path / "batches.json").write_text(json.dumps({"batches": [
         {"digest": "x", "custom_ids": keys, "id": "batch_from_another_key", "provider": "openai:m",
          "status": None, "collected": False}]}))

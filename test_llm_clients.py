@@ -69,7 +69,7 @@ def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
     reqs = [{"messages": [{"role": "user", "content": f"q{i}"}], "temperature": 0, "max_tokens": 64, "json": True}
             for i in range(24)]
     try:
-        c = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens",
+        c = llm_clients.Client.open(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens",
                                cache_dir=str(tmp_path / "c"))
         out = c.map(reqs, workers=8, progress=False)
         assert [r.data for r in out] == [{"echo": f"q{i}"} for i in range(24)]
@@ -81,7 +81,7 @@ def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
         assert "temperature" not in last and last["max_completion_tokens"] == 64 and "response_format" not in last
         assert len(StrictModel.seen) <= 24 + 3 * 8            # at most one refused try per change and worker
         n = len(StrictModel.seen)
-        again = llm_clients.Client(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens",
+        again = llm_clients.Client.open(url, "gpt-x", api_key="sk-test-0123", max_field="max_tokens",
                                    cache_dir=str(tmp_path / "c"))
         assert [r.data for r in again.map(reqs, workers=8, progress=False)] == [r.data for r in out]
         assert len(StrictModel.seen) == n and "adapted" not in again.usage()   # all from the cache
@@ -142,7 +142,7 @@ def test_a_non_json_200_is_an_error_with_its_status(server):
 def test_a_refused_connection_names_the_url_after_its_attempts():
     with pytest.raises(llm_clients.LLMError, match=r"ConnectionError on http://127\.0\.0\.1:9/v1/chat/completions "
                                                    r"after 2 attempts"):
-        llm_clients.Client("http://127.0.0.1:9/v1", "m", max_retries=1).chat([{"role": "user", "content": "x"}])
+        llm_clients.Client.open("http://127.0.0.1:9/v1", "m", max_retries=1).chat([{"role": "user", "content": "x"}])
 
 
 def test_json_is_extracted_from_fences_or_think(server):
@@ -185,7 +185,7 @@ def test_anthropic_protocol(server):
     Script.script = [(200, {}, {"content": [{"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "he"},
                                             {"type": "text", "text": "llo"}], "stop_reason": "end_turn",
                                 "usage": {"input_tokens": 7, "output_tokens": 2}}, 0)]
-    c = llm_clients.Client(server, "claude", api_key="sk-ant-X", protocol="anthropic")
+    c = llm_clients.Client.open(server, "claude", api_key="sk-ant-X", protocol="anthropic")
     r = c.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], max_tokens=50)
     assert r.text == "hello" and r.reasoning == "hmm" and r.usage["prompt_tokens"] == 7
     body, hdr = Script.seen[0], {k.lower(): v for k, v in Script.headers_seen[0].items()}
@@ -297,7 +297,7 @@ def test_a_ledger_row_is_priced_as_the_client_prices_its_own_usage(server):
     count) look up the same entry and compute the same cost."""
     prices = {"qwen3:8b": [1.0, 2.0]}
     Script.script = [(200, {}, ok("hi"), 0)]
-    c = llm_clients.Client(server, "qwen3:8b", provider="ollama", prices=prices)
+    c = llm_clients.Client.open(server, "qwen3:8b", provider="ollama", prices=prices)
     c.chat([{"role": "user", "content": "x"}])
     u = c.usage()
     row = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"], "replies": 1}
@@ -308,7 +308,7 @@ def test_ctrl_c_cancels_queued_llm_requests(server):
     pool sending every queued request first."""
     import _thread
     Script.script = [(200, {}, ok("x"), 0.3) for _ in range(40)]
-    c = llm_clients.Client(server, "m", max_retries=0)
+    c = llm_clients.Client.open(server, "m", max_retries=0)
     threading.Timer(0.45, _thread.interrupt_main).start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
@@ -321,14 +321,15 @@ def test_ctrl_c_cancels_queued_llm_requests(server):
 def test_secrets_are_masked_before_an_error_is_cut(server, tmp_path):
     key = "sk-" + "A1b2C3d4" * 6
     Script.script = [(400, {}, {"error": {"message": "x" * 270 + key}}, 0)]   # the key straddles character 300
-    c = llm_clients.Client(server, "m", api_key=key, max_retries=0, cache_dir=str(tmp_path / "c"))
+    c = llm_clients.Client.open(server, "m", api_key=key, max_retries=0, cache_dir=str(tmp_path / "c"))
     with pytest.raises(llm_clients.LLMError) as e:
         c.chat([{"role": "user", "content": "hi"}])
     assert key[:6] not in str(e.value).replace("sk-***", "") and "***" in str(e.value)
 
 
 def test_a_full_disk_leaves_no_temp_files_in_the_cache(server, tmp_path, monkeypatch):
-    c = llm_clients.Client(server, "m", api_key="sk-" + "A1b2C3d4" * 6, max_retries=0, cache_dir=str(tmp_path / "c"))
+    c = llm_clients.Client.open(server, "m", api_key="sk-" + "A1b2C3d4" * 6, max_retries=0,
+                                cache_dir=str(tmp_path / "c"))
     real = json.dump
 
     def full(*a, **k):
@@ -345,7 +346,7 @@ def test_identical_requests_in_flight_are_sent_once(server, tmp_path):
     """The same request asked by several threads at once is sent once; the others wait for its
     cached reply (a run's HTTP calls, cost and usage are the same however the threads interleave)."""
     Script.script = [(200, {}, ok("only once"), 0.3)] * 2
-    c = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c"))
+    c = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c"))
     req = {"messages": [{"role": "user", "content": "same"}]}
     out = c.map([req] * 8 + [{"messages": [{"role": "user", "content": "other"}]}], workers=9, progress=False)
     assert [r.text for r in out[:8]] == ["only once"] * 8 and len(Script.seen) == 2
@@ -355,14 +356,14 @@ def test_identical_requests_in_flight_are_sent_once(server, tmp_path):
 def test_url_credentials_reach_only_basic_auth(server, tmp_path):
     import base64
     Script.script = [(200, {}, ok("hi"), 0)]
-    c = llm_clients.Client(server.replace("http://", "http://alice:pa55word@"), "m", api_key="sk-key-123",
+    c = llm_clients.Client.open(server.replace("http://", "http://alice:pa55word@"), "m", api_key="sk-key-123",
                            cache_dir=str(tmp_path / "c"), max_retries=0)
     c.chat([{"role": "user", "content": "x"}])
     assert Script.headers_seen[-1]["Authorization"] == "Bearer sk-key-123"     # the key is sent, not Basic
-    rotated = llm_clients.Client(server.replace("http://", "http://alice:other@"), "m", api_key="sk-key-123",
+    rotated = llm_clients.Client.open(server.replace("http://", "http://alice:other@"), "m", api_key="sk-key-123",
                                  cache_dir=str(tmp_path / "c"), max_retries=0)
     assert rotated.chat([{"role": "user", "content": "x"}]).cached          # a new password keeps the cache
-    basic = llm_clients.Client(server.replace("http://", "http://alice:pa55word@"), "m", max_retries=0)
+    basic = llm_clients.Client.open(server.replace("http://", "http://alice:pa55word@"), "m", max_retries=0)
     echo = base64.b64encode(b"alice:pa55word").decode()
     Script.script = [(403, {}, {"error": {"message": f"denied Basic {echo} alice:pa55word pa55word"}}, 0)]
     with pytest.raises(llm_clients.LLMError) as e:
@@ -479,10 +480,10 @@ def test_two_loopback_servers_never_share_cache_entries(server, tmp_path):
     try:
         Script.script = [(200, {}, ok("from A"), 0), (200, {}, ok("from B"), 0)]
         msg = [{"role": "user", "content": "same"}]
-        a = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat(msg)
-        b = llm_clients.Client(other, "m", cache_dir=str(tmp_path / "c")).chat(msg)
+        a = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c")).chat(msg)
+        b = llm_clients.Client.open(other, "m", cache_dir=str(tmp_path / "c")).chat(msg)
         assert (a.text, b.text, len(Script.seen)) == ("from A", "from B", 2)
-        other_path = llm_clients.Client(server.replace("/v1", "/v2"), "m", cache_dir=str(tmp_path / "c"))
+        other_path = llm_clients.Client.open(server.replace("/v1", "/v2"), "m", cache_dir=str(tmp_path / "c"))
         assert other_path.cache.key("openai", other_path.identity, {}, False) != \
             llm_clients.ReplyCache.key("openai", endpoints.Endpoint.parse(server).identity, {}, False)
     finally:
@@ -497,7 +498,7 @@ def test_lone_surrogates_in_a_reply_become_u_fffd(server, tmp_path):
     """A JSON "\\ud800" escape (valid JSON, not writable as UTF-8) becomes U+FFFD, as a UTF-8 decoder
     replaces bytes it cannot read."""
     Script.script = [(200, {}, SURROGATES, 0)]
-    c = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c"))
+    c = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c"))
     r = c.chat([{"role": "user", "content": "x"}])
     assert (r.text, r.reasoning) == ("a\ufffdb", "r\ufffd")
     pair = llm_clients.no_lone_surrogates(json.loads('"\\ud83d\\ude00"'))       # a pair is one character
@@ -507,8 +508,9 @@ def test_lone_surrogates_in_a_reply_become_u_fffd(server, tmp_path):
 def test_a_reply_that_held_lone_surrogates_is_cached(server, tmp_path):
     """The reply is cached and a rerun reads it back."""
     Script.script = [(200, {}, SURROGATES, 0)]
-    llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}])
-    again = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}])
+    llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}])
+    again = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c")).chat(
+        [{"role": "user", "content": "x"}])
     assert again.cached and again.text == "a\ufffdb" and len(Script.seen) == 1
 
 
@@ -517,10 +519,10 @@ def test_lone_surrogates_inside_a_replys_json_are_replaced(server, tmp_path):
     cleaned like the outer reply, so records and caches can be written as UTF-8."""
     content = json.dumps({"answer": "cites [1] \\ud800"}).replace("\\\\", "\\")   # content: {"answer": "... \ud800"}
     Script.script = [(200, {}, ok(content), 0)]
-    c = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c"))
+    c = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c"))
     r = c.chat([{"role": "user", "content": "x"}], json=True)
     assert r.data == {"answer": "cites [1] \ufffd"}
     json.dumps(r.data, ensure_ascii=False).encode("utf-8")                  # writable
-    again = llm_clients.Client(server, "m", cache_dir=str(tmp_path / "c")).chat([{"role": "user", "content": "x"}],
-                                                                             json=True)
+    again = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c")).chat(
+        [{"role": "user", "content": "x"}], json=True)
     assert again.cached and again.data == r.data

@@ -50,7 +50,7 @@ def _library_over_http(server, tmp_path):
     """TFSG's schedule run whole against the scripted loopback server -> (seeds, batches, the library,
     its client)."""
     seeds, batches = _tfsg_inputs()
-    full = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c1"))
+    full = llm_clients.Client.open(server, "scripted", cache_dir=str(tmp_path / "c1"))
     lib = tfsg.build_library(full.map, full.chat, seeds, batches, str(tmp_path / "lib1"), tfsg.standard_prompt)
     return seeds, batches, lib, full
 
@@ -71,7 +71,7 @@ def test_tfsg_construction_killed_midway_resumes_to_the_same_library(server, tmp
     seeds, batches, lib, full = _library_over_http(server, tmp_path)
     # interrupted after 40 calls, then resumed: same final library, the redone calls come from the cache
     n = {"calls": 0}
-    c2 = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c2"))
+    c2 = llm_clients.Client.open(server, "scripted", cache_dir=str(tmp_path / "c2"))
 
     def dying(*a, **k):
         n["calls"] += 1
@@ -82,7 +82,7 @@ def test_tfsg_construction_killed_midway_resumes_to_the_same_library(server, tmp
         tfsg.build_library(tfsg.one_at_a_time(dying), dying, seeds, batches, str(tmp_path / "lib2"),
                            tfsg.standard_prompt)
     sent = c2.stats["http_calls"]
-    c3 = llm_clients.Client(server, "scripted", cache_dir=str(tmp_path / "c2"))
+    c3 = llm_clients.Client.open(server, "scripted", cache_dir=str(tmp_path / "c2"))
     lib2 = tfsg.build_library(c3.map, c3.chat, seeds, batches, str(tmp_path / "lib2"), tfsg.standard_prompt)
     assert lib2.to_dict() == lib.to_dict()
     assert sent + c3.stats["http_calls"] == full.stats["http_calls"]   # nothing sent twice
@@ -611,7 +611,7 @@ def test_the_gate_says_why_it_refuses_a_rewrite():
 def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
     """A.3.2 / A.3.5: answer-only prompt, the returned reasoning_content kept as the diagnostic trace."""
     seeds, batches = _tfsg_inputs()
-    c = llm_clients.Client(server, "scripted-reasoner", cache_dir=str(tmp_path / "c"))
+    c = llm_clients.Client.open(server, "scripted-reasoner", cache_dir=str(tmp_path / "c"))
     lib = tfsg.build_library(tfsg.one_at_a_time(c.chat), c.chat, seeds, batches[:1], str(tmp_path / "lib"),
                              tfsg.standard_prompt, interface="reasoning")
     assert tfsg.check_library(lib) == []
@@ -627,7 +627,7 @@ def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
 def test_a_library_folder_with_json_in_its_path_holds_all_its_files(server, tmp_path):
     """A run named demo.json: every epoch's library, cases and report inside the library folder."""
     seeds, batches = _tfsg_inputs()
-    c = llm_clients.Client(server, "scripted-reasoner", cache_dir=str(tmp_path / "c"))
+    c = llm_clients.Client.open(server, "scripted-reasoner", cache_dir=str(tmp_path / "c"))
     out = tmp_path / "demo.json" / "library"
     tfsg.build_library(tfsg.one_at_a_time(c.chat), c.chat, seeds, batches[:1], str(out), tfsg.standard_prompt)
     assert sorted(os.listdir(tmp_path)) == ["c", "demo.json"] and os.listdir(tmp_path / "demo.json") == ["library"]
