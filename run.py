@@ -1,5 +1,5 @@
 """GEO Defender command line: train, eval, demo, rerank-eval, attack, harden, holdout, compare, export,
-serve, bench, build-bench, bench-audit, serve-offline.
+serve, deploy-check, bench, build-bench, bench-audit, serve-offline.
 
 Every command that trains or evaluates writes into a run folder runs/<name>/ (config.json,
 adapter/, library/, cache/, results/, report.md, figures/), reuses what a finished step left there
@@ -15,6 +15,7 @@ command needs before its first expensive step, and dispatches.
   python run.py compare --runs runs/gpt55,runs/claude --out runs/compare
   python run.py export --name gpt55 --out shield-seq-cls   # a checkpoint vLLM / sentence-transformers load
   python run.py serve --name gpt55 --port 8000             # POST /v1/rerank (Cohere/Jina/vLLM shape)
+  python run.py deploy-check --name gpt55 --endpoint http://127.0.0.1:8000/v1/rerank   # scores as the Shield's?
 """
 import argparse
 import contextlib
@@ -31,6 +32,7 @@ import torch
 import attack
 import bench_audit
 import build_bench
+import deploy_check
 import export
 import geodef
 import harden
@@ -290,10 +292,12 @@ def parser():
                                        "retrained on what got through, a fresh attacker on the test groups")
     ho = sub.add_parser("holdout", help="leave-one-family-out: a Shield trained without each family, measured on it "
                                         "(no LLM)")
+    dc = sub.add_parser("deploy-check", help="does a rerank endpoint score as the run's Shield? (a known-answer "
+                                             "check)")
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
     for p, cls in ((tr, settings.TrainConfig), (ev, settings.EvalConfig), (de, settings.DemoConfig),
                    (re_, settings.RerankEvalConfig), (at, settings.AttackConfig), (ha, settings.HardenConfig),
-                   (bb, settings.BuildConfig), (ho, settings.HoldoutConfig)):
+                   (bb, settings.BuildConfig), (ho, settings.HoldoutConfig), (dc, settings.DeployCheckConfig)):
         add_settings_flags(p, cls)
     for p in (tr, ev, at, ha, bb, ho):
         p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
@@ -494,6 +498,22 @@ def cmd_holdout(args):
     return s
 
 
+def cmd_deploy_check(args):
+    """Does an endpoint score as the run's Shield does (deploy_check.py)? A failed check exits with its
+    likely cause."""
+    cfg = pipeline_settings(settings.DeployCheckConfig, args)
+    if cfg.endpoint is None or cfg.endpoint.kind in ("base", "shield"):
+        raise SettingsError("deploy-check: give --endpoint SPEC, the served reranker (http://HOST:PORT/v1/rerank, "
+                            "tei:http://HOST:PORT, cohere:MODEL, ...)")
+    rankers.check_specs([("endpoint", cfg.endpoint)])
+    need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
+    v = deploy_check.deploy_check(cfg, cfg.endpoint)
+    print(deploy_check.table(v))
+    if not v["pass"]:
+        raise SystemExit(f"deploy-check: {cfg.endpoint} does not score as the run's Shield: {v['cause']}")
+    return v
+
+
 def show(plan):
     """A dry run's plan, printed as JSON (and returned)."""
     print(json.dumps(plan, indent=1))
@@ -582,7 +602,8 @@ def cmd_demo(args):
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "rerank-eval": cmd_rerank_eval,
             "attack": cmd_attack, "harden": cmd_harden, "compare": cmd_compare, "bench": cmd_bench,
             "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
-            "serve-offline": cmd_serve_offline, "bench-audit": cmd_bench_audit, "holdout": cmd_holdout}
+            "serve-offline": cmd_serve_offline, "bench-audit": cmd_bench_audit, "holdout": cmd_holdout,
+            "deploy-check": cmd_deploy_check}
 
 
 # Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.

@@ -376,6 +376,14 @@ class HoldoutSettings(Settings):
                                      "Defender end to end (the target, analyzer and judge LLMs)")
 
 
+@dataclass
+class DeploySettings(Settings):
+    """deploy-check (deploy_check.py): the endpoint whose scores are checked against the run's Shield."""
+    endpoint: endpoints.RerankSpec = setting(None, "the rerank endpoint to check, a spec as --reranker takes it "
+                                                   "(http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT, "
+                                                   "cohere:MODEL, ...)", parse=spec_of(endpoints.parse_spec))
+
+
 # ----------------------------------------------------------------------------- commands
 
 # A command's class composes the groups it reads (its fields come base by base from the last listed:
@@ -429,6 +437,12 @@ class HoldoutConfig(HoldoutSettings, EvalConfig):
     split; a trained run's settings come from its record."""
     FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, ShieldSettings, TFSGSettings,
              TFSGLimits, JudgeSettings, RerankSettings, RolesSettings, HoldoutSettings)
+
+
+@dataclass
+class DeployCheckConfig(DeploySettings, EvalConfig):
+    """deploy-check: the run's Shield (its record's model, adapter and max length) against an endpoint."""
+    FLAGS = (RunSettings, RequestSettings, DeploySettings)
 
 
 @dataclass

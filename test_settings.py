@@ -20,7 +20,8 @@ def groups():
 COMMAND_OPTIONS = {"help", "preset", "dry_run", "stage", "no_resume", "out"}
 COMMANDS = {"train": settings.TrainConfig, "eval": settings.EvalConfig, "demo": settings.DemoConfig,
             "rerank-eval": settings.RerankEvalConfig, "attack": settings.AttackConfig,
-            "harden": settings.HardenConfig, "build-bench": settings.BuildConfig, "holdout": settings.HoldoutConfig}
+            "harden": settings.HardenConfig, "build-bench": settings.BuildConfig, "holdout": settings.HoldoutConfig,
+            "deploy-check": settings.DeployCheckConfig}
 
 
 # one name, two settings of commands that never compose both: attack's attacker rounds, harden's hardening rounds
