@@ -476,6 +476,11 @@ def consistency_loss(r_pos, r_ben):
     return (r_pos - r_ben) ** 2
 
 
+# the per-example stats shield_loss returns (TRL's DPO log names), in their order
+SHIELD_STATS = ("loss", "loss/orig", "loss/ben", "loss/cons", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                "rewards/accuracies")
+
+
 def shield_loss(r_pos, r_att, r_ben, beta=0.1, lam_def=1.1, lam_util=0.9, lam_cons=0.15):
     """Eq. 5 = lam_def*L_pref(P_orig) + lam_util*L_pref(P_ben) + lam_cons*L_cons, mean over the N
     examples (the expectations of Eqs. 3-4). Returns (scalar loss, stats of detached floats) with TRL's

@@ -40,6 +40,7 @@ import holdout
 import llm_clients
 import lora
 import offline_server
+import parallel
 import rankers
 import report
 import rerank_eval
@@ -545,7 +546,9 @@ def report_paths(cfg):
 
 
 def cmd_train(args):
-    """The Shield (train.train_shield) and the TFSG library (train.train_tfsg), each resumable."""
+    """The Shield (train.train_shield) and the TFSG library (train.train_tfsg), each resumable. Under
+    torchrun every rank trains its share of the Shield's steps; rank 0 alone holds the run's lock,
+    writes its files and builds the library (every LLM call once)."""
     cfg = pipeline_settings(settings.TrainConfig, args)
     if args.stage in ("all", "tfsg"):
         check_llms(cfg, keys=not args.dry_run)   # a bad spec fails now, not after hours of Shield training
@@ -554,6 +557,9 @@ def cmd_train(args):
     check_record(cfg)     # every check the command runs, the dry run runs too
     if args.dry_run:
         return show(plan_train(cfg))
+    parallel.init(cfg.device)
+    if not parallel.is_main():
+        return train_shield(cfg, resume=not args.no_resume) if args.stage in ("all", "shield") else None
     with offline_engine(cfg, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
         record_config(cfg, "train")
         if args.stage in ("all", "shield"):

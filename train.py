@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 import geodef
 import lora
+import parallel
 import tfsg
 from evaluation import clean_reference, eval_condition
 from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
@@ -118,28 +119,35 @@ def fit(cfg, rr, opt, params, triples, ids, s0, state, on_step, on_epoch):
     cfg.epochs: per example forward and loss, backward scaled to the mean over the accumulated
     examples, then clip, step and log every grad_accum examples (on_step(record)), and on_epoch()
     after each epoch. Each epoch's order comes from the seed alone, so a resumed run redoes exactly
-    the examples it lost."""
+    the examples it lost. Under torchrun each rank runs every other example of a window
+    (parallel.mine) and the window's gradients are summed over the ranks before the clip, so each rank
+    takes the single-process step (float32 sums in another order: equal within rounding).
+    Deviation: LoRA dropout masks are drawn from each rank's own generator, so with dropout > 0 a
+    multi-rank run differs from one process's as another seed would."""
     bar = tqdm(total=cfg.epochs * len(triples), initial=state["epoch"] * len(triples) + state["pos"],
-               desc="shield", file=sys.stderr)
+               desc="shield", file=sys.stderr, disable=not parallel.is_main())
     while state["epoch"] < cfg.epochs:
         order = list(range(len(triples)))
         random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(order)
         rr.model.train()
         acc_stats = []
         while state["pos"] < len(order):
-            t = triples[order[state["pos"]]]
-            loss, st, _, _ = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=True)
-            n_in_step = min(cfg.grad_accum, len(order) - (state["pos"] // cfg.grad_accum) * cfg.grad_accum)
-            (loss / n_in_step).backward()                                       # mean over the accumulated examples
-            acc_stats.append(st)
+            start = (state["pos"] // cfg.grad_accum) * cfg.grad_accum            # this accumulation window's
+            if parallel.mine(state["pos"], start):       # under torchrun each rank takes its share of the window
+                t = triples[order[state["pos"]]]
+                loss, st, _, _ = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=True)
+                n_in_step = min(cfg.grad_accum, len(order) - start)
+                (loss / n_in_step).backward()                                   # mean over the accumulated examples
+                acc_stats.append(st)
             state["pos"] += 1
             bar.update(1)
             if state["pos"] % cfg.grad_accum == 0 or state["pos"] == len(order):
+                parallel.sum_grads(params)               # the window's whole gradient on every rank
                 gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 state["step"] += 1
-                rec = {k: sum(a[k] for a in acc_stats) / len(acc_stats) for k in acc_stats[0]}
+                rec = parallel.mean_stats(acc_stats, geodef.SHIELD_STATS, params[0].device)
                 rec.update({"grad_norm": float(gn), "learning_rate": cfg.lr, "step": state["step"],
                             "epoch": state["epoch"] + state["pos"] / len(order)})
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['rewards/accuracies']:.2f}")
@@ -165,8 +173,13 @@ def train_shield(cfg, rr=None, resume=True, out=None, extra=(), init=None):
     data = load_data(cfg)
     cons, inst = data.construction, geodef.expand(data.construction, data.seen) + list(extra)
     opt_inst, mon_inst = shield_split(cfg, inst)
+    main = parallel.is_main()      # under torchrun rank 0 alone writes the run's files; a plain run is rank 0
+    if not main:                   # rank 0 loads (a tiny checkpoint: makes) the model and scores the base
+        parallel.barrier()         # lists first; the others then read its files and its score cache
     rr = rr or load_reranker(cfg)
     triples, ids, s0, scores = prepare_triples(cfg, rr, cons, inst)
+    if main:
+        parallel.barrier()
     opt_ids = {x.instance_id for x in opt_inst}
     opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
     mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
@@ -185,11 +198,12 @@ def train_shield(cfg, rr=None, resume=True, out=None, extra=(), init=None):
     if resume and os.path.isfile(os.path.join(ckpt, "state.safetensors")):
         state = _load_ckpt(ckpt, rr.model, opt)
         log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
-        with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
-            f.truncate(state.get("log_bytes", f.seek(0, os.SEEK_END)))
-    elif os.path.isfile(log_path):          # a fresh start: no lines of an earlier attempt
+        if main:
+            with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
+                f.truncate(state.get("log_bytes", f.seek(0, os.SEEK_END)))
+    elif main and os.path.isfile(log_path):     # a fresh start: no lines of an earlier attempt
         os.remove(log_path)
-    if state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
+    if main and state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
         m0 = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
         state["history"].append({"epoch": 0, **m0})
         append_jsonl(log_path, {"event": "monitor", "epoch": 0, "step": 0, **m0})
@@ -210,6 +224,8 @@ def train_shield(cfg, rr=None, resume=True, out=None, extra=(), init=None):
             state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
         _save_ckpt(ckpt, rr.model, opt, state, log_path)
 
+    if not main:                                 # the other ranks only compute their share of each step
+        return fit(cfg, rr, opt, params, opt_triples, ids, s0, state, lambda rec, mid_epoch: None, lambda: None)
     fit(cfg, rr, opt, params, opt_triples, ids, s0, state, on_step, on_epoch)
     lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
     rr.model.eval()

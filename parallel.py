@@ -1,0 +1,74 @@
+"""Data parallelism over torch.distributed for the Shield's training (`torchrun --nproc-per-node N run.py
+train ...`): the process group from torchrun's environment (gloo on the CPU, nccl on CUDA), each rank a
+share of every accumulation window's examples, the LoRA gradients summed over the ranks before the
+clip and the step, so every rank takes the single-process step. A plain `python run.py` has no
+WORLD_SIZE and runs as one rank: every function here is then a no-op.
+
+Usage: parallel.init("cpu"); mine = parallel.mine(i, window_start); ...; parallel.sum_grads(params)
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(device):
+    """Join torchrun's process group when WORLD_SIZE > 1 (once): nccl for a CUDA device (each rank on
+    its LOCAL_RANK's GPU), gloo on the CPU. -> the world size."""
+    n = int(os.environ.get("WORLD_SIZE", "1"))
+    if n > 1 and not dist.is_initialized():
+        cuda = str(device).startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return n
+
+
+def world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_main():
+    """Rank 0: the one that writes the run's files and makes the LLM calls."""
+    return rank() == 0
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def mine(pos, window_start):
+    """Whether the example at `pos` of the window starting at `window_start` is this rank's (round robin)."""
+    return (pos - window_start) % world() == rank()
+
+
+def sum_grads(params):
+    """Sum every parameter's gradient over the ranks (a rank with no example in the window adds zeros),
+    in one flat all-reduce: each rank then holds the single-process window's gradient."""
+    if world() == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    i = 0
+    for p in params:
+        p.grad.copy_(flat[i:i + p.numel()].view_as(p))
+        i += p.numel()
+
+
+def mean_stats(stats, keys, device="cpu"):
+    """The window's per-example stats (a list of {key: float}, this rank's) -> {key: mean over every
+    rank's examples}, in the order of `keys`."""
+    if world() == 1:
+        return {k: sum(s[k] for s in stats) / len(stats) for k in keys}
+    t = torch.tensor([sum(s[k] for s in stats) for k in keys] + [float(len(stats))], dtype=torch.float64,
+                     device=device)
+    dist.all_reduce(t)
+    return {k: float(t[i] / t[-1]) for i, k in enumerate(keys)}
