@@ -72,3 +72,18 @@ def mean_stats(stats, keys, device="cpu"):
                      device=device)
     dist.all_reduce(t)
     return {k: float(t[i] / t[-1]) for i, k in enumerate(keys)}
+
+
+def gather(d):
+    """Every rank's dict merged (all_gather_object) -> the same dict on every rank; d itself alone."""
+    if world() == 1:
+        return dict(d)
+    parts = [None] * world()
+    dist.all_gather_object(parts, d)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def finish():
+    """Leave the process group (the sharded stage is over: what follows runs on rank 0 alone)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 import endpoints
 import lora
+import parallel
 import rerank_clients
 from runs import (SettingsError, load_reranker, load_shield, log, read_json, shield_scores_path, usage_path,
                   write_json)
@@ -37,20 +38,31 @@ class Ranker:
         self.adapter_off = adapter_off      # the frozen base policy from a model that carries the adapter
         self.cache = read_json(path, {})
 
-    def prepare(self, instances):
+    def prepare(self, instances, shard=False):
+        """Score every (query, document) of `instances` not in the cache. shard: under torchrun
+        (parallel.world() > 1) each rank scores the queries of its share (whole queries, so each
+        document is scored in the batch one process would score it in: the same floats), every rank
+        then holds all the scores, and rank 0 alone writes the cache."""
         todo = {}
         for x in instances:
             for d in x.docs:
                 k = doc_key(x.query, d)
                 if k not in self.cache:
                     todo.setdefault(x.query, {})[k] = d
+        shared = shard and parallel.world() > 1
+        if shared:                                  # this rank's queries, round robin in a fixed order
+            todo = {q: todo[q] for q in sorted(todo)[parallel.rank()::parallel.world()]}
         items = [(q, k, d) for q, kd in todo.items() for k, d in kd.items()]
         bar = tqdm(total=len(items), desc=f"rerank ({self.label})", file=sys.stderr, disable=not items)
         with (lora.lora_disabled(self.rr.model) if self.adapter_off else contextlib.nullcontext()):
-            self._score(todo, bar)
+            self._score(todo, bar, write=not shared)
         bar.close()
+        if shared:
+            self.cache.update(parallel.gather({k: self.cache[k] for _, k, _ in items}))
+            if parallel.is_main():
+                write_json(self.path, self.cache)
 
-    def _score(self, todo, bar):
+    def _score(self, todo, bar, write=True):
         for q, kd in todo.items():
             keys = list(kd)
             for i in range(0, len(keys), 16):
@@ -58,7 +70,8 @@ class Ranker:
                 for k, v in zip(chunk, self.rr.score(q, [kd[k] for k in chunk])):
                     self.cache[k] = float(v)
                 bar.update(len(chunk))
-            write_json(self.path, self.cache)
+            if write:
+                write_json(self.path, self.cache)
 
     def scores(self, x):
         return [self.cache[doc_key(x.query, d)] for d in x.docs]
@@ -132,7 +145,8 @@ class RemoteRanker:
         self.client, self.label, self.workers = client, label, workers
         self.by_id = {}
 
-    def prepare(self, instances):
+    def prepare(self, instances, shard=False):
+        """One request per list not yet scored (an endpoint scales on its own side: never sharded)."""
         todo = [x for x in instances if x.instance_id not in self.by_id]
         for x, r in zip(todo, self.client.map([(x.query, x.docs) for x in todo], workers=self.workers)):
             self.by_id[x.instance_id] = r.scores

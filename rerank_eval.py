@@ -32,6 +32,7 @@ import os
 
 import geodef
 import metrics
+import parallel
 import report
 import rankers
 from rankers import order_of
@@ -92,17 +93,32 @@ def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
     return out
 
 
+def stage_lists(data):
+    """The lists the reranker stage scores -> (attack instances, {group_id: clean list}, honest lists)."""
+    return (geodef.expand(data.test, data.methods), {g.group_id: geodef.clean_instance(g) for g in data.test},
+            [geodef.honest_instance(g) for g in data.test if g.honest is not None])
+
+
+def score_share(cfg, data, items, stage="rerank-eval"):
+    """A torchrun rank's part of rerank_stage (ranks other than 0): its share of the local rankers'
+    scores (Ranker.prepare(shard=True)), in the order rank 0 asks for them; it writes nothing."""
+    insts, cleans, honest = stage_lists(data)
+    local = [(label, spec) for label, spec in items if spec.kind in rankers.LOCAL]
+    for rk in rankers.make_rankers(cfg, local, stage).values():
+        rk.prepare(insts + list(cleans.values()) + honest, shard=True)
+    parallel.finish()
+
+
 def rerank_stage(cfg, data, items, stage="rerank-eval"):
     """Score every test instance and its clean list with each reranker; write results/rerank-<label>.jsonl
     (whole, once every list is scored: a failed endpoint records nothing) and summary.json's
     rerank_stage; with honest edits also results/rerank-<label>.honest.jsonl and each block's `honest`.
     -> {label: summary block}."""
-    insts = geodef.expand(data.test, data.methods)
-    cleans = {g.group_id: geodef.clean_instance(g) for g in data.test}
-    honest = [geodef.honest_instance(g) for g in data.test if g.honest is not None]
+    insts, cleans, honest = stage_lists(data)
     by_label = rankers.make_rankers(cfg, items, stage)
     for rk in by_label.values():
-        rk.prepare(insts + list(cleans.values()) + honest)
+        rk.prepare(insts + list(cleans.values()) + honest, shard=True)
+    parallel.finish()                        # under torchrun: the ranks' scoring is over, rank 0 goes on
     base = next((by_label[lb] for lb, spec in items if spec.kind == "base"), None)
     res = os.path.join(cfg.run_dir, "results")
     out = {}

@@ -425,6 +425,9 @@ def cmd_rerank_eval(args):
     items = rankers.check_specs(cfg.reranker)
     if any(spec.kind == "shield" for _, spec in items):
         need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")
+    parallel.init(cfg.device)
+    if not parallel.is_main():               # under torchrun: this rank's share of the scores, nothing written
+        return rerank_eval.score_share(cfg, load_data(cfg), items)
     with run_lock(cfg.run_dir):
         record_or_check(cfg, "rerank-eval")
         stage = rerank_eval.rerank_stage(cfg, load_data(cfg), items)

@@ -92,12 +92,12 @@ def test_the_llm_stage_builds_each_folds_library_and_measures_asr_end_to_end(tmp
     """--llm-stage: each fold also builds its TFSG library on its trained families and evaluates Shield only
     and GEO Defender (eval's records in the fold); the ASR table is those records'. A schedule the folds'
     fewer construction instances cannot fill is refused before any training."""
-    extra = ["--llm-stage", "--n-seed-cases", "3", "--batch-size", "4", "--n-batches", "2"]
+    extra = ["--llm-stage", "--n-seed-cases", "2", "--batch-size", "3", "--n-batches", "1", "--max-test-groups", "2"]
     s = run.main(argv(tmp_path, *extra))
     (row,) = s["folds"]
     h = tmp_path / "h" / "holdout"
     for fold in ("without-AutoGEO", "all"):
-        assert (h / fold / "library" / "E3.json").is_file()
+        assert (h / fold / "library" / "E2.json").is_file()
     for cond, slug in (("Shield only", "shield_only"), ("GEO Defender", "geo_defender")):
         recs = {f: [json.loads(x) for x in open(h / f / "results" / f"{slug}.jsonl")]
                 for f in ("without-AutoGEO", "all")}

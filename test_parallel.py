@@ -1,9 +1,12 @@
-"""Data-parallel Shield training under torchrun (parallel.py, train.fit): two gloo processes on the tiny
-model, killed after their first checkpoint and run again, end with the single-process adapter (the same
-global batch, float32) within 1e-6; rank 0 alone wrote the run's files.
+"""Data parallelism under torchrun (parallel.py): the Shield's training (train.fit) on two gloo processes,
+killed after their first checkpoint and run again, ends with the single-process adapter (the same global
+batch, float32) within 1e-6, rank 0 alone writing the run's files; rerank-eval's scores sharded over two
+ranks give one process's records byte for byte.
 Run: python -m pytest -q test_parallel.py
 """
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,13 +16,12 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-import run
 from conftest import HERE
 
 # the paper's learning rate (Table A.1): the ranks' gradient sums differ from one process's only in the
 # order of float32 additions, which AdamW's first steps carry into the weights in proportion to lr
 ARGS = ["train", "--stage", "shield", "--model", "tiny", "--dtype", "float32", "--lora-dropout", "0",
-        "--epochs", "2", "--grad-accum", "4", "--save-every", "2", "--lr", "1e-4"]
+        "--epochs", "1", "--grad-accum", "4", "--save-every", "2", "--lr", "1e-4", "--max-test-groups", "1"]
 
 
 def _port():
@@ -28,36 +30,72 @@ def _port():
         return s.getsockname()[1]
 
 
-def _torchrun(runs_dir, name):
-    """`torchrun --nproc-per-node 2 run.py train ...` in a session of its own (so a kill reaches every rank)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _torchrun(runs_dir, name, args=ARGS):
+    """`torchrun --nproc-per-node 2 run.py ARGS` in a session of its own (so a kill reaches every rank),
+    its stderr in runs_dir/<name>.stderr (a file, not a pipe: a full pipe would stall the run)."""
+    env, err = {**os.environ, "OMP_NUM_THREADS": "1"}, open(runs_dir / f"{name}.stderr", "w")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-addr", "127.0.0.1", "--master-port", str(_port()), "run.py", *ARGS,
+                             "--master-addr", "127.0.0.1", "--master-port", str(_port()), "run.py", *args,
                              "--runs-dir", str(runs_dir), "--name", name],
-                            cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+
+
+def _kill_every_process_of(run_dir):
+    """SIGKILL every process whose command line names `run_dir`'s parent and name: torchrun's agent and
+    its ranks (which it may start in sessions of their own), as a machine failure would."""
+    want, killed = [str(run_dir.parent), run_dir.name], []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in args]
+        if all(w in words for w in want) and int(pid) != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+    deadline = time.time() + 30                          # gone, and their locks with them, before a rerun
+    while any(map(_running, killed)) and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def _running(pid):
+    """Whether process `pid` still runs (a zombie has released everything it held)."""
+    try:
+        return "State:\tZ" not in open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+
+
+def _one(runs_dir, name, args=ARGS):
+    """`python run.py ARGS` on one torch thread, started beside the ranks (its startup overlaps theirs);
+    its stderr in runs_dir/<name>.stderr."""
+    err = open(runs_dir / f"{name}.stderr", "w")
+    return subprocess.Popen([sys.executable, "run.py", *args, "--runs-dir", str(runs_dir), "--name", name], cwd=HERE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def test_two_ranks_killed_and_resumed_end_with_the_single_process_adapter(tmp_path):
-    run.main([*ARGS, "--runs-dir", str(tmp_path), "--name", "single"])
+    single = _one(tmp_path, "single")
     p = _torchrun(tmp_path, "two")
     ckpt = tmp_path / "two" / "checkpoint" / "state.safetensors"
     deadline = time.time() + 120
     while not ckpt.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL)                    # every rank, mid-training
+    _kill_every_process_of(tmp_path / "two")             # torchrun and every rank, mid-training
     p.wait()
     assert ckpt.exists() and not (tmp_path / "two" / "shield_done.json").exists()
     p = _torchrun(tmp_path, "two")
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err[-2000:]
+    err = (tmp_path / "two.stderr").read_text() if p.wait(timeout=300) == 0 else ""
+    assert p.returncode == 0, (tmp_path / "two.stderr").read_text()[-2000:]
     assert "resuming at epoch" in err
+    assert single.wait(timeout=300) == 0, (tmp_path / "single.stderr").read_text()[-2000:]
     a = load_file(tmp_path / "single" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "two" / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     logged = [line for line in open(tmp_path / "two" / "train_log.jsonl") if '"event": "train"' in line]
     single = [line for line in open(tmp_path / "single" / "train_log.jsonl") if '"event": "train"' in line]
-    assert len(logged) == len(single) == 16                    # each step logged once, by rank 0
+    assert len(logged) == len(single) == 8                     # each step logged once, by rank 0
     assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "single"))
 
 
@@ -67,3 +105,17 @@ def test_each_rank_takes_every_other_example_of_a_window(monkeypatch, pos, rank,
     monkeypatch.setattr(parallel, "world", lambda: 2)
     monkeypatch.setattr(parallel, "rank", lambda: rank)
     assert parallel.mine(pos, 4 if pos >= 4 else 0) is mine
+
+
+def test_rerank_eval_sharded_over_two_ranks_writes_one_processs_records(demo_run, tmp_path):
+    """Each rank scores whole queries of its share; the records equal one process's byte for byte (both on
+    one torch thread: the threads' count changes float sums)."""
+    shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
+    for name in ("one", "two"):
+        shutil.copytree(demo_run, tmp_path / name, ignore=shutil.ignore_patterns("scores_*", "rerank-*"))
+    args = ["rerank-eval", "--reranker", "base", "--reranker", "shield"]
+    one, p = _one(tmp_path, "one", args), _torchrun(tmp_path, "two", args)
+    assert p.wait(timeout=300) == 0, (tmp_path / "two.stderr").read_text()[-2000:]
+    assert one.wait(timeout=300) == 0, (tmp_path / "one.stderr").read_text()[-2000:]
+    for f in ("results/rerank-base.jsonl", "results/rerank-shield.jsonl", "summary.json"):
+        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
