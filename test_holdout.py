@@ -14,9 +14,14 @@ def argv(out, *extra):
             "--families", "AutoGEO", "--max-test-groups", "4", "--n-boot", "200", *extra]
 
 
+# the LLM stage on a TFSG schedule the folds' fewer construction instances fill
+LLM_STAGE = ["--llm-stage", "--n-seed-cases", "2", "--batch-size", "3", "--n-batches", "1"]
+
+
 @pytest.fixture(scope="module")
 def held(tmp_path_factory):
-    """holdout of AutoGEO on the bundled sample -> (run folder, summary, {fold: methods it trained on})."""
+    """holdout of AutoGEO on the bundled sample, its LLM stage too -> (run folder, summary, {fold: methods it
+    trained on})."""
     out = tmp_path_factory.mktemp("holdout")
     trained, real = {}, train.prepare_triples
 
@@ -25,7 +30,7 @@ def held(tmp_path_factory):
         return real(cfg, rr, cons, inst)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train, "prepare_triples", spy)
-        s = run.main(argv(out))
+        s = run.main(argv(out, *LLM_STAGE))
     return out / "h", s, trained
 
 
@@ -72,10 +77,10 @@ def test_a_rerun_resumes_to_the_same_files_and_a_changed_setting_is_refused(held
     files = [run_dir / "holdout" / n for n in ("summary.json", "report.md", "figures/holdout.svg")]
     before = [f.read_bytes() for f in files]
     monkeypatch.setattr(train, "prepare_triples", lambda *a: pytest.fail("a finished fold trained again"))
-    assert run.main(argv(run_dir.parent)) == s
+    assert run.main(argv(run_dir.parent, *LLM_STAGE)) == s
     assert [f.read_bytes() for f in files] == before
     with pytest.raises(SystemExit, match=r"config.json: this run was made with different lr .*Use a new --name"):
-        run.main(argv(run_dir.parent, "--lr", "0.5"))
+        run.main(argv(run_dir.parent, *LLM_STAGE, "--lr", "0.5"))
 
 
 def test_a_holdout_dry_run_writes_nothing_and_a_family_without_construction_instances_is_refused(tmp_path):
@@ -88,14 +93,13 @@ def test_a_holdout_dry_run_writes_nothing_and_a_family_without_construction_inst
         run.main(argv(tmp_path, "--families", "GEO"))
 
 
-def test_the_llm_stage_builds_each_folds_library_and_measures_asr_end_to_end(tmp_path):
+def test_the_llm_stage_builds_each_folds_library_and_measures_asr_end_to_end(held, tmp_path):
     """--llm-stage: each fold also builds its TFSG library on its trained families and evaluates Shield only
     and GEO Defender (eval's records in the fold); the ASR table is those records'. A schedule the folds'
     fewer construction instances cannot fill is refused before any training."""
-    extra = ["--llm-stage", "--n-seed-cases", "2", "--batch-size", "3", "--n-batches", "1", "--max-test-groups", "2"]
-    s = run.main(argv(tmp_path, *extra))
+    run_dir, s, _ = held
     (row,) = s["folds"]
-    h = tmp_path / "h" / "holdout"
+    h = run_dir / "holdout"
     for fold in ("without-AutoGEO", "all"):
         assert (h / fold / "library" / "E2.json").is_file()
     for cond, slug in (("Shield only", "shield_only"), ("GEO Defender", "geo_defender")):
@@ -106,7 +110,7 @@ def test_the_llm_stage_builds_each_folds_library_and_measures_asr_end_to_end(tmp
         assert row["asr"][cond]["seen"] == pytest.approx(asr(recs["all"], ["AutoGEO"]))
         assert row["asr"][cond]["trained"] == pytest.approx(asr(recs["without-AutoGEO"], ["AgenticGEO", "MAGEO"]))
     assert "ASR (%) end to end" in (h / "report.md").read_text()
-    plan = run.main(argv(tmp_path, *extra, "--dry-run"))
+    plan = run.main(argv(tmp_path, *LLM_STAGE, "--dry-run"))
     assert plan["folds"]["all"]["train"]["target answers"]["requests"] >= 0 and "llm_requests" not in plan
     with pytest.raises(SystemExit, match=r"construction instances fill .* update batches"):
         run.main(argv(tmp_path, "--llm-stage", "--name", "big"))
