@@ -125,9 +125,11 @@ def parse_repair(data, n):
 
 
 def edit_share(before, after):
-    """Share of words changed between two texts: 1 - difflib's matching ratio over their word lists."""
+    """Words a rewrite changes, as a share of `before`'s words: over difflib's word-level edit script, each
+    replaced, deleted or inserted run counts its longer side (an insertion of 80 words into 100 is 0.8)."""
     a, b = before.split(), after.split()
-    return 1.0 - difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return sum(max(i2 - i1, j2 - j1) for op, i1, i2, j1, j2 in ops if op != "equal") / max(1, len(a))
 
 
 def parse_rewrites(data, n):
@@ -141,7 +143,7 @@ def parse_rewrites(data, n):
 def cheap_gate(source, candidate):
     """None if the candidate may go to the fidelity judge, else the reason it is rejected (the
     families' cheap checks, the attacker's instruction counted as prompt text)."""
-    return geo_attacks.cheap_gate(source, candidate, (ATTACKER_INSTRUCTION[:60],))
+    return geo_attacks.cheap_gate(source, candidate, (ATTACKER_INSTRUCTION[:60], REPAIR_INSTRUCTION[:60]))
 
 
 def best_of(cands, budget):

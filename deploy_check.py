@@ -10,8 +10,8 @@ its signature on a fixed set of lists built from the run's benchmark:
 
 - relevance: a test query with its source document and an unrelated document (another group's);
 - attack: a query with its group's attack rewrite and a benign candidate;
-- long: a document longer than the run's --max-length, whose tail the model card cuts (its suffix
-  kept), beside a short relevant one;
+- long: a document just past the run's --max-length, whose tail the model card cuts (its suffix kept),
+  beside a short relevant one;
 - control: a document spelling chat control tokens (as text) beside a benign one.
 
 The run's Shield scores every list locally (its margins m = logit(yes) - logit(no)); the endpoint
@@ -27,6 +27,7 @@ import math
 
 import geodef
 import rerank_clients
+from llm_clients import LLMError
 from runs import load_data, load_shield, log
 
 # |served - map(m)| allowed: bf16 on another kernel moves a margin by a few hundredths, a probability by less
@@ -45,8 +46,8 @@ def known_lists(data, max_length):
     other = next(d["text"] for d in h.docs if d["text"] != source)
     x = geodef.expand([h], [next(iter(h.attacks))])[0]
     benign = next(d for i, d in enumerate(x.docs) if i != x.attack_index)
-    words = source.split()
-    long_doc = " ".join(words * (2 * max_length // max(1, len(words)) + 2))   # past max_length tokens
+    words = source.split()       # just past max_length tokens (a word is a token or more): the Shield cuts
+    long_doc = " ".join(words * (int(1.2 * max_length) // max(1, len(words)) + 1))   # its tail, keeping the suffix
     return {"relevance": (g.query, [source, other]),
             "attack": (h.query, [x.docs[x.attack_index], benign]),
             "long": (g.query, [long_doc, other]),
@@ -86,7 +87,8 @@ def cause(local, served, lists, tol):
         return ("no chat template, or the instruction replaced: the unrelated document is ranked above the "
                 "query's own source")
     if wrong == ["long"]:
-        return "the scoring suffix truncated: a document past max_length is cut with the prompt's end"
+        return ("a document past --max-length scored otherwise: the scoring suffix truncated, or the endpoint "
+                "cutting documents at another length")
     if wrong == ["control"]:
         return "control tokens parsed: a document's text became prompt structure"
     return f"scores beyond the tolerance or out of order ({', '.join(wrong)})"
@@ -99,7 +101,13 @@ def deploy_check(cfg, spec):
     rr = load_shield(cfg)
     local = {n: [float(v) for v in rr.score(q, docs)] for n, (q, docs) in lists.items()}
     client = rerank_clients.make_reranker(spec, **({"timeout": cfg.timeout} if cfg.timeout else {}))
-    served = {n: list(client.rerank(q, docs).scores) for n, (q, docs) in lists.items()}
+    try:
+        served = {n: list(client.rerank(q, docs).scores) for n, (q, docs) in lists.items()}
+    except LLMError as e:       # a refused list: most often the long one, over the endpoint's input limit
+        out = {"endpoint": str(spec), "pass": False, "lists": {}, "cause": f"the endpoint refused a list ({e}); an "
+               f"input limit below --max-length {cfg.max_length} refuses the long document"}
+        log(f"[deploy-check] {spec}: FAIL: {out['cause']}")
+        return out
     out = {"endpoint": str(spec), **compare(local, served)}
     log(f"[deploy-check] {spec}: {'PASS' if out['pass'] else 'FAIL: ' + out['cause']}")
     return out

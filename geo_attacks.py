@@ -598,6 +598,15 @@ IF_REVISE = (f"{IF_GOAL} Revise the document by carrying out every directive of 
              "nothing, use Markdown, and change the tone only where the blueprint asks.")
 
 
+def percent(scored):
+    """[(item, score)] asked on 0-100 -> the same, read as fractions when every score of the reply is at
+    most 1 (a model answering the "probability" key on 0-1): scaled to 0-100, so tau filters what the
+    paper's scale means."""
+    if scored and all(s <= 1 for _, s in scored):
+        return [(x, 100.0 * s) for x, s in scored]
+    return scored
+
+
 def priority(weight, necessity):
     """IF-GEO's global priority of a request (§4.3.1, Eq. 5): its latent query's weight times its necessity,
     each read on 0-100 and scaled to 0-1, the scale on which §5.4's tau = 0.7 is a threshold (App. C
@@ -615,7 +624,8 @@ class IfGeo:
     - requests whose priority (weight x necessity, each scaled to 0-1) is under tau = 0.7 (§5.4's
       default for §4.3.1's filter) are dropped in code, and priorities order the rest; a document left
       with no request is not rewritten (the family is refused on its group). App. B's "necessity under
-      60" is a sentence of its dedup prompt, implied here by tau (w <= 1 needs s >= 70);
+      60" is a sentence of its dedup prompt, implied here by tau (w <= 1 needs s >= 70); a reply whose
+      scores are all at most 1 is read as fractions (percent): the scale the prompt asks for is 0-100;
     - the builder's LLM at the run's temperature (the paper: GPT-4o-mini at 0.2);
     - the facts are kept (the paper's directives may add content)."""
     name, code, calls = "IF-GEO", "F6", IF_QUERIES + 5
@@ -628,8 +638,9 @@ class IfGeo:
         docs = {i: {"document": j.source, **attempt_of(j)} for i, j in enumerate(jobs)}
         mined = ctx.ask(self, "mine", IF_MINE, docs,
                         '{"queries": [{"query": "...", "probability": 0}]}', needs("queries", list))
-        latent = {i: [(q["query"], number(q.get("probability"), 0, 100, 0)) for q in d["queries"]
-                      if isinstance(q, dict) and isinstance(q.get("query"), str) and q["query"].strip()][:IF_QUERIES]
+        latent = {i: percent([(q["query"], number(q.get("probability"), 0, 100, 0)) for q in d["queries"]
+                              if isinstance(q, dict) and isinstance(q.get("query"), str)
+                              and q["query"].strip()][:IF_QUERIES])
                   for i, d in mined.items()}
         asks = {(i, k): {"document": jobs[i].source, "latent_query": q, **attempt_of(jobs[i])}
                 for i, qs in latent.items() for k, (q, _) in enumerate(qs)}
@@ -638,9 +649,12 @@ class IfGeo:
                       needs("suggestions", list))
         pool = {i: [] for i in latent}
         for (i, k), d in sorted(got.items()):
-            for j, s in enumerate(d["suggestions"][:IF_SUGGESTIONS]):
+            asked = [s for s in d["suggestions"][:IF_SUGGESTIONS]]
+            needs_ = dict(percent([(j, number(s.get("necessity"), 0, 100, 0)) for j, s in enumerate(asked)
+                                   if isinstance(s, dict)]))
+            for j, s in enumerate(asked):
                 if isinstance(s, dict) and isinstance(s.get("suggestion"), str) and s["suggestion"].strip():
-                    need = number(s.get("necessity"), 0, 100, 0)
+                    need = needs_[j]
                     if priority(latent[i][k][1], need) >= IF_PRIORITY:      # its id: latent query k, suggestion j
                         pool[i].append({"id": f"query{k + 1}-suggestion{j + 1}", "latent_query": latent[i][k][0],
                                         "excerpt": str(s.get("excerpt") or ""), "suggestion": s["suggestion"],

@@ -295,7 +295,7 @@ def check_settings(cfg):
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
             "unaware", "restart", "judge", "max_tokens")
     now = {k: getattr(cfg, k) for k in keys}
-    if cfg.algorithm != "mageo" or cfg.test_algorithm:     # recorded when not MAGEO's loop on both sides
+    if cfg.algorithm != "mageo" or (cfg.test_algorithm or cfg.algorithm) != "mageo":   # not MAGEO's on both sides
         now.update(algorithm=cfg.algorithm, test_algorithm=cfg.test_algorithm or cfg.algorithm)
     path = os.path.join(cfg.run_dir, "harden", "settings.json")
     old = read_json(path)

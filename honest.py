@@ -29,9 +29,10 @@ HONEST_AUTHORITY = ("according to", "expert", "experts", "studies show", "resear
 HONEST_PROMOTION = ("renowned", "leading", "authoritative", "definitive", "trusted", "best", "ultimate", "unmatched",
                     "world-class", "must-read", "the only", "exclusive")
 HONEST_BANNED = HONEST_AUTHORITY + HONEST_PROMOTION
-# a sentence about the page itself: "this guide", "our article", "here you", "we ..."
-SELF = re.compile(r"(?i)\b(?:this|our|these)\s+(?:guide|article|page|post|resource|site|website|document|overview|"
-                  r"explainer|tutorial|list|review)s?\b|\b(?:we|us|here you)\b")
+# a sentence about the page itself: "this guide", "this is the definitive resource", "our article", "we ...",
+# "here you ..."; "us" only in lower case ("the US" is a country)
+SELF = re.compile(r"(?i)\b(?:this|our|these)\b(?:\s+\w+){0,3}?\s+(?:guide|article|page|post|resource|site|website|"
+                  r"document|overview|explainer|tutorial|list|review)s?\b|\b(?:we|here you)\b|(?-i:\bus\b)")
 QUOTED = re.compile(r"[\"\u201c\u201d]([^\"\u201c\u201d\n]{3,}?)[\"\u201c\u201d]")
 LETTERS = re.compile(r"[^\W\d_]+")
 HEADING = re.compile(r"^\s*#{1,6}\s")
@@ -61,11 +62,12 @@ def _says(text, phrase):
 
 def attributed_to_the_source(source, text):
     """Whether every "according to" of `text` is followed by a name (capitalised words, after an optional
-    "the") that the source holds word for word: the page's own attribution, reworded."""
-    have = f" {' '.join(LETTERS.findall(source.lower()))} "
+    "the") that the source holds word for word, capitals included ("WHO" is not the word "who"): the page's
+    own attribution, reworded."""
+    have = f" {' '.join(LETTERS.findall(source))} "
     for m in re.finditer(r"(?i)(?<![\w-])according to\s+(?:the\s+)?", text):
         name = re.match(r"(?:[A-Z][^\W\d_]*[ \t]*)+", text[m.end():])
-        if not name or f" {' '.join(LETTERS.findall(name.group(0).lower()))} " not in have:
+        if not name or f" {' '.join(LETTERS.findall(name.group(0)))} " not in have:
             return False
     return True
 

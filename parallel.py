@@ -4,24 +4,32 @@ share of every accumulation window's examples, the LoRA gradients summed over th
 clip and the step, so every rank takes the single-process step. A plain `python run.py` has no
 WORLD_SIZE and runs as one rank: every function here is then a no-op.
 
-Usage: parallel.init("cpu"); mine = parallel.mine(i, window_start); ...; parallel.sum_grads(params)
+Usage: device = parallel.init("cpu"); mine = parallel.mine(i, window_start); ...; parallel.sum_grads(params)
 """
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
 
+# how long a rank waits in a collective while rank 0 works alone (loads or downloads the model first,
+# scores a remote reranker): torch's default, 10 minutes, would end a first run that downloads 0.6B weights
+TIMEOUT = datetime.timedelta(hours=2)
+
+
 def init(device):
-    """Join torchrun's process group when WORLD_SIZE > 1 (once): nccl for a CUDA device (each rank on
-    its LOCAL_RANK's GPU), gloo on the CPU. -> the world size."""
+    """Join torchrun's process group when WORLD_SIZE > 1 (once): nccl for a CUDA device, gloo on the CPU.
+    -> the device this rank computes on: under torchrun with CUDA its LOCAL_RANK's GPU (whatever index
+    `device` names: every rank on one GPU would fail), else `device`."""
     n = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = str(device).startswith("cuda")
+    if n > 1 and cuda:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
     if n > 1 and not dist.is_initialized():
-        cuda = str(device).startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return n
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    return device
 
 
 def world():

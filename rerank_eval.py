@@ -116,9 +116,12 @@ def rerank_stage(cfg, data, items, stage="rerank-eval"):
     -> {label: summary block}."""
     insts, cleans, honest = stage_lists(data)
     by_label = rankers.make_rankers(cfg, items, stage)
-    for rk in by_label.values():
-        rk.prepare(insts + list(cleans.values()) + honest, shard=True)
+    local = [label for label, spec in items if spec.kind in rankers.LOCAL]
+    for label in local:                      # the ranks' shared work first: no rank waits on an endpoint
+        by_label[label].prepare(insts + list(cleans.values()) + honest, shard=True)
     parallel.finish()                        # under torchrun: the ranks' scoring is over, rank 0 goes on
+    for label in (label for label, _ in items if label not in local):
+        by_label[label].prepare(insts + list(cleans.values()) + honest)
     base = next((by_label[lb] for lb, spec in items if spec.kind == "base"), None)
     res = os.path.join(cfg.run_dir, "results")
     out = {}

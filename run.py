@@ -19,6 +19,7 @@ command needs before its first expensive step, and dispatches.
 """
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -425,7 +426,7 @@ def cmd_rerank_eval(args):
     items = rankers.check_specs(cfg.reranker)
     if any(spec.kind == "shield" for _, spec in items):
         need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")
-    parallel.init(cfg.device)
+    cfg = dataclasses.replace(cfg, device=parallel.init(cfg.device))
     if not parallel.is_main():               # under torchrun: this rank's share of the scores, nothing written
         return rerank_eval.score_share(cfg, load_data(cfg), items)
     with run_lock(cfg.run_dir):
@@ -560,7 +561,7 @@ def cmd_train(args):
     check_record(cfg)     # every check the command runs, the dry run runs too
     if args.dry_run:
         return show(plan_train(cfg))
-    parallel.init(cfg.device)
+    cfg = dataclasses.replace(cfg, device=parallel.init(cfg.device))      # under torchrun: this rank's GPU
     if not parallel.is_main():
         return train_shield(cfg, resume=not args.no_resume) if args.stage in ("all", "shield") else None
     with offline_engine(cfg, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):

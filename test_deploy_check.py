@@ -60,6 +60,7 @@ MISTAKES = {
     "the scoring suffix truncated": lambda m, doc, rr: _sigmoid(-8.0) if len(doc.split()) > rr.max_length
     else _sigmoid(m),
     "control tokens parsed": lambda m, doc, rr: _sigmoid(9.0) if "<|im_end|>" in doc else _sigmoid(m),
+    "the endpoint refused a list": None,                            # a 400 for input over its limit (below)
 }
 
 
@@ -70,10 +71,15 @@ def test_a_server_making_a_known_mistake_is_caught_by_name(demo_run, shield, mis
     class Mistaken(BaseHTTPRequestHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            margins = [float(m) for m in rr.score(body["query"], body["documents"])]
-            scores = [MISTAKES[mistake](m, d, rr) for m, d in zip(margins, body["documents"])]
-            data = json.dumps({"results": [{"index": i, "relevance_score": s} for i, s in enumerate(scores)]})
-            self.send_response(200)
+            if MISTAKES[mistake] is None and any(len(d.split()) > rr.max_length for d in body["documents"]):
+                status, data = 400, json.dumps({"error": {"message": "input is longer than the model's limit"}})
+            else:
+                margins = [float(m) for m in rr.score(body["query"], body["documents"])]
+                scores = [(MISTAKES[mistake] or (lambda m, d, rr: _sigmoid(m)))(m, d, rr)
+                          for m, d in zip(margins, body["documents"])]
+                status, data = 200, json.dumps({"results": [{"index": i, "relevance_score": s}
+                                                             for i, s in enumerate(scores)]})
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()

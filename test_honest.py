@@ -41,10 +41,18 @@ SOURCE = ("Canberra was chosen in 1908 as a compromise between Sydney and Melbou
     (SOURCE + " The best way to arrive is by train.", None),
     (SOURCE.replace("Sydney and", "Sydney and, according to the Parliament,"), None),
     ("## What UNESCO Says\n\n" + SOURCE, "adds names ['UNESCO']"),     # a heading's acronym is still a new name
+    (SOURCE + " This is the definitive resource on it.", "adds authority or promotional wording ['definitive']"),
 ])
 def test_the_honest_gate_refuses_what_geo_adds(edit, why):
     assert honest.honest_refusal(SOURCE, edit) == why
 
+
+def test_an_attribution_passes_only_to_a_name_the_source_holds_capitals_included_and_us_is_not_the_us():
+    assert honest.attributed_to_the_source("The WHO says so.", "According to the WHO, it is so.")
+    assert not honest.attributed_to_the_source("Ask anyone who knows.", "According to WHO, it is so.")
+    assert not honest.attributed_to_the_source("The WHO says so.", "According to research, it is so.")
+    us = SOURCE + " It lies far from the US."                              # "US", the country, is no "us"
+    assert honest.honest_refusal(us, us + " The leading capitals in the US differ.") is None
 
 def test_the_offline_honest_editor_passes_its_gate_on_every_sample_source():
     for line in open(SAMPLE, encoding="utf-8").read().splitlines()[1:]:

@@ -119,7 +119,7 @@ def fit(cfg, rr, opt, params, triples, ids, s0, state, on_step, on_epoch):
     cfg.epochs: per example forward and loss, backward scaled to the mean over the accumulated
     examples, then clip, step and log every grad_accum examples (on_step(record)), and on_epoch()
     after each epoch. Each epoch's order comes from the seed alone, so a resumed run redoes exactly
-    the examples it lost. Under torchrun each rank runs every other example of a window
+    the examples it lost. Under torchrun each of N ranks runs every N-th example of a window
     (parallel.mine) and the window's gradients are summed over the ranks before the clip, so each rank
     takes the single-process step (float32 sums in another order: equal within rounding).
     Deviation: LoRA dropout masks are drawn from each rank's own generator, so with dropout > 0 a
