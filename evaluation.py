@@ -198,6 +198,35 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge=None, b
     return [done[x.instance_id] for x in insts]
 
 
+def deployed_conditions(cfg, plan, deployed, local, others):
+    """eval --reranker: the Non-Defense and TFSG only pipelines on each deployed reranker's top-k ->
+    {"Non-Defense [LABEL]": Condition, ...}. local: the base and shield Rankers by kind; others: the
+    endpoints' by label."""
+    out = {}
+    for label, spec in deployed:
+        rk = local.get(spec.kind) or others[label]
+        topk_of = lambda x, rk=rk: rk.order(x)[:cfg.k]
+        out.update({f"{c} [{label}]": Condition(topk_of, plan[c].pipeline) for c in ("Non-Defense", "TFSG only")})
+    return out
+
+
+def answer_conditions(cfg, conds, insts, plan, condition):
+    """Every condition's records (`condition`: evaluate's, into results/) -> ({condition: records},
+    {condition: [the records of sample i] for i in 1..N-1}): eval --samples N repeats each in
+    results/<slug>.s<i>.jsonl; every figure but the tables' reads sample 0."""
+    results = {c: condition(c, insts, plan[c], condition_slug(c)) for c in conds}
+    repeats = {c: [condition(c, insts, plan[c], f"{condition_slug(c)}.s{i}", sample=i) for i in range(1, cfg.samples)]
+               for c in conds}
+    return results, repeats
+
+
+def bench_labels(cfg, meta):
+    """What the summary says of the benchmark beyond the figures: the roles the target or judge shares
+    with its construction (--allow-shared-roles) and the groups each family was refused on."""
+    out = {"shared_roles": shared_roles(cfg), "family_drops": meta.raw.get("family_drops")}
+    return {k: v for k, v in out.items() if v}
+
+
 def sample_summary(by_condition, conds, n_boot, seed):
     """eval --samples N: per condition its ASR over every sample, each sample's ASR, and two 95% CIs: the
     two-level bootstrap (query groups, then samples within each: metrics.two_level_bootstrap_ci) and the
@@ -381,17 +410,8 @@ def evaluate(cfg):
     clean_recs = condition("clean reference", cleans, clean_reference(cfg, base), "clean_reference")
     clean = {r["group_id"]: r for r in clean_recs}
     plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
-    for label, spec in deployed:     # the Non-Defense and TFSG only pipelines on a deployed reranker's top-k
-        rk = local.get(spec.kind) or others[label]
-        topk_of = lambda x, rk=rk: rk.order(x)[:cfg.k]
-        plan[f"Non-Defense [{label}]"] = Condition(topk_of, plan["Non-Defense"].pipeline)
-        plan[f"TFSG only [{label}]"] = Condition(topk_of, plan["TFSG only"].pipeline)
-    results, repeats = {}, {}
-    for c in conds:
-        results[c] = condition(c, insts, plan[c], condition_slug(c))
-        # eval --samples N: samples 1..N-1 in results/<slug>.s<i>.jsonl; every other figure reads sample 0
-        repeats[c] = [condition(c, insts, plan[c], f"{condition_slug(c)}.s{i}", sample=i)
-                      for i in range(1, cfg.samples)]
+    plan.update(deployed_conditions(cfg, plan, deployed, local, others))
+    results, repeats = answer_conditions(cfg, conds, insts, plan, condition)
     honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
     every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
     summary = {"offline": is_offline(cfg), "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
@@ -402,8 +422,7 @@ def evaluate(cfg):
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
-    summary.update({"shared_roles": shared} if (shared := shared_roles(cfg)) else {})   # --allow-shared-roles
-    summary.update({"family_drops": meta.raw["family_drops"]} if meta.raw.get("family_drops") else {})
+    summary.update(bench_labels(cfg, meta))
     if cfg.samples > 1:
         summary["samples"] = sample_summary([[results[c], *repeats[c]] for c in conds], conds, cfg.n_boot, cfg.seed)
     if "Non-Defense" in conds:

@@ -86,15 +86,15 @@ def folds(cfg, data):
 LLM_CONDITIONS = ("Shield only", "GEO Defender")      # --llm-stage: the fold's defense end to end
 
 
-def run_fold(fcfg, llm_stage=False):
+def run_fold(fcfg, data, llm_stage=False):
     """Train the fold's Shield (resumable) and score the test split with it and the base; with llm_stage
     also build its TFSG library (train_tfsg) and evaluate LLM_CONDITIONS (evaluation.evaluate) -> {label:
     [instance records]}: rerank_eval.instance_record's under "base" and "shield", eval's under each
-    condition."""
+    condition. data: the run's benchmark (load_data), read once for every fold."""
     record_or_check(fcfg, "holdout")
     train_shield(fcfg)
     items = parse_rerankers(["base", "shield"])
-    rerank_eval.rerank_stage(fcfg, load_data(fcfg), items, stage="holdout")
+    rerank_eval.rerank_stage(fcfg, data._replace(seen=fcfg.seen_methods.split(",")), items, stage="holdout")
     res = os.path.join(fcfg.run_dir, "results")
     out = {label: [r for _, r in read_jsonl(os.path.join(res, f"rerank-{label}.jsonl"))] for label, _ in items}
     if llm_stage:
@@ -105,9 +105,10 @@ def run_fold(fcfg, llm_stage=False):
     return out
 
 
-def exposure(recs, methods):
-    """Exposure@k (%) over the records of `methods` (None when there are none)."""
-    rs = [r["exposed"] for r in recs if r["method"] in methods]
+def rate(recs, methods, key="exposed"):
+    """The % of the records of `methods` whose `key` holds (None when there are none): exposure@k of the
+    rerank records ("exposed"), ASR of eval's ("attack_cited")."""
+    rs = [r[key] for r in recs if r["method"] in methods]
     return 100.0 * sum(rs) / len(rs) if rs else None
 
 
@@ -135,12 +136,6 @@ def by_group(recs, methods, base=None, key="exposed"):
     return out
 
 
-def cited(recs, methods):
-    """ASR (%) over eval records of `methods` (None when there are none)."""
-    rs = [r["attack_cited"] for r in recs if r["method"] in methods]
-    return 100.0 * sum(rs) / len(rs) if rs else None
-
-
 def fold_row(cfg, family, trained, recs, ref):
     """One held-out family's row of the table (see the module docstring)."""
     base, shield = recs["base"], recs["shield"]
@@ -149,15 +144,15 @@ def fold_row(cfg, family, trained, recs, ref):
         rs = [r for r in shield if r["method"] in ms]
         ci = metrics.cluster_bootstrap_ci([100.0 * r["exposed"] for r in rs], [r["group_id"] for r in rs],
                                           n_boot=cfg.n_boot, seed=cfg.seed) if rs else None
-        row[name] = {"instances": len(rs), "base_exposure": exposure(base, ms),
-                     "shield_exposure": exposure(shield, ms), "shield_exposure_ci": list(ci) if ci else None}
-    row["seen_exposure"] = exposure(ref["shield"], [family])
+        row[name] = {"instances": len(rs), "base_exposure": rate(base, ms),
+                     "shield_exposure": rate(shield, ms), "shield_exposure_ci": list(ci) if ci else None}
+    row["seen_exposure"] = rate(ref["shield"], [family])
     row["gap_vs_seen"] = paired_gap(cfg, by_group(shield, [family]), by_group(ref["shield"], [family]))
     row["gap_vs_trained"] = paired_gap(cfg, by_group(shield, trained, base), by_group(shield, [family], base))
     for c in (c for c in LLM_CONDITIONS if c in recs):        # --llm-stage: ASR end to end
         row.setdefault("asr", {})[c] = {
-            "held_out": cited(recs[c], [family]), "trained": cited(recs[c], trained),
-            "seen": cited(ref[c], [family]),
+            "held_out": rate(recs[c], [family], "attack_cited"), "trained": rate(recs[c], trained, "attack_cited"),
+            "seen": rate(ref[c], [family], "attack_cited"),
             "gap_vs_seen": paired_gap(cfg, by_group(recs[c], [family], key="attack_cited"),
                                       by_group(ref[c], [family], key="attack_cited"))}
     return row
@@ -171,15 +166,15 @@ def holdout(cfg):
     for name, family, fcfg in plan:
         log(f"[holdout] fold {name}: the Shield{' and library' if cfg.llm_stage else ''} trained on "
             f"{fcfg.seen_methods}")
-        recs[name] = run_fold(fcfg, cfg.llm_stage)
+        recs[name] = run_fold(fcfg, data, cfg.llm_stage)
     ref = recs[ALL]
     rows = [fold_row(cfg, family, fcfg.seen_methods.split(","), recs[name], ref)
             for name, family, fcfg in plan if family is not None]
     unseen = [m for m in data.methods if m not in data.meta.construction()]
     summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
                "test_groups": len(data.test), "folds": rows,
-               "never_trained": {m: exposure(ref["shield"], [m]) for m in unseen},
-               "all_families_exposure": exposure(ref["shield"], data.meta.construction()),
+               "never_trained": {m: rate(ref["shield"], [m]) for m in unseen},
+               "all_families_exposure": rate(ref["shield"], data.meta.construction()),
                "notes": offline_notes(cfg, data.meta)}
     out = os.path.join(cfg.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
