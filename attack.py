@@ -51,8 +51,8 @@ import tfsg
 from evaluation import (INJECTION_DEFENSES, clean_reference, condition_plan, condition_slug, estimate, eval_condition,
                         price_plan, summarize)
 from rankers import load_rankers, order_of
-from runs import (atomic_write, changed_settings, library_path, load_data, log, make_llm, read_json, run_usage,
-                  SettingsError, tfsg_limits, write_json, write_summary)
+from runs import (atomic_write, changed_settings, library_path, log, read_json, SettingsError, tfsg_limits, write_json,
+                  write_summary)
 
 CONDITIONS = ("Non-Defense", "Shield only", "TFSG only", "GEO Defender", *INJECTION_DEFENSES)  # those on base top-k
 ATTACKER_INSTRUCTION = (
@@ -293,9 +293,11 @@ def plan_calls(n_inst, budget, per_round, rounds, n_budgets, k, reasks=1):
             "pre_step_calls": evals * pre * k, "asi_judge_calls": evals * len(CONDITIONS) * ask}
 
 
-def dry_run(cfg, insts, budgets, per_round, rounds):
+def dry_run(run, budgets, rounds):
     """What `attack` would send, without sending anything: upper bounds per stage, prompt tokens
     estimated at 4 characters a token, and the price with --prices."""
+    cfg, per_round = run.cfg, run.cfg.candidates_per_round
+    insts = geodef.expand(run.data.test, run.data.methods)
     calls = plan_calls(len(insts), max(budgets), per_round, rounds, len(budgets), cfg.k)
     doc = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))      # characters of a rewrite
     ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in insts) / max(1, len(insts))    # ... of a top-k context
@@ -305,8 +307,8 @@ def dry_run(cfg, insts, budgets, per_round, rounds):
               "injection defenses' pre-steps": estimate(calls["pre_step_calls"], ctx / cfg.k + 1300, 150),
               "ASI judge": estimate(calls["asi_judge_calls"], doc + 2400, 80)}
     return {"instances": len(insts), "reranker_queries": calls["reranker_queries"], "stages": stages,
-            "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm),
-            "usd_at_most_batch_api": price_plan(cfg, stages, lambda s: cfg.llm, batch=True),
+            "usd_at_most": price_plan(run.prices, stages, lambda s: cfg.llm),
+            "usd_at_most_batch_api": price_plan(run.prices, stages, lambda s: cfg.llm, batch=True),
             "note": "upper bounds, JSON re-asks included; replies already cached cost nothing and are not "
                     "subtracted"}
 
@@ -324,10 +326,10 @@ def check_settings(cfg, key, settings, pin=False):
         write_json(path, {**old, key: settings})
 
 
-def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
+def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     """The attack at the largest budget, its records, and the end-to-end evaluation of every budget
     -> the summary block attack.<target>.<aware|unaware>."""
-    data = load_data(cfg)
+    cfg, data = run.cfg, run.data
     insts = geodef.expand(data.test, data.methods)        # each carries its clean source text (.source)
     budget = max(budgets)
     rounds = rounds or rounds_for(budget, per_round)
@@ -343,8 +345,8 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
     base, shield = load_rankers(cfg, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \
         rankers.make_rankers(cfg, [(label, spec)], "attack")[label]
-    attacker = make_llm(cfg, attacker_spec, stage="attack")
-    judge = make_llm(cfg, cfg.judge, stage="attack")          # the run's judge, default its target LLM
+    attacker = run.llm(attacker_spec, stage="attack")
+    judge = run.llm(cfg.judge, stage="attack")          # the run's judge, default its target LLM
     a = Attack(cfg, label, target, attacker, judge, rounds, per_round, budget, lib if aware else None,
                algorithm=cfg.algorithm)
     cands = a.run(insts)
@@ -357,8 +359,8 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
              "rounds": rounds, "per_round": per_round, "budgets": {},
              "gate": gate_counts(cands), "cost": {}}
     block.update({"algorithm": "repair"} if cfg.algorithm == "repair" else {})
-    llm, eval_judge = make_llm(cfg, stage="attack-eval"), (make_llm(cfg, cfg.judge, stage="attack-eval")
-                                                          if cfg.judge else None)
+    llm = run.llm(stage="attack-eval")
+    eval_judge = run.llm(cfg.judge, stage="attack-eval") if cfg.judge else llm
     ref = clean_reference(cfg, base)
     clean = {r["group_id"]: r for r in eval_condition(
         cfg, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk, ref.pipeline,
@@ -372,10 +374,10 @@ def run_attack(cfg, spec, budgets, rounds, per_round, attacker_spec, aware):
         block["budgets"][str(b)] = {"conditions": conds, "mean_target_rank": sum(ranks) / len(ranks)}
     block["cost"] = {"attacker": attacker.stats, "judge": judge.stats if judge is not attacker else None,
                      "reranker_queries": a.queries, "candidates": sum(map(len, cands.values())),
-                     "run_folder_usage": run_usage(cfg)["stages"].get("attack")}
+                     "run_folder_usage": run.usage()["stages"].get("attack")}
     attacks = read_json(os.path.join(cfg.run_dir, "summary.json"), {}).get("attack", {})
     attacks.setdefault(label, {})[mode] = block
-    summary = write_summary(cfg.run_dir, "attack", {"attack": attacks, "usage": run_usage(cfg)})
+    summary = write_summary(cfg.run_dir, "attack", {"attack": attacks, "usage": run.usage()})
     report.write_attack_report(cfg.run_dir, summary)
     log(f"[attack] wrote {res}/attack-{label}-{mode}.jsonl and summary.json's attack.{label}.{mode}")
     return block

@@ -51,7 +51,7 @@ import honest
 import llm_clients
 import offline_server
 from rankers import load_rankers
-from runs import atomic_write, log, make_llm, read_prices, SettingsError, usage_path
+from runs import atomic_write, log, SettingsError, usage_path
 
 REWRITE_TRIES = 2                 # attempts per family and group before the group is dropped
 MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped
@@ -515,16 +515,15 @@ def plan(cfg):
     return Plan(fams, seen, picked, order, dropped, corpus, archive, rules, cons)
 
 
-def dry_run(cfg):
+def dry_run(run):
     """What build-bench would send, without sending or writing anything: requests per family (at most,
     retries and JSON re-asks included), search requests, tokens estimated at 4 characters a token, and
     the price with --prices."""
-    p = plan(cfg)
+    cfg, p = run.cfg, plan(run.cfg)
     fams, cons, picked = p.families, p.construction, p.picked
     n_cons = sum(1 for _, s in picked if s == "construction")
     chars = sum(len(max((d["text"] for d in r["docs"]), key=len, default="")) for r, _ in picked) / max(1, len(picked))
-    prices = read_prices(cfg.prices) if cfg.prices else {}
-    price = prices.get(accounting.price_key(cfg.llm))
+    price = (run.prices or {}).get(accounting.price_key(cfg.llm))
     stages = {}
     for f in fams:
         n = len(picked) if f in cons else len(picked) - n_cons
@@ -549,16 +548,17 @@ def dry_run(cfg):
             "note": "upper bounds (gate retries and JSON re-asks included); cached replies cost nothing"}
 
 
-def build_bench(cfg, p=None):
-    """Build the benchmark file cfg.output (settings.BuildConfig; see the module docstring) -> (path,
+def build_bench(run, p=None):
+    """Build the benchmark file run.cfg.output (settings.BuildConfig; see the module docstring) -> (path,
     composition). `p`: the build's Plan when the caller has made it (run.py does, to serve the offline
     corpus)."""
+    cfg = run.cfg
     p = p or plan(cfg)
     fams, seen, cons = p.families, p.seen, p.construction
-    llm = make_llm(cfg, stage="build-bench")
-    judge = make_llm(cfg, cfg.fidelity_judge, stage="build-bench") if cfg.fidelity_judge else None
+    llm = run.llm(stage="build-bench")
+    judge = run.llm(cfg.fidelity_judge, stage="build-bench") if cfg.fidelity_judge else None
     search = SearchClient(cfg.search, os.path.join(cfg.run_dir, "cache", "search"), usage_path(cfg),
-                          timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=cfg.engine_url) if cfg.search else None
+                          timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=run.engine_url) if cfg.search else None
     groups, dropped = [], list(p.dropped)
     for row in p.order:                 # in the seeded order until --groups lists are complete
         if len(groups) == cfg.groups:

@@ -28,7 +28,7 @@ import math
 import geodef
 import rerank_clients
 from llm_clients import LLMError
-from runs import load_data, load_shield, log
+from runs import load_shield, log
 
 # |served - map(m)| allowed: bf16 on another kernel moves a margin by a few hundredths, a probability by less
 TOLERANCE = {"margin": 0.15, "sigmoid": 0.03}
@@ -94,10 +94,11 @@ def cause(local, served, lists, tol):
     return f"scores beyond the tolerance or out of order ({', '.join(wrong)})"
 
 
-def deploy_check(cfg, spec):
+def deploy_check(run, spec):
     """Score the known-answer lists with the run's Shield and with the endpoint `spec` (a rerank spec as
     rerank-eval takes it) -> the verdict of compare(), with the endpoint's spec."""
-    lists = known_lists(load_data(cfg), cfg.max_length)
+    cfg = run.cfg
+    lists = known_lists(run.data, cfg.max_length)
     rr = load_shield(cfg)
     local = {n: [float(v) for v in rr.score(q, docs)] for n, (q, docs) in lists.items()}
     client = rerank_clients.make_reranker(spec, **({"timeout": cfg.timeout} if cfg.timeout else {}))

@@ -8,7 +8,7 @@ does it stop citing a source once the source is honestly edited, as it stops cit
 
 Records are appended one per instance (results/*.jsonl), so an interrupted eval resumes; the
 settings they were made with are pinned in results/settings.json.
-Usage: summary = evaluate(cfg)
+Usage: summary = evaluate(runs.Run(cfg))
 """
 import hashlib
 import json
@@ -31,9 +31,9 @@ import rankers
 import tfsg
 import tiny
 from rankers import documents_cut, load_rankers
-from runs import (adapter_path, changed_settings, file_sha1, is_offline, library_path, load_data, log, make_llm,
-                  naming, NotTrainedError, read_json, read_jsonl, read_prices, run_usage, SettingsError, shared_roles,
-                  test_set_digest, tfsg_limits, TINY_NOTE, write_json, write_summary)
+from runs import (adapter_path, changed_settings, file_sha1, is_offline, library_path, log, naming, NotTrainedError,
+                  read_json, read_jsonl, SettingsError, shared_roles, test_set_digest, tfsg_limits, TINY_NOTE,
+                  write_json, write_summary)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -147,7 +147,7 @@ def pipeline_records(cfg, llm, name, part, tops, p, sample=0):
     return recs
 
 
-def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge=None, before_write=None, judge_asi=True,
+def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge, before_write=None, judge_asi=True,
                    sample=0):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
     appended as it finishes, so an interrupted run resumes with the instances it lacks.
@@ -155,7 +155,8 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge=None, b
     defenses.one_prompt for a single prompt; pipeline_records). before_write: called with the records before they are
     appended (evaluate records its settings then). judge_asi False: no ASI judge and no ASI fields
     (the honest audit's lists hold no attack). sample > 0: the sample-th repeat of every answer (its
-    own cached replies, its records marked with it; eval --samples)."""
+    own cached replies, its records marked with it; eval --samples). judge: the ASI judge's client (the
+    target's when the run names no judge)."""
     done = {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
@@ -165,7 +166,6 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge=None, b
         done = {r["instance_id"]: r for _, r in read_jsonl(path, skip_bad=True)
                 if isinstance(r, dict) and "instance_id" in r}
     todo = [x for x in insts if x.instance_id not in done]
-    judge = judge or (make_llm(cfg, cfg.judge, stage=llm.stage) if cfg.judge else llm)
     chunk = max(cfg.workers * 4, 16)
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
@@ -368,11 +368,11 @@ def eval_conditions(cfg):
     return conds, transfers
 
 
-def evaluate(cfg):
+def evaluate(run):
     """All conditions of Table 1/2 on the test split, the clean reference, pairwise quality, method,
     epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg."""
-    run = cfg.run_dir
-    _, meta, cons, test, seen, methods = load_data(cfg)
+    cfg = run.cfg
+    _, meta, cons, test, seen, methods = run.data
     insts = geodef.expand(test, methods)
     cleans = [geodef.clean_instance(g) for g in test]
     conds, transfers = eval_conditions(cfg)
@@ -389,9 +389,9 @@ def evaluate(cfg):
     others = rankers.make_rankers(cfg, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
     for label, rk in others.items():
         rk.prepare(insts)
-    llm = make_llm(cfg, stage="eval")
-    judge = make_llm(cfg, cfg.judge, stage="eval") if cfg.judge else llm   # one client: its adaptations recorded
-    res = os.path.join(run, "results")
+    llm = run.llm(stage="eval")
+    judge = run.llm(cfg.judge, stage="eval") if cfg.judge else llm   # one client: its adaptations recorded
+    res = os.path.join(run.dir, "results")
     os.makedirs(res, exist_ok=True)
     settings = os.path.join(res, "settings.json")          # what the records below were made with
     wanted = eval_settings(cfg, conds, transfers)
@@ -434,17 +434,17 @@ def evaluate(cfg):
                                               {x.instance_id: x for x in insts}, res)
         summary["epochs"] = library_epochs(cfg, results["GEO Defender"], insts, plan["Shield only"].topk, clean,
                                            condition)
-    summary.update(defense_summary(cfg, llm, judge, results, plan, insts, clean, res))
+    summary.update(defense_summary(cfg, run.prices, llm, judge, results, plan, insts, clean, res))
     if cfg.transfer and "GEO Defender" in conds:   # Table C.2 row: other targets' libraries, Shield fixed
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
         for name, _, lt in transfers:
             recs = condition(f"GEO Defender [{name}]", insts, Condition(plan["Shield only"].topk, guided(lt)),
                              f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
-    summary.update(usage_summary(cfg, (llm, judge)))
-    summary = write_summary(run, "eval", summary)              # rerank-eval's, attack's and harden's blocks kept
-    report.write_report(run, summary)
-    log(f"[eval] wrote {run}/summary.json and {run}/report.md")
+    summary.update(usage_summary(run, (llm, judge)))
+    summary = write_summary(run.dir, "eval", summary)          # rerank-eval's, attack's and harden's blocks kept
+    report.write_report(run.dir, summary)
+    log(f"[eval] wrote {run.dir}/summary.json and {run.dir}/report.md")
     return summary
 
 
@@ -523,12 +523,12 @@ def attack_strength(recs, clean, test, methods, n_boot, seed):
     return out
 
 
-def defense_summary(cfg, llm, judge, results, plan, insts, clean, res):
+def defense_summary(cfg, prices, llm, judge, results, plan, insts, clean, res):
     """Beside the metrics: each condition's cost per query (`cost_per_query`), what PromptArmor and
     RobustRAG did (`defense_diagnostics`), and the injection defenses' pairwise answer quality against
-    the clean reference (B.2.4's judge, as for GEO Defender)."""
+    the clean reference (B.2.4's judge, as for GEO Defender). prices: the run's table (Run.prices) or None."""
     by_id = {x.instance_id: x for x in insts}
-    out = {"cost": {c: cost_per_query(cfg, llm, recs, by_id, plan[c].pipeline) for c, recs in results.items()},
+    out = {"cost": {c: cost_per_query(cfg, llm, recs, by_id, plan[c].pipeline, prices) for c, recs in results.items()},
            "defenses": defense_diagnostics(results, by_id)}
     quality = {c: pairwise_quality(cfg, judge, results[c], clean, by_id, res, condition_slug(c))
                for c in results if c in defenses.PIPELINES}
@@ -543,7 +543,7 @@ def clean_reference(cfg, base):
     return Condition(lambda x: base.order(x)[:cfg.k], STANDARD)
 
 
-def cost_per_query(cfg, llm, recs, by_id, pipeline):
+def cost_per_query(cfg, llm, recs, by_id, pipeline, prices=None):
     """A condition's target-side cost per query (the ASI judge apart: an evaluation cost): LLM calls,
     calls in a row (the latency a defense adds: 1 for one prompt), prompt and completion tokens, and
     USD at the full price with --prices. A defense's records carry their usage; a one-prompt condition's
@@ -564,7 +564,7 @@ def cost_per_query(cfg, llm, recs, by_id, pipeline):
         rows.append(u)
     keys = ("llm_calls", "sequential_calls", "prompt_tokens", "completion_tokens")
     mean = {k: sum(u[k] for u in rows) / len(rows) if rows else None for k in keys}
-    usd = accounting.price_of(llm.label, mean, read_prices(cfg.prices)) if cfg.prices and rows else None
+    usd = accounting.price_of(llm.label, mean, prices) if prices and rows else None
     return {**mean, "usd": usd, "records": len(rows), "usage_unknown": unknown}
 
 
@@ -647,11 +647,11 @@ def condition_plan(cfg, conds, base, shield, lib, cons, insts):
     return plan, ppl_diag
 
 
-def usage_summary(cfg, clients):
+def usage_summary(run, clients):
     """summary.json's usage: the run folder's cost over all invocations (a resumed run reports what
     the whole run cost), and any parameter the APIs refused. This invocation's requests and cache
     hits go to the log, not into the summary (it must not depend on where a run was resumed)."""
-    out = {"usage": run_usage(cfg)}
+    out = {"usage": run.usage()}
     adapted = {c.label: c.adapted for c in dict.fromkeys(clients) if c.adapted}
     if adapted:
         out["adapted"] = adapted
@@ -667,10 +667,10 @@ def estimate(requests, prompt_chars, completion_tokens):
             "completion_tokens": int(requests * completion_tokens)}
 
 
-def price_plan(cfg, stages, model_of, batch=False):
+def price_plan(prices, stages, model_of, batch=False):
     """USD of a dry run's stages with --prices ([USD per 1M in, per 1M out(, batch share)] by model),
     or None; batch=True: through the batch APIs (accounting.price_of's batch share, default half)."""
-    prices = read_prices(cfg.prices) if cfg.prices else {}
+    prices = prices or {}
     total = 0.0
     for name, st in stages.items():
         p = prices.get(accounting.price_key(model_of(name)))
@@ -688,14 +688,14 @@ def records_done(path):
         return sum(1 for line in f if line.endswith("\n"))
 
 
-def plan_eval(cfg):
+def plan_eval(run):
     """eval --dry-run: what the evaluation would send, stage by stage, and nothing sent. Answers and
     ASI judge calls are counted for the records the results files lack (the ASI judge only runs when
     the attack is in context: an upper bound); PromptArmor's and RobustRAG's k pre-step calls per
     record are their own stages; pairwise quality asks once per instance of GEO Defender and of each
     injection defense (cached replies cost nothing and are not subtracted); prompt sizes from the
     first k candidates."""
-    data = load_data(cfg)
+    cfg, data = run.cfg, run.data
     insts = geodef.expand(data.test, data.methods)
     conds, transfers = eval_conditions(cfg)
     res = os.path.join(cfg.run_dir, "results")
@@ -724,8 +724,8 @@ def plan_eval(cfg):
     judge = cfg.judge or cfg.llm
     model_of = lambda s: judge if "judge" in s else cfg.llm
     return {"instances": len(insts), "records_to_make": todo, "stages": stages,
-            "usd_at_most": price_plan(cfg, stages, model_of),
-            "usd_at_most_batch_api": price_plan(cfg, stages, model_of, batch=True),
+            "usd_at_most": price_plan(run.prices, stages, model_of),
+            "usd_at_most_batch_api": price_plan(run.prices, stages, model_of, batch=True),
             "note": "upper bounds; records already made and LLM replies already cached cost nothing. PromptArmor "
                     "and RobustRAG multiply the target's calls: k + 1 per record (k remover or isolated calls, "
                     "then the answer), 2 in a row; their pre-step stages count the k", **honest}

@@ -48,9 +48,8 @@ import tfsg
 from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
 from evaluation import clean_reference, eval_condition, estimate, guided, offline_notes, price_plan
 from rankers import base_ranker, load_rankers
-from runs import (SettingsError, adapter_path, changed_settings, labels_of, library_path, load_data,
-                  load_reranker, log, make_llm, read_json, read_jsonl, run_usage, tfsg_limits, write_json, write_jsonl,
-                  write_summary)
+from runs import (SettingsError, adapter_path, changed_settings, labels_of, library_path, load_reranker, log,
+                  read_json, read_jsonl, tfsg_limits, write_json, write_jsonl, write_summary)
 from train import clean_reference_benign, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
@@ -305,15 +304,15 @@ def check_settings(cfg):
     return path, now
 
 
-def round_clients(cfg, k):
+def round_clients(run, k):
     """Round k's LLM clients, each reply entered in the usage ledger under stage harden-r{k}: (target,
     judge, training attacker, test attacker, Analyzer)."""
-    stage = f"harden-r{k}"
-    llm = make_llm(cfg, stage=stage)
-    judge = make_llm(cfg, cfg.judge, stage=stage) if cfg.judge else llm
-    attacker = make_llm(cfg, cfg.attacker, stage=stage) if cfg.attacker else llm
-    tester = make_llm(cfg, cfg.test_attacker, stage=stage) if cfg.test_attacker else attacker
-    analyzer = make_llm(cfg, cfg.analyzer, stage=stage) if cfg.analyzer else llm
+    cfg, stage = run.cfg, f"harden-r{k}"
+    llm = run.llm(stage=stage)
+    judge = run.llm(cfg.judge, stage=stage) if cfg.judge else llm
+    attacker = run.llm(cfg.attacker, stage=stage) if cfg.attacker else llm
+    tester = run.llm(cfg.test_attacker, stage=stage) if cfg.test_attacker else attacker
+    analyzer = run.llm(cfg.analyzer, stage=stage) if cfg.analyzer else llm
     return llm, judge, attacker, tester, analyzer
 
 
@@ -331,8 +330,9 @@ def clean_references(cfg, data, llm):
     return cons, {r["group_id"]: r for r in recs}
 
 
-def attack_round(cfg, k, data, clients, clean_cons):
+def attack_round(run, k, clients, clean_cons):
     """Round k's training side: attack, harvest, the defender's update (module docstring, steps 1-3)."""
+    cfg, data = run.cfg, run.data
     llm, judge, attacker, _, analyzer = clients
     folder = round_dir(cfg, k)
     prev = load_defense(cfg, k - 1)
@@ -347,7 +347,7 @@ def attack_round(cfg, k, data, clients, clean_cons):
     log(f"[harden] round {k}: {len(survivors)} survivors, a pool of {len(pool)}")
     adapter = defense_of(cfg, k)[0]
     if survivors:
-        train_shield(cfg, out=folder, extra=pool, init=None if cfg.restart else defense_of(cfg, k - 1)[0])
+        train_shield(run, out=folder, extra=pool, init=None if cfg.restart else defense_of(cfg, k - 1)[0])
     elif not os.path.isdir(adapter):    # nothing got through: the Shield stays as it is
         tmp = f"{adapter}.tmp{os.getpid()}"
         shutil.copytree(defense_of(cfg, k - 1)[0], tmp)
@@ -357,20 +357,20 @@ def attack_round(cfg, k, data, clients, clean_cons):
             "pool": len(pool), "candidates": sum(len(cs) - 1 for cs in cands.values())}
 
 
-def harden(cfg):
+def harden(run):
     """Hardening rounds 1..R on a trained run (module docstring) -> summary.json's harden block."""
-    data = load_data(cfg)
+    cfg, data = run.cfg, run.data
     settings_path, pinned = check_settings(cfg)
     made = [k for k in range(1, cfg.rounds + 1) if os.path.isfile(os.path.join(round_dir(cfg, k), "survivors.jsonl"))]
     pool_instances(cfg, data, len(made))        # the finished rounds' survivors files, checked before any call
     write_json(settings_path, pinned)
-    clean_cons, clean_test = clean_references(cfg, data, make_llm(cfg, stage="harden-r0"))
-    rounds = [measure(cfg, 0, data, round_clients(cfg, 0), clean_test)]
+    clean_cons, clean_test = clean_references(cfg, data, run.llm(stage="harden-r0"))
+    rounds = [measure(cfg, 0, data, round_clients(run, 0), clean_test)]
     for k in range(1, cfg.rounds + 1):
-        clients = round_clients(cfg, k)
-        trained = attack_round(cfg, k, data, clients, clean_cons)
+        clients = round_clients(run, k)
+        trained = attack_round(run, k, clients, clean_cons)
         rounds.append({**measure(cfg, k, data, clients, clean_test), **trained})
-    usage = run_usage(cfg)["stages"]
+    usage = run.usage()["stages"]
     for r in rounds:                   # a round's replies and their price (None without --prices)
         rows = list(usage.get(f"harden-r{r['round']}", {}).values())
         costs = [v["cost_usd"] for v in rows]
@@ -379,16 +379,16 @@ def harden(cfg):
     block = {"settings": pinned, "rounds": rounds, "k": cfg.k, "notes": offline_notes(cfg, data.meta),
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
                            "exposure": crossplay(cfg, cfg.rounds, data)}}
-    summary = write_summary(cfg.run_dir, "harden", {"harden": block, "usage": run_usage(cfg)})
+    summary = write_summary(cfg.run_dir, "harden", {"harden": block, "usage": run.usage()})
     report.write_harden_report(cfg.run_dir, summary)
     log(f"[harden] wrote {cfg.run_dir}/harden_report.md and summary.json's harden block")
     return block
 
 
-def dry_run(cfg):
+def dry_run(run):
     """What `harden` would send, without sending anything: upper bounds per round (JSON re-asks
     included), prompt tokens at 4 characters a token, the price with --prices, full and batch."""
-    data = load_data(cfg)
+    cfg, data = run.cfg, run.data
     cons = geodef.expand(data.construction, data.seen)
     _, test = test_instances(cfg, data)
     budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
@@ -408,10 +408,10 @@ def dry_run(cfg):
     models = {"training attacker": cfg.attacker, "test attacker": cfg.test_attacker or cfg.attacker,
               "fidelity judge": cfg.judge, "ASI judge": cfg.judge, "Analyzer": cfg.analyzer}
     model = lambda s: models.get(s) or cfg.llm          # each stage priced at its own client's model
-    batched = price_plan(cfg, {s: v for s, v in per_round.items() if s != "Analyzer"}, model, batch=True)
-    alone = price_plan(cfg, {"Analyzer": per_round["Analyzer"]}, model)
+    batched = price_plan(run.prices, {s: v for s, v in per_round.items() if s != "Analyzer"}, model, batch=True)
+    alone = price_plan(run.prices, {"Analyzer": per_round["Analyzer"]}, model)
     return {"rounds": cfg.rounds, "construction_instances": len(cons), "test_instances": len(test),
-            "per_round": per_round, "usd_per_round": price_plan(cfg, per_round, model),
+            "per_round": per_round, "usd_per_round": price_plan(run.prices, per_round, model),
             "usd_per_round_batch_api": None if batched is None or alone is None else batched + alone,
             "note": "upper bounds per round (round 0 measures only: no attacker on construction groups, no "
                     "update); under --batch-api each attacker round, its judges and the answers are batches, only the "

@@ -40,7 +40,7 @@ import metrics
 import rerank_eval
 from evaluation import condition_slug, evaluate, offline_notes
 from rankers import parse_rerankers
-from runs import SettingsError, load_data, log, read_jsonl, record_or_check, shield_split, tfsg_schedule, write_json
+from runs import SettingsError, log, read_jsonl, record_or_check, shield_split, tfsg_schedule, write_json
 from train import plan_train, train_shield, train_tfsg
 
 ALL = "all"                       # the reference fold: every construction family
@@ -86,20 +86,28 @@ def folds(cfg, data):
 LLM_CONDITIONS = ("Shield only", "GEO Defender")      # --llm-stage: the fold's defense end to end
 
 
-def run_fold(fcfg, data, llm_stage=False):
+def fold_run(run, fcfg):
+    """A fold's Run: the holdout's services and its benchmark as read once (the same groups and split),
+    with the fold's settings and seen families."""
+    return run.with_settings(fcfg, run.data._replace(seen=fcfg.seen_methods.split(",")))
+
+
+def run_fold(run, fcfg, llm_stage=False):
     """Train the fold's Shield (resumable) and score the test split with it and the base; with llm_stage
     also build its TFSG library (train_tfsg) and evaluate LLM_CONDITIONS (evaluation.evaluate) -> {label:
     [instance records]}: rerank_eval.instance_record's under "base" and "shield", eval's under each
-    condition. data: the run's benchmark (load_data), read once for every fold."""
+    condition. run: the holdout's Run, whose benchmark every fold reads (read once)."""
     record_or_check(fcfg, "holdout")
-    train_shield(fcfg)
+    fold = fold_run(run, fcfg)
+    train_shield(fold)
     items = parse_rerankers(["base", "shield"])
-    rerank_eval.rerank_stage(fcfg, data._replace(seen=fcfg.seen_methods.split(",")), items, stage="holdout")
+    rerank_eval.rerank_stage(fold, items, stage="holdout")
     res = os.path.join(fcfg.run_dir, "results")
     out = {label: [r for _, r in read_jsonl(os.path.join(res, f"rerank-{label}.jsonl"))] for label, _ in items}
     if llm_stage:
-        train_tfsg(fcfg)
-        evaluate(dataclasses.replace(fcfg, conditions=",".join(LLM_CONDITIONS), transfer=None, reranker=None))
+        train_tfsg(fold)
+        evaluate(fold.with_settings(dataclasses.replace(fcfg, conditions=",".join(LLM_CONDITIONS), transfer=None,
+                                                        reranker=None), fold.data))
         out.update({c: [r for _, r in read_jsonl(os.path.join(res, condition_slug(c) + ".jsonl"))]
                     for c in LLM_CONDITIONS})
     return out
@@ -158,15 +166,15 @@ def fold_row(cfg, family, trained, recs, ref):
     return row
 
 
-def holdout(cfg):
+def holdout(run):
     """Every fold, then holdout/summary.json and holdout/report.md -> the summary."""
-    data = load_data(cfg)
+    cfg, data = run.cfg, run.data
     plan = folds(cfg, data)
     recs = {}
     for name, family, fcfg in plan:
         log(f"[holdout] fold {name}: the Shield{' and library' if cfg.llm_stage else ''} trained on "
             f"{fcfg.seen_methods}")
-        recs[name] = run_fold(fcfg, data, cfg.llm_stage)
+        recs[name] = run_fold(run, fcfg, cfg.llm_stage)
     ref = recs[ALL]
     rows = [fold_row(cfg, family, fcfg.seen_methods.split(","), recs[name], ref)
             for name, family, fcfg in plan if family is not None]
@@ -182,11 +190,11 @@ def holdout(cfg):
     return summary
 
 
-def dry_run(cfg):
+def dry_run(run):
     """What holdout would train, score and send, nothing sent: per fold its families, its optimizer
     steps, whether its Shield is already trained, the test instances it scores, and with --llm-stage
     the requests its library and its two conditions would send (train's and eval's dry runs)."""
-    data = load_data(cfg)
+    cfg, data = run.cfg, run.data
     out = {}
     for name, family, fcfg in folds(cfg, data):
         opt, _ = shield_split(fcfg, geodef.expand(data.construction, fcfg.seen_methods.split(",")))
@@ -197,7 +205,7 @@ def dry_run(cfg):
         if cfg.llm_stage:        # eval's requests at most: the clean reference, both conditions, E0..E4, quality
             n = len(data.test) * len(data.methods)
             answers = len(data.test) + n * (len(LLM_CONDITIONS) + cfg.n_batches + 1)
-            out[name]["train"] = plan_train(fcfg)["stages"]
+            out[name]["train"] = plan_train(fold_run(run, fcfg))["stages"]
             out[name]["eval_requests_at_most"] = {"target answers": answers, "ASI judge": answers,
                                                   "pairwise quality judge": n}
     return {"folds": out, **({} if cfg.llm_stage else {"llm_requests": 0})}

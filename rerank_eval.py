@@ -36,7 +36,7 @@ import parallel
 import report
 import rankers
 from rankers import order_of
-from runs import read_json, run_usage, write_jsonl, write_summary
+from runs import read_json, write_jsonl, write_summary
 
 def instance_record(x, clean, ranker, base_clean_order, k):
     """One attacked instance under one reranker -> its record (see the module docstring)."""
@@ -99,21 +99,22 @@ def stage_lists(data):
             [geodef.honest_instance(g) for g in data.test if g.honest is not None])
 
 
-def score_share(cfg, data, items, stage="rerank-eval"):
+def score_share(run, items, stage="rerank-eval"):
     """A torchrun rank's part of rerank_stage (ranks other than 0): its share of the local rankers'
     scores (Ranker.prepare(shard=True)), in the order rank 0 asks for them; it writes nothing."""
-    insts, cleans, honest = stage_lists(data)
+    cfg, (insts, cleans, honest) = run.cfg, stage_lists(run.data)
     local = [(label, spec) for label, spec in items if spec.kind in rankers.LOCAL]
     for rk in rankers.make_rankers(cfg, local, stage).values():
         rk.prepare(insts + list(cleans.values()) + honest, shard=True)
     parallel.finish()
 
 
-def rerank_stage(cfg, data, items, stage="rerank-eval"):
+def rerank_stage(run, items, stage="rerank-eval"):
     """Score every test instance and its clean list with each reranker; write results/rerank-<label>.jsonl
     (whole, once every list is scored: a failed endpoint records nothing) and summary.json's
     rerank_stage; with honest edits also results/rerank-<label>.honest.jsonl and each block's `honest`.
     -> {label: summary block}."""
+    cfg, data = run.cfg, run.data
     insts, cleans, honest = stage_lists(data)
     by_label = rankers.make_rankers(cfg, items, stage)
     local = [label for label, spec in items if spec.kind in rankers.LOCAL]
@@ -137,7 +138,7 @@ def rerank_stage(cfg, data, items, stage="rerank-eval"):
             out[label]["honest"] = honest_stage(hrecs, recs, cfg.k, cfg.n_boot, cfg.seed)
     stage = read_json(os.path.join(cfg.run_dir, "summary.json"), {}).get("rerank_stage", {})
     summary = write_summary(cfg.run_dir, "rerank-eval", {"rerank_stage": {**stage, **out}, "rerank_stage_k": cfg.k,
-                                                         "usage": run_usage(cfg)})
+                                                         "usage": run.usage()})
     report.write_rerank_report(cfg.run_dir, summary)
     if "conditions" in summary:              # an evaluated run: its report gets the table too
         report.write_report(cfg.run_dir, summary)

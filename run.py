@@ -53,8 +53,8 @@ import tfsg
 import tiny
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from evaluation import eval_conditions, evaluate, plan_eval
-from runs import (TINY_NOTE, RunInUse, adapter_path, check_llms, check_record, check_roles, library_path, load_data,
-                  log, model_folder, need_trained, read_json, record_config, record_or_check, resolve, run_lock,
+from runs import (TINY_NOTE, Run, RunInUse, adapter_path, check_llms, check_record, check_roles, library_path, log,
+                  model_folder, need_trained, read_json, record_config, record_or_check, resolve, run_lock,
                   shield_split, tfsg_schedule)
 from settings import PRESETS, SettingsError, check_device, check_name
 from train import plan_train, train_shield, train_tfsg
@@ -166,8 +166,8 @@ def given(args, cls):
 
 
 @contextlib.contextmanager
-def offline_engine(cfg, needed, corpus=None):
-    """While the block runs and when `needed`, the offline engine on a loopback port (cfg.engine_url):
+def offline_engine(run, needed, corpus=None):
+    """While the block runs and when `needed`, the offline engine on a loopback port (run.engine_url):
     the demo, attack and build-bench reach it through real HTTP, and batch APIs need HTTP; with a
     `corpus` it also answers Tavily-shaped /search. Closed, not only stopped, on the way out: requests
     still queued fail at once instead of waiting out their timeouts on a socket nobody accepts from."""
@@ -177,10 +177,11 @@ def offline_engine(cfg, needed, corpus=None):
     srv = offline_server.make_server(0, corpus=corpus)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    cfg.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    run.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
     try:
         yield
     finally:
+        run.engine_url = None
         srv.shutdown()
         srv.server_close()
 
@@ -400,14 +401,15 @@ def cmd_bench(args):
 def cmd_build_bench(args):
     """GEO-DefenseBench from GEO-Bench rows (build_bench.py): with no --attacks the paper's recipe."""
     cfg = resolve(settings.BuildConfig, given(args, settings.BuildConfig), args.preset, from_record=False)
+    run = Run(cfg)
     if args.dry_run:
-        return show(build_bench.dry_run(cfg))
+        return show(build_bench.dry_run(run))
     check_llms(cfg)
     plan = build_bench.plan(cfg)
     offline_llm = cfg.llm == "offline" or (cfg.fidelity_judge or "").startswith("offline")
     corpus = plan.corpus
-    with offline_engine(cfg, offline_llm or corpus is not None, corpus), run_lock(cfg.run_dir):
-        path, comp = build_bench.build_bench(cfg, plan)
+    with offline_engine(run, offline_llm or corpus is not None, corpus), run_lock(cfg.run_dir):
+        path, comp = build_bench.build_bench(run, plan)
     print(f"{'split':<14}{'groups':>8}{'methods':>9}{'instances':>11}")
     for split, v in comp.items():
         print(f"{split:<14}{v['groups']:>8}{v['methods']:>9}{v['instances']:>11}")
@@ -426,12 +428,12 @@ def cmd_rerank_eval(args):
     items = rankers.check_specs(cfg.reranker)
     if any(spec.kind == "shield" for _, spec in items):
         need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")
-    cfg = dataclasses.replace(cfg, device=parallel.init(cfg.device))
+    run = Run(dataclasses.replace(cfg, device=parallel.init(cfg.device)))
     if not parallel.is_main():               # under torchrun: this rank's share of the scores, nothing written
-        return rerank_eval.score_share(cfg, load_data(cfg), items)
+        return rerank_eval.score_share(run, items)
     with run_lock(cfg.run_dir):
-        record_or_check(cfg, "rerank-eval")
-        stage = rerank_eval.rerank_stage(cfg, load_data(cfg), items)
+        record_or_check(run.cfg, "rerank-eval")
+        stage = rerank_eval.rerank_stage(run, items)
     print(rerank_eval.stage_table(stage, cfg.k))
     print(f"\nreport: {os.path.join(cfg.run_dir, 'rerank_report.md')}\nrecords: {os.path.join(cfg.run_dir, 'results')}"
           "/rerank-<label>.jsonl")
@@ -448,14 +450,13 @@ def cmd_attack(args):
     budgets = attack.parse_budgets(cfg.budgets)
     if cfg.target not in ("shield", "base"):
         rankers.check_specs(rankers.parse_rerankers([cfg.target]))
+    run = Run(cfg)
     if args.dry_run:
-        rounds = cfg.rounds or attack.rounds_for(max(budgets), cfg.candidates_per_round)
-        data = load_data(cfg)
-        return show(attack.dry_run(cfg, geodef.expand(data.test, data.methods), budgets, cfg.candidates_per_round,
-                                   rounds))
+        return show(attack.dry_run(run, budgets, cfg.rounds or attack.rounds_for(max(budgets),
+                                                                                 cfg.candidates_per_round)))
     check_llms(cfg)
-    with offline_engine(cfg, cfg.llm == "offline"), run_lock(cfg.run_dir):
-        block = attack.run_attack(cfg, cfg.target, budgets, cfg.rounds, cfg.candidates_per_round, cfg.attacker,
+    with offline_engine(run, cfg.llm == "offline"), run_lock(cfg.run_dir):
+        block = attack.run_attack(run, cfg.target, budgets, cfg.rounds, cfg.candidates_per_round, cfg.attacker,
                                   cfg.aware_of_library)
     print(attack.attack_table(block))
     print(f"\ngate: {block['gate']}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
@@ -469,15 +470,15 @@ def cmd_harden(args):
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
     need_trained(cfg, library_path(cfg), "TFSG library")
     budgets = attack.parse_budgets(cfg.eval_budgets, "--eval-budgets")
-    n_test = len(load_data(cfg).test)
-    if cfg.eval_groups > n_test:
-        raise SettingsError(f"--eval-groups {cfg.eval_groups}: the benchmark has {n_test} test groups")
+    run = Run(cfg)
+    if cfg.eval_groups > len(run.data.test):
+        raise SettingsError(f"--eval-groups {cfg.eval_groups}: the benchmark has {len(run.data.test)} test groups")
     if args.dry_run:
-        return show(harden.dry_run(cfg))
+        return show(harden.dry_run(run))
     check_llms(cfg)
-    with offline_engine(cfg, cfg.llm == "offline"), run_lock(cfg.run_dir):
+    with offline_engine(run, cfg.llm == "offline"), run_lock(cfg.run_dir):
         record_or_check(cfg, "harden")
-        block = harden.harden(cfg)
+        block = harden.harden(run)
     print(harden.round_table(block, budgets))
     print(f"\nreport: {os.path.join(cfg.run_dir, 'harden_report.md')}\nsummary: "
           f"{os.path.join(cfg.run_dir, 'summary.json')}")
@@ -492,11 +493,12 @@ def cmd_holdout(args):
         check_llms(cfg, keys=not args.dry_run)
         check_roles(cfg)
     check_record(cfg)
+    run = Run(cfg)
     if args.dry_run:
-        return show(holdout.dry_run(cfg))
-    with offline_engine(cfg, cfg.llm_stage and cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
+        return show(holdout.dry_run(run))
+    with offline_engine(run, cfg.llm_stage and cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
         record_or_check(cfg, "holdout")
-        s = holdout.holdout(cfg)
+        s = holdout.holdout(run)
     print(holdout.table(s))
     print(f"\nreport: {os.path.join(cfg.run_dir, 'holdout', 'report.md')}\nsummary: "
           f"{os.path.join(cfg.run_dir, 'holdout', 'summary.json')}")
@@ -512,7 +514,7 @@ def cmd_deploy_check(args):
                             "tei:http://HOST:PORT, cohere:MODEL, ...)")
     rankers.check_specs([("endpoint", cfg.endpoint)])
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
-    v = deploy_check.deploy_check(cfg, cfg.endpoint)
+    v = deploy_check.deploy_check(Run(cfg), cfg.endpoint)
     print(deploy_check.table(v))
     if not v["pass"]:
         raise SystemExit(f"deploy-check: {cfg.endpoint} does not score as the run's Shield: {v['cause']}")
@@ -535,14 +537,13 @@ def pipeline_settings(cls, args, **fixed):
     return cfg
 
 
-def check_training(cfg, stage):
+def check_training(run, stage):
     """What training needs from the benchmark (both stages' schedules filled), before anything is written."""
-    data = load_data(cfg)
-    inst = geodef.expand(data.construction, data.seen)
+    inst = geodef.expand(run.data.construction, run.data.seen)
     if stage in ("all", "shield"):
-        shield_split(cfg, inst)
+        shield_split(run.cfg, inst)
     if stage in ("all", "tfsg"):
-        tfsg_schedule(cfg, inst)
+        tfsg_schedule(run.cfg, inst)
 
 
 def report_paths(cfg):
@@ -557,19 +558,20 @@ def cmd_train(args):
     if args.stage in ("all", "tfsg"):
         check_llms(cfg, keys=not args.dry_run)   # a bad spec fails now, not after hours of Shield training
         check_roles(cfg)
-    check_training(cfg, args.stage)
+    run = Run(cfg)
+    check_training(run, args.stage)
     check_record(cfg)     # every check the command runs, the dry run runs too
     if args.dry_run:
-        return show(plan_train(cfg))
-    cfg = dataclasses.replace(cfg, device=parallel.init(cfg.device))      # under torchrun: this rank's GPU
+        return show(plan_train(run))
+    run = run.with_settings(dataclasses.replace(cfg, device=parallel.init(cfg.device)), run.data)  # torchrun: its GPU
     if not parallel.is_main():
-        return train_shield(cfg, resume=not args.no_resume) if args.stage in ("all", "shield") else None
-    with offline_engine(cfg, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
-        record_config(cfg, "train")
+        return train_shield(run, resume=not args.no_resume) if args.stage in ("all", "shield") else None
+    with offline_engine(run, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
+        record_config(run.cfg, "train")
         if args.stage in ("all", "shield"):
-            train_shield(cfg, resume=not args.no_resume)
+            train_shield(run, resume=not args.no_resume)
         if args.stage in ("all", "tfsg"):
-            train_tfsg(cfg)
+            train_tfsg(run)
 
 
 def cmd_eval(args):
@@ -579,11 +581,12 @@ def cmd_eval(args):
     check_roles(cfg)
     eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
     check_record(cfg)      # every check the command runs, the dry run runs too
+    run = Run(cfg)
     if args.dry_run:
-        return show(plan_eval(cfg))
-    with offline_engine(cfg, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
+        return show(plan_eval(run))
+    with offline_engine(run, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
         record_config(cfg, "eval")
-        s = evaluate(cfg)
+        s = evaluate(run)
     print_summary(s)
     report_paths(cfg)
     return s
@@ -596,14 +599,15 @@ def cmd_demo(args):
     args.preset = args.preset or "tiny-demo"
     cfg = pipeline_settings(settings.DemoConfig, args, runs_dir=args.out, name=args.name or "demo")
     check_llms(cfg)
-    check_training(cfg, "all")
-    with offline_engine(cfg, cfg.llm == "offline"), run_lock(cfg.run_dir):
+    run = Run(cfg)
+    check_training(run, "all")
+    with offline_engine(run, cfg.llm == "offline"), run_lock(cfg.run_dir):
         record_config(cfg, "demo")
-        train_shield(cfg)
-        train_tfsg(cfg)
-        s = evaluate(cfg)
+        train_shield(run)
+        train_tfsg(run)
+        s = evaluate(run)
         print_summary(s)
-        stage = rerank_eval.rerank_stage(cfg, load_data(cfg), rankers.parse_rerankers(["base", "shield"]))
+        stage = rerank_eval.rerank_stage(run, rankers.parse_rerankers(["base", "shield"]))
     print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
     report_paths(cfg)
     return s

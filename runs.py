@@ -1,9 +1,10 @@
 """Run folders and what every command loads from them: what a run folder pins and guarantees
 (config.json, the benchmark's digest, one writer at a time), the benchmark and its splits, the
-reranker (base or Shield), the LLM clients. The settings themselves are in settings.py.
+reranker (base or Shield), the LLM clients, and `Run`, which holds one run folder's services for a
+command's jobs. The settings themselves are in settings.py.
 
 A run folder runs/<name>/ holds everything a command made; see the README's "What a run folder
-guarantees". Usage: cfg = resolve(TrainConfig, given); record_config(cfg, "train"); load_data(cfg)
+guarantees". Usage: cfg = resolve(TrainConfig, given); record_config(cfg, "train"); run = Run(cfg); run.data
 """
 import contextlib
 import dataclasses
@@ -292,12 +293,13 @@ def read_prices(path):
     return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
 
 
-def make_llm(cfg, spec=None, stage=None):
+def llm_client(cfg, spec=None, stage=None, engine_url=None, prices=None):
     """The client for `spec` (default: the target LLM), caching in the run folder; with `stage`, every
-    reply it receives is entered in the run's usage ledger under that stage (usage_path)."""
-    prices = read_prices(cfg.prices) if cfg.prices else None
+    reply it receives is entered in the run's usage ledger under that stage (usage_path). engine_url:
+    the offline engine's loopback address while one serves the run (Run.engine_url); without one the
+    offline engine answers in process."""
     spec = spec or cfg.llm
-    base_url = cfg.engine_url if spec.partition(":")[0] == "offline" else cfg.base_url
+    base_url = engine_url if spec.partition(":")[0] == "offline" else cfg.base_url
     # the offline engine in process when it is not served on loopback
     engine = {"handler": offline.respond} if spec.partition(":")[0] == "offline" and not base_url else {}
     if cfg.batch_api and stage and not engine:         # a batch API needs an HTTP endpoint
@@ -315,9 +317,48 @@ def usage_path(cfg):
     return os.path.join(cfg.run_dir, "usage.jsonl")
 
 
-def run_usage(cfg):
-    """What the run folder's LLM calls cost over all its invocations (accounting.ledger_usage)."""
-    return accounting.ledger_usage(usage_path(cfg), read_prices(cfg.prices) if cfg.prices else None)
+class Run:
+    """One run folder's services, made once per command beside its settings (as uvicorn's
+    `Server(config)` holds a server's state beside its frozen `Config`): the settings (`cfg`, frozen,
+    read by group), the benchmark read and split once (`data`), the price table read once (`prices`),
+    the LLM clients (`llm`), the usage ledger's totals (`usage`) and, while a loopback offline engine
+    serves the run, its address (`engine_url`, set by run.py's `offline_engine`). Jobs take a Run."""
+
+    def __init__(self, cfg, engine_url=None):
+        self.cfg = cfg
+        self.engine_url = engine_url
+
+    @property
+    def dir(self):
+        return self.cfg.run_dir
+
+    @functools.cached_property
+    def data(self):
+        """The benchmark, split and with its methods resolved (load_data), read on first use."""
+        return load_data(self.cfg)
+
+    @functools.cached_property
+    def prices(self):
+        """--prices read and checked once (read_prices), or None."""
+        return read_prices(self.cfg.prices) if getattr(self.cfg, "prices", None) else None
+
+    def llm(self, spec=None, stage=None):
+        """The client for `spec` (default the target LLM); with `stage` its replies enter the usage ledger."""
+        return llm_client(self.cfg, spec, stage, self.engine_url, self.prices)
+
+    def usage(self):
+        """What the run folder's LLM calls cost over all its invocations (accounting.ledger_usage)."""
+        return accounting.ledger_usage(usage_path(self.cfg), self.prices)
+
+    def with_settings(self, cfg, data=None):
+        """The same services under other settings (holdout's folds, a subset of conditions): the engine's
+        address and the prices shared; `data` the benchmark as these settings read it, when the caller has
+        it (a fold's: the same groups, other seen families), else read again on first use."""
+        other = Run(cfg, self.engine_url)
+        other.prices = self.prices            # a cached_property: set on the instance, never read again
+        if data is not None:
+            other.data = data
+        return other
 
 
 def check_llms(cfg, keys=True):
@@ -325,10 +366,11 @@ def check_llms(cfg, keys=True):
     provider, a missing API key or a missing --base-url is reported before any model is loaded.
     Builds clients only: no request is sent. keys=False (a dry run, which prices a plan before any
     key is bought): a missing key is said, not refused."""
+    prices = read_prices(cfg.prices) if cfg.prices else None        # a bad price table is refused now too
     specs = [cfg.llm] + [getattr(cfg, k, None) for k in ("analyzer", "judge", "fidelity_judge")]
     for spec in dict.fromkeys(s for s in specs if s):
         try:
-            make_llm(cfg, spec)
+            llm_client(cfg, spec, prices=prices)
         except ValueError as e:     # unknown provider, no model, no --base-url, a key's wrong host
             raise SettingsError(f"--llm/--analyzer/--judge/--fidelity-judge: {e}") from None
         except llm_clients.LLMError as e:        # no API key
@@ -513,14 +555,12 @@ def record_or_check(cfg, command):
 
 
 def printable(cfg):
-    """The settings as config.json stores them: every setting (not the code's own fields such as the
-    engine's URL), each spec in its printable form, which its parsed object gives without credentials
-    whatever characters they hold (endpoints.Endpoint, endpoints.SearchSpec, endpoints.RerankSpec)."""
+    """The settings as config.json stores them: every setting, each spec in its printable form, which its
+    parsed object gives without credentials whatever characters they hold (endpoints.Endpoint,
+    endpoints.SearchSpec, endpoints.RerankSpec)."""
     new = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if not f.metadata.get("flag", True):
-            continue
         if f.metadata.get("parse") and v is not None:
             v = [f"{label}={spec}" for label, spec in v] if isinstance(v, list) else str(v)
         new[f.name] = v

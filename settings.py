@@ -32,17 +32,16 @@ class SettingsError(ValueError):
     that names the flag or file (run.py prints it as `error: ...`)."""
 
 
-def setting(default, help, ok=None, pinned=False, taken=False, choices=None, flag=True, parse=None, says=None):
+def setting(default, help, ok=None, pinned=False, taken=False, choices=None, parse=None, says=None):
     """One setting. ok: a check of its value (refused up front, naming the flag); says: what ok accepts,
     in a few words, for the refusal; pinned: a finished step depends on it, so a rerun under the same run
     folder may not change it; taken: a later command on the run folder takes it from config.json when it
-    is not given again; choices: the values the flag accepts; flag False: not a command-line setting (set
-    by the code, never recorded); parse: the text of a spec (a URL, a reranker, a search) -> its object,
-    parsed once here; str() of the object is its printable form (never a credential). A float must be
-    finite, whatever its check: inf or nan is no rate, weight or timeout, and config.json could not hold
-    it (JSON has no Infinity or NaN, RFC 8259 section 6)."""
+    is not given again; choices: the values the flag accepts; parse: the text of a spec (a URL, a
+    reranker, a search) -> its object, parsed once here; str() of the object is its printable form (never
+    a credential). A float must be finite, whatever its check: inf or nan is no rate, weight or timeout,
+    and config.json could not hold it (JSON has no Infinity or NaN, RFC 8259 section 6)."""
     return field(default=default, metadata={"help": help, "ok": ok, "pinned": pinned, "taken": taken,
-                                            "choices": choices, "flag": flag, "parse": parse, "says": says})
+                                            "choices": choices, "parse": parse, "says": says})
 
 
 def spec_of(parse):
@@ -97,7 +96,7 @@ def check_name(name):
     return True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
     """The checks every group shares: each field's `ok`, naming the flags refused in one sentence."""
 
@@ -138,7 +137,7 @@ def flag_name(f):
 # ----------------------------------------------------------------------------- groups
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunSettings(Settings):
     """The run folder (README "What a run folder guarantees") and the seed of everything drawn."""
     name: str = setting("default", "run folder name under --runs-dir", ok=check_name)
@@ -150,7 +149,7 @@ class RunSettings(Settings):
         return os.path.join(self.runs_dir, self.name)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSettings(Settings):
     """The reranker: Qwen3-Reranker (or the tiny random checkpoint) and how it is loaded."""
     model: str = setting("Qwen/Qwen3-Reranker-0.6B", "reranker: hub id, local folder, or 'tiny' (random weights, "
@@ -166,14 +165,14 @@ class ModelSettings(Settings):
                                    "compiler on CPU)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SeenSettings(Settings):
     """The seen GEO families (B.1): those whose construction instances build the Shield and the library."""
     seen_methods: str = setting(None, "the seen (construction) GEO families, comma list (build-bench default: the "
                                       "paper's three; train: the file's _meta.seen_methods)", pinned=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataSettings(SeenSettings):
     """The benchmark a run trains and evaluates on, its split (B.1.2) and the top-k (A.1.3)."""
     bench: str = setting(SAMPLE, "GEO-DefenseBench JSONL file", pinned=True)
@@ -185,7 +184,7 @@ class DataSettings(SeenSettings):
     max_test_groups: int = setting(0, "evaluate only the first N test groups (0 = all)", ok=at_least(0))
 
 
-@dataclass
+@dataclass(frozen=True)
 class LLMSettings(Settings):
     """The target LLM, how it is reached (any OpenAI-compatible server), decoding and batch APIs."""
     llm: str = setting("offline", "target LLM as provider:model (offline, openai:, anthropic:, deepseek:, moonshot:, "
@@ -202,12 +201,9 @@ class LLMSettings(Settings):
     batch_deadline: float = setting(None, "seconds a batch may run before it is cancelled, its replies kept and the "
                                           "rest sent synchronously (default: the providers' 24 h window)",
                                     ok=positive_or_none)
-    # the offline engine's loopback URL while a command serves it (demo, attack, build-bench): not a
-    # setting, never recorded; the engine's replies are cached under 'offline' whatever its port
-    engine_url: str = setting(None, "", flag=False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestSettings(Settings):
     """How requests to any endpoint go out (LLM, rerank, search): concurrency, rate, timeout, prices."""
     workers: int = setting(8, "concurrent requests", ok=at_least(1), taken=True)
@@ -220,7 +216,7 @@ class RequestSettings(Settings):
                                 "for cost reports")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShieldSettings(Settings):
     """The Shield Reranker's LoRA and objective (Table A.1, Eqs. 1-5) and its training loop."""
     lora_r: int = setting(16, "LoRA rank", ok=at_least(1), pinned=True)
@@ -240,7 +236,7 @@ class ShieldSettings(Settings):
     save_every: int = setting(4, "optimizer steps between resumable checkpoints", ok=at_least(1))
 
 
-@dataclass
+@dataclass(frozen=True)
 class TFSGSettings(Settings):
     """TFSG's construction (A.2): the Analyzer, the schedule, the interface, and the Controller's sizes
     that the paper does not state (tfsg.Limits, whose fields are settings under their own names)."""
@@ -261,10 +257,11 @@ def _limit(f):
 
 
 # tfsg.Limits' sizes as settings: each declared once, in tfsg.py (type, default, help, minimum)
-TFSGLimits = dataclasses.make_dataclass("TFSGLimits", [_limit(f) for f in fields(tfsg.Limits)], bases=(Settings,))
+TFSGLimits = dataclasses.make_dataclass("TFSGLimits", [_limit(f) for f in fields(tfsg.Limits)], bases=(Settings,),
+                                     frozen=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolesSettings(Settings):
     """Who may play which part: a target or judge that built or judged the benchmark is refused by default."""
     allow_shared_roles: bool = setting(False, "let the target or judge be a model that built the benchmark, judged "
@@ -272,13 +269,13 @@ class RolesSettings(Settings):
                                               "so")
 
 
-@dataclass
+@dataclass(frozen=True)
 class JudgeSettings(Settings):
     """The judge of the answers (ASI, pairwise quality: B.2.3, B.2.4) and of an attacker's fidelity."""
     judge: str = setting(None, "ASI, pairwise-quality and fidelity judge LLM (default: the target)", taken=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalSettings(Settings):
     """Evaluation (B.2): the conditions, PPL-Filter, transfer libraries (Table C.2)."""
     conditions: str = setting("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then "
@@ -291,7 +288,7 @@ class EvalSettings(Settings):
                            ok=at_least(1))
 
 
-@dataclass
+@dataclass(frozen=True)
 class RerankSettings(Settings):
     """Deployed rerankers under GEO attack (rerank-eval; eval --reranker) and the bootstrap's size."""
     reranker: list = setting(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, "
@@ -301,7 +298,7 @@ class RerankSettings(Settings):
     n_boot: int = setting(10000, "bootstrap resamples", ok=at_least(1), taken=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttackerSettings(Settings):
     """The attacker LLM of `attack` and `harden` and how many rewrites it writes a round."""
     candidates_per_round: int = setting(2, "rewrites the attacker writes a round (MAGEO: 2)", ok=at_least(1))
@@ -312,7 +309,7 @@ class AttackerSettings(Settings):
                              choices=("mageo", "repair"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttackSettings(AttackerSettings):
     """The adaptive attacker (attack.py): its target, budgets, rounds, LLM and knowledge."""
     target: str = setting("shield", "the reranker the attacker queries: shield, base, or a reranker spec "
@@ -322,7 +319,7 @@ class AttackSettings(AttackerSettings):
     aware_of_library: bool = setting(False, "the attacker reads the TFSG library's rules")
 
 
-@dataclass
+@dataclass(frozen=True)
 class BuildSettings(SeenSettings):
     """The benchmark builder (build_bench.py, B.1.1): inputs, search, the families and the split."""
     input: str = setting(None, "GEO-Bench rows (.jsonl, .json, .parquet), a folder of AutoGEO's datachunk_N.json, "
@@ -350,7 +347,7 @@ class BuildSettings(SeenSettings):
                                   "structure, nothing GEO adds): eval's and rerank-eval's honest penalty")
 
 
-@dataclass
+@dataclass(frozen=True)
 class HardenSettings(AttackerSettings):
     """Hardening rounds (harden.py): attacker and defender in turns on a trained run."""
     rounds: int = setting(2, "hardening rounds R: each attacks the construction groups, retrains the Shield and "
@@ -367,7 +364,7 @@ class HardenSettings(AttackerSettings):
                                    "previous round's adapter)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class HoldoutSettings(Settings):
     """Leave-one-family-out (holdout.py): which families are held out in turn, and whether the LLM stage runs."""
     families: str = setting("all", "families to hold out in turn, comma list, or 'all' (every family the construction "
@@ -376,7 +373,7 @@ class HoldoutSettings(Settings):
                                      "Defender end to end (the target, analyzer and judge LLMs)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeploySettings(Settings):
     """deploy-check (deploy_check.py): the endpoint whose scores are checked against the run's Shield."""
     endpoint: endpoints.RerankSpec = setting(None, "the rerank endpoint to check, a spec as --reranker takes it "
@@ -391,7 +388,7 @@ class DeploySettings(Settings):
 # the run's record.
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig(RolesSettings, TFSGLimits, TFSGSettings, ShieldSettings, RequestSettings, LLMSettings, DataSettings,
                   ModelSettings, RunSettings):
     """train: the Shield (Eqs. 1-5) and the TFSG library (Algorithm 1)."""
@@ -399,39 +396,39 @@ class TrainConfig(RolesSettings, TFSGLimits, TFSGSettings, ShieldSettings, Reque
              TFSGLimits, RolesSettings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig(RerankSettings, EvalSettings, JudgeSettings, TrainConfig):
     """eval: every condition on what `train` made; the trained run's settings come from its record."""
     FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, JudgeSettings, EvalSettings,
              RerankSettings, RolesSettings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DemoConfig(EvalConfig):
     """demo: train then eval, offline."""
     FLAGS = TrainConfig.FLAGS + (JudgeSettings, EvalSettings, RerankSettings)   # RolesSettings: in TrainConfig's
 
 
-@dataclass
+@dataclass(frozen=True)
 class RerankEvalConfig(EvalConfig):
     """rerank-eval: the reranker stage alone (no LLM call)."""
     FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, RerankSettings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttackConfig(AttackSettings, EvalConfig):
     """attack: the adaptive attacker against a trained run, then every budget end to end."""
     FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, JudgeSettings, EvalSettings,
              AttackSettings, RolesSettings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class HardenConfig(HardenSettings, JudgeSettings, TrainConfig):
     """harden: hardening rounds on a trained run; the trained run's settings come from its record."""
     FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings, RolesSettings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class HoldoutConfig(HoldoutSettings, EvalConfig):
     """holdout: a Shield (and with --llm-stage a library) per held-out family, each measured on the test
     split; a trained run's settings come from its record."""
@@ -439,13 +436,13 @@ class HoldoutConfig(HoldoutSettings, EvalConfig):
              TFSGLimits, JudgeSettings, RerankSettings, RolesSettings, HoldoutSettings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeployCheckConfig(DeploySettings, EvalConfig):
     """deploy-check: the run's Shield (its record's model, adapter and max length) against an endpoint."""
     FLAGS = (RunSettings, RequestSettings, DeploySettings)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BuildConfig(BuildSettings, RequestSettings, LLMSettings, ModelSettings, RunSettings):
     """build-bench: GEO-DefenseBench from GEO-Bench rows."""
     FLAGS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, BuildSettings)
@@ -466,4 +463,4 @@ PRESETS = {
 def flags(cls):
     """The fields a command takes from its command line: those of its FLAGS groups, in their order."""
     names = {f.name for g in cls.FLAGS for f in fields(g)}
-    return [f for f in fields(cls) if f.name in names and f.metadata.get("flag", True)]
+    return [f for f in fields(cls) if f.name in names]

@@ -221,10 +221,10 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     """`eval --name x` after `train --name x --llm ... --bench ...` evaluates what was trained (the
     README's real-use pair of commands) instead of refusing for settings it was not given again."""
     seen = []
-    monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: seen.append(cfg))
-    monkeypatch.setattr(run, "train_tfsg", lambda cfg: None)
+    monkeypatch.setattr(run, "train_shield", lambda r, resume=True: seen.append(r.cfg))
+    monkeypatch.setattr(run, "train_tfsg", lambda r: None)
     monkeypatch.setattr(run, "print_summary", lambda s: None)
-    monkeypatch.setattr(run, "evaluate", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(run, "evaluate", lambda r: seen.append(r.cfg) or {})
     common = ["--name", "x", "--runs-dir", str(tmp_path)]
     run.main(["train", "--model", "tiny", "--llm", "openai-compatible:m", "--base-url", "http://127.0.0.1:9/v1",
               "--bench", small_bench, "--n-construction", "4", "--n-batches", "1", "--lr", "2e-3"] + common)
@@ -258,9 +258,9 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     # a start that failed before producing anything (here: a hub model that cannot be fetched offline)
     # pins nothing: rerunning with a different --model, as the error suggests, is not refused
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(run, "train_shield", lambda cfg, resume=True: runs.load_reranker(cfg) and   # then a file,
+    monkeypatch.setattr(run, "train_shield", lambda r, resume=True: runs.load_reranker(r.cfg) and   # then a file,
                         # as training leaves
-                        runs.write_json(os.path.join(cfg.run_dir, "checkpoint", "state.json"), {}))
+                        runs.write_json(os.path.join(r.dir, "checkpoint", "state.json"), {}))
     with pytest.raises(SystemExit, match="--model tiny"):
         run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
     assert (tmp_path / "z" / "config.json").exists()
@@ -272,7 +272,9 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
                                                                      "model": "tiny"}, "command": "demo"})
     for cls in (settings.EvalConfig, settings.RerankEvalConfig, settings.AttackConfig):
         c = runs.resolve(cls, {"name": "n", "runs_dir": str(tmp_path)})
-        assert (c.llm, c.ppl_model, c.model) == ("offline", "tiny", "tiny") and c.engine_url is None
+        assert (c.llm, c.ppl_model, c.model) == ("offline", "tiny", "tiny")
+        with pytest.raises(dataclasses.FrozenInstanceError):    # settings stay as resolved; state is the Run's
+            c.llm = "openai:gpt-5.5"
     # the paper preset is Table A.1, its 4-bit base included; the plain defaults keep bf16
     paper = runs.resolve(settings.TrainConfig, {"name": "p", "runs_dir": str(tmp_path)}, "paper")
     plain = runs.resolve(settings.TrainConfig, {"name": "p", "runs_dir": str(tmp_path)})
@@ -391,12 +393,12 @@ def test_failed_eval_records_no_settings(demo_run, tmp_path, monkeypatch):
     c.update(name="f", runs_dir=str(tmp_path), max_test_groups=1, conditions="Non-Defense", llm="offline",
              base_url=None)
     with pytest.raises(llm_clients.LLMError, match="ConnectionError on http://127.0.0.1:9/v1"):
-        evaluation.evaluate(settings.EvalConfig(**{**c, "judge": "openai-compatible:gone",
-                                           "base_url": "http://127.0.0.1:9/v1"}))
+        evaluation.evaluate(runs.Run(settings.EvalConfig(**{**c, "judge": "openai-compatible:gone",
+                                           "base_url": "http://127.0.0.1:9/v1"})))
     # the clean reference's records were written (no judge call: the attack is not in them): the
     # token cap is recorded, the judge that never scored a record is not
     assert json.load(open(tmp_path / "f" / "results" / "settings.json")) == {"max_tokens": c["max_tokens"]}
-    s = evaluation.evaluate(settings.EvalConfig(**c))
+    s = evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))
     assert s["judge"] == "offline:offline-engine"
     assert json.load(open(tmp_path / "f" / "results" / "settings.json"))["judge"] == "offline"
 
@@ -467,7 +469,7 @@ def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
     src = write_lines(tmp_path, [{"query": "q", "docs": ["only one"]}], "src.jsonl")
     from test_pipeline import bb_config
     with pytest.raises(runs.SettingsError, match="leave none for the test split"):
-        build_bench.build_bench(bb_config(tmp_path, server, src, str(out)))
+        build_bench.build_bench(runs.Run(bb_config(tmp_path, server, src, str(out))))
     assert out.read_text() == "precious\n" and [f for f in os.listdir(tmp_path) if ".tmp" in f] == []
     for rows, msg in [([{"query": "q", "docs": [1, 2]}], r"docs\[0\]: text and url must be strings"),
                       ([{"query": "q", "sources": "x"}], "sources: expected a list"),
@@ -496,11 +498,11 @@ def test_checkpoint_is_whole_or_absent(tmp_path, tmp_path_factory, small_bench, 
         return real(a, b)
     monkeypatch.setattr(run.os, "replace", dying)
     with pytest.raises(KeyboardInterrupt):
-        train.train_shield(settings.EvalConfig(name="cut", **kw))
+        train.train_shield(runs.Run(settings.EvalConfig(name="cut", **kw)))
     monkeypatch.setattr(run.os, "replace", real)
     assert os.listdir(tmp_path / "cut" / "checkpoint") == ["state.safetensors"] or \
         "state.safetensors" in os.listdir(tmp_path / "cut" / "checkpoint")
-    train.train_shield(settings.EvalConfig(name="cut", **kw))
+    train.train_shield(runs.Run(settings.EvalConfig(name="cut", **kw)))
     a = load_file(full / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -591,7 +593,7 @@ def test_resumed_run_reports_the_whole_runs_usage(demo_run, tmp_path):
     cfg.update(runs_dir=str(tmp_path))
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"offline-engine": [1.0, 2.0]}))
-    again = evaluation.evaluate(settings.EvalConfig(**{**cfg, "prices": str(prices)}))
+    again = evaluation.evaluate(runs.Run(settings.EvalConfig(**{**cfg, "prices": str(prices)})))
     assert {k: v for k, v in again["usage"]["total"].items() if k != "cost_usd"} == \
         {k: v for k, v in first["total"].items() if k != "cost_usd"}
     t = again["usage"]["total"]

@@ -43,8 +43,7 @@ def test_every_setting_is_declared_in_one_group():
 def test_every_setting_a_flag_has_its_help():
     for g in groups():
         for f in dataclasses.fields(g):
-            if f.metadata.get("flag", True):
-                assert f.metadata.get("help", "").strip(), f"{g.__name__}.{f.name}: no help"
+            assert f.metadata.get("help", "").strip(), f"{g.__name__}.{f.name}: no help"
 
 
 def test_a_command_class_composes_groups_and_declares_nothing():

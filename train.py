@@ -2,7 +2,7 @@
 (paper Eqs. 1-5, Table A.1), resumable from one-file checkpoints, and the TFSG driver (Algorithm 1)
 that builds the experience library E0 -> E{n+1} from construction cases.
 
-Usage: train_shield(cfg); train_tfsg(cfg)     (cfg: runs.Config; outputs in cfg.run_dir)
+Usage: run = runs.Run(cfg); train_shield(run); train_tfsg(run)     (outputs in run.dir)
 """
 import hashlib
 import json
@@ -22,8 +22,8 @@ import parallel
 import tfsg
 from evaluation import clean_reference, eval_condition
 from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
-from runs import (adapter_path, append_jsonl, fast, labels_of, library_path, load_data, load_reranker, log, make_llm,
-                  read_json, shield_split, tfsg_limits, tfsg_schedule, write_json)
+from runs import (adapter_path, append_jsonl, fast, labels_of, library_path, load_reranker, log, read_json,
+                  shield_split, tfsg_limits, tfsg_schedule, write_json)
 
 
 # ----------------------------------------------------------------------------- Shield training
@@ -159,18 +159,18 @@ def fit(cfg, rr, opt, params, triples, ids, s0, state, on_step, on_epoch):
     bar.close()
 
 
-def train_shield(cfg, rr=None, resume=True, out=None, extra=(), init=None):
+def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     """Shield Reranker: LoRA on the frozen reranker, residual preference objective (Eqs. 1-5, Table A.1).
     Keeps the adapter of the epoch with the lowest Eq. 5 loss on the monitoring split; resumable.
     out: the folder for the adapter, checkpoint and logs (default: the run folder); extra: more
     construction instances (a hardening round's survivors); init: an adapter folder to start from
     (warm start) instead of PEFT's initialisation."""
-    run = out or cfg.run_dir
+    cfg, folder = run.cfg, out or run.dir
     adapter_dir = os.path.join(out, "adapter") if out else adapter_path(cfg)
-    if read_json(os.path.join(run, "shield_done.json")):
+    if read_json(os.path.join(folder, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
         return
-    data = load_data(cfg)
+    data = run.data
     cons, inst = data.construction, geodef.expand(data.construction, data.seen) + list(extra)
     opt_inst, mon_inst = shield_split(cfg, inst)
     main = parallel.is_main()      # under torchrun rank 0 alone writes the run's files; a plain run is rank 0
@@ -192,9 +192,9 @@ def train_shield(cfg, rr=None, resume=True, out=None, extra=(), init=None):
     fast(cfg, rr)                 # the LoRA layers get the speed paths too
     params = [p for p in rr.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
-    ckpt = os.path.join(run, "checkpoint")
+    ckpt = os.path.join(folder, "checkpoint")
     state = {"epoch": 0, "pos": 0, "step": 0, "best": None, "history": []}
-    log_path = os.path.join(run, "train_log.jsonl")
+    log_path = os.path.join(folder, "train_log.jsonl")
     if resume and os.path.isfile(os.path.join(ckpt, "state.safetensors")):
         state = _load_ckpt(ckpt, rr.model, opt)
         log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
@@ -230,7 +230,7 @@ def train_shield(cfg, rr=None, resume=True, out=None, extra=(), init=None):
     lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
     rr.model.eval()
     test_stats = shield_test_stats(cfg, rr, geodef.expand(data.test, data.methods), adapter_dir)
-    write_json(os.path.join(run, "shield_done.json"), {"best": state["best"], "history": state["history"],
+    write_json(os.path.join(folder, "shield_done.json"), {"best": state["best"], "history": state["history"],
                                                       "steps": state["step"],
                                                       "steps_per_epoch": math.ceil(len(opt_triples) / cfg.grad_accum),
                                                       "test_ranking": test_stats})
@@ -280,20 +280,20 @@ def clean_reference_benign(cfg, llm, base, groups):
     return {r["group_id"]: r for r in recs}
 
 
-def train_tfsg(cfg):
+def train_tfsg(run):
     """Algorithm 1: E0 -> E4 on the construction instances (A.2.2), with the Shield (or base) top-k."""
-    run = cfg.run_dir
+    cfg = run.cfg
     if os.path.isfile(library_path(cfg)):
-        log(f"[train] TFSG library already built: {run}/library")
+        log(f"[train] TFSG library already built: {run.dir}/library")
         return
-    data = load_data(cfg)
+    data = run.data
     cons, inst = data.construction, geodef.expand(data.construction, data.seen)
     seeds, batches = tfsg_schedule(cfg, inst)
     base, shield = load_rankers(cfg, cfg.shield)
     ranker = shield or base
     ranker.prepare(inst)
-    target = make_llm(cfg, stage="train")
-    analyzer = make_llm(cfg, cfg.analyzer, stage="train") if cfg.analyzer else target
+    target = run.llm(stage="train")
+    analyzer = run.llm(cfg.analyzer, stage="train") if cfg.analyzer else target
     clean = clean_reference_benign(cfg, target, base, cons)
 
     def case_input(x, force_attack=False):
@@ -310,7 +310,7 @@ def train_tfsg(cfg):
 
     def answer_many(requests):           # one stage: concurrent, or one batch with --batch-api
         return target.map(requests, workers=cfg.workers, desc="TFSG target")
-    lib = tfsg.build_library(answer_many, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run, "library"),
+    lib = tfsg.build_library(answer_many, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run.dir, "library"),
                              answer_prompt=tfsg.standard_prompt, interface=interface,
                              max_initial_rules=cfg.max_initial_rules, temperature=cfg.temperature,
                              controller=tfsg.Controller(limits=tfsg_limits(cfg)), max_tokens=cfg.max_tokens)
@@ -320,13 +320,13 @@ def train_tfsg(cfg):
     log(f"[train] TFSG library E{cfg.n_batches + 1}: {len(lib.active())} active rules ({len(lib.rules)} total)")
 
 
-def plan_train(cfg):
+def plan_train(run):
     """train --dry-run: what training would send, and nothing sent. The Shield sends nothing (its
     optimizer steps are given); TFSG (A.2.2): the clean reference of each construction group, four
     controlled rollouts per seed case, one cold-start Analyzer call, and per update batch one answer
     per case and one Analyzer call. A finished library costs nothing."""
     from evaluation import estimate, price_plan
-    data = load_data(cfg)
+    cfg, data = run.cfg, run.data
     inst = geodef.expand(data.construction, data.seen)
     opt, _ = shield_split(cfg, inst)
     seeds, batches = tfsg_schedule(cfg, inst)
@@ -337,12 +337,12 @@ def plan_train(cfg):
     stages = {"target answers": estimate(answers, ctx + 2500, 400),
               "Analyzer": estimate(analyzer, cfg.batch_size * (cfg.k * cfg.analyzer_doc_chars + 1500) + 6000, 1500)}
     return {"shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum), "tfsg_library_built": done,
-            "stages": stages, "usd_at_most": price_plan(cfg, stages, lambda s: cfg.llm if s == "target answers"
+            "stages": stages, "usd_at_most": price_plan(run.prices, stages, lambda s: cfg.llm if s == "target answers"
                                                         else cfg.analyzer or cfg.llm),
             # the rollouts through a batch API; the Analyzer's calls stay synchronous (each needs the last)
             "usd_at_most_batch_api": _sum_or_none(
-                price_plan(cfg, {"target answers": stages["target answers"]}, lambda s: cfg.llm, batch=True),
-                price_plan(cfg, {"Analyzer": stages["Analyzer"]}, lambda s: cfg.analyzer or cfg.llm)),
+                price_plan(run.prices, {"target answers": stages["target answers"]}, lambda s: cfg.llm, batch=True),
+                price_plan(run.prices, {"Analyzer": stages["Analyzer"]}, lambda s: cfg.analyzer or cfg.llm)),
             "note": "estimates: prompt tokens at 4 characters a token; cached replies cost nothing"}
 
 
