@@ -434,6 +434,57 @@ def honest_edits(ctx, groups):
             {k: kinds.count(k) for k in sorted(set(kinds))})
 
 
+def co_attack_picks(groups, fams, attacked, seed):
+    """--attacked K: per test group, K-1 candidates other than the source and a family for each, drawn
+    from a generator seeded by the build's seed and the group id (a group's picks do not depend on the
+    others) -> {group_id: [(index, family)]}."""
+    out = {}
+    for g in groups:
+        rng = random.Random(f"{seed}:co-attacks:{g['group_id']}")
+        others = [i for i in range(len(g["docs"])) if i != g["source_index"]]
+        out[g["group_id"]] = [(i, rng.choice(fams)) for i in rng.sample(others, attacked - 1)]
+    return out
+
+
+def at_candidate(g, i):
+    """Group g as the rewriters see a group, with candidate i as the document to rewrite."""
+    return {**g, "group_id": f"{g['group_id']}@{i}", "source_index": i}
+
+
+def pool_lists(ctx, cfg, fams, groups):
+    """The test lists' further attacked documents (--attacked K) and optimised pool (--pool optimized)
+    -> ({group_id: {"co_attacks": [...], "optimized": {...}}}, {refusal kind: count} of the pool's
+    honest edits). Each further attack passes the families' gate, each honest edit the honest gate, as
+    the source's do; a refused one leaves the list without it (fewer attacked documents, or that
+    candidate as the search returned it), said in the log."""
+    out = {g["group_id"]: {} for g in groups}
+    picks = co_attack_picks(groups, fams, cfg.attacked, cfg.seed) if cfg.attacked > 1 else {}
+    by_id = {g["group_id"]: g for g in groups}
+    for f in fams:                      # a rewriter per family, over every candidate it was drawn for
+        todo = [at_candidate(by_id[gid], i) for gid, ps in picks.items() for i, m in ps if m == f]
+        if not todo:
+            continue
+        fam = geo_attacks.Mageo(cfg.mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
+        done, bad = rewrite_family(ctx, fam, todo)
+        for key, why in bad.items():
+            log(f"[build-bench] {key}: no further {f} attack ({why})")
+        for key, (text, trace) in done.items():
+            gid, i = key.rsplit("@", 1)
+            out[gid].setdefault("done", {})[int(i)] = {"index": int(i), "method": f, "text": text, "trace": trace}
+    for gid, ps in picks.items():      # in the drawn order: level L holds the first L-1
+        got = out[gid].pop("done", {})
+        out[gid]["co_attacks"] = [got[i] for i, _ in ps if i in got]
+    refused = {}
+    if cfg.pool == "optimized":
+        edits, refused = honest_edits(ctx, [at_candidate(g, i) for g in groups for i in range(len(g["docs"]))
+                                            if i != g["source_index"]])
+        for key, (text, _) in edits.items():
+            gid, i = key.rsplit("@", 1)
+            if text is not None:
+                out[gid].setdefault("optimized", {})[i] = text
+    return out, refused
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -497,6 +548,8 @@ def plan(cfg):
         raise SettingsError(f"--seen-methods {seen}: each must be among --attacks {fams}")
     if not cfg.input or not cfg.output:
         raise SettingsError("build-bench: give --input (the rows) and --output (the JSONL to write)")
+    if cfg.attacked >= cfg.docs:
+        raise SettingsError(f"--attacked {cfg.attacked}: at most --docs - 1 ({cfg.docs - 1}) of a list's candidates")
     if cfg.groups <= cfg.construction_groups:
         raise SettingsError(f"--groups {cfg.groups} --construction-groups {cfg.construction_groups}: at least one "
                             "construction group and one test group")
@@ -539,6 +592,16 @@ def dry_run(run):
               "completion_tokens": int(n_test * REWRITE_TRIES * 2 * chars / 4 * 1.1)}
         stages["honest edit"] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
                                  "usd_batch_api": None if price is None else accounting.token_cost(price, st, True)}
+    n_test = len(picked) - n_cons
+    extra = {"further attacks": (n_test * (cfg.attacked - 1), max(geo_attacks.FAMILIES[f].calls for f in fams)),
+             "pool honest edits": (n_test * (cfg.docs - 1) * (cfg.pool == "optimized"), 1)}
+    for name, (rewrites, calls) in extra.items():      # --attacked K, --pool optimized: rewrites of other candidates
+        if rewrites:
+            req = rewrites * calls * REWRITE_TRIES * 2
+            st = {"groups": rewrites, "requests": req, "prompt_tokens": int(req * (chars / 4 * 2 + 400)),
+                  "completion_tokens": int(req * chars / 4 * 1.3)}
+            stages[name] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
+                            "usd_batch_api": None if price is None else accounting.token_cost(price, st, True)}
     n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every rewrite (and edit) is judged
     stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
     return {"groups": len(picked), "construction": n_cons, "test": len(picked) - n_cons,
@@ -596,11 +659,13 @@ def build_bench(run, p=None):
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
     edits, refused = honest_edits(ctx, [g for g in kept if g["split"] == "test"]) if cfg.honest else (None, None)
+    lists = pool_lists(ctx, cfg, fams, [g for g in kept if g["split"] == "test"]) if (
+        cfg.attacked > 1 or cfg.pool == "optimized") else ({}, {})
     if edits:                           # the honest edits' template, beside the families'
         markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
-    write(cfg, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused), cons)
+    write(cfg, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused), cons, lists)
     comp = composition(kept, fams, cons, attacks)
     log(f"[build-bench] wrote {len(kept)} groups to {cfg.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
@@ -652,7 +717,8 @@ def composition(groups, fams, cons, attacks):
     return out
 
 
-def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None):
+def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None,
+          lists=({}, {})):
     """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output.
     honest_audit ({group_id: (text or None, trace)} of the test groups and the refusal kinds' counts,
     build-bench --honest): each test line's `honest` edit and its `honest_trace`, and _meta's `honest`,
@@ -660,7 +726,8 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
     it the lines are as before. rewrites: rewrite_all's (attacks, traces, failed); a family refused on a
     group is in the line's `failed` with why, and _meta.family_drops counts them per family. cons: the
     construction groups' families; _meta.construction_methods records them when they are more than the
-    seen ones."""
+    seen ones. lists: pool_lists' fields of the test lines and the pool's refusals; _meta.attacked and
+    _meta.pool are written when they are not the paper's (one attacked document, the search's pool)."""
     attacks, traces, failed = rewrites
     edits, refused = honest_audit
     cons = list(cons or seen)
@@ -672,6 +739,9 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
             "mageo_signal": cfg.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
     if cons != list(seen):
         meta["construction_methods"] = cons
+    if cfg.attacked > 1 or cfg.pool != "search":
+        meta.update(attacked=cfg.attacked, pool=cfg.pool)
+        meta.update({"pool_refusals": lists[1]} if cfg.pool != "search" else {})
     drops = {f: sum(f in why for why in failed.values()) for f in fams}       # dropped groups' too
     if any(drops.values()):                  # each family's own denominator: the groups it rewrote
         meta["family_drops"] = drops
@@ -691,6 +761,7 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
                 "attacks": {m: attacks[gid][m] for m in names if m in attacks[gid]},
                 "trace": {m: traces[gid][m] for m in names if m in traces[gid]}}
         line.update({"failed": {m: failed[gid][m] for m in names if m in failed[gid]}} if failed[gid] else {})
+        line.update(lists[0].get(gid, {}))                  # test groups with --attacked K or --pool optimized
         if edits is not None and gid in edits:             # test groups
             text, trace = edits[gid]
             line.update(({"honest": text} if text is not None else {}), honest_trace=trace)

@@ -432,6 +432,28 @@ def aggregate(answers, alpha=ALPHA, beta=BETA, long_form=True):
     return {p: s for p, s in support.items() if p not in dropped}
 
 
+def keyword_certified(answers, corrupted, alpha=ALPHA, beta=BETA, long_form=True):
+    """RobustRAG's certificate for keyword aggregation (Xiang et al. 2024, arXiv 2405.15556, Sec. 5):
+    whether the phrases that pass the threshold stay the same whatever `corrupted` of the k isolated
+    answers are replaced by. A replaced answer removes at most one count from each phrase and adds at most
+    one, and may abstain or not, so with m answers left, counts c lie in [c - K', c + K'] and
+    mu = min(beta, alpha * m) in [mu(max(0, m - K')), mu(min(k, m + K'))]. The kept set is certain when
+    every kept phrase has c - K' >= the largest mu and every other phrase, one no answer holds (c = 0)
+    included, has c + K' < the smallest mu. The keyword request is then the same, hence its answer and
+    the phrases cited for; only a corrupted passage's own citations can change. Ours: a kept phrase
+    inside a longer one with the same supporters is dropped (`aggregate`); corruption can change
+    supporters, so the certificate is of the thresholded set, before that step."""
+    sets = [phrases(a) for a in answers if isinstance(a, str) and not abstains(a)]
+    k, m = len(answers), len(sets)
+    mu = lambda n: min(beta, alpha * n)
+    lo, hi = mu(max(0, m - corrupted)), mu(min(k, m + corrupted))
+    count = Counter(p for s in sets for p in s)
+    eligible = lambda p: p not in FUNCTION_WORDS and (" " in p or not long_form)
+    kept = [c for p, c in count.items() if eligible(p) and c >= mu(m)]
+    rest = [c for p, c in count.items() if eligible(p) and c < mu(m)] + [0]      # 0: a phrase no answer holds
+    return m > 0 and all(c - corrupted >= hi for c in kept) and all(c + corrupted < lo for c in rest)
+
+
 def cite_supporters(answer, support, n=MAX_WORDS):
     """Our citation rule (RobustRAG's answer cites nothing): each sentence of the final answer cites
     the documents whose isolated answers hold a kept phrase that the sentence contains (the same

@@ -21,6 +21,12 @@ Deviations / choices the paper leaves open:
 - A group line may carry `honest` (build-bench --honest): an honest edit of the source, not an
   attack; `honest_instance` puts it in the clean list, where eval and rerank-eval measure the honest
   penalty. Files without it load as before.
+- Several attacked documents a list (build-bench --attacked K; _meta.attacked): a test line's
+  `co_attacks` lists K-1 further candidates, each rewritten by one family ({index, method, text}), and
+  `optimized` ({index: text}, _meta.pool "optimized") an honest edit of every other candidate. A group
+  is then evaluated at every level 1..K (`attack_instance(g, m, level)`: the source and the first
+  level-1 co-attacks), so exposure and ASR are measured against K on the same lists. The paper's
+  lists hold one attacked document; files without these fields load and expand as before.
 
 Usage: groups = load_bench("data/geo_defensebench_sample.jsonl"); split = split_groups(groups)
 """
@@ -65,6 +71,8 @@ class QueryGroup:
     line: int = 0
     honest: str = None    # an honest edit of docs[source_index] (build-bench --honest), or None
     failed: dict = None   # method -> why build-bench's gate refused its every rewrite: the group has none of it
+    co_attacks: list = None   # [(index, method, text)]: further candidates rewritten (build-bench --attacked K)
+    optimized: dict = None    # {index: text}: honest edits of the other candidates (build-bench --pool optimized)
 
 
 @dataclass
@@ -80,6 +88,12 @@ class Instance:
     method: str = None
     split: str = None
     source: str = None    # the clean document the rewrite replaced (what an attacker must stay faithful to)
+    co_attacks: tuple = ()  # positions of the further attacked documents (a list with several; labels too)
+
+    @property
+    def attacked(self):
+        """Positions of every attacked document: the source's rewrite first."""
+        return () if self.attack_index is None else (self.attack_index, *self.co_attacks)
 
 
 @dataclass
@@ -92,6 +106,8 @@ class BenchMeta:
     # the families rewritten in the construction groups (_meta.construction_methods, written by
     # build-bench --construction-families): absent, the seen ones (B.1: 12 x 3), else every method
     construction_methods: list = field(default_factory=list)
+    attacked: int = 1         # attacked documents a test list holds at most (_meta.attacked; build-bench --attacked)
+    pool: str = "search"      # "optimized": every other candidate honestly edited (_meta.pool; --pool optimized)
 
     def construction(self):
         """The methods every construction group holds: those a Shield may be trained on."""
@@ -233,8 +249,14 @@ def _read_meta(obj, path, n):
     unknown = [x for x in m.get("seen_methods", []) if cons and x not in cons]
     if unknown:
         _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.construction_methods {cons}")
+    attacked, pool = m.get("attacked", 1), m.get("pool", "search")
+    if isinstance(attacked, bool) or not isinstance(attacked, int) or not 1 <= attacked <= N_DOCS - 1:
+        _fail(path, n, "_meta.attacked", f"an integer in 1..{N_DOCS - 1}, got {attacked!r}")
+    if pool not in ("search", "optimized"):
+        _fail(path, n, "_meta.pool", f"'search' or 'optimized', got {pool!r}")
     return BenchMeta(methods=list(m.get("methods", [])), seen_methods=list(m.get("seen_methods", [])),
-                     synthetic=bool(m.get("synthetic", False)), raw=m, construction_methods=list(cons))
+                     synthetic=bool(m.get("synthetic", False)), raw=m, construction_methods=list(cons),
+                     attacked=attacked, pool=pool)
 
 
 def _read_group(obj, path, n, n_docs, meta):
@@ -300,7 +322,61 @@ def _read_group(obj, path, n, n_docs, meta):
     if split is not None and split not in ("construction", "test"):
         _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
     honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
-    return QueryGroup(gid, query, docs, src, dict(attacks), split, n, honest, dict(failed) or None)
+    co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
+    opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
+    return QueryGroup(gid, query, docs, src, dict(attacks), split, n, honest, dict(failed) or None, co, opt)
+
+
+def _read_co_attacks(obj, path, n, docs, src, meta):
+    """The optional `co_attacks` (build-bench --attacked K): [{index, method, text}], each a candidate
+    other than the source, once, rewritten by one of the file's methods -> [(index, method, text)]."""
+    v = obj["co_attacks"]
+    if not isinstance(v, list):
+        _fail(path, n, "co_attacks", f"expected a list, got {type(v).__name__}")
+    out = []
+    for j, c in enumerate(v):
+        if not isinstance(c, dict):
+            _fail(path, n, f"co_attacks[{j}]", f"expected object, got {type(c).__name__}")
+        i = _need(c, "index", int, path, n, f"co_attacks[{j}].")
+        if not 0 <= i < len(docs) or i == src or i in [o[0] for o in out]:
+            _fail(path, n, f"co_attacks[{j}].index", f"{i}: a candidate index in 0..{len(docs) - 1}, not the "
+                                                      "source_index and not listed before")
+        m = _need(c, "method", str, path, n, f"co_attacks[{j}].")
+        if meta.methods and m not in meta.methods:
+            _fail(path, n, f"co_attacks[{j}].method", f"{m!r} not in _meta.methods {meta.methods}")
+        t = _need(c, "text", str, path, n, f"co_attacks[{j}].")
+        check_unicode(t, path, n, f"co_attacks[{j}].text")
+        if not t.strip() or " ".join(t.split()) == " ".join(docs[i]["text"].split()):
+            _fail(path, n, f"co_attacks[{j}].text", "empty, or identical to the candidate it rewrites")
+        out.append((i, m, t))
+    if len(out) > meta.attacked - 1:
+        _fail(path, n, "co_attacks", f"{len(out)} further attacked documents; _meta.attacked {meta.attacked} allows "
+                                     f"{meta.attacked - 1}")
+    if obj.get("split") == "construction" and out:
+        _fail(path, n, "co_attacks", "construction groups hold one attacked document (the Shield trains on those)")
+    return out
+
+
+def _read_optimized(obj, path, n, docs, src, meta):
+    """The optional `optimized` (build-bench --pool optimized): {index: honest edit} of candidates other
+    than the source; text that spells no chat control token -> {int index: text}."""
+    v = obj["optimized"]
+    if meta.pool != "optimized":
+        _fail(path, n, "optimized", "honest edits of the pool need _meta.pool \"optimized\"")
+    if not isinstance(v, dict):
+        _fail(path, n, "optimized", f"expected {{index: text}}, got {type(v).__name__}")
+    out = {}
+    for k, t in v.items():
+        i = int(k) if isinstance(k, str) and k.isdigit() else None
+        if i is None or not 0 <= i < len(docs) or i == src:
+            _fail(path, n, f"optimized.{k}", f"a candidate index in 0..{len(docs) - 1} other than the source_index")
+        if not isinstance(t, str) or not t.strip():
+            _fail(path, n, f"optimized.{k}", "expected the candidate's edited text")
+        check_unicode(t, path, n, f"optimized.{k}")
+        if control_tokens(t):
+            _fail(path, n, f"optimized.{k}", f"holds chat control tokens {control_tokens(t)[:3]}")
+        out[i] = t
+    return out
 
 
 def _read_honest(obj, path, n, source_norm):
@@ -379,14 +455,20 @@ def split_groups(groups, n_construction=12, seed=0):
             [replace(g, split="test") for g in groups if g.group_id not in cons])
 
 
-def attack_instance(g, method):
-    """B.1.1: docs[source_index] replaced IN PLACE by the method's rewrite (nine benign + one attack)."""
-    docs = [d["text"] for d in g.docs]
+def attack_instance(g, method, level=1):
+    """B.1.1: docs[source_index] replaced IN PLACE by the method's rewrite (nine benign + one attack).
+    level > 1 (a file built with --attacked K): the group's first level-1 co-attacks replace their
+    candidates too, each id "<doc_id>#<its method>", and the instance id ends ":K<level>"; with an
+    optimized pool every other candidate shows its honest edit (its id unchanged: the same page)."""
+    docs = [(g.optimized or {}).get(i, d["text"]) for i, d in enumerate(g.docs)]
     ids = [d["doc_id"] for d in g.docs]
     docs[g.source_index] = g.attacks[method]
     ids[g.source_index] = f"{ids[g.source_index]}#{method}"
-    return Instance(f"{g.group_id}:{method}", g.group_id, g.query, docs, ids, g.source_index, method, g.split,
-                    g.docs[g.source_index]["text"])
+    co = (g.co_attacks or [])[:level - 1]
+    for i, m, text in co:
+        docs[i], ids[i] = text, f"{ids[i]}#{m}"
+    return Instance(f"{g.group_id}:{method}" + (f":K{level}" if level > 1 else ""), g.group_id, g.query, docs, ids,
+                    g.source_index, method, g.split, g.docs[g.source_index]["text"], tuple(i for i, _, _ in co))
 
 
 def clean_instance(g):
@@ -410,8 +492,15 @@ def honest_instance(g):
 
 def expand(groups, methods):
     """Every group x method (in the given method order), group-major; a method a group has no rewrite of
-    (its `failed` ones) is left out, so each method is measured over the groups it rewrote."""
-    return [attack_instance(g, m) for g in groups for m in methods if m in g.attacks]
+    (its `failed` ones) is left out, so each method is measured over the groups it rewrote. A group with
+    co-attacks (--attacked K) gives each method's list at every level 1..K, level-major within the method."""
+    return [attack_instance(g, m, lv) for g in groups for m in methods if m in g.attacks
+            for lv in range(1, 2 + len(g.co_attacks or ()))]
+
+
+def attacked_levels(insts):
+    """The numbers of attacked documents the instances' lists hold, ascending ([1] for the paper's)."""
+    return sorted({len(x.attacked) for x in insts if x.attack_index is not None})
 
 
 def construction_schedule(instances, n_seed=6, batch_size=10, n_batches=3, seed=0):

@@ -125,6 +125,22 @@ def two_level_bootstrap_ci(values, clusters, samples, n_boot=10000, seed=0, leve
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
+def by_attacked(recs, columns, n_boot=10000, seed=0):
+    """Figures against the number of attacked documents a list holds (records' `attacked`, 1 when
+    absent): {"K": {"n", and per column its mean and 95% cluster-bootstrap CI}}. columns: {name: function
+    of a record -> a number}; the instances of one query group stay one cluster at every K."""
+    out = {}
+    for lv in sorted({r.get("attacked", 1) for r in recs}):
+        rs = [r for r in recs if r.get("attacked", 1) == lv]
+        clusters = [r["group_id"] for r in rs]
+        out[str(lv)] = {"n": len(rs)}
+        for name, fn in columns.items():
+            vals = [fn(r) for r in rs]
+            out[str(lv)][name] = sum(vals) / len(vals)
+            out[str(lv)][name + "_ci"] = list(cluster_bootstrap_ci(vals, clusters, n_boot=n_boot, seed=seed))
+    return out
+
+
 def quality_summary(deltas, clusters, n_boot=10000, seed=0):
     """Table C.1 row: mean change, 95% CI, % comparable or better, % better."""
     d = np.asarray(deltas, dtype=np.float64)

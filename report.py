@@ -27,7 +27,7 @@ def write_report(run_dir, s):
     figs = os.path.join(run_dir, "figures")
     os.makedirs(figs, exist_ok=True)
     lines = _header_lines(run_dir, s) + _table_lines(s) + strength_lines(s) + cost_lines(s) + _method_lines(s, figs)
-    lines += _appendix_lines(s, figs) + defense_lines(s)
+    lines += _appendix_lines(s, figs) + defense_lines(s) + attacked_lines(s, figs)
     lines += rerank_stage_lines(s)
     lines += usage_lines(s.get("usage") or {})
     # the API refused a parameter (llm_clients.RequestShape.adapt)
@@ -298,6 +298,52 @@ def _appendix_lines(s, figs):
     return lines
 
 
+def ci_cell(b, m):
+    """A metric of block b with its CI, "v [lo, hi]", or "-" when b lacks it."""
+    return f"{b[m]:.2f} [{b[m + '_ci'][0]:.2f}, {b[m + '_ci'][1]:.2f}]" if m in b else "-"
+
+
+def against_k(path, title, blocks, metric, ylabel, note):
+    """figures/<path>: `metric` of each series against the number of attacked documents a list holds.
+    blocks: {series: {"K": block}}."""
+    ks = sorted({kk for b in blocks.values() for kk in b}, key=int)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(svg_lines(title, ks, {name: [b.get(kk, {}).get(metric) for kk in ks] for name, b in blocks.items()},
+                          xlabel="attacked documents in the list (K)", ylabel=ylabel, note=note))
+
+
+def attacked_lines(s, figs):
+    """Every condition against K on a benchmark with several attacked documents a list (summary.json's
+    by_attacked): the table and figures/attacked_asr.svg and attacked_exposure.svg."""
+    b = s.get("by_attacked")
+    if not b:
+        return []
+    note = figure_note(s.get("notes"))
+    against_k(os.path.join(figs, "attacked_asr.svg"), "ASR against the number of attacked documents", b, "ASR",
+              "ASR: any attacked document cited (%)", note)
+    against_k(os.path.join(figs, "attacked_exposure.svg"), "Exposure against the number of attacked documents", b,
+              "exposure", "any attacked document in the context (%)", note)
+    rows = [[c, kk, v["n"], ci_cell(v, "ASR"), ci_cell(v, "exposure"), ci_cell(v, "topk_attack_share"),
+             ci_cell(v, "citation_share")] for c, per in b.items() for kk, v in per.items()]
+    return ["## Against the number of attacked documents a list holds\n",
+            "Each test list at K = 1.. the file's K attacked documents (the source's rewrite and the first K-1 "
+            "further ones). ASR: any attacked document cited; exposure: any in the context; shares: of the "
+            "top k and of the citations the attacked documents take. 95% query-cluster bootstrap CIs. The Shield "
+            "is trained on lists with one attacked document, as the paper trains it.\n",
+            _table(["Condition", "K", "n", "ASR (%)", "Exposure (%)", "Top-k share (%)", "Citation share (%)"],
+                   rows) + "\n", "![ASR against K](figures/attacked_asr.svg)\n",
+            "![exposure against K](figures/attacked_exposure.svg)\n"]
+
+
+def robustrag_certificate_rows(r):
+    """RobustRAG's measured ASR beside its keyword certificate (rows of the RobustRAG table)."""
+    if "certified" not in r:
+        return []
+    return [["ASR (%, measured)", fmt(r["ASR"])]] + [
+        [f"certified against {kk} corrupted passage(s) (% of queries, RobustRAG's keyword bound)", fmt(v)]
+        for kk, v in r["certified"].items()]
+
+
 def defense_lines(s):
     """What PromptArmor's remover cut and how RobustRAG's aggregation went (summary.json's defenses)."""
     d, lines = s.get("defenses") or {}, []
@@ -319,8 +365,8 @@ def defense_lines(s):
             ["isolated answers that abstained", f"{r['isolated_abstained']}/{r['isolated_answers']}"],
             ["kept phrases per query", fmt(r["kept_phrases_per_query"])],
             ["attack documents in the top-k", r["attack_in_context"]],
-            ["... whose isolated answer supports a kept phrase cited for", r["attack_supports_a_cited_phrase"]]])
-            + "\n")
+            ["... whose isolated answer supports a kept phrase cited for", r["attack_supports_a_cited_phrase"]]]
+            + robustrag_certificate_rows(r)) + "\n")
     return lines
 
 
@@ -330,20 +376,38 @@ def rerank_stage_lines(s):
     stage, k = s.get("rerank_stage"), s.get("rerank_stage_k", 5)
     if not stage:
         return []
-    ci = lambda b, m: (f"{b[m]:.2f} [{b[m + '_ci'][0]:.2f}, {b[m + '_ci'][1]:.2f}]" if m in b else "-")
+    ci = ci_cell
     honest = any(v.get("honest") for v in stage.values())   # a benchmark with honest edits: two more columns
     rows = [[label, part, b.get("n", 0), ci(b, "exposure"), ci(b, "mean_attack_rank"), ci(b, "promotion"),
              ci(b, "clean_topk_kept")]
             + ((honest_cells(v.get("honest"), "attack_demotion") if part == "all" else ["", ""]) if honest else [])
             for label, v in stage.items() for part, b in (("all", v["overall"]), ("seen", v["seen"]),
                                                           ("unseen", v["unseen"])) if b.get("n")]
+    by_k = [[label, kk, v["n"], ci_cell(v, "any_exposure"), ci_cell(v, "topk_attack_share")]
+            for label, st in stage.items() for kk, v in st.get("by_attacked", {}).items()]
+    by_k = ([f"Against the number of attacked documents a list holds: exposure@{k} of any of them and the share "
+             "of the top k they take (95% query-cluster bootstrap CIs).\n",
+             _table(["Reranker", "K", "n", f"Any exposed@{k} (%)", "Top-k share (%)"], by_k) + "\n"] if by_k else [])
+    cert = [[label, c["samples"], f"{c['eps']:.3f}"] + [fmt(c["certified"][p]) for p in c["certified"]]
+            + [f"{fmt(c['exposure'])} / {fmt(c['smoothed_exposure'])}",
+               f"{fmt(c.get('clean_topk_kept'))} / {fmt(c.get('smoothed_clean_topk_kept'))}",
+               fmt(c["rewrites_inside_radius"]), fmt(100 * c["edit_fraction_median"])]
+            for label, st in stage.items() for c in [st.get("certificate")] if c]
+    by_k += ([f"Certified top-{k} (rerank-eval --certify, certify.py): % of attacked documents that no "
+              "substitution of the given share of their words can bring into the smoothed top k (confidence "
+              "95%); what the smoothing costs; % of the benchmark's rewrites whose word edit fraction lies inside "
+              "their source's certified radius. The bound covers substitutions only: a rewrite that adds or "
+              "removes words is outside it whatever its size.\n",
+              _table(["Reranker", "masks", "eps", "5%", "10%", "20%", "30%", f"Exposure@{k} plain / smoothed (%)",
+                      "Clean kept plain / smoothed (%)", "Rewrites inside radius (%)", "Median edit (%)"], cert)
+              + "\n"] if cert else [])
     return [f"## Reranker stage under GEO attack (no LLM): k = {k}\n",
             "Exposure@k: the attack document in the top k (%); attack rank: 1-based; promotion: the source "
             "document's rank in the clean list minus the attack's; clean kept: % of the base reranker's clean "
             "top-k a reranker keeps. 95% query-cluster bootstrap CIs.\n",
             _table(["Reranker", "Methods", "n", f"Exposure@{k} (%)", "Attack rank", "Promotion", "Clean kept (%)"]
                    + (["Honest penalty (%)", "Attack demoted (%)"] if honest else []), rows) + "\n"] \
-        + (honest_lines(s, "rerank") if honest else [])
+        + by_k + (honest_lines(s, "rerank") if honest else [])
 
 
 def write_rerank_report(run_dir, s):
@@ -366,6 +430,11 @@ def write_rerank_report(run_dir, s):
                          for lb in labels]) + "\n")
     lines.append("Exposure@k (%) by GEO method; unseen methods marked *.\n")
     lines.append("![exposure](figures/rerank_exposure.svg)\n")
+    if any(stage[lb].get("by_attacked") for lb in labels):
+        against_k(os.path.join(figs, "rerank_attacked.svg"), f"Exposure@{k} of any attacked document against K",
+                  {lb: stage[lb]["by_attacked"] for lb in labels if stage[lb].get("by_attacked")}, "any_exposure",
+                  f"any attacked document in the top {k} (%)", figure_note(s.get("notes")))
+        lines.append("![exposure against K](figures/rerank_attacked.svg)\n")
     lines += [f"Reranker `{lb}`: `{stage[lb]['spec']}`." for lb in labels] + [""]
     lines += usage_lines(s.get("usage") or {})
     with open(os.path.join(run_dir, "rerank_report.md"), "w", encoding="utf-8") as f:

@@ -30,6 +30,7 @@ Usage: python run.py rerank-eval --name demo --reranker base --reranker shield -
 """
 import os
 
+import certify
 import geodef
 import metrics
 import parallel
@@ -51,6 +52,9 @@ def instance_record(x, clean, ranker, base_clean_order, k):
            "exposed": attack_rank <= k}
     if base_clean_order is not None:
         rec["clean_topk_kept"] = len(set(clean_order[:k]) & set(base_clean_order[:k])) / k
+    if x.co_attacks:                      # several attacked documents (--attacked K): any of them, and their share
+        n_top = len(set(order[:k]) & set(x.attacked))
+        rec.update(attacked=len(x.attacked), attacks_in_topk=n_top, any_exposed=n_top > 0, topk_attack_share=n_top / k)
     return rec
 
 
@@ -78,6 +82,14 @@ def summarize_stage(recs, seen, n_boot, seed):
             "unseen": block([r for r in recs if r["method"] not in seen])}
 
 
+def attacked_stage(recs, k, n_boot, seed):
+    """One reranker against the number of attacked documents a list holds (--attacked K): exposure@k of
+    any of them and the share of the top k they take, in percent with CIs -> metrics.by_attacked's."""
+    return metrics.by_attacked(recs, {
+        "any_exposure": lambda r: 100.0 * r.get("any_exposed", r["exposed"]),
+        "topk_attack_share": lambda r: 100.0 * r.get("topk_attack_share", r["exposed"] / k)}, n_boot, seed)
+
+
 def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
     """One reranker's honest penalty and, on the same groups, its attack demotion (module docstring), in
     percent with 95% cluster-bootstrap CIs; None where no source is in the clean top k."""
@@ -90,6 +102,82 @@ def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
         out[name] = sum(vals) / len(vals) if vals else None
         out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, [r["group_id"] for r in rs], n_boot=n_boot,
                                                               seed=seed)) if vals else None
+    return out
+
+
+def dry_run(run, items):
+    """rerank-eval --dry-run: what each reranker would score, nothing scored. A local reranker's forward
+    passes (each distinct query and document once, less what its cache holds) and with --certify the
+    smoothing's (--samples masks of each distinct document of the attack and clean lists, cache aside);
+    an endpoint's requests (one per list) and, with --prices holding {"usd_per_1k_searches": x}, their
+    price."""
+    cfg = run.cfg
+    insts, cleans, honest = stage_lists(run.data)
+    lists = insts + list(cleans.values()) + honest
+    pairs = {(x.query, d) for x in lists for d in x.docs}
+    smoothed = {(x.query, d) for x in insts + list(cleans.values()) for d in x.docs}
+    n = cfg.samples if cfg.samples > 1 else certify.DEFAULT_SAMPLES
+    out = {"lists": len(lists), "distinct_documents": len(pairs), "rerankers": {}}
+    for label, spec in items:
+        if spec.kind in rankers.LOCAL:
+            out["rerankers"][label] = {"forward_passes_at_most": len(pairs)}
+            if getattr(cfg, "certify", False):
+                out["rerankers"][label].update(certify_forward_passes_at_most=n * len(smoothed), mask_samples=n)
+        else:
+            price = (run.prices or {}).get(getattr(spec, "model", None) or "", {})
+            per_1k = price.get("usd_per_1k_searches") if isinstance(price, dict) else None
+            out["rerankers"][label] = {"requests": len(lists), "documents": sum(len(x.docs) for x in lists),
+                                       "usd": None if per_1k is None else per_1k * len(lists) / 1000}
+    return out
+
+
+def certify_records(cfg, rk, insts, cleans, base_clean):
+    """rerank-eval --certify under one local ranker (certify.py): per attack instance its smoothed
+    scores, the certified radius of each attacked document, the smoothed top-k's exposure, and on its
+    clean list the source's radius beside the real rewrite's edit fraction -> [records]."""
+    n = cfg.samples if cfg.samples > 1 else certify.DEFAULT_SAMPLES
+    masked = rankers.Ranker(rk.rr, rk.path.replace(".json", f".masked-{cfg.mask_rate:g}-{cfg.seed}.json"),
+                            f"{rk.label} masked", adapter_off=rk.adapter_off)
+    groups = list(cleans)
+    g_attack = certify.smoothed(masked, insts, cfg.mask_rate, n, cfg.seed)
+    g_clean = dict(zip(groups, certify.smoothed(masked, [cleans[g] for g in groups], cfg.mask_rate, n, cfg.seed)))
+    eps = certify.epsilon(len(insts[0].docs), n)
+    recs = []
+    for x, g in zip(insts, g_attack):
+        top = order_of(g)[:cfg.k]
+        radius = lambda gg, a, text: certify.certified_radius(gg, a, len(text.split()), cfg.k, eps, cfg.mask_rate)
+        clean = g_clean[x.group_id]
+        rec = {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, "samples": n, "eps": eps,
+               "smoothed": g, "radius": radius(g, x.attack_index, x.docs[x.attack_index]),
+               "smoothed_exposed": x.attack_index in top,
+               "clean_radius": radius(clean, x.attack_index, x.source),
+               "edit_fraction": certify.edit_fraction(x.source, x.docs[x.attack_index])}
+        if x.co_attacks:
+            rec["radii"] = [radius(g, a, x.docs[a]) for a in x.attacked]
+        if base_clean is not None:
+            kept = set(order_of(clean)[:cfg.k]) & set(base_clean[x.group_id][:cfg.k])
+            rec["smoothed_clean_topk_kept"] = len(kept) / cfg.k
+        recs.append(rec)
+    return recs
+
+
+def certify_summary(recs, plain):
+    """A ranker's certificate block: % of attack instances certified at each p of certify.GRID, what the
+    smoothing costs (exposure and clean top-k kept, smoothed beside plain), and % of the real rewrites
+    whose edit fraction lies inside their source's certified radius (a substitution-only bound: see
+    certify.py)."""
+    pct = lambda xs: 100.0 * sum(xs) / len(xs) if xs else None
+    fr = sorted(r["edit_fraction"] for r in recs)
+    out = {"samples": recs[0]["samples"], "eps": recs[0]["eps"], "n": len(recs),
+           "certified": {f"{p:g}": pct([min(r.get("radii", [r["radius"]])) >= p for r in recs])
+                         for p in certify.GRID},
+           "exposure": pct([r["exposed"] for r in plain]),
+           "smoothed_exposure": pct([r["smoothed_exposed"] for r in recs]),
+           "rewrites_inside_radius": pct([0 < r["edit_fraction"] <= r["clean_radius"] for r in recs]),
+           "edit_fraction_median": fr[len(fr) // 2] if fr else None}
+    if "smoothed_clean_topk_kept" in recs[0]:
+        out["smoothed_clean_topk_kept"] = pct([r["smoothed_clean_topk_kept"] for r in recs])
+        out["clean_topk_kept"] = pct([r["clean_topk_kept"] for r in plain if "clean_topk_kept" in r])
     return out
 
 
@@ -132,6 +220,13 @@ def rerank_stage(run, items, stage="rerank-eval"):
                 for x in insts]
         write_jsonl(os.path.join(res, f"rerank-{label}.jsonl"), recs)
         out[label] = {"spec": str(spec), **summarize_stage(recs, data.seen, cfg.n_boot, cfg.seed)}
+        if len(geodef.attacked_levels(insts)) > 1:
+            out[label]["by_attacked"] = attacked_stage(recs, cfg.k, cfg.n_boot, cfg.seed)
+        if getattr(cfg, "certify", False) and spec.kind in rankers.LOCAL:        # rerank-eval --certify
+            base_clean = {gid: base.order(c) for gid, c in cleans.items()} if base else None
+            crecs = certify_records(cfg, rk, insts, cleans, base_clean)
+            write_jsonl(os.path.join(res, f"certify-{label}.jsonl"), crecs)
+            out[label]["certificate"] = certify_summary(crecs, recs)
         if honest:
             hrecs = [instance_record(x, cleans[x.group_id], rk, None, cfg.k) for x in honest]
             write_jsonl(os.path.join(res, f"rerank-{label}.honest.jsonl"), hrecs)

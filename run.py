@@ -302,7 +302,7 @@ def parser():
                    (re_, settings.RerankEvalConfig), (at, settings.AttackConfig), (ha, settings.HardenConfig),
                    (bb, settings.BuildConfig), (ho, settings.HoldoutConfig), (dc, settings.DeployCheckConfig)):
         add_settings_flags(p, cls)
-    for p in (tr, ev, at, ha, bb, ho):
+    for p in (tr, ev, at, ha, bb, ho, re_):
         p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
     be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
     bench_flags(be)
@@ -428,6 +428,8 @@ def cmd_rerank_eval(args):
     items = rankers.check_specs(cfg.reranker)
     if any(spec.kind == "shield" for _, spec in items):
         need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")
+    if args.dry_run:
+        return show(rerank_eval.dry_run(Run(cfg), items))
     run = Run(dataclasses.replace(cfg, device=parallel.init(cfg.device)))
     if not parallel.is_main():               # under torchrun: this rank's share of the scores, nothing written
         return rerank_eval.score_share(run, items)

@@ -276,16 +276,22 @@ class JudgeSettings(Settings):
 
 
 @dataclass(frozen=True)
-class EvalSettings(Settings):
+class SampleSettings(Settings):
+    """Repeated random draws: eval's answers per instance, rerank-eval --certify's masks per document."""
+    samples: int = setting(1, "eval: answers per instance and condition, each its own cached reply (Don't Measure "
+                              "Once, arXiv 2604.07585), intervals then bootstrapping groups, then samples (the "
+                              "paper: 1); rerank-eval --certify: random masks per document (1, the default: 32)",
+                           ok=at_least(1))
+
+
+@dataclass(frozen=True)
+class EvalSettings(SampleSettings):
     """Evaluation (B.2): the conditions, PPL-Filter, transfer libraries (Table C.2)."""
     conditions: str = setting("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then "
                                      "the injection defenses Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG)")
     ppl_model: str = setting("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'", taken=True)
     ppl_quantile: float = setting(0.99, "PPL threshold quantile (B.2.2)", ok=lambda v: 0 < v <= 1, taken=True)
     transfer: str = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]")
-    samples: int = setting(1, "answers per instance and condition, each its own cached reply (Don't Measure Once, "
-                              "arXiv 2604.07585); intervals then bootstrap groups, then samples (the paper: 1)",
-                           ok=at_least(1))
 
 
 @dataclass(frozen=True)
@@ -296,6 +302,16 @@ class RerankSettings(Settings):
                                    "repeatable. eval: adds 'Non-Defense [LABEL]' and 'TFSG only [LABEL]'",
                              parse=endpoints.parse_rerankers)
     n_boot: int = setting(10000, "bootstrap resamples", ok=at_least(1), taken=True)
+
+
+@dataclass(frozen=True)
+class CertifySettings(Settings):
+    """rerank-eval --certify: the local rerankers smoothed by random word masks, and their certificate."""
+    certify: bool = setting(False, "also rank with each local reranker smoothed over random word masks (--samples "
+                                   "of them) and certify which attacked documents no edit of 5-30% of their "
+                                   "words can bring into the smoothed top k (certify.py)")
+    mask_rate: float = setting(0.9, "share of a document's words each mask deletes (RanMASK's 90%)",
+                               ok=lambda v: 0 < v < 1)
 
 
 @dataclass(frozen=True)
@@ -345,6 +361,12 @@ class BuildSettings(SeenSettings):
     synthetic: bool = setting(False, "mark the file synthetic in _meta (the bundled sample)")
     honest: bool = setting(False, "also write each test group's honest edit of its source (clearer wording and "
                                   "structure, nothing GEO adds): eval's and rerank-eval's honest penalty")
+    attacked: int = setting(1, "attacked documents in each test list: the source and K-1 further candidates, each "
+                               "rewritten by a family drawn per group with the seed (the paper: 1); eval and "
+                               "rerank-eval measure every list at 1..K", ok=lambda v: 1 <= v < N_DOCS)
+    pool: str = setting("search", "the test lists' other candidates: as the search returned them, or each given an "
+                                  "honest edit (the honest editor and its gate), so that attacks compete with "
+                                  "optimised pages", choices=("search", "optimized"))
 
 
 @dataclass(frozen=True)
@@ -410,9 +432,10 @@ class DemoConfig(EvalConfig):
 
 
 @dataclass(frozen=True)
-class RerankEvalConfig(EvalConfig):
+class RerankEvalConfig(CertifySettings, EvalConfig):
     """rerank-eval: the reranker stage alone (no LLM call)."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, RerankSettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, RerankSettings, SampleSettings,
+             CertifySettings)
 
 
 @dataclass(frozen=True)

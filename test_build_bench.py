@@ -13,6 +13,7 @@ import threading
 import pytest
 
 import build_bench
+import certify
 import endpoints
 import geo_attacks
 import geodef
@@ -396,3 +397,59 @@ def test_a_search_asks_at_most_tavilys_cap(geo_input, tmp_path):
 def test_surface_rates_count_documents_with_each_marker():
     rates = build_bench.surface_rates(["# Title\n**bold** In summary, yes.", "plain text"])
     assert rates["heading"] == rates["bold"] == rates["summary phrase"] == 50.0 and rates["table"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def attacked_bench(geo_input, tmp_path_factory):
+    """_short_rows_argv's build (--docs 5) with three attacked documents a test list and an optimised
+    pool -> (its file, its folder)."""
+    d = tmp_path_factory.mktemp("attacked")
+    run.main(_short_rows_argv(geo_input, d) + ["--docs", "5", "--attacked", "3", "--pool", "optimized"])
+    return d / "b.jsonl", d
+
+
+def test_attacked_k_rewrites_further_candidates_and_the_optimized_pool_edits_the_rest(attacked_bench, short_rows):
+    """Each test list: its source and 2 further candidates rewritten, each by a family drawn per group with
+    the seed, each rewrite through the families' gate; every other candidate an honest edit through the
+    honest gate; construction lines as the paper's; _meta says K and the pool; the dry run counts both."""
+    path, _ = attacked_bench
+    lines = [json.loads(x) for x in open(path, encoding="utf-8")]
+    meta, groups = lines[0]["_meta"], lines[1:]
+    assert (meta["attacked"], meta["pool"]) == (3, "optimized") and "attacked" not in json.loads(
+        open(short_rows, encoding="utf-8").readline())["_meta"]              # the paper's build writes neither
+    test = [g for g in groups if g["split"] == "test"]
+    assert test and all("co_attacks" not in g and "optimized" not in g for g in groups if g["split"] != "test")
+    picks = build_bench.co_attack_picks(test, ["GEO", "AutoGEO"], 3, 0)
+    for g in test:
+        co = g["co_attacks"]
+        assert [(c["index"], c["method"]) for c in co] == picks[g["group_id"]]   # the seeded draw, in order
+        assert all(c["text"] != g["docs"][c["index"]]["text"] and c["method"] in ("GEO", "AutoGEO") for c in co)
+        assert sorted(map(int, g["optimized"])) == [i for i in range(5) if i != g["source_index"]]
+    loaded = geodef.load_bench(str(path))
+    assert geodef.attacked_levels(geodef.expand([g for g in loaded if g.split == "test"], ["GEO"])) == [1, 2, 3]
+
+
+def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
+    """rerank-eval on the K = 3 file: each level's records, the by-K block recomputed from them, and
+    --certify's records and block (its figures recomputed from the certify records); the dry run
+    counts the smoothing's forward passes."""
+    path, d = attacked_bench
+    argv = ["rerank-eval", "--bench", str(path), "--model", "tiny", "--dtype", "float32", "--name", "rk",
+            "--runs-dir", str(d / "r"), "--reranker", "base", "--k", "2", "--n-boot", "50", "--certify",
+            "--samples", "4", "--mask-rate", "0.5"]
+    plan = run.main(argv + ["--dry-run"])
+    assert plan["rerankers"]["base"]["certify_forward_passes_at_most"] == 4 * plan["distinct_documents"]  # no honest
+    stage = run.main(argv)["base"]
+    recs = [json.loads(x) for x in open(d / "r" / "rk" / "results" / "rerank-base.jsonl", encoding="utf-8")]
+    for lv, block in stage["by_attacked"].items():
+        rs = [r for r in recs if r.get("attacked", 1) == int(lv)]
+        assert block["n"] == len(rs) and block["any_exposure"] == pytest.approx(
+            100 * sum(r.get("any_exposed", r["exposed"]) for r in rs) / len(rs))
+    k3 = [r for r in recs if r.get("attacked") == 3]
+    assert k3 and all(r["attacks_in_topk"] == len({i for i in r["ranking"][:2] if "#" in i}) for r in k3)
+    cert = [json.loads(x) for x in open(d / "r" / "rk" / "results" / "certify-base.jsonl", encoding="utf-8")]
+    c = stage["certificate"]
+    assert len(cert) == len(recs) and c["samples"] == 4 and all(len(r["smoothed"]) == 5 for r in cert)
+    assert c["smoothed_exposure"] == pytest.approx(100 * sum(r["smoothed_exposed"] for r in cert) / len(cert))
+    assert all(0 <= r["edit_fraction"] for r in cert) and all(r["radius"] in (0.0, *certify.GRID) for r in cert)
+    assert set(c["certified"]) == {"0.05", "0.1", "0.2", "0.3"}

@@ -280,3 +280,63 @@ def test_the_honest_instance_is_the_clean_list_with_the_edit_at_the_sources_posi
            [d for i, d in enumerate(clean.docs) if i != b.source_index]
     with pytest.raises(ValueError, match="g0: no honest edit"):
         geodef.honest_instance(a)
+
+
+META3 = {"methods": ["A", "B"], "seen_methods": ["A"], "attacked": 3, "pool": "optimized"}
+
+
+def attacked_group(gid="g1", **kw):
+    """good_group with two further attacked candidates and an honest edit of two others."""
+    return {**good_group(gid), "co_attacks": [{"index": 5, "method": "B", "text": f"promoted doc {gid} 5"},
+                                              {"index": 0, "method": "A", "text": f"promoted doc {gid} 0"}],
+            "optimized": {"1": f"clearer doc {gid} 1", "5": f"clearer doc {gid} 5"}, **kw}
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda g: {**g, "co_attacks": {"index": 5}}, r":3: co_attacks: expected a list"),
+    (lambda g: {**g, "co_attacks": [{"index": 2, "method": "A", "text": "x"}]},
+     r":3: co_attacks\[0\].index: 2: a candidate index in 0..9, not the source_index"),
+    (lambda g: {**g, "co_attacks": g["co_attacks"][:1] * 2}, r":3: co_attacks\[1\].index: 5: .*not listed before"),
+    (lambda g: {**g, "co_attacks": [{"index": 5, "method": "Z", "text": "x"}]},
+     r":3: co_attacks\[0\].method: 'Z' not in _meta.methods"),
+    (lambda g: {**g, "co_attacks": [{"index": 5, "method": "A", "text": "doc g1 5 text"}]},
+     r":3: co_attacks\[0\].text: empty, or identical"),
+    (lambda g: {**g, "co_attacks": g["co_attacks"] + [{"index": 7, "method": "A", "text": "x"}]},
+     r":3: co_attacks: 3 further attacked documents; _meta.attacked 3 allows 2"),
+    (lambda g: {**g, "split": "construction"}, r":3: co_attacks: construction groups hold one attacked document"),
+    (lambda g: {**g, "optimized": {"2": "x"}}, r":3: optimized.2: a candidate index in 0..9 other than the source"),
+    (lambda g: {**g, "optimized": {"1": "text <|im_start|>system"}}, r":3: optimized.1: holds chat control tokens"),
+])
+def test_several_attacked_documents_are_validated(tmp_path, mutate, msg):
+    rows = [{"_meta": META3}, {**good_group("g0"), "split": "construction"}, mutate(attacked_group(split="test"))]
+    with pytest.raises(geodef.BenchFormatError, match=msg):
+        geodef.load_bench(write_lines(tmp_path, rows))
+
+
+@pytest.mark.parametrize("meta,msg", [
+    ({**META3, "attacked": 0}, r":1: _meta.attacked: an integer in 1..9, got 0"),
+    ({**META3, "pool": "all"}, r":1: _meta.pool: 'search' or 'optimized', got 'all'"),
+    ({**META3, "pool": "search"}, r":3: optimized: honest edits of the pool need _meta.pool"),
+])
+def test_the_attacked_meta_fields_are_validated(tmp_path, meta, msg):
+    rows = [{"_meta": meta}, {**good_group("g0"), "split": "construction"}, {**attacked_group(), "split": "test"}]
+    with pytest.raises(geodef.BenchFormatError, match=msg):
+        geodef.load_bench(write_lines(tmp_path, rows))
+
+
+def test_each_level_adds_the_next_further_attack_and_the_pool_shows_its_edits(tmp_path):
+    """--attacked 3: each method's list at K = 1, 2, 3 (the source's rewrite, then the co-attacks in order),
+    every other candidate its honest edit; K = 1 keeps the paper's instance id; the construction group
+    expands as before."""
+    rows = [{"_meta": META3}, {**good_group("g0"), "split": "construction"}, {**attacked_group(), "split": "test"}]
+    cons, test = geodef.load_bench(write_lines(tmp_path, rows))
+    assert [x.instance_id for x in geodef.expand([cons], ["A"])] == ["g0:A"]
+    xs = geodef.expand([test], ["A", "B"])
+    assert [x.instance_id for x in xs] == ["g1:A", "g1:A:K2", "g1:A:K3", "g1:B", "g1:B:K2", "g1:B:K3"]
+    k1, k2, k3 = xs[:3]
+    assert [x.attacked for x in (k1, k2, k3)] == [(2,), (2, 5), (2, 5, 0)] and geodef.attacked_levels(xs) == [1, 2, 3]
+    assert k3.doc_ids[5] == "g1-5#B" and k3.doc_ids[0] == "g1-0#A" and k3.docs[0] == "promoted doc g1 0"
+    assert k2.docs[0] == "doc g1 0 text" and k2.doc_ids[0] == "g1-0"        # not yet attacked at K = 2
+    assert k1.docs[5] == "clearer doc g1 5" and k1.doc_ids[5] == "g1-5"     # the optimised pool, same page id
+    assert all(x.docs[1] == "clearer doc g1 1" and x.docs[3] == "doc g1 3 text" for x in xs)
+    assert geodef.clean_instance(test).docs == [d["text"] for d in test.docs]   # the clean reference: as retrieved

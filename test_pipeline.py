@@ -687,3 +687,26 @@ def test_train_sends_the_tfsg_target_answers_as_batches(tmp_path, small_bench):
     rows = [json.loads(line)["model"] for line in open(tmp_path / "b" / "usage.jsonl")]
     assert rows.count("offline:offline-engine") == 1 + 2                     # cold start + two update batches
     assert rows.count("offline:offline-engine [batch]") >= 3 * 4 + 2 * 3     # rollouts and case answers
+
+
+def test_a_list_with_several_attacks_counts_any_of_them_and_their_shares():
+    """An answer over a list with three attacked documents: ASR and exposure take any of them, the
+    counts and the citation share are recorded, benign citations exclude all three; by-K figures are the
+    records' means (the paper's one-attack records count as K = 1)."""
+    docs = [f"doc {i}" for i in range(6)]
+    ids = ["s#GEO", "b1", "c#AutoGEO", "b3", "d#GEO", "b5"]
+    x = geodef.Instance("g:GEO:K3", "g", "q", docs, ids, 0, "GEO", "test", "src", co_attacks=(2, 4))
+    top = [0, 1, 2, 3]                                 # 'd#GEO' (position 4) left out of the context
+    rec = evaluation._record(x, top, "c", "A [1]. B [2]. C [3].", None)
+    assert rec["attack_cited"] and rec["attack_in_context"] and rec["benign_cited"] == 1
+    assert (rec["attacked"], rec["attacks_in_context"], rec["attacks_cited"]) == (3, 2, 2)
+    assert rec["attack_citation_share"] == pytest.approx(2 / 3)
+    one = evaluation._record(geodef.Instance("g:GEO", "g", "q", docs, ids, 0, "GEO", "test", "src"), top, "c",
+                             "A [2].", None)
+    assert not one["attack_cited"] and "attacked" not in one          # the paper's record, as before
+    cfg = settings.EvalConfig(k=4, n_boot=20)
+    every = lambda c: [dict(rec, group_id="g"), dict(one, group_id="h")]
+    s = evaluation.attacked_summary(cfg, [x, geodef.Instance("g:GEO", "g", "q", docs, ids, 0, "GEO")], ["c"], every)
+    by = s["by_attacked"]["c"]
+    assert by["3"]["ASR"] == 100 and by["1"]["ASR"] == 0 and by["3"]["topk_attack_share"] == pytest.approx(50)
+    assert by["3"]["citation_share"] == pytest.approx(200 / 3) and by["1"]["exposure"] == 100
