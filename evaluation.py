@@ -26,6 +26,7 @@ import gpt2
 import defenses
 import llm_clients
 import metrics
+import parallel
 import report
 import rankers
 import tfsg
@@ -393,6 +394,21 @@ def eval_conditions(cfg):
     return conds, transfers
 
 
+def ranking_stage(run, conds, deployed):
+    """The local rankers eval needs, every list scored -> (base, shield or None). Under torchrun each
+    rank scores whole queries of its share and every rank gathers them (Ranker.prepare(shard=True)),
+    then the process group ends: what follows runs on rank 0 alone. A plain run scores them all."""
+    cfg, data = run.cfg, run.data
+    insts = geodef.expand(data.test, data.methods)
+    cleans = [geodef.clean_instance(g) for g in data.test]
+    base, shield = load_rankers(cfg, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
+    base.prepare(insts + cleans, shard=True)
+    if shield:
+        shield.prepare(insts, shard=True)
+    parallel.finish()
+    return base, shield
+
+
 def evaluate(run):
     """All conditions of Table 1/2 on the test split, the clean reference, pairwise quality, method,
     epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg."""
@@ -406,10 +422,7 @@ def evaluate(run):
     needs_lib = any(c in WITH_LIBRARY or deployed_label(c) and c.startswith("TFSG only") for c in conds)
     lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg)) if needs_lib else None
     deployed = reranker_items(cfg)
-    base, shield = load_rankers(cfg, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
-    base.prepare(insts + cleans)
-    if shield:
-        shield.prepare(insts)
+    base, shield = ranking_stage(run, conds, deployed)
     local = {"base": base, "shield": shield}
     others = rankers.make_rankers(cfg, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
     for label, rk in others.items():

@@ -52,7 +52,7 @@ import speed
 import tfsg
 import tiny
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
-from evaluation import eval_conditions, evaluate, plan_eval
+from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
 from runs import (TINY_NOTE, Run, RunInUse, adapter_path, check_llms, check_record, check_roles, library_path, log,
                   model_folder, need_trained, read_json, record_config, record_or_check, resolve, run_lock,
                   shield_split, tfsg_schedule)
@@ -581,11 +581,15 @@ def cmd_eval(args):
     cfg = pipeline_settings(settings.EvalConfig, args)
     check_llms(cfg, keys=not args.dry_run)
     check_roles(cfg)
-    eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
-    check_record(cfg)      # every check the command runs, the dry run runs too
+    conds, _ = eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
+    check_record(cfg)                 # every check the command runs, the dry run runs too
     run = Run(cfg)
     if args.dry_run:
         return show(plan_eval(run))
+    run = run.with_settings(dataclasses.replace(cfg, device=parallel.init(cfg.device)), run.data)  # torchrun: its GPU
+    if not parallel.is_main():        # under torchrun: this rank's share of the ranking stage, nothing written
+        ranking_stage(run, conds, reranker_items(cfg))
+        return None
     with offline_engine(run, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
         record_config(cfg, "eval")
         s = evaluate(run)

@@ -5,6 +5,7 @@ ranks give one process's records byte for byte.
 Run: python -m pytest -q test_parallel.py
 """
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -109,15 +110,29 @@ def test_each_rank_takes_every_other_example_of_a_window(monkeypatch, pos, rank,
     assert parallel.mine(pos, 4 if pos >= 4 else 0) is mine
 
 
-def test_rerank_eval_sharded_over_two_ranks_writes_one_processs_records(demo_run, tmp_path):
-    """Each rank scores whole queries of its share; the records equal one process's byte for byte (both on
-    one torch thread: the threads' count changes float sums)."""
+def test_rerank_eval_and_evals_ranking_sharded_over_two_ranks_write_one_processs_records(demo_run, tmp_path):
+    """Each rank scores whole queries of its share; rerank-eval's records, and eval's (its ranking stage
+    sharded, the LLM stage on rank 0 alone), equal one process's byte for byte (both on one torch thread:
+    the threads' count changes float sums)."""
     shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
     for name in ("one", "two"):
-        shutil.copytree(demo_run, tmp_path / name, ignore=shutil.ignore_patterns("scores_*", "rerank-*"))
+        shutil.copytree(demo_run, tmp_path / name, ignore=shutil.ignore_patterns("scores_*", "rerank-*", "*.jsonl",
+                                                                                 "summary.json"))
     args = ["rerank-eval", "--reranker", "base", "--reranker", "shield"]
     one, p = _one(tmp_path, "one", args), _torchrun(tmp_path, "two", args)
     assert p.wait(timeout=300) == 0, (tmp_path / "two.stderr").read_text()[-2000:]
     assert one.wait(timeout=300) == 0, (tmp_path / "one.stderr").read_text()[-2000:]
     for f in ("results/rerank-base.jsonl", "results/rerank-shield.jsonl", "summary.json"):
         assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+    for name in ("one", "two"):                          # eval scores its lists again: no score cache
+        for f in (tmp_path / name / "cache").glob("scores_*"):
+            f.unlink()
+    args = ["eval", "--conditions", "Non-Defense,Shield only"]
+    one, p = _one(tmp_path, "one", args), _torchrun(tmp_path, "two", args)
+    assert p.wait(timeout=300) == 0, (tmp_path / "two.stderr").read_text()[-2000:]
+    assert one.wait(timeout=300) == 0, (tmp_path / "one.stderr").read_text()[-2000:]
+    for f in ("results/non_defense.jsonl", "results/shield_only.jsonl", "results/clean_reference.jsonl"):
+        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+    caches = sorted(f.name for f in (tmp_path / "one" / "cache").glob("scores_*"))
+    read = lambda name, f: json.loads((tmp_path / name / "cache" / f).read_text())    # the same floats, any order
+    assert caches and all(read("one", f) == read("two", f) for f in caches)
