@@ -128,12 +128,162 @@ def _line_problem(line, seen):
     return None
 
 
+class OpenAIBatchAPI:
+    """OpenAI's Batch API as the store serves it: input lines from an uploaded file, validated as the batch
+    starts; output and error files; the Batch object (https://platform.openai.com/docs/api-reference/batch)."""
+    anthropic = False                       # error_body's shape
+    status_field, after, before = "status", "after", None
+
+    @staticmethod
+    def requests(store, body):
+        """An OpenAI batch request -> (its input file's lines, the first problem with them or None)."""
+        if body.get("endpoint") != OPENAI_ENDPOINT:
+            raise ValueError(f"endpoint: the offline engine serves {OPENAI_ENDPOINT} only")
+        if body.get("completion_window") != "24h":
+            raise ValueError("completion_window: '24h' is required")
+        fid = body.get("input_file_id")
+        if not isinstance(fid, str) or fid not in store.files:
+            raise ValueError(f"input_file_id: no file {str(fid)[:80]!r} (upload it first)")
+        lines, seen = [], set()
+        for n, text in enumerate(store.files[fid]["content"].splitlines(), 1):
+            try:
+                line = json.loads(text)
+            except ValueError:
+                line = None
+            bad = _line_problem(line, seen)
+            if bad:
+                return lines, {"code": bad[0], "message": f"line {n}: {bad[1]}", "param": None, "line": n}
+            seen.add(line["custom_id"])
+            lines.append(line)
+        return lines, None if lines else {"code": "empty_file", "message": "the input file has no lines",
+                                          "param": None, "line": None}
+
+    @staticmethod
+    def chat_body(line):
+        return line["body"]
+
+    @staticmethod
+    def row(b, i, cid, code, payload):
+        """A line's row of the output file (answered) or error file -> (row, answered)."""
+        body = payload if code == 200 else {"error": {**payload, "param": payload.get("param"),
+                                                      "code": payload.get("code")}}
+        return {"id": f"batch_req_{b['id']}_{i}", "custom_id": cid,
+                "response": {"status_code": code, "request_id": f"req_{b['id']}_{i}", "body": body},
+                "error": None}, code == 200
+
+    @staticmethod
+    def unrun(b, i, line, state):
+        """A line the batch ended without running (expired, or cancelled) -> its error-file row."""
+        why = "batch_expired" if state == "expired" else "batch_cancelled"
+        return {"id": f"batch_req_{b['id']}_{i}", "custom_id": line["custom_id"], "response": None,
+                "error": {"code": why, "message": f"the batch was {state} before this request ran"}}, False
+
+    @staticmethod
+    def kind(row, ok):
+        gone = {"batch_expired": "expired", "batch_cancelled": "canceled"}
+        return "succeeded" if ok else gone.get((row["error"] or {}).get("code"), "errored")
+
+    @staticmethod
+    def keep(store, b, rows):
+        """The ended batch's output file (answered rows, in order) and error file (the others)."""
+        out, errors = [r for r, ok in rows if ok], [r for r, ok in rows if not ok]
+        b["usage"] = _usage(out)
+        if store.knobs["tamper"]:
+            out, store.knobs["tamper"] = store.knobs["tamper"](out), None
+        jsonl = lambda rows_: "".join(json.dumps(r) + "\n" for r in rows_)
+        b["output_file_id"] = store.keep_file(jsonl(out), f"{b['id']}_output.jsonl", "batch_output")["id"]
+        if errors:
+            b["error_file_id"] = store.keep_file(jsonl(errors), f"{b['id']}_error.jsonl", "batch_output")["id"]
+
+    @staticmethod
+    def view(b, host):
+        at, c = b["at"], b["counts"]
+        stamps = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
+        return {"id": b["id"], "object": "batch", "endpoint": OPENAI_ENDPOINT, "model": offline.ENGINE,
+                "input_file_id": b["input_file_id"], "completion_window": "24h", "status": b["state"],
+                "output_file_id": b.get("output_file_id"),
+                "error_file_id": b.get("error_file_id"),
+                "errors": {"object": "list", "data": [b["problem"]]} if b["state"] == "failed" else None,
+                "created_at": int(at["created"]), "expires_at": int(at["created"] + DAY),
+                **{f"{k}_at": int(at[k]) if k in at else None for k in stamps},
+                "request_counts": {"total": len(b["lines"]), "completed": c["succeeded"],
+                                   "failed": sum(c.get(k, 0) for k in ("errored", "canceled", "expired"))},
+                "usage": b.get("usage") or _usage([]), "metadata": b["metadata"]}
+
+    @staticmethod
+    def listing(out):
+        return {"object": "list", **out}
+
+
+class AnthropicBatchAPI:
+    """Anthropic's Message Batches as the store serves it: requests in the body, results at results_url in
+    reverse order (the API promises none), an `errored` result where the engine cannot answer; the
+    MessageBatch object (https://docs.anthropic.com/en/api/creating-message-batches)."""
+    anthropic = True
+    status_field, after, before = "processing_status", "after_id", "before_id"
+
+    @staticmethod
+    def requests(store, body):
+        reqs = body.get("requests")
+        if not isinstance(reqs, list) or not reqs or not all(
+                isinstance(r, dict) and isinstance(r.get("custom_id"), str) and isinstance(r.get("params"), dict)
+                for r in reqs):
+            raise ValueError("requests: a non-empty list of {custom_id, params} objects is required")
+        if len({r["custom_id"] for r in reqs}) != len(reqs):
+            raise ValueError("requests: each custom_id must be unique")
+        return reqs, None
+
+    @staticmethod
+    def chat_body(line):
+        return _chat_body(line["params"])
+
+    @staticmethod
+    def row(b, i, cid, code, payload):
+        res = ({"type": "succeeded", "message": payload} if code == 200 else
+               {"type": "errored", "error": {"type": "error", "error": payload}})
+        return {"custom_id": cid, "result": res}, code == 200
+
+    @staticmethod
+    def unrun(b, i, line, state):
+        return {"custom_id": line["custom_id"], "result": {"type": "expired" if state == "expired" else
+                                                           "canceled"}}, False
+
+    @staticmethod
+    def kind(row, ok):
+        return row["result"]["type"]
+
+    @staticmethod
+    def keep(store, b, rows):
+        out = [r for r, _ in rows][::-1]
+        if store.knobs["tamper"]:
+            out, store.knobs["tamper"] = store.knobs["tamper"](out), None
+        b["usage"], b["out"] = None, out
+
+    @staticmethod
+    def view(b, host):
+        at, c, ended = b["at"], b["counts"], b["state"] not in RUNNING
+        counts = {k: c.get(k, 0) for k in ("succeeded", "errored", "canceled", "expired")}
+        return {"id": b["id"], "type": "message_batch",
+                "processing_status": "ended" if ended else "canceling" if b["state"] == "cancelling" else
+                "in_progress",
+                "request_counts": {"processing": len(b["lines"]) - sum(counts.values()), **counts},
+                "created_at": _iso(at["created"]), "expires_at": _iso(at["created"] + DAY),
+                "ended_at": _iso(at.get(b["state"])) if ended else None,
+                "cancel_initiated_at": _iso(at.get("cancelling")), "archived_at": None,
+                "results_url": f"http://{host}/v1/messages/batches/{b['id']}/results" if ended else None}
+
+    @staticmethod
+    def listing(out):
+        return out
+
+
 class Batches:
-    """OpenAI's Files + Batches and Anthropic's Message Batches, answered by the engine, with the
-    objects and routes the official SDKs read (`route`). A batch stays in progress for `polls` status
-    checks (its request counts advancing), then runs every line. A line the engine cannot answer is
-    an error line (OpenAI: status_code 400 in the error file; Anthropic: an `errored` result), never a
-    failed call. Anthropic results come back in reverse order (the API promises none).
+    """The batch store and its runner: OpenAI's Files + Batches and Anthropic's Message Batches, answered
+    by the engine, with the objects and routes the official SDKs read (`route`); what differs between
+    the two APIs is in OpenAIBatchAPI and AnthropicBatchAPI. A batch stays in progress for `polls` status
+    checks (its request counts advancing), then runs every line. A line the engine cannot answer is an
+    error line (OpenAI: status_code 400 in the error file; Anthropic: an `errored` result), never a
+    failed call.
 
     `knobs`, for tests (a "once" knob clears itself when used):
       polls         status checks a batch stays in progress (1)
@@ -163,7 +313,7 @@ class Batches:
         if m is None or self.knobs["missing"]:
             raise NotFound(f"Invalid URL ({method} {path[:200]})")
         kind, oid, verb = m.groups()
-        anthropic = kind == "messages/batches"
+        api = AnthropicBatchAPI if kind == "messages/batches" else OpenAIBatchAPI
         if kind == "files":
             if method == "POST" and oid is None:
                 return 200, self.upload(content_type, raw)
@@ -175,18 +325,18 @@ class Batches:
             if method == "DELETE" and verb is None:
                 return 200, self.delete_file(oid)
         elif method == "POST" and oid is None:
-            return 200, self.create(json.loads(raw), anthropic, host)
+            return 200, self.create(json.loads(raw), api, host)
         elif method == "GET" and oid is None:
-            return 200, self.listing(anthropic, query, host)
+            return 200, self.listing(api, query, host)
         elif method == "GET" and verb is None:
-            return 200, self.status(oid, anthropic, host)
+            return 200, self.status(oid, api, host)
         elif method == "POST" and verb == "cancel":
-            return 200, self.cancel(oid, anthropic, host)
-        elif method == "GET" and verb == "results" and anthropic:
+            return 200, self.cancel(oid, api, host)
+        elif method == "GET" and verb == "results" and api is AnthropicBatchAPI:
             return 200, self.results(oid)
         raise NotFound(f"Invalid URL ({method} {path[:200]})")
 
-    # --- files
+    # --- files (OpenAI's)
 
     def upload(self, content_type, raw):
         """POST /v1/files (multipart: purpose=batch and the file) -> its File object."""
@@ -196,9 +346,9 @@ class Batches:
         if "file" not in parts or "purpose" not in parts or parts["purpose"].get_payload(decode=True) != b"batch":
             raise ValueError("multipart/form-data fields purpose=batch and file are required")
         data = parts["file"].get_payload(decode=True).decode("utf-8")
-        return _file_object(self._keep(data, parts["file"].get_filename() or "batch.jsonl", "batch"))
+        return _file_object(self.keep_file(data, parts["file"].get_filename() or "batch.jsonl", "batch"))
 
-    def _keep(self, content, filename, purpose):
+    def keep_file(self, content, filename, purpose):
         with self.lock:
             self.n_files += 1
             fid = f"file-{self.n_files}"
@@ -241,7 +391,7 @@ class Batches:
 
     # --- batches
 
-    def create(self, body, anthropic, host):
+    def create(self, body, api, host):
         """POST /v1/batches or /v1/messages/batches -> the new batch. A request not of the API's shape
         is refused (400); OpenAI's input lines are validated as the batch starts: a bad one fails the
         batch, its line number in `errors`."""
@@ -249,78 +399,44 @@ class Batches:
             raise ValueError("batch refused (offline engine's reject knob)")
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
-        lines, problem = (self._anthropic_requests(body), None) if anthropic else self._openai_lines(body)
+        lines, problem = api.requests(self, body)
         with self.lock:
-            if problem is None and not anthropic and self.knobs["fail"]:
+            if problem is None and api is OpenAIBatchAPI and self.knobs["fail"]:
                 problem, self.knobs["fail"] = {"code": "invalid_request", "message": self.knobs["fail"]}, None
             self.created += 1
             bid = f"batch-{self.created}"
             b = self.batches[bid] = {
-                "id": bid, "anthropic": anthropic, "lines": lines, "polls": 0, "state": "validating",
+                "id": bid, "api": api, "lines": lines, "polls": 0, "state": "validating",
                 "at": {"created": time.time()}, "counts": {"succeeded": 0}, "out": [], "problem": problem,
                 "input_file_id": body.get("input_file_id"), "metadata": body.get("metadata")}
-            return self.view(b, host)
+            return api.view(b, host)
 
-    def _openai_lines(self, body):
-        """An OpenAI batch request -> (its input file's lines, the first problem with them or None)."""
-        if body.get("endpoint") != OPENAI_ENDPOINT:
-            raise ValueError(f"endpoint: the offline engine serves {OPENAI_ENDPOINT} only")
-        if body.get("completion_window") != "24h":
-            raise ValueError("completion_window: '24h' is required")
-        fid = body.get("input_file_id")
-        if not isinstance(fid, str) or fid not in self.files:
-            raise ValueError(f"input_file_id: no file {str(fid)[:80]!r} (upload it first)")
-        lines, seen = [], set()
-        for n, text in enumerate(self.files[fid]["content"].splitlines(), 1):
-            try:
-                line = json.loads(text)
-            except ValueError:
-                line = None
-            bad = _line_problem(line, seen)
-            if bad:
-                return lines, {"code": bad[0], "message": f"line {n}: {bad[1]}", "param": None, "line": n}
-            seen.add(line["custom_id"])
-            lines.append(line)
-        return lines, None if lines else {"code": "empty_file", "message": "the input file has no lines",
-                                          "param": None, "line": None}
-
-    @staticmethod
-    def _anthropic_requests(body):
-        reqs = body.get("requests")
-        if not isinstance(reqs, list) or not reqs or not all(
-                isinstance(r, dict) and isinstance(r.get("custom_id"), str) and isinstance(r.get("params"), dict)
-                for r in reqs):
-            raise ValueError("requests: a non-empty list of {custom_id, params} objects is required")
-        if len({r["custom_id"] for r in reqs}) != len(reqs):
-            raise ValueError("requests: each custom_id must be unique")
-        return reqs
-
-    def _batch(self, bid, anthropic):
+    def _batch(self, bid, api):
         b = self.batches.get(bid)
-        if b is None or b["anthropic"] != anthropic:
+        if b is None or b["api"] is not api:
             raise NotFound(f"No batch found with id {bid[:80]!r}", "batch_id")
         return b
 
-    def status(self, bid, anthropic, host):
+    def status(self, bid, api, host):
         """GET a batch: one status check (the batch advances) -> its object."""
         with self.lock:
-            b = self._batch(bid, anthropic)
+            b = self._batch(bid, api)
             self._advance(b)
-            view = self.view(b, host)
+            view = api.view(b, host)
             if self.knobs["no_status"]:
                 self.knobs["no_status"] -= 1
-                view.pop("processing_status" if anthropic else "status")
+                view.pop(api.status_field)
             return view
 
-    def cancel(self, bid, anthropic, host):
+    def cancel(self, bid, api, host):
         """POST .../cancel: a batch in progress is cancelling; it ends with the lines it has done (_advance)."""
         with self.lock:
-            b = self._batch(bid, anthropic)
+            b = self._batch(bid, api)
             if b["state"] in ("validating", "in_progress"):
                 b["state"], b["at"]["cancelling"] = "cancelling", time.time()
-            return self.view(b, host)
+            return api.view(b, host)
 
-    def listing(self, anthropic, query, host):
+    def listing(self, api, query, host):
         """GET /v1/batches or /v1/messages/batches: newest first, `limit` (1..100, default 20) after
         `after` (OpenAI) or `after_id`, or before `before_id` (Anthropic)."""
         q = {k: v[-1] for k, v in query.items()}
@@ -329,9 +445,9 @@ class Batches:
             raise ValueError("limit: an integer in 1..100 is required")
         limit = int(limit)
         with self.lock:
-            ids = [bid for bid, b in reversed(self.batches.items()) if b["anthropic"] == anthropic]
-            after, before = q.get("after_id" if anthropic else "after"), q.get("before_id") if anthropic else None
-            for name, cursor in (("after_id" if anthropic else "after", after), ("before_id", before)):
+            ids = [bid for bid, b in reversed(self.batches.items()) if b["api"] is api]
+            after, before = q.get(api.after), q.get(api.before) if api.before else None
+            for name, cursor in ((api.after, after), (api.before, before)):
                 if cursor and cursor not in ids:
                     raise ValueError(f"{name}: no batch {cursor[:80]!r} in this list")
             if after:
@@ -340,14 +456,14 @@ class Batches:
                 ids = []
             page = ids[:ids.index(before)][-limit:] if before else ids[:limit]
             more = ids.index(page[0]) > 0 if before and page else len(ids) > limit
-            out = {"data": [self.view(self.batches[i], host) for i in page], "has_more": more,
+            out = {"data": [api.view(self.batches[i], host) for i in page], "has_more": more,
                    "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
-        return out if anthropic else {"object": "list", **out}
+        return api.listing(out)
 
     def results(self, bid):
         """GET /v1/messages/batches/{id}/results (the results_url) -> JSONL."""
         with self.lock:
-            b = self._batch(bid, True)
+            b = self._batch(bid, AnthropicBatchAPI)
             if b["state"] in RUNNING or b.get("purged"):
                 raise NotFound(f"No results for batch {bid!r}: " + ("it has not ended" if b["state"] in RUNNING else
                                                                      "they were purged"))
@@ -384,98 +500,32 @@ class Batches:
 
     def _end(self, b, state, n):
         """The batch ends in `state` with its first n lines run, the others expired or cancelled; its
-        output and error files (OpenAI) or results (Anthropic) are written."""
-        rows = [self._run_line(b, i, line) if i < n else self._unrun(b, i, line, state)
+        output is kept as its API keeps it (output and error files, or results)."""
+        api = b["api"]
+        rows = [self._run_line(b, i, line) if i < n else api.unrun(b, i, line, state)
                 for i, line in enumerate(b["lines"])]
-        gone = {"batch_expired": "expired", "batch_cancelled": "canceled"}
-        kinds = [r["result"]["type"] if b["anthropic"] else "succeeded" if ok else
-                 gone.get((r["error"] or {}).get("code"), "errored") for r, ok in rows]
+        kinds = [api.kind(r, ok) for r, ok in rows]
         b["counts"] = {k: kinds.count(k) for k in ("succeeded", "errored", "canceled", "expired")}
-        out, errors = [r for r, ok in rows if ok or b["anthropic"]], [r for r, ok in rows if not ok]
-        b["usage"] = None if b["anthropic"] else _usage(out)
-        out = out[::-1] if b["anthropic"] else out
-        if self.knobs["tamper"]:
-            out, self.knobs["tamper"] = self.knobs["tamper"](out), None
         b["state"], b["at"]["finalizing"], b["at"][state] = state, time.time(), time.time()
-        if b["anthropic"]:
-            b["out"] = out
-        else:
-            jsonl = lambda rows_: "".join(json.dumps(r) + "\n" for r in rows_)
-            b["output_file_id"] = self._keep(jsonl(out), f"{b['id']}_output.jsonl", "batch_output")["id"]
-            if errors:
-                b["error_file_id"] = self._keep(jsonl(errors), f"{b['id']}_error.jsonl", "batch_output")["id"]
+        api.keep(self, b, rows)
         if self.knobs["purge"]:
             self.knobs["purge"], b["purged"] = False, True
             for fid in (b.get("output_file_id"), b.get("error_file_id")):
                 self.files.pop(fid, None)
 
     def _run_line(self, b, i, line):
-        """One line answered by the engine -> (row, answered): OpenAI's output or error-file row, or
-        Anthropic's result (succeeded, or errored where the engine cannot answer the prompt)."""
-        cid = line["custom_id"]
+        """One line answered by the engine -> (row, answered): its API's row, an error row where the
+        engine cannot answer the prompt."""
+        api, cid = b["api"], line["custom_id"]
         if cid not in self.failed and len(self.failed) < self.knobs["fail_first"]:
             self.failed.add(cid)
-            return self._row(b, i, cid, 500, {"type": "api_error", "message": "offline engine's fail_first knob"})
+            return api.row(b, i, cid, 500, {"type": "api_error", "message": "offline engine's fail_first knob"})
         try:
-            resp = answer(_chat_body(line["params"]) if b["anthropic"] else line["body"])
+            resp = answer(api.chat_body(line))
         except (ValueError, KeyError, TypeError, AttributeError) as e:    # a prompt the engine cannot answer
             msg = str(e)[:300]                  # (_chat_body: Anthropic params of the wrong shape)
-            return self._row(b, i, cid, 400, error_body(400, msg, b["anthropic"])["error"])
-        return self._row(b, i, cid, 200, _as_message(resp) if b["anthropic"] else resp)
-
-    @staticmethod
-    def _row(b, i, cid, code, payload):
-        if b["anthropic"]:
-            res = ({"type": "succeeded", "message": payload} if code == 200 else
-                   {"type": "errored", "error": {"type": "error", "error": payload}})
-            return {"custom_id": cid, "result": res}, code == 200
-        body = payload if code == 200 else {"error": {**payload, "param": payload.get("param"),
-                                                      "code": payload.get("code")}}
-        return {"id": f"batch_req_{b['id']}_{i}", "custom_id": cid,
-                "response": {"status_code": code, "request_id": f"req_{b['id']}_{i}", "body": body},
-                "error": None}, code == 200
-
-    @staticmethod
-    def _unrun(b, i, line, state):
-        """A line the batch ended without running (expired, or cancelled) -> (row, False)."""
-        if b["anthropic"]:
-            return {"custom_id": line["custom_id"], "result": {"type": "expired" if state == "expired" else
-                                                               "canceled"}}, False
-        why = "batch_expired" if state == "expired" else "batch_cancelled"
-        return {"id": f"batch_req_{b['id']}_{i}", "custom_id": line["custom_id"], "response": None,
-                "error": {"code": why, "message": f"the batch was {state} before this request ran"}}, False
-
-    def view(self, b, host):
-        """The batch as its API returns it: OpenAI's Batch or Anthropic's MessageBatch object."""
-        return self._anthropic_view(b, host) if b["anthropic"] else self._openai_view(b)
-
-    @staticmethod
-    def _anthropic_view(b, host):
-        at, c, ended = b["at"], b["counts"], b["state"] not in RUNNING
-        counts = {k: c.get(k, 0) for k in ("succeeded", "errored", "canceled", "expired")}
-        return {"id": b["id"], "type": "message_batch",
-                "processing_status": "ended" if ended else "canceling" if b["state"] == "cancelling" else
-                "in_progress",
-                "request_counts": {"processing": len(b["lines"]) - sum(counts.values()), **counts},
-                "created_at": _iso(at["created"]), "expires_at": _iso(at["created"] + DAY),
-                "ended_at": _iso(at.get(b["state"])) if ended else None,
-                "cancel_initiated_at": _iso(at.get("cancelling")), "archived_at": None,
-                "results_url": f"http://{host}/v1/messages/batches/{b['id']}/results" if ended else None}
-
-    @staticmethod
-    def _openai_view(b):
-        at, c = b["at"], b["counts"]
-        stamps = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
-        return {"id": b["id"], "object": "batch", "endpoint": OPENAI_ENDPOINT, "model": offline.ENGINE,
-                "input_file_id": b["input_file_id"], "completion_window": "24h", "status": b["state"],
-                "output_file_id": b.get("output_file_id"),
-                "error_file_id": b.get("error_file_id"),
-                "errors": {"object": "list", "data": [b["problem"]]} if b["state"] == "failed" else None,
-                "created_at": int(at["created"]), "expires_at": int(at["created"] + DAY),
-                **{f"{k}_at": int(at[k]) if k in at else None for k in stamps},
-                "request_counts": {"total": len(b["lines"]), "completed": c["succeeded"],
-                                   "failed": sum(c.get(k, 0) for k in ("errored", "canceled", "expired"))},
-                "usage": b.get("usage") or _usage([]), "metadata": b["metadata"]}
+            return api.row(b, i, cid, 400, error_body(400, msg, api.anthropic)["error"])
+        return api.row(b, i, cid, 200, _as_message(resp) if api.anthropic else resp)
 
 
 # ----------------------------------------------------------------------------- search
