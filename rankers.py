@@ -40,38 +40,56 @@ class Ranker:
 
     def prepare(self, instances, shard=False):
         """Score every (query, document) of `instances` not in the cache. shard: under torchrun
-        (parallel.world() > 1) each rank scores the queries of its share (whole queries, so each
-        document is scored in the batch one process would score it in: the same floats), every rank
-        then holds all the scores, and rank 0 alone writes the cache."""
+        (parallel.world() > 1) each rank scores the queries of its share (round robin over every query of
+        `instances` in a fixed order, whatever is cached: whole queries, so each document is scored in the
+        batch one process would score it in, the same floats), keeping them in a share file of its own
+        (<cache>.rank<r>, which only grows) as it goes; every rank then holds all the scores, rank 0 writes
+        the cache and removes the share files. A killed multi-rank run's share files are read first, so
+        its rerun scores only what no rank had scored."""
+        shared = shard and parallel.world() > 1
+        if shared:
+            for part in self.share_files():
+                self.cache.update(read_json(part, {}))
         todo = {}
         for x in instances:
             for d in x.docs:
-                k = doc_key(x.query, d)
-                if k not in self.cache:
-                    todo.setdefault(x.query, {})[k] = d
-        shared = shard and parallel.world() > 1
+                todo.setdefault(x.query, {})[doc_key(x.query, d)] = d
         if shared:                                  # this rank's queries, round robin in a fixed order
             todo = {q: todo[q] for q in sorted(todo)[parallel.rank()::parallel.world()]}
+        todo = {q: {k: d for k, d in kd.items() if k not in self.cache} for q, kd in todo.items()}
+        todo = {q: kd for q, kd in todo.items() if kd}
         items = [(q, k, d) for q, kd in todo.items() for k, d in kd.items()]
         bar = tqdm(total=len(items), desc=f"rerank ({self.label})", file=sys.stderr, disable=not items)
         with (lora.lora_disabled(self.rr.model) if self.adapter_off else contextlib.nullcontext()):
-            self._score(todo, bar, write=not shared)
+            self._score(todo, bar, f"{self.path}.rank{parallel.rank()}" if shared else self.path)
         bar.close()
         if shared:
             self.cache.update(parallel.gather({k: self.cache[k] for _, k, _ in items}))
             if parallel.is_main():
                 write_json(self.path, self.cache)
+                for part in self.share_files():
+                    os.remove(part)
 
-    def _score(self, todo, bar, write=True):
+    def share_files(self):
+        """The ranks' share files of this cache (a multi-rank prepare's; none once it has ended)."""
+        folder, base = os.path.split(self.path)
+        return sorted(os.path.join(folder, f) for f in (os.listdir(folder) if os.path.isdir(folder) else ())
+                      if f.startswith(base + ".rank"))
+
+    def _score(self, todo, bar, path):
+        """Score `todo` ({query: {key: document}}), writing what is scored to `path` after each query: the
+        cache, or under torchrun this rank's share file (its scores alone)."""
+        mine = read_json(path, {}) if path != self.path else None       # a share file only grows
         for q, kd in todo.items():
             keys = list(kd)
             for i in range(0, len(keys), 16):
                 chunk = keys[i:i + 16]
                 for k, v in zip(chunk, self.rr.score(q, [kd[k] for k in chunk])):
                     self.cache[k] = float(v)
+                    if mine is not None:
+                        mine[k] = float(v)
                 bar.update(len(chunk))
-            if write:
-                write_json(self.path, self.cache)
+            write_json(path, self.cache if mine is None else mine)
 
     def scores(self, x):
         return [self.cache[doc_key(x.query, d)] for d in x.docs]

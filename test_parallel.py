@@ -13,8 +13,12 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
+
+import parallel
+import rankers
 from safetensors.torch import load_file
 
 from conftest import HERE
@@ -136,3 +140,40 @@ def test_rerank_eval_and_evals_ranking_sharded_over_two_ranks_write_one_processs
     caches = sorted(f.name for f in (tmp_path / "one" / "cache").glob("scores_*"))
     read = lambda name, f: json.loads((tmp_path / name / "cache" / f).read_text())    # the same floats, any order
     assert caches and all(read("one", f) == read("two", f) for f in caches)
+
+
+def test_a_killed_sharded_scoring_keeps_each_ranks_share(monkeypatch, tmp_path):
+    """Under torchrun each rank keeps what it scored in its share file as it goes; after a kill the rerun
+    reads every share and scores only what no rank had scored; the ended prepare writes the whole cache
+    and removes the shares. The two ranks are played in one process (parallel's rank, world and gather
+    patched: a stand-in for the process group), the reranker by a stand-in scorer that counts its queries."""
+    asked, fail_on = [], {"q3"}
+
+    class Scorer:                                   # a stand-in reranker: a document's score is its length
+        def score(self, q, docs):
+            if q in fail_on:
+                raise RuntimeError("killed")
+            asked.append(q)
+            return [float(len(d)) for d in docs]
+    lists = [types.SimpleNamespace(query=f"q{i}", docs=[f"doc {i} {'x' * j}" for j in range(3)]) for i in range(4)]
+    path = str(tmp_path / "scores_base.json")
+    sent = {}
+    monkeypatch.setattr(parallel, "world", lambda: 2)
+    monkeypatch.setattr(parallel, "gather", lambda d: {**d, **sent})
+
+    def as_rank(r):
+        monkeypatch.setattr(parallel, "rank", lambda: r)
+        monkeypatch.setattr(parallel, "is_main", lambda: r == 0)
+        return rankers.Ranker(Scorer(), path, "base")
+    with pytest.raises(RuntimeError):               # rank 1's share is q1, q3: killed on q3
+        as_rank(1).prepare(lists, shard=True)
+    assert asked == ["q1"] and os.path.exists(path + ".rank1") and not os.path.exists(path)
+    fail_on.clear()
+    r1 = as_rank(1)
+    r1.prepare(lists, shard=True)                   # the rerun: q1 read from its share, q3 scored
+    assert asked == ["q1", "q3"] and not os.path.exists(path)
+    sent.update(r1.cache)
+    r0 = as_rank(0)
+    r0.prepare(lists, shard=True)                   # rank 0 scores q0 and q2 only, then writes the cache
+    assert asked == ["q1", "q3", "q0", "q2"] and not r0.share_files()
+    assert json.loads(open(path).read()) == {rankers.doc_key(x.query, d): float(len(d)) for x in lists for d in x.docs}
