@@ -439,10 +439,10 @@ def keyword_certified(answers, corrupted, alpha=ALPHA, beta=BETA, long_form=True
     one, and may abstain or not, so with m answers left, counts c lie in [c - K', c + K'] and
     mu = min(beta, alpha * m) in [mu(max(0, m - K')), mu(min(k, m + K'))]. The kept set is certain when
     every kept phrase has c - K' >= the largest mu and every other phrase, one no answer holds (c = 0)
-    included, has c + K' < the smallest mu. The keyword request is then the same, hence its answer and
-    the phrases cited for; only a corrupted passage's own citations can change. Ours: a kept phrase
-    inside a longer one with the same supporters is dropped (`aggregate`); corruption can change
-    supporters, so the certificate is of the thresholded set, before that step."""
+    included, has c + K' < the smallest mu. This certifies the thresholded set, RobustRAG's keyword set.
+    It does not certify our request: `aggregate` then drops a kept phrase inside a longer one with the
+    same supporters (ours), and a corrupted answer can change who supports what, so the request can gain
+    or lose such a shorter phrase."""
     sets = [phrases(a) for a in answers if isinstance(a, str) and not abstains(a)]
     k, m = len(answers), len(sets)
     mu = lambda n: min(beta, alpha * n)

@@ -86,8 +86,8 @@ def ppl_filter(cfg, base, cons, test_insts):
             diag["attack_in_ppl_topk"] += inp
             diag["attack_removed"] += inb and not inp
             diag["attack_introduced"] += inp and not inb
-            diag["benign_flagged"] += sum(f for i, f in enumerate(flagged) if i != x.attack_index)
-            diag["benign_total"] += len(flagged) - 1
+            diag["benign_flagged"] += sum(f for i, f in enumerate(flagged) if i not in x.attacked)
+            diag["benign_total"] += len(flagged) - len(x.attacked)
     return orders, diag
 
 
@@ -182,7 +182,7 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge, before
         for rec in recs if sample else ():
             rec["sample"] = sample
         jreq = [] if not judge_asi else [(i, {"messages": [{"role": "user",
-                                   "content": metrics.asi_prompt(x.query, x.docs[x.attack_index], rec["answer"])}],
+                                   "content": metrics.asi_prompt(x.query, judged_attack(x, rec), rec["answer"])}],
                      "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_asi})
                 for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
         jrep = judge.map([q for _, q in jreq], workers=cfg.workers, desc=f"{name} ASI judge",
@@ -607,10 +607,15 @@ def cost_per_query(cfg, llm, recs, by_id, pipeline, prices=None):
     return {**mean, "usd": usd, "records": len(rows), "usage_unknown": unknown}
 
 
-def _attack_position(rec, x):
-    """1-based position of the attack document in the record's top-k, or None."""
-    att = x.doc_ids[x.attack_index] if x.attack_index is not None else None
-    return rec["top_ids"].index(att) + 1 if att in rec["top_ids"] else None
+def _attack_positions(rec, x):
+    """1-based positions of the attacked documents in the record's top-k (empty: none there)."""
+    return {rec["top_ids"].index(x.doc_ids[i]) + 1 for i in x.attacked if x.doc_ids[i] in rec["top_ids"]}
+
+
+def judged_attack(x, rec):
+    """The attacked document the ASI judge reads (B.2.3): the first of the list's attacked documents in
+    the record's context, the source's rewrite first (a list with one: that one)."""
+    return next(x.docs[i] for i in x.attacked if x.doc_ids[i] in rec["top_ids"])
 
 
 def defense_diagnostics(results, by_id):
@@ -619,33 +624,35 @@ def defense_diagnostics(results, by_id):
     RobustRAG: queries answered "I don't know." without a final call, isolated answers that abstained,
     kept phrases per query, how often the attack document supports a kept phrase that is cited
     for (one not made of the question's words alone), and RobustRAG's certificate: % of queries whose
-    kept phrases no K' = 1, 2, 3 corrupted passages can change (defenses.keyword_certified), beside ASR."""
+    thresholded phrases no K' = 1, 2, 3 corrupted passages can change (defenses.keyword_certified),
+    beside ASR. On a list with several attacked documents each of them counts as an attack."""
     out = {}
     if "PromptArmor" in results:
         d = dict.fromkeys(("documents", "attack_in_context", "attack_cut", "attack_emptied", "benign_cut",
                            "passages_not_found", "chars_removed"), 0)
         for r in results["PromptArmor"]:
-            att = _attack_position(r, by_id[r["instance_id"]])
+            att = _attack_positions(r, by_id[r["instance_id"]])
             d["documents"] += len(r["top_ids"])
-            d["attack_in_context"] += att is not None
+            d["attack_in_context"] += len(att)
             for e in r["promptarmor"]:
-                d["attack_cut" if e["index"] == att else "benign_cut"] += bool(e["removed"])
-                d["attack_emptied"] += e["index"] == att and e["emptied"]
+                d["attack_cut" if e["index"] in att else "benign_cut"] += bool(e["removed"])
+                d["attack_emptied"] += e["index"] in att and e["emptied"]
                 d["passages_not_found"] += len(e["not_found"])
                 d["chars_removed"] += e["removed_chars"]
         out["PromptArmor"] = d
     if "RobustRAG" in results:
         recs = results["RobustRAG"]
-        att = [_attack_position(r, by_id[r["instance_id"]]) for r in recs]
+        att = [_attack_positions(r, by_id[r["instance_id"]]) for r in recs]
         rr = [r["robustrag"] for r in recs]
         out["RobustRAG"] = {
             "queries": len(recs), "abstained_queries": sum(g["abstained"] for g in rr),
             "isolated_answers": sum(len(g["isolated"]) for g in rr),
             "isolated_abstained": sum(defenses.abstains(a) for g in rr for a in g["isolated"]),
             "kept_phrases_per_query": sum(len(g["support"]) for g in rr) / max(1, len(rr)),
-            "attack_in_context": sum(a is not None for a in att),
-            "attack_supports_a_cited_phrase": sum(a is not None and any(
-                a in s for p, s in g["support"].items() if p not in g["question_phrases"]) for a, g in zip(att, rr)),
+            "attack_in_context": sum(bool(a) for a in att),
+            "attack_supports_a_cited_phrase": sum(any(
+                i in s for i in a for p, s in g["support"].items() if p not in g["question_phrases"])
+                for a, g in zip(att, rr)),
             "ASR": metrics.asr([r["attack_cited"] for r in recs]),       # beside the certificate: measured
             "certified": {str(kk): 100.0 * sum(defenses.keyword_certified(g["isolated"], kk) for g in rr)
                           / max(1, len(rr)) for kk in (1, 2, 3)}}

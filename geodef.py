@@ -192,6 +192,9 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
             if isinstance(n_docs, bool) or not isinstance(n_docs, int) or not 2 <= n_docs <= N_DOCS:
                 _fail(path, n, "_meta.n_docs", f"an integer in 2..{N_DOCS}, got {n_docs!r}")
             meta.n_docs = n_docs
+            if meta.attacked >= n_docs:
+                _fail(path, n, "_meta.attacked", f"{meta.attacked}: a list of {n_docs} candidates holds at most "
+                                                 f"{n_docs - 1} attacked documents")
             continue
         g = _read_group(obj, path, n, n_docs, meta)
         if g.group_id in seen_ids:
@@ -324,6 +327,10 @@ def _read_group(obj, path, n, n_docs, meta):
     honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
     co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
     opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
+    for fld, v in (("co_attacks", co), ("optimized", opt)):
+        if v and split != "test":        # a drawn split could put them in construction, where the Shield trains
+            _fail(path, n, fld, "only on a test line (split \"test\"): construction groups hold one attacked "
+                                "document and the search's pool, as the Shield trains on them")
     return QueryGroup(gid, query, docs, src, dict(attacks), split, n, honest, dict(failed) or None, co, opt)
 
 
@@ -352,8 +359,6 @@ def _read_co_attacks(obj, path, n, docs, src, meta):
     if len(out) > meta.attacked - 1:
         _fail(path, n, "co_attacks", f"{len(out)} further attacked documents; _meta.attacked {meta.attacked} allows "
                                      f"{meta.attacked - 1}")
-    if obj.get("split") == "construction" and out:
-        _fail(path, n, "co_attacks", "construction groups hold one attacked document (the Shield trains on those)")
     return out
 
 
@@ -367,7 +372,7 @@ def _read_optimized(obj, path, n, docs, src, meta):
         _fail(path, n, "optimized", f"expected {{index: text}}, got {type(v).__name__}")
     out = {}
     for k, t in v.items():
-        i = int(k) if isinstance(k, str) and k.isdigit() else None
+        i = int(k) if re.fullmatch(r"0|[1-9][0-9]{0,2}", k) else None      # one spelling per index: no "01"
         if i is None or not 0 <= i < len(docs) or i == src:
             _fail(path, n, f"optimized.{k}", f"a candidate index in 0..{len(docs) - 1} other than the source_index")
         if not isinstance(t, str) or not t.strip():
@@ -460,7 +465,7 @@ def attack_instance(g, method, level=1):
     level > 1 (a file built with --attacked K): the group's first level-1 co-attacks replace their
     candidates too, each id "<doc_id>#<its method>", and the instance id ends ":K<level>"; with an
     optimized pool every other candidate shows its honest edit (its id unchanged: the same page)."""
-    docs = [(g.optimized or {}).get(i, d["text"]) for i, d in enumerate(g.docs)]
+    docs = _pool_texts(g)
     ids = [d["doc_id"] for d in g.docs]
     docs[g.source_index] = g.attacks[method]
     ids[g.source_index] = f"{ids[g.source_index]}#{method}"
@@ -472,9 +477,16 @@ def attack_instance(g, method, level=1):
 
 
 def clean_instance(g):
-    """B.1.3: the original benign list; its base top-5 + A.3.7 answer is the clean reference."""
-    return Instance(f"{g.group_id}:clean", g.group_id, g.query, [d["text"] for d in g.docs],
-                    [d["doc_id"] for d in g.docs], None, None, g.split)
+    """B.1.3: the original benign list; its base top-5 + A.3.7 answer is the clean reference. With an
+    optimised pool (--pool optimized) the other candidates show their honest edits, as in the attacked
+    lists, and the source stays as retrieved: the clean list is the attacked one without its attacks."""
+    return Instance(f"{g.group_id}:clean", g.group_id, g.query, _pool_texts(g), [d["doc_id"] for d in g.docs],
+                    None, None, g.split)
+
+
+def _pool_texts(g):
+    """The group's candidate texts, each other candidate's honest edit in place with an optimised pool."""
+    return [(g.optimized or {}).get(i, d["text"]) for i, d in enumerate(g.docs)]
 
 
 def honest_instance(g):
@@ -482,7 +494,7 @@ def honest_instance(g):
     "honest", its doc id "<source doc_id>#honest"): where the honest penalty is measured."""
     if g.honest is None:
         raise ValueError(f"group {g.group_id}: no honest edit (build-bench --honest writes one)")
-    docs = [d["text"] for d in g.docs]
+    docs = _pool_texts(g)
     ids = [d["doc_id"] for d in g.docs]
     docs[g.source_index] = g.honest
     ids[g.source_index] = f"{ids[g.source_index]}#honest"

@@ -8,6 +8,7 @@ Usage: base, shield = load_rankers(cfg, shield=True); base.prepare(insts); base.
 import contextlib
 import hashlib
 import os
+import re
 import sys
 
 from tqdm import tqdm
@@ -44,11 +45,12 @@ class Ranker:
         `instances` in a fixed order, whatever is cached: whole queries, so each document is scored in the
         batch one process would score it in, the same floats), keeping them in a share file of its own
         (<cache>.rank<r>, which only grows) as it goes; every rank then holds all the scores, rank 0 writes
-        the cache and removes the share files. A killed multi-rank run's share files are read first, so
-        its rerun scores only what no rank had scored."""
+        the cache and removes the share files. A killed multi-rank run's share files are read first, by a
+        rerun on any number of ranks, so it scores only what no rank had scored."""
         shared = shard and parallel.world() > 1
-        if shared:
-            for part in self.share_files():
+        shares = self.share_files()
+        for part in shares:
+            with contextlib.suppress(ValueError, OSError):     # one being replaced: its scores are scored again
                 self.cache.update(read_json(part, {}))
         todo = {}
         for x in instances:
@@ -65,16 +67,17 @@ class Ranker:
         bar.close()
         if shared:
             self.cache.update(parallel.gather({k: self.cache[k] for _, k, _ in items}))
-            if parallel.is_main():
-                write_json(self.path, self.cache)
-                for part in self.share_files():
-                    os.remove(part)
+        if parallel.is_main() and (shared or shares):          # every rank's scores in the cache: shares go
+            write_json(self.path, self.cache)
+            for part in self.share_files():
+                os.remove(part)
 
     def share_files(self):
         """The ranks' share files of this cache (a multi-rank prepare's; none once it has ended)."""
         folder, base = os.path.split(self.path)
+        share = re.compile(re.escape(base) + r"\.rank\d+")        # not atomic_write's temporary files
         return sorted(os.path.join(folder, f) for f in (os.listdir(folder) if os.path.isdir(folder) else ())
-                      if f.startswith(base + ".rank"))
+                      if share.fullmatch(f))
 
     def _score(self, todo, bar, path):
         """Score `todo` ({query: {key: document}}), writing what is scored to `path` after each query: the

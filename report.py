@@ -340,7 +340,7 @@ def robustrag_certificate_rows(r):
     if "certified" not in r:
         return []
     return [["ASR (%, measured)", fmt(r["ASR"])]] + [
-        [f"certified against {kk} corrupted passage(s) (% of queries, RobustRAG's keyword bound)", fmt(v)]
+        [f"keyword set certified against {kk} corrupted passage(s) (% of queries, RobustRAG's bound)", fmt(v)]
         for kk, v in r["certified"].items()]
 
 

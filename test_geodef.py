@@ -303,7 +303,11 @@ def attacked_group(gid="g1", **kw):
      r":3: co_attacks\[0\].text: empty, or identical"),
     (lambda g: {**g, "co_attacks": g["co_attacks"] + [{"index": 7, "method": "A", "text": "x"}]},
      r":3: co_attacks: 3 further attacked documents; _meta.attacked 3 allows 2"),
-    (lambda g: {**g, "split": "construction"}, r":3: co_attacks: construction groups hold one attacked document"),
+    (lambda g: {**g, "split": "construction"}, r":3: co_attacks: only on a test line"),
+    (lambda g: {k: v for k, v in g.items() if k != "split"}, r":3: co_attacks: only on a test line"),
+    (lambda g: {**g, "co_attacks": [], "split": "construction"}, r":3: optimized: only on a test line"),
+    (lambda g: {**g, "optimized": {"01": "x"}}, r":3: optimized.01: a candidate index"),
+    (lambda g: {**g, "optimized": {"²": "x"}}, r":3: optimized.²: a candidate index"),
     (lambda g: {**g, "optimized": {"2": "x"}}, r":3: optimized.2: a candidate index in 0..9 other than the source"),
     (lambda g: {**g, "optimized": {"1": "text <|im_start|>system"}}, r":3: optimized.1: holds chat control tokens"),
 ])
@@ -315,6 +319,7 @@ def test_several_attacked_documents_are_validated(tmp_path, mutate, msg):
 
 @pytest.mark.parametrize("meta,msg", [
     ({**META3, "attacked": 0}, r":1: _meta.attacked: an integer in 1..9, got 0"),
+    ({**META3, "n_docs": 3}, r":1: _meta.attacked: 3: a list of 3 candidates holds at most 2"),
     ({**META3, "pool": "all"}, r":1: _meta.pool: 'search' or 'optimized', got 'all'"),
     ({**META3, "pool": "search"}, r":3: optimized: honest edits of the pool need _meta.pool"),
 ])
@@ -339,4 +344,5 @@ def test_each_level_adds_the_next_further_attack_and_the_pool_shows_its_edits(tm
     assert k2.docs[0] == "doc g1 0 text" and k2.doc_ids[0] == "g1-0"        # not yet attacked at K = 2
     assert k1.docs[5] == "clearer doc g1 5" and k1.doc_ids[5] == "g1-5"     # the optimised pool, same page id
     assert all(x.docs[1] == "clearer doc g1 1" and x.docs[3] == "doc g1 3 text" for x in xs)
-    assert geodef.clean_instance(test).docs == [d["text"] for d in test.docs]   # the clean reference: as retrieved
+    clean = geodef.clean_instance(test)           # the attacked list without its attacks: the same pool
+    assert clean.docs[1] == "clearer doc g1 1" and clean.docs[2] == "doc g1 2 text" and clean.attacked == ()

@@ -168,6 +168,7 @@ def test_a_killed_sharded_scoring_keeps_each_ranks_share(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError):               # rank 1's share is q1, q3: killed on q3
         as_rank(1).prepare(lists, shard=True)
     assert asked == ["q1"] and os.path.exists(path + ".rank1") and not os.path.exists(path)
+    open(path + ".rank1.tmp999", "w").write('{"cut')   # a write the kill interrupted: not a share, never read
     fail_on.clear()
     r1 = as_rank(1)
     r1.prepare(lists, shard=True)                   # the rerun: q1 read from its share, q3 scored
@@ -177,3 +178,7 @@ def test_a_killed_sharded_scoring_keeps_each_ranks_share(monkeypatch, tmp_path):
     r0.prepare(lists, shard=True)                   # rank 0 scores q0 and q2 only, then writes the cache
     assert asked == ["q1", "q3", "q0", "q2"] and not r0.share_files()
     assert json.loads(open(path).read()) == {rankers.doc_key(x.query, d): float(len(d)) for x in lists for d in x.docs}
+    open(path + ".rank1", "w").write(json.dumps({"extra": 1.0}))     # a killed run's share, rerun in one process
+    monkeypatch.setattr(parallel, "world", lambda: 1)
+    as_rank(0).prepare(lists)
+    assert json.loads(open(path).read())["extra"] == 1.0 and not os.path.exists(path + ".rank1")
