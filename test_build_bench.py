@@ -19,6 +19,8 @@ import geo_attacks
 import geodef
 import offline_server
 import run
+import runs
+import settings
 from conftest import HERE
 
 
@@ -408,7 +410,8 @@ def attacked_bench(geo_input, tmp_path_factory):
     return d / "b.jsonl", d
 
 
-def test_attacked_k_rewrites_further_candidates_and_the_optimized_pool_edits_the_rest(attacked_bench, short_rows):
+def test_attacked_k_rewrites_further_candidates_and_the_optimized_pool_edits_the_rest(attacked_bench, short_rows,
+                                                                                       geo_input, tmp_path):
     """Each test list: its source and 2 further candidates rewritten, each by a family drawn per group with
     the seed, each rewrite through the families' gate; every other candidate an honest edit through the
     honest gate; construction lines as the paper's; _meta says K and the pool; the dry run counts both."""
@@ -427,6 +430,12 @@ def test_attacked_k_rewrites_further_candidates_and_the_optimized_pool_edits_the
         assert sorted(map(int, g["optimized"])) == [i for i in range(5) if i != g["source_index"]]
     loaded = geodef.load_bench(str(path))
     assert geodef.attacked_levels(geodef.expand([g for g in loaded if g.split == "test"], ["GEO"])) == [1, 2, 3]
+    plan = build_bench.dry_run(runs.Run(settings.BuildConfig(
+        input=geo_input[0], output=str(tmp_path / "x.jsonl"), groups=6, construction_groups=2, llm="offline",
+        attacks="GEO,AutoGEO", seen_methods="GEO", docs=5, attacked=3, pool="optimized")))
+    n_test = plan["test"]
+    assert (plan["stages"]["further attacks"]["groups"], plan["stages"]["pool honest edits"]["groups"]) == (
+        2 * n_test, 4 * n_test)                        # K-1 rewrites and docs-1 edits a test list, priced
 
 
 def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
