@@ -92,6 +92,9 @@ def gather(d):
 
 
 def finish():
-    """Leave the process group (the sharded stage is over: what follows runs on rank 0 alone)."""
+    """Leave the process group (the sharded stage is over: what follows runs on rank 0 alone). Every
+    rank first waits at a barrier: a rank that tears its connections down while a peer still reads the
+    last collective's bytes makes gloo abort that peer (SIGABRT)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
