@@ -50,6 +50,7 @@ import geodef
 import honest
 import llm_clients
 import offline_server
+import transport
 from rankers import load_rankers
 from runs import atomic_write, log, SettingsError, usage_path
 
@@ -200,7 +201,7 @@ def fetch_hf(spec):
 
 
 class SearchClient:
-    """Tavily's search API over raw HTTP JSON on the chat clients' machinery (llm_clients.Transport:
+    """Tavily's search API over raw HTTP JSON on the chat clients' machinery (transport.Transport:
     retries, timeouts, reply cap, the key only in headers and only to its host; ReplyCache; the usage
     ledger). `tavily:http://HOST:PORT` names a Tavily-shaped endpoint (a proxy, a test server);
     `offline:CORPUS` is the offline engine's /search over a synthetic corpus at `engine_url` (run.py
@@ -225,7 +226,7 @@ class SearchClient:
             key = os.environ.get("SEARCH_API_KEY") if spec.provider == "tavily" else None
         if self.where.host == "api.tavily.com" and not key:
             raise SettingsError("--search tavily: set TAVILY_API_KEY")
-        self.transport = llm_clients.Transport(self.where, self.label, api_key=key, timeout=timeout, rpm=rpm,
+        self.transport = transport.Transport(self.where, self.label, api_key=key, timeout=timeout, rpm=rpm,
                                                provider="search", endpoint=self.where.url + "/search",
                                                max_reply_bytes=32 << 20)
         self.cache, self.ledger, self.requests = llm_clients.ReplyCache(cache_dir), ledger, 0
@@ -240,7 +241,7 @@ class SearchClient:
             resp = self.transport.post(body)
             self.requests += 1
             if not isinstance(resp, dict) or not isinstance(resp.get("results"), list):
-                raise llm_clients.LLMError(f"{self.label}: results: expected a list")
+                raise transport.LLMError(f"{self.label}: results: expected a list")
             hit = {"results": [{"url": r.get("url") if isinstance(r.get("url"), str) else "",
                                 "text": r.get("raw_content") or r.get("content") or ""}
                                for r in resp["results"] if isinstance(r, dict)]}

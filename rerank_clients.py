@@ -1,5 +1,5 @@
 """Rerank clients over raw HTTP JSON: Cohere (v2), Jina, Voyage, any Cohere/Jina/vLLM-shaped /rerank
-endpoint and Text Embeddings Inference, on the chat clients' machinery (llm_clients.Transport:
+endpoint and Text Embeddings Inference, on the chat clients' machinery (transport.Transport:
 retries with Retry-After, a whole-reply deadline, no redirects, a reply-size cap, the key only in
 headers and only to its own host; llm_clients.ReplyCache: replies by request hash, in-flight
 de-duplication).
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from accounting import append_ledger
 from endpoints import LOCAL_RERANKERS, RERANK_PROVIDERS, Endpoint, parse_spec
-from llm_clients import LLMError, ReplyCache, Transport
+from llm_clients import ReplyCache
+from transport import LLMError, Transport
 
 RERANK_KEY_VAR = "RERANK_API_KEY"        # the key of a self-hosted endpoint (http://... or tei:http://...)
 

@@ -2,8 +2,8 @@
 publishes them, the published archive and rule formats, MAGEO's engine signal, GEO-SFE's gaps and
 rollback, IF-GEO's request filter, the one gate every rewrite passes, opaque prompts and the surface
 marker report. The offline engine (offline.py) plays the builder LLM in process.
-Vendors with: geo_attacks.py, geodef.py, llm_clients.py, endpoints.py, accounting.py, offline.py, defenses.py,
-  metrics.py, tfsg.py.
+Vendors with: geo_attacks.py, geodef.py, llm_clients.py, transport.py, endpoints.py, accounting.py, offline.py,
+  defenses.py, metrics.py, tfsg.py.
 Run: python -m pytest -q test_geo_attacks.py
 """
 import json

@@ -1,6 +1,6 @@
 """llm_clients.py over real HTTP (a scripted loopback server): retries, Retry-After, adaptation of
 refused parameters, JSON re-asks, the cache, keys and URL credentials never leaked, Ctrl-C.
-Vendors with: llm_clients.py endpoints.py accounting.py conftest.py (no torch)
+Vendors with: llm_clients.py transport.py endpoints.py accounting.py conftest.py (no torch)
 Run: python -m pytest -q test_llm_clients.py
 """
 import json
