@@ -43,6 +43,7 @@ import os
 import shutil
 
 import geodef
+import parallel
 import report
 import tfsg
 from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
@@ -330,6 +331,28 @@ def clean_references(cfg, data, llm):
     return cons, {r["group_id"]: r for r in recs}
 
 
+def retraining(run, k):
+    """Round k's retraining as every rank runs it (module docstring, step 3): once round k's survivors
+    are written (under torchrun rank 0 writes them; the ranks meet at a barrier first), the Shield
+    retrained on the construction set plus the pool, when there are survivors -> the survivors."""
+    cfg = run.cfg
+    parallel.barrier()
+    survivors = read_survivors(os.path.join(round_dir(cfg, k), "survivors.jsonl"))
+    if survivors:
+        train_shield(run, out=round_dir(cfg, k), extra=pool_instances(cfg, run.data, k),
+                     init=None if cfg.restart else defense_of(cfg, k - 1)[0])
+    return survivors
+
+
+def train_share(run):
+    """A torchrun rank's part of harden (ranks other than 0): each round's retraining, in step with rank 0,
+    which makes every LLM call and writes every file. Between two retrainings the ranks wait on rank 0's
+    attack round at a barrier, which the process group's timeout (2 h) bounds."""
+    for k in range(1, run.cfg.rounds + 1):
+        retraining(run, k)
+    parallel.finish()
+
+
 def attack_round(run, k, clients, clean_cons):
     """Round k's training side: attack, harvest, the defender's update (module docstring, steps 1-3)."""
     cfg, data = run.cfg, run.data
@@ -342,13 +365,11 @@ def attack_round(run, k, clients, clean_cons):
     path = os.path.join(folder, "survivors.jsonl")
     if not os.path.isfile(path):
         write_jsonl(path, harvest(cfg, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))
-    survivors = read_survivors(path)
     pool = pool_instances(cfg, data, k)
-    log(f"[harden] round {k}: {len(survivors)} survivors, a pool of {len(pool)}")
+    log(f"[harden] round {k}: {len(read_survivors(path))} survivors, a pool of {len(pool)}")
     adapter = defense_of(cfg, k)[0]
-    if survivors:
-        train_shield(run, out=folder, extra=pool, init=None if cfg.restart else defense_of(cfg, k - 1)[0])
-    elif not os.path.isdir(adapter):    # nothing got through: the Shield stays as it is
+    survivors = retraining(run, k)
+    if not survivors and not os.path.isdir(adapter):    # nothing got through: the Shield stays as it is
         tmp = f"{adapter}.tmp{os.getpid()}"
         shutil.copytree(defense_of(cfg, k - 1)[0], tmp)
         os.replace(tmp, adapter)
@@ -379,6 +400,7 @@ def harden(run):
     block = {"settings": pinned, "rounds": rounds, "k": cfg.k, "notes": offline_notes(cfg, data.meta),
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
                            "exposure": crossplay(cfg, cfg.rounds, data)}}
+    parallel.finish()                  # under torchrun: the other ranks' retraining is over
     summary = write_summary(cfg.run_dir, "harden", {"harden": block, "usage": run.usage()})
     report.write_harden_report(cfg.run_dir, summary)
     log(f"[harden] wrote {cfg.run_dir}/harden_report.md and summary.json's harden block")

@@ -478,6 +478,9 @@ def cmd_harden(args):
     if args.dry_run:
         return show(harden.dry_run(run))
     check_llms(cfg)
+    run = run.with_settings(dataclasses.replace(cfg, device=parallel.init(cfg.device)), run.data)  # torchrun: its GPU
+    if not parallel.is_main():        # under torchrun: this rank's share of each round's retraining, nothing written
+        return harden.train_share(run)
     with offline_engine(run, cfg.llm == "offline"), run_lock(cfg.run_dir):
         record_or_check(cfg, "harden")
         block = harden.harden(run)

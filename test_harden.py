@@ -41,10 +41,18 @@ def near_copies_in_round_1(real):
     return attacker
 
 
+RETRAINED = []     # the hardening run's train_shield calls: (folder, pool instance ids, warm start)
+
+
+def retrain_call(kw):
+    return kw["out"], [x.instance_id for x in kw["extra"]], kw["init"]
+
+
 @pytest.fixture(scope="module")
 def hardened(demo_run, tmp_path_factory):
     """One hardening run on a copy of the demo run (near_copies_in_round_1), the adaptive attacker's
-    requests recorded: -> (the run's parent folder, the harden block, [(attacker seed, group id)])."""
+    requests and the retraining calls recorded: -> (the run's parent folder, the harden block, [(attacker
+    seed, group id)])."""
     out = tmp_path_factory.mktemp("h")
     shutil.copytree(demo_run.parent, out, dirs_exist_ok=True)
     seen, real = [], near_copies_in_round_1(offline.attack_rewrites)
@@ -54,6 +62,8 @@ def hardened(demo_run, tmp_path_factory):
         seen.append((inp.get("attacker_seed"), inp["query"]))
         return real(inp)
     mp.setattr(offline, "attack_rewrites", recording)
+    train = harden.train_shield
+    mp.setattr(harden, "train_shield", lambda run_, **kw: RETRAINED.append(retrain_call(kw)) or train(run_, **kw))
     try:
         block = run.main(argv(out))
     finally:
@@ -61,6 +71,19 @@ def hardened(demo_run, tmp_path_factory):
     groups, _ = geodef.load_bench(json.load(open(out / "demo" / "config.json"))["config"]["bench"], with_meta=True)
     by_query = {g.query: g.group_id for g in groups}
     return out, block, [(s, by_query[q]) for s, q in seen]
+
+
+def test_under_torchrun_every_rank_retrains_each_round_as_rank_0_does(hardened, monkeypatch):
+    """Ranks other than 0 run harden.train_share: each round, once rank 0 has written its survivors (a
+    barrier), the train_shield call rank 0 makes (the round's folder, the pool, the warm start), so that
+    the data-parallel steps meet. Played in one process after the hardening run (parallel's barrier does
+    nothing outside a process group): its calls equal the run's own."""
+    out, _, _ = hardened
+    calls = []
+    monkeypatch.setattr(harden, "train_shield", lambda run_, **kw: calls.append(retrain_call(kw)))
+    given = {"runs_dir": str(out), "name": "demo", "rounds": 2, "budget": 5, "eval_budgets": "1,3", "eval_groups": 2}
+    harden.train_share(runs.Run(runs.resolve(settings.HardenConfig, given)))
+    assert calls == RETRAINED and RETRAINED and RETRAINED[0][1]      # round 1 retrained on a pool
 
 
 def split_of(out):
