@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlparse
 
 # What is kept at the start of text that does not parse: a LABEL=, tei: or tavily:, then a scheme with
 # its '://', or a mistyped one (http:/, http//, https:). Nothing else there is known not to be a secret.
-HEAD = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*=)?(?:tei:|tavily:)?"
+HEAD = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*=)?(?:tei:|vllm-score:|tavily:)?"
                   r"(?:[A-Za-z][A-Za-z0-9+.-]*://|https?:/{0,2}|https?/+)?")
 
 
@@ -135,7 +135,8 @@ RERANK_PROVIDERS = {
 @dataclass(frozen=True)
 class RerankSpec:
     """A reranker spec parsed once: `kind` (cohere, jina, voyage: hosted; generic: any Cohere/Jina/
-    vLLM-shaped endpoint; tei: Text Embeddings Inference; base, shield: this project's in-process
+    vLLM-shaped endpoint; tei: Text Embeddings Inference; vllm-score: vLLM's Score API (POST /score with
+    text_1 and text_2); base, shield: this project's in-process
     rerankers), the model, and the Endpoint (credentials held apart). str() is the spec as given
     without credentials: what config.json, records, reports and messages show."""
     kind: str
@@ -147,7 +148,7 @@ class RerankSpec:
             return self.kind
         if self.kind in RERANK_PROVIDERS:
             return f"{self.kind}:{self.model}"
-        return ("tei:" if self.kind == "tei" else "") + str(self.endpoint)
+        return (f"{self.kind}:" if self.kind in PREFIXED else "") + str(self.endpoint)
 
     def __format__(self, spec):
         return format(str(self), spec)
@@ -162,12 +163,14 @@ class RerankSpec:
 
 
 LOCAL_RERANKERS = ("base", "shield")
+PREFIXED = {"tei": "/rerank", "vllm-score": "/score"}     # kind: -> the route added to its URL's path
 
 
 def parse_spec(spec):
     """'base' | 'shield' | 'cohere:MODEL' | 'jina:MODEL' | 'voyage:MODEL' | 'http(s)://[USER:PW@]HOST[:PORT]
-    [/path][#MODEL]' (default path /v1/rerank) | 'tei:http(s)://HOST[:PORT]' (its /rerank) -> RerankSpec.
-    A RerankSpec is returned as it is."""
+    [/path][#MODEL]' (default path /v1/rerank) | 'tei:http(s)://HOST[:PORT]' (its /rerank) |
+    'vllm-score:http(s)://HOST[:PORT][/v1][#MODEL]' (vLLM's /score) -> RerankSpec. A RerankSpec is returned
+    as it is."""
     if isinstance(spec, RerankSpec):
         return spec
     spec = spec.strip()
@@ -178,15 +181,16 @@ def parse_spec(spec):
         if not rest:
             raise ValueError(f"{spec!r}: give {provider}:MODEL")
         return RerankSpec(provider, rest)
-    tei = provider == "tei"
+    prefixed = provider in PREFIXED
     try:
-        ep = Endpoint.parse(rest if tei else spec)
+        ep = Endpoint.parse(rest if prefixed else spec)
     except ValueError:
         raise ValueError(f"unknown reranker {redact_url(spec)!r}: give base, shield, cohere:MODEL, jina:MODEL, "
-                         "voyage:MODEL, http(s)://HOST[:PORT][/v1/rerank][#MODEL] or "
-                         "tei:http(s)://HOST[:PORT]") from None
-    if tei:
-        return RerankSpec("tei", None, ep.with_path(ep.path + "/rerank"))
+                         "voyage:MODEL, http(s)://HOST[:PORT][/v1/rerank][#MODEL], tei:http(s)://HOST[:PORT] or "
+                         "vllm-score:http(s)://HOST[:PORT][#MODEL]") from None
+    if prefixed:
+        model = ep.model if provider != "tei" else None        # TEI serves one model and takes no name
+        return RerankSpec(provider, model, ep.with_path(ep.path + PREFIXED[provider]))
     return RerankSpec("generic", ep.model, ep if ep.path else ep.with_path("/v1/rerank"))
 
 
@@ -194,7 +198,7 @@ def parse_labelled(item):
     """'LABEL=SPEC' or 'SPEC' -> (label or None, RerankSpec). A bare URL's '=' (in a password or a
     query) is not a label's."""
     label, eq, text = item.partition("=")
-    if not eq or "://" in label or label.startswith(("tei:", "http")):
+    if not eq or "://" in label or label.startswith(("tei:", "vllm-score:", "http")):
         return None, parse_spec(item)
     return label, parse_spec(text)
 

@@ -31,9 +31,12 @@ class RerankReply:
 
 def rerank_body(shape, model, query, docs):
     """The request of each API shape: Cohere v2, Jina, Voyage, any Cohere/Jina/vLLM-shaped endpoint
-    ("generic"), or Text Embeddings Inference's /rerank ("tei"). Every document is asked for."""
+    ("generic"), Text Embeddings Inference's /rerank ("tei"), or vLLM's Score API ("vllm-score": the query
+    as text_1, the documents as text_2). Every document is asked for."""
     if shape == "tei":
         return {"query": query, "texts": docs, "raw_scores": False}
+    if shape == "vllm-score":
+        return {**({"model": model} if model is not None else {}), "text_1": query, "text_2": docs}
     if shape == "voyage":
         return {"model": model, "query": query, "documents": docs, "return_documents": False, "truncation": True}
     body = {"model": model, "query": query, "documents": docs, "top_n": len(docs)}
@@ -45,7 +48,7 @@ def rerank_body(shape, model, query, docs):
 
 
 # Where each shape puts its results and their scores (TEI's reply is the list itself)
-REPLY_FIELDS = {"tei": ("(body)", "score"), "voyage": ("data", "relevance_score")}
+REPLY_FIELDS = {"tei": ("(body)", "score"), "voyage": ("data", "relevance_score"), "vllm-score": ("data", "score")}
 
 
 def rerank_scores(shape, resp, n, where):
@@ -89,8 +92,8 @@ class RerankClient:
 
     def __init__(self, url, model=None, shape="generic", api_key=None, label=None, cache_dir=None, timeout=120,
                  max_retries=2, rpm=0, ledger=None, stage=None, max_reply_bytes=8 << 20):
-        if shape not in ("cohere", "jina", "voyage", "generic", "tei"):
-            raise ValueError(f"rerank shape must be cohere, jina, voyage, generic or tei, got {shape!r}")
+        if shape not in ("cohere", "jina", "voyage", "generic", "tei", "vllm-score"):
+            raise ValueError(f"rerank shape must be cohere, jina, voyage, generic, tei or vllm-score, got {shape!r}")
         self.where = url if isinstance(url, Endpoint) else Endpoint.parse(url)   # credentials held apart
         self.url, self.model, self.shape = self.where.url, model, shape
         self.label = label or str(self.where)

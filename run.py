@@ -424,7 +424,8 @@ def cmd_rerank_eval(args):
     cfg = pipeline_settings(settings.RerankEvalConfig, args)
     if not cfg.reranker:
         raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
-                            "jina:MODEL, voyage:MODEL, http://HOST:PORT/v1/rerank, tei:http://HOST:PORT)")
+                            "jina:MODEL, voyage:MODEL, http://HOST:PORT/v1/rerank, tei:http://HOST:PORT, "
+                            "vllm-score:http://HOST:PORT)")
     items = rankers.check_specs(cfg.reranker)
     if any(spec.kind == "shield" for _, spec in items):
         need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")

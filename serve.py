@@ -4,12 +4,13 @@
 request {model, query, documents: [str | {text}], top_n?, return_documents?} and answers {id, model,
 results: [{index, relevance_score, document?}] best first, usage}, the document as {text}; an
 Infinity-shaped request (`infinity_shaped`) gets the document as a string; a body with `texts` on
-/rerank gets Text Embeddings Inference's shape [{index, score, text?}]. relevance_score =
-sigmoid(margin). An `instruction` takes the prompt's <Instruct>: place for that request on the base
-model; the Shield, or weights the server cannot tell from it (`scoring_identity`), refuses one other
-than its own (400) unless started with allow_instruction. `GET /health`, `GET /v1/models`. Requests
-arriving together are scored in shared micro-batches by one scoring thread (a bounded queue; a full
-queue answers 503).
+/rerank gets Text Embeddings Inference's shape [{index, score, text?}]. `POST /score` (and `/v1/score`)
+is vLLM's Score API: {model?, text_1: the query, text_2: the documents} -> {data: [{index, object,
+score}]} in the documents' order. relevance_score and score = sigmoid(margin). An `instruction` takes
+the prompt's <Instruct>: place for that request on the base model; the Shield, or weights the server
+cannot tell from it (`scoring_identity`), refuses one other than its own (400) unless started with
+allow_instruction. `GET /health`, `GET /v1/models`. Requests arriving together are scored in shared
+micro-batches by one scoring thread (a bounded queue; a full queue answers 503).
 Every request is untrusted: sizes are capped, every field is validated (4xx naming it), documents
 are tokenized as text (reranker.text_tokenizer), slow clients time out, and an optional API key is
 compared in constant time and never printed.
@@ -38,6 +39,8 @@ import lora
 
 INFINITY_PATH = "/infinity/rerank"   # LiteLLM's infinity/ provider with api_base http://HOST:PORT/infinity
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank", INFINITY_PATH)
+SCORE_PATHS = ("/score", "/v1/score")    # vLLM's Score API
+POST_PATHS = RERANK_PATHS + SCORE_PATHS
 GET_PATHS = ("/health", "/v1/models", "/info")
 MAX_INSTRUCTION_CHARS = 4096
 
@@ -183,6 +186,24 @@ def infinity_shaped(path, body):
     field only Infinity's RerankInput defines; its own client, infinity_client, sends it every time)
     or one posted to /infinity/rerank; vLLM's (= Cohere's) everywhere else."""
     return path == INFINITY_PATH or "raw_scores" in body
+
+
+def parse_score(body, max_documents):
+    """A request to vLLM's Score API ({model?, text_1, text_2}) -> the RerankRequest it is: text_1 the
+    query (one string; scoring two lists pairwise is not a reranker's request), text_2 the documents (a
+    list, or one string). A refusal names text_1 or text_2."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    if not isinstance(body.get("text_1"), str):
+        raise RequestError(400, "text_1: one query string is required", "text_1")
+    docs = body.get("text_2")
+    as_rerank = {"model": body.get("model"), "query": body["text_1"],
+                 "documents": [docs] if isinstance(docs, str) else docs}
+    try:
+        return parse_rerank({k: v for k, v in as_rerank.items() if v is not None}, max_documents)
+    except RequestError as e:        # the rerank fields' names as this API spells them
+        spelled = lambda text: re.sub(r"^query", "text_1", re.sub(r"^documents", "text_2", text))
+        raise RequestError(e.status, spelled(str(e)), e.param and spelled(e.param)) from None
 
 
 def fit_documents(rr, req):
@@ -475,7 +496,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, {"status": "ok"})
             if path == "/info":                     # Text Embeddings Inference's shape (tei-client)
                 return self._send(200, self.server.info())
-            if path in RERANK_PATHS:
+            if path in POST_PATHS:
                 raise RequestError(405, f"{path} takes POST")
             if path != "/v1/models":
                 raise RequestError(404, f"no route {path}")
@@ -493,7 +514,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path in GET_PATHS:
                 self.close_connection = True
                 raise RequestError(405, f"{path} takes GET")
-            if path not in RERANK_PATHS:
+            if path not in POST_PATHS:
                 self.close_connection = True
                 raise RequestError(404, f"no route {path}")
             if not self._authorised():
@@ -510,9 +531,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _method_not_allowed(self):
         path = urlsplit(self.path).path.rstrip("/") or "/"
         self.close_connection = True
-        if path in RERANK_PATHS or path in GET_PATHS:
-            self._fail(RequestError(405, f"{path} takes {'POST' if path in RERANK_PATHS else 'GET'}"),
-                       [("Allow", "POST" if path in RERANK_PATHS else "GET")])
+        if path in POST_PATHS or path in GET_PATHS:
+            self._fail(RequestError(405, f"{path} takes {'POST' if path in POST_PATHS else 'GET'}"),
+                       [("Allow", "POST" if path in POST_PATHS else "GET")])
         else:
             self._fail(RequestError(404, f"no route {path}"))
 
@@ -520,7 +541,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _rerank(self, body, t0):
         conf = self.server.conf
-        req = parse_rerank(body, conf["max_documents"])
+        path = urlsplit(self.path).path.rstrip("/")
+        req = (parse_score if path in SCORE_PATHS else parse_rerank)(body, conf["max_documents"])
         rr = self.server.prompter(req.instruction)
         req.document_string = not req.tei and infinity_shaped(urlsplit(self.path).path.rstrip("/"), body)
         try:
@@ -531,6 +553,12 @@ class _Handler(BaseHTTPRequestHandler):
         m = self.server.batcher.submit(ids, conf["score_timeout"])
         if req.tei:
             return self._send(200, tei_results(req, m))
+        if path in SCORE_PATHS:
+            n = sum(map(len, ids))
+            data = [{"index": i, "object": "score", "score": sigmoid(v)} for i, v in enumerate(m)]
+            return self._send(200, {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                                    "model": req.model or conf["model_name"], "data": data,
+                                    "usage": {"prompt_tokens": n, "total_tokens": n}})
         self._send(200, {"id": uuid.uuid4().hex, "model": req.model or conf["model_name"],
                          "results": rerank_results(req, m), "usage": {"total_tokens": sum(map(len, ids))},
                          "meta": {"elapsed_ms": round(1000 * (time.perf_counter() - t0), 1)}})

@@ -298,8 +298,9 @@ class EvalSettings(SampleSettings):
 class RerankSettings(Settings):
     """Deployed rerankers under GEO attack (rerank-eval; eval --reranker) and the bootstrap's size."""
     reranker: list = setting(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, "
-                                   "voyage:MODEL, http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT); "
-                                   "repeatable. eval: adds 'Non-Defense [LABEL]' and 'TFSG only [LABEL]'",
+                                   "voyage:MODEL, http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT, "
+                                   "vllm-score:http://HOST:PORT[#MODEL]); repeatable. eval: adds 'Non-Defense "
+                                   "[LABEL]' and 'TFSG only [LABEL]'",
                              parse=endpoints.parse_rerankers)
     n_boot: int = setting(10000, "bootstrap resamples", ok=at_least(1), taken=True)
 
@@ -400,7 +401,8 @@ class DeploySettings(Settings):
     """deploy-check (deploy_check.py): the endpoint whose scores are checked against the run's Shield."""
     endpoint: endpoints.RerankSpec = setting(None, "the rerank endpoint to check, a spec as --reranker takes it "
                                                    "(http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT, "
-                                                   "cohere:MODEL, ...)", parse=spec_of(endpoints.parse_spec))
+                                                   "vllm-score:http://HOST:PORT[#MODEL], cohere:MODEL, ...)",
+                                             parse=spec_of(endpoints.parse_spec))
 
 
 # ----------------------------------------------------------------------------- commands

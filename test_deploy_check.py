@@ -35,11 +35,14 @@ def argv(demo_run, endpoint):
     return ["deploy-check", "--runs-dir", str(demo_run.parent), "--name", demo_run.name, "--endpoint", endpoint]
 
 
-def test_the_runs_own_shield_served_passes_in_both_shapes(demo_run, shield):
+def test_the_runs_own_shield_served_passes_in_every_shape(demo_run, shield):
+    """The run's Shield behind `serve`, asked in the Cohere/vLLM rerank shape, TEI's and vLLM's Score API
+    (/score with text_1 and text_2): each passes, its scores sigmoid(margin)."""
     srv = _serving(serve.RerankServer(shield[1], port=0, log=False))
     try:
         port = srv.server_address[1]
-        for spec in (f"http://127.0.0.1:{port}/v1/rerank", f"tei:http://127.0.0.1:{port}"):
+        for spec in (f"http://127.0.0.1:{port}/v1/rerank", f"tei:http://127.0.0.1:{port}",
+                     f"vllm-score:http://127.0.0.1:{port}"):
             v = run.main(argv(demo_run, spec))
             assert v["pass"] and v["map"] == "sigmoid" and v["max_error"] < 1e-4
             assert all(r["order_agrees"] for r in v["lists"].values()) and set(v["lists"]) == {

@@ -34,6 +34,14 @@ def test_a_malformed_url_is_refused_without_its_credentials(url, msg):
     assert "s3" not in str(e.value)
 
 
+def test_vllms_score_api_is_a_spec_of_its_own():
+    """vllm-score:URL[#MODEL]: vLLM's /score under the URL's path, its model kept, printed as given."""
+    s = parse_spec("vllm-score:http://u:S3cret@127.0.0.1:8000#shield")
+    assert (s.kind, s.model, s.endpoint.path, str(s)) == ("vllm-score", "shield", "/score",
+                                                          "vllm-score:http://***@127.0.0.1:8000/score#shield")
+    assert parse_spec("vllm-score:http://h:1/v1").endpoint.path == "/v1/score"
+
+
 def test_redact_url_hides_everything_up_to_the_last_at():
     assert redact_url("http://user:p#w@host/v1") == "http://***@host/v1"
     assert redact_url("tei:http://a:b@h/x") == "tei:http://***@h/x"
@@ -45,6 +53,7 @@ def test_redact_url_hides_everything_up_to_the_last_at():
                                         ("http:/usr:S3cret@127.0.0.1:1/v1", "http:/***@127.0.0.1:1/v1"),
                                         ("http//usr:S3cret@127.0.0.1:1/v1", "http//***@127.0.0.1:1/v1"),
                                         ("tei:usr:S3cret@h:1", "tei:***@h:1"), ("S3cret@h", "***@h"),
+                                        ("vllm-score:usr:S3cret@h:1", "vllm-score:***@h:1"),
                                         ("usr:p://S3cret@h", "***@h"),
                                         ("http://h:xx/v1?api_key=S3cret", "http://h:xx/v1?***")])
 def test_redact_url_hides_userinfo_without_a_scheme_and_queries(text, shown):

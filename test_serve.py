@@ -48,6 +48,11 @@ def test_served_ranking_equals_reranker_rank(shield_server):
         assert body["model"] == "x" and body["usage"]["total_tokens"] == sum(map(len, rr.tokenize(q, texts)))
     r = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": texts}, headers=AUTH, timeout=30).json()
     assert len(r["results"]) == 4 and "document" not in r["results"][0]
+    for path in serve.SCORE_PATHS:            # vLLM's Score API: sigmoid(margin) in the documents' order
+        r = requests.post(srv.url + path, json={"model": "x", "text_1": q, "text_2": texts}, headers=AUTH,
+                          timeout=30).json()
+        assert [x["index"] for x in r["data"]] == list(range(4)) and r["model"] == "x"
+        assert all(abs(x["score"] - float(torch.sigmoid(m[x["index"]]))) < 1e-6 for x in r["data"])
     tei = requests.post(srv.url + "/rerank", json={"query": q, "texts": texts, "raw_scores": True,
                                                    "return_text": True},
                         headers=AUTH, timeout=30).json()
@@ -85,6 +90,13 @@ def test_serve_rejects_bad_requests_with_a_named_field(shield_server):
         assert r.status_code == status and msg in r.json()["error"]["message"], (body, r.status_code, r.text)
     r = post({"query": "q", "documents": ["a", "b"], "top_n": 0})       # as vLLM reads it: every document
     assert r.status_code == 200 and len(r.json()["results"]) == 2
+    score = lambda body: requests.post(srv.url + "/score", json=body, headers=AUTH, timeout=10)   # vLLM's Score API
+    for body, msg in (({"text_2": ["a"]}, "text_1"), ({"text_1": ["q"], "text_2": ["a"]}, "text_1"),
+                      ({"text_1": "q", "text_2": []}, "text_2"), ({"text_1": "q", "text_2": [3]}, "text_2[0]")):
+        r = score(body)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(msg), (body, r.text)
+    r = score({"text_1": "q", "text_2": "a"}).json()                   # one document as a string
+    assert [d["index"] for d in r["data"]] == [0] and r["object"] == "list"
     assert requests.post(srv.url + "/nope", json={}, headers=AUTH, timeout=5).status_code == 404
     assert requests.get(url, headers=AUTH, timeout=5).status_code == 405
     assert requests.put(url, json={}, headers=AUTH, timeout=5).status_code == 405
