@@ -346,8 +346,8 @@ def retraining(run, k):
 
 def train_share(run):
     """A torchrun rank's part of harden (ranks other than 0): each round's retraining, in step with rank 0,
-    which makes every LLM call and writes every file. Between two retrainings the ranks wait on rank 0's
-    attack round at a barrier, which the process group's timeout (2 h) bounds."""
+    which makes every LLM call and writes every file. Between two retrainings the ranks wait at a barrier
+    while rank 0 measures the round and attacks the next (parallel.WAIT bounds it: 7 days)."""
     for k in range(1, run.cfg.rounds + 1):
         retraining(run, k)
     parallel.finish()

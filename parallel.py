@@ -13,9 +13,13 @@ import torch
 import torch.distributed as dist
 
 
-# how long a rank waits in a collective while rank 0 works alone (loads or downloads the model first,
-# scores a remote reranker): torch's default, 10 minutes, would end a first run that downloads 0.6B weights
+# how long a rank waits in a collective (a gather, a window's gradients): torch's default, 10 minutes, would
+# end a first run whose rank 0 downloads 0.6B weights while the others wait at their first all-reduce
 TIMEOUT = datetime.timedelta(hours=2)
+# how long a rank waits at barrier() while rank 0 works alone: an LLM stage, a hardening round's attack and
+# measure, which take hours with real LLMs. A gloo group of its own carries these waits (`_waiting`)
+WAIT = datetime.timedelta(days=7)
+_waiting = None
 
 
 def init(device):
@@ -29,6 +33,9 @@ def init(device):
         torch.cuda.set_device(device)
     if n > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    global _waiting
+    if dist.is_initialized() and _waiting is None:      # every rank calls init once: new_group is collective
+        _waiting = dist.new_group(backend="gloo", timeout=WAIT)
     return device
 
 
@@ -46,8 +53,9 @@ def is_main():
 
 
 def barrier():
+    """Wait for every rank, up to WAIT: most often the others wait while rank 0 works alone."""
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_waiting)
 
 
 def mine(pos, window_start):
@@ -95,6 +103,8 @@ def finish():
     """Leave the process group (the sharded stage is over: what follows runs on rank 0 alone). Every
     rank first waits at a barrier: a rank that tears its connections down while a peer still reads the
     last collective's bytes makes gloo abort that peer (SIGABRT)."""
+    global _waiting
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_waiting)
         dist.destroy_process_group()
+        _waiting = None

@@ -71,6 +71,8 @@ class Ranker:
             write_json(self.path, self.cache)
             for part in self.share_files():
                 os.remove(part)
+        if shared:                  # no rank starts another sharded prepare of this cache before the shares go
+            parallel.barrier()
 
     def share_files(self):
         """The ranks' share files of this cache (a multi-rank prepare's; none once it has ended)."""
@@ -82,7 +84,11 @@ class Ranker:
     def _score(self, todo, bar, path):
         """Score `todo` ({query: {key: document}}), writing what is scored to `path` after each query: the
         cache, or under torchrun this rank's share file (its scores alone)."""
-        mine = read_json(path, {}) if path != self.path else None       # a share file only grows
+        mine = None
+        if path != self.path:                                           # a share file only grows
+            with contextlib.suppress(ValueError, OSError):
+                mine = read_json(path, {})
+            mine = mine if isinstance(mine, dict) else {}
         for q, kd in todo.items():
             keys = list(kd)
             for i in range(0, len(keys), 16):

@@ -12,7 +12,7 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
   it runs out, so a reply trickled a byte at a time cannot hold a request open;
 - every failure raises LLMError(status, provider, short body).
 
-Usage: t = Transport("https://api.openai.com/v1", "openai:gpt-5.5", api_key=key); t.post("/chat/completions", body)
+Usage: t = Transport("https://api.openai.com/v1", "openai:gpt-5.5", api_key=key); t.post(body)   # protocol's path
 """
 import base64
 import contextlib
