@@ -391,6 +391,11 @@ def rewrite_family(ctx, fam, groups, gate=geo_attacks.gate):
     return done, failed
 
 
+def rewriter(family, mageo_signal):
+    """A family's rewriter (geo_attacks): MAGEO's with its signal, engine or reranker."""
+    return geo_attacks.Mageo(mageo_signal) if family == "MAGEO" else geo_attacks.FAMILIES[family]()
+
+
 def rewrite_all(ctx, fams, cons, groups, mageo_signal):
     """Every family on every group of its splits (cons: the construction groups' families), one split at
     a time (MAGEO's memory never crosses splits, B.1.2) -> ({gid: {family: text}}, {gid: {family: trace}},
@@ -398,7 +403,7 @@ def rewrite_all(ctx, fams, cons, groups, mageo_signal):
     other families: each family is measured over the groups it rewrote."""
     attacks, traces, failed = ({g["group_id"]: {} for g in groups} for _ in range(3))
     for f in fams:
-        fam = geo_attacks.Mageo(mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
+        fam = rewriter(f, mageo_signal)
         for split in ("construction", "test"):
             todo = [g for g in groups if g["split"] == split and (f in cons or split == "test")]
             done, bad = rewrite_family(ctx, fam, todo) if todo else ({}, {})
@@ -460,21 +465,16 @@ def pool_lists(ctx, cfg, fams, groups):
     candidate as the search returned it), said in the log."""
     out = {g["group_id"]: {} for g in groups}
     picks = co_attack_picks(groups, fams, cfg.attacked, cfg.seed) if cfg.attacked > 1 else {}
-    by_id = {g["group_id"]: g for g in groups}
+    by_id, got = {g["group_id"]: g for g in groups}, {}
     for f in fams:                      # a rewriter per family, over every candidate it was drawn for
         todo = [at_candidate(by_id[gid], i) for gid, ps in picks.items() for i, m in ps if m == f]
-        if not todo:
-            continue
-        fam = geo_attacks.Mageo(cfg.mageo_signal) if f == "MAGEO" else geo_attacks.FAMILIES[f]()
-        done, bad = rewrite_family(ctx, fam, todo)
+        done, bad = rewrite_family(ctx, rewriter(f, cfg.mageo_signal), todo) if todo else ({}, {})
         for key, why in bad.items():
             log(f"[build-bench] {key}: no further {f} attack ({why})")
         for key, (text, trace) in done.items():
-            gid, i = key.rsplit("@", 1)
-            out[gid].setdefault("done", {})[int(i)] = {"index": int(i), "method": f, "text": text, "trace": trace}
+            got[key] = {"index": int(key.rsplit("@", 1)[1]), "method": f, "text": text, "trace": trace}
     for gid, ps in picks.items():      # in the drawn order: level L holds the first L-1
-        got = out[gid].pop("done", {})
-        out[gid]["co_attacks"] = [got[i] for i, _ in ps if i in got]
+        out[gid]["co_attacks"] = [got[f"{gid}@{i}"] for i, _ in ps if f"{gid}@{i}" in got]
     refused = {}
     if cfg.pool == "optimized":
         edits, refused = honest_edits(ctx, [at_candidate(g, i) for g in groups for i in range(len(g["docs"]))
@@ -660,8 +660,7 @@ def build_bench(run, p=None):
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
     edits, refused = honest_edits(ctx, [g for g in kept if g["split"] == "test"]) if cfg.honest else (None, None)
-    lists = pool_lists(ctx, cfg, fams, [g for g in kept if g["split"] == "test"]) if (
-        cfg.attacked > 1 or cfg.pool == "optimized") else ({}, {})
+    lists = pool_lists(ctx, cfg, fams, [g for g in kept if g["split"] == "test"])     # nothing by default
     if edits:                           # the honest edits' template, beside the families'
         markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():

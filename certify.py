@@ -58,6 +58,11 @@ def masks(text, rate, n, seed):
     return out
 
 
+def mask_samples(samples):
+    """--samples as the masks a document gets: DEFAULT_SAMPLES when left at 1 (eval's default)."""
+    return samples if samples > 1 else DEFAULT_SAMPLES
+
+
 def sigmoid(m):
     return 1.0 / (1.0 + math.exp(-m)) if m >= 0 else math.exp(m) / (1.0 + math.exp(m))
 

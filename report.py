@@ -376,38 +376,48 @@ def rerank_stage_lines(s):
     stage, k = s.get("rerank_stage"), s.get("rerank_stage_k", 5)
     if not stage:
         return []
-    ci = ci_cell
     honest = any(v.get("honest") for v in stage.values())   # a benchmark with honest edits: two more columns
-    rows = [[label, part, b.get("n", 0), ci(b, "exposure"), ci(b, "mean_attack_rank"), ci(b, "promotion"),
-             ci(b, "clean_topk_kept")]
+    rows = [[label, part, b.get("n", 0), ci_cell(b, "exposure"), ci_cell(b, "mean_attack_rank"),
+             ci_cell(b, "promotion"), ci_cell(b, "clean_topk_kept")]
             + ((honest_cells(v.get("honest"), "attack_demotion") if part == "all" else ["", ""]) if honest else [])
             for label, v in stage.items() for part, b in (("all", v["overall"]), ("seen", v["seen"]),
                                                           ("unseen", v["unseen"])) if b.get("n")]
-    by_k = [[label, kk, v["n"], ci_cell(v, "any_exposure"), ci_cell(v, "topk_attack_share")]
-            for label, st in stage.items() for kk, v in st.get("by_attacked", {}).items()]
-    by_k = ([f"Against the number of attacked documents a list holds: exposure@{k} of any of them and the share "
-             "of the top k they take (95% query-cluster bootstrap CIs).\n",
-             _table(["Reranker", "K", "n", f"Any exposed@{k} (%)", "Top-k share (%)"], by_k) + "\n"] if by_k else [])
-    cert = [[label, c["samples"], f"{c['eps']:.3f}"] + [fmt(c["certified"][p]) for p in c["certified"]]
-            + [f"{fmt(c['exposure'])} / {fmt(c['smoothed_exposure'])}",
-               f"{fmt(c.get('clean_topk_kept'))} / {fmt(c.get('smoothed_clean_topk_kept'))}",
-               fmt(c["rewrites_inside_radius"]), fmt(100 * c["edit_fraction_median"])]
-            for label, st in stage.items() for c in [st.get("certificate")] if c]
-    by_k += ([f"Certified top-{k} (rerank-eval --certify, certify.py): % of attacked documents that no "
-              "substitution of the given share of their words can bring into the smoothed top k (confidence "
-              "95%); what the smoothing costs; % of the benchmark's rewrites whose word edit fraction lies inside "
-              "their source's certified radius. The bound covers substitutions only: a rewrite that adds or "
-              "removes words is outside it whatever its size.\n",
-              _table(["Reranker", "masks", "eps", "5%", "10%", "20%", "30%", f"Exposure@{k} plain / smoothed (%)",
-                      "Clean kept plain / smoothed (%)", "Rewrites inside radius (%)", "Median edit (%)"], cert)
-              + "\n"] if cert else [])
     return [f"## Reranker stage under GEO attack (no LLM): k = {k}\n",
             "Exposure@k: the attack document in the top k (%); attack rank: 1-based; promotion: the source "
             "document's rank in the clean list minus the attack's; clean kept: % of the base reranker's clean "
             "top-k a reranker keeps. 95% query-cluster bootstrap CIs.\n",
             _table(["Reranker", "Methods", "n", f"Exposure@{k} (%)", "Attack rank", "Promotion", "Clean kept (%)"]
                    + (["Honest penalty (%)", "Attack demoted (%)"] if honest else []), rows) + "\n"] \
-        + by_k + (honest_lines(s, "rerank") if honest else [])
+        + rerank_by_k_lines(stage, k) + certificate_lines(stage, k) + (honest_lines(s, "rerank") if honest else [])
+
+
+def rerank_by_k_lines(stage, k):
+    """Each reranker against the number of attacked documents a list holds (rerank_stage's by_attacked)."""
+    rows = [[label, kk, v["n"], ci_cell(v, "any_exposure"), ci_cell(v, "topk_attack_share")]
+            for label, st in stage.items() for kk, v in st.get("by_attacked", {}).items()]
+    if not rows:
+        return []
+    return [f"Against the number of attacked documents a list holds: exposure@{k} of any of them and the share "
+            "of the top k they take (95% query-cluster bootstrap CIs).\n",
+            _table(["Reranker", "K", "n", f"Any exposed@{k} (%)", "Top-k share (%)"], rows) + "\n"]
+
+
+def certificate_lines(stage, k):
+    """rerank-eval --certify's table: each local reranker's certificate block (rerank_eval.certify_summary)."""
+    rows = [[label, c["samples"], f"{c['eps']:.3f}"] + [fmt(c["certified"][p]) for p in c["certified"]]
+            + [f"{fmt(c['exposure'])} / {fmt(c['smoothed_exposure'])}",
+               f"{fmt(c.get('clean_topk_kept'))} / {fmt(c.get('smoothed_clean_topk_kept'))}",
+               fmt(c["rewrites_inside_radius"]), fmt(100 * c["edit_fraction_median"])]
+            for label, st in stage.items() for c in [st.get("certificate")] if c]
+    if not rows:
+        return []
+    return [f"Certified top-{k} (rerank-eval --certify, certify.py): % of attacked documents that no "
+            "substitution of the given share of their words can bring into the smoothed top k (confidence "
+            "95%); what the smoothing costs; % of the benchmark's rewrites whose word edit fraction lies inside "
+            "their source's certified radius. The bound covers substitutions only: a rewrite that adds or "
+            "removes words is outside it whatever its size.\n",
+            _table(["Reranker", "masks", "eps", "5%", "10%", "20%", "30%", f"Exposure@{k} plain / smoothed (%)",
+                    "Clean kept plain / smoothed (%)", "Rewrites inside radius (%)", "Median edit (%)"], rows) + "\n"]
 
 
 def write_rerank_report(run_dir, s):

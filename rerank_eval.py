@@ -107,8 +107,8 @@ def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
 
 def dry_run(run, items):
     """rerank-eval --dry-run: what each reranker would score, nothing scored. A local reranker's forward
-    passes (each distinct query and document once, less what its cache holds) and with --certify the
-    smoothing's (--samples masks of each distinct document of the attack and clean lists, cache aside);
+    passes at most (each distinct query and document once; its cache may hold some) and with --certify the
+    smoothing's (--samples masks of each distinct document of the attack and clean lists);
     an endpoint's requests (one per list) and, with --prices holding {"usd_per_1k_searches": x}, their
     price."""
     cfg = run.cfg
@@ -116,7 +116,7 @@ def dry_run(run, items):
     lists = insts + list(cleans.values()) + honest
     pairs = {(x.query, d) for x in lists for d in x.docs}
     smoothed = {(x.query, d) for x in insts + list(cleans.values()) for d in x.docs}
-    n = cfg.samples if cfg.samples > 1 else certify.DEFAULT_SAMPLES
+    n = certify.mask_samples(cfg.samples)
     out = {"lists": len(lists), "distinct_documents": len(pairs), "rerankers": {}}
     for label, spec in items:
         if spec.kind in rankers.LOCAL:
@@ -135,17 +135,18 @@ def certify_records(cfg, rk, insts, cleans, base_clean):
     """rerank-eval --certify under one local ranker (certify.py): per attack instance its smoothed
     scores, the certified radius of each attacked document, the smoothed top-k's exposure, and on its
     clean list the source's radius beside the real rewrite's edit fraction -> [records]."""
-    n = cfg.samples if cfg.samples > 1 else certify.DEFAULT_SAMPLES
-    masked = rankers.Ranker(rk.rr, rk.path.replace(".json", f".masked-{cfg.mask_rate:g}-{cfg.seed}.json"),
-                            f"{rk.label} masked", adapter_off=rk.adapter_off)
+    n = certify.mask_samples(cfg.samples)
+    stem, ext = os.path.splitext(rk.path)            # the ranker's own cache, one per mask rate and seed
+    masked = rankers.Ranker(rk.rr, f"{stem}.masked-{cfg.mask_rate:g}-{cfg.seed}{ext}", f"{rk.label} masked",
+                            adapter_off=rk.adapter_off)
     groups = list(cleans)
     g_attack = certify.smoothed(masked, insts, cfg.mask_rate, n, cfg.seed)
     g_clean = dict(zip(groups, certify.smoothed(masked, [cleans[g] for g in groups], cfg.mask_rate, n, cfg.seed)))
     eps = certify.epsilon(len(insts[0].docs), n)
+    radius = lambda g, a, text: certify.certified_radius(g, a, len(text.split()), cfg.k, eps, cfg.mask_rate)
     recs = []
     for x, g in zip(insts, g_attack):
         top = order_of(g)[:cfg.k]
-        radius = lambda gg, a, text: certify.certified_radius(gg, a, len(text.split()), cfg.k, eps, cfg.mask_rate)
         clean = g_clean[x.group_id]
         rec = {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, "samples": n, "eps": eps,
                "smoothed": g, "radius": radius(g, x.attack_index, x.docs[x.attack_index]),
