@@ -91,10 +91,14 @@ def certified_radius(g, a, n_words, k, eps, rate, grid=GRID):
     return max(ok, default=0.0)
 
 
+MAX_EDIT_WORDS = 2000                 # edit_fraction compares at most this many words of each text
+
+
 def edit_fraction(source, rewrite):
     """Word-level Levenshtein distance from source to rewrite over the source's words (insertions,
-    deletions and substitutions each count one)."""
-    a, b = source.split(), rewrite.split()
+    deletions and substitutions each count one). Both texts are untrusted and the distance is quadratic,
+    so it is taken over their first MAX_EDIT_WORDS words (4M cells at most: a second or two)."""
+    a, b = source.split()[:MAX_EDIT_WORDS], rewrite.split()[:MAX_EDIT_WORDS]
     prev = list(range(len(b) + 1))
     for i, wa in enumerate(a, 1):
         cur = [i]
