@@ -41,18 +41,18 @@ def load_ours(folder, compile=False, share_prefix=True, **kw):
     return rr
 
 
-def bench_folder(args):
+def bench_folder(cfg):
     """A random real-width Qwen3 checkpoint (hidden 1024, 16/8 heads, MLP 3072, vocab 151669,
     --layers layers), initialised and saved by transformers; made once under --out."""
     import transformers
-    folder = os.path.join(args.out, f"bench_qwen3_{args.layers}l")
+    folder = os.path.join(cfg.out, f"bench_qwen3_{cfg.layers}l")
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         torch.manual_seed(0)
-        cfg = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
-                                       num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
-                                       head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                                       max_position_embeddings=40960)
-        model = transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, args.dtype))
+        config = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
+                                          num_hidden_layers=cfg.layers, num_attention_heads=16, num_key_value_heads=8,
+                                          head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                                          max_position_embeddings=40960)
+        model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, cfg.dtype))
         model.save_pretrained(folder, safe_serialization=True)
         tok = tiny.make_tiny_checkpoint(folder + "_tok")
         shutil.copy(os.path.join(tok, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
@@ -282,24 +282,24 @@ def cuda_step_peaks(fns, device):
     return out
 
 
-def bench_score(args):
+def bench_score(cfg):
     """tokens/s of our scorer vs transformers (logits_to_keep=1, sdpa, one left-padded batch) and the
     model card snippet (full logits), same random real-width weights and ids; plus the GEMM floor of
     our call (`gemm_floor`: the ceiling of any ratio against each peer) and the bf16 matmul rate."""
     import transformers
-    dtype, dev = getattr(torch, args.dtype), args.device
-    folder = bench_folder(args)
+    dtype, dev = getattr(torch, cfg.dtype), cfg.device
+    folder = bench_folder(cfg)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
     rr = load_ours(folder, dtype=dtype, device=dev)
-    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if args.compile else None
-    work = {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}
+    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if cfg.compiled else None
+    work = {"mixed": mixed_lengths(), "fixed": [cfg.seq] * 10}
     results = {}
     if rc is not None:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
-        rc.score_ids(random_ids(work["mixed"], prefix=args.prefix))
+        rc.score_ids(random_ids(work["mixed"], prefix=cfg.prefix))
         results["compile_first_call_s"] = time.perf_counter() - t0
     for name, lens in work.items():
-        ids = random_ids(lens, prefix=args.prefix)
+        ids = random_ids(lens, prefix=cfg.prefix)
         pad, mask = (t.to(dev) for t in left_padded(ids))
 
         def transformers_keep1():
@@ -313,7 +313,7 @@ def bench_score(args):
         cands = {"ours": lambda: rr.score_ids(ids), "transformers": transformers_keep1}
         if rc is not None:
             cands["ours_compiled"] = lambda: rc.score_ids(ids)
-        if args.prefix:
+        if cfg.prefix:
             cands["ours_unshared"] = lambda: unshared(rr, ids)
         if name == "fixed":
             cands["model_card_snippet"] = snippet
@@ -323,7 +323,7 @@ def bench_score(args):
             for k, mib in cuda_step_peaks(cands, dev).items():
                 results[f"{name}/{k}_cuda_call_peak_MiB"] = mib
         rounds = []
-        for k, t in race(cands, args.repeat, rounds).items():
+        for k, t in race(cands, cfg.repeat, rounds).items():
             results[f"{name}/{k}"] = sum(lens) / t
         peers = ["transformers"] + (["model_card_snippet"] if name == "fixed" else [])
         for ours in [k for k in cands if k.startswith("ours")]:
@@ -338,7 +338,7 @@ def bench_score(args):
             results[f"{name}/{ours}_over_gemm_floor_paired_median"] = paired_ratio(rounds, ours, "gemm_floor")
         if rc is not None:
             results[f"{name}/ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
-        if args.prefix:
+        if cfg.prefix:
             results[f"{name}/ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     results["matmul_gflops"] = matmul_gflops(dtype, device=dev)
     return results
@@ -393,16 +393,16 @@ def _peak_rss_child(kind, folder, lens, prefix, dtype_name, q):
     q.put(peak_rss_mib())
 
 
-def bench_memory(args):
+def bench_memory(cfg):
     """Peak resident memory of one scoring call (weights included), ours vs transformers, each in a
     fresh process, on the mixed and fixed workloads of `bench --what score`."""
-    folder = bench_folder(args)
+    folder = bench_folder(cfg)
     res = {}
-    for name, lens in {"mixed": mixed_lengths(), "fixed": [args.seq] * 10}.items():
-        kinds = ("ours", "ours_compiled", "transformers") if args.compile else ("ours", "transformers")
+    for name, lens in {"mixed": mixed_lengths(), "fixed": [cfg.seq] * 10}.items():
+        kinds = ("ours", "ours_compiled", "transformers") if cfg.compiled else ("ours", "transformers")
         for kind in kinds:
-            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, args.prefix,
-                                                              args.dtype)
+            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, cfg.prefix,
+                                                              cfg.dtype)
         for kind in kinds[:-1]:
             peer = res[f"{name}/transformers_peak_MiB"]
             res[f"{name}/{kind}_over_transformers"] = res[f"{name}/{kind}_peak_MiB"] / peer
@@ -448,33 +448,33 @@ def _peak_rss_train_child(kind, folder, ids, dtype_name, q):
     q.put(peak_rss_mib())
 
 
-def bench_train(args):
+def bench_train(cfg):
     """One micro-step (3 documents x seq tokens, forward+backward through LoRA on all 7 projections)
     at real width: ours vs transformers + peft on the same weights and ids; tokens/s timed round-robin
     in one process, peak memory (weights included) of one step in a fresh process each (on CUDA: one
     step's allocation peak above the resident weights, in this process); plus the GEMM floor of our
     step (`gemm_floor`: frozen projections forward and input gradients only; `matmul_floor`: those plus
     LoRA's matmuls and the attention) and the matmul rate."""
-    dtype, dev = getattr(torch, args.dtype), args.device
+    dtype, dev = getattr(torch, cfg.dtype), cfg.device
     cuda = torch.device(dev).type == "cuda"
-    folder = bench_folder(args)
-    ids = random_ids([args.seq] * 3, prefix=args.prefix)
-    kinds = ("ours",) + ("ours_compiled",) * bool(args.compile) + ("ours_unshared",) * bool(args.prefix) + ("peft",)
+    folder = bench_folder(cfg)
+    ids = random_ids([cfg.seq] * 3, prefix=cfg.prefix)
+    kinds = ("ours",) + ("ours_compiled",) * bool(cfg.compiled) + ("ours_unshared",) * bool(cfg.prefix) + ("peft",)
     res, rounds = {}, []
     if not cuda:  # peak RSS, weights included, each in a fresh process
         for kind in kinds:
-            res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, args.dtype)
+            res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, cfg.dtype)
     steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor", "matmul_floor"),
                                                           dev).items()}
-    if args.compile:  # compilation happens on the first call: timed here, outside the race
+    if cfg.compiled:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
         steps["ours_compiled"]()
         res["compile_first_call_s"] = time.perf_counter() - t0
     if cuda:  # one step's allocations above the resident weights, all contenders in this process
         for k, mib in cuda_step_peaks(steps, dev).items():
             res[f"{k}_cuda_step_peak_MiB"] = mib
-    for k, t in race(steps, args.repeat, rounds).items():
-        res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * args.seq / t, t
+    for k, t in race(steps, cfg.repeat, rounds).items():
+        res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * cfg.seq / t, t
     mem = "cuda_step_peak_MiB" if cuda else "peak_MiB"
     for k in kinds[:-1]:
         res[f"{k}_over_peft_memory"] = res[f"{k}_{mem}"] / res[f"peft_{mem}"]
@@ -484,9 +484,9 @@ def bench_train(args):
         res[f"{k}_over_matmul_floor_paired_median"] = paired_ratio(rounds, k, "matmul_floor")
     res["ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "gemm_floor")  # see gemm_floor
     res["matmul_ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "matmul_floor")  # see matmul_floor
-    if args.compile:
+    if cfg.compiled:
         res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
-    if args.prefix:
+    if cfg.prefix:
         res["ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     res["matmul_gflops"] = matmul_gflops(dtype, device=dev)
     # the matmul floor's parts, each timed alone after the race (best of 3), and what the attention
@@ -499,12 +499,12 @@ def bench_train(args):
     return res
 
 
-def bench_nf4(args):
+def bench_nf4(cfg):
     """Frozen-base memory and scoring speed: our scorer with bf16 projections vs NF4 projections
     (dequantised on the fly), same random real-width weights and ids."""
-    dtype = getattr(torch, args.dtype)
-    folder = bench_folder(args)
-    ids = random_ids([args.seq] * 10, prefix=args.prefix)
+    dtype = getattr(torch, cfg.dtype)
+    folder = bench_folder(cfg)
+    ids = random_ids([cfg.seq] * 10, prefix=cfg.prefix)
     res = {}
     for name in ("bf16", "nf4"):
         rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
@@ -513,13 +513,13 @@ def bench_nf4(args):
         proj = sum(b.numel() * b.element_size() for n, b in list(rr.model.named_parameters()) +
                    list(rr.model.named_buffers()) if any(t in n for t in lora.TARGETS))
         res[f"{name}_projection_MiB"] = proj / 2 ** 20
-        res[f"{name}_tok_s"] = sum(map(len, ids)) / best_time(lambda: rr.score_ids(ids), args.repeat)
+        res[f"{name}_tok_s"] = sum(map(len, ids)) / best_time(lambda: rr.score_ids(ids), cfg.repeat)
     res["memory_ratio_nf4_over_bf16"] = res["nf4_projection_MiB"] / res["bf16_projection_MiB"]
     res["speed_ratio_nf4_over_bf16"] = res["nf4_tok_s"] / res["bf16_tok_s"]
     return res
 
 
-def bench_llm(args):
+def bench_llm(cfg):
     """200 calls on 16 workers against a loopback server with a fixed 200 ms latency, then the same
     200 from the cache (zero HTTP calls)."""
 
@@ -562,17 +562,17 @@ def bench_documents(rr, n, lo, hi, seed):
     return docs
 
 
-def bench_serve(args):
+def bench_serve(cfg):
     """`--clients` concurrent clients, each sending `--requests` requests of one query with ten
     documents of 100-1000 tokens to the rerank server (loopback HTTP, keep-alive), against the same
     requests scored directly in-process (`Reranker.score`, one request after another), in one run:
     requests/s, p50/p99 latency of each, and the server's throughput over direct scoring."""
-    dtype = getattr(torch, args.dtype)
-    rr = load_ours(bench_folder(args), dtype=dtype)
-    n_req = args.clients * args.requests
+    dtype = getattr(torch, cfg.dtype)
+    rr = load_ours(bench_folder(cfg), dtype=dtype)
+    n_req = cfg.clients * cfg.requests
     reqs = [{"query": f"query {i} about water safety", "documents": bench_documents(rr, 10, 100, 1000, seed=i)}
             for i in range(n_req)]
-    srv = serve.RerankServer(rr, port=0, log=False, max_queue=4 * args.clients)
+    srv = serve.RerankServer(rr, port=0, log=False, max_queue=4 * cfg.clients)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = srv.url + "/v1/rerank"
 
@@ -590,23 +590,23 @@ def bench_serve(args):
 
         def client(c):
             with requests.Session() as s:
-                for j in range(args.requests):
-                    i = c * args.requests + j
+                for j in range(cfg.requests):
+                    i = c * cfg.requests + j
                     t = time.perf_counter()
                     resp = s.post(url, json=reqs[i], timeout=3600)
                     resp.raise_for_status()
                     lat[i] = time.perf_counter() - t
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as ex:
-            list(ex.map(client, range(args.clients)))
+        with ThreadPoolExecutor(cfg.clients) as ex:
+            list(ex.map(client, range(cfg.clients)))
         return time.perf_counter() - t0, lat
 
     rr.score(reqs[0]["query"], reqs[0]["documents"])      # warm-up
     tokens = [sum(map(len, rr.tokenize(r["query"], r["documents"]))) for r in reqs]
-    res = {"clients": args.clients, "requests": n_req, "layers": args.layers,
+    res = {"clients": cfg.clients, "requests": n_req, "layers": cfg.layers,
            "tokens_per_request": statistics.mean(tokens)}
     ratios = []
-    for rnd in range(args.repeat):   # alternating order, as race() does
+    for rnd in range(cfg.repeat):   # alternating order, as race() does
         order = (("direct", direct), ("served", served)) if rnd % 2 == 0 else (("served", served), ("direct", direct))
         times = {}
         for name, fn in order:

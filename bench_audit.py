@@ -27,7 +27,7 @@ high accuracy is a lower bound on how separable the families are, and a low one 
 that they overlap. Scores are pointwise (reranker.py scores each (query, document) pair alone), so a
 list with the source replaced is scored by scoring the rewrite once.
 
-Usage: python run.py bench-audit --bench FILE [--model tiny] [--k 5] [--folds 5] [--out DIR]
+Usage: python run.py bench-audit --bench FILE [--model tiny | --no-exposure] [--k 5] [--folds 5] [--out DIR]
 """
 import collections
 import difflib

@@ -255,11 +255,11 @@ def check_out_dir(out_dir, overwrite=False, protected=()):
                               "replaces only exports")
 
 
-def _write_export(model, out_dir, adapter, fmt, dtype, instruction, quantized_base, name):
+def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, quantized_base, name):
     """The export's files into a new folder `out_dir` (export() renames it into place)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
-    folder, sha = reranker.resolve_model_path(model)
+    folder, sha = reranker.resolve_model_path(model, revision)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         raw_cfg = json.load(f)
     dtype = dtype or raw_cfg.get("torch_dtype") or raw_cfg.get("dtype") or "bfloat16"
@@ -318,11 +318,11 @@ def _write_export(model, out_dir, adapter, fmt, dtype, instruction, quantized_ba
 
 
 def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=reranker.SHIELD_INSTRUCTION,
-           quantized_base=False, name=None, overwrite=False, protected=()):
-    """Write the merged Shield (base `model`: hub id or folder; `adapter`: a PEFT LoRA folder or None)
-    to `out_dir` in `fmt` and `dtype` (default: the checkpoint's config dtype). quantized_base: the
-    adapter was trained over an NF4 base (said in the model card: the merge uses the full-precision
-    base weights). The folder is built beside `out_dir` and renamed into place whole: a failure (a
+           quantized_base=False, name=None, overwrite=False, protected=(), revision=None):
+    """Write the merged Shield (base `model`: hub id or folder, at `revision`; `adapter`: a PEFT LoRA
+    folder or None) to `out_dir` in `fmt` and `dtype` (default: the checkpoint's config dtype).
+    quantized_base: the adapter was trained over an NF4 base (said in the model card: the merge uses
+    the full-precision base weights). The folder is built beside `out_dir` and renamed into place whole: a failure (a
     full disk, a kill) leaves what was there before (see check_out_dir for what is refused).
     Returns out_dir."""
     if fmt not in FORMATS:
@@ -334,7 +334,7 @@ def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=
     old = tmp + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_export(model, tmp, adapter, fmt, dtype, instruction, quantized_base,
+        _write_export(model, revision, tmp, adapter, fmt, dtype, instruction, quantized_base,
                       name or os.path.basename(os.path.normpath(out_dir)))
         if os.path.exists(out_dir):          # an empty folder, or an earlier export with --overwrite
             os.rename(out_dir, old)

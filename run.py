@@ -28,7 +28,6 @@ import re
 import sys
 import threading
 
-import torch
 
 import attack
 import bench_audit
@@ -39,7 +38,6 @@ import geodef
 import harden
 import holdout
 import llm_clients
-import lora
 import offline_server
 import parallel
 import rankers
@@ -53,84 +51,79 @@ import tfsg
 import tiny
 from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
-from runs import (TINY_NOTE, Run, RunInUse, adapter_path, check_llms, check_record, check_roles, library_path, log,
-                  model_folder, need_trained, read_json, record_config, record_or_check, resolve, run_lock,
-                  shield_split, tfsg_schedule)
-from settings import PRESETS, SettingsError, check_device, check_name
+from runs import (TINY_NOTE, Run, RunInUse, adapter_path, check_llms, check_record, check_roles, library_path,
+                  load_reranker, load_shield, log, model_folder, need_trained, read_json, record_config,
+                  record_or_check, resolve, run_lock, shield_split, tfsg_schedule)
+from settings import PRESETS, SettingsError, check_name
 from train import plan_train, train_shield, train_tfsg
 
 
 # ----------------------------------------------------------------------------- commands
 
 
-def shield_source(args):
-    """--name NAME (a trained run: its model, adapter, dtype, max length) or --model M [--adapter DIR]
-    -> (model folder or hub id, adapter folder or None, the run's Config or None)."""
-    if args.name and args.model:
-        raise SystemExit("give --name (a trained run) or --model [--adapter], not both")
-    if not args.name:
-        if not args.model:
-            raise SystemExit("give --name NAME (a trained run) or --model M [--adapter DIR]")
-        model = model_folder(settings.TrainConfig(model=args.model, runs_dir=args.runs_dir))
-        if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
-            raise FileNotFoundError(f"{args.adapter}/adapter_config.json: no adapter there")
-        return model, args.adapter, None
-    check_name(args.name)
-    rec = read_json(os.path.join(args.runs_dir, args.name, "config.json"))
-    if rec is None:
-        raise FileNotFoundError(f"{os.path.join(args.runs_dir, args.name, 'config.json')}: no such run")
-    known = {f.name for f in settings.flags(settings.TrainConfig)}
-    cfg = settings.TrainConfig(**{k: v for k, v in rec["config"].items() if k in known})
-    adapter = adapter_path(cfg)
-    need_trained(cfg, os.path.join(adapter, "adapter_config.json"), "trained adapter")
-    return model_folder(cfg), adapter, cfg
+def shield_settings(cls, args):
+    """export's and serve's settings -> (settings, adapter folder or None, the run's folder or None).
+    By default the trained run --name, whose record gives the model, revision, dtype, max length and
+    quantization its Shield was trained with; with --model, that base and --adapter instead."""
+    asked = given(args, cls)
+    if "model" in asked:
+        if "name" in asked:
+            raise SettingsError("give --name (a trained run) or --model [--adapter], not both")
+        cfg = resolve(cls, asked, from_record=False)
+        if cfg.adapter and not os.path.isfile(os.path.join(cfg.adapter, "adapter_config.json")):
+            raise FileNotFoundError(f"{cfg.adapter}/adapter_config.json: no adapter there")
+        return cfg, cfg.adapter, None
+    if "adapter" in asked:
+        raise SettingsError("--adapter goes with --model: a trained run (--name) brings its own")
+    check_name(asked.get("name", "default"))
+    record = os.path.join(asked.get("runs_dir", "runs"), asked.get("name", "default"), "config.json")
+    if not os.path.isfile(record):
+        raise FileNotFoundError(f"{record}: no such run; give --name NAME (a trained run) or --model M "
+                                "[--adapter DIR]")
+    cfg = resolve(cls, asked)
+    need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
+    return cfg, adapter_path(cfg), cfg.run_dir
 
 
-def reading(cfg):
+def reading(run_dir):
     """A trained run's folder held for reading (export, serve loading its adapter): refused while a
     train or eval writes it."""
-    return run_lock(cfg.run_dir, shared=True) if cfg is not None else contextlib.nullcontext()
+    return run_lock(run_dir, shared=True) if run_dir is not None else contextlib.nullcontext()
 
 
 def cmd_export(args):
-    model, adapter, cfg = shield_source(args)
-    if cfg is not None and cfg.quant == "nf4":
+    """The merged Shield as a Hugging Face checkpoint (export.py), in the run's dtype by default."""
+    cfg, adapter, run_dir = shield_settings(settings.ExportConfig, args)
+    nf4 = run_dir is not None and cfg.quant == "nf4"
+    if nf4:
         log("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base "
             "(the model card says so)")
-    with reading(cfg):
-        out = export.export(model, args.out, adapter=adapter, fmt=args.format, dtype=args.dtype,
-                            quantized_base=cfg is not None and cfg.quant == "nf4",
-                            name=os.path.basename(os.path.normpath(args.out)), overwrite=args.overwrite,
-                            protected=[args.runs_dir] + ([cfg.run_dir] if cfg else []))
-    log(f"[export] {args.format} checkpoint in {out} (model card: {out}/README.md)")
+    with reading(run_dir):
+        out = export.export(model_folder(cfg), args.out, adapter=adapter, fmt=cfg.format, dtype=cfg.dtype,
+                            revision=cfg.revision, quantized_base=nf4,
+                            name=os.path.basename(os.path.normpath(args.out)), overwrite=cfg.overwrite,
+                            protected=[cfg.runs_dir] + ([run_dir] if run_dir else []))
+    log(f"[export] {cfg.format} checkpoint in {out} (model card: {out}/README.md)")
     print(out)
     return out
 
 
 def cmd_serve(args):
-    if not 0 <= args.port <= 65535:
-        raise SystemExit(f"--port {args.port}: out of range 0..65535")
-    model, adapter, cfg = shield_source(args)
-    check_device(args.device)
-    dtype = args.dtype or (cfg.dtype if cfg else "bfloat16")
-    max_length = args.max_length or (cfg.max_length if cfg else 8192)
-    with reading(cfg):
-        rr = reranker.Reranker.from_pretrained(model, dtype=getattr(torch, dtype), device=args.device,
-                                               max_length=max_length)
-        if adapter:
-            lora.load_adapter(rr.model, adapter)
-        speed.install(rr.model)
+    """The Shield behind a rerank endpoint (serve.py), loaded as its run scores."""
+    cfg, adapter, run_dir = shield_settings(settings.ServeConfig, args)
+    with reading(run_dir):
+        rr = load_shield(cfg, adapter=adapter) if adapter else load_reranker(cfg)
     rr.model.eval()
-    key = args.api_key or os.environ.get("GEODEF_API_KEY") or None
+    key = cfg.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
-        srv = serve.RerankServer(rr, host=args.host, port=args.port, api_key=key, max_documents=args.max_documents,
-                                 max_body_bytes=args.max_body_bytes,
-                                 model_name=args.served_name or args.name or "geo-defender-shield",
-                                 allow_instruction=args.allow_instruction)
+        srv = serve.RerankServer(rr, host=cfg.host, port=cfg.port, api_key=key, max_documents=cfg.max_documents,
+                                 max_body_bytes=cfg.max_body_bytes,
+                                 model_name=cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"),
+                                 allow_instruction=cfg.allow_instruction)
     except OSError as e:
-        raise SystemExit(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
-        log(f"[serve] WARNING: listening on {args.host} without an API key: anyone who can reach this port can use "
+        raise SettingsError(f"--host {cfg.host} --port {cfg.port}: cannot listen there ({e.strerror or e})") from None
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        log(f"[serve] WARNING: listening on {cfg.host} without an API key: anyone who can reach this port can use "
             "it (set GEODEF_API_KEY or --api-key)")
     log(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on "
         f"{srv.url}/v1/rerank{' (API key required)' if key else ''}")
@@ -142,13 +135,15 @@ def cmd_serve(args):
         srv.server_close()
 
 
-def add_settings_flags(p, cls):
+def add_settings_flags(p, cls, preset=True):
     """One flag per setting of the command's settings class (settings.flags): typed by the field's
-    type (never its default's), bool as --x/--no-x, a list as a repeatable flag; and --preset."""
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
+    type (never its default's), bool as --x/--no-x, a list as a repeatable flag; and --preset for the
+    commands that train or evaluate."""
+    if preset:
+        p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
     for f in settings.flags(cls):
-        flag, help = "--" + settings.flag_name(f), f.metadata["help"]
+        flag, help, required = "--" + settings.flag_name(f), f.metadata["help"], f.metadata["required"]
         if f.metadata["choices"]:        # checked by the settings class, with every other refusal at once
             help += f" (one of {', '.join(c for c in f.metadata['choices'] if c is not None)})"
         if f.type is list:
@@ -156,8 +151,8 @@ def add_settings_flags(p, cls):
         elif f.type is bool:
             p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help)
         else:                            # a spec is text here; its settings class parses it (settings.spec_of)
-            typ = str if f.metadata["parse"] else f.type
-            p.add_argument(flag, dest=f.name, type=typ, default=None, help=help)
+            typ = str if f.metadata["parse"] or f.type is tuple else f.type
+            p.add_argument(flag, dest=f.name, type=typ, default=None, required=required, help=help)
 
 
 def given(args, cls):
@@ -200,60 +195,6 @@ def print_summary(s):
         print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}{penalty(k)}")
 
 
-def bench_flags(be):
-    """bench's flags."""
-    be.add_argument("--what", choices=["score", "memory", "train", "llm", "nf4", "serve"], required=True,
-                    help="which benchmark")
-    be.add_argument("--clients", type=int, default=8, help="serve: concurrent clients")
-    be.add_argument("--requests", type=int, default=2, help="serve: requests per client per round")
-    be.add_argument("--layers", type=int, default=28, help="decoder layers at real width")
-    be.add_argument("--dtype", default="bfloat16", help="dtype of the weights")
-    be.add_argument("--device", default="cpu",
-                    help="torch device for score and train (cuda: timed with synchronisation; memory as each "
-                         "contender's allocation peak above the resident weights instead of peak RSS)")
-    be.add_argument("--seq", type=int, default=512, help="tokens per document in the fixed workload")
-    be.add_argument("--prefix", type=int, default=0,
-                    help="first N tokens common to every document, as one query's prompts are (86 with "
-                         "Qwen3's vocabulary); also races ours with prefix sharing off. Default 0: unrelated ids")
-    be.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is reported)")
-    be.add_argument("--out", default="runs/_bench", help="where the random real-width checkpoint is kept")
-    be.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
-                    help="also race ours with compile=True (default: when a C++ compiler is found)")
-
-
-def shield_flags(p, cmd):
-    """export's and serve's flags: where the Shield comes from, then the command's own."""
-    p.add_argument("--name", default=None, help="a trained run under --runs-dir (its model and adapter)")
-    p.add_argument("--runs-dir", default="runs", help="parent folder of run folders")
-    p.add_argument("--model", default=None, help="instead of --name: base reranker (hub id, folder or 'tiny')")
-    p.add_argument("--adapter", default=None, help="with --model: a PEFT LoRA adapter folder")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="weights dtype (export default: the checkpoint's; serve default: the run's or bfloat16)")
-    if cmd == "export":
-        p.add_argument("--out", required=True, help="output folder")
-        p.add_argument("--format", default="seq-cls", choices=["seq-cls", "causal"],
-                       help="seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: "
-                            "Qwen3ForCausalLM")
-        p.add_argument("--overwrite", action="store_true",
-                       help="replace an earlier export in --out (it is replaced whole, once the new one is "
-                            "written)")
-    else:
-        p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-        p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
-        p.add_argument("--device", default="cpu", help="torch device")
-        p.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment "
-                            "variable)")
-        p.add_argument("--served-name", default=None, help="model name in responses and /v1/models")
-        p.add_argument("--max-documents", type=int, default=1000, help="most documents per request")
-        p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
-        p.add_argument("--max-length", type=int, default=None,
-                       help="reranker prompt token cap (default: the run's, or 8192); longer documents are cut")
-        p.add_argument("--allow-instruction", action="store_true",
-                       help="let clients send an `instruction` to the Shield too (by default refused with a 400: "
-                            "the adapter was trained under its own, and another could switch the defense off)")
-
-
 # A value argparse quotes in its message ("invalid choice: 'p@ss'"): repr, in either quote; a flag's name.
 QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
 FLAG = re.compile(r"--[A-Za-z][A-Za-z0-9-]*")
@@ -277,6 +218,19 @@ def redacted_error(p, message):
     usage = set(re.findall(r"[\w.-]+", p.format_usage()))
     message = QUOTED.sub(lambda m: m[0] if m[0][1:-1] in usage else "***", message)
     argparse.ArgumentParser.error(p, message)
+
+
+# The commands that read no run's record: each its settings class, flags made the same way.
+TOOLS = (("bench", settings.BenchConfig, "speed benchmarks against the reference implementations"),
+         ("compare", settings.CompareConfig, "Table 1 across target LLMs, Table C.1 and the transfer matrix "
+                                             "(Table C.2)"),
+         ("export", settings.ExportConfig, "write the merged Shield as a Hugging Face checkpoint (seq-cls or causal)"),
+         ("serve", settings.ServeConfig, "serve the Shield as a rerank HTTP endpoint (Cohere/Jina/vLLM and TEI "
+                                         "shapes)"),
+         ("bench-audit", settings.AuditConfig, "are the benchmark's families told apart, and does each raise "
+                                               "visibility? (no LLM)"),
+         ("serve-offline", settings.ServeOfflineConfig, "serve the offline engine as an OpenAI-compatible endpoint "
+                                                        "on loopback"))
 
 
 def parser():
@@ -304,28 +258,13 @@ def parser():
         add_settings_flags(p, cls)
     for p in (tr, ev, at, ha, bb, ho, re_):
         p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
-    be = sub.add_parser("bench", help="speed benchmarks against the reference implementations")
-    bench_flags(be)
-    co = sub.add_parser("compare", help="Table 1 across target LLMs, Table C.1 and the transfer matrix (Table C.2)")
-    co.add_argument("--runs", required=True, help="comma list of evaluated run folders (one per target LLM)")
-    co.add_argument("--out", required=True, help="folder for comparison.md and figures")
-    for cmd, helptext in (("export", "write the merged Shield as a Hugging Face checkpoint (seq-cls or causal)"),
-                          ("serve", "serve the Shield as a rerank HTTP endpoint (Cohere/Jina/vLLM and TEI shapes)")):
-        shield_flags(sub.add_parser(cmd, help=helptext), cmd)
-    au = sub.add_parser("bench-audit", help="are the benchmark's families told apart, and does each raise "
-                                            "visibility? (no LLM)")
-    au.add_argument("--bench", required=True, help="a GEO-DefenseBench JSONL file")
-    au.add_argument("--model", default="Qwen/Qwen3-Reranker-0.6B",
-                    help="base reranker for the exposure gain: hub id, folder, 'tiny', or 'none' to skip it")
-    au.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the reranker's dtype")
-    au.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    au.add_argument("--k", type=int, default=5, help="top-k of the exposure gain")
-    au.add_argument("--folds", type=int, default=5, help="cross-validation folds of the family classifier")
-    au.add_argument("--out", default=None, help="folder for bench_audit.json and .md (default: BENCH_audit/)")
-    so = sub.add_parser("serve-offline", help="serve the offline engine as an OpenAI-compatible endpoint on loopback")
-    so.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1")
-    so.add_argument("--corpus", default=None, help="JSONL of {query, url, text} answering Tavily-shaped /search "
-                                                   "(data/make_sample.py writes one)")
+    for cmd, cls, helptext in TOOLS:
+        add_settings_flags(sub.add_parser(cmd, help=helptext), cls, preset=False)
+    # --out: where a command writes, never read back (not a setting)
+    sub.choices["export"].add_argument("--out", required=True, help="output folder")
+    sub.choices["compare"].add_argument("--out", required=True, help="folder for comparison.md and figures")
+    sub.choices["bench-audit"].add_argument("--out", default=None, help="folder for bench_audit.json and .md "
+                                                                       "(default: BENCH_audit/ beside --bench)")
     for p in [ap, *sub.choices.values()]:
         p.allow_abbrev = False                           # `--out` must not silently mean build-bench's --output
         p.error = functools.partial(redacted_error, p)   # error(): argparse's documented override
@@ -334,43 +273,42 @@ def parser():
 
 def cmd_bench_audit(args):
     """Families told apart (bench_audit.py): bench_audit.json and bench_audit.md."""
-    if args.k < 1 or args.folds < 2:
-        raise SettingsError(f"--k {args.k} --folds {args.folds}: k at least 1, folds at least 2")
-    check_device(args.device)
-    out = args.out or os.path.splitext(args.bench)[0] + "_audit"
+    asked = given(args, settings.AuditConfig)
+    if "bench" not in asked:
+        raise SettingsError("bench-audit: give --bench FILE (a GEO-DefenseBench JSONL file)")
+    cfg = resolve(settings.AuditConfig, asked, from_record=False)
+    out = args.out or os.path.splitext(cfg.bench)[0] + "_audit"
     rr, note = None, None
-    if args.model != "none":
-        folder = tiny.make_tiny_checkpoint(os.path.join(out, "_tiny_qwen3"), seed=0) if args.model == "tiny" \
-            else args.model
-        note = TINY_NOTE if args.model == "tiny" else None
-        rr = reranker.Reranker.from_pretrained(folder, dtype=getattr(torch, args.dtype), device=args.device)
-        speed.install(rr.model)
-    result, path = bench_audit.run_audit(args.bench, rr, out, k=args.k, folds=args.folds, offline_note=note)
+    if cfg.exposure:
+        tiny_model = cfg.model == "tiny"
+        folder = tiny.make_tiny_checkpoint(os.path.join(out, "_tiny_qwen3"), seed=0) if tiny_model else cfg.model
+        note = TINY_NOTE if tiny_model else None
+        rr = load_reranker(dataclasses.replace(cfg, model=folder))
+    result, path = bench_audit.run_audit(cfg.bench, rr, out, k=cfg.k, folds=cfg.folds, offline_note=note)
     print(f"family classifier accuracy {100 * result['classifier']['accuracy']:.1f}% "
           f"(chance {100 * result['classifier']['chance']:.1f}%)\nreport: {path}")
     return result
 
 
 def cmd_serve_offline(args):
-    if not 0 <= args.port <= 65535:
-        raise SystemExit(f"--port {args.port}: out of range 0..65535")
+    cfg = resolve(settings.ServeOfflineConfig, given(args, settings.ServeOfflineConfig), from_record=False)
+    corpus = offline_server.load_corpus(cfg.corpus) if cfg.corpus else None
     try:
-        srv = offline_server.make_server(args.port,
-                                         corpus=offline_server.load_corpus(args.corpus) if args.corpus else None)
+        srv = offline_server.make_server(cfg.port, corpus=corpus)
     except OSError as e:
-        raise SystemExit(f"--port {args.port}: cannot listen on 127.0.0.1:{args.port} ({e.strerror or e})") from None
+        raise SettingsError(f"--port {cfg.port}: cannot listen on 127.0.0.1:{cfg.port} ({e.strerror or e})") from None
     print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
     srv.serve_forever()
 
 
 def cmd_compare(args):
-    folders = list(dict.fromkeys(os.path.normpath(r.strip()) for r in args.runs.split(",") if r.strip()))
-    names = [os.path.basename(r) for r in folders]
+    cfg = resolve(settings.CompareConfig, given(args, settings.CompareConfig), from_record=False)
+    names = [os.path.basename(r) for r in cfg.runs]
     summaries = {}
-    for r, name in zip(folders, names):
+    for r, name in zip(cfg.runs, names):
         sm = read_json(os.path.join(r, "summary.json"))
         if sm is None:
-            raise SystemExit(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
+            raise SettingsError(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
         summaries[r if names.count(name) > 1 else name] = sm   # two runs/x under different parents: both kept
     path = report.write_comparison(args.out, summaries)
     print(path)
@@ -378,22 +316,22 @@ def cmd_compare(args):
 
 
 def cmd_bench(args):
-    if args.compile is None:
-        args.compile = speed.cpp_compiler_available()
-        if not args.compile:
-            log("bench: no C++ compiler found, so the compile=True contender is left out")
-    if args.what not in ("score", "train", "serve") and args.device != "cpu":
-        raise SystemExit(f"bench --what {args.what} runs on the CPU only; --device takes score and train")
-    check_device(args.device)
-    if args.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
-        missing = [m for m in ("transformers",) + ("peft",) * (args.what == "train")
+    cfg = resolve(settings.BenchConfig, given(args, settings.BenchConfig), from_record=False)
+    if cfg.compiled is None:
+        cfg = dataclasses.replace(cfg, compiled=speed.cpp_compiler_available())
+        if not cfg.compiled:
+            log("bench: no C++ compiler found, so the compiled contender is left out")
+    if cfg.what not in ("score", "train", "serve") and cfg.device != "cpu":
+        raise SettingsError(f"bench --what {cfg.what} runs on the CPU only; --device takes score and train")
+    if cfg.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
+        missing = [m for m in ("transformers",) + ("peft",) * (cfg.what == "train")
                    if importlib.util.find_spec(m) is None]
         if missing:
-            raise SystemExit(f"bench --what {args.what} races {' and '.join(missing)} (not runtime dependencies):"
-                             " pip install -r requirements-test.txt")
+            raise SettingsError(f"bench --what {cfg.what} races {' and '.join(missing)} (not runtime dependencies):"
+                                " pip install -r requirements-test.txt")
     fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
-          "nf4": bench_nf4, "serve": bench_serve}[args.what]
-    res = fn(args)
+          "nf4": bench_nf4, "serve": bench_serve}[cfg.what]
+    res = fn(cfg)
     print(json.dumps(res, indent=1))
     return res
 

@@ -153,12 +153,13 @@ def model_folder(cfg):
 
 
 def load_reranker(cfg):
+    """The base reranker as the settings load it: model, revision, dtype, device, max length, an NF4
+    base with --quant nf4, and the speed paths."""
     dtype = getattr(torch, cfg.dtype)
     rr = reranker.Reranker.from_pretrained(model_folder(cfg), dtype=dtype, device=cfg.device,
                                            max_length=cfg.max_length, revision=cfg.revision)
     if cfg.quant == "nf4":
         lora.quantize_nf4(rr.model)
-    rr.model.gradient_checkpointing = cfg.grad_checkpointing
     return fast(cfg, rr)
 
 

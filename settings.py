@@ -1,9 +1,10 @@
 """Every command's settings, each declared once: its type, default, help (the flag's), the check of its
 value, and whether a finished step pins it. Settings come in small groups (the run folder, the
 reranker model, the benchmark, the LLM clients, the Shield of Table A.1, TFSG of A.2, evaluation, the
-adaptive attack, the benchmark builder); a command's settings are the groups it reads, composed, as
-litgpt's args.py composes TrainArgs and EvalArgs. run.py makes one flag per field of the groups a
-command takes from its command line, typed by the field's type.
+adaptive attack, the benchmark builder, and the tools: export, serve, bench, compare, bench-audit); a
+command's settings are the groups it reads, composed, as litgpt's args.py composes TrainArgs and
+EvalArgs. run.py makes one flag per field of the groups (or `some` of a group's fields) a command takes
+from its command line, typed by the field's type.
 
 Usage: cfg = TrainConfig(name="gpt55", llm="openai:gpt-5.5"); TrainConfig.pinned(); flags(EvalConfig)
 """
@@ -12,6 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import endpoints
 import tfsg
@@ -32,16 +34,20 @@ class SettingsError(ValueError):
     that names the flag or file (run.py prints it as `error: ...`)."""
 
 
-def setting(default, help, ok=None, pinned=False, taken=False, choices=None, parse=None, says=None):
+def setting(default, help, ok=None, pinned=False, taken=False, choices=None, parse=None, says=None, secret=False,
+            required=False):
     """One setting. ok: a check of its value (refused up front, naming the flag); says: what ok accepts,
     in a few words, for the refusal; pinned: a finished step depends on it, so a rerun under the same run
     folder may not change it; taken: a later command on the run folder takes it from config.json when it
     is not given again; choices: the values the flag accepts; parse: the text of a spec (a URL, a
     reranker, a search) -> its object, parsed once here; str() of the object is its printable form (never
-    a credential). A float must be finite, whatever its check: inf or nan is no rate, weight or timeout,
-    and config.json could not hold it (JSON has no Infinity or NaN, RFC 8259 section 6)."""
-    return field(default=default, metadata={"help": help, "ok": ok, "pinned": pinned, "taken": taken,
-                                            "choices": choices, "parse": parse, "says": says})
+    a credential); secret: a credential, left out of the settings' repr; required: a flag the command
+    line must give (a command's object: compare's runs, bench's race). A float must be finite,
+    whatever its check: inf or nan is no rate, weight or timeout, and config.json could not hold it
+    (JSON has no Infinity or NaN, RFC 8259 section 6)."""
+    return field(default=default, repr=not secret,
+                 metadata={"help": help, "ok": ok, "pinned": pinned, "taken": taken, "choices": choices,
+                           "parse": parse, "says": says, "required": required})
 
 
 def spec_of(parse):
@@ -59,6 +65,10 @@ def positive(v):
 
 def positive_or_none(v):
     return v is None or v > 0
+
+
+def port_number(v):
+    return 0 <= v <= 65535
 
 
 def wait_seconds(v):
@@ -132,6 +142,25 @@ class Settings:
 
 def flag_name(f):
     return f.name.replace("_", "-")
+
+
+class Some(NamedTuple):
+    """Some of a group's settings, for a command that reads only those (export: the model's name,
+    revision and dtype, not its device or quantization)."""
+    group: type
+    names: frozenset
+
+
+def some(group, *names):
+    """Some(group, names), each name one of the group's fields."""
+    unknown = set(names) - {f.name for f in fields(group)}
+    assert not unknown, f"{group.__name__} has no {sorted(unknown)}"
+    return Some(group, frozenset(names))
+
+
+def flag_names(g):
+    """The names a FLAGS entry gives flags to: a group's fields, or Some of them."""
+    return set(g.names) if isinstance(g, Some) else {f.name for f in fields(g)}
 
 
 # ----------------------------------------------------------------------------- groups
@@ -405,6 +434,79 @@ class DeploySettings(Settings):
                                              parse=spec_of(endpoints.parse_spec))
 
 
+@dataclass(frozen=True)
+class SourceSettings(Settings):
+    """Where export and serve take the Shield from: the trained run --name (its record's model, revision,
+    dtype, max length and quantization, and its adapter) or, with --model given, that base and an adapter."""
+    adapter: str = setting(None, "with --model: a PEFT LoRA adapter folder (with --name: the run's own)")
+
+
+@dataclass(frozen=True)
+class ExportSettings(Settings):
+    """export (export.py): the checkpoint format written."""
+    format: str = setting("seq-cls", "seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: "
+                                     "Qwen3ForCausalLM", choices=("seq-cls", "causal"))
+    overwrite: bool = setting(False, "replace an earlier export in --out (it is replaced whole, once the new one is "
+                                     "written)")
+
+
+@dataclass(frozen=True)
+class ServeSettings(Settings):
+    """serve (serve.py): where the rerank endpoint listens and what it accepts."""
+    host: str = setting("127.0.0.1", "address to bind (default loopback)")
+    port: int = setting(8000, "port (0: any free one)", ok=port_number, says="0 to 65535")
+    api_key: str = setting(None, "require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment "
+                                 "variable)", secret=True)
+    served_name: str = setting(None, "model name in responses and /v1/models (default: the run's name)")
+    max_documents: int = setting(1000, "most documents per request", ok=at_least(1))
+    max_body_bytes: int = setting(8 << 20, "largest request body (413 above)", ok=at_least(1))
+    allow_instruction: bool = setting(False, "let clients send an `instruction` to the Shield too (by default "
+                                             "refused with a 400: the adapter was trained under its own, and "
+                                             "another could switch the defense off)")
+
+
+@dataclass(frozen=True)
+class EngineSettings(Settings):
+    """serve-offline: the offline engine (a simulation) on a loopback port."""
+    port: int = setting(8765, "port on 127.0.0.1 (0: any free one)", ok=port_number, says="0 to 65535")
+    corpus: str = setting(None, "JSONL of {query, url, text} answering Tavily-shaped /search (data/make_sample.py "
+                                "writes one)")
+
+
+@dataclass(frozen=True)
+class CompareSettings(Settings):
+    """compare (report.py): evaluated runs side by side."""
+    runs: tuple = setting(None, "comma list of evaluated run folders (one per target LLM)", required=True,
+                          parse=spec_of(lambda v: tuple(dict.fromkeys(os.path.normpath(r.strip())
+                                                                      for r in v.split(",") if r.strip()))),
+                          ok=lambda v: len(v) > 0, says="at least one run folder")
+
+
+@dataclass(frozen=True)
+class AuditSettings(Settings):
+    """bench-audit (bench_audit.py): the family classifier's folds, and whether a reranker measures exposure."""
+    folds: int = setting(5, "cross-validation folds of the family classifier", ok=at_least(2), says="at least 2")
+    exposure: bool = setting(True, "measure each family's exposure gain with --model (--no-exposure: no reranker "
+                                   "is loaded)")
+
+
+@dataclass(frozen=True)
+class BenchSettings(Settings):
+    """bench (bench.py): which race, its workload at real width, and its contenders."""
+    what: str = setting(None, "which benchmark", choices=("score", "memory", "train", "llm", "nf4", "serve"),
+                        required=True)
+    layers: int = setting(28, "decoder layers at real width", ok=at_least(1))
+    seq: int = setting(512, "tokens per document in the fixed workload", ok=at_least(1))
+    prefix: int = setting(0, "first N tokens common to every document, as one query's prompts are (86 with Qwen3's "
+                             "vocabulary); also races ours with prefix sharing off. Default 0: unrelated ids",
+                          ok=at_least(0))
+    repeat: int = setting(3, "timed repetitions (best is reported)", ok=at_least(1))
+    compiled: bool = setting(None, "also race ours compiled (default: when a C++ compiler is found)")
+    clients: int = setting(8, "serve: concurrent clients", ok=at_least(1))
+    requests: int = setting(2, "serve: requests per client per round", ok=at_least(1))
+    out: str = setting("runs/_bench", "where the random real-width checkpoint is kept")
+
+
 # ----------------------------------------------------------------------------- commands
 
 # A command's class composes the groups it reads (its fields come base by base from the last listed:
@@ -473,6 +575,44 @@ class BuildConfig(BuildSettings, RequestSettings, LLMSettings, ModelSettings, Ru
     FLAGS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, BuildSettings)
 
 
+@dataclass(frozen=True)
+class ExportConfig(ExportSettings, SourceSettings, ModelSettings, RunSettings):
+    """export: the merged Shield as a Hugging Face checkpoint, from a trained run or a base and adapter."""
+    FLAGS = (some(RunSettings, "name", "runs_dir"), some(ModelSettings, "model", "revision", "dtype"), SourceSettings,
+             ExportSettings)
+
+
+@dataclass(frozen=True)
+class ServeConfig(ServeSettings, SourceSettings, ModelSettings, RunSettings):
+    """serve: the Shield loaded as its run scores (model, revision, dtype, max length, quantization) behind a
+    rerank endpoint."""
+    FLAGS = (some(RunSettings, "name", "runs_dir"), ModelSettings, SourceSettings, ServeSettings)
+
+
+@dataclass(frozen=True)
+class ServeOfflineConfig(EngineSettings):
+    """serve-offline: the offline engine on loopback."""
+    FLAGS = (EngineSettings,)
+
+
+@dataclass(frozen=True)
+class CompareConfig(CompareSettings):
+    """compare: Table 1 across target LLMs, Table C.1 and the transfer matrix (Table C.2)."""
+    FLAGS = (CompareSettings,)
+
+
+@dataclass(frozen=True)
+class AuditConfig(AuditSettings, DataSettings, ModelSettings):
+    """bench-audit: a benchmark file's families told apart, and each one's exposure gain under a reranker."""
+    FLAGS = (some(DataSettings, "bench", "k"), ModelSettings, AuditSettings)
+
+
+@dataclass(frozen=True)
+class BenchConfig(BenchSettings, ModelSettings):
+    """bench: ours against the reference implementations at real width (random weights)."""
+    FLAGS = (some(ModelSettings, "dtype", "device"), BenchSettings)
+
+
 # Presets. "paper" = Table A.1, including its 4-bit base ("Quantized loading 4-bit"), and GPT-5.5 as the
 # judge of every target (B.2.3, B.2.4; without it the judge is the target itself); the plain defaults
 # are the same but keep the bf16 base, which trains faster here (NF4 saves memory, not time: `bench
@@ -486,6 +626,6 @@ PRESETS = {
 
 
 def flags(cls):
-    """The fields a command takes from its command line: those of its FLAGS groups, in their order."""
-    names = {f.name for g in cls.FLAGS for f in fields(g)}
+    """The fields a command takes from its command line: those of its FLAGS entries, in its order."""
+    names = set().union(*map(flag_names, cls.FLAGS))
     return [f for f in fields(cls) if f.name in names]

@@ -15,6 +15,7 @@ import export
 import lora
 import reranker
 import run
+import settings
 from conftest import HERE, _shield_folder, hf_margins
 
 
@@ -199,6 +200,23 @@ def test_the_export_command_refuses_a_missing_or_bad_run_name(tmp_path):
                       (["export", "--name", "nope", "--runs-dir", str(tmp_path), "--out", str(out)], "no such run")]:
         with pytest.raises((SystemExit, FileNotFoundError), match=msg):
             run.main(argv)
+
+
+def test_export_and_serve_load_the_shield_as_its_run_recorded_it(demo_run, tmp_path):
+    """With --name, the record's model, dtype, max length and quantization (the demo's tiny float32 model,
+    not the defaults); --model instead of a run, and --adapter only with it."""
+    rec = json.load(open(demo_run / "config.json"))["config"]
+    runs = ["--name", "demo", "--runs-dir", str(demo_run.parent)]
+    for cls, argv in ((settings.ExportConfig, ["export", *runs, "--out", str(tmp_path / "x")]),
+                      (settings.ServeConfig, ["serve", *runs])):
+        cfg, adapter, run_dir = run.shield_settings(cls, run.parser().parse_args(argv))
+        assert (cfg.model, cfg.dtype) == ("tiny", "float32") != (cls.model, cls.dtype)
+        assert (cfg.max_length, cfg.quant) == (rec["max_length"], rec["quant"])
+        assert adapter == os.path.join(str(demo_run), "adapter") and run_dir == str(demo_run)
+    for extra, msg in [(["--model", "tiny"], "not both"), (["--adapter", str(tmp_path)], "goes with --model")]:
+        with pytest.raises(SystemExit, match=msg):
+            run.main(["export", *runs, "--out", str(tmp_path / "x"), *extra])
+    assert not (tmp_path / "x").exists()
 
 
 def test_export_command_refuses_the_run_folder_as_one_line(demo_run):

@@ -16,6 +16,7 @@ import export
 import reranker
 import run
 import serve
+import settings
 from conftest import AUTH, _raw, _shield_folder
 
 
@@ -399,8 +400,9 @@ def test_serve_allow_instruction_lets_the_shield_take_one(shield_server):
     finally:
         srv.shutdown()
         srv.server_close()
-    args = run.parser().parse_args(["serve", "--allow-instruction"])
-    assert args.allow_instruction is True and run.parser().parse_args(["serve"]).allow_instruction is False
+    def asked(*argv):
+        return settings.ServeConfig(**run.given(run.parser().parse_args(["serve", *argv]), settings.ServeConfig))
+    assert asked("--allow-instruction").allow_instruction is True and asked().allow_instruction is False
 
 
 def test_serve_refuses_a_malformed_instruction(base_server):

@@ -21,11 +21,14 @@ COMMAND_OPTIONS = {"help", "preset", "dry_run", "stage", "no_resume", "out"}
 COMMANDS = {"train": settings.TrainConfig, "eval": settings.EvalConfig, "demo": settings.DemoConfig,
             "rerank-eval": settings.RerankEvalConfig, "attack": settings.AttackConfig,
             "harden": settings.HardenConfig, "build-bench": settings.BuildConfig, "holdout": settings.HoldoutConfig,
-            "deploy-check": settings.DeployCheckConfig}
+            "deploy-check": settings.DeployCheckConfig, "bench": settings.BenchConfig,
+            "compare": settings.CompareConfig, "export": settings.ExportConfig, "serve": settings.ServeConfig,
+            "bench-audit": settings.AuditConfig, "serve-offline": settings.ServeOfflineConfig}
 
 
-# one name, two settings of commands that never compose both: attack's attacker rounds, harden's hardening rounds
-HOMONYMS = {"rounds": {"AttackSettings", "HardenSettings"}}
+# one name, two settings of commands that never compose both: attack's attacker rounds, harden's hardening
+# rounds; serve's port and the offline engine's
+HOMONYMS = {"rounds": {"AttackSettings", "HardenSettings"}, "port": {"ServeSettings", "EngineSettings"}}
 
 
 def test_every_setting_is_declared_in_one_group():
@@ -51,7 +54,8 @@ def test_a_command_class_composes_groups_and_declares_nothing():
     for cmd, cls in COMMANDS.items():
         assert not cls.__dict__.get("__annotations__"), f"{cls.__name__} declares a field of its own"
         mro = set(cls.__mro__)
-        assert all(g in mro for g in cls.FLAGS), f"{cmd}: a FLAGS group it does not compose"
+        groups_of = [g.group if isinstance(g, settings.Some) else g for g in cls.FLAGS]
+        assert all(g in mro for g in groups_of), f"{cmd}: a FLAGS group it does not compose"
 
 
 @pytest.mark.parametrize("cmd", sorted(COMMANDS))
@@ -66,3 +70,8 @@ def test_every_flag_is_a_field_and_every_field_of_its_groups_a_flag(cmd):
     for a in sub._actions:                     # a setting's flag is spelled as its field, '_' as '-'
         if a.dest in fields:
             assert "--" + a.dest.replace("_", "-") in a.option_strings
+
+
+def test_a_secret_setting_stays_out_of_the_settings_repr():
+    cfg = settings.ServeConfig(api_key="S3cret-key")
+    assert cfg.api_key == "S3cret-key" and "S3cret" not in repr(cfg) and "api_key" not in repr(cfg)

@@ -177,6 +177,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     if not main:                   # rank 0 loads (a tiny checkpoint: makes) the model and scores the base
         parallel.barrier()         # lists first; the others then read its files and its score cache
     rr = rr or load_reranker(cfg)
+    rr.model.gradient_checkpointing = cfg.grad_checkpointing       # recomputes only under grad: training's
     triples, ids, s0, scores = prepare_triples(cfg, rr, cons, inst)
     if main:
         parallel.barrier()
