@@ -307,12 +307,20 @@ def test_ctrl_c_cancels_queued_llm_requests(server):
     """After Ctrl-C, requests not yet started are cancelled (those in flight finish), instead of the
     pool sending every queued request first."""
     import _thread
+    import signal
     Script.script = [(200, {}, ok("x"), 0.3) for _ in range(40)]
     c = llm_clients.Client.open(server, "m", max_retries=0)
-    threading.Timer(0.45, _thread.interrupt_main).start()
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        c.map([{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(40)], workers=2, progress=False)
+    # a background job (`pytest &` in a script) starts with SIGINT ignored, and interrupt_main then does
+    # nothing: Ctrl-C here is Python's own handler's, as in a terminal
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.45, _thread.interrupt_main).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            c.map([{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(40)], workers=2,
+                  progress=False)
+    finally:
+        signal.signal(signal.SIGINT, old)
     assert time.monotonic() - t0 < 2
     time.sleep(0.8)
     assert len(Script.seen) <= 6                          # ~2 rounds of 2 before the interrupt, 2 in flight
