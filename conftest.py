@@ -71,6 +71,14 @@ def hf_checkpoint(folder, tiny_dir, seed=0, real_width=False, layers=None, untie
 
 
 @pytest.fixture(scope="session")
+def real_width_base(tmp_path_factory, tiny_dir):
+    """Real width (hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151669) with 2 layers, written by
+    transformers once for the session's parity tests at that width -> (folder, the transformers model)."""
+    folder, hm = hf_checkpoint(tmp_path_factory.mktemp("real_width"), tiny_dir, seed=0, real_width=True, layers=2)
+    return folder, hm
+
+
+@pytest.fixture(scope="session")
 def hf_tiny(tmp_path_factory, tiny_dir):
     """The tiny config with random weights initialised and saved by transformers (hf_checkpoint)."""
     return hf_checkpoint(tmp_path_factory.mktemp("hf_tiny"), tiny_dir, seed=1, norm_noise=0.2)
@@ -245,13 +253,12 @@ def demo_run(tmp_path_factory, small_bench):
     return out / "demo"
 
 
-def _shield_folder(tmp_path, tiny_dir, hidden=None, untied=False, seed=5):
-    """A base checkpoint written by transformers (tiny, or real width with 1 layer; tied or untied head)
-    and a non-zero LoRA adapter trained-looking (random A and B) -> (folder, adapter dir)."""
+def _shield_folder(tmp_path, tiny_dir, untied=False, seed=5, base=None):
+    """A base checkpoint written by transformers (the tiny one, tied or untied head; or `base`, a folder
+    already written) and a non-zero LoRA adapter trained-looking (random A and B) -> (folder, adapter dir)."""
     import torch
     import lora, reranker
-    folder, _ = hf_checkpoint(tmp_path / ("base_untied" if untied else "base"), tiny_dir, seed,
-                              real_width=bool(hidden), layers=1 if hidden else None, untied=untied)
+    folder = base or hf_checkpoint(tmp_path / ("base_untied" if untied else "base"), tiny_dir, seed, untied=untied)[0]
     rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
     train_with_lora(rr, seed, 0.0)
     lora.save_adapter(rr.model, str(tmp_path / "adapter"), folder)

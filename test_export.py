@@ -21,11 +21,12 @@ from conftest import HERE, _shield_folder, hf_margins
 
 @pytest.mark.parametrize("width,untied", [("tiny", False), ("tiny", True),
                                           pytest.param("real", False, marks=pytest.mark.slow)])
-def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, untied):
+def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, untied, request):
     """The exported checkpoint, loaded by transformers itself: seq-cls logits and causal z_yes - z_no
     equal our Shield's margins (base + non-zero LoRA) within 1e-4 relative in float32."""
     transformers = pytest.importorskip("transformers")
-    folder, adapter = _shield_folder(tmp_path, tiny_dir, hidden=width == "real", untied=untied)
+    base = request.getfixturevalue("real_width_base")[0] if width == "real" else None
+    folder, adapter = _shield_folder(tmp_path, tiny_dir, untied=untied, base=base)
     rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
     lora.load_adapter(rr.model, adapter)
     rr.model.eval()

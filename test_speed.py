@@ -3,6 +3,7 @@ training step, the hand backward passes, compiled fusions, the dropout sampler's
 Run: python -m pytest -q test_speed.py
 """
 import functools
+import os
 import random
 
 import pytest
@@ -11,24 +12,23 @@ import torch
 import lora
 import reranker
 import speed
-from conftest import CUDA, _rel, fast, hf_checkpoint, hf_margins, train_with_lora
+from conftest import CUDA, _rel, fast, hf_margins, train_with_lora
 
 
 @pytest.fixture(scope="module")
-def real_width(tmp_path_factory, tiny_dir):
+def real_width(real_width_base):
     """Real width (hidden 1024, 16/8 heads, head_dim 128, MLP 3072, vocab 151669), 2 layers (a full
     layer and the last one, which the speed path runs on the final tokens only), written by
     transformers -> (folder, three token lists, the yes/no ids, transformers' fp32 margins on the
     CPU, its head run on the last position only: hf_margins reads only that one, and the (3, 300,
     151669) logits of every position would cost most of this fixture)."""
     from tokenizers import Tokenizer
-    folder = tmp_path_factory.mktemp("real_width")
-    _, hm = hf_checkpoint(folder, tiny_dir, seed=0, real_width=True, layers=2)
+    folder, hm = real_width_base
     g = random.Random(0)
     ids = [[g.randrange(1000, 150000) for _ in range(n)] for n in (37, 120, 300)]
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     yes, no = (tok.encode(w, add_special_tokens=False).ids[0] for w in ("yes", "no"))
-    return str(folder), ids, (yes, no), hf_margins(functools.partial(hm, logits_to_keep=1), ids, yes, no)
+    return folder, ids, (yes, no), hf_margins(functools.partial(hm, logits_to_keep=1), ids, yes, no)
 
 
 @pytest.mark.slow
