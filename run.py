@@ -259,7 +259,7 @@ def parser():
     for p in (tr, ev, at, ha, bb, ho, re_):
         p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
     for cmd, cls, helptext in TOOLS:
-        add_settings_flags(sub.add_parser(cmd, help=helptext), cls, preset=False)
+        add_settings_flags(sub.add_parser(cmd, help=helptext, description=cls.__doc__), cls, preset=False)
     # --out: where a command writes, never read back (not a setting)
     sub.choices["export"].add_argument("--out", required=True, help="output folder")
     sub.choices["compare"].add_argument("--out", required=True, help="folder for comparison.md and figures")

@@ -577,15 +577,16 @@ class BuildConfig(BuildSettings, RequestSettings, LLMSettings, ModelSettings, Ru
 
 @dataclass(frozen=True)
 class ExportConfig(ExportSettings, SourceSettings, ModelSettings, RunSettings):
-    """export: the merged Shield as a Hugging Face checkpoint, from a trained run or a base and adapter."""
+    """export: the merged Shield as a Hugging Face checkpoint: the trained run --name (in its record's model,
+    revision and dtype unless given), or --model and an optional --adapter."""
     FLAGS = (some(RunSettings, "name", "runs_dir"), some(ModelSettings, "model", "revision", "dtype"), SourceSettings,
              ExportSettings)
 
 
 @dataclass(frozen=True)
 class ServeConfig(ServeSettings, SourceSettings, ModelSettings, RunSettings):
-    """serve: the Shield loaded as its run scores (model, revision, dtype, max length, quantization) behind a
-    rerank endpoint."""
+    """serve: the Shield behind a rerank endpoint, loaded as its run scores (the record's model, revision,
+    dtype, max length and quantization unless given), or --model and an optional --adapter."""
     FLAGS = (some(RunSettings, "name", "runs_dir"), ModelSettings, SourceSettings, ServeSettings)
 
 
