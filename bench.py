@@ -291,7 +291,7 @@ def bench_score(cfg):
     folder = bench_folder(cfg)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
     rr = load_ours(folder, dtype=dtype, device=dev)
-    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if cfg.compiled else None
+    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if cfg.compile else None
     work = {"mixed": mixed_lengths(), "fixed": [cfg.seq] * 10}
     results = {}
     if rc is not None:  # compilation happens on the first call: timed here, outside the race
@@ -399,7 +399,7 @@ def bench_memory(cfg):
     folder = bench_folder(cfg)
     res = {}
     for name, lens in {"mixed": mixed_lengths(), "fixed": [cfg.seq] * 10}.items():
-        kinds = ("ours", "ours_compiled", "transformers") if cfg.compiled else ("ours", "transformers")
+        kinds = ("ours", "ours_compiled", "transformers") if cfg.compile else ("ours", "transformers")
         for kind in kinds:
             res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, cfg.prefix,
                                                               cfg.dtype)
@@ -459,14 +459,14 @@ def bench_train(cfg):
     cuda = torch.device(dev).type == "cuda"
     folder = bench_folder(cfg)
     ids = random_ids([cfg.seq] * 3, prefix=cfg.prefix)
-    kinds = ("ours",) + ("ours_compiled",) * bool(cfg.compiled) + ("ours_unshared",) * bool(cfg.prefix) + ("peft",)
+    kinds = ("ours",) + ("ours_compiled",) * bool(cfg.compile) + ("ours_unshared",) * bool(cfg.prefix) + ("peft",)
     res, rounds = {}, []
     if not cuda:  # peak RSS, weights included, each in a fresh process
         for kind in kinds:
             res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, cfg.dtype)
     steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor", "matmul_floor"),
                                                           dev).items()}
-    if cfg.compiled:  # compilation happens on the first call: timed here, outside the race
+    if cfg.compile:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
         steps["ours_compiled"]()
         res["compile_first_call_s"] = time.perf_counter() - t0
@@ -484,7 +484,7 @@ def bench_train(cfg):
         res[f"{k}_over_matmul_floor_paired_median"] = paired_ratio(rounds, k, "matmul_floor")
     res["ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "gemm_floor")  # see gemm_floor
     res["matmul_ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "matmul_floor")  # see matmul_floor
-    if cfg.compiled:
+    if cfg.compile:
         res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
     if cfg.prefix:
         res["ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")

@@ -73,9 +73,8 @@ def hf_checkpoint(folder, tiny_dir, seed=0, real_width=False, layers=None, untie
 @pytest.fixture(scope="session")
 def real_width_base(tmp_path_factory, tiny_dir):
     """Real width (hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151669) with 2 layers, written by
-    transformers once for the session's parity tests at that width -> (folder, the transformers model)."""
-    folder, hm = hf_checkpoint(tmp_path_factory.mktemp("real_width"), tiny_dir, seed=0, real_width=True, layers=2)
-    return folder, hm
+    transformers once for the session's parity tests at that width -> its folder."""
+    return hf_checkpoint(tmp_path_factory.mktemp("real_width"), tiny_dir, seed=0, real_width=True, layers=2)[0]
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, rera
 from runs import (TINY_NOTE, Run, RunInUse, adapter_path, check_llms, check_record, check_roles, library_path,
                   load_reranker, load_shield, log, model_folder, need_trained, read_json, record_config,
                   record_or_check, resolve, run_lock, shield_split, tfsg_schedule)
-from settings import PRESETS, SettingsError, check_name
+from settings import PRESETS, SettingsError
 from train import plan_train, train_shield, train_tfsg
 
 
@@ -73,15 +73,23 @@ def shield_settings(cls, args):
         if cfg.adapter and not os.path.isfile(os.path.join(cfg.adapter, "adapter_config.json")):
             raise FileNotFoundError(f"{cfg.adapter}/adapter_config.json: no adapter there")
         return cfg, cfg.adapter, None
-    if "adapter" in asked:
-        raise SettingsError("--adapter goes with --model: a trained run (--name) brings its own")
-    check_name(asked.get("name", "default"))
+    for flag in ("adapter", "revision"):
+        if flag in asked:
+            raise SettingsError(f"--{flag} goes with --model: a trained run (--name) brings its own adapter, "
+                                "trained on the base revision its record names")
+    cls(**asked)                                     # every flag checked before the run is looked for
     record = os.path.join(asked.get("runs_dir", "runs"), asked.get("name", "default"), "config.json")
     if not os.path.isfile(record):
         raise FileNotFoundError(f"{record}: no such run; give --name NAME (a trained run) or --model M "
                                 "[--adapter DIR]")
     cfg = resolve(cls, asked)
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
+    trained = read_json(record)["config"]
+    other = [f"--{k.replace('_', '-')} {asked[k]!r} (the run's: {trained.get(k)!r})"
+             for k in ("dtype", "quant", "max_length") if k in asked and asked[k] != trained.get(k)]
+    if other:
+        log(f"[{args.cmd}] {', '.join(other)}: its scores may differ from the run's Shield's (deploy-check "
+            "measures by how much)")
     return cfg, adapter_path(cfg), cfg.run_dir
 
 
@@ -144,6 +152,8 @@ def add_settings_flags(p, cls, preset=True):
                        help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
     for f in settings.flags(cls):
         flag, help, required = "--" + settings.flag_name(f), f.metadata["help"], f.metadata["required"]
+        if f.name in settings.own_defaults(cls):
+            help += f" (default here: {settings.own_defaults(cls)[f.name].says})"
         if f.metadata["choices"]:        # checked by the settings class, with every other refusal at once
             help += f" (one of {', '.join(c for c in f.metadata['choices'] if c is not None)})"
         if f.type is list:
@@ -277,6 +287,8 @@ def cmd_bench_audit(args):
     if "bench" not in asked:
         raise SettingsError("bench-audit: give --bench FILE (a GEO-DefenseBench JSONL file)")
     cfg = resolve(settings.AuditConfig, asked, from_record=False)
+    if cfg.model == "none":
+        raise SettingsError("bench-audit --model none: --no-exposure audits without a reranker")
     out = args.out or os.path.splitext(cfg.bench)[0] + "_audit"
     rr, note = None, None
     if cfg.exposure:
@@ -317,9 +329,9 @@ def cmd_compare(args):
 
 def cmd_bench(args):
     cfg = resolve(settings.BenchConfig, given(args, settings.BenchConfig), from_record=False)
-    if cfg.compiled is None:
-        cfg = dataclasses.replace(cfg, compiled=speed.cpp_compiler_available())
-        if not cfg.compiled:
+    if cfg.compile is None:
+        cfg = dataclasses.replace(cfg, compile=speed.cpp_compiler_available())
+        if not cfg.compile:
             log("bench: no C++ compiler found, so the compiled contender is left out")
     if cfg.what not in ("score", "train", "serve") and cfg.device != "cpu":
         raise SettingsError(f"bench --what {cfg.what} runs on the CPU only; --device takes score and train")

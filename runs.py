@@ -29,7 +29,7 @@ import reranker
 import speed
 import tfsg
 import tiny
-from settings import HERE, PRESETS, SettingsError
+from settings import HERE, PRESETS, SettingsError, own_defaults
 
 TINY_NOTE = "tiny random-weight Qwen3 checkpoint (offline plumbing; its scores mean nothing)"
 
@@ -448,15 +448,15 @@ def is_offline(cfg):
 
 
 def resolve(cls, given, preset=None, from_record=True):
-    """A command's settings (a settings.py class): defaults, then (from_record, on an existing run
-    folder) what its config.json records that the run depends on (pinned) or that commands take over
-    (taken), then the preset, then the flags `given`. So `eval --name x` after `train --name x --llm
-    openai:gpt-5.5 --bench b.jsonl` evaluates what was trained without repeating the flags; a given
-    flag that differs from the record is refused by record_config."""
+    """A command's settings (a settings.py class): defaults (settings.Default where the command has its own), then
+    (from_record, on an existing run folder) what its config.json records that the run depends on (pinned) or that
+    commands take over (taken), then the preset, then the flags `given`. So `eval --name x` after `train --name x
+    --llm openai:gpt-5.5 --bench b.jsonl` evaluates what was trained without repeating the flags; a given flag
+    that differs from the record is refused by record_config."""
     names = {f.name for f in dataclasses.fields(cls)}
     asked = {k: v for k, v in PRESETS.get(preset or "", {}).items() if k in names}   # a preset counts as given
     asked.update({k: v for k, v in given.items() if v is not None})
-    kw = {}
+    kw = {k: d.value for k, d in own_defaults(cls).items()}               # the command's own, over its groups'
     if from_record:
         where = os.path.join(asked.get("runs_dir", "runs"), asked.get("name", "default"))
         keep = set(cls.pinned()) | set(cls.taken())
@@ -556,11 +556,13 @@ def record_or_check(cfg, command):
 
 
 def printable(cfg):
-    """The settings as config.json stores them: every setting, each spec in its printable form, which its
-    parsed object gives without credentials whatever characters they hold (endpoints.Endpoint,
-    endpoints.SearchSpec, endpoints.RerankSpec)."""
+    """The settings as config.json stores them: every setting but a secret (serve's API key), each spec in
+    its printable form, which its parsed object gives without credentials whatever characters they hold
+    (endpoints.Endpoint, endpoints.SearchSpec, endpoints.RerankSpec)."""
     new = {}
     for f in dataclasses.fields(cfg):
+        if f.metadata.get("secret"):
+            continue
         v = getattr(cfg, f.name)
         if f.metadata.get("parse") and v is not None:
             v = [f"{label}={spec}" for label, spec in v] if isinstance(v, list) else str(v)

@@ -36,18 +36,17 @@ class SettingsError(ValueError):
 
 def setting(default, help, ok=None, pinned=False, taken=False, choices=None, parse=None, says=None, secret=False,
             required=False):
-    """One setting. ok: a check of its value (refused up front, naming the flag); says: what ok accepts,
-    in a few words, for the refusal; pinned: a finished step depends on it, so a rerun under the same run
-    folder may not change it; taken: a later command on the run folder takes it from config.json when it
-    is not given again; choices: the values the flag accepts; parse: the text of a spec (a URL, a
-    reranker, a search) -> its object, parsed once here; str() of the object is its printable form (never
-    a credential); secret: a credential, left out of the settings' repr; required: a flag the command
-    line must give (a command's object: compare's runs, bench's race). A float must be finite,
-    whatever its check: inf or nan is no rate, weight or timeout, and config.json could not hold it
-    (JSON has no Infinity or NaN, RFC 8259 section 6)."""
+    """One setting. ok: a check of its value (refused up front, naming the flag); says: what ok accepts, in a few
+    words, for the refusal; pinned: a finished step depends on it, so a rerun under the same run folder may not
+    change it; taken: a later command on the run folder takes it from config.json when it is not given again;
+    choices: the values the flag accepts; parse: the text of a spec (a URL, a reranker, a search) -> its object,
+    parsed once here; str() of the object is its printable form (never a credential); secret: a credential, left
+    out of the settings' repr and of config.json; required: a flag the command line must give (a command's object:
+    compare's runs, bench's race). A float must be finite, whatever its check: inf or nan is no rate, weight or
+    timeout, and config.json could not hold it (JSON has no Infinity or NaN, RFC 8259 section 6)."""
     return field(default=default, repr=not secret,
                  metadata={"help": help, "ok": ok, "pinned": pinned, "taken": taken, "choices": choices,
-                           "parse": parse, "says": says, "required": required})
+                           "parse": parse, "says": says, "required": required, "secret": secret})
 
 
 def spec_of(parse):
@@ -118,9 +117,11 @@ class Settings:
                     object.__setattr__(self, f.name, parse(v))
                 except ValueError as e:
                     raise SettingsError(f"--{flag_name(f)} {e}") from None
-        bad = []
+        bad, own = [], own_defaults(type(self))
         for f in fields(self):
             v, ok, choices = getattr(self, f.name), f.metadata.get("ok"), f.metadata.get("choices")
+            if f.name in own and v == own[f.name].value:     # the command's own default (None: decided later)
+                continue
             if isinstance(v, float) and not math.isfinite(v):     # --timeout inf would pass `v > 0`
                 bad.append(f"--{flag_name(f)} {v!r} (not a finite number)")
             elif ok is not None and v is not None and not ok(v):
@@ -142,6 +143,18 @@ class Settings:
 
 def flag_name(f):
     return f.name.replace("_", "-")
+
+
+class Default(NamedTuple):
+    """A command's own default for a setting of a group it composes (bench-audit's float32 weights), and
+    what it means, for the flag's help (None: "the checkpoint's dtype", decided by the command)."""
+    value: object
+    says: str
+
+
+def own_defaults(cls):
+    """A command class's own defaults {setting: Default}; a group's fields keep theirs elsewhere."""
+    return getattr(cls, "DEFAULTS", {})
 
 
 class Some(NamedTuple):
@@ -501,7 +514,6 @@ class BenchSettings(Settings):
                              "vocabulary); also races ours with prefix sharing off. Default 0: unrelated ids",
                           ok=at_least(0))
     repeat: int = setting(3, "timed repetitions (best is reported)", ok=at_least(1))
-    compiled: bool = setting(None, "also race ours compiled (default: when a C++ compiler is found)")
     clients: int = setting(8, "serve: concurrent clients", ok=at_least(1))
     requests: int = setting(2, "serve: requests per client per round", ok=at_least(1))
     out: str = setting("runs/_bench", "where the random real-width checkpoint is kept")
@@ -581,6 +593,7 @@ class ExportConfig(ExportSettings, SourceSettings, ModelSettings, RunSettings):
     revision and dtype unless given), or --model and an optional --adapter."""
     FLAGS = (some(RunSettings, "name", "runs_dir"), some(ModelSettings, "model", "revision", "dtype"), SourceSettings,
              ExportSettings)
+    DEFAULTS = {"dtype": Default(None, "a run's, else the checkpoint's")}
 
 
 @dataclass(frozen=True)
@@ -606,12 +619,15 @@ class CompareConfig(CompareSettings):
 class AuditConfig(AuditSettings, DataSettings, ModelSettings):
     """bench-audit: a benchmark file's families told apart, and each one's exposure gain under a reranker."""
     FLAGS = (some(DataSettings, "bench", "k"), ModelSettings, AuditSettings)
+    DEFAULTS = {"dtype": Default("float32", "float32")}
 
 
 @dataclass(frozen=True)
 class BenchConfig(BenchSettings, ModelSettings):
-    """bench: ours against the reference implementations at real width (random weights)."""
-    FLAGS = (some(ModelSettings, "dtype", "device"), BenchSettings)
+    """bench: ours against the reference implementations at real width (random weights); with --compile
+    ours races compiled too."""
+    FLAGS = (some(ModelSettings, "dtype", "device", "compile"), BenchSettings)
+    DEFAULTS = {"compile": Default(None, "when a C++ compiler is found")}
 
 
 # Presets. "paper" = Table A.1, including its 4-bit base ("Quantized loading 4-bit"), and GPT-5.5 as the

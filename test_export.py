@@ -5,6 +5,7 @@ Run: python -m pytest -q test_export.py
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import export
 import lora
 import reranker
 import run
+import serve
 import settings
 from conftest import HERE, _shield_folder, hf_margins
 
@@ -25,7 +27,7 @@ def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, unti
     """The exported checkpoint, loaded by transformers itself: seq-cls logits and causal z_yes - z_no
     equal our Shield's margins (base + non-zero LoRA) within 1e-4 relative in float32."""
     transformers = pytest.importorskip("transformers")
-    base = request.getfixturevalue("real_width_base")[0] if width == "real" else None
+    base = request.getfixturevalue("real_width_base") if width == "real" else None
     folder, adapter = _shield_folder(tmp_path, tiny_dir, untied=untied, base=base)
     rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
     lora.load_adapter(rr.model, adapter)
@@ -196,7 +198,8 @@ def test_the_export_command_exports_a_trained_run(demo_run, tmp_path):
 
 def test_the_export_command_refuses_a_missing_or_bad_run_name(tmp_path):
     out = tmp_path / "exp"
-    for argv, msg in [(["export", "--out", str(out)], "give --name"),
+    for argv, msg in [(["export", "--runs-dir", str(tmp_path), "--out", str(out)], "default/config.json: no such run; "
+                                                                                     "give --name"),
                       (["export", "--name", "../x", "--out", str(out)], "a run name is"),
                       (["export", "--name", "nope", "--runs-dir", str(tmp_path), "--out", str(out)], "no such run")]:
         with pytest.raises((SystemExit, FileNotFoundError), match=msg):
@@ -214,10 +217,40 @@ def test_export_and_serve_load_the_shield_as_its_run_recorded_it(demo_run, tmp_p
         assert (cfg.model, cfg.dtype) == ("tiny", "float32") != (cls.model, cls.dtype)
         assert (cfg.max_length, cfg.quant) == (rec["max_length"], rec["quant"])
         assert adapter == os.path.join(str(demo_run), "adapter") and run_dir == str(demo_run)
-    for extra, msg in [(["--model", "tiny"], "not both"), (["--adapter", str(tmp_path)], "goes with --model")]:
+    for extra, msg in [(["--model", "tiny"], "not both"), (["--adapter", str(tmp_path)], "goes with --model"),
+                       (["--revision", "v2"], "goes with --model"), (["--name", "../x"], "a run name is")]:
         with pytest.raises(SystemExit, match=msg):
             run.main(["export", *runs, "--out", str(tmp_path / "x"), *extra])
     assert not (tmp_path / "x").exists()
+
+
+def test_export_writes_the_runs_dtype_else_the_checkpoints(demo_run, tmp_path):
+    """Without --dtype: a run's export is in the dtype its record names (here edited to bfloat16), a base's
+    in its checkpoint's (the tiny one's float32), never the reranker's bfloat16 default."""
+    shutil.copytree(demo_run.parent, tmp_path / "r")
+    rec = json.load(open(tmp_path / "r" / "demo" / "config.json"))
+    rec["config"]["dtype"] = "bfloat16"
+    (tmp_path / "r" / "demo" / "config.json").write_text(json.dumps(rec))
+    run.main(["export", "--name", "demo", "--runs-dir", str(tmp_path / "r"), "--out", str(tmp_path / "a")])
+    run.main(["export", "--model", "tiny", "--runs-dir", str(tmp_path / "r"), "--out", str(tmp_path / "b")])
+    assert [json.load(open(tmp_path / x / "geodef_export.json"))["dtype"] for x in "ab"] == ["bfloat16", "float32"]
+
+
+def test_serve_loads_the_runs_shield_as_its_record_says(demo_run, monkeypatch, capsys):
+    """serve --name: the record's model and dtype with the run's adapter attached, named after the run;
+    a flag that differs from the record is said; a bad port is refused before anything loads."""
+    served = []
+    monkeypatch.setattr(serve.RerankServer, "serve_forever", lambda self: served.append(self))
+    runs = ["--name", "demo", "--runs-dir", str(demo_run.parent), "--port", "0"]
+    run.main(["serve", *runs])
+    run.main(["serve", *runs, "--max-length", "256"])
+    one, two = served
+    assert one.identity == "shield" and one.conf["model_name"] == "demo"
+    assert next(one.rr.model.parameters()).dtype == torch.float32 and lora.lora_modules(one.rr.model)
+    assert one.rr.max_length != two.rr.max_length == 256
+    assert "--max-length 256 (the run's: 8192)" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"--port 70000 \(0 to 65535\)"):
+        run.main(["serve", "--name", "nope", "--port", "70000"])
 
 
 def test_export_command_refuses_the_run_folder_as_one_line(demo_run):

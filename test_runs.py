@@ -153,7 +153,7 @@ def test_bench_without_its_race_peers_says_what_to_install(monkeypatch):
     real_find = run.importlib.util.find_spec
     monkeypatch.setattr(run.importlib.util, "find_spec", lambda m, *a: None if m == "peft" else real_find(m, *a))
     with pytest.raises(SystemExit, match=r"bench --what train races peft .*pip install -r requirements-test.txt"):
-        run.main(["bench", "--what", "train", "--no-compiled"])
+        run.main(["bench", "--what", "train", "--no-compile"])
 
 
 def test_out_of_range_flags_are_named_up_front(tmp_path):

@@ -72,6 +72,22 @@ def test_every_flag_is_a_field_and_every_field_of_its_groups_a_flag(cmd):
             assert "--" + a.dest.replace("_", "-") in a.option_strings
 
 
-def test_a_secret_setting_stays_out_of_the_settings_repr():
+def test_a_secret_setting_stays_out_of_the_settings_repr_and_record():
+    import runs
     cfg = settings.ServeConfig(api_key="S3cret-key")
     assert cfg.api_key == "S3cret-key" and "S3cret" not in repr(cfg) and "api_key" not in repr(cfg)
+    assert "api_key" not in runs.printable(cfg) and "port" in runs.printable(cfg)
+
+
+@pytest.mark.parametrize("cmd", sorted(COMMANDS))
+def test_a_commands_own_default_is_for_one_of_its_flags_and_said_in_its_help(cmd):
+    """A command may give a setting of its groups a default of its own (settings.Default): bench-audit's
+    float32, export's dtype of the run or checkpoint, bench's compile when a compiler is found."""
+    import runs
+    cls = COMMANDS[cmd]
+    sub = next(a for a in run.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    helps = {a.dest: a.help for a in sub._actions}
+    required = {f.name: (f.metadata["choices"] or ("x",))[0] for f in settings.flags(cls) if f.metadata["required"]}
+    for name, d in settings.own_defaults(cls).items():
+        assert name in {f.name for f in settings.flags(cls)} and f"default here: {d.says}" in helps[name]
+        assert getattr(runs.resolve(cls, required, from_record=False), name) == d.value

@@ -23,7 +23,9 @@ def real_width(real_width_base):
     CPU, its head run on the last position only: hf_margins reads only that one, and the (3, 300,
     151669) logits of every position would cost most of this fixture)."""
     from tokenizers import Tokenizer
-    folder, hm = real_width_base
+    import transformers
+    folder = real_width_base
+    hm = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     g = random.Random(0)
     ids = [[g.randrange(1000, 150000) for _ in range(n)] for n in (37, 120, 300)]
     tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
