@@ -21,6 +21,10 @@ What it changes, and what it does not:
 - inference works in place on fresh activations; training uses a hand-written RMSNorm backward and,
   on the CPU, a hand-written packed causal attention backward (recomputes probabilities, visits only
   visible keys); CPU SDPA gets sequence lengths padded to a multiple of 32;
+- in bf16 on a CPU that multiplies bf16 natively (AMX or AVX-512 BF16), attention's forward runs as
+  blocked matmuls (blocked_causal_attention), the kernels those units run, instead of torch's CPU
+  flash attention: the numerics of transformers' eager attention (bf16 scores and probabilities)
+  rather than SDPA's float32 ones; float32 and other devices keep SDPA, bit for bit;
 - the last layer computes only each sequence's final token (the only row the margin reads);
 - compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU)
   as torch.compile'd fusions (needs a C++ compiler on the CPU);
@@ -35,12 +39,14 @@ Usage: speed.install(rr.model, compile=False)
 """
 import math
 import os
+import re
 import shutil
 import sys
 import types
 import weakref
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +161,92 @@ def packed_causal_sdpa(q, k, v, lens, P=0):
     return out
 
 
+class SequenceGroups(NamedTuple):
+    """One sequence of a packed attention, in the blocked kernels' layout: its queries held at packed
+    rows lo..lo+R-1 (local rows r0..P+L-1: the prefix's queries count once, in sequence 0), grouped by
+    kv head (query head h = i*G + g reads kv head i, repeat-interleave order), and its keys and values
+    0..P+L-1 (prefix, then own) head-major and contiguous."""
+    lo: int
+    R: int
+    r0: int
+    start: int
+    L: int
+    qg: torch.Tensor              # (K, G, R, E)
+    k0: torch.Tensor              # (K, P+L, E)
+    v0: torch.Tensor              # (K, P+L, E)
+
+
+def by_kv_head(t, lo, R, K):
+    """Rows lo..lo+R-1 of a packed (N, H, E) query-shaped tensor, its heads grouped by kv head -> (K, G, R, E)."""
+    return t[lo:lo + R].permute(1, 0, 2).reshape(K, t.shape[1] // K, R, t.shape[2])
+
+
+def sequence_groups(q, k, v, lens, P):
+    """The sequences of a packed attention (q (N, H, E), k and v (N, K, E)), each as SequenceGroups."""
+    start = P
+    for j, L in enumerate(lens):
+        r0, lo = (0, 0) if j == 0 else (P, start)
+        R = P + L - r0
+        qg = by_kv_head(q, lo, R, k.shape[1])
+        k0, v0 = (sequence_rows(t, P, start, L).transpose(0, 1).contiguous() for t in (k, v))
+        yield SequenceGroups(lo, R, r0, start, L, qg, k0, v0)
+        start += L
+
+
+def block_probabilities(qb, k0, a, b, G, scale):
+    """The attention probabilities of query rows a..b-1 (qb (K, G*n, E), G query heads per kv head)
+    over the keys they can see, 0..b-1: softmax(Q K^T / sqrt(E) + causal mask) -> (K, G*n, b). The
+    scores and probabilities stay in the model dtype (bf16, as transformers' eager attention keeps
+    them; softmax accumulates in float32); each row sees all its keys at once, so the softmax is
+    exact, not an online rescaling."""
+    n = b - a
+    bias = torch.zeros(n, b, dtype=qb.dtype, device=qb.device)                   # causal mask as -inf bias
+    bias[:, a:] = torch.full((n, n), float("-inf"), dtype=qb.dtype, device=qb.device).triu(1)
+    return torch.softmax(torch.baddbmm(bias.repeat(G, 1), qb, k0[:, :b].transpose(1, 2), alpha=scale), dim=-1)
+
+
+def blocked_causal_attention(q, k, v, lens, P=0, block=128):
+    """packed_causal_sdpa as blocked matmuls: per sequence, each block of `block` query rows meets only
+    the keys it can see, O = softmax(Q K^T / sqrt(E) + causal mask) V, two batched GEMMs a block (over
+    kv heads, each with its G query heads stacked). The GEMMs are what the CPU's matrix units run
+    (AMX, AVX-512 BF16); torch's CPU flash attention runs them at a fraction of that rate in bf16.
+    q (N, H, E), k and v (N, K, E), packed as packed_causal_sdpa takes them -> (N, H, E)."""
+    K, E = k.shape[1], q.shape[2]
+    G, scale = q.shape[1] // K, E ** -0.5
+    out = torch.empty_like(q)                                                     # (N, H, E)
+    for s in sequence_groups(q, k, v, lens, P):
+        og = torch.empty_like(s.qg)                                               # (K, G, R, E)
+        for a in range(s.r0, P + s.L, block):
+            b = min(a + block, P + s.L)
+            n = b - a
+            p = block_probabilities(s.qg[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E), s.k0, a, b, G, scale)
+            og[:, :, a - s.r0:b - s.r0] = torch.bmm(p, s.v0[:, :b]).view(K, G, n, E)   # P V
+        out[s.lo:s.lo + s.R] = og.view(-1, s.R, E).transpose(0, 1)
+    return out
+
+
+def cpu_has_bf16():
+    """Whether this CPU multiplies bf16 natively: the x86 flags amx_bf16 or avx512_bf16 in /proc/cpuinfo
+    (None where it cannot be read). Without them bf16 matmuls run at a few GFLOP/s."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return re.search(r"\b(amx_bf16|avx512_bf16)\b", f.read()) is not None
+    except OSError:
+        return None
+
+
+CPU_BF16 = cpu_has_bf16()
+
+
+def packed_causal_attention(q, k, v, lens, P=0):
+    """Packed causal attention's forward by the kernel this device runs fastest: bf16 on a CPU with
+    native bf16 matmuls, blocked_causal_attention; elsewhere SDPA (packed_causal_sdpa), whose float32
+    results it keeps bit for bit."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and CPU_BF16:
+        return blocked_causal_attention(q, k, v, lens, P)
+    return packed_causal_sdpa(q, k, v, lens, P)
+
+
 # ----------------------------------------------------------------------------- hand-written backward passes
 
 
@@ -195,8 +287,9 @@ HAND_BACKWARD = ("cpu",)
 class PackedCausalAttention(torch.autograd.Function):
     """Causal grouped-query attention over packed sequences, for training on the CPU.
     q (N, H, E), k and v (N, K, E), packed as in Attention.forward (P shared prefix rows, then each
-    sequence's own rows, lengths `lens`) -> (N, H, E). Forward: SDPA per sequence (fused, exact),
-    written straight into one packed output. Backward by hand, per sequence, over blocks of `block`
+    sequence's own rows, lengths `lens`) -> (N, H, E). Forward: packed_causal_attention (SDPA per
+    sequence, or bf16 blocked matmuls), written straight into one packed output. Backward by hand,
+    per sequence, over blocks of `block`
     query rows, each against only the keys it can see (0 .. its last row): about half the work of a
     dense backward, and the probabilities are recomputed, not stored. The gradients land directly in
     packed (N, ...) buffers: slicing the packed tensors per sequence and letting autograd undo it
@@ -208,54 +301,39 @@ class PackedCausalAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lens, P=0, block=128):
         ctx.save_for_backward(q, k, v)
         ctx.lens, ctx.P, ctx.block = lens, P, block
-        return packed_causal_sdpa(q, k, v, lens, P)
+        return packed_causal_attention(q, k, v, lens, P)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v = ctx.saved_tensors
         P, block = ctx.P, ctx.block
-        N, H, E = q.shape
-        K = k.shape[1]
-        G, scale = H // K, E ** -0.5
+        K, E = k.shape[1], q.shape[2]
+        G, scale = q.shape[1] // K, E ** -0.5
         dq = torch.empty_like(q)                                                  # every row written once
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)                         # prefix rows: summed over sequences
-        start = P
-        for j, L in enumerate(ctx.lens):
-            # local frame: keys 0..P+L-1 (prefix, then own); queries from r0 (the prefix's queries
-            # count only once, in sequence 0), held at packed rows lo..lo+R-1
-            r0, lo = (0, 0) if j == 0 else (P, start)
-            R = P + L - r0
-            # query head h = i*G + g reads kv head i (repeat-interleave order): group query heads by kv head
-            qg = q[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)                # (K, G, R, E)
-            dog = do[lo:lo + R].permute(1, 0, 2).reshape(K, G, R, E)
-            # made contiguous once per sequence: bmm then copies each block's k0[:, :b] into a dense
-            # operand from these rows rather than from the packed layout (same bits)
-            k0 = sequence_rows(k, P, start, L).transpose(0, 1).contiguous()            # (K, P+L, E)
-            v0 = sequence_rows(v, P, start, L).transpose(0, 1).contiguous()
-            dqg = torch.empty_like(qg)
-            dkl = torch.zeros(K, P + L, E, dtype=k.dtype, device=k.device)
-            dvl = torch.zeros_like(dkl)
-            for a in range(r0, P + L, block):
-                b = min(a + block, P + L)                                         # rows a..b-1 see keys 0..b-1
+        for s in sequence_groups(q, k, v, ctx.lens, P):
+            dog = by_kv_head(do, s.lo, s.R, K)                                    # dO grouped as Q is
+            # k0, v0 made contiguous once per sequence: bmm then copies each block's k0[:, :b] into a
+            # dense operand from these rows rather than from the packed layout (same bits)
+            dqg = torch.empty_like(s.qg)
+            dkl, dvl = torch.zeros_like(s.k0), torch.zeros_like(s.v0)             # (K, P+L, E)
+            for a in range(s.r0, P + s.L, block):
+                b = min(a + block, P + s.L)                                       # rows a..b-1 see keys 0..b-1
                 n = b - a
-                qb = qg[:, :, a - r0:b - r0].reshape(K, G * n, E)                 # (K, G*n, E)
-                dob = dog[:, :, a - r0:b - r0].reshape(K, G * n, E)
-                bias = torch.zeros(n, b, dtype=q.dtype, device=q.device)          # causal mask as -inf bias
-                bias[:, a:] = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-                s = torch.baddbmm(bias.repeat(G, 1), qb, k0[:, :b].transpose(1, 2), alpha=scale)  # (K, G*n, b)
-                p = torch.softmax(s, dim=-1)                                      # P
+                qb = s.qg[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)           # (K, G*n, E)
+                dob = dog[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)
+                p = block_probabilities(qb, s.k0, a, b, G, scale)                 # P, recomputed: (K, G*n, b)
                 dvl[:, :b].baddbmm_(p.transpose(1, 2), dob)                       # dV = P^T dO
-                dp = torch.bmm(dob, v0[:, :b].transpose(1, 2))                    # dP = dO V^T, (K, G*n, b)
+                dp = torch.bmm(dob, s.v0[:, :b].transpose(1, 2))                  # dP = dO V^T, (K, G*n, b)
                 # softmax backward dS = P * (dP - rowsum(P * dP)), times the scores' 1/sqrt(E)
                 ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
-                dqg[:, :, a - r0:b - r0] = torch.bmm(ds, k0[:, :b]).view(K, G, n, E)  # dQ = dS K
+                dqg[:, :, a - s.r0:b - s.r0] = torch.bmm(ds, s.k0[:, :b]).view(K, G, n, E)  # dQ = dS K
                 dkl[:, :b].baddbmm_(ds.transpose(1, 2), qb)                       # dK = dS^T Q
-            dq[lo:lo + R] = dqg.view(H, R, E).transpose(0, 1)
-            for d, dl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
-                dl = dl.transpose(0, 1)                                           # (P+L, K, E)
-                d[:P] += dl[:P]
-                d[start:start + L] += dl[P:]
-            start += L
+            dq[s.lo:s.lo + s.R] = dqg.view(-1, s.R, E).transpose(0, 1)
+            for g, gl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
+                gl = gl.transpose(0, 1)                                           # (P+L, K, E)
+                g[:P] += gl[:P]
+                g[s.start:s.start + s.L] += gl[P:]
         return dq, dk, dv, None, None, None
 
 
@@ -344,7 +422,7 @@ def attention_packed(q, k, v, lens, P):
     SDPA (autograd takes its own backward)."""
     if torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
         return PackedCausalAttention.apply(q, k, v, lens, P)
-    return packed_causal_sdpa(q, k, v, lens, P)
+    return packed_causal_attention(q, k, v, lens, P)
 
 
 @dataclass(frozen=True)

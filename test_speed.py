@@ -196,15 +196,19 @@ def test_shared_prefix_lora_gradients_are_exact(hf_tiny, monkeypatch):
             assert _rel(g[n], grads[0][n]) < 1e-5, n
 
 
+@pytest.mark.parametrize("cpu_bf16", [False, True])
 @pytest.mark.parametrize("lens,P,block", [([5], 0, 2), ([300], 0, 128), ([256], 0, 64), ([40, 7, 130], 0, 32),
                                           ([40, 7, 130], 23, 32), ([1, 200, 3], 150, 64)])
-def test_causal_attention_backward_matches_autograd(lens, P, block):
+def test_causal_attention_backward_matches_autograd(lens, P, block, cpu_bf16, monkeypatch):
     """The hand-written training attention over packed sequences (P shared prefix rows, then each
     sequence's own rows) against autograd through per-sequence SDPA on the sequences written out in
     full: equal in float32, and in bf16 within the error SDPA's own bf16 backward makes (vs float64).
-    Its forward (packed_causal_sdpa, as at inference) runs SDPA on sequences padded to a multiple of
-    32 rows on the CPU: every length here but 256 is padded."""
+    Its forward (packed_causal_attention, as at inference) runs SDPA on sequences padded to a multiple
+    of 32 rows on the CPU (every length here but 256 is padded); in bf16 on a CPU with native bf16
+    (cpu_bf16), blocked matmuls, whose error is that of transformers' eager attention (bf16 scores and
+    probabilities), not SDPA's."""
     import torch.nn.functional as F
+    monkeypatch.setattr(speed, "CPU_BF16", cpu_bf16)
     torch.manual_seed(0)
     H, K, E = 4, 2, 32
     N = P + sum(lens)
@@ -218,6 +222,20 @@ def test_causal_attention_backward_matches_autograd(lens, P, block):
             rows = list(range(P)) + list(range(start, start + L))
             qj, kj, vj = (t[rows].transpose(0, 1)[None] for t in (q, k, v))
             o = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            outs.append(o if j == 0 else o[P:])
+            start += L
+        return torch.cat(outs)
+
+    def eager(q, k, v):
+        """As transformers' eager attention: scores in the model dtype, softmax in float32, rounded back."""
+        outs, start = [], P
+        for j, L in enumerate(lens):
+            rows = list(range(P)) + list(range(start, start + L))
+            qj, kj, vj = (t[rows].transpose(0, 1) for t in (q, k, v))                  # (heads, P+L, E)
+            kj, vj = (t.repeat_interleave(H // K, dim=0) for t in (kj, vj))
+            s = (qj @ kj.transpose(1, 2)) * E ** -0.5
+            s = s.masked_fill(torch.ones(P + L, P + L, dtype=torch.bool).triu(1), float("-inf"))
+            o = (torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ vj).transpose(0, 1)
             outs.append(o if j == 0 else o[P:])
             start += L
         return torch.cat(outs)
@@ -236,9 +254,23 @@ def test_causal_attention_backward_matches_autograd(lens, P, block):
     for a, b in zip(ours, sdpa):
         assert _rel(a, b) < 1e-5
     (ours_o, ours), (sdpa_o, sdpa) = run(torch.bfloat16, True), run(torch.bfloat16, False)
-    assert _rel(ours_o, exact_o) < 1.5 * _rel(sdpa_o, exact_o)
+    peer = eager(*(t.to(torch.bfloat16) for t in base[:3])) if cpu_bf16 else sdpa_o
+    assert _rel(ours_o, exact_o) < 1.5 * _rel(peer, exact_o)
     for a, b, ref in zip(ours, sdpa, exact):
         assert _rel(a, ref) < max(3 * _rel(b, ref), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_blocked_attention_forward_is_sdpas(dtype):
+    """blocked_causal_attention is packed_causal_sdpa's math: equal to it in float64 and float32 over
+    packed sequences with a shared prefix, blocks that split sequences, and a block larger than any."""
+    torch.manual_seed(0)
+    H, K, E, lens, P = 4, 2, 32, [40, 7, 130], 23
+    q, k, v = (torch.randn(P + sum(lens), n, E, dtype=dtype) for n in (H, K, K))
+    want = speed.packed_causal_sdpa(q, k, v, lens, P)
+    for block in (1, 16, 128, 512):
+        assert _rel(speed.blocked_causal_attention(q, k, v, lens, P, block), want) < (1e-12 if dtype == torch.float64
+                                                                                       else 1e-6)
 
 
 def test_rmsnorm_backward_matches_autograd():
