@@ -261,13 +261,16 @@ def test_causal_attention_backward_matches_autograd(lens, P, block, cpu_bf16, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_blocked_attention_forward_is_sdpas(dtype):
+def test_blocked_attention_forward_is_sdpas(dtype, monkeypatch):
     """blocked_causal_attention is packed_causal_sdpa's math: equal to it in float64 and float32 over
-    packed sequences with a shared prefix, blocks that split sequences, and a block larger than any."""
+    packed sequences with a shared prefix, blocks that split sequences, and a block larger than any.
+    Outside bf16 the dispatch keeps SDPA's results bit for bit, on a CPU with native bf16 too."""
+    monkeypatch.setattr(speed, "CPU_BF16", True)
     torch.manual_seed(0)
     H, K, E, lens, P = 4, 2, 32, [40, 7, 130], 23
     q, k, v = (torch.randn(P + sum(lens), n, E, dtype=dtype) for n in (H, K, K))
     want = speed.packed_causal_sdpa(q, k, v, lens, P)
+    assert torch.equal(speed.packed_causal_attention(q, k, v, lens, P), want)
     for block in (1, 16, 128, 512):
         assert _rel(speed.blocked_causal_attention(q, k, v, lens, P, block), want) < (1e-12 if dtype == torch.float64
                                                                                        else 1e-6)
