@@ -160,7 +160,7 @@ def load_reranker(cfg):
                                            max_length=cfg.max_length, revision=cfg.revision)
     if cfg.quant == "nf4":
         lora.quantize_nf4(rr.model)
-    if dtype == torch.bfloat16 and rr.model.embed_tokens.weight.device.type == "cpu" and speed.CPU_BF16 is False:
+    if dtype == torch.bfloat16 and rr.model.embed_tokens.weight.device.type == "cpu" and speed.CPU_BF16_UNITS == set():
         log("[model] bfloat16 on a CPU without AMX or AVX-512 BF16 (/proc/cpuinfo): its matmuls run at a few "
             "GFLOP/s here, float32 at the vector units' rate; --dtype float32 is faster on this machine")
     return fast(cfg, rr)

@@ -21,10 +21,10 @@ What it changes, and what it does not:
 - inference works in place on fresh activations; training uses a hand-written RMSNorm backward and,
   on the CPU, a hand-written packed causal attention backward (recomputes probabilities, visits only
   visible keys); CPU SDPA gets sequence lengths padded to a multiple of 32;
-- in bf16 on a CPU that multiplies bf16 natively (AMX or AVX-512 BF16), attention's forward runs as
-  blocked matmuls (blocked_causal_attention), the kernels those units run, instead of torch's CPU
-  flash attention: the numerics of transformers' eager attention (bf16 scores and probabilities)
-  rather than SDPA's float32 ones; float32 and other devices keep SDPA, bit for bit;
+- in bf16 on a CPU with AVX-512 BF16 and no AMX, attention's forward runs as blocked matmuls
+  (blocked_causal_attention), the kernels those units run, instead of torch's CPU flash attention:
+  the numerics of transformers' eager attention (bf16 scores and probabilities) rather than SDPA's
+  float32 ones; float32, AMX CPUs and other devices keep SDPA, bit for bit;
 - the last layer computes only each sequence's final token (the only row the margin reads);
 - compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU)
   as torch.compile'd fusions (needs a C++ compiler on the CPU);
@@ -225,24 +225,29 @@ def blocked_causal_attention(q, k, v, lens, P=0, block=128):
     return out
 
 
-def cpu_has_bf16():
-    """Whether this CPU multiplies bf16 natively: the x86 flags amx_bf16 or avx512_bf16 in /proc/cpuinfo
-    (None where it cannot be read). Without them bf16 matmuls run at a few GFLOP/s."""
+def cpu_bf16_units():
+    """The x86 units that multiply bf16 natively which this CPU shows in /proc/cpuinfo, a subset of
+    {"amx_bf16", "avx512_bf16"} (None where it cannot be read). Without either, bf16 matmuls run at a
+    few GFLOP/s."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return re.search(r"\b(amx_bf16|avx512_bf16)\b", f.read()) is not None
+            return set(re.findall(r"\b(amx_bf16|avx512_bf16)\b", f.read()))
     except OSError:
         return None
 
 
-CPU_BF16 = cpu_has_bf16()
+CPU_BF16_UNITS = cpu_bf16_units()
+# bf16 attention's forward as blocked matmuls where they were measured faster than torch's CPU flash
+# attention: AVX-512 BF16 without AMX (docs/PERF.md). With AMX that kernel runs AMX micro-kernels of its
+# own, and which is faster there is unmeasured: `bench --what train` times both on any CPU.
+BLOCKED_BF16_ATTENTION = CPU_BF16_UNITS == {"avx512_bf16"}
 
 
 def packed_causal_attention(q, k, v, lens, P=0):
-    """Packed causal attention's forward by the kernel this device runs fastest: bf16 on a CPU with
-    native bf16 matmuls, blocked_causal_attention; elsewhere SDPA (packed_causal_sdpa), whose float32
+    """Packed causal attention's forward by the kernel this device runs fastest: bf16 where
+    BLOCKED_BF16_ATTENTION, blocked_causal_attention; elsewhere SDPA (packed_causal_sdpa), whose float32
     results it keeps bit for bit."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and CPU_BF16:
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and BLOCKED_BF16_ATTENTION:
         return blocked_causal_attention(q, k, v, lens, P)
     return packed_causal_sdpa(q, k, v, lens, P)
 

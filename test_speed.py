@@ -204,11 +204,11 @@ def test_causal_attention_backward_matches_autograd(lens, P, block, cpu_bf16, mo
     sequence's own rows) against autograd through per-sequence SDPA on the sequences written out in
     full: equal in float32, and in bf16 within the error SDPA's own bf16 backward makes (vs float64).
     Its forward (packed_causal_attention, as at inference) runs SDPA on sequences padded to a multiple
-    of 32 rows on the CPU (every length here but 256 is padded); in bf16 on a CPU with native bf16
+    of 32 rows on the CPU (every length here but 256 is padded); in bf16 where BLOCKED_BF16_ATTENTION
     (cpu_bf16), blocked matmuls, whose error is that of transformers' eager attention (bf16 scores and
     probabilities), not SDPA's."""
     import torch.nn.functional as F
-    monkeypatch.setattr(speed, "CPU_BF16", cpu_bf16)
+    monkeypatch.setattr(speed, "BLOCKED_BF16_ATTENTION", cpu_bf16)
     torch.manual_seed(0)
     H, K, E = 4, 2, 32
     N = P + sum(lens)
@@ -265,7 +265,7 @@ def test_blocked_attention_forward_is_sdpas(dtype, monkeypatch):
     """blocked_causal_attention is packed_causal_sdpa's math: equal to it in float64 and float32 over
     packed sequences with a shared prefix, blocks that split sequences, and a block larger than any.
     Outside bf16 the dispatch keeps SDPA's results bit for bit, on a CPU with native bf16 too."""
-    monkeypatch.setattr(speed, "CPU_BF16", True)
+    monkeypatch.setattr(speed, "BLOCKED_BF16_ATTENTION", True)
     torch.manual_seed(0)
     H, K, E, lens, P = 4, 2, 32, [40, 7, 130], 23
     q, k, v = (torch.randn(P + sum(lens), n, E, dtype=dtype) for n in (H, K, K))
