@@ -21,10 +21,11 @@ What it changes, and what it does not:
 - inference works in place on fresh activations; training uses a hand-written RMSNorm backward and,
   on the CPU, a hand-written packed causal attention backward (recomputes probabilities, visits only
   visible keys); CPU SDPA gets sequence lengths padded to a multiple of 32;
-- in bf16 on a CPU with AVX-512 BF16 and no AMX, attention's forward runs as blocked matmuls
-  (blocked_causal_attention), the kernels those units run, instead of torch's CPU flash attention:
-  the numerics of transformers' eager attention (bf16 scores and probabilities) rather than SDPA's
-  float32 ones; float32, AMX CPUs and other devices keep SDPA, bit for bit;
+- in bf16 on a CPU with AVX-512 BF16 and no AMX, attention's forward (every layer's but the last,
+  whose final tokens meet the keys through SDPA) runs as blocked matmuls (blocked_causal_attention),
+  the kernels those units run, instead of torch's CPU flash attention: the numerics of transformers'
+  eager attention (bf16 scores and probabilities) rather than SDPA's float32 ones; float32, AMX CPUs
+  and other devices keep SDPA, bit for bit;
 - the last layer computes only each sequence's final token (the only row the margin reads);
 - compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU)
   as torch.compile'd fusions (needs a C++ compiler on the CPU);
@@ -39,6 +40,7 @@ Usage: speed.install(rr.model, compile=False)
 """
 import math
 import os
+import platform
 import re
 import shutil
 import sys
@@ -165,7 +167,7 @@ class SequenceGroups(NamedTuple):
     """One sequence of a packed attention, in the blocked kernels' layout: its queries held at packed
     rows lo..lo+R-1 (local rows r0..P+L-1: the prefix's queries count once, in sequence 0), grouped by
     kv head (query head h = i*G + g reads kv head i, repeat-interleave order), and its keys and values
-    0..P+L-1 (prefix, then own) head-major and contiguous."""
+    0..P+L-1 (prefix, then own) head-major and contiguous; its own rows are packed rows start..start+L-1."""
     lo: int
     R: int
     r0: int
@@ -209,7 +211,8 @@ def blocked_causal_attention(q, k, v, lens, P=0, block=128):
     """packed_causal_sdpa as blocked matmuls: per sequence, each block of `block` query rows meets only
     the keys it can see, O = softmax(Q K^T / sqrt(E) + causal mask) V, two batched GEMMs a block (over
     kv heads, each with its G query heads stacked). The GEMMs are what the CPU's matrix units run
-    (AMX, AVX-512 BF16); torch's CPU flash attention runs them at a fraction of that rate in bf16.
+    (AMX, AVX-512 BF16); on AVX-512 BF16 without AMX torch's CPU flash attention runs bf16 at a
+    third of that rate or less (docs/PERF.md).
     q (N, H, E), k and v (N, K, E), packed as packed_causal_sdpa takes them -> (N, H, E)."""
     K, E = k.shape[1], q.shape[2]
     G, scale = q.shape[1] // K, E ** -0.5
@@ -219,19 +222,27 @@ def blocked_causal_attention(q, k, v, lens, P=0, block=128):
         for a in range(s.r0, P + s.L, block):
             b = min(a + block, P + s.L)
             n = b - a
-            p = block_probabilities(s.qg[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E), s.k0, a, b, G, scale)
+            qb = s.qg[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)               # (K, G*n, E)
+            p = block_probabilities(qb, s.k0, a, b, G, scale)                     # (K, G*n, b)
             og[:, :, a - s.r0:b - s.r0] = torch.bmm(p, s.v0[:, :b]).view(K, G, n, E)   # P V
-        out[s.lo:s.lo + s.R] = og.view(-1, s.R, E).transpose(0, 1)
+        out[s.lo:s.lo + s.R] = og.view(q.shape[1], s.R, E).transpose(0, 1)
     return out
 
 
+def bf16_units(cpuinfo):
+    """The x86 units that multiply bf16 natively named in /proc/cpuinfo's text (its flags lines), a
+    subset of {"amx_bf16", "avx512_bf16"}."""
+    return set(re.findall(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo))
+
+
 def cpu_bf16_units():
-    """The x86 units that multiply bf16 natively which this CPU shows in /proc/cpuinfo, a subset of
-    {"amx_bf16", "avx512_bf16"} (None where it cannot be read). Without either, bf16 matmuls run at a
-    few GFLOP/s."""
+    """bf16_units of this CPU; None off x86 Linux, where the flags are not read (ARM names its bf16 unit
+    otherwise). Without either unit an x86 CPU runs bf16 matmuls at a few GFLOP/s."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return set(re.findall(r"\b(amx_bf16|avx512_bf16)\b", f.read()))
+            return bf16_units(f.read())
     except OSError:
         return None
 
@@ -293,10 +304,10 @@ class PackedCausalAttention(torch.autograd.Function):
     """Causal grouped-query attention over packed sequences, for training on the CPU.
     q (N, H, E), k and v (N, K, E), packed as in Attention.forward (P shared prefix rows, then each
     sequence's own rows, lengths `lens`) -> (N, H, E). Forward: packed_causal_attention (SDPA per
-    sequence, or bf16 blocked matmuls), written straight into one packed output. Backward by hand,
-    per sequence, over blocks of `block`
-    query rows, each against only the keys it can see (0 .. its last row): about half the work of a
-    dense backward, and the probabilities are recomputed, not stored. The gradients land directly in
+    sequence, or bf16 blocked matmuls of 128 query rows), written straight into one packed output.
+    Backward by hand, per sequence, over blocks of `block` query rows, each against only the keys it
+    can see (0 .. its last row): about half the work of a dense backward, and the probabilities are
+    recomputed, not stored. The gradients land directly in
     packed (N, ...) buffers: slicing the packed tensors per sequence and letting autograd undo it
     would zero-fill and add a full-size gradient for every sequence and each of q, k, v.
     Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
@@ -334,7 +345,7 @@ class PackedCausalAttention(torch.autograd.Function):
                 ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
                 dqg[:, :, a - s.r0:b - s.r0] = torch.bmm(ds, s.k0[:, :b]).view(K, G, n, E)  # dQ = dS K
                 dkl[:, :b].baddbmm_(ds.transpose(1, 2), qb)                       # dK = dS^T Q
-            dq[s.lo:s.lo + s.R] = dqg.view(-1, s.R, E).transpose(0, 1)
+            dq[s.lo:s.lo + s.R] = dqg.view(q.shape[1], s.R, E).transpose(0, 1)
             for g, gl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
                 gl = gl.transpose(0, 1)                                           # (P+L, K, E)
                 g[:P] += gl[:P]
@@ -424,7 +435,7 @@ def residual_add(x, y):
 
 def attention_packed(q, k, v, lens, P):
     """Packed causal attention: in training on HAND_BACKWARD devices with the hand backward, else
-    SDPA (autograd takes its own backward)."""
+    packed_causal_attention's forward (autograd takes SDPA's own backward)."""
     if torch.is_grad_enabled() and q.requires_grad and q.device.type in HAND_BACKWARD:
         return PackedCausalAttention.apply(q, k, v, lens, P)
     return packed_causal_attention(q, k, v, lens, P)

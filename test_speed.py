@@ -274,6 +274,25 @@ def test_blocked_attention_forward_is_sdpas(dtype, monkeypatch):
     for block in (1, 16, 128, 512):
         assert _rel(speed.blocked_causal_attention(q, k, v, lens, P, block), want) < (1e-12 if dtype == torch.float64
                                                                                        else 1e-6)
+    for lens, P in (([1], 0), ([1, 1, 3], 5), ([4, 0, 2], 3)):                 # a lone row, an empty sequence
+        q, k, v = (torch.randn(P + sum(lens), n, E, dtype=dtype) for n in (H, K, K))
+        assert _rel(speed.blocked_causal_attention(q, k, v, lens, P, 2), speed.packed_causal_sdpa(q, k, v, lens, P)) \
+            < 1e-6
+
+
+def test_bf16_attention_runs_the_kernel_the_cpu_is_given(monkeypatch):
+    """In bf16 packed_causal_attention runs the blocked kernel where BLOCKED_BF16_ATTENTION, SDPA elsewhere;
+    the flag is set for AVX-512 BF16 without AMX, read from /proc/cpuinfo's flags."""
+    torch.manual_seed(0)
+    lens, P = [40, 7, 130], 23
+    q, k, v = (torch.randn(P + sum(lens), n, 32, dtype=torch.bfloat16) for n in (4, 2, 2))
+    for on, kernel in ((True, speed.blocked_causal_attention), (False, speed.packed_causal_sdpa)):
+        monkeypatch.setattr(speed, "BLOCKED_BF16_ATTENTION", on)
+        assert torch.equal(speed.packed_causal_attention(q, k, v, lens, P), kernel(q, k, v, lens, P))
+    flags = "flags\t\t: fpu sse2 avx2 avx512f {} avx512_vnni\n"
+    assert speed.bf16_units(flags.format("avx512_bf16") * 2) == {"avx512_bf16"}
+    assert speed.bf16_units(flags.format("amx_bf16 amx_tile avx512_bf16")) == {"amx_bf16", "avx512_bf16"}
+    assert speed.bf16_units(flags.format("avx512_bf16x")) == set() == speed.bf16_units(flags.format(""))
 
 
 def test_rmsnorm_backward_matches_autograd():
