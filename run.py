@@ -28,7 +28,6 @@ import re
 import sys
 import threading
 
-
 import attack
 import bench_audit
 import build_bench

@@ -625,7 +625,8 @@ class AuditConfig(AuditSettings, DataSettings, ModelSettings):
 @dataclass(frozen=True)
 class BenchConfig(BenchSettings, ModelSettings):
     """bench: ours against the reference implementations at real width (random weights); with --compile
-    ours races compiled too."""
+    ours races compiled too; --device cuda times score and train with synchronisation and reports each
+    contender's allocation peak above the resident weights instead of peak RSS."""
     FLAGS = (some(ModelSettings, "dtype", "device", "compile"), BenchSettings)
     DEFAULTS = {"compile": Default(None, "when a C++ compiler is found")}
 
