@@ -409,14 +409,15 @@ def ranking_stage(run, conds, deployed):
     return base, shield
 
 
-def evaluate(run):
+def evaluate(run, conditions=None):
     """All conditions of Table 1/2 on the test split, the clean reference, pairwise quality, method,
-    epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg."""
+    epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg.
+    conditions: eval_conditions' answer when the caller has checked them already (eval does, first)."""
     cfg = run.cfg
     _, meta, cons, test, seen, methods = run.data
     insts = geodef.expand(test, methods)
     cleans = [geodef.clean_instance(g) for g in test]
-    conds, transfers = eval_conditions(cfg)
+    conds, transfers = conditions or eval_conditions(cfg)
     if "PPL-Filter" in conds and cfg.ppl_model != "tiny":
         gpt2.resolve(cfg.ppl_model)     # download it, or fail, before the reranker scores every candidate
     needs_lib = any(c in WITH_LIBRARY or deployed_label(c) and c.startswith("TFSG only") for c in conds)
@@ -738,16 +739,16 @@ def records_done(path):
         return sum(1 for line in f if line.endswith("\n"))
 
 
-def plan_eval(run):
+def plan_eval(run, conditions=None):
     """eval --dry-run: what the evaluation would send, stage by stage, and nothing sent. Answers and
     ASI judge calls are counted for the records the results files lack (the ASI judge only runs when
     the attack is in context: an upper bound); PromptArmor's and RobustRAG's k pre-step calls per
     record are their own stages; pairwise quality asks once per instance of GEO Defender and of each
     injection defense (cached replies cost nothing and are not subtracted); prompt sizes from the
-    first k candidates."""
+    first k candidates. conditions: as evaluate takes them."""
     cfg, data = run.cfg, run.data
     insts = geodef.expand(data.test, data.methods)
-    conds, transfers = eval_conditions(cfg)
+    conds, transfers = conditions or eval_conditions(cfg)
     res = os.path.join(cfg.run_dir, "results")
     files = {"clean reference": (os.path.join(res, "clean_reference.jsonl"), len(data.test))}
     files.update({c: (os.path.join(res, condition_slug(c) + ".jsonl"), len(insts)) for c in conds})

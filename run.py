@@ -534,18 +534,18 @@ def cmd_eval(args):
     cfg = pipeline_settings(settings.EvalConfig, args)
     check_llms(cfg, keys=not args.dry_run)
     check_roles(cfg)
-    conds, _ = eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
-    check_record(cfg)                 # every check the command runs, the dry run runs too
+    conditions = eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
+    check_record(cfg)                   # every check the command runs, the dry run runs too
     run = Run(cfg)
     if args.dry_run:
-        return show(plan_eval(run))
+        return show(plan_eval(run, conditions))
     run = run.with_settings(dataclasses.replace(cfg, device=parallel.init(cfg.device)), run.data)  # torchrun: its GPU
     if not parallel.is_main():        # under torchrun: this rank's share of the ranking stage, nothing written
-        ranking_stage(run, conds, reranker_items(cfg))
+        ranking_stage(run, conditions[0], reranker_items(cfg))
         return None
     with offline_engine(run, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
         record_config(cfg, "eval")
-        s = evaluate(run)
+        s = evaluate(run, conditions)
     print_summary(s)
     report_paths(cfg)
     return s

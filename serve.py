@@ -544,7 +544,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path.rstrip("/")
         req = (parse_score if path in SCORE_PATHS else parse_rerank)(body, conf["max_documents"])
         rr = self.server.prompter(req.instruction)
-        req.document_string = not req.tei and infinity_shaped(urlsplit(self.path).path.rstrip("/"), body)
+        req.document_string = not req.tei and infinity_shaped(path, body)
         try:
             texts = fit_documents(rr, req)
             ids = rr.tokenize(req.query, texts)

@@ -224,7 +224,7 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     monkeypatch.setattr(run, "train_shield", lambda r, resume=True: seen.append(r.cfg))
     monkeypatch.setattr(run, "train_tfsg", lambda r: None)
     monkeypatch.setattr(run, "print_summary", lambda s: None)
-    monkeypatch.setattr(run, "evaluate", lambda r: seen.append(r.cfg) or {})
+    monkeypatch.setattr(run, "evaluate", lambda r, *_: seen.append(r.cfg) or {})
     common = ["--name", "x", "--runs-dir", str(tmp_path)]
     run.main(["train", "--model", "tiny", "--llm", "openai-compatible:m", "--base-url", "http://127.0.0.1:9/v1",
               "--bench", small_bench, "--n-construction", "4", "--n-batches", "1", "--lr", "2e-3"] + common)
