@@ -11,10 +11,11 @@ import shutil
 
 import pytest
 
-import geo_attacks
+import geo_jobs
 import geodef
 import honest
 import offline
+import offline_attackers
 import report
 import rerank_eval
 import run
@@ -60,7 +61,7 @@ def test_the_offline_honest_editor_passes_its_gate_on_every_sample_source():
         src = g["docs"][g["source_index"]]["text"]
         out = offline.family_step({"rewrite_task": "H1.edit", "document": src})["rewritten_document"]
         assert honest.honest_refusal(src, out) is None, g["group_id"]
-        assert offline.judge_fidelity(src, out)["fidelity"] >= geo_attacks.FIDELITY_THRESHOLD
+        assert offline.judge_fidelity(src, out)["fidelity"] >= geo_jobs.FIDELITY_THRESHOLD
 
 
 # ----------------------------------------------------------------------------- an offline build with --honest
@@ -129,7 +130,8 @@ def test_build_bench_honest_adds_an_edit_and_its_trace_and_changes_nothing_else(
 def test_a_refused_honest_edit_leaves_its_group_without_one(rows, tmp_path, monkeypatch):
     """Every attempt adds a number: refused twice, recorded in the trace, the group kept with its attacks.
     4 groups (3 of them test groups, each refused): every group is refused alike, so a few show it."""
-    monkeypatch.setattr(offline, "_honest", lambda inp: {"rewritten_document": inp["document"] + "\n\nUpdated 2031."})
+    monkeypatch.setattr(offline_attackers, "_honest",
+                        lambda inp: {"rewritten_document": inp["document"] + "\n\nUpdated 2031."})
     _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=4, construction=1)
     groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
     assert len(groups) == 4 and all(g.honest is None for g in groups) and meta.raw["honest_edits"] == 0

@@ -1,7 +1,7 @@
 """offline.py: the offline engine answers every prompt kind in schema, in process and through the
 client; the bundled synthetic sample.
-Vendors with: offline.py defenses.py llm_clients.py transport.py endpoints.py accounting.py metrics.py tfsg.py
-  geodef.py conftest.py data/geo_defensebench_sample.jsonl
+Vendors with: offline.py offline_target.py offline_attackers.py defenses.py llm_clients.py transport.py
+  endpoints.py accounting.py metrics.py tfsg.py geodef.py conftest.py data/geo_defensebench_sample.jsonl
 Run: python -m pytest -q test_offline.py
 """
 import json

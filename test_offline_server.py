@@ -1,7 +1,8 @@
 """offline_server.py: the offline engine's loopback server refuses hostile requests with 4xx JSON and
 keeps answering; its errors and objects are the APIs' as the official openai and anthropic SDKs read them
 (those tests need the SDKs, requirements-test.txt).
-Vendors with: offline_server.py offline.py defenses.py metrics.py tfsg.py geodef.py conftest.py
+Vendors with: offline_server.py offline.py offline_target.py offline_attackers.py defenses.py metrics.py tfsg.py
+  geodef.py conftest.py
 Run: python -m pytest -q test_offline_server.py
 """
 import json
