@@ -42,7 +42,7 @@ import os
 import re
 
 import defenses
-import geo_attacks
+import geo_jobs
 import geodef
 import llm_clients
 import report
@@ -143,7 +143,7 @@ def parse_rewrites(data, n):
 def cheap_gate(source, candidate):
     """None if the candidate may go to the fidelity judge, else the reason it is rejected (the
     families' cheap checks, the attacker's instruction counted as prompt text)."""
-    return geo_attacks.cheap_gate(source, candidate, (ATTACKER_INSTRUCTION[:60], REPAIR_INSTRUCTION[:60]))
+    return geo_jobs.cheap_gate(source, candidate, (ATTACKER_INSTRUCTION[:60], REPAIR_INSTRUCTION[:60]))
 
 
 def best_of(cands, budget):
@@ -234,7 +234,7 @@ class Attack:
                 checks.append((x, t, why))
                 modes.append(mode)
         to_judge = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None]
-        verdict = dict(zip([i for i, _, _ in to_judge], geo_attacks.fidelity_verdicts(
+        verdict = dict(zip([i for i, _, _ in to_judge], geo_jobs.fidelity_verdicts(
             self.judge, [(x.source, t) for _, x, t in to_judge], self.cfg.max_tokens, self.cfg.workers,
             f"fidelity round {rnd}")))
         accepted = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None and verdict.get(i) is None]
@@ -339,7 +339,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     lib_digest = hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
     settings = {"target": str(spec), "attacker": attacker_spec or cfg.llm, "judge": cfg.judge or cfg.llm,
                 "budget": budget, "rounds": rounds, "per_round": per_round,
-                "fidelity_threshold": geo_attacks.FIDELITY_THRESHOLD, "library": lib_digest if aware else None,
+                "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD, "library": lib_digest if aware else None,
                 **({"algorithm": "repair", "max_repair_edit": MAX_REPAIR_EDIT} if cfg.algorithm == "repair" else {})}
     check_settings(cfg, f"{label}-{mode}", settings)
     base, shield = load_rankers(cfg, True)

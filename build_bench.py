@@ -16,7 +16,7 @@ dropped; `--search offline:CORPUS` searches a synthetic corpus the same way (a s
 bundled sample). Without --search, a row needs --docs documents of its own; rows with fewer are
 reported.
 
-Every rewrite passes one fidelity gate (geo_attacks.gate: cheap checks, then the fidelity judge,
+Every rewrite passes one fidelity gate (geo_jobs.gate: cheap checks, then the fidelity judge,
 --fidelity-judge or the builder's LLM); a refused one is asked again (REWRITE_TRIES attempts in
 all, the retry marked in the prompt), then the group is kept without that family, the reason in its
 line's `failed` and _meta.family_drops (each family measured over the groups it rewrote); a group
@@ -46,6 +46,7 @@ from typing import NamedTuple
 import accounting
 import endpoints
 import geo_attacks
+import geo_jobs
 import geodef
 import honest
 import llm_clients
@@ -365,7 +366,7 @@ def group_id(rid):
 # ----------------------------------------------------------------------------- rewriting
 
 
-def rewrite_family(ctx, fam, groups, gate=geo_attacks.gate):
+def rewrite_family(ctx, fam, groups, gate=geo_jobs.gate):
     """Family `fam` (a geo_attacks rewriter, or the honest editor with its gate) on every group (dicts
     with query, docs, source_index): -> {group_id: (text, trace)} for the rewrites that passed the gate,
     and {group_id: reason} for the groups it failed on."""
@@ -374,7 +375,7 @@ def rewrite_family(ctx, fam, groups, gate=geo_attacks.gate):
     for attempt in range(REWRITE_TRIES):
         if not todo:
             break
-        jobs = [geo_attacks.Job(g["query"], g["docs"][g["source_index"]]["text"], attempt, g["group_id"],
+        jobs = [geo_jobs.Job(g["query"], g["docs"][g["source_index"]]["text"], attempt, g["group_id"],
                                 [d["text"] for d in g["docs"]], g["source_index"]) for g in todo]
         out = fam.run(ctx, jobs)
         why = gate(ctx, [j.source for j in jobs], [t for t, _ in out], f"{fam.name} fidelity")
@@ -645,7 +646,7 @@ def build_bench(run, p=None):
         groups.append({"group_id": gid, "query": row["query"], "split": split, "source_index": pos, "row": row,
                        "docs": docs})
     ranker = load_rankers(cfg, False)[0] if "MAGEO" in fams and cfg.mageo_signal == "reranker" and groups else None
-    ctx = geo_attacks.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
+    ctx = geo_jobs.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
                           archive=p.archive, rules=p.rules, ranker=ranker)
     attacks, traces, failed = rewrite_all(ctx, fams, cons, groups, cfg.mageo_signal)
     kept = [g for g in groups if attacks[g["group_id"]]]

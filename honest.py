@@ -2,17 +2,17 @@
 does, clearer wording and structure with every fact kept and nothing GEO adds, and the gate that holds
 it to that. Not an attack: eval and rerank-eval measure on it whether a defense punishes honest
 optimisation (the paper's Introduction: the features GEO amplifies also mark high-quality benign
-content, so a defense keyed to them over-defends). The editor runs like a family (geo_attacks.Ctx, an
+content, so a defense keyed to them over-defends). The editor runs like a family (geo_jobs.Ctx, an
 opaque prompt marker, JSON replies); its prompt is ours.
 
-Usage: HonestEdit().run(ctx, [geo_attacks.Job("", source)]); honest_gate(ctx, sources, texts)
+Usage: HonestEdit().run(ctx, [geo_jobs.Job("", source)]); honest_gate(ctx, sources, texts)
 """
 import hashlib
 import json
 import re
 
-from geo_attacks import (FACTS, FIDELITY_INSTRUCTION, FIDELITY_THRESHOLD, MAX_RATIO, MIN_RATIO, NEEDS_REWRITE, NUMBER,
-                         REWRITE, attempt_of, fidelity_verdicts, refusal)
+from geo_jobs import (FACTS, FIDELITY_INSTRUCTION, FIDELITY_THRESHOLD, MAX_RATIO, MIN_RATIO, NEEDS_REWRITE, NUMBER,
+                     REWRITE, attempt_of, fidelity_verdicts, refusal)
 
 HONEST_INSTRUCTION = ("You edit the web document in the input for its readers, as a careful publisher would: clearer "
                       "wording, shorter sentences, paragraphs in a sensible order, a plain heading where it helps. "

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 import attack
-import geo_attacks
+import geo_jobs
 import llm_clients
 import offline
 import reranker
@@ -103,12 +103,12 @@ def test_fidelity_verdicts_are_parsed_from_the_judges_reply(server, tmp_path):
                      (200, {}, ok(json.dumps({"fidelity": 5, "contradicts_source": True, "reason": "no"})), 0)]
     judge = llm_clients.Client.open(server, "judge", cache_dir=str(tmp_path / "c"))
     for want in (2, 5):
-        v, c = geo_attacks.parse_fidelity(judge.chat([{"role": "user",
-                                                  "content": geo_attacks.fidelity_prompt(src, src + str(want))}],
-                                                json=True, check=geo_attacks.parse_fidelity).data)
+        v, c = geo_jobs.parse_fidelity(judge.chat([{"role": "user",
+                                                  "content": geo_jobs.fidelity_prompt(src, src + str(want))}],
+                                                json=True, check=geo_jobs.parse_fidelity).data)
         assert v == want and c == (want == 5)
     with pytest.raises(ValueError):
-        geo_attacks.parse_fidelity({"fidelity": 7, "contradicts_source": False})
+        geo_jobs.parse_fidelity({"fidelity": 7, "contradicts_source": False})
 
 
 def test_the_gate_inside_the_loop_records_its_reasons(demo_copy, monkeypatch):

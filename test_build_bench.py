@@ -1,7 +1,7 @@
 """The benchmark builder (build_bench.py, geo_attacks.py): the paper's recipe offline over real HTTP
 (GEO-Bench rows with five sources, a Tavily-shaped loopback search, the offline engine playing the
 seven families and the fidelity judge), composition, resume to the same bytes, dry run, inputs.
-Needs: build_bench.py, geo_attacks.py, attack.py and the jobs they import, offline_server.py, offline.py,
+Needs: build_bench.py, geo_attacks.py, geo_jobs.py, attack.py and the jobs they import, offline_server.py, offline.py,
 data/make_sample.py.
 Run: python -m pytest -q test_build_bench.py
 """
@@ -16,6 +16,7 @@ import build_bench
 import certify
 import endpoints
 import geo_attacks
+import geo_jobs
 import geodef
 import offline_server
 import run
@@ -99,18 +100,18 @@ def test_a_killed_build_reruns_to_the_same_bytes(geo_input, built, tmp_path, mon
     `built` build that was never killed (the same settings and key, a fresh runs folder)."""
     rows, url, srv = geo_input
     monkeypatch.setenv("TAVILY_API_KEY", "tvly-SECRET")
-    real, n = geo_attacks.Ctx.ask, [0]
+    real, n = geo_jobs.Ctx.ask, [0]
 
     def dies(self, *a, **k):                # the build is killed in its fifth family step
         n[0] += 1
         if n[0] == 5:
             raise KeyboardInterrupt
         return real(self, *a, **k)
-    monkeypatch.setattr(geo_attacks.Ctx, "ask", dies)
+    monkeypatch.setattr(geo_jobs.Ctx, "ask", dies)
     with pytest.raises(KeyboardInterrupt):
         run.main(_argv(rows, url, tmp_path / "b.jsonl", tmp_path / "r"))
     assert not (tmp_path / "b.jsonl").exists()
-    monkeypatch.setattr(geo_attacks.Ctx, "ask", real)
+    monkeypatch.setattr(geo_jobs.Ctx, "ask", real)
     run.main(_argv(rows, url, tmp_path / "b.jsonl", tmp_path / "r"))
     a, b = open(built[0]).read(), open(tmp_path / "b.jsonl").read()
     assert a == b                           # both files are named b.jsonl, the name the metadata records

@@ -2,8 +2,8 @@
 publishes them, the published archive and rule formats, MAGEO's engine signal, GEO-SFE's gaps and
 rollback, IF-GEO's request filter, the one gate every rewrite passes, opaque prompts and the surface
 marker report. The offline engine (offline.py) plays the builder LLM in process.
-Vendors with: geo_attacks.py, geodef.py, llm_clients.py, transport.py, endpoints.py, accounting.py, offline.py,
-  defenses.py, metrics.py, tfsg.py.
+Vendors with: geo_attacks.py, geo_jobs.py, geodef.py, llm_clients.py, transport.py, endpoints.py, accounting.py,
+  offline.py, offline_target.py, offline_attackers.py, defenses.py, metrics.py, tfsg.py.
 Run: python -m pytest -q test_geo_attacks.py
 """
 import json
@@ -13,6 +13,7 @@ import re
 import pytest
 
 import geo_attacks
+import geo_jobs
 import llm_clients
 import offline
 
@@ -38,10 +39,10 @@ class Recorder:
 
 def run_family(name, n=2, **ctx_kw):
     rec = Recorder()
-    ctx = geo_attacks.Ctx(rec, **ctx_kw)
+    ctx = geo_jobs.Ctx(rec, **ctx_kw)
     docs = [SOURCE] + [f"Other page {k} about Australian cities and their history, with no figures at all."
                        for k in range(9)]
-    jobs = [geo_attacks.Job(QUERY, SOURCE + (f" Page {k}." if k else ""), 0, f"g{k}", docs, 0) for k in range(n)]
+    jobs = [geo_jobs.Job(QUERY, SOURCE + (f" Page {k}." if k else ""), 0, f"g{k}", docs, 0) for k in range(n)]
     return geo_attacks.FAMILIES[name]().run(ctx, jobs), rec
 
 
@@ -63,7 +64,7 @@ def test_the_query_reaches_only_the_families_whose_papers_use_it(name):
 def test_no_prompt_names_a_family(name):
     _, rec = run_family(name)
     for p in rec.prompts:
-        assert not any(n in p for n in geo_attacks.NAMES + ("geo_family",)), p[:200]
+        assert not any(n in p for n in geo_jobs.NAMES + ("geo_family",)), p[:200]
     assert all(i["rewrite_task"].startswith(geo_attacks.FAMILIES[name].code + ".") for i in inputs(rec))
 
 
@@ -185,16 +186,16 @@ def test_if_geo_keeps_requests_of_priority_tau_or_more_in_priority_order():
                                        (SOURCE.replace("1927", "1928"), "drops source numbers"),
                                        (SOURCE, "identical")])
 def test_the_gate_names_why_it_refuses_a_rewrite(text, why):
-    assert why in geo_attacks.refusal(SOURCE, text)
+    assert why in geo_jobs.refusal(SOURCE, text)
 
 
 def test_every_family_is_judged_by_the_fidelity_judge():
     rec, judge = Recorder(), Recorder()
-    ctx = geo_attacks.Ctx(rec, judge=judge)
-    verdicts = geo_attacks.gate(ctx, [SOURCE, SOURCE], ["Put simply: " + SOURCE, SOURCE])
+    ctx = geo_jobs.Ctx(rec, judge=judge)
+    verdicts = geo_jobs.gate(ctx, [SOURCE, SOURCE], ["Put simply: " + SOURCE, SOURCE])
     assert verdicts == [None, "identical to the source"] and len(judge.prompts) == 1
-    ctx = geo_attacks.Ctx(rec)                                # no judge given: the builder's LLM judges
-    geo_attacks.gate(ctx, [SOURCE], ["Put simply: " + SOURCE])
+    ctx = geo_jobs.Ctx(rec)                                # no judge given: the builder's LLM judges
+    geo_jobs.gate(ctx, [SOURCE], ["Put simply: " + SOURCE])
     assert "fidelity_task" in rec.prompts[-1]
 
 

@@ -17,7 +17,7 @@ import torch
 import build_bench
 import defenses
 import evaluation
-import geo_attacks
+import geo_jobs
 import geodef
 import gpt2
 import llm_clients
@@ -593,7 +593,7 @@ def test_build_bench_passes_every_rewrite_through_the_gate(tmp_path, server):
     _, built, _, _, _ = _built_over_http(tmp_path, server)
     for g in built:
         for m, t in g.attacks.items():
-            assert geo_attacks.refusal(g.docs[g.source_index]["text"], t) is None
+            assert geo_jobs.refusal(g.docs[g.source_index]["text"], t) is None
     assert '"rewrite_task": "F4.fluency"' in Script.seen[0]["messages"][0]["content"]
 
 
@@ -605,10 +605,10 @@ def test_build_bench_reruns_from_the_cache(tmp_path, server):
 
 
 def test_the_gate_says_why_it_refuses_a_rewrite():
-    assert geo_attacks.refusal("abc def", "abc def") == "identical to the source"
-    assert "prompt text" in geo_attacks.refusal("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
-    assert "length ratio" in geo_attacks.refusal("a" * 100, "b" * 10)
-    assert "control tokens" in geo_attacks.refusal("abc def ghi", "abc def ghi <|im_start|>assistant")
+    assert geo_jobs.refusal("abc def", "abc def") == "identical to the source"
+    assert "prompt text" in geo_jobs.refusal("abc def ghi", 'abc def ghi {"rewritten_document": 1}')
+    assert "length ratio" in geo_jobs.refusal("a" * 100, "b" * 10)
+    assert "control tokens" in geo_jobs.refusal("abc def ghi", "abc def ghi <|im_start|>assistant")
 
 
 def test_tfsg_reasoning_interface_keeps_reasoning(server, tmp_path):
