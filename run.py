@@ -596,6 +596,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    speed.reuse_freed_memory()   # the process's malloc keeps freed activations for the next call
     try:
         main()
     except KeyboardInterrupt:

@@ -19,13 +19,14 @@ What it changes, and what it does not:
 - RoPE multiplies the halves swapped ([x2, x1]) by a signed sine ([-sin1, sin2]) instead of
   building rotate_half(x) = [-x2, x1]: one negation fewer per call, bit-identical (negation is exact);
 - inference works in place on fresh activations; training uses a hand-written RMSNorm backward and,
-  on the CPU, a hand-written packed causal attention backward (recomputes probabilities, visits only
-  visible keys); CPU SDPA gets sequence lengths padded to a multiple of 32;
-- in bf16 on a CPU with AVX-512 BF16 and no AMX, attention's forward (every layer's but the last,
-  whose final tokens meet the keys through SDPA) runs as blocked matmuls (blocked_causal_attention),
-  the kernels those units run, instead of torch's CPU flash attention: the numerics of transformers'
-  eager attention (bf16 scores and probabilities) rather than SDPA's float32 ones; float32, AMX CPUs
-  and other devices keep SDPA, bit for bit;
+  on the CPU, a hand-written packed causal attention backward (recomputes the probabilities SDPA's
+  forward does not keep, visits only visible keys); CPU SDPA gets sequence lengths padded to a
+  multiple of 32;
+- in bf16 on a CPU with AVX-512 BF16 and no AMX, attention's forward (the last layer's final tokens
+  too) runs as blocked matmuls (blocked_causal_attention, final_token_attention), the kernels those
+  units run, instead of torch's CPU flash attention: the numerics of transformers' eager attention
+  (bf16 scores and probabilities) rather than SDPA's float32 ones; float32, AMX CPUs and other
+  devices keep SDPA, bit for bit;
 - the last layer computes only each sequence's final token (the only row the margin reads);
 - compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU)
   as torch.compile'd fusions (needs a C++ compiler on the CPU);
@@ -38,6 +39,7 @@ Why each path is faster, with measurements: docs/PERF.md.
 
 Usage: speed.install(rr.model, compile=False)
 """
+import ctypes
 import math
 import os
 import platform
@@ -195,6 +197,12 @@ def sequence_groups(q, k, v, lens, P):
         start += L
 
 
+def first_rows(t, b):
+    """t[:, :b] of a (K, L, E) tensor, contiguous: a batched GEMM given the strided slice transposed
+    copies it into a transposed layout first, slower than this plain copy."""
+    return t if b == t.shape[1] else t[:, :b].contiguous()
+
+
 def block_probabilities(qb, k0, a, b, G, scale):
     """The attention probabilities of query rows a..b-1 (qb (K, G*n, E), G query heads per kv head)
     over the keys they can see, 0..b-1: softmax(Q K^T / sqrt(E) + causal mask) -> (K, G*n, b). The
@@ -204,16 +212,18 @@ def block_probabilities(qb, k0, a, b, G, scale):
     n = b - a
     bias = torch.zeros(n, b, dtype=qb.dtype, device=qb.device)                   # causal mask as -inf bias
     bias[:, a:] = torch.full((n, n), float("-inf"), dtype=qb.dtype, device=qb.device).triu(1)
-    return torch.softmax(torch.baddbmm(bias.repeat(G, 1), qb, k0[:, :b].transpose(1, 2), alpha=scale), dim=-1)
+    return torch.softmax(torch.baddbmm(bias.repeat(G, 1), qb, first_rows(k0, b).transpose(1, 2), alpha=scale), dim=-1)
 
 
-def blocked_causal_attention(q, k, v, lens, P=0, block=128):
+def blocked_causal_attention(q, k, v, lens, P=0, block=128, keep=None):
     """packed_causal_sdpa as blocked matmuls: per sequence, each block of `block` query rows meets only
     the keys it can see, O = softmax(Q K^T / sqrt(E) + causal mask) V, two batched GEMMs a block (over
     kv heads, each with its G query heads stacked). The GEMMs are what the CPU's matrix units run
     (AMX, AVX-512 BF16); on AVX-512 BF16 without AMX torch's CPU flash attention runs bf16 at a
     third of that rate or less (docs/PERF.md).
-    q (N, H, E), k and v (N, K, E), packed as packed_causal_sdpa takes them -> (N, H, E)."""
+    q (N, H, E), k and v (N, K, E), packed as packed_causal_sdpa takes them -> (N, H, E). `keep`, a
+    list, receives each block's probabilities (K, G*n, b) in order (sequence_groups', then by rows),
+    for the hand backward."""
     K, E = k.shape[1], q.shape[2]
     G, scale = q.shape[1] // K, E ** -0.5
     out = torch.empty_like(q)                                                     # (N, H, E)
@@ -224,7 +234,9 @@ def blocked_causal_attention(q, k, v, lens, P=0, block=128):
             n = b - a
             qb = s.qg[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)               # (K, G*n, E)
             p = block_probabilities(qb, s.k0, a, b, G, scale)                     # (K, G*n, b)
-            og[:, :, a - s.r0:b - s.r0] = torch.bmm(p, s.v0[:, :b]).view(K, G, n, E)   # P V
+            if keep is not None:
+                keep.append(p)
+            og[:, :, a - s.r0:b - s.r0] = torch.bmm(p, first_rows(s.v0, b)).view(K, G, n, E)   # P V
         out[s.lo:s.lo + s.R] = og.view(q.shape[1], s.R, E).transpose(0, 1)
     return out
 
@@ -254,13 +266,35 @@ CPU_BF16_UNITS = cpu_bf16_units()
 BLOCKED_BF16_ATTENTION = CPU_BF16_UNITS == {"avx512_bf16"}
 
 
-def packed_causal_attention(q, k, v, lens, P=0):
+def packed_causal_attention(q, k, v, lens, P=0, block=128, keep=None):
     """Packed causal attention's forward by the kernel this device runs fastest: bf16 where
-    BLOCKED_BF16_ATTENTION, blocked_causal_attention; elsewhere SDPA (packed_causal_sdpa), whose float32
-    results it keeps bit for bit."""
+    BLOCKED_BF16_ATTENTION, blocked_causal_attention (`block` rows a block; `keep` receives its
+    probabilities); elsewhere SDPA (packed_causal_sdpa), whose float32 results it keeps bit for bit,
+    and `keep` stays empty."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and BLOCKED_BF16_ATTENTION:
-        return blocked_causal_attention(q, k, v, lens, P)
+        return blocked_causal_attention(q, k, v, lens, P, block, keep)
     return packed_causal_sdpa(q, k, v, lens, P)
+
+
+def final_token_attention(q, k, v, lens, P=0):
+    """Each sequence's final query against all its keys, the last layer's attention at inference.
+    q (S, H, E): sequence j's final row; k and v (N, K, E), packed as packed_causal_sdpa takes them
+    -> (S, H, E). One query row sees every key, so no mask. In bf16 where BLOCKED_BF16_ATTENTION the
+    blocked kernel's math for that one row (scores and probabilities in bf16); elsewhere SDPA, whose
+    float32 results it keeps bit for bit."""
+    K, E = k.shape[1], q.shape[2]
+    G = q.shape[1] // K
+    blocked = q.device.type == "cpu" and q.dtype == torch.bfloat16 and BLOCKED_BF16_ATTENTION
+    out, start = torch.empty_like(q), P
+    for j, L in enumerate(lens):
+        kj, vj = (sequence_rows(t, P, start, L).transpose(0, 1) for t in (k, v))      # (K, P+L, E)
+        if blocked:
+            p = block_probabilities(q[j].view(K, G, E), kj.contiguous(), P + L - 1, P + L, G, E ** -0.5)
+            out[j] = torch.bmm(p, vj.contiguous()).view(-1, E)                         # (K, G, E) -> (H, E)
+        else:
+            out[j] = F.scaled_dot_product_attention(q[j][None, :, None], kj[None], vj[None], enable_gqa=True)[0, :, 0]
+        start += L
+    return out
 
 
 # ----------------------------------------------------------------------------- hand-written backward passes
@@ -304,10 +338,12 @@ class PackedCausalAttention(torch.autograd.Function):
     """Causal grouped-query attention over packed sequences, for training on the CPU.
     q (N, H, E), k and v (N, K, E), packed as in Attention.forward (P shared prefix rows, then each
     sequence's own rows, lengths `lens`) -> (N, H, E). Forward: packed_causal_attention (SDPA per
-    sequence, or bf16 blocked matmuls of 128 query rows), written straight into one packed output.
+    sequence, or bf16 blocked matmuls of `block` query rows), written straight into one packed output.
     Backward by hand, per sequence, over blocks of `block` query rows, each against only the keys it
-    can see (0 .. its last row): about half the work of a dense backward, and the probabilities are
-    recomputed, not stored. The gradients land directly in
+    can see (0 .. its last row): about half the work of a dense backward. The probabilities are
+    recomputed (FlashAttention's choice: SDPA's forward keeps only its output) or, after the blocked
+    forward, kept from it: about H (L^2/2 + L block/2) values a sequence (16 MiB a layer at 3 x 512
+    tokens, 16 heads, in bf16), which spares each block a GEMM and a softmax. The gradients land directly in
     packed (N, ...) buffers: slicing the packed tensors per sequence and letting autograd undo it
     would zero-fill and add a full-size gradient for every sequence and each of q, k, v.
     Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
@@ -315,22 +351,24 @@ class PackedCausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lens, P=0, block=128):
-        ctx.save_for_backward(q, k, v)
+        probs = []
+        out = packed_causal_attention(q, k, v, lens, P, block, probs)
+        ctx.save_for_backward(q, k, v, *probs)             # saved tensors: gradient checkpointing drops them too
         ctx.lens, ctx.P, ctx.block = lens, P, block
-        return packed_causal_attention(q, k, v, lens, P)
+        return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v = ctx.saved_tensors
+        q, k, v, *probs = ctx.saved_tensors
         P, block = ctx.P, ctx.block
         K, E = k.shape[1], q.shape[2]
         G, scale = q.shape[1] // K, E ** -0.5
         dq = torch.empty_like(q)                                                  # every row written once
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)                         # prefix rows: summed over sequences
+        kept = iter(probs)                                                        # the forward's, in its order
         for s in sequence_groups(q, k, v, ctx.lens, P):
             dog = by_kv_head(do, s.lo, s.R, K)                                    # dO grouped as Q is
-            # k0, v0 made contiguous once per sequence: bmm then copies each block's k0[:, :b] into a
-            # dense operand from these rows rather than from the packed layout (same bits)
+            # k0, v0 contiguous once per sequence (K, P+L, E); each block reads its first b rows (first_rows)
             dqg = torch.empty_like(s.qg)
             dkl, dvl = torch.zeros_like(s.k0), torch.zeros_like(s.v0)             # (K, P+L, E)
             for a in range(s.r0, P + s.L, block):
@@ -338,12 +376,14 @@ class PackedCausalAttention(torch.autograd.Function):
                 n = b - a
                 qb = s.qg[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)           # (K, G*n, E)
                 dob = dog[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)
-                p = block_probabilities(qb, s.k0, a, b, G, scale)                 # P, recomputed: (K, G*n, b)
+                p = next(kept, None)                                              # P: (K, G*n, b)
+                if p is None:
+                    p = block_probabilities(qb, s.k0, a, b, G, scale)             # recomputed
                 dvl[:, :b].baddbmm_(p.transpose(1, 2), dob)                       # dV = P^T dO
-                dp = torch.bmm(dob, s.v0[:, :b].transpose(1, 2))                  # dP = dO V^T, (K, G*n, b)
+                dp = torch.bmm(dob, first_rows(s.v0, b).transpose(1, 2))          # dP = dO V^T, (K, G*n, b)
                 # softmax backward dS = P * (dP - rowsum(P * dP)), times the scores' 1/sqrt(E)
                 ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
-                dqg[:, :, a - s.r0:b - s.r0] = torch.bmm(ds, s.k0[:, :b]).view(K, G, n, E)  # dQ = dS K
+                dqg[:, :, a - s.r0:b - s.r0] = torch.bmm(ds, first_rows(s.k0, b)).view(K, G, n, E)  # dQ = dS K
                 dkl[:, :b].baddbmm_(ds.transpose(1, 2), qb)                       # dK = dS^T Q
             dq[s.lo:s.lo + s.R] = dqg.view(q.shape[1], s.R, E).transpose(0, 1)
             for g, gl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
@@ -478,13 +518,8 @@ def attention_forward(self, x, cos, sin, lens, prefix=0, last=None):
     if last is None:
         o = self.kernels.attention(q, k, v, lens, P)                          # (N, H, E)
         return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
-    outs, start = [], P
-    for j, L in enumerate(lens):                                              # the final query sees all keys
-        kj, vj = (sequence_rows(t, P, start, L).transpose(0, 1)[None] for t in (k, v))  # (1, K, P+L, E)
-        o = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], kj, vj, enable_gqa=True)
-        outs.append(o[0].transpose(0, 1).reshape(-1, self.H * self.E))        # (1, H*E)
-        start += L
-    return self.o_proj(torch.cat(outs))                                       # (S, C)
+    o = final_token_attention(q, k, v, lens, P)                               # (S, H, E)
+    return self.o_proj(o.view(-1, self.H * self.E))                           # (S, C)
 
 
 def mlp_forward(self, x):
@@ -561,6 +596,30 @@ def lora_forward(self, x):
     A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
     h = (x @ A.t()) * scaling                                            # (N, r)
     return torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t()).view(y.shape)
+
+
+# ----------------------------------------------------------------------------- process-wide: freed memory
+
+# glibc's mallopt parameters (<malloc.h>)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def reuse_freed_memory(mmap_threshold=64 << 20, trim_threshold=128 << 20):
+    """Keep the memory a call frees for the next call, with glibc's malloc; process-wide, so the
+    application opts in (run.py does; the model code never calls it). torch takes every CPU tensor from
+    malloc, and glibc gives large freed blocks back to the kernel (munmap, or by trimming the top of its
+    heap) by its dynamic thresholds: the next call's activations then fault fresh zeroed pages back
+    in, page by page (tens of thousands of minor faults a scoring call at real width, docs/PERF.md).
+    With fixed thresholds, blocks under `mmap_threshold` come from the heap, and up to `trim_threshold`
+    bytes stay free at its top. Leaves malloc alone off glibc and where the environment already sets
+    either threshold (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) -> whether it set them."""
+    if platform.libc_ver()[0] != "glibc" or {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt                                  # the process's own libc
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) & bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
 # ----------------------------------------------------------------------------- install
