@@ -19,9 +19,9 @@ What it changes, and what it does not:
 - RoPE multiplies the halves swapped ([x2, x1]) by a signed sine ([-sin1, sin2]) instead of
   building rotate_half(x) = [-x2, x1]: one negation fewer per call, bit-identical (negation is exact);
 - inference works in place on fresh activations; training uses a hand-written RMSNorm backward and,
-  on the CPU, a hand-written packed causal attention backward (recomputes the probabilities SDPA's
-  forward does not keep, visits only visible keys); CPU SDPA gets sequence lengths padded to a
-  multiple of 32;
+  on the CPU, a hand-written packed causal attention backward (visits only visible keys; reuses the
+  blocked forward's probabilities, recomputes those SDPA's forward does not keep); CPU SDPA gets
+  sequence lengths padded to a multiple of 32;
 - in bf16 on a CPU with AVX-512 BF16 and no AMX, attention's forward (the last layer's final tokens
   too) runs as blocked matmuls (blocked_causal_attention, final_token_attention), the kernels those
   units run, instead of torch's CPU flash attention: the numerics of transformers' eager attention
@@ -35,6 +35,8 @@ What it changes, and what it does not:
   shared prefix rows draw one mask for the whole micro-batch. The law of each mask is PEFT's; the
   sharing is a declared deviation (PEFT draws one per module and per sequence), so with dropout > 0
   training draws other masks than the reference.
+- `reuse_freed_memory()` is not installed: it sets glibc's malloc for the whole process, so the
+  application calls it (run.py does).
 Why each path is faster, with measurements: docs/PERF.md.
 
 Usage: speed.install(rr.model, compile=False)
@@ -54,6 +56,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 import lora
 import reranker
@@ -198,21 +201,34 @@ def sequence_groups(q, k, v, lens, P):
 
 
 def first_rows(t, b):
-    """t[:, :b] of a (K, L, E) tensor, contiguous: a batched GEMM given the strided slice transposed
-    copies it into a transposed layout first, slower than this plain copy."""
+    """The first b rows of a contiguous (K, L, E) tensor, contiguous: (K, b, E), t itself when b = L. A
+    batched GEMM given the strided slice t[:, :b] transposed copies it into a transposed layout first,
+    slower than this plain copy."""
     return t if b == t.shape[1] else t[:, :b].contiguous()
 
 
-def block_probabilities(qb, k0, a, b, G, scale):
+def block_probabilities(qb, kb, a, b, G, scale):
     """The attention probabilities of query rows a..b-1 (qb (K, G*n, E), G query heads per kv head)
-    over the keys they can see, 0..b-1: softmax(Q K^T / sqrt(E) + causal mask) -> (K, G*n, b). The
+    over the keys they can see, 0..b-1 (kb (K, b, E), contiguous: first_rows of the sequence's keys):
+    softmax(Q K^T / sqrt(E) + causal mask) -> (K, G*n, b). The
     scores and probabilities stay in the model dtype (bf16, as transformers' eager attention keeps
     them; softmax accumulates in float32); each row sees all its keys at once, so the softmax is
     exact, not an online rescaling."""
     n = b - a
     bias = torch.zeros(n, b, dtype=qb.dtype, device=qb.device)                   # causal mask as -inf bias
     bias[:, a:] = torch.full((n, n), float("-inf"), dtype=qb.dtype, device=qb.device).triu(1)
-    return torch.softmax(torch.baddbmm(bias.repeat(G, 1), qb, first_rows(k0, b).transpose(1, 2), alpha=scale), dim=-1)
+    return torch.softmax(torch.baddbmm(bias.repeat(G, 1), qb, kb.transpose(1, 2), alpha=scale), dim=-1)
+
+
+# The blocked forward keeps a sequence's probabilities for the hand backward when it has at most this many
+# keys (P + L): then they take at most H * KEEP_MAX_KEYS / 2 values a token and layer (16 KiB in bf16 at
+# 16 heads, about half of what a layer saves a token anyway); a longer sequence's are recomputed.
+KEEP_MAX_KEYS = 1024
+
+
+def kept(P, L):
+    """Whether the blocked forward keeps the probabilities of a sequence of P + L keys (KEEP_MAX_KEYS)."""
+    return P + L <= KEEP_MAX_KEYS
 
 
 def blocked_causal_attention(q, k, v, lens, P=0, block=128, keep=None):
@@ -222,8 +238,8 @@ def blocked_causal_attention(q, k, v, lens, P=0, block=128, keep=None):
     (AMX, AVX-512 BF16); on AVX-512 BF16 without AMX torch's CPU flash attention runs bf16 at a
     third of that rate or less (docs/PERF.md).
     q (N, H, E), k and v (N, K, E), packed as packed_causal_sdpa takes them -> (N, H, E). `keep`, a
-    list, receives each block's probabilities (K, G*n, b) in order (sequence_groups', then by rows),
-    for the hand backward."""
+    list, receives the probabilities (K, G*n, b) of each block of the sequences `kept` selects, in
+    order (sequence_groups', then by rows), for the hand backward."""
     K, E = k.shape[1], q.shape[2]
     G, scale = q.shape[1] // K, E ** -0.5
     out = torch.empty_like(q)                                                     # (N, H, E)
@@ -233,8 +249,8 @@ def blocked_causal_attention(q, k, v, lens, P=0, block=128, keep=None):
             b = min(a + block, P + s.L)
             n = b - a
             qb = s.qg[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)               # (K, G*n, E)
-            p = block_probabilities(qb, s.k0, a, b, G, scale)                     # (K, G*n, b)
-            if keep is not None:
+            p = block_probabilities(qb, first_rows(s.k0, b), a, b, G, scale)      # (K, G*n, b)
+            if keep is not None and kept(P, s.L):
                 keep.append(p)
             og[:, :, a - s.r0:b - s.r0] = torch.bmm(p, first_rows(s.v0, b)).view(K, G, n, E)   # P V
         out[s.lo:s.lo + s.R] = og.view(q.shape[1], s.R, E).transpose(0, 1)
@@ -280,8 +296,8 @@ def final_token_attention(q, k, v, lens, P=0):
     """Each sequence's final query against all its keys, the last layer's attention at inference.
     q (S, H, E): sequence j's final row; k and v (N, K, E), packed as packed_causal_sdpa takes them
     -> (S, H, E). One query row sees every key, so no mask. In bf16 where BLOCKED_BF16_ATTENTION the
-    blocked kernel's math for that one row (scores and probabilities in bf16); elsewhere SDPA, whose
-    float32 results it keeps bit for bit."""
+    blocked kernel's math for that one row (scores and probabilities in bf16); elsewhere one SDPA call
+    per sequence, without mask or padding."""
     K, E = k.shape[1], q.shape[2]
     G = q.shape[1] // K
     blocked = q.device.type == "cpu" and q.dtype == torch.bfloat16 and BLOCKED_BF16_ATTENTION
@@ -289,7 +305,7 @@ def final_token_attention(q, k, v, lens, P=0):
     for j, L in enumerate(lens):
         kj, vj = (sequence_rows(t, P, start, L).transpose(0, 1) for t in (k, v))      # (K, P+L, E)
         if blocked:
-            p = block_probabilities(q[j].view(K, G, E), kj.contiguous(), P + L - 1, P + L, G, E ** -0.5)
+            p = block_probabilities(q[j].view(K, G, E), kj.contiguous(), P + L - 1, P + L, G, E ** -0.5)  # (K, G, P+L)
             out[j] = torch.bmm(p, vj.contiguous()).view(-1, E)                         # (K, G, E) -> (H, E)
         else:
             out[j] = F.scaled_dot_product_attention(q[j][None, :, None], kj[None], vj[None], enable_gqa=True)[0, :, 0]
@@ -341,11 +357,13 @@ class PackedCausalAttention(torch.autograd.Function):
     sequence, or bf16 blocked matmuls of `block` query rows), written straight into one packed output.
     Backward by hand, per sequence, over blocks of `block` query rows, each against only the keys it
     can see (0 .. its last row): about half the work of a dense backward. The probabilities are
-    recomputed (FlashAttention's choice: SDPA's forward keeps only its output) or, after the blocked
-    forward, kept from it: about H (L^2/2 + L block/2) values a sequence (16 MiB a layer at 3 x 512
-    tokens, 16 heads, in bf16), which spares each block a GEMM and a softmax. The gradients land directly in
-    packed (N, ...) buffers: slicing the packed tensors per sequence and letting autograd undo it
-    would zero-fill and add a full-size gradient for every sequence and each of q, k, v.
+    recomputed (FlashAttention's choice: SDPA's forward keeps only its output) or, for the sequences
+    of at most KEEP_MAX_KEYS keys after the blocked forward, kept from it as saved tensors (gradient
+    checkpointing drops them as it drops the rest): about H (L P + L^2/2 + L block/2) values a
+    sequence, 15 MiB a layer at 3 x 512 tokens and 16 heads in bf16, which spares each block a GEMM
+    and a softmax. The gradients land directly in packed (N, ...) buffers: slicing the packed tensors
+    per sequence and letting autograd undo it would zero-fill and add a full-size gradient for every
+    sequence and each of q, k, v. Once differentiable: the kept probabilities carry no graph.
     Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
     eager attention keeps them; softmax accumulates in float32); exact in float32."""
 
@@ -353,11 +371,12 @@ class PackedCausalAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lens, P=0, block=128):
         probs = []
         out = packed_causal_attention(q, k, v, lens, P, block, probs)
-        ctx.save_for_backward(q, k, v, *probs)             # saved tensors: gradient checkpointing drops them too
+        ctx.save_for_backward(q, k, v, *probs)
         ctx.lens, ctx.P, ctx.block = lens, P, block
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do):
         q, k, v, *probs = ctx.saved_tensors
         P, block = ctx.P, ctx.block
@@ -365,7 +384,7 @@ class PackedCausalAttention(torch.autograd.Function):
         G, scale = q.shape[1] // K, E ** -0.5
         dq = torch.empty_like(q)                                                  # every row written once
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)                         # prefix rows: summed over sequences
-        kept = iter(probs)                                                        # the forward's, in its order
+        saved = iter(probs)                              # the blocked forward's, in its order; none after SDPA's
         for s in sequence_groups(q, k, v, ctx.lens, P):
             dog = by_kv_head(do, s.lo, s.R, K)                                    # dO grouped as Q is
             # k0, v0 contiguous once per sequence (K, P+L, E); each block reads its first b rows (first_rows)
@@ -376,20 +395,20 @@ class PackedCausalAttention(torch.autograd.Function):
                 n = b - a
                 qb = s.qg[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)           # (K, G*n, E)
                 dob = dog[:, :, a - s.r0:b - s.r0].reshape(K, G * n, E)
-                p = next(kept, None)                                              # P: (K, G*n, b)
-                if p is None:
-                    p = block_probabilities(qb, s.k0, a, b, G, scale)             # recomputed
+                kb = first_rows(s.k0, b)                                          # (K, b, E)
+                p = next(saved) if probs and kept(P, s.L) else block_probabilities(qb, kb, a, b, G, scale)
                 dvl[:, :b].baddbmm_(p.transpose(1, 2), dob)                       # dV = P^T dO
                 dp = torch.bmm(dob, first_rows(s.v0, b).transpose(1, 2))          # dP = dO V^T, (K, G*n, b)
                 # softmax backward dS = P * (dP - rowsum(P * dP)), times the scores' 1/sqrt(E)
                 ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
-                dqg[:, :, a - s.r0:b - s.r0] = torch.bmm(ds, first_rows(s.k0, b)).view(K, G, n, E)  # dQ = dS K
+                dqg[:, :, a - s.r0:b - s.r0] = torch.bmm(ds, kb).view(K, G, n, E)  # dQ = dS K
                 dkl[:, :b].baddbmm_(ds.transpose(1, 2), qb)                       # dK = dS^T Q
             dq[s.lo:s.lo + s.R] = dqg.view(q.shape[1], s.R, E).transpose(0, 1)
             for g, gl in ((dk, dkl), (dv, dvl)):                                  # back to packed rows
                 gl = gl.transpose(0, 1)                                           # (P+L, K, E)
                 g[:P] += gl[:P]
                 g[s.start:s.start + s.L] += gl[P:]
+        assert next(saved, None) is None, "the backward read fewer probabilities than the forward kept"
         return dq, dk, dv, None, None, None
 
 
@@ -611,15 +630,23 @@ def reuse_freed_memory(mmap_threshold=64 << 20, trim_threshold=128 << 20):
     heap) by its dynamic thresholds: the next call's activations then fault fresh zeroed pages back
     in, page by page (tens of thousands of minor faults a scoring call at real width, docs/PERF.md).
     With fixed thresholds, blocks under `mmap_threshold` come from the heap, and up to `trim_threshold`
-    bytes stay free at its top. Leaves malloc alone off glibc and where the environment already sets
-    either threshold (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) -> whether it set them."""
-    if platform.libc_ver()[0] != "glibc" or {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
+    bytes stay free at its top. Leaves malloc alone off glibc and where the environment already tunes
+    it (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, glibc.malloc tunables) -> whether it set both."""
+    if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ) or \
+            "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return False
         mallopt = ctypes.CDLL(None).mallopt                                  # the process's own libc
-    except (OSError, AttributeError):
+    except (AttributeError, OSError, ValueError):                           # no confstr, no such name, no libc
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) & bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # Some glibc versions refuse an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2). The trim threshold is
+    # set only once an mmap threshold is: setting it alone fixes the mmap threshold at its 128 KiB start.
+    if not (mallopt(M_MMAP_THRESHOLD, mmap_threshold) or mallopt(M_MMAP_THRESHOLD, min(mmap_threshold, 32 << 20))):
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
 # ----------------------------------------------------------------------------- install

@@ -317,6 +317,25 @@ def test_final_token_attention_is_the_causal_attentions_last_rows(blocked, monke
     assert _rel(speed.final_token_attention(q16[last], k16, v16, lens, P), exact) < 1.5 * _rel(full, exact) + 1e-3
 
 
+def test_the_blocked_forward_keeps_the_short_sequences_probabilities(monkeypatch):
+    """The blocked forward saves each block's probabilities of the sequences of at most KEEP_MAX_KEYS keys
+    (prefix included), SDPA's forward none; either way the backward gives the same bits (it recomputes
+    the rest with the same function)."""
+    monkeypatch.setattr(speed, "KEEP_MAX_KEYS", 100)
+    torch.manual_seed(0)
+    lens, P = [40, 7, 130], 23                          # 63 and 30 keys kept; 153 recomputed
+    base = [torch.randn(P + sum(lens), n, 32, dtype=torch.bfloat16) for n in (4, 2, 2, 4)]
+    saved, grads = {}, {}
+    for blocked in (True, False):
+        monkeypatch.setattr(speed, "BLOCKED_BF16_ATTENTION", blocked)
+        q, k, v = (t.clone().requires_grad_() for t in base[:3])
+        o = speed.PackedCausalAttention.apply(q, k, v, lens, P, 32)
+        saved[blocked] = [tuple(t.shape) for t in o.grad_fn.saved_tensors[3:]]
+        grads[blocked] = torch.autograd.grad(o, (q, k, v), base[3])
+    assert saved[True] == [(2, 64, 32), (2, 62, 63), (2, 14, 30)] and saved[False] == []   # (K, G*n, b)
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
 def test_kept_probabilities_under_gradient_checkpointing(hf_tiny, monkeypatch):
     """bf16 training on the blocked kernel, whose forward keeps its probabilities for the backward (as saved
     tensors, which checkpointing drops and recomputes): the same gradients, bit for bit, with and without
@@ -351,9 +370,9 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @pytest.mark.skipif(not os.path.exists("/proc/self/status") or __import__("platform").libc_ver()[0] != "glibc",
                     reason="glibc on Linux only")
 def test_freed_activations_are_reused_not_faulted_back_in():
-    """reuse_freed_memory: once the heap has settled, calls that allocate and free the same tensors fault no
-    pages in; under glibc's default thresholds the 40 MiB ones are mapped afresh every call (each process
-    fresh: the setting is process-wide)."""
+    """reuse_freed_memory: once the heap has settled, calls that allocate and free the same tensors fault
+    (almost) no pages in; under glibc's default thresholds the 40 MiB ones are mapped afresh every call
+    (each process fresh: the setting is process-wide)."""
     import subprocess
     import sys
     runs = {}
@@ -362,7 +381,8 @@ def test_freed_activations_are_reused_not_faulted_back_in():
                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.split()
         runs[mode] = (out[0] == "True", int(out[1]))
     assert runs["on"][0] and not runs["off"][0]
-    assert runs["on"][1] < 100 and runs["off"][1] > 10 * (40 << 20) // 4096 // 2, runs   # half a 40 MiB tensor a call
+    # at least one fault per 40 MiB tensor and call whatever the page size (4 KiB, 64 KiB, huge pages)
+    assert runs["off"][1] >= 20 and 20 * runs["on"][1] < runs["off"][1], runs
 
 
 def test_rmsnorm_backward_matches_autograd():
@@ -485,7 +505,7 @@ def test_speed_paths_in_bf16(hf_tiny, blocked, monkeypatch):
     a, b = ref.score_ids(ids), quick.score_ids(ids)
     if blocked:
         m32 = reranker.Reranker.from_pretrained(folder, dtype=torch.float32).score_ids(ids)
-        assert (b - m32).abs().max() <= 1.5 * (a - m32).abs().max(), (a, b, m32)
+        assert (b - m32).abs().max() <= 1.5 * (a - m32).abs().max() + 1e-4, (a, b, m32)
     else:
         assert (a - b).abs().max() <= 2 ** -8 * a.abs().max(), (a, b)
     grads = []   # float32 reference, bf16 reference, bf16 speed path
