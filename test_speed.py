@@ -354,35 +354,34 @@ def test_kept_probabilities_under_gradient_checkpointing(hf_tiny, monkeypatch):
 
 
 FAULTS = """
-import resource, sys, torch, speed
-applied = speed.reuse_freed_memory() if sys.argv[1] == "on" else False
+import resource, speed, torch
 def call():                     # a call's activations, of several sizes: written, then freed
     xs = [torch.empty(n << 20, dtype=torch.uint8).fill_(1) for n in (40, 8, 24, 40)]
-for _ in range(10):             # the heap settles into the pattern
-    call()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    call()
-print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+def faults():
+    for _ in range(10):         # the heap settles into the pattern
+        call()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        call()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+off = faults()
+print(off, speed.reuse_freed_memory(), faults())
 """
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status") or __import__("platform").libc_ver()[0] != "glibc",
                     reason="glibc on Linux only")
 def test_freed_activations_are_reused_not_faulted_back_in():
-    """reuse_freed_memory: once the heap has settled, calls that allocate and free the same tensors fault
-    (almost) no pages in; under glibc's default thresholds the 40 MiB ones are mapped afresh every call
-    (each process fresh: the setting is process-wide)."""
+    """reuse_freed_memory: under glibc's default thresholds calls that allocate and free the same tensors
+    map the 40 MiB ones afresh every call; once it is set and the heap has settled, they fault (almost) no
+    pages in. In a process of its own: the setting is process-wide."""
     import subprocess
     import sys
-    runs = {}
-    for mode in ("on", "off"):
-        out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.split()
-        runs[mode] = (out[0] == "True", int(out[1]))
-    assert runs["on"][0] and not runs["off"][0]
+    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.split()
+    off, applied, on = int(out[0]), out[1] == "True", int(out[2])
     # at least one fault per 40 MiB tensor and call whatever the page size (4 KiB, 64 KiB, huge pages)
-    assert runs["off"][1] >= 20 and 20 * runs["on"][1] < runs["off"][1], runs
+    assert applied and off >= 20 and 20 * on < off, out
 
 
 def test_rmsnorm_backward_matches_autograd():
