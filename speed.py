@@ -210,10 +210,9 @@ def first_rows(t, b):
 def block_probabilities(qb, kb, a, b, G, scale):
     """The attention probabilities of query rows a..b-1 (qb (K, G*n, E), G query heads per kv head)
     over the keys they can see, 0..b-1 (kb (K, b, E), contiguous: first_rows of the sequence's keys):
-    softmax(Q K^T / sqrt(E) + causal mask) -> (K, G*n, b). The
-    scores and probabilities stay in the model dtype (bf16, as transformers' eager attention keeps
-    them; softmax accumulates in float32); each row sees all its keys at once, so the softmax is
-    exact, not an online rescaling."""
+    softmax(Q K^T / sqrt(E) + causal mask) -> (K, G*n, b). The scores and probabilities stay in the
+    model dtype (bf16, as transformers' eager attention keeps them; softmax accumulates in float32);
+    each row sees all its keys at once, so the softmax is exact, not an online rescaling."""
     n = b - a
     bias = torch.zeros(n, b, dtype=qb.dtype, device=qb.device)                   # causal mask as -inf bias
     bias[:, a:] = torch.full((n, n), float("-inf"), dtype=qb.dtype, device=qb.device).triu(1)
