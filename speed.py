@@ -281,12 +281,17 @@ CPU_BF16_UNITS = cpu_bf16_units()
 BLOCKED_BF16_ATTENTION = CPU_BF16_UNITS == {"avx512_bf16"}
 
 
+def runs_blocked(q):
+    """Whether attention on q runs the blocked kernel: bf16 on the CPU, where BLOCKED_BF16_ATTENTION."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and BLOCKED_BF16_ATTENTION
+
+
 def packed_causal_attention(q, k, v, lens, P=0, block=128, keep=None):
     """Packed causal attention's forward by the kernel this device runs fastest: bf16 where
     BLOCKED_BF16_ATTENTION, blocked_causal_attention (`block` rows a block; `keep` receives its
     probabilities); elsewhere SDPA (packed_causal_sdpa), whose float32 results it keeps bit for bit,
     and `keep` stays empty."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and BLOCKED_BF16_ATTENTION:
+    if runs_blocked(q):
         return blocked_causal_attention(q, k, v, lens, P, block, keep)
     return packed_causal_sdpa(q, k, v, lens, P)
 
@@ -299,7 +304,7 @@ def final_token_attention(q, k, v, lens, P=0):
     per sequence, without mask or padding."""
     K, E = k.shape[1], q.shape[2]
     G = q.shape[1] // K
-    blocked = q.device.type == "cpu" and q.dtype == torch.bfloat16 and BLOCKED_BF16_ATTENTION
+    blocked = runs_blocked(q)
     out, start = torch.empty_like(q), P
     for j, L in enumerate(lens):
         kj, vj = (sequence_rows(t, P, start, L).transpose(0, 1) for t in (k, v))      # (K, P+L, E)
