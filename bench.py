@@ -336,6 +336,8 @@ def bench_score(cfg):
             results[f"{name}/ceiling_vs_{tag}_paired_median"] = paired_ratio(rounds, peer, "gemm_floor")
         for ours in [k for k in cands if k.startswith("ours")]:
             results[f"{name}/{ours}_over_gemm_floor_paired_median"] = paired_ratio(rounds, ours, "gemm_floor")
+        for k in ("ours", "transformers", "gemm_floor"):       # freed memory the allocator maps back in
+            results[f"{name}/{k}_minor_faults_per_call"] = minor_faults(cands[k])
         if rc is not None:
             results[f"{name}/ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
         if cfg.prefix:
@@ -362,6 +364,18 @@ def in_fresh_process(fn, *args):
     out = q.get()
     p.join()
     return out
+
+
+def minor_faults(fn):
+    """The minor page faults of one fn() call in this process (pages the kernel maps in afresh, zeroed:
+    freed memory handed back and touched again; speed.reuse_freed_memory); None where not counted."""
+    try:
+        import resource                  # Unix only: imported here so that run.py starts on every OS
+    except ImportError:
+        return None
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 def peak_rss_mib():

@@ -3,6 +3,7 @@ Run: python -m pytest -q test_bench.py
 """
 import random
 
+import pytest
 import torch
 
 import bench
@@ -63,3 +64,13 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
     # both CPU forward kernels timed on the step's shapes
     times = bench.attention_forwards(full.attentions, torch.float32, repeat=1)
     assert set(times) == {"attention_forward_sdpa_s", "attention_forward_blocked_s"} and min(times.values()) > 0
+
+
+def test_minor_faults_counts_the_pages_a_call_maps_in():
+    """bench.minor_faults: a call that writes a fresh 40 MiB tensor (above glibc's largest dynamic mmap
+    threshold, so mapped afresh) faults its pages in, at least one per MiB whatever the page size; a call
+    that allocates nothing faults (almost) none."""
+    if bench.minor_faults(lambda: None) is None:
+        pytest.skip("no resource module here: faults are not counted")
+    assert bench.minor_faults(lambda: torch.empty(40 << 20, dtype=torch.uint8).fill_(1)) >= 40
+    assert bench.minor_faults(lambda: None) < 40
