@@ -236,7 +236,7 @@ def matmul_floor(rr, ids):
         lora_matmuls()
         attention()
     run()  # allocate the operands outside the timing
-    run.loras, run.attentions = loras, atts
+    run.loras, run.attentions, run.qkv = loras, atts, qkv
     run.parts = {"gemm": gemm, "lora": lora_matmuls, "attention": attention}
     return run
 
@@ -513,15 +513,15 @@ def bench_train(cfg):
     res["attention_gflop_per_step"] = gflop
     res["attention_at_matmul_rate_s"] = gflop / res["matmul_gflops"]
     if not cuda:
-        res.update(attention_forwards(steps["matmul_floor"].attentions, dtype))
+        res.update(attention_forwards(steps["matmul_floor"].qkv))
     return res
 
 
-def attention_forwards(atts, dtype, repeat=3):
-    """The step's packed causal attention forwards (`matmul_floor`'s shapes, random operands) by each CPU
+def attention_forwards(qkv, repeat=3):
+    """The step's packed causal attention forwards (`matmul_floor`'s random operands `qkv`) by each CPU
     kernel, best of `repeat` -> {attention_forward_sdpa_s, attention_forward_blocked_s}: which one
     speed.packed_causal_attention should run in this dtype on this CPU (speed.BLOCKED_BF16_ATTENTION)."""
-    ops = [tuple(torch.randn(N, h, E, dtype=dtype) for h in (H, K, K)) + (lens, P) for N, H, K, E, lens, P in atts]
+    ops = [(q.detach(), k.detach(), v.detach(), lens, P) for q, k, v, lens, P in qkv]
     kernels = {"sdpa": speed.packed_causal_sdpa, "blocked": speed.blocked_causal_attention}
     with torch.inference_mode():
         return {f"attention_forward_{name}_s": best_time(lambda: [fn(*o) for o in ops], repeat)

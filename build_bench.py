@@ -392,11 +392,6 @@ def rewrite_family(ctx, fam, groups, gate=geo_jobs.gate):
     return done, failed
 
 
-def rewriter(family, mageo_signal):
-    """A family's rewriter (geo_attacks): MAGEO's with its signal, engine or reranker."""
-    return geo_attacks.Mageo(mageo_signal) if family == "MAGEO" else geo_attacks.FAMILIES[family]()
-
-
 def rewrite_all(ctx, fams, cons, groups, mageo_signal):
     """Every family on every group of its splits (cons: the construction groups' families), one split at
     a time (MAGEO's memory never crosses splits, B.1.2) -> ({gid: {family: text}}, {gid: {family: trace}},
@@ -404,7 +399,7 @@ def rewrite_all(ctx, fams, cons, groups, mageo_signal):
     other families: each family is measured over the groups it rewrote."""
     attacks, traces, failed = ({g["group_id"]: {} for g in groups} for _ in range(3))
     for f in fams:
-        fam = rewriter(f, mageo_signal)
+        fam = geo_attacks.rewriter(f, mageo_signal)
         for split in ("construction", "test"):
             todo = [g for g in groups if g["split"] == split and (f in cons or split == "test")]
             done, bad = rewrite_family(ctx, fam, todo) if todo else ({}, {})
@@ -469,7 +464,7 @@ def pool_lists(ctx, cfg, fams, groups):
     by_id, got = {g["group_id"]: g for g in groups}, {}
     for f in fams:                      # a rewriter per family, over every candidate it was drawn for
         todo = [at_candidate(by_id[gid], i) for gid, ps in picks.items() for i, m in ps if m == f]
-        done, bad = rewrite_family(ctx, rewriter(f, cfg.mageo_signal), todo) if todo else ({}, {})
+        done, bad = rewrite_family(ctx, geo_attacks.rewriter(f, cfg.mageo_signal), todo) if todo else ({}, {})
         for key, why in bad.items():
             log(f"[build-bench] {key}: no further {f} attack ({why})")
         for key, (text, trace) in done.items():

@@ -768,6 +768,11 @@ FAMILIES = {"AgenticGEO": AgenticGeo, "AutoGEO": AutoGeo, "MAGEO": Mageo, "GEO":
             "IF-GEO": IfGeo, "RAID-GSEO": RaidGseo}
 
 
+def rewriter(family, mageo_signal="engine"):
+    """A family's rewriter: MAGEO's with its signal (engine or reranker), the others as they are."""
+    return FAMILIES[family](mageo_signal) if family == "MAGEO" else FAMILIES[family]()
+
+
 def prompt_digests(names, mageo_signal="engine"):
     """SHA-1 (12 hex) of what each family's model reads: its prompts, schemas, bundled archive or rules
     and parameters, and the shared fact-keeping instruction and gate. Recorded in the benchmark's _meta
@@ -775,6 +780,6 @@ def prompt_digests(names, mageo_signal="engine"):
     shared = [FACTS, FIDELITY_INSTRUCTION, str(FIDELITY_THRESHOLD), str((MIN_RATIO, MAX_RATIO))]
     out = {}
     for n in names:
-        fam = FAMILIES[n](mageo_signal) if n == "MAGEO" else FAMILIES[n]()
+        fam = rewriter(n, mageo_signal)
         out[n] = hashlib.sha1(json.dumps([fam.code, *fam.prompts(), *shared]).encode()).hexdigest()[:12]
     return out

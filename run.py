@@ -76,20 +76,21 @@ def shield_settings(cls, args):
         if flag in asked:
             raise SettingsError(f"--{flag} goes with --model: a trained run (--name) brings its own adapter, "
                                 "trained on the base revision its record names")
-    cls(**asked)                                     # every flag checked before the run is looked for
-    record = os.path.join(asked.get("runs_dir", "runs"), asked.get("name", "default"), "config.json")
+    checked = cls(**asked)                           # every flag checked before the run is looked for
+    record = os.path.join(checked.run_dir, "config.json")
     if not os.path.isfile(record):
         raise FileNotFoundError(f"{record}: no such run; give --name NAME (a trained run) or --model M "
                                 "[--adapter DIR]")
     cfg = resolve(cls, asked)
-    need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
+    adapter = adapter_path(cfg)
+    need_trained(cfg, os.path.join(adapter, "adapter_config.json"), "trained adapter")
     trained = read_json(record)["config"]
     other = [f"--{k.replace('_', '-')} {asked[k]!r} (the run's: {trained.get(k)!r})"
              for k in ("dtype", "quant", "max_length") if k in asked and asked[k] != trained.get(k)]
     if other:
         log(f"[{args.cmd}] {', '.join(other)}: its scores may differ from the run's Shield's (deploy-check "
             "measures by how much)")
-    return cfg, adapter_path(cfg), cfg.run_dir
+    return cfg, adapter, cfg.run_dir
 
 
 def reading(run_dir):
@@ -101,7 +102,7 @@ def reading(run_dir):
 def cmd_export(args):
     """The merged Shield as a Hugging Face checkpoint (export.py), in the run's dtype by default."""
     cfg, adapter, run_dir = shield_settings(settings.ExportConfig, args)
-    nf4 = run_dir is not None and cfg.quant == "nf4"
+    nf4 = cfg.quant == "nf4"                          # a run's record; a --model base has no quant flag
     if nf4:
         log("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base "
             "(the model card says so)")
@@ -160,7 +161,7 @@ def add_settings_flags(p, cls, preset=True):
         elif f.type is bool:
             p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help)
         else:                            # a spec is text here; its settings class parses it (settings.spec_of)
-            typ = str if f.metadata["parse"] or f.type is tuple else f.type
+            typ = str if f.metadata["parse"] else f.type
             p.add_argument(flag, dest=f.name, type=typ, default=None, required=required, help=help)
 
 

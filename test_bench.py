@@ -62,7 +62,7 @@ def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):
     # with a shared prefix of P rows, the prefix's queries count once (in sequence 0)
     assert bench.attention_flops([(9, 1, 1, 1, [3, 2], 4)]) == 14 * (sum(range(1, 8)) + 6 + 5)
     # both CPU forward kernels timed on the step's shapes
-    times = bench.attention_forwards(full.attentions, torch.float32, repeat=1)
+    times = bench.attention_forwards(full.qkv, repeat=1)
     assert set(times) == {"attention_forward_sdpa_s", "attention_forward_blocked_s"} and min(times.values()) > 0
 
 
