@@ -394,8 +394,9 @@ def test_two_runners_on_one_manifest_record_every_batch(engine, tmp_path):
     def log(m):
         if "submitted" in m:
             submitted.append(m.split()[3])
+            known = set(submitted)       # before reading the file: the other runner may log one more meanwhile
             on_disk = {b["id"] for b in manifest(tmp_path)}
-            missing.extend(set(submitted) - on_disk)
+            missing.extend(known - on_disk)
     clients = [batched(url, tmp_path, model=name, limits=(2, 1 << 20)) for name in ("target", "judge")]
     for c in clients:
         c.batch.log = log
