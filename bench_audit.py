@@ -40,7 +40,7 @@ import numpy as np
 import build_bench
 import geodef
 import metrics
-from runs import atomic_write, log, write_json
+from runs import SettingsError, atomic_write, log, write_json
 
 BUCKETS = 1 << 15          # hashed feature space of the classifier
 TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -114,20 +114,22 @@ def naive_bayes(X, y, classes, alpha=1.0):
 
 def cross_validated_confusion(edits, families, folds=5):
     """edits: [(group_id, family, feature bag)] -> confusion counts (F, F), rows true, columns predicted,
-    each edit predicted by a model fitted on the other folds' groups only."""
+    each edit predicted by a model fitted on the other folds' groups only. The classes are the families
+    with edits: one with none has no likelihood to fit, and a uniform one would win on unseen n-grams."""
     fold_of = group_folds([g for g, _, _ in edits], folds)
     X = np.stack([hashed(b) for _, _, b in edits])
     y = [f for _, f, _ in edits]
+    classes = [f for f in families if f in y]
     conf = np.zeros((len(families), len(families)), dtype=int)
     for k in sorted(set(fold_of.values())):
         test = [fold_of[g] == k for g, _, _ in edits]
         train = [not t for t in test]
         if not any(train):
             continue
-        prior, like = naive_bayes(X[train], [t for t, keep in zip(y, train) if keep], families)
+        prior, like = naive_bayes(X[train], [t for t, keep in zip(y, train) if keep], classes)
         pred = (X[test] @ like.T + prior).argmax(1)                                  # (N_test,)
         for t, p in zip([t for t, keep in zip(y, test) if keep], pred):
-            conf[families.index(t), p] += 1
+            conf[families.index(t), families.index(classes[p])] += 1
     return conf
 
 
@@ -203,6 +205,10 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
     seen = [f for f in families if f in (meta.seen_methods or [])]
     edits = [(g.group_id, f, edit_features(g.docs[g.source_index]["text"], g.attacks[f]))
              for g in groups for f in families if f in g.attacks]
+    n_groups = len({g for g, _, _ in edits})
+    if n_groups < 2:                  # one group: no fold has another group's edits to train on
+        raise SettingsError(f"{bench}: {n_groups} query group(s) with edits, too few to audit: the family "
+                            "classifier is cross-validated by group and needs at least 2")
     conf = cross_validated_confusion(edits, families, folds)
     total = int(conf.sum())
     added = {f: sum((b for _, ff, b in edits if ff == f), collections.Counter()) for f in families}
@@ -216,9 +222,10 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
            "seen": seen, "groups": len(groups), "edits": len(edits),
            "classifier": {"model": "multinomial naive Bayes, hashed added 1-2-grams + binned edit size, length "
                                    "ratio, added markers", "folds": folds, "cross_validated_by": "query group",
-                          "confusion": conf.tolist(), "accuracy": round(float(np.trace(conf)) / max(1, total), 4),
-                          "chance": round(1 / len(families), 4),
-                          "recall": {f: round(conf[i, i] / max(1, conf[i].sum()), 4) for i, f in enumerate(families)},
+                          "confusion": conf.tolist(), "accuracy": round(float(np.trace(conf)) / total, 4),
+                          "chance": round(1 / len(set(f for _, f, _ in edits)), 4),     # the families with edits
+                          "recall": {f: round(conf[i, i] / conf[i].sum(), 4) if conf[i].sum() else None
+                                     for i, f in enumerate(families)},
                           "seen_vs_unseen": seen_unseen(conf, families, seen).tolist() if seen else None},
            "distances": {"added_ngram_js": [[js_divergence(added[a], added[b]) for b in families] for a in families],
                          "edit_size": {f: mean(size[f]) for f in families},
@@ -226,7 +233,7 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
            "surface_markers": {"benign candidates": build_bench.surface_rates(benign),
                                "sources": build_bench.surface_rates(g.docs[g.source_index]["text"] for g in groups),
                                **{f: build_bench.surface_rates(g.attacks[f] for g in groups if f in g.attacks)
-                                  for f in families}},
+                                  for f in families if size[f]}},
            "refusal_rate": refusal_rates(raw, families),
            "drop_rate": None, "drop_rate_note": "dropped groups are not written to the file; build-bench's log "
                                                 "names each one and why"}
@@ -257,7 +264,7 @@ def markdown(r, offline_note=None):
               f"Accuracy {100 * c['accuracy']:.1f}% (chance {100 * c['chance']:.1f}%). Rows: true family; columns: "
               "predicted.", "", "| | " + " | ".join(short) + " | recall |", "|---" * (len(fams) + 2) + "|"]
     for f, row in zip(fams, c["confusion"]):
-        lines.append(f"| {f} | " + " | ".join(map(str, row)) + f" | {100 * c['recall'][f]:.0f}% |")
+        lines.append(f"| {f} | " + " | ".join(map(str, row)) + f" | {_or_dash(c['recall'][f], '{:.0%}')} |")
     if c["seen_vs_unseen"]:
         (ss, su), (us, uu) = c["seen_vs_unseen"]
         lines += ["", f"Seen vs unseen: seen edits taken for seen {ss}, for unseen {su}; unseen edits taken for "
@@ -268,8 +275,8 @@ def markdown(r, offline_note=None):
     lines += [f"| {f} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in row) + " |"
               for f, row in zip(fams, d["added_ngram_js"])]
     lines += ["", "| family | mean edit size | mean length ratio | refusal rate (%) |", "|---|---|---|---|"]
-    lines += [f"| {f} | {d['edit_size'][f]} | {d['length_ratio'][f]} | {_or_dash(r['refusal_rate'][f])} |"
-              for f in fams]
+    lines += [f"| {f} | {_or_dash(d['edit_size'][f])} | {_or_dash(d['length_ratio'][f])} | "
+              f"{_or_dash(r['refusal_rate'][f])} |" for f in fams]
     sm = r["surface_markers"]
     keys = list(next(iter(sm.values())))
     lines += ["", "## Surface markers (% of documents)", "", "| | " + " | ".join(keys) + " |",
@@ -291,8 +298,9 @@ def _verdict(v):
     return "yes" if v["raises"] else "not shown (CI holds 0)" if v["holds_zero"] else "no: it lowers it"
 
 
-def _or_dash(v):
-    return "-" if v is None else f"{v:g}"
+def _or_dash(v, form="{:g}"):
+    """A table cell: '-' for a figure that has nothing to measure (None)."""
+    return "-" if v is None else form.format(v)
 
 
 def run_audit(bench, rr, out_dir, k=5, folds=5, offline_note=None):

@@ -67,8 +67,25 @@ def sigmoid(m):
     return 1.0 / (1.0 + math.exp(-m)) if m >= 0 else math.exp(m) / (1.0 + math.exp(m))
 
 
+def check_unit(name, v, lo_open=False, hi_open=False):
+    """A probability or fraction in [0, 1] (ends open where asked) -> v; ValueError naming it otherwise (nan
+    included: every comparison with nan is false, so it would pass a plain `0 <= v <= 1` written as two `<`)."""
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and (0 < v if lo_open else 0 <= v)
+            and (v < 1 if hi_open else v <= 1)):
+        raise ValueError(f"{name} = {v!r}: not in {'(' if lo_open else '['}0, 1{')' if hi_open else ']'}")
+    return v
+
+
+def check_count(name, v, lo=0):
+    """A whole count >= lo -> v; ValueError naming it otherwise."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} = {v!r}: not a whole number >= {lo}")
+    return v
+
+
 def delta(n_words, p, rate):
     """Δ(p): the probability that a mask keeps one of ceil(p * n) edited words (module docstring)."""
+    check_count("n_words", n_words, 1), check_unit("p", p), check_unit("rate", rate, lo_open=True, hi_open=True)
     keep = max(1, n_words - round(rate * n_words))
     e = math.ceil(p * n_words)
     if n_words - e < keep:
@@ -78,6 +95,8 @@ def delta(n_words, p, rate):
 
 def epsilon(n_docs, n_samples, alpha=ALPHA):
     """Hoeffding's half-width for every one of a list's n_docs smoothed scores at once (union bound)."""
+    check_count("n_docs", n_docs, 1), check_count("n_samples", n_samples, 1)
+    check_unit("alpha", alpha, lo_open=True, hi_open=True)
     return math.sqrt(math.log(2 * n_docs / alpha) / (2 * n_samples))
 
 

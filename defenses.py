@@ -443,6 +443,11 @@ def keyword_certified(answers, corrupted, alpha=ALPHA, beta=BETA, long_form=True
     It does not certify our request: `aggregate` then drops a kept phrase inside a longer one with the
     same supporters (ours), and a corrupted answer can change who supports what, so the request can gain
     or lose such a shorter phrase."""
+    if isinstance(corrupted, bool) or not isinstance(corrupted, int) or corrupted < 0:
+        raise ValueError(f"corrupted = {corrupted!r}: not a whole number of passages >= 0")
+    if not (isinstance(alpha, (int, float)) and 0 < alpha <= 1) or not (isinstance(beta, (int, float)) and 0 < beta
+                                                                            < float("inf")):
+        raise ValueError(f"alpha = {alpha!r}, beta = {beta!r}: alpha in (0, 1] and beta a positive count")
     sets = [phrases(a) for a in answers if isinstance(a, str) and not abstains(a)]
     k, m = len(answers), len(sets)
     mu = lambda n: min(beta, alpha * n)

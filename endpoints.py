@@ -1,7 +1,7 @@
 """Endpoints parsed once: a URL (`http://user:pw@host:port/path#model`) becomes an Endpoint that
 holds its credentials apart, prints without them, and tells servers apart in cache keys by scheme,
 host, port and path (`identity`); `redact_url` hides the credentials and query of text that does
-not parse.
+not parse, and `redact` every URL in a line of text.
 
 A search spec (`--search`) and a reranker spec (`--reranker`: base, shield, cohere:MODEL, a URL,
 tei:URL, with an optional LABEL=) are parsed the same way (SearchSpec, RerankSpec).
@@ -39,6 +39,17 @@ def redact_url(text):
         head, rest = head + "***@", rest.rpartition("@")[2]
     host, query, _ = rest.partition("?")
     return head + host + ("?***" if query else "")
+
+
+# A URL inside free text: a scheme, its '://' (or a mistyped ':/'), and what follows up to white space or a quote.
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/{1,2}[^\s'\"<>]+")
+
+
+def redact(text):
+    """Free text (a message, a log line, a value a command writes) with every URL in it as redact_url
+    prints it: the one redaction that every value a command prints or writes passes, whichever flag
+    it was typed into (a URL pasted into --name or --dtype is echoed in their refusals)."""
+    return text if not isinstance(text, str) else URL_IN_TEXT.sub(lambda m: redact_url(m[0]), text)
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,7 @@ PREFIXED = {"tei": "/rerank", "vllm-score": "/score"}     # kind: -> the route a
 
 def parse_spec(spec):
     """'base' | 'shield' | 'cohere:MODEL' | 'jina:MODEL' | 'voyage:MODEL' | 'http(s)://[USER:PW@]HOST[:PORT]
-    [/path][#MODEL]' (default path /v1/rerank) | 'tei:http(s)://HOST[:PORT]' (its /rerank) |
+    [/path][#MODEL]' (default path /rerank) | 'tei:http(s)://HOST[:PORT]' (its /rerank) |
     'vllm-score:http(s)://HOST[:PORT][/v1][#MODEL]' (vLLM's /score) -> RerankSpec. A RerankSpec is returned
     as it is."""
     if isinstance(spec, RerankSpec):
@@ -186,12 +197,13 @@ def parse_spec(spec):
         ep = Endpoint.parse(rest if prefixed else spec)
     except ValueError:
         raise ValueError(f"unknown reranker {redact_url(spec)!r}: give base, shield, cohere:MODEL, jina:MODEL, "
-                         "voyage:MODEL, http(s)://HOST[:PORT][/v1/rerank][#MODEL], tei:http(s)://HOST[:PORT] or "
+                         "voyage:MODEL, http(s)://HOST[:PORT][/rerank][#MODEL], tei:http(s)://HOST[:PORT] or "
                          "vllm-score:http(s)://HOST[:PORT][#MODEL]") from None
     if prefixed:
         model = ep.model if provider != "tei" else None        # TEI serves one model and takes no name
         return RerankSpec(provider, model, ep.with_path(ep.path + PREFIXED[provider]))
-    return RerankSpec("generic", ep.model, ep if ep.path else ep.with_path("/v1/rerank"))
+    # /rerank: vLLM logs /v1/rerank and /v1/score as deprecated (vllm/entrypoints/pooling/score/api_router.py)
+    return RerankSpec("generic", ep.model, ep if ep.path else ep.with_path("/rerank"))
 
 
 def parse_labelled(item):

@@ -80,8 +80,9 @@ def _marks(folder):
         raise IdentityError(f"{folder}/config.json: not a JSON object")
     if IDENTITY_KEY in cfg:
         marks.append(("config.json", _mark(cfg[IDENTITY_KEY], f"{folder}/config.json")))
-    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
-        with safe_open(os.path.join(folder, name), framework="pt") as f:
+    for path in reranker.weight_files(folder):          # the files the loader reads, wherever the index puts them
+        name = os.path.relpath(path, folder)
+        with safe_open(path, framework="pt") as f:
             header = f.metadata() or {}
         if IDENTITY_KEY in header:
             marks.append((name, _mark(json.loads(header[IDENTITY_KEY]), f"{folder}/{name}")))
@@ -91,7 +92,8 @@ def _marks(folder):
 def identity_marks(folder):
     """Every identity record the files of a model folder carry -> [(file, record)]: geodef_export.json
     (older exports carry only this one; an `adapter` in it says Shield), config.json's `geodef_export`
-    and each *.safetensors header's. [] for a checkpoint no export wrote. IdentityError when one of
+    and the header of each weight file the loader reads (reranker.weight_files). [] for a checkpoint no
+    export wrote. IdentityError when one of
     these files cannot be read or holds a malformed record: then nobody can tell what the folder holds."""
     from safetensors import SafetensorError
     try:

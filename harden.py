@@ -299,8 +299,11 @@ def check_settings(cfg):
         now.update(algorithm=cfg.algorithm, test_algorithm=cfg.test_algorithm or cfg.algorithm)
     path = os.path.join(cfg.run_dir, "harden", "settings.json")
     old = read_json(path)
-    if old is not None and old != now:
-        raise changed_settings(path, "the rounds were made", old, {k: now[k] for k in keys if old.get(k) != now[k]},
+    if old is not None and old != now:     # a record without the algorithms was made with MAGEO's on both sides
+        mageo = {"algorithm": "mageo", "test_algorithm": "mageo"}
+        was, asked = {**mageo, **old}, {**mageo, **now}
+        raise changed_settings(path, "the rounds were made", was,
+                               {k: asked[k] for k in sorted(asked) if was.get(k) != asked[k]},
                                "Use another --name, or move harden/ aside")
     return path, now
 
@@ -411,6 +414,7 @@ def dry_run(run):
     """What `harden` would send, without sending anything: upper bounds per round (JSON re-asks
     included), prompt tokens at 4 characters a token, the price with --prices, full and batch."""
     cfg, data = run.cfg, run.data
+    check_settings(cfg)                 # the plan is of a run that would start: the same refusal first
     cons = geodef.expand(data.construction, data.seen)
     _, test = test_instances(cfg, data)
     budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")

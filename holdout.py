@@ -56,6 +56,9 @@ def families(cfg, data):
     if cfg.families == ALL:
         return list(cons), list(cons)
     asked = [m.strip() for m in cfg.families.split(",") if m.strip()]
+    twice = sorted({m for m in asked if asked.count(m) > 1})
+    if twice:                                        # each would run its fold again
+        raise SettingsError(f"--families {cfg.families}: {', '.join(twice)} given twice; name each family once")
     absent = [m for m in asked if m not in cons]
     if absent or not asked:
         raise SettingsError(f"--families {cfg.families}: {absent} have no construction instances in {cfg.bench} "

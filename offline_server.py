@@ -7,11 +7,16 @@ Errors come in the shape of the API a route belongs to (`error_body`): Anthropic
 {"type": "error", "error": {type, message}} on /v1/messages routes, OpenAI's
 {"error": {message, type, param, code}} elsewhere, an unknown route or method a 404 "Invalid URL".
 
+A reply's `id` is a digest of its request (`answer`): two requests never share one, and the same
+request gets the same id (and the same text), so answers stay deterministic; its `created` is the
+second the request arrived (a batch line's: its batch's), unless `make_server(created=...)` pins it.
+
 Usage: srv = make_server(8765, corpus=load_corpus("corpus.jsonl")); srv.serve_forever()
        (python run.py serve-offline --port 8765)
 """
 import email.parser
 import email.policy
+import hashlib
 import json
 import re
 import threading
@@ -59,13 +64,17 @@ def error_body(status, message, anthropic, param=None):
                       "param": param, "code": None}}
 
 
-def answer(body):
-    """offline.respond, a request the engine cannot answer (a prompt missing a field its kind needs, a
-    value of the wrong type) raised as ValueError: a 400, never a 404 or a 500."""
+def answer(body, created):
+    """offline.respond with the reply's `id` a digest of the request (unique per request, the same for
+    the same one) and `created` the given Unix second. A request the engine cannot answer (a prompt
+    missing a field its kind needs, a value of the wrong type) is raised as ValueError: a 400, never a
+    404 or a 500."""
     try:
-        return offline.respond(body)
+        resp = offline.respond(body)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"the offline engine cannot answer this request ({type(e).__name__}: {e})") from None
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
+    return {**resp, "id": f"chatcmpl-{digest}", "created": int(created)}
 
 
 # ----------------------------------------------------------------------------- batch APIs
@@ -92,7 +101,8 @@ def _chat_body(params):
 
 def _as_message(resp):
     """The engine's Chat Completions reply -> Anthropic's Message object."""
-    return {"id": "msg_offline", "type": "message", "role": "assistant", "model": offline.ENGINE,
+    return {"id": "msg_" + resp["id"].removeprefix("chatcmpl-"), "type": "message", "role": "assistant",
+            "model": offline.ENGINE,
             "content": [{"type": "text", "text": resp["choices"][0]["message"]["content"]}],
             "stop_reason": "end_turn", "stop_sequence": None,
             "usage": {"input_tokens": resp["usage"]["prompt_tokens"],
@@ -301,10 +311,11 @@ class Batches:
     KNOBS = {"polls": 1, "stall": None, "expire_after": None, "fail_first": 0, "fail": None, "reject": False,
              "missing": False, "no_status": 0, "purge": False, "tamper": None, "cancelling": 0}
 
-    def __init__(self):
+    def __init__(self, pinned_created=None):
         self.files, self.batches, self.failed, self.lock = {}, {}, set(), threading.RLock()
         self.knobs = dict(self.KNOBS)
         self.created = self.n_files = 0
+        self.pinned_created = pinned_created     # every answered line's `created` (None: its batch's second)
 
     def route(self, method, path, query, raw, content_type, host):
         """A batch API request -> (200, reply object or JSONL text); raises NotFound (404: no such
@@ -334,6 +345,8 @@ class Batches:
             return 200, self.cancel(oid, api, host)
         elif method == "GET" and verb == "results" and api is AnthropicBatchAPI:
             return 200, self.results(oid)
+        elif method == "DELETE" and verb is None and api is AnthropicBatchAPI:
+            return 200, self.delete_batch(oid)
         raise NotFound(f"Invalid URL ({method} {path[:200]})")
 
     # --- files (OpenAI's)
@@ -469,6 +482,18 @@ class Batches:
                                                                      "they were purged"))
             return "".join(json.dumps(r) + "\n" for r in b["out"])
 
+    def delete_batch(self, bid):
+        """DELETE /v1/messages/batches/{id}: an ended batch and its results are gone -> Anthropic's
+        {"id", "type": "message_batch_deleted"}. One still processing is refused (400): Anthropic deletes
+        a batch only once it has ended, so one in progress must be cancelled first."""
+        with self.lock:
+            b = self._batch(bid, AnthropicBatchAPI)
+            if b["state"] in RUNNING:
+                raise ValueError(f"message_batch_id: batch {bid!r} is still processing; cancel it, and delete it "
+                                 "once it has ended")
+            del self.batches[bid]
+            return {"id": bid, "type": "message_batch_deleted"}
+
     # --- running a batch
 
     def _advance(self, b):
@@ -521,7 +546,8 @@ class Batches:
             self.failed.add(cid)
             return api.row(b, i, cid, 500, {"type": "api_error", "message": "offline engine's fail_first knob"})
         try:
-            resp = answer(api.chat_body(line))
+            at = b["at"]["created"] if self.pinned_created is None else self.pinned_created
+            resp = answer(api.chat_body(line), at)
         except (ValueError, KeyError, TypeError, AttributeError) as e:    # a prompt the engine cannot answer
             msg = str(e)[:300]                  # (_chat_body: Anthropic params of the wrong shape)
             return api.row(b, i, cid, 400, error_body(400, msg, api.anthropic)["error"])
@@ -587,11 +613,12 @@ def content_length(headers):
 class _Handler(BaseHTTPRequestHandler):
     timeout = 30             # socket timeout: a client that stops sending is dropped, the thread freed
 
-    def _route(self, method, path, query, raw):
+    def _route(self, method, path, query, raw, arrived):
         """-> (status, reply object or JSONL text) for the engine's routes; raises ValueError (400),
-        NotFound (404)."""
+        NotFound (404). arrived: the request's Unix second, a chat reply's `created` unless pinned."""
         if method == "POST" and path.endswith("/chat/completions"):
-            return 200, answer(json.loads(raw))
+            pinned = self.server.batches.pinned_created
+            return 200, answer(json.loads(raw), arrived if pinned is None else pinned)
         if method == "POST" and path == "/search":               # Tavily's route, answered from the corpus
             return 200, search(json.loads(raw), self.server.corpus)
         host = self.headers.get("Host") or "%s:%d" % self.server.server_address[:2]
@@ -603,7 +630,7 @@ class _Handler(BaseHTTPRequestHandler):
         return error_body(status, message, anthropic, param)
 
     def _handle(self, method):
-        url = urlsplit(self.path)
+        arrived, url = time.time(), urlsplit(self.path)
         if self.headers.get("Transfer-Encoding"):
             return self._refuse(411, "send the body with a Content-Length (no Transfer-Encoding)")
         try:
@@ -616,7 +643,7 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(n) if n else b""
             if len(raw) < n:
                 raise ValueError(f"the body ended after {len(raw)} of {n} bytes")
-            return self._send(*self._route(method, url.path.rstrip("/"), parse_qs(url.query), raw))
+            return self._send(*self._route(method, url.path.rstrip("/"), parse_qs(url.query), raw, arrived))
         except (TimeoutError, ConnectionError):
             self.close_connection = True
         except NotFound as e:
@@ -678,9 +705,10 @@ class _Server(ThreadingHTTPServer):
                                  # accepted instead of being dropped or reset past socketserver's 5
 
 
-def make_server(port=0, host="127.0.0.1", corpus=None):
+def make_server(port=0, host="127.0.0.1", corpus=None, created=None):
     """A loopback OpenAI-compatible server (chat completions and the batch APIs: `Batches`), and a
-    Tavily-shaped /search over `corpus` (load_corpus); port 0 picks a free port (server.server_address[1])."""
+    Tavily-shaped /search over `corpus` (load_corpus); port 0 picks a free port (server.server_address[1]).
+    created: the Unix second every chat reply carries (None: the second its request arrived)."""
     srv = _Server((host, port), _Handler)
-    srv.corpus, srv.batches = corpus or [], Batches()
+    srv.corpus, srv.batches = corpus or [], Batches(created)
     return srv

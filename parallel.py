@@ -1,8 +1,14 @@
 """Data parallelism over torch.distributed for the Shield's training (`torchrun --nproc-per-node N run.py
 train ...`): the process group from torchrun's environment (gloo on the CPU, nccl on CUDA), each rank a
 share of every accumulation window's examples, the LoRA gradients summed over the ranks before the
-clip and the step, so every rank takes the single-process step. A plain `python run.py` has no
-WORLD_SIZE and runs as one rank: every function here is then a no-op.
+clip and the step, so every rank takes the single-process step up to float32 rounding. A plain
+`python run.py` has no WORLD_SIZE and runs as one rank: every function here is then a no-op.
+
+Deviations from one process:
+- the window's gradient is summed in another order (each rank's share, then across the ranks), and
+  AdamW carries that rounding into the weights (docs/COMMANDS.md: the measured figure and its command);
+- each rank draws its own LoRA dropout masks, as DDP's ranks do: with dropout the run differs from one
+  process's as another seed would.
 
 Usage: device = parallel.init("cpu"); mine = parallel.mine(i, window_start); ...; parallel.sum_grads(params)
 """
@@ -65,7 +71,8 @@ def mine(pos, window_start):
 
 def sum_grads(params):
     """Sum every parameter's gradient over the ranks (a rank with no example in the window adds zeros),
-    in one flat all-reduce: each rank then holds the single-process window's gradient."""
+    in one flat all-reduce: each rank then holds the single-process window's gradient, its float32
+    additions in another order (one process adds the window's examples one by one)."""
     if world() == 1:
         return
     for p in params:

@@ -7,6 +7,7 @@ Usage: base, shield = load_rankers(cfg, shield=True); base.prepare(insts); base.
 """
 import contextlib
 import hashlib
+import json
 import os
 import re
 import sys
@@ -17,8 +18,8 @@ import endpoints
 import lora
 import parallel
 import rerank_clients
-from runs import (SettingsError, load_reranker, load_shield, log, read_json, shield_scores_path, usage_path,
-                  write_json)
+from runs import (SettingsError, adapter_path, file_sha1, load_reranker, load_shield, log, shield_scores_path,
+                  usage_path, write_json)
 
 
 def order_of(scores):
@@ -30,14 +31,57 @@ def doc_key(query, doc):
     return hashlib.sha1((query + "\x00" + doc).encode("utf-8")).hexdigest()
 
 
+class ScoreCacheError(SettingsError):
+    """A score cache or share file that cannot be read as one, or made by another ranker, benchmark or
+    rank layout: never merged; one line naming the file."""
+
+
+KEY = re.compile(r"[0-9a-f]{40}")                 # doc_key's SHA-1
+
+
+def read_scores(path, made_from=None):
+    """A score file -> {doc_key: finite float}, {} if it is absent. The cache (made_from None) is the bare
+    object {key: score}, as it always was: the run folder's config.json pins what its scores depend on and
+    a Shield cache's name carries its adapter's digest. A share file (<cache>.rank<r>; made_from: the
+    Ranker's) is {"made_from": {**made_from, "rank": r, "world": N}, "scores": {key: score}}: it outlives
+    the run that wrote it, so it must say it was made by this ranker on this benchmark, as rank r of a
+    layout that has one. Anything else (corrupted, stale, hand-made) is ScoreCacheError."""
+    refused = lambda why: ScoreCacheError(f"{path}: {why}; remove it (its documents are scored again)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (ValueError, RecursionError) as e:      # UnicodeDecodeError is a ValueError
+        raise refused(f"not JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})") from None
+    if made_from is not None:
+        got = obj.get("made_from") if isinstance(obj, dict) and set(obj) == {"made_from", "scores"} else None
+        if not isinstance(got, dict):
+            raise refused("not a share file {made_from, scores} (hand-made, or left by an older version)")
+        want = {**made_from, "rank": int(path.rsplit(".rank", 1)[1]), "world": got.get("world")}
+        if got != want or not (isinstance(want["world"], int) and want["world"] > max(1, want["rank"])):
+            raise refused("made with " + (", ".join(f"{k}={got.get(k)!r} (this run: {want.get(k)!r})"
+                                                    for k in {**got, **want} if got.get(k) != want.get(k))
+                                          or f"world={want['world']!r}, which holds no rank {want['rank']}"))
+        obj = obj["scores"]
+    if not isinstance(obj, dict):
+        raise refused(f"the scores must be a JSON object {{doc key: score}}, got {type(obj).__name__}")
+    for k, v in obj.items():
+        if not (KEY.fullmatch(k) and type(v) in (int, float) and abs(v) <= sys.float_info.max):  # NaN, inf: False
+            raise refused(f"{k[:48]!r}: {str(v)[:40]}: not a 40-hex document key with a finite score")
+    return {k: float(v) for k, v in obj.items()}
+
+
 class Ranker:
     """Top-k by a reranker, scoring each distinct (query, document) once: the nine benign documents
-    are shared by a group's seven attack variants and its clean list. Margins cached on disk."""
+    are shared by a group's seven attack variants and its clean list. Margins cached on disk (read_scores).
+    made_from: what the scores are made from (ranker_identity), which its share files record."""
 
-    def __init__(self, rr, path, label, adapter_off=False):
+    def __init__(self, rr, path, label, adapter_off=False, made_from=None):
         self.rr, self.path, self.label = rr, path, label
         self.adapter_off = adapter_off      # the frozen base policy from a model that carries the adapter
-        self.cache = read_json(path, {})
+        self.made_from = made_from or {}
+        self.cache = read_scores(path)
 
     def prepare(self, instances, shard=False):
         """Score every (query, document) of `instances` not in the cache. shard: under torchrun
@@ -46,12 +90,13 @@ class Ranker:
         batch one process would score it in, the same floats), keeping them in a share file of its own
         (<cache>.rank<r>, which only grows) as it goes; every rank then holds all the scores, rank 0 writes
         the cache and removes the share files. A killed multi-rank run's share files are read first, by a
-        rerun on any number of ranks, so it scores only what no rank had scored."""
+        rerun on any number of ranks, so it scores only what no rank had scored; each is checked whole
+        (read_scores) before any is merged."""
         shared = shard and parallel.world() > 1
-        shares = self.share_files()
-        for part in shares:
-            with contextlib.suppress(ValueError, OSError):     # one being replaced: its scores are scored again
-                self.cache.update(read_json(part, {}))
+        mine = f"{self.path}.rank{parallel.rank()}" if shared else self.path
+        shares = {part: read_scores(part, self.made_from) for part in self.share_files()}
+        for scores in shares.values():
+            self.cache.update(scores)
         todo = {}
         for x in instances:
             for d in x.docs:
@@ -63,7 +108,7 @@ class Ranker:
         items = [(q, k, d) for q, kd in todo.items() for k, d in kd.items()]
         bar = tqdm(total=len(items), desc=f"rerank ({self.label})", file=sys.stderr, disable=not items)
         with (lora.lora_disabled(self.rr.model) if self.adapter_off else contextlib.nullcontext()):
-            self._score(todo, bar, f"{self.path}.rank{parallel.rank()}" if shared else self.path)
+            self._score(todo, bar, mine, shares.get(mine, {}) if shared else None)
         bar.close()
         if shared:
             self.cache.update(parallel.gather({k: self.cache[k] for _, k, _ in items}))
@@ -81,14 +126,10 @@ class Ranker:
         return sorted(os.path.join(folder, f) for f in (os.listdir(folder) if os.path.isdir(folder) else ())
                       if share.fullmatch(f))
 
-    def _score(self, todo, bar, path):
+    def _score(self, todo, bar, path, mine=None):
         """Score `todo` ({query: {key: document}}), writing what is scored to `path` after each query: the
-        cache, or under torchrun this rank's share file (its scores alone)."""
-        mine = None
-        if path != self.path:                                           # a share file only grows
-            with contextlib.suppress(ValueError, OSError):
-                mine = read_json(path, {})
-            mine = mine if isinstance(mine, dict) else {}
+        cache, or under torchrun (mine: what this rank's share file holds) this rank's share file, its
+        scores alone with what they were made from."""
         for q, kd in todo.items():
             keys = list(kd)
             for i in range(0, len(keys), 16):
@@ -98,7 +139,9 @@ class Ranker:
                     if mine is not None:
                         mine[k] = float(v)
                 bar.update(len(chunk))
-            write_json(path, self.cache if mine is None else mine)
+            write_json(path, self.cache if mine is None else
+                       {"made_from": {**self.made_from, "rank": parallel.rank(), "world": parallel.world()},
+                        "scores": mine})
 
     def scores(self, x):
         return [self.cache[doc_key(x.query, d)] for d in x.docs]
@@ -116,16 +159,29 @@ def load_rankers(cfg, shield, adapter=None):
             shield_ranker(cfg, rr, adapter) if shield else None)
 
 
+def ranker_identity(cfg, rr, adapter=None):
+    """What a local ranker's scores are made from, as its share files record it: what the run folder's
+    config.json pins for them (model, dtype, NF4, max length, the benchmark's content: None for
+    build-bench, which scores before its benchmark exists; the hub revision as resolved), and the SHA-1
+    of the Shield adapter's weights (None: the base policy)."""
+    bench = getattr(cfg, "bench", None)
+    return {"model": cfg.model, "revision": rr.revision, "dtype": cfg.dtype, "quant": cfg.quant,
+            "max_length": rr.max_length, "bench_sha1": bench and file_sha1(bench), "adapter_sha1": None
+            if adapter is None else file_sha1(os.path.join(adapter, "adapter_model.safetensors"))}
+
+
 def base_ranker(cfg, rr, adapter_off=False):
     """The frozen base reranker's Ranker, its scores cached in cache/scores_base.json (adapter_off: the
     model carries the Shield adapter, disabled for these scores)."""
-    return Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=adapter_off)
+    return Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=adapter_off,
+                  made_from=ranker_identity(cfg, rr))
 
 
 def shield_ranker(cfg, rr, adapter=None):
     """The Shield's Ranker (rr with the run's adapter, or `adapter`), its scores cached per adapter
     (shield_scores_path)."""
-    return Ranker(rr, shield_scores_path(cfg, adapter), "shield")
+    return Ranker(rr, shield_scores_path(cfg, adapter), "shield",
+                  made_from=ranker_identity(cfg, rr, adapter or adapter_path(cfg)))
 
 
 def documents_cut(rr, insts):

@@ -138,7 +138,7 @@ def certify_records(cfg, rk, insts, cleans, base_clean):
     n = certify.mask_samples(cfg.samples)
     stem, ext = os.path.splitext(rk.path)            # the ranker's own cache, one per mask rate and seed
     masked = rankers.Ranker(rk.rr, f"{stem}.masked-{cfg.mask_rate:g}-{cfg.seed}{ext}", f"{rk.label} masked",
-                            adapter_off=rk.adapter_off)
+                            adapter_off=rk.adapter_off, made_from=rk.made_from)
     groups = list(cleans)
     g_attack = certify.smoothed(masked, insts, cfg.mask_rate, n, cfg.seed)
     g_clean = dict(zip(groups, certify.smoothed(masked, [cleans[g] for g in groups], cfg.mask_rate, n, cfg.seed)))

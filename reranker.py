@@ -263,13 +263,16 @@ def resolve_model_path(name_or_path, revision=None):
     return folder, os.path.basename(os.path.normpath(folder))
 
 
-def _safetensors_files(folder):
+def weight_files(folder):
+    """The safetensors files load_qwen3 reads: those model.safetensors.index.json's weight_map names (in any
+    subfolder, under any name), else model.safetensors."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: weight_map: missing or not an object")
+            doc = json.load(f)
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map: missing or not an object of file names")
         return sorted({os.path.join(folder, v) for v in weight_map.values()})
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
@@ -289,7 +292,7 @@ def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
         model = Qwen3Model(cfg)
     expected = {"model." + k: v.shape for k, v in model.state_dict().items()}
     state, lm_head = {}, None
-    for path in _safetensors_files(folder):
+    for path in weight_files(folder):
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: listed in the index but missing")
         with safe_open(path, framework="pt") as f:

@@ -15,7 +15,7 @@ command needs before its first expensive step, and dispatches.
   python run.py compare --runs runs/gpt55,runs/claude --out runs/compare
   python run.py export --name gpt55 --out shield-seq-cls   # a checkpoint vLLM / sentence-transformers load
   python run.py serve --name gpt55 --port 8000             # POST /v1/rerank (Cohere/Jina/vLLM shape)
-  python run.py deploy-check --name gpt55 --endpoint http://127.0.0.1:8000/v1/rerank   # scores as the Shield's?
+  python run.py deploy-check --name gpt55 --endpoint http://127.0.0.1:8000/rerank   # scores as the Shield's?
 """
 import argparse
 import contextlib
@@ -32,6 +32,7 @@ import attack
 import bench_audit
 import build_bench
 import deploy_check
+import endpoints
 import export
 import geodef
 import harden
@@ -125,7 +126,8 @@ def cmd_serve(args):
     key = cfg.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
         srv = serve.RerankServer(rr, host=cfg.host, port=cfg.port, api_key=key, max_documents=cfg.max_documents,
-                                 max_body_bytes=cfg.max_body_bytes,
+                                 max_body_bytes=cfg.max_body_bytes, max_queue=cfg.max_queue,
+                                 max_concurrent_requests=cfg.max_concurrent_requests,
                                  model_name=cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"),
                                  allow_instruction=cfg.allow_instruction)
     except OSError as e:
@@ -134,7 +136,7 @@ def cmd_serve(args):
         log(f"[serve] WARNING: listening on {cfg.host} without an API key: anyone who can reach this port can use "
             "it (set GEODEF_API_KEY or --api-key)")
     log(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on "
-        f"{srv.url}/v1/rerank{' (API key required)' if key else ''}")
+        f"{srv.url} (/v1/rerank, /rerank, /score, /metrics){' (API key required)' if key else ''}")
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
@@ -306,7 +308,7 @@ def cmd_serve_offline(args):
     cfg = resolve(settings.ServeOfflineConfig, given(args, settings.ServeOfflineConfig), from_record=False)
     corpus = offline_server.load_corpus(cfg.corpus) if cfg.corpus else None
     try:
-        srv = offline_server.make_server(cfg.port, corpus=corpus)
+        srv = offline_server.make_server(cfg.port, corpus=corpus, created=cfg.created)
     except OSError as e:
         raise SettingsError(f"--port {cfg.port}: cannot listen on 127.0.0.1:{cfg.port} ({e.strerror or e})") from None
     print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
@@ -374,7 +376,7 @@ def cmd_rerank_eval(args):
     cfg = pipeline_settings(settings.RerankEvalConfig, args)
     if not cfg.reranker:
         raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
-                            "jina:MODEL, voyage:MODEL, http://HOST:PORT/v1/rerank, tei:http://HOST:PORT, "
+                            "jina:MODEL, voyage:MODEL, http://HOST:PORT[/rerank], tei:http://HOST:PORT, "
                             "vllm-score:http://HOST:PORT)")
     items = rankers.check_specs(cfg.reranker)
     if any(spec.kind == "shield" for _, spec in items):
@@ -466,7 +468,7 @@ def cmd_deploy_check(args):
     likely cause."""
     cfg = pipeline_settings(settings.DeployCheckConfig, args)
     if cfg.endpoint is None or cfg.endpoint.kind in ("base", "shield"):
-        raise SettingsError("deploy-check: give --endpoint SPEC, the served reranker (http://HOST:PORT/v1/rerank, "
+        raise SettingsError("deploy-check: give --endpoint SPEC, the served reranker (http://HOST:PORT[/rerank], "
                             "tei:http://HOST:PORT, cohere:MODEL, ...)")
     rankers.check_specs([("endpoint", cfg.endpoint)])
     need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
@@ -585,15 +587,31 @@ USER_ERRORS = (SettingsError, RunInUse, geodef.BenchFormatError, reranker.Checkp
                FileNotFoundError, llm_clients.LLMError, tfsg.LibraryError, export.ExportError)
 
 
+def no_credentials_outside_urls(args):
+    """A URL with a password typed where no URL belongs (--out, --runs-dir, --name, --model, --dtype ...) is
+    refused before anything is made of it: as a folder it would put the password into a path on disk. The
+    flags that take a URL (a setting with `parse`: --base-url, --reranker, --search, --endpoint) hold their
+    credentials apart (endpoints.Endpoint)."""
+    specs = {f.name for cls in vars(settings).values() if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+             for f in dataclasses.fields(cls) if f.metadata.get("parse")}
+    for name, v in vars(args).items():
+        for x in (v if isinstance(v, list) else [v]):
+            if name not in specs and isinstance(x, str) and endpoints.redact(x) != x:
+                raise SettingsError(f"--{name.replace('_', '-')} {endpoints.redact(x)}: a URL with credentials or a "
+                                    "query, where this flag takes none")
+
+
 def main(argv=None):
     """Parse and dispatch; library errors become `error: ...` and exit status 1 (SystemExit)."""
     args = parser().parse_args(argv)
     try:
+        no_credentials_outside_urls(args)
         return COMMANDS[args.cmd](args)
-    except USER_ERRORS as e:
-        raise SystemExit(f"error: {e}") from None
+    except USER_ERRORS as e:     # a refusal may quote any value typed: every URL in it redacted
+        raise SystemExit(endpoints.redact(f"error: {e}")) from None
     except OSError as e:         # a read-only folder, a full disk, a port in use: the file or address and why
-        raise SystemExit(f"error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}") from None
+        raise SystemExit(endpoints.redact(f"error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}")) \
+            from None
 
 
 if __name__ == "__main__":

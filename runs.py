@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import torch
 
 import accounting
 import batch_clients
+import endpoints
 import geodef
 import llm_clients
 import lora
@@ -35,7 +37,7 @@ TINY_NOTE = "tiny random-weight Qwen3 checkpoint (offline plumbing; its scores m
 
 
 def log(msg):
-    print(msg, file=sys.stderr, flush=True)
+    print(endpoints.redact(msg), file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -384,11 +386,27 @@ def check_llms(cfg, keys=True):
 
 
 def role_model(spec):
-    """The model a provider:model spec names, for telling roles apart across providers ('openai:gpt-5.5' and
-    'openai-compatible:gpt-5.5' are one model); None for the offline engine, which may play every role (a
-    labelled simulation)."""
+    """The model a provider:model spec names, for telling roles apart across providers and routers: a
+    router's or self-hosted server's model id carries the upstream vendor before a '/' and may carry a
+    variant after a ':' (OpenRouter's `openai/gpt-5.5:free`, a vLLM served name `openai/gpt-5.5`), so
+    'openai:gpt-5.5', 'openai-compatible:gpt-5.5', 'openrouter:openai/gpt-5.5' and 'vllm:openai/gpt-5.5'
+    are one model, and so are 'anthropic:claude-opus-4-5-20251101' and 'openrouter:anthropic/claude-opus-4.5'.
+    None for the offline engine, which may play every role (a labelled simulation)."""
     provider, _, model = str(spec or "").partition(":")
-    return None if not spec or provider == "offline" else (model or provider).strip().lower()
+    if not spec or provider == "offline":
+        return None
+    name = (model or provider).strip().lower().rstrip("/").rpartition("/")[2]
+    base, _, variant = name.rpartition(":")
+    name = base if variant in ROUTE_VARIANTS and base else name
+    # one model's spellings: OpenRouter writes claude-opus-4.5 for Anthropic's claude-opus-4-5, and a dated
+    # snapshot (claude-opus-4-5-20251101, gpt-4o-2024-08-06) is the model it pins
+    name = re.sub(r"-(?:\d{8}|\d{4}-\d{2}-\d{2})$", "", name.replace(".", "-").replace("_", "-"))
+    return name or None
+
+
+# OpenRouter's model variants (openrouter.ai/docs, "Model Variants"): the same model served another way. An
+# Ollama tag (`qwen3:8b`) is not one: it names another model.
+ROUTE_VARIANTS = ("free", "extended", "exacto", "thinking", "online", "nitro", "floor", "beta")
 
 
 # the benchmark's roles, as build-bench records them in _meta
@@ -499,15 +517,25 @@ def run_lock(run_dir, shared=False):
     operating system releases it when the process ends, however it ends, so a crashed command leaves
     no stale lock. A second command on the same folder is refused at once, naming the holder.
     shared=True: a reader (export, serve loading the adapter): readers go together, never beside a
-    writer, so nothing reads an adapter while train writes it."""
-    os.makedirs(run_dir, exist_ok=True)
+    writer, so nothing reads an adapter while train writes it. A reader takes its shared lock through a
+    read-only handle, so it works on a read-only mount (containers mount models so); where the folder
+    cannot be written and has no lock file, no writer can exist, and the reader goes unlocked."""
+    if not shared:
+        os.makedirs(run_dir, exist_ok=True)
     try:
         import fcntl
     except ImportError:          # no flock (Windows): unlocked
         yield
         return
     path = os.path.join(run_dir, LOCK)
-    f = open(path, "a+", encoding="utf-8")
+    try:
+        f = open(path, "a+" if not shared else "r", encoding="utf-8")
+    except FileNotFoundError:    # a reader, and no writer has been here yet
+        try:
+            f = open(path, "a+", encoding="utf-8")
+        except OSError:          # nor can one come: the folder cannot be written
+            yield
+            return
     try:
         fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -518,7 +546,7 @@ def run_lock(run_dir, shared=False):
     if not shared:
         f.seek(0)
         f.truncate()
-        f.write(f"pid {os.getpid()} ({' '.join(sys.argv[1:3])})")
+        f.write(f"pid {os.getpid()} ({endpoints.redact(' '.join(sys.argv[1:2]))})")   # the command, never a value
         f.flush()
     try:
         yield
@@ -569,7 +597,7 @@ def printable(cfg):
         v = getattr(cfg, f.name)
         if f.metadata.get("parse") and v is not None:
             v = [f"{label}={spec}" for label, spec in v] if isinstance(v, list) else str(v)
-        new[f.name] = v
+        new[f.name] = [endpoints.redact(x) for x in v] if isinstance(v, list) else endpoints.redact(v)
     return new
 
 

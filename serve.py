@@ -1,22 +1,35 @@
 """A rerank HTTP server over one loaded Reranker, the Shield or the base model (`RerankServer`).
 
-`POST /v1/rerank` (aliases `/rerank`, `/v2/rerank`, `/infinity/rerank`) takes the Cohere/Jina/vLLM
-request {model, query, documents: [str | {text}], top_n?, return_documents?} and answers {id, model,
-results: [{index, relevance_score, document?}] best first, usage}, the document as {text}; an
-Infinity-shaped request (`infinity_shaped`) gets the document as a string; a body with `texts` on
-/rerank gets Text Embeddings Inference's shape [{index, score, text?}]. `POST /score` (and `/v1/score`)
-is vLLM's Score API: {model?, text_1: the query, text_2: the documents} -> {data: [{index, object,
-score}]} in the documents' order. relevance_score and score = sigmoid(margin). An `instruction` takes
-the prompt's <Instruct>: place for that request on the base model; the Shield, or weights the server
-cannot tell from it (`scoring_identity`), refuses one other than its own (400) unless started with
-allow_instruction. `GET /health`, `GET /v1/models`. Requests arriving together are scored in shared
-micro-batches by one scoring thread (a bounded queue; a full queue answers 503).
-Every request is untrusted: sizes are capped, every field is validated (4xx naming it), documents
-are tokenized as text (reranker.text_tokenizer), slow clients time out, and an optional API key is
-compared in constant time and never printed.
+Each route answers the shape its clients parse (their parsers run on the replies in test_serve.py):
+- `POST /v1/rerank`, `/v2/rerank`: Cohere/Jina/vLLM {model, query, documents: [str | {text}], top_n?,
+  return_documents?} -> {id, model, results: [{index, relevance_score, document?: {text}}] best first,
+  usage: {prompt_tokens, total_tokens}}; documents come back unless return_documents is false, as vLLM
+  (always) and Jina (by default) answer; Cohere's SDKs accept them.
+- `POST /rerank` (and `/infinity/rerank`): Infinity's reply, the document a string, returned only when
+  asked. vLLM serves this route too, and LiteLLM's hosted_vllm/ and infinity/ providers post the same
+  bytes to it, but no `document` passes both parsers (infinity/ wants a string, hosted_vllm/ calls
+  .get on it): the host URL serves infinity/, as LiteLLM's Infinity page configures it, and
+  hosted_vllm/ takes api_base http://HOST:PORT/v1. A body with `texts` gets TEI's [{index, score, text?}].
+- `POST /score` (`/v1/score`): vLLM's Score API, its two sides spelled as SCORE_FIELDS, one query for N
+  documents or N queries paired with N documents -> {id, object, created, model, data: [{index,
+  object, score}] in the pairs' order, usage}.
+- `GET /health`, `/info` (TEI's), `/v1/models`, `/v1/models/{id}`, `/metrics` (Prometheus), `/openapi.json`.
+A score is sigmoid(margin), or the margin for raw_scores true (TEI, Infinity) or use_activation false
+(vLLM). A client's instruction (`instruction` or `chat_template_kwargs.instruction`, any route) takes
+the prompt's <Instruct>: place on the base model; the Shield, or weights the server cannot tell from
+it (`scoring_identity`), refuses one other than its own (400) unless started with allow_instruction:
+one policy, `RerankServer.prompter`, every route goes through. One scoring thread scores requests in
+shared micro-batches; past max_concurrent_requests in progress or max_queue waiting, a request gets
+429 with Retry-After.
+Every request is untrusted: sizes are capped, every field a route reads is validated (4xx naming it as
+the client spelled it), documents are tokenized as text (reranker.text_tokenizer), slow clients time
+out, and an optional API key is compared in constant time and never printed.
+Deviation from vLLM: truncate_prompt_tokens caps each prompt by cutting the document's tail (its start
+with truncation_side left), so the scoring suffix stays; vLLM cuts the end of the whole prompt.
 
 Usage: RerankServer(rr, port=8000).serve_forever()
 """
+import collections
 import contextlib
 import copy
 import hmac
@@ -31,17 +44,21 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import export
 import lora
 
-INFINITY_PATH = "/infinity/rerank"   # LiteLLM's infinity/ provider with api_base http://HOST:PORT/infinity
-RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank", INFINITY_PATH)
+INFINITY_PATHS = ("/rerank", "/infinity/rerank")   # Infinity's reply; /infinity/rerank: api_base .../infinity
+RERANK_PATHS = ("/v1/rerank", "/v2/rerank") + INFINITY_PATHS
 SCORE_PATHS = ("/score", "/v1/score")    # vLLM's Score API
 POST_PATHS = RERANK_PATHS + SCORE_PATHS
-GET_PATHS = ("/health", "/v1/models", "/info")
+GET_PATHS = ("/health", "/info", "/v1/models", "/metrics", "/openapi.json")   # and /v1/models/{id}
+MODEL_PATH = "/v1/models/"
+# vLLM's spellings of a score request's two sides (ScoreRequest, vllm/entrypoints/pooling/score/protocol.py)
+SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 MAX_INSTRUCTION_CHARS = 4096
 
 
@@ -59,19 +76,21 @@ def sigmoid(m):
 
 @dataclass
 class RerankRequest:
-    """A validated rerank request (parse_rerank)."""
-    query: str
+    """A validated rerank or score request (parse_rerank, parse_score)."""
+    query: object                 # one query string, or (vLLM's N:N score) a list: one query per document
     texts: list
     tei: bool = False             # TEI's request and response shape
     top_n: int = None             # None: every document
     with_text: bool = False       # return_documents / return_text
-    raw: bool = False             # TEI's and Infinity's raw_scores: margins instead of sigmoid(margin)
+    raw: bool = False             # margins instead of sigmoid(margin): raw_scores true, use_activation false
     truncate: bool = True         # TEI truncate false: a too-long input is an error (413, as TEI)
-    left: bool = False            # TEI truncation_direction Left: a too-long document loses its start
-    max_doc_tokens: int = None    # Cohere max_tokens_per_doc: each document cut to that many tokens
+    left: bool = False            # TEI Left, vLLM truncation_side left: a too-long document loses its start
+    max_doc_tokens: int = None    # max_tokens_per_doc: each document cut to that many tokens
+    max_prompt_tokens: int = None  # vLLM truncate_prompt_tokens: each prompt at most that many (-1: max_length)
     model: str = None             # echoed in the reply
     document_string: bool = False  # Infinity's reply: results[].document a string, not {text}
     instruction: str = None       # the prompt's <Instruct>: for this request; None: the server's
+    instruction_field: str = None  # the field it came in: instruction or chat_template_kwargs.instruction
 
 
 def _text(v, field):
@@ -85,35 +104,14 @@ def _text(v, field):
     return v
 
 
-def _flag(body, k):
+def _flag(body, k, default=False):
     """A boolean field; "true"/"false" as strings too (RAGFlow's Xinference provider sends them)."""
-    v = body.get(k, False)
+    v = body.get(k, default)
     if isinstance(v, str) and v.lower() in ("true", "false"):
         return v.lower() == "true"
     if not isinstance(v, bool):
         raise RequestError(400, f"{k}: true or false is required", k)
     return v
-
-
-def _document(d, i, tei):
-    """One entry of `documents` (a string, {text}, or {content: [{type: "text", text}]} as Dify's
-    OpenAI-compatible provider sends with vision on) or of TEI's `texts` (a string) -> its text."""
-    field = f"{'texts' if tei else 'documents'}[{i}]"
-    if isinstance(d, dict) and not tei:
-        if isinstance(d.get("content"), list) and "text" not in d:
-            parts = d["content"]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in parts):
-                raise RequestError(400, f"{field}.content: only text parts ({{type: text, text}}) can be reranked",
-                                   f"{field}.content")
-            return _text("".join(p["text"] for p in parts), f"{field}.content")
-        d = d.get("text")
-        if not isinstance(d, str):
-            raise RequestError(400, f"{field}.text: a string is required", f"{field}.text")
-        return _text(d, f"{field}.text")
-    if not isinstance(d, str):
-        raise RequestError(400, f"{field}: a string{'' if tei else ' or {text}'} is required", field)
-    return _text(d, field)
 
 
 def _int_field(body, k, minimum):
@@ -123,98 +121,163 @@ def _int_field(body, k, minimum):
     return v
 
 
-def _instruction(body):
-    """The optional `instruction` (LiteLLM, llama.cpp and vLLM forward one to Qwen3 rerankers) -> a
-    string or None. Empty means the server's, as vLLM's template reads it. Its text can never become
-    prompt structure: it is tokenized with the query and documents as ordinary text (Reranker.tokenize)."""
-    v = body.get("instruction")
-    if v is None or v == "":
-        return None
-    if not isinstance(v, str):
-        raise RequestError(400, f"instruction: a string is required, got {type(v).__name__}", "instruction")
-    if len(v) > MAX_INSTRUCTION_CHARS:
-        raise RequestError(400, f"instruction: {len(v)} characters, at most {MAX_INSTRUCTION_CHARS}", "instruction")
-    return _text(v, "instruction")
-
-
-def parse_rerank(body, max_documents):
-    """A decoded JSON body -> RerankRequest. Cohere/Jina/vLLM/Infinity shape ({query, documents, top_n,
-    return_documents, max_tokens_per_doc, raw_scores}) or TEI's ({query, texts, return_text, raw_scores,
-    truncate, truncation_direction}), either with an optional `instruction`. Unknown fields are
-    ignored; every known one is checked. top_n 0 means all documents, as vLLM reads it."""
+def _object(body):
     if not isinstance(body, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    tei = "texts" in body and "documents" not in body
-    q = body.get("query")
+    return body
+
+
+def _query(q, field):
     if not isinstance(q, str) or not q.strip():
-        raise RequestError(400, "query: a non-empty string is required", "query")
-    _text(q, "query")
-    field = "texts" if tei else "documents"
-    docs = body.get(field)
+        raise RequestError(400, f"{field}: a non-empty string is required", field)
+    return _text(q, field)
+
+
+def _document(d, field, strings_only=False):
+    """One document (a string, {text}, or {content: [{type: "text", text}]} as Dify's OpenAI-compatible
+    provider and vLLM's multimodal score input send) -> its text; strings only for TEI's `texts`."""
+    if isinstance(d, dict) and not strings_only:
+        parts = d.get("content")
+        if isinstance(parts, list) and "text" not in d:
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in parts):
+                raise RequestError(400, f"{field}.content: only text parts ({{type: text, text}}) can be reranked",
+                                   f"{field}.content")
+            return _text("".join(p["text"] for p in parts), f"{field}.content")
+        d, field, want = d.get("text"), f"{field}.text", "a string"
+    else:
+        want = "a string" if strings_only else "a string or {text}"
+    if not isinstance(d, str):
+        raise RequestError(400, f"{field}: {want} is required", field)
+    return _text(d, field)
+
+
+def _documents(docs, field, max_documents, strings_only=False):
     if not isinstance(docs, list) or not docs:
         raise RequestError(400, f"{field}: a non-empty list is required", field)
     if len(docs) > max_documents:
         raise RequestError(400, f"{field}: {len(docs)} items, at most {max_documents}", field)
-    texts = [_document(d, i, tei) for i, d in enumerate(docs)]
+    return [_document(d, f"{field}[{i}]", strings_only) for i, d in enumerate(docs)]
+
+
+def _instruction_text(v, field):
+    if not isinstance(v, str):
+        raise RequestError(400, f"{field}: a string is required, got {type(v).__name__}", field)
+    if len(v) > MAX_INSTRUCTION_CHARS:
+        raise RequestError(400, f"{field}: {len(v)} characters, at most {MAX_INSTRUCTION_CHARS}", field)
+    return _text(v, field)
+
+
+def requested_instruction(body):
+    """The instruction a request asks for -> (text or None, the field it came in). `instruction`
+    (LiteLLM's hosted_vllm/, llama.cpp, vLLM and TensorRT-LLM forward one to Qwen3 rerankers) or vLLM's
+    `chat_template_kwargs.instruction`, which fills the same template variable; both at once must say
+    the same. Empty means the server's, as vLLM's template reads it; other template kwargs are ignored,
+    as the template ignores what it does not read. The text can never become prompt structure: it is
+    tokenized with the query and documents as ordinary text (Reranker.tokenize)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RequestError(400, "chat_template_kwargs: an object is required", "chat_template_kwargs")
+    given = (("instruction", body.get("instruction")),
+             ("chat_template_kwargs.instruction", (kwargs or {}).get("instruction")))
+    said = {f: _instruction_text(v, f) for f, v in given if v is not None and v != ""}
+    if len(set(said.values())) > 1:
+        raise RequestError(400, "instruction and chat_template_kwargs.instruction differ: send one", "instruction")
+    return next(((v, f) for f, v in said.items()), (None, None))
+
+
+def _margins_asked(body):
+    """Whether the request asks for margins instead of sigmoid(margin): raw_scores true (TEI, Infinity;
+    infinity_client sends false every time, its default) or vLLM's use_activation false (or its older
+    spellings activation, softmax). Asking for both at once is a 400 naming the fields."""
+    asks = {k: not _flag(body, k) for k in ("use_activation", "activation", "softmax") if body.get(k) is not None}
+    if _flag(body, "raw_scores"):
+        asks["raw_scores"] = True          # field -> whether it asks for margins
+    if len(set(asks.values())) > 1:
+        raise RequestError(400, f"{' and '.join(asks)}: one asks for margins, the other for sigmoid scores",
+                           next(iter(asks)))
+    return any(asks.values())
+
+
+def _options(body, req):
+    """The fields every route reads, set on `req` -> req: model, the instruction, the score's activation,
+    and truncation (max_tokens_per_doc; vLLM's truncate_prompt_tokens and truncation_side)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "model: a string is required", "model")
-    req = RerankRequest(q, texts, tei=tei, model=_text(model, "model") if model else None,
-                        instruction=_instruction(body))
-    req.raw = _flag(body, "raw_scores")
+    req.model = _text(model, "model") if model else None
+    req.instruction, req.instruction_field = requested_instruction(body)
+    req.raw = _margins_asked(body)
+    req.max_doc_tokens = _int_field(body, "max_tokens_per_doc", 1)
+    req.max_prompt_tokens = _int_field(body, "truncate_prompt_tokens", -1)
+    if req.max_prompt_tokens == 0:
+        raise RequestError(400, "truncate_prompt_tokens: an integer >= 1, or -1 for the model's max length",
+                           "truncate_prompt_tokens")
+    side = body.get("truncation_side", "right")
+    if side not in ("left", "right"):
+        raise RequestError(400, f"truncation_side: left or right, got {side!r}", "truncation_side")
+    req.left = req.left or side == "left"
+    return req
+
+
+def parse_rerank(path, body, max_documents):
+    """A decoded JSON body posted to rerank route `path` -> RerankRequest. Cohere/Jina/vLLM/Infinity shape
+    ({query, documents, top_n, return_documents}) or TEI's ({query, texts, return_text, truncate,
+    truncation_direction}), with _options' fields. Unknown fields are ignored; every known one is
+    checked. top_n 0 means all documents, as vLLM reads it. Infinity's reply (document_string) on
+    INFINITY_PATHS, or for a body with `raw_scores` (a field only Infinity's RerankInput defines; its
+    own client, infinity_client, sends it every time)."""
+    tei = "texts" in _object(body) and "documents" not in body
+    field = "texts" if tei else "documents"
+    req = RerankRequest(_query(body.get("query"), "query"), _documents(body.get(field), field, max_documents, tei),
+                        tei=tei, document_string=not tei and (path in INFINITY_PATHS or "raw_scores" in body))
     if tei:
         req.with_text = _flag(body, "return_text")
-        if "truncate" in body:
-            req.truncate = _flag(body, "truncate")
+        req.truncate = _flag(body, "truncate", True)
         direction = body.get("truncation_direction", "Right")
         if direction not in ("Left", "Right"):     # TEI's enum, spelled as TEI spells it
             raise RequestError(422, f"truncation_direction: Left or Right, got {direction!r}", "truncation_direction")
         req.left = direction == "Left"
     else:
         req.top_n = _int_field(body, "top_n", 0) or None
-        req.with_text = _flag(body, "return_documents")
-        req.max_doc_tokens = _int_field(body, "max_tokens_per_doc", 1)
-    return req
-
-
-def infinity_shaped(path, body):
-    """Whether a `documents` request gets Infinity's reply (results[].document a string) instead of the
-    Cohere/Jina/vLLM one ({text}). vLLM and Infinity both own POST /rerank, and LiteLLM's hosted_vllm/
-    and infinity/ providers post the same body there ({model, query, documents, top_n?,
-    return_documents: true}: litellm/llms/{hosted_vllm,infinity}/rerank/transformation.py), so on that
-    route the body cannot tell them apart. The rule: Infinity's shape for a body with `raw_scores` (a
-    field only Infinity's RerankInput defines; its own client, infinity_client, sends it every time)
-    or one posted to /infinity/rerank; vLLM's (= Cohere's) everywhere else."""
-    return path == INFINITY_PATH or "raw_scores" in body
+        req.with_text = _flag(body, "return_documents", not req.document_string)
+    return _options(body, req)
 
 
 def parse_score(body, max_documents):
-    """A request to vLLM's Score API ({model?, text_1, text_2}) -> the RerankRequest it is: text_1 the
-    query (one string; scoring two lists pairwise is not a reranker's request), text_2 the documents (a
-    list, or one string). A refusal names text_1 or text_2."""
-    if not isinstance(body, dict):
-        raise RequestError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    if not isinstance(body.get("text_1"), str):
-        raise RequestError(400, "text_1: one query string is required", "text_1")
-    docs = body.get("text_2")
-    as_rerank = {"model": body.get("model"), "query": body["text_1"],
-                 "documents": [docs] if isinstance(docs, str) else docs}
-    try:
-        return parse_rerank({k: v for k, v in as_rerank.items() if v is not None}, max_documents)
-    except RequestError as e:        # the rerank fields' names as this API spells them
-        spelled = lambda text: re.sub(r"^query", "text_1", re.sub(r"^documents", "text_2", text))
-        raise RequestError(e.status, spelled(str(e)), e.param and spelled(e.param)) from None
+    """A request to vLLM's Score API -> the RerankRequest it is. Its two sides are spelled as one of
+    SCORE_FIELDS, each a string or a list; one query for N documents (1:1, 1:N) or N queries paired with
+    N documents (N:N, as vLLM's Qwen3-Reranker example sends), vLLM's three length rules. A refusal names
+    the fields the client sent."""
+    sent = [(q, d) for q, d in SCORE_FIELDS if q in _object(body) and d in body]
+    if len(sent) != 1:
+        given = [k for k in dict.fromkeys(k for pair in SCORE_FIELDS for k in pair) if k in body]
+        raise RequestError(400, f"{', '.join(given) or 'the body'}: give one pair of queries and documents "
+                                "(or queries and items, data_1 and data_2, text_1 and text_2)",
+                           given[0] if given else None)
+    qf, df = sent[0]
+    listed = lambda v: [v] if isinstance(v, str) else v
+    texts = _documents(listed(body[df]), df, max_documents)
+    queries = listed(body[qf])
+    if not isinstance(queries, list) or len(queries) not in (1, len(texts)):
+        n = len(queries) if isinstance(queries, list) else type(queries).__name__
+        raise RequestError(400, f"{qf}: {n} for {len(texts)} {df}; give one, or one per item of {df}", qf)
+    queries = [_query(q, f"{qf}[{i}]" if isinstance(body[qf], list) else qf) for i, q in enumerate(queries)]
+    return _options(body, RerankRequest(queries[0] if len(queries) == 1 else queries, texts))
 
 
-def fit_documents(rr, req):
-    """The documents as the reranker will score them under the request's truncation settings: cut
-    to max_doc_tokens, or (TEI) refused or cut from the left when the prompt exceeds max_length.
-    Cuts fall on token boundaries of the document encoded alone (its character offsets)."""
+def fit_documents(rr, queries, req):
+    """The documents as the reranker will score them under the request's truncation settings (queries:
+    one per document): cut to max_doc_tokens, or refused (TEI truncate false) or cut from the left when
+    the prompt exceeds max_length. Cuts fall on token boundaries of the document encoded alone (its
+    character offsets)."""
     if req.max_doc_tokens is None and req.truncate and not req.left:
         return req.texts                  # Reranker.tokenize cuts the tail, as the model card does
-    room = rr.max_length - len(rr.tokenize(req.query, [""])[0])      # tokens left for a document
-    out = []
-    for i, t in enumerate(req.texts):
+    rooms, out = {}, []                   # tokens left for a document, per query
+    for i, (q, t) in enumerate(zip(queries, req.texts)):
+        if q not in rooms:
+            rooms[q] = rr.max_length - len(rr.tokenize(q, [""])[0])
+        room = rooms[q]
         enc = rr.text_tokenizer.encode(t, add_special_tokens=False)
         n = len(enc.ids)
         if req.max_doc_tokens is not None and n > req.max_doc_tokens:
@@ -227,6 +290,15 @@ def fit_documents(rr, req):
                 t = t[enc.offsets[n - room][0]:]
         out.append(t)
     return out
+
+
+def prompt_ids(rr, req):
+    """The request's prompts as token-id lists, one per document (fit_documents, then Reranker.tokenize)."""
+    queries = req.query if isinstance(req.query, list) else [req.query] * len(req.texts)
+    texts = fit_documents(rr, queries, req)
+    if not isinstance(req.query, list):
+        return rr.tokenize(req.query, texts)
+    return [rr.tokenize(q, [t])[0] for q, t in zip(queries, texts)]
 
 
 # ----------------------------------------------------------------------------- bodies and replies
@@ -294,9 +366,10 @@ def json_body(raw):
 
 
 def error_headers(status, allow):
-    """The headers of an error reply: Allow (`allow`) on 405, WWW-Authenticate on 401, Retry-After on 503."""
+    """The headers of an error reply: Allow (`allow`) on 405, WWW-Authenticate on 401, Retry-After on 429
+    and 503 (RFC 9110 10.2.3: when to come back)."""
     return ([("Allow", allow)] if status == 405 else [("WWW-Authenticate", "Bearer")] if status == 401 else
-            [("Retry-After", "1")] if status == 503 else ())
+            [("Retry-After", "1")] if status in (429, 503) else ())
 
 
 def _ranked(m):
@@ -304,21 +377,116 @@ def _ranked(m):
     return sorted(range(len(m)), key=lambda i: (-m[i], i))
 
 
-def tei_results(req, m):
-    """TEI's reply: [{index, score, text?}] best first; score sigmoid(margin), or the margin (raw_scores)."""
-    return [{"index": i, "score": m[i] if req.raw else sigmoid(m[i]),
-             **({"text": req.texts[i]} if req.with_text else {})} for i in _ranked(m)]
-
-
-def rerank_results(req, m):
-    """Cohere's and vLLM's `results`: [{index, relevance_score, document?}] best first, the first top_n;
-    the document as {text}, or as a string for an Infinity-shaped request (req.document_string).
-    relevance_score sigmoid(margin), or the margin (Infinity's raw_scores)."""
+def reply(path, req, m, tokens, model):
+    """The reply to `req` on `path` given its margins `m` (document order) and prompt tokens: TEI's list,
+    vLLM's ScoreResponse (the pairs' order), or the rerank results best first (the first top_n), the
+    document as {text} or (Infinity's ReRankResult) a string."""
+    score = (lambda v: v) if req.raw else sigmoid
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     order = _ranked(m)
-    order = order[:req.top_n] if req.top_n is not None else order
+    if req.tei:
+        return [{"index": i, "score": score(m[i]), **({"text": req.texts[i]} if req.with_text else {})} for i in order]
+    if path in SCORE_PATHS:
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+                "data": [{"index": i, "object": "score", "score": score(v)} for i, v in enumerate(m)],
+                "usage": {**usage, "completion_tokens": 0}}
     doc = (lambda t: t) if req.document_string else (lambda t: {"text": t})
-    return [{"index": i, "relevance_score": m[i] if req.raw else sigmoid(m[i]),
-             **({"document": doc(req.texts[i])} if req.with_text else {})} for i in order]
+    results = [{"index": i, "relevance_score": score(m[i]),
+                **({"document": doc(req.texts[i])} if req.with_text else {})} for i in order[:req.top_n]]
+    out = {"id": uuid.uuid4().hex, "model": model, "results": results, "usage": usage}
+    return {"object": "rerank", **out, "created": int(time.time())} if req.document_string else out
+
+
+class Metrics:
+    """The server's Prometheus metrics in the text exposition format 0.0.4
+    (https://prometheus.io/docs/instrumenting/exposition_formats/): FAMILIES, then the gauges `render` is
+    given at scrape time. Label values come from fixed sets (the routes, "other", status names), so
+    they need no escaping."""
+    FAMILIES = {"geodef_requests_total": ("counter", "HTTP requests answered, by route and status"),
+                "geodef_errors_total": ("counter", "error replies, by kind (the HTTP status' name)"),
+                "geodef_documents_total": ("counter", "documents scored"),
+                "geodef_prompt_tokens_total": ("counter", "prompt tokens scored"),
+                "geodef_request_duration_seconds": ("histogram", "time from the request line to the reply")}
+    BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)  # the Python
+    # client's default buckets, and 30 s, 60 s for long requests
+
+    def __init__(self):
+        self.lock, self.values = threading.Lock(), collections.Counter()   # (sample, labels) -> value
+
+    def add(self, sample, value=1, **labels):
+        with self.lock:
+            self.values[sample, tuple(labels.items())] += value
+
+    def answered(self, route, status, seconds):
+        self.add("geodef_requests_total", route=route, status=status)
+        if status >= 400:
+            self.add("geodef_errors_total", kind=HTTPStatus(status).name.lower())
+        for le in self.BUCKETS:            # cumulative: each bucket counts the requests at most `le` long
+            self.add("geodef_request_duration_seconds_bucket", seconds <= le, route=route,
+                     le="+Inf" if le == math.inf else le)
+        self.add("geodef_request_duration_seconds_sum", seconds, route=route)
+        self.add("geodef_request_duration_seconds_count", route=route)
+
+    def render(self, gauges):
+        """-> the exposition text; gauges: [(name, type, help, value)] the caller reads at scrape time."""
+        with self.lock:
+            values = list(self.values.items())
+        out = []
+        for name, kind, what, value in [(n, k, h, None) for n, (k, h) in self.FAMILIES.items()] + gauges:
+            out += [f"# HELP {name} {what}", f"# TYPE {name} {kind}"]
+            samples = [x for x in values if x[0][0].startswith(name)]
+            samples = samples or ([((name, ()), value)] if value is not None else [])
+            for (sample, labels), v in samples:
+                tags = ",".join(f'{k}="{v}"' for k, v in labels)
+                out.append(f"{sample}{{{tags}}} {v}" if tags else f"{sample} {v}")
+        return "\n".join(out) + "\n"
+
+
+def openapi(keyed):
+    """GET /openapi.json: the routes and the fields this file reads as an OpenAPI 3.1 document (checked with
+    openapi-spec-validator in test_serve.py); keyed: the routes behind the API key say so."""
+    ref = lambda name: {"$ref": f"#/components/schemas/{name}"}
+    text, number, flag = {"type": "string"}, {"type": "number"}, {"type": "boolean"}
+    count = lambda lo: {"type": "integer", "minimum": lo}
+    obj = lambda **props: {"type": "object", "properties": props}
+    listed = lambda item: {"type": "array", "items": item}
+    document = {"oneOf": [text, obj(text=text)]}
+    options = dict(model=text, instruction=text, chat_template_kwargs=obj(instruction=text), raw_scores=flag,
+                   use_activation=flag, max_tokens_per_doc=count(1), truncate_prompt_tokens=count(-1),
+                   truncation_side={"enum": ["left", "right"]})
+    schemas = {
+        "RerankRequest": {**obj(**options, query=text, documents=listed(document), texts=listed(text), top_n=count(0),
+                                return_documents=flag, return_text=flag, truncate=flag,
+                                truncation_direction={"enum": ["Left", "Right"]}), "required": ["query"]},
+        "RerankResponse": {"oneOf": [
+            obj(id=text, model=text, usage=ref("Usage"),
+                results=listed(obj(index=count(0), relevance_score=number, document=document))),
+            listed(obj(index=count(0), score=number, text=text))]},          # TEI's
+        "ScoreRequest": obj(**options, **{k: {"oneOf": [text, listed(text)]} for pair in SCORE_FIELDS for k in pair}),
+        "ScoreResponse": obj(id=text, object=text, created=count(0), model=text, usage=ref("Usage"),
+                             data=listed(obj(index=count(0), object=text, score=number))),
+        "Usage": obj(prompt_tokens=count(0), total_tokens=count(0), completion_tokens=count(0)),
+        "Error": obj(detail=text, error=obj(message=text, type=text, code=count(400),
+                                            param={"type": ["string", "null"]}))}
+
+    body = lambda schema, media="application/json": {"content": {media: {"schema": schema}}}
+    errors = {str(s): {"description": HTTPStatus(s).phrase, **body(ref("Error"))} for s in (400, 401, 413, 429)}
+
+    def operation(method, summary, request=None, response=None, keyed=keyed, media="application/json"):
+        ok = {"description": "OK", **body(ref(response) if response else text, media)}
+        return {method: {"summary": summary, "responses": {"200": ok, **errors},
+                         **({"requestBody": {"required": True, **body(ref(request))}} if request else {}),
+                         **({"security": [{"bearer": []}]} if keyed else {})}}
+    paths = {**{p: operation("post", "rerank documents", "RerankRequest", "RerankResponse") for p in RERANK_PATHS},
+             **{p: operation("post", "score pairs", "ScoreRequest", "ScoreResponse") for p in SCORE_PATHS},
+             "/health": operation("get", "liveness", keyed=False), "/info": operation("get", "TEI's", keyed=False),
+             "/openapi.json": operation("get", "this document", keyed=False), "/v1/models": operation("get", "models"),
+             "/metrics": operation("get", "Prometheus metrics", media="text/plain"),
+             "/v1/models/{model}": operation("get", "the served model")}
+    paths["/v1/models/{model}"]["get"]["parameters"] = [{"name": "model", "in": "path", "required": True,
+                                                         "schema": text}]
+    return {"openapi": "3.1.0", "info": {"title": "GEO Defender rerank server", "version": "1"}, "paths": paths,
+            "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
 
 
 # ----------------------------------------------------------------------------- the server
@@ -341,13 +509,14 @@ class Batcher:
         threading.Thread(target=self._loop, daemon=True, name="rerank-batcher").start()
 
     def submit(self, ids, timeout):
-        """Token-id lists -> float margins, in order. Raises RequestError 503 when the queue is full
-        or the scores are not ready within `timeout` seconds."""
+        """Token-id lists -> float margins, in order. Raises RequestError 429 when the queue is full (as
+        TEI answers when overloaded), 503 when the scores are not ready within `timeout` seconds."""
         job = {"ids": ids, "done": threading.Event(), "scores": None, "error": None}
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
-            raise RequestError(503, "the server is busy (request queue full); retry later") from None
+            raise RequestError(429, f"the server is busy ({self.jobs.maxsize} requests wait for scoring, "
+                                    "max_queue); retry later") from None
         if not job["done"].wait(timeout):
             job["cancelled"] = True           # not scored later for nobody
             raise RequestError(503, f"not scored within {timeout:.0f} s; retry later")
@@ -430,15 +599,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _write(self, status, obj, headers):
-        data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        """`obj` as JSON, or a str as Prometheus text, head and body in one write."""
+        text = isinstance(obj, str)
+        data = (obj if text else json.dumps(obj, ensure_ascii=False)).encode("utf-8")
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8" if text else "application/json")
         self.send_header("Content-Length", str(len(data)))
         for k, v in headers:
             self.send_header(k, v)
         if self.close_connection:
             self.send_header("Connection", "close")
-        self._headers_buffer.append(b"\r\n" + data)   # head and body in one write
+        self._headers_buffer.append(b"\r\n" + data)
         self.flush_headers()
 
     def _fail(self, e, headers=()):
@@ -447,8 +618,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.status},
                               "detail": str(e)}, headers)
 
-    def log_request(self, code="-", size="-"):   # the path without its query string (it may hold a key)
+    def log_request(self, code="-", size="-"):
+        """Every reply passes here (send_response calls it, for the base class's own errors too): it is
+        counted in the metrics and logged, the path without its query string (it may hold a key)."""
         path = urlsplit(getattr(self, "path", "") or "").path      # none on a malformed request line
+        if isinstance(code, int):
+            route = path.rstrip("/") or "/"
+            route = route if route in POST_PATHS + GET_PATHS else "/v1/models/{id}" if route.startswith(MODEL_PATH) \
+                else "other"
+            t0 = self.__dict__.pop("_t0", None)          # none: a request line refused before parse_request
+            self.server.metrics.answered(route, int(code), time.perf_counter() - t0 if t0 else 0.0)
         self.log_message('"%s %s" %s', self.command, path, getattr(code, "value", code))
 
     def log_message(self, fmt, *args):   # one line per request; never headers (the key), bodies or queries
@@ -457,6 +636,7 @@ class _Handler(BaseHTTPRequestHandler):
             sys.stderr.write(f"[serve] {self.address_string()} {line}\n")
 
     def parse_request(self):
+        self._t0 = time.perf_counter()       # the request line is read: latency counts from here
         ok = super().parse_request()
         if ok and self.request_version == "HTTP/0.9":   # no headers and no status line to answer with
             self.close_connection = True
@@ -491,27 +671,36 @@ class _Handler(BaseHTTPRequestHandler):
     # -- methods
     def do_GET(self):
         path = urlsplit(self.path).path.rstrip("/") or "/"
+        srv = self.server
         try:
             if path == "/health":
                 return self._send(200, {"status": "ok"})
             if path == "/info":                     # Text Embeddings Inference's shape (tei-client)
-                return self._send(200, self.server.info())
+                return self._send(200, srv.info())
+            if path == "/openapi.json":             # the API's description, no key needed
+                return self._send(200, openapi(bool(srv.conf["api_key"])))
             if path in POST_PATHS:
                 raise RequestError(405, f"{path} takes POST")
-            if path != "/v1/models":
+            if path not in ("/v1/models", "/metrics") and not path.startswith(MODEL_PATH):
                 raise RequestError(404, f"no route {path}")
             if not self._authorised():
                 raise RequestError(401, "missing or wrong API key (Authorization: Bearer ...)")
-            name = self.server.conf["model_name"]
-            self._send(200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "geo-defender"}]})
+            if path == "/metrics":
+                return self._send(200, srv.metrics.render(srv.gauges()))
+            card = srv.model_card()
+            if path == "/v1/models":
+                return self._send(200, {"object": "list", "data": [card]})
+            if unquote(path[len(MODEL_PATH):]) != card["id"]:     # OpenAI's retrieve-model route
+                raise RequestError(404, f"model {unquote(path[len(MODEL_PATH):])!r}: this server serves "
+                                        f"{card['id']!r}", "model")
+            self._send(200, card)
         except RequestError as e:
             self._fail(e, error_headers(e.status, "POST"))
 
     def do_POST(self):
         path = urlsplit(self.path).path.rstrip("/") or "/"
-        t0 = time.perf_counter()
         try:
-            if path in GET_PATHS:
+            if path in GET_PATHS or path.startswith(MODEL_PATH):
                 self.close_connection = True
                 raise RequestError(405, f"{path} takes GET")
             if path not in POST_PATHS:
@@ -520,7 +709,9 @@ class _Handler(BaseHTTPRequestHandler):
             if not self._authorised():
                 self.close_connection = True
                 raise RequestError(401, "missing or wrong API key (Authorization: Bearer ...)")
-            self._rerank(self._body(), t0)
+            body = self._body()
+            with self.server.slot():
+                self._rerank(path, body)
         except RequestError as e:
             self._fail(e, error_headers(e.status, "GET"))
         except Exception as e:   # a defect, not the client's fault: logged here, a short 500 there
@@ -539,29 +730,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
 
-    def _rerank(self, body, t0):
-        conf = self.server.conf
-        path = urlsplit(self.path).path.rstrip("/")
-        req = (parse_score if path in SCORE_PATHS else parse_rerank)(body, conf["max_documents"])
-        rr = self.server.prompter(req.instruction)
-        req.document_string = not req.tei and infinity_shaped(path, body)
+    def _rerank(self, path, body):
+        srv, conf = self.server, self.server.conf
+        req = parse_score(body, conf["max_documents"]) if path in SCORE_PATHS else \
+            parse_rerank(path, body, conf["max_documents"])
+        rr = srv.prompter(req)
         try:
-            texts = fit_documents(rr, req)
-            ids = rr.tokenize(req.query, texts)
+            ids = prompt_ids(rr, req)
         except ValueError as e:   # a prompt without room for the document, or text BPE turns into a control token
-            raise RequestError(400, f"query/instruction/documents: {e}") from None
-        m = self.server.batcher.submit(ids, conf["score_timeout"])
-        if req.tei:
-            return self._send(200, tei_results(req, m))
-        if path in SCORE_PATHS:
-            n = sum(map(len, ids))
-            data = [{"index": i, "object": "score", "score": sigmoid(v)} for i, v in enumerate(m)]
-            return self._send(200, {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                                    "model": req.model or conf["model_name"], "data": data,
-                                    "usage": {"prompt_tokens": n, "total_tokens": n}})
-        self._send(200, {"id": uuid.uuid4().hex, "model": req.model or conf["model_name"],
-                         "results": rerank_results(req, m), "usage": {"total_tokens": sum(map(len, ids))},
-                         "meta": {"elapsed_ms": round(1000 * (time.perf_counter() - t0), 1)}})
+            cap = "truncate_prompt_tokens" if req.max_prompt_tokens else None    # the client's budget, if any
+            raise RequestError(400, f"query/instruction/documents{'/' + cap if cap else ''}: {e}", cap) from None
+        m = srv.batcher.submit(ids, conf["score_timeout"])
+        tokens = sum(map(len, ids))
+        srv.metrics.add("geodef_documents_total", len(ids))
+        srv.metrics.add("geodef_prompt_tokens_total", tokens)
+        self._send(200, reply(path, req, m, tokens, req.model or conf["model_name"]))
 
 
 class RerankServer(ThreadingHTTPServer):
@@ -569,40 +752,79 @@ class RerankServer(ThreadingHTTPServer):
     one (`server_address[1]`)."""
     daemon_threads = True
     request_queue_size = 1024    # listen backlog: a burst of new connections waits to be accepted (then
-                                 # a full request queue answers 503), instead of TCP resets at 5
+                                 # a full server answers 429), instead of TCP resets at 5
 
     def __init__(self, rr, host="127.0.0.1", port=8000, api_key=None, model_name="geo-defender-shield",
                  max_documents=1000, max_body_bytes=8 << 20, read_timeout=30.0, body_timeout=60.0,
-                 score_timeout=600.0, max_queue=64, log=True, allow_instruction=False):
+                 score_timeout=600.0, max_queue=64, max_concurrent_requests=128, log=True, allow_instruction=False):
         super().__init__((host, port), _Handler)
         self.rr = rr
         self.identity, self.scoring = scoring_identity(rr)    # "shield" | "base" | "unknown", and why
         self.batcher = Batcher(rr, max_queue=max_queue)
+        self.metrics, self.started = Metrics(), int(time.time())
+        self.in_flight, self.lock = 0, threading.Lock()      # requests in progress (slot)
         self.conf = {"api_key": api_key or None, "model_name": model_name, "max_documents": max_documents,
                      "max_body_bytes": max_body_bytes, "read_timeout": read_timeout, "body_timeout": body_timeout,
-                     "score_timeout": score_timeout, "log": log, "allow_instruction": allow_instruction}
+                     "score_timeout": score_timeout, "max_concurrent_requests": max_concurrent_requests,
+                     "log": log, "allow_instruction": allow_instruction}
         if log:
             taken = "accepted" if self.identity == "base" or allow_instruction else "refused"
             sys.stderr.write(f"[serve] scoring with {self.scoring}; a client's instruction is {taken}\n")
 
-    def prompter(self, instruction):
-        """The Reranker that builds this request's prompts: the server's own, or (for another
-        `instruction`) a shallow copy with that instruction. The copy shares the model and tokenizers
-        and only tokenizes; the scoring thread takes token ids, so requests with different
-        instructions share batches and never see each other's. The Shield refuses another
-        instruction unless `allow_instruction`: its adapter was trained under its own, and a
-        caller's could change what it scores, down to switching the defense off. So do weights the
-        server cannot tell from the Shield's (scoring_identity); the reply names no file."""
-        if instruction is None or instruction == self.rr.instruction:
-            return self.rr
-        if self.identity != "base" and not self.conf["allow_instruction"]:
+    @contextlib.contextmanager
+    def slot(self):
+        """One of max_concurrent_requests places for a request in progress; none free: 429 with
+        Retry-After (TEI's answer past its --max-concurrent-requests), the connection kept."""
+        with self.lock:
+            if self.in_flight >= self.conf["max_concurrent_requests"]:
+                raise RequestError(429, f"the server is busy ({self.in_flight} requests in progress, "
+                                        "max_concurrent_requests); retry later")
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    def prompter(self, req):
+        """The Reranker that builds `req`'s prompts: the server's own, or a shallow copy with the
+        request's instruction and prompt budget (truncate_prompt_tokens as its max_length; -1: the
+        server's). Every route goes through here, so this is the one instruction policy. The copy shares
+        the model and tokenizers and only tokenizes; the scoring thread takes token ids, so requests with
+        different instructions share batches and never see each other's. The Shield refuses another
+        instruction unless `allow_instruction`: its adapter was trained under its own, and a caller's
+        could change what it scores, down to switching the defense off. So do weights the server cannot
+        tell from the Shield's (scoring_identity); the reply names no file."""
+        other = req.instruction is not None and req.instruction != self.rr.instruction
+        if other and self.identity != "base" and not self.conf["allow_instruction"]:
             what = "with the Shield" if self.identity == "shield" else "with weights it cannot tell from the Shield's"
-            raise RequestError(400, f"instruction: refused; this server scores {what}, whose adapter was trained "
-                                    "under its own instruction, and another one could switch the defense off (omit "
-                                    "it, or start the server with --allow-instruction)", "instruction")
+            raise RequestError(400, f"{req.instruction_field}: refused; this server scores {what}, whose adapter was "
+                                    "trained under its own instruction, and another one could switch the defense off "
+                                    "(omit it, or start the server with --allow-instruction)", req.instruction_field)
+        budget = req.max_prompt_tokens
+        if budget is not None and budget > self.rr.max_length:       # as vLLM refuses one over max_model_len
+            raise RequestError(400, f"truncate_prompt_tokens: {budget}, at most the max length {self.rr.max_length}",
+                               "truncate_prompt_tokens")
+        if not other and budget in (None, -1):
+            return self.rr
         view = copy.copy(self.rr)
-        view.instruction = instruction
+        view.instruction = req.instruction if other else self.rr.instruction
+        view.max_length = self.rr.max_length if budget in (None, -1) else budget
         return view
+
+    def model_card(self):
+        """The served model as OpenAI's Model object, with vLLM's max_model_len."""
+        return {"id": self.conf["model_name"], "object": "model", "created": self.started,
+                "owned_by": "geo-defender", "max_model_len": self.rr.max_length}
+
+    def gauges(self):
+        """What /metrics reads at scrape time: [(name, type, help, value)]."""
+        waiting = self.batcher.jobs.qsize() + (self.batcher.held is not None)
+        return [("geodef_queue_depth", "gauge", "requests waiting for the scoring thread", waiting),
+                ("geodef_requests_in_flight", "gauge", "requests in progress (max_concurrent_requests at most)",
+                 self.in_flight),
+                ("geodef_scoring_calls_total", "counter", "score_ids calls (shared micro-batches)",
+                 self.batcher.batches)]
 
     def info(self):
         """GET /info in Text Embeddings Inference's shape (its router's `Info`)."""
@@ -610,7 +832,7 @@ class RerankServer(ThreadingHTTPServer):
         return {"model_id": self.conf["model_name"], "model_sha": rr.revision,
                 "model_dtype": str(rr.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "model_type": {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}},
-                "max_concurrent_requests": self.batcher.jobs.maxsize, "max_input_length": rr.max_length,
+                "max_concurrent_requests": self.conf["max_concurrent_requests"], "max_input_length": rr.max_length,
                 "max_batch_tokens": self.batcher.max_batch_tokens, "max_batch_requests": None,
                 "max_client_batch_size": self.conf["max_documents"], "auto_truncate": True,
                 "tokenization_workers": 1, "version": "geo-defender", "sha": None, "docker_label": None}

@@ -27,6 +27,8 @@ N_DOCS = 10                           # candidates a list (geodef.N_DOCS): the t
 # batch window (https://platform.openai.com/docs/guides/batch: completion_window "24h"), so no single reply
 # or status check is worth waiting longer for.
 MAX_WAIT = 24 * 3600
+MAX_SAMPLES = 10_000                  # answers per instance or masks per document: memory grows with it
+MAX_THREADS = 1024                    # workers, clients or requests in progress: a thread (and a socket) each
 
 
 class SettingsError(ValueError):
@@ -56,6 +58,17 @@ def spec_of(parse):
 
 def at_least(lo):
     return lambda v: v >= lo
+
+
+def between(lo, hi):
+    """A bound on both sides, for a setting that sizes memory, threads or a sleep: past `hi` the process
+    would run out of memory or fail deep inside (a thread per worker, an array per sample)."""
+    return lambda v: lo <= v <= hi
+
+
+def rate_per_minute(v):
+    """0 (no cap), or a rate whose gap between requests, 60 / rpm seconds, a sleep can take (MAX_WAIT)."""
+    return v == 0 or (v > 0 and 60 / v <= MAX_WAIT)
 
 
 def positive(v):
@@ -184,7 +197,8 @@ class RunSettings(Settings):
     """The run folder (README "What a run folder guarantees") and the seed of everything drawn."""
     name: str = setting("default", "run folder name under --runs-dir", ok=check_name)
     runs_dir: str = setting("runs", "parent folder of run folders")
-    seed: int = setting(0, "split, order and initialisation seed", pinned=True)
+    seed: int = setting(0, "split, order and initialisation seed", ok=between(0, 2**63 - 1),
+                        says="0 to 2**63 - 1 (torch.manual_seed's range)", pinned=True)
 
     @property
     def run_dir(self):
@@ -242,14 +256,16 @@ class LLMSettings(Settings):
                                 ok=wait_seconds, says=f"seconds, more than 0 and at most {MAX_WAIT}")
     batch_deadline: float = setting(None, "seconds a batch may run before it is cancelled, its replies kept and the "
                                           "rest sent synchronously (default: the providers' 24 h window)",
-                                    ok=positive_or_none)
+                                    ok=wait_seconds_or_none, says=f"seconds, more than 0 and at most {MAX_WAIT}")
 
 
 @dataclass(frozen=True)
 class RequestSettings(Settings):
     """How requests to any endpoint go out (LLM, rerank, search): concurrency, rate, timeout, prices."""
-    workers: int = setting(8, "concurrent requests", ok=at_least(1), taken=True)
-    rpm: float = setting(0, "requests per minute cap (0 = none)", ok=at_least(0), taken=True)
+    workers: int = setting(8, "concurrent requests", ok=between(1, MAX_THREADS), says=f"1 to {MAX_THREADS}",
+                           taken=True)
+    rpm: float = setting(0, "requests per minute cap (0 = none)", ok=rate_per_minute,
+                         says=f"0, or at least {60 / MAX_WAIT:.6f}: one request a day", taken=True)
     timeout: float = setting(None, "seconds for one whole reply of an LLM, rerank or search endpoint, retries apart "
                                    f"(default: 600 for LLMs, 120 for rerank and search; at most {MAX_WAIT})",
                              ok=wait_seconds_or_none, says=f"seconds, more than 0 and at most {MAX_WAIT}",
@@ -323,7 +339,7 @@ class SampleSettings(Settings):
     samples: int = setting(1, "eval: answers per instance and condition, each its own cached reply (Don't Measure "
                               "Once, arXiv 2604.07585), intervals then bootstrapping groups, then samples (the "
                               "paper: 1); rerank-eval --certify: random masks per document (1, the default: 32)",
-                           ok=at_least(1))
+                           ok=between(1, MAX_SAMPLES), says=f"1 to {MAX_SAMPLES}")
 
 
 @dataclass(frozen=True)
@@ -340,11 +356,11 @@ class EvalSettings(SampleSettings):
 class RerankSettings(Settings):
     """Deployed rerankers under GEO attack (rerank-eval; eval --reranker) and the bootstrap's size."""
     reranker: list = setting(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, "
-                                   "voyage:MODEL, http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT, "
+                                   "voyage:MODEL, http://HOST:PORT[/rerank][#MODEL], tei:http://HOST:PORT, "
                                    "vllm-score:http://HOST:PORT[#MODEL]); repeatable. eval: adds 'Non-Defense "
                                    "[LABEL]' and 'TFSG only [LABEL]'",
                              parse=endpoints.parse_rerankers)
-    n_boot: int = setting(10000, "bootstrap resamples", ok=at_least(1), taken=True)
+    n_boot: int = setting(10000, "bootstrap resamples", ok=between(1, 1_000_000), says="1 to 1000000", taken=True)
 
 
 @dataclass(frozen=True)
@@ -442,9 +458,14 @@ class HoldoutSettings(Settings):
 class DeploySettings(Settings):
     """deploy-check (deploy_check.py): the endpoint whose scores are checked against the run's Shield."""
     endpoint: endpoints.RerankSpec = setting(None, "the rerank endpoint to check, a spec as --reranker takes it "
-                                                   "(http://HOST:PORT[/v1/rerank][#MODEL], tei:http://HOST:PORT, "
+                                                   "(http://HOST:PORT[/rerank][#MODEL], tei:http://HOST:PORT, "
                                                    "vllm-score:http://HOST:PORT[#MODEL], cohere:MODEL, ...)",
                                              parse=spec_of(endpoints.parse_spec))
+    long: bool = setting(True, "send the long-document list (--no-long: leave it out, for an endpoint that cannot "
+                               "take a long input)")
+    long_tokens: int = setting(None, "the long list's prompt length in tokens (default: 2048, or 1.2 x --max-length "
+                                     "when less; never more than the endpoint advertises)", ok=at_least(64),
+                               says="64 or more")
 
 
 @dataclass(frozen=True)
@@ -471,8 +492,14 @@ class ServeSettings(Settings):
     api_key: str = setting(None, "require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment "
                                  "variable)", secret=True)
     served_name: str = setting(None, "model name in responses and /v1/models (default: the run's name)")
-    max_documents: int = setting(1000, "most documents per request", ok=at_least(1))
-    max_body_bytes: int = setting(8 << 20, "largest request body (413 above)", ok=at_least(1))
+    max_documents: int = setting(1000, "most documents per request", ok=between(1, 100_000), says="1 to 100000")
+    max_body_bytes: int = setting(8 << 20, "largest request body (413 above)", ok=between(1, 1 << 30),
+                                  says="1 byte to 1 GiB")
+    max_concurrent_requests: int = setting(128, "requests in progress at once (as TEI's flag of that name); one "
+                                                "more is answered 429 with Retry-After", ok=between(1, MAX_THREADS),
+                                           says=f"1 to {MAX_THREADS}")
+    max_queue: int = setting(64, "requests waiting for the scoring thread; one more is answered 429 with "
+                                 "Retry-After", ok=between(1, 100_000), says="1 to 100000")
     allow_instruction: bool = setting(False, "let clients send an `instruction` to the Shield too (by default "
                                              "refused with a 400: the adapter was trained under its own, and "
                                              "another could switch the defense off)")
@@ -484,6 +511,8 @@ class EngineSettings(Settings):
     port: int = setting(8765, "port on 127.0.0.1 (0: any free one)", ok=port_number, says="0 to 65535")
     corpus: str = setting(None, "JSONL of {query, url, text} answering Tavily-shaped /search (data/make_sample.py "
                                 "writes one)")
+    created: int = setting(None, "pin every chat reply's `created` to this Unix second (default: the second its "
+                                 "request arrived)", ok=at_least(0), says="a Unix second, 0 or more")
 
 
 @dataclass(frozen=True)
@@ -514,8 +543,8 @@ class BenchSettings(Settings):
                              "vocabulary); also races ours with prefix sharing off. Default 0: unrelated ids",
                           ok=at_least(0))
     repeat: int = setting(3, "timed repetitions (best is reported)", ok=at_least(1))
-    clients: int = setting(8, "serve: concurrent clients", ok=at_least(1))
-    requests: int = setting(2, "serve: requests per client per round", ok=at_least(1))
+    clients: int = setting(8, "serve: concurrent clients", ok=between(1, MAX_THREADS), says=f"1 to {MAX_THREADS}")
+    requests: int = setting(2, "serve: requests per client per round", ok=between(1, 100_000), says="1 to 100000")
     out: str = setting("runs/_bench", "where the random real-width checkpoint is kept")
 
 

@@ -14,15 +14,18 @@ from conftest import SAMPLE
 
 
 def _bench(tmp_path, edit_of, families, n=12):
-    """A benchmark whose family f rewrites each source as edit_of[f](source, group number)."""
+    """A benchmark whose family f rewrites each source as edit_of[f](source, group number); a family of
+    `families` without an edit_of has no instances (the gate refused it on every group)."""
     lines = [{"_meta": {"methods": families, "seen_methods": families[:1], "synthetic": True}}]
+    refused = {"failed": {f: "refused" for f in families if f not in edit_of}} if set(families) - set(edit_of) else {}
     for i in range(n):
         docs = [{"doc_id": f"g{i}-{j}", "url": f"https://e.org/{i}/{j}",
                  "text": f"Document {j} of group {i} says that item {i * 7 + j} costs {j + 1} units."}
                 for j in range(10)]
         src = docs[3]["text"]
         lines.append({"group_id": f"g{i:02d}", "query": f"What does item {i * 7 + 3} cost?", "docs": docs,
-                      "source_index": 3, "attacks": {f: edit_of[f](src, i) for f in families}})
+                      "source_index": 3, "attacks": {f: edit_of[f](src, i) for f in families if f in edit_of},
+                      **refused})
     p = tmp_path / "b.jsonl"
     p.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
     return str(p)
@@ -75,3 +78,16 @@ def test_bench_audit_writes_its_json_and_markdown(tmp_path, capsys):
     assert "accuracy" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--folds 1 .at least 2"):
         run.main(["bench-audit", "--bench", SAMPLE, "--folds", "1"])
+
+
+def test_a_family_without_instances_is_not_a_class_and_one_group_is_too_few(tmp_path):
+    """D is in the file's methods but no group rewrites with it: chance is a half (A and B), D's row is
+    dashes, never None or 0%; a file of one query group is refused, not audited at 0% accuracy."""
+    edit_of = {"A": lambda s, i: s + f" Experts agree on item {i}.", "B": lambda s, i: f"## Item {i}\n\n- {s}"}
+    r = bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B", "D"]), folds=4)
+    assert r["classifier"]["chance"] == 0.5 and r["classifier"]["recall"]["D"] is None
+    assert np.array(r["classifier"]["confusion"])[:, 2].sum() == 0 and "D" not in r["surface_markers"]
+    md = bench_audit.markdown(r)
+    assert "None" not in md and "| D | 0 | 0 | 0 | - |" in md and "| D | - | - | - |" in md
+    with pytest.raises(bench_audit.SettingsError, match=r"b.jsonl: 1 query group.*too few.*at least 2"):
+        bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B"], n=1))

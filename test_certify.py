@@ -122,3 +122,17 @@ def test_keyword_certificate_holds_against_every_corruption_it_claims():
     assert not defenses.keyword_certified([WHALE] * 4 + [OTHER[0]], 1)    # one more "ticket prices" reaches mu
     assert claimed == 2
     assert not defenses.keyword_certified(["I don't know."] * 5, 1)      # nothing kept, nothing certain
+
+
+@pytest.mark.parametrize("call", [lambda: certify.epsilon(10, 32, alpha=float("nan")),
+                                  lambda: certify.epsilon(10, 0), lambda: certify.epsilon(0, 32),
+                                  lambda: certify.delta(100, -0.1, 0.9), lambda: certify.delta(100, 0.1, 1.0),
+                                  lambda: certify.delta(100, float("nan"), 0.9), lambda: certify.delta(0, 0.1, 0.9),
+                                  lambda: defenses.keyword_certified(["the red fox"], -1),
+                                  lambda: defenses.keyword_certified(["the red fox"], 1, alpha=float("nan")),
+                                  lambda: defenses.keyword_certified(["the red fox"], 1.5)])
+def test_the_certificates_refuse_inputs_outside_their_bounds(call):
+    """alpha = nan, a negative p or corrupted count, a mask rate of 1: each a ValueError naming the input, never
+    a certificate computed from it (nan passes no comparison, so it would certify nothing silently or all)."""
+    with pytest.raises(ValueError, match=r"(alpha|p|rate|n_docs|n_samples|n_words|corrupted) = "):
+        call()

@@ -1,9 +1,12 @@
-"""deploy-check (deploy_check.py): the demo's own Shield served by `serve` passes (Cohere and TEI shapes);
-loopback endpoints that make each of the known serving mistakes are caught, each by name. The mistaken
-endpoints are stand-ins (labelled): they score with the same Shield, then misreport as a server with that
-bug would (the real bugs need vLLM, llama.cpp or a GGUF file, none of which runs here).
+"""deploy-check (deploy_check.py): the demo's own Shield served by `serve` passes (Cohere, TEI and vLLM Score
+shapes); loopback endpoints that make each known serving mistake are caught, each failing property named as
+what it is and the cause by name, never another's; the long list fits the limit an endpoint advertises. The
+mistaken endpoints are stand-ins (labelled): they score with the same Shield (or its base model), then
+misreport or misbehave as a server with that bug would (the real bugs need vLLM, SGLang, llama.cpp or a GGUF
+file, none of which runs here).
 Run: python -m pytest -q test_deploy_check.py
 """
+import contextlib
 import json
 import math
 import threading
@@ -12,10 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import deploy_check
+import lora
 import run
 import serve
 import settings
-from runs import load_shield
+from runs import Run, load_shield
 
 
 @pytest.fixture(scope="module")
@@ -26,83 +30,218 @@ def shield(demo_run):
     return cfg, load_shield(cfg)
 
 
+class Remembered:
+    """The Shield, its margins remembered per list and per LoRA state (`margins`): the Shield is
+    deterministic, so each list is scored once for the module, whichever check or stand-in asks."""
+
+    def __init__(self, rr):
+        self.rr = rr
+
+    def __getattr__(self, name):
+        return getattr(self.rr, name)
+
+    def score(self, query, docs):
+        on = any(m.enabled for m in lora.lora_modules(self.rr.model).values())
+        return margins(self.rr, query, docs, base=not on)
+
+
+@pytest.fixture(scope="module")
+def check(demo_run, shield):
+    """check(spec, **settings) -> deploy_check's verdict on the demo run, its Shield loaded once."""
+    given = {**json.load(open(demo_run / "config.json"))["config"], "runs_dir": str(demo_run.parent),
+             "name": demo_run.name}
+
+    def check_(spec, **kw):
+        cfg = settings.DeployCheckConfig(**given, endpoint=spec, **kw)
+        return deploy_check.deploy_check(Run(cfg), cfg.endpoint, rr=Remembered(shield[1]))
+    return check_
+
+
 def _serving(srv):
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return srv
 
 
-def argv(demo_run, endpoint):
-    return ["deploy-check", "--runs-dir", str(demo_run.parent), "--name", demo_run.name, "--endpoint", endpoint]
+@contextlib.contextmanager
+def standin(reply, gets=None):
+    """A loopback stand-in: POST bodies answered by reply(path, body) -> (status, JSON), GETs from `gets`
+    ({path: JSON}, else 404); every request's method and path recorded in .seen -> its base URL."""
+    seen = []
 
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, status, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
-def test_the_runs_own_shield_served_passes_in_every_shape(demo_run, shield):
-    """The run's Shield behind `serve`, asked in the Cohere/vLLM rerank shape, TEI's and vLLM's Score API
-    (/score with text_1 and text_2): each passes, its scores sigmoid(margin)."""
-    srv = _serving(serve.RerankServer(shield[1], port=0, log=False))
+        def do_POST(self):
+            seen.append(("POST", self.path))
+            self._send(*reply(self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+
+        def do_GET(self):
+            seen.append(("GET", self.path))
+            self._send(*((200, gets[self.path]) if self.path in (gets or {}) else (404, {"error": "no route"})))
+
+        def log_message(self, *a):
+            pass
+    srv = _serving(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
     try:
-        port = srv.server_address[1]
-        for spec in (f"http://127.0.0.1:{port}/v1/rerank", f"tei:http://127.0.0.1:{port}",
-                     f"vllm-score:http://127.0.0.1:{port}"):
-            v = run.main(argv(demo_run, spec))
-            assert v["pass"] and v["map"] == "sigmoid" and v["max_error"] < 1e-4
-            assert all(r["order_agrees"] for r in v["lists"].values()) and set(v["lists"]) == {
-                "relevance", "attack", "long", "control"}
+        yield f"http://127.0.0.1:{srv.server_address[1]}", seen
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+_MARGINS = {}
+
+
+def margins(rr, query, docs, base=False):
+    """The Shield's margins (base: its base model's, the LoRA off) of docs, computed once per list."""
+    key = (base, query, tuple(docs))
+    if key not in _MARGINS:
+        with lora.lora_disabled(rr.model) if base else contextlib.nullcontext():
+            _MARGINS[key] = [float(m) for m in rr.score(query, docs)]
+    return list(_MARGINS[key])
 
 
 def _sigmoid(m):
     return 1 / (1 + math.exp(-m))
 
 
-# each stand-in: how a server with that bug turns the Shield's margin m of a document into its score
+def _tokens(rr, doc):
+    return len(rr.text_tokenizer.encode(doc, add_special_tokens=False).ids)
+
+
+def scored(f, base=False):
+    """A stand-in's reply: each document's margin m (the Shield's, or the base model's) as f(m, doc, rr), in
+    Cohere's shape (TEI's for a body with `texts`)."""
+    def reply(rr):
+        def answer(path, body):
+            docs = body.get("documents") or body["texts"]
+            s = [f(m, d, rr) for m, d in zip(margins(rr, body["query"], docs, base), docs)]
+            if "texts" in body:
+                return 200, [{"index": i, "score": x} for i, x in enumerate(s)]
+            return 200, {"results": [{"index": i, "relevance_score": x} for i, x in enumerate(s)]}
+        return answer
+    return reply
+
+
+def honest(m, doc, rr):
+    return _sigmoid(m)
+
+
+def refusing(limit):
+    """A stand-in's reply: honest, but a prompt over `limit` tokens refused (400)."""
+    def reply(rr):
+        def answer(path, body):
+            docs = body.get("documents") or body["texts"]
+            if any(len(rr.tokenize(body["query"], [d])[0]) > limit for d in docs):
+                return 400, {"error": {"message": f"the input is longer than this model's {limit} tokens"}}
+            return scored(honest)(rr)(path, body)
+        return answer
+    return reply
+
+
+def failing(status, message):
+    """A stand-in's reply: every request answered `status` with `message`."""
+    return lambda rr: lambda path, body: (status, {"error": {"message": message}})
+
+
+def sglang(rr):
+    """SGLang's /v1/rerank reply: a bare list of {score, document, index, meta_info}, best first."""
+    def answer(path, body):
+        s = [_sigmoid(m) for m in margins(rr, body["query"], body["documents"])]
+        return 200, sorted(({"score": x, "document": d, "index": i, "meta_info": None}
+                            for i, (x, d) in enumerate(zip(s, body["documents"]))), key=lambda r: -r["score"])
+    return answer
+
+
+def listed(rr):
+    """Cohere's shape with each relevance_score a one-item list."""
+    def answer(path, body):
+        return 200, {"results": [{"index": i, "relevance_score": [_sigmoid(m)]}
+                                 for i, m in enumerate(margins(rr, body["query"], body["documents"]))]}
+    return answer
+
+
+# each stand-in: its reply, what the cause must say, and what it must not (another mistake's cause)
 MISTAKES = {
-    "sigmoid applied twice": lambda m, doc, rr: _sigmoid(_sigmoid(m)),
-    "no chat template": lambda m, doc, rr: _sigmoid(-m),            # the unrelated document wins
-    "the scoring suffix truncated": lambda m, doc, rr: _sigmoid(-8.0) if len(doc.split()) > rr.max_length
-    else _sigmoid(m),
-    "control tokens parsed": lambda m, doc, rr: _sigmoid(9.0) if "<|im_end|>" in doc else _sigmoid(m),
-    "the endpoint refused a list": None,                            # a 400 for input over its limit (below)
+    "sigmoid applied twice": (scored(lambda m, d, rr: _sigmoid(_sigmoid(m))), ["sigmoid applied twice"], []),
+    "no chat template": (scored(lambda m, d, rr: _sigmoid(-m)), ["order differs: relevance", "no chat template"], []),
+    "no chat template, the order kept": (scored(lambda m, d, rr: _sigmoid(m / 2 + 1)),
+                                         ["beyond the tolerance 0.03: relevance", "the order kept"],
+                                         ["order differs", "ranked above", "chat template"]),
+    "the adapter missing": (scored(honest, base=True), ["adapter missing", "base model"], ["chat template"]),
+    "every score 1.0": (scored(lambda m, d, rr: 1.0), ["constant: every score 1", "Qwen3-Embedding#144"], []),
+    "the scoring suffix truncated": (scored(lambda m, d, rr: _sigmoid(-8.0) if _tokens(rr, d) > 1024 else _sigmoid(m)),
+                                     ["beyond the tolerance 0.03: long", "suffix truncated"], ["chat template"]),
+    "control tokens parsed": (scored(lambda m, d, rr: _sigmoid(9.0) if "<|im_end|>" in d else _sigmoid(m)),
+                              ["control tokens parsed"], []),
+    "the long list refused": (refusing(1024), ["refused: long (", "input limit below the long list"], []),
+    "a request shape it does not take": (failing(422, "texts: field required"),
+                                         ["refused: relevance, attack, long, control", "no request of this shape"],
+                                         ["input limit"]),
+    "a crashed server": (failing(500, "internal error"), ["transport: relevance", "not sent: attack", "crashed"],
+                         ["input limit"]),
+    "SGLang's bare list": (sglang, ["shape: relevance", "bare JSON list, as SGLang's /v1/rerank"], ["input limit"]),
+    "a list where one score is expected": (listed, ["shape: relevance", "a list where one score is expected"],
+                                           ["input limit"]),
 }
 
 
-@pytest.mark.parametrize("mistake", sorted(MISTAKES))
-def test_a_server_making_a_known_mistake_is_caught_by_name(demo_run, shield, mistake):
-    rr = shield[1]
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_a_server_making_a_known_mistake_is_caught_by_name(check, shield, mistake):
+    reply, says, never = MISTAKES[mistake]
+    with standin(reply(shield[1])) as (url, _):
+        v = check(url)
+    assert not v["pass"] and all(s in v["cause"] for s in says) and not any(s in v["cause"] for s in never), v["cause"]
 
-    class Mistaken(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if MISTAKES[mistake] is None and any(len(d.split()) > rr.max_length for d in body["documents"]):
-                status, data = 400, json.dumps({"error": {"message": "input is longer than the model's limit"}})
-            else:
-                margins = [float(m) for m in rr.score(body["query"], body["documents"])]
-                scores = [(MISTAKES[mistake] or (lambda m, d, rr: _sigmoid(m)))(m, d, rr)
-                          for m, d in zip(margins, body["documents"])]
-                status, data = 200, json.dumps({"results": [{"index": i, "relevance_score": s}
-                                                             for i, s in enumerate(scores)]})
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data.encode())
 
-        def log_message(self, *a):
-            pass
-    srv = _serving(ThreadingHTTPServer(("127.0.0.1", 0), Mistaken))
+def test_the_runs_own_shield_served_passes_in_every_shape(demo_run, check, shield):
+    """The run's Shield behind `serve`, asked at a bare URL (the default path, /rerank), in TEI's shape and
+    vLLM's Score API (/score with text_1 and text_2): each passes, its scores sigmoid(margin), the long list
+    the default length a CPU engine serves (serve's /info says 8192, the demo's --max-length)."""
+    srv = _serving(serve.RerankServer(shield[1], port=0, log=False))
     try:
-        with pytest.raises(SystemExit, match=mistake):
-            run.main(argv(demo_run, f"http://127.0.0.1:{srv.server_address[1]}/v1/rerank"))
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        v = run.main(["deploy-check", "--runs-dir", str(demo_run.parent), "--name", demo_run.name, "--endpoint", base])
+        for v in (v, check(f"tei:{base}"), check(f"vllm-score:{base}")):
+            assert v["pass"] and v["map"] == "sigmoid" and v["max_error"] < 1e-4 and v["cause"] is None
+            assert set(v["lists"]) == {"relevance", "attack", "long", "control"} and not v["notes"]
+            assert v["long"]["tokens"] == deploy_check.LONG_TOKENS
     finally:
         srv.shutdown()
         srv.server_close()
 
 
+@pytest.mark.parametrize("api", ["vllm", "tei"])
+def test_the_long_list_fits_the_limit_the_endpoint_advertises(check, shield, api):
+    """An endpoint refusing prompts over 1024 tokens and saying so (vLLM: max_model_len in GET /v1/models;
+    TEI: max_input_length in GET /info) passes: the long list fits under the limit, noted as below the
+    Shield's --max-length. A bare URL is asked at /rerank (vLLM logs /v1/rerank as deprecated); --no-long
+    leaves the long list out."""
+    gets = ({"/v1/models": {"object": "list", "data": [{"id": "shield", "max_model_len": 1024}]}} if api == "vllm"
+            else {"/info": {"model_id": "shield", "max_input_length": 1024}})
+    with standin(refusing(1024)(shield[1]), gets) as (url, seen):
+        v = check(url if api == "vllm" else f"tei:{url}")
+        assert v["pass"] and v["long"]["tokens"] == 1024 - deploy_check.SEAM and "1024" in v["notes"][0]
+        assert {p for m, p in seen if m == "POST"} == {"/rerank"}
+        if api == "vllm":
+            v = check(url, long=False)
+            assert v["pass"] and set(v["lists"]) == {"relevance", "attack", "control"} and v["long"] is None
+
+
 def test_the_comparison_on_known_numbers():
-    """compare(): margins served raw pass under the identity map, a reordered list fails naming it."""
+    """compare(): margins served raw pass under the identity map; a reordered list fails naming its order;
+    scores that do not vary fail as constant even inside the tolerance (all near 1), naming no other cause."""
     local = {"relevance": [2.0, -1.0], "attack": [-1.0, 1.0], "long": [1.5, -1.0], "control": [0.5, 1.0]}
     assert deploy_check.compare(local, {k: [x + 0.01 for x in v] for k, v in local.items()})["map"] == "margin"
-    off = {**local, "attack": [1.0, -1.0]}
-    v = deploy_check.compare(local, off)
-    assert not v["pass"] and not v["lists"]["attack"]["order_agrees"] and v["cause"].endswith("(attack)")
+    v = deploy_check.compare(local, {**local, "attack": [1.0, -1.0]})
+    assert not v["pass"] and not v["lists"]["attack"]["order_agrees"]
+    assert v["cause"] == "order differs: attack; beyond the tolerance 0.15: attack (error 2.000)"
+    sure = {k: [m + 6 for m in v] for k, v in local.items()}                 # every sigmoid in 0.993..0.9997
+    v = deploy_check.compare(sure, {k: [deploy_check.sigmoid(m) for m in v] for k, v in sure.items()})
+    assert not v["pass"] and v["max_error"] < 1e-9 and v["cause"].startswith("constant: every score above 0.99")

@@ -308,3 +308,56 @@ def test_identity_marks_refuses_what_it_cannot_read(tmp_path, tiny_dir):
     (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}  ")
     with pytest.raises(export.IdentityError, match="cannot be read"):
         export.identity_marks(str(bad))
+
+
+def test_identity_is_read_from_the_weight_files_the_loader_reads(tmp_path, tiny_dir):
+    """An index whose weight_map puts the weights in a subfolder, under another name, with config.json
+    lacking the entry: the Shield mark in those weights' header is still read (the loader's own files),
+    and an index naming a file that is not there is unreadable (IdentityError, so 'unknown'), never base."""
+    import shutil
+    adapter = _tiny_adapter(tmp_path, tiny_dir)
+    out = export.export(tiny_dir, str(tmp_path / "a"), adapter=adapter, fmt="causal", dtype="float32")
+    cp = tmp_path / "moved"
+    shutil.copytree(out, cp)
+    os.remove(cp / "geodef_export.json")
+    cfg = json.load(open(cp / "config.json"))
+    json.dump({k: v for k, v in cfg.items() if k != export.IDENTITY_KEY}, open(cp / "config.json", "w"))
+    (cp / "weights").mkdir()
+    os.rename(cp / "model.safetensors", cp / "weights" / "shard-a.safetensors")
+    from safetensors import safe_open
+    with safe_open(str(cp / "weights" / "shard-a.safetensors"), "pt") as f:
+        names = list(f.keys())
+    json.dump({"metadata": {}, "weight_map": {n: "weights/shard-a.safetensors" for n in names}},
+              open(cp / "model.safetensors.index.json", "w"))
+    assert reranker.Reranker.from_pretrained(str(cp), dtype=torch.float32)     # the loader reads it there
+    assert [(f, m["shield"]) for f, m in export.identity_marks(str(cp))] == [
+        (os.path.join("weights", "shard-a.safetensors"), True)]
+    json.dump({"weight_map": {n: "weights/gone.safetensors" for n in names}},
+              open(cp / "model.safetensors.index.json", "w"))
+    with pytest.raises(export.IdentityError, match="cannot be read"):
+        export.identity_marks(str(cp))
+    json.dump(["not", "an", "index"], open(cp / "model.safetensors.index.json", "w"))
+    with pytest.raises(export.IdentityError, match="weight_map"):
+        export.identity_marks(str(cp))
+
+
+def test_export_reads_a_run_on_a_read_only_mount(demo_run, tmp_path):
+    """A finished run mounted read-only (as containers mount models): export takes its reader's lock
+    there through a read-only handle and exports; a writer there fails on the file system, not on a
+    lock file. Runs in a private mount namespace (unshare), so no mount outlives the test."""
+    import shutil
+    import subprocess
+    if not shutil.which("unshare"):
+        pytest.skip("needs util-linux's unshare for a private read-only bind mount")
+    runs_dir = tmp_path / "ro"
+    shutil.copytree(demo_run, runs_dir / "demo")
+    here = os.path.dirname(os.path.abspath(__file__))
+    run_dir = runs_dir / "demo"             # the run folder alone: --model tiny writes its checkpoint beside it
+    script = (f"mount --bind {run_dir} {run_dir} && mount -o remount,ro,bind {run_dir} && "
+              f"touch {runs_dir}/demo/probe 2>/dev/null && echo WRITABLE; "
+              f"{sys.executable} {here}/run.py export --name demo --runs-dir {runs_dir} --out {tmp_path}/out")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    if "Operation not permitted" in r.stderr and "mount" in r.stderr:
+        pytest.skip(f"no private mounts on this machine: {r.stderr.strip()[:200]}")
+    assert "WRITABLE" not in r.stdout and r.returncode == 0, r.stderr[-2000:]
+    assert os.path.isfile(tmp_path / "out" / "model.safetensors")

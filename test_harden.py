@@ -296,9 +296,14 @@ def test_a_harden_dry_run_sends_and_writes_nothing(demo_run, tmp_path):
 def test_changed_settings_are_refused_on_a_hardened_run(hardened, tmp_path):
     out, _, _ = hardened
     shutil.copytree(out, tmp_path / "o")
-    with pytest.raises(SystemExit, match=r"the rounds were made with different budget \(budget=5\)"):
-        run.main(["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "2", "--budget", "7",
-                  "--eval-budgets", "1,3", "--eval-groups", "2"])
+    common = ["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "2", "--eval-budgets", "1,3",
+              "--eval-groups", "2"]
+    for dry in ([], ["--dry-run"]):       # the plan is refused as the run is
+        with pytest.raises(SystemExit, match=r"the rounds were made with different budget \(budget=5\)"):
+            run.main(common + ["--budget", "7"] + dry)
+        with pytest.raises(SystemExit, match=r"different test_algorithm \(test_algorithm='mageo'\); this command "
+                                              r"asks for test_algorithm='repair'"):
+            run.main(common + ["--budget", "5", "--test-algorithm", "repair"] + dry)
 
 
 def test_a_test_attacker_of_another_algorithm_is_recorded_and_labelled(demo_run, tmp_path):

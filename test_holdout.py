@@ -83,7 +83,7 @@ def test_a_rerun_resumes_to_the_same_files_and_a_changed_setting_is_refused(held
         run.main(argv(run_dir.parent, *LLM_STAGE, "--lr", "0.5"))
 
 
-def test_a_holdout_dry_run_writes_nothing_and_a_family_without_construction_instances_is_refused(tmp_path):
+def test_a_holdout_dry_run_writes_nothing_and_a_family_without_construction_instances_or_twice_is_refused(tmp_path):
     plan = run.main(argv(tmp_path, "--dry-run", "--families", "all"))
     assert list(plan["folds"]) == ["without-AgenticGEO", "without-AutoGEO", "without-MAGEO", "all"]
     assert plan["folds"]["without-MAGEO"]["trained_on"] == ["AgenticGEO", "AutoGEO"] and plan["llm_requests"] == 0
@@ -91,6 +91,8 @@ def test_a_holdout_dry_run_writes_nothing_and_a_family_without_construction_inst
     with pytest.raises(SystemExit, match=r"--families GEO: \['GEO'\] have no construction instances .*"
                                          r"--construction-families all"):
         run.main(argv(tmp_path, "--families", "GEO"))
+    with pytest.raises(SystemExit, match=r"--families AutoGEO,MAGEO,AutoGEO: AutoGEO given twice"):
+        run.main(argv(tmp_path, "--dry-run", "--families", "AutoGEO,MAGEO,AutoGEO"))     # its fold would run twice
 
 
 def test_the_llm_stage_builds_each_folds_library_and_measures_asr_end_to_end(held, tmp_path):

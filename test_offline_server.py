@@ -139,3 +139,53 @@ def test_a_batch_carries_model_and_usage_and_a_completion_its_created_time(engin
     assert b.usage.input_tokens == sum(u["prompt_tokens"] for u in rows) > 0
     assert b.usage.total_tokens == sum(u["total_tokens"] for u in rows)
     assert b.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_a_reply_id_is_its_requests_digest_and_created_its_arrival_second(engine):
+    """A chat reply's id differs between requests and repeats for the same request (so does its text);
+    `created` is the second the request arrived, or the one make_server pins; an Anthropic batch's
+    messages have ids of their own too."""
+    srv, url = engine
+    openai, sdk = _openai(url)
+    t0 = int(time.time())
+    a, b, again = (sdk.chat.completions.create(**_chat(i)) for i in (0, 1, 0))
+    assert a.id != b.id and a.id == again.id and a.id.startswith("chatcmpl-")
+    assert a.choices[0].message.content == again.choices[0].message.content
+    assert t0 <= a.created <= again.created <= int(time.time())
+    pinned = _start(offline_server.make_server(0, created=1234))
+    try:
+        r = requests.post(f"http://127.0.0.1:{pinned.server_address[1]}/v1/chat/completions", json=_chat(0),
+                          timeout=10)
+        assert r.json()["created"] == 1234 and r.json()["id"] == a.id
+    finally:
+        pinned.shutdown()
+        pinned.server_close()
+    anthropic = pytest.importorskip("anthropic")
+    asdk = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="offline", max_retries=0,
+                               _strict_response_validation=True)
+    batch = asdk.messages.batches.create(requests=[{"custom_id": f"r{i}", "params": {"max_tokens": 9, **_chat(i)}}
+                                                   for i in range(2)])
+    while batch.processing_status != "ended":
+        batch = asdk.messages.batches.retrieve(batch.id)
+    ids = {r.custom_id: r.result.message.id for r in asdk.messages.batches.results(batch.id)}
+    assert len(set(ids.values())) == 2 and all(i.startswith("msg_") for i in ids.values())
+
+
+def test_an_ended_message_batch_is_deleted_through_the_sdk(engine):
+    """messages.batches.delete: refused (400) while the batch processes; once it has ended, the SDK's
+    DeletedMessageBatch, and the batch and its results are gone (404) and out of the list."""
+    anthropic = pytest.importorskip("anthropic")
+    srv, url = engine
+    sdk = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="offline", max_retries=0,
+                              _strict_response_validation=True)
+    b = sdk.messages.batches.create(requests=[{"custom_id": "r0", "params": {"max_tokens": 9, **_chat(0)}}])
+    with pytest.raises(anthropic.BadRequestError, match="cancel it"):
+        sdk.messages.batches.delete(b.id)
+    while b.processing_status != "ended":
+        b = sdk.messages.batches.retrieve(b.id)
+    gone = sdk.messages.batches.delete(b.id)
+    assert gone.id == b.id and gone.type == "message_batch_deleted"
+    for call in (sdk.messages.batches.retrieve, sdk.messages.batches.results, sdk.messages.batches.delete):
+        with pytest.raises(anthropic.NotFoundError):
+            call(b.id)
+    assert list(sdk.messages.batches.list()) == []

@@ -1,6 +1,7 @@
 """Data parallelism under torchrun (parallel.py): the Shield's training (train.fit) on two gloo processes,
 killed after their first checkpoint and run again, ends with the single-process adapter (the same global
-batch, float32) within 1e-6, rank 0 alone writing the run's files; rerank-eval's scores sharded over two
+batch, float32) within 1e-6 over these 6 steps (6.7e-8 measured; longer runs drift further, docs/COMMANDS.md
+has the demo preset's figure), rank 0 alone writing the run's files; rerank-eval's scores sharded over two
 ranks give one process's records byte for byte.
 Run: python -m pytest -q test_parallel.py
 """
@@ -99,7 +100,9 @@ def test_two_ranks_killed_and_resumed_end_with_the_single_process_adapter(tmp_pa
     assert single.wait(timeout=300) == 0, (tmp_path / "single.stderr").read_text()[-2000:]
     a = load_file(tmp_path / "single" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "two" / "adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert a.keys() == b.keys()
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert diff <= 1e-6, diff
     logged = [line for line in open(tmp_path / "two" / "train_log.jsonl") if '"event": "train"' in line]
     single = [line for line in open(tmp_path / "single" / "train_log.jsonl") if '"event": "train"' in line]
     assert len(logged) == len(single) > 2                      # each step logged once, by rank 0
@@ -167,7 +170,8 @@ def test_a_killed_sharded_scoring_keeps_each_ranks_share(monkeypatch, tmp_path):
         return rankers.Ranker(Scorer(), path, "base")
     with pytest.raises(RuntimeError):               # rank 1's share is q1, q3: killed on q3
         as_rank(1).prepare(lists, shard=True)
-    assert asked == ["q1"] and os.path.exists(path + ".rank1") and not os.path.exists(path)
+    assert asked == ["q1"] and not os.path.exists(path)
+    assert json.loads(open(path + ".rank1").read())["made_from"] == {"rank": 1, "world": 2}   # what it was made by
     open(path + ".rank1.tmp999", "w").write('{"cut')   # a write the kill interrupted: not a share, never read
     fail_on.clear()
     r1 = as_rank(1)
@@ -178,7 +182,8 @@ def test_a_killed_sharded_scoring_keeps_each_ranks_share(monkeypatch, tmp_path):
     r0.prepare(lists, shard=True)                   # rank 0 scores q0 and q2 only, then writes the cache
     assert asked == ["q1", "q3", "q0", "q2"] and not r0.share_files()
     assert json.loads(open(path).read()) == {rankers.doc_key(x.query, d): float(len(d)) for x in lists for d in x.docs}
-    open(path + ".rank1", "w").write(json.dumps({"extra": 1.0}))     # a killed run's share, rerun in one process
+    extra = rankers.doc_key("q9", "doc 9")                    # a killed run's share, rerun in one process
+    open(path + ".rank1", "w").write(json.dumps({"made_from": {"rank": 1, "world": 2}, "scores": {extra: 1.0}}))
     monkeypatch.setattr(parallel, "world", lambda: 1)
     as_rank(0).prepare(lists)
-    assert json.loads(open(path).read())["extra"] == 1.0 and not os.path.exists(path + ".rank1")
+    assert json.loads(open(path).read())[extra] == 1.0 and not os.path.exists(path + ".rank1")

@@ -17,6 +17,7 @@ import pytest
 import endpoints
 import evaluation
 import llm_clients
+import rankers
 import rerank_clients
 import run
 import runs
@@ -147,7 +148,7 @@ def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
     assert path == "/v1/rerank" and body == {"model": "my-model", "query": Q, "documents": DOCS, "top_n": 3}
     assert headers["Authorization"] == "Bearer rk-secret"
     assert c.rerank(Q, DOCS).cached and len(FakeRerank.seen) == 1              # from the cache
-    assert rerank_clients.make_reranker(fake).url == fake + "/v1/rerank"          # the default path
+    assert rerank_clients.make_reranker(fake).url == fake + "/rerank"          # the default path
     t = rerank_clients.make_reranker("tei:" + fake)
     assert t.rerank(Q, DOCS).scores == pytest.approx(want)
     assert FakeRerank.seen[-1][0] == "/rerank"
@@ -333,6 +334,40 @@ def test_a_finished_rerank_eval_reruns_without_sending(demo_run, tmp_path, fake)
     again = len(FakeRerank.seen)
     run.main(argv)
     assert len(FakeRerank.seen) == again and (out / name / "results" / "rerank-fk.jsonl").read_text() == first
+
+
+def test_a_stale_or_corrupted_score_file_is_one_line_naming_it_and_never_merged(demo_run, tmp_path):
+    """A share file that is not one ({key: 1e9} would move exposure), nested too deeply, made by another
+    ranker or benchmark or as a rank its layout lacks, or holding a key or score that is none, stops
+    rerank-eval before anything is merged; so does a corrupted cache. A share of this ranker is merged."""
+    out, name = _run_copy(demo_run, tmp_path)
+    cache = out / name / "cache" / "scores_base.json"
+    before, share = cache.read_bytes(), cache.with_name("scores_base.json.rank1")
+    key, score = next(iter(json.loads(before).items()))
+    share.write_text(json.dumps({key: 1e9}))
+    with pytest.raises(SystemExit, match=r"^error: \S+/cache/scores_base.json.rank1: not a share file [^\n]*$"):
+        run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", "base"])
+    cfg = settings.EvalConfig(**{**json.load(open(out / name / "config.json"))["config"], "runs_dir": str(out)})
+    base = rankers.make_rankers(cfg, rankers.parse_rerankers(["base"]), "test")["base"]
+    made = lambda **kw: {"made_from": {**base.made_from, "rank": 1, "world": 2, **kw}, "scores": {key: score}}
+    for text, why in [("[" * 100000, "nested too deeply"), ("null", "not a share file"),
+                      (made(bench_sha1="0" * 40), "made with bench_sha1='0000"), (made(rank=0), r"rank=0 \(this run"),
+                      (made(world=1), "world=1, which holds no rank 1"), ({**made(), "scores": [1.0]}, "got list"),
+                      ({**made(), "scores": {"k": 1.0}}, "'k': 1.0: not a 40-hex"),
+                      ({**made(), "scores": {key: float("inf")}}, "inf: not a 40-hex document key with a finite")]:
+        share.write_text(text if isinstance(text, str) else json.dumps(text))
+        with pytest.raises(rankers.ScoreCacheError, match=f"scores_base.json.rank1: .*{why}"):
+            base.prepare([])
+    assert cache.read_bytes() == before
+    for text, why in [("[]", "got list"), ("null", "got NoneType"), ('{"a": ' * 50000, "nested too deeply"),
+                      (json.dumps({key: "0.5"}), "not a 40-hex"), ("\xff", "not JSON")]:
+        cache.write_bytes(text.encode("latin-1"))
+        with pytest.raises(rankers.ScoreCacheError, match=f"scores_base.json: .*{why}"):
+            rankers.Ranker(base.rr, str(cache), "base")
+    cache.write_bytes(before)
+    share.write_text(json.dumps(made()))
+    rankers.Ranker(base.rr, str(cache), "base", made_from=base.made_from).prepare([])
+    assert not share.exists() and json.loads(cache.read_bytes()) == json.loads(before)
 
 
 def test_rerank_eval_refuses_bad_reranker_flags(demo_run, tmp_path, fake):

@@ -2,6 +2,7 @@
 tracebacks, validated inputs, the whole run's usage.
 Run: python -m pytest -q test_runs.py
 """
+import argparse
 import dataclasses
 import json
 import multiprocessing
@@ -135,6 +136,28 @@ def test_a_target_or_judge_that_built_the_benchmark_is_refused_unless_allowed(tm
                                                                                      bench=str(bench)))}
     assert "**Roles shared with the benchmark's construction** (--allow-shared-roles): the target openai:gpt-5.5 " \
            "built the benchmark" in "".join(report._header_lines(str(tmp_path), s))
+
+
+def test_a_routed_model_is_the_model_behind_the_route(tmp_path):
+    """A router or self-hosted server names the upstream model as vendor/model (OpenRouter, vLLM's served
+    names), with a variant after ':' (OpenRouter's :free): the roles check compares the model behind it."""
+    lines = open(settings.SAMPLE, encoding="utf-8").read().splitlines()
+    meta = json.loads(lines[0])
+    meta["_meta"].update(builder_llm="openai:gpt-5.5", fidelity_judge="anthropic:claude-opus-4-5",
+                         mageo_signal="model")
+    bench = tmp_path / "b.jsonl"
+    bench.write_text("\n".join([json.dumps(meta)] + lines[1:]) + "\n")
+    for llm in ("openrouter:openai/gpt-5.5", "vllm:openai/gpt-5.5", "openrouter:openai/GPT-5.5:free",
+                "openai-compatible:gpt-5.5"):
+        assert runs.shared_roles(settings.EvalConfig(llm=llm, bench=str(bench))) == [
+            f"the target {llm} built the benchmark"], llm
+    judge = "openrouter:anthropic/claude-opus-4.5"
+    judged = runs.shared_roles(settings.EvalConfig(llm="openai:gpt-5-mini", judge=judge, bench=str(bench)))
+    assert judged == ["the judge openrouter:anthropic/claude-opus-4.5 judged its rewrites' fidelity"]
+    assert runs.role_model("anthropic:claude-opus-4-5-20251101") == runs.role_model(judge)
+    assert not runs.shared_roles(settings.EvalConfig(llm="openrouter:openai/gpt-5-mini", bench=str(bench)))
+    assert runs.role_model("offline:x") is None
+    assert runs.role_model("ollama:qwen3:8b") != runs.role_model("ollama:qwen3:32b")     # a tag names another model
 
 
 def test_a_missing_ppl_model_is_named_before_the_reranker_loads(tmp_path, monkeypatch):
@@ -782,3 +805,96 @@ def test_a_wait_a_socket_cannot_take_or_a_float_that_is_not_finite_is_refused_up
     with pytest.raises(runs.SettingsError, match="--batch-poll 1000000000.0"):
         settings.EvalConfig(batch_poll=1e9)
     assert settings.EvalConfig(timeout=86400.0, batch_poll=86400.0).timeout == settings.MAX_WAIT
+
+
+
+def test_a_setting_that_sizes_memory_threads_or_a_sleep_is_bounded_up_front():
+    """--samples 1000000 took 48 s and 2.4 GB in a dry run, --rpm 1e-300 died in time.sleep (OverflowError):
+    every setting that sizes memory, threads or a wait is refused past its bound, naming it."""
+    for kw, said in ((dict(samples=1_000_000), "--samples 1000000 (1 to 10000)"),
+                     (dict(rpm=1e-300), "--rpm 1e-300 (0, or at least 0.000694"),
+                     (dict(workers=100_000), "--workers 100000 (1 to 1024)"),
+                     (dict(n_boot=10**9), "--n-boot 1000000000"), (dict(seed=-1), "--seed -1"),
+                     (dict(batch_deadline=1e12), "--batch-deadline 1000000000000.0")):
+        with pytest.raises(runs.SettingsError, match=re.escape(said)):
+            settings.EvalConfig(**kw)
+    for kw in (dict(max_body_bytes=1 << 40), dict(max_concurrent_requests=10**6), dict(max_queue=10**7),
+               dict(max_documents=10**7)):
+        with pytest.raises(runs.SettingsError, match="out of range"):
+            settings.ServeConfig(**kw)
+    top = settings.EvalConfig(samples=settings.MAX_SAMPLES, rpm=60 / settings.MAX_WAIT)
+    assert top.samples == settings.MAX_SAMPLES
+
+
+CRED = "http://usr:S3cretZ@127.0.0.1:9/v1"
+
+
+def _commands():
+    """{command: its argparse parser}."""
+    return next(a for a in run.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _every_flag_case(cmd, flag, tmp_path):
+    """argv giving CRED to `flag` of `cmd`, with the other flags a command needs to get past its first check
+    (a trained run, a benchmark), and --dry-run where the command has one, so nothing is sent."""
+    base = {"runs-dir": str(tmp_path / "runs"), "name": "x", "bench": SAMPLE, "model": "tiny"}
+    p = _commands()[cmd]
+    have = {a.option_strings[0][2:] for a in p._actions if a.option_strings}
+    argv = [cmd] + [w for k, v in base.items() if k in have and k != flag for w in ("--" + k, v)]
+    if cmd in ("export", "compare") and flag != "out":
+        argv += ["--out", str(tmp_path / "out")]
+    if cmd == "compare" and flag != "runs":
+        argv += ["--runs", str(tmp_path / "runs" / "x")]
+    if "dry-run" in have:
+        argv.append("--dry-run")
+    return argv + [f"--{flag}={CRED}"]
+
+
+def test_a_credential_url_in_any_flag_reaches_no_stream_or_file(tmp_path, capfd, monkeypatch):
+    """Every flag of every command given a URL with a password (a pasted URL in the wrong flag, or in the
+    right one): the password reaches no printed line and no file the command writes (config.json, the
+    lock, caches, records). A server a command would start stops at its serve_forever, and the demo where
+    its training starts (test guards: no test may block on a server or train ~100 demos); the rerank
+    commands meet the closed port 127.0.0.1:9 without backoff."""
+    import socketserver
+    _backoff_without_waiting(monkeypatch)
+
+    serving = socketserver.BaseServer.serve_forever
+
+    def no_serving(self, *a, **k):       # a command's own server (serve, serve-offline) serves on the main thread
+        if threading.current_thread() is not threading.main_thread():
+            return serving(self, *a, **k)    # the offline engine a command starts for itself
+        raise KeyboardInterrupt("serve_forever")
+
+    def no_training(run_):
+        raise KeyboardInterrupt("train_shield")
+    monkeypatch.setattr(socketserver.BaseServer, "serve_forever", no_serving)
+    monkeypatch.setattr(run, "train_shield", no_training)    # the demo (no --dry-run) stops where training starts
+    monkeypatch.chdir(tmp_path)
+    said, ran = [], 0
+    for cmd, p in _commands().items():
+        for a in p._actions:
+            if not a.option_strings or a.nargs == 0 or isinstance(a, argparse.BooleanOptionalAction):
+                continue
+            flag = a.option_strings[0][2:]
+            argv = _every_flag_case(cmd, flag, tmp_path)
+            try:
+                run.main(argv)
+            except SystemExit as e:
+                said.append(str(e.code))
+            except KeyboardInterrupt:
+                pass
+            except Exception as e:       # a traceback would print the value too
+                said.append(f"{argv}: {e!r}")
+            ran += 1
+    out = capfd.readouterr()
+    assert ran > 200
+    leaks = [s for s in said if "S3cretZ" in s]
+    assert not leaks, leaks[:5]
+    assert "S3cretZ" not in out.out + out.err
+    for root, dirs, files in os.walk(tmp_path):
+        assert not [n for n in dirs + files if "S3cretZ" in n], root        # nor a folder or file name
+        for f in files:
+            path = os.path.join(root, f)
+            with open(path, "rb") as fh:
+                assert b"S3cretZ" not in fh.read(), path

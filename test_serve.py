@@ -43,17 +43,20 @@ def test_served_ranking_equals_reranker_rank(shield_server):
         assert [x["index"] for x in body["results"]] == rr.rank(q, texts, k=3)
         for x in body["results"]:
             assert abs(x["relevance_score"] - float(torch.sigmoid(m[x["index"]]))) < 1e-6
-            # /infinity/rerank answers Infinity's shape: the document as a string; the others {text}
-            got = x["document"] if path == serve.INFINITY_PATH else x["document"]["text"]
+            # /rerank and /infinity/rerank answer Infinity's shape: the document as a string; the others {text}
+            got = x["document"] if path in serve.INFINITY_PATHS else x["document"]["text"]
             assert got == texts[x["index"]]
-        assert body["model"] == "x" and body["usage"]["total_tokens"] == sum(map(len, rr.tokenize(q, texts)))
-    r = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": texts}, headers=AUTH, timeout=30).json()
-    assert len(r["results"]) == 4 and "document" not in r["results"][0]
+        n = sum(map(len, rr.tokenize(q, texts)))
+        assert body["model"] == "x" and body["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    for path in serve.RERANK_PATHS:          # without return_documents: each API's default
+        r = requests.post(srv.url + path, json={"query": q, "documents": texts}, headers=AUTH, timeout=30).json()
+        assert len(r["results"]) == 4 and ("document" in r["results"][0]) == (path not in serve.INFINITY_PATHS)
     for path in serve.SCORE_PATHS:            # vLLM's Score API: sigmoid(margin) in the documents' order
         r = requests.post(srv.url + path, json={"model": "x", "text_1": q, "text_2": texts}, headers=AUTH,
                           timeout=30).json()
         assert [x["index"] for x in r["data"]] == list(range(4)) and r["model"] == "x"
         assert all(abs(x["score"] - float(torch.sigmoid(m[x["index"]]))) < 1e-6 for x in r["data"])
+        assert r["usage"] == {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
     tei = requests.post(srv.url + "/rerank", json={"query": q, "texts": texts, "raw_scores": True,
                                                    "return_text": True},
                         headers=AUTH, timeout=30).json()
@@ -92,8 +95,8 @@ def test_serve_rejects_bad_requests_with_a_named_field(shield_server):
     r = post({"query": "q", "documents": ["a", "b"], "top_n": 0})       # as vLLM reads it: every document
     assert r.status_code == 200 and len(r.json()["results"]) == 2
     score = lambda body: requests.post(srv.url + "/score", json=body, headers=AUTH, timeout=10)   # vLLM's Score API
-    for body, msg in (({"text_2": ["a"]}, "text_1"), ({"text_1": ["q"], "text_2": ["a"]}, "text_1"),
-                      ({"text_1": "q", "text_2": []}, "text_2"), ({"text_1": "q", "text_2": [3]}, "text_2[0]")):
+    for body, msg in (({"text_2": ["a"]}, "text_2"), ({"text_1": "q", "text_2": []}, "text_2"),
+                      ({"text_1": "q", "text_2": [3]}, "text_2[0]")):
         r = score(body)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(msg), (body, r.text)
     r = score({"text_1": "q", "text_2": "a"}).json()                   # one document as a string
@@ -241,9 +244,9 @@ def test_serve_logs_no_query_string(shield_server, capfd):
 
 @pytest.fixture()
 def small_queue_server(tiny_dir):
-    """The rerank server over the tiny model, without a key, two requests queued at most."""
+    """The rerank server over the tiny model, without a key, two requests queued and three in progress at most."""
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
-    srv = serve.RerankServer(rr, port=0, max_queue=2, log=False)
+    srv = serve.RerankServer(rr, port=0, max_queue=2, max_concurrent_requests=3, log=False)
     _serving(srv)
     yield srv
     srv.shutdown()
@@ -270,9 +273,9 @@ def test_serve_kept_alive_requests_are_not_delayed(small_queue_server):
     assert sorted(times)[6] < 0.03, times                     # the median, kept alive
 
 
-def test_serve_bursts_get_503_not_resets(small_queue_server):
-    """200 connections at once are all answered (200 or 503 + Retry-After), none reset by a full
-    listen backlog."""
+def test_serve_bursts_get_429_not_resets(small_queue_server):
+    """200 connections at once are all answered (200, or 429 + Retry-After from a full queue or all
+    request slots taken), none reset by a full listen backlog."""
     import socket
     from concurrent.futures import ThreadPoolExecutor
     srv, body = small_queue_server, SMALL_BODY
@@ -286,7 +289,8 @@ def test_serve_bursts_get_503_not_resets(small_queue_server):
             while chunk := s.recv(65536):
                 data += chunk
             s.close()
-            return int(data.split()[1]) if data else "empty"
+            status = int(data.split()[1]) if data else "empty"
+            return status if status != 429 or b"\r\nRetry-After: 1\r\n" in data else "429 without Retry-After"
         except ConnectionResetError:
             return "reset"
     barrier = threading.Barrier(50)
@@ -296,14 +300,14 @@ def test_serve_bursts_get_503_not_resets(small_queue_server):
         return one(i)
     with ThreadPoolExecutor(50) as ex:
         got = list(ex.map(burst, range(200)))
-    assert set(got) <= {200, 503}, sorted(set(map(str, got)))
+    assert set(got) <= {200, 429}, sorted(set(map(str, got)))
 
 
 def test_serve_field_round_two(shield_server, capfd):
     """A lone surrogate in `model` is a 400 naming it; an HTTP/0.9 request line logs no traceback;
     Content-Length is digits only (RFC 9110), not int()'s "+49" or "4_9"; truncation_direction is TEI's
-    Left/Right; an oversized body written whole gets its 413, not a broken pipe; /infinity/rerank answers
-    the document as a string (Infinity's shape, which LiteLLM's infinity/ provider validates), /v1 as {text}."""
+    Left/Right; an oversized body written whole gets its 413, not a broken pipe; /rerank answers the
+    document as a string (Infinity's shape, which LiteLLM's infinity/ provider validates), /v1 as {text}."""
     import requests
     srv, rr = shield_server
     r = requests.post(srv.url + "/v1/rerank", data='{"model": "\\ud800", "query": "q", "documents": ["a"]}',
@@ -322,7 +326,7 @@ def test_serve_field_round_two(shield_server, capfd):
     r = requests.post(srv.url + "/v1/rerank", data=big, headers={**AUTH, "Content-Type": "application/json"},
                       timeout=10)
     assert r.status_code == 413
-    inf = requests.post(srv.url + serve.INFINITY_PATH, json={"model": "m", "query": q, "documents": texts,
+    inf = requests.post(srv.url + "/rerank", json={"model": "m", "query": q, "documents": texts,
                                                    "return_documents": True}, headers=AUTH, timeout=10).json()
     coh = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": texts, "return_documents": True},
                         headers=AUTH, timeout=10).json()
@@ -551,7 +555,7 @@ def test_serve_refuses_an_instruction_when_it_cannot_tell_the_base(tiny_dir, tmp
     assert "taken for the Shield's" in err and "instruction is refused" in err
 
 
-# ----------------------------------------------------------------------------- round 4: each client its shape
+# ----------------------------------------------------------------------------- round 5: each client its shape (#57)
 
 
 def _litellm_types():
@@ -570,51 +574,192 @@ def _litellm_types():
     return pydantic.TypeAdapter(list[RerankResponseResult])
 
 
-def test_serve_answers_litellms_hosted_vllm_in_vllms_shape(base_server):
-    """LiteLLM's hosted_vllm/ provider given the host URL posts {model, query, documents, top_n,
-    return_documents: true, instruction} to {api_base}/rerank and reads each result's document with
-    `.get("text")` (litellm/llms/hosted_vllm/rerank/transformation.py, _transform_response). litellm is
-    not installed here: the reply is parsed as that function parses it, then validated with LiteLLM's
-    result types. /rerank answers it in vLLM's shape: the document as {text}."""
-    import requests
-    results_type = _litellm_types()
-    srv, rr = base_server
-    q, docs, own = "how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell."], "Find times"
-    body = {"model": "shield", "query": q, "documents": docs, "top_n": 2, "return_documents": True,
-            "instruction": own}
-    reply = requests.post(srv.url + "/rerank", json=body, timeout=30).json()
-    parsed = []
-    for result in reply["results"]:                    # as _transform_response reads it
-        document_data = result.get("document", {})
-        document = {"text": str(document_data.get("text", ""))} if document_data else None
-        parsed.append({"index": int(result["index"]), "relevance_score": float(result["relevance_score"]),
-                       **({"document": document} if document else {})})
-    results_type.validate_python(parsed)
-    view = reranker.Reranker(rr.model, rr.tokenizer, (rr.yes_id, rr.no_id), instruction=own)
-    assert [x["index"] for x in parsed] == view.rank(q, docs, k=2)
-    assert [x["document"]["text"] for x in parsed] == [docs[x["index"]] for x in parsed]
-    assert reply["usage"]["total_tokens"] == sum(map(len, view.tokenize(q, docs))) and reply["model"] == "shield"
+def _infinity_reads(reply):
+    """What LiteLLM's infinity/ provider reads of a reply (litellm 1.110.2,
+    litellm/llms/infinity/rerank/transformation.py, InfinityRerankConfig.transform_rerank_response):
+    usage.prompt_tokens and usage.total_tokens (its token counts), and per result index,
+    relevance_score and, when truthy, `document` wrapped as {text: document} -> those results."""
+    usage = reply.get("usage", {})
+    assert isinstance(usage.get("prompt_tokens", 0), int) and isinstance(usage.get("total_tokens", 0), int)
+    return [{"index": x.get("index"), "relevance_score": x.get("relevance_score"),
+             **({"document": {"text": x.get("document")}} if x.get("document") else {})} for x in reply["results"]]
 
 
-def test_serve_answers_infinitys_clients_in_infinitys_shape(base_server):
-    """Infinity's own client (infinity_client's RerankInput sends raw_scores and return_documents every
-    time) gets the document as a string on /rerank, raw margins when raw_scores is true; LiteLLM's
-    infinity/ provider, whose body is hosted_vllm's, gets that shape on /infinity/rerank (api_base
-    http://HOST:PORT/infinity), where LiteLLM wraps the string as {text} and validates it
-    (litellm/llms/infinity/rerank/transformation.py; litellm is not installed: parsed as it parses)."""
+def _hosted_vllm_reads(reply):
+    """What LiteLLM's hosted_vllm/ provider reads (litellm 1.110.2,
+    litellm/llms/hosted_vllm/rerank/transformation.py, HostedVLLMRerankConfig._transform_response):
+    usage.total_tokens; `meta`, which replaces its token counts when present; per result index and
+    relevance_score (required), and `document`, on which it calls .get("text") -> those results."""
+    assert isinstance(reply.get("usage", {}).get("total_tokens", 0), int) and reply.get("meta") is None
+    out = []
+    for x in reply["results"]:
+        assert "index" in x and "relevance_score" in x
+        document = x.get("document", {})
+        out.append({"index": int(x["index"]), "relevance_score": float(x["relevance_score"]),
+                    **({"document": {"text": str(document.get("text", ""))}} if document else {})})
+    return out
+
+
+def test_serve_litellms_infinity_and_hosted_vllm_providers_parse_their_routes(base_server, monkeypatch):
+    """LiteLLM's infinity/ and hosted_vllm/ post the same bytes ({model, query, top_n, documents,
+    return_documents: true}, seen from litellm 1.110.2), and no `document` value passes both parses: a
+    string fails hosted_vllm/'s .get, {text} fails infinity/'s string check. So the host URL (/rerank,
+    as LiteLLM's Infinity page configures infinity/) answers Infinity's shape, and hosted_vllm/ with
+    api_base http://HOST:PORT/v1 gets vLLM's on /v1/rerank. Each parse is applied as its code reads the
+    reply, then with LiteLLM itself where litellm is installed."""
     import requests
     results_type = _litellm_types()
     srv, rr = base_server
     q, docs = "how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell."]
-    m = rr.score(q, docs)
-    client = {"query": q, "documents": docs, "return_documents": True, "raw_scores": False, "model": "default"}
-    for raw in (False, True):
-        got = requests.post(srv.url + "/rerank", json={**client, "raw_scores": raw}, timeout=30).json()["results"]
-        assert [x["document"] for x in got] == [docs[i] for i in rr.rank(q, docs, k=2)]
-        want = [float(m[x["index"]]) if raw else float(torch.sigmoid(m[x["index"]])) for x in got]
-        assert [x["relevance_score"] for x in got] == pytest.approx(want, abs=1e-5)
-    body = {"model": "shield", "query": q, "documents": docs, "top_n": 2, "return_documents": True}
-    reply = requests.post(srv.url + serve.INFINITY_PATH, json=body, timeout=30).json()
-    parsed = [{"index": x.get("index"), "relevance_score": x.get("relevance_score"),
-               **({"document": {"text": x.get("document")}} if x.get("document") else {})} for x in reply["results"]]
-    assert [x["document"]["text"] for x in results_type.validate_python(parsed)] == [docs[i] for i in rr.rank(q, docs)]
+    body = {"model": "m", "query": q, "top_n": 2, "documents": docs, "return_documents": True}
+    replies = {path: requests.post(srv.url + path, json=body, timeout=30).json() for path in ("/rerank", "/v1/rerank")}
+    want = [{"index": i, "document": {"text": docs[i]}} for i in rr.rank(q, docs, k=2)]
+    n = sum(map(len, rr.tokenize(q, docs)))
+    for reads, path in ((_infinity_reads, "/rerank"), (_hosted_vllm_reads, "/v1/rerank")):
+        got = results_type.validate_python(reads(replies[path]))
+        assert [{"index": x["index"], "document": x["document"]} for x in got] == want, path
+        assert replies[path]["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    with pytest.raises(AttributeError):                              # str has no .get
+        _hosted_vllm_reads(replies["/rerank"])
+    with pytest.raises(Exception, match="valid string"):             # pydantic: document.text must be a string
+        results_type.validate_python(_infinity_reads(replies["/v1/rerank"]))
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")       # no cost-map download at import
+    try:
+        import litellm                                               # test-only and large: not in CI's list
+    except ImportError:
+        return
+    for provider, api_base in (("infinity", srv.url), ("hosted_vllm", srv.url + "/v1")):
+        got = litellm.rerank(model=f"{provider}/m", query=q, documents=docs, top_n=2, api_base=api_base,
+                             api_key="unused", return_documents=True)
+        assert [{"index": x["index"], "document": x["document"]} for x in got.results] == want, provider
+        assert got.meta["tokens"]["input_tokens"] == n, provider
+
+
+def _score(srv, body, **kw):
+    import requests
+    return requests.post(srv.url + "/score", json=body, timeout=30, **kw)
+
+
+def test_serve_score_takes_every_vllm_spelling(base_server):
+    """/score takes vLLM's four spellings of its two sides, one query for N documents or N queries paired
+    with N documents (vLLM's Qwen3-Reranker example), and answers in vLLM's ScoreResponse shape; a
+    refusal names the fields the client sent."""
+    srv, rr = base_server
+    qs, docs = ["What is the capital of China?", "Explain gravity"], ["The capital of China is Beijing.",
+                                                                        "Gravity attracts two bodies."]
+    pairs = [float(torch.sigmoid(rr.score(q, [d])[0])) for q, d in zip(qs, docs)]
+    one = torch.sigmoid(rr.score(qs[0], docs)).tolist()
+    for body, want in (({"queries": qs, "documents": docs}, pairs), ({"queries": qs, "items": docs}, pairs),
+                       ({"data_1": qs[0], "data_2": docs}, one), ({"text_1": [qs[0]], "text_2": docs}, one),
+                       ({"queries": qs[0], "documents": docs[0]}, one[:1])):
+        r = _score(srv, {"model": "Qwen/Qwen3-Reranker-0.6B", **body})
+        assert r.status_code == 200, (body, r.text)
+        got = r.json()
+        assert [x["score"] for x in got["data"]] == pytest.approx(want, abs=1e-6), body
+        # vLLM's ScoreResponse: id, object, created, model, data [{index, object, score}], usage (UsageInfo)
+        assert got["id"].startswith("score-") and got["object"] == "list" and isinstance(got["created"], int)
+        assert [(x["index"], x["object"]) for x in got["data"]] == [(i, "score") for i in range(len(want))]
+        assert set(got["usage"]) == {"prompt_tokens", "total_tokens", "completion_tokens"}
+    for body, param in (({"queries": qs, "documents": docs + ["x"]}, "queries"), ({"queries": "q"}, "queries"),
+                        ({"data_1": "q", "data_2": [3]}, "data_2[0]"), ({"queries": "q", "items": []}, "items"),
+                        ({"queries": ["q", ""], "documents": docs}, "queries[1]"), ({}, None),
+                        ({"queries": "q", "documents": ["a"], "items": ["b"]}, "queries")):
+        r = _score(srv, body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (body, r.text)
+        assert err["message"].startswith(param or "the body") and not err["message"].startswith("text_1"), r.text
+
+
+def test_serve_honours_or_refuses_every_field(base_server, shield_server):
+    """use_activation false gives margins; `instruction` and `chat_template_kwargs.instruction` reach
+    the one instruction policy on every route (the Shield refuses another, the base model scores with
+    it); max_tokens_per_doc and truncate_prompt_tokens hold on /score as on /rerank, the latter capping
+    each prompt by cutting the document's tail (the scoring suffix kept)."""
+    import requests
+    srv, rr = base_server
+    q, docs = "how long to boil an egg", ["Boil eggs for six minutes. " * 8, "The stock market fell."]
+    m = rr.score(q, docs).tolist()
+    for path in ("/v1/rerank", "/rerank", "/score"):
+        body = {"query": q, "documents": docs} if path != "/score" else {"queries": q, "documents": docs}
+        got = requests.post(srv.url + path, json={**body, "use_activation": False}, timeout=30).json()
+        scores = {x["index"]: x.get("relevance_score", x.get("score")) for x in got.get("results", got.get("data"))}
+        assert [scores[i] for i in range(2)] == pytest.approx(m, abs=1e-5), path
+    both = _score(srv, {"queries": q, "documents": docs, "use_activation": True, "raw_scores": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "use_activation"
+    own = "Find the passage with the exact cooking time"
+    view = lambda **kw: reranker.Reranker(rr.model, rr.tokenizer, (rr.yes_id, rr.no_id),
+                                          **{"instruction": rr.instruction, "max_length": rr.max_length, **kw})
+    for extra in ({"instruction": own}, {"chat_template_kwargs": {"instruction": own, "enable_thinking": False}}):
+        got = _score(srv, {"queries": q, "documents": docs, **extra}).json()["data"]
+        assert [x["score"] for x in got] == pytest.approx(torch.sigmoid(view(instruction=own).score(q, docs)).tolist(),
+                                                          abs=1e-6), extra
+    r = _score(srv, {"queries": q, "documents": docs, "instruction": own,
+                     "chat_template_kwargs": {"instruction": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "instruction"
+    assert _score(srv, {"queries": q, "documents": docs, "chat_template_kwargs": "x"}).status_code == 400
+    # truncation on /score: max_tokens_per_doc cuts each document, truncate_prompt_tokens each prompt
+    cut = rr.text_tokenizer.encode(docs[0], add_special_tokens=False)
+    got = _score(srv, {"queries": q, "documents": docs, "max_tokens_per_doc": 4}).json()["data"]
+    head = docs[0][:cut.offsets[3][1]]                               # its first 4 tokens
+    assert got[0]["score"] == pytest.approx(float(torch.sigmoid(rr.score(q, [head])[0])), abs=1e-6)
+    budget = len(rr.tokenize(q, [""])[0]) + 6
+    for k, want in ((budget, view(max_length=budget)), (-1, rr)):
+        got = _score(srv, {"queries": q, "documents": docs, "truncate_prompt_tokens": k}).json()
+        want_scores = torch.sigmoid(want.score(q, docs)).tolist()
+        assert [x["score"] for x in got["data"]] == pytest.approx(want_scores, abs=1e-6)
+        assert got["usage"]["prompt_tokens"] == sum(map(len, want.tokenize(q, docs)))
+    for k in (0, rr.max_length + 1):
+        r = _score(srv, {"queries": q, "documents": docs, "truncate_prompt_tokens": k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    # the Shield refuses another instruction, in either field, on every route and dialect
+    shield, _ = shield_server
+    for path, body in (("/v1/rerank", {"query": q, "documents": docs}), ("/rerank", {"query": q, "texts": docs}),
+                       ("/score", {"text_1": q, "text_2": docs}), ("/v2/rerank", {"query": q, "documents": docs})):
+        for extra, param in (({"instruction": own}, "instruction"),
+                             ({"chat_template_kwargs": {"instruction": own}}, "chat_template_kwargs.instruction")):
+            r = requests.post(shield.url + path, json={**body, **extra}, headers=AUTH, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, extra, r.text)
+        r = requests.post(shield.url + path, json={**body, "chat_template_kwargs": {"instruction": rr.instruction}},
+                          headers=AUTH, timeout=30)
+        assert r.status_code == 200, (path, r.text)
+
+
+def test_serve_metrics_openapi_models_and_limits(small_queue_server, shield_server):
+    """What a TEI or Infinity user expects: /metrics in Prometheus' text format (read by
+    prometheus_client's own parser), /openapi.json (a valid OpenAPI 3.1 document), GET /v1/models/{id},
+    429 with Retry-After past max_concurrent_requests (the connection kept), and the flags that set it."""
+    import requests
+    from openapi_spec_validator import validate
+    from prometheus_client.parser import text_string_to_metric_families
+    srv = small_queue_server
+    with requests.Session() as s:
+        with srv.slot(), srv.slot(), srv.slot():                    # all three request slots taken
+            busy = s.post(srv.url + "/rerank", data=SMALL_BODY, timeout=30)
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1" and "max_concurrent" in busy.text
+        assert s.post(srv.url + "/v1/rerank", data=SMALL_BODY, timeout=30).status_code == 200   # same connection
+        assert s.post(srv.url + "/score", json={"queries": "q", "documents": ["a"]}, timeout=30).status_code == 200
+        text = s.get(srv.url + "/metrics", timeout=5)
+    assert text.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+               for f in text_string_to_metric_families(text.text) for x in f.samples}
+    assert samples["geodef_requests_total", (("route", "/v1/rerank"), ("status", "200"))] >= 1
+    assert samples["geodef_errors_total", (("kind", "too_many_requests"),)] >= 1
+    assert samples["geodef_documents_total", ()] >= 3 and samples["geodef_prompt_tokens_total", ()] > 0
+    assert samples["geodef_request_duration_seconds_count", (("route", "/score"),)] >= 1
+    assert samples["geodef_request_duration_seconds_bucket", (("le", "+Inf"), ("route", "/score"))] >= 1
+    assert ("geodef_queue_depth", ()) in samples and ("geodef_requests_in_flight", ()) in samples
+    spec = requests.get(srv.url + "/openapi.json", timeout=5).json()
+    validate(spec)
+    assert set(serve.POST_PATHS) <= set(spec["paths"]) and "/v1/models/{model}" in spec["paths"]
+    card = requests.get(srv.url + "/v1/models/geo-defender-shield", timeout=5).json()
+    assert card["id"] == "geo-defender-shield" and card["object"] == "model" and card["max_model_len"] > 0
+    r = requests.get(srv.url + "/v1/models/other", timeout=5)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    shield, _ = shield_server                                      # a keyed server keys /metrics and models too
+    assert requests.get(shield.url + "/metrics", timeout=5).status_code == 401
+    assert requests.get(shield.url + "/v1/models/geo-defender-shield", timeout=5).status_code == 401
+    assert requests.get(shield.url + "/metrics", headers=AUTH, timeout=5).status_code == 200
+    assert "bearer" in requests.get(shield.url + "/openapi.json", timeout=5).json()["components"]["securitySchemes"]
+    asked = settings.ServeConfig(**run.given(run.parser().parse_args(
+        ["serve", "--max-concurrent-requests", "3", "--max-queue", "5"]), settings.ServeConfig))
+    assert (asked.max_concurrent_requests, asked.max_queue) == (3, 5)
