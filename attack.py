@@ -377,7 +377,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
                      "run_folder_usage": run.usage()["stages"].get("attack")}
     attacks = read_json(os.path.join(cfg.run_dir, "summary.json"), {}).get("attack", {})
     attacks.setdefault(label, {})[mode] = block
-    summary = write_summary(cfg.run_dir, "attack", {"attack": attacks, "usage": run.usage()})
+    summary = write_summary(run, "attack", {"attack": attacks})
     report.write_attack_report(cfg.run_dir, summary)
     log(f"[attack] wrote {res}/attack-{label}-{mode}.jsonl and summary.json's attack.{label}.{mode}")
     return block

@@ -394,7 +394,7 @@ def peak_rss_mib():
 
 def _peak_rss_child(kind, folder, lens, prefix, dtype_name, q):
     """Runs one contender once in a fresh process and reports its peak resident memory (MiB)."""
-    speed.reuse_freed_memory()                               # as in run.py's process
+    speed.reuse_freed_memory()   # entry point of this fresh (spawned) process: malloc as in run.py's __main__
     dtype = getattr(torch, dtype_name)
     ids = random_ids(lens, prefix=prefix)
     if kind.startswith("ours"):
@@ -459,7 +459,7 @@ def _train_steps(folder, dtype, ids, kinds=("ours", "peft"), device="cpu"):
 
 def _peak_rss_train_child(kind, folder, ids, dtype_name, q):
     """One training micro-step of one contender in a fresh process -> its peak resident memory (MiB)."""
-    speed.reuse_freed_memory()                               # as in run.py's process
+    speed.reuse_freed_memory()   # entry point of this fresh (spawned) process: malloc as in run.py's __main__
     _train_steps(folder, getattr(torch, dtype_name), ids, (kind,))[kind]()
     q.put(peak_rss_mib())
 

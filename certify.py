@@ -40,6 +40,8 @@ import hashlib
 import math
 import random
 
+from metrics import sigmoid
+
 GRID = (0.05, 0.10, 0.20, 0.30)      # edit fractions p at which the certificate is reported
 ALPHA = 0.05                          # 1 - confidence of every list's certificate
 DEFAULT_SAMPLES = 32                  # masks per document when --samples is left at 1
@@ -61,10 +63,6 @@ def masks(text, rate, n, seed):
 def mask_samples(samples):
     """--samples as the masks a document gets: DEFAULT_SAMPLES when left at 1 (eval's default)."""
     return samples if samples > 1 else DEFAULT_SAMPLES
-
-
-def sigmoid(m):
-    return 1.0 / (1.0 + math.exp(-m)) if m >= 0 else math.exp(m) / (1.0 + math.exp(m))
 
 
 def check_unit(name, v, lo_open=False, hi_open=False):

@@ -481,8 +481,8 @@ def evaluate(run, conditions=None):
             recs = condition(f"GEO Defender [{name}]", insts, Condition(plan["Shield only"].topk, guided(lt)),
                              f"transfer_{name}")
             summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
-    summary.update(usage_summary(run, (llm, judge)))
-    summary = write_summary(run.dir, "eval", summary)          # rerank-eval's, attack's and harden's blocks kept
+    summary.update(clients_summary((llm, judge)))
+    summary = write_summary(run, "eval", summary)              # rerank-eval's, attack's and harden's blocks kept
     report.write_report(run.dir, summary)
     log(f"[eval] wrote {run.dir}/summary.json and {run.dir}/report.md")
     return summary
@@ -698,11 +698,11 @@ def condition_plan(cfg, conds, base, shield, lib, cons, insts):
     return plan, ppl_diag
 
 
-def usage_summary(run, clients):
-    """summary.json's usage: the run folder's cost over all invocations (a resumed run reports what
-    the whole run cost), and any parameter the APIs refused. This invocation's requests and cache
-    hits go to the log, not into the summary (it must not depend on where a run was resumed)."""
-    out = {"usage": run.usage()}
+def clients_summary(clients):
+    """summary.json's record of the clients: any parameter the APIs refused (write_summary adds the run
+    folder's cost). This invocation's requests and cache hits go to the log, not into the summary (it must
+    not depend on where a run was resumed)."""
+    out = {}
     adapted = {c.label: c.adapted for c in dict.fromkeys(clients) if c.adapted}
     if adapted:
         out["adapted"] = adapted

@@ -404,7 +404,7 @@ def harden(run):
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
                            "exposure": crossplay(cfg, cfg.rounds, data)}}
     parallel.finish()                  # under torchrun: the other ranks' retraining is over
-    summary = write_summary(cfg.run_dir, "harden", {"harden": block, "usage": run.usage()})
+    summary = write_summary(run, "harden", {"harden": block})
     report.write_harden_report(cfg.run_dir, summary)
     log(f"[harden] wrote {cfg.run_dir}/harden_report.md and summary.json's harden block")
     return block

@@ -13,7 +13,7 @@ Deviations from PEFT:
 - NF4 (QLoRA: bitsandbytes' code table, blocks of 64, float32 absmax, no double quantisation) is
   dequantised on the fly in pure PyTorch: it saves memory, not time.
 Dropout is PEFT's: nn.Dropout on the LoRA input, one mask per module. speed.py binds a faster
-forward that shares one mask between layers reading the same input (declared there).
+forward that shares one mask between a model's layers reading the same input (declared there).
 
 Usage: add_lora(model); ...train...; save_adapter(model, "runs/x/adapter", "Qwen/Qwen3-Reranker-0.6B")
 """

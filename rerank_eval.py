@@ -37,7 +37,7 @@ import parallel
 import report
 import rankers
 from rankers import order_of
-from runs import read_json, write_jsonl, write_summary
+from runs import write_jsonl, write_summary
 
 def instance_record(x, clean, ranker, base_clean_order, k):
     """One attacked instance under one reranker -> its record (see the module docstring)."""
@@ -232,9 +232,8 @@ def rerank_stage(run, items, stage="rerank-eval"):
             hrecs = [instance_record(x, cleans[x.group_id], rk, None, cfg.k) for x in honest]
             write_jsonl(os.path.join(res, f"rerank-{label}.honest.jsonl"), hrecs)
             out[label]["honest"] = honest_stage(hrecs, recs, cfg.k, cfg.n_boot, cfg.seed)
-    stage = read_json(os.path.join(cfg.run_dir, "summary.json"), {}).get("rerank_stage", {})
-    summary = write_summary(cfg.run_dir, "rerank-eval", {"rerank_stage": {**stage, **out}, "rerank_stage_k": cfg.k,
-                                                         "usage": run.usage()})
+    summary = write_summary(run, "rerank-eval", {"rerank_stage": out, "rerank_stage_k": cfg.k},
+                            merge=("rerank_stage",))       # another reranker's block of an earlier run is kept
     report.write_rerank_report(cfg.run_dir, summary)
     if "conditions" in summary:              # an evaluated run: its report gets the table too
         report.write_report(cfg.run_dir, summary)

@@ -81,13 +81,15 @@ def read_json(path, default=None):
 SUMMARY_KEYS = {"rerank-eval": ("rerank_stage", "rerank_stage_k"), "attack": ("attack",), "harden": ("harden",)}
 
 
-def write_summary(run_dir, command, blocks):
-    """The one writer of run_dir/summary.json -> the summary written. `command`'s `blocks` replace its
-    own keys and every other command's stay. eval owns every key no other command names and rewrites
-    them whole (a condition it no longer evaluates leaves no stale figure); `usage`, the run folder's
-    cost, is refreshed by whichever command writes."""
-    path = os.path.join(run_dir, "summary.json")
+def write_summary(run, command, blocks, merge=()):
+    """The one writer of the run folder's summary.json -> the summary written. `command`'s `blocks`
+    replace its own keys and every other command's stay; a key in `merge` is a block of blocks (rerank-eval's
+    rerank_stage, one per reranker label) whose entries replace the old block's, the others kept. eval owns
+    every key no other command names and rewrites them whole (a condition it no longer evaluates leaves no
+    stale figure). `usage`, the run folder's cost over every invocation, is refreshed here, whoever writes."""
+    path = os.path.join(run.dir, "summary.json")
     old = read_json(path, {})
+    blocks = {**blocks, **{k: {**old.get(k, {}), **blocks[k]} for k in merge}, "usage": run.usage()}
     if command == "eval":
         others = {k for c, keys in SUMMARY_KEYS.items() for k in keys}
         summary = {**blocks, **{k: v for k, v in old.items() if k in others}}

@@ -50,6 +50,7 @@ from urllib.parse import unquote, urlsplit
 
 import export
 import lora
+from metrics import sigmoid
 
 INFINITY_PATHS = ("/rerank", "/infinity/rerank")   # Infinity's reply; /infinity/rerank: api_base .../infinity
 RERANK_PATHS = ("/v1/rerank", "/v2/rerank") + INFINITY_PATHS
@@ -68,10 +69,6 @@ class RequestError(Exception):
     def __init__(self, status, message, param=None):
         super().__init__(message)
         self.status, self.param = status, param
-
-
-def sigmoid(m):
-    return 1.0 / (1.0 + math.exp(-m)) if m >= 0 else math.exp(m) / (1.0 + math.exp(m))
 
 
 @dataclass

@@ -30,11 +30,12 @@ What it changes, and what it does not:
 - the last layer computes only each sequence's final token (the only row the margin reads);
 - compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU)
   as torch.compile'd fusions (needs a C++ compiler on the CPU);
-- LoRA dropout: layers that read the same input (q/k/v; gate/up) share one mask, drawn as geometric
-  gaps between dropped positions (nn.Dropout's Bernoulli law from ~p*n random numbers), and the
-  shared prefix rows draw one mask for the whole micro-batch. The law of each mask is PEFT's; the
-  sharing is a declared deviation (PEFT draws one per module and per sequence), so with dropout > 0
-  training draws other masks than the reference.
+- LoRA dropout: a model's layers that read the same input (q/k/v; gate/up) share one mask (the
+  model's DropoutCache: two models share none), drawn as geometric gaps between dropped positions
+  (nn.Dropout's Bernoulli law from ~p*n random numbers), and the shared prefix rows draw one mask
+  for the whole micro-batch. The law of each mask is PEFT's; the sharing is a declared deviation
+  (PEFT draws one per module and per sequence), so with dropout > 0 training draws other masks than
+  the reference.
 - `reuse_freed_memory()` is not installed: it sets glibc's malloc for the whole process, so the
   application calls it (run.py does).
 Why each path is faster, with measurements: docs/PERF.md.
@@ -595,11 +596,25 @@ def dropout_mask(shape, p, dtype=torch.float32, device="cpu"):
     return mask.view(shape)
 
 
-# The last (input, dropped input) pair: q/k/v (and gate/up) read the same tensor, so they share one
-# dropped copy. The input is held weakly (only its identity matters); the dropped copy strongly, so
-# that whether a mask is shared never depends on what autograd keeps alive (under gradient
-# checkpointing the recomputation must draw exactly the masks the forward drew).
-_SHARED = [lambda: None, None]
+class DropoutCache:
+    """One model's last (input, dropped input) pair: q/k/v (and gate/up) read the same tensor, so they
+    share one dropped copy. `install` gives each model one, held by the model and its LoRA layers, so two
+    models never share a mask. The input is held weakly (only its identity matters); the dropped copy
+    strongly, so that whether a mask is shared never depends on what autograd keeps alive (under
+    gradient checkpointing the recomputation must draw exactly the masks the forward drew)."""
+
+    def __init__(self):
+        self.src, self.dropped = lambda: None, None
+
+    def __call__(self, x, p):
+        """x with a 0/1 keep-mask applied: the cached copy when x is the last input seen, else a new draw."""
+        if self.src() is not x:
+            self.dropped = x * dropout_mask(x.shape, p, x.dtype, x.device)          # 0/1 mask: exact
+            self.src = weakref.ref(x)
+        return self.dropped
+
+    def __reduce__(self):      # a copied or pickled model starts with an empty cache of its own
+        return DropoutCache, ()
 
 
 def lora_forward(self, x):
@@ -610,11 +625,7 @@ def lora_forward(self, x):
         return y
     scaling = self.scaling
     if self.training and self.dropout > 0:
-        src, dropped = _SHARED[0](), _SHARED[1]
-        if src is not x:
-            dropped = x * dropout_mask(x.shape, self.dropout, x.dtype, x.device)   # 0/1 mask: exact
-            _SHARED[:] = [weakref.ref(x), dropped]
-        x = dropped
+        x = self.dropout_cache(x, self.dropout)                         # shared by this model's layers
         scaling = scaling / (1 - self.dropout)
     A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
     h = (x @ A.t()) * scaling                                            # (N, r)
@@ -628,11 +639,12 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
 def reuse_freed_memory(mmap_threshold=64 << 20, trim_threshold=128 << 20):
-    """Keep the memory a call frees for the next call, with glibc's malloc; process-wide, so the
-    application opts in (run.py does; the model code never calls it). torch takes every CPU tensor from
-    malloc, and glibc gives large freed blocks back to the kernel (munmap, or by trimming the top of its
-    heap) by its dynamic thresholds: the next call's activations then fault fresh zeroed pages back
-    in, page by page (tens of thousands of minor faults a scoring call at real width, docs/PERF.md).
+    """Keep the memory a call frees for the next call, with glibc's malloc; process-wide, so only an
+    entry point opts in (run.py's __main__, bench.py's fresh processes first thing; no library code).
+    torch takes every CPU tensor from malloc, and glibc gives large freed blocks back to the kernel
+    (munmap, or by trimming the top of its heap) by its dynamic thresholds: the next call's activations
+    then fault fresh zeroed pages back in, page by page (tens of thousands of minor faults a scoring
+    call at real width, docs/PERF.md).
     With fixed thresholds, blocks under `mmap_threshold` come from the heap, and up to `trim_threshold`
     bytes stay free at its top. Leaves malloc alone off glibc and where the environment already tunes
     it (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, glibc.malloc tunables) -> whether it set both."""
@@ -662,16 +674,21 @@ FORWARDS = {reranker.RMSNorm: rmsnorm_forward, reranker.Attention: attention_for
 def install(model, compile=False, share_prefix=True):
     """Bind the fast forwards on every module of `model` (a reranker.Qwen3Model, LoRA attached or not)
     whose type has one; EAGER kernels, or COMPILED with compile=True; `share_prefix` runs a
-    micro-batch's common prompt prefix once (model.share_prefix). Idempotent; returns the model."""
+    micro-batch's common prompt prefix once (model.share_prefix); the model and its LoRA layers hold one
+    DropoutCache (model.dropout_cache). Idempotent; returns the model."""
     if compile and next(model.parameters()).device.type == "cpu" and not cpp_compiler_available():
         raise RuntimeError("compile=True needs a C++ compiler on the CPU (torch.compile's inductor "
                            "backend builds its kernels with $CXX, else g++): install one or run without it")
     kernels = COMPILED if compile else EAGER
+    cache = getattr(model, "dropout_cache", None) or DropoutCache()        # kept when installed again
+    model.dropout_cache = cache
     for m in model.modules():
         fn = FORWARDS.get(type(m))
         if fn is not None:
             m.forward = types.MethodType(fn, m)
             m.kernels = kernels
+        if isinstance(m, lora.LoRALinear):
+            m.dropout_cache = cache
     if isinstance(model, reranker.Qwen3Model):
         model.share_prefix = share_prefix
     return model

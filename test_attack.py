@@ -98,7 +98,7 @@ def test_the_cheap_gate_names_what_a_candidate_lost():
 
 def test_fidelity_verdicts_are_parsed_from_the_judges_reply(server, tmp_path):
     src = "Boil eggs for 6 minutes at 100 C for a soft yolk."
-    from conftest import Script, ok
+    from testing import Script, ok
     Script.script = [(200, {}, ok(json.dumps({"fidelity": 2, "contradicts_source": False, "reason": "changed"})), 0),
                      (200, {}, ok(json.dumps({"fidelity": 5, "contradicts_source": True, "reason": "no"})), 0)]
     judge = llm_clients.Client.open(server, "judge", cache_dir=str(tmp_path / "c"))
@@ -271,13 +271,16 @@ def test_the_diagnose_and_repair_attacker_makes_small_targeted_edits(attacked, t
     assert "diagnose-and-repair, AgentGEO" in (out / "demo" / "attack_report.md").read_text()
 
 
-def test_a_repairs_edit_share_and_its_reply_are_measured_and_checked():
+def test_a_repairs_edit_share_is_the_share_of_words_it_changes():
     """edit_share: the share of words a candidate changes (what the repair loop refuses above
-    MAX_REPAIR_EDIT before any judge call); a reply without a known failure mode is re-asked."""
+    MAX_REPAIR_EDIT before any judge call)."""
     cur = " ".join(f"word{i}" for i in range(100))
     small = cur.replace("word5 ", "word5 and ", 1)
     whole = " ".join(f"other{i}" for i in range(100))
     assert attack.edit_share(cur, small) < 0.02 and attack.edit_share(cur, whole) == 1.0
+
+
+def test_a_repair_reply_without_a_known_failure_mode_is_re_asked():
     with pytest.raises(ValueError, match="failure_mode"):
         attack.parse_repair({"failure_mode": "made up", "rewrites": ["x"]}, 1)
     assert attack.parse_repair({"failure_mode": "answer_buried", "rewrites": ["a", "b"]}, 1) == ("answer_buried",

@@ -26,7 +26,7 @@ import batch_clients
 import llm_clients
 import offline_server
 import tfsg
-from conftest import HERE, _raw
+from testing import HERE, _raw
 
 
 # how often a server's loop looks for shutdown(): its default 0.5 s would hold every teardown that long

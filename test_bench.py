@@ -10,7 +10,7 @@ import bench
 import lora
 import reranker
 import speed
-from conftest import fast
+from testing import fast
 
 
 def test_gemm_floor_replays_the_scorers_projection_gemms(tiny_dir):

@@ -10,7 +10,7 @@ import pytest
 
 import bench_audit
 import run
-from conftest import SAMPLE
+from testing import SAMPLE
 
 
 def _bench(tmp_path, edit_of, families, n=12):
@@ -31,9 +31,12 @@ def _bench(tmp_path, edit_of, families, n=12):
     return str(p)
 
 
-def test_folds_never_split_a_group_and_every_edit_is_predicted_once():
+def test_folds_never_split_a_group():
     folds = bench_audit.group_folds(["b", "a", "c", "a", "d", "b"], 3)
     assert set(folds) == {"a", "b", "c", "d"} and folds == bench_audit.group_folds(["d", "c", "b", "a"], 3)
+
+
+def test_every_edit_is_predicted_once():
     r = bench_audit.audit(SAMPLE)
     conf = np.array(r["classifier"]["confusion"])
     assert conf.shape == (7, 7) and conf.sum() == r["edits"]
@@ -80,14 +83,21 @@ def test_bench_audit_writes_its_json_and_markdown(tmp_path, capsys):
         run.main(["bench-audit", "--bench", SAMPLE, "--folds", "1"])
 
 
-def test_a_family_without_instances_is_not_a_class_and_one_group_is_too_few(tmp_path):
+# two families: A appends a sentence, B adds a heading and a list
+TWO_EDITS = {"A": lambda s, i: s + f" Experts agree on item {i}.", "B": lambda s, i: f"## Item {i}\n\n- {s}"}
+
+
+def test_a_family_without_instances_is_not_a_class(tmp_path):
     """D is in the file's methods but no group rewrites with it: chance is a half (A and B), D's row is
-    dashes, never None or 0%; a file of one query group is refused, not audited at 0% accuracy."""
-    edit_of = {"A": lambda s, i: s + f" Experts agree on item {i}.", "B": lambda s, i: f"## Item {i}\n\n- {s}"}
-    r = bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B", "D"]), folds=4)
+    dashes, never None or 0%."""
+    r = bench_audit.audit(_bench(tmp_path, TWO_EDITS, ["A", "B", "D"]), folds=4)
     assert r["classifier"]["chance"] == 0.5 and r["classifier"]["recall"]["D"] is None
     assert np.array(r["classifier"]["confusion"])[:, 2].sum() == 0 and "D" not in r["surface_markers"]
     md = bench_audit.markdown(r)
     assert "None" not in md and "| D | 0 | 0 | 0 | - |" in md and "| D | - | - | - |" in md
+
+
+def test_one_query_group_is_too_few(tmp_path):
+    """A file of one query group is refused, not audited at 0% accuracy."""
     with pytest.raises(bench_audit.SettingsError, match=r"b.jsonl: 1 query group.*too few.*at least 2"):
-        bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B"], n=1))
+        bench_audit.audit(_bench(tmp_path, TWO_EDITS, ["A", "B"], n=1))

@@ -22,7 +22,7 @@ import offline_server
 import run
 import runs
 import settings
-from conftest import HERE
+from testing import HERE
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import reranker
 import run
 import serve
 import settings
-from conftest import HERE, _shield_folder, hf_margins
+from testing import HERE, _shield_folder, hf_margins
 
 
 @pytest.mark.parametrize("width,untied", [("tiny", False), ("tiny", True),
@@ -208,7 +208,7 @@ def test_the_export_command_refuses_a_missing_or_bad_run_name(tmp_path):
 
 def test_export_and_serve_load_the_shield_as_its_run_recorded_it(demo_run, tmp_path):
     """With --name, the record's model, dtype, max length and quantization (the demo's tiny float32 model,
-    not the defaults); --model instead of a run, and --adapter only with it."""
+    not the defaults)."""
     rec = json.load(open(demo_run / "config.json"))["config"]
     runs = ["--name", "demo", "--runs-dir", str(demo_run.parent)]
     for cls, argv in ((settings.ExportConfig, ["export", *runs, "--out", str(tmp_path / "x")]),
@@ -217,6 +217,11 @@ def test_export_and_serve_load_the_shield_as_its_run_recorded_it(demo_run, tmp_p
         assert (cfg.model, cfg.dtype) == ("tiny", "float32") != (cls.model, cls.dtype)
         assert (cfg.max_length, cfg.quant) == (rec["max_length"], rec["quant"])
         assert adapter == os.path.join(str(demo_run), "adapter") and run_dir == str(demo_run)
+
+
+def test_export_of_a_run_refuses_model_flags(demo_run, tmp_path):
+    """--model instead of a run, and --adapter (and --revision) only with it; a run name is a name."""
+    runs = ["--name", "demo", "--runs-dir", str(demo_run.parent)]
     for extra, msg in [(["--model", "tiny"], "not both"), (["--adapter", str(tmp_path)], "goes with --model"),
                        (["--revision", "v2"], "goes with --model"), (["--name", "../x"], "a run name is")]:
         with pytest.raises(SystemExit, match=msg):
@@ -262,7 +267,7 @@ def test_export_command_refuses_the_run_folder_as_one_line(demo_run):
 
 def _tiny_adapter(tmp_path, tiny_dir):
     """A non-zero LoRA adapter over the tiny model -> its folder."""
-    from conftest import train_with_lora
+    from testing import train_with_lora
     rr = train_with_lora(reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32), 11, 0.0)
     lora.save_adapter(rr.model, str(tmp_path / "adapter"), tiny_dir)
     return str(tmp_path / "adapter")

@@ -1,6 +1,6 @@
 """geodef.py: Eqs. 1-5 hand-computed, preference triples, the benchmark format and its validation,
 splits without leakage.
-Vendors with: geodef.py conftest.py
+Vendors with: geodef.py testing.py
 Run: python -m pytest -q test_geodef.py
 """
 import copy
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import geodef
-from conftest import good_group, write_lines
+from testing import good_group, write_lines
 
 METHODS, SEEN = ["M1", "M2", "M3", "M4", "M5", "M6", "M7"], ["M1", "M2", "M3"]
 
@@ -134,17 +134,27 @@ def test_bench_meta_line_validated(tmp_path, meta, msg):
         geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, good_group("g0"), good_group("g1")]))
 
 
-def test_construction_groups_hold_their_families_and_seen_methods_come_from_them(tmp_path):
-    """_meta.construction_methods: every construction group holds each, and any of them may be the seen
-    methods; without it, only the seen ones are construction methods."""
+def _construction_rows(attacks):
+    """A construction group rewritten by `attacks`, a test group, and a _meta naming construction
+    methods A and B of which A is seen -> (construction group, test group, _meta)."""
     a, b = good_group("g0"), good_group("g1")
-    a.update(split="construction", attacks={"A": "a rewrite"})
+    a.update(split="construction", attacks=attacks)
     b.update(split="test")
-    meta = {"methods": ["A", "B"], "seen_methods": ["A"], "construction_methods": ["A", "B"]}
+    return a, b, {"methods": ["A", "B"], "seen_methods": ["A"], "construction_methods": ["A", "B"]}
+
+
+def test_construction_groups_hold_each_construction_method(tmp_path):
+    """_meta.construction_methods: every construction group holds each."""
+    a, b, meta = _construction_rows({"A": "a rewrite"})
     with pytest.raises(geodef.BenchFormatError, match=r":2: attacks: missing methods \['B'\] listed in "
                                                       r"_meta.construction_methods"):
         geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, a, b]))
-    a["attacks"]["B"] = "b rewrite"
+
+
+def test_seen_methods_come_from_the_construction_methods(tmp_path):
+    """Any construction method may be the seen methods; without _meta.construction_methods, only the seen
+    ones are construction methods."""
+    a, b, meta = _construction_rows({"A": "a rewrite", "B": "b rewrite"})
     _, m = geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, a, b]), with_meta=True)
     assert m.construction() == ["A", "B"] and geodef.seen_methods(m, ["B"]) == (["B"], "given")
     _, m = geodef.load_bench(write_lines(tmp_path, [{"_meta": {**meta, "construction_methods": []}}, a, b]),

@@ -1,5 +1,5 @@
 """gpt2.py: parity with transformers' GPT-2; <|endoftext|> in a document stays text.
-Vendors with: gpt2.py tiny.py reranker.py conftest.py
+Vendors with: gpt2.py tiny.py reranker.py
 Run: python -m pytest -q test_gpt2.py
 """
 import json

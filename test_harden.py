@@ -137,13 +137,19 @@ def test_survivors_of_one_group_and_candidate_number_stay_apart(hardened):
     assert len({x.instance_id for x in pool}) == len({x.doc_ids[x.attack_index] for x in pool}) == len(recs)
 
 
-def test_the_shield_is_retrained_and_the_library_grows_on_the_survivors(hardened):
+def test_the_shield_is_retrained_on_the_survivors(hardened):
     out, _, _ = hardened
     r1 = out / "demo" / "harden" / "round-1"
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
     prev = harden.defense_of(cfg, 0)
     assert (r1 / "adapter" / "adapter_model.safetensors").read_bytes() != \
         open(os.path.join(prev[0], "adapter_model.safetensors"), "rb").read()
+
+
+def test_the_library_grows_on_the_survivors(hardened):
+    out, _, _ = hardened
+    r1 = out / "demo" / "harden" / "round-1"
+    cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
     cases = json.load(open(r1 / "library" / f"E{cfg.n_batches + 2}.cases.json"))
     cited = [json.loads(x) for x in open(r1 / "cited.jsonl")]            # GEO Defender's citations, no ASI judge
     assert cited and all("asi" not in r and "asi_judge" not in r for r in cited)
@@ -220,11 +226,15 @@ def test_crossplay_is_square_with_each_rounds_fresh_attacker_on_the_diagonal(har
         assert m[k][k] == pytest.approx(block["rounds"][k]["fresh"]["3"]["Shield only"]["exposure"])
 
 
-def test_the_report_says_offline_and_draws_both_figures(hardened):
+def test_the_report_says_offline(hardened):
     out, _, _ = hardened
     rep = (out / "demo" / "harden_report.md").read_text()
     assert rep.startswith("> **OFFLINE / SIMULATION RUN.**") and "Threat model" in rep and "Cross-play" in rep
     assert "fresh test attacker MAGEO's loop: **in-distribution**" in rep     # the default: one algorithm
+
+
+def test_harden_draws_its_figures(hardened):
+    out, _, _ = hardened
     for f in ("harden_attack.svg", "harden_utility.svg", "harden_crossplay.svg"):
         assert (out / "demo" / "figures" / f).read_text().startswith("<svg")
 

@@ -72,22 +72,30 @@ def test_each_fold_trains_without_its_family_and_the_table_is_its_records(held):
     assert "plumbing figures" in (run_dir / "holdout" / "figures" / "holdout.svg").read_text()
 
 
-def test_a_rerun_resumes_to_the_same_files_and_a_changed_setting_is_refused(held, monkeypatch):
+def test_a_rerun_resumes_to_the_same_files(held, monkeypatch):
     run_dir, s, _ = held
     files = [run_dir / "holdout" / n for n in ("summary.json", "report.md", "figures/holdout.svg")]
     before = [f.read_bytes() for f in files]
     monkeypatch.setattr(train, "prepare_triples", lambda *a: pytest.fail("a finished fold trained again"))
     assert run.main(argv(run_dir.parent, *LLM_STAGE)) == s
     assert [f.read_bytes() for f in files] == before
+
+
+def test_a_rerun_with_a_changed_setting_is_refused(held, monkeypatch):
+    run_dir, _, _ = held
+    monkeypatch.setattr(train, "prepare_triples", lambda *a: pytest.fail("a finished fold trained again"))
     with pytest.raises(SystemExit, match=r"config.json: this run was made with different lr .*Use a new --name"):
         run.main(argv(run_dir.parent, *LLM_STAGE, "--lr", "0.5"))
 
 
-def test_a_holdout_dry_run_writes_nothing_and_a_family_without_construction_instances_or_twice_is_refused(tmp_path):
+def test_a_holdout_dry_run_writes_nothing(tmp_path):
     plan = run.main(argv(tmp_path, "--dry-run", "--families", "all"))
     assert list(plan["folds"]) == ["without-AgenticGEO", "without-AutoGEO", "without-MAGEO", "all"]
     assert plan["folds"]["without-MAGEO"]["trained_on"] == ["AgenticGEO", "AutoGEO"] and plan["llm_requests"] == 0
     assert not (tmp_path / "h").exists()
+
+
+def test_a_family_without_construction_instances_or_given_twice_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"--families GEO: \['GEO'\] have no construction instances .*"
                                          r"--construction-families all"):
         run.main(argv(tmp_path, "--families", "GEO"))

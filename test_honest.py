@@ -19,7 +19,7 @@ import offline_attackers
 import report
 import rerank_eval
 import run
-from conftest import HERE, SAMPLE
+from testing import HERE, SAMPLE
 
 SOURCE = ("Canberra was chosen in 1908 as a compromise between Sydney and Melbourne. It has roughly 470,000 "
           "people.\n\nParliament moved there in 1927.")
@@ -109,7 +109,7 @@ def _lines(path):
     return [json.loads(x) for x in open(path, encoding="utf-8").read().splitlines()]
 
 
-def test_build_bench_honest_adds_an_edit_and_its_trace_and_changes_nothing_else(rows, honest_bench):
+def test_build_bench_honest_gives_each_test_group_an_edit_with_its_trace(honest_bench):
     lines = _lines(honest_bench / "honest.jsonl")
     meta = lines[0]["_meta"]
     assert meta["honest"] is True and meta["honest_digest"] == honest.HonestEdit().digest()
@@ -121,6 +121,10 @@ def test_build_bench_honest_adds_an_edit_and_its_trace_and_changes_nothing_else(
             continue
         assert g["honest_trace"]["gate"][-1] == "accepted"
         assert honest.honest_refusal(g["docs"][g["source_index"]]["text"], g["honest"]) is None
+
+
+def test_build_bench_honest_changes_nothing_else(rows, honest_bench):
+    lines = _lines(honest_bench / "honest.jsonl")
     _build(rows, honest_bench / "plain.jsonl", honest_bench / "r")            # the same build without --honest
     plain = _lines(honest_bench / "plain.jsonl")
     assert "honest" not in plain[0]["_meta"]

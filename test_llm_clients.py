@@ -1,6 +1,6 @@
 """llm_clients.py over real HTTP (a scripted loopback server): retries, Retry-After, adaptation of
 refused parameters, JSON re-asks, the cache, keys and URL credentials never leaked, Ctrl-C.
-Vendors with: llm_clients.py transport.py endpoints.py accounting.py conftest.py (no torch)
+Vendors with: llm_clients.py transport.py endpoints.py accounting.py conftest.py testing.py (no torch)
 Run: python -m pytest -q test_llm_clients.py
 """
 import json
@@ -10,11 +10,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import requests
 
 import accounting
 import endpoints
 import llm_clients
-from conftest import Script, client, ok
+from testing import Script, client, ok
 
 
 def test_retry_after_then_success(server):
@@ -432,7 +433,9 @@ def test_the_timeout_bounds_the_whole_reply():
 
 
 class TrickledFromTheFirstByte(BaseHTTPRequestHandler):
-    """A reply trickled from its status line on, a byte every 0.2 s (~30 s in all), to a POST or a GET."""
+    """A reply trickled from its status line on, a byte every 0.2 s (~30 s in all), to a POST or a GET;
+    cut short once `stop` is set (a subclass's own Event)."""
+    stop = threading.Event()
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -441,7 +444,8 @@ class TrickledFromTheFirstByte(BaseHTTPRequestHandler):
         try:
             for b in reply:
                 self.wfile.write(bytes([b]))
-                time.sleep(0.2)
+                if self.stop.wait(0.2):
+                    break
         except OSError:                      # the client shut its socket
             pass
 
@@ -465,6 +469,38 @@ def test_the_timeout_bounds_a_reply_trickled_from_its_status_line():
         assert time.monotonic() - t0 < 2.5
     finally:
         srv.shutdown()
+
+
+def test_without_the_deadline_adapter_a_trickled_reply_outlives_the_timeout():
+    """Why Transport mounts DeadlineAdapter (urllib3's pools: requirements.txt pins urllib3's range): on
+    requests' own adapter (its connect and read timeouts, and the deadline checked as the body is read), a
+    reply trickled from its status line, each byte within the read timeout, is still being read at four
+    times the 0.5 s timeout, and ends only when the server cuts it."""
+
+    class Cut(TrickledFromTheFirstByte):
+        stop = threading.Event()
+
+    srv, url = _serve(Cut)
+    out = []
+    try:
+        c = client(url, timeout=0.5, max_retries=0)
+        c.transport.session.mount("http://", requests.adapters.HTTPAdapter())     # the plain path
+        t0 = time.monotonic()
+
+        def chat():
+            try:
+                c.chat([{"role": "user", "content": "x"}])
+            except llm_clients.LLMError as e:
+                out.append((e, time.monotonic() - t0))
+        t = threading.Thread(target=chat, daemon=True)
+        t.start()
+        t.join(2.0)
+        assert t.is_alive() and not out, "the plain path kept the timeout: DeadlineAdapter may be dropped"
+    finally:
+        Cut.stop.set()
+        srv.shutdown()
+    t.join(10)
+    assert len(out) == 1 and out[0][1] >= 2.0 and "on http://127.0.0.1" in str(out[0][0])
 
 
 def test_a_cut_reply_is_retried_like_a_dropped_connection():

@@ -1,6 +1,6 @@
 """lora.py: LoRA against PEFT (B = 0 equals the base, merged equals unmerged, adapters both ways),
 only LoRA trains, NF4 storage, PEFT's dropout, gradient checkpointing.
-Vendors with: lora.py reranker.py tiny.py conftest.py
+Vendors with: lora.py reranker.py tiny.py conftest.py testing.py
 Run: python -m pytest -q test_lora.py
 """
 import json
@@ -10,7 +10,7 @@ import torch
 
 import lora
 import reranker
-from conftest import hf_margins, train_with_lora
+from testing import hf_margins, train_with_lora
 
 
 def _lora_model(tiny_dir, b_zero=False):

@@ -1,7 +1,10 @@
-"""metrics.py: citation parsing, ASR/ASI/BER on known values, balanced order, cluster bootstrap.
-Vendors with: metrics.py conftest.py (no torch)
+"""metrics.py: citation parsing, ASR/ASI/BER on known values, balanced order, cluster bootstrap, the
+sigmoid at margins where its plain form overflows.
+Vendors with: metrics.py (no torch)
 Run: python -m pytest -q test_metrics.py
 """
+import math
+
 import numpy as np
 import pytest
 
@@ -61,3 +64,18 @@ def test_cluster_bootstrap():
     assert lo == 0.0 and hi == 10.0
     lo2, hi2 = metrics.cluster_bootstrap_ci([0, 0, 0, 10, 10, 10], list("abcdef"), n_boot=2000, seed=0)
     assert lo2 > 0 and hi2 < 10                                        # instance-level resampling is narrower
+
+
+def test_sigmoid_never_overflows():
+    """sigmoid raises e only to -|m|: finite at every float margin where the plain 1 / (1 + e^-m) overflows
+    (below -709.78), exact at the ends, the plain form's value bit for bit on ordinary margins, nan kept."""
+    with pytest.raises(OverflowError):
+        1.0 / (1.0 + math.exp(709.8))                                  # the plain form at m = -709.8
+    assert metrics.sigmoid(-709.8) == math.exp(-709.8) > 0.0           # subnormal, not an overflow
+    assert metrics.sigmoid(-1000.0) == metrics.sigmoid(-math.inf) == 0.0
+    assert metrics.sigmoid(1000.0) == metrics.sigmoid(710.0) == metrics.sigmoid(math.inf) == 1.0
+    assert math.isnan(metrics.sigmoid(math.nan))
+    for m in (0.0, 0.3, 2.0, 7.5, 36.0, -0.3, -2.0, -7.5, -36.0):
+        assert metrics.sigmoid(m) == pytest.approx(1.0 / (1.0 + math.exp(-m)), rel=1e-15)
+        assert metrics.sigmoid(m) + metrics.sigmoid(-m) == pytest.approx(1.0, abs=1e-15)
+    assert all(metrics.sigmoid(m) == 1.0 / (1.0 + math.exp(-m)) for m in (0.0, 0.3, 2.0, 7.5, 36.0))

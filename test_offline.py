@@ -1,7 +1,7 @@
 """offline.py: the offline engine answers every prompt kind in schema, in process and through the
 client; the bundled synthetic sample.
 Vendors with: offline.py offline_target.py offline_attackers.py defenses.py llm_clients.py transport.py
-  endpoints.py accounting.py metrics.py tfsg.py geodef.py conftest.py data/geo_defensebench_sample.jsonl
+  endpoints.py accounting.py metrics.py tfsg.py geodef.py conftest.py testing.py data/geo_defensebench_sample.jsonl
 Run: python -m pytest -q test_offline.py
 """
 import json
@@ -17,7 +17,7 @@ import llm_clients
 import metrics
 import offline
 import tfsg
-from conftest import HERE, R, SAMPLE, _tfsg_inputs
+from testing import HERE, R, SAMPLE, _tfsg_inputs
 
 
 def test_the_sample_is_synthetic():

@@ -2,7 +2,7 @@
 keeps answering; its errors and objects are the APIs' as the official openai and anthropic SDKs read them
 (those tests need the SDKs, requirements-test.txt).
 Vendors with: offline_server.py offline.py offline_target.py offline_attackers.py defenses.py metrics.py tfsg.py
-  geodef.py conftest.py
+  geodef.py testing.py
 Run: python -m pytest -q test_offline_server.py
 """
 import json
@@ -15,7 +15,7 @@ import requests
 import metrics
 import offline_server
 import tfsg
-from conftest import _raw
+from testing import _raw
 
 
 def _start(srv):
@@ -121,13 +121,18 @@ def test_files_are_listed_and_deleted_through_the_sdk(engine):
         sdk.files.delete(ids[1])
 
 
-def test_a_batch_carries_model_and_usage_and_a_completion_its_created_time(engine):
-    """OpenAI's batch object has `model` and `usage` (the lines' tokens summed); a chat completion has
-    `created`, an int, as the SDK's strict models require."""
+def test_a_completion_carries_its_created_time(engine):
+    """A chat completion has `created`, an int, as the SDK's strict models require."""
     srv, url = engine
     openai, sdk = _openai(url)
     done = sdk.chat.completions.create(**_chat(0))
     assert isinstance(done.created, int) and done.model == "offline-engine"
+
+
+def test_a_batch_carries_model_and_usage(engine):
+    """OpenAI's batch object has `model` and `usage` (the lines' tokens summed)."""
+    srv, url = engine
+    openai, sdk = _openai(url)
     lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": _chat(i)}) + "\n" for i in range(2))
     f = sdk.files.create(file=("in.jsonl", lines.encode()), purpose="batch")

@@ -22,7 +22,7 @@ import parallel
 import rankers
 from safetensors.torch import load_file
 
-from conftest import HERE
+from testing import HERE
 
 # the paper's learning rate (Table A.1): the ranks' gradient sums differ from one process's only in the
 # order of float32 additions, which AdamW's first steps carry into the weights in proportion to lr

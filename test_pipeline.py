@@ -31,7 +31,7 @@ import settings
 import tfsg
 import tiny
 import train
-from conftest import SAMPLE, Script, _tfsg_inputs, write_lines
+from testing import SAMPLE, Script, _tfsg_inputs, write_lines
 
 
 def test_trace_keeps_its_supporting_evidence():
@@ -266,7 +266,7 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def engine():
-    """The scripted loopback LLM server (conftest's Script: the offline engine answers what is not
+    """The scripted loopback LLM server (testing.py's Script: the offline engine answers what is not
     scripted) for the module: an endpoint's port is part of every LLM cache key, so a run evaluated
     once and copied answers from its cache in every test."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Script)

@@ -1,6 +1,6 @@
 """reranker.py: parity with transformers' Qwen3 (tiny checkpoints written by transformers), the prompt
 and token ids with the real Qwen3 vocabulary, control tokens never made from text, loading errors.
-Vendors with: reranker.py tiny.py conftest.py
+Vendors with: reranker.py tiny.py conftest.py testing.py
 Run: python -m pytest -q test_reranker.py
 """
 import copy
@@ -13,7 +13,7 @@ import torch
 
 import reranker
 import tiny
-from conftest import hf_checkpoint, hf_margins
+from testing import hf_checkpoint, hf_margins
 
 
 def test_parity_tiny_fp32_alone_or_batched(hf_tiny):

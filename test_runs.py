@@ -30,7 +30,7 @@ import runs
 import settings
 import tfsg
 import train
-from conftest import R, SAMPLE, good_group, write_lines
+from testing import R, SAMPLE, good_group, write_lines
 
 
 def _in_a_child(fn, *args, timeout=60):
@@ -791,17 +791,21 @@ def test_no_secret_in_a_url_without_a_scheme_or_a_flag_error_is_printed(tmp_path
     assert "invalid choice: *** (choose from 'all', 'shield', 'tfsg')" in printed
 
 
-def test_a_wait_a_socket_cannot_take_or_a_float_that_is_not_finite_is_refused_up_front(tmp_path):
+def test_a_float_that_is_not_finite_is_refused_up_front(tmp_path):
     """--timeout inf passed `> 0` and failed at the first socket (OverflowError); every float setting
-    refuses inf and nan, and a wait (timeout, batch poll) is at most MAX_WAIT seconds."""
+    refuses inf and nan."""
     with pytest.raises(SystemExit, match=r"--timeout inf \(not a finite number\)"):
         run.main(["train", "--timeout", "inf", "--bench", str(tmp_path / "none.jsonl"), "--runs-dir", str(tmp_path)])
-    with pytest.raises(runs.SettingsError, match=r"--timeout 1e\+30 \(seconds, more than 0 and at most 86400\)"):
-        settings.EvalConfig(timeout=1e30)
     for name in ("temperature", "rpm", "lr", "beta", "lam_def", "max_grad_norm", "batch_deadline", "lora_dropout"):
         for v in (float("inf"), float("nan")):
             with pytest.raises(runs.SettingsError, match=f"--{name.replace('_', '-')} {v} .not a finite number"):
                 settings.EvalConfig(**{name: v})
+
+
+def test_a_wait_a_socket_cannot_take_is_refused_up_front():
+    """A wait (timeout, batch poll) is at most MAX_WAIT seconds."""
+    with pytest.raises(runs.SettingsError, match=r"--timeout 1e\+30 \(seconds, more than 0 and at most 86400\)"):
+        settings.EvalConfig(timeout=1e30)
     with pytest.raises(runs.SettingsError, match="--batch-poll 1000000000.0"):
         settings.EvalConfig(batch_poll=1e9)
     assert settings.EvalConfig(timeout=86400.0, batch_poll=86400.0).timeout == settings.MAX_WAIT

@@ -17,7 +17,7 @@ import reranker
 import run
 import serve
 import settings
-from conftest import AUTH, _raw, _shield_folder
+from testing import AUTH, _raw, _shield_folder
 
 
 def _serving(srv):
@@ -455,7 +455,7 @@ def test_serve_a_prompt_without_room_for_the_document_is_a_400(base_server):
 def shield_export(tmp_path_factory, tiny_dir):
     """The tiny model with a non-zero LoRA adapter merged in by `export` (causal: the layout serve loads)."""
     import lora
-    from conftest import train_with_lora
+    from testing import train_with_lora
     tmp = tmp_path_factory.mktemp("shield_export")
     rr = train_with_lora(reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32), 7, 0.0)
     lora.save_adapter(rr.model, str(tmp / "adapter"), tiny_dir)

@@ -2,6 +2,7 @@
 training step, the hand backward passes, compiled fusions, the dropout sampler's law; CUDA cases.
 Run: python -m pytest -q test_speed.py
 """
+import copy
 import functools
 import os
 import random
@@ -12,7 +13,7 @@ import torch
 import lora
 import reranker
 import speed
-from conftest import CUDA, _rel, fast, hf_margins, train_with_lora
+from testing import CUDA, _rel, fast, hf_margins, train_with_lora
 
 
 @pytest.fixture(scope="module")
@@ -418,14 +419,19 @@ def test_dropout_masks_are_independent_bernoulli_draws():
     assert torch.equal(a, speed.dropout_mask((7, 5), 0.3))             # reproducible from the seed
 
 
-def test_lora_train_forward_shares_one_mask_per_input():
-    # LoRALinear in train mode: base(x) + (x * mask) A^T B^T * scaling / (1 - p), mask shared by layers
-    # reading the same input
-    base = torch.nn.Linear(5, 3, bias=False)
-    la, lb = lora.LoRALinear(base, r=2, alpha=4, dropout=0.3), lora.LoRALinear(base, r=2, alpha=4, dropout=0.3)
-    for mod in (la, lb):
+def _lora_pair(base, p=0.3):
+    """Two LoRA layers over `base` (B random, so the update shows), installed as one model."""
+    model = torch.nn.ModuleList([lora.LoRALinear(base, r=2, alpha=4, dropout=p) for _ in range(2)])
+    for mod in model:
         torch.nn.init.normal_(mod.lora_B)
-        speed.install(mod)
+    return speed.install(model)
+
+
+def test_lora_train_forward_shares_one_mask_per_input():
+    # LoRALinear in train mode: base(x) + (x * mask) A^T B^T * scaling / (1 - p), mask shared by a
+    # model's layers reading the same input
+    base = torch.nn.Linear(5, 3, bias=False)
+    la, lb = _lora_pair(base)
     x = torch.randn(7, 5)
     torch.manual_seed(2)
     ya, yb = la(x), lb(x)
@@ -436,6 +442,43 @@ def test_lora_train_forward_shares_one_mask_per_input():
         torch.testing.assert_close(y, want)
     with pytest.raises(ValueError):
         lora.LoRALinear(base, dropout=1.0)
+
+
+def test_two_models_never_share_a_dropout_mask():
+    """Each model holds its own DropoutCache: the second model's layer reading the first's input draws a
+    mask of its own, and the first model's next layer still takes the first's mask (interleaved forwards,
+    as two models trained in one process). A copy of a model starts with a cache of its own."""
+    base = torch.nn.Linear(5, 3, bias=False)
+    one, two = _lora_pair(base), _lora_pair(base)
+    assert one.dropout_cache is one[0].dropout_cache is one[1].dropout_cache is not two.dropout_cache
+    x = torch.randn(7, 5)
+    torch.manual_seed(2)
+    first, other = speed.dropout_mask((7, 5), 0.3), speed.dropout_mask((7, 5), 0.3)
+    assert not torch.equal(first, other)
+    torch.manual_seed(2)
+    got = [one[0](x), two[0](x), one[1](x)]                           # the draws: first, other, none
+    for mod, y, mask in ((one[0], got[0], first), (two[0], got[1], other), (one[1], got[2], first)):
+        torch.testing.assert_close(y, base(x) + (x * mask) @ mod.lora_A.t() @ mod.lora_B.t() * 2.0 / 0.7)
+    assert speed.install(one).dropout_cache is one[1].dropout_cache   # installed again: the same cache
+    copied = copy.deepcopy(one)
+    assert copied.dropout_cache is copied[0].dropout_cache is copied[1].dropout_cache is not one.dropout_cache
+
+
+def test_gradient_checkpointing_redraws_the_forwards_dropout_masks(hf_tiny):
+    """With LoRA dropout, the recomputation under gradient checkpointing draws the masks the forward drew:
+    the same gradients, bit for bit, as without checkpointing (and not those of dropout 0)."""
+    folder, _ = hf_tiny
+    grads = []
+    for dropout, ckpt in ((0.3, False), (0.3, True), (0.0, False)):
+        rr = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+        train_with_lora(rr, seed=0, dropout=dropout, checkpointing=ckpt)
+        speed.install(rr.model)
+        torch.manual_seed(5)
+        rr.score("q", ["some document", "another, longer document text " * 4], grad=True).sum().backward()
+        grads.append({n: p.grad for n, p in rr.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    assert not all(torch.equal(grads[0][n], grads[2][n]) for n in grads[0])
 
 
 def test_speed_paths_equal_the_reference(hf_tiny):

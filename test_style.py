@@ -7,7 +7,7 @@ import ast
 import glob
 import os
 
-from conftest import HERE
+from testing import HERE
 
 LIMIT = 119
 

@@ -1,6 +1,6 @@
 """tfsg.py: the Controller's actions and invariants, cold start, prompts that hostile documents
 cannot restructure, outcome classes.
-Vendors with: tfsg.py conftest.py (no torch)
+Vendors with: tfsg.py testing.py (no torch)
 Run: python -m pytest -q test_tfsg.py
 """
 import json
@@ -8,7 +8,7 @@ import random
 
 
 import tfsg
-from conftest import R
+from testing import R
 
 
 def _three_rules():

@@ -1,7 +1,8 @@
 """Each building block vendors with its tests: the block, its test file and only what the test file's
 "Vendors with:" line names, copied into an empty folder, pass there; "(no torch)" means they pass
-with torch unimportable. In a session that runs these checks they are the blocks' test runs
-(conftest.py deselects the same tests in the project folder).
+with torch unimportable. With GEODEF_VENDOR_CHECK=1 (.ci/run sets it) these checks are the blocks'
+only test runs: conftest.py deselects the same tests in the project folder, whatever was collected.
+Without it (the README's command) the blocks' tests run in the project folder as well.
 The blocks' runs are processes that share nothing, so they run side by side, as many at a time as
 the machine has cores plus one (test_llm_clients.py's run mostly waits on its loopback servers); each
 run's torch on one thread (the runs already fill the cores: a second thread per run would only wait
@@ -19,7 +20,7 @@ import threading
 
 import pytest
 
-from conftest import HERE
+from testing import HERE
 
 # slowest first: the runs start in this order, and test_llm_clients.py, which mostly waits, takes a
 # worker while the others keep the cores busy
@@ -71,6 +72,7 @@ def run_alone(test_file, folder, processes):
         (folder / "torch").mkdir()
         (folder / "torch" / "__init__.py").write_text("raise ImportError('torch is not a need of this block')\n")
     env = {**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env.pop("GEODEF_VENDOR_CHECK", None)     # inside the folder the block's tests are the run, not deselected
     p = processes.popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
                         cwd=str(folder), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     if p is None:

@@ -9,7 +9,11 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
   Retry-After) is honoured up to `max_retry_after` s, a longer hint fails at once; never retried:
   400/401/403/404/422, `insufficient_quota` and spend limits;
 - `timeout` bounds a whole exchange, status line and headers included: a Deadline shuts the socket when
-  it runs out, so a reply trickled a byte at a time cannot hold a request open;
+  it runs out, so a reply trickled a byte at a time cannot hold a request open. requests' own timeouts
+  bound each read, not the exchange (test_llm_clients.py shows such a reply outliving them), and
+  requests hands the socket over only with the headers, so this reaches into urllib3: its connection
+  and pool classes subclassed, installed through PoolManager.pool_classes_by_scheme; requirements.txt
+  pins the urllib3 range it is written against (2.x);
 - every failure raises LLMError(status, provider, short body).
 
 Usage: t = Transport("https://api.openai.com/v1", "openai:gpt-5.5", api_key=key); t.post(body)   # protocol's path
