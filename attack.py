@@ -51,8 +51,9 @@ import tfsg
 from evaluation import (INJECTION_DEFENSES, clean_reference, condition_plan, condition_slug, estimate, eval_condition,
                         price_plan, summarize)
 from rankers import load_rankers, order_of
-from runs import (atomic_write, changed_settings, library_path, log, read_json, SettingsError, tfsg_limits, write_json,
+from runs import (atomic_write, changed_settings, library_path, log, read_json, tfsg_limits, write_json,
                   write_summary)
+from settings import SettingsError
 
 CONDITIONS = ("Non-Defense", "Shield only", "TFSG only", "GEO Defender", *INJECTION_DEFENSES)  # those on base top-k
 ATTACKER_INSTRUCTION = (
@@ -293,10 +294,19 @@ def plan_calls(n_inst, budget, per_round, rounds, n_budgets, k, reasks=1):
             "pre_step_calls": evals * pre * k, "asi_judge_calls": evals * len(CONDITIONS) * ask}
 
 
-def dry_run(run, budgets, rounds):
+def check(run):
+    """attack's own settings, checked before anything runs: the budgets and the target reranker's spec."""
+    parse_budgets(run.cfg.budgets)
+    if run.cfg.target not in ("shield", "base"):
+        rankers.check_specs(rankers.parse_rerankers([run.cfg.target]))
+
+
+def dry_run(run):
     """What `attack` would send, without sending anything: upper bounds per stage, prompt tokens
     estimated at 4 characters a token, and the price with --prices."""
     cfg, per_round = run.cfg, run.cfg.candidates_per_round
+    budgets = parse_budgets(cfg.budgets)
+    rounds = cfg.rounds or rounds_for(max(budgets), per_round)
     insts = geodef.expand(run.data.test, run.data.methods)
     calls = plan_calls(len(insts), max(budgets), per_round, rounds, len(budgets), cfg.k)
     doc = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))      # characters of a rewrite

@@ -5,12 +5,15 @@ the LLM client; the rerank server against direct scoring. Method and figures: do
 
 Usage: python run.py bench --what score --repeat 5
 """
+import dataclasses
+import importlib.util
 import json
 import multiprocessing as mp
 import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -29,6 +32,7 @@ import reranker
 import serve
 import speed
 import tiny
+from settings import SettingsError
 
 
 # ----------------------------------------------------------------------------- benchmarks
@@ -672,3 +676,22 @@ def connection_latency(url, n=100):
         out[f"small_request_{name}_p50_ms"] = round(1000 * statistics.median(q), 2)
         out[f"small_request_{name}_p99_ms"] = round(1000 * q[min(n - 1, int(0.99 * n))], 2)
     return out
+
+
+def run_bench(cfg):
+    """bench's command: the contest --what names, its peers checked installed first -> its figures. Without
+    a C++ compiler (--compile's default then) the compiled contender is left out."""
+    if cfg.compile is None:
+        cfg = dataclasses.replace(cfg, compile=speed.cpp_compiler_available())
+        if not cfg.compile:
+            print("bench: no C++ compiler found, so the compiled contender is left out", file=sys.stderr)
+    if cfg.what not in ("score", "train", "serve") and cfg.device != "cpu":
+        raise SettingsError(f"bench --what {cfg.what} runs on the CPU only; --device takes score and train")
+    if cfg.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
+        missing = [m for m in ("transformers",) + ("peft",) * (cfg.what == "train")
+                   if importlib.util.find_spec(m) is None]
+        if missing:
+            raise SettingsError(f"bench --what {cfg.what} races {' and '.join(missing)} (not runtime dependencies):"
+                                " pip install -r requirements-test.txt")
+    return {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
+            "nf4": bench_nf4, "serve": bench_serve}[cfg.what](cfg)

@@ -232,6 +232,18 @@ def cause(local, served, failed, unordered, beyond, constant, base):
     return None
 
 
+def check(run):
+    """deploy-check's own setting, checked before anything runs: an endpoint to check, its key present."""
+    spec = run.cfg.endpoint
+    if spec is None or spec.kind in ("base", "shield"):
+        raise SettingsError("deploy-check: give --endpoint SPEC, the served reranker (http://HOST:PORT[/rerank], "
+                            "tei:http://HOST:PORT, cohere:MODEL, ...)")
+    try:
+        rerank_clients.make_reranker(spec)
+    except ValueError as e:
+        raise SettingsError(f"--endpoint {spec}: {e}") from None
+
+
 def deploy_check(run, spec, rr=None):
     """Send the known-answer lists to the endpoint `spec` (a RerankSpec, as rerank-eval takes it), score
     those it answered with the run's Shield (`rr`, else loaded from the run) -> the verdict of compare(),

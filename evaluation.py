@@ -8,7 +8,7 @@ does it stop citing a source once the source is honestly edited, as it stops cit
 
 Records are appended one per instance (results/*.jsonl), so an interrupted eval resumes; the
 settings they were made with are pinned in results/settings.json.
-Usage: summary = evaluate(runs.Run(cfg))
+Usage: summary, records = evaluate(runs.Run(cfg))
 """
 import hashlib
 import json
@@ -26,15 +26,15 @@ import gpt2
 import defenses
 import llm_clients
 import metrics
-import parallel
 import report
 import rankers
 import tfsg
 import tiny
-from rankers import documents_cut, load_rankers
+from rankers import documents_cut, load_rankers, sharded
 from runs import (adapter_path, changed_settings, file_sha1, is_offline, library_path, log, naming, NotTrainedError,
-                  read_json, read_jsonl, SettingsError, shared_roles, test_set_digest, tfsg_limits, TINY_NOTE,
+                  read_json, read_jsonl, shared_roles, test_set_digest, tfsg_limits, TINY_NOTE,
                   write_json, write_summary)
+from settings import SettingsError
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -304,9 +304,11 @@ def transfer_items(cfg):
     return items
 
 
-def reranker_items(cfg):
-    """eval --reranker LABEL=SPEC ... -> [(label, RerankSpec)], parsed by the settings."""
-    return cfg.reranker or []
+def reranker_items(cfg, conds=None):
+    """eval --reranker LABEL=SPEC ... -> [(label, RerankSpec)], parsed by the settings; with `conds`, those
+    some condition deploys ("Non-Defense [LABEL]", ...)."""
+    return [(label, spec) for label, spec in cfg.reranker or []
+            if conds is None or any(deployed_label(c) == label for c in conds)]
 
 
 def deployed_label(name):
@@ -329,7 +331,7 @@ def eval_settings(cfg, conds, transfers):
     if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
         for name, path, _ in transfers:
             s[f"transfer {name}"] = file_sha1(path)[:12]
-    for label, spec in reranker_items(cfg):          # a deployed reranker's records: its endpoint
+    for label, spec in reranker_items(cfg, conds):   # a deployed reranker's records: its endpoint
         s[f"reranker {label}"] = str(spec)
     s.update({c: defenses.PIPELINES[c].settings for c in conds if c in defenses.PIPELINES
               and defenses.PIPELINES[c].settings})   # an injection defense's thresholds, marker, ...
@@ -395,24 +397,32 @@ def eval_conditions(cfg):
 
 
 def ranking_stage(run, conds, deployed):
-    """The local rankers eval needs, every list scored -> (base, shield or None). Under torchrun each
-    rank scores whole queries of its share and every rank gathers them (Ranker.prepare(shard=True)),
-    then the process group ends: what follows runs on rank 0 alone. A plain run scores them all."""
+    """The local rankers eval needs, every list scored -> (base, shield or None). Under torchrun every
+    rank runs it, each scoring whole queries of its share (rankers.sharded); the command then leaves the
+    process group and rank 0 evaluates alone (run.py's eval). A plain run scores them all."""
     cfg, data = run.cfg, run.data
     insts = geodef.expand(data.test, data.methods)
     cleans = [geodef.clean_instance(g) for g in data.test]
     base, shield = load_rankers(cfg, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
-    base.prepare(insts + cleans, shard=True)
+    sharded(run.ranks, base, insts + cleans)
     if shield:
-        shield.prepare(insts, shard=True)
-    parallel.finish()
+        sharded(run.ranks, shield, insts)
     return base, shield
 
 
-def evaluate(run, conditions=None):
+class Evaluated(NamedTuple):
+    """What evaluate made: the summary (summary.json as written) and each condition's records (its
+    first sample's, as results/<slug>.jsonl holds them)."""
+    summary: dict
+    records: dict
+
+
+def evaluate(run, conditions=None, ranked=None):
     """All conditions of Table 1/2 on the test split, the clean reference, pairwise quality, method,
-    epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg.
-    conditions: eval_conditions' answer when the caller has checked them already (eval does, first)."""
+    epoch and transfer breakdowns -> results/*.jsonl, summary.json, report.md, figures/*.svg, and
+    Evaluated(summary, {condition: records}). conditions: (conditions, transfer libraries), eval_conditions'
+    answer when the caller has checked them (eval does, first; holdout names its two); ranked:
+    ranking_stage's answer when the caller has run it (eval does, on every rank)."""
     cfg = run.cfg
     _, meta, cons, test, seen, methods = run.data
     insts = geodef.expand(test, methods)
@@ -422,8 +432,8 @@ def evaluate(run, conditions=None):
         gpt2.resolve(cfg.ppl_model)     # download it, or fail, before the reranker scores every candidate
     needs_lib = any(c in WITH_LIBRARY or deployed_label(c) and c.startswith("TFSG only") for c in conds)
     lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg)) if needs_lib else None
-    deployed = reranker_items(cfg)
-    base, shield = ranking_stage(run, conds, deployed)
+    deployed = reranker_items(cfg, conds)
+    base, shield = ranked or ranking_stage(run, conds, deployed)
     local = {"base": base, "shield": shield}
     others = rankers.make_rankers(cfg, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
     for label, rk in others.items():
@@ -475,7 +485,7 @@ def evaluate(run, conditions=None):
         summary["epochs"] = library_epochs(cfg, results["GEO Defender"], insts, plan["Shield only"].topk, clean,
                                            condition)
     summary.update(defense_summary(cfg, run.prices, llm, judge, results, plan, insts, clean, res))
-    if cfg.transfer and "GEO Defender" in conds:   # Table C.2 row: other targets' libraries, Shield fixed
+    if transfers and "GEO Defender" in conds:     # Table C.2 row: other targets' libraries, Shield fixed
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
         for name, _, lt in transfers:
             recs = condition(f"GEO Defender [{name}]", insts, Condition(plan["Shield only"].topk, guided(lt)),
@@ -485,7 +495,7 @@ def evaluate(run, conditions=None):
     summary = write_summary(run, "eval", summary)              # rerank-eval's, attack's and harden's blocks kept
     report.write_report(run.dir, summary)
     log(f"[eval] wrote {run.dir}/summary.json and {run.dir}/report.md")
-    return summary
+    return Evaluated(summary, results)
 
 
 def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):

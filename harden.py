@@ -43,14 +43,14 @@ import os
 import shutil
 
 import geodef
-import parallel
 import report
 import tfsg
 from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
 from evaluation import clean_reference, eval_condition, estimate, guided, offline_notes, price_plan
 from rankers import base_ranker, load_rankers
-from runs import (SettingsError, adapter_path, changed_settings, labels_of, library_path, load_reranker, log,
+from runs import (adapter_path, changed_settings, labels_of, library_path, load_reranker, log,
                   read_json, read_jsonl, tfsg_limits, write_json, write_jsonl, write_summary)
+from settings import SettingsError
 from train import clean_reference_benign, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
@@ -339,7 +339,7 @@ def retraining(run, k):
     are written (under torchrun rank 0 writes them; the ranks meet at a barrier first), the Shield
     retrained on the construction set plus the pool, when there are survivors -> the survivors."""
     cfg = run.cfg
-    parallel.barrier()
+    run.ranks.barrier()
     survivors = read_survivors(os.path.join(round_dir(cfg, k), "survivors.jsonl"))
     if survivors:
         train_shield(run, out=round_dir(cfg, k), extra=pool_instances(cfg, run.data, k),
@@ -353,7 +353,6 @@ def train_share(run):
     while rank 0 measures the round and attacks the next (parallel.WAIT bounds it: 7 days)."""
     for k in range(1, run.cfg.rounds + 1):
         retraining(run, k)
-    parallel.finish()
 
 
 def attack_round(run, k, clients, clean_cons):
@@ -403,18 +402,25 @@ def harden(run):
     block = {"settings": pinned, "rounds": rounds, "k": cfg.k, "notes": offline_notes(cfg, data.meta),
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
                            "exposure": crossplay(cfg, cfg.rounds, data)}}
-    parallel.finish()                  # under torchrun: the other ranks' retraining is over
     summary = write_summary(run, "harden", {"harden": block})
     report.write_harden_report(cfg.run_dir, summary)
     log(f"[harden] wrote {cfg.run_dir}/harden_report.md and summary.json's harden block")
     return block
 
 
+def check(run):
+    """harden's own settings, checked before anything runs (a dry run's too): the evaluation budgets, the
+    test groups asked for, and the settings of the rounds already made (check_settings)."""
+    parse_budgets(run.cfg.eval_budgets, "--eval-budgets")
+    if run.cfg.eval_groups > len(run.data.test):
+        raise SettingsError(f"--eval-groups {run.cfg.eval_groups}: the benchmark has {len(run.data.test)} test groups")
+    check_settings(run.cfg)
+
+
 def dry_run(run):
     """What `harden` would send, without sending anything: upper bounds per round (JSON re-asks
     included), prompt tokens at 4 characters a token, the price with --prices, full and batch."""
     cfg, data = run.cfg, run.data
-    check_settings(cfg)                 # the plan is of a run that would start: the same refusal first
     cons = geodef.expand(data.construction, data.seen)
     _, test = test_instances(cfg, data)
     budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")

@@ -38,9 +38,10 @@ import geodef
 import figures
 import metrics
 import rerank_eval
-from evaluation import condition_slug, evaluate, offline_notes
+from evaluation import check_eval_settings, evaluate, offline_notes
 from rankers import parse_rerankers
-from runs import SettingsError, log, read_jsonl, record_or_check, shield_split, tfsg_schedule, write_json
+from runs import log, record_or_check, shield_split, tfsg_schedule, write_json
+from settings import SettingsError
 from train import plan_train, train_shield, train_tfsg
 
 ALL = "all"                       # the reference fold: every construction family
@@ -103,16 +104,12 @@ def run_fold(run, fcfg, llm_stage=False):
     record_or_check(fcfg, "holdout")
     fold = fold_run(run, fcfg)
     train_shield(fold)
-    items = parse_rerankers(["base", "shield"])
-    rerank_eval.rerank_stage(fold, items, stage="holdout")
-    res = os.path.join(fcfg.run_dir, "results")
-    out = {label: [r for _, r in read_jsonl(os.path.join(res, f"rerank-{label}.jsonl"))] for label, _ in items}
+    _, out = rerank_eval.rerank_stage(fold, parse_rerankers(["base", "shield"]), stage="holdout")
     if llm_stage:
         train_tfsg(fold)
-        evaluate(fold.with_settings(dataclasses.replace(fcfg, conditions=",".join(LLM_CONDITIONS), transfer=None,
-                                                        reranker=None), fold.data))
-        out.update({c: [r for _, r in read_jsonl(os.path.join(res, condition_slug(c) + ".jsonl"))]
-                    for c in LLM_CONDITIONS})
+        conditions = (list(LLM_CONDITIONS), [])            # no transfer library, no deployed reranker
+        check_eval_settings(fold.cfg, *conditions)
+        out.update(evaluate(fold, conditions).records)
     return out
 
 

@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 import endpoints
 import lora
-import parallel
 import rerank_clients
-from runs import (SettingsError, adapter_path, file_sha1, load_reranker, load_shield, log, shield_scores_path,
+from runs import (adapter_path, file_sha1, load_reranker, load_shield, log, shield_scores_path,
                   usage_path, write_json)
+from settings import SettingsError
 
 
 def order_of(scores):
@@ -83,71 +83,82 @@ class Ranker:
         self.made_from = made_from or {}
         self.cache = read_scores(path)
 
-    def prepare(self, instances, shard=False):
-        """Score every (query, document) of `instances` not in the cache. shard: under torchrun
-        (parallel.world() > 1) each rank scores the queries of its share (round robin over every query of
-        `instances` in a fixed order, whatever is cached: whole queries, so each document is scored in the
-        batch one process would score it in, the same floats), keeping them in a share file of its own
-        (<cache>.rank<r>, which only grows) as it goes; every rank then holds all the scores, rank 0 writes
-        the cache and removes the share files. A killed multi-rank run's share files are read first, by a
-        rerun on any number of ranks, so it scores only what no rank had scored; each is checked whole
-        (read_scores) before any is merged."""
-        shared = shard and parallel.world() > 1
-        mine = f"{self.path}.rank{parallel.rank()}" if shared else self.path
-        shares = {part: read_scores(part, self.made_from) for part in self.share_files()}
-        for scores in shares.values():
-            self.cache.update(scores)
+    def prepare(self, instances):
+        """Score every (query, document) of `instances` not in the cache; the cache written after each query."""
+        self.score(self.missing(instances), lambda new: write_json(self.path, self.cache))
+
+    def missing(self, instances, share=None):
+        """{query: {doc_key: document}} of `instances` not in the cache, queries in their first order.
+        share (rank, world): only the queries of that rank, round robin over every query of `instances` in
+        a fixed (sorted) order, whatever is cached: whole queries, so each document is scored in the batch
+        one process would score it in, the same floats."""
         todo = {}
         for x in instances:
             for d in x.docs:
                 todo.setdefault(x.query, {})[doc_key(x.query, d)] = d
-        if shared:                                  # this rank's queries, round robin in a fixed order
-            todo = {q: todo[q] for q in sorted(todo)[parallel.rank()::parallel.world()]}
+        if share is not None:
+            rank, world = share
+            todo = {q: todo[q] for q in sorted(todo)[rank::world]}
         todo = {q: {k: d for k, d in kd.items() if k not in self.cache} for q, kd in todo.items()}
-        todo = {q: kd for q, kd in todo.items() if kd}
-        items = [(q, k, d) for q, kd in todo.items() for k, d in kd.items()]
-        bar = tqdm(total=len(items), desc=f"rerank ({self.label})", file=sys.stderr, disable=not items)
+        return {q: kd for q, kd in todo.items() if kd}
+
+    def score(self, todo, save):
+        """Score `todo` ({query: {key: document}}) 16 documents a batch into the cache, calling save(new)
+        after each query with every score this call has made."""
+        new = {}
+        bar = tqdm(total=sum(map(len, todo.values())), desc=f"rerank ({self.label})", file=sys.stderr,
+                   disable=not todo)
         with (lora.lora_disabled(self.rr.model) if self.adapter_off else contextlib.nullcontext()):
-            self._score(todo, bar, mine, shares.get(mine, {}) if shared else None)
+            for q, kd in todo.items():
+                keys = list(kd)
+                for i in range(0, len(keys), 16):
+                    chunk = keys[i:i + 16]
+                    for k, v in zip(chunk, self.rr.score(q, [kd[k] for k in chunk])):
+                        self.cache[k] = new[k] = float(v)
+                    bar.update(len(chunk))
+                save(new)
         bar.close()
-        if shared:
-            self.cache.update(parallel.gather({k: self.cache[k] for _, k, _ in items}))
-        if parallel.is_main() and (shared or shares):          # every rank's scores in the cache: shares go
-            write_json(self.path, self.cache)
-            for part in self.share_files():
-                os.remove(part)
-        if shared:                  # no rank starts another sharded prepare of this cache before the shares go
-            parallel.barrier()
-
-    def share_files(self):
-        """The ranks' share files of this cache (a multi-rank prepare's; none once it has ended)."""
-        folder, base = os.path.split(self.path)
-        share = re.compile(re.escape(base) + r"\.rank\d+")        # not atomic_write's temporary files
-        return sorted(os.path.join(folder, f) for f in (os.listdir(folder) if os.path.isdir(folder) else ())
-                      if share.fullmatch(f))
-
-    def _score(self, todo, bar, path, mine=None):
-        """Score `todo` ({query: {key: document}}), writing what is scored to `path` after each query: the
-        cache, or under torchrun (mine: what this rank's share file holds) this rank's share file, its
-        scores alone with what they were made from."""
-        for q, kd in todo.items():
-            keys = list(kd)
-            for i in range(0, len(keys), 16):
-                chunk = keys[i:i + 16]
-                for k, v in zip(chunk, self.rr.score(q, [kd[k] for k in chunk])):
-                    self.cache[k] = float(v)
-                    if mine is not None:
-                        mine[k] = float(v)
-                bar.update(len(chunk))
-            write_json(path, self.cache if mine is None else
-                       {"made_from": {**self.made_from, "rank": parallel.rank(), "world": parallel.world()},
-                        "scores": mine})
+        return new
 
     def scores(self, x):
         return [self.cache[doc_key(x.query, d)] for d in x.docs]
 
     def order(self, x):
         return order_of(self.scores(x))
+
+
+def share_files(path):
+    """The ranks' share files of the cache `path` (a multi-rank scoring's; none once it has ended)."""
+    folder, base = os.path.split(path)
+    share = re.compile(re.escape(base) + r"\.rank\d+")        # not atomic_write's temporary files
+    return sorted(os.path.join(folder, f) for f in (os.listdir(folder) if os.path.isdir(folder) else ())
+                  if share.fullmatch(f))
+
+
+def sharded(ranks, ranker, instances):
+    """ranker.prepare(instances) across torchrun's ranks (parallel.Ranks): each rank scores the queries of
+    its share (Ranker.missing), keeping them in a share file of its own (<cache>.rank<r>, which only grows)
+    as it goes; every rank then holds all the scores, rank 0 writes the cache and removes the share files.
+    A killed multi-rank run's share files are read first, by a rerun on any number of ranks (one included),
+    so it scores only what no rank had scored; each is checked whole (read_scores) before any is merged.
+    One rank alone: a plain prepare, after those shares."""
+    shares = {part: read_scores(part, ranker.made_from) for part in share_files(ranker.path)}
+    for scores in shares.values():
+        ranker.cache.update(scores)
+    if ranks.world == 1:
+        ranker.prepare(instances)
+    else:
+        mine = f"{ranker.path}.rank{ranks.rank}"
+        made_from = {**ranker.made_from, "rank": ranks.rank, "world": ranks.world}
+        kept = shares.get(mine, {})
+        new = ranker.score(ranker.missing(instances, (ranks.rank, ranks.world)),
+                           lambda new: write_json(mine, {"made_from": made_from, "scores": {**kept, **new}}))
+        ranker.cache.update(ranks.gather(new))
+    if ranks.is_main and (ranks.world > 1 or shares):         # every rank's scores in the cache: shares go
+        write_json(ranker.path, ranker.cache)
+        for part in share_files(ranker.path):
+            os.remove(part)
+    ranks.barrier()                # no rank starts another sharded scoring of this cache before the shares go
 
 
 def load_rankers(cfg, shield, adapter=None):
@@ -228,7 +239,7 @@ class RemoteRanker:
         self.client, self.label, self.workers = client, label, workers
         self.by_id = {}
 
-    def prepare(self, instances, shard=False):
+    def prepare(self, instances):
         """One request per list not yet scored (an endpoint scales on its own side: never sharded)."""
         todo = [x for x in instances if x.instance_id not in self.by_id]
         for x, r in zip(todo, self.client.map([(x.query, x.docs) for x in todo], workers=self.workers)):

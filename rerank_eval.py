@@ -33,11 +33,11 @@ import os
 import certify
 import geodef
 import metrics
-import parallel
 import report
 import rankers
 from rankers import order_of
 from runs import write_jsonl, write_summary
+from settings import SettingsError
 
 def instance_record(x, clean, ranker, base_clean_order, k):
     """One attacked instance under one reranker -> its record (see the module docstring)."""
@@ -103,6 +103,16 @@ def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
         out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, [r["group_id"] for r in rs], n_boot=n_boot,
                                                               seed=seed)) if vals else None
     return out
+
+
+def check_items(cfg):
+    """rerank-eval's --reranker specs, checked before anything runs (every endpoint's key present) -> [(label,
+    RerankSpec)]."""
+    if not cfg.reranker:
+        raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
+                            "jina:MODEL, voyage:MODEL, http://HOST:PORT[/rerank], tei:http://HOST:PORT, "
+                            "vllm-score:http://HOST:PORT)")
+    return rankers.check_specs(cfg.reranker)
 
 
 def dry_run(run, items):
@@ -188,38 +198,39 @@ def stage_lists(data):
             [geodef.honest_instance(g) for g in data.test if g.honest is not None])
 
 
-def score_share(run, items, stage="rerank-eval"):
-    """A torchrun rank's part of rerank_stage (ranks other than 0): its share of the local rankers'
-    scores (Ranker.prepare(shard=True)), in the order rank 0 asks for them; it writes nothing."""
-    cfg, (insts, cleans, honest) = run.cfg, stage_lists(run.data)
-    local = [(label, spec) for label, spec in items if spec.kind in rankers.LOCAL]
-    for rk in rankers.make_rankers(cfg, local, stage).values():
-        rk.prepare(insts + list(cleans.values()) + honest, shard=True)
-    parallel.finish()
+def stage_rankers(run, items, stage="rerank-eval"):
+    """Each --reranker's Ranker, the local ones' lists scored -> {label: Ranker}. Under torchrun every
+    rank runs it, each scoring whole queries of its share (rankers.sharded); the command then leaves the
+    process group and rank 0 goes on alone (rerank_stage). The endpoints are asked later, by rank 0."""
+    insts, cleans, honest = stage_lists(run.data)
+    by_label = rankers.make_rankers(run.cfg, items, stage)
+    for label, spec in items:
+        if spec.kind in rankers.LOCAL:
+            rankers.sharded(run.ranks, by_label[label], insts + list(cleans.values()) + honest)
+    return by_label
 
 
-def rerank_stage(run, items, stage="rerank-eval"):
+def rerank_stage(run, items, stage="rerank-eval", by_label=None):
     """Score every test instance and its clean list with each reranker; write results/rerank-<label>.jsonl
     (whole, once every list is scored: a failed endpoint records nothing) and summary.json's
     rerank_stage; with honest edits also results/rerank-<label>.honest.jsonl and each block's `honest`.
-    -> {label: summary block}."""
+    by_label: stage_rankers' answer when the caller has run it. -> ({label: summary block}, {label: records})."""
     cfg, data = run.cfg, run.data
     insts, cleans, honest = stage_lists(data)
-    by_label = rankers.make_rankers(cfg, items, stage)
-    local = [label for label, spec in items if spec.kind in rankers.LOCAL]
-    for label in local:                      # the ranks' shared work first: no rank waits on an endpoint
-        by_label[label].prepare(insts + list(cleans.values()) + honest, shard=True)
-    parallel.finish()                        # under torchrun: the ranks' scoring is over, rank 0 goes on
-    for label in (label for label, _ in items if label not in local):
-        by_label[label].prepare(insts + list(cleans.values()) + honest)
+    if by_label is None:
+        by_label = stage_rankers(run, items, stage)
+    for label, spec in items:
+        if spec.kind not in rankers.LOCAL:
+            by_label[label].prepare(insts + list(cleans.values()) + honest)
     base = next((by_label[lb] for lb, spec in items if spec.kind == "base"), None)
     res = os.path.join(cfg.run_dir, "results")
-    out = {}
+    out, records = {}, {}
     for label, spec in items:
         rk = by_label[label]
         recs = [instance_record(x, cleans[x.group_id], rk, base.order(cleans[x.group_id]) if base else None, cfg.k)
                 for x in insts]
         write_jsonl(os.path.join(res, f"rerank-{label}.jsonl"), recs)
+        records[label] = recs
         out[label] = {"spec": str(spec), **summarize_stage(recs, data.seen, cfg.n_boot, cfg.seed)}
         if len(geodef.attacked_levels(insts)) > 1:
             out[label]["by_attacked"] = attacked_stage(recs, cfg.k, cfg.n_boot, cfg.seed)
@@ -237,7 +248,7 @@ def rerank_stage(run, items, stage="rerank-eval"):
     report.write_rerank_report(cfg.run_dir, summary)
     if "conditions" in summary:              # an evaluated run: its report gets the table too
         report.write_report(cfg.run_dir, summary)
-    return out
+    return out, records
 
 
 def stage_table(stage, k):

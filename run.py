@@ -21,14 +21,13 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
 import re
 import sys
-import threading
 
 import attack
+import bench
 import bench_audit
 import build_bench
 import deploy_check
@@ -39,7 +38,6 @@ import harden
 import holdout
 import llm_clients
 import offline_server
-import parallel
 import rankers
 import report
 import rerank_eval
@@ -49,11 +47,9 @@ import settings
 import speed
 import tfsg
 import tiny
-from bench import bench_llm, bench_memory, bench_nf4, bench_score, bench_serve, bench_train
 from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
-from runs import (TINY_NOTE, Run, RunInUse, adapter_path, check_llms, check_record, check_roles, library_path,
-                  load_reranker, load_shield, log, model_folder, need_trained, read_json, record_config,
-                  record_or_check, resolve, run_lock, shield_split, tfsg_schedule)
+from runs import (TINY_NOTE, Run, RunInUse, adapter_path, load_reranker, load_shield, log, model_folder,
+                  need_trained, read_json, resolve, run_lock, shield_split, tfsg_schedule)
 from settings import PRESETS, SettingsError
 from train import plan_train, train_shield, train_tfsg
 
@@ -123,26 +119,7 @@ def cmd_serve(args):
     with reading(run_dir):
         rr = load_shield(cfg, adapter=adapter) if adapter else load_reranker(cfg)
     rr.model.eval()
-    key = cfg.api_key or os.environ.get("GEODEF_API_KEY") or None
-    try:
-        srv = serve.RerankServer(rr, host=cfg.host, port=cfg.port, api_key=key, max_documents=cfg.max_documents,
-                                 max_body_bytes=cfg.max_body_bytes, max_queue=cfg.max_queue,
-                                 max_concurrent_requests=cfg.max_concurrent_requests,
-                                 model_name=cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"),
-                                 allow_instruction=cfg.allow_instruction)
-    except OSError as e:
-        raise SettingsError(f"--host {cfg.host} --port {cfg.port}: cannot listen there ({e.strerror or e})") from None
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not key:
-        log(f"[serve] WARNING: listening on {cfg.host} without an API key: anyone who can reach this port can use "
-            "it (set GEODEF_API_KEY or --api-key)")
-    log(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on "
-        f"{srv.url} (/v1/rerank, /rerank, /score, /metrics){' (API key required)' if key else ''}")
-    try:
-        srv.serve_forever()
-    except KeyboardInterrupt:
-        log("[serve] stopped")
-    finally:
-        srv.server_close()
+    serve.serve_until_stopped(rr, cfg, cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"), adapter)
 
 
 def add_settings_flags(p, cls, preset=True):
@@ -170,27 +147,6 @@ def add_settings_flags(p, cls, preset=True):
 def given(args, cls):
     """The settings given on the command line (None: not given)."""
     return {f.name: getattr(args, f.name) for f in settings.flags(cls) if getattr(args, f.name, None) is not None}
-
-
-@contextlib.contextmanager
-def offline_engine(run, needed, corpus=None):
-    """While the block runs and when `needed`, the offline engine on a loopback port (run.engine_url):
-    the demo, attack and build-bench reach it through real HTTP, and batch APIs need HTTP; with a
-    `corpus` it also answers Tavily-shaped /search. Closed, not only stopped, on the way out: requests
-    still queued fail at once instead of waiting out their timeouts on a socket nobody accepts from."""
-    if not needed:
-        yield
-        return
-    srv = offline_server.make_server(0, corpus=corpus)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    run.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    try:
-        yield
-    finally:
-        run.engine_url = None
-        srv.shutdown()
-        srv.server_close()
 
 
 def print_summary(s):
@@ -330,22 +286,7 @@ def cmd_compare(args):
 
 
 def cmd_bench(args):
-    cfg = resolve(settings.BenchConfig, given(args, settings.BenchConfig), from_record=False)
-    if cfg.compile is None:
-        cfg = dataclasses.replace(cfg, compile=speed.cpp_compiler_available())
-        if not cfg.compile:
-            log("bench: no C++ compiler found, so the compiled contender is left out")
-    if cfg.what not in ("score", "train", "serve") and cfg.device != "cpu":
-        raise SettingsError(f"bench --what {cfg.what} runs on the CPU only; --device takes score and train")
-    if cfg.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
-        missing = [m for m in ("transformers",) + ("peft",) * (cfg.what == "train")
-                   if importlib.util.find_spec(m) is None]
-        if missing:
-            raise SettingsError(f"bench --what {cfg.what} races {' and '.join(missing)} (not runtime dependencies):"
-                                " pip install -r requirements-test.txt")
-    fn = {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
-          "nf4": bench_nf4, "serve": bench_serve}[cfg.what]
-    res = fn(cfg)
+    res = bench.run_bench(resolve(settings.BenchConfig, given(args, settings.BenchConfig), from_record=False))
     print(json.dumps(res, indent=1))
     return res
 
@@ -353,18 +294,15 @@ def cmd_bench(args):
 def cmd_build_bench(args):
     """GEO-DefenseBench from GEO-Bench rows (build_bench.py): with no --attacks the paper's recipe."""
     cfg = resolve(settings.BuildConfig, given(args, settings.BuildConfig), args.preset, from_record=False)
-    run = Run(cfg)
     if args.dry_run:
-        return show(build_bench.dry_run(run))
-    check_llms(cfg)
+        return show(build_bench.dry_run(Run.plan(cfg, record=False)))
     plan = build_bench.plan(cfg)
     offline_llm = cfg.llm == "offline" or (cfg.fidelity_judge or "").startswith("offline")
-    corpus = plan.corpus
-    with offline_engine(run, offline_llm or corpus is not None, corpus), run_lock(cfg.run_dir):
+    with Run.open(cfg, "build-bench", llms=True, record=None, engine=offline_llm or plan.corpus is not None,
+                  corpus=plan.corpus) as run:
         path, comp = build_bench.build_bench(run, plan)
     print(f"{'split':<14}{'groups':>8}{'methods':>9}{'instances':>11}")
-    for split, v in comp.items():
-        print(f"{split:<14}{v['groups']:>8}{v['methods']:>9}{v['instances']:>11}")
+    print("\n".join(f"{split:<14}{v['groups']:>8}{v['methods']:>9}{v['instances']:>11}" for split, v in comp.items()))
     print(f"\nbenchmark: {path}")
     return comp
 
@@ -372,26 +310,20 @@ def cmd_build_bench(args):
 def cmd_rerank_eval(args):
     """The reranker stage of every test instance under each --reranker, no LLM: results/rerank-*.jsonl,
     summary.json's rerank_stage, rerank_report.md. With --name of a trained run: its benchmark and
-    split, and `shield` is its Shield."""
+    split, and `shield` is its Shield. Under torchrun every rank scores its share of the local rerankers'
+    lists; rank 0 then asks the endpoints and writes."""
     cfg = pipeline_settings(settings.RerankEvalConfig, args)
-    if not cfg.reranker:
-        raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
-                            "jina:MODEL, voyage:MODEL, http://HOST:PORT[/rerank], tei:http://HOST:PORT, "
-                            "vllm-score:http://HOST:PORT)")
-    items = rankers.check_specs(cfg.reranker)
-    if any(spec.kind == "shield" for _, spec in items):
-        need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter (for 'shield')")
+    items = rerank_eval.check_items(cfg)
+    opened = dict(needs=("adapter",) * any(spec.kind == "shield" for _, spec in items))
     if args.dry_run:
-        return show(rerank_eval.dry_run(Run(cfg), items))
-    run = Run(dataclasses.replace(cfg, device=parallel.init(cfg.device)))
-    if not parallel.is_main():               # under torchrun: this rank's share of the scores, nothing written
-        return rerank_eval.score_share(run, items)
-    with run_lock(cfg.run_dir):
-        record_or_check(run.cfg, "rerank-eval")
-        stage = rerank_eval.rerank_stage(run, items)
-    print(rerank_eval.stage_table(stage, cfg.k))
-    print(f"\nreport: {os.path.join(cfg.run_dir, 'rerank_report.md')}\nrecords: {os.path.join(cfg.run_dir, 'results')}"
-          "/rerank-<label>.jsonl")
+        return show(rerank_eval.dry_run(Run.plan(cfg, **opened), items))
+    with Run.open(cfg, "rerank-eval", record="check", distributed=True, **opened) as run:
+        by_label = rerank_eval.stage_rankers(run, items)       # every rank its share
+        run.ranks.finish()                                      # rank 0 goes on alone
+        stage, _ = rerank_eval.rerank_stage(run, items, by_label=by_label) if run.ranks.is_main else (None, None)
+    if stage:
+        print(rerank_eval.stage_table(stage, cfg.k) + f"\n\nreport: {os.path.join(cfg.run_dir, 'rerank_report.md')}"
+              f"\nrecords: {os.path.join(cfg.run_dir, 'results')}/rerank-<label>.jsonl")
     return stage
 
 
@@ -399,47 +331,28 @@ def cmd_attack(args):
     """The adaptive attacker (attack.py) on a trained run's test instances, then every budget's
     documents evaluated end to end. On a demo run the offline engine plays the LLMs again."""
     cfg = pipeline_settings(settings.AttackConfig, args)
-    check_roles(cfg)
-    need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
-    need_trained(cfg, library_path(cfg), "TFSG library")
-    budgets = attack.parse_budgets(cfg.budgets)
-    if cfg.target not in ("shield", "base"):
-        rankers.check_specs(rankers.parse_rerankers([cfg.target]))
-    run = Run(cfg)
+    opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=attack.check)
     if args.dry_run:
-        return show(attack.dry_run(run, budgets, cfg.rounds or attack.rounds_for(max(budgets),
-                                                                                 cfg.candidates_per_round)))
-    check_llms(cfg)
-    with offline_engine(run, cfg.llm == "offline"), run_lock(cfg.run_dir):
-        block = attack.run_attack(run, cfg.target, budgets, cfg.rounds, cfg.candidates_per_round, cfg.attacker,
-                                  cfg.aware_of_library)
-    print(attack.attack_table(block))
-    print(f"\ngate: {block['gate']}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
+        return show(attack.dry_run(Run.plan(cfg, **opened)))
+    with Run.open(cfg, "attack", record=None, engine=cfg.llm == "offline", **opened) as run:
+        block = attack.run_attack(run, cfg.target, attack.parse_budgets(cfg.budgets), cfg.rounds,
+                                  cfg.candidates_per_round, cfg.attacker, cfg.aware_of_library)
+    print(attack.attack_table(block) + f"\n\ngate: {block['gate']}\nsummary: {cfg.run_dir}/summary.json")
     return block
 
 
 def cmd_harden(args):
-    """Hardening rounds (harden.py) on a trained run: attack, harvest, retrain, measure; the cross-play."""
+    """Hardening rounds (harden.py) on a trained run: attack, harvest, retrain, measure; the cross-play.
+    Under torchrun every rank takes its share of each round's retraining; rank 0 does the rest."""
     cfg = pipeline_settings(settings.HardenConfig, args)
-    check_roles(cfg)
-    need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
-    need_trained(cfg, library_path(cfg), "TFSG library")
-    budgets = attack.parse_budgets(cfg.eval_budgets, "--eval-budgets")
-    run = Run(cfg)
-    if cfg.eval_groups > len(run.data.test):
-        raise SettingsError(f"--eval-groups {cfg.eval_groups}: the benchmark has {len(run.data.test)} test groups")
+    opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=harden.check)
     if args.dry_run:
-        return show(harden.dry_run(run))
-    check_llms(cfg)
-    run = run.with_settings(dataclasses.replace(cfg, device=parallel.init(cfg.device)), run.data)  # torchrun: its GPU
-    if not parallel.is_main():        # under torchrun: this rank's share of each round's retraining, nothing written
-        return harden.train_share(run)
-    with offline_engine(run, cfg.llm == "offline"), run_lock(cfg.run_dir):
-        record_or_check(cfg, "harden")
-        block = harden.harden(run)
-    print(harden.round_table(block, budgets))
-    print(f"\nreport: {os.path.join(cfg.run_dir, 'harden_report.md')}\nsummary: "
-          f"{os.path.join(cfg.run_dir, 'summary.json')}")
+        return show(harden.dry_run(Run.plan(cfg, **opened)))
+    with Run.open(cfg, "harden", record="check", distributed=True, engine=cfg.llm == "offline", **opened) as run:
+        block = harden.harden(run) if run.ranks.is_main else harden.train_share(run)
+    if block:
+        print(harden.round_table(block, attack.parse_budgets(cfg.eval_budgets, "--eval-budgets")) +
+              f"\n\nreport: {cfg.run_dir}/harden_report.md\nsummary: {cfg.run_dir}/summary.json")
     return block
 
 
@@ -447,18 +360,13 @@ def cmd_holdout(args):
     """Leave-one-family-out (holdout.py): a Shield per held-out family, scored on the test split; with
     --llm-stage also its library and the two conditions end to end."""
     cfg = pipeline_settings(settings.HoldoutConfig, args)
-    if cfg.llm_stage:
-        check_llms(cfg, keys=not args.dry_run)
-        check_roles(cfg)
-    check_record(cfg)
-    run = Run(cfg)
+    opened = dict(llms=cfg.llm_stage, roles=cfg.llm_stage)
     if args.dry_run:
-        return show(holdout.dry_run(run))
-    with offline_engine(run, cfg.llm_stage and cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
-        record_or_check(cfg, "holdout")
+        return show(holdout.dry_run(Run.plan(cfg, **opened)))
+    with Run.open(cfg, "holdout", record="check", engine=cfg.llm_stage and cfg.llm == "offline" and cfg.batch_api,
+                  **opened) as run:
         s = holdout.holdout(run)
-    print(holdout.table(s))
-    print(f"\nreport: {os.path.join(cfg.run_dir, 'holdout', 'report.md')}\nsummary: "
+    print(holdout.table(s) + f"\n\nreport: {os.path.join(cfg.run_dir, 'holdout', 'report.md')}\nsummary: "
           f"{os.path.join(cfg.run_dir, 'holdout', 'summary.json')}")
     return s
 
@@ -467,12 +375,8 @@ def cmd_deploy_check(args):
     """Does an endpoint score as the run's Shield does (deploy_check.py)? A failed check exits with its
     likely cause."""
     cfg = pipeline_settings(settings.DeployCheckConfig, args)
-    if cfg.endpoint is None or cfg.endpoint.kind in ("base", "shield"):
-        raise SettingsError("deploy-check: give --endpoint SPEC, the served reranker (http://HOST:PORT[/rerank], "
-                            "tei:http://HOST:PORT, cohere:MODEL, ...)")
-    rankers.check_specs([("endpoint", cfg.endpoint)])
-    need_trained(cfg, os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter")
-    v = deploy_check.deploy_check(Run(cfg), cfg.endpoint)
+    with Run.open(cfg, "deploy-check", needs=("adapter",), record=None, lock="read", check=deploy_check.check) as run:
+        v = deploy_check.deploy_check(run, cfg.endpoint)
     print(deploy_check.table(v))
     if not v["pass"]:
         raise SystemExit(f"deploy-check: {cfg.endpoint} does not score as the run's Shield: {v['cause']}")
@@ -513,44 +417,32 @@ def cmd_train(args):
     torchrun every rank trains its share of the Shield's steps; rank 0 alone holds the run's lock,
     writes its files and builds the library (every LLM call once)."""
     cfg = pipeline_settings(settings.TrainConfig, args)
-    if args.stage in ("all", "tfsg"):
-        check_llms(cfg, keys=not args.dry_run)   # a bad spec fails now, not after hours of Shield training
-        check_roles(cfg)
-    run = Run(cfg)
-    check_training(run, args.stage)
-    check_record(cfg)     # every check the command runs, the dry run runs too
+    shield, library = args.stage in ("all", "shield"), args.stage in ("all", "tfsg")
+    opened = dict(llms=library, roles=library, check=lambda run: check_training(run, args.stage))
     if args.dry_run:
-        return show(plan_train(run))
-    run = run.with_settings(dataclasses.replace(cfg, device=parallel.init(cfg.device)), run.data)  # torchrun: its GPU
-    if not parallel.is_main():
-        return train_shield(run, resume=not args.no_resume) if args.stage in ("all", "shield") else None
-    with offline_engine(run, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
-        record_config(run.cfg, "train")
-        if args.stage in ("all", "shield"):
+        return show(plan_train(Run.plan(cfg, **opened)))
+    with Run.open(cfg, "train", distributed=True, engine=cfg.llm == "offline" and cfg.batch_api, **opened) as run:
+        if shield:
             train_shield(run, resume=not args.no_resume)
-        if args.stage in ("all", "tfsg"):
+        if library and run.ranks.is_main:
             train_tfsg(run)
 
 
 def cmd_eval(args):
-    """Every condition on the test split (evaluation.evaluate): summary.json, report.md, figures."""
+    """Every condition on the test split (evaluation.evaluate): summary.json, report.md, figures. Under
+    torchrun every rank scores its share of the ranking stage; rank 0 then evaluates alone."""
     cfg = pipeline_settings(settings.EvalConfig, args)
-    check_llms(cfg, keys=not args.dry_run)
-    check_roles(cfg)
-    conditions = eval_conditions(cfg)   # before record_config: a failed eval must not pin a new run's settings
-    check_record(cfg)                   # every check the command runs, the dry run runs too
-    run = Run(cfg)
+    opened = dict(llms=True, roles=True, check=lambda run: eval_conditions(run.cfg))     # -> run.checked
     if args.dry_run:
-        return show(plan_eval(run, conditions))
-    run = run.with_settings(dataclasses.replace(cfg, device=parallel.init(cfg.device)), run.data)  # torchrun: its GPU
-    if not parallel.is_main():        # under torchrun: this rank's share of the ranking stage, nothing written
-        ranking_stage(run, conditions[0], reranker_items(cfg))
-        return None
-    with offline_engine(run, cfg.llm == "offline" and cfg.batch_api), run_lock(cfg.run_dir):
-        record_config(cfg, "eval")
-        s = evaluate(run, conditions)
-    print_summary(s)
-    report_paths(cfg)
+        run = Run.plan(cfg, **opened)
+        return show(plan_eval(run, run.checked))
+    with Run.open(cfg, "eval", distributed=True, engine=cfg.llm == "offline" and cfg.batch_api, **opened) as run:
+        ranked = ranking_stage(run, run.checked[0], reranker_items(cfg))    # every rank its share
+        run.ranks.finish()                                                  # rank 0 goes on alone
+        s = evaluate(run, run.checked, ranked).summary if run.ranks.is_main else None
+    if s:
+        print_summary(s)
+        report_paths(cfg)
     return s
 
 
@@ -560,16 +452,13 @@ def cmd_demo(args):
         raise SettingsError(f"--out {args.out}: a file, not a folder")
     args.preset = args.preset or "tiny-demo"
     cfg = pipeline_settings(settings.DemoConfig, args, runs_dir=args.out, name=args.name or "demo")
-    check_llms(cfg)
-    run = Run(cfg)
-    check_training(run, "all")
-    with offline_engine(run, cfg.llm == "offline"), run_lock(cfg.run_dir):
-        record_config(cfg, "demo")
+    check = lambda run: check_training(run, "all")
+    with Run.open(cfg, "demo", llms=True, engine=cfg.llm == "offline", check=check) as run:
         train_shield(run)
         train_tfsg(run)
-        s = evaluate(run)
+        s = evaluate(run).summary
         print_summary(s)
-        stage = rerank_eval.rerank_stage(run, rankers.parse_rerankers(["base", "shield"]))
+        stage, _ = rerank_eval.rerank_stage(run, rankers.parse_rerankers(["base", "shield"]))
     print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
     report_paths(cfg)
     return s

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from typing import NamedTuple
 
@@ -27,6 +28,8 @@ import geodef
 import llm_clients
 import lora
 import offline
+import offline_server
+import parallel
 import reranker
 import speed
 import tfsg
@@ -325,16 +328,72 @@ def usage_path(cfg):
     return os.path.join(cfg.run_dir, "usage.jsonl")
 
 
+# what a command may need from `train`, by name: (path of the run's file, what it is)
+NEEDS = {"adapter": (lambda cfg: os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter"),
+         "library": (lambda cfg: library_path(cfg), "TFSG library")}
+
+
 class Run:
-    """One run folder's services, made once per command beside its settings (as uvicorn's
+    """One command's run folder and services, made once per command beside its settings (as uvicorn's
     `Server(config)` holds a server's state beside its frozen `Config`): the settings (`cfg`, frozen,
     read by group), the benchmark read and split once (`data`), the price table read once (`prices`),
-    the LLM clients (`llm`), the usage ledger's totals (`usage`) and, while a loopback offline engine
-    serves the run, its address (`engine_url`, set by run.py's `offline_engine`). Jobs take a Run."""
+    the LLM clients (`llm`), the usage ledger's totals (`usage`), this process's place among torchrun's
+    ranks (`ranks`, parallel.Ranks) and, while a loopback offline engine serves the run, its address
+    (`engine_url`). Commands make it with `Run.open` (the whole lifecycle) or `Run.plan` (a dry run);
+    jobs take a Run."""
 
-    def __init__(self, cfg, engine_url=None):
+    def __init__(self, cfg, engine_url=None, ranks=None):
         self.cfg = cfg
         self.engine_url = engine_url
+        self.ranks = ranks or parallel.Ranks()
+
+    @classmethod
+    def plan(cls, cfg, needs=(), llms=False, roles=False, record=True, check=None, keys=False):
+        """A command's checks, nothing started (what a --dry-run prices, and what `open` runs first): every
+        client the command uses built (check_llms; keys=False: a missing API key said, not refused), the
+        benchmark's roles (check_roles), the files it needs from `train` (`needs`: names of NEEDS), the
+        run's record (check_record, with `record`), then the command's own `check(run)`, whose answer (what
+        it checked: eval's conditions) the Run keeps as `checked`. -> the Run."""
+        if llms:
+            check_llms(cfg, keys=keys)
+        if roles:
+            check_roles(cfg)
+        for name in needs:
+            path, what = NEEDS[name]
+            need_trained(cfg, path(cfg), what)
+        if record:
+            check_record(cfg)
+        run = cls(cfg)
+        run.checked = check(run) if check else None
+        return run
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, cfg, command, needs=(), llms=False, roles=False, record="config", check=None, distributed=False,
+             engine=False, corpus=None, lock="write"):
+        """A command's whole life: its checks (`plan`, keys required), then the ranks joined (`distributed`:
+        under torchrun; the device is the rank's before the Run exists), and on rank 0 the offline engine
+        (`engine`, with `corpus` its /search), the run folder's lock (`lock`: "write", "read" or None) and
+        the record of its settings (`record`: "config" writes config.json, "check" writes a new folder's
+        and checks an existing one, None neither); undone in reverse on the way out, the ranks left last.
+        -> the Run, inside a with block."""
+        run = cls.plan(cfg, needs, llms, roles, record is not None, check, keys=True)
+        with contextlib.ExitStack() as stack:
+            if distributed:
+                run.ranks, device = parallel.Ranks.join(cfg.device)
+                stack.callback(run.ranks.finish)
+                if device != cfg.device:
+                    run.cfg = dataclasses.replace(cfg, device=device)
+            if run.ranks.is_main:
+                if engine:
+                    stack.enter_context(offline_engine(run, corpus))
+                if lock:
+                    stack.enter_context(run_lock(cfg.run_dir, shared=lock == "read"))
+                if record == "config":
+                    record_config(run.cfg, command)
+                elif record == "check":
+                    record_or_check(run.cfg, command)
+            yield run
 
     @property
     def dir(self):
@@ -359,14 +418,32 @@ class Run:
         return accounting.ledger_usage(usage_path(self.cfg), self.prices)
 
     def with_settings(self, cfg, data=None):
-        """The same services under other settings (holdout's folds, a subset of conditions): the engine's
-        address and the prices shared; `data` the benchmark as these settings read it, when the caller has
-        it (a fold's: the same groups, other seen families), else read again on first use."""
-        other = Run(cfg, self.engine_url)
+        """The same services under other settings (holdout's folds): the engine's address, the ranks and
+        the prices shared; `data` the benchmark as these settings read it, when the caller has it (a
+        fold's: the same groups, other seen families), else read again on first use."""
+        other = Run(cfg, self.engine_url, self.ranks)
         other.prices = self.prices            # a cached_property: set on the instance, never read again
         if data is not None:
             other.data = data
         return other
+
+
+@contextlib.contextmanager
+def offline_engine(run, corpus=None):
+    """While the block runs, the offline engine on a loopback port (run.engine_url): the demo, attack and
+    build-bench reach it through real HTTP, and batch APIs need HTTP; with a `corpus` it also answers
+    Tavily-shaped /search. Closed, not only stopped, on the way out: requests still queued fail at once
+    instead of waiting out their timeouts on a socket nobody accepts from."""
+    srv = offline_server.make_server(0, corpus=corpus)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    run.engine_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    try:
+        yield
+    finally:
+        run.engine_url = None
+        srv.shutdown()
+        srv.server_close()
 
 
 def check_llms(cfg, keys=True):

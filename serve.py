@@ -35,6 +35,7 @@ import copy
 import hmac
 import json
 import math
+import os
 import queue
 import re
 import socket
@@ -51,6 +52,7 @@ from urllib.parse import unquote, urlsplit
 import export
 import lora
 from metrics import sigmoid
+from settings import SettingsError
 
 INFINITY_PATHS = ("/rerank", "/infinity/rerank")   # Infinity's reply; /infinity/rerank: api_base .../infinity
 RERANK_PATHS = ("/v1/rerank", "/v2/rerank") + INFINITY_PATHS
@@ -742,6 +744,30 @@ class _Handler(BaseHTTPRequestHandler):
         srv.metrics.add("geodef_documents_total", len(ids))
         srv.metrics.add("geodef_prompt_tokens_total", tokens)
         self._send(200, reply(path, req, m, tokens, req.model or conf["model_name"]))
+
+
+def serve_until_stopped(rr, cfg, model_name, adapter=None):
+    """serve's command: a RerankServer over `rr` on cfg's host and port (ServeSettings) until Ctrl-C, its API
+    key cfg.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one."""
+    key = cfg.api_key or os.environ.get("GEODEF_API_KEY") or None
+    try:
+        srv = RerankServer(rr, host=cfg.host, port=cfg.port, api_key=key, max_documents=cfg.max_documents,
+                           max_body_bytes=cfg.max_body_bytes, max_queue=cfg.max_queue, model_name=model_name,
+                           max_concurrent_requests=cfg.max_concurrent_requests,
+                           allow_instruction=cfg.allow_instruction)
+    except OSError as e:
+        raise SettingsError(f"--host {cfg.host} --port {cfg.port}: cannot listen there ({e.strerror or e})") from None
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        sys.stderr.write(f"[serve] WARNING: listening on {cfg.host} without an API key: anyone who can reach this "
+                         "port can use it (set GEODEF_API_KEY or --api-key)\n")
+    sys.stderr.write(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on {srv.url} "
+                     f"(/v1/rerank, /rerank, /score, /metrics){' (API key required)' if key else ''}\n")
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        sys.stderr.write("[serve] stopped\n")
+    finally:
+        srv.server_close()
 
 
 class RerankServer(ThreadingHTTPServer):

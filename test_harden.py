@@ -76,8 +76,8 @@ def hardened(demo_run, tmp_path_factory):
 def test_under_torchrun_every_rank_retrains_each_round_as_rank_0_does(hardened, monkeypatch):
     """Ranks other than 0 run harden.train_share: each round, once rank 0 has written its survivors (a
     barrier), the train_shield call rank 0 makes (the round's folder, the pool, the warm start), so that
-    the data-parallel steps meet. Played in one process after the hardening run (parallel's barrier does
-    nothing outside a process group): its calls equal the run's own."""
+    the data-parallel steps meet. Played in one process after the hardening run (the Run's ranks are one
+    process alone: its barrier does nothing): its calls equal the run's own."""
     out, _, _ = hardened
     calls = []
     monkeypatch.setattr(harden, "train_shield", lambda run_, **kw: calls.append(retrain_call(kw)))

@@ -109,12 +109,31 @@ def test_two_ranks_killed_and_resumed_end_with_the_single_process_adapter(tmp_pa
     assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "single"))
 
 
+class TwoRanks(parallel.Ranks):
+    """Rank `rank` of two, played in one process: a stand-in for the process group (labelled), whose
+    gather adds what the other rank `sent`."""
+    world = 2
+
+    def __init__(self, rank, sent=None):
+        super().__init__(rank)
+        self.sent = sent if sent is not None else {}
+
+    def gather(self, d):
+        return {**d, **self.sent}
+
+
 @pytest.mark.parametrize("pos, rank, mine", [(0, 0, True), (1, 0, False), (1, 1, True), (6, 1, False)])
-def test_each_rank_takes_every_other_example_of_a_window(monkeypatch, pos, rank, mine):
-    import parallel
-    monkeypatch.setattr(parallel, "world", lambda: 2)
-    monkeypatch.setattr(parallel, "rank", lambda: rank)
-    assert parallel.mine(pos, 4 if pos >= 4 else 0) is mine
+def test_each_rank_takes_every_other_example_of_a_window(pos, rank, mine):
+    assert TwoRanks(rank).mine(pos, 4 if pos >= 4 else 0) is mine
+
+
+def test_one_process_is_one_rank_and_every_collective_a_no_op():
+    ranks, device = parallel.Ranks.join("cpu")          # no WORLD_SIZE: alone
+    assert (ranks.rank, ranks.world, ranks.is_main, device) == (0, 1, True, "cpu")
+    assert ranks.gather({"a": 1}) == {"a": 1} and ranks.mean_stats([{"x": 1.0}, {"x": 3.0}], ["x"]) == {"x": 2.0}
+    ranks.barrier()
+    ranks.finish()
+    ranks.finish()                                      # leaving twice: still nothing to leave
 
 
 def test_rerank_eval_and_evals_ranking_sharded_over_two_ranks_write_one_processs_records(demo_run, tmp_path):
@@ -145,11 +164,11 @@ def test_rerank_eval_and_evals_ranking_sharded_over_two_ranks_write_one_processs
     assert caches and all(read("one", f) == read("two", f) for f in caches)
 
 
-def test_a_killed_sharded_scoring_keeps_each_ranks_share(monkeypatch, tmp_path):
+def test_a_killed_sharded_scoring_keeps_each_ranks_share(tmp_path):
     """Under torchrun each rank keeps what it scored in its share file as it goes; after a kill the rerun
-    reads every share and scores only what no rank had scored; the ended prepare writes the whole cache
-    and removes the shares. The two ranks are played in one process (parallel's rank, world and gather
-    patched: a stand-in for the process group), the reranker by a stand-in scorer that counts its queries."""
+    reads every share and scores only what no rank had scored; the ended scoring writes the whole cache
+    and removes the shares. The two ranks are played in one process (TwoRanks: a stand-in for the
+    process group), the reranker by a stand-in scorer that counts its queries."""
     asked, fail_on = [], {"q3"}
 
     class Scorer:                                   # a stand-in reranker: a document's score is its length
@@ -161,29 +180,21 @@ def test_a_killed_sharded_scoring_keeps_each_ranks_share(monkeypatch, tmp_path):
     lists = [types.SimpleNamespace(query=f"q{i}", docs=[f"doc {i} {'x' * j}" for j in range(3)]) for i in range(4)]
     path = str(tmp_path / "scores_base.json")
     sent = {}
-    monkeypatch.setattr(parallel, "world", lambda: 2)
-    monkeypatch.setattr(parallel, "gather", lambda d: {**d, **sent})
-
-    def as_rank(r):
-        monkeypatch.setattr(parallel, "rank", lambda: r)
-        monkeypatch.setattr(parallel, "is_main", lambda: r == 0)
-        return rankers.Ranker(Scorer(), path, "base")
+    ranker = lambda: rankers.Ranker(Scorer(), path, "base")
     with pytest.raises(RuntimeError):               # rank 1's share is q1, q3: killed on q3
-        as_rank(1).prepare(lists, shard=True)
+        rankers.sharded(TwoRanks(1), ranker(), lists)
     assert asked == ["q1"] and not os.path.exists(path)
     assert json.loads(open(path + ".rank1").read())["made_from"] == {"rank": 1, "world": 2}   # what it was made by
     open(path + ".rank1.tmp999", "w").write('{"cut')   # a write the kill interrupted: not a share, never read
     fail_on.clear()
-    r1 = as_rank(1)
-    r1.prepare(lists, shard=True)                   # the rerun: q1 read from its share, q3 scored
+    r1 = ranker()
+    rankers.sharded(TwoRanks(1), r1, lists)         # the rerun: q1 read from its share, q3 scored
     assert asked == ["q1", "q3"] and not os.path.exists(path)
     sent.update(r1.cache)
-    r0 = as_rank(0)
-    r0.prepare(lists, shard=True)                   # rank 0 scores q0 and q2 only, then writes the cache
-    assert asked == ["q1", "q3", "q0", "q2"] and not r0.share_files()
+    rankers.sharded(TwoRanks(0, sent), ranker(), lists)   # rank 0 scores q0 and q2 only, then writes the cache
+    assert asked == ["q1", "q3", "q0", "q2"] and not rankers.share_files(path)
     assert json.loads(open(path).read()) == {rankers.doc_key(x.query, d): float(len(d)) for x in lists for d in x.docs}
     extra = rankers.doc_key("q9", "doc 9")                    # a killed run's share, rerun in one process
     open(path + ".rank1", "w").write(json.dumps({"made_from": {"rank": 1, "world": 2}, "scores": {extra: 1.0}}))
-    monkeypatch.setattr(parallel, "world", lambda: 1)
-    as_rank(0).prepare(lists)
+    rankers.sharded(parallel.Ranks(), ranker(), lists)
     assert json.loads(open(path).read())[extra] == 1.0 and not os.path.exists(path + ".rank1")

@@ -291,7 +291,7 @@ def evaluated_demo(demo_run, tmp_path_factory, engine):
     c = {**json.load(open(demo_run / "config.json"))["config"], "name": "full", "runs_dir": str(runs_dir),
          "llm": "openai-compatible:scripted", "base_url": engine, "max_test_groups": 2, "n_boot": 100}
     Script.script = []                       # nothing scripted: the offline engine answers
-    return runs_dir, c, evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))
+    return runs_dir, c, evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary
 
 
 @pytest.fixture()
@@ -337,9 +337,9 @@ def test_eval_killed_midway_resumes_to_same_results(evaluated_copy, tmp_path, mo
         return real(self, *a, **k)
     monkeypatch.setattr(llm_clients.Client, "chat", dying)
     with pytest.raises(KeyboardInterrupt):
-        evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))
+        evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary
     monkeypatch.setattr(llm_clients.Client, "chat", real)
-    resumed = evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))
+    resumed = evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary
     strip = _without_usage
     assert strip(resumed) == strip(full) and resumed["usage"] == full["usage"]   # the whole run's cost
     for f in os.listdir(tmp_path / "full" / "results"):
@@ -352,7 +352,7 @@ def test_a_finished_eval_reruns_without_sending(evaluated_copy):
     c, full = evaluated_copy("full")
     strip = _without_usage
     sent = len(Script.seen)
-    again = evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))
+    again = evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary
     assert len(Script.seen) == sent and strip(again) == strip(full)   # a rerun sends nothing
 
 
@@ -364,7 +364,7 @@ def test_a_record_cut_midway_is_dropped_not_glued_to_the_next(evaluated_copy, tm
     p = tmp_path / "full" / "results" / "non_defense.jsonl"
     orig = p.read_text(encoding="utf-8")
     p.write_text(orig[:len(orig) - len(orig.split("\n")[-2]) // 2 - 1], encoding="utf-8")
-    assert strip(evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))) == strip(full)
+    assert strip(evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary) == strip(full)
     assert p.read_text(encoding="utf-8") == orig and len(Script.seen) == sent
 
 
@@ -380,7 +380,7 @@ def test_records_made_with_other_settings_are_refused(evaluated_copy, tmp_path):
                          ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
         with pytest.raises(runs.SettingsError, match=rf"records were made with different \w+ \({re.escape(what)}\); "
                                                      "this command asks for"):
-            evaluation.evaluate(runs.Run(settings.EvalConfig(**{**c, **change})))
+            evaluation.evaluate(runs.Run(settings.EvalConfig(**{**c, **change}))).summary
 
 
 def test_fewer_conditions_reuse_the_records(evaluated_copy):
@@ -389,7 +389,7 @@ def test_fewer_conditions_reuse_the_records(evaluated_copy):
     c, full = evaluated_copy("full")
     sent = len(Script.seen)
     fewer = evaluation.evaluate(runs.Run(settings.EvalConfig(**{**c, "conditions": "Non-Defense,Shield only",
-                                               "ppl_model": "elsewhere"})))
+                                               "ppl_model": "elsewhere"}))).summary
     assert fewer["conditions"] == {k: v for k, v in full["conditions"].items() if k in ("Non-Defense", "Shield only")}
     assert len(Script.seen) == sent
 
@@ -414,7 +414,7 @@ def test_repeated_samples_are_cached_apart_and_bootstrapped_by_group_then_sample
         return out
     monkeypatch.setattr(offline, "respond", uncited)
     cfg = settings.EvalConfig(**{**c, "conditions": "Non-Defense,PromptArmor", "samples": 2})
-    s = evaluation.evaluate(runs.Run(cfg))
+    s = evaluation.evaluate(runs.Run(cfg)).summary
     assert open(os.path.join(res, "non_defense.jsonl"), "rb").read() == before
     for slug in ("non_defense", "promptarmor"):
         s0 = [json.loads(x) for x in open(os.path.join(res, f"{slug}.jsonl"))]
@@ -427,8 +427,8 @@ def test_repeated_samples_are_cached_apart_and_bootstrapped_by_group_then_sample
     assert b["ASR"] == pytest.approx(first / 2) == s["conditions"]["Non-Defense"]["ASR"]
     assert b["ASR_ci"][1] - b["ASR_ci"][0] >= b["ASR_ci_groups_only"][1] - b["ASR_ci_groups_only"][0]
     sent = len(Script.seen)
-    assert evaluation.evaluate(runs.Run(cfg))["samples"] == s["samples"] and len(Script.seen) == sent
-    assert "samples" not in evaluation.evaluate(runs.Run(dataclasses.replace(cfg, samples=1)))
+    assert evaluation.evaluate(runs.Run(cfg)).summary["samples"] == s["samples"] and len(Script.seen) == sent
+    assert "samples" not in evaluation.evaluate(runs.Run(dataclasses.replace(cfg, samples=1))).summary
     plan = evaluation.plan_eval(runs.Run(dataclasses.replace(cfg, samples=3)))
     assert plan["records_to_make"] == 2 * len(s0)  # sample 2
 
@@ -441,7 +441,7 @@ def _transfer_copy_of_e4(evaluated_copy, demo_run, tmp_path):
     shutil.copy(demo_run / "library" / "E4.json", lib)
     sent = len(Script.seen)
     t = evaluation.evaluate(runs.Run(settings.EvalConfig(**{**c, "conditions": "GEO Defender",
-                                                            "transfer": f"a={lib}"})))
+                                                            "transfer": f"a={lib}"}))).summary
     return c, t, lib, len(Script.seen) - sent
 
 
@@ -459,7 +459,7 @@ def test_a_transfer_name_later_pointing_at_other_content_is_refused(evaluated_co
     with pytest.raises(runs.SettingsError,
                        match=r"records were made with different transfer a \(transfer a='[0-9a-f]{12}'"):
         evaluation.evaluate(runs.Run(settings.EvalConfig(**{**c, "conditions": "GEO Defender",
-                                                            "transfer": f"a={lib}"})))
+                                                            "transfer": f"a={lib}"}))).summary
 
 
 def test_a_malformed_transfer_is_refused(evaluated_copy, demo_run, tmp_path):
@@ -511,7 +511,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         c = json.load(open(demo_run / "config.json"))["config"]
         c.update(name="j", runs_dir=str(tmp_path), llm="openai-compatible:bad", max_test_groups=1, n_boot=50,
                  base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", conditions="Non-Defense,GEO Defender")
-        s = evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))
+        s = evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary
         recs = [json.loads(l) for l in open(tmp_path / "j" / "results" / "non_defense.jsonl")]
         failed = [r for r in recs if r["attack_in_context"]]
         assert failed and all(r["asi"] is None and r["asi_judge_failed"]["attempts"] == 2 for r in failed)
@@ -524,7 +524,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         assert not any("attack_influence_score" in (c_["reply"]["text"] or "") for c_ in cached)
         n = BadJudge.judged
         # records resume: the failed ASI instances are not asked again
-        evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))
+        evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary
         assert BadJudge.judged - n == 7 * 2           # only the pairwise comparisons, recomputed each eval
     finally:
         srv.shutdown()
@@ -653,7 +653,7 @@ def test_labels_never_reach_prompt_text(demo_run, tmp_path, server):
     cfg = settings.EvalConfig(**c)
     train.train_tfsg(runs.Run(cfg))
     n_train = sum(b["model"] == "target" for b in Script.seen)
-    evaluation.evaluate(runs.Run(cfg))
+    evaluation.evaluate(runs.Run(cfg)).summary
     prompts = ["\n".join(m["content"] for m in b["messages"]) for b in Script.seen if b["model"] == "target"]
     assert 0 < n_train < len(prompts)                 # construction rollouts, then the evaluation's answers
     kinds = {offline.prompt_kind(offline.with_system(b["messages"], b["messages"][-1]["content"]))[0]

@@ -17,6 +17,7 @@ import pytest
 import endpoints
 import evaluation
 import llm_clients
+import parallel
 import rankers
 import rerank_clients
 import run
@@ -285,7 +286,7 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
         # end to end: Non-Defense over the served Shield is Shield only
         ev = evaluation.evaluate(runs.Run(settings.EvalConfig(**{**cfg.__dict__,
                                                                  "reranker": [f"ours={srv.url}/v1/rerank"],
-                                                                 "conditions": "Non-Defense,Shield only"})))
+                                                                 "conditions": "Non-Defense,Shield only"}))).summary
         for key in ("ASR", "ASI", "BER"):
             assert ev["conditions"]["Non-Defense [ours]"][key] == ev["conditions"]["Shield only"][key]
         assert "TFSG only [ours]" in ev["conditions"]
@@ -357,7 +358,7 @@ def test_a_stale_or_corrupted_score_file_is_one_line_naming_it_and_never_merged(
                       ({**made(), "scores": {key: float("inf")}}, "inf: not a 40-hex document key with a finite")]:
         share.write_text(text if isinstance(text, str) else json.dumps(text))
         with pytest.raises(rankers.ScoreCacheError, match=f"scores_base.json.rank1: .*{why}"):
-            base.prepare([])
+            rankers.sharded(parallel.Ranks(), base, [])
     assert cache.read_bytes() == before
     for text, why in [("[]", "got list"), ("null", "got NoneType"), ('{"a": ' * 50000, "nested too deeply"),
                       (json.dumps({key: "0.5"}), "not a 40-hex"), ("\xff", "not JSON")]:
@@ -366,7 +367,7 @@ def test_a_stale_or_corrupted_score_file_is_one_line_naming_it_and_never_merged(
             rankers.Ranker(base.rr, str(cache), "base")
     cache.write_bytes(before)
     share.write_text(json.dumps(made()))
-    rankers.Ranker(base.rr, str(cache), "base", made_from=base.made_from).prepare([])
+    rankers.sharded(parallel.Ranks(), rankers.Ranker(base.rr, str(cache), "base", made_from=base.made_from), [])
     assert not share.exists() and json.loads(cache.read_bytes()) == json.loads(before)
 
 

@@ -247,7 +247,8 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     monkeypatch.setattr(run, "train_shield", lambda r, resume=True: seen.append(r.cfg))
     monkeypatch.setattr(run, "train_tfsg", lambda r: None)
     monkeypatch.setattr(run, "print_summary", lambda s: None)
-    monkeypatch.setattr(run, "evaluate", lambda r, *_: seen.append(r.cfg) or {})
+    monkeypatch.setattr(run, "ranking_stage", lambda *_: None)
+    monkeypatch.setattr(run, "evaluate", lambda r, *_: seen.append(r.cfg) or evaluation.Evaluated({}, {}))
     common = ["--name", "x", "--runs-dir", str(tmp_path)]
     run.main(["train", "--model", "tiny", "--llm", "openai-compatible:m", "--base-url", "http://127.0.0.1:9/v1",
               "--bench", small_bench, "--n-construction", "4", "--n-batches", "1", "--lr", "2e-3"] + common)
@@ -417,11 +418,11 @@ def test_failed_eval_records_no_settings(demo_run, tmp_path, monkeypatch):
              base_url=None)
     with pytest.raises(llm_clients.LLMError, match="ConnectionError on http://127.0.0.1:9/v1"):
         evaluation.evaluate(runs.Run(settings.EvalConfig(**{**c, "judge": "openai-compatible:gone",
-                                           "base_url": "http://127.0.0.1:9/v1"})))
+                                           "base_url": "http://127.0.0.1:9/v1"}))).summary
     # the clean reference's records were written (no judge call: the attack is not in them): the
     # token cap is recorded, the judge that never scored a record is not
     assert json.load(open(tmp_path / "f" / "results" / "settings.json")) == {"max_tokens": c["max_tokens"]}
-    s = evaluation.evaluate(runs.Run(settings.EvalConfig(**c)))
+    s = evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary
     assert s["judge"] == "offline:offline-engine"
     assert json.load(open(tmp_path / "f" / "results" / "settings.json"))["judge"] == "offline"
 
@@ -616,7 +617,7 @@ def test_resumed_run_reports_the_whole_runs_usage(demo_run, tmp_path):
     cfg.update(runs_dir=str(tmp_path))
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"offline-engine": [1.0, 2.0]}))
-    again = evaluation.evaluate(runs.Run(settings.EvalConfig(**{**cfg, "prices": str(prices)})))
+    again = evaluation.evaluate(runs.Run(settings.EvalConfig(**{**cfg, "prices": str(prices)}))).summary
     assert {k: v for k, v in again["usage"]["total"].items() if k != "cost_usd"} == \
         {k: v for k, v in first["total"].items() if k != "cost_usd"}
     t = again["usage"]["total"]

@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 import geodef
 import lora
-import parallel
 import tfsg
 from evaluation import clean_reference, eval_condition
 from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
@@ -114,58 +113,23 @@ def monitor(rr, triples, ids, s0, cfg, lists=()):
             "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
 
 
-def fit(cfg, rr, opt, params, triples, ids, s0, state, on_step, on_epoch):
-    """The training loop, from `state` (epoch, position in the epoch's order, optimizer step) to
-    cfg.epochs: per example forward and loss, backward scaled to the mean over the accumulated
-    examples, then clip, step and log every grad_accum examples (on_step(record)), and on_epoch()
-    after each epoch. Each epoch's order comes from the seed alone, so a resumed run redoes exactly
-    the examples it lost. Under torchrun each of N ranks runs every N-th example of a window
-    (parallel.mine) and the window's gradients are summed over the ranks before the clip, so each rank
-    takes the single-process step (float32 sums in another order: equal within rounding).
-    Deviation: LoRA dropout masks are drawn from each rank's own generator, so with dropout > 0 a
-    multi-rank run differs from one process's as another seed would."""
-    bar = tqdm(total=cfg.epochs * len(triples), initial=state["epoch"] * len(triples) + state["pos"],
-               desc="shield", file=sys.stderr, disable=not parallel.is_main())
-    while state["epoch"] < cfg.epochs:
-        order = list(range(len(triples)))
-        random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(order)
-        rr.model.train()
-        acc_stats = []
-        while state["pos"] < len(order):
-            start = (state["pos"] // cfg.grad_accum) * cfg.grad_accum            # this accumulation window's
-            if parallel.mine(state["pos"], start):       # under torchrun each rank takes its share of the window
-                t = triples[order[state["pos"]]]
-                loss, st, _, _ = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=True)
-                n_in_step = min(cfg.grad_accum, len(order) - start)
-                (loss / n_in_step).backward()                                   # mean over the accumulated examples
-                acc_stats.append(st)
-            state["pos"] += 1
-            bar.update(1)
-            if state["pos"] % cfg.grad_accum == 0 or state["pos"] == len(order):
-                parallel.sum_grads(params)               # the window's whole gradient on every rank
-                gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                state["step"] += 1
-                rec = parallel.mean_stats(acc_stats, geodef.SHIELD_STATS, params[0].device)
-                rec.update({"grad_norm": float(gn), "learning_rate": cfg.lr, "step": state["step"],
-                            "epoch": state["epoch"] + state["pos"] / len(order)})
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['rewards/accuracies']:.2f}")
-                acc_stats = []
-                on_step(rec, mid_epoch=state["pos"] < len(order))
-        state["epoch"] += 1
-        state["pos"] = 0
-        on_epoch()
-    bar.close()
-
-
 def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     """Shield Reranker: LoRA on the frozen reranker, residual preference objective (Eqs. 1-5, Table A.1).
     Keeps the adapter of the epoch with the lowest Eq. 5 loss on the monitoring split; resumable.
     out: the folder for the adapter, checkpoint and logs (default: the run folder); extra: more
     construction instances (a hardening round's survivors); init: an adapter folder to start from
-    (warm start) instead of PEFT's initialisation."""
-    cfg, folder = run.cfg, out or run.dir
+    (warm start) instead of PEFT's initialisation.
+
+    The loop: per example forward and loss, backward scaled to the mean over the accumulated examples,
+    then clip, step and log every grad_accum examples, and monitor after each epoch. Each epoch's order
+    comes from the seed alone, so a resumed run redoes exactly the examples it lost. Under torchrun
+    (run.ranks) each of N ranks runs every N-th example of a window and the window's gradients are
+    summed over the ranks before the clip, so each rank takes the single-process step (float32 sums in
+    another order: equal within rounding); rank 0 alone writes (logs, checkpoints, the adapter).
+    Deviation: LoRA dropout masks are drawn from each rank's own generator, so with dropout > 0 a
+    multi-rank run differs from one process's as another seed would."""
+    cfg, folder, ranks = run.cfg, out or run.dir, run.ranks
+    main = ranks.is_main
     adapter_dir = os.path.join(out, "adapter") if out else adapter_path(cfg)
     if read_json(os.path.join(folder, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
@@ -173,14 +137,13 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     data = run.data
     cons, inst = data.construction, geodef.expand(data.construction, data.seen) + list(extra)
     opt_inst, mon_inst = shield_split(cfg, inst)
-    main = parallel.is_main()      # under torchrun rank 0 alone writes the run's files; a plain run is rank 0
     if not main:                   # rank 0 loads (a tiny checkpoint: makes) the model and scores the base
-        parallel.barrier()         # lists first; the others then read its files and its score cache
+        ranks.barrier()            # lists first; the others then read its files and its score cache
     rr = rr or load_reranker(cfg)
     rr.model.gradient_checkpointing = cfg.grad_checkpointing       # recomputes only under grad: training's
     triples, ids, s0, scores = prepare_triples(cfg, rr, cons, inst)
     if main:
-        parallel.barrier()
+        ranks.barrier()
     opt_ids = {x.instance_id for x in opt_inst}
     opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
     mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
@@ -210,30 +173,59 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
         append_jsonl(log_path, {"event": "monitor", "epoch": 0, "step": 0, **m0})
         log(f"[train] step 0 monitoring: {m0}")
 
-    def on_step(rec, mid_epoch):
-        append_jsonl(log_path, {"event": "train", **rec})
-        if state["step"] % cfg.save_every == 0 and mid_epoch:
+    n = len(opt_triples)
+    bar = tqdm(total=cfg.epochs * n, initial=state["epoch"] * n + state["pos"], desc="shield", file=sys.stderr,
+               disable=not main)
+    while state["epoch"] < cfg.epochs:
+        order = list(range(n))
+        random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(order)
+        rr.model.train()
+        window = []                                    # this rank's examples' stats in the accumulation window
+        while state["pos"] < n:
+            start = (state["pos"] // cfg.grad_accum) * cfg.grad_accum            # this accumulation window's
+            if ranks.mine(state["pos"], start):         # under torchrun each rank takes its share of the window
+                t = opt_triples[order[state["pos"]]]
+                loss, st, _, _ = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=True)
+                (loss / min(cfg.grad_accum, n - start)).backward()              # mean over the window's examples
+                window.append(st)
+            state["pos"] += 1
+            bar.update(1)
+            if state["pos"] % cfg.grad_accum and state["pos"] < n:
+                continue
+            ranks.sum_grads(params)                     # the window's whole gradient on every rank
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state["step"] += 1
+            rec = ranks.mean_stats(window, geodef.SHIELD_STATS, params[0].device)
+            rec.update({"grad_norm": float(gn), "learning_rate": cfg.lr, "step": state["step"],
+                        "epoch": state["epoch"] + state["pos"] / n})
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['rewards/accuracies']:.2f}")
+            window = []
+            if main:
+                append_jsonl(log_path, {"event": "train", **rec})
+                if state["step"] % cfg.save_every == 0 and state["pos"] < n:       # mid-epoch checkpoints
+                    _save_ckpt(ckpt, rr.model, opt, state, log_path)
+        state["epoch"] += 1
+        state["pos"] = 0
+        if main:                                        # monitoring, the best adapter, the epoch's checkpoint
+            m = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
+            state["history"].append({"epoch": state["epoch"], **m})
+            append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
+            key = (-m["loss"], m["pref_accuracy"])   # best = lowest Eq. 5 loss on the held-out groups
+            if state["best"] is None or key > tuple(state["best"]["key"]):
+                lora.save_adapter(rr.model, adapter_dir, cfg.model)
+                state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
             _save_ckpt(ckpt, rr.model, opt, state, log_path)
-
-    def on_epoch():
-        m = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
-        state["history"].append({"epoch": state["epoch"], **m})
-        append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
-        key = (-m["loss"], m["pref_accuracy"])   # best = lowest Eq. 5 loss on the held-out groups
-        if state["best"] is None or key > tuple(state["best"]["key"]):
-            lora.save_adapter(rr.model, adapter_dir, cfg.model)
-            state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
-        _save_ckpt(ckpt, rr.model, opt, state, log_path)
-
-    if not main:                                 # the other ranks only compute their share of each step
-        return fit(cfg, rr, opt, params, opt_triples, ids, s0, state, lambda rec, mid_epoch: None, lambda: None)
-    fit(cfg, rr, opt, params, opt_triples, ids, s0, state, on_step, on_epoch)
+    bar.close()
+    if not main:                                        # the other ranks only compute their share of each step
+        return
     lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
     rr.model.eval()
     test_stats = shield_test_stats(cfg, rr, geodef.expand(data.test, data.methods), adapter_dir)
     write_json(os.path.join(folder, "shield_done.json"), {"best": state["best"], "history": state["history"],
                                                       "steps": state["step"],
-                                                      "steps_per_epoch": math.ceil(len(opt_triples) / cfg.grad_accum),
+                                                      "steps_per_epoch": math.ceil(n / cfg.grad_accum),
                                                       "test_ranking": test_stats})
     log(f"[train] best adapter (epoch {state['best']['epoch']}): {state['best']}")
     log(f"[train] test groups, base -> shield: {test_stats}")
