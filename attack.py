@@ -51,7 +51,7 @@ import tfsg
 from evaluation import (INJECTION_DEFENSES, clean_reference, condition_plan, condition_slug, estimate, eval_condition,
                         price_plan, summarize)
 from rankers import load_rankers, order_of
-from runs import (atomic_write, changed_settings, library_path, log, read_json, tfsg_limits, write_json,
+from runs import (atomic_write, changed_settings, log, read_json, write_json,
                   write_summary)
 from settings import SettingsError
 
@@ -345,16 +345,16 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     rounds = rounds or rounds_for(budget, per_round)
     (label, spec), mode = target_of(spec), "aware" if aware else "unaware"
     mode += "-repair" if cfg.algorithm == "repair" else ""      # MAGEO's loop keeps its files' names
-    lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg))
+    lib = tfsg.load_library(run.library_path(), run.limits)
     lib_digest = hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
     settings = {"target": str(spec), "attacker": attacker_spec or cfg.llm, "judge": cfg.judge or cfg.llm,
                 "budget": budget, "rounds": rounds, "per_round": per_round,
                 "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD, "library": lib_digest if aware else None,
                 **({"algorithm": "repair", "max_repair_edit": MAX_REPAIR_EDIT} if cfg.algorithm == "repair" else {})}
     check_settings(cfg, f"{label}-{mode}", settings)
-    base, shield = load_rankers(cfg, True)
+    base, shield = load_rankers(run, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \
-        rankers.make_rankers(cfg, [(label, spec)], "attack")[label]
+        rankers.make_rankers(run, [(label, spec)], "attack")[label]
     attacker = run.llm(attacker_spec, stage="attack")
     judge = run.llm(cfg.judge, stage="attack")          # the run's judge, default its target LLM
     a = Attack(cfg, label, target, attacker, judge, rounds, per_round, budget, lib if aware else None,

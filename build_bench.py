@@ -53,7 +53,7 @@ import llm_clients
 import offline_server
 import transport
 from rankers import load_rankers
-from runs import atomic_write, log, SettingsError, usage_path
+from runs import atomic_write, log, SettingsError
 
 REWRITE_TRIES = 2                 # attempts per family and group before the group is dropped
 MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped
@@ -617,7 +617,7 @@ def build_bench(run, p=None):
     fams, seen, cons = p.families, p.seen, p.construction
     llm = run.llm(stage="build-bench")
     judge = run.llm(cfg.fidelity_judge, stage="build-bench") if cfg.fidelity_judge else None
-    search = SearchClient(cfg.search, os.path.join(cfg.run_dir, "cache", "search"), usage_path(cfg),
+    search = SearchClient(cfg.search, run.path("cache", "search"), run.path("usage.jsonl"),
                           timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=run.engine_url) if cfg.search else None
     groups, dropped = [], list(p.dropped)
     for row in p.order:                 # in the seeded order until --groups lists are complete
@@ -640,7 +640,7 @@ def build_bench(run, p=None):
         docs = [{"doc_id": f"{gid}-{i}", "url": d["url"], "text": d["text"]} for i, d in enumerate(docs)]
         groups.append({"group_id": gid, "query": row["query"], "split": split, "source_index": pos, "row": row,
                        "docs": docs})
-    ranker = load_rankers(cfg, False)[0] if "MAGEO" in fams and cfg.mageo_signal == "reranker" and groups else None
+    ranker = load_rankers(run, False)[0] if "MAGEO" in fams and cfg.mageo_signal == "reranker" and groups else None
     ctx = geo_jobs.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
                           archive=p.archive, rules=p.rules, ranker=ranker)
     attacks, traces, failed = rewrite_all(ctx, fams, cons, groups, cfg.mageo_signal)

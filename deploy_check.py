@@ -36,7 +36,7 @@ import lora
 import rerank_clients
 from endpoints import RERANK_PROVIDERS
 from metrics import sigmoid
-from runs import load_shield, log
+from runs import log
 from settings import SettingsError
 from transport import LLMError
 
@@ -250,7 +250,7 @@ def deploy_check(run, spec, rr=None):
     with the endpoint's spec, the long list's length and why ({"tokens", "why"}, None with --no-long) and
     notes."""
     cfg = run.cfg
-    rr = rr or load_shield(cfg)
+    rr = rr or run.shield()
     limit = advertised_limit(spec)
     tokens, why = long_length(cfg.max_length, cfg.long_tokens, limit) if cfg.long else (None, None)
     lists = known_lists(run.data, rr, tokens)

@@ -31,8 +31,8 @@ import rankers
 import tfsg
 import tiny
 from rankers import documents_cut, load_rankers, sharded
-from runs import (adapter_path, changed_settings, file_sha1, is_offline, library_path, log, naming, NotTrainedError,
-                  read_json, read_jsonl, shared_roles, test_set_digest, tfsg_limits, TINY_NOTE,
+from runs import (changed_settings, file_sha1, log, naming, NotTrainedError,
+                  read_json, read_jsonl, shared_roles, test_set_digest, TINY_NOTE,
                   write_json, write_summary)
 from settings import SettingsError
 
@@ -231,7 +231,7 @@ def answer_conditions(cfg, conds, insts, plan, condition):
 def bench_labels(cfg, meta):
     """What the summary says of the benchmark beyond the figures: the roles the target or judge shares
     with its construction (--allow-shared-roles) and the groups each family was refused on."""
-    out = {"shared_roles": shared_roles(cfg), "family_drops": meta.raw.get("family_drops")}
+    out = {"shared_roles": shared_roles(cfg.bench, cfg.llm, cfg.judge), "family_drops": meta.raw.get("family_drops")}
     return {k: v for k, v in out.items() if v}
 
 
@@ -285,10 +285,11 @@ def summarize(recs, clean):
             "hallucinated_citations": sum(len(r["hallucinated"]) for r in recs)}
 
 
-def transfer_items(cfg):
+def transfer_items(run):
     """--transfer "name=path,..." -> [(name, path, library)], each checked: a name safe for a file name
     (it names results/transfer_<name>.jsonl and the Table C.2 row) and a valid library file."""
     items = []
+    cfg = run.cfg
     for item in (cfg.transfer.split(",") if cfg.transfer else []):
         name, eq, path = item.partition("=")
         if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
@@ -297,7 +298,7 @@ def transfer_items(cfg):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--transfer: {path}: no library file")
         try:
-            lib = tfsg.load_library(path, tfsg_limits(cfg))   # checked now, not after the other conditions
+            lib = tfsg.load_library(path, run.limits)   # checked now, not after the other conditions
         except tfsg.LibraryError as e:
             raise SettingsError(f"--transfer {name}: {e}") from None
         items.append((name, path, lib))
@@ -366,23 +367,24 @@ def check_eval_settings(cfg, conds, transfers):
                                "(LLM replies stay cached in cache/), or use a new --name")
 
 
-def eval_conditions(cfg):
+def eval_conditions(run):
     """The conditions --conditions asks for and the --transfer libraries, checked before anything runs
     or is recorded: known names, valid libraries, settings that match the records already made, and
     what the conditions need from `train` (the final TFSG library, the Shield adapter) present.
     -> (conditions, transfer_items)."""
+    cfg = run.cfg
     named = {"all": CONDITIONS, "paper": PAPER_CONDITIONS}
     conds = named.get(cfg.conditions) or [c.strip() for c in cfg.conditions.split(",")]
     for c in conds:
         if c not in CONDITIONS:
             raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}, 'paper' (the first six) "
                                 "or 'all'")
-    transfers = transfer_items(cfg)
+    transfers = transfer_items(run)
     deployed = rankers.check_specs(reranker_items(cfg))        # every endpoint's key present
     conds = conds + [f"{c} [{label}]" for label, _ in deployed for c in RERANKER_CONDITIONS
-                     if c != "TFSG only" or os.path.isfile(library_path(cfg))]
+                     if c != "TFSG only" or os.path.isfile(run.library_path())]
     check_eval_settings(cfg, conds, transfers)
-    lib, adapter = library_path(cfg), os.path.join(adapter_path(cfg), "adapter_config.json")
+    lib, adapter = run.library_path(), run.path("adapter", "adapter_config.json")
     missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
                                                        (adapter, "trained adapter", WITH_SHIELD))
                if not os.path.isfile(p)]
@@ -399,11 +401,14 @@ def eval_conditions(cfg):
 def ranking_stage(run, conds, deployed):
     """The local rankers eval needs, every list scored -> (base, shield or None). Under torchrun every
     rank runs it, each scoring whole queries of its share (rankers.sharded); the command then leaves the
-    process group and rank 0 evaluates alone (run.py's eval). A plain run scores them all."""
-    cfg, data = run.cfg, run.data
+    process group and rank 0 evaluates alone (run.py's eval). A plain run scores them all. PPL-Filter's
+    GPT-2 is resolved first (downloaded, or refused), before the reranker scores every candidate."""
+    data = run.data
+    if "PPL-Filter" in conds and run.cfg.ppl_model != "tiny":
+        gpt2.resolve(run.cfg.ppl_model)
     insts = geodef.expand(data.test, data.methods)
     cleans = [geodef.clean_instance(g) for g in data.test]
-    base, shield = load_rankers(cfg, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
+    base, shield = load_rankers(run, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
     sharded(run.ranks, base, insts + cleans)
     if shield:
         sharded(run.ranks, shield, insts)
@@ -427,15 +432,13 @@ def evaluate(run, conditions=None, ranked=None):
     _, meta, cons, test, seen, methods = run.data
     insts = geodef.expand(test, methods)
     cleans = [geodef.clean_instance(g) for g in test]
-    conds, transfers = conditions or eval_conditions(cfg)
-    if "PPL-Filter" in conds and cfg.ppl_model != "tiny":
-        gpt2.resolve(cfg.ppl_model)     # download it, or fail, before the reranker scores every candidate
+    conds, transfers = conditions or eval_conditions(run)
     needs_lib = any(c in WITH_LIBRARY or deployed_label(c) and c.startswith("TFSG only") for c in conds)
-    lib = tfsg.load_library(library_path(cfg), tfsg_limits(cfg)) if needs_lib else None
+    lib = tfsg.load_library(run.library_path(), run.limits) if needs_lib else None
     deployed = reranker_items(cfg, conds)
     base, shield = ranked or ranking_stage(run, conds, deployed)
     local = {"base": base, "shield": shield}
-    others = rankers.make_rankers(cfg, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
+    others = rankers.make_rankers(run, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
     for label, rk in others.items():
         rk.prepare(insts)
     llm = run.llm(stage="eval")
@@ -463,7 +466,7 @@ def evaluate(run, conditions=None, ranked=None):
     results, repeats = answer_conditions(cfg, conds, insts, plan, condition)
     honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
     every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
-    summary = {"offline": is_offline(cfg), "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
+    summary = {"offline": run.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(every(c), clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in every(c) if r["method"] == m], clean), "seen": m in seen}
@@ -482,7 +485,7 @@ def evaluate(run, conditions=None, ranked=None):
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
         summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
                                               {x.instance_id: x for x in insts}, res)
-        summary["epochs"] = library_epochs(cfg, results["GEO Defender"], insts, plan["Shield only"].topk, clean,
+        summary["epochs"] = library_epochs(run, results["GEO Defender"], insts, plan["Shield only"].topk, clean,
                                            condition)
     summary.update(defense_summary(cfg, run.prices, llm, judge, results, plan, insts, clean, res))
     if transfers and "GEO Defender" in conds:     # Table C.2 row: other targets' libraries, Shield fixed
@@ -758,7 +761,7 @@ def plan_eval(run, conditions=None):
     first k candidates. conditions: as evaluate takes them."""
     cfg, data = run.cfg, run.data
     insts = geodef.expand(data.test, data.methods)
-    conds, transfers = conditions or eval_conditions(cfg)
+    conds, transfers = conditions or eval_conditions(run)
     res = os.path.join(cfg.run_dir, "results")
     files = {"clean reference": (os.path.join(res, "clean_reference.jsonl"), len(data.test))}
     files.update({c: (os.path.join(res, condition_slug(c) + ".jsonl"), len(insts)) for c in conds})
@@ -766,7 +769,7 @@ def plan_eval(run, conditions=None):
                   for c in conds for i in range(1, cfg.samples)})              # eval --samples N
     if "GEO Defender" in conds:
         files.update({f"GEO Defender E{t}": (os.path.join(res, f"geo_defender_E{t}.jsonl"), len(insts))
-                      for t in range(cfg.n_batches + 1) if os.path.isfile(library_path(cfg, t))})
+                      for t in range(cfg.n_batches + 1) if os.path.isfile(run.library_path(t))})
         files.update({f"GEO Defender [{n}]": (os.path.join(res, f"transfer_{n}.jsonl"), len(insts))
                       for n, _, _ in transfers})
     todo = sum(max(0, n - records_done(p)) for p, n in files.values())
@@ -810,16 +813,17 @@ def plan_honest(cfg, test, conds, res, ctx, stages):
                              "PromptArmor and RobustRAG 2 x (k + 1); no ASI judge"}}
 
 
-def library_epochs(cfg, final, insts, shield_topk, clean, condition):
+def library_epochs(run, final, insts, shield_topk, clean, condition):
     """Fig. 5: ASR, ASI and BER of GEO Defender with each library epoch E0..E{n+1} found in the run
     (the final one's records are `final`; the others evaluated through `condition`)."""
     epochs = {}
-    for t in range(cfg.n_batches + 2):
-        p = library_path(cfg, t)
+    last = run.cfg.n_batches + 1
+    for t in range(last + 1):
+        p = run.library_path(t)
         if not os.path.isfile(p):
             continue
-        lt = tfsg.load_library(p, tfsg_limits(cfg))
-        recs = final if t == cfg.n_batches + 1 else condition(
+        lt = tfsg.load_library(p, run.limits)
+        recs = final if t == last else condition(
             f"GEO Defender E{t}", insts, Condition(shield_topk, guided(lt)), f"geo_defender_E{t}")
         epochs[f"E{t}"] = {k: v for k, v in summarize(recs, clean).items() if k in ("ASR", "ASI", "BER")}
     return epochs

@@ -48,8 +48,7 @@ import tfsg
 from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
 from evaluation import clean_reference, eval_condition, estimate, guided, offline_notes, price_plan
 from rankers import base_ranker, load_rankers
-from runs import (adapter_path, changed_settings, labels_of, library_path, load_reranker, log,
-                  read_json, read_jsonl, tfsg_limits, write_json, write_jsonl, write_summary)
+from runs import changed_settings, labels_of, log, read_json, read_jsonl, write_json, write_jsonl, write_summary
 from settings import SettingsError
 from train import clean_reference_benign, train_shield
 
@@ -59,23 +58,23 @@ MEASURED = ("GEO Defender", "Shield only", "TFSG only")
 # ----------------------------------------------------------------------------- a round's defense and files
 
 
-def round_dir(cfg, k):
-    return os.path.join(cfg.run_dir, "harden", f"round-{k}")
+def round_dir(run, k):
+    return run.path("harden", f"round-{k}")
 
 
-def defense_of(cfg, k):
+def defense_of(run, k):
     """Round k's defense: (adapter folder, library file). Round 0 is train's."""
     if k == 0:
-        return adapter_path(cfg), library_path(cfg)
-    return (os.path.join(round_dir(cfg, k), "adapter"),
-            os.path.join(round_dir(cfg, k), "library", f"E{cfg.n_batches + 1 + k}.json"))
+        return run.path("adapter"), run.library_path()
+    return (os.path.join(round_dir(run, k), "adapter"),
+            os.path.join(round_dir(run, k), "library", f"E{run.cfg.n_batches + 1 + k}.json"))
 
 
-def load_defense(cfg, k):
+def load_defense(run, k):
     """Round k's (base ranker, Shield ranker, library) over one loaded model."""
-    adapter, lib = defense_of(cfg, k)
-    base, shield = load_rankers(cfg, True, adapter)
-    return base, shield, tfsg.load_library(lib, tfsg_limits(cfg))
+    adapter, lib = defense_of(run, k)
+    base, shield = load_rankers(run, True, adapter)
+    return base, shield, tfsg.load_library(lib, run.limits)
 
 
 def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed, algorithm="mageo"):
@@ -105,10 +104,10 @@ def survivor_instance(x, cand, k):
                                method=f"adaptive-r{k}", split="construction")
 
 
-def harvest(cfg, k, insts, cands, defense, llm, construction_groups):
+def harvest(run, k, insts, cands, defense, llm, construction_groups):
     """Round k's survivors: gate-passing candidates in the round k-1 Shield's top-k, each marked whether
     the target still cites it under GEO Defender (round k-1 library; no ASI judge) -> survivor records."""
-    base, shield, lib = defense
+    cfg, (_, shield, lib) = run.cfg, defense
     found = [(x, c) for x in insts for c in cands[x.instance_id][1:] if c["accepted"] and c["rank"] <= cfg.k]
     bad = sorted({x.group_id for x, _ in found} - construction_groups)
     if bad:                    # never: the attacker saw construction groups only
@@ -116,7 +115,7 @@ def harvest(cfg, k, insts, cands, defense, llm, construction_groups):
                             "groups; the pool takes construction groups only")
     surv = [survivor_instance(x, c, k) for x, c in found]
     shield.prepare(surv)
-    path = os.path.join(round_dir(cfg, k), "cited.jsonl")
+    path = os.path.join(round_dir(run, k), "cited.jsonl")
     recs = eval_condition(cfg, llm, "GEO Defender (survivors)", surv, lambda y: shield.order(y)[:cfg.k],
                           guided(lib), path, judge=llm, judge_asi=False)
     cited = {r["instance_id"]: r["attack_cited"] for r in recs}
@@ -150,13 +149,13 @@ def read_survivors(path):
     return [check_survivor(path, n, r) for n, r in read_jsonl(path)]
 
 
-def pool_instances(cfg, data, k):
+def pool_instances(run, k):
     """Every round's survivors up to k, as construction instances; a line that is not a construction
     instance's survivor (a test group's, a family or field the benchmark lacks) is refused, naming it."""
-    by_id = {x.instance_id: x for x in geodef.expand(data.construction, data.seen)}
+    by_id = {x.instance_id: x for x in geodef.expand(run.data.construction, run.data.seen)}
     pool = []
     for j in range(1, k + 1):
-        path = os.path.join(round_dir(cfg, j), "survivors.jsonl")
+        path = os.path.join(round_dir(run, j), "survivors.jsonl")
         for n, r in read_jsonl(path):
             got = r if isinstance(r, dict) else {}
             x = by_id.get(f"{got.get('group_id')}:{got.get('source_method')}")
@@ -174,13 +173,13 @@ def pool_instances(cfg, data, k):
 # ----------------------------------------------------------------------------- the defender's update
 
 
-def update_library(cfg, k, survivors, data, defense, target, analyzer, clean):
+def update_library(run, k, survivors, defense, target, analyzer, clean):
     """One more Algorithm 1 update batch on round k's survivors (cited ones first) mixed with their groups'
     benign lists, half and half within --batch-size -> the round-k library."""
-    base, shield, lib = defense
-    _, path = defense_of(cfg, k)
+    cfg, data, (base, shield, lib) = run.cfg, run.data, defense
+    _, path = defense_of(run, k)
     if os.path.isfile(path):
-        return tfsg.load_library(path, tfsg_limits(cfg))
+        return tfsg.load_library(path, run.limits)
     by_id = {x.instance_id: x for x in geodef.expand(data.construction, data.seen)}
     ranked = sorted(survivors, key=lambda r: (not r["tfsg_cited"], hashlib.sha1(
         f"{cfg.seed}:{k}:{r['instance_id']}".encode()).hexdigest()))[:max(1, cfg.batch_size // 2)]
@@ -205,7 +204,7 @@ def update_library(cfg, k, survivors, data, defense, target, analyzer, clean):
     interface = "reasoning" if cfg.reasoning_interface else "structured"
     return tfsg.update_library(lambda reqs: target.map(reqs, workers=cfg.workers, desc=f"harden r{k} TFSG"),
                                analyzer.chat, lib, batch, cfg.n_batches + 1 + k, os.path.dirname(path), interface,
-                               tfsg.Controller(limits=tfsg_limits(cfg)), cfg.temperature, cfg.max_tokens)
+                               tfsg.Controller(limits=run.limits), cfg.temperature, cfg.max_tokens)
 
 
 # ----------------------------------------------------------------------------- measuring a round
@@ -222,19 +221,19 @@ def best_documents(insts, cands, budget, tag):
     return [with_doc(x, cands[x.instance_id][best_of(cands[x.instance_id], budget)]["text"], tag) for x in insts]
 
 
-def measure(cfg, k, data, clients, clean):
+def measure(run, k, clients, clean):
     """Round k's defense against a fresh attacker at every --eval-budgets, the static families and (k > 0)
     the stale round-0 attacker -> the round's figures, kept in harden/round-k/measure.json."""
-    path = os.path.join(round_dir(cfg, k), "measure.json")
+    cfg, data, path = run.cfg, run.data, os.path.join(round_dir(run, k), "measure.json")
     if os.path.isfile(path):
         return read_json(path)
     llm, judge, _, tester, _ = clients
     groups, insts = test_instances(cfg, data)
-    base, shield, lib = load_defense(cfg, k)
+    base, shield, lib = load_defense(run, k)
     budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
-    cands = attacked(cfg, os.path.join(round_dir(cfg, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
+    cands = attacked(cfg, os.path.join(round_dir(run, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
                      tester, judge, seed=f"test-{cfg.seed}-{k}", algorithm=cfg.test_algorithm or cfg.algorithm)
-    res = os.path.join(round_dir(cfg, k), "results")
+    res = os.path.join(round_dir(run, k), "results")
     setup = (base, shield, lib, data.construction)
     fresh = {str(b): evaluate_documents(cfg, llm, judge, best_documents(insts, cands, b, f"@r{k}-B{b}"), setup, clean,
                                         os.path.join(res, f"B{b}"), MEASURED) for b in budgets}
@@ -242,7 +241,7 @@ def measure(cfg, k, data, clients, clean):
            "static": evaluate_documents(cfg, llm, judge, insts, setup, clean, os.path.join(res, "static"), MEASURED),
            "clean_topk_kept": clean_kept(cfg, groups, base, shield)}
     if k:
-        stale = read_attack(os.path.join(round_dir(cfg, 0), "attack-test.jsonl"))
+        stale = read_attack(os.path.join(round_dir(run, 0), "attack-test.jsonl"))
         out["stale"] = evaluate_documents(cfg, llm, judge, best_documents(insts, stale, max(budgets), f"@r{k}-stale"),
                                           setup, clean, os.path.join(res, "stale"), MEASURED)
     out["gate"] = {"accepted": sum(c["accepted"] for cs in cands.values() for c in cs[1:]),
@@ -267,17 +266,18 @@ def clean_kept(cfg, groups, base, shield):
     return 100.0 * sum(kept) / max(1, len(kept))
 
 
-def crossplay(cfg, R, data):
+def crossplay(run, R):
     """Exposure@k of every round's test documents (the fresh attacker's best at the largest budget)
     under every round's Shield: rescoring only, no attacker call -> rows defense rounds, columns
     attacker rounds."""
-    _, insts = test_instances(cfg, data)
+    cfg = run.cfg
+    _, insts = test_instances(cfg, run.data)
     top = max(parse_budgets(cfg.eval_budgets, "--eval-budgets"))
-    docs = [best_documents(insts, read_attack(os.path.join(round_dir(cfg, a), "attack-test.jsonl")), top,
+    docs = [best_documents(insts, read_attack(os.path.join(round_dir(run, a), "attack-test.jsonl")), top,
                            f"@cross-a{a}") for a in range(R + 1)]
     matrix = []
     for d in range(R + 1):
-        _, shield = load_rankers(cfg, True, defense_of(cfg, d)[0])
+        _, shield = load_rankers(run, True, defense_of(run, d)[0])
         row = []
         for ds in docs:
             shield.prepare(ds)
@@ -320,17 +320,18 @@ def round_clients(run, k):
     return llm, judge, attacker, tester, analyzer
 
 
-def clean_references(cfg, data, llm):
+def clean_references(run, llm):
     """The clean reference (B.1.3) of the construction groups (b_clean of TFSG's cases) and of the test
     side's groups: base top-k, the A.3.7 answer -> ({group_id: record}, {group_id: record})."""
-    base = base_ranker(cfg, load_reranker(cfg))
+    cfg, data = run.cfg, run.data
+    base = base_ranker(run, run.reranker())
     cons = clean_reference_benign(cfg, llm, base, data.construction)
     groups, _ = test_instances(cfg, data)
     insts = [geodef.clean_instance(g) for g in groups]
     base.prepare(insts)
     ref = clean_reference(cfg, base)
     recs = eval_condition(cfg, llm, "clean reference", insts, ref.topk, ref.pipeline,
-                          os.path.join(cfg.run_dir, "harden", "clean_reference.jsonl"), judge=llm)
+                          run.path("harden", "clean_reference.jsonl"), judge=llm)
     return cons, {r["group_id"]: r for r in recs}
 
 
@@ -340,10 +341,10 @@ def retraining(run, k):
     retrained on the construction set plus the pool, when there are survivors -> the survivors."""
     cfg = run.cfg
     run.ranks.barrier()
-    survivors = read_survivors(os.path.join(round_dir(cfg, k), "survivors.jsonl"))
+    survivors = read_survivors(os.path.join(round_dir(run, k), "survivors.jsonl"))
     if survivors:
-        train_shield(run, out=round_dir(cfg, k), extra=pool_instances(cfg, run.data, k),
-                     init=None if cfg.restart else defense_of(cfg, k - 1)[0])
+        train_shield(run, out=round_dir(run, k), extra=pool_instances(run, k),
+                     init=None if cfg.restart else defense_of(run, k - 1)[0])
     return survivors
 
 
@@ -359,23 +360,23 @@ def attack_round(run, k, clients, clean_cons):
     """Round k's training side: attack, harvest, the defender's update (module docstring, steps 1-3)."""
     cfg, data = run.cfg, run.data
     llm, judge, attacker, _, analyzer = clients
-    folder = round_dir(cfg, k)
-    prev = load_defense(cfg, k - 1)
+    folder = round_dir(run, k)
+    prev = load_defense(run, k - 1)
     cons = geodef.expand(data.construction, data.seen)
     cands = attacked(cfg, os.path.join(folder, "attack-train.jsonl"), cons, prev[1], prev[2], cfg.budget, attacker,
                      judge, seed=f"train-{cfg.seed}-{k}", algorithm=cfg.algorithm)
     path = os.path.join(folder, "survivors.jsonl")
     if not os.path.isfile(path):
-        write_jsonl(path, harvest(cfg, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))
-    pool = pool_instances(cfg, data, k)
+        write_jsonl(path, harvest(run, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))
+    pool = pool_instances(run, k)
     log(f"[harden] round {k}: {len(read_survivors(path))} survivors, a pool of {len(pool)}")
-    adapter = defense_of(cfg, k)[0]
+    adapter = defense_of(run, k)[0]
     survivors = retraining(run, k)
     if not survivors and not os.path.isdir(adapter):    # nothing got through: the Shield stays as it is
         tmp = f"{adapter}.tmp{os.getpid()}"
-        shutil.copytree(defense_of(cfg, k - 1)[0], tmp)
+        shutil.copytree(defense_of(run, k - 1)[0], tmp)
         os.replace(tmp, adapter)
-    update_library(cfg, k, survivors, data, prev, llm, analyzer, clean_cons)
+    update_library(run, k, survivors, prev, llm, analyzer, clean_cons)
     return {"survivors": len(survivors), "tfsg_survivors": sum(r["tfsg_cited"] for r in survivors),
             "pool": len(pool), "candidates": sum(len(cs) - 1 for cs in cands.values())}
 
@@ -384,15 +385,15 @@ def harden(run):
     """Hardening rounds 1..R on a trained run (module docstring) -> summary.json's harden block."""
     cfg, data = run.cfg, run.data
     settings_path, pinned = check_settings(cfg)
-    made = [k for k in range(1, cfg.rounds + 1) if os.path.isfile(os.path.join(round_dir(cfg, k), "survivors.jsonl"))]
-    pool_instances(cfg, data, len(made))        # the finished rounds' survivors files, checked before any call
+    made = [k for k in range(1, cfg.rounds + 1) if os.path.isfile(os.path.join(round_dir(run, k), "survivors.jsonl"))]
+    pool_instances(run, len(made))        # the finished rounds' survivors files, checked before any call
     write_json(settings_path, pinned)
-    clean_cons, clean_test = clean_references(cfg, data, run.llm(stage="harden-r0"))
-    rounds = [measure(cfg, 0, data, round_clients(run, 0), clean_test)]
+    clean_cons, clean_test = clean_references(run, run.llm(stage="harden-r0"))
+    rounds = [measure(run, 0, round_clients(run, 0), clean_test)]
     for k in range(1, cfg.rounds + 1):
         clients = round_clients(run, k)
         trained = attack_round(run, k, clients, clean_cons)
-        rounds.append({**measure(cfg, k, data, clients, clean_test), **trained})
+        rounds.append({**measure(run, k, clients, clean_test), **trained})
     usage = run.usage()["stages"]
     for r in rounds:                   # a round's replies and their price (None without --prices)
         rows = list(usage.get(f"harden-r{r['round']}", {}).values())
@@ -401,7 +402,7 @@ def harden(run):
                      "usd": None if None in costs else round(sum(costs), 6)}
     block = {"settings": pinned, "rounds": rounds, "k": cfg.k, "notes": offline_notes(cfg, data.meta),
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
-                           "exposure": crossplay(cfg, cfg.rounds, data)}}
+                           "exposure": crossplay(run, cfg.rounds)}}
     summary = write_summary(run, "harden", {"harden": block})
     report.write_harden_report(cfg.run_dir, summary)
     log(f"[harden] wrote {cfg.run_dir}/harden_report.md and summary.json's harden block")

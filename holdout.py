@@ -40,7 +40,7 @@ import metrics
 import rerank_eval
 from evaluation import check_eval_settings, evaluate, offline_notes
 from rankers import parse_rerankers
-from runs import log, record_or_check, shield_split, tfsg_schedule, write_json
+from runs import log, write_json
 from settings import SettingsError
 from train import plan_train, train_shield, train_tfsg
 
@@ -73,17 +73,18 @@ def fold_settings(cfg, name, trained):
                                seen_methods=",".join(trained))
 
 
-def folds(cfg, data):
+def folds(run):
     """[(fold name, held-out family or None, fold settings)]: one per held-out family, then 'all'. Each
     fold's Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
+    cfg, data = run.cfg, run.data
     held, cons = families(cfg, data)
     out = [(f"without-{f}", f, fold_settings(cfg, f"without-{f}", [m for m in cons if m != f])) for f in held]
     out += [(ALL, None, fold_settings(cfg, ALL, cons))]
     for _, _, fcfg in out:
-        inst = geodef.expand(data.construction, fcfg.seen_methods.split(","))
-        shield_split(fcfg, inst)
+        fold, inst = fold_run(run, fcfg), geodef.expand(data.construction, fcfg.seen_methods.split(","))
+        fold.shield_split(inst)
         if cfg.llm_stage:
-            tfsg_schedule(fcfg, inst)
+            fold.tfsg_schedule(inst)
     return out
 
 
@@ -101,8 +102,8 @@ def run_fold(run, fcfg, llm_stage=False):
     also build its TFSG library (train_tfsg) and evaluate LLM_CONDITIONS (evaluation.evaluate) -> {label:
     [instance records]}: rerank_eval.instance_record's under "base" and "shield", eval's under each
     condition. run: the holdout's Run, whose benchmark every fold reads (read once)."""
-    record_or_check(fcfg, "holdout")
     fold = fold_run(run, fcfg)
+    fold.record_or_check("holdout")
     train_shield(fold)
     _, out = rerank_eval.rerank_stage(fold, parse_rerankers(["base", "shield"]), stage="holdout")
     if llm_stage:
@@ -169,7 +170,7 @@ def fold_row(cfg, family, trained, recs, ref):
 def holdout(run):
     """Every fold, then holdout/summary.json and holdout/report.md -> the summary."""
     cfg, data = run.cfg, run.data
-    plan = folds(cfg, data)
+    plan = folds(run)
     recs = {}
     for name, family, fcfg in plan:
         log(f"[holdout] fold {name}: the Shield{' and library' if cfg.llm_stage else ''} trained on "
@@ -196,8 +197,8 @@ def dry_run(run):
     the requests its library and its two conditions would send (train's and eval's dry runs)."""
     cfg, data = run.cfg, run.data
     out = {}
-    for name, family, fcfg in folds(cfg, data):
-        opt, _ = shield_split(fcfg, geodef.expand(data.construction, fcfg.seen_methods.split(",")))
+    for name, family, fcfg in folds(run):
+        opt, _ = fold_run(run, fcfg).shield_split(geodef.expand(data.construction, fcfg.seen_methods.split(",")))
         out[name] = {"held_out": family, "trained_on": fcfg.seen_methods.split(","),
                      "shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum),
                      "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json")),

@@ -3,7 +3,7 @@ scores and order of each), the in-process base and Shield rankers over one loade
 rerank endpoints (Cohere, Jina, Voyage, vLLM- or TEI-shaped) through rerank_clients, and the
 --reranker specs that name them.
 
-Usage: base, shield = load_rankers(cfg, shield=True); base.prepare(insts); base.order(insts[0])[:5]
+Usage: base, shield = load_rankers(run, shield=True); base.prepare(insts); base.order(insts[0])[:5]
 """
 import contextlib
 import hashlib
@@ -17,8 +17,7 @@ from tqdm import tqdm
 import endpoints
 import lora
 import rerank_clients
-from runs import (adapter_path, file_sha1, load_reranker, load_shield, log, shield_scores_path,
-                  usage_path, write_json)
+from runs import file_sha1, log, write_json
 from settings import SettingsError
 
 
@@ -161,13 +160,12 @@ def sharded(ranks, ranker, instances):
     ranks.barrier()                # no rank starts another sharded scoring of this cache before the shares go
 
 
-def load_rankers(cfg, shield, adapter=None):
+def load_rankers(run, shield, adapter=None):
     """(base, shield or None) Rankers over ONE loaded model: with the trained adapter attached, the
     base scores come from the same weights with the adapter disabled (pi_0). adapter: another adapter
     folder than the run's (a hardening round's)."""
-    rr = load_shield(cfg, adapter=adapter) if shield else load_reranker(cfg)
-    return (base_ranker(cfg, rr, adapter_off=shield),
-            shield_ranker(cfg, rr, adapter) if shield else None)
+    rr = run.shield(adapter=adapter) if shield else run.reranker()
+    return base_ranker(run, rr, adapter_off=shield), shield_ranker(run, rr, adapter) if shield else None
 
 
 def ranker_identity(cfg, rr, adapter=None):
@@ -181,18 +179,18 @@ def ranker_identity(cfg, rr, adapter=None):
             if adapter is None else file_sha1(os.path.join(adapter, "adapter_model.safetensors"))}
 
 
-def base_ranker(cfg, rr, adapter_off=False):
+def base_ranker(run, rr, adapter_off=False):
     """The frozen base reranker's Ranker, its scores cached in cache/scores_base.json (adapter_off: the
     model carries the Shield adapter, disabled for these scores)."""
-    return Ranker(rr, os.path.join(cfg.run_dir, "cache", "scores_base.json"), "base", adapter_off=adapter_off,
-                  made_from=ranker_identity(cfg, rr))
+    return Ranker(rr, run.path("cache", "scores_base.json"), "base", adapter_off=adapter_off,
+                  made_from=ranker_identity(run.cfg, rr))
 
 
-def shield_ranker(cfg, rr, adapter=None):
+def shield_ranker(run, rr, adapter=None):
     """The Shield's Ranker (rr with the run's adapter, or `adapter`), its scores cached per adapter
-    (shield_scores_path)."""
-    return Ranker(rr, shield_scores_path(cfg, adapter), "shield",
-                  made_from=ranker_identity(cfg, rr, adapter or adapter_path(cfg)))
+    (Run.shield_scores_path)."""
+    return Ranker(rr, run.shield_scores_path(adapter), "shield",
+                  made_from=ranker_identity(run.cfg, rr, adapter or run.path("adapter")))
 
 
 def documents_cut(rr, insts):
@@ -253,24 +251,22 @@ class RemoteRanker:
         return order_of(self.scores(x))
 
 
-def make_rankers(cfg, items, stage, rr=None):
+def make_rankers(run, items, stage, rr=None):
     """[(label, spec)] -> {label: Ranker}. base and shield share one loaded model (the Shield's
     adapter disabled for base, as in training); endpoints go through RerankClient with the run's
     cache (cache/rerank) and usage ledger."""
-    local = {spec.kind for _, spec in items if spec.kind in LOCAL}
+    cfg, local = run.cfg, {spec.kind for _, spec in items if spec.kind in LOCAL}
     if local:
-        rr = rr or (load_shield(cfg) if "shield" in local else load_reranker(cfg))
+        rr = rr or (run.shield() if "shield" in local else run.reranker())
     out = {}
     for label, spec in items:
         if spec.kind == "base":
-            out[label] = base_ranker(cfg, rr, adapter_off="shield" in local)
+            out[label] = base_ranker(run, rr, adapter_off="shield" in local)
         elif spec.kind == "shield":
-            out[label] = shield_ranker(cfg, rr)
+            out[label] = shield_ranker(run, rr)
         else:
-            client = rerank_clients.make_reranker(spec, cache_dir=os.path.join(cfg.run_dir, "cache", "rerank"),
-                                               ledger=usage_path(cfg), stage=stage, rpm=cfg.rpm,
-                                               **({"timeout": cfg.timeout} if cfg.timeout else {}))
+            client = rerank_clients.make_reranker(spec, cache_dir=run.path("cache", "rerank"),
+                                                  ledger=run.path("usage.jsonl"), stage=stage, rpm=cfg.rpm,
+                                                  **({"timeout": cfg.timeout} if cfg.timeout else {}))
             out[label] = RemoteRanker(client, label, cfg.workers)
     return out
-
-

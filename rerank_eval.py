@@ -203,7 +203,7 @@ def stage_rankers(run, items, stage="rerank-eval"):
     rank runs it, each scoring whole queries of its share (rankers.sharded); the command then leaves the
     process group and rank 0 goes on alone (rerank_stage). The endpoints are asked later, by rank 0."""
     insts, cleans, honest = stage_lists(run.data)
-    by_label = rankers.make_rankers(run.cfg, items, stage)
+    by_label = rankers.make_rankers(run, items, stage)
     for label, spec in items:
         if spec.kind in rankers.LOCAL:
             rankers.sharded(run.ranks, by_label[label], insts + list(cleans.values()) + honest)

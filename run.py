@@ -48,8 +48,7 @@ import speed
 import tfsg
 import tiny
 from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
-from runs import (TINY_NOTE, Run, RunInUse, adapter_path, load_reranker, load_shield, log, model_folder,
-                  need_trained, read_json, resolve, run_lock, shield_split, tfsg_schedule)
+from runs import TINY_NOTE, Run, RunInUse, log, need_trained, read_json, resolve, run_lock
 from settings import PRESETS, SettingsError
 from train import plan_train, train_shield, train_tfsg
 
@@ -79,8 +78,8 @@ def shield_settings(cls, args):
         raise FileNotFoundError(f"{record}: no such run; give --name NAME (a trained run) or --model M "
                                 "[--adapter DIR]")
     cfg = resolve(cls, asked)
-    adapter = adapter_path(cfg)
-    need_trained(cfg, os.path.join(adapter, "adapter_config.json"), "trained adapter")
+    adapter = os.path.join(cfg.run_dir, "adapter")
+    need_trained(os.path.join(adapter, "adapter_config.json"), "trained adapter", cfg.name)
     trained = read_json(record)["config"]
     other = [f"--{k.replace('_', '-')} {asked[k]!r} (the run's: {trained.get(k)!r})"
              for k in ("dtype", "quant", "max_length") if k in asked and asked[k] != trained.get(k)]
@@ -104,7 +103,7 @@ def cmd_export(args):
         log("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base "
             "(the model card says so)")
     with reading(run_dir):
-        out = export.export(model_folder(cfg), args.out, adapter=adapter, fmt=cfg.format, dtype=cfg.dtype,
+        out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, fmt=cfg.format, dtype=cfg.dtype,
                             revision=cfg.revision, quantized_base=nf4,
                             name=os.path.basename(os.path.normpath(args.out)), overwrite=cfg.overwrite,
                             protected=[cfg.runs_dir] + ([run_dir] if run_dir else []))
@@ -117,7 +116,7 @@ def cmd_serve(args):
     """The Shield behind a rerank endpoint (serve.py), loaded as its run scores."""
     cfg, adapter, run_dir = shield_settings(settings.ServeConfig, args)
     with reading(run_dir):
-        rr = load_shield(cfg, adapter=adapter) if adapter else load_reranker(cfg)
+        rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
     rr.model.eval()
     serve.serve_until_stopped(rr, cfg, cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"), adapter)
 
@@ -253,7 +252,7 @@ def cmd_bench_audit(args):
         tiny_model = cfg.model == "tiny"
         folder = tiny.make_tiny_checkpoint(os.path.join(out, "_tiny_qwen3"), seed=0) if tiny_model else cfg.model
         note = TINY_NOTE if tiny_model else None
-        rr = load_reranker(dataclasses.replace(cfg, model=folder))
+        rr = Run(dataclasses.replace(cfg, model=folder)).reranker()
     result, path = bench_audit.run_audit(cfg.bench, rr, out, k=cfg.k, folds=cfg.folds, offline_note=note)
     print(f"family classifier accuracy {100 * result['classifier']['accuracy']:.1f}% "
           f"(chance {100 * result['classifier']['chance']:.1f}%)\nreport: {path}")
@@ -403,9 +402,9 @@ def check_training(run, stage):
     """What training needs from the benchmark (both stages' schedules filled), before anything is written."""
     inst = geodef.expand(run.data.construction, run.data.seen)
     if stage in ("all", "shield"):
-        shield_split(run.cfg, inst)
+        run.shield_split(inst)
     if stage in ("all", "tfsg"):
-        tfsg_schedule(run.cfg, inst)
+        run.tfsg_schedule(inst)
 
 
 def report_paths(cfg):
@@ -432,7 +431,7 @@ def cmd_eval(args):
     """Every condition on the test split (evaluation.evaluate): summary.json, report.md, figures. Under
     torchrun every rank scores its share of the ranking stage; rank 0 then evaluates alone."""
     cfg = pipeline_settings(settings.EvalConfig, args)
-    opened = dict(llms=True, roles=True, check=lambda run: eval_conditions(run.cfg))     # -> run.checked
+    opened = dict(llms=True, roles=True, check=eval_conditions)     # -> run.checked
     if args.dry_run:
         run = Run.plan(cfg, **opened)
         return show(plan_eval(run, run.checked))

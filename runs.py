@@ -4,7 +4,7 @@ reranker (base or Shield), the LLM clients, and `Run`, which holds one run folde
 command's jobs. The settings themselves are in settings.py.
 
 A run folder runs/<name>/ holds everything a command made; see the README's "What a run folder
-guarantees". Usage: cfg = resolve(TrainConfig, given); record_config(cfg, "train"); run = Run(cfg); run.data
+guarantees". Usage: cfg = resolve(TrainConfig, given); with Run.open(cfg, "train") as run: run.data
 """
 import contextlib
 import dataclasses
@@ -150,73 +150,17 @@ def read_jsonl(path, skip_bad=False):
     return out
 
 
-# ----------------------------------------------------------------------------- models
-
-
-def model_folder(cfg):
-    if cfg.model == "tiny":
-        return tiny.make_tiny_checkpoint(os.path.join(cfg.runs_dir, "_tiny_qwen3"), seed=0)
-    return cfg.model
-
-
-def load_reranker(cfg):
-    """The base reranker as the settings load it: model, revision, dtype, device, max length, an NF4
-    base with --quant nf4, and the speed paths."""
-    dtype = getattr(torch, cfg.dtype)
-    rr = reranker.Reranker.from_pretrained(model_folder(cfg), dtype=dtype, device=cfg.device,
-                                           max_length=cfg.max_length, revision=cfg.revision)
-    if cfg.quant == "nf4":
-        lora.quantize_nf4(rr.model)
-    if dtype == torch.bfloat16 and rr.model.embed_tokens.weight.device.type == "cpu" and speed.CPU_BF16_UNITS == set():
-        log("[model] bfloat16 on a CPU without AMX or AVX-512 BF16 (/proc/cpuinfo): its matmuls run at a few "
-            "GFLOP/s here, float32 at the vector units' rate; --dtype float32 is faster on this machine")
-    return fast(cfg, rr)
-
-
-def fast(cfg, rr):
-    """The speed paths on rr's model (speed.install, the run's --compile); again after LoRA is attached."""
-    speed.install(rr.model, compile=cfg.compile)
-    return rr
-
-
-def adapter_path(cfg):
-    return os.path.join(cfg.run_dir, "adapter")
-
-
-def shield_scores_path(cfg, adapter=None):
-    """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file): scores
-    cached under a retrained or replaced adapter are never read for another. adapter: a folder other
-    than the run's (a hardening round's)."""
-    digest = file_sha1(os.path.join(adapter or adapter_path(cfg), "adapter_model.safetensors"))
-    return os.path.join(cfg.run_dir, "cache", f"scores_shield_{digest[:12]}.json")
-
-
-def library_path(cfg, epoch=None):
-    """The TFSG library E{epoch}; by default the final one, E{n_batches + 1}."""
-    return os.path.join(cfg.run_dir, "library", f"E{cfg.n_batches + 1 if epoch is None else epoch}.json")
+# ----------------------------------------------------------------------------- models and data
 
 
 class NotTrainedError(FileNotFoundError):
     """What an eval condition needs from `train` is not in the run folder."""
 
 
-def need_trained(cfg, path, what):
+def need_trained(path, what, name):
+    """Refuse a missing file that `train --name NAME` writes (its adapter, its library)."""
     if not os.path.isfile(path):
-        raise NotTrainedError(f"{path}: no {what}; run `python run.py train --name {cfg.name}` first")
-
-
-def load_shield(cfg, rr=None, adapter=None):
-    """The base reranker with the run's trained adapter attached (LoRA enabled); adapter: another
-    adapter folder (a hardening round's)."""
-    rr = rr or load_reranker(cfg)
-    path = adapter or adapter_path(cfg)
-    need_trained(cfg, os.path.join(path, "adapter_config.json"), "trained adapter")
-    lora.load_adapter(rr.model, path)
-    rr.model.eval()
-    return fast(cfg, rr)
-
-
-# ----------------------------------------------------------------------------- data
+        raise NotTrainedError(f"{path}: no {what}; run `python run.py train --name {name}` first")
 
 
 class BenchData(NamedTuple):
@@ -228,55 +172,6 @@ class BenchData(NamedTuple):
     test: list
     seen: list
     methods: list
-
-
-def load_data(cfg):
-    """The run's benchmark, split and with its methods resolved -> BenchData."""
-    groups, meta = geodef.load_bench(cfg.bench, with_meta=True)
-    if cfg.k >= meta.n_docs:
-        raise SettingsError(f"--k {cfg.k}: {cfg.bench} has {meta.n_docs} candidates a list (_meta.n_docs); "
-                            f"the top-k must leave some out (--k below {meta.n_docs})")
-    try:
-        cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
-    except ValueError as e:
-        raise SettingsError(f"{cfg.bench}: {e}")
-    given = [m.strip() for m in cfg.seen_methods.split(",") if m.strip()] if cfg.seen_methods else None
-    seen, origin = geodef.seen_methods(meta, given, cfg.bench)
-    if origin == "the paper's seen methods":
-        log(f"[data] {cfg.bench}: no _meta.seen_methods; the paper's seen methods {seen} (the file has the "
-            "paper's seven)")
-    if cfg.max_test_groups:
-        test = test[:cfg.max_test_groups]
-    methods = meta.methods if cfg.methods == "all" else [m.strip() for m in cfg.methods.split(",")]
-    for m in methods:
-        if m not in meta.methods:
-            raise SettingsError(f"--methods: {m!r} is not in the benchmark's methods {meta.methods}")
-    return BenchData(groups, meta, cons, test, seen, methods)
-
-
-def shield_split(cfg, inst):
-    """The Shield's construction instances split 80/20 by query group (Table A.1) -> (optimise,
-    monitor). Refuses a split that leaves either side empty: it would train on nothing, or keep an
-    epoch by empty monitoring metrics."""
-    opt, mon = geodef.monitoring_split(inst, cfg.monitor_frac, cfg.seed)
-    if not opt or not mon:
-        raise SettingsError(f"{cfg.bench}: Shield training needs construction groups both to optimise on and to "
-                         f"monitor (--monitor-frac {cfg.monitor_frac}, at least one group each); its "
-                         f"{len({x.group_id for x in inst})} construction group(s) gave {len(opt)} and {len(mon)} "
-                         "instances: use 2 or more (--n-construction, or the file's split fields)")
-    return opt, mon
-
-
-def tfsg_schedule(cfg, inst):
-    """TFSG's construction schedule (A.2.2) -> (seed cases, update batches). Refuses one whose
-    instances do not reach every update batch: the library would stop short of E{n_batches + 1}, the
-    one evaluation reads (a short last batch is fine)."""
-    seeds, batches = geodef.construction_schedule(inst, cfg.n_seed_cases, cfg.batch_size, cfg.n_batches, cfg.seed)
-    if len(batches) < cfg.n_batches:
-        raise SettingsError(f"{cfg.bench}: {len(inst)} construction instances fill {len(seeds)} seed cases and "
-                         f"{len(batches)} of the {cfg.n_batches} update batches of {cfg.batch_size} "
-                         f"(--n-seed-cases, --n-batches, --batch-size): lower those, or use more construction groups")
-    return seeds, batches
 
 
 # ----------------------------------------------------------------------------- LLMs and rankings
@@ -304,41 +199,19 @@ def read_prices(path):
     return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
 
 
-def llm_client(cfg, spec=None, stage=None, engine_url=None, prices=None):
-    """The client for `spec` (default: the target LLM), caching in the run folder; with `stage`, every
-    reply it receives is entered in the run's usage ledger under that stage (usage_path). engine_url:
-    the offline engine's loopback address while one serves the run (Run.engine_url); without one the
-    offline engine answers in process."""
-    spec = spec or cfg.llm
-    base_url = engine_url if spec.partition(":")[0] == "offline" else cfg.base_url
-    # the offline engine in process when it is not served on loopback
-    engine = {"handler": offline.respond} if spec.partition(":")[0] == "offline" and not base_url else {}
-    if cfg.batch_api and stage and not engine:         # a batch API needs an HTTP endpoint
-        engine["batch"] = functools.partial(batch_clients.BatchRunner,
-                                            manifest=os.path.join(cfg.run_dir, "batches.json"), poll=cfg.batch_poll,
-                                            auto=cfg.batch_api == "auto", deadline=cfg.batch_deadline, log=log)
-    return llm_clients.make_client(spec, base_url=base_url, **engine,
-                                   cache_dir=os.path.join(cfg.run_dir, "cache", "llm"), rpm=cfg.rpm, prices=prices,
-                                   **({"timeout": cfg.timeout} if cfg.timeout else {}),
-                                   ledger=usage_path(cfg) if stage else None, stage=stage)
-
-
-def usage_path(cfg):
-    """The run folder's usage ledger: one line per LLM reply received, by stage, over every invocation."""
-    return os.path.join(cfg.run_dir, "usage.jsonl")
-
-
 # what a command may need from `train`, by name: (path of the run's file, what it is)
-NEEDS = {"adapter": (lambda cfg: os.path.join(adapter_path(cfg), "adapter_config.json"), "trained adapter"),
-         "library": (lambda cfg: library_path(cfg), "TFSG library")}
+NEEDS = {"adapter": (lambda run: run.path("adapter", "adapter_config.json"), "trained adapter"),
+         "library": (lambda run: run.library_path(), "TFSG library")}
 
 
 class Run:
     """One command's run folder and services, made once per command beside its settings (as uvicorn's
     `Server(config)` holds a server's state beside its frozen `Config`): the settings (`cfg`, frozen,
-    read by group), the benchmark read and split once (`data`), the price table read once (`prices`),
-    the LLM clients (`llm`), the usage ledger's totals (`usage`), this process's place among torchrun's
-    ranks (`ranks`, parallel.Ranks) and, while a loopback offline engine serves the run, its address
+    read by group), paths in the folder (`path`, `library_path`, `shield_scores_path`), the reranker
+    loaded as the settings say (`reranker`, `shield`), the benchmark read and split once (`data`), the
+    price table read once (`prices`), the LLM clients (`llm`), the usage ledger's totals (`usage`), the
+    record of its settings (`record`, `check_record`), this process's place among torchrun's ranks
+    (`ranks`, parallel.Ranks) and, while a loopback offline engine serves the run, its address
     (`engine_url`). Commands make it with `Run.open` (the whole lifecycle) or `Run.plan` (a dry run);
     jobs take a Run."""
 
@@ -354,16 +227,16 @@ class Run:
         benchmark's roles (check_roles), the files it needs from `train` (`needs`: names of NEEDS), the
         run's record (check_record, with `record`), then the command's own `check(run)`, whose answer (what
         it checked: eval's conditions) the Run keeps as `checked`. -> the Run."""
+        run = cls(cfg)
         if llms:
-            check_llms(cfg, keys=keys)
+            run.check_llms(keys=keys)
         if roles:
-            check_roles(cfg)
+            run.check_roles()
         for name in needs:
             path, what = NEEDS[name]
-            need_trained(cfg, path(cfg), what)
+            need_trained(path(run), what, cfg.name)
         if record:
-            check_record(cfg)
-        run = cls(cfg)
+            run.check_record()
         run.checked = check(run) if check else None
         return run
 
@@ -390,19 +263,130 @@ class Run:
                 if lock:
                     stack.enter_context(run_lock(cfg.run_dir, shared=lock == "read"))
                 if record == "config":
-                    record_config(run.cfg, command)
+                    run.record(command)
                 elif record == "check":
-                    record_or_check(run.cfg, command)
+                    run.record_or_check(command)
             yield run
 
     @property
     def dir(self):
         return self.cfg.run_dir
 
+    def path(self, *parts):
+        """A path in the run folder."""
+        return os.path.join(self.cfg.run_dir, *parts)
+
+    def library_path(self, epoch=None):
+        """The TFSG library E{epoch}; by default the final one, E{n_batches + 1}."""
+        return self.path("library", f"E{self.cfg.n_batches + 1 if epoch is None else epoch}.json")
+
+    def shield_scores_path(self, adapter=None):
+        """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file): scores
+        cached under a retrained or replaced adapter are never read for another. adapter: a folder other
+        than the run's (a hardening round's)."""
+        digest = file_sha1(os.path.join(adapter or self.path("adapter"), "adapter_model.safetensors"))
+        return self.path("cache", f"scores_shield_{digest[:12]}.json")
+
+    # ------------------------------------------------------------------------- models
+
+    def model_folder(self):
+        """--model's folder: the tiny random checkpoint is written beside the run folders (runs_dir/_tiny_qwen3)."""
+        if self.cfg.model == "tiny":
+            return tiny.make_tiny_checkpoint(os.path.join(self.cfg.runs_dir, "_tiny_qwen3"), seed=0)
+        return self.cfg.model
+
+    def reranker(self):
+        """The base reranker as the settings load it: model, revision, dtype, device, max length, an NF4
+        base with --quant nf4, and the speed paths (speed.install, --compile)."""
+        cfg, dtype = self.cfg, getattr(torch, self.cfg.dtype)
+        rr = reranker.Reranker.from_pretrained(self.model_folder(), dtype=dtype, device=cfg.device,
+                                               max_length=cfg.max_length, revision=cfg.revision)
+        if cfg.quant == "nf4":
+            lora.quantize_nf4(rr.model)
+        on_cpu = rr.model.embed_tokens.weight.device.type == "cpu"
+        if dtype == torch.bfloat16 and on_cpu and speed.CPU_BF16_UNITS == set():
+            log("[model] bfloat16 on a CPU without AMX or AVX-512 BF16 (/proc/cpuinfo): its matmuls run at a few "
+                "GFLOP/s here, float32 at the vector units' rate; --dtype float32 is faster on this machine")
+        speed.install(rr.model, compile=cfg.compile)
+        return rr
+
+    def shield(self, rr=None, adapter=None):
+        """The base reranker (rr, else loaded) with the run's trained adapter attached (LoRA enabled), in
+        eval mode with the speed paths; adapter: another adapter folder (a hardening round's)."""
+        rr = rr or self.reranker()
+        path = adapter or self.path("adapter")
+        need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.name)
+        lora.load_adapter(rr.model, path)
+        rr.model.eval()
+        speed.install(rr.model, compile=self.cfg.compile)   # the LoRA layers get the speed paths too
+        return rr
+
+    # ------------------------------------------------------------------------- data
+
     @functools.cached_property
     def data(self):
-        """The benchmark, split and with its methods resolved (load_data), read on first use."""
-        return load_data(self.cfg)
+        """The run's benchmark, split and with its methods resolved -> BenchData, read on first use."""
+        cfg = self.cfg
+        groups, meta = geodef.load_bench(cfg.bench, with_meta=True)
+        if cfg.k >= meta.n_docs:
+            raise SettingsError(f"--k {cfg.k}: {cfg.bench} has {meta.n_docs} candidates a list (_meta.n_docs); "
+                                f"the top-k must leave some out (--k below {meta.n_docs})")
+        try:
+            cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
+        except ValueError as e:
+            raise SettingsError(f"{cfg.bench}: {e}")
+        given = [m.strip() for m in cfg.seen_methods.split(",") if m.strip()] if cfg.seen_methods else None
+        seen, origin = geodef.seen_methods(meta, given, cfg.bench)
+        if origin == "the paper's seen methods":
+            log(f"[data] {cfg.bench}: no _meta.seen_methods; the paper's seen methods {seen} (the file has the "
+                "paper's seven)")
+        if cfg.max_test_groups:
+            test = test[:cfg.max_test_groups]
+        methods = meta.methods if cfg.methods == "all" else [m.strip() for m in cfg.methods.split(",")]
+        for m in methods:
+            if m not in meta.methods:
+                raise SettingsError(f"--methods: {m!r} is not in the benchmark's methods {meta.methods}")
+        return BenchData(groups, meta, cons, test, seen, methods)
+
+    def shield_split(self, inst):
+        """The Shield's construction instances split 80/20 by query group (Table A.1) -> (optimise,
+        monitor). Refuses a split that leaves either side empty: it would train on nothing, or keep an
+        epoch by empty monitoring metrics."""
+        cfg = self.cfg
+        opt, mon = geodef.monitoring_split(inst, cfg.monitor_frac, cfg.seed)
+        if not opt or not mon:
+            raise SettingsError(f"{cfg.bench}: Shield training needs construction groups both to optimise on and "
+                                f"to monitor (--monitor-frac {cfg.monitor_frac}, at least one group each); its "
+                                f"{len({x.group_id for x in inst})} construction group(s) gave {len(opt)} and "
+                                f"{len(mon)} instances: use 2 or more (--n-construction, or the file's split fields)")
+        return opt, mon
+
+    def tfsg_schedule(self, inst):
+        """TFSG's construction schedule (A.2.2) -> (seed cases, update batches). Refuses one whose
+        instances do not reach every update batch: the library would stop short of E{n_batches + 1}, the
+        one evaluation reads (a short last batch is fine)."""
+        cfg = self.cfg
+        seeds, batches = geodef.construction_schedule(inst, cfg.n_seed_cases, cfg.batch_size, cfg.n_batches, cfg.seed)
+        if len(batches) < cfg.n_batches:
+            raise SettingsError(f"{cfg.bench}: {len(inst)} construction instances fill {len(seeds)} seed cases and "
+                                f"{len(batches)} of the {cfg.n_batches} update batches of {cfg.batch_size} "
+                                f"(--n-seed-cases, --n-batches, --batch-size): lower those, or use more construction "
+                                "groups")
+        return seeds, batches
+
+    @functools.cached_property
+    def limits(self):
+        """The TFSG sizes of the run's settings (tfsg.Limits: its fields are settings by the same names)."""
+        return tfsg.Limits(**{f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(tfsg.Limits)})
+
+    @property
+    def offline(self):
+        """Whether the run uses anything simulated: the tiny checkpoint, the offline engine, the tiny GPT-2."""
+        cfg = self.cfg
+        return (getattr(cfg, "model", None) == "tiny" or "offline" in (getattr(cfg, "llm", None) or "")
+                or getattr(cfg, "ppl_model", None) == "tiny")
+
+    # ------------------------------------------------------------------------- LLMs
 
     @functools.cached_property
     def prices(self):
@@ -410,12 +394,95 @@ class Run:
         return read_prices(self.cfg.prices) if getattr(self.cfg, "prices", None) else None
 
     def llm(self, spec=None, stage=None):
-        """The client for `spec` (default the target LLM); with `stage` its replies enter the usage ledger."""
-        return llm_client(self.cfg, spec, stage, self.engine_url, self.prices)
+        """The client for `spec` (default: the target LLM), caching in the run folder; with `stage`, every
+        reply it receives is entered in the run's usage ledger (usage.jsonl) under that stage. The offline
+        engine answers over loopback while one serves the run (engine_url), else in process."""
+        cfg = self.cfg
+        spec = spec or cfg.llm
+        offline_spec = spec.partition(":")[0] == "offline"
+        base_url = self.engine_url if offline_spec else cfg.base_url
+        engine = {"handler": offline.respond} if offline_spec and not base_url else {}
+        if cfg.batch_api and stage and not engine:         # a batch API needs an HTTP endpoint
+            engine["batch"] = functools.partial(batch_clients.BatchRunner, manifest=self.path("batches.json"),
+                                                poll=cfg.batch_poll, auto=cfg.batch_api == "auto",
+                                                deadline=cfg.batch_deadline, log=log)
+        return llm_clients.make_client(spec, base_url=base_url, **engine, cache_dir=self.path("cache", "llm"),
+                                       rpm=cfg.rpm, prices=self.prices,
+                                       **({"timeout": cfg.timeout} if cfg.timeout else {}),
+                                       ledger=self.path("usage.jsonl") if stage else None, stage=stage)
 
     def usage(self):
         """What the run folder's LLM calls cost over all its invocations (accounting.ledger_usage)."""
-        return accounting.ledger_usage(usage_path(self.cfg), self.prices)
+        return accounting.ledger_usage(self.path("usage.jsonl"), self.prices)
+
+    def check_llms(self, keys=True):
+        """Build every client the command will use (target, analyzer, judge) once, so that an unknown
+        provider, a missing API key or a missing --base-url is reported before any model is loaded.
+        Builds clients only: no request is sent. keys=False (a dry run, which prices a plan before any
+        key is bought): a missing key is said, not refused. A bad price table is refused here too."""
+        cfg = self.cfg
+        specs = [cfg.llm] + [getattr(cfg, k, None) for k in ("analyzer", "judge", "fidelity_judge")]
+        for spec in dict.fromkeys(s for s in specs if s):
+            try:
+                self.llm(spec)
+            except ValueError as e:     # unknown provider, no model, no --base-url, a key's wrong host
+                raise SettingsError(f"--llm/--analyzer/--judge/--fidelity-judge: {e}") from None
+            except llm_clients.LLMError as e:        # no API key
+                if keys:
+                    raise
+                log(f"[dry-run] {e}; the run itself refuses until it is set")
+
+    def check_roles(self):
+        """A target or judge that played one of the benchmark's roles is refused before any paid call, unless
+        --allow-shared-roles: a model scoring attacks it wrote, judged or was hill-climbed on (MAGEO's edits
+        climb its engine's citations) measures them in its own favour. -> the shared roles (allowed ones)."""
+        cfg = self.cfg
+        shared = shared_roles(cfg.bench, cfg.llm, getattr(cfg, "judge", None))
+        if shared and not cfg.allow_shared_roles:
+            raise SettingsError(f"{cfg.bench}: {'; '.join(shared)} (its _meta). A model that made, judged or steered "
+                                "the attacks measures them in its own favour: give another --llm / --judge, or "
+                                "--allow-shared-roles (the report then says so)")
+        return shared
+
+    # ------------------------------------------------------------------------- the record
+
+    def check_record(self):
+        """The check `record` runs before it writes, alone (a dry run runs it too): once a step has produced
+        something, pinned settings and benchmark content must match the run's config.json."""
+        old = read_json(self.path("config.json"))
+        if old and produced_anything(self.dir):
+            self._check_pinned(old)
+
+    def record(self, command):
+        """Write the run's settings to config.json. Once a step has produced something, a rerun that
+        changes a setting it depends on (pinned) is refused; before that (a start that failed, e.g. on a
+        model that could not be downloaded) the record is simply replaced."""
+        self.check_record()
+        write_json(self.path("config.json"),
+                   {"config": printable(self.cfg), "bench_sha1": file_sha1(self.cfg.bench), "command": command,
+                    "code_version": code_version(), "offline": self.offline,
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})
+
+    def record_or_check(self, command):
+        """A command that adds results to a run without training (rerank-eval): a new folder gets its
+        config.json; an existing record is checked (pinned settings, benchmark content), not rewritten."""
+        old = read_json(self.path("config.json"))
+        if old is None:
+            return self.record(command)
+        self._check_pinned(old)
+
+    def _check_pinned(self, old):
+        """Refuse pinned settings and benchmark content that differ from the run's record `old`."""
+        cfg, path, new, digest = self.cfg, self.path("config.json"), printable(self.cfg), file_sha1(self.cfg.bench)
+        changed = [k for k in type(cfg).pinned() if k in old.get("config", {}) and old["config"][k] != new[k]
+                   and not (k == "bench" and old.get("bench_sha1") == digest)]   # same content, other path
+        if changed:
+            raise changed_settings(path, "this run was made", old["config"], {k: new[k] for k in changed},
+                                   "Use a new --name")
+        if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
+            raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 "
+                                f"{old['bench_sha1'][:12]}, now {digest[:12]}); the run's adapter, library and "
+                                "results belong to the old content. Restore the file, or use a new --name")
 
     def with_settings(self, cfg, data=None):
         """The same services under other settings (holdout's folds): the engine's address, the ranks and
@@ -444,24 +511,6 @@ def offline_engine(run, corpus=None):
         run.engine_url = None
         srv.shutdown()
         srv.server_close()
-
-
-def check_llms(cfg, keys=True):
-    """Build every client the command will use (target, analyzer, judge) once, so that an unknown
-    provider, a missing API key or a missing --base-url is reported before any model is loaded.
-    Builds clients only: no request is sent. keys=False (a dry run, which prices a plan before any
-    key is bought): a missing key is said, not refused."""
-    prices = read_prices(cfg.prices) if cfg.prices else None        # a bad price table is refused now too
-    specs = [cfg.llm] + [getattr(cfg, k, None) for k in ("analyzer", "judge", "fidelity_judge")]
-    for spec in dict.fromkeys(s for s in specs if s):
-        try:
-            llm_client(cfg, spec, prices=prices)
-        except ValueError as e:     # unknown provider, no model, no --base-url, a key's wrong host
-            raise SettingsError(f"--llm/--analyzer/--judge/--fidelity-judge: {e}") from None
-        except llm_clients.LLMError as e:        # no API key
-            if keys:
-                raise
-            log(f"[dry-run] {e}; the run itself refuses until it is set")
 
 
 def role_model(spec):
@@ -493,31 +542,19 @@ BENCH_ROLES = {"builder_llm": "built the benchmark", "fidelity_judge": "judged i
                "mageo_engine": "was MAGEO's engine"}
 
 
-def shared_roles(cfg):
-    """The benchmark's roles (_meta: builder, fidelity judge, MAGEO's engine: the builder when MAGEO's signal
-    is the engine's citations) that this command's target or judge also plays -> ["the target
-    openai:gpt-5.5 built the benchmark", ...]."""
-    meta = dict(geodef.read_meta(cfg.bench).raw)
+def shared_roles(bench, target, judge=None):
+    """The benchmark's roles (its _meta: builder, fidelity judge, MAGEO's engine: the builder when MAGEO's
+    signal is the engine's citations) that the target or judge also plays -> ["the target openai:gpt-5.5
+    built the benchmark", ...]."""
+    meta = dict(geodef.read_meta(bench).raw)
     if meta.get("mageo_signal") == "engine":
         meta.setdefault("mageo_engine", meta.get("builder_llm"))
     out = []
-    for role, spec in (("target", cfg.llm), ("judge", getattr(cfg, "judge", None))):
+    for role, spec in (("target", target), ("judge", judge)):
         for key, did in BENCH_ROLES.items():
             if role_model(spec) and role_model(spec) == role_model(meta.get(key)):
                 out.append(f"the {role} {spec} {did}")
     return out
-
-
-def check_roles(cfg):
-    """A target or judge that played one of the benchmark's roles is refused before any paid call, unless
-    --allow-shared-roles: a model scoring attacks it wrote, judged or was hill-climbed on (MAGEO's edits
-    climb its engine's citations) measures them in its own favour. -> the shared roles (allowed ones)."""
-    shared = shared_roles(cfg)
-    if shared and not cfg.allow_shared_roles:
-        raise SettingsError(f"{cfg.bench}: {'; '.join(shared)} (its _meta). A model that made, judged or steered the "
-                            "attacks measures them in its own favour: give another --llm / --judge, or "
-                            "--allow-shared-roles (the report then says so)")
-    return shared
 
 
 def test_set_digest(insts):
@@ -533,17 +570,6 @@ def labels_of(x, idx):
     return ["attack" if i == x.attack_index else "benign" for i in idx]
 
 
-def tfsg_limits(cfg):
-    """The TFSG sizes of the run's settings (tfsg.Limits: its fields are settings by the same names)."""
-    return tfsg.Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(tfsg.Limits)})
-
-
-def is_offline(cfg):
-    """Whether a run uses anything simulated: the tiny checkpoint, the offline engine, the tiny GPT-2."""
-    return (getattr(cfg, "model", None) == "tiny" or "offline" in (getattr(cfg, "llm", None) or "")
-            or getattr(cfg, "ppl_model", None) == "tiny")
-
-
 # ----------------------------------------------------------------------------- settings of a run folder
 
 
@@ -552,7 +578,7 @@ def resolve(cls, given, preset=None, from_record=True):
     (from_record, on an existing run folder) what its config.json records that the run depends on (pinned) or that
     commands take over (taken), then the preset, then the flags `given`. So `eval --name x` after `train --name x
     --llm openai:gpt-5.5 --bench b.jsonl` evaluates what was trained without repeating the flags; a given flag
-    that differs from the record is refused by record_config."""
+    that differs from the record is refused by Run.record."""
     names = {f.name for f in dataclasses.fields(cls)}
     asked = {k: v for k, v in PRESETS.get(preset or "", {}).items() if k in names}   # a preset counts as given
     asked.update({k: v for k, v in given.items() if v is not None})
@@ -642,29 +668,6 @@ def changed_settings(path, made, old, new, todo):
                          f"{shown(new)}. {todo}")
 
 
-def check_pinned(cfg, old, new, digest, path):
-    """Refuse pinned settings and benchmark content that differ from the run's record `old`."""
-    changed = [k for k in type(cfg).pinned() if k in old.get("config", {}) and old["config"][k] != new[k]
-               and not (k == "bench" and old.get("bench_sha1") == digest)]   # same content, other path
-    if changed:
-        raise changed_settings(path, "this run was made", old["config"], {k: new[k] for k in changed},
-                               "Use a new --name")
-    if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
-        raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 "
-                            f"{old['bench_sha1'][:12]}, now {digest[:12]}); the run's adapter, library and results "
-                            "belong to the old content. Restore the file, or use a new --name")
-
-
-def record_or_check(cfg, command):
-    """A command that adds results to a run without training (rerank-eval): a new folder gets its
-    config.json; an existing record is checked (pinned settings, benchmark content), not rewritten."""
-    path = os.path.join(cfg.run_dir, "config.json")
-    old = read_json(path)
-    if old is None:
-        return record_config(cfg, command)
-    check_pinned(cfg, old, printable(cfg), file_sha1(cfg.bench), path)
-
-
 def printable(cfg):
     """The settings as config.json stores them: every setting but a secret (serve's API key), each spec in
     its printable form, which its parsed object gives without credentials whatever characters they hold
@@ -678,23 +681,3 @@ def printable(cfg):
             v = [f"{label}={spec}" for label, spec in v] if isinstance(v, list) else str(v)
         new[f.name] = [endpoints.redact(x) for x in v] if isinstance(v, list) else endpoints.redact(v)
     return new
-
-
-def check_record(cfg):
-    """The check record_config runs before it writes, alone (a dry run runs it too): once a step has
-    produced something, pinned settings and benchmark content must match the run's config.json."""
-    path = os.path.join(cfg.run_dir, "config.json")
-    old = read_json(path)
-    if old and produced_anything(cfg.run_dir):
-        check_pinned(cfg, old, printable(cfg), file_sha1(cfg.bench), path)
-
-
-def record_config(cfg, command):
-    """Write the run's settings to config.json. Once a step has produced something, a rerun that
-    changes a setting it depends on (pinned) is refused; before that (a start that failed, e.g. on a
-    model that could not be downloaded) the record is simply replaced."""
-    check_record(cfg)
-    write_json(os.path.join(cfg.run_dir, "config.json"),
-               {"config": printable(cfg), "bench_sha1": file_sha1(cfg.bench), "command": command,
-                "code_version": code_version(), "offline": is_offline(cfg),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})

@@ -212,7 +212,7 @@ def test_attack_through_a_deployed_endpoint_equals_the_in_process_target(attacke
     shutil.copytree(done.parent / "just-attacked", out)
     rec = json.load(open(out / "demo" / "config.json"))["config"]
     cfg = settings.EvalConfig(**{**rec, "runs_dir": str(out)})
-    srv = serve.RerankServer(runs.load_shield(cfg), port=0, log=False)
+    srv = serve.RerankServer(runs.Run(cfg).shield(), port=0, log=False)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()  # quick teardown
     try:
         served = run.main(_argv(out, "--target", f"srv={srv.url}/v1/rerank"))

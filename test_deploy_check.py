@@ -19,7 +19,7 @@ import lora
 import run
 import serve
 import settings
-from runs import Run, load_shield
+from runs import Run
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def shield(demo_run):
     """The demo run's settings and its Shield, loaded once."""
     cfg = settings.EvalConfig(**{**json.load(open(demo_run / "config.json"))["config"],
                                  "runs_dir": str(demo_run.parent), "name": demo_run.name})
-    return cfg, load_shield(cfg)
+    return cfg, Run(cfg).shield()
 
 
 class Remembered:

@@ -88,7 +88,7 @@ def test_under_torchrun_every_rank_retrains_each_round_as_rank_0_does(hardened, 
 
 def split_of(out):
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
-    data = runs.load_data(cfg)
+    data = runs.Run(cfg).data
     return {g.group_id for g in data.construction}, {g.group_id for g in data.test}
 
 
@@ -133,7 +133,7 @@ def test_survivors_of_one_group_and_candidate_number_stay_apart(hardened):
         by.setdefault((r["group_id"], r["candidate"]), set()).add(r["source_method"])
     assert any(len(m) > 1 for m in by.values())
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
-    pool = harden.pool_instances(cfg, runs.load_data(cfg), 1)
+    pool = harden.pool_instances(runs.Run(cfg), 1)
     assert len({x.instance_id for x in pool}) == len({x.doc_ids[x.attack_index] for x in pool}) == len(recs)
 
 
@@ -141,7 +141,7 @@ def test_the_shield_is_retrained_on_the_survivors(hardened):
     out, _, _ = hardened
     r1 = out / "demo" / "harden" / "round-1"
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
-    prev = harden.defense_of(cfg, 0)
+    prev = harden.defense_of(runs.Run(cfg), 0)
     assert (r1 / "adapter" / "adapter_model.safetensors").read_bytes() != \
         open(os.path.join(prev[0], "adapter_model.safetensors"), "rb").read()
 
@@ -166,7 +166,7 @@ def test_a_test_group_in_a_survivors_file_is_refused(hardened, tmp_path, monkeyp
                                 "source_method": "AutoGEO", "candidate": 1, "text": "t"}) + "\n")
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path / "o"), "name": "demo"})
     with pytest.raises(runs.SettingsError, match=r"survivors.jsonl, line 1: not the survivor of a construction"):
-        harden.pool_instances(cfg, runs.load_data(cfg), 1)
+        harden.pool_instances(runs.Run(cfg), 1)
     for stage in ("clean_references", "measure", "attacked"):           # a rerun: refused before any of them
         monkeypatch.setattr(harden, stage, lambda *a, **k: pytest.fail("a stage ran before the check"))
     with pytest.raises(SystemExit, match=r"round-1/survivors.jsonl, line 1: not the survivor"):
@@ -210,8 +210,8 @@ def test_a_round_without_survivors_keeps_the_defense(hardened):
     out, block, _ = hardened
     for k in (1, 2):
         if block["rounds"][k]["survivors"] == 0:
-            prev = harden.defense_of(runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"}),
-                                     k - 1)[0]
+            cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
+            prev = harden.defense_of(runs.Run(cfg), k - 1)[0]
             new = out / "demo" / "harden" / f"round-{k}" / "adapter" / "adapter_model.safetensors"
             assert new.read_bytes() == open(os.path.join(prev, "adapter_model.safetensors"), "rb").read()
             return

@@ -25,9 +25,9 @@ def held(tmp_path_factory):
     out = tmp_path_factory.mktemp("holdout")
     trained, real = {}, train.prepare_triples
 
-    def spy(cfg, rr, cons, inst):             # the real preparation; the fold's training methods noted
-        trained[cfg.name] = sorted({x.method for x in inst})
-        return real(cfg, rr, cons, inst)
+    def spy(fold, rr, cons, inst):            # the real preparation; the fold's training methods noted
+        trained[fold.cfg.name] = sorted({x.method for x in inst})
+        return real(fold, rr, cons, inst)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train, "prepare_triples", spy)
         s = run.main(argv(out, *LLM_STAGE))

@@ -107,7 +107,7 @@ def ppl_filtered(tmp_path_factory, small_bench):
     orders, diagnostics, the calibration perplexities, the GPT-2)."""
     cfg = settings.EvalConfig(name="ppl", runs_dir=str(tmp_path_factory.mktemp("ppl")), bench=small_bench,
                               n_construction=4, ppl_model="tiny", ppl_quantile=0.5)
-    groups, meta, cons, test, seen, methods = runs.load_data(cfg)
+    groups, meta, cons, test, seen, methods = runs.Run(cfg).data
     insts = geodef.expand(test, methods[:2])
     orders, diag = evaluation.ppl_filter(cfg, ReversedBase(), cons, insts)
     lm = gpt2.GPT2.from_pretrained(os.path.join(cfg.runs_dir, "_tiny_gpt2"))
@@ -248,17 +248,17 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
     shutil.copytree(demo_run / "cache", tmp_path / "r" / "cache")
     cfg = settings.EvalConfig(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r",
                          "runs_dir": str(tmp_path)})
-    old = runs.shield_scores_path(cfg)
+    old = runs.Run(cfg).shield_scores_path()
     assert os.path.isfile(old)                                   # the demo's, under its adapter's digest
-    base, shield = rankers.load_rankers(cfg, True)
-    insts = [geodef.attack_instance(g, "GEO") for g in runs.load_data(cfg)[3][:1]]
+    base, shield = rankers.load_rankers(runs.Run(cfg), True)
+    insts = [geodef.attack_instance(g, "GEO") for g in runs.Run(cfg).data[3][:1]]
     shield.prepare(insts)
     assert any(shield.scores(x) != base.scores(x) for x in insts)
     for m in lora.lora_modules(base.rr.model).values():           # an adapter with B = 0: the base policy
         m.lora_B.data.zero_()
     lora.save_adapter(base.rr.model, str(tmp_path / "r" / "adapter"), "tiny")
-    assert runs.shield_scores_path(cfg) != old
-    base2, shield2 = rankers.load_rankers(cfg, True)
+    assert runs.Run(cfg).shield_scores_path() != old
+    base2, shield2 = rankers.load_rankers(runs.Run(cfg), True)
     shield2.prepare(insts)
     for x in insts:
         torch.testing.assert_close(torch.tensor(shield2.scores(x)), torch.tensor(base2.scores(x)), rtol=0, atol=1e-5)

@@ -251,7 +251,7 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
     Shield ranks it, in the Cohere and TEI shapes; eval's 'Non-Defense [it]' has Shield only's figures."""
     out, name = _run_copy(demo_run, tmp_path)
     cfg = settings.EvalConfig(**{**json.load(open(out / name / "config.json"))["config"], "runs_dir": str(out)})
-    rr = runs.load_shield(cfg)
+    rr = runs.Run(cfg).shield()
     srv = serve.RerankServer(rr, port=0, log=False)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": POLL}, daemon=True).start()
     try:
@@ -349,7 +349,7 @@ def test_a_stale_or_corrupted_score_file_is_one_line_naming_it_and_never_merged(
     with pytest.raises(SystemExit, match=r"^error: \S+/cache/scores_base.json.rank1: not a share file [^\n]*$"):
         run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", "base"])
     cfg = settings.EvalConfig(**{**json.load(open(out / name / "config.json"))["config"], "runs_dir": str(out)})
-    base = rankers.make_rankers(cfg, rankers.parse_rerankers(["base"]), "test")["base"]
+    base = rankers.make_rankers(runs.Run(cfg), rankers.parse_rerankers(["base"]), "test")["base"]
     made = lambda **kw: {"made_from": {**base.made_from, "rank": 1, "world": 2, **kw}, "scores": {key: score}}
     for text, why in [("[" * 100000, "nested too deeply"), ("null", "not a share file"),
                       (made(bench_sha1="0" * 40), "made with bench_sha1='0000"), (made(rank=0), r"rank=0 \(this run"),
@@ -415,7 +415,7 @@ def test_url_passwords_never_reach_disk_or_output(with_passwords, tmp_path):
     fresh = settings.EvalConfig(name="fresh", runs_dir=str(tmp_path),
                                 reranker=[f"a={secret}/v1/rerank", f"tei:{secret}"],
                                 base_url=secret + "/v1")
-    runs.record_config(fresh, "rerank-eval")                     # a new run folder's record
+    runs.Run(fresh).record("rerank-eval")                     # a new run folder's record
     rec = json.load(open(tmp_path / "fresh" / "config.json"))["config"]
     assert [r.count("***@") for r in rec["reranker"]] == [1, 1] and rec["base_url"].count("***@") == 1
     assert "PASSw0rd" not in open(tmp_path / "fresh" / "config.json").read()

@@ -18,6 +18,7 @@ import traceback
 import pytest
 import torch
 
+import bench
 import build_bench
 import evaluation
 import accounting
@@ -74,17 +75,16 @@ def test_seen_methods_are_never_guessed(tmp_path):
     assert geodef.seen_methods(meta) == (["AgenticGEO", "AutoGEO", "MAGEO"], "the paper's seen methods")
     cfg = settings.EvalConfig(name="s", runs_dir=str(tmp_path), bench=p, n_construction=1)
     with pytest.raises(geodef.BenchFormatError, match="--seen-methods"):
-        runs.load_data(cfg)
-    assert runs.load_data(dataclasses.replace(cfg, seen_methods="B"))[4] == ["B"]
+        runs.Run(cfg).data
+    assert runs.Run(dataclasses.replace(cfg, seen_methods="B")).data[4] == ["B"]
     with pytest.raises(geodef.BenchFormatError, match=r"seen_methods: \['A'\] listed more than once"):
         geodef.load_bench(write_lines(tmp_path, [{"_meta": {"seen_methods": ["A", "A"]}}, good_group()], "d.jsonl"))
 
 
 def _no_model_loads(monkeypatch):
-    """load_reranker fails the test when called -> the list of the configs it was called with."""
+    """Run.reranker fails the test when called -> the list of the configs it was called with."""
     loaded = []
-    for module in (runs, train):
-        monkeypatch.setattr(module, "load_reranker", lambda cfg: loaded.append(cfg) or pytest.fail("model loaded"))
+    monkeypatch.setattr(runs.Run, "reranker", lambda self: loaded.append(self.cfg) or pytest.fail("model loaded"))
     return loaded
 
 
@@ -132,8 +132,7 @@ def test_a_target_or_judge_that_built_the_benchmark_is_refused_unless_allowed(tm
     assert run.main(allowed + ["--llm", "openai:gpt-5.5", "--allow-shared-roles", "--name", "ok"])["stages"]
     assert not loaded
     s = {"notes": [], "target_llm": "openai:gpt-5.5", "model": "m", "test_groups": 1, "test_instances": 7,
-         "seen_methods": ["A"], "shared_roles": runs.shared_roles(settings.EvalConfig(llm="openai:gpt-5.5",
-                                                                                     bench=str(bench)))}
+         "seen_methods": ["A"], "shared_roles": runs.shared_roles(str(bench), "openai:gpt-5.5")}
     assert "**Roles shared with the benchmark's construction** (--allow-shared-roles): the target openai:gpt-5.5 " \
            "built the benchmark" in "".join(report._header_lines(str(tmp_path), s))
 
@@ -149,13 +148,13 @@ def test_a_routed_model_is_the_model_behind_the_route(tmp_path):
     bench.write_text("\n".join([json.dumps(meta)] + lines[1:]) + "\n")
     for llm in ("openrouter:openai/gpt-5.5", "vllm:openai/gpt-5.5", "openrouter:openai/GPT-5.5:free",
                 "openai-compatible:gpt-5.5"):
-        assert runs.shared_roles(settings.EvalConfig(llm=llm, bench=str(bench))) == [
+        assert runs.shared_roles(str(bench), llm) == [
             f"the target {llm} built the benchmark"], llm
     judge = "openrouter:anthropic/claude-opus-4.5"
-    judged = runs.shared_roles(settings.EvalConfig(llm="openai:gpt-5-mini", judge=judge, bench=str(bench)))
+    judged = runs.shared_roles(str(bench), "openai:gpt-5-mini", judge)
     assert judged == ["the judge openrouter:anthropic/claude-opus-4.5 judged its rewrites' fidelity"]
     assert runs.role_model("anthropic:claude-opus-4-5-20251101") == runs.role_model(judge)
-    assert not runs.shared_roles(settings.EvalConfig(llm="openrouter:openai/gpt-5-mini", bench=str(bench)))
+    assert not runs.shared_roles(str(bench), "openrouter:openai/gpt-5-mini")
     assert runs.role_model("offline:x") is None
     assert runs.role_model("ollama:qwen3:8b") != runs.role_model("ollama:qwen3:32b")     # a tag names another model
 
@@ -173,8 +172,8 @@ def test_a_missing_ppl_model_is_named_before_the_reranker_loads(tmp_path, monkey
 
 def test_bench_without_its_race_peers_says_what_to_install(monkeypatch):
     # bench races peers from the test-only requirements: without them, say so instead of an ImportError
-    real_find = run.importlib.util.find_spec
-    monkeypatch.setattr(run.importlib.util, "find_spec", lambda m, *a: None if m == "peft" else real_find(m, *a))
+    real_find = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda m, *a: None if m == "peft" else real_find(m, *a))
     with pytest.raises(SystemExit, match=r"bench --what train races peft .*pip install -r requirements-test.txt"):
         run.main(["bench", "--what", "train", "--no-compile"])
 
@@ -282,7 +281,7 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     # a start that failed before producing anything (here: a hub model that cannot be fetched offline)
     # pins nothing: rerunning with a different --model, as the error suggests, is not refused
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(run, "train_shield", lambda r, resume=True: runs.load_reranker(r.cfg) and   # then a file,
+    monkeypatch.setattr(run, "train_shield", lambda r, resume=True: r.reranker() and   # then a file,
                         # as training leaves
                         runs.write_json(os.path.join(r.dir, "checkpoint", "state.json"), {}))
     with pytest.raises(SystemExit, match="--model tiny"):
@@ -325,7 +324,7 @@ def test_controller_limits_are_settings():
     v = tfsg._case_view(case, tfsg.Limits(analyzer_doc_chars=100, analyzer_reasoning_chars=50))
     assert len(v["search_results"][0]["text"]) == 100 and len(v["reasoning_content"]) == 50
     cfg = settings.EvalConfig(max_active_rules=7, analyzer_doc_chars=99)
-    assert runs.tfsg_limits(cfg) == tfsg.Limits(max_active_rules=7, analyzer_doc_chars=99)
+    assert runs.Run(cfg).limits == tfsg.Limits(max_active_rules=7, analyzer_doc_chars=99)
     assert {"max_active_rules", "analyzer_doc_chars", "rule_item_chars"} <= set(settings.EvalConfig.pinned())
 
 
@@ -335,16 +334,16 @@ def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
     bench = tmp_path / "b.jsonl"
     shutil.copy(small_bench, bench)
     cfg = settings.EvalConfig(name="e", runs_dir=str(tmp_path), bench=str(bench))
-    runs.record_config(cfg, "train")
+    runs.Run(cfg).record("train")
     rec = json.load(open(tmp_path / "e" / "config.json"))
     assert rec["bench_sha1"] == runs.file_sha1(str(bench))
-    runs.record_config(cfg, "eval")                               # unchanged: fine
+    runs.Run(cfg).record("eval")                               # unchanged: fine
     (tmp_path / "e" / "results").mkdir()
     (tmp_path / "e" / "results" / "x.jsonl").write_text("{}\n")
     bench.write_text(bench.read_text().replace('"query": "', '"query": "edited ', 1))
     with pytest.raises(runs.SettingsError,
                        match=r"b.jsonl: its content changed since this run used it \(SHA-1 [0-9a-f]{12}, now"):
-        runs.record_config(cfg, "eval")
+        runs.Run(cfg).record("eval")
 
 
 def _try_lock(run_dir):
@@ -398,8 +397,8 @@ def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
         p = tmp_path / "lib.json"
         p.write_text(content)
         with pytest.raises(runs.SettingsError, match=f"--transfer x: .*{msg}"):
-            evaluation.transfer_items(cfg(f"x={p}"))
-    assert evaluation.transfer_items(cfg(f"x={demo_run / 'library' / 'E4.json'}"))[0][0] == "x"
+            evaluation.transfer_items(runs.Run(cfg(f"x={p}")))
+    assert evaluation.transfer_items(runs.Run(cfg(f"x={demo_run / 'library' / 'E4.json'}")))[0][0] == "x"
 
 
 def test_failed_eval_records_no_settings(demo_run, tmp_path, monkeypatch):
@@ -483,7 +482,7 @@ def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
         "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
     cfg = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
     assert (cfg.ppl_model, cfg.judge, cfg.base_url) == ("tiny", "offline", None)   # credentials were never stored
-    runs.record_config(dataclasses.replace(cfg, base_url="http://user:pw@host/v1", bench=SAMPLE), "eval")
+    runs.Run(dataclasses.replace(cfg, base_url="http://user:pw@host/v1", bench=SAMPLE)).record("eval")
     assert json.load(open(tmp_path / "t" / "config.json"))["config"]["base_url"] == "http://***@host/v1"
 
 
@@ -675,15 +674,15 @@ def test_run_folder_moved_with_its_benchmark_elsewhere_is_accepted(tmp_path, sma
     """The benchmark is pinned by content: the same file at another path (a clone elsewhere) resumes;
     other content at the same path is still refused."""
     cfg = settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=small_bench)
-    runs.record_config(cfg, "train")
+    runs.Run(cfg).record("train")
     (tmp_path / "r" / "adapter").mkdir()
     (tmp_path / "r" / "adapter" / "x").write_text("made")
     moved = tmp_path / "elsewhere.jsonl"
     shutil.copy(small_bench, moved)
-    runs.record_config(settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
+    runs.Run(settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=str(moved))).record("train")
     moved.write_text(open(small_bench).read().replace("a", "b", 1))
     with pytest.raises(runs.SettingsError, match="different bench|content changed"):
-        runs.record_config(settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=str(moved)), "train")
+        runs.Run(settings.EvalConfig(name="r", runs_dir=str(tmp_path), bench=str(moved))).record("train")
 
 
 def _write_past_4096_bytes(d):
@@ -762,7 +761,7 @@ def test_no_password_shape_is_stored_or_printed(tmp_path, pw, capsys, monkeypatc
         cfg = settings.EvalConfig(name="c", runs_dir=str(tmp_path), base_url=url, reranker=[url, f"tei:{url}"])
     except runs.SettingsError:
         return
-    runs.record_config(cfg, "eval")
+    runs.Run(cfg).record("eval")
     assert "w0rdZ" not in open(tmp_path / "c" / "config.json").read()
 
 

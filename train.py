@@ -18,11 +18,11 @@ from tqdm import tqdm
 
 import geodef
 import lora
+import speed
 import tfsg
 from evaluation import clean_reference, eval_condition
 from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
-from runs import (adapter_path, append_jsonl, fast, labels_of, library_path, load_reranker, log, read_json,
-                  shield_split, tfsg_limits, tfsg_schedule, write_json)
+from runs import append_jsonl, labels_of, log, read_json, write_json
 
 
 # ----------------------------------------------------------------------------- Shield training
@@ -69,13 +69,13 @@ def _load_ckpt(path, model, opt):
     return state
 
 
-def prepare_triples(cfg, rr, cons, inst):
+def prepare_triples(run, rr, cons, inst):
     """A.1.1 preference triples of the construction instances, tokenized, with their frozen base
     scores s_0 (once, without gradient, as TRL's precompute_ref_log_probs): every distinct document
     of the attack-injected lists (to pick d_b) and of the clean lists (d+), cached in the file the
     evaluation reads. -> (triples, ids {instance_id: 3 token-id lists}, s0 {instance_id: 3 floats},
     base scores {instance_id: the 10 candidates' scores})."""
-    base = base_ranker(cfg, rr)
+    base = base_ranker(run, rr)
     base.prepare(inst + [geodef.clean_instance(g) for g in cons])
     scores = {x.instance_id: base.scores(x) for x in inst}
     triples = geodef.preference_triples(cons, inst, scores.get)
@@ -130,18 +130,18 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     multi-rank run differs from one process's as another seed would."""
     cfg, folder, ranks = run.cfg, out or run.dir, run.ranks
     main = ranks.is_main
-    adapter_dir = os.path.join(out, "adapter") if out else adapter_path(cfg)
+    adapter_dir = os.path.join(out, "adapter") if out else run.path("adapter")
     if read_json(os.path.join(folder, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
         return
     data = run.data
     cons, inst = data.construction, geodef.expand(data.construction, data.seen) + list(extra)
-    opt_inst, mon_inst = shield_split(cfg, inst)
+    opt_inst, mon_inst = run.shield_split(inst)
     if not main:                   # rank 0 loads (a tiny checkpoint: makes) the model and scores the base
         ranks.barrier()            # lists first; the others then read its files and its score cache
-    rr = rr or load_reranker(cfg)
+    rr = rr or run.reranker()
     rr.model.gradient_checkpointing = cfg.grad_checkpointing       # recomputes only under grad: training's
-    triples, ids, s0, scores = prepare_triples(cfg, rr, cons, inst)
+    triples, ids, s0, scores = prepare_triples(run, rr, cons, inst)
     if main:
         ranks.barrier()
     opt_ids = {x.instance_id for x in opt_inst}
@@ -153,7 +153,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
     if init:
         lora.load_adapter(rr.model, init)
-    fast(cfg, rr)                 # the LoRA layers get the speed paths too
+    speed.install(rr.model, compile=cfg.compile)     # the LoRA layers get the speed paths too
     params = [p for p in rr.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     ckpt = os.path.join(folder, "checkpoint")
@@ -222,7 +222,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
         return
     lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
     rr.model.eval()
-    test_stats = shield_test_stats(cfg, rr, geodef.expand(data.test, data.methods), adapter_dir)
+    test_stats = shield_test_stats(run, rr, geodef.expand(data.test, data.methods), adapter_dir)
     write_json(os.path.join(folder, "shield_done.json"), {"best": state["best"], "history": state["history"],
                                                       "steps": state["step"],
                                                       "steps_per_epoch": math.ceil(n / cfg.grad_accum),
@@ -237,10 +237,10 @@ def benign_kept(base_scores, new_scores, attack_index, k):
     return len(set(ben) & set(order_of(new_scores)[:k])) / max(1, len(ben))
 
 
-def shield_test_stats(cfg, rr, insts, adapter_dir=None):
+def shield_test_stats(run, rr, insts, adapter_dir=None):
     """On the test instances: where the attack document ranks under the base scorer (LoRA disabled)
     and under the Shield scorer, and how much of the base top-k's benign evidence the Shield keeps."""
-    base, shield = base_ranker(cfg, rr, adapter_off=True), shield_ranker(cfg, rr, adapter_dir)
+    k, base, shield = run.cfg.k, base_ranker(run, rr, adapter_off=True), shield_ranker(run, rr, adapter_dir)
     base.prepare(insts)
     shield.prepare(insts)
     rank_b, rank_s, in_b, in_s, overlap = [], [], 0, 0, []
@@ -248,9 +248,9 @@ def shield_test_stats(cfg, rr, insts, adapter_dir=None):
         ob, os_ = base.order(x), shield.order(x)
         rank_b.append(ob.index(x.attack_index) + 1)
         rank_s.append(os_.index(x.attack_index) + 1)
-        in_b += x.attack_index in ob[:cfg.k]
-        in_s += x.attack_index in os_[:cfg.k]
-        overlap.append(benign_kept(base.scores(x), shield.scores(x), x.attack_index, cfg.k))
+        in_b += x.attack_index in ob[:k]
+        in_s += x.attack_index in os_[:k]
+        overlap.append(benign_kept(base.scores(x), shield.scores(x), x.attack_index, k))
     n = max(1, len(insts))
     return {"instances": len(insts), "attack_mean_rank_base": sum(rank_b) / n,
             "attack_mean_rank_shield": sum(rank_s) / n,
@@ -276,13 +276,13 @@ def clean_reference_benign(cfg, llm, base, groups):
 def train_tfsg(run):
     """Algorithm 1: E0 -> E4 on the construction instances (A.2.2), with the Shield (or base) top-k."""
     cfg = run.cfg
-    if os.path.isfile(library_path(cfg)):
+    if os.path.isfile(run.library_path()):
         log(f"[train] TFSG library already built: {run.dir}/library")
         return
     data = run.data
     cons, inst = data.construction, geodef.expand(data.construction, data.seen)
-    seeds, batches = tfsg_schedule(cfg, inst)
-    base, shield = load_rankers(cfg, cfg.shield)
+    seeds, batches = run.tfsg_schedule(inst)
+    base, shield = load_rankers(run, cfg.shield)
     ranker = shield or base
     ranker.prepare(inst)
     target = run.llm(stage="train")
@@ -306,7 +306,7 @@ def train_tfsg(run):
     lib = tfsg.build_library(answer_many, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run.dir, "library"),
                              answer_prompt=tfsg.standard_prompt, interface=interface,
                              max_initial_rules=cfg.max_initial_rules, temperature=cfg.temperature,
-                             controller=tfsg.Controller(limits=tfsg_limits(cfg)), max_tokens=cfg.max_tokens)
+                             controller=tfsg.Controller(limits=run.limits), max_tokens=cfg.max_tokens)
     for c in dict.fromkeys((target, analyzer)):
         log(f"[train] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
             f"{c.stats['cache_hits']} from the cache (the run's cost: usage.jsonl, summed in summary.json)")
@@ -321,9 +321,9 @@ def plan_train(run):
     from evaluation import estimate, price_plan
     cfg, data = run.cfg, run.data
     inst = geodef.expand(data.construction, data.seen)
-    opt, _ = shield_split(cfg, inst)
-    seeds, batches = tfsg_schedule(cfg, inst)
-    done = os.path.isfile(library_path(cfg))
+    opt, _ = run.shield_split(inst)
+    seeds, batches = run.tfsg_schedule(inst)
+    done = os.path.isfile(run.library_path())
     ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in inst) / max(1, len(inst))
     answers = 0 if done else len(data.construction) + 4 * len(seeds) + sum(map(len, batches))
     analyzer = 0 if done else 1 + len(batches)
