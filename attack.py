@@ -306,7 +306,7 @@ def dry_run(run):
     estimated at 4 characters a token, and the price with --prices."""
     cfg, per_round = run.cfg, run.cfg.candidates_per_round
     budgets = parse_budgets(cfg.budgets)
-    rounds = cfg.rounds or rounds_for(max(budgets), per_round)
+    rounds = cfg.attack_rounds or rounds_for(max(budgets), per_round)
     insts = geodef.expand(run.data.test, run.data.methods)
     calls = plan_calls(len(insts), max(budgets), per_round, rounds, len(budgets), cfg.k)
     doc = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))      # characters of a rewrite

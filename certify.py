@@ -44,7 +44,6 @@ from metrics import sigmoid
 
 GRID = (0.05, 0.10, 0.20, 0.30)      # edit fractions p at which the certificate is reported
 ALPHA = 0.05                          # 1 - confidence of every list's certificate
-DEFAULT_SAMPLES = 32                  # masks per document when --samples is left at 1
 
 
 def masks(text, rate, n, seed):
@@ -58,11 +57,6 @@ def masks(text, rate, n, seed):
         rng = random.Random(f"{seed}:{digest}:{s}")
         out.append(" ".join(words[i] for i in sorted(rng.sample(range(len(words)), keep))))
     return out
-
-
-def mask_samples(samples):
-    """--samples as the masks a document gets: DEFAULT_SAMPLES when left at 1 (eval's default)."""
-    return samples if samples > 1 else DEFAULT_SAMPLES
 
 
 def check_unit(name, v, lo_open=False, hi_open=False):

@@ -118,7 +118,7 @@ def check_items(cfg):
 def dry_run(run, items):
     """rerank-eval --dry-run: what each reranker would score, nothing scored. A local reranker's forward
     passes at most (each distinct query and document once; its cache may hold some) and with --certify the
-    smoothing's (--samples masks of each distinct document of the attack and clean lists);
+    smoothing's (--masks masks of each distinct document of the attack and clean lists);
     an endpoint's requests (one per list) and, with --prices holding {"usd_per_1k_searches": x}, their
     price."""
     cfg = run.cfg
@@ -126,7 +126,7 @@ def dry_run(run, items):
     lists = insts + list(cleans.values()) + honest
     pairs = {(x.query, d) for x in lists for d in x.docs}
     smoothed = {(x.query, d) for x in insts + list(cleans.values()) for d in x.docs}
-    n = certify.mask_samples(cfg.samples)
+    n = cfg.masks
     out = {"lists": len(lists), "distinct_documents": len(pairs), "rerankers": {}}
     for label, spec in items:
         if spec.kind in rankers.LOCAL:
@@ -145,7 +145,7 @@ def certify_records(cfg, rk, insts, cleans, base_clean):
     """rerank-eval --certify under one local ranker (certify.py): per attack instance its smoothed
     scores, the certified radius of each attacked document, the smoothed top-k's exposure, and on its
     clean list the source's radius beside the real rewrite's edit fraction -> [records]."""
-    n = certify.mask_samples(cfg.samples)
+    n = cfg.masks
     stem, ext = os.path.splitext(rk.path)            # the ranker's own cache, one per mask rate and seed
     masked = rankers.Ranker(rk.rr, f"{stem}.masked-{cfg.mask_rate:g}-{cfg.seed}{ext}", f"{rk.label} masked",
                             adapter_off=rk.adapter_off, made_from=rk.made_from)

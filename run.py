@@ -334,7 +334,7 @@ def cmd_attack(args):
     if args.dry_run:
         return show(attack.dry_run(Run.plan(cfg, **opened)))
     with Run.open(cfg, "attack", record=None, engine=cfg.llm == "offline", **opened) as run:
-        block = attack.run_attack(run, cfg.target, attack.parse_budgets(cfg.budgets), cfg.rounds,
+        block = attack.run_attack(run, cfg.target, attack.parse_budgets(cfg.budgets), cfg.attack_rounds,
                                   cfg.candidates_per_round, cfg.attacker, cfg.aware_of_library)
     print(attack.attack_table(block) + f"\n\ngate: {block['gate']}\nsummary: {cfg.run_dir}/summary.json")
     return block

@@ -335,10 +335,10 @@ class JudgeSettings(Settings):
 
 @dataclass(frozen=True)
 class SampleSettings(Settings):
-    """Repeated random draws: eval's answers per instance, rerank-eval --certify's masks per document."""
-    samples: int = setting(1, "eval: answers per instance and condition, each its own cached reply (Don't Measure "
+    """Repeated answers: eval's answers per instance and condition."""
+    samples: int = setting(1, "answers per instance and condition, each its own cached reply (Don't Measure "
                               "Once, arXiv 2604.07585), intervals then bootstrapping groups, then samples (the "
-                              "paper: 1); rerank-eval --certify: random masks per document (1, the default: 32)",
+                              "paper: 1)",
                            ok=between(1, MAX_SAMPLES), says=f"1 to {MAX_SAMPLES}")
 
 
@@ -366,11 +366,12 @@ class RerankSettings(Settings):
 @dataclass(frozen=True)
 class CertifySettings(Settings):
     """rerank-eval --certify: the local rerankers smoothed by random word masks, and their certificate."""
-    certify: bool = setting(False, "also rank with each local reranker smoothed over random word masks (--samples "
+    certify: bool = setting(False, "also rank with each local reranker smoothed over random word masks (--masks "
                                    "of them) and certify which attacked documents no edit of 5-30% of their "
                                    "words can bring into the smoothed top k (certify.py)")
     mask_rate: float = setting(0.9, "share of a document's words each mask deletes (RanMASK's 90%)",
                                ok=lambda v: 0 < v < 1)
+    masks: int = setting(32, "random masks per document", ok=between(1, MAX_SAMPLES), says=f"1 to {MAX_SAMPLES}")
 
 
 @dataclass(frozen=True)
@@ -390,7 +391,7 @@ class AttackSettings(AttackerSettings):
     target: str = setting("shield", "the reranker the attacker queries: shield, base, or a reranker spec "
                                     "(see --reranker)")
     budgets: str = setting("1,4,16", "candidates per instance, comma list (nested: one run)")
-    rounds: int = setting(None, "attacker rounds (default: enough for the largest budget)", ok=at_least(1))
+    attack_rounds: int = setting(None, "attacker rounds (default: enough for the largest budget)", ok=at_least(1))
     aware_of_library: bool = setting(False, "the attacker reads the TFSG library's rules")
 
 
@@ -579,8 +580,7 @@ class DemoConfig(EvalConfig):
 @dataclass(frozen=True)
 class RerankEvalConfig(CertifySettings, EvalConfig):
     """rerank-eval: the reranker stage alone (no LLM call)."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, RerankSettings, SampleSettings,
-             CertifySettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, RerankSettings, CertifySettings)
 
 
 @dataclass(frozen=True)

@@ -446,7 +446,7 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
     path, d = attacked_bench
     argv = ["rerank-eval", "--bench", str(path), "--model", "tiny", "--dtype", "float32", "--name", "rk",
             "--runs-dir", str(d / "r"), "--reranker", "base", "--k", "2", "--n-boot", "50", "--certify",
-            "--samples", "4", "--mask-rate", "0.5"]
+            "--masks", "4", "--mask-rate", "0.5"]
     plan = run.main(argv + ["--dry-run"])
     assert plan["rerankers"]["base"]["certify_forward_passes_at_most"] == 4 * plan["distinct_documents"]  # no honest
     stage = run.main(argv)["base"]
