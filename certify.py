@@ -2,8 +2,9 @@
 
 Measured robustness says how often attacks got through; a certificate says which attacked documents no
 edit of a given size can bring into the top k. This is the randomized-masking certificate of RanMASK
-(Zeng et al., Computational Linguistics 49(2), 2023) as CertDR (arXiv 2209.06691) and RobustMask
-(arXiv 2512.23307) carry it to neural rankers, on a cross-encoder's sigmoid score.
+(Zeng et al., Computational Linguistics 49(2), 2023) as RobustMask (arXiv 2512.23307) carries it to
+neural rankers, on a cross-encoder's sigmoid score. (CertDR, arXiv 2209.06691, certifies rankers by
+smoothing over synonym substitutions, not masks.)
 
 Smoothing. A document of n words is scored on random masks that keep h = n - round(rate * n) of its
 words (in order; the rest deleted) and the sigmoid of the reranker's margin is averaged:

@@ -433,10 +433,12 @@ def aggregate(answers, alpha=ALPHA, beta=BETA, long_form=True):
 
 
 def keyword_certified(answers, corrupted, alpha=ALPHA, beta=BETA, long_form=True):
-    """RobustRAG's certificate for keyword aggregation (Xiang et al. 2024, arXiv 2405.15556, Sec. 5):
-    whether the phrases that pass the threshold stay the same whatever `corrupted` of the k isolated
-    answers are replaced by. A replaced answer removes at most one count from each phrase and adds at most
-    one, and may abstain or not, so with m answers left, counts c lie in [c - K', c + K'] and
+    """Our certificate for keyword aggregation, after RobustRAG's (Xiang et al. 2024, arXiv 2405.15556,
+    Sec. 5), which enumerates the keyword sets corrupted passages could produce and bounds the answer
+    built from any of them; ours asks one thing: whether the phrases that pass the threshold stay the same
+    whatever `corrupted` of the k isolated answers are replaced by. It says nothing of the final answer's
+    citations or of the ASR printed beside it. A replaced answer removes at most one count from each phrase
+    and adds at most one, and may abstain or not, so with m answers left, counts c lie in [c - K', c + K'] and
     mu = min(beta, alpha * m) in [mu(max(0, m - K')), mu(min(k, m + K'))]. The kept set is certain when
     every kept phrase has c - K' >= the largest mu and every other phrase, one no answer holds (c = 0)
     included, has c + K' < the smallest mu. This certifies the thresholded set, RobustRAG's keyword set.

@@ -254,9 +254,11 @@ def attacked_summary(cfg, insts, conds, every):
 
 
 def sample_summary(by_condition, conds, n_boot, seed):
-    """eval --samples N: per condition its ASR over every sample, each sample's ASR, and two 95% CIs: the
-    two-level bootstrap (query groups, then samples within each: metrics.two_level_bootstrap_ci) and the
-    groups-only one of the per-instance mean over samples, which leaves the answers' own variance out."""
+    """eval --samples N: per condition its ASR over every sample, each sample's ASR and its 95% CI: over
+    query groups, of each instance's mean over its samples (metrics.cluster_bootstrap_ci), which carries
+    the answers' own variance with the groups'. Beside it, as a check, the two-level bootstrap (groups,
+    then samples within each: metrics.two_level_bootstrap_ci), which counts the answers' variance twice and
+    is wider (conservative)."""
     out = {}
     for c, per_sample in zip(conds, by_condition):
         recs = [(i, r) for i, rs in enumerate(per_sample) for r in rs]
@@ -266,10 +268,10 @@ def sample_summary(by_condition, conds, n_boot, seed):
             mean.setdefault(r["instance_id"], [r["group_id"], []])[1].append(100.0 * r["attack_cited"])
         out[c] = {"ASR": sum(vals) / len(vals),
                   "ASR_per_sample": [metrics.asr([r["attack_cited"] for r in rs]) for rs in per_sample],
-                  "ASR_ci": list(metrics.two_level_bootstrap_ci(vals, [r["group_id"] for _, r in recs],
-                                                                [i for i, _ in recs], n_boot, seed)),
-                  "ASR_ci_groups_only": list(metrics.cluster_bootstrap_ci(
-                      [sum(v) / len(v) for _, v in mean.values()], [g for g, _ in mean.values()], n_boot, seed))}
+                  "ASR_ci": list(metrics.cluster_bootstrap_ci(
+                      [sum(v) / len(v) for _, v in mean.values()], [g for g, _ in mean.values()], n_boot, seed)),
+                  "ASR_ci_two_level": list(metrics.two_level_bootstrap_ci(vals, [r["group_id"] for _, r in recs],
+                                                                          [i for i, _ in recs], n_boot, seed))}
     return {"n": len(by_condition[0]), "conditions": out}
 
 
@@ -548,12 +550,18 @@ def honest_penalty(recs, attack_recs, groups, n_boot=10000, seed=0):
     return out
 
 
-# What each family's own paper reports as its visibility gain, to read beside the measured strength; a
-# family without an entry publishes no figure over the unoptimised source that we could check
+# What each family's own paper reports as its visibility gain, with its metric and method, beside the measured
+# strength (the citation rate of the rewrite minus the source's, in points, attack_strength). None is in our
+# metric, so each row says why it is not comparable; a family without an entry publishes no figure over the
+# unoptimised source that we could check.
 PAPER_GAINS = {
-    "GEO": "+41% relative position-adjusted word count, best method (19.3 -> 27.2; arXiv 2311.09735, main results)",
-    "GEO-SFE": "+17.3% citation, six engines (arXiv 2603.29979, abstract)",
-    "AutoGEO": "not comparable: up to +51% over the strongest baseline, not the source (arXiv 2510.11438)",
+    "GEO": "not comparable (another metric and method): Quotation Addition, GEO's best single method, raises "
+           "Position-Adjusted Word Count, a share of the answer's words, from 19.3 to 27.2 (+41% relative; arXiv "
+           "2311.09735, Table 1); our GEO family is Fluency + Statistics, measured as citation rate",
+    "GEO-SFE": "not comparable (unstated unit): '17.3% citation improvements' over six engines (arXiv 2603.29979, "
+               "abstract), relative or in points not said; ours is in points",
+    "AutoGEO": "not comparable (another reference): up to +51% over the strongest baseline, not over the source "
+               "(arXiv 2510.11438)",
 }
 
 
@@ -637,9 +645,10 @@ def defense_diagnostics(results, by_id):
     positives), attack documents emptied, quoted passages not in the document, characters cut.
     RobustRAG: queries answered "I don't know." without a final call, isolated answers that abstained,
     kept phrases per query, how often the attack document supports a kept phrase that is cited
-    for (one not made of the question's words alone), and RobustRAG's certificate: % of queries whose
-    thresholded phrases no K' = 1, 2, 3 corrupted passages can change (defenses.keyword_certified),
-    beside ASR. On a list with several attacked documents each of them counts as an attack."""
+    for (one not made of the question's words alone), and our keyword certificate after RobustRAG's: % of
+    queries whose thresholded phrases no K' = 1, 2, 3 corrupted passages can change
+    (defenses.keyword_certified; it bounds neither the citations nor the ASR beside it). On a list with
+    several attacked documents each of them counts as an attack."""
     out = {}
     if "PromptArmor" in results:
         d = dict.fromkeys(("documents", "attack_in_context", "attack_cut", "attack_emptied", "benign_cut",

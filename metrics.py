@@ -111,11 +111,15 @@ def cluster_bootstrap_ci(values, clusters, n_boot=10000, seed=0, level=0.95):
 
 def two_level_bootstrap_ci(values, clusters, samples, n_boot=10000, seed=0, level=0.95):
     """Percentile CI of the mean over instances and repeated samples: resample whole clusters (query
-    groups) with replacement, then, within each drawn cluster, its samples with replacement (the answers'
-    own variance, "Don't Measure Once", arXiv 2604.07585). values[i] belongs to cluster clusters[i] and is
-    sample samples[i] (0..N-1) of its instance; every instance has the same N samples. With identical
-    samples (or N = 1) the clusters are drawn exactly as cluster_bootstrap_ci draws them, so the two CIs
-    agree. -> (lo, hi)."""
+    groups) with replacement, then, within each drawn cluster, N sample indices with replacement, the same
+    indices for every instance of the cluster. values[i] belongs to cluster clusters[i] and is sample
+    samples[i] (0..N-1) of its instance; every instance has the same N samples. With identical samples (or
+    N = 1) the clusters are drawn exactly as cluster_bootstrap_ci draws them, so the two CIs agree.
+
+    A conservative check, not the interval to report: the groups-only interval of each instance's mean
+    over its samples (cluster_bootstrap_ci) already carries the answers' variance, since an instance's
+    mean varies with its samples; resampling the samples again counts that variance twice (over-coverage,
+    wider). test_metrics.py simulates both. -> (lo, hi)."""
     values, clusters, samples = np.asarray(values, dtype=np.float64), np.asarray(clusters), np.asarray(samples)
     if not (len(values) == len(clusters) == len(samples)) or len(values) == 0:
         raise ValueError("values, clusters and samples must be non-empty and aligned")

@@ -43,6 +43,10 @@ def _title(run_dir, s, what):
     return banner + [f"# {what}: {os.path.basename(os.path.normpath(run_dir))}\n"]
 
 
+# what a family whose gain interval holds 0 is called, in eval's and holdout's tables
+NOT_SHOWN = "not shown to raise visibility"
+
+
 def strength_lines(s):
     """Attack strength: does each family raise its source's citation on this target (Non-Defense)?"""
     st = s.get("attack_strength")
@@ -52,9 +56,10 @@ def strength_lines(s):
              "Citation of each family's rewrite minus the clean reference's citation of the same source, percentage "
              "points, 95% CI over query groups. A family whose interval holds 0 did not raise visibility on this "
              "target: its blocked rate says nothing about the defense.\n",
-             "| family | gain | 95% CI | n | its paper reports |", "|---|---|---|---|---|"]
+             "| family | gain | 95% CI | n | its paper reports (metric, method; comparable?) |",
+             "|---|---|---|---|---|"]
     for m, v in st.items():
-        flag = " (CI holds 0)" if v["holds_zero"] else ""
+        flag = f" ({NOT_SHOWN}: CI holds 0)" if v["holds_zero"] else ""
         lines.append(f"| {m} | {v['gain']:+.1f}{flag} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {v['n']} | "
                      f"{v['paper'] or '-'} |")
     return lines + [""]
@@ -105,6 +110,13 @@ def _table_lines(s):
     return lines + sample_lines(s)
 
 
+def sample_cis(v):
+    """A condition's (reported CI, two-level check) from its samples block; a summary written before the
+    groups-only interval was the reported one holds them as ASR_ci_groups_only and ASR_ci."""
+    old = "ASR_ci_groups_only" in v
+    return (v["ASR_ci_groups_only"], v["ASR_ci"]) if old else (v["ASR_ci"], v["ASR_ci_two_level"])
+
+
 def sample_lines(s):
     """eval --samples N: each condition's ASR over the samples with both intervals, and per sample."""
     if not s.get("samples"):
@@ -113,11 +125,12 @@ def sample_lines(s):
     ci = lambda v: f"[{v[0]:.1f}, {v[1]:.1f}]"
     return [f"## Repeated samples: {b['n']} answers per instance\n",
             "Every condition answered each instance N times (each its own cached reply); the tables above "
-            "average over them. 95% CIs of ASR: over query groups then samples within each (two-level "
-            "bootstrap), beside the groups-only CI of each instance's mean, which leaves the answers' own "
-            "variance out.\n",
-            _table(["Condition", "ASR", "95% CI (groups, samples)", "95% CI (groups only)", "ASR per sample"],
-                   [[k, fmt(v["ASR"]), ci(v["ASR_ci"]), ci(v["ASR_ci_groups_only"]),
+            "average over them. 95% CI of ASR: over query groups, of each instance's mean over its samples "
+            "(it carries the answers' variance with the groups'). Beside it, as a check, the two-level bootstrap "
+            "(groups, then samples within each), which counts the answers' variance twice: conservative, "
+            "wider.\n",
+            _table(["Condition", "ASR", "95% CI", "95% CI, two-level (check)", "ASR per sample"],
+                   [[k, fmt(v["ASR"]), *map(ci, sample_cis(v)),
                      ", ".join(fmt(a) for a in v["ASR_per_sample"])] for k, v in b["conditions"].items()]) + "\n"]
 
 
@@ -336,11 +349,12 @@ def attacked_lines(s, figs):
 
 
 def robustrag_certificate_rows(r):
-    """RobustRAG's measured ASR beside its keyword certificate (rows of the RobustRAG table)."""
+    """RobustRAG's measured ASR beside our keyword certificate (defenses.keyword_certified; rows of the RobustRAG
+    table): the thresholded keyword set unchanged, which bounds neither the citations nor the ASR."""
     if "certified" not in r:
         return []
     return [["ASR (%, measured)", fmt(r["ASR"])]] + [
-        [f"keyword set certified against {kk} corrupted passage(s) (% of queries, RobustRAG's bound)", fmt(v)]
+        [f"keyword set unchanged by {kk} corrupted passage(s) (% of queries; ours, after RobustRAG's)", fmt(v)]
         for kk, v in r["certified"].items()]
 
 

@@ -37,6 +37,29 @@ def test_balanced_order_exactly_half():
     assert metrics.balanced_order(list(reversed(ids))) == o
 
 
+def test_the_reported_samples_interval_covers_at_its_nominal_level():
+    """eval --samples: the reported 95% CI (groups-only, of each instance's mean over its samples) covers the
+    true ASR in 92-98% of 400 simulated evaluations with known group and answer variance (40 groups of 2
+    instances, 3 answers each; an instance's citation probability sigmoid(-0.5 + u_group + v_instance),
+    u ~ N(0, 1), v ~ N(0, 0.5)); the two-level interval, counting the answers' variance twice, covers more
+    and is wider."""
+    rng = np.random.default_rng(7)
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))
+    truth = sigmoid(-0.5 + rng.normal(0, 1, 2_000_000) + rng.normal(0, 0.5, 2_000_000)).mean()
+    groups = np.repeat(np.arange(40), 2)
+    covered, covered_two, width, width_two = 0, 0, 0.0, 0.0
+    for r in range(400):
+        p = sigmoid(-0.5 + rng.normal(0, 1, 40)[:, None] + rng.normal(0, 0.5, (40, 2))).ravel()   # (80,)
+        answers = (rng.random((80, 3)) < p[:, None]).astype(float)                               # (80, 3)
+        lo, hi = metrics.cluster_bootstrap_ci(answers.mean(1), groups, n_boot=1000, seed=r)
+        lo2, hi2 = metrics.two_level_bootstrap_ci(answers.ravel(), np.repeat(groups, 3), np.tile(np.arange(3), 80),
+                                                  n_boot=1000, seed=r)
+        covered, covered_two = covered + (lo <= truth <= hi), covered_two + (lo2 <= truth <= hi2)
+        width, width_two = width + hi - lo, width_two + hi2 - lo2
+    assert 0.92 <= covered / 400 <= 0.98, covered / 400
+    assert covered_two >= covered and width_two > width
+
+
 def test_two_level_bootstrap_draws_groups_then_samples():
     """Identical samples: the two-level CI is the groups-only one (the same cluster draws); samples that
     differ widen it beyond the groups-only CI of the per-instance means."""

@@ -124,7 +124,14 @@ def test_attack_strength_is_the_rewrites_citation_minus_the_sources_and_flags_a_
     assert st["A"]["gain"] == 66.67 and not st["A"]["holds_zero"] and st["A"]["n"] == 6
     assert st["B"]["gain"] == 0.0 and st["B"]["ci"] == [0.0, 0.0] and st["B"]["holds_zero"]
     text = "\n".join(report.strength_lines({"attack_strength": st}))
-    assert "| B | +0.0 (CI holds 0) |" in text and "| A | +66.7 |" in text
+    assert "| B | +0.0 (not shown to raise visibility: CI holds 0) |" in text and "| A | +66.7 |" in text
+
+
+def test_every_paper_figure_beside_the_attack_strength_says_why_it_is_not_ours():
+    """Each family paper's figure names its metric and method; none is the citation rate in points that
+    attack_strength measures, so each row opens with "not comparable" and its reason."""
+    for family, said in evaluation.PAPER_GAINS.items():
+        assert said.startswith("not comparable (") and "arXiv" in said, family
 
 
 def test_the_report_gives_each_method_its_own_count_where_a_family_was_refused(tmp_path):
