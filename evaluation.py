@@ -237,20 +237,28 @@ def bench_labels(cfg, meta):
 
 def attacked_summary(cfg, insts, conds, every):
     """On a benchmark with several attacked documents a list (--attacked K): every condition against K
-    -> {"by_attacked": {condition: {"K": ASR (any attacked document cited), exposure (any in the
-    context), the share of the top k they take and of the citations, in percent with CIs}}}; {} on
-    the paper's lists. every(condition): its records."""
+    -> {"by_attacked": {condition: {"K": the source's rewrite's own ASR and exposure (source_ASR,
+    source_exposure), any attacked document's (ASR: any cited, exposure: any in the context), each
+    attacked document's mean (mean_ASR, mean_exposure), the share of the top k they take and of the
+    citations, in percent with CIs, and the chance rate of "any in the top k" (metrics.chance_any_in_topk)}}};
+    {} on the paper's lists. every(condition): its records."""
     if len(geodef.attacked_levels(insts)) < 2:
         return {}
-    k = cfg.k
+    k, source = cfg.k, {x.instance_id: x.doc_ids[x.attack_index] for x in insts}
 
     def share(r):
         cited = len(r["cited_ids"])
         return r.get("attack_citation_share", r["attack_cited"] / cited if cited else 0.0)
-    cols = {"ASR": lambda r: 100.0 * r["attack_cited"], "exposure": lambda r: 100.0 * r["attack_in_context"],
+    cols = {"source_ASR": lambda r: 100.0 * (source[r["instance_id"]] in r["cited_ids"]),
+            "source_exposure": lambda r: 100.0 * (source[r["instance_id"]] in r["top_ids"]),
+            "ASR": lambda r: 100.0 * r["attack_cited"], "exposure": lambda r: 100.0 * r["attack_in_context"],
+            "mean_ASR": lambda r: 100.0 * r.get("attacks_cited", r["attack_cited"]) / r.get("attacked", 1),
+            "mean_exposure": lambda r: 100.0 * r.get("attacks_in_context", r["attack_in_context"])
+                                       / r.get("attacked", 1),
             "topk_attack_share": lambda r: 100.0 * r.get("attacks_in_context", r["attack_in_context"]) / k,
             "citation_share": lambda r: 100.0 * share(r)}
-    return {"by_attacked": {c: metrics.by_attacked(every(c), cols, cfg.n_boot, cfg.seed) for c in conds}}
+    chance = (len(insts[0].docs), k)
+    return {"by_attacked": {c: metrics.by_attacked(every(c), cols, cfg.n_boot, cfg.seed, chance) for c in conds}}
 
 
 def sample_summary(by_condition, conds, n_boot, seed):
@@ -468,10 +476,11 @@ def evaluate(run, conditions=None, ranked=None):
     results, repeats = answer_conditions(cfg, conds, insts, plan, condition)
     honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
     every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
+    paper = lambda c: metrics.paper_level(every(c))     # the headline: lists with one attacked document
     summary = {"offline": run.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
                "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
-               "notes": offline_notes(cfg, meta), "conditions": {c: summarize(every(c), clean) for c in conds},
-               "methods": {c: {m: {**summarize([r for r in every(c) if r["method"] == m], clean), "seen": m in seen}
+               "notes": offline_notes(cfg, meta), "conditions": {c: summarize(paper(c), clean) for c in conds},
+               "methods": {c: {m: {**summarize([r for r in paper(c) if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
@@ -481,7 +490,8 @@ def evaluate(run, conditions=None, ranked=None):
     if cfg.samples > 1:
         summary["samples"] = sample_summary([[results[c], *repeats[c]] for c in conds], conds, cfg.n_boot, cfg.seed)
     if "Non-Defense" in conds:
-        summary["attack_strength"] = attack_strength(results["Non-Defense"], clean, test, methods, cfg.n_boot,
+        summary["attack_strength"] = attack_strength(metrics.paper_level(results["Non-Defense"]), clean, test, methods,
+                                                     cfg.n_boot,
                                                      cfg.seed)
     if "GEO Defender" in conds:
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4

@@ -137,15 +137,32 @@ def two_level_bootstrap_ci(values, clusters, samples, n_boot=10000, seed=0, leve
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
-def by_attacked(recs, columns, n_boot=10000, seed=0):
+def paper_level(recs):
+    """The records of lists with one attacked document (records' `attacked`, 1 when absent): the paper's
+    lists. On a file with several a list (build-bench --attacked K) the headline figures are these; the
+    other levels are read against K (by_attacked)."""
+    return [r for r in recs if r.get("attacked", 1) == 1]
+
+
+def chance_any_in_topk(n, attacked, k):
+    """The chance rate of "some of the `attacked` documents of a list of `n` in the top k" when the k are
+    drawn at random: one minus the hypergeometric probability that none is, 1 - C(n - attacked, k) / C(n, k).
+    Ten candidates, three attacked, top 5: 1 - 21/252 = 91.7%."""
+    return 1.0 - math.comb(n - attacked, k) / math.comb(n, k)
+
+
+def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
     """Figures against the number of attacked documents a list holds (records' `attacked`, 1 when
     absent): {"K": {"n", and per column its mean and 95% cluster-bootstrap CI}}. columns: {name: function
-    of a record -> a number}; the instances of one query group stay one cluster at every K."""
+    of a record -> a number}; the instances of one query group stay one cluster at every K. chance (n, k):
+    each level also gets `chance_any_in_topk`, the % a random top k of n would hold some attacked document."""
     out = {}
     for lv in sorted({r.get("attacked", 1) for r in recs}):
         rs = [r for r in recs if r.get("attacked", 1) == lv]
         clusters = [r["group_id"] for r in rs]
         out[str(lv)] = {"n": len(rs)}
+        if chance:
+            out[str(lv)]["chance_any_in_topk"] = 100.0 * chance_any_in_topk(chance[0], lv, chance[1])
         for name, fn in columns.items():
             vals = [fn(r) for r in rs]
             out[str(lv)][name] = sum(vals) / len(vals)

@@ -336,15 +336,21 @@ def attacked_lines(s, figs):
               "ASR: any attacked document cited (%)", note)
     against_k(os.path.join(figs, "attacked_exposure.svg"), "Exposure against the number of attacked documents", b,
               "exposure", "any attacked document in the context (%)", note)
-    rows = [[c, kk, v["n"], ci_cell(v, "ASR"), ci_cell(v, "exposure"), ci_cell(v, "topk_attack_share"),
-             ci_cell(v, "citation_share")] for c, per in b.items() for kk, v in per.items()]
+    rows = [[c, kk, v["n"], ci_cell(v, "source_ASR"), ci_cell(v, "ASR"), ci_cell(v, "mean_ASR"),
+             ci_cell(v, "source_exposure"), ci_cell(v, "exposure"), chance_cell(v), ci_cell(v, "mean_exposure"),
+             ci_cell(v, "topk_attack_share"), ci_cell(v, "citation_share")] for c, per in b.items()
+            for kk, v in per.items()]
     return ["## Against the number of attacked documents a list holds\n",
             "Each test list at K = 1.. the file's K attacked documents (the source's rewrite and the first K-1 "
-            "further ones). ASR: any attacked document cited; exposure: any in the context; shares: of the "
-            "top k and of the citations the attacked documents take. 95% query-cluster bootstrap CIs. The Shield "
-            "is trained on lists with one attacked document, as the paper trains it.\n",
-            _table(["Condition", "K", "n", "ASR (%)", "Exposure (%)", "Top-k share (%)", "Citation share (%)"],
-                   rows) + "\n", "![ASR against K](figures/attacked_asr.svg)\n",
+            "further ones). The tables above are the paper's lists (K = 1). Here, per K: the source's rewrite "
+            "cited and in the context; any attacked document cited and in the context, beside the chance that a "
+            "random top k holds one (1 - C(n-K, k)/C(n, k)); each attacked document on average; the shares of "
+            "the top k and of the citations the attacked documents take. 95% query-cluster bootstrap CIs. The "
+            "Shield is trained on lists with one attacked document, as the paper trains it.\n",
+            _table(["Condition", "K", "n", "Source cited (%)", "Any cited (%)", "Each cited (%)",
+                    "Source in context (%)", "Any in context (%)", "Chance, any (%)", "Each in context (%)",
+                    "Top-k share (%)", "Citation share (%)"], rows) + "\n",
+            "![ASR against K](figures/attacked_asr.svg)\n",
             "![exposure against K](figures/attacked_exposure.svg)\n"]
 
 
@@ -405,15 +411,24 @@ def rerank_stage_lines(s):
         + rerank_by_k_lines(stage, k) + certificate_lines(stage, k) + (honest_lines(s, "rerank") if honest else [])
 
 
+def chance_cell(v):
+    """A level's chance rate of "any attacked document in the top k" (by_attacked), or - (an older summary)."""
+    return fmt(v.get("chance_any_in_topk"))
+
+
 def rerank_by_k_lines(stage, k):
     """Each reranker against the number of attacked documents a list holds (rerank_stage's by_attacked)."""
-    rows = [[label, kk, v["n"], ci_cell(v, "any_exposure"), ci_cell(v, "topk_attack_share")]
+    rows = [[label, kk, v["n"], ci_cell(v, "exposure"), ci_cell(v, "any_exposure"), chance_cell(v),
+             ci_cell(v, "mean_exposure"), ci_cell(v, "topk_attack_share")]
             for label, st in stage.items() for kk, v in st.get("by_attacked", {}).items()]
     if not rows:
         return []
-    return [f"Against the number of attacked documents a list holds: exposure@{k} of any of them and the share "
-            "of the top k they take (95% query-cluster bootstrap CIs).\n",
-            _table(["Reranker", "K", "n", f"Any exposed@{k} (%)", "Top-k share (%)"], rows) + "\n"]
+    return [f"Against the number of attacked documents a list holds (the table above: K = 1, the paper's lists): "
+            f"exposure@{k} of the source's rewrite, of any attacked document beside the chance that a random top "
+            f"{k} holds one (1 - C(n-K, k)/C(n, k)), of each attacked document on average, and the share of the "
+            "top k they take (95% query-cluster bootstrap CIs).\n",
+            _table(["Reranker", "K", "n", f"Source exposed@{k} (%)", f"Any exposed@{k} (%)", "Chance, any (%)",
+                    f"Each exposed@{k} (%)", "Top-k share (%)"], rows) + "\n"]
 
 
 def certificate_lines(stage, k):

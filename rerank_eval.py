@@ -84,10 +84,15 @@ def summarize_stage(recs, seen, n_boot, seed):
 
 def attacked_stage(recs, k, n_boot, seed):
     """One reranker against the number of attacked documents a list holds (--attacked K): exposure@k of
-    any of them and the share of the top k they take, in percent with CIs -> metrics.by_attacked's."""
+    the source's rewrite (exposure), of any attacked document (any_exposure) beside its chance rate
+    (metrics.chance_any_in_topk), of each attacked document on average (mean_exposure), and the share of
+    the top k they take, in percent with CIs -> metrics.by_attacked's."""
     return metrics.by_attacked(recs, {
+        "exposure": lambda r: 100.0 * r["exposed"],
         "any_exposure": lambda r: 100.0 * r.get("any_exposed", r["exposed"]),
-        "topk_attack_share": lambda r: 100.0 * r.get("topk_attack_share", r["exposed"] / k)}, n_boot, seed)
+        "mean_exposure": lambda r: 100.0 * r.get("attacks_in_topk", r["exposed"]) / r.get("attacked", 1),
+        "topk_attack_share": lambda r: 100.0 * r.get("topk_attack_share", r["exposed"] / k)}, n_boot, seed,
+        chance=(len(recs[0]["ranking"]), k))
 
 
 def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
@@ -231,7 +236,8 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
                 for x in insts]
         write_jsonl(os.path.join(res, f"rerank-{label}.jsonl"), recs)
         records[label] = recs
-        out[label] = {"spec": str(spec), **summarize_stage(recs, data.seen, cfg.n_boot, cfg.seed)}
+        out[label] = {"spec": str(spec), **summarize_stage(metrics.paper_level(recs), data.seen, cfg.n_boot,
+                                                           cfg.seed)}
         if len(geodef.attacked_levels(insts)) > 1:
             out[label]["by_attacked"] = attacked_stage(recs, cfg.k, cfg.n_boot, cfg.seed)
         if getattr(cfg, "certify", False) and spec.kind in rankers.LOCAL:        # rerank-eval --certify

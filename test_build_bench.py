@@ -7,6 +7,7 @@ Run: python -m pytest -q test_build_bench.py
 """
 import importlib.util
 import json
+import math
 import os
 import threading
 
@@ -455,6 +456,12 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
         rs = [r for r in recs if r.get("attacked", 1) == int(lv)]
         assert block["n"] == len(rs) and block["any_exposure"] == pytest.approx(
             100 * sum(r.get("any_exposed", r["exposed"]) for r in rs) / len(rs))
+    one = [r for r in recs if r.get("attacked", 1) == 1]            # the headline: the paper's lists only
+    assert stage["overall"]["n"] == len(one) < len(recs)
+    assert stage["overall"]["exposure"] == pytest.approx(100 * sum(r["exposed"] for r in one) / len(one))
+    n = len(recs[0]["ranking"])                              # a random top 2 of n candidates holds one of 3
+    assert stage["by_attacked"]["3"]["chance_any_in_topk"] == pytest.approx(100 * (1 - math.comb(n - 3, 2) /
+                                                                                  math.comb(n, 2)))
     k3 = [r for r in recs if r.get("attacked") == 3]
     assert k3 and all(r["attacks_in_topk"] == len({i for i in r["ranking"][:2] if "#" in i}) for r in k3)
     cert = [json.loads(x) for x in open(d / "r" / "rk" / "results" / "certify-base.jsonl", encoding="utf-8")]

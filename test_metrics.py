@@ -37,6 +37,15 @@ def test_balanced_order_exactly_half():
     assert metrics.balanced_order(list(reversed(ids))) == o
 
 
+def test_the_chance_that_a_random_top_k_holds_an_attacked_document_is_hypergeometric():
+    assert metrics.chance_any_in_topk(10, 3, 5) == pytest.approx(1 - 21 / 252)       # 91.7%: the issue's K = 3
+    assert metrics.chance_any_in_topk(10, 1, 5) == pytest.approx(0.5)
+    assert metrics.chance_any_in_topk(10, 6, 5) == 1.0                               # fewer benign than k
+    rng = np.random.default_rng(0)                                                   # against random top-5s
+    draws = np.argsort(rng.random((20000, 10)), axis=1)[:, :5]
+    assert (draws < 3).any(axis=1).mean() == pytest.approx(1 - 21 / 252, abs=0.01)
+
+
 def test_the_reported_samples_interval_covers_at_its_nominal_level():
     """eval --samples: the reported 95% CI (groups-only, of each instance's mean over its samples) covers the
     true ASR in 92-98% of 400 simulated evaluations with known group and answer variance (40 groups of 2

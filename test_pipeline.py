@@ -710,3 +710,8 @@ def test_a_list_with_several_attacks_counts_any_of_them_and_their_shares():
     by = s["by_attacked"]["c"]
     assert by["3"]["ASR"] == 100 and by["1"]["ASR"] == 0 and by["3"]["topk_attack_share"] == pytest.approx(50)
     assert by["3"]["citation_share"] == pytest.approx(200 / 3) and by["1"]["exposure"] == 100
+    # the source's rewrite apart, each attacked document's mean, and the chance that a random top 4 of 6 holds
+    # one: certain at K = 3 (only 3 are benign), 1 - C(5, 4)/C(6, 4) at K = 1
+    assert by["3"]["source_ASR"] == 100 and by["1"]["source_ASR"] == 0 and by["3"]["source_exposure"] == 100
+    assert by["3"]["mean_ASR"] == pytest.approx(200 / 3) and by["3"]["mean_exposure"] == pytest.approx(200 / 3)
+    assert by["3"]["chance_any_in_topk"] == 100 and by["1"]["chance_any_in_topk"] == pytest.approx(100 * (1 - 5 / 15))
