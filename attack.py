@@ -17,15 +17,18 @@ kept), then asks an LLM fidelity judge; the best surviving candidate by the targ
 the next round. Budgets are nested: one run at the largest budget records every candidate in order,
 and budget B's document is the best of the first B, so the curve is monotone and costs one run.
 
-`--algorithm repair` runs another algorithm in the same loop: the diagnose-and-repair attacker of
-AgentGEO (arXiv 2603.09296), which asks why the document is not cited and repairs that failure. Each
-round it names one failure mode (REPAIR_MODES, ours: the answer comes late, the query's terms are
-missing, the answer is hard to extract, the competitor states it more directly) and writes C
-candidates, each the current best with one targeted repair; a candidate changing more than
-MAX_REPAIR_EDIT of the words is refused before the judge (AgentGEO changes about 5% of a document).
-Deviations: AgentGEO's taxonomy spans the stages of a citation pipeline and its repairs are tools it
-calls and iterates until the document is cited; here one call diagnoses and repairs, and the target
-reranker's rank is the signal, as for MAGEO's loop.
+`--algorithm repair` runs another algorithm in the same loop, an attacker of ours after AgentGEO's
+diagnose-and-repair loop (arXiv 2603.09296), which asks why the document is not cited and repairs that
+failure with small edits. Its candidate 0 is the source itself (`--start source`, the default; `--start
+rewrite` starts from the benchmark's rewrite, which carries the very family template the Shield trained
+on). Each round it names one failure mode (REPAIR_MODES, ours: the answer comes late, the query's terms
+are missing, the answer is hard to extract, the competitor states it more directly) and writes C
+candidates, each the current best with one targeted repair; a candidate whose words differ from the
+source's by more than --edit-budget (default 10% of the source's words, cumulative over the rounds;
+AgentGEO reports about 5% in total) is refused before the judge, and every record carries its edit
+fraction. Deviations: AgentGEO's taxonomy spans the stages of a citation pipeline and its repairs are
+tools it calls and iterates until the engine cites the document; here one call diagnoses and repairs,
+and the target reranker's rank is the signal, as for MAGEO's loop (not the engine's citation).
 
 Each budget's documents then replace the static attack and the paper's pipelines are evaluated end to
 end (Non-Defense, Shield only, TFSG only, GEO Defender), with the injection defenses of defenses.py on
@@ -92,7 +95,6 @@ REPAIR_MODES = {
     "weaker_than_competitor": "the top competitor states the answer more directly: state the same answer as "
                               "plainly, from the document's own facts",
 }
-MAX_REPAIR_EDIT = 0.3      # share of the current rewrite's words a repair may change (AgentGEO: ~5% on average)
 REPAIR_INSTRUCTION = (
     "You diagnose why a web document is not ranked among the top results a generative search engine cites for "
     "a query, then repair it. First name the failure mode that best explains its rank, one of the modes in the "
@@ -159,15 +161,17 @@ ALGORITHMS = ("mageo", "repair")
 
 class Attack:
     """One adaptive attack run: a target ranker, an attacker and a judge client, the settings. algorithm
-    "mageo": MAGEO's loop of full rewrites (the module docstring); "repair": the diagnose-and-repair
-    attacker (REPAIR_MODES), each candidate the current best with one targeted repair, refused when it
-    changes more than MAX_REPAIR_EDIT of its words."""
+    "mageo": MAGEO's loop of full rewrites from the benchmark's rewrite (the module docstring); "repair":
+    the diagnose-and-repair attacker (REPAIR_MODES) from cfg.start (the source, or the benchmark's
+    rewrite), each candidate the current best with one targeted repair, refused when its words differ
+    from the source's by more than cfg.edit_budget of them (cumulative)."""
 
     def __init__(self, cfg, target_label, target, attacker, judge, rounds, per_round, budget, lib=None, seed=None,
                  algorithm="mageo"):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"attack algorithm {algorithm!r}: one of {ALGORITHMS}")
         self.cfg, self.label, self.target, self.seed, self.algorithm = cfg, target_label, target, seed, algorithm
+        self.from_source = algorithm == "repair" and cfg.start == "source"
         self.attacker, self.judge = attacker, judge
         self.rounds, self.per_round, self.budget = rounds, per_round, budget
         self.rules = [{k: r.get(k) for k in ("rule_type", "description", "trigger_signals", "action")}
@@ -187,9 +191,12 @@ class Attack:
     def run(self, insts):
         """Every instance's candidates in budget order -> {instance_id: [candidate record, ...]}."""
         cands = {x.instance_id: [] for x in insts}
-        for x, (s, r) in zip(insts, self.score(insts)):
-            cands[x.instance_id].append({"n": 0, "round": 0, "sid": "", "text": x.docs[x.attack_index],
-                                         "accepted": True, "reason": "the benchmark's rewrite", "score": s, "rank": r})
+        first = [with_doc(x, x.source, "@source") for x in insts] if self.from_source else insts
+        for x, y, (s, r) in zip(insts, first, self.score(first)):
+            cands[x.instance_id].append({"n": 0, "round": 0, "sid": "@source" if self.from_source else "",
+                                         "text": y.docs[y.attack_index], "accepted": True,
+                                         "reason": "the source" if self.from_source else "the benchmark's rewrite",
+                                         "score": s, "rank": r, **self._edit(x, y.docs[y.attack_index])})
         for rnd in range(1, self.rounds + 1):
             live = [x for x in insts if len(cands[x.instance_id]) < self.budget]
             if not live:
@@ -226,12 +233,11 @@ class Attack:
     def _gate_and_score(self, live, cands, proposals, rnd):
         checks, modes = [], []                         # (instance, candidate, cheap verdict); its diagnosis
         for x, (mode, texts) in zip(live, proposals):
-            cur = cands[x.instance_id][best_of(cands[x.instance_id], len(cands[x.instance_id]))]["text"]
             for t in texts:
                 why = "the attacker returned fewer rewrites" if t is None else cheap_gate(x.source, t)
-                if why is None and mode is not None and edit_share(cur, t) > MAX_REPAIR_EDIT:
-                    why = f"changes {100 * edit_share(cur, t):.0f}% of the words (a repair: at most " \
-                          f"{100 * MAX_REPAIR_EDIT:.0f}%)"
+                if why is None and mode is not None and edit_share(x.source, t) > self.cfg.edit_budget:
+                    why = f"differs from the source by {100 * edit_share(x.source, t):.0f}% of its words (the " \
+                          f"repair attacker's budget: {100 * self.cfg.edit_budget:.0f}%)"
                 checks.append((x, t, why))
                 modes.append(mode)
         to_judge = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None]
@@ -247,7 +253,13 @@ class Attack:
             s, r = scored.get(i, (None, None))
             cs.append({"n": len(cs), "round": rnd, "sid": f"~{rnd}.{i}", "text": t, "accepted": ok,
                        "reason": why or verdict.get(i) or "accepted", "score": s, "rank": r,
-                       **({"diagnosis": modes[i]} if modes[i] else {})})
+                       **({"diagnosis": modes[i]} if modes[i] else {}), **self._edit(x, t)})
+
+    def _edit(self, x, text):
+        """The repair attacker's record of a candidate's edit: the share of the source's words it differs
+        by (edit_share), cumulative over the rounds; {} for MAGEO's loop, whose records stay as they were."""
+        return {"edit_fraction": round(edit_share(x.source, text), 4)} if self.algorithm == "repair" and text \
+            else {}
 
 
 def with_doc(x, text, suffix=""):
@@ -350,7 +362,8 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     settings = {"target": str(spec), "attacker": attacker_spec or cfg.llm, "judge": cfg.judge or cfg.llm,
                 "budget": budget, "rounds": rounds, "per_round": per_round,
                 "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD, "library": lib_digest if aware else None,
-                **({"algorithm": "repair", "max_repair_edit": MAX_REPAIR_EDIT} if cfg.algorithm == "repair" else {})}
+                **({"algorithm": "repair", "start": cfg.start, "edit_budget": cfg.edit_budget}
+                   if cfg.algorithm == "repair" else {})}
     check_settings(cfg, f"{label}-{mode}", settings)
     base, shield = load_rankers(run, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \

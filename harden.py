@@ -296,7 +296,8 @@ def check_settings(cfg):
             "unaware", "restart", "judge", "max_tokens")
     now = {k: getattr(cfg, k) for k in keys}
     if cfg.algorithm != "mageo" or (cfg.test_algorithm or cfg.algorithm) != "mageo":   # not MAGEO's on both sides
-        now.update(algorithm=cfg.algorithm, test_algorithm=cfg.test_algorithm or cfg.algorithm)
+        now.update(algorithm=cfg.algorithm, test_algorithm=cfg.test_algorithm or cfg.algorithm, start=cfg.start,
+                   edit_budget=cfg.edit_budget)         # the repair attacker's first document and budget
     path = os.path.join(cfg.run_dir, "harden", "settings.json")
     old = read_json(path)
     if old is not None and old != now:     # a record without the algorithms was made with MAGEO's on both sides

@@ -381,8 +381,13 @@ class AttackerSettings(Settings):
     attacker: str = setting(None, "attacker LLM, provider:model (default: the target LLM; harden: the training-side "
                                   "attacker)")
     algorithm: str = setting("mageo", "the attacker's algorithm: mageo (MAGEO's loop of full rewrites) or repair "
-                                      "(AgentGEO's diagnose-and-repair, small edits; harden: the training side's)",
-                             choices=("mageo", "repair"))
+                                      "(ours after AgentGEO's diagnose-and-repair, small edits; harden: the training "
+                                      "side's)", choices=("mageo", "repair"))
+    start: str = setting("source", "the repair attacker's first document: the source, or the benchmark's rewrite "
+                                   "(MAGEO's loop always starts from the rewrite)", choices=("source", "rewrite"))
+    edit_budget: float = setting(0.10, "the repair attacker's budget: the share of the source's words its document "
+                                       "may differ by, over all its rounds (AgentGEO: about 5%)",
+                                 ok=lambda v: 0 < v <= 1, says="more than 0, at most 1")
 
 
 @dataclass(frozen=True)

@@ -244,10 +244,12 @@ def test_a_failed_attack_pins_no_settings(demo_copy, monkeypatch):
     assert not (demo_copy / "demo" / "results" / "attack-settings.json").exists()
 
 
-def test_the_diagnose_and_repair_attacker_makes_small_targeted_edits(attacked, tmp_path):
-    """--algorithm repair (AgentGEO's loop): every candidate carries the failure mode its round diagnosed,
-    each accepted one changes at most MAX_REPAIR_EDIT of the words of the best before it, its files and
-    summary block sit beside MAGEO's (kept), and the report names the algorithm."""
+def test_the_diagnose_and_repair_attacker_starts_from_the_source_within_its_edit_budget(attacked, tmp_path):
+    """--algorithm repair (ours after AgentGEO's loop): candidate 0 is the source, not the benchmark's rewrite;
+    every candidate carries the failure mode its round diagnosed and its edit fraction against the source,
+    and an accepted one differs from the source by at most --edit-budget of its words (10%), cumulative over
+    the rounds; its files and summary block sit beside MAGEO's (kept), and the report names the algorithm.
+    A rerun with --start rewrite is refused: the finished records were made from the source."""
     out = tmp_path / "o"
     shutil.copytree(attacked[0].parent / "just-attacked", out)
     before = json.load(open(out / "demo" / "summary.json"))["attack"]["shield"]["unaware"]
@@ -258,22 +260,26 @@ def test_the_diagnose_and_repair_attacker_makes_small_targeted_edits(attacked, t
     by = {}
     for r in recs:
         by.setdefault(r["instance_id"], []).append(r)
-    accepted = 0
+    accepted, refused = 0, 0
     for cs in by.values():
         assert len(cs) == 3 and all(c["diagnosis"] in attack.REPAIR_MODES for c in cs[1:])
-        best = cs[0]["text"]
+        source = cs[0]["text"]
+        assert cs[0]["reason"] == "the source" and cs[0]["edit_fraction"] == 0
         for c in cs[1:]:
-            if c["accepted"]:
-                accepted += 1
-                assert attack.edit_share(best, c["text"]) <= attack.MAX_REPAIR_EDIT
+            assert c["edit_fraction"] == round(attack.edit_share(source, c["text"]), 4)
+            accepted += c["accepted"]
+            assert not c["accepted"] or c["edit_fraction"] <= 0.10
+            refused += "differs from the source by" in c["reason"]
         assert cs[1]["text"] != cs[2]["text"]                      # two repairs, not one twice
-    assert accepted > 0
+    assert accepted > 0 and refused > 0
     assert "diagnose-and-repair, AgentGEO" in (out / "demo" / "attack_report.md").read_text()
+    with pytest.raises(SystemExit, match="different start"):     # the finished files were made from the source
+        run.main(_argv(out, "--algorithm", "repair", "--budgets", "1,3", "--start", "rewrite"))
 
 
 def test_a_repairs_edit_share_is_the_share_of_words_it_changes():
     """edit_share: the share of words a candidate changes (what the repair loop refuses above
-    MAX_REPAIR_EDIT before any judge call)."""
+    --edit-budget of the source's words before any judge call)."""
     cur = " ".join(f"word{i}" for i in range(100))
     small = cur.replace("word5 ", "word5 and ", 1)
     whole = " ".join(f"other{i}" for i in range(100))

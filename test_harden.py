@@ -318,7 +318,8 @@ def test_changed_settings_are_refused_on_a_hardened_run(hardened, tmp_path):
 
 def test_a_test_attacker_of_another_algorithm_is_recorded_and_labelled(demo_run, tmp_path):
     """--test-algorithm repair: the training rounds attack with MAGEO's loop, every fresh test attacker with
-    the diagnose-and-repair loop (its candidates carry their diagnosis); harden/settings.json pins both and
+    the diagnose-and-repair loop from the source (its candidates carry their diagnosis and edit fraction), as
+    attack's defaults; harden/settings.json pins both algorithms, the start and the edit budget, and
     the report calls the test attacker out of distribution."""
     shutil.copytree(demo_run.parent, tmp_path / "o")
     run.main(["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "1", "--budget", "3",
@@ -328,7 +329,10 @@ def test_a_test_attacker_of_another_algorithm_is_recorded_and_labelled(demo_run,
     for k in (0, 1):
         test = [c for c in lines(h / f"round-{k}" / "attack-test.jsonl") if c["n"] > 0]
         assert test and all(c["diagnosis"] in attack.REPAIR_MODES for c in test)
+        first = [c for c in lines(h / f"round-{k}" / "attack-test.jsonl") if c["n"] == 0]
+        assert first and all(c["reason"] == "the source" and c["edit_fraction"] == 0 for c in first)
     assert not any("diagnosis" in c for c in lines(h / "round-1" / "attack-train.jsonl"))
     pinned = json.load(open(h / "settings.json"))
     assert pinned["algorithm"] == "mageo" and pinned["test_algorithm"] == "repair"
+    assert pinned["start"] == "source" and pinned["edit_budget"] == 0.1
     assert "diagnose-and-repair (AgentGEO): out of distribution" in (h.parent / "harden_report.md").read_text()
