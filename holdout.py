@@ -13,12 +13,16 @@ multiplicity correction across families). The protocol:
 
 For each family F the construction groups hold (build-bench --construction-families all writes all
 seven), a Shield is trained on the construction instances of every family but F (Eqs. 1-5, the run's
-settings otherwise) and, with the same settings, one on every family ("all", the reference). On the
-test split, for each fold (test instances of every method, the reranker stage alone, no LLM):
+settings otherwise) and, with the same settings, one on every family ("all", a plain reference row). On
+the test split, for each fold (test instances of every method, the reranker stage alone, no LLM):
 - held out: F's exposure@k under the fold's Shield, beside the base reranker's;
 - trained: the exposure@k of the families the fold's Shield trained on, beside the base's;
-- gap vs seen: F's exposure under the Shield trained without F minus under the Shield trained with it
-  ("all"), paired on the same instances: what not having seen F costs;
+- gap vs seen: F's exposure under the Shield trained without F minus its mean exposure under the
+  Shields trained without another held-out family G (each saw F, and trained on as many families and
+  optimizer steps as the -F fold), per query group, paired on the same instances: what not having seen
+  F costs, size-matched. "all" trains on one family more and picks its epoch on a monitoring split that
+  holds F, so no gap is computed against it; with one held-out family there is no matched reference
+  and no gap vs seen;
 - gap vs trained: the drop the fold's Shield makes on its trained families (base minus Shield, per
   group) minus the drop it makes on F: how much less it removes of a family it did not see.
 Each gap has a 95% CI from the query-cluster bootstrap (metrics.cluster_bootstrap_ci); positive gaps
@@ -31,8 +35,8 @@ rewritten whole from the folds' records, so a killed holdout reruns to the same 
 
 With --llm-stage each fold also builds its TFSG library on its trained families' construction instances
 (train's TFSG stage) and evaluates "Shield only" and "GEO Defender" end to end (eval's records in the
-fold's results/): per F its ASR under the fold's defense, under the all-families defense (+F) and on the
-trained families, and the gap vs seen with its CI.
+fold's results/): per F its ASR under the fold's defense, under the matched defenses (+F, as above), under
+the all-families one and on the trained families, and the gap vs seen with its CI.
 
 Usage: python run.py holdout --name gpt55      (a trained run's settings; or --bench and the rest)
 """
@@ -150,8 +154,20 @@ def by_group(recs, methods, base=None, key="exposed"):
     return out
 
 
-def fold_row(cfg, family, trained, recs, ref):
-    """One held-out family's row of the table (see the module docstring)."""
+def matched(others, family, label="shield", key="exposed"):
+    """F's `key` under the folds `others` (each trained without another family G, so on F; the -F fold's
+    size), per query group: the mean over G of each fold's group mean -> ({group_id: [value]}, the mean
+    over G of each fold's rate); ({}, None) without another fold."""
+    per = [{g: sum(v) / len(v) for g, v in by_group(recs[label], [family], key=key).items()} for recs in others]
+    groups = set.intersection(*map(set, per)) if per else set()
+    rates = [rate(recs[label], [family], key) for recs in others]
+    return ({g: [sum(p[g] for p in per) / len(per)] for g in sorted(groups)},
+            sum(rates) / len(rates) if rates and None not in rates else None)
+
+
+def fold_row(cfg, family, trained, recs, ref, others):
+    """One held-out family's row of the table (see the module docstring). others: the records of the folds
+    trained without another held-out family (the size-matched reference)."""
     base, shield = recs["base"], recs["shield"]
     row = {"family": family, "trained_on": trained}
     for name, ms in (("held_out", [family]), ("trained", trained)):
@@ -160,15 +176,16 @@ def fold_row(cfg, family, trained, recs, ref):
                                           n_boot=cfg.n_boot, seed=cfg.seed) if rs else None
         row[name] = {"instances": len(rs), "base_exposure": rate(base, ms),
                      "shield_exposure": rate(shield, ms), "shield_exposure_ci": list(ci) if ci else None}
-    row["seen_exposure"] = rate(ref["shield"], [family])
-    row["gap_vs_seen"] = paired_gap(cfg, by_group(shield, [family]), by_group(ref["shield"], [family]))
+    seen, row["seen_exposure"] = matched(others, family)
+    row.update(all_exposure=rate(ref["shield"], [family]), matched_folds=len(others),
+               gap_vs_seen=paired_gap(cfg, by_group(shield, [family]), seen))
     row["gap_vs_trained"] = paired_gap(cfg, by_group(shield, trained, base), by_group(shield, [family], base))
     for c in (c for c in LLM_CONDITIONS if c in recs):        # --llm-stage: ASR end to end
+        seen_c, seen_rate = matched(others, family, c, "attack_cited")
         row.setdefault("asr", {})[c] = {
             "held_out": rate(recs[c], [family], "attack_cited"), "trained": rate(recs[c], trained, "attack_cited"),
-            "seen": rate(ref[c], [family], "attack_cited"),
-            "gap_vs_seen": paired_gap(cfg, by_group(recs[c], [family], key="attack_cited"),
-                                      by_group(ref[c], [family], key="attack_cited"))}
+            "seen": seen_rate, "all": rate(ref[c], [family], "attack_cited"),
+            "gap_vs_seen": paired_gap(cfg, by_group(recs[c], [family], key="attack_cited"), seen_c)}
     return row
 
 
@@ -182,7 +199,9 @@ def holdout(run):
             f"{fcfg.seen_methods}")
         recs[name] = run_fold(run, fcfg, cfg.llm_stage)
     ref = recs[ALL]
-    rows = [fold_row(cfg, family, fcfg.seen_methods.split(","), recs[name], ref)
+    held = [family for _, family, _ in plan if family is not None]
+    rows = [fold_row(cfg, family, fcfg.seen_methods.split(","), recs[name], ref,
+                     [recs[f"without-{g}"] for g in held if g != family])
             for name, family, fcfg in plan if family is not None]
     unseen = [m for m in data.methods if m not in data.meta.construction()]
     summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
@@ -226,16 +245,17 @@ def gap_text(g):
 
 
 def cells(r):
-    """One fold's row as text: F, base, Shield -F, Shield +F, the trained families, the two gaps."""
+    """One fold's row as text: F, base, Shield -F, Shield +F (size-matched), Shield all, the trained
+    families, the two gaps."""
     return [r["family"], pct(r["held_out"]["base_exposure"]), pct(r["held_out"]["shield_exposure"]),
-            pct(r["seen_exposure"]), pct(r["trained"]["shield_exposure"]), gap_text(r["gap_vs_seen"]),
-            gap_text(r["gap_vs_trained"])]
+            pct(r["seen_exposure"]), pct(r.get("all_exposure")), pct(r["trained"]["shield_exposure"]),
+            gap_text(r["gap_vs_seen"]), gap_text(r["gap_vs_trained"])]
 
 
 def table(s):
     """The held-out table as text (run.py prints it)."""
-    widths = (14, 8, 11, 11, 9, 22, 22)
-    head = ("held out", "base", "Shield -F", "Shield +F", "trained", "gap vs seen", "gap vs trained")
+    widths = (14, 8, 11, 11, 11, 9, 22, 22)
+    head = ("held out", "base", "Shield -F", "Shield +F", "Shield all", "trained", "gap vs seen", "gap vs trained")
     line = lambda cs: "".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cs, widths)))
     rows = [line(head)] + [line(cells(r)) for r in s["folds"]]
     return f"exposure@{s['k']} (%) on the test split\n" + "\n".join(rows)
@@ -248,32 +268,37 @@ def write_report(out, s):
     lines += [f"# Leave-one-family-out: {os.path.basename(os.path.dirname(os.path.normpath(out)))}\n",
               f"Benchmark {s['bench']}, {s['test_groups']} test groups; construction families "
               f"{', '.join(s['construction_families'])}. Exposure@{k}: the attack document in the reranker's top "
-              f"{k} (%). Shield -F: trained without the held-out family F; Shield +F: trained on every construction "
-              "family. Gap vs seen: Shield -F minus Shield +F on F's instances (what not seeing F costs); gap vs "
-              "trained: the drop (base minus Shield) on the fold's trained families minus the drop on F. Positive "
-              "gaps: the held-out family gets through more. 95% CIs over query groups.\n"]
-    head = ["Held out (F)", "Base", "Shield -F", "Shield +F", "Trained families (Shield -F)", "Gap vs seen",
-            "Gap vs trained"]
+              f"{k} (%). Shield -F: trained without the held-out family F; Shield +F: the mean over the Shields "
+              "trained without another held-out family G, each of which saw F on as much data as Shield -F "
+              "(size-matched; none with one held-out family); Shield all: trained on every construction family, "
+              "a plain reference (one family more, its epoch picked on a split that holds F). Gap vs seen: Shield "
+              "-F minus Shield +F on F's instances, per query group (what not seeing F costs); gap vs trained: the "
+              "drop (base minus Shield) on the fold's trained families minus the drop on F. Positive gaps: the "
+              "held-out family gets through more. 95% CIs over query groups only (one training seed, one set of "
+              "construction groups); several families read at once, no multiplicity correction.\n"]
+    head = ["Held out (F)", "Base", "Shield -F", "Shield +F (matched)", "Shield all", "Trained families (Shield -F)",
+            "Gap vs seen", "Gap vs trained"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells(r)) + " |" for r in s["folds"]] + [""]
     if any("asr" in r for r in s["folds"]):          # --llm-stage
         conds = list(s["folds"][0]["asr"])
-        head = ["Held out (F)"] + [f"{c} ASR: {w}" for c in conds for w in ("-F on F", "+F on F", "-F on trained",
+        head = ["Held out (F)"] + [f"{c} ASR: {w}" for c in conds for w in ("-F on F", "+F on F (matched)",
+                                                                             "all on F", "-F on trained",
                                                                              "gap vs seen")]
         lines += ["ASR (%) end to end: each fold's Shield and TFSG library (`--llm-stage`).\n",
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join([r["family"]] + [x for c in conds for x in (
-            pct(r["asr"][c]["held_out"]), pct(r["asr"][c]["seen"]), pct(r["asr"][c]["trained"]),
-            gap_text(r["asr"][c]["gap_vs_seen"]))]) + " |" for r in s["folds"]] + [""]
+            pct(r["asr"][c]["held_out"]), pct(r["asr"][c]["seen"]), pct(r["asr"][c].get("all")),
+            pct(r["asr"][c]["trained"]), gap_text(r["asr"][c]["gap_vs_seen"]))]) + " |" for r in s["folds"]] + [""]
     if s["never_trained"]:
         lines.append("Families no fold trains on (no construction instances), under the all-families Shield: "
                      + ", ".join(f"{m} {pct(v)}" for m, v in s["never_trained"].items()) + ".\n")
-    series = ["base", "Shield -F (held out)", "Shield +F (seen)"]
+    series = ["base", "Shield -F (held out)", "Shield +F (matched)", "Shield all"]
     values = {}
     for r in s["folds"]:
         values.update({(r["family"], series[0]): r["held_out"]["base_exposure"],
                        (r["family"], series[1]): r["held_out"]["shield_exposure"],
-                       (r["family"], series[2]): r["seen_exposure"]})
+                       (r["family"], series[2]): r["seen_exposure"], (r["family"], series[3]): r.get("all_exposure")})
     os.makedirs(os.path.join(out, "figures"), exist_ok=True)
     with open(os.path.join(out, "figures", "holdout.svg"), "w", encoding="utf-8") as f:
         f.write(figures.svg_bars(f"Each family held out: exposure@{k}", [r["family"] for r in s["folds"]], series,

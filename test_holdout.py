@@ -11,7 +11,7 @@ import train
 
 def argv(out, *extra):
     return ["holdout", "--runs-dir", str(out), "--name", "h", "--preset", "tiny-demo", "--epochs", "1",
-            "--families", "AutoGEO", "--max-test-groups", "4", "--n-boot", "200", *extra]
+            "--families", "AutoGEO,MAGEO", "--max-test-groups", "4", "--n-boot", "200", *extra]
 
 
 # the LLM stage on a TFSG schedule the folds' fewer construction instances fill
@@ -45,20 +45,24 @@ def mean(xs):
 
 def test_each_fold_trains_without_its_family_and_the_table_is_its_records(held):
     run_dir, s, trained = held
-    assert trained == {"without-AutoGEO": ["AgenticGEO", "MAGEO"], "all": ["AgenticGEO", "AutoGEO", "MAGEO"]}
+    assert trained == {"without-AutoGEO": ["AgenticGEO", "MAGEO"], "without-MAGEO": ["AgenticGEO", "AutoGEO"],
+                       "all": ["AgenticGEO", "AutoGEO", "MAGEO"]}
     assert json.load(open(run_dir / "holdout" / "without-AutoGEO" / "config.json"))["config"]["seen_methods"] == \
         "AgenticGEO,MAGEO"
-    (row,) = s["folds"]
+    row = s["folds"][0]
     wo, ref, base = records(run_dir, "without-AutoGEO"), records(run_dir, "all"), records(run_dir, "all", "base")
+    matched = records(run_dir, "without-MAGEO")             # saw AutoGEO, on as many families as without-AutoGEO
     held_out = [r for r in wo if r["method"] == "AutoGEO"]
     assert len(held_out) == 4 and row["held_out"]["instances"] == 4
     assert row["held_out"]["shield_exposure"] == pytest.approx(100 * mean([r["exposed"] for r in held_out]))
     assert row["held_out"]["base_exposure"] == pytest.approx(
         100 * mean([r["exposed"] for r in base if r["method"] == "AutoGEO"]))
-    assert row["seen_exposure"] == pytest.approx(100 * mean([r["exposed"] for r in ref if r["method"] == "AutoGEO"]))
-    # gap vs seen: paired by group, the fold's Shield minus the all-families Shield on AutoGEO's instances
+    assert row["all_exposure"] == pytest.approx(100 * mean([r["exposed"] for r in ref if r["method"] == "AutoGEO"]))
+    assert row["seen_exposure"] == pytest.approx(
+        100 * mean([r["exposed"] for r in matched if r["method"] == "AutoGEO"]))
+    # gap vs seen: paired by group, the fold's Shield minus the size-matched one (without MAGEO), never "all"
     per = lambda rs: {r["group_id"]: 100 * r["exposed"] for r in rs if r["method"] == "AutoGEO"}
-    a, b = per(wo), per(ref)
+    a, b = per(wo), per(matched)
     assert row["gap_vs_seen"]["gap"] == pytest.approx(mean([a[g] - b[g] for g in a]))
     lo, hi = row["gap_vs_seen"]["gap_ci"]
     assert lo <= row["gap_vs_seen"]["gap"] <= hi and row["gap_vs_seen"]["groups"] == 4
@@ -108,16 +112,17 @@ def test_the_llm_stage_builds_each_folds_library_and_measures_asr_end_to_end(hel
     and GEO Defender (eval's records in the fold); the ASR table is those records'. A schedule the folds'
     fewer construction instances cannot fill is refused before any training."""
     run_dir, s, _ = held
-    (row,) = s["folds"]
+    row = s["folds"][0]
     h = run_dir / "holdout"
-    for fold in ("without-AutoGEO", "all"):
+    for fold in ("without-AutoGEO", "without-MAGEO", "all"):
         assert (h / fold / "library" / "E2.json").is_file()
     for cond, slug in (("Shield only", "shield_only"), ("GEO Defender", "geo_defender")):
         recs = {f: [json.loads(x) for x in open(h / f / "results" / f"{slug}.jsonl")]
-                for f in ("without-AutoGEO", "all")}
+                for f in ("without-AutoGEO", "without-MAGEO", "all")}
         asr = lambda rs, ms: 100 * mean([r["attack_cited"] for r in rs if r["method"] in ms])
         assert row["asr"][cond]["held_out"] == pytest.approx(asr(recs["without-AutoGEO"], ["AutoGEO"]))
-        assert row["asr"][cond]["seen"] == pytest.approx(asr(recs["all"], ["AutoGEO"]))
+        assert row["asr"][cond]["seen"] == pytest.approx(asr(recs["without-MAGEO"], ["AutoGEO"]))
+        assert row["asr"][cond]["all"] == pytest.approx(asr(recs["all"], ["AutoGEO"]))
         assert row["asr"][cond]["trained"] == pytest.approx(asr(recs["without-AutoGEO"], ["AgenticGEO", "MAGEO"]))
     assert "ASR (%) end to end" in (h / "report.md").read_text()
     plan = run.main(argv(tmp_path, *LLM_STAGE, "--dry-run"))
