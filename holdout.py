@@ -9,7 +9,9 @@ weaker question of every family in turn: does a Shield trained on all the other 
 more? It is not the paper's three-seen, four-unseen regime. Its gap vs seen compares with a reference
 trained on one family more (more optimizer steps, an epoch chosen on a monitoring split that holds F),
 and its intervals cover the test groups only (one training seed, one set of construction groups, no
-multiplicity correction across families). The protocol:
+multiplicity correction across families). `--seen-size S` runs the paper's regime instead (regime):
+folds trained on S-family subsets, on equal numbers of instances, under several seeds, read as unseen
+minus seen with a CI over folds and groups. Leave-one-out's protocol:
 
 For each family F the construction groups hold (build-bench --construction-families all writes all
 seven), a Shield is trained on the construction instances of every family but F (Eqs. 1-5, the run's
@@ -41,7 +43,12 @@ the all-families one and on the trained families, and the gap vs seen with its C
 Usage: python run.py holdout --name gpt55      (a trained run's settings; or --bench and the rest)
 """
 import dataclasses
+import itertools
+import json
 import os
+import random
+
+import numpy as np
 
 import geodef
 import figures
@@ -100,18 +107,20 @@ def folds(run):
 LLM_CONDITIONS = ("Shield only", "GEO Defender")      # --llm-stage: the fold's defense end to end
 
 
-def fold_run(run, fcfg):
+def fold_run(run, fcfg, construction=None):
     """A fold's Run: the holdout's services and its benchmark as read once (the same groups and split),
-    with the fold's settings and seen families."""
-    return run.with_settings(fcfg, run.data._replace(seen=fcfg.seen_methods.split(",")))
+    with the fold's settings and seen families; construction: its own construction groups (the paper's
+    regime trains every fold on as many instances, equal_size)."""
+    data = run.data._replace(seen=fcfg.seen_methods.split(","))
+    return run.with_settings(fcfg, data if construction is None else data._replace(construction=construction))
 
 
-def run_fold(run, fcfg, llm_stage=False):
+def run_fold(run, fcfg, llm_stage=False, construction=None):
     """Train the fold's Shield (resumable) and score the test split with it and the base; with llm_stage
     also build its TFSG library (train_tfsg) and evaluate LLM_CONDITIONS (evaluation.evaluate) -> {label:
     [instance records]}: rerank_eval.instance_record's under "base" and "shield", eval's under each
     condition. run: the holdout's Run, whose benchmark every fold reads (read once)."""
-    fold = fold_run(run, fcfg)
+    fold = fold_run(run, fcfg, construction)
     fold.record_or_check("holdout")
     train_shield(fold)
     _, out = rerank_eval.rerank_stage(fold, parse_rerankers(["base", "shield"]), stage="holdout")
@@ -192,6 +201,8 @@ def fold_row(cfg, family, trained, recs, ref, others):
 def holdout(run):
     """Every fold, then holdout/summary.json and holdout/report.md -> the summary."""
     cfg, data = run.cfg, run.data
+    if cfg.seen_size:
+        return regime(run)
     plan = folds(run)
     recs = {}
     for name, family, fcfg in plan:
@@ -220,6 +231,12 @@ def dry_run(run):
     steps, whether its Shield is already trained, the test instances it scores, and with --llm-stage
     the requests its library and its two conditions would send (train's and eval's dry runs)."""
     cfg, data = run.cfg, run.data
+    if cfg.seen_size:
+        return {"folds": {name: {"trained_on": list(seen), "seed": fcfg.seed, "instances": len(
+                    geodef.expand(groups, seen)), "shield_optimizer_steps": cfg.epochs * -(-len(
+                    fold_run(run, fcfg, groups).shield_split(geodef.expand(groups, seen))[0]) // cfg.grad_accum),
+                    "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json"))}
+                          for name, seen, fcfg, groups in regime_folds(run)}, "llm_requests": 0}
     out = {}
     for name, family, fcfg in folds(run):
         opt, _ = fold_run(run, fcfg).shield_split(geodef.expand(data.construction, fcfg.seen_methods.split(",")))
@@ -234,6 +251,121 @@ def dry_run(run):
             out[name]["eval_requests_at_most"] = {"target answers": answers, "ASI judge": answers,
                                                   "pairwise quality judge": n}
     return {"folds": out, **({} if cfg.llm_stage else {"llm_requests": 0})}
+
+
+# ----------------------------------------------------------------------------- the paper's regime (--seen-size S)
+
+
+def equal_size(groups, seen, n, seed):
+    """The construction groups with only n of their rewrites of the `seen` families kept (group and family
+    pairs drawn with the seed), so that every fold of the regime trains on as many instances."""
+    pairs = [(g.group_id, m) for g in groups for m in seen if m in g.attacks]
+    if len(pairs) == n:
+        return groups
+    keep = set(random.Random(seed).sample(pairs, n))
+    return [dataclasses.replace(g, attacks={m: t for m, t in g.attacks.items() if m not in seen
+                                            or (g.group_id, m) in keep}) for g in groups]
+
+
+def regime_folds(run):
+    """--seen-size S -> [(fold name, seen families, fold settings, its construction groups)]: every S-family
+    subset of the construction families (or --subsets of them drawn with the seed), each trained under
+    --seeds seeds (the run's seed, +1, ...), every fold on the smallest subset's number of construction
+    instances (equal_size) and picking its epoch on a monitoring split of its own families. Each fold's
+    Shield split is checked here, before any training."""
+    cfg, data = run.cfg, run.data
+    cons = data.meta.construction()
+    if cfg.llm_stage:
+        raise SettingsError("--seen-size measures the reranker stage; --llm-stage runs with leave-one-out only")
+    if cfg.seen_size > len(cons) or not [m for m in data.methods if m not in cons[:cfg.seen_size]]:
+        raise SettingsError(f"--seen-size {cfg.seen_size}: {cfg.bench}'s construction groups hold {len(cons)} "
+                            f"families ({', '.join(cons)}) and some evaluated family must stay unseen")
+    subsets = list(itertools.combinations(cons, cfg.seen_size))
+    if cfg.subsets and cfg.subsets < len(subsets):
+        picked = set(random.Random(cfg.seed).sample(range(len(subsets)), cfg.subsets))
+        subsets = [a for i, a in enumerate(subsets) if i in picked]
+    size = min(len(geodef.expand(data.construction, a)) for a in subsets)
+    out = []
+    for a in subsets:
+        groups = equal_size(data.construction, a, size, cfg.seed)
+        for j in range(cfg.seeds):
+            name = f"seen-{'_'.join(a)}-seed{j}"
+            fcfg = dataclasses.replace(fold_settings(cfg, name, a), seed=cfg.seed + j)
+            fold_run(run, fcfg, groups).shield_split(geodef.expand(groups, a))
+            out.append((name, a, fcfg, groups))
+    return out
+
+
+def fold_group_bootstrap_ci(diffs, n_boot=10000, seed=0, level=0.95):
+    """Percentile CI of the mean of `diffs` (F folds x G query groups): folds and groups both resampled with
+    replacement, so the interval carries the training's variance (subsets, seeds) with the test groups'."""
+    d = np.asarray(diffs, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, d.shape[0], size=(n_boot, d.shape[0]))
+    cols = rng.integers(0, d.shape[1], size=(n_boot, d.shape[1]))
+    means = np.array([d[r][:, c].mean() for r, c in zip(rows, cols)])
+    a = (1 - level) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def regime(run):
+    """--seen-size S: every fold of regime_folds, then holdout/summary.json and report.md -> the summary:
+    per fold its unseen-minus-seen exposure (paired per query group, CI over groups), and over the folds
+    the mean gap with a CI over folds and groups, and its spread over the subsets."""
+    cfg, data = run.cfg, run.data
+    rows, diffs = [], {}
+    for name, seen, fcfg, groups in regime_folds(run):
+        log(f"[holdout] fold {name}: the Shield trained on {', '.join(seen)} (seed {fcfg.seed})")
+        recs = run_fold(run, fcfg, construction=groups)
+        unseen = [m for m in data.methods if m not in seen]
+        u, s = by_group(recs["shield"], unseen), by_group(recs["shield"], list(seen))
+        diffs[name] = {g: sum(u[g]) / len(u[g]) - sum(s[g]) / len(s[g]) for g in sorted(set(u) & set(s))}
+        done = fold_run(run, fcfg, groups)
+        rows.append({"fold": name, "seen": list(seen), "unseen": unseen, "seed": fcfg.seed,
+                     "instances": len(geodef.expand(groups, seen)),
+                     "steps": (read_done(done) or {}).get("steps"),
+                     "seen_exposure": rate(recs["shield"], seen), "unseen_exposure": rate(recs["shield"], unseen),
+                     "base_seen_exposure": rate(recs["base"], seen),
+                     "base_unseen_exposure": rate(recs["base"], unseen),
+                     "gap": paired_gap(cfg, u, s)})
+    common = sorted(set.intersection(*(set(d) for d in diffs.values())))
+    matrix = [[diffs[f][g] for g in common] for f in diffs]
+    by_subset = {}
+    for r in rows:
+        by_subset.setdefault(", ".join(r["seen"]), []).append(r["gap"]["gap"])
+    subset_gaps = {k: sum(v) / len(v) for k, v in by_subset.items() if None not in v}
+    summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
+               "test_groups": len(data.test), "notes": offline_notes(cfg, data.meta),
+               "regime": {"seen_size": cfg.seen_size, "subsets": len(by_subset), "seeds": cfg.seeds, "folds": rows,
+                          "gap": float(np.mean(matrix)) if common else None,
+                          "gap_ci": list(fold_group_bootstrap_ci(matrix, cfg.n_boot, cfg.seed)) if common else None,
+                          "groups": len(common), "subset_gaps": subset_gaps,
+                          "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None}}
+    out = os.path.join(cfg.run_dir, "holdout")
+    write_json(os.path.join(out, "summary.json"), summary)
+    write_report(out, summary)
+    return summary
+
+
+def read_done(fold):
+    """A fold's shield_done.json (its optimizer steps), or None."""
+    path = fold.path("shield_done.json")
+    return json.load(open(path, encoding="utf-8")) if os.path.isfile(path) else None
+
+
+def regime_table(s):
+    """--seen-size's table as text: per fold its seen families, instances, steps, exposures and gap."""
+    r = s["regime"]
+    lines = [f"exposure@{s['k']} (%) on the test split, trained on {r['seen_size']} families a fold"]
+    lines += [f"{'seen families':<40}{'seed':>5}{'inst':>6}{'steps':>6}{'seen':>7}{'unseen':>8}{'unseen - seen':>24}"]
+    lines += [f"{', '.join(f['seen']):<40}{f['seed']:>5}{f['instances']:>6}{str(f['steps']):>6}"
+              f"{pct(f['seen_exposure']):>7}{pct(f['unseen_exposure']):>8}{gap_text(f['gap']):>24}"
+              for f in r["folds"]]
+    if r["gap"] is not None:
+        lines.append(f"mean over {len(r['folds'])} folds: {r['gap']:+.1f} [{r['gap_ci'][0]:+.1f}, "
+                     f"{r['gap_ci'][1]:+.1f}] (CI over folds and groups); spread over subsets {r['spread'][0]:+.1f} "
+                     f".. {r['spread'][1]:+.1f}")
+    return "\n".join(lines)
 
 
 def pct(v):
@@ -253,7 +385,9 @@ def cells(r):
 
 
 def table(s):
-    """The held-out table as text (run.py prints it)."""
+    """The held-out table as text (run.py prints it); --seen-size's, regime_table."""
+    if "regime" in s:
+        return regime_table(s)
     widths = (14, 8, 11, 11, 11, 9, 22, 22)
     head = ("held out", "base", "Shield -F", "Shield +F", "Shield all", "trained", "gap vs seen", "gap vs trained")
     line = lambda cs: "".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cs, widths)))
@@ -262,9 +396,26 @@ def table(s):
 
 
 def write_report(out, s):
-    """holdout/report.md and holdout/figures/holdout.svg: the table, its reading, the figure."""
+    """holdout/report.md and holdout/figures/holdout.svg: the table, its reading, the figure (--seen-size:
+    its table and reading, no figure)."""
     k, note = s["k"], figures.figure_note(s["notes"])
     lines = (["> **OFFLINE / SIMULATION RUN.** " + " ".join(s["notes"]) + "\n"] if s["notes"] else [])
+    if "regime" in s:
+        r = s["regime"]
+        lines += [f"# Seen and unseen families: {os.path.basename(os.path.dirname(os.path.normpath(out)))}\n",
+                  f"Benchmark {s['bench']}, {s['test_groups']} test groups. Each fold's Shield trains on "
+                  f"{r['seen_size']} of the construction families {', '.join(s['construction_families'])} "
+                  f"({r['subsets']} subsets, {r['seeds']} seed(s) each), every fold on as many construction "
+                  "instances, its epoch picked on a monitoring split of its own families (the paper's regime at "
+                  f"3). Exposure@{k}: the attack document in the reranker's top {k} (%), of the families the fold "
+                  "trained on (seen) and of the others (unseen). Unseen - seen: per query group, then over groups "
+                  "(95% CI over groups per fold). Over the folds: the mean gap with a 95% CI resampling folds and "
+                  "groups (the training's variance included), and its spread over the subsets. The per-fold "
+                  "intervals are not corrected for being read together; the mean over folds is the one figure to "
+                  "read.\n", "```", regime_table(s), "```\n"]
+        with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
+            f.write("\n".join(lines))
+        return
     lines += [f"# Leave-one-family-out: {os.path.basename(os.path.dirname(os.path.normpath(out)))}\n",
               f"Benchmark {s['bench']}, {s['test_groups']} test groups; construction families "
               f"{', '.join(s['construction_families'])}. Exposure@{k}: the attack document in the reranker's top "

@@ -458,6 +458,12 @@ class HoldoutSettings(Settings):
                                    "groups hold)")
     llm_stage: bool = setting(False, "also build each fold's TFSG library and measure ASR under Shield only and GEO "
                                      "Defender end to end (the target, analyzer and judge LLMs)")
+    seen_size: int = setting(0, "train on S-family subsets of the construction families and measure the unseen ones "
+                                "(3: the paper's regime); 0: leave one out", ok=at_least(0))
+    subsets: int = setting(0, "with --seen-size: this many S-family subsets drawn with the seed (0: all of them)",
+                           ok=at_least(0))
+    seeds: int = setting(1, "with --seen-size: training seeds per subset (the run's seed, +1, ...)",
+                         ok=between(1, 100), says="1 to 100")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import holdout
 import run
 import train
 
@@ -129,3 +130,42 @@ def test_the_llm_stage_builds_each_folds_library_and_measures_asr_end_to_end(hel
     assert plan["folds"]["all"]["train"]["target answers"]["requests"] >= 0 and "llm_requests" not in plan
     with pytest.raises(SystemExit, match=r"construction instances fill .* update batches"):
         run.main(argv(tmp_path, "--llm-stage", "--name", "big"))
+
+
+def test_the_papers_regime_trains_equal_folds_on_seen_subsets_and_reads_unseen_minus_seen(tmp_path):
+    """--seen-size 2 --subsets 2 on the sample's three construction families: two folds, each trained on two
+    families and as many construction instances, each fold's unseen-minus-seen exposure its records' (paired
+    per query group), the mean over folds that of the folds x groups matrix with a CI around it; the dry run
+    lists the same folds; the LLM stage and a size the construction families cannot fill are refused."""
+    args = argv(tmp_path, "--seen-size", "2", "--subsets", "2")
+    plan = run.main(args + ["--dry-run"])["folds"]
+    assert len(plan) == 2 and len({f["instances"] for f in plan.values()}) == 1
+    s = run.main(args)
+    r = s["regime"]
+    assert [f["fold"] for f in r["folds"]] == list(plan) and all(len(f["seen"]) == 2 for f in r["folds"])
+    matrix = []
+    for f in r["folds"]:
+        recs = records(tmp_path / "h", f["fold"])
+        per = lambda ms: {g: mean([100 * x["exposed"] for x in recs if x["group_id"] == g and x["method"] in ms])
+                          for g in {x["group_id"] for x in recs}}
+        u, seen = per(f["unseen"]), per(f["seen"])
+        assert f["gap"]["gap"] == pytest.approx(mean([u[g] - seen[g] for g in u]))
+        assert f["instances"] == plan[f["fold"]]["instances"]
+        assert f["steps"] == plan[f["fold"]]["shield_optimizer_steps"]
+        matrix.append([u[g] - seen[g] for g in sorted(u)])
+    assert r["gap"] == pytest.approx(mean([mean(row) for row in matrix]))
+    assert r["gap_ci"][0] <= r["gap"] <= r["gap_ci"][1] and r["spread"][0] <= r["gap"] <= r["spread"][1]
+    assert "Seen and unseen families" in (tmp_path / "h" / "holdout" / "report.md").read_text()
+    with pytest.raises(SystemExit, match="--llm-stage runs with leave-one-out only"):
+        run.main(argv(tmp_path, "--seen-size", "2", "--llm-stage", "--name", "x", "--dry-run"))
+    with pytest.raises(SystemExit, match="--seen-size 4: .* hold 3 families"):
+        run.main(argv(tmp_path, "--seen-size", "4", "--name", "y", "--dry-run"))
+
+
+def test_equal_size_keeps_n_of_the_seen_families_rewrites_drawn_with_the_seed():
+    import geodef
+    groups = [geodef.QueryGroup(f"g{i}", "q", [], 0, {"A": "a", "B": "b", "C": "c"}) for i in range(5)]
+    kept = holdout.equal_size(groups, ("A", "B"), 7, seed=3)
+    assert sum(m in g.attacks for g in kept for m in "AB") == 7 and all("C" in g.attacks for g in kept)
+    assert kept == holdout.equal_size(groups, ("A", "B"), 7, seed=3)
+    assert holdout.equal_size(groups, "AB", 10, 3) is groups                       # already that size
