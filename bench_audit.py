@@ -10,9 +10,16 @@ measures both on the file itself, with no LLM:
   length ratio, surface markers), a multinomial naive Bayes cross-validated by query group, so no
   group's edits are both trained on and scored; its confusion matrix, and the same collapsed to seen
   against unseen. A family the classifier cannot tell from a seen one is an unseen template over seen
-  operations;
-- pairwise distances between families: Jensen-Shannon divergence of their added-n-gram distributions,
-  and the gaps in mean edit size and mean length ratio;
+  operations. Beside its accuracy, a permutation null: the same cross-validation with the family labels
+  shuffled within each query group (PERMUTATIONS times), and the p-value of the observed accuracy;
+- pairwise distances between families: Jensen-Shannon divergence of their added word n-grams alone,
+  with the mean edit size and mean length ratio apart (and the markers in their own table);
+- the question a seen/unseen table rests on, with honest edits in the file (build-bench --honest): do
+  the cues that separate the seen families' rewrites from honest pages separate the unseen families'
+  too? A detector (the same naive Bayes, two classes) trained on the seen families' rewrites against the
+  honest edits and the unedited sources of the other folds' groups scores each held-out group's
+  rewrites and honest edit; per unseen family its ROC AUC against the honest edits and its TPR at 5% FPR
+  (the threshold the honest edits' 95th percentile), with 95% CIs over query groups;
 - surface-marker rates (headings, bold, lists, summary phrases, ...) of each family against the benign
   candidates and the sources (build_bench.SURFACE_MARKERS);
 - refusal rates per family from the build traces (a first attempt the fidelity gate refused);
@@ -43,6 +50,7 @@ import metrics
 from runs import SettingsError, atomic_write, log, write_json
 
 BUCKETS = 1 << 15          # hashed feature space of the classifier
+PERMUTATIONS = 200         # shuffled-label cross-validations of the permutation null
 TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
@@ -104,20 +112,30 @@ def group_folds(group_ids, k):
     return {g: i % k for i, g in enumerate(ids)}
 
 
-def naive_bayes(X, y, classes, alpha=1.0):
+def naive_bayes(X, y, classes, alpha=1.0, buckets=None):
     """Multinomial naive Bayes fitted on count rows X (N, V) with labels y -> (log priors (C,),
-    log likelihoods (C, V)); Laplace smoothing alpha."""
+    log likelihoods (C, V)); Laplace smoothing alpha over `buckets` features (default V: X may hold only
+    the columns some row uses, the others' smoothing still counted)."""
     prior = np.array([np.mean([t == c for t in y]) for c in classes])
     counts = np.stack([X[[t == c for t in y]].sum(0) for c in classes]) + alpha      # (C, V)
-    return np.log(np.maximum(prior, 1e-12)), np.log(counts / counts.sum(1, keepdims=True))
+    total = counts.sum(1, keepdims=True) + alpha * ((buckets or X.shape[1]) - X.shape[1])
+    return np.log(np.maximum(prior, 1e-12)), np.log(counts / total)
 
 
-def cross_validated_confusion(edits, families, folds=5):
+def used_columns(bags):
+    """The hashed rows of `bags` restricted to the columns some row uses -> (N, V'): naive Bayes scores a
+    row by its own columns only, so the rest change nothing but the smoothing (naive_bayes' buckets)."""
+    X = np.stack([hashed(b) for b in bags])
+    return X[:, X.any(0)]
+
+
+def cross_validated_confusion(edits, families, folds=5, X=None):
     """edits: [(group_id, family, feature bag)] -> confusion counts (F, F), rows true, columns predicted,
     each edit predicted by a model fitted on the other folds' groups only. The classes are the families
-    with edits: one with none has no likelihood to fit, and a uniform one would win on unseen n-grams."""
+    with edits: one with none has no likelihood to fit, and a uniform one would win on unseen n-grams.
+    X: used_columns of the bags, when the caller has it (the permutation null reuses it)."""
     fold_of = group_folds([g for g, _, _ in edits], folds)
-    X = np.stack([hashed(b) for _, _, b in edits])
+    X = used_columns([b for _, _, b in edits]) if X is None else X
     y = [f for _, f, _ in edits]
     classes = [f for f in families if f in y]
     conf = np.zeros((len(families), len(families)), dtype=int)
@@ -126,11 +144,84 @@ def cross_validated_confusion(edits, families, folds=5):
         train = [not t for t in test]
         if not any(train):
             continue
-        prior, like = naive_bayes(X[train], [t for t, keep in zip(y, train) if keep], classes)
+        prior, like = naive_bayes(X[train], [t for t, keep in zip(y, train) if keep], classes, buckets=BUCKETS)
         pred = (X[test] @ like.T + prior).argmax(1)                                  # (N_test,)
         for t, p in zip([t for t, keep in zip(y, test) if keep], pred):
             conf[families.index(t), families.index(classes[p])] += 1
     return conf
+
+
+def permutation_null(edits, families, folds, observed, n=PERMUTATIONS, seed=0):
+    """The classifier's accuracy under the null that families are interchangeable within a query group:
+    the family labels shuffled within each group (so each group keeps its families, and the group folds
+    stay as they are), cross-validated again n times -> {"mean", "p95", "p_value"}; p_value: the share of
+    shuffles (the observed one counted in) at least as accurate as `observed`."""
+    rng, X = np.random.default_rng(seed), used_columns([b for _, _, b in edits])
+    by_group = collections.defaultdict(list)
+    for i, (g, _, _) in enumerate(edits):
+        by_group[g].append(i)
+    accs = []
+    for _ in range(n):
+        labels = [f for _, f, _ in edits]
+        for idx in by_group.values():
+            for i, j in zip(idx, rng.permutation(idx)):
+                labels[i] = edits[j][1]
+        conf = cross_validated_confusion([(g, f, b) for (g, _, b), f in zip(edits, labels)], families, folds, X)
+        accs.append(np.trace(conf) / conf.sum())
+    accs = np.array(accs)
+    return {"permutations": n, "mean": round(float(accs.mean()), 4), "p95": round(float(np.quantile(accs, 0.95)), 4),
+            "p_value": round(float((1 + np.sum(accs >= observed - 1e-12)) / (1 + n)), 4)}
+
+
+def auc(pos, neg):
+    """ROC AUC of scores: P(a positive scores above a negative), ties half (Mann-Whitney)."""
+    pos, neg = np.asarray(pos, dtype=float)[:, None], np.asarray(neg, dtype=float)[None, :]
+    return float(((pos > neg) + 0.5 * (pos == neg)).mean())
+
+
+def transfer_check(groups, families, seen, folds=5, n_boot=2000, seed=0):
+    """Do the cues that separate seen rewrites from honest pages transfer to unseen families (module
+    docstring)? Cross-validated by query group: a two-class naive Bayes fitted on the other folds' seen
+    rewrites (positive) against their honest edits and unedited sources (negative) scores the fold's
+    rewrites and honest edits (log-odds). -> {family: {"auc", "auc_ci", "tpr_at_5_fpr", "tpr_ci", "n"}} for
+    each family outside `seen`, or None without honest edits."""
+    hon = [g for g in groups if g.honest is not None]
+    if not hon or not seen:
+        return None
+    src = lambda g: g.docs[g.source_index]["text"]
+    rows = [(g.group_id, "geo", f, edit_features(src(g), g.attacks[f])) for g in groups for f in families
+            if f in g.attacks]
+    rows += [(g.group_id, "honest", "honest", edit_features(src(g), g.honest)) for g in hon]
+    rows += [(g.group_id, "honest", "source", edit_features(src(g), src(g))) for g in hon]
+    X = used_columns([b for *_, b in rows])
+    fold_of = group_folds([g for g, *_ in rows], folds)
+    score = np.zeros(len(rows))
+    for k in sorted(set(fold_of.values())):
+        test = np.array([fold_of[g] == k for g, *_ in rows])
+        train = ~test & np.array([kind == "honest" or f in seen for _, kind, f, _ in rows])
+        labels = [kind for (_, kind, _, _), t in zip(rows, train) if t]
+        if len(set(labels)) < 2:
+            continue
+        prior, like = naive_bayes(X[train], labels, ["geo", "honest"], buckets=BUCKETS)
+        logp = X[test] @ like.T + prior                                             # (N_test, 2)
+        score[test] = logp[:, 0] - logp[:, 1]
+    negs = {g: s for (g, _, f, _), s in zip(rows, score) if f == "honest"}
+    out = {}
+    for fam in (f for f in families if f not in seen):
+        pos = {g: s for (g, _, f, _), s in zip(rows, score) if f == fam and g in negs}
+        if not pos:
+            continue
+        gids = sorted(pos)
+
+        def figures(ids):
+            p, n = [pos[g] for g in ids], [negs[g] for g in ids]
+            return auc(p, n), float(np.mean(np.array(p) > np.quantile(n, 0.95)))
+        a, t = figures(gids)
+        rng = np.random.default_rng(seed)
+        boots = [figures([gids[i] for i in rng.integers(0, len(gids), len(gids))]) for _ in range(n_boot)]
+        ci = lambda j: [round(float(np.quantile([b[j] for b in boots], q)), 4) for q in (0.025, 0.975)]
+        out[fam] = {"auc": round(a, 4), "auc_ci": ci(0), "tpr_at_5_fpr": round(t, 4), "tpr_ci": ci(1), "n": len(gids)}
+    return out
 
 
 def seen_unseen(conf, families, seen):
@@ -211,7 +302,8 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
                             "classifier is cross-validated by group and needs at least 2")
     conf = cross_validated_confusion(edits, families, folds)
     total = int(conf.sum())
-    added = {f: sum((b for _, ff, b in edits if ff == f), collections.Counter()) for f in families}
+    added = {f: sum((collections.Counter({k: v for k, v in b.items() if k.startswith("+")})     # n-grams alone
+                     for _, ff, b in edits if ff == f), collections.Counter()) for f in families}
     size = {f: [edit_size(g.docs[g.source_index]["text"], g.attacks[f]) for g in groups if f in g.attacks]
             for f in families}
     ratio = {f: [length_ratio(g.docs[g.source_index]["text"], g.attacks[f]) for g in groups if f in g.attacks]
@@ -226,7 +318,9 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
                           "chance": round(1 / len(set(f for _, f, _ in edits)), 4),     # the families with edits
                           "recall": {f: round(conf[i, i] / conf[i].sum(), 4) if conf[i].sum() else None
                                      for i, f in enumerate(families)},
-                          "seen_vs_unseen": seen_unseen(conf, families, seen).tolist() if seen else None},
+                          "seen_vs_unseen": seen_unseen(conf, families, seen).tolist() if seen else None,
+                          "null": permutation_null(edits, families, folds, float(np.trace(conf)) / total)},
+           "transfer": transfer_check(groups, families, seen, folds, n_boot),
            "distances": {"added_ngram_js": [[js_divergence(added[a], added[b]) for b in families] for a in families],
                          "edit_size": {f: mean(size[f]) for f in families},
                          "length_ratio": {f: mean(ratio[f]) for f in families}},
@@ -261,8 +355,11 @@ def markdown(r, offline_note=None):
                   "families on real models.", ""]
     lines += [f"{r['groups']} groups, {r['edits']} edits; seen: {', '.join(r['seen']) or 'none recorded'}.", "",
               f"## Family classifier ({c['folds']}-fold, by query group)", "",
-              f"Accuracy {100 * c['accuracy']:.1f}% (chance {100 * c['chance']:.1f}%). Rows: true family; columns: "
-              "predicted.", "", "| | " + " | ".join(short) + " | recall |", "|---" * (len(fams) + 2) + "|"]
+              f"Accuracy {100 * c['accuracy']:.1f}% (chance {100 * c['chance']:.1f}%; with the family labels "
+              f"shuffled within each query group, {c['null']['permutations']} times: mean "
+              f"{100 * c['null']['mean']:.1f}%, 95th percentile {100 * c['null']['p95']:.1f}%, p = "
+              f"{c['null']['p_value']:.3f}). Rows: true family; columns: predicted.", "",
+              "| | " + " | ".join(short) + " | recall |", "|---" * (len(fams) + 2) + "|"]
     for f, row in zip(fams, c["confusion"]):
         lines.append(f"| {f} | " + " | ".join(map(str, row)) + f" | {_or_dash(c['recall'][f], '{:.0%}')} |")
     if c["seen_vs_unseen"]:
@@ -270,8 +367,9 @@ def markdown(r, offline_note=None):
         lines += ["", f"Seen vs unseen: seen edits taken for seen {ss}, for unseen {su}; unseen edits taken for "
                       f"seen {us}, for unseen {uu}."]
     d = r["distances"]
-    lines += ["", "## Distances between families", "", "Jensen-Shannon divergence of added 1-2-grams (0: the "
-              "same additions, 1: disjoint):", "", "| | " + " | ".join(short) + " |", "|---" * (len(fams) + 1) + "|"]
+    lines += ["", "## Distances between families", "", "Jensen-Shannon divergence of added word 1-2-grams alone "
+              "(0: the same additions, 1: disjoint; edit size and markers apart below):", "",
+              "| | " + " | ".join(short) + " |", "|---" * (len(fams) + 1) + "|"]
     lines += [f"| {f} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in row) + " |"
               for f, row in zip(fams, d["added_ngram_js"])]
     lines += ["", "| family | mean edit size | mean length ratio | refusal rate (%) |", "|---|---|---|---|"]
@@ -290,6 +388,16 @@ def markdown(r, offline_note=None):
             lines.append(f"| {f} | - | - | 0 | - |" if v is None else
                          f"| {f} | {v['gain']:+.1f} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {v['n']} | "
                          f"{_verdict(v)} |")
+    t = r.get("transfer")
+    lines += ["", "## Do the seen families' cues transfer to the unseen ones?", ""]
+    lines += ["No honest edits in this file: build it with `build-bench --honest` to ask whether a detector of the "
+              "seen families' rewrites against honest pages separates the unseen families too."] if t is None else [
+        "A detector of the seen families' rewrites against honest edits and unedited sources (naive Bayes, "
+        "cross-validated by query group) scores each unseen family's rewrites against the honest edits of the same "
+        "groups. 95% CIs over query groups.", "", "| unseen family | ROC AUC | CI | TPR at 5% FPR | CI | groups |",
+        "|---|---|---|---|---|---|"] + [
+        f"| {f} | {v['auc']:.2f} | [{v['auc_ci'][0]:.2f}, {v['auc_ci'][1]:.2f}] | {v['tpr_at_5_fpr']:.2f} | "
+        f"[{v['tpr_ci'][0]:.2f}, {v['tpr_ci'][1]:.2f}] | {v['n']} |" for f, v in t.items()]
     lines += ["", f"Drop rates: {r['drop_rate_note']}.", ""]
     return "\n".join(lines)
 

@@ -254,8 +254,9 @@ def cmd_bench_audit(args):
         note = TINY_NOTE if tiny_model else None
         rr = Run(dataclasses.replace(cfg, model=folder)).reranker()
     result, path = bench_audit.run_audit(cfg.bench, rr, out, k=cfg.k, folds=cfg.folds, offline_note=note)
-    print(f"family classifier accuracy {100 * result['classifier']['accuracy']:.1f}% "
-          f"(chance {100 * result['classifier']['chance']:.1f}%)\nreport: {path}")
+    c = result["classifier"]
+    print(f"family classifier accuracy {100 * c['accuracy']:.1f}% (chance {100 * c['chance']:.1f}%; labels shuffled "
+          f"within groups: {100 * c['null']['mean']:.1f}%, p = {c['null']['p_value']:.3f})\nreport: {path}")
     return result
 
 

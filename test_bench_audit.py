@@ -13,9 +13,10 @@ import run
 from testing import SAMPLE
 
 
-def _bench(tmp_path, edit_of, families, n=12):
+def _bench(tmp_path, edit_of, families, n=12, honest=None):
     """A benchmark whose family f rewrites each source as edit_of[f](source, group number); a family of
-    `families` without an edit_of has no instances (the gate refused it on every group)."""
+    `families` without an edit_of has no instances (the gate refused it on every group); honest(source,
+    group number): each group's honest edit."""
     lines = [{"_meta": {"methods": families, "seen_methods": families[:1], "synthetic": True}}]
     refused = {"failed": {f: "refused" for f in families if f not in edit_of}} if set(families) - set(edit_of) else {}
     for i in range(n):
@@ -25,7 +26,7 @@ def _bench(tmp_path, edit_of, families, n=12):
         src = docs[3]["text"]
         lines.append({"group_id": f"g{i:02d}", "query": f"What does item {i * 7 + 3} cost?", "docs": docs,
                       "source_index": 3, "attacks": {f: edit_of[f](src, i) for f in families if f in edit_of},
-                      **refused})
+                      **refused, **({"honest": honest(src, i), "split": "test"} if honest else {})})
     p = tmp_path / "b.jsonl"
     p.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
     return str(p)
@@ -57,6 +58,33 @@ def test_the_classifier_tells_a_distinct_family_apart_and_not_two_alike(tmp_path
     assert r["classifier"]["recall"]["C"] == 1.0 and conf[0, 2] == conf[1, 2] == 0
     assert r["distances"]["added_ngram_js"][0][1] == 0.0 and r["distances"]["added_ngram_js"][0][2] > 0.5
     assert r["surface_markers"]["C"]["heading"] == 100.0 and r["surface_markers"]["A"]["heading"] == 0.0
+    null = r["classifier"]["null"]                  # shuffled within groups, the families are 1 in 3 at best
+    assert null["permutations"] == 200 and null["mean"] < 0.5 < r["classifier"]["accuracy"] and null["p_value"] < 0.01
+
+
+def test_the_divergence_reads_the_added_words_alone(tmp_path):
+    """Two families that add the same sentence, one of them also cutting the source's first word: their
+    added n-grams are one distribution (JS 0); the edit size, reported apart, tells them apart."""
+    edit_of = {"A": lambda s, i: s + f" Trusted by experts {i}.",
+               "B": lambda s, i: s.split(" ", 1)[1] + f" Trusted by experts {i}."}       # its first word cut
+    r = bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B"]), folds=4)
+    d = r["distances"]
+    assert d["added_ngram_js"][0][1] == 0.0 and d["edit_size"]["B"] > d["edit_size"]["A"]
+
+
+def test_the_transfer_check_asks_whether_seen_cues_separate_unseen_rewrites_from_honest_edits(tmp_path):
+    """Seen A and unseen B add promotional sentences; unseen C edits as the honest editor does (the same
+    clarifying sentence). A detector of A against honest edits and sources catches B (AUC 1) and cannot
+    tell C from an honest edit (AUC 0.5); without honest edits the check says so."""
+    promo = lambda word: lambda s, i: s + f" {word} experts say item {i} is the most trusted choice, 95% agree."
+    clarify = lambda s, i: s + f" In other words, item {i} has a price in units."
+    edit_of = {"A": promo("Leading"), "B": promo("Top"), "C": clarify}
+    r = bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B", "C"], n=16, honest=clarify), folds=4)
+    t = r["transfer"]
+    assert set(t) == {"B", "C"} and t["B"]["auc"] == 1.0 and t["B"]["tpr_at_5_fpr"] == 1.0 and t["B"]["n"] == 16
+    assert t["C"]["auc"] == 0.5 and t["C"]["auc_ci"][0] <= 0.5 <= t["C"]["auc_ci"][1]
+    assert "Do the seen families' cues transfer" in bench_audit.markdown(r)
+    assert bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B", "C"]), folds=4)["transfer"] is None
 
 
 def test_the_exposure_gain_is_the_top_k_share_of_the_rewrite_minus_the_sources():
