@@ -178,7 +178,9 @@ def fold_row(cfg, family, trained, recs, ref, others):
     """One held-out family's row of the table (see the module docstring). others: the records of the folds
     trained without another held-out family (the size-matched reference)."""
     base, shield = recs["base"], recs["shield"]
-    row = {"family": family, "trained_on": trained}
+    row = {"family": family, "trained_on": trained,
+           "strength": rerank_eval.family_strength([r for r in base if r["method"] == family], cfg.k, cfg.n_boot,
+                                                   cfg.seed).get(family)}
     for name, ms in (("held_out", [family]), ("trained", trained)):
         rs = [r for r in shield if r["method"] in ms]
         ci = metrics.cluster_bootstrap_ci([100.0 * r["exposed"] for r in rs], [r["group_id"] for r in rs],
@@ -376,10 +378,16 @@ def gap_text(g):
     return "-" if g["gap"] is None else f"{g['gap']:+.1f} [{g['gap_ci'][0]:+.1f}, {g['gap_ci'][1]:+.1f}]"
 
 
+# a held-out family flagged "*": its rewrite's gain over its source on the base reranker is not above 0
+FLAG_NOTE = ("\n* not shown to raise visibility: the family's exposure gain over its source on the base reranker "
+             "has a 95% CI reaching 0 or below, so what a Shield does to it says little")
+
+
 def cells(r):
     """One fold's row as text: F, base, Shield -F, Shield +F (size-matched), Shield all, the trained
     families, the two gaps."""
-    return [r["family"], pct(r["held_out"]["base_exposure"]), pct(r["held_out"]["shield_exposure"]),
+    flag = " *" if r.get("strength") and not r["strength"]["raises"] else ""
+    return [r["family"] + flag, pct(r["held_out"]["base_exposure"]), pct(r["held_out"]["shield_exposure"]),
             pct(r["seen_exposure"]), pct(r.get("all_exposure")), pct(r["trained"]["shield_exposure"]),
             gap_text(r["gap_vs_seen"]), gap_text(r["gap_vs_trained"])]
 
@@ -392,7 +400,8 @@ def table(s):
     head = ("held out", "base", "Shield -F", "Shield +F", "Shield all", "trained", "gap vs seen", "gap vs trained")
     line = lambda cs: "".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cs, widths)))
     rows = [line(head)] + [line(cells(r)) for r in s["folds"]]
-    return f"exposure@{s['k']} (%) on the test split\n" + "\n".join(rows)
+    return f"exposure@{s['k']} (%) on the test split\n" + "\n".join(rows) + FLAG_NOTE * any(
+        r.get("strength") and not r["strength"]["raises"] for r in s["folds"])
 
 
 def write_report(out, s):
@@ -431,6 +440,8 @@ def write_report(out, s):
             "Gap vs seen", "Gap vs trained"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells(r)) + " |" for r in s["folds"]] + [""]
+    if any(r.get("strength") and not r["strength"]["raises"] for r in s["folds"]):
+        lines += [FLAG_NOTE.strip() + ".\n"]
     if any("asr" in r for r in s["folds"]):          # --llm-stage
         conds = list(s["folds"][0]["asr"])
         head = ["Held out (F)"] + [f"{c} ASR: {w}" for c in conds for w in ("-F on F", "+F on F (matched)",

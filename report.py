@@ -59,7 +59,7 @@ def strength_lines(s):
              "| family | gain | 95% CI | n | its paper reports (metric, method; comparable?) |",
              "|---|---|---|---|---|"]
     for m, v in st.items():
-        flag = f" ({NOT_SHOWN}: CI holds 0)" if v["holds_zero"] else ""
+        flag = f" ({NOT_SHOWN}: CI holds 0)" if v["holds_zero"] else " (lowers it)" if v["ci"][1] < 0 else ""
         lines.append(f"| {m} | {v['gain']:+.1f}{flag} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {v['n']} | "
                      f"{v['paper'] or '-'} |")
     return lines + [""]
@@ -408,7 +408,22 @@ def rerank_stage_lines(s):
             "top-k a reranker keeps. 95% query-cluster bootstrap CIs.\n",
             _table(["Reranker", "Methods", "n", f"Exposure@{k} (%)", "Attack rank", "Promotion", "Clean kept (%)"]
                    + (["Honest penalty (%)", "Attack demoted (%)"] if honest else []), rows) + "\n"] \
-        + rerank_by_k_lines(stage, k) + certificate_lines(stage, k) + (honest_lines(s, "rerank") if honest else [])
+        + rerank_strength_lines(stage, k) + rerank_by_k_lines(stage, k) + certificate_lines(stage, k) \
+        + (honest_lines(s, "rerank") if honest else [])
+
+
+def rerank_strength_lines(stage, k):
+    """Each family's strength at the reranker stage under each reranker (rerank_eval.family_strength)."""
+    said = lambda v: "" if v["raises"] else f" ({NOT_SHOWN}: CI holds 0)" if v["holds_zero"] else " (lowers it)"
+    rows = [[label, m, f"{v['gain']:+.1f}" + said(v),
+             f"[{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}]", v["n"]]
+            for label, st in stage.items() for m, v in st.get("strength", {}).items()]
+    if not rows:
+        return []
+    return [f"Attack strength at the reranker stage: exposure@{k} of each family's rewrite minus its source's on "
+            "the same group's clean list, percentage points, 95% query-cluster bootstrap CI (the paper's lists, "
+            "one attacked document).\n",
+            _table(["Reranker", "Family", "Gain (points)", "95% CI", "n"], rows) + "\n"]
 
 
 def chance_cell(v):

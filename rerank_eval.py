@@ -82,6 +82,22 @@ def summarize_stage(recs, seen, n_boot, seed):
             "unseen": block([r for r in recs if r["method"] not in seen])}
 
 
+def family_strength(recs, k, n_boot, seed):
+    """Does each family raise visibility at the reranker stage? Per family, over `recs` (the paper's lists:
+    metrics.paper_level), exposure@k of its rewrite minus its source's on the same group's clean list, in
+    points, with a 95% cluster-bootstrap CI over groups; a family whose interval holds 0 is not shown to
+    raise visibility on this reranker, nor one whose interval lies below 0 (it lowers it) -> {family: {"gain",
+    "ci", "n", "holds_zero", "raises"}}."""
+    out = {}
+    for m in dict.fromkeys(r["method"] for r in recs):
+        rs = [r for r in recs if r["method"] == m]
+        vals = [100.0 * (r["exposed"] - (r["clean_source_rank"] <= k)) for r in rs]
+        lo, hi = metrics.cluster_bootstrap_ci(vals, [r["group_id"] for r in rs], n_boot=n_boot, seed=seed)
+        out[m] = {"gain": sum(vals) / len(vals), "ci": [lo, hi], "n": len(rs), "holds_zero": bool(lo <= 0 <= hi),
+                  "raises": bool(lo > 0)}
+    return out
+
+
 def attacked_stage(recs, k, n_boot, seed):
     """One reranker against the number of attacked documents a list holds (--attacked K): exposure@k of
     the source's rewrite (exposure), of any attacked document (any_exposure) beside its chance rate
@@ -238,6 +254,7 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
         records[label] = recs
         out[label] = {"spec": str(spec), **summarize_stage(metrics.paper_level(recs), data.seen, cfg.n_boot,
                                                            cfg.seed)}
+        out[label]["strength"] = family_strength(metrics.paper_level(recs), cfg.k, cfg.n_boot, cfg.seed)
         if len(geodef.attacked_levels(insts)) > 1:
             out[label]["by_attacked"] = attacked_stage(recs, cfg.k, cfg.n_boot, cfg.seed)
         if getattr(cfg, "certify", False) and spec.kind in rankers.LOCAL:        # rerank-eval --certify

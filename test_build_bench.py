@@ -459,6 +459,11 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
     one = [r for r in recs if r.get("attacked", 1) == 1]            # the headline: the paper's lists only
     assert stage["overall"]["n"] == len(one) < len(recs)
     assert stage["overall"]["exposure"] == pytest.approx(100 * sum(r["exposed"] for r in one) / len(one))
+    for m, v in stage["strength"].items():             # each family's gain over its source, the paper's lists
+        rs = [r for r in one if r["method"] == m]
+        assert v["n"] == len(rs) and v["gain"] == pytest.approx(
+            100 * sum(r["exposed"] - (r["clean_source_rank"] <= 2) for r in rs) / len(rs))
+        assert v["holds_zero"] == (v["ci"][0] <= 0 <= v["ci"][1]) and v["raises"] == (v["ci"][0] > 0)
     n = len(recs[0]["ranking"])                              # a random top 2 of n candidates holds one of 3
     assert stage["by_attacked"]["3"]["chance_any_in_topk"] == pytest.approx(100 * (1 - math.comb(n - 3, 2) /
                                                                                   math.comb(n, 2)))

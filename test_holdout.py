@@ -72,6 +72,10 @@ def test_each_fold_trains_without_its_family_and_the_table_is_its_records(held):
                 for f in ("without-AutoGEO", "all")]
     assert adapters[0] != adapters[1]
     assert set(s["never_trained"]) == {"GEO", "GEO-SFE", "IF-GEO", "RAID-GSEO"}
+    st = row["strength"]                  # AutoGEO's gain over its source on the base reranker, flagged if it holds 0
+    held_base = [r for r in base if r["method"] == "AutoGEO"]
+    assert st["gain"] == pytest.approx(mean([100 * (r["exposed"] - (r["clean_source_rank"] <= 5)) for r in held_base]))
+    assert holdout.cells(row)[0] == "AutoGEO" + " *" * (not st["raises"]) and st["raises"] == (st["ci"][0] > 0)
     md = (run_dir / "holdout" / "report.md").read_text()
     assert "OFFLINE / SIMULATION RUN" in md and "| AutoGEO |" in md and "figures/holdout.svg" in md
     assert "plumbing figures" in (run_dir / "holdout" / "figures" / "holdout.svg").read_text()
