@@ -303,6 +303,8 @@ def check_settings(cfg):
     if old is not None and old != now:     # a record without the algorithms was made with MAGEO's on both sides
         mageo = {"algorithm": "mageo", "test_algorithm": "mageo"}
         was, asked = {**mageo, **old}, {**mageo, **now}
+        if "repair" not in (was["algorithm"], was["test_algorithm"]):   # no repair side: its start and budget
+            was = {**{k: asked[k] for k in ("start", "edit_budget") if k in asked}, **was}   # never applied
         raise changed_settings(path, "the rounds were made", was,
                                {k: asked[k] for k in sorted(asked) if was.get(k) != asked[k]},
                                "Use another --name, or move harden/ aside")

@@ -336,3 +336,18 @@ def test_a_test_attacker_of_another_algorithm_is_recorded_and_labelled(demo_run,
     assert pinned["algorithm"] == "mageo" and pinned["test_algorithm"] == "repair"
     assert pinned["start"] == "source" and pinned["edit_budget"] == 0.1
     assert "diagnose-and-repair (AgentGEO): out of distribution" in (h.parent / "harden_report.md").read_text()
+
+
+def test_a_repair_round_made_before_the_start_and_budget_were_pinned_is_refused(tmp_path):
+    """harden/settings.json of a repair attacker from before --start and --edit-budget (it started from the
+    benchmark's rewrite, 30% a step): a rerun, which would start from the source within 10%, is refused
+    naming both, never mixed; a MAGEO-only record is refused naming the algorithm alone."""
+    cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path), "name": "r", "test_algorithm": "repair"})
+    _, now = harden.check_settings(cfg)
+    old = {k: v for k, v in now.items() if k not in ("start", "edit_budget")}
+    runs.write_json(str(tmp_path / "r" / "harden" / "settings.json"), old)
+    with pytest.raises(settings.SettingsError, match=r"different edit_budget, start \(edit_budget=None, start=None\)"):
+        harden.check_settings(cfg)
+    runs.write_json(str(tmp_path / "r" / "harden" / "settings.json"), {**old, "test_algorithm": "mageo"})
+    with pytest.raises(settings.SettingsError, match=r"different test_algorithm \(test_algorithm='mageo'\);"):
+        harden.check_settings(cfg)
