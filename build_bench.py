@@ -36,6 +36,7 @@ that `holdout` can train a Shield with any one family left out and measure it on
 
 Usage: python run.py build-bench --input test.jsonl --output bench.jsonl --search tavily --llm openai:gpt-5.5
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -392,17 +393,19 @@ def rewrite_family(ctx, fam, groups, gate=geo_jobs.gate):
     return done, failed
 
 
-def rewrite_all(ctx, fams, cons, groups, mageo_signal):
+def rewrite_all(ctx, fams, cons, groups, mageo_signal, test_ctx=None):
     """Every family on every group of its splits (cons: the construction groups' families), one split at
     a time (MAGEO's memory never crosses splits, B.1.2) -> ({gid: {family: text}}, {gid: {family: trace}},
     {gid: {family: why every attempt was refused}}). A family refused on a group leaves the group its
-    other families: each family is measured over the groups it rewrote."""
+    other families: each family is measured over the groups it rewrote. test_ctx: the test split's
+    builder and judge (build-bench --test-llm), when they are not the construction split's."""
     attacks, traces, failed = ({g["group_id"]: {} for g in groups} for _ in range(3))
     for f in fams:
         fam = geo_attacks.rewriter(f, mageo_signal)
         for split in ("construction", "test"):
             todo = [g for g in groups if g["split"] == split and (f in cons or split == "test")]
-            done, bad = rewrite_family(ctx, fam, todo) if todo else ({}, {})
+            done, bad = rewrite_family(test_ctx if split == "test" and test_ctx else ctx, fam, todo) if todo \
+                else ({}, {})
             for gid, why in bad.items():
                 failed[gid][f] = why
             for gid, (text, trace) in done.items():
@@ -643,7 +646,11 @@ def build_bench(run, p=None):
     ranker = load_rankers(run, False)[0] if "MAGEO" in fams and cfg.mageo_signal == "reranker" and groups else None
     ctx = geo_jobs.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
                           archive=p.archive, rules=p.rules, ranker=ranker)
-    attacks, traces, failed = rewrite_all(ctx, fams, cons, groups, cfg.mageo_signal)
+    test_llm = run.llm(cfg.test_llm, stage="build-bench") if cfg.test_llm else None
+    test_judge = cfg.test_fidelity_judge or cfg.fidelity_judge
+    test_ctx = dataclasses.replace(ctx, llm=test_llm, judge=run.llm(test_judge, stage="build-bench")
+                                   if test_judge else None, calls={}) if test_llm else None
+    attacks, traces, failed = rewrite_all(ctx, fams, cons, groups, cfg.mageo_signal, test_ctx)
     kept = [g for g in groups if attacks[g["group_id"]]]
     dropped += [(g["row"], "; ".join(failed[g["group_id"]].values())) for g in groups if not attacks[g["group_id"]]]
     for g in kept:
@@ -655,13 +662,15 @@ def build_bench(run, p=None):
         raise SettingsError(f"{cfg.input}: no query group left, all {len(dropped)} dropped "
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
-    edits, refused = honest_edits(ctx, [g for g in kept if g["split"] == "test"]) if cfg.honest else (None, None)
-    lists = pool_lists(ctx, cfg, fams, [g for g in kept if g["split"] == "test"])     # nothing by default
+    tctx = test_ctx or ctx                               # the test split's builder writes its honest edits too
+    edits, refused = honest_edits(tctx, [g for g in kept if g["split"] == "test"]) if cfg.honest else (None, None)
+    lists = pool_lists(tctx, cfg, fams, [g for g in kept if g["split"] == "test"])    # nothing by default
     if edits:                           # the honest edits' template, beside the families'
         markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
-    write(cfg, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused), cons, lists)
+    write(cfg, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused), cons, lists,
+          test_llm)
     comp = composition(kept, fams, cons, attacks)
     log(f"[build-bench] wrote {len(kept)} groups to {cfg.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
@@ -714,7 +723,7 @@ def composition(groups, fams, cons, attacks):
 
 
 def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None,
-          lists=({}, {})):
+          lists=({}, {}), test_llm=None):
     """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output.
     honest_audit ({group_id: (text or None, trace)} of the test groups and the refusal kinds' counts,
     build-bench --honest): each test line's `honest` edit and its `honest_trace`, and _meta's `honest`,
@@ -723,7 +732,9 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
     group is in the line's `failed` with why, and _meta.family_drops counts them per family. cons: the
     construction groups' families; _meta.construction_methods records them when they are more than the
     seen ones. lists: pool_lists' fields of the test lines and the pool's refusals; _meta.attacked and
-    _meta.pool are written when they are not the paper's (one attacked document, the search's pool)."""
+    _meta.pool are written when they are not the paper's (one attacked document, the search's pool).
+    test_llm: the test split's builder (--test-llm): _meta.test_builder_llm and test_fidelity_judge name it
+    and its judge beside the construction split's builder_llm and fidelity_judge."""
     attacks, traces, failed = rewrites
     edits, refused = honest_audit
     cons = list(cons or seen)
@@ -735,6 +746,9 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
             "mageo_signal": cfg.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
     if cons != list(seen):
         meta["construction_methods"] = cons
+    if test_llm is not None:
+        meta.update(test_builder_llm=test_llm.label,
+                    test_fidelity_judge=cfg.test_fidelity_judge or cfg.fidelity_judge or test_llm.label)
     if cfg.attacked > 1 or cfg.pool != "search":
         meta.update(attacked=cfg.attacked, pool=cfg.pool)
         meta.update({"pool_refusals": lists[1]} if cfg.pool != "search" else {})

@@ -230,8 +230,12 @@ def answer_conditions(cfg, conds, insts, plan, condition):
 
 def bench_labels(cfg, meta):
     """What the summary says of the benchmark beyond the figures: the roles the target or judge shares
-    with its construction (--allow-shared-roles) and the groups each family was refused on."""
-    out = {"shared_roles": shared_roles(cfg.bench, cfg.llm, cfg.judge), "family_drops": meta.raw.get("family_drops")}
+    with its construction (--allow-shared-roles), the groups each family was refused on, and with the test
+    split built by another LLM (build-bench --test-llm) the builder of each split."""
+    raw = meta.raw
+    out = {"shared_roles": shared_roles(cfg.bench, cfg.llm, cfg.judge), "family_drops": raw.get("family_drops"),
+           "builders": {"construction": raw.get("builder_llm"), "test": raw["test_builder_llm"]}
+           if raw.get("test_builder_llm") else None}
     return {k: v for k, v in out.items() if v}
 
 

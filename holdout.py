@@ -218,7 +218,7 @@ def holdout(run):
             for name, family, fcfg in plan if family is not None]
     unseen = [m for m in data.methods if m not in data.meta.construction()]
     summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
-               "test_groups": len(data.test), "folds": rows,
+               "test_groups": len(data.test), "folds": rows, "builders": builders(data.meta),
                "never_trained": {m: rate(ref["shield"], [m]) for m in unseen},
                "all_families_exposure": rate(ref["shield"], data.meta.construction()),
                "notes": offline_notes(cfg, data.meta)}
@@ -337,7 +337,7 @@ def regime(run):
         by_subset.setdefault(", ".join(r["seen"]), []).append(r["gap"]["gap"])
     subset_gaps = {k: sum(v) / len(v) for k, v in by_subset.items() if None not in v}
     summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
-               "test_groups": len(data.test), "notes": offline_notes(cfg, data.meta),
+               "test_groups": len(data.test), "notes": offline_notes(cfg, data.meta), "builders": builders(data.meta),
                "regime": {"seen_size": cfg.seen_size, "subsets": len(by_subset), "seeds": cfg.seeds, "folds": rows,
                           "gap": float(np.mean(matrix)) if common else None,
                           "gap_ci": list(fold_group_bootstrap_ci(matrix, cfg.n_boot, cfg.seed)) if common else None,
@@ -368,6 +368,12 @@ def regime_table(s):
                      f"{r['gap_ci'][1]:+.1f}] (CI over folds and groups); spread over subsets {r['spread'][0]:+.1f} "
                      f".. {r['spread'][1]:+.1f}")
     return "\n".join(lines)
+
+
+def builders(meta):
+    """The builder LLM of each split (_meta: builder_llm, test_builder_llm with build-bench --test-llm)."""
+    return {"construction": meta.raw.get("builder_llm"), "test": meta.raw.get("test_builder_llm")
+            or meta.raw.get("builder_llm")}
 
 
 def pct(v):
@@ -425,6 +431,9 @@ def write_report(out, s):
         with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
             f.write("\n".join(lines))
         return
+    b = s.get("builders") or {}
+    lines += [f"Rewrites built by {b.get('construction')} (construction split) and {b.get('test')} (test split).\n"] \
+        if b.get("test") and b.get("test") != b.get("construction") else []
     lines += [f"# Leave-one-family-out: {os.path.basename(os.path.dirname(os.path.normpath(out)))}\n",
               f"Benchmark {s['bench']}, {s['test_groups']} test groups; construction families "
               f"{', '.join(s['construction_families'])}. Exposure@{k}: the attack document in the reranker's top "

@@ -77,6 +77,9 @@ def _header_lines(run_dir, s):
     if s.get("tfsg_library_ranking"):
         lines.append(f"The TFSG library was built on the {s['tfsg_library_ranking']} top-k; \"TFSG only\" applies "
                      "that same library to the base reranker's top-k.\n")
+    if s.get("builders"):
+        lines.append(f"**Builders apart** (build-bench --test-llm): the construction split's rewrites by "
+                     f"{s['builders']['construction']}, the test split's by {s['builders']['test']}.\n")
     if s.get("shared_roles"):
         lines.append(f"**Roles shared with the benchmark's construction** (--allow-shared-roles): "
                      f"{'; '.join(s['shared_roles'])}. Such a model measures attacks it made or steered.\n")

@@ -421,7 +421,8 @@ class Run:
         Builds clients only: no request is sent. keys=False (a dry run, which prices a plan before any
         key is bought): a missing key is said, not refused. A bad price table is refused here too."""
         cfg = self.cfg
-        specs = [cfg.llm] + [getattr(cfg, k, None) for k in ("analyzer", "judge", "fidelity_judge")]
+        specs = [cfg.llm] + [getattr(cfg, k, None) for k in ("analyzer", "judge", "fidelity_judge", "test_llm",
+                                                              "test_fidelity_judge")]
         for spec in dict.fromkeys(s for s in specs if s):
             try:
                 self.llm(spec)
@@ -539,7 +540,8 @@ ROUTE_VARIANTS = ("free", "extended", "exacto", "thinking", "online", "nitro", "
 
 # the benchmark's roles, as build-bench records them in _meta
 BENCH_ROLES = {"builder_llm": "built the benchmark", "fidelity_judge": "judged its rewrites' fidelity",
-               "mageo_engine": "was MAGEO's engine"}
+               "mageo_engine": "was MAGEO's engine", "test_builder_llm": "built the benchmark's test split",
+               "test_fidelity_judge": "judged its test split's fidelity"}
 
 
 def shared_roles(bench, target, judge=None):

@@ -418,6 +418,10 @@ class BuildSettings(SeenSettings):
     groups: int = setting(100, "query groups to sample (Table B.1: 100)", ok=at_least(2))
     construction_groups: int = setting(12, "of them, construction groups (Table B.1: 12)", ok=at_least(1))
     fidelity_judge: str = setting(None, "provider:model judging each rewrite's faithfulness (default: --llm)")
+    test_llm: str = setting(None, "another builder LLM for the test split's rewrites (and honest edits and pool), "
+                                  "so that a Shield cannot learn one builder's style (default: --llm)")
+    test_fidelity_judge: str = setting(None, "the test split's fidelity judge (default: --fidelity-judge, else "
+                                             "--test-llm)")
     mageo_signal: str = setting("engine", "MAGEO's signal: a simulated generative engine's citations of the "
                                           "document (as MAGEO), or the base reranker's score (hill-climbs on the "
                                           "model the benchmark measures)", choices=("engine", "reranker"))

@@ -475,3 +475,24 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
     assert c["smoothed_exposure"] == pytest.approx(100 * sum(r["smoothed_exposed"] for r in cert) / len(cert))
     assert all(0 <= r["edit_fraction"] for r in cert) and all(r["radius"] in (0.0, *certify.GRID) for r in cert)
     assert set(c["certified"]) == {"0.05", "0.1", "0.2", "0.3"}
+
+
+def test_a_test_builder_apart_writes_the_test_split_and_is_a_role(geo_input, tmp_path):
+    """--test-llm: the test split's rewrites (and honest edits) come from another builder than the
+    construction split's: _meta names both, the usage ledger shows each split's requests under its
+    builder (the offline engine under two model names, one reply style: plumbing), and a target that is
+    the test split's builder is refused by the roles check."""
+    argv = _short_rows_argv(geo_input, tmp_path) + ["--docs", "5", "--test-llm", "offline:offline-engine-b",
+                                                    "--honest"]
+    run.main(argv)
+    meta = json.loads(open(tmp_path / "b.jsonl", encoding="utf-8").readline())["_meta"]
+    assert meta["builder_llm"] == "offline:offline-engine" and meta["test_builder_llm"] == "offline:offline-engine-b"
+    assert meta["test_fidelity_judge"] == "offline:offline-engine-b"
+    models = [json.loads(x)["model"] for x in open(tmp_path / "r" / "b" / "usage.jsonl", encoding="utf-8")]
+    assert models.count("offline:offline-engine") > 0 and models.count("offline:offline-engine-b") > 0
+    bench = tmp_path / "roles.jsonl"
+    lines = open(tmp_path / "b.jsonl", encoding="utf-8").read().splitlines()
+    bench.write_text("\n".join([json.dumps({"_meta": {**meta, "test_builder_llm": "openai:gpt-5.5"}})] + lines[1:])
+                     + "\n", encoding="utf-8")
+    assert runs.shared_roles(str(bench), "openrouter:openai/gpt-5.5") == [
+        "the target openrouter:openai/gpt-5.5 built the benchmark's test split"]

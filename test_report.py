@@ -153,3 +153,11 @@ def test_a_harden_test_attacker_of_another_algorithm_is_out_of_distribution(tmp_
     report.write_harden_report(str(tmp_path), s)
     assert "fresh test attacker diagnose-and-repair (AgentGEO): out of distribution" in \
         (tmp_path / "harden_report.md").read_text()
+
+
+def test_the_report_names_each_splits_builder_when_they_differ(tmp_path):
+    s = {"notes": [], "target_llm": "t", "model": "m", "test_groups": 1, "test_instances": 7, "seen_methods": ["A"],
+         "builders": {"construction": "openai:gpt-5.5", "test": "anthropic:claude-opus-4-5"}}
+    text = "".join(report._header_lines(str(tmp_path), s))
+    assert "construction split's rewrites by openai:gpt-5.5, the test split's by anthropic:claude-opus-4-5" in text
+    assert "Builders apart" not in "".join(report._header_lines(str(tmp_path), {**s, "builders": None}))
