@@ -234,11 +234,15 @@ def dry_run(run):
     the requests its library and its two conditions would send (train's and eval's dry runs)."""
     cfg, data = run.cfg, run.data
     if cfg.seen_size:
-        return {"folds": {name: {"trained_on": list(seen), "seed": fcfg.seed, "instances": len(
-                    geodef.expand(groups, seen)), "shield_optimizer_steps": cfg.epochs * -(-len(
-                    fold_run(run, fcfg, groups).shield_split(geodef.expand(groups, seen))[0]) // cfg.grad_accum),
-                    "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json"))}
-                          for name, seen, fcfg, groups in regime_folds(run)}, "llm_requests": 0}
+        out = {}
+        for name, seen, fcfg, groups in regime_folds(run):
+            fold = fold_run(run, fcfg, groups)
+            opt, _ = fold.shield_split(geodef.expand(groups, seen))
+            out[name] = {"trained_on": list(seen), "seed": fcfg.seed, "instances": len(geodef.expand(groups, seen)),
+                         "shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum),
+                         "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json")),
+                         **({"train": plan_train(fold)["stages"]} if cfg.llm_stage else {})}
+        return {"folds": out, **({} if cfg.llm_stage else {"llm_requests": 0})}
     out = {}
     for name, family, fcfg in folds(run):
         opt, _ = fold_run(run, fcfg).shield_split(geodef.expand(data.construction, fcfg.seen_methods.split(",")))
@@ -274,11 +278,9 @@ def regime_folds(run):
     subset of the construction families (or --subsets of them drawn with the seed), each trained under
     --seeds seeds (the run's seed, +1, ...), every fold on the smallest subset's number of construction
     instances (equal_size) and picking its epoch on a monitoring split of its own families. Each fold's
-    Shield split is checked here, before any training."""
+    Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
     cfg, data = run.cfg, run.data
     cons = data.meta.construction()
-    if cfg.llm_stage:
-        raise SettingsError("--seen-size measures the reranker stage; --llm-stage runs with leave-one-out only")
     if cfg.seen_size > len(cons) or not [m for m in data.methods if m not in cons[:cfg.seen_size]]:
         raise SettingsError(f"--seen-size {cfg.seen_size}: {cfg.bench}'s construction groups hold {len(cons)} "
                             f"families ({', '.join(cons)}) and some evaluated family must stay unseen")
@@ -293,7 +295,10 @@ def regime_folds(run):
         for j in range(cfg.seeds):
             name = f"seen-{'_'.join(a)}-seed{j}"
             fcfg = dataclasses.replace(fold_settings(cfg, name, a), seed=cfg.seed + j)
-            fold_run(run, fcfg, groups).shield_split(geodef.expand(groups, a))
+            fold, inst = fold_run(run, fcfg, groups), geodef.expand(groups, a)
+            fold.shield_split(inst)
+            if cfg.llm_stage:
+                fold.tfsg_schedule(inst)
             out.append((name, a, fcfg, groups))
     return out
 
@@ -310,18 +315,35 @@ def fold_group_bootstrap_ci(diffs, n_boot=10000, seed=0, level=0.95):
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
+def unseen_minus_seen(recs, seen, unseen, key="exposed"):
+    """One fold's records -> ({group_id: unseen mean minus seen mean of `key` x 100}, unseen by group, seen
+    by group), over the groups that hold both."""
+    u, s = by_group(recs, unseen, key=key), by_group(recs, list(seen), key=key)
+    return {g: sum(u[g]) / len(u[g]) - sum(s[g]) / len(s[g]) for g in sorted(set(u) & set(s))}, u, s
+
+
+def over_folds(cfg, diffs):
+    """{fold: {group_id: difference}} -> the mean over folds and their common groups, with the CI that
+    resamples both (fold_group_bootstrap_ci)."""
+    common = sorted(set.intersection(*(set(d) for d in diffs.values())))
+    matrix = [[d[g] for g in common] for d in diffs.values()]
+    return {"gap": float(np.mean(matrix)) if common else None, "groups": len(common),
+            "gap_ci": list(fold_group_bootstrap_ci(matrix, cfg.n_boot, cfg.seed)) if common else None}
+
+
 def regime(run):
     """--seen-size S: every fold of regime_folds, then holdout/summary.json and report.md -> the summary:
     per fold its unseen-minus-seen exposure (paired per query group, CI over groups), and over the folds
-    the mean gap with a CI over folds and groups, and its spread over the subsets."""
+    the mean gap with a CI over folds and groups, and its spread over the subsets; with --llm-stage the
+    same of ASR under LLM_CONDITIONS (each fold's library and eval records)."""
     cfg, data = run.cfg, run.data
-    rows, diffs = [], {}
+    rows, diffs, asr = [], {}, {c: {} for c in LLM_CONDITIONS}
     for name, seen, fcfg, groups in regime_folds(run):
-        log(f"[holdout] fold {name}: the Shield trained on {', '.join(seen)} (seed {fcfg.seed})")
-        recs = run_fold(run, fcfg, construction=groups)
+        log(f"[holdout] fold {name}: the Shield{' and library' if cfg.llm_stage else ''} trained on "
+            f"{', '.join(seen)} (seed {fcfg.seed})")
+        recs = run_fold(run, fcfg, cfg.llm_stage, groups)
         unseen = [m for m in data.methods if m not in seen]
-        u, s = by_group(recs["shield"], unseen), by_group(recs["shield"], list(seen))
-        diffs[name] = {g: sum(u[g]) / len(u[g]) - sum(s[g]) / len(s[g]) for g in sorted(set(u) & set(s))}
+        diffs[name], u, s = unseen_minus_seen(recs["shield"], seen, unseen)
         done = fold_run(run, fcfg, groups)
         rows.append({"fold": name, "seen": list(seen), "unseen": unseen, "seed": fcfg.seed,
                      "instances": len(geodef.expand(groups, seen)),
@@ -330,8 +352,11 @@ def regime(run):
                      "base_seen_exposure": rate(recs["base"], seen),
                      "base_unseen_exposure": rate(recs["base"], unseen),
                      "gap": paired_gap(cfg, u, s)})
-    common = sorted(set.intersection(*(set(d) for d in diffs.values())))
-    matrix = [[diffs[f][g] for g in common] for f in diffs]
+        for c in (c for c in LLM_CONDITIONS if c in recs):       # --llm-stage: ASR end to end
+            asr[c][name], u, s = unseen_minus_seen(recs[c], seen, unseen, "attack_cited")
+            rows[-1].setdefault("asr", {})[c] = {"seen": rate(recs[c], seen, "attack_cited"),
+                                                 "unseen": rate(recs[c], unseen, "attack_cited"),
+                                                 "gap": paired_gap(cfg, u, s)}
     by_subset = {}
     for r in rows:
         by_subset.setdefault(", ".join(r["seen"]), []).append(r["gap"]["gap"])
@@ -339,10 +364,10 @@ def regime(run):
     summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
                "test_groups": len(data.test), "notes": offline_notes(cfg, data.meta), "builders": builders(data.meta),
                "regime": {"seen_size": cfg.seen_size, "subsets": len(by_subset), "seeds": cfg.seeds, "folds": rows,
-                          "gap": float(np.mean(matrix)) if common else None,
-                          "gap_ci": list(fold_group_bootstrap_ci(matrix, cfg.n_boot, cfg.seed)) if common else None,
-                          "groups": len(common), "subset_gaps": subset_gaps,
+                          **over_folds(cfg, diffs), "subset_gaps": subset_gaps,
                           "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None}}
+    if cfg.llm_stage:
+        summary["regime"]["asr"] = {c: over_folds(cfg, d) for c, d in asr.items()}
     out = os.path.join(cfg.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)
@@ -367,6 +392,10 @@ def regime_table(s):
         lines.append(f"mean over {len(r['folds'])} folds: {r['gap']:+.1f} [{r['gap_ci'][0]:+.1f}, "
                      f"{r['gap_ci'][1]:+.1f}] (CI over folds and groups); spread over subsets {r['spread'][0]:+.1f} "
                      f".. {r['spread'][1]:+.1f}")
+    for c, a in (r.get("asr") or {}).items():              # --llm-stage
+        lines.append(f"ASR under {c}, unseen minus seen, mean over folds: " + ("-" if a["gap"] is None else
+                     f"{a['gap']:+.1f} [{a['gap_ci'][0]:+.1f}, {a['gap_ci'][1]:+.1f}]") + " (CI over folds and "
+                     "groups); per fold " + ", ".join(gap_text(f["asr"][c]["gap"]) for f in r["folds"]))
     return "\n".join(lines)
 
 

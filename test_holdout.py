@@ -140,8 +140,9 @@ def test_the_papers_regime_trains_equal_folds_on_seen_subsets_and_reads_unseen_m
     """--seen-size 2 --subsets 2 on the sample's three construction families: two folds, each trained on two
     families and as many construction instances, each fold's unseen-minus-seen exposure its records' (paired
     per query group), the mean over folds that of the folds x groups matrix with a CI around it; the dry run
-    lists the same folds; the LLM stage and a size the construction families cannot fill are refused."""
-    args = argv(tmp_path, "--seen-size", "2", "--subsets", "2")
+    lists the same folds; with --llm-stage the same of ASR under each condition, from the folds' eval
+    records; a size the construction families cannot fill is refused."""
+    args = argv(tmp_path, "--seen-size", "2", "--subsets", "2", *LLM_STAGE)
     plan = run.main(args + ["--dry-run"])["folds"]
     assert len(plan) == 2 and len({f["instances"] for f in plan.values()}) == 1
     s = run.main(args)
@@ -160,8 +161,17 @@ def test_the_papers_regime_trains_equal_folds_on_seen_subsets_and_reads_unseen_m
     assert r["gap"] == pytest.approx(mean([mean(row) for row in matrix]))
     assert r["gap_ci"][0] <= r["gap"] <= r["gap_ci"][1] and r["spread"][0] <= r["gap"] <= r["spread"][1]
     assert "Seen and unseen families" in (tmp_path / "h" / "holdout" / "report.md").read_text()
-    with pytest.raises(SystemExit, match="--llm-stage runs with leave-one-out only"):
-        run.main(argv(tmp_path, "--seen-size", "2", "--llm-stage", "--name", "x", "--dry-run"))
+    for cond, slug in (("Shield only", "shield_only"), ("GEO Defender", "geo_defender")):
+        per_fold = []
+        for f in r["folds"]:
+            recs = [json.loads(x) for x in open(tmp_path / "h" / "holdout" / f["fold"] / "results" / f"{slug}.jsonl")]
+            groups = {x["group_id"] for x in recs}
+            by = lambda ms: {g: mean([100 * x["attack_cited"] for x in recs
+                                      if x["group_id"] == g and x["method"] in ms]) for g in groups}
+            u, seen = by(f["unseen"]), by(f["seen"])
+            assert f["asr"][cond]["gap"]["gap"] == pytest.approx(mean([u[g] - seen[g] for g in u]))
+            per_fold.append(mean([u[g] - seen[g] for g in sorted(u)]))
+        assert r["asr"][cond]["gap"] == pytest.approx(mean(per_fold))
     with pytest.raises(SystemExit, match="--seen-size 4: .* hold 3 families"):
         run.main(argv(tmp_path, "--seen-size", "4", "--name", "y", "--dry-run"))
 
