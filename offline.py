@@ -438,8 +438,20 @@ def prompt_kind(prompt):
     raise ValueError("offline engine: not a GEO Defender prompt (no known <input> keys, no known template)")
 
 
-def complete(prompt):
-    """Prompt text -> (reply text, reasoning or None). Raises ValueError for an unknown prompt kind."""
+def blockquoted(text):
+    """Style B of the offline builder: every paragraph a Markdown blockquote, the words as they were."""
+    return "\n\n".join("> " + p if p.strip() else p for p in text.split("\n\n"))
+
+
+# A second offline builder (build-bench --test-llm offline:offline-engine-b): the same rewrites in another
+# surface style, so that a benchmark whose splits have different builders differs in style as real
+# builders would. Plumbing: the style is ours, one transform of the families' rewritten documents.
+STYLES = {ENGINE + "-b": blockquoted}
+
+
+def complete(prompt, style=None):
+    """Prompt text -> (reply text, reasoning or None). Raises ValueError for an unknown prompt kind.
+    style: a STYLES key (the request's model), applied to a family step's rewritten document."""
     kind, f = prompt_kind(prompt)
     if kind == "asi_judge":
         u, parts = judge_asi(f["query"], f["attack"], f["answer"])
@@ -453,7 +465,10 @@ def complete(prompt):
     if kind == "rewrite":
         return json.dumps({"rewritten_document": rewrite_doc(f["document"], f["method"])}), None
     if kind == "geo_family":
-        return json.dumps(family_step(f), ensure_ascii=False), None
+        out = family_step(f)
+        if style in STYLES and isinstance(out.get("rewritten_document"), str):
+            out = {**out, "rewritten_document": STYLES[style](out["rewritten_document"])}
+        return json.dumps(out, ensure_ascii=False), None
     if kind == "adaptive_attack":
         return json.dumps({"rewrites": attack_rewrites(f)}), None
     if kind == "repair_attack":
@@ -491,7 +506,7 @@ def respond(body):
     if not isinstance(prompt, str):
         raise ValueError("messages[].content: the offline engine takes a string")
     prompt = with_system(msgs, prompt)
-    text, reasoning = complete(prompt)
+    text, reasoning = complete(prompt, body.get("model"))
     msg = {"role": "assistant", "content": text}
     if reasoning:
         msg["reasoning_content"] = reasoning

@@ -480,7 +480,7 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
 def test_a_test_builder_apart_writes_the_test_split_and_is_a_role(geo_input, tmp_path):
     """--test-llm: the test split's rewrites (and honest edits) come from another builder than the
     construction split's: _meta names both, the usage ledger shows each split's requests under its
-    builder (the offline engine under two model names, one reply style: plumbing), and a target that is
+    builder (the offline engine's second builder quotes every paragraph: plumbing), and a target that is
     the test split's builder is refused by the roles check."""
     argv = _short_rows_argv(geo_input, tmp_path) + ["--docs", "5", "--test-llm", "offline:offline-engine-b",
                                                     "--honest"]
@@ -488,10 +488,13 @@ def test_a_test_builder_apart_writes_the_test_split_and_is_a_role(geo_input, tmp
     meta = json.loads(open(tmp_path / "b.jsonl", encoding="utf-8").readline())["_meta"]
     assert meta["builder_llm"] == "offline:offline-engine" and meta["test_builder_llm"] == "offline:offline-engine-b"
     assert meta["test_fidelity_judge"] == "offline:offline-engine-b"
+    lines = [json.loads(x) for x in open(tmp_path / "b.jsonl", encoding="utf-8").read().splitlines()[1:]]
+    quoted = lambda split: [t.startswith("> ") for g in lines if g["split"] == split for t in g["attacks"].values()]
+    assert all(quoted("test")) and not any(quoted("construction"))       # the second builder's style (offline)
     models = [json.loads(x)["model"] for x in open(tmp_path / "r" / "b" / "usage.jsonl", encoding="utf-8")]
     assert models.count("offline:offline-engine") > 0 and models.count("offline:offline-engine-b") > 0
     bench = tmp_path / "roles.jsonl"
-    lines = open(tmp_path / "b.jsonl", encoding="utf-8").read().splitlines()
+    lines = open(tmp_path / "b.jsonl", encoding="utf-8").read().splitlines()           # as written
     bench.write_text("\n".join([json.dumps({"_meta": {**meta, "test_builder_llm": "openai:gpt-5.5"}})] + lines[1:])
                      + "\n", encoding="utf-8")
     assert runs.shared_roles(str(bench), "openrouter:openai/gpt-5.5") == [
