@@ -26,9 +26,11 @@ are missing, the answer is hard to extract, the competitor states it more direct
 candidates, each the current best with one targeted repair; a candidate whose words differ from the
 source's by more than --edit-budget (default 10% of the source's words, cumulative over the rounds;
 AgentGEO reports about 5% in total) is refused before the judge, and every record carries its edit
-fraction. Deviations: AgentGEO's taxonomy spans the stages of a citation pipeline and its repairs are
-tools it calls and iterates until the engine cites the document; here one call diagnoses and repairs,
-and the target reranker's rank is the signal, as for MAGEO's loop (not the engine's citation).
+fraction. Its signal is the engine's citation, as AgentGEO's: every scored candidate is answered by the
+deployed engine (the target's top k and, for the Shield, the TFSG-guided prompt of the run's library;
+the A.3.7 prompt otherwise) and a candidate the answer cites beats one it does not, the target's score
+breaking ties. Deviations: AgentGEO's taxonomy spans the stages of a citation pipeline and its repairs
+are tools it calls and iterates until the engine cites the document; here one call diagnoses and repairs.
 
 Each budget's documents then replace the static attack and the paper's pipelines are evaluated end to
 end (Non-Defense, Shield only, TFSG only, GEO Defender), with the injection defenses of defenses.py on
@@ -51,8 +53,8 @@ import llm_clients
 import report
 import rankers
 import tfsg
-from evaluation import (INJECTION_DEFENSES, clean_reference, condition_plan, condition_slug, estimate, eval_condition,
-                        price_plan, summarize)
+from evaluation import (INJECTION_DEFENSES, STANDARD, clean_reference, condition_plan, condition_slug, estimate,
+                        eval_condition, guided, pipeline_records, price_plan, summarize)
 from rankers import load_rankers, order_of
 from runs import (atomic_write, changed_settings, log, read_json, write_json,
                   write_summary)
@@ -150,10 +152,10 @@ def cheap_gate(source, candidate):
 
 
 def best_of(cands, budget):
-    """The index of the best accepted candidate among the first `budget` (highest target score;
-    ties: the earlier)."""
-    ok = [(c["score"], -c["n"]) for c in cands[:budget] if c["accepted"]]
-    return -max(ok)[1]
+    """The index of the best accepted candidate among the first `budget`: cited by the engine first (the
+    repair attacker's records carry `cited`), then the highest target score; ties: the earlier."""
+    ok = [(c.get("cited", False), c["score"], -c["n"]) for c in cands[:budget] if c["accepted"]]
+    return -max(ok)[2]
 
 
 ALGORITHMS = ("mageo", "repair")
@@ -167,11 +169,12 @@ class Attack:
     from the source's by more than cfg.edit_budget of them (cumulative)."""
 
     def __init__(self, cfg, target_label, target, attacker, judge, rounds, per_round, budget, lib=None, seed=None,
-                 algorithm="mageo"):
+                 algorithm="mageo", engine=None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"attack algorithm {algorithm!r}: one of {ALGORITHMS}")
         self.cfg, self.label, self.target, self.seed, self.algorithm = cfg, target_label, target, seed, algorithm
         self.from_source = algorithm == "repair" and cfg.start == "source"
+        self.engine = engine if algorithm == "repair" else None   # (LLM client, defenses.Pipeline): the signal
         self.attacker, self.judge = attacker, judge
         self.rounds, self.per_round, self.budget = rounds, per_round, budget
         self.rules = [{k: r.get(k) for k in ("rule_type", "description", "trigger_signals", "action")}
@@ -192,11 +195,11 @@ class Attack:
         """Every instance's candidates in budget order -> {instance_id: [candidate record, ...]}."""
         cands = {x.instance_id: [] for x in insts}
         first = [with_doc(x, x.source, "@source") for x in insts] if self.from_source else insts
-        for x, y, (s, r) in zip(insts, first, self.score(first)):
+        for x, y, (s, r), cited in zip(insts, first, self.score(first), self.cited(first)):
             cands[x.instance_id].append({"n": 0, "round": 0, "sid": "@source" if self.from_source else "",
                                          "text": y.docs[y.attack_index], "accepted": True,
                                          "reason": "the source" if self.from_source else "the benchmark's rewrite",
-                                         "score": s, "rank": r, **self._edit(x, y.docs[y.attack_index])})
+                                         "score": s, "rank": r, **self._edit(x, y.docs[y.attack_index]), **cited})
         for rnd in range(1, self.rounds + 1):
             live = [x for x in insts if len(cands[x.instance_id]) < self.budget]
             if not live:
@@ -245,15 +248,26 @@ class Attack:
             self.judge, [(x.source, t) for _, x, t in to_judge], self.cfg.max_tokens, self.cfg.workers,
             f"fidelity round {rnd}")))
         accepted = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None and verdict.get(i) is None]
-        scored = dict(zip([i for i, _, _ in accepted],
-                          self.score([with_doc(x, t, f"~{rnd}.{i}") for i, x, t in accepted])))
+        docs = [with_doc(x, t, f"~{rnd}.{i}") for i, x, t in accepted]
+        scored = dict(zip([i for i, _, _ in accepted], self.score(docs)))
+        engine = dict(zip([i for i, _, _ in accepted], self.cited(docs)))
         for i, (x, t, why) in enumerate(checks):
             cs = cands[x.instance_id]
             ok = i in scored
             s, r = scored.get(i, (None, None))
             cs.append({"n": len(cs), "round": rnd, "sid": f"~{rnd}.{i}", "text": t, "accepted": ok,
                        "reason": why or verdict.get(i) or "accepted", "score": s, "rank": r,
-                       **({"diagnosis": modes[i]} if modes[i] else {}), **self._edit(x, t)})
+                       **({"diagnosis": modes[i]} if modes[i] else {}), **self._edit(x, t), **engine.get(i, {})})
+
+    def cited(self, insts):
+        """The engine's citation of each instance's attack document -> [{"cited": bool}], or [{}] each
+        without an engine (MAGEO's loop): the target's top k answered through the engine's pipeline."""
+        if self.engine is None:
+            return [{} for _ in insts]
+        llm, pipeline = self.engine
+        tops = [order_of(self.target.scores(x))[:self.cfg.k] for x in insts]       # scored by self.score
+        recs = pipeline_records(self.cfg, llm, "repair engine", insts, tops, pipeline)
+        return [{"cited": bool(r["attack_cited"])} for r in recs]
 
     def _edit(self, x, text):
         """The repair attacker's record of a candidate's edit: the share of the source's words it differs
@@ -328,6 +342,8 @@ def dry_run(run):
               "target answers": estimate(calls["answer_calls"], ctx + 1600, 300),
               "injection defenses' pre-steps": estimate(calls["pre_step_calls"], ctx / cfg.k + 1300, 150),
               "ASI judge": estimate(calls["asi_judge_calls"], doc + 2400, 80)}
+    if cfg.algorithm == "repair":       # the engine answers every scored candidate (the repair attacker's signal)
+        stages["repair engine answers"] = estimate(len(insts) * max(budgets), ctx + 1600, 300)
     return {"instances": len(insts), "reranker_queries": calls["reranker_queries"], "stages": stages,
             "usd_at_most": price_plan(run.prices, stages, lambda s: cfg.llm),
             "usd_at_most_batch_api": price_plan(run.prices, stages, lambda s: cfg.llm, batch=True),
@@ -370,8 +386,9 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
         rankers.make_rankers(run, [(label, spec)], "attack")[label]
     attacker = run.llm(attacker_spec, stage="attack")
     judge = run.llm(cfg.judge, stage="attack")          # the run's judge, default its target LLM
+    engine = (run.llm(stage="attack"), guided(lib) if spec.kind == "shield" else STANDARD)   # the deployed engine
     a = Attack(cfg, label, target, attacker, judge, rounds, per_round, budget, lib if aware else None,
-               algorithm=cfg.algorithm)
+               algorithm=cfg.algorithm, engine=engine)
     cands = a.run(insts)
     check_settings(cfg, f"{label}-{mode}", settings, pin=True)
     res = os.path.join(cfg.run_dir, "results")

@@ -77,14 +77,16 @@ def load_defense(run, k):
     return base, shield, tfsg.load_library(lib, run.limits)
 
 
-def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed, algorithm="mageo"):
+def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed, algorithm="mageo", llm=None):
     """The adaptive attacker's candidates for `insts` against `target` (attack.Attack, its `algorithm`),
-    read from `path` when a finished stage wrote them -> {instance_id: [candidate records]}."""
+    read from `path` when a finished stage wrote them -> {instance_id: [candidate records]}. llm: the
+    target LLM, the repair attacker's engine with the round's Shield and library (GEO Defender)."""
     if os.path.isfile(path):
         return read_attack(path)
     rounds = rounds_for(budget, cfg.candidates_per_round)
     cands = Attack(cfg, "shield", target, attacker, judge, rounds, cfg.candidates_per_round, budget,
-                   None if cfg.unaware else lib, seed=seed, algorithm=algorithm).run(insts)
+                   None if cfg.unaware else lib, seed=seed, algorithm=algorithm,
+                   engine=(llm, guided(lib)) if llm is not None else None).run(insts)
     write_jsonl(path, [{"instance_id": x.instance_id, **c} for x in insts for c in cands[x.instance_id]])
     return cands
 
@@ -232,7 +234,8 @@ def measure(run, k, clients, clean):
     base, shield, lib = load_defense(run, k)
     budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
     cands = attacked(cfg, os.path.join(round_dir(run, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
-                     tester, judge, seed=f"test-{cfg.seed}-{k}", algorithm=cfg.test_algorithm or cfg.algorithm)
+                     tester, judge, seed=f"test-{cfg.seed}-{k}", algorithm=cfg.test_algorithm or cfg.algorithm,
+                     llm=llm)
     res = os.path.join(round_dir(run, k), "results")
     setup = (base, shield, lib, data.construction)
     fresh = {str(b): evaluate_documents(cfg, llm, judge, best_documents(insts, cands, b, f"@r{k}-B{b}"), setup, clean,
@@ -367,7 +370,7 @@ def attack_round(run, k, clients, clean_cons):
     prev = load_defense(run, k - 1)
     cons = geodef.expand(data.construction, data.seen)
     cands = attacked(cfg, os.path.join(folder, "attack-train.jsonl"), cons, prev[1], prev[2], cfg.budget, attacker,
-                     judge, seed=f"train-{cfg.seed}-{k}", algorithm=cfg.algorithm)
+                     judge, seed=f"train-{cfg.seed}-{k}", algorithm=cfg.algorithm, llm=llm)
     path = os.path.join(folder, "survivors.jsonl")
     if not os.path.isfile(path):
         write_jsonl(path, harvest(run, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))

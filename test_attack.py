@@ -246,7 +246,8 @@ def test_a_failed_attack_pins_no_settings(demo_copy, monkeypatch):
 
 def test_the_diagnose_and_repair_attacker_starts_from_the_source_within_its_edit_budget(attacked, tmp_path):
     """--algorithm repair (ours after AgentGEO's loop): candidate 0 is the source, not the benchmark's rewrite;
-    every candidate carries the failure mode its round diagnosed and its edit fraction against the source,
+    every candidate carries the failure mode its round diagnosed, its edit fraction against the source and,
+    scored, whether the deployed engine cites it (the best of a budget is a cited one where one is),
     and an accepted one differs from the source by at most --edit-budget of its words (10%), cumulative over
     the rounds; its files and summary block sit beside MAGEO's (kept), and the report names the algorithm.
     A rerun with --start rewrite is refused: the finished records were made from the source."""
@@ -265,6 +266,8 @@ def test_the_diagnose_and_repair_attacker_starts_from_the_source_within_its_edit
         assert len(cs) == 3 and all(c["diagnosis"] in attack.REPAIR_MODES for c in cs[1:])
         source = cs[0]["text"]
         assert cs[0]["reason"] == "the source" and cs[0]["edit_fraction"] == 0
+        assert all(isinstance(c["cited"], bool) for c in cs if c["accepted"])    # the engine's signal
+        assert cs[attack.best_of(cs, 3)]["cited"] == max(c["cited"] for c in cs if c["accepted"])
         for c in cs[1:]:
             assert c["edit_fraction"] == round(attack.edit_share(source, c["text"]), 4)
             accepted += c["accepted"]
@@ -291,3 +294,13 @@ def test_a_repair_reply_without_a_known_failure_mode_is_re_asked():
         attack.parse_repair({"failure_mode": "made up", "rewrites": ["x"]}, 1)
     assert attack.parse_repair({"failure_mode": "answer_buried", "rewrites": ["a", "b"]}, 1) == ("answer_buried",
                                                                                                ["a"])
+
+
+def test_the_best_candidate_is_one_the_engine_cites_before_a_higher_score():
+    """best_of: among accepted candidates, one the engine cites (the repair attacker's records carry
+    `cited`) beats a higher target score; without `cited` (MAGEO's loop) the score decides, ties the earlier."""
+    cands = [{"n": 0, "accepted": True, "score": 0.9, "cited": False},
+             {"n": 1, "accepted": True, "score": 0.2, "cited": True},
+             {"n": 2, "accepted": False, "score": 0.99, "cited": True}]
+    assert attack.best_of(cands, 3) == 1 and attack.best_of(cands, 1) == 0
+    assert attack.best_of([{k: v for k, v in c.items() if k != "cited"} for c in cands], 3) == 0
