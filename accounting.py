@@ -31,6 +31,25 @@ def token_cost(p, row, batch=False):
     return full * (p[2] if len(p) > 2 else BATCH_SHARE) if batch else full
 
 
+def estimate(requests, prompt_chars, completion_tokens):
+    """A stage of a dry run: requests, prompt tokens at 4 characters a token, completion tokens."""
+    return {"requests": requests, "prompt_tokens": int(requests * prompt_chars / 4),
+            "completion_tokens": int(requests * completion_tokens)}
+
+
+def price_plan(prices, stages, model_of, batch=False):
+    """USD of a dry run's stages with --prices ([USD per 1M in, per 1M out(, batch share)] by model),
+    or None; batch=True: through the batch APIs (price_of's batch share, default half)."""
+    prices = prices or {}
+    total = 0.0
+    for name, st in stages.items():
+        p = prices.get(price_key(model_of(name)))
+        if p is None or isinstance(p, dict):
+            return None
+        total += token_cost(p, st, batch)
+    return total
+
+
 def price_of(label, row, prices):
     """USD of one ledger row from a price table keyed by model name (price_key):
     [USD per 1M input tokens, per 1M output tokens] for chat models; for rerank models

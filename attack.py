@@ -53,8 +53,9 @@ import llm_clients
 import report
 import rankers
 import tfsg
-from evaluation import (INJECTION_DEFENSES, STANDARD, clean_reference, condition_plan, condition_slug, estimate,
-                        eval_condition, guided, pipeline_records, price_plan, summarize)
+from accounting import estimate, price_plan
+from evaluation import (INJECTION_DEFENSES, STANDARD, clean_reference, condition_plan, condition_slug, eval_condition,
+                        guided, pipeline_records, summarize)
 from rankers import load_rankers, order_of
 from runs import (atomic_write, changed_settings, log, read_json, write_json,
                   write_summary)

@@ -30,6 +30,7 @@ import report
 import rankers
 import tfsg
 import tiny
+from accounting import estimate, price_plan
 from rankers import documents_cut, load_rankers, sharded
 from runs import (changed_settings, file_sha1, log, naming, NotTrainedError,
                   read_json, read_jsonl, shared_roles, test_set_digest, TINY_NOTE,
@@ -746,25 +747,6 @@ def clients_summary(clients):
         log(f"[eval] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
             f"{c.stats['cache_hits']} from the cache")
     return out
-
-
-def estimate(requests, prompt_chars, completion_tokens):
-    """A stage of a dry run: requests, prompt tokens at 4 characters a token, completion tokens."""
-    return {"requests": requests, "prompt_tokens": int(requests * prompt_chars / 4),
-            "completion_tokens": int(requests * completion_tokens)}
-
-
-def price_plan(prices, stages, model_of, batch=False):
-    """USD of a dry run's stages with --prices ([USD per 1M in, per 1M out(, batch share)] by model),
-    or None; batch=True: through the batch APIs (accounting.price_of's batch share, default half)."""
-    prices = prices or {}
-    total = 0.0
-    for name, st in stages.items():
-        p = prices.get(accounting.price_key(model_of(name)))
-        if p is None or isinstance(p, dict):
-            return None
-        total += accounting.token_cost(p, st, batch)
-    return total
 
 
 def records_done(path):

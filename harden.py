@@ -46,7 +46,8 @@ import geodef
 import report
 import tfsg
 from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
-from evaluation import clean_reference, eval_condition, estimate, guided, offline_notes, price_plan
+from accounting import estimate, price_plan
+from evaluation import clean_reference, eval_condition, guided, offline_notes
 from rankers import base_ranker, load_rankers
 from runs import changed_settings, labels_of, log, read_json, read_jsonl, write_json, write_jsonl, write_summary
 from settings import SettingsError

@@ -44,7 +44,6 @@ Usage: python run.py holdout --name gpt55      (a trained run's settings; or --b
 """
 import dataclasses
 import itertools
-import json
 import os
 import random
 
@@ -56,7 +55,7 @@ import metrics
 import rerank_eval
 from evaluation import check_eval_settings, evaluate, offline_notes
 from rankers import parse_rerankers
-from runs import log, write_json
+from runs import log, read_json, write_json
 from settings import SettingsError
 from train import plan_train, train_shield, train_tfsg
 
@@ -344,10 +343,9 @@ def regime(run):
         recs = run_fold(run, fcfg, cfg.llm_stage, groups)
         unseen = [m for m in data.methods if m not in seen]
         diffs[name], u, s = unseen_minus_seen(recs["shield"], seen, unseen)
-        done = fold_run(run, fcfg, groups)
         rows.append({"fold": name, "seen": list(seen), "unseen": unseen, "seed": fcfg.seed,
                      "instances": len(geodef.expand(groups, seen)),
-                     "steps": (read_done(done) or {}).get("steps"),
+                     "steps": read_json(os.path.join(fcfg.run_dir, "shield_done.json"), {}).get("steps"),
                      "seen_exposure": rate(recs["shield"], seen), "unseen_exposure": rate(recs["shield"], unseen),
                      "base_seen_exposure": rate(recs["base"], seen),
                      "base_unseen_exposure": rate(recs["base"], unseen),
@@ -372,12 +370,6 @@ def regime(run):
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)
     return summary
-
-
-def read_done(fold):
-    """A fold's shield_done.json (its optimizer steps), or None."""
-    path = fold.path("shield_done.json")
-    return json.load(open(path, encoding="utf-8")) if os.path.isfile(path) else None
 
 
 def regime_table(s):

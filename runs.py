@@ -245,7 +245,7 @@ class Run:
     def open(cls, cfg, command, needs=(), llms=False, roles=False, record="config", check=None, distributed=False,
              engine=False, corpus=None, lock="write"):
         """A command's whole life: its checks (`plan`, keys required), then the ranks joined (`distributed`:
-        under torchrun; the device is the rank's before the Run exists), and on rank 0 the offline engine
+        under torchrun; the Run's settings then name the rank's device), and on rank 0 the offline engine
         (`engine`, with `corpus` its /search), the run folder's lock (`lock`: "write", "read" or None) and
         the record of its settings (`record`: "config" writes config.json, "check" writes a new folder's
         and checks an existing one, None neither); undone in reverse on the way out, the ranks left last.

@@ -51,6 +51,7 @@ from urllib.parse import unquote, urlsplit
 
 import export
 import lora
+from endpoints import redact
 from metrics import sigmoid
 from settings import SettingsError
 
@@ -746,6 +747,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, reply(path, req, m, tokens, req.model or conf["model_name"]))
 
 
+def say(msg):
+    """One line on stderr, every URL in it redacted (endpoints.redact), as the commands' log prints."""
+    print(redact(msg), file=sys.stderr, flush=True)
+
+
 def serve_until_stopped(rr, cfg, model_name, adapter=None):
     """serve's command: a RerankServer over `rr` on cfg's host and port (ServeSettings) until Ctrl-C, its API
     key cfg.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one."""
@@ -758,14 +764,14 @@ def serve_until_stopped(rr, cfg, model_name, adapter=None):
     except OSError as e:
         raise SettingsError(f"--host {cfg.host} --port {cfg.port}: cannot listen there ({e.strerror or e})") from None
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not key:
-        sys.stderr.write(f"[serve] WARNING: listening on {cfg.host} without an API key: anyone who can reach this "
-                         "port can use it (set GEODEF_API_KEY or --api-key)\n")
-    sys.stderr.write(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on {srv.url} "
-                     f"(/v1/rerank, /rerank, /score, /metrics){' (API key required)' if key else ''}\n")
+        say(f"[serve] WARNING: listening on {cfg.host} without an API key: anyone who can reach this port can use "
+            "it (set GEODEF_API_KEY or --api-key)")
+    say(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on {srv.url} (/v1/rerank, "
+        f"/rerank, /score, /metrics){' (API key required)' if key else ''}")
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
-        sys.stderr.write("[serve] stopped\n")
+        say("[serve] stopped")
     finally:
         srv.server_close()
 

@@ -20,6 +20,7 @@ import geodef
 import lora
 import speed
 import tfsg
+from accounting import estimate, price_plan
 from evaluation import clean_reference, eval_condition
 from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
 from runs import append_jsonl, labels_of, log, read_json, write_json
@@ -149,24 +150,9 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
     mon_lists = [(x, scores[x.instance_id]) for x in mon_inst]
 
-    torch.manual_seed(cfg.seed)   # LoRA A init and dropout masks from the seed alone
-    lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
-    if init:
-        lora.load_adapter(rr.model, init)
-    speed.install(rr.model, compile=cfg.compile)     # the LoRA layers get the speed paths too
-    params = [p for p in rr.model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr)
-    ckpt = os.path.join(folder, "checkpoint")
-    state = {"epoch": 0, "pos": 0, "step": 0, "best": None, "history": []}
-    log_path = os.path.join(folder, "train_log.jsonl")
-    if resume and os.path.isfile(os.path.join(ckpt, "state.safetensors")):
-        state = _load_ckpt(ckpt, rr.model, opt)
-        log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
-        if main:
-            with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
-                f.truncate(state.get("log_bytes", f.seek(0, os.SEEK_END)))
-    elif main and os.path.isfile(log_path):     # a fresh start: no lines of an earlier attempt
-        os.remove(log_path)
+    params, opt = attach_lora(cfg, rr, init)
+    ckpt, log_path = os.path.join(folder, "checkpoint"), os.path.join(folder, "train_log.jsonl")
+    state = start_state(rr, opt, ckpt, log_path, resume, main)
     if main and state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
         m0 = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
         state["history"].append({"epoch": 0, **m0})
@@ -209,23 +195,62 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
         state["epoch"] += 1
         state["pos"] = 0
         if main:                                        # monitoring, the best adapter, the epoch's checkpoint
-            m = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
-            state["history"].append({"epoch": state["epoch"], **m})
-            append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
-            key = (-m["loss"], m["pref_accuracy"])   # best = lowest Eq. 5 loss on the held-out groups
-            if state["best"] is None or key > tuple(state["best"]["key"]):
-                lora.save_adapter(rr.model, adapter_dir, cfg.model)
-                state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
-            _save_ckpt(ckpt, rr.model, opt, state, log_path)
+            end_of_epoch(cfg, rr, opt, state, monitor(rr, mon_triples, ids, s0, cfg, mon_lists), adapter_dir, ckpt,
+                         log_path)
     bar.close()
     if not main:                                        # the other ranks only compute their share of each step
         return
-    lora.load_adapter(rr.model, adapter_dir)                          # the best adapter, for the test report
+    finish_shield(run, rr, folder, adapter_dir, state, math.ceil(n / cfg.grad_accum))
+
+
+def end_of_epoch(cfg, rr, opt, state, m, adapter_dir, ckpt, log_path):
+    """After an epoch (rank 0): its monitoring metrics `m` logged, the adapter kept when its Eq. 5 loss on the
+    monitoring split is the lowest so far (ties: the higher preference accuracy), and the checkpoint."""
+    state["history"].append({"epoch": state["epoch"], **m})
+    append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
+    key = (-m["loss"], m["pref_accuracy"])
+    if state["best"] is None or key > tuple(state["best"]["key"]):
+        lora.save_adapter(rr.model, adapter_dir, cfg.model)
+        state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
+    _save_ckpt(ckpt, rr.model, opt, state, log_path)
+
+
+def attach_lora(cfg, rr, init=None):
+    """LoRA on the frozen reranker (its A initialised and its dropout masks drawn from the seed alone),
+    started from the adapter folder `init` when given, with the speed paths -> (trainable params, AdamW)."""
+    torch.manual_seed(cfg.seed)
+    lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+    if init:
+        lora.load_adapter(rr.model, init)
+    speed.install(rr.model, compile=cfg.compile)     # the LoRA layers get the speed paths too
+    params = [p for p in rr.model.parameters() if p.requires_grad]
+    return params, torch.optim.AdamW(params, lr=cfg.lr)
+
+
+def start_state(rr, opt, ckpt, log_path, resume, main):
+    """The loop's state: from the checkpoint when resuming (rank 0 cuts the log to the steps it holds), else
+    fresh (rank 0 removes an earlier attempt's log) -> {epoch, pos, step, best, history}."""
+    if resume and os.path.isfile(os.path.join(ckpt, "state.safetensors")):
+        state = _load_ckpt(ckpt, rr.model, opt)
+        log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
+        if main:
+            with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
+                f.truncate(state.get("log_bytes", f.seek(0, os.SEEK_END)))
+        return state
+    if main and os.path.isfile(log_path):       # a fresh start: no lines of an earlier attempt
+        os.remove(log_path)
+    return {"epoch": 0, "pos": 0, "step": 0, "best": None, "history": []}
+
+
+def finish_shield(run, rr, folder, adapter_dir, state, steps_per_epoch):
+    """The best adapter back on the model, its ranking of the test groups against the base's, and
+    shield_done.json (what `train` reads to skip a finished Shield)."""
+    data = run.data
+    lora.load_adapter(rr.model, adapter_dir)
     rr.model.eval()
     test_stats = shield_test_stats(run, rr, geodef.expand(data.test, data.methods), adapter_dir)
     write_json(os.path.join(folder, "shield_done.json"), {"best": state["best"], "history": state["history"],
-                                                      "steps": state["step"],
-                                                      "steps_per_epoch": math.ceil(n / cfg.grad_accum),
+                                                      "steps": state["step"], "steps_per_epoch": steps_per_epoch,
                                                       "test_ranking": test_stats})
     log(f"[train] best adapter (epoch {state['best']['epoch']}): {state['best']}")
     log(f"[train] test groups, base -> shield: {test_stats}")
@@ -318,7 +343,6 @@ def plan_train(run):
     optimizer steps are given); TFSG (A.2.2): the clean reference of each construction group, four
     controlled rollouts per seed case, one cold-start Analyzer call, and per update batch one answer
     per case and one Analyzer call. A finished library costs nothing."""
-    from evaluation import estimate, price_plan
     cfg, data = run.cfg, run.data
     inst = geodef.expand(data.construction, data.seen)
     opt, _ = run.shield_split(inst)
