@@ -445,6 +445,10 @@ def dry_run(run):
                                             ctx + 2500, 400),
                  "ASI judge": estimate(2 * evaluated, doc + 2400, 80),
                  "Analyzer": estimate(1, cfg.batch_size * (cfg.k * cfg.analyzer_doc_chars + 1500) + 6000, 1500)}
+    engine = (len(cons) * cfg.budget if cfg.algorithm == "repair" else 0) + \
+        (len(test) * max(budgets) if (cfg.test_algorithm or cfg.algorithm) == "repair" else 0)
+    if engine:              # the repair attacker's signal: the engine answers every candidate it scores
+        per_round["repair engine answers"] = estimate(engine, ctx + 2500, 400)
     models = {"training attacker": cfg.attacker, "test attacker": cfg.test_attacker or cfg.attacker,
               "fidelity judge": cfg.judge, "ASI judge": cfg.judge, "Analyzer": cfg.analyzer}
     model = lambda s: models.get(s) or cfg.llm          # each stage priced at its own client's model

@@ -351,3 +351,14 @@ def test_a_repair_round_made_before_the_start_and_budget_were_pinned_is_refused(
     runs.write_json(str(tmp_path / "r" / "harden" / "settings.json"), {**old, "test_algorithm": "mageo"})
     with pytest.raises(settings.SettingsError, match=r"different test_algorithm \(test_algorithm='mageo'\);"):
         harden.check_settings(cfg)
+
+
+def test_a_harden_dry_run_prices_the_repair_attackers_engine_answers(demo_run, tmp_path):
+    """--test-algorithm repair: every candidate the fresh attacker scores is answered by the engine, so the
+    plan holds those answers (test instances x the largest budget); MAGEO's loop on both sides holds none."""
+    shutil.copytree(demo_run.parent, tmp_path / "o")
+    common = ["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "1", "--budget", "3",
+              "--eval-budgets", "1,3", "--eval-groups", "2", "--dry-run"]
+    plan = run.main(common + ["--test-algorithm", "repair"])
+    assert plan["per_round"]["repair engine answers"]["requests"] == plan["test_instances"] * 3
+    assert "repair engine answers" not in run.main(common)["per_round"]
