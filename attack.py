@@ -287,16 +287,6 @@ def with_doc(x, text, suffix=""):
 # ----------------------------------------------------------------------------- the attack command
 
 
-def parse_budgets(text, flag="--budgets"):
-    try:
-        b = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        b = []
-    if not b or b[0] < 1:
-        raise SettingsError(f"{flag} {text!r}: a comma list of positive integers, e.g. 1,4,16")
-    return b
-
-
 def rounds_for(budget, per_round):
     """Rewrite rounds a budget of `budget` candidates takes: candidate 0 is the benchmark's rewrite, and
     each round adds `per_round` -> ceil((budget - 1) / per_round)."""
@@ -322,8 +312,7 @@ def plan_calls(n_inst, budget, per_round, rounds, n_budgets, k, reasks=1):
 
 
 def check(run):
-    """attack's own settings, checked before anything runs: the budgets and the target reranker's spec."""
-    parse_budgets(run.cfg.budgets)
+    """attack's own settings, checked before anything runs: the target reranker's spec."""
     if run.cfg.target not in ("shield", "base"):
         rankers.check_specs(rankers.parse_rerankers([run.cfg.target]))
 
@@ -332,7 +321,7 @@ def dry_run(run):
     """What `attack` would send, without sending anything: upper bounds per stage, prompt tokens
     estimated at 4 characters a token, and the price with --prices."""
     cfg, per_round = run.cfg, run.cfg.candidates_per_round
-    budgets = parse_budgets(cfg.budgets)
+    budgets = cfg.budgets
     rounds = cfg.attack_rounds or rounds_for(max(budgets), per_round)
     insts = geodef.expand(run.data.test, run.data.methods)
     calls = plan_calls(len(insts), max(budgets), per_round, rounds, len(budgets), cfg.k)

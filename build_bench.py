@@ -488,10 +488,11 @@ def pool_lists(ctx, cfg, fams, groups):
 # ----------------------------------------------------------------------------- the command
 
 
-def parse_families(text, default):
-    names = [m.strip() for m in text.split(",") if m.strip()] if text else list(default)
+def known_families(names, default):
+    """The families a flag names (default when not given), each one of the seven."""
+    names = list(names or default)
     bad = [m for m in names if m not in geo_attacks.FAMILIES]
-    if bad or not names:
+    if bad:
         raise SettingsError(f"unknown attack families {bad}; known: {', '.join(geo_attacks.FAMILIES)}")
     return names
 
@@ -512,14 +513,14 @@ class Plan(NamedTuple):
     construction: list
 
 
-def construction_families(text, fams, seen):
+def construction_families(asked, fams, seen):
     """--construction-families: None -> the seen families (the paper's 12 x 3), 'all' -> every family,
     else a comma list among --attacks that holds the seen ones (the Shield's default training set)."""
-    if not text:
+    if not asked:
         return list(seen)
-    names = list(fams) if text.strip() == "all" else parse_families(text, ())
+    names = list(fams) if asked == "all" else known_families(asked, ())
     if [m for m in names if m not in fams] or [m for m in seen if m not in names]:
-        raise SettingsError(f"--construction-families {text}: each among --attacks {fams}, and holding the seen "
+        raise SettingsError(f"--construction-families {asked}: each among --attacks {fams}, and holding the seen "
                             f"families {seen}")
     return [m for m in fams if m in names]           # in --attacks' order
 
@@ -540,10 +541,10 @@ def read_resource(flag, reader, path):
 
 def plan(cfg):
     """Every check the inputs allow, before the first request (and in --dry-run) -> Plan."""
-    fams = parse_families(cfg.attacks, geodef.PAPER_METHODS)
+    fams = known_families(cfg.attacks, geodef.PAPER_METHODS)
     if cfg.attacks and not cfg.seen_methods:
         raise SettingsError("--attacks: name the construction (seen) families too, with --seen-methods")
-    seen = parse_families(cfg.seen_methods, geodef.PAPER_SEEN_METHODS)
+    seen = known_families(cfg.seen_methods, geodef.PAPER_SEEN_METHODS)
     if [m for m in seen if m not in fams]:
         raise SettingsError(f"--seen-methods {seen}: each must be among --attacks {fams}")
     if not cfg.input or not cfg.output:

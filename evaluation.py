@@ -301,15 +301,9 @@ def summarize(recs, clean):
 
 
 def transfer_items(run):
-    """--transfer "name=path,..." -> [(name, path, library)], each checked: a name safe for a file name
-    (it names results/transfer_<name>.jsonl and the Table C.2 row) and a valid library file."""
+    """--transfer "name=path,..." -> [(name, path, library)], each library file read and checked."""
     items = []
-    cfg = run.cfg
-    for item in (cfg.transfer.split(",") if cfg.transfer else []):
-        name, eq, path = item.partition("=")
-        if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-            raise SettingsError(f"--transfer: {item!r}: give name=path, the name in letters, digits, '.', '_', '-' "
-                             "(it names results/transfer_<name>.jsonl and the Table C.2 row)")
+    for name, path in run.cfg.transfer or ():
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--transfer: {path}: no library file")
         try:
@@ -389,7 +383,7 @@ def eval_conditions(run):
     -> (conditions, transfer_items)."""
     cfg = run.cfg
     named = {"all": CONDITIONS, "paper": PAPER_CONDITIONS}
-    conds = named.get(cfg.conditions) or [c.strip() for c in cfg.conditions.split(",")]
+    conds = list(named.get(cfg.conditions) or cfg.conditions)
     for c in conds:
         if c not in CONDITIONS:
             raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}, 'paper' (the first six) "

@@ -45,7 +45,7 @@ import shutil
 import geodef
 import report
 import tfsg
-from attack import Attack, best_of, evaluate_documents, parse_budgets, rounds_for, with_doc
+from attack import Attack, best_of, evaluate_documents, rounds_for, with_doc
 from accounting import estimate, price_plan
 from evaluation import clean_reference, eval_condition, guided, offline_notes
 from rankers import base_ranker, load_rankers
@@ -233,7 +233,7 @@ def measure(run, k, clients, clean):
     llm, judge, _, tester, _ = clients
     groups, insts = test_instances(cfg, data)
     base, shield, lib = load_defense(run, k)
-    budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
+    budgets = cfg.eval_budgets
     cands = attacked(cfg, os.path.join(round_dir(run, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
                      tester, judge, seed=f"test-{cfg.seed}-{k}", algorithm=cfg.test_algorithm or cfg.algorithm,
                      llm=llm)
@@ -276,7 +276,7 @@ def crossplay(run, R):
     attacker rounds."""
     cfg = run.cfg
     _, insts = test_instances(cfg, run.data)
-    top = max(parse_budgets(cfg.eval_budgets, "--eval-budgets"))
+    top = max(cfg.eval_budgets)
     docs = [best_documents(insts, read_attack(os.path.join(round_dir(run, a), "attack-test.jsonl")), top,
                            f"@cross-a{a}") for a in range(R + 1)]
     matrix = []
@@ -298,7 +298,7 @@ def check_settings(cfg):
     starts: a rerun that changes one is refused (--rounds may grow: finished rounds are kept)."""
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
             "unaware", "restart", "judge", "max_tokens")
-    now = {k: getattr(cfg, k) for k in keys}
+    now = {k: getattr(cfg, k) for k in keys} | {"eval_budgets": str(cfg.eval_budgets)}    # as its flag's text
     if cfg.algorithm != "mageo" or (cfg.test_algorithm or cfg.algorithm) != "mageo":   # not MAGEO's on both sides
         now.update(algorithm=cfg.algorithm, test_algorithm=cfg.test_algorithm or cfg.algorithm, start=cfg.start,
                    edit_budget=cfg.edit_budget)         # the repair attacker's first document and budget
@@ -417,9 +417,8 @@ def harden(run):
 
 
 def check(run):
-    """harden's own settings, checked before anything runs (a dry run's too): the evaluation budgets, the
-    test groups asked for, and the settings of the rounds already made (check_settings)."""
-    parse_budgets(run.cfg.eval_budgets, "--eval-budgets")
+    """harden's own settings, checked before anything runs (a dry run's too): the test groups asked for,
+    and the settings of the rounds already made (check_settings)."""
     if run.cfg.eval_groups > len(run.data.test):
         raise SettingsError(f"--eval-groups {run.cfg.eval_groups}: the benchmark has {len(run.data.test)} test groups")
     check_settings(run.cfg)
@@ -431,7 +430,7 @@ def dry_run(run):
     cfg, data = run.cfg, run.data
     cons = geodef.expand(data.construction, data.seen)
     _, test = test_instances(cfg, data)
-    budgets = parse_budgets(cfg.eval_budgets, "--eval-budgets")
+    budgets = cfg.eval_budgets
     doc = sum(len(x.docs[x.attack_index]) for x in cons + test) / max(1, len(cons + test))
     ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in test) / max(1, len(test))
     rounds = lambda b: rounds_for(b, cfg.candidates_per_round)

@@ -71,12 +71,12 @@ def families(cfg, data):
                             "out. Build it with build-bench --construction-families all")
     if cfg.families == ALL:
         return list(cons), list(cons)
-    asked = [m.strip() for m in cfg.families.split(",") if m.strip()]
+    asked = list(cfg.families)
     twice = sorted({m for m in asked if asked.count(m) > 1})
     if twice:                                        # each would run its fold again
         raise SettingsError(f"--families {cfg.families}: {', '.join(twice)} given twice; name each family once")
     absent = [m for m in asked if m not in cons]
-    if absent or not asked:
+    if absent:
         raise SettingsError(f"--families {cfg.families}: {absent} have no construction instances in {cfg.bench} "
                             f"(its construction groups hold {cons}; build-bench --construction-families all)")
     return asked, list(cons)
@@ -85,7 +85,7 @@ def families(cfg, data):
 def fold_settings(cfg, name, trained):
     """A fold's settings: the run's, in the run folder <run>/holdout/<name>, trained on `trained`."""
     return dataclasses.replace(cfg, runs_dir=os.path.join(cfg.run_dir, "holdout"), name=name,
-                               seen_methods=",".join(trained))
+                               seen_methods=tuple(trained))
 
 
 def folds(run):
@@ -96,7 +96,7 @@ def folds(run):
     out = [(f"without-{f}", f, fold_settings(cfg, f"without-{f}", [m for m in cons if m != f])) for f in held]
     out += [(ALL, None, fold_settings(cfg, ALL, cons))]
     for _, _, fcfg in out:
-        fold, inst = fold_run(run, fcfg), geodef.expand(data.construction, fcfg.seen_methods.split(","))
+        fold, inst = fold_run(run, fcfg), geodef.expand(data.construction, list(fcfg.seen_methods))
         fold.shield_split(inst)
         if cfg.llm_stage:
             fold.tfsg_schedule(inst)
@@ -110,7 +110,7 @@ def fold_run(run, fcfg, construction=None):
     """A fold's Run: the holdout's services and its benchmark as read once (the same groups and split),
     with the fold's settings and seen families; construction: its own construction groups (the paper's
     regime trains every fold on as many instances, equal_size)."""
-    data = run.data._replace(seen=fcfg.seen_methods.split(","))
+    data = run.data._replace(seen=list(fcfg.seen_methods))
     return run.with_settings(fcfg, data if construction is None else data._replace(construction=construction))
 
 
@@ -212,7 +212,7 @@ def holdout(run):
         recs[name] = run_fold(run, fcfg, cfg.llm_stage)
     ref = recs[ALL]
     held = [family for _, family, _ in plan if family is not None]
-    rows = [fold_row(cfg, family, fcfg.seen_methods.split(","), recs[name], ref,
+    rows = [fold_row(cfg, family, list(fcfg.seen_methods), recs[name], ref,
                      [recs[f"without-{g}"] for g in held if g != family])
             for name, family, fcfg in plan if family is not None]
     unseen = [m for m in data.methods if m not in data.meta.construction()]
@@ -244,8 +244,8 @@ def dry_run(run):
         return {"folds": out, **({} if cfg.llm_stage else {"llm_requests": 0})}
     out = {}
     for name, family, fcfg in folds(run):
-        opt, _ = fold_run(run, fcfg).shield_split(geodef.expand(data.construction, fcfg.seen_methods.split(",")))
-        out[name] = {"held_out": family, "trained_on": fcfg.seen_methods.split(","),
+        opt, _ = fold_run(run, fcfg).shield_split(geodef.expand(data.construction, list(fcfg.seen_methods)))
+        out[name] = {"held_out": family, "trained_on": list(fcfg.seen_methods),
                      "shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum),
                      "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json")),
                      "test_instances_scored": len(data.test) * len(data.methods)}

@@ -335,7 +335,7 @@ def cmd_attack(args):
     if args.dry_run:
         return show(attack.dry_run(Run.plan(cfg, **opened)))
     with Run.open(cfg, "attack", record=None, engine=cfg.llm == "offline", **opened) as run:
-        block = attack.run_attack(run, cfg.target, attack.parse_budgets(cfg.budgets), cfg.attack_rounds,
+        block = attack.run_attack(run, cfg.target, cfg.budgets, cfg.attack_rounds,
                                   cfg.candidates_per_round, cfg.attacker, cfg.aware_of_library)
     print(attack.attack_table(block) + f"\n\ngate: {block['gate']}\nsummary: {cfg.run_dir}/summary.json")
     return block
@@ -351,7 +351,7 @@ def cmd_harden(args):
     with Run.open(cfg, "harden", record="check", distributed=True, engine=cfg.llm == "offline", **opened) as run:
         block = harden.harden(run) if run.ranks.is_main else harden.train_share(run)
     if block:
-        print(harden.round_table(block, attack.parse_budgets(cfg.eval_budgets, "--eval-budgets")) +
+        print(harden.round_table(block, cfg.eval_budgets) +
               f"\n\nreport: {cfg.run_dir}/harden_report.md\nsummary: {cfg.run_dir}/summary.json")
     return block
 

@@ -335,14 +335,14 @@ class Run:
             cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
         except ValueError as e:
             raise SettingsError(f"{cfg.bench}: {e}")
-        given = [m.strip() for m in cfg.seen_methods.split(",") if m.strip()] if cfg.seen_methods else None
+        given = list(cfg.seen_methods) if cfg.seen_methods else None
         seen, origin = geodef.seen_methods(meta, given, cfg.bench)
         if origin == "the paper's seen methods":
             log(f"[data] {cfg.bench}: no _meta.seen_methods; the paper's seen methods {seen} (the file has the "
                 "paper's seven)")
         if cfg.max_test_groups:
             test = test[:cfg.max_test_groups]
-        methods = meta.methods if cfg.methods == "all" else [m.strip() for m in cfg.methods.split(",")]
+        methods = meta.methods if cfg.methods == "all" else list(cfg.methods)
         for m in methods:
             if m not in meta.methods:
                 raise SettingsError(f"--methods: {m!r} is not in the benchmark's methods {meta.methods}")

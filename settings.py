@@ -56,6 +56,55 @@ def spec_of(parse):
     return lambda v: parse(v) if isinstance(v, str) else v
 
 
+class CommaList(tuple):
+    """A comma list parsed once, its items in order; str() gives the list's text back (config.json keeps it)."""
+
+    def __str__(self):
+        return ",".join(map(str, self))
+
+
+def comma_list(item=str, words=()):
+    """A comma list's parser: "a, b" -> CommaList(item("a"), item("b")); one of `words` ('all', 'paper') stays
+    the word it is. A list read back from config.json is parsed the same way."""
+    def parse(v):
+        if isinstance(v, CommaList) or v in words:
+            return v
+        out = CommaList(item(x.strip()) for x in (v.split(",") if isinstance(v, str) else v) if str(x).strip())
+        if not out:
+            raise ValueError(f"{v!r}: an empty list")
+        return out
+    return parse
+
+
+class Transfer(NamedTuple):
+    """--transfer's name=path: a library of another target (Table C.2); the name names
+    results/transfer_<name>.jsonl and the table's row, so it is safe in a file name."""
+    name: str
+    path: str
+
+    def __str__(self):
+        return f"{self.name}={self.path}"
+
+    @classmethod
+    def parse(cls, text):
+        name, eq, path = text.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise ValueError(f"{text!r}: give name=path, the name in letters, digits, '.', '_', '-' (it names "
+                             "results/transfer_<name>.jsonl and the Table C.2 row)")
+        return cls(name, path)
+
+
+def budget_list(v):
+    """--budgets / --eval-budgets: "16,1,4" -> (1, 4, 16), candidates per instance, each at least 1."""
+    try:
+        out = CommaList(sorted(set(comma_list(int)(v))))
+    except ValueError:
+        out = ()
+    if not out or out[0] < 1:
+        raise ValueError(f"{v!r}: a comma list of positive integers, e.g. 1,4,16")
+    return out
+
+
 def at_least(lo):
     return lambda v: v >= lo
 
@@ -224,19 +273,21 @@ class ModelSettings(Settings):
 @dataclass(frozen=True)
 class SeenSettings(Settings):
     """The seen GEO families (B.1): those whose construction instances build the Shield and the library."""
-    seen_methods: str = setting(None, "the seen (construction) GEO families, comma list (build-bench default: the "
-                                      "paper's three; train: the file's _meta.seen_methods)", pinned=True)
+    seen_methods: tuple = setting(None, "the seen (construction) GEO families, comma list (build-bench default: the "
+                                        "paper's three; train: the file's _meta.seen_methods)", pinned=True,
+                                  parse=comma_list())
 
 
 @dataclass(frozen=True)
-class DataSettings(SeenSettings):
+class DataSettings(Settings):
     """The benchmark a run trains and evaluates on, its split (B.1.2) and the top-k (A.1.3)."""
     bench: str = setting(SAMPLE, "GEO-DefenseBench JSONL file", pinned=True)
     n_construction: int = setting(12, "construction query groups when the file has no split (B.1)", ok=at_least(1),
                                   pinned=True)
     # k below the candidate count: at k = 10 every candidate is in context and no reranker matters
     k: int = setting(5, "top-k evidence given to the LLM (A.1.3)", ok=lambda v: 1 <= v < N_DOCS, pinned=True)
-    methods: str = setting("all", "comma list of GEO methods to evaluate, or 'all'")
+    methods: tuple = setting("all", "comma list of GEO methods to evaluate, or 'all'",
+                             parse=comma_list(words=("all",)))
     max_test_groups: int = setting(0, "evaluate only the first N test groups (0 = all)", ok=at_least(0))
 
 
@@ -343,13 +394,15 @@ class SampleSettings(Settings):
 
 
 @dataclass(frozen=True)
-class EvalSettings(SampleSettings):
+class EvalSettings(Settings):
     """Evaluation (B.2): the conditions, PPL-Filter, transfer libraries (Table C.2)."""
-    conditions: str = setting("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then "
-                                     "the injection defenses Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG)")
+    conditions: tuple = setting("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then "
+                                       "the injection defenses Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG)",
+                                parse=comma_list(words=("all", "paper")))
     ppl_model: str = setting("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'", taken=True)
     ppl_quantile: float = setting(0.99, "PPL threshold quantile (B.2.2)", ok=lambda v: 0 < v <= 1, taken=True)
-    transfer: str = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]")
+    transfer: tuple = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]",
+                              parse=comma_list(Transfer.parse))
 
 
 @dataclass(frozen=True)
@@ -391,17 +444,17 @@ class AttackerSettings(Settings):
 
 
 @dataclass(frozen=True)
-class AttackSettings(AttackerSettings):
+class AttackSettings(Settings):
     """The adaptive attacker (attack.py): its target, budgets, rounds, LLM and knowledge."""
     target: str = setting("shield", "the reranker the attacker queries: shield, base, or a reranker spec "
                                     "(see --reranker)")
-    budgets: str = setting("1,4,16", "candidates per instance, comma list (nested: one run)")
+    budgets: tuple = setting("1,4,16", "candidates per instance, comma list (nested: one run)", parse=budget_list)
     attack_rounds: int = setting(None, "attacker rounds (default: enough for the largest budget)", ok=at_least(1))
     aware_of_library: bool = setting(False, "the attacker reads the TFSG library's rules")
 
 
 @dataclass(frozen=True)
-class BuildSettings(SeenSettings):
+class BuildSettings(Settings):
     """The benchmark builder (build_bench.py, B.1.1): inputs, search, the families and the split."""
     input: str = setting(None, "GEO-Bench rows (.jsonl, .json, .parquet), a folder of AutoGEO's datachunk_N.json, "
                                "hf:GEO-Optim/geo-bench, or {query, docs[, source_index]} rows")
@@ -411,10 +464,11 @@ class BuildSettings(SeenSettings):
                                                  "(default: the rows' own documents)",
                                            parse=spec_of(endpoints.SearchSpec.parse))
     docs: int = setting(10, "candidates per list (the paper: 10)", ok=lambda v: 2 <= v <= N_DOCS)
-    attacks: str = setting(None, "comma list of attack families (default: the paper's seven)")
-    construction_families: str = setting(None, "families rewritten in the construction groups too: 'all', or a "
-                                               "comma list holding the seen ones (default: the seen ones, as "
-                                               "the paper); `holdout` trains with any of them left out")
+    attacks: tuple = setting(None, "comma list of attack families (default: the paper's seven)", parse=comma_list())
+    construction_families: tuple = setting(None, "families rewritten in the construction groups too: 'all', or a "
+                                                 "comma list holding the seen ones (default: the seen ones, as "
+                                                 "the paper); `holdout` trains with any of them left out",
+                                           parse=comma_list(words=("all",)))
     groups: int = setting(100, "query groups to sample (Table B.1: 100)", ok=at_least(2))
     construction_groups: int = setting(12, "of them, construction groups (Table B.1: 12)", ok=at_least(1))
     fidelity_judge: str = setting(None, "provider:model judging each rewrite's faithfulness (default: --llm)")
@@ -439,13 +493,14 @@ class BuildSettings(SeenSettings):
 
 
 @dataclass(frozen=True)
-class HardenSettings(AttackerSettings):
+class HardenSettings(Settings):
     """Hardening rounds (harden.py): attacker and defender in turns on a trained run."""
     rounds: int = setting(2, "hardening rounds R: each attacks the construction groups, retrains the Shield and "
                              "grows the library on the survivors, then measures a fresh attacker", ok=at_least(1))
     budget: int = setting(16, "candidates the training-side attacker scores per construction instance",
                           ok=at_least(2))
-    eval_budgets: str = setting("1,4,16", "the fresh test-side attacker's budgets, comma list (nested: one run)")
+    eval_budgets: tuple = setting("1,4,16", "the fresh test-side attacker's budgets, comma list (nested: one run)",
+                                  parse=budget_list)
     eval_groups: int = setting(0, "test groups the test side measures (0: all)", ok=at_least(0))
     test_attacker: str = setting(None, "the test-side (fresh) attacker LLM (default: --attacker)")
     test_algorithm: str = setting(None, "the fresh attacker's algorithm (default: --algorithm, which the report "
@@ -458,8 +513,8 @@ class HardenSettings(AttackerSettings):
 @dataclass(frozen=True)
 class HoldoutSettings(Settings):
     """Leave-one-family-out (holdout.py): which families are held out in turn, and whether the LLM stage runs."""
-    families: str = setting("all", "families to hold out in turn, comma list, or 'all' (every family the construction "
-                                   "groups hold)")
+    families: tuple = setting("all", "families to hold out in turn, comma list, or 'all' (every family the "
+                                     "construction groups hold)", parse=comma_list(words=("all",)))
     llm_stage: bool = setting(False, "also build each fold's TFSG library and measure ASR under Shield only and GEO "
                                      "Defender end to end (the target, analyzer and judge LLMs)")
     seen_size: int = setting(0, "train on S-family subsets of the construction families and measure the unseen ones "
@@ -573,50 +628,50 @@ class BenchSettings(Settings):
 
 @dataclass(frozen=True)
 class TrainConfig(RolesSettings, TFSGLimits, TFSGSettings, ShieldSettings, RequestSettings, LLMSettings, DataSettings,
-                  ModelSettings, RunSettings):
+                  SeenSettings, ModelSettings, RunSettings):
     """train: the Shield (Eqs. 1-5) and the TFSG library (Algorithm 1)."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, ShieldSettings, TFSGSettings,
-             TFSGLimits, RolesSettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, ShieldSettings,
+             TFSGSettings, TFSGLimits, RolesSettings)
 
 
 @dataclass(frozen=True)
-class EvalConfig(RerankSettings, EvalSettings, JudgeSettings, TrainConfig):
+class EvalConfig(RerankSettings, EvalSettings, SampleSettings, JudgeSettings, TrainConfig):
     """eval: every condition on what `train` made; the trained run's settings come from its record."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, JudgeSettings, EvalSettings,
-             RerankSettings, RolesSettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, JudgeSettings,
+             EvalSettings, SampleSettings, RerankSettings, RolesSettings)
 
 
 @dataclass(frozen=True)
 class DemoConfig(EvalConfig):
     """demo: train then eval, offline."""
-    FLAGS = TrainConfig.FLAGS + (JudgeSettings, EvalSettings, RerankSettings)   # RolesSettings: in TrainConfig's
+    FLAGS = TrainConfig.FLAGS + (JudgeSettings, EvalSettings, SampleSettings, RerankSettings)   # Roles: in Train's
 
 
 @dataclass(frozen=True)
 class RerankEvalConfig(CertifySettings, EvalConfig):
     """rerank-eval: the reranker stage alone (no LLM call)."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, RequestSettings, RerankSettings, CertifySettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, RequestSettings, RerankSettings, CertifySettings)
 
 
 @dataclass(frozen=True)
-class AttackConfig(AttackSettings, EvalConfig):
+class AttackConfig(AttackSettings, AttackerSettings, EvalConfig):
     """attack: the adaptive attacker against a trained run, then every budget end to end."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, JudgeSettings, EvalSettings,
-             AttackSettings, RolesSettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, JudgeSettings,
+             EvalSettings, SampleSettings, AttackSettings, AttackerSettings, RolesSettings)
 
 
 @dataclass(frozen=True)
-class HardenConfig(HardenSettings, JudgeSettings, TrainConfig):
+class HardenConfig(HardenSettings, AttackerSettings, JudgeSettings, TrainConfig):
     """harden: hardening rounds on a trained run; the trained run's settings come from its record."""
-    FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings, RolesSettings)
+    FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings, AttackerSettings, RolesSettings)
 
 
 @dataclass(frozen=True)
 class HoldoutConfig(HoldoutSettings, EvalConfig):
     """holdout: a Shield (and with --llm-stage a library) per held-out family, each measured on the test
     split; a trained run's settings come from its record."""
-    FLAGS = (RunSettings, ModelSettings, DataSettings, LLMSettings, RequestSettings, ShieldSettings, TFSGSettings,
-             TFSGLimits, JudgeSettings, RerankSettings, RolesSettings, HoldoutSettings)
+    FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, ShieldSettings,
+             TFSGSettings, TFSGLimits, JudgeSettings, RerankSettings, RolesSettings, HoldoutSettings)
 
 
 @dataclass(frozen=True)
@@ -626,9 +681,9 @@ class DeployCheckConfig(DeploySettings, EvalConfig):
 
 
 @dataclass(frozen=True)
-class BuildConfig(BuildSettings, RequestSettings, LLMSettings, ModelSettings, RunSettings):
+class BuildConfig(BuildSettings, SeenSettings, RequestSettings, LLMSettings, ModelSettings, RunSettings):
     """build-bench: GEO-DefenseBench from GEO-Bench rows."""
-    FLAGS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, BuildSettings)
+    FLAGS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, BuildSettings, SeenSettings)
 
 
 @dataclass(frozen=True)
@@ -660,7 +715,7 @@ class CompareConfig(CompareSettings):
 
 
 @dataclass(frozen=True)
-class AuditConfig(AuditSettings, DataSettings, ModelSettings):
+class AuditConfig(AuditSettings, DataSettings, SeenSettings, ModelSettings):
     """bench-audit: a benchmark file's families told apart, and each one's exposure gain under a reranker."""
     FLAGS = (some(DataSettings, "bench", "k"), ModelSettings, AuditSettings)
     DEFAULTS = {"dtype": Default("float32", "float32")}
