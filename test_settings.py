@@ -95,3 +95,29 @@ def test_a_commands_own_default_is_for_one_of_its_flags_and_said_in_its_help(cmd
     for name, d in settings.own_defaults(cls).items():
         assert name in {f.name for f in settings.flags(cls)} and f"default here: {d.says}" in helps[name]
         assert getattr(runs.resolve(cls, required, from_record=False), name) == d.value
+
+
+def test_no_group_inherits_another():
+    """Groups compose in a command's class, never by extending one another (each group's only base is
+    Settings)."""
+    for g in groups():
+        assert g.__bases__ == (settings.Settings,), g
+
+
+def test_a_comma_list_is_parsed_once_and_printed_as_given():
+    cfg = settings.EvalConfig(conditions="Non-Defense, GEO Defender", seen_methods="GEO,AutoGEO",
+                              transfer="gpt=a/lib.json")
+    assert cfg.conditions == ("Non-Defense", "GEO Defender") and str(cfg.conditions) == "Non-Defense,GEO Defender"
+    assert cfg.seen_methods == ("GEO", "AutoGEO") and cfg.transfer[0] == settings.Transfer("gpt", "a/lib.json")
+    assert settings.EvalConfig(conditions="paper").conditions == "paper"            # a word stays the word
+    assert dataclasses.replace(cfg, seed=1).conditions == cfg.conditions             # parsed once: kept as it is
+    assert settings.AttackConfig(budgets="16,1,4").budgets == (1, 4, 16)
+    assert str(settings.HardenConfig().eval_budgets) == "1,4,16"
+
+
+@pytest.mark.parametrize("kw,msg", [({"budgets": "1,x"}, "--budgets '1,x': a comma list of positive integers"),
+                                    ({"budgets": "0,4"}, "--budgets '0,4'"), ({"methods": " , "}, "--methods"),
+                                    ({"transfer": "a b=x.json"}, "--transfer 'a b=x.json': give name=path")])
+def test_a_bad_comma_list_is_refused_naming_its_flag(kw, msg):
+    with pytest.raises(settings.SettingsError, match=msg.replace("(", r"\(")):
+        settings.AttackConfig(**kw)
