@@ -1,63 +1,63 @@
-"""A certificate for a reranker's top-k under word edits: randomized masking (rerank-eval --certify).
+"""A certificate for a reranker's top-k under word edits: randomized deletion (rerank-eval --certify).
 
 Measured robustness says how often attacks got through; a certificate says which attacked documents no
-edit of a given size can bring into the top k. This is the randomized-masking certificate of RanMASK
-(Zeng et al., Computational Linguistics 49(2), 2023) as RobustMask (arXiv 2512.23307) carries it to
-neural rankers, on a cross-encoder's sigmoid score. (CertDR, arXiv 2209.06691, certifies rankers by
-smoothing over synonym substitutions, not masks.)
+edit of a given size can bring into the top k. GEO's strongest moves are short insertions (a statistic,
+a quotation, an authority's name: GEO, arXiv 2311.09735), so the certificate is in inserted, deleted and
+substituted words, after randomized deletion (RS-Del, Huang et al., NeurIPS 2023, arXiv 2302.01757;
+CERT-ED, arXiv 2408.00728 carries it to edit distance), on a cross-encoder's sigmoid score.
 
-Smoothing. A document of n words is scored on random masks that keep h = n - round(rate * n) of its
-words (in order; the rest deleted) and the sigmoid of the reranker's margin is averaged:
-    g(q, d) = E_mask[ sigmoid(m(q, mask(d))) ]  in [0, 1],
-estimated by the mean ĝ over N masks (--samples); the smoothed ranking orders a list by ĝ.
+Smoothing. Each word of a document d is deleted independently with probability p (--deletion-rate);
+δ(d) is what is left, in order (possibly nothing). The smoothed score is
+    g(q, d) = E_δ[ sigmoid(m(q, δ(d))) ]  in [0, 1],
+estimated by the mean ĝ over N deletion samples (--certify-samples); the smoothed ranking orders a list by ĝ.
 
-The bound. Let d' differ from d in at most e substituted words, e = ceil(p * n). A mask that keeps none
-of the e positions shows d and d' the same words, so the two expectations differ only on the masks that
-keep one; those have probability
-    Δ(p) = 1 - C(n - e, h) / C(n, h)
-and each changes the score by at most 1 (scores lie in [0, 1]). Hence |g(q, d') - g(q, d)| <= Δ(p).
-Monte Carlo: by Hoeffding, |ĝ - g| <= eps = sqrt(ln(2 D / alpha) / (2 N)) for every one of a list's D
-documents at once with probability >= 1 - alpha (a union bound over the D documents).
-Certificate for the attacked document a of a list: with the other documents unchanged, it stays out of
-the smoothed top k under every edit of at most a fraction p of its words when
-    ĝ_a + eps + Δ(p) < the k-th largest of {ĝ_j - eps : j != a},
-since then k other documents score above every g(q, d'_a). The certified radius of a is the largest p
-of the grid (5, 10, 20, 30%) for which this holds, 0 when none does.
+The bound (a coupling; the proof of RS-Del's Theorem, written for a bounded score). Let d' come from d by
+deleting r_d of d's words and inserting r_i new ones, so that the words they share, z, form a common
+subsequence of n - r_d words (a substitution is one deletion and one insertion). Run the deletion on d:
+with probability p^{r_d} it deletes every word of d outside z, and then what is left is distributed
+exactly as δ(z). So
+    g(d)  = p^{r_d} g(z) + (1 - p^{r_d}) B,     g(d') = p^{r_i} g(z) + (1 - p^{r_i}) B'
+for some B, B' in [0, 1]. The first gives g(z) <= min(1, g(d) / p^{r_d}); the second, B' <= 1:
+    g(d') <= U(g(d); r_i, r_d) = p^{r_i} min(1, g(d) / p^{r_d}) + 1 - p^{r_i}.
+Per kind of edit of r words:
+    inserted     U = 1 - p^r (1 - g)            (r_i = r, r_d = 0)
+    deleted      U = min(1, g / p^r)            (r_i = 0, r_d = r)
+    substituted  U = min(1, g + 1 - p^r)        (r_i = r_d = r; as tight as this coupling gets)
+Each is attained by some score (test_certify enumerates every deletion pattern of small cases): an
+inserted word that sets the score to 1 when it survives gives the first with equality.
 
-What it does not cover: the bound is for substitutions. A rewrite that inserts or deletes words (almost
-every GEO rewrite: they add claims, lists and summaries) changes n and every later word's position, so
-`edit_fraction` (word-level Levenshtein distance over the source's words) only compares the real
-rewrites' size with the certified radius; most GEO rewrites touch far more than 30% of a document.
-Randomized deletion (CERT-ED, arXiv 2408.00728) certifies edit distance and would cover them; it is
-not implemented here.
+Monte Carlo. By Hoeffding, |ĝ - g| <= eps = sqrt(ln(2 D / alpha) / (2 N)) for every one of a list's D
+documents at once with probability >= 1 - alpha (a union bound over the D documents, two-sided).
 
-Smoothed scores go through rankers.Ranker's disk cache like every score, so a rerun costs nothing and
-an interrupted one resumes; the masks of a document depend only on its text, the seed and the sample
-index, so a larger --samples reuses the smaller one's scores.
+Certificate for an attacked document a of a list, the others unchanged: no edit of r words of a kind
+brings a into the smoothed top k when
+    U(ĝ_a + eps; r) < the k-th largest of {ĝ_j - eps : j != a},
+since then k other documents score above every g(q, d'_a). Its radius is the largest such r (None when
+a is not certifiably outside the top k even unedited). Symmetrically, a clean top-k document j keeps its
+place against every insertion of r words into a when fewer than k documents can score above it: the
+others certifiably above its lower bound, plus a if U(ĝ_a + eps; r) reaches it.
 
-Usage: python run.py rerank-eval --name demo --reranker base --reranker shield --certify --samples 32
+A real rewrite is inside its source's certificate when its own edit, r_i inserted and r_d deleted
+words from a longest common subsequence (edit_counts), satisfies the general bound U(ĝ + eps; r_i, r_d).
+
+Randomness. The deletions of rerank-eval come from a seed drawn once per run from the OS (kept in the
+run's cache/noise_seed.json, so a resumed run reuses its scores), the group and the document's position,
+never from the text: with a public seed an attacker could search offline for a rewrite whose deletions
+fall luckily, and the certificate would cover the ideal smoothed ranker, not the deployed one. `serve
+--smooth N` draws fresh deletions for every request from the OS's CSPRNG.
+
+Usage: python run.py rerank-eval --name demo --reranker base --reranker shield --certify
 """
-import hashlib
 import math
 import random
+import secrets
 
 from metrics import sigmoid
 
-GRID = (0.05, 0.10, 0.20, 0.30)      # edit fractions p at which the certificate is reported
-ALPHA = 0.05                          # 1 - confidence of every list's certificate
-
-
-def masks(text, rate, n, seed):
-    """n masked copies of `text`, each keeping h = len - round(rate * len) of its words (at least one), in
-    order. Seeded by the text itself: a document shared by several lists gets the same masks in each."""
-    words = text.split()
-    keep = max(1, len(words) - round(rate * len(words)))
-    digest = hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
-    out = []
-    for s in range(n):
-        rng = random.Random(f"{seed}:{digest}:{s}")
-        out.append(" ".join(words[i] for i in sorted(rng.sample(range(len(words)), keep))))
-    return out
+RADII = (1, 2, 5, 10, 20)              # edit sizes in words at which the certificate is reported
+KINDS = {"inserted": (1, 0), "deleted": (0, 1), "substituted": (1, 1)}    # words (inserted, deleted) per word
+ALPHA = 0.05                           # 1 - confidence of every list's certificate
+MAX_RADIUS = 10_000                    # the largest radius searched, in words
 
 
 def check_unit(name, v, lo_open=False, hi_open=False):
@@ -76,14 +76,34 @@ def check_count(name, v, lo=0):
     return v
 
 
-def delta(n_words, p, rate):
-    """Δ(p): the probability that a mask keeps one of ceil(p * n) edited words (module docstring)."""
-    check_count("n_words", n_words, 1), check_unit("p", p), check_unit("rate", rate, lo_open=True, hi_open=True)
-    keep = max(1, n_words - round(rate * n_words))
-    e = math.ceil(p * n_words)
-    if n_words - e < keep:
-        return 1.0
-    return 1.0 - math.comb(n_words - e, keep) / math.comb(n_words, keep)
+# ----------------------------------------------------------------------------- the noise
+
+
+def delete_words(text, rate, rng):
+    """δ(text): each word deleted independently with probability `rate` (rng: random.Random or SystemRandom)."""
+    return " ".join(w for w in text.split() if rng.random() >= rate)
+
+
+def deletions(text, rate, n, key):
+    """n deletion samples of `text`, sample s drawn from the stream (key, s): a larger n extends the same
+    samples (their scores cached)."""
+    return [delete_words(text, rate, random.Random(f"{key}:{s}")) for s in range(n)]
+
+
+def fresh_seed():
+    """A run's deletion seed, from the OS's CSPRNG (never from the text or the public --seed)."""
+    return secrets.randbits(63)
+
+
+# ----------------------------------------------------------------------------- the bound
+
+
+def upper(g, rate, inserted=0, deleted=0):
+    """U(g; r_i, r_d): the largest smoothed score a document of smoothed score g can reach after
+    `inserted` words are inserted and `deleted` deleted (module docstring)."""
+    check_unit("g", g), check_unit("rate", rate, lo_open=True, hi_open=True)
+    check_count("inserted", inserted), check_count("deleted", deleted)
+    return rate ** inserted * min(1.0, g / rate ** deleted) + 1.0 - rate ** inserted
 
 
 def epsilon(n_docs, n_samples, alpha=ALPHA):
@@ -93,45 +113,104 @@ def epsilon(n_docs, n_samples, alpha=ALPHA):
     return math.sqrt(math.log(2 * n_docs / alpha) / (2 * n_samples))
 
 
-def certified_radius(g, a, n_words, k, eps, rate, grid=GRID):
-    """The largest p of `grid` at which document a of a list with smoothed scores g stays out of the top k
-    under every edit of at most p of its n_words words (module docstring), 0.0 when none."""
-    others = sorted((g[j] - eps for j in range(len(g)) if j != a), reverse=True)
-    if len(others) < k:
-        return 0.0
-    ok = [p for p in grid if g[a] + eps + delta(n_words, p, rate) < others[k - 1]]
-    return max(ok, default=0.0)
+def kth_lower(g, skip, k, eps):
+    """The k-th largest lower bound ĝ_j - eps over the documents j not in `skip`; None when fewer than k."""
+    lows = sorted((g[j] - eps for j in range(len(g)) if j not in skip), reverse=True)
+    return lows[k - 1] if len(lows) >= k else None
 
 
-MAX_EDIT_WORDS = 2000                 # edit_fraction compares at most this many words of each text
+def largest(holds, cap):
+    """The largest r in [0, cap] with holds(r), for holds true up to some r and false after; None if not at 0."""
+    if not holds(0):
+        return None
+    lo, hi = 0, cap                              # holds(lo); bisection on a monotone predicate
+    if holds(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid)
+    return lo
 
 
-def edit_fraction(source, rewrite):
-    """Word-level Levenshtein distance from source to rewrite over the source's words (insertions,
-    deletions and substitutions each count one). Both texts are untrusted and the distance is quadratic,
-    so it is taken over their first MAX_EDIT_WORDS words (4M cells at most: a second or two)."""
-    a, b = source.split()[:MAX_EDIT_WORDS], rewrite.split()[:MAX_EDIT_WORDS]
-    prev = list(range(len(b) + 1))
-    for i, wa in enumerate(a, 1):
-        cur = [i]
-        for j, wb in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (wa != wb)))
-        prev = cur
-    return prev[-1] / max(1, len(a))
+def radius(g, a, k, eps, rate, kind, n_words):
+    """The largest r such that no edit of r words of `kind` (KINDS) brings document a of a list with smoothed
+    scores g into the smoothed top k (module docstring); None when a is not certifiably outside it."""
+    bar = kth_lower(g, {a}, k, eps)
+    if bar is None:
+        return None
+    ins, dels = KINDS[kind]
+    top = min(1.0, g[a] + eps)
+    cap = MAX_RADIUS if dels == 0 else n_words                 # no more words can go than a has
+    return largest(lambda r: upper(top, rate, ins * r, dels * r) < bar, cap)
 
 
-class Masked:
-    """A list as one mask sample sees it (rankers.Ranker scores any object with .query and .docs)."""
+def kept_radius(g, a, j, k, eps, rate):
+    """The largest r such that the top-k document j keeps its place against every insertion of r words into
+    document a (module docstring); MAX_RADIUS when a cannot reach it at all, None when j is not certifiably in."""
+    above = sum(g[i] + eps >= g[j] - eps for i in range(len(g)) if i not in (a, j))
+    if above >= k:
+        return None
+    if above + 1 < k:                            # even above j, a leaves j inside the top k
+        return MAX_RADIUS
+    top = min(1.0, g[a] + eps)
+    return largest(lambda r: upper(top, rate, r) < g[j] - eps, MAX_RADIUS)
+
+
+def inside(g, a, k, eps, rate, inserted, deleted):
+    """Whether an edit of `inserted` and `deleted` words of document a is covered by its certificate."""
+    bar = kth_lower(g, {a}, k, eps)
+    return bar is not None and upper(min(1.0, g[a] + eps), rate, inserted, deleted) < bar
+
+
+def lcs_length(a, b):
+    """Length of a longest common subsequence of the word lists a and b, by the bit-parallel algorithm of
+    Crochemore et al. (Inf. Process. Lett. 80, 2001): one bit a word of `a`, one big-int step a word of
+    `b`, so web-length pages take milliseconds (the plain dynamic programme: test_certify)."""
+    occurs = {}
+    for i, w in enumerate(a):
+        occurs[w] = occurs.get(w, 0) | (1 << i)
+    full = (1 << len(a)) - 1
+    v = full
+    for w in b:
+        u = v & occurs.get(w, 0)
+        v = ((v + u) | (v - u)) & full
+    return len(a) - bin(v).count("1")
+
+
+def edit_counts(source, rewrite):
+    """(inserted, deleted) words from source to rewrite along a longest common subsequence: the fewest
+    insertions and deletions that make one the other (a substitution counts one of each)."""
+    a, b = source.split(), rewrite.split()
+    common = lcs_length(a, b)
+    return len(b) - common, len(a) - common
+
+
+def ndcg(order, reference, k):
+    """nDCG@k of `order` against the `reference` order of the same list: the reference's i-th document
+    has gain k - i within its top k, 0 below (1.0: the same top k in the same order)."""
+    gain = {d: k - i for i, d in enumerate(reference[:k])}
+    dcg = lambda o: sum(gain.get(d, 0) / math.log2(i + 2) for i, d in enumerate(o[:k]))
+    return dcg(order) / dcg(reference)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+class Noised:
+    """A list as one deletion sample sees it (rankers.Ranker scores any object with .query and .docs)."""
 
     def __init__(self, query, docs):
         self.query, self.docs = query, docs
 
 
 def smoothed(ranker, lists, rate, n, seed):
-    """ĝ of every document of `lists` (objects with .query and .docs) under `ranker` (rankers.Ranker,
-    scores cached) -> [[ĝ per document] per list]: the mean over n masks of sigmoid(margin)."""
-    per = [[masks(d, rate, n, seed) for d in x.docs] for x in lists]        # (lists, D, n) masked texts
-    samples = [Masked(x.query, [m[s] for m in ms]) for x, ms in zip(lists, per) for s in range(n)]
+    """ĝ of every document of `lists` (objects with .query, .group_id and .docs) under `ranker`
+    (rankers.Ranker, scores cached) -> [[ĝ per document] per list]: the mean over n deletion samples of
+    sigmoid(margin). A document's samples are keyed by the seed, its group and its position, so the benign
+    documents a group's lists share are scored once (each document's samples stay independent draws)."""
+    per = [[deletions(d, rate, n, f"{seed}:{x.group_id}:{j}") for j, d in enumerate(x.docs)]
+           for x in lists]                                                   # (lists, D, n) texts
+    samples = [Noised(x.query, [m[s] for m in ms]) for x, ms in zip(lists, per) for s in range(n)]
     ranker.prepare(samples)
     out = []
     for i, x in enumerate(lists):

@@ -74,10 +74,11 @@ def read_scores(path, made_from=None):
 class Ranker:
     """Top-k by a reranker, scoring each distinct (query, document) once: the nine benign documents
     are shared by a group's seven attack variants and its clean list. Margins cached on disk (read_scores).
-    made_from: what the scores are made from (ranker_identity), which its share files record."""
+    made_from: what the scores are made from (ranker_identity), which its share files record; chunk: documents
+    a call to the reranker scores (it packs them into micro-batches of its token budget)."""
 
-    def __init__(self, rr, path, label, adapter_off=False, made_from=None):
-        self.rr, self.path, self.label = rr, path, label
+    def __init__(self, rr, path, label, adapter_off=False, made_from=None, chunk=16):
+        self.rr, self.path, self.label, self.chunk = rr, path, label, chunk
         self.adapter_off = adapter_off      # the frozen base policy from a model that carries the adapter
         self.made_from = made_from or {}
         self.cache = read_scores(path)
@@ -102,7 +103,7 @@ class Ranker:
         return {q: kd for q, kd in todo.items() if kd}
 
     def score(self, todo, save):
-        """Score `todo` ({query: {key: document}}) 16 documents a batch into the cache, calling save(new)
+        """Score `todo` ({query: {key: document}}) `chunk` documents a call into the cache, calling save(new)
         after each query with every score this call has made."""
         new = {}
         bar = tqdm(total=sum(map(len, todo.values())), desc=f"rerank ({self.label})", file=sys.stderr,
@@ -110,8 +111,8 @@ class Ranker:
         with (lora.lora_disabled(self.rr.model) if self.adapter_off else contextlib.nullcontext()):
             for q, kd in todo.items():
                 keys = list(kd)
-                for i in range(0, len(keys), 16):
-                    chunk = keys[i:i + 16]
+                for i in range(0, len(keys), self.chunk):
+                    chunk = keys[i:i + self.chunk]
                     for k, v in zip(chunk, self.rr.score(q, [kd[k] for k in chunk])):
                         self.cache[k] = new[k] = float(v)
                     bar.update(len(chunk))

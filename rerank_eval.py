@@ -28,16 +28,22 @@ edit) go to results/rerank-<label>.honest.jsonl, so the attack records stay as t
 
 Usage: python run.py rerank-eval --name demo --reranker base --reranker shield --reranker co=cohere:rerank-v3.5
 """
+import copy
 import os
+import time
 
 import certify
 import geodef
 import metrics
-import report
 import rankers
+import report
+import speed
 from rankers import order_of
-from runs import write_jsonl, write_summary
+from runs import read_json, write_json, write_jsonl, write_summary
 from settings import SettingsError
+
+SHORT_BUDGET = 8                    # deletion samples: a micro-batch's token budget x this (certify_records)
+
 
 def instance_record(x, clean, ranker, base_clean_order, k):
     """One attacked instance under one reranker -> its record (see the module docstring)."""
@@ -139,7 +145,7 @@ def check_items(cfg):
 def dry_run(run, items):
     """rerank-eval --dry-run: what each reranker would score, nothing scored. A local reranker's forward
     passes at most (each distinct query and document once; its cache may hold some) and with --certify the
-    smoothing's (--masks masks of each distinct document of the attack and clean lists);
+    smoothing's (--certify-samples deletion samples of each distinct document of the attack and clean lists);
     an endpoint's requests (one per list) and, with --prices holding {"usd_per_1k_searches": x}, their
     price."""
     cfg = run.cfg
@@ -147,13 +153,14 @@ def dry_run(run, items):
     lists = insts + list(cleans.values()) + honest
     pairs = {(x.query, d) for x in lists for d in x.docs}
     smoothed = {(x.query, d) for x in insts + list(cleans.values()) for d in x.docs}
-    n = cfg.masks
+    n = cfg.certify_samples
     out = {"lists": len(lists), "distinct_documents": len(pairs), "rerankers": {}}
     for label, spec in items:
         if spec.kind in rankers.LOCAL:
             out["rerankers"][label] = {"forward_passes_at_most": len(pairs)}
             if getattr(cfg, "certify", False):
-                out["rerankers"][label].update(certify_forward_passes_at_most=n * len(smoothed), mask_samples=n)
+                out["rerankers"][label].update(certify_forward_passes_at_most=n * len(smoothed),
+                                                        certify_samples=n)
         else:
             price = (run.prices or {}).get(getattr(spec, "model", None) or "", {})
             per_1k = price.get("usd_per_1k_searches") if isinstance(price, dict) else None
@@ -162,51 +169,82 @@ def dry_run(run, items):
     return out
 
 
-def certify_records(cfg, rk, insts, cleans, base_clean):
-    """rerank-eval --certify under one local ranker (certify.py): per attack instance its smoothed
-    scores, the certified radius of each attacked document, the smoothed top-k's exposure, and on its
-    clean list the source's radius beside the real rewrite's edit fraction -> [records]."""
-    n = cfg.masks
-    stem, ext = os.path.splitext(rk.path)            # the ranker's own cache, one per mask rate and seed
-    masked = rankers.Ranker(rk.rr, f"{stem}.masked-{cfg.mask_rate:g}-{cfg.seed}{ext}", f"{rk.label} masked",
-                            adapter_off=rk.adapter_off, made_from=rk.made_from)
+def noise_seed(path):
+    """The run's deletion seed: the one `path` holds, else a fresh one (certify.fresh_seed) written there
+    first, so that a resumed run reuses its scores (the only writer of that file)."""
+    seed = (read_json(path) or {}).get("seed")
+    if seed is None:
+        seed = certify.fresh_seed()
+        write_json(path, {"seed": seed})
+    return seed
+
+
+def certify_records(run, rk, insts, cleans, base_clean):
+    """rerank-eval --certify under one local ranker (certify.py): per attack instance the smoothed scores of
+    its list and of its clean list; the source's radius in its clean list and the rewrite's in its attacked
+    list, per kind of edit; each clean top-k document's radius against insertions into the source; whether
+    the real rewrite's edit lies inside the source's certificate; and what the smoothing costs -> [records]."""
+    cfg, n, rate = run.cfg, run.cfg.certify_samples, run.cfg.deletion_rate
+    seed = noise_seed(run.path("cache", "noise_seed.json"))
+    stem, ext = os.path.splitext(rk.path)            # the ranker's own cache, one per deletion rate and seed
+    rr = copy.copy(rk.rr)                            # a budget that counts each sample's prompt prefix, which
+    rr.token_budget *= SHORT_BUDGET                  # runs once a micro-batch (speed.short_documents)
+    noised = rankers.Ranker(rr, f"{stem}.deleted-{rate:g}-{seed}{ext}", f"{rk.label} deleted",
+                            adapter_off=rk.adapter_off, made_from=rk.made_from, chunk=512)
     groups = list(cleans)
-    g_attack = certify.smoothed(masked, insts, cfg.mask_rate, n, cfg.seed)
-    g_clean = dict(zip(groups, certify.smoothed(masked, [cleans[g] for g in groups], cfg.mask_rate, n, cfg.seed)))
+    t0, passes = time.perf_counter(), len(noised.cache)
+    with speed.short_documents(rr.model):
+        g_attack = certify.smoothed(noised, insts, rate, n, seed)
+        g_clean = dict(zip(groups, certify.smoothed(noised, [cleans[g] for g in groups], rate, n, seed)))
+    cost = {"forward_passes": len(noised.cache) - passes, "seconds": time.perf_counter() - t0}
     eps = certify.epsilon(len(insts[0].docs), n)
-    radius = lambda g, a, text: certify.certified_radius(g, a, len(text.split()), cfg.k, eps, cfg.mask_rate)
     recs = []
     for x, g in zip(insts, g_attack):
-        top = order_of(g)[:cfg.k]
-        clean = g_clean[x.group_id]
-        rec = {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, "samples": n, "eps": eps,
-               "smoothed": g, "radius": radius(g, x.attack_index, x.docs[x.attack_index]),
-               "smoothed_exposed": x.attack_index in top,
-               "clean_radius": radius(clean, x.attack_index, x.source),
-               "edit_fraction": certify.edit_fraction(x.source, x.docs[x.attack_index])}
+        a, clean = x.attack_index, g_clean[x.group_id]
+        radii = lambda g, a, text: {kind: certify.radius(g, a, cfg.k, eps, rate, kind, len(text.split()))
+                                    for kind in certify.KINDS}
+        clean_top = order_of(clean)[:cfg.k]
+        ins, dels = certify.edit_counts(x.source, x.docs[a])
+        rec = {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, "attack_index": a,
+               "samples": n, "eps": eps,
+               "deletion_rate": rate, "smoothed": g, "smoothed_clean": clean,
+               "source_radius": radii(clean, a, x.source), "rewrite_radius": radii(g, a, x.docs[a]),
+               "kept_radius": [certify.kept_radius(clean, a, j, cfg.k, eps, rate) for j in clean_top if j != a],
+               "inserted": ins, "deleted": dels, "inside": certify.inside(clean, a, cfg.k, eps, rate, ins, dels),
+               "smoothed_exposed": a in order_of(g)[:cfg.k],
+               "ndcg_smoothed_clean": certify.ndcg(order_of(clean), rk.order(cleans[x.group_id]), cfg.k)}
         if x.co_attacks:
-            rec["radii"] = [radius(g, a, x.docs[a]) for a in x.attacked]
+            rec["co_radius"] = [radii(g, j, x.docs[j])["inserted"] for j in x.co_attacks]
         if base_clean is not None:
-            kept = set(order_of(clean)[:cfg.k]) & set(base_clean[x.group_id][:cfg.k])
-            rec["smoothed_clean_topk_kept"] = len(kept) / cfg.k
+            rec["smoothed_clean_topk_kept"] = len(set(clean_top) & set(base_clean[x.group_id][:cfg.k])) / cfg.k
         recs.append(rec)
-    return recs
+    return recs, cost
 
 
-def certify_summary(recs, plain):
-    """A ranker's certificate block: % of attack instances certified at each p of certify.GRID, what the
-    smoothing costs (exposure and clean top-k kept, smoothed beside plain), and % of the real rewrites
-    whose edit fraction lies inside their source's certified radius (a substitution-only bound: see
-    certify.py)."""
+def certify_summary(recs, plain, cost):
+    """A ranker's certificate block: % of attacked documents (the source, as the attacker finds it)
+    certified at each radius of certify.RADII per kind of edit, and of the rewrites against further
+    insertions; % of clean top-k documents no insertion of that size into the source pushes out; the
+    real rewrites inside their source's certificate; what the smoothing costs (exposure and clean top-k
+    kept, smoothed beside plain; nDCG@k of the smoothed clean list against the plain one) and takes."""
     pct = lambda xs: 100.0 * sum(xs) / len(xs) if xs else None
-    fr = sorted(r["edit_fraction"] for r in recs)
-    out = {"samples": recs[0]["samples"], "eps": recs[0]["eps"], "n": len(recs),
-           "certified": {f"{p:g}": pct([min(r.get("radii", [r["radius"]])) >= p for r in recs])
-                         for p in certify.GRID},
+    at = lambda r, key: r is not None and r >= key
+    kept = [k for r in recs for k in r["kept_radius"]]
+    out = {"samples": recs[0]["samples"], "eps": recs[0]["eps"], "deletion_rate": recs[0]["deletion_rate"],
+           "n": len(recs),
+           "certified": {kind: {str(r): pct([at(x["source_radius"][kind], r) for x in recs]) for r in certify.RADII}
+                         for kind in certify.KINDS},
+           "rewrite_certified": {str(r): pct([at(x["rewrite_radius"]["inserted"], r)
+                                              and all(at(c, r) for c in x.get("co_radius", ())) for x in recs])
+                                 for r in certify.RADII},
+           "clean_kept_certified": {str(r): pct([at(k, r) for k in kept]) for r in certify.RADII},
+           "rewrites_inside": pct([x["inside"] for x in recs]),
+           "inserted_median": sorted(x["inserted"] for x in recs)[len(recs) // 2],
            "exposure": pct([r["exposed"] for r in plain]),
            "smoothed_exposure": pct([r["smoothed_exposed"] for r in recs]),
-           "rewrites_inside_radius": pct([0 < r["edit_fraction"] <= r["clean_radius"] for r in recs]),
-           "edit_fraction_median": fr[len(fr) // 2] if fr else None}
+           "ndcg_smoothed_clean": sum(r["ndcg_smoothed_clean"] for r in recs) / len(recs),
+           "forward_passes": cost["forward_passes"], "seconds": cost["seconds"],
+           "seconds_per_list": cost["seconds"] / len(recs)}
     if "smoothed_clean_topk_kept" in recs[0]:
         out["smoothed_clean_topk_kept"] = pct([r["smoothed_clean_topk_kept"] for r in recs])
         out["clean_topk_kept"] = pct([r["clean_topk_kept"] for r in plain if "clean_topk_kept" in r])
@@ -259,9 +297,9 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
             out[label]["by_attacked"] = attacked_stage(recs, cfg.k, cfg.n_boot, cfg.seed)
         if getattr(cfg, "certify", False) and spec.kind in rankers.LOCAL:        # rerank-eval --certify
             base_clean = {gid: base.order(c) for gid, c in cleans.items()} if base else None
-            crecs = certify_records(cfg, rk, insts, cleans, base_clean)
+            crecs, cost = certify_records(run, rk, insts, cleans, base_clean)
             write_jsonl(os.path.join(res, f"certify-{label}.jsonl"), crecs)
-            out[label]["certificate"] = certify_summary(crecs, recs)
+            out[label]["certificate"] = certify_summary(crecs, recs, cost)
         if honest:
             hrecs = [instance_record(x, cleans[x.group_id], rk, None, cfg.k) for x in honest]
             write_jsonl(os.path.join(res, f"rerank-{label}.honest.jsonl"), hrecs)

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import queue
+import random
 import re
 import socket
 import sys
@@ -49,8 +50,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
+import certify
 import export
 import lora
+import speed
 from endpoints import redact
 from metrics import sigmoid
 from settings import SettingsError
@@ -299,6 +302,23 @@ def prompt_ids(rr, req):
     if not isinstance(req.query, list):
         return rr.tokenize(req.query, texts)
     return [rr.tokenize(q, [t])[0] for q, t in zip(queries, texts)]
+
+
+def deletion_ids(rr, req, conf):
+    """serve --smooth N: the prompts of N deletion samples of each document (certify.delete_words), drawn
+    for this request from the OS's CSPRNG, so no client can learn which words a later request keeps
+    (certify.py) -> token-id lists, document by document."""
+    n, rate, rng = conf["smooth"], conf["deletion_rate"], random.SystemRandom()
+    queries = req.query if isinstance(req.query, list) else [req.query] * len(req.texts)
+    return [ids for q, t in zip(queries, fit_documents(rr, queries, req))
+            for ids in rr.tokenize(q, [certify.delete_words(t, rate, rng) for _ in range(n)])]
+
+
+def smoothed_margins(m, n):
+    """The N samples' margins of each document -> the margin logit(ĝ) of its smoothed score ĝ, the mean
+    sigmoid (certify.py), so that a reply's relevance score is ĝ itself."""
+    g = [sum(map(sigmoid, m[i:i + n])) / n for i in range(0, len(m), n)]
+    return [math.log(x / (1 - x)) for x in (min(max(x, 1e-12), 1 - 1e-12) for x in g)]
 
 
 # ----------------------------------------------------------------------------- bodies and replies
@@ -736,11 +756,13 @@ class _Handler(BaseHTTPRequestHandler):
             parse_rerank(path, body, conf["max_documents"])
         rr = srv.prompter(req)
         try:
-            ids = prompt_ids(rr, req)
+            ids = prompt_ids(rr, req) if not conf["smooth"] else deletion_ids(rr, req, conf)
         except ValueError as e:   # a prompt without room for the document, or text BPE turns into a control token
             cap = "truncate_prompt_tokens" if req.max_prompt_tokens else None    # the client's budget, if any
             raise RequestError(400, f"query/instruction/documents{'/' + cap if cap else ''}: {e}", cap) from None
         m = srv.batcher.submit(ids, conf["score_timeout"])
+        if conf["smooth"]:
+            m = smoothed_margins(m, conf["smooth"])
         tokens = sum(map(len, ids))
         srv.metrics.add("geodef_documents_total", len(ids))
         srv.metrics.add("geodef_prompt_tokens_total", tokens)
@@ -760,7 +782,8 @@ def serve_until_stopped(rr, cfg, model_name, adapter=None):
         srv = RerankServer(rr, host=cfg.host, port=cfg.port, api_key=key, max_documents=cfg.max_documents,
                            max_body_bytes=cfg.max_body_bytes, max_queue=cfg.max_queue, model_name=model_name,
                            max_concurrent_requests=cfg.max_concurrent_requests,
-                           allow_instruction=cfg.allow_instruction)
+                           allow_instruction=cfg.allow_instruction, smooth=cfg.smooth,
+                           deletion_rate=cfg.deletion_rate)
     except OSError as e:
         raise SettingsError(f"--host {cfg.host} --port {cfg.port}: cannot listen there ({e.strerror or e})") from None
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not key:
@@ -769,7 +792,8 @@ def serve_until_stopped(rr, cfg, model_name, adapter=None):
     say(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on {srv.url} (/v1/rerank, "
         f"/rerank, /score, /metrics){' (API key required)' if key else ''}")
     try:
-        srv.serve_forever()
+        with speed.short_documents(rr.model) if cfg.smooth else contextlib.nullcontext():
+            srv.serve_forever()
     except KeyboardInterrupt:
         say("[serve] stopped")
     finally:
@@ -785,7 +809,8 @@ class RerankServer(ThreadingHTTPServer):
 
     def __init__(self, rr, host="127.0.0.1", port=8000, api_key=None, model_name="geo-defender-shield",
                  max_documents=1000, max_body_bytes=8 << 20, read_timeout=30.0, body_timeout=60.0,
-                 score_timeout=600.0, max_queue=64, max_concurrent_requests=128, log=True, allow_instruction=False):
+                 score_timeout=600.0, max_queue=64, max_concurrent_requests=128, log=True, allow_instruction=False,
+                 smooth=0, deletion_rate=0.9):
         super().__init__((host, port), _Handler)
         self.rr = rr
         self.identity, self.scoring = scoring_identity(rr)    # "shield" | "base" | "unknown", and why
@@ -795,7 +820,10 @@ class RerankServer(ThreadingHTTPServer):
         self.conf = {"api_key": api_key or None, "model_name": model_name, "max_documents": max_documents,
                      "max_body_bytes": max_body_bytes, "read_timeout": read_timeout, "body_timeout": body_timeout,
                      "score_timeout": score_timeout, "max_concurrent_requests": max_concurrent_requests,
-                     "log": log, "allow_instruction": allow_instruction}
+                     "log": log, "allow_instruction": allow_instruction, "smooth": smooth,
+                     "deletion_rate": deletion_rate}
+        if smooth:
+            self.scoring += f", smoothed over {smooth} deletion samples at p_del {deletion_rate:g} a request"
         if log:
             taken = "accepted" if self.identity == "base" or allow_instruction else "refused"
             sys.stderr.write(f"[serve] scoring with {self.scoring}; a client's instruction is {taken}\n")

@@ -27,7 +27,7 @@ N_DOCS = 10                           # candidates a list (geodef.N_DOCS): the t
 # batch window (https://platform.openai.com/docs/guides/batch: completion_window "24h"), so no single reply
 # or status check is worth waiting longer for.
 MAX_WAIT = 24 * 3600
-MAX_SAMPLES = 10_000                  # answers per instance or masks per document: memory grows with it
+MAX_SAMPLES = 10_000                  # answers per instance or deletion samples per document
 MAX_THREADS = 1024                    # workers, clients or requests in progress: a thread (and a socket) each
 
 
@@ -341,6 +341,10 @@ class ShieldSettings(Settings):
     lam_cons: float = setting(0.15, "Eq. 5 lambda_cons", ok=at_least(0), pinned=True)
     monitor_frac: float = setting(0.2, "share of construction groups held out for monitoring",
                                   ok=lambda v: 0 < v < 1, pinned=True)
+    deletion_noise: float = setting(0.0, "train on documents each of whose words is deleted with this chance, drawn "
+                                         "afresh each epoch (RS-Del's training noise, for a Shield smoothed by "
+                                         "randomized deletion: rerank-eval --certify, serve --smooth); 0: none",
+                                    ok=lambda v: 0 <= v < 1, says="0 or more, less than 1", pinned=True)
     grad_checkpointing: bool = setting(False, "recompute activations in backward (long documents)")
     save_every: int = setting(4, "optimizer steps between resumable checkpoints", ok=at_least(1))
 
@@ -418,13 +422,14 @@ class RerankSettings(Settings):
 
 @dataclass(frozen=True)
 class CertifySettings(Settings):
-    """rerank-eval --certify: the local rerankers smoothed by random word masks, and their certificate."""
-    certify: bool = setting(False, "also rank with each local reranker smoothed over random word masks (--masks "
-                                   "of them) and certify which attacked documents no edit of 5-30% of their "
-                                   "words can bring into the smoothed top k (certify.py)")
-    mask_rate: float = setting(0.9, "share of a document's words each mask deletes (RanMASK's 90%)",
-                               ok=lambda v: 0 < v < 1)
-    masks: int = setting(32, "random masks per document", ok=between(1, MAX_SAMPLES), says=f"1 to {MAX_SAMPLES}")
+    """rerank-eval --certify: the local rerankers smoothed by randomized deletion, and their certificate."""
+    certify: bool = setting(False, "also rank with each local reranker smoothed by randomized deletion and certify "
+                                   "which attacked documents no insertion, deletion or substitution of r words can "
+                                   "bring into the smoothed top k (certify.py)")
+    deletion_rate: float = setting(0.9, "the chance each word of a document is deleted in a smoothing sample "
+                                        "(RS-Del's p_del)", ok=lambda v: 0 < v < 1, says="more than 0, less than 1")
+    certify_samples: int = setting(1250, "deletion samples per document (eps < 0.05 at 10 documents a list needs "
+                                         "1200)", ok=between(1, MAX_SAMPLES), says=f"1 to {MAX_SAMPLES}")
 
 
 @dataclass(frozen=True)
@@ -571,6 +576,9 @@ class ServeSettings(Settings):
                                            says=f"1 to {MAX_THREADS}")
     max_queue: int = setting(64, "requests waiting for the scoring thread; one more is answered 429 with "
                                  "Retry-After", ok=between(1, 100_000), says="1 to 100000")
+    smooth: int = setting(0, "answer with the Shield smoothed by randomized deletion: each document's mean score over "
+                             "this many samples (--deletion-rate), drawn afresh for every request (certify.py); 0: "
+                             "plain", ok=between(0, MAX_SAMPLES), says=f"0 to {MAX_SAMPLES}")
     allow_instruction: bool = setting(False, "let clients send an `instruction` to the Shield too (by default "
                                              "refused with a 400: the adapter was trained under its own, and "
                                              "another could switch the defense off)")
@@ -696,10 +704,11 @@ class ExportConfig(ExportSettings, SourceSettings, ModelSettings, RunSettings):
 
 
 @dataclass(frozen=True)
-class ServeConfig(ServeSettings, SourceSettings, ModelSettings, RunSettings):
+class ServeConfig(ServeSettings, CertifySettings, SourceSettings, ModelSettings, RunSettings):
     """serve: the Shield behind a rerank endpoint, loaded as its run scores (the record's model, revision,
     dtype, max length and quantization unless given), or --model and an optional --adapter."""
-    FLAGS = (some(RunSettings, "name", "runs_dir"), ModelSettings, SourceSettings, ServeSettings)
+    FLAGS = (some(RunSettings, "name", "runs_dir"), ModelSettings, SourceSettings, ServeSettings,
+             some(CertifySettings, "deletion_rate"))
 
 
 @dataclass(frozen=True)

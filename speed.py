@@ -42,7 +42,9 @@ Why each path is faster, with measurements: docs/PERF.md.
 
 Usage: speed.install(rr.model, compile=False)
 """
+import contextlib
 import ctypes
+import dataclasses
 import math
 import os
 import platform
@@ -318,6 +320,84 @@ def final_token_attention(q, k, v, lens, P=0):
     return out
 
 
+# ----------------------------------------------------------------------------- many short documents
+
+# Randomized deletion (certify.py) scores thousands of short documents under one long prompt prefix
+# (~270 tokens of instruction and query before a ~20-token sample). The per-sequence paths above run
+# the prefix's queries again for every sequence, one SDPA call each. Here the prefix attends to itself
+# once, and the sequences' own queries go in padded batches, one SDPA call a batch, over the prefix's
+# keys and their own under a mask.
+SHORT_BATCH_KEYS = 1 << 14            # keys a padded batch holds at most (sequences x (prefix + longest))
+
+
+def prefixed(t, P, starts, lens):
+    """Each sequence's keys (or queries) of a packed (N, heads, E) tensor: the P prefix rows, then its own
+    rows padded with its last one -> ((B, heads, P + Lmax, E), own rows (B, Lmax))."""
+    i = torch.arange(max(lens), device=t.device)
+    rows = torch.stack([s + i.clamp(max=L - 1) for s, L in zip(starts, lens)])     # (B, Lmax)
+    pre = torch.arange(P, device=t.device).expand(len(lens), P)
+    return t[torch.cat([pre, rows], 1)].transpose(1, 2), rows
+
+
+def short_documents_sdpa(q, k, v, lens, P=0):
+    """packed_causal_sdpa for many short sequences under a shared prefix: the prefix's queries over the
+    prefix (causal, once), then every sequence's own queries in padded batches. Own query l sees the prefix
+    and own keys 0..l; a padded key lies right of every real query's limit and a padded query's output is
+    dropped, so one (Lmax, P + Lmax) mask serves a batch. q (N, H, E), k and v (N, K, E) -> (N, H, E)."""
+    if torch.is_grad_enabled() or P == 0:
+        return attention_packed(q, k, v, lens, P)
+    out = torch.empty_like(q)
+    out[:P] = packed_causal_sdpa(q[:P], k[:P], v[:P], [P], 0)
+    starts = (P + torch.tensor([0] + list(lens[:-1])).cumsum(0)).tolist()
+    step = max(1, SHORT_BATCH_KEYS // (P + max(lens)))
+    for c in range(0, len(lens), step):
+        Ls, st = lens[c:c + step], starts[c:c + step]
+        (kb, rows), (vb, _) = (prefixed(t, P, st, Ls) for t in (k, v))            # (B, K, P+Lm, E)
+        Lm = rows.shape[1]
+        l, col = torch.arange(Lm, device=q.device), torch.arange(P + Lm, device=q.device)
+        seen = (col[None] < P) | (col[None] - P <= l[:, None])                   # (Lm, P+Lm)
+        o = F.scaled_dot_product_attention(q[rows].transpose(1, 2), kb, vb, attn_mask=seen, enable_gqa=True)
+        real = l[None] < torch.tensor(Ls, device=q.device)[:, None]               # (B, Lm)
+        out[rows[real]] = o.transpose(1, 2)[real]                                 # (rows, H, E)
+    return out
+
+
+def short_documents_final(q, k, v, lens, P=0):
+    """final_token_attention for many short sequences: each sequence's final query over the prefix's keys
+    and its own in padded batches, the padding masked. q (S, H, E) -> (S, H, E)."""
+    if torch.is_grad_enabled() or P == 0:
+        return final_token_attention(q, k, v, lens, P)
+    out = torch.empty_like(q)
+    starts = (P + torch.tensor([0] + list(lens[:-1])).cumsum(0)).tolist()
+    step = max(1, SHORT_BATCH_KEYS // (P + max(lens)))
+    for c in range(0, len(lens), step):
+        Ls, st = lens[c:c + step], starts[c:c + step]
+        (kb, rows), (vb, _) = (prefixed(t, P, st, Ls) for t in (k, v))            # (B, K, P+Lm, E)
+        B, Lm = rows.shape
+        col = torch.arange(P + Lm, device=q.device)[None]
+        seen = col - P < torch.tensor(Ls, device=q.device)[:, None]               # (B, P+Lm)
+        o = F.scaled_dot_product_attention(q[c:c + B, :, None], kb, vb, attn_mask=seen[:, None, None],
+                                           enable_gqa=True)                       # (B, H, 1, E)
+        out[c:c + B] = o[:, :, 0]
+    return out
+
+
+@contextlib.contextmanager
+def short_documents(model):
+    """Within: `model`'s attention runs short_documents_sdpa and short_documents_final (inference only;
+    the same math as the per-sequence paths, tested equal). A model without the fast forwards is left
+    as it is."""
+    mods = [m for m in model.modules() if isinstance(m, reranker.Attention) and hasattr(m, "kernels")]
+    old = [m.kernels for m in mods]
+    for m in mods:
+        m.kernels = dataclasses.replace(m.kernels, attention=short_documents_sdpa, final=short_documents_final)
+    try:
+        yield model
+    finally:
+        for m, kn in zip(mods, old):
+            m.kernels = kn
+
+
 # ----------------------------------------------------------------------------- hand-written backward passes
 
 
@@ -514,12 +594,15 @@ class Kernels:
     swiglu: object          # (gate, up) -> silu(gate) * up
     add: object             # (x, y) -> x + y
     attention: object       # (q, k, v, lens, P) -> packed causal attention output
+    final: object           # (q, k, v, lens, P) -> each sequence's final query's attention output
 
 
-EAGER = Kernels(rms_norm_eager, norm_rope_eager, add_rms_norm_eager, swiglu_eager, residual_add, attention_packed)
+EAGER = Kernels(rms_norm_eager, norm_rope_eager, add_rms_norm_eager, swiglu_eager, residual_add, attention_packed,
+                final_token_attention)
 # torch.compile'd on first use (`fused`): the plain functions as one loop each; attention as EAGER
 COMPILED = Kernels(lambda *a: fused(rms_norm)(*a), lambda *a: fused(norm_rope)(*a),
-                   lambda *a: fused(add_rms_norm)(*a), lambda *a: fused(swiglu)(*a), torch.add, attention_packed)
+                   lambda *a: fused(add_rms_norm)(*a), lambda *a: fused(swiglu)(*a), torch.add, attention_packed,
+                   final_token_attention)
 
 
 # ----------------------------------------------------------------------------- fast forwards
@@ -542,7 +625,7 @@ def attention_forward(self, x, cos, sin, lens, prefix=0, last=None):
     if last is None:
         o = self.kernels.attention(q, k, v, lens, P)                          # (N, H, E)
         return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
-    o = final_token_attention(q, k, v, lens, P)                               # (S, H, E)
+    o = self.kernels.final(q, k, v, lens, P)                                  # (S, H, E)
     return self.o_proj(o.view(-1, self.H * self.E))                           # (S, C)
 
 

@@ -442,12 +442,12 @@ def test_attacked_k_rewrites_further_candidates_and_the_optimized_pool_edits_the
 
 def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
     """rerank-eval on the K = 3 file: each level's records, the by-K block recomputed from them, and
-    --certify's records and block (its figures recomputed from the certify records); the dry run
-    counts the smoothing's forward passes."""
+    --certify's records and block (its figures recomputed from the certify records, the deletion seed
+    drawn and kept in the run's cache); the dry run counts the smoothing's forward passes."""
     path, d = attacked_bench
     argv = ["rerank-eval", "--bench", str(path), "--model", "tiny", "--dtype", "float32", "--name", "rk",
             "--runs-dir", str(d / "r"), "--reranker", "base", "--k", "2", "--n-boot", "50", "--certify",
-            "--masks", "4", "--mask-rate", "0.5"]
+            "--certify-samples", "4", "--deletion-rate", "0.5"]
     plan = run.main(argv + ["--dry-run"])
     assert plan["rerankers"]["base"]["certify_forward_passes_at_most"] == 4 * plan["distinct_documents"]  # no honest
     stage = run.main(argv)["base"]
@@ -473,8 +473,14 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
     c = stage["certificate"]
     assert len(cert) == len(recs) and c["samples"] == 4 and all(len(r["smoothed"]) == 5 for r in cert)
     assert c["smoothed_exposure"] == pytest.approx(100 * sum(r["smoothed_exposed"] for r in cert) / len(cert))
-    assert all(0 <= r["edit_fraction"] for r in cert) and all(r["radius"] in (0.0, *certify.GRID) for r in cert)
-    assert set(c["certified"]) == {"0.05", "0.1", "0.2", "0.3"}
+    assert c["eps"] == pytest.approx(certify.epsilon(5, 4)) and c["forward_passes"] > 0
+    for kind in certify.KINDS:
+        for r in certify.RADII:
+            assert c["certified"][kind][str(r)] == pytest.approx(100 * sum(
+                x["source_radius"][kind] is not None and x["source_radius"][kind] >= r for x in cert) / len(cert))
+    assert c["rewrites_inside"] == pytest.approx(100 * sum(x["inside"] for x in cert) / len(cert))
+    seed = json.load(open(d / "r" / "rk" / "cache" / "noise_seed.json"))["seed"]
+    assert any(f"deleted-0.5-{seed}" in f for f in os.listdir(d / "r" / "rk" / "cache"))
 
 
 def test_a_test_builder_apart_writes_the_test_split_and_is_a_role(geo_input, tmp_path):

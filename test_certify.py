@@ -1,6 +1,6 @@
-"""The two certificates: the masking certificate of a reranker's top k (certify.py) checked against
-exhaustive enumeration, and RobustRAG's keyword certificate (defenses.keyword_certified) against every
-corruption of a small case."""
+"""The two certificates: the randomized-deletion certificate of a reranker's top k (certify.py) checked
+against exhaustive enumeration, and RobustRAG's keyword certificate (defenses.keyword_certified) against
+every corruption of a small case."""
 import itertools
 import math
 import random
@@ -11,79 +11,146 @@ import certify
 import defenses
 
 
-def all_masks(words, keep):
-    return [" ".join(words[i] for i in idx) for idx in itertools.combinations(range(len(words)), keep)]
+def exact_g(score, words, p):
+    """g(d) = E[score(δ(d))] over every deletion pattern of `words` (the expectation certify.smoothed
+    estimates): each word deleted independently with probability p."""
+    total = 0.0
+    for keep in itertools.product((False, True), repeat=len(words)):
+        prob = math.prod((1 - p) if k else p for k in keep)
+        total += prob * score([w for w, k in zip(words, keep) if k])
+    return total
 
 
-def exact_g(score, text, rate):
-    """g(d) over every mask (the expectation certify.smoothed estimates)."""
-    words = text.split()
-    keep = max(1, len(words) - round(rate * len(words)))
-    ms = all_masks(words, keep)
-    return sum(score(m) for m in ms) / len(ms)
+WORDS = "guide lists trusted sources for travel".split()
+VOCAB = ("trusted", "best", "official")
+SCORES = {   # bounded scores in [0, 1]: additive, order-sensitive, and all-or-nothing
+    "count": lambda ws: sum(w in VOCAB for w in ws) / 3 if len(ws) < 9 else 1.0,
+    "order": lambda ws: 1.0 if any(a == "best" and b == "travel" for a, b in zip(ws, ws[1:])) else 0.2,
+    "short": lambda ws: 1.0 if len(ws) <= 2 else 0.0}
 
 
-@pytest.mark.parametrize("n,p,rate", [(10, 0.1, 0.5), (12, 0.2, 0.7), (9, 0.3, 0.6), (10, 0.05, 0.9)])
-def test_delta_is_the_share_of_masks_that_see_an_edit(n, p, rate):
-    """Δ(p) = 1 - C(n-e, h)/C(n, h) counted mask by mask: the masks that keep an edited position."""
-    keep = max(1, n - round(rate * n))
-    e = math.ceil(p * n)
-    edited = set(range(e))
-    masks = list(itertools.combinations(range(n), keep))
-    seen = sum(bool(edited & set(m)) for m in masks) / len(masks)
-    assert certify.delta(n, p, rate) == pytest.approx(seen, abs=1e-12)
+def edits(words, r, kind):
+    """Every edit of r words of `kind` with the inserted words drawn from VOCAB + one foreign word."""
+    pool = VOCAB + ("xyz",)
+    if kind == "deleted":
+        for pos in itertools.combinations(range(len(words)), r):
+            yield [w for i, w in enumerate(words) if i not in pos]
+    elif kind == "substituted":
+        for pos in itertools.combinations(range(len(words)), r):
+            for new in itertools.product(pool, repeat=r):
+                out = list(words)
+                for i, w in zip(pos, new):
+                    out[i] = w
+                yield out
+    else:
+        for slots in itertools.combinations_with_replacement(range(len(words) + 1), r):
+            for new in itertools.product(pool, repeat=r):
+                out = list(words)
+                for i, w in sorted(zip(slots, new), reverse=True):     # from the end: earlier slots stay put
+                    out.insert(i, w)
+                yield out
 
 
-def test_no_substitution_moves_the_smoothed_score_by_more_than_delta():
-    """The bound itself, exhaustively: for a bounded scorer and every placement of e substituted words,
-    |g(d') - g(d)| <= Δ(p) over the exact expectation (no Monte Carlo)."""
-    rng = random.Random(0)
-    score = lambda t: sum(w in ("trusted", "best", "official") for w in t.split()) / 3      # in [0, 1]
-    words = "the guide lists trusted official sources and the best practice for travel".split()
-    rate, p = 0.6, 0.2
-    e = math.ceil(p * len(words))
-    g = exact_g(score, " ".join(words), rate)
-    worst = 0.0
-    for pos in itertools.combinations(range(len(words)), e):
-        edited = list(words)
-        for i in pos:
-            edited[i] = rng.choice(["best", "trusted", "official", "xyz"])
-        worst = max(worst, abs(exact_g(score, " ".join(edited), rate) - g))
-    assert 0 < worst <= certify.delta(len(words), p, rate) + 1e-12
+@pytest.mark.parametrize("kind", list(certify.KINDS))
+@pytest.mark.parametrize("p", [0.5, 0.8])
+def test_no_edit_moves_the_smoothed_score_past_the_bound(kind, p):
+    """The bound itself, exhaustively: for each score, every edit of r = 1, 2 words of the kind gives an
+    exact smoothed score (every deletion pattern, no Monte Carlo) at most U(g; r) of certify.upper."""
+    ins, dels = certify.KINDS[kind]
+    for name, score in SCORES.items():
+        g = exact_g(score, WORDS, p)
+        for r in (1, 2):
+            bound = certify.upper(g, p, ins * r, dels * r)
+            worst = max(exact_g(score, e, p) for e in edits(WORDS, r, kind))
+            assert worst <= bound + 1e-12, (name, r, worst, bound)
 
 
-def test_masks_are_seeded_by_the_text():
-    text = "one two three four five six seven eight nine ten"
-    a, b = certify.masks(text, 0.7, 5, seed=1), certify.masks(text, 0.7, 8, seed=1)
-    assert a == b[:5] and len(set(a)) > 1             # more samples extend the same masks (their scores cached)
-    assert certify.masks(text, 0.7, 5, seed=2) != a
+@pytest.mark.parametrize("p", [0.5, 0.9])
+def test_each_bound_is_attained_by_some_score(p):
+    """U is as tight as it can be: an inserted word that scores 1 when it survives reaches the insertion
+    bound; a score that is 1 only without the deleted word reaches the deletion bound; a substitution
+    that scores 1 when the new word survives and 0 when the old one does reaches the substitution bound."""
+    base = lambda ws: 0.3
+    ins = lambda ws: 1.0 if "X" in ws else base(ws)
+    g = exact_g(ins, WORDS, p)
+    assert exact_g(ins, WORDS + ["X"], p) == pytest.approx(certify.upper(g, p, 1, 0), abs=1e-12)
+    gone = lambda ws: 0.0 if "travel" in ws else 1.0
+    g = exact_g(gone, WORDS, p)
+    assert exact_g(gone, WORDS[:-1], p) == pytest.approx(certify.upper(g, p, 0, 1), abs=1e-12)
+    sub = lambda ws: 1.0 if "X" in ws else 0.0 if "travel" in ws else 0.5
+    g = exact_g(sub, WORDS, p)
+    assert exact_g(sub, WORDS[:-1] + ["X"], p) == pytest.approx(certify.upper(g, p, 1, 1), abs=1e-12)
 
 
-def test_masks_keep_the_word_order():
-    text = "one two three four five six seven eight nine ten"
-    a = certify.masks(text, 0.7, 5, seed=1)
-    for m in a:
-        ws = m.split()
-        assert len(ws) == 3 and ws == [w for w in text.split() if w in ws]
-
-
-def test_the_radius_is_the_largest_p_the_margin_covers():
-    """Document 0 sits below four clearly better documents: certified while eps + Δ(p) fits the gap."""
+def test_the_radius_is_the_largest_r_the_gap_covers():
+    """Document 0 sits below four clearly better documents: certified exactly while U(ĝ + eps; r) stays
+    under the third's lower bound, per kind; a document in the top k has no radius."""
     g = [0.10, 0.95, 0.94, 0.93, 0.92, 0.20]
-    n, rate, eps = 200, 0.9, 0.05
-    r = certify.certified_radius(g, 0, n, k=3, eps=eps, rate=rate)
-    assert r in certify.GRID
-    for p in certify.GRID:                           # exactly the p whose Δ leaves the top 3's lower bound above
-        assert (p <= r) == (g[0] + eps + certify.delta(n, p, rate) < g[3] - eps)
-    assert certify.certified_radius(g, 1, n, k=3, eps=eps, rate=rate) == 0.0    # already in the top k
-    assert certify.certified_radius(g, 0, n, k=3, eps=0.5, rate=rate) == 0.0    # too few masks to say anything
+    eps, p = 0.02, 0.9
+    for kind, (i, d) in certify.KINDS.items():
+        r = certify.radius(g, 0, 3, eps, p, kind, n_words=200)
+        assert r is not None and r >= 1
+        holds = lambda r: certify.upper(g[0] + eps, p, i * r, d * r) < g[3] - eps
+        assert holds(r) and (r == 200 and d or not holds(r + 1))
+    assert certify.radius(g, 1, 3, eps, p, "inserted", 100) is None          # already in the top 3
+    assert certify.radius(g, 0, 3, 0.5, p, "inserted", 100) is None          # too few samples to say anything
+    assert certify.radius([0.1, 0.9], 0, 2, eps, p, "inserted", 100) is None  # a list of k: nothing to certify
 
 
-def test_edit_fraction_counts_insertions_deletions_and_substitutions():
-    assert certify.edit_fraction("a b c d", "a b c d") == 0
-    assert certify.edit_fraction("a b c d", "a x c d") == 0.25
-    assert certify.edit_fraction("a b c d", "a b c d e f") == 0.5
-    assert certify.edit_fraction("a b c d", "b c d") == 0.25
+def test_a_clean_top_k_document_is_kept_while_the_attacked_one_cannot_reach_it():
+    """j = 1 is third of the top 3; two documents are certifiably above it, so it keeps its place while
+    an insertion into a = 0 cannot lift a to it; j = 3 is not certifiably in the top 3 at all."""
+    g = [0.10, 0.60, 0.95, 0.94, 0.05]
+    eps, p = 0.02, 0.9
+    r = certify.kept_radius(g, 0, 1, 3, eps, p)
+    assert certify.upper(g[0] + eps, p, r) < g[1] - eps <= certify.upper(g[0] + eps, p, r + 1)
+    assert certify.kept_radius(g, 0, 2, 3, eps, p) == certify.MAX_RADIUS      # one above it: a cannot push it out
+    assert certify.kept_radius([0.1, 0.5, 0.52, 0.51], 0, 1, 2, 0.02, p) is None
+
+
+def lcs_dp(a, b):
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b, 1):
+            cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
+        prev = cur
+    return prev[-1]
+
+
+def test_the_bit_parallel_lcs_matches_the_dynamic_programme():
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.choice("abcde") for _ in range(rng.randint(0, 70))]
+        b = [rng.choice("abcdef") for _ in range(rng.randint(0, 70))]
+        assert certify.lcs_length(a, b) == lcs_dp(a, b)
+    assert certify.edit_counts("a b c d", "a x c d e") == (2, 1)      # b -> x (one of each), e inserted
+    assert certify.edit_counts("a b c d", "a b c d") == (0, 0)
+
+
+def test_a_rewrite_is_inside_exactly_when_the_general_bound_covers_its_edit():
+    g, eps, p = [0.05, 0.95, 0.94, 0.93], 0.02, 0.95
+    assert certify.inside(g, 0, 2, eps, p, 1, 0) and not certify.inside(g, 0, 2, eps, p, 100, 0)
+    i = certify.radius(g, 0, 2, eps, p, "inserted", 50)
+    assert certify.inside(g, 0, 2, eps, p, i, 0) and not certify.inside(g, 0, 2, eps, p, i + 1, 0)
+
+
+def test_deletions_come_from_the_key_not_the_text():
+    """Two texts of the same length under one key lose the same positions; another key, other positions;
+    more samples extend the same ones (their scores cached)."""
+    a = certify.deletions("one two three four five six seven eight", 0.5, 6, key="7:g1:3")
+    b = certify.deletions("1 2 3 4 5 6 7 8", 0.5, 6, key="7:g1:3")
+    pos = lambda text, kept: [i for i, w in enumerate(text.split()) if w in kept.split()]
+    assert [pos("one two three four five six seven eight", x) for x in a] == [pos("1 2 3 4 5 6 7 8", x) for x in b]
+    assert certify.deletions("1 2 3 4 5 6 7 8", 0.5, 8, key="7:g1:3")[:6] == b
+    assert certify.deletions("1 2 3 4 5 6 7 8", 0.5, 6, key="8:g1:3") != b
+
+
+def test_ndcg_is_one_for_the_same_top_k_and_less_for_another():
+    assert certify.ndcg([3, 1, 2, 0], [3, 1, 2, 0], 2) == 1.0
+    assert certify.ndcg([3, 1, 0, 2], [3, 1, 2, 0], 2) == 1.0                # below k does not count
+    assert 0 < certify.ndcg([1, 3, 2, 0], [3, 1, 2, 0], 2) < 1
+    assert certify.ndcg([0, 2, 1, 3], [3, 1, 2, 0], 2) == 0.0
 
 
 # ----------------------------------------------------------------------------- RobustRAG's certificate
@@ -131,13 +198,14 @@ def test_keyword_certificate_holds_against_every_corruption_it_claims():
 
 @pytest.mark.parametrize("call", [lambda: certify.epsilon(10, 32, alpha=float("nan")),
                                   lambda: certify.epsilon(10, 0), lambda: certify.epsilon(0, 32),
-                                  lambda: certify.delta(100, -0.1, 0.9), lambda: certify.delta(100, 0.1, 1.0),
-                                  lambda: certify.delta(100, float("nan"), 0.9), lambda: certify.delta(0, 0.1, 0.9),
+                                  lambda: certify.upper(-0.1, 0.9, 1), lambda: certify.upper(0.5, 1.0, 1),
+                                  lambda: certify.upper(float("nan"), 0.9, 1), lambda: certify.upper(0.5, 0.9, -1),
                                   lambda: defenses.keyword_certified(["the red fox"], -1),
                                   lambda: defenses.keyword_certified(["the red fox"], 1, alpha=float("nan")),
                                   lambda: defenses.keyword_certified(["the red fox"], 1.5)])
 def test_the_certificates_refuse_inputs_outside_their_bounds(call):
-    """alpha = nan, a negative p or corrupted count, a mask rate of 1: each a ValueError naming the input, never
-    a certificate computed from it (nan passes no comparison, so it would certify nothing silently or all)."""
-    with pytest.raises(ValueError, match=r"(alpha|p|rate|n_docs|n_samples|n_words|corrupted) = "):
+    """alpha = nan, a negative score or corrupted count, a deletion rate of 1: each a ValueError naming the
+    input, never a certificate computed from it (nan passes no comparison, so it would certify nothing
+    silently or all)."""
+    with pytest.raises(ValueError, match=r"(alpha|g|rate|inserted|n_docs|n_samples|corrupted) = "):
         call()

@@ -209,6 +209,32 @@ def test_train_resume_equals_uninterrupted(tmp_path, tmp_path_factory, small_ben
             "learning_rate"} <= set(next(r for r in log if r["event"] == "train"))
 
 
+def test_deletion_noise_trains_on_deleted_text_with_its_own_base_scores(tmp_path, tmp_path_factory, small_bench,
+                                                                        monkeypatch):
+    """train --deletion-noise 0.5: every training example's three documents lose words (the same ones in a
+    rerun: the stream is the seed, the epoch and the instance), its s_0 is the base's score of that very
+    text (Eq. 2's residual stays the adapter's), and the adapter differs from a plain run's."""
+    from safetensors.torch import load_file
+    seen, real = [], train.noised_triple
+
+    def spy(rr, t, rate, key):
+        ids, s0 = real(rr, t, rate, key)
+        if not seen:                               # the first example checked whole
+            clean = rr.tokenize(t["query"], [t["pos"], t["att"], t["ben"]])
+            with lora.lora_disabled(rr.model):
+                assert s0 == pytest.approx(rr.score_ids(ids).tolist(), abs=1e-6)
+            assert (ids, s0) == real(rr, t, rate, key) and sum(map(len, ids)) < sum(map(len, clean))
+        seen.append(key)
+        return ids, s0
+    monkeypatch.setattr(train, "noised_triple", spy)
+    kw = dict(runs_dir=str(tmp_path), bench=small_bench, **SHIELD_KW)
+    train.train_shield(runs.Run(settings.EvalConfig(name="noised", deletion_noise=0.5, **kw)))
+    assert set(seen) == {"0:0", "0:1"}                                   # seed 0, epochs 0 and 1
+    plain = trained_shield(tmp_path_factory, small_bench)
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (tmp_path / "noised", plain))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
 def test_demo_end_to_end_reduced(demo_run):
     s = json.load(open(demo_run / "summary.json"))
     assert s["offline"] is True and set(s["conditions"]) == set(evaluation.CONDITIONS)

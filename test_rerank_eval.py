@@ -20,6 +20,7 @@ import llm_clients
 import parallel
 import rankers
 import rerank_clients
+import rerank_eval
 import run
 import runs
 import serve
@@ -442,3 +443,12 @@ def test_each_rerank_endpoint_has_its_own_cache(with_passwords, tmp_path, fake):
         run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"two={other}"])
         n_lists = len(open(out / name / "results" / "rerank-two.jsonl").read().splitlines())
         assert len(FakeRerank.seen) - sent >= n_lists        # asked itself: nothing from the first port's cache
+
+
+def test_the_deletion_seed_is_drawn_once_a_run_and_kept(tmp_path):
+    """rerank-eval --certify's deletion seed comes from the OS, not from --seed or the text: one draw a run
+    folder, read back by a resumed run; another run folder, another draw."""
+    s = rerank_eval.noise_seed(str(tmp_path / "noise_seed.json"))
+    assert rerank_eval.noise_seed(str(tmp_path / "noise_seed.json")) == s
+    assert json.load(open(tmp_path / "noise_seed.json")) == {"seed": s}
+    assert rerank_eval.noise_seed(str(tmp_path / "other.json")) != s

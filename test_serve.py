@@ -763,3 +763,30 @@ def test_serve_metrics_openapi_models_and_limits(small_queue_server, shield_serv
     asked = settings.ServeConfig(**run.given(run.parser().parse_args(
         ["serve", "--max-concurrent-requests", "3", "--max-queue", "5"]), settings.ServeConfig))
     assert (asked.max_concurrent_requests, asked.max_queue) == (3, 5)
+
+
+def test_serve_smooth_answers_the_mean_over_fresh_deletions(tiny_dir):
+    """serve --smooth N: each document's relevance score is its mean sigmoid over N deletion samples of this
+    request, drawn afresh: at a deletion rate near 0 every sample is the document and the score is the plain
+    one; at 0.5 two identical requests get different scores (fresh randomness), each inside [0, 1], and
+    the metrics count N samples a document."""
+    import requests
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    q, docs = "how long to boil an egg", ["Boil eggs for six minutes for a soft yolk, nine for hard.",
+                                          "The stock market fell on Tuesday after a long rally."]
+    plain = torch.sigmoid(rr.score(q, docs)).tolist()
+    for rate in (1e-9, 0.5):
+        srv = _serving(serve.RerankServer(rr, port=0, log=False, smooth=8, deletion_rate=rate))
+        try:
+            got = [{x["index"]: x["relevance_score"] for x in
+                    requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": docs}, timeout=60).json()
+                    ["results"]} for _ in range(2)]
+            if rate < 1e-6:
+                assert [got[0][i] for i in range(2)] == pytest.approx(plain, abs=1e-6) and got[0] == got[1]
+            else:
+                assert got[0] != got[1] and all(0 < s < 1 for g in got for s in g.values())
+            metrics = requests.get(srv.url + "/metrics", timeout=5).text
+            assert "geodef_documents_total 32" in metrics                 # 2 requests x 2 documents x 8 samples
+        finally:
+            srv.shutdown()
+            srv.server_close()

@@ -318,6 +318,40 @@ def test_final_token_attention_is_the_causal_attentions_last_rows(blocked, monke
     assert _rel(speed.final_token_attention(q16[last], k16, v16, lens, P), exact) < 1.5 * _rel(full, exact) + 1e-3
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_short_documents_attention_is_the_packed_one(dtype, tol, monkeypatch):
+    """Many short sequences under a long prefix, padded batches (small ones, so several) of their own
+    queries over the prefix's keys and their own: every row equals the per-sequence path's, the final
+    queries too; the prefix's rows are computed once."""
+    monkeypatch.setattr(speed, "SHORT_BATCH_KEYS", 200)
+    torch.manual_seed(0)
+    lens, P = [5, 1, 17, 3, 9, 2, 12], 60
+    last = [P + sum(lens[:j + 1]) - 1 for j in range(len(lens))]
+    q, k, v = (torch.randn(P + sum(lens), n, 16, dtype=dtype) for n in (4, 2, 2))
+    exact = speed.packed_causal_sdpa(q, k, v, lens, P)
+    with torch.inference_mode():
+        assert _rel(speed.short_documents_sdpa(q, k, v, lens, P), exact) < tol
+        assert _rel(speed.short_documents_final(q[last], k, v, lens, P), exact[last]) < tol
+
+
+def test_short_documents_scores_equal_the_plain_path(hf_tiny):
+    """A query's deletion samples (certify.py) scored inside speed.short_documents equal the plain
+    speed path's and transformers' margins; outside it the model's kernels are its own again."""
+    import certify
+    folder, hm = hf_tiny
+    rr = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32))
+    text = " ".join(PREFIX_DOCS)
+    ids = rr.tokenize("What is the capital of France?", certify.deletions(text, 0.7, 24, key="0:g:0"))
+    plain = rr.score_ids(ids)
+    kernels = rr.model.layers[0].self_attn.kernels
+    with speed.short_documents(rr.model):
+        assert rr.model.layers[1].self_attn.kernels.final is speed.short_documents_final
+        short = rr.score_ids(ids)
+    assert rr.model.layers[0].self_attn.kernels is kernels
+    torch.testing.assert_close(short, plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(short, hf_margins(hm, ids, rr.yes_id, rr.no_id), rtol=1e-4, atol=1e-5)
+
+
 def test_the_blocked_forward_keeps_the_short_sequences_probabilities(monkeypatch):
     """The blocked forward saves each block's probabilities of the sequences of at most KEEP_MAX_KEYS keys
     (prefix included), SDPA's forward none; either way the backward gives the same bits (it recomputes

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+import certify
 import geodef
 import lora
 import speed
@@ -84,6 +85,18 @@ def prepare_triples(run, rr, cons, inst):
                              scores[t["instance_id"]][t["ben_index"]]] for t in triples}
     ids = {t["instance_id"]: rr.tokenize(t["query"], [t["pos"], t["att"], t["ben"]]) for t in triples}
     return triples, ids, s0, scores
+
+
+def noised_triple(rr, t, rate, key):
+    """A triple's three documents with words deleted at `rate` (certify.delete_words, drawn from the stream
+    key:instance_id: the same in a resumed run), tokenized, with their base scores s_0 on that text (the
+    adapter off, no gradient), so that Eq. 2's residual still measures the adapter alone -> (ids, s0)."""
+    rng = random.Random(f"{key}:{t['instance_id']}")
+    docs = [certify.delete_words(t[d], rate, rng) for d in ("pos", "att", "ben")]
+    ids = rr.tokenize(t["query"], docs)
+    with lora.lora_disabled(rr.model):
+        s0 = rr.score_ids(ids).tolist()
+    return ids, s0
 
 
 def triple_loss(rr, cfg, ids, s0, grad):
@@ -171,7 +184,10 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
             start = (state["pos"] // cfg.grad_accum) * cfg.grad_accum            # this accumulation window's
             if ranks.mine(state["pos"], start):         # under torchrun each rank takes its share of the window
                 t = opt_triples[order[state["pos"]]]
-                loss, st, _, _ = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=True)
+                tids, ts0 = ids[t["instance_id"]], s0[t["instance_id"]]
+                if cfg.deletion_noise:
+                    tids, ts0 = noised_triple(rr, t, cfg.deletion_noise, f"{cfg.seed}:{state['epoch']}")
+                loss, st, _, _ = triple_loss(rr, cfg, tids, ts0, grad=True)
                 (loss / min(cfg.grad_accum, n - start)).backward()              # mean over the window's examples
                 window.append(st)
             state["pos"] += 1
