@@ -23,12 +23,13 @@ line's `failed` and _meta.family_drops (each family measured over the groups it 
 no family rewrote is dropped with the reasons. Every call is cached in the run folder: a killed build
 reruns to the same bytes. The output is written aside, validated, and only then replaces the file.
 
-`--honest` adds, per test group, an honest edit of the source (honest.HonestEdit: clearer wording and
+`--honest` adds, per group, an honest edit of the source (honest.HonestEdit: clearer wording and
 structure, nothing GEO adds), through its own gate (honest_gate: the families' checks, then no new
 number, quotation, name or authority wording, then the fidelity judge), REWRITE_TRIES attempts; a
 group whose every attempt is refused keeps its attacks without an honest edit. eval and rerank-eval
-measure on it whether a defense punishes honest optimisation (the honest penalty); they measure the
-test split, so construction groups get no edit (none is paid for that nothing reads).
+measure on the test split's whether a defense punishes honest optimisation (the honest penalty); `detect`
+chooses its thresholds on the construction split's, so that its false-positive rate on the test split is
+a held-out one.
 
 `--construction-families all` rewrites the construction groups with every family, not only the seen
 three (recorded as _meta.construction_methods; _meta.seen_methods stays the default training set), so
@@ -586,11 +587,11 @@ def dry_run(run):
         st = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out}
         stages[f] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
                      "usd_batch_api": None if price is None else accounting.token_cost(price, st, batch=True)}
-    if cfg.honest:                      # one edit per test group, each judged like a family's rewrite
-        n_test = len(picked) - n_cons
-        st = {"groups": n_test, "requests": n_test * REWRITE_TRIES * 2,
-              "prompt_tokens": int(n_test * REWRITE_TRIES * 2 * (chars / 4 + 400)),
-              "completion_tokens": int(n_test * REWRITE_TRIES * 2 * chars / 4 * 1.1)}
+    if cfg.honest:                      # one edit per group, each judged like a family's rewrite
+        n = len(picked)
+        st = {"groups": n, "requests": n * REWRITE_TRIES * 2,
+              "prompt_tokens": int(n * REWRITE_TRIES * 2 * (chars / 4 + 400)),
+              "completion_tokens": int(n * REWRITE_TRIES * 2 * chars / 4 * 1.1)}
         stages["honest edit"] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
                                  "usd_batch_api": None if price is None else accounting.token_cost(price, st, True)}
     n_test = len(picked) - n_cons
@@ -664,7 +665,12 @@ def build_bench(run, p=None):
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
     tctx = test_ctx or ctx                               # the test split's builder writes its honest edits too
-    edits, refused = honest_edits(tctx, [g for g in kept if g["split"] == "test"]) if cfg.honest else (None, None)
+    edits, refused = None, None
+    if cfg.honest:                       # each split's by its own builder; detect's threshold reads construction's
+        (edits, refused), (t_edits, t_refused) = (honest_edits(c, [g for g in kept if g["split"] == split])
+                                                  for c, split in ((ctx, "construction"), (tctx, "test")))
+        edits.update(t_edits)
+        refused = {k: refused.get(k, 0) + t_refused.get(k, 0) for k in sorted({*refused, *t_refused})}
     lists = pool_lists(tctx, cfg, fams, [g for g in kept if g["split"] == "test"])    # nothing by default
     if edits:                           # the honest edits' template, beside the families'
         markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
@@ -726,9 +732,9 @@ def composition(groups, fams, cons, attacks):
 def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None,
           lists=({}, {}), test_llm=None):
     """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output.
-    honest_audit ({group_id: (text or None, trace)} of the test groups and the refusal kinds' counts,
-    build-bench --honest): each test line's `honest` edit and its `honest_trace`, and _meta's `honest`,
-    `honest_digest`, `honest_edits`, `honest_edit_rate` (% of test groups) and `honest_refusals`; without
+    honest_audit ({group_id: (text or None, trace)} of every group and the refusal kinds' counts,
+    build-bench --honest): each line's `honest` edit and its `honest_trace`, and _meta's `honest`,
+    `honest_digest`, `honest_edits`, `honest_edit_rate` (% of groups) and `honest_refusals`; without
     it the lines are as before. rewrites: rewrite_all's (attacks, traces, failed); a family refused on a
     group is in the line's `failed` with why, and _meta.family_drops counts them per family. cons: the
     construction groups' families; _meta.construction_methods records them when they are more than the
@@ -773,7 +779,7 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
                 "trace": {m: traces[gid][m] for m in names if m in traces[gid]}}
         line.update({"failed": {m: failed[gid][m] for m in names if m in failed[gid]}} if failed[gid] else {})
         line.update(lists[0].get(gid, {}))                  # test groups with --attacked K or --pool optimized
-        if edits is not None and gid in edits:             # test groups
+        if edits is not None and gid in edits:
             text, trace = edits[gid]
             line.update(({"honest": text} if text is not None else {}), honest_trace=trace)
         lines.append(json.dumps({**line, "split": g["split"]}, ensure_ascii=False))

@@ -31,6 +31,7 @@ import bench
 import bench_audit
 import build_bench
 import deploy_check
+import detect
 import endpoints
 import export
 import geodef
@@ -118,7 +119,8 @@ def cmd_serve(args):
     with reading(run_dir):
         rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
     rr.model.eval()
-    serve.serve_until_stopped(rr, cfg, cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"), adapter)
+    serve.serve_until_stopped(rr, cfg, cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"), adapter,
+                              serve.load_detector(run_dir) if run_dir else None)
 
 
 def add_settings_flags(p, cls, preset=True):
@@ -211,6 +213,8 @@ def parser():
     de = sub.add_parser("demo", help="offline end to end: tiny model + offline engine over loopback HTTP")
     de.add_argument("--out", default="runs", help="folder to write the demo run into (DIR/demo/...)")
     re_ = sub.add_parser("rerank-eval", help="any reranker under GEO attack: exposure, rank, promotion (no LLM)")
+    dt = sub.add_parser("detect", help="flag GEO rewrites against honest edits: the Shield's residual and a text "
+                                       "detector, thresholds held out (no LLM)")
     at = sub.add_parser("attack", help="an adaptive GEO attacker against the deployed defense, evaluated end to end")
     ha = sub.add_parser("harden", help="hardening rounds: the attacker on the construction groups, the defense "
                                        "retrained on what got through, a fresh attacker on the test groups")
@@ -221,7 +225,8 @@ def parser():
     bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
     for p, cls in ((tr, settings.TrainConfig), (ev, settings.EvalConfig), (de, settings.DemoConfig),
                    (re_, settings.RerankEvalConfig), (at, settings.AttackConfig), (ha, settings.HardenConfig),
-                   (bb, settings.BuildConfig), (ho, settings.HoldoutConfig), (dc, settings.DeployCheckConfig)):
+                   (bb, settings.BuildConfig), (ho, settings.HoldoutConfig), (dc, settings.DeployCheckConfig),
+                   (dt, settings.DetectConfig)):
         add_settings_flags(p, cls)
     for p in (tr, ev, at, ha, bb, ho, re_):
         p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
@@ -325,6 +330,15 @@ def cmd_rerank_eval(args):
         print(rerank_eval.stage_table(stage, cfg.k) + f"\n\nreport: {os.path.join(cfg.run_dir, 'rerank_report.md')}"
               f"\nrecords: {os.path.join(cfg.run_dir, 'results')}/rerank-<label>.jsonl")
     return stage
+
+
+def cmd_detect(args):
+    """GEO rewrites flagged against honest edits on a trained run (detect.py): detect/summary.json, report.md."""
+    cfg = pipeline_settings(settings.DetectConfig, args)
+    with Run.open(cfg, "detect", needs=("adapter",), record="check", check=detect.check) as run:
+        out = detect.detect(run)
+    print(detect.table(out) + f"\n\nreport: {os.path.join(cfg.run_dir, 'detect', 'report.md')}")
+    return out
 
 
 def cmd_attack(args):
@@ -468,7 +482,7 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "rerank-eval
             "attack": cmd_attack, "harden": cmd_harden, "compare": cmd_compare, "bench": cmd_bench,
             "build-bench": cmd_build_bench, "export": cmd_export, "serve": cmd_serve,
             "serve-offline": cmd_serve_offline, "bench-audit": cmd_bench_audit, "holdout": cmd_holdout,
-            "deploy-check": cmd_deploy_check}
+            "deploy-check": cmd_deploy_check, "detect": cmd_detect}
 
 
 # Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.

@@ -61,7 +61,8 @@ from settings import SettingsError
 INFINITY_PATHS = ("/rerank", "/infinity/rerank")   # Infinity's reply; /infinity/rerank: api_base .../infinity
 RERANK_PATHS = ("/v1/rerank", "/v2/rerank") + INFINITY_PATHS
 SCORE_PATHS = ("/score", "/v1/score")    # vLLM's Score API
-POST_PATHS = RERANK_PATHS + SCORE_PATHS
+DETECT_PATH = "/detect"                   # the run's GEO detector (detect.py), ours
+POST_PATHS = RERANK_PATHS + SCORE_PATHS + (DETECT_PATH,)
 GET_PATHS = ("/health", "/info", "/v1/models", "/metrics", "/openapi.json")   # and /v1/models/{id}
 MODEL_PATH = "/v1/models/"
 # vLLM's spellings of a score request's two sides (ScoreRequest, vllm/entrypoints/pooling/score/protocol.py)
@@ -485,6 +486,9 @@ def openapi(keyed):
         "ScoreRequest": obj(**options, **{k: {"oneOf": [text, listed(text)]} for pair in SCORE_FIELDS for k in pair}),
         "ScoreResponse": obj(id=text, object=text, created=count(0), model=text, usage=ref("Usage"),
                              data=listed(obj(index=count(0), object=text, score=number))),
+        "DetectRequest": {**obj(documents=listed(document), query=text), "required": ["documents"]},
+        "DetectResponse": obj(object=text, detector=text, threshold=number,
+                              results=listed(obj(index=count(0), score=number, flagged=flag))),
         "Usage": obj(prompt_tokens=count(0), total_tokens=count(0), completion_tokens=count(0)),
         "Error": obj(detail=text, error=obj(message=text, type=text, code=count(400),
                                             param={"type": ["string", "null"]}))}
@@ -499,6 +503,8 @@ def openapi(keyed):
                          **({"security": [{"bearer": []}]} if keyed else {})}}
     paths = {**{p: operation("post", "rerank documents", "RerankRequest", "RerankResponse") for p in RERANK_PATHS},
              **{p: operation("post", "score pairs", "ScoreRequest", "ScoreResponse") for p in SCORE_PATHS},
+             DETECT_PATH: operation("post", "flag GEO rewrites (the run's text detector)", "DetectRequest",
+                                    "DetectResponse"),
              "/health": operation("get", "liveness", keyed=False), "/info": operation("get", "TEI's", keyed=False),
              "/openapi.json": operation("get", "this document", keyed=False), "/v1/models": operation("get", "models"),
              "/metrics": operation("get", "Prometheus metrics", media="text/plain"),
@@ -731,7 +737,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise RequestError(401, "missing or wrong API key (Authorization: Bearer ...)")
             body = self._body()
             with self.server.slot():
-                self._rerank(path, body)
+                self._detect(body) if path == DETECT_PATH else self._rerank(path, body)
         except RequestError as e:
             self._fail(e, error_headers(e.status, "GET"))
         except Exception as e:   # a defect, not the client's fault: logged here, a short 500 there
@@ -749,6 +755,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(RequestError(404, f"no route {path}"))
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
+
+    def _detect(self, body):
+        """POST /detect {documents[, query]}: each document's score under the run's text detector and whether
+        it passes the run's threshold (detect.py). The detector reads the page alone, so a query is accepted
+        and not read."""
+        srv = self.server
+        if srv.detector is None:
+            raise RequestError(404, "no detector: run `python run.py detect --name RUN` on the served run, then "
+                                    "serve it again")
+        texts = _documents(_object(body).get("documents"), "documents", srv.conf["max_documents"])
+        det, threshold = srv.detector
+        results = [{"index": i, "score": s, "flagged": s > threshold} for i, s in enumerate(map(det.score, texts))]
+        self._send(200, {"object": "detect", "detector": "text", "threshold": threshold, "results": results})
 
     def _rerank(self, path, body):
         srv, conf = self.server, self.server.conf
@@ -774,23 +793,35 @@ def say(msg):
     print(redact(msg), file=sys.stderr, flush=True)
 
 
-def serve_until_stopped(rr, cfg, model_name, adapter=None):
+def load_detector(run_dir):
+    """A run's text detector and threshold (detect/text_detector.json, written by `detect`), or None."""
+    path = os.path.join(run_dir, "detect", "text_detector.json")
+    if not os.path.isfile(path):
+        return None
+    import detect
+    with open(path, encoding="utf-8") as f:
+        obj = json.load(f)
+    return detect.TextDetector.from_json(obj), obj["threshold"]
+
+
+def serve_until_stopped(rr, cfg, model_name, adapter=None, detector=None):
     """serve's command: a RerankServer over `rr` on cfg's host and port (ServeSettings) until Ctrl-C, its API
-    key cfg.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one."""
+    key cfg.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one; `detector`
+    answers POST /detect."""
     key = cfg.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
         srv = RerankServer(rr, host=cfg.host, port=cfg.port, api_key=key, max_documents=cfg.max_documents,
                            max_body_bytes=cfg.max_body_bytes, max_queue=cfg.max_queue, model_name=model_name,
                            max_concurrent_requests=cfg.max_concurrent_requests,
                            allow_instruction=cfg.allow_instruction, smooth=cfg.smooth,
-                           deletion_rate=cfg.deletion_rate)
+                           deletion_rate=cfg.deletion_rate, detector=detector)
     except OSError as e:
         raise SettingsError(f"--host {cfg.host} --port {cfg.port}: cannot listen there ({e.strerror or e})") from None
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not key:
         say(f"[serve] WARNING: listening on {cfg.host} without an API key: anyone who can reach this port can use "
             "it (set GEODEF_API_KEY or --api-key)")
     say(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on {srv.url} (/v1/rerank, "
-        f"/rerank, /score, /metrics){' (API key required)' if key else ''}")
+        f"/rerank, /score, {'/detect, ' if detector else ''}/metrics){' (API key required)' if key else ''}")
     try:
         with speed.short_documents(rr.model) if cfg.smooth else contextlib.nullcontext():
             srv.serve_forever()
@@ -810,9 +841,9 @@ class RerankServer(ThreadingHTTPServer):
     def __init__(self, rr, host="127.0.0.1", port=8000, api_key=None, model_name="geo-defender-shield",
                  max_documents=1000, max_body_bytes=8 << 20, read_timeout=30.0, body_timeout=60.0,
                  score_timeout=600.0, max_queue=64, max_concurrent_requests=128, log=True, allow_instruction=False,
-                 smooth=0, deletion_rate=0.9):
+                 smooth=0, deletion_rate=0.9, detector=None):
         super().__init__((host, port), _Handler)
-        self.rr = rr
+        self.rr, self.detector = rr, detector           # detector: (detect.TextDetector, threshold) or None
         self.identity, self.scoring = scoring_identity(rr)    # "shield" | "base" | "unknown", and why
         self.batcher = Batcher(rr, max_queue=max_queue)
         self.metrics, self.started = Metrics(), int(time.time())

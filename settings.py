@@ -433,6 +433,14 @@ class CertifySettings(Settings):
 
 
 @dataclass(frozen=True)
+class DetectSettings(Settings):
+    """detect (detect.py): the false-positive rate on honest edits each detector's threshold is chosen at."""
+    fpr: float = setting(0.05, "the FPR on the construction split's honest edits each detector's threshold is chosen "
+                               "at, then applied to the test split", ok=lambda v: 0 < v < 1,
+                         says="more than 0, less than 1")
+
+
+@dataclass(frozen=True)
 class AttackerSettings(Settings):
     """The attacker LLM of `attack` and `harden` and how many rewrites it writes a round."""
     candidates_per_round: int = setting(2, "rewrites the attacker writes a round (MAGEO: 2)", ok=at_least(1))
@@ -659,6 +667,12 @@ class DemoConfig(EvalConfig):
 class RerankEvalConfig(CertifySettings, EvalConfig):
     """rerank-eval: the reranker stage alone (no LLM call)."""
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, RequestSettings, RerankSettings, CertifySettings)
+
+
+@dataclass(frozen=True)
+class DetectConfig(DetectSettings, EvalConfig):
+    """detect: GEO rewrites flagged against honest edits, by the Shield's residual and a text detector."""
+    FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, some(RerankSettings, "n_boot"), DetectSettings)
 
 
 @dataclass(frozen=True)

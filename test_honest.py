@@ -9,16 +9,21 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
+import bench_audit
+import detect
 import geo_jobs
 import geodef
 import honest
 import offline
 import offline_attackers
+import rankers
 import report
 import rerank_eval
 import run
+import serve
 from testing import HERE, SAMPLE
 
 SOURCE = ("Canberra was chosen in 1908 as a compromise between Sydney and Melbourne. It has roughly 470,000 "
@@ -79,8 +84,9 @@ def rows(tmp_path_factory):
 def _build(rows, out, runs_dir, *extra, groups=16, construction=4):
     """build-bench over the rows with the offline engine and search: by default 16 groups of which 4
     construction. The honest audit measures the test split, so it keeps the 12 test groups of the bundled
-    sample's recipe (24 groups, 12 construction); its construction groups only train the Shield and TFSG,
-    and 4 fill the demo's TFSG schedule (3 seed cases, 3 batches of 3) as they do for the demo run."""
+    sample's recipe (24 groups, 12 construction); its construction groups train the Shield and TFSG and
+    choose detect's thresholds, and 4 fill the demo's TFSG schedule (3 seed cases, 3 batches of 3) as they
+    do for the demo run."""
     return run.main(["build-bench", "--input", rows[0], "--search", f"offline:{rows[1]}", "--output", str(out),
                      "--groups", str(groups), "--construction-groups", str(construction),
                      "--llm", "offline", "--fidelity-judge", "offline", "--model", "tiny", "--dtype", "float32",
@@ -109,16 +115,15 @@ def _lines(path):
     return [json.loads(x) for x in open(path, encoding="utf-8").read().splitlines()]
 
 
-def test_build_bench_honest_gives_each_test_group_an_edit_with_its_trace(honest_bench):
+def test_build_bench_honest_gives_each_group_an_edit_with_its_trace(honest_bench):
+    """Every group, construction ones too (detect chooses its thresholds on those), gets an honest edit."""
     lines = _lines(honest_bench / "honest.jsonl")
     meta = lines[0]["_meta"]
     assert meta["honest"] is True and meta["honest_digest"] == honest.HonestEdit().digest()
-    assert meta["honest_edits"] == 12 and "honest edits" in meta["surface_markers"]
+    assert meta["honest_edits"] == 16 and "honest edits" in meta["surface_markers"]     # 4 construction, 12 test
     assert meta["honest_edit_rate"] == 100.0 and meta["honest_refusals"] == {}
-    for g in lines[1:]:                 # test groups only: the honest audit measures the test split
-        if g["split"] == "construction":
-            assert "honest" not in g and "honest_trace" not in g
-            continue
+    assert {g["split"] for g in lines[1:]} == {"construction", "test"}
+    for g in lines[1:]:
         assert g["honest_trace"]["gate"][-1] == "accepted"
         assert honest.honest_refusal(g["docs"][g["source_index"]]["text"], g["honest"]) is None
 
@@ -133,13 +138,13 @@ def test_build_bench_honest_changes_nothing_else(rows, honest_bench):
 
 def test_a_refused_honest_edit_leaves_its_group_without_one(rows, tmp_path, monkeypatch):
     """Every attempt adds a number: refused twice, recorded in the trace, the group kept with its attacks.
-    4 groups (3 of them test groups, each refused): every group is refused alike, so a few show it."""
+    4 groups (one of them a construction group), each refused alike, so a few show it."""
     monkeypatch.setattr(offline_attackers, "_honest",
                         lambda inp: {"rewritten_document": inp["document"] + "\n\nUpdated 2031."})
     _build(rows, tmp_path / "b.jsonl", tmp_path / "r", "--honest", groups=4, construction=1)
     groups, meta = geodef.load_bench(str(tmp_path / "b.jsonl"), with_meta=True)
     assert len(groups) == 4 and all(g.honest is None for g in groups) and meta.raw["honest_edits"] == 0
-    assert meta.raw["honest_edit_rate"] == 0.0 and meta.raw["honest_refusals"] == {"adds numbers": 6}   # 3 x 2
+    assert meta.raw["honest_edit_rate"] == 0.0 and meta.raw["honest_refusals"] == {"adds numbers": 8}   # 4 x 2
     trace = next(g for g in _lines(tmp_path / "b.jsonl")[1:] if g["split"] == "test")["honest_trace"]
     assert trace["attempts"] == 2 and "adds numbers ['2031']" in trace["refused"]
 
@@ -153,7 +158,7 @@ def test_the_report_names_the_honest_editors_refusals():
 
 def test_a_build_dry_run_prices_the_honest_edits(rows, tmp_path):
     plan = _build(rows, tmp_path / "dry.jsonl", tmp_path / "r", "--honest", "--dry-run")
-    assert plan["stages"]["honest edit"]["groups"] == 12 and plan["stages"]["honest edit"]["requests"] == 48
+    assert plan["stages"]["honest edit"]["groups"] == 16 and plan["stages"]["honest edit"]["requests"] == 64
     assert "honest edit" not in _build(rows, tmp_path / "dry.jsonl", tmp_path / "r", "--dry-run")["stages"]
 
 
@@ -245,3 +250,62 @@ def test_without_honest_edits_eval_and_the_reranker_stage_are_as_before(demo_run
     assert not list((demo_run / "results").glob("*.honest.jsonl"))
     assert "Honest penalty" not in (demo_run / "report.md").read_text()
     assert "honest" not in rerank_eval.stage_table(s["rerank_stage"], 5)
+
+
+# ----------------------------------------------------------------------------- detect
+
+
+def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_path):
+    """detect on the honest build: both detectors score every test page; each threshold is the (1 - fpr)
+    quantile of the construction split's honest edits (the residual's recomputed from the run's score
+    caches), the test FPR is the share of test honest edits above it, and a family's AUC and TPR are those
+    of its records against the honest edits."""
+    shutil.copytree(honest_run.parent, tmp_path / "o")
+    d = tmp_path / "o" / "demo"
+    out = run.main(["detect", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--n-boot", "50", "--fpr", "0.1"])
+    recs = _lines(d / "detect" / "records.jsonl")
+    test = _honest_groups(d)
+    assert len(recs) == sum(2 + len(g.attacks) for g in test)                 # source, honest edit, rewrites
+    cfg = json.load(open(d / "config.json"))["config"]
+    groups = geodef.load_bench(cfg["bench"])
+    cons = [g for g in groups if g.split == "construction"]
+    cache = lambda name: json.load(open(d / "cache" / name))
+    base = cache("scores_base.json")
+    shield = cache(next(f for f in os.listdir(d / "cache") if f.startswith("scores_shield_")))
+    key = lambda g, t: rankers.doc_key(g.query, t)
+    calib = [base[key(g, g.honest)] - shield[key(g, g.honest)] for g in cons]
+    b = out["detectors"]["shield_residual"]
+    assert b["threshold"] == pytest.approx(float(np.quantile(calib, 0.9)))
+    hon = [r for r in recs if r["kind"] == "honest"]
+    for name, block in out["detectors"].items():
+        assert block["held_out_fpr_honest"] == pytest.approx(100 * sum(r["scores"][name] > block["threshold"]
+                                                                       for r in hon) / len(hon), abs=0.01)
+        for fam, v in block["families"].items():
+            pos = [r["scores"][name] for r in recs if r["family"] == fam]
+            assert v["seen"] == (fam in out["seen"]) and v["n"] == len(pos)
+            assert v["auc_honest"] == pytest.approx(bench_audit.auc(pos, [r["scores"][name] for r in hon]), abs=1e-4)
+    det, threshold = serve.load_detector(str(d))                 # what serve answers /detect with
+    r = hon[0]
+    g = next(g for g in test if g.group_id == r["group_id"])
+    assert threshold == out["detectors"]["text"]["threshold"]
+    assert det.score(g.honest) == pytest.approx(r["scores"]["text"])
+    assert (d / "detect" / "roc_text.svg").read_text().startswith("<svg")
+    assert "held out" in (d / "detect" / "report.md").read_text()
+
+
+def test_the_text_detector_is_naive_bayes_log_odds_and_travels_as_json():
+    geo = ["According to experts, **the best** guide: in summary, 97% agree.", "Key takeaways: **top** pick."]
+    plain = ["Store basil in water on the counter.", "Boil the eggs for six minutes."]
+    det = detect.TextDetector.fit(geo, plain)
+    X = np.stack([bench_audit.hashed(detect.page_bag(t)) for t in geo + plain])
+    prior, like = bench_audit.naive_bayes(X, ["geo"] * 2 + ["honest"] * 2, ["geo", "honest"])
+    new = "In summary, experts agree this is the best guide."
+    x = bench_audit.hashed(detect.page_bag(new))
+    assert det.score(new) == pytest.approx(float(x @ (like[0] - like[1]) + prior[0] - prior[1]))
+    back = detect.TextDetector.from_json(json.loads(json.dumps(det.to_json())))
+    assert back.score(new) == pytest.approx(det.score(new)) and det.score(geo[0]) > det.score(plain[0])
+
+
+def test_detect_refuses_a_build_without_honest_edits(demo_run):
+    with pytest.raises(SystemExit, match="build-bench --honest"):
+        run.main(["detect", "--runs-dir", str(demo_run.parent), "--name", "demo"])

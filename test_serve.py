@@ -790,3 +790,32 @@ def test_serve_smooth_answers_the_mean_over_fresh_deletions(tiny_dir):
         finally:
             srv.shutdown()
             srv.server_close()
+
+
+def test_serve_detect_answers_the_runs_text_detector(tiny_dir):
+    """POST /detect: each document's score under the served run's text detector and its flag at the run's
+    threshold, {text} documents too; without a detector a 404 that says which command makes one."""
+    import requests
+    import detect
+    det = detect.TextDetector.fit(["According to experts, **the best** guide: in summary, 97% agree."],
+                                  ["Store basil in water on the counter."])
+    docs = ["In summary, experts agree: **the best** pick.", {"text": "Keep basil on the counter."}]
+    texts = ["In summary, experts agree: **the best** pick.", "Keep basil on the counter."]
+    threshold = (det.score(texts[0]) + det.score(texts[1])) / 2
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    for detector in ((det, threshold), None):
+        srv = _serving(serve.RerankServer(rr, port=0, log=False, detector=detector))
+        try:
+            r = requests.post(srv.url + "/detect", json={"documents": docs, "query": "basil"}, timeout=30)
+            if detector is None:
+                assert r.status_code == 404 and "python run.py detect" in r.json()["detail"]
+                continue
+            body = r.json()
+            assert body["threshold"] == threshold and [x["index"] for x in body["results"]] == [0, 1]
+            assert [x["score"] for x in body["results"]] == pytest.approx([det.score(t) for t in texts])
+            assert [x["flagged"] for x in body["results"]] == [True, False]
+            bad = requests.post(srv.url + "/detect", json={"documents": []}, timeout=30)
+            assert bad.status_code == 400 and "documents" in bad.json()["detail"]
+        finally:
+            srv.shutdown()
+            srv.server_close()

@@ -23,7 +23,8 @@ COMMANDS = {"train": settings.TrainConfig, "eval": settings.EvalConfig, "demo": 
             "harden": settings.HardenConfig, "build-bench": settings.BuildConfig, "holdout": settings.HoldoutConfig,
             "deploy-check": settings.DeployCheckConfig, "bench": settings.BenchConfig,
             "compare": settings.CompareConfig, "export": settings.ExportConfig, "serve": settings.ServeConfig,
-            "bench-audit": settings.AuditConfig, "serve-offline": settings.ServeOfflineConfig}
+            "bench-audit": settings.AuditConfig, "serve-offline": settings.ServeOfflineConfig,
+            "detect": settings.DetectConfig}
 
 
 # one name, two settings of commands that never compose both: attack's attacker rounds, harden's hardening

@@ -1,0 +1,274 @@
+"""Flag GEO manipulation where a page is indexed (run.py detect), scored against honest optimisation.
+
+The Shield demotes a GEO rewrite inside one query's list; a search provider also wants the page flagged,
+to demote it everywhere, review it or log it. A detector's cost is its false positives on pages optimised
+honestly, and detectors of adversarial documents built on some attacks miss others (arXiv 2307.16816), so
+this measures both: on the test split, every family's rewrites (seen and unseen apart) against the honest
+edits and the unedited sources (build-bench --honest), each figure with a 95% CI over query groups.
+
+Two detectors, neither fitted on the test split:
+- shield_residual: m_base(q, d) - m_shield(q, d), how far the Shield pushes the page below the base
+  reranker under its query (Eq. 2's residual, sign flipped); no training beyond the Shield's;
+- text: query-blind and source-blind, a two-class multinomial naive Bayes over the page alone (word 1-
+  and 2-grams, the surface markers build-bench counts, a coarse length bin; bench-audit's classifier
+  on other features), fitted on the construction split: the seen families' rewrites against the sources
+  and honest edits. A query-blind detector keeps no relevant page out for its query (arXiv 2307.16816
+  warns of one that reads it).
+
+Thresholds: each detector flags a page whose score exceeds the (1 - --fpr) quantile of its scores on the
+construction split's honest edits (the text detector's out of fold: 4 folds by query group), then applied
+unchanged to the test split, so the reported false-positive rate there is a held-out one.
+
+Figures per detector and family: ROC AUC against honest edits and against sources; TPR at 1% and 5% FPR
+(the test negatives' own quantiles, the ROC curve's points); the held-out TPR and FPR at the threshold.
+
+Usage: python run.py detect --name RUN [--fpr 0.05]
+"""
+import collections
+import os
+import re
+
+import numpy as np
+
+import bench_audit
+import build_bench
+import figures
+import geodef
+import rankers
+from runs import SettingsError, atomic_write, log, write_json, write_jsonl
+
+DETECTORS = ("shield_residual", "text")
+FOLDS = 4                       # out-of-fold scores of the construction split for the text detector's threshold
+FPRS = (0.01, 0.05)             # the ROC points reported
+ROC_FPRS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+# ----------------------------------------------------------------------------- the text detector
+
+
+def page_bag(text):
+    """A page as a bag of string features: its word 1- and 2-grams, the surface markers it shows, and its
+    length in coarse bins (the page alone: no query, no source)."""
+    t = bench_audit.tokens(text)
+    bag = collections.Counter(t)
+    bag.update(" ".join(t[i:i + 2]) for i in range(len(t) - 1))
+    bag.update({f"marker={k}": 3 for k, p in build_bench.SURFACE_MARKERS.items() if re.search(p, text)})
+    bag[f"len={min(20, len(t) // 50)}"] += 3
+    return bag
+
+
+class TextDetector:
+    """Naive Bayes log-odds of 'GEO rewrite' over 'honest page': score = x . w + b over the hashed bag x
+    (bench_audit.hashed). w is stored for the buckets the training pages use; every other bucket has the
+    same weight `rest` (Laplace smoothing alone)."""
+
+    def __init__(self, weights, rest, bias):
+        self.weights, self.rest, self.bias = weights, rest, bias
+
+    @classmethod
+    def fit(cls, geo, honest):
+        """Fitted on pages `geo` (rewrites) and `honest` (sources and honest edits)."""
+        X = np.stack([bench_audit.hashed(page_bag(t)) for t in geo + honest])            # (N, BUCKETS)
+        prior, like = bench_audit.naive_bayes(X, ["geo"] * len(geo) + ["honest"] * len(honest), ["geo", "honest"])
+        w = like[0] - like[1]                                                          # (BUCKETS,)
+        used = np.flatnonzero(X.any(0))
+        rest = float(np.median(np.delete(w, used))) if len(used) < len(w) else 0.0
+        return cls({int(i): float(w[i]) for i in used}, rest, float(prior[0] - prior[1]))
+
+    def score(self, text):
+        x = bench_audit.hashed(page_bag(text))
+        nz = np.flatnonzero(x)
+        return self.bias + float(sum(x[i] * self.weights.get(int(i), self.rest) for i in nz))
+
+    def to_json(self):
+        return {"kind": "naive Bayes log-odds over hashed page features (detect.py)", "buckets": bench_audit.BUCKETS,
+                "bias": self.bias, "rest": self.rest, "weights": {str(k): v for k, v in sorted(self.weights.items())}}
+
+    @classmethod
+    def from_json(cls, obj):
+        return cls({int(k): v for k, v in obj["weights"].items()}, obj["rest"], obj["bias"])
+
+
+# ----------------------------------------------------------------------------- the pages
+
+
+def pages(groups, families):
+    """Every page of `groups` a detector is scored on -> [(group_id, query, kind, family, text)]: the source
+    ("source"), its honest edit ("honest") and each family's rewrite ("geo") present."""
+    out = []
+    for g in groups:
+        src = g.docs[g.source_index]["text"]
+        out.append((g.group_id, g.query, "source", None, src))
+        if g.honest is not None:
+            out.append((g.group_id, g.query, "honest", None, g.honest))
+        out += [(g.group_id, g.query, "geo", f, g.attacks[f]) for f in families if f in g.attacks]
+    return out
+
+
+def check(run):
+    """A benchmark without honest edits in both splits is refused, naming the build to run."""
+    for split, groups in (("construction", run.data.construction), ("test", run.data.test)):
+        if not any(g.honest is not None for g in groups):
+            raise SettingsError(f"{run.cfg.bench}: no honest edits in its {split} groups; detect measures false "
+                                "positives on them. Build the file with them: python run.py build-bench --honest "
+                                "--input ROWS --output FILE (the same flags as this build)")
+
+
+def residuals(run, groups):
+    """{(query, text): m_base - m_shield} over the pages of `groups`, both scored (and cached) by the run's
+    rankers on one loaded model."""
+    base, shield = rankers.load_rankers(run, shield=True)
+    lists = [geodef.clean_instance(g) for g in groups] + [geodef.honest_instance(g) for g in groups
+                                                          if g.honest is not None]
+    lists += geodef.expand(groups, sorted({f for g in groups for f in g.attacks}))
+    for rk in (base, shield):
+        rk.prepare(lists)
+    key = lambda q, d: rankers.doc_key(q, d)
+    return {(x.query, d): base.cache[key(x.query, d)] - shield.cache[key(x.query, d)] for x in lists for d in x.docs}
+
+
+def out_of_fold(cons_pages, seen):
+    """The text detector's scores of the construction split's honest edits, each from a detector fitted on
+    the other folds' groups (FOLDS by query group) -> [score]."""
+    fold = bench_audit.group_folds([p[0] for p in cons_pages], FOLDS)
+    out = []
+    for k in sorted(set(fold.values())):
+        train = [p for p in cons_pages if fold[p[0]] != k]
+        det = TextDetector.fit([p[4] for p in train if p[2] == "geo" and p[3] in seen],
+                               [p[4] for p in train if p[2] != "geo"])
+        out += [det.score(p[4]) for p in cons_pages if fold[p[0]] == k and p[2] == "honest"]
+    return out
+
+
+# ----------------------------------------------------------------------------- the figures
+
+
+def tpr_at(pos, neg, fpr):
+    """TPR at the threshold the negatives' (1 - fpr) quantile sets (scores above it flagged)."""
+    return float(np.mean(np.asarray(pos) > np.quantile(neg, 1 - fpr))) if len(pos) and len(neg) else None
+
+
+def figures_of(recs, detector, family_of, n_boot, seed):
+    """One detector's figures for the positives picked by family_of(record) -> True, with CIs over query
+    groups (the groups resampled, each bringing its positives and negatives)."""
+    by = collections.defaultdict(lambda: {"pos": [], "honest": [], "source": []})
+    for r in recs:
+        bucket = "pos" if r["kind"] == "geo" and family_of(r) else r["kind"] if r["kind"] != "geo" else None
+        if bucket:
+            by[r["group_id"]][bucket].append(r["scores"][detector])
+    gids = sorted(g for g in by if by[g]["pos"])
+    if not gids:
+        return None
+
+    def of(ids):
+        pos = [s for g in ids for s in by[g]["pos"]]
+        hon, src = ([s for g in ids for s in by[g][k]] for k in ("honest", "source"))
+        return [bench_audit.auc(pos, hon) if hon else None, bench_audit.auc(pos, src) if src else None,
+                *(tpr_at(pos, hon, f) for f in FPRS), *(tpr_at(pos, src, f) for f in FPRS)]
+    names = ["auc_honest", "auc_source"] + [f"tpr_at_{int(100 * f)}_fpr_{n}" for n in ("honest", "source")
+                                             for f in FPRS]
+    point = of(gids)
+    rng = np.random.default_rng(seed)
+    boots = [of([gids[i] for i in rng.integers(0, len(gids), len(gids))]) for _ in range(n_boot)]
+    out = {"n": sum(len(by[g]["pos"]) for g in gids), "groups": len(gids)}
+    for j, name in enumerate(names):
+        vals = [b[j] for b in boots if b[j] is not None]
+        out[name] = None if point[j] is None else round(point[j], 4)
+        out[name + "_ci"] = [round(float(np.quantile(vals, q)), 4) for q in (0.025, 0.975)] if vals else None
+    pos = [r for r in recs if r["kind"] == "geo" and family_of(r)]
+    out["flagged"] = round(100.0 * sum(r["flagged"][detector] for r in pos) / len(pos), 2)
+    return out
+
+
+def summarize(recs, seen, families, thresholds, fpr, n_boot, seed):
+    """The detect block: per detector its threshold, the held-out FPR on the test split's honest edits and
+    sources, and the figures per family and for the seen and unseen families pooled."""
+    out = {"fpr_target": fpr, "seen": list(seen), "detectors": {}}
+    for d in DETECTORS:
+        neg = lambda kind: [r for r in recs if r["kind"] == kind]
+        rate = lambda rs: round(100.0 * sum(r["flagged"][d] for r in rs) / len(rs), 2) if rs else None
+        block = {"threshold": thresholds[d], "held_out_fpr_honest": rate(neg("honest")),
+                 "held_out_fpr_source": rate(neg("source")), "families": {}}
+        for f in families:
+            fig = figures_of(recs, d, lambda r, f=f: r["family"] == f, n_boot, seed)
+            if fig:
+                block["families"][f] = {"seen": f in seen, **fig}
+        for side, want in (("seen", True), ("unseen", False)):
+            block[side] = figures_of(recs, d, lambda r, w=want: (r["family"] in seen) == w, n_boot, seed)
+        out["detectors"][d] = block
+    return out
+
+
+def roc_points(recs, detector, family_of):
+    """TPR (%) against the test honest edits at each of ROC_FPRS."""
+    pos = [r["scores"][detector] for r in recs if r["kind"] == "geo" and family_of(r)]
+    neg = [r["scores"][detector] for r in recs if r["kind"] == "honest"]
+    return [None if not pos or not neg else 100.0 * float(np.mean(np.asarray(pos) > np.quantile(neg, 1 - f)))
+            if f > 0 else 100.0 * float(np.mean(np.asarray(pos) > max(neg))) for f in ROC_FPRS]
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def detect(run):
+    """`detect` on a trained run: both detectors scored on every page of both splits, thresholds on the
+    construction split, figures on the test split -> the summary block; writes detect/ (summary.json,
+    report.md, records.jsonl, text_detector.json, roc_<detector>.svg)."""
+    cfg, data = run.cfg, run.data
+    families = list(data.meta.methods)
+    cons_pages, test_pages = pages(data.construction, families), pages(data.test, families)
+    res = residuals(run, data.construction + data.test)
+    text = TextDetector.fit([p[4] for p in cons_pages if p[2] == "geo" and p[3] in data.seen],
+                            [p[4] for p in cons_pages if p[2] != "geo"])
+    calib = {"shield_residual": [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"],
+             "text": out_of_fold(cons_pages, data.seen)}
+    thresholds = {d: float(np.quantile(calib[d], 1 - cfg.fpr)) for d in DETECTORS}
+    recs = []
+    for gid, q, kind, fam, t in test_pages:
+        s = {"shield_residual": res[q, t], "text": text.score(t)}
+        recs.append({"group_id": gid, "kind": kind, "family": fam, "seen": fam in data.seen if fam else None,
+                     "scores": s, "flagged": {d: s[d] > thresholds[d] for d in DETECTORS}})
+    out = summarize(recs, data.seen, families, thresholds, cfg.fpr, cfg.n_boot, cfg.seed)
+    folder = run.path("detect")
+    write_jsonl(os.path.join(folder, "records.jsonl"), recs)
+    write_json(os.path.join(folder, "text_detector.json"), {**text.to_json(), "threshold": thresholds["text"]})
+    for d in DETECTORS:
+        series = {"seen (pooled)": roc_points(recs, d, lambda r: r["family"] in data.seen),
+                  "unseen (pooled)": roc_points(recs, d, lambda r: r["family"] not in data.seen)}
+        atomic_write(os.path.join(folder, f"roc_{d}.svg"), figures.svg_lines(
+            f"{d}: GEO rewrites flagged against honest edits (test split)", [f"{100 * f:g}" for f in ROC_FPRS],
+            series, xlabel="FPR on honest edits (%)", ylabel="TPR (%)"))
+    write_json(os.path.join(folder, "summary.json"), out)
+    atomic_write(os.path.join(folder, "report.md"), report(out))
+    log(f"[detect] wrote {folder}/summary.json, report.md, records.jsonl and the ROC figures")
+    return out
+
+
+def fmt(v, ci=None):
+    if v is None:
+        return "-"
+    return f"{100 * v:.1f}" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+
+
+def table(out):
+    """The per-family table of every detector as markdown."""
+    rows = ["| detector | family | AUC vs honest | AUC vs sources | TPR @5% FPR honest | flagged at threshold (%) |",
+            "|---|---|---|---|---|---|"]
+    for d, b in out["detectors"].items():
+        named = [(f + ("" if v["seen"] else "*"), v) for f, v in b["families"].items()]
+        named += [(side, b[side]) for side in ("seen", "unseen") if b[side]]
+        rows += [f"| {d} | {name} | {fmt(v['auc_honest'], v['auc_honest_ci'])} | {fmt(v['auc_source'])} | "
+                 f"{fmt(v['tpr_at_5_fpr_honest'], v['tpr_at_5_fpr_honest_ci'])} | {v['flagged']:.1f} |"
+                 for name, v in named]
+    return "\n".join(rows)
+
+
+def report(out):
+    """detect/report.md."""
+    held = "; ".join(f"{d}: threshold {b['threshold']:.3f}, {b['held_out_fpr_honest']}% of the test honest edits "
+                     f"and {b['held_out_fpr_source']}% of the sources flagged" for d, b in out["detectors"].items())
+    return (f"# GEO detection against honest optimisation (detect.py)\n\nThresholds chosen on the construction "
+            f"split at {100 * out['fpr_target']:g}% FPR on its honest edits, applied unchanged to the test split "
+            f"(held out): {held}.\n\nPer family (unseen marked *; AUC and TPR in %, 95% CIs over query groups; "
+            f"seen families: {', '.join(out['seen'])}):\n\n{table(out)}\n\nFigures: roc_shield_residual.svg, "
+            "roc_text.svg (TPR against the test honest edits at each FPR). Offline builds are plumbing.\n")
