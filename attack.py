@@ -47,6 +47,7 @@ import os
 import re
 
 import defenses
+import detect
 import geo_jobs
 import geodef
 import llm_clients
@@ -402,6 +403,8 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
                                    os.path.join(res, "attack", f"{label}-{mode}", f"B{b}"))
         ranks = [cands[x.instance_id][best_of(cands[x.instance_id], b)]["rank"] for x in insts]
         block["budgets"][str(b)] = {"conditions": conds, "mean_target_rank": sum(ranks) / len(ranks)}
+        caught = detect.flagged(run, docs, base, shield)      # with the run's detectors (detect), % flagged
+        block["budgets"][str(b)].update({"detected": caught} if caught else {})
     block["cost"] = {"attacker": attacker.stats, "judge": judge.stats if judge is not attacker else None,
                      "reranker_queries": a.queries, "candidates": sum(map(len, cands.values())),
                      "run_folder_usage": run.usage()["stages"].get("attack")}

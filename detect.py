@@ -35,7 +35,7 @@ import build_bench
 import figures
 import geodef
 import rankers
-from runs import SettingsError, atomic_write, log, write_json, write_jsonl
+from runs import SettingsError, atomic_write, log, read_json, write_json, write_jsonl
 
 DETECTORS = ("shield_residual", "text")
 FOLDS = 4                       # out-of-fold scores of the construction split for the text detector's threshold
@@ -242,6 +242,21 @@ def detect(run):
     atomic_write(os.path.join(folder, "report.md"), report(out))
     log(f"[detect] wrote {folder}/summary.json, report.md, records.jsonl and the ROC figures")
     return out
+
+
+def flagged(run, docs, base, shield):
+    """{detector: % of the attack documents of `docs` (instances) it flags at the run's threshold}, from
+    detect's files in the run folder; None when `detect` has not run there (attack's and harden's)."""
+    s, obj = read_json(run.path("detect", "summary.json")), read_json(run.path("detect", "text_detector.json"))
+    if not s or not obj:
+        return None
+    text = TextDetector.from_json(obj)
+    for rk in (base, shield):
+        rk.prepare(docs)
+    score = {"text": lambda x: text.score(x.docs[x.attack_index]),
+             "shield_residual": lambda x: base.scores(x)[x.attack_index] - shield.scores(x)[x.attack_index]}
+    return {d: round(100.0 * sum(score[d](x) > s["detectors"][d]["threshold"] for x in docs) / len(docs), 2)
+            for d in DETECTORS}
 
 
 def fmt(v, ci=None):

@@ -42,6 +42,7 @@ class ExportError(ValueError):
 
 class IdentityError(ValueError):
     """A model folder whose Shield identity cannot be read (a file unreadable, a mark malformed): names the file."""
+DETECTOR_FILE = "geodef_detector.json"      # the run's GEO detector beside the weights (serve answers /detect)
 
 
 def identity(adapter_sha1, instruction, base_is_shield=False):
@@ -257,7 +258,7 @@ def check_out_dir(out_dir, overwrite=False, protected=()):
                               "replaces only exports")
 
 
-def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, quantized_base, name):
+def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, quantized_base, name, detector=None):
     """The export's files into a new folder `out_dir` (export() renames it into place)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -313,18 +314,22 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
     meta = {"format": fmt, "dtype": dtype, "base_model": str(model), "base_revision": sha,
             "adapter": os.path.abspath(adapter) if adapter else None, "adapter_sha1": adapter_sha1,
             "shield": ident["shield"], "merged_in": "float32", "quantized_base_during_training": bool(quantized_base),
-            "yes_id": yes[0], "no_id": no[0], "instruction": instruction, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "yes_id": yes[0], "no_id": no[0], "instruction": instruction, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "detector": _sha1(detector) if detector else None}
+    if detector:                        # the run's GEO detector and threshold (detect.py), served as /detect
+        shutil.copy(detector, os.path.join(out_dir, DETECTOR_FILE))
     _write_json(os.path.join(out_dir, "geodef_export.json"), meta)
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
         f.write(model_card(meta, name))
 
 
 def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=reranker.SHIELD_INSTRUCTION,
-           quantized_base=False, name=None, overwrite=False, protected=(), revision=None):
+           quantized_base=False, name=None, overwrite=False, protected=(), revision=None, detector=None):
     """Write the merged Shield (base `model`: hub id or folder, at `revision`; `adapter`: a PEFT LoRA
     folder or None) to `out_dir` in `fmt` and `dtype` (default: the checkpoint's config dtype).
     quantized_base: the adapter was trained over an NF4 base (said in the model card: the merge uses
-    the full-precision base weights). The folder is built beside `out_dir` and renamed into place whole: a failure (a
+    the full-precision base weights); detector: the run's detect/text_detector.json, copied as DETECTOR_FILE.
+    The folder is built beside `out_dir` and renamed into place whole: a failure (a
     full disk, a kill) leaves what was there before (see check_out_dir for what is refused).
     Returns out_dir."""
     if fmt not in FORMATS:
@@ -337,7 +342,7 @@ def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _write_export(model, revision, tmp, adapter, fmt, dtype, instruction, quantized_base,
-                      name or os.path.basename(os.path.normpath(out_dir)))
+                      name or os.path.basename(os.path.normpath(out_dir)), detector)
         if os.path.exists(out_dir):          # an empty folder, or an earlier export with --overwrite
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)

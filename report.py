@@ -548,6 +548,11 @@ def write_attack_report(run_dir, s):
                                       [f"B={x}" for x in xs], series, xlabel="attacker budget B (candidates)",
                                       ylabel=f"{ylabel[what]} (%)", note=figure_note(s.get("notes"))))
                 lines.append(f"![{target} {mode} {what}](figures/{name})")
+            caught = [(x, b["budgets"][x]["detected"]) for x in xs if "detected" in b["budgets"][x]]
+            if caught:            # the run's detectors (detect) on the attacker's final documents
+                lines.append("Flagged by the run's detectors at their thresholds (detect), % of the final "
+                             "documents: " + "; ".join(f"B={x}: " + ", ".join(f"{d} {v:.1f}" for d, v in c.items())
+                                                       for x, c in caught) + ".\n")
             lines.append("")
             total = sum(b["gate"].values())
             lines.append("Fidelity gate over the attacker's candidates: " + ", ".join(

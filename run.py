@@ -96,6 +96,14 @@ def reading(run_dir):
     return run_lock(run_dir, shared=True) if run_dir is not None else contextlib.nullcontext()
 
 
+def detector_file(run_dir, model=None):
+    """The GEO detector a served or exported Shield carries: its run's detect/text_detector.json, or an
+    export's own copy (export.DETECTOR_FILE); None when there is none."""
+    path = os.path.join(run_dir, "detect", "text_detector.json") if run_dir else \
+        os.path.join(model, export.DETECTOR_FILE) if model and os.path.isdir(model) else None
+    return path if path and os.path.isfile(path) else None
+
+
 def cmd_export(args):
     """The merged Shield as a Hugging Face checkpoint (export.py), in the run's dtype by default."""
     cfg, adapter, run_dir = shield_settings(settings.ExportConfig, args)
@@ -107,7 +115,7 @@ def cmd_export(args):
         out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, fmt=cfg.format, dtype=cfg.dtype,
                             revision=cfg.revision, quantized_base=nf4,
                             name=os.path.basename(os.path.normpath(args.out)), overwrite=cfg.overwrite,
-                            protected=[cfg.runs_dir] + ([run_dir] if run_dir else []))
+                            protected=[cfg.runs_dir] + ([run_dir] if run_dir else []), detector=detector_file(run_dir))
     log(f"[export] {cfg.format} checkpoint in {out} (model card: {out}/README.md)")
     print(out)
     return out
@@ -120,7 +128,7 @@ def cmd_serve(args):
         rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
     rr.model.eval()
     serve.serve_until_stopped(rr, cfg, cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"), adapter,
-                              serve.load_detector(run_dir) if run_dir else None)
+                              serve.load_detector(detector_file(run_dir, cfg.model)))
 
 
 def add_settings_flags(p, cls, preset=True):

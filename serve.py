@@ -793,10 +793,10 @@ def say(msg):
     print(redact(msg), file=sys.stderr, flush=True)
 
 
-def load_detector(run_dir):
-    """A run's text detector and threshold (detect/text_detector.json, written by `detect`), or None."""
-    path = os.path.join(run_dir, "detect", "text_detector.json")
-    if not os.path.isfile(path):
+def load_detector(path):
+    """A GEO detector file (a run's detect/text_detector.json, or an export's copy) -> (detect.TextDetector,
+    threshold); None for no file."""
+    if path is None:
         return None
     import detect
     with open(path, encoding="utf-8") as f:

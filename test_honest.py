@@ -23,7 +23,9 @@ import rankers
 import report
 import rerank_eval
 import run
+import runs
 import serve
+import settings
 from testing import HERE, SAMPLE
 
 SOURCE = ("Canberra was chosen in 1908 as a compromise between Sydney and Melbourne. It has roughly 470,000 "
@@ -284,11 +286,21 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
             pos = [r["scores"][name] for r in recs if r["family"] == fam]
             assert v["seen"] == (fam in out["seen"]) and v["n"] == len(pos)
             assert v["auc_honest"] == pytest.approx(bench_audit.auc(pos, [r["scores"][name] for r in hon]), abs=1e-4)
-    det, threshold = serve.load_detector(str(d))                 # what serve answers /detect with
+    det, threshold = serve.load_detector(run.detector_file(str(d)))    # what serve answers /detect with
     r = hon[0]
     g = next(g for g in test if g.group_id == r["group_id"])
     assert threshold == out["detectors"]["text"]["threshold"]
     assert det.score(g.honest) == pytest.approx(r["scores"]["text"])
+    r = runs.Run(runs.resolve(settings.DetectConfig, {"runs_dir": str(tmp_path / "o"), "name": "demo"}))
+    docs = geodef.expand(r.data.test, r.data.methods)        # what attack measures on its final documents
+    geo = [x for x in recs if x["kind"] == "geo"]
+    share = lambda name: pytest.approx(100 * sum(x["flagged"][name] for x in geo) / len(geo), abs=0.01)
+    assert detect.flagged(r, docs, *rankers.load_rankers(r, True)) == {name: share(name) for name in detect.DETECTORS}
+    run.main(["export", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--out", str(tmp_path / "exp")])
+    copied = tmp_path / "exp" / "geodef_detector.json"                # the detector travels with the export
+    assert copied.read_bytes() == (d / "detect" / "text_detector.json").read_bytes()
+    assert json.load(open(tmp_path / "exp" / "geodef_export.json"))["detector"] is not None
+    assert serve.load_detector(run.detector_file(None, str(tmp_path / "exp")))[1] == threshold
     assert (d / "detect" / "roc_text.svg").read_text().startswith("<svg")
     assert "held out" in (d / "detect" / "report.md").read_text()
 
