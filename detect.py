@@ -107,11 +107,10 @@ def pages(groups, families):
 
 def check(run):
     """A benchmark without honest edits in both splits is refused, naming the build to run."""
-    for split, groups in (("construction", run.data.construction), ("test", run.data.test)):
-        if not any(g.honest is not None for g in groups):
-            raise SettingsError(f"{run.cfg.bench}: no honest edits in its {split} groups; detect measures false "
-                                "positives on them. Build the file with them: python run.py build-bench --honest "
-                                "--input ROWS --output FILE (the same flags as this build)")
+    if not has_honest(run.data):
+        raise SettingsError(f"{run.cfg.bench}: no honest edits in both its construction and test groups; detect "
+                            "measures false positives on them. Build the file with them: python run.py build-bench "
+                            "--honest --input ROWS --output FILE (the same flags as this build)")
 
 
 def residuals(run, groups):
@@ -205,6 +204,30 @@ def roc_points(recs, detector, family_of):
     neg = [r["scores"][detector] for r in recs if r["kind"] == "honest"]
     return [None if not pos or not neg else 100.0 * float(np.mean(np.asarray(pos) > np.quantile(neg, 1 - f)))
             if f > 0 else 100.0 * float(np.mean(np.asarray(pos) > max(neg))) for f in ROC_FPRS]
+
+
+def has_honest(data):
+    """Whether both splits hold honest edits (what a detector's held-out threshold needs)."""
+    return all(any(g.honest is not None for g in gs) for gs in (data.construction, data.test))
+
+
+def fold_detection(data, trained, family, fpr, n_boot, seed):
+    """holdout's detection side: the text detector fitted on the construction split's rewrites of `trained`
+    only (the fold that never saw `family`), its threshold on the construction honest edits, scored on the
+    test split -> {family's AUC against the test honest edits (CI), TPR at 5% FPR, % flagged at the
+    threshold, the held-out FPR on honest edits, the threshold}."""
+    families = list(data.meta.methods)
+    cons_pages, test_pages = pages(data.construction, families), pages(data.test, families)
+    det = TextDetector.fit([p[4] for p in cons_pages if p[2] == "geo" and p[3] in trained],
+                           [p[4] for p in cons_pages if p[2] != "geo"])
+    threshold = float(np.quantile(out_of_fold(cons_pages, trained), 1 - fpr))
+    recs = [{"group_id": gid, "kind": kind, "family": fam, "scores": {"text": s}, "flagged": {"text": s > threshold}}
+            for gid, _, kind, fam, t in test_pages for s in [det.score(t)]]
+    fig = figures_of(recs, "text", lambda r: r["family"] == family, n_boot, seed) or {}
+    hon = [r["flagged"]["text"] for r in recs if r["kind"] == "honest"]
+    return {"auc_honest": fig.get("auc_honest"), "auc_honest_ci": fig.get("auc_honest_ci"),
+            "tpr_at_5_fpr_honest": fig.get("tpr_at_5_fpr_honest"), "flagged": fig.get("flagged"),
+            "held_out_fpr_honest": round(100.0 * sum(hon) / len(hon), 2), "threshold": threshold}
 
 
 # ----------------------------------------------------------------------------- the command

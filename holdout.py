@@ -49,6 +49,7 @@ import random
 
 import numpy as np
 
+import detect
 import geodef
 import figures
 import metrics
@@ -60,6 +61,7 @@ from settings import SettingsError
 from train import plan_train, train_shield, train_tfsg
 
 ALL = "all"                       # the reference fold: every construction family
+DETECT_FPR = 0.05                 # the detection side's threshold: this FPR on the construction honest edits
 
 
 def families(cfg, data):
@@ -215,6 +217,10 @@ def holdout(run):
     rows = [fold_row(cfg, family, list(fcfg.seen_methods), recs[name], ref,
                      [recs[f"without-{g}"] for g in held if g != family])
             for name, family, fcfg in plan if family is not None]
+    if detect.has_honest(data):            # the detection side: the text detector of each fold, never given F
+        for r in rows:
+            r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, cfg.n_boot,
+                                                   cfg.seed)
     unseen = [m for m in data.methods if m not in data.meta.construction()]
     summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
                "test_groups": len(data.test), "folds": rows, "builders": builders(data.meta),
@@ -472,6 +478,15 @@ def write_report(out, s):
     lines += ["| " + " | ".join(cells(r)) + " |" for r in s["folds"]] + [""]
     if any(r.get("strength") and not r["strength"]["raises"] for r in s["folds"]):
         lines += [FLAG_NOTE.strip() + ".\n"]
+    if any("detection" in r for r in s["folds"]):          # a build with honest edits in both splits
+        lines += [f"Detection (detect.py's text detector, each fold's fitted without F; threshold at "
+                  f"{100 * DETECT_FPR:g}% FPR on the construction honest edits): F's rewrites against the test "
+                  "honest edits, AUC with its 95% CI over query groups, TPR at 5% FPR, % flagged at the threshold, "
+                  "and the held-out FPR.\n", "| Held out (F) | AUC | TPR @5% FPR | Flagged | FPR on honest edits |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['family']} | {detect.fmt(d['auc_honest'], d['auc_honest_ci'])} | "
+                  f"{detect.fmt(d['tpr_at_5_fpr_honest'])} | {d['flagged']} | {d['held_out_fpr_honest']} |"
+                  for r in s["folds"] for d in [r.get("detection")] if d] + [""]
     if any("asr" in r for r in s["folds"]):          # --llm-stage
         conds = list(s["folds"][0]["asr"])
         head = ["Held out (F)"] + [f"{c} ASR: {w}" for c in conds for w in ("-F on F", "+F on F (matched)",

@@ -321,3 +321,23 @@ def test_the_text_detector_is_naive_bayes_log_odds_and_travels_as_json():
 def test_detect_refuses_a_build_without_honest_edits(demo_run):
     with pytest.raises(SystemExit, match="build-bench --honest"):
         run.main(["detect", "--runs-dir", str(demo_run.parent), "--name", "demo"])
+
+
+def test_holdouts_detection_side_never_fits_on_the_held_out_family(honest_bench, monkeypatch):
+    """holdout's detection column: the fold's text detector is fitted on the construction rewrites of its
+    trained families only, and its AUC is that detector's on F's test rewrites against the test honest edits."""
+    groups = geodef.load_bench(str(honest_bench / "honest.jsonl"))
+    data = runs.BenchData(groups, geodef.load_bench(str(honest_bench / "honest.jsonl"), with_meta=True)[1],
+                          [g for g in groups if g.split == "construction"], [g for g in groups if g.split == "test"],
+                          ["AutoGEO", "MAGEO"], None)
+    fitted, real = [], detect.TextDetector.fit.__func__
+    monkeypatch.setattr(detect.TextDetector, "fit", classmethod(lambda cls, geo, hon: fitted.append(geo) or
+                                                                real(cls, geo, hon)))
+    out = detect.fold_detection(data, ["AutoGEO", "MAGEO"], "AgenticGEO", 0.05, 50, 0)
+    held = {g.attacks["AgenticGEO"] for g in groups if "AgenticGEO" in g.attacks}
+    assert fitted and not any(t in held for geo in fitted for t in geo)
+    det = real(detect.TextDetector, fitted[0], [t for g in data.construction for t in
+                                                 (g.docs[g.source_index]["text"], g.honest) if t is not None])
+    pos = [det.score(g.attacks["AgenticGEO"]) for g in data.test]
+    neg = [det.score(g.honest) for g in data.test if g.honest is not None]
+    assert out["auc_honest"] == pytest.approx(bench_audit.auc(pos, neg), abs=1e-4)
