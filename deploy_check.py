@@ -26,17 +26,20 @@ spec's shape cannot read; order; tolerance; constant), then the likely cause by 
 sigmoid(sigmoid(m)), or the base model's (the adapter missing or not applied), or all alike or near 1; the
 relevance list reversed (no chat template, or the instruction replaced); the long list alone wrong (the
 suffix truncated) or refused (an input limit below it); the control list alone wrong (control tokens parsed).
+When the run has a GEO detector (`detect`) and the endpoint is ours, its POST /detect is checked too: the
+same scores and flags on every known list's documents.
 
 Usage: python run.py deploy-check --name gpt55 --endpoint http://127.0.0.1:8000/rerank
 """
 import re
 
+import detect
 import geodef
 import lora
 import rerank_clients
 from endpoints import RERANK_PROVIDERS
 from metrics import sigmoid
-from runs import log
+from runs import log, read_json
 from settings import SettingsError
 from transport import LLMError
 
@@ -49,6 +52,7 @@ LONG_TOKENS = 2048
 SEAM = 8        # tokens kept under an advertised limit: a server's own template may split the seams into a few more
 FLAT = 1e-3     # served scores all within this of each other do not vary: they rank nothing
 SURE = 0.99     # every probability above this, the unrelated and the attack documents' too: none is ranked down
+DETECT_TOLERANCE = 1e-6   # /detect's scores: the same float64 arithmetic on the same text, JSON round trip
 
 
 MAPS = {"margin": lambda m: m, "sigmoid": sigmoid}     # the monotone maps an endpoint serves margins under
@@ -232,6 +236,35 @@ def cause(local, served, failed, unordered, beyond, constant, base):
     return None
 
 
+def detect_check(run, spec, lists):
+    """The run's GEO detector (`detect`'s text_detector.json) against the endpoint's POST /detect on the
+    known lists' documents: every score within DETECT_TOLERANCE of the run's and every flag the same ->
+    {"pass", "max_error"} or {"pass": False, "why"}; None when the run has no detector or the endpoint
+    is a hosted API (none serves ours)."""
+    obj = read_json(run.path("detect", "text_detector.json"))
+    if obj is None or spec.kind in RERANK_PROVIDERS:
+        return None
+    det, threshold = detect.TextDetector.from_json(obj), obj["threshold"]
+    texts = [d for _, docs in lists.values() for d in docs]
+    root = re.sub(r"(/v[12])?/(rerank|score)$", "", spec.endpoint.path)
+    client = rerank_clients.make_reranker(spec, timeout=60, max_retries=0)
+    try:
+        reply = client.transport.send("POST", spec.endpoint.with_path(root + "/detect").url, {"documents": texts})
+        got = {x["index"]: (float(x["score"]), x["flagged"]) for x in reply["results"]}
+        served = [got[i] for i in range(len(texts))]
+    except LLMError as e:
+        return {"pass": False, "why": f"POST {root}/detect: {str(e)[:200]}"}
+    except (KeyError, TypeError, ValueError):
+        return {"pass": False, "why": f"POST {root}/detect: a reply without results[].index, score and flagged"}
+    local = [det.score(t) for t in texts]
+    err = max(abs(s - m) for (s, _), m in zip(served, local))
+    flags = all(f == (m > threshold) for (_, f), m in zip(served, local))
+    ok = err <= DETECT_TOLERANCE and flags
+    return {"pass": ok, "max_error": err, **({} if ok else {"why": "the flags differ: another threshold"
+                                                            if not flags and err <= DETECT_TOLERANCE else
+                                                            f"scores differ by up to {err:.4g}: another detector"})}
+
+
 def check(run):
     """deploy-check's own setting, checked before anything runs: an endpoint to check, its key present."""
     spec = run.cfg.endpoint
@@ -265,7 +298,8 @@ def deploy_check(run, spec, rr=None):
              "(--max-length): a longer document is refused or cut there, not where the Shield cuts it"
              ] if limit and limit[0] < cfg.max_length else []
     out = {"endpoint": str(spec), **compare(local, served, failed, base),
-           "long": {"tokens": tokens, "why": why} if tokens else None, "notes": notes}
+           "long": {"tokens": tokens, "why": why} if tokens else None, "notes": notes,
+           "detect": detect_check(run, spec, lists)}
     log(f"[deploy-check] {spec}: {'PASS' if out['pass'] else 'FAIL: ' + out['cause']}")
     return out
 
@@ -281,6 +315,8 @@ def table(v):
     if v["long"]:
         lines.append(f"long list: {v['long']['tokens']} prompt tokens ({v['long']['why']})")
     lines += [f"note: {x}" for x in v["notes"]]
+    d = v.get("detect")
+    lines += [f"/detect: {'PASS' if d['pass'] else 'FAIL: ' + d['why']}"] if d else []
     verdict = (f"PASS: the served scores are {v['map']}(margin) within {v['tolerance']} (max error "
                f"{v['max_error']:.4f})" if v["pass"] else f"FAIL: {v['cause']}")
     return "\n".join(lines + [verdict])

@@ -95,6 +95,7 @@ class RerankRequest:
     document_string: bool = False  # Infinity's reply: results[].document a string, not {text}
     instruction: str = None       # the prompt's <Instruct>: for this request; None: the server's
     instruction_field: str = None  # the field it came in: instruction or chat_template_kwargs.instruction
+    detect: bool = False          # return_detect: each result with the run's detector's score and flag (ours)
 
 
 def _text(v, field):
@@ -212,6 +213,7 @@ def _options(body, req):
     req.model = _text(model, "model") if model else None
     req.instruction, req.instruction_field = requested_instruction(body)
     req.raw = _margins_asked(body)
+    req.detect = _flag(body, "return_detect")
     req.max_doc_tokens = _int_field(body, "max_tokens_per_doc", 1)
     req.max_prompt_tokens = _int_field(body, "truncate_prompt_tokens", -1)
     if req.max_prompt_tokens == 0:
@@ -313,6 +315,17 @@ def deletion_ids(rr, req, conf):
     queries = req.query if isinstance(req.query, list) else [req.query] * len(req.texts)
     return [ids for q, t in zip(queries, fit_documents(rr, queries, req))
             for ids in rr.tokenize(q, [certify.delete_words(t, rate, rng) for _ in range(n)])]
+
+
+def with_detection(out, texts, detector):
+    """A reply with each result's `detect` ({score, flagged}: the run's text detector at its threshold) beside
+    its score, matched by index (return_detect)."""
+    det, threshold = detector
+    items = out if isinstance(out, list) else out.get("results") or out.get("data")
+    for x in items:
+        s = det.score(texts[x["index"]])
+        x["detect"] = {"score": s, "flagged": s > threshold}
+    return out
 
 
 def smoothed_margins(m, n):
@@ -473,6 +486,7 @@ def openapi(keyed):
     listed = lambda item: {"type": "array", "items": item}
     document = {"oneOf": [text, obj(text=text)]}
     options = dict(model=text, instruction=text, chat_template_kwargs=obj(instruction=text), raw_scores=flag,
+                   return_detect=flag,
                    use_activation=flag, max_tokens_per_doc=count(1), truncate_prompt_tokens=count(-1),
                    truncation_side={"enum": ["left", "right"]})
     schemas = {
@@ -773,6 +787,9 @@ class _Handler(BaseHTTPRequestHandler):
         srv, conf = self.server, self.server.conf
         req = parse_score(body, conf["max_documents"]) if path in SCORE_PATHS else \
             parse_rerank(path, body, conf["max_documents"])
+        if req.detect and srv.detector is None:
+            raise RequestError(400, "return_detect: this server has no detector (run `python run.py detect --name "
+                                    "RUN` on the served run, then serve it again)", "return_detect")
         rr = srv.prompter(req)
         try:
             ids = prompt_ids(rr, req) if not conf["smooth"] else deletion_ids(rr, req, conf)
@@ -785,7 +802,8 @@ class _Handler(BaseHTTPRequestHandler):
         tokens = sum(map(len, ids))
         srv.metrics.add("geodef_documents_total", len(ids))
         srv.metrics.add("geodef_prompt_tokens_total", tokens)
-        self._send(200, reply(path, req, m, tokens, req.model or conf["model_name"]))
+        out = reply(path, req, m, tokens, req.model or conf["model_name"])
+        self._send(200, with_detection(out, req.texts, srv.detector) if req.detect else out)
 
 
 def say(msg):

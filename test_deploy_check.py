@@ -245,3 +245,32 @@ def test_the_comparison_on_known_numbers():
     sure = {k: [m + 6 for m in v] for k, v in local.items()}                 # every sigmoid in 0.993..0.9997
     v = deploy_check.compare(sure, {k: [deploy_check.sigmoid(m) for m in v] for k, v in sure.items()})
     assert not v["pass"] and v["max_error"] < 1e-9 and v["cause"].startswith("constant: every score above 0.99")
+
+
+def test_a_runs_detector_is_checked_on_the_endpoints_detect_route(demo_run, shield, tmp_path):
+    """A run with a GEO detector (detect's text_detector.json) has the endpoint's POST /detect checked on
+    the known lists' documents: the same detector passes; another threshold fails on its flags; a server
+    without a detector fails naming the route. The reranker's own verdict is apart."""
+    import shutil
+    import detect
+    shutil.copytree(demo_run, tmp_path / "demo")
+    det = detect.TextDetector.fit(["In summary, experts agree: **the best** guide.", "Key takeaways: top pick."],
+                                  ["Store basil in water.", "Boil the eggs for six minutes."])
+    given = {**json.load(open(demo_run / "config.json"))["config"], "runs_dir": str(tmp_path), "name": "demo"}
+    probe = Run(settings.DeployCheckConfig(**given))
+    texts = [d for _, docs in deploy_check.known_lists(probe.data, shield[1], 512).values() for d in docs]
+    threshold = sorted(det.score(t) for t in texts)[len(texts) // 2]        # some flagged, some not
+    (tmp_path / "demo" / "detect").mkdir()
+    (tmp_path / "demo" / "detect" / "text_detector.json").write_text(json.dumps({**det.to_json(),
+                                                                                 "threshold": threshold}))
+    for served, says in (((det, threshold), None), ((det, threshold + 1e3), "flags differ"), (None, "/detect")):
+        srv = _serving(serve.RerankServer(shield[1], port=0, log=False, detector=served))
+        try:
+            cfg = settings.DeployCheckConfig(**given, endpoint=f"http://127.0.0.1:{srv.server_address[1]}",
+                                             long_tokens=512)
+            v = deploy_check.deploy_check(Run(cfg), cfg.endpoint, rr=Remembered(shield[1]))
+            assert v["pass"] and v["detect"]["pass"] == (says is None)
+            assert says is None or says in v["detect"]["why"]
+        finally:
+            srv.shutdown()
+            srv.server_close()

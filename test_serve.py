@@ -809,6 +809,9 @@ def test_serve_detect_answers_the_runs_text_detector(tiny_dir):
             r = requests.post(srv.url + "/detect", json={"documents": docs, "query": "basil"}, timeout=30)
             if detector is None:
                 assert r.status_code == 404 and "python run.py detect" in r.json()["detail"]
+                r = requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": texts, "return_detect": True},
+                                  timeout=30)
+                assert r.status_code == 400 and "return_detect" in r.json()["detail"]
                 continue
             body = r.json()
             assert body["threshold"] == threshold and [x["index"] for x in body["results"]] == [0, 1]
@@ -816,6 +819,12 @@ def test_serve_detect_answers_the_runs_text_detector(tiny_dir):
             assert [x["flagged"] for x in body["results"]] == [True, False]
             bad = requests.post(srv.url + "/detect", json={"documents": []}, timeout=30)
             assert bad.status_code == 400 and "documents" in bad.json()["detail"]
+            for path in ("/v1/rerank", "/rerank", "/score"):            # return_detect beside each score
+                body = {"query": "basil", "return_detect": True, **({"text_1": "basil", "text_2": texts}
+                                                                    if path == "/score" else {"documents": docs})}
+                got = requests.post(srv.url + path, json=body, timeout=30).json()
+                items = got.get("results") or got.get("data")
+                assert {x["index"]: x["detect"]["flagged"] for x in items} == {0: True, 1: False}
         finally:
             srv.shutdown()
             srv.server_close()
