@@ -809,8 +809,8 @@ def test_serve_detect_answers_the_runs_text_detector(tiny_dir):
             r = requests.post(srv.url + "/detect", json={"documents": docs, "query": "basil"}, timeout=30)
             if detector is None:
                 assert r.status_code == 404 and "python run.py detect" in r.json()["detail"]
-                r = requests.post(srv.url + "/v1/rerank", json={"query": "q", "documents": texts, "return_detect": True},
-                                  timeout=30)
+                r = requests.post(srv.url + "/v1/rerank", timeout=30,
+                                  json={"query": "q", "documents": texts, "return_detect": True})
                 assert r.status_code == 400 and "return_detect" in r.json()["detail"]
                 continue
             body = r.json()
