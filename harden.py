@@ -42,6 +42,7 @@ import hashlib
 import os
 import shutil
 
+import detect
 import geodef
 import report
 import tfsg
@@ -248,6 +249,12 @@ def measure(run, k, clients, clean):
         stale = read_attack(os.path.join(round_dir(run, 0), "attack-test.jsonl"))
         out["stale"] = evaluate_documents(cfg, llm, judge, best_documents(insts, stale, max(budgets), f"@r{k}-stale"),
                                           setup, clean, os.path.join(res, "stale"), MEASURED)
+    honest = [geodef.honest_instance(g) for g in groups if g.honest is not None]
+    caught = {str(b): detect.flagged(run, best_documents(insts, cands, b, f"@r{k}-B{b}"), base, shield)
+              for b in budgets}                         # the run's detectors (detect), at their thresholds
+    if caught[str(budgets[0])] is not None:
+        out["detected"] = {"fresh": caught,
+                           "fpr_honest": detect.flagged(run, honest, base, shield) if honest else None}
     out["gate"] = {"accepted": sum(c["accepted"] for cs in cands.values() for c in cs[1:]),
                    "candidates": sum(len(cs) - 1 for cs in cands.values())}
     write_json(path, out)

@@ -722,6 +722,16 @@ def write_harden_report(run_dir, s):
                             xlabel="attacker round (its test documents)", ylabel="defense round (its Shield)",
                             note=note))
     lines.append("![Cross-play](figures/harden_crossplay.svg)\n")
+    caught = [(r["round"], r["detected"]) for r in b["rounds"] if r.get("detected")]
+    if caught:                   # the run's detectors (detect) at their thresholds, with each round's Shield
+        names = list(caught[0][1]["fresh"][next(iter(caught[0][1]["fresh"]))])
+        lines += ["Detectors (detect, at the run's thresholds, each round's Shield for the residual): % of the fresh "
+                  "attacker's final documents flagged at each budget, and the FPR on the test honest edits (does it "
+                  "hold across rounds?).\n",
+                  _table(["round"] + [f"{d} B={x}" for d in names for x in caught[0][1]["fresh"]]
+                         + [f"{d} FPR honest" for d in names],
+                         [[f"r{k}"] + [fmt(c["fresh"][x][d]) for d in names for x in c["fresh"]]
+                          + [fmt((c["fpr_honest"] or {}).get(d)) for d in names] for k, c in caught]) + "\n"]
     lines += usage_lines(s.get("usage") or {})
     with open(os.path.join(run_dir, "harden_report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
