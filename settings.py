@@ -606,8 +606,7 @@ class EngineSettings(Settings):
 class CompareSettings(Settings):
     """compare (report.py): evaluated runs side by side."""
     runs: tuple = setting(None, "comma list of evaluated run folders (one per target LLM)", required=True,
-                          parse=spec_of(lambda v: tuple(dict.fromkeys(os.path.normpath(r.strip())
-                                                                      for r in v.split(",") if r.strip()))),
+                          parse=lambda v: CommaList(dict.fromkeys(comma_list(os.path.normpath)(v))),   # each once
                           ok=lambda v: len(v) > 0, says="at least one run folder")
 
 
