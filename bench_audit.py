@@ -37,6 +37,7 @@ list with the source replaced is scored by scoring the rewrite once.
 Usage: python run.py bench-audit --bench FILE [--model tiny | --no-exposure] [--k 5] [--folds 5] [--out DIR]
 """
 import collections
+import dataclasses
 import difflib
 import os
 import re
@@ -47,7 +48,8 @@ import numpy as np
 import build_bench
 import geodef
 import metrics
-from runs import SettingsError, atomic_write, log, write_json
+import tiny
+from runs import TINY_NOTE, Run, SettingsError, atomic_write, log, write_json
 
 BUCKETS = 1 << 15          # hashed feature space of the classifier
 PERMUTATIONS = 200         # shuffled-label cross-validations of the permutation null
@@ -411,10 +413,19 @@ def _or_dash(v, form="{:g}"):
     return "-" if v is None else form.format(v)
 
 
-def run_audit(bench, rr, out_dir, k=5, folds=5, offline_note=None):
-    """The audit written -> (result, markdown path)."""
-    result = audit(bench, rr, k=k, folds=folds)
-    path = write_audit(result, out_dir, offline_note)
+def run_audit(cfg, out_dir):
+    """bench-audit under its settings (AuditSettings; the reranker with --exposure: --model, 'tiny' made in
+    out_dir) -> (result, markdown path)."""
+    if cfg.model == "none":
+        raise SettingsError("bench-audit --model none: --no-exposure audits without a reranker")
+    rr, note = None, None
+    if cfg.exposure:
+        tiny_model = cfg.model == "tiny"
+        folder = tiny.make_tiny_checkpoint(os.path.join(out_dir, "_tiny_qwen3"), seed=0) if tiny_model else cfg.model
+        note = TINY_NOTE if tiny_model else None
+        rr = Run(dataclasses.replace(cfg, model=folder)).reranker()
+    result = audit(cfg.bench, rr, k=cfg.k, folds=cfg.folds)
+    path = write_audit(result, out_dir, note)
     log(f"[bench-audit] wrote {path} and bench_audit.json")
     return result, path
 

@@ -540,6 +540,19 @@ def read_resource(flag, reader, path):
         raise SettingsError(f"{flag} {path}: {str(e)[:200]}") from None
 
 
+def offline_engine_needed(cfg, plan):
+    """Whether the build needs the offline engine on loopback: an offline builder or judge, or a simulated
+    search (offline:CORPUS)."""
+    return cfg.llm == "offline" or (cfg.fidelity_judge or "").startswith("offline") or plan.corpus is not None
+
+
+def composition_table(comp):
+    """The built file's composition as text: groups, methods and instances per split."""
+    row = lambda *c: f"{c[0]:<14}{c[1]:>8}{c[2]:>9}{c[3]:>11}"
+    return "\n".join([row("split", "groups", "methods", "instances")] +
+                     [row(split, v["groups"], v["methods"], v["instances"]) for split, v in comp.items()])
+
+
 def plan(cfg):
     """Every check the inputs allow, before the first request (and in --dry-run) -> Plan."""
     fams = known_families(cfg.attacks, geodef.PAPER_METHODS)

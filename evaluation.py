@@ -757,10 +757,10 @@ def plan_eval(run, conditions=None):
     the attack is in context: an upper bound); PromptArmor's and RobustRAG's k pre-step calls per
     record are their own stages; pairwise quality asks once per instance of GEO Defender and of each
     injection defense (cached replies cost nothing and are not subtracted); prompt sizes from the
-    first k candidates. conditions: as evaluate takes them."""
+    first k candidates. conditions: as evaluate takes them (default: the Run's checked ones)."""
     cfg, data = run.cfg, run.data
     insts = geodef.expand(data.test, data.methods)
-    conds, transfers = conditions or eval_conditions(run)
+    conds, transfers = conditions or getattr(run, "checked", None) or eval_conditions(run)
     res = os.path.join(cfg.run_dir, "results")
     files = {"clean reference": (os.path.join(res, "clean_reference.jsonl"), len(data.test))}
     files.update({c: (os.path.join(res, condition_slug(c) + ".jsonl"), len(insts)) for c in conds})

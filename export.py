@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -334,6 +335,9 @@ def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=
     Returns out_dir."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if quantized_base:
+        print("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base (the "
+              "model card says so)", file=sys.stderr, flush=True)
     check_out_dir(out_dir, overwrite, protected=[p for p in (model, adapter, *protected) if p and os.path.exists(p)])
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)

@@ -11,6 +11,7 @@ honest penalty beside the attacks' (honest_cells, honest_lines).
 
 Usage: write_report("runs/demo", summary)
 """
+import json
 import os
 
 from figures import COLORS, figure_note, fmt, svg_bars, svg_heatmap, svg_lines
@@ -582,6 +583,19 @@ def usage_lines(u):
     rows.append(["total", "", t["replies"]] + [t.get(k, "") for k, _ in cols] + [money(t["cost_usd"])])
     return ["## Usage of this run folder (all invocations; cached replies cost nothing)\n",
             _table(["Stage", "Model", "Replies"] + [name for _, name in cols] + ["USD"], rows) + "\n"]
+
+
+def read_summaries(run_dirs):
+    """compare's runs -> {name: summary.json}, each named by its folder (by its path when two folders share a
+    name: runs/x under two parents are both kept); a run without one refused naming the command."""
+    names = [os.path.basename(r) for r in run_dirs]
+    out = {}
+    for r, name in zip(run_dirs, names):
+        if not os.path.isfile(os.path.join(r, "summary.json")):
+            raise FileNotFoundError(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
+        with open(os.path.join(r, "summary.json"), encoding="utf-8") as f:
+            out[r if names.count(name) > 1 else name] = json.load(f)
+    return out
 
 
 def write_comparison(out_dir, summaries):

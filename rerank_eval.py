@@ -312,6 +312,12 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
     return out, records
 
 
+def stage_text(stage, cfg):
+    """rerank-eval's printout: the stage table, then where its report and records are."""
+    return (stage_table(stage, cfg.k) + f"\n\nreport: {os.path.join(cfg.run_dir, 'rerank_report.md')}"
+            f"\nrecords: {os.path.join(cfg.run_dir, 'results')}/rerank-<label>.jsonl")
+
+
 def stage_table(stage, k):
     """The reranker-stage table as text (the demo and rerank-eval print it)."""
     honest = any("honest" in s for s in stage.values())     # a benchmark with honest edits: two more columns

@@ -47,9 +47,8 @@ import serve
 import settings
 import speed
 import tfsg
-import tiny
 from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
-from runs import TINY_NOTE, Run, RunInUse, log, need_trained, read_json, resolve, run_lock
+from runs import Run, RunInUse, log, need_trained, read_json, resolve, run_lock
 from settings import PRESETS, SettingsError
 from train import plan_train, train_shield, train_tfsg
 
@@ -107,13 +106,9 @@ def detector_file(run_dir, model=None):
 def cmd_export(args):
     """The merged Shield as a Hugging Face checkpoint (export.py), in the run's dtype by default."""
     cfg, adapter, run_dir = shield_settings(settings.ExportConfig, args)
-    nf4 = cfg.quant == "nf4"                          # a run's record; a --model base has no quant flag
-    if nf4:
-        log("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base "
-            "(the model card says so)")
-    with reading(run_dir):
+    with reading(run_dir):                            # quant: a run's record's; a --model base has none
         out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, fmt=cfg.format, dtype=cfg.dtype,
-                            revision=cfg.revision, quantized_base=nf4,
+                            revision=cfg.revision, quantized_base=cfg.quant == "nf4",
                             name=os.path.basename(os.path.normpath(args.out)), overwrite=cfg.overwrite,
                             protected=[cfg.runs_dir] + ([run_dir] if run_dir else []), detector=detector_file(run_dir))
     log(f"[export] {cfg.format} checkpoint in {out} (model card: {out}/README.md)")
@@ -158,7 +153,7 @@ def given(args, cls):
     return {f.name: getattr(args, f.name) for f in settings.flags(cls) if getattr(args, f.name, None) is not None}
 
 
-def print_summary(s):
+def print_summary(s, cfg=None):
     # one short line; what is simulated (model, LLMs, PPL model, benchmark) is listed in report.md
     print("\n" + ("OFFLINE / SIMULATION: plumbing checks, never the paper's results (what is simulated: "
                   "report.md)" if s.get("notes") else ""))
@@ -170,6 +165,8 @@ def print_summary(s):
     print(f"{'condition':<22}{'ASR':>8}{'ASI':>8}{'BER':>8}" + (f"{'honest penalty':>16}" if honest else ""))
     for k, v in s["conditions"].items():
         print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}{penalty(k)}")
+    if cfg is not None:                   # the run's files
+        report_paths(cfg)
 
 
 # A value argparse quotes in its message ("invalid choice: 'p@ss'"): repr, in either quote; a flag's name.
@@ -257,16 +254,7 @@ def cmd_bench_audit(args):
     if "bench" not in asked:
         raise SettingsError("bench-audit: give --bench FILE (a GEO-DefenseBench JSONL file)")
     cfg = resolve(settings.AuditConfig, asked, from_record=False)
-    if cfg.model == "none":
-        raise SettingsError("bench-audit --model none: --no-exposure audits without a reranker")
-    out = args.out or os.path.splitext(cfg.bench)[0] + "_audit"
-    rr, note = None, None
-    if cfg.exposure:
-        tiny_model = cfg.model == "tiny"
-        folder = tiny.make_tiny_checkpoint(os.path.join(out, "_tiny_qwen3"), seed=0) if tiny_model else cfg.model
-        note = TINY_NOTE if tiny_model else None
-        rr = Run(dataclasses.replace(cfg, model=folder)).reranker()
-    result, path = bench_audit.run_audit(cfg.bench, rr, out, k=cfg.k, folds=cfg.folds, offline_note=note)
+    result, path = bench_audit.run_audit(cfg, args.out or os.path.splitext(cfg.bench)[0] + "_audit")
     c = result["classifier"]
     print(f"family classifier accuracy {100 * c['accuracy']:.1f}% (chance {100 * c['chance']:.1f}%; labels shuffled "
           f"within groups: {100 * c['null']['mean']:.1f}%, p = {c['null']['p_value']:.3f})\nreport: {path}")
@@ -286,14 +274,7 @@ def cmd_serve_offline(args):
 
 def cmd_compare(args):
     cfg = resolve(settings.CompareConfig, given(args, settings.CompareConfig), from_record=False)
-    names = [os.path.basename(r) for r in cfg.runs]
-    summaries = {}
-    for r, name in zip(cfg.runs, names):
-        sm = read_json(os.path.join(r, "summary.json"))
-        if sm is None:
-            raise SettingsError(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
-        summaries[r if names.count(name) > 1 else name] = sm   # two runs/x under different parents: both kept
-    path = report.write_comparison(args.out, summaries)
+    path = report.write_comparison(args.out, report.read_summaries(cfg.runs))
     print(path)
     return path
 
@@ -310,13 +291,10 @@ def cmd_build_bench(args):
     if args.dry_run:
         return show(build_bench.dry_run(Run.plan(cfg, record=False)))
     plan = build_bench.plan(cfg)
-    offline_llm = cfg.llm == "offline" or (cfg.fidelity_judge or "").startswith("offline")
-    with Run.open(cfg, "build-bench", llms=True, record=None, engine=offline_llm or plan.corpus is not None,
+    with Run.open(cfg, "build-bench", llms=True, record=None, engine=build_bench.offline_engine_needed(cfg, plan),
                   corpus=plan.corpus) as run:
         path, comp = build_bench.build_bench(run, plan)
-    print(f"{'split':<14}{'groups':>8}{'methods':>9}{'instances':>11}")
-    print("\n".join(f"{split:<14}{v['groups']:>8}{v['methods']:>9}{v['instances']:>11}" for split, v in comp.items()))
-    print(f"\nbenchmark: {path}")
+    print(build_bench.composition_table(comp) + f"\n\nbenchmark: {path}")
     return comp
 
 
@@ -327,16 +305,15 @@ def cmd_rerank_eval(args):
     lists; rank 0 then asks the endpoints and writes."""
     cfg = pipeline_settings(settings.RerankEvalConfig, args)
     items = rerank_eval.check_items(cfg)
-    opened = dict(needs=("adapter",) * any(spec.kind == "shield" for _, spec in items))
+    needs = ("adapter",) * any(spec.kind == "shield" for _, spec in items)
     if args.dry_run:
-        return show(rerank_eval.dry_run(Run.plan(cfg, **opened), items))
-    with Run.open(cfg, "rerank-eval", record="check", distributed=True, **opened) as run:
+        return show(rerank_eval.dry_run(Run.plan(cfg, needs=needs), items))
+    with Run.open(cfg, "rerank-eval", record="check", distributed=True, needs=needs) as run:
         by_label = rerank_eval.stage_rankers(run, items)       # every rank its share
         run.ranks.finish()                                      # rank 0 goes on alone
         stage, _ = rerank_eval.rerank_stage(run, items, by_label=by_label) if run.ranks.is_main else (None, None)
     if stage:
-        print(rerank_eval.stage_table(stage, cfg.k) + f"\n\nreport: {os.path.join(cfg.run_dir, 'rerank_report.md')}"
-              f"\nrecords: {os.path.join(cfg.run_dir, 'results')}/rerank-<label>.jsonl")
+        print(rerank_eval.stage_text(stage, cfg))
     return stage
 
 
@@ -413,7 +390,9 @@ def show(plan):
 
 def pipeline_settings(cls, args, **fixed):
     """A pipeline command's settings (defaults, the run's record, the preset, the flags) with its
-    benchmark present."""
+    benchmark present; fixed: settings the command sets itself (demo's run folder, from its --out)."""
+    if os.path.isfile(fixed.get("runs_dir", "")):
+        raise SettingsError(f"--out {fixed['runs_dir']}: a file, not a folder")
     cfg = resolve(cls, {**given(args, cls), **fixed}, args.preset, from_record="runs_dir" not in fixed)
     if not os.path.isfile(cfg.bench):
         what = "a folder, not a file" if os.path.isdir(cfg.bench) else "no such file"
@@ -456,26 +435,22 @@ def cmd_eval(args):
     cfg = pipeline_settings(settings.EvalConfig, args)
     opened = dict(llms=True, roles=True, check=eval_conditions)     # -> run.checked
     if args.dry_run:
-        run = Run.plan(cfg, **opened)
-        return show(plan_eval(run, run.checked))
+        return show(plan_eval(Run.plan(cfg, **opened)))
     with Run.open(cfg, "eval", distributed=True, engine=cfg.llm == "offline" and cfg.batch_api, **opened) as run:
         ranked = ranking_stage(run, run.checked[0], reranker_items(cfg))    # every rank its share
         run.ranks.finish()                                                  # rank 0 goes on alone
         s = evaluate(run, run.checked, ranked).summary if run.ranks.is_main else None
     if s:
-        print_summary(s)
-        report_paths(cfg)
+        print_summary(s, cfg)
     return s
 
 
 def cmd_demo(args):
     """train and eval offline (tiny model, offline engine over loopback HTTP), then the reranker stage."""
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise SettingsError(f"--out {args.out}: a file, not a folder")
     args.preset = args.preset or "tiny-demo"
     cfg = pipeline_settings(settings.DemoConfig, args, runs_dir=args.out, name=args.name or "demo")
-    check = lambda run: check_training(run, "all")
-    with Run.open(cfg, "demo", llms=True, engine=cfg.llm == "offline", check=check) as run:
+    with Run.open(cfg, "demo", llms=True, engine=cfg.llm == "offline",
+                  check=lambda run: check_training(run, "all")) as run:
         train_shield(run)
         train_tfsg(run)
         s = evaluate(run).summary
