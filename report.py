@@ -684,6 +684,23 @@ def harden_cells(r, top):
             "BER (Shield only)": r["static"]["Shield only"]["BER"]}
 
 
+def harden_detector_lines(rounds):
+    """The run's detectors (detect) at their thresholds in each hardening round, with the round's Shield for
+    the residual: % of the fresh attacker's final documents flagged per budget, and the FPR on the test honest
+    edits; nothing for rounds measured without a detector."""
+    caught = [(r["round"], r["detected"]) for r in rounds if r.get("detected")]
+    if not caught:
+        return []
+    budgets = list(caught[0][1]["fresh"])
+    names = list(caught[0][1]["fresh"][budgets[0]])
+    return ["Detectors (detect, at the run's thresholds, each round's Shield for the residual): % of the fresh "
+            "attacker's final documents flagged at each budget, and the FPR on the test honest edits (does it hold "
+            "across rounds?).\n",
+            _table(["round"] + [f"{d} B={x}" for d in names for x in budgets] + [f"{d} FPR honest" for d in names],
+                   [[f"r{k}"] + [fmt(c["fresh"][x][d]) for d in names for x in budgets]
+                    + [fmt((c["fpr_honest"] or {}).get(d)) for d in names] for k, c in caught]) + "\n"]
+
+
 def write_harden_report(run_dir, s):
     """harden_report.md and figures/harden_*.svg: by round, the fresh and stale attackers' exposure and ASR,
     the static families, utility (clean top-k kept, BER), the cross-play matrix and the cost."""
@@ -736,16 +753,7 @@ def write_harden_report(run_dir, s):
                             xlabel="attacker round (its test documents)", ylabel="defense round (its Shield)",
                             note=note))
     lines.append("![Cross-play](figures/harden_crossplay.svg)\n")
-    caught = [(r["round"], r["detected"]) for r in b["rounds"] if r.get("detected")]
-    if caught:                   # the run's detectors (detect) at their thresholds, with each round's Shield
-        names = list(caught[0][1]["fresh"][next(iter(caught[0][1]["fresh"]))])
-        lines += ["Detectors (detect, at the run's thresholds, each round's Shield for the residual): % of the fresh "
-                  "attacker's final documents flagged at each budget, and the FPR on the test honest edits (does it "
-                  "hold across rounds?).\n",
-                  _table(["round"] + [f"{d} B={x}" for d in names for x in caught[0][1]["fresh"]]
-                         + [f"{d} FPR honest" for d in names],
-                         [[f"r{k}"] + [fmt(c["fresh"][x][d]) for d in names for x in c["fresh"]]
-                          + [fmt((c["fpr_honest"] or {}).get(d)) for d in names] for k, c in caught]) + "\n"]
+    lines += harden_detector_lines(b["rounds"])
     lines += usage_lines(s.get("usage") or {})
     with open(os.path.join(run_dir, "harden_report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))

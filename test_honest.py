@@ -16,6 +16,7 @@ import bench_audit
 import detect
 import geo_jobs
 import geodef
+import harden
 import honest
 import offline
 import offline_attackers
@@ -343,19 +344,22 @@ def test_holdouts_detection_side_never_fits_on_the_held_out_family(honest_bench,
     assert out["auc_honest"] == pytest.approx(bench_audit.auc(pos, neg), abs=1e-4)
 
 
-def test_harden_reports_the_detectors_on_each_rounds_attacker_and_honest_edits(honest_run, tmp_path):
-    """After detect, harden's rounds carry the run's detectors: % of the fresh attacker's final documents
-    flagged per budget, and the FPR on the test honest edits with the round's Shield, which in round 0 (the
-    run's own Shield) is detect's own on the same groups."""
+def test_harden_measures_the_detectors_on_a_rounds_attacker_and_honest_edits(honest_run, tmp_path):
+    """After detect, a hardening round's measure carries the run's detectors: % of the fresh attacker's
+    final documents flagged per budget, and the FPR on the test honest edits with the round's Shield, which
+    in round 0 (the run's own Shield) is detect's own on the same groups; the report's table shows them."""
     shutil.copytree(honest_run.parent, tmp_path / "o")
     d = tmp_path / "o" / "demo"
     run.main(["detect", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--n-boot", "50"])
-    block = run.main(["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "1", "--budget", "3",
-                      "--eval-budgets", "1,2", "--eval-groups", "2"])
-    r0 = block["rounds"][0]["detected"]
+    cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path / "o"), "name": "demo", "budget": 3,
+                                               "eval_budgets": "1,2", "eval_groups": 2})
+    with runs.Run.open(cfg, "harden", llms=True, engine=True) as r:              # round 0 alone: no retraining
+        _, clean = harden.clean_references(r, r.llm(stage="harden-r0"))
+        r0 = harden.measure(r, 0, harden.round_clients(r, 0), clean)["detected"]
     assert set(r0["fresh"]) == {"1", "2"} and all(set(v) == set(detect.DETECTORS) for v in r0["fresh"].values())
     eval_groups = {g.group_id for g in _honest_groups(d)[:2]}
     hon = [r for r in _lines(d / "detect" / "records.jsonl") if r["kind"] == "honest" and r["group_id"] in eval_groups]
     assert r0["fpr_honest"] == {name: pytest.approx(100 * sum(r["flagged"][name] for r in hon) / len(hon), abs=0.01)
                                 for name in detect.DETECTORS}
-    assert "detected" in block["rounds"][1] and "FPR honest" in (d / "harden_report.md").read_text()
+    text = "".join(report.harden_detector_lines([{"round": 0, "detected": r0}]))
+    assert "FPR honest" in text and "r0" in text
