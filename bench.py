@@ -347,6 +347,84 @@ def bench_score(cfg):
         if cfg.prefix:
             results[f"{name}/ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     results["matmul_gflops"] = matmul_gflops(dtype, device=dev)
+    if cfg.against:
+        engine_race(cfg, folder, rr, work, results)
+    return results
+
+
+# ----------------------------------------------------------------------------- CPU engines (--against)
+
+# What each engine needs installed (test-only dependencies): the ONNX graph is written by torch.onnx from
+# transformers' Qwen3ForSequenceClassification, which ONNX Runtime and OpenVINO read.
+ENGINE_MODULES = {"onnxruntime": ("transformers", "onnx", "onnxruntime"),
+                  "openvino": ("transformers", "onnx", "openvino"), "torch-int8": ("transformers",)}
+
+
+def seq_cls_onnx(seqcls, model):
+    """The seq-cls export as ONNX (torch.onnx's TorchScript exporter, opset 17, dynamic batch and length),
+    written once beside the export -> its path."""
+    path = os.path.join(seqcls, "model.onnx")
+    if not os.path.isfile(path):
+        ids = torch.zeros((2, 8), dtype=torch.long)
+        torch.onnx.export(model, (ids, torch.ones_like(ids)), path, input_names=["input_ids", "attention_mask"],
+                          output_names=["logits"], opset_version=17, dynamo=False,
+                          dynamic_axes={n: {0: "batch", 1: "length"} for n in ("input_ids", "attention_mask")})
+    return path
+
+
+def engine_scorers(folder, engines):
+    """Each engine of `engines` over the checkpoint as a user deploys it, export.py's seq-cls export (float32,
+    written once beside `folder`) -> {engine: fn(ids (B, T), mask (B, T)) -> (B,) float32 margins}: ONNX
+    Runtime and OpenVINO on its ONNX graph, torch-int8 transformers' model under torch's dynamic int8
+    quantization of every nn.Linear (per-tensor activation scales, fbgemm or onednn kernels)."""
+    import transformers
+    import export
+    seqcls = folder.rstrip("/") + "_seqcls"
+    if not os.path.isfile(os.path.join(seqcls, "model.safetensors")):
+        export.export(folder, seqcls, fmt="seq-cls", dtype="float32")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        seqcls, dtype=torch.float32, attn_implementation="eager").eval()
+    model.config.use_cache = False
+    feeds = lambda ids, mask: {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+    out = {}
+    if "onnxruntime" in engines:
+        import onnxruntime
+        sess = onnxruntime.InferenceSession(seq_cls_onnx(seqcls, model), providers=["CPUExecutionProvider"])
+        out["onnxruntime"] = lambda ids, mask: torch.from_numpy(sess.run(None, feeds(ids, mask))[0][:, 0])
+    if "openvino" in engines:
+        import openvino
+        compiled = openvino.Core().compile_model(seq_cls_onnx(seqcls, model), "CPU")
+        out["openvino"] = lambda ids, mask: torch.from_numpy(compiled(feeds(ids, mask))[0][:, 0])
+    if "torch-int8" in engines:
+        q = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+        def int8(ids, mask):
+            with torch.inference_mode():
+                return q(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+        out["torch-int8"] = int8
+    return out
+
+
+def engine_race(cfg, folder, rr, work, results):
+    """--against: each engine on the workloads, padded as its users batch (one left-padded call) and one call
+    per document, raced round-robin with our scorer -> results gains, per workload and engine, documents per
+    second, our speed over the engine's (paired median: above 1, ours is faster) and the largest margin
+    difference from ours."""
+    scorers = engine_scorers(folder, cfg.against)
+    for name, lens in work.items():
+        ids = random_ids(lens, prefix=cfg.prefix)
+        pad, mask = left_padded(ids)
+        ours = rr.score_ids(ids).float()
+        cands = {"ours": lambda: rr.score_ids(ids)}
+        for e, fn in scorers.items():
+            results[f"{name}/{e}_max_margin_diff"] = float((fn(pad, mask) - ours).abs().max())
+            cands[e] = lambda fn=fn: fn(pad, mask)
+            cands[f"{e}_per_doc"] = lambda fn=fn: [fn(*left_padded([x])) for x in ids]
+        rounds = []
+        for k, t in race(cands, cfg.repeat, rounds).items():
+            results[f"{name}/{k}_docs_per_s"] = len(lens) / t
+            if k != "ours":
+                results[f"{name}/ours_vs_{k}_paired_median"] = paired_ratio(rounds, k)
     return results
 
 
@@ -690,8 +768,12 @@ def run_bench(cfg):
     if cfg.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
         missing = [m for m in ("transformers",) + ("peft",) * (cfg.what == "train")
                    if importlib.util.find_spec(m) is None]
+        missing += [m for e in cfg.against or () for m in ENGINE_MODULES[e] if importlib.util.find_spec(m) is None
+                    and m not in missing]
         if missing:
             raise SettingsError(f"bench --what {cfg.what} races {' and '.join(missing)} (not runtime dependencies):"
                                 " pip install -r requirements-test.txt")
+    if cfg.against and (cfg.what != "score" or cfg.device != "cpu"):
+        raise SettingsError("bench --against races CPU engines at --what score on --device cpu")
     return {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
             "nf4": bench_nf4, "serve": bench_serve}[cfg.what](cfg)

@@ -28,6 +28,7 @@ N_DOCS = 10                           # candidates a list (geodef.N_DOCS): the t
 # or status check is worth waiting longer for.
 MAX_WAIT = 24 * 3600
 MAX_SAMPLES = 10_000                  # answers per instance or deletion samples per document
+ENGINES = ("onnxruntime", "openvino", "torch-int8")    # bench --against: the CPU engines a provider would pick
 MAX_THREADS = 1024                    # workers, clients or requests in progress: a thread (and a socket) each
 
 
@@ -92,6 +93,13 @@ class Transfer(NamedTuple):
             raise ValueError(f"{text!r}: give name=path, the name in letters, digits, '.', '_', '-' (it names "
                              "results/transfer_<name>.jsonl and the Table C.2 row)")
         return cls(name, path)
+
+
+def engine_name(v):
+    """One of bench --against's engines (ENGINES)."""
+    if v not in ENGINES:
+        raise ValueError(f"{v!r}: not one of {', '.join(ENGINES)}")
+    return v
 
 
 def budget_list(v):
@@ -632,6 +640,9 @@ class BenchSettings(Settings):
     clients: int = setting(8, "serve: concurrent clients", ok=between(1, MAX_THREADS), says=f"1 to {MAX_THREADS}")
     requests: int = setting(2, "serve: requests per client per round", ok=between(1, 100_000), says="1 to 100000")
     out: str = setting("runs/_bench", "where the random real-width checkpoint is kept")
+    against: tuple = setting(None, "score: CPU engines to race beside transformers on the seq-cls export, comma list "
+                                   f"of {', '.join(ENGINES)} (test-only dependencies: requirements-test.txt)",
+                             parse=comma_list(engine_name))
 
 
 # ----------------------------------------------------------------------------- commands

@@ -1,7 +1,9 @@
 """bench.py: the GEMM / matmul floors replay exactly the scorer's matrix work.
 Run: python -m pytest -q test_bench.py
 """
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -74,3 +76,32 @@ def test_minor_faults_counts_the_pages_a_call_maps_in():
         pytest.skip("no resource module here: faults are not counted")
     assert bench.minor_faults(lambda: torch.empty(40 << 20, dtype=torch.uint8).fill_(1)) >= 40
     assert bench.minor_faults(lambda: None) < 40
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino", "torch-int8"])
+def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, engine):
+    """bench --against's contenders on the tiny checkpoint's seq-cls export, left-padded as their users batch
+    them: ONNX Runtime and OpenVINO (float32, the ONNX graph) give our margins; torch's dynamic int8 ranks as
+    we do on these well-separated documents and moves each margin by less than its own spread."""
+    pytest.importorskip("transformers")
+    for m in bench.ENGINE_MODULES[engine]:
+        pytest.importorskip(m)
+    folder = str(tmp_path / "tiny")
+    shutil.copytree(tiny_dir, folder)
+    fn = bench.engine_scorers(folder, [engine])[engine]
+    rr = bench.load_ours(folder, dtype=torch.float32)
+    ids = rr.tokenize("how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell sharply.",
+                                                  "Eggs: nine minutes for a hard yolk, six for soft."])
+    pad_id = json.load(open(folder + "_seqcls/config.json"))["pad_token_id"]
+    got, ours = fn(*bench.left_padded(ids, pad_id)), rr.score_ids(ids)
+    if engine == "torch-int8":
+        assert (got - ours).abs().max() < ours.std()
+    else:
+        torch.testing.assert_close(got, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_against_is_refused_outside_a_cpu_score_race():
+    import run
+    for argv in (["--what", "train", "--against", "onnxruntime"], ["--what", "score", "--against", "onnx"]):
+        with pytest.raises(SystemExit, match="--against"):
+            run.main(["bench", *argv])
