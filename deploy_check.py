@@ -246,7 +246,7 @@ def detect_check(run, spec, lists):
         return None
     det, threshold = detect.TextDetector.from_json(obj), obj["threshold"]
     texts = [d for _, docs in lists.values() for d in docs]
-    root = re.sub(r"(/v[12])?/(rerank|score)$", "", spec.endpoint.path)
+    root = re.sub(r"(/infinity|/v[12])?/(rerank|score)$", "", spec.endpoint.path)
     client = rerank_clients.make_reranker(spec, timeout=60, max_retries=0)
     try:
         reply = client.transport.send("POST", spec.endpoint.with_path(root + "/detect").url, {"documents": texts})
@@ -300,6 +300,9 @@ def deploy_check(run, spec, rr=None):
     out = {"endpoint": str(spec), **compare(local, served, failed, base),
            "long": {"tokens": tokens, "why": why} if tokens else None, "notes": notes,
            "detect": detect_check(run, spec, lists)}
+    if out["detect"] and not out["detect"]["pass"]:        # the run's detector is part of what is deployed
+        out["cause"] = "; ".join(filter(None, [out["cause"], f"/detect: {out['detect']['why']}"]))
+        out["pass"] = False
     log(f"[deploy-check] {spec}: {'PASS' if out['pass'] else 'FAIL: ' + out['cause']}")
     return out
 

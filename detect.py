@@ -15,9 +15,11 @@ Two detectors, neither fitted on the test split:
   and honest edits. A query-blind detector keeps no relevant page out for its query (arXiv 2307.16816
   warns of one that reads it).
 
-Thresholds: each detector flags a page whose score exceeds the (1 - --fpr) quantile of its scores on the
-construction split's honest edits (the text detector's out of fold: 4 folds by query group), then applied
-unchanged to the test split, so the reported false-positive rate there is a held-out one.
+Thresholds: each detector flags a page whose score exceeds the (1 - --fpr) quantile of its scores on
+construction honest edits no part of it was fitted on: the text detector's out of fold (4 folds by query
+group), the residual's on the Shield's monitoring groups (the Shield trains on the other construction groups'
+sources as d+, which an honest edit nearly copies). The threshold is then applied unchanged to the test
+split, so the reported false-positive rate there is a held-out one.
 
 Figures per detector and family: ROC AUC against honest edits and against sources; TPR at 1% and 5% FPR
 (the test negatives' own quantiles, the ROC curve's points); the held-out TPR and FPR at the threshold.
@@ -151,16 +153,19 @@ def figures_of(recs, detector, family_of, n_boot, seed):
     """One detector's figures for the positives picked by family_of(record) -> True, with CIs over query
     groups (the groups resampled, each bringing its positives and negatives)."""
     by = collections.defaultdict(lambda: {"pos": [], "honest": [], "source": []})
-    for r in recs:
+    for r in recs:            # every group brings its negatives, whether or not it holds the family
         bucket = "pos" if r["kind"] == "geo" and family_of(r) else r["kind"] if r["kind"] != "geo" else None
+        group = by[r["group_id"]]
         if bucket:
-            by[r["group_id"]][bucket].append(r["scores"][detector])
-    gids = sorted(g for g in by if by[g]["pos"])
-    if not gids:
+            group[bucket].append(r["scores"][detector])
+    gids = sorted(by)
+    if not any(by[g]["pos"] for g in gids):
         return None
 
     def of(ids):
         pos = [s for g in ids for s in by[g]["pos"]]
+        if not pos:                       # a resample without the family: no figure
+            return None
         hon, src = ([s for g in ids for s in by[g][k]] for k in ("honest", "source"))
         return [bench_audit.auc(pos, hon) if hon else None, bench_audit.auc(pos, src) if src else None,
                 *(tpr_at(pos, hon, f) for f in FPRS), *(tpr_at(pos, src, f) for f in FPRS)]
@@ -168,8 +173,9 @@ def figures_of(recs, detector, family_of, n_boot, seed):
                                              for f in FPRS]
     point = of(gids)
     rng = np.random.default_rng(seed)
-    boots = [of([gids[i] for i in rng.integers(0, len(gids), len(gids))]) for _ in range(n_boot)]
-    out = {"n": sum(len(by[g]["pos"]) for g in gids), "groups": len(gids)}
+    boots = [b for b in (of([gids[i] for i in rng.integers(0, len(gids), len(gids))]) for _ in range(n_boot))
+             if b is not None]
+    out = {"n": sum(len(by[g]["pos"]) for g in gids), "groups": sum(bool(by[g]["pos"]) for g in gids)}
     for j, name in enumerate(names):
         vals = [b[j] for b in boots if b[j] is not None]
         out[name] = None if point[j] is None else round(point[j], 4)
@@ -243,8 +249,14 @@ def detect(run):
     res = residuals(run, data.construction + data.test)
     text = TextDetector.fit([p[4] for p in cons_pages if p[2] == "geo" and p[3] in data.seen],
                             [p[4] for p in cons_pages if p[2] != "geo"])
-    calib = {"shield_residual": [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"],
-             "text": out_of_fold(cons_pages, data.seen)}
+    _, mon = run.shield_split(geodef.expand(data.construction, data.seen))
+    unseen_by_shield = {x.group_id for x in mon}    # its monitoring groups: their sources were never its d+
+    hon = [res[p[1], p[4]] for p in cons_pages if p[2] == "honest" and p[0] in unseen_by_shield]
+    if not hon:
+        log("[detect] no honest edit in the Shield's monitoring groups; the residual's threshold is set on every "
+            "construction honest edit, whose sources the Shield trained on (its held-out FPR then runs high)")
+        hon = [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"]
+    calib = {"shield_residual": hon, "text": out_of_fold(cons_pages, data.seen)}
     thresholds = {d: float(np.quantile(calib[d], 1 - cfg.fpr)) for d in DETECTORS}
     recs = []
     for gid, q, kind, fam, t in test_pages:

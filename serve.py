@@ -790,6 +790,9 @@ class _Handler(BaseHTTPRequestHandler):
         if req.detect and srv.detector is None:
             raise RequestError(400, "return_detect: this server has no detector (run `python run.py detect --name "
                                     "RUN` on the served run, then serve it again)", "return_detect")
+        if conf["smooth"] and len(req.texts) * conf["smooth"] > conf["max_documents"]:
+            raise RequestError(413, f"documents: {len(req.texts)} x {conf['smooth']} deletion samples (--smooth), at "
+                                    f"most {conf['max_documents']} prompts a request (max_documents)", "documents")
         rr = srv.prompter(req)
         try:
             ids = prompt_ids(rr, req) if not conf["smooth"] else deletion_ids(rr, req, conf)
@@ -800,7 +803,7 @@ class _Handler(BaseHTTPRequestHandler):
         if conf["smooth"]:
             m = smoothed_margins(m, conf["smooth"])
         tokens = sum(map(len, ids))
-        srv.metrics.add("geodef_documents_total", len(ids))
+        srv.metrics.add("geodef_documents_total", len(req.texts))
         srv.metrics.add("geodef_prompt_tokens_total", tokens)
         out = reply(path, req, m, tokens, req.model or conf["model_name"])
         self._send(200, with_detection(out, req.texts, srv.detector) if req.detect else out)

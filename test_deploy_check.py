@@ -269,8 +269,8 @@ def test_a_runs_detector_is_checked_on_the_endpoints_detect_route(demo_run, shie
             cfg = settings.DeployCheckConfig(**given, endpoint=f"http://127.0.0.1:{srv.server_address[1]}",
                                              long_tokens=512)
             v = deploy_check.deploy_check(Run(cfg), cfg.endpoint, rr=Remembered(shield[1]))
-            assert v["pass"] and v["detect"]["pass"] == (says is None)
-            assert says is None or says in v["detect"]["why"]
+            assert v["pass"] == v["detect"]["pass"] == (says is None) and v["lists"]["relevance"]["order_agrees"]
+            assert says is None or says in v["detect"]["why"] and "/detect" in v["cause"]
         finally:
             srv.shutdown()
             srv.server_close()

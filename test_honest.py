@@ -259,10 +259,10 @@ def test_without_honest_edits_eval_and_the_reranker_stage_are_as_before(demo_run
 
 
 def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_path):
-    """detect on the honest build: both detectors score every test page; each threshold is the (1 - fpr)
-    quantile of the construction split's honest edits (the residual's recomputed from the run's score
+    """detect on the honest build: both detectors score every test page; the residual's threshold is the
+    (1 - fpr) quantile of the honest edits of the Shield's monitoring groups (recomputed from the run's score
     caches), the test FPR is the share of test honest edits above it, and a family's AUC and TPR are those
-    of its records against the honest edits."""
+    of its records against every test honest edit."""
     shutil.copytree(honest_run.parent, tmp_path / "o")
     d = tmp_path / "o" / "demo"
     out = run.main(["detect", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--n-boot", "50", "--fpr", "0.1"])
@@ -276,7 +276,11 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
     base = cache("scores_base.json")
     shield = cache(next(f for f in os.listdir(d / "cache") if f.startswith("scores_shield_")))
     key = lambda g, t: rankers.doc_key(g.query, t)
-    calib = [base[key(g, g.honest)] - shield[key(g, g.honest)] for g in cons]
+    seen = geodef.load_bench(cfg["bench"], with_meta=True)[1].seen_methods      # the build's seen families
+    _, mon = geodef.monitoring_split(geodef.expand(cons, seen), cfg["monitor_frac"], cfg["seed"])
+    monitored = {x.group_id for x in mon}
+    calib = [base[key(g, g.honest)] - shield[key(g, g.honest)] for g in cons if g.group_id in monitored]
+    assert calib and len(calib) < len(cons)                  # the groups the Shield never trained on
     b = out["detectors"]["shield_residual"]
     assert b["threshold"] == pytest.approx(float(np.quantile(calib, 0.9)))
     hon = [r for r in recs if r["kind"] == "honest"]

@@ -786,7 +786,9 @@ def test_serve_smooth_answers_the_mean_over_fresh_deletions(tiny_dir):
             else:
                 assert got[0] != got[1] and all(0 < s < 1 for g in got for s in g.values())
             metrics = requests.get(srv.url + "/metrics", timeout=5).text
-            assert "geodef_documents_total 32" in metrics                 # 2 requests x 2 documents x 8 samples
+            assert "geodef_documents_total 4" in metrics                  # 2 requests x 2 documents
+            big = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": docs * 63}, timeout=60)
+            assert big.status_code == 413 and "--smooth" in big.json()["detail"]      # 126 x 8 > 1000 prompts
         finally:
             srv.shutdown()
             srv.server_close()
