@@ -90,6 +90,13 @@ def deletions(text, rate, n, key):
     return [delete_words(text, rate, random.Random(f"{key}:{s}")) for s in range(n)]
 
 
+def smoothed_margins(m, n):
+    """The n samples' margins of each document, document by document -> the margin logit(ĝ) of its smoothed
+    score ĝ, the mean sigmoid, so that sigmoid of it (a served relevance score) is ĝ itself."""
+    g = [sum(map(sigmoid, m[i:i + n])) / n for i in range(0, len(m), n)]
+    return [math.log(x / (1 - x)) for x in (min(max(x, 1e-12), 1 - 1e-12) for x in g)]
+
+
 def fresh_seed():
     """A run's deletion seed, from the OS's CSPRNG (never from the text or the public --seed)."""
     return secrets.randbits(63)

@@ -27,6 +27,7 @@ Figures per detector and family: ROC AUC against honest edits and against source
 Usage: python run.py detect --name RUN [--fpr 0.05]
 """
 import collections
+import json
 import os
 import re
 
@@ -89,6 +90,37 @@ class TextDetector:
     @classmethod
     def from_json(cls, obj):
         return cls({int(k): v for k, v in obj["weights"].items()}, obj["rest"], obj["bias"])
+
+
+class Served:
+    """A run's text detector at its threshold, as serve answers with it: POST /detect and return_detect."""
+
+    def __init__(self, detector, threshold):
+        self.detector, self.threshold = detector, threshold
+
+    @classmethod
+    def load(cls, path):
+        """A detector file (a run's detect/text_detector.json, or an export's copy) -> Served; None for no file."""
+        if path is None:
+            return None
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        return cls(TextDetector.from_json(obj), obj["threshold"])
+
+    def flags(self, texts):
+        return [{"score": s, "flagged": s > self.threshold} for s in map(self.detector.score, texts)]
+
+    def reply(self, texts):
+        """POST /detect's reply: each document's score and flag, by index."""
+        return {"object": "detect", "detector": "text", "threshold": self.threshold,
+                "results": [{"index": i, **f} for i, f in enumerate(self.flags(texts))]}
+
+    def annotate(self, out, texts):
+        """A rerank or score reply with each result's `detect` beside its score, matched by index."""
+        items = out if isinstance(out, list) else out.get("results") or out.get("data")
+        for x in items:
+            x["detect"] = self.flags([texts[x["index"]]])[0]
+        return out
 
 
 # ----------------------------------------------------------------------------- the pages

@@ -240,8 +240,9 @@ def measure(run, k, clients, clean):
                      llm=llm)
     res = os.path.join(round_dir(run, k), "results")
     setup = (base, shield, lib, data.construction)
-    fresh = {str(b): evaluate_documents(cfg, llm, judge, best_documents(insts, cands, b, f"@r{k}-B{b}"), setup, clean,
-                                        os.path.join(res, f"B{b}"), MEASURED) for b in budgets}
+    docs = {b: best_documents(insts, cands, b, f"@r{k}-B{b}") for b in budgets}     # the fresh attacker's, per budget
+    fresh = {str(b): evaluate_documents(cfg, llm, judge, docs[b], setup, clean, os.path.join(res, f"B{b}"), MEASURED)
+             for b in budgets}
     out = {"round": k, "fresh": fresh,
            "static": evaluate_documents(cfg, llm, judge, insts, setup, clean, os.path.join(res, "static"), MEASURED),
            "clean_topk_kept": clean_kept(cfg, groups, base, shield)}
@@ -250,8 +251,7 @@ def measure(run, k, clients, clean):
         out["stale"] = evaluate_documents(cfg, llm, judge, best_documents(insts, stale, max(budgets), f"@r{k}-stale"),
                                           setup, clean, os.path.join(res, "stale"), MEASURED)
     honest = [geodef.honest_instance(g) for g in groups if g.honest is not None]
-    caught = {str(b): detect.flagged(run, best_documents(insts, cands, b, f"@r{k}-B{b}"), base, shield)
-              for b in budgets}                         # the run's detectors (detect), at their thresholds
+    caught = {str(b): detect.flagged(run, docs[b], base, shield) for b in budgets}   # the run's detectors (detect)
     if caught[str(budgets[0])] is not None:
         out["detected"] = {"fresh": caught,
                            "fpr_honest": detect.flagged(run, honest, base, shield) if honest else None}

@@ -123,7 +123,7 @@ def cmd_serve(args):
         rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
     rr.model.eval()
     serve.serve_until_stopped(rr, cfg, cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"), adapter,
-                              serve.load_detector(detector_file(run_dir, cfg.model)))
+                              detect.Served.load(detector_file(run_dir, cfg.model)))
 
 
 def add_settings_flags(p, cls, preset=True):

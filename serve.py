@@ -317,24 +317,6 @@ def deletion_ids(rr, req, conf):
             for ids in rr.tokenize(q, [certify.delete_words(t, rate, rng) for _ in range(n)])]
 
 
-def with_detection(out, texts, detector):
-    """A reply with each result's `detect` ({score, flagged}: the run's text detector at its threshold) beside
-    its score, matched by index (return_detect)."""
-    det, threshold = detector
-    items = out if isinstance(out, list) else out.get("results") or out.get("data")
-    for x in items:
-        s = det.score(texts[x["index"]])
-        x["detect"] = {"score": s, "flagged": s > threshold}
-    return out
-
-
-def smoothed_margins(m, n):
-    """The N samples' margins of each document -> the margin logit(ĝ) of its smoothed score ĝ, the mean
-    sigmoid (certify.py), so that a reply's relevance score is ĝ itself."""
-    g = [sum(map(sigmoid, m[i:i + n])) / n for i in range(0, len(m), n)]
-    return [math.log(x / (1 - x)) for x in (min(max(x, 1e-12), 1 - 1e-12) for x in g)]
-
-
 # ----------------------------------------------------------------------------- bodies and replies
 
 
@@ -779,9 +761,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(404, "no detector: run `python run.py detect --name RUN` on the served run, then "
                                     "serve it again")
         texts = _documents(_object(body).get("documents"), "documents", srv.conf["max_documents"])
-        det, threshold = srv.detector
-        results = [{"index": i, "score": s, "flagged": s > threshold} for i, s in enumerate(map(det.score, texts))]
-        self._send(200, {"object": "detect", "detector": "text", "threshold": threshold, "results": results})
+        self._send(200, srv.detector.reply(texts))
 
     def _rerank(self, path, body):
         srv, conf = self.server, self.server.conf
@@ -801,28 +781,17 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(400, f"query/instruction/documents{'/' + cap if cap else ''}: {e}", cap) from None
         m = srv.batcher.submit(ids, conf["score_timeout"])
         if conf["smooth"]:
-            m = smoothed_margins(m, conf["smooth"])
+            m = certify.smoothed_margins(m, conf["smooth"])
         tokens = sum(map(len, ids))
         srv.metrics.add("geodef_documents_total", len(req.texts))
         srv.metrics.add("geodef_prompt_tokens_total", tokens)
         out = reply(path, req, m, tokens, req.model or conf["model_name"])
-        self._send(200, with_detection(out, req.texts, srv.detector) if req.detect else out)
+        self._send(200, srv.detector.annotate(out, req.texts) if req.detect else out)
 
 
 def say(msg):
     """One line on stderr, every URL in it redacted (endpoints.redact), as the commands' log prints."""
     print(redact(msg), file=sys.stderr, flush=True)
-
-
-def load_detector(path):
-    """A GEO detector file (a run's detect/text_detector.json, or an export's copy) -> (detect.TextDetector,
-    threshold); None for no file."""
-    if path is None:
-        return None
-    import detect
-    with open(path, encoding="utf-8") as f:
-        obj = json.load(f)
-    return detect.TextDetector.from_json(obj), obj["threshold"]
 
 
 def serve_until_stopped(rr, cfg, model_name, adapter=None, detector=None):
@@ -864,7 +833,7 @@ class RerankServer(ThreadingHTTPServer):
                  score_timeout=600.0, max_queue=64, max_concurrent_requests=128, log=True, allow_instruction=False,
                  smooth=0, deletion_rate=0.9, detector=None):
         super().__init__((host, port), _Handler)
-        self.rr, self.detector = rr, detector           # detector: (detect.TextDetector, threshold) or None
+        self.rr, self.detector = rr, detector           # detect.Served (POST /detect, return_detect) or None
         self.identity, self.scoring = scoring_identity(rr)    # "shield" | "base" | "unknown", and why
         self.batcher = Batcher(rr, max_queue=max_queue)
         self.metrics, self.started = Metrics(), int(time.time())

@@ -263,7 +263,8 @@ def test_a_runs_detector_is_checked_on_the_endpoints_detect_route(demo_run, shie
     (tmp_path / "demo" / "detect").mkdir()
     (tmp_path / "demo" / "detect" / "text_detector.json").write_text(json.dumps({**det.to_json(),
                                                                                  "threshold": threshold}))
-    for served, says in (((det, threshold), None), ((det, threshold + 1e3), "flags differ"), (None, "/detect")):
+    for served, says in ((detect.Served(det, threshold), None), (detect.Served(det, threshold + 1e3), "flags differ"),
+                         (None, "/detect")):
         srv = _serving(serve.RerankServer(shield[1], port=0, log=False, detector=served))
         try:
             cfg = settings.DeployCheckConfig(**given, endpoint=f"http://127.0.0.1:{srv.server_address[1]}",

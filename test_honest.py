@@ -25,7 +25,6 @@ import report
 import rerank_eval
 import run
 import runs
-import serve
 import settings
 from testing import HERE, SAMPLE
 
@@ -291,7 +290,8 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
             pos = [r["scores"][name] for r in recs if r["family"] == fam]
             assert v["seen"] == (fam in out["seen"]) and v["n"] == len(pos)
             assert v["auc_honest"] == pytest.approx(bench_audit.auc(pos, [r["scores"][name] for r in hon]), abs=1e-4)
-    det, threshold = serve.load_detector(run.detector_file(str(d)))    # what serve answers /detect with
+    served = detect.Served.load(run.detector_file(str(d)))          # what serve answers /detect with
+    det, threshold = served.detector, served.threshold
     r = hon[0]
     g = next(g for g in test if g.group_id == r["group_id"])
     assert threshold == out["detectors"]["text"]["threshold"]
@@ -305,7 +305,7 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
     copied = tmp_path / "exp" / "geodef_detector.json"                # the detector travels with the export
     assert copied.read_bytes() == (d / "detect" / "text_detector.json").read_bytes()
     assert json.load(open(tmp_path / "exp" / "geodef_export.json"))["detector"] is not None
-    assert serve.load_detector(run.detector_file(None, str(tmp_path / "exp")))[1] == threshold
+    assert detect.Served.load(run.detector_file(None, str(tmp_path / "exp"))).threshold == threshold
     assert (d / "detect" / "roc_text.svg").read_text().startswith("<svg")
     assert "held out" in (d / "detect" / "report.md").read_text()
 

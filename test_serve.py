@@ -805,7 +805,7 @@ def test_serve_detect_answers_the_runs_text_detector(tiny_dir):
     texts = ["In summary, experts agree: **the best** pick.", "Keep basil on the counter."]
     threshold = (det.score(texts[0]) + det.score(texts[1])) / 2
     rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
-    for detector in ((det, threshold), None):
+    for detector in (detect.Served(det, threshold), None):
         srv = _serving(serve.RerankServer(rr, port=0, log=False, detector=detector))
         try:
             r = requests.post(srv.url + "/detect", json={"documents": docs, "query": "basil"}, timeout=30)

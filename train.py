@@ -87,6 +87,21 @@ def prepare_triples(run, rr, cons, inst):
     return triples, ids, s0, scores
 
 
+def example(rr, cfg, t, ids, s0, epoch):
+    """A training example's three token-id lists and their base scores s_0: as prepared, or with
+    --deletion-noise the epoch's deleted text (noised_triple)."""
+    if cfg.deletion_noise:
+        return noised_triple(rr, t, cfg.deletion_noise, f"{cfg.seed}:{epoch}")
+    return ids[t["instance_id"]], s0[t["instance_id"]]
+
+
+def step_zero(state, m0, log_path):
+    """The monitoring split's figures before the first step, in the history and the log."""
+    state["history"].append({"epoch": 0, **m0})
+    append_jsonl(log_path, {"event": "monitor", "epoch": 0, "step": 0, **m0})
+    log(f"[train] step 0 monitoring: {m0}")
+
+
 def noised_triple(rr, t, rate, key):
     """A triple's three documents with words deleted at `rate` (certify.delete_words, drawn from the stream
     key:instance_id: the same in a resumed run), tokenized, with their base scores s_0 on that text (the
@@ -167,10 +182,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     ckpt, log_path = os.path.join(folder, "checkpoint"), os.path.join(folder, "train_log.jsonl")
     state = start_state(rr, opt, ckpt, log_path, resume, main)
     if main and state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
-        m0 = monitor(rr, mon_triples, ids, s0, cfg, mon_lists)
-        state["history"].append({"epoch": 0, **m0})
-        append_jsonl(log_path, {"event": "monitor", "epoch": 0, "step": 0, **m0})
-        log(f"[train] step 0 monitoring: {m0}")
+        step_zero(state, monitor(rr, mon_triples, ids, s0, cfg, mon_lists), log_path)
 
     n = len(opt_triples)
     bar = tqdm(total=cfg.epochs * n, initial=state["epoch"] * n + state["pos"], desc="shield", file=sys.stderr,
@@ -184,10 +196,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
             start = (state["pos"] // cfg.grad_accum) * cfg.grad_accum            # this accumulation window's
             if ranks.mine(state["pos"], start):         # under torchrun each rank takes its share of the window
                 t = opt_triples[order[state["pos"]]]
-                tids, ts0 = ids[t["instance_id"]], s0[t["instance_id"]]
-                if cfg.deletion_noise:
-                    tids, ts0 = noised_triple(rr, t, cfg.deletion_noise, f"{cfg.seed}:{state['epoch']}")
-                loss, st, _, _ = triple_loss(rr, cfg, tids, ts0, grad=True)
+                loss, st, _, _ = triple_loss(rr, cfg, *example(rr, cfg, t, ids, s0, state["epoch"]), grad=True)
                 (loss / min(cfg.grad_accum, n - start)).backward()              # mean over the window's examples
                 window.append(st)
             state["pos"] += 1
