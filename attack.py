@@ -166,16 +166,16 @@ ALGORITHMS = ("mageo", "repair")
 class Attack:
     """One adaptive attack run: a target ranker, an attacker and a judge client, the settings. algorithm
     "mageo": MAGEO's loop of full rewrites from the benchmark's rewrite (the module docstring); "repair":
-    the diagnose-and-repair attacker (REPAIR_MODES) from cfg.start (the source, or the benchmark's
+    the diagnose-and-repair attacker (REPAIR_MODES) from cfg.attacker.start (the source, or the benchmark's
     rewrite), each candidate the current best with one targeted repair, refused when its words differ
-    from the source's by more than cfg.edit_budget of them (cumulative)."""
+    from the source's by more than cfg.attacker.edit_budget of them (cumulative)."""
 
     def __init__(self, cfg, target_label, target, attacker, judge, rounds, per_round, budget, lib=None, seed=None,
                  algorithm="mageo", engine=None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"attack algorithm {algorithm!r}: one of {ALGORITHMS}")
         self.cfg, self.label, self.target, self.seed, self.algorithm = cfg, target_label, target, seed, algorithm
-        self.from_source = algorithm == "repair" and cfg.start == "source"
+        self.from_source = algorithm == "repair" and cfg.attacker.start == "source"
         self.engine = engine if algorithm == "repair" else None   # (LLM client, defenses.Pipeline): the signal
         self.attacker, self.judge = attacker, judge
         self.rounds, self.per_round, self.budget = rounds, per_round, budget
@@ -222,9 +222,10 @@ class Attack:
                              (repair_prompt, parse_repair))
             reqs.append({"messages": [{"role": "user", "content": prompt(
                 x.query, x.source, best["text"], best["rank"], best["score"], x.docs[top][:300], self.rules, n,
-                rnd, self.seed)}], "temperature": self.cfg.temperature, "max_tokens": self.cfg.max_tokens,
+                rnd, self.seed)}], "temperature": self.cfg.llm.temperature, "max_tokens": self.cfg.llm.max_tokens,
                 "json": True, "check": lambda d, n=n, check=check: check(d, n)})
-        replies = self.attacker.map(reqs, workers=self.cfg.workers, desc=f"attacker round {rnd}", invalid="return")
+        replies = self.attacker.map(reqs, workers=self.cfg.request.workers, desc=f"attacker round {rnd}",
+                                    invalid="return")
         out = []
         for x, rep in zip(live, replies):
             n = min(self.per_round, self.budget - len(cands[x.instance_id]))
@@ -240,14 +241,14 @@ class Attack:
         for x, (mode, texts) in zip(live, proposals):
             for t in texts:
                 why = "the attacker returned fewer rewrites" if t is None else cheap_gate(x.source, t)
-                if why is None and mode is not None and edit_share(x.source, t) > self.cfg.edit_budget:
+                if why is None and mode is not None and edit_share(x.source, t) > self.cfg.attacker.edit_budget:
                     why = f"differs from the source by {100 * edit_share(x.source, t):.0f}% of its words (the " \
-                          f"repair attacker's budget: {100 * self.cfg.edit_budget:.0f}%)"
+                          f"repair attacker's budget: {100 * self.cfg.attacker.edit_budget:.0f}%)"
                 checks.append((x, t, why))
                 modes.append(mode)
         to_judge = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None]
         verdict = dict(zip([i for i, _, _ in to_judge], geo_jobs.fidelity_verdicts(
-            self.judge, [(x.source, t) for _, x, t in to_judge], self.cfg.max_tokens, self.cfg.workers,
+            self.judge, [(x.source, t) for _, x, t in to_judge], self.cfg.llm.max_tokens, self.cfg.request.workers,
             f"fidelity round {rnd}")))
         accepted = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None and verdict.get(i) is None]
         docs = [with_doc(x, t, f"~{rnd}.{i}") for i, x, t in accepted]
@@ -267,7 +268,7 @@ class Attack:
         if self.engine is None:
             return [{} for _ in insts]
         llm, pipeline = self.engine
-        tops = [order_of(self.target.scores(x))[:self.cfg.k] for x in insts]       # scored by self.score
+        tops = [order_of(self.target.scores(x))[:self.cfg.data.k] for x in insts]       # scored by self.score
         recs = pipeline_records(self.cfg, llm, "repair engine", insts, tops, pipeline)
         return [{"cited": bool(r["attack_cited"])} for r in recs]
 
@@ -314,30 +315,30 @@ def plan_calls(n_inst, budget, per_round, rounds, n_budgets, k, reasks=1):
 
 def check(run):
     """attack's own settings, checked before anything runs: the target reranker's spec."""
-    if run.cfg.target not in ("shield", "base"):
-        rankers.check_specs(rankers.parse_rerankers([run.cfg.target]))
+    if run.cfg.attack.target not in ("shield", "base"):
+        rankers.check_specs(rankers.parse_rerankers([run.cfg.attack.target]))
 
 
 def dry_run(run):
     """What `attack` would send, without sending anything: upper bounds per stage, prompt tokens
     estimated at 4 characters a token, and the price with --prices."""
-    cfg, per_round = run.cfg, run.cfg.candidates_per_round
-    budgets = cfg.budgets
-    rounds = cfg.attack_rounds or rounds_for(max(budgets), per_round)
+    cfg, per_round = run.cfg, run.cfg.attacker.candidates_per_round
+    budgets = cfg.attack.budgets
+    rounds = cfg.attack.attack_rounds or rounds_for(max(budgets), per_round)
     insts = geodef.expand(run.data.test, run.data.methods)
-    calls = plan_calls(len(insts), max(budgets), per_round, rounds, len(budgets), cfg.k)
+    calls = plan_calls(len(insts), max(budgets), per_round, rounds, len(budgets), cfg.data.k)
     doc = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))      # characters of a rewrite
-    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in insts) / max(1, len(insts))    # ... of a top-k context
+    ctx = sum(sum(map(len, x.docs[:cfg.data.k])) for x in insts) / max(1, len(insts))    # ... of a top-k context
     stages = {"attacker": estimate(calls["attacker_calls"], 3 * doc + 1200, per_round * doc / 4),
               "fidelity judge": estimate(calls["fidelity_calls"], 2 * doc + 600, 60),
               "target answers": estimate(calls["answer_calls"], ctx + 1600, 300),
-              "injection defenses' pre-steps": estimate(calls["pre_step_calls"], ctx / cfg.k + 1300, 150),
+              "injection defenses' pre-steps": estimate(calls["pre_step_calls"], ctx / cfg.data.k + 1300, 150),
               "ASI judge": estimate(calls["asi_judge_calls"], doc + 2400, 80)}
-    if cfg.algorithm == "repair":       # the engine answers every scored candidate (the repair attacker's signal)
+    if cfg.attacker.algorithm == "repair":       # the engine answers every scored candidate (the repair's signal)
         stages["repair engine answers"] = estimate(len(insts) * max(budgets), ctx + 1600, 300)
     return {"instances": len(insts), "reranker_queries": calls["reranker_queries"], "stages": stages,
-            "usd_at_most": price_plan(run.prices, stages, lambda s: cfg.llm),
-            "usd_at_most_batch_api": price_plan(run.prices, stages, lambda s: cfg.llm, batch=True),
+            "usd_at_most": price_plan(run.prices, stages, lambda s: cfg.llm.llm),
+            "usd_at_most_batch_api": price_plan(run.prices, stages, lambda s: cfg.llm.llm, batch=True),
             "note": "upper bounds, JSON re-asks included; replies already cached cost nothing and are not "
                     "subtracted"}
 
@@ -345,7 +346,7 @@ def dry_run(run):
 def check_settings(cfg, key, settings, pin=False):
     """The settings an attack's records depend on, pinned per target and setting (results/attack-
     settings.json) with pin=True once the attack has run: a rerun that changes them is refused."""
-    path = os.path.join(cfg.run_dir, "results", "attack-settings.json")
+    path = os.path.join(cfg.folder.run_dir, "results", "attack-settings.json")
     old = read_json(path, {})
     if key in old and old[key] != settings:
         raise changed_settings(path, f"the {key} attack was made", old[key],
@@ -363,35 +364,35 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     budget = max(budgets)
     rounds = rounds or rounds_for(budget, per_round)
     (label, spec), mode = target_of(spec), "aware" if aware else "unaware"
-    mode += "-repair" if cfg.algorithm == "repair" else ""      # MAGEO's loop keeps its files' names
+    mode += "-repair" if cfg.attacker.algorithm == "repair" else ""      # MAGEO's loop keeps its files' names
     lib = tfsg.load_library(run.library_path(), run.limits)
     lib_digest = hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
-    settings = {"target": str(spec), "attacker": attacker_spec or cfg.llm, "judge": cfg.judge or cfg.llm,
+    settings = {"target": str(spec), "attacker": attacker_spec or cfg.llm.llm, "judge": cfg.judge.judge or cfg.llm.llm,
                 "budget": budget, "rounds": rounds, "per_round": per_round,
                 "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD, "library": lib_digest if aware else None,
-                **({"algorithm": "repair", "start": cfg.start, "edit_budget": cfg.edit_budget}
-                   if cfg.algorithm == "repair" else {})}
+                **({"algorithm": "repair", "start": cfg.attacker.start, "edit_budget": cfg.attacker.edit_budget}
+                   if cfg.attacker.algorithm == "repair" else {})}
     check_settings(cfg, f"{label}-{mode}", settings)
     base, shield = load_rankers(run, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \
         rankers.make_rankers(run, [(label, spec)], "attack")[label]
     attacker = run.llm(attacker_spec, stage="attack")
-    judge = run.llm(cfg.judge, stage="attack")          # the run's judge, default its target LLM
+    judge = run.llm(cfg.judge.judge, stage="attack")          # the run's judge, default its target LLM
     engine = (run.llm(stage="attack"), guided(lib) if spec.kind == "shield" else STANDARD)   # the deployed engine
     a = Attack(cfg, label, target, attacker, judge, rounds, per_round, budget, lib if aware else None,
-               algorithm=cfg.algorithm, engine=engine)
+               algorithm=cfg.attacker.algorithm, engine=engine)
     cands = a.run(insts)
     check_settings(cfg, f"{label}-{mode}", settings, pin=True)
-    res = os.path.join(cfg.run_dir, "results")
+    res = os.path.join(cfg.folder.run_dir, "results")
     atomic_write(os.path.join(res, f"attack-{label}-{mode}.jsonl"), "".join(
         json.dumps({"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, **c},
                    ensure_ascii=False) + "\n" for x in insts for c in cands[x.instance_id]))
     block = {"target": str(spec), "attacker": attacker.label, "judge": judge.label,
              "rounds": rounds, "per_round": per_round, "budgets": {},
              "gate": gate_counts(cands), "cost": {}}
-    block.update({"algorithm": "repair"} if cfg.algorithm == "repair" else {})
+    block.update({"algorithm": "repair"} if cfg.attacker.algorithm == "repair" else {})
     llm = run.llm(stage="attack-eval")
-    eval_judge = run.llm(cfg.judge, stage="attack-eval") if cfg.judge else llm
+    eval_judge = run.llm(cfg.judge.judge, stage="attack-eval") if cfg.judge.judge else llm
     ref = clean_reference(cfg, base)
     clean = {r["group_id"]: r for r in eval_condition(
         cfg, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk, ref.pipeline,
@@ -408,10 +409,10 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     block["cost"] = {"attacker": attacker.stats, "judge": judge.stats if judge is not attacker else None,
                      "reranker_queries": a.queries, "candidates": sum(map(len, cands.values())),
                      "run_folder_usage": run.usage()["stages"].get("attack")}
-    attacks = read_json(os.path.join(cfg.run_dir, "summary.json"), {}).get("attack", {})
+    attacks = read_json(os.path.join(cfg.folder.run_dir, "summary.json"), {}).get("attack", {})
     attacks.setdefault(label, {})[mode] = block
     summary = write_summary(run, "attack", {"attack": attacks})
-    report.write_attack_report(cfg.run_dir, summary)
+    report.write_attack_report(cfg.folder.run_dir, summary)
     log(f"[attack] wrote {res}/attack-{label}-{mode}.jsonl and summary.json's attack.{label}.{mode}")
     return block
 

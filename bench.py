@@ -5,7 +5,6 @@ the LLM client; the rerank server against direct scoring. Method and figures: do
 
 Usage: python run.py bench --what score --repeat 5
 """
-import dataclasses
 import importlib.util
 import json
 import multiprocessing as mp
@@ -49,14 +48,15 @@ def bench_folder(cfg):
     """A random real-width Qwen3 checkpoint (hidden 1024, 16/8 heads, MLP 3072, vocab 151669,
     --layers layers), initialised and saved by transformers; made once under --out."""
     import transformers
-    folder = os.path.join(cfg.out, f"bench_qwen3_{cfg.layers}l")
+    folder = os.path.join(cfg.bench.out, f"bench_qwen3_{cfg.bench.layers}l")
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         torch.manual_seed(0)
         config = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
-                                          num_hidden_layers=cfg.layers, num_attention_heads=16, num_key_value_heads=8,
-                                          head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                                          num_hidden_layers=cfg.bench.layers, num_attention_heads=16,
+                                          num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                                          tie_word_embeddings=True,
                                           max_position_embeddings=40960)
-        model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, cfg.dtype))
+        model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, cfg.model.dtype))
         model.save_pretrained(folder, safe_serialization=True)
         tok = tiny.make_tiny_checkpoint(folder + "_tok")
         shutil.copy(os.path.join(tok, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
@@ -291,19 +291,19 @@ def bench_score(cfg):
     model card snippet (full logits), same random real-width weights and ids; plus the GEMM floor of
     our call (`gemm_floor`: the ceiling of any ratio against each peer) and the bf16 matmul rate."""
     import transformers
-    dtype, dev = getattr(torch, cfg.dtype), cfg.device
+    dtype, dev = getattr(torch, cfg.model.dtype), cfg.model.device
     folder = bench_folder(cfg)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
     rr = load_ours(folder, dtype=dtype, device=dev)
-    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if cfg.compile else None
-    work = {"mixed": mixed_lengths(), "fixed": [cfg.seq] * 10}
+    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if cfg.model.compile else None
+    work = {"mixed": mixed_lengths(), "fixed": [cfg.bench.seq] * 10}
     results = {}
     if rc is not None:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
-        rc.score_ids(random_ids(work["mixed"], prefix=cfg.prefix))
+        rc.score_ids(random_ids(work["mixed"], prefix=cfg.bench.prefix))
         results["compile_first_call_s"] = time.perf_counter() - t0
     for name, lens in work.items():
-        ids = random_ids(lens, prefix=cfg.prefix)
+        ids = random_ids(lens, prefix=cfg.bench.prefix)
         pad, mask = (t.to(dev) for t in left_padded(ids))
 
         def transformers_keep1():
@@ -317,7 +317,7 @@ def bench_score(cfg):
         cands = {"ours": lambda: rr.score_ids(ids), "transformers": transformers_keep1}
         if rc is not None:
             cands["ours_compiled"] = lambda: rc.score_ids(ids)
-        if cfg.prefix:
+        if cfg.bench.prefix:
             cands["ours_unshared"] = lambda: unshared(rr, ids)
         if name == "fixed":
             cands["model_card_snippet"] = snippet
@@ -327,7 +327,7 @@ def bench_score(cfg):
             for k, mib in cuda_step_peaks(cands, dev).items():
                 results[f"{name}/{k}_cuda_call_peak_MiB"] = mib
         rounds = []
-        for k, t in race(cands, cfg.repeat, rounds).items():
+        for k, t in race(cands, cfg.bench.repeat, rounds).items():
             results[f"{name}/{k}"] = sum(lens) / t                              # tokens per second
             results[f"{name}/{k}_docs_per_s"] = len(lens) / t                  # the unit providers compare
         peers = ["transformers"] + (["model_card_snippet"] if name == "fixed" else [])
@@ -345,10 +345,10 @@ def bench_score(cfg):
             results[f"{name}/{k}_minor_faults_per_call"] = minor_faults(cands[k])
         if rc is not None:
             results[f"{name}/ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
-        if cfg.prefix:
+        if cfg.bench.prefix:
             results[f"{name}/ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     results["matmul_gflops"] = matmul_gflops(dtype, device=dev)
-    if cfg.against:
+    if cfg.bench.against:
         engine_race(cfg, folder, rr, work, results)
     return results
 
@@ -411,9 +411,9 @@ def engine_race(cfg, folder, rr, work, results):
     per document, raced round-robin with our scorer -> results gains, per workload and engine, documents per
     second, our speed over the engine's (paired median: above 1, ours is faster) and the largest margin
     difference from ours."""
-    scorers = engine_scorers(folder, cfg.against)
+    scorers = engine_scorers(folder, cfg.bench.against)
     for name, lens in work.items():
-        ids = random_ids(lens, prefix=cfg.prefix)
+        ids = random_ids(lens, prefix=cfg.bench.prefix)
         pad, mask = left_padded(ids)
         ours = rr.score_ids(ids).float()
         cands = {"ours": lambda: rr.score_ids(ids)}
@@ -422,7 +422,7 @@ def engine_race(cfg, folder, rr, work, results):
             cands[e] = lambda fn=fn: fn(pad, mask)
             cands[f"{e}_per_doc"] = lambda fn=fn: [fn(*left_padded([x])) for x in ids]
         rounds = []
-        for k, t in race(cands, cfg.repeat, rounds).items():
+        for k, t in race(cands, cfg.bench.repeat, rounds).items():
             if k != "ours":                  # ours: the main race's figure
                 results[f"{name}/{k}_docs_per_s"] = len(lens) / t
                 results[f"{name}/ours_vs_{k}_paired_median"] = paired_ratio(rounds, k)
@@ -496,11 +496,11 @@ def bench_memory(cfg):
     fresh process, on the mixed and fixed workloads of `bench --what score`."""
     folder = bench_folder(cfg)
     res = {}
-    for name, lens in {"mixed": mixed_lengths(), "fixed": [cfg.seq] * 10}.items():
-        kinds = ("ours", "ours_compiled", "transformers") if cfg.compile else ("ours", "transformers")
+    for name, lens in {"mixed": mixed_lengths(), "fixed": [cfg.bench.seq] * 10}.items():
+        kinds = ("ours", "ours_compiled", "transformers") if cfg.model.compile else ("ours", "transformers")
         for kind in kinds:
-            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, cfg.prefix,
-                                                              cfg.dtype)
+            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, cfg.bench.prefix,
+                                                              cfg.model.dtype)
         for kind in kinds[:-1]:
             peer = res[f"{name}/transformers_peak_MiB"]
             res[f"{name}/{kind}_over_transformers"] = res[f"{name}/{kind}_peak_MiB"] / peer
@@ -554,26 +554,27 @@ def bench_train(cfg):
     step's allocation peak above the resident weights, in this process); plus the GEMM floor of our
     step (`gemm_floor`: frozen projections forward and input gradients only; `matmul_floor`: those plus
     LoRA's matmuls and the attention) and the matmul rate."""
-    dtype, dev = getattr(torch, cfg.dtype), cfg.device
+    b = cfg.bench
+    dtype, dev = getattr(torch, cfg.model.dtype), cfg.model.device
     cuda = torch.device(dev).type == "cuda"
     folder = bench_folder(cfg)
-    ids = random_ids([cfg.seq] * 3, prefix=cfg.prefix)
-    kinds = ("ours",) + ("ours_compiled",) * bool(cfg.compile) + ("ours_unshared",) * bool(cfg.prefix) + ("peft",)
+    ids = random_ids([b.seq] * 3, prefix=b.prefix)
+    kinds = ("ours",) + ("ours_compiled",) * bool(cfg.model.compile) + ("ours_unshared",) * bool(b.prefix) + ("peft",)
     res, rounds = {}, []
     if not cuda:  # peak RSS, weights included, each in a fresh process
         for kind in kinds:
-            res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, cfg.dtype)
+            res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, cfg.model.dtype)
     steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor", "matmul_floor"),
                                                           dev).items()}
-    if cfg.compile:  # compilation happens on the first call: timed here, outside the race
+    if cfg.model.compile:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
         steps["ours_compiled"]()
         res["compile_first_call_s"] = time.perf_counter() - t0
     if cuda:  # one step's allocations above the resident weights, all contenders in this process
         for k, mib in cuda_step_peaks(steps, dev).items():
             res[f"{k}_cuda_step_peak_MiB"] = mib
-    for k, t in race(steps, cfg.repeat, rounds).items():
-        res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * cfg.seq / t, t
+    for k, t in race(steps, b.repeat, rounds).items():
+        res[f"{k}_tok_s"], res[f"{k}_s_per_step"] = 3 * b.seq / t, t
     mem = "cuda_step_peak_MiB" if cuda else "peak_MiB"
     for k in kinds[:-1]:
         res[f"{k}_over_peft_memory"] = res[f"{k}_{mem}"] / res[f"peft_{mem}"]
@@ -583,9 +584,9 @@ def bench_train(cfg):
         res[f"{k}_over_matmul_floor_paired_median"] = paired_ratio(rounds, k, "matmul_floor")
     res["ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "gemm_floor")  # see gemm_floor
     res["matmul_ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "matmul_floor")  # see matmul_floor
-    if cfg.compile:
+    if cfg.model.compile:
         res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
-    if cfg.prefix:
+    if b.prefix:
         res["ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     res["matmul_gflops"] = matmul_gflops(dtype, device=dev)
     # the matmul floor's parts, each timed alone after the race (best of 3), and what the attention
@@ -614,9 +615,9 @@ def attention_forwards(qkv, repeat=3):
 def bench_nf4(cfg):
     """Frozen-base memory and scoring speed: our scorer with bf16 projections vs NF4 projections
     (dequantised on the fly), same random real-width weights and ids."""
-    dtype = getattr(torch, cfg.dtype)
+    dtype = getattr(torch, cfg.model.dtype)
     folder = bench_folder(cfg)
-    ids = random_ids([cfg.seq] * 10, prefix=cfg.prefix)
+    ids = random_ids([cfg.bench.seq] * 10, prefix=cfg.bench.prefix)
     res = {}
     for name in ("bf16", "nf4"):
         rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
@@ -625,7 +626,7 @@ def bench_nf4(cfg):
         proj = sum(b.numel() * b.element_size() for n, b in list(rr.model.named_parameters()) +
                    list(rr.model.named_buffers()) if any(t in n for t in lora.TARGETS))
         res[f"{name}_projection_MiB"] = proj / 2 ** 20
-        res[f"{name}_tok_s"] = sum(map(len, ids)) / best_time(lambda: rr.score_ids(ids), cfg.repeat)
+        res[f"{name}_tok_s"] = sum(map(len, ids)) / best_time(lambda: rr.score_ids(ids), cfg.bench.repeat)
     res["memory_ratio_nf4_over_bf16"] = res["nf4_projection_MiB"] / res["bf16_projection_MiB"]
     res["speed_ratio_nf4_over_bf16"] = res["nf4_tok_s"] / res["bf16_tok_s"]
     return res
@@ -679,12 +680,12 @@ def bench_serve(cfg):
     documents of 100-1000 tokens to the rerank server (loopback HTTP, keep-alive), against the same
     requests scored directly in-process (`Reranker.score`, one request after another), in one run:
     requests/s, p50/p99 latency of each, and the server's throughput over direct scoring."""
-    dtype = getattr(torch, cfg.dtype)
+    dtype = getattr(torch, cfg.model.dtype)
     rr = load_ours(bench_folder(cfg), dtype=dtype)
-    n_req = cfg.clients * cfg.requests
+    n_req = cfg.bench.clients * cfg.bench.requests
     reqs = [{"query": f"query {i} about water safety", "documents": bench_documents(rr, 10, 100, 1000, seed=i)}
             for i in range(n_req)]
-    srv = serve.RerankServer(rr, port=0, log=False, max_queue=4 * cfg.clients)
+    srv = serve.RerankServer(rr, port=0, log=False, max_queue=4 * cfg.bench.clients)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = srv.url + "/v1/rerank"
 
@@ -702,23 +703,23 @@ def bench_serve(cfg):
 
         def client(c):
             with requests.Session() as s:
-                for j in range(cfg.requests):
-                    i = c * cfg.requests + j
+                for j in range(cfg.bench.requests):
+                    i = c * cfg.bench.requests + j
                     t = time.perf_counter()
                     resp = s.post(url, json=reqs[i], timeout=3600)
                     resp.raise_for_status()
                     lat[i] = time.perf_counter() - t
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(cfg.clients) as ex:
-            list(ex.map(client, range(cfg.clients)))
+        with ThreadPoolExecutor(cfg.bench.clients) as ex:
+            list(ex.map(client, range(cfg.bench.clients)))
         return time.perf_counter() - t0, lat
 
     rr.score(reqs[0]["query"], reqs[0]["documents"])      # warm-up
     tokens = [sum(map(len, rr.tokenize(r["query"], r["documents"]))) for r in reqs]
-    res = {"clients": cfg.clients, "requests": n_req, "layers": cfg.layers,
+    res = {"clients": cfg.bench.clients, "requests": n_req, "layers": cfg.bench.layers,
            "tokens_per_request": statistics.mean(tokens)}
     ratios = []
-    for rnd in range(cfg.repeat):   # alternating order, as race() does
+    for rnd in range(cfg.bench.repeat):   # alternating order, as race() does
         order = (("direct", direct), ("served", served)) if rnd % 2 == 0 else (("served", served), ("direct", direct))
         times = {}
         for name, fn in order:
@@ -760,21 +761,22 @@ def connection_latency(url, n=100):
 def run_bench(cfg):
     """bench's command: the contest --what names, its peers checked installed first -> its figures. Without
     a C++ compiler (--compile's default then) the compiled contender is left out."""
-    if cfg.compile is None:
-        cfg = dataclasses.replace(cfg, compile=speed.cpp_compiler_available())
-        if not cfg.compile:
+    b = cfg.bench
+    if cfg.model.compile is None:
+        cfg = cfg.replace(compile=speed.cpp_compiler_available())
+        if not cfg.model.compile:
             print("bench: no C++ compiler found, so the compiled contender is left out", file=sys.stderr)
-    if cfg.what not in ("score", "train", "serve") and cfg.device != "cpu":
-        raise SettingsError(f"bench --what {cfg.what} runs on the CPU only; --device takes score and train")
-    if cfg.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
-        missing = [m for m in ("transformers",) + ("peft",) * (cfg.what == "train")
+    if b.what not in ("score", "train", "serve") and cfg.model.device != "cpu":
+        raise SettingsError(f"bench --what {b.what} runs on the CPU only; --device takes score and train")
+    if b.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
+        missing = [m for m in ("transformers",) + ("peft",) * (b.what == "train")
                    if importlib.util.find_spec(m) is None]
-        missing += [m for e in cfg.against or () for m in ENGINE_MODULES[e] if importlib.util.find_spec(m) is None
+        missing += [m for e in b.against or () for m in ENGINE_MODULES[e] if importlib.util.find_spec(m) is None
                     and m not in missing]
         if missing:
-            raise SettingsError(f"bench --what {cfg.what} races {' and '.join(missing)} (not runtime dependencies):"
+            raise SettingsError(f"bench --what {b.what} races {' and '.join(missing)} (not runtime dependencies):"
                                 " pip install -r requirements-test.txt")
-    if cfg.against and (cfg.what != "score" or cfg.device != "cpu"):
+    if b.against and (b.what != "score" or cfg.model.device != "cpu"):
         raise SettingsError("bench --against races CPU engines at --what score on --device cpu")
     return {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
-            "nf4": bench_nf4, "serve": bench_serve}[cfg.what](cfg)
+            "nf4": bench_nf4, "serve": bench_serve}[b.what](cfg)

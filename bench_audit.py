@@ -37,7 +37,6 @@ list with the source replaced is scored by scoring the rewrite once.
 Usage: python run.py bench-audit --bench FILE [--model tiny | --no-exposure] [--k 5] [--folds 5] [--out DIR]
 """
 import collections
-import dataclasses
 import difflib
 import os
 import re
@@ -416,15 +415,16 @@ def _or_dash(v, form="{:g}"):
 def run_audit(cfg, out_dir):
     """bench-audit under its settings (AuditSettings; the reranker with --exposure: --model, 'tiny' made in
     out_dir) -> (result, markdown path)."""
-    if cfg.model == "none":
+    if cfg.model.model == "none":
         raise SettingsError("bench-audit --model none: --no-exposure audits without a reranker")
     rr, note = None, None
-    if cfg.exposure:
-        tiny_model = cfg.model == "tiny"
-        folder = tiny.make_tiny_checkpoint(os.path.join(out_dir, "_tiny_qwen3"), seed=0) if tiny_model else cfg.model
+    if cfg.audit.exposure:
+        tiny_model = cfg.model.model == "tiny"
+        folder = (tiny.make_tiny_checkpoint(os.path.join(out_dir, "_tiny_qwen3"), seed=0) if tiny_model
+                  else cfg.model.model)
         note = TINY_NOTE if tiny_model else None
-        rr = Run(dataclasses.replace(cfg, model=folder)).reranker()
-    result = audit(cfg.bench, rr, k=cfg.k, folds=cfg.folds)
+        rr = Run(cfg.replace(model=folder)).reranker()
+    result = audit(cfg.data.bench, rr, k=cfg.data.k, folds=cfg.audit.folds)
     path = write_audit(result, out_dir, note)
     log(f"[bench-audit] wrote {path} and bench_audit.json")
     return result, path

@@ -463,12 +463,13 @@ def pool_lists(ctx, cfg, fams, groups):
     honest edits). Each further attack passes the families' gate, each honest edit the honest gate, as
     the source's do; a refused one leaves the list without it (fewer attacked documents, or that
     candidate as the search returned it), said in the log."""
+    b = cfg.build
     out = {g["group_id"]: {} for g in groups}
-    picks = co_attack_picks(groups, fams, cfg.attacked, cfg.seed) if cfg.attacked > 1 else {}
+    picks = co_attack_picks(groups, fams, b.attacked, cfg.folder.seed) if b.attacked > 1 else {}
     by_id, got = {g["group_id"]: g for g in groups}, {}
     for f in fams:                      # a rewriter per family, over every candidate it was drawn for
         todo = [at_candidate(by_id[gid], i) for gid, ps in picks.items() for i, m in ps if m == f]
-        done, bad = rewrite_family(ctx, geo_attacks.rewriter(f, cfg.mageo_signal), todo) if todo else ({}, {})
+        done, bad = rewrite_family(ctx, geo_attacks.rewriter(f, b.mageo_signal), todo) if todo else ({}, {})
         for key, why in bad.items():
             log(f"[build-bench] {key}: no further {f} attack ({why})")
         for key, (text, trace) in done.items():
@@ -476,7 +477,7 @@ def pool_lists(ctx, cfg, fams, groups):
     for gid, ps in picks.items():      # in the drawn order: level L holds the first L-1
         out[gid]["co_attacks"] = [got[f"{gid}@{i}"] for i, _ in ps if f"{gid}@{i}" in got]
     refused = {}
-    if cfg.pool == "optimized":
+    if b.pool == "optimized":
         edits, refused = honest_edits(ctx, [at_candidate(g, i) for g in groups for i in range(len(g["docs"]))
                                             if i != g["source_index"]])
         for key, (text, _) in edits.items():
@@ -543,7 +544,8 @@ def read_resource(flag, reader, path):
 def offline_engine_needed(cfg, plan):
     """Whether the build needs the offline engine on loopback: an offline builder or judge, or a simulated
     search (offline:CORPUS)."""
-    return cfg.llm == "offline" or (cfg.fidelity_judge or "").startswith("offline") or plan.corpus is not None
+    judge = cfg.build.fidelity_judge or ""
+    return cfg.llm.llm == "offline" or judge.startswith("offline") or plan.corpus is not None
 
 
 def composition_table(comp):
@@ -555,31 +557,32 @@ def composition_table(comp):
 
 def plan(cfg):
     """Every check the inputs allow, before the first request (and in --dry-run) -> Plan."""
-    fams = known_families(cfg.attacks, geodef.PAPER_METHODS)
-    if cfg.attacks and not cfg.seen_methods:
+    b = cfg.build
+    fams = known_families(b.attacks, geodef.PAPER_METHODS)
+    if b.attacks and not cfg.seen.seen_methods:
         raise SettingsError("--attacks: name the construction (seen) families too, with --seen-methods")
-    seen = known_families(cfg.seen_methods, geodef.PAPER_SEEN_METHODS)
+    seen = known_families(cfg.seen.seen_methods, geodef.PAPER_SEEN_METHODS)
     if [m for m in seen if m not in fams]:
         raise SettingsError(f"--seen-methods {seen}: each must be among --attacks {fams}")
-    if not cfg.input or not cfg.output:
+    if not b.input or not b.output:
         raise SettingsError("build-bench: give --input (the rows) and --output (the JSONL to write)")
-    if cfg.attacked >= cfg.docs:
-        raise SettingsError(f"--attacked {cfg.attacked}: at most --docs - 1 ({cfg.docs - 1}) of a list's candidates")
-    if cfg.groups <= cfg.construction_groups:
-        raise SettingsError(f"--groups {cfg.groups} --construction-groups {cfg.construction_groups}: at least one "
+    if b.attacked >= b.docs:
+        raise SettingsError(f"--attacked {b.attacked}: at most --docs - 1 ({b.docs - 1}) of a list's candidates")
+    if b.groups <= b.construction_groups:
+        raise SettingsError(f"--groups {b.groups} --construction-groups {b.construction_groups}: at least one "
                             "construction group and one test group")
-    if os.path.isdir(cfg.output):
-        raise SettingsError(f"--output {cfg.output}: a folder; give the JSONL file to write")
+    if os.path.isdir(b.output):
+        raise SettingsError(f"--output {b.output}: a folder; give the JSONL file to write")
     corpus = None
-    if cfg.search and cfg.search.provider == "offline":
-        if not os.path.isfile(cfg.search.corpus):
-            raise SettingsError(f"--search {cfg.search}: no such file")
-        corpus = offline_server.load_corpus(cfg.search.corpus)
-    archive = read_resource("--agentic-archive", geo_attacks.read_archive, cfg.agentic_archive)
-    rules = read_resource("--autogeo-rules", geo_attacks.read_rules, cfg.autogeo_rules)
-    cons = construction_families(cfg.construction_families, fams, seen)
-    rows, dropped = usable_rows(read_rows(cfg.input), cfg.search is not None)
-    picked, order = compose(rows, cfg.groups, cfg.construction_groups, cfg.seed)
+    if b.search and b.search.provider == "offline":
+        if not os.path.isfile(b.search.corpus):
+            raise SettingsError(f"--search {b.search}: no such file")
+        corpus = offline_server.load_corpus(b.search.corpus)
+    archive = read_resource("--agentic-archive", geo_attacks.read_archive, b.agentic_archive)
+    rules = read_resource("--autogeo-rules", geo_attacks.read_rules, b.autogeo_rules)
+    cons = construction_families(b.construction_families, fams, seen)
+    rows, dropped = usable_rows(read_rows(b.input), b.search is not None)
+    picked, order = compose(rows, b.groups, b.construction_groups, cfg.folder.seed)
     return Plan(fams, seen, picked, order, dropped, corpus, archive, rules, cons)
 
 
@@ -588,10 +591,11 @@ def dry_run(run):
     retries and JSON re-asks included), search requests, tokens estimated at 4 characters a token, and
     the price with --prices."""
     cfg, p = run.cfg, plan(run.cfg)
+    b = cfg.build
     fams, cons, picked = p.families, p.construction, p.picked
     n_cons = sum(1 for _, s in picked if s == "construction")
     chars = sum(len(max((d["text"] for d in r["docs"]), key=len, default="")) for r, _ in picked) / max(1, len(picked))
-    price = (run.prices or {}).get(accounting.price_key(cfg.llm))
+    price = (run.prices or {}).get(accounting.price_key(cfg.llm.llm))
     stages = {}
     for f in fams:
         n = len(picked) if f in cons else len(picked) - n_cons
@@ -600,7 +604,7 @@ def dry_run(run):
         st = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out}
         stages[f] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
                      "usd_batch_api": None if price is None else accounting.token_cost(price, st, batch=True)}
-    if cfg.honest:                      # one edit per group, each judged like a family's rewrite
+    if b.honest:                      # one edit per group, each judged like a family's rewrite
         n = len(picked)
         st = {"groups": n, "requests": n * REWRITE_TRIES * 2,
               "prompt_tokens": int(n * REWRITE_TRIES * 2 * (chars / 4 + 400)),
@@ -608,8 +612,8 @@ def dry_run(run):
         stages["honest edit"] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
                                  "usd_batch_api": None if price is None else accounting.token_cost(price, st, True)}
     n_test = len(picked) - n_cons
-    extra = {"further attacks": (n_test * (cfg.attacked - 1), max(geo_attacks.FAMILIES[f].calls for f in fams)),
-             "pool honest edits": (n_test * (cfg.docs - 1) * (cfg.pool == "optimized"), 1)}
+    extra = {"further attacks": (n_test * (b.attacked - 1), max(geo_attacks.FAMILIES[f].calls for f in fams)),
+             "pool honest edits": (n_test * (b.docs - 1) * (b.pool == "optimized"), 1)}
     for name, (rewrites, calls) in extra.items():      # --attacked K, --pool optimized: rewrites of other candidates
         if rewrites:
             req = rewrites * calls * REWRITE_TRIES * 2
@@ -621,35 +625,36 @@ def dry_run(run):
     stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
     return {"groups": len(picked), "construction": n_cons, "test": len(picked) - n_cons,
             "instances": {"construction": n_cons * len(cons), "test": (len(picked) - n_cons) * len(fams)},
-            "search_requests": len(picked) if cfg.search else 0, "dropped_up_front": len(p.dropped),
+            "search_requests": len(picked) if b.search else 0, "dropped_up_front": len(p.dropped),
             "stages": stages,
             "note": "upper bounds (gate retries and JSON re-asks included); cached replies cost nothing"}
 
 
 def build_bench(run, p=None):
-    """Build the benchmark file run.cfg.output (settings.BuildConfig; see the module docstring) -> (path,
+    """Build the benchmark file run.cfg.build.output (settings.BuildConfig; see the module docstring) -> (path,
     composition). `p`: the build's Plan when the caller has made it (run.py does, to serve the offline
     corpus)."""
     cfg = run.cfg
+    b = cfg.build
     p = p or plan(cfg)
     fams, seen, cons = p.families, p.seen, p.construction
     llm = run.llm(stage="build-bench")
-    judge = run.llm(cfg.fidelity_judge, stage="build-bench") if cfg.fidelity_judge else None
-    search = SearchClient(cfg.search, run.path("cache", "search"), run.path("usage.jsonl"),
-                          timeout=cfg.timeout or 120, rpm=cfg.rpm, engine_url=run.engine_url) if cfg.search else None
+    judge = run.llm(b.fidelity_judge, stage="build-bench") if b.fidelity_judge else None
+    search = SearchClient(b.search, run.path("cache", "search"), run.path("usage.jsonl"), engine_url=run.engine_url,
+                          timeout=cfg.request.timeout or 120, rpm=cfg.request.rpm) if b.search else None
     groups, dropped = [], list(p.dropped)
     for row in p.order:                 # in the seeded order until --groups lists are complete
-        if len(groups) == cfg.groups:
+        if len(groups) == b.groups:
             break
         if search:
-            docs, pos = candidates(row, search.search(row["query"], cfg.docs + 5), cfg.docs, cfg.seed)
+            docs, pos = candidates(row, search.search(row["query"], b.docs + 5), b.docs, cfg.folder.seed)
         else:
-            docs, pos = own_candidates(row, cfg.docs)
+            docs, pos = own_candidates(row, b.docs)
         if docs is None:
             dropped.append((row, pos))
             continue
         gid = row["group_id"]
-        split = "construction" if len(groups) < cfg.construction_groups else "test"
+        split = "construction" if len(groups) < b.construction_groups else "test"
         other = next((g["group_id"] for g in groups if g["split"] != split and
                       {norm(d["text"]) for d in g["docs"]} & {norm(d["text"]) for d in docs}), None)
         if other:                       # B.1.2: nothing of a group crosses splits
@@ -658,14 +663,14 @@ def build_bench(run, p=None):
         docs = [{"doc_id": f"{gid}-{i}", "url": d["url"], "text": d["text"]} for i, d in enumerate(docs)]
         groups.append({"group_id": gid, "query": row["query"], "split": split, "source_index": pos, "row": row,
                        "docs": docs})
-    ranker = load_rankers(run, False)[0] if "MAGEO" in fams and cfg.mageo_signal == "reranker" and groups else None
-    ctx = geo_jobs.Ctx(llm, cfg.temperature, max(cfg.max_tokens, 4096), cfg.workers, judge=judge,
+    ranker = load_rankers(run, False)[0] if "MAGEO" in fams and b.mageo_signal == "reranker" and groups else None
+    ctx = geo_jobs.Ctx(llm, cfg.llm.temperature, max(cfg.llm.max_tokens, 4096), cfg.request.workers, judge=judge,
                           archive=p.archive, rules=p.rules, ranker=ranker)
-    test_llm = run.llm(cfg.test_llm, stage="build-bench") if cfg.test_llm else None
-    test_judge = cfg.test_fidelity_judge or cfg.fidelity_judge
+    test_llm = run.llm(b.test_llm, stage="build-bench") if b.test_llm else None
+    test_judge = b.test_fidelity_judge or b.fidelity_judge
     test_ctx = dataclasses.replace(ctx, llm=test_llm, judge=run.llm(test_judge, stage="build-bench")
                                    if test_judge else None, calls={}) if test_llm else None
-    attacks, traces, failed = rewrite_all(ctx, fams, cons, groups, cfg.mageo_signal, test_ctx)
+    attacks, traces, failed = rewrite_all(ctx, fams, cons, groups, b.mageo_signal, test_ctx)
     kept = [g for g in groups if attacks[g["group_id"]]]
     dropped += [(g["row"], "; ".join(failed[g["group_id"]].values())) for g in groups if not attacks[g["group_id"]]]
     for g in kept:
@@ -674,12 +679,12 @@ def build_bench(run, p=None):
     for row, why in dropped:
         log(f"[build-bench] dropped {where(row)} ({row['id']}): {why}")
     if not kept:
-        raise SettingsError(f"{cfg.input}: no query group left, all {len(dropped)} dropped "
+        raise SettingsError(f"{b.input}: no query group left, all {len(dropped)} dropped "
                             f"(first: {dropped[0][1] if dropped else 'no rows'})")
     markers = surface_markers(kept, attacks, fams)
     tctx = test_ctx or ctx                               # the test split's builder writes its honest edits too
     edits, refused = None, None
-    if cfg.honest:                       # each split's by its own builder; detect's threshold reads construction's
+    if b.honest:                       # each split's by its own builder; detect's threshold reads construction's
         (edits, refused), (t_edits, t_refused) = (honest_edits(c, [g for g in kept if g["split"] == split])
                                                   for c, split in ((ctx, "construction"), (tctx, "test")))
         edits.update(t_edits)
@@ -692,9 +697,9 @@ def build_bench(run, p=None):
     write(cfg, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused), cons, lists,
           test_llm)
     comp = composition(kept, fams, cons, attacks)
-    log(f"[build-bench] wrote {len(kept)} groups to {cfg.output}; dropped {len(dropped)}; calls {ctx.calls}; "
+    log(f"[build-bench] wrote {len(kept)} groups to {b.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
-    return cfg.output, comp
+    return b.output, comp
 
 
 # Surface features a fixed prompt can stamp on every document of a family: a defense that keys on them
@@ -755,23 +760,24 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
     _meta.pool are written when they are not the paper's (one attacked document, the search's pool).
     test_llm: the test split's builder (--test-llm): _meta.test_builder_llm and test_fidelity_judge name it
     and its judge beside the construction split's builder_llm and fidelity_judge."""
+    b = cfg.build
     attacks, traces, failed = rewrites
     edits, refused = honest_audit
     cons = list(cons or seen)
-    meta = {"name": os.path.basename(cfg.output), "synthetic": bool(cfg.synthetic), "methods": fams,
-            "seen_methods": seen, "n_docs": cfg.docs, "search": search.label if search else None,
-            "builder_llm": llm.label, "fidelity_judge": cfg.fidelity_judge or llm.label, "seed": cfg.seed,
-            "groups": len(groups), "source": os.path.basename(cfg.input),
-            "prompt_digests": geo_attacks.prompt_digests(fams, cfg.mageo_signal),
-            "mageo_signal": cfg.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
+    meta = {"name": os.path.basename(b.output), "synthetic": bool(b.synthetic), "methods": fams,
+            "seen_methods": seen, "n_docs": b.docs, "search": search.label if search else None,
+            "builder_llm": llm.label, "fidelity_judge": b.fidelity_judge or llm.label, "seed": cfg.folder.seed,
+            "groups": len(groups), "source": os.path.basename(b.input),
+            "prompt_digests": geo_attacks.prompt_digests(fams, b.mageo_signal),
+            "mageo_signal": b.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
     if cons != list(seen):
         meta["construction_methods"] = cons
     if test_llm is not None:
         meta.update(test_builder_llm=test_llm.label,
-                    test_fidelity_judge=cfg.test_fidelity_judge or cfg.fidelity_judge or test_llm.label)
-    if cfg.attacked > 1 or cfg.pool != "search":
-        meta.update(attacked=cfg.attacked, pool=cfg.pool)
-        meta.update({"pool_refusals": lists[1]} if cfg.pool != "search" else {})
+                    test_fidelity_judge=b.test_fidelity_judge or b.fidelity_judge or test_llm.label)
+    if b.attacked > 1 or b.pool != "search":
+        meta.update(attacked=b.attacked, pool=b.pool)
+        meta.update({"pool_refusals": lists[1]} if b.pool != "search" else {})
     drops = {f: sum(f in why for why in failed.values()) for f in fams}       # dropped groups' too
     if any(drops.values()):                  # each family's own denominator: the groups it rewrote
         meta["family_drops"] = drops
@@ -779,7 +785,7 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
         n = sum(t is not None for t, _ in edits.values())
         meta.update(honest=True, honest_digest=honest.HonestEdit().digest(), honest_edits=n,
                     honest_edit_rate=round(100.0 * n / max(1, len(edits)), 1), honest_refusals=refused)
-    if cfg.synthetic:
+    if b.synthetic:
         meta["note"] = ("SYNTHETIC: programmatic pages and offline-engine rewrites for offline plumbing; not the "
                         "paper's benchmark and not real web pages. Numbers measured on it say nothing about real "
                         "engines.")
@@ -796,11 +802,11 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
             text, trace = edits[gid]
             line.update(({"honest": text} if text is not None else {}), honest_trace=trace)
         lines.append(json.dumps({**line, "split": g["split"]}, ensure_ascii=False))
-    tmp = f"{cfg.output}.tmp{os.getpid()}"
+    tmp = f"{b.output}.tmp{os.getpid()}"
     try:
         atomic_write(tmp, "\n".join(lines) + "\n")
-        geodef.load_bench(tmp, n_docs=cfg.docs)
-        os.replace(tmp, cfg.output)
+        geodef.load_bench(tmp, n_docs=b.docs)
+        os.replace(tmp, b.output)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

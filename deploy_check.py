@@ -267,7 +267,7 @@ def detect_check(run, spec, lists):
 
 def check(run):
     """deploy-check's own setting, checked before anything runs: an endpoint to check, its key present."""
-    spec = run.cfg.endpoint
+    spec = run.cfg.deploy.endpoint
     if spec is None or spec.kind in ("base", "shield"):
         raise SettingsError("deploy-check: give --endpoint SPEC, the served reranker (http://HOST:PORT[/rerank], "
                             "tei:http://HOST:PORT, cohere:MODEL, ...)")
@@ -285,18 +285,18 @@ def deploy_check(run, spec, rr=None):
     cfg = run.cfg
     rr = rr or run.shield()
     limit = advertised_limit(spec)
-    tokens, why = long_length(cfg.max_length, cfg.long_tokens, limit) if cfg.long else (None, None)
+    tokens, why = long_length(cfg.model.max_length, cfg.deploy.long_tokens, limit) if cfg.deploy.long else (None, None)
     lists = known_lists(run.data, rr, tokens)
-    client = rerank_clients.make_reranker(spec, **({"timeout": cfg.timeout} if cfg.timeout else {}))
+    client = rerank_clients.make_reranker(spec, **({"timeout": cfg.request.timeout} if cfg.request.timeout else {}))
     served, failed = ask(client, lists)
     local = {n: [float(m) for m in rr.score(*lists[n])] for n in served}
 
     def base():
         with lora.lora_disabled(rr.model):
             return {n: [float(m) for m in rr.score(*lists[n])] for n in served}
-    notes = [f"the endpoint takes at most {limit[0]} tokens ({limit[1]}), the Shield {cfg.max_length} "
+    notes = [f"the endpoint takes at most {limit[0]} tokens ({limit[1]}), the Shield {cfg.model.max_length} "
              "(--max-length): a longer document is refused or cut there, not where the Shield cuts it"
-             ] if limit and limit[0] < cfg.max_length else []
+             ] if limit and limit[0] < cfg.model.max_length else []
     out = {"endpoint": str(spec), **compare(local, served, failed, base),
            "long": {"tokens": tokens, "why": why} if tokens else None, "notes": notes,
            "detect": detect_check(run, spec, lists)}

@@ -142,7 +142,7 @@ def pages(groups, families):
 def check(run):
     """A benchmark without honest edits in both splits is refused, naming the build to run."""
     if not has_honest(run.data):
-        raise SettingsError(f"{run.cfg.bench}: no honest edits in both its construction and test groups; detect "
+        raise SettingsError(f"{run.cfg.data.bench}: no honest edits in both its construction and test groups; detect "
                             "measures false positives on them. Build the file with them: python run.py build-bench "
                             "--honest --input ROWS --output FILE (the same flags as this build)")
 
@@ -289,13 +289,13 @@ def detect(run):
             "construction honest edit, whose sources the Shield trained on (its held-out FPR then runs high)")
         hon = [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"]
     calib = {"shield_residual": hon, "text": out_of_fold(cons_pages, data.seen)}
-    thresholds = {d: float(np.quantile(calib[d], 1 - cfg.fpr)) for d in DETECTORS}
+    thresholds = {d: float(np.quantile(calib[d], 1 - cfg.detect.fpr)) for d in DETECTORS}
     recs = []
     for gid, q, kind, fam, t in test_pages:
         s = {"shield_residual": res[q, t], "text": text.score(t)}
         recs.append({"group_id": gid, "kind": kind, "family": fam, "seen": fam in data.seen if fam else None,
                      "scores": s, "flagged": {d: s[d] > thresholds[d] for d in DETECTORS}})
-    out = summarize(recs, data.seen, families, thresholds, cfg.fpr, cfg.n_boot, cfg.seed)
+    out = summarize(recs, data.seen, families, thresholds, cfg.detect.fpr, cfg.rerank.n_boot, cfg.folder.seed)
     folder = run.path("detect")
     write_jsonl(os.path.join(folder, "records.jsonl"), recs)
     write_json(os.path.join(folder, "text_detector.json"), {**text.to_json(), "threshold": thresholds["text"]})

@@ -52,7 +52,8 @@ def ppl_filter(cfg, base, cons, test_insts):
     """B.2.2: GPT-2 perplexity; threshold = ppl_quantile of the construction groups' benign documents;
     flagged candidates moved after unflagged ones, base order kept within each part."""
     # one cache file per scoring model: a perplexity is a property of the text AND the model
-    path = os.path.join(cfg.run_dir, "cache", f"ppl_{re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.ppl_model)}.json")
+    slug = re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.eval.ppl_model)
+    path = os.path.join(cfg.folder.run_dir, "cache", f"ppl_{slug}.json")
     cache = read_json(path, {})
     lm = None
     texts = {hashlib.sha1(d["text"].encode()).hexdigest(): d["text"] for g in cons for d in g.docs}
@@ -61,16 +62,16 @@ def ppl_filter(cfg, base, cons, test_insts):
             texts.setdefault(hashlib.sha1(d.encode()).hexdigest(), d)
     todo = [k for k in texts if k not in cache]
     if todo:
-        folder = cfg.ppl_model
+        folder = cfg.eval.ppl_model
         if folder == "tiny":
-            folder = tiny.make_tiny_gpt2(os.path.join(cfg.runs_dir, "_tiny_gpt2"))
+            folder = tiny.make_tiny_gpt2(os.path.join(cfg.folder.runs_dir, "_tiny_gpt2"))
         lm = gpt2.GPT2.from_pretrained(folder)
         for k in tqdm(todo, desc="ppl", file=sys.stderr):
             cache[k] = lm.perplexity(texts[k])
         write_json(path, cache)
     ppl = lambda t: cache[hashlib.sha1(t.encode()).hexdigest()]
     calib = [ppl(d["text"]) for g in cons for d in g.docs]
-    tau = float(np.quantile(calib, cfg.ppl_quantile))
+    tau = float(np.quantile(calib, cfg.eval.ppl_quantile))
     orders, diag = {}, {"threshold": tau, "calibration_docs": len(calib), "test_instances": 0,
                         "attack_in_base_topk": 0, "attack_flagged": 0, "attack_in_ppl_topk": 0,
                         "attack_removed": 0, "attack_introduced": 0, "benign_flagged": 0, "benign_total": 0}
@@ -80,7 +81,7 @@ def ppl_filter(cfg, base, cons, test_insts):
         o = [i for i in bo if not flagged[i]] + [i for i in bo if flagged[i]]
         orders[x.instance_id] = o
         if x.attack_index is not None:
-            inb, inp = x.attack_index in bo[:cfg.k], x.attack_index in o[:cfg.k]
+            inb, inp = x.attack_index in bo[:cfg.data.k], x.attack_index in o[:cfg.data.k]
             diag["test_instances"] += 1
             diag["attack_in_base_topk"] += inb
             diag["attack_flagged"] += flagged[x.attack_index]
@@ -134,17 +135,17 @@ def pipeline_records(cfg, llm, name, part, tops, p, sample=0):
     in one llm.map (one batch with --batch-api), then the answer requests in another. Each record
     adds what the defense kept and its usage. sample > 0: the whole pipeline's repeat of that index."""
     def ask(prompt):
-        return {"messages": _messages(prompt), "temperature": cfg.temperature, "max_tokens": cfg.max_tokens,
+        return {"messages": _messages(prompt), "temperature": cfg.llm.temperature, "max_tokens": cfg.llm.max_tokens,
                 "json": True, **({"sample": sample} if sample else {})}
     docs = [[x.docs[i] for i in t] for x, t in zip(part, tops)]
     pre = [p.pre(x.query, d) for x, d in zip(part, docs)]
-    flat = iter(llm.map([ask(m) for ms in pre for m in ms], workers=cfg.workers, desc=f"{name} {p.pre_step}")
+    flat = iter(llm.map([ask(m) for ms in pre for m in ms], workers=cfg.request.workers, desc=f"{name} {p.pre_step}")
                 if any(pre) else ())
     pre_replies = [[next(flat) for _ in ms] for ms in pre]
     finals = [p.final(x.query, d, [r.data for r in rs]) for x, d, rs in zip(part, docs, pre_replies)]
     sent = [ask(m) for m, _ in finals if m is not None]
     desc = name + (f" (sample {sample})" if sample else "")
-    replies = iter(llm.map(sent, workers=cfg.workers, desc=desc) if sent else ())
+    replies = iter(llm.map(sent, workers=cfg.request.workers, desc=desc) if sent else ())
     recs = []
     for x, t, rs, (m, kept) in zip(part, tops, pre_replies, finals):
         r = next(replies) if m is not None else None     # None: answered without a call (RobustRAG abstains)
@@ -175,7 +176,7 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge, before
         done = {r["instance_id"]: r for _, r in read_jsonl(path, skip_bad=True)
                 if isinstance(r, dict) and "instance_id" in r}
     todo = [x for x in insts if x.instance_id not in done]
-    chunk = max(cfg.workers * 4, 16)
+    chunk = max(cfg.request.workers * 4, 16)
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
         tops = [topk_of(x) for x in part]
@@ -184,9 +185,9 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge, before
             rec["sample"] = sample
         jreq = [] if not judge_asi else [(i, {"messages": [{"role": "user",
                                    "content": metrics.asi_prompt(x.query, judged_attack(x, rec), rec["answer"])}],
-                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_asi})
+                     "temperature": 0, "max_tokens": cfg.llm.max_tokens, "json": True, "check": metrics.parse_asi})
                 for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
-        jrep = judge.map([q for _, q in jreq], workers=cfg.workers, desc=f"{name} ASI judge",
+        jrep = judge.map([q for _, q in jreq], workers=cfg.request.workers, desc=f"{name} ASI judge",
                          invalid="return") if jreq else []
         for rec in recs if judge_asi else ():
             rec["asi"], rec["asi_judge"] = 0, None    # attack not in context: 0 without a judge call (B.2.3)
@@ -214,7 +215,7 @@ def deployed_conditions(cfg, plan, deployed, local, others):
     out = {}
     for label, spec in deployed:
         rk = local.get(spec.kind) or others[label]
-        topk_of = lambda x, rk=rk: rk.order(x)[:cfg.k]
+        topk_of = lambda x, rk=rk: rk.order(x)[:cfg.data.k]
         out.update({f"{c} [{label}]": Condition(topk_of, plan[c].pipeline) for c in ("Non-Defense", "TFSG only")})
     return out
 
@@ -224,8 +225,8 @@ def answer_conditions(cfg, conds, insts, plan, condition):
     {condition: [the records of sample i] for i in 1..N-1}): eval --samples N repeats each in
     results/<slug>.s<i>.jsonl; every figure but the tables' reads sample 0."""
     results = {c: condition(c, insts, plan[c], condition_slug(c)) for c in conds}
-    repeats = {c: [condition(c, insts, plan[c], f"{condition_slug(c)}.s{i}", sample=i) for i in range(1, cfg.samples)]
-               for c in conds}
+    repeats = {c: [condition(c, insts, plan[c], f"{condition_slug(c)}.s{i}", sample=i)
+                   for i in range(1, cfg.sample.samples)] for c in conds}
     return results, repeats
 
 
@@ -234,7 +235,8 @@ def bench_labels(cfg, meta):
     with its construction (--allow-shared-roles), the groups each family was refused on, and with the test
     split built by another LLM (build-bench --test-llm) the builder of each split."""
     raw = meta.raw
-    out = {"shared_roles": shared_roles(cfg.bench, cfg.llm, cfg.judge), "family_drops": raw.get("family_drops"),
+    out = {"shared_roles": shared_roles(cfg.data.bench, cfg.llm.llm, cfg.judge.judge),
+           "family_drops": raw.get("family_drops"),
            "builders": {"construction": raw.get("builder_llm"), "test": raw["test_builder_llm"]}
            if raw.get("test_builder_llm") else None}
     return {k: v for k, v in out.items() if v}
@@ -249,7 +251,7 @@ def attacked_summary(cfg, insts, conds, every):
     {} on the paper's lists. every(condition): its records."""
     if len(geodef.attacked_levels(insts)) < 2:
         return {}
-    k, source = cfg.k, {x.instance_id: x.doc_ids[x.attack_index] for x in insts}
+    k, source = cfg.data.k, {x.instance_id: x.doc_ids[x.attack_index] for x in insts}
 
     def share(r):
         cited = len(r["cited_ids"])
@@ -263,7 +265,8 @@ def attacked_summary(cfg, insts, conds, every):
             "topk_attack_share": lambda r: 100.0 * r.get("attacks_in_context", r["attack_in_context"]) / k,
             "citation_share": lambda r: 100.0 * share(r)}
     chance = (len(insts[0].docs), k)
-    return {"by_attacked": {c: metrics.by_attacked(every(c), cols, cfg.n_boot, cfg.seed, chance) for c in conds}}
+    return {"by_attacked": {c: metrics.by_attacked(every(c), cols, cfg.rerank.n_boot, cfg.folder.seed, chance)
+                            for c in conds}}
 
 
 def sample_summary(by_condition, conds, n_boot, seed):
@@ -303,7 +306,7 @@ def summarize(recs, clean):
 def transfer_items(run):
     """--transfer "name=path,..." -> [(name, path, library)], each library file read and checked."""
     items = []
-    for name, path in run.cfg.transfer or ():
+    for name, path in run.cfg.eval.transfer or ():
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--transfer: {path}: no library file")
         try:
@@ -317,7 +320,7 @@ def transfer_items(run):
 def reranker_items(cfg, conds=None):
     """eval --reranker LABEL=SPEC ... -> [(label, RerankSpec)], parsed by the settings; with `conds`, those
     some condition deploys ("Non-Defense [LABEL]", ...)."""
-    return [(label, spec) for label, spec in cfg.reranker or []
+    return [(label, spec) for label, spec in cfg.rerank.reranker or []
             if conds is None or any(deployed_label(c) == label for c in conds)]
 
 
@@ -335,9 +338,9 @@ def eval_settings(cfg, conds, transfers):
     each --transfer name the SHA-1 of its library file, and for an injection defense its settings
     (defenses.Pipeline.settings). (Which conditions, methods and test groups are evaluated only
     selects records: not here.)"""
-    s = {"judge": cfg.judge or cfg.llm, "max_tokens": cfg.max_tokens}
+    s = {"judge": cfg.judge.judge or cfg.llm.llm, "max_tokens": cfg.llm.max_tokens}
     if "PPL-Filter" in conds:
-        s.update(ppl_model=cfg.ppl_model, ppl_quantile=cfg.ppl_quantile)
+        s.update(ppl_model=cfg.eval.ppl_model, ppl_quantile=cfg.eval.ppl_quantile)
     if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
         for name, path, _ in transfers:
             s[f"transfer {name}"] = file_sha1(path)[:12]
@@ -368,7 +371,7 @@ def settings_of(name, recs, settings):
 def check_eval_settings(cfg, conds, transfers):
     """Results are resumed record by record, so an eval with another judge (or PPL model, ...) would
     silently reuse the records made with the old one: refused, naming both."""
-    res = os.path.join(cfg.run_dir, "results")
+    res = os.path.join(cfg.folder.run_dir, "results")
     old = read_json(os.path.join(res, "settings.json"), {})
     changed = {k: v for k, v in eval_settings(cfg, conds, transfers).items() if k in old and old[k] != v}
     if changed:
@@ -383,7 +386,7 @@ def eval_conditions(run):
     -> (conditions, transfer_items)."""
     cfg = run.cfg
     named = {"all": CONDITIONS, "paper": PAPER_CONDITIONS}
-    conds = list(named.get(cfg.conditions) or cfg.conditions)
+    conds = list(named.get(cfg.eval.conditions) or cfg.eval.conditions)
     for c in conds:
         if c not in CONDITIONS:
             raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}, 'paper' (the first six) "
@@ -402,7 +405,7 @@ def eval_conditions(run):
         stage = " --stage shield" if os.path.isfile(lib) else " --stage tfsg" if os.path.isfile(adapter) else ""
         rest = [c for c in CONDITIONS if not any(c in needs for _, _, needs in missing)]
         msg = (f"{' and '.join(f'{p}: no {what}' for p, what, _ in missing)}; run `python run.py train "
-               f"--name {cfg.name}{stage}` first ({', '.join(needing)} need{'s' * (len(needing) == 1)} it)")
+               f"--name {cfg.folder.name}{stage}` first ({', '.join(needing)} need{'s' * (len(needing) == 1)} it)")
         raise NotTrainedError(msg + (f", or evaluate the others: --conditions \"{','.join(rest)}\"" if rest else ""))
     return conds, transfers
 
@@ -413,8 +416,8 @@ def ranking_stage(run, conds, deployed):
     process group and rank 0 evaluates alone (run.py's eval). A plain run scores them all. PPL-Filter's
     GPT-2 is resolved first (downloaded, or refused), before the reranker scores every candidate."""
     data = run.data
-    if "PPL-Filter" in conds and run.cfg.ppl_model != "tiny":
-        gpt2.resolve(run.cfg.ppl_model)
+    if "PPL-Filter" in conds and run.cfg.eval.ppl_model != "tiny":
+        gpt2.resolve(run.cfg.eval.ppl_model)
     insts = geodef.expand(data.test, data.methods)
     cleans = [geodef.clean_instance(g) for g in data.test]
     base, shield = load_rankers(run, any(c in WITH_SHIELD for c in conds) or any(s == "shield" for _, s in deployed))
@@ -451,7 +454,7 @@ def evaluate(run, conditions=None, ranked=None):
     for label, rk in others.items():
         rk.prepare(insts)
     llm = run.llm(stage="eval")
-    judge = run.llm(cfg.judge, stage="eval") if cfg.judge else llm   # one client: its adaptations recorded
+    judge = run.llm(cfg.judge.judge, stage="eval") if cfg.judge.judge else llm   # one client: its adaptations recorded
     res = os.path.join(run.dir, "results")
     os.makedirs(res, exist_ok=True)
     settings = os.path.join(res, "settings.json")          # what the records below were made with
@@ -476,8 +479,8 @@ def evaluate(run, conditions=None, ranked=None):
     honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
     every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
     paper = lambda c: metrics.paper_level(every(c))     # the headline: lists with one attacked document
-    summary = {"offline": run.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model,
-               "tfsg_library_ranking": "Shield" if cfg.shield else "base reranker",
+    summary = {"offline": run.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model.model,
+               "tfsg_library_ranking": "Shield" if cfg.tfsg.shield else "base reranker",
                "notes": offline_notes(cfg, meta), "conditions": {c: summarize(paper(c), clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in paper(c) if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
@@ -486,12 +489,13 @@ def evaluate(run, conditions=None, ranked=None):
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
     summary.update(bench_labels(cfg, meta))
     summary.update(attacked_summary(cfg, insts, conds, every))
-    if cfg.samples > 1:
-        summary["samples"] = sample_summary([[results[c], *repeats[c]] for c in conds], conds, cfg.n_boot, cfg.seed)
+    if cfg.sample.samples > 1:
+        summary["samples"] = sample_summary([[results[c], *repeats[c]] for c in conds], conds, cfg.rerank.n_boot,
+                                            cfg.folder.seed)
     if "Non-Defense" in conds:
         summary["attack_strength"] = attack_strength(metrics.paper_level(results["Non-Defense"]), clean, test, methods,
-                                                     cfg.n_boot,
-                                                     cfg.seed)
+                                                     cfg.rerank.n_boot,
+                                                     cfg.folder.seed)
     if "GEO Defender" in conds:
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
         summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
@@ -527,12 +531,12 @@ def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):
     topk = {c: plan[c].topk for c in conds}
     if "PPL-Filter" in conds:           # the same threshold; the new lists' flagged candidates moved last
         orders, _ = ppl_filter(cfg, ranked_by[0], cons, lists)
-        topk["PPL-Filter"] = lambda x: orders[x.instance_id][:cfg.k]
+        topk["PPL-Filter"] = lambda x: orders[x.instance_id][:cfg.data.k]
     out = {}
     for c in conds:
         recs = condition(c, lists, Condition(topk[c], plan[c].pipeline), condition_slug(c) + ".honest", asi=False)
-        out[c] = honest_penalty(recs, results[c], groups, cfg.n_boot, cfg.seed)
-    refused = geodef.read_meta(cfg.bench).raw.get("honest_refusals")      # the editor's refused attempts, by reason
+        out[c] = honest_penalty(recs, results[c], groups, cfg.rerank.n_boot, cfg.folder.seed)
+    refused = geodef.read_meta(cfg.data.bench).raw.get("honest_refusals")      # the editor's refused attempts
     return {"groups": len(groups), "test_groups": len(test), "conditions": out, **({"refusals": refused}
                                                                                   if refused else {})}
 
@@ -610,7 +614,7 @@ def defense_summary(cfg, prices, llm, judge, results, plan, insts, clean, res):
 def clean_reference(cfg, base):
     """B.1.3's clean reference as a Condition: the base reranker's top-k of the clean list, answered with
     the Non-Defense prompt (A.3.7). One helper for every command that measures against it."""
-    return Condition(lambda x: base.order(x)[:cfg.k], STANDARD)
+    return Condition(lambda x: base.order(x)[:cfg.data.k], STANDARD)
 
 
 def cost_per_query(cfg, llm, recs, by_id, pipeline, prices=None):
@@ -625,8 +629,8 @@ def cost_per_query(cfg, llm, recs, by_id, pipeline, prices=None):
         if u is None:
             x = by_id[r["instance_id"]]
             docs = [x.docs[x.doc_ids.index(i)] for i in r["top_ids"]]
-            hit = llm.cache.get(llm.request_key(_messages(pipeline.final(x.query, docs, [])[0]), cfg.temperature,
-                                                cfg.max_tokens, True)[0])
+            hit = llm.cache.get(llm.request_key(_messages(pipeline.final(x.query, docs, [])[0]), cfg.llm.temperature,
+                                                cfg.llm.max_tokens, True)[0])
             if hit is None:
                 unknown += 1
                 continue
@@ -714,7 +718,7 @@ def condition_plan(cfg, conds, base, shield, lib, cons, insts):
     """Each condition's Condition(top-k of an instance, pipeline) -> ({name: Condition}, PPL-Filter
     diagnostics or None). Shield conditions need `shield`, library ones `lib`; the injection defenses
     rank with the base reranker, as Non-Defense."""
-    k = cfg.k
+    k = cfg.data.k
     base_k = lambda x: base.order(x)[:k]
     shield_k = (lambda x: shield.order(x)[:k]) if shield else None
     safety = defenses.one_prompt(lambda query, docs: tfsg.standard_prompt(query, docs, static_safety=True))
@@ -761,31 +765,31 @@ def plan_eval(run, conditions=None):
     cfg, data = run.cfg, run.data
     insts = geodef.expand(data.test, data.methods)
     conds, transfers = conditions or getattr(run, "checked", None) or eval_conditions(run)
-    res = os.path.join(cfg.run_dir, "results")
+    res = os.path.join(cfg.folder.run_dir, "results")
     files = {"clean reference": (os.path.join(res, "clean_reference.jsonl"), len(data.test))}
     files.update({c: (os.path.join(res, condition_slug(c) + ".jsonl"), len(insts)) for c in conds})
     files.update({f"{c} sample {i}": (os.path.join(res, f"{condition_slug(c)}.s{i}.jsonl"), len(insts))
-                  for c in conds for i in range(1, cfg.samples)})              # eval --samples N
+                  for c in conds for i in range(1, cfg.sample.samples)})              # eval --samples N
     if "GEO Defender" in conds:
         files.update({f"GEO Defender E{t}": (os.path.join(res, f"geo_defender_E{t}.jsonl"), len(insts))
-                      for t in range(cfg.n_batches + 1) if os.path.isfile(run.library_path(t))})
+                      for t in range(cfg.tfsg.n_batches + 1) if os.path.isfile(run.library_path(t))})
         files.update({f"GEO Defender [{n}]": (os.path.join(res, f"transfer_{n}.jsonl"), len(insts))
                       for n, _, _ in transfers})
     todo = sum(max(0, n - records_done(p)) for p, n in files.values())
-    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in insts) / max(1, len(insts))
+    ctx = sum(sum(map(len, x.docs[:cfg.data.k])) for x in insts) / max(1, len(insts))
     att = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))
     stages = {"target answers": estimate(todo, ctx + 2500, 300), "ASI judge": estimate(todo, att + 2400, 80)}
     for c in (c for c in conds if c in defenses.PIPELINES and defenses.PIPELINES[c].pre_step):
         # PromptArmor and RobustRAG: k pre-step calls per record (one per document) before its answer
         todo_c = sum(max(0, len(insts) - records_done(p)) for k, (p, _) in files.items()
                      if k == c or k.startswith(f"{c} sample "))
-        stages[f"{c} {defenses.PIPELINES[c].pre_step}"] = estimate(todo_c * cfg.k, ctx / cfg.k + 1300, 150)
+        stages[f"{c} {defenses.PIPELINES[c].pre_step}"] = estimate(todo_c * cfg.data.k, ctx / cfg.data.k + 1300, 150)
     judged = ["GEO Defender"] * ("GEO Defender" in conds) + [c for c in conds if c in defenses.PIPELINES]
     if judged:
         stages["pairwise quality judge"] = estimate(len(insts) * len(judged), 2 * 1200 + 1500, 120)
     honest = plan_honest(cfg, data.test, conds, res, ctx, stages)
-    judge = cfg.judge or cfg.llm
-    model_of = lambda s: judge if "judge" in s else cfg.llm
+    judge = cfg.judge.judge or cfg.llm.llm
+    model_of = lambda s: judge if "judge" in s else cfg.llm.llm
     return {"instances": len(insts), "records_to_make": todo, "stages": stages,
             "usd_at_most": price_plan(run.prices, stages, model_of),
             "usd_at_most_batch_api": price_plan(run.prices, stages, model_of, batch=True),
@@ -804,9 +808,9 @@ def plan_honest(cfg, test, conds, res, ctx, stages):
         return {}
     todo = {c: max(0, 2 * n - records_done(os.path.join(res, condition_slug(c) + ".honest.jsonl"))) for c in conds}
     stages["honest audit answers"] = estimate(sum(todo.values()), ctx + 2500, 300)
+    k = cfg.data.k
     for c in (c for c in conds if c in defenses.PIPELINES and defenses.PIPELINES[c].pre_step):
-        stages[f"honest audit {c} {defenses.PIPELINES[c].pre_step}"] = estimate(todo[c] * cfg.k, ctx / cfg.k + 1300,
-                                                                               150)
+        stages[f"honest audit {c} {defenses.PIPELINES[c].pre_step}"] = estimate(todo[c] * k, ctx / k + 1300, 150)
     return {"honest_audit": {"groups": n, "records_to_make": sum(todo.values()),
                              "extra_calls_per_group_per_condition": "2 (the clean list and the honest list); "
                              "PromptArmor and RobustRAG 2 x (k + 1); no ASI judge"}}
@@ -816,7 +820,7 @@ def library_epochs(run, final, insts, shield_topk, clean, condition):
     """Fig. 5: ASR, ASI and BER of GEO Defender with each library epoch E0..E{n+1} found in the run
     (the final one's records are `final`; the others evaluated through `condition`)."""
     epochs = {}
-    last = run.cfg.n_batches + 1
+    last = run.cfg.tfsg.n_batches + 1
     for t in range(last + 1):
         p = run.library_path(t)
         if not os.path.isfile(p):
@@ -838,8 +842,9 @@ def pairwise_quality(cfg, judge, recs, clean, by_id, res, slug="geo_defender"):
         ref = clean[r["group_id"]]["answer"]
         a, b = (r["answer"], ref) if a_first[r["instance_id"]] else (ref, r["answer"])
         reqs.append({"messages": [{"role": "user", "content": metrics.pairwise_prompt(x.query, a, b)}],
-                     "temperature": 0, "max_tokens": cfg.max_tokens, "json": True, "check": metrics.parse_pairwise})
-    reps = judge.map(reqs, workers=cfg.workers, desc="pairwise quality", invalid="return")
+                     "temperature": 0, "max_tokens": cfg.llm.max_tokens, "json": True,
+                     "check": metrics.parse_pairwise})
+    reps = judge.map(reqs, workers=cfg.request.workers, desc="pairwise quality", invalid="return")
     deltas, rows, failed, clusters = [], [], 0, []
     for r, rep in zip(recs, reps):
         if isinstance(rep, llm_clients.ReplyInvalid):   # left out of Table C.1, counted
@@ -855,7 +860,8 @@ def pairwise_quality(cfg, judge, recs, clean, by_id, res, slug="geo_defender"):
                      "delta": d, "judge": rep.data})
     with open(os.path.join(res, f"quality_{slug}.jsonl"), "w", encoding="utf-8") as f:
         f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in rows)
-    q = metrics.quality_summary(deltas, clusters, n_boot=cfg.n_boot, seed=cfg.seed) if deltas else {"n": 0}
+    q = (metrics.quality_summary(deltas, clusters, n_boot=cfg.rerank.n_boot, seed=cfg.folder.seed) if deltas
+         else {"n": 0})
     q["defended_as_a"] = sum(a_first.values())
     q["judge_failed"] = failed
     return q
@@ -863,11 +869,11 @@ def pairwise_quality(cfg, judge, recs, clean, by_id, res, slug="geo_defender"):
 
 def offline_notes(cfg, meta):
     notes = []
-    if cfg.model == "tiny":
+    if cfg.model.model == "tiny":
         notes.append("Reranker: " + TINY_NOTE + ".")
-    if "offline" in cfg.llm or "offline" in (cfg.judge or ""):
+    if "offline" in cfg.llm.llm or "offline" in (cfg.judge.judge or ""):
         notes.append("LLMs: the offline engine (offline.py), a deterministic SIMULATION; not a real LLM.")
-    if getattr(cfg, "ppl_model", None) == "tiny":
+    if cfg.setting("ppl_model") == "tiny":
         notes.append("PPL-Filter: tiny random-weight GPT-2 (offline plumbing).")
     if meta.synthetic:
         notes.append("Benchmark: SYNTHETIC (build-bench with the offline engine on data/make_sample.py's "

@@ -52,7 +52,7 @@ from evaluation import clean_reference, eval_condition, guided, offline_notes
 from rankers import base_ranker, load_rankers
 from runs import changed_settings, labels_of, log, read_json, read_jsonl, write_json, write_jsonl, write_summary
 from settings import SettingsError
-from train import clean_reference_benign, train_shield
+from train import analyzer_prompt_chars, clean_reference_benign, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
 
@@ -69,7 +69,7 @@ def defense_of(run, k):
     if k == 0:
         return run.path("adapter"), run.library_path()
     return (os.path.join(round_dir(run, k), "adapter"),
-            os.path.join(round_dir(run, k), "library", f"E{run.cfg.n_batches + 1 + k}.json"))
+            os.path.join(round_dir(run, k), "library", f"E{run.cfg.tfsg.n_batches + 1 + k}.json"))
 
 
 def load_defense(run, k):
@@ -85,9 +85,9 @@ def attacked(cfg, path, insts, target, lib, budget, attacker, judge, seed, algor
     target LLM, the repair attacker's engine with the round's Shield and library (GEO Defender)."""
     if os.path.isfile(path):
         return read_attack(path)
-    rounds = rounds_for(budget, cfg.candidates_per_round)
-    cands = Attack(cfg, "shield", target, attacker, judge, rounds, cfg.candidates_per_round, budget,
-                   None if cfg.unaware else lib, seed=seed, algorithm=algorithm,
+    rounds = rounds_for(budget, cfg.attacker.candidates_per_round)
+    cands = Attack(cfg, "shield", target, attacker, judge, rounds, cfg.attacker.candidates_per_round, budget,
+                   None if cfg.harden.unaware else lib, seed=seed, algorithm=algorithm,
                    engine=(llm, guided(lib)) if llm is not None else None).run(insts)
     write_jsonl(path, [{"instance_id": x.instance_id, **c} for x in insts for c in cands[x.instance_id]])
     return cands
@@ -112,7 +112,7 @@ def harvest(run, k, insts, cands, defense, llm, construction_groups):
     """Round k's survivors: gate-passing candidates in the round k-1 Shield's top-k, each marked whether
     the target still cites it under GEO Defender (round k-1 library; no ASI judge) -> survivor records."""
     cfg, (_, shield, lib) = run.cfg, defense
-    found = [(x, c) for x in insts for c in cands[x.instance_id][1:] if c["accepted"] and c["rank"] <= cfg.k]
+    found = [(x, c) for x in insts for c in cands[x.instance_id][1:] if c["accepted"] and c["rank"] <= cfg.data.k]
     bad = sorted({x.group_id for x, _ in found} - construction_groups)
     if bad:                    # never: the attacker saw construction groups only
         raise SettingsError(f"harden round {k}: groups {bad[:3]} among the survivors are not construction "
@@ -120,7 +120,7 @@ def harvest(run, k, insts, cands, defense, llm, construction_groups):
     surv = [survivor_instance(x, c, k) for x, c in found]
     shield.prepare(surv)
     path = os.path.join(round_dir(run, k), "cited.jsonl")
-    recs = eval_condition(cfg, llm, "GEO Defender (survivors)", surv, lambda y: shield.order(y)[:cfg.k],
+    recs = eval_condition(cfg, llm, "GEO Defender (survivors)", surv, lambda y: shield.order(y)[:cfg.data.k],
                           guided(lib), path, judge=llm, judge_asi=False)
     cited = {r["instance_id"]: r["attack_cited"] for r in recs}
     return [{"instance_id": y.instance_id, "group_id": y.group_id, "split": y.split, "method": y.method,
@@ -186,7 +186,7 @@ def update_library(run, k, survivors, defense, target, analyzer, clean):
         return tfsg.load_library(path, run.limits)
     by_id = {x.instance_id: x for x in geodef.expand(data.construction, data.seen)}
     ranked = sorted(survivors, key=lambda r: (not r["tfsg_cited"], hashlib.sha1(
-        f"{cfg.seed}:{k}:{r['instance_id']}".encode()).hexdigest()))[:max(1, cfg.batch_size // 2)]
+        f"{cfg.folder.seed}:{k}:{r['instance_id']}".encode()).hexdigest()))[:max(1, cfg.tfsg.batch_size // 2)]
     attacks = [survivor_instance(by_id[f"{r['group_id']}:{r['source_method']}"],
                                  {"n": r["candidate"], "text": r["text"]}, k) for r in ranked]
     groups = {g.group_id: g for g in data.construction}
@@ -194,21 +194,21 @@ def update_library(run, k, survivors, defense, target, analyzer, clean):
     if not attacks:            # nothing got through: the library stays as it is
         write_json(path, lib.to_dict())
         return lib
-    ranker = shield if cfg.shield else base
+    ranker = shield if cfg.tfsg.shield else base
     ranker.prepare(attacks + controls)
 
     def case(x):
-        top = ranker.order(x)[:cfg.k]
+        top = ranker.order(x)[:cfg.data.k]
         if x.attack_index is not None and x.attack_index not in top:      # the survivor in context
             top = top[:-1] + [x.attack_index]
         return {"case_id": f"case-{hashlib.sha1(x.instance_id.encode()).hexdigest()[:8]}", "query": x.query,
                 "docs": [x.docs[i] for i in top], "labels": labels_of(x, top),
                 "b_clean": clean[x.group_id]["benign_cited"]}
     batch = [case(x) for x in attacks + controls]           # each survivor beside its group's benign list
-    interface = "reasoning" if cfg.reasoning_interface else "structured"
-    return tfsg.update_library(lambda reqs: target.map(reqs, workers=cfg.workers, desc=f"harden r{k} TFSG"),
-                               analyzer.chat, lib, batch, cfg.n_batches + 1 + k, os.path.dirname(path), interface,
-                               tfsg.Controller(limits=run.limits), cfg.temperature, cfg.max_tokens)
+    interface = "reasoning" if cfg.tfsg.reasoning_interface else "structured"
+    return tfsg.update_library(lambda reqs: target.map(reqs, workers=cfg.request.workers, desc=f"harden r{k} TFSG"),
+                               analyzer.chat, lib, batch, cfg.tfsg.n_batches + 1 + k, os.path.dirname(path), interface,
+                               tfsg.Controller(limits=run.limits), cfg.llm.temperature, cfg.llm.max_tokens)
 
 
 # ----------------------------------------------------------------------------- measuring a round
@@ -216,7 +216,7 @@ def update_library(run, k, survivors, defense, target, analyzer, clean):
 
 def test_instances(cfg, data):
     """The test side's instances: the static attacks of the first --eval-groups test groups."""
-    groups = data.test[:cfg.eval_groups] if cfg.eval_groups else data.test
+    groups = data.test[:cfg.harden.eval_groups] if cfg.harden.eval_groups else data.test
     return groups, geodef.expand(groups, data.methods)
 
 
@@ -234,10 +234,10 @@ def measure(run, k, clients, clean):
     llm, judge, _, tester, _ = clients
     groups, insts = test_instances(cfg, data)
     base, shield, lib = load_defense(run, k)
-    budgets = cfg.eval_budgets
+    budgets = cfg.harden.eval_budgets
     cands = attacked(cfg, os.path.join(round_dir(run, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
-                     tester, judge, seed=f"test-{cfg.seed}-{k}", algorithm=cfg.test_algorithm or cfg.algorithm,
-                     llm=llm)
+                     tester, judge, seed=f"test-{cfg.folder.seed}-{k}", llm=llm,
+                     algorithm=cfg.harden.test_algorithm or cfg.attacker.algorithm)
     res = os.path.join(round_dir(run, k), "results")
     setup = (base, shield, lib, data.construction)
     docs = {b: best_documents(insts, cands, b, f"@r{k}-B{b}") for b in budgets}     # the fresh attacker's, per budget
@@ -273,7 +273,7 @@ def clean_kept(cfg, groups, base, shield):
     cleans = [geodef.clean_instance(g) for g in groups]
     base.prepare(cleans)
     shield.prepare(cleans)
-    kept = [len(set(base.order(x)[:cfg.k]) & set(shield.order(x)[:cfg.k])) / cfg.k for x in cleans]
+    kept = [len(set(base.order(x)[:cfg.data.k]) & set(shield.order(x)[:cfg.data.k])) / cfg.data.k for x in cleans]
     return 100.0 * sum(kept) / max(1, len(kept))
 
 
@@ -283,7 +283,7 @@ def crossplay(run, R):
     attacker rounds."""
     cfg = run.cfg
     _, insts = test_instances(cfg, run.data)
-    top = max(cfg.eval_budgets)
+    top = max(cfg.harden.eval_budgets)
     docs = [best_documents(insts, read_attack(os.path.join(round_dir(run, a), "attack-test.jsonl")), top,
                            f"@cross-a{a}") for a in range(R + 1)]
     matrix = []
@@ -292,7 +292,7 @@ def crossplay(run, R):
         row = []
         for ds in docs:
             shield.prepare(ds)
-            row.append(100.0 * sum(x.attack_index in shield.order(x)[:cfg.k] for x in ds) / max(1, len(ds)))
+            row.append(100.0 * sum(x.attack_index in shield.order(x)[:cfg.data.k] for x in ds) / max(1, len(ds)))
         matrix.append(row)
     return matrix
 
@@ -303,13 +303,14 @@ def crossplay(run, R):
 def check_settings(cfg):
     """The settings the rounds' files depend on, pinned in harden/settings.json when the first round
     starts: a rerun that changes one is refused (--rounds may grow: finished rounds are kept)."""
+    a = cfg.attacker
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
             "unaware", "restart", "judge", "max_tokens")
-    now = {k: getattr(cfg, k) for k in keys} | {"eval_budgets": str(cfg.eval_budgets)}    # as its flag's text
-    if cfg.algorithm != "mageo" or (cfg.test_algorithm or cfg.algorithm) != "mageo":   # not MAGEO's on both sides
-        now.update(algorithm=cfg.algorithm, test_algorithm=cfg.test_algorithm or cfg.algorithm, start=cfg.start,
-                   edit_budget=cfg.edit_budget)         # the repair attacker's first document and budget
-    path = os.path.join(cfg.run_dir, "harden", "settings.json")
+    now = {k: cfg.flat()[k] for k in keys} | {"eval_budgets": str(cfg.harden.eval_budgets)}    # as its flag's text
+    if a.algorithm != "mageo" or (cfg.harden.test_algorithm or a.algorithm) != "mageo":   # not MAGEO's on both sides
+        now.update(algorithm=a.algorithm, test_algorithm=cfg.harden.test_algorithm or a.algorithm, start=a.start,
+                   edit_budget=a.edit_budget)         # the repair attacker's first document and budget
+    path = os.path.join(cfg.folder.run_dir, "harden", "settings.json")
     old = read_json(path)
     if old is not None and old != now:     # a record without the algorithms was made with MAGEO's on both sides
         mageo = {"algorithm": "mageo", "test_algorithm": "mageo"}
@@ -327,10 +328,10 @@ def round_clients(run, k):
     judge, training attacker, test attacker, Analyzer)."""
     cfg, stage = run.cfg, f"harden-r{k}"
     llm = run.llm(stage=stage)
-    judge = run.llm(cfg.judge, stage=stage) if cfg.judge else llm
-    attacker = run.llm(cfg.attacker, stage=stage) if cfg.attacker else llm
-    tester = run.llm(cfg.test_attacker, stage=stage) if cfg.test_attacker else attacker
-    analyzer = run.llm(cfg.analyzer, stage=stage) if cfg.analyzer else llm
+    judge = run.llm(cfg.judge.judge, stage=stage) if cfg.judge.judge else llm
+    attacker = run.llm(cfg.attacker.attacker, stage=stage) if cfg.attacker.attacker else llm
+    tester = run.llm(cfg.harden.test_attacker, stage=stage) if cfg.harden.test_attacker else attacker
+    analyzer = run.llm(cfg.tfsg.analyzer, stage=stage) if cfg.tfsg.analyzer else llm
     return llm, judge, attacker, tester, analyzer
 
 
@@ -358,7 +359,7 @@ def retraining(run, k):
     survivors = read_survivors(os.path.join(round_dir(run, k), "survivors.jsonl"))
     if survivors:
         train_shield(run, out=round_dir(run, k), extra=pool_instances(run, k),
-                     init=None if cfg.restart else defense_of(run, k - 1)[0])
+                     init=None if cfg.harden.restart else defense_of(run, k - 1)[0])
     return survivors
 
 
@@ -366,7 +367,7 @@ def train_share(run):
     """A torchrun rank's part of harden (ranks other than 0): each round's retraining, in step with rank 0,
     which makes every LLM call and writes every file. Between two retrainings the ranks wait at a barrier
     while rank 0 measures the round and attacks the next (parallel.WAIT bounds it: 7 days)."""
-    for k in range(1, run.cfg.rounds + 1):
+    for k in range(1, run.cfg.harden.rounds + 1):
         retraining(run, k)
 
 
@@ -377,8 +378,8 @@ def attack_round(run, k, clients, clean_cons):
     folder = round_dir(run, k)
     prev = load_defense(run, k - 1)
     cons = geodef.expand(data.construction, data.seen)
-    cands = attacked(cfg, os.path.join(folder, "attack-train.jsonl"), cons, prev[1], prev[2], cfg.budget, attacker,
-                     judge, seed=f"train-{cfg.seed}-{k}", algorithm=cfg.algorithm, llm=llm)
+    cands = attacked(cfg, os.path.join(folder, "attack-train.jsonl"), cons, prev[1], prev[2], cfg.harden.budget,
+                     attacker, judge, seed=f"train-{cfg.folder.seed}-{k}", algorithm=cfg.attacker.algorithm, llm=llm)
     path = os.path.join(folder, "survivors.jsonl")
     if not os.path.isfile(path):
         write_jsonl(path, harvest(run, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))
@@ -399,12 +400,13 @@ def harden(run):
     """Hardening rounds 1..R on a trained run (module docstring) -> summary.json's harden block."""
     cfg, data = run.cfg, run.data
     settings_path, pinned = check_settings(cfg)
-    made = [k for k in range(1, cfg.rounds + 1) if os.path.isfile(os.path.join(round_dir(run, k), "survivors.jsonl"))]
+    made = [k for k in range(1, cfg.harden.rounds + 1)
+            if os.path.isfile(os.path.join(round_dir(run, k), "survivors.jsonl"))]
     pool_instances(run, len(made))        # the finished rounds' survivors files, checked before any call
     write_json(settings_path, pinned)
     clean_cons, clean_test = clean_references(run, run.llm(stage="harden-r0"))
     rounds = [measure(run, 0, round_clients(run, 0), clean_test)]
-    for k in range(1, cfg.rounds + 1):
+    for k in range(1, cfg.harden.rounds + 1):
         clients = round_clients(run, k)
         trained = attack_round(run, k, clients, clean_cons)
         rounds.append({**measure(run, k, clients, clean_test), **trained})
@@ -414,20 +416,21 @@ def harden(run):
         costs = [v["cost_usd"] for v in rows]
         r["cost"] = {"replies": sum(v["replies"] for v in rows),
                      "usd": None if None in costs else round(sum(costs), 6)}
-    block = {"settings": pinned, "rounds": rounds, "k": cfg.k, "notes": offline_notes(cfg, data.meta),
+    block = {"settings": pinned, "rounds": rounds, "k": cfg.data.k, "notes": offline_notes(cfg, data.meta),
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
-                           "exposure": crossplay(run, cfg.rounds)}}
+                           "exposure": crossplay(run, cfg.harden.rounds)}}
     summary = write_summary(run, "harden", {"harden": block})
-    report.write_harden_report(cfg.run_dir, summary)
-    log(f"[harden] wrote {cfg.run_dir}/harden_report.md and summary.json's harden block")
+    report.write_harden_report(cfg.folder.run_dir, summary)
+    log(f"[harden] wrote {cfg.folder.run_dir}/harden_report.md and summary.json's harden block")
     return block
 
 
 def check(run):
     """harden's own settings, checked before anything runs (a dry run's too): the test groups asked for,
     and the settings of the rounds already made (check_settings)."""
-    if run.cfg.eval_groups > len(run.data.test):
-        raise SettingsError(f"--eval-groups {run.cfg.eval_groups}: the benchmark has {len(run.data.test)} test groups")
+    if run.cfg.harden.eval_groups > len(run.data.test):
+        raise SettingsError(f"--eval-groups {run.cfg.harden.eval_groups}: the benchmark has {len(run.data.test)} test "
+                            "groups")
     check_settings(run.cfg)
 
 
@@ -435,32 +438,33 @@ def dry_run(run):
     """What `harden` would send, without sending anything: upper bounds per round (JSON re-asks
     included), prompt tokens at 4 characters a token, the price with --prices, full and batch."""
     cfg, data = run.cfg, run.data
+    hd = cfg.harden
     cons = geodef.expand(data.construction, data.seen)
     _, test = test_instances(cfg, data)
-    budgets = cfg.eval_budgets
+    budgets = hd.eval_budgets
     doc = sum(len(x.docs[x.attack_index]) for x in cons + test) / max(1, len(cons + test))
-    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in test) / max(1, len(test))
-    rounds = lambda b: rounds_for(b, cfg.candidates_per_round)
+    ctx = sum(sum(map(len, x.docs[:cfg.data.k])) for x in test) / max(1, len(test))
+    rounds = lambda b: rounds_for(b, cfg.attacker.candidates_per_round)
     evaluated = len(test) * (len(budgets) + 2) * len(MEASURED)           # budgets, static, stale
-    written = cfg.candidates_per_round * doc / 4
-    per_round = {"training attacker": estimate(2 * len(cons) * rounds(cfg.budget), 3 * doc + 1200, written),
+    written = cfg.attacker.candidates_per_round * doc / 4
+    per_round = {"training attacker": estimate(2 * len(cons) * rounds(hd.budget), 3 * doc + 1200, written),
                  "test attacker": estimate(2 * len(test) * rounds(max(budgets)), 3 * doc + 1200, written),
-                 "fidelity judge": estimate(2 * (len(cons) * (cfg.budget - 1) + len(test) * (max(budgets) - 1)),
+                 "fidelity judge": estimate(2 * (len(cons) * (hd.budget - 1) + len(test) * (max(budgets) - 1)),
                                             2 * doc + 600, 60),
-                 "target answers": estimate(len(cons) * (cfg.budget - 1) + cfg.batch_size + evaluated,
+                 "target answers": estimate(len(cons) * (hd.budget - 1) + cfg.tfsg.batch_size + evaluated,
                                             ctx + 2500, 400),
                  "ASI judge": estimate(2 * evaluated, doc + 2400, 80),
-                 "Analyzer": estimate(1, cfg.batch_size * (cfg.k * cfg.analyzer_doc_chars + 1500) + 6000, 1500)}
-    engine = (len(cons) * cfg.budget if cfg.algorithm == "repair" else 0) + \
-        (len(test) * max(budgets) if (cfg.test_algorithm or cfg.algorithm) == "repair" else 0)
+                 "Analyzer": estimate(1, analyzer_prompt_chars(cfg), 1500)}
+    engine = (len(cons) * hd.budget if cfg.attacker.algorithm == "repair" else 0) + \
+        (len(test) * max(budgets) if (hd.test_algorithm or cfg.attacker.algorithm) == "repair" else 0)
     if engine:              # the repair attacker's signal: the engine answers every candidate it scores
         per_round["repair engine answers"] = estimate(engine, ctx + 2500, 400)
-    models = {"training attacker": cfg.attacker, "test attacker": cfg.test_attacker or cfg.attacker,
-              "fidelity judge": cfg.judge, "ASI judge": cfg.judge, "Analyzer": cfg.analyzer}
-    model = lambda s: models.get(s) or cfg.llm          # each stage priced at its own client's model
+    models = {"training attacker": cfg.attacker.attacker, "test attacker": hd.test_attacker or cfg.attacker.attacker,
+              "fidelity judge": cfg.judge.judge, "ASI judge": cfg.judge.judge, "Analyzer": cfg.tfsg.analyzer}
+    model = lambda s: models.get(s) or cfg.llm.llm          # each stage priced at its own client's model
     batched = price_plan(run.prices, {s: v for s, v in per_round.items() if s != "Analyzer"}, model, batch=True)
     alone = price_plan(run.prices, {"Analyzer": per_round["Analyzer"]}, model)
-    return {"rounds": cfg.rounds, "construction_instances": len(cons), "test_instances": len(test),
+    return {"rounds": hd.rounds, "construction_instances": len(cons), "test_instances": len(test),
             "per_round": per_round, "usd_per_round": price_plan(run.prices, per_round, model),
             "usd_per_round_batch_api": None if batched is None or alone is None else batched + alone,
             "note": "upper bounds per round (round 0 measures only: no attacker on construction groups, no "

@@ -67,26 +67,27 @@ DETECT_FPR = 0.05                 # the detection side's threshold: this FPR on 
 def families(cfg, data):
     """The families to hold out in turn (--families; default every family the construction groups
     hold) and the construction families -> (held out, construction)."""
+    h = cfg.holdout
     cons = data.meta.construction()
     if len(cons) < 2:
-        raise SettingsError(f"{cfg.bench}: its construction groups hold one family ({cons}); nothing can be held "
+        raise SettingsError(f"{cfg.data.bench}: its construction groups hold one family ({cons}); nothing can be held "
                             "out. Build it with build-bench --construction-families all")
-    if cfg.families == ALL:
+    if h.families == ALL:
         return list(cons), list(cons)
-    asked = list(cfg.families)
+    asked = list(h.families)
     twice = sorted({m for m in asked if asked.count(m) > 1})
     if twice:                                        # each would run its fold again
-        raise SettingsError(f"--families {cfg.families}: {', '.join(twice)} given twice; name each family once")
+        raise SettingsError(f"--families {h.families}: {', '.join(twice)} given twice; name each family once")
     absent = [m for m in asked if m not in cons]
     if absent:
-        raise SettingsError(f"--families {cfg.families}: {absent} have no construction instances in {cfg.bench} "
+        raise SettingsError(f"--families {h.families}: {absent} have no construction instances in {cfg.data.bench} "
                             f"(its construction groups hold {cons}; build-bench --construction-families all)")
     return asked, list(cons)
 
 
 def fold_settings(cfg, name, trained):
     """A fold's settings: the run's, in the run folder <run>/holdout/<name>, trained on `trained`."""
-    return dataclasses.replace(cfg, runs_dir=os.path.join(cfg.run_dir, "holdout"), name=name,
+    return cfg.replace(runs_dir=os.path.join(cfg.folder.run_dir, "holdout"), name=name,
                                seen_methods=tuple(trained))
 
 
@@ -98,9 +99,9 @@ def folds(run):
     out = [(f"without-{f}", f, fold_settings(cfg, f"without-{f}", [m for m in cons if m != f])) for f in held]
     out += [(ALL, None, fold_settings(cfg, ALL, cons))]
     for _, _, fcfg in out:
-        fold, inst = fold_run(run, fcfg), geodef.expand(data.construction, list(fcfg.seen_methods))
+        fold, inst = fold_run(run, fcfg), geodef.expand(data.construction, list(fcfg.seen.seen_methods))
         fold.shield_split(inst)
-        if cfg.llm_stage:
+        if cfg.holdout.llm_stage:
             fold.tfsg_schedule(inst)
     return out
 
@@ -112,7 +113,7 @@ def fold_run(run, fcfg, construction=None):
     """A fold's Run: the holdout's services and its benchmark as read once (the same groups and split),
     with the fold's settings and seen families; construction: its own construction groups (the paper's
     regime trains every fold on as many instances, equal_size)."""
-    data = run.data._replace(seen=list(fcfg.seen_methods))
+    data = run.data._replace(seen=list(fcfg.seen.seen_methods))
     return run.with_settings(fcfg, data if construction is None else data._replace(construction=construction))
 
 
@@ -147,7 +148,7 @@ def paired_gap(cfg, a, b):
     diffs = [sum(a[g]) / len(a[g]) - sum(b[g]) / len(b[g]) for g in gids]
     if not diffs:
         return {"gap": None, "gap_ci": None, "groups": 0}
-    ci = metrics.cluster_bootstrap_ci(diffs, gids, n_boot=cfg.n_boot, seed=cfg.seed)
+    ci = metrics.cluster_bootstrap_ci(diffs, gids, n_boot=cfg.rerank.n_boot, seed=cfg.folder.seed)
     return {"gap": sum(diffs) / len(diffs), "gap_ci": list(ci), "groups": len(gids)}
 
 
@@ -180,12 +181,12 @@ def fold_row(cfg, family, trained, recs, ref, others):
     trained without another held-out family (the size-matched reference)."""
     base, shield = recs["base"], recs["shield"]
     row = {"family": family, "trained_on": trained,
-           "strength": rerank_eval.family_strength([r for r in base if r["method"] == family], cfg.k, cfg.n_boot,
-                                                   cfg.seed).get(family)}
+           "strength": rerank_eval.family_strength([r for r in base if r["method"] == family], cfg.data.k,
+                                                   cfg.rerank.n_boot, cfg.folder.seed).get(family)}
     for name, ms in (("held_out", [family]), ("trained", trained)):
         rs = [r for r in shield if r["method"] in ms]
         ci = metrics.cluster_bootstrap_ci([100.0 * r["exposed"] for r in rs], [r["group_id"] for r in rs],
-                                          n_boot=cfg.n_boot, seed=cfg.seed) if rs else None
+                                          n_boot=cfg.rerank.n_boot, seed=cfg.folder.seed) if rs else None
         row[name] = {"instances": len(rs), "base_exposure": rate(base, ms),
                      "shield_exposure": rate(shield, ms), "shield_exposure_ci": list(ci) if ci else None}
     seen, row["seen_exposure"] = matched(others, family)
@@ -204,30 +205,28 @@ def fold_row(cfg, family, trained, recs, ref, others):
 def holdout(run):
     """Every fold, then holdout/summary.json and holdout/report.md -> the summary."""
     cfg, data = run.cfg, run.data
-    if cfg.seen_size:
+    if cfg.holdout.seen_size:
         return regime(run)
     plan = folds(run)
     recs = {}
     for name, family, fcfg in plan:
-        log(f"[holdout] fold {name}: the Shield{' and library' if cfg.llm_stage else ''} trained on "
-            f"{fcfg.seen_methods}")
-        recs[name] = run_fold(run, fcfg, cfg.llm_stage)
+        log(f"[holdout] fold {name}: the Shield{' and library' if cfg.holdout.llm_stage else ''} trained on "
+            f"{fcfg.seen.seen_methods}")
+        recs[name] = run_fold(run, fcfg, cfg.holdout.llm_stage)
     ref = recs[ALL]
     held = [family for _, family, _ in plan if family is not None]
-    rows = [fold_row(cfg, family, list(fcfg.seen_methods), recs[name], ref,
+    rows = [fold_row(cfg, family, list(fcfg.seen.seen_methods), recs[name], ref,
                      [recs[f"without-{g}"] for g in held if g != family])
             for name, family, fcfg in plan if family is not None]
     if detect.has_honest(data):            # the detection side: the text detector of each fold, never given F
         for r in rows:
-            r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, cfg.n_boot,
-                                                   cfg.seed)
+            r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, cfg.rerank.n_boot,
+                                                   cfg.folder.seed)
     unseen = [m for m in data.methods if m not in data.meta.construction()]
-    summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
-               "test_groups": len(data.test), "folds": rows, "builders": builders(data.meta),
+    summary = {**summary_head(cfg, data), "folds": rows,
                "never_trained": {m: rate(ref["shield"], [m]) for m in unseen},
-               "all_families_exposure": rate(ref["shield"], data.meta.construction()),
-               "notes": offline_notes(cfg, data.meta)}
-    out = os.path.join(cfg.run_dir, "holdout")
+               "all_families_exposure": rate(ref["shield"], data.meta.construction())}
+    out = os.path.join(cfg.folder.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)
     return summary
@@ -238,30 +237,32 @@ def dry_run(run):
     steps, whether its Shield is already trained, the test instances it scores, and with --llm-stage
     the requests its library and its two conditions would send (train's and eval's dry runs)."""
     cfg, data = run.cfg, run.data
-    if cfg.seen_size:
+    h = cfg.holdout
+    if h.seen_size:
         out = {}
         for name, seen, fcfg, groups in regime_folds(run):
             fold = fold_run(run, fcfg, groups)
             opt, _ = fold.shield_split(geodef.expand(groups, seen))
-            out[name] = {"trained_on": list(seen), "seed": fcfg.seed, "instances": len(geodef.expand(groups, seen)),
-                         "shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum),
-                         "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json")),
-                         **({"train": plan_train(fold)["stages"]} if cfg.llm_stage else {})}
-        return {"folds": out, **({} if cfg.llm_stage else {"llm_requests": 0})}
+            out[name] = {"trained_on": list(seen), "seed": fcfg.folder.seed,
+                         "instances": len(geodef.expand(groups, seen)),
+                         "shield_optimizer_steps": cfg.shield.optimizer_steps(len(opt)),
+                         "shield_trained": os.path.isfile(os.path.join(fcfg.folder.run_dir, "shield_done.json")),
+                         **({"train": plan_train(fold)["stages"]} if h.llm_stage else {})}
+        return {"folds": out, **({} if h.llm_stage else {"llm_requests": 0})}
     out = {}
     for name, family, fcfg in folds(run):
-        opt, _ = fold_run(run, fcfg).shield_split(geodef.expand(data.construction, list(fcfg.seen_methods)))
-        out[name] = {"held_out": family, "trained_on": list(fcfg.seen_methods),
-                     "shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum),
-                     "shield_trained": os.path.isfile(os.path.join(fcfg.run_dir, "shield_done.json")),
+        opt, _ = fold_run(run, fcfg).shield_split(geodef.expand(data.construction, list(fcfg.seen.seen_methods)))
+        out[name] = {"held_out": family, "trained_on": list(fcfg.seen.seen_methods),
+                     "shield_optimizer_steps": cfg.shield.optimizer_steps(len(opt)),
+                     "shield_trained": os.path.isfile(os.path.join(fcfg.folder.run_dir, "shield_done.json")),
                      "test_instances_scored": len(data.test) * len(data.methods)}
-        if cfg.llm_stage:        # eval's requests at most: the clean reference, both conditions, E0..E4, quality
+        if h.llm_stage:        # eval's requests at most: the clean reference, both conditions, E0..E4, quality
             n = len(data.test) * len(data.methods)
-            answers = len(data.test) + n * (len(LLM_CONDITIONS) + cfg.n_batches + 1)
+            answers = len(data.test) + n * (len(LLM_CONDITIONS) + cfg.tfsg.n_batches + 1)
             out[name]["train"] = plan_train(fold_run(run, fcfg))["stages"]
             out[name]["eval_requests_at_most"] = {"target answers": answers, "ASI judge": answers,
                                                   "pairwise quality judge": n}
-    return {"folds": out, **({} if cfg.llm_stage else {"llm_requests": 0})}
+    return {"folds": out, **({} if h.llm_stage else {"llm_requests": 0})}
 
 
 # ----------------------------------------------------------------------------- the paper's regime (--seen-size S)
@@ -285,24 +286,25 @@ def regime_folds(run):
     instances (equal_size) and picking its epoch on a monitoring split of its own families. Each fold's
     Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
     cfg, data = run.cfg, run.data
+    h = cfg.holdout
     cons = data.meta.construction()
-    if cfg.seen_size > len(cons) or not [m for m in data.methods if m not in cons[:cfg.seen_size]]:
-        raise SettingsError(f"--seen-size {cfg.seen_size}: {cfg.bench}'s construction groups hold {len(cons)} "
+    if h.seen_size > len(cons) or not [m for m in data.methods if m not in cons[:h.seen_size]]:
+        raise SettingsError(f"--seen-size {h.seen_size}: {cfg.data.bench}'s construction groups hold {len(cons)} "
                             f"families ({', '.join(cons)}) and some evaluated family must stay unseen")
-    subsets = list(itertools.combinations(cons, cfg.seen_size))
-    if cfg.subsets and cfg.subsets < len(subsets):
-        picked = set(random.Random(cfg.seed).sample(range(len(subsets)), cfg.subsets))
+    subsets = list(itertools.combinations(cons, h.seen_size))
+    if h.subsets and h.subsets < len(subsets):
+        picked = set(random.Random(cfg.folder.seed).sample(range(len(subsets)), h.subsets))
         subsets = [a for i, a in enumerate(subsets) if i in picked]
     size = min(len(geodef.expand(data.construction, a)) for a in subsets)
     out = []
     for a in subsets:
-        groups = equal_size(data.construction, a, size, cfg.seed)
-        for j in range(cfg.seeds):
+        groups = equal_size(data.construction, a, size, cfg.folder.seed)
+        for j in range(h.seeds):
             name = f"seen-{'_'.join(a)}-seed{j}"
-            fcfg = dataclasses.replace(fold_settings(cfg, name, a), seed=cfg.seed + j)
+            fcfg = fold_settings(cfg, name, a).replace(seed=cfg.folder.seed + j)
             fold, inst = fold_run(run, fcfg, groups), geodef.expand(groups, a)
             fold.shield_split(inst)
-            if cfg.llm_stage:
+            if h.llm_stage:
                 fold.tfsg_schedule(inst)
             out.append((name, a, fcfg, groups))
     return out
@@ -333,7 +335,7 @@ def over_folds(cfg, diffs):
     common = sorted(set.intersection(*(set(d) for d in diffs.values())))
     matrix = [[d[g] for g in common] for d in diffs.values()]
     return {"gap": float(np.mean(matrix)) if common else None, "groups": len(common),
-            "gap_ci": list(fold_group_bootstrap_ci(matrix, cfg.n_boot, cfg.seed)) if common else None}
+            "gap_ci": list(fold_group_bootstrap_ci(matrix, cfg.rerank.n_boot, cfg.folder.seed)) if common else None}
 
 
 def regime(run):
@@ -342,16 +344,17 @@ def regime(run):
     the mean gap with a CI over folds and groups, and its spread over the subsets; with --llm-stage the
     same of ASR under LLM_CONDITIONS (each fold's library and eval records)."""
     cfg, data = run.cfg, run.data
+    h = cfg.holdout
     rows, diffs, asr = [], {}, {c: {} for c in LLM_CONDITIONS}
     for name, seen, fcfg, groups in regime_folds(run):
-        log(f"[holdout] fold {name}: the Shield{' and library' if cfg.llm_stage else ''} trained on "
-            f"{', '.join(seen)} (seed {fcfg.seed})")
-        recs = run_fold(run, fcfg, cfg.llm_stage, groups)
+        log(f"[holdout] fold {name}: the Shield{' and library' if h.llm_stage else ''} trained on "
+            f"{', '.join(seen)} (seed {fcfg.folder.seed})")
+        recs = run_fold(run, fcfg, h.llm_stage, groups)
         unseen = [m for m in data.methods if m not in seen]
         diffs[name], u, s = unseen_minus_seen(recs["shield"], seen, unseen)
-        rows.append({"fold": name, "seen": list(seen), "unseen": unseen, "seed": fcfg.seed,
+        rows.append({"fold": name, "seen": list(seen), "unseen": unseen, "seed": fcfg.folder.seed,
                      "instances": len(geodef.expand(groups, seen)),
-                     "steps": read_json(os.path.join(fcfg.run_dir, "shield_done.json"), {}).get("steps"),
+                     "steps": read_json(os.path.join(fcfg.folder.run_dir, "shield_done.json"), {}).get("steps"),
                      "seen_exposure": rate(recs["shield"], seen), "unseen_exposure": rate(recs["shield"], unseen),
                      "base_seen_exposure": rate(recs["base"], seen),
                      "base_unseen_exposure": rate(recs["base"], unseen),
@@ -365,14 +368,13 @@ def regime(run):
     for r in rows:
         by_subset.setdefault(", ".join(r["seen"]), []).append(r["gap"]["gap"])
     subset_gaps = {k: sum(v) / len(v) for k, v in by_subset.items() if None not in v}
-    summary = {"k": cfg.k, "bench": os.path.basename(cfg.bench), "construction_families": data.meta.construction(),
-               "test_groups": len(data.test), "notes": offline_notes(cfg, data.meta), "builders": builders(data.meta),
-               "regime": {"seen_size": cfg.seen_size, "subsets": len(by_subset), "seeds": cfg.seeds, "folds": rows,
+    summary = {**summary_head(cfg, data),
+               "regime": {"seen_size": h.seen_size, "subsets": len(by_subset), "seeds": h.seeds, "folds": rows,
                           **over_folds(cfg, diffs), "subset_gaps": subset_gaps,
                           "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None}}
-    if cfg.llm_stage:
+    if h.llm_stage:
         summary["regime"]["asr"] = {c: over_folds(cfg, d) for c, d in asr.items()}
-    out = os.path.join(cfg.run_dir, "holdout")
+    out = os.path.join(cfg.folder.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)
     return summary
@@ -395,6 +397,14 @@ def regime_table(s):
                      f"{a['gap']:+.1f} [{a['gap_ci'][0]:+.1f}, {a['gap_ci'][1]:+.1f}]") + " (CI over folds and "
                      "groups); per fold " + ", ".join(gap_text(f["asr"][c]["gap"]) for f in r["folds"]))
     return "\n".join(lines)
+
+
+def summary_head(cfg, data):
+    """What every holdout summary opens with: the top-k, the benchmark and its construction families, the
+    test groups, who built them, and the offline notes."""
+    return {"k": cfg.data.k, "bench": os.path.basename(cfg.data.bench), "test_groups": len(data.test),
+            "construction_families": data.meta.construction(), "builders": builders(data.meta),
+            "notes": offline_notes(cfg, data.meta)}
 
 
 def builders(meta):

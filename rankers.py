@@ -174,8 +174,8 @@ def ranker_identity(cfg, rr, adapter=None):
     config.json pins for them (model, dtype, NF4, max length, the benchmark's content: None for
     build-bench, which scores before its benchmark exists; the hub revision as resolved), and the SHA-1
     of the Shield adapter's weights (None: the base policy)."""
-    bench = getattr(cfg, "bench", None)
-    return {"model": cfg.model, "revision": rr.revision, "dtype": cfg.dtype, "quant": cfg.quant,
+    bench = cfg.setting("bench")
+    return {"model": cfg.model.model, "revision": rr.revision, "dtype": cfg.model.dtype, "quant": cfg.model.quant,
             "max_length": rr.max_length, "bench_sha1": bench and file_sha1(bench), "adapter_sha1": None
             if adapter is None else file_sha1(os.path.join(adapter, "adapter_model.safetensors"))}
 
@@ -267,7 +267,7 @@ def make_rankers(run, items, stage, rr=None):
             out[label] = shield_ranker(run, rr)
         else:
             client = rerank_clients.make_reranker(spec, cache_dir=run.path("cache", "rerank"),
-                                                  ledger=run.path("usage.jsonl"), stage=stage, rpm=cfg.rpm,
-                                                  **({"timeout": cfg.timeout} if cfg.timeout else {}))
-            out[label] = RemoteRanker(client, label, cfg.workers)
+                                                  ledger=run.path("usage.jsonl"), stage=stage, rpm=cfg.request.rpm,
+                                                  **({"timeout": cfg.request.timeout} if cfg.request.timeout else {}))
+            out[label] = RemoteRanker(client, label, cfg.request.workers)
     return out

@@ -135,11 +135,11 @@ def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
 def check_items(cfg):
     """rerank-eval's --reranker specs, checked before anything runs (every endpoint's key present) -> [(label,
     RerankSpec)]."""
-    if not cfg.reranker:
+    if not cfg.rerank.reranker:
         raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
                             "jina:MODEL, voyage:MODEL, http://HOST:PORT[/rerank], tei:http://HOST:PORT, "
                             "vllm-score:http://HOST:PORT)")
-    return rankers.check_specs(cfg.reranker)
+    return rankers.check_specs(cfg.rerank.reranker)
 
 
 def dry_run(run, items):
@@ -153,12 +153,12 @@ def dry_run(run, items):
     lists = insts + list(cleans.values()) + honest
     pairs = {(x.query, d) for x in lists for d in x.docs}
     smoothed = {(x.query, d) for x in insts + list(cleans.values()) for d in x.docs}
-    n = cfg.certify_samples
+    n = cfg.certify.certify_samples
     out = {"lists": len(lists), "distinct_documents": len(pairs), "rerankers": {}}
     for label, spec in items:
         if spec.kind in rankers.LOCAL:
             out["rerankers"][label] = {"forward_passes_at_most": len(pairs)}
-            if getattr(cfg, "certify", False):
+            if cfg.setting("certify", False):
                 out["rerankers"][label].update(certify_forward_passes_at_most=n * len(smoothed),
                                                         certify_samples=n)
         else:
@@ -184,7 +184,8 @@ def certify_records(run, rk, insts, cleans, base_clean):
     its list and of its clean list; the source's radius in its clean list and the rewrite's in its attacked
     list, per kind of edit; each clean top-k document's radius against insertions into the source; whether
     the real rewrite's edit lies inside the source's certificate; and what the smoothing costs -> [records]."""
-    cfg, n, rate = run.cfg, run.cfg.certify_samples, run.cfg.deletion_rate
+    cfg, n, rate = run.cfg, run.cfg.certify.certify_samples, run.cfg.certify.deletion_rate
+    d = cfg.data
     seed = noise_seed(run.path("cache", "noise_seed.json"))
     stem, ext = os.path.splitext(rk.path)            # the ranker's own cache, one per deletion rate and seed
     rr = copy.copy(rk.rr)                            # a budget that counts each sample's prompt prefix, which
@@ -201,22 +202,22 @@ def certify_records(run, rk, insts, cleans, base_clean):
     recs = []
     for x, g in zip(insts, g_attack):
         a, clean = x.attack_index, g_clean[x.group_id]
-        radii = lambda g, a, text: {kind: certify.radius(g, a, cfg.k, eps, rate, kind, len(text.split()))
+        radii = lambda g, a, text: {kind: certify.radius(g, a, d.k, eps, rate, kind, len(text.split()))
                                     for kind in certify.KINDS}
-        clean_top = order_of(clean)[:cfg.k]
+        clean_top = order_of(clean)[:d.k]
         ins, dels = certify.edit_counts(x.source, x.docs[a])
         rec = {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, "attack_index": a,
                "samples": n, "eps": eps,
                "deletion_rate": rate, "smoothed": g, "smoothed_clean": clean,
                "source_radius": radii(clean, a, x.source), "rewrite_radius": radii(g, a, x.docs[a]),
-               "kept_radius": [certify.kept_radius(clean, a, j, cfg.k, eps, rate) for j in clean_top if j != a],
-               "inserted": ins, "deleted": dels, "inside": certify.inside(clean, a, cfg.k, eps, rate, ins, dels),
-               "smoothed_exposed": a in order_of(g)[:cfg.k],
-               "ndcg_smoothed_clean": certify.ndcg(order_of(clean), rk.order(cleans[x.group_id]), cfg.k)}
+               "kept_radius": [certify.kept_radius(clean, a, j, d.k, eps, rate) for j in clean_top if j != a],
+               "inserted": ins, "deleted": dels, "inside": certify.inside(clean, a, d.k, eps, rate, ins, dels),
+               "smoothed_exposed": a in order_of(g)[:d.k],
+               "ndcg_smoothed_clean": certify.ndcg(order_of(clean), rk.order(cleans[x.group_id]), d.k)}
         if x.co_attacks:
             rec["co_radius"] = [radii(g, j, x.docs[j])["inserted"] for j in x.co_attacks]
         if base_clean is not None:
-            rec["smoothed_clean_topk_kept"] = len(set(clean_top) & set(base_clean[x.group_id][:cfg.k])) / cfg.k
+            rec["smoothed_clean_topk_kept"] = len(set(clean_top) & set(base_clean[x.group_id][:d.k])) / d.k
         recs.append(rec)
     return recs, cost
 
@@ -275,6 +276,7 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
     rerank_stage; with honest edits also results/rerank-<label>.honest.jsonl and each block's `honest`.
     by_label: stage_rankers' answer when the caller has run it. -> ({label: summary block}, {label: records})."""
     cfg, data = run.cfg, run.data
+    d = cfg.data
     insts, cleans, honest = stage_lists(data)
     if by_label is None:
         by_label = stage_rankers(run, items, stage)
@@ -282,40 +284,40 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
         if spec.kind not in rankers.LOCAL:
             by_label[label].prepare(insts + list(cleans.values()) + honest)
     base = next((by_label[lb] for lb, spec in items if spec.kind == "base"), None)
-    res = os.path.join(cfg.run_dir, "results")
+    res = os.path.join(cfg.folder.run_dir, "results")
     out, records = {}, {}
     for label, spec in items:
         rk = by_label[label]
-        recs = [instance_record(x, cleans[x.group_id], rk, base.order(cleans[x.group_id]) if base else None, cfg.k)
+        recs = [instance_record(x, cleans[x.group_id], rk, base.order(cleans[x.group_id]) if base else None, d.k)
                 for x in insts]
         write_jsonl(os.path.join(res, f"rerank-{label}.jsonl"), recs)
         records[label] = recs
-        out[label] = {"spec": str(spec), **summarize_stage(metrics.paper_level(recs), data.seen, cfg.n_boot,
-                                                           cfg.seed)}
-        out[label]["strength"] = family_strength(metrics.paper_level(recs), cfg.k, cfg.n_boot, cfg.seed)
+        out[label] = {"spec": str(spec), **summarize_stage(metrics.paper_level(recs), data.seen, cfg.rerank.n_boot,
+                                                           cfg.folder.seed)}
+        out[label]["strength"] = family_strength(metrics.paper_level(recs), d.k, cfg.rerank.n_boot, cfg.folder.seed)
         if len(geodef.attacked_levels(insts)) > 1:
-            out[label]["by_attacked"] = attacked_stage(recs, cfg.k, cfg.n_boot, cfg.seed)
-        if getattr(cfg, "certify", False) and spec.kind in rankers.LOCAL:        # rerank-eval --certify
+            out[label]["by_attacked"] = attacked_stage(recs, d.k, cfg.rerank.n_boot, cfg.folder.seed)
+        if cfg.setting("certify", False) and spec.kind in rankers.LOCAL:        # rerank-eval --certify
             base_clean = {gid: base.order(c) for gid, c in cleans.items()} if base else None
             crecs, cost = certify_records(run, rk, insts, cleans, base_clean)
             write_jsonl(os.path.join(res, f"certify-{label}.jsonl"), crecs)
             out[label]["certificate"] = certify_summary(crecs, recs, cost)
         if honest:
-            hrecs = [instance_record(x, cleans[x.group_id], rk, None, cfg.k) for x in honest]
+            hrecs = [instance_record(x, cleans[x.group_id], rk, None, d.k) for x in honest]
             write_jsonl(os.path.join(res, f"rerank-{label}.honest.jsonl"), hrecs)
-            out[label]["honest"] = honest_stage(hrecs, recs, cfg.k, cfg.n_boot, cfg.seed)
-    summary = write_summary(run, "rerank-eval", {"rerank_stage": out, "rerank_stage_k": cfg.k},
+            out[label]["honest"] = honest_stage(hrecs, recs, d.k, cfg.rerank.n_boot, cfg.folder.seed)
+    summary = write_summary(run, "rerank-eval", {"rerank_stage": out, "rerank_stage_k": d.k},
                             merge=("rerank_stage",))       # another reranker's block of an earlier run is kept
-    report.write_rerank_report(cfg.run_dir, summary)
+    report.write_rerank_report(cfg.folder.run_dir, summary)
     if "conditions" in summary:              # an evaluated run: its report gets the table too
-        report.write_report(cfg.run_dir, summary)
+        report.write_report(cfg.folder.run_dir, summary)
     return out, records
 
 
 def stage_text(stage, cfg):
     """rerank-eval's printout: the stage table, then where its report and records are."""
-    return (stage_table(stage, cfg.k) + f"\n\nreport: {os.path.join(cfg.run_dir, 'rerank_report.md')}"
-            f"\nrecords: {os.path.join(cfg.run_dir, 'results')}/rerank-<label>.jsonl")
+    return (stage_table(stage, cfg.data.k) + f"\n\nreport: {os.path.join(cfg.folder.run_dir, 'rerank_report.md')}"
+            f"\nrecords: {os.path.join(cfg.folder.run_dir, 'results')}/rerank-<label>.jsonl")
 
 
 def stage_table(stage, k):

@@ -65,28 +65,28 @@ def shield_settings(cls, args):
         if "name" in asked:
             raise SettingsError("give --name (a trained run) or --model [--adapter], not both")
         cfg = resolve(cls, asked, from_record=False)
-        if cfg.adapter and not os.path.isfile(os.path.join(cfg.adapter, "adapter_config.json")):
-            raise FileNotFoundError(f"{cfg.adapter}/adapter_config.json: no adapter there")
-        return cfg, cfg.adapter, None
+        if cfg.source.adapter and not os.path.isfile(os.path.join(cfg.source.adapter, "adapter_config.json")):
+            raise FileNotFoundError(f"{cfg.source.adapter}/adapter_config.json: no adapter there")
+        return cfg, cfg.source.adapter, None
     for flag in ("adapter", "revision"):
         if flag in asked:
             raise SettingsError(f"--{flag} goes with --model: a trained run (--name) brings its own adapter, "
                                 "trained on the base revision its record names")
     checked = cls(**asked)                           # every flag checked before the run is looked for
-    record = os.path.join(checked.run_dir, "config.json")
+    record = os.path.join(checked.folder.run_dir, "config.json")
     if not os.path.isfile(record):
         raise FileNotFoundError(f"{record}: no such run; give --name NAME (a trained run) or --model M "
                                 "[--adapter DIR]")
     cfg = resolve(cls, asked)
-    adapter = os.path.join(cfg.run_dir, "adapter")
-    need_trained(os.path.join(adapter, "adapter_config.json"), "trained adapter", cfg.name)
+    adapter = os.path.join(cfg.folder.run_dir, "adapter")
+    need_trained(os.path.join(adapter, "adapter_config.json"), "trained adapter", cfg.folder.name)
     trained = read_json(record)["config"]
     other = [f"--{k.replace('_', '-')} {asked[k]!r} (the run's: {trained.get(k)!r})"
              for k in ("dtype", "quant", "max_length") if k in asked and asked[k] != trained.get(k)]
     if other:
         log(f"[{args.cmd}] {', '.join(other)}: its scores may differ from the run's Shield's (deploy-check "
             "measures by how much)")
-    return cfg, adapter, cfg.run_dir
+    return cfg, adapter, cfg.folder.run_dir
 
 
 def reading(run_dir):
@@ -106,12 +106,14 @@ def detector_file(run_dir, model=None):
 def cmd_export(args):
     """The merged Shield as a Hugging Face checkpoint (export.py), in the run's dtype by default."""
     cfg, adapter, run_dir = shield_settings(settings.ExportConfig, args)
+    m, ex = cfg.model, cfg.export
     with reading(run_dir):                            # quant: a run's record's; a --model base has none
-        out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, fmt=cfg.format, dtype=cfg.dtype,
-                            revision=cfg.revision, quantized_base=cfg.quant == "nf4",
-                            name=os.path.basename(os.path.normpath(args.out)), overwrite=cfg.overwrite,
-                            protected=[cfg.runs_dir] + ([run_dir] if run_dir else []), detector=detector_file(run_dir))
-    log(f"[export] {cfg.format} checkpoint in {out} (model card: {out}/README.md)")
+        out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, fmt=ex.format, dtype=m.dtype,
+                            revision=m.revision, quantized_base=m.quant == "nf4",
+                            name=os.path.basename(os.path.normpath(args.out)), overwrite=ex.overwrite,
+                            protected=[cfg.folder.runs_dir] + ([run_dir] if run_dir else []),
+                            detector=detector_file(run_dir))
+    log(f"[export] {cfg.export.format} checkpoint in {out} (model card: {out}/README.md)")
     print(out)
     return out
 
@@ -122,8 +124,8 @@ def cmd_serve(args):
     with reading(run_dir):
         rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
     rr.model.eval()
-    serve.serve_until_stopped(rr, cfg, cfg.served_name or (cfg.name if run_dir else "geo-defender-shield"), adapter,
-                              detect.Served.load(detector_file(run_dir, cfg.model)))
+    name = cfg.serve.served_name or (cfg.folder.name if run_dir else "geo-defender-shield")
+    serve.serve_until_stopped(rr, cfg, name, adapter, detect.Served.load(detector_file(run_dir, cfg.model.model)))
 
 
 def add_settings_flags(p, cls, preset=True):
@@ -254,7 +256,7 @@ def cmd_bench_audit(args):
     if "bench" not in asked:
         raise SettingsError("bench-audit: give --bench FILE (a GEO-DefenseBench JSONL file)")
     cfg = resolve(settings.AuditConfig, asked, from_record=False)
-    result, path = bench_audit.run_audit(cfg, args.out or os.path.splitext(cfg.bench)[0] + "_audit")
+    result, path = bench_audit.run_audit(cfg, args.out or os.path.splitext(cfg.data.bench)[0] + "_audit")
     c = result["classifier"]
     print(f"family classifier accuracy {100 * c['accuracy']:.1f}% (chance {100 * c['chance']:.1f}%; labels shuffled "
           f"within groups: {100 * c['null']['mean']:.1f}%, p = {c['null']['p_value']:.3f})\nreport: {path}")
@@ -263,18 +265,19 @@ def cmd_bench_audit(args):
 
 def cmd_serve_offline(args):
     cfg = resolve(settings.ServeOfflineConfig, given(args, settings.ServeOfflineConfig), from_record=False)
-    corpus = offline_server.load_corpus(cfg.corpus) if cfg.corpus else None
+    eng = cfg.engine
+    corpus = offline_server.load_corpus(eng.corpus) if eng.corpus else None
     try:
-        srv = offline_server.make_server(cfg.port, corpus=corpus, created=cfg.created)
+        srv = offline_server.make_server(eng.port, corpus=corpus, created=eng.created)
     except OSError as e:
-        raise SettingsError(f"--port {cfg.port}: cannot listen on 127.0.0.1:{cfg.port} ({e.strerror or e})") from None
+        raise SettingsError(f"--port {eng.port}: cannot listen on 127.0.0.1:{eng.port} ({e.strerror or e})") from None
     print(f"offline engine (a simulation) on http://127.0.0.1:{srv.server_address[1]}/v1", flush=True)
     srv.serve_forever()
 
 
 def cmd_compare(args):
     cfg = resolve(settings.CompareConfig, given(args, settings.CompareConfig), from_record=False)
-    path = report.write_comparison(args.out, report.read_summaries(cfg.runs))
+    path = report.write_comparison(args.out, report.read_summaries(cfg.compare.runs))
     print(path)
     return path
 
@@ -322,7 +325,7 @@ def cmd_detect(args):
     cfg = pipeline_settings(settings.DetectConfig, args)
     with Run.open(cfg, "detect", needs=("adapter",), record="check", check=detect.check) as run:
         out = detect.detect(run)
-    print(detect.table(out) + f"\n\nreport: {os.path.join(cfg.run_dir, 'detect', 'report.md')}")
+    print(detect.table(out) + f"\n\nreport: {os.path.join(cfg.folder.run_dir, 'detect', 'report.md')}")
     return out
 
 
@@ -333,10 +336,11 @@ def cmd_attack(args):
     opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=attack.check)
     if args.dry_run:
         return show(attack.dry_run(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "attack", record=None, engine=cfg.llm == "offline", **opened) as run:
-        block = attack.run_attack(run, cfg.target, cfg.budgets, cfg.attack_rounds,
-                                  cfg.candidates_per_round, cfg.attacker, cfg.aware_of_library)
-    print(attack.attack_table(block) + f"\n\ngate: {block['gate']}\nsummary: {cfg.run_dir}/summary.json")
+    with Run.open(cfg, "attack", record=None, engine=cfg.llm.llm == "offline", **opened) as run:
+        a = cfg.attack
+        block = attack.run_attack(run, a.target, a.budgets, a.attack_rounds, cfg.attacker.candidates_per_round,
+                                  cfg.attacker.attacker, a.aware_of_library)
+    print(attack.attack_table(block) + f"\n\ngate: {block['gate']}\nsummary: {cfg.folder.run_dir}/summary.json")
     return block
 
 
@@ -347,11 +351,11 @@ def cmd_harden(args):
     opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=harden.check)
     if args.dry_run:
         return show(harden.dry_run(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "harden", record="check", distributed=True, engine=cfg.llm == "offline", **opened) as run:
+    with Run.open(cfg, "harden", record="check", distributed=True, engine=cfg.llm.llm == "offline", **opened) as run:
         block = harden.harden(run) if run.ranks.is_main else harden.train_share(run)
     if block:
-        print(harden.round_table(block, cfg.eval_budgets) +
-              f"\n\nreport: {cfg.run_dir}/harden_report.md\nsummary: {cfg.run_dir}/summary.json")
+        print(harden.round_table(block, cfg.harden.eval_budgets) +
+              f"\n\nreport: {cfg.folder.run_dir}/harden_report.md\nsummary: {cfg.folder.run_dir}/summary.json")
     return block
 
 
@@ -359,14 +363,14 @@ def cmd_holdout(args):
     """Leave-one-family-out (holdout.py): a Shield per held-out family, scored on the test split; with
     --llm-stage also its library and the two conditions end to end."""
     cfg = pipeline_settings(settings.HoldoutConfig, args)
-    opened = dict(llms=cfg.llm_stage, roles=cfg.llm_stage)
+    opened = dict(llms=cfg.holdout.llm_stage, roles=cfg.holdout.llm_stage)
     if args.dry_run:
         return show(holdout.dry_run(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "holdout", record="check", engine=cfg.llm_stage and cfg.llm == "offline" and cfg.batch_api,
+    with Run.open(cfg, "holdout", record="check", engine=cfg.holdout.llm_stage and cfg.llm.offline_batches,
                   **opened) as run:
         s = holdout.holdout(run)
-    print(holdout.table(s) + f"\n\nreport: {os.path.join(cfg.run_dir, 'holdout', 'report.md')}\nsummary: "
-          f"{os.path.join(cfg.run_dir, 'holdout', 'summary.json')}")
+    print(holdout.table(s) + f"\n\nreport: {os.path.join(cfg.folder.run_dir, 'holdout', 'report.md')}\nsummary: "
+          f"{os.path.join(cfg.folder.run_dir, 'holdout', 'summary.json')}")
     return s
 
 
@@ -375,10 +379,10 @@ def cmd_deploy_check(args):
     likely cause."""
     cfg = pipeline_settings(settings.DeployCheckConfig, args)
     with Run.open(cfg, "deploy-check", needs=("adapter",), record=None, lock="read", check=deploy_check.check) as run:
-        v = deploy_check.deploy_check(run, cfg.endpoint)
+        v = deploy_check.deploy_check(run, cfg.deploy.endpoint)
     print(deploy_check.table(v))
     if not v["pass"]:
-        raise SystemExit(f"deploy-check: {cfg.endpoint} does not score as the run's Shield: {v['cause']}")
+        raise SystemExit(f"deploy-check: {cfg.deploy.endpoint} does not score as the run's Shield: {v['cause']}")
     return v
 
 
@@ -394,9 +398,9 @@ def pipeline_settings(cls, args, **fixed):
     if os.path.isfile(fixed.get("runs_dir", "")):
         raise SettingsError(f"--out {fixed['runs_dir']}: a file, not a folder")
     cfg = resolve(cls, {**given(args, cls), **fixed}, args.preset, from_record="runs_dir" not in fixed)
-    if not os.path.isfile(cfg.bench):
-        what = "a folder, not a file" if os.path.isdir(cfg.bench) else "no such file"
-        raise SettingsError(f"--bench {cfg.bench}: {what}")
+    if not os.path.isfile(cfg.data.bench):
+        what = "a folder, not a file" if os.path.isdir(cfg.data.bench) else "no such file"
+        raise SettingsError(f"--bench {cfg.data.bench}: {what}")
     return cfg
 
 
@@ -410,7 +414,8 @@ def check_training(run, stage):
 
 
 def report_paths(cfg):
-    print(f"\nreport: {os.path.join(cfg.run_dir, 'report.md')}\nsummary: {os.path.join(cfg.run_dir, 'summary.json')}")
+    where = cfg.folder.run_dir
+    print(f"\nreport: {os.path.join(where, 'report.md')}\nsummary: {os.path.join(where, 'summary.json')}")
 
 
 def cmd_train(args):
@@ -422,7 +427,7 @@ def cmd_train(args):
     opened = dict(llms=library, roles=library, check=lambda run: check_training(run, args.stage))
     if args.dry_run:
         return show(plan_train(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "train", distributed=True, engine=cfg.llm == "offline" and cfg.batch_api, **opened) as run:
+    with Run.open(cfg, "train", distributed=True, engine=cfg.llm.offline_batches, **opened) as run:
         if shield:
             train_shield(run, resume=not args.no_resume)
         if library and run.ranks.is_main:
@@ -436,7 +441,7 @@ def cmd_eval(args):
     opened = dict(llms=True, roles=True, check=eval_conditions)     # -> run.checked
     if args.dry_run:
         return show(plan_eval(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "eval", distributed=True, engine=cfg.llm == "offline" and cfg.batch_api, **opened) as run:
+    with Run.open(cfg, "eval", distributed=True, engine=cfg.llm.offline_batches, **opened) as run:
         ranked = ranking_stage(run, run.checked[0], reranker_items(cfg))    # every rank its share
         run.ranks.finish()                                                  # rank 0 goes on alone
         s = evaluate(run, run.checked, ranked).summary if run.ranks.is_main else None
@@ -449,14 +454,14 @@ def cmd_demo(args):
     """train and eval offline (tiny model, offline engine over loopback HTTP), then the reranker stage."""
     args.preset = args.preset or "tiny-demo"
     cfg = pipeline_settings(settings.DemoConfig, args, runs_dir=args.out, name=args.name or "demo")
-    with Run.open(cfg, "demo", llms=True, engine=cfg.llm == "offline",
+    with Run.open(cfg, "demo", llms=True, engine=cfg.llm.llm == "offline",
                   check=lambda run: check_training(run, "all")) as run:
         train_shield(run)
         train_tfsg(run)
         s = evaluate(run).summary
         print_summary(s)
         stage, _ = rerank_eval.rerank_stage(run, rankers.parse_rerankers(["base", "shield"]))
-    print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.k))
+    print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.data.k))
     report_paths(cfg)
     return s
 

@@ -234,7 +234,7 @@ class Run:
             run.check_roles()
         for name in needs:
             path, what = NEEDS[name]
-            need_trained(path(run), what, cfg.name)
+            need_trained(path(run), what, cfg.folder.name)
         if record:
             run.check_record()
         run.checked = check(run) if check else None
@@ -253,15 +253,15 @@ class Run:
         run = cls.plan(cfg, needs, llms, roles, record is not None, check, keys=True)
         with contextlib.ExitStack() as stack:
             if distributed:
-                run.ranks, device = parallel.Ranks.join(cfg.device)
+                run.ranks, device = parallel.Ranks.join(cfg.model.device)
                 stack.callback(run.ranks.finish)
-                if device != cfg.device:
-                    run.cfg = dataclasses.replace(cfg, device=device)
+                if device != cfg.model.device:
+                    run.cfg = cfg.replace(device=device)
             if run.ranks.is_main:
                 if engine:
                     stack.enter_context(offline_engine(run, corpus))
                 if lock:
-                    stack.enter_context(run_lock(cfg.run_dir, shared=lock == "read"))
+                    stack.enter_context(run_lock(cfg.folder.run_dir, shared=lock == "read"))
                 if record == "config":
                     run.record(command)
                 elif record == "check":
@@ -270,15 +270,15 @@ class Run:
 
     @property
     def dir(self):
-        return self.cfg.run_dir
+        return self.cfg.folder.run_dir
 
     def path(self, *parts):
         """A path in the run folder."""
-        return os.path.join(self.cfg.run_dir, *parts)
+        return os.path.join(self.cfg.folder.run_dir, *parts)
 
     def library_path(self, epoch=None):
         """The TFSG library E{epoch}; by default the final one, E{n_batches + 1}."""
-        return self.path("library", f"E{self.cfg.n_batches + 1 if epoch is None else epoch}.json")
+        return self.path("library", f"E{self.cfg.tfsg.n_batches + 1 if epoch is None else epoch}.json")
 
     def shield_scores_path(self, adapter=None):
         """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file): scores
@@ -291,23 +291,23 @@ class Run:
 
     def model_folder(self):
         """--model's folder: the tiny random checkpoint is written beside the run folders (runs_dir/_tiny_qwen3)."""
-        if self.cfg.model == "tiny":
-            return tiny.make_tiny_checkpoint(os.path.join(self.cfg.runs_dir, "_tiny_qwen3"), seed=0)
-        return self.cfg.model
+        if self.cfg.model.model == "tiny":
+            return tiny.make_tiny_checkpoint(os.path.join(self.cfg.folder.runs_dir, "_tiny_qwen3"), seed=0)
+        return self.cfg.model.model
 
     def reranker(self):
         """The base reranker as the settings load it: model, revision, dtype, device, max length, an NF4
         base with --quant nf4, and the speed paths (speed.install, --compile)."""
-        cfg, dtype = self.cfg, getattr(torch, self.cfg.dtype)
-        rr = reranker.Reranker.from_pretrained(self.model_folder(), dtype=dtype, device=cfg.device,
-                                               max_length=cfg.max_length, revision=cfg.revision)
-        if cfg.quant == "nf4":
+        cfg, dtype = self.cfg, getattr(torch, self.cfg.model.dtype)
+        rr = reranker.Reranker.from_pretrained(self.model_folder(), dtype=dtype, device=cfg.model.device,
+                                               max_length=cfg.model.max_length, revision=cfg.model.revision)
+        if cfg.model.quant == "nf4":
             lora.quantize_nf4(rr.model)
         on_cpu = rr.model.embed_tokens.weight.device.type == "cpu"
         if dtype == torch.bfloat16 and on_cpu and speed.CPU_BF16_UNITS == set():
             log("[model] bfloat16 on a CPU without AMX or AVX-512 BF16 (/proc/cpuinfo): its matmuls run at a few "
                 "GFLOP/s here, float32 at the vector units' rate; --dtype float32 is faster on this machine")
-        speed.install(rr.model, compile=cfg.compile)
+        speed.install(rr.model, compile=cfg.model.compile)
         return rr
 
     def shield(self, rr=None, adapter=None):
@@ -315,10 +315,10 @@ class Run:
         eval mode with the speed paths; adapter: another adapter folder (a hardening round's)."""
         rr = rr or self.reranker()
         path = adapter or self.path("adapter")
-        need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.name)
+        need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.folder.name)
         lora.load_adapter(rr.model, path)
         rr.model.eval()
-        speed.install(rr.model, compile=self.cfg.compile)   # the LoRA layers get the speed paths too
+        speed.install(rr.model, compile=self.cfg.model.compile)   # the LoRA layers get the speed paths too
         return rr
 
     # ------------------------------------------------------------------------- data
@@ -327,22 +327,23 @@ class Run:
     def data(self):
         """The run's benchmark, split and with its methods resolved -> BenchData, read on first use."""
         cfg = self.cfg
-        groups, meta = geodef.load_bench(cfg.bench, with_meta=True)
-        if cfg.k >= meta.n_docs:
-            raise SettingsError(f"--k {cfg.k}: {cfg.bench} has {meta.n_docs} candidates a list (_meta.n_docs); "
+        d = cfg.data
+        groups, meta = geodef.load_bench(d.bench, with_meta=True)
+        if d.k >= meta.n_docs:
+            raise SettingsError(f"--k {d.k}: {d.bench} has {meta.n_docs} candidates a list (_meta.n_docs); "
                                 f"the top-k must leave some out (--k below {meta.n_docs})")
         try:
-            cons, test = geodef.split_groups(groups, cfg.n_construction, cfg.seed)
+            cons, test = geodef.split_groups(groups, d.n_construction, cfg.folder.seed)
         except ValueError as e:
-            raise SettingsError(f"{cfg.bench}: {e}")
-        given = list(cfg.seen_methods) if cfg.seen_methods else None
-        seen, origin = geodef.seen_methods(meta, given, cfg.bench)
+            raise SettingsError(f"{d.bench}: {e}")
+        given = list(cfg.seen.seen_methods) if cfg.seen.seen_methods else None
+        seen, origin = geodef.seen_methods(meta, given, d.bench)
         if origin == "the paper's seen methods":
-            log(f"[data] {cfg.bench}: no _meta.seen_methods; the paper's seen methods {seen} (the file has the "
+            log(f"[data] {d.bench}: no _meta.seen_methods; the paper's seen methods {seen} (the file has the "
                 "paper's seven)")
-        if cfg.max_test_groups:
-            test = test[:cfg.max_test_groups]
-        methods = meta.methods if cfg.methods == "all" else list(cfg.methods)
+        if d.max_test_groups:
+            test = test[:d.max_test_groups]
+        methods = meta.methods if d.methods == "all" else list(d.methods)
         for m in methods:
             if m not in meta.methods:
                 raise SettingsError(f"--methods: {m!r} is not in the benchmark's methods {meta.methods}")
@@ -353,10 +354,10 @@ class Run:
         monitor). Refuses a split that leaves either side empty: it would train on nothing, or keep an
         epoch by empty monitoring metrics."""
         cfg = self.cfg
-        opt, mon = geodef.monitoring_split(inst, cfg.monitor_frac, cfg.seed)
+        opt, mon = geodef.monitoring_split(inst, cfg.shield.monitor_frac, cfg.folder.seed)
         if not opt or not mon:
-            raise SettingsError(f"{cfg.bench}: Shield training needs construction groups both to optimise on and "
-                                f"to monitor (--monitor-frac {cfg.monitor_frac}, at least one group each); its "
+            raise SettingsError(f"{cfg.data.bench}: Shield training needs construction groups both to optimise on and "
+                                f"to monitor (--monitor-frac {cfg.shield.monitor_frac}, at least one group each); its "
                                 f"{len({x.group_id for x in inst})} construction group(s) gave {len(opt)} and "
                                 f"{len(mon)} instances: use 2 or more (--n-construction, or the file's split fields)")
         return opt, mon
@@ -366,10 +367,11 @@ class Run:
         instances do not reach every update batch: the library would stop short of E{n_batches + 1}, the
         one evaluation reads (a short last batch is fine)."""
         cfg = self.cfg
-        seeds, batches = geodef.construction_schedule(inst, cfg.n_seed_cases, cfg.batch_size, cfg.n_batches, cfg.seed)
-        if len(batches) < cfg.n_batches:
-            raise SettingsError(f"{cfg.bench}: {len(inst)} construction instances fill {len(seeds)} seed cases and "
-                                f"{len(batches)} of the {cfg.n_batches} update batches of {cfg.batch_size} "
+        t = cfg.tfsg
+        seeds, batches = geodef.construction_schedule(inst, t.n_seed_cases, t.batch_size, t.n_batches, cfg.folder.seed)
+        if len(batches) < t.n_batches:
+            raise SettingsError(f"{cfg.data.bench}: {len(inst)} construction instances fill {len(seeds)} seed "
+                                f"cases and {len(batches)} of the {t.n_batches} update batches of {t.batch_size} "
                                 f"(--n-seed-cases, --n-batches, --batch-size): lower those, or use more construction "
                                 "groups")
         return seeds, batches
@@ -377,38 +379,38 @@ class Run:
     @functools.cached_property
     def limits(self):
         """The TFSG sizes of the run's settings (tfsg.Limits: its fields are settings by the same names)."""
-        return tfsg.Limits(**{f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(tfsg.Limits)})
+        return tfsg.Limits(**{f.name: getattr(self.cfg.limits, f.name) for f in dataclasses.fields(tfsg.Limits)})
 
     @property
     def offline(self):
         """Whether the run uses anything simulated: the tiny checkpoint, the offline engine, the tiny GPT-2."""
         cfg = self.cfg
-        return (getattr(cfg, "model", None) == "tiny" or "offline" in (getattr(cfg, "llm", None) or "")
-                or getattr(cfg, "ppl_model", None) == "tiny")
+        return (cfg.setting("model") == "tiny" or "offline" in (cfg.setting("llm") or "")
+                or cfg.setting("ppl_model") == "tiny")
 
     # ------------------------------------------------------------------------- LLMs
 
     @functools.cached_property
     def prices(self):
         """--prices read and checked once (read_prices), or None."""
-        return read_prices(self.cfg.prices) if getattr(self.cfg, "prices", None) else None
+        return read_prices(self.cfg.request.prices) if self.cfg.setting("prices") else None
 
     def llm(self, spec=None, stage=None):
         """The client for `spec` (default: the target LLM), caching in the run folder; with `stage`, every
         reply it receives is entered in the run's usage ledger (usage.jsonl) under that stage. The offline
         engine answers over loopback while one serves the run (engine_url), else in process."""
         cfg = self.cfg
-        spec = spec or cfg.llm
+        spec = spec or cfg.llm.llm
         offline_spec = spec.partition(":")[0] == "offline"
-        base_url = self.engine_url if offline_spec else cfg.base_url
+        base_url = self.engine_url if offline_spec else cfg.llm.base_url
         engine = {"handler": offline.respond} if offline_spec and not base_url else {}
-        if cfg.batch_api and stage and not engine:         # a batch API needs an HTTP endpoint
+        if cfg.llm.batch_api and stage and not engine:         # a batch API needs an HTTP endpoint
             engine["batch"] = functools.partial(batch_clients.BatchRunner, manifest=self.path("batches.json"),
-                                                poll=cfg.batch_poll, auto=cfg.batch_api == "auto",
-                                                deadline=cfg.batch_deadline, log=log)
+                                                poll=cfg.llm.batch_poll, auto=cfg.llm.batch_api == "auto",
+                                                deadline=cfg.llm.batch_deadline, log=log)
         return llm_clients.make_client(spec, base_url=base_url, **engine, cache_dir=self.path("cache", "llm"),
-                                       rpm=cfg.rpm, prices=self.prices,
-                                       **({"timeout": cfg.timeout} if cfg.timeout else {}),
+                                       rpm=cfg.request.rpm, prices=self.prices,
+                                       **({"timeout": cfg.request.timeout} if cfg.request.timeout else {}),
                                        ledger=self.path("usage.jsonl") if stage else None, stage=stage)
 
     def usage(self):
@@ -421,7 +423,7 @@ class Run:
         Builds clients only: no request is sent. keys=False (a dry run, which prices a plan before any
         key is bought): a missing key is said, not refused. A bad price table is refused here too."""
         cfg = self.cfg
-        specs = [cfg.llm] + [getattr(cfg, k, None) for k in ("analyzer", "judge", "fidelity_judge", "test_llm",
+        specs = [cfg.llm.llm] + [cfg.setting(k) for k in ("analyzer", "judge", "fidelity_judge", "test_llm",
                                                               "test_fidelity_judge")]
         for spec in dict.fromkeys(s for s in specs if s):
             try:
@@ -438,11 +440,11 @@ class Run:
         --allow-shared-roles: a model scoring attacks it wrote, judged or was hill-climbed on (MAGEO's edits
         climb its engine's citations) measures them in its own favour. -> the shared roles (allowed ones)."""
         cfg = self.cfg
-        shared = shared_roles(cfg.bench, cfg.llm, getattr(cfg, "judge", None))
-        if shared and not cfg.allow_shared_roles:
-            raise SettingsError(f"{cfg.bench}: {'; '.join(shared)} (its _meta). A model that made, judged or steered "
-                                "the attacks measures them in its own favour: give another --llm / --judge, or "
-                                "--allow-shared-roles (the report then says so)")
+        shared = shared_roles(cfg.data.bench, cfg.llm.llm, cfg.setting("judge"))
+        if shared and not cfg.roles.allow_shared_roles:
+            raise SettingsError(f"{cfg.data.bench}: {'; '.join(shared)} (its _meta). A model that made, judged or "
+                                "steered the attacks measures them in its own favour: give another --llm / --judge, "
+                                "or --allow-shared-roles (the report then says so)")
         return shared
 
     # ------------------------------------------------------------------------- the record
@@ -460,7 +462,7 @@ class Run:
         model that could not be downloaded) the record is simply replaced."""
         self.check_record()
         write_json(self.path("config.json"),
-                   {"config": printable(self.cfg), "bench_sha1": file_sha1(self.cfg.bench), "command": command,
+                   {"config": printable(self.cfg), "bench_sha1": file_sha1(self.cfg.data.bench), "command": command,
                     "code_version": code_version(), "offline": self.offline,
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})
 
@@ -474,14 +476,15 @@ class Run:
 
     def _check_pinned(self, old):
         """Refuse pinned settings and benchmark content that differ from the run's record `old`."""
-        cfg, path, new, digest = self.cfg, self.path("config.json"), printable(self.cfg), file_sha1(self.cfg.bench)
+        cfg, path, new = self.cfg, self.path("config.json"), printable(self.cfg)
+        digest = file_sha1(cfg.data.bench)
         changed = [k for k in type(cfg).pinned() if k in old.get("config", {}) and old["config"][k] != new[k]
                    and not (k == "bench" and old.get("bench_sha1") == digest)]   # same content, other path
         if changed:
             raise changed_settings(path, "this run was made", old["config"], {k: new[k] for k in changed},
                                    "Use a new --name")
         if old.get("bench_sha1") not in (None, digest):   # the same path, other content: results would mix
-            raise SettingsError(f"{cfg.bench}: its content changed since this run used it (SHA-1 "
+            raise SettingsError(f"{cfg.data.bench}: its content changed since this run used it (SHA-1 "
                                 f"{old['bench_sha1'][:12]}, now {digest[:12]}); the run's adapter, library and "
                                 "results belong to the old content. Restore the file, or use a new --name")
 
@@ -581,7 +584,7 @@ def resolve(cls, given, preset=None, from_record=True):
     commands take over (taken), then the preset, then the flags `given`. So `eval --name x` after `train --name x
     --llm openai:gpt-5.5 --bench b.jsonl` evaluates what was trained without repeating the flags; a given flag
     that differs from the record is refused by Run.record."""
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in cls.fields()}
     asked = {k: v for k, v in PRESETS.get(preset or "", {}).items() if k in names}   # a preset counts as given
     asked.update({k: v for k, v in given.items() if v is not None})
     kw = {k: d.value for k, d in own_defaults(cls).items()}               # the command's own, over its groups'
@@ -593,7 +596,7 @@ def resolve(cls, given, preset=None, from_record=True):
         if "***@" in str(rec.get("base_url")):   # stored without its credentials: give --base-url again
             log(f"[config] {where}/config.json: base_url was stored without its credentials; give --base-url again")
             rec.pop("base_url")
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults = {f.name: f.default for f in cls.fields()}
         taken = {k: v for k, v in rec.items() if v != defaults[k]}          # those that are not defaults
         if taken:
             log(f"[config] from {where}/config.json: " + ", ".join(f"{k}={v!r}" for k, v in sorted(taken.items())))
@@ -674,11 +677,11 @@ def printable(cfg):
     """The settings as config.json stores them: every setting but a secret (serve's API key), each spec in
     its printable form, which its parsed object gives without credentials whatever characters they hold
     (endpoints.Endpoint, endpoints.SearchSpec, endpoints.RerankSpec)."""
-    new = {}
-    for f in dataclasses.fields(cfg):
+    new, values = {}, cfg.flat()
+    for f in cfg.fields():
         if f.metadata.get("secret"):
             continue
-        v = getattr(cfg, f.name)
+        v = values[f.name]
         if f.metadata.get("parse") and v is not None:
             v = [f"{label}={spec}" for label, spec in v] if isinstance(v, list) else str(v)
         new[f.name] = [endpoints.redact(x) for x in v] if isinstance(v, list) else endpoints.redact(v)

@@ -796,24 +796,25 @@ def say(msg):
 
 def serve_until_stopped(rr, cfg, model_name, adapter=None, detector=None):
     """serve's command: a RerankServer over `rr` on cfg's host and port (ServeSettings) until Ctrl-C, its API
-    key cfg.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one; `detector`
+    key cfg.serve.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one; `detector`
     answers POST /detect."""
-    key = cfg.api_key or os.environ.get("GEODEF_API_KEY") or None
+    sv = cfg.serve
+    key = sv.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
-        srv = RerankServer(rr, host=cfg.host, port=cfg.port, api_key=key, max_documents=cfg.max_documents,
-                           max_body_bytes=cfg.max_body_bytes, max_queue=cfg.max_queue, model_name=model_name,
-                           max_concurrent_requests=cfg.max_concurrent_requests,
-                           allow_instruction=cfg.allow_instruction, smooth=cfg.smooth,
-                           deletion_rate=cfg.deletion_rate, detector=detector)
+        srv = RerankServer(rr, host=sv.host, port=sv.port, api_key=key, max_documents=sv.max_documents,
+                           max_body_bytes=sv.max_body_bytes, max_queue=sv.max_queue, model_name=model_name,
+                           max_concurrent_requests=sv.max_concurrent_requests,
+                           allow_instruction=sv.allow_instruction, smooth=sv.smooth,
+                           deletion_rate=cfg.certify.deletion_rate, detector=detector)
     except OSError as e:
-        raise SettingsError(f"--host {cfg.host} --port {cfg.port}: cannot listen there ({e.strerror or e})") from None
-    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not key:
-        say(f"[serve] WARNING: listening on {cfg.host} without an API key: anyone who can reach this port can use "
+        raise SettingsError(f"--host {sv.host} --port {sv.port}: cannot listen there ({e.strerror or e})") from None
+    if sv.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        say(f"[serve] WARNING: listening on {sv.host} without an API key: anyone who can reach this port can use "
             "it (set GEODEF_API_KEY or --api-key)")
     say(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on {srv.url} (/v1/rerank, "
         f"/rerank, /score, {'/detect, ' if detector else ''}/metrics){' (API key required)' if key else ''}")
     try:
-        with speed.short_documents(rr.model) if cfg.smooth else contextlib.nullcontext():
+        with speed.short_documents(rr.model) if sv.smooth else contextlib.nullcontext():
             srv.serve_forever()
     except KeyboardInterrupt:
         say("[serve] stopped")

@@ -2,11 +2,12 @@
 value, and whether a finished step pins it. Settings come in small groups (the run folder, the
 reranker model, the benchmark, the LLM clients, the Shield of Table A.1, TFSG of A.2, evaluation, the
 adaptive attack, the benchmark builder, and the tools: export, serve, bench, compare, bench-audit); a
-command's settings are the groups it reads, composed, as litgpt's args.py composes TrainArgs and
-EvalArgs. run.py makes one flag per field of the groups (or `some` of a group's fields) a command takes
-from its command line, typed by the field's type.
+command's settings hold the groups it reads as fields (cfg.shield.lr, cfg.data.k), as litgpt's fit()
+takes TrainArgs and EvalArgs. run.py makes one flag per field of the groups (or `some` of a group's
+fields) a command takes from its command line, typed by the field's type.
 
-Usage: cfg = TrainConfig(name="gpt55", llm="openai:gpt-5.5"); TrainConfig.pinned(); flags(EvalConfig)
+Usage: cfg = TrainConfig(name="gpt55", llm="openai:gpt-5.5"); cfg.llm.llm; cfg.replace(seed=1);
+TrainConfig.pinned(); flags(EvalConfig)
 """
 import dataclasses
 import math
@@ -177,7 +178,10 @@ def check_name(name):
 
 @dataclass(frozen=True)
 class Settings:
-    """The checks every group shares: each field's `ok`, naming the flags refused in one sentence."""
+    """A group of settings (one concern: the run folder, the model, the Shield's objective): each field a flag.
+    Its text specs are parsed once, here; its checks are run by the command that composes it (`problems`),
+    since a command may give a field a default of its own."""
+    KEY = None              # the group's name as a field of a command's settings: cfg.shield.lr
 
     def __post_init__(self):
         for f in fields(self):          # specs given as text are parsed once, into the objects that travel
@@ -187,10 +191,14 @@ class Settings:
                     object.__setattr__(self, f.name, parse(v))
                 except ValueError as e:
                     raise SettingsError(f"--{flag_name(f)} {e}") from None
-        bad, own = [], own_defaults(type(self))
+
+    def problems(self, own=None):
+        """Each field refused by its `ok` or `choices`, as '--flag value (what it accepts)'; own: the
+        command's own defaults {setting: Default}, accepted as they are (None: decided later)."""
+        bad = []
         for f in fields(self):
             v, ok, choices = getattr(self, f.name), f.metadata.get("ok"), f.metadata.get("choices")
-            if f.name in own and v == own[f.name].value:     # the command's own default (None: decided later)
+            if f.name in (own or {}) and v == own[f.name].value:
                 continue
             if isinstance(v, float) and not math.isfinite(v):     # --timeout inf would pass `v > 0`
                 bad.append(f"--{flag_name(f)} {v!r} (not a finite number)")
@@ -199,16 +207,7 @@ class Settings:
                 bad.append(f"--{flag_name(f)} {v!r}" + (f" ({says})" if says else ""))
             if choices and v not in choices:
                 bad.append(f"--{flag_name(f)} {v!r} (one of {', '.join(c for c in choices if c is not None)})")
-        if bad:
-            raise SettingsError(f"out of range: {', '.join(bad)}")
-
-    @classmethod
-    def pinned(cls):
-        return [f.name for f in fields(cls) if f.metadata.get("pinned")]
-
-    @classmethod
-    def taken(cls):
-        return [f.name for f in fields(cls) if f.metadata.get("taken")]
+        return bad
 
 
 def flag_name(f):
@@ -252,6 +251,7 @@ def flag_names(g):
 @dataclass(frozen=True)
 class RunSettings(Settings):
     """The run folder (README "What a run folder guarantees") and the seed of everything drawn."""
+    KEY = "folder"
     name: str = setting("default", "run folder name under --runs-dir", ok=check_name)
     runs_dir: str = setting("runs", "parent folder of run folders")
     seed: int = setting(0, "split, order and initialisation seed", ok=between(0, 2**63 - 1),
@@ -265,6 +265,7 @@ class RunSettings(Settings):
 @dataclass(frozen=True)
 class ModelSettings(Settings):
     """The reranker: Qwen3-Reranker (or the tiny random checkpoint) and how it is loaded."""
+    KEY = "model"
     model: str = setting("Qwen/Qwen3-Reranker-0.6B", "reranker: hub id, local folder, or 'tiny' (random weights, "
                          "offline)", pinned=True)
     revision: str = setting(None, "hub revision to pin", pinned=True)
@@ -281,6 +282,7 @@ class ModelSettings(Settings):
 @dataclass(frozen=True)
 class SeenSettings(Settings):
     """The seen GEO families (B.1): those whose construction instances build the Shield and the library."""
+    KEY = "seen"
     seen_methods: tuple = setting(None, "the seen (construction) GEO families, comma list (build-bench default: the "
                                         "paper's three; train: the file's _meta.seen_methods)", pinned=True,
                                   parse=comma_list())
@@ -289,6 +291,7 @@ class SeenSettings(Settings):
 @dataclass(frozen=True)
 class DataSettings(Settings):
     """The benchmark a run trains and evaluates on, its split (B.1.2) and the top-k (A.1.3)."""
+    KEY = "data"
     bench: str = setting(SAMPLE, "GEO-DefenseBench JSONL file", pinned=True)
     n_construction: int = setting(12, "construction query groups when the file has no split (B.1)", ok=at_least(1),
                                   pinned=True)
@@ -302,6 +305,7 @@ class DataSettings(Settings):
 @dataclass(frozen=True)
 class LLMSettings(Settings):
     """The target LLM, how it is reached (any OpenAI-compatible server), decoding and batch APIs."""
+    KEY = "llm"
     llm: str = setting("offline", "target LLM as provider:model (offline, openai:, anthropic:, deepseek:, moonshot:, "
                                   "zhipu:, vllm:, ollama:, llama.cpp:)", pinned=True)
     base_url: endpoints.Endpoint = setting(None, "base URL of any OpenAI-compatible server", taken=True,
@@ -317,10 +321,16 @@ class LLMSettings(Settings):
                                           "rest sent synchronously (default: the providers' 24 h window)",
                                     ok=wait_seconds_or_none, says=f"seconds, more than 0 and at most {MAX_WAIT}")
 
+    @property
+    def offline_batches(self):
+        """The offline target's batch API, which the offline engine serves on loopback."""
+        return self.llm == "offline" and bool(self.batch_api)
+
 
 @dataclass(frozen=True)
 class RequestSettings(Settings):
     """How requests to any endpoint go out (LLM, rerank, search): concurrency, rate, timeout, prices."""
+    KEY = "request"
     workers: int = setting(8, "concurrent requests", ok=between(1, MAX_THREADS), says=f"1 to {MAX_THREADS}",
                            taken=True)
     rpm: float = setting(0, "requests per minute cap (0 = none)", ok=rate_per_minute,
@@ -336,6 +346,7 @@ class RequestSettings(Settings):
 @dataclass(frozen=True)
 class ShieldSettings(Settings):
     """The Shield Reranker's LoRA and objective (Table A.1, Eqs. 1-5) and its training loop."""
+    KEY = "shield"
     lora_r: int = setting(16, "LoRA rank", ok=at_least(1), pinned=True)
     lora_alpha: int = setting(32, "LoRA alpha (scaling alpha/r)", ok=positive, pinned=True)
     lora_dropout: float = setting(0.05, "dropout on the LoRA input", ok=lambda v: 0 <= v < 1, pinned=True)
@@ -356,11 +367,16 @@ class ShieldSettings(Settings):
     grad_checkpointing: bool = setting(False, "recompute activations in backward (long documents)")
     save_every: int = setting(4, "optimizer steps between resumable checkpoints", ok=at_least(1))
 
+    def optimizer_steps(self, examples):
+        """Optimizer steps of a training on `examples` triples: epochs x ceil(examples / grad_accum)."""
+        return self.epochs * -(-examples // self.grad_accum)
+
 
 @dataclass(frozen=True)
 class TFSGSettings(Settings):
     """TFSG's construction (A.2): the Analyzer, the schedule, the interface, and the Controller's sizes
     that the paper does not state (tfsg.Limits, whose fields are settings under their own names)."""
+    KEY = "tfsg"
     analyzer: str = setting(None, "TFSG Analyzer LLM (default: the target)", pinned=True)
     n_seed_cases: int = setting(6, "A.2.2 controlled contrast instances", ok=at_least(0), pinned=True)
     batch_size: int = setting(10, "A.2.2 instances per update batch", ok=at_least(1), pinned=True)
@@ -379,12 +395,13 @@ def _limit(f):
 
 # tfsg.Limits' sizes as settings: each declared once, in tfsg.py (type, default, help, minimum)
 TFSGLimits = dataclasses.make_dataclass("TFSGLimits", [_limit(f) for f in fields(tfsg.Limits)], bases=(Settings,),
-                                     frozen=True)
+                                     frozen=True, namespace={"KEY": "limits"})
 
 
 @dataclass(frozen=True)
 class RolesSettings(Settings):
     """Who may play which part: a target or judge that built or judged the benchmark is refused by default."""
+    KEY = "roles"
     allow_shared_roles: bool = setting(False, "let the target or judge be a model that built the benchmark, judged "
                                               "its rewrites' fidelity or was MAGEO's engine (_meta); the report says "
                                               "so")
@@ -393,12 +410,14 @@ class RolesSettings(Settings):
 @dataclass(frozen=True)
 class JudgeSettings(Settings):
     """The judge of the answers (ASI, pairwise quality: B.2.3, B.2.4) and of an attacker's fidelity."""
+    KEY = "judge"
     judge: str = setting(None, "ASI, pairwise-quality and fidelity judge LLM (default: the target)", taken=True)
 
 
 @dataclass(frozen=True)
 class SampleSettings(Settings):
     """Repeated answers: eval's answers per instance and condition."""
+    KEY = "sample"
     samples: int = setting(1, "answers per instance and condition, each its own cached reply (Don't Measure "
                               "Once, arXiv 2604.07585), intervals then bootstrapping groups, then samples (the "
                               "paper: 1)",
@@ -408,6 +427,7 @@ class SampleSettings(Settings):
 @dataclass(frozen=True)
 class EvalSettings(Settings):
     """Evaluation (B.2): the conditions, PPL-Filter, transfer libraries (Table C.2)."""
+    KEY = "eval"
     conditions: tuple = setting("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then "
                                        "the injection defenses Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG)",
                                 parse=comma_list(words=("all", "paper")))
@@ -420,6 +440,7 @@ class EvalSettings(Settings):
 @dataclass(frozen=True)
 class RerankSettings(Settings):
     """Deployed rerankers under GEO attack (rerank-eval; eval --reranker) and the bootstrap's size."""
+    KEY = "rerank"
     reranker: list = setting(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, "
                                    "voyage:MODEL, http://HOST:PORT[/rerank][#MODEL], tei:http://HOST:PORT, "
                                    "vllm-score:http://HOST:PORT[#MODEL]); repeatable. eval: adds 'Non-Defense "
@@ -431,6 +452,7 @@ class RerankSettings(Settings):
 @dataclass(frozen=True)
 class CertifySettings(Settings):
     """rerank-eval --certify: the local rerankers smoothed by randomized deletion, and their certificate."""
+    KEY = "certify"
     certify: bool = setting(False, "also rank with each local reranker smoothed by randomized deletion and certify "
                                    "which attacked documents no insertion, deletion or substitution of r words can "
                                    "bring into the smoothed top k (certify.py)")
@@ -443,6 +465,7 @@ class CertifySettings(Settings):
 @dataclass(frozen=True)
 class DetectSettings(Settings):
     """detect (detect.py): the false-positive rate on honest edits each detector's threshold is chosen at."""
+    KEY = "detect"
     fpr: float = setting(0.05, "the FPR on the construction split's honest edits each detector's threshold is chosen "
                                "at, then applied to the test split", ok=lambda v: 0 < v < 1,
                          says="more than 0, less than 1")
@@ -451,6 +474,7 @@ class DetectSettings(Settings):
 @dataclass(frozen=True)
 class AttackerSettings(Settings):
     """The attacker LLM of `attack` and `harden` and how many rewrites it writes a round."""
+    KEY = "attacker"
     candidates_per_round: int = setting(2, "rewrites the attacker writes a round (MAGEO: 2)", ok=at_least(1))
     attacker: str = setting(None, "attacker LLM, provider:model (default: the target LLM; harden: the training-side "
                                   "attacker)")
@@ -467,6 +491,7 @@ class AttackerSettings(Settings):
 @dataclass(frozen=True)
 class AttackSettings(Settings):
     """The adaptive attacker (attack.py): its target, budgets, rounds, LLM and knowledge."""
+    KEY = "attack"
     target: str = setting("shield", "the reranker the attacker queries: shield, base, or a reranker spec "
                                     "(see --reranker)")
     budgets: tuple = setting("1,4,16", "candidates per instance, comma list (nested: one run)", parse=budget_list)
@@ -477,6 +502,7 @@ class AttackSettings(Settings):
 @dataclass(frozen=True)
 class BuildSettings(Settings):
     """The benchmark builder (build_bench.py, B.1.1): inputs, search, the families and the split."""
+    KEY = "build"
     input: str = setting(None, "GEO-Bench rows (.jsonl, .json, .parquet), a folder of AutoGEO's datachunk_N.json, "
                                "hf:GEO-Optim/geo-bench, or {query, docs[, source_index]} rows")
     output: str = setting(None, "GEO-DefenseBench JSONL to write")
@@ -516,6 +542,7 @@ class BuildSettings(Settings):
 @dataclass(frozen=True)
 class HardenSettings(Settings):
     """Hardening rounds (harden.py): attacker and defender in turns on a trained run."""
+    KEY = "harden"
     rounds: int = setting(2, "hardening rounds R: each attacks the construction groups, retrains the Shield and "
                              "grows the library on the survivors, then measures a fresh attacker", ok=at_least(1))
     budget: int = setting(16, "candidates the training-side attacker scores per construction instance",
@@ -534,6 +561,7 @@ class HardenSettings(Settings):
 @dataclass(frozen=True)
 class HoldoutSettings(Settings):
     """Leave-one-family-out (holdout.py): which families are held out in turn, and whether the LLM stage runs."""
+    KEY = "holdout"
     families: tuple = setting("all", "families to hold out in turn, comma list, or 'all' (every family the "
                                      "construction groups hold)", parse=comma_list(words=("all",)))
     llm_stage: bool = setting(False, "also build each fold's TFSG library and measure ASR under Shield only and GEO "
@@ -549,6 +577,7 @@ class HoldoutSettings(Settings):
 @dataclass(frozen=True)
 class DeploySettings(Settings):
     """deploy-check (deploy_check.py): the endpoint whose scores are checked against the run's Shield."""
+    KEY = "deploy"
     endpoint: endpoints.RerankSpec = setting(None, "the rerank endpoint to check, a spec as --reranker takes it "
                                                    "(http://HOST:PORT[/rerank][#MODEL], tei:http://HOST:PORT, "
                                                    "vllm-score:http://HOST:PORT[#MODEL], cohere:MODEL, ...)",
@@ -564,12 +593,14 @@ class DeploySettings(Settings):
 class SourceSettings(Settings):
     """Where export and serve take the Shield from: the trained run --name (its record's model, revision,
     dtype, max length and quantization, and its adapter) or, with --model given, that base and an adapter."""
+    KEY = "source"
     adapter: str = setting(None, "with --model: a PEFT LoRA adapter folder (with --name: the run's own)")
 
 
 @dataclass(frozen=True)
 class ExportSettings(Settings):
     """export (export.py): the checkpoint format written."""
+    KEY = "export"
     format: str = setting("seq-cls", "seq-cls: Qwen3ForSequenceClassification (score = E[yes] - E[no]); causal: "
                                      "Qwen3ForCausalLM", choices=("seq-cls", "causal"))
     overwrite: bool = setting(False, "replace an earlier export in --out (it is replaced whole, once the new one is "
@@ -579,6 +610,7 @@ class ExportSettings(Settings):
 @dataclass(frozen=True)
 class ServeSettings(Settings):
     """serve (serve.py): where the rerank endpoint listens and what it accepts."""
+    KEY = "serve"
     host: str = setting("127.0.0.1", "address to bind (default loopback)")
     port: int = setting(8000, "port (0: any free one)", ok=port_number, says="0 to 65535")
     api_key: str = setting(None, "require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment "
@@ -603,6 +635,7 @@ class ServeSettings(Settings):
 @dataclass(frozen=True)
 class EngineSettings(Settings):
     """serve-offline: the offline engine (a simulation) on a loopback port."""
+    KEY = "engine"
     port: int = setting(8765, "port on 127.0.0.1 (0: any free one)", ok=port_number, says="0 to 65535")
     corpus: str = setting(None, "JSONL of {query, url, text} answering Tavily-shaped /search (data/make_sample.py "
                                 "writes one)")
@@ -613,6 +646,7 @@ class EngineSettings(Settings):
 @dataclass(frozen=True)
 class CompareSettings(Settings):
     """compare (report.py): evaluated runs side by side."""
+    KEY = "compare"
     runs: tuple = setting(None, "comma list of evaluated run folders (one per target LLM)", required=True,
                           parse=lambda v: CommaList(dict.fromkeys(comma_list(os.path.normpath)(v))),   # each once
                           ok=lambda v: len(v) > 0, says="at least one run folder")
@@ -621,6 +655,7 @@ class CompareSettings(Settings):
 @dataclass(frozen=True)
 class AuditSettings(Settings):
     """bench-audit (bench_audit.py): the family classifier's folds, and whether a reranker measures exposure."""
+    KEY = "audit"
     folds: int = setting(5, "cross-validation folds of the family classifier", ok=at_least(2), says="at least 2")
     exposure: bool = setting(True, "measure each family's exposure gain with --model (--no-exposure: no reranker "
                                    "is loaded)")
@@ -629,6 +664,7 @@ class AuditSettings(Settings):
 @dataclass(frozen=True)
 class BenchSettings(Settings):
     """bench (bench.py): which race, its workload at real width, and its contenders."""
+    KEY = "bench"
     what: str = setting(None, "which benchmark", choices=("score", "memory", "train", "llm", "nf4", "serve"),
                         required=True)
     layers: int = setting(28, "decoder layers at real width", ok=at_least(1))
@@ -647,118 +683,173 @@ class BenchSettings(Settings):
 
 # ----------------------------------------------------------------------------- commands
 
-# A command's class composes the groups it reads (its fields come base by base from the last listed:
-# the run folder first); FLAGS are the groups it takes from its command line, the rest it takes from
-# the run's record.
+
+class Command:
+    """A command's settings: the groups it reads, each a field under its KEY (cfg.shield.lr, cfg.data.k), as
+    litgpt's fit(..., train: TrainArgs, eval: EvalArgs) takes its groups. Built from the flat settings a
+    command line, a preset or a config.json holds (every setting's name is its flag's, unique in a command);
+    `flat()` gives them back for config.json. Immutable: `replace(**settings)` makes another."""
+    GROUPS = ()         # the groups it composes, the run folder first: the order of config.json and of --help
+    FLAGS = ()          # those it takes from its command line (a group, or Some of one); the rest from the record
+    DEFAULTS = {}       # {setting: Default}: the command's own default for a setting of a group
+
+    def __init__(self, **flat):
+        unknown = set(flat) - {f.name for f in self.fields()}
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no setting {', '.join(sorted(unknown))}")
+        bad = []
+        for g in self.GROUPS:
+            group = g(**{f.name: flat[f.name] for f in fields(g) if f.name in flat})
+            bad += group.problems(own_defaults(type(self)))
+            object.__setattr__(self, g.KEY, group)
+        if bad:                         # every refused flag of every group, in one sentence
+            raise SettingsError(f"out of range: {', '.join(bad)}")
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.flat() == other.flat()
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(repr(getattr(self, g.KEY)) for g in self.GROUPS)})"
+
+    @classmethod
+    def fields(cls):
+        """Every setting of every group, in GROUPS order."""
+        return [f for g in cls.GROUPS for f in fields(g)]
+
+    @classmethod
+    def pinned(cls):
+        return [f.name for f in cls.fields() if f.metadata.get("pinned")]
+
+    @classmethod
+    def taken(cls):
+        return [f.name for f in cls.fields() if f.metadata.get("taken")]
+
+    def flat(self):
+        """{setting: value} of every group (what config.json records, secrets apart: runs.printable)."""
+        return {f.name: getattr(getattr(self, g.KEY), f.name) for g in self.GROUPS for f in fields(g)}
+
+    def replace(self, **changes):
+        """The same settings with `changes` (flat names), checked again."""
+        return type(self)(**{**self.flat(), **changes})
+
+    def setting(self, name, default=None):
+        """A setting of a group this command may not compose (the judge of a command without one): default
+        when it does not."""
+        return self.flat().get(name, default)
 
 
-@dataclass(frozen=True)
-class TrainConfig(RolesSettings, TFSGLimits, TFSGSettings, ShieldSettings, RequestSettings, LLMSettings, DataSettings,
-                  SeenSettings, ModelSettings, RunSettings):
+TRAIN = (RunSettings, ModelSettings, SeenSettings, DataSettings, LLMSettings, RequestSettings, ShieldSettings,
+         TFSGSettings, TFSGLimits, RolesSettings)
+EVAL = TRAIN + (JudgeSettings, SampleSettings, EvalSettings, RerankSettings)
+
+
+class TrainConfig(Command):
     """train: the Shield (Eqs. 1-5) and the TFSG library (Algorithm 1)."""
+    GROUPS = TRAIN
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, ShieldSettings,
              TFSGSettings, TFSGLimits, RolesSettings)
 
 
-@dataclass(frozen=True)
-class EvalConfig(RerankSettings, EvalSettings, SampleSettings, JudgeSettings, TrainConfig):
+class EvalConfig(Command):
     """eval: every condition on what `train` made; the trained run's settings come from its record."""
+    GROUPS = EVAL
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, JudgeSettings,
              EvalSettings, SampleSettings, RerankSettings, RolesSettings)
 
 
-@dataclass(frozen=True)
-class DemoConfig(EvalConfig):
+class DemoConfig(Command):
     """demo: train then eval, offline."""
+    GROUPS = EVAL
     FLAGS = TrainConfig.FLAGS + (JudgeSettings, EvalSettings, SampleSettings, RerankSettings)   # Roles: in Train's
 
 
-@dataclass(frozen=True)
-class RerankEvalConfig(CertifySettings, EvalConfig):
+class RerankEvalConfig(Command):
     """rerank-eval: the reranker stage alone (no LLM call)."""
+    GROUPS = EVAL + (CertifySettings,)
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, RequestSettings, RerankSettings, CertifySettings)
 
 
-@dataclass(frozen=True)
-class DetectConfig(DetectSettings, EvalConfig):
+class DetectConfig(Command):
     """detect: GEO rewrites flagged against honest edits, by the Shield's residual and a text detector."""
+    GROUPS = EVAL + (DetectSettings,)
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, some(RerankSettings, "n_boot"), DetectSettings)
 
 
-@dataclass(frozen=True)
-class AttackConfig(AttackSettings, AttackerSettings, EvalConfig):
+class AttackConfig(Command):
     """attack: the adaptive attacker against a trained run, then every budget end to end."""
+    GROUPS = EVAL + (AttackerSettings, AttackSettings)
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, JudgeSettings,
              EvalSettings, SampleSettings, AttackSettings, AttackerSettings, RolesSettings)
 
 
-@dataclass(frozen=True)
-class HardenConfig(HardenSettings, AttackerSettings, JudgeSettings, TrainConfig):
+class HardenConfig(Command):
     """harden: hardening rounds on a trained run; the trained run's settings come from its record."""
+    GROUPS = TRAIN + (JudgeSettings, AttackerSettings, HardenSettings)
     FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings, AttackerSettings, RolesSettings)
 
 
-@dataclass(frozen=True)
-class HoldoutConfig(HoldoutSettings, EvalConfig):
+class HoldoutConfig(Command):
     """holdout: a Shield (and with --llm-stage a library) per held-out family, each measured on the test
     split; a trained run's settings come from its record."""
+    GROUPS = EVAL + (HoldoutSettings,)
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, ShieldSettings,
              TFSGSettings, TFSGLimits, JudgeSettings, RerankSettings, RolesSettings, HoldoutSettings)
 
 
-@dataclass(frozen=True)
-class DeployCheckConfig(DeploySettings, EvalConfig):
+class DeployCheckConfig(Command):
     """deploy-check: the run's Shield (its record's model, adapter and max length) against an endpoint."""
+    GROUPS = EVAL + (DeploySettings,)
     FLAGS = (RunSettings, RequestSettings, DeploySettings)
 
 
-@dataclass(frozen=True)
-class BuildConfig(BuildSettings, SeenSettings, RequestSettings, LLMSettings, ModelSettings, RunSettings):
+class BuildConfig(Command):
     """build-bench: GEO-DefenseBench from GEO-Bench rows."""
+    GROUPS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, SeenSettings, BuildSettings)
     FLAGS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, BuildSettings, SeenSettings)
 
 
-@dataclass(frozen=True)
-class ExportConfig(ExportSettings, SourceSettings, ModelSettings, RunSettings):
+class ExportConfig(Command):
     """export: the merged Shield as a Hugging Face checkpoint: the trained run --name (in its record's model,
     revision and dtype unless given), or --model and an optional --adapter."""
+    GROUPS = (RunSettings, ModelSettings, SourceSettings, ExportSettings)
     FLAGS = (some(RunSettings, "name", "runs_dir"), some(ModelSettings, "model", "revision", "dtype"), SourceSettings,
              ExportSettings)
     DEFAULTS = {"dtype": Default(None, "a run's, else the checkpoint's")}
 
 
-@dataclass(frozen=True)
-class ServeConfig(ServeSettings, CertifySettings, SourceSettings, ModelSettings, RunSettings):
+class ServeConfig(Command):
     """serve: the Shield behind a rerank endpoint, loaded as its run scores (the record's model, revision,
     dtype, max length and quantization unless given), or --model and an optional --adapter."""
+    GROUPS = (RunSettings, ModelSettings, SourceSettings, CertifySettings, ServeSettings)
     FLAGS = (some(RunSettings, "name", "runs_dir"), ModelSettings, SourceSettings, ServeSettings,
              some(CertifySettings, "deletion_rate"))
 
 
-@dataclass(frozen=True)
-class ServeOfflineConfig(EngineSettings):
+class ServeOfflineConfig(Command):
     """serve-offline: the offline engine on loopback."""
-    FLAGS = (EngineSettings,)
+    GROUPS = FLAGS = (EngineSettings,)
 
 
-@dataclass(frozen=True)
-class CompareConfig(CompareSettings):
+class CompareConfig(Command):
     """compare: Table 1 across target LLMs, Table C.1 and the transfer matrix (Table C.2)."""
-    FLAGS = (CompareSettings,)
+    GROUPS = FLAGS = (CompareSettings,)
 
 
-@dataclass(frozen=True)
-class AuditConfig(AuditSettings, DataSettings, SeenSettings, ModelSettings):
+class AuditConfig(Command):
     """bench-audit: a benchmark file's families told apart, and each one's exposure gain under a reranker."""
+    GROUPS = (ModelSettings, SeenSettings, DataSettings, AuditSettings)
     FLAGS = (some(DataSettings, "bench", "k"), ModelSettings, AuditSettings)
     DEFAULTS = {"dtype": Default("float32", "float32")}
 
 
-@dataclass(frozen=True)
-class BenchConfig(BenchSettings, ModelSettings):
+class BenchConfig(Command):
     """bench: ours against the reference implementations at real width (random weights); with --compile
     ours races compiled too; --device cuda times score and train with synchronisation and reports each
     contender's allocation peak above the resident weights instead of peak RSS."""
+    GROUPS = (ModelSettings, BenchSettings)
     FLAGS = (some(ModelSettings, "dtype", "device", "compile"), BenchSettings)
     DEFAULTS = {"compile": Default(None, "when a C++ compiler is found")}
 
@@ -778,4 +869,4 @@ PRESETS = {
 def flags(cls):
     """The fields a command takes from its command line: those of its FLAGS entries, in its order."""
     names = set().union(*map(flag_names, cls.FLAGS))
-    return [f for f in fields(cls) if f.name in names]
+    return [f for f in cls.fields() if f.name in names]

@@ -53,7 +53,7 @@ def check(demo_run, shield):
 
     def check_(spec, **kw):
         cfg = settings.DeployCheckConfig(**given, endpoint=spec, **kw)
-        return deploy_check.deploy_check(Run(cfg), cfg.endpoint, rr=Remembered(shield[1]))
+        return deploy_check.deploy_check(Run(cfg), cfg.deploy.endpoint, rr=Remembered(shield[1]))
     return check_
 
 
@@ -269,7 +269,7 @@ def test_a_runs_detector_is_checked_on_the_endpoints_detect_route(demo_run, shie
         try:
             cfg = settings.DeployCheckConfig(**given, endpoint=f"http://127.0.0.1:{srv.server_address[1]}",
                                              long_tokens=512)
-            v = deploy_check.deploy_check(Run(cfg), cfg.endpoint, rr=Remembered(shield[1]))
+            v = deploy_check.deploy_check(Run(cfg), cfg.deploy.endpoint, rr=Remembered(shield[1]))
             assert v["pass"] == v["detect"]["pass"] == (says is None) and v["lists"]["relevance"]["order_agrees"]
             assert says is None or says in v["detect"]["why"] and "/detect" in v["cause"]
         finally:

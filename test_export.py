@@ -214,8 +214,8 @@ def test_export_and_serve_load_the_shield_as_its_run_recorded_it(demo_run, tmp_p
     for cls, argv in ((settings.ExportConfig, ["export", *runs, "--out", str(tmp_path / "x")]),
                       (settings.ServeConfig, ["serve", *runs])):
         cfg, adapter, run_dir = run.shield_settings(cls, run.parser().parse_args(argv))
-        assert (cfg.model, cfg.dtype) == ("tiny", "float32") != (cls.model, cls.dtype)
-        assert (cfg.max_length, cfg.quant) == (rec["max_length"], rec["quant"])
+        assert (cfg.model.model, cfg.model.dtype) == ("tiny", "float32") != (cls().model.model, cls().model.dtype)
+        assert (cfg.model.max_length, cfg.model.quant) == (rec["max_length"], rec["quant"])
         assert adapter == os.path.join(str(demo_run), "adapter") and run_dir == str(demo_run)
 
 

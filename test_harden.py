@@ -150,7 +150,7 @@ def test_the_library_grows_on_the_survivors(hardened):
     out, _, _ = hardened
     r1 = out / "demo" / "harden" / "round-1"
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
-    cases = json.load(open(r1 / "library" / f"E{cfg.n_batches + 2}.cases.json"))
+    cases = json.load(open(r1 / "library" / f"E{cfg.tfsg.n_batches + 2}.cases.json"))
     cited = [json.loads(x) for x in open(r1 / "cited.jsonl")]            # GEO Defender's citations, no ASI judge
     assert cited and all("asi" not in r and "asi_judge" not in r for r in cited)
     # the survivors' cases (their attack in context) beside their groups' benign lists

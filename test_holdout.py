@@ -27,7 +27,7 @@ def held(tmp_path_factory):
     trained, real = {}, train.prepare_triples
 
     def spy(fold, rr, cons, inst):            # the real preparation; the fold's training methods noted
-        trained[fold.cfg.name] = sorted({x.method for x in inst})
+        trained[fold.cfg.folder.name] = sorted({x.method for x in inst})
         return real(fold, rr, cons, inst)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train, "prepare_triples", spy)

@@ -110,7 +110,7 @@ def ppl_filtered(tmp_path_factory, small_bench):
     groups, meta, cons, test, seen, methods = runs.Run(cfg).data
     insts = geodef.expand(test, methods[:2])
     orders, diag = evaluation.ppl_filter(cfg, ReversedBase(), cons, insts)
-    lm = gpt2.GPT2.from_pretrained(os.path.join(cfg.runs_dir, "_tiny_gpt2"))
+    lm = gpt2.GPT2.from_pretrained(os.path.join(cfg.folder.runs_dir, "_tiny_gpt2"))
     calib = [lm.perplexity(d["text"]) for g in cons for d in g.docs]
     return cfg, cons, insts, orders, diag, calib, lm
 
@@ -134,10 +134,10 @@ def test_ppl_scores_are_cached_per_scoring_model(ppl_filtered, tmp_path):
     on a copy of the filtered run's folder."""
     import numpy as np
     cfg, cons, insts, _, _, calib, _ = ppl_filtered
-    shutil.copytree(cfg.runs_dir, tmp_path, dirs_exist_ok=True)
-    cfg = dataclasses.replace(cfg, runs_dir=str(tmp_path))
+    shutil.copytree(cfg.folder.runs_dir, tmp_path, dirs_exist_ok=True)
+    cfg = cfg.replace(runs_dir=str(tmp_path))
     other = tiny.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
-    _, diag2 = evaluation.ppl_filter(dataclasses.replace(cfg, ppl_model=other), ReversedBase(), cons, insts)
+    _, diag2 = evaluation.ppl_filter(cfg.replace(ppl_model=other), ReversedBase(), cons, insts)
     lm2 = gpt2.GPT2.from_pretrained(other)
     calib2 = [lm2.perplexity(d["text"]) for g in cons for d in g.docs]
     assert calib2 != calib and abs(diag2["threshold"] - float(np.quantile(calib2, 0.5))) < 1e-6
@@ -454,8 +454,8 @@ def test_repeated_samples_are_cached_apart_and_bootstrapped_by_group_then_sample
     assert b["ASR_ci_two_level"][1] - b["ASR_ci_two_level"][0] >= b["ASR_ci"][1] - b["ASR_ci"][0]
     sent = len(Script.seen)
     assert evaluation.evaluate(runs.Run(cfg)).summary["samples"] == s["samples"] and len(Script.seen) == sent
-    assert "samples" not in evaluation.evaluate(runs.Run(dataclasses.replace(cfg, samples=1))).summary
-    plan = evaluation.plan_eval(runs.Run(dataclasses.replace(cfg, samples=3)))
+    assert "samples" not in evaluation.evaluate(runs.Run(cfg.replace(samples=1))).summary
+    plan = evaluation.plan_eval(runs.Run(cfg.replace(samples=3)))
     assert plan["records_to_make"] == 2 * len(s0)  # sample 2
 
 
@@ -588,7 +588,7 @@ def _built_over_http(tmp_path, server):
     groups, _, gapped, src = _bench_rows(tmp_path)
     cfg = bb_config(tmp_path, server, src, str(tmp_path / "built.jsonl"))
     build_bench.build_bench(runs.Run(cfg))
-    built, meta = geodef.load_bench(cfg.output, with_meta=True)
+    built, meta = geodef.load_bench(cfg.build.output, with_meta=True)
     return cfg, built, meta, groups, gapped
 
 
@@ -687,7 +687,7 @@ def test_labels_never_reach_prompt_text(demo_run, tmp_path, server):
     assert {"answer", "answer_static_safety", "guided_answer", "answer_spotlight", "answer_sandwich", "remover",
             "isolated_answer", "keyword_answer"} <= kinds, kinds
     assert any('"decision_labels"' in p for p in prompts)           # TFSG's structured interface too
-    methods = geodef.load_bench(cfg.bench, with_meta=True)[1].methods
+    methods = geodef.load_bench(cfg.data.bench, with_meta=True)[1].methods
     assert {"AgenticGEO", "GEO", "GEO-SFE"} <= set(methods)
     leaks = {"a GEO method": "(?<![\\w-])(" + "|".join(map(re.escape, sorted(methods, key=len, reverse=True)))
                              + ")(?![\\w-])",

@@ -285,7 +285,7 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
         assert (out / name / "figures" / "rerank_exposure.svg").exists()
         assert "rerank:" in json.dumps(s["usage"]["stages"]["rerank-eval"])     # the endpoint's requests counted
         # end to end: Non-Defense over the served Shield is Shield only
-        ev = evaluation.evaluate(runs.Run(settings.EvalConfig(**{**cfg.__dict__,
+        ev = evaluation.evaluate(runs.Run(settings.EvalConfig(**{**cfg.flat(),
                                                                  "reranker": [f"ours={srv.url}/v1/rerank"],
                                                                  "conditions": "Non-Defense,Shield only"}))).summary
         for key in ("ASR", "ASI", "BER"):

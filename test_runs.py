@@ -76,7 +76,7 @@ def test_seen_methods_are_never_guessed(tmp_path):
     cfg = settings.EvalConfig(name="s", runs_dir=str(tmp_path), bench=p, n_construction=1)
     with pytest.raises(geodef.BenchFormatError, match="--seen-methods"):
         runs.Run(cfg).data
-    assert runs.Run(dataclasses.replace(cfg, seen_methods="B")).data[4] == ["B"]
+    assert runs.Run(cfg.replace(seen_methods="B")).data[4] == ["B"]
     with pytest.raises(geodef.BenchFormatError, match=r"seen_methods: \['A'\] listed more than once"):
         geodef.load_bench(write_lines(tmp_path, [{"_meta": {"seen_methods": ["A", "A"]}}, good_group()], "d.jsonl"))
 
@@ -257,7 +257,7 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     run.main(["eval"] + common)
     trained, evaluated = seen
     for k in ("model", "llm", "base_url", "bench", "n_construction", "n_batches", "lr"):
-        assert getattr(evaluated, k) == getattr(trained, k), k
+        assert evaluated.flat()[k] == trained.flat()[k], k
     with pytest.raises(SystemExit, match="different llm"):     # a conflicting flag is still refused
         run.main(["eval", "--llm", "offline"] + common)
     for cmd in ("eval", "train"):                              # by the dry runs too: they run every check
@@ -295,15 +295,16 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
                                                                      "model": "tiny"}, "command": "demo"})
     for cls in (settings.EvalConfig, settings.RerankEvalConfig, settings.AttackConfig):
         c = runs.resolve(cls, {"name": "n", "runs_dir": str(tmp_path)})
-        assert (c.llm, c.ppl_model, c.model) == ("offline", "tiny", "tiny")
+        assert (c.llm.llm, c.eval.ppl_model, c.model.model) == ("offline", "tiny", "tiny")
         with pytest.raises(dataclasses.FrozenInstanceError):    # settings stay as resolved; state is the Run's
             c.llm = "openai:gpt-5.5"
     # the paper preset is Table A.1, its 4-bit base included; the plain defaults keep bf16
     paper = runs.resolve(settings.TrainConfig, {"name": "p", "runs_dir": str(tmp_path)}, "paper")
     plain = runs.resolve(settings.TrainConfig, {"name": "p", "runs_dir": str(tmp_path)})
-    assert (paper.quant, plain.quant) == ("nf4", "none")
-    assert (paper.lora_r, paper.lora_alpha, paper.lora_dropout, paper.lr, paper.grad_accum, paper.beta, paper.lam_def,
-            paper.lam_util, paper.lam_cons, paper.monitor_frac) == (16, 32, 0.05, 1e-4, 8, 0.1, 1.1, 0.9, 0.15, 0.2)
+    assert (paper.model.quant, plain.model.quant) == ("nf4", "none")
+    s = paper.shield
+    assert (s.lora_r, s.lora_alpha, s.lora_dropout, s.lr, s.grad_accum, s.beta, s.lam_def, s.lam_util, s.lam_cons,
+            s.monitor_frac) == (16, 32, 0.05, 1e-4, 8, 0.1, 1.1, 0.9, 0.15, 0.2)
 
 
 def test_controller_limits_are_settings():
@@ -481,8 +482,8 @@ def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
     runs.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
         "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
     cfg = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
-    assert (cfg.ppl_model, cfg.judge, cfg.base_url) == ("tiny", "offline", None)   # credentials were never stored
-    runs.Run(dataclasses.replace(cfg, base_url="http://user:pw@host/v1", bench=SAMPLE)).record("eval")
+    assert (cfg.eval.ppl_model, cfg.judge.judge, cfg.llm.base_url) == ("tiny", "offline", None)   # no credential kept
+    runs.Run(cfg.replace(base_url="http://user:pw@host/v1", bench=SAMPLE)).record("eval")
     assert json.load(open(tmp_path / "t" / "config.json"))["config"]["base_url"] == "http://***@host/v1"
 
 
@@ -716,7 +717,7 @@ def test_every_flag_parses_to_its_fields_type():
     """A flag's type is its field's declared type: --timeout (default None) is a float, not a string."""
     args = run.parser().parse_args(["train", "--timeout", "5", "--k", "3", "--lr", "0.5"])
     assert args.timeout == 5.0 and isinstance(args.timeout, float)
-    assert runs.resolve(settings.TrainConfig, run.given(args, settings.TrainConfig)).timeout == 5.0
+    assert runs.resolve(settings.TrainConfig, run.given(args, settings.TrainConfig)).request.timeout == 5.0
     for f in settings.flags(settings.TrainConfig):
         if f.type in (int, float):
             v = getattr(run.parser().parse_args(["train", "--" + f.name.replace("_", "-"), "3"]), f.name)
@@ -808,7 +809,7 @@ def test_a_wait_a_socket_cannot_take_is_refused_up_front():
         settings.EvalConfig(timeout=1e30)
     with pytest.raises(runs.SettingsError, match="--batch-poll 1000000000.0"):
         settings.EvalConfig(batch_poll=1e9)
-    assert settings.EvalConfig(timeout=86400.0, batch_poll=86400.0).timeout == settings.MAX_WAIT
+    assert settings.EvalConfig(timeout=86400.0, batch_poll=86400.0).request.timeout == settings.MAX_WAIT
 
 
 
@@ -827,7 +828,7 @@ def test_a_setting_that_sizes_memory_threads_or_a_sleep_is_bounded_up_front():
         with pytest.raises(runs.SettingsError, match="out of range"):
             settings.ServeConfig(**kw)
     top = settings.EvalConfig(samples=settings.MAX_SAMPLES, rpm=60 / settings.MAX_WAIT)
-    assert top.samples == settings.MAX_SAMPLES
+    assert top.sample.samples == settings.MAX_SAMPLES
 
 
 CRED = "http://usr:S3cretZ@127.0.0.1:9/v1"

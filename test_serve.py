@@ -406,7 +406,7 @@ def test_serve_allow_instruction_lets_the_shield_take_one(shield_server):
         srv.server_close()
     def asked(*argv):
         return settings.ServeConfig(**run.given(run.parser().parse_args(["serve", *argv]), settings.ServeConfig))
-    assert asked("--allow-instruction").allow_instruction is True and asked().allow_instruction is False
+    assert asked("--allow-instruction").serve.allow_instruction is True and asked().serve.allow_instruction is False
 
 
 def test_serve_refuses_a_malformed_instruction(base_server):
@@ -762,7 +762,7 @@ def test_serve_metrics_openapi_models_and_limits(small_queue_server, shield_serv
     assert "bearer" in requests.get(shield.url + "/openapi.json", timeout=5).json()["components"]["securitySchemes"]
     asked = settings.ServeConfig(**run.given(run.parser().parse_args(
         ["serve", "--max-concurrent-requests", "3", "--max-queue", "5"]), settings.ServeConfig))
-    assert (asked.max_concurrent_requests, asked.max_queue) == (3, 5)
+    assert (asked.serve.max_concurrent_requests, asked.serve.max_queue) == (3, 5)
 
 
 def test_serve_smooth_answers_the_mean_over_fresh_deletions(tiny_dir):

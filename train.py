@@ -90,8 +90,8 @@ def prepare_triples(run, rr, cons, inst):
 def example(rr, cfg, t, ids, s0, epoch):
     """A training example's three token-id lists and their base scores s_0: as prepared, or with
     --deletion-noise the epoch's deleted text (noised_triple)."""
-    if cfg.deletion_noise:
-        return noised_triple(rr, t, cfg.deletion_noise, f"{cfg.seed}:{epoch}")
+    if cfg.shield.deletion_noise:
+        return noised_triple(rr, t, cfg.shield.deletion_noise, f"{cfg.folder.seed}:{epoch}")
     return ids[t["instance_id"]], s0[t["instance_id"]]
 
 
@@ -117,9 +117,10 @@ def noised_triple(rr, t, rate, key):
 def triple_loss(rr, cfg, ids, s0, grad):
     """Eqs. 2-5 for one triple, scored in the order (d+, d_a, d_b) -> (loss, stats, s (3,), r (3,)).
     The training loop and the monitoring split compute their loss here."""
+    sh = cfg.shield
     s = rr.score_ids(ids, grad=grad)                                           # (3,) s_theta: d+, d_a, d_b
     r = geodef.defensive_residual(s, torch.tensor(s0, device=s.device))       # (3,) Eq. 2
-    loss, stats = geodef.shield_loss(r[0:1], r[1:2], r[2:3], cfg.beta, cfg.lam_def, cfg.lam_util, cfg.lam_cons)
+    loss, stats = geodef.shield_loss(r[0:1], r[1:2], r[2:3], sh.beta, sh.lam_def, sh.lam_util, sh.lam_cons)
     return loss, stats, s, r
 
 
@@ -136,7 +137,7 @@ def monitor(rr, triples, ids, s0, cfg, lists=()):
         for out, v in zip((r_pos, r_att, r_ben), r):
             out.append(float(v))
         demoted.append(float(s[1] < s[0] and s[1] < s[2]))
-    overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x.attack_index, cfg.k) for x, b in lists]
+    overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x.attack_index, cfg.data.k) for x, b in lists]
     mean = lambda v: sum(v) / max(1, len(v))
     return {"loss": mean(losses), "pref_accuracy": mean(acc), "residual/pos": mean(r_pos), "residual/att": mean(r_att),
             "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
@@ -158,6 +159,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     Deviation: LoRA dropout masks are drawn from each rank's own generator, so with dropout > 0 a
     multi-rank run differs from one process's as another seed would."""
     cfg, folder, ranks = run.cfg, out or run.dir, run.ranks
+    sh = cfg.shield
     main = ranks.is_main
     adapter_dir = os.path.join(out, "adapter") if out else run.path("adapter")
     if read_json(os.path.join(folder, "shield_done.json")):
@@ -169,7 +171,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     if not main:                   # rank 0 loads (a tiny checkpoint: makes) the model and scores the base
         ranks.barrier()            # lists first; the others then read its files and its score cache
     rr = rr or run.reranker()
-    rr.model.gradient_checkpointing = cfg.grad_checkpointing       # recomputes only under grad: training's
+    rr.model.gradient_checkpointing = sh.grad_checkpointing       # recomputes only under grad: training's
     triples, ids, s0, scores = prepare_triples(run, rr, cons, inst)
     if main:
         ranks.barrier()
@@ -185,37 +187,37 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
         step_zero(state, monitor(rr, mon_triples, ids, s0, cfg, mon_lists), log_path)
 
     n = len(opt_triples)
-    bar = tqdm(total=cfg.epochs * n, initial=state["epoch"] * n + state["pos"], desc="shield", file=sys.stderr,
+    bar = tqdm(total=sh.epochs * n, initial=state["epoch"] * n + state["pos"], desc="shield", file=sys.stderr,
                disable=not main)
-    while state["epoch"] < cfg.epochs:
+    while state["epoch"] < sh.epochs:
         order = list(range(n))
-        random.Random(cfg.seed * 1000 + state["epoch"]).shuffle(order)
+        random.Random(cfg.folder.seed * 1000 + state["epoch"]).shuffle(order)
         rr.model.train()
         window = []                                    # this rank's examples' stats in the accumulation window
         while state["pos"] < n:
-            start = (state["pos"] // cfg.grad_accum) * cfg.grad_accum            # this accumulation window's
+            start = (state["pos"] // sh.grad_accum) * sh.grad_accum            # this accumulation window's
             if ranks.mine(state["pos"], start):         # under torchrun each rank takes its share of the window
                 t = opt_triples[order[state["pos"]]]
                 loss, st, _, _ = triple_loss(rr, cfg, *example(rr, cfg, t, ids, s0, state["epoch"]), grad=True)
-                (loss / min(cfg.grad_accum, n - start)).backward()              # mean over the window's examples
+                (loss / min(sh.grad_accum, n - start)).backward()              # mean over the window's examples
                 window.append(st)
             state["pos"] += 1
             bar.update(1)
-            if state["pos"] % cfg.grad_accum and state["pos"] < n:
+            if state["pos"] % sh.grad_accum and state["pos"] < n:
                 continue
             ranks.sum_grads(params)                     # the window's whole gradient on every rank
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            gn = torch.nn.utils.clip_grad_norm_(params, sh.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             state["step"] += 1
             rec = ranks.mean_stats(window, geodef.SHIELD_STATS, params[0].device)
-            rec.update({"grad_norm": float(gn), "learning_rate": cfg.lr, "step": state["step"],
+            rec.update({"grad_norm": float(gn), "learning_rate": sh.lr, "step": state["step"],
                         "epoch": state["epoch"] + state["pos"] / n})
             bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['rewards/accuracies']:.2f}")
             window = []
             if main:
                 append_jsonl(log_path, {"event": "train", **rec})
-                if state["step"] % cfg.save_every == 0 and state["pos"] < n:       # mid-epoch checkpoints
+                if state["step"] % sh.save_every == 0 and state["pos"] < n:       # mid-epoch checkpoints
                     _save_ckpt(ckpt, rr.model, opt, state, log_path)
         state["epoch"] += 1
         state["pos"] = 0
@@ -225,7 +227,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     bar.close()
     if not main:                                        # the other ranks only compute their share of each step
         return
-    finish_shield(run, rr, folder, adapter_dir, state, math.ceil(n / cfg.grad_accum))
+    finish_shield(run, rr, folder, adapter_dir, state, math.ceil(n / sh.grad_accum))
 
 
 def end_of_epoch(cfg, rr, opt, state, m, adapter_dir, ckpt, log_path):
@@ -235,7 +237,7 @@ def end_of_epoch(cfg, rr, opt, state, m, adapter_dir, ckpt, log_path):
     append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
     key = (-m["loss"], m["pref_accuracy"])
     if state["best"] is None or key > tuple(state["best"]["key"]):
-        lora.save_adapter(rr.model, adapter_dir, cfg.model)
+        lora.save_adapter(rr.model, adapter_dir, cfg.model.model)
         state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
     _save_ckpt(ckpt, rr.model, opt, state, log_path)
 
@@ -243,13 +245,13 @@ def end_of_epoch(cfg, rr, opt, state, m, adapter_dir, ckpt, log_path):
 def attach_lora(cfg, rr, init=None):
     """LoRA on the frozen reranker (its A initialised and its dropout masks drawn from the seed alone),
     started from the adapter folder `init` when given, with the speed paths -> (trainable params, AdamW)."""
-    torch.manual_seed(cfg.seed)
-    lora.add_lora(rr.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+    torch.manual_seed(cfg.folder.seed)
+    lora.add_lora(rr.model, cfg.shield.lora_r, cfg.shield.lora_alpha, cfg.shield.lora_dropout)
     if init:
         lora.load_adapter(rr.model, init)
-    speed.install(rr.model, compile=cfg.compile)     # the LoRA layers get the speed paths too
+    speed.install(rr.model, compile=cfg.model.compile)     # the LoRA layers get the speed paths too
     params = [p for p in rr.model.parameters() if p.requires_grad]
-    return params, torch.optim.AdamW(params, lr=cfg.lr)
+    return params, torch.optim.AdamW(params, lr=cfg.shield.lr)
 
 
 def start_state(rr, opt, ckpt, log_path, resume, main):
@@ -290,7 +292,7 @@ def benign_kept(base_scores, new_scores, attack_index, k):
 def shield_test_stats(run, rr, insts, adapter_dir=None):
     """On the test instances: where the attack document ranks under the base scorer (LoRA disabled)
     and under the Shield scorer, and how much of the base top-k's benign evidence the Shield keeps."""
-    k, base, shield = run.cfg.k, base_ranker(run, rr, adapter_off=True), shield_ranker(run, rr, adapter_dir)
+    k, base, shield = run.cfg.data.k, base_ranker(run, rr, adapter_off=True), shield_ranker(run, rr, adapter_dir)
     base.prepare(insts)
     shield.prepare(insts)
     rank_b, rank_s, in_b, in_s, overlap = [], [], 0, 0, []
@@ -318,7 +320,7 @@ def clean_reference_benign(cfg, llm, base, groups):
     base.prepare(insts)
     ref = clean_reference(cfg, base)
     recs = eval_condition(cfg, llm, "clean reference (construction)", insts, ref.topk, ref.pipeline,
-                          os.path.join(cfg.run_dir, "results", "clean_reference_construction.jsonl"),
+                          os.path.join(cfg.folder.run_dir, "results", "clean_reference_construction.jsonl"),
                           judge=llm)                  # no attack in a clean list: the judge is never asked
     return {r["group_id"]: r for r in recs}
 
@@ -332,15 +334,15 @@ def train_tfsg(run):
     data = run.data
     cons, inst = data.construction, geodef.expand(data.construction, data.seen)
     seeds, batches = run.tfsg_schedule(inst)
-    base, shield = load_rankers(run, cfg.shield)
+    base, shield = load_rankers(run, cfg.tfsg.shield)
     ranker = shield or base
     ranker.prepare(inst)
     target = run.llm(stage="train")
-    analyzer = run.llm(cfg.analyzer, stage="train") if cfg.analyzer else target
+    analyzer = run.llm(cfg.tfsg.analyzer, stage="train") if cfg.tfsg.analyzer else target
     clean = clean_reference_benign(cfg, target, base, cons)
 
     def case_input(x, force_attack=False):
-        top = ranker.order(x)[:cfg.k]
+        top = ranker.order(x)[:cfg.data.k]
         if force_attack and x.attack_index not in top:      # controlled contrast: the attack in context
             top = top[:-1] + [x.attack_index]
         return {"case_id": f"case-{hashlib.sha1(x.instance_id.encode()).hexdigest()[:8]}", "query": x.query,
@@ -349,18 +351,24 @@ def train_tfsg(run):
 
     seed_inputs = [case_input(x, force_attack=True) for x in seeds]
     batch_inputs = [[case_input(x) for x in b] for b in batches]
-    interface = "reasoning" if cfg.reasoning_interface else "structured"
+    interface = "reasoning" if cfg.tfsg.reasoning_interface else "structured"
 
     def answer_many(requests):           # one stage: concurrent, or one batch with --batch-api
-        return target.map(requests, workers=cfg.workers, desc="TFSG target")
+        return target.map(requests, workers=cfg.request.workers, desc="TFSG target")
     lib = tfsg.build_library(answer_many, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run.dir, "library"),
                              answer_prompt=tfsg.standard_prompt, interface=interface,
-                             max_initial_rules=cfg.max_initial_rules, temperature=cfg.temperature,
-                             controller=tfsg.Controller(limits=run.limits), max_tokens=cfg.max_tokens)
+                             max_initial_rules=cfg.tfsg.max_initial_rules, temperature=cfg.llm.temperature,
+                             controller=tfsg.Controller(limits=run.limits), max_tokens=cfg.llm.max_tokens)
     for c in dict.fromkeys((target, analyzer)):
         log(f"[train] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
             f"{c.stats['cache_hits']} from the cache (the run's cost: usage.jsonl, summed in summary.json)")
-    log(f"[train] TFSG library E{cfg.n_batches + 1}: {len(lib.active())} active rules ({len(lib.rules)} total)")
+    log(f"[train] TFSG library E{cfg.tfsg.n_batches + 1}: {len(lib.active())} active rules ({len(lib.rules)} total)")
+
+
+def analyzer_prompt_chars(cfg):
+    """An Analyzer call's prompt at most, in characters: a batch's cases, each its top-k documents as the
+    Analyzer sees them, its answers and the instructions (A.3.4)."""
+    return cfg.tfsg.batch_size * (cfg.data.k * cfg.limits.analyzer_doc_chars + 1500) + 6000
 
 
 def plan_train(run):
@@ -373,18 +381,19 @@ def plan_train(run):
     opt, _ = run.shield_split(inst)
     seeds, batches = run.tfsg_schedule(inst)
     done = os.path.isfile(run.library_path())
-    ctx = sum(sum(map(len, x.docs[:cfg.k])) for x in inst) / max(1, len(inst))
+    ctx = sum(sum(map(len, x.docs[:cfg.data.k])) for x in inst) / max(1, len(inst))
     answers = 0 if done else len(data.construction) + 4 * len(seeds) + sum(map(len, batches))
     analyzer = 0 if done else 1 + len(batches)
     stages = {"target answers": estimate(answers, ctx + 2500, 400),
-              "Analyzer": estimate(analyzer, cfg.batch_size * (cfg.k * cfg.analyzer_doc_chars + 1500) + 6000, 1500)}
-    return {"shield_optimizer_steps": cfg.epochs * -(-len(opt) // cfg.grad_accum), "tfsg_library_built": done,
-            "stages": stages, "usd_at_most": price_plan(run.prices, stages, lambda s: cfg.llm if s == "target answers"
-                                                        else cfg.analyzer or cfg.llm),
+              "Analyzer": estimate(analyzer, analyzer_prompt_chars(cfg), 1500)}
+    target, analyst = cfg.llm.llm, cfg.tfsg.analyzer or cfg.llm.llm
+    return {"shield_optimizer_steps": cfg.shield.optimizer_steps(len(opt)), "tfsg_library_built": done,
+            "stages": stages,
+            "usd_at_most": price_plan(run.prices, stages, lambda s: target if s == "target answers" else analyst),
             # the rollouts through a batch API; the Analyzer's calls stay synchronous (each needs the last)
             "usd_at_most_batch_api": _sum_or_none(
-                price_plan(run.prices, {"target answers": stages["target answers"]}, lambda s: cfg.llm, batch=True),
-                price_plan(run.prices, {"Analyzer": stages["Analyzer"]}, lambda s: cfg.analyzer or cfg.llm)),
+                price_plan(run.prices, {"target answers": stages["target answers"]}, lambda s: target, batch=True),
+                price_plan(run.prices, {"Analyzer": stages["Analyzer"]}, lambda s: analyst)),
             "note": "estimates: prompt tokens at 4 characters a token; cached replies cost nothing"}
 
 
