@@ -269,7 +269,8 @@ class Attack:
             return [{} for _ in insts]
         llm, pipeline = self.engine
         tops = [order_of(self.target.scores(x))[:self.cfg.data.k] for x in insts]       # scored by self.score
-        recs = pipeline_records(self.cfg, llm, "repair engine", insts, tops, pipeline)
+        c = self.cfg
+        recs = pipeline_records(c.llm, c.request.workers, llm, "repair engine", insts, tops, pipeline)
         return [{"cited": bool(r["attack_cited"])} for r in recs]
 
     def _edit(self, x, text):
@@ -343,10 +344,10 @@ def dry_run(run):
                     "subtracted"}
 
 
-def check_settings(cfg, key, settings, pin=False):
+def check_settings(run_dir, key, settings, pin=False):
     """The settings an attack's records depend on, pinned per target and setting (results/attack-
     settings.json) with pin=True once the attack has run: a rerun that changes them is refused."""
-    path = os.path.join(cfg.folder.run_dir, "results", "attack-settings.json")
+    path = os.path.join(run_dir, "results", "attack-settings.json")
     old = read_json(path, {})
     if key in old and old[key] != settings:
         raise changed_settings(path, f"the {key} attack was made", old[key],
@@ -372,7 +373,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
                 "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD, "library": lib_digest if aware else None,
                 **({"algorithm": "repair", "start": cfg.attacker.start, "edit_budget": cfg.attacker.edit_budget}
                    if cfg.attacker.algorithm == "repair" else {})}
-    check_settings(cfg, f"{label}-{mode}", settings)
+    check_settings(cfg.folder.run_dir, f"{label}-{mode}", settings)
     base, shield = load_rankers(run, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \
         rankers.make_rankers(run, [(label, spec)], "attack")[label]
@@ -382,7 +383,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     a = Attack(cfg, label, target, attacker, judge, rounds, per_round, budget, lib if aware else None,
                algorithm=cfg.attacker.algorithm, engine=engine)
     cands = a.run(insts)
-    check_settings(cfg, f"{label}-{mode}", settings, pin=True)
+    check_settings(cfg.folder.run_dir, f"{label}-{mode}", settings, pin=True)
     res = os.path.join(cfg.folder.run_dir, "results")
     atomic_write(os.path.join(res, f"attack-{label}-{mode}.jsonl"), "".join(
         json.dumps({"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, **c},
@@ -393,10 +394,10 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     block.update({"algorithm": "repair"} if cfg.attacker.algorithm == "repair" else {})
     llm = run.llm(stage="attack-eval")
     eval_judge = run.llm(cfg.judge.judge, stage="attack-eval") if cfg.judge.judge else llm
-    ref = clean_reference(cfg, base)
+    ref = clean_reference(cfg.data.k, base)
     clean = {r["group_id"]: r for r in eval_condition(
-        cfg, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk, ref.pipeline,
-        os.path.join(res, "clean_reference.jsonl"), eval_judge)}
+        cfg.llm, cfg.request.workers, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk,
+        ref.pipeline, os.path.join(res, "clean_reference.jsonl"), eval_judge)}
     for b in budgets:
         docs = [with_doc(x, cands[x.instance_id][best_of(cands[x.instance_id], b)]["text"], f"@{label}-{mode}-B{b}")
                 for x in insts]
@@ -427,7 +428,7 @@ def evaluate_documents(cfg, llm, judge, docs, defense, clean, folder, conditions
     plan, _ = condition_plan(cfg, conditions, base, shield, lib, construction, docs)
     out = {}
     for c in conditions:
-        recs = eval_condition(cfg, llm, c, docs, plan[c].topk, plan[c].pipeline,
+        recs = eval_condition(cfg.llm, cfg.request.workers, llm, c, docs, plan[c].topk, plan[c].pipeline,
                               os.path.join(folder, condition_slug(c) + ".jsonl"), judge)
         s = summarize(recs, clean)
         out[c] = {"ASR": s["ASR"], "ASI": s["ASI"], "BER": s["BER"], "exposure": s["attack_in_context"]}

@@ -44,19 +44,19 @@ def load_ours(folder, compile=False, share_prefix=True, **kw):
     return rr
 
 
-def bench_folder(cfg):
+def bench_folder(m, b):
     """A random real-width Qwen3 checkpoint (hidden 1024, 16/8 heads, MLP 3072, vocab 151669,
     --layers layers), initialised and saved by transformers; made once under --out."""
     import transformers
-    folder = os.path.join(cfg.bench.out, f"bench_qwen3_{cfg.bench.layers}l")
+    folder = os.path.join(b.out, f"bench_qwen3_{b.layers}l")
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         torch.manual_seed(0)
         config = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
-                                          num_hidden_layers=cfg.bench.layers, num_attention_heads=16,
+                                          num_hidden_layers=b.layers, num_attention_heads=16,
                                           num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
                                           tie_word_embeddings=True,
                                           max_position_embeddings=40960)
-        model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, cfg.model.dtype))
+        model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, m.dtype))
         model.save_pretrained(folder, safe_serialization=True)
         tok = tiny.make_tiny_checkpoint(folder + "_tok")
         shutil.copy(os.path.join(tok, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
@@ -286,24 +286,24 @@ def cuda_step_peaks(fns, device):
     return out
 
 
-def bench_score(cfg):
+def bench_score(m, b):
     """tokens/s of our scorer vs transformers (logits_to_keep=1, sdpa, one left-padded batch) and the
     model card snippet (full logits), same random real-width weights and ids; plus the GEMM floor of
     our call (`gemm_floor`: the ceiling of any ratio against each peer) and the bf16 matmul rate."""
     import transformers
-    dtype, dev = getattr(torch, cfg.model.dtype), cfg.model.device
-    folder = bench_folder(cfg)
+    dtype, dev = getattr(torch, m.dtype), m.device
+    folder = bench_folder(m, b)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
     rr = load_ours(folder, dtype=dtype, device=dev)
-    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if cfg.model.compile else None
-    work = {"mixed": mixed_lengths(), "fixed": [cfg.bench.seq] * 10}
+    rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if m.compile else None
+    work = {"mixed": mixed_lengths(), "fixed": [b.seq] * 10}
     results = {}
     if rc is not None:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
-        rc.score_ids(random_ids(work["mixed"], prefix=cfg.bench.prefix))
+        rc.score_ids(random_ids(work["mixed"], prefix=b.prefix))
         results["compile_first_call_s"] = time.perf_counter() - t0
     for name, lens in work.items():
-        ids = random_ids(lens, prefix=cfg.bench.prefix)
+        ids = random_ids(lens, prefix=b.prefix)
         pad, mask = (t.to(dev) for t in left_padded(ids))
 
         def transformers_keep1():
@@ -317,7 +317,7 @@ def bench_score(cfg):
         cands = {"ours": lambda: rr.score_ids(ids), "transformers": transformers_keep1}
         if rc is not None:
             cands["ours_compiled"] = lambda: rc.score_ids(ids)
-        if cfg.bench.prefix:
+        if b.prefix:
             cands["ours_unshared"] = lambda: unshared(rr, ids)
         if name == "fixed":
             cands["model_card_snippet"] = snippet
@@ -327,7 +327,7 @@ def bench_score(cfg):
             for k, mib in cuda_step_peaks(cands, dev).items():
                 results[f"{name}/{k}_cuda_call_peak_MiB"] = mib
         rounds = []
-        for k, t in race(cands, cfg.bench.repeat, rounds).items():
+        for k, t in race(cands, b.repeat, rounds).items():
             results[f"{name}/{k}"] = sum(lens) / t                              # tokens per second
             results[f"{name}/{k}_docs_per_s"] = len(lens) / t                  # the unit providers compare
         peers = ["transformers"] + (["model_card_snippet"] if name == "fixed" else [])
@@ -345,11 +345,11 @@ def bench_score(cfg):
             results[f"{name}/{k}_minor_faults_per_call"] = minor_faults(cands[k])
         if rc is not None:
             results[f"{name}/ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
-        if cfg.bench.prefix:
+        if b.prefix:
             results[f"{name}/ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     results["matmul_gflops"] = matmul_gflops(dtype, device=dev)
-    if cfg.bench.against:
-        engine_race(cfg, folder, rr, work, results)
+    if b.against:
+        engine_race(m, b, folder, rr, work, results)
     return results
 
 
@@ -406,14 +406,14 @@ def engine_scorers(folder, engines):
     return out
 
 
-def engine_race(cfg, folder, rr, work, results):
+def engine_race(m, b, folder, rr, work, results):
     """--against: each engine on the workloads, padded as its users batch (one left-padded call) and one call
     per document, raced round-robin with our scorer -> results gains, per workload and engine, documents per
     second, our speed over the engine's (paired median: above 1, ours is faster) and the largest margin
     difference from ours."""
-    scorers = engine_scorers(folder, cfg.bench.against)
+    scorers = engine_scorers(folder, b.against)
     for name, lens in work.items():
-        ids = random_ids(lens, prefix=cfg.bench.prefix)
+        ids = random_ids(lens, prefix=b.prefix)
         pad, mask = left_padded(ids)
         ours = rr.score_ids(ids).float()
         cands = {"ours": lambda: rr.score_ids(ids)}
@@ -422,7 +422,7 @@ def engine_race(cfg, folder, rr, work, results):
             cands[e] = lambda fn=fn: fn(pad, mask)
             cands[f"{e}_per_doc"] = lambda fn=fn: [fn(*left_padded([x])) for x in ids]
         rounds = []
-        for k, t in race(cands, cfg.bench.repeat, rounds).items():
+        for k, t in race(cands, b.repeat, rounds).items():
             if k != "ours":                  # ours: the main race's figure
                 results[f"{name}/{k}_docs_per_s"] = len(lens) / t
                 results[f"{name}/ours_vs_{k}_paired_median"] = paired_ratio(rounds, k)
@@ -491,16 +491,16 @@ def _peak_rss_child(kind, folder, lens, prefix, dtype_name, q):
     q.put(peak_rss_mib())
 
 
-def bench_memory(cfg):
+def bench_memory(m, b):
     """Peak resident memory of one scoring call (weights included), ours vs transformers, each in a
     fresh process, on the mixed and fixed workloads of `bench --what score`."""
-    folder = bench_folder(cfg)
+    folder = bench_folder(m, b)
     res = {}
-    for name, lens in {"mixed": mixed_lengths(), "fixed": [cfg.bench.seq] * 10}.items():
-        kinds = ("ours", "ours_compiled", "transformers") if cfg.model.compile else ("ours", "transformers")
+    for name, lens in {"mixed": mixed_lengths(), "fixed": [b.seq] * 10}.items():
+        kinds = ("ours", "ours_compiled", "transformers") if m.compile else ("ours", "transformers")
         for kind in kinds:
-            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, cfg.bench.prefix,
-                                                              cfg.model.dtype)
+            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, b.prefix,
+                                                              m.dtype)
         for kind in kinds[:-1]:
             peer = res[f"{name}/transformers_peak_MiB"]
             res[f"{name}/{kind}_over_transformers"] = res[f"{name}/{kind}_peak_MiB"] / peer
@@ -547,26 +547,25 @@ def _peak_rss_train_child(kind, folder, ids, dtype_name, q):
     q.put(peak_rss_mib())
 
 
-def bench_train(cfg):
+def bench_train(m, b):
     """One micro-step (3 documents x seq tokens, forward+backward through LoRA on all 7 projections)
     at real width: ours vs transformers + peft on the same weights and ids; tokens/s timed round-robin
     in one process, peak memory (weights included) of one step in a fresh process each (on CUDA: one
     step's allocation peak above the resident weights, in this process); plus the GEMM floor of our
     step (`gemm_floor`: frozen projections forward and input gradients only; `matmul_floor`: those plus
     LoRA's matmuls and the attention) and the matmul rate."""
-    b = cfg.bench
-    dtype, dev = getattr(torch, cfg.model.dtype), cfg.model.device
+    dtype, dev = getattr(torch, m.dtype), m.device
     cuda = torch.device(dev).type == "cuda"
-    folder = bench_folder(cfg)
+    folder = bench_folder(m, b)
     ids = random_ids([b.seq] * 3, prefix=b.prefix)
-    kinds = ("ours",) + ("ours_compiled",) * bool(cfg.model.compile) + ("ours_unshared",) * bool(b.prefix) + ("peft",)
+    kinds = ("ours",) + ("ours_compiled",) * bool(m.compile) + ("ours_unshared",) * bool(b.prefix) + ("peft",)
     res, rounds = {}, []
     if not cuda:  # peak RSS, weights included, each in a fresh process
         for kind in kinds:
-            res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, cfg.model.dtype)
+            res[f"{kind}_peak_MiB"] = in_fresh_process(_peak_rss_train_child, kind, folder, ids, m.dtype)
     steps = {k: synced(fn, dev) for k, fn in _train_steps(folder, dtype, ids, kinds + ("gemm_floor", "matmul_floor"),
                                                           dev).items()}
-    if cfg.model.compile:  # compilation happens on the first call: timed here, outside the race
+    if m.compile:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
         steps["ours_compiled"]()
         res["compile_first_call_s"] = time.perf_counter() - t0
@@ -584,7 +583,7 @@ def bench_train(cfg):
         res[f"{k}_over_matmul_floor_paired_median"] = paired_ratio(rounds, k, "matmul_floor")
     res["ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "gemm_floor")  # see gemm_floor
     res["matmul_ceiling_vs_peft_paired_median"] = paired_ratio(rounds, "peft", "matmul_floor")  # see matmul_floor
-    if cfg.model.compile:
+    if m.compile:
         res["ours_compiled_vs_ours_paired_median"] = paired_ratio(rounds, "ours", "ours_compiled")
     if b.prefix:
         res["ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
@@ -612,29 +611,29 @@ def attention_forwards(qkv, repeat=3):
                 for name, fn in kernels.items()}
 
 
-def bench_nf4(cfg):
+def bench_nf4(m, b):
     """Frozen-base memory and scoring speed: our scorer with bf16 projections vs NF4 projections
     (dequantised on the fly), same random real-width weights and ids."""
-    dtype = getattr(torch, cfg.model.dtype)
-    folder = bench_folder(cfg)
-    ids = random_ids([cfg.bench.seq] * 10, prefix=cfg.bench.prefix)
+    dtype = getattr(torch, m.dtype)
+    folder = bench_folder(m, b)
+    ids = random_ids([b.seq] * 10, prefix=b.prefix)
     res = {}
     for name in ("bf16", "nf4"):
         rr = reranker.Reranker.from_pretrained(folder, dtype=dtype)
         if name == "nf4":
             lora.quantize_nf4(rr.model)
-        proj = sum(b.numel() * b.element_size() for n, b in list(rr.model.named_parameters()) +
+        proj = sum(p.numel() * p.element_size() for n, p in list(rr.model.named_parameters()) +
                    list(rr.model.named_buffers()) if any(t in n for t in lora.TARGETS))
         res[f"{name}_projection_MiB"] = proj / 2 ** 20
-        res[f"{name}_tok_s"] = sum(map(len, ids)) / best_time(lambda: rr.score_ids(ids), cfg.bench.repeat)
+        res[f"{name}_tok_s"] = sum(map(len, ids)) / best_time(lambda: rr.score_ids(ids), b.repeat)
     res["memory_ratio_nf4_over_bf16"] = res["nf4_projection_MiB"] / res["bf16_projection_MiB"]
     res["speed_ratio_nf4_over_bf16"] = res["nf4_tok_s"] / res["bf16_tok_s"]
     return res
 
 
-def bench_llm(cfg):
+def bench_llm(m, b):
     """200 calls on 16 workers against a loopback server with a fixed 200 ms latency, then the same
-    200 from the cache (zero HTTP calls)."""
+    200 from the cache (zero HTTP calls). Fixed: m and b (every contest's settings) are not read."""
 
     class H(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -675,17 +674,17 @@ def bench_documents(rr, n, lo, hi, seed):
     return docs
 
 
-def bench_serve(cfg):
+def bench_serve(m, b):
     """`--clients` concurrent clients, each sending `--requests` requests of one query with ten
     documents of 100-1000 tokens to the rerank server (loopback HTTP, keep-alive), against the same
     requests scored directly in-process (`Reranker.score`, one request after another), in one run:
     requests/s, p50/p99 latency of each, and the server's throughput over direct scoring."""
-    dtype = getattr(torch, cfg.model.dtype)
-    rr = load_ours(bench_folder(cfg), dtype=dtype)
-    n_req = cfg.bench.clients * cfg.bench.requests
+    dtype = getattr(torch, m.dtype)
+    rr = load_ours(bench_folder(m, b), dtype=dtype)
+    n_req = b.clients * b.requests
     reqs = [{"query": f"query {i} about water safety", "documents": bench_documents(rr, 10, 100, 1000, seed=i)}
             for i in range(n_req)]
-    srv = serve.RerankServer(rr, port=0, log=False, max_queue=4 * cfg.bench.clients)
+    srv = serve.RerankServer(rr, port=0, log=False, max_queue=4 * b.clients)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = srv.url + "/v1/rerank"
 
@@ -703,23 +702,23 @@ def bench_serve(cfg):
 
         def client(c):
             with requests.Session() as s:
-                for j in range(cfg.bench.requests):
-                    i = c * cfg.bench.requests + j
+                for j in range(b.requests):
+                    i = c * b.requests + j
                     t = time.perf_counter()
                     resp = s.post(url, json=reqs[i], timeout=3600)
                     resp.raise_for_status()
                     lat[i] = time.perf_counter() - t
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(cfg.bench.clients) as ex:
-            list(ex.map(client, range(cfg.bench.clients)))
+        with ThreadPoolExecutor(b.clients) as ex:
+            list(ex.map(client, range(b.clients)))
         return time.perf_counter() - t0, lat
 
     rr.score(reqs[0]["query"], reqs[0]["documents"])      # warm-up
     tokens = [sum(map(len, rr.tokenize(r["query"], r["documents"]))) for r in reqs]
-    res = {"clients": cfg.bench.clients, "requests": n_req, "layers": cfg.bench.layers,
+    res = {"clients": b.clients, "requests": n_req, "layers": b.layers,
            "tokens_per_request": statistics.mean(tokens)}
     ratios = []
-    for rnd in range(cfg.bench.repeat):   # alternating order, as race() does
+    for rnd in range(b.repeat):   # alternating order, as race() does
         order = (("direct", direct), ("served", served)) if rnd % 2 == 0 else (("served", served), ("direct", direct))
         times = {}
         for name, fn in order:
@@ -779,4 +778,4 @@ def run_bench(cfg):
     if b.against and (b.what != "score" or cfg.model.device != "cpu"):
         raise SettingsError("bench --against races CPU engines at --what score on --device cpu")
     return {"score": bench_score, "memory": bench_memory, "train": bench_train, "llm": bench_llm,
-            "nf4": bench_nf4, "serve": bench_serve}[b.what](cfg)
+            "nf4": bench_nf4, "serve": bench_serve}[b.what](cfg.model, b)

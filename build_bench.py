@@ -457,15 +457,14 @@ def at_candidate(g, i):
     return {**g, "group_id": f"{g['group_id']}@{i}", "source_index": i}
 
 
-def pool_lists(ctx, cfg, fams, groups):
+def pool_lists(ctx, b, seed, fams, groups):
     """The test lists' further attacked documents (--attacked K) and optimised pool (--pool optimized)
     -> ({group_id: {"co_attacks": [...], "optimized": {...}}}, {refusal kind: count} of the pool's
     honest edits). Each further attack passes the families' gate, each honest edit the honest gate, as
     the source's do; a refused one leaves the list without it (fewer attacked documents, or that
-    candidate as the search returned it), said in the log."""
-    b = cfg.build
+    candidate as the search returned it), said in the log. b: the BuildSettings; seed: the draw's."""
     out = {g["group_id"]: {} for g in groups}
-    picks = co_attack_picks(groups, fams, b.attacked, cfg.folder.seed) if b.attacked > 1 else {}
+    picks = co_attack_picks(groups, fams, b.attacked, seed) if b.attacked > 1 else {}
     by_id, got = {g["group_id"]: g for g in groups}, {}
     for f in fams:                      # a rewriter per family, over every candidate it was drawn for
         todo = [at_candidate(by_id[gid], i) for gid, ps in picks.items() for i, m in ps if m == f]
@@ -541,11 +540,10 @@ def read_resource(flag, reader, path):
         raise SettingsError(f"{flag} {path}: {str(e)[:200]}") from None
 
 
-def offline_engine_needed(cfg, plan):
-    """Whether the build needs the offline engine on loopback: an offline builder or judge, or a simulated
-    search (offline:CORPUS)."""
-    judge = cfg.build.fidelity_judge or ""
-    return cfg.llm.llm == "offline" or judge.startswith("offline") or plan.corpus is not None
+def offline_engine_needed(llm, judge, plan):
+    """Whether the build needs the offline engine on loopback: an offline builder (llm) or judge, or a
+    simulated search (offline:CORPUS)."""
+    return llm == "offline" or (judge or "").startswith("offline") or plan.corpus is not None
 
 
 def composition_table(comp):
@@ -689,13 +687,13 @@ def build_bench(run, p=None):
                                                   for c, split in ((ctx, "construction"), (tctx, "test")))
         edits.update(t_edits)
         refused = {k: refused.get(k, 0) + t_refused.get(k, 0) for k in sorted({*refused, *t_refused})}
-    lists = pool_lists(tctx, cfg, fams, [g for g in kept if g["split"] == "test"])    # nothing by default
+    lists = pool_lists(tctx, b, cfg.folder.seed, fams, [g for g in kept if g["split"] == "test"])   # none by default
     if edits:                           # the honest edits' template, beside the families'
         markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
-    write(cfg, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused), cons, lists,
-          test_llm)
+    write(b, cfg.folder.seed, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused),
+          cons, lists, test_llm)
     comp = composition(kept, fams, cons, attacks)
     log(f"[build-bench] wrote {len(kept)} groups to {b.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
@@ -747,9 +745,10 @@ def composition(groups, fams, cons, attacks):
     return out
 
 
-def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None,
+def write(b, seed, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None,
           lists=({}, {}), test_llm=None):
-    """The benchmark file: written aside, validated (geodef.load_bench), then renamed over the output.
+    """The benchmark file b.output (b: the BuildSettings; seed: the build's): written aside, validated
+    (geodef.load_bench), then renamed over the output.
     honest_audit ({group_id: (text or None, trace)} of every group and the refusal kinds' counts,
     build-bench --honest): each line's `honest` edit and its `honest_trace`, and _meta's `honest`,
     `honest_digest`, `honest_edits`, `honest_edit_rate` (% of groups) and `honest_refusals`; without
@@ -760,13 +759,12 @@ def write(cfg, fams, seen, groups, rewrites, llm, search, markers, honest_audit=
     _meta.pool are written when they are not the paper's (one attacked document, the search's pool).
     test_llm: the test split's builder (--test-llm): _meta.test_builder_llm and test_fidelity_judge name it
     and its judge beside the construction split's builder_llm and fidelity_judge."""
-    b = cfg.build
     attacks, traces, failed = rewrites
     edits, refused = honest_audit
     cons = list(cons or seen)
     meta = {"name": os.path.basename(b.output), "synthetic": bool(b.synthetic), "methods": fams,
             "seen_methods": seen, "n_docs": b.docs, "search": search.label if search else None,
-            "builder_llm": llm.label, "fidelity_judge": b.fidelity_judge or llm.label, "seed": cfg.folder.seed,
+            "builder_llm": llm.label, "fidelity_judge": b.fidelity_judge or llm.label, "seed": seed,
             "groups": len(groups), "source": os.path.basename(b.input),
             "prompt_digests": geo_attacks.prompt_digests(fams, b.mageo_signal),
             "mageo_signal": b.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}

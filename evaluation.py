@@ -130,22 +130,23 @@ def reply_usage(replies, sequential):
             **{k: sum(int(r.usage.get(k, 0) or 0) for r in replies) for k in ("prompt_tokens", "completion_tokens")}}
 
 
-def pipeline_records(cfg, llm, name, part, tops, p, sample=0):
+def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
     """A defenses.Pipeline's records for a chunk of instances: every pre-step request of the chunk
-    in one llm.map (one batch with --batch-api), then the answer requests in another. Each record
-    adds what the defense kept and its usage. sample > 0: the whole pipeline's repeat of that index."""
+    in one llm.map (one batch with --batch-api), then the answer requests in another, `workers` at a
+    time, decoded as the target's LLMSettings `decoding` say. Each record adds what the defense kept and
+    its usage. sample > 0: the whole pipeline's repeat of that index."""
     def ask(prompt):
-        return {"messages": _messages(prompt), "temperature": cfg.llm.temperature, "max_tokens": cfg.llm.max_tokens,
+        return {"messages": _messages(prompt), "temperature": decoding.temperature, "max_tokens": decoding.max_tokens,
                 "json": True, **({"sample": sample} if sample else {})}
     docs = [[x.docs[i] for i in t] for x, t in zip(part, tops)]
     pre = [p.pre(x.query, d) for x, d in zip(part, docs)]
-    flat = iter(llm.map([ask(m) for ms in pre for m in ms], workers=cfg.request.workers, desc=f"{name} {p.pre_step}")
+    flat = iter(llm.map([ask(m) for ms in pre for m in ms], workers=workers, desc=f"{name} {p.pre_step}")
                 if any(pre) else ())
     pre_replies = [[next(flat) for _ in ms] for ms in pre]
     finals = [p.final(x.query, d, [r.data for r in rs]) for x, d, rs in zip(part, docs, pre_replies)]
     sent = [ask(m) for m, _ in finals if m is not None]
     desc = name + (f" (sample {sample})" if sample else "")
-    replies = iter(llm.map(sent, workers=cfg.request.workers, desc=desc) if sent else ())
+    replies = iter(llm.map(sent, workers=workers, desc=desc) if sent else ())
     recs = []
     for x, t, rs, (m, kept) in zip(part, tops, pre_replies, finals):
         r = next(replies) if m is not None else None     # None: answered without a call (RobustRAG abstains)
@@ -157,8 +158,8 @@ def pipeline_records(cfg, llm, name, part, tops, p, sample=0):
     return recs
 
 
-def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge, before_write=None, judge_asi=True,
-                   sample=0):
+def eval_condition(decoding, workers, llm, name, insts, topk_of, pipeline, path, judge, before_write=None,
+                   judge_asi=True, sample=0):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
     appended as it finishes, so an interrupted run resumes with the instances it lacks.
     pipeline: how the condition answers (a defenses.Pipeline: pre-steps, then the answer;
@@ -166,7 +167,8 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge, before
     appended (evaluate records its settings then). judge_asi False: no ASI judge and no ASI fields
     (the honest audit's lists hold no attack). sample > 0: the sample-th repeat of every answer (its
     own cached replies, its records marked with it; eval --samples). judge: the ASI judge's client (the
-    target's when the run names no judge)."""
+    target's when the run names no judge). decoding: the target's LLMSettings (the judge's max tokens too);
+    workers: requests in flight."""
     done = {}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isfile(path):
@@ -176,18 +178,18 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge, before
         done = {r["instance_id"]: r for _, r in read_jsonl(path, skip_bad=True)
                 if isinstance(r, dict) and "instance_id" in r}
     todo = [x for x in insts if x.instance_id not in done]
-    chunk = max(cfg.request.workers * 4, 16)
+    chunk = max(workers * 4, 16)
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
         tops = [topk_of(x) for x in part]
-        recs = pipeline_records(cfg, llm, name, part, tops, pipeline, sample)
+        recs = pipeline_records(decoding, workers, llm, name, part, tops, pipeline, sample)
         for rec in recs if sample else ():
             rec["sample"] = sample
         jreq = [] if not judge_asi else [(i, {"messages": [{"role": "user",
                                    "content": metrics.asi_prompt(x.query, judged_attack(x, rec), rec["answer"])}],
-                     "temperature": 0, "max_tokens": cfg.llm.max_tokens, "json": True, "check": metrics.parse_asi})
+                     "temperature": 0, "max_tokens": decoding.max_tokens, "json": True, "check": metrics.parse_asi})
                 for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
-        jrep = judge.map([q for _, q in jreq], workers=cfg.request.workers, desc=f"{name} ASI judge",
+        jrep = judge.map([q for _, q in jreq], workers=workers, desc=f"{name} ASI judge",
                          invalid="return") if jreq else []
         for rec in recs if judge_asi else ():
             rec["asi"], rec["asi_judge"] = 0, None    # attack not in context: 0 without a judge call (B.2.3)
@@ -208,25 +210,25 @@ def eval_condition(cfg, llm, name, insts, topk_of, pipeline, path, judge, before
     return [done[x.instance_id] for x in insts]
 
 
-def deployed_conditions(cfg, plan, deployed, local, others):
+def deployed_conditions(k, plan, deployed, local, others):
     """eval --reranker: the Non-Defense and TFSG only pipelines on each deployed reranker's top-k ->
     {"Non-Defense [LABEL]": Condition, ...}. local: the base and shield Rankers by kind; others: the
     endpoints' by label."""
     out = {}
     for label, spec in deployed:
         rk = local.get(spec.kind) or others[label]
-        topk_of = lambda x, rk=rk: rk.order(x)[:cfg.data.k]
+        topk_of = lambda x, rk=rk: rk.order(x)[:k]
         out.update({f"{c} [{label}]": Condition(topk_of, plan[c].pipeline) for c in ("Non-Defense", "TFSG only")})
     return out
 
 
-def answer_conditions(cfg, conds, insts, plan, condition):
+def answer_conditions(samples, conds, insts, plan, condition):
     """Every condition's records (`condition`: evaluate's, into results/) -> ({condition: records},
     {condition: [the records of sample i] for i in 1..N-1}): eval --samples N repeats each in
     results/<slug>.s<i>.jsonl; every figure but the tables' reads sample 0."""
     results = {c: condition(c, insts, plan[c], condition_slug(c)) for c in conds}
     repeats = {c: [condition(c, insts, plan[c], f"{condition_slug(c)}.s{i}", sample=i)
-                   for i in range(1, cfg.sample.samples)] for c in conds}
+                   for i in range(1, samples)] for c in conds}
     return results, repeats
 
 
@@ -242,16 +244,16 @@ def bench_labels(cfg, meta):
     return {k: v for k, v in out.items() if v}
 
 
-def attacked_summary(cfg, insts, conds, every):
+def attacked_summary(insts, conds, every, k, n_boot, seed):
     """On a benchmark with several attacked documents a list (--attacked K): every condition against K
     -> {"by_attacked": {condition: {"K": the source's rewrite's own ASR and exposure (source_ASR,
     source_exposure), any attacked document's (ASR: any cited, exposure: any in the context), each
     attacked document's mean (mean_ASR, mean_exposure), the share of the top k they take and of the
     citations, in percent with CIs, and the chance rate of "any in the top k" (metrics.chance_any_in_topk)}}};
-    {} on the paper's lists. every(condition): its records."""
+    {} on the paper's lists. every(condition): its records; k: the top-k; n_boot, seed: the bootstrap's."""
     if len(geodef.attacked_levels(insts)) < 2:
         return {}
-    k, source = cfg.data.k, {x.instance_id: x.doc_ids[x.attack_index] for x in insts}
+    source = {x.instance_id: x.doc_ids[x.attack_index] for x in insts}
 
     def share(r):
         cited = len(r["cited_ids"])
@@ -265,8 +267,7 @@ def attacked_summary(cfg, insts, conds, every):
             "topk_attack_share": lambda r: 100.0 * r.get("attacks_in_context", r["attack_in_context"]) / k,
             "citation_share": lambda r: 100.0 * share(r)}
     chance = (len(insts[0].docs), k)
-    return {"by_attacked": {c: metrics.by_attacked(every(c), cols, cfg.rerank.n_boot, cfg.folder.seed, chance)
-                            for c in conds}}
+    return {"by_attacked": {c: metrics.by_attacked(every(c), cols, n_boot, seed, chance) for c in conds}}
 
 
 def sample_summary(by_condition, conds, n_boot, seed):
@@ -317,10 +318,10 @@ def transfer_items(run):
     return items
 
 
-def reranker_items(cfg, conds=None):
-    """eval --reranker LABEL=SPEC ... -> [(label, RerankSpec)], parsed by the settings; with `conds`, those
-    some condition deploys ("Non-Defense [LABEL]", ...)."""
-    return [(label, spec) for label, spec in cfg.rerank.reranker or []
+def reranker_items(rerankers, conds=None):
+    """eval --reranker LABEL=SPEC ... (the settings' parsed [(label, RerankSpec)], or None) -> those some
+    condition of `conds` deploys ("Non-Defense [LABEL]", ...), all without `conds`."""
+    return [(label, spec) for label, spec in rerankers or []
             if conds is None or any(deployed_label(c) == label for c in conds)]
 
 
@@ -344,7 +345,7 @@ def eval_settings(cfg, conds, transfers):
     if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
         for name, path, _ in transfers:
             s[f"transfer {name}"] = file_sha1(path)[:12]
-    for label, spec in reranker_items(cfg, conds):   # a deployed reranker's records: its endpoint
+    for label, spec in reranker_items(cfg.rerank.reranker, conds):   # a deployed reranker's records: its endpoint
         s[f"reranker {label}"] = str(spec)
     s.update({c: defenses.PIPELINES[c].settings for c in conds if c in defenses.PIPELINES
               and defenses.PIPELINES[c].settings})   # an injection defense's thresholds, marker, ...
@@ -392,7 +393,7 @@ def eval_conditions(run):
             raise SettingsError(f"--conditions: unknown {c!r}; known {CONDITIONS}, 'paper' (the first six) "
                                 "or 'all'")
     transfers = transfer_items(run)
-    deployed = rankers.check_specs(reranker_items(cfg))        # every endpoint's key present
+    deployed = rankers.check_specs(reranker_items(cfg.rerank.reranker))        # every endpoint's key present
     conds = conds + [f"{c} [{label}]" for label, _ in deployed for c in RERANKER_CONDITIONS
                      if c != "TFSG only" or os.path.isfile(run.library_path())]
     check_eval_settings(cfg, conds, transfers)
@@ -447,7 +448,7 @@ def evaluate(run, conditions=None, ranked=None):
     conds, transfers = conditions or eval_conditions(run)
     needs_lib = any(c in WITH_LIBRARY or deployed_label(c) and c.startswith("TFSG only") for c in conds)
     lib = tfsg.load_library(run.library_path(), run.limits) if needs_lib else None
-    deployed = reranker_items(cfg, conds)
+    deployed = reranker_items(cfg.rerank.reranker, conds)
     base, shield = ranked or ranking_stage(run, conds, deployed)
     local = {"base": base, "shield": shield}
     others = rankers.make_rankers(run, [(lb, s) for lb, s in deployed if s.kind not in local], "eval")
@@ -467,15 +468,15 @@ def evaluate(run, conditions=None, ranked=None):
             write_json(settings, {**old, **new})
 
     def condition(name, insts, cond, file, asi=True, sample=0):  # one condition's records in results/<file>.jsonl
-        return eval_condition(cfg, llm, name, insts, cond.topk, cond.pipeline, os.path.join(res, file + ".jsonl"),
-                              judge, before_write=lambda recs: record_settings(name, recs), judge_asi=asi,
-                              sample=sample)
+        return eval_condition(cfg.llm, cfg.request.workers, llm, name, insts, cond.topk, cond.pipeline,
+                              os.path.join(res, file + ".jsonl"), judge, judge_asi=asi, sample=sample,
+                              before_write=lambda recs: record_settings(name, recs))
     # clean reference (B.1.3): once per group, reused by its attack variants
-    clean_recs = condition("clean reference", cleans, clean_reference(cfg, base), "clean_reference")
+    clean_recs = condition("clean reference", cleans, clean_reference(cfg.data.k, base), "clean_reference")
     clean = {r["group_id"]: r for r in clean_recs}
     plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
-    plan.update(deployed_conditions(cfg, plan, deployed, local, others))
-    results, repeats = answer_conditions(cfg, conds, insts, plan, condition)
+    plan.update(deployed_conditions(cfg.data.k, plan, deployed, local, others))
+    results, repeats = answer_conditions(cfg.sample.samples, conds, insts, plan, condition)
     honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
     every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
     paper = lambda c: metrics.paper_level(every(c))     # the headline: lists with one attacked document
@@ -488,7 +489,7 @@ def evaluate(run, conditions=None, ranked=None):
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
     summary.update(bench_labels(cfg, meta))
-    summary.update(attacked_summary(cfg, insts, conds, every))
+    summary.update(attacked_summary(insts, conds, every, cfg.data.k, cfg.rerank.n_boot, cfg.folder.seed))
     if cfg.sample.samples > 1:
         summary["samples"] = sample_summary([[results[c], *repeats[c]] for c in conds], conds, cfg.rerank.n_boot,
                                             cfg.folder.seed)
@@ -602,7 +603,8 @@ def defense_summary(cfg, prices, llm, judge, results, plan, insts, clean, res):
     RobustRAG did (`defense_diagnostics`), and the injection defenses' pairwise answer quality against
     the clean reference (B.2.4's judge, as for GEO Defender). prices: the run's table (Run.prices) or None."""
     by_id = {x.instance_id: x for x in insts}
-    out = {"cost": {c: cost_per_query(cfg, llm, recs, by_id, plan[c].pipeline, prices) for c, recs in results.items()},
+    out = {"cost": {c: cost_per_query(cfg.llm, llm, recs, by_id, plan[c].pipeline, prices)
+                    for c, recs in results.items()},
            "defenses": defense_diagnostics(results, by_id)}
     quality = {c: pairwise_quality(cfg, judge, results[c], clean, by_id, res, condition_slug(c))
                for c in results if c in defenses.PIPELINES}
@@ -611,16 +613,17 @@ def defense_summary(cfg, prices, llm, judge, results, plan, insts, clean, res):
     return out
 
 
-def clean_reference(cfg, base):
+def clean_reference(k, base):
     """B.1.3's clean reference as a Condition: the base reranker's top-k of the clean list, answered with
     the Non-Defense prompt (A.3.7). One helper for every command that measures against it."""
-    return Condition(lambda x: base.order(x)[:cfg.data.k], STANDARD)
+    return Condition(lambda x: base.order(x)[:k], STANDARD)
 
 
-def cost_per_query(cfg, llm, recs, by_id, pipeline, prices=None):
+def cost_per_query(decoding, llm, recs, by_id, pipeline, prices=None):
     """A condition's target-side cost per query (the ASI judge apart: an evaluation cost): LLM calls,
     calls in a row (the latency a defense adds: 1 for one prompt), prompt and completion tokens, and
-    USD at the full price with --prices. A defense's records carry their usage; a one-prompt condition's
+    USD at the full price with --prices. decoding: the target's LLMSettings (temperature, max tokens), which
+    key its reply cache. A defense's records carry their usage; a one-prompt condition's
     record (defenses.one_prompt: the paper's records) gets its one reply's usage from the reply cache,
     nothing sent; one no longer cached is left out and counted in `usage_unknown`."""
     rows, unknown = [], 0
@@ -629,8 +632,8 @@ def cost_per_query(cfg, llm, recs, by_id, pipeline, prices=None):
         if u is None:
             x = by_id[r["instance_id"]]
             docs = [x.docs[x.doc_ids.index(i)] for i in r["top_ids"]]
-            hit = llm.cache.get(llm.request_key(_messages(pipeline.final(x.query, docs, [])[0]), cfg.llm.temperature,
-                                                cfg.llm.max_tokens, True)[0])
+            hit = llm.cache.get(llm.request_key(_messages(pipeline.final(x.query, docs, [])[0]), decoding.temperature,
+                                                decoding.max_tokens, True)[0])
             if hit is None:
                 unknown += 1
                 continue
@@ -787,7 +790,7 @@ def plan_eval(run, conditions=None):
     judged = ["GEO Defender"] * ("GEO Defender" in conds) + [c for c in conds if c in defenses.PIPELINES]
     if judged:
         stages["pairwise quality judge"] = estimate(len(insts) * len(judged), 2 * 1200 + 1500, 120)
-    honest = plan_honest(cfg, data.test, conds, res, ctx, stages)
+    honest = plan_honest(cfg.data.k, data.test, conds, res, ctx, stages)
     judge = cfg.judge.judge or cfg.llm.llm
     model_of = lambda s: judge if "judge" in s else cfg.llm.llm
     return {"instances": len(insts), "records_to_make": todo, "stages": stages,
@@ -798,7 +801,7 @@ def plan_eval(run, conditions=None):
                     "then the answer), 2 in a row; their pre-step stages count the k", **honest}
 
 
-def plan_honest(cfg, test, conds, res, ctx, stages):
+def plan_honest(k, test, conds, res, ctx, stages):
     """eval --dry-run's honest audit (a benchmark with honest edits): per condition, 2 answers per group
     with an honest edit (its clean and honest lists; PromptArmor and RobustRAG k + 1 calls each), no
     ASI judge; the records results/<slug>.honest.jsonl lack. Adds its stages -> the plan's `honest_audit`
@@ -808,7 +811,6 @@ def plan_honest(cfg, test, conds, res, ctx, stages):
         return {}
     todo = {c: max(0, 2 * n - records_done(os.path.join(res, condition_slug(c) + ".honest.jsonl"))) for c in conds}
     stages["honest audit answers"] = estimate(sum(todo.values()), ctx + 2500, 300)
-    k = cfg.data.k
     for c in (c for c in conds if c in defenses.PIPELINES and defenses.PIPELINES[c].pre_step):
         stages[f"honest audit {c} {defenses.PIPELINES[c].pre_step}"] = estimate(todo[c] * k, ctx / k + 1300, 150)
     return {"honest_audit": {"groups": n, "records_to_make": sum(todo.values()),

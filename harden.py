@@ -120,8 +120,8 @@ def harvest(run, k, insts, cands, defense, llm, construction_groups):
     surv = [survivor_instance(x, c, k) for x, c in found]
     shield.prepare(surv)
     path = os.path.join(round_dir(run, k), "cited.jsonl")
-    recs = eval_condition(cfg, llm, "GEO Defender (survivors)", surv, lambda y: shield.order(y)[:cfg.data.k],
-                          guided(lib), path, judge=llm, judge_asi=False)
+    recs = eval_condition(cfg.llm, cfg.request.workers, llm, "GEO Defender (survivors)", surv,
+                          lambda y: shield.order(y)[:cfg.data.k], guided(lib), path, judge=llm, judge_asi=False)
     cited = {r["instance_id"]: r["attack_cited"] for r in recs}
     return [{"instance_id": y.instance_id, "group_id": y.group_id, "split": y.split, "method": y.method,
              "source_method": x.method, "candidate": c["n"], "shield_rank": c["rank"],
@@ -214,9 +214,9 @@ def update_library(run, k, survivors, defense, target, analyzer, clean):
 # ----------------------------------------------------------------------------- measuring a round
 
 
-def test_instances(cfg, data):
-    """The test side's instances: the static attacks of the first --eval-groups test groups."""
-    groups = data.test[:cfg.harden.eval_groups] if cfg.harden.eval_groups else data.test
+def test_instances(eval_groups, data):
+    """The test side's instances: the static attacks of the first --eval-groups test groups (0: all)."""
+    groups = data.test[:eval_groups] if eval_groups else data.test
     return groups, geodef.expand(groups, data.methods)
 
 
@@ -232,7 +232,7 @@ def measure(run, k, clients, clean):
     if os.path.isfile(path):
         return read_json(path)
     llm, judge, _, tester, _ = clients
-    groups, insts = test_instances(cfg, data)
+    groups, insts = test_instances(cfg.harden.eval_groups, data)
     base, shield, lib = load_defense(run, k)
     budgets = cfg.harden.eval_budgets
     cands = attacked(cfg, os.path.join(round_dir(run, k), "attack-test.jsonl"), insts, shield, lib, max(budgets),
@@ -245,7 +245,7 @@ def measure(run, k, clients, clean):
              for b in budgets}
     out = {"round": k, "fresh": fresh,
            "static": evaluate_documents(cfg, llm, judge, insts, setup, clean, os.path.join(res, "static"), MEASURED),
-           "clean_topk_kept": clean_kept(cfg, groups, base, shield)}
+           "clean_topk_kept": clean_kept(cfg.data.k, groups, base, shield)}
     if k:
         stale = read_attack(os.path.join(round_dir(run, 0), "attack-test.jsonl"))
         out["stale"] = evaluate_documents(cfg, llm, judge, best_documents(insts, stale, max(budgets), f"@r{k}-stale"),
@@ -268,12 +268,12 @@ def read_attack(path):
     return out
 
 
-def clean_kept(cfg, groups, base, shield):
+def clean_kept(k, groups, base, shield):
     """% of the base top-k of each test group's clean list that the Shield keeps in its top-k (utility)."""
     cleans = [geodef.clean_instance(g) for g in groups]
     base.prepare(cleans)
     shield.prepare(cleans)
-    kept = [len(set(base.order(x)[:cfg.data.k]) & set(shield.order(x)[:cfg.data.k])) / cfg.data.k for x in cleans]
+    kept = [len(set(base.order(x)[:k]) & set(shield.order(x)[:k])) / k for x in cleans]
     return 100.0 * sum(kept) / max(1, len(kept))
 
 
@@ -282,7 +282,7 @@ def crossplay(run, R):
     under every round's Shield: rescoring only, no attacker call -> rows defense rounds, columns
     attacker rounds."""
     cfg = run.cfg
-    _, insts = test_instances(cfg, run.data)
+    _, insts = test_instances(cfg.harden.eval_groups, run.data)
     top = max(cfg.harden.eval_budgets)
     docs = [best_documents(insts, read_attack(os.path.join(round_dir(run, a), "attack-test.jsonl")), top,
                            f"@cross-a{a}") for a in range(R + 1)]
@@ -341,11 +341,11 @@ def clean_references(run, llm):
     cfg, data = run.cfg, run.data
     base = base_ranker(run, run.reranker())
     cons = clean_reference_benign(cfg, llm, base, data.construction)
-    groups, _ = test_instances(cfg, data)
+    groups, _ = test_instances(cfg.harden.eval_groups, data)
     insts = [geodef.clean_instance(g) for g in groups]
     base.prepare(insts)
-    ref = clean_reference(cfg, base)
-    recs = eval_condition(cfg, llm, "clean reference", insts, ref.topk, ref.pipeline,
+    ref = clean_reference(cfg.data.k, base)
+    recs = eval_condition(cfg.llm, cfg.request.workers, llm, "clean reference", insts, ref.topk, ref.pipeline,
                           run.path("harden", "clean_reference.jsonl"), judge=llm)
     return cons, {r["group_id"]: r for r in recs}
 
@@ -440,7 +440,7 @@ def dry_run(run):
     cfg, data = run.cfg, run.data
     hd = cfg.harden
     cons = geodef.expand(data.construction, data.seen)
-    _, test = test_instances(cfg, data)
+    _, test = test_instances(cfg.harden.eval_groups, data)
     budgets = hd.eval_budgets
     doc = sum(len(x.docs[x.attack_index]) for x in cons + test) / max(1, len(cons + test))
     ctx = sum(sum(map(len, x.docs[:cfg.data.k])) for x in test) / max(1, len(test))

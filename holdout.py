@@ -141,14 +141,14 @@ def rate(recs, methods, key="exposed"):
     return 100.0 * sum(rs) / len(rs) if rs else None
 
 
-def paired_gap(cfg, a, b):
+def paired_gap(n_boot, seed, a, b):
     """mean(a) - mean(b) per query group, a and b {group_id: [values]}, over the groups both hold, with
     its cluster-bootstrap CI -> {"gap", "gap_ci", "groups"}."""
     gids = sorted(set(a) & set(b))
     diffs = [sum(a[g]) / len(a[g]) - sum(b[g]) / len(b[g]) for g in gids]
     if not diffs:
         return {"gap": None, "gap_ci": None, "groups": 0}
-    ci = metrics.cluster_bootstrap_ci(diffs, gids, n_boot=cfg.rerank.n_boot, seed=cfg.folder.seed)
+    ci = metrics.cluster_bootstrap_ci(diffs, gids, n_boot=n_boot, seed=seed)
     return {"gap": sum(diffs) / len(diffs), "gap_ci": list(ci), "groups": len(gids)}
 
 
@@ -179,26 +179,26 @@ def matched(others, family, label="shield", key="exposed"):
 def fold_row(cfg, family, trained, recs, ref, others):
     """One held-out family's row of the table (see the module docstring). others: the records of the folds
     trained without another held-out family (the size-matched reference)."""
-    base, shield = recs["base"], recs["shield"]
+    base, shield, boot = recs["base"], recs["shield"], (cfg.rerank.n_boot, cfg.folder.seed)
     row = {"family": family, "trained_on": trained,
            "strength": rerank_eval.family_strength([r for r in base if r["method"] == family], cfg.data.k,
-                                                   cfg.rerank.n_boot, cfg.folder.seed).get(family)}
+                                                   *boot).get(family)}
     for name, ms in (("held_out", [family]), ("trained", trained)):
         rs = [r for r in shield if r["method"] in ms]
         ci = metrics.cluster_bootstrap_ci([100.0 * r["exposed"] for r in rs], [r["group_id"] for r in rs],
-                                          n_boot=cfg.rerank.n_boot, seed=cfg.folder.seed) if rs else None
+                                          *boot) if rs else None
         row[name] = {"instances": len(rs), "base_exposure": rate(base, ms),
                      "shield_exposure": rate(shield, ms), "shield_exposure_ci": list(ci) if ci else None}
     seen, row["seen_exposure"] = matched(others, family)
     row.update(all_exposure=rate(ref["shield"], [family]), matched_folds=len(others),
-               gap_vs_seen=paired_gap(cfg, by_group(shield, [family]), seen))
-    row["gap_vs_trained"] = paired_gap(cfg, by_group(shield, trained, base), by_group(shield, [family], base))
+               gap_vs_seen=paired_gap(*boot, by_group(shield, [family]), seen))
+    row["gap_vs_trained"] = paired_gap(*boot, by_group(shield, trained, base), by_group(shield, [family], base))
     for c in (c for c in LLM_CONDITIONS if c in recs):        # --llm-stage: ASR end to end
         seen_c, seen_rate = matched(others, family, c, "attack_cited")
         row.setdefault("asr", {})[c] = {
             "held_out": rate(recs[c], [family], "attack_cited"), "trained": rate(recs[c], trained, "attack_cited"),
             "seen": seen_rate, "all": rate(ref[c], [family], "attack_cited"),
-            "gap_vs_seen": paired_gap(cfg, by_group(recs[c], [family], key="attack_cited"), seen_c)}
+            "gap_vs_seen": paired_gap(*boot, by_group(recs[c], [family], key="attack_cited"), seen_c)}
     return row
 
 
@@ -329,13 +329,13 @@ def unseen_minus_seen(recs, seen, unseen, key="exposed"):
     return {g: sum(u[g]) / len(u[g]) - sum(s[g]) / len(s[g]) for g in sorted(set(u) & set(s))}, u, s
 
 
-def over_folds(cfg, diffs):
+def over_folds(n_boot, seed, diffs):
     """{fold: {group_id: difference}} -> the mean over folds and their common groups, with the CI that
     resamples both (fold_group_bootstrap_ci)."""
     common = sorted(set.intersection(*(set(d) for d in diffs.values())))
     matrix = [[d[g] for g in common] for d in diffs.values()]
     return {"gap": float(np.mean(matrix)) if common else None, "groups": len(common),
-            "gap_ci": list(fold_group_bootstrap_ci(matrix, cfg.rerank.n_boot, cfg.folder.seed)) if common else None}
+            "gap_ci": list(fold_group_bootstrap_ci(matrix, n_boot, seed)) if common else None}
 
 
 def regime(run):
@@ -344,7 +344,7 @@ def regime(run):
     the mean gap with a CI over folds and groups, and its spread over the subsets; with --llm-stage the
     same of ASR under LLM_CONDITIONS (each fold's library and eval records)."""
     cfg, data = run.cfg, run.data
-    h = cfg.holdout
+    h, boot = cfg.holdout, (cfg.rerank.n_boot, cfg.folder.seed)
     rows, diffs, asr = [], {}, {c: {} for c in LLM_CONDITIONS}
     for name, seen, fcfg, groups in regime_folds(run):
         log(f"[holdout] fold {name}: the Shield{' and library' if h.llm_stage else ''} trained on "
@@ -358,22 +358,22 @@ def regime(run):
                      "seen_exposure": rate(recs["shield"], seen), "unseen_exposure": rate(recs["shield"], unseen),
                      "base_seen_exposure": rate(recs["base"], seen),
                      "base_unseen_exposure": rate(recs["base"], unseen),
-                     "gap": paired_gap(cfg, u, s)})
+                     "gap": paired_gap(*boot, u, s)})
         for c in (c for c in LLM_CONDITIONS if c in recs):       # --llm-stage: ASR end to end
             asr[c][name], u, s = unseen_minus_seen(recs[c], seen, unseen, "attack_cited")
             rows[-1].setdefault("asr", {})[c] = {"seen": rate(recs[c], seen, "attack_cited"),
                                                  "unseen": rate(recs[c], unseen, "attack_cited"),
-                                                 "gap": paired_gap(cfg, u, s)}
+                                                 "gap": paired_gap(*boot, u, s)}
     by_subset = {}
     for r in rows:
         by_subset.setdefault(", ".join(r["seen"]), []).append(r["gap"]["gap"])
     subset_gaps = {k: sum(v) / len(v) for k, v in by_subset.items() if None not in v}
     summary = {**summary_head(cfg, data),
                "regime": {"seen_size": h.seen_size, "subsets": len(by_subset), "seeds": h.seeds, "folds": rows,
-                          **over_folds(cfg, diffs), "subset_gaps": subset_gaps,
+                          **over_folds(*boot, diffs), "subset_gaps": subset_gaps,
                           "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None}}
     if h.llm_stage:
-        summary["regime"]["asr"] = {c: over_folds(cfg, d) for c, d in asr.items()}
+        summary["regime"]["asr"] = {c: over_folds(*boot, d) for c, d in asr.items()}
     out = os.path.join(cfg.folder.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)

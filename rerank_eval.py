@@ -132,14 +132,14 @@ def honest_stage(honest_recs, attack_recs, k, n_boot, seed):
     return out
 
 
-def check_items(cfg):
-    """rerank-eval's --reranker specs, checked before anything runs (every endpoint's key present) -> [(label,
-    RerankSpec)]."""
-    if not cfg.rerank.reranker:
+def check_items(rerankers):
+    """rerank-eval's --reranker specs (parsed: [(label, RerankSpec)]), checked before anything runs (every
+    endpoint's key present) -> [(label, RerankSpec)]."""
+    if not rerankers:
         raise SettingsError("rerank-eval: give at least one --reranker [LABEL=]SPEC (base, shield, cohere:MODEL, "
                             "jina:MODEL, voyage:MODEL, http://HOST:PORT[/rerank], tei:http://HOST:PORT, "
                             "vllm-score:http://HOST:PORT)")
-    return rankers.check_specs(cfg.rerank.reranker)
+    return rankers.check_specs(rerankers)
 
 
 def dry_run(run, items):
@@ -314,10 +314,10 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
     return out, records
 
 
-def stage_text(stage, cfg):
+def stage_text(stage, k, run_dir):
     """rerank-eval's printout: the stage table, then where its report and records are."""
-    return (stage_table(stage, cfg.data.k) + f"\n\nreport: {os.path.join(cfg.folder.run_dir, 'rerank_report.md')}"
-            f"\nrecords: {os.path.join(cfg.folder.run_dir, 'results')}/rerank-<label>.jsonl")
+    return (stage_table(stage, k) + f"\n\nreport: {os.path.join(run_dir, 'rerank_report.md')}"
+            f"\nrecords: {os.path.join(run_dir, 'results')}/rerank-<label>.jsonl")
 
 
 def stage_table(stage, k):

@@ -125,7 +125,8 @@ def cmd_serve(args):
         rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
     rr.model.eval()
     name = cfg.serve.served_name or (cfg.folder.name if run_dir else "geo-defender-shield")
-    serve.serve_until_stopped(rr, cfg, name, adapter, detect.Served.load(detector_file(run_dir, cfg.model.model)))
+    serve.serve_until_stopped(rr, cfg.serve, cfg.certify.deletion_rate, name, adapter,
+                              detect.Served.load(detector_file(run_dir, cfg.model.model)))
 
 
 def add_settings_flags(p, cls, preset=True):
@@ -155,7 +156,7 @@ def given(args, cls):
     return {f.name: getattr(args, f.name) for f in settings.flags(cls) if getattr(args, f.name, None) is not None}
 
 
-def print_summary(s, cfg=None):
+def print_summary(s, run_dir=None):
     # one short line; what is simulated (model, LLMs, PPL model, benchmark) is listed in report.md
     print("\n" + ("OFFLINE / SIMULATION: plumbing checks, never the paper's results (what is simulated: "
                   "report.md)" if s.get("notes") else ""))
@@ -167,8 +168,8 @@ def print_summary(s, cfg=None):
     print(f"{'condition':<22}{'ASR':>8}{'ASI':>8}{'BER':>8}" + (f"{'honest penalty':>16}" if honest else ""))
     for k, v in s["conditions"].items():
         print(f"{k:<22}{v['ASR']:>8.2f}{v['ASI']:>8.2f}{v['BER']:>8.2f}{penalty(k)}")
-    if cfg is not None:                   # the run's files
-        report_paths(cfg)
+    if run_dir is not None:               # the run's files
+        report_paths(run_dir)
 
 
 # A value argparse quotes in its message ("invalid choice: 'p@ss'"): repr, in either quote; a flag's name.
@@ -294,8 +295,8 @@ def cmd_build_bench(args):
     if args.dry_run:
         return show(build_bench.dry_run(Run.plan(cfg, record=False)))
     plan = build_bench.plan(cfg)
-    with Run.open(cfg, "build-bench", llms=True, record=None, engine=build_bench.offline_engine_needed(cfg, plan),
-                  corpus=plan.corpus) as run:
+    engine = build_bench.offline_engine_needed(cfg.llm.llm, cfg.build.fidelity_judge, plan)
+    with Run.open(cfg, "build-bench", llms=True, record=None, engine=engine, corpus=plan.corpus) as run:
         path, comp = build_bench.build_bench(run, plan)
     print(build_bench.composition_table(comp) + f"\n\nbenchmark: {path}")
     return comp
@@ -307,7 +308,7 @@ def cmd_rerank_eval(args):
     split, and `shield` is its Shield. Under torchrun every rank scores its share of the local rerankers'
     lists; rank 0 then asks the endpoints and writes."""
     cfg = pipeline_settings(settings.RerankEvalConfig, args)
-    items = rerank_eval.check_items(cfg)
+    items = rerank_eval.check_items(cfg.rerank.reranker)
     needs = ("adapter",) * any(spec.kind == "shield" for _, spec in items)
     if args.dry_run:
         return show(rerank_eval.dry_run(Run.plan(cfg, needs=needs), items))
@@ -316,7 +317,7 @@ def cmd_rerank_eval(args):
         run.ranks.finish()                                      # rank 0 goes on alone
         stage, _ = rerank_eval.rerank_stage(run, items, by_label=by_label) if run.ranks.is_main else (None, None)
     if stage:
-        print(rerank_eval.stage_text(stage, cfg))
+        print(rerank_eval.stage_text(stage, cfg.data.k, cfg.folder.run_dir))
     return stage
 
 
@@ -413,9 +414,8 @@ def check_training(run, stage):
         run.tfsg_schedule(inst)
 
 
-def report_paths(cfg):
-    where = cfg.folder.run_dir
-    print(f"\nreport: {os.path.join(where, 'report.md')}\nsummary: {os.path.join(where, 'summary.json')}")
+def report_paths(run_dir):
+    print(f"\nreport: {os.path.join(run_dir, 'report.md')}\nsummary: {os.path.join(run_dir, 'summary.json')}")
 
 
 def cmd_train(args):
@@ -442,11 +442,11 @@ def cmd_eval(args):
     if args.dry_run:
         return show(plan_eval(Run.plan(cfg, **opened)))
     with Run.open(cfg, "eval", distributed=True, engine=cfg.llm.offline_batches, **opened) as run:
-        ranked = ranking_stage(run, run.checked[0], reranker_items(cfg))    # every rank its share
+        ranked = ranking_stage(run, run.checked[0], reranker_items(cfg.rerank.reranker))    # every rank its share
         run.ranks.finish()                                                  # rank 0 goes on alone
         s = evaluate(run, run.checked, ranked).summary if run.ranks.is_main else None
     if s:
-        print_summary(s, cfg)
+        print_summary(s, cfg.folder.run_dir)
     return s
 
 
@@ -462,7 +462,7 @@ def cmd_demo(args):
         print_summary(s)
         stage, _ = rerank_eval.rerank_stage(run, rankers.parse_rerankers(["base", "shield"]))
     print("\nreranker stage (no LLM):\n" + rerank_eval.stage_table(stage, cfg.data.k))
-    report_paths(cfg)
+    report_paths(cfg.folder.run_dir)
     return s
 
 

@@ -794,18 +794,17 @@ def say(msg):
     print(redact(msg), file=sys.stderr, flush=True)
 
 
-def serve_until_stopped(rr, cfg, model_name, adapter=None, detector=None):
-    """serve's command: a RerankServer over `rr` on cfg's host and port (ServeSettings) until Ctrl-C, its API
-    key cfg.serve.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one; `detector`
-    answers POST /detect."""
-    sv = cfg.serve
+def serve_until_stopped(rr, sv, deletion_rate, model_name, adapter=None, detector=None):
+    """serve's command: a RerankServer over `rr` on the ServeSettings `sv`' host and port until Ctrl-C, its
+    API key sv.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one; `detector`
+    answers POST /detect; deletion_rate: --smooth's chance a word is deleted."""
     key = sv.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
         srv = RerankServer(rr, host=sv.host, port=sv.port, api_key=key, max_documents=sv.max_documents,
                            max_body_bytes=sv.max_body_bytes, max_queue=sv.max_queue, model_name=model_name,
                            max_concurrent_requests=sv.max_concurrent_requests,
                            allow_instruction=sv.allow_instruction, smooth=sv.smooth,
-                           deletion_rate=cfg.certify.deletion_rate, detector=detector)
+                           deletion_rate=deletion_rate, detector=detector)
     except OSError as e:
         raise SettingsError(f"--host {sv.host} --port {sv.port}: cannot listen there ({e.strerror or e})") from None
     if sv.host not in ("127.0.0.1", "localhost", "::1") and not key:

@@ -730,9 +730,9 @@ def test_a_list_with_several_attacks_counts_any_of_them_and_their_shares():
     one = evaluation._record(geodef.Instance("g:GEO", "g", "q", docs, ids, 0, "GEO", "test", "src"), top, "c",
                              "A [2].", None)
     assert not one["attack_cited"] and "attacked" not in one          # the paper's record, as before
-    cfg = settings.EvalConfig(k=4, n_boot=20)
     every = lambda c: [dict(rec, group_id="g"), dict(one, group_id="h")]
-    s = evaluation.attacked_summary(cfg, [x, geodef.Instance("g:GEO", "g", "q", docs, ids, 0, "GEO")], ["c"], every)
+    s = evaluation.attacked_summary([x, geodef.Instance("g:GEO", "g", "q", docs, ids, 0, "GEO")], ["c"], every, k=4,
+                                    n_boot=20, seed=0)
     by = s["by_attacked"]["c"]
     assert by["3"]["ASR"] == 100 and by["1"]["ASR"] == 0 and by["3"]["topk_attack_share"] == pytest.approx(50)
     assert by["3"]["citation_share"] == pytest.approx(200 / 3) and by["1"]["exposure"] == 100

@@ -87,11 +87,11 @@ def prepare_triples(run, rr, cons, inst):
     return triples, ids, s0, scores
 
 
-def example(rr, cfg, t, ids, s0, epoch):
+def example(rr, noise, seed, t, ids, s0, epoch):
     """A training example's three token-id lists and their base scores s_0: as prepared, or with
-    --deletion-noise the epoch's deleted text (noised_triple)."""
-    if cfg.shield.deletion_noise:
-        return noised_triple(rr, t, cfg.shield.deletion_noise, f"{cfg.folder.seed}:{epoch}")
+    --deletion-noise (`noise`) the epoch's deleted text (noised_triple)."""
+    if noise:
+        return noised_triple(rr, t, noise, f"{seed}:{epoch}")
     return ids[t["instance_id"]], s0[t["instance_id"]]
 
 
@@ -114,30 +114,30 @@ def noised_triple(rr, t, rate, key):
     return ids, s0
 
 
-def triple_loss(rr, cfg, ids, s0, grad):
-    """Eqs. 2-5 for one triple, scored in the order (d+, d_a, d_b) -> (loss, stats, s (3,), r (3,)).
-    The training loop and the monitoring split compute their loss here."""
-    sh = cfg.shield
+def triple_loss(rr, sh, ids, s0, grad):
+    """Eqs. 2-5 for one triple, scored in the order (d+, d_a, d_b) -> (loss, stats, s (3,), r (3,)), with
+    the ShieldSettings `sh`' beta and lambdas. The training loop and the monitoring split compute their
+    loss here."""
     s = rr.score_ids(ids, grad=grad)                                           # (3,) s_theta: d+, d_a, d_b
     r = geodef.defensive_residual(s, torch.tensor(s0, device=s.device))       # (3,) Eq. 2
     loss, stats = geodef.shield_loss(r[0:1], r[1:2], r[2:3], sh.beta, sh.lam_def, sh.lam_util, sh.lam_cons)
     return loss, stats, s, r
 
 
-def monitor(rr, triples, ids, s0, cfg, lists=()):
+def monitor(rr, triples, ids, s0, sh, k, lists=()):
     """Monitoring split metrics: Eq. 5 loss, preference accuracy (both preference types, strict >), mean residuals,
     attack demotion rate (attack scored below both benign documents), and over the full candidate
     lists (instance, base scores): the share of the base top-k's benign documents the adapter keeps."""
     acc, r_pos, r_att, r_ben, demoted, losses = [], [], [], [], [], []
     rr.model.eval()
     for t in triples:
-        loss, _, s, r = triple_loss(rr, cfg, ids[t["instance_id"]], s0[t["instance_id"]], grad=False)
+        loss, _, s, r = triple_loss(rr, sh, ids[t["instance_id"]], s0[t["instance_id"]], grad=False)
         losses.append(loss.item())
         acc += [float(r[0] > r[1]), float(r[2] > r[1])]
         for out, v in zip((r_pos, r_att, r_ben), r):
             out.append(float(v))
         demoted.append(float(s[1] < s[0] and s[1] < s[2]))
-    overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x.attack_index, cfg.data.k) for x, b in lists]
+    overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x.attack_index, k) for x, b in lists]
     mean = lambda v: sum(v) / max(1, len(v))
     return {"loss": mean(losses), "pref_accuracy": mean(acc), "residual/pos": mean(r_pos), "residual/att": mean(r_att),
             "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
@@ -179,12 +179,13 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
     mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
     mon_lists = [(x, scores[x.instance_id]) for x in mon_inst]
+    watch = lambda: monitor(rr, mon_triples, ids, s0, sh, cfg.data.k, mon_lists)      # the monitoring split's figures
 
     params, opt = attach_lora(cfg, rr, init)
     ckpt, log_path = os.path.join(folder, "checkpoint"), os.path.join(folder, "train_log.jsonl")
     state = start_state(rr, opt, ckpt, log_path, resume, main)
     if main and state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
-        step_zero(state, monitor(rr, mon_triples, ids, s0, cfg, mon_lists), log_path)
+        step_zero(state, watch(), log_path)
 
     n = len(opt_triples)
     bar = tqdm(total=sh.epochs * n, initial=state["epoch"] * n + state["pos"], desc="shield", file=sys.stderr,
@@ -198,7 +199,8 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
             start = (state["pos"] // sh.grad_accum) * sh.grad_accum            # this accumulation window's
             if ranks.mine(state["pos"], start):         # under torchrun each rank takes its share of the window
                 t = opt_triples[order[state["pos"]]]
-                loss, st, _, _ = triple_loss(rr, cfg, *example(rr, cfg, t, ids, s0, state["epoch"]), grad=True)
+                loss, st, _, _ = triple_loss(rr, sh, *example(rr, sh.deletion_noise, cfg.folder.seed, t, ids, s0,
+                                                                 state["epoch"]), grad=True)
                 (loss / min(sh.grad_accum, n - start)).backward()              # mean over the window's examples
                 window.append(st)
             state["pos"] += 1
@@ -222,22 +224,22 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
         state["epoch"] += 1
         state["pos"] = 0
         if main:                                        # monitoring, the best adapter, the epoch's checkpoint
-            end_of_epoch(cfg, rr, opt, state, monitor(rr, mon_triples, ids, s0, cfg, mon_lists), adapter_dir, ckpt,
-                         log_path)
+            end_of_epoch(cfg.model.model, rr, opt, state, watch(), adapter_dir, ckpt, log_path)
     bar.close()
     if not main:                                        # the other ranks only compute their share of each step
         return
     finish_shield(run, rr, folder, adapter_dir, state, math.ceil(n / sh.grad_accum))
 
 
-def end_of_epoch(cfg, rr, opt, state, m, adapter_dir, ckpt, log_path):
-    """After an epoch (rank 0): its monitoring metrics `m` logged, the adapter kept when its Eq. 5 loss on the
-    monitoring split is the lowest so far (ties: the higher preference accuracy), and the checkpoint."""
+def end_of_epoch(base, rr, opt, state, m, adapter_dir, ckpt, log_path):
+    """After an epoch (rank 0): its monitoring metrics `m` logged, the adapter (of the `base` model) kept
+    when its Eq. 5 loss on the monitoring split is the lowest so far (ties: the higher preference
+    accuracy), and the checkpoint."""
     state["history"].append({"epoch": state["epoch"], **m})
     append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
     key = (-m["loss"], m["pref_accuracy"])
     if state["best"] is None or key > tuple(state["best"]["key"]):
-        lora.save_adapter(rr.model, adapter_dir, cfg.model.model)
+        lora.save_adapter(rr.model, adapter_dir, base)
         state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
     _save_ckpt(ckpt, rr.model, opt, state, log_path)
 
@@ -318,10 +320,11 @@ def clean_reference_benign(cfg, llm, base, groups):
     kept in results/clean_reference_construction.jsonl."""
     insts = [geodef.clean_instance(g) for g in groups]
     base.prepare(insts)
-    ref = clean_reference(cfg, base)
-    recs = eval_condition(cfg, llm, "clean reference (construction)", insts, ref.topk, ref.pipeline,
-                          os.path.join(cfg.folder.run_dir, "results", "clean_reference_construction.jsonl"),
-                          judge=llm)                  # no attack in a clean list: the judge is never asked
+    ref = clean_reference(cfg.data.k, base)
+    path = os.path.join(cfg.folder.run_dir, "results", "clean_reference_construction.jsonl")
+    # no attack in a clean list: the judge is never asked
+    recs = eval_condition(cfg.llm, cfg.request.workers, llm, "clean reference (construction)", insts, ref.topk,
+                          ref.pipeline, path, judge=llm)
     return {r["group_id"]: r for r in recs}
 
 
