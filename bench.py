@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import llm_clients
 import lora
+import metrics
 import reranker
 import serve
 import speed
@@ -358,7 +359,7 @@ def bench_score(m, b):
 # What each engine needs installed (test-only dependencies): the ONNX graph is written by torch.onnx from
 # transformers' Qwen3ForSequenceClassification, which ONNX Runtime and OpenVINO read.
 ENGINE_MODULES = {"onnxruntime": ("transformers", "onnx", "onnxruntime"),
-                  "openvino": ("transformers", "onnx", "openvino"), "torch-int8": ("transformers",)}
+                  "openvino": ("transformers", "onnx", "openvino"), "torch-int8": ("transformers",), "ours-int8": ()}
 
 
 def seq_cls_onnx(seqcls, model):
@@ -408,19 +409,32 @@ def engine_scorers(folder, engines):
 
 def engine_race(m, b, folder, rr, work, results):
     """--against: each engine on the workloads, padded as its users batch (one left-padded call) and one call
-    per document, raced round-robin with our scorer -> results gains, per workload and engine, documents per
-    second, our speed over the engine's (paired median: above 1, ours is faster) and the largest margin
-    difference from ours."""
-    scorers = engine_scorers(folder, b.against)
+    per document, and ours in int8 (lora.quantize_int8, packed as ours), raced round-robin with our scorer ->
+    results gains, per workload and engine, documents per second, our speed over the engine's (paired
+    median: above 1, ours is faster), the largest margin difference from ours and the rank agreement with
+    ours (the workload's documents as one list: Kendall tau-b, top-5 agreement)."""
+    engines = [e for e in b.against if e != "ours-int8"]
+    scorers = engine_scorers(folder, engines) if engines else {}
+    q8 = load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype) if "ours-int8" in b.against else None
+    if q8 is not None:
+        lora.quantize_int8(q8.model, speed.CPU_INT8_UNITS)
     for name, lens in work.items():
         ids = random_ids(lens, prefix=b.prefix)
         pad, mask = left_padded(ids)
         ours = rr.score_ids(ids).float()
         cands = {"ours": lambda: rr.score_ids(ids)}
+        scored = {e: fn(pad, mask) for e, fn in scorers.items()}
         for e, fn in scorers.items():
-            results[f"{name}/{e}_max_margin_diff"] = float((fn(pad, mask) - ours).abs().max())
             cands[e] = lambda fn=fn: fn(pad, mask)
             cands[f"{e}_per_doc"] = lambda fn=fn: [fn(*left_padded([x])) for x in ids]
+        if q8 is not None:
+            cands["ours-int8"] = lambda: q8.score_ids(ids)
+            scored["ours-int8"] = q8.score_ids(ids)
+        for e, s in scored.items():
+            results[f"{name}/{e}_max_margin_diff"] = float((s.float() - ours).abs().max())
+            agree = metrics.rank_agreement([ours.tolist()], [s.float().tolist()], 5)
+            results[f"{name}/{e}_kendall_tau"], results[f"{name}/{e}_top5_agreement"] = \
+                agree["kendall_tau"], agree["top5_agreement"]
         rounds = []
         for k, t in race(cands, b.repeat, rounds).items():
             if k != "ours":                  # ours: the main race's figure

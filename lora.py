@@ -1,4 +1,5 @@
-"""LoRA by hand (Hu et al. 2022), in PEFT's on-disk layout, plus NF4 storage for the frozen base.
+"""LoRA by hand (Hu et al. 2022), in PEFT's on-disk layout, plus NF4 storage for the frozen base and an
+INT8 scoring path (the adapter merged, weights per channel, activations per token).
 
 `LoRALinear` holds the frozen base nn.Linear (composition, no subclassing of the model) and adds
 lora_A (r, in) and lora_B (out, r): y = base(x) + (dropout(x) @ A^T @ B^T) * alpha / r.
@@ -319,4 +320,82 @@ def quantize_nf4(model, targets=TARGETS):
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, nn.Linear):
                 setattr(module, child_name, NF4Linear(child))
+    return model
+
+
+# ----------------------------------------------------------------------------- INT8 scoring
+
+# Symmetric int8 (|q| <= 127), for scoring only: each frozen projection's weight per output channel (the
+# adapter merged into it first, in float32), each activation row (a token) at run time from its own
+# largest value, as LLM.int8() and SmoothQuant quantize activations (Dettmers et al. 2022, arXiv
+# 2208.07339; Xiao et al. 2023, arXiv 2211.10438), without their outlier handling. For x (M, K) and
+# W (N, K): y = (q(x) q(W)^T) * s_x s_W^T, the integer product exact.
+INT8_CHUNK = 1024     # 1024 products of two int8 values sum below 2**24: exact in float32
+
+
+def int8_quantize(w):
+    """w (rows, cols) -> (q int8 (rows, cols), scale float32 (rows, 1)): each row scaled by its absmax / 127."""
+    w = w.detach().float()
+    scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_matmul_reference(xq, wq):
+    """The integer product xq wq^T of int8 xq (M, K) and wq (N, K) -> (M, N) float64, exact (|sum| < 2**53)."""
+    return xq.double() @ wq.double().t()
+
+
+def int8_matmul(xq, wq, units=None):
+    """int8_matmul_reference's value, as the hardware runs it fastest: torch._int_mm (int32 accumulation)
+    on CUDA and on CPUs with int8 units (`units`: VNNI or AMX-INT8, speed.CPU_INT8_UNITS), elsewhere
+    float32 GEMMs over K in chunks of INT8_CHUNK (each chunk's sum exact) summed in float64 -> (M, N)."""
+    if xq.device.type == "cuda" or units:
+        M = xq.shape[0]
+        pad = (-M) % 8 + (16 if xq.device.type == "cuda" and M <= 16 else 0)   # CUDA's kernel: M > 16, 8 | M
+        return torch._int_mm(F.pad(xq, (0, 0, 0, pad)), wq.t().contiguous())[:M].double()
+    x, w = xq.float(), wq.float()
+    out = torch.zeros(xq.shape[0], wq.shape[0], dtype=torch.float64, device=xq.device)     # (M, N)
+    for lo in range(0, xq.shape[1], INT8_CHUNK):
+        out += (x[:, lo:lo + INT8_CHUNK] @ w[:, lo:lo + INT8_CHUNK].t()).double()
+    return out
+
+
+class Int8Linear(nn.Module):
+    """A frozen projection scored in int8 (weights per output channel, activations per token, both
+    symmetric): x (..., in) -> (..., out) in x's dtype. weight: (out, in), the merged one for a Shield."""
+
+    def __init__(self, weight, units=None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        qw, scale = int8_quantize(weight)
+        self.register_buffer("qweight", qw)                              # (out, in) int8
+        self.register_buffer("scale", scale.t().contiguous())            # (1, out) float32
+        self.units = units
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features)                          # (M, in)
+        xq, sx = int8_quantize(flat)                                    # (M, in) int8, (M, 1)
+        y = int8_matmul(xq, self.qweight, self.units).float() * sx * self.scale     # (M, out)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+@torch.no_grad()
+def quantize_int8(model, units=None, targets=TARGETS):
+    """Swap the target projections for Int8Linear in place, a LoRA layer's update merged into its base's
+    weight in float32 first (W + scaling B A, as export merges it; the model then holds adapter_merged).
+    Scoring only: nothing trains after."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name not in targets:
+                continue
+            if isinstance(child, LoRALinear):
+                if isinstance(child.base, NF4Linear):
+                    raise ValueError("cannot score an NF4 base in int8: load it in bf16/fp32 (--quant int8 does)")
+                w = child.base.weight.float() + (child.delta().float() if child.enabled and not child.merged else 0)
+                model.adapter_merged = True          # the Shield still: serve's identity reads this mark
+            elif isinstance(child, nn.Linear):
+                w = child.weight
+            else:
+                continue
+            setattr(module, name, Int8Linear(w, units))
     return model

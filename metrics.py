@@ -170,6 +170,38 @@ def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
     return out
 
 
+def kendall_tau(a, b):
+    """Kendall's tau-b of two scorings of the same items (Kendall 1945; scipy.stats.kendalltau's default):
+    (concordant - discordant) / sqrt((pairs not tied in a) (pairs not tied in b)); 1.0 when either
+    scoring ties every pair (nothing to disagree on)."""
+    conc = disc = tie_a = tie_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
+            if da and db:
+                conc, disc = conc + (da == db), disc + (da != db)
+            else:
+                tie_a, tie_b = tie_a + (not da and db != 0), tie_b + (not db and da != 0)
+    n_a, n_b = conc + disc + tie_b, conc + disc + tie_a        # pairs a orders, pairs b orders
+    return (conc - disc) / math.sqrt(n_a * n_b) if n_a and n_b else 1.0
+
+
+def topk_agreement(a, b, k):
+    """The share of a's top k (highest scores, ties in input order) that b's top k holds."""
+    top = lambda s: set(sorted(range(len(s)), key=lambda i: (-s[i], i))[:k])
+    return len(top(a) & top(b)) / min(k, len(a))
+
+
+def rank_agreement(before, after, k):
+    """Two scorings of the same lists ([[score per document]] each) -> their mean Kendall tau-b, mean
+    top-k agreement, and the share of lists ordered identically (the INT8 gate's figures)."""
+    n = max(1, len(before))
+    order = lambda s: sorted(range(len(s)), key=lambda i: (-s[i], i))
+    return {"lists": len(before), "kendall_tau": sum(map(kendall_tau, before, after)) / n,
+            f"top{k}_agreement": sum(topk_agreement(a, b, k) for a, b in zip(before, after)) / n,
+            "same_order": sum(order(a) == order(b) for a, b in zip(before, after)) / n}
+
+
 def quality_summary(deltas, clusters, n_boot=10000, seed=0):
     """Table C.1 row: mean change, 95% CI, % comparable or better, % better."""
     d = np.asarray(deltas, dtype=np.float64)

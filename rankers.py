@@ -15,8 +15,11 @@ import sys
 from tqdm import tqdm
 
 import endpoints
+import geodef
 import lora
+import metrics
 import rerank_clients
+import speed
 from runs import file_sha1, log, write_json
 from settings import SettingsError
 
@@ -271,3 +274,43 @@ def make_rankers(run, items, stage, rr=None):
                                                   **({"timeout": cfg.request.timeout} if cfg.request.timeout else {}))
             out[label] = RemoteRanker(client, label, cfg.request.workers)
     return out
+
+
+# ----------------------------------------------------------------------------- INT8 gate
+
+# An INT8 Shield serves only when it ranks as the float one does on real candidate lists: the mean Kendall
+# tau-b over the lists and the mean share of the float top 5 it keeps (metrics.rank_agreement).
+INT8_GATE = {"kendall_tau": 0.97, "top5_agreement": 0.95}
+GATE_LISTS = 32                   # candidate lists scored twice: each group's clean list, then its attacked ones
+
+
+def gate_lists(bench, n=GATE_LISTS):
+    """The first n candidate lists of a benchmark file -> [(query, docs)]: the test groups' first (their clean
+    list, then each family's attacked one), then the construction groups'."""
+    groups, meta = geodef.load_bench(bench, with_meta=True)
+    lists = []
+    for g in sorted(groups, key=lambda g: g.split != "test"):
+        x = geodef.clean_instance(g)
+        lists += [(x.query, x.docs)] + [(y.query, y.docs) for y in geodef.expand([g], meta.methods)]
+    return lists[:n]
+
+
+def int8_gated(rr, lists, allow=False, units=None):
+    """rr scored in int8 from now on (lora.quantize_int8, in place) after its rank agreement with its float
+    scores on `lists` ([(query, docs)]) is measured and logged -> the figures. Below INT8_GATE a SettingsError
+    names the figures and the flag that serves it anyway, unless `allow`. units: the CPU's int8 units."""
+    before = [rr.score(q, d).tolist() for q, d in lists]
+    lora.quantize_int8(rr.model, speed.CPU_INT8_UNITS if units is None else units)
+    after = [rr.score(q, d).tolist() for q, d in lists]
+    fig, gate = metrics.rank_agreement(before, after, 5), INT8_GATE
+    said = (f"Kendall tau {fig['kendall_tau']:.3f} (gate {gate['kendall_tau']}), top-5 agreement "
+            f"{fig['top5_agreement']:.3f} (gate {gate['top5_agreement']}), order identical in "
+            f"{100 * fig['same_order']:.0f}% of {fig['lists']} lists")
+    if all(fig[k] >= v for k, v in gate.items()):
+        log(f"[int8] rank agreement with the float model: {said}")
+    elif allow:
+        log(f"[int8] WARNING: below the gate, served as --allow-int8-disagreement asks: {said}")
+    else:
+        raise SettingsError(f"--quant int8: its ranks agree with the float model's below the gate: {said}; serve "
+                            "the float model, or give --allow-int8-disagreement")
+    return fig

@@ -118,12 +118,24 @@ def cmd_export(args):
     return out
 
 
+def served_reranker(cfg, adapter, run_dir):
+    """serve's reranker: the Shield (or base) as its run scores, in eval mode; with --quant int8 scored in
+    int8 once it passes the gate on the run's own lists (its record's benchmark), else the bundled sample's."""
+    int8 = cfg.model.quant == "int8"
+    with reading(run_dir):
+        rr = Run(cfg).shield(adapter=adapter, int8=int8) if adapter else Run(cfg).reranker(int8)
+        bench = read_json(os.path.join(run_dir or "", "config.json"), {}).get("config", {}).get("bench")
+    rr.model.eval()
+    if int8:
+        rankers.int8_gated(rr, rankers.gate_lists(bench if bench and os.path.isfile(bench) else settings.SAMPLE),
+                           allow=cfg.serve.allow_int8_disagreement)
+    return rr
+
+
 def cmd_serve(args):
     """The Shield behind a rerank endpoint (serve.py), loaded as its run scores."""
     cfg, adapter, run_dir = shield_settings(settings.ServeConfig, args)
-    with reading(run_dir):
-        rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
-    rr.model.eval()
+    rr = served_reranker(cfg, adapter, run_dir)
     name = cfg.serve.served_name or (cfg.folder.name if run_dir else "geo-defender-shield")
     serve.serve_until_stopped(rr, cfg.serve, cfg.certify.deletion_rate, name, adapter,
                               detect.Served.load(detector_file(run_dir, cfg.model.model)))

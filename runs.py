@@ -204,6 +204,10 @@ NEEDS = {"adapter": (lambda run: run.path("adapter", "adapter_config.json"), "tr
          "library": (lambda run: run.library_path(), "TFSG library")}
 
 
+INT8_SERVE_ONLY = ("--quant int8 scores in serve alone (the Shield merged, then gated on its rank agreement with "
+                   "the float model); train and the evaluations run on --quant none or nf4")
+
+
 class Run:
     """One command's run folder and services, made once per command beside its settings (as uvicorn's
     `Server(config)` holds a server's state beside its frozen `Config`): the settings (`cfg`, frozen,
@@ -228,6 +232,8 @@ class Run:
         run's record (check_record, with `record`), then the command's own `check(run)`, whose answer (what
         it checked: eval's conditions) the Run keeps as `checked`. -> the Run."""
         run = cls(cfg)
+        if cfg.setting("quant") == "int8":
+            raise SettingsError(INT8_SERVE_ONLY)
         if llms:
             run.check_llms(keys=keys)
         if roles:
@@ -295,10 +301,13 @@ class Run:
             return tiny.make_tiny_checkpoint(os.path.join(self.cfg.folder.runs_dir, "_tiny_qwen3"), seed=0)
         return self.cfg.model.model
 
-    def reranker(self):
+    def reranker(self, int8=False):
         """The base reranker as the settings load it: model, revision, dtype, device, max length, an NF4
-        base with --quant nf4, and the speed paths (speed.install, --compile)."""
+        base with --quant nf4, and the speed paths (speed.install, --compile). int8: the caller scores it
+        in int8 (--quant int8: rankers.int8_gated), which loads it unquantized; refused otherwise."""
         cfg, dtype = self.cfg, getattr(torch, self.cfg.model.dtype)
+        if cfg.model.quant == "int8" and not int8:
+            raise SettingsError(INT8_SERVE_ONLY)
         rr = reranker.Reranker.from_pretrained(self.model_folder(), dtype=dtype, device=cfg.model.device,
                                                max_length=cfg.model.max_length, revision=cfg.model.revision)
         if cfg.model.quant == "nf4":
@@ -310,10 +319,11 @@ class Run:
         speed.install(rr.model, compile=cfg.model.compile)
         return rr
 
-    def shield(self, rr=None, adapter=None):
+    def shield(self, rr=None, adapter=None, int8=False):
         """The base reranker (rr, else loaded) with the run's trained adapter attached (LoRA enabled), in
-        eval mode with the speed paths; adapter: another adapter folder (a hardening round's)."""
-        rr = rr or self.reranker()
+        eval mode with the speed paths; adapter: another adapter folder (a hardening round's); int8: as
+        `reranker`'s."""
+        rr = rr or self.reranker(int8)
         path = adapter or self.path("adapter")
         need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.folder.name)
         lora.load_adapter(rr.model, path)

@@ -586,8 +586,8 @@ def scoring_identity(rr):
     weights were resolved to (for a hub id, its snapshot folder; never the id string). The base: that
     folder is known, its files read, and none says Shield. Unknown otherwise: the server then refuses
     a client's instruction as it does for the Shield, since it cannot tell."""
-    if lora.lora_modules(rr.model):
-        return "shield", "the Shield: a LoRA adapter is attached"
+    if lora.lora_modules(rr.model) or getattr(rr.model, "adapter_merged", False):
+        return "shield", "the Shield: a LoRA adapter is attached (or merged, for int8)"
     folder = getattr(rr, "folder", None)
     if not folder:
         return "unknown", "weights from an unknown folder, taken for the Shield's"

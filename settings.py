@@ -29,7 +29,7 @@ N_DOCS = 10                           # candidates a list (geodef.N_DOCS): the t
 # or status check is worth waiting longer for.
 MAX_WAIT = 24 * 3600
 MAX_SAMPLES = 10_000                  # answers per instance or deletion samples per document
-ENGINES = ("onnxruntime", "openvino", "torch-int8")    # bench --against: the CPU engines a provider would pick
+ENGINES = ("onnxruntime", "openvino", "torch-int8", "ours-int8")   # bench --against: CPU engines, and our INT8
 MAX_THREADS = 1024                    # workers, clients or requests in progress: a thread (and a socket) each
 
 
@@ -272,8 +272,10 @@ class ModelSettings(Settings):
     dtype: str = setting("bfloat16", "reranker weights dtype (bfloat16: as Qwen3-Reranker ships)", pinned=True,
                          choices=("bfloat16", "float16", "float32"))
     device: str = setting("cpu", "torch device (cpu, cuda)", ok=check_device)
-    quant: str = setting("none", "'nf4' stores the frozen base projections in 4 bits (Table A.1)", pinned=True,
-                         choices=("none", "nf4"))
+    quant: str = setting("none", "'nf4' stores the frozen base projections in 4 bits (Table A.1); 'int8' (serve "
+                                 "only) scores with int8 projections, the adapter merged first, gated on rank "
+                                 "agreement with the float model (bench --against ours-int8 times it)", pinned=True,
+                         choices=("none", "nf4", "int8"))
     max_length: int = setting(8192, "reranker prompt token cap (model card: 8192)", ok=at_least(64), pinned=True)
     compile: bool = setting(False, "fuse the norms, RoPE and SwiGLU with torch.compile (faster; needs a C++ "
                                    "compiler on CPU)")
@@ -630,6 +632,8 @@ class ServeSettings(Settings):
     allow_instruction: bool = setting(False, "let clients send an `instruction` to the Shield too (by default "
                                              "refused with a 400: the adapter was trained under its own, and "
                                              "another could switch the defense off)")
+    allow_int8_disagreement: bool = setting(False, "with --quant int8, serve even when its ranks agree with the "
+                                                   "float model's below the gate (Kendall tau 0.97, top-5 0.95)")
 
 
 @dataclass(frozen=True)

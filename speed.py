@@ -259,25 +259,34 @@ def blocked_causal_attention(q, k, v, lens, P=0, block=128, keep=None):
     return out
 
 
+BF16_UNITS = ("amx_bf16", "avx512_bf16")                  # x86 units that multiply bf16 natively
+INT8_UNITS = ("amx_int8", "avx512_vnni", "avx_vnni")      # x86 int8 dot products (VNNI) or tiles (AMX)
+
+
+def units(cpuinfo, names=BF16_UNITS):
+    """The units of `names` that /proc/cpuinfo's text (its flags lines) names: a subset of names."""
+    return set(re.findall(r"\b(" + "|".join(names) + r")\b", cpuinfo))
+
+
 def bf16_units(cpuinfo):
-    """The x86 units that multiply bf16 natively named in /proc/cpuinfo's text (its flags lines), a
-    subset of {"amx_bf16", "avx512_bf16"}."""
-    return set(re.findall(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo))
+    return units(cpuinfo, BF16_UNITS)
 
 
-def cpu_bf16_units():
-    """bf16_units of this CPU; None off x86 Linux, where the flags are not read (ARM names its bf16 unit
-    otherwise). Without either unit an x86 CPU runs bf16 matmuls at a few GFLOP/s."""
+def cpu_units(names):
+    """units of this CPU; None off x86 Linux, where the flags are not read (ARM names its units
+    otherwise)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return bf16_units(f.read())
+            return units(f.read(), names)
     except OSError:
         return None
 
 
-CPU_BF16_UNITS = cpu_bf16_units()
+# Without a bf16 unit an x86 CPU runs bf16 matmuls at a few GFLOP/s; without an int8 one, torch's int8
+# GEMM (torch._int_mm) runs a plain loop, slower than float32 (lora.int8_matmul).
+CPU_BF16_UNITS, CPU_INT8_UNITS = cpu_units(BF16_UNITS), cpu_units(INT8_UNITS)
 # bf16 attention's forward as blocked matmuls where they were measured faster than torch's CPU flash
 # attention: AVX-512 BF16 without AMX (docs/PERF.md). With AMX that kernel runs AMX micro-kernels of its
 # own, and which is faster there is unmeasured: `bench --what train` times both on any CPU.

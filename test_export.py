@@ -14,6 +14,7 @@ import torch
 
 import export
 import lora
+import rankers
 import reranker
 import run
 import serve
@@ -256,6 +257,37 @@ def test_serve_loads_the_runs_shield_as_its_record_says(demo_run, monkeypatch, c
     assert "--max-length 256 (the run's: 8192)" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"--port 70000 \(0 to 65535\)"):
         run.main(["serve", "--name", "nope", "--port", "70000"])
+
+
+def test_serve_quant_int8_serves_the_merged_shield_once_it_passes_the_gate(demo_run, monkeypatch, capsys):
+    """serve --quant int8: the run's Shield merged, then scored in int8 once its rank agreement with the float
+    Shield on the run's own lists passes the gate (said in the log), and still the Shield to the instruction
+    policy. The random tiny base below a gate is refused naming its figures and the flag that serves it
+    anyway. Every other command refuses --quant int8 before loading anything."""
+    served = []
+    monkeypatch.setattr(serve.RerankServer, "serve_forever", lambda self: served.append(self))
+    # the random tiny models' scores nearly tie, so their figures sit near the real gate: set here
+    monkeypatch.setattr(rankers, "INT8_GATE", {"kendall_tau": 0.9, "top5_agreement": 0.9})
+    runs = ["--name", "demo", "--runs-dir", str(demo_run.parent), "--port", "0"]
+    run.main(["serve", *runs, "--quant", "int8"])
+    run.main(["serve", *runs])
+    q8, fp = served
+    assert q8.identity == "shield" and not lora.lora_modules(q8.rr.model) and lora.lora_modules(fp.rr.model)
+    assert isinstance(q8.rr.model.layers[0].mlp.up_proj, lora.Int8Linear)
+    assert "[int8] rank agreement with the float model: Kendall tau" in capsys.readouterr().err
+    q, docs = "how long to boil an egg", ["Boil eggs for six minutes.", "Stocks fell.", "Eggs: 6 min, then ice."]
+    assert (q8.rr.score(q, docs) - fp.rr.score(q, docs)).abs().max() < 0.5      # margins spread over 3.8
+    base = ["--model", "tiny", "--dtype", "float32", "--runs-dir", str(demo_run.parent), "--port", "0",
+            "--quant", "int8"]
+    monkeypatch.setattr(rankers, "INT8_GATE", {"kendall_tau": 0.999, "top5_agreement": 0.95})
+    with pytest.raises(SystemExit, match=r"below the gate: Kendall tau 0\.\d+ \(gate 0\.999\).*"
+                                         r"--allow-int8-disagreement"):
+        run.main(["serve", *base])
+    run.main(["serve", *base, "--allow-int8-disagreement"])
+    assert "WARNING: below the gate" in capsys.readouterr().err and len(served) == 3
+    for argv in (["train", "--model", "tiny"], ["rerank-eval", "--reranker", "base"]):
+        with pytest.raises(SystemExit, match="--quant int8 scores in serve alone"):
+            run.main([*argv, "--quant", "int8", "--runs-dir", str(demo_run.parent), "--name", "int8"])
 
 
 def test_export_command_refuses_the_run_folder_as_one_line(demo_run):

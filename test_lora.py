@@ -191,3 +191,36 @@ def test_the_reference_lora_dropout_is_peft_s():
     torch.manual_seed(7)
     want = base(xin) + torch.nn.functional.dropout(xin, 0.3, True) @ la.lora_A.t() @ la.lora_B.t() * 2.0
     torch.testing.assert_close(got, want)
+
+
+def test_int8_matmul_is_the_exact_integer_product_on_every_path():
+    """Both kernels give the reference's integers exactly: float32 GEMMs over K in chunks of 1024 (no int8
+    units) and torch._int_mm (VNNI/AMX, CUDA), K over four chunks of positive values, whose sums pass 2**24;
+    each value within half a step of its row's scale."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.rand(37, 5000, generator=g) * 3, torch.rand(300, 5000, generator=g)
+    xq, sx = lora.int8_quantize(x)
+    wq, sw = lora.int8_quantize(w)
+    assert xq.dtype == torch.int8 and xq.abs().max() == 127 and sx.shape == (37, 1)
+    assert ((xq.float() * sx - x).abs() <= sx / 2 + 1e-6).all()            # round to nearest, per row
+    ref = lora.int8_matmul_reference(xq, wq)
+    assert ref.abs().max() > 2 ** 24                                        # float32 over the whole K would round
+    assert torch.equal(lora.int8_matmul(xq, wq), ref) and torch.equal(lora.int8_matmul(xq, wq, {"avx512_vnni"}), ref)
+    assert not torch.equal((xq.float() @ wq.float().t()).double(), ref)     # why the chunks
+
+
+def test_int8_shield_merges_the_adapter_first_and_keeps_its_ranks(tiny_dir):
+    """quantize_int8 scores W + scaling B A in int8: close to the float Shield, far from the base without the
+    adapter, and marked as the Shield for serve (adapter_merged)."""
+    rr, ids, base = _lora_model(tiny_dir)
+    rr.model.eval()
+    adapted = rr.score_ids(ids)
+    lora.quantize_int8(rr.model)
+    assert not lora.lora_modules(rr.model) and rr.model.adapter_merged
+    assert isinstance(rr.model.layers[0].self_attn.q_proj, lora.Int8Linear)
+    q = rr.score_ids(ids)
+    assert (q - adapted).abs().max() < 0.05 < (adapted - base).abs().max()
+    with pytest.raises(ValueError, match="NF4"):
+        nf4 = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+        lora.add_lora(lora.quantize_nf4(nf4.model))
+        lora.quantize_int8(nf4.model)

@@ -111,3 +111,20 @@ def test_sigmoid_never_overflows():
         assert metrics.sigmoid(m) == pytest.approx(1.0 / (1.0 + math.exp(-m)), rel=1e-15)
         assert metrics.sigmoid(m) + metrics.sigmoid(-m) == pytest.approx(1.0, abs=1e-15)
     assert all(metrics.sigmoid(m) == 1.0 / (1.0 + math.exp(-m)) for m in (0.0, 0.3, 2.0, 7.5, 36.0))
+
+
+def test_kendall_tau_b_counts_ties_as_scipy_does():
+    """tau-b on lists with ties in either or both scorings (scipy.stats.kendalltau's values, written out)."""
+    assert metrics.kendall_tau([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0 == metrics.kendall_tau([1, 1], [2, 3])
+    assert metrics.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert metrics.kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    assert metrics.kendall_tau([1, 2, 2, 3], [1, 2, 3, 3]) == pytest.approx(0.8)         # scipy: 0.8
+    assert metrics.kendall_tau([1, 1, 2, 3], [3, 1, 2, 2]) == pytest.approx(0.0, abs=1e-12)  # scipy: 0.0
+
+
+def test_rank_agreement_reads_each_lists_order_and_top_k():
+    before, after = [[3, 2, 1, 0], [0.1, 0.2, 0.3, 0.4]], [[3, 2, 0, 1], [0.1, 0.2, 0.3, 0.4]]
+    fig = metrics.rank_agreement(before, after, 2)
+    assert fig == {"lists": 2, "kendall_tau": pytest.approx((2 / 3 + 1) / 2), "top2_agreement": 1.0,
+                   "same_order": 0.5}
+    assert metrics.topk_agreement([5, 4, 3, 2], [2, 4, 3, 5], 2) == 0.5
