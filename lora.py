@@ -347,12 +347,13 @@ def int8_matmul_reference(xq, wq):
 
 def int8_matmul(xq, wq, units=None):
     """int8_matmul_reference's value, as the hardware runs it fastest: torch._int_mm (int32 accumulation)
-    on CUDA and on CPUs with int8 units (`units`: VNNI or AMX-INT8, speed.CPU_INT8_UNITS), elsewhere
-    float32 GEMMs over K in chunks of INT8_CHUNK (each chunk's sum exact) summed in float64 -> (M, N)."""
-    if xq.device.type == "cuda" or units:
-        M = xq.shape[0]
-        pad = (-M) % 8 + (16 if xq.device.type == "cuda" and M <= 16 else 0)   # CUDA's kernel: M > 16, 8 | M
-        return torch._int_mm(F.pad(xq, (0, 0, 0, pad)), wq.t().contiguous())[:M].double()
+    on CUDA and on CPUs with int8 units (`units`: VNNI or AMX-INT8, speed.CPU_INT8_UNITS) where K and N
+    are multiples of 8, elsewhere float32 GEMMs over K in chunks of INT8_CHUNK (each chunk's sum exact)
+    summed in float64 -> (M, N)."""
+    M, K, N, cuda = xq.shape[0], xq.shape[1], wq.shape[0], xq.device.type == "cuda"
+    if (cuda or (units and xq.device.type == "cpu")) and K % 8 == 0 and N % 8 == 0 and M:
+        pad = max(0, 17 - M) if cuda else 0                      # CUDA's kernel: M > 16, K and N multiples of 8
+        return torch._int_mm(F.pad(xq, (0, 0, 0, pad)), wq.t())[:M].double()
     x, w = xq.float(), wq.float()
     out = torch.zeros(xq.shape[0], wq.shape[0], dtype=torch.float64, device=xq.device)     # (M, N)
     for lo in range(0, xq.shape[1], INT8_CHUNK):
@@ -383,7 +384,8 @@ class Int8Linear(nn.Module):
 def quantize_int8(model, units=None, targets=TARGETS):
     """Swap the target projections for Int8Linear in place, a LoRA layer's update merged into its base's
     weight in float32 first (W + scaling B A, as export merges it; the model then holds adapter_merged).
-    Scoring only: nothing trains after."""
+    Scoring only: nothing trains after. A projection with a bias is refused (Qwen3's have none)."""
+    found = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if name not in targets:
@@ -397,5 +399,10 @@ def quantize_int8(model, units=None, targets=TARGETS):
                 w = child.weight
             else:
                 continue
+            if getattr(getattr(child, "base", child), "bias", None) is not None:
+                raise ValueError(f"{name}: a projection with a bias; Int8Linear has none")
             setattr(module, name, Int8Linear(w, units))
+            found += 1
+    if not found:
+        raise ValueError(f"quantize_int8: no projection named {targets} in the model")
     return model

@@ -172,8 +172,8 @@ def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
 
 def kendall_tau(a, b):
     """Kendall's tau-b of two scorings of the same items (Kendall 1945; scipy.stats.kendalltau's default):
-    (concordant - discordant) / sqrt((pairs not tied in a) (pairs not tied in b)); 1.0 when either
-    scoring ties every pair (nothing to disagree on)."""
+    (concordant - discordant) / sqrt((pairs not tied in a) (pairs not tied in b)); NaN, as scipy's, when
+    either scoring ties every pair (a constant or NaN scorer agrees with nothing: no gate passes it)."""
     conc = disc = tie_a = tie_b = 0
     for i in range(len(a)):
         for j in range(i + 1, len(a)):
@@ -183,7 +183,7 @@ def kendall_tau(a, b):
             else:
                 tie_a, tie_b = tie_a + (not da and db != 0), tie_b + (not db and da != 0)
     n_a, n_b = conc + disc + tie_b, conc + disc + tie_a        # pairs a orders, pairs b orders
-    return (conc - disc) / math.sqrt(n_a * n_b) if n_a and n_b else 1.0
+    return (conc - disc) / math.sqrt(n_a * n_b) if n_a and n_b else math.nan
 
 
 def topk_agreement(a, b, k):

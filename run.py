@@ -124,7 +124,7 @@ def served_reranker(cfg, adapter, run_dir):
     int8 = cfg.model.quant == "int8"
     with reading(run_dir):
         rr = Run(cfg).shield(adapter=adapter, int8=int8) if adapter else Run(cfg).reranker(int8)
-        bench = read_json(os.path.join(run_dir or "", "config.json"), {}).get("config", {}).get("bench")
+        bench = read_json(os.path.join(run_dir, "config.json"), {}).get("config", {}).get("bench") if run_dir else None
     rr.model.eval()
     if int8:
         rankers.int8_gated(rr, rankers.gate_lists(bench if bench and os.path.isfile(bench) else settings.SAMPLE),

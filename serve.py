@@ -581,7 +581,8 @@ class Batcher:
 
 def scoring_identity(rr):
     """What `rr` scores as -> ("shield" | "base" | "unknown", why, for the operator's log). The Shield: a
-    LoRA adapter attached, or weights `export` merged one into, told by the identity export writes into
+    LoRA adapter attached or merged for int8 (the model's adapter_merged, lora.quantize_int8), or weights
+    `export` merged one into, told by the identity export writes into
     config.json and the weights' safetensors header (export.identity_marks), read in the folder the
     weights were resolved to (for a hub id, its snapshot folder; never the id string). The base: that
     folder is known, its files read, and none says Shield. Unknown otherwise: the server then refuses

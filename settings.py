@@ -712,6 +712,11 @@ class Command:
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
 
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    __hash__ = None                     # compared by value (some settings are lists): never a dict key
+
     def __eq__(self, other):
         return type(self) is type(other) and self.flat() == other.flat()
 

@@ -198,7 +198,7 @@ def test_int8_matmul_is_the_exact_integer_product_on_every_path():
     units) and torch._int_mm (VNNI/AMX, CUDA), K over four chunks of positive values, whose sums pass 2**24;
     each value within half a step of its row's scale."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.rand(37, 5000, generator=g) * 3, torch.rand(300, 5000, generator=g)
+    x, w = torch.rand(37, 5000, generator=g) * 3, torch.rand(304, 5000, generator=g)     # K, N: multiples of 8
     xq, sx = lora.int8_quantize(x)
     wq, sw = lora.int8_quantize(w)
     assert xq.dtype == torch.int8 and xq.abs().max() == 127 and sx.shape == (37, 1)
@@ -207,6 +207,8 @@ def test_int8_matmul_is_the_exact_integer_product_on_every_path():
     assert ref.abs().max() > 2 ** 24                                        # float32 over the whole K would round
     assert torch.equal(lora.int8_matmul(xq, wq), ref) and torch.equal(lora.int8_matmul(xq, wq, {"avx512_vnni"}), ref)
     assert not torch.equal((xq.float() @ wq.float().t()).double(), ref)     # why the chunks
+    odd = wq[:301]                                  # N not a multiple of 8: _int_mm's rule, so the chunks run
+    assert torch.equal(lora.int8_matmul(xq, odd, {"avx512_vnni"}), lora.int8_matmul_reference(xq, odd))
 
 
 def test_int8_shield_merges_the_adapter_first_and_keeps_its_ranks(tiny_dir):
@@ -220,6 +222,8 @@ def test_int8_shield_merges_the_adapter_first_and_keeps_its_ranks(tiny_dir):
     assert isinstance(rr.model.layers[0].self_attn.q_proj, lora.Int8Linear)
     q = rr.score_ids(ids)
     assert (q - adapted).abs().max() < 0.05 < (adapted - base).abs().max()
+    with pytest.raises(ValueError, match="no projection named"):
+        lora.quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False)))
     with pytest.raises(ValueError, match="NF4"):
         nf4 = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
         lora.add_lora(lora.quantize_nf4(nf4.model))

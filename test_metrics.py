@@ -115,7 +115,9 @@ def test_sigmoid_never_overflows():
 
 def test_kendall_tau_b_counts_ties_as_scipy_does():
     """tau-b on lists with ties in either or both scorings (scipy.stats.kendalltau's values, written out)."""
-    assert metrics.kendall_tau([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0 == metrics.kendall_tau([1, 1], [2, 3])
+    assert metrics.kendall_tau([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert math.isnan(metrics.kendall_tau([1, 1, 1], [2, 3, 4])) and math.isnan(metrics.kendall_tau([1, 2], [0, 0]))
+    assert math.isnan(metrics.rank_agreement([[1, 2, 3]], [[float("nan")] * 3], 2)["kendall_tau"])   # no gate passes
     assert metrics.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
     assert metrics.kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
     assert metrics.kendall_tau([1, 2, 2, 3], [1, 2, 3, 3]) == pytest.approx(0.8)         # scipy: 0.8
