@@ -186,20 +186,23 @@ def kendall_tau(a, b):
     return (conc - disc) / math.sqrt(n_a * n_b) if n_a and n_b else math.nan
 
 
+def ranked(scores):
+    """Item indices, highest score first (ties in input order)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+
+
 def topk_agreement(a, b, k):
-    """The share of a's top k (highest scores, ties in input order) that b's top k holds."""
-    top = lambda s: set(sorted(range(len(s)), key=lambda i: (-s[i], i))[:k])
-    return len(top(a) & top(b)) / min(k, len(a))
+    """The share of a's top k (ranked) that b's top k holds."""
+    return len(set(ranked(a)[:k]) & set(ranked(b)[:k])) / min(k, len(a))
 
 
 def rank_agreement(before, after, k):
     """Two scorings of the same lists ([[score per document]] each) -> their mean Kendall tau-b, mean
     top-k agreement, and the share of lists ordered identically (the INT8 gate's figures)."""
     n = max(1, len(before))
-    order = lambda s: sorted(range(len(s)), key=lambda i: (-s[i], i))
     return {"lists": len(before), "kendall_tau": sum(map(kendall_tau, before, after)) / n,
             f"top{k}_agreement": sum(topk_agreement(a, b, k) for a, b in zip(before, after)) / n,
-            "same_order": sum(order(a) == order(b) for a, b in zip(before, after)) / n}
+            "same_order": sum(ranked(a) == ranked(b) for a, b in zip(before, after)) / n}
 
 
 def quality_summary(deltas, clusters, n_boot=10000, seed=0):

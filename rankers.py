@@ -295,12 +295,12 @@ def gate_lists(bench, n=GATE_LISTS):
     return lists[:n]
 
 
-def int8_gated(rr, lists, allow=False, units=None):
-    """rr scored in int8 from now on (lora.quantize_int8, in place) after its rank agreement with its float
-    scores on `lists` ([(query, docs)]) is measured and logged -> the figures. Below INT8_GATE a SettingsError
-    names the figures and the flag that serves it anyway, unless `allow`. units: the CPU's int8 units."""
+def int8_gated(rr, lists, allow=False):
+    """rr scored in int8 from now on (lora.quantize_int8 with this CPU's int8 units, in place) after its rank
+    agreement with its float scores on `lists` ([(query, docs)]) is measured and logged -> the figures. Below
+    INT8_GATE a SettingsError names the figures and the flag that serves it anyway, unless `allow`."""
     before = [rr.score(q, d).tolist() for q, d in lists]
-    lora.quantize_int8(rr.model, speed.CPU_INT8_UNITS if units is None else units)
+    lora.quantize_int8(rr.model, speed.CPU_INT8_UNITS)
     after = [rr.score(q, d).tolist() for q, d in lists]
     fig, gate = metrics.rank_agreement(before, after, 5), INT8_GATE
     said = (f"Kendall tau {fig['kendall_tau']:.3f} (gate {gate['kendall_tau']}), top-5 agreement "

@@ -113,7 +113,7 @@ def cmd_export(args):
                             name=os.path.basename(os.path.normpath(args.out)), overwrite=ex.overwrite,
                             protected=[cfg.folder.runs_dir] + ([run_dir] if run_dir else []),
                             detector=detector_file(run_dir))
-    log(f"[export] {cfg.export.format} checkpoint in {out} (model card: {out}/README.md)")
+    log(f"[export] {ex.format} checkpoint in {out} (model card: {out}/README.md)")
     print(out)
     return out
 

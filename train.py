@@ -165,20 +165,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     if read_json(os.path.join(folder, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
         return
-    data = run.data
-    cons, inst = data.construction, geodef.expand(data.construction, data.seen) + list(extra)
-    opt_inst, mon_inst = run.shield_split(inst)
-    if not main:                   # rank 0 loads (a tiny checkpoint: makes) the model and scores the base
-        ranks.barrier()            # lists first; the others then read its files and its score cache
-    rr = rr or run.reranker()
-    rr.model.gradient_checkpointing = sh.grad_checkpointing       # recomputes only under grad: training's
-    triples, ids, s0, scores = prepare_triples(run, rr, cons, inst)
-    if main:
-        ranks.barrier()
-    opt_ids = {x.instance_id for x in opt_inst}
-    opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
-    mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
-    mon_lists = [(x, scores[x.instance_id]) for x in mon_inst]
+    rr, opt_triples, mon_triples, mon_lists, ids, s0 = shield_examples(run, rr, extra)
     watch = lambda: monitor(rr, mon_triples, ids, s0, sh, cfg.data.k, mon_lists)      # the monitoring split's figures
 
     params, opt = attach_lora(cfg, rr, init)
@@ -229,6 +216,28 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     if not main:                                        # the other ranks only compute their share of each step
         return
     finish_shield(run, rr, folder, adapter_dir, state, math.ceil(n / sh.grad_accum))
+
+
+def shield_examples(run, rr, extra):
+    """The Shield's examples: the construction instances (and `extra`) split for optimisation and monitoring,
+    the reranker loaded (rr, else the run's) and the base's scores prepared -> (rr, optimisation triples,
+    monitoring triples, monitoring lists with their base scores, token ids, s_0). Under torchrun rank 0
+    loads (a tiny checkpoint: makes) the model and scores the base lists first; the others then read its
+    files and its score cache."""
+    data, ranks = run.data, run.ranks
+    cons, inst = data.construction, geodef.expand(data.construction, data.seen) + list(extra)
+    opt_inst, mon_inst = run.shield_split(inst)
+    if not ranks.is_main:
+        ranks.barrier()
+    rr = rr or run.reranker()
+    rr.model.gradient_checkpointing = run.cfg.shield.grad_checkpointing   # recomputes only under grad: training's
+    triples, ids, s0, scores = prepare_triples(run, rr, cons, inst)
+    if ranks.is_main:
+        ranks.barrier()
+    opt_ids = {x.instance_id for x in opt_inst}
+    opt_triples = [t for t in triples if t["instance_id"] in opt_ids]
+    mon_triples = [t for t in triples if t["instance_id"] not in opt_ids]
+    return rr, opt_triples, mon_triples, [(x, scores[x.instance_id]) for x in mon_inst], ids, s0
 
 
 def end_of_epoch(base, rr, opt, state, m, adapter_dir, ckpt, log_path):
