@@ -5,6 +5,7 @@ the LLM client; the rerank server against direct scoring. Method and figures: do
 
 Usage: python run.py bench --what score --repeat 5
 """
+import functools
 import importlib.util
 import json
 import multiprocessing as mp
@@ -263,10 +264,11 @@ def attention_flops(atts):
 
 def synced(fn, device):
     """fn, waiting for the device to finish before returning (CUDA runs asynchronously: without
-    this a timer would measure only the kernel launches)."""
+    this a timer would measure only the kernel launches). It keeps fn's attributes (matmul_floor's parts)."""
     if torch.device(device).type != "cuda":
         return fn
 
+    @functools.wraps(fn)
     def run():
         out = fn()
         torch.cuda.synchronize(device)
@@ -359,6 +361,7 @@ def bench_score(m, b):
 # What each engine needs installed (test-only dependencies): the ONNX graph is written by torch.onnx from
 # transformers' Qwen3ForSequenceClassification, which ONNX Runtime and OpenVINO read.
 ENGINE_MODULES = {"onnxruntime": ("transformers", "onnx", "onnxruntime"),
+                  "onnxruntime-int8": ("transformers", "onnx", "onnxruntime"),
                   "openvino": ("transformers", "onnx", "openvino"), "torch-int8": ("transformers",), "ours-int8": ()}
 
 
@@ -377,8 +380,10 @@ def seq_cls_onnx(seqcls, model):
 def engine_scorers(folder, engines):
     """Each engine of `engines` over the checkpoint as a user deploys it, export.py's seq-cls export (float32,
     written once beside `folder`) -> {engine: fn(ids (B, T), mask (B, T)) -> (B,) float32 margins}: ONNX
-    Runtime and OpenVINO on its ONNX graph, torch-int8 transformers' model under torch's dynamic int8
-    quantization of every nn.Linear (per-tensor activation scales, fbgemm or onednn kernels)."""
+    Runtime and OpenVINO on its ONNX graph, onnxruntime-int8 on that graph under ONNX Runtime's dynamic
+    quantization (int8 weights, activations quantized per tensor at run time), torch-int8 transformers' model
+    under torch's dynamic int8 quantization of every nn.Linear (per-tensor activation scales, fbgemm or onednn
+    kernels)."""
     import transformers
     import export
     seqcls = folder.rstrip("/") + "_seqcls"
@@ -393,6 +398,14 @@ def engine_scorers(folder, engines):
         import onnxruntime
         sess = onnxruntime.InferenceSession(seq_cls_onnx(seqcls, model), providers=["CPUExecutionProvider"])
         out["onnxruntime"] = lambda ids, mask: torch.from_numpy(sess.run(None, feeds(ids, mask))[0][:, 0])
+    if "onnxruntime-int8" in engines:         # its dynamic quantization as its docs give it
+        import onnxruntime
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        path = os.path.join(seqcls, "model.int8.onnx")
+        if not os.path.isfile(path):
+            quantize_dynamic(seq_cls_onnx(seqcls, model), path, weight_type=QuantType.QInt8)
+        sq = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        out["onnxruntime-int8"] = lambda ids, mask: torch.from_numpy(sq.run(None, feeds(ids, mask))[0][:, 0])
     if "openvino" in engines:
         import openvino
         compiled = openvino.Core().compile_model(seq_cls_onnx(seqcls, model), "CPU")

@@ -29,7 +29,8 @@ N_DOCS = 10                           # candidates a list (geodef.N_DOCS): the t
 # or status check is worth waiting longer for.
 MAX_WAIT = 24 * 3600
 MAX_SAMPLES = 10_000                  # answers per instance or deletion samples per document
-ENGINES = ("onnxruntime", "openvino", "torch-int8", "ours-int8")   # bench --against: CPU engines, and our INT8
+# bench --against: the CPU engines, and ours-int8 (our own scorer in int8)
+ENGINES = ("onnxruntime", "onnxruntime-int8", "openvino", "torch-int8", "ours-int8")
 MAX_THREADS = 1024                    # workers, clients or requests in progress: a thread (and a socket) each
 
 

@@ -10,7 +10,7 @@ import torch
 
 import lora
 import reranker
-from testing import hf_margins, train_with_lora
+from testing import CUDA, hf_margins, train_with_lora
 
 
 def _lora_model(tiny_dir, b_zero=False):
@@ -209,6 +209,26 @@ def test_int8_matmul_is_the_exact_integer_product_on_every_path():
     assert not torch.equal((xq.float() @ wq.float().t()).double(), ref)     # why the chunks
     odd = wq[:301]                                  # N not a multiple of 8: _int_mm's rule, so the chunks run
     assert torch.equal(lora.int8_matmul(xq, odd, {"avx512_vnni"}), lora.int8_matmul_reference(xq, odd))
+
+
+@CUDA
+def test_int8_on_cuda_is_the_cpu_int8(tiny_dir):
+    """Runs only where CUDA is available: torch._int_mm on CUDA gives the reference's integers (fewer rows
+    than its kernel takes padded to 17), and the int8 Shield scored on CUDA gives the CPU int8 margins
+    within the bf16 parity tolerance (the float parts between the int8 products round differently)."""
+    g = torch.Generator().manual_seed(0)
+    w = lora.int8_quantize(torch.rand(304, 5000, generator=g))[0]
+    for m in (5, 37):
+        xq = lora.int8_quantize(torch.rand(m, 5000, generator=g) * 3)[0]
+        got = lora.int8_matmul(xq.cuda(), w.cuda()).cpu()
+        assert got.shape == (m, 304) and torch.equal(got, lora.int8_matmul_reference(xq, w))
+    rr, ids, _ = _lora_model(tiny_dir)
+    rr.model.eval()
+    lora.quantize_int8(rr.model)
+    cpu = rr.score_ids(ids)
+    rr.model.to("cuda")                                         # the int8 weights and scales move with it
+    assert rr.model.layers[0].mlp.up_proj.qweight.is_cuda
+    assert (rr.score_ids(ids).cpu() - cpu).abs().max() <= 0.05 + 0.05 * cpu.abs().max()
 
 
 def test_int8_shield_merges_the_adapter_first_and_keeps_its_ranks(tiny_dir):
