@@ -232,11 +232,11 @@ def answer_conditions(samples, conds, insts, plan, condition):
     return results, repeats
 
 
-def bench_labels(cfg, meta):
+def bench_labels(run):
     """What the summary says of the benchmark beyond the figures: the roles the target or judge shares
     with its construction (--allow-shared-roles), the groups each family was refused on, and with the test
     split built by another LLM (build-bench --test-llm) the builder of each split."""
-    raw = meta.raw
+    cfg, raw = run.cfg, run.data.meta.raw
     out = {"shared_roles": shared_roles(cfg.data.bench, cfg.llm.llm, cfg.judge.judge),
            "family_drops": raw.get("family_drops"),
            "builders": {"construction": raw.get("builder_llm"), "test": raw["test_builder_llm"]}
@@ -482,13 +482,13 @@ def evaluate(run, conditions=None, ranked=None):
     paper = lambda c: metrics.paper_level(every(c))     # the headline: lists with one attacked document
     summary = {"offline": run.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model.model,
                "tfsg_library_ranking": "Shield" if cfg.tfsg.shield else "base reranker",
-               "notes": offline_notes(cfg, meta), "conditions": {c: summarize(paper(c), clean) for c in conds},
+               "notes": offline_notes(run), "conditions": {c: summarize(paper(c), clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in paper(c) if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
                "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
-    summary.update(bench_labels(cfg, meta))
+    summary.update(bench_labels(run))
     summary.update(attacked_summary(insts, conds, every, cfg.data.k, cfg.rerank.n_boot, cfg.folder.seed))
     if cfg.sample.samples > 1:
         summary["samples"] = sample_summary([[results[c], *repeats[c]] for c in conds], conds, cfg.rerank.n_boot,
@@ -499,11 +499,11 @@ def evaluate(run, conditions=None, ranked=None):
                                                      cfg.folder.seed)
     if "GEO Defender" in conds:
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
-        summary["quality"] = pairwise_quality(cfg, judge, results["GEO Defender"], clean,
+        summary["quality"] = pairwise_quality(run, judge, results["GEO Defender"], clean,
                                               {x.instance_id: x for x in insts}, res)
         summary["epochs"] = library_epochs(run, results["GEO Defender"], insts, plan["Shield only"].topk, clean,
                                            condition)
-    summary.update(defense_summary(cfg, run.prices, llm, judge, results, plan, insts, clean, res))
+    summary.update(defense_summary(run, llm, judge, results, plan, insts, clean, res))
     if transfers and "GEO Defender" in conds:     # Table C.2 row: other targets' libraries, Shield fixed
         summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
         for name, _, lt in transfers:
@@ -598,15 +598,16 @@ def attack_strength(recs, clean, test, methods, n_boot, seed):
     return out
 
 
-def defense_summary(cfg, prices, llm, judge, results, plan, insts, clean, res):
+def defense_summary(run, llm, judge, results, plan, insts, clean, res):
     """Beside the metrics: each condition's cost per query (`cost_per_query`), what PromptArmor and
     RobustRAG did (`defense_diagnostics`), and the injection defenses' pairwise answer quality against
-    the clean reference (B.2.4's judge, as for GEO Defender). prices: the run's table (Run.prices) or None."""
+    the clean reference (B.2.4's judge, as for GEO Defender), at the run's prices (Run.prices, or None)."""
+    cfg, prices = run.cfg, run.prices
     by_id = {x.instance_id: x for x in insts}
     out = {"cost": {c: cost_per_query(cfg.llm, llm, recs, by_id, plan[c].pipeline, prices)
                     for c, recs in results.items()},
            "defenses": defense_diagnostics(results, by_id)}
-    quality = {c: pairwise_quality(cfg, judge, results[c], clean, by_id, res, condition_slug(c))
+    quality = {c: pairwise_quality(run, judge, results[c], clean, by_id, res, condition_slug(c))
                for c in results if c in defenses.PIPELINES}
     if quality:
         out["quality_defenses"] = quality
@@ -834,9 +835,10 @@ def library_epochs(run, final, insts, shield_topk, clean, condition):
     return epochs
 
 
-def pairwise_quality(cfg, judge, recs, clean, by_id, res, slug="geo_defender"):
+def pairwise_quality(run, judge, recs, clean, by_id, res, slug="geo_defender"):
     """B.2.4: the condition's answers against the clean reference, half of them shown first (rows in
     results/quality_<slug>.jsonl) -> Table C.1's figures."""
+    cfg = run.cfg
     a_first = metrics.balanced_order([r["instance_id"] for r in recs])
     reqs = []
     for r in recs:
@@ -869,15 +871,17 @@ def pairwise_quality(cfg, judge, recs, clean, by_id, res, slug="geo_defender"):
     return q
 
 
-def offline_notes(cfg, meta):
-    notes = []
+def offline_notes(run):
+    """What the run's figures are not: the notes a summary carries when a model, LLM or benchmark is the
+    offline plumbing."""
+    cfg, notes = run.cfg, []
     if cfg.model.model == "tiny":
         notes.append("Reranker: " + TINY_NOTE + ".")
     if "offline" in cfg.llm.llm or "offline" in (cfg.judge.judge or ""):
         notes.append("LLMs: the offline engine (offline.py), a deterministic SIMULATION; not a real LLM.")
     if cfg.setting("ppl_model") == "tiny":
         notes.append("PPL-Filter: tiny random-weight GPT-2 (offline plumbing).")
-    if meta.synthetic:
+    if run.data.meta.synthetic:
         notes.append("Benchmark: SYNTHETIC (build-bench with the offline engine on data/make_sample.py's "
                      "pages); not the paper's GEO-DefenseBench.")
     if notes:

@@ -300,9 +300,10 @@ def crossplay(run, R):
 # ----------------------------------------------------------------------------- the command
 
 
-def check_settings(cfg):
+def check_settings(run):
     """The settings the rounds' files depend on, pinned in harden/settings.json when the first round
     starts: a rerun that changes one is refused (--rounds may grow: finished rounds are kept)."""
+    cfg = run.cfg
     a = cfg.attacker
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
             "unaware", "restart", "judge", "max_tokens")
@@ -340,7 +341,7 @@ def clean_references(run, llm):
     side's groups: base top-k, the A.3.7 answer -> ({group_id: record}, {group_id: record})."""
     cfg, data = run.cfg, run.data
     base = base_ranker(run, run.reranker())
-    cons = clean_reference_benign(cfg, llm, base, data.construction)
+    cons = clean_reference_benign(run, llm, base, data.construction)
     groups, _ = test_instances(cfg.harden.eval_groups, data)
     insts = [geodef.clean_instance(g) for g in groups]
     base.prepare(insts)
@@ -398,8 +399,8 @@ def attack_round(run, k, clients, clean_cons):
 
 def harden(run):
     """Hardening rounds 1..R on a trained run (module docstring) -> summary.json's harden block."""
-    cfg, data = run.cfg, run.data
-    settings_path, pinned = check_settings(cfg)
+    cfg = run.cfg
+    settings_path, pinned = check_settings(run)
     made = [k for k in range(1, cfg.harden.rounds + 1)
             if os.path.isfile(os.path.join(round_dir(run, k), "survivors.jsonl"))]
     pool_instances(run, len(made))        # the finished rounds' survivors files, checked before any call
@@ -416,7 +417,7 @@ def harden(run):
         costs = [v["cost_usd"] for v in rows]
         r["cost"] = {"replies": sum(v["replies"] for v in rows),
                      "usd": None if None in costs else round(sum(costs), 6)}
-    block = {"settings": pinned, "rounds": rounds, "k": cfg.data.k, "notes": offline_notes(cfg, data.meta),
+    block = {"settings": pinned, "rounds": rounds, "k": cfg.data.k, "notes": offline_notes(run),
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
                            "exposure": crossplay(run, cfg.harden.rounds)}}
     summary = write_summary(run, "harden", {"harden": block})
@@ -431,7 +432,7 @@ def check(run):
     if run.cfg.harden.eval_groups > len(run.data.test):
         raise SettingsError(f"--eval-groups {run.cfg.harden.eval_groups}: the benchmark has {len(run.data.test)} test "
                             "groups")
-    check_settings(run.cfg)
+    check_settings(run)
 
 
 def dry_run(run):
@@ -454,7 +455,7 @@ def dry_run(run):
                  "target answers": estimate(len(cons) * (hd.budget - 1) + cfg.tfsg.batch_size + evaluated,
                                             ctx + 2500, 400),
                  "ASI judge": estimate(2 * evaluated, doc + 2400, 80),
-                 "Analyzer": estimate(1, analyzer_prompt_chars(cfg), 1500)}
+                 "Analyzer": estimate(1, analyzer_prompt_chars(run), 1500)}
     engine = (len(cons) * hd.budget if cfg.attacker.algorithm == "repair" else 0) + \
         (len(test) * max(budgets) if (hd.test_algorithm or cfg.attacker.algorithm) == "repair" else 0)
     if engine:              # the repair attacker's signal: the engine answers every candidate it scores

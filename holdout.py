@@ -64,9 +64,10 @@ ALL = "all"                       # the reference fold: every construction famil
 DETECT_FPR = 0.05                 # the detection side's threshold: this FPR on the construction honest edits
 
 
-def families(cfg, data):
+def families(run):
     """The families to hold out in turn (--families; default every family the construction groups
     hold) and the construction families -> (held out, construction)."""
+    cfg, data = run.cfg, run.data
     h = cfg.holdout
     cons = data.meta.construction()
     if len(cons) < 2:
@@ -95,7 +96,7 @@ def folds(run):
     """[(fold name, held-out family or None, fold settings)]: one per held-out family, then 'all'. Each
     fold's Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
     cfg, data = run.cfg, run.data
-    held, cons = families(cfg, data)
+    held, cons = families(run)
     out = [(f"without-{f}", f, fold_settings(cfg, f"without-{f}", [m for m in cons if m != f])) for f in held]
     out += [(ALL, None, fold_settings(cfg, ALL, cons))]
     for _, _, fcfg in out:
@@ -176,12 +177,13 @@ def matched(others, family, label="shield", key="exposed"):
             sum(rates) / len(rates) if rates and None not in rates else None)
 
 
-def fold_row(cfg, family, trained, recs, ref, others):
+def fold_row(k, boot, family, trained, recs, ref, others):
     """One held-out family's row of the table (see the module docstring). others: the records of the folds
-    trained without another held-out family (the size-matched reference)."""
-    base, shield, boot = recs["base"], recs["shield"], (cfg.rerank.n_boot, cfg.folder.seed)
+    trained without another held-out family (the size-matched reference). k: the top-k; boot: the
+    bootstrap's (size, seed)."""
+    base, shield = recs["base"], recs["shield"]
     row = {"family": family, "trained_on": trained,
-           "strength": rerank_eval.family_strength([r for r in base if r["method"] == family], cfg.data.k,
+           "strength": rerank_eval.family_strength([r for r in base if r["method"] == family], k,
                                                    *boot).get(family)}
     for name, ms in (("held_out", [family]), ("trained", trained)):
         rs = [r for r in shield if r["method"] in ms]
@@ -215,7 +217,8 @@ def holdout(run):
         recs[name] = run_fold(run, fcfg, cfg.holdout.llm_stage)
     ref = recs[ALL]
     held = [family for _, family, _ in plan if family is not None]
-    rows = [fold_row(cfg, family, list(fcfg.seen.seen_methods), recs[name], ref,
+    boot = (cfg.rerank.n_boot, cfg.folder.seed)
+    rows = [fold_row(cfg.data.k, boot, family, list(fcfg.seen.seen_methods), recs[name], ref,
                      [recs[f"without-{g}"] for g in held if g != family])
             for name, family, fcfg in plan if family is not None]
     if detect.has_honest(data):            # the detection side: the text detector of each fold, never given F
@@ -223,7 +226,7 @@ def holdout(run):
             r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, cfg.rerank.n_boot,
                                                    cfg.folder.seed)
     unseen = [m for m in data.methods if m not in data.meta.construction()]
-    summary = {**summary_head(cfg, data), "folds": rows,
+    summary = {**summary_head(run), "folds": rows,
                "never_trained": {m: rate(ref["shield"], [m]) for m in unseen},
                "all_families_exposure": rate(ref["shield"], data.meta.construction())}
     out = os.path.join(cfg.folder.run_dir, "holdout")
@@ -368,7 +371,7 @@ def regime(run):
     for r in rows:
         by_subset.setdefault(", ".join(r["seen"]), []).append(r["gap"]["gap"])
     subset_gaps = {k: sum(v) / len(v) for k, v in by_subset.items() if None not in v}
-    summary = {**summary_head(cfg, data),
+    summary = {**summary_head(run),
                "regime": {"seen_size": h.seen_size, "subsets": len(by_subset), "seeds": h.seeds, "folds": rows,
                           **over_folds(*boot, diffs), "subset_gaps": subset_gaps,
                           "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None}}
@@ -399,12 +402,13 @@ def regime_table(s):
     return "\n".join(lines)
 
 
-def summary_head(cfg, data):
+def summary_head(run):
     """What every holdout summary opens with: the top-k, the benchmark and its construction families, the
     test groups, who built them, and the offline notes."""
+    cfg, data = run.cfg, run.data
     return {"k": cfg.data.k, "bench": os.path.basename(cfg.data.bench), "test_groups": len(data.test),
             "construction_families": data.meta.construction(), "builders": builders(data.meta),
-            "notes": offline_notes(cfg, data.meta)}
+            "notes": offline_notes(run)}
 
 
 def builders(meta):

@@ -6,6 +6,7 @@ Run: python -m pytest -q test_harden.py
 import json
 import os
 import shutil
+import types
 
 import pytest
 
@@ -343,14 +344,15 @@ def test_a_repair_round_made_before_the_start_and_budget_were_pinned_is_refused(
     benchmark's rewrite, 30% a step): a rerun, which would start from the source within 10%, is refused
     naming both, never mixed; a MAGEO-only record is refused naming the algorithm alone."""
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path), "name": "r", "test_algorithm": "repair"})
-    _, now = harden.check_settings(cfg)
+    run = types.SimpleNamespace(cfg=cfg)                # check_settings reads the run's settings alone
+    _, now = harden.check_settings(run)
     old = {k: v for k, v in now.items() if k not in ("start", "edit_budget")}
     runs.write_json(str(tmp_path / "r" / "harden" / "settings.json"), old)
     with pytest.raises(settings.SettingsError, match=r"different edit_budget, start \(edit_budget=None, start=None\)"):
-        harden.check_settings(cfg)
+        harden.check_settings(run)
     runs.write_json(str(tmp_path / "r" / "harden" / "settings.json"), {**old, "test_algorithm": "mageo"})
     with pytest.raises(settings.SettingsError, match=r"different test_algorithm \(test_algorithm='mageo'\);"):
-        harden.check_settings(cfg)
+        harden.check_settings(run)
 
 
 def test_a_harden_dry_run_prices_the_repair_attackers_engine_answers(demo_run, tmp_path):

@@ -168,7 +168,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     rr, opt_triples, mon_triples, mon_lists, ids, s0 = shield_examples(run, rr, extra)
     watch = lambda: monitor(rr, mon_triples, ids, s0, sh, cfg.data.k, mon_lists)      # the monitoring split's figures
 
-    params, opt = attach_lora(cfg, rr, init)
+    params, opt = attach_lora(run, rr, init)
     ckpt, log_path = os.path.join(folder, "checkpoint"), os.path.join(folder, "train_log.jsonl")
     state = start_state(rr, opt, ckpt, log_path, resume, main)
     if main and state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
@@ -253,9 +253,10 @@ def end_of_epoch(base, rr, opt, state, m, adapter_dir, ckpt, log_path):
     _save_ckpt(ckpt, rr.model, opt, state, log_path)
 
 
-def attach_lora(cfg, rr, init=None):
+def attach_lora(run, rr, init=None):
     """LoRA on the frozen reranker (its A initialised and its dropout masks drawn from the seed alone),
     started from the adapter folder `init` when given, with the speed paths -> (trainable params, AdamW)."""
+    cfg = run.cfg
     torch.manual_seed(cfg.folder.seed)
     lora.add_lora(rr.model, cfg.shield.lora_r, cfg.shield.lora_alpha, cfg.shield.lora_dropout)
     if init:
@@ -324,9 +325,10 @@ def shield_test_stats(run, rr, insts, adapter_dir=None):
 # ----------------------------------------------------------------------------- TFSG construction
 
 
-def clean_reference_benign(cfg, llm, base, groups):
+def clean_reference_benign(run, llm, base, groups):
     """b_clean per group: benign documents cited by the clean reference (B.1.3), computed once and
     kept in results/clean_reference_construction.jsonl."""
+    cfg = run.cfg
     insts = [geodef.clean_instance(g) for g in groups]
     base.prepare(insts)
     ref = clean_reference(cfg.data.k, base)
@@ -351,7 +353,7 @@ def train_tfsg(run):
     ranker.prepare(inst)
     target = run.llm(stage="train")
     analyzer = run.llm(cfg.tfsg.analyzer, stage="train") if cfg.tfsg.analyzer else target
-    clean = clean_reference_benign(cfg, target, base, cons)
+    clean = clean_reference_benign(run, target, base, cons)
 
     def case_input(x, force_attack=False):
         top = ranker.order(x)[:cfg.data.k]
@@ -377,9 +379,10 @@ def train_tfsg(run):
     log(f"[train] TFSG library E{cfg.tfsg.n_batches + 1}: {len(lib.active())} active rules ({len(lib.rules)} total)")
 
 
-def analyzer_prompt_chars(cfg):
+def analyzer_prompt_chars(run):
     """An Analyzer call's prompt at most, in characters: a batch's cases, each its top-k documents as the
     Analyzer sees them, its answers and the instructions (A.3.4)."""
+    cfg = run.cfg
     return cfg.tfsg.batch_size * (cfg.data.k * cfg.limits.analyzer_doc_chars + 1500) + 6000
 
 
@@ -397,7 +400,7 @@ def plan_train(run):
     answers = 0 if done else len(data.construction) + 4 * len(seeds) + sum(map(len, batches))
     analyzer = 0 if done else 1 + len(batches)
     stages = {"target answers": estimate(answers, ctx + 2500, 400),
-              "Analyzer": estimate(analyzer, analyzer_prompt_chars(cfg), 1500)}
+              "Analyzer": estimate(analyzer, analyzer_prompt_chars(run), 1500)}
     target, analyst = cfg.llm.llm, cfg.tfsg.analyzer or cfg.llm.llm
     return {"shield_optimizer_steps": cfg.shield.optimizer_steps(len(opt)), "tfsg_library_built": done,
             "stages": stages,
