@@ -369,11 +369,13 @@ def seq_cls_onnx(seqcls, model):
     """The seq-cls export as ONNX (torch.onnx's TorchScript exporter, opset 17, dynamic batch and length),
     written once beside the export -> its path."""
     path = os.path.join(seqcls, "model.onnx")
-    if not os.path.isfile(path):
+    if not os.path.isfile(path):        # written under another name first: a killed export leaves no model.onnx
         ids = torch.zeros((2, 8), dtype=torch.long)
-        torch.onnx.export(model, (ids, torch.ones_like(ids)), path, input_names=["input_ids", "attention_mask"],
-                          output_names=["logits"], opset_version=17, dynamo=False,
+        torch.onnx.export(model, (ids, torch.ones_like(ids)), path + ".tmp",
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"], opset_version=17,
+                          dynamo=False,
                           dynamic_axes={n: {0: "batch", 1: "length"} for n in ("input_ids", "attention_mask")})
+        os.replace(path + ".tmp", path)
     return path
 
 
@@ -393,19 +395,21 @@ def engine_scorers(folder, engines):
         seqcls, dtype=torch.float32, attn_implementation="eager").eval()
     model.config.use_cache = False
     feeds = lambda ids, mask: {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+
+    def ort(path):
+        import onnxruntime
+        sess = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        return lambda ids, mask: torch.from_numpy(sess.run(None, feeds(ids, mask))[0][:, 0])
     out = {}
     if "onnxruntime" in engines:
-        import onnxruntime
-        sess = onnxruntime.InferenceSession(seq_cls_onnx(seqcls, model), providers=["CPUExecutionProvider"])
-        out["onnxruntime"] = lambda ids, mask: torch.from_numpy(sess.run(None, feeds(ids, mask))[0][:, 0])
+        out["onnxruntime"] = ort(seq_cls_onnx(seqcls, model))
     if "onnxruntime-int8" in engines:         # its dynamic quantization as its docs give it
-        import onnxruntime
         from onnxruntime.quantization import QuantType, quantize_dynamic
         path = os.path.join(seqcls, "model.int8.onnx")
         if not os.path.isfile(path):
-            quantize_dynamic(seq_cls_onnx(seqcls, model), path, weight_type=QuantType.QInt8)
-        sq = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-        out["onnxruntime-int8"] = lambda ids, mask: torch.from_numpy(sq.run(None, feeds(ids, mask))[0][:, 0])
+            quantize_dynamic(seq_cls_onnx(seqcls, model), path + ".tmp", weight_type=QuantType.QInt8)
+            os.replace(path + ".tmp", path)
+        out["onnxruntime-int8"] = ort(path)
     if "openvino" in engines:
         import openvino
         compiled = openvino.Core().compile_model(seq_cls_onnx(seqcls, model), "CPU")

@@ -223,8 +223,7 @@ def holdout(run):
             for name, family, fcfg in plan if family is not None]
     if detect.has_honest(data):            # the detection side: the text detector of each fold, never given F
         for r in rows:
-            r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, cfg.rerank.n_boot,
-                                                   cfg.folder.seed)
+            r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, *boot)
     unseen = [m for m in data.methods if m not in data.meta.construction()]
     summary = {**summary_head(run), "folds": rows,
                "never_trained": {m: rate(ref["shield"], [m]) for m in unseen},
