@@ -149,7 +149,8 @@ def add_settings_flags(p, cls, preset=True):
         p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                        help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
     for f in settings.flags(cls):
-        flag, help, required = "--" + settings.flag_name(f), f.metadata["help"], f.metadata["required"]
+        flag, required = "--" + settings.flag_name(f), f.metadata["required"]
+        help = f.metadata["help"].replace("%", "%%")     # argparse %-formats help text
         if f.name in settings.own_defaults(cls):
             help += f" (default here: {settings.own_defaults(cls)[f.name].says})"
         if f.metadata["choices"]:        # checked by the settings class, with every other refusal at once
@@ -209,7 +210,24 @@ def redacted_error(p, message):
     argparse.ArgumentParser.error(p, message)
 
 
-# The commands that read no run's record: each its settings class, flags made the same way.
+# The commands: name, settings class, help. The first ten work in a run folder; the tools after them
+# read no run's record, and take no --preset.
+JOBS = (("train", settings.TrainConfig, "train the Shield Reranker and build the TFSG library"),
+        ("eval", settings.EvalConfig, "evaluate all conditions on the test split and write the report"),
+        ("demo", settings.DemoConfig, "offline end to end: tiny model + offline engine over loopback HTTP"),
+        ("rerank-eval", settings.RerankEvalConfig, "any reranker under GEO attack: exposure, rank, promotion (no "
+                                                   "LLM)"),
+        ("detect", settings.DetectConfig, "flag GEO rewrites against honest edits: the Shield's residual and a text "
+                                          "detector, thresholds held out (no LLM)"),
+        ("attack", settings.AttackConfig, "an adaptive GEO attacker against the deployed defense, evaluated end to "
+                                          "end"),
+        ("harden", settings.HardenConfig, "hardening rounds: the attacker on the construction groups, the defense "
+                                          "retrained on what got through, a fresh attacker on the test groups"),
+        ("holdout", settings.HoldoutConfig, "leave-one-family-out: a Shield trained without each family, measured "
+                                            "on it (no LLM)"),
+        ("deploy-check", settings.DeployCheckConfig, "does a rerank endpoint score as the run's Shield? (a "
+                                                     "known-answer check)"),
+        ("build-bench", settings.BuildConfig, "build a GEO-DefenseBench file from queries with candidate documents"))
 TOOLS = (("bench", settings.BenchConfig, "speed benchmarks against the reference implementations"),
          ("compare", settings.CompareConfig, "Table 1 across target LLMs, Table C.1 and the transfer matrix "
                                              "(Table C.2)"),
@@ -220,46 +238,38 @@ TOOLS = (("bench", settings.BenchConfig, "speed benchmarks against the reference
                                                "visibility? (no LLM)"),
          ("serve-offline", settings.ServeOfflineConfig, "serve the offline engine as an OpenAI-compatible endpoint "
                                                         "on loopback"))
+DRY_RUN = {"train", "eval", "attack", "harden", "build-bench", "holdout", "rerank-eval"}
+# --out: where a command writes, never read back (not a setting)
+OUT = {"demo": dict(default="runs", help="folder to write the demo run into (DIR/demo/...)"),
+       "export": dict(required=True, help="output folder"),
+       "compare": dict(required=True, help="folder for comparison.md and figures"),
+       "bench-audit": dict(default=None, help="folder for bench_audit.json and .md (default: BENCH_audit/ beside "
+                                              "--bench)")}
 
 
-def parser():
-    """The command line: one subcommand per job; each takes the flags of its settings class."""
+def parser(only=None):
+    """The command line: one subcommand per job; each takes the flags of its settings class. With `only`
+    (the command a call runs) the other subcommands are listed but given no flags: building every
+    command's flags is most of what parsing one command line costs."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.allow_abbrev, ap.error = False, functools.partial(redacted_error, ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    tr = sub.add_parser("train", help="train the Shield Reranker and build the TFSG library")
-    tr.add_argument("--stage", choices=["all", "shield", "tfsg"], default="all", help="which part to train")
-    tr.add_argument("--no-resume", action="store_true", help="ignore an existing Shield checkpoint")
-    ev = sub.add_parser("eval", help="evaluate all conditions on the test split and write the report")
-    de = sub.add_parser("demo", help="offline end to end: tiny model + offline engine over loopback HTTP")
-    de.add_argument("--out", default="runs", help="folder to write the demo run into (DIR/demo/...)")
-    re_ = sub.add_parser("rerank-eval", help="any reranker under GEO attack: exposure, rank, promotion (no LLM)")
-    dt = sub.add_parser("detect", help="flag GEO rewrites against honest edits: the Shield's residual and a text "
-                                       "detector, thresholds held out (no LLM)")
-    at = sub.add_parser("attack", help="an adaptive GEO attacker against the deployed defense, evaluated end to end")
-    ha = sub.add_parser("harden", help="hardening rounds: the attacker on the construction groups, the defense "
-                                       "retrained on what got through, a fresh attacker on the test groups")
-    ho = sub.add_parser("holdout", help="leave-one-family-out: a Shield trained without each family, measured on it "
-                                        "(no LLM)")
-    dc = sub.add_parser("deploy-check", help="does a rerank endpoint score as the run's Shield? (a known-answer "
-                                             "check)")
-    bb = sub.add_parser("build-bench", help="build a GEO-DefenseBench file from queries with candidate documents")
-    for p, cls in ((tr, settings.TrainConfig), (ev, settings.EvalConfig), (de, settings.DemoConfig),
-                   (re_, settings.RerankEvalConfig), (at, settings.AttackConfig), (ha, settings.HardenConfig),
-                   (bb, settings.BuildConfig), (ho, settings.HoldoutConfig), (dc, settings.DeployCheckConfig),
-                   (dt, settings.DetectConfig)):
-        add_settings_flags(p, cls)
-    for p in (tr, ev, at, ha, bb, ho, re_):
-        p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send nothing")
-    for cmd, cls, helptext in TOOLS:
-        add_settings_flags(sub.add_parser(cmd, help=helptext, description=cls.__doc__), cls, preset=False)
-    # --out: where a command writes, never read back (not a setting)
-    sub.choices["export"].add_argument("--out", required=True, help="output folder")
-    sub.choices["compare"].add_argument("--out", required=True, help="folder for comparison.md and figures")
-    sub.choices["bench-audit"].add_argument("--out", default=None, help="folder for bench_audit.json and .md "
-                                                                       "(default: BENCH_audit/ beside --bench)")
-    for p in [ap, *sub.choices.values()]:
+    for name, cls, helptext in JOBS + TOOLS:
+        tool = (name, cls, helptext) in TOOLS
+        p = sub.add_parser(name, help=helptext, description=cls.__doc__ if tool else None)
         p.allow_abbrev = False                           # `--out` must not silently mean build-bench's --output
         p.error = functools.partial(redacted_error, p)   # error(): argparse's documented override
+        if only not in (None, name):
+            continue
+        if name == "train":
+            p.add_argument("--stage", choices=["all", "shield", "tfsg"], default="all", help="which part to train")
+            p.add_argument("--no-resume", action="store_true", help="ignore an existing Shield checkpoint")
+        add_settings_flags(p, cls, preset=not tool)
+        if name in DRY_RUN:
+            p.add_argument("--dry-run", action="store_true", help="print what the command would send, and send "
+                                                                  "nothing")
+        if name in OUT:
+            p.add_argument("--out", **OUT[name])
     return ap
 
 
@@ -506,7 +516,8 @@ def no_credentials_outside_urls(args):
 
 def main(argv=None):
     """Parse and dispatch; library errors become `error: ...` and exit status 1 (SystemExit)."""
-    args = parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = parser(words[0] if words and words[0] in COMMANDS else None).parse_args(argv)
     try:
         no_credentials_outside_urls(args)
         return COMMANDS[args.cmd](args)

@@ -12,7 +12,7 @@ import train
 
 def argv(out, *extra):
     return ["holdout", "--runs-dir", str(out), "--name", "h", "--preset", "tiny-demo", "--epochs", "1",
-            "--families", "AutoGEO,MAGEO", "--max-test-groups", "4", "--n-boot", "200", *extra]
+            "--families", "AutoGEO,MAGEO", "--max-test-groups", "4", "--n-boot", "200", "--max-length", "256", *extra]
 
 
 # the LLM stage on a TFSG schedule the folds' fewer construction instances fill

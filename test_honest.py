@@ -109,7 +109,7 @@ def honest_run(honest_bench, tmp_path_factory):
     Shield the run trained (the report calls them plumbing), and two epochs take a third of the steps."""
     out = tmp_path_factory.mktemp("honest_demo")
     run.main(["demo", "--out", str(out), "--bench", str(honest_bench / "honest.jsonl"), "--n-seed-cases", "3",
-              "--batch-size", "3", "--n-batches", "3", "--n-boot", "200", "--epochs", "2"])
+              "--batch-size", "3", "--n-batches", "3", "--n-boot", "200", "--epochs", "2", "--max-length", "256"])
     return out / "demo"
 
 

@@ -28,7 +28,7 @@ from testing import HERE
 # order of float32 additions, which AdamW's first steps carry into the weights in proportion to lr
 ARGS = ["train", "--stage", "shield", "--model", "tiny", "--dtype", "float32", "--lora-dropout", "0",
         "--epochs", "2", "--grad-accum", "4", "--save-every", "2", "--lr", "1e-4", "--max-test-groups", "1",
-        "--n-construction", "4"]
+        "--n-construction", "4", "--max-length", "256"]
 
 
 def _port():

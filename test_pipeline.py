@@ -3,7 +3,6 @@ evaluation, the demo, judges that misbehave, the benchmark builder.
 Run: python -m pytest -q test_pipeline.py
 """
 import copy
-import dataclasses
 import json
 import os
 import re
@@ -147,9 +146,10 @@ def test_ppl_scores_are_cached_per_scoring_model(ppl_filtered, tmp_path):
 
 # the Shield's training settings of the resume tests: small enough to train in seconds, checkpoints
 # every 2 of its steps so that a kill can fall between two checkpoints; one test group, as the test
-# split only feeds the test-ranking report that ends a run (shield_done.json), which they do not compare
+# split only feeds the test-ranking report that ends a run (shield_done.json), which they do not compare;
+# documents cut at 256 tokens (the tiny model's time goes to attention over the sample's long pages)
 SHIELD_KW = dict(n_construction=4, model="tiny", dtype="float32", lr=2e-3, epochs=2, grad_accum=2, save_every=2,
-                 max_test_groups=1)
+                 max_test_groups=1, max_length=256)
 _TRAINED = {}
 
 
@@ -223,7 +223,7 @@ def test_deletion_noise_trains_on_deleted_text_with_its_own_base_scores(tmp_path
             clean = rr.tokenize(t["query"], [t["pos"], t["att"], t["ben"]])
             with lora.lora_disabled(rr.model):
                 assert s0 == pytest.approx(rr.score_ids(ids).tolist(), abs=1e-6)
-            assert (ids, s0) == real(rr, t, rate, key) and sum(map(len, ids)) < sum(map(len, clean))
+            assert (ids, s0) == real(rr, t, rate, key) and all(a != b for a, b in zip(ids, clean))  # each cut
         seen.append(key)
         return ids, s0
     monkeypatch.setattr(train, "noised_triple", spy)

@@ -4,6 +4,7 @@ Run: python -m pytest -q test_runs.py
 """
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -834,6 +835,7 @@ def test_a_setting_that_sizes_memory_threads_or_a_sleep_is_bounded_up_front():
 CRED = "http://usr:S3cretZ@127.0.0.1:9/v1"
 
 
+@functools.cache
 def _commands():
     """{command: its argparse parser}."""
     return next(a for a in run.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
@@ -853,6 +855,20 @@ def _every_flag_case(cmd, flag, tmp_path):
     if "dry-run" in have:
         argv.append("--dry-run")
     return argv + [f"--{flag}={CRED}"]
+
+
+def test_every_commands_help_lists_each_of_its_settings(capsys):
+    """`run.py CMD --help` prints every flag of CMD's settings class and exits 0, a '%' in a setting's help
+    (argparse %-formats help text) included; a command line's parser, built for its command alone, parses
+    as the whole parser does."""
+    for cmd, p in _commands().items():
+        with pytest.raises(SystemExit) as e:
+            run.main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and f" {cmd} [-h]" in out
+        assert all(f"  {o}" in out for a in p._actions for o in a.option_strings[:1]), cmd
+    argv = ["attack", "--name", "x", "--budgets", "1,3", "--edit-budget", "0.05", "--dry-run"]
+    assert run.parser("attack").parse_args(argv) == run.parser().parse_args(argv)
 
 
 def test_a_credential_url_in_any_flag_reaches_no_stream_or_file(tmp_path, capfd, monkeypatch):
