@@ -58,9 +58,8 @@ from accounting import estimate, price_plan
 from evaluation import (INJECTION_DEFENSES, STANDARD, clean_reference, condition_plan, condition_slug, eval_condition,
                         guided, pipeline_records, summarize)
 from rankers import load_rankers, order_of
-from runs import (atomic_write, changed_settings, log, read_json, write_json,
-                  write_summary)
-from settings import SettingsError
+from runs import write_summary
+from store import atomic_write, changed_settings, log, read_json, write_json
 
 CONDITIONS = ("Non-Defense", "Shield only", "TFSG only", "GEO Defender", *INJECTION_DEFENSES)  # those on base top-k
 ATTACKER_INSTRUCTION = (

@@ -48,7 +48,9 @@ import build_bench
 import geodef
 import metrics
 import tiny
-from runs import TINY_NOTE, Run, SettingsError, atomic_write, log, write_json
+from runs import TINY_NOTE, Run
+from settings import SettingsError
+from store import atomic_write, log, write_json
 
 BUCKETS = 1 << 15          # hashed feature space of the classifier
 PERMUTATIONS = 200         # shuffled-label cross-validations of the permutation null

@@ -55,7 +55,8 @@ import llm_clients
 import offline_server
 import transport
 from rankers import load_rankers
-from runs import atomic_write, log, SettingsError
+from settings import SettingsError
+from store import atomic_write, log
 
 REWRITE_TRIES = 2                 # attempts per family and group before the group is dropped
 MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped

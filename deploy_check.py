@@ -39,8 +39,8 @@ import lora
 import rerank_clients
 from endpoints import RERANK_PROVIDERS
 from metrics import sigmoid
-from runs import log, read_json
 from settings import SettingsError
+from store import log, read_json
 from transport import LLMError
 
 # |served - map(m)| allowed: bf16 on another kernel moves a margin by a few hundredths, a probability by less

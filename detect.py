@@ -38,7 +38,8 @@ import build_bench
 import figures
 import geodef
 import rankers
-from runs import SettingsError, atomic_write, log, read_json, write_json, write_jsonl
+from settings import SettingsError
+from store import atomic_write, log, read_json, write_json, write_jsonl
 
 DETECTORS = ("shield_residual", "text")
 FOLDS = 4                       # out-of-fold scores of the construction split for the text detector's threshold

@@ -32,10 +32,9 @@ import tfsg
 import tiny
 from accounting import estimate, price_plan
 from rankers import documents_cut, load_rankers, sharded
-from runs import (changed_settings, file_sha1, log, naming, NotTrainedError,
-                  read_json, read_jsonl, shared_roles, test_set_digest, TINY_NOTE,
-                  write_json, write_summary)
+from runs import NotTrainedError, shared_roles, test_set_digest, TINY_NOTE, write_summary
 from settings import SettingsError
+from store import changed_settings, file_sha1, log, naming, read_json, read_jsonl, write_json
 
 
 # ----------------------------------------------------------------------------- evaluation

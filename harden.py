@@ -50,8 +50,9 @@ from attack import Attack, best_of, evaluate_documents, rounds_for, with_doc
 from accounting import estimate, price_plan
 from evaluation import clean_reference, eval_condition, guided, offline_notes
 from rankers import base_ranker, load_rankers
-from runs import changed_settings, labels_of, log, read_json, read_jsonl, write_json, write_jsonl, write_summary
+from runs import labels_of, write_summary
 from settings import SettingsError
+from store import changed_settings, log, read_json, read_jsonl, write_json, write_jsonl
 from train import analyzer_prompt_chars, clean_reference_benign, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")

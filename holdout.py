@@ -56,8 +56,8 @@ import metrics
 import rerank_eval
 from evaluation import check_eval_settings, evaluate, offline_notes
 from rankers import parse_rerankers
-from runs import log, read_json, write_json
 from settings import SettingsError
+from store import log, read_json, write_json
 from train import plan_train, train_shield, train_tfsg
 
 ALL = "all"                       # the reference fold: every construction family

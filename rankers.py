@@ -20,8 +20,8 @@ import lora
 import metrics
 import rerank_clients
 import speed
-from runs import file_sha1, log, write_json
 from settings import SettingsError
+from store import file_sha1, log, write_json
 
 
 def order_of(scores):

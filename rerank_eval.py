@@ -39,8 +39,9 @@ import rankers
 import report
 import speed
 from rankers import order_of
-from runs import read_json, write_json, write_jsonl, write_summary
+from runs import write_summary
 from settings import SettingsError
+from store import read_json, write_json, write_jsonl
 
 SHORT_BUDGET = 8                    # deletion samples: a micro-batch's token budget x this (certify_records)
 

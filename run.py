@@ -48,8 +48,9 @@ import settings
 import speed
 import tfsg
 from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
-from runs import Run, RunInUse, log, need_trained, read_json, resolve, run_lock
+from runs import Run, RunInUse, need_trained, resolve, run_lock
 from settings import PRESETS, SettingsError
+from store import log, read_json
 from train import plan_train, train_shield, train_tfsg
 
 

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -35,49 +34,9 @@ import speed
 import tfsg
 import tiny
 from settings import HERE, PRESETS, SettingsError, own_defaults
+from store import changed_settings, file_sha1, log, read_json, write_json
 
 TINY_NOTE = "tiny random-weight Qwen3 checkpoint (offline plumbing; its scores mean nothing)"
-
-
-def log(msg):
-    print(endpoints.redact(msg), file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def naming(path):
-    """An OSError raised without a file name (write() on a full disk or past a size limit: "No space
-    left on device", "File too large") re-raised naming `path`, so the one-line error says where."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None and e.errno is not None:
-            raise OSError(e.errno, e.strerror, path) from None
-        raise
-
-
-def atomic_write(path, text):
-    """Write aside, then rename: the file is whole or as before; a failure (full disk) leaves no temp file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with naming(path), open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def write_json(path, obj):
-    atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
-
-
-def read_json(path, default=None):
-    if not os.path.isfile(path):
-        return default
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 # summary.json holds a block per command: each command rewrites its own keys and keeps every other's
@@ -102,52 +61,12 @@ def write_summary(run, command, blocks, merge=()):
     return summary
 
 
-def file_sha1(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha1").hexdigest()
-
-
 def code_version():
     try:
         return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=5).stdout.strip() or None
     except Exception:
         return None
-
-
-def append_jsonl(path, rec):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with naming(path), open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(rec) + "\n")
-
-
-def write_jsonl(path, recs):
-    """A JSONL file of the run folder written whole (atomic_write); strings keep their characters."""
-    atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
-
-
-def read_jsonl(path, skip_bad=False):
-    """The one reader of the run folder's JSONL files -> [(line number, value)], blank lines skipped.
-    Lines end at "\n" only: str.splitlines() would also break at U+2028 or U+0085, which write_jsonl
-    leaves raw inside strings. A line that does not parse (nested too deeply included) is an error naming
-    the file and line, or, with skip_bad (a record file appended to as it goes, whose last line a kill
-    may cut), skipped."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-    except UnicodeDecodeError as e:
-        raise SettingsError(f"{path}: not UTF-8 ({e})") from None
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append((n, json.loads(line)))
-        except (ValueError, RecursionError) as e:
-            if not skip_bad:
-                why = "nested too deeply" if isinstance(e, RecursionError) else e
-                raise SettingsError(f"{path}, line {n}: not JSON ({why})") from None
-    return out
 
 
 # ----------------------------------------------------------------------------- models and data
@@ -672,15 +591,6 @@ def run_lock(run_dir, shared=False):
         yield
     finally:
         f.close()                # closing releases the lock
-
-
-def changed_settings(path, made, old, new, todo):
-    """The one refusal of settings that differ from those a file records (config.json, results/
-    settings.json, attack-settings.json, harden/settings.json): the file, what was made with which
-    values, what this command asks for, what to do. `old`, `new`: the differing settings only."""
-    shown = lambda d: ", ".join(f"{k}={d.get(k)!r}" for k in new)
-    return SettingsError(f"{path}: {made} with different {', '.join(new)} ({shown(old)}); this command asks for "
-                         f"{shown(new)}. {todo}")
 
 
 def printable(cfg):

@@ -17,6 +17,7 @@ import offline
 import run
 import runs
 import settings
+import store
 
 ARGS = ["--rounds", "2", "--budget", "5", "--eval-budgets", "1,3", "--eval-groups", "2"]
 
@@ -203,7 +204,7 @@ def test_a_survivor_text_with_unicode_line_breaks_reads_back(tmp_path):
     """write_jsonl leaves U+2028 and U+0085 raw inside a string; reading ends lines at line feeds only."""
     path = tmp_path / "survivors.jsonl"
     rec = {**SURVIVOR, "text": "Canberra\u2028is the capital\x85of Australia."}
-    runs.write_jsonl(str(path), [rec, SURVIVOR])
+    store.write_jsonl(str(path), [rec, SURVIVOR])
     assert harden.read_survivors(str(path)) == [rec, SURVIVOR]
 
 
@@ -347,10 +348,10 @@ def test_a_repair_round_made_before_the_start_and_budget_were_pinned_is_refused(
     run = types.SimpleNamespace(cfg=cfg)                # check_settings reads the run's settings alone
     _, now = harden.check_settings(run)
     old = {k: v for k, v in now.items() if k not in ("start", "edit_budget")}
-    runs.write_json(str(tmp_path / "r" / "harden" / "settings.json"), old)
+    store.write_json(str(tmp_path / "r" / "harden" / "settings.json"), old)
     with pytest.raises(settings.SettingsError, match=r"different edit_budget, start \(edit_budget=None, start=None\)"):
         harden.check_settings(run)
-    runs.write_json(str(tmp_path / "r" / "harden" / "settings.json"), {**old, "test_algorithm": "mageo"})
+    store.write_json(str(tmp_path / "r" / "harden" / "settings.json"), {**old, "test_algorithm": "mageo"})
     with pytest.raises(settings.SettingsError, match=r"different test_algorithm \(test_algorithm='mageo'\);"):
         harden.check_settings(run)
 

@@ -30,6 +30,7 @@ import reranker
 import run
 import runs
 import settings
+import store
 import tfsg
 import train
 from testing import R, SAMPLE, good_group, write_lines
@@ -284,7 +285,7 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(run, "train_shield", lambda r, resume=True: r.reranker() and   # then a file,
                         # as training leaves
-                        runs.write_json(os.path.join(r.dir, "checkpoint", "state.json"), {}))
+                        store.write_json(os.path.join(r.dir, "checkpoint", "state.json"), {}))
     with pytest.raises(SystemExit, match="--model tiny"):
         run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
     assert (tmp_path / "z" / "config.json").exists()
@@ -292,8 +293,8 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     with pytest.raises(SystemExit, match="different model"):  # now the run has produced files: pinned
         run.main(["train", "--stage", "shield", "--name", "z", "--runs-dir", str(tmp_path), "--model", "nobody/none"])
     # a demo records `offline` (its engine's port is never stored): every command takes its settings
-    runs.write_json(str(tmp_path / "n" / "config.json"), {"config": {"llm": "offline", "ppl_model": "tiny",
-                                                                     "model": "tiny"}, "command": "demo"})
+    store.write_json(str(tmp_path / "n" / "config.json"), {"config": {"llm": "offline", "ppl_model": "tiny",
+                                                                      "model": "tiny"}, "command": "demo"})
     for cls in (settings.EvalConfig, settings.RerankEvalConfig, settings.AttackConfig):
         c = runs.resolve(cls, {"name": "n", "runs_dir": str(tmp_path)})
         assert (c.llm.llm, c.eval.ppl_model, c.model.model) == ("offline", "tiny", "tiny")
@@ -338,7 +339,7 @@ def test_edited_benchmark_is_refused_not_mixed(tmp_path, small_bench):
     cfg = settings.EvalConfig(name="e", runs_dir=str(tmp_path), bench=str(bench))
     runs.Run(cfg).record("train")
     rec = json.load(open(tmp_path / "e" / "config.json"))
-    assert rec["bench_sha1"] == runs.file_sha1(str(bench))
+    assert rec["bench_sha1"] == store.file_sha1(str(bench))
     runs.Run(cfg).record("eval")                               # unchanged: fine
     (tmp_path / "e" / "results").mkdir()
     (tmp_path / "e" / "results" / "x.jsonl").write_text("{}\n")
@@ -472,7 +473,7 @@ def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
          "conditions": {k: {"ASR": 1.0, "ASI": 1.0, "BER": 1.0} for k in evaluation.CONDITIONS}}
     for parent in ("p", "q"):
         os.makedirs(tmp_path / parent / "x")
-        runs.write_json(str(tmp_path / parent / "x" / "summary.json"), {**s, "target_llm": f"{parent}:A"})
+        store.write_json(str(tmp_path / parent / "x" / "summary.json"), {**s, "target_llm": f"{parent}:A"})
     path = run.main(["compare", "--runs", f"{tmp_path / 'p' / 'x'},{tmp_path / 'q' / 'x'}", "--out",
                      str(tmp_path / "c")])
     text = open(path).read()
@@ -480,7 +481,7 @@ def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
 
 
 def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
-    runs.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
+    store.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
         "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
     cfg = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
     assert (cfg.eval.ppl_model, cfg.judge.judge, cfg.llm.base_url) == ("tiny", "offline", None)   # no credential kept
@@ -692,8 +693,8 @@ def _write_past_4096_bytes(d):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
     said = []
-    for write in (lambda: runs.atomic_write(d + "/a.json", "x" * 10000),
-                  lambda: runs.append_jsonl(d + "/b.jsonl", {"x": "y" * 10000}),
+    for write in (lambda: store.atomic_write(d + "/a.json", "x" * 10000),
+                  lambda: store.append_jsonl(d + "/b.jsonl", {"x": "y" * 10000}),
                   lambda: accounting.append_ledger(d + "/u.jsonl", {"x": "y" * 10000}, threading.Lock()),
                   lambda: llm_clients.ReplyCache(d + "/c").put_raw("ab" * 32, {"x": "y" * 10000})):
         try:

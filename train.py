@@ -24,7 +24,8 @@ import tfsg
 from accounting import estimate, price_plan
 from evaluation import clean_reference, eval_condition
 from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
-from runs import append_jsonl, labels_of, log, read_json, write_json
+from runs import labels_of
+from store import append_jsonl, log, read_json, write_json
 
 
 # ----------------------------------------------------------------------------- Shield training
