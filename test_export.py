@@ -268,6 +268,8 @@ def test_serve_quant_int8_serves_the_merged_shield_once_it_passes_the_gate(demo_
     monkeypatch.setattr(serve.RerankServer, "serve_forever", lambda self: served.append(self))
     # the random tiny models' scores nearly tie, so their figures sit near the real gate: set here
     monkeypatch.setattr(rankers, "INT8_GATE", {"kendall_tau": 0.9, "top5_agreement": 0.9})
+    lists = rankers.gate_lists                 # the gate measured on 8 of the run's lists, not 32: plumbing
+    monkeypatch.setattr(rankers, "gate_lists", lambda bench: lists(bench, 8))
     runs = ["--name", "demo", "--runs-dir", str(demo_run.parent), "--port", "0"]
     run.main(["serve", *runs, "--quant", "int8"])
     run.main(["serve", *runs])
