@@ -57,7 +57,8 @@ import tfsg
 from accounting import estimate, price_plan
 from evaluation import (INJECTION_DEFENSES, STANDARD, clean_reference, condition_plan, condition_slug, eval_condition,
                         guided, pipeline_records, summarize)
-from rankers import load_rankers, order_of
+from metrics import ranked
+from rankers import load_rankers
 from runs import write_summary
 from store import atomic_write, changed_settings, log, read_json, write_json
 
@@ -189,7 +190,7 @@ class Attack:
         out = []
         for x in insts:
             s = self.target.scores(x)
-            out.append((s[x.attack_index], order_of(s).index(x.attack_index) + 1))
+            out.append((s[x.attack_index], ranked(s).index(x.attack_index) + 1))
         return out
 
     def run(self, insts):
@@ -216,7 +217,7 @@ class Attack:
             best = cs[best_of(cs, len(cs))]
             n = min(self.per_round, self.budget - len(cs))
             others = self.target.scores(with_doc(x, best["text"], best["sid"]))
-            top = next(i for i in order_of(others) if i != x.attack_index)
+            top = next(i for i in ranked(others) if i != x.attack_index)
             prompt, check = ((attacker_prompt, parse_rewrites) if self.algorithm == "mageo" else
                              (repair_prompt, parse_repair))
             reqs.append({"messages": [{"role": "user", "content": prompt(
@@ -267,7 +268,7 @@ class Attack:
         if self.engine is None:
             return [{} for _ in insts]
         llm, pipeline = self.engine
-        tops = [order_of(self.target.scores(x))[:self.cfg.data.k] for x in insts]       # scored by self.score
+        tops = [ranked(self.target.scores(x))[:self.cfg.data.k] for x in insts]       # scored by self.score
         c = self.cfg
         recs = pipeline_records(c.llm, c.request.workers, llm, "repair engine", insts, tops, pipeline)
         return [{"cited": bool(r["attack_cited"])} for r in recs]

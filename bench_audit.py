@@ -21,7 +21,7 @@ measures both on the file itself, with no LLM:
   rewrites and honest edit; per unseen family its ROC AUC against the honest edits and its TPR at 5% FPR
   (the threshold the honest edits' 95th percentile), with 95% CIs over query groups;
 - surface-marker rates (headings, bold, lists, summary phrases, ...) of each family against the benign
-  candidates and the sources (build_bench.SURFACE_MARKERS);
+  candidates and the sources (geo_jobs.SURFACE_MARKERS);
 - refusal rates per family from the build traces (a first attempt the fidelity gate refused);
   dropped groups are not written to the file (build-bench's log names them), so drop rates are not
   recoverable here and are reported as such;
@@ -44,7 +44,7 @@ import zlib
 
 import numpy as np
 
-import build_bench
+import geo_jobs
 import geodef
 import metrics
 import tiny
@@ -85,7 +85,7 @@ def length_ratio(source, rewrite):
 
 def markers_added(source, rewrite):
     """Surface markers the rewrite shows and its source does not."""
-    return [k for k, p in build_bench.SURFACE_MARKERS.items() if re.search(p, rewrite) and not re.search(p, source)]
+    return [k for k, p in geo_jobs.SURFACE_MARKERS.items() if re.search(p, rewrite) and not re.search(p, source)]
 
 
 def edit_features(source, rewrite):
@@ -327,9 +327,9 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
            "distances": {"added_ngram_js": [[js_divergence(added[a], added[b]) for b in families] for a in families],
                          "edit_size": {f: mean(size[f]) for f in families},
                          "length_ratio": {f: mean(ratio[f]) for f in families}},
-           "surface_markers": {"benign candidates": build_bench.surface_rates(benign),
-                               "sources": build_bench.surface_rates(g.docs[g.source_index]["text"] for g in groups),
-                               **{f: build_bench.surface_rates(g.attacks[f] for g in groups if f in g.attacks)
+           "surface_markers": {"benign candidates": geo_jobs.surface_rates(benign),
+                               "sources": geo_jobs.surface_rates(g.docs[g.source_index]["text"] for g in groups),
+                               **{f: geo_jobs.surface_rates(g.attacks[f] for g in groups if f in g.attacks)
                                   for f in families if size[f]}},
            "refusal_rate": refusal_rates(raw, families),
            "drop_rate": None, "drop_rate_note": "dropped groups are not written to the file; build-bench's log "

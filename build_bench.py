@@ -690,7 +690,7 @@ def build_bench(run, p=None):
         refused = {k: refused.get(k, 0) + t_refused.get(k, 0) for k in sorted({*refused, *t_refused})}
     lists = pool_lists(tctx, b, cfg.folder.seed, fams, [g for g in kept if g["split"] == "test"])   # none by default
     if edits:                           # the honest edits' template, beside the families'
-        markers["honest edits"] = surface_rates(t for t, _ in edits.values() if t)
+        markers["honest edits"] = geo_jobs.surface_rates(t for t, _ in edits.values() if t)
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
     write(b, cfg.folder.seed, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused),
@@ -701,37 +701,15 @@ def build_bench(run, p=None):
     return b.output, comp
 
 
-# Surface features a fixed prompt can stamp on every document of a family: a defense that keys on them
-# detects the template, not the intent (build-bench reports their rates per family against the benign
-# candidates)
-SURFACE_MARKERS = {
-    "heading": r"(?m)^\s*#{1,6}\s",
-    "bold": r"\*\*[^*\n]+\*\*",
-    "bullet list": r"(?m)^\s*(?:[-*+]|\d+[.)])\s",
-    "table": r"(?m)^\s*\|.*\|\s*$",
-    "summary phrase": r"(?i)\b(?:in summary|in short|to summari[sz]e|key takeaways?|bottom line|tl;dr)\b",
-    "recap": r"(?i)\b(?:recap|in conclusion|overall)\b",
-    "attribution": r"(?i)\baccording to\b",
-    "quotation": r"[\u201c\"][^\u201d\"\n]{12,}[\u201d\"]",
-}
-
-
-def surface_rates(texts):
-    """Percent of `texts` that show each surface marker at least once."""
-    texts = list(texts)
-    return {k: round(100.0 * sum(bool(re.search(p, t)) for t in texts) / max(1, len(texts)), 1)
-            for k, p in SURFACE_MARKERS.items()}
-
-
 def surface_markers(groups, attacks, fams):
-    """How often each surface marker (geo_attacks.SURFACE_MARKERS: headings, bold, lists, summary
+    """How often each surface marker (geo_jobs.SURFACE_MARKERS: headings, bold, lists, summary
     phrases, ...) appears in each family's rewrites, in the sources they rewrote and in the benign
     candidates: a family far from the benign rates is detectable by its template, not its intent."""
     benign = [d["text"] for g in groups for i, d in enumerate(g["docs"]) if i != g["source_index"]]
-    out = {"benign candidates": surface_rates(benign),
-           "sources": surface_rates(g["docs"][g["source_index"]]["text"] for g in groups)}
+    out = {"benign candidates": geo_jobs.surface_rates(benign),
+           "sources": geo_jobs.surface_rates(g["docs"][g["source_index"]]["text"] for g in groups)}
     for f in fams:
-        out[f] = surface_rates(attacks[g["group_id"]][f] for g in groups if f in attacks[g["group_id"]])
+        out[f] = geo_jobs.surface_rates(attacks[g["group_id"]][f] for g in groups if f in attacks[g["group_id"]])
     return out
 
 

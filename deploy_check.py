@@ -38,7 +38,7 @@ import geodef
 import lora
 import rerank_clients
 from endpoints import RERANK_PROVIDERS
-from metrics import sigmoid
+from metrics import ranked, sigmoid
 from settings import SettingsError
 from store import log, read_json
 from transport import LLMError
@@ -56,10 +56,6 @@ DETECT_TOLERANCE = 1e-6   # /detect's scores: the same float64 arithmetic on the
 
 
 MAPS = {"margin": lambda m: m, "sigmoid": sigmoid}     # the monotone maps an endpoint serves margins under
-
-
-def order(scores):
-    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
 
 
 def error(f, margins, scores):
@@ -174,7 +170,7 @@ def compare(local, served, failed=None, base=None):
     fit = min(MAPS, key=lambda k: sorted(error(MAPS[k], local[n], served[n]) for n in names)[len(names) // 2]
               ) if names else None
     tol = TOLERANCE.get(fit)
-    lists = {n: {"local": local[n], "served": served[n], "order_agrees": order(local[n]) == order(served[n]),
+    lists = {n: {"local": local[n], "served": served[n], "order_agrees": ranked(local[n]) == ranked(served[n]),
                  "error": error(MAPS[fit], local[n], served[n])} for n in names}
     unordered = [n for n in names if not lists[n]["order_agrees"]]
     beyond = [n for n in names if lists[n]["error"] > tol]

@@ -34,8 +34,8 @@ import re
 import numpy as np
 
 import bench_audit
-import build_bench
 import figures
+import geo_jobs
 import geodef
 import rankers
 from settings import SettingsError
@@ -56,7 +56,7 @@ def page_bag(text):
     t = bench_audit.tokens(text)
     bag = collections.Counter(t)
     bag.update(" ".join(t[i:i + 2]) for i in range(len(t) - 1))
-    bag.update({f"marker={k}": 3 for k, p in build_bench.SURFACE_MARKERS.items() if re.search(p, text)})
+    bag.update({f"marker={k}": 3 for k, p in geo_jobs.SURFACE_MARKERS.items() if re.search(p, text)})
     bag[f"len={min(20, len(t) // 50)}"] += 3
     return bag
 

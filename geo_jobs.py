@@ -3,7 +3,9 @@ the builder's LLM client, settings, judge and the families' resources), the JSON
 its reply, and the fidelity gate every rewrite passes (paper B.1.1: the benchmark's rewrites keep the
 source's facts): cheap checks first (`cheap_gate`, `refusal`: a family's name or a prompt key spelled
 back, a changed number, a length outside the bounds), then the fidelity judge (`fidelity_verdicts`).
-The adaptive attacker of attack.py and the honest editor of honest.py use the gate too.
+The adaptive attacker of attack.py and the honest editor of honest.py use the gate too. Last, the
+surface markers a family's fixed prompt can stamp on its rewrites (SURFACE_MARKERS), which build-bench,
+bench-audit and detect count.
 
 Usage: ctx = Ctx(llm); kept = gate(ctx, sources, texts)
 """
@@ -200,3 +202,25 @@ def gate(ctx, sources, texts, desc="fidelity"):
                                            ctx.max_tokens, ctx.workers, desc)):
         why[i] = w
     return why
+
+
+# Surface features a fixed prompt can stamp on every document of a family: a defense that keys on them
+# detects the template, not the intent (build-bench reports their rates per family against the benign
+# candidates)
+SURFACE_MARKERS = {
+    "heading": r"(?m)^\s*#{1,6}\s",
+    "bold": r"\*\*[^*\n]+\*\*",
+    "bullet list": r"(?m)^\s*(?:[-*+]|\d+[.)])\s",
+    "table": r"(?m)^\s*\|.*\|\s*$",
+    "summary phrase": r"(?i)\b(?:in summary|in short|to summari[sz]e|key takeaways?|bottom line|tl;dr)\b",
+    "recap": r"(?i)\b(?:recap|in conclusion|overall)\b",
+    "attribution": r"(?i)\baccording to\b",
+    "quotation": r"[\u201c\"][^\u201d\"\n]{12,}[\u201d\"]",
+}
+
+
+def surface_rates(texts):
+    """Percent of `texts` that show each surface marker at least once."""
+    texts = list(texts)
+    return {k: round(100.0 * sum(bool(re.search(p, t)) for t in texts) / max(1, len(texts)), 1)
+            for k, p in SURFACE_MARKERS.items()}

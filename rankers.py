@@ -24,11 +24,6 @@ from settings import SettingsError
 from store import file_sha1, log, write_json
 
 
-def order_of(scores):
-    """Candidate indices, best score first (ties keep input order)."""
-    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-
-
 def doc_key(query, doc):
     return hashlib.sha1((query + "\x00" + doc).encode("utf-8")).hexdigest()
 
@@ -127,7 +122,7 @@ class Ranker:
         return [self.cache[doc_key(x.query, d)] for d in x.docs]
 
     def order(self, x):
-        return order_of(self.scores(x))
+        return metrics.ranked(self.scores(x))
 
 
 def share_files(path):
@@ -252,7 +247,7 @@ class RemoteRanker:
         return self.by_id[x.instance_id]
 
     def order(self, x):
-        return order_of(self.scores(x))
+        return metrics.ranked(self.scores(x))
 
 
 def make_rankers(run, items, stage, rr=None):

@@ -55,7 +55,7 @@ import export
 import lora
 import speed
 from endpoints import redact
-from metrics import sigmoid
+from metrics import ranked, sigmoid
 from settings import SettingsError
 
 INFINITY_PATHS = ("/rerank", "/infinity/rerank")   # Infinity's reply; /infinity/rerank: api_base .../infinity
@@ -388,18 +388,13 @@ def error_headers(status, allow):
             [("Retry-After", "1")] if status in (429, 503) else ())
 
 
-def _ranked(m):
-    """Document indices by margin, best first, ties by index."""
-    return sorted(range(len(m)), key=lambda i: (-m[i], i))
-
-
 def reply(path, req, m, tokens, model):
     """The reply to `req` on `path` given its margins `m` (document order) and prompt tokens: TEI's list,
     vLLM's ScoreResponse (the pairs' order), or the rerank results best first (the first top_n), the
     document as {text} or (Infinity's ReRankResult) a string."""
     score = (lambda v: v) if req.raw else sigmoid
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    order = _ranked(m)
+    order = ranked(m)
     if req.tei:
         return [{"index": i, "score": score(m[i]), **({"text": req.texts[i]} if req.with_text else {})} for i in order]
     if path in SCORE_PATHS:

@@ -399,7 +399,7 @@ def test_a_search_asks_at_most_tavilys_cap(geo_input, tmp_path):
 
 
 def test_surface_rates_count_documents_with_each_marker():
-    rates = build_bench.surface_rates(["# Title\n**bold** In summary, yes.", "plain text"])
+    rates = geo_jobs.surface_rates(["# Title\n**bold** In summary, yes.", "plain text"])
     assert rates["heading"] == rates["bold"] == rates["summary phrase"] == 50.0 and rates["table"] == 0.0
 
 

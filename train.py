@@ -23,7 +23,8 @@ import speed
 import tfsg
 from accounting import estimate, price_plan
 from evaluation import clean_reference, eval_condition
-from rankers import base_ranker, doc_key, load_rankers, order_of, shield_ranker
+from metrics import ranked
+from rankers import base_ranker, doc_key, load_rankers, shield_ranker
 from runs import labels_of
 from store import append_jsonl, log, read_json, write_json
 
@@ -298,8 +299,8 @@ def finish_shield(run, rr, folder, adapter_dir, state, steps_per_epoch):
 
 def benign_kept(base_scores, new_scores, attack_index, k):
     """Share of the base top-k's benign documents that are still in the new top-k."""
-    ben = [i for i in order_of(base_scores)[:k] if i != attack_index]
-    return len(set(ben) & set(order_of(new_scores)[:k])) / max(1, len(ben))
+    ben = [i for i in ranked(base_scores)[:k] if i != attack_index]
+    return len(set(ben) & set(ranked(new_scores)[:k])) / max(1, len(ben))
 
 
 def shield_test_stats(run, rr, insts, adapter_dir=None):
