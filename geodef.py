@@ -271,6 +271,36 @@ def _read_group(obj, path, n, n_docs, meta):
     if not query.strip():
         _fail(path, n, "query", "empty")
     check_unicode(query, path, n, "query")
+    docs = _read_docs(obj, path, n, n_docs)
+    src = _need(obj, "source_index", int, path, n)
+    if not 0 <= src < n_docs:
+        _fail(path, n, "source_index", f"{src} out of range 0..{n_docs - 1}")
+    source_norm = " ".join(docs[src]["text"].split())
+    attacks, failed = _read_attacks(obj, path, n, source_norm)
+    split = obj.get("split")
+    # a construction group needs only its families (Table B.1: 12 x 3, the seen ones), a test group every
+    # method; a method the build's gate refused on this group (`failed`) is absent, with its reason
+    need = meta.construction() if split == "construction" else meta.methods
+    missing = [m for m in need if m not in attacks and m not in failed]
+    if missing:
+        key = ("construction_methods" if need is meta.construction_methods else
+               "seen_methods" if need is meta.seen_methods else "methods")
+        _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.{key}")
+    if split is not None and split not in ("construction", "test"):
+        _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
+    honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
+    co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
+    opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
+    for fld, v in (("co_attacks", co), ("optimized", opt)):
+        if v and split != "test":        # a drawn split could put them in construction, where the Shield trains
+            _fail(path, n, fld, "only on a test line (split \"test\"): construction groups hold one attacked "
+                                "document and the search's pool, as the Shield trains on them")
+    return QueryGroup(gid, query, docs, src, dict(attacks), split, n, honest, dict(failed) or None, co, opt)
+
+
+def _read_docs(obj, path, n, n_docs):
+    """A group's `docs`: n_docs objects, each a doc_id (unique in the group, no '#') and a non-empty text
+    no earlier candidate repeats, a url optional -> the list."""
     docs = _need(obj, "docs", list, path, n)
     if len(docs) != n_docs:
         _fail(path, n, "docs", f"must hold {n_docs} items, got {len(docs)}")
@@ -292,13 +322,16 @@ def _read_group(obj, path, n, n_docs, meta):
             _fail(path, n, f"docs[{i}].url", f"expected str, got {type(d['url']).__name__}")
     if len({d["doc_id"] for d in docs}) != n_docs:
         _fail(path, n, "docs", "doc_id values must be unique within the group")
-    src = _need(obj, "source_index", int, path, n)
-    if not 0 <= src < n_docs:
-        _fail(path, n, "source_index", f"{src} out of range 0..{n_docs - 1}")
+    return docs
+
+
+def _read_attacks(obj, path, n, source_norm):
+    """A group's `attacks` ({method: rewrite}, each non-empty and not its source, whose normalized text
+    is `source_norm`) and `failed` ({method: why the build's gate refused it}, none of them rewritten
+    too) -> (attacks, failed)."""
     attacks = _need(obj, "attacks", dict, path, n)
     if not attacks:
         _fail(path, n, "attacks", "no rewrites")
-    source_norm = " ".join(docs[src]["text"].split())
     for m, t in attacks.items():
         if not isinstance(t, str):
             _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
@@ -313,25 +346,7 @@ def _read_group(obj, path, n, n_docs, meta):
     both = [m for m in failed if m in attacks]
     if both:
         _fail(path, n, "failed", f"{both} have a rewrite in attacks too")
-    split = obj.get("split")
-    # a construction group needs only its families (Table B.1: 12 x 3, the seen ones), a test group every
-    # method; a method the build's gate refused on this group (`failed`) is absent, with its reason
-    need = meta.construction() if split == "construction" else meta.methods
-    missing = [m for m in need if m not in attacks and m not in failed]
-    if missing:
-        key = ("construction_methods" if need is meta.construction_methods else
-               "seen_methods" if need is meta.seen_methods else "methods")
-        _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.{key}")
-    if split is not None and split not in ("construction", "test"):
-        _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
-    honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
-    co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
-    opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
-    for fld, v in (("co_attacks", co), ("optimized", opt)):
-        if v and split != "test":        # a drawn split could put them in construction, where the Shield trains
-            _fail(path, n, fld, "only on a test line (split \"test\"): construction groups hold one attacked "
-                                "document and the search's pool, as the Shield trains on them")
-    return QueryGroup(gid, query, docs, src, dict(attacks), split, n, honest, dict(failed) or None, co, opt)
+    return attacks, failed
 
 
 def _read_co_attacks(obj, path, n, docs, src, meta):

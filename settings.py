@@ -134,10 +134,6 @@ def positive(v):
     return v > 0
 
 
-def positive_or_none(v):
-    return v is None or v > 0
-
-
 def port_number(v):
     return 0 <= v <= 65535
 
