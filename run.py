@@ -150,12 +150,12 @@ def add_settings_flags(p, cls, preset=True):
         p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                        help="named settings (paper: Table A.1 with its 4-bit base; tiny-demo: offline demo)")
     for f in settings.flags(cls):
-        flag, required = "--" + settings.flag_name(f), f.metadata["required"]
-        help = f.metadata["help"].replace("%", "%%")     # argparse %-formats help text
+        flag, help, required = "--" + settings.flag_name(f), f.metadata["help"], f.metadata["required"]
         if f.name in settings.own_defaults(cls):
             help += f" (default here: {settings.own_defaults(cls)[f.name].says})"
         if f.metadata["choices"]:        # checked by the settings class, with every other refusal at once
             help += f" (one of {', '.join(c for c in f.metadata['choices'] if c is not None)})"
+        help = help.replace("%", "%%")   # argparse %-formats help text
         if f.type is list:
             p.add_argument(flag, dest=f.name, action="append", default=None, help=help)
         elif f.type is bool:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import build_bench
+import certify
 import defenses
 import evaluation
 import geo_jobs
@@ -209,24 +210,34 @@ def test_train_resume_equals_uninterrupted(tmp_path, tmp_path_factory, small_ben
             "learning_rate"} <= set(next(r for r in log if r["event"] == "train"))
 
 
+def fewer_words_in_order(old, new):
+    """new is old with at least one word deleted and no word added or moved."""
+    words = iter(old.split())
+    return len(new.split()) < len(old.split()) and all(w in words for w in new.split())
+
+
 def test_deletion_noise_trains_on_deleted_text_with_its_own_base_scores(tmp_path, tmp_path_factory, small_bench,
                                                                         monkeypatch):
     """train --deletion-noise 0.5: every training example's three documents lose words (the same ones in a
     rerun: the stream is the seed, the epoch and the instance), its s_0 is the base's score of that very
     text (Eq. 2's residual stays the adapter's), and the adapter differs from a plain run's."""
     from safetensors.torch import load_file
-    seen, real = [], train.noised_triple
+    seen, real, cut, delete = [], train.noised_triple, [], certify.delete_words
 
     def spy(rr, t, rate, key):
         ids, s0 = real(rr, t, rate, key)
         if not seen:                               # the first example checked whole
-            clean = rr.tokenize(t["query"], [t["pos"], t["att"], t["ben"]])
+            assert [old for old, _ in cut] == [t["pos"], t["att"], t["ben"]]
+            assert all(fewer_words_in_order(old, new) for old, new in cut)
+            assert ids == rr.tokenize(t["query"], [new for _, new in cut])
             with lora.lora_disabled(rr.model):
                 assert s0 == pytest.approx(rr.score_ids(ids).tolist(), abs=1e-6)
-            assert (ids, s0) == real(rr, t, rate, key) and all(a != b for a, b in zip(ids, clean))  # each cut
+            assert (ids, s0) == real(rr, t, rate, key)
         seen.append(key)
         return ids, s0
     monkeypatch.setattr(train, "noised_triple", spy)
+    monkeypatch.setattr(certify, "delete_words", lambda text, rate, rng: cut.append((text, delete(text, rate, rng)))
+                        or cut[-1][1])
     kw = dict(runs_dir=str(tmp_path), bench=small_bench, **SHIELD_KW)
     train.train_shield(runs.Run(settings.EvalConfig(name="noised", deletion_noise=0.5, **kw)))
     assert set(seen) == {"0:0", "0:1"}                                   # seed 0, epochs 0 and 1
