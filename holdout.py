@@ -55,6 +55,7 @@ import figures
 import metrics
 import rerank_eval
 from evaluation import check_eval_settings, evaluate, offline_notes
+from metrics import by_group, paired_gap, rate
 from rankers import parse_rerankers
 from settings import SettingsError
 from store import log, read_json, write_json
@@ -132,37 +133,6 @@ def run_fold(run, fcfg, llm_stage=False, construction=None):
         conditions = (list(LLM_CONDITIONS), [])            # no transfer library, no deployed reranker
         check_eval_settings(fold.cfg, *conditions)
         out.update(evaluate(fold, conditions).records)
-    return out
-
-
-def rate(recs, methods, key="exposed"):
-    """The % of the records of `methods` whose `key` holds (None when there are none): exposure@k of the
-    rerank records ("exposed"), ASR of eval's ("attack_cited")."""
-    rs = [r[key] for r in recs if r["method"] in methods]
-    return 100.0 * sum(rs) / len(rs) if rs else None
-
-
-def paired_gap(n_boot, seed, a, b):
-    """mean(a) - mean(b) per query group, a and b {group_id: [values]}, over the groups both hold, with
-    its cluster-bootstrap CI -> {"gap", "gap_ci", "groups"}."""
-    gids = sorted(set(a) & set(b))
-    diffs = [sum(a[g]) / len(a[g]) - sum(b[g]) / len(b[g]) for g in gids]
-    if not diffs:
-        return {"gap": None, "gap_ci": None, "groups": 0}
-    ci = metrics.cluster_bootstrap_ci(diffs, gids, n_boot=n_boot, seed=seed)
-    return {"gap": sum(diffs) / len(diffs), "gap_ci": list(ci), "groups": len(gids)}
-
-
-def by_group(recs, methods, base=None, key="exposed"):
-    """{group_id: [100 * rec[key]]} of the records of `methods` (key "exposed": rerank records;
-    "attack_cited": eval's); with `base` (the same instances' base records) the drop base minus Shield
-    instead."""
-    b = {r["instance_id"]: r[key] for r in base} if base is not None else None
-    out = {}
-    for r in recs:
-        if r["method"] in methods:
-            v = 100.0 * (b[r["instance_id"]] - r[key]) if b is not None else 100.0 * r[key]
-            out.setdefault(r["group_id"], []).append(v)
     return out
 
 

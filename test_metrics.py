@@ -130,3 +130,22 @@ def test_rank_agreement_reads_each_lists_order_and_top_k():
     assert fig == {"lists": 2, "kendall_tau": pytest.approx((2 / 3 + 1) / 2), "top2_agreement": 1.0,
                    "same_order": 0.5}
     assert metrics.topk_agreement([5, 4, 3, 2], [2, 4, 3, 5], 2) == 0.5
+
+
+def test_paired_gap_is_the_mean_per_group_difference_over_the_groups_both_hold():
+    a = {"g1": [100.0, 0.0], "g2": [100.0], "g3": [0.0]}
+    b = {"g1": [0.0], "g2": [50.0, 50.0], "g4": [100.0]}
+    out = metrics.paired_gap(200, 0, a, b)
+    assert out["groups"] == 2 and out["gap"] == pytest.approx(((50 - 0) + (100 - 50)) / 2)
+    assert out["gap_ci"][0] <= out["gap"] <= out["gap_ci"][1]
+    assert metrics.paired_gap(200, 0, {"x": [1.0]}, {"y": [1.0]}) == {"gap": None, "gap_ci": None, "groups": 0}
+
+
+def test_rate_and_by_group_read_the_records_of_the_methods_asked():
+    recs = [{"method": "A", "group_id": "g1", "instance_id": "1", "exposed": True},
+            {"method": "A", "group_id": "g2", "instance_id": "2", "exposed": False},
+            {"method": "B", "group_id": "g1", "instance_id": "3", "exposed": True}]
+    assert metrics.rate(recs, ["A"]) == 50.0 and metrics.rate(recs, ["C"]) is None
+    assert metrics.by_group(recs, ["A", "B"]) == {"g1": [100.0, 100.0], "g2": [0.0]}
+    base = [dict(r, exposed=True) for r in recs]        # with the base's records: the drop, base minus these
+    assert metrics.by_group(recs, ["A"], base) == {"g1": [0.0], "g2": [100.0]}
