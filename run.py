@@ -211,8 +211,8 @@ def redacted_error(p, message):
     argparse.ArgumentParser.error(p, message)
 
 
-# The commands: name, settings class, help. The first ten work in a run folder; the tools after them
-# read no run's record, and take no --preset.
+# The commands: name, settings class, help. JOBS work in a run folder; TOOLS read no run's record and
+# take no --preset.
 JOBS = (("train", settings.TrainConfig, "train the Shield Reranker and build the TFSG library"),
         ("eval", settings.EvalConfig, "evaluate all conditions on the test split and write the report"),
         ("demo", settings.DemoConfig, "offline end to end: tiny model + offline engine over loopback HTTP"),
@@ -255,8 +255,7 @@ def parser(only=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.allow_abbrev, ap.error = False, functools.partial(redacted_error, ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, cls, helptext in JOBS + TOOLS:
-        tool = (name, cls, helptext) in TOOLS
+    for tool, (name, cls, helptext) in [(False, c) for c in JOBS] + [(True, c) for c in TOOLS]:
         p = sub.add_parser(name, help=helptext, description=cls.__doc__ if tool else None)
         p.allow_abbrev = False                           # `--out` must not silently mean build-bench's --output
         p.error = functools.partial(redacted_error, p)   # error(): argparse's documented override
