@@ -4,7 +4,8 @@ host, port and path (`identity`); `redact_url` hides the credentials and query o
 not parse, and `redact` every URL in a line of text.
 
 A search spec (`--search`) and a reranker spec (`--reranker`: base, shield, cohere:MODEL, a URL,
-tei:URL, with an optional LABEL=) are parsed the same way (SearchSpec, RerankSpec).
+tei:URL, with an optional LABEL=) are parsed the same way (SearchSpec, RerankSpec). The servers' side
+(serve.py, offline_server.py) reads a request's Content-Length here, by one rule (content_length).
 
 Usage: ep = Endpoint.parse("http://usr:pw@127.0.0.1:8802/v1/rerank#m"); ep.url, ep.basic, str(ep)
 """
@@ -233,3 +234,33 @@ def parse_rerankers(items):
             raise ValueError(f"label {label!r} given twice")
         out.append((label, spec))
     return out
+
+
+# ----------------------------------------------------------------------------- the servers' side
+
+
+class RequestError(Exception):
+    """A request a server refuses (serve.py, offline_server.py): HTTP status, message, the field at fault."""
+
+    def __init__(self, status, message, param=None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def content_length(headers, required=True):
+    """A request's body length as this project's servers read it -> int: one Content-Length of digits only
+    (RFC 9110 8.6's 1*DIGIT, not int()'s "+49", "4_9" or "-1"), never beside a Transfer-Encoding; without one, 0
+    unless `required`. RequestError 411 or 400 otherwise."""
+    if headers.get("Transfer-Encoding"):
+        raise RequestError(411, "send the body with a Content-Length (no Transfer-Encoding)")
+    if len(set(headers.get_all("Content-Length") or [])) > 1:   # which one frames the body is ambiguous (smuggling)
+        raise RequestError(400, "Content-Length: given more than once with different values")
+    n = headers.get("Content-Length")
+    if n is None:
+        if required:
+            raise RequestError(411, "Content-Length is required")
+        return 0
+    n = n.strip()
+    if not n.isascii() or not n.isdigit():
+        raise RequestError(400, "Content-Length: a non-negative integer is required")
+    return int(n)

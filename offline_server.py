@@ -27,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import geodef
 import offline
+from endpoints import RequestError, content_length
 
 MAX_BODY = 64 << 20
 DAY = 24 * 3600
@@ -596,20 +597,6 @@ def search(body, corpus):
 # ----------------------------------------------------------------------------- HTTP
 
 
-def content_length(headers):
-    """A request's body length by serve.py's rules: one value of digits only (RFC 9110's 1*DIGIT,
-    not int()'s '+49', '4_9' or '-1'); none: 0 -> int, else ValueError naming the header."""
-    if len(set(headers.get_all("Content-Length") or [])) > 1:   # which one frames the body is ambiguous
-        raise ValueError("Content-Length: given more than once with different values")
-    n = headers.get("Content-Length")
-    if n is None:
-        return 0
-    n = n.strip()
-    if not n.isascii() or not n.isdigit():
-        raise ValueError("Content-Length: a non-negative integer is required")
-    return int(n)
-
-
 class _Handler(BaseHTTPRequestHandler):
     timeout = 30             # socket timeout: a client that stops sending is dropped, the thread freed
 
@@ -631,12 +618,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self, method):
         arrived, url = time.time(), urlsplit(self.path)
-        if self.headers.get("Transfer-Encoding"):
-            return self._refuse(411, "send the body with a Content-Length (no Transfer-Encoding)")
         try:
-            n = content_length(self.headers)
-        except ValueError as e:
-            return self._refuse(400, str(e))
+            n = content_length(self.headers, required=False)
+        except RequestError as e:
+            return self._refuse(e.status, str(e))
         if n > MAX_BODY:
             return self._refuse(413, f"body of {n} bytes, at most {MAX_BODY}")
         try:

@@ -54,7 +54,7 @@ import certify
 import export
 import lora
 import speed
-from endpoints import redact
+from endpoints import RequestError, content_length, redact
 from metrics import ranked, sigmoid
 from settings import SettingsError
 
@@ -68,14 +68,6 @@ MODEL_PATH = "/v1/models/"
 # vLLM's spellings of a score request's two sides (ScoreRequest, vllm/entrypoints/pooling/score/protocol.py)
 SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 MAX_INSTRUCTION_CHARS = 4096
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP status, message, the field at fault."""
-
-    def __init__(self, status, message, param=None):
-        super().__init__(message)
-        self.status, self.param = status, param
 
 
 @dataclass
@@ -318,23 +310,6 @@ def deletion_ids(rr, req, conf):
 
 
 # ----------------------------------------------------------------------------- bodies and replies
-
-
-def body_length(headers):
-    """A request's Content-Length -> int: one value of digits only (RFC 9110 8.6's 1*DIGIT, not int()'s
-    "+49", "4_9" or " 49 "); RequestError 411 without one or with a Transfer-Encoding, 400 otherwise."""
-    if headers.get("Transfer-Encoding"):
-        raise RequestError(411, "send the body with a Content-Length (no Transfer-Encoding)")
-    lengths = set(headers.get_all("Content-Length") or [])
-    if len(lengths) > 1:            # which one frames the body is ambiguous (request smuggling)
-        raise RequestError(400, "Content-Length: given more than once with different values")
-    n = headers.get("Content-Length")
-    if n is None:
-        raise RequestError(411, "Content-Length is required")
-    n = n.strip()
-    if not n.isascii() or not n.isdigit():
-        raise RequestError(400, "Content-Length: a non-negative integer is required")
-    return int(n)
 
 
 def read_body(rfile, n, timeout):
@@ -676,7 +651,7 @@ class _Handler(BaseHTTPRequestHandler):
         unread rest must not be parsed as the next request."""
         conf = self.server.conf
         try:
-            n = body_length(self.headers)
+            n = content_length(self.headers)
             if n > conf["max_body_bytes"]:
                 drain_body(self.rfile, min(n, 4 * conf["max_body_bytes"]), conf["body_timeout"])   # 4x the cap at most
                 raise RequestError(413, f"body of {n} bytes, at most {conf['max_body_bytes']}")

@@ -2,7 +2,7 @@
 keeps answering; its errors and objects are the APIs' as the official openai and anthropic SDKs read them
 (those tests need the SDKs, requirements-test.txt).
 Vendors with: offline_server.py offline.py offline_target.py offline_attackers.py defenses.py metrics.py tfsg.py
-  geodef.py testing.py
+  geodef.py endpoints.py testing.py
 Run: python -m pytest -q test_offline_server.py
 """
 import json
