@@ -46,6 +46,19 @@ class IdentityError(ValueError):
 DETECTOR_FILE = "geodef_detector.json"      # the run's GEO detector beside the weights (serve answers /detect)
 
 
+def int8_quantization_config(fmt):
+    """config.json's quantization_config of an int8 export: the compressed-tensors "int-quantized" layout of
+    W8A8 (int8 weights per output channel, int8 activations per token at run time, both symmetric), which
+    vLLM's compressed-tensors scheme and transformers with the compressed-tensors package load. Each
+    projection stores `weight` int8 (out, in) and `weight_scale` float32 (out, 1); the head stays float."""
+    int8 = dict(num_bits=8, type="int", symmetric=True)
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {**int8, "strategy": "channel", "dynamic": False},
+                                          "input_activations": {**int8, "strategy": "token", "dynamic": True}}},
+            "ignore": ["score" if fmt == "seq-cls" else "lm_head"]}
+
+
 def identity(adapter_sha1, instruction, base_is_shield=False):
     """The record an export carries in config.json and the weights' header: whether it scores as the
     Shield (an adapter merged in, named by its SHA-1, or a base that already was a Shield export) and
@@ -125,6 +138,12 @@ def model_card(meta, name):
            "weights, so scores differ slightly from the training-time forward (the 4-bit rounding is not "
            "reproduced).\n" if meta["quantized_base_during_training"] else "")
     adapter = f"LoRA adapter `{meta['adapter']}` (SHA-1 {meta['adapter_sha1']})" if meta["adapter"] else "no adapter"
+    gate = meta.get("int8_agreement")
+    int8 = ("\nThe seven projections of every layer are stored in int8 per output channel, activations quantized "
+            "per token at run time (compressed-tensors W8A8: `quantization_config` in config.json), as `serve --quant "
+            "int8` scores. Its ranks against the float Shield's on the run's lists: " +
+            (f"Kendall tau {gate['kendall_tau']:.3f}, top-5 agreement {gate['top5_agreement']:.3f} over "
+             f"{gate['lists']} lists.\n" if gate else "not measured.\n")) if meta.get("quant") == "int8" else ""
     head = ("a one-label `Qwen3ForSequenceClassification`: `score.weight` = E[yes] - E[no], so the logit is the "
             "margin z_yes - z_no and sigmoid(logit) is P(yes)" if meta["format"] == "seq-cls" else
             "the merged `Qwen3ForCausalLM`: score with the logits of \"yes\" and \"no\" at the last position")
@@ -141,7 +160,7 @@ Malicious Generative Engine Optimization*: the frozen base `{meta['base_model']}
 {meta['base_revision'] or 'local folder'}) with the {adapter} merged into its weights in float32,
 then stored in {meta['dtype']}. Layout: {head}. Made by `python run.py export` of the GEO Defender
 reference implementation at {meta['time']}.
-{nf4}
+{nf4}{int8}
 ## Prompt
 
 The Qwen3-Reranker prompt (its model card), with the Shield instruction (paper A.1.2):
@@ -259,7 +278,8 @@ def check_out_dir(out_dir, overwrite=False, protected=()):
                               "replaces only exports")
 
 
-def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, quantized_base, name, detector=None):
+def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, quant, name, detector=None,
+                  int8_agreement=None):
     """The export's files into a new folder `out_dir` (export() renames it into place)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -280,6 +300,10 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
         lora.load_adapter(qwen, adapter)
         lora.merge_and_unload(qwen)
     state = {"model." + k: v.to(out_dt).contiguous() for k, v in qwen.state_dict().items()}   # checkpoint keys
+    if quant == "int8":      # the merged float32 weights quantized as serve --quant int8 scores them
+        for k, w in qwen.state_dict().items():
+            if k.split(".")[-2] in lora.TARGETS:
+                state[f"model.{k}"], state[f"model.{k}_scale"] = lora.int8_quantize(w)
     head = lm_head.float() if lm_head is not None else qwen.embed_tokens.weight
     pad = tok.token_to_id("<|endoftext|>")
     config = {k: v for k, v in raw_cfg.items() if k not in ("torch_dtype", "dtype", "_note")}
@@ -295,6 +319,8 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
             state["lm_head.weight"] = lm_head.to(out_dt).contiguous()
     if pad is not None:   # AutoModelForSequenceClassification pools the last token that is not pad
         config["pad_token_id"] = pad
+    if quant == "int8":
+        config["quantization_config"] = int8_quantization_config(fmt)
     adapter_sha1 = _sha1(os.path.join(adapter, "adapter_model.safetensors")) if adapter else None
     ident = identity(adapter_sha1, instruction, any(m["shield"] for _, m in identity_marks(folder)))
     config[IDENTITY_KEY] = ident        # travels with the weights: a copy or hub upload keeps both files
@@ -314,7 +340,8 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
         f.write(chat_template(instruction))
     meta = {"format": fmt, "dtype": dtype, "base_model": str(model), "base_revision": sha,
             "adapter": os.path.abspath(adapter) if adapter else None, "adapter_sha1": adapter_sha1,
-            "shield": ident["shield"], "merged_in": "float32", "quantized_base_during_training": bool(quantized_base),
+            "shield": ident["shield"], "merged_in": "float32", "quantized_base_during_training": quant == "nf4",
+            "quant": quant, "int8_agreement": int8_agreement,
             "yes_id": yes[0], "no_id": no[0], "instruction": instruction, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "detector": _sha1(detector) if detector else None}
     if detector:                        # the run's GEO detector and threshold (detect.py), served as /detect
@@ -325,17 +352,21 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
 
 
 def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=reranker.SHIELD_INSTRUCTION,
-           quantized_base=False, name=None, overwrite=False, protected=(), revision=None, detector=None):
+           quant="none", name=None, overwrite=False, protected=(), revision=None, detector=None, int8_agreement=None):
     """Write the merged Shield (base `model`: hub id or folder, at `revision`; `adapter`: a PEFT LoRA
     folder or None) to `out_dir` in `fmt` and `dtype` (default: the checkpoint's config dtype).
-    quantized_base: the adapter was trained over an NF4 base (said in the model card: the merge uses
-    the full-precision base weights); detector: the run's detect/text_detector.json, copied as DETECTOR_FILE.
-    The folder is built beside `out_dir` and renamed into place whole: a failure (a
-    full disk, a kill) leaves what was there before (see check_out_dir for what is refused).
+    quant: the run's; "nf4": the adapter was trained over an NF4 base (said in the model card: the merge
+    uses the full-precision base weights); "int8": the projections written in int8 (int8_quantization_config),
+    with `int8_agreement`, the rank agreement its gate measured (rankers.int8_gated), in the card; detector:
+    the run's detect/text_detector.json, copied as DETECTOR_FILE. The folder is built beside `out_dir` and
+    renamed into place whole: a failure (a full disk, a kill) leaves what was there before (see
+    check_out_dir for what is refused).
     Returns out_dir."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    if quantized_base:
+    if quant not in ("none", "nf4", "int8"):
+        raise ValueError(f"quant must be none, nf4 or int8, got {quant!r}")
+    if quant == "nf4":
         print("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base (the "
               "model card says so)", file=sys.stderr, flush=True)
     check_out_dir(out_dir, overwrite, protected=[p for p in (model, adapter, *protected) if p and os.path.exists(p)])
@@ -345,8 +376,8 @@ def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=
     old = tmp + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_export(model, revision, tmp, adapter, fmt, dtype, instruction, quantized_base,
-                      name or os.path.basename(os.path.normpath(out_dir)), detector)
+        _write_export(model, revision, tmp, adapter, fmt, dtype, instruction, quant,
+                      name or os.path.basename(os.path.normpath(out_dir)), detector, int8_agreement)
         if os.path.exists(out_dir):          # an empty folder, or an earlier export with --overwrite
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)

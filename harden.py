@@ -49,7 +49,7 @@ import tfsg
 from attack import Attack, best_of, evaluate_documents, rounds_for, with_doc
 from accounting import estimate, price_plan
 from evaluation import clean_reference, eval_condition, guided, offline_notes
-from rankers import base_ranker, load_rankers
+from rankers import load_rankers
 from runs import labels_of, write_summary
 from settings import SettingsError
 from store import changed_settings, log, read_json, read_jsonl, write_json, write_jsonl
@@ -341,7 +341,7 @@ def clean_references(run, llm):
     """The clean reference (B.1.3) of the construction groups (b_clean of TFSG's cases) and of the test
     side's groups: base top-k, the A.3.7 answer -> ({group_id: record}, {group_id: record})."""
     cfg, data = run.cfg, run.data
-    base = base_ranker(run, run.reranker())
+    base = load_rankers(run, False)[0]
     cons = clean_reference_benign(run, llm, base, data.construction)
     groups, _ = test_instances(cfg.harden.eval_groups, data)
     insts = [geodef.clean_instance(g) for g in groups]

@@ -162,7 +162,11 @@ def sharded(ranks, ranker, instances):
 def load_rankers(run, shield, adapter=None):
     """(base, shield or None) Rankers over ONE loaded model: with the trained adapter attached, the
     base scores come from the same weights with the adapter disabled (pi_0). adapter: another adapter
-    folder than the run's (a hardening round's)."""
+    folder than the run's (a hardening round's). With --quant int8 each is its own model, scored in int8
+    (the Shield's adapter merged first) once it passes the gate (as_scored)."""
+    if run.cfg.model.quant == "int8":
+        return (base_ranker(run, as_scored(run, run.reranker())),
+                shield_ranker(run, as_scored(run, run.shield(adapter=adapter)), adapter) if shield else None)
     rr = run.shield(adapter=adapter) if shield else run.reranker()
     return base_ranker(run, rr, adapter_off=shield), shield_ranker(run, rr, adapter) if shield else None
 
@@ -172,23 +176,23 @@ def ranker_identity(cfg, rr, adapter=None):
     config.json pins for them (model, dtype, NF4, max length, the benchmark's content: None for
     build-bench, which scores before its benchmark exists; the hub revision as resolved), and the SHA-1
     of the Shield adapter's weights (None: the base policy)."""
-    bench = cfg.setting("bench")
-    return {"model": cfg.model.model, "revision": rr.revision, "dtype": cfg.model.dtype, "quant": cfg.model.quant,
+    bench, quant = cfg.setting("bench"), "int8" if in_int8(rr) else cfg.model.quant.replace("int8", "none")
+    return {"model": cfg.model.model, "revision": rr.revision, "dtype": cfg.model.dtype, "quant": quant,
             "max_length": rr.max_length, "bench_sha1": bench and file_sha1(bench), "adapter_sha1": None
             if adapter is None else file_sha1(os.path.join(adapter, "adapter_model.safetensors"))}
 
 
 def base_ranker(run, rr, adapter_off=False):
-    """The frozen base reranker's Ranker, its scores cached in cache/scores_base.json (adapter_off: the
-    model carries the Shield adapter, disabled for these scores)."""
-    return Ranker(rr, run.path("cache", "scores_base.json"), "base", adapter_off=adapter_off,
+    """The frozen base reranker's Ranker, its scores cached in cache/scores_base.json, or scores_base_int8.json
+    scored in int8 (adapter_off: the model carries the Shield adapter, disabled for these scores)."""
+    return Ranker(rr, run.path("cache", f"scores_base{'_int8' * in_int8(rr)}.json"), "base", adapter_off=adapter_off,
                   made_from=ranker_identity(run.cfg, rr))
 
 
 def shield_ranker(run, rr, adapter=None):
-    """The Shield's Ranker (rr with the run's adapter, or `adapter`), its scores cached per adapter
-    (Run.shield_scores_path)."""
-    return Ranker(rr, run.shield_scores_path(adapter), "shield",
+    """The Shield's Ranker (rr with the run's adapter, or `adapter`), its scores cached per adapter and
+    precision (Run.shield_scores_path)."""
+    return Ranker(rr, run.shield_scores_path(adapter, in_int8(rr)), "shield",
                   made_from=ranker_identity(run.cfg, rr, adapter or run.path("adapter")))
 
 
@@ -250,19 +254,15 @@ class RemoteRanker:
         return metrics.ranked(self.scores(x))
 
 
-def make_rankers(run, items, stage, rr=None):
-    """[(label, spec)] -> {label: Ranker}. base and shield share one loaded model (the Shield's
-    adapter disabled for base, as in training); endpoints go through RerankClient with the run's
-    cache (cache/rerank) and usage ledger."""
+def make_rankers(run, items, stage):
+    """[(label, spec)] -> {label: Ranker}. base and shield as load_rankers makes them; endpoints go through
+    RerankClient with the run's cache (cache/rerank) and usage ledger."""
     cfg, local = run.cfg, {spec.kind for _, spec in items if spec.kind in LOCAL}
-    if local:
-        rr = rr or (run.shield() if "shield" in local else run.reranker())
+    loaded = dict(zip(("base", "shield"), load_rankers(run, "shield" in local))) if local else {}
     out = {}
     for label, spec in items:
-        if spec.kind == "base":
-            out[label] = base_ranker(run, rr, adapter_off="shield" in local)
-        elif spec.kind == "shield":
-            out[label] = shield_ranker(run, rr)
+        if spec.kind in LOCAL:
+            out[label] = loaded[spec.kind]
         else:
             client = rerank_clients.make_reranker(spec, cache_dir=run.path("cache", "rerank"),
                                                   ledger=run.path("usage.jsonl"), stage=stage, rpm=cfg.request.rpm,
@@ -290,6 +290,19 @@ def gate_lists(bench, n=GATE_LISTS):
     return lists[:n]
 
 
+def in_int8(rr):
+    """Whether rr scores in int8 (lora.quantize_int8 swapped its projections)."""
+    return any(isinstance(m, lora.Int8Linear) for m in rr.model.modules())
+
+
+def as_scored(run, rr, allow=False):
+    """rr as the run scores: with --quant int8 in int8 once its ranks on the run's own lists (gate_lists of its
+    benchmark) pass the gate (int8_gated), else as it is."""
+    if run.cfg.model.quant == "int8" and not in_int8(rr):
+        int8_gated(rr, gate_lists(run.cfg.data.bench), allow)
+    return rr
+
+
 def int8_gated(rr, lists, allow=False):
     """rr scored in int8 from now on (lora.quantize_int8 with this CPU's int8 units, in place) after its rank
     agreement with its float scores on `lists` ([(query, docs)]) is measured and logged -> the figures. Below
@@ -304,8 +317,9 @@ def int8_gated(rr, lists, allow=False):
     if all(fig[k] >= v for k, v in gate.items()):
         log(f"[int8] rank agreement with the float model: {said}")
     elif allow:
-        log(f"[int8] WARNING: below the gate, served as --allow-int8-disagreement asks: {said}")
+        log(f"[int8] WARNING: below the gate, scored in int8 as --allow-int8-disagreement asks: {said}")
     else:
-        raise SettingsError(f"--quant int8: its ranks agree with the float model's below the gate: {said}; serve "
-                            "the float model, or give --allow-int8-disagreement")
+        raise SettingsError(f"--quant int8: its ranks agree with the float model's below the gate: {said}; score "
+                            "with the float model (a run with --quant none), or, to serve or export it, give "
+                            "--allow-int8-disagreement")
     return fig

@@ -142,6 +142,11 @@ def check_items(rerankers):
     return rankers.check_specs(rerankers)
 
 
+def needs(items):
+    """What rerank-eval needs from `train` for these rerankers (runs.NEEDS): the adapter when one is the Shield."""
+    return ("adapter",) * any(spec.kind == "shield" for _, spec in items)
+
+
 def dry_run(run, items):
     """rerank-eval --dry-run: what each reranker would score, nothing scored. A local reranker's forward
     passes at most (each distinct query and document once; its cache may hold some) and with --certify the

@@ -105,38 +105,45 @@ def detector_file(run_dir, model=None):
 
 
 def cmd_export(args):
-    """The merged Shield as a Hugging Face checkpoint (export.py), in the run's dtype by default."""
+    """The merged Shield as a Hugging Face checkpoint (export.py), in the run's dtype by default; with --quant int8
+    its projections in int8, once they pass the gate."""
     cfg, adapter, run_dir = shield_settings(settings.ExportConfig, args)
-    m, ex = cfg.model, cfg.export
+    gate = shield_as_scored(cfg, adapter, run_dir)[1] if cfg.model.quant == "int8" else None
     with reading(run_dir):                            # quant: a run's record's; a --model base has none
-        out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, fmt=ex.format, dtype=m.dtype,
-                            revision=m.revision, quantized_base=m.quant == "nf4",
-                            name=os.path.basename(os.path.normpath(args.out)), overwrite=ex.overwrite,
-                            protected=[cfg.folder.runs_dir] + ([run_dir] if run_dir else []),
-                            detector=detector_file(run_dir))
-    log(f"[export] {ex.format} checkpoint in {out} (model card: {out}/README.md)")
+        out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, **exported(cfg, run_dir, args.out),
+                            int8_agreement=gate)
+    log(f"[export] {cfg.export.format} checkpoint in {out} (model card: {out}/README.md)")
     print(out)
     return out
 
 
-def served_reranker(cfg, adapter, run_dir):
-    """serve's reranker: the Shield (or base) as its run scores, in eval mode; with --quant int8 scored in
-    int8 once it passes the gate on the run's own lists (its record's benchmark), else the bundled sample's."""
-    int8 = cfg.model.quant == "int8"
+def exported(cfg, run_dir, out):
+    """export.export's settings from export's: format, dtype, revision, quantization, name (--out's last part),
+    overwrite, the folders it must not replace and the run's detector."""
+    m, ex = cfg.model, cfg.export
+    return dict(fmt=ex.format, dtype=m.dtype, revision=m.revision, quant=m.quant, overwrite=ex.overwrite,
+                name=os.path.basename(os.path.normpath(out)), detector=detector_file(run_dir),
+                protected=[cfg.folder.runs_dir] + ([run_dir] if run_dir else []))
+
+
+def shield_as_scored(cfg, adapter, run_dir):
+    """serve's and export's reranker: the Shield (or base) as its run scores, in eval mode; with --quant int8
+    scored in int8 once it passes the gate on the run's own lists (its record's benchmark), else the bundled
+    sample's -> (reranker, the gate's figures or None)."""
     with reading(run_dir):
-        rr = Run(cfg).shield(adapter=adapter, int8=int8) if adapter else Run(cfg).reranker(int8)
+        rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
         bench = read_json(os.path.join(run_dir, "config.json"), {}).get("config", {}).get("bench") if run_dir else None
     rr.model.eval()
-    if int8:
-        rankers.int8_gated(rr, rankers.gate_lists(bench if bench and os.path.isfile(bench) else settings.SAMPLE),
-                           allow=cfg.serve.allow_int8_disagreement)
-    return rr
+    if cfg.model.quant != "int8":
+        return rr, None
+    lists = rankers.gate_lists(bench if bench and os.path.isfile(bench) else settings.SAMPLE)
+    return rr, rankers.int8_gated(rr, lists, allow=cfg.source.allow_int8_disagreement)
 
 
 def cmd_serve(args):
     """The Shield behind a rerank endpoint (serve.py), loaded as its run scores."""
     cfg, adapter, run_dir = shield_settings(settings.ServeConfig, args)
-    rr = served_reranker(cfg, adapter, run_dir)
+    rr, _ = shield_as_scored(cfg, adapter, run_dir)
     name = cfg.serve.served_name or (cfg.folder.name if run_dir else "geo-defender-shield")
     serve.serve_until_stopped(rr, cfg.serve, cfg.certify.deletion_rate, name, adapter,
                               detect.Served.load(detector_file(run_dir, cfg.model.model)))
@@ -331,13 +338,11 @@ def cmd_rerank_eval(args):
     lists; rank 0 then asks the endpoints and writes."""
     cfg = pipeline_settings(settings.RerankEvalConfig, args)
     items = rerank_eval.check_items(cfg.rerank.reranker)
-    needs = ("adapter",) * any(spec.kind == "shield" for _, spec in items)
     if args.dry_run:
-        return show(rerank_eval.dry_run(Run.plan(cfg, needs=needs), items))
-    with Run.open(cfg, "rerank-eval", record="check", distributed=True, needs=needs) as run:
+        return show(rerank_eval.dry_run(Run.plan(cfg, needs=rerank_eval.needs(items)), items))
+    with Run.open(cfg, "rerank-eval", record="check", distributed=True, needs=rerank_eval.needs(items)) as run:
         by_label = rerank_eval.stage_rankers(run, items)       # every rank its share
-        run.ranks.finish()                                      # rank 0 goes on alone
-        stage, _ = rerank_eval.rerank_stage(run, items, by_label=by_label) if run.ranks.is_main else (None, None)
+        stage = run.main_only(lambda: rerank_eval.rerank_stage(run, items, by_label=by_label)[0])
     if stage:
         print(rerank_eval.stage_text(stage, cfg.data.k, cfg.folder.run_dir))
     return stage
@@ -415,19 +420,20 @@ def show(plan):
     return plan
 
 
-def pipeline_settings(cls, args, **fixed):
-    """A pipeline command's settings (defaults, the run's record, the preset, the flags) with its
-    benchmark present; fixed: settings the command sets itself (demo's run folder, from its --out)."""
+def pipeline_settings(cls, args, preset=None, **fixed):
+    """A pipeline command's settings (defaults, the run's record, the preset: --preset, else `preset`, the
+    flags) with its benchmark present; fixed: settings the command sets itself (demo's run folder, from its
+    --out)."""
     if os.path.isfile(fixed.get("runs_dir", "")):
         raise SettingsError(f"--out {fixed['runs_dir']}: a file, not a folder")
-    cfg = resolve(cls, {**given(args, cls), **fixed}, args.preset, from_record="runs_dir" not in fixed)
+    cfg = resolve(cls, {**given(args, cls), **fixed}, args.preset or preset, from_record="runs_dir" not in fixed)
     if not os.path.isfile(cfg.data.bench):
         what = "a folder, not a file" if os.path.isdir(cfg.data.bench) else "no such file"
         raise SettingsError(f"--bench {cfg.data.bench}: {what}")
     return cfg
 
 
-def check_training(run, stage):
+def check_training(run, stage="all"):
     """What training needs from the benchmark (both stages' schedules filled), before anything is written."""
     inst = geodef.expand(run.data.construction, run.data.seen)
     if stage in ("all", "shield"):
@@ -465,8 +471,7 @@ def cmd_eval(args):
         return show(plan_eval(Run.plan(cfg, **opened)))
     with Run.open(cfg, "eval", distributed=True, engine=cfg.llm.offline_batches, **opened) as run:
         ranked = ranking_stage(run, run.checked[0], reranker_items(cfg.rerank.reranker))    # every rank its share
-        run.ranks.finish()                                                  # rank 0 goes on alone
-        s = evaluate(run, run.checked, ranked).summary if run.ranks.is_main else None
+        s = run.main_only(lambda: evaluate(run, run.checked, ranked).summary)
     if s:
         print_summary(s, cfg.folder.run_dir)
     return s
@@ -474,10 +479,8 @@ def cmd_eval(args):
 
 def cmd_demo(args):
     """train and eval offline (tiny model, offline engine over loopback HTTP), then the reranker stage."""
-    args.preset = args.preset or "tiny-demo"
-    cfg = pipeline_settings(settings.DemoConfig, args, runs_dir=args.out, name=args.name or "demo")
-    with Run.open(cfg, "demo", llms=True, engine=cfg.llm.llm == "offline",
-                  check=lambda run: check_training(run, "all")) as run:
+    cfg = pipeline_settings(settings.DemoConfig, args, "tiny-demo", runs_dir=args.out, name=args.name or "demo")
+    with Run.open(cfg, "demo", llms=True, engine=cfg.llm.llm == "offline", check=check_training) as run:
         train_shield(run)
         train_tfsg(run)
         s = evaluate(run).summary

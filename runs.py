@@ -123,10 +123,6 @@ NEEDS = {"adapter": (lambda run: run.path("adapter", "adapter_config.json"), "tr
          "library": (lambda run: run.library_path(), "TFSG library")}
 
 
-INT8_SERVE_ONLY = ("--quant int8 scores in serve alone (the Shield merged, then gated on its rank agreement with "
-                   "the float model); train and the evaluations run on --quant none or nf4")
-
-
 class Run:
     """One command's run folder and services, made once per command beside its settings (as uvicorn's
     `Server(config)` holds a server's state beside its frozen `Config`): the settings (`cfg`, frozen,
@@ -151,8 +147,6 @@ class Run:
         run's record (check_record, with `record`), then the command's own `check(run)`, whose answer (what
         it checked: eval's conditions) the Run keeps as `checked`. -> the Run."""
         run = cls(cfg)
-        if cfg.setting("quant") == "int8":
-            raise SettingsError(INT8_SERVE_ONLY)
         if llms:
             run.check_llms(keys=keys)
         if roles:
@@ -193,6 +187,12 @@ class Run:
                     run.record_or_check(command)
             yield run
 
+    def main_only(self, fn):
+        """The rest of a command on rank 0 alone: the other ranks leave the process group (ranks.finish) and
+        rank 0 runs fn() -> its answer (None on the other ranks)."""
+        self.ranks.finish()
+        return fn() if self.ranks.is_main else None
+
     @property
     def dir(self):
         return self.cfg.folder.run_dir
@@ -205,12 +205,12 @@ class Run:
         """The TFSG library E{epoch}; by default the final one, E{n_batches + 1}."""
         return self.path("library", f"E{self.cfg.tfsg.n_batches + 1 if epoch is None else epoch}.json")
 
-    def shield_scores_path(self, adapter=None):
-        """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file): scores
-        cached under a retrained or replaced adapter are never read for another. adapter: a folder other
-        than the run's (a hardening round's)."""
+    def shield_scores_path(self, adapter=None, int8=False):
+        """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file) and precision:
+        scores cached under a retrained or replaced adapter, or in float for an int8 scorer (training's), are
+        never read for another. adapter: a folder other than the run's (a hardening round's)."""
         digest = file_sha1(os.path.join(adapter or self.path("adapter"), "adapter_model.safetensors"))
-        return self.path("cache", f"scores_shield_{digest[:12]}.json")
+        return self.path("cache", f"scores_shield_{digest[:12]}{'_int8' * int8}.json")
 
     # ------------------------------------------------------------------------- models
 
@@ -220,13 +220,11 @@ class Run:
             return tiny.make_tiny_checkpoint(os.path.join(self.cfg.folder.runs_dir, "_tiny_qwen3"), seed=0)
         return self.cfg.model.model
 
-    def reranker(self, int8=False):
+    def reranker(self):
         """The base reranker as the settings load it: model, revision, dtype, device, max length, an NF4
-        base with --quant nf4, and the speed paths (speed.install, --compile). int8: the caller scores it
-        in int8 (--quant int8: rankers.int8_gated), which loads it unquantized; refused otherwise."""
+        base with --quant nf4, and the speed paths (speed.install, --compile). With --quant int8 the float
+        model: training runs on it, and a scorer quantizes it once it passes the gate (rankers.as_scored)."""
         cfg, dtype = self.cfg, getattr(torch, self.cfg.model.dtype)
-        if cfg.model.quant == "int8" and not int8:
-            raise SettingsError(INT8_SERVE_ONLY)
         rr = reranker.Reranker.from_pretrained(self.model_folder(), dtype=dtype, device=cfg.model.device,
                                                max_length=cfg.model.max_length, revision=cfg.model.revision)
         if cfg.model.quant == "nf4":
@@ -238,11 +236,10 @@ class Run:
         speed.install(rr.model, compile=cfg.model.compile)
         return rr
 
-    def shield(self, rr=None, adapter=None, int8=False):
+    def shield(self, rr=None, adapter=None):
         """The base reranker (rr, else loaded) with the run's trained adapter attached (LoRA enabled), in
-        eval mode with the speed paths; adapter: another adapter folder (a hardening round's); int8: as
-        `reranker`'s."""
-        rr = rr or self.reranker(int8)
+        eval mode with the speed paths; adapter: another adapter folder (a hardening round's)."""
+        rr = rr or self.reranker()
         path = adapter or self.path("adapter")
         need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.folder.name)
         lora.load_adapter(rr.model, path)

@@ -269,9 +269,10 @@ class ModelSettings(Settings):
     dtype: str = setting("bfloat16", "reranker weights dtype (bfloat16: as Qwen3-Reranker ships)", pinned=True,
                          choices=("bfloat16", "float16", "float32"))
     device: str = setting("cpu", "torch device (cpu, cuda)", ok=check_device)
-    quant: str = setting("none", "'nf4' stores the frozen base projections in 4 bits (Table A.1); 'int8' (serve "
-                                 "only) scores with int8 projections, the adapter merged first, gated on rank "
-                                 "agreement with the float model (bench --against ours-int8 times it)", pinned=True,
+    quant: str = setting("none", "'nf4' stores the frozen base projections in 4 bits (Table A.1); 'int8' trains on "
+                                 "the float base and scores with int8 projections, the adapter merged first, once "
+                                 "their ranks agree with the float model's on the run's first lists (bench --against "
+                                 "ours-int8 times it)", pinned=True,
                          choices=("none", "nf4", "int8"))
     max_length: int = setting(8192, "reranker prompt token cap (model card: 8192)", ok=at_least(64), pinned=True)
     compile: bool = setting(False, "fuse the norms, RoPE and SwiGLU with torch.compile (faster; needs a C++ "
@@ -594,6 +595,9 @@ class SourceSettings(Settings):
     dtype, max length and quantization, and its adapter) or, with --model given, that base and an adapter."""
     KEY = "source"
     adapter: str = setting(None, "with --model: a PEFT LoRA adapter folder (with --name: the run's own)")
+    allow_int8_disagreement: bool = setting(False, "with --quant int8, serve or export even when its ranks agree "
+                                                   "with the float model's below the gate (Kendall tau 0.97, top-5 "
+                                                   "0.95)")
 
 
 @dataclass(frozen=True)
@@ -629,8 +633,6 @@ class ServeSettings(Settings):
     allow_instruction: bool = setting(False, "let clients send an `instruction` to the Shield too (by default "
                                              "refused with a 400: the adapter was trained under its own, and "
                                              "another could switch the defense off)")
-    allow_int8_disagreement: bool = setting(False, "with --quant int8, serve even when its ranks agree with the "
-                                                   "float model's below the gate (Kendall tau 0.97, top-5 0.95)")
 
 
 @dataclass(frozen=True)
@@ -821,8 +823,8 @@ class ExportConfig(Command):
     """export: the merged Shield as a Hugging Face checkpoint: the trained run --name (in its record's model,
     revision and dtype unless given), or --model and an optional --adapter."""
     GROUPS = (RunSettings, ModelSettings, SourceSettings, ExportSettings)
-    FLAGS = (some(RunSettings, "name", "runs_dir"), some(ModelSettings, "model", "revision", "dtype"), SourceSettings,
-             ExportSettings)
+    FLAGS = (some(RunSettings, "name", "runs_dir"), some(ModelSettings, "model", "revision", "dtype", "quant"),
+             SourceSettings, ExportSettings)
     DEFAULTS = {"dtype": Default(None, "a run's, else the checkpoint's")}
 
 

@@ -263,7 +263,7 @@ def test_serve_quant_int8_serves_the_merged_shield_once_it_passes_the_gate(demo_
     """serve --quant int8: the run's Shield merged, then scored in int8 once its rank agreement with the float
     Shield on the run's own lists passes the gate (said in the log), and still the Shield to the instruction
     policy. The random tiny base below a gate is refused naming its figures and the flag that serves it
-    anyway. Every other command refuses --quant int8 before loading anything."""
+    anyway."""
     served = []
     monkeypatch.setattr(serve.RerankServer, "serve_forever", lambda self: served.append(self))
     # the random tiny models' scores nearly tie, so their figures sit near the real gate: set here
@@ -287,9 +287,61 @@ def test_serve_quant_int8_serves_the_merged_shield_once_it_passes_the_gate(demo_
         run.main(["serve", *base])
     run.main(["serve", *base, "--allow-int8-disagreement"])
     assert "WARNING: below the gate" in capsys.readouterr().err and len(served) == 3
-    for argv in (["train", "--model", "tiny"], ["rerank-eval", "--reranker", "base"]):
-        with pytest.raises(SystemExit, match="--quant int8 scores in serve alone"):
-            run.main([*argv, "--quant", "int8", "--runs-dir", str(demo_run.parent), "--name", "int8"])
+
+
+def test_export_quant_int8_writes_the_gated_int8_weights_that_transformers_loads(demo_run, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """export --quant int8 of a trained run: once its ranks pass the gate on the run's lists (the figures logged, in
+    geodef_export.json and the model card), every projection's weight is lora.int8_quantize's of the float
+    export's merged weight, with its float32 per-channel scale, under a compressed-tensors W8A8
+    quantization_config; every other tensor is the float export's. transformers with the compressed-tensors
+    package loads it and ranks as our int8 Shield does, its margins within the activations' rounding (its
+    per-token scale is absmax / 127.5, ours absmax / 127). Below the gate nothing is written."""
+    from safetensors.torch import load_file
+    import runs
+    monkeypatch.setattr(rankers, "INT8_GATE", {"kendall_tau": 0.9, "top5_agreement": 0.9})    # tiny: near-ties
+    lists = rankers.gate_lists
+    monkeypatch.setattr(rankers, "gate_lists", lambda bench: lists(bench, 8))
+    argv = ["export", "--name", "demo", "--runs-dir", str(demo_run.parent)]
+    fp, q8 = tmp_path / "fp", tmp_path / "q8"
+    run.main([*argv, "--out", str(fp)])
+    run.main([*argv, "--out", str(q8), "--quant", "int8"])
+    assert "[int8] rank agreement with the float model: Kendall tau" in capsys.readouterr().err
+    w, got = load_file(fp / "model.safetensors"), load_file(q8 / "model.safetensors")
+    targets = {k for k in w if k.split(".")[-2] in lora.TARGETS}
+    assert len(targets) == 7 * json.load(open(fp / "config.json"))["num_hidden_layers"]
+    assert set(got) == set(w) | {k + "_scale" for k in targets}
+    for k in w:
+        if k in targets:
+            q, scale = lora.int8_quantize(w[k])
+            assert got[k].dtype == torch.int8 and torch.equal(got[k], q) and torch.equal(got[k + "_scale"], scale)
+        else:
+            assert torch.equal(got[k], w[k]), k
+    config, meta = json.load(open(q8 / "config.json")), json.load(open(q8 / "geodef_export.json"))
+    assert config["quantization_config"] == export.int8_quantization_config("seq-cls")
+    assert meta["quant"] == "int8" and meta["int8_agreement"]["lists"] == 8
+    assert f"Kendall tau {meta['int8_agreement']['kendall_tau']:.3f}" in (q8 / "README.md").read_text()
+    pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    import transformers
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(q8), dtype=torch.float32).eval()
+    record = json.load(open(demo_run / "config.json"))["config"]
+    cfg = settings.EvalConfig(**{**record, "runs_dir": str(demo_run.parent)})
+    rr = runs.Run(cfg).shield()
+    lora.quantize_int8(rr.model)
+    q, docs = "how long to boil an egg", ["Boil eggs for six minutes.", "Stocks fell.", "Eggs: 6 min, then ice.",
+                                          "A soft yolk takes six minutes in boiling water."]
+    ours, ids = rr.score(q, docs), rr.tokenize(q, docs)
+    pad = config["pad_token_id"]
+    batch = torch.tensor([[pad] * (max(map(len, ids)) - len(x)) + x for x in ids])
+    with torch.no_grad():
+        theirs = model(input_ids=batch, attention_mask=(batch != pad).long()).logits[:, 0]
+    assert theirs.argsort().tolist() == ours.argsort().tolist()
+    assert (theirs - ours).abs().max() < 0.05 * (ours.max() - ours.min())
+    monkeypatch.setattr(rankers, "INT8_GATE", {"kendall_tau": 1.01, "top5_agreement": 0.9})
+    with pytest.raises(SystemExit, match=r"below the gate: Kendall tau 0\.\d+ \(gate 1\.01\)"):
+        run.main([*argv, "--out", str(tmp_path / "no"), "--quant", "int8"])
+    assert not (tmp_path / "no").exists()
 
 
 def test_export_command_refuses_the_run_folder_as_one_line(demo_run):

@@ -16,6 +16,7 @@ import pytest
 
 import endpoints
 import evaluation
+import geodef
 import llm_clients
 import parallel
 import rankers
@@ -296,6 +297,43 @@ def test_rerank_eval_against_our_own_serve_equals_the_shield(demo_run, tmp_path)
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_quant_int8_run_scores_both_local_rerankers_in_int8_once_each_passes_the_gate(demo_run, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """A run made with --quant int8 (a copy of the demo with int8 in its record: training runs on the float base,
+    so its adapter is the demo's) scores base and Shield as two int8 models, the Shield's adapter merged first,
+    each once its ranks on the run's lists pass the gate (logged), into caches of their own: the float caches
+    training wrote stay as they were. Below the gate rerank-eval stops, naming the figures and --quant none."""
+    import lora
+    out, name = _run_copy(demo_run, tmp_path)
+    record = json.load(open(out / name / "config.json"))
+    record["config"]["quant"] = "int8"
+    (out / name / "config.json").write_text(json.dumps(record))
+    floats = {p.name: p.read_bytes() for p in (out / name / "cache").glob("scores_*.json")}
+    # the random tiny models' scores nearly tie, so their figures sit near the real gate: set here
+    monkeypatch.setattr(rankers, "INT8_GATE", {"kendall_tau": 0.9, "top5_agreement": 0.9})
+    lists = rankers.gate_lists                 # the gate measured on 8 of the run's lists, not 32: plumbing
+    monkeypatch.setattr(rankers, "gate_lists", lambda bench: lists(bench, 8))
+    argv = ["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", "base", "--reranker", "shield"]
+    stage = run.main(argv)
+    assert capsys.readouterr().err.count("[int8] rank agreement with the float model: Kendall tau") == 2
+    assert {p.name: p.read_bytes() for p in (out / name / "cache").glob("scores_*.json") if p.name in floats} == floats
+    q8 = {p.name.replace("_int8", ""): json.load(open(p)) for p in (out / name / "cache").glob("scores_*_int8.json")}
+    assert set(q8) == set(floats)                              # scores_base and the adapter's scores_shield_<sha1>
+    cfg = settings.EvalConfig(**{**record["config"], "runs_dir": str(out)})
+    rr = runs.Run(cfg).shield()
+    lora.quantize_int8(rr.model)
+    x = geodef.clean_instance(runs.Run(cfg).data.test[0])
+    q8_shield = next(v for k, v in q8.items() if k.startswith("scores_shield"))
+    want = rr.score(x.query, x.docs).tolist()
+    assert [q8_shield[rankers.doc_key(x.query, d)] for d in x.docs] == pytest.approx(want, abs=1e-5)
+    assert stage["shield"]["overall"]["n"] > 0
+    monkeypatch.setattr(rankers, "INT8_GATE", {"kendall_tau": 1.01, "top5_agreement": 0.9})
+    for p in (out / name / "cache").glob("scores_*_int8.json"):
+        p.unlink()
+    with pytest.raises(SystemExit, match=r"below the gate: Kendall tau 0\.\d+ \(gate 1\.01\).*--quant none"):
+        run.main(argv)
 
 
 def _rerank_eval_argv(out, name, fake):
