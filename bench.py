@@ -34,6 +34,7 @@ import serve
 import speed
 import tiny
 from settings import SettingsError
+from store import log
 
 
 # ----------------------------------------------------------------------------- benchmarks
@@ -80,14 +81,18 @@ def best_time(fn, repeat):
     return race({"fn": fn}, repeat)["fn"]
 
 
-def race(fns, repeat, rounds=None):
+def race(fns, repeat, rounds=None, say=None):
     """Best seconds of each function, timed round-robin (one call of each per round, after a warm-up
     round), so that a machine whose speed drifts during the run slows every contender alike. The
     order rotates every round, so that no contender always runs in the same place (right after the
     same other one). If a list `rounds` is given, each round's {name: seconds} is appended to it
-    (for paired ratios)."""
-    for fn in fns.values():
+    (for paired ratios). `say(name, round, seconds)` hears of every call as it ends (round 0: the
+    warm-up), so that a slow machine shows each contender's figure long before the race ends."""
+    say = say or (lambda name, r, seconds: None)
+    for k, fn in fns.items():
+        t0 = time.perf_counter()
         fn()
+        say(k, 0, time.perf_counter() - t0)
     best = {k: float("inf") for k in fns}
     names = list(fns)
     for r in range(repeat):
@@ -98,9 +103,16 @@ def race(fns, repeat, rounds=None):
             fn()
             times[k] = time.perf_counter() - t0
             best[k] = min(best[k], times[k])
+            say(k, r + 1, times[k])
         if rounds is not None:
             rounds.append(times)
     return best
+
+
+def progress(workload, docs, repeat):
+    """race's `say` for bench: each call's seconds and documents per second on stderr, as measured."""
+    return lambda k, r, s: log(f"[bench] {workload}/{k} {'warm-up' if r == 0 else f'round {r}/{repeat}'}: "
+                               f"{s:.3f} s, {docs / s:.2f} docs/s")
 
 
 def paired_ratio(rounds, peer, ours="ours"):
@@ -330,7 +342,7 @@ def bench_score(m, b):
             for k, mib in cuda_step_peaks(cands, dev).items():
                 results[f"{name}/{k}_cuda_call_peak_MiB"] = mib
         rounds = []
-        for k, t in race(cands, b.repeat, rounds).items():
+        for k, t in race(cands, b.repeat, rounds, progress(name, len(lens), b.repeat)).items():
             results[f"{name}/{k}"] = sum(lens) / t                              # tokens per second
             results[f"{name}/{k}_docs_per_s"] = len(lens) / t                  # the unit providers compare
         peers = ["transformers"] + (["model_card_snippet"] if name == "fixed" else [])
@@ -379,13 +391,10 @@ def seq_cls_onnx(seqcls, model):
     return path
 
 
-def engine_scorers(folder, engines):
-    """Each engine of `engines` over the checkpoint as a user deploys it, export.py's seq-cls export (float32,
-    written once beside `folder`) -> {engine: fn(ids (B, T), mask (B, T)) -> (B,) float32 margins}: ONNX
-    Runtime and OpenVINO on its ONNX graph, onnxruntime-int8 on that graph under ONNX Runtime's dynamic
-    quantization (int8 weights, activations quantized per tensor at run time), torch-int8 transformers' model
-    under torch's dynamic int8 quantization of every nn.Linear (per-tensor activation scales, fbgemm or onednn
-    kernels)."""
+def engine_files(folder, engines):
+    """The files `engines` read, written once beside `folder`: export.py's seq-cls export (float32), its ONNX
+    graph (seq_cls_onnx) and ONNX Runtime's dynamic-int8 graph of it -> (seq-cls folder, {name: ONNX path},
+    transformers' seq-cls model)."""
     import transformers
     import export
     seqcls = folder.rstrip("/") + "_seqcls"
@@ -394,6 +403,25 @@ def engine_scorers(folder, engines):
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
         seqcls, dtype=torch.float32, attn_implementation="eager").eval()
     model.config.use_cache = False
+    graphs = {}
+    if {"onnxruntime", "openvino", "onnxruntime-int8"} & set(engines):
+        graphs["float"] = seq_cls_onnx(seqcls, model)
+    if "onnxruntime-int8" in engines:         # its dynamic quantization as its docs give it
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        graphs["int8"] = os.path.join(seqcls, "model.int8.onnx")
+        if not os.path.isfile(graphs["int8"]):
+            quantize_dynamic(graphs["float"], graphs["int8"] + ".tmp", weight_type=QuantType.QInt8)
+            os.replace(graphs["int8"] + ".tmp", graphs["int8"])
+    return seqcls, graphs, model
+
+
+def engine_scorers(folder, engines):
+    """Each engine of `engines` over the checkpoint as a user deploys it, export.py's seq-cls export (engine_files)
+    -> {engine: fn(ids (B, T), mask (B, T)) -> (B,) float32 margins}: ONNX Runtime and OpenVINO on its ONNX
+    graph, onnxruntime-int8 on that graph under ONNX Runtime's dynamic quantization (int8 weights, activations
+    quantized per tensor at run time), torch-int8 transformers' model under torch's dynamic int8 quantization
+    of every nn.Linear (per-tensor activation scales, fbgemm or onednn kernels)."""
+    _, graphs, model = engine_files(folder, engines)
     feeds = lambda ids, mask: {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
 
     def ort(path):
@@ -402,17 +430,12 @@ def engine_scorers(folder, engines):
         return lambda ids, mask: torch.from_numpy(sess.run(None, feeds(ids, mask))[0][:, 0])
     out = {}
     if "onnxruntime" in engines:
-        out["onnxruntime"] = ort(seq_cls_onnx(seqcls, model))
-    if "onnxruntime-int8" in engines:         # its dynamic quantization as its docs give it
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-        path = os.path.join(seqcls, "model.int8.onnx")
-        if not os.path.isfile(path):
-            quantize_dynamic(seq_cls_onnx(seqcls, model), path + ".tmp", weight_type=QuantType.QInt8)
-            os.replace(path + ".tmp", path)
-        out["onnxruntime-int8"] = ort(path)
+        out["onnxruntime"] = ort(graphs["float"])
+    if "onnxruntime-int8" in engines:
+        out["onnxruntime-int8"] = ort(graphs["int8"])
     if "openvino" in engines:
         import openvino
-        compiled = openvino.Core().compile_model(seq_cls_onnx(seqcls, model), "CPU")
+        compiled = openvino.Core().compile_model(graphs["float"], "CPU")
         out["openvino"] = lambda ids, mask: torch.from_numpy(compiled(feeds(ids, mask))[0][:, 0])
     if "torch-int8" in engines:
         q = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
@@ -424,40 +447,117 @@ def engine_scorers(folder, engines):
     return out
 
 
+class EngineProcess:
+    """One engine of engine_scorers in a process of its own (spawn), so that each engine's weights, sessions
+    and what its build left behind live and die apart from ours and from the other engines': a race at real
+    depth fits in memory. load(ids) gives it a workload (-> its margins, one left-padded call); then each
+    call(per_doc) scores it again, one padded batch or one call a document, as the race times it."""
+
+    def __init__(self, folder, engine):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.engine = engine
+        self.proc = ctx.Process(target=_engine_child, args=(folder, engine, child), daemon=True)
+        self.proc.start()
+        child.close()
+        self._ask(None)                                   # its scorer built
+
+    def _ask(self, msg):
+        if msg is not None:
+            self.conn.send(msg)
+        try:
+            kind, out = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"bench: the {self.engine} process ended (exit code {self.proc.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"bench: {self.engine}: {out}")
+        return out
+
+    def load(self, ids):
+        return self._ask(("load", ids))
+
+    def call(self, per_doc=False):
+        return self._ask(("per_doc" if per_doc else "batch", None))
+
+    def close(self):
+        self.conn.send(("stop", None))
+        self.proc.join(timeout=60)
+
+
+def _engine_child(folder, engine, conn):
+    """EngineProcess's process: builds the engine's scorer (its export written by the parent first), then
+    answers each message until "stop"."""
+    speed.reuse_freed_memory()   # entry point of this fresh (spawned) process: malloc as in run.py's __main__
+    try:
+        fn = engine_scorers(folder, [engine])[engine]
+        pad_id = json.load(open(folder.rstrip("/") + "_seqcls/config.json")).get("pad_token_id", 151643)
+        conn.send(("ok", None))
+    except Exception as e:                                # said to the parent, which names the engine
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    ids = None
+    while True:
+        kind, arg = conn.recv()
+        if kind == "stop":
+            return
+        try:
+            if kind == "load":
+                ids = arg
+            if kind == "per_doc":
+                out = [fn(*left_padded([x], pad_id)) for x in ids]
+            else:
+                out = fn(*left_padded(ids, pad_id)).float()
+            conn.send(("ok", out if kind == "load" else None))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
 def engine_race(m, b, folder, rr, work, results):
-    """--against: each engine on the workloads, padded as its users batch (one left-padded call) and one call
-    per document, and ours in int8 (lora.quantize_int8, packed as ours), raced round-robin with our scorer ->
-    results gains, per workload and engine, documents per second, our speed over the engine's (paired
-    median: above 1, ours is faster), the largest margin difference from ours and the rank agreement with
-    ours (the workload's documents as one list: Kendall tau-b, top-5 agreement)."""
+    """--against: each engine on the workloads in a process of its own (EngineProcess), padded as its users
+    batch (one left-padded call) and one call per document, and ours in int8 (lora.quantize_int8, packed as
+    ours), raced round-robin with our scorer -> results gains, per workload and engine, documents per second,
+    our speed over the engine's (paired median: above 1, ours is faster), the largest margin difference from
+    ours and the rank agreement with ours (the workload's documents as one list: Kendall tau-b, top-5
+    agreement)."""
     engines = [e for e in b.against if e != "ours-int8"]
-    scorers = engine_scorers(folder, engines) if engines else {}
+    if engines:                                       # the exports, written once in a process that then ends
+        in_fresh_process(_export_child, folder, engines)
+    procs = {e: EngineProcess(folder, e) for e in engines}
     q8 = load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype) if "ours-int8" in b.against else None
     if q8 is not None:
         lora.quantize_int8(q8.model, speed.CPU_INT8_UNITS)
-    for name, lens in work.items():
-        ids = random_ids(lens, prefix=b.prefix)
-        pad, mask = left_padded(ids)
-        ours = rr.score_ids(ids).float()
-        cands = {"ours": lambda: rr.score_ids(ids)}
-        scored = {e: fn(pad, mask) for e, fn in scorers.items()}
-        for e, fn in scorers.items():
-            cands[e] = lambda fn=fn: fn(pad, mask)
-            cands[f"{e}_per_doc"] = lambda fn=fn: [fn(*left_padded([x])) for x in ids]
-        if q8 is not None:
-            cands["ours-int8"] = lambda: q8.score_ids(ids)
-            scored["ours-int8"] = q8.score_ids(ids)
-        for e, s in scored.items():
-            results[f"{name}/{e}_max_margin_diff"] = float((s.float() - ours).abs().max())
-            agree = metrics.rank_agreement([ours.tolist()], [s.float().tolist()], 5)
-            results[f"{name}/{e}_kendall_tau"], results[f"{name}/{e}_top5_agreement"] = \
-                agree["kendall_tau"], agree["top5_agreement"]
-        rounds = []
-        for k, t in race(cands, b.repeat, rounds).items():
-            if k != "ours":                  # ours: the main race's figure
-                results[f"{name}/{k}_docs_per_s"] = len(lens) / t
-                results[f"{name}/ours_vs_{k}_paired_median"] = paired_ratio(rounds, k)
+    try:
+        for name, lens in work.items():
+            ids = random_ids(lens, prefix=b.prefix)
+            ours = rr.score_ids(ids).float()
+            cands = {"ours": lambda: rr.score_ids(ids)}
+            scored = {e: p.load(ids) for e, p in procs.items()}
+            for e, p in procs.items():
+                cands[e] = p.call
+                cands[f"{e}_per_doc"] = functools.partial(p.call, per_doc=True)
+            if q8 is not None:
+                cands["ours-int8"] = lambda: q8.score_ids(ids)
+                scored["ours-int8"] = q8.score_ids(ids)
+            for e, s in scored.items():
+                results[f"{name}/{e}_max_margin_diff"] = float((s.float() - ours).abs().max())
+                agree = metrics.rank_agreement([ours.tolist()], [s.float().tolist()], 5)
+                results[f"{name}/{e}_kendall_tau"], results[f"{name}/{e}_top5_agreement"] = \
+                    agree["kendall_tau"], agree["top5_agreement"]
+            rounds = []
+            for k, t in race(cands, b.repeat, rounds, progress(name, len(lens), b.repeat)).items():
+                if k != "ours":                  # ours: the main race's figure
+                    results[f"{name}/{k}_docs_per_s"] = len(lens) / t
+                    results[f"{name}/ours_vs_{k}_paired_median"] = paired_ratio(rounds, k)
+    finally:
+        for p in procs.values():
+            p.close()
     return results
+
+
+def _export_child(folder, engines, q):
+    """engine_files in a fresh process, whose memory (the exporter's) goes with it."""
+    engine_files(folder, engines)
+    q.put(None)
 
 
 def unshared(rr, ids):

@@ -2,6 +2,7 @@
 Run: python -m pytest -q test_bench.py
 """
 import json
+import os
 import random
 import shutil
 
@@ -78,6 +79,24 @@ def test_minor_faults_counts_the_pages_a_call_maps_in():
     assert bench.minor_faults(lambda: None) < 40
 
 
+def test_race_reports_every_call_as_it_ends(capsys):
+    """bench.race tells `say` of each call when it ends, before the race returns: the warm-up (round 0) in the
+    given order, then every contender once per round in a rotating order; bench's `progress` prints each as a
+    stderr line with its seconds and documents per second."""
+    heard, calls = [], []
+    fns = {k: (lambda k=k: calls.append(k)) for k in ("ours", "onnxruntime", "openvino")}
+    say = lambda k, r, s: heard.append((k, r, len(calls)))     # how many calls had ended when it was told
+    best = bench.race(fns, 2, say=say)
+    assert [(k, r) for k, r, _ in heard] == [("ours", 0), ("onnxruntime", 0), ("openvino", 0),
+                                             ("ours", 1), ("onnxruntime", 1), ("openvino", 1),
+                                             ("onnxruntime", 2), ("openvino", 2), ("ours", 2)]
+    assert [n for _, _, n in heard] == list(range(1, 10)) and set(best) == set(fns)
+    bench.progress("fixed", 10, 3)("openvino", 2, 0.5)
+    bench.progress("fixed", 10, 3)("ours", 0, 2.0)
+    assert capsys.readouterr().err.splitlines() == ["[bench] fixed/openvino round 2/3: 0.500 s, 20.00 docs/s",
+                                                    "[bench] fixed/ours warm-up: 2.000 s, 5.00 docs/s"]
+
+
 @pytest.mark.parametrize("engine", ["onnxruntime", "onnxruntime-int8", "openvino", "torch-int8"])
 def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, engine):
     """bench --against's contenders on the tiny checkpoint's seq-cls export, left-padded as their users batch
@@ -99,6 +118,30 @@ def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, 
         assert (got - ours).abs().max() < ours.std() and got.argsort().tolist() == ours.argsort().tolist()
     else:
         torch.testing.assert_close(got, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_an_engine_in_its_own_process_scores_as_in_ours(tiny_dir, tmp_path):
+    """bench --against runs each engine in a process of its own (EngineProcess) once the exports are written:
+    its margins on a loaded workload are the engine's in this process, each timed call answers, and an engine
+    that cannot start is an error naming it."""
+    pytest.importorskip("transformers")
+    for m in bench.ENGINE_MODULES["onnxruntime"]:
+        pytest.importorskip(m)
+    folder = str(tmp_path / "tiny")
+    shutil.copytree(tiny_dir, folder)
+    bench.in_fresh_process(bench._export_child, folder, ["onnxruntime"])
+    assert os.path.isfile(folder + "_seqcls/model.onnx")
+    rr = bench.load_ours(folder, dtype=torch.float32)
+    ids = rr.tokenize("how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell sharply."])
+    p = bench.EngineProcess(folder, "onnxruntime")
+    try:
+        torch.testing.assert_close(p.load(ids), rr.score_ids(ids), rtol=1e-4, atol=1e-4)
+        assert p.call() is None and p.call(per_doc=True) is None
+    finally:
+        p.close()
+    assert p.proc.exitcode == 0
+    with pytest.raises(RuntimeError, match="bench: onnxruntime: "):
+        bench.EngineProcess(str(tmp_path / "nowhere"), "onnxruntime")
 
 
 def test_against_is_refused_outside_a_cpu_score_race():
