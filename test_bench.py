@@ -2,7 +2,6 @@
 Run: python -m pytest -q test_bench.py
 """
 import json
-import os
 import random
 import shutil
 
@@ -102,7 +101,8 @@ def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, 
     """bench --against's contenders on the tiny checkpoint's seq-cls export, left-padded as their users batch
     them: ONNX Runtime and OpenVINO (float32, the ONNX graph) give our margins; torch's dynamic int8 ranks as
     we do on these well-separated documents and moves each margin by less than its own spread, and so does ONNX
-    Runtime's dynamic int8."""
+    Runtime's dynamic int8. ONNX Runtime in a process of its own, as bench races it, gives the same margins
+    and says its errors."""
     pytest.importorskip("transformers")
     for m in bench.ENGINE_MODULES[engine]:
         pytest.importorskip(m)
@@ -118,30 +118,16 @@ def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, 
         assert (got - ours).abs().max() < ours.std() and got.argsort().tolist() == ours.argsort().tolist()
     else:
         torch.testing.assert_close(got, ours, rtol=1e-4, atol=1e-4)
-
-
-def test_an_engine_in_its_own_process_scores_as_in_ours(tiny_dir, tmp_path):
-    """bench --against runs each engine in a process of its own (EngineProcess) once the exports are written:
-    its margins on a loaded workload are the engine's in this process, each timed call answers, and an engine
-    that cannot start is an error naming it."""
-    pytest.importorskip("transformers")
-    for m in bench.ENGINE_MODULES["onnxruntime"]:
-        pytest.importorskip(m)
-    folder = str(tmp_path / "tiny")
-    shutil.copytree(tiny_dir, folder)
-    bench.in_fresh_process(bench._export_child, folder, ["onnxruntime"])
-    assert os.path.isfile(folder + "_seqcls/model.onnx")
-    rr = bench.load_ours(folder, dtype=torch.float32)
-    ids = rr.tokenize("how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell sharply."])
-    p = bench.EngineProcess(folder, "onnxruntime")
-    try:
-        torch.testing.assert_close(p.load(ids), rr.score_ids(ids), rtol=1e-4, atol=1e-4)
-        assert p.call() is None and p.call(per_doc=True) is None
-    finally:
-        p.close()
-    assert p.proc.exitcode == 0
-    with pytest.raises(RuntimeError, match="bench: onnxruntime: "):
-        bench.EngineProcess(str(tmp_path / "nowhere"), "onnxruntime")
+    if engine == "onnxruntime":       # as bench races it: in a process of its own (EngineProcess), the same margins
+        p = bench.EngineProcess(folder, engine)
+        try:
+            torch.testing.assert_close(p.load(ids), got)
+            assert p.call() is None and p.call(per_doc=True) is None
+            with pytest.raises(RuntimeError, match="bench: onnxruntime: "):     # its error, said by the parent
+                p.load([[10 ** 6] * 4])                                         # a token id past the vocabulary
+        finally:
+            p.close()
+        assert p.proc.exitcode == 0
 
 
 def test_against_is_refused_outside_a_cpu_score_race():
