@@ -10,6 +10,7 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import shutil
 import statistics
@@ -448,10 +449,10 @@ def engine_scorers(folder, engines):
 
 
 class EngineProcess:
-    """One engine of engine_scorers in a process of its own (spawn), so that each engine's weights, sessions
-    and what its build left behind live and die apart from ours and from the other engines': a race at real
-    depth fits in memory. load(ids) gives it a workload (-> its margins, one left-padded call); then each
-    call(per_doc) scores it again, one padded batch or one call a document, as the race times it."""
+    """One engine of engine_scorers in a process of its own (spawn): its weights, sessions and what its build
+    leaves behind live and die apart from ours, and an engine that runs out of memory ends alone. load(ids)
+    gives it a workload (-> its margins, one left-padded call); then each call(per_doc) scores it again, one
+    padded batch or one call a document, as the race times it."""
 
     def __init__(self, folder, engine):
         ctx = mp.get_context("spawn")
@@ -467,7 +468,8 @@ class EngineProcess:
             self.conn.send(msg)
         try:
             kind, out = self.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
+            self.proc.join(5)
             raise RuntimeError(f"bench: the {self.engine} process ended (exit code {self.proc.exitcode})") from None
         if kind == "error":
             raise RuntimeError(f"bench: {self.engine}: {out}")
@@ -480,8 +482,16 @@ class EngineProcess:
         return self._ask(("per_doc" if per_doc else "batch", None))
 
     def close(self):
-        self.conn.send(("stop", None))
+        """Stops the process (ended already: nothing to say); one that does not stop within a minute is killed."""
+        try:
+            self.conn.send(("stop", None))
+        except OSError:
+            pass
         self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
 
 
 def _engine_child(folder, engine, conn):
@@ -490,7 +500,8 @@ def _engine_child(folder, engine, conn):
     speed.reuse_freed_memory()   # entry point of this fresh (spawned) process: malloc as in run.py's __main__
     try:
         fn = engine_scorers(folder, [engine])[engine]
-        pad_id = json.load(open(folder.rstrip("/") + "_seqcls/config.json")).get("pad_token_id", 151643)
+        with open(folder.rstrip("/") + "_seqcls/config.json", encoding="utf-8") as f:
+            pad_id = json.load(f).get("pad_token_id", 151643)
         conn.send(("ok", None))
     except Exception as e:                                # said to the parent, which names the engine
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -522,11 +533,13 @@ def engine_race(m, b, folder, rr, work, results):
     engines = [e for e in b.against if e != "ours-int8"]
     if engines:                                       # the exports, written once in a process that then ends
         in_fresh_process(_export_child, folder, engines)
-    procs = {e: EngineProcess(folder, e) for e in engines}
-    q8 = load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype) if "ours-int8" in b.against else None
-    if q8 is not None:
-        lora.quantize_int8(q8.model, speed.CPU_INT8_UNITS)
+    procs = {}
     try:
+        for e in engines:
+            procs[e] = EngineProcess(folder, e)
+        q8 = load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype) if "ours-int8" in b.against else None
+        if q8 is not None:
+            lora.quantize_int8(q8.model, speed.CPU_INT8_UNITS)
         for name, lens in work.items():
             ids = random_ids(lens, prefix=b.prefix)
             ours = rr.score_ids(ids).float()
@@ -570,12 +583,20 @@ def unshared(rr, ids):
 
 
 def in_fresh_process(fn, *args):
-    """fn(*args, queue) run in a new interpreter (spawn); returns the one value it puts on the queue."""
+    """fn(*args, queue) run in a new interpreter (spawn); returns the one value it puts on the queue. A process
+    that ends without one (an exception, printed by the child; a kill) is a RuntimeError, never a wait."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=fn, args=(*args, q))
     p.start()
-    out = q.get()
+    while True:
+        try:
+            out = q.get(timeout=1)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"bench: {fn.__name__} ended without an answer (exit code {p.exitcode})") \
+                    from None
     p.join()
     return out
 

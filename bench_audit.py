@@ -48,6 +48,7 @@ import geo_jobs
 import geodef
 import metrics
 import tiny
+from rankers import as_scored
 from runs import TINY_NOTE, Run
 from settings import SettingsError
 from store import atomic_write, log, write_json
@@ -425,7 +426,8 @@ def run_audit(cfg, out_dir):
         folder = (tiny.make_tiny_checkpoint(os.path.join(out_dir, "_tiny_qwen3"), seed=0) if tiny_model
                   else cfg.model.model)
         note = TINY_NOTE if tiny_model else None
-        rr = Run(cfg.replace(model=folder)).reranker()
+        run = Run(cfg.replace(model=folder))
+        rr = as_scored(run, run.reranker())              # --quant int8: gated on the audited file's lists
     result = audit(cfg.data.bench, rr, k=cfg.data.k, folds=cfg.audit.folds)
     path = write_audit(result, out_dir, note)
     log(f"[bench-audit] wrote {path} and bench_audit.json")

@@ -150,7 +150,7 @@ def check(run):
 
 def residuals(run, groups):
     """{(query, text): m_base - m_shield} over the pages of `groups`, both scored (and cached) by the run's
-    rankers on one loaded model."""
+    rankers (rankers.load_rankers)."""
     base, shield = rankers.load_rankers(run, shield=True)
     lists = [geodef.clean_instance(g) for g in groups] + [geodef.honest_instance(g) for g in groups
                                                           if g.honest is not None]

@@ -143,7 +143,7 @@ def model_card(meta, name):
             "per token at run time (compressed-tensors W8A8: `quantization_config` in config.json), as `serve --quant "
             "int8` scores. Its ranks against the float Shield's on the run's lists: " +
             (f"Kendall tau {gate['kendall_tau']:.3f}, top-5 agreement {gate['top5_agreement']:.3f} over "
-             f"{gate['lists']} lists.\n" if gate else "not measured.\n")) if meta.get("quant") == "int8" else ""
+             f"{gate['lists']} lists.\n" if gate else "not measured.\n")) if meta.get("int8") else ""
     head = ("a one-label `Qwen3ForSequenceClassification`: `score.weight` = E[yes] - E[no], so the logit is the "
             "margin z_yes - z_no and sigmoid(logit) is P(yes)" if meta["format"] == "seq-cls" else
             "the merged `Qwen3ForCausalLM`: score with the logits of \"yes\" and \"no\" at the last position")
@@ -278,8 +278,8 @@ def check_out_dir(out_dir, overwrite=False, protected=()):
                               "replaces only exports")
 
 
-def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, quant, name, detector=None,
-                  int8_agreement=None):
+def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, quantized_base, name, detector=None,
+                  int8=False, int8_agreement=None):
     """The export's files into a new folder `out_dir` (export() renames it into place)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -300,7 +300,7 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
         lora.load_adapter(qwen, adapter)
         lora.merge_and_unload(qwen)
     state = {"model." + k: v.to(out_dt).contiguous() for k, v in qwen.state_dict().items()}   # checkpoint keys
-    if quant == "int8":      # the merged float32 weights quantized as serve --quant int8 scores them
+    if int8:                 # the merged float32 weights quantized as serve --quant int8 scores them
         for k, w in qwen.state_dict().items():
             if k.split(".")[-2] in lora.TARGETS:
                 state[f"model.{k}"], state[f"model.{k}_scale"] = lora.int8_quantize(w)
@@ -319,7 +319,7 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
             state["lm_head.weight"] = lm_head.to(out_dt).contiguous()
     if pad is not None:   # AutoModelForSequenceClassification pools the last token that is not pad
         config["pad_token_id"] = pad
-    if quant == "int8":
+    if int8:
         config["quantization_config"] = int8_quantization_config(fmt)
     adapter_sha1 = _sha1(os.path.join(adapter, "adapter_model.safetensors")) if adapter else None
     ident = identity(adapter_sha1, instruction, any(m["shield"] for _, m in identity_marks(folder)))
@@ -340,8 +340,8 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
         f.write(chat_template(instruction))
     meta = {"format": fmt, "dtype": dtype, "base_model": str(model), "base_revision": sha,
             "adapter": os.path.abspath(adapter) if adapter else None, "adapter_sha1": adapter_sha1,
-            "shield": ident["shield"], "merged_in": "float32", "quantized_base_during_training": quant == "nf4",
-            "quant": quant, "int8_agreement": int8_agreement,
+            "shield": ident["shield"], "merged_in": "float32", "quantized_base_during_training": bool(quantized_base),
+            "int8": bool(int8), "int8_agreement": int8_agreement,
             "yes_id": yes[0], "no_id": no[0], "instruction": instruction, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "detector": _sha1(detector) if detector else None}
     if detector:                        # the run's GEO detector and threshold (detect.py), served as /detect
@@ -352,21 +352,20 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
 
 
 def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=reranker.SHIELD_INSTRUCTION,
-           quant="none", name=None, overwrite=False, protected=(), revision=None, detector=None, int8_agreement=None):
+           quantized_base=False, name=None, overwrite=False, protected=(), revision=None, detector=None, int8=False,
+           int8_agreement=None):
     """Write the merged Shield (base `model`: hub id or folder, at `revision`; `adapter`: a PEFT LoRA
     folder or None) to `out_dir` in `fmt` and `dtype` (default: the checkpoint's config dtype).
-    quant: the run's; "nf4": the adapter was trained over an NF4 base (said in the model card: the merge
-    uses the full-precision base weights); "int8": the projections written in int8 (int8_quantization_config),
-    with `int8_agreement`, the rank agreement its gate measured (rankers.int8_gated), in the card; detector:
+    quantized_base: the adapter was trained over an NF4 base (said in the model card: the merge uses the
+    full-precision base weights); int8: the projections written in int8 (int8_quantization_config), with
+    `int8_agreement`, the rank agreement its gate measured (rankers.int8_gated), in the card; detector:
     the run's detect/text_detector.json, copied as DETECTOR_FILE. The folder is built beside `out_dir` and
     renamed into place whole: a failure (a full disk, a kill) leaves what was there before (see
     check_out_dir for what is refused).
     Returns out_dir."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    if quant not in ("none", "nf4", "int8"):
-        raise ValueError(f"quant must be none, nf4 or int8, got {quant!r}")
-    if quant == "nf4":
+    if quantized_base:
         print("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base (the "
               "model card says so)", file=sys.stderr, flush=True)
     check_out_dir(out_dir, overwrite, protected=[p for p in (model, adapter, *protected) if p and os.path.exists(p)])
@@ -376,8 +375,8 @@ def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=
     old = tmp + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_export(model, revision, tmp, adapter, fmt, dtype, instruction, quant,
-                      name or os.path.basename(os.path.normpath(out_dir)), detector, int8_agreement)
+        _write_export(model, revision, tmp, adapter, fmt, dtype, instruction, quantized_base,
+                      name or os.path.basename(os.path.normpath(out_dir)), detector, int8, int8_agreement)
         if os.path.exists(out_dir):          # an empty folder, or an earlier export with --overwrite
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)

@@ -1,5 +1,6 @@
 """Rankings of candidate lists: the protocol every ranker follows (prepare a batch of instances, then
-scores and order of each), the in-process base and Shield rankers over one loaded Qwen3-Reranker,
+scores and order of each), the in-process base and Shield rankers over one loaded Qwen3-Reranker (two,
+scored in int8, under --quant int8),
 rerank endpoints (Cohere, Jina, Voyage, vLLM- or TEI-shaped) through rerank_clients, and the
 --reranker specs that name them.
 
@@ -20,7 +21,7 @@ import lora
 import metrics
 import rerank_clients
 import speed
-from settings import SettingsError
+from settings import SAMPLE, SettingsError
 from store import file_sha1, log, write_json
 
 
@@ -159,13 +160,14 @@ def sharded(ranks, ranker, instances):
     ranks.barrier()                # no rank starts another sharded scoring of this cache before the shares go
 
 
-def load_rankers(run, shield, adapter=None):
-    """(base, shield or None) Rankers over ONE loaded model: with the trained adapter attached, the
-    base scores come from the same weights with the adapter disabled (pi_0). adapter: another adapter
-    folder than the run's (a hardening round's). With --quant int8 each is its own model, scored in int8
-    (the Shield's adapter merged first) once it passes the gate (as_scored)."""
+def load_rankers(run, shield, adapter=None, base=True):
+    """(base, shield or None) Rankers. In float (or NF4) over one loaded model: with the trained adapter
+    attached, the base scores come from the same weights with the adapter disabled (pi_0). Under --quant
+    int8 each is its own model, scored in int8 (the Shield's adapter merged first) once it passes the gate
+    (as_scored), and the base is loaded only when asked (base=False: None). adapter: another adapter folder
+    than the run's (a hardening round's)."""
     if run.cfg.model.quant == "int8":
-        return (base_ranker(run, as_scored(run, run.reranker())),
+        return (base_ranker(run, as_scored(run, run.reranker())) if base else None,
                 shield_ranker(run, as_scored(run, run.shield(adapter=adapter)), adapter) if shield else None)
     rr = run.shield(adapter=adapter) if shield else run.reranker()
     return base_ranker(run, rr, adapter_off=shield), shield_ranker(run, rr, adapter) if shield else None
@@ -258,7 +260,7 @@ def make_rankers(run, items, stage):
     """[(label, spec)] -> {label: Ranker}. base and shield as load_rankers makes them; endpoints go through
     RerankClient with the run's cache (cache/rerank) and usage ledger."""
     cfg, local = run.cfg, {spec.kind for _, spec in items if spec.kind in LOCAL}
-    loaded = dict(zip(("base", "shield"), load_rankers(run, "shield" in local))) if local else {}
+    loaded = dict(zip(LOCAL, load_rankers(run, "shield" in local, base="base" in local))) if local else {}
     out = {}
     for label, spec in items:
         if spec.kind in LOCAL:
@@ -295,11 +297,13 @@ def in_int8(rr):
     return any(isinstance(m, lora.Int8Linear) for m in rr.model.modules())
 
 
-def as_scored(run, rr, allow=False):
+def as_scored(run, rr):
     """rr as the run scores: with --quant int8 in int8 once its ranks on the run's own lists (gate_lists of its
-    benchmark) pass the gate (int8_gated), else as it is."""
+    benchmark; the bundled sample's where there is none yet: build-bench) pass the gate (int8_gated), else as
+    it is."""
+    bench = run.cfg.setting("bench")
     if run.cfg.model.quant == "int8" and not in_int8(rr):
-        int8_gated(rr, gate_lists(run.cfg.data.bench), allow)
+        int8_gated(rr, gate_lists(bench if bench and os.path.isfile(bench) else SAMPLE))
     return rr
 
 

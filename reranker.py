@@ -288,6 +288,11 @@ def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path}: missing")
     cfg = Qwen3Config.from_json(cfg_path)
+    with open(cfg_path, encoding="utf-8") as f:
+        if "quantization_config" in json.load(f):     # export --quant int8 writes one (compressed-tensors W8A8)
+            raise CheckpointError(f"{cfg_path}: a quantized checkpoint (quantization_config); this loader reads "
+                                  "float weights: load the float export (serve --quant int8 quantizes it), or serve "
+                                  "this one with vLLM or transformers + compressed-tensors")
     with torch.device("meta"):
         model = Qwen3Model(cfg)
     expected = {"model." + k: v.shape for k, v in model.state_dict().items()}

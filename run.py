@@ -108,31 +108,33 @@ def cmd_export(args):
     """The merged Shield as a Hugging Face checkpoint (export.py), in the run's dtype by default; with --quant int8
     its projections in int8, once they pass the gate."""
     cfg, adapter, run_dir = shield_settings(settings.ExportConfig, args)
-    gate = shield_as_scored(cfg, adapter, run_dir)[1] if cfg.model.quant == "int8" else None
-    with reading(run_dir):                            # quant: a run's record's; a --model base has none
-        out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, **exported(cfg, run_dir, args.out),
-                            int8_agreement=gate)
+    kw = exported(cfg, run_dir, args.out)
+    export.check_out_dir(args.out, cfg.export.overwrite, kw["protected"])     # refused before any model loads
+    with reading(run_dir):                     # the gate and the export read one adapter
+        gate = shield_as_scored(cfg, adapter, run_dir)[1] if kw["int8"] else None
+        out = export.export(Run(cfg).model_folder(), args.out, adapter=adapter, int8_agreement=gate, **kw)
     log(f"[export] {cfg.export.format} checkpoint in {out} (model card: {out}/README.md)")
     print(out)
     return out
 
 
 def exported(cfg, run_dir, out):
-    """export.export's settings from export's: format, dtype, revision, quantization, name (--out's last part),
-    overwrite, the folders it must not replace and the run's detector."""
+    """export.export's settings from export's: format, dtype, revision, whether the adapter was trained over an
+    NF4 base (a run's record says; for --model, --quant nf4), int8, name (--out's last part), overwrite, the
+    folders it must not replace and the run's detector."""
     m, ex = cfg.model, cfg.export
-    return dict(fmt=ex.format, dtype=m.dtype, revision=m.revision, quant=m.quant, overwrite=ex.overwrite,
-                name=os.path.basename(os.path.normpath(out)), detector=detector_file(run_dir),
-                protected=[cfg.folder.runs_dir] + ([run_dir] if run_dir else []))
+    trained = read_json(os.path.join(run_dir, "config.json"))["config"].get("quant") if run_dir else m.quant
+    return dict(fmt=ex.format, dtype=m.dtype, revision=m.revision, quantized_base=trained == "nf4",
+                int8=m.quant == "int8", overwrite=ex.overwrite, name=os.path.basename(os.path.normpath(out)),
+                detector=detector_file(run_dir), protected=[cfg.folder.runs_dir] + ([run_dir] if run_dir else []))
 
 
 def shield_as_scored(cfg, adapter, run_dir):
-    """serve's and export's reranker: the Shield (or base) as its run scores, in eval mode; with --quant int8
-    scored in int8 once it passes the gate on the run's own lists (its record's benchmark), else the bundled
-    sample's -> (reranker, the gate's figures or None)."""
-    with reading(run_dir):
-        rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
-        bench = read_json(os.path.join(run_dir, "config.json"), {}).get("config", {}).get("bench") if run_dir else None
+    """serve's and export's reranker (the caller holds the run folder for reading): the Shield (or base) as its
+    run scores, in eval mode; with --quant int8 scored in int8 once it passes the gate on the run's own lists
+    (its record's benchmark), else the bundled sample's -> (reranker, the gate's figures or None)."""
+    rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
+    bench = read_json(os.path.join(run_dir, "config.json"), {}).get("config", {}).get("bench") if run_dir else None
     rr.model.eval()
     if cfg.model.quant != "int8":
         return rr, None
@@ -143,7 +145,8 @@ def shield_as_scored(cfg, adapter, run_dir):
 def cmd_serve(args):
     """The Shield behind a rerank endpoint (serve.py), loaded as its run scores."""
     cfg, adapter, run_dir = shield_settings(settings.ServeConfig, args)
-    rr, _ = shield_as_scored(cfg, adapter, run_dir)
+    with reading(run_dir):
+        rr, _ = shield_as_scored(cfg, adapter, run_dir)
     name = cfg.serve.served_name or (cfg.folder.name if run_dir else "geo-defender-shield")
     serve.serve_until_stopped(rr, cfg.serve, cfg.certify.deletion_rate, name, adapter,
                               detect.Served.load(detector_file(run_dir, cfg.model.model)))

@@ -188,8 +188,8 @@ class Run:
             yield run
 
     def main_only(self, fn):
-        """The rest of a command on rank 0 alone: the other ranks leave the process group (ranks.finish) and
-        rank 0 runs fn() -> its answer (None on the other ranks)."""
+        """The rest of a command on rank 0 alone: every rank leaves the process group (ranks.finish; Run.open's
+        own finish then does nothing) and rank 0 runs fn() -> its answer (None on the other ranks)."""
         self.ranks.finish()
         return fn() if self.ranks.is_main else None
 
@@ -206,9 +206,10 @@ class Run:
         return self.path("library", f"E{self.cfg.tfsg.n_batches + 1 if epoch is None else epoch}.json")
 
     def shield_scores_path(self, adapter=None, int8=False):
-        """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file) and precision:
-        scores cached under a retrained or replaced adapter, or in float for an int8 scorer (training's), are
-        never read for another. adapter: a folder other than the run's (a hardening round's)."""
+        """The Shield's score cache, one per adapter (named by the SHA-1 of its weights file) and precision
+        (int8: the scores of the int8 Shield, beside the float ones training caches): scores cached under one
+        adapter or precision are never read for another. adapter: a folder other than the run's (a hardening
+        round's)."""
         digest = file_sha1(os.path.join(adapter or self.path("adapter"), "adapter_model.safetensors"))
         return self.path("cache", f"scores_shield_{digest[:12]}{'_int8' * int8}.json")
 

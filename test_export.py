@@ -319,8 +319,10 @@ def test_export_quant_int8_writes_the_gated_int8_weights_that_transformers_loads
             assert torch.equal(got[k], w[k]), k
     config, meta = json.load(open(q8 / "config.json")), json.load(open(q8 / "geodef_export.json"))
     assert config["quantization_config"] == export.int8_quantization_config("seq-cls")
-    assert meta["quant"] == "int8" and meta["int8_agreement"]["lists"] == 8
+    assert meta["int8"] and meta["int8_agreement"]["lists"] == 8 and not meta["quantized_base_during_training"]
     assert f"Kendall tau {meta['int8_agreement']['kendall_tau']:.3f}" in (q8 / "README.md").read_text()
+    with pytest.raises(reranker.CheckpointError, match="a quantized checkpoint"):     # ours reads float weights
+        reranker.Reranker.from_pretrained(str(q8))
     pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
     import transformers

@@ -304,7 +304,8 @@ def test_a_quant_int8_run_scores_both_local_rerankers_in_int8_once_each_passes_t
     """A run made with --quant int8 (a copy of the demo with int8 in its record: training runs on the float base,
     so its adapter is the demo's) scores base and Shield as two int8 models, the Shield's adapter merged first,
     each once its ranks on the run's lists pass the gate (logged), into caches of their own: the float caches
-    training wrote stay as they were. Below the gate rerank-eval stops, naming the figures and --quant none."""
+    training wrote stay as they were; the Shield alone loads no base. Below the gate rerank-eval stops, naming
+    the figures and --quant none."""
     import lora
     out, name = _run_copy(demo_run, tmp_path)
     record = json.load(open(out / name / "config.json"))
@@ -329,6 +330,8 @@ def test_a_quant_int8_run_scores_both_local_rerankers_in_int8_once_each_passes_t
     want = rr.score(x.query, x.docs).tolist()
     assert [q8_shield[rankers.doc_key(x.query, d)] for d in x.docs] == pytest.approx(want, abs=1e-5)
     assert stage["shield"]["overall"]["n"] > 0
+    run.main(argv[:-4] + ["--reranker", "shield"])             # the Shield alone: no base loaded, one gate
+    assert capsys.readouterr().err.count("[int8] rank agreement with the float model") == 1
     monkeypatch.setattr(rankers, "INT8_GATE", {"kendall_tau": 1.01, "top5_agreement": 0.9})
     for p in (out / name / "cache").glob("scores_*_int8.json"):
         p.unlink()
