@@ -378,13 +378,22 @@ ENGINE_MODULES = {"onnxruntime": ("transformers", "onnx", "onnxruntime"),
                   "openvino": ("transformers", "onnx", "openvino"), "torch-int8": ("transformers",), "ours-int8": ()}
 
 
-def seq_cls_onnx(seqcls, model):
+def seq_cls_model(seqcls):
+    """transformers' Qwen3ForSequenceClassification of the seq-cls export, float32, eager attention, no cache."""
+    import transformers
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        seqcls, dtype=torch.float32, attn_implementation="eager").eval()
+    model.config.use_cache = False
+    return model
+
+
+def seq_cls_onnx(seqcls):
     """The seq-cls export as ONNX (torch.onnx's TorchScript exporter, opset 17, dynamic batch and length),
-    written once beside the export -> its path."""
+    written once beside the export (its model loaded only then) -> its path."""
     path = os.path.join(seqcls, "model.onnx")
     if not os.path.isfile(path):        # written under another name first: a killed export leaves no model.onnx
         ids = torch.zeros((2, 8), dtype=torch.long)
-        torch.onnx.export(model, (ids, torch.ones_like(ids)), path + ".tmp",
+        torch.onnx.export(seq_cls_model(seqcls), (ids, torch.ones_like(ids)), path + ".tmp",
                           input_names=["input_ids", "attention_mask"], output_names=["logits"], opset_version=17,
                           dynamo=False,
                           dynamic_axes={n: {0: "batch", 1: "length"} for n in ("input_ids", "attention_mask")})
@@ -394,26 +403,22 @@ def seq_cls_onnx(seqcls, model):
 
 def engine_files(folder, engines):
     """The files `engines` read, written once beside `folder`: export.py's seq-cls export (float32), its ONNX
-    graph (seq_cls_onnx) and ONNX Runtime's dynamic-int8 graph of it -> (seq-cls folder, {name: ONNX path},
-    transformers' seq-cls model)."""
-    import transformers
+    graph (seq_cls_onnx) and ONNX Runtime's dynamic-int8 graph of it -> (seq-cls folder, {"float" | "int8":
+    ONNX path})."""
     import export
     seqcls = folder.rstrip("/") + "_seqcls"
     if not os.path.isfile(os.path.join(seqcls, "model.safetensors")):
         export.export(folder, seqcls, fmt="seq-cls", dtype="float32")
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        seqcls, dtype=torch.float32, attn_implementation="eager").eval()
-    model.config.use_cache = False
     graphs = {}
     if {"onnxruntime", "openvino", "onnxruntime-int8"} & set(engines):
-        graphs["float"] = seq_cls_onnx(seqcls, model)
+        graphs["float"] = seq_cls_onnx(seqcls)
     if "onnxruntime-int8" in engines:         # its dynamic quantization as its docs give it
         from onnxruntime.quantization import QuantType, quantize_dynamic
         graphs["int8"] = os.path.join(seqcls, "model.int8.onnx")
         if not os.path.isfile(graphs["int8"]):
             quantize_dynamic(graphs["float"], graphs["int8"] + ".tmp", weight_type=QuantType.QInt8)
             os.replace(graphs["int8"] + ".tmp", graphs["int8"])
-    return seqcls, graphs, model
+    return seqcls, graphs
 
 
 def engine_scorers(folder, engines):
@@ -422,7 +427,7 @@ def engine_scorers(folder, engines):
     graph, onnxruntime-int8 on that graph under ONNX Runtime's dynamic quantization (int8 weights, activations
     quantized per tensor at run time), torch-int8 transformers' model under torch's dynamic int8 quantization
     of every nn.Linear (per-tensor activation scales, fbgemm or onednn kernels)."""
-    _, graphs, model = engine_files(folder, engines)
+    seqcls, graphs = engine_files(folder, engines)
     feeds = lambda ids, mask: {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
 
     def ort(path):
@@ -439,7 +444,7 @@ def engine_scorers(folder, engines):
         compiled = openvino.Core().compile_model(graphs["float"], "CPU")
         out["openvino"] = lambda ids, mask: torch.from_numpy(compiled(feeds(ids, mask))[0][:, 0])
     if "torch-int8" in engines:
-        q = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        q = torch.ao.quantization.quantize_dynamic(seq_cls_model(seqcls), {nn.Linear}, dtype=torch.qint8)
 
         def int8(ids, mask):
             with torch.inference_mode():

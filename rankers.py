@@ -1,6 +1,6 @@
 """Rankings of candidate lists: the protocol every ranker follows (prepare a batch of instances, then
-scores and order of each), the in-process base and Shield rankers over one loaded Qwen3-Reranker (two,
-scored in int8, under --quant int8),
+scores and order of each), the in-process base and Shield rankers over one loaded Qwen3-Reranker (under
+--quant int8, two, scored in int8),
 rerank endpoints (Cohere, Jina, Voyage, vLLM- or TEI-shaped) through rerank_clients, and the
 --reranker specs that name them.
 
@@ -178,7 +178,8 @@ def ranker_identity(cfg, rr, adapter=None):
     config.json pins for them (model, dtype, NF4, max length, the benchmark's content: None for
     build-bench, which scores before its benchmark exists; the hub revision as resolved), and the SHA-1
     of the Shield adapter's weights (None: the base policy)."""
-    bench, quant = cfg.setting("bench"), "int8" if in_int8(rr) else cfg.model.quant.replace("int8", "none")
+    bench = cfg.setting("bench")
+    quant = "int8" if in_int8(rr) else "none" if cfg.model.quant == "int8" else cfg.model.quant   # as scored
     return {"model": cfg.model.model, "revision": rr.revision, "dtype": cfg.model.dtype, "quant": quant,
             "max_length": rr.max_length, "bench_sha1": bench and file_sha1(bench), "adapter_sha1": None
             if adapter is None else file_sha1(os.path.join(adapter, "adapter_model.safetensors"))}
@@ -282,9 +283,10 @@ GATE_LISTS = 32                   # candidate lists scored twice: each group's c
 
 
 def gate_lists(bench, n=GATE_LISTS):
-    """The first n candidate lists of a benchmark file -> [(query, docs)]: the test groups' first (their clean
-    list, then each family's attacked one), then the construction groups'."""
-    groups, meta = geodef.load_bench(bench, with_meta=True)
+    """The first n candidate lists of a benchmark file (None or absent: the bundled sample; build-bench gates
+    before its file exists) -> [(query, docs)]: the test groups' first (their clean list, then each family's
+    attacked one), then the construction groups'."""
+    groups, meta = geodef.load_bench(bench if bench and os.path.isfile(bench) else SAMPLE, with_meta=True)
     lists = []
     for g in sorted(groups, key=lambda g: g.split != "test"):
         x = geodef.clean_instance(g)
@@ -299,11 +301,9 @@ def in_int8(rr):
 
 def as_scored(run, rr):
     """rr as the run scores: with --quant int8 in int8 once its ranks on the run's own lists (gate_lists of its
-    benchmark; the bundled sample's where there is none yet: build-bench) pass the gate (int8_gated), else as
-    it is."""
-    bench = run.cfg.setting("bench")
+    benchmark) pass the gate (int8_gated), else as it is."""
     if run.cfg.model.quant == "int8" and not in_int8(rr):
-        int8_gated(rr, gate_lists(bench if bench and os.path.isfile(bench) else SAMPLE))
+        int8_gated(rr, gate_lists(run.cfg.setting("bench")))
     return rr
 
 

@@ -81,7 +81,7 @@ def shield_settings(cls, args):
     cfg = resolve(cls, asked)
     adapter = os.path.join(cfg.folder.run_dir, "adapter")
     need_trained(os.path.join(adapter, "adapter_config.json"), "trained adapter", cfg.folder.name)
-    trained = read_json(record)["config"]
+    trained = recorded(cfg.folder.run_dir)
     other = [f"--{k.replace('_', '-')} {asked[k]!r} (the run's: {trained.get(k)!r})"
              for k in ("dtype", "quant", "max_length") if k in asked and asked[k] != trained.get(k)]
     if other:
@@ -123,7 +123,7 @@ def exported(cfg, run_dir, out):
     NF4 base (a run's record says; for --model, --quant nf4), int8, name (--out's last part), overwrite, the
     folders it must not replace and the run's detector."""
     m, ex = cfg.model, cfg.export
-    trained = read_json(os.path.join(run_dir, "config.json"))["config"].get("quant") if run_dir else m.quant
+    trained = recorded(run_dir).get("quant") if run_dir else m.quant
     return dict(fmt=ex.format, dtype=m.dtype, revision=m.revision, quantized_base=trained == "nf4",
                 int8=m.quant == "int8", overwrite=ex.overwrite, name=os.path.basename(os.path.normpath(out)),
                 detector=detector_file(run_dir), protected=[cfg.folder.runs_dir] + ([run_dir] if run_dir else []))
@@ -134,12 +134,16 @@ def shield_as_scored(cfg, adapter, run_dir):
     run scores, in eval mode; with --quant int8 scored in int8 once it passes the gate on the run's own lists
     (its record's benchmark), else the bundled sample's -> (reranker, the gate's figures or None)."""
     rr = Run(cfg).shield(adapter=adapter) if adapter else Run(cfg).reranker()
-    bench = read_json(os.path.join(run_dir, "config.json"), {}).get("config", {}).get("bench") if run_dir else None
     rr.model.eval()
     if cfg.model.quant != "int8":
         return rr, None
-    lists = rankers.gate_lists(bench if bench and os.path.isfile(bench) else settings.SAMPLE)
+    lists = rankers.gate_lists(recorded(run_dir).get("bench"))
     return rr, rankers.int8_gated(rr, lists, allow=cfg.source.allow_int8_disagreement)
+
+
+def recorded(run_dir):
+    """The settings a trained run's config.json records ({} without a run)."""
+    return read_json(os.path.join(run_dir, "config.json"), {}).get("config", {}) if run_dir else {}
 
 
 def cmd_serve(args):
