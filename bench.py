@@ -1,7 +1,8 @@
 """Speed benchmarks (`python run.py bench --what ...`): our scorer and training step against
 transformers and PEFT on the same weights and ids, round-robin in one process, with two floors that
 run only the matrix work of our call (how close to the machine); memory in fresh processes; NF4;
-the LLM client; the rerank server against direct scoring. Method and figures: docs/PERF.md.
+the LLM client; the rerank server against direct scoring; the CPU engines in bench_engines.py.
+Method and figures: docs/PERF.md.
 
 Usage: python run.py bench --what score --repeat 5
 """
@@ -27,9 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import bench_engines
 import llm_clients
 import lora
-import metrics
 import reranker
 import serve
 import speed
@@ -365,217 +366,8 @@ def bench_score(m, b):
             results[f"{name}/ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     results["matmul_gflops"] = matmul_gflops(dtype, device=dev)
     if b.against:
-        engine_race(m, b, folder, rr, work, results)
+        bench_engines.engine_race(m, b, folder, rr, work, results)
     return results
-
-
-# ----------------------------------------------------------------------------- CPU engines (--against)
-
-# What each engine needs installed (test-only dependencies): the ONNX graph is written by torch.onnx from
-# transformers' Qwen3ForSequenceClassification, which ONNX Runtime and OpenVINO read.
-ENGINE_MODULES = {"onnxruntime": ("transformers", "onnx", "onnxruntime"),
-                  "onnxruntime-int8": ("transformers", "onnx", "onnxruntime"),
-                  "openvino": ("transformers", "onnx", "openvino"), "torch-int8": ("transformers",), "ours-int8": ()}
-
-
-def seq_cls_model(seqcls):
-    """transformers' Qwen3ForSequenceClassification of the seq-cls export, float32, eager attention, no cache."""
-    import transformers
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        seqcls, dtype=torch.float32, attn_implementation="eager").eval()
-    model.config.use_cache = False
-    return model
-
-
-def seq_cls_onnx(seqcls):
-    """The seq-cls export as ONNX (torch.onnx's TorchScript exporter, opset 17, dynamic batch and length),
-    written once beside the export (its model loaded only then) -> its path."""
-    path = os.path.join(seqcls, "model.onnx")
-    if not os.path.isfile(path):        # written under another name first: a killed export leaves no model.onnx
-        ids = torch.zeros((2, 8), dtype=torch.long)
-        torch.onnx.export(seq_cls_model(seqcls), (ids, torch.ones_like(ids)), path + ".tmp",
-                          input_names=["input_ids", "attention_mask"], output_names=["logits"], opset_version=17,
-                          dynamo=False,
-                          dynamic_axes={n: {0: "batch", 1: "length"} for n in ("input_ids", "attention_mask")})
-        os.replace(path + ".tmp", path)
-    return path
-
-
-def engine_files(folder, engines):
-    """The files `engines` read, written once beside `folder`: export.py's seq-cls export (float32), its ONNX
-    graph (seq_cls_onnx) and ONNX Runtime's dynamic-int8 graph of it -> (seq-cls folder, {"float" | "int8":
-    ONNX path})."""
-    import export
-    seqcls = folder.rstrip("/") + "_seqcls"
-    if not os.path.isfile(os.path.join(seqcls, "model.safetensors")):
-        export.export(folder, seqcls, fmt="seq-cls", dtype="float32")
-    graphs = {}
-    if {"onnxruntime", "openvino", "onnxruntime-int8"} & set(engines):
-        graphs["float"] = seq_cls_onnx(seqcls)
-    if "onnxruntime-int8" in engines:         # its dynamic quantization as its docs give it
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-        graphs["int8"] = os.path.join(seqcls, "model.int8.onnx")
-        if not os.path.isfile(graphs["int8"]):
-            quantize_dynamic(graphs["float"], graphs["int8"] + ".tmp", weight_type=QuantType.QInt8)
-            os.replace(graphs["int8"] + ".tmp", graphs["int8"])
-    return seqcls, graphs
-
-
-def engine_scorers(folder, engines):
-    """Each engine of `engines` over the checkpoint as a user deploys it, export.py's seq-cls export (engine_files)
-    -> {engine: fn(ids (B, T), mask (B, T)) -> (B,) float32 margins}: ONNX Runtime and OpenVINO on its ONNX
-    graph, onnxruntime-int8 on that graph under ONNX Runtime's dynamic quantization (int8 weights, activations
-    quantized per tensor at run time), torch-int8 transformers' model under torch's dynamic int8 quantization
-    of every nn.Linear (per-tensor activation scales, fbgemm or onednn kernels)."""
-    seqcls, graphs = engine_files(folder, engines)
-    feeds = lambda ids, mask: {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
-
-    def ort(path):
-        import onnxruntime
-        sess = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-        return lambda ids, mask: torch.from_numpy(sess.run(None, feeds(ids, mask))[0][:, 0])
-    out = {}
-    if "onnxruntime" in engines:
-        out["onnxruntime"] = ort(graphs["float"])
-    if "onnxruntime-int8" in engines:
-        out["onnxruntime-int8"] = ort(graphs["int8"])
-    if "openvino" in engines:
-        import openvino
-        compiled = openvino.Core().compile_model(graphs["float"], "CPU")
-        out["openvino"] = lambda ids, mask: torch.from_numpy(compiled(feeds(ids, mask))[0][:, 0])
-    if "torch-int8" in engines:
-        q = torch.ao.quantization.quantize_dynamic(seq_cls_model(seqcls), {nn.Linear}, dtype=torch.qint8)
-
-        def int8(ids, mask):
-            with torch.inference_mode():
-                return q(input_ids=ids, attention_mask=mask).logits[:, 0].float()
-        out["torch-int8"] = int8
-    return out
-
-
-class EngineProcess:
-    """One engine of engine_scorers in a process of its own (spawn): its weights, sessions and what its build
-    leaves behind live and die apart from ours, and an engine that runs out of memory ends alone. load(ids)
-    gives it a workload (-> its margins, one left-padded call); then each call(per_doc) scores it again, one
-    padded batch or one call a document, as the race times it."""
-
-    def __init__(self, folder, engine):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.engine = engine
-        self.proc = ctx.Process(target=_engine_child, args=(folder, engine, child), daemon=True)
-        self.proc.start()
-        child.close()
-        self._ask(None)                                   # its scorer built
-
-    def _ask(self, msg):
-        if msg is not None:
-            self.conn.send(msg)
-        try:
-            kind, out = self.conn.recv()
-        except (EOFError, OSError):
-            self.proc.join(5)
-            raise RuntimeError(f"bench: the {self.engine} process ended (exit code {self.proc.exitcode})") from None
-        if kind == "error":
-            raise RuntimeError(f"bench: {self.engine}: {out}")
-        return out
-
-    def load(self, ids):
-        return self._ask(("load", ids))
-
-    def call(self, per_doc=False):
-        return self._ask(("per_doc" if per_doc else "batch", None))
-
-    def close(self):
-        """Stops the process (ended already: nothing to say); one that does not stop within a minute is killed."""
-        try:
-            self.conn.send(("stop", None))
-        except OSError:
-            pass
-        self.proc.join(timeout=60)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
-
-
-def _engine_child(folder, engine, conn):
-    """EngineProcess's process: builds the engine's scorer (its export written by the parent first), then
-    answers each message until "stop"."""
-    speed.reuse_freed_memory()   # entry point of this fresh (spawned) process: malloc as in run.py's __main__
-    try:
-        fn = engine_scorers(folder, [engine])[engine]
-        with open(folder.rstrip("/") + "_seqcls/config.json", encoding="utf-8") as f:
-            pad_id = json.load(f).get("pad_token_id", 151643)
-        conn.send(("ok", None))
-    except Exception as e:                                # said to the parent, which names the engine
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
-    ids = None
-    while True:
-        kind, arg = conn.recv()
-        if kind == "stop":
-            return
-        try:
-            if kind == "load":
-                ids = arg
-            if kind == "per_doc":
-                out = [fn(*left_padded([x], pad_id)) for x in ids]
-            else:
-                out = fn(*left_padded(ids, pad_id)).float()
-            conn.send(("ok", out if kind == "load" else None))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-def engine_race(m, b, folder, rr, work, results):
-    """--against: each engine on the workloads in a process of its own (EngineProcess), padded as its users
-    batch (one left-padded call) and one call per document, and ours in int8 (lora.quantize_int8, packed as
-    ours), raced round-robin with our scorer -> results gains, per workload and engine, documents per second,
-    our speed over the engine's (paired median: above 1, ours is faster), the largest margin difference from
-    ours and the rank agreement with ours (the workload's documents as one list: Kendall tau-b, top-5
-    agreement)."""
-    engines = [e for e in b.against if e != "ours-int8"]
-    if engines:                                       # the exports, written once in a process that then ends
-        in_fresh_process(_export_child, folder, engines)
-    procs = {}
-    try:
-        for e in engines:
-            procs[e] = EngineProcess(folder, e)
-        q8 = load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype) if "ours-int8" in b.against else None
-        if q8 is not None:
-            lora.quantize_int8(q8.model, speed.CPU_INT8_UNITS)
-        for name, lens in work.items():
-            ids = random_ids(lens, prefix=b.prefix)
-            ours = rr.score_ids(ids).float()
-            cands = {"ours": lambda: rr.score_ids(ids)}
-            scored = {e: p.load(ids) for e, p in procs.items()}
-            for e, p in procs.items():
-                cands[e] = p.call
-                cands[f"{e}_per_doc"] = functools.partial(p.call, per_doc=True)
-            if q8 is not None:
-                cands["ours-int8"] = lambda: q8.score_ids(ids)
-                scored["ours-int8"] = q8.score_ids(ids)
-            for e, s in scored.items():
-                results[f"{name}/{e}_max_margin_diff"] = float((s.float() - ours).abs().max())
-                agree = metrics.rank_agreement([ours.tolist()], [s.float().tolist()], 5)
-                results[f"{name}/{e}_kendall_tau"], results[f"{name}/{e}_top5_agreement"] = \
-                    agree["kendall_tau"], agree["top5_agreement"]
-            rounds = []
-            for k, t in race(cands, b.repeat, rounds, progress(name, len(lens), b.repeat)).items():
-                if k != "ours":                  # ours: the main race's figure
-                    results[f"{name}/{k}_docs_per_s"] = len(lens) / t
-                    results[f"{name}/ours_vs_{k}_paired_median"] = paired_ratio(rounds, k)
-    finally:
-        for p in procs.values():
-            p.close()
-    return results
-
-
-def _export_child(folder, engines, q):
-    """engine_files in a fresh process, whose memory (the exporter's) goes with it."""
-    engine_files(folder, engines)
-    q.put(None)
 
 
 def unshared(rr, ids):
@@ -927,8 +719,8 @@ def run_bench(cfg):
     if b.what in ("score", "memory", "train", "nf4", "serve"):   # the peers and the random checkpoint's writer
         missing = [m for m in ("transformers",) + ("peft",) * (b.what == "train")
                    if importlib.util.find_spec(m) is None]
-        missing += [m for e in b.against or () for m in ENGINE_MODULES[e] if importlib.util.find_spec(m) is None
-                    and m not in missing]
+        missing += [m for e in b.against or () for m in bench_engines.ENGINE_MODULES[e]
+                    if importlib.util.find_spec(m) is None and m not in missing]
         if missing:
             raise SettingsError(f"bench --what {b.what} races {' and '.join(missing)} (not runtime dependencies):"
                                 " pip install -r requirements-test.txt")

@@ -1,4 +1,5 @@
-"""bench.py: the GEMM / matmul floors replay exactly the scorer's matrix work.
+"""bench.py: the GEMM / matmul floors replay exactly the scorer's matrix work; bench_engines.py: the CPU
+engines score as we do, in a process of their own too.
 Run: python -m pytest -q test_bench.py
 """
 import json
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import bench
+import bench_engines
 import lora
 import reranker
 import speed
@@ -104,11 +106,11 @@ def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, 
     Runtime's dynamic int8. ONNX Runtime in a process of its own, as bench races it, gives the same margins
     and says its errors."""
     pytest.importorskip("transformers")
-    for m in bench.ENGINE_MODULES[engine]:
+    for m in bench_engines.ENGINE_MODULES[engine]:
         pytest.importorskip(m)
     folder = str(tmp_path / "tiny")
     shutil.copytree(tiny_dir, folder)
-    fn = bench.engine_scorers(folder, [engine])[engine]
+    fn = bench_engines.engine_scorers(folder, [engine])[engine]
     rr = bench.load_ours(folder, dtype=torch.float32)
     ids = rr.tokenize("how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell sharply.",
                                                   "Eggs: nine minutes for a hard yolk, six for soft."])
@@ -119,7 +121,7 @@ def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, 
     else:
         torch.testing.assert_close(got, ours, rtol=1e-4, atol=1e-4)
     if engine == "onnxruntime":       # as bench races it: in a process of its own (EngineProcess), the same margins
-        p = bench.EngineProcess(folder, engine)
+        p = bench_engines.EngineProcess(folder, engine)
         try:
             torch.testing.assert_close(p.load(ids), got)
             assert p.call() is None and p.call(per_doc=True) is None
