@@ -129,6 +129,11 @@ def mixed_lengths(n=10, seed=1):
     return [rng.randint(100, 1000) for _ in range(n)]
 
 
+def workloads(b):
+    """{name: document lengths} of the workloads --workloads names: mixed (mixed_lengths), fixed (10 x --seq)."""
+    return {name: mixed_lengths() if name == "mixed" else [b.seq] * 10 for name in b.workloads}
+
+
 def random_ids(lens, seed=0, prefix=0):
     """Random token ids of the given lengths; with `prefix`, the first `prefix` tokens (at most L - 1)
     are the same in every sequence, as in one query's reranker prompts (system prompt, instruction and
@@ -313,11 +318,11 @@ def bench_score(m, b):
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
     rr = load_ours(folder, dtype=dtype, device=dev)
     rc = load_ours(folder, dtype=dtype, device=dev, compile=True) if m.compile else None
-    work = {"mixed": mixed_lengths(), "fixed": [b.seq] * 10}
+    work = workloads(b)
     results = {}
     if rc is not None:  # compilation happens on the first call: timed here, outside the race
         t0 = time.perf_counter()
-        rc.score_ids(random_ids(work["mixed"], prefix=b.prefix))
+        rc.score_ids(random_ids(next(iter(work.values())), prefix=b.prefix))
         results["compile_first_call_s"] = time.perf_counter() - t0
     for name, lens in work.items():
         ids = random_ids(lens, prefix=b.prefix)
@@ -442,10 +447,10 @@ def _peak_rss_child(kind, folder, lens, prefix, dtype_name, q):
 
 def bench_memory(m, b):
     """Peak resident memory of one scoring call (weights included), ours vs transformers, each in a
-    fresh process, on the mixed and fixed workloads of `bench --what score`."""
+    fresh process, on the workloads of `bench --what score`."""
     folder = bench_folder(m, b)
     res = {}
-    for name, lens in {"mixed": mixed_lengths(), "fixed": [b.seq] * 10}.items():
+    for name, lens in workloads(b).items():
         kinds = ("ours", "ours_compiled", "transformers") if m.compile else ("ours", "transformers")
         for kind in kinds:
             res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, b.prefix,

@@ -97,11 +97,13 @@ class Transfer(NamedTuple):
         return cls(name, path)
 
 
-def engine_name(v):
-    """One of bench --against's engines (ENGINES)."""
-    if v not in ENGINES:
-        raise ValueError(f"{v!r}: not one of {', '.join(ENGINES)}")
-    return v
+def one_of(names):
+    """A comma list's item parser: each item one of `names` (bench's --against and --workloads)."""
+    def item(v):
+        if v not in names:
+            raise ValueError(f"{v!r}: not one of {', '.join(names)}")
+        return v
+    return item
 
 
 def budget_list(v):
@@ -681,7 +683,10 @@ class BenchSettings(Settings):
     out: str = setting("runs/_bench", "where the random real-width checkpoint is kept")
     against: tuple = setting(None, "score: CPU engines to race beside transformers on the seq-cls export, comma list "
                                    f"of {', '.join(ENGINES)} (test-only dependencies: requirements-test.txt)",
-                             parse=comma_list(engine_name))
+                             parse=comma_list(one_of(ENGINES)))
+    workloads: tuple = setting("mixed,fixed", "score, memory: the workloads measured, comma list of mixed (10 "
+                                              "documents of 100-1000 tokens), fixed (10 x --seq)",
+                               parse=comma_list(one_of(("mixed", "fixed"))))
 
 
 # ----------------------------------------------------------------------------- commands

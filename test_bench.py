@@ -137,3 +137,15 @@ def test_against_is_refused_outside_a_cpu_score_race():
     for argv in (["--what", "train", "--against", "onnxruntime"], ["--what", "score", "--against", "onnx"]):
         with pytest.raises(SystemExit, match="--against"):
             run.main(["bench", *argv])
+
+
+def test_workloads_are_those_named_in_their_order():
+    """--workloads picks bench's workloads (one of them alone at the real depth on a slow CPU); a name that is
+    not one is refused naming the flag."""
+    import run
+    from settings import BenchSettings
+    assert list(bench.workloads(BenchSettings(what="score", seq=7, workloads="fixed"))) == ["fixed"]
+    both = bench.workloads(BenchSettings(what="score", seq=7))
+    assert list(both) == ["mixed", "fixed"] and both["mixed"] == bench.mixed_lengths() and both["fixed"] == [7] * 10
+    with pytest.raises(SystemExit, match="--workloads 'fixd': not one of mixed, fixed"):
+        run.main(["bench", "--what", "score", "--workloads", "fixd"])
