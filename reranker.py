@@ -210,12 +210,15 @@ class Block(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    """The decoder without the LM head. Submodule names mirror the checkpoint's `model.*` keys."""
+    """The decoder without the LM head. Submodule names mirror the checkpoint's `model.*` keys. Built as the
+    skeleton a checkpoint's weights fill (load_qwen3 builds it on the meta device), so the embedding gets no
+    init of its own: nn.Embedding's normal_ on the meta device imports torch._dynamo, ~2 s of every process."""
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gradient_checkpointing = False

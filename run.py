@@ -262,10 +262,12 @@ OUT = {"demo": dict(default="runs", help="folder to write the demo run into (DIR
                                               "--bench)")}
 
 
+@functools.lru_cache(maxsize=None)
 def parser(only=None):
     """The command line: one subcommand per job; each takes the flags of its settings class. With `only`
     (the command a call runs) the other subcommands are listed but given no flags: building every
-    command's flags is most of what parsing one command line costs."""
+    command's flags is most of what parsing one command line costs. Built once per `only` in a process
+    that parses many command lines (argparse looks up a translation for each of its strings as it builds)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.allow_abbrev, ap.error = False, functools.partial(redacted_error, ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
