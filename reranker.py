@@ -212,7 +212,8 @@ class Block(nn.Module):
 class Qwen3Model(nn.Module):
     """The decoder without the LM head. Submodule names mirror the checkpoint's `model.*` keys. Built as the
     skeleton a checkpoint's weights fill (load_qwen3 builds it on the meta device), so the embedding gets no
-    init of its own: nn.Embedding's normal_ on the meta device imports torch._dynamo, ~2 s of every process."""
+    init of its own: nn.Embedding's normal_ on the meta device imports torch._dynamo, which a process that
+    only scores never needs otherwise (docs/PERF.md)."""
 
     def __init__(self, cfg):
         super().__init__()
