@@ -68,12 +68,13 @@ def engine_files(folder, engines):
     return seqcls, graphs
 
 
-def engine_scorers(folder, engines):
+def engine_scorers(folder, engines, dtype="float32"):
     """Each engine of `engines` over the checkpoint as a user deploys it, export.py's seq-cls export (engine_files)
-    -> {engine: fn(ids (B, T), mask (B, T)) -> (B,) float32 margins}: ONNX Runtime and OpenVINO on its ONNX
-    graph, onnxruntime-int8 on that graph under ONNX Runtime's dynamic quantization (int8 weights, activations
-    quantized per tensor at run time), torch-int8 transformers' model under torch's dynamic int8 quantization
-    of every nn.Linear (per-tensor activation scales, fbgemm or onednn kernels)."""
+    -> {engine: fn(ids (B, T), mask (B, T)) -> (B,) float32 margins}: ONNX Runtime (float32: its CPU provider
+    has no bf16 GEMMs on x86) and OpenVINO (in `dtype`, ours) on its ONNX graph, onnxruntime-int8 on that
+    graph under ONNX Runtime's dynamic quantization (int8 weights, activations quantized per tensor at run
+    time), torch-int8 transformers' model under torch's dynamic int8 quantization of every nn.Linear
+    (per-tensor activation scales, fbgemm or onednn kernels)."""
     seqcls, graphs = engine_files(folder, engines)
     feeds = lambda ids, mask: {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
 
@@ -88,7 +89,10 @@ def engine_scorers(folder, engines):
         out["onnxruntime-int8"] = ort(graphs["int8"])
     if "openvino" in engines:
         import openvino
-        compiled = openvino.Core().compile_model(graphs["float"], "CPU")
+        # OpenVINO's CPU plugin runs bf16 by default where the CPU has bf16 units: the precision is set
+        # to ours, so that a float32 race is float32 (INFERENCE_PRECISION_HINT, OpenVINO's CPU device docs)
+        hint = {"INFERENCE_PRECISION_HINT": "bf16" if dtype == "bfloat16" else "f32"}
+        compiled = openvino.Core().compile_model(graphs["float"], "CPU", hint)
         out["openvino"] = lambda ids, mask: torch.from_numpy(compiled(feeds(ids, mask))[0][:, 0])
     if "torch-int8" in engines:
         q = torch.ao.quantization.quantize_dynamic(seq_cls_model(seqcls), {nn.Linear}, dtype=torch.qint8)
@@ -106,11 +110,11 @@ class EngineProcess:
     gives it a workload (-> its margins, one left-padded call); then each call(per_doc) scores it again, one
     padded batch or one call a document, as the race times it."""
 
-    def __init__(self, folder, engine):
+    def __init__(self, folder, engine, dtype="float32"):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.engine = engine
-        self.proc = ctx.Process(target=_engine_child, args=(folder, engine, child), daemon=True)
+        self.proc = ctx.Process(target=_engine_child, args=(folder, engine, dtype, child), daemon=True)
         self.proc.start()
         child.close()
         self._ask(None)                                   # its scorer built
@@ -146,12 +150,12 @@ class EngineProcess:
         self.conn.close()
 
 
-def _engine_child(folder, engine, conn):
+def _engine_child(folder, engine, dtype, conn):
     """EngineProcess's process: builds the engine's scorer (its export written by the parent first), then
     answers each message until "stop"."""
     speed.reuse_freed_memory()   # entry point of this fresh (spawned) process: malloc as in run.py's __main__
     try:
-        fn = engine_scorers(folder, [engine])[engine]
+        fn = engine_scorers(folder, [engine], dtype)[engine]
         with open(folder.rstrip("/") + "_seqcls/config.json", encoding="utf-8") as f:
             pad_id = json.load(f).get("pad_token_id", 151643)
         conn.send(("ok", None))
@@ -188,7 +192,7 @@ def engine_race(m, b, folder, rr, work, results):
     procs = {}
     try:
         for e in engines:
-            procs[e] = EngineProcess(folder, e)
+            procs[e] = EngineProcess(folder, e, m.dtype)
         q8 = bench.load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype) if "ours-int8" in b.against else None
         if q8 is not None:
             lora.quantize_int8(q8.model, speed.CPU_INT8_UNITS)

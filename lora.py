@@ -337,7 +337,7 @@ def int8_quantize(w):
     """w (rows, cols) -> (q int8 (rows, cols), scale float32 (rows, 1)): each row scaled by its absmax / 127."""
     w = w.detach().float()
     scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
-    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+    return (w / scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 def int8_matmul_reference(xq, wq):
@@ -346,14 +346,14 @@ def int8_matmul_reference(xq, wq):
 
 
 def int8_matmul(xq, wq, units=None):
-    """int8_matmul_reference's value, as the hardware runs it fastest: torch._int_mm (int32 accumulation)
-    on CUDA and on CPUs with int8 units (`units`: VNNI or AMX-INT8, speed.CPU_INT8_UNITS) where K and N
-    are multiples of 8, elsewhere float32 GEMMs over K in chunks of INT8_CHUNK (each chunk's sum exact)
-    summed in float64 -> (M, N)."""
+    """int8_matmul_reference's value, as the hardware runs it fastest: torch._int_mm (int32 accumulation,
+    exact: |sum| <= 127^2 K < 2^31 for K < 133,000) on CUDA and on CPUs with int8 units (`units`: VNNI or
+    AMX-INT8, speed.CPU_INT8_UNITS) where K and N are multiples of 8 -> (M, N) int32; elsewhere float32
+    GEMMs over K in chunks of INT8_CHUNK (each chunk's sum exact) summed in float64 -> (M, N) float64."""
     M, K, N, cuda = xq.shape[0], xq.shape[1], wq.shape[0], xq.device.type == "cuda"
     if (cuda or (units and xq.device.type == "cpu")) and K % 8 == 0 and N % 8 == 0 and M:
         pad = max(0, 17 - M) if cuda else 0                      # CUDA's kernel: M > 16, K and N multiples of 8
-        return torch._int_mm(F.pad(xq, (0, 0, 0, pad)), wq.t())[:M].double()
+        return torch._int_mm(F.pad(xq, (0, 0, 0, pad)), wq.t())[:M]
     x, w = xq.float(), wq.float()
     out = torch.zeros(xq.shape[0], wq.shape[0], dtype=torch.float64, device=xq.device)     # (M, N)
     for lo in range(0, xq.shape[1], INT8_CHUNK):
@@ -376,7 +376,8 @@ class Int8Linear(nn.Module):
     def forward(self, x):
         flat = x.reshape(-1, self.in_features)                          # (M, in)
         xq, sx = int8_quantize(flat)                                    # (M, in) int8, (M, 1)
-        y = int8_matmul(xq, self.qweight, self.units).float() * sx * self.scale     # (M, out)
+        y = int8_matmul(xq, self.qweight, self.units).float()                   # (M, out), exact sums
+        y.mul_(sx).mul_(self.scale)     # in place: at 10 x 512 tokens y is tens of MB, each new one a pass
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 

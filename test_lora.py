@@ -205,7 +205,9 @@ def test_int8_matmul_is_the_exact_integer_product_on_every_path():
     assert ((xq.float() * sx - x).abs() <= sx / 2 + 1e-6).all()            # round to nearest, per row
     ref = lora.int8_matmul_reference(xq, wq)
     assert ref.abs().max() > 2 ** 24                                        # float32 over the whole K would round
-    assert torch.equal(lora.int8_matmul(xq, wq), ref) and torch.equal(lora.int8_matmul(xq, wq, {"avx512_vnni"}), ref)
+    kernel = lora.int8_matmul(xq, wq, {"avx512_vnni"})                      # int32 from torch._int_mm
+    assert torch.equal(lora.int8_matmul(xq, wq), ref)
+    assert kernel.dtype == torch.int32 and torch.equal(kernel.double(), ref)
     assert not torch.equal((xq.float() @ wq.float().t()).double(), ref)     # why the chunks
     odd = wq[:301]                                  # N not a multiple of 8: _int_mm's rule, so the chunks run
     assert torch.equal(lora.int8_matmul(xq, odd, {"avx512_vnni"}), lora.int8_matmul_reference(xq, odd))
@@ -221,7 +223,7 @@ def test_int8_on_cuda_is_the_cpu_int8(tiny_dir):
     for m in (5, 37):
         xq = lora.int8_quantize(torch.rand(m, 5000, generator=g) * 3)[0]
         got = lora.int8_matmul(xq.cuda(), w.cuda()).cpu()
-        assert got.shape == (m, 304) and torch.equal(got, lora.int8_matmul_reference(xq, w))
+        assert got.shape == (m, 304) and torch.equal(got.double(), lora.int8_matmul_reference(xq, w))
     rr, ids, _ = _lora_model(tiny_dir)
     rr.model.eval()
     lora.quantize_int8(rr.model)
