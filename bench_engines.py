@@ -183,9 +183,9 @@ def engine_race(m, b, folder, rr, work, results):
     """--against: each engine on the workloads in a process of its own (EngineProcess), padded as its users
     batch (one left-padded call) and one call per document, and ours in int8 (lora.quantize_int8, packed as
     ours), raced round-robin with our scorer -> results gains, per workload and engine, documents per second,
-    our speed over the engine's (paired median: above 1, ours is faster), the largest margin difference from
-    ours and the rank agreement with ours (the workload's documents as one list: Kendall tau-b, top-5
-    agreement)."""
+    our speed over the engine's (paired median: above 1, ours is faster; with ours-int8, its speed over each
+    int8 engine's too), the largest margin difference from ours and the rank agreement with ours (the
+    workload's documents as one list: Kendall tau-b, top-5 agreement)."""
     engines = [e for e in b.against if e != "ours-int8"]
     if engines:                                       # the exports, written once in a process that then ends
         bench.in_fresh_process(_export_child, folder, engines)
@@ -217,6 +217,8 @@ def engine_race(m, b, folder, rr, work, results):
                 if k != "ours":                  # ours: the main race's figure
                     results[f"{name}/{k}_docs_per_s"] = len(lens) / t
                     results[f"{name}/ours_vs_{k}_paired_median"] = bench.paired_ratio(rounds, k)
+                if q8 is not None and "int8" in k and k != "ours-int8":         # int8 against int8, paired
+                    results[f"{name}/ours-int8_vs_{k}_paired_median"] = bench.paired_ratio(rounds, k, "ours-int8")
     finally:
         for p in procs.values():
             p.close()
