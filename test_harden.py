@@ -43,6 +43,17 @@ def near_copies_in_round_1(real):
     return attacker
 
 
+def harden_copy(demo_run, dst):
+    """The demo's runs folder copied to dst for a hardening run, its recorded epochs lowered to 1: each
+    round's retraining then makes one pass over the demo's triples and the pool, which is all these tests
+    look at (the demo's 6 epochs serve its tables)."""
+    shutil.copytree(demo_run.parent, dst, dirs_exist_ok=True)
+    path = dst / "demo" / "config.json"
+    record = json.loads(path.read_text())
+    record["config"]["epochs"] = 1
+    path.write_text(json.dumps(record, indent=2))
+
+
 RETRAINED = []     # the hardening run's train_shield calls: (folder, pool instance ids, warm start)
 
 
@@ -56,7 +67,7 @@ def hardened(demo_run, tmp_path_factory):
     requests and the retraining calls recorded: -> (the run's parent folder, the harden block, [(attacker
     seed, group id)])."""
     out = tmp_path_factory.mktemp("h")
-    shutil.copytree(demo_run.parent, out, dirs_exist_ok=True)
+    harden_copy(demo_run, out)
     seen, real = [], near_copies_in_round_1(offline.attack_rewrites)
     mp = pytest.MonkeyPatch()
 
@@ -245,7 +256,7 @@ def test_a_killed_batch_api_harden_reruns_to_the_synchronous_files(hardened, tmp
     """Killed as round 1 starts measuring and rerun, a harden through the batch API ends with the files
     of the uninterrupted synchronous run, every harden stage's replies bought by batch."""
     out, _, _ = hardened
-    shutil.copytree(demo_run.parent, tmp_path / "o")
+    harden_copy(demo_run, tmp_path / "o")
     real, n = harden.measure, [0]
 
     def dies(*a, **k):
@@ -323,7 +334,7 @@ def test_a_test_attacker_of_another_algorithm_is_recorded_and_labelled(demo_run,
     the diagnose-and-repair loop from the source (its candidates carry their diagnosis and edit fraction), as
     attack's defaults; harden/settings.json pins both algorithms, the start and the edit budget, and
     the report calls the test attacker out of distribution."""
-    shutil.copytree(demo_run.parent, tmp_path / "o")
+    harden_copy(demo_run, tmp_path / "o")
     run.main(["harden", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--rounds", "1", "--budget", "3",
               "--eval-budgets", "1,3", "--eval-groups", "2", "--test-algorithm", "repair"])
     h = tmp_path / "o" / "demo" / "harden"
