@@ -91,7 +91,7 @@ def engine_scorers(folder, engines, dtype="float32"):
         import openvino
         # OpenVINO's CPU plugin runs bf16 by default where the CPU has bf16 units: the precision is set
         # to ours, so that a float32 race is float32 (INFERENCE_PRECISION_HINT, OpenVINO's CPU device docs)
-        hint = {"INFERENCE_PRECISION_HINT": "bf16" if dtype == "bfloat16" else "f32"}
+        hint = {"INFERENCE_PRECISION_HINT": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]}
         compiled = openvino.Core().compile_model(graphs["float"], "CPU", hint)
         out["openvino"] = lambda ids, mask: torch.from_numpy(compiled(feeds(ids, mask))[0][:, 0])
     if "torch-int8" in engines:

@@ -48,10 +48,10 @@ def harden_copy(demo_run, dst):
     round's retraining then makes one pass over the demo's triples and the pool, which is all these tests
     look at (the demo's 6 epochs serve its tables)."""
     shutil.copytree(demo_run.parent, dst, dirs_exist_ok=True)
-    path = dst / "demo" / "config.json"
-    record = json.loads(path.read_text())
+    path = str(dst / "demo" / "config.json")
+    record = store.read_json(path)
     record["config"]["epochs"] = 1
-    path.write_text(json.dumps(record, indent=2))
+    store.write_json(path, record)
 
 
 RETRAINED = []     # the hardening run's train_shield calls: (folder, pool instance ids, warm start)
