@@ -58,7 +58,7 @@ from evaluation import check_eval_settings, evaluate, offline_notes
 from metrics import by_group, paired_gap, rate
 from rankers import parse_rerankers
 from settings import SettingsError
-from store import log, read_json, write_json
+from store import atomic_write, log, read_json, write_json
 from train import plan_train, train_shield, train_tfsg
 
 ALL = "all"                       # the reference fold: every construction family
@@ -438,8 +438,7 @@ def write_report(out, s):
                   "groups (the training's variance included), and its spread over the subsets. The per-fold "
                   "intervals are not corrected for being read together; the mean over folds is the one figure to "
                   "read.\n", "```", regime_table(s), "```\n"]
-        with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
-            f.write("\n".join(lines))
+        atomic_write(os.path.join(out, "report.md"), "\n".join(lines))
         return
     b = s.get("builders") or {}
     lines += [f"Rewrites built by {b.get('construction')} (construction split) and {b.get('test')} (test split).\n"] \
@@ -494,5 +493,4 @@ def write_report(out, s):
         f.write(figures.svg_bars(f"Each family held out: exposure@{k}", [r["family"] for r in s["folds"]], series,
                                 values, xlabel="held-out family (F)", ylabel=f"exposure@{k} (%)", note=note))
     lines.append("![Each family held out](figures/holdout.svg)\n")
-    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    atomic_write(os.path.join(out, "report.md"), "\n".join(lines))

@@ -15,6 +15,7 @@ import json
 import os
 
 from figures import COLORS, figure_note, fmt, svg_bars, svg_heatmap, svg_lines
+from store import atomic_write
 
 
 def _table(header, rows):
@@ -34,8 +35,7 @@ def write_report(run_dir, s):
     # the API refused a parameter (llm_clients.RequestShape.adapt)
     for who, changes in (s.get("adapted") or {}).items():
         lines.append(f"Requests to {who} adapted to its API: {'; '.join(changes)}.\n")
-    with open(os.path.join(run_dir, "report.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    atomic_write(os.path.join(run_dir, "report.md"), "\n".join(lines))
 
 
 def _title(run_dir, s, what):
@@ -508,8 +508,7 @@ def write_rerank_report(run_dir, s):
         lines.append("![exposure against K](figures/rerank_attacked.svg)\n")
     lines += [f"Reranker `{lb}`: `{stage[lb]['spec']}`." for lb in labels] + [""]
     lines += usage_lines(s.get("usage") or {})
-    with open(os.path.join(run_dir, "rerank_report.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    atomic_write(os.path.join(run_dir, "rerank_report.md"), "\n".join(lines))
 
 
 def write_attack_report(run_dir, s):
@@ -564,8 +563,7 @@ def write_attack_report(run_dir, s):
                          f"{(c['judge'] or {}).get('calls', 0)} fidelity judge calls, {c['reranker_queries']} "
                          f"reranker queries, {c['candidates']} candidates.\n")
     lines += usage_lines(s.get("usage") or {})
-    with open(os.path.join(run_dir, "attack_report.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    atomic_write(os.path.join(run_dir, "attack_report.md"), "\n".join(lines))
 
 
 def usage_lines(u):
@@ -651,8 +649,7 @@ def write_comparison(out_dir, summaries):
                                     xlabel="target LLM", ylabel="source library", note=figure_note(notes)))
         lines.append("![transfer ASR](figures/transfer_asr.svg) ![transfer ASI](figures/transfer_asi.svg)\n")
     path = os.path.join(out_dir, "comparison.md")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    atomic_write(path, "\n".join(lines))
     return path
 
 
@@ -755,5 +752,4 @@ def write_harden_report(run_dir, s):
     lines.append("![Cross-play](figures/harden_crossplay.svg)\n")
     lines += harden_detector_lines(b["rounds"])
     lines += usage_lines(s.get("usage") or {})
-    with open(os.path.join(run_dir, "harden_report.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    atomic_write(os.path.join(run_dir, "harden_report.md"), "\n".join(lines))
