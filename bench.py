@@ -371,7 +371,7 @@ def bench_score(m, b):
             results[f"{name}/ours_vs_ours_unshared_paired_median"] = paired_ratio(rounds, "ours_unshared")
     results["matmul_gflops"] = matmul_gflops(dtype, device=dev)
     if b.against:
-        bench_engines.engine_race(m, b, folder, rr, work, results)
+        bench_engines.engine_race(m, b, folder, rr, work, results, rc)
     return results
 
 

@@ -179,13 +179,14 @@ def _engine_child(folder, engine, dtype, conn):
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def engine_race(m, b, folder, rr, work, results):
+def engine_race(m, b, folder, rr, work, results, rc=None):
     """--against: each engine on the workloads in a process of its own (EngineProcess), padded as its users
     batch (one left-padded call) and one call per document, and ours in int8 (lora.quantize_int8, packed as
-    ours), raced round-robin with our scorer -> results gains, per workload and engine, documents per second,
-    our speed over the engine's (paired median: above 1, ours is faster; with ours-int8, its speed over each
-    int8 engine's too), the largest margin difference from ours and the rank agreement with ours (the
-    workload's documents as one list: Kendall tau-b, top-5 agreement)."""
+    ours), raced round-robin with our scorer (and `rc`, our compiled scorer, where bench compiles) -> results
+    gains, per workload and engine, documents per second, our speed over the engine's (paired median: above 1,
+    ours is faster; with ours-int8 or ours_compiled, its speed over each engine of its precision too), the
+    largest margin difference from ours and the rank agreement with ours (the workload's documents as one list:
+    Kendall tau-b, top-5 agreement)."""
     engines = [e for e in b.against if e != "ours-int8"]
     if engines:                                       # the exports, written once in a process that then ends
         bench.in_fresh_process(_export_child, folder, engines)
@@ -200,6 +201,8 @@ def engine_race(m, b, folder, rr, work, results):
             ids = bench.random_ids(lens, prefix=b.prefix)
             ours = rr.score_ids(ids).float()
             cands = {"ours": lambda: rr.score_ids(ids)}
+            if rc is not None:
+                cands["ours_compiled"] = lambda: rc.score_ids(ids)
             scored = {e: p.load(ids) for e, p in procs.items()}
             for e, p in procs.items():
                 cands[e] = p.call
@@ -214,11 +217,15 @@ def engine_race(m, b, folder, rr, work, results):
                     agree["kendall_tau"], agree["top5_agreement"]
             rounds = []
             for k, t in bench.race(cands, b.repeat, rounds, bench.progress(name, len(lens), b.repeat)).items():
-                if k != "ours":                  # ours: the main race's figure
-                    results[f"{name}/{k}_docs_per_s"] = len(lens) / t
-                    results[f"{name}/ours_vs_{k}_paired_median"] = bench.paired_ratio(rounds, k)
-                if q8 is not None and "int8" in k and k != "ours-int8":         # int8 against int8, paired
+                if k in ("ours", "ours_compiled"):           # their figures: the main race's
+                    continue
+                results[f"{name}/{k}_docs_per_s"] = len(lens) / t
+                results[f"{name}/ours_vs_{k}_paired_median"] = bench.paired_ratio(rounds, k)
+                if q8 is not None and "int8" in k and k != "ours-int8":        # int8 against int8, paired
                     results[f"{name}/ours-int8_vs_{k}_paired_median"] = bench.paired_ratio(rounds, k, "ours-int8")
+                if rc is not None and "int8" not in k:                         # compiled against float, paired
+                    results[f"{name}/ours_compiled_vs_{k}_paired_median"] = bench.paired_ratio(rounds, k,
+                                                                                               "ours_compiled")
     finally:
         for p in procs.values():
             p.close()

@@ -3,8 +3,10 @@ engines score as we do, in a process of their own too.
 Run: python -m pytest -q test_bench.py
 """
 import json
+import queue
 import random
 import shutil
+import types
 
 import pytest
 import torch
@@ -99,12 +101,12 @@ def test_race_reports_every_call_as_it_ends(capsys):
 
 
 @pytest.mark.parametrize("engine", ["onnxruntime", "onnxruntime-int8", "openvino", "torch-int8"])
-def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, engine):
+def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, engine, monkeypatch):
     """bench --against's contenders on the tiny checkpoint's seq-cls export, left-padded as their users batch
     them: ONNX Runtime and OpenVINO (float32, the ONNX graph) give our margins; torch's dynamic int8 ranks as
     we do on these well-separated documents and moves each margin by less than its own spread, and so does ONNX
     Runtime's dynamic int8. ONNX Runtime in a process of its own, as bench races it, gives the same margins
-    and says its errors."""
+    and says its errors; in the engine race it is paired with our compiled scorer as with our eager one."""
     pytest.importorskip("transformers")
     for m in bench_engines.ENGINE_MODULES[engine]:
         pytest.importorskip(m)
@@ -130,6 +132,19 @@ def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, 
         finally:
             p.close()
         assert p.proc.exitcode == 0
+        # the engine race: a second scorer of ours (bench's compiled one, here eager) is paired with each
+        # float engine directly; our int8 only with int8 engines; neither overwrites the main race's figures
+        monkeypatch.setattr(bench, "random_ids", lambda lens, prefix: ids)    # the tiny vocabulary's lists
+        monkeypatch.setattr(bench, "in_fresh_process", lambda fn, *a: fn(*a, queue.SimpleQueue()))  # written above
+        b = types.SimpleNamespace(against=("onnxruntime", "ours-int8"), prefix=0, repeat=1)
+        rc = bench.load_ours(folder, dtype=torch.float32)
+        res = bench_engines.engine_race(types.SimpleNamespace(dtype="float32"), b, folder, rr,
+                                        {"fixed": list(map(len, ids))}, {}, rc=rc)
+        paired = {k.split("/")[1] for k in res if k.endswith("_paired_median")}
+        assert paired == {"ours_vs_onnxruntime_paired_median", "ours_vs_onnxruntime_per_doc_paired_median",
+                          "ours_vs_ours-int8_paired_median", "ours_compiled_vs_onnxruntime_paired_median",
+                          "ours_compiled_vs_onnxruntime_per_doc_paired_median"}, paired
+        assert "fixed/ours_compiled_docs_per_s" not in res and res["fixed/onnxruntime_max_margin_diff"] < 1e-3
 
 
 def test_against_is_refused_outside_a_cpu_score_race():
