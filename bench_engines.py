@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 
 import bench          # its race, workloads and fresh processes (bench imports this module for --against)
-import lora
 import metrics
 import speed
 
@@ -181,7 +180,7 @@ def _engine_child(folder, engine, dtype, conn):
 
 def engine_race(m, b, folder, rr, work, results, rc=None):
     """--against: each engine on the workloads in a process of its own (EngineProcess), padded as its users
-    batch (one left-padded call) and one call per document, and ours in int8 (lora.quantize_int8, packed as
+    batch (one left-padded call) and one call per document, and ours in int8 (speed.quantize_int8, packed as
     ours), raced round-robin with our scorer (and `rc`, our compiled scorer, where bench compiles) -> results
     gains, per workload and engine, documents per second, our speed over the engine's (paired median: above 1,
     ours is faster; with ours-int8 or ours_compiled, its speed over each engine of its precision too), the
@@ -194,9 +193,10 @@ def engine_race(m, b, folder, rr, work, results, rc=None):
     try:
         for e in engines:
             procs[e] = EngineProcess(folder, e, m.dtype)
-        q8 = bench.load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype) if "ours-int8" in b.against else None
-        if q8 is not None:
-            lora.quantize_int8(q8.model, speed.CPU_INT8_UNITS)
+        q8 = None
+        if "ours-int8" in b.against:                  # compiled where bench compiles, as our float scorer is
+            q8 = bench.load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype, compile=rc is not None)
+            speed.quantize_int8(q8.model)
         for name, lens in work.items():
             ids = bench.random_ids(lens, prefix=b.prefix)
             ours = rr.score_ids(ids).float()

@@ -308,11 +308,11 @@ def as_scored(run, rr):
 
 
 def int8_gated(rr, lists, allow=False):
-    """rr scored in int8 from now on (lora.quantize_int8 with this CPU's int8 units, in place) after its rank
+    """rr scored in int8 from now on (speed.quantize_int8: this CPU's int8 units, in place) after its rank
     agreement with its float scores on `lists` ([(query, docs)]) is measured and logged -> the figures. Below
     INT8_GATE a SettingsError names the figures and the flag that serves it anyway, unless `allow`."""
     before = [rr.score(q, d).tolist() for q, d in lists]
-    lora.quantize_int8(rr.model, speed.CPU_INT8_UNITS)
+    speed.quantize_int8(rr.model)
     after = [rr.score(q, d).tolist() for q, d in lists]
     fig, gate = metrics.rank_agreement(before, after, 5), INT8_GATE
     said = (f"Kendall tau {fig['kendall_tau']:.3f} (gate {gate['kendall_tau']}), top-5 agreement "

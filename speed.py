@@ -28,8 +28,9 @@ What it changes, and what it does not:
   (bf16 scores and probabilities) rather than SDPA's float32 ones; float32, AMX CPUs and other
   devices keep SDPA, bit for bit;
 - the last layer computes only each sequence's final token (the only row the margin reads);
-- compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU)
-  as torch.compile'd fusions (needs a C++ compiler on the CPU);
+- compile=True runs the elementwise work (norms, q/k norm + RoPE, residual add + norm, SwiGLU; in
+  int8, quantizing each projection's input and scaling its integer product) as torch.compile'd
+  fusions (needs a C++ compiler on the CPU);
 - LoRA dropout: a model's layers that read the same input (q/k/v; gate/up) share one mask (the
   model's DropoutCache: two models share none), drawn as geometric gaps between dropped positions
   (nn.Dropout's Bernoulli law from ~p*n random numbers), and the shared prefix rows draw one mask
@@ -527,6 +528,12 @@ def swiglu(g, u):
     return F.silu(g) * u
 
 
+def int8_scale(y, sx, sw, dtype):
+    """Int8Linear's epilogue: the exact integer product y (M, N) -> y s_x s_W^T in `dtype`; s_x (M, 1), s_W
+    (1, N) float32."""
+    return (y.float() * sx * sw).to(dtype)
+
+
 _FUSED = {}
 
 
@@ -581,6 +588,11 @@ def swiglu_eager(g, u):
     return F.silu(g) * u if torch.is_grad_enabled() else F.silu(g, inplace=True).mul_(u)
 
 
+def int8_scale_(y, sx, sw, dtype):
+    """int8_scale, in place in the product's float32 copy (it is tens of MB at 10 x 512 tokens)."""
+    return y.float().mul_(sx).mul_(sw).to(dtype)
+
+
 def residual_add(x, y):
     """x + y; at inference in place in x."""
     return x + y if torch.is_grad_enabled() else x.add_(y)
@@ -604,14 +616,16 @@ class Kernels:
     add: object             # (x, y) -> x + y
     attention: object       # (q, k, v, lens, P) -> packed causal attention output
     final: object           # (q, k, v, lens, P) -> each sequence's final query's attention output
+    int8_quantize: object   # (x (M, K)) -> (int8 (M, K), row scales (M, 1)): lora.int8_quantize
+    int8_scale: object      # (y, s_x, s_W, dtype) -> y s_x s_W^T in dtype
 
 
 EAGER = Kernels(rms_norm_eager, norm_rope_eager, add_rms_norm_eager, swiglu_eager, residual_add, attention_packed,
-                final_token_attention)
-# torch.compile'd on first use (`fused`): the plain functions as one loop each; attention as EAGER
+                final_token_attention, lora.int8_quantize, int8_scale_)
+# torch.compile'd on first use (`fused`): the plain functions as one loop each; attention and the int8 GEMM as EAGER
 COMPILED = Kernels(lambda *a: fused(rms_norm)(*a), lambda *a: fused(norm_rope)(*a),
                    lambda *a: fused(add_rms_norm)(*a), lambda *a: fused(swiglu)(*a), torch.add, attention_packed,
-                   final_token_attention)
+                   final_token_attention, lambda *a: fused(lora.int8_quantize)(*a), lambda *a: fused(int8_scale)(*a))
 
 
 # ----------------------------------------------------------------------------- fast forwards
@@ -709,6 +723,24 @@ class DropoutCache:
         return DropoutCache, ()
 
 
+def int8_forward(self, x):
+    """Int8Linear.forward with its quantizing and scaling passes from the kernel set (one loop each when
+    compiled; the integer GEMM, lora.int8_matmul, as it is)."""
+    flat = x.reshape(-1, self.in_features)                              # (M, in)
+    xq, sx = self.kernels.int8_quantize(flat)                           # (M, in) int8, (M, 1)
+    y = lora.int8_matmul(xq, self.qweight, self.units)                  # (M, out), exact sums
+    return self.kernels.int8_scale(y, sx, self.scale, x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8(model):
+    """lora.quantize_int8 with this CPU's int8 units (CPU_INT8_UNITS), in place; on a model with the speed
+    paths its Int8Linear layers then take them too (the model's kernel set, compiled or eager)."""
+    lora.quantize_int8(model, CPU_INT8_UNITS)
+    if installed(model) is not None:
+        install(model, compile=installed(model) is COMPILED, share_prefix=model.share_prefix)
+    return model
+
+
 def lora_forward(self, x):
     """LoRALinear.forward with the shared geometric-gap dropout mask; the rescale 1/(1-p) is applied to
     the (N, r) product, and the add fused into the second GEMM (addmm)."""
@@ -760,7 +792,8 @@ def reuse_freed_memory(mmap_threshold=64 << 20, trim_threshold=128 << 20):
 # ----------------------------------------------------------------------------- install
 
 FORWARDS = {reranker.RMSNorm: rmsnorm_forward, reranker.Attention: attention_forward, reranker.MLP: mlp_forward,
-            reranker.Block: block_forward, reranker.Qwen3Model: model_forward, lora.LoRALinear: lora_forward}
+            reranker.Block: block_forward, reranker.Qwen3Model: model_forward, lora.LoRALinear: lora_forward,
+            lora.Int8Linear: int8_forward}
 
 
 def install(model, compile=False, share_prefix=True):

@@ -136,6 +136,27 @@ def test_compiled_elementwise_matches_eager(hf_tiny, monkeypatch):
         speed.install(eager.model, compile=True)
 
 
+def test_int8_layers_take_the_kernel_set_eager_or_compiled(hf_tiny):
+    """speed.quantize_int8 gives a sped-up model's Int8Linear layers its kernel set: the compiled quantizing
+    and scaling loops give the reference forward's values exactly (the same float32 operations in the same
+    order), and the model scores as the reference int8 model within float32 rounding's reach on which way
+    an activation rounds to int8."""
+    folder, _ = hf_tiny
+    docs = ["Paris is the capital of France. " * 3, "short", "A much longer document about eggs. " * 40]
+    ref = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    ids = ref.tokenize("What is the capital of France?", docs)
+    lora.quantize_int8(ref.model, speed.CPU_INT8_UNITS)
+    want = ref.score_ids(ids)                                           # the reference forwards
+    x = torch.randn(37, ref.model.cfg.hidden_size)
+    for kernels in (speed.EAGER, speed.COMPILED):
+        rr = fast(reranker.Reranker.from_pretrained(folder, dtype=torch.float32), compile=kernels is speed.COMPILED)
+        speed.quantize_int8(rr.model)
+        layer = rr.model.layers[0].mlp.up_proj
+        assert isinstance(layer, lora.Int8Linear) and layer.kernels is kernels
+        assert torch.equal(layer(x), lora.Int8Linear.forward(layer, x))
+        torch.testing.assert_close(rr.score_ids(ids), want, rtol=0, atol=0.01)
+
+
 PREFIX_DOCS = ["Paris is the capital of France. " * 3, "short", "short", "A much longer document about eggs. " * 40,
                "Ünïcödé: naïve café, 東京の水道水は安全です。"]
 
