@@ -269,10 +269,6 @@ def units(cpuinfo, names=BF16_UNITS):
     return set(re.findall(r"\b(" + "|".join(names) + r")\b", cpuinfo))
 
 
-def bf16_units(cpuinfo):
-    return units(cpuinfo, BF16_UNITS)
-
-
 def cpu_units(names):
     """units of this CPU; None off x86 Linux, where the flags are not read (ARM names its units
     otherwise)."""

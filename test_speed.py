@@ -316,9 +316,9 @@ def test_bf16_attention_runs_the_kernel_the_cpu_is_given(monkeypatch):
         monkeypatch.setattr(speed, "BLOCKED_BF16_ATTENTION", on)
         assert torch.equal(speed.packed_causal_attention(q, k, v, lens, P), kernel(q, k, v, lens, P))
     flags = "flags\t\t: fpu sse2 avx2 avx512f {} avx512_vnni\n"
-    assert speed.bf16_units(flags.format("avx512_bf16") * 2) == {"avx512_bf16"}
-    assert speed.bf16_units(flags.format("amx_bf16 amx_tile avx512_bf16")) == {"amx_bf16", "avx512_bf16"}
-    assert speed.bf16_units(flags.format("avx512_bf16x")) == set() == speed.bf16_units(flags.format(""))
+    assert speed.units(flags.format("avx512_bf16") * 2) == {"avx512_bf16"}
+    assert speed.units(flags.format("amx_bf16 amx_tile avx512_bf16")) == {"amx_bf16", "avx512_bf16"}
+    assert speed.units(flags.format("avx512_bf16x")) == set() == speed.units(flags.format(""))
 
 
 @pytest.mark.parametrize("blocked", [False, True])
