@@ -194,8 +194,8 @@ def engine_race(m, b, folder, rr, work, results, rc=None):
         for e in engines:
             procs[e] = EngineProcess(folder, e, m.dtype)
         q8 = None
-        if "ours-int8" in b.against:                  # compiled where bench compiles, as our float scorer is
-            q8 = bench.load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype, compile=rc is not None)
+        if "ours-int8" in b.against:                  # compiled where bench compiles (--compile), as rc is
+            q8 = bench.load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype, compile=m.compile)
             speed.quantize_int8(q8.model)
         for name, lens in work.items():
             ids = bench.random_ids(lens, prefix=b.prefix)

@@ -138,7 +138,7 @@ def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, 
         monkeypatch.setattr(bench, "in_fresh_process", lambda fn, *a: fn(*a, queue.SimpleQueue()))  # written above
         b = types.SimpleNamespace(against=("onnxruntime", "ours-int8"), prefix=0, repeat=1)
         rc = bench.load_ours(folder, dtype=torch.float32)
-        res = bench_engines.engine_race(types.SimpleNamespace(dtype="float32"), b, folder, rr,
+        res = bench_engines.engine_race(types.SimpleNamespace(dtype="float32", compile=False), b, folder, rr,
                                         {"fixed": list(map(len, ids))}, {}, rc=rc)
         paired = {k.split("/")[1] for k in res if k.endswith("_paired_median")}
         assert paired == {"ours_vs_onnxruntime_paired_median", "ours_vs_onnxruntime_per_doc_paired_median",
