@@ -34,7 +34,6 @@ and its requests are sent again once, in a new batch, then synchronously.
 Usage: client = Client.open(url, model, batch=lambda c: BatchRunner(c, "runs/x/batches.json", poll=60))
        client.map(requests)
 """
-import contextlib
 import hashlib
 import json
 import os
@@ -44,6 +43,7 @@ import weakref
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+import store
 from llm_clients import LLMError
 
 # Provider limits per batch (OpenAI: 50,000 requests and a 200 MB input file; Anthropic: 100,000
@@ -125,21 +125,9 @@ class Manifest:
                     if b.get("id") and not b.get("collected") and not keys.isdisjoint(b["custom_ids"])]
 
     def save(self):
-        """The whole record written aside and renamed: the file is whole or as it was, and a failed
-        write leaves no temporary file behind."""
+        """The whole record written aside and renamed (store.atomic_write): whole or as it was."""
         with self.lock:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            tmp = f"{self.path}.tmp{os.getpid()}"
-            try:
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(self.data, f, indent=1)
-                os.replace(tmp, self.path)
-            except BaseException as e:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-                if isinstance(e, OSError) and e.filename is None:   # a full disk names no file: this one is named
-                    raise OSError(e.errno, e.strerror, self.path) from None
-                raise
+            store.atomic_write(self.path, json.dumps(self.data, indent=1))
 
 
 @dataclass

@@ -242,13 +242,9 @@ class ReplyCache:
         return os.path.join(self.dir, key[:2], key + ".json")
 
     def get(self, key):
-        if not self.dir or self.refresh:
-            return None
         try:
-            with open(self._path(key), encoding="utf-8") as f:
-                d = json.load(f)
-            return Reply(**d["reply"], cached=True)
-        except (OSError, ValueError, KeyError, TypeError):
+            return Reply(**self.get_raw(key)["reply"], cached=True)
+        except (KeyError, TypeError):
             return None                          # missing or corrupt: ignored, rewritten after the call
 
     def get_raw(self, key):
@@ -589,15 +585,12 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     both under one cache identity ('offline'); without either, ValueError."""
     provider, _, model = spec.partition(":")
     shown = endpoints.redact_url(spec)      # a spec typed with credentials in it is never echoed
-    if provider == "offline":
-        if base_url:   # the offline engine served over HTTP (serve-offline): a stable identity, whatever its port
-            return Client.open(base_url, model or "offline-engine", protocol="openai", provider="offline",
-                          cache_dir=cache_dir, identity="offline", **kw)
-        if kw.get("handler") is None:
+    if provider == "offline":   # over HTTP or in process: a stable identity, whatever the port
+        if not base_url and kw.get("handler") is None:
             raise ValueError(f"{shown!r}: give base_url (the engine served over HTTP by serve-offline) or "
                              "handler (its in-process function, offline.respond)")
-        return Client.open(None, model or "offline-engine", protocol="openai", provider="offline", cache_dir=cache_dir,
-                      **kw)
+        return Client.open(base_url or None, model or "offline-engine", protocol="openai", provider="offline",
+                           cache_dir=cache_dir, identity="offline", **kw)
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {endpoints.redact_url(provider)!r} in {shown!r}; known: offline, "
                          f"{', '.join(PROVIDERS)}")

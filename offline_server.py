@@ -616,7 +616,7 @@ class _Handler(BaseHTTPRequestHandler):
         anthropic = ANTHROPIC_ROUTE.search(urlsplit(getattr(self, "path", "") or "").path) is not None
         return error_body(status, message, anthropic, param)
 
-    def _handle(self, method):
+    def _handle(self):
         arrived, url = time.time(), urlsplit(self.path)
         try:
             n = content_length(self.headers, required=False)
@@ -628,7 +628,7 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(n) if n else b""
             if len(raw) < n:
                 raise ValueError(f"the body ended after {len(raw)} of {n} bytes")
-            return self._send(*self._route(method, url.path.rstrip("/"), parse_qs(url.query), raw, arrived))
+            return self._send(*self._route(self.command, url.path.rstrip("/"), parse_qs(url.query), raw, arrived))
         except (TimeoutError, ConnectionError):
             self.close_connection = True
         except NotFound as e:
@@ -648,25 +648,11 @@ class _Handler(BaseHTTPRequestHandler):
         """http.server's own refusals (a malformed request line, an overlong line) as JSON in the route's API
         shape instead of its HTML page; a method no do_* serves is OpenAI's 404 "Invalid URL", not a 501. The
         connection closes."""
-        self.close_connection = True
         if code == 501:
             code, message = 404, f"Invalid URL ({self.command} {urlsplit(self.path).path[:200]})"
-        self._send(code, self._error(code, message or self.responses.get(code, ("error",))[0]))
+        self._refuse(code, message or self.responses.get(code, ("error",))[0])
 
-    def do_POST(self):
-        self._handle("POST")
-
-    def do_GET(self):
-        self._handle("GET")
-
-    def do_DELETE(self):
-        self._handle("DELETE")
-
-    def do_PUT(self):
-        self._handle("PUT")
-
-    def do_PATCH(self):
-        self._handle("PATCH")
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
 
     def _send(self, code, obj):
         text = isinstance(obj, str)                  # JSONL: a batch's output file or results

@@ -54,9 +54,10 @@ import certify
 import export
 import lora
 import speed
-from endpoints import RequestError, content_length, redact
+from endpoints import RequestError, content_length
 from metrics import ranked, sigmoid
 from settings import SettingsError
+from store import log as say   # one line on stderr, every URL in it redacted
 
 INFINITY_PATHS = ("/rerank", "/infinity/rerank")   # Infinity's reply; /infinity/rerank: api_base .../infinity
 RERANK_PATHS = ("/v1/rerank", "/v2/rerank") + INFINITY_PATHS
@@ -758,11 +759,6 @@ class _Handler(BaseHTTPRequestHandler):
         srv.metrics.add("geodef_prompt_tokens_total", tokens)
         out = reply(path, req, m, tokens, req.model or conf["model_name"])
         self._send(200, srv.detector.annotate(out, req.texts) if req.detect else out)
-
-
-def say(msg):
-    """One line on stderr, every URL in it redacted (endpoints.redact), as the commands' log prints."""
-    print(redact(msg), file=sys.stderr, flush=True)
 
 
 def serve_until_stopped(rr, sv, deletion_rate, model_name, adapter=None, detector=None):
