@@ -60,7 +60,7 @@ from evaluation import (INJECTION_DEFENSES, STANDARD, clean_reference, condition
 from metrics import ranked
 from rankers import load_rankers
 from runs import write_summary
-from store import atomic_write, changed_settings, log, read_json, write_json
+from store import changed_settings, log, read_json, write_json, write_jsonl
 
 CONDITIONS = ("Non-Defense", "Shield only", "TFSG only", "GEO Defender", *INJECTION_DEFENSES)  # those on base top-k
 ATTACKER_INSTRUCTION = (
@@ -385,9 +385,9 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     cands = a.run(insts)
     check_settings(cfg.folder.run_dir, f"{label}-{mode}", settings, pin=True)
     res = os.path.join(cfg.folder.run_dir, "results")
-    atomic_write(os.path.join(res, f"attack-{label}-{mode}.jsonl"), "".join(
-        json.dumps({"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, **c},
-                   ensure_ascii=False) + "\n" for x in insts for c in cands[x.instance_id]))
+    write_jsonl(os.path.join(res, f"attack-{label}-{mode}.jsonl"),
+                ({"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, **c}
+                 for x in insts for c in cands[x.instance_id]))
     block = {"target": str(spec), "attacker": attacker.label, "judge": judge.label,
              "rounds": rounds, "per_round": per_round, "budgets": {},
              "gate": gate_counts(cands), "cost": {}}

@@ -595,35 +595,27 @@ def dry_run(run):
     n_cons = sum(1 for _, s in picked if s == "construction")
     chars = sum(len(max((d["text"] for d in r["docs"]), key=len, default="")) for r, _ in picked) / max(1, len(picked))
     price = (run.prices or {}).get(accounting.price_key(cfg.llm.llm))
-    stages = {}
-    for f in fams:
-        n = len(picked) if f in cons else len(picked) - n_cons
-        req = n * geo_attacks.FAMILIES[f].calls * REWRITE_TRIES * 2
-        tok_in, tok_out = int(req * (chars / 4 * 2 + 400)), int(req * chars / 4 * 1.3)
-        st = {"groups": n, "requests": req, "prompt_tokens": tok_in, "completion_tokens": tok_out}
-        stages[f] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
-                     "usd_batch_api": None if price is None else accounting.token_cost(price, st, batch=True)}
-    if b.honest:                      # one edit per group, each judged like a family's rewrite
-        n = len(picked)
-        st = {"groups": n, "requests": n * REWRITE_TRIES * 2,
-              "prompt_tokens": int(n * REWRITE_TRIES * 2 * (chars / 4 + 400)),
-              "completion_tokens": int(n * REWRITE_TRIES * 2 * chars / 4 * 1.1)}
-        stages["honest edit"] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
-                                 "usd_batch_api": None if price is None else accounting.token_cost(price, st, True)}
+
+    # `groups` rewrites of `calls` calls each, tried and judged: prompts of `reads` documents' text and 400 tokens,
+    # replies of `writes` documents' text
+    def stage(groups, calls, reads=2, writes=1.3):
+        req = groups * calls * REWRITE_TRIES * 2
+        st = {"groups": groups, "requests": req, "prompt_tokens": int(req * (chars / 4 * reads + 400)),
+              "completion_tokens": int(req * chars / 4 * writes)}
+        return {**st, "usd": None if price is None else accounting.token_cost(price, st),
+                "usd_batch_api": None if price is None else accounting.token_cost(price, st, batch=True)}
     n_test = len(picked) - n_cons
+    stages = {f: stage(len(picked) if f in cons else n_test, geo_attacks.FAMILIES[f].calls) for f in fams}
+    if b.honest:                      # one edit per group, each judged like a family's rewrite
+        stages["honest edit"] = stage(len(picked), 1, reads=1, writes=1.1)
     extra = {"further attacks": (n_test * (b.attacked - 1), max(geo_attacks.FAMILIES[f].calls for f in fams)),
              "pool honest edits": (n_test * (b.docs - 1) * (b.pool == "optimized"), 1)}
-    for name, (rewrites, calls) in extra.items():      # --attacked K, --pool optimized: rewrites of other candidates
-        if rewrites:
-            req = rewrites * calls * REWRITE_TRIES * 2
-            st = {"groups": rewrites, "requests": req, "prompt_tokens": int(req * (chars / 4 * 2 + 400)),
-                  "completion_tokens": int(req * chars / 4 * 1.3)}
-            stages[name] = {**st, "usd": None if price is None else accounting.token_cost(price, st),
-                            "usd_batch_api": None if price is None else accounting.token_cost(price, st, True)}
+    # --attacked K, --pool optimized: rewrites of other candidates
+    stages.update({name: stage(rewrites, calls) for name, (rewrites, calls) in extra.items() if rewrites})
     n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every rewrite (and edit) is judged
     stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
-    return {"groups": len(picked), "construction": n_cons, "test": len(picked) - n_cons,
-            "instances": {"construction": n_cons * len(cons), "test": (len(picked) - n_cons) * len(fams)},
+    return {"groups": len(picked), "construction": n_cons, "test": n_test,
+            "instances": {"construction": n_cons * len(cons), "test": n_test * len(fams)},
             "search_requests": len(picked) if b.search else 0, "dropped_up_front": len(p.dropped),
             "stages": stages,
             "note": "upper bounds (gate retries and JSON re-asks included); cached replies cost nothing"}

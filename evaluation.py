@@ -34,7 +34,7 @@ from accounting import estimate, price_plan
 from rankers import documents_cut, load_rankers, sharded
 from runs import NotTrainedError, shared_roles, test_set_digest, TINY_NOTE, write_summary
 from settings import SettingsError
-from store import changed_settings, file_sha1, log, naming, read_json, read_jsonl, write_json
+from store import changed_settings, file_sha1, log, naming, read_json, read_jsonl, write_json, write_jsonl
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -861,8 +861,7 @@ def pairwise_quality(run, judge, recs, clean, by_id, res, slug="geo_defender"):
         clusters.append(r["group_id"])
         rows.append({"instance_id": r["instance_id"], "defended_is_a": a_first[r["instance_id"]], "score_a_over_b": v,
                      "delta": d, "judge": rep.data})
-    with open(os.path.join(res, f"quality_{slug}.jsonl"), "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in rows)
+    write_jsonl(os.path.join(res, f"quality_{slug}.jsonl"), rows)
     q = (metrics.quality_summary(deltas, clusters, n_boot=cfg.rerank.n_boot, seed=cfg.folder.seed) if deltas
          else {"n": 0})
     q["defended_as_a"] = sum(a_first.values())

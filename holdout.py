@@ -488,9 +488,8 @@ def write_report(out, s):
         values.update({(r["family"], series[0]): r["held_out"]["base_exposure"],
                        (r["family"], series[1]): r["held_out"]["shield_exposure"],
                        (r["family"], series[2]): r["seen_exposure"], (r["family"], series[3]): r.get("all_exposure")})
-    os.makedirs(os.path.join(out, "figures"), exist_ok=True)
-    with open(os.path.join(out, "figures", "holdout.svg"), "w", encoding="utf-8") as f:
-        f.write(figures.svg_bars(f"Each family held out: exposure@{k}", [r["family"] for r in s["folds"]], series,
-                                values, xlabel="held-out family (F)", ylabel=f"exposure@{k} (%)", note=note))
+    atomic_write(os.path.join(out, "figures", "holdout.svg"), figures.svg_bars(
+        f"Each family held out: exposure@{k}", [r["family"] for r in s["folds"]], series, values,
+        xlabel="held-out family (F)", ylabel=f"exposure@{k} (%)", note=note))
     lines.append("![Each family held out](figures/holdout.svg)\n")
     atomic_write(os.path.join(out, "report.md"), "\n".join(lines))

@@ -11,11 +11,10 @@ honest penalty beside the attacks' (honest_cells, honest_lines).
 
 Usage: write_report("runs/demo", summary)
 """
-import json
 import os
 
 from figures import COLORS, figure_note, fmt, svg_bars, svg_heatmap, svg_lines
-from store import atomic_write
+from store import atomic_write, read_json
 
 
 def _table(header, rows):
@@ -27,7 +26,6 @@ def _table(header, rows):
 def write_report(run_dir, s):
     """report.md and figures/*.svg of one evaluated run from its summary `s`."""
     figs = os.path.join(run_dir, "figures")
-    os.makedirs(figs, exist_ok=True)
     lines = _header_lines(run_dir, s) + _table_lines(s) + strength_lines(s) + cost_lines(s) + _method_lines(s, figs)
     lines += _appendix_lines(s, figs) + defense_lines(s) + attacked_lines(s, figs)
     lines += rerank_stage_lines(s)
@@ -235,14 +233,14 @@ def _method_lines(s, figs):
     unseen = {m for m in methods if not seen[m]["seen"]}
     conds = list(s["methods"])
     note = figure_note(s.get("notes"))
-    with open(os.path.join(figs, "per_method_asr.svg"), "w", encoding="utf-8") as f:
-        f.write(svg_bars("ASR by GEO method (dashed outline: unseen)", methods, conds,
-                         {(m, k): s["methods"][k][m]["ASR"] for m in methods for k in conds}, dashed=unseen,
-                         xlabel="GEO method", ylabel="ASR (%)", note=note))
-    with open(os.path.join(figs, "conditions.svg"), "w", encoding="utf-8") as f:
-        f.write(svg_bars("ASR / ASI / BER by condition", list(c), ["ASR", "ASI", "BER"],
-                         {(k, m): c[k][m] for k in c for m in ("ASR", "ASI", "BER")},
-                         xlabel="condition", ylabel="ASR / ASI / BER (%)", note=note))
+    atomic_write(os.path.join(figs, "per_method_asr.svg"), svg_bars(
+        "ASR by GEO method (dashed outline: unseen)", methods, conds,
+        {(m, k): s["methods"][k][m]["ASR"] for m in methods for k in conds}, dashed=unseen, xlabel="GEO method",
+        ylabel="ASR (%)", note=note))
+    atomic_write(os.path.join(figs, "conditions.svg"), svg_bars(
+        "ASR / ASI / BER by condition", list(c), ["ASR", "ASI", "BER"],
+        {(k, m): c[k][m] for k in c for m in ("ASR", "ASI", "BER")}, xlabel="condition",
+        ylabel="ASR / ASI / BER (%)", note=note))
     lines.append("![per method](figures/per_method_asr.svg) ![conditions](figures/conditions.svg)\n")
     if "Non-Defense" in s["methods"]:
         # Fig. 3 (b): Attack Influence Reduction, the relative ASI reduction from Non-Defense per method
@@ -256,10 +254,10 @@ def _method_lines(s, figs):
                      "per GEO method; higher is stronger; unseen methods marked *\n")
         lines.append(_table(["Condition"] + [m + ("" if nd[m]["seen"] else "*") for m in methods],
                             [[k] + [fmt(air[m, k]) for m in methods] for k in others]) + "\n")
-        with open(os.path.join(figs, "per_method_air.svg"), "w", encoding="utf-8") as f:
-            f.write(svg_bars("Attack Influence Reduction by GEO method (dashed outline: unseen)", methods, others,
-                             air, dashed=unseen, colors=[COLORS[conds.index(k) % len(COLORS)] for k in others],
-                             xlabel="GEO method", ylabel="Attack Influence Reduction (%)", note=note))
+        atomic_write(os.path.join(figs, "per_method_air.svg"), svg_bars(
+            "Attack Influence Reduction by GEO method (dashed outline: unseen)", methods, others,
+            air, dashed=unseen, colors=[COLORS[conds.index(k) % len(COLORS)] for k in others],
+            xlabel="GEO method", ylabel="Attack Influence Reduction (%)", note=note))
         lines.append("![attack influence reduction](figures/per_method_air.svg)\n")
     return lines
 
@@ -303,10 +301,9 @@ def _appendix_lines(s, figs):
         lines.append("## Fig. 5: GEO Defender by library epoch\n")
         lines.append(_table(["Epoch", "ASR", "ASI", "BER"], [[t, fmt(e[t]["ASR"]), fmt(e[t]["ASI"]), fmt(e[t]["BER"])]
                                                             for t in xs]) + "\n")
-        with open(os.path.join(figs, "epochs.svg"), "w", encoding="utf-8") as f:
-            f.write(svg_lines("GEO Defender by TFSG epoch", xs, {"ASR": [e[t]["ASR"] for t in xs],
-                                                                 "ASI": [e[t]["ASI"] for t in xs]},
-                              xlabel="TFSG library epoch", ylabel="ASR / ASI (%)", note=figure_note(s.get("notes"))))
+        atomic_write(os.path.join(figs, "epochs.svg"), svg_lines(
+            "GEO Defender by TFSG epoch", xs, {"ASR": [e[t]["ASR"] for t in xs], "ASI": [e[t]["ASI"] for t in xs]},
+            xlabel="TFSG library epoch", ylabel="ASR / ASI (%)", note=figure_note(s.get("notes"))))
         lines.append("![epochs](figures/epochs.svg)\n")
     if s.get("transfer"):
         lines.append("## Table C.2 row: libraries from other runs applied to this target\n")
@@ -324,9 +321,9 @@ def against_k(path, title, blocks, metric, ylabel, note):
     """figures/<path>: `metric` of each series against the number of attacked documents a list holds.
     blocks: {series: {"K": block}}."""
     ks = sorted({kk for b in blocks.values() for kk in b}, key=int)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(svg_lines(title, ks, {name: [b.get(kk, {}).get(metric) for kk in ks] for name, b in blocks.items()},
-                          xlabel="attacked documents in the list (K)", ylabel=ylabel, note=note))
+    atomic_write(path, svg_lines(
+        title, ks, {name: [b.get(kk, {}).get(metric) for kk in ks] for name, b in blocks.items()},
+        xlabel="attacked documents in the list (K)", ylabel=ylabel, note=note))
 
 
 def attacked_lines(s, figs):
@@ -484,16 +481,14 @@ def certificate_lines(stage, k):
 def write_rerank_report(run_dir, s):
     """rerank_report.md and figures/rerank_exposure.svg (exposure by GEO method, one bar per reranker)."""
     figs = os.path.join(run_dir, "figures")
-    os.makedirs(figs, exist_ok=True)
     stage, k = s["rerank_stage"], s.get("rerank_stage_k", 5)
     labels = list(stage)
     methods = list(next(iter(stage.values()))["per_method"])
     unseen = {m for m in methods if not next(iter(stage.values()))["per_method"][m]["seen"]}
-    with open(os.path.join(figs, "rerank_exposure.svg"), "w", encoding="utf-8") as f:
-        f.write(svg_bars(f"Exposure@{k} by GEO method (dashed outline: unseen)", methods, labels,
-                         {(m, lb): stage[lb]["per_method"][m].get("exposure") for m in methods for lb in labels},
-                         dashed=unseen, xlabel="GEO method", ylabel=f"exposure@{k} (%)",
-                         note=figure_note(s.get("notes"))))
+    atomic_write(os.path.join(figs, "rerank_exposure.svg"), svg_bars(
+        f"Exposure@{k} by GEO method (dashed outline: unseen)", methods, labels,
+        {(m, lb): stage[lb]["per_method"][m].get("exposure") for m in methods for lb in labels},
+        dashed=unseen, xlabel="GEO method", ylabel=f"exposure@{k} (%)", note=figure_note(s.get("notes"))))
     lines = _title(run_dir, s, "Reranker stage under GEO attack")
     lines += rerank_stage_lines(s)
     lines.append(_table(["Reranker"] + [m + ("*" if m in unseen else "") for m in methods],
@@ -515,7 +510,6 @@ def write_attack_report(run_dir, s):
     """attack_report.md and figures/attack_<target>_<mode>.svg: exposure and ASR against the budget, one
     line per condition (B = 1 is the static attack), the gate's verdicts and the attacker's cost."""
     figs = os.path.join(run_dir, "figures")
-    os.makedirs(figs, exist_ok=True)
     lines = _title(run_dir, s, "Adaptive GEO attacker")
     lines.append("Each budget's documents replace the static attack (B = 1 is the benchmark's own rewrite); "
                  "exposure: the attack document in the top k (%).\n")
@@ -543,10 +537,10 @@ def write_attack_report(run_dir, s):
             ylabel = {"exposure": "exposure", "asr": "ASR"}
             for what, series in plots.items():
                 name = f"attack_{target}_{mode}_{what}.svg"
-                with open(os.path.join(figs, name), "w", encoding="utf-8") as f:
-                    f.write(svg_lines(f"Adaptive attack on {target} ({mode}): {ylabel[what]} by budget",
-                                      [f"B={x}" for x in xs], series, xlabel="attacker budget B (candidates)",
-                                      ylabel=f"{ylabel[what]} (%)", note=figure_note(s.get("notes"))))
+                atomic_write(os.path.join(figs, name), svg_lines(
+                    f"Adaptive attack on {target} ({mode}): {ylabel[what]} by budget", [f"B={x}" for x in xs], series,
+                    xlabel="attacker budget B (candidates)", ylabel=f"{ylabel[what]} (%)",
+                    note=figure_note(s.get("notes"))))
                 lines.append(f"![{target} {mode} {what}](figures/{name})")
             caught = [(x, b["budgets"][x]["detected"]) for x in xs if "detected" in b["budgets"][x]]
             if caught:            # the run's detectors (detect) on the attacker's final documents
@@ -591,15 +585,13 @@ def read_summaries(run_dirs):
     for r, name in zip(run_dirs, names):
         if not os.path.isfile(os.path.join(r, "summary.json")):
             raise FileNotFoundError(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
-        with open(os.path.join(r, "summary.json"), encoding="utf-8") as f:
-            out[r if names.count(name) > 1 else name] = json.load(f)
+        out[r if names.count(name) > 1 else name] = read_json(os.path.join(r, "summary.json"))
     return out
 
 
 def write_comparison(out_dir, summaries):
     """Across runs (one per target LLM): Table 1 with an average row, Table C.1, and the transfer
     matrix of Table C.2 (rows: source library, columns: target) from each run's `transfer` results."""
-    os.makedirs(os.path.join(out_dir, "figures"), exist_ok=True)
     lines = []
     notes = sorted({n for s in summaries.values() for n in s.get("notes", [])})
     if notes:
@@ -644,9 +636,9 @@ def write_comparison(out_dir, summaries):
             lines.append(f"## Table C.2 ({metric}): rows = source library, columns = target\n\n" +
                          _table(["Source \\ Target"] + cols,
                                 [[r] + [fmt(vals.get((r, c))) for c in cols] for r in srcs]) + "\n")
-            with open(os.path.join(out_dir, "figures", f"transfer_{metric.lower()}.svg"), "w", encoding="utf-8") as f:
-                f.write(svg_heatmap(f"Transfer {metric} (source library x target LLM)", srcs, cols, vals,
-                                    xlabel="target LLM", ylabel="source library", note=figure_note(notes)))
+            atomic_write(os.path.join(out_dir, "figures", f"transfer_{metric.lower()}.svg"), svg_heatmap(
+                f"Transfer {metric} (source library x target LLM)", srcs, cols, vals,
+                xlabel="target LLM", ylabel="source library", note=figure_note(notes)))
         lines.append("![transfer ASR](figures/transfer_asr.svg) ![transfer ASI](figures/transfer_asi.svg)\n")
     path = os.path.join(out_dir, "comparison.md")
     atomic_write(path, "\n".join(lines))
@@ -703,7 +695,6 @@ def write_harden_report(run_dir, s):
     the static families, utility (clean top-k kept, BER), the cross-play matrix and the cost."""
     b = s["harden"]
     figs = os.path.join(run_dir, "figures")
-    os.makedirs(figs, exist_ok=True)
     lines = _title(run_dir, {"notes": b.get("notes")}, "Hardening rounds") + [HARDEN_THREAT + "\n"]
     train_alg = b.get("settings", {}).get("algorithm", "mageo")
     test_alg = b.get("settings", {}).get("test_algorithm") or train_alg
@@ -733,8 +724,8 @@ def write_harden_report(run_dir, s):
              plot(("fresh exposure", "stale exposure", "fresh ASR", "stale ASR")), f"exposure@{k} / ASR (%)"),
             ("harden_utility.svg", "Utility by round", plot(("clean top-k kept", "BER (GEO Defender)",
                                                              "BER (Shield only)")), "clean top-k kept / BER (%)")):
-        with open(os.path.join(figs, name), "w", encoding="utf-8") as f:
-            f.write(svg_lines(title, xs, series, xlabel="hardening round", ylabel=ylabel, note=note))
+        atomic_write(os.path.join(figs, name), svg_lines(title, xs, series, xlabel="hardening round", ylabel=ylabel,
+                                                         note=note))
         lines.append(f"![{title}](figures/{name})")
     m = b["crossplay"]["exposure"]
     lines += ["", f"## Cross-play: exposure@{k} (%), defense round by attacker round\n",
@@ -742,13 +733,11 @@ def write_harden_report(run_dir, s):
               "round's Shield; the diagonal is the fresh attacker of each round.\n",
               _table(["defense \\ attacker"] + [f"r{a}" for a in range(len(m))],
                      [[f"r{d}"] + [fmt(v) for v in row] for d, row in enumerate(m)]) + "\n"]
-    with open(os.path.join(figs, "harden_crossplay.svg"), "w", encoding="utf-8") as f:
-        f.write(svg_heatmap(f"Cross-play exposure@{k} (%)", [f"defense r{d}" for d in range(len(m))],
-                            [f"attacker r{a}" for a in range(len(m))],
-                            {(f"defense r{d}", f"attacker r{a}"): v for d, row in enumerate(m)
-                             for a, v in enumerate(row)},
-                            xlabel="attacker round (its test documents)", ylabel="defense round (its Shield)",
-                            note=note))
+    atomic_write(os.path.join(figs, "harden_crossplay.svg"), svg_heatmap(
+        f"Cross-play exposure@{k} (%)", [f"defense r{d}" for d in range(len(m))],
+        [f"attacker r{a}" for a in range(len(m))],
+        {(f"defense r{d}", f"attacker r{a}"): v for d, row in enumerate(m) for a, v in enumerate(row)},
+        xlabel="attacker round (its test documents)", ylabel="defense round (its Shield)", note=note))
     lines.append("![Cross-play](figures/harden_crossplay.svg)\n")
     lines += harden_detector_lines(b["rounds"])
     lines += usage_lines(s.get("usage") or {})
