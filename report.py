@@ -89,11 +89,11 @@ def _table_lines(s):
     """Tables 1 and 2 (end to end, ablation)."""
     lines = []
     c = s["conditions"]
+    rows = lambda ks: [[k, fmt(c[k]["ASR"]), fmt(c[k]["ASI"]), fmt(c[k]["BER"]), fmt(c[k]["attack_in_context"]),
+                        c[k]["n"]] for k in ks]
     main = [k for k in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender") if k in c]
     lines.append("## Table 1: end-to-end comparison (ASR, ASI lower is better; BER higher)\n")
-    lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"],
-                        [[k, fmt(c[k]["ASR"]), fmt(c[k]["ASI"]), fmt(c[k]["BER"]), fmt(c[k]["attack_in_context"]),
-                          c[k]["n"]] for k in main]) + "\n")
+    lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"], rows(main)) + "\n")
     failed = {k: v.get("asi_judge_failed", 0) for k, v in c.items() if v.get("asi_judge_failed")}
     if failed:   # their ASI is over the instances the judge scored
         lines.append("ASI judge failures (every attempt unusable; left out of ASI): "
@@ -104,11 +104,9 @@ def _table_lines(s):
                                                           for k in abl]) + "\n")
     deployed = [k for k in c if k.endswith("]") and k.startswith(("Non-Defense [", "TFSG only ["))]
     if deployed:   # eval --reranker: the same pipelines on a deployed reranker's top-k
-        ref = [k for k in ("Non-Defense", "Shield only", "TFSG only", "GEO Defender") if k in c]
         lines.append("## Deployed rerankers (eval --reranker): the pipelines on each reranker's top-k\n")
-        lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"],
-                            [[k, fmt(c[k]["ASR"]), fmt(c[k]["ASI"]), fmt(c[k]["BER"]), fmt(c[k]["attack_in_context"]),
-                              c[k]["n"]] for k in ref + deployed]) + "\n")
+        lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"], rows(abl + deployed))
+                     + "\n")
     return lines + sample_lines(s)
 
 
