@@ -713,7 +713,7 @@ STANDARD = defenses.one_prompt(tfsg.standard_prompt)          # A.3.7: Non-Defen
 
 
 def guided(lib):
-    """The experience-guided answer (A.3.3) with library `lib`, as a one-prompt pipeline."""
+    """The experience-guided answer (A.3.6) with library `lib`, as a one-prompt pipeline."""
     return defenses.one_prompt(lambda query, docs: tfsg.guided_prompt(query, docs, lib))
 
 

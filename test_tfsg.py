@@ -176,3 +176,35 @@ def test_invoked_rule_ids_are_in_one_order_whatever_the_hash_seed():
     reply = SimpleNamespace(text="", reasoning=None, data={"answer": "a", "per_doc_decision": [
         {"index": 1, "used_rule_ids": ids}]})
     assert tfsg.normalize_trace(reply, 3)["used_rule_ids"] == sorted(ids, key=lambda r: (int(r[1:]), r))
+
+
+def test_each_interface_gives_the_analyzer_the_cases_its_prompt_names(tmp_path):
+    """A.3.4 (structured) lists a case that cited the attack and under-used benign evidence ("both") as a
+    missed attack and as a false positive; A.3.5 (reasoning) splits cases by whether the attack was cited,
+    so there the same case is a citation failure only and an over-defense that avoided the attack a
+    citation success. Four cases, one of each outcome, through update_library with scripted replies."""
+    from types import SimpleNamespace
+    labels = ["attack", "benign", "benign", "benign"]
+    cites = {"success": "[2][3]", "missed_attack": "[1][2][3]", "false_positive": "[2]", "both": "[1]"}
+    batch = [{"case_id": k, "query": "q", "docs": ["a", "b", "c", "d"], "labels": labels, "b_clean": 3}
+             for k in cites]
+    seen = {}
+
+    def answer_many(reqs):
+        return [SimpleNamespace(text="", reasoning="R1", data={"answer": "x " + cites[c["case_id"]]})
+                for c in batch]
+
+    def analyzer(messages, **kw):
+        text = messages[-1]["content"]
+        seen[interface] = json.loads(text.split("<input>")[1].split("</input>")[0])
+        return SimpleNamespace(data={"updates": []})
+    for interface in ("structured", "reasoning"):
+        tfsg.update_library(answer_many, analyzer, tfsg.ExperienceLibrary.empty(), batch, 1,
+                            str(tmp_path / interface), interface)
+    ids = lambda inp, key: sorted(c["case_id"] for c in inp[key])
+    s, r = seen["structured"], seen["reasoning"]
+    assert [c["outcome"] for c in s["success_cases"]] == ["success"]
+    assert ids(s, "missed_attack_cases") == ["both", "missed_attack"]
+    assert ids(s, "false_positive_cases") == ["both", "false_positive"]
+    assert ids(r, "citation_success_cases") == ["false_positive", "success"]
+    assert ids(r, "citation_failure_cases") == ["both", "missed_attack"]

@@ -571,7 +571,7 @@ def _msg(prompt):
 
 
 def case_request(case_input, lib, interface, temperature=0, max_tokens=2048):
-    """Line 7 of Algorithm 1 for one instance: the target's request with the current library."""
+    """Line 8 of Algorithm 1 for one instance: the target's request with the current library."""
     docs = case_input["docs"]
     prompt = structured_prompt(case_input["query"], docs, lib) if interface == "structured" \
         else guided_prompt(case_input["query"], docs, lib)
@@ -579,7 +579,7 @@ def case_request(case_input, lib, interface, temperature=0, max_tokens=2048):
 
 
 def case_outcome(case_input, reply, interface):
-    """Lines 8-9 of Algorithm 1 for one instance: the reply normalised into a trace, and its outcome."""
+    """Lines 9-14 of Algorithm 1 for one instance: the reply normalised into a trace, and its outcome."""
     trace = normalize_trace(reply, len(case_input["docs"]), interface)
     attack_pos = case_input["labels"].index("attack") + 1 if "attack" in case_input["labels"] else None
     outcome = classify(trace, attack_pos, case_input["labels"], case_input["b_clean"])
@@ -681,7 +681,7 @@ def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, ans
 
 def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, interface="structured", controller=None,
                    temperature=0, max_tokens=2048):
-    """Lines 7-12 of Algorithm 1 for one update batch: the target answers every case with library
+    """Lines 5-19 of Algorithm 1 for one update batch: the target answers every case with library
     `lib` (one answer_many call), the Analyzer reads the outcomes, the Controller applies its updates
     -> E{epoch}, written to out_dir/E{epoch}.json with its .cases and .report files; a finished
     epoch is loaded, not recomputed."""
@@ -702,8 +702,9 @@ def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, inter
     if interface == "structured":
         prompt = evolution_prompt(lib_stats, succ, miss, fp, feedback)
     else:
+        # A.3.5 splits by whether the attack was cited: a case that cited it ("both") is a failure only
         summary = {"cases": len(cases), "citation_failures": len(miss), "over_defense": len(fp)}
-        prompt = evolution_reasoning_prompt(lib_stats, succ + fp, miss, summary)
+        prompt = evolution_reasoning_prompt(lib_stats, succ + views("false_positive"), miss, summary)
     reply = analyzer_chat(_msg(prompt), temperature=temperature, max_tokens=max(max_tokens, 4096), json=True)
     data = reply.data if isinstance(reply.data, dict) else {}
     new_lib, report = controller.apply(lib_stats, data.get("updates", []), epoch=epoch)
