@@ -83,7 +83,7 @@ def attacker_prompt(query, source, current, rank, score, competitor, rules, n, r
     if seed is not None:
         inp["attacker_seed"] = seed
     return (f"{ATTACKER_INSTRUCTION}\n\nReturn only JSON of the form {{\"rewrites\": [\"...\"]}} with exactly {n} "
-            f"different full rewrites.\n\n<input>\n{json.dumps(inp, ensure_ascii=False)}\n</input>")
+            f"different full rewrites.\n\n" + tfsg.json_block("input", inp, indent=None))
 
 
 # The diagnose-and-repair attacker (AgentGEO, arXiv 2603.09296: ask why the document is not cited, pick a
@@ -118,8 +118,8 @@ def repair_prompt(query, source, current, rank, score, competitor, rules, n, rou
     if seed is not None:
         inp["attacker_seed"] = seed
     return (f"{REPAIR_INSTRUCTION}\n\nReturn only JSON of the form {{\"failure_mode\": \"...\", \"evidence\": "
-            f"\"...\", \"rewrites\": [\"...\"]}} with exactly {n} different full rewrites.\n\n<input>\n"
-            f"{json.dumps(inp, ensure_ascii=False)}\n</input>")
+            f"\"...\", \"rewrites\": [\"...\"]}} with exactly {n} different full rewrites.\n\n"
+            + tfsg.json_block("input", inp, indent=None))
 
 
 def parse_repair(data, n):

@@ -45,16 +45,9 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Callable
 
-from tfsg import ANSWER_INSTRUCTION, standard_prompt
+from tfsg import ANSWER_INSTRUCTION, json_block, standard_prompt
 
 SCHEMA = "Return JSON with exactly this schema:\n{\"answer\": \"...\"}"
-
-
-def json_block(tag, obj):
-    """obj as JSON between <tag> and </tag>; every '<' inside written as \\u003c (still the same JSON),
-    so the block holds exactly one opening and one closing tag whatever the strings in obj say."""
-    body = json.dumps(obj, ensure_ascii=False, indent=1).replace("<", "\\u003c")
-    return f"<{tag}>\n{body}\n</{tag}>"
 
 
 def read_block(tag, text):

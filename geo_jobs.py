@@ -9,13 +9,13 @@ bench-audit and detect count.
 
 Usage: ctx = Ctx(llm); kept = gate(ctx, sources, texts)
 """
-import json
 import math
 import re
 from dataclasses import dataclass, field
 
 import geodef
 import llm_clients
+from tfsg import json_block
 
 
 FACTS = ("Keep every fact of the document: keep every number, add no claim the document does not support "
@@ -68,8 +68,7 @@ class Ctx:
 
 def prompt(family, step, instruction, fields, schema):
     inp = {"rewrite_task": f"{family.code}.{step}", **fields}
-    return (f"{instruction}\n\nReturn only JSON of the form {schema}.\n\n<input>\n"
-            f"{json.dumps(inp, ensure_ascii=False)}\n</input>")
+    return f"{instruction}\n\nReturn only JSON of the form {schema}.\n\n" + json_block("input", inp, indent=None)
 
 
 def needs(key, kind=str):
@@ -120,7 +119,7 @@ FIDELITY_INSTRUCTION = (
 def fidelity_prompt(source, candidate):
     inp = {"fidelity_task": "source_vs_candidate", "source_document": source, "candidate": candidate}
     return (f"{FIDELITY_INSTRUCTION}\n\nReturn only JSON: {{\"fidelity\": 1-5, \"contradicts_source\": true|false, "
-            f"\"reason\": \"...\"}}\n\n<input>\n{json.dumps(inp, ensure_ascii=False)}\n</input>")
+            f"\"reason\": \"...\"}}\n\n" + json_block("input", inp, indent=None))
 
 
 def parse_fidelity(data):

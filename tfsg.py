@@ -887,12 +887,12 @@ EVOLUTION_SCHEMA = """{
 }""" % RULE_SCHEMA
 
 
-def _input_block(obj):
-    """JSON-encoded input between <input> tags. A document containing the tags themselves gets their
-    '<' written as the JSON escape \\u003c, so the block has exactly one opening and one closing tag."""
-    body = json.dumps(obj, indent=2, ensure_ascii=False)
-    body = body.replace("<input>", "\\u003cinput>").replace("</input>", "\\u003c/input>")
-    return "<input>\n" + body + "\n</input>"
+def json_block(tag, obj, indent=1):
+    """obj as JSON between <tag> and </tag>; every '<' inside written as \\u003c (still the same JSON),
+    so the block holds exactly one opening and one closing tag whatever the strings in obj say (in any
+    case or spacing: no '<' is left to open one). Every prompt that carries documents builds its block here."""
+    body = json.dumps(obj, ensure_ascii=False, indent=indent).replace("<", "\\u003c")
+    return f"<{tag}>\n{body}\n</{tag}>"
 
 
 def library_view(lib, structured):
@@ -924,7 +924,7 @@ def guided_prompt(query, docs, library):
            "search_results": [{"index": i, "text": d} for i, d in enumerate(docs, 1)],
            "experience_library": library_view(library, structured=False)}
     return (f"{ANSWER_INSTRUCTION}\n\n{DECISION_INSTRUCTION}\n\nReturn JSON with exactly this schema:\n"
-            "{\n  \"answer\": \"...\"\n}\n\n" + _input_block(inp))
+            "{\n  \"answer\": \"...\"\n}\n\n" + json_block("input", inp, indent=2))
 
 
 def structured_prompt(query, docs, library):
@@ -934,7 +934,7 @@ def structured_prompt(query, docs, library):
            "experience_library": library_view(library, structured=True),
            "decision_labels": DECISION_LABELS}
     return (f"{ANSWER_INSTRUCTION}\n\n{DECISION_INSTRUCTION}\n\nReturn JSON with exactly this schema:\n"
-            f"{STRUCTURED_SCHEMA}\n\n" + _input_block(inp))
+            f"{STRUCTURED_SCHEMA}\n\n" + json_block("input", inp, indent=2))
 
 
 def cold_start_prompt(rollouts, max_initial_rules=10):
@@ -942,7 +942,7 @@ def cold_start_prompt(rollouts, max_initial_rules=10):
     inp = {"controlled_contrastive_rollouts": rollouts, "max_initial_rules": max_initial_rules,
            "allowed_rule_types": list(RULE_TYPES), "allowed_actions": list(DECISIONS)}
     schema = f"Return JSON with exactly this schema:\n{COLD_START_SCHEMA}"
-    return f"{COLD_START_INSTRUCTION}\n\n{schema}\n\n" + _input_block(inp)
+    return f"{COLD_START_INSTRUCTION}\n\n{schema}\n\n" + json_block("input", inp, indent=2)
 
 
 def evolution_prompt(lib, success, missed, false_pos, citation_feedback):
@@ -951,7 +951,7 @@ def evolution_prompt(lib, success, missed, false_pos, citation_feedback):
            "missed_attack_cases": missed, "false_positive_cases": false_pos,
            "citation_feedback": citation_feedback, "allowed_update_actions": list(UPDATE_ACTIONS)}
     return (f"{EVOLUTION_STRUCTURED_INSTRUCTION}\n\nReturn JSON with exactly this schema:\n{EVOLUTION_SCHEMA}\n\n"
-            + _input_block(inp))
+            + json_block("input", inp, indent=2))
 
 
 def evolution_reasoning_prompt(lib, cit_success, cit_failure, batch_summary):
@@ -960,7 +960,7 @@ def evolution_reasoning_prompt(lib, cit_success, cit_failure, batch_summary):
            "citation_failure_cases": cit_failure, "batch_summary": batch_summary,
            "allowed_update_actions": list(UPDATE_ACTIONS)}
     return (f"{EVOLUTION_REASONING_INSTRUCTION}\n\nReturn JSON with exactly this schema:\n{EVOLUTION_SCHEMA}\n\n"
-            + _input_block(inp))
+            + json_block("input", inp, indent=2))
 
 
 def _analyzer_library(lib):
