@@ -9,10 +9,12 @@ tei:URL, with an optional LABEL=) are parsed the same way (SearchSpec, RerankSpe
 
 Usage: ep = Endpoint.parse("http://usr:pw@127.0.0.1:8802/v1/rerank#m"); ep.url, ep.basic, str(ep)
 """
+import contextlib
 import os
 import re
+import socket
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlparse, urlsplit
 
 
 # What is kept at the start of text that does not parse: a LABEL=, tei: or tavily:, then a scheme with
@@ -42,8 +44,9 @@ def redact_url(text):
     return head + host + ("?***" if query else "")
 
 
-# A URL inside free text: a scheme, its '://' (or a mistyped ':/'), and what follows up to white space or a quote.
-URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/{1,2}[^\s'\"<>]+")
+# A URL inside free text: a scheme, its '://' (or a mistyped ':/'), and what follows up to white space. Not up to
+# a quote: userinfo may hold one unencoded (RFC 3986 3.2.1), and redact_url keeps what follows the last '@'.
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/{1,2}\S+")
 
 
 def redact(text):
@@ -245,6 +248,21 @@ class RequestError(Exception):
     def __init__(self, status, message, param=None):
         super().__init__(message)
         self.status, self.param = status, param
+
+
+def shut(sock):
+    """Wake a connect, send or recv blocked on `sock`: shutdown ends it at once (None: nothing to shut)."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def request_path(target):
+    """An HTTP request target's path, without its query. A target urlsplit refuses (an absolute form with a
+    broken host, "http://[x/") is cut at its '?' instead: the server still answers it (a 404), never drops it."""
+    try:
+        return urlsplit(target or "").path
+    except ValueError:
+        return (target or "").split("?", 1)[0]
 
 
 def content_length(headers, required=True):

@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import geodef
 import offline
-from endpoints import RequestError, content_length
+from endpoints import RequestError, content_length, request_path
 
 MAX_BODY = 64 << 20
 DAY = 24 * 3600
@@ -613,11 +613,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, status, message, param=None):
         """error_body for this request's route: Anthropic's shape on /v1/messages routes."""
-        anthropic = ANTHROPIC_ROUTE.search(urlsplit(getattr(self, "path", "") or "").path) is not None
+        anthropic = ANTHROPIC_ROUTE.search(request_path(getattr(self, "path", ""))) is not None
         return error_body(status, message, anthropic, param)
 
     def _handle(self):
-        arrived, url = time.time(), urlsplit(self.path)
+        arrived = time.time()
         try:
             n = content_length(self.headers, required=False)
         except RequestError as e:
@@ -628,6 +628,7 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(n) if n else b""
             if len(raw) < n:
                 raise ValueError(f"the body ended after {len(raw)} of {n} bytes")
+            url = urlsplit(self.path)                    # a target it refuses is a 400 (ValueError) below
             return self._send(*self._route(self.command, url.path.rstrip("/"), parse_qs(url.query), raw, arrived))
         except (TimeoutError, ConnectionError):
             self.close_connection = True
@@ -649,7 +650,7 @@ class _Handler(BaseHTTPRequestHandler):
         shape instead of its HTML page; a method no do_* serves is OpenAI's 404 "Invalid URL", not a 501. The
         connection closes."""
         if code == 501:
-            code, message = 404, f"Invalid URL ({self.command} {urlsplit(self.path).path[:200]})"
+            code, message = 404, f"Invalid URL ({self.command} {request_path(self.path)[:200]})"
         self._refuse(code, message or self.responses.get(code, ("error",))[0])
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle

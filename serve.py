@@ -48,13 +48,13 @@ import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import certify
 import export
 import lora
 import speed
-from endpoints import RequestError, content_length
+from endpoints import RequestError, content_length, request_path, shut
 from metrics import ranked, sigmoid
 from settings import SettingsError
 from store import log as say   # one line on stderr, every URL in it redacted
@@ -285,8 +285,8 @@ def fit_documents(rr, queries, req):
             if not req.truncate:
                 raise RequestError(413, f"texts[{i}]: the input is {n} document tokens, at most {room} fit "
                                         f"max_length {rr.max_length} (truncate is false)", f"texts[{i}]")
-            if req.left:
-                t = t[enc.offsets[n - room][0]:]
+            if req.left:                  # its last `room` tokens; none when the prompt leaves no room
+                t = t[enc.offsets[n - room][0]:] if room > 0 else ""
         out.append(t)
     return out
 
@@ -615,7 +615,7 @@ class _Handler(BaseHTTPRequestHandler):
     def log_request(self, code="-", size="-"):
         """Every reply passes here (send_response calls it, for the base class's own errors too): it is
         counted in the metrics and logged, the path without its query string (it may hold a key)."""
-        path = urlsplit(getattr(self, "path", "") or "").path      # none on a malformed request line
+        path = request_path(getattr(self, "path", ""))      # none on a malformed request line
         if isinstance(code, int):
             route = path.rstrip("/") or "/"
             route = route if route in POST_PATHS + GET_PATHS else "/v1/models/{id}" if route.startswith(MODEL_PATH) \
@@ -629,9 +629,22 @@ class _Handler(BaseHTTPRequestHandler):
             line = re.sub(r"\?[^\s'\"]*", "?...", fmt % args)
             sys.stderr.write(f"[serve] {self.address_string()} {line}\n")
 
+    def handle_one_request(self):
+        # The request line and headers within read_timeout all told, not only per read: a client trickling
+        # them a byte at a time (slowloris) would otherwise hold this thread for as long as it kept sending.
+        # The body has its own deadline (body_timeout, _body).
+        self._head_timer = threading.Timer(self.server.conf["read_timeout"], shut, (self.connection,))
+        self._head_timer.daemon = True
+        self._head_timer.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._head_timer.cancel()
+
     def parse_request(self):
         self._t0 = time.perf_counter()       # the request line is read: latency counts from here
         ok = super().parse_request()
+        self._head_timer.cancel()            # the headers are in
         if ok and self.request_version == "HTTP/0.9":   # no headers and no status line to answer with
             self.close_connection = True
             self.log_message('"%s" refused: an HTTP/0.9 request line', self.command)
@@ -664,8 +677,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- methods
     def do_GET(self):
-        path = urlsplit(self.path).path.rstrip("/") or "/"
+        path = request_path(self.path).rstrip("/") or "/"
         srv = self.server
+        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0").strip() != "0":
+            self.close_connection = True      # a body no GET route reads must not be parsed as the next request
         try:
             if path == "/health":
                 return self._send(200, {"status": "ok"})
@@ -692,7 +707,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(e, error_headers(e.status, "POST"))
 
     def do_POST(self):
-        path = urlsplit(self.path).path.rstrip("/") or "/"
+        path = request_path(self.path).rstrip("/") or "/"
         try:
             if path in GET_PATHS or path.startswith(MODEL_PATH):
                 self.close_connection = True
@@ -714,7 +729,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(RequestError(500, f"internal error ({type(e).__name__})"))
 
     def _method_not_allowed(self):
-        path = urlsplit(self.path).path.rstrip("/") or "/"
+        path = request_path(self.path).rstrip("/") or "/"
         self.close_connection = True
         if path in POST_PATHS or path in GET_PATHS:
             self._fail(RequestError(405, f"{path} takes {'POST' if path in POST_PATHS else 'GET'}"),

@@ -5,7 +5,7 @@ Run: python -m pytest -q test_endpoints.py
 """
 import pytest
 
-from endpoints import Endpoint, SearchSpec, parse_rerankers, parse_spec, redact_url
+from endpoints import Endpoint, SearchSpec, parse_rerankers, parse_spec, redact, redact_url
 
 
 def test_parse_keeps_credentials_apart_from_the_url_it_prints():
@@ -47,6 +47,13 @@ def test_redact_url_hides_everything_up_to_the_last_at():
     assert redact_url("tei:http://a:b@h/x") == "tei:http://***@h/x"
     assert redact_url("co=http://u:p@w@h/v1") == "co=http://***@h/v1"
     assert [redact_url(t) for t in ("cohere:m", "http://h/v1", None)] == ["cohere:m", "http://h/v1", None]
+
+
+def test_redact_finds_a_url_whose_password_holds_a_quote():
+    """A quote is legal unencoded in userinfo (RFC 3986 3.2.1): a URL in free text runs to white space."""
+    for url in ("http://u:p'S3cret@h/x", 'http://u:p"S3cret@h:1/v1'):
+        host = url.split("@")[1]
+        assert redact(f"error: --reranker '{url}' refused") == f"error: --reranker 'http://***@{host}' refused"
 
 
 @pytest.mark.parametrize("text,shown", [("usr:S3cret@127.0.0.1:1/v1", "***@127.0.0.1:1/v1"),

@@ -245,6 +245,16 @@ def test_make_client_needs_the_providers_key(monkeypatch):
         llm_clients.make_client("deepseek:deepseek-chat")
 
 
+@pytest.mark.parametrize("key", ["sk-SECRET0123\r", " sk-SECRET0123", "sk-SECRET 0123", "sk-SECRET0123\u00e9"])
+def test_a_key_requests_would_echo_is_refused_unshown(monkeypatch, key):
+    """A key with a line ending (a .env file with CRLF lines), a space or a non-ASCII character is refused when
+    the client is made: sent, requests' header error would quote it (as a repr, past the masking)."""
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    with pytest.raises(llm_clients.LLMError, match="API key holds") as e:
+        llm_clients.make_client("openai:gpt-5.5")
+    assert "SECRET" not in str(e.value)
+
+
 def _openai_key(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "k")
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)

@@ -58,6 +58,8 @@ def test_offline_server_answers_every_hostile_request():
         for head in (b"Content-Length: -1\r\n", b""):
             status, _ = _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
             assert status == 400
+        for line, status in ((b"GET http://[x/", 400), (b"FOO http://[x/", 404)):   # a target urlsplit refuses
+            assert _raw(srv, line + b" HTTP/1.1\r\nHost: x\r\n\r\n")[0] == status
         old = offline_server._Handler.timeout
         offline_server._Handler.timeout = 0.3
         try:

@@ -5,7 +5,9 @@ Run: python -m pytest -q test_serve.py
 import json
 import os
 import random
+import select
 import shutil
+import socket
 import threading
 import time
 
@@ -234,7 +236,6 @@ def test_serve_logs_no_query_string(shield_server, capfd):
     import requests
     srv, _ = shield_server
     assert requests.get(srv.url + "/v1/models?api_key=TOPSECRET", timeout=5).status_code == 401
-    import socket
     with socket.create_connection(srv.server_address[:2], timeout=5) as s:   # a malformed request line
         s.sendall(b"GET /v1/models?api_key=TOPSECRET HTTP/1.1 junk\r\n\r\n")
         s.recv(65536)
@@ -254,6 +255,33 @@ def small_queue_server(tiny_dir):
 
 
 SMALL_BODY = json.dumps({"query": "q", "documents": ["a b", "c d"]})
+
+
+def test_a_client_trickling_its_headers_is_dropped_at_the_read_timeout(tiny_dir):
+    """The request line and headers get read_timeout all told: a header byte every 0.2 s (each read well
+    within the 0.6 s timeout) is cut off after ~0.6 s, not served when it finally ends (slowloris)."""
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    srv = _serving(serve.RerankServer(rr, port=0, read_timeout=0.6, log=False))
+    try:
+        with socket.create_connection(srv.server_address[:2], timeout=5) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # each byte leaves as it is sent
+            t0 = time.monotonic()
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            for c in b"X-Slow: " + b"a" * 20 + b"\r\n\r\n":
+                try:
+                    s.sendall(bytes([c]))
+                    time.sleep(0.2)
+                    if select.select([s], [], [], 0)[0] and s.recv(1) == b"":
+                        break                                  # the server shut its side
+                except OSError:                                # a broken pipe or a reset: shut
+                    break
+            else:
+                pytest.fail("the headers were taken to the end")
+        assert time.monotonic() - t0 < 2.0
+        assert _raw(srv, b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")[0] == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_serve_kept_alive_requests_are_not_delayed(small_queue_server):
@@ -276,7 +304,6 @@ def test_serve_kept_alive_requests_are_not_delayed(small_queue_server):
 def test_serve_bursts_get_429_not_resets(small_queue_server):
     """200 connections at once are all answered (200, or 429 + Retry-After from a full queue or all
     request slots taken), none reset by a full listen backlog."""
-    import socket
     from concurrent.futures import ThreadPoolExecutor
     srv, body = small_queue_server, SMALL_BODY
 
@@ -314,6 +341,13 @@ def test_serve_field_round_two(shield_server, capfd):
                       headers=AUTH, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     status, _ = _raw(srv, b"GET /\r\n\r\n")
+    for method in (b"GET", b"POST"):      # a target urlsplit refuses (a broken host) is answered, not dropped
+        assert _raw(srv, method + b" http://[x/health HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")[0] == 404
+    smuggled = b"GET /nope HTTP/1.1\r\nHost: a\r\n\r\n"       # a GET's body is never read as another request
+    with socket.create_connection(srv.server_address[:2], timeout=5) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled)
+        got = b"".join(iter(lambda: s.recv(65536), b""))
+    assert got.count(b"HTTP/1.") == 1 and b'"ok"' in got, got
     for cl in (b"+9", b"4_9", b"0x9"):
         status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-key\r\n"
                               b"Content-Length: " + cl + b"\r\n\r\n{\"a\": 1}")
@@ -708,6 +742,9 @@ def test_serve_honours_or_refuses_every_field(base_server, shield_server):
         want_scores = torch.sigmoid(want.score(q, docs)).tolist()
         assert [x["score"] for x in got["data"]] == pytest.approx(want_scores, abs=1e-6)
         assert got["usage"]["prompt_tokens"] == sum(map(len, want.tokenize(q, docs)))
+    for k, status in ((budget - 6, 200), (budget - 7, 400)):   # cut from the left to room for 0 and -1 tokens
+        r = _score(srv, {"queries": q, "documents": docs, "truncate_prompt_tokens": k, "truncation_side": "left"})
+        assert r.status_code == status, r.text
     for k in (0, rr.max_length + 1):
         r = _score(srv, {"queries": q, "documents": docs, "truncate_prompt_tokens": k})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

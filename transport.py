@@ -19,12 +19,10 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
 Usage: t = Transport("https://api.openai.com/v1", "openai:gpt-5.5", api_key=key); t.post(body)   # protocol's path
 """
 import base64
-import contextlib
 import http.client
 import json
 import random
 import re
-import socket
 import threading
 import time
 from email.utils import parsedate_to_datetime
@@ -92,12 +90,6 @@ class RateLimiter:
             time.sleep(t - now)
 
 
-def _shut(sock):
-    """Wake a connect, send or recv blocked on `sock`: shutdown ends it at once (None: nothing to shut)."""
-    with contextlib.suppress(OSError, AttributeError):
-        sock.shutdown(socket.SHUT_RDWR)
-
-
 class Deadline:
     """One exchange (connect, request, status line, headers, body) within `seconds`: a watchdog timer
     shuts the socket it is on when they run out, so a reply trickled a byte at a time ends like a stalled
@@ -117,13 +109,13 @@ class Deadline:
         with self.lock:
             self.conn = conn
             if self.ended:
-                _shut(getattr(conn, "sock", None))
+                endpoints.shut(getattr(conn, "sock", None))
 
     def end(self):
         """Shut the exchange's socket now, and any it goes on to use (the deadline, or Transport.abort)."""
         with self.lock:
             self.ended = True
-            _shut(getattr(self.conn, "sock", None))
+            endpoints.shut(getattr(self.conn, "sock", None))
 
     def passed(self):
         return time.monotonic() >= self.at
@@ -205,6 +197,9 @@ class Transport:
         self._basic = ep.basic if ep else None
         self.base_url = ep.url if ep else None
         self.label, self.protocol, self.provider = label, protocol, provider or protocol
+        if api_key and not re.fullmatch(r"[!-~]+", api_key):   # requests would echo the header in its error
+            raise LLMError(f"{label}: the API key holds a space, a line ending or a character outside printable "
+                           "ASCII (copied from a file with CRLF lines?); the key is not shown", None, self.provider)
         self._key = api_key                      # never logged, never cached, never in errors
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.max_retries, self.max_retry_after = max_retries, max_retry_after
