@@ -155,7 +155,8 @@ class BatchRunner:
         self.poll, self.auto, self.rounds = poll, auto, rounds
         self.deadline = DEADLINE if deadline is None else deadline
         self.results_cap = results_cap
-        self.log, self.sleep, self.clock = log, sleep, clock
+        # what a server says (a failure's reasons, ids) is logged and kept with any credential in it masked
+        self.log, self.sleep, self.clock = lambda msg: log(client.transport.mask(msg)), sleep, clock
         self.provider = (AnthropicBatches if client.protocol == "anthropic" else OpenAIBatches)(client.transport,
                                                                                                  client.label)
         self.limits = limits or LIMITS[self.provider.name]
@@ -251,7 +252,8 @@ class BatchRunner:
     def _lost(self, entry, job, lost):
         """A batch that cannot give its answers: closed in the manifest with the reason; its unanswered
         requests are sent again once, in a new batch, then synchronously -> the keys to send again."""
-        self.manifest.update(entry, status=lost.state or entry.get("status"), collected=True, reason=str(lost))
+        self.manifest.update(entry, status=lost.state or entry.get("status"), collected=True,
+                             reason=self.client.transport.mask(str(lost)))
         self.stats["closed"] += 1
         keys = [k for k in entry["custom_ids"] if k in job.todo and self.client.cache.get(k) is None]
         again = {k for k in keys if k not in job.resent}
@@ -354,7 +356,7 @@ class BatchRunner:
         shape no parser takes (no choices, a null message, odd usage) is no answer, not an error."""
         try:
             return self.client.store(key, reply, request.get("json", False), request.get("check"), mode="batch")
-        except (LLMError, ValueError, TypeError, AttributeError):
+        except (LLMError, ValueError, TypeError, AttributeError, RecursionError, OverflowError):
             return False
 
     # --- the providers' endpoints
@@ -499,10 +501,12 @@ class AnthropicBatches:
                 "results_url": b.get("results_url") if isinstance(b.get("results_url"), str) else None}
 
     def result_urls(self, status):
-        """The results_url, on the API's own host only (a URL elsewhere is refused: the key would go there)."""
+        """The results_url, on the API's own scheme and host only (elsewhere the key would go there, or in clear
+        text over http): another is a batch that cannot give its answers."""
         url = status.get("results_url")
-        if url and urlparse(url).netloc != urlparse(self.base).netloc:
-            raise LLMError(f"{self.label}: results_url on another host ({urlparse(url).netloc}) refused")
+        where, base = urlparse(url or ""), urlparse(self.base)
+        if url and (where.scheme, where.netloc) != (base.scheme, base.netloc):
+            raise _Lost(f"has a results_url elsewhere ({where.scheme}://{where.hostname}), refused", status["state"])
         return [url] if url else []
 
     @staticmethod
@@ -533,7 +537,7 @@ def _int(x):
 def _id(reply, label, what):
     """The id of a created file or batch; a reply without one is an error naming it."""
     if not isinstance(_obj(reply).get("id"), str):
-        raise LLMError(f"{label}: the {what} creation reply has no id: {json.dumps(reply)[:200]}")
+        raise LLMError(f"{label}: the {what} creation reply has no id (its fields: {sorted(_obj(reply))[:10]})")
     return reply["id"]
 
 

@@ -109,6 +109,15 @@ def split_think(text):
     return rest.strip(), "\n".join(p.strip() for p in parts) or None
 
 
+def _obj(x):
+    return x if isinstance(x, dict) else {}
+
+
+def _tokens(v):
+    """A token count from a reply's usage: a non-negative int, else 0 (a server's "abc", NaN or 1e400 is no count)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
 def extract_json(text):
     """Parse the JSON object in a model reply: plain JSON, think blocks (also unclosed), code fences,
     prose around the object. Raises ValueError with the reason when nothing parses."""
@@ -117,13 +126,13 @@ def extract_json(text):
     s = text.strip()
     try:
         return json.loads(s)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):   # (nested past the parser's depth)
         pass
     s, _ = split_think(s)
     for block in reversed(_FENCE.findall(s)):
         try:
             return json.loads(block.strip())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
     dec = json.JSONDecoder()
     for i, ch in enumerate(s):
@@ -132,7 +141,7 @@ def extract_json(text):
                 obj, _ = dec.raw_decode(s[i:])
                 if isinstance(obj, (dict, list)):
                     return obj
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue
     raise ValueError(f"no JSON object found in a reply of {len(text)} characters")
 
@@ -425,20 +434,24 @@ class Client:
                 blocks = resp["content"]
                 text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
                 thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking") or None
-                u = resp.get("usage") or {}
-                usage = {"prompt_tokens": u.get("input_tokens", 0), "completion_tokens": u.get("output_tokens", 0),
-                         "reasoning_tokens": 0}
+                u = _obj(resp.get("usage"))
+                usage = {"prompt_tokens": _tokens(u.get("input_tokens")),
+                         "completion_tokens": _tokens(u.get("output_tokens")), "reasoning_tokens": 0}
                 return Reply(text, thinking, usage, resp.get("stop_reason"), resp.get("model"))
             choice = resp["choices"][0]
             msg = choice["message"]
             text = msg.get("content")
+            if not isinstance(text, (str, type(None))):          # a list of parts, or worse: not a text reply
+                raise TypeError(f"content is a {type(text).__name__}, not text")
             reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+            reasoning = reasoning if isinstance(reasoning, str) else None
             if text and ("<think>" in text or "</think>" in text):   # servers without a reasoning parser
                 text, inline = split_think(text)
                 reasoning = reasoning or inline
-            u = resp.get("usage") or {}
-            usage = {"prompt_tokens": u.get("prompt_tokens", 0), "completion_tokens": u.get("completion_tokens", 0),
-                     "reasoning_tokens": (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0) or 0}
+            u = _obj(resp.get("usage"))
+            usage = {"prompt_tokens": _tokens(u.get("prompt_tokens")),
+                     "completion_tokens": _tokens(u.get("completion_tokens")),
+                     "reasoning_tokens": _tokens(_obj(u.get("completion_tokens_details")).get("reasoning_tokens"))}
             return Reply(text if text is not None else "", reasoning, usage, choice.get("finish_reason"),
                          resp.get("model"))
         except (KeyError, IndexError, TypeError, AttributeError) as e:

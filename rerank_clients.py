@@ -51,6 +51,20 @@ def rerank_body(shape, model, query, docs):
 REPLY_FIELDS = {"tei": ("(body)", "score"), "voyage": ("data", "relevance_score"), "vllm-score": ("data", "score")}
 
 
+def _obj(x):
+    return x if isinstance(x, dict) else {}
+
+
+def _finite(v):
+    """A finite JSON number as it is, or None (a bool, a string, NaN, inf, or an int past float's range)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        return v if math.isfinite(v) else None
+    except OverflowError:
+        return None
+
+
 def rerank_scores(shape, resp, n, where):
     """A rerank reply -> (n scores in document order, usage). Checked: a list of results, one per
     document, every index in 0..n-1 exactly once, finite numeric scores; anything else raises
@@ -66,21 +80,23 @@ def rerank_scores(shape, resp, n, where):
     scores = [None] * n
     for j, it in enumerate(items):
         idx = it.get("index") if isinstance(it, dict) else None
-        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
-            raise bad(f"{field_name}[{j}].index", f"expected an integer in 0..{n - 1}, got {idx!r}")
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:   # a value is never echoed:
+            raise bad(f"{field_name}[{j}].index", f"expected an integer in 0..{n - 1}, got "   # it may be a key
+                                                  f"{idx if isinstance(idx, int) else type(idx).__name__}")
         if scores[idx] is not None:
             raise bad(f"{field_name}[{j}].index", f"{idx} given twice")
-        v = it.get(score_key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise bad(f"{field_name}[{j}].{score_key}", f"expected a finite number, got {v!r}")
+        v = _finite(it.get(score_key))
+        if v is None:
+            raise bad(f"{field_name}[{j}].{score_key}", f"expected a finite number, got "
+                                                        f"{type(it.get(score_key)).__name__}")
         scores[idx] = float(v)
     usage = {}
     if isinstance(resp, dict):
-        units = ((resp.get("meta") or {}).get("billed_units") or {}).get("search_units")
-        tokens = (resp.get("usage") or {}).get("total_tokens")
-        if isinstance(units, (int, float)) and not isinstance(units, bool):
+        units = _finite(_obj(_obj(resp.get("meta")).get("billed_units")).get("search_units"))
+        tokens = _finite(_obj(resp.get("usage")).get("total_tokens"))
+        if units is not None and units >= 0:
             usage["search_units"] = units
-        if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
+        if tokens is not None and tokens >= 0:
             usage["tokens"] = tokens
     return scores, usage
 

@@ -554,3 +554,17 @@ def test_eval_batch_api_gives_the_synchronous_records_at_half_price(demo_run, tm
     row = stages["offline:offline-engine [batch]"]
     assert row["cost_usd"] == pytest.approx(0.5 * (row["prompt_tokens"] * 1 + row["completion_tokens"] * 2) / 1e6)
     print(f"batches {len(manifest)}, lines {sum(len(b['custom_ids']) for b in manifest)}, wall {wall:.1f} s")
+
+
+def test_a_results_url_off_the_apis_scheme_and_host_loses_the_batch_not_the_key():
+    """The key goes with the GET of an Anthropic results_url: one on another host, or on http for an https API,
+    is refused as a batch that cannot answer (its requests sent again), and the refusal names no userinfo."""
+    t = llm_clients.Transport("https://api.anthropic.com/v1", "anthropic:m", "anthropic", api_key="sk-ant-SECRET")
+    api = batch_clients.AnthropicBatches(t, "anthropic:m")
+    ok = "https://api.anthropic.com/v1/messages/batches/b1/results"
+    assert api.result_urls({"state": "ended", "results_url": ok}) == [ok]
+    for url in ("http://api.anthropic.com/v1/messages/batches/b1/results", "https://sk-ant-x@evil.example/r",
+                "/v1/messages/batches/b1/results"):
+        with pytest.raises(batch_clients._Lost, match="results_url elsewhere") as e:
+            api.result_urls({"state": "ended", "results_url": url})
+        assert "sk-ant" not in str(e.value)

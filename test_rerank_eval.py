@@ -67,6 +67,11 @@ class FakeRerank(BaseHTTPRequestHandler):
             raw = json.dumps(out).replace(str(out["results"][0]["relevance_score"]), "NaN", 1).encode()
         elif how == "string":
             out["results"][0]["relevance_score"] = "0.9"
+        elif how == "echo":                  # the request's key sent back as a value
+            out["results"][0]["index"] = self.headers.get("Authorization", "")
+        elif how == "overflow":              # an integer past float's range, and usage of the wrong shape
+            out["meta"] = "x"
+            raw = json.dumps(out).replace(str(out["results"][0]["relevance_score"]), "1" + "0" * 400, 1).encode()
         elif how == "html":
             raw = b"<html><body>Bad gateway</body></html>"
         elif how == "429":
@@ -180,8 +185,10 @@ def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
                                      ("more", "results: 4 results for 3 documents"),
                                      ("twice", r"results\[1\].index: \d given twice"),
                                      ("out_of_range", r"results\[0\].index: expected an integer in 0..2, got 3"),
-                                     ("nan", r"results\[0\].relevance_score: expected a finite number, got nan"),
-                                     ("string", r"results\[0\].relevance_score: expected a finite number, got '0.9'"),
+                                     ("nan", r"results\[0\].relevance_score: expected a finite number, got float"),
+                                     ("string", r"results\[0\].relevance_score: expected a finite number, got str"),
+                                     ("echo", r"results\[0\].index: expected an integer in 0..2, got str"),
+                                     ("overflow", r"results\[0\].relevance_score: expected a finite number, got int"),
                                      ("html", "HTTP 200 with a body that is not JSON"),
                                      ("huge", "reply of 52428800 bytes refused"),
                                      ("redirect", "HTTP 307 redirect to evil.example refused")])

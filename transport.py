@@ -243,11 +243,15 @@ class Transport:
             out += [pair, base64.b64encode(pair.encode()).decode(), pw, quote(pw, safe=""), quote(user, safe="")]
         return sorted((s for s in out if s and len(s) >= 3), key=len, reverse=True)   # longest first
 
+    def mask(self, text):
+        """`text` with every form of this transport's credentials (secrets()) as ***."""
+        for s in self.secrets():
+            text = text.replace(s, "***")
+        return text
+
     def error(self, msg, status=None, body=None):
-        text = body or ""
-        for s in self.secrets():      # masked BEFORE the body is cut: a cut must not leave part of a key
-            text, msg = text.replace(s, "***"), msg.replace(s, "***")
-        text = text[:300]
+        text = self.mask(body or "")[:300]   # masked BEFORE the body is cut: a cut must not leave part of a key
+        msg = self.mask(msg)
         return LLMError(f"{self.label}: {msg}" + (f": {text}" if text else ""), status, self.provider, text)
 
     def retry_after(self, headers):
@@ -379,7 +383,8 @@ class Transport:
 
     def _read(self, r, deadline, cap):
         """The body of `r` as text, at most `cap` bytes (a larger one is refused unread), before `deadline`."""
-        n = int(r.headers.get("content-length") or 0)
+        n = r.headers.get("content-length") or ""
+        n = int(n) if n.isdigit() else 0          # a malformed length is no promise: the streamed cap holds
         if n > cap:
             raise self.error(f"reply of {n} bytes refused (at most {cap})", r.status_code)
         parts, got = [], 0
