@@ -336,7 +336,10 @@ class ReplyCache:
 
 def _fill_data(reply, check):
     """reply.data from its text's JSON, then `check` on it; ValueError when either fails."""
-    reply.data = no_lone_surrogates(extract_json(reply.text))   # an escaped "\\ud800" inside the JSON string
+    try:
+        reply.data = no_lone_surrogates(extract_json(reply.text))   # an escaped "\\ud800" inside the JSON string
+    except RecursionError:
+        raise ValueError("JSON nested past the parser's depth") from None
     if check is not None:
         check(reply.data)
 

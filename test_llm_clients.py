@@ -140,6 +140,22 @@ def test_a_non_json_200_is_an_error_with_its_status(server):
     assert e.value.status == 200
 
 
+def test_replies_of_the_wrong_types_are_shape_errors_or_no_count(server):
+    """Usage that is no count ("abc", NaN, 1e400, a list) counts 0; a content that is not text, or JSON nested
+    past the parser's depth, is an error naming the shape, never an uncaught crash."""
+    for usage in ({"prompt_tokens": "abc", "completion_tokens": float("nan")}, {"prompt_tokens": float("inf")}, [1]):
+        Script.script = [(200, {}, {**ok("fine"), "usage": usage}, 0)]
+        c = client(server)
+        assert c.chat([{"role": "user", "content": repr(usage)}]).text == "fine"
+        assert c.usage()["prompt_tokens"] == c.usage()["completion_tokens"] == 0
+    Script.script = [(200, {}, ok([{"type": "text", "text": "x"}]), 0)]
+    with pytest.raises(llm_clients.LLMError, match="unexpected response shape"):
+        client(server).chat([{"role": "user", "content": "parts"}])
+    Script.script = [(200, {}, ok("[" * 5000 + "]" * 5000), 0)] * 3
+    with pytest.raises(llm_clients.LLMError):
+        client(server, json_retries=1).chat([{"role": "user", "content": "deep"}], json=True)
+
+
 def test_a_refused_connection_names_the_url_after_its_attempts():
     with pytest.raises(llm_clients.LLMError, match=r"ConnectionError on http://127\.0\.0\.1:9/v1/chat/completions "
                                                    r"after 2 attempts"):
