@@ -369,7 +369,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     lib = tfsg.load_library(run.library_path(), run.limits)
     lib_digest = hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
     settings = {"target": str(spec), "attacker": attacker_spec or cfg.llm.llm, "judge": cfg.judge.judge or cfg.llm.llm,
-                "budget": budget, "rounds": rounds, "per_round": per_round,
+                "max_tokens": cfg.llm.max_tokens, "budget": budget, "rounds": rounds, "per_round": per_round,
                 "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD, "library": lib_digest if aware else None,
                 **({"algorithm": "repair", "start": cfg.attacker.start, "edit_budget": cfg.attacker.edit_budget}
                    if cfg.attacker.algorithm == "repair" else {})}
@@ -397,7 +397,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     ref = clean_reference(cfg.data.k, base)
     clean = {r["group_id"]: r for r in eval_condition(
         cfg.llm, cfg.request.workers, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk,
-        ref.pipeline, os.path.join(res, "clean_reference.jsonl"), eval_judge)}
+        ref.pipeline, os.path.join(res, "attack", "clean_reference.jsonl"), eval_judge)}   # eval's file is eval's
     for b in budgets:
         docs = [with_doc(x, cands[x.instance_id][best_of(cands[x.instance_id], b)]["text"], f"@{label}-{mode}-B{b}")
                 for x in insts]

@@ -396,9 +396,9 @@ def eval_conditions(run):
     conds = conds + [f"{c} [{label}]" for label, _ in deployed for c in RERANKER_CONDITIONS
                      if c != "TFSG only" or os.path.isfile(run.library_path())]
     check_eval_settings(cfg, conds, transfers)
-    lib, adapter = run.library_path(), run.path("adapter", "adapter_config.json")
+    lib, adapter = run.library_path(), run.path("shield_done.json")     # (the adapter is saved every epoch)
     missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
-                                                       (adapter, "trained adapter", WITH_SHIELD))
+                                                       (adapter, "finished Shield training", WITH_SHIELD))
                if not os.path.isfile(p)]
     needing = [c for c in conds if any(c in needs for _, _, needs in missing)]
     if needing:   # the stage that writes what is missing (both missing: the whole of train)

@@ -225,7 +225,7 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
 def read_meta(path):
     """The `_meta` line of a benchmark file alone (its first line; BenchMeta() when it has none), for
     checks that need no group, such as who built the file."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:    # as load_bench reads it: a byte-order mark is no text
         first = f.readline()
     try:
         obj = json.loads(first)

@@ -272,7 +272,7 @@ def regime_folds(run):
     for a in subsets:
         groups = equal_size(data.construction, a, size, cfg.folder.seed)
         for j in range(h.seeds):
-            name = f"seen-{'_'.join(a)}-seed{j}"
+            name = f"seen-{'_'.join(a)}-n{size}-seed{j}"     # the size hangs on --subsets: a fold of another is new
             fcfg = fold_settings(cfg, name, a).replace(seed=cfg.folder.seed + j)
             fold, inst = fold_run(run, fcfg, groups), geodef.expand(groups, a)
             fold.shield_split(inst)

@@ -373,7 +373,7 @@ def cmd_attack(args):
     opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=attack.check)
     if args.dry_run:
         return show(attack.dry_run(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "attack", record=None, engine=cfg.llm.llm == "offline", **opened) as run:
+    with Run.open(cfg, "attack", record="check", engine=cfg.llm.llm == "offline", **opened) as run:
         a = cfg.attack
         block = attack.run_attack(run, a.target, a.budgets, a.attack_rounds, cfg.attacker.candidates_per_round,
                                   cfg.attacker.attacker, a.aware_of_library)

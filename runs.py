@@ -119,7 +119,8 @@ def read_prices(path):
 
 
 # what a command may need from `train`, by name: (path of the run's file, what it is)
-NEEDS = {"adapter": (lambda run: run.path("adapter", "adapter_config.json"), "trained adapter"),
+# (the adapter folder is saved at every improving epoch: only shield_done.json says the Shield's training ended)
+NEEDS = {"adapter": (lambda run: run.path("shield_done.json"), "finished Shield training (shield_done.json)"),
          "library": (lambda run: run.library_path(), "TFSG library")}
 
 
@@ -242,6 +243,8 @@ class Run:
         eval mode with the speed paths; adapter: another adapter folder (a hardening round's)."""
         rr = rr or self.reranker()
         path = adapter or self.path("adapter")
+        if adapter is None:                       # a killed training leaves a best-so-far adapter behind
+            need_trained(self.path("shield_done.json"), NEEDS["adapter"][1], self.cfg.folder.name)
         need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.folder.name)
         lora.load_adapter(rr.model, path)
         rr.model.eval()

@@ -159,6 +159,30 @@ def test_attacker_text_with_control_tokens_stays_text(tiny_dir):
     assert not rr.control_ids & set(body)
 
 
+def test_a_rerun_on_other_settings_is_refused_and_eval_keeps_its_own_clean_reference(attacked, demo_run, tmp_path):
+    """A pinned setting (temperature, in config.json) or one the attack's records hang on (max_tokens, in
+    attack-settings.json) changed is refused before anything is sent; the attack's clean reference is its own
+    file, eval's left as eval wrote it."""
+    out, _, _ = attacked
+    shutil.copytree(out.parent / "just-attacked", tmp_path / "o")
+    for extra, what in ((("--temperature", "0.7"), "temperature"), (("--max-tokens", "300"), "max_tokens")):
+        with pytest.raises(SystemExit, match=f"different {what}"):
+            run.main(_argv(tmp_path / "o", *extra))
+    res = "demo/results/clean_reference.jsonl"
+    assert (out / res).read_bytes() == (demo_run.parent / res).read_bytes()
+    assert (out / "demo/results/attack/clean_reference.jsonl").is_file()
+
+
+def test_a_shield_whose_training_did_not_end_is_not_trained(demo_copy):
+    """train saves the adapter at every improving epoch: without shield_done.json (a training killed midway)
+    nothing that needs the Shield runs on it."""
+    os.remove(demo_copy / "demo" / "shield_done.json")
+    with pytest.raises(SystemExit, match="shield_done.json"):
+        run.main(_argv(demo_copy, "--dry-run"))
+    with pytest.raises(SystemExit, match="shield_done.json"):
+        run.main(["eval", "--runs-dir", str(demo_copy), "--name", "demo", "--conditions", "Shield only", "--dry-run"])
+
+
 def test_no_text_can_close_the_input_block_of_an_attack_or_build_prompt():
     """The attacker's, the repair attacker's, a GEO family's and the fidelity judge's prompts carry documents
     as JSON in one <input> block with every '<' escaped: no casing or spacing of a closing tag survives."""

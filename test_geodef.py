@@ -356,3 +356,14 @@ def test_each_level_adds_the_next_further_attack_and_the_pool_shows_its_edits(tm
     assert all(x.docs[1] == "clearer doc g1 1" and x.docs[3] == "doc g1 3 text" for x in xs)
     clean = geodef.clean_instance(test)           # the attacked list without its attacks: the same pool
     assert clean.docs[1] == "clearer doc g1 1" and clean.docs[2] == "doc g1 2 text" and clean.attacked == ()
+
+
+def test_a_byte_order_mark_hides_no_meta(tmp_path):
+    """read_meta (the shared-roles check before any paid call) reads a file saved with a byte-order mark as
+    load_bench does: the same _meta, builder included."""
+    from testing import SAMPLE
+    marked = tmp_path / "bom.jsonl"
+    marked.write_text("\ufeff" + open(SAMPLE, encoding="utf-8").read(), encoding="utf-8")
+    assert geodef.read_meta(str(marked)) == geodef.read_meta(SAMPLE) != geodef.BenchMeta()
+    assert geodef.read_meta(str(marked)).raw["builder_llm"] == geodef.load_bench(str(marked), with_meta=True)[1].raw[
+        "builder_llm"]

@@ -283,6 +283,7 @@ def test_shield_scores_cached_per_adapter(demo_run, tmp_path):
     shutil.copytree(demo_run.parent / "_tiny_qwen3", tmp_path / "_tiny_qwen3")
     shutil.copytree(demo_run / "adapter", tmp_path / "r" / "adapter")
     shutil.copytree(demo_run / "cache", tmp_path / "r" / "cache")
+    shutil.copy(demo_run / "shield_done.json", tmp_path / "r")
     cfg = settings.EvalConfig(**{**json.load(open(demo_run / "config.json"))["config"], "name": "r",
                          "runs_dir": str(tmp_path)})
     old = runs.Run(cfg).shield_scores_path()
@@ -324,6 +325,7 @@ def evaluated_demo(demo_run, tmp_path_factory, engine):
         shutil.copytree(demo_run.parent / d, runs_dir / d)
     for d in ("adapter", "library"):
         shutil.copytree(demo_run / d, runs_dir / "full" / d)
+    shutil.copy(demo_run / "shield_done.json", runs_dir / "full")
     shutil.copytree(demo_run / "cache", runs_dir / "full" / "cache", ignore=shutil.ignore_patterns("llm"))
     c = {**json.load(open(demo_run / "config.json"))["config"], "name": "full", "runs_dir": str(runs_dir),
          "llm": "openai-compatible:scripted", "base_url": engine, "max_test_groups": 2, "n_boot": 100}
@@ -349,6 +351,7 @@ def evaluated_copy(demo_run, evaluated_demo, tmp_path, server):
             return c, copy.deepcopy(summary)
         for d in ("adapter", "library"):
             shutil.copytree(demo_run / d, tmp_path / name / d)
+        shutil.copy(demo_run / "shield_done.json", tmp_path / name)
         shutil.copytree(demo_run / "cache", tmp_path / name / "cache", ignore=shutil.ignore_patterns("llm"))
         return c, None
     return make
@@ -543,6 +546,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         for d in ("_tiny_qwen3", "_tiny_gpt2"):
             shutil.copytree(demo_run.parent / d, tmp_path / d)
         shutil.copytree(demo_run / "adapter", tmp_path / "j" / "adapter")
+        shutil.copy(demo_run / "shield_done.json", tmp_path / "j")
         shutil.copytree(demo_run / "library", tmp_path / "j" / "library")
         shutil.copytree(demo_run / "cache", tmp_path / "j" / "cache", ignore=shutil.ignore_patterns("llm"))
         c = json.load(open(demo_run / "config.json"))["config"]
@@ -683,6 +687,7 @@ def test_labels_never_reach_prompt_text(demo_run, tmp_path, server):
     for d in ("_tiny_qwen3", "_tiny_gpt2"):
         shutil.copytree(demo_run.parent / d, tmp_path / d)
     shutil.copytree(demo_run / "adapter", tmp_path / "p" / "adapter")
+    shutil.copy(demo_run / "shield_done.json", tmp_path / "p")
     shutil.copytree(demo_run / "cache", tmp_path / "p" / "cache", ignore=shutil.ignore_patterns("llm"))
     c = json.load(open(demo_run / "config.json"))["config"]
     c.update(name="p", runs_dir=str(tmp_path), llm="openai-compatible:target", base_url=server,

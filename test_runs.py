@@ -230,9 +230,9 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench, ca
                         "column 2"),
                        (["eval", "--name", "never", "--model", "tiny", "--llm", "offline",
                          "--runs-dir", str(tmp_path)],
-                        "no trained adapter; run `python run.py train --name never` first (GEO Defender, Shield "
-                        "only, TFSG only need it), or evaluate the others: --conditions \"Non-Defense,PPL-Filter,"
-                        "Static Safety Prompt,Spotlighting,Sandwich Prompt,PromptArmor,RobustRAG\"")]:
+                        "no finished Shield training; run `python run.py train --name never` first (GEO Defender, "
+                        "Shield only, TFSG only need it), or evaluate the others: --conditions \"Non-Defense,"
+                        "PPL-Filter,Static Safety Prompt,Spotlighting,Sandwich Prompt,PromptArmor,RobustRAG\"")]:
         with pytest.raises(SystemExit) as e:     # what the command line prints: this message, exit status 1
             run.main(argv)
         assert isinstance(e.value.code, str) and e.value.code.strip().endswith(said), e.value.code
@@ -253,7 +253,7 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     common = ["--name", "x", "--runs-dir", str(tmp_path)]
     run.main(["train", "--model", "tiny", "--llm", "openai-compatible:m", "--base-url", "http://127.0.0.1:9/v1",
               "--bench", small_bench, "--n-construction", "4", "--n-batches", "1", "--lr", "2e-3"] + common)
-    for f in ("library/E2.json", "adapter/adapter_config.json"):   # what the (mocked) training would leave
+    for f in ("library/E2.json", "adapter/adapter_config.json", "shield_done.json"):   # what training would leave
         (tmp_path / "x" / f).parent.mkdir(exist_ok=True)
         (tmp_path / "x" / f).write_text("{}")
     run.main(["eval"] + common)
@@ -277,7 +277,7 @@ def test_eval_takes_the_trained_runs_settings(tmp_path, monkeypatch, small_bench
     # `train --name y --llm ...` is not refused for settings that a failed eval pinned
     with pytest.raises(SystemExit, match="no TFSG library"):
         run.main(["eval", "--name", "y", "--runs-dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="no trained adapter"):
+    with pytest.raises(SystemExit, match="no finished Shield training"):
         run.main(["eval", "--name", "y", "--runs-dir", str(tmp_path), "--conditions", "Shield only"])
     assert not os.path.exists(tmp_path / "y" / "config.json")
     # a start that failed before producing anything (here: a hub model that cannot be fetched offline)
