@@ -80,7 +80,7 @@ def shield_settings(cls, args):
                                 "[--adapter DIR]")
     cfg = resolve(cls, asked)
     adapter = os.path.join(cfg.folder.run_dir, "adapter")
-    need_trained(os.path.join(adapter, "adapter_config.json"), "trained adapter", cfg.folder.name)
+    need_trained(os.path.join(cfg.folder.run_dir, "shield_done.json"), "finished Shield training", cfg.folder.name)
     trained = recorded(cfg.folder.run_dir)
     other = [f"--{k.replace('_', '-')} {asked[k]!r} (the run's: {trained.get(k)!r})"
              for k in ("dtype", "quant", "max_length") if k in asked and asked[k] != trained.get(k)]
