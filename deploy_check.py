@@ -250,7 +250,7 @@ def detect_check(run, spec, lists):
         served = [got[i] for i in range(len(texts))]
     except LLMError as e:
         return {"pass": False, "why": f"POST {root}/detect: {str(e)[:200]}"}
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):   # (a score past float's range)
         return {"pass": False, "why": f"POST {root}/detect: a reply without results[].index, score and flagged"}
     local = [det.score(t) for t in texts]
     err = max(abs(s - m) for (s, _), m in zip(served, local))
@@ -282,7 +282,14 @@ def deploy_check(run, spec, rr=None):
     rr = rr or run.shield()
     limit = advertised_limit(spec)
     tokens, why = long_length(cfg.model.max_length, cfg.deploy.long_tokens, limit) if cfg.deploy.long else (None, None)
-    lists = known_lists(run.data, rr, tokens)
+    short = []
+    try:
+        lists = known_lists(run.data, rr, tokens)
+    except SettingsError:               # the endpoint's own limit leaves a document no room: no long list
+        if not (limit and tokens == limit[0] - SEAM):
+            raise
+        tokens, short = None, [f"no long list: the endpoint's {limit[1]} {limit[0]} leaves its document no room"]
+        lists = known_lists(run.data, rr)
     client = rerank_clients.make_reranker(spec, **({"timeout": cfg.request.timeout} if cfg.request.timeout else {}))
     served, failed = ask(client, lists)
     local = {n: [float(m) for m in rr.score(*lists[n])] for n in served}
@@ -293,6 +300,7 @@ def deploy_check(run, spec, rr=None):
     notes = [f"the endpoint takes at most {limit[0]} tokens ({limit[1]}), the Shield {cfg.model.max_length} "
              "(--max-length): a longer document is refused or cut there, not where the Shield cuts it"
              ] if limit and limit[0] < cfg.model.max_length else []
+    notes += short
     out = {"endpoint": str(spec), **compare(local, served, failed, base),
            "long": {"tokens": tokens, "why": why} if tokens else None, "notes": notes,
            "detect": detect_check(run, spec, lists)}

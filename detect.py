@@ -142,6 +142,9 @@ def pages(groups, families):
 
 def check(run):
     """A benchmark without honest edits in both splits is refused, naming the build to run."""
+    if len(run.data.construction) < 2:
+        raise SettingsError(f"--n-construction {len(run.data.construction)}: detect fits its text detector out of "
+                            "fold by construction query group, so it needs at least 2")
     if not has_honest(run.data):
         raise SettingsError(f"{run.cfg.data.bench}: no honest edits in both its construction and test groups; detect "
                             "measures false positives on them. Build the file with them: python run.py build-bench "

@@ -30,6 +30,7 @@ import offline
 from endpoints import RequestError, content_length, request_path
 
 MAX_BODY = 64 << 20
+MAX_HELD = 1 << 30         # the files (uploads and batch outputs) held at once, in characters
 DAY = 24 * 3600
 OPENAI_ENDPOINT = "/v1/chat/completions"
 # the batch routes: OpenAI's /v1/files[/ID[/content]] and /v1/batches[/ID[/cancel]], Anthropic's
@@ -364,6 +365,10 @@ class Batches:
 
     def keep_file(self, content, filename, purpose):
         with self.lock:
+            held = sum(len(f["content"]) for f in self.files.values())
+            if held + len(content) > MAX_HELD:
+                raise ValueError(f"files held would reach {held + len(content)} characters, at most {MAX_HELD}: "
+                                 "delete some (DELETE /v1/files/ID)")
             self.n_files += 1
             fid = f"file-{self.n_files}"
             self.files[fid] = {"id": fid, "content": content, "filename": filename, "purpose": purpose,
@@ -618,6 +623,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self):
         arrived = time.time()
+        if self.headers.get("Origin") is not None:   # a web page's request (no API client sends one): its
+            return self._refuse(403, "requests from a web page (an Origin header) are refused")   # uploads, too
         try:
             n = content_length(self.headers, required=False)
         except RequestError as e:

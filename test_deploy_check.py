@@ -234,6 +234,14 @@ def test_the_long_list_fits_the_limit_the_endpoint_advertises(check, shield, api
             assert v["pass"] and set(v["lists"]) == {"relevance", "attack", "control"} and v["long"] is None
 
 
+def test_a_limit_too_small_for_a_long_list_leaves_it_out_with_a_note(check, shield):
+    """An endpoint advertising fewer tokens than a prompt takes without its document (TEI's max_input_length 9)
+    is checked on the other lists, noted, not refused as if --long-tokens were too small."""
+    with standin(refusing(9)(shield[1]), {"/info": {"model_id": "shield", "max_input_length": 9}}) as (url, _):
+        v = check(f"tei:{url}")
+    assert v["long"] is None and "long" not in v["lists"] and any("no long list" in n for n in v["notes"])
+
+
 def test_the_comparison_on_known_numbers():
     """compare(): margins served raw pass under the identity map; a reordered list fails naming its order;
     scores that do not vary fail as constant even inside the tolerance (all near 1), naming no other cause."""

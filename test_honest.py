@@ -323,6 +323,15 @@ def test_the_text_detector_is_naive_bayes_log_odds_and_travels_as_json():
     assert back.score(new) == pytest.approx(det.score(new)) and det.score(geo[0]) > det.score(plain[0])
 
 
+def test_detect_refuses_one_construction_group_before_any_scoring():
+    """Its text detector is fitted out of fold by construction query group: one group leaves a fold nothing."""
+    from types import SimpleNamespace
+    run_ = SimpleNamespace(data=SimpleNamespace(construction=["g1"]), cfg=SimpleNamespace(data=SimpleNamespace(
+        bench="b.jsonl")))
+    with pytest.raises(settings.SettingsError, match="at least 2"):
+        detect.check(run_)
+
+
 def test_detect_refuses_a_build_without_honest_edits(demo_run):
     with pytest.raises(SystemExit, match="build-bench --honest"):
         run.main(["detect", "--runs-dir", str(demo_run.parent), "--name", "demo"])

@@ -58,6 +58,16 @@ def test_offline_server_answers_every_hostile_request():
         for head in (b"Content-Length: -1\r\n", b""):
             status, _ = _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
             assert status == 400
+        r = requests.post(url, json={"messages": []}, headers={"Origin": "https://evil.example"}, timeout=10)
+        assert r.status_code == 403                    # a web page's request: the engine is the local user's
+        old_held = offline_server.MAX_HELD
+        offline_server.MAX_HELD = 100
+        try:
+            srv.batches.keep_file("x" * 60, "a.jsonl", "batch")
+            with pytest.raises(ValueError, match="at most 100"):
+                srv.batches.keep_file("x" * 60, "b.jsonl", "batch")
+        finally:
+            offline_server.MAX_HELD = old_held
         for line, status in ((b"GET http://[x/", 400), (b"FOO http://[x/", 404)):   # a target urlsplit refuses
             assert _raw(srv, line + b" HTTP/1.1\r\nHost: x\r\n\r\n")[0] == status
         old = offline_server._Handler.timeout
