@@ -75,22 +75,36 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d, source="config.json"):
+        """config.json as transformers' Qwen3Config reads it, or CheckpointError naming the field: what this
+        file does not implement (another RoPE, sliding windows, another activation) is refused, not ignored;
+        a key left out takes transformers' default (untied head, RoPE base 10000), not the reranker's."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
         if d.get("model_type", "qwen3") != "qwen3":
             raise CheckpointError(f"{source}: model_type: expected 'qwen3', got {d.get('model_type')!r}")
         for need in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads"):
-            if need not in d:
-                raise CheckpointError(f"{source}: {need}: missing")
+            if isinstance(d.get(need), bool) or not isinstance(d.get(need), int) or d[need] < 1:
+                raise CheckpointError(f"{source}: {need}: expected a positive integer, got {d.get(need)!r}")
         if "head_dim" not in d:  # transformers' fallback
             kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-        scaling = d.get("rope_scaling") or {}
-        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise CheckpointError(f"{source}: rope_scaling: only the default RoPE is implemented, got "
-                                  f"{d['rope_scaling']}")
-        if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):  # transformers v5 layout
-            kw["rope_theta"] = d["rope_parameters"].get("rope_theta", cls.rope_theta)
+        if d["num_attention_heads"] % d["num_key_value_heads"] or kw["head_dim"] % 2:
+            raise CheckpointError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads, and "
+                                  "head_dim even (RoPE rotates pairs)")
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}    # v4 layout, or v5's (with the base)
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        unsupported = {"rope_scaling": kind != "default" and f"{kind!r} RoPE",
+                       "use_sliding_window": d.get("use_sliding_window") and "sliding-window attention",
+                       "layer_types": any(t != "full_attention" for t in d.get("layer_types") or [])
+                       and "a layer that is not full attention",
+                       "hidden_act": d.get("hidden_act", "silu") != "silu" and f"activation {d.get('hidden_act')!r}"}
+        for key, what in unsupported.items():
+            if what:
+                raise CheckpointError(f"{source}: {key}: {what} is not implemented here (only Qwen3's default)")
+        kw.setdefault("rope_theta", rope.get("rope_theta", 10_000.0) if isinstance(rope, dict) else 10_000.0)
+        kw.setdefault("tie_word_embeddings", False)
         if "torch_dtype" not in d and "dtype" in d:
             kw["torch_dtype"] = d["dtype"]
         return cls(**kw)
@@ -98,7 +112,11 @@ class Qwen3Config:
     @classmethod
     def from_json(cls, path):
         with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f), source=path)
+            try:
+                d = json.load(f)
+            except ValueError as e:                          # (UnicodeDecodeError included)
+                raise CheckpointError(f"{path}: not JSON ({e})") from None
+        return cls.from_dict(d, source=path)
 
     def to_dict(self):
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -277,7 +295,12 @@ def weight_files(folder):
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map: missing or not an object of file names")
-        return sorted({os.path.join(folder, v) for v in weight_map.values()})
+        files = sorted({os.path.join(folder, v) for v in weight_map.values()})
+        inside = os.path.realpath(folder) + os.sep
+        for path in files:               # a hub repo's index naming ../ or /abs paths would read this machine's files
+            if not os.path.realpath(path).startswith(inside):
+                raise CheckpointError(f"{index}: weight_map: {path} is outside the checkpoint's folder")
+        return files
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         return [single]
@@ -285,7 +308,8 @@ def weight_files(folder):
 
 
 def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
-    """config.json + safetensors -> (Qwen3Model in eval mode, config, lm_head rows or None).
+    """config.json + safetensors -> (Qwen3Model in eval mode, config, head): head is an untied lm_head (V, C), a
+    seq-cls export's score row (1, C), or None (tied to the embedding).
     Each tensor's stored dtype is read from the file and cast to `dtype`. No pickle."""
     from safetensors import safe_open
     cfg_path = os.path.join(folder, "config.json")
@@ -300,17 +324,24 @@ def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
     with torch.device("meta"):
         model = Qwen3Model(cfg)
     expected = {"model." + k: v.shape for k, v in model.state_dict().items()}
-    state, lm_head = {}, None
+    state, lm_head, seq_cls, seen = {}, None, False, set()
     for path in weight_files(folder):
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: listed in the index but missing")
-        with safe_open(path, framework="pt") as f:
+        try:
+            f = safe_open(path, framework="pt")
+        except Exception as e:      # safetensors' own error: a truncated file, a bad header, an offset out of bounds
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        with f:
             for key in f.keys():
+                if key in seen:
+                    raise CheckpointError(f"{path}: {key}: also in another weight file")
+                seen.add(key)
                 stored = f.get_slice(key).get_dtype()
                 if stored not in SUPPORTED_DTYPES:
                     raise CheckpointError(f"{path}: {key}: unsupported dtype {stored} (want BF16, F16 or F32)")
-                if key == "lm_head.weight":
-                    lm_head = f.get_tensor(key)
+                if key in ("lm_head.weight", "score.weight"):   # score: a seq-cls export's one row, E[yes] - E[no]
+                    lm_head, seq_cls = f.get_tensor(key), key == "score.weight"
                     continue
                 if key not in expected:
                     raise CheckpointError(f"{path}: {key}: unexpected key for a Qwen3 decoder")
@@ -323,9 +354,23 @@ def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
         raise CheckpointError(f"{folder}: missing keys: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if lm_head is None and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{folder}: lm_head.weight: missing and tie_word_embeddings is false")
+    if seq_cls:
+        if tuple(lm_head.shape) != (1, cfg.hidden_size):
+            raise CheckpointError(f"{folder}: score.weight: shape {tuple(lm_head.shape)}, want (1, {cfg.hidden_size})")
+        return model_loaded(model, state), cfg, lm_head
+    if lm_head is not None and tuple(lm_head.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{folder}: lm_head.weight: shape {tuple(lm_head.shape)}, config says "
+                              f"{(cfg.vocab_size, cfg.hidden_size)}")
+    tied = state["embed_tokens.weight"]
+    if lm_head is not None and cfg.tie_word_embeddings and not torch.equal(lm_head.to(tied.dtype), tied):
+        raise CheckpointError(f"{folder}: lm_head.weight differs from the embedding, and tie_word_embeddings is "
+                              "true: which head scores is ambiguous")
+    return model_loaded(model, state), cfg, (None if cfg.tie_word_embeddings else lm_head)
+
+
+def model_loaded(model, state):
     model.load_state_dict(state, assign=True)
-    model.requires_grad_(False).eval()
-    return model, cfg, (None if cfg.tie_word_embeddings else lm_head)
+    return model.requires_grad_(False).eval()
 
 
 # ----------------------------------------------------------------------------- reranker
@@ -387,7 +432,9 @@ class Reranker:
         model, cfg, lm_head = load_qwen3(folder, dtype=dtype, device=device)
         rr = cls(model, tok, ids, instruction=instruction, max_length=max_length, token_budget=token_budget,
                  name_or_path=str(name_or_path), revision=sha or revision, folder=folder)
-        if lm_head is not None:  # an untied head (tie_word_embeddings false): only its yes/no rows are needed
+        if lm_head is not None and len(lm_head) == 1:   # seq-cls: the row is w itself (w - 0 below)
+            rr._lm_head = torch.cat([lm_head, torch.zeros_like(lm_head)]).to(device)    # (2, C)
+        elif lm_head is not None:  # an untied head (tie_word_embeddings false): only its yes/no rows are needed
             rr._lm_head = lm_head[ids].to(device)                      # (2, C): yes, no
         return rr
 

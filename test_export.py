@@ -60,9 +60,11 @@ def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, unti
     torch.testing.assert_close(hf_margins(last, ids, rr.yes_id, rr.no_id), ours, rtol=1e-4, atol=1e-5)
     hc.save_pretrained(str(tmp_path / "resaved"))          # re-saved by transformers: config.json keeps the identity
     assert dict(export.identity_marks(str(tmp_path / "resaved")))["config.json"]["shield"] is True
-    # the same files our own loader reads: the merged weights score as base + adapter
-    torch.testing.assert_close(reranker.Reranker.from_pretrained(ca, dtype=torch.float32).score_ids(ids), ours,
-                               rtol=1e-4, atol=1e-5)
+    # the same files our own loader reads (the card says `run.py serve` serves either): the merged weights score
+    # as base + adapter, the seq-cls export through its score row
+    for d in (ca, sc):
+        torch.testing.assert_close(reranker.Reranker.from_pretrained(d, dtype=torch.float32).score_ids(ids), ours,
+                                   rtol=1e-4, atol=1e-5)
     for d in (sc, ca):
         assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
                 "qwen3_reranker.jinja", "geodef_export.json"} <= set(os.listdir(d))

@@ -200,6 +200,51 @@ def test_loader_errors(tmp_path, tiny_dir):
         reranker.Reranker.from_pretrained(str(d))
 
 
+def test_what_the_loader_does_not_implement_or_cannot_read_is_refused_by_name(tmp_path, tiny_dir):
+    """A config.json asking for what this file does not implement (another RoPE, in v4's or v5's layout,
+    sliding windows, another activation) or that is not a Qwen3 shape; a truncated weight file; a stored
+    lm_head that a tied config would ignore; a shard index naming a file outside the folder or a key twice:
+    each a CheckpointError naming the file and field, none a checkpoint that loads and scores otherwise."""
+    from safetensors.torch import load_file, save_file
+
+    def copy(name, config=None):
+        d = tmp_path / name
+        shutil.copytree(tiny_dir, d)
+        if config is not None:
+            c = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps(config(c)))
+        return d
+    configs = [({"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}, "'linear' RoPE"),
+               ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "'yarn' RoPE"),
+               ({"use_sliding_window": True}, "sliding-window"),
+               ({"layer_types": ["sliding_attention"]}, "layer_types"),
+               ({"hidden_act": "gelu"}, "activation 'gelu'"), ({"num_hidden_layers": 0}, "num_hidden_layers"),
+               ({"hidden_size": "64"}, "hidden_size"), ({"num_key_value_heads": 3}, "multiple of")]
+    for i, (edit, msg) in enumerate(configs):
+        with pytest.raises(reranker.CheckpointError, match=msg):
+            reranker.Reranker.from_pretrained(str(copy(f"c{i}", lambda c: {**c, **edit})))
+    with pytest.raises(reranker.CheckpointError, match="expected a JSON object"):
+        reranker.Reranker.from_pretrained(str(copy("list", lambda c: [c])))
+    d = copy("cut")
+    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100])
+    with pytest.raises(reranker.CheckpointError, match="model.safetensors: not a readable safetensors file"):
+        reranker.Reranker.from_pretrained(str(d))
+    d = copy("head")
+    st = load_file(d / "model.safetensors")
+    save_file({**st, "lm_head.weight": st["model.embed_tokens.weight"] + 1}, d / "model.safetensors")
+    with pytest.raises(reranker.CheckpointError, match="differs from the embedding"):
+        reranker.Reranker.from_pretrained(str(d))
+    for name, files in (("outside", {"a": "../head/model.safetensors"}), ("twice", {"a": "x.safetensors",
+                                                                                   "b": "y.safetensors"})):
+        d = copy(name)
+        for f in ("x.safetensors", "y.safetensors"):
+            shutil.copy(d / "model.safetensors", d / f)
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": files}))
+        with pytest.raises(reranker.CheckpointError, match="outside the checkpoint's folder" if name == "outside"
+                           else "also in another weight file"):
+            reranker.Reranker.from_pretrained(str(d))
+
+
 def test_a_sharded_checkpoint_of_mixed_dtypes_loads_cast(tmp_path, hf_tiny):
     folder, hm = hf_tiny
     from safetensors.torch import load_file, save_file
