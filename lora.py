@@ -99,13 +99,16 @@ def lora_modules(model):
 
 
 def add_lora(model, r=16, alpha=32, dropout=0.05, targets=TARGETS):
-    """Replace every nn.Linear whose name ends in a target with LoRALinear(base); freeze all else.
-    Returns the model (modified in place)."""
+    """Replace every nn.Linear that a target names with LoRALinear(base); freeze all else. A target names a
+    module as PEFT's list does: its full name, or a tail of it after a dot ("q_proj", "self_attn.q_proj",
+    "model.layers.0.self_attn.q_proj"; transformers' names carry "model."). Returns the model (modified in place)."""
     model.requires_grad_(False)
     found = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if child_name in targets and isinstance(child, (nn.Linear, NF4Linear)):
+            full = f"model.{name}.{child_name}" if name else f"model.{child_name}"
+            named = any(full == t or full.endswith("." + t) for t in targets)
+            if named and isinstance(child, (nn.Linear, NF4Linear)):
                 # new modules start in train mode: follow the model's mode, else dropout fires in eval
                 setattr(module, child_name, LoRALinear(child, r, alpha, dropout).train(model.training))
                 found += 1
@@ -222,6 +225,9 @@ def load_adapter(model, adapter_dir):
         raise ValueError(f"{cpath}: peft_type: expected 'LORA', got {cfg.get('peft_type')!r}")
     if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise ValueError(f"{cpath}: rslora, DoRA and per-module rank/alpha patterns are not supported")
+    for field in ("layers_to_transform", "exclude_modules", "modules_to_save"):
+        if cfg.get(field):
+            raise ValueError(f"{cpath}: {field}: not supported (LoRA on every layer's named projections only)")
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
         raise ValueError(f"{cpath}: target_modules: regex strings are not supported, give a list")

@@ -125,6 +125,16 @@ def test_peft_round_trip_both_ways(tmp_path, hf_tiny):
     lora.load_adapter(r2.model, str(tmp_path / "theirs"))
     r2.model.eval()
     torch.testing.assert_close(r2.score_ids(ids), ref, rtol=1e-4, atol=1e-5)
+    # target_modules as PEFT matches a list: a tail after a dot, or a full name (here on a few projections only)
+    pm4 = peft.get_peft_model(transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                              peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
+                                  "self_attn.q_proj", "mlp.down_proj", "model.layers.0.self_attn.v_proj"])).eval()
+    pm4.save_pretrained(str(tmp_path / "tails"))
+    r3 = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    lora.load_adapter(r3.model, str(tmp_path / "tails"))
+    assert len(lora.lora_modules(r3.model)) == 2 * rr.model.cfg.num_hidden_layers + 1
+    r3.model.eval()
+    torch.testing.assert_close(r3.score_ids(ids), hf_margins(pm4, ids, rr.yes_id, rr.no_id), rtol=1e-4, atol=1e-5)
 
 
 def test_nf4_round_trip_bound(tiny_dir):
