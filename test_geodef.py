@@ -361,9 +361,9 @@ def test_each_level_adds_the_next_further_attack_and_the_pool_shows_its_edits(tm
 def test_a_byte_order_mark_hides_no_meta(tmp_path):
     """read_meta (the shared-roles check before any paid call) reads a file saved with a byte-order mark as
     load_bench does: the same _meta, builder included."""
-    from testing import SAMPLE
+    plain = write_lines(tmp_path, [{"_meta": {"builder_llm": "openai:gpt-5.5"}}, good_group("g0"), good_group("g1")])
     marked = tmp_path / "bom.jsonl"
-    marked.write_text("\ufeff" + open(SAMPLE, encoding="utf-8").read(), encoding="utf-8")
-    assert geodef.read_meta(str(marked)) == geodef.read_meta(SAMPLE) != geodef.BenchMeta()
-    assert geodef.read_meta(str(marked)).raw["builder_llm"] == geodef.load_bench(str(marked), with_meta=True)[1].raw[
-        "builder_llm"]
+    marked.write_text("\ufeff" + open(plain, encoding="utf-8").read(), encoding="utf-8")
+    assert geodef.read_meta(str(marked)) == geodef.read_meta(plain) != geodef.BenchMeta()
+    assert geodef.read_meta(str(marked)).raw["builder_llm"] == "openai:gpt-5.5"
+    assert geodef.load_bench(str(marked), with_meta=True)[1].raw["builder_llm"] == "openai:gpt-5.5"
