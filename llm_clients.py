@@ -114,8 +114,11 @@ def _obj(x):
 
 
 def _tokens(v):
-    """A token count from a reply's usage: a non-negative int, else 0 (a server's "abc", NaN or 1e400 is no count)."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+    """A token count from a reply's usage: a non-negative whole number (12 or a proxy's 12.0), else 0 (a server's
+    "abc", NaN or 1e400 is no count)."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 53 else 0
 
 
 def extract_json(text):

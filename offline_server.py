@@ -30,7 +30,7 @@ import offline
 from endpoints import RequestError, content_length, request_path
 
 MAX_BODY = 64 << 20
-MAX_HELD = 1 << 30         # the files (uploads and batch outputs) held at once, in characters
+MAX_HELD = 1 << 30         # the uploaded files held at once, in characters (a batch's outputs are smaller)
 DAY = 24 * 3600
 OPENAI_ENDPOINT = "/v1/chat/completions"
 # the batch routes: OpenAI's /v1/files[/ID[/content]] and /v1/batches[/ID[/cancel]], Anthropic's
@@ -365,9 +365,9 @@ class Batches:
 
     def keep_file(self, content, filename, purpose):
         with self.lock:
-            held = sum(len(f["content"]) for f in self.files.values())
-            if held + len(content) > MAX_HELD:
-                raise ValueError(f"files held would reach {held + len(content)} characters, at most {MAX_HELD}: "
+            held = sum(len(f["content"]) for f in self.files.values() if f["purpose"] == "batch")
+            if purpose == "batch" and held + len(content) > MAX_HELD:    # an upload; outputs are always kept
+                raise ValueError(f"uploads held would reach {held + len(content)} characters, at most {MAX_HELD}: "
                                  "delete some (DELETE /v1/files/ID)")
             self.n_files += 1
             fid = f"file-{self.n_files}"

@@ -85,11 +85,10 @@ class Qwen3Config:
         if d.get("model_type", "qwen3") != "qwen3":
             raise CheckpointError(f"{source}: model_type: expected 'qwen3', got {d.get('model_type')!r}")
         for need in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
+                     "num_attention_heads", "num_key_value_heads") + ("head_dim",) * ("head_dim" in d):
             if isinstance(d.get(need), bool) or not isinstance(d.get(need), int) or d[need] < 1:
                 raise CheckpointError(f"{source}: {need}: expected a positive integer, got {d.get(need)!r}")
-        if "head_dim" not in d:  # transformers' fallback
-            kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        kw.setdefault("head_dim", 128)   # Qwen3Config's default, whatever hidden_size / heads is
         if d["num_attention_heads"] % d["num_key_value_heads"] or kw["head_dim"] % 2:
             raise CheckpointError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads, and "
                                   "head_dim even (RoPE rotates pairs)")
@@ -296,9 +295,11 @@ def weight_files(folder):
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map: missing or not an object of file names")
         files = sorted({os.path.join(folder, v) for v in weight_map.values()})
-        inside = os.path.realpath(folder) + os.sep
-        for path in files:               # a hub repo's index naming ../ or /abs paths would read this machine's files
-            if not os.path.realpath(path).startswith(inside):
+        # a hub repo's index naming ../ or /abs paths would read this machine's files; the names are checked, not
+        # where links lead (the hub cache's shards are links into its blobs/ folder)
+        inside = os.path.normpath(folder) + os.sep
+        for path in files:
+            if not os.path.normpath(path).startswith(inside):
                 raise CheckpointError(f"{index}: weight_map: {path} is outside the checkpoint's folder")
         return files
     single = os.path.join(folder, "model.safetensors")

@@ -630,9 +630,17 @@ class _Handler(BaseHTTPRequestHandler):
             sys.stderr.write(f"[serve] {self.address_string()} {line}\n")
 
     def handle_one_request(self):
-        # The request line and headers within read_timeout all told, not only per read: a client trickling
-        # them a byte at a time (slowloris) would otherwise hold this thread for as long as it kept sending.
-        # The body has its own deadline (body_timeout, _body).
+        # The request line and headers within read_timeout all told from their first byte, not only per read:
+        # a client trickling them a byte at a time (slowloris) would otherwise hold this thread for as long as
+        # it kept sending. Waiting for that byte (a kept-alive connection between requests) is bounded per
+        # read as before; the body has its own deadline (body_timeout, _body).
+        try:
+            if not self.rfile.peek(1):          # the client closed the connection
+                self.close_connection = True
+                return
+        except OSError:                         # idle past read_timeout (TimeoutError), or a reset
+            self.close_connection = True
+            return
         self._head_timer = threading.Timer(self.server.conf["read_timeout"], shut, (self.connection,))
         self._head_timer.daemon = True
         self._head_timer.start()

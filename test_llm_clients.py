@@ -143,7 +143,8 @@ def test_a_non_json_200_is_an_error_with_its_status(server):
 def test_replies_of_the_wrong_types_are_shape_errors_or_no_count(server):
     """Usage that is no count ("abc", NaN, 1e400, a list) counts 0; a content that is not text, or JSON nested
     past the parser's depth, is an error naming the shape, never an uncaught crash."""
-    for usage in ({"prompt_tokens": "abc", "completion_tokens": float("nan")}, {"prompt_tokens": float("inf")}, [1]):
+    for usage in ({"prompt_tokens": "abc", "completion_tokens": float("nan")}, {"prompt_tokens": float("inf")}, [1],
+                  {"prompt_tokens": 10 ** 400}):
         Script.script = [(200, {}, {**ok("fine"), "usage": usage}, 0)]
         c = client(server)
         assert c.chat([{"role": "user", "content": repr(usage)}]).text == "fine"

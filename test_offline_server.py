@@ -66,6 +66,7 @@ def test_offline_server_answers_every_hostile_request():
             srv.batches.keep_file("x" * 60, "a.jsonl", "batch")
             with pytest.raises(ValueError, match="at most 100"):
                 srv.batches.keep_file("x" * 60, "b.jsonl", "batch")
+            srv.batches.keep_file("x" * 60, "b_output.jsonl", "batch_output")    # a batch's outputs: always kept
         finally:
             offline_server.MAX_HELD = old_held
         for line, status in ((b"GET http://[x/", 400), (b"FOO http://[x/", 404)):   # a target urlsplit refuses

@@ -219,7 +219,8 @@ def test_what_the_loader_does_not_implement_or_cannot_read_is_refused_by_name(tm
                ({"use_sliding_window": True}, "sliding-window"),
                ({"layer_types": ["sliding_attention"]}, "layer_types"),
                ({"hidden_act": "gelu"}, "activation 'gelu'"), ({"num_hidden_layers": 0}, "num_hidden_layers"),
-               ({"hidden_size": "64"}, "hidden_size"), ({"num_key_value_heads": 3}, "multiple of")]
+               ({"hidden_size": "64"}, "hidden_size"), ({"num_key_value_heads": 3}, "multiple of"),
+               ({"head_dim": None}, "head_dim")]
     for i, (edit, msg) in enumerate(configs):
         with pytest.raises(reranker.CheckpointError, match=msg):
             reranker.Reranker.from_pretrained(str(copy(f"c{i}", lambda c: {**c, **edit})))
@@ -243,6 +244,13 @@ def test_what_the_loader_does_not_implement_or_cannot_read_is_refused_by_name(tm
         with pytest.raises(reranker.CheckpointError, match="outside the checkpoint's folder" if name == "outside"
                            else "also in another weight file"):
             reranker.Reranker.from_pretrained(str(d))
+    d = copy("hub")             # the hub cache's layout: the shard a link into ../../blobs/, named inside the folder
+    (tmp_path / "blobs").mkdir()
+    os.replace(d / "model.safetensors", tmp_path / "blobs" / "x")
+    os.symlink("../blobs/x", d / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00001.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert reranker.Reranker.from_pretrained(str(d)).score("q", ["a doc"]).shape == (1,)
 
 
 def test_a_sharded_checkpoint_of_mixed_dtypes_loads_cast(tmp_path, hf_tiny):

@@ -279,6 +279,13 @@ def test_a_client_trickling_its_headers_is_dropped_at_the_read_timeout(tiny_dir)
                 pytest.fail("the headers were taken to the end")
         assert time.monotonic() - t0 < 2.0
         assert _raw(srv, b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")[0] == 200
+        with socket.create_connection(srv.server_address[:2], timeout=5) as s:   # kept alive: the wait for a
+            for wait in (0, 0.45):                               # request is not the time its head takes
+                time.sleep(wait)
+                s.sendall(b"GET /health HTTP/1.1\r\n")
+                time.sleep(0.3)
+                s.sendall(b"Host: a\r\n\r\n")
+                assert s.recv(65536).startswith(b"HTTP/1.1 200"), wait
     finally:
         srv.shutdown()
         srv.server_close()
