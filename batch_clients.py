@@ -323,18 +323,16 @@ class BatchRunner:
     def _results(self, status, entry, desc):
         """The ended batch's lines -> {custom_id: ("ok", reply) | ("retry", why) | ("fail", why)}. An id
         on more than one line is no answer (sent again); lines for ids never asked are dropped."""
-        lines = self._lines(status)
         asked, seen = set(entry["custom_ids"]), {}
+        lines, stray = self._lines(status, asked)
         for rec in lines:
             seen[rec["custom_id"]] = seen.get(rec["custom_id"], 0) + 1
-        twice = {k for k, n in seen.items() if n > 1 and k in asked}
-        stray = sum(n for k, n in seen.items() if k not in asked)
+        twice = {k for k, n in seen.items() if n > 1}
         if twice or stray:
             self.log(f"[batch] {desc}: batch {entry['id']}: {len(twice)} requests answered on more than one line "
                      f"and {stray} lines for ids it never asked: not taken (those requests are sent again)")
         return {rec["custom_id"]: ("retry", "more than one line") if rec["custom_id"] in twice
-                else self.provider.outcome(rec)
-                for rec in lines if rec["custom_id"] in asked}
+                else self.provider.outcome(rec) for rec in lines}
 
     def _take(self, entry, job, results):
         """Cache the usable replies of one ended batch -> (keys worth another batch, replies kept)."""
@@ -385,13 +383,14 @@ class BatchRunner:
             self.log(f"[batch] batch {batch_id}: no status after the cancel ({e})")
             return {"state": None, "counts": None}
 
-    def _lines(self, status):
-        """The JSONL lines of an ended batch (the provider's result files). Raises _Lost for results the
-        server no longer has, or over the size cap."""
-        out = []
+    def _lines(self, status, asked):
+        """The JSONL lines of an ended batch (the provider's result files) for the ids in `asked` -> (those lines,
+        how many name another id). Raises _Lost for results the server no longer has, or over the size cap."""
+        out, stray = [], 0
         for url in self.provider.result_urls(status):
             try:
-                out += _jsonl(self.client.transport.send("GET", url, raw=True, max_bytes=self.results_cap))
+                got, n = _jsonl(self.client.transport.send("GET", url, raw=True, max_bytes=self.results_cap), asked)
+                out, stray = out + got, stray + n          # (OpenAI's: an output and an error file)
             except LLMError as e:
                 if e.status in GONE:
                     raise _Lost(f"has results the server no longer has ({urlparse(url).path}: HTTP {e.status})",
@@ -400,7 +399,7 @@ class BatchRunner:
                     raise _Lost(f"has results over the size cap ({self.results_cap} bytes)", status["state"]) \
                         from None
                 raise
-        return out
+        return out, stray
 
 
 # ----------------------------------------------------------------------------- the providers
@@ -547,16 +546,25 @@ def _progress(status):
     return f"{state}: {c[0]}/{c[2]} completed, {c[1]} failed" if c else f"{state} (no request counts)"
 
 
-def _jsonl(text):
-    out = []
-    for line in (text or "").splitlines():
+def _jsonl(text, asked):
+    """A results file -> (its records whose custom_id is in `asked`, how many name another id). Read a line
+    ("\n") at a time and a record for an id never asked dropped as it is parsed: a file of such lines costs
+    no parsed objects; a line that does not parse (nested past the parser's depth included) is no record."""
+    out, stray, text, start = [], 0, text or "", 0
+    while start < len(text):                    # no list of every line, no copy of the text
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        line, start = text[start:end], end + 1
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(rec, dict) and isinstance(rec.get("custom_id"), str):
-            out.append(rec)
-    return out
+            if rec["custom_id"] in asked:
+                out.append(rec)
+            else:
+                stray += 1
+    return out, stray
 
 
 def _span(seconds):

@@ -568,3 +568,11 @@ def test_a_results_url_off_the_apis_scheme_and_host_loses_the_batch_not_the_key(
         with pytest.raises(batch_clients._Lost, match="results_url elsewhere") as e:
             api.result_urls({"state": "ended", "results_url": url})
         assert "sk-ant" not in str(e.value)
+
+
+def test_a_results_file_is_read_for_the_asked_ids_only():
+    """Lines for ids never asked are counted and dropped as they are parsed; a line nested past the parser's
+    depth is no record, not a crash (it wedged every rerun of the collection)."""
+    deep = "[" * 100000 + "]" * 100000
+    text = '{"custom_id": "a", "n": 1}\n' + '{"custom_id": "zz"}\n' * 3 + deep + '\n{"custom_id": "a", "n": 2}'
+    assert batch_clients._jsonl(text, {"a"}) == ([{"custom_id": "a", "n": 1}, {"custom_id": "a", "n": 2}], 3)
