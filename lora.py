@@ -123,8 +123,12 @@ def lora_config(model):
     if not mods:
         return None
     m = next(iter(mods.values()))
+    short = sorted({name.rsplit(".", 1)[-1] for name in mods})
+    every = len(mods) == sum(isinstance(c, (nn.Linear, NF4Linear, LoRALinear)) and n.rsplit(".", 1)[-1] in short
+                             for n, c in model.named_modules())
+    # the short names where they name exactly these layers; else the full names (an adapter loaded on a few)
     return {"r": m.r, "lora_alpha": m.alpha, "lora_dropout": m.dropout,
-            "target_modules": sorted({name.rsplit(".", 1)[-1] for name in mods})}
+            "target_modules": short if every else sorted("model." + name for name in mods)}
 
 
 @contextlib.contextmanager

@@ -135,6 +135,13 @@ def test_peft_round_trip_both_ways(tmp_path, hf_tiny):
     assert len(lora.lora_modules(r3.model)) == 2 * rr.model.cfg.num_hidden_layers + 1
     r3.model.eval()
     torch.testing.assert_close(r3.score_ids(ids), hf_margins(pm4, ids, rr.yes_id, rr.no_id), rtol=1e-4, atol=1e-5)
+    lora.save_adapter(r3.model, str(tmp_path / "again"), "Qwen/Qwen3-Reranker-0.6B")   # saved, it names the same few
+    r4 = reranker.Reranker.from_pretrained(folder, dtype=torch.float32)
+    lora.load_adapter(r4.model, str(tmp_path / "again"))
+    r4.model.eval()
+    assert set(lora.lora_modules(r4.model)) == set(lora.lora_modules(r3.model))
+    torch.testing.assert_close(r4.score_ids(ids), r3.score_ids(ids))
+    assert json.load(open(tmp_path / "ours" / "adapter_config.json"))["target_modules"] == sorted(lora.TARGETS)
 
 
 def test_nf4_round_trip_bound(tiny_dir):
