@@ -219,7 +219,7 @@ def transfer_check(groups, families, seen, folds=5, n_boot=2000, seed=0):
 
         def figures(ids):
             p, n = [pos[g] for g in ids], [negs[g] for g in ids]
-            return auc(p, n), float(np.mean(np.array(p) > np.quantile(n, 0.95)))
+            return auc(p, n), float(np.mean(np.array(p) > np.quantile(n, 0.95, method="higher")))
         a, t = figures(gids)
         rng = np.random.default_rng(seed)
         boots = [figures([gids[i] for i in rng.integers(0, len(gids), len(gids))]) for _ in range(n_boot)]

@@ -110,7 +110,8 @@ def upper(g, rate, inserted=0, deleted=0):
     `inserted` words are inserted and `deleted` deleted (module docstring)."""
     check_unit("g", g), check_unit("rate", rate, lo_open=True, hi_open=True)
     check_count("inserted", inserted), check_count("deleted", deleted)
-    return rate ** inserted * min(1.0, g / rate ** deleted) + 1.0 - rate ** inserted
+    kept = rate ** deleted                  # 0.0 past ~7,000 deleted words at 0.9: min(1, g / p^r_d) is then 1
+    return rate ** inserted * (1.0 if kept <= g else g / kept) + 1.0 - rate ** inserted
 
 
 def epsilon(n_docs, n_samples, alpha=ALPHA):

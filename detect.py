@@ -181,8 +181,11 @@ def out_of_fold(cons_pages, seen):
 
 
 def tpr_at(pos, neg, fpr):
-    """TPR at the threshold the negatives' (1 - fpr) quantile sets (scores above it flagged)."""
-    return float(np.mean(np.asarray(pos) > np.quantile(neg, 1 - fpr))) if len(pos) and len(neg) else None
+    """TPR at the threshold the negatives' (1 - fpr) quantile sets (scores above it flagged), taken at a
+    negative's own score ("higher"): at most `fpr` of the negatives are flagged, never one more."""
+    if not len(pos) or not len(neg):
+        return None
+    return float(np.mean(np.asarray(pos) > np.quantile(neg, 1 - fpr, method="higher")))
 
 
 def figures_of(recs, detector, family_of, n_boot, seed):
@@ -244,8 +247,8 @@ def roc_points(recs, detector, family_of):
     """TPR (%) against the test honest edits at each of ROC_FPRS."""
     pos = [r["scores"][detector] for r in recs if r["kind"] == "geo" and family_of(r)]
     neg = [r["scores"][detector] for r in recs if r["kind"] == "honest"]
-    return [None if not pos or not neg else 100.0 * float(np.mean(np.asarray(pos) > np.quantile(neg, 1 - f)))
-            if f > 0 else 100.0 * float(np.mean(np.asarray(pos) > max(neg))) for f in ROC_FPRS]
+    return [None if not pos or not neg else 100.0 * tpr_at(pos, neg, f) if f > 0
+            else 100.0 * float(np.mean(np.asarray(pos) > max(neg))) for f in ROC_FPRS]
 
 
 def has_honest(data):
@@ -262,7 +265,7 @@ def fold_detection(data, trained, family, fpr, n_boot, seed):
     cons_pages, test_pages = pages(data.construction, families), pages(data.test, families)
     det = TextDetector.fit([p[4] for p in cons_pages if p[2] == "geo" and p[3] in trained],
                            [p[4] for p in cons_pages if p[2] != "geo"])
-    threshold = float(np.quantile(out_of_fold(cons_pages, trained), 1 - fpr))
+    threshold = float(np.quantile(out_of_fold(cons_pages, trained), 1 - fpr, method="higher"))
     recs = [{"group_id": gid, "kind": kind, "family": fam, "scores": {"text": s}, "flagged": {"text": s > threshold}}
             for gid, _, kind, fam, t in test_pages for s in [det.score(t)]]
     fig = figures_of(recs, "text", lambda r: r["family"] == family, n_boot, seed) or {}
@@ -293,7 +296,7 @@ def detect(run):
             "construction honest edit, whose sources the Shield trained on (its held-out FPR then runs high)")
         hon = [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"]
     calib = {"shield_residual": hon, "text": out_of_fold(cons_pages, data.seen)}
-    thresholds = {d: float(np.quantile(calib[d], 1 - cfg.detect.fpr)) for d in DETECTORS}
+    thresholds = {d: float(np.quantile(calib[d], 1 - cfg.detect.fpr, method="higher")) for d in DETECTORS}
     recs = []
     for gid, q, kind, fam, t in test_pages:
         s = {"shield_residual": res[q, t], "text": text.score(t)}

@@ -283,8 +283,9 @@ def regime_folds(run):
 
 
 def fold_group_bootstrap_ci(diffs, n_boot=10000, seed=0, level=0.95):
-    """Percentile CI of the mean of `diffs` (F folds x G query groups): folds and groups both resampled with
-    replacement, so the interval carries the training's variance (subsets, seeds) with the test groups'."""
+    """Percentile CI of the mean of `diffs` (S subsets x G query groups, each row a subset's folds averaged):
+    rows and groups both resampled with replacement, so the interval carries the variance of which families are
+    seen (a seed's variance inside a row) with the test groups'."""
     d = np.asarray(diffs, dtype=np.float64)
     rng = np.random.default_rng(seed)
     rows = rng.integers(0, d.shape[0], size=(n_boot, d.shape[0]))
@@ -301,11 +302,16 @@ def unseen_minus_seen(recs, seen, unseen, key="exposed"):
     return {g: sum(u[g]) / len(u[g]) - sum(s[g]) / len(s[g]) for g in sorted(set(u) & set(s))}, u, s
 
 
-def over_folds(n_boot, seed, diffs):
+def over_folds(n_boot, seed, diffs, subset_of):
     """{fold: {group_id: difference}} -> the mean over folds and their common groups, with the CI that
-    resamples both (fold_group_bootstrap_ci)."""
+    resamples subsets and groups (fold_group_bootstrap_ci). A subset's folds (its --seeds) are averaged into
+    one row first: seeds nested in a subset say nothing more about which families were seen, and resampled
+    as folds of their own they would narrow the interval."""
     common = sorted(set.intersection(*(set(d) for d in diffs.values())))
-    matrix = [[d[g] for g in common] for d in diffs.values()]
+    rows = {}
+    for fold, d in diffs.items():
+        rows.setdefault(subset_of[fold], []).append([d[g] for g in common])
+    matrix = [np.mean(r, axis=0) for r in rows.values()]                 # (subsets, groups)
     return {"gap": float(np.mean(matrix)) if common else None, "groups": len(common),
             "gap_ci": list(fold_group_bootstrap_ci(matrix, n_boot, seed)) if common else None}
 
@@ -336,16 +342,16 @@ def regime(run):
             rows[-1].setdefault("asr", {})[c] = {"seen": rate(recs[c], seen, "attack_cited"),
                                                  "unseen": rate(recs[c], unseen, "attack_cited"),
                                                  "gap": paired_gap(*boot, u, s)}
-    by_subset = {}
+    by_subset, subset_of = {}, {r["fold"]: ", ".join(r["seen"]) for r in rows}
     for r in rows:
         by_subset.setdefault(", ".join(r["seen"]), []).append(r["gap"]["gap"])
     subset_gaps = {k: sum(v) / len(v) for k, v in by_subset.items() if None not in v}
     summary = {**summary_head(run),
                "regime": {"seen_size": h.seen_size, "subsets": len(by_subset), "seeds": h.seeds, "folds": rows,
-                          **over_folds(*boot, diffs), "subset_gaps": subset_gaps,
+                          **over_folds(*boot, diffs, subset_of), "subset_gaps": subset_gaps,
                           "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None}}
     if h.llm_stage:
-        summary["regime"]["asr"] = {c: over_folds(*boot, d) for c, d in asr.items()}
+        summary["regime"]["asr"] = {c: over_folds(*boot, d, subset_of) for c, d in asr.items()}
     out = os.path.join(cfg.folder.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)

@@ -95,6 +95,9 @@ def test_the_radius_is_the_largest_r_the_gap_covers():
     assert certify.radius(g, 1, 3, eps, p, "inserted", 100) is None          # already in the top 3
     assert certify.radius(g, 0, 3, 0.5, p, "inserted", 100) is None          # too few samples to say anything
     assert certify.radius([0.1, 0.9], 0, 2, eps, p, "inserted", 100) is None  # a list of k: nothing to certify
+    # a web-length page: p^r underflows to 0 past ~7,000 deleted words at 0.9, and the radius is still found
+    assert certify.radius(g, 0, 3, eps, p, "deleted", 100_000) == certify.radius(g, 0, 3, eps, p, "deleted", 200)
+    assert certify.upper(0.3, p, 0, 100_000) == 1.0
 
 
 def test_a_clean_top_k_document_is_kept_while_the_attacked_one_cannot_reach_it():

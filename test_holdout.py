@@ -3,6 +3,7 @@
 records; resume, pinning, the dry run and the refusals. The tiny random model: plumbing, not results."""
 import json
 
+import numpy as np
 import pytest
 
 import holdout
@@ -183,3 +184,13 @@ def test_equal_size_keeps_n_of_the_seen_families_rewrites_drawn_with_the_seed():
     assert sum(m in g.attacks for g in kept for m in "AB") == 7 and all("C" in g.attacks for g in kept)
     assert kept == holdout.equal_size(groups, ("A", "B"), 7, seed=3)
     assert holdout.equal_size(groups, "AB", 10, 3) is groups                       # already that size
+
+
+def test_a_subsets_seeds_are_one_row_of_the_interval_over_folds():
+    """Seeds nested in a subset say nothing more about which families were seen: two seeds that agree exactly
+    give the interval of one (resampled as folds of their own they narrowed it)."""
+    rng = np.random.default_rng(0)
+    base = {f"s{i}": {g: float(rng.normal(5 * i, 3)) for g in range(40)} for i in range(3)}
+    one = holdout.over_folds(500, 0, base, {k: k for k in base})
+    twice = {f"{k}-seed{j}": v for k, v in base.items() for j in range(2)}
+    assert holdout.over_folds(500, 0, twice, {f: f.split("-")[0] for f in twice}) == one

@@ -323,6 +323,13 @@ def test_the_text_detector_is_naive_bayes_log_odds_and_travels_as_json():
     assert back.score(new) == pytest.approx(det.score(new)) and det.score(geo[0]) > det.score(plain[0])
 
 
+def test_a_tpr_at_an_fpr_flags_at_most_that_share_of_the_negatives():
+    """88 negatives scored 0..87: at 5% FPR the threshold is a negative's score with at most 4 of 88 above it
+    (an interpolated 82.65 flagged 5, 5.7%): a positive at 83 is not flagged, one at 84 is."""
+    neg = list(range(88))
+    assert detect.tpr_at([83] * 10, neg, 0.05) == 0.0 and detect.tpr_at([84] * 10, neg, 0.05) == 1.0
+
+
 def test_detect_refuses_one_construction_group_before_any_scoring():
     """Its text detector is fitted out of fold by construction query group: one group leaves a fold nothing."""
     from types import SimpleNamespace
