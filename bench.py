@@ -86,8 +86,8 @@ def best_time(fn, repeat):
 def race(fns, repeat, rounds=None, say=None):
     """Best seconds of each function, timed round-robin (one call of each per round, after a warm-up
     round), so that a machine whose speed drifts during the run slows every contender alike. The
-    order rotates every round, so that no contender always runs in the same place (right after the
-    same other one). If a list `rounds` is given, each round's {name: seconds} is appended to it
+    order rotates every round, so that no contender always runs first or last (a rotation keeps who
+    runs right before whom). If a list `rounds` is given, each round's {name: seconds} is appended to it
     (for paired ratios). `say(name, round, seconds)` hears of every call as it ends (round 0: the
     warm-up), so that a slow machine shows each contender's figure long before the race ends."""
     say = say or (lambda name, r, seconds: None)
@@ -330,7 +330,7 @@ def bench_score(m, b):
 
         def transformers_keep1():
             with torch.inference_mode():
-                return hf(input_ids=pad, attention_mask=mask, logits_to_keep=1).logits
+                return hf(input_ids=pad, attention_mask=mask, logits_to_keep=1, use_cache=False).logits
 
         def snippet():
             with torch.inference_mode():
@@ -441,7 +441,7 @@ def _peak_rss_child(kind, folder, lens, prefix, dtype_name, q):
         hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
         pad, mask = left_padded(ids)
         with torch.inference_mode():
-            hf(input_ids=pad, attention_mask=mask, logits_to_keep=1)
+            hf(input_ids=pad, attention_mask=mask, logits_to_keep=1, use_cache=False)
     q.put(peak_rss_mib())
 
 

@@ -24,11 +24,12 @@ ENGINE_MODULES = {"onnxruntime": ("transformers", "onnx", "onnxruntime"),
                   "openvino": ("transformers", "onnx", "openvino"), "torch-int8": ("transformers",), "ours-int8": ()}
 
 
-def seq_cls_model(seqcls):
-    """transformers' Qwen3ForSequenceClassification of the seq-cls export, float32, eager attention, no cache."""
+def seq_cls_model(seqcls, attn="sdpa"):
+    """transformers' Qwen3ForSequenceClassification of the seq-cls export, float32, no cache; attention as
+    transformers runs it by default (SDPA), or eager where the ONNX export needs it."""
     import transformers
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        seqcls, dtype=torch.float32, attn_implementation="eager").eval()
+        seqcls, dtype=torch.float32, attn_implementation=attn).eval()
     model.config.use_cache = False
     return model
 
@@ -39,7 +40,7 @@ def seq_cls_onnx(seqcls):
     path = os.path.join(seqcls, "model.onnx")
     if not os.path.isfile(path):        # written under another name first: a killed export leaves no model.onnx
         ids = torch.zeros((2, 8), dtype=torch.long)
-        torch.onnx.export(seq_cls_model(seqcls), (ids, torch.ones_like(ids)), path + ".tmp",
+        torch.onnx.export(seq_cls_model(seqcls, attn="eager"), (ids, torch.ones_like(ids)), path + ".tmp",
                           input_names=["input_ids", "attention_mask"], output_names=["logits"], opset_version=17,
                           dynamo=False,
                           dynamic_axes={n: {0: "batch", 1: "length"} for n in ("input_ids", "attention_mask")})
