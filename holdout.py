@@ -11,7 +11,7 @@ trained on one family more (more optimizer steps, an epoch chosen on a monitorin
 and its intervals cover the test groups only (one training seed, one set of construction groups, no
 multiplicity correction across families). `--seen-size S` runs the paper's regime instead (regime):
 folds trained on S-family subsets, on equal numbers of instances, under several seeds, read as unseen
-minus seen with a CI over folds and groups. Leave-one-out's protocol:
+minus seen with a CI over subsets and groups. Leave-one-out's protocol:
 
 For each family F the construction groups hold (build-bench --construction-families all writes all
 seven), a Shield is trained on the construction instances of every family but F (Eqs. 1-5, the run's
@@ -319,7 +319,7 @@ def over_folds(n_boot, seed, diffs, subset_of):
 def regime(run):
     """--seen-size S: every fold of regime_folds, then holdout/summary.json and report.md -> the summary:
     per fold its unseen-minus-seen exposure (paired per query group, CI over groups), and over the folds
-    the mean gap with a CI over folds and groups, and its spread over the subsets; with --llm-stage the
+    the mean gap with a CI over subsets and groups, and its spread over the subsets; with --llm-stage the
     same of ASR under LLM_CONDITIONS (each fold's library and eval records)."""
     cfg, data = run.cfg, run.data
     h, boot = cfg.holdout, (cfg.rerank.n_boot, cfg.folder.seed)
@@ -368,7 +368,7 @@ def regime_table(s):
               for f in r["folds"]]
     if r["gap"] is not None:
         lines.append(f"mean over {len(r['folds'])} folds: {r['gap']:+.1f} [{r['gap_ci'][0]:+.1f}, "
-                     f"{r['gap_ci'][1]:+.1f}] (CI over folds and groups); spread over subsets {r['spread'][0]:+.1f} "
+                     f"{r['gap_ci'][1]:+.1f}] (CI over subsets and groups); spread over subsets {r['spread'][0]:+.1f} "
                      f".. {r['spread'][1]:+.1f}")
     for c, a in (r.get("asr") or {}).items():              # --llm-stage
         lines.append(f"ASR under {c}, unseen minus seen, mean over folds: " + ("-" if a["gap"] is None else
@@ -440,8 +440,8 @@ def write_report(out, s):
                   "instances, its epoch picked on a monitoring split of its own families (the paper's regime at "
                   f"3). Exposure@{k}: the attack document in the reranker's top {k} (%), of the families the fold "
                   "trained on (seen) and of the others (unseen). Unseen - seen: per query group, then over groups "
-                  "(95% CI over groups per fold). Over the folds: the mean gap with a 95% CI resampling folds and "
-                  "groups (the training's variance included), and its spread over the subsets. The per-fold "
+                  "(95% CI over groups per fold). Over the folds: the mean gap with a 95% CI resampling subsets "
+                  "(a subset's seeds averaged) and groups, and its spread over the subsets. The per-fold "
                   "intervals are not corrected for being read together; the mean over folds is the one figure to "
                   "read.\n", "```", regime_table(s), "```\n"]
         atomic_write(os.path.join(out, "report.md"), "\n".join(lines))
