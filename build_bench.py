@@ -145,6 +145,7 @@ def row_of(o, path, n):
         if not isinstance(t, str) or not isinstance(u, str):
             raise geodef.BenchFormatError(f"{path}:{n}: {key}[{i}]: text and url must be strings")
         geodef.check_unicode(t, path, n, f"{key}[{i}]")
+        geodef.check_unicode(u, path, n, f"{key}[{i}].url")
         docs.append({"url": u, "text": t})
     q = o.get("query")
     if q is None:
@@ -158,6 +159,7 @@ def row_of(o, path, n):
     rid = o.get("group_id") or o.get("query_id") or f"q{n:04d}"
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise geodef.BenchFormatError(f"{path}:{n}: query_id: expected a string or an integer, got {rid!r}")
+    geodef.check_unicode(str(rid), path, n, "query_id")
     return {"id": str(rid), "line": n, "path": path, "query": q, "docs": docs, "source_index": src}
 
 
@@ -496,6 +498,9 @@ def known_families(names, default):
     bad = [m for m in names if m not in geo_attacks.FAMILIES]
     if bad:
         raise SettingsError(f"unknown attack families {bad}; known: {', '.join(geo_attacks.FAMILIES)}")
+    twice = sorted({m for m in names if names.count(m) > 1})
+    if twice:                  # the build's own _meta check would refuse the file after every rewrite was paid
+        raise SettingsError(f"attack families {twice} named more than once")
     return names
 
 

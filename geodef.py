@@ -225,12 +225,14 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
 def read_meta(path):
     """The `_meta` line of a benchmark file alone (its first line; BenchMeta() when it has none), for
     checks that need no group, such as who built the file."""
-    with open(path, encoding="utf-8-sig") as f:    # as load_bench reads it: a byte-order mark is no text
-        first = f.readline()
+    # its first line that is not blank, as load_bench reads it (a byte-order mark is no text); a line that does not
+    # decode or parse is load_bench's to report
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        first = next((line for line in f if line.strip()), "")
     try:
         obj = json.loads(first)
-    except ValueError:
-        return BenchMeta()                 # load_bench reports the line
+    except (ValueError, RecursionError):
+        return BenchMeta()
     return _read_meta(obj, path, 1) if isinstance(obj, dict) and "_meta" in obj else BenchMeta()
 
 
@@ -267,6 +269,7 @@ def _read_group(obj, path, n, n_docs, meta):
     gid = _need(obj, "group_id", str, path, n)
     if not gid.strip():
         _fail(path, n, "group_id", "empty")
+    check_unicode(gid, path, n, "group_id")          # ids reach every record: checked as the texts are
     query = _need(obj, "query", str, path, n)
     if not query.strip():
         _fail(path, n, "query", "empty")
@@ -309,6 +312,7 @@ def _read_docs(obj, path, n, n_docs):
         if not isinstance(d, dict):
             _fail(path, n, f"docs[{i}]", f"expected object, got {type(d).__name__}")
         did = _need(d, "doc_id", str, path, n, f"docs[{i}].")
+        check_unicode(did, path, n, f"docs[{i}].doc_id")
         if "#" in did:   # attack documents get "<source doc_id>#<method>": a benign one must not look like one
             _fail(path, n, f"docs[{i}].doc_id", f"{did!r}: '#' is reserved for attack document ids")
         t = _need(d, "text", str, path, n, f"docs[{i}].")
@@ -320,6 +324,7 @@ def _read_docs(obj, path, n, n_docs):
         texts.add(" ".join(t.split()))
         if "url" in d and not isinstance(d["url"], str):
             _fail(path, n, f"docs[{i}].url", f"expected str, got {type(d['url']).__name__}")
+        check_unicode(d.get("url", ""), path, n, f"docs[{i}].url")
     if len({d["doc_id"] for d in docs}) != n_docs:
         _fail(path, n, "docs", "doc_id values must be unique within the group")
     return docs
@@ -333,6 +338,7 @@ def _read_attacks(obj, path, n, source_norm):
     if not attacks:
         _fail(path, n, "attacks", "no rewrites")
     for m, t in attacks.items():
+        check_unicode(m, path, n, "attacks (a method's name)")
         if not isinstance(t, str):
             _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
         if not t.strip():

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import re
 import subprocess
@@ -104,10 +105,11 @@ def read_prices(path):
         raise SettingsError(f"--prices {path}: no such file")
     try:
         table = read_json(path)
-    except ValueError as e:
-        raise SettingsError(f"--prices {path}: not JSON ({e})") from None
-    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
-    ok = lambda v: (isinstance(v, list) and len(v) in (2, 3) and all(map(num, v))) or (
+    except (ValueError, RecursionError) as e:
+        raise SettingsError(f"--prices {path}: not JSON ({str(e)[:100]})") from None
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
+    share = lambda v: len(v) == 2 or 0 < v[2] <= 1              # the batch APIs' price, a share of the full one
+    ok = lambda v: (isinstance(v, list) and len(v) in (2, 3) and all(map(num, v)) and share(v)) or (
         isinstance(v, dict) and len(v) == 1 and next(iter(v)) in ("usd_per_1k_searches", "usd_per_1m_tokens")
         and num(next(iter(v.values()))))
     bad = [k for k, v in table.items() if not ok(v)] if isinstance(table, dict) else None
@@ -358,6 +360,8 @@ class Run:
         for spec in dict.fromkeys(s for s in specs if s):
             try:
                 self.llm(spec)
+            except SettingsError:       # the price table's own refusal (a SettingsError is a ValueError too)
+                raise
             except ValueError as e:     # unknown provider, no model, no --base-url, a key's wrong host
                 raise SettingsError(f"--llm/--analyzer/--judge/--fidelity-judge: {e}") from None
             except llm_clients.LLMError as e:        # no API key

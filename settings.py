@@ -66,15 +66,20 @@ class CommaList(tuple):
         return ",".join(map(str, self))
 
 
-def comma_list(item=str, words=()):
+def comma_list(item=str, words=(), once=None):
     """A comma list's parser: "a, b" -> CommaList(item("a"), item("b")); one of `words` ('all', 'paper') stays
-    the word it is. A list read back from config.json is parsed the same way."""
+    the word it is. once(x): what must not repeat (an item counted twice, or two files under one name). A list
+    read back from config.json is parsed the same way."""
     def parse(v):
         if isinstance(v, CommaList) or v in words:
             return v
         out = CommaList(item(x.strip()) for x in (v.split(",") if isinstance(v, str) else v) if str(x).strip())
         if not out:
             raise ValueError(f"{v!r}: an empty list")
+        keys = [once(x) for x in out] if once else []
+        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ValueError(f"{v!r}: {', '.join(twice)} given more than once")
         return out
     return parse
 
@@ -300,7 +305,7 @@ class DataSettings(Settings):
     # k below the candidate count: at k = 10 every candidate is in context and no reranker matters
     k: int = setting(5, "top-k evidence given to the LLM (A.1.3)", ok=lambda v: 1 <= v < N_DOCS, pinned=True)
     methods: tuple = setting("all", "comma list of GEO methods to evaluate, or 'all'",
-                             parse=comma_list(words=("all",)))
+                             parse=comma_list(words=("all",), once=str))
     max_test_groups: int = setting(0, "evaluate only the first N test groups (0 = all)", ok=at_least(0))
 
 
@@ -436,7 +441,7 @@ class EvalSettings(Settings):
     ppl_model: str = setting("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'", taken=True)
     ppl_quantile: float = setting(0.99, "PPL threshold quantile (B.2.2)", ok=lambda v: 0 < v <= 1, taken=True)
     transfer: tuple = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]",
-                              parse=comma_list(Transfer.parse))
+                              parse=comma_list(Transfer.parse, once=lambda t: t.name))
 
 
 @dataclass(frozen=True)

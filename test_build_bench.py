@@ -331,6 +331,17 @@ def test_a_bad_search_spec_is_refused_in_the_dry_run(geo_input, tmp_path, spec, 
         run.main(argv)
 
 
+@pytest.mark.parametrize("flags", [["--attacks", "GEO,GEO,MAGEO", "--seen-methods", "GEO"],
+                                   ["--seen-methods", "GEO,GEO,MAGEO"]])
+def test_a_family_named_twice_is_refused_before_any_rewrite(geo_input, tmp_path, flags):
+    """The build's own _meta check refused such a file only after every rewrite was paid for."""
+    rows, url, srv = geo_input
+    sent = len(srv.paths)
+    with pytest.raises(SystemExit, match=r"\['GEO'\] named more than once"):
+        run.main(_argv(rows, url, tmp_path / "b.jsonl", tmp_path / "r", *flags))
+    assert len(srv.paths) == sent
+
+
 def test_row_ids_that_clean_alike_stay_two_groups(tmp_path):
     long = "x" * 40
     rows = [{"id": i, "line": n, "path": "in", "query": f"q{n}", "docs": [], "source_index": None}
@@ -339,6 +350,16 @@ def test_row_ids_that_clean_alike_stay_two_groups(tmp_path):
     gids = [r["group_id"] for r in kept]
     assert gids[1] == "a-b" and len(set(gids)) == 4 and all(len(g) <= 40 for g in gids)
     assert all(build_bench.group_id(i) == g for i, g in zip(["a b", "a-b", long + "1", long + "2"], gids))
+
+
+def test_an_input_rows_id_and_urls_are_valid_unicode():
+    """A lone surrogate in query_id or a source's url failed when the build wrote its file, after every rewrite."""
+    row = {"query": "q", "sources": [{"url": "https://x", "cleaned_text": "a page"}], "sugg_idx": 0}
+    assert build_bench.row_of(row, "in.jsonl", 3)["docs"][0]["url"] == "https://x"
+    for bad, fld in (({"query_id": "\ud800"}, "query_id"), ({"sources": [{"url": "\udfff", "cleaned_text": "a"}]},
+                                                            r"sources\[0\].url")):
+        with pytest.raises(geodef.BenchFormatError, match=f"in.jsonl:3: {fld}: not valid Unicode"):
+            build_bench.row_of({**row, **bad}, "in.jsonl", 3)
 
 
 def test_a_query_given_twice_is_built_once(tmp_path):

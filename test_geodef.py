@@ -114,6 +114,11 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
     (lambda g: {**g, "split": "train"}, r":2: split: expected 'construction' or 'test'"),
     (lambda g: {**g, "attacks": {"A": g["attacks"]["A"]}},                   # no _meta: the first group's methods
      r":2: attacks: missing methods \['B'\] that the first group \(line 1\) has"),
+    # ids reach every record and file: a lone surrogate there failed after the paid calls, as in a text
+    (lambda g: {**g, "group_id": "\ud800"}, r":2: group_id: not valid Unicode"),
+    (lambda g: {**g, "docs": [dict(g["docs"][0], doc_id="\ud800")] + g["docs"][1:]}, r":2: docs\[0\].doc_id: not val"),
+    (lambda g: {**g, "docs": [dict(g["docs"][0], url="\udfff")] + g["docs"][1:]}, r":2: docs\[0\].url: not valid"),
+    (lambda g: {**g, "attacks": {**g["attacks"], "\ud800": "x"}}, r":2: attacks \(a method's name\): not valid"),
 ])
 def test_bench_validation_errors(tmp_path, mutate, msg):
     rows = [good_group("g0"), mutate(good_group("g1"))]
@@ -367,3 +372,6 @@ def test_a_byte_order_mark_hides_no_meta(tmp_path):
     assert geodef.read_meta(str(marked)) == geodef.read_meta(plain) != geodef.BenchMeta()
     assert geodef.read_meta(str(marked)).raw["builder_llm"] == "openai:gpt-5.5"
     assert geodef.load_bench(str(marked), with_meta=True)[1].raw["builder_llm"] == "openai:gpt-5.5"
+    after_a_blank = tmp_path / "blank.jsonl"                  # a blank first line: the _meta is still read
+    after_a_blank.write_text("\n" + open(plain, encoding="utf-8").read(), encoding="utf-8")
+    assert geodef.read_meta(str(after_a_blank)) == geodef.read_meta(plain)

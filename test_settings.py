@@ -118,7 +118,10 @@ def test_a_comma_list_is_parsed_once_and_printed_as_given():
 
 @pytest.mark.parametrize("kw,msg", [({"budgets": "1,x"}, "--budgets '1,x': a comma list of positive integers"),
                                     ({"budgets": "0,4"}, "--budgets '0,4'"), ({"methods": " , "}, "--methods"),
-                                    ({"transfer": "a b=x.json"}, "--transfer 'a b=x.json': give name=path")])
+                                    ({"transfer": "a b=x.json"}, "--transfer 'a b=x.json': give name=path"),
+                                    # counted twice / two libraries writing one results file
+                                    ({"methods": "GEO,MAGEO,GEO"}, "--methods 'GEO,MAGEO,GEO': GEO given more than"),
+                                    ({"transfer": "a=x.json,a=y.json"}, "--transfer 'a=x.json,a=y.json': a given")])
 def test_a_bad_comma_list_is_refused_naming_its_flag(kw, msg):
     with pytest.raises(settings.SettingsError, match=msg.replace("(", r"\(")):
         settings.AttackConfig(**kw)

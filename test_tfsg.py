@@ -6,6 +6,7 @@ Run: python -m pytest -q test_tfsg.py
 import json
 import random
 
+import pytest
 
 import tfsg
 from testing import R
@@ -209,3 +210,24 @@ def test_each_interface_gives_the_analyzer_the_cases_its_prompt_names(tmp_path):
     assert ids(s, "false_positive_cases") == ["both", "false_positive"]
     assert ids(r, "citation_success_cases") == ["false_positive", "success"]
     assert ids(r, "citation_failure_cases") == ["both", "missed_attack"]
+
+
+def test_a_library_file_the_controller_would_not_write_is_refused_by_name(tmp_path):
+    """A rule id that is a list or missing, text that is not valid Unicode, or more live rules than the limits
+    allow: each a LibraryError naming the file, not a traceback or a library loaded past the cap."""
+    lib, _ = tfsg.Controller().apply(tfsg.ExperienceLibrary.empty(),
+                                     [{"action": "add_rule", "rule": R(description="a")}])
+    big, _ = tfsg.Controller(max_rules=40).apply(tfsg.ExperienceLibrary.empty(), [
+        {"action": "add_rule", "rule": R(description=f"rule {i}")} for i in range(31)])
+    edits = [(lambda d: d["rules"][0].update(rule_id=["R1"]), "bad rule_id"),
+             (lambda d: d["rules"][0].pop("rule_id"), "bad rule_id None"),
+             (lambda d: d["rules"][0].update(description="\ud800"), "not valid Unicode")]
+    for i, (edit, msg) in enumerate(edits):
+        d = json.loads(json.dumps(lib.to_dict()))
+        edit(d)
+        (tmp_path / f"{i}.json").write_text(json.dumps(d))
+        with pytest.raises(tfsg.LibraryError, match=f"{i}.json: .*{msg}"):
+            tfsg.load_library(str(tmp_path / f"{i}.json"))
+    (tmp_path / "big.json").write_text(json.dumps(big.to_dict()))
+    with pytest.raises(tfsg.LibraryError, match="31 active rules > max 30"):
+        tfsg.load_library(str(tmp_path / "big.json"))

@@ -157,8 +157,12 @@ def load_library(path, limits=LIMITS):
     for k, typ in (("library_version", int), ("next_id", int), ("task_frame", str)):
         if k in d and (not isinstance(d[k], typ) or isinstance(d[k], bool)):
             raise LibraryError(f"{path}: {k}: expected {typ.__name__}")
+    try:
+        json.dumps(d, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:             # a lone surrogate: the prompt that carries it could not be sent
+        raise LibraryError(f"{path}: holds text that is not valid Unicode ({e.reason})") from None
     lib = ExperienceLibrary.from_dict(d)
-    problems = check_library(lib, limits=limits)
+    problems = check_library(lib, limits.max_active_rules, limits)
     if problems:
         raise LibraryError(f"{path}: not a valid library: {'; '.join(problems[:3])}")
     return lib
@@ -214,7 +218,8 @@ def check_library(lib, max_rules=None, limits=LIMITS):
     for r in lib.rules:
         rid = r.get("rule_id")
         if not isinstance(rid, str) or not re.fullmatch(r"R\d+", rid):
-            problems.append(f"bad rule_id {rid!r}")
+            problems.append(f"bad rule_id {rid!r}"[:100])
+            continue                                 # (a list is no key; nothing more of it to check)
         if rid in ids:
             problems.append(f"duplicate rule_id {rid}")
         ids.add(rid)
@@ -226,6 +231,8 @@ def check_library(lib, max_rules=None, limits=LIMITS):
                                                                      "history")}, limits=limits)
         if err:
             problems.append(f"{rid}: {err}")
+    if problems:                                     # the ids below assume every rule is well formed
+        return problems
     active = {r["rule_id"]: r for r in lib.active()}
     for r in active.values():
         for g in r.get("depends_on_fp_guards", []):
