@@ -757,3 +757,14 @@ def test_a_list_with_several_attacks_counts_any_of_them_and_their_shares():
     assert by["3"]["source_ASR"] == 100 and by["1"]["source_ASR"] == 0 and by["3"]["source_exposure"] == 100
     assert by["3"]["mean_ASR"] == pytest.approx(200 / 3) and by["3"]["mean_exposure"] == pytest.approx(200 / 3)
     assert by["3"]["chance_any_in_topk"] == 100 and by["1"]["chance_any_in_topk"] == pytest.approx(100 * (1 - 5 / 15))
+
+
+def test_a_fresh_start_leaves_nothing_a_later_rerun_would_resume(tmp_path):
+    """train --no-resume starts afresh: an earlier attempt's checkpoint goes with its log, or a plain rerun
+    after a kill resumed that older attempt and cut the new, shorter log past its end (NUL bytes)."""
+    ckpt, log_path = tmp_path / "checkpoint", tmp_path / "train_log.jsonl"
+    ckpt.mkdir()
+    (ckpt / "state.safetensors").write_bytes(b"an earlier attempt")
+    log_path.write_text('{"event": "step"}\n')
+    state = train.start_state(None, None, str(ckpt), str(log_path), resume=False, main=True)
+    assert state["step"] == 0 and not (ckpt / "state.safetensors").exists() and not log_path.exists()

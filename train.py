@@ -276,10 +276,12 @@ def start_state(rr, opt, ckpt, log_path, resume, main):
         log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
         if main:
             with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
-                f.truncate(state.get("log_bytes", f.seek(0, os.SEEK_END)))
+                end = f.seek(0, os.SEEK_END)
+                f.truncate(min(state.get("log_bytes", end), end))     # (never past its end: no NUL padding)
         return state
-    if main and os.path.isfile(log_path):       # a fresh start: no lines of an earlier attempt
-        os.remove(log_path)
+    for old in (log_path, os.path.join(ckpt, "state.safetensors")) if main else ():
+        if os.path.isfile(old):                 # a fresh start: nothing of an earlier attempt, which a later
+            os.remove(old)                      # plain rerun would otherwise resume
     return {"epoch": 0, "pos": 0, "step": 0, "best": None, "history": []}
 
 
