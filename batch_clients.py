@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 
 import store
 from llm_clients import LLMError
+from transport import json_object
 
 # Provider limits per batch (OpenAI: 50,000 requests and a 200 MB input file; Anthropic: 100,000
 # requests and 256 MB).
@@ -441,10 +442,10 @@ class OpenAIBatches:
 
     def status(self, b):
         """An OpenAI Batch object -> the runner's status (see BatchRunner._status)."""
-        rc = _obj(b.get("request_counts"))
+        rc = json_object(b.get("request_counts"))
         counts = tuple(_int(rc.get(k)) for k in ("completed", "failed", "total"))
-        why = "; ".join(str(_obj(e).get("message"))[:200] for e in (_obj(b.get("errors")).get("data") or [])[:3]
-                        if _obj(e).get("message"))
+        errors = json_object(b.get("errors")).get("data") or []
+        why = "; ".join(str(json_object(e).get("message"))[:200] for e in errors[:3] if json_object(e).get("message"))
         return {"state": b.get("status") if isinstance(b.get("status"), str) else None,
                 "counts": counts if None not in counts else None, "why": why or "the provider gave no reason",
                 "output": b.get("output_file_id"), "errors": b.get("error_file_id")}
@@ -455,7 +456,7 @@ class OpenAIBatches:
     @staticmethod
     def outcome(rec):
         """One line of an output or error file -> ("ok", reply) | ("retry", why) | ("fail", why)."""
-        resp, err = _obj(rec.get("response")), _obj(rec.get("error"))
+        resp, err = json_object(rec.get("response")), json_object(rec.get("error"))
         code = _int(resp.get("status_code"))
         if code == 200 and isinstance(resp.get("body"), dict):
             return "ok", resp["body"]
@@ -491,7 +492,7 @@ class AnthropicBatches:
 
     def status(self, b):
         """A MessageBatch object -> the runner's status (see BatchRunner._status)."""
-        rc = _obj(b.get("request_counts"))
+        rc = json_object(b.get("request_counts"))
         n = {k: _int(rc.get(k)) for k in ("processing", "succeeded", "errored", "canceled", "expired")}
         counts = None if None in n.values() else (n["succeeded"], n["errored"] + n["canceled"] + n["expired"],
                                                   sum(n.values()))
@@ -511,9 +512,9 @@ class AnthropicBatches:
     @staticmethod
     def outcome(rec):
         """One line of the results -> ("ok", message) | ("retry", why) | ("fail", why)."""
-        res = _obj(rec.get("result"))
-        err = _obj(res.get("error"))
-        err = _obj(err.get("error")) if err.get("type") == "error" else err    # the API wraps it: {type: error, error}
+        res = json_object(rec.get("result"))
+        err = json_object(res.get("error"))
+        err = json_object(err.get("error")) if err.get("type") == "error" else err    # wrapped: {type: error, error}
         if res.get("type") == "succeeded" and isinstance(res.get("message"), dict):
             return "ok", res["message"]
         if res.get("type") in ("canceled", "expired") or err.get("type") in RETRYABLE_TYPES:
@@ -524,19 +525,14 @@ class AnthropicBatches:
 # ----------------------------------------------------------------------------- the providers' shapes
 
 
-def _obj(x):
-    """x if it is a JSON object, else {} (a field of the wrong type reads as absent)."""
-    return x if isinstance(x, dict) else {}
-
-
 def _int(x):
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
 def _id(reply, label, what):
     """The id of a created file or batch; a reply without one is an error naming it."""
-    if not isinstance(_obj(reply).get("id"), str):
-        raise LLMError(f"{label}: the {what} creation reply has no id (its fields: {sorted(_obj(reply))[:10]})")
+    if not isinstance(json_object(reply).get("id"), str):
+        raise LLMError(f"{label}: the {what} creation reply has no id (its fields: {sorted(json_object(reply))[:10]})")
     return reply["id"]
 
 

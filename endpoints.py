@@ -5,14 +5,17 @@ not parse, and `redact` every URL in a line of text.
 
 A search spec (`--search`) and a reranker spec (`--reranker`: base, shield, cohere:MODEL, a URL,
 tei:URL, with an optional LABEL=) are parsed the same way (SearchSpec, RerankSpec). The servers' side
-(serve.py, offline_server.py) reads a request's Content-Length here, by one rule (content_length).
+(serve.py, offline_server.py) reads a request here: its path (request_path), its Content-Length by one rule
+(content_length), its body within a deadline (read_body, drain_body, json_body).
 
 Usage: ep = Endpoint.parse("http://usr:pw@127.0.0.1:8802/v1/rerank#m"); ep.url, ep.basic, str(ep)
 """
 import contextlib
+import json
 import os
 import re
 import socket
+import time
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse, urlsplit
 
@@ -282,3 +285,47 @@ def content_length(headers, required=True):
     if not n.isascii() or not n.isdigit():
         raise RequestError(400, "Content-Length: a non-negative integer is required")
     return int(n)
+
+
+def read_body(rfile, n, timeout):
+    """`n` body bytes from `rfile`, all within `timeout` seconds -> bytes; RequestError 408 when they
+    stall or come late, 400 when the body ends early."""
+    deadline, parts, got = time.monotonic() + timeout, [], 0
+    while got < n:
+        if time.monotonic() > deadline:
+            raise RequestError(408, f"the body did not arrive within {timeout:.0f} s")
+        try:
+            chunk = rfile.read1(min(65536, n - got))   # one recv: blocks at most the socket timeout
+        except TimeoutError:
+            raise RequestError(408, f"the body stalled after {got} of {n} bytes") from None
+        if not chunk:
+            raise RequestError(400, f"the body ended after {got} of {n} bytes (Content-Length)")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def drain_body(rfile, n, timeout):
+    """Read and drop up to `n` body bytes within `timeout` seconds, so that a client still writing its
+    oversized body reads the 413 instead of a broken pipe."""
+    left, deadline = n, time.monotonic() + timeout
+    with contextlib.suppress(OSError):
+        while left > 0 and time.monotonic() < deadline:
+            chunk = rfile.read1(min(65536, left))
+            if not chunk:
+                break
+            left -= len(chunk)
+
+
+def json_body(raw):
+    """Body bytes -> the decoded JSON value; RequestError 400 when they are not UTF-8 or not JSON."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(400, f"the body is not UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise RequestError(400, "the body nests too deeply") from None
+    except ValueError as e:
+        raise RequestError(400, f"the body is not JSON ({e})") from None

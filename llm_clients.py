@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 import accounting
 import endpoints
-from transport import LLMError, Transport, no_lone_surrogates
+from transport import LLMError, Transport, json_object, no_lone_surrogates
 
 # provider -> protocol, default base URL, env var(s) for the key, env var for the base URL, flags.
 PROVIDERS = {
@@ -107,10 +107,6 @@ def split_think(text):
         parts.append(tail if brace < 0 else tail[:brace])
         rest = head + ("" if brace < 0 else tail[brace:])
     return rest.strip(), "\n".join(p.strip() for p in parts) or None
-
-
-def _obj(x):
-    return x if isinstance(x, dict) else {}
 
 
 def _tokens(v):
@@ -440,7 +436,7 @@ class Client:
                 blocks = resp["content"]
                 text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
                 thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking") or None
-                u = _obj(resp.get("usage"))
+                u = json_object(resp.get("usage"))
                 usage = {"prompt_tokens": _tokens(u.get("input_tokens")),
                          "completion_tokens": _tokens(u.get("output_tokens")), "reasoning_tokens": 0}
                 return Reply(text, thinking, usage, resp.get("stop_reason"), resp.get("model"))
@@ -454,10 +450,11 @@ class Client:
             if text and ("<think>" in text or "</think>" in text):   # servers without a reasoning parser
                 text, inline = split_think(text)
                 reasoning = reasoning or inline
-            u = _obj(resp.get("usage"))
+            u = json_object(resp.get("usage"))
+            details = json_object(u.get("completion_tokens_details"))
             usage = {"prompt_tokens": _tokens(u.get("prompt_tokens")),
                      "completion_tokens": _tokens(u.get("completion_tokens")),
-                     "reasoning_tokens": _tokens(_obj(u.get("completion_tokens_details")).get("reasoning_tokens"))}
+                     "reasoning_tokens": _tokens(details.get("reasoning_tokens"))}
             return Reply(text if text is not None else "", reasoning, usage, choice.get("finish_reason"),
                          resp.get("model"))
         except (KeyError, IndexError, TypeError, AttributeError) as e:

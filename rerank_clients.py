@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from accounting import append_ledger
 from endpoints import LOCAL_RERANKERS, RERANK_PROVIDERS, Endpoint, parse_spec
 from llm_clients import ReplyCache
-from transport import LLMError, Transport
+from transport import LLMError, Transport, json_object
 
 RERANK_KEY_VAR = "RERANK_API_KEY"        # the key of a self-hosted endpoint (http://... or tei:http://...)
 
@@ -49,10 +49,6 @@ def rerank_body(shape, model, query, docs):
 
 # Where each shape puts its results and their scores (TEI's reply is the list itself)
 REPLY_FIELDS = {"tei": ("(body)", "score"), "voyage": ("data", "relevance_score"), "vllm-score": ("data", "score")}
-
-
-def _obj(x):
-    return x if isinstance(x, dict) else {}
 
 
 def _finite(v):
@@ -92,8 +88,8 @@ def rerank_scores(shape, resp, n, where):
         scores[idx] = float(v)
     usage = {}
     if isinstance(resp, dict):
-        units = _finite(_obj(_obj(resp.get("meta")).get("billed_units")).get("search_units"))
-        tokens = _finite(_obj(resp.get("usage")).get("total_tokens"))
+        units = _finite(json_object(json_object(resp.get("meta")).get("billed_units")).get("search_units"))
+        tokens = _finite(json_object(resp.get("usage")).get("total_tokens"))
         if units is not None and units >= 0:
             usage["search_units"] = units
         if tokens is not None and tokens >= 0:

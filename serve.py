@@ -54,7 +54,7 @@ import certify
 import export
 import lora
 import speed
-from endpoints import RequestError, content_length, request_path, shut
+from endpoints import RequestError, content_length, drain_body, json_body, read_body, request_path, shut
 from metrics import ranked, sigmoid
 from settings import SettingsError
 from store import log as say   # one line on stderr, every URL in it redacted
@@ -310,51 +310,7 @@ def deletion_ids(rr, req, conf):
             for ids in rr.tokenize(q, [certify.delete_words(t, rate, rng) for _ in range(n)])]
 
 
-# ----------------------------------------------------------------------------- bodies and replies
-
-
-def read_body(rfile, n, timeout):
-    """`n` body bytes from `rfile`, all within `timeout` seconds -> bytes; RequestError 408 when they
-    stall or come late, 400 when the body ends early."""
-    deadline, parts, got = time.monotonic() + timeout, [], 0
-    while got < n:
-        if time.monotonic() > deadline:
-            raise RequestError(408, f"the body did not arrive within {timeout:.0f} s")
-        try:
-            chunk = rfile.read1(min(65536, n - got))   # one recv: blocks at most the socket timeout
-        except TimeoutError:
-            raise RequestError(408, f"the body stalled after {got} of {n} bytes") from None
-        if not chunk:
-            raise RequestError(400, f"the body ended after {got} of {n} bytes (Content-Length)")
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
-
-
-def drain_body(rfile, n, timeout):
-    """Read and drop up to `n` body bytes within `timeout` seconds, so that a client still writing its
-    oversized body reads the 413 instead of a broken pipe."""
-    left, deadline = n, time.monotonic() + timeout
-    with contextlib.suppress(OSError):
-        while left > 0 and time.monotonic() < deadline:
-            chunk = rfile.read1(min(65536, left))
-            if not chunk:
-                break
-            left -= len(chunk)
-
-
-def json_body(raw):
-    """Body bytes -> the decoded JSON value; RequestError 400 when they are not UTF-8 or not JSON."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RequestError(400, f"the body is not UTF-8 (byte {e.start})") from None
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise RequestError(400, "the body nests too deeply") from None
-    except ValueError as e:
-        raise RequestError(400, f"the body is not JSON ({e})") from None
+# ----------------------------------------------------------------------------- replies
 
 
 def error_headers(status, allow):

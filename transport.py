@@ -47,6 +47,11 @@ NO_RETRY_CODES = ("insufficient_quota", "billing_hard_limit_reached", "enforced_
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def json_object(x):
+    """x if it is a JSON object, else {}: a field of a reply of the wrong type reads as absent."""
+    return x if isinstance(x, dict) else {}
+
+
 def no_lone_surrogates(obj):
     """Every string in a parsed reply with lone surrogates (a JSON "\\ud800" escape, or one a handler
     made) replaced by U+FFFD, as a UTF-8 decoder replaces bytes it cannot read: such text cannot be
