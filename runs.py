@@ -246,7 +246,8 @@ class Run:
         rr = rr or self.reranker()
         path = adapter or self.path("adapter")
         if adapter is None:                       # a killed training leaves a best-so-far adapter behind
-            need_trained(self.path("shield_done.json"), NEEDS["adapter"][1], self.cfg.folder.name)
+            done, what = NEEDS["adapter"]
+            need_trained(done(self), what, self.cfg.folder.name)
         need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.folder.name)
         lora.load_adapter(rr.model, path)
         rr.model.eval()
