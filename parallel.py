@@ -12,8 +12,9 @@ function never ends a process group it did not start.
 Deviations from one process:
 - the window's gradient is summed in another order (each rank's share, then across the ranks), and
   AdamW carries that rounding into the weights (docs/COMMANDS.md: the measured figure and its command);
-- each rank draws its own LoRA dropout masks, as DDP's ranks do: with dropout the run differs from one
-  process's as another seed would.
+- each rank draws its own LoRA dropout masks (rank r > 0 from a stream seeded by the seed and r; a
+  checkpoint keeps every rank's, so a resumed run draws the masks the uninterrupted one would): with
+  dropout the run differs from one process's as another seed would.
 
 Usage: ranks, device = Ranks.join("cpu"); ranks.mine(i, window_start); ...; ranks.sum_grads(params); ranks.finish()
 """

@@ -17,9 +17,11 @@ import time
 import types
 
 import pytest
+import torch
 
 import parallel
 import rankers
+import train
 from safetensors.torch import load_file
 
 from testing import HERE
@@ -120,6 +122,26 @@ class TwoRanks(parallel.Ranks):
 
     def gather(self, d):
         return {**d, **self.sent}
+
+
+def test_a_resumed_rank_draws_its_dropout_masks_on_from_its_own_generator(tmp_path):
+    """Each rank draws its own LoRA dropout masks: the checkpoint keeps every rank's generator (gathered),
+    and a resumed rank draws on from its own (with rank 0's alone, every rank repeated rank 0's masks)."""
+    model = torch.nn.Linear(2, 2)                  # no LoRA layer: the checkpoint holds the generators
+    opt = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(1)
+    theirs = torch.get_rng_state()                 # rank 1's generator, sent in the gather
+    torch.manual_seed(0)
+    rngs = train.rng_states(TwoRanks(0, sent={1: {"torch": theirs}}))
+    ours_next = torch.rand(4)
+    train._save_ckpt(str(tmp_path), model, opt, {"step": 1}, str(tmp_path / "log"), rngs)
+    torch.manual_seed(7)
+    train._load_ckpt(str(tmp_path), model, opt, rank=1)
+    their_next = torch.rand(4)
+    torch.manual_seed(1)
+    assert torch.equal(their_next, torch.rand(4))
+    train._load_ckpt(str(tmp_path), model, opt, rank=0)
+    assert torch.equal(torch.rand(4), ours_next)
 
 
 @pytest.mark.parametrize("pos, rank, mine", [(0, 0, True), (1, 0, False), (1, 1, True), (6, 1, False)])

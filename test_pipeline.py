@@ -24,6 +24,7 @@ import llm_clients
 import lora
 import metrics
 import offline
+import parallel
 import rankers
 import run
 import runs
@@ -766,5 +767,5 @@ def test_a_fresh_start_leaves_nothing_a_later_rerun_would_resume(tmp_path):
     ckpt.mkdir()
     (ckpt / "state.safetensors").write_bytes(b"an earlier attempt")
     log_path.write_text('{"event": "step"}\n')
-    state = train.start_state(None, None, str(ckpt), str(log_path), resume=False, main=True)
+    state = train.start_state(None, None, str(ckpt), str(log_path), resume=False, ranks=parallel.Ranks())
     assert state["step"] == 0 and not (ckpt / "state.safetensors").exists() and not log_path.exists()

@@ -32,11 +32,22 @@ from store import append_jsonl, log, read_json, write_json
 # ----------------------------------------------------------------------------- Shield training
 
 
-def _save_ckpt(path, model, opt, state, log_path):
-    """Resumable checkpoint without pickle: LoRA + AdamW tensors in safetensors, with the counters
-    and how much of the training log belongs to it (a resume cuts what was logged after it) as JSON
-    in the same file's metadata: one file, written aside and renamed, so a checkpoint is whole or
-    absent whenever the process dies."""
+def rng_states(ranks):
+    """Every rank's generators, which draw its LoRA dropout masks, as tensors named for the checkpoint
+    (rank 0's "rng.torch", rank r's "rng.torch.rank{r}"; "rng.cuda..." on a GPU). A collective: every rank
+    calls it, so that a resumed multi-rank run draws each rank's masks where it left off."""
+    mine = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():   # dropout masks on a GPU draw from its generator
+        mine["cuda"] = torch.cuda.get_rng_state()
+    return {f"rng.{kind}{f'.rank{r}' if r else ''}": t
+            for r, states in ranks.gather({ranks.rank: mine}).items() for kind, t in states.items()}
+
+
+def _save_ckpt(path, model, opt, state, log_path, rngs):
+    """Resumable checkpoint without pickle: LoRA + AdamW tensors and every rank's generators (`rngs`,
+    rng_states) in safetensors, with the counters and how much of the training log belongs to it (a resume
+    cuts what was logged after it) as JSON in the same file's metadata: one file, written aside and renamed,
+    so a checkpoint is whole or absent whenever the process dies."""
     state["log_bytes"] = os.path.getsize(log_path) if os.path.isfile(log_path) else 0
     tensors = {k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -47,16 +58,14 @@ def _save_ckpt(path, model, opt, state, log_path):
                 tensors[f"opt.{i}.{k}"] = st[k].contiguous()
         if "step" in st:
             state.setdefault("opt_steps", {})[str(i)] = float(st["step"])
-    tensors["rng.torch"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():   # dropout masks on a GPU draw from its generator
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    tensors.update(rngs)
     os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, f"state.safetensors.tmp{os.getpid()}")
     save_file(tensors, tmp, metadata={"format": "pt", "state": json.dumps(state)})
     os.replace(tmp, os.path.join(path, "state.safetensors"))
 
 
-def _load_ckpt(path, model, opt):
+def _load_ckpt(path, model, opt, rank=0):
     tensors = load_file(os.path.join(path, "state.safetensors"))
     with safe_open(os.path.join(path, "state.safetensors"), "pt") as f:
         state = json.loads(f.metadata()["state"])
@@ -67,9 +76,10 @@ def _load_ckpt(path, model, opt):
             opt.state[p] = {"step": torch.tensor(state["opt_steps"][str(i)]),   # (AdamW keeps it on the CPU)
                             "exp_avg": tensors[f"opt.{i}.exp_avg"].to(p.device),
                             "exp_avg_sq": tensors[f"opt.{i}.exp_avg_sq"].to(p.device)}
-    torch.set_rng_state(tensors["rng.torch"])
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    mine = f".rank{rank}" if f"rng.torch.rank{rank}" in tensors else ""   # (more ranks than saved: rank 0's)
+    torch.set_rng_state(tensors["rng.torch" + mine])
+    if "rng.cuda" + mine in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda" + mine])
     return state
 
 
@@ -172,7 +182,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
 
     params, opt = attach_lora(run, rr, init)
     ckpt, log_path = os.path.join(folder, "checkpoint"), os.path.join(folder, "train_log.jsonl")
-    state = start_state(rr, opt, ckpt, log_path, resume, main)
+    state = start_state(rr, opt, ckpt, log_path, resume, ranks)
     if main and state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
         step_zero(state, watch(), log_path)
 
@@ -208,12 +218,15 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
             window = []
             if main:
                 append_jsonl(log_path, {"event": "train", **rec})
-                if state["step"] % sh.save_every == 0 and state["pos"] < n:       # mid-epoch checkpoints
-                    _save_ckpt(ckpt, rr.model, opt, state, log_path)
+            if state["step"] % sh.save_every == 0 and state["pos"] < n:           # mid-epoch checkpoints
+                rngs = rng_states(ranks)
+                if main:
+                    _save_ckpt(ckpt, rr.model, opt, state, log_path, rngs)
         state["epoch"] += 1
         state["pos"] = 0
+        rngs = rng_states(ranks)
         if main:                                        # monitoring, the best adapter, the epoch's checkpoint
-            end_of_epoch(cfg.model.model, rr, opt, state, watch(), adapter_dir, ckpt, log_path)
+            end_of_epoch(cfg.model.model, rr, opt, state, watch(), adapter_dir, ckpt, log_path, rngs)
     bar.close()
     if not main:                                        # the other ranks only compute their share of each step
         return
@@ -242,25 +255,31 @@ def shield_examples(run, rr, extra):
     return rr, opt_triples, mon_triples, [(x, scores[x.instance_id]) for x in mon_inst], ids, s0
 
 
-def end_of_epoch(base, rr, opt, state, m, adapter_dir, ckpt, log_path):
+def end_of_epoch(base, rr, opt, state, m, adapter_dir, ckpt, log_path, rngs):
     """After an epoch (rank 0): its monitoring metrics `m` logged, the adapter (of the `base` model) kept
     when its Eq. 5 loss on the monitoring split is the lowest so far (ties: the higher preference
-    accuracy), and the checkpoint."""
+    accuracy), and the checkpoint with the ranks' generators `rngs`. The adapter goes first: a process
+    killed between the two resumes before this epoch, which it redoes (the same order and masks) and
+    whose adapter it writes again."""
     state["history"].append({"epoch": state["epoch"], **m})
     append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
     key = (-m["loss"], m["pref_accuracy"])
     if state["best"] is None or key > tuple(state["best"]["key"]):
         lora.save_adapter(rr.model, adapter_dir, base)
         state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
-    _save_ckpt(ckpt, rr.model, opt, state, log_path)
+    _save_ckpt(ckpt, rr.model, opt, state, log_path, rngs)
 
 
 def attach_lora(run, rr, init=None):
     """LoRA on the frozen reranker (its A initialised and its dropout masks drawn from the seed alone),
-    started from the adapter folder `init` when given, with the speed paths -> (trainable params, AdamW)."""
+    started from the adapter folder `init` when given, with the speed paths -> (trainable params, AdamW).
+    Under torchrun every rank initialises the same A; rank r > 0 then draws its masks from a stream of its
+    own (seeded by seed and r), not a copy of rank 0's."""
     cfg = run.cfg
     torch.manual_seed(cfg.folder.seed)
     lora.add_lora(rr.model, cfg.shield.lora_r, cfg.shield.lora_alpha, cfg.shield.lora_dropout)
+    if run.ranks.rank:
+        torch.manual_seed(cfg.folder.seed * 1000 + run.ranks.rank)
     if init:
         lora.load_adapter(rr.model, init)
     speed.install(rr.model, compile=cfg.model.compile)     # the LoRA layers get the speed paths too
@@ -268,18 +287,18 @@ def attach_lora(run, rr, init=None):
     return params, torch.optim.AdamW(params, lr=cfg.shield.lr)
 
 
-def start_state(rr, opt, ckpt, log_path, resume, main):
+def start_state(rr, opt, ckpt, log_path, resume, ranks):
     """The loop's state: from the checkpoint when resuming (rank 0 cuts the log to the steps it holds), else
     fresh (rank 0 removes an earlier attempt's log) -> {epoch, pos, step, best, history}."""
     if resume and os.path.isfile(os.path.join(ckpt, "state.safetensors")):
-        state = _load_ckpt(ckpt, rr.model, opt)
+        state = _load_ckpt(ckpt, rr.model, opt, ranks.rank)
         log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
-        if main:
+        if ranks.is_main:
             with open(log_path, "a+b") as f:    # steps logged after the checkpoint are redone: drop their lines
                 end = f.seek(0, os.SEEK_END)
                 f.truncate(min(state.get("log_bytes", end), end))     # (never past its end: no NUL padding)
         return state
-    for old in (log_path, os.path.join(ckpt, "state.safetensors")) if main else ():
+    for old in (log_path, os.path.join(ckpt, "state.safetensors")) if ranks.is_main else ():
         if os.path.isfile(old):                 # a fresh start: nothing of an earlier attempt, which a later
             os.remove(old)                      # plain rerun would otherwise resume
     return {"epoch": 0, "pos": 0, "step": 0, "best": None, "history": []}
