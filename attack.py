@@ -315,9 +315,31 @@ def plan_calls(n_inst, budget, per_round, rounds, n_budgets, k, reasks=1):
 
 
 def check(run):
-    """attack's own settings, checked before anything runs: the target reranker's spec."""
-    if run.cfg.attack.target not in ("shield", "base"):
-        rankers.check_specs(rankers.parse_rerankers([run.cfg.attack.target]))
+    """attack's own settings, checked before anything runs (and by --dry-run): the target reranker's spec,
+    and the settings pinned by an earlier attack on this target (check_settings)."""
+    a = run.cfg.attack
+    if a.target not in ("shield", "base"):
+        rankers.check_specs(rankers.parse_rerankers([a.target]))
+    lib = tfsg.load_library(run.library_path(), run.limits)
+    label, mode, pins = pinned(run, a.target, a.budgets, a.attack_rounds, run.cfg.attacker.candidates_per_round,
+                               run.cfg.attacker.attacker, a.aware_of_library, lib)
+    check_settings(run.cfg.folder.run_dir, f"{label}-{mode}", pins)
+
+
+def pinned(run, spec, budgets, rounds, per_round, attacker_spec, aware, lib):
+    """-> (the target's label, the mode, the settings): what the records depend on (run_attack's arguments
+    and the library `lib` when aware), pinned under "label-mode" in results/attack-settings.json."""
+    cfg, (label, spec) = run.cfg, target_of(spec)
+    mode = ("aware" if aware else "unaware") + ("-repair" if cfg.attacker.algorithm == "repair" else "")
+    lib_digest = hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    budget = max(budgets)
+    return label, mode, {
+        "target": str(spec), "attacker": attacker_spec or cfg.llm.llm, "judge": cfg.judge.judge or cfg.llm.llm,
+        "max_tokens": cfg.llm.max_tokens, "budget": budget, "rounds": rounds or rounds_for(budget, per_round),
+        "per_round": per_round, "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD,
+        "library": lib_digest if aware else None,
+        **({"algorithm": "repair", "start": cfg.attacker.start, "edit_budget": cfg.attacker.edit_budget}
+           if cfg.attacker.algorithm == "repair" else {})}
 
 
 def dry_run(run):
@@ -364,16 +386,10 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     insts = geodef.expand(data.test, data.methods)        # each carries its clean source text (.source)
     budget = max(budgets)
     rounds = rounds or rounds_for(budget, per_round)
-    (label, spec), mode = target_of(spec), "aware" if aware else "unaware"
-    mode += "-repair" if cfg.attacker.algorithm == "repair" else ""      # MAGEO's loop keeps its files' names
     lib = tfsg.load_library(run.library_path(), run.limits)
-    lib_digest = hashlib.sha1(json.dumps(lib.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
-    settings = {"target": str(spec), "attacker": attacker_spec or cfg.llm.llm, "judge": cfg.judge.judge or cfg.llm.llm,
-                "max_tokens": cfg.llm.max_tokens, "budget": budget, "rounds": rounds, "per_round": per_round,
-                "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD, "library": lib_digest if aware else None,
-                **({"algorithm": "repair", "start": cfg.attacker.start, "edit_budget": cfg.attacker.edit_budget}
-                   if cfg.attacker.algorithm == "repair" else {})}
-    check_settings(cfg.folder.run_dir, f"{label}-{mode}", settings)
+    label, mode, settings = pinned(run, spec, budgets, rounds, per_round, attacker_spec, aware, lib)
+    check_settings(cfg.folder.run_dir, f"{label}-{mode}", settings)     # (MAGEO's loop: mode "...-repair")
+    spec = target_of(spec)[1]
     base, shield = load_rankers(run, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \
         rankers.make_rankers(run, [(label, spec)], "attack")[label]

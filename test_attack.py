@@ -160,14 +160,16 @@ def test_attacker_text_with_control_tokens_stays_text(tiny_dir):
 
 
 def test_a_rerun_on_other_settings_is_refused_and_eval_keeps_its_own_clean_reference(attacked, demo_run, tmp_path):
-    """A pinned setting (temperature, in config.json) or one the attack's records hang on (max_tokens, in
-    attack-settings.json) changed is refused before anything is sent; the attack's clean reference is its own
-    file, eval's left as eval wrote it."""
+    """A pinned setting (temperature, in config.json) or one the attack's records hang on (max_tokens, rounds,
+    in attack-settings.json) changed is refused before anything is sent, and by the dry run; the attack's clean
+    reference is its own file, eval's left as eval wrote it."""
     out, _, _ = attacked
     shutil.copytree(out.parent / "just-attacked", tmp_path / "o")
-    for extra, what in ((("--temperature", "0.7"), "temperature"), (("--max-tokens", "300"), "max_tokens")):
-        with pytest.raises(SystemExit, match=f"different {what}"):
-            run.main(_argv(tmp_path / "o", *extra))
+    for extra, what in ((("--temperature", "0.7"), "temperature"), (("--max-tokens", "300"), "max_tokens"),
+                        (("--attack-rounds", "5"), "rounds")):
+        for dry in ((), ("--dry-run",)):                 # the dry run checks what the attack would check
+            with pytest.raises(SystemExit, match=f"different {what}"):
+                run.main(_argv(tmp_path / "o", *extra, *dry))
     res = "demo/results/clean_reference.jsonl"
     assert (out / res).read_bytes() == (demo_run.parent / res).read_bytes()
     assert (out / "demo/results/attack/clean_reference.jsonl").is_file()
