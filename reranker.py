@@ -54,6 +54,14 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded: names the file and the key or field."""
 
 
+def _typed(v, want):
+    """Whether a config.json value is a `want`: a bool or a str as such, an int or a float positive and finite
+    (an int counts as a float, a bool as neither)."""
+    if want in (bool, str) or isinstance(v, bool):
+        return isinstance(v, want)
+    return isinstance(v, (int, float) if want is float else want) and 0 < v < float("inf")
+
+
 class PromptLengthError(ValueError):
     """max_length too small for the prompt: the document would get no tokens."""
 
@@ -106,6 +114,14 @@ class Qwen3Config:
         kw.setdefault("tie_word_embeddings", False)
         if "torch_dtype" not in d and "dtype" in d:
             kw["torch_dtype"] = d["dtype"]
+        for f in fields(cls):             # each value of its default's type (a null: transformers' default)
+            v = kw.get(f.name)
+            if v is None and f.name in ("torch_dtype", "max_position_embeddings"):
+                kw.pop(f.name, None)
+            elif f.name in kw and not _typed(v, type(f.default)):
+                want = type(f.default)
+                raise CheckpointError(f"{source}: {f.name}: expected {'a positive ' * (want in (int, float))}"
+                                      f"{want.__name__}, got {v!r}")
         return cls(**kw)
 
     @classmethod

@@ -202,7 +202,8 @@ def test_loader_errors(tmp_path, tiny_dir):
 
 def test_what_the_loader_does_not_implement_or_cannot_read_is_refused_by_name(tmp_path, tiny_dir):
     """A config.json asking for what this file does not implement (another RoPE, in v4's or v5's layout,
-    sliding windows, another activation) or that is not a Qwen3 shape; a truncated weight file; a stored
+    sliding windows, another activation), that is not a Qwen3 shape or holds a value of another type (a
+    string "false" is true to Python); a truncated weight file; a stored
     lm_head that a tied config would ignore; a shard index naming a file outside the folder or a key twice:
     each a CheckpointError naming the file and field, none a checkpoint that loads and scores otherwise."""
     from safetensors.torch import load_file, save_file
@@ -220,7 +221,8 @@ def test_what_the_loader_does_not_implement_or_cannot_read_is_refused_by_name(tm
                ({"layer_types": ["sliding_attention"]}, "layer_types"),
                ({"hidden_act": "gelu"}, "activation 'gelu'"), ({"num_hidden_layers": 0}, "num_hidden_layers"),
                ({"hidden_size": "64"}, "hidden_size"), ({"num_key_value_heads": 3}, "multiple of"),
-               ({"head_dim": None}, "head_dim")]
+               ({"head_dim": None}, "head_dim"), ({"rms_norm_eps": "1e-6"}, "rms_norm_eps: expected a positive float"),
+               ({"rope_theta": float("nan")}, "rope_theta"), ({"tie_word_embeddings": "false"}, "expected bool")]
     for i, (edit, msg) in enumerate(configs):
         with pytest.raises(reranker.CheckpointError, match=msg):
             reranker.Reranker.from_pretrained(str(copy(f"c{i}", lambda c: {**c, **edit})))
