@@ -17,7 +17,10 @@ An answer is one line with a usable reply for an id the batch asked. An id on mo
 choices, odd types) are no answer: such requests are sent again; the log says how many, once per batch.
 
 Resumable: before a batch is created, the run folder's manifest records its requests' custom ids;
-its id is recorded as soon as the provider returns it. The manifest is one object per file in the
+its id is recorded as soon as the provider returns it. Creating a batch is never sent twice blind: a
+creation whose reply was lost (or a rerun after a kill before its id was recorded) first looks for the
+batch it may have made (`find`: OpenAI's by its input file, Anthropic's by its size and creation time),
+since a second batch would be billed again. The manifest is one object per file in the
 process (Manifest.at): the target's and the judge's runners share it, every change written under its
 lock. A rerun after a kill first collects every recorded batch that holds requests still missing,
 instead of submitting them again. Lines that failed for a reason retrying can help (5xx, rate
@@ -41,6 +44,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from datetime import datetime
 from urllib.parse import urlparse
 
 import store
@@ -62,6 +66,7 @@ CANCEL_GRACE = 600
 PROGRESS_EVERY = 10         # polls between progress lines while the counts stay the same
 MALFORMED_POLLS = 3         # status replies in a row without a status field before the batch counts as lost
 GONE = (404, 410)           # the server no longer knows the batch or file
+CLOCK_SKEW = 300            # seconds the provider's clock may run behind ours (AnthropicBatches.find)
 
 
 class BatchUnsupported(LLMError):
@@ -119,11 +124,12 @@ class Manifest:
             entry.update(fields)
             self.save()
 
-    def open_for(self, keys):
-        """Recorded batches, created and not yet collected, holding any of `keys`."""
+    def open_for(self, keys, created=True):
+        """Recorded batches, not yet collected, holding any of `keys`: created (with an id), or (created=False)
+        asked for without an id recorded (a kill, or a lost reply, before it came)."""
         with self.lock:
-            return [b for b in self.data["batches"]
-                    if b.get("id") and not b.get("collected") and not keys.isdisjoint(b["custom_ids"])]
+            return [b for b in self.data["batches"] if bool(b.get("id")) is created and not b.get("collected")
+                    and not keys.isdisjoint(b["custom_ids"])]
 
     def save(self):
         """The whole record written aside and renamed (store.atomic_write): whole or as it was."""
@@ -197,6 +203,10 @@ class BatchRunner:
     def _round(self, job):
         """One round: recorded batches collected, the rest submitted and collected -> keys to send again."""
         again, keys = set(), set(job.todo)
+        for b in self.manifest.open_for(keys, created=False):     # made before a kill? (else never created)
+            found = self.provider.find(b)
+            made = {"id": _id(found, self.client.label, "batch"), "submitted_at": b.get("tried_at")} if found else {}
+            self.manifest.update(b, **(made or {"collected": True, "reason": "not created"}))
         for b in self.manifest.open_for(keys):
             again |= self._collect(b, job)
             keys -= set(b["custom_ids"])
@@ -221,9 +231,10 @@ class BatchRunner:
         """Record the chunk, create its batch, record the id -> the manifest entry."""
         entry = {"digest": hashlib.sha256("".join(sorted(chunk)).encode()).hexdigest()[:16], "custom_ids": chunk,
                  "id": None, "provider": self.client.label, "submitted_at": None, "status": None,
-                 "collected": False, "reason": None}
+                 "collected": False, "reason": None, "tried_at": self.clock()}
         self.manifest.add(entry)
-        batch_id = self.provider.create([self.provider.line(k, job.todo[k][1]) for k in chunk])
+        batch_id = self.provider.create([self.provider.line(k, job.todo[k][1]) for k in chunk], entry,
+                                        lambda **f: self.manifest.update(entry, **f))
         self.manifest.update(entry, id=batch_id, submitted_at=self.clock())
         self.stats["batches"] += 1
         self.stats["lines"] += len(chunk)
@@ -419,15 +430,17 @@ class OpenAIBatches:
         return {"custom_id": key, "method": "POST", "url": urlparse(self.base + "/chat/completions").path,
                 "body": body}
 
-    def create(self, lines):
-        """Upload the lines and create the batch -> its id; a refusal at creation is BatchUnsupported."""
+    def create(self, lines, entry, record):
+        """Upload the lines (the file's id recorded in the manifest `entry`) and create the batch -> its id;
+        a refusal at creation is BatchUnsupported."""
         data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8")
         try:
             f = self.transport.send("POST", self.base + "/files", files={
                 "purpose": (None, "batch"), "file": ("batch.jsonl", data, "application/jsonl")})
+            record(input_file_id=_id(f, self.label, "file"))
             b = self.transport.send("POST", self.base + "/batches", {
-                "input_file_id": _id(f, self.label, "file"), "completion_window": "24h",
-                "endpoint": urlparse(self.base + "/chat/completions").path})
+                "input_file_id": entry["input_file_id"], "completion_window": "24h",
+                "endpoint": urlparse(self.base + "/chat/completions").path}, again=lambda: self.find(entry))
         except LLMError as e:
             if e.status in (404, 405):
                 raise BatchUnsupported(f"{self.label}: no batch endpoint at {self.base}/batches "
@@ -436,6 +449,13 @@ class OpenAIBatches:
                 raise BatchUnsupported(f"{self.label}: the batch was refused at creation: {e}", e.status) from None
             raise
         return _id(b, self.label, "batch")
+
+    def find(self, entry):
+        """The batch made from the entry's input file (each upload is a file of its own), among the newest
+        100 -> its object, or None."""
+        page = json_object(self.transport.send("GET", self.base + "/batches?limit=100")).get("data")
+        return next((b for b in page if json_object(b).get("input_file_id") == entry.get("input_file_id")
+                     and entry.get("input_file_id")), None) if isinstance(page, list) else None
 
     def path(self, batch_id):
         return f"{self.base}/batches/{batch_id}"
@@ -476,16 +496,32 @@ class AnthropicBatches:
     def line(self, key, body):
         return {"custom_id": key, "params": body}
 
-    def create(self, lines):
+    def create(self, lines, entry, record):
         """Create the batch with its requests -> its id; a refusal at creation is BatchUnsupported."""
         try:
-            b = self.transport.send("POST", self.base + "/messages/batches", {"requests": lines})
+            b = self.transport.send("POST", self.base + "/messages/batches", {"requests": lines},
+                                    again=lambda: self.find(entry))
         except LLMError as e:
             if e.status is not None and 400 <= e.status < 500:
                 raise BatchUnsupported(f"{self.label}: the batch was refused at creation "
                                        f"(HTTP {e.status}): {e}", e.status) from None
             raise
         return _id(b, self.label, "batch")
+
+    def find(self, entry):
+        """A Message Batch has no metadata and no input file: the oldest of the newest 100 created since the
+        entry was tried (less CLOCK_SKEW) with as many requests -> its object, or None. Another run's batch of
+        that size taken by mistake costs a round, never an answer: its lines name other custom ids."""
+        page = json_object(self.transport.send("GET", self.base + "/messages/batches?limit=100")).get("data")
+        for b in reversed(page if isinstance(page, list) and isinstance(entry.get("tried_at"), (int, float)) else []):
+            try:
+                made = datetime.fromisoformat(str(json_object(b).get("created_at"))).timestamp()
+            except ValueError:
+                continue
+            counts = self.status(b)["counts"]
+            if made >= entry["tried_at"] - CLOCK_SKEW and counts and counts[2] == len(entry["custom_ids"]):
+                return b
+        return None
 
     def path(self, batch_id):
         return f"{self.base}/messages/batches/{batch_id}"

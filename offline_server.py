@@ -309,9 +309,11 @@ class Batches:
       purge         the next batch to end has its output purged: reading it answers 404 (once)
       tamper        a function of the next ended batch's output rows -> the rows served (once)
       cancelling    status checks a cancelled batch stays cancelling before it ends (0: the next one ends it)
+      lose_created  the next that many batches created have their creation reply lost (the connection closes)
     """
     KNOBS = {"polls": 1, "stall": None, "expire_after": None, "fail_first": 0, "fail": None, "reject": False,
-             "missing": False, "no_status": 0, "purge": False, "tamper": None, "cancelling": 0}
+             "missing": False, "no_status": 0, "purge": False, "tamper": None, "cancelling": 0,
+             "lose_created": 0}
 
     def __init__(self, pinned_created=None):
         self.files, self.batches, self.failed, self.lock = {}, {}, set(), threading.RLock()
@@ -428,6 +430,9 @@ class Batches:
                 "id": bid, "api": api, "lines": lines, "polls": 0, "state": "validating",
                 "at": {"created": time.time()}, "counts": {"succeeded": 0}, "out": [], "problem": problem,
                 "input_file_id": body.get("input_file_id"), "metadata": body.get("metadata")}
+            if self.knobs["lose_created"]:
+                self.knobs["lose_created"] -= 1
+                raise ConnectionError("the creation reply is lost (lose_created knob)")
             return api.view(b, host)
 
     def _batch(self, bid, api):

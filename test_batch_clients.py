@@ -154,6 +154,40 @@ def test_a_kill_while_polling_resumes_the_same_batch(engine, tmp_path):
     assert srv.batches.created == 1 and all(r.text for r in out) and c.batch.stats["batches"] == 0
 
 
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_batch_whose_creation_reply_was_lost_is_found_not_created_again(engine, tmp_path, protocol):
+    """The server made the batch and the reply was lost: before asking again the runner looks for it (a
+    second batch would be billed again), and collects it."""
+    srv, url = engine
+    srv.batches.knobs["lose_created"] = 1
+    c = batched(url, tmp_path, protocol)
+    reqs = requests_(3)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert srv.batches.created == 1 and [b["id"] for b in manifest(tmp_path)] == ["batch-1"]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_kill_before_the_batch_id_was_recorded_resumes_that_batch(engine, tmp_path, protocol, monkeypatch):
+    """Killed between the creation and the manifest's record of its id: the rerun finds the batch the entry
+    asked for and collects it instead of paying for another."""
+    srv, url = engine
+    record = batch_clients.Manifest.update
+
+    def killed_at_the_id(self, entry, **fields):
+        if fields.get("id"):
+            raise KeyboardInterrupt
+        record(self, entry, **fields)
+    monkeypatch.setattr(batch_clients.Manifest, "update", killed_at_the_id)
+    reqs = requests_(3)
+    with pytest.raises(KeyboardInterrupt):
+        batched(url, tmp_path, protocol).map(reqs, progress=False)
+    monkeypatch.setattr(batch_clients.Manifest, "update", record)
+    assert srv.batches.created == 1 and manifest(tmp_path)[0]["id"] is None
+    c = batched(url, tmp_path, protocol)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert srv.batches.created == 1 and c.batch.stats["batches"] == 0 and manifest(tmp_path)[0]["id"] == "batch-1"
+
+
 # ----------------------------------------------------------------------------- what is no answer
 
 

@@ -298,12 +298,17 @@ class Transport:
         refused (the key goes to no other host) and a reply over max_reply_bytes is refused unread."""
         return self.send("POST", self.endpoint or (self.url if self.base_url else None), body)
 
-    def send(self, method, url, body=None, files=None, raw=False, max_bytes=None):
+    def send(self, method, url, body=None, files=None, raw=False, max_bytes=None, again=None):
         """`post` for any method and URL of this API (the batch clients: GET a batch, upload a file as
         multipart `files`); raw=True returns the reply text instead of parsed JSON. url None: the
-        in-process handler."""
+        in-process handler. again: for a request the server must not apply twice (creating a batch),
+        called before it is sent again, since a reply lost or a 5xx may come after the server applied it:
+        what it returns, when not None, is the reply."""
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
+            found = again() if attempt and again is not None else None
+            if found is not None:
+                return found
             if self.aborted.is_set():
                 raise self.error("not sent: the run stopped after another request failed")
             self.limiter.wait()
