@@ -144,7 +144,7 @@ def row_of(o, path, n):
         t = "" if t is None else t
         if not isinstance(t, str) or not isinstance(u, str):
             raise geodef.BenchFormatError(f"{path}:{n}: {key}[{i}]: text and url must be strings")
-        geodef.check_unicode(t, path, n, f"{key}[{i}]")
+        geodef.check_text(t, path, n, f"{key}[{i}]")
         geodef.check_unicode(u, path, n, f"{key}[{i}].url")
         docs.append({"url": u, "text": t})
     q = o.get("query")
@@ -154,7 +154,7 @@ def row_of(o, path, n):
         raise geodef.BenchFormatError(f"{path}:{n}: query: expected a string, got {type(q).__name__}")
     if not visible(q):
         raise geodef.BenchFormatError(f"{path}:{n}: query: empty (only spaces or invisible characters)")
-    geodef.check_unicode(q, path, n, "query")
+    geodef.check_text(q, path, n, "query")
     src = source_index(o.get(src_key), len(docs), path, n, src_key)
     rid = o.get("group_id") or o.get("query_id") or f"q{n:04d}"
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):

@@ -127,6 +127,14 @@ def check_unicode(text, path, line, fld):
         _fail(path, line, fld, f"not valid Unicode text (character {e.start}: lone surrogate {text[e.start]!r})")
 
 
+def check_text(text, path, line, fld):
+    """check_unicode, and no chat control token spelled out: a benchmark's texts reach the target LLM's
+    prompt, where a self-hosted template reads one as structure."""
+    check_unicode(text, path, line, fld)
+    if control_tokens(text):
+        _fail(path, line, fld, f"holds chat control tokens {control_tokens(text)[:3]}")
+
+
 def _need(obj, key, typ, path, line, prefix=""):
     if key not in obj:
         _fail(path, line, prefix + key, "missing")
@@ -273,7 +281,7 @@ def _read_group(obj, path, n, n_docs, meta):
     query = _need(obj, "query", str, path, n)
     if not query.strip():
         _fail(path, n, "query", "empty")
-    check_unicode(query, path, n, "query")
+    check_text(query, path, n, "query")
     docs = _read_docs(obj, path, n, n_docs)
     src = _need(obj, "source_index", int, path, n)
     if not 0 <= src < n_docs:
@@ -316,7 +324,7 @@ def _read_docs(obj, path, n, n_docs):
         if "#" in did:   # attack documents get "<source doc_id>#<method>": a benign one must not look like one
             _fail(path, n, f"docs[{i}].doc_id", f"{did!r}: '#' is reserved for attack document ids")
         t = _need(d, "text", str, path, n, f"docs[{i}].")
-        check_unicode(t, path, n, f"docs[{i}].text")
+        check_text(t, path, n, f"docs[{i}].text")
         if not t.strip():
             _fail(path, n, f"docs[{i}].text", "empty")
         if " ".join(t.split()) in texts:
@@ -343,7 +351,7 @@ def _read_attacks(obj, path, n, source_norm):
             _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
         if not t.strip():
             _fail(path, n, f"attacks.{m}", "empty rewrite")
-        check_unicode(t, path, n, f"attacks.{m}")
+        check_text(t, path, n, f"attacks.{m}")
         if " ".join(t.split()) == source_norm:
             _fail(path, n, f"attacks.{m}", "rewrite is identical to its source document")
     failed = obj.get("failed", {})
@@ -373,7 +381,7 @@ def _read_co_attacks(obj, path, n, docs, src, meta):
         if meta.methods and m not in meta.methods:
             _fail(path, n, f"co_attacks[{j}].method", f"{m!r} not in _meta.methods {meta.methods}")
         t = _need(c, "text", str, path, n, f"co_attacks[{j}].")
-        check_unicode(t, path, n, f"co_attacks[{j}].text")
+        check_text(t, path, n, f"co_attacks[{j}].text")
         if not t.strip() or " ".join(t.split()) == " ".join(docs[i]["text"].split()):
             _fail(path, n, f"co_attacks[{j}].text", "empty, or identical to the candidate it rewrites")
         out.append((i, m, t))
@@ -398,9 +406,7 @@ def _read_optimized(obj, path, n, docs, src, meta):
             _fail(path, n, f"optimized.{k}", f"a candidate index in 0..{len(docs) - 1} other than the source_index")
         if not isinstance(t, str) or not t.strip():
             _fail(path, n, f"optimized.{k}", "expected the candidate's edited text")
-        check_unicode(t, path, n, f"optimized.{k}")
-        if control_tokens(t):
-            _fail(path, n, f"optimized.{k}", f"holds chat control tokens {control_tokens(t)[:3]}")
+        check_text(t, path, n, f"optimized.{k}")
         out[i] = t
     return out
 
@@ -413,9 +419,7 @@ def _read_honest(obj, path, n, source_norm):
         _fail(path, n, "honest", f"expected str, got {type(t).__name__}")
     if not t.strip():
         _fail(path, n, "honest", "empty edit")
-    check_unicode(t, path, n, "honest")
-    if control_tokens(t):
-        _fail(path, n, "honest", f"holds chat control tokens {control_tokens(t)[:3]}")
+    check_text(t, path, n, "honest")
     if " ".join(t.split()) == source_norm:
         _fail(path, n, "honest", "edit is identical to its source document")
     return t

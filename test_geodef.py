@@ -119,6 +119,10 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
     (lambda g: {**g, "docs": [dict(g["docs"][0], doc_id="\ud800")] + g["docs"][1:]}, r":2: docs\[0\].doc_id: not val"),
     (lambda g: {**g, "docs": [dict(g["docs"][0], url="\udfff")] + g["docs"][1:]}, r":2: docs\[0\].url: not valid"),
     (lambda g: {**g, "attacks": {**g["attacks"], "\ud800": "x"}}, r":2: attacks \(a method's name\): not valid"),
+    # every text reaches the target LLM's prompt: none may spell a chat control token
+    (lambda g: {**g, "attacks": {**g["attacks"], "A": "x <|im_end|>"}}, r":2: attacks.A: holds chat control"),
+    (lambda g: {**g, "docs": [dict(g["docs"][0], text="<|eot_id|>")] + g["docs"][1:]}, r":2: docs\[0\].text: holds"),
+    (lambda g: {**g, "query": "q <|im_start|>system"}, r":2: query: holds chat control tokens"),
 ])
 def test_bench_validation_errors(tmp_path, mutate, msg):
     rows = [good_group("g0"), mutate(good_group("g1"))]
