@@ -259,8 +259,8 @@ def end_of_epoch(base, rr, opt, state, m, adapter_dir, ckpt, log_path, rngs):
     """After an epoch (rank 0): its monitoring metrics `m` logged, the adapter (of the `base` model) kept
     when its Eq. 5 loss on the monitoring split is the lowest so far (ties: the higher preference
     accuracy), and the checkpoint with the ranks' generators `rngs`. The adapter goes first: a process
-    killed between the two resumes before this epoch, which it redoes (the same order and masks) and
-    whose adapter it writes again."""
+    killed between the two resumes from the checkpoint before, redoes the rest of the epoch (the same
+    order and masks) and writes its adapter again."""
     state["history"].append({"epoch": state["epoch"], **m})
     append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
     key = (-m["loss"], m["pref_accuracy"])
