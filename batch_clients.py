@@ -124,6 +124,11 @@ class Manifest:
             entry.update(fields)
             self.save()
 
+    def ids(self):
+        """Every batch id recorded."""
+        with self.lock:
+            return {b["id"] for b in self.data["batches"] if b.get("id")}
+
     def open_for(self, keys, created=True):
         """Recorded batches, not yet collected, holding any of `keys`: created (with an id), or (created=False)
         asked for without an id recorded (a kill, or a lost reply, before it came)."""
@@ -203,10 +208,10 @@ class BatchRunner:
     def _round(self, job):
         """One round: recorded batches collected, the rest submitted and collected -> keys to send again."""
         again, keys = set(), set(job.todo)
-        for b in self.manifest.open_for(keys, created=False):     # made before a kill? (else never created)
-            found = self.provider.find(b)
+        for b in self.manifest.open_for(keys, created=False):     # made before a kill? (else sent again)
+            found = self.provider.find(b, self.manifest.ids())
             made = {"id": _id(found, self.client.label, "batch"), "submitted_at": b.get("tried_at")} if found else {}
-            self.manifest.update(b, **(made or {"collected": True, "reason": "not created"}))
+            self.manifest.update(b, **(made or {"collected": True, "reason": "not found"}))
         for b in self.manifest.open_for(keys):
             again |= self._collect(b, job)
             keys -= set(b["custom_ids"])
@@ -233,8 +238,13 @@ class BatchRunner:
                  "id": None, "provider": self.client.label, "submitted_at": None, "status": None,
                  "collected": False, "reason": None, "tried_at": self.clock()}
         self.manifest.add(entry)
-        batch_id = self.provider.create([self.provider.line(k, job.todo[k][1]) for k in chunk], entry,
-                                        lambda **f: self.manifest.update(entry, **f))
+        try:
+            batch_id = self.provider.create([self.provider.line(k, job.todo[k][1]) for k in chunk],
+                                            lambda **f: self.manifest.update(entry, **f),
+                                            lambda: self.provider.find(entry, self.manifest.ids()))
+        except BatchUnsupported:                # refused: nothing was made
+            self.manifest.update(entry, collected=True, reason="refused at creation")
+            raise
         self.manifest.update(entry, id=batch_id, submitted_at=self.clock())
         self.stats["batches"] += 1
         self.stats["lines"] += len(chunk)
@@ -430,17 +440,17 @@ class OpenAIBatches:
         return {"custom_id": key, "method": "POST", "url": urlparse(self.base + "/chat/completions").path,
                 "body": body}
 
-    def create(self, lines, entry, record):
-        """Upload the lines (the file's id recorded in the manifest `entry`) and create the batch -> its id;
-        a refusal at creation is BatchUnsupported."""
+    def create(self, lines, record, again):
+        """Upload the lines (`record` keeps the file's id in the manifest entry) and create the batch (`again`:
+        the batch a lost creation reply may have made) -> its id; a refusal at creation is BatchUnsupported."""
         data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8")
         try:
             f = self.transport.send("POST", self.base + "/files", files={
                 "purpose": (None, "batch"), "file": ("batch.jsonl", data, "application/jsonl")})
             record(input_file_id=_id(f, self.label, "file"))
             b = self.transport.send("POST", self.base + "/batches", {
-                "input_file_id": entry["input_file_id"], "completion_window": "24h",
-                "endpoint": urlparse(self.base + "/chat/completions").path}, again=lambda: self.find(entry))
+                "input_file_id": f["id"], "completion_window": "24h",
+                "endpoint": urlparse(self.base + "/chat/completions").path}, again=again)
         except LLMError as e:
             if e.status in (404, 405):
                 raise BatchUnsupported(f"{self.label}: no batch endpoint at {self.base}/batches "
@@ -450,12 +460,12 @@ class OpenAIBatches:
             raise
         return _id(b, self.label, "batch")
 
-    def find(self, entry):
+    def find(self, entry, known):
         """The batch made from the entry's input file (each upload is a file of its own), among the newest
-        100 -> its object, or None."""
-        page = json_object(self.transport.send("GET", self.base + "/batches?limit=100")).get("data")
-        return next((b for b in page if json_object(b).get("input_file_id") == entry.get("input_file_id")
-                     and entry.get("input_file_id")), None) if isinstance(page, list) else None
+        100 -> its object, or None (also where the server lists no batches)."""
+        fid = entry.get("input_file_id")
+        page = _listing(self.transport, self.base + "/batches?limit=100") if fid else []
+        return next((b for b in page if b.get("input_file_id") == fid and b.get("id") not in known), None)
 
     def path(self, batch_id):
         return f"{self.base}/batches/{batch_id}"
@@ -496,11 +506,11 @@ class AnthropicBatches:
     def line(self, key, body):
         return {"custom_id": key, "params": body}
 
-    def create(self, lines, entry, record):
-        """Create the batch with its requests -> its id; a refusal at creation is BatchUnsupported."""
+    def create(self, lines, record, again):
+        """Create the batch with its requests (`again`: the batch a lost creation reply may have made) -> its
+        id; a refusal at creation is BatchUnsupported."""
         try:
-            b = self.transport.send("POST", self.base + "/messages/batches", {"requests": lines},
-                                    again=lambda: self.find(entry))
+            b = self.transport.send("POST", self.base + "/messages/batches", {"requests": lines}, again=again)
         except LLMError as e:
             if e.status is not None and 400 <= e.status < 500:
                 raise BatchUnsupported(f"{self.label}: the batch was refused at creation "
@@ -508,20 +518,24 @@ class AnthropicBatches:
             raise
         return _id(b, self.label, "batch")
 
-    def find(self, entry):
-        """A Message Batch has no metadata and no input file: the oldest of the newest 100 created since the
-        entry was tried (less CLOCK_SKEW) with as many requests -> its object, or None. Another run's batch of
-        that size taken by mistake costs a round, never an answer: its lines name other custom ids."""
-        page = json_object(self.transport.send("GET", self.base + "/messages/batches?limit=100")).get("data")
-        for b in reversed(page if isinstance(page, list) and isinstance(entry.get("tried_at"), (int, float)) else []):
+    def find(self, entry, known):
+        """A Message Batch has no metadata and no input file: among the newest 100 not `known` (recorded in
+        the manifest), one with as many requests created nearest after the entry was tried (else within
+        CLOCK_SKEW before) -> its object, or None. Another client's batch of that size taken by mistake
+        costs a round, never an answer: its lines name other custom ids."""
+        tried = entry.get("tried_at")
+        page = _listing(self.transport, self.base + "/messages/batches?limit=100") if tried else []
+        fits = []
+        for b in page:
             try:
-                made = datetime.fromisoformat(str(json_object(b).get("created_at"))).timestamp()
+                made = datetime.fromisoformat(str(b.get("created_at"))).timestamp()
             except ValueError:
                 continue
             counts = self.status(b)["counts"]
-            if made >= entry["tried_at"] - CLOCK_SKEW and counts and counts[2] == len(entry["custom_ids"]):
-                return b
-        return None
+            if b.get("id") not in known and counts and counts[2] == len(entry["custom_ids"]) and \
+                    made >= tried - CLOCK_SKEW:
+                fits.append((made < tried, abs(made - tried), b))
+        return min(fits, key=lambda f: f[:2])[2] if fits else None
 
     def path(self, batch_id):
         return f"{self.base}/messages/batches/{batch_id}"
@@ -563,6 +577,17 @@ class AnthropicBatches:
 
 def _int(x):
     return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _listing(transport, url):
+    """A list endpoint's batch objects (its `data`); [] where the server lists none (HTTP 400, 404, 405)."""
+    try:
+        page = json_object(transport.send("GET", url)).get("data")
+    except LLMError as e:
+        if e.status in (400, 404, 405):
+            return []
+        raise
+    return [b for b in page if isinstance(b, dict)] if isinstance(page, list) else []
 
 
 def _id(reply, label, what):

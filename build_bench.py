@@ -263,14 +263,15 @@ def norm(text):
 
 
 def candidates(row, results, n_docs, seed):
-    """The row's source among the search results: n_docs documents without duplicates (URL or text)
-    or near-empty pages, the source at a position drawn from (seed, row id). -> (docs, source index)
-    or (None, reason)."""
+    """The row's source among the search results: n_docs documents without duplicates (URL or text),
+    near-empty pages or pages spelling a chat control token (geodef.check_text), the source at a position
+    drawn from (seed, row id). -> (docs, source index) or (None, reason)."""
     src = row["docs"][row["source_index"]]
     seen_urls, seen_texts, others = {src["url"]} - {""}, {norm(src["text"])}, []
     for r in results:
         t = r["text"].strip()
-        if len(t.split()) < MIN_WORDS or norm(t) in seen_texts or (r["url"] and r["url"] in seen_urls):
+        if len(t.split()) < MIN_WORDS or norm(t) in seen_texts or (r["url"] and r["url"] in seen_urls) \
+                or geodef.control_tokens(t):
             continue
         seen_urls.add(r["url"])
         seen_texts.add(norm(t))

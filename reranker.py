@@ -85,7 +85,8 @@ class Qwen3Config:
     def from_dict(cls, d, source="config.json"):
         """config.json as transformers' Qwen3Config reads it, or CheckpointError naming the field: what this
         file does not implement (another RoPE, sliding windows, another activation) is refused, not ignored;
-        a key left out takes transformers' default (untied head, RoPE base 10000), not the reranker's."""
+        a key of the model's shape left out takes transformers' default (untied head, RoPE base 10000, head_dim
+        128), not the reranker's; max_position_embeddings and torch_dtype (not used to load) this class's."""
         if not isinstance(d, dict):
             raise CheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
@@ -114,7 +115,7 @@ class Qwen3Config:
         kw.setdefault("tie_word_embeddings", False)
         if "torch_dtype" not in d and "dtype" in d:
             kw["torch_dtype"] = d["dtype"]
-        for f in fields(cls):             # each value of its default's type (a null: transformers' default)
+        for f in fields(cls):             # each value of its default's type (a null: this class's default)
             v = kw.get(f.name)
             if v is None and f.name in ("torch_dtype", "max_position_embeddings"):
                 kw.pop(f.name, None)

@@ -157,13 +157,26 @@ def test_a_kill_while_polling_resumes_the_same_batch(engine, tmp_path):
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
 def test_a_batch_whose_creation_reply_was_lost_is_found_not_created_again(engine, tmp_path, protocol):
     """The server made the batch and the reply was lost: before asking again the runner looks for it (a
-    second batch would be billed again), and collects it."""
+    second batch would be billed again), and collects it; a batch the manifest holds already (the stage's
+    first, of the same size) is not taken for the second."""
     srv, url = engine
-    srv.batches.knobs["lose_created"] = 1
-    c = batched(url, tmp_path, protocol)
-    reqs = requests_(3)
+    srv.batches.knobs["lose_created"] = 2
+    c = batched(url, tmp_path, protocol, limits=(3, 1 << 30))
+    reqs = requests_(6)
     assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
-    assert srv.batches.created == 1 and [b["id"] for b in manifest(tmp_path)] == ["batch-1"]
+    assert srv.batches.created == 2 and [b["id"] for b in manifest(tmp_path)] == ["batch-1", "batch-2"]
+
+
+def test_a_server_without_batches_is_asked_once_per_stage_and_a_rerun_falls_back_again(engine, tmp_path):
+    """A refused creation made nothing: its manifest entry is closed, so a rerun (its replies not cached)
+    neither looks for it nor fails on a server that lists no batches."""
+    srv, url = engine
+    srv.batches.knobs["missing"] = True
+    reqs = requests_(2)
+    for _ in range(2):
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+        assert all(r.text for r in batched(url, tmp_path, auto=True).map(reqs, progress=False))
+    assert [b["reason"] for b in manifest(tmp_path)] == ["refused at creation"] * 2
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])

@@ -387,6 +387,15 @@ def test_repeated_documents_of_a_row_are_one_candidate(tmp_path):
     assert [d["text"] for d in out] == ["a b", "c", "d", "e"] and pos == 0
 
 
+def test_a_search_result_spelling_a_control_token_is_no_candidate():
+    """A web page about LLMs may spell <|endoftext|>: it is passed over, as a near-empty page is, or the built
+    file would fail its own validation after every rewrite was paid for."""
+    page = lambda i, extra="": {"url": f"https://e.x/{i}", "text": f"page {i} " + "word " * 50 + extra}
+    row = {"id": "r", "docs": [page("src")], "source_index": 0}
+    docs, pos = build_bench.candidates(row, [page(1, "<|endoftext|>"), page(2), page(3)], 3, 0)
+    assert [d["url"] for d in docs if d["url"] != "https://e.x/src"] == ["https://e.x/2", "https://e.x/3"]
+
+
 def test_an_autogeo_folder_of_chunks_is_read_in_order(tmp_path):
     folder = tmp_path / "autogeo"
     folder.mkdir()

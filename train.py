@@ -278,8 +278,8 @@ def attach_lora(run, rr, init=None):
     cfg = run.cfg
     torch.manual_seed(cfg.folder.seed)
     lora.add_lora(rr.model, cfg.shield.lora_r, cfg.shield.lora_alpha, cfg.shield.lora_dropout)
-    if run.ranks.rank:
-        torch.manual_seed(cfg.folder.seed * 1000 + run.ranks.rank)
+    if run.ranks.rank:                          # (a 63-bit seed from the pair: no overflow, no collision)
+        torch.manual_seed(random.Random(f"{cfg.folder.seed}:dropout:{run.ranks.rank}").getrandbits(63))
     if init:
         lora.load_adapter(rr.model, init)
     speed.install(rr.model, compile=cfg.model.compile)     # the LoRA layers get the speed paths too

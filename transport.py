@@ -302,11 +302,12 @@ class Transport:
         """`post` for any method and URL of this API (the batch clients: GET a batch, upload a file as
         multipart `files`); raw=True returns the reply text instead of parsed JSON. url None: the
         in-process handler. again: for a request the server must not apply twice (creating a batch),
-        called before it is sent again, since a reply lost or a 5xx may come after the server applied it:
-        what it returns, when not None, is the reply."""
+        called before it is sent again after a failure that may come after the server applied it (a reply
+        lost, a 5xx other than 529): what it returns, when not None, is the reply."""
+        applied = False                  # whether the last failure may have come after the server applied it
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
-            found = again() if attempt and again is not None else None
+            found = again() if applied and again is not None else None
             if found is not None:
                 return found
             if self.aborted.is_set():
@@ -322,6 +323,7 @@ class Transport:
                         raise self.error(f"offline engine rejected the request ({e})", 400) from None
                 status, headers, text = self._exchange(url, body, method, files, max_bytes or self.max_reply_bytes)
             except RETRY_ERRORS as e:            # the connection failed, timed out or broke mid-reply
+                applied = True
                 if self.aborted.is_set():
                     raise self.error("stopped: the run failed on another request") from None
                 if last:
@@ -349,6 +351,7 @@ class Transport:
                                  f"(> {self.max_retry_after}s cap)", status, text)
             if last:
                 raise self.error(f"HTTP {status} after {attempt + 1} attempts", status, text)
+            applied = status >= 500 and status != 529      # (429, 529: refused before any work)
             self.backoff(attempt, hint)
 
     def _exchange(self, url, body, method="POST", files=None, max_bytes=None):
