@@ -873,10 +873,10 @@ class BenchConfig(Command):
 
 
 # Presets. "paper" = Table A.1, including its 4-bit base ("Quantized loading 4-bit"), and GPT-5.5 as the
-# judge of every target (B.2.3, B.2.4; without it the judge is the target itself); the plain defaults
-# are the same but keep the bf16 base, which trains faster here (NF4 saves memory, not time: `bench
-# --what nf4`). "tiny-demo" trains the random tiny model hard enough to see the objective move in
-# minutes on a CPU (a plumbing check, not the paper's setting).
+# judge of every target (B.2.3, B.2.4); the plain defaults are the same but keep the bf16 base, which
+# trains faster here (NF4 saves memory, not time: `bench --what nf4`), and judge with the target itself
+# (no second provider needed). "tiny-demo" trains the random tiny model hard enough to see the objective
+# move in minutes on a CPU (a plumbing check, not the paper's setting).
 PRESETS = {
     "paper": {"quant": "nf4", "judge": "openai:gpt-5.5"},
     "tiny-demo": {"model": "tiny", "dtype": "float32", "lr": 1e-3, "epochs": 6, "grad_accum": 4,
