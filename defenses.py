@@ -17,8 +17,9 @@ Cost per query at top-k (the ASI judge apart, an evaluation cost):
 - RobustRAG: k isolated answers, then 1 keyword answer: k + 1 calls, 2 in a row (k, 1 in a row, when
   every isolated answer abstains).
 
-Prompts are ours; the answer task is the GEO engine instruction every condition shares
-(tfsg.ANSWER_INSTRUCTION), so the conditions differ only by the defense. Documents are attacker-
+Prompts are ours; the final answer's task is the GEO engine instruction every condition shares
+(tfsg.ANSWER_INSTRUCTION), so the conditions differ only by the defense (RobustRAG's isolated answers and
+its keyword answer have instructions of their own, as in its source). Documents are attacker-
 controlled: they enter as JSON strings inside a tagged block whose '<' are written \\u003c (no
 document can close the block or forge what follows it), or datamarked, with no whitespace left (no
 document can start a line of its own); PromptArmor's answer keeps the Non-Defense prompt's "[i] text"
@@ -181,8 +182,9 @@ def remover_messages(doc):
 
 
 def quoted_passages(data):
-    """The remover's reply -> the passages it quotes (non-empty strings); anything else -> []."""
-    got = data.get("passages") if isinstance(data, dict) else None
+    """The remover's reply -> the passages it quotes (non-empty strings); anything else, or a reply whose
+    verdict is "manipulative": false (PromptArmor cuts only what its guard flags), -> []."""
+    got = data.get("passages") if isinstance(data, dict) and data.get("manipulative") is not False else None
     return [p for p in got if isinstance(p, str) and p.strip()] if isinstance(got, list) else []
 
 
@@ -318,11 +320,15 @@ of in on at by for with about against between into through during before after a
 off over under around among across along within without via per than like as toward towards upon onto despite
 be is am are was were been being have has had having do does did done doing can could may might must shall
 should will would and or but nor yet so if because while although though since unless whether when where once
-until not n't 's oh yes get gets got make makes made use uses used using help helps helped include includes
-included including provide provides provided take takes took give gives gave keep keeps kept need needs needed
-know knows see sees find finds found show shows shown say says said let lets become becomes became seem seems
+until not n't 's 're 've 'll 'd 'm ca wo sha oh yes get gets got make makes made use uses used using help helps
+helped include includes included including provide provides provided take takes took give gives gave keep keeps
+kept need needs needed know knows see sees find finds found show shows shown say says said let lets become
+becomes became seem seems
 """.split())
-_TOKEN = re.compile(r"\w+(?:['’.\-]\w+)*|[^\w\s]")
+# words, with spaCy's clitics apart ("doesn't" -> does n't, "WHO's" -> who 's: function words that end a
+# run), an inner apostrophe that starts no clitic kept ("o'brien"), and single punctuation marks
+_TOKEN = re.compile(r"\w+(?=n't\b)|n't\b|'(?:s|re|ve|ll|d|m)\b|\w+(?:(?:[.\-]|'(?!(?:s|re|ve|ll|d|m|t)\b))\w+)*"
+                    r"|[^\w\s]")
 _CITATION = re.compile(r"\[\s*\d[\d\s,;\-–]*\]")
 
 
@@ -333,8 +339,9 @@ def abstains(answer):
 
 
 def _tokens(text):
-    """Lower-cased word and punctuation tokens of `text`, its [n] citations left out."""
-    return _TOKEN.findall(_CITATION.sub(" ", text).lower())
+    """Lower-cased word, clitic and punctuation tokens of `text` (a curly apostrophe read as a straight one),
+    its [n] citations left out."""
+    return _TOKEN.findall(_CITATION.sub(" ", text).lower().replace("’", "'"))
 
 
 def _is_word(tok):

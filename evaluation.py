@@ -12,6 +12,7 @@ Usage: summary, records = evaluate(runs.Run(cfg))
 """
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -49,7 +50,8 @@ RERANKER_CONDITIONS = ("Non-Defense", "TFSG only")   # repeated with each eval -
 
 def ppl_filter(cfg, base, cons, test_insts):
     """B.2.2: GPT-2 perplexity; threshold = ppl_quantile of the construction groups' benign documents;
-    flagged candidates moved after unflagged ones, base order kept within each part."""
+    flagged candidates moved after unflagged ones, base order kept within each part. A text of under two
+    GPT-2 tokens has no perplexity: it is left out of the threshold's documents and never flagged."""
     # one cache file per scoring model: a perplexity is a property of the text AND the model
     slug = re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.eval.ppl_model)
     path = os.path.join(cfg.folder.run_dir, "cache", f"ppl_{slug}.json")
@@ -69,7 +71,9 @@ def ppl_filter(cfg, base, cons, test_insts):
             cache[k] = lm.perplexity(texts[k])
         write_json(path, cache)
     ppl = lambda t: cache[hashlib.sha1(t.encode()).hexdigest()]
-    calib = [ppl(d["text"]) for g in cons for d in g.docs]
+    calib = [v for v in (ppl(d["text"]) for g in cons for d in g.docs) if math.isfinite(v)]   # (< 2 tokens: none)
+    if not calib:
+        raise ValueError("PPL-Filter: no construction benign document has a perplexity (each under 2 GPT-2 tokens)")
     tau = float(np.quantile(calib, cfg.eval.ppl_quantile))
     orders, diag = {}, {"threshold": tau, "calibration_docs": len(calib), "test_instances": 0,
                         "attack_in_base_topk": 0, "attack_flagged": 0, "attack_in_ppl_topk": 0,

@@ -122,6 +122,19 @@ def test_the_ppl_threshold_is_the_construction_quantile(ppl_filtered):
     assert abs(diag["threshold"] - float(np.quantile(calib, 0.5))) < 1e-6
 
 
+def test_a_document_without_perplexity_leaves_the_threshold_to_the_others(ppl_filtered, tmp_path):
+    """A one-token page has no perplexity (nan): the threshold is the others' quantile, not nan (with which
+    no document was ever flagged: PPL-Filter silently became Non-Defense)."""
+    import numpy as np
+    cfg, cons, insts, _, _, calib, lm = ppl_filtered
+    cons = copy.deepcopy(cons)
+    cons[0].docs[0]["text"] = "a"
+    assert np.isnan(lm.perplexity("a"))
+    shutil.copytree(cfg.folder.runs_dir, tmp_path, dirs_exist_ok=True)
+    _, diag = evaluation.ppl_filter(cfg.replace(runs_dir=str(tmp_path)), ReversedBase(), cons, insts)
+    assert diag["threshold"] == pytest.approx(float(np.quantile(calib[1:], 0.5)), abs=1e-6)
+
+
 def test_ppl_filter_moves_flagged_documents_last_keeping_the_base_order(ppl_filtered):
     _, _, insts, orders, diag, _, lm = ppl_filtered
     for x in insts:
