@@ -15,8 +15,12 @@ Two detectors, neither fitted on the test split:
   and honest edits. A query-blind detector keeps no relevant page out for its query (arXiv 2307.16816
   warns of one that reads it).
 
-Thresholds: each detector flags a page whose score exceeds the (1 - --fpr) quantile of its scores on
-construction honest edits no part of it was fitted on: the text detector's out of fold (4 folds by query
+Thresholds: each detector flags a page whose score exceeds the k-th smallest of its n scores on
+construction honest edits no part of it was fitted on, k = ceil((1 - --fpr)(n + 1)) (split conformal: a new
+honest edit exchangeable with those is flagged with probability (n + 1 - k)/(n + 1) <= --fpr; the plain
+(1 - fpr) quantile bounds only the calibration pages' own rate, and misses the target on new pages when n is
+small). With n < 1/fpr - 1 no k reaches the target: the largest score is taken, a warning logged, and the
+bound 1/(n + 1) recorded beside n. The calibration pages: the text detector's out of fold (4 folds by query
 group), the residual's on the Shield's monitoring groups (the Shield trains on the other construction groups'
 sources as d+, which an honest edit nearly copies). The threshold is then applied unchanged to the test
 split, so the reported false-positive rate there is a held-out one.
@@ -28,6 +32,7 @@ Usage: python run.py detect --name RUN [--fpr 0.05]
 """
 import collections
 import json
+import math
 import os
 import re
 
@@ -224,14 +229,14 @@ def figures_of(recs, detector, family_of, n_boot, seed):
     return out
 
 
-def summarize(recs, seen, families, thresholds, fpr, n_boot, seed):
-    """The detect block: per detector its threshold, the held-out FPR on the test split's honest edits and
-    sources, and the figures per family and for the seen and unseen families pooled."""
+def summarize(recs, seen, families, cals, fpr, n_boot, seed):
+    """The detect block: per detector its threshold (`cals`: calibrated's), the held-out FPR on the test
+    split's honest edits and sources, and the figures per family and for the seen and unseen families pooled."""
     out = {"fpr_target": fpr, "seen": list(seen), "detectors": {}}
     for d in DETECTORS:
         neg = lambda kind: [r for r in recs if r["kind"] == kind]
         rate = lambda rs: round(100.0 * sum(r["flagged"][d] for r in rs) / len(rs), 2) if rs else None
-        block = {"threshold": thresholds[d], "held_out_fpr_honest": rate(neg("honest")),
+        block = {**cals[d], "held_out_fpr_honest": rate(neg("honest")),
                  "held_out_fpr_source": rate(neg("source")), "families": {}}
         for f in families:
             fig = figures_of(recs, d, lambda r, f=f: r["family"] == f, n_boot, seed)
@@ -256,6 +261,18 @@ def has_honest(data):
     return all(any(g.honest is not None for g in gs) for gs in (data.construction, data.test))
 
 
+def calibrated(scores, fpr, what="the threshold"):
+    """Split conformal threshold (see the module docstring) -> {threshold, n_calib, fpr_bound}: the bound on
+    the rate at which a new page exchangeable with the n calibration pages scores above the threshold."""
+    n = len(scores)
+    k = math.ceil((1 - fpr) * (n + 1))
+    if k > n:
+        log(f"[detect] {what}: {n} calibration pages cannot hold an FPR of {fpr:g}: the largest score is taken "
+            f"(expected FPR on new pages about {1 / (n + 1):.3g})")
+        k = n
+    return {"threshold": float(sorted(scores)[k - 1]), "n_calib": n, "fpr_bound": round((n + 1 - k) / (n + 1), 4)}
+
+
 def fold_detection(data, trained, family, fpr, n_boot, seed):
     """holdout's detection side: the text detector fitted on the construction split's rewrites of `trained`
     only (the fold that never saw `family`), its threshold on the construction honest edits, scored on the
@@ -265,14 +282,15 @@ def fold_detection(data, trained, family, fpr, n_boot, seed):
     cons_pages, test_pages = pages(data.construction, families), pages(data.test, families)
     det = TextDetector.fit([p[4] for p in cons_pages if p[2] == "geo" and p[3] in trained],
                            [p[4] for p in cons_pages if p[2] != "geo"])
-    threshold = float(np.quantile(out_of_fold(cons_pages, trained), 1 - fpr, method="higher"))
+    cal = calibrated(out_of_fold(cons_pages, trained), fpr, f"the fold without {family}")
+    threshold = cal["threshold"]
     recs = [{"group_id": gid, "kind": kind, "family": fam, "scores": {"text": s}, "flagged": {"text": s > threshold}}
             for gid, _, kind, fam, t in test_pages for s in [det.score(t)]]
     fig = figures_of(recs, "text", lambda r: r["family"] == family, n_boot, seed) or {}
     hon = [r["flagged"]["text"] for r in recs if r["kind"] == "honest"]
     return {"auc_honest": fig.get("auc_honest"), "auc_honest_ci": fig.get("auc_honest_ci"),
             "tpr_at_5_fpr_honest": fig.get("tpr_at_5_fpr_honest"), "flagged": fig.get("flagged"),
-            "held_out_fpr_honest": round(100.0 * sum(hon) / len(hon), 2), "threshold": threshold}
+            "held_out_fpr_honest": round(100.0 * sum(hon) / len(hon), 2), **cal}
 
 
 # ----------------------------------------------------------------------------- the command
@@ -296,13 +314,14 @@ def detect(run):
             "construction honest edit, whose sources the Shield trained on (its held-out FPR then runs high)")
         hon = [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"]
     calib = {"shield_residual": hon, "text": out_of_fold(cons_pages, data.seen)}
-    thresholds = {d: float(np.quantile(calib[d], 1 - cfg.detect.fpr, method="higher")) for d in DETECTORS}
+    cals = {d: calibrated(calib[d], cfg.detect.fpr, d) for d in DETECTORS}
+    thresholds = {d: cals[d]["threshold"] for d in DETECTORS}
     recs = []
     for gid, q, kind, fam, t in test_pages:
         s = {"shield_residual": res[q, t], "text": text.score(t)}
         recs.append({"group_id": gid, "kind": kind, "family": fam, "seen": fam in data.seen if fam else None,
                      "scores": s, "flagged": {d: s[d] > thresholds[d] for d in DETECTORS}})
-    out = summarize(recs, data.seen, families, thresholds, cfg.detect.fpr, cfg.rerank.n_boot, cfg.folder.seed)
+    out = summarize(recs, data.seen, families, cals, cfg.detect.fpr, cfg.rerank.n_boot, cfg.folder.seed)
     folder = run.path("detect")
     write_jsonl(os.path.join(folder, "records.jsonl"), recs)
     write_json(os.path.join(folder, "text_detector.json"), {**text.to_json(), "threshold": thresholds["text"]})
@@ -354,10 +373,11 @@ def table(out):
 
 def report(out):
     """detect/report.md."""
-    held = "; ".join(f"{d}: threshold {b['threshold']:.3f}, {b['held_out_fpr_honest']}% of the test honest edits "
+    held = "; ".join(f"{d}: threshold {b['threshold']:.3f} from {b['n_calib']} honest edits (FPR bound "
+                     f"{100 * b['fpr_bound']:.3g}%), {b['held_out_fpr_honest']}% of the test honest edits "
                      f"and {b['held_out_fpr_source']}% of the sources flagged" for d, b in out["detectors"].items())
     return (f"# GEO detection against honest optimisation (detect.py)\n\nThresholds chosen on the construction "
-            f"split at {100 * out['fpr_target']:g}% FPR on its honest edits, applied unchanged to the test split "
-            f"(held out): {held}.\n\nPer family (unseen marked *; AUC and TPR in %, 95% CIs over query groups; "
-            f"seen families: {', '.join(out['seen'])}):\n\n{table(out)}\n\nFigures: roc_shield_residual.svg, "
+            f"split for {100 * out['fpr_target']:g}% FPR on new honest edits (split conformal), applied unchanged to "
+            f"the test split (held out): {held}.\n\nPer family (unseen marked *; AUC and TPR in %, 95% CIs over "
+            f"query groups; seen families: {', '.join(out['seen'])}):\n\n{table(out)}\n\nFigures: roc_shield_residual.svg, "
             "roc_text.svg (TPR against the test honest edits at each FPR). Offline builds are plumbing.\n")

@@ -6,6 +6,7 @@ Run: python -m pytest -q test_honest.py
 """
 import importlib.util
 import json
+import math
 import os
 import shutil
 
@@ -259,8 +260,8 @@ def test_without_honest_edits_eval_and_the_reranker_stage_are_as_before(demo_run
 
 def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_path):
     """detect on the honest build: both detectors score every test page; the residual's threshold is the
-    (1 - fpr) quantile of the honest edits of the Shield's monitoring groups (recomputed from the run's score
-    caches), the test FPR is the share of test honest edits above it, and a family's AUC and TPR are those
+    split conformal order statistic of the honest edits of the Shield's monitoring groups (recomputed from the
+    run's score caches), the test FPR is the share of test honest edits above it, and a family's AUC and TPR are those
     of its records against every test honest edit."""
     shutil.copytree(honest_run.parent, tmp_path / "o")
     d = tmp_path / "o" / "demo"
@@ -281,7 +282,8 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
     calib = [base[key(g, g.honest)] - shield[key(g, g.honest)] for g in cons if g.group_id in monitored]
     assert calib and len(calib) < len(cons)                  # the groups the Shield never trained on
     b = out["detectors"]["shield_residual"]
-    assert b["threshold"] == pytest.approx(float(np.quantile(calib, 0.9)))
+    k = min(math.ceil(0.9 * (len(calib) + 1)), len(calib))
+    assert b["threshold"] == pytest.approx(sorted(calib)[k - 1]) and b["n_calib"] == len(calib)
     hon = [r for r in recs if r["kind"] == "honest"]
     for name, block in out["detectors"].items():
         assert block["held_out_fpr_honest"] == pytest.approx(100 * sum(r["scores"][name] > block["threshold"]
@@ -308,6 +310,21 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
     assert detect.Served.load(run.detector_file(None, str(tmp_path / "exp"))).threshold == threshold
     assert (d / "detect" / "roc_text.svg").read_text().startswith("<svg")
     assert "held out" in (d / "detect" / "report.md").read_text()
+
+
+def test_a_threshold_holds_its_fpr_on_new_pages_not_only_on_its_own():
+    """Split conformal: on new pages exchangeable with the n calibration pages the flagged share is at most
+    fpr in expectation (the (1 - fpr) quantile held it only on the calibration pages: ~0.32 at n = 2, 0.075
+    at n = 12 for a 5% target); too few pages for the target take the largest score and say the bound."""
+    rng = np.random.default_rng(0)
+    for n, fpr in ((19, 0.05), (19, 0.1), (40, 0.05), (12, 0.05)):
+        rates, bound = [], detect.calibrated(list(rng.random(n)), fpr)["fpr_bound"]
+        for _ in range(3000):
+            t = detect.calibrated(list(rng.random(n)), fpr)["threshold"]
+            rates.append(float(np.mean(rng.random(50) > t)))
+        assert np.mean(rates) <= bound + 0.01 and bound <= max(fpr, 1 / (n + 1)), (n, fpr, np.mean(rates))
+    assert detect.calibrated([3.0, 1.0], 0.05) == {"threshold": 3.0, "n_calib": 2, "fpr_bound": 0.3333}
+    assert detect.calibrated([float(i) for i in range(1, 20)], 0.1)["threshold"] == 18.0
 
 
 def test_the_text_detector_is_naive_bayes_log_odds_and_travels_as_json():
