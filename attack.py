@@ -348,7 +348,7 @@ def dry_run(run):
     cfg, per_round = run.cfg, run.cfg.attacker.candidates_per_round
     budgets = cfg.attack.budgets
     rounds = cfg.attack.attack_rounds or rounds_for(max(budgets), per_round)
-    insts = geodef.expand(run.data.test, run.data.methods)
+    insts = geodef.expand(run.data.test, run.data.methods, paper=True)
     calls = plan_calls(len(insts), max(budgets), per_round, rounds, len(budgets), cfg.data.k)
     doc = sum(len(x.docs[x.attack_index]) for x in insts) / max(1, len(insts))      # characters of a rewrite
     ctx = sum(sum(map(len, x.docs[:cfg.data.k])) for x in insts) / max(1, len(insts))    # ... of a top-k context
@@ -383,7 +383,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     """The attack at the largest budget, its records, and the end-to-end evaluation of every budget
     -> the summary block attack.<target>.<aware|unaware>."""
     cfg, data = run.cfg, run.data
-    insts = geodef.expand(data.test, data.methods)        # each carries its clean source text (.source)
+    insts = geodef.expand(data.test, data.methods, paper=True)   # the paper's lists; each with its source text
     budget = max(budgets)
     rounds = rounds or rounds_for(budget, per_round)
     lib = tfsg.load_library(run.library_path(), run.limits)

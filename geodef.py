@@ -527,12 +527,13 @@ def honest_instance(g):
                     g.docs[g.source_index]["text"])
 
 
-def expand(groups, methods):
+def expand(groups, methods, paper=False):
     """Every group x method (in the given method order), group-major; a method a group has no rewrite of
     (its `failed` ones) is left out, so each method is measured over the groups it rewrote. A group with
-    co-attacks (--attacked K) gives each method's list at every level 1..K, level-major within the method."""
+    co-attacks (--attacked K) gives each method's list at every level 1..K, level-major within the method;
+    paper=True: level 1 alone (the paper's lists, one attacked document), for figures that pool instances."""
     return [attack_instance(g, m, lv) for g in groups for m in methods if m in g.attacks
-            for lv in range(1, 2 + len(g.co_attacks or ()))]
+            for lv in range(1, 2 + (0 if paper else len(g.co_attacks or ())))]
 
 
 def attacked_levels(insts):

@@ -216,9 +216,10 @@ def update_library(run, k, survivors, defense, target, analyzer, clean):
 
 
 def test_instances(eval_groups, data):
-    """The test side's instances: the static attacks of the first --eval-groups test groups (0: all)."""
+    """The test side's instances: the static attacks of the first --eval-groups test groups (0: all), on the
+    paper's lists (one attacked document: a file built with --attacked K reads its levels in eval)."""
     groups = data.test[:eval_groups] if eval_groups else data.test
-    return groups, geodef.expand(groups, data.methods)
+    return groups, geodef.expand(groups, data.methods, paper=True)
 
 
 def best_documents(insts, cands, budget, tag):

@@ -122,8 +122,9 @@ def fold_run(run, fcfg, construction=None):
 def run_fold(run, fcfg, llm_stage=False, construction=None):
     """Train the fold's Shield (resumable) and score the test split with it and the base; with llm_stage
     also build its TFSG library (train_tfsg) and evaluate LLM_CONDITIONS (evaluation.evaluate) -> {label:
-    [instance records]}: rerank_eval.instance_record's under "base" and "shield", eval's under each
-    condition. run: the holdout's Run, whose benchmark every fold reads (read once)."""
+    [instance records]} of the paper's lists (metrics.paper_level: the table pools instances):
+    rerank_eval.instance_record's under "base" and "shield", eval's under each condition. run: the
+    holdout's Run, whose benchmark every fold reads (read once)."""
     fold = fold_run(run, fcfg, construction)
     fold.record_or_check("holdout")
     train_shield(fold)
@@ -133,7 +134,7 @@ def run_fold(run, fcfg, llm_stage=False, construction=None):
         conditions = (list(LLM_CONDITIONS), [])            # no transfer library, no deployed reranker
         check_eval_settings(fold.cfg, *conditions)
         out.update(evaluate(fold, conditions).records)
-    return out
+    return {label: metrics.paper_level(recs) for label, recs in out.items()}
 
 
 def matched(others, family, label="shield", key="exposed"):

@@ -365,6 +365,8 @@ def test_each_level_adds_the_next_further_attack_and_the_pool_shows_its_edits(tm
     assert all(x.docs[1] == "clearer doc g1 1" and x.docs[3] == "doc g1 3 text" for x in xs)
     clean = geodef.clean_instance(test)           # the attacked list without its attacks: the same pool
     assert clean.docs[1] == "clearer doc g1 1" and clean.docs[2] == "doc g1 2 text" and clean.attacked == ()
+    # what pools instances into one figure (attack, harden, holdout) takes the paper's lists alone
+    assert [x.instance_id for x in geodef.expand([test], ["A", "B"], paper=True)] == ["g1:A", "g1:B"]
 
 
 def test_a_byte_order_mark_hides_no_meta(tmp_path):

@@ -18,6 +18,7 @@ import run
 import runs
 import settings
 import store
+from testing import write_lines
 
 ARGS = ["--rounds", "2", "--budget", "5", "--eval-budgets", "1,3", "--eval-groups", "2"]
 
@@ -217,6 +218,20 @@ def test_a_survivor_text_with_unicode_line_breaks_reads_back(tmp_path):
     rec = {**SURVIVOR, "text": "Canberra\u2028is the capital\x85of Australia."}
     store.write_jsonl(str(path), [rec, SURVIVOR])
     assert harden.read_survivors(str(path)) == [rec, SURVIVOR]
+
+
+def test_a_round_measures_the_papers_lists_of_a_file_with_several_attacked(tmp_path):
+    """On a file built with --attacked K a round attacks and measures the lists with one attacked document
+    (each (group, family) once), not every level pooled into one figure."""
+    group = lambda gid, split, **kw: {
+        "group_id": gid, "query": f"q {gid}", "split": split, "source_index": 2,
+        "docs": [{"doc_id": f"{gid}-{i}", "text": f"doc {gid} {i} text"} for i in range(10)],
+        "attacks": {"A": f"promoted doc {gid} 2", "B": f"boosted doc {gid} 2"}, **kw}
+    rows = [{"_meta": {"methods": ["A", "B"], "seen_methods": ["A"], "attacked": 2}}, group("g0", "construction"),
+            group("g1", "test", co_attacks=[{"index": 5, "method": "B", "text": "promoted doc g1 5"}])]
+    cons, test = geodef.load_bench(write_lines(tmp_path, rows))
+    _, insts = harden.test_instances(0, types.SimpleNamespace(test=[test], methods=["A", "B"]))
+    assert [x.instance_id for x in insts] == ["g1:A", "g1:B"]
 
 
 def test_a_round_without_survivors_keeps_the_defense(hardened):
