@@ -215,13 +215,22 @@ def smoothed(ranker, lists, rate, n, seed):
     """ĝ of every document of `lists` (objects with .query, .group_id and .docs) under `ranker`
     (rankers.Ranker, scores cached) -> [[ĝ per document] per list]: the mean over n deletion samples of
     sigmoid(margin). A document's samples are keyed by the seed, its group and its position, so the benign
-    documents a group's lists share are scored once (each document's samples stay independent draws)."""
-    per = [[deletions(d, rate, n, f"{seed}:{x.group_id}:{j}") for j, d in enumerate(x.docs)]
-           for x in lists]                                                   # (lists, D, n) texts
-    samples = [Noised(x.query, [m[s] for m in ms]) for x, ms in zip(lists, per) for s in range(n)]
-    ranker.prepare(samples)
-    out = []
+    documents a group's lists share are drawn and scored once (each document's samples stay independent
+    draws). The lists go a group at a time: memory holds one group's samples, not every list's (at web
+    length and the default n, millions of texts)."""
+    groups = {}
     for i, x in enumerate(lists):
-        scores = [ranker.scores(samples[i * n + s]) for s in range(n)]      # (n, D) margins
-        out.append([sum(sigmoid(row[j]) for row in scores) / n for j in range(len(x.docs))])
-    return out
+        groups.setdefault(x.group_id, []).append(i)
+    out = {}
+    for idx in groups.values():
+        drawn = {}                                                           # (key, text) -> its n samples
+        draw = lambda key, d: drawn[key, d] if (key, d) in drawn else drawn.setdefault((key, d),
+                                                                                      deletions(d, rate, n, key))
+        per = [[draw(f"{seed}:{lists[i].group_id}:{j}", d) for j, d in enumerate(lists[i].docs)]
+               for i in idx]                                                 # (the group's lists, D, n) texts
+        samples = [Noised(lists[i].query, [m[s] for m in ms]) for i, ms in zip(idx, per) for s in range(n)]
+        ranker.prepare(samples)
+        for k, i in enumerate(idx):
+            scores = [ranker.scores(samples[k * n + s]) for s in range(n)]  # (n, D) margins
+            out[i] = [sum(sigmoid(row[j]) for row in scores) / n for j in range(len(lists[i].docs))]
+    return [out[i] for i in range(len(lists))]

@@ -339,7 +339,8 @@ def detect(run):
 
 def flagged(run, docs, base, shield):
     """{detector: % of the attack documents of `docs` (instances) it flags at the run's threshold}, from
-    detect's files in the run folder; None when `detect` has not run there (attack's and harden's)."""
+    detect's files in the run folder (the text detector's threshold from its own file, as serve reads it);
+    None when `detect` has not run there (attack's and harden's)."""
     s, obj = read_json(run.path("detect", "summary.json")), read_json(run.path("detect", "text_detector.json"))
     if not s or not obj:
         return None
@@ -348,8 +349,8 @@ def flagged(run, docs, base, shield):
         rk.prepare(docs)
     score = {"text": lambda x: text.score(x.docs[x.attack_index]),
              "shield_residual": lambda x: base.scores(x)[x.attack_index] - shield.scores(x)[x.attack_index]}
-    return {d: round(100.0 * sum(score[d](x) > s["detectors"][d]["threshold"] for x in docs) / len(docs), 2)
-            for d in DETECTORS}
+    at = {"text": obj["threshold"], "shield_residual": s["detectors"]["shield_residual"]["threshold"]}
+    return {d: round(100.0 * sum(score[d](x) > at[d] for x in docs) / len(docs), 2) for d in DETECTORS}
 
 
 def fmt(v, ci=None):
@@ -379,5 +380,6 @@ def report(out):
     return (f"# GEO detection against honest optimisation (detect.py)\n\nThresholds chosen on the construction "
             f"split for {100 * out['fpr_target']:g}% FPR on new honest edits (split conformal), applied unchanged to "
             f"the test split (held out): {held}.\n\nPer family (unseen marked *; AUC and TPR in %, 95% CIs over "
-            f"query groups; seen families: {', '.join(out['seen'])}):\n\n{table(out)}\n\nFigures: roc_shield_residual.svg, "
-            "roc_text.svg (TPR against the test honest edits at each FPR). Offline builds are plumbing.\n")
+            f"query groups; seen families: {', '.join(out['seen'])}):\n\n{table(out)}\n\nFigures: "
+            "roc_shield_residual.svg, roc_text.svg (TPR against the test honest edits at each FPR). Offline builds "
+            "are plumbing.\n")
