@@ -212,3 +212,28 @@ def test_the_certificates_refuse_inputs_outside_their_bounds(call):
     silently or all)."""
     with pytest.raises(ValueError, match=r"(alpha|g|rate|inserted|n_docs|n_samples|corrupted) = "):
         call()
+
+
+def test_a_groups_lists_draw_their_shared_documents_once(monkeypatch):
+    """certify.smoothed takes the lists a group at a time: a benign document the group's lists share is drawn
+    once (its samples keyed by group and position), and each list gets the mean over its own samples."""
+    import types
+    drawn = []
+    real = certify.deletions
+    monkeypatch.setattr(certify, "deletions", lambda d, rate, n, key: drawn.append(key) or real(d, rate, n, key))
+
+    class Length:                                   # a stand-in ranker: a document's margin is its length
+        def prepare(self, samples):
+            pass
+
+        def scores(self, x):
+            return [len(d) / 100 for d in x.docs]
+    benign = [f"benign page {i} " * 5 for i in range(4)]
+    lists = [types.SimpleNamespace(group_id=g, query="q", docs=benign[:1] + [f"rewrite {g} {f} " * 5] + benign[1:])
+             for g in ("g0", "g1") for f in range(3)]
+    out = certify.smoothed(Length(), lists, 0.2, 8, 0)
+    assert len(drawn) == 2 * (4 + 3) and len(set(drawn)) == 2 * 5       # per group: 4 shared + 3 rewrites
+    for x, g in zip(lists, out):
+        want = [sum(certify.sigmoid(len(s) / 100) for s in certify.deletions(d, 0.2, 8, f"0:{x.group_id}:{j}")) / 8
+                for j, d in enumerate(x.docs)]
+        assert g == pytest.approx(want)
