@@ -337,19 +337,26 @@ def detect(run):
     return out
 
 
-def flagged(run, docs, base, shield):
-    """{detector: % of the attack documents of `docs` (instances) it flags at the run's threshold}, from
-    detect's files in the run folder (the text detector's threshold from its own file, as serve reads it);
-    None when `detect` has not run there (attack's and harden's)."""
+def thresholds(run):
+    """The run's detectors' thresholds from detect's files in the run folder (the text detector's from its
+    own file, as serve reads it) -> {detector: threshold}; None when `detect` has not run there."""
     s, obj = read_json(run.path("detect", "summary.json")), read_json(run.path("detect", "text_detector.json"))
     if not s or not obj:
         return None
-    text = TextDetector.from_json(obj)
+    return {"text": obj["threshold"], "shield_residual": s["detectors"]["shield_residual"]["threshold"]}
+
+
+def flagged(run, docs, base, shield):
+    """{detector: % of the attack documents of `docs` (instances) it flags at the run's threshold}; None
+    when `detect` has not run there (attack's and harden's)."""
+    at = thresholds(run)
+    if at is None:
+        return None
+    text = TextDetector.from_json(read_json(run.path("detect", "text_detector.json")))
     for rk in (base, shield):
         rk.prepare(docs)
     score = {"text": lambda x: text.score(x.docs[x.attack_index]),
              "shield_residual": lambda x: base.scores(x)[x.attack_index] - shield.scores(x)[x.attack_index]}
-    at = {"text": obj["threshold"], "shield_residual": s["detectors"]["shield_residual"]["threshold"]}
     return {d: round(100.0 * sum(score[d](x) > at[d] for x in docs) / len(docs), 2) for d in DETECTORS}
 
 

@@ -229,10 +229,32 @@ def best_documents(insts, cands, budget, tag):
 
 def measure(run, k, clients, clean):
     """Round k's defense against a fresh attacker at every --eval-budgets, the static families and (k > 0)
-    the stale round-0 attacker -> the round's figures, kept in harden/round-k/measure.json."""
+    the stale round-0 attacker -> the round's figures, kept in harden/round-k/measure.json, with what the
+    run's detectors flag (detected) at the thresholds `detect` set last."""
+    out = read_json(os.path.join(round_dir(run, k), "measure.json")) or measured(run, k, clients, clean)
+    now = detect.thresholds(run)
+    if (out.get("detected") or {}).get("thresholds") != now:       # detect made or remade since: flag again
+        out.pop("detected", None)
+        out.update({"detected": detected(run, k, now)} if now else {})
+        write_json(os.path.join(round_dir(run, k), "measure.json"), out)
+    return out
+
+
+def detected(run, k, now):
+    """What the run's detectors (detect, at thresholds `now`) flag of round k's fresh attacker at each budget
+    and of the test groups' honest edits."""
+    groups, insts = test_instances(run.cfg.harden.eval_groups, run.data)
+    cands = read_attack(os.path.join(round_dir(run, k), "attack-test.jsonl"))
+    base, shield, _ = load_defense(run, k)
+    honest = [geodef.honest_instance(g) for g in groups if g.honest is not None]
+    return {"fresh": {str(b): detect.flagged(run, best_documents(insts, cands, b, f"@r{k}-B{b}"), base, shield)
+                      for b in run.cfg.harden.eval_budgets},
+            "fpr_honest": detect.flagged(run, honest, base, shield) if honest else None, "thresholds": now}
+
+
+def measured(run, k, clients, clean):
+    """measure's figures of round k but the detectors', written to measure.json."""
     cfg, data, path = run.cfg, run.data, os.path.join(round_dir(run, k), "measure.json")
-    if os.path.isfile(path):
-        return read_json(path)
     llm, judge, _, tester, _ = clients
     groups, insts = test_instances(cfg.harden.eval_groups, data)
     base, shield, lib = load_defense(run, k)
@@ -252,11 +274,6 @@ def measure(run, k, clients, clean):
         stale = read_attack(os.path.join(round_dir(run, 0), "attack-test.jsonl"))
         out["stale"] = evaluate_documents(cfg, llm, judge, best_documents(insts, stale, max(budgets), f"@r{k}-stale"),
                                           setup, clean, os.path.join(res, "stale"), MEASURED)
-    honest = [geodef.honest_instance(g) for g in groups if g.honest is not None]
-    caught = {str(b): detect.flagged(run, docs[b], base, shield) for b in budgets}   # the run's detectors (detect)
-    if caught[str(budgets[0])] is not None:
-        out["detected"] = {"fresh": caught,
-                           "fpr_honest": detect.flagged(run, honest, base, shield) if honest else None}
     out["gate"] = {"accepted": sum(c["accepted"] for cs in cands.values() for c in cs[1:]),
                    "candidates": sum(len(cs) - 1 for cs in cands.values())}
     write_json(path, out)

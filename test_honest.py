@@ -400,3 +400,13 @@ def test_harden_measures_the_detectors_on_a_rounds_attacker_and_honest_edits(hon
                                 for name in detect.DETECTORS}
     text = "".join(report.harden_detector_lines([{"round": 0, "detected": r0}]))
     assert "FPR honest" in text and "r0" in text
+    # detect run again at another FPR: the round's kept figures are flagged again at the new thresholds, not
+    # shown beside later rounds' as one detector
+    run.main(["detect", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--n-boot", "50", "--fpr", "0.9"])
+    with runs.Run.open(cfg, "harden", llms=True, engine=True) as r:
+        again = harden.measure(r, 0, harden.round_clients(r, 0), clean)["detected"]
+    now = json.load(open(d / "detect" / "summary.json"))["detectors"]
+    assert again["thresholds"] == {name: now[name]["threshold"] for name in detect.DETECTORS} != r0["thresholds"]
+    hon = [r for r in _lines(d / "detect" / "records.jsonl") if r["kind"] == "honest" and r["group_id"] in eval_groups]
+    assert again["fpr_honest"] == {name: pytest.approx(100 * sum(r["flagged"][name] for r in hon) / len(hon),
+                                                       abs=0.01) for name in detect.DETECTORS}
