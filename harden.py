@@ -405,13 +405,14 @@ def attack_round(run, k, clients, clean_cons):
         write_jsonl(path, harvest(run, k, cons, cands, prev, llm, {g.group_id for g in data.construction}))
     pool = pool_instances(run, k)
     log(f"[harden] round {k}: {len(read_survivors(path))} survivors, a pool of {len(pool)}")
+    update_library(run, k, read_survivors(path), prev, llm, analyzer, clean_cons)   # from round k-1's defense,
+    prev = None                                         # whose model goes before the retraining loads one
     adapter = defense_of(run, k)[0]
     survivors = retraining(run, k)
     if not survivors and not os.path.isdir(adapter):    # nothing got through: the Shield stays as it is
         tmp = f"{adapter}.tmp{os.getpid()}"
         shutil.copytree(defense_of(run, k - 1)[0], tmp)
         os.replace(tmp, adapter)
-    update_library(run, k, survivors, prev, llm, analyzer, clean_cons)
     return {"survivors": len(survivors), "tfsg_survivors": sum(r["tfsg_cited"] for r in survivors),
             "pool": len(pool), "candidates": sum(len(cs) - 1 for cs in cands.values())}
 
