@@ -20,7 +20,10 @@ construction honest edits no part of it was fitted on, k = ceil((1 - --fpr)(n + 
 honest edit exchangeable with those is flagged with probability (n + 1 - k)/(n + 1) <= --fpr; the plain
 (1 - fpr) quantile bounds only the calibration pages' own rate, and misses the target on new pages when n is
 small). With n < 1/fpr - 1 no k reaches the target: the largest score is taken, a warning logged, and the
-bound 1/(n + 1) recorded beside n. The calibration pages: the text detector's out of fold (4 folds by query
+bound 1/(n + 1) recorded beside n. The bound is exact for the residual, whose calibration and test pages are
+scored by the same function; for the text detector it is approximate (its calibration scores come from four
+out-of-fold fits, the test pages' from the fit on all: cross-conformal, where only a weaker bound is proven).
+The calibration pages: the text detector's out of fold (4 folds by query
 group), the residual's on the Shield's monitoring groups (the Shield trains on the other construction groups'
 sources as d+, which an honest edit nearly copies). The threshold is then applied unchanged to the test
 split, so the reported false-positive rate there is a held-out one.
@@ -265,6 +268,8 @@ def calibrated(scores, fpr, what="the threshold"):
     """Split conformal threshold (see the module docstring) -> {threshold, n_calib, fpr_bound}: the bound on
     the rate at which a new page exchangeable with the n calibration pages scores above the threshold."""
     n = len(scores)
+    if not n:
+        raise ValueError(f"{what}: no calibration page")
     k = math.ceil((1 - fpr) * (n + 1))
     if k > n:
         log(f"[detect] {what}: {n} calibration pages cannot hold an FPR of {fpr:g}: the largest score is taken "
@@ -312,9 +317,11 @@ def detect(run):
     if not hon:
         log("[detect] no honest edit in the Shield's monitoring groups; the residual's threshold is set on every "
             "construction honest edit, whose sources the Shield trained on (its held-out FPR then runs high)")
-        hon = [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"]
-    calib = {"shield_residual": hon, "text": out_of_fold(cons_pages, data.seen)}
+    calib = {"shield_residual": hon or [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"],
+             "text": out_of_fold(cons_pages, data.seen)}
     cals = {d: calibrated(calib[d], cfg.detect.fpr, d) for d in DETECTORS}
+    if not hon:                                        # pages whose sources the Shield trained on: no bound
+        cals["shield_residual"]["fpr_bound"] = None
     thresholds = {d: cals[d]["threshold"] for d in DETECTORS}
     recs = []
     for gid, q, kind, fam, t in test_pages:
@@ -381,8 +388,9 @@ def table(out):
 
 def report(out):
     """detect/report.md."""
-    held = "; ".join(f"{d}: threshold {b['threshold']:.3f} from {b['n_calib']} honest edits (FPR bound "
-                     f"{100 * b['fpr_bound']:.3g}%), {b['held_out_fpr_honest']}% of the test honest edits "
+    bound = lambda b: "no FPR bound" if b["fpr_bound"] is None else f"FPR bound {100 * b['fpr_bound']:.3g}%"
+    held = "; ".join(f"{d}: threshold {b['threshold']:.3f} from {b['n_calib']} honest edits ({bound(b)}), "
+                     f"{b['held_out_fpr_honest']}% of the test honest edits "
                      f"and {b['held_out_fpr_source']}% of the sources flagged" for d, b in out["detectors"].items())
     return (f"# GEO detection against honest optimisation (detect.py)\n\nThresholds chosen on the construction "
             f"split for {100 * out['fpr_target']:g}% FPR on new honest edits (split conformal), applied unchanged to "

@@ -344,7 +344,8 @@ def eval_settings(cfg, conds, transfers):
     selects records: not here.)"""
     s = {"judge": cfg.judge.judge or cfg.llm.llm, "max_tokens": cfg.llm.max_tokens}
     if "PPL-Filter" in conds:
-        s.update(ppl_model=cfg.eval.ppl_model, ppl_quantile=cfg.eval.ppl_quantile)
+        s.update(ppl_model=cfg.eval.ppl_model, ppl_quantile=cfg.eval.ppl_quantile,
+                 ppl_calibration="documents with a perplexity")
     if "GEO Defender" in conds:                      # results/transfer_<name>.jsonl: that library's content
         for name, path, _ in transfers:
             s[f"transfer {name}"] = file_sha1(path)[:12]
@@ -362,7 +363,7 @@ def settings_of(name, recs, settings):
     failed eval pins nothing its records do not depend on."""
     keep = {"max_tokens"} | ({"judge"} if any(r["attack_in_context"] for r in recs) else set())
     if name == "PPL-Filter":
-        keep |= {"ppl_model", "ppl_quantile"}
+        keep |= {"ppl_model", "ppl_quantile", "ppl_calibration"}
     if name.startswith("GEO Defender [") and name.endswith("]"):
         keep.add(f"transfer {name[len('GEO Defender ['):-1]}")
     if deployed_label(name):

@@ -38,6 +38,7 @@ to the same files without paying twice.
 Usage: python run.py harden --name gpt55 --rounds 3 --budget 16 --eval-budgets 1,4,16 --eval-groups 20
 """
 import dataclasses
+import gc
 import hashlib
 import os
 import shutil
@@ -231,21 +232,23 @@ def measure(run, k, clients, clean):
     """Round k's defense against a fresh attacker at every --eval-budgets, the static families and (k > 0)
     the stale round-0 attacker -> the round's figures, kept in harden/round-k/measure.json, with what the
     run's detectors flag (detected) at the thresholds `detect` set last."""
-    out = read_json(os.path.join(round_dir(run, k), "measure.json")) or measured(run, k, clients, clean)
+    out, defense = read_json(os.path.join(round_dir(run, k), "measure.json")), None
+    if out is None:
+        out, defense = measured(run, k, clients, clean)
     now = detect.thresholds(run)
     if (out.get("detected") or {}).get("thresholds") != now:       # detect made or remade since: flag again
         out.pop("detected", None)
-        out.update({"detected": detected(run, k, now)} if now else {})
+        out.update({"detected": detected(run, k, now, defense or load_defense(run, k))} if now else {})
         write_json(os.path.join(round_dir(run, k), "measure.json"), out)
     return out
 
 
-def detected(run, k, now):
+def detected(run, k, now, defense):
     """What the run's detectors (detect, at thresholds `now`) flag of round k's fresh attacker at each budget
-    and of the test groups' honest edits."""
+    and of the test groups' honest edits, under round k's `defense` (load_defense)."""
     groups, insts = test_instances(run.cfg.harden.eval_groups, run.data)
     cands = read_attack(os.path.join(round_dir(run, k), "attack-test.jsonl"))
-    base, shield, _ = load_defense(run, k)
+    base, shield, _ = defense
     honest = [geodef.honest_instance(g) for g in groups if g.honest is not None]
     return {"fresh": {str(b): detect.flagged(run, best_documents(insts, cands, b, f"@r{k}-B{b}"), base, shield)
                       for b in run.cfg.harden.eval_budgets},
@@ -253,7 +256,7 @@ def detected(run, k, now):
 
 
 def measured(run, k, clients, clean):
-    """measure's figures of round k but the detectors', written to measure.json."""
+    """measure's figures of round k but the detectors', written to measure.json -> (them, round k's defense)."""
     cfg, data, path = run.cfg, run.data, os.path.join(round_dir(run, k), "measure.json")
     llm, judge, _, tester, _ = clients
     groups, insts = test_instances(cfg.harden.eval_groups, data)
@@ -277,7 +280,7 @@ def measured(run, k, clients, clean):
     out["gate"] = {"accepted": sum(c["accepted"] for cs in cands.values() for c in cs[1:]),
                    "candidates": sum(len(cs) - 1 for cs in cands.values())}
     write_json(path, out)
-    return out
+    return out, (base, shield, lib)
 
 
 def read_attack(path):
@@ -406,7 +409,8 @@ def attack_round(run, k, clients, clean_cons):
     pool = pool_instances(run, k)
     log(f"[harden] round {k}: {len(read_survivors(path))} survivors, a pool of {len(pool)}")
     update_library(run, k, read_survivors(path), prev, llm, analyzer, clean_cons)   # from round k-1's defense,
-    prev = None                                         # whose model goes before the retraining loads one
+    prev = None                                         # whose model goes before the retraining loads one (the
+    gc.collect()                                        # speed paths' bound methods make it a reference cycle)
     adapter = defense_of(run, k)[0]
     survivors = retraining(run, k)
     if not survivors and not os.path.isdir(adapter):    # nothing got through: the Shield stays as it is

@@ -302,11 +302,12 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
         out[label]["strength"] = family_strength(metrics.paper_level(recs), d.k, cfg.rerank.n_boot, cfg.folder.seed)
         if len(geodef.attacked_levels(insts)) > 1:
             out[label]["by_attacked"] = attacked_stage(recs, d.k, cfg.rerank.n_boot, cfg.folder.seed)
-        if cfg.setting("certify", False) and spec.kind in rankers.LOCAL and insts:     # rerank-eval --certify
+        paper = [x for x in insts if not x.co_attacks]           # the certificate's figures: the paper's lists
+        if cfg.setting("certify", False) and spec.kind in rankers.LOCAL and paper:     # rerank-eval --certify
             base_clean = {gid: base.order(c) for gid, c in cleans.items()} if base else None
-            crecs, cost = certify_records(run, rk, insts, cleans, base_clean)
+            crecs, cost = certify_records(run, rk, paper, cleans, base_clean)
             write_jsonl(os.path.join(res, f"certify-{label}.jsonl"), crecs)
-            out[label]["certificate"] = certify_summary(crecs, recs, cost)
+            out[label]["certificate"] = certify_summary(crecs, metrics.paper_level(recs), cost)
         if honest:
             hrecs = [instance_record(x, cleans[x.group_id], rk, None, d.k) for x in honest]
             write_jsonl(os.path.join(res, f"rerank-{label}.honest.jsonl"), hrecs)

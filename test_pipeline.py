@@ -428,7 +428,8 @@ def test_records_made_with_other_settings_are_refused(evaluated_copy, tmp_path):
     c, _ = evaluated_copy("cut")
     assert json.load(open(tmp_path / "cut" / "results" / "settings.json")) == {
         "judge": "openai-compatible:scripted", "max_tokens": c["max_tokens"], "ppl_model": "tiny",
-        "ppl_quantile": 0.99, **{k: p.settings for k, p in defenses.PIPELINES.items() if p.settings}}
+        "ppl_quantile": 0.99, "ppl_calibration": "documents with a perplexity",
+        **{k: p.settings for k, p in defenses.PIPELINES.items() if p.settings}}
     for change, what in [({"judge": "openai-compatible:other"}, "judge='openai-compatible:scripted'"),
                          ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),
                          ({"max_tokens": 77}, f"max_tokens={c['max_tokens']}")]:
