@@ -220,7 +220,7 @@ def certify_records(run, rk, insts, cleans, base_clean):
                "smoothed_exposed": a in metrics.ranked(g)[:d.k],
                "ndcg_smoothed_clean": certify.ndcg(metrics.ranked(clean), rk.order(cleans[x.group_id]), d.k)}
         if x.co_attacks:
-            rec["co_radius"] = [radii(g, j, x.docs[j])["inserted"] for j in x.co_attacks]
+            rec.update(attacked=len(x.attacked), co_radius=[radii(g, j, x.docs[j])["inserted"] for j in x.co_attacks])
         if base_clean is not None:
             rec["smoothed_clean_topk_kept"] = len(set(clean_top) & set(base_clean[x.group_id][:d.k])) / d.k
         recs.append(rec)
@@ -302,12 +302,15 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
         out[label]["strength"] = family_strength(metrics.paper_level(recs), d.k, cfg.rerank.n_boot, cfg.folder.seed)
         if len(geodef.attacked_levels(insts)) > 1:
             out[label]["by_attacked"] = attacked_stage(recs, d.k, cfg.rerank.n_boot, cfg.folder.seed)
-        paper = [x for x in insts if not x.co_attacks]           # the certificate's figures: the paper's lists
-        if cfg.setting("certify", False) and spec.kind in rankers.LOCAL and paper:     # rerank-eval --certify
+        if cfg.setting("certify", False) and spec.kind in rankers.LOCAL and insts:     # rerank-eval --certify
             base_clean = {gid: base.order(c) for gid, c in cleans.items()} if base else None
-            crecs, cost = certify_records(run, rk, paper, cleans, base_clean)
+            crecs, cost = certify_records(run, rk, insts, cleans, base_clean)
             write_jsonl(os.path.join(res, f"certify-{label}.jsonl"), crecs)
-            out[label]["certificate"] = certify_summary(crecs, metrics.paper_level(recs), cost)
+            level = lambda rs, lv: [r for r in rs if r.get("attacked", 1) == lv]    # the paper's lists, then K
+            out[label]["certificate"] = certify_summary(level(crecs, 1), level(recs, 1), cost)
+            for lv in geodef.attacked_levels(insts)[1:]:
+                out[label]["certificate"].setdefault("by_attacked", {})[str(lv)] = certify_summary(
+                    level(crecs, lv), level(recs, lv), cost)
         if honest:
             hrecs = [instance_record(x, cleans[x.group_id], rk, None, d.k) for x in honest]
             write_jsonl(os.path.join(res, f"rerank-{label}.honest.jsonl"), hrecs)

@@ -502,6 +502,9 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
     cert = [json.loads(x) for x in open(d / "r" / "rk" / "results" / "certify-base.jsonl", encoding="utf-8")]
     c = stage["certificate"]
     assert len(cert) == len(recs) and c["samples"] == 4 and all(len(r["smoothed"]) == 5 for r in cert)
+    assert set(c["by_attacked"]) == {"2", "3"} and c["by_attacked"]["3"]["n"] == len(k3)
+    cert = [r for r in cert if r.get("attacked", 1) == 1]      # the headline certificate: the paper's lists
+    assert c["n"] == len(one) and c["exposure"] == stage["overall"]["exposure"]
     assert c["smoothed_exposure"] == pytest.approx(100 * sum(r["smoothed_exposed"] for r in cert) / len(cert))
     assert c["eps"] == pytest.approx(certify.epsilon(5, 4)) and c["forward_passes"] > 0
     for kind in certify.KINDS:
