@@ -339,7 +339,8 @@ def pinned(run, spec, budgets, rounds, per_round, attacker_spec, aware, lib):
         "per_round": per_round, "fidelity_threshold": geo_jobs.FIDELITY_THRESHOLD,
         "library": lib_digest if aware else None,
         **({"algorithm": "repair", "start": cfg.attacker.start, "edit_budget": cfg.attacker.edit_budget}
-           if cfg.attacker.algorithm == "repair" else {})}
+           if cfg.attacker.algorithm == "repair" else {}),
+        **({"lists": "one attacked document"} if any(g.co_attacks for g in run.data.test) else {})}
 
 
 def dry_run(run):

@@ -333,6 +333,8 @@ def check_settings(run):
     if a.algorithm != "mageo" or (cfg.harden.test_algorithm or a.algorithm) != "mageo":   # not MAGEO's on both sides
         now.update(algorithm=a.algorithm, test_algorithm=cfg.harden.test_algorithm or a.algorithm, start=a.start,
                    edit_budget=a.edit_budget)         # the repair attacker's first document and budget
+    if any(g.co_attacks for g in run.data.test):      # several attacked a list: rounds measure the paper's lists
+        now["lists"] = "one attacked document"
     path = os.path.join(cfg.folder.run_dir, "harden", "settings.json")
     old = read_json(path)
     if old is not None and old != now:     # a record without the algorithms was made with MAGEO's on both sides

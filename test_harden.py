@@ -371,8 +371,10 @@ def test_a_repair_round_made_before_the_start_and_budget_were_pinned_is_refused(
     benchmark's rewrite, 30% a step): a rerun, which would start from the source within 10%, is refused
     naming both, never mixed; a MAGEO-only record is refused naming the algorithm alone."""
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path), "name": "r", "test_algorithm": "repair"})
-    run = types.SimpleNamespace(cfg=cfg)                # check_settings reads the run's settings alone
+    run = types.SimpleNamespace(cfg=cfg, data=types.SimpleNamespace(test=[]))   # the settings and test groups
     _, now = harden.check_settings(run)
+    several = types.SimpleNamespace(cfg=cfg, data=types.SimpleNamespace(test=[types.SimpleNamespace(co_attacks=[1])]))
+    assert "lists" not in now and harden.check_settings(several)[1]["lists"] == "one attacked document"
     old = {k: v for k, v in now.items() if k not in ("start", "edit_budget")}
     store.write_json(str(tmp_path / "r" / "harden" / "settings.json"), old)
     with pytest.raises(settings.SettingsError, match=r"different edit_budget, start \(edit_budget=None, start=None\)"):
