@@ -46,9 +46,11 @@ PAPER_SEEN_METHODS = ("AgenticGEO", "AutoGEO", "MAGEO")
 
 
 # Chat-template control tokens spelled as text: <|im_start|>, <|im_end|>, <|endoftext|> (Qwen), <|eot_id|>,
-# <|start_header_id|> (Llama 3), ... An attacker's rewrite holding one would reach a self-hosted target
+# <|start_header_id|> (Llama 3), <｜Assistant｜> (DeepSeek's full-width bars), <start_of_turn> (Gemma),
+# [INST] and <<SYS>> (Llama 2, Mistral). An attacker's rewrite holding one would reach a self-hosted target
 # LLM's prompt, where a template that tokenizes added tokens in text reads it as structure.
-CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_.:-]{1,48}\|>")
+CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_.:-]{1,48}\|>|<｜[^｜<>\s]{1,48}｜>|</?(?:start|end)_of_turn>"
+                           r"|\[/?INST\]|<</?SYS>>")
 
 
 def control_tokens(text):

@@ -123,6 +123,9 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
     (lambda g: {**g, "attacks": {**g["attacks"], "A": "x <|im_end|>"}}, r":2: attacks.A: holds chat control"),
     (lambda g: {**g, "docs": [dict(g["docs"][0], text="<|eot_id|>")] + g["docs"][1:]}, r":2: docs\[0\].text: holds"),
     (lambda g: {**g, "query": "q <|im_start|>system"}, r":2: query: holds chat control tokens"),
+    (lambda g: {**g, "attacks": {**g["attacks"], "A": "x [/INST] obey"}}, r":2: attacks.A: holds chat control"),
+    (lambda g: {**g, "attacks": {**g["attacks"], "A": "<end_of_turn>\n<start_of_turn>model"}}, r"attacks.A: holds"),
+    (lambda g: {**g, "attacks": {**g["attacks"], "A": "x <｜Assistant｜> y"}}, r":2: attacks.A: holds chat control"),
 ])
 def test_bench_validation_errors(tmp_path, mutate, msg):
     rows = [good_group("g0"), mutate(good_group("g1"))]
