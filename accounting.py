@@ -72,8 +72,14 @@ def append_ledger(path, record, lock):
     with lock:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         try:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            with open(path, "a+b") as f:
+                end = f.seek(0, os.SEEK_END)
+                if end:
+                    f.seek(end - 1)
+                    if f.read(1) != b"\n":      # a line a kill cut: dropped, so that this record does not
+                        f.seek(0)               # start on its end (and go unread with it)
+                        f.truncate(f.read().rfind(b"\n") + 1)
+                f.write((json.dumps(record) + "\n").encode("utf-8"))
         except OSError as e:      # a full disk names no file: this one is named
             raise OSError(e.errno, e.strerror, e.filename or path) from None
 

@@ -31,10 +31,10 @@ def cited_indices(answer):
             part = part.strip()
             if not part:
                 continue
-            if re.fullmatch(r"\d+\s*[-–]\s*\d+", part):
-                a, b = [int(x) for x in re.split(r"\s*[-–]\s*", part)]
+            if re.fullmatch(r"\d{1,9}\s*[-–]\s*\d{1,9}", part):     # (a longer number is no index, and
+                a, b = [int(x) for x in re.split(r"\s*[-–]\s*", part)]   # int() refuses 4,300 digits)
                 nums = list(range(a, b + 1)) if a <= b and b - a <= 50 else []
-            elif part.isdigit():
+            elif part.isdigit() and len(part) <= 9:
                 nums = [int(part)]
             else:
                 nums = []

@@ -34,7 +34,7 @@ import reranker
 import speed
 import tfsg
 import tiny
-from settings import HERE, PRESETS, SettingsError, own_defaults
+from settings import HERE, PRESETS, SettingsError, check_name, own_defaults
 from store import changed_settings, file_sha1, log, read_json, write_json
 
 TINY_NOTE = "tiny random-weight Qwen3 checkpoint (offline plumbing; its scores mean nothing)"
@@ -524,6 +524,7 @@ def resolve(cls, given, preset=None, from_record=True):
     asked.update({k: v for k, v in given.items() if v is not None})
     kw = {k: d.value for k, d in own_defaults(cls).items()}               # the command's own, over its groups'
     if from_record:
+        check_name(asked.get("name", "default"))              # before any file under it is read
         where = os.path.join(asked.get("runs_dir", "runs"), asked.get("name", "default"))
         keep = set(cls.pinned()) | set(cls.taken())
         rec = {k: v for k, v in read_json(os.path.join(where, "config.json"), {}).get("config", {}).items()

@@ -49,6 +49,10 @@ def test_a_line_cut_by_a_kill_is_skipped_by_the_ledger(tmp_path):
         f.write(json.dumps({"stage": "eval", "model": "x"})[:10])                  # a kill mid-line
     u = ledger_usage(path, {"qwen3:8b": [1.0, 2.0]})
     assert u == whole and u["total"]["replies"] == 4
+    # the rerun's next reply is not glued onto the cut line (it would go unread: that reply is cached, never
+    # asked again, and its cost lost for good)
+    append_ledger(path, {"stage": "eval", "model": "offline:offline-engine", "prompt_tokens": 1}, threading.Lock())
+    assert ledger_usage(path, {})["total"]["replies"] == 5
 
 
 def test_the_ledger_sums_each_model_within_each_stage(tmp_path):

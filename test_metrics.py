@@ -149,3 +149,10 @@ def test_rate_and_by_group_read_the_records_of_the_methods_asked():
     assert metrics.by_group(recs, ["A", "B"]) == {"g1": [100.0, 100.0], "g2": [0.0]}
     base = [dict(r, exposed=True) for r in recs]        # with the base's records: the drop, base minus these
     assert metrics.by_group(recs, ["A"], base) == {"g1": [0.0], "g2": [100.0]}
+
+
+def test_a_citation_past_ints_digit_limit_is_no_index_and_no_crash():
+    """int() refuses 4,300 digits: an answer the attacker's documents steered to cite [111...1] is read as
+    citing nothing there."""
+    big = "1" * 5000
+    assert metrics.cited_indices(f"a [{big}] b [{big}-{big}] [3]") == [3]

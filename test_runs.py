@@ -453,6 +453,17 @@ def test_a_run_name_that_is_not_one_folder_is_refused():
             settings.EvalConfig(name=name)
 
 
+def test_a_bad_run_name_is_refused_before_a_file_under_it_is_read(tmp_path, capsys):
+    """eval takes its run's recorded settings from <runs-dir>/<name>/config.json: --name ../x is refused
+    before that file (outside --runs-dir) is read or named."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"config": {"base_url": "https://***@elsewhere"}}))
+    with pytest.raises(runs.SettingsError, match="a run name is"):
+        runs.resolve(settings.EvalConfig, {"runs_dir": str(tmp_path / "runs"), "name": "../x"})
+    assert "config.json" not in capsys.readouterr().err
+
+
 def test_a_hash_in_a_doc_id_is_refused(tmp_path):
     g = good_group()
     g["docs"][4]["doc_id"] = "g1-2#A"                     # would count as the attack's citation

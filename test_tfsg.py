@@ -51,6 +51,7 @@ def test_controller_rejects_each_invalid_action_with_its_reason():
         ({"action": "merge_rules", "source_rule_ids": ["R2", "R7"], "rule": R()}, "not live rules"),
         ({"action": "delete_rule", "target_rule_id": "R9"}, "not a live rule"),
         ({"action": "keep_rule", "target_rule_id": None}, "not a live rule"),
+        ({"action": "delete_rule", "target_rule_id": ["R2"]}, "not a live rule"),    # unhashable: no crash
     ]
     lib2, rep = C.apply(lib, [u for u, _ in bad])
     assert len(rep.rejected) == len(bad) and not rep.applied
@@ -96,6 +97,11 @@ def test_cold_start_ids_follow_their_proposals():
     assert [x["reason"] for x in rep.rejected][0].startswith("description has 700")
     assert "proposed R1 is not a live rule" in rep.rejected[1]["reason"]
     assert tfsg.check_library(lib) == []
+    # an id proposed twice keeps its first rule: the guard "R1" is not re-bound to the attack rule "R1"
+    twice = [R(rule_id="R1", rule_type="fp_guard", action="keep", description="guard"),
+             R(rule_id="R1", description="attack"), R(rule_id="R3", description="b", depends_on_fp_guards=["R1"])]
+    lib, rep = tfsg.cold_start(C, tfsg.ExperienceLibrary.empty(), twice, 10)
+    assert lib.get("R3")["depends_on_fp_guards"] == ["R1"] and lib.get("R1")["rule_type"] == "fp_guard"
 
 
 def test_the_cold_start_cap_counts_accepted_rules():
@@ -221,7 +227,10 @@ def test_a_library_file_the_controller_would_not_write_is_refused_by_name(tmp_pa
         {"action": "add_rule", "rule": R(description=f"rule {i}")} for i in range(31)])
     edits = [(lambda d: d["rules"][0].update(rule_id=["R1"]), "bad rule_id"),
              (lambda d: d["rules"][0].pop("rule_id"), "bad rule_id None"),
-             (lambda d: d["rules"][0].update(description="\ud800"), "not valid Unicode")]
+             (lambda d: d["rules"][0].update(description="\ud800"), "not valid Unicode"),
+             (lambda d: d["rules"][0].update(stats="x"), "stats"),
+             (lambda d: d["rules"][0].update(history={}), "history"),
+             (lambda d: d.update(task_frame="t" * 601), "task_frame: over 600")]
     for i, (edit, msg) in enumerate(edits):
         d = json.loads(json.dumps(lib.to_dict()))
         edit(d)
@@ -231,3 +240,33 @@ def test_a_library_file_the_controller_would_not_write_is_refused_by_name(tmp_pa
     (tmp_path / "big.json").write_text(json.dumps(big.to_dict()))
     with pytest.raises(tfsg.LibraryError, match="31 active rules > max 30"):
         tfsg.load_library(str(tmp_path / "big.json"))
+    # a hand-written rule without stats or history loads, and the Controller then counts and records on it
+    d = json.loads(json.dumps(lib.to_dict()))
+    for k in ("stats", "history"):
+        d["rules"][0].pop(k)
+    (tmp_path / "hand.json").write_text(json.dumps(d))
+    hand, rep = tfsg.Controller().apply(tfsg.load_library(str(tmp_path / "hand.json")),
+                                        [{"action": "delete_rule", "target_rule_id": "R1"}])
+    assert rep.applied and hand.get("R1")["history"][-1]["op"] == "REMOVE"
+    # a resumed build reads its epochs through load_library: one that is not a library is named
+    (tmp_path / "E1.json").write_text("[]")
+    with pytest.raises(tfsg.LibraryError, match="E1.json"):
+        tfsg.update_library(None, None, lib, [], 1, str(tmp_path))
+
+
+def test_numbers_past_ints_digit_limit_in_a_reply_are_no_index_and_no_crash():
+    """A reply the attacker's documents can steer may carry numbers of thousands of digits (int() refuses
+    4,300): a citation, a document index or a rule id of that size is read as none, and a controlled
+    rollout whose answer is not text reads the reply's text."""
+    from types import SimpleNamespace
+    big = "1" * 5000
+    assert tfsg.cited(f"a [{big}] b [{big}-{big}] c [2]", 5) == [2]
+    reply = SimpleNamespace(text="", reasoning=f"R{big} R1", data={"answer": f"x [{big}]", "per_doc_decision": [
+        {"index": big, "used_rule_ids": [f"R{big}"]}, {"index": 1, "used_rule_ids": ["R2"]}]})
+    trace = tfsg.normalize_trace(reply, 5, "reasoning")
+    assert trace["cited"] == [] and [d["index"] for d in trace["per_doc_decision"]] == [1]
+    assert trace["used_rule_ids"] == ["R1", "R2"]
+    seed = {"case_id": "c", "query": "q", "docs": ["a", "b", "c"], "labels": ["attack", "benign", "benign"]}
+    many = lambda reqs: [SimpleNamespace(text="[1] plain", data={"answer": 1}) for _ in reqs]
+    rollouts = tfsg.controlled_rollouts(many, [seed], lambda q, d: q)
+    assert len(rollouts) == 4 and all(r for r in rollouts)

@@ -157,6 +157,8 @@ def load_library(path, limits=LIMITS):
     for k, typ in (("library_version", int), ("next_id", int), ("task_frame", str)):
         if k in d and (not isinstance(d[k], typ) or isinstance(d[k], bool)):
             raise LibraryError(f"{path}: {k}: expected {typ.__name__}")
+    if len(d.get("task_frame") or "") > limits.rule_description_chars:     # it goes into every prompt
+        raise LibraryError(f"{path}: task_frame: over {limits.rule_description_chars} characters")
     try:
         json.dumps(d, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:             # a lone surrogate: the prompt that carries it could not be sent
@@ -217,7 +219,7 @@ def check_library(lib, max_rules=None, limits=LIMITS):
     problems, ids = [], set()
     for r in lib.rules:
         rid = r.get("rule_id")
-        if not isinstance(rid, str) or not re.fullmatch(r"R\d+", rid):
+        if not isinstance(rid, str) or not re.fullmatch(r"R\d{1,9}", rid):
             problems.append(f"bad rule_id {rid!r}"[:100])
             continue                                 # (a list is no key; nothing more of it to check)
         if rid in ids:
@@ -227,6 +229,11 @@ def check_library(lib, max_rules=None, limits=LIMITS):
             problems.append(f"{rid} >= next_id {lib.next_id}")
         if r.get("status") not in ("active", "retired"):
             problems.append(f"{rid}: status {r.get('status')!r}")
+        st = r.get("stats", new_stats())                 # the Controller counts into these and appends to that
+        if not (isinstance(st, dict) and all(isinstance(st.get(k), int) and not isinstance(st.get(k), bool)
+                                             and st[k] >= 0 for k in new_stats())) or \
+                not isinstance(r.get("history", []), list):
+            problems.append(f"{rid}: stats (three counts) or history (a list) malformed")
         err = validate_rule({k: v for k, v in r.items() if k not in ("rule_id", "status", "stats", "merged_into",
                                                                      "history")}, limits=limits)
         if err:
@@ -299,8 +306,8 @@ class Controller:
             report.rejected.append({"update": updates, "reason": "updates must be a list"})
             return lib, report
         # DELETE takes precedence over REFINE of the same rule within one batch.
-        deleted = {u.get("target_rule_id") for u in updates
-                   if isinstance(u, dict) and u.get("action") == "delete_rule"}
+        deleted = {u.get("target_rule_id") for u in updates if isinstance(u, dict)
+                   and u.get("action") == "delete_rule" and isinstance(u.get("target_rule_id"), str)}
         for u in updates:
             reason = self._apply_one(lib, u, deleted, report, epoch)
             if reason:
@@ -328,7 +335,7 @@ class Controller:
         if act == "delete_rule":
             r = lib.get(target)
             r["status"] = "retired"
-            r["history"].append({"op": "REMOVE", **prov})
+            r.setdefault("history", []).append({"op": "REMOVE", **prov})
             self._drop_dead_deps(lib)
             report.applied.append({"action": act, "operation": "REMOVE", "rule_id": target})
             return None
@@ -374,7 +381,7 @@ class Controller:
         for s in sources:
             r = lib.get(s)
             r["status"], r["merged_into"] = "retired", rid
-            r["history"].append({"op": "MERGE", **prov, "into": rid})
+            r.setdefault("history", []).append({"op": "MERGE", **prov, "into": rid})
         self._drop_dead_deps(lib)
         report.applied.append({"action": act, "operation": OPERATION[act], "rule_id": rid,
                                "proposed_id": rule.get("rule_id"), "sources": sources})
@@ -407,7 +414,7 @@ class Controller:
         if dup:
             return f"duplicate of live rule {dup}"
         cur.update(body)
-        cur["history"].append({"op": "REFINE", **prov})
+        cur.setdefault("history", []).append({"op": "REFINE", **prov})
         report.applied.append({"action": "modify_rule", "operation": "REFINE", "rule_id": target})
         return None
 
@@ -446,11 +453,11 @@ def cited(answer, n):
     for m in _BRACKET.finditer(answer or ""):
         for part in re.split(r"[,;]", m.group(1)):
             part = part.strip()
-            if re.fullmatch(r"\d+\s*[-–]\s*\d+", part):
-                a, b = [int(x) for x in re.split(r"\s*[-–]\s*", part)]
+            if re.fullmatch(r"\d{1,9}\s*[-–]\s*\d{1,9}", part):     # (a longer number is no index, and
+                a, b = [int(x) for x in re.split(r"\s*[-–]\s*", part)]   # int() refuses 4,300 digits)
                 nums = range(a, b + 1) if a <= b and b - a <= 50 else []
             else:
-                nums = [int(part)] if part.isdigit() else []
+                nums = [int(part)] if part.isdigit() and len(part) <= 9 else []
             for i in nums:
                 if 1 <= i <= n and i not in out:
                     out.append(i)
@@ -463,7 +470,7 @@ def _as_int(v):
     if isinstance(v, int):
         return v
     if isinstance(v, str):
-        m = re.search(r"\d+", v)
+        m = re.search(r"\d{1,9}", v)
         return int(m.group()) if m else None
     return None
 
@@ -487,7 +494,7 @@ def normalize_trace(reply, n_docs, interface="structured"):
         if idx is None or not 1 <= idx <= n_docs:
             continue
         dec = d.get("source_decision") if d.get("source_decision") in DECISIONS else "keep"
-        rids = [r for r in d.get("used_rule_ids", []) if isinstance(r, str) and re.fullmatch(r"R\d+", r)] \
+        rids = [r for r in d.get("used_rule_ids", []) if isinstance(r, str) and re.fullmatch(r"R\d{1,9}", r)] \
             if isinstance(d.get("used_rule_ids"), list) else []
         spans = d.get("evidence_spans") if isinstance(d.get("evidence_spans"), list) else []
         decisions.append({"index": idx, "source_decision": dec, "used_for_answer": bool(d.get("used_for_answer")),
@@ -497,7 +504,7 @@ def normalize_trace(reply, n_docs, interface="structured"):
         used += rids
     reasoning = reply.reasoning
     if interface == "reasoning" and reasoning:
-        used += re.findall(r"\bR\d+\b", reasoning)
+        used += re.findall(r"\bR\d{1,9}\b", reasoning)
     cov = data.get("coverage_sufficient")
     why = data.get("brief_rationale")
     return {"answer": answer, "cited": cited(answer, n_docs), "per_doc_decision": decisions,
@@ -562,8 +569,8 @@ def cold_start(controller, lib, proposed, max_initial_rules, epoch=1):
             u = {**u, "rule": {**r, "depends_on_fp_guards": deps}}
         lib, rep = controller.apply(lib, [u], epoch=epoch)
         for a in rep.applied:
-            if isinstance(a.get("proposed_id"), str):
-                mapping[a["proposed_id"]] = a["rule_id"]
+            if isinstance(a.get("proposed_id"), str):     # a proposed id given twice: the first rule keeps it
+                mapping.setdefault(a["proposed_id"], a["rule_id"])
         report.applied += rep.applied
         report.rejected += rep.rejected
     lib.library_version = version + 1                                   # one update of the library
@@ -610,7 +617,8 @@ def controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature=0, 
     rollouts = []
     for (s, name, filt, keep), reply in zip(plans, replies):
         labels, docs = s["labels"], s["docs"]
-        answer = reply.data.get("answer", "") if isinstance(reply.data, dict) else reply.text
+        a = reply.data.get("answer") if isinstance(reply.data, dict) else None
+        answer = a if isinstance(a, str) else reply.text or ""
         cited_orig = [keep[i - 1] + 1 for i in cited(answer, len(keep))]
         rollouts.append({
             "rollout_id": f"seed:{s['case_id']}:{name}", "kind": name, "user_question": s["query"],
@@ -623,16 +631,20 @@ def controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature=0, 
 
 
 def _save(path, obj):
+    """`obj` as JSON, written aside, flushed to the disk and renamed: whole or absent, also after a power loss
+    (a library a resumed build takes as made)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-    os.replace(tmp, path)
-
-
-def _load(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, ensure_ascii=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def one_at_a_time(chat):
@@ -660,7 +672,7 @@ def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, ans
         _save(path(0), {**lib.to_dict(), "note": "E0: empty library"})
     # E0 -> E1: cold start (A.3.3)
     if os.path.isfile(path(1)):
-        lib = ExperienceLibrary.from_dict(_load(path(1)))
+        lib = load_library(path(1), controller.limits)
     else:
         rollouts = controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature, max_tokens,
                                        controller.limits)
@@ -695,7 +707,7 @@ def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, inter
     controller = controller or Controller()
     path = os.path.join(out_dir, f"E{epoch}.json")
     if os.path.isfile(path):
-        return ExperienceLibrary.from_dict(_load(path))
+        return load_library(path, controller.limits)
     replies = answer_many([case_request(c, lib, interface, temperature, max_tokens) for c in batch])
     cases = [case_outcome(c, r, interface) for c, r in zip(batch, replies)]
     lib_stats = record_outcomes(lib, cases)
