@@ -54,7 +54,7 @@ from rankers import load_rankers
 from runs import labels_of, write_summary
 from settings import SettingsError
 from store import changed_settings, log, read_json, read_jsonl, write_json, write_jsonl
-from train import analyzer_prompt_chars, clean_reference_benign, train_shield
+from train import analyzer_prompt_chars, clean_reference_benign, tfsg_target, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
 
@@ -208,8 +208,8 @@ def update_library(run, k, survivors, defense, target, analyzer, clean):
                 "b_clean": clean[x.group_id]["benign_cited"]}
     batch = [case(x) for x in attacks + controls]           # each survivor beside its group's benign list
     interface = "reasoning" if cfg.tfsg.reasoning_interface else "structured"
-    return tfsg.update_library(lambda reqs: target.map(reqs, workers=cfg.request.workers, desc=f"harden r{k} TFSG"),
-                               analyzer.chat, lib, batch, cfg.tfsg.n_batches + 1 + k, os.path.dirname(path), interface,
+    return tfsg.update_library(tfsg_target(target, cfg.request.workers, f"harden r{k} TFSG"), analyzer.chat, lib,
+                               batch, cfg.tfsg.n_batches + 1 + k, os.path.dirname(path), interface,
                                tfsg.Controller(limits=run.limits), cfg.llm.temperature, cfg.llm.max_tokens)
 
 

@@ -783,3 +783,18 @@ def test_a_fresh_start_leaves_nothing_a_later_rerun_would_resume(tmp_path):
     log_path.write_text('{"event": "step"}\n')
     state = train.start_state(None, None, str(ckpt), str(log_path), resume=False, ranks=parallel.Ranks())
     assert state["step"] == 0 and not (ckpt / "state.safetensors").exists() and not log_path.exists()
+
+
+def test_a_tfsg_target_reply_that_never_parsed_is_an_empty_answer_not_the_builds_end():
+    """TFSG's answer_many (train.tfsg_target): a case whose reply never parsed as JSON (a document may ask for
+    prose) reads as an empty answer in its place; the others as they came."""
+    ok = llm_clients.Reply(text='{"answer": "a [1]"}', data={"answer": "a [1]"})
+
+    class Target:                       # a stand-in client: map() with invalid="return" as llm_clients.Client's
+        def map(self, requests, workers, desc, invalid):
+            assert invalid == "return"
+            return [llm_clients.ReplyInvalid("not JSON"), ok][:len(requests)]
+    got = train.tfsg_target(Target(), 2, "TFSG target")([{}, {}])
+    assert got[0].text == "" and got[0].data is None and got[1] is ok
+    trace = tfsg.normalize_trace(got[0], 5)
+    assert trace["answer"] == "" and trace["cited"] == []

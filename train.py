@@ -23,6 +23,7 @@ import speed
 import tfsg
 from accounting import estimate, price_plan
 from evaluation import clean_reference, eval_condition
+from llm_clients import Reply, ReplyInvalid
 from metrics import ranked
 from rankers import base_ranker, doc_key, load_rankers, shield_ranker
 from runs import labels_of
@@ -362,6 +363,20 @@ def clean_reference_benign(run, llm, base, groups):
     return {r["group_id"]: r for r in recs}
 
 
+def tfsg_target(target, workers, desc):
+    """The target LLM as TFSG's answer_many (tfsg.build_library, update_library): one stage, concurrent or
+    one batch with --batch-api. A reply that never parsed as JSON (ReplyInvalid: a document may ask for
+    prose) is an empty answer, its case citing nothing, and logged: it stopped the whole build, and every
+    rerun paid for it again."""
+    def answer_many(requests):
+        replies = target.map(requests, workers=workers, desc=desc, invalid="return")
+        bad = sum(isinstance(r, ReplyInvalid) for r in replies)
+        if bad:
+            log(f"[tfsg] {desc}: {bad} of {len(replies)} replies never parsed as JSON: read as empty answers")
+        return [Reply(text="") if isinstance(r, ReplyInvalid) else r for r in replies]
+    return answer_many
+
+
 def train_tfsg(run):
     """Algorithm 1: E0 -> E4 on the construction instances (A.2.2), with the Shield (or base) top-k."""
     cfg = run.cfg
@@ -390,8 +405,7 @@ def train_tfsg(run):
     batch_inputs = [[case_input(x) for x in b] for b in batches]
     interface = "reasoning" if cfg.tfsg.reasoning_interface else "structured"
 
-    def answer_many(requests):           # one stage: concurrent, or one batch with --batch-api
-        return target.map(requests, workers=cfg.request.workers, desc="TFSG target")
+    answer_many = tfsg_target(target, cfg.request.workers, "TFSG target")
     lib = tfsg.build_library(answer_many, analyzer.chat, seed_inputs, batch_inputs, os.path.join(run.dir, "library"),
                              answer_prompt=tfsg.standard_prompt, interface=interface,
                              max_initial_rules=cfg.tfsg.max_initial_rules, temperature=cfg.llm.temperature,
