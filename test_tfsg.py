@@ -52,6 +52,7 @@ def test_controller_rejects_each_invalid_action_with_its_reason():
         ({"action": "delete_rule", "target_rule_id": "R9"}, "not a live rule"),
         ({"action": "keep_rule", "target_rule_id": None}, "not a live rule"),
         ({"action": "delete_rule", "target_rule_id": ["R2"]}, "not a live rule"),    # unhashable: no crash
+        ({"action": "add_rule", "rule": R(description="x\ud800")}, "not valid Unicode"),    # could not be saved
     ]
     lib2, rep = C.apply(lib, [u for u, _ in bad])
     assert len(rep.rejected) == len(bad) and not rep.applied

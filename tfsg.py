@@ -179,6 +179,10 @@ def validate_rule(rule, partial=False, limits=LIMITS):
     partial: only the fields present are checked (modify_rule)."""
     if not isinstance(rule, dict):
         return f"rule must be an object, got {type(rule).__name__}"
+    try:                                   # a lone surrogate: the library could not be saved, nor sent in a prompt
+        json.dumps(rule, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds text that is not valid Unicode"
     required = ("rule_type", "description", "trigger_signals", "action", "strength")
     if not partial:
         miss = [k for k in required if k not in rule]
