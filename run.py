@@ -331,7 +331,7 @@ def cmd_build_bench(args):
     """GEO-DefenseBench from GEO-Bench rows (build_bench.py): with no --attacks the paper's recipe."""
     cfg = resolve(settings.BuildConfig, given(args, settings.BuildConfig), args.preset, from_record=False)
     if args.dry_run:
-        return show(build_bench.dry_run(Run.plan(cfg, record=False)))
+        return show(build_bench.dry_run(Run.plan(cfg, record=None)))
     plan = build_bench.plan(cfg)
     engine = build_bench.offline_engine_needed(cfg.llm.llm, cfg.build.fidelity_judge, plan)
     with Run.open(cfg, "build-bench", llms=True, record=None, engine=engine, corpus=plan.corpus) as run:
@@ -348,7 +348,7 @@ def cmd_rerank_eval(args):
     cfg = pipeline_settings(settings.RerankEvalConfig, args)
     items = rerank_eval.check_items(cfg.rerank.reranker)
     if args.dry_run:
-        return show(rerank_eval.dry_run(Run.plan(cfg, needs=rerank_eval.needs(items)), items))
+        return show(rerank_eval.dry_run(Run.plan(cfg, needs=rerank_eval.needs(items), record="check"), items))
     with Run.open(cfg, "rerank-eval", record="check", distributed=True, needs=rerank_eval.needs(items)) as run:
         by_label = rerank_eval.stage_rankers(run, items)       # every rank its share
         stage = run.main_only(lambda: rerank_eval.rerank_stage(run, items, by_label=by_label)[0])
@@ -370,10 +370,10 @@ def cmd_attack(args):
     """The adaptive attacker (attack.py) on a trained run's test instances, then every budget's
     documents evaluated end to end. On a demo run the offline engine plays the LLMs again."""
     cfg = pipeline_settings(settings.AttackConfig, args)
-    opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=attack.check)
+    opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=attack.check, record="check")
     if args.dry_run:
         return show(attack.dry_run(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "attack", record="check", engine=cfg.llm.llm == "offline", **opened) as run:
+    with Run.open(cfg, "attack", engine=cfg.llm.llm == "offline", **opened) as run:
         a = cfg.attack
         block = attack.run_attack(run, a.target, a.budgets, a.attack_rounds, cfg.attacker.candidates_per_round,
                                   cfg.attacker.attacker, a.aware_of_library)
@@ -385,10 +385,10 @@ def cmd_harden(args):
     """Hardening rounds (harden.py) on a trained run: attack, harvest, retrain, measure; the cross-play.
     Under torchrun every rank takes its share of each round's retraining; rank 0 does the rest."""
     cfg = pipeline_settings(settings.HardenConfig, args)
-    opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=harden.check)
+    opened = dict(needs=("adapter", "library"), llms=True, roles=True, check=harden.check, record="check")
     if args.dry_run:
         return show(harden.dry_run(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "harden", record="check", distributed=True, engine=cfg.llm.llm == "offline", **opened) as run:
+    with Run.open(cfg, "harden", distributed=True, engine=cfg.llm.llm == "offline", **opened) as run:
         block = harden.harden(run) if run.ranks.is_main else harden.train_share(run)
     if block:
         print(harden.round_table(block, cfg.harden.eval_budgets) +
@@ -400,11 +400,10 @@ def cmd_holdout(args):
     """Leave-one-family-out (holdout.py): a Shield per held-out family, scored on the test split; with
     --llm-stage also its library and the two conditions end to end."""
     cfg = pipeline_settings(settings.HoldoutConfig, args)
-    opened = dict(llms=cfg.holdout.llm_stage, roles=cfg.holdout.llm_stage)
+    opened = dict(llms=cfg.holdout.llm_stage, roles=cfg.holdout.llm_stage, record="check")
     if args.dry_run:
         return show(holdout.dry_run(Run.plan(cfg, **opened)))
-    with Run.open(cfg, "holdout", record="check", engine=cfg.holdout.llm_stage and cfg.llm.offline_batches,
-                  **opened) as run:
+    with Run.open(cfg, "holdout", engine=cfg.holdout.llm_stage and cfg.llm.offline_batches, **opened) as run:
         s = holdout.holdout(run)
     print(holdout.table(s) + f"\n\nreport: {os.path.join(cfg.folder.run_dir, 'holdout', 'report.md')}\nsummary: "
           f"{os.path.join(cfg.folder.run_dir, 'holdout', 'summary.json')}")

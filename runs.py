@@ -143,12 +143,13 @@ class Run:
         self.ranks = ranks or parallel.Ranks()
 
     @classmethod
-    def plan(cls, cfg, needs=(), llms=False, roles=False, record=True, check=None, keys=False):
+    def plan(cls, cfg, needs=(), llms=False, roles=False, record="config", check=None, keys=False):
         """A command's checks, nothing started (what a --dry-run prices, and what `open` runs first): every
         client the command uses built (check_llms; keys=False: a missing API key said, not refused), the
         benchmark's roles (check_roles), the files it needs from `train` (`needs`: names of NEEDS), the
-        run's record (check_record, with `record`), then the command's own `check(run)`, whose answer (what
-        it checked: eval's conditions) the Run keeps as `checked`. -> the Run."""
+        run's record (`record` as `open` takes it: "config" check_record, "check" any record checked as
+        record_or_check does, None nothing), then the command's own `check(run)`, whose answer (what it
+        checked: eval's conditions) the Run keeps as `checked`. -> the Run."""
         run = cls(cfg)
         if llms:
             run.check_llms(keys=keys)
@@ -157,7 +158,10 @@ class Run:
         for name in needs:
             path, what = NEEDS[name]
             need_trained(path(run), what, cfg.folder.name)
-        if record:
+        old = read_json(run.path("config.json")) if record == "check" else None
+        if old is not None:
+            run._check_pinned(old)
+        elif record == "config":
             run.check_record()
         run.checked = check(run) if check else None
         return run
@@ -172,7 +176,7 @@ class Run:
         the record of its settings (`record`: "config" writes config.json, "check" writes a new folder's
         and checks an existing one, None neither); undone in reverse on the way out, the ranks left last.
         -> the Run, inside a with block."""
-        run = cls.plan(cfg, needs, llms, roles, record is not None, check, keys=True)
+        run = cls.plan(cfg, needs, llms, roles, record, check, keys=True)
         with contextlib.ExitStack() as stack:
             if distributed:
                 run.ranks, device = parallel.Ranks.join(cfg.model.device)

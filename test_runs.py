@@ -937,3 +937,14 @@ def test_a_credential_url_in_any_flag_reaches_no_stream_or_file(tmp_path, capfd,
             path = os.path.join(root, f)
             with open(path, "rb") as fh:
                 assert b"S3cretZ" not in fh.read(), path
+
+
+def test_a_dry_run_refuses_what_the_run_would_refuse_on_a_folder_with_only_its_record(demo_run, tmp_path):
+    """rerank-eval (like attack, harden, holdout) checks any record of the run, produced files or not: its
+    --dry-run does the same, instead of passing a plan the run then refuses."""
+    (tmp_path / "r").mkdir()
+    shutil.copy(demo_run / "config.json", tmp_path / "r" / "config.json")       # a start that failed
+    argv = ["rerank-eval", "--runs-dir", str(tmp_path), "--name", "r", "--reranker", "base", "--max-length", "300"]
+    for dry in (("--dry-run",), ()):
+        with pytest.raises(SystemExit, match="different max_length"):
+            run.main(argv + list(dry))
