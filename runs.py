@@ -601,6 +601,9 @@ def run_lock(run_dir, shared=False):
     try:
         yield
     finally:
+        if not shared:           # a later refusal names a holder only while it holds: a reader (serve,
+            f.seek(0)            # export) writes no name, and this writer is gone
+            f.truncate()
         f.close()                # closing releases the lock
 
 

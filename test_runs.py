@@ -380,6 +380,9 @@ def test_one_writer_per_run_folder(tmp_path, small_bench, capsys):
         assert isinstance(e.value.code, str) and "Traceback" not in capsys.readouterr().err
         assert not os.path.exists(d / "config.json")
     assert _in_a_child(_try_lock, str(d)) == ("returned", "got it")
+    with runs.run_lock(str(d), shared=True):      # a reader (serve, export) holds it: no gone writer is named
+        kind, out = _in_a_child(_try_lock, str(d))
+        assert kind == "returned" and "in use by another process" in out
     ctx = multiprocessing.get_context("fork")
     held = ctx.Event()
     killed = ctx.Process(target=_hold_lock, args=(str(d), held))
