@@ -221,16 +221,19 @@ def smoothed(ranker, lists, rate, n, seed):
     groups = {}
     for i, x in enumerate(lists):
         groups.setdefault(x.group_id, []).append(i)
-    out = {}
+    out = [None] * len(lists)
     for idx in groups.values():
         drawn = {}                                                           # (key, text) -> its n samples
-        draw = lambda key, d: drawn[key, d] if (key, d) in drawn else drawn.setdefault((key, d),
-                                                                                      deletions(d, rate, n, key))
-        per = [[draw(f"{seed}:{lists[i].group_id}:{j}", d) for j, d in enumerate(lists[i].docs)]
-               for i in idx]                                                 # (the group's lists, D, n) texts
+
+        def draw(x, j, d):                     # document j of list x: its n samples, drawn once in the group
+            key = f"{seed}:{x.group_id}:{j}"
+            if (key, d) not in drawn:
+                drawn[key, d] = deletions(d, rate, n, key)
+            return drawn[key, d]
+        per = [[draw(lists[i], j, d) for j, d in enumerate(lists[i].docs)] for i in idx]   # (lists, D, n) texts
         samples = [Noised(lists[i].query, [m[s] for m in ms]) for i, ms in zip(idx, per) for s in range(n)]
         ranker.prepare(samples)
         for k, i in enumerate(idx):
             scores = [ranker.scores(samples[k * n + s]) for s in range(n)]  # (n, D) margins
             out[i] = [sum(sigmoid(row[j]) for row in scores) / n for j in range(len(lists[i].docs))]
-    return [out[i] for i in range(len(lists))]
+    return out

@@ -133,8 +133,9 @@ def check_text(text, path, line, fld):
     """check_unicode, and no chat control token spelled out: a benchmark's texts reach the target LLM's
     prompt, where a self-hosted template reads one as structure."""
     check_unicode(text, path, line, fld)
-    if control_tokens(text):
-        _fail(path, line, fld, f"holds chat control tokens {control_tokens(text)[:3]}")
+    found = control_tokens(text)
+    if found:
+        _fail(path, line, fld, f"holds chat control tokens {found[:3]}")
 
 
 def _need(obj, key, typ, path, line, prefix=""):

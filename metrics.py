@@ -138,11 +138,11 @@ def two_level_bootstrap_ci(values, clusters, samples, n_boot=10000, seed=0, leve
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
-def paper_level(recs):
-    """The records of lists with one attacked document (records' `attacked`, 1 when absent): the paper's
-    lists. On a file with several a list (build-bench --attacked K) the headline figures are these; the
-    other levels are read against K (by_attacked)."""
-    return [r for r in recs if r.get("attacked", 1) == 1]
+def paper_level(recs, level=1):
+    """The records of lists with `level` attacked documents (records' `attacked`, 1 when absent); level 1:
+    the paper's lists. On a file with several a list (build-bench --attacked K) the headline figures are
+    these; the other levels are read against K (by_attacked)."""
+    return [r for r in recs if r.get("attacked", 1) == level]
 
 
 def chance_any_in_topk(n, attacked, k):
@@ -159,7 +159,7 @@ def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
     each level also gets `chance_any_in_topk`, the % a random top k of n would hold some attacked document."""
     out = {}
     for lv in sorted({r.get("attacked", 1) for r in recs}):
-        rs = [r for r in recs if r.get("attacked", 1) == lv]
+        rs = paper_level(recs, lv)
         clusters = [r["group_id"] for r in rs]
         out[str(lv)] = {"n": len(rs)}
         if chance:

@@ -306,8 +306,8 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
             base_clean = {gid: base.order(c) for gid, c in cleans.items()} if base else None
             crecs, cost = certify_records(run, rk, insts, cleans, base_clean)
             write_jsonl(os.path.join(res, f"certify-{label}.jsonl"), crecs)
-            level = lambda rs, lv: [r for r in rs if r.get("attacked", 1) == lv]    # the paper's lists, then K
-            out[label]["certificate"] = certify_summary(level(crecs, 1), level(recs, 1), cost)
+            level = metrics.paper_level                  # the paper's lists, then each further level
+            out[label]["certificate"] = certify_summary(level(crecs), level(recs), cost)
             for lv in geodef.attacked_levels(insts)[1:]:
                 out[label]["certificate"].setdefault("by_attacked", {})[str(lv)] = certify_summary(
                     level(crecs, lv), level(recs, lv), cost)
