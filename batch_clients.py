@@ -49,7 +49,7 @@ from urllib.parse import urlparse
 
 import store
 from llm_clients import LLMError
-from transport import json_object
+from transport import RETRY_STATUS, json_object
 
 # Provider limits per batch (OpenAI: 50,000 requests and a 200 MB input file; Anthropic: 100,000
 # requests and 256 MB).
@@ -65,6 +65,7 @@ DEADLINE = 24 * 3600        # the providers' completion window: a batch still ru
 CANCEL_GRACE = 600
 PROGRESS_EVERY = 10         # polls between progress lines while the counts stay the same
 MALFORMED_POLLS = 3         # status replies in a row without a status field before the batch counts as lost
+FAILED_POLLS = 8            # status checks in a row that fail (past the transport's retries) before the run stops
 GONE = (404, 410)           # the server no longer knows the batch or file
 CLOCK_SKEW = 300            # seconds the provider's clock may run behind ours (AnthropicBatches.find)
 
@@ -291,10 +292,19 @@ class BatchRunner:
         cancelled -> (its status then, True). The request counts are logged when they change, else
         every PROGRESS_EVERY polls. Raises _Lost (unknown to the server, or no status field)."""
         end = (entry.get("submitted_at") or self.clock()) + self.deadline
-        wait, shown, polls, malformed = self.poll, None, 0, 0
+        wait, shown, polls, malformed, failed = self.poll, None, 0, 0, 0
         while True:
-            status = self._status(entry["id"])
-            polls += 1
+            try:
+                status = self._status(entry["id"])
+            except LLMError as e:        # a network outage or a 5xx past the transport's retries: the batch
+                failed += 1              # runs on at the provider; polled again, up to FAILED_POLLS in a row
+                if failed >= FAILED_POLLS or (e.status is not None and e.status not in RETRY_STATUS):
+                    raise
+                self.log(f"[batch] {desc}: batch {entry['id']}: no status ({e}); asking again")
+                self.sleep(min(wait, max(0.0, end - self.clock())))
+                wait = min(wait * 1.5, 10 * self.poll)
+                continue
+            polls, failed = polls + 1, 0
             malformed = malformed + 1 if status["state"] is None else 0
             if malformed >= MALFORMED_POLLS:
                 raise _Lost(f"answered {malformed} status checks in a row without a status field")
@@ -475,7 +485,8 @@ class OpenAIBatches:
         rc = json_object(b.get("request_counts"))
         counts = tuple(_int(rc.get(k)) for k in ("completed", "failed", "total"))
         errors = json_object(b.get("errors")).get("data") or []
-        why = "; ".join(str(json_object(e).get("message"))[:200] for e in errors[:3] if json_object(e).get("message"))
+        why = "; ".join(self.transport.mask(str(json_object(e).get("message")))[:200]     # masked, then cut
+                        for e in errors[:3] if json_object(e).get("message"))
         return {"state": b.get("status") if isinstance(b.get("status"), str) else None,
                 "counts": counts if None not in counts else None, "why": why or "the provider gave no reason",
                 "output": b.get("output_file_id"), "errors": b.get("error_file_id")}

@@ -58,6 +58,8 @@ PROVIDERS = {
 # Providers whose key belongs to one public API: it is sent only to that host (or to the provider's
 # own *_BASE_URL variable's), never to a --base-url elsewhere (`make_client`).
 HOSTED = ("openai", "anthropic", "deepseek", "moonshot", "zhipu", "openrouter")
+# The stop reasons of a reply cut at the token cap: OpenAI's finish_reason, Anthropic's stop_reason.
+CAPPED = ("length", "max_tokens")
 
 
 class ReplyInvalid(LLMError):
@@ -117,16 +119,19 @@ def _tokens(v):
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 53 else 0
 
 
-def extract_json(text):
+def extract_json(text, cut=False):
     """Parse the JSON object in a model reply: plain JSON, think blocks (also unclosed), code fences,
-    prose around the object. Raises ValueError with the reason when nothing parses."""
+    prose around the object. Raises ValueError with the reason when nothing parses. cut: the reply stopped
+    at the token cap, so only a reply that parses whole is taken (an object found inside a cut one may be
+    the "[1]" of a citation, or the first of several decisions)."""
     if text is None:
         raise ValueError("empty reply (content is null)")
     s = text.strip()
     try:
         return json.loads(s)
     except (json.JSONDecodeError, RecursionError):   # (nested past the parser's depth)
-        pass
+        if cut:
+            raise ValueError("the reply stopped at the token cap before its JSON ended") from None
     s, _ = split_think(s)
     for block in reversed(_FENCE.findall(s)):
         try:
@@ -193,8 +198,12 @@ class RequestShape:
         text = err.body or ""
         m = re.search(r'"param"\s*:\s*"([^"]+)"', text)
         param, low = (m.group(1) if m else ""), text.lower()
+        # a refusal of the parameter itself, not of its value ("-1 is less than the minimum of 0", "2.5 is
+        # greater than the maximum of 2" name their param too): the code or the words say it is unsupported
+        unsupported = (re.search(r'"code"\s*:\s*"unsupported_(?:parameter|value)"', text) is not None
+                       or "unsupported" in low or "not support" in low)
         def refused(name):
-            return param == name or (f"'{name}'" in text and ("unsupported" in low or "not support" in low))
+            return unsupported and (param == name or f"'{name}'" in text)
         change = None
         if "temperature" in body and refused("temperature"):
             self.send_temperature, change = False, "temperature: not sent (the API accepts only the model's default)"
@@ -335,8 +344,8 @@ class ReplyCache:
 
 def _fill_data(reply, check):
     """reply.data from its text's JSON, then `check` on it; ValueError when either fails."""
-    try:
-        reply.data = no_lone_surrogates(extract_json(reply.text))   # an escaped "\\ud800" inside the JSON string
+    try:   # (no_lone_surrogates: an escaped "\\ud800" inside the JSON string)
+        reply.data = no_lone_surrogates(extract_json(reply.text, cut=reply.finish_reason in CAPPED))
     except RecursionError:
         raise ValueError("JSON nested past the parser's depth") from None
     if check is not None:
@@ -376,13 +385,13 @@ class Client:
     @classmethod
     def open(cls, base_url, model, api_key=None, protocol="openai", provider=None, cache_dir=None, refresh=False,
              timeout=600, connect_timeout=10, max_retries=2, max_retry_after=60, rpm=0, handler=None,
-             max_field="max_tokens", json_mode=True, extra_body=None, **kw):
+             max_field="max_tokens", json_mode=True, extra_body=None, bearer=False, **kw):
         """A Client from a base URL (or an in-process `handler`) and a model: its RequestShape, Transport
         (timeouts, retries, rate) and ReplyCache (cache_dir); the rest of `kw` goes to Client."""
         provider = provider or protocol
         shape = RequestShape(model, protocol, max_field, json_mode, extra_body)
         transport = Transport(base_url, f"{provider}:{model}", protocol, api_key, timeout, connect_timeout,
-                              max_retries, max_retry_after, rpm, handler, provider)
+                              max_retries, max_retry_after, rpm, handler, provider, bearer=bearer)
         return cls(shape, transport, ReplyCache(cache_dir, refresh), provider, **kw)
 
     def __repr__(self):
@@ -459,7 +468,7 @@ class Client:
                          resp.get("model"))
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise self.transport.error(f"unexpected response shape ({type(e).__name__}: {e})", 200,
-                                       json.dumps(resp)[:300]) from None
+                                       json.dumps(resp)) from None       # (error() masks, then cuts)
 
     def _count(self, reply, mode=None):
         """A reply received (paid for): added to this client's stats and, with a ledger, appended to
@@ -537,18 +546,20 @@ class Client:
                 break
             except ValueError as e:
                 if ask == self.json_retries:
-                    cut = (f"; the reply stopped at the token cap ({self.shape.max_field}={max_tokens}, finish_reason "
-                           "'length'; reasoning models count their reasoning in it): raise --max-tokens"
-                           if reply.finish_reason == "length" else "")
+                    cut = (f"; the reply stopped at the token cap ({self.shape.max_field}={max_tokens}, stop reason "
+                           f"{reply.finish_reason!r}; reasoning models count their reasoning in it): raise "
+                           "--max-tokens" if reply.finish_reason in CAPPED else "")
                     err = self.transport.error(f"reply is not usable after {ask + 1} attempts ({e}){cut}", None,
                                                reply.text)
                     raise ReplyInvalid(str(err), self.provider, err.body, attempts=ask + 1) from None
                 with self.lock:
                     self._stats["json_reasks"] += 1
                 problem = "could not be parsed as JSON" if reply.data is None else "is not usable"
-                convo = convo + [{"role": "assistant", "content": reply.text or ""},
-                                 {"role": "user", "content": f"Your reply {problem} ({e}). "
-                                                             "Return only the JSON object, nothing else."}]
+                # the reply echoed as the assistant's turn; an empty one is left out (Anthropic refuses a turn
+                # with empty content, and two user turns in a row are read as one)
+                said = [{"role": "assistant", "content": reply.text}] if reply.text else []
+                convo = convo + said + [{"role": "user", "content": f"Your reply {problem} ({e}). "
+                                                                    "Return only the JSON object, nothing else."}]
         self.cache.put(key, reply, self.provider, self.model)
         return reply
 
@@ -557,6 +568,7 @@ class Client:
         chat() keyword arguments. Exceptions propagate (the first failure in input order), except
         that with invalid="return" a ReplyInvalid takes its request's place in the results."""
         from tqdm import tqdm
+        self.transport.resume()                  # a new run of requests: an earlier map's failure stops none of them
         if self.batch is not None and requests_:   # the provider's batch API fills the cache first
             self.batch.fill_cache(requests_, desc or self.label)
         out = [None] * len(requests_)
@@ -620,7 +632,7 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
                          f"{home} "
                          f"(or to {p['base_env']}); for another server use openai-compatible:MODEL (its key from "
                          "OPENAI_COMPATIBLE_API_KEY)")
-    key, base = provider_environment(provider, api_key)
+    key, base, bearer = provider_environment(provider, api_key)
     base = given or base
     if base is None:
         raise ValueError(f"{shown!r}: provider {provider!r} needs base_url (--base-url)")
@@ -631,18 +643,21 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     if provider == "openai" and base.host != "api.openai.com":
         max_field = "max_tokens"   # compatible servers (vLLM, GLM, ...) know only max_tokens
     return Client.open(base, model, api_key=key, protocol=p["protocol"], provider=provider, cache_dir=cache_dir,
-                  max_field=max_field, json_mode=p.get("json_mode", True), **kw)
+                  max_field=max_field, json_mode=p.get("json_mode", True), bearer=bearer, **kw)
 
 
 def provider_environment(provider, api_key=None):
     """A provider's key and base URL from its conventional environment variables -> (key or None, base
-    URL or None). OpenAI's clients also read OPENAI_API_BASE (what many .env files set), Anthropic's
-    ANTHROPIC_AUTH_TOKEN; local servers have a default key."""
+    URL or None, whether the key is a bearer token). OpenAI's clients also read OPENAI_API_BASE (what many
+    .env files set). Anthropic's SDK reads ANTHROPIC_AUTH_TOKEN (sent as Authorization: Bearer) and an
+    ANTHROPIC_BASE_URL without /v1 (it adds /v1/messages). Local servers have a default key."""
     p = PROVIDERS[provider]
     base = (os.environ.get(p["base_env"]) if p.get("base_env") else None) or p["base"]
     if provider == "openai" and not os.environ.get("OPENAI_BASE_URL"):
         base = os.environ.get("OPENAI_API_BASE") or base
+    if provider == "anthropic" and os.environ.get("ANTHROPIC_BASE_URL") and not base.rstrip("/").endswith("/v1"):
+        base = base.rstrip("/") + "/v1"
     key = api_key or next((os.environ[v] for v in p["keys"] if os.environ.get(v)), None)
-    if key is None and provider == "anthropic":
-        key = os.environ.get("ANTHROPIC_AUTH_TOKEN") or None
-    return key if key is not None else p.get("default_key"), base
+    token = os.environ.get("ANTHROPIC_AUTH_TOKEN") if key is None and provider == "anthropic" else None
+    key = key if key is not None else token or p.get("default_key")
+    return key, base, bool(token)

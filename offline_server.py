@@ -310,10 +310,11 @@ class Batches:
       tamper        a function of the next ended batch's output rows -> the rows served (once)
       cancelling    status checks a cancelled batch stays cancelling before it ends (0: the next one ends it)
       lose_created  the next that many batches created have their creation reply lost (the connection closes)
+      status_down   the next that many status checks answer 500
     """
     KNOBS = {"polls": 1, "stall": None, "expire_after": None, "fail_first": 0, "fail": None, "reject": False,
              "missing": False, "no_status": 0, "purge": False, "tamper": None, "cancelling": 0,
-             "lose_created": 0}
+             "lose_created": 0, "status_down": 0}
 
     def __init__(self, pinned_created=None):
         self.files, self.batches, self.failed, self.lock = {}, {}, set(), threading.RLock()
@@ -444,6 +445,9 @@ class Batches:
     def status(self, bid, api, host):
         """GET a batch: one status check (the batch advances) -> its object."""
         with self.lock:
+            if self.knobs["status_down"]:
+                self.knobs["status_down"] -= 1
+                raise RuntimeError("status checks down (status_down knob)")      # -> 500
             b = self._batch(bid, api)
             self._advance(b)
             view = api.view(b, host)

@@ -263,6 +263,33 @@ def test_a_failed_batch_names_the_providers_reason(engine, tmp_path):
     assert "does not exist" in manifest(tmp_path)[0]["reason"]
 
 
+def test_a_key_in_a_failed_batchs_reason_is_masked_before_it_is_cut(engine, tmp_path):
+    """The provider's reason is cut to 200 characters per message: masked first, no part of a key echoed
+    across the cut reaches the log or batches.json."""
+    srv, url = engine
+    key = "sk-" + "A1b2C3d4" * 6
+    srv.batches.knobs["fail"] = "x" * 190 + " bad key " + key
+    logs, manifest_path = [], str(tmp_path / "batches.json")
+    runner = lambda c: batch_clients.BatchRunner(c, manifest_path, log=logs.append, poll=0.01)
+    c = llm_clients.Client.open(url, "m", api_key=key, cache_dir=str(tmp_path / "cache"), batch=runner)
+    c.map(requests_(2), progress=False)
+    kept = open(manifest_path).read() + "\n".join(logs)
+    assert "bad key" in kept and key[:6] not in kept.replace("sk-***", "")
+
+
+def test_status_checks_that_fail_past_the_retries_are_asked_again(engine, tmp_path):
+    """A provider outage longer than the transport's retries (three 500s in a row per status check) while a
+    batch runs: the runner polls on and takes the batch's answers, instead of ending the run."""
+    srv, url = engine
+    logs, reqs = [], requests_(2)
+    c = batched(url, tmp_path, logs=logs)
+    c.transport.sleep = lambda s: None
+    srv.batches.knobs["status_down"] = 4       # the first check's three attempts, and the next check's first
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert srv.batches.created == 1 and c.batch.stats["cached"] == 2
+    assert any("no status (" in m and "asking again" in m for m in logs)
+
+
 def test_a_recorded_batch_the_server_no_longer_knows_is_replaced_by_a_new_one(engine, tmp_path):
     """batches.json records an open batch from another API key (HTTP 404): the rerun closes it with its
     reason and answers its requests in a new batch; nobody deletes the file by hand."""

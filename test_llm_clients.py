@@ -195,8 +195,58 @@ def test_a_reply_cut_by_the_token_cap_says_to_raise_max_tokens(server):
     cut = {"choices": [{"message": {"content": "", "reasoning_content": "long..."}, "finish_reason": "length"}]}
     Script.script = [(200, {}, cut, 0), (200, {}, cut, 0)]
     with pytest.raises(llm_clients.LLMError,
-                       match=r"token cap \(max_tokens=64, finish_reason 'length'.*raise --max-tokens"):
+                       match=r"token cap \(max_tokens=64, stop reason 'length'.*raise --max-tokens"):
         c.chat([{"role": "user", "content": "5"}], max_tokens=64, json=True)
+
+
+def test_json_inside_a_reply_cut_at_the_token_cap_is_not_taken(server, tmp_path):
+    """A reply cut at the cap holds JSON-looking fragments (a citation "[1]", the first of several objects):
+    none is taken for the reply's object, nothing is cached, and the error says to raise --max-tokens."""
+    cut = '{"answer": "Paris is the capital [1]. Lyon [2] is'
+    Script.script = [(200, {}, {**ok(cut), "choices": [{"message": {"content": cut}, "finish_reason": "length"}]}, 0)
+                     ] * 2
+    c = client(server, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(llm_clients.ReplyInvalid, match="before its JSON ended.*raise --max-tokens"):
+        c.chat([{"role": "user", "content": "q"}], json=True)
+    assert not list((tmp_path / "c").rglob("*.json"))
+    whole = {"choices": [{"message": {"content": '{"answer": "a"}'}, "finish_reason": "length"}]}
+    Script.script = [(200, {}, whole, 0)]        # JSON that parses whole is taken, cap or not
+    assert c.chat([{"role": "user", "content": "q2"}], json=True).data == {"answer": "a"}
+
+
+def test_a_value_out_of_range_is_not_taken_for_a_parameter_the_model_refuses(server):
+    """A 400 naming `temperature` for its value (above the maximum) stands: the client does not stop sending
+    temperature for every later request, as it does when the parameter itself is unsupported."""
+    above = {"error": {"message": "2.5 is greater than the maximum of 2 - 'temperature'", "type":
+                       "invalid_request_error", "param": "temperature", "code": "decimal_above_max_value"}}
+    Script.script = [(400, {}, above, 0), (200, {}, ok("fine"), 0)]
+    c = client(server)
+    with pytest.raises(llm_clients.LLMError, match="HTTP 400"):
+        c.chat([{"role": "user", "content": "x"}], temperature=2.5)
+    c.chat([{"role": "user", "content": "y"}], temperature=0)
+    assert Script.seen[-1]["temperature"] == 0 and not c.adapted
+
+
+def test_an_empty_reply_is_re_asked_without_an_empty_turn(server):
+    """Anthropic refuses a message with empty content: the re-ask after an empty reply (a refusal, thinking
+    only) sends the question again with the request to answer, no empty assistant turn."""
+    empty = {"type": "message", "role": "assistant", "model": "c", "content": [], "stop_reason": "refusal",
+             "usage": {"input_tokens": 5, "output_tokens": 0}}
+    fine = {**empty, "content": [{"type": "text", "text": '{"ok": 1}'}], "stop_reason": "end_turn"}
+    Script.script = [(200, {}, empty, 0), (200, {}, fine, 0)]
+    c = llm_clients.Client.open(server, "c", api_key="sk-ant-x", protocol="anthropic")
+    assert c.chat([{"role": "user", "content": "x"}], json=True).data == {"ok": 1}
+    assert all(m["content"] for m in Script.seen[1]["messages"]) and len(Script.seen[1]["messages"]) == 2
+
+
+def test_a_client_sends_again_after_a_failed_map(server):
+    """map() stops the requests in flight when one fails (Transport.abort); the next map() or chat() of the
+    same client is sent, not refused as part of the stopped run."""
+    Script.script = [(401, {}, {"error": {"message": "bad key"}}, 0), (200, {}, ok("fine"), 0)]
+    c = client(server)
+    with pytest.raises(llm_clients.LLMError, match="HTTP 401"):
+        c.map([{"messages": [{"role": "user", "content": "a"}]}], progress=False)
+    assert [r.text for r in c.map([{"messages": [{"role": "user", "content": "b"}]}], progress=False)] == ["fine"]
 
 
 def test_anthropic_protocol(server):
@@ -289,6 +339,20 @@ def test_make_client_fills_in_each_providers_defaults(monkeypatch):
     assert llm_clients.make_client("ollama:qwen3").base_url == "http://localhost:11434/v1"
 
 
+def test_anthropics_auth_token_and_base_url_read_as_its_sdk_reads_them(server, monkeypatch):
+    """ANTHROPIC_AUTH_TOKEN goes as Authorization: Bearer (not x-api-key), and ANTHROPIC_BASE_URL is the host
+    without /v1, to which the SDK adds /v1/messages."""
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.setenv("ANTHROPIC_AUTH_TOKEN", "oauth-token-123")
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", server.removesuffix("/v1"))
+    c = llm_clients.make_client("anthropic:claude-x")
+    Script.script = [(200, {}, {"type": "message", "content": [{"type": "text", "text": "hi"}], "stop_reason":
+                                "end_turn", "usage": {"input_tokens": 1, "output_tokens": 1}}, 0)]
+    assert c.chat([{"role": "user", "content": "x"}]).text == "hi" and c.base_url == server
+    sent = {k.lower(): v for k, v in Script.headers_seen[0].items()}
+    assert sent["authorization"] == "Bearer oauth-token-123" and "x-api-key" not in sent
+
+
 def test_a_key_goes_only_to_its_provider(monkeypatch):
     _openai_key(monkeypatch)
     # a key goes only to the provider it belongs to: not to an arbitrary --base-url
@@ -354,9 +418,10 @@ def test_ctrl_c_cancels_queued_llm_requests(server):
     assert len(Script.seen) <= 6                          # ~2 rounds of 2 before the interrupt, 2 in flight
 
 
-def test_secrets_are_masked_before_an_error_is_cut(server, tmp_path):
+@pytest.mark.parametrize("status", [400, 200])      # an error reply; a 200 of another shape (a proxy's error)
+def test_secrets_are_masked_before_an_error_is_cut(server, tmp_path, status):
     key = "sk-" + "A1b2C3d4" * 6
-    Script.script = [(400, {}, {"error": {"message": "x" * 270 + key}}, 0)]   # the key straddles character 300
+    Script.script = [(status, {}, {"error": {"message": "x" * 270 + key}}, 0)]   # the key straddles character 300
     c = llm_clients.Client.open(server, "m", api_key=key, max_retries=0, cache_dir=str(tmp_path / "c"))
     with pytest.raises(llm_clients.LLMError) as e:
         c.chat([{"role": "user", "content": "hi"}])

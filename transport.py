@@ -192,7 +192,7 @@ class Transport:
 
     def __init__(self, base_url, label, protocol="openai", api_key=None, timeout=600, connect_timeout=10,
                  max_retries=2, max_retry_after=60, rpm=0, handler=None, provider=None, endpoint=None,
-                 max_reply_bytes=64 << 20):
+                 max_reply_bytes=64 << 20, bearer=False):
         # base_url: a URL or an Endpoint. Credentials in it (http://user:pass@host/v1) are held apart:
         # they go only into an explicit Basic header when no API key is given, never into cache
         # keys, messages or logs
@@ -206,6 +206,7 @@ class Transport:
             raise LLMError(f"{label}: the API key holds a space, a line ending or a character outside printable "
                            "ASCII (copied from a file with CRLF lines?); the key is not shown", None, self.provider)
         self._key = api_key                      # never logged, never cached, never in errors
+        self.bearer = bearer                     # Anthropic: the key is an auth token (Authorization: Bearer)
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.max_retries, self.max_retry_after = max_retries, max_retry_after
         self.handler = handler
@@ -231,7 +232,7 @@ class Transport:
         if self.protocol == "anthropic":
             h["anthropic-version"] = "2023-06-01"
             if self._key:
-                h["x-api-key"] = self._key
+                h.update({"Authorization": f"Bearer {self._key}"} if self.bearer else {"x-api-key": self._key})
         elif self._key:
             h["Authorization"] = f"Bearer {self._key}"
         if self._basic and "Authorization" not in h and "x-api-key" not in h:   # the URL's user:pass
@@ -331,7 +332,7 @@ class Transport:
                 self.backoff(attempt, None)
                 continue
             except (requests.RequestException, http.client.HTTPException, OSError) as e:   # nothing to retry
-                raise self.error(f"{type(e).__name__} on {url}: {str(e)[:200]}") from None
+                raise self.error(f"{type(e).__name__} on {url}: {self.mask(str(e))[:200]}") from None
             if status == 200:
                 if raw:
                     return text
