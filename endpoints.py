@@ -307,7 +307,7 @@ def read_body(rfile, n, timeout):
 
 def drain_body(rfile, n, timeout):
     """Read and drop up to `n` body bytes within `timeout` seconds, so that a client still writing its
-    oversized body reads the 413 instead of a broken pipe."""
+    oversized body reads the 413 instead of a broken pipe -> the bytes left unread."""
     left, deadline = n, time.monotonic() + timeout
     with contextlib.suppress(OSError):
         while left > 0 and time.monotonic() < deadline:
@@ -315,6 +315,7 @@ def drain_body(rfile, n, timeout):
             if not chunk:
                 break
             left -= len(chunk)
+    return left
 
 
 def json_body(raw):

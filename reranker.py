@@ -481,13 +481,15 @@ class Reranker:
         cannot close the user turn or write the assistant's (see text_tokenizer)."""
         if isinstance(docs, str):
             docs = [docs]
+        # the body without a document first, once: a query that leaves the documents no room is refused before
+        # it is copied into every document's body (a served request's megabyte query, times 1000 documents)
+        room, (head,) = self._bodies(query, [""])
+        head = len(head.ids)
+        if head > room or (head == room and any(docs)):
+            raise PromptLengthError(
+                f"max_length {self.max_length} leaves the document no tokens: the prompt without it takes "
+                f"{head + len(self.prefix_ids) + len(self.suffix_ids)} tokens (instruction and query included)")
         room, encs = self._bodies(query, docs)
-        if any(len(e.ids) > room for e in encs):   # a cut: it must leave the document some tokens
-            head = len(self._bodies(query, [""])[1][0].ids)
-            if head >= room:
-                raise PromptLengthError(
-                    f"max_length {self.max_length} leaves the document no tokens: the prompt without it takes "
-                    f"{head + len(self.prefix_ids) + len(self.suffix_ids)} tokens (instruction and query included)")
         out = []
         for e in encs:
             if self.control_ids.intersection(e.ids):   # the tokenizer's BPE itself can build one: refuse
@@ -527,7 +529,11 @@ class Reranker:
                 flush()
             if not out:
                 return torch.zeros(0)
-            return torch.stack(out)
+            out = torch.stack(out)
+        if not torch.isfinite(out).all():    # an overflow (float16 weights): a NaN would order nothing and be cached
+            raise FloatingPointError(f"non-finite margins for {int((~torch.isfinite(out)).sum())} of {len(out)} "
+                                     f"sequences (dtype {self.model.embed_tokens.weight.dtype}: try --dtype float32)")
+        return out
 
     def score(self, query, docs, grad=False):
         return self.score_ids(self.tokenize(query, docs), grad=grad)

@@ -69,6 +69,7 @@ MODEL_PATH = "/v1/models/"
 # vLLM's spellings of a score request's two sides (ScoreRequest, vllm/entrypoints/pooling/score/protocol.py)
 SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 MAX_INSTRUCTION_CHARS = 4096
+MAX_QUERY_CHARS = 65536           # a query enters every document's prompt: a longer one fills no real max_length
 
 
 @dataclass
@@ -128,6 +129,8 @@ def _object(body):
 def _query(q, field):
     if not isinstance(q, str) or not q.strip():
         raise RequestError(400, f"{field}: a non-empty string is required", field)
+    if len(q) > MAX_QUERY_CHARS:
+        raise RequestError(400, f"{field}: {len(q)} characters, at most {MAX_QUERY_CHARS}", field)
     return _text(q, field)
 
 
@@ -639,6 +642,17 @@ class _Handler(BaseHTTPRequestHandler):
             raise
         return json_body(raw)
 
+    def _drop_body(self):
+        """The body of a request refused before it is read (no free slot) read and dropped, so that the
+        connection serves the next request; one past the cap, or not all read in time, closes it."""
+        conf = self.server.conf
+        try:
+            n = content_length(self.headers)
+        except RequestError:
+            n = None
+        if n is None or n > conf["max_body_bytes"] or drain_body(self.rfile, n, conf["body_timeout"]):
+            self.close_connection = True
+
     # -- methods
     def do_GET(self):
         path = request_path(self.path).rstrip("/") or "/"
@@ -682,8 +696,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not self._authorised():
                 self.close_connection = True
                 raise RequestError(401, "missing or wrong API key (Authorization: Bearer ...)")
-            body = self._body()
-            with self.server.slot():
+            with self.server.slot(refused=self._drop_body):   # taken before the body is read: max_concurrent_requests
+                body = self._body()                            # also bounds the bodies held in memory
                 self._detect(body) if path == DETECT_PATH else self._rerank(path, body)
         except RequestError as e:
             self._fail(e, error_headers(e.status, "GET"))
@@ -796,14 +810,18 @@ class RerankServer(ThreadingHTTPServer):
             sys.stderr.write(f"[serve] scoring with {self.scoring}; a client's instruction is {taken}\n")
 
     @contextlib.contextmanager
-    def slot(self):
-        """One of max_concurrent_requests places for a request in progress; none free: 429 with
-        Retry-After (TEI's answer past its --max-concurrent-requests), the connection kept."""
+    def slot(self, refused=None):
+        """One of max_concurrent_requests places for a request in progress; none free: refused() (the
+        handler drops the unread body), then 429 with Retry-After (TEI's answer past its
+        --max-concurrent-requests), the connection kept."""
         with self.lock:
-            if self.in_flight >= self.conf["max_concurrent_requests"]:
-                raise RequestError(429, f"the server is busy ({self.in_flight} requests in progress, "
-                                        "max_concurrent_requests); retry later")
-            self.in_flight += 1
+            busy = self.in_flight
+            self.in_flight += busy < self.conf["max_concurrent_requests"]
+        if busy >= self.conf["max_concurrent_requests"]:
+            if refused is not None:
+                refused()
+            raise RequestError(429, f"the server is busy ({busy} requests in progress, max_concurrent_requests); "
+                                    "retry later")
         try:
             yield
         finally:

@@ -66,6 +66,28 @@ def test_rank_orders_by_score_then_position(scored_alone):
     assert top == sorted(range(9), key=lambda i: (-float(alone[i]), i))[:5]
 
 
+def test_a_query_that_leaves_no_room_is_refused_before_it_is_copied_into_every_body(scored_alone):
+    """The body without a document is encoded first: a query past max_length is refused having encoded one
+    body, not one per document (a served request's long query times its 1000 documents)."""
+    rr, docs, _, _ = scored_alone
+    rr, encoded = copy.copy(rr), []
+    batch = rr.text_tokenizer.encode_batch
+    rr.text_tokenizer = type("Counting", (), {"encode_batch": lambda self, b, **kw: encoded.append(len(b)) or
+                                              batch(b, **kw)})()
+    with pytest.raises(reranker.PromptLengthError, match="leaves the document no tokens"):
+        rr.tokenize("query " * rr.max_length, docs * 100)
+    assert encoded == [1]
+
+
+def test_non_finite_margins_are_an_error_not_a_score(scored_alone):
+    rr, _, ids, _ = scored_alone
+    rr = copy.deepcopy(rr)
+    with torch.no_grad():
+        rr.model.norm.weight[0] = float("inf")      # as a float16 overflow leaves it
+    with pytest.raises(FloatingPointError, match="non-finite margins for 9 of 9"):
+        rr.score_ids(ids)
+
+
 def test_the_tiny_checkpoint_is_deterministic_per_seed(tmp_path):
     a = tiny.make_tiny_checkpoint(str(tmp_path / "a"), seed=0)
     b = tiny.make_tiny_checkpoint(str(tmp_path / "b"), seed=0)

@@ -257,6 +257,22 @@ def small_queue_server(tiny_dir):
 SMALL_BODY = json.dumps({"query": "q", "documents": ["a b", "c d"]})
 
 
+def test_a_busy_server_refuses_before_reading_the_body(small_queue_server):
+    """The request slot is taken before the body is read, so max_concurrent_requests bounds the bodies held
+    and decoded at once: past it a request is refused unparsed (a body that is not JSON gets the 429, not a
+    400), its body dropped and the connection kept; a query longer than any prompt is refused by its length."""
+    import requests
+    srv = small_queue_server
+    with requests.Session() as s:
+        with srv.slot(), srv.slot(), srv.slot():
+            busy = s.post(srv.url + "/rerank", data=b"{not json" + b" " * 5000, timeout=30)
+        assert busy.status_code == 429, busy.text
+        assert s.post(srv.url + "/rerank", data=SMALL_BODY, timeout=30).status_code == 200   # same connection
+        long = s.post(srv.url + "/rerank", json={"query": "q" * (serve.MAX_QUERY_CHARS + 1), "documents": ["a"]},
+                      timeout=30)
+    assert long.status_code == 400 and "characters, at most" in long.json()["detail"], long.text
+
+
 def test_a_client_trickling_its_headers_is_dropped_at_the_read_timeout(tiny_dir):
     """The request line and headers get read_timeout all told: a header byte every 0.2 s (each read well
     within the 0.6 s timeout) is cut off after ~0.6 s, not served when it finally ends (slowloris)."""
