@@ -9,7 +9,6 @@ bench-audit and detect count.
 
 Usage: ctx = Ctx(llm); kept = gate(ctx, sources, texts)
 """
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -99,9 +98,11 @@ def strings(v, limit=None):
 
 
 def number(v, lo, hi, default):
-    """A reply's number clamped into [lo, hi]; anything else is `default`."""
-    return default if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) else \
-        min(hi, max(lo, float(v)))
+    """A reply's number clamped into [lo, hi]; anything else is `default`. Compared before any float():
+    a JSON integer past float's range (10**400) is still a number, clamped like the rest."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:     # (v != v: NaN)
+        return default
+    return float(hi) if v >= hi else float(lo) if v <= lo else float(v)
 
 
 # ----------------------------------------------------------------------------- the fidelity gate

@@ -79,6 +79,14 @@ def test_each_family_makes_its_papers_calls_in_order(name, steps):
     assert out[0][1]["calls"] == len(steps) == geo_attacks.FAMILIES[name].calls
 
 
+@pytest.mark.parametrize("v, want", [(10 ** 400, 100.0), (-10 ** 400, 0.0), (float("nan"), 7), (float("inf"), 100.0),
+                                     (True, 7), ("50", 7), (42, 42.0)])
+def test_a_replys_number_is_clamped_whatever_its_size(v, want):
+    """A judge's or an attacker's number (IF-GEO's probabilities, MAGEO's scores) past float's range is
+    clamped like any other, not an OverflowError replayed from the cache at every resume."""
+    assert geo_jobs.number(v, 0, 100, 7) == want
+
+
 def test_agenticgeo_reads_the_published_archive_format(tmp_path):
     p = tmp_path / "strategies.json"
     p.write_text(json.dumps({"strategies": [
