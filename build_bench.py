@@ -309,18 +309,20 @@ def own_candidates(row, n_docs):
 # ----------------------------------------------------------------------------- composition
 
 
-def compose(rows, n_groups, n_construction, seed):
+def compose(rows, n_groups, n_construction, seed, dropped=()):
     """The rows in a seeded random order; the build walks it until N groups have their candidates,
     and splits those (the first C construction) before any rewrite (B.1.2). -> [(row, split)] of the
-    first N rows, construction first (what the dry run plans), and the whole order."""
+    first N rows, construction first (what the dry run plans), and the whole order. `dropped`: the rows
+    usable_rows left out, named when too few are left."""
     rows = sorted(rows, key=lambda r: r["id"])
     order = random.Random(seed).sample(rows, len(rows))
     picked = order[:n_groups]
     if len(picked) < n_groups:
         log(f"[build-bench] the input has {len(picked)} usable rows, fewer than --groups {n_groups}: all taken")
     if len(picked) <= n_construction:
-        raise SettingsError(f"{len(picked)} query groups leave none for the test split after "
-                            f"--construction-groups {n_construction}")
+        raise SettingsError(f"{len(picked)} query groups leave none for the test split after --construction-groups "
+                            f"{n_construction}" + (f"; {len(dropped)} rows dropped (first: {dropped[0][1]})"
+                                                   if dropped else ""))
     return [(r, "construction" if i < n_construction else "test") for i, r in enumerate(picked)], order
 
 
@@ -328,10 +330,12 @@ def where(row):
     return f"{row['path']}:{row['line']}"
 
 
-def usable_rows(rows, search):
+def usable_rows(rows, search, n_docs=None):
     """The rows a build can use, every check the inputs allow made before the first request: ids
     unique (their group ids too), one row per query (a query in both splits would leak, B.1.2), a
-    source document with text when candidates are searched. -> (rows, [(row, why dropped)])."""
+    source document with text when candidates are searched, else (n_docs given) n_docs candidates of its
+    own (own_candidates), so that the splits are composed of rows the build keeps. -> (rows, [(row, why
+    dropped)])."""
     by_id = {}
     for r in rows:
         if r["id"] in by_id:
@@ -353,6 +357,8 @@ def usable_rows(rows, search):
             dropped.append((r, "no source document (sugg_idx / target_id / source_index)"))
         elif search and not r["docs"][r["source_index"]]["text"].strip():
             dropped.append((r, f"its source document ({r['source_index']}) has no text"))
+        elif not search and n_docs and own_candidates(r, n_docs)[0] is None:
+            dropped.append((r, own_candidates(r, n_docs)[1]))
         else:
             queries[q] = r
             kept.append(r)
@@ -586,8 +592,8 @@ def plan(cfg):
     archive = read_resource("--agentic-archive", geo_attacks.read_archive, b.agentic_archive)
     rules = read_resource("--autogeo-rules", geo_attacks.read_rules, b.autogeo_rules)
     cons = construction_families(b.construction_families, fams, seen)
-    rows, dropped = usable_rows(read_rows(b.input), b.search is not None)
-    picked, order = compose(rows, b.groups, b.construction_groups, cfg.folder.seed)
+    rows, dropped = usable_rows(read_rows(b.input), b.search is not None, b.docs)
+    picked, order = compose(rows, b.groups, b.construction_groups, cfg.folder.seed, dropped)
     return Plan(fams, seen, picked, order, dropped, corpus, archive, rules, cons)
 
 
@@ -627,6 +633,16 @@ def dry_run(run):
             "note": "upper bounds (gate retries and JSON re-asks included); cached replies cost nothing"}
 
 
+def both_splits(groups, dropped, b, when):
+    """A SettingsError unless `groups` hold a construction group and a test group: a file without one
+    split trains or evaluates nothing (refused by the first command that reads it)."""
+    empty = [s for s in ("construction", "test") if not any(g["split"] == s for g in groups)]
+    if empty:
+        raise SettingsError(f"{b.input}: no {' and no '.join(empty)} group {when}: {len(groups)} made, {len(dropped)} "
+                            f"rows dropped (first: {dropped[0][1] if dropped else 'none'}); give more rows, or fewer "
+                            "--construction-groups")
+
+
 def build_bench(run, p=None):
     """Build the benchmark file run.cfg.build.output (settings.BuildConfig; see the module docstring) -> (path,
     composition). `p`: the build's Plan when the caller has made it (run.py does, to serve the offline
@@ -660,6 +676,7 @@ def build_bench(run, p=None):
         docs = [{"doc_id": f"{gid}-{i}", "url": d["url"], "text": d["text"]} for i, d in enumerate(docs)]
         groups.append({"group_id": gid, "query": row["query"], "split": split, "source_index": pos, "row": row,
                        "docs": docs})
+    both_splits(groups, dropped, b, "before any rewrite")
     ranker = load_rankers(run, False)[0] if "MAGEO" in fams and b.mageo_signal == "reranker" and groups else None
     ctx = geo_jobs.Ctx(llm, cfg.llm.temperature, max(cfg.llm.max_tokens, 4096), cfg.request.workers, judge=judge,
                           archive=p.archive, rules=p.rules, ranker=ranker)
@@ -675,9 +692,7 @@ def build_bench(run, p=None):
             log(f"[build-bench] {g['group_id']}: no {f} rewrite, the group kept without it ({why})")
     for row, why in dropped:
         log(f"[build-bench] dropped {where(row)} ({row['id']}): {why}")
-    if not kept:
-        raise SettingsError(f"{b.input}: no query group left, all {len(dropped)} dropped "
-                            f"(first: {dropped[0][1] if dropped else 'no rows'})")
+    both_splits(kept, dropped, b, "after the rewrites (those made are cached)")
     markers = surface_markers(kept, attacks, fams)
     tctx = test_ctx or ctx                               # the test split's builder writes its honest edits too
     edits, refused = None, None

@@ -162,8 +162,8 @@ def test_rows_shorter_than_docs_are_reported_not_lost(geo_input, short_rows, tmp
     short_rows build, the same command) is recorded."""
     argv = _short_rows_argv(geo_input, tmp_path)
     with pytest.raises(SystemExit,
-                       match="no query group left, all 24 dropped .first: 5 non-empty, distinct documents < "
-                             "--docs 10"):
+                       match="0 query groups leave none for the test split after --construction-groups 2; 24 "
+                             "rows dropped .first: 5 non-empty, distinct documents < --docs 10"):
         run.main(argv)                   # five sources a row, ten asked: every row reported and dropped
     assert not (tmp_path / "b.jsonl").exists()
     groups, meta = geodef.load_bench(str(short_rows), with_meta=True)
@@ -267,6 +267,22 @@ def test_inputs_that_cannot_be_read_are_one_line_errors(geo_input, tmp_path):
         run.main(argv + ["--docs", "5", "--out", str(tmp_path / "elsewhere.jsonl")])
     with pytest.raises(SystemExit, match="only GEO-Bench's test split has source texts"):
         run.main(argv[:2] + ["hf:GEO-Optim/geo-bench:train"] + argv[3:])
+
+
+def test_a_build_left_without_a_test_group_is_refused_before_its_first_call(tmp_path):
+    """Without search, rows with fewer candidates than --docs are dropped as the splits are composed, so the
+    walk does not fill construction and run out of rows for test: the dry run counts what the build makes,
+    and a build left without a test group is refused before any LLM call, not written to fail in `train`."""
+    def short(rows):
+        for r in rows[2:]:
+            r["sources"], r["sugg_idx"] = r["sources"][:3], 0
+    argv = ["build-bench", "--input", _rows(tmp_path, short), "--output", str(tmp_path / "b.jsonl"), "--groups", "4",
+            "--construction-groups", "2", "--docs", "5", "--llm", "offline", "--runs-dir", str(tmp_path / "r"),
+            "--name", "b", "--attacks", "GEO", "--seen-methods", "GEO"]
+    for dry in (["--dry-run"], []):
+        with pytest.raises(SystemExit, match="2 query groups leave none for the test split .* 10 rows dropped"):
+            run.main(argv + dry)
+    assert not (tmp_path / "b.jsonl").exists() and not (tmp_path / "r" / "b" / "usage.jsonl").exists()
 
 
 def _rows(tmp_path, edit, name="rows.jsonl"):
