@@ -218,9 +218,12 @@ def kendall_tau(a, b):
     return (conc - disc) / math.sqrt(n_a * n_b) if n_a and n_b else math.nan
 
 
-def ranked(scores):
-    """Item indices, highest score first (ties in input order)."""
-    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+def ranked(scores, ids=None):
+    """Item indices, highest score first. Ties in input order, or, given the items' `ids`, in the order of a
+    hash of each id: a benchmark list holds its attacked document at the source's position, so input order
+    would hand it every tie (a saturated endpoint's 1.0s, a constant scorer) by where it sits."""
+    tie = (lambda i: i) if ids is None else (lambda i: hashlib.sha1(str(ids[i]).encode("utf-8")).digest())
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], tie(i)))
 
 
 def topk_agreement(a, b, k):

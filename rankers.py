@@ -123,7 +123,7 @@ class Ranker:
         return [self.cache[doc_key(x.query, d)] for d in x.docs]
 
     def order(self, x):
-        return metrics.ranked(self.scores(x))
+        return metrics.ranked(self.scores(x), x.doc_ids)
 
 
 def share_files(path):
@@ -254,7 +254,7 @@ class RemoteRanker:
         return self.by_id[x.instance_id]
 
     def order(self, x):
-        return metrics.ranked(self.scores(x))
+        return metrics.ranked(self.scores(x), x.doc_ids)
 
 
 def make_rankers(run, items, stage):

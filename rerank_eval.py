@@ -48,7 +48,7 @@ SHORT_BUDGET = 8                    # deletion samples: a micro-batch's token bu
 def instance_record(x, clean, ranker, base_clean_order, k):
     """One attacked instance under one reranker -> its record (see the module docstring)."""
     scores = ranker.scores(x)
-    order = metrics.ranked(scores)
+    order = metrics.ranked(scores, x.doc_ids)
     attack_rank = order.index(x.attack_index) + 1
     clean_order = ranker.order(clean)
     source_rank = clean_order.index(x.attack_index) + 1       # the source document sits where the attack does
@@ -209,7 +209,8 @@ def certify_records(run, rk, insts, cleans, base_clean):
         a, clean = x.attack_index, g_clean[x.group_id]
         radii = lambda g, a, text: {kind: certify.radius(g, a, d.k, eps, rate, kind, len(text.split()))
                                     for kind in certify.KINDS}
-        clean_top = metrics.ranked(clean)[:d.k]
+        clean_ids = cleans[x.group_id].doc_ids
+        clean_top = metrics.ranked(clean, clean_ids)[:d.k]
         ins, dels = certify.edit_counts(x.source, x.docs[a])
         rec = {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, "attack_index": a,
                "samples": n, "eps": eps,
@@ -217,8 +218,9 @@ def certify_records(run, rk, insts, cleans, base_clean):
                "source_radius": radii(clean, a, x.source), "rewrite_radius": radii(g, a, x.docs[a]),
                "kept_radius": [certify.kept_radius(clean, a, j, d.k, eps, rate) for j in clean_top if j != a],
                "inserted": ins, "deleted": dels, "inside": certify.inside(clean, a, d.k, eps, rate, ins, dels),
-               "smoothed_exposed": a in metrics.ranked(g)[:d.k],
-               "ndcg_smoothed_clean": certify.ndcg(metrics.ranked(clean), rk.order(cleans[x.group_id]), d.k)}
+               "smoothed_exposed": a in metrics.ranked(g, x.doc_ids)[:d.k],
+               "ndcg_smoothed_clean": certify.ndcg(metrics.ranked(clean, clean_ids), rk.order(cleans[x.group_id]),
+                                                   d.k)}
         if x.co_attacks:
             rec.update(attacked=len(x.attacked), co_radius=[radii(g, j, x.docs[j])["inserted"] for j in x.co_attacks])
         if base_clean is not None:

@@ -156,3 +156,16 @@ def test_a_citation_past_ints_digit_limit_is_no_index_and_no_crash():
     citing nothing there."""
     big = "1" * 5000
     assert metrics.cited_indices(f"a [{big}] b [{big}-{big}] [3]") == [3]
+
+
+def test_ties_go_by_the_documents_ids_not_their_positions():
+    """A constant scorer ranks each list by a hash of its ids: the same documents in another order rank the
+    same, and the attacked document, wherever it sits, wins ties in about k of n lists (not all or none)."""
+    ids = [f"g-{i}" for i in range(10)]
+    order = [ids[i] for i in metrics.ranked([0.5] * 10, ids)]
+    back = ids[::-1]
+    assert [back[i] for i in metrics.ranked([0.5] * 10, back)] == order and order != ids
+    assert metrics.ranked([0.5] * 10) == list(range(10))          # without ids: input order (serve's replies)
+    exposed = [0 in metrics.ranked([1.0] * 10, [f"q{g}-{i}" for i in range(10)])[:5] for g in range(400)]
+    assert 0.4 < sum(exposed) / 400 < 0.6
+    assert metrics.ranked([0.1, 0.9, 0.5], ["c", "b", "a"]) == [1, 2, 0]        # no tie: by score alone
