@@ -6,8 +6,9 @@ families, 88 test groups x 7).
 
 Inputs: GEO-Bench rows as the hub ships them (query, tags, sugg_idx, sources[{url, raw_text,
 cleaned_text}]) in .jsonl, .json or .parquet; `hf:GEO-Optim/geo-bench` (its test split, the one with
-source texts); AutoGEO's rows ({query_id: {query, text_list, target_id}}); or {query, docs[,
-source_index]} rows. The source document is the row's (sugg_idx / target_id / source_index).
+source texts); AutoGEO's rows ({query_id: {query, text_list, target_id}}); AgenticGEO's MSdata rows
+({query_id, query, text_list, suggest_id}); or {query, docs[, source_index]} rows. The source document
+is the row's (sugg_idx / target_id or suggest_id / source_index).
 
 Candidates: `--search tavily[:URL]` asks Tavily's search API (raw HTTP JSON, key TAVILY_API_KEY,
 sent only to its host) for the query's pages with their raw content; the row's source is placed
@@ -98,7 +99,9 @@ def read_json_rows(path):
     """A .json file: a list of rows, or AutoGEO's {query_id: {query, text_list, target_id}} -> [(n, row)]."""
     try:
         with open(path, encoding="utf-8-sig") as f:      # a byte-order mark is dropped, as in .jsonl
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=geodef._unique_keys)    # (a query id twice: not the last kept)
+    except geodef._DuplicateKey as e:
+        raise geodef.BenchFormatError(f"{path}: invalid JSON: key {e.args[0]!r} given twice in one object") from None
     except UnicodeDecodeError as e:
         raise geodef.BenchFormatError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
     except RecursionError:
@@ -125,16 +128,26 @@ def read_parquet(path):
                                       f"{str(e)[:200]})") from None
 
 
+SOURCE_KEYS = ("sugg_idx", "target_id", "suggest_id", "source_index")     # the input formats' source indices
+
+
 def row_of(o, path, n):
     """One input row -> the builder's row, every field checked (file:line: field: what is wrong)."""
     if not isinstance(o, dict):
         raise geodef.BenchFormatError(f"{path}:{n}: (row): expected an object")
-    for key, src_key, text_of in (("sources", "sugg_idx", lambda d: d.get("cleaned_text") or d.get("raw_text")),
-                                  ("text_list", "target_id", None), ("docs", "source_index", lambda d: d.get("text"))):
+    for key, src_keys, text_of in (("sources", ("sugg_idx",), lambda d: d.get("cleaned_text") or d.get("raw_text")),
+                                   ("text_list", ("target_id", "suggest_id"), None),   # AutoGEO; AgenticGEO's
+                                   ("docs", ("source_index",), lambda d: d.get("text"))):
         if key in o:
             break
     else:
         raise geodef.BenchFormatError(f"{path}:{n}: sources/text_list/docs: missing")
+    given = [k for k in SOURCE_KEYS if o.get(k) is not None]     # one source index, of this format's spelling:
+    if len(given) > 1 or given and given[0] not in src_keys:     # another's would be ignored, and the longest
+        raise geodef.BenchFormatError(                           # document rewritten in its place
+            f"{path}:{n}: {given[-1]}: " + (f"given beside {given[0]}" if len(given) > 1 else
+                                            f"not a source index of rows with {key} (give {' or '.join(src_keys)})"))
+    src_key = given[0] if given else src_keys[0]
     items = o[key]
     if not isinstance(items, list):
         raise geodef.BenchFormatError(f"{path}:{n}: {key}: expected a list, got {type(items).__name__}")
@@ -156,9 +169,9 @@ def row_of(o, path, n):
         raise geodef.BenchFormatError(f"{path}:{n}: query: empty (only spaces or invisible characters)")
     geodef.check_text(q, path, n, "query")
     src = source_index(o.get(src_key), len(docs), path, n, src_key)
-    rid = o.get("group_id") or o.get("query_id") or f"q{n:04d}"
-    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise geodef.BenchFormatError(f"{path}:{n}: query_id: expected a string or an integer, got {rid!r}")
+    rid = next((o[k] for k in ("group_id", "query_id") if o.get(k) is not None), f"q{n:04d}")   # (0 is an id)
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
+        raise geodef.BenchFormatError(f"{path}:{n}: query_id: expected a non-empty string or an integer, got {rid!r}")
     geodef.check_unicode(str(rid), path, n, "query_id")
     return {"id": str(rid), "line": n, "path": path, "query": q, "docs": docs, "source_index": src}
 
@@ -354,7 +367,7 @@ def usable_rows(rows, search, n_docs=None):
         if q in queries:
             dropped.append((r, f"the same query as {where(queries[q])}"))
         elif search and r["source_index"] is None:
-            dropped.append((r, "no source document (sugg_idx / target_id / source_index)"))
+            dropped.append((r, "no source document (sugg_idx / target_id / suggest_id / source_index)"))
         elif search and not r["docs"][r["source_index"]]["text"].strip():
             dropped.append((r, f"its source document ({r['source_index']}) has no text"))
         elif not search and n_docs and own_candidates(r, n_docs)[0] is None:

@@ -134,14 +134,14 @@ def parse_fidelity(data):
 
 def cheap_gate(source, candidate, prompt_texts=()):
     """None if the candidate may go to the fidelity judge, else why it is refused: empty, a length far
-    from the source's, prompt text (the <input> block or any of `prompt_texts`), chat control tokens,
-    or a number of the source missing."""
+    from the source's, prompt text the source does not hold (the <input> block or any of `prompt_texts`:
+    an HTML tutorial's own "<input>" is the page's), chat control tokens, or a number of the source missing."""
     if not candidate.strip():
         return "empty"
     ratio = len(candidate) / max(1, len(source))
     if not MIN_RATIO <= ratio <= MAX_RATIO:
         return f"length ratio {ratio:.2f} outside {MIN_RATIO}-{MAX_RATIO}"
-    if "<input>" in candidate or "</input>" in candidate or any(p and p in candidate for p in prompt_texts):
+    if any(p and p in candidate and p not in source for p in ("<input>", "</input>", *prompt_texts)):
         return "holds prompt text"
     if geodef.control_tokens(candidate):
         return f"holds chat control tokens {geodef.control_tokens(candidate)[:3]}"

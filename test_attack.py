@@ -92,6 +92,8 @@ def test_the_cheap_gate_names_what_a_candidate_lost():
     src = "Boil eggs for 6 minutes at 100 C for a soft yolk."
     assert attack.cheap_gate(src, "Boil eggs for six minutes at 100 C.") == "drops source numbers ['6']"
     assert attack.cheap_gate(src, src + " <input>{}</input>") == "holds prompt text"
+    html = "Add a <input> tag to the form; boil eggs for 6 minutes at 100 C."   # the page's own tag: its text
+    assert attack.cheap_gate(html, "Experts agree: " + html) is None
     assert attack.cheap_gate(src, "6 100") .startswith("length ratio")
     assert attack.cheap_gate(src, "Experts agree: " + src) is None
 

@@ -253,6 +253,10 @@ def test_autogeo_rows_in_a_json_list_are_read(tmp_path):
                                                    "query": "how do tides work",
                                                    "docs": [{"url": "", "text": "a"}, {"url": "", "text": "b"}],
                                                    "source_index": 1}
+    row = '{"query": "q", "text_list": ["a", "b"], "target_id": 0}'
+    auto.write_text('{"q1": ' + row + ', "q1": ' + row.replace('"q"', '"another q"') + '}')   # json.load: the last
+    with pytest.raises(geodef.BenchFormatError, match="key 'q1' given twice"):
+        build_bench.read_rows(str(auto))
 
 
 def test_inputs_that_cannot_be_read_are_one_line_errors(geo_input, tmp_path):
@@ -376,6 +380,20 @@ def test_an_input_rows_id_and_urls_are_valid_unicode():
                                                             r"sources\[0\].url")):
         with pytest.raises(geodef.BenchFormatError, match=f"in.jsonl:3: {fld}: not valid Unicode"):
             build_bench.row_of({**row, **bad}, "in.jsonl", 3)
+
+
+def test_a_rows_source_index_is_read_in_its_formats_spelling_or_refused():
+    """AgenticGEO's MSdata rows name their source `suggest_id`; a source index of another format's spelling
+    (docs with sugg_idx) is refused rather than ignored (the longest document would be rewritten in its
+    place); a query id 0 is an id."""
+    msdata = {"query_id": 0, "query": "meaning of name elia", "text_list": ["a", "b", "c"], "suggest_id": 2}
+    row = build_bench.row_of(msdata, "in.json", 1)
+    assert row["source_index"] == 2 and row["id"] == "0"
+    for bad, msg in (({"docs": [{"text": "a"}], "sugg_idx": 0}, "sugg_idx: not a source index of rows with docs"),
+                     ({**msdata, "target_id": 1}, "suggest_id: given beside target_id"),
+                     ({**msdata, "query_id": ""}, "query_id: expected a non-empty string")):
+        with pytest.raises(geodef.BenchFormatError, match=f"in.json:1: {msg}"):
+            build_bench.row_of({"query": "q", **bad}, "in.json", 1)
 
 
 def test_a_query_given_twice_is_built_once(tmp_path):
