@@ -96,9 +96,11 @@ def ppl_filter(cfg, base, cons, test_insts):
     return orders, diag
 
 
-def _answer(reply):
-    return reply.data.get("answer", "") if isinstance(reply.data, dict) and isinstance(reply.data.get("answer"), str) \
-        else (reply.text or "")
+def answer_check(data):
+    """An answer reply's JSON must be an object with a string "answer" (A.3.7's schema); another shape is
+    re-asked. Read as text instead, a reply's own lists ("filtered_doc_ids": [3]) would count as citations."""
+    if not (isinstance(data, dict) and isinstance(data.get("answer"), str)):
+        raise ValueError('expected a JSON object with a string "answer"')
 
 
 def _messages(prompt):
@@ -147,16 +149,22 @@ def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
                 if any(pre) else ())
     pre_replies = [[next(flat) for _ in ms] for ms in pre]
     finals = [p.final(x.query, d, [r.data for r in rs]) for x, d, rs in zip(part, docs, pre_replies)]
-    sent = [ask(m) for m, _ in finals if m is not None]
+    sent = [{**ask(m), "check": answer_check} for m, _ in finals if m is not None]
     desc = name + (f" (sample {sample})" if sample else "")
-    replies = iter(llm.map(sent, workers=workers, desc=desc) if sent else ())
+    replies = iter(llm.map(sent, workers=workers, desc=desc, invalid="return") if sent else ())
     recs = []
     for x, t, rs, (m, kept) in zip(part, tops, pre_replies, finals):
         r = next(replies) if m is not None else None     # None: answered without a call (RobustRAG abstains)
-        ans = _answer(r) if r is not None else kept.pop("answer")
+        failed = r if isinstance(r, llm_clients.ReplyInvalid) else None   # every attempt unusable: no answer,
+        r = None if failed else r                                          # recorded (it cites nothing) and counted
+        ans = r.data["answer"] if r is not None else "" if failed else kept.pop("answer")
         rec = _record(x, t, name, p.finish(ans, kept), r.reasoning if r is not None else None)
+        if failed:
+            rec["answer_failed"] = {"attempts": failed.attempts, "error": str(failed)[:300]}
+            log(f"[eval] {name}: {x.instance_id}: no usable answer after {failed.attempts} attempts; recorded as "
+                "answer-failed")
         done = rs + ([r] if r is not None else [])
-        usage = {"usage": reply_usage(done, sequential=bool(rs) + (r is not None))} if p.usage else {}
+        usage = {"usage": reply_usage(done, sequential=bool(rs) + (m is not None))} if p.usage else {}
         recs.append({**rec, **kept, **usage})
     return recs
 
@@ -296,13 +304,22 @@ def sample_summary(by_condition, conds, n_boot, seed):
 
 
 def summarize(recs, clean):
-    """ASR, ASI, BER (B.2.3) of one condition's records. ASI is over the instances the judge scored:
-    one whose every judge reply was unusable is left out and counted in `asi_judge_failed`."""
+    """ASR, ASI, BER (B.2.3) of one condition's records. Only instances with the attack in context are
+    judged (the rest score 0 without a call), so one whose every judge reply was unusable (counted in
+    `asi_judge_failed`) counts at the mean score of the judged in-context ones: left out, it would leave
+    the zeros their weight and bias ASI low. Every judge reply failed: ASI NaN (shown "-", as BER's). An
+    instance whose answer request gave no usable reply cites nothing and is counted in `answer_failed`
+    (present when some is)."""
     b_clean = [clean[r["group_id"]]["benign_cited"] for r in recs]
     judged = [r["asi"] for r in recs if r["asi"] is not None]
-    return {"ASR": metrics.asr([r["attack_cited"] for r in recs]), "ASI": metrics.asi(judged),
+    inside = [r["asi"] for r in recs if r["attack_in_context"] and r["asi"] is not None]
+    failed = len(recs) - len(judged)
+    asi = (metrics.asi(judged + [sum(inside) / len(inside)] * failed) if inside else math.nan) if failed else \
+        metrics.asi(judged)
+    return {"ASR": metrics.asr([r["attack_cited"] for r in recs]), "ASI": asi,
             "BER": metrics.ber([r["benign_cited"] for r in recs], b_clean), "n": len(recs),
             "asi_judge_failed": len(recs) - len(judged),
+            **({"answer_failed": n} if (n := sum("answer_failed" in r for r in recs)) else {}),
             "attack_in_context": 100.0 * sum(r["attack_in_context"] for r in recs) / max(1, len(recs)),
             "hallucinated_citations": sum(len(r["hallucinated"]) for r in recs)}
 
@@ -448,6 +465,7 @@ def evaluate(run, conditions=None, ranked=None):
     cfg = run.cfg
     _, meta, cons, test, seen, methods = run.data
     insts = geodef.expand(test, methods)
+    lists = geodef.expand(test, methods, paper=True)    # the paper's lists: what the epochs and transfers answer
     cleans = [geodef.clean_instance(g) for g in test]
     conds, transfers = conditions or eval_conditions(run)
     needs_lib = any(c in WITH_LIBRARY or deployed_label(c) and c.startswith("TFSG only") for c in conds)
@@ -503,17 +521,19 @@ def evaluate(run, conditions=None, ranked=None):
                                                      cfg.folder.seed)
     if "GEO Defender" in conds:
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
-        summary["quality"] = pairwise_quality(run, judge, results["GEO Defender"], clean,
+        summary["quality"] = pairwise_quality(run, judge, metrics.paper_level(results["GEO Defender"]), clean,
                                               {x.instance_id: x for x in insts}, res)
-        summary["epochs"] = library_epochs(run, results["GEO Defender"], insts, plan["Shield only"].topk, clean,
+        summary["epochs"] = library_epochs(run, results["GEO Defender"], lists, plan["Shield only"].topk, clean,
                                            condition)
     summary.update(defense_summary(run, llm, judge, results, plan, insts, clean, res))
     if transfers and "GEO Defender" in conds:     # Table C.2 row: other targets' libraries, Shield fixed
-        summary["transfer"] = {"(own)": {k: summary["conditions"]["GEO Defender"][k] for k in ("ASR", "ASI")}}
+        # each on the paper's lists, one sample: the run's own library's figures from its first sample
+        row = lambda recs: {k: v for k, v in summarize(metrics.paper_level(recs), clean).items()
+                            if k in ("ASR", "ASI")}
+        summary["transfer"] = {"(own)": row(results["GEO Defender"])}
         for name, _, lt in transfers:
-            recs = condition(f"GEO Defender [{name}]", insts, Condition(plan["Shield only"].topk, guided(lt)),
-                             f"transfer_{name}")
-            summary["transfer"][name] = {kk: v for kk, v in summarize(recs, clean).items() if kk in ("ASR", "ASI")}
+            summary["transfer"][name] = row(condition(f"GEO Defender [{name}]", lists, Condition(
+                plan["Shield only"].topk, guided(lt)), f"transfer_{name}"))
     summary.update(clients_summary((llm, judge)))
     summary = write_summary(run, "eval", summary)              # rerank-eval's, attack's and harden's blocks kept
     report.write_report(run.dir, summary)
@@ -825,7 +845,8 @@ def plan_honest(k, test, conds, res, ctx, stages):
 
 def library_epochs(run, final, insts, shield_topk, clean, condition):
     """Fig. 5: ASR, ASI and BER of GEO Defender with each library epoch E0..E{n+1} found in the run
-    (the final one's records are `final`; the others evaluated through `condition`)."""
+    (the final one's records are `final`; the others evaluated through `condition` on `insts`, the paper's
+    lists), on the paper's lists as Table 1 (its first sample: the last epoch is Table 1's with one sample)."""
     epochs = {}
     last = run.cfg.tfsg.n_batches + 1
     for t in range(last + 1):
@@ -835,7 +856,8 @@ def library_epochs(run, final, insts, shield_topk, clean, condition):
         lt = tfsg.load_library(p, run.limits)
         recs = final if t == last else condition(
             f"GEO Defender E{t}", insts, Condition(shield_topk, guided(lt)), f"geo_defender_E{t}")
-        epochs[f"E{t}"] = {k: v for k, v in summarize(recs, clean).items() if k in ("ASR", "ASI", "BER")}
+        epochs[f"E{t}"] = {k: v for k, v in summarize(metrics.paper_level(recs), clean).items()
+                           if k in ("ASR", "ASI", "BER")}
     return epochs
 
 

@@ -22,6 +22,7 @@ def test_cited_indices_edge_cases():
 def test_asr_asi_ber_known_values():
     assert metrics.asr([True, False, False, True]) == 50.0
     assert metrics.asi([4, 0, 2, 0]) == 100 * 6 / 16
+    assert math.isnan(metrics.asr([])) and math.isnan(metrics.asi([]))     # no instance: no figure, not 0
     assert metrics.ber([2, 1, 3], [2, 2, 2]) == 100.0
     assert metrics.ber([1, 1], [2, 2]) == 50.0
     assert metrics.ber([1, 3], [1, 4]) == 80.0                # a ratio of sums (the mean of ratios is 87.5)

@@ -4,6 +4,7 @@ Run: python -m pytest -q test_pipeline.py
 """
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -550,6 +551,33 @@ class BadJudge(BaseHTTPRequestHandler):
         pass
 
 
+def test_an_answer_without_its_answer_field_is_re_asked_then_recorded_as_failed():
+    """A target reply whose JSON lacks a string "answer" is asked again; still unusable, the instance is
+    recorded as answer-failed citing nothing, not read as text (its own "filtered_doc_ids": [3] would have
+    counted as citations), and the condition goes on."""
+    groups, meta = geodef.load_bench(settings.SAMPLE, with_meta=True)
+    x = geodef.expand(groups[:1], meta.methods)[0]
+    top = [x.attack_index] + [i for i in range(len(x.docs)) if i != x.attack_index][:4]
+    off = json.dumps({"final_answer": "It is so [1].", "filtered_doc_ids": [1], "kept_doc_ids": [2, 3]})
+    llm = llm_clients.Client.open(None, "m", handler=lambda body: {"choices": [{"message": {"content": off},
+                                                                               "finish_reason": "stop"}]})
+    decoding = settings.EvalConfig().llm
+    [rec] = evaluation.pipeline_records(decoding, 1, llm, "Non-Defense", [x], [top], evaluation.STANDARD)
+    assert rec["answer"] == "" and rec["cited_ids"] == [] and not rec["attack_cited"]
+    assert rec["answer_failed"]["attempts"] == 2 and llm.stats["json_reasks"] == 1
+
+
+def test_asi_counts_a_failed_judge_reply_at_the_judged_mean_not_as_missing():
+    """Only in-context instances are judged: half of 100 in context, each scored 4, is ASI 50; a quarter of
+    their judge replies failing leaves it 50 (left out, the zeros would keep their weight: 33.3)."""
+    def recs(failed):
+        return [{"group_id": f"g{i}", "attack_cited": False, "benign_cited": 1, "hallucinated": [],
+                 "attack_in_context": i < 50, "asi": None if i < failed else 4 if i < 50 else 0} for i in range(100)]
+    clean = {f"g{i}": {"benign_cited": 1} for i in range(100)}
+    assert evaluation.summarize(recs(0), clean)["ASI"] == evaluation.summarize(recs(25), clean)["ASI"] == 50.0
+    assert evaluation.summarize(recs(25), clean)["asi_judge_failed"] == 25
+
+
 def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, tmp_path):
     """A judge reply whose score is malformed is asked again (bounded), never cached; the instance is
     then recorded as judge-failed, counted in summary.json and the report, and the eval goes on. The
@@ -572,6 +600,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         failed = [r for r in recs if r["attack_in_context"]]
         assert failed and all(r["asi"] is None and r["asi_judge_failed"]["attempts"] == 2 for r in failed)
         assert s["conditions"]["Non-Defense"]["asi_judge_failed"] == len(failed)
+        assert math.isnan(s["conditions"]["Non-Defense"]["ASI"])        # every judged instance failed: no ASI
         assert s["quality"]["judge_failed"] == 7 and s["quality"]["n"] == 0
         rep = open(tmp_path / "j" / "report.md").read()
         assert "ASI judge failures" in rep and "Pairwise judge failures (left out of Table C.1): 7" in rep
