@@ -255,11 +255,18 @@ TOOLS = (("bench", settings.BenchConfig, "speed benchmarks against the reference
                                                         "on loopback"))
 DRY_RUN = {"train", "eval", "attack", "harden", "build-bench", "holdout", "rerank-eval"}
 # --out: where a command writes, never read back (not a setting)
-OUT = {"demo": dict(default="runs", help="folder to write the demo run into (DIR/demo/...)"),
-       "export": dict(required=True, help="output folder"),
-       "compare": dict(required=True, help="folder for comparison.md and figures"),
-       "bench-audit": dict(default=None, help="folder for bench_audit.json and .md (default: BENCH_audit/ beside "
-                                              "--bench)")}
+def folder(v):
+    """--out's folder: an empty path (the current folder, where a command then writes its files) is refused."""
+    if not v.strip():
+        raise argparse.ArgumentTypeError("a folder is required (an empty path would mean the current one)")
+    return v
+
+
+OUT = {"demo": dict(default="runs", type=folder, help="folder to write the demo run into (DIR/demo/...)"),
+       "export": dict(required=True, type=folder, help="output folder"),
+       "compare": dict(required=True, type=folder, help="folder for comparison.md and figures"),
+       "bench-audit": dict(default=None, type=folder, help="folder for bench_audit.json and .md (default: "
+                                                           "BENCH_audit/ beside --bench)")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -331,7 +338,7 @@ def cmd_build_bench(args):
     """GEO-DefenseBench from GEO-Bench rows (build_bench.py): with no --attacks the paper's recipe."""
     cfg = resolve(settings.BuildConfig, given(args, settings.BuildConfig), args.preset, from_record=False)
     if args.dry_run:
-        return show(build_bench.dry_run(Run.plan(cfg, record=None)))
+        return show(build_bench.dry_run(Run.plan(cfg, llms=True, record=None)))
     plan = build_bench.plan(cfg)
     engine = build_bench.offline_engine_needed(cfg.llm.llm, cfg.build.fidelity_judge, plan)
     with Run.open(cfg, "build-bench", llms=True, record=None, engine=engine, corpus=plan.corpus) as run:

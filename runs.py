@@ -147,21 +147,20 @@ class Run:
         """A command's checks, nothing started (what a --dry-run prices, and what `open` runs first): every
         client the command uses built (check_llms; keys=False: a missing API key said, not refused), the
         benchmark's roles (check_roles), the files it needs from `train` (`needs`: names of NEEDS), the
-        run's record (`record` as `open` takes it: "config" check_record, "check" any record checked as
-        record_or_check does, None nothing), then the command's own `check(run)`, whose answer (what it
+        run's record (`record` as `open` takes it; "config" and "check" both check_record: a record of
+        something produced is checked, None nothing), then the command's own `check(run)`, whose answer (what it
         checked: eval's conditions) the Run keeps as `checked`. -> the Run."""
         run = cls(cfg)
         if llms:
             run.check_llms(keys=keys)
+        elif cfg.setting("prices"):       # read now, not when the summary is written after the paid work
+            run.prices
         if roles:
             run.check_roles()
         for name in needs:
             path, what = NEEDS[name]
             need_trained(path(run), what, cfg.folder.name)
-        old = read_json(run.path("config.json")) if record == "check" else None
-        if old is not None:
-            run._check_pinned(old)
-        elif record == "config":
+        if record is not None:          # "config" and "check" check alike: a record of something produced
             run.check_record()
         run.checked = check(run) if check else None
         return run
@@ -361,14 +360,14 @@ class Run:
         key is bought): a missing key is said, not refused. A bad price table is refused here too."""
         cfg = self.cfg
         specs = [cfg.llm.llm] + [cfg.setting(k) for k in ("analyzer", "judge", "fidelity_judge", "test_llm",
-                                                              "test_fidelity_judge")]
+                                                              "test_fidelity_judge", "attacker", "test_attacker")]
         for spec in dict.fromkeys(s for s in specs if s):
             try:
                 self.llm(spec)
             except SettingsError:       # the price table's own refusal (a SettingsError is a ValueError too)
                 raise
             except ValueError as e:     # unknown provider, no model, no --base-url, a key's wrong host
-                raise SettingsError(f"--llm/--analyzer/--judge/--fidelity-judge: {e}") from None
+                raise SettingsError(f"--llm/--analyzer/--judge/--fidelity-judge/--attacker: {e}") from None
             except llm_clients.LLMError as e:        # no API key
                 if keys:
                     raise
@@ -398,18 +397,23 @@ class Run:
     def record(self, command):
         """Write the run's settings to config.json. Once a step has produced something, a rerun that
         changes a setting it depends on (pinned) is refused; before that (a start that failed, e.g. on a
-        model that could not be downloaded) the record is simply replaced."""
+        model that could not be downloaded) the record is simply replaced. The settings of the record that
+        this command has no field for (eval's judge and n_boot, when train records) are kept: later
+        commands take them from here."""
         self.check_record()
+        old = read_json(self.path("config.json"))
+        kept = old["config"] if isinstance(old, dict) and isinstance(old.get("config"), dict) else {}
         write_json(self.path("config.json"),
-                   {"config": printable(self.cfg), "bench_sha1": file_sha1(self.cfg.data.bench), "command": command,
-                    "code_version": code_version(), "offline": self.offline,
+                   {"config": {**kept, **printable(self.cfg)}, "bench_sha1": file_sha1(self.cfg.data.bench),
+                    "command": command, "code_version": code_version(), "offline": self.offline,
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})
 
     def record_or_check(self, command):
-        """A command that adds results to a run without training (rerank-eval): a new folder gets its
-        config.json; an existing record is checked (pinned settings, benchmark content), not rewritten."""
+        """A command that adds results to a run without training (rerank-eval): a new folder, or one whose
+        start failed before it produced anything, gets its config.json; an existing record of something
+        produced is checked (pinned settings, benchmark content), not rewritten."""
         old = read_json(self.path("config.json"))
-        if old is None:
+        if old is None or not produced_anything(self.dir):
             return self.record(command)
         self._check_pinned(old)
 
@@ -533,9 +537,10 @@ def resolve(cls, given, preset=None, from_record=True):
         keep = set(cls.pinned()) | set(cls.taken())
         rec = {k: v for k, v in read_json(os.path.join(where, "config.json"), {}).get("config", {}).items()
                if k in keep and k not in asked}
-        if "***@" in str(rec.get("base_url")):   # stored without its credentials: give --base-url again
-            log(f"[config] {where}/config.json: base_url was stored without its credentials; give --base-url again")
-            rec.pop("base_url")
+        # a base URL stored without its credentials: refused, as the provider's default URL is no stand-in
+        if "***@" in str(rec.get("base_url")):
+            raise SettingsError(f"{where}/config.json: base_url was stored without its credentials "
+                                f"({rec['base_url']}); give --base-url again")
         defaults = {f.name: f.default for f in cls.fields()}
         taken = {k: v for k, v in rec.items() if v != defaults[k]}          # those that are not defaults
         if taken:

@@ -257,7 +257,8 @@ class RunSettings(Settings):
     """The run folder (README "What a run folder guarantees") and the seed of everything drawn."""
     KEY = "folder"
     name: str = setting("default", "run folder name under --runs-dir", ok=check_name)
-    runs_dir: str = setting("runs", "parent folder of run folders")
+    runs_dir: str = setting("runs", "parent folder of run folders", ok=lambda v: bool(v.strip()),
+                            says="a folder (an empty path would mean the current one)")
     seed: int = setting(0, "split, order and initialisation seed", ok=between(0, 2**63 - 1),
                         says="0 to 2**63 - 1 (torch.manual_seed's range)", pinned=True)
 
@@ -512,7 +513,8 @@ class BuildSettings(Settings):
     KEY = "build"
     input: str = setting(None, "GEO-Bench rows (.jsonl, .json, .parquet), a folder of AutoGEO's datachunk_N.json, "
                                "hf:GEO-Optim/geo-bench, or {query, docs[, source_index]} rows")
-    output: str = setting(None, "GEO-DefenseBench JSONL to write")
+    output: str = setting(None, "GEO-DefenseBench JSONL to write", ok=lambda v: v is None or bool(v.strip()),
+                          says="a file path")
     search: endpoints.SearchSpec = setting(None, "tavily (TAVILY_API_KEY), tavily:http://HOST:PORT, or "
                                                  "offline:CORPUS.jsonl (a SIMULATED search): retrieve the candidates "
                                                  "(default: the rows' own documents)",
@@ -685,7 +687,8 @@ class BenchSettings(Settings):
     repeat: int = setting(3, "timed repetitions (best is reported)", ok=at_least(1))
     clients: int = setting(8, "serve: concurrent clients", ok=between(1, MAX_THREADS), says=f"1 to {MAX_THREADS}")
     requests: int = setting(2, "serve: requests per client per round", ok=between(1, 100_000), says="1 to 100000")
-    out: str = setting("runs/_bench", "where the random real-width checkpoint is kept")
+    out: str = setting("runs/_bench", "where the random real-width checkpoint is kept", ok=lambda v: bool(v.strip()),
+                       says="a folder (an empty path would mean the current one)")
     against: tuple = setting(None, "score: CPU engines to race beside transformers on the seq-cls export, comma list "
                                    f"of {', '.join(ENGINES)} (test-only dependencies: requirements-test.txt)",
                              parse=comma_list(one_of(ENGINES)))

@@ -215,6 +215,20 @@ def test_dry_run_sends_nothing(demo_copy, monkeypatch):
     assert not (demo_copy / "demo" / "results" / "attack-shield-unaware.jsonl").exists()
 
 
+def test_a_dry_run_refuses_the_attacker_and_price_table_the_run_would(demo_run, tmp_path):
+    """--attacker is built with the other clients before anything starts (and build-bench's dry run builds
+    its clients too), and a --prices file is read by a command's dry run even where no LLM is used
+    (rerank-eval read it after scoring, to write its summary)."""
+    with pytest.raises(SystemExit, match="--attacker: unknown provider 'bogus'"):
+        run.main(_argv(demo_run.parent, "--attacker", "bogus:model", "--dry-run"))
+    with pytest.raises(SystemExit, match="no such file"):
+        run.main(["rerank-eval", "--runs-dir", str(demo_run.parent), "--name", "demo", "--reranker", "base",
+                  "--prices", str(tmp_path / "none.json"), "--dry-run"])
+    with pytest.raises(SystemExit, match="--llm.*unknown provider 'bogus'"):
+        run.main(["build-bench", "--input", str(tmp_path / "rows.jsonl"), "--output", str(tmp_path / "b.jsonl"),
+                  "--llm", "bogus:model", "--dry-run"])
+
+
 def test_a_train_dry_run_prices_its_plan_without_sending(tmp_path, monkeypatch, small_bench):
     monkeypatch.setattr(llm_clients.Client, "chat", lambda *a, **k: pytest.fail("a request was sent"))
     prices = tmp_path / "p.json"

@@ -497,10 +497,23 @@ def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
 def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
     store.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
         "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
-    cfg = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
-    assert (cfg.eval.ppl_model, cfg.judge.judge, cfg.llm.base_url) == ("tiny", "offline", None)   # no credential kept
+    # a base URL stored without its credentials is given again, not replaced by the provider's default URL
+    with pytest.raises(runs.SettingsError, match=r"base_url was stored without its credentials .*give --base-url"):
+        runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
+    cfg = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path), "base_url": "http://u:p@host/v1"})
+    assert (cfg.eval.ppl_model, cfg.judge.judge, cfg.llm.base_url.host) == ("tiny", "offline", "host")
     runs.Run(cfg.replace(base_url="http://user:pw@host/v1", bench=SAMPLE)).record("eval")
     assert json.load(open(tmp_path / "t" / "config.json"))["config"]["base_url"] == "http://***@host/v1"
+
+
+def test_a_train_record_keeps_the_settings_eval_recorded(tmp_path):
+    """train rewrites config.json with its settings: eval's (the judge, n_boot), which train has no field for,
+    stay, so a later eval takes them from the record instead of its defaults (refused by its own records)."""
+    store.write_json(str(tmp_path / "t" / "config.json"), {"command": "eval", "config": {
+        "model": "tiny", "judge": "offline:judge2", "n_boot": 500}})
+    runs.Run(settings.TrainConfig(name="t", runs_dir=str(tmp_path), model="tiny", bench=SAMPLE)).record("train")
+    cfg = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
+    assert (cfg.judge.judge, cfg.rerank.n_boot) == ("offline:judge2", 500)
 
 
 def test_build_bench_never_destroys_an_existing_file(tmp_path, server):
@@ -942,12 +955,17 @@ def test_a_credential_url_in_any_flag_reaches_no_stream_or_file(tmp_path, capfd,
                 assert b"S3cretZ" not in fh.read(), path
 
 
-def test_a_dry_run_refuses_what_the_run_would_refuse_on_a_folder_with_only_its_record(demo_run, tmp_path):
-    """rerank-eval (like attack, harden, holdout) checks any record of the run, produced files or not: its
-    --dry-run does the same, instead of passing a plan the run then refuses."""
+def test_a_folder_holding_only_a_failed_starts_record_takes_new_settings(demo_run, tmp_path):
+    """A start that failed before producing anything (a model that could not be downloaded) leaves only
+    config.json: rerank-eval (like attack, harden, holdout) and its --dry-run record the new settings over it
+    instead of refusing every later command; once something is produced, a change is refused, dry run too."""
     (tmp_path / "r").mkdir()
     shutil.copy(demo_run / "config.json", tmp_path / "r" / "config.json")       # a start that failed
-    argv = ["rerank-eval", "--runs-dir", str(tmp_path), "--name", "r", "--reranker", "base", "--max-length", "300"]
+    argv = ["rerank-eval", "--runs-dir", str(tmp_path), "--name", "r", "--reranker", "base", "--max-length", "300",
+            "--max-test-groups", "1"]
+    run.main(argv + ["--dry-run"])
+    run.main(argv)
+    assert json.load(open(tmp_path / "r" / "config.json"))["config"]["max_length"] == 300
     for dry in (("--dry-run",), ()):
         with pytest.raises(SystemExit, match="different max_length"):
-            run.main(argv + list(dry))
+            run.main([a if a != "300" else "400" for a in argv] + list(dry))

@@ -2,6 +2,7 @@
 flags are its settings' fields, and nothing else besides its few command options."""
 import argparse
 import dataclasses
+import os
 
 import pytest
 
@@ -125,3 +126,13 @@ def test_a_comma_list_is_parsed_once_and_printed_as_given():
 def test_a_bad_comma_list_is_refused_naming_its_flag(kw, msg):
     with pytest.raises(settings.SettingsError, match=msg.replace("(", r"\(")):
         settings.AttackConfig(**kw)
+
+
+@pytest.mark.parametrize("argv", [["demo", "--out", ""], ["train", "--runs-dir", " ", "--dry-run"],
+                                  ["build-bench", "--input", "x.jsonl", "--output", ""],
+                                  ["compare", "--runs", "a,b", "--out", ""]])
+def test_an_empty_path_is_refused_not_taken_for_the_current_folder(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        run.main(argv)
+    assert not os.listdir(tmp_path)
