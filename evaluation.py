@@ -188,6 +188,10 @@ def eval_condition(decoding, workers, llm, name, insts, topk_of, pipeline, path,
             f.truncate(data.rfind(b"\n") + 1)
         done = {r["instance_id"]: r for _, r in read_jsonl(path, skip_bad=True)
                 if isinstance(r, dict) and "instance_id" in r}
+        other = next((r for r in done.values() if (r.get("condition"), r.get("sample", 0)) != (name, sample)), None)
+        if other is not None:          # another condition's records, never taken for this one's
+            raise SettingsError(f"{path}: holds records of {other.get('condition')!r} (sample "
+                                f"{other.get('sample', 0)}), not of {name!r} (sample {sample}); move the file aside")
     todo = [x for x in insts if x.instance_id not in done]
     chunk = max(workers * 4, 16)
     for s in range(0, len(todo), chunk):

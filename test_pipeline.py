@@ -567,6 +567,15 @@ def test_an_answer_without_its_answer_field_is_re_asked_then_recorded_as_failed(
     assert rec["answer_failed"]["attempts"] == 2 and llm.stats["json_reasks"] == 1
 
 
+def test_a_records_file_of_another_condition_is_refused_not_resumed(tmp_path):
+    """Two conditions naming one records file (labels apart only in case or '-'/'_', refused at parse time
+    too) would resume each other's records as their own: the file's records must be the condition's."""
+    path = tmp_path / "non_defense_co_1.jsonl"
+    path.write_text(json.dumps({"instance_id": "g:GEO", "condition": "Non-Defense [co-1]"}) + "\n")
+    with pytest.raises(settings.SettingsError, match=r"holds records of 'Non-Defense \[co-1\]' \(sample 0\), not"):
+        evaluation.eval_condition(None, 1, None, "Non-Defense [co_1]", [], None, None, str(path), None)
+
+
 def test_asi_counts_a_failed_judge_reply_at_the_judged_mean_not_as_missing():
     """Only in-context instances are judged: half of 100 in context, each scored 4, is ASI 50; a quarter of
     their judge replies failing leaves it 50 (left out, the zeros would keep their weight: 33.3)."""
@@ -645,7 +654,7 @@ def _built_over_http(tmp_path, server):
     """_bench_rows built with three families over the scripted loopback server -> (its settings, the
     built groups, their metadata, the rows' groups, the gapped sources)."""
     groups, _, gapped, src = _bench_rows(tmp_path)
-    cfg = bb_config(tmp_path, server, src, str(tmp_path / "built.jsonl"))
+    cfg = bb_config(tmp_path, server, src, str(tmp_path / "built.jsonl"), seed=5)   # (the gapped row in construction)
     build_bench.build_bench(runs.Run(cfg))
     built, meta = geodef.load_bench(cfg.build.output, with_meta=True)
     return cfg, built, meta, groups, gapped
@@ -656,8 +665,9 @@ def test_build_bench_takes_each_rows_own_documents(tmp_path, server):
     scrape skipped with the source index following its document)."""
     _, built, meta, groups, gapped = _built_over_http(tmp_path, server)
     by_query = {g.query: g for g in built}
-    # five usable rows; the one in construction shares documents with a test row (groups[1]'s), which
-    # is dropped (B.1.2: nothing of a group crosses splits)
+    # five usable rows (too few documents, an empty source: dropped before the splits are composed); the one
+    # in construction (gapped) shares a document with a test row (groups[1]'s), which is dropped (B.1.2:
+    # nothing of a group crosses splits)
     assert len(built) == 4 and meta.methods == ["GEO", "AutoGEO", "GEO-SFE"] and meta.seen_methods == ["GEO"]
     g = by_query[groups[0].query + " (GEO-Bench layout)"]
     assert g.source_index == 1 and g.docs[0]["url"] == "https://s/0"

@@ -423,7 +423,8 @@ def test_a_stale_or_corrupted_score_file_is_one_line_naming_it_and_never_merged(
 def test_rerank_eval_refuses_bad_reranker_flags(demo_run, tmp_path, fake):
     out, name = _run_copy(demo_run, tmp_path)
     for bad, msg in ([f"x y={fake}"], "the label must be"), (["a=base", "a=shield"], "given twice"), \
-                    (["q=nope:thing"], "unknown reranker"):
+                    (["q=nope:thing"], "unknown reranker"), (["co-1=base", "Co_1=shield"], "differ only in case"), \
+                    (["co.s1=base"], r"'\.s<N>' ends the names"):
         with pytest.raises(SystemExit, match=msg):
             run.main(["rerank-eval", "--runs-dir", str(out), "--name",
                       name] + sum((["--reranker", b] for b in bad), []))
