@@ -54,16 +54,17 @@ def price_of(label, row, prices):
     """USD of one ledger row from a price table keyed by model name (price_key):
     [USD per 1M input tokens, per 1M output tokens] for chat models; for rerank models
     {"usd_per_1k_searches": x} (Cohere's search units, else one per request) or
-    {"usd_per_1m_tokens": y}. None when the table has no entry. A batch API's rows ('<label> [batch]')
-    cost the entry's third number times the full price (default BATCH_SHARE: half, OpenAI's and
-    Anthropic's batch discount)."""
+    {"usd_per_1m_tokens": y}. None when the table has no entry, or one of another kind (a chat price for a
+    rerank row, a token price for an endpoint that reports no tokens): unknown, not $0. A batch API's rows
+    ('<label> [batch]') cost the entry's third number times the full price (default BATCH_SHARE: half,
+    OpenAI's and Anthropic's batch discount)."""
     p = prices.get(price_key(label))
-    if p is None:
+    if p is None or isinstance(p, dict) != label.startswith(LEDGER_KINDS):
         return None
     if isinstance(p, dict):
         if "usd_per_1k_searches" in p:
             return row.get("search_units", row["replies"]) * p["usd_per_1k_searches"] / 1e3
-        return row.get("tokens", 0) * p.get("usd_per_1m_tokens", 0) / 1e6
+        return row["tokens"] * p["usd_per_1m_tokens"] / 1e6 if "tokens" in row and "usd_per_1m_tokens" in p else None
     return token_cost(p, row, batch=label.endswith(" [batch]"))
 
 

@@ -360,9 +360,11 @@ def dry_run(run):
               "ASI judge": estimate(calls["asi_judge_calls"], doc + 2400, 80)}
     if cfg.attacker.algorithm == "repair":       # the engine answers every scored candidate (the repair's signal)
         stages["repair engine answers"] = estimate(len(insts) * max(budgets), ctx + 1600, 300)
+    models = {"attacker": cfg.attacker.attacker, "fidelity judge": cfg.judge.judge, "ASI judge": cfg.judge.judge}
+    model = lambda s: models.get(s) or cfg.llm.llm          # each stage priced at its own client's model
     return {"instances": len(insts), "reranker_queries": calls["reranker_queries"], "stages": stages,
-            "usd_at_most": price_plan(run.prices, stages, lambda s: cfg.llm.llm),
-            "usd_at_most_batch_api": price_plan(run.prices, stages, lambda s: cfg.llm.llm, batch=True),
+            "usd_at_most": price_plan(run.prices, stages, model),
+            "usd_at_most_batch_api": price_plan(run.prices, stages, model, batch=True),
             "note": "upper bounds, JSON re-asks included; replies already cached cost nothing and are not "
                     "subtracted"}
 

@@ -619,26 +619,39 @@ def dry_run(run):
     fams, cons, picked = p.families, p.construction, p.picked
     n_cons = sum(1 for _, s in picked if s == "construction")
     chars = sum(len(max((d["text"] for d in r["docs"]), key=len, default="")) for r, _ in picked) / max(1, len(picked))
-    price = (run.prices or {}).get(accounting.price_key(cfg.llm.llm))
+
+    def priced(st, spec):                       # a stage's USD at its own client's model (None: not in --prices)
+        price = (run.prices or {}).get(accounting.price_key(spec))
+        ok = isinstance(price, (list, tuple))
+        return {**st, "usd": accounting.token_cost(price, st) if ok else None,
+                "usd_batch_api": accounting.token_cost(price, st, batch=True) if ok else None}
 
     # `groups` rewrites of `calls` calls each, tried and judged: prompts of `reads` documents' text and 400 tokens,
     # replies of `writes` documents' text
-    def stage(groups, calls, reads=2, writes=1.3):
+    def stage(groups, calls, reads=2, writes=1.3, spec=cfg.llm.llm):
         req = groups * calls * REWRITE_TRIES * 2
-        st = {"groups": groups, "requests": req, "prompt_tokens": int(req * (chars / 4 * reads + 400)),
-              "completion_tokens": int(req * chars / 4 * writes)}
-        return {**st, "usd": None if price is None else accounting.token_cost(price, st),
-                "usd_batch_api": None if price is None else accounting.token_cost(price, st, batch=True)}
+        return priced({"groups": groups, "requests": req, "prompt_tokens": int(req * (chars / 4 * reads + 400)),
+                       "completion_tokens": int(req * chars / 4 * writes)}, spec)
     n_test = len(picked) - n_cons
-    stages = {f: stage(len(picked) if f in cons else n_test, geo_attacks.FAMILIES[f].calls) for f in fams}
+    test_split = b.test_llm or cfg.llm.llm      # --test-llm writes the test split's rewrites
+    stages = {}
+    for f in fams:
+        calls = geo_attacks.FAMILIES[f].calls
+        if b.test_llm:
+            stages[f] = stage(n_cons * (f in cons), calls)
+            stages[f"{f} (test split)"] = stage(n_test, calls, spec=test_split)
+        else:
+            stages[f] = stage(n_cons * (f in cons) + n_test, calls)
     if b.honest:                      # one edit per group, each judged like a family's rewrite
         stages["honest edit"] = stage(len(picked), 1, reads=1, writes=1.1)
     extra = {"further attacks": (n_test * (b.attacked - 1), max(geo_attacks.FAMILIES[f].calls for f in fams)),
              "pool honest edits": (n_test * (b.docs - 1) * (b.pool == "optimized"), 1)}
     # --attacked K, --pool optimized: rewrites of other candidates
-    stages.update({name: stage(rewrites, calls) for name, (rewrites, calls) in extra.items() if rewrites})
+    stages.update({name: stage(rewrites, calls, spec=test_split) for name, (rewrites, calls) in extra.items()
+                   if rewrites})
     n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every rewrite (and edit) is judged
-    stages["fidelity judge"] = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
+    judged = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
+    stages["fidelity judge"] = priced(judged, b.fidelity_judge or cfg.llm.llm)
     return {"groups": len(picked), "construction": n_cons, "test": n_test,
             "instances": {"construction": n_cons * len(cons), "test": n_test * len(fams)},
             "search_requests": len(picked) if b.search else 0, "dropped_up_front": len(p.dropped),

@@ -621,14 +621,13 @@ def write_comparison(out_dir, summaries):
         quality_rows = [[t, f"{v['mean_change']:+.3f}", f"[{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]",
                          fmt(v["comparable_or_better"]), fmt(v["better"])] for t, v in q]
         lines.append("## Table C.1\n\n" + _table(quality_head, quality_rows) + "\n")
-    targets = {name: s["target_llm"] for name, s in summaries.items()}
-    cells = {}
-    for name, s in summaries.items():
-        for src, v in (s.get("transfer") or {}).items():
-            cells[(targets[name] if src == "(own)" else src, targets[name])] = v
+    # Table C.2: a row per source library, named by its run (a --transfer name names the run whose library it
+    # is; a target label such as openai:gpt-5.5 is no --transfer name), a column per target
+    cells = {(name if src == "(own)" else src, s["target_llm"]): v
+             for name, s in summaries.items() for src, v in (s.get("transfer") or {}).items()}
     if cells:
         srcs = sorted({k[0] for k in cells})
-        cols = list(targets.values())
+        cols = [s["target_llm"] for s in summaries.values()]
         for metric in ("ASR", "ASI"):
             vals = {k: v[metric] for k, v in cells.items()}
             lines.append(f"## Table C.2 ({metric}): rows = source library, columns = target\n\n" +

@@ -86,7 +86,8 @@ def comma_list(item=str, words=(), once=None):
 
 class Transfer(NamedTuple):
     """--transfer's name=path: a library of another target (Table C.2); the name names
-    results/transfer_<name>.jsonl and the table's row, so it is safe in a file name."""
+    results/transfer_<name>.jsonl and, as the run whose library it is, compare's Table C.2 row (the run's
+    own library's row is named by the run), so it is safe in a file name."""
     name: str
     path: str
 
@@ -441,7 +442,8 @@ class EvalSettings(Settings):
                                 parse=comma_list(words=("all", "paper")))
     ppl_model: str = setting("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'", taken=True)
     ppl_quantile: float = setting(0.99, "PPL threshold quantile (B.2.2)", ok=lambda v: 0 < v <= 1, taken=True)
-    transfer: tuple = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path]",
+    transfer: tuple = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path] "
+                                    "(name: the run whose library it is, as compare's --runs names it)",
                               parse=comma_list(Transfer.parse, once=lambda t: t.name))
 
 

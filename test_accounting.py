@@ -32,6 +32,17 @@ def test_rerank_rows_are_priced_per_search_unit_or_per_token():
     assert price_of("rerank:jina:m", row, {"m": {"usd_per_1m_tokens": 0.5}}) == 0.5
 
 
+
+def test_a_price_of_another_kind_is_unknown_not_zero():
+    """A chat model priced per rerank token, a rerank endpoint priced as a chat model, a token price for an
+    endpoint that reports no tokens: the cost is unknown (None), not $0."""
+    chat = {"replies": 1, "prompt_tokens": 10 ** 6, "completion_tokens": 10 ** 6}
+    rerank = {"replies": 4, "search_units": 4}
+    assert price_of("openai:gpt-5.5", chat, {"gpt-5.5": {"usd_per_1m_tokens": 5}}) is None
+    assert price_of("rerank:cohere:rerank-v3.5", rerank, {"rerank-v3.5": [2.0, 0]}) is None
+    assert price_of("rerank:cohere:rerank-v3.5", rerank, {"rerank-v3.5": {"usd_per_1m_tokens": 1}}) is None
+
+
 def _ledger(tmp_path):
     """A ledger of four replies: three of one model in two stages, one of another model."""
     path, lock = str(tmp_path / "usage.jsonl"), threading.Lock()

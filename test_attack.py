@@ -224,6 +224,12 @@ def test_a_dry_run_refuses_the_attacker_and_price_table_the_run_would(demo_run, 
     with pytest.raises(SystemExit, match="no such file"):
         run.main(["rerank-eval", "--runs-dir", str(demo_run.parent), "--name", "demo", "--reranker", "base",
                   "--prices", str(tmp_path / "none.json"), "--dry-run"])
+    prices = tmp_path / "p.json"
+    prices.write_text(json.dumps({"offline": [1.0, 2.0], "offline-engine": [1.0, 2.0]}))
+    plan = run.main(_argv(demo_run.parent, "--prices", str(prices), "--dry-run"))
+    assert plan["usd_at_most"] is not None
+    plan = run.main(_argv(demo_run.parent, "--prices", str(prices), "--attacker", "offline:other", "--dry-run"))
+    assert plan["usd_at_most"] is None                # the attacker's stage at its own model, which has no price
     with pytest.raises(SystemExit, match="--llm.*unknown provider 'bogus'"):
         run.main(["build-bench", "--input", str(tmp_path / "rows.jsonl"), "--output", str(tmp_path / "b.jsonl"),
                   "--llm", "bogus:model", "--dry-run"])

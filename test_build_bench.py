@@ -127,6 +127,21 @@ def test_a_build_dry_run_sends_nothing(geo_input, tmp_path):
     assert plan["stages"]["IF-GEO"]["groups"] == 7 and plan["stages"]["MAGEO"]["groups"] == 10
 
 
+
+def test_a_build_dry_run_prices_each_stage_at_its_own_clients_model(geo_input, tmp_path):
+    """The fidelity judge's stage at --fidelity-judge's price, the test split's rewrites at --test-llm's: a
+    model the table lacks leaves its stage unpriced (None), never priced at the builder's rate."""
+    rows, url, _ = geo_input
+    prices = tmp_path / "p.json"
+    prices.write_text(json.dumps({"offline": [1.0, 2.0], "judge-x": [3.0, 4.0]}))
+    plan = run.main(_argv(rows, url, tmp_path / "dry.jsonl", tmp_path / "dry", "--dry-run", "--prices", str(prices),
+                          "--fidelity-judge", "offline:judge-x", "--test-llm", "offline:other"))   # (the last wins)
+    st = plan["stages"]
+    judged = st["fidelity judge"]
+    assert judged["usd"] == pytest.approx((3.0 * judged["prompt_tokens"] + 4.0 * judged["completion_tokens"]) / 1e6)
+    assert st["GEO"]["usd"] is not None and st["GEO (test split)"]["usd"] is None
+
+
 def test_the_bundled_sample_is_what_the_builder_makes(tmp_path):
     """data/geo_defensebench_sample.jsonl is this builder's output on make_sample.py's input (the
     command in its docstring), byte for byte: the demo runs on what a user's build-bench writes."""

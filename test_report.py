@@ -19,12 +19,14 @@ def test_compare_runs_transfer_matrix(tmp_path):
         return {"target_llm": target, "conditions": c, "notes": [], "transfer": transfer,
                 "quality": {"mean_change": 0.1, "ci95": [-0.1, 0.2], "comparable_or_better": 80.0, "better": 20.0,
                             "n": 7}}
-    s = {"a": summ("x:A", 10.0, {"(own)": {"ASR": 5.0, "ASI": 2.0}, "x:B": {"ASR": 7.0, "ASI": 3.0}}),
-         "b": summ("x:B", 30.0, {"(own)": {"ASR": 6.0, "ASI": 4.0}, "x:A": {"ASR": 8.0, "ASI": 1.0}})}
+    # runs a (target x:A) and b (x:B), each evaluated with the other's library (--transfer b=..., a=...)
+    s = {"a": summ("x:A", 10.0, {"(own)": {"ASR": 5.0, "ASI": 2.0}, "b": {"ASR": 7.0, "ASI": 3.0}}),
+         "b": summ("x:B", 30.0, {"(own)": {"ASR": 6.0, "ASI": 4.0}, "a": {"ASR": 8.0, "ASI": 1.0}})}
     path = report.write_comparison(str(tmp_path), s)
     text = open(path).read()
     assert "| Average | 20.00 |" in text
-    assert "| x:A | 5.00 | 8.00 |" in text and "| x:B | 7.00 | 6.00 |" in text     # rows: source, cols: target
+    assert "| Source \\ Target | x:A | x:B |" in text                     # rows: source library's run, cols: target
+    assert "| a | 5.00 | 8.00 |" in text and "| b | 7.00 | 6.00 |" in text
     assert open(tmp_path / "figures" / "transfer_asr.svg").read().startswith("<svg")
     assert "DIFFERENT TEST SETS" not in text                   # neither run recorded a digest: nothing to compare
     for k, d in (("a", "1" * 40), ("b", "1" * 40)):
