@@ -259,15 +259,17 @@ class SearchClient:
         if not isinstance(hit, dict) or not isinstance(hit.get("results"), list):
             resp = self.transport.post(body)
             self.requests += 1
+            # paid as it arrives: entered before it is checked and cached, so a kill in between loses no credit
+            # (advanced search: 2 API credits a request, Tavily's pricing)
+            if self.ledger:
+                accounting.append_ledger(self.ledger, {"stage": "build-bench", "model": "search:" + self.label,
+                                                       "search_units": 2}, self.transport.lock)
             if not isinstance(resp, dict) or not isinstance(resp.get("results"), list):
                 raise transport.LLMError(f"{self.label}: results: expected a list")
             hit = {"results": [{"url": r.get("url") if isinstance(r.get("url"), str) else "",
                                 "text": r.get("raw_content") or r.get("content") or ""}
                                for r in resp["results"] if isinstance(r, dict)]}
             self.cache.put_raw(key, hit)
-            if self.ledger:        # advanced search: 2 API credits a request (Tavily's pricing)
-                accounting.append_ledger(self.ledger, {"stage": "build-bench", "model": "search:" + self.label,
-                                                       "search_units": 2}, self.transport.lock)
         return [r for r in hit["results"] if isinstance(r.get("text"), str)]
 
 

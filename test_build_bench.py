@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+import accounting
 import build_bench
 import certify
 import endpoints
@@ -126,6 +127,20 @@ def test_a_build_dry_run_sends_nothing(geo_input, tmp_path):
     assert plan["instances"] == {"construction": 9, "test": 49} and plan["search_requests"] == 10
     assert plan["stages"]["IF-GEO"]["groups"] == 7 and plan["stages"]["MAGEO"]["groups"] == 10
 
+
+
+def test_a_search_is_entered_in_the_ledger_before_it_is_cached(geo_input, tmp_path, monkeypatch):
+    """A search is paid as it arrives: a kill between its reply and its cache entry leaves its ledger row."""
+    _, url, _ = geo_input
+    spec = settings.BuildConfig(search=f"tavily:{url}").build.search
+    search = build_bench.SearchClient(spec, str(tmp_path / "cache"), str(tmp_path / "usage.jsonl"))
+
+    def killed(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(search.cache, "put_raw", killed)
+    with pytest.raises(KeyboardInterrupt):
+        search.search("how do tides work", 5)
+    assert accounting.ledger_usage(str(tmp_path / "usage.jsonl"))["total"]["search_units"] == 2
 
 
 def test_a_build_dry_run_prices_each_stage_at_its_own_clients_model(geo_input, tmp_path):
