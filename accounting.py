@@ -55,11 +55,12 @@ def price_of(label, row, prices):
     [USD per 1M input tokens, per 1M output tokens] for chat models; for rerank models
     {"usd_per_1k_searches": x} (Cohere's search units, else one per request) or
     {"usd_per_1m_tokens": y}. None when the table has no entry, or one of another kind (a chat price for a
-    rerank row, a token price for an endpoint that reports no tokens): unknown, not $0. A batch API's rows
+    rerank row, a token price for an endpoint that reports no tokens), or the row holds replies that came
+    without token counts ("unmetered"): unknown, not $0. A batch API's rows
     ('<label> [batch]') cost the entry's third number times the full price (default BATCH_SHARE: half,
     OpenAI's and Anthropic's batch discount)."""
     p = prices.get(price_key(label))
-    if p is None or isinstance(p, dict) != label.startswith(LEDGER_KINDS):
+    if p is None or isinstance(p, dict) != label.startswith(LEDGER_KINDS) or row.get("unmetered"):
         return None
     if isinstance(p, dict):
         if "usd_per_1k_searches" in p:

@@ -112,11 +112,20 @@ def split_think(text):
 
 
 def _tokens(v):
-    """A token count from a reply's usage: a non-negative whole number (12 or a proxy's 12.0), else 0 (a server's
-    "abc", NaN or 1e400 is no count)."""
+    """A token count from a reply's usage: a non-negative whole number (12 or a proxy's 12.0), else None (a
+    server's "abc", NaN or 1e400 is no count)."""
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 53 else 0
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 53 else None
+
+
+def _usage(u, prompt, completion, reasoning=None):
+    """A reply's usage block `u` (its fields `prompt` and `completion`) -> {prompt_tokens, completion_tokens,
+    reasoning_tokens}, with "unmetered": 1 when either count is missing or no count (servers that send no
+    usage, a proxy's null): the reply's cost is then unknown, where its zeros would price it at $0."""
+    n = {"prompt_tokens": _tokens(u.get(prompt)), "completion_tokens": _tokens(u.get(completion))}
+    return {**{k: v or 0 for k, v in n.items()}, "reasoning_tokens": _tokens(reasoning) or 0,
+            **({"unmetered": 1} if None in n.values() else {})}
 
 
 def extract_json(text, cut=False):
@@ -445,9 +454,7 @@ class Client:
                 blocks = resp["content"]
                 text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
                 thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking") or None
-                u = json_object(resp.get("usage"))
-                usage = {"prompt_tokens": _tokens(u.get("input_tokens")),
-                         "completion_tokens": _tokens(u.get("output_tokens")), "reasoning_tokens": 0}
+                usage = _usage(json_object(resp.get("usage")), "input_tokens", "output_tokens")
                 return Reply(text, thinking, usage, resp.get("stop_reason"), resp.get("model"))
             choice = resp["choices"][0]
             msg = choice["message"]
@@ -460,10 +467,8 @@ class Client:
                 text, inline = split_think(text)
                 reasoning = reasoning or inline
             u = json_object(resp.get("usage"))
-            details = json_object(u.get("completion_tokens_details"))
-            usage = {"prompt_tokens": _tokens(u.get("prompt_tokens")),
-                     "completion_tokens": _tokens(u.get("completion_tokens")),
-                     "reasoning_tokens": _tokens(details.get("reasoning_tokens"))}
+            usage = _usage(u, "prompt_tokens", "completion_tokens",
+                           json_object(u.get("completion_tokens_details")).get("reasoning_tokens"))
             return Reply(text if text is not None else "", reasoning, usage, choice.get("finish_reason"),
                          resp.get("model"))
         except (KeyError, IndexError, TypeError, AttributeError) as e:
@@ -476,9 +481,10 @@ class Client:
         mode "batch": a batch API's reply, entered as '<label> [batch]' (priced at the batch discount)."""
         tokens = {k: int(reply.usage.get(k, 0) or 0)
                   for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens")}
+        tokens.update({"unmetered": 1} if reply.usage.get("unmetered") else {})   # (counted where there are some)
         with self.lock:
             for k, v in tokens.items():
-                self._stats[k] += v
+                self._stats[k] = self._stats.get(k, 0) + v
         if self.ledger:
             label = self.label + (" [batch]" if mode == "batch" else "")
             accounting.append_ledger(self.ledger, {"stage": self.stage, "model": label, **tokens}, self.lock)
@@ -598,7 +604,7 @@ class Client:
         """Calls, HTTP calls, cache hits, retries, tokens and (with a price table entry) cost in USD."""
         s = self.stats
         p = self.prices.get(accounting.price_key(self.label))
-        s["cost_usd"] = None if p is None else accounting.token_cost(p, s)
+        s["cost_usd"] = None if p is None or s.get("unmetered") else accounting.token_cost(p, s)   # unmetered: unknown
         s["model"] = self.label
         if self.adapted:
             s["adapted"] = list(self.adapted)

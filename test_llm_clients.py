@@ -395,6 +395,22 @@ def test_a_ledger_row_is_priced_as_the_client_prices_its_own_usage(server):
     row = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"], "replies": 1}
     assert accounting.price_of("ollama:qwen3:8b", row, prices) == u["cost_usd"] == pytest.approx(7e-6)
 
+
+@pytest.mark.parametrize("usage", [None, {"prompt_tokens": 12}, {"prompt_tokens": None, "completion_tokens": "7"}])
+def test_a_reply_without_token_counts_is_unmetered_not_free(server, tmp_path, usage):
+    """A server that sends no usage (or a proxy's nulls): the reply is entered as unmetered, and its cost, in
+    the client's usage and the ledger's, is unknown (None) instead of the $0 its zero counts would price."""
+    prices = {"m": [1.0, 2.0]}
+    reply = {k: v for k, v in ok("hi").items() if k != "usage"} | ({"usage": usage} if usage is not None else {})
+    Script.script = [(200, {}, reply, 0), (200, {}, ok("metered"), 0)]
+    ledger = str(tmp_path / "usage.jsonl")
+    c = llm_clients.Client.open(server, "m", prices=prices, ledger=ledger, stage="eval")
+    c.chat([{"role": "user", "content": "x"}])
+    assert c.usage()["unmetered"] == 1 and c.usage()["cost_usd"] is None
+    c.chat([{"role": "user", "content": "y"}])
+    total = accounting.ledger_usage(ledger, prices)["total"]
+    assert total["unmetered"] == 1 and total["replies"] == 2 and total["cost_usd"] is None
+
 def test_ctrl_c_cancels_queued_llm_requests(server):
     """After Ctrl-C, requests not yet started are cancelled (those in flight finish), instead of the
     pool sending every queued request first."""
