@@ -405,11 +405,11 @@ def check_eval_settings(cfg, conds, transfers):
                                "(LLM replies stay cached in cache/), or use a new --name")
 
 
-def eval_conditions(run):
+def eval_conditions(run, trained=True):
     """The conditions --conditions asks for and the --transfer libraries, checked before anything runs
     or is recorded: known names, valid libraries, settings that match the records already made, and
-    what the conditions need from `train` (the final TFSG library, the Shield adapter) present.
-    -> (conditions, transfer_items)."""
+    (trained; `demo` trains first) what the conditions need from `train` (the final TFSG library, the
+    Shield adapter) present. -> (conditions, transfer_items)."""
     cfg = run.cfg
     named = {"all": CONDITIONS, "paper": PAPER_CONDITIONS}
     conds = list(named.get(cfg.eval.conditions) or cfg.eval.conditions)
@@ -422,6 +422,8 @@ def eval_conditions(run):
     conds = conds + [f"{c} [{label}]" for label, _ in deployed for c in RERANKER_CONDITIONS
                      if c != "TFSG only" or os.path.isfile(run.library_path())]
     check_eval_settings(cfg, conds, transfers)
+    if not trained:
+        return conds, transfers
     lib, adapter = run.library_path(), run.path("shield_done.json")     # (the adapter is saved every epoch)
     missing = [(p, what, needs) for p, what, needs in ((lib, "TFSG library", WITH_LIBRARY),
                                                        (adapter, "finished Shield training", WITH_SHIELD))

@@ -495,7 +495,10 @@ def cmd_eval(args):
 def cmd_demo(args):
     """train and eval offline (tiny model, offline engine over loopback HTTP), then the reranker stage."""
     cfg = pipeline_settings(settings.DemoConfig, args, "tiny-demo", runs_dir=args.out, name=args.name or "demo")
-    with Run.open(cfg, "demo", llms=True, engine=cfg.llm.llm == "offline", check=check_training) as run:
+    def check(run):                   # training's and evaluation's checks, before the settings are recorded
+        check_training(run)
+        eval_conditions(run, trained=False)
+    with Run.open(cfg, "demo", llms=True, engine=cfg.llm.llm == "offline", check=check) as run:
         train_shield(run)
         train_tfsg(run)
         s = evaluate(run).summary

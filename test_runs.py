@@ -506,6 +506,18 @@ def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
     assert json.load(open(tmp_path / "t" / "config.json"))["config"]["base_url"] == "http://***@host/v1"
 
 
+def test_a_demo_rerun_with_settings_its_records_refuse_records_nothing(demo_run, small_bench, tmp_path):
+    """demo runs eval's checks with training's before it records its settings: a rerun asking for another
+    --max-tokens than its records were made with is refused with config.json as it was."""
+    shutil.copytree(demo_run.parent, tmp_path / "o")
+    before = (tmp_path / "o" / "demo" / "config.json").read_text()
+    with pytest.raises(SystemExit, match="max_tokens"):        # demo_run's command (conftest.py), one flag more
+        run.main(["demo", "--out", str(tmp_path / "o"), "--bench", small_bench, "--n-construction", "4",
+                  "--n-seed-cases", "3", "--batch-size", "3", "--n-batches", "3", "--n-boot", "200",
+                  "--max-tokens", "100"])
+    assert (tmp_path / "o" / "demo" / "config.json").read_text() == before
+
+
 def test_a_train_record_keeps_the_settings_eval_recorded(tmp_path):
     """train rewrites config.json with its settings: eval's (the judge, n_boot), which train has no field for,
     stay, so a later eval takes them from the record instead of its defaults (refused by its own records)."""
