@@ -696,8 +696,9 @@ def build_bench(run, p=None):
             continue
         gid = row["group_id"]
         split = "construction" if len(groups) < b.construction_groups else "test"
-        other = next((g["group_id"] for g in groups if g["split"] != split and
-                      {norm(d["text"]) for d in g["docs"]} & {norm(d["text"]) for d in docs}), None)
+        # a document is its text or its URL (a page fetched again for another query may differ by a date)
+        pages = lambda ds: {norm(d["text"]) for d in ds} | {d["url"] for d in ds if d["url"]}
+        other = next((g["group_id"] for g in groups if g["split"] != split and pages(g["docs"]) & pages(docs)), None)
         if other:                       # B.1.2: nothing of a group crosses splits
             dropped.append((row, f"shares a document with group {other} of the other split"))
             continue

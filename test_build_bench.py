@@ -319,6 +319,21 @@ def test_a_build_left_without_a_test_group_is_refused_before_its_first_call(tmp_
     assert not (tmp_path / "b.jsonl").exists() and not (tmp_path / "r" / "b" / "usage.jsonl").exists()
 
 
+def test_a_page_in_both_splits_is_found_by_its_url_as_by_its_text(tmp_path):
+    """B.1.2: nothing of a group crosses splits. A page fetched again for another query (its text one line
+    apart) is the same document: every row holding one URL, the construction row's, leaves no test group."""
+    def shared(rows):
+        for n, r in enumerate(rows):
+            r["sources"][3]["url"] = "https://news.example/shared-page"
+            r["sources"][3]["cleaned_text"] += f" Updated {n} hours ago."
+    argv = ["build-bench", "--input", _rows(tmp_path, shared), "--output", str(tmp_path / "b.jsonl"), "--groups", "4",
+            "--construction-groups", "1", "--docs", "5", "--llm", "offline", "--runs-dir", str(tmp_path / "r"),
+            "--name", "b", "--attacks", "GEO", "--seen-methods", "GEO"]
+    with pytest.raises(SystemExit, match=r"no test group before any rewrite: 1 made, \d+ rows dropped .first: shares "
+                                         "a document with group"):
+        run.main(argv)
+
+
 def _rows(tmp_path, edit, name="rows.jsonl"):
     """make_sample's first 12 rows (five sources each) with `edit(rows)` applied -> the file's path."""
     rows = [json.loads(line) for line in open(_sample_rows(tmp_path))][:12]
