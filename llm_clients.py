@@ -58,8 +58,10 @@ PROVIDERS = {
 # Providers whose key belongs to one public API: it is sent only to that host (or to the provider's
 # own *_BASE_URL variable's), never to a --base-url elsewhere (`make_client`).
 HOSTED = ("openai", "anthropic", "deepseek", "moonshot", "zhipu", "openrouter")
-# The stop reasons of a reply cut at the token cap: OpenAI's finish_reason, Anthropic's stop_reason.
+# The stop reasons of a reply cut at the token cap: OpenAI's finish_reason, Anthropic's stop_reason; and of
+# one that ended as the model chose (an empty text then is the model's answer, not a filtered or failed one).
 CAPPED = ("length", "max_tokens")
+ENDED = ("stop", "end_turn", "stop_sequence")
 
 
 class ReplyInvalid(LLMError):
@@ -546,6 +548,9 @@ class Client:
             reply = self._parse(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
             self._count(reply)
             if not want_json:
+                if not reply.text.strip() and reply.finish_reason not in ENDED:   # filtered, refused or failed:
+                    err = self.transport.error(f"no text (stop reason {reply.finish_reason!r})")   # no answer,
+                    raise ReplyInvalid(str(err), self.provider, attempts=1)          # and nothing cached
                 break
             try:
                 _fill_data(reply, check)

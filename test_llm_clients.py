@@ -214,6 +214,20 @@ def test_json_inside_a_reply_cut_at_the_token_cap_is_not_taken(server, tmp_path)
     assert c.chat([{"role": "user", "content": "q2"}], json=True).data == {"answer": "a"}
 
 
+@pytest.mark.parametrize("choice", [{"message": {"content": None}, "finish_reason": "content_filter"},
+                                    {"message": {"content": ""}, "finish_reason": "error"}])
+def test_a_filtered_or_failed_empty_reply_is_no_answer_and_not_cached(server, tmp_path, choice):
+    """Without JSON, an empty text whose stop reason is not the model's own end (a content filter, an
+    OpenRouter-style error) is ReplyInvalid, not an answer of "" cached for every rerun."""
+    Script.script = [(200, {}, {**ok(""), "choices": [choice]}, 0)]
+    c = client(server, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(llm_clients.ReplyInvalid, match="no text .stop reason"):
+        c.chat([{"role": "user", "content": "q"}])
+    assert not list((tmp_path / "c").rglob("*.json"))
+    Script.script = [(200, {}, ok(""), 0)]                # an empty answer the model ended itself: its answer
+    assert c.chat([{"role": "user", "content": "q2"}]).text == ""
+
+
 def test_a_value_out_of_range_is_not_taken_for_a_parameter_the_model_refuses(server):
     """A 400 naming `temperature` for its value (above the maximum) stands: the client does not stop sending
     temperature for every later request, as it does when the parameter itself is unsupported."""
