@@ -254,7 +254,8 @@ class ReplyCache:
     def __init__(self, cache_dir=None, refresh=False):
         self.dir, self.refresh = cache_dir, refresh
         self.inflight = {}                       # key -> Event of the request being sent for it
-        self.lock = threading.Lock()
+        self.written = set()                     # keys this cache wrote: read back even with refresh (a
+        self.lock = threading.Lock()             # batch's replies, stored before map() asks for them)
 
     @staticmethod
     def key(protocol, where, body, want_json):
@@ -276,8 +277,8 @@ class ReplyCache:
             return None                          # missing or corrupt: ignored, rewritten after the call
 
     def get_raw(self, key):
-        """A stored JSON object (not a chat reply), or None."""
-        if not self.dir or self.refresh:
+        """A stored JSON object (not a chat reply), or None; with refresh, only one this cache wrote."""
+        if not self.dir or self.refresh and key not in self.written:
             return None
         try:
             with open(self._path(key), encoding="utf-8") as f:
@@ -301,6 +302,7 @@ class ReplyCache:
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(obj, f, ensure_ascii=False)
             os.replace(tmp, path)
+            self.written.add(key)
         except BaseException as e:   # a full disk or a kill: no half-written entry left behind
             with contextlib.suppress(OSError):
                 os.remove(tmp)

@@ -22,6 +22,7 @@ import time
 import pytest
 import requests
 
+import accounting
 import batch_clients
 import llm_clients
 import offline_server
@@ -261,6 +262,18 @@ def test_a_failed_batch_names_the_providers_reason(engine, tmp_path):
     said = next(m for m in logs if "batch-1 failed" in m)
     assert "model 'm' does not exist" in said and "3 requests go into a new batch" in said
     assert "does not exist" in manifest(tmp_path)[0]["reason"]
+
+
+def test_refresh_takes_the_batchs_replies_instead_of_sending_them_again(engine, tmp_path):
+    """refresh=True ignores what earlier runs cached, not what this run's batch just stored: map() answers
+    from the batch's replies, with no synchronous request (each would be paid twice)."""
+    srv, url = engine
+    reqs, manifest_path, ledger = requests_(3), str(tmp_path / "batches.json"), str(tmp_path / "usage.jsonl")
+    runner = lambda c: batch_clients.BatchRunner(c, manifest_path, poll=0.01, log=lambda m: 0)
+    c = llm_clients.Client.open(url, "m", cache_dir=str(tmp_path / "cache"), refresh=True, ledger=ledger,
+                                stage="s", batch=runner)
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert list(accounting.ledger_usage(ledger)["stages"]["s"]) == ["openai:m [batch]"]    # no synchronous reply
 
 
 def test_a_key_in_a_failed_batchs_reason_is_masked_before_it_is_cut(engine, tmp_path):
