@@ -736,7 +736,7 @@ def build_bench(run, p=None):
     for name, rates in markers.items():
         log(f"[build-bench] surface markers, % of {name}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()))
     write(b, cfg.folder.seed, fams, seen, kept, (attacks, traces, failed), llm, search, markers, (edits, refused),
-          cons, lists, test_llm)
+          cons, lists, test_llm, (p.archive, p.rules))
     comp = composition(kept, fams, cons, attacks)
     log(f"[build-bench] wrote {len(kept)} groups to {b.output}; dropped {len(dropped)}; calls {ctx.calls}; "
         f"search requests {search.requests if search else 0}; usage {llm.usage()}")
@@ -767,7 +767,7 @@ def composition(groups, fams, cons, attacks):
 
 
 def write(b, seed, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None,
-          lists=({}, {}), test_llm=None):
+          lists=({}, {}), test_llm=None, read=(None, None)):
     """The benchmark file b.output (b: the BuildSettings; seed: the build's): written aside, validated
     (geodef.load_bench), then renamed over the output.
     honest_audit ({group_id: (text or None, trace)} of every group and the refusal kinds' counts,
@@ -779,7 +779,9 @@ def write(b, seed, fams, seen, groups, rewrites, llm, search, markers, honest_au
     seen ones. lists: pool_lists' fields of the test lines and the pool's refusals; _meta.attacked and
     _meta.pool are written when they are not the paper's (one attacked document, the search's pool).
     test_llm: the test split's builder (--test-llm): _meta.test_builder_llm and test_fidelity_judge name it
-    and its judge beside the construction split's builder_llm and fidelity_judge."""
+    and its judge beside the construction split's builder_llm and fidelity_judge. read: the archive and
+    rules read from --agentic-archive and --autogeo-rules (None: the bundled ones): their families' prompt
+    digests cover them."""
     attacks, traces, failed = rewrites
     edits, refused = honest_audit
     cons = list(cons or seen)
@@ -787,7 +789,7 @@ def write(b, seed, fams, seen, groups, rewrites, llm, search, markers, honest_au
             "seen_methods": seen, "n_docs": b.docs, "search": search.label if search else None,
             "builder_llm": llm.label, "fidelity_judge": b.fidelity_judge or llm.label, "seed": seed,
             "groups": len(groups), "source": os.path.basename(b.input),
-            "prompt_digests": geo_attacks.prompt_digests(fams, b.mageo_signal),
+            "prompt_digests": geo_attacks.prompt_digests(fams, b.mageo_signal, *read),
             "mageo_signal": b.mageo_signal if "MAGEO" in fams else None, "surface_markers": markers}
     if cons != list(seen):
         meta["construction_methods"] = cons

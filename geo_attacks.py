@@ -773,13 +773,16 @@ def rewriter(family, mageo_signal="engine"):
     return FAMILIES[family](mageo_signal) if family == "MAGEO" else FAMILIES[family]()
 
 
-def prompt_digests(names, mageo_signal="engine"):
+def prompt_digests(names, mageo_signal="engine", archive=None, rules=None):
     """SHA-1 (12 hex) of what each family's model reads: its prompts, schemas, bundled archive or rules
-    and parameters, and the shared fact-keeping instruction and gate. Recorded in the benchmark's _meta
-    (with the code version beside it) so that a file says what wrote it; a docstring edit leaves it."""
+    and parameters, and the shared fact-keeping instruction and gate; the archive or rules a build read
+    instead (--agentic-archive, --autogeo-rules), when given. Recorded in the benchmark's _meta (with the
+    code version beside it) so that a file says what wrote it; a docstring edit leaves it."""
     shared = [FACTS, FIDELITY_INSTRUCTION, str(FIDELITY_THRESHOLD), str((MIN_RATIO, MAX_RATIO))]
+    given = {"AgenticGEO": archive, "AutoGEO": rules}
     out = {}
     for n in names:
         fam = rewriter(n, mageo_signal)
-        out[n] = hashlib.sha1(json.dumps([fam.code, *fam.prompts(), *shared]).encode()).hexdigest()[:12]
+        read = [json.dumps(given[n], sort_keys=True)] if given.get(n) is not None else []
+        out[n] = hashlib.sha1(json.dumps([fam.code, *fam.prompts(), *read, *shared]).encode()).hexdigest()[:12]
     return out

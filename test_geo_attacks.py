@@ -87,6 +87,13 @@ def test_a_replys_number_is_clamped_whatever_its_size(v, want):
     assert geo_jobs.number(v, 0, 100, 7) == want
 
 
+def test_the_prompt_digests_cover_an_archive_or_rules_read_instead_of_the_bundled_ones():
+    bundled = geo_attacks.prompt_digests(["AgenticGEO", "AutoGEO", "GEO"])
+    read = geo_attacks.prompt_digests(["AgenticGEO", "AutoGEO", "GEO"], archive=[{"strategy": "x"}], rules=["Be y."])
+    assert read["AgenticGEO"] != bundled["AgenticGEO"] and read["AutoGEO"] != bundled["AutoGEO"]
+    assert read["GEO"] == bundled["GEO"]
+
+
 def test_agenticgeo_reads_the_published_archive_format(tmp_path):
     p = tmp_path / "strategies.json"
     p.write_text(json.dumps({"strategies": [
