@@ -535,8 +535,14 @@ def resolve(cls, given, preset=None, from_record=True):
         check_name(asked.get("name", "default"))              # before any file under it is read
         where = os.path.join(asked.get("runs_dir", "runs"), asked.get("name", "default"))
         keep = set(cls.pinned()) | set(cls.taken())
-        rec = {k: v for k, v in read_json(os.path.join(where, "config.json"), {}).get("config", {}).items()
-               if k in keep and k not in asked}
+        path = os.path.join(where, "config.json")
+        try:
+            recorded = read_json(path, {"config": {}})
+        except ValueError as e:                     # (UnicodeDecodeError included)
+            raise SettingsError(f"{path}: not JSON ({e}); move it aside") from None
+        if not isinstance(recorded, dict) or not isinstance(recorded.get("config"), dict):
+            raise SettingsError(f"{path}: no settings object under \"config\"; move it aside")
+        rec = {k: v for k, v in recorded["config"].items() if k in keep and k not in asked}
         # a base URL stored without its credentials: refused, as the provider's default URL is no stand-in
         if "***@" in str(rec.get("base_url")):
             raise SettingsError(f"{where}/config.json: base_url was stored without its credentials "
@@ -547,7 +553,13 @@ def resolve(cls, given, preset=None, from_record=True):
             log(f"[config] from {where}/config.json: " + ", ".join(f"{k}={v!r}" for k, v in sorted(taken.items())))
         kw.update(rec)
     kw.update(asked)
-    return cls(**kw)
+    try:
+        return cls(**kw)
+    except TypeError as e:          # a recorded value of another type (a hand-edited config.json): the checks
+        if not from_record:         # compare it with numbers
+            raise
+        raise SettingsError(f"{where}/config.json: a recorded setting is not of its type ({e}); give it as a flag "
+                            "or fix the file") from None
 
 
 LOCK = ".lock"

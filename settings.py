@@ -294,7 +294,7 @@ class SeenSettings(Settings):
     KEY = "seen"
     seen_methods: tuple = setting(None, "the seen (construction) GEO families, comma list (build-bench default: the "
                                         "paper's three; train: the file's _meta.seen_methods)", pinned=True,
-                                  parse=comma_list())
+                                  parse=comma_list(once=str))
 
 
 @dataclass(frozen=True)
@@ -439,7 +439,7 @@ class EvalSettings(Settings):
     KEY = "eval"
     conditions: tuple = setting("all", "comma list of conditions, 'paper' (the paper's six) or 'all' (those, then "
                                        "the injection defenses Spotlighting, Sandwich Prompt, PromptArmor, RobustRAG)",
-                                parse=comma_list(words=("all", "paper")))
+                                parse=comma_list(words=("all", "paper"), once=str))
     ppl_model: str = setting("openai-community/gpt2", "PPL-Filter GPT-2: hub id, folder, or 'tiny'", taken=True)
     ppl_quantile: float = setting(0.99, "PPL threshold quantile (B.2.2)", ok=lambda v: 0 < v <= 1, taken=True)
     transfer: tuple = setting(None, "Table C.2: other LLMs' libraries to apply to this target, name=path[,name=path] "
@@ -526,7 +526,7 @@ class BuildSettings(Settings):
     construction_families: tuple = setting(None, "families rewritten in the construction groups too: 'all', or a "
                                                  "comma list holding the seen ones (default: the seen ones, as "
                                                  "the paper); `holdout` trains with any of them left out",
-                                           parse=comma_list(words=("all",)))
+                                           parse=comma_list(words=("all",), once=str))
     groups: int = setting(100, "query groups to sample (Table B.1: 100)", ok=at_least(2))
     construction_groups: int = setting(12, "of them, construction groups (Table B.1: 12)", ok=at_least(1))
     fidelity_judge: str = setting(None, "provider:model judging each rewrite's faithfulness (default: --llm)")
@@ -693,10 +693,10 @@ class BenchSettings(Settings):
                        says="a folder (an empty path would mean the current one)")
     against: tuple = setting(None, "score: CPU engines to race beside transformers on the seq-cls export, comma list "
                                    f"of {', '.join(ENGINES)} (test-only dependencies: requirements-test.txt)",
-                             parse=comma_list(one_of(ENGINES)))
+                             parse=comma_list(one_of(ENGINES), once=str))
     workloads: tuple = setting("mixed,fixed", "score, memory: the workloads measured, comma list of mixed (10 "
                                               "documents of 100-1000 tokens), fixed (10 x --seq)",
-                               parse=comma_list(one_of(("mixed", "fixed"))))
+                               parse=comma_list(one_of(("mixed", "fixed")), once=str))
 
 
 # ----------------------------------------------------------------------------- commands

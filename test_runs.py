@@ -518,6 +518,15 @@ def test_a_demo_rerun_with_settings_its_records_refuse_records_nothing(demo_run,
     assert (tmp_path / "o" / "demo" / "config.json").read_text() == before
 
 
+@pytest.mark.parametrize("text, msg", [("{bad", "not JSON"), ("[1, 2]", "no settings object"),
+                                       ('{"config": {"n_boot": "abc"}}', "a recorded setting is not of its type")])
+def test_a_broken_record_is_one_line_naming_it(tmp_path, text, msg):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(text)
+    with pytest.raises(runs.SettingsError, match=f"x/config.json: {msg}"):
+        runs.resolve(settings.EvalConfig, {"runs_dir": str(tmp_path), "name": "x"})
+
+
 def test_a_train_record_keeps_the_settings_eval_recorded(tmp_path):
     """train rewrites config.json with its settings: eval's (the judge, n_boot), which train has no field for,
     stay, so a later eval takes them from the record instead of its defaults (refused by its own records)."""

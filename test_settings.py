@@ -122,7 +122,9 @@ def test_a_comma_list_is_parsed_once_and_printed_as_given():
                                     ({"transfer": "a b=x.json"}, "--transfer 'a b=x.json': give name=path"),
                                     # counted twice / two libraries writing one results file
                                     ({"methods": "GEO,MAGEO,GEO"}, "--methods 'GEO,MAGEO,GEO': GEO given more than"),
-                                    ({"transfer": "a=x.json,a=y.json"}, "--transfer 'a=x.json,a=y.json': a given")])
+                                    ({"transfer": "a=x.json,a=y.json"}, "--transfer 'a=x.json,a=y.json': a given"),
+                                    ({"seen_methods": "MAGEO,MAGEO"}, "--seen-methods 'MAGEO,MAGEO': MAGEO given"),
+                                    ({"conditions": "paper,paper"}, "--conditions 'paper,paper': paper given")])
 def test_a_bad_comma_list_is_refused_naming_its_flag(kw, msg):
     with pytest.raises(settings.SettingsError, match=msg.replace("(", r"\(")):
         settings.AttackConfig(**kw)
