@@ -389,10 +389,32 @@ class Run:
 
     def check_record(self):
         """The check `record` runs before it writes, alone (a dry run runs it too): once a step has produced
-        something, pinned settings and benchmark content must match the run's config.json."""
+        something, pinned settings, benchmark content and model weights must match the run's config.json.
+        -> the record (None: none)."""
         old = read_json(self.path("config.json"))
         if old and produced_anything(self.dir):
             self._check_pinned(old)
+        return old
+
+    def weights(self, old=None):
+        """--model's weights as the run's record holds them: {"files": [[name, bytes, mtime_ns]], "sha1": of
+        their bytes} for a local folder (the bytes read only when a file's size or time differs from the
+        record `old`'s: gigabytes are hashed once, then again only after the folder changed); None for a
+        hub id, whose resolved revision names its weights."""
+        folder = self.model_folder()
+        if not os.path.isdir(folder):
+            return None
+        files = reranker.weight_files(folder)
+        stat = [[os.path.relpath(f, folder), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
+        was = old.get("weights") if isinstance(old, dict) else None
+        if isinstance(was, dict) and was.get("files") == stat and isinstance(was.get("sha1"), str):
+            return was
+        digest = hashlib.sha1()
+        for f in files:
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    digest.update(chunk)
+        return {"files": stat, "sha1": digest.hexdigest()}
 
     def record(self, command):
         """Write the run's settings to config.json. Once a step has produced something, a rerun that
@@ -400,12 +422,12 @@ class Run:
         model that could not be downloaded) the record is simply replaced. The settings of the record that
         this command has no field for (eval's judge and n_boot, when train records) are kept: later
         commands take them from here."""
-        self.check_record()
-        old = read_json(self.path("config.json"))
+        old = self.check_record()
         kept = old["config"] if isinstance(old, dict) and isinstance(old.get("config"), dict) else {}
         write_json(self.path("config.json"),
                    {"config": {**kept, **printable(self.cfg)}, "bench_sha1": file_sha1(self.cfg.data.bench),
-                    "command": command, "code_version": code_version(), "offline": self.offline,
+                    "weights": self.weights(old), "command": command, "code_version": code_version(),
+                    "offline": self.offline,
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__})
 
     def record_or_check(self, command):
@@ -430,6 +452,12 @@ class Run:
             raise SettingsError(f"{cfg.data.bench}: its content changed since this run used it (SHA-1 "
                                 f"{old['bench_sha1'][:12]}, now {digest[:12]}); the run's adapter, library and "
                                 "results belong to the old content. Restore the file, or use a new --name")
+        was = old.get("weights")           # the same folder, other weights: its cached scores would be stale
+        now = self.weights(old) if isinstance(was, dict) else None
+        if now is not None and now["sha1"] != was.get("sha1"):
+            raise SettingsError(f"{cfg.model.model}: its weights changed since this run used them (SHA-1 "
+                                f"{str(was.get('sha1'))[:12]}, now {now['sha1'][:12]}); the run's scores, adapter "
+                                "and results belong to the old weights. Restore them, or use a new --name")
 
     def with_settings(self, cfg, data=None):
         """The same services under other settings (holdout's folds): the engine's address, the ranks and

@@ -527,6 +527,25 @@ def test_a_broken_record_is_one_line_naming_it(tmp_path, text, msg):
         runs.resolve(settings.EvalConfig, {"runs_dir": str(tmp_path), "name": "x"})
 
 
+def test_a_model_folder_whose_weights_changed_is_refused_by_the_runs_record(tmp_path):
+    """The record keeps the local model folder's weights (files, sizes, times and their SHA-1): a folder
+    rewritten with other weights is refused once the run has produced something (its cached scores would be
+    stale); the same bytes written again (a new time) are the same weights."""
+    import tiny
+    folder = tiny.make_tiny_checkpoint(str(tmp_path / "m"), seed=0)
+    cfg = settings.TrainConfig(name="t", runs_dir=str(tmp_path / "runs"), model=folder, bench=SAMPLE)
+    runs.Run(cfg).record("train")
+    (tmp_path / "runs" / "t" / "cache").mkdir()
+    (tmp_path / "runs" / "t" / "cache" / "scores_base.json").write_text("{}")        # something produced
+    weights = os.path.join(folder, "model.safetensors")
+    os.utime(weights, ns=(0, 10 ** 9))                                               # the same bytes, a new time
+    runs.Run(cfg).record("train")
+    shutil.rmtree(folder)
+    tiny.make_tiny_checkpoint(folder, seed=1)                                        # other weights, same folder
+    with pytest.raises(runs.SettingsError, match="its weights changed since this run used them"):
+        runs.Run(cfg).check_record()
+
+
 def test_a_train_record_keeps_the_settings_eval_recorded(tmp_path):
     """train rewrites config.json with its settings: eval's (the judge, n_boot), which train has no field for,
     stay, so a later eval takes them from the record instead of its defaults (refused by its own records)."""
