@@ -651,7 +651,10 @@ def dry_run(run):
     # --attacked K, --pool optimized: rewrites of other candidates
     stages.update({name: stage(rewrites, calls, spec=test_split) for name, (rewrites, calls) in extra.items()
                    if rewrites})
-    n = sum(v["groups"] for v in stages.values()) * REWRITE_TRIES * 2      # every rewrite (and edit) is judged
+    # every rewrite (and edit) is judged, and MAGEO's loop judges its candidates: up to MAGEO_CANDIDATES a round
+    mageo = sum(v["groups"] for name, v in stages.items() if name.split(" (")[0] == "MAGEO")
+    n = (sum(v["groups"] for v in stages.values()) + mageo * geo_attacks.MAGEO_ROUNDS * geo_attacks.MAGEO_CANDIDATES) \
+        * REWRITE_TRIES * 2
     judged = {"requests": n, "prompt_tokens": int(n * chars / 2), "completion_tokens": n * 60}
     stages["fidelity judge"] = priced(judged, b.fidelity_judge or cfg.llm.llm)
     return {"groups": len(picked), "construction": n_cons, "test": n_test,

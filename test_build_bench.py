@@ -129,6 +129,19 @@ def test_a_build_dry_run_sends_nothing(geo_input, tmp_path):
 
 
 
+def test_the_dry_runs_judge_requests_bound_the_builds(tmp_path):
+    """MAGEO's loop judges its candidates each round: the dry run's fidelity judge requests are an upper
+    bound of what the build then asks the judge (its own model in the ledger)."""
+    argv = ["build-bench", "--input", _rows(tmp_path, lambda rows: None), "--output", str(tmp_path / "b.jsonl"),
+            "--groups", "4", "--construction-groups", "2", "--docs", "5", "--llm", "offline", "--fidelity-judge",
+            "offline:judge", "--runs-dir", str(tmp_path / "r"), "--name", "b", "--attacks", "MAGEO,GEO",
+            "--seen-methods", "MAGEO,GEO"]
+    bound = run.main(argv + ["--dry-run"])["stages"]["fidelity judge"]["requests"]
+    run.main(argv)
+    asked = accounting.ledger_usage(str(tmp_path / "r" / "b" / "usage.jsonl"))["stages"]["build-bench"]
+    assert 0 < asked["offline:judge"]["replies"] <= bound
+
+
 def test_a_search_is_entered_in_the_ledger_before_it_is_cached(geo_input, tmp_path, monkeypatch):
     """A search is paid as it arrives: a kill between its reply and its cache entry leaves its ledger row."""
     _, url, _ = geo_input
