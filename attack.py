@@ -190,7 +190,7 @@ class Attack:
         out = []
         for x in insts:
             s = self.target.scores(x)
-            out.append((s[x.attack_index], ranked(s).index(x.attack_index) + 1))
+            out.append((s[x.attack_index], ranked(s, x.doc_ids).index(x.attack_index) + 1))
         return out
 
     def run(self, insts):
@@ -217,7 +217,7 @@ class Attack:
             best = cs[best_of(cs, len(cs))]
             n = min(self.per_round, self.budget - len(cs))
             others = self.target.scores(with_doc(x, best["text"], best["sid"]))
-            top = next(i for i in ranked(others) if i != x.attack_index)
+            top = next(i for i in ranked(others, x.doc_ids) if i != x.attack_index)
             prompt, check = ((attacker_prompt, parse_rewrites) if self.algorithm == "mageo" else
                              (repair_prompt, parse_repair))
             reqs.append({"messages": [{"role": "user", "content": prompt(
@@ -268,7 +268,7 @@ class Attack:
         if self.engine is None:
             return [{} for _ in insts]
         llm, pipeline = self.engine
-        tops = [ranked(self.target.scores(x))[:self.cfg.data.k] for x in insts]       # scored by self.score
+        tops = [self.target.order(x)[:self.cfg.data.k] for x in insts]       # scored by self.score
         c = self.cfg
         recs = pipeline_records(c.llm, c.request.workers, llm, "repair engine", insts, tops, pipeline)
         return [{"cited": bool(r["attack_cited"])} for r in recs]

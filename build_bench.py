@@ -645,7 +645,9 @@ def dry_run(run):
         else:
             stages[f] = stage(n_cons * (f in cons) + n_test, calls)
     if b.honest:                      # one edit per group, each judged like a family's rewrite
-        stages["honest edit"] = stage(len(picked), 1, reads=1, writes=1.1)
+        stages["honest edit"] = stage(n_cons if b.test_llm else len(picked), 1, reads=1, writes=1.1)
+        if b.test_llm:
+            stages["honest edit (test split)"] = stage(n_test, 1, reads=1, writes=1.1, spec=test_split)
     extra = {"further attacks": (n_test * (b.attacked - 1), max(geo_attacks.FAMILIES[f].calls for f in fams)),
              "pool honest edits": (n_test * (b.docs - 1) * (b.pool == "optimized"), 1)}
     # --attacked K, --pool optimized: rewrites of other candidates

@@ -236,15 +236,18 @@ def parse_rerankers(items):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", label):
             raise ValueError(f"{redact_url(label)}={spec}: the label must be letters, digits, '.', '_', '-' (it names "
                              "results/rerank-<label>.jsonl); give LABEL=SPEC")
-        # eval names a label's records files in lower case, '-' as '_', and a sample's with ".s<N>" after it
-        same = next((lb for lb, _ in out if re.sub(r"[-_]", "_", lb.lower()) == re.sub(r"[-_]", "_", label.lower())),
-                    None)
+        # eval names a label's records files as evaluation.condition_slug folds it (lower case, each run of other
+        # characters than letters, digits and '.' one '_'), a sample's with ".s<N>" after it, the honest audit's
+        # with ".honest"
+        fold = lambda lb: re.sub(r"[^a-z0-9.]+", "_", lb.lower()).strip("_")
+        same = next((lb for lb, _ in out if fold(lb) == fold(label)), None)
         if same is not None:
             raise ValueError(f"label {label!r} given twice" if same == label else
-                             f"labels {same!r} and {label!r} differ only in case or '-' against '_' (they would "
+                             f"labels {same!r} and {label!r} differ only in case or punctuation (they would "
                              "name one records file)")
-        if re.search(r"\.s\d+$", label):
-            raise ValueError(f"label {label!r}: '.s<N>' ends the names of a sample's records files; give another")
+        if re.search(r"\.(s\d+|honest)$", label):
+            raise ValueError(f"label {label!r}: '.s<N>' and '.honest' end the names of other records files; give "
+                             "another")
         out.append((label, spec))
     return out
 

@@ -47,12 +47,13 @@ PAPER_SEEN_METHODS = ("AgenticGEO", "AutoGEO", "MAGEO")
 
 # Chat-template control tokens spelled as text: <|im_start|>, <|im_end|>, <|endoftext|> (Qwen), <|eot_id|>,
 # <|start_header_id|> (Llama 3), <｜Assistant｜> (DeepSeek's full-width bars), <start_of_turn> (Gemma),
-# [INST], <<SYS>>, <s>, </s> (Llama 2, Mistral), [SYSTEM_PROMPT] and the tool markers (Mistral), [gMASK] and
-# <sop> (GLM), and Qwen3's added <think>, <tool_call>, <tool_response> (and their closing forms). An
-# attacker's rewrite holding one would reach a self-hosted target LLM's prompt, where a tokenizer that
-# matches added tokens in text (Hugging Face tokenizers does) makes it the token itself.
+# [INST] and <<SYS>> (Llama 2, Mistral), [SYSTEM_PROMPT] and the tool markers (Mistral), [gMASK] and <sop>
+# (GLM), and Qwen3's added <think>, <tool_call>, <tool_response> (and their closing forms). An attacker's
+# rewrite holding one would reach a self-hosted target LLM's prompt, where a tokenizer that matches added
+# tokens in text (Hugging Face tokenizers does) makes it the token itself. Llama 2's <s> and </s> are left
+# out: HTML's strikethrough spells them in ordinary pages.
 CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_.:-]{1,48}\|>|<｜[^｜<>\s]{1,48}｜>|</?(?:start|end)_of_turn>"
-                           r"|</?(?:think|tool_call|tool_response|s)>|<sop>|\[gMASK\]|<</?SYS>>"
+                           r"|</?(?:think|tool_call|tool_response)>|<sop>|\[gMASK\]|<</?SYS>>"
                            r"|\[/?(?:INST|SYSTEM_PROMPT|TOOL_CALLS|AVAILABLE_TOOLS|TOOL_RESULTS)\]")
 
 

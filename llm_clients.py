@@ -512,6 +512,8 @@ class Client:
                 _fill_data(reply, check)
             except ValueError:
                 return False
+        elif not reply.text.strip() and reply.finish_reason not in ENDED:   # no answer, as chat() says
+            return False
         self.cache.put(key, reply, self.provider, self.model)
         return True
 
@@ -611,7 +613,9 @@ class Client:
         """Calls, HTTP calls, cache hits, retries, tokens and (with a price table entry) cost in USD."""
         s = self.stats
         p = self.prices.get(accounting.price_key(self.label))
-        s["cost_usd"] = None if p is None or s.get("unmetered") else accounting.token_cost(p, s)   # unmetered: unknown
+        # unknown without a chat price (a per-token rerank entry is another kind) or with unmetered replies
+        priced = isinstance(p, (list, tuple)) and not s.get("unmetered")
+        s["cost_usd"] = accounting.token_cost(p, s) if priced else None
         s["model"] = self.label
         if self.adapted:
             s["adapted"] = list(self.adapted)

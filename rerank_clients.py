@@ -157,6 +157,7 @@ class RerankClient:
     def map(self, requests_, workers=8):
         """[(query, docs), ...] -> [RerankReply, ...] in order, `workers` at a time; the first failure
         raises: requests not started are cancelled, those in flight stopped (Transport.abort)."""
+        self.transport.resume()                  # a new run of requests: an earlier map's failure stops none of them
         ex = ThreadPoolExecutor(max_workers=max(1, workers))
         try:
             futs = [ex.submit(self.rerank, q, d) for q, d in requests_]

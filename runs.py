@@ -339,6 +339,11 @@ class Run:
         spec = spec or cfg.llm.llm
         offline_spec = spec.partition(":")[0] == "offline"
         base_url = self.engine_url if offline_spec else cfg.llm.base_url
+        # a base URL read back from config.json, which keeps no credentials: given again, never left out (the
+        # provider's default URL is no stand-in); a command that builds no client never asks for it
+        if base_url is not None and getattr(base_url, "basic", None) == ("***", ""):
+            raise SettingsError(f"--base-url {base_url}: stored in config.json without its credentials; give "
+                                "--base-url again")
         engine = {"handler": offline.respond} if offline_spec and not base_url else {}
         if cfg.llm.batch_api and stage and not engine:         # a batch API needs an HTTP endpoint
             engine["batch"] = functools.partial(batch_clients.BatchRunner, manifest=self.path("batches.json"),
@@ -407,21 +412,23 @@ class Run:
         files = reranker.weight_files(folder)
         stat = [[os.path.relpath(f, folder), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
         was = old.get("weights") if isinstance(old, dict) else None
-        if isinstance(was, dict) and was.get("files") == stat and isinstance(was.get("sha1"), str):
-            return was
+        for known in (was, self.__dict__.get("_weights")):     # the record's, or this command's own reading
+            if isinstance(known, dict) and known.get("files") == stat and isinstance(known.get("sha1"), str):
+                return known
         digest = hashlib.sha1()
         for f in files:
             with open(f, "rb") as fh:
                 while chunk := fh.read(1 << 24):
                     digest.update(chunk)
-        return {"files": stat, "sha1": digest.hexdigest()}
+        self._weights = {"files": stat, "sha1": digest.hexdigest()}
+        return self._weights
 
     def record(self, command):
         """Write the run's settings to config.json. Once a step has produced something, a rerun that
         changes a setting it depends on (pinned) is refused; before that (a start that failed, e.g. on a
-        model that could not be downloaded) the record is simply replaced. The settings of the record that
-        this command has no field for (eval's judge and n_boot, when train records) are kept: later
-        commands take them from here."""
+        model that could not be downloaded) the settings are written over the record's. Either way the
+        record's settings this command has no field for (eval's judge and n_boot, when train records) are
+        kept: later commands take them from here."""
         old = self.check_record()
         kept = old["config"] if isinstance(old, dict) and isinstance(old.get("config"), dict) else {}
         write_json(self.path("config.json"),
@@ -438,7 +445,9 @@ class Run:
         if old is None or not produced_anything(self.dir):
             return self.record(command)
         self._check_pinned(old)
-
+        if isinstance(old.get("weights"), dict) and self.weights(old) != old["weights"]:
+            # the same bytes under new file times (a copy): recorded, so the next command does not hash them again
+            write_json(self.path("config.json"), {**old, "weights": self.weights(old)})
     def _check_pinned(self, old):
         """Refuse pinned settings and benchmark content that differ from the run's record `old`."""
         cfg, path, new = self.cfg, self.path("config.json"), printable(self.cfg)
@@ -571,10 +580,6 @@ def resolve(cls, given, preset=None, from_record=True):
         if not isinstance(recorded, dict) or not isinstance(recorded.get("config"), dict):
             raise SettingsError(f"{path}: no settings object under \"config\"; move it aside")
         rec = {k: v for k, v in recorded["config"].items() if k in keep and k not in asked}
-        # a base URL stored without its credentials: refused, as the provider's default URL is no stand-in
-        if "***@" in str(rec.get("base_url")):
-            raise SettingsError(f"{where}/config.json: base_url was stored without its credentials "
-                                f"({rec['base_url']}); give --base-url again")
         defaults = {f.name: f.default for f in cls.fields()}
         taken = {k: v for k, v in rec.items() if v != defaults[k]}          # those that are not defaults
         if taken:

@@ -492,21 +492,32 @@ class Batcher:
                 batch.append(job)
                 n += size(job)
             batch = [job for job in batch if not job.get("cancelled")]
-            if not batch:
-                continue
-            try:
-                flat = [x for job in batch for x in job["ids"]]
-                margins = self.rr.score_ids(flat).tolist()
-                self.batches += 1
-                at = 0
-                for job in batch:
-                    job["scores"], at = margins[at:at + len(job["ids"])], at + len(job["ids"])
-            except Exception as e:   # reported to each waiting request as a 500, the thread lives on
-                traceback.print_exc(file=sys.stderr)
-                for job in batch:
-                    job["error"] = RequestError(500, f"scoring failed ({type(e).__name__})")
+            if batch:
+                self._score(batch)
             for job in batch:
                 job["done"].set()
+
+    def _score(self, batch):
+        """The jobs' documents scored in one call, each job's margins given to it. Non-finite margins
+        (reranker.score_ids' FloatingPointError) in a shared call are scored again a job at a time: one
+        request's text may not fail the requests it shared the call with."""
+        try:
+            flat = [x for job in batch for x in job["ids"]]
+            margins = self.rr.score_ids(flat).tolist()
+            self.batches += 1
+            at = 0
+            for job in batch:
+                job["scores"], at = margins[at:at + len(job["ids"])], at + len(job["ids"])
+        except FloatingPointError:
+            if len(batch) > 1:
+                for job in batch:
+                    self._score([job])
+            else:
+                batch[0]["error"] = RequestError(500, "scoring failed (non-finite margins for this request)")
+        except Exception as e:   # reported to each waiting request as a 500, the thread lives on
+            traceback.print_exc(file=sys.stderr)
+            for job in batch:
+                job["error"] = RequestError(500, f"scoring failed ({type(e).__name__})")
 
 
 def scoring_identity(rr):

@@ -15,6 +15,7 @@ import requests
 import accounting
 import endpoints
 import llm_clients
+import transport
 from testing import Script, client, ok
 
 
@@ -226,6 +227,8 @@ def test_a_filtered_or_failed_empty_reply_is_no_answer_and_not_cached(server, tm
     assert not list((tmp_path / "c").rglob("*.json"))
     Script.script = [(200, {}, ok(""), 0)]                # an empty answer the model ended itself: its answer
     assert c.chat([{"role": "user", "content": "q2"}]).text == ""
+    key, _ = c.request_key([{"role": "user", "content": "q3"}])
+    assert not c.store(key, {**ok(""), "choices": [choice]}, False, None)      # a batch's line: not cached either
 
 
 def test_a_value_out_of_range_is_not_taken_for_a_parameter_the_model_refuses(server):
@@ -256,11 +259,14 @@ def test_an_empty_reply_is_re_asked_without_an_empty_turn(server):
 def test_a_client_sends_again_after_a_failed_map(server):
     """map() stops the requests in flight when one fails (Transport.abort); the next map() or chat() of the
     same client is sent, not refused as part of the stopped run."""
-    Script.script = [(401, {}, {"error": {"message": "bad key"}}, 0), (200, {}, ok("fine"), 0)]
+    grace = transport.ABORT_GRACE
+    Script.script = [(401, {}, {"error": {"message": "bad key"}}, 0), (200, {}, ok("fine"), grace + 0.3)]
     c = client(server)
     with pytest.raises(llm_clients.LLMError, match="HTTP 401"):
         c.map([{"messages": [{"role": "user", "content": "a"}]}], progress=False)
+    # a reply slower than the abort's grace: the failed map's socket shutdown, called off, does not cut it
     assert [r.text for r in c.map([{"messages": [{"role": "user", "content": "b"}]}], progress=False)] == ["fine"]
+    assert len(Script.seen) == 2 and c.transport.retries == 0
 
 
 def test_anthropic_protocol(server):
@@ -408,6 +414,8 @@ def test_a_ledger_row_is_priced_as_the_client_prices_its_own_usage(server):
     u = c.usage()
     row = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"], "replies": 1}
     assert accounting.price_of("ollama:qwen3:8b", row, prices) == u["cost_usd"] == pytest.approx(7e-6)
+    c.prices = {"qwen3:8b": {"usd_per_1m_tokens": 1.0}}           # a rerank model's kind of price: unknown to both
+    assert c.usage()["cost_usd"] is None and accounting.price_of("ollama:qwen3:8b", row, c.prices) is None
 
 
 @pytest.mark.parametrize("usage", [None, {"prompt_tokens": 12}, {"prompt_tokens": None, "completion_tokens": "7"}])

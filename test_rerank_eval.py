@@ -247,6 +247,8 @@ def test_a_failed_request_stops_the_others_in_flight(fake):
             t.join(timeout=3)                # the stalled workers end after the abort's grace, no retries
             assert not t.is_alive()
     assert len(FakeRerank.seen) == 4
+    FakeRerank.script = []
+    assert len(c.map([(Q + "again", DOCS)])) == 1 and len(FakeRerank.seen) == 5   # the next map is sent
 
 
 def _run_copy(demo_run, tmp_path):
@@ -424,7 +426,8 @@ def test_rerank_eval_refuses_bad_reranker_flags(demo_run, tmp_path, fake):
     out, name = _run_copy(demo_run, tmp_path)
     for bad, msg in ([f"x y={fake}"], "the label must be"), (["a=base", "a=shield"], "given twice"), \
                     (["q=nope:thing"], "unknown reranker"), (["co-1=base", "Co_1=shield"], "differ only in case"), \
-                    (["co.s1=base"], r"'\.s<N>' ends the names"):
+                    (["x=base", "x-=shield"], "differ only in case"), (["co.s1=base"], r"'\.s<N>' and '\.honest'"), \
+                    (["co.honest=base"], r"'\.s<N>' and '\.honest'"):
         with pytest.raises(SystemExit, match=msg):
             run.main(["rerank-eval", "--runs-dir", str(out), "--name",
                       name] + sum((["--reranker", b] for b in bad), []))

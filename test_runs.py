@@ -5,6 +5,7 @@ Run: python -m pytest -q test_runs.py
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ import signal
 import threading
 import time
 import traceback
+import unittest.mock
 
 import pytest
 import torch
@@ -497,9 +499,13 @@ def test_compare_keeps_runs_of_the_same_folder_name(tmp_path):
 def test_eval_takes_the_ppl_model_of_the_trained_run(tmp_path):
     store.write_json(str(tmp_path / "t" / "config.json"), {"command": "train", "config": {
         "model": "tiny", "ppl_model": "tiny", "judge": "offline", "base_url": "http://***@host/v1"}})
-    # a base URL stored without its credentials is given again, not replaced by the provider's default URL
-    with pytest.raises(runs.SettingsError, match=r"base_url was stored without its credentials .*give --base-url"):
-        runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
+    # a base URL stored without its credentials is given again where a client is built, not replaced by the
+    # provider's default URL; a command that builds none (rerank-eval) is not asked for it
+    stored = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path), "bench": SAMPLE})
+    with pytest.raises(runs.SettingsError, match=r"stored in config.json without its credentials; give --base-url"):
+        runs.Run(stored).llm("vllm:m")
+    rerank = runs.resolve(settings.RerankEvalConfig, {"name": "t", "runs_dir": str(tmp_path)})
+    assert rerank.llm.base_url.host == "host"
     cfg = runs.resolve(settings.EvalConfig, {"name": "t", "runs_dir": str(tmp_path), "base_url": "http://u:p@host/v1"})
     assert (cfg.eval.ppl_model, cfg.judge.judge, cfg.llm.base_url.host) == ("tiny", "offline", "host")
     runs.Run(cfg.replace(base_url="http://user:pw@host/v1", bench=SAMPLE)).record("eval")
@@ -539,7 +545,11 @@ def test_a_model_folder_whose_weights_changed_is_refused_by_the_runs_record(tmp_
     (tmp_path / "runs" / "t" / "cache" / "scores_base.json").write_text("{}")        # something produced
     weights = os.path.join(folder, "model.safetensors")
     os.utime(weights, ns=(0, 10 ** 9))                                               # the same bytes, a new time
-    runs.Run(cfg).record("train")
+    hashed, sha1 = [], hashlib.sha1
+    with unittest.mock.patch("hashlib.sha1", lambda *a: hashed.append(1) or sha1(*a)):
+        runs.Run(cfg).record("train")                  # checked and recorded, the bytes read once
+        runs.Run(cfg).record("train")                  # the new time recorded: not read again
+    assert len(hashed) == 1
     shutil.rmtree(folder)
     tiny.make_tiny_checkpoint(folder, seed=1)                                        # other weights, same folder
     with pytest.raises(runs.SettingsError, match="its weights changed since this run used them"):

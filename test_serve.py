@@ -257,6 +257,34 @@ def small_queue_server(tiny_dir):
 SMALL_BODY = json.dumps({"query": "q", "documents": ["a b", "c d"]})
 
 
+def test_one_requests_non_finite_margins_fail_only_that_request():
+    """Requests waiting together share a scoring call: one whose text overflows the model (reranker.score_ids'
+    FloatingPointError) fails alone, the others get their scores."""
+    calls = []
+
+    class Overflows:                # a stand-in scorer (labelled): id 666 overflows, id 999 takes 0.3 s
+        token_budget = 10 ** 6
+
+        def score_ids(self, ids):
+            calls.append(ids)
+            time.sleep(0.3 if [999] in ids else 0)
+            if any(666 in x for x in ids):
+                raise FloatingPointError("non-finite margins")
+            return torch.tensor([float(len(x)) for x in ids])
+    b = serve.Batcher(Overflows())
+    threading.Thread(target=b.submit, args=([[999]], 10), daemon=True).start()
+    time.sleep(0.1)                                     # the two below wait together while 999 is scored
+    failed = []
+    attacker = threading.Thread(target=lambda: failed.append(pytest.raises(serve.RequestError, b.submit,
+                                                                           [[666, 1]], 10)))
+    attacker.start()
+    time.sleep(0.05)
+    assert b.submit([[1, 2]], timeout=10) == [2.0]
+    attacker.join()
+    assert "non-finite margins for this request" in str(failed[0].value)
+    assert [[666, 1], [1, 2]] in calls                  # they shared a call, then were scored apart
+
+
 def test_a_busy_server_refuses_before_reading_the_body(small_queue_server):
     """The request slot is taken before the body is read, so max_concurrent_requests bounds the bodies held
     and decoded at once: past it a request is refused unparsed (a body that is not JSON gets the 429, not a

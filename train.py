@@ -150,7 +150,7 @@ def monitor(rr, triples, ids, s0, sh, k, lists=()):
         for out, v in zip((r_pos, r_att, r_ben), r):
             out.append(float(v))
         demoted.append(float(s[1] < s[0] and s[1] < s[2]))
-    overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x.attack_index, k) for x, b in lists]
+    overlap = [benign_kept(b, rr.score(x.query, x.docs).tolist(), x, k) for x, b in lists]
     mean = lambda v: sum(v) / max(1, len(v))
     return {"loss": mean(losses), "pref_accuracy": mean(acc), "residual/pos": mean(r_pos), "residual/att": mean(r_att),
             "residual/ben": mean(r_ben), "attack_demotion": mean(demoted), "benign_topk_overlap": mean(overlap)}
@@ -319,10 +319,11 @@ def finish_shield(run, rr, folder, adapter_dir, state, steps_per_epoch):
     log(f"[train] test groups, base -> shield: {test_stats}")
 
 
-def benign_kept(base_scores, new_scores, attack_index, k):
-    """Share of the base top-k's benign documents that are still in the new top-k."""
-    ben = [i for i in ranked(base_scores)[:k] if i != attack_index]
-    return len(set(ben) & set(ranked(new_scores)[:k])) / max(1, len(ben))
+def benign_kept(base_scores, new_scores, x, k):
+    """Share of the base top-k's benign documents of instance x that are still in the new top-k (ties by
+    document id, as eval ranks)."""
+    ben = [i for i in ranked(base_scores, x.doc_ids)[:k] if i != x.attack_index]
+    return len(set(ben) & set(ranked(new_scores, x.doc_ids)[:k])) / max(1, len(ben))
 
 
 def shield_test_stats(run, rr, insts, adapter_dir=None):
@@ -338,7 +339,7 @@ def shield_test_stats(run, rr, insts, adapter_dir=None):
         rank_s.append(os_.index(x.attack_index) + 1)
         in_b += x.attack_index in ob[:k]
         in_s += x.attack_index in os_[:k]
-        overlap.append(benign_kept(base.scores(x), shield.scores(x), x.attack_index, k))
+        overlap.append(benign_kept(base.scores(x), shield.scores(x), x, k))
     n = max(1, len(insts))
     return {"instances": len(insts), "attack_mean_rank_base": sum(rank_b) / n,
             "attack_mean_rank_shield": sum(rank_s) / n,

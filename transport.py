@@ -282,17 +282,24 @@ class Transport:
         minutes after the error was reported."""
         self.abort_at = time.monotonic() + grace
         self.aborted.set()
-        timer = threading.Timer(grace, self._shut_open)
-        timer.daemon = True
-        timer.start()
+        self._shut_timer = threading.Timer(grace, self._shut_open)
+        self._shut_timer.daemon = True
+        self._shut_timer.start()
 
     def _shut_open(self):
         with self.lock:
+            if not self.aborted.is_set():        # resumed meanwhile: the sockets are a new run's requests
+                return
             for deadline in list(self.exchanges):
                 deadline.end()
 
     def resume(self):
-        self.aborted.clear()
+        """A new run of requests after an abort: sent again, and the abort's socket shutdown called off."""
+        with self.lock:
+            self.aborted.clear()
+        timer = self.__dict__.pop("_shut_timer", None)
+        if timer is not None:
+            timer.cancel()
 
     def post(self, body):
         """One request with transport retries -> parsed response JSON; raises LLMError. Redirects are
