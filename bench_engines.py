@@ -80,7 +80,11 @@ def engine_scorers(folder, engines, dtype="float32"):
 
     def ort(path):
         import onnxruntime
-        sess = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        # torch's thread count, and no spinning between calls (it takes the CPU from the contender run next)
+        opts = onnxruntime.SessionOptions()
+        opts.intra_op_num_threads = torch.get_num_threads()
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        sess = onnxruntime.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         return lambda ids, mask: torch.from_numpy(sess.run(None, feeds(ids, mask))[0][:, 0])
     out = {}
     if "onnxruntime" in engines:
@@ -91,8 +95,12 @@ def engine_scorers(folder, engines, dtype="float32"):
         import openvino
         # OpenVINO's CPU plugin runs bf16 by default where the CPU has bf16 units: the precision is set
         # to ours, so that a float32 race is float32 (INFERENCE_PRECISION_HINT, OpenVINO's CPU device docs)
-        hint = {"INFERENCE_PRECISION_HINT": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]}
+        hint = {"INFERENCE_PRECISION_HINT": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype],
+                "INFERENCE_NUM_THREADS": torch.get_num_threads()}
         compiled = openvino.Core().compile_model(graphs["float"], "CPU", hint)
+        got = compiled.get_property("INFERENCE_PRECISION_HINT")      # a CPU without the units falls back
+        if got != getattr(openvino.Type, hint["INFERENCE_PRECISION_HINT"]):
+            raise RuntimeError(f"bench: openvino: {dtype} asked, {got} compiled on this CPU")
         out["openvino"] = lambda ids, mask: torch.from_numpy(compiled(feeds(ids, mask))[0][:, 0])
     if "torch-int8" in engines:
         q = torch.ao.quantization.quantize_dynamic(seq_cls_model(seqcls), {nn.Linear}, dtype=torch.qint8)
@@ -179,14 +187,26 @@ def _engine_child(folder, engine, dtype, conn):
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
+def float32_margins(folder, rr, inputs):
+    """{workload: our float32 margins on its ids}: the reference every contender's margins and ranks are read
+    against (the float model, not our rounding in the race's dtype). A float32 copy is loaded for it when the
+    race runs in another dtype, and dropped before the race."""
+    ref = rr if rr.model.embed_tokens.weight.dtype == torch.float32 else bench.load_ours(folder, dtype=torch.float32)
+    out = {name: ref.score_ids(ids).float() for name, ids in inputs.items()}
+    del ref
+    return out
+
+
 def engine_race(m, b, folder, rr, work, results, rc=None):
     """--against: each engine on the workloads in a process of its own (EngineProcess), padded as its users
     batch (one left-padded call) and one call per document, and ours in int8 (speed.quantize_int8, packed as
     ours), raced round-robin with our scorer (and `rc`, our compiled scorer, where bench compiles) -> results
     gains, per workload and engine, documents per second, our speed over the engine's (paired median: above 1,
     ours is faster; with ours-int8 or ours_compiled, its speed over each engine of its precision too), the
-    largest margin difference from ours and the rank agreement with ours (the workload's documents as one list:
-    Kendall tau-b, top-5 agreement)."""
+    largest margin difference from our float32 margins and the rank agreement with them (the workload's
+    documents as one list: Kendall tau-b, top-5 agreement); in a bf16 race, ours in bf16 against them too."""
+    inputs = {name: bench.random_ids(lens, prefix=b.prefix) for name, lens in work.items()}
+    reference = float32_margins(folder, rr, inputs)
     engines = [e for e in b.against if e != "ours-int8"]
     if engines:                                       # the exports, written once in a process that then ends
         bench.in_fresh_process(_export_child, folder, engines)
@@ -199,8 +219,7 @@ def engine_race(m, b, folder, rr, work, results, rc=None):
             q8 = bench.load_ours(folder, dtype=rr.model.embed_tokens.weight.dtype, compile=m.compile)
             speed.quantize_int8(q8.model)
         for name, lens in work.items():
-            ids = bench.random_ids(lens, prefix=b.prefix)
-            ours = rr.score_ids(ids).float()
+            ids, ours = inputs[name], reference[name]
             cands = {"ours": lambda: rr.score_ids(ids)}
             if rc is not None:
                 cands["ours_compiled"] = lambda: rc.score_ids(ids)
@@ -211,6 +230,8 @@ def engine_race(m, b, folder, rr, work, results, rc=None):
             if q8 is not None:
                 cands["ours-int8"] = lambda: q8.score_ids(ids)
                 scored["ours-int8"] = q8.score_ids(ids)
+            if rr.model.embed_tokens.weight.dtype != torch.float32:     # ours in the race's dtype, against float32
+                scored["ours"] = rr.score_ids(ids)
             for e, s in scored.items():
                 results[f"{name}/{e}_max_margin_diff"] = float((s.float() - ours).abs().max())
                 agree = metrics.rank_agreement([ours.tolist()], [s.float().tolist()], 5)

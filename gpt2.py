@@ -98,9 +98,13 @@ class GPT2(nn.Module):
 
     @torch.inference_mode()
     def perplexity(self, text, stride=512):
+        """Sliding-window perplexity (transformers' recipe): windows of n_ctx tokens `stride` apart, each token
+        scored once, with at least n_ctx - stride tokens of context past the first window. The stride is at
+        most half the context: a longer one (the tiny GPT-2's 256 positions) would leave tokens unscored."""
         ids = self.encode(text)
         if len(ids) < 2:
             return float("nan")
+        stride = min(stride, self.n_ctx // 2)
         nll, n, prev_end = 0.0, 0, 0
         for begin in range(0, len(ids), stride):
             end = min(begin + self.n_ctx, len(ids))

@@ -145,6 +145,11 @@ def test_each_cpu_engine_scores_the_seq_cls_export_as_we_do(tiny_dir, tmp_path, 
                           "ours_vs_ours-int8_paired_median", "ours_compiled_vs_onnxruntime_paired_median",
                           "ours_compiled_vs_onnxruntime_per_doc_paired_median"}, paired
         assert "fixed/ours_compiled_docs_per_s" not in res and res["fixed/onnxruntime_max_margin_diff"] < 1e-3
+        # a bf16 race reads every contender against our float32 margins, ours in bf16 among them
+        res = bench_engines.engine_race(types.SimpleNamespace(dtype="bfloat16", compile=False), types.SimpleNamespace(
+            against=("onnxruntime",), prefix=0, repeat=1), folder, bench.load_ours(folder, dtype=torch.bfloat16),
+            {"fixed": list(map(len, ids))}, {})
+        assert res["fixed/onnxruntime_max_margin_diff"] < 1e-3 < res["fixed/ours_max_margin_diff"]
 
 
 def test_against_is_refused_outside_a_cpu_score_race():

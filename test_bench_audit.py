@@ -45,6 +45,9 @@ def test_every_edit_is_predicted_once():
     assert [conf[i].sum() for i in range(7)] == [sum(f in g.attacks for g in groups) for f in r["families"]]
     (ss, su), (us, uu) = r["classifier"]["seen_vs_unseen"]
     assert ss + su == sum(conf[i].sum() for i, f in enumerate(r["families"]) if f in r["seen"])
+    # chance: always naming the most frequent family (seen families edit every group, unseen ones the test
+    # groups only), not one over the number of families
+    assert r["classifier"]["chance"] == round(max(conf.sum(1)) / conf.sum(), 4) > 1 / 7
 
 
 def test_the_classifier_tells_a_distinct_family_apart_and_not_two_alike(tmp_path):

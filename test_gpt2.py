@@ -64,3 +64,5 @@ def test_gpt2_parity_with_transformers(tmp_path, tiny_gpt2):
         nll -= float(lp[tok[pos]])
     want = math.exp(nll / (len(tok) - 1))
     assert abs(ours.perplexity(text, stride=32) - want) < 1e-3 * want
+    # the default stride (512) past this model's context: at most half the context, no token left unscored
+    assert ours.perplexity(text) == ours.perplexity(text, stride=32)
