@@ -142,9 +142,11 @@ def row_of(o, path, n):
             break
     else:
         raise geodef.BenchFormatError(f"{path}:{n}: sources/text_list/docs: missing")
-    given = [k for k in SOURCE_KEYS if o.get(k) is not None]     # one source index, of this format's spelling:
-    if len(given) > 1 or given and given[0] not in src_keys:     # another's would be ignored, and the longest
-        raise geodef.BenchFormatError(                           # document rewritten in its place
+    # one source index, of this format's spelling: another's would be ignored, and the longest document
+    # rewritten in its place
+    given = [k for k in SOURCE_KEYS if o.get(k) is not None]
+    if len(given) > 1 or given and given[0] not in src_keys:
+        raise geodef.BenchFormatError(
             f"{path}:{n}: {given[-1]}: " + (f"given beside {given[0]}" if len(given) > 1 else
                                             f"not a source index of rows with {key} (give {' or '.join(src_keys)})"))
     src_key = given[0] if given else src_keys[0]
@@ -372,8 +374,8 @@ def usable_rows(rows, search, n_docs=None):
             dropped.append((r, "no source document (sugg_idx / target_id / suggest_id / source_index)"))
         elif search and not r["docs"][r["source_index"]]["text"].strip():
             dropped.append((r, f"its source document ({r['source_index']}) has no text"))
-        elif not search and n_docs and own_candidates(r, n_docs)[0] is None:
-            dropped.append((r, own_candidates(r, n_docs)[1]))
+        elif not search and n_docs and (why := own_candidates(r, n_docs))[0] is None:
+            dropped.append((r, why[1]))
         else:
             queries[q] = r
             kept.append(r)

@@ -222,6 +222,12 @@ def parse_labelled(item):
     return label, parse_spec(text)
 
 
+def slug(name):
+    """A name as a records file names it: lower case, each run of characters other than letters, digits and '.'
+    one '_' ("Non-Defense [co]" -> non_defense_co)."""
+    return re.sub(r"[^a-z0-9.]+", "_", name.lower()).strip("_")
+
+
 def parse_rerankers(items):
     """["LABEL=SPEC" or "SPEC", ...] -> [(label, RerankSpec)], each spec parsed once (its printable
     form never shows credentials); ValueError naming the item. A label names the reranker's records
@@ -236,11 +242,9 @@ def parse_rerankers(items):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", label):
             raise ValueError(f"{redact_url(label)}={spec}: the label must be letters, digits, '.', '_', '-' (it names "
                              "results/rerank-<label>.jsonl); give LABEL=SPEC")
-        # eval names a label's records files as evaluation.condition_slug folds it (lower case, each run of other
-        # characters than letters, digits and '.' one '_'), a sample's with ".s<N>" after it, the honest audit's
+        # eval names a label's records files by its slug, a sample's with ".s<N>" after it, the honest audit's
         # with ".honest"
-        fold = lambda lb: re.sub(r"[^a-z0-9.]+", "_", lb.lower()).strip("_")
-        same = next((lb for lb, _ in out if fold(lb) == fold(label)), None)
+        same = next((lb for lb, _ in out if slug(lb) == slug(label)), None)
         if same is not None:
             raise ValueError(f"label {label!r} given twice" if same == label else
                              f"labels {same!r} and {label!r} differ only in case or punctuation (they would "

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 import accounting
+import endpoints
 import geodef
 import gpt2
 import defenses
@@ -155,8 +156,9 @@ def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
     recs = []
     for x, t, rs, (m, kept) in zip(part, tops, pre_replies, finals):
         r = next(replies) if m is not None else None     # None: answered without a call (RobustRAG abstains)
-        failed = r if isinstance(r, llm_clients.ReplyInvalid) else None   # every attempt unusable: no answer,
-        r = None if failed else r                                          # recorded (it cites nothing) and counted
+        # every attempt unusable: no answer, recorded (it cites nothing) and counted
+        failed = r if isinstance(r, llm_clients.ReplyInvalid) else None
+        r = None if failed else r
         ans = r.data["answer"] if r is not None else "" if failed else kept.pop("answer")
         rec = _record(x, t, name, p.finish(ans, kept), r.reasoning if r is not None else None)
         if failed:
@@ -533,18 +535,25 @@ def evaluate(run, conditions=None, ranked=None):
                                            condition)
     summary.update(defense_summary(run, llm, judge, results, plan, insts, clean, res))
     if transfers and "GEO Defender" in conds:     # Table C.2 row: other targets' libraries, Shield fixed
-        # each on the paper's lists, one sample: the run's own library's figures from its first sample
-        row = lambda recs: {k: v for k, v in summarize(metrics.paper_level(recs), clean).items()
-                            if k in ("ASR", "ASI")}
-        summary["transfer"] = {"(own)": row(results["GEO Defender"])}
-        for name, _, lt in transfers:
-            summary["transfer"][name] = row(condition(f"GEO Defender [{name}]", lists, Condition(
-                plan["Shield only"].topk, guided(lt)), f"transfer_{name}"))
+        summary["transfer"] = transfer_rows(results["GEO Defender"], transfers, lists, plan["Shield only"].topk,
+                                            clean, condition)
     summary.update(clients_summary((llm, judge)))
     summary = write_summary(run, "eval", summary)              # rerank-eval's, attack's and harden's blocks kept
     report.write_report(run.dir, summary)
     log(f"[eval] wrote {run.dir}/summary.json and {run.dir}/report.md")
     return Evaluated(summary, results)
+
+
+def transfer_rows(own, transfers, lists, shield_topk, clean, condition):
+    """Table C.2's row of this target: ASR and ASI of GEO Defender with each --transfer library (answered on
+    the paper's `lists` through `condition`, one sample) and with its own (`own`, its first sample's
+    records), each on the paper's lists."""
+    row = lambda recs: {k: v for k, v in summarize(metrics.paper_level(recs), clean).items() if k in ("ASR", "ASI")}
+    out = {"(own)": row(own)}
+    for name, _, lt in transfers:
+        out[name] = row(condition(f"GEO Defender [{name}]", lists, Condition(shield_topk, guided(lt)),
+                                  f"transfer_{name}"))
+    return out
 
 
 def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):
@@ -730,8 +739,9 @@ def defense_diagnostics(results, by_id):
 
 
 def condition_slug(name):
-    """A condition's records file name: "Non-Defense" -> non_defense, "Non-Defense [co]" -> non_defense_co."""
-    return re.sub(r"[^a-z0-9.]+", "_", name.lower()).strip("_")
+    """A condition's records file name (endpoints.slug, which the reranker labels are checked by): "Non-Defense"
+    -> non_defense, "Non-Defense [co]" -> non_defense_co."""
+    return endpoints.slug(name)
 
 
 class Condition(NamedTuple):

@@ -552,9 +552,10 @@ class Client:
             reply = self._parse(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
             self._count(reply)
             if not want_json:
-                if not reply.text.strip() and reply.finish_reason not in ENDED:   # filtered, refused or failed:
-                    err = self.transport.error(f"no text (stop reason {reply.finish_reason!r})")   # no answer,
-                    raise ReplyInvalid(str(err), self.provider, attempts=1)          # and nothing cached
+                # empty, and not ended by the model (filtered, refused or failed): no answer, nothing cached
+                if not reply.text.strip() and reply.finish_reason not in ENDED:
+                    err = self.transport.error(f"no text (stop reason {reply.finish_reason!r})")
+                    raise ReplyInvalid(str(err), self.provider, attempts=1)
                 break
             try:
                 _fill_data(reply, check)

@@ -141,6 +141,7 @@ class Run:
         self.cfg = cfg
         self.engine_url = engine_url
         self.ranks = ranks or parallel.Ranks()
+        self._weights = None                    # this command's reading of --model's weights (weights())
 
     @classmethod
     def plan(cls, cfg, needs=(), llms=False, roles=False, record="config", check=None, keys=False):
@@ -412,7 +413,7 @@ class Run:
         files = reranker.weight_files(folder)
         stat = [[os.path.relpath(f, folder), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
         was = old.get("weights") if isinstance(old, dict) else None
-        for known in (was, self.__dict__.get("_weights")):     # the record's, or this command's own reading
+        for known in (was, self._weights):     # the record's, or this command's own reading
             if isinstance(known, dict) and known.get("files") == stat and isinstance(known.get("sha1"), str):
                 return known
         digest = hashlib.sha1()
