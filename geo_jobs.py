@@ -206,16 +206,18 @@ def gate(ctx, sources, texts, desc="fidelity"):
 
 # Surface features a fixed prompt can stamp on every document of a family: a defense that keys on them
 # detects the template, not the intent (build-bench reports their rates per family against the benign
-# candidates)
+# candidates). The text is an attacker's: no pattern lets a run of blank lines or quote marks start a match at
+# each character that then scans the rest of the page (a line's indent is [^\S\n]*, not \s*, and a quotation
+# holds no opening mark), so a search is linear in the page, not quadratic.
 SURFACE_MARKERS = {
-    "heading": r"(?m)^\s*#{1,6}\s",
+    "heading": r"(?m)^[^\S\n]*#{1,6}\s",
     "bold": r"\*\*[^*\n]+\*\*",
-    "bullet list": r"(?m)^\s*(?:[-*+]|\d+[.)])\s",
-    "table": r"(?m)^\s*\|.*\|\s*$",
+    "bullet list": r"(?m)^[^\S\n]*(?:[-*+]|\d+[.)])\s",
+    "table": r"(?m)^[^\S\n]*\|.*\|[^\S\n]*$",
     "summary phrase": r"(?i)\b(?:in summary|in short|to summari[sz]e|key takeaways?|bottom line|tl;dr)\b",
     "recap": r"(?i)\b(?:recap|in conclusion|overall)\b",
     "attribution": r"(?i)\baccording to\b",
-    "quotation": r"[\u201c\"][^\u201d\"\n]{12,}[\u201d\"]",
+    "quotation": r"[\u201c\"][^\u201c\u201d\"\n]{12,}[\u201d\"]",
 }
 
 

@@ -44,11 +44,11 @@ def features(text, query=""):
     low = (text or "").lower()
     q = " ".join(words(query))
     return {
-        "statistics": len(re.findall(r"\d+(?:\.\d+)?\s*(?:%|percent)|\b\d+ in \d+\b|by the numbers", low)),
-        "quotations": len(re.findall(r"[\"“][^\"”]{10,}[\"”]", text or "")),
+        "statistics": len(re.findall(r"(?<!\d)\d+(?:\.\d+)?\s*(?:%|percent)|\b\d+ in \d+\b|by the numbers", low)),
+        "quotations": len(re.findall(r"[\"“][^\"“”]{10,}[\"”]", text or "")),
         "citations": len(re.findall(r"\[\d+\]|according to|as documented by|peer-reviewed|studies", low)),
         "authority": sum(low.count(a) for a in AUTHORITY),
-        "structure": len(re.findall(r"^\s*(?:#{1,6} |- |\* )|\*\*", text or "", re.M)),
+        "structure": len(re.findall(r"^[^\S\n]*(?:#{1,6} |- |\* )|\*\*", text or "", re.M)),
         "keywords": (1 if "keywords:" in low else 0) + (1 if q and low.count(q) >= 2 else 0),
     }
 

@@ -526,6 +526,19 @@ def test_surface_rates_count_documents_with_each_marker():
     assert rates["heading"] == rates["bold"] == rates["summary phrase"] == 50.0 and rates["table"] == 0.0
 
 
+def test_surface_markers_scan_an_attackers_page_in_linear_time():
+    """A served page (POST /detect, rerank's return_detect) is an attacker's: runs of blank lines, indented
+    blank lines or opening quote marks made each marker's search scan the rest of the page from every line
+    (60,000 characters took ~30 s; a 2 MB body, hours)."""
+    import time
+    import detect
+    for page in ("\n" * 60000, " \n" * 30000, "\u201c" * 60000, "|" + "\n|" * 30000):
+        start = time.perf_counter()
+        geo_jobs.surface_rates([page])
+        detect.page_bag(page)
+        assert time.perf_counter() - start < 2.0, repr(page[:4])
+
+
 @pytest.fixture(scope="module")
 def attacked_bench(geo_input, tmp_path_factory):
     """_short_rows_argv's build (--docs 5) with three attacked documents a test list and an optimised

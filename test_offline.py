@@ -201,3 +201,14 @@ def test_every_answer_is_a_function_of_the_request_alone(tmp_path):
               if not replies[0][i] == replies[1][i] == replies[2][i]]
     assert not differ and len(replies[0]) == len(bodies), f"answered differently under hash seeds 1, 2, 3: {differ}"
     assert out[1] == out[0] and out[2] == out[0]
+
+
+def test_the_offline_targets_features_are_linear_in_the_page():
+    """The offline engine reads attacked pages: a run of digits, blank lines or opening quote marks made a
+    feature's search start at every character and scan the rest (40,000 digits took ~30 s)."""
+    import time
+    import offline_target
+    for page in ("1" * 40000, " \n" * 30000, "\u201c" * 60000):
+        start = time.perf_counter()
+        offline_target.features(page, "q")
+        assert time.perf_counter() - start < 2.0, repr(page[:4])
