@@ -219,6 +219,29 @@ def test_each_interface_gives_the_analyzer_the_cases_its_prompt_names(tmp_path):
     assert ids(r, "citation_failure_cases") == ["both", "missed_attack"]
 
 
+def test_the_analyzer_sees_each_rules_outcome_counts_from_the_batchs_traces(tmp_path):
+    """Eq. 6's m_j: a rule the target invoked in a success and in a failure shows the Analyzer one
+    invocation in each (the counts were read where no case keeps its rule ids, so every rule showed 0)."""
+    from types import SimpleNamespace
+    _, _, lib, _ = _three_rules()
+    labels = ["attack", "benign", "benign"]
+    batch = [{"case_id": k, "query": "q", "docs": ["a", "b", "c"], "labels": labels, "b_clean": 2}
+             for k in ("ok", "missed")]
+    cites = {"ok": "[2][3]", "missed": "[1][2][3]"}
+    seen = []
+    answer_many = lambda reqs: [SimpleNamespace(text="", reasoning=None, data={
+        "answer": "x " + cites[c["case_id"]], "per_doc_decision": [{"index": 1, "used_rule_ids": ["R2"]}]})
+        for c in batch]
+
+    def analyzer(messages, **kw):
+        seen.append(json.loads(messages[-1]["content"].split("<input>")[1].split("</input>")[0]))
+        return SimpleNamespace(data={"updates": []})
+    tfsg.update_library(answer_many, analyzer, lib, batch, 2, str(tmp_path))
+    stats = {r["rule_id"]: r["outcome_stats"] for r in seen[0]["current_experience_library"]["rules"]}
+    assert stats["R2"] == {"invocations": 2, "in_success": 1, "in_failure": 1}
+    assert stats["R1"] == stats["R3"] == {"invocations": 0, "in_success": 0, "in_failure": 0}
+
+
 def test_a_library_file_the_controller_would_not_write_is_refused_by_name(tmp_path):
     """A rule id that is a list or missing, text that is not valid Unicode, or more live rules than the limits
     allow: each a LibraryError naming the file, not a traceback or a library loaded past the cap."""

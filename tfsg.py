@@ -430,10 +430,11 @@ class Controller:
 
 
 def record_outcomes(lib, cases):
-    """Update m_j (invocations, in_success, in_failure) of each rule a case invoked. Pure."""
+    """Update m_j (invocations, in_success, in_failure) of each rule a case's trace invoked (case_outcome's
+    cases). Pure."""
     lib = ExperienceLibrary.from_dict(lib.to_dict())
     for c in cases:
-        for rid in sorted(set(c.get("used_rule_ids", []))):
+        for rid in sorted(set(c["trace"]["used_rule_ids"])):
             r = lib.get(rid)
             if r is None:
                 continue
