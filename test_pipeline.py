@@ -33,7 +33,7 @@ import settings
 import tfsg
 import tiny
 import train
-from testing import SAMPLE, Script, _tfsg_inputs, write_lines
+from testing import SAMPLE, R, Script, _tfsg_inputs, write_lines
 
 
 def test_trace_keeps_its_supporting_evidence():
@@ -259,6 +259,22 @@ def test_deletion_noise_trains_on_deleted_text_with_its_own_base_scores(tmp_path
     plain = trained_shield(tmp_path_factory, small_bench)
     a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (tmp_path / "noised", plain))
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_warm_started_shield_keeps_its_starting_adapter_when_no_epoch_beats_it(tmp_path, tmp_path_factory,
+                                                                                  small_bench):
+    """A hardening round starts from the last round's adapter (train_shield(init=)): its step-0 monitoring
+    figures compete with its epochs, so epochs that only got worse (lr 50) ship the adapter it started from,
+    not the first epoch's (the best was unset at step 0, so epoch 1 was always kept)."""
+    from safetensors.torch import load_file
+    start = trained_shield(tmp_path_factory, small_bench) / "adapter"
+    kw = {**SHIELD_KW, "lr": 50.0, "epochs": 1}
+    train.train_shield(runs.Run(settings.EvalConfig(name="warm", runs_dir=str(tmp_path), bench=small_bench, **kw)),
+                       init=str(start))
+    done = json.load(open(tmp_path / "warm" / "shield_done.json"))
+    assert done["best"]["epoch"] == 0 and done["history"][1]["loss"] > done["history"][0]["loss"]
+    a, b = (load_file(d / "adapter_model.safetensors") for d in (start, tmp_path / "warm" / "adapter"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_demo_end_to_end_reduced(demo_run):
@@ -824,16 +840,30 @@ def test_a_fresh_start_leaves_nothing_a_later_rerun_would_resume(tmp_path):
     assert state["step"] == 0 and not (ckpt / "state.safetensors").exists() and not log_path.exists()
 
 
-def test_a_tfsg_target_reply_that_never_parsed_is_an_empty_answer_not_the_builds_end():
+def test_a_tfsg_target_reply_that_never_parsed_is_left_out_not_an_over_defense(tmp_path):
     """TFSG's answer_many (train.tfsg_target): a case whose reply never parsed as JSON (a document may ask for
-    prose) reads as an empty answer in its place; the others as they came."""
-    ok = llm_clients.Reply(text='{"answer": "a [1]"}', data={"answer": "a [1]"})
+    prose, a reasoning model spend the cap) is 'invalid': not the build's end, and neither a case the Analyzer
+    reads nor a rule's statistic (an empty answer cited no benign document: a false positive that never was)."""
+    ok = llm_clients.Reply(text='{"answer": "a [2]"}', data={"answer": "a [2]", "per_doc_decision": [
+        {"index": 1, "used_rule_ids": ["R1"]}]})
 
     class Target:                       # a stand-in client: map() with invalid="return" as llm_clients.Client's
         def map(self, requests, workers, desc, invalid):
             assert invalid == "return"
             return [llm_clients.ReplyInvalid("not JSON"), ok][:len(requests)]
-    got = train.tfsg_target(Target(), 2, "TFSG target")([{}, {}])
-    assert got[0].text == "" and got[0].data is None and got[1] is ok
-    trace = tfsg.normalize_trace(got[0], 5)
-    assert trace["answer"] == "" and trace["cited"] == []
+    many = train.tfsg_target(Target(), 2, "TFSG target")
+    assert many([{}, {}]) == [None, ok]
+    lib, _ = tfsg.Controller().apply(tfsg.ExperienceLibrary.empty(), [{"action": "add_rule", "rule": R()}])
+    batch = [{"case_id": k, "query": "q", "docs": ["a", "b"], "labels": ["attack", "benign"], "b_clean": 1}
+             for k in ("lost", "kept")]
+    seen = []
+
+    def analyzer(messages, **kw):
+        seen.append(json.loads(messages[-1]["content"].split("<input>")[1].split("</input>")[0]))
+        return llm_clients.Reply(text="{}", data={"updates": []})
+    tfsg.update_library(many, analyzer, lib, batch, 2, str(tmp_path))
+    assert [c["case_id"] for c in seen[0]["success_cases"]] == ["kept"] and not seen[0]["false_positive_cases"]
+    assert [c["case_id"] for c in seen[0]["citation_feedback"]] == ["kept"]
+    assert seen[0]["current_experience_library"]["rules"][0]["outcome_stats"]["invocations"] == 1
+    report = json.loads((tmp_path / "E2.report.json").read_text())
+    assert report["outcomes"] == {"success": 1, "missed_attack": 0, "false_positive": 0, "both": 0, "invalid": 1}

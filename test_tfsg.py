@@ -78,6 +78,27 @@ def test_controller_modifies_merges_deletes_keeps_without_reusing_ids():
     assert tfsg.check_library(lib4) == []
 
 
+def test_a_guard_merged_or_deleted_leaves_its_dependents_guarded_or_says_so():
+    """Guards merged into a guard: a rule that relied on either relies on the merged one (it lost its guard and
+    became an unguarded filter); a guard deleted: the dependent's history names the guard it lost. A merge of a
+    rule deleted in the same batch is refused in either order (it carried the deleted rule's content on)."""
+    C, _, lib, _ = _three_rules()                          # R1 guard, R2 depends on R1, R3
+    lib, rep = C.apply(lib, [{"action": "add_fp_guard", "rule": R(rule_type="fp_guard", action="keep",
+                                                                  description="g2")}])     # R4
+    merged, rep = C.apply(lib, [{"action": "merge_rules", "source_rule_ids": ["R1", "R4"],
+                                 "rule": R(rule_type="fp_guard", action="keep", description="g1 or g2")}])
+    assert not rep.rejected and merged.get("R2")["depends_on_fp_guards"] == ["R5"]
+    gone, _ = C.apply(lib, [{"action": "delete_rule", "target_rule_id": "R1"}], epoch=3)
+    assert gone.get("R2")["depends_on_fp_guards"] == []
+    assert gone.get("R2")["history"][-1] == {"op": "REFINE", "epoch": 3, "reason": "", "dropped_fp_guards": ["R1"]}
+    merge = {"action": "merge_rules", "source_rule_ids": ["R2", "R3"], "rule": R(description="m")}
+    delete = {"action": "delete_rule", "target_rule_id": "R2"}
+    for batch in ([merge, delete], [delete, merge]):
+        out, rep = C.apply(lib, batch)
+        assert [a["operation"] for a in rep.applied] == ["REMOVE"] and "delete takes precedence" in \
+            rep.rejected[0]["reason"] and out.get("R3")["status"] == "active"
+
+
 def test_controller_rejects_rules_past_a_full_library():
     C, _, _, _ = _three_rules()
     full, rep = C.apply(tfsg.ExperienceLibrary.empty(), [{"action": "add_rule", "rule": R()} for _ in range(7)])
@@ -242,6 +263,31 @@ def test_the_analyzer_sees_each_rules_outcome_counts_from_the_batchs_traces(tmp_
     assert stats["R1"] == stats["R3"] == {"invocations": 0, "in_success": 0, "in_failure": 0}
 
 
+def test_an_analyzer_reply_of_another_shape_is_asked_again_not_saved_as_an_epoch(tmp_path):
+    """The Analyzer's calls carry a check its client re-asks on (llm_clients.Client.chat(check=)): a bare list of
+    updates, a whole library or a cold start without rules fails it, so no such reply is cached and saved as
+    an E1 without rules or an epoch that changed nothing, which a resumed build would keep."""
+    from types import SimpleNamespace
+    checks = []
+
+    def analyzer(messages, check=None, **kw):
+        checks.append(check)
+        return SimpleNamespace(data={"updates": []} if "updates" in messages[-1]["content"] else
+                               {"experience_library": {"rules": []}})
+    seed = {"case_id": "c", "query": "q", "docs": ["a", "b"], "labels": ["attack", "benign"], "b_clean": 1}
+    many = lambda reqs: [SimpleNamespace(text="", reasoning=None, data={"answer": "[2]"}) for _ in reqs]
+    tfsg.build_library(many, analyzer, [seed], [[seed]], str(tmp_path), lambda q, d: q)
+    cold, batch = checks
+    for bad in ([{"action": "add_rule"}], {"experience_library": {"rules": []}}, {"updates": "none"}, None):
+        with pytest.raises(ValueError, match="updates"):
+            batch(bad)
+    for bad in ({"rules": []}, {"experience_library": {"rules": {}}}, []):
+        with pytest.raises(ValueError, match="rules"):
+            cold(bad)
+    batch({"updates": []})
+    cold({"experience_library": {"rules": []}})
+
+
 def test_a_library_file_the_controller_would_not_write_is_refused_by_name(tmp_path):
     """A rule id that is a list or missing, text that is not valid Unicode, or more live rules than the limits
     allow: each a LibraryError naming the file, not a traceback or a library loaded past the cap."""
@@ -294,6 +340,22 @@ def test_numbers_past_ints_digit_limit_in_a_reply_are_no_index_and_no_crash():
     many = lambda reqs: [SimpleNamespace(text="[1] plain", data={"answer": 1}) for _ in reqs]
     rollouts = tfsg.controlled_rollouts(many, [seed], lambda q, d: q)
     assert len(rollouts) == 4 and all(r for r in rollouts)
+
+
+def test_a_json_reply_without_a_string_answer_cites_nothing_its_id_lists_name():
+    """A.3.1's reply is JSON: when its "answer" is missing or not a string, the reply's text is that JSON, whose
+    id lists ("kept_doc_ids": [1, 2]) read as citations; the answer is then empty (a list of strings, joined)."""
+    from types import SimpleNamespace
+    text = '{"answer": null, "kept_doc_ids": [1, 2], "filtered_doc_ids": [3]}'
+    reply = SimpleNamespace(text=text, reasoning=None, data=json.loads(text))
+    assert tfsg.normalize_trace(reply, 3)["cited"] == []
+    reply.data["answer"] = ["First [2].", "Then [3]."]
+    assert tfsg.normalize_trace(reply, 3)["cited"] == [2, 3]
+    seed = {"case_id": "c", "query": "q", "docs": ["a", "b", "c"], "labels": ["attack", "benign", "benign"]}
+    many = lambda reqs: [SimpleNamespace(text='{"answer": 1, "ids": [1]}', data={"answer": 1, "ids": [1]})
+                         for _ in reqs]
+    assert all(r["cited_indices"] == [] for r in tfsg.controlled_rollouts(many, [seed], lambda q, d: q))
+    assert tfsg.controlled_rollouts(lambda reqs: [None] * len(reqs), [seed], lambda q, d: q) == []
 
 
 def test_a_search_result_cannot_add_a_result_of_its_own_to_the_standard_prompt():

@@ -33,11 +33,12 @@ Read top to bottom: limits, library, Controller, cases and outcomes, cold start,
 (`build_library`), then the A.3 prompts.
 
 The LLMs are callables, so any client serves: chat(messages, temperature=0, max_tokens=2048,
-json=False) -> a reply with .text (the answer), .data (the parsed JSON object when json=True) and
-.reasoning (a reasoning trace, or None); it raises on failure and never returns placeholder text
-(llm_clients.Client.chat is one). The target's independent answers go through answer_many, a list of
-such keyword dicts -> the replies in order (llm_clients.Client.map is one, and can send them as a
-batch; one_at_a_time(chat) makes one from a chat callable).
+json=False, check=None) -> a reply with .text (the answer), .data (the parsed JSON object when json=True)
+and .reasoning (a reasoning trace, or None), where check(data) raising ValueError asks again; it raises
+on failure and never returns placeholder text (llm_clients.Client.chat is one). The target's independent
+answers go through answer_many, a list of such keyword dicts -> the replies in order, None for a request
+that got no usable reply (its case then 'invalid', counted apart) (llm_clients.Client.map is one, and can
+send them as a batch; one_at_a_time(chat) makes one from a chat callable).
 
 Usage: lib = build_library(target.map, analyzer.chat, seed_cases, batches, out_dir="runs/x/library")
        prompt = guided_prompt(query, top5_texts, lib)
@@ -309,7 +310,7 @@ class Controller:
         if not isinstance(updates, list):
             report.rejected.append({"update": updates, "reason": "updates must be a list"})
             return lib, report
-        # DELETE takes precedence over REFINE of the same rule within one batch.
+        # DELETE takes precedence over REFINE or MERGE of the same rule within one batch, in either order.
         deleted = {u.get("target_rule_id") for u in updates if isinstance(u, dict)
                    and u.get("action") == "delete_rule" and isinstance(u.get("target_rule_id"), str)}
         for u in updates:
@@ -328,6 +329,9 @@ class Controller:
             return f"action {act!r} not in {UPDATE_ACTIONS}"
         active = {r["rule_id"]: r for r in lib.active()}
         prov = {"epoch": epoch, "reason": str(u.get("reason", ""))[:self.limits.rule_item_chars]}
+        if act == "merge_rules" and isinstance(u.get("source_rule_ids"), list) and \
+                deleted & set(u["source_rule_ids"]):
+            return f"{sorted(deleted & set(u['source_rule_ids']))} deleted in the same batch (delete takes precedence)"
         if act in ("add_rule", "add_fp_guard", "merge_rules"):
             return self._add(lib, u, act, active, prov, report)
         target = u.get("target_rule_id")
@@ -340,7 +344,7 @@ class Controller:
             r = lib.get(target)
             r["status"] = "retired"
             r.setdefault("history", []).append({"op": "REMOVE", **prov})
-            self._drop_dead_deps(lib)
+            self._drop_dead_deps(lib, prov)
             report.applied.append({"action": act, "operation": "REMOVE", "rule_id": target})
             return None
         if target in deleted:
@@ -386,7 +390,12 @@ class Controller:
             r = lib.get(s)
             r["status"], r["merged_into"] = "retired", rid
             r.setdefault("history", []).append({"op": "MERGE", **prov, "into": rid})
-        self._drop_dead_deps(lib)
+        if body["rule_type"] == "fp_guard":          # guards merged into a guard: their dependents keep one
+            for r in lib.active():
+                deps = r.get("depends_on_fp_guards", [])
+                if set(deps) & set(sources):
+                    r["depends_on_fp_guards"] = list(dict.fromkeys(rid if g in sources else g for g in deps))
+        self._drop_dead_deps(lib, prov)
         report.applied.append({"action": act, "operation": OPERATION[act], "rule_id": rid,
                                "proposed_id": rule.get("rule_id"), "sources": sources})
         return None
@@ -423,10 +432,16 @@ class Controller:
         return None
 
     @staticmethod
-    def _drop_dead_deps(lib):
+    def _drop_dead_deps(lib, prov):
+        """A dependency on a guard no longer live is dropped, and the dependent's history says so (A.3.3 asks
+        strong filters to rely on guards: an unguarded one is the Analyzer's to see)."""
         live_guards = {r["rule_id"] for r in lib.active() if r["rule_type"] == "fp_guard"}
         for r in lib.active():
-            r["depends_on_fp_guards"] = [g for g in r.get("depends_on_fp_guards", []) if g in live_guards]
+            deps = r.get("depends_on_fp_guards", [])
+            gone = [g for g in deps if g not in live_guards]
+            if gone:
+                r["depends_on_fp_guards"] = [g for g in deps if g in live_guards]
+                r.setdefault("history", []).append({"op": "REFINE", **prov, "dropped_fp_guards": gone})
 
 
 def record_outcomes(lib, cases):
@@ -434,6 +449,8 @@ def record_outcomes(lib, cases):
     cases). Pure."""
     lib = ExperienceLibrary.from_dict(lib.to_dict())
     for c in cases:
+        if c["outcome"] == "invalid":
+            continue
         for rid in sorted(set(c["trace"]["used_rule_ids"])):
             r = lib.get(rid)
             if r is None:
@@ -484,13 +501,23 @@ def _confidence(v):
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 else None
 
 
+def answer_of(reply):
+    """A reply's answer text: the JSON object's "answer" (a list of strings joined), else nothing; the plain text
+    only where no JSON was parsed. Never the JSON itself: its id lists ("kept_doc_ids": [1, 2]) read as
+    citations."""
+    if reply.data is None:
+        return reply.text or ""
+    a = reply.data.get("answer") if isinstance(reply.data, dict) else None
+    return a if isinstance(a, str) else " ".join(x for x in a if isinstance(x, str)) if isinstance(a, list) else ""
+
+
 def normalize_trace(reply, n_docs, interface="structured"):
     """One case schema from either interface: answer, cited indices, per-document decisions (with
     their evidence spans and confidence), invoked rule ids, coverage_sufficient, brief_rationale,
     reasoning (A.2.3, A.3.1's trace schema). Tolerant of missing or malformed trace fields: a field
     of the wrong type becomes empty (None, []), never an error."""
     data = reply.data if isinstance(reply.data, dict) else {}
-    answer = data.get("answer") if isinstance(data.get("answer"), str) else (reply.text or "")
+    answer = answer_of(reply)
     decisions, used = [], []
     for d in data.get("per_doc_decision", []) if isinstance(data.get("per_doc_decision"), list) else []:
         if not isinstance(d, dict):
@@ -598,7 +625,13 @@ def case_request(case_input, lib, interface, temperature=0, max_tokens=2048):
 
 
 def case_outcome(case_input, reply, interface):
-    """Lines 9-14 of Algorithm 1 for one instance: the reply normalised into a trace, and its outcome."""
+    """Lines 9-14 of Algorithm 1 for one instance: the reply normalised into a trace, and its outcome; no reply
+    (None: the target's replies never parsed) is the outcome 'invalid', which no statistic or Analyzer input
+    counts (an empty answer would read as an over-defense)."""
+    if reply is None:
+        trace = {"answer": "", "cited": [], "per_doc_decision": [], "used_rule_ids": [], "reasoning": None,
+                 "coverage_sufficient": None, "brief_rationale": None}
+        return {**case_input, "trace": trace, "outcome": "invalid"}
     trace = normalize_trace(reply, len(case_input["docs"]), interface)
     attack_pos = case_input["labels"].index("attack") + 1 if "attack" in case_input["labels"] else None
     outcome = classify(trace, attack_pos, case_input["labels"], case_input["b_clean"])
@@ -622,8 +655,9 @@ def controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature=0, 
     rollouts = []
     for (s, name, filt, keep), reply in zip(plans, replies):
         labels, docs = s["labels"], s["docs"]
-        a = reply.data.get("answer") if isinstance(reply.data, dict) else None
-        answer = a if isinstance(a, str) else reply.text or ""
+        if reply is None:                # no usable reply (answer_many's None): no contrast to show
+            continue
+        answer = answer_of(reply)
         cited_orig = [keep[i - 1] + 1 for i in cited(answer, len(keep))]
         rollouts.append({
             "rollout_id": f"seed:{s['case_id']}:{name}", "kind": name, "user_question": s["query"],
@@ -682,7 +716,7 @@ def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, ans
         rollouts = controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature, max_tokens,
                                        controller.limits)
         reply = analyzer_chat(_msg(cold_start_prompt(rollouts, max_initial_rules)), temperature=temperature,
-                              max_tokens=max(max_tokens, 4096), json=True)
+                              max_tokens=max(max_tokens, 4096), json=True, check=proposes_rules)
         data = reply.data if isinstance(reply.data, dict) else {}
         proposal = data.get("experience_library")
         proposal = proposal if isinstance(proposal, dict) else {}
@@ -701,6 +735,21 @@ def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, ans
         lib = update_library(answer_many, analyzer_chat, lib, batch, t + 1, out_dir, interface, controller,
                              temperature, max_tokens)
     return lib
+
+
+def proposes_rules(data):
+    """The Analyzer's cold-start reply (A.3.3) as its schema has it, else ValueError: a reply of another shape is
+    asked again (analyzer_chat's check), not saved as an empty E1 that a resumed build keeps."""
+    lib = data.get("experience_library") if isinstance(data, dict) else None
+    if not (isinstance(lib, dict) and isinstance(lib.get("rules"), list)):
+        raise ValueError('the reply must be a JSON object whose "experience_library" holds a list "rules"')
+
+
+def proposes_updates(data):
+    """The Analyzer's batch reply (A.3.4, A.3.5) as its schema has it, else ValueError: a bare list or a whole
+    library is asked again, not saved as an epoch that changed nothing (an empty "updates" list is a choice)."""
+    if not (isinstance(data, dict) and isinstance(data.get("updates"), list)):
+        raise ValueError('the reply must be a JSON object whose "updates" is a list of update actions')
 
 
 def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, interface="structured", controller=None,
@@ -722,20 +771,21 @@ def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, inter
     succ, miss, fp = views("success"), views("missed_attack", "both"), views("false_positive", "both")
     feedback = [{"case_id": c["case_id"], "attack_cited": c["outcome"] in ("missed_attack", "both"),
                  "benign_cited": sum(1 for i in c["trace"]["cited"] if c["labels"][i - 1] == "benign"),
-                 "clean_reference_benign_cited": c["b_clean"]} for c in cases]
+                 "clean_reference_benign_cited": c["b_clean"]} for c in cases if c["outcome"] != "invalid"]
     if interface == "structured":
         prompt = evolution_prompt(lib_stats, succ, miss, fp, feedback)
     else:
         # A.3.5 splits by whether the attack was cited: a case that cited it ("both") is a failure only
         summary = {"cases": len(cases), "citation_failures": len(miss), "over_defense": len(fp)}
         prompt = evolution_reasoning_prompt(lib_stats, succ + views("false_positive"), miss, summary)
-    reply = analyzer_chat(_msg(prompt), temperature=temperature, max_tokens=max(max_tokens, 4096), json=True)
+    reply = analyzer_chat(_msg(prompt), temperature=temperature, max_tokens=max(max_tokens, 4096), json=True,
+                          check=proposes_updates)
     data = reply.data if isinstance(reply.data, dict) else {}
     new_lib, report = controller.apply(lib_stats, data.get("updates", []), epoch=epoch)
     cases_out = [{k: c[k] for k in ("case_id", "outcome", "trace", "labels", "b_clean")} for c in cases]
     _save(os.path.join(out_dir, f"E{epoch}.cases.json"), cases_out)
     outcomes = {k: sum(c["outcome"] == k for c in cases) for k in ("success", "missed_attack", "false_positive",
-                                                                  "both")}
+                                                                  "both", "invalid")}
     _save(os.path.join(out_dir, f"E{epoch}.report.json"),
           {**report.to_dict(), "batch_analysis": data.get("batch_analysis"),
            "controller_notes": data.get("controller_notes"), "outcomes": outcomes})

@@ -23,7 +23,7 @@ import speed
 import tfsg
 from accounting import estimate, price_plan
 from evaluation import clean_reference, eval_condition
-from llm_clients import Reply, ReplyInvalid
+from llm_clients import ReplyInvalid
 from metrics import ranked
 from rankers import base_ranker, doc_key, load_rankers, shield_ranker
 from runs import labels_of
@@ -185,7 +185,10 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     ckpt, log_path = os.path.join(folder, "checkpoint"), os.path.join(folder, "train_log.jsonl")
     state = start_state(rr, opt, ckpt, log_path, resume, ranks)
     if main and state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
-        step_zero(state, watch(), log_path)
+        m0 = watch()
+        step_zero(state, m0, log_path)
+        if init:          # a warm start: the adapter it starts from competes with its epochs (a fresh one is the base)
+            keep_if_best(cfg.model.model, rr, state, m0, adapter_dir)
 
     n = len(opt_triples)
     bar = tqdm(total=sh.epochs * n, initial=state["epoch"] * n + state["pos"], desc="shield", file=sys.stderr,
@@ -264,11 +267,17 @@ def end_of_epoch(base, rr, opt, state, m, adapter_dir, ckpt, log_path, rngs):
     order and masks) and writes its adapter again."""
     state["history"].append({"epoch": state["epoch"], **m})
     append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
+    keep_if_best(base, rr, state, m, adapter_dir)
+    _save_ckpt(ckpt, rr.model, opt, state, log_path, rngs)
+
+
+def keep_if_best(base, rr, state, m, adapter_dir):
+    """rr's adapter written to adapter_dir as the best when the monitoring metrics `m` of state's epoch beat the
+    best so far: the lower Eq. 5 loss (ties: the higher preference accuracy)."""
     key = (-m["loss"], m["pref_accuracy"])
     if state["best"] is None or key > tuple(state["best"]["key"]):
         lora.save_adapter(rr.model, adapter_dir, base)
         state["best"] = {"epoch": state["epoch"], "key": list(key), **m}
-    _save_ckpt(ckpt, rr.model, opt, state, log_path, rngs)
 
 
 def attach_lora(run, rr, init=None):
@@ -285,7 +294,9 @@ def attach_lora(run, rr, init=None):
         lora.load_adapter(rr.model, init)
     speed.install(rr.model, compile=cfg.model.compile)     # the LoRA layers get the speed paths too
     params = [p for p in rr.model.parameters() if p.requires_grad]
-    return params, torch.optim.AdamW(params, lr=cfg.shield.lr)
+    # Table A.1 names AdamW and its learning rate, no weight decay: torch's default 0.01 is kept, said here
+    # (TRL and transformers' Trainer default to 0.0; over the paper's ~12 steps at 1e-4 the two differ by 1e-5)
+    return params, torch.optim.AdamW(params, lr=cfg.shield.lr, weight_decay=0.01)
 
 
 def start_state(rr, opt, ckpt, log_path, resume, ranks):
@@ -367,14 +378,15 @@ def clean_reference_benign(run, llm, base, groups):
 def tfsg_target(target, workers, desc):
     """The target LLM as TFSG's answer_many (tfsg.build_library, update_library): one stage, concurrent or
     one batch with --batch-api. A reply that never parsed as JSON (ReplyInvalid: a document may ask for
-    prose) is an empty answer, its case citing nothing, and logged: it stopped the whole build, and every
-    rerun paid for it again."""
+    prose, or a reasoning model spend the token cap) is None, its case 'invalid' and left out of the
+    Analyzer's input and the statistics, and logged: raised, it stopped the whole build; read as an empty
+    answer, it taught the Analyzer an over-defense that never happened."""
     def answer_many(requests):
         replies = target.map(requests, workers=workers, desc=desc, invalid="return")
         bad = sum(isinstance(r, ReplyInvalid) for r in replies)
         if bad:
-            log(f"[tfsg] {desc}: {bad} of {len(replies)} replies never parsed as JSON: read as empty answers")
-        return [Reply(text="") if isinstance(r, ReplyInvalid) else r for r in replies]
+            log(f"[tfsg] {desc}: {bad} of {len(replies)} replies never parsed as JSON: their cases left out")
+        return [None if isinstance(r, ReplyInvalid) else r for r in replies]
     return answer_many
 
 
