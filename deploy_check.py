@@ -20,7 +20,8 @@ from the run's benchmark:
 
 The endpoint scores each list, the run's Shield those it answered (its margins m = logit(yes) - logit(no)).
 The endpoint passes when it answers every list, every order agrees exactly, the scores agree with the
-monotone map it serves (the margin itself, or sigmoid(m)) within TOLERANCE, and they vary. A failure names
+monotone map it serves (the margin itself, or sigmoid(m)) within TOLERANCE, they vary, and they fit the Shield
+better than its base model (the adapter off: near 0 or 1 a probability hides logits apart). A failure names
 each failing property as what it is (transport: no reply or a 5xx; refused: a 4xx; shape: a reply the
 spec's shape cannot read; order; tolerance; constant), then the likely cause by its signature: the scores
 sigmoid(sigmoid(m)), or the base model's (the adapter missing or not applied), or all alike or near 1; the
@@ -78,7 +79,12 @@ def long_document(rr, query, text, n_tokens):
 def known_lists(data, rr, long_tokens=None):
     """The known-answer lists from the benchmark -> {name: (query, [docs])} (see the module docstring); the
     long list only with long_tokens, the length of its prompt."""
-    g, h = data.test[0], data.test[1 % len(data.test)]
+    g = data.test[0]
+    h = next((x for x in data.test[1:] if x.attacks), None)      # another query's list, with an attack to send
+    if h is None:
+        raise SettingsError(f"deploy-check needs the benchmark's test split to hold a second group with an attack "
+                            f"rewrite (its unrelated document and attack list); it has {len(data.test)} group(s), "
+                            "none after the first with an attack")
     source = g.docs[g.source_index]["text"]
     other = next(d["text"] for d in h.docs if d["text"] != source)
     x = geodef.expand([h], [next(iter(h.attacks))])[0]
@@ -162,7 +168,8 @@ def ask(client, lists):
 def compare(local, served, failed=None, base=None):
     """The Shield's margins and the endpoint's scores for the lists it answered (both {name: [floats]}), the
     lists it failed ({name: (property, what)}) and `base`, a function -> the base model's margins (called
-    only when a failed check looks for that signature) -> the verdict: {"pass", "map", "tolerance",
+    once: when every other property holds, the served scores must fit the Shield better; when a check
+    failed, to look for that signature) -> the verdict: {"pass", "map", "tolerance",
     "max_error", "lists": {name: {"local", "served", "order_agrees", "error"}}, "failed", "cause"}. The map
     is the one the served scores fit best over most lists (the median list error), so one broken list
     cannot pick it."""
@@ -185,10 +192,22 @@ def compare(local, served, failed=None, base=None):
     props += [f"beyond the tolerance {tol}: " + ", ".join(f"{n} (error {lists[n]['error']:.3f})" for n in beyond)
               ] if beyond else []
     props += [f"constant: {constant}"] if constant else []
+    if base is not None and names and not props:     # within the tolerance: but of the Shield, or of its base?
+        base = _once(base)
+        off = max(error(MAPS[fit], base()[n], served[n]) for n in names)
+        if off <= max(lists[n]["error"] for n in names):
+            props += [f"as close to the base model as to the Shield (error {off:.4f} against the Shield's "
+                      f"{max(lists[n]['error'] for n in names):.4f})"]
     why = cause(local, served, failed, unordered, beyond, constant, base) if props else None
     return {"pass": bool(names) and not props, "map": fit, "tolerance": tol, "lists": lists, "failed": failed,
             "max_error": max((r["error"] for r in lists.values()), default=None),
             "cause": "; ".join(props) + (f". Likely: {why}" if why else "") if props else None}
+
+
+def _once(f):
+    """f, called at most once."""
+    memo = []
+    return lambda: memo[0] if memo else memo.append(f()) or memo[0]
 
 
 def cause(local, served, failed, unordered, beyond, constant, base):
@@ -215,7 +234,8 @@ def cause(local, served, failed, unordered, beyond, constant, base):
         return "sigmoid applied twice (the served scores are sigmoid(sigmoid(margin)))"
     if base is not None:
         b = base()
-        if any(all(error(f, b[n], served[n]) <= TOLERANCE[k] for n in names) for k, f in MAPS.items()):
+        if any(all(error(f, b[n], served[n]) <= min(TOLERANCE[k], error(f, local[n], served[n])) for n in names)
+               for k, f in MAPS.items()):
             return ("the adapter missing or not applied: the served scores are the base model's (the Shield with "
                     "its LoRA off), within the tolerance")
     if "relevance" in unordered and served["relevance"][1] > served["relevance"][0]:
@@ -297,11 +317,12 @@ def deploy_check(run, spec, rr=None):
     def base():
         with lora.lora_disabled(rr.model):
             return {n: [float(m) for m in rr.score(*lists[n])] for n in served}
+    adapter = any(isinstance(m, lora.LoRALinear) and not m.merged for m in rr.model.modules())
     notes = [f"the endpoint takes at most {limit[0]} tokens ({limit[1]}), the Shield {cfg.model.max_length} "
              "(--max-length): a longer document is refused or cut there, not where the Shield cuts it"
              ] if limit and limit[0] < cfg.model.max_length else []
     notes += short
-    out = {"endpoint": str(spec), **compare(local, served, failed, base),
+    out = {"endpoint": str(spec), **compare(local, served, failed, base if adapter else None),
            "long": {"tokens": tokens, "why": why} if tokens else None, "notes": notes,
            "detect": detect_check(run, spec, lists)}
     if out["detect"] and not out["detect"]["pass"]:        # the run's detector is part of what is deployed

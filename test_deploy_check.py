@@ -255,6 +255,24 @@ def test_the_comparison_on_known_numbers():
     assert not v["pass"] and v["max_error"] < 1e-9 and v["cause"].startswith("constant: every score above 0.99")
 
 
+def test_scores_within_the_tolerance_of_the_base_model_fail_as_the_adapter_missing():
+    """Near 1 a probability hides logits apart: the base model's margins 2.5 above the Shield's serve within 0.03
+    of sigmoid(Shield) on every list. The served scores fit the base as well as the Shield: a failure naming
+    the adapter (it passed), while the Shield's own scores pass and the base is asked once."""
+    shield = {"relevance": [6.0, -7.0], "attack": [4.0, 7.0], "control": [5.0, 6.5]}
+    base = {"relevance": [7.0, -6.0], "attack": [6.5, 8.0], "control": [6.0, 7.5]}
+    asked = []
+    ask_base = lambda: asked.append(1) or base
+    as_base = {k: [deploy_check.sigmoid(m) for m in v] for k, v in base.items()}
+    assert deploy_check.compare(shield, as_base)["pass"]                  # what the tolerance alone says
+    v = deploy_check.compare(shield, as_base, base=ask_base)
+    assert not v["pass"] and "as close to the base model as to the Shield" in v["cause"]
+    assert "adapter missing" in v["cause"] and asked == [1]
+    v = deploy_check.compare(shield, {k: [deploy_check.sigmoid(m) for m in v] for k, v in shield.items()},
+                             base=ask_base)
+    assert v["pass"] and v["cause"] is None
+
+
 def test_a_runs_detector_is_checked_on_the_endpoints_detect_route(demo_run, shield, tmp_path):
     """A run with a GEO detector (detect's text_detector.json) has the endpoint's POST /detect checked on
     the known lists' documents: the same detector passes; another threshold fails on its flags; a server
