@@ -44,6 +44,8 @@ class ExportError(ValueError):
 class IdentityError(ValueError):
     """A model folder whose Shield identity cannot be read (a file unreadable, a mark malformed): names the file."""
 DETECTOR_FILE = "geodef_detector.json"      # the run's GEO detector beside the weights (serve answers /detect)
+EXPORT_FILES = ("model.safetensors", "config.json", "qwen3_reranker.jinja", "geodef_export.json", "README.md",
+                DETECTOR_FILE, *TOKENIZER_FILES)       # everything an export writes: all --overwrite replaces
 
 
 def int8_quantization_config(fmt):
@@ -276,6 +278,10 @@ def check_out_dir(out_dir, overwrite=False, protected=()):
         if not os.path.isfile(os.path.join(out_dir, "geodef_export.json")):
             raise ExportError(f"--out {out_dir}: not an earlier export (no geodef_export.json); --overwrite "
                               "replaces only exports")
+        other = sorted(set(os.listdir(out_dir)) - set(EXPORT_FILES))
+        if other:              # a hub repository's clone (.git, a LICENSE): the swap would delete them
+            raise ExportError(f"--out {out_dir}: holds {', '.join(other[:5])}, which no export writes; --overwrite "
+                              "replaces only an export's own files: move them, or choose a new folder")
 
 
 def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, quantized_base, name, detector=None,
@@ -305,12 +311,17 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
             if k.split(".")[-2] in lora.TARGETS:
                 state[f"model.{k}"], state[f"model.{k}_scale"] = lora.int8_quantize(w)
     head = lm_head.float() if lm_head is not None else qwen.embed_tokens.weight
+    seq_cls_base = lm_head is not None and len(lm_head) == 1        # a seq-cls base: its one row, E[yes] - E[no]
+    if seq_cls_base and fmt == "causal":
+        raise reranker.CheckpointError(f"{folder}: a seq-cls checkpoint (score.weight, one row) has no full head "
+                                       "to write as a causal LM: export it as --format seq-cls")
     pad = tok.token_to_id("<|endoftext|>")
     config = {k: v for k, v in raw_cfg.items() if k not in ("torch_dtype", "dtype", "_note")}
     config.update(torch_dtype=dtype, transformers_version=raw_cfg.get("transformers_version", "4.51.0"))
     if fmt == "seq-cls":
         # (1, C): logit = h_last . (E[yes] - E[no]) = z_yes - z_no; computed in float32, rounded once
-        state["score.weight"] = (head[yes[0]].float() - head[no[0]].float())[None].to(out_dt).contiguous()
+        row = head if seq_cls_base else (head[yes[0]].float() - head[no[0]].float())[None]
+        state["score.weight"] = row.to(out_dt).contiguous()
         config.update(architectures=["Qwen3ForSequenceClassification"], num_labels=1, id2label={"0": "LABEL_0"},
                       label2id={"LABEL_0": 0}, use_sep_token=False)
     else:
@@ -339,7 +350,7 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
     with open(os.path.join(out_dir, "qwen3_reranker.jinja"), "w", encoding="utf-8") as f:
         f.write(chat_template(instruction))
     meta = {"format": fmt, "dtype": dtype, "base_model": str(model), "base_revision": sha,
-            "adapter": os.path.abspath(adapter) if adapter else None, "adapter_sha1": adapter_sha1,
+            "adapter": os.path.basename(os.path.normpath(adapter)) if adapter else None, "adapter_sha1": adapter_sha1,
             "shield": ident["shield"], "merged_in": "float32", "quantized_base_during_training": bool(quantized_base),
             "int8": bool(int8), "int8_agreement": int8_agreement,
             "yes_id": yes[0], "no_id": no[0], "instruction": instruction, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -177,6 +177,24 @@ def test_overwrite_replaces_only_an_earlier_export(tmp_path, tiny_dir):
     (tmp_path / "notes" / "a.txt").write_text("mine")
     with pytest.raises(export.ExportError, match="not an earlier export"):
         export.export(base, str(tmp_path / "notes"), adapter=adapter, overwrite=True)
+    (out / ".git").mkdir()             # the export cloned as a hub repository: the swap would delete its history
+    with pytest.raises(export.ExportError, match=r"holds \.git, which no export writes"):
+        export.export(base, str(out), adapter=adapter, overwrite=True)
+    assert (out / ".git").is_dir() and json.load(open(out / "geodef_export.json"))["format"] == "causal"
+
+
+def test_a_seq_cls_checkpoint_exports_its_own_row_and_no_causal_head(tmp_path, tiny_dir):
+    """A seq-cls base (one score row, E[yes] - E[no]) exported again as seq-cls keeps that row and scores the
+    same; as a causal LM it has no full head to write (it was read as one: an IndexError, or a (1, C)
+    lm_head that no loader takes)."""
+    base, adapter, out, _ = _exported(tmp_path, tiny_dir)
+    again = export.export(str(out), str(tmp_path / "again"), fmt="seq-cls", dtype="float32")
+    ids = reranker.Reranker.from_pretrained(str(out), dtype=torch.float32).tokenize("q", ["a page", "another"])
+    torch.testing.assert_close(reranker.Reranker.from_pretrained(again, dtype=torch.float32).score_ids(ids),
+                               reranker.Reranker.from_pretrained(str(out), dtype=torch.float32).score_ids(ids))
+    with pytest.raises(reranker.CheckpointError, match="export it as --format seq-cls"):
+        export.export(str(out), str(tmp_path / "causal"), fmt="causal", dtype="float32")
+    assert not (tmp_path / "causal").exists()
 
 
 def test_export_refuses_a_run_folder_the_runs_directory_root_or_home(tmp_path, tiny_dir):
@@ -196,7 +214,8 @@ def test_the_export_command_exports_a_trained_run(demo_run, tmp_path):
     got = run.main(["export", "--name", "demo", "--runs-dir", str(demo_run.parent), "--out", str(out), "--dtype",
                     "float32"])
     meta = json.load(open(out / "geodef_export.json"))
-    assert got == str(out) and meta["adapter"].endswith("adapter") and meta["format"] == "seq-cls"
+    assert got == str(out) and meta["adapter"] == "adapter" and meta["format"] == "seq-cls"
+    assert str(demo_run) not in (out / "README.md").read_text()      # no local path in files meant for a hub
 
 
 def test_the_export_command_refuses_a_missing_or_bad_run_name(tmp_path):
