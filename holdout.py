@@ -6,12 +6,12 @@ The paper's central claim (Experiments, Fig. 3) is that a defense constructed on
 one draw of which families are seen. This module runs the protocol of domain generalisation
 (leave-one-domain-out, as in DomainBed, Gulrajani & Lopez-Paz 2021, arXiv 2007.01434), which asks a
 weaker question of every family in turn: does a Shield trained on all the other families hold on one
-more? It is not the paper's three-seen, four-unseen regime. Its gap vs seen compares with a reference
-trained on one family more (more optimizer steps, an epoch chosen on a monitoring split that holds F),
-and its intervals cover the test groups only (one training seed, one set of construction groups, no
-multiplicity correction across families). `--seen-size S` runs the paper's regime instead (regime):
-folds trained on S-family subsets, on equal numbers of instances, under several seeds, read as unseen
-minus seen with a CI over subsets and groups. Leave-one-out's protocol:
+more? It is not the paper's three-seen, four-unseen regime. Its gap vs seen compares with the folds
+trained without another family G (each saw F, on as many families and instances), not with the reference
+trained on every family, and its intervals cover the test groups only (one training seed, one set of
+construction groups, no multiplicity correction across families). `--seen-size S` runs the paper's
+regime instead (regime): folds trained on S-family subsets, on equal numbers of instances, under several
+seeds, read as unseen minus seen with a CI over subsets and groups. Leave-one-out's protocol:
 
 For each family F the construction groups hold (build-bench --construction-families all writes all
 seven), a Shield is trained on the construction instances of every family but F (Eqs. 1-5, the run's
@@ -21,16 +21,16 @@ the test split, for each fold (test instances of every method, the reranker stag
 - trained: the exposure@k of the families the fold's Shield trained on, beside the base's;
 - gap vs seen: F's exposure under the Shield trained without F minus its mean exposure under the
   Shields trained without another held-out family G (each saw F, and trained on as many families and
-  optimizer steps as the -F fold), per query group, paired on the same instances: what not having seen
-  F costs, size-matched. "all" trains on one family more and picks its epoch on a monitoring split that
-  holds F, so no gap is computed against it; with one held-out family there is no matched reference
-  and no gap vs seen;
+  instances as the -F fold: folds() cuts each to the smallest fold's count), per query group, paired on
+  the same instances: what not having seen F costs, size-matched. "all" trains on one family more and
+  picks its epoch on a monitoring split that holds F, so no gap is computed against it; with one
+  held-out family there is no matched reference and no gap vs seen;
 - gap vs trained: the drop the fold's Shield makes on its trained families (base minus Shield, per
   group) minus the drop it makes on F: how much less it removes of a family it did not see.
 Each gap has a 95% CI from the query-cluster bootstrap (metrics.cluster_bootstrap_ci); positive gaps
 mean the held-out family gets through more.
 
-Each fold is a run folder of its own, <run>/holdout/without-<F> (and <run>/holdout/all): its
+Each fold is a run folder of its own, <run>/holdout/without-<F>[-n<count>] (and <run>/holdout/all): its
 config.json pins its settings, its Shield trains and resumes as `train` does, its reranker records
 and rerank_report.md are rerank-eval's. holdout/summary.json and holdout/report.md (with a figure) are
 rewritten whole from the folds' records, so a killed holdout reruns to the same files.
@@ -94,14 +94,24 @@ def fold_settings(cfg, name, trained):
 
 
 def folds(run):
-    """[(fold name, held-out family or None, fold settings)]: one per held-out family, then 'all'. Each
-    fold's Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
+    """[(fold name, held-out family or None, fold settings, its construction groups)]: one per held-out
+    family, then 'all' (the run's groups). The held-out folds train on as many instances: a family whose
+    rewrites failed on more groups leaves its fold more, so each keeps the smallest fold's count (equal_size;
+    the count then in its name, without-F-n<count>, as a fold of another size is another fold). Each fold's
+    Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
     cfg, data = run.cfg, run.data
     held, cons = families(run)
-    out = [(f"without-{f}", f, fold_settings(cfg, f"without-{f}", [m for m in cons if m != f])) for f in held]
-    out += [(ALL, None, fold_settings(cfg, ALL, cons))]
-    for _, _, fcfg in out:
-        fold, inst = fold_run(run, fcfg), geodef.expand(data.construction, list(fcfg.seen.seen_methods))
+    trained = {f: [m for m in cons if m != f] for f in held}
+    size = min((len(geodef.expand(data.construction, t)) for t in trained.values()), default=0)
+    out = []
+    for f in held:
+        cut = len(geodef.expand(data.construction, trained[f])) > size
+        name = f"without-{f}" + (f"-n{size}" if cut else "")
+        groups = equal_size(data.construction, trained[f], size, cfg.folder.seed) if cut else data.construction
+        out.append((name, f, fold_settings(cfg, name, trained[f]), groups))
+    out += [(ALL, None, fold_settings(cfg, ALL, cons), data.construction)]
+    for _, _, fcfg, groups in out:
+        fold, inst = fold_run(run, fcfg, groups), geodef.expand(groups, list(fcfg.seen.seen_methods))
         fold.shield_split(inst)
         if cfg.holdout.llm_stage:
             fold.tfsg_schedule(inst)
@@ -182,16 +192,15 @@ def holdout(run):
         return regime(run)
     plan = folds(run)
     recs = {}
-    for name, family, fcfg in plan:
+    for name, family, fcfg, groups in plan:
         log(f"[holdout] fold {name}: the Shield{' and library' if cfg.holdout.llm_stage else ''} trained on "
             f"{fcfg.seen.seen_methods}")
-        recs[name] = run_fold(run, fcfg, cfg.holdout.llm_stage)
-    ref = recs[ALL]
-    held = [family for _, family, _ in plan if family is not None]
+        recs[family] = run_fold(run, fcfg, cfg.holdout.llm_stage, groups)
+    ref = recs[None]
     boot = (cfg.rerank.n_boot, cfg.folder.seed)
-    rows = [fold_row(cfg.data.k, boot, family, list(fcfg.seen.seen_methods), recs[name], ref,
-                     [recs[f"without-{g}"] for g in held if g != family])
-            for name, family, fcfg in plan if family is not None]
+    rows = [fold_row(cfg.data.k, boot, family, list(fcfg.seen.seen_methods), recs[family], ref,
+                     [recs[g] for _, g, _, _ in plan if g not in (None, family)])
+            for name, family, fcfg, _ in plan if family is not None]
     if detect.has_honest(data):            # the detection side: the text detector of each fold, never given F
         for r in rows:
             r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, *boot)
@@ -223,16 +232,17 @@ def dry_run(run):
                          **({"train": plan_train(fold)["stages"]} if h.llm_stage else {})}
         return {"folds": out, **({} if h.llm_stage else {"llm_requests": 0})}
     out = {}
-    for name, family, fcfg in folds(run):
-        opt, _ = fold_run(run, fcfg).shield_split(geodef.expand(data.construction, list(fcfg.seen.seen_methods)))
-        out[name] = {"held_out": family, "trained_on": list(fcfg.seen.seen_methods),
+    for name, family, fcfg, groups in folds(run):
+        inst = geodef.expand(groups, list(fcfg.seen.seen_methods))
+        opt, _ = fold_run(run, fcfg, groups).shield_split(inst)
+        out[name] = {"held_out": family, "trained_on": list(fcfg.seen.seen_methods), "instances": len(inst),
                      "shield_optimizer_steps": cfg.shield.optimizer_steps(len(opt)),
                      "shield_trained": os.path.isfile(os.path.join(fcfg.folder.run_dir, "shield_done.json")),
                      "test_instances_scored": len(data.test) * len(data.methods)}
         if h.llm_stage:        # eval's requests at most: the clean reference, both conditions, E0..E4, quality
             n = len(data.test) * len(data.methods)
             answers = len(data.test) + n * (len(LLM_CONDITIONS) + cfg.tfsg.n_batches + 1)
-            out[name]["train"] = plan_train(fold_run(run, fcfg))["stages"]
+            out[name]["train"] = plan_train(fold_run(run, fcfg, groups))["stages"]
             out[name]["eval_requests_at_most"] = {"target answers": answers, "ASI judge": answers,
                                                   "pairwise quality judge": n}
     return {"folds": out, **({} if h.llm_stage else {"llm_requests": 0})}

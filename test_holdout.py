@@ -9,6 +9,7 @@ import pytest
 import holdout
 import run
 import train
+from testing import SAMPLE
 
 
 def argv(out, *extra):
@@ -103,6 +104,23 @@ def test_a_holdout_dry_run_writes_nothing(tmp_path):
     assert list(plan["folds"]) == ["without-AgenticGEO", "without-AutoGEO", "without-MAGEO", "all"]
     assert plan["folds"]["without-MAGEO"]["trained_on"] == ["AgenticGEO", "AutoGEO"] and plan["llm_requests"] == 0
     assert not (tmp_path / "h").exists()
+
+
+def test_leave_one_out_folds_train_on_as_many_instances(tmp_path):
+    """A family whose rewrite failed on a construction group leaves its fold one instance more than the others:
+    that fold keeps the smallest fold's count (its name says so), so each held-out family's gap vs seen
+    compares Shields trained on as much data; the reference fold keeps every instance."""
+    rows = [json.loads(x) for x in open(SAMPLE, encoding="utf-8")]
+    first = next(r for r in rows[1:] if r["split"] == "construction")
+    del first["attacks"]["AutoGEO"]
+    first["failed"] = {"AutoGEO": "the build's fidelity gate refused every rewrite"}
+    bench = tmp_path / "b.jsonl"
+    bench.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    plan = run.main(argv(tmp_path, "--dry-run", "--families", "all", "--bench", str(bench)))["folds"]
+    n = plan["without-AgenticGEO"]["instances"]
+    assert list(plan) == ["without-AgenticGEO", f"without-AutoGEO-n{n}", "without-MAGEO", "all"]
+    assert {p["instances"] for name, p in plan.items() if name != "all"} == {n}
+    assert plan["all"]["instances"] == 3 * (n + 1) // 2 - 1          # C groups x 3 families, one rewrite failed
 
 
 def test_a_family_without_construction_instances_or_given_twice_is_refused(tmp_path):
