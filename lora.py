@@ -305,8 +305,23 @@ def nf4_dequantize(packed, absmax, shape, dtype, blocksize=64):
     return vals.view(-1)[:n].view(shape).to(dtype)
 
 
+class NF4Matmul(torch.autograd.Function):
+    """y = x W^T for an NF4Linear's W, dequantised on the forward and again on the backward (dx = g W): left to
+    autograd, each projection's dequantised W is kept for the backward, as much memory as a bf16 base. QLoRA
+    keeps only the 4-bit state between the passes (bitsandbytes' MatMul4Bit); W is frozen, so no dW."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        return F.linear(x, layer.weight.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.layer.weight.to(g.dtype), None
+
+
 class NF4Linear(nn.Module):
-    """Frozen linear layer stored as NF4; the weight is dequantised to the input dtype on each call."""
+    """Frozen linear layer stored as NF4; the weight is dequantised to the input dtype on each call (NF4Matmul)."""
 
     def __init__(self, linear):
         super().__init__()
@@ -321,7 +336,7 @@ class NF4Linear(nn.Module):
         return nf4_dequantize(self.packed, self.absmax, (self.out_features, self.in_features), self.dtype)
 
     def forward(self, x):
-        return F.linear(x, self.weight.to(x.dtype))
+        return NF4Matmul.apply(x, self)
 
 
 def quantize_nf4(model, targets=TARGETS):

@@ -166,6 +166,23 @@ def test_nf4_round_trip_bound(tiny_dir):
     assert torch.isfinite(q).all() and (q - base).abs().max() < 0.5
 
 
+def test_nf4_keeps_only_its_4bit_state_for_the_backward():
+    """QLoRA's point: between the forward and the backward an NF4 projection holds its packed codes, not its
+    dequantised weight (autograd kept the (out, in) weight of every projection: a bf16 base's memory). The
+    input's gradient is the dequantised weight's."""
+    g = torch.Generator().manual_seed(0)
+    layer = lora.NF4Linear(torch.nn.Linear(130, 96, bias=False))
+    x = torch.randn(5, 130, generator=g, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        y = layer(x)
+    assert 96 * 130 not in saved                                     # the weight, in either layout
+    dy = torch.randn(5, 96, generator=g)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad, dy @ layer.weight)
+    torch.testing.assert_close(y, x.detach() @ layer.weight.t())
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
 def test_gradient_checkpointing_same_gradients(tiny_dir, dropout):
     """With dropout, the recomputation must redraw exactly the forward's masks (this once failed:
