@@ -507,7 +507,8 @@ def evaluate(run, conditions=None, ranked=None):
     plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
     plan.update(deployed_conditions(cfg.data.k, plan, deployed, local, others))
     results, repeats = answer_conditions(cfg.sample.samples, conds, insts, plan, condition)
-    honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, results, condition)
+    first = {c: metrics.paper_level(results[c]) for c in conds}     # the first sample on the paper's lists (K = 1)
+    honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, first, condition)
     every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
     paper = lambda c: metrics.paper_level(every(c))     # the headline: lists with one attacked document
     summary = {"offline": run.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model.model,
@@ -521,19 +522,18 @@ def evaluate(run, conditions=None, ranked=None):
     summary.update(bench_labels(run))
     summary.update(attacked_summary(insts, conds, every, cfg.data.k, cfg.rerank.n_boot, cfg.folder.seed))
     if cfg.sample.samples > 1:
-        summary["samples"] = sample_summary([[results[c], *repeats[c]] for c in conds], conds, cfg.rerank.n_boot,
-                                            cfg.folder.seed)
+        summary["samples"] = sample_summary([[metrics.paper_level(r) for r in (results[c], *repeats[c])]
+                                             for c in conds], conds, cfg.rerank.n_boot, cfg.folder.seed)
     if "Non-Defense" in conds:
-        summary["attack_strength"] = attack_strength(metrics.paper_level(results["Non-Defense"]), clean, test, methods,
-                                                     cfg.rerank.n_boot,
+        summary["attack_strength"] = attack_strength(first["Non-Defense"], clean, test, methods, cfg.rerank.n_boot,
                                                      cfg.folder.seed)
     if "GEO Defender" in conds:
         # pairwise quality of GEO Defender vs the clean reference (B.2.4); Fig. 5: GEO Defender with E0..E4
-        summary["quality"] = pairwise_quality(run, judge, metrics.paper_level(results["GEO Defender"]), clean,
+        summary["quality"] = pairwise_quality(run, judge, first["GEO Defender"], clean,
                                               {x.instance_id: x for x in insts}, res)
         summary["epochs"] = library_epochs(run, results["GEO Defender"], lists, plan["Shield only"].topk, clean,
                                            condition)
-    summary.update(defense_summary(run, llm, judge, results, plan, insts, clean, res))
+    summary.update(defense_summary(run, llm, judge, first, plan, insts, clean, res))
     if transfers and "GEO Defender" in conds:     # Table C.2 row: other targets' libraries, Shield fixed
         summary["transfer"] = transfer_rows(results["GEO Defender"], transfers, lists, plan["Shield only"].topk,
                                             clean, condition)
@@ -561,7 +561,8 @@ def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):
     honest list (geodef.honest_instance) of every test group with an honest edit, two records per
     group in results/<slug>.honest.jsonl (no ASI judge), then its honest_penalty. ranked_by: the
     rankers the conditions' top-k come from (the base first; None for one not loaded), to score the new
-    lists. None without honest edits (then nothing is scored, asked or written)."""
+    lists; results: each condition's attack records on the paper's lists (one edited document against one
+    attacked). None without honest edits (then nothing is scored, asked or written)."""
     groups = [g for g in test if g.honest is not None]
     if not groups:
         return None
@@ -640,7 +641,8 @@ def attack_strength(recs, clean, test, methods, n_boot, seed):
 def defense_summary(run, llm, judge, results, plan, insts, clean, res):
     """Beside the metrics: each condition's cost per query (`cost_per_query`), what PromptArmor and
     RobustRAG did (`defense_diagnostics`), and the injection defenses' pairwise answer quality against
-    the clean reference (B.2.4's judge, as for GEO Defender), at the run's prices (Run.prices, or None)."""
+    the clean reference (B.2.4's judge, as for GEO Defender), at the run's prices (Run.prices, or None).
+    results: each condition's records on the paper's lists (K = 1), as Table 1 and GEO Defender's quality."""
     cfg, prices = run.cfg, run.prices
     by_id = {x.instance_id: x for x in insts}
     out = {"cost": {c: cost_per_query(cfg.llm, llm, recs, by_id, plan[c].pipeline, prices)

@@ -157,14 +157,17 @@ def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
     """Figures against the number of attacked documents a list holds (records' `attacked`, 1 when
     absent): {"K": {"n", and per column its mean and 95% cluster-bootstrap CI}}. columns: {name: function
     of a record -> a number}; the instances of one query group stay one cluster at every K. chance (n, k):
-    each level also gets `chance_any_in_topk`, the % a random top k of n would hold some attacked document."""
+    each level also gets the rates of a random top k of n: `chance_any_in_topk`, the % holding some attacked
+    document, and `chance_topk_share`, the % of it the K attacked documents take on average (100 K / n; one
+    given document is in it with chance k / n)."""
     out = {}
     for lv in sorted({r.get("attacked", 1) for r in recs}):
         rs = paper_level(recs, lv)
         clusters = [r["group_id"] for r in rs]
         out[str(lv)] = {"n": len(rs)}
         if chance:
-            out[str(lv)]["chance_any_in_topk"] = 100.0 * chance_any_in_topk(chance[0], lv, chance[1])
+            out[str(lv)].update(chance_any_in_topk=100.0 * chance_any_in_topk(chance[0], lv, chance[1]),
+                                chance_topk_share=100.0 * lv / chance[0])
         for name, fn in columns.items():
             vals = [fn(r) for r in rs]
             out[str(lv)][name] = sum(vals) / len(vals)

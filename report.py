@@ -95,8 +95,9 @@ def _table_lines(s):
     lines.append("## Table 1: end-to-end comparison (ASR, ASI lower is better; BER higher)\n")
     lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"], rows(main)) + "\n")
     failed = {k: v.get("asi_judge_failed", 0) for k, v in c.items() if v.get("asi_judge_failed")}
-    if failed:   # their ASI is over the instances the judge scored
-        lines.append("ASI judge failures (every attempt unusable; left out of ASI): "
+    if failed:   # each counted at the judged in-context mean (evaluation.py), not left out
+        lines.append("ASI judge failures (every attempt unusable; counted at the mean of the judged in-context "
+                     "instances): "
                      + ", ".join(f"{k} {n}" for k, n in failed.items()) + ".\n")
     abl = [k for k in ("Non-Defense", "Shield only", "TFSG only", "GEO Defender") if k in c]
     lines.append("## Table 2: module ablation\n")
@@ -315,13 +316,17 @@ def ci_cell(b, m):
     return f"{b[m]:.2f} [{b[m + '_ci'][0]:.2f}, {b[m + '_ci'][1]:.2f}]" if m in b else "-"
 
 
-def against_k(path, title, blocks, metric, ylabel, note):
-    """figures/<path>: `metric` of each series against the number of attacked documents a list holds.
+def against_k(path, title, blocks, metric, ylabel, note, chance=None):
+    """figures/<path>: `metric` of each series against the number of attacked documents a list holds, and with
+    `chance` (a block key: chance_any_in_topk) the rate of a random top k, which rises with K alone.
     blocks: {series: {"K": block}}."""
     ks = sorted({kk for b in blocks.values() for kk in b}, key=int)
-    atomic_write(path, svg_lines(
-        title, ks, {name: [b.get(kk, {}).get(metric) for kk in ks] for name, b in blocks.items()},
-        xlabel="attacked documents in the list (K)", ylabel=ylabel, note=note))
+    series = {name: [b.get(kk, {}).get(metric) for kk in ks] for name, b in blocks.items()}
+    if chance:
+        series["chance (a random top k)"] = [next((b[kk].get(chance) for b in blocks.values() if kk in b), None)
+                                             for kk in ks]
+    atomic_write(path, svg_lines(title, ks, series, xlabel="attacked documents in the list (K)", ylabel=ylabel,
+                                 note=note))
 
 
 def attacked_lines(s, figs):
@@ -334,21 +339,23 @@ def attacked_lines(s, figs):
     against_k(os.path.join(figs, "attacked_asr.svg"), "ASR against the number of attacked documents", b, "ASR",
               "ASR: any attacked document cited (%)", note)
     against_k(os.path.join(figs, "attacked_exposure.svg"), "Exposure against the number of attacked documents", b,
-              "exposure", "any attacked document in the context (%)", note)
+              "exposure", "any attacked document in the context (%)", note, chance="chance_any_in_topk")
     rows = [[c, kk, v["n"], ci_cell(v, "source_ASR"), ci_cell(v, "ASR"), ci_cell(v, "mean_ASR"),
              ci_cell(v, "source_exposure"), ci_cell(v, "exposure"), chance_cell(v), ci_cell(v, "mean_exposure"),
-             ci_cell(v, "topk_attack_share"), ci_cell(v, "citation_share")] for c, per in b.items()
-            for kk, v in per.items()]
+             ci_cell(v, "topk_attack_share"), fmt(v.get("chance_topk_share")), ci_cell(v, "citation_share")]
+            for c, per in b.items() for kk, v in per.items()]
     return ["## Against the number of attacked documents a list holds\n",
             "Each test list at K = 1.. the file's K attacked documents (the source's rewrite and the first K-1 "
             "further ones). The tables above are the paper's lists (K = 1). Here, per K: the source's rewrite "
             "cited and in the context; any attacked document cited and in the context, beside the chance that a "
-            "random top k holds one (1 - C(n-K, k)/C(n, k)); each attacked document on average; the shares of "
-            "the top k and of the citations the attacked documents take. 95% query-cluster bootstrap CIs. The "
-            "Shield is trained on lists with one attacked document, as the paper trains it.\n",
+            "random top k holds one (1 - C(n-K, k)/C(n, k)); each attacked document on average (a given "
+            "document is in a random top k with chance k/n); the shares of the top k (beside a random top k's, "
+            "K/n) and of the citations the attacked documents take. 95% query-cluster bootstrap CIs; each K's "
+            "n counts the groups with K attacked documents. The Shield is trained on lists with one attacked "
+            "document, as the paper trains it.\n",
             _table(["Condition", "K", "n", "Source cited (%)", "Any cited (%)", "Each cited (%)",
                     "Source in context (%)", "Any in context (%)", "Chance, any (%)", "Each in context (%)",
-                    "Top-k share (%)", "Citation share (%)"], rows) + "\n",
+                    "Top-k share (%)", "Chance, share (%)", "Citation share (%)"], rows) + "\n",
             "![ASR against K](figures/attacked_asr.svg)\n",
             "![exposure against K](figures/attacked_exposure.svg)\n"]
 
@@ -433,16 +440,17 @@ def chance_cell(v):
 def rerank_by_k_lines(stage, k):
     """Each reranker against the number of attacked documents a list holds (rerank_stage's by_attacked)."""
     rows = [[label, kk, v["n"], ci_cell(v, "exposure"), ci_cell(v, "any_exposure"), chance_cell(v),
-             ci_cell(v, "mean_exposure"), ci_cell(v, "topk_attack_share")]
+             ci_cell(v, "mean_exposure"), ci_cell(v, "topk_attack_share"), fmt(v.get("chance_topk_share"))]
             for label, st in stage.items() for kk, v in st.get("by_attacked", {}).items()]
     if not rows:
         return []
     return [f"Against the number of attacked documents a list holds (the table above: K = 1, the paper's lists): "
             f"exposure@{k} of the source's rewrite, of any attacked document beside the chance that a random top "
-            f"{k} holds one (1 - C(n-K, k)/C(n, k)), of each attacked document on average, and the share of the "
-            "top k they take (95% query-cluster bootstrap CIs).\n",
+            f"{k} holds one (1 - C(n-K, k)/C(n, k)), of each attacked document on average (a given document is "
+            f"in a random top {k} with chance {k}/n), and the share of the top k they take beside a random top "
+            f"k's (K/n); 95% query-cluster bootstrap CIs, each K's n the groups with K attacked documents.\n",
             _table(["Reranker", "K", "n", f"Source exposed@{k} (%)", f"Any exposed@{k} (%)", "Chance, any (%)",
-                    f"Each exposed@{k} (%)", "Top-k share (%)"], rows) + "\n"]
+                    f"Each exposed@{k} (%)", "Top-k share (%)", "Chance, share (%)"], rows) + "\n"]
 
 
 def certificate_lines(stage, k):
@@ -492,12 +500,14 @@ def write_rerank_report(run_dir, s):
     lines.append(_table(["Reranker"] + [m + ("*" if m in unseen else "") for m in methods],
                         [[lb] + [fmt(stage[lb]["per_method"][m].get("exposure")) for m in methods]
                          for lb in labels]) + "\n")
-    lines.append("Exposure@k (%) by GEO method; unseen methods marked *.\n")
+    lines.append("Exposure@k (%) by GEO method; unseen methods marked *. A random top k of the n candidates holds "
+                 "a given document with chance k/n (50% for 5 of 10).\n")
     lines.append("![exposure](figures/rerank_exposure.svg)\n")
     if any(stage[lb].get("by_attacked") for lb in labels):
         against_k(os.path.join(figs, "rerank_attacked.svg"), f"Exposure@{k} of any attacked document against K",
                   {lb: stage[lb]["by_attacked"] for lb in labels if stage[lb].get("by_attacked")}, "any_exposure",
-                  f"any attacked document in the top {k} (%)", figure_note(s.get("notes")))
+                  f"any attacked document in the top {k} (%)", figure_note(s.get("notes")),
+                  chance="chance_any_in_topk")
         lines.append("![exposure against K](figures/rerank_attacked.svg)\n")
     lines += [f"Reranker `{lb}`: `{stage[lb]['spec']}`." for lb in labels] + [""]
     lines += usage_lines(s.get("usage") or {})

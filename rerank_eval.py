@@ -202,7 +202,8 @@ def certify_records(run, rk, insts, cleans, base_clean):
     with speed.short_documents(rr.model):
         g_attack = certify.smoothed(noised, insts, rate, n, seed)
         g_clean = dict(zip(groups, certify.smoothed(noised, [cleans[g] for g in groups], rate, n, seed)))
-    cost = {"forward_passes": len(noised.cache) - passes, "seconds": time.perf_counter() - t0}
+    cost = {"forward_passes": len(noised.cache) - passes, "seconds": time.perf_counter() - t0,
+            "lists": len(insts) + len(groups)}          # every level's attacked lists and the clean ones
     eps = certify.epsilon(len(insts[0].docs), n)
     recs = []
     for x, g in zip(insts, g_attack):
@@ -252,7 +253,7 @@ def certify_summary(recs, plain, cost):
            "smoothed_exposure": pct([r["smoothed_exposed"] for r in recs]),
            "ndcg_smoothed_clean": sum(r["ndcg_smoothed_clean"] for r in recs) / len(recs),
            "forward_passes": cost["forward_passes"], "seconds": cost["seconds"],
-           "seconds_per_list": cost["seconds"] / len(recs)}
+           "seconds_per_list": cost["seconds"] / cost["lists"]}
     if "smoothed_clean_topk_kept" in recs[0]:
         out["smoothed_clean_topk_kept"] = pct([r["smoothed_clean_topk_kept"] for r in recs])
         out["clean_topk_kept"] = pct([r["clean_topk_kept"] for r in plain if "clean_topk_kept" in r])
@@ -316,7 +317,8 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
         if honest:
             hrecs = [instance_record(x, cleans[x.group_id], rk, None, d.k) for x in honest]
             write_jsonl(os.path.join(res, f"rerank-{label}.honest.jsonl"), hrecs)
-            out[label]["honest"] = honest_stage(hrecs, recs, d.k, cfg.rerank.n_boot, cfg.folder.seed)
+            out[label]["honest"] = honest_stage(hrecs, metrics.paper_level(recs), d.k, cfg.rerank.n_boot,
+                                                cfg.folder.seed)     # one edited document against one attacked
     summary = write_summary(run, "rerank-eval", {"rerank_stage": out, "rerank_stage_k": d.k},
                             merge=("rerank_stage",))       # another reranker's block of an earlier run is kept
     report.write_rerank_report(cfg.folder.run_dir, summary)

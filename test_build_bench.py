@@ -613,6 +613,8 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
     assert c["n"] == len(one) and c["exposure"] == stage["overall"]["exposure"]
     assert c["smoothed_exposure"] == pytest.approx(100 * sum(r["smoothed_exposed"] for r in cert) / len(cert))
     assert c["eps"] == pytest.approx(certify.epsilon(5, 4)) and c["forward_passes"] > 0
+    lists = len(recs) + len({r["group_id"] for r in recs})          # every level's lists and the clean ones
+    assert c["seconds_per_list"] == pytest.approx(c["seconds"] / lists) == c["by_attacked"]["3"]["seconds_per_list"]
     for kind in certify.KINDS:
         for r in certify.RADII:
             assert c["certified"][kind][str(r)] == pytest.approx(100 * sum(

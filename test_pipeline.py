@@ -827,6 +827,8 @@ def test_a_list_with_several_attacks_counts_any_of_them_and_their_shares():
     assert by["3"]["source_ASR"] == 100 and by["1"]["source_ASR"] == 0 and by["3"]["source_exposure"] == 100
     assert by["3"]["mean_ASR"] == pytest.approx(200 / 3) and by["3"]["mean_exposure"] == pytest.approx(200 / 3)
     assert by["3"]["chance_any_in_topk"] == 100 and by["1"]["chance_any_in_topk"] == pytest.approx(100 * (1 - 5 / 15))
+    # and the share of a random top k the attacked documents take: K of 6
+    assert by["3"]["chance_topk_share"] == 50 and by["1"]["chance_topk_share"] == pytest.approx(100 / 6)
 
 
 def test_a_fresh_start_leaves_nothing_a_later_rerun_would_resume(tmp_path):

@@ -163,3 +163,20 @@ def test_the_report_names_each_splits_builder_when_they_differ(tmp_path):
     text = "".join(report._header_lines(str(tmp_path), s))
     assert "construction split's rewrites by openai:gpt-5.5, the test split's by anthropic:claude-opus-4-5" in text
     assert "Builders apart" not in "".join(report._header_lines(str(tmp_path), {**s, "builders": None}))
+
+
+def test_exposure_against_k_is_drawn_beside_a_random_top_ks_rate(tmp_path):
+    """Any attacked document in the top k rises with K by chance alone (50%, 77.8%, 91.7% for 5 of 10): the
+    figure draws that rate as its own series, and the K table gives the share of a random top k (K/n)."""
+    cols = {"exposure": 60.0, "any_exposure": 70.0, "mean_exposure": 10.0, "topk_attack_share": 10.0}
+    block = lambda kk: {"n": 4, **cols, **{f"{c}_ci": [0.0, 100.0] for c in cols},
+                        "chance_any_in_topk": {"1": 50.0, "3": 91.7}[kk], "chance_topk_share": {"1": 10.0, "3": 30.0}[kk]}
+    stage = {"base": {"by_attacked": {"1": block("1"), "3": block("3")}}}
+    path = tmp_path / "k.svg"
+    report.against_k(str(path), "t", {lb: st["by_attacked"] for lb, st in stage.items()}, "any_exposure", "y", None,
+                     chance="chance_any_in_topk")
+    svg = path.read_text()
+    assert "chance (a random top k)" in svg and "base" in svg
+    table = "\n".join(report.rerank_by_k_lines(stage, 5))
+    row = next(ln for ln in table.splitlines() if ln.startswith("| base | 3 "))
+    assert "Chance, share (%)" in table and row.rstrip(" |").endswith("| 30.00")
