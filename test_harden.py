@@ -152,12 +152,19 @@ def test_survivors_of_one_group_and_candidate_number_stay_apart(hardened):
 
 
 def test_the_shield_is_retrained_on_the_survivors(hardened):
+    """Round 1 trains from round 0's adapter on the survivors, and ships the best of its start and its epochs
+    on its monitoring split: round 0's adapter exactly when no epoch beat it."""
     out, _, _ = hardened
     r1 = out / "demo" / "harden" / "round-1"
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(out), "name": "demo"})
     prev = harden.defense_of(runs.Run(cfg), 0)
-    assert (r1 / "adapter" / "adapter_model.safetensors").read_bytes() != \
+    done = json.load(open(r1 / "shield_done.json"))
+    assert done["steps"] > 0 and [h["epoch"] for h in done["history"]] == list(range(cfg.shield.epochs + 1))
+    best = min(done["history"], key=lambda h: (h["loss"], -h["pref_accuracy"]))
+    assert done["best"]["epoch"] == best["epoch"]
+    same = (r1 / "adapter" / "adapter_model.safetensors").read_bytes() == \
         open(os.path.join(prev[0], "adapter_model.safetensors"), "rb").read()
+    assert same == (best["epoch"] == 0)
 
 
 def test_the_library_grows_on_the_survivors(hardened):

@@ -170,7 +170,8 @@ def test_exposure_against_k_is_drawn_beside_a_random_top_ks_rate(tmp_path):
     figure draws that rate as its own series, and the K table gives the share of a random top k (K/n)."""
     cols = {"exposure": 60.0, "any_exposure": 70.0, "mean_exposure": 10.0, "topk_attack_share": 10.0}
     block = lambda kk: {"n": 4, **cols, **{f"{c}_ci": [0.0, 100.0] for c in cols},
-                        "chance_any_in_topk": {"1": 50.0, "3": 91.7}[kk], "chance_topk_share": {"1": 10.0, "3": 30.0}[kk]}
+                        "chance_any_in_topk": {"1": 50.0, "3": 91.7}[kk],
+                        "chance_topk_share": {"1": 10.0, "3": 30.0}[kk]}
     stage = {"base": {"by_attacked": {"1": block("1"), "3": block("3")}}}
     path = tmp_path / "k.svg"
     report.against_k(str(path), "t", {lb: st["by_attacked"] for lb, st in stage.items()}, "any_exposure", "y", None,
