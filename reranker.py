@@ -504,7 +504,10 @@ class Reranker:
 
     def score_ids(self, ids, grad=False):
         """ids: list of S token-id lists -> float32 (S,) margins in input order. Sequences are sorted
-        by length and packed into micro-batches of at most `token_budget` tokens (a longer one runs alone)."""
+        by length and packed into micro-batches of at most `token_budget` tokens (a longer one runs alone).
+        An empty sequence has no last token to score: ValueError (tokenize never makes one)."""
+        if any(len(x) == 0 for x in ids):
+            raise ValueError(f"score_ids: sequence {next(i for i, x in enumerate(ids) if len(x) == 0)} is empty")
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         out = [None] * len(ids)
         w = self.yes_minus_no()

@@ -456,7 +456,8 @@ class PackedCausalAttention(torch.autograd.Function):
     per sequence and letting autograd undo it would zero-fill and add a full-size gradient for every
     sequence and each of q, k, v. Once differentiable: the kept probabilities carry no graph.
     Numerics of the backward: scores and probabilities in the model dtype (bf16 as transformers'
-    eager attention keeps them; softmax accumulates in float32); exact in float32."""
+    eager attention keeps them; softmax accumulates in float32), and dK, dV summed over a sequence's blocks
+    in it too (one rounding a block, where one dense GEMM rounds once); exact in float32."""
 
     @staticmethod
     def forward(ctx, q, k, v, lens, P=0, block=128):
@@ -706,13 +707,14 @@ class DropoutCache:
     gradient checkpointing the recomputation must draw exactly the masks the forward drew)."""
 
     def __init__(self):
-        self.src, self.dropped = lambda: None, None
+        self.src, self.p, self.dropped = lambda: None, None, None
 
     def __call__(self, x, p):
-        """x with a 0/1 keep-mask applied: the cached copy when x is the last input seen, else a new draw."""
-        if self.src() is not x:
+        """x with a 0/1 keep-mask applied: the cached copy when x and the rate p are the last seen, else a new
+        draw (two layers of one input at different rates draw their own masks)."""
+        if self.src() is not x or self.p != p:
             self.dropped = x * dropout_mask(x.shape, p, x.dtype, x.device)          # 0/1 mask: exact
-            self.src = weakref.ref(x)
+            self.src, self.p = weakref.ref(x), p
         return self.dropped
 
     def __reduce__(self):      # a copied or pickled model starts with an empty cache of its own

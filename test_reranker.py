@@ -88,6 +88,14 @@ def test_non_finite_margins_are_an_error_not_a_score(scored_alone):
         rr.score_ids(ids)
 
 
+def test_an_empty_sequence_is_refused_not_scored_as_its_neighbours_last_token(scored_alone):
+    """An empty id list has no last token: the packed reference read the previous sequence's, the speed path
+    zeros or NaN."""
+    rr, _, ids, _ = scored_alone
+    with pytest.raises(ValueError, match="sequence 1 is empty"):
+        rr.score_ids([ids[0], [], ids[1]])
+
+
 def test_the_tiny_checkpoint_is_deterministic_per_seed(tmp_path):
     a = tiny.make_tiny_checkpoint(str(tmp_path / "a"), seed=0)
     b = tiny.make_tiny_checkpoint(str(tmp_path / "b"), seed=0)

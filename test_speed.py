@@ -519,6 +519,15 @@ def test_two_models_never_share_a_dropout_mask():
     assert copied.dropout_cache is copied[0].dropout_cache is copied[1].dropout_cache is not one.dropout_cache
 
 
+def test_one_input_at_two_dropout_rates_draws_a_mask_for_each():
+    """The cache shares a mask between layers reading one input at one rate: a layer at another rate draws its
+    own (it took the first layer's mask, rescaled by its own 1 / (1 - p))."""
+    cache, x = speed.DropoutCache(), torch.ones(1000, 4)
+    low, high = cache(x, 0.1), cache(x, 0.9)
+    assert (low == 0).float().mean() < 0.3 and (high == 0).float().mean() > 0.7
+    assert cache(x, 0.9) is high
+
+
 def test_gradient_checkpointing_redraws_the_forwards_dropout_masks(hf_tiny):
     """With LoRA dropout, the recomputation under gradient checkpointing draws the masks the forward drew:
     the same gradients, bit for bit, as without checkpointing (and not those of dropout 0)."""
