@@ -309,7 +309,8 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
     assert json.load(open(tmp_path / "exp" / "geodef_export.json"))["detector"] is not None
     assert detect.Served.load(run.detector_file(None, str(tmp_path / "exp"))).threshold == threshold
     assert (d / "detect" / "roc_text.svg").read_text().startswith("<svg")
-    assert "held out" in (d / "detect" / "report.md").read_text()
+    rep = (d / "detect" / "report.md").read_text()
+    assert "held out" in rep and "approximate: cross-conformal" in rep      # the text detector's bound is not proven
 
 
 def test_a_threshold_holds_its_fpr_on_new_pages_not_only_on_its_own():
