@@ -131,9 +131,12 @@ def _record(x, top, name, ans, reasoning):
 
 def reply_usage(replies, sequential):
     """What answering one query took: LLM calls, calls in a row (the latency), tokens (a cached
-    reply carries the usage it was received with: the cost of the query, not of this invocation)."""
+    reply carries the usage it was received with: the cost of the query, not of this invocation); with the
+    count of replies that came without token counts ("unmetered"), whose tokens are unknown, not 0."""
+    unmetered = sum(bool(r.usage.get("unmetered")) for r in replies)
     return {"llm_calls": len(replies), "sequential_calls": sequential,
-            **{k: sum(int(r.usage.get(k, 0) or 0) for r in replies) for k in ("prompt_tokens", "completion_tokens")}}
+            **{k: sum(int(r.usage.get(k, 0) or 0) for r in replies) for k in ("prompt_tokens", "completion_tokens")},
+            **({"unmetered": unmetered} if unmetered else {})}
 
 
 def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
@@ -683,8 +686,10 @@ def cost_per_query(decoding, llm, recs, by_id, pipeline, prices=None):
         rows.append(u)
     keys = ("llm_calls", "sequential_calls", "prompt_tokens", "completion_tokens")
     mean = {k: sum(u[k] for u in rows) / len(rows) if rows else None for k in keys}
-    usd = accounting.price_of(llm.label, mean, prices) if prices and rows else None
-    return {**mean, "usd": usd, "records": len(rows), "usage_unknown": unknown}
+    unmetered = sum(u.get("unmetered", 0) for u in rows)        # replies without token counts: no price
+    usd = accounting.price_of(llm.label, {**mean, "unmetered": unmetered}, prices) if prices and rows else None
+    return {**mean, "usd": usd, "records": len(rows), "usage_unknown": unknown,
+            **({"unmetered_replies": unmetered} if unmetered else {})}
 
 
 def _attack_positions(rec, x):

@@ -408,11 +408,13 @@ class Client:
         return cls(shape, transport, ReplyCache(cache_dir, refresh), provider, **kw)
 
     def __repr__(self):
-        return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
+        return f"Client(provider={self.provider!r}, model={endpoints.redact(self.model)!r}, base_url={self.base_url!r})"
 
     @property
     def label(self):
-        return f"{self.provider}:{self.model}"
+        """provider:model as the ledger, summary.json and the reports name it: a URL typed as the model
+        (`openai-compatible:https://user:KEY@host`) shown without its credentials."""
+        return endpoints.redact(f"{self.provider}:{self.model}")
 
     @property
     def base_url(self):

@@ -869,3 +869,18 @@ def test_a_tfsg_target_reply_that_never_parsed_is_left_out_not_an_over_defense(t
     assert seen[0]["current_experience_library"]["rules"][0]["outcome_stats"]["invocations"] == 1
     report = json.loads((tmp_path / "E2.report.json").read_text())
     assert report["outcomes"] == {"success": 1, "missed_attack": 0, "false_positive": 0, "both": 0, "invalid": 1}
+
+
+def test_a_query_whose_reply_came_without_token_counts_has_no_price_not_zero():
+    """A reply without usage (an openai-compatible proxy's "usage": null) is unmetered: its query's tokens are
+    unknown, so the condition's USD a query is unknown, as the ledger's total is, not the price of zeros."""
+    from types import SimpleNamespace
+    llm = SimpleNamespace(label="openai:gpt-x")
+    prices = {"gpt-x": [1.0, 2.0]}
+    metered = evaluation.reply_usage([llm_clients.Reply("a", usage={"prompt_tokens": 10, "completion_tokens": 5})], 1)
+    bare = evaluation.reply_usage([llm_clients.Reply("a", usage={"unmetered": 1})], 1)
+    assert bare["unmetered"] == 1 and "unmetered" not in metered
+    one = evaluation.cost_per_query(None, llm, [{"usage": metered}], {}, None, prices)
+    assert one["usd"] == pytest.approx((10 * 1.0 + 5 * 2.0) / 1e6)
+    both = evaluation.cost_per_query(None, llm, [{"usage": metered}, {"usage": bare}], {}, None, prices)
+    assert both["usd"] is None and both["unmetered_replies"] == 1
