@@ -457,14 +457,21 @@ def seen_methods(meta, given=None, path="(bench)"):
                            f"among {meta.methods}")
 
 
+def shown_texts(g):
+    """A group's query and every text a list of it may show (its candidates, rewrites, honest edit, further
+    attacked and optimised candidates), normalised -> [(kind, SHA-1)]: what B.1.2 keeps to one split."""
+    texts = [d["text"] for d in g.docs] + list(g.attacks.values()) + ([g.honest] if g.honest else []) + \
+        [t for _, _, t in g.co_attacks or ()] + list((g.optimized or {}).values())
+    keys = [("query", " ".join(g.query.lower().split()))] + [("document", " ".join(t.split())) for t in texts]
+    return [(kind, hashlib.sha1(k.encode()).hexdigest()) for kind, k in keys]
+
+
 def check_no_leakage(groups, path="(groups)"):
-    """B.1.2: no query and no document text may appear in both splits."""
+    """B.1.2: no query and no text a list shows may appear in both splits (a rewrite of a construction source
+    reappearing as a test candidate is a leak too)."""
     seen = {}
     for g in groups:
-        keys = [("query", " ".join(g.query.lower().split()))] + \
-               [("document", " ".join(d["text"].split())) for d in g.docs]
-        for kind, k in keys:
-            h = hashlib.sha1(k.encode()).hexdigest()
+        for kind, h in dict.fromkeys(shown_texts(g)):
             other = seen.get((kind, h))
             if other and other[0] != g.split:
                 _fail(path, g.line, "split", f"the same {kind} is in split {other[0]!r} "
@@ -472,9 +479,30 @@ def check_no_leakage(groups, path="(groups)"):
             seen.setdefault((kind, h), (g.split, g.group_id))
 
 
+def linked_groups(groups):
+    """group_id -> the set of groups sharing a query or a shown text with it, directly or through others
+    (shown_texts): what a drawn split keeps on one side."""
+    parent = {g.group_id: g.group_id for g in groups}
+
+    def root(a):
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+    first = {}
+    for g in groups:
+        for key in shown_texts(g):
+            parent[root(g.group_id)] = root(first.setdefault(key, g.group_id))
+    members = {}
+    for gid in parent:
+        members.setdefault(root(gid), set()).add(gid)
+    return {gid: members[root(gid)] for gid in parent}
+
+
 def split_groups(groups, n_construction=12, seed=0):
     """Query-group split (B.1.2). Uses the file's `split` fields when present, else a seeded shuffle of
-    the group ids: the first n_construction are construction, the rest test. -> (construction, test)."""
+    the group ids: the first n_construction are construction (each with the groups it shares a query or a
+    shown text with, linked_groups: so at least n_construction), the rest test. -> (construction, test)."""
     if all(g.split for g in groups):
         cons, test = [g for g in groups if g.split == "construction"], [g for g in groups if g.split == "test"]
         for side, name in ((cons, "construction"), (test, "test")):
@@ -486,7 +514,14 @@ def split_groups(groups, n_construction=12, seed=0):
         raise ValueError(f"n_construction={n_construction} leaves no test group ({len(groups)} groups in all)")
     ids = sorted(g.group_id for g in groups)
     random.Random(seed).shuffle(ids)
-    cons = set(ids[:n_construction])
+    linked, cons = linked_groups(groups), set()
+    for gid in ids:              # a group joins with every group it shares a text with (B.1.2 across the split)
+        if len(cons) >= n_construction:
+            break
+        cons |= linked[gid]
+    if len(cons) == len(groups):
+        raise ValueError(f"the {len(groups)} groups share queries or texts so that no split leaves a test group "
+                         "apart from the construction groups: give the file split fields")
     # copies: the caller's groups keep their (absent) split
     return ([replace(g, split="construction") for g in groups if g.group_id in cons],
             [replace(g, split="test") for g in groups if g.group_id not in cons])

@@ -252,6 +252,39 @@ def test_no_query_group_crosses_splits(tmp_path):
     assert not {x.group_id for x in opt} & {x.group_id for x in mon} and len(mon) > 0
 
 
+def test_a_rewrite_or_edit_of_one_split_shown_in_the_other_is_a_leak(tmp_path):
+    """B.1.2: a construction source's rewrite (or honest edit) reappearing as a test candidate is refused, as a
+    shared query or candidate is (only the original candidates were compared)."""
+    _, meta, c1, t1 = _split(tmp_path)
+    rewrite = next(iter(c1[0].attacks.values()))
+    docs = [dict(d) for d in t1[0].docs]
+    docs[(t1[0].source_index + 1) % len(docs)]["text"] = rewrite
+    with pytest.raises(geodef.BenchFormatError, match="same document is in split 'construction'"):
+        geodef.check_no_leakage(c1 + [dataclasses.replace(t1[0], docs=docs)] + t1[1:])
+    edited = dataclasses.replace(c1[0], honest="an honest edit " + t1[1].docs[0]["text"])
+    geodef.check_no_leakage([edited] + c1[1:] + t1)                    # a different text: no leak
+    with pytest.raises(geodef.BenchFormatError, match="same document"):
+        geodef.check_no_leakage([dataclasses.replace(c1[0], honest=t1[1].docs[0]["text"])] + c1[1:] + t1)
+
+
+def test_a_drawn_split_keeps_groups_that_share_a_text_on_one_side(tmp_path):
+    """Without split fields the shuffle could put two groups sharing a query (in another case) or a candidate on
+    both sides, training on a test query's documents: linked groups are drawn together, under every seed."""
+    _, _, _, t1 = _split(tmp_path)
+    bare = [dataclasses.replace(g, split=None) for g in t1]
+    bare[5] = dataclasses.replace(bare[5], query=bare[2].query.upper())
+    docs = [dict(d) for d in bare[9].docs]
+    docs[0]["text"] = bare[5].docs[3]["text"]
+    bare[9] = dataclasses.replace(bare[9], docs=docs)
+    linked = {bare[i].group_id for i in (2, 5, 9)}
+    for seed in range(20):
+        cons, test = geodef.split_groups(bare, 4, seed=seed)
+        ids = {g.group_id for g in cons}
+        assert linked <= ids or not linked & ids, seed
+        assert len(cons) >= 4 and test and len(cons) + len(test) == len(bare)
+        geodef.check_no_leakage(cons + test)
+
+
 def test_expansion_puts_each_rewrite_at_its_sources_position(tmp_path):
     _, meta, c1, t1 = _split(tmp_path)
     cons = geodef.expand(c1, meta.seen_methods)
