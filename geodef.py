@@ -279,8 +279,18 @@ def _read_meta(obj, path, n):
                      attacked=attacked, pool=pool)
 
 
+# The fields a query-group line may hold (build-bench writes them all); a key starting with "_" is the
+# file's own note. Any other is refused: a misspelled "Split" would otherwise leave the split to the shuffle.
+LINE_KEYS = ("group_id", "query", "docs", "source_index", "attacks", "trace", "failed", "split", "honest",
+             "honest_trace", "co_attacks", "optimized")
+
+
 def _read_group(obj, path, n, n_docs, meta):
     """One query-group line -> QueryGroup, every field checked (file:line: field: what is wrong)."""
+    unknown = [k for k in obj if k not in LINE_KEYS and not k.startswith("_")]
+    if unknown:
+        _fail(path, n, unknown[0], f"not a field of a query-group line (known: {', '.join(LINE_KEYS)}; a key "
+                                   "starting with '_' is a note)")
     gid = _need(obj, "group_id", str, path, n)
     if not gid.strip():
         _fail(path, n, "group_id", "empty")
@@ -296,6 +306,8 @@ def _read_group(obj, path, n, n_docs, meta):
     source_norm = " ".join(docs[src]["text"].split())
     attacks, failed = _read_attacks(obj, path, n, source_norm)
     split = obj.get("split")
+    if split is not None and split not in ("construction", "test"):
+        _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
     # a construction group needs only its families (Table B.1: 12 x 3, the seen ones), a test group every
     # method; a method the build's gate refused on this group (`failed`) is absent, with its reason
     need = meta.construction() if split == "construction" else meta.methods
@@ -304,8 +316,6 @@ def _read_group(obj, path, n, n_docs, meta):
         key = ("construction_methods" if need is meta.construction_methods else
                "seen_methods" if need is meta.seen_methods else "methods")
         _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.{key}")
-    if split is not None and split not in ("construction", "test"):
-        _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
     honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
     co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
     opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None

@@ -112,6 +112,9 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
     (lambda g: {**g, "group_id": "g0"}, r":2: group_id: duplicate 'g0' \(first on line 1\)"),
     (lambda g: {**g, "docs": g["docs"][:9] + [dict(g["docs"][0], doc_id="z")]}, r":2: docs\[9\].text: duplicate"),
     (lambda g: {**g, "split": "train"}, r":2: split: expected 'construction' or 'test'"),
+    # a misspelled field is named, not ignored (a "Split" left the split to the shuffle)
+    (lambda g: {**g, "Split": "test"}, r":2: Split: not a field of a query-group line \(known: group_id"),
+    (lambda g: {**g, "spilt": "test"}, r":2: spilt: not a field"),
     (lambda g: {**g, "attacks": {"A": g["attacks"]["A"]}},                   # no _meta: the first group's methods
      r":2: attacks: missing methods \['B'\] that the first group \(line 1\) has"),
     # ids reach every record and file: a lone surrogate there failed after the paid calls, as in a text
@@ -133,6 +136,21 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
 def test_bench_validation_errors(tmp_path, mutate, msg):
     rows = [good_group("g0"), mutate(good_group("g1"))]
     with pytest.raises(geodef.BenchFormatError, match=msg):
+        geodef.load_bench(write_lines(tmp_path, rows))
+
+
+def test_a_note_of_the_files_own_is_a_key_starting_with_an_underscore(tmp_path):
+    rows = [good_group("g0"), {**good_group("g1"), "_note": "checked by hand"}]
+    assert len(geodef.load_bench(write_lines(tmp_path, rows))) == 2
+
+
+def test_a_misspelled_split_value_is_named_before_the_methods_its_split_needs(tmp_path):
+    """A construction line holds only the seen families: spelled "constructon", it was read as a test line and
+    refused for the families it lacks, naming attacks, not split."""
+    meta = {"methods": ["A", "B"], "seen_methods": ["A"]}
+    rows = [{"_meta": meta}, {**good_group("g0"), "split": "constructon", "attacks": {"A": good_group("g0")[
+        "attacks"]["A"]}}]
+    with pytest.raises(geodef.BenchFormatError, match=r":2: split: expected 'construction' or 'test', got "):
         geodef.load_bench(write_lines(tmp_path, rows))
 
 
