@@ -109,6 +109,7 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
     (lambda g: {**g, "source_index": True}, r":2: source_index: expected int, got bool"),
     (lambda g: {**g, "attacks": {"A": "  "}}, r":2: attacks.A: empty rewrite"),
     (lambda g: {**g, "attacks": {"A": g["docs"][2]["text"]}}, r":2: attacks.A: rewrite is identical"),
+    (lambda g: {**g, "attacks": {**g["attacks"], "B": g["docs"][5]["text"]}}, r":2: attacks.B: a copy of docs\[5\]"),
     (lambda g: {**g, "group_id": "g0"}, r":2: group_id: duplicate 'g0' \(first on line 1\)"),
     (lambda g: {**g, "docs": g["docs"][:9] + [dict(g["docs"][0], doc_id="z")]}, r":2: docs\[9\].text: duplicate"),
     (lambda g: {**g, "split": "train"}, r":2: split: expected 'construction' or 'test'"),
