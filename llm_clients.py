@@ -408,7 +408,8 @@ class Client:
         return cls(shape, transport, ReplyCache(cache_dir, refresh), provider, **kw)
 
     def __repr__(self):
-        return f"Client(provider={self.provider!r}, model={endpoints.redact(self.model)!r}, base_url={self.base_url!r})"
+        model = endpoints.redact(self.model)
+        return f"Client(provider={self.provider!r}, model={model!r}, base_url={self.base_url!r})"
 
     @property
     def label(self):
