@@ -295,6 +295,8 @@ def _read_group(obj, path, n, n_docs, meta):
     if not gid.strip():
         _fail(path, n, "group_id", "empty")
     check_unicode(gid, path, n, "group_id")          # ids reach every record: checked as the texts are
+    if ":" in gid:                                    # instance ids are group:method[:K]: no two may meet
+        _fail(path, n, "group_id", f"{gid!r} holds ':', which instance ids use (<group>:<method>)")
     query = _need(obj, "query", str, path, n)
     if not query.strip():
         _fail(path, n, "query", "empty")
@@ -359,6 +361,9 @@ def _read_docs(obj, path, n, n_docs):
     return docs
 
 
+METHOD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
 def _read_attacks(obj, path, n, source_norm):
     """A group's `attacks` ({method: rewrite}, each non-empty and not its source, whose normalized text
     is `source_norm`) and `failed` ({method: why the build's gate refused it}, none of them rewritten
@@ -368,6 +373,9 @@ def _read_attacks(obj, path, n, source_norm):
         _fail(path, n, "attacks", "no rewrites")
     for m, t in attacks.items():
         check_unicode(m, path, n, "attacks (a method's name)")
+        if not METHOD_NAME.fullmatch(m) or m in ("clean", "honest"):   # its instance id: <group>:<method>
+            _fail(path, n, f"attacks.{m}", "a method's name is letters, digits, '.', '_', '+' and '-', and not "
+                                           "'clean' or 'honest' (the ids of a group's other lists)")
         if not isinstance(t, str):
             _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
         if not t.strip():

@@ -115,6 +115,10 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
     (lambda g: {**g, "split": "train"}, r":2: split: expected 'construction' or 'test'"),
     # a misspelled field is named, not ignored (a "Split" left the split to the shuffle)
     (lambda g: {**g, "Split": "test"}, r":2: Split: not a field of a query-group line \(known: group_id"),
+    # ids are <group>:<method>[:K<level>], <group>:clean, <group>:honest: none may meet another
+    (lambda g: {**g, "group_id": "g:1"}, r":2: group_id: 'g:1' holds ':'"),
+    (lambda g: {**g, "attacks": {**g["attacks"], "clean": "x"}}, r":2: attacks.clean: a method's name is"),
+    (lambda g: {**g, "attacks": {**g["attacks"], "GEO:K2": "x"}}, r":2: attacks.GEO:K2: a method's name is"),
     (lambda g: {**g, "spilt": "test"}, r":2: spilt: not a field"),
     (lambda g: {**g, "attacks": {"A": g["attacks"]["A"]}},                   # no _meta: the first group's methods
      r":2: attacks: missing methods \['B'\] that the first group \(line 1\) has"),
