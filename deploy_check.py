@@ -197,7 +197,8 @@ def compare(local, served, failed=None, base=None):
         off = max(error(MAPS[fit], base()[n], served[n]) for n in names)
         if off <= max(lists[n]["error"] for n in names):
             props += [f"as close to the base model as to the Shield (error {off:.4f} against the Shield's "
-                      f"{max(lists[n]['error'] for n in names):.4f})"]
+                      f"{max(lists[n]['error'] for n in names):.4f}; an adapter that moves these lists' margins less "
+                      "than the serving's rounding cannot be told apart either)"]
     why = cause(local, served, failed, unordered, beyond, constant, base) if props else None
     return {"pass": bool(names) and not props, "map": fit, "tolerance": tol, "lists": lists, "failed": failed,
             "max_error": max((r["error"] for r in lists.values()), default=None),
