@@ -91,13 +91,15 @@ def ledger_usage(path, prices=None):
     in total: {"stages": {stage: {model: {replies, prompt_tokens, ..., cost_usd}}}, "total": {...}}.
     Chat rows sum tokens; rerank rows (model "rerank:...") documents, search units and tokens.
     cost_usd is None where `prices` lacks the model (price_of). A line cut by a kill is skipped (its
-    reply was not cached either, and is asked again)."""
+    reply was not cached either, and is asked again), as is one that is not a JSON object (no writer's)."""
     stages = {}
     lines = open(path, encoding="utf-8").read().split("\n") if path and os.path.isfile(path) else []
     for line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
+            continue
+        if not isinstance(rec, dict):
             continue
         row = stages.setdefault(str(rec.get("stage")), {}).setdefault(str(rec.get("model", "?")), {"replies": 0})
         row["replies"] += 1

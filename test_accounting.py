@@ -64,6 +64,9 @@ def test_a_line_cut_by_a_kill_is_skipped_by_the_ledger(tmp_path):
     # asked again, and its cost lost for good)
     append_ledger(path, {"stage": "eval", "model": "offline:offline-engine", "prompt_tokens": 1}, threading.Lock())
     assert ledger_usage(path, {})["total"]["replies"] == 5
+    with open(path, "a") as f:          # a line no writer wrote (an edit by hand): skipped, not a crash
+        f.write("[1, 2]\n12\n")
+    assert ledger_usage(path, {})["total"]["replies"] == 5
 
 
 def test_the_ledger_sums_each_model_within_each_stage(tmp_path):
