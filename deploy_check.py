@@ -32,6 +32,7 @@ same scores and flags on every known list's documents.
 
 Usage: python run.py deploy-check --name gpt55 --endpoint http://127.0.0.1:8000/rerank
 """
+import functools
 import re
 
 import detect
@@ -193,22 +194,16 @@ def compare(local, served, failed=None, base=None):
               ] if beyond else []
     props += [f"constant: {constant}"] if constant else []
     if base is not None and names and not props:     # within the tolerance: but of the Shield, or of its base?
-        base = _once(base)
+        base, own = functools.cache(base), max(lists[n]["error"] for n in names)
         off = max(error(MAPS[fit], base()[n], served[n]) for n in names)
-        if off <= max(lists[n]["error"] for n in names):
+        if off <= own:
             props += [f"as close to the base model as to the Shield (error {off:.4f} against the Shield's "
-                      f"{max(lists[n]['error'] for n in names):.4f}; an adapter that moves these lists' margins less "
-                      "than the serving's rounding cannot be told apart either)"]
+                      f"{own:.4f}; an adapter that moves these lists' margins less than the serving's rounding "
+                      "cannot be told apart either)"]
     why = cause(local, served, failed, unordered, beyond, constant, base) if props else None
     return {"pass": bool(names) and not props, "map": fit, "tolerance": tol, "lists": lists, "failed": failed,
             "max_error": max((r["error"] for r in lists.values()), default=None),
             "cause": "; ".join(props) + (f". Likely: {why}" if why else "") if props else None}
-
-
-def _once(f):
-    """f, called at most once."""
-    memo = []
-    return lambda: memo[0] if memo else memo.append(f()) or memo[0]
 
 
 def cause(local, served, failed, unordered, beyond, constant, base):
@@ -318,7 +313,7 @@ def deploy_check(run, spec, rr=None):
     def base():
         with lora.lora_disabled(rr.model):
             return {n: [float(m) for m in rr.score(*lists[n])] for n in served}
-    adapter = any(isinstance(m, lora.LoRALinear) and not m.merged for m in rr.model.modules())
+    adapter = any(not m.merged for m in lora.lora_modules(rr.model).values())
     notes = [f"the endpoint takes at most {limit[0]} tokens ({limit[1]}), the Shield {cfg.model.max_length} "
              "(--max-length): a longer document is refused or cut there, not where the Shield cuts it"
              ] if limit and limit[0] < cfg.model.max_length else []

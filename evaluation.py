@@ -525,8 +525,8 @@ def evaluate(run, conditions=None, ranked=None):
     summary.update(bench_labels(run))
     summary.update(attacked_summary(insts, conds, every, cfg.data.k, cfg.rerank.n_boot, cfg.folder.seed))
     if cfg.sample.samples > 1:
-        summary["samples"] = sample_summary([[metrics.paper_level(r) for r in (results[c], *repeats[c])]
-                                             for c in conds], conds, cfg.rerank.n_boot, cfg.folder.seed)
+        summary["samples"] = sample_summary([[first[c], *map(metrics.paper_level, repeats[c])] for c in conds],
+                                            conds, cfg.rerank.n_boot, cfg.folder.seed)
     if "Non-Defense" in conds:
         summary["attack_strength"] = attack_strength(first["Non-Defense"], clean, test, methods, cfg.rerank.n_boot,
                                                      cfg.folder.seed)

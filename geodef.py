@@ -321,8 +321,9 @@ def _read_group(obj, path, n, n_docs, meta):
     honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
     others = {" ".join(d["text"].split()): i for i, d in enumerate(docs) if i != src}
     for fld, t in [(f"attacks.{m}", t) for m, t in attacks.items()] + ([("honest", honest)] if honest else []):
-        if " ".join(t.split()) in others:      # the list would show one text twice: Eq. 4 then pulls apart a tie
-            _fail(path, n, fld, f"a copy of docs[{others[' '.join(t.split())]}]: the list would show one text twice")
+        i = others.get(" ".join(t.split()))
+        if i is not None:                      # the list would show one text twice: Eq. 4 then pulls apart a tie
+            _fail(path, n, fld, f"a copy of docs[{i}]: the list would show one text twice")
     co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
     opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
     for fld, v in (("co_attacks", co), ("optimized", opt)):

@@ -449,6 +449,7 @@ class Run:
         if isinstance(old.get("weights"), dict) and self.weights(old) != old["weights"]:
             # the same bytes under new file times (a copy): recorded, so the next command does not hash them again
             write_json(self.path("config.json"), {**old, "weights": self.weights(old)})
+
     def _check_pinned(self, old):
         """Refuse pinned settings and benchmark content that differ from the run's record `old`."""
         cfg, path, new = self.cfg, self.path("config.json"), printable(self.cfg)
