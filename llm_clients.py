@@ -173,6 +173,9 @@ class RequestShape:
     def __init__(self, model, protocol="openai", max_field="max_tokens", json_mode=True, extra_body=None):
         if protocol not in ("openai", "anthropic"):
             raise ValueError(f"protocol must be 'openai' or 'anthropic', got {protocol!r}")
+        if "://" in str(model):     # a URL typed where the model goes would travel in every body and label
+            raise ValueError(f"model {endpoints.redact(model)!r} is a URL: give the server as --base-url and the "
+                             "model's name after the provider, e.g. openai-compatible:qwen3-8b")
         self.model, self.protocol, self.extra_body = model, protocol, extra_body or {}
         self.max_field, self.json_mode = max_field, json_mode
         self.asked = (max_field, json_mode)      # the request as first built: the cache key's form
@@ -408,14 +411,12 @@ class Client:
         return cls(shape, transport, ReplyCache(cache_dir, refresh), provider, **kw)
 
     def __repr__(self):
-        model = endpoints.redact(self.model)
-        return f"Client(provider={self.provider!r}, model={model!r}, base_url={self.base_url!r})"
+        return f"Client(provider={self.provider!r}, model={self.model!r}, base_url={self.base_url!r})"
 
     @property
     def label(self):
-        """provider:model as the ledger, summary.json and the reports name it: a URL typed as the model
-        (`openai-compatible:https://user:KEY@host`) shown without its credentials."""
-        return endpoints.redact(f"{self.provider}:{self.model}")
+        """provider:model as the ledger, summary.json and the reports name it."""
+        return f"{self.provider}:{self.model}"
 
     @property
     def base_url(self):

@@ -466,17 +466,16 @@ def test_secrets_are_masked_before_an_error_is_cut(server, tmp_path, status):
     assert key[:6] not in str(e.value).replace("sk-***", "") and "***" in str(e.value)
 
 
-def test_a_url_typed_as_the_model_reaches_no_ledger_with_its_credentials(server, tmp_path):
+def test_a_url_typed_as_the_model_is_refused_before_any_call_without_its_credentials(server, tmp_path):
     """`openai-compatible:https://user:KEY@host` names a URL where the model goes: a server that takes any
-    model name answers, and the label the ledger, summary.json and the reports carry hides the key."""
+    model name would get the key in every body, and the ledger would carry it; refused, the key not echoed."""
     key = "SECRET" + "x9" * 10
     Script.script = [(200, {}, ok("fine"), 0)]
-    c = llm_clients.make_client(f"openai-compatible:https://user:{key}@example.org/v1", base_url=server,
-                                api_key="k", cache_dir=str(tmp_path / "c"), ledger=str(tmp_path / "usage.jsonl"),
-                                stage="eval")
-    c.chat([{"role": "user", "content": "hi"}])
-    written = (tmp_path / "usage.jsonl").read_text()
-    assert "example.org" in written and key not in written and key not in c.label + repr(c)
+    with pytest.raises(ValueError, match=r"is a URL: give the server as --base-url") as e:
+        llm_clients.make_client(f"openai-compatible:https://user:{key}@example.org/v1", base_url=server,
+                                api_key="k", cache_dir=str(tmp_path / "c"), ledger=str(tmp_path / "usage.jsonl"))
+    assert key not in str(e.value) and "example.org" in str(e.value)
+    assert not (tmp_path / "usage.jsonl").exists() and Script.script      # nothing sent, nothing written
 
 
 def test_a_full_disk_leaves_no_temp_files_in_the_cache(server, tmp_path, monkeypatch):
