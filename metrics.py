@@ -156,7 +156,8 @@ def chance_any_in_topk(n, attacked, k):
 def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
     """Figures against the number of attacked documents a list holds (records' `attacked`, 1 when
     absent): {"K": {"n", and per column its mean and 95% cluster-bootstrap CI}}. columns: {name: function
-    of a record -> a number}; the instances of one query group stay one cluster at every K. chance (n, k):
+    of a record -> a number, or None where it is undefined (a share of no citations): left out, the records
+    kept counted in `<name>_n`}; the instances of one query group stay one cluster at every K. chance (n, k):
     each level also gets the rates of a random top k of n: `chance_any_in_topk`, the % holding some attacked
     document, and `chance_topk_share`, the % of it the K attacked documents take on average (100 K / n; one
     given document is in it with chance k / n)."""
@@ -169,9 +170,13 @@ def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
             out[str(lv)].update(chance_any_in_topk=100.0 * chance_any_in_topk(chance[0], lv, chance[1]),
                                 chance_topk_share=100.0 * lv / chance[0])
         for name, fn in columns.items():
-            vals = [fn(r) for r in rs]
-            out[str(lv)][name] = sum(vals) / len(vals)
-            out[str(lv)][name + "_ci"] = list(cluster_bootstrap_ci(vals, clusters, n_boot=n_boot, seed=seed))
+            kept = [(v, c) for v, c in zip(map(fn, rs), clusters) if v is not None]   # None: undefined there
+            if len(kept) < len(rs):
+                out[str(lv)][name + "_n"] = len(kept)
+            if kept:
+                vals, cl = zip(*kept)
+                out[str(lv)][name] = sum(vals) / len(vals)
+                out[str(lv)][name + "_ci"] = list(cluster_bootstrap_ci(list(vals), list(cl), n_boot=n_boot, seed=seed))
     return out
 
 

@@ -350,8 +350,8 @@ def attacked_lines(s, figs):
             "cited and in the context; any attacked document cited and in the context, beside the chance that a "
             "random top k holds one (1 - C(n-K, k)/C(n, k)); each attacked document on average (a given "
             "document is in a random top k with chance k/n); the shares of the top k (beside a random top k's, "
-            "K/n) and of the citations the attacked documents take. 95% query-cluster bootstrap CIs; each K's "
-            "n counts the groups with K attacked documents. The Shield is trained on lists with one attacked "
+            "K/n) and of the citations the attacked documents take (over the answers that cite something). 95% "
+            "query-cluster bootstrap CIs; each K's n counts the groups with K attacked documents. The Shield is trained on lists with one attacked "
             "document, as the paper trains it.\n",
             _table(["Condition", "K", "n", "Source cited (%)", "Any cited (%)", "Each cited (%)",
                     "Source in context (%)", "Any in context (%)", "Chance, any (%)", "Each in context (%)",
