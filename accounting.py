@@ -26,8 +26,15 @@ def price_key(label):
 
 def token_cost(p, row, batch=False):
     """USD of a chat model's tokens under price entry p = [USD per 1M input, per 1M output(, batch
-    share)]; batch=True: the batch APIs' share of that (default BATCH_SHARE)."""
-    full = (row.get("prompt_tokens", 0) * p[0] + row.get("completion_tokens", 0) * p[1]) / 1e6
+    share(, USD per 1M input tokens read from the provider's prompt cache))]; batch=True: the batch APIs'
+    share of that (default BATCH_SHARE). None (unknown) for cached input tokens without a cached price
+    (OpenAI and Anthropic charge them 10-50% of the input price, by model), or for tokens written to a
+    prompt cache (priced above the input, by the cache's lifetime; this project asks for no caching)."""
+    cached, written = row.get("cached_tokens", 0), row.get("cache_write_tokens", 0)
+    if written or (cached and len(p) < 4):
+        return None
+    full = ((row.get("prompt_tokens", 0) - cached) * p[0] + cached * (p[3] if cached else 0)
+            + row.get("completion_tokens", 0) * p[1]) / 1e6
     return full * (p[2] if len(p) > 2 else BATCH_SHARE) if batch else full
 
 
@@ -89,9 +96,10 @@ def append_ledger(path, record, lock):
 def ledger_usage(path, prices=None):
     """A usage ledger (Client(ledger=...), RerankClient(ledger=...)) summed per stage and model, and
     in total: {"stages": {stage: {model: {replies, prompt_tokens, ..., cost_usd}}}, "total": {...}}.
-    Chat rows sum tokens; rerank rows (model "rerank:...") documents, search units and tokens.
-    cost_usd is None where `prices` lacks the model (price_of). A line cut by a kill is skipped (its
-    reply was not cached either, and is asked again), as is one that is not a JSON object (no writer's)."""
+    Chat rows sum tokens; rerank rows (model "rerank:...") documents, search units and tokens; a `lost`
+    row is a request whose reply was lost after it was sent (unmetered: it may have been billed).
+    cost_usd is None where `prices` lacks the model or a row is unmetered (price_of). A line cut by a kill is
+    skipped (its reply was not cached either, and is asked again), as is one that is not a JSON object."""
     stages = {}
     lines = open(path, encoding="utf-8").read().split("\n") if path and os.path.isfile(path) else []
     for line in lines:
@@ -102,7 +110,7 @@ def ledger_usage(path, prices=None):
         if not isinstance(rec, dict):
             continue
         row = stages.setdefault(str(rec.get("stage")), {}).setdefault(str(rec.get("model", "?")), {"replies": 0})
-        row["replies"] += 1
+        row["replies"] += not rec.get("lost")       # a lost reply's row: a request that may have been billed
         for k, v in rec.items():
             if k not in ("stage", "model") and isinstance(v, (int, float)) and not isinstance(v, bool):
                 row[k] = row.get(k, 0) + v

@@ -134,9 +134,10 @@ def reply_usage(replies, sequential):
     reply carries the usage it was received with: the cost of the query, not of this invocation); with the
     count of replies that came without token counts ("unmetered"), whose tokens are unknown, not 0."""
     unmetered = sum(bool(r.usage.get("unmetered")) for r in replies)
+    cached = sum(int(r.usage.get("cached_tokens", 0)) for r in replies)      # of the prompt tokens
     return {"llm_calls": len(replies), "sequential_calls": sequential,
             **{k: sum(int(r.usage.get(k, 0) or 0) for r in replies) for k in ("prompt_tokens", "completion_tokens")},
-            **({"unmetered": unmetered} if unmetered else {})}
+            **({"cached_tokens": cached} if cached else {}), **({"unmetered": unmetered} if unmetered else {})}
 
 
 def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
@@ -686,6 +687,8 @@ def cost_per_query(decoding, llm, recs, by_id, pipeline, prices=None):
         rows.append(u)
     keys = ("llm_calls", "sequential_calls", "prompt_tokens", "completion_tokens")
     mean = {k: sum(u[k] for u in rows) / len(rows) if rows else None for k in keys}
+    cached = sum(u.get("cached_tokens", 0) for u in rows) / len(rows) if rows else 0
+    mean.update({"cached_tokens": cached} if cached else {})
     unmetered = sum(u.get("unmetered", 0) for u in rows)        # replies without token counts: no price
     usd = accounting.price_of(llm.label, {**mean, "unmetered": unmetered}, prices) if prices and rows else None
     return {**mean, "usd": usd, "records": len(rows), "usage_unknown": unknown,

@@ -121,13 +121,26 @@ def _tokens(v):
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 53 else None
 
 
-def _usage(u, prompt, completion, reasoning=None):
-    """A reply's usage block `u` (its fields `prompt` and `completion`) -> {prompt_tokens, completion_tokens,
-    reasoning_tokens}, with "unmetered": 1 when either count is missing or no count (servers that send no
-    usage, a proxy's null): the reply's cost is then unknown, where its zeros would price it at $0."""
-    n = {"prompt_tokens": _tokens(u.get(prompt)), "completion_tokens": _tokens(u.get(completion))}
+def _usage(resp, protocol):
+    """A reply's usage block -> {prompt_tokens (every input token, cached ones included), completion_tokens,
+    reasoning_tokens}, with the input tokens read from the provider's prompt cache (`cached_tokens`:
+    OpenAI's prompt_tokens_details.cached_tokens, Anthropic's cache_read_input_tokens) and written to it
+    (`cache_write_tokens`: Anthropic's cache_creation_input_tokens, which its input_tokens leaves out) where
+    there are some, and "unmetered": 1 when a count is missing or no count (servers that send no usage, a
+    proxy's null): the reply's cost is then unknown, where its zeros would price it at $0."""
+    u = json_object(json_object(resp).get("usage"))
+    fields = ("input_tokens", "output_tokens") if protocol == "anthropic" else ("prompt_tokens", "completion_tokens")
+    n = {"prompt_tokens": _tokens(u.get(fields[0])), "completion_tokens": _tokens(u.get(fields[1]))}
+    if protocol == "anthropic":
+        cached, written, reasoning = u.get("cache_read_input_tokens"), u.get("cache_creation_input_tokens"), 0
+    else:
+        cached, written = json_object(u.get("prompt_tokens_details")).get("cached_tokens"), 0
+        reasoning = json_object(u.get("completion_tokens_details")).get("reasoning_tokens")
+    cache = {"cached_tokens": _tokens(cached) or 0, "cache_write_tokens": _tokens(written) or 0}
+    if protocol == "anthropic" and n["prompt_tokens"] is not None:
+        n["prompt_tokens"] += cache["cached_tokens"] + cache["cache_write_tokens"]
     return {**{k: v or 0 for k, v in n.items()}, "reasoning_tokens": _tokens(reasoning) or 0,
-            **({"unmetered": 1} if None in n.values() else {})}
+            **{k: v for k, v in cache.items() if v}, **({"unmetered": 1} if None in n.values() else {})}
 
 
 def extract_json(text, cut=False):
@@ -386,6 +399,7 @@ class Client:
         # batch: a function of this client -> its batch runner (batch_clients.BatchRunner), through
         # which map() fills the reply cache first; None: synchronous calls only
         self.shape, self.transport, self.cache = shape, transport, cache
+        transport.on_lost = self._lost
         self.model, self.protocol, self.provider = shape.model, shape.protocol, provider
         # what tells this server apart in cache keys: its endpoint (scheme, host, port, path), or a
         # stable name for a server whose address changes (the offline engine on a new port each run)
@@ -456,13 +470,24 @@ class Client:
                 if self.shape.sent(body) == sent:            # nothing this client can change: the error stands
                     raise
 
+    def _receive(self, resp, mode=None):
+        """A reply received (paid for) -> Reply, counted (_count) even when its shape is unexpected: the
+        provider billed it whatever its shape."""
+        try:
+            reply = self._parse(resp)
+        except LLMError:
+            self._count(Reply("", usage=_usage(resp, self.protocol)), mode)
+            raise
+        self._count(reply, mode)
+        return reply
+
     def _parse(self, resp):
+        usage = _usage(resp, self.protocol)
         try:
             if self.protocol == "anthropic":
                 blocks = resp["content"]
                 text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
                 thinking = "".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking") or None
-                usage = _usage(json_object(resp.get("usage")), "input_tokens", "output_tokens")
                 return Reply(text, thinking, usage, resp.get("stop_reason"), resp.get("model"))
             choice = resp["choices"][0]
             msg = choice["message"]
@@ -474,9 +499,6 @@ class Client:
             if text and ("<think>" in text or "</think>" in text):   # servers without a reasoning parser
                 text, inline = split_think(text)
                 reasoning = reasoning or inline
-            u = json_object(resp.get("usage"))
-            usage = _usage(u, "prompt_tokens", "completion_tokens",
-                           json_object(u.get("completion_tokens_details")).get("reasoning_tokens"))
             return Reply(text if text is not None else "", reasoning, usage, choice.get("finish_reason"),
                          resp.get("model"))
         except (KeyError, IndexError, TypeError, AttributeError) as e:
@@ -489,7 +511,17 @@ class Client:
         mode "batch": a batch API's reply, entered as '<label> [batch]' (priced at the batch discount)."""
         tokens = {k: int(reply.usage.get(k, 0) or 0)
                   for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens")}
-        tokens.update({"unmetered": 1} if reply.usage.get("unmetered") else {})   # (counted where there are some)
+        tokens.update({k: int(reply.usage[k]) for k in ("cached_tokens", "cache_write_tokens", "unmetered")
+                       if reply.usage.get(k)})                       # (counted where there are some)
+        self._enter(tokens, mode)
+
+    def _lost(self):
+        """A request sent whose reply was lost (Transport.lost): billed or not, unknown; the ledger's row
+        for it makes the cost unknown rather than short."""
+        self._enter({"lost": 1, "unmetered": 1})
+
+    def _enter(self, tokens, mode=None):
+        """Counts added to this client's stats and, with a ledger, appended to it as one row."""
         with self.lock:
             for k, v in tokens.items():
                 self._stats[k] = self._stats.get(k, 0) + v
@@ -509,8 +541,7 @@ class Client:
         """A reply received another way (a batch API's line) -> parsed, counted, and cached under `key`
         when usable, exactly as chat() would have cached it. -> True if cached; an unusable reply is
         not cached (chat() asks again, re-asking as usual)."""
-        reply = self._parse(no_lone_surrogates(resp))
-        self._count(reply, mode)
+        reply = self._receive(no_lone_surrogates(resp), mode)
         if want_json:
             try:
                 _fill_data(reply, check)
@@ -553,8 +584,7 @@ class Client:
         """chat() past the cache: send, parse, re-ask when unusable, cache."""
         convo = list(messages)
         for ask in range(self.json_retries + 1):
-            reply = self._parse(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
-            self._count(reply)
+            reply = self._receive(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
             if not want_json:
                 # empty, and not ended by the model (filtered, refused or failed): no answer, nothing cached
                 if not reply.text.strip() and reply.finish_reason not in ENDED:

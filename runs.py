@@ -99,7 +99,8 @@ class BenchData(NamedTuple):
 
 def read_prices(path):
     """--prices: a JSON object {model: [USD per 1M input tokens, USD per 1M output tokens(, the batch
-    APIs' price as a share of the full one, default 0.5)]}, and for
+    APIs' price as a share of the full one, default 0.5(, USD per 1M input tokens read from the provider's
+    prompt cache))]}, and for
     rerank models {model: {"usd_per_1k_searches": x}} or {model: {"usd_per_1m_tokens": y}}."""
     if not os.path.isfile(path):
         raise SettingsError(f"--prices {path}: no such file")
@@ -109,7 +110,7 @@ def read_prices(path):
         raise SettingsError(f"--prices {path}: not JSON ({str(e)[:100]})") from None
     num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
     share = lambda v: len(v) == 2 or 0 < v[2] <= 1              # the batch APIs' price, a share of the full one
-    ok = lambda v: (isinstance(v, list) and len(v) in (2, 3) and all(map(num, v)) and share(v)) or (
+    ok = lambda v: (isinstance(v, list) and len(v) in (2, 3, 4) and all(map(num, v)) and share(v)) or (
         isinstance(v, dict) and len(v) == 1 and next(iter(v)) in ("usd_per_1k_searches", "usd_per_1m_tokens")
         and num(next(iter(v.values()))))
     bad = [k for k, v in table.items() if not ok(v)] if isinstance(table, dict) else None

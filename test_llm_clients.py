@@ -433,6 +433,56 @@ def test_a_reply_without_token_counts_is_unmetered_not_free(server, tmp_path, us
     total = accounting.ledger_usage(ledger, prices)["total"]
     assert total["unmetered"] == 1 and total["replies"] == 2 and total["cost_usd"] is None
 
+def test_a_reply_lost_after_it_was_sent_makes_the_cost_unknown(server, tmp_path):
+    """A request the server answered too late (timed out here, billed there) is entered as a lost row: the
+    ledger's cost is unknown rather than short by it, and it is no reply received. A refused connection
+    (nothing sent) enters nothing."""
+    prices = {"m": [1.0, 2.0]}
+    ledger = str(tmp_path / "usage.jsonl")
+    Script.script = [(200, {}, ok("late"), 1.5), (200, {}, ok("on time"), 0)]
+    c = llm_clients.Client.open(server, "m", prices=prices, ledger=ledger, stage="eval", timeout=0.5, max_retries=1)
+    assert c.chat([{"role": "user", "content": "x"}]).text == "on time" and len(Script.seen) == 2
+    total = accounting.ledger_usage(ledger, prices)["total"]
+    assert total["replies"] == 1 and total["lost"] == 1 and total["cost_usd"] is None
+    assert c.usage()["lost"] == 1 and c.usage()["cost_usd"] is None
+    nowhere = llm_clients.Client.open("http://127.0.0.1:9/v1", "m", ledger=str(tmp_path / "n.jsonl"), max_retries=0)
+    with pytest.raises(llm_clients.LLMError, match="ConnectionError"):
+        nowhere.chat([{"role": "user", "content": "x"}])
+    assert not (tmp_path / "n.jsonl").exists() and "lost" not in nowhere.usage()
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_prompt_cache_reads_are_priced_at_their_own_rate_or_unknown(server, tmp_path, protocol):
+    """900 of 1,000 input tokens read from the provider's prompt cache: priced at the entry's fourth number
+    (USD per 1M cached input tokens), unknown without one, never at the full input price. Anthropic's
+    input_tokens leaves the cache's out: they are added to the prompt tokens."""
+    usage = ({"prompt_tokens": 1000, "completion_tokens": 10, "prompt_tokens_details": {"cached_tokens": 900}}
+             if protocol == "openai" else {"input_tokens": 100, "output_tokens": 10, "cache_read_input_tokens": 900})
+    reply = (dict(ok("hi"), usage=usage) if protocol == "openai" else
+             {"content": [{"type": "text", "text": "hi"}], "stop_reason": "end_turn", "usage": usage})
+    Script.script = [(200, {}, reply, 0)]
+    ledger = str(tmp_path / "usage.jsonl")
+    c = llm_clients.Client.open(server, "m", protocol=protocol, ledger=ledger, stage="eval")
+    c.chat([{"role": "user", "content": "x"}])
+    row = accounting.ledger_usage(ledger)["total"]
+    assert (row["prompt_tokens"], row["cached_tokens"]) == (1000, 900)
+    cost = lambda p: accounting.ledger_usage(ledger, {"m": p})["total"]["cost_usd"]
+    assert cost([1.0, 2.0, 0.5, 0.1]) == pytest.approx((100 * 1.0 + 900 * 0.1 + 10 * 2.0) / 1e6)
+    assert cost([1.0, 2.0]) is None
+
+
+def test_a_billed_reply_of_an_unexpected_shape_is_still_counted(server, tmp_path):
+    """A compatible server's reply whose content is a list of parts is refused, but its usage (billed) is
+    entered in the ledger."""
+    Script.script = [(200, {}, ok([{"type": "text", "text": "hi"}]), 0)]
+    ledger = str(tmp_path / "usage.jsonl")
+    c = llm_clients.Client.open(server, "m", ledger=ledger, stage="eval", max_retries=0)
+    with pytest.raises(llm_clients.LLMError, match="unexpected response shape"):
+        c.chat([{"role": "user", "content": "x"}])
+    total = accounting.ledger_usage(ledger)["total"]
+    assert total["replies"] == 1 and total["prompt_tokens"] == 3
+
+
 def test_ctrl_c_cancels_queued_llm_requests(server):
     """After Ctrl-C, requests not yet started are cancelled (those in flight finish), instead of the
     pool sending every queued request first."""

@@ -32,6 +32,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection    # requests' own HTTP layer
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import NewConnectionError
 
 import endpoints
 
@@ -45,6 +46,12 @@ NO_RETRY_CODES = ("insufficient_quota", "billing_hard_limit_reached", "enforced_
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def refused(e):
+    """Whether a transport failure came before the request was sent (no connection made): nothing billed."""
+    cause = e.args[0] if isinstance(e, requests.ConnectionError) and e.args else None
+    return isinstance(e, requests.ConnectTimeout) or isinstance(getattr(cause, "reason", None), NewConnectionError)
 
 
 def json_object(x):
@@ -222,6 +229,7 @@ class Transport:
         self.lock = threading.Lock()
         self.exchanges = set()                   # the Deadlines of requests in flight (abort ends them)
         self.http_calls = self.retries = 0
+        self.on_lost = None                      # called when a reply the server may have billed is lost
 
     @property
     def url(self):
@@ -301,17 +309,25 @@ class Transport:
         if timer is not None:
             timer.cancel()
 
+    def lost(self, maybe_billed):
+        """A request was sent and its reply lost (timed out, cut, unreadable), after the server may have
+        done the work and billed it: on_lost is told, so that a cost is not read as whole without it. (An
+        HTTP error status is a reply: the providers bill no error.)"""
+        if maybe_billed and self.on_lost is not None:
+            self.on_lost()
+
     def post(self, body):
         """One request with transport retries -> parsed response JSON; raises LLMError. Redirects are
         refused (the key goes to no other host) and a reply over max_reply_bytes is refused unread."""
-        return self.send("POST", self.endpoint or (self.url if self.base_url else None), body)
+        return self.send("POST", self.endpoint or (self.url if self.base_url else None), body, billed=True)
 
-    def send(self, method, url, body=None, files=None, raw=False, max_bytes=None, again=None):
+    def send(self, method, url, body=None, files=None, raw=False, max_bytes=None, again=None, billed=False):
         """`post` for any method and URL of this API (the batch clients: GET a batch, upload a file as
         multipart `files`); raw=True returns the reply text instead of parsed JSON. url None: the
         in-process handler. again: for a request the server must not apply twice (creating a batch),
         called before it is sent again after a failure that may come after the server applied it (a reply
-        lost, a 5xx other than 529): what it returns, when not None, is the reply."""
+        lost, a 5xx other than 529): what it returns, when not None, is the reply. billed: the request is
+        a paid one (post's), whose lost replies on_lost is told of."""
         applied = False                  # whether the last failure may have come after the server applied it
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
@@ -331,7 +347,8 @@ class Transport:
                         raise self.error(f"offline engine rejected the request ({e})", 400) from None
                 status, headers, text = self._exchange(url, body, method, files, max_bytes or self.max_reply_bytes)
             except RETRY_ERRORS as e:            # the connection failed, timed out or broke mid-reply
-                applied = True
+                applied = not refused(e)
+                self.lost(applied and billed)
                 if self.aborted.is_set():
                     raise self.error("stopped: the run failed on another request") from None
                 if last:
@@ -346,6 +363,7 @@ class Transport:
                 try:
                     return no_lone_surrogates(json.loads(text))
                 except (ValueError, RecursionError):
+                    self.lost(billed)
                     raise self.error("HTTP 200 with a body that is not JSON", 200, text) from None
             if 300 <= status < 400:
                 where = urlparse(headers.get("location") or "").netloc or "elsewhere"
