@@ -332,14 +332,26 @@ def drain_body(rfile, n, timeout):
     return left
 
 
+def _unique_keys(pairs):
+    """A JSON object's pairs -> dict; a key given twice is refused: a gateway that reads the first and a
+    server that reads the last would see two different requests."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise RequestError(400, f"{k[:100]}: given twice in one object", k[:100])
+        out[k] = v
+    return out
+
+
 def json_body(raw):
-    """Body bytes -> the decoded JSON value; RequestError 400 when they are not UTF-8 or not JSON."""
+    """Body bytes -> the decoded JSON value; RequestError 400 when they are not UTF-8 or not JSON, or an
+    object gives a key twice."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RequestError(400, f"the body is not UTF-8 (byte {e.start})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise RequestError(400, "the body nests too deeply") from None
     except ValueError as e:

@@ -70,6 +70,7 @@ MODEL_PATH = "/v1/models/"
 SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 MAX_INSTRUCTION_CHARS = 4096
 MAX_QUERY_CHARS = 65536           # a query enters every document's prompt: a longer one fills no real max_length
+MAX_QUERY_COPY_TOKENS = 1 << 21   # the query's and instruction's tokens over all of a request's prompts
 
 
 @dataclass
@@ -292,6 +293,19 @@ def fit_documents(rr, queries, req):
                 t = t[enc.offsets[n - room][0]:] if room > 0 else ""
         out.append(t)
     return out
+
+
+def query_copies(rr, req, samples=1):
+    """Refuses (413) a request whose query and instruction, copied into each of its prompts (`samples` a
+    document), would take more than MAX_QUERY_COPY_TOKENS tokens: they are encoded once a prompt, so a
+    long query times a thousand documents would hold gigabytes before any check on the prompts."""
+    queries = req.query if isinstance(req.query, list) else [req.query] * len(req.texts)
+    head = {q: len(rr.tokenize(q, [""])[0]) for q in set(queries)}
+    n = samples * sum(head[q] for q in queries)
+    if n > MAX_QUERY_COPY_TOKENS:
+        raise RequestError(413, f"query: its tokens (with the instruction's) in each of the request's "
+                                f"{samples * len(queries)} prompts make {n}, at most {MAX_QUERY_COPY_TOKENS}: send a "
+                                "shorter query or fewer documents", "query")
 
 
 def prompt_ids(rr, req):
@@ -596,7 +610,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):   # one line per request; never headers (the key), bodies or queries
         if self.server.conf["log"]:
-            line = re.sub(r"\?[^\s'\"]*", "?...", fmt % args)
+            line = re.sub(r"\?[^\s'\"]*", "?...", fmt % args).translate(self._control_char_table)   # no ESC
             sys.stderr.write(f"[serve] {self.address_string()} {line}\n")
 
     def handle_one_request(self):
@@ -639,7 +653,7 @@ class _Handler(BaseHTTPRequestHandler):
         return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode("utf-8"))
 
     def _body(self):
-        """The request's JSON body. A refusal before the whole body is read closes the connection: the
+        """The request's body bytes. A refusal before the whole body is read closes the connection: the
         unread rest must not be parsed as the next request."""
         conf = self.server.conf
         try:
@@ -647,11 +661,10 @@ class _Handler(BaseHTTPRequestHandler):
             if n > conf["max_body_bytes"]:
                 drain_body(self.rfile, min(n, 4 * conf["max_body_bytes"]), conf["body_timeout"])   # 4x the cap at most
                 raise RequestError(413, f"body of {n} bytes, at most {conf['max_body_bytes']}")
-            raw = read_body(self.rfile, n, conf["body_timeout"])
+            return read_body(self.rfile, n, conf["body_timeout"])
         except RequestError:
             self.close_connection = True
             raise
-        return json_body(raw)
 
     def _drop_body(self):
         """The body of a request refused before it is read (no free slot) read and dropped, so that the
@@ -708,8 +721,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 raise RequestError(401, "missing or wrong API key (Authorization: Bearer ...)")
             with self.server.slot(refused=self._drop_body):   # taken before the body is read: max_concurrent_requests
-                body = self._body()                            # also bounds the bodies held in memory
-                self._detect(body) if path == DETECT_PATH else self._rerank(path, body)
+                raw = self._body()                             # also bounds the bodies held in memory
+                self._detect(raw) if path == DETECT_PATH else self._rerank(path, raw)
         except RequestError as e:
             self._fail(e, error_headers(e.status, "GET"))
         except Exception as e:   # a defect, not the client's fault: logged here, a short 500 there
@@ -728,7 +741,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
 
-    def _detect(self, body):
+    def _detect(self, raw):
         """POST /detect {documents[, query]}: each document's score under the run's text detector and whether
         it passes the run's threshold (detect.py). The detector reads the page alone, so a query is accepted
         and not read."""
@@ -736,10 +749,29 @@ class _Handler(BaseHTTPRequestHandler):
         if srv.detector is None:
             raise RequestError(404, "no detector: run `python run.py detect --name RUN` on the served run, then "
                                     "serve it again")
-        texts = _documents(_object(body).get("documents"), "documents", srv.conf["max_documents"])
-        self._send(200, srv.detector.reply(texts))
+        with srv.work:
+            texts = _documents(_object(json_body(raw)).get("documents"), "documents", srv.conf["max_documents"])
+            out = srv.detector.reply(texts)
+        self._send(200, out)
 
-    def _rerank(self, path, body):
+    def _rerank(self, path, raw):
+        srv, conf = self.server, self.server.conf
+        with srv.work:
+            req, ids = self._prompts(path, json_body(raw))
+        m = srv.batcher.submit(ids, conf["score_timeout"])
+        if conf["smooth"]:
+            m = certify.smoothed_margins(m, conf["smooth"])
+        tokens = sum(map(len, ids))
+        srv.metrics.add("geodef_documents_total", len(req.texts))
+        srv.metrics.add("geodef_prompt_tokens_total", tokens)
+        out = reply(path, req, m, tokens, req.model or conf["model_name"])
+        if req.detect:
+            with srv.work:
+                out = srv.detector.annotate(out, req.texts)
+        self._send(200, out)
+
+    def _prompts(self, path, body):
+        """A rerank or score request's body -> (the request, its prompts' token ids)."""
         srv, conf = self.server, self.server.conf
         req = parse_score(body, conf["max_documents"]) if path in SCORE_PATHS else \
             parse_rerank(path, body, conf["max_documents"])
@@ -751,18 +783,11 @@ class _Handler(BaseHTTPRequestHandler):
                                     f"most {conf['max_documents']} prompts a request (max_documents)", "documents")
         rr = srv.prompter(req)
         try:
-            ids = prompt_ids(rr, req) if not conf["smooth"] else deletion_ids(rr, req, conf)
+            query_copies(rr, req, conf["smooth"] or 1)
+            return req, prompt_ids(rr, req) if not conf["smooth"] else deletion_ids(rr, req, conf)
         except ValueError as e:   # a prompt without room for the document, or text BPE turns into a control token
             cap = "truncate_prompt_tokens" if req.max_prompt_tokens else None    # the client's budget, if any
             raise RequestError(400, f"query/instruction/documents{'/' + cap if cap else ''}: {e}", cap) from None
-        m = srv.batcher.submit(ids, conf["score_timeout"])
-        if conf["smooth"]:
-            m = certify.smoothed_margins(m, conf["smooth"])
-        tokens = sum(map(len, ids))
-        srv.metrics.add("geodef_documents_total", len(req.texts))
-        srv.metrics.add("geodef_prompt_tokens_total", tokens)
-        out = reply(path, req, m, tokens, req.model or conf["model_name"])
-        self._send(200, srv.detector.annotate(out, req.texts) if req.detect else out)
 
 
 def serve_until_stopped(rr, sv, deletion_rate, model_name, adapter=None, detector=None):
@@ -809,6 +834,8 @@ class RerankServer(ThreadingHTTPServer):
         self.batcher = Batcher(rr, max_queue=max_queue)
         self.metrics, self.started = Metrics(), int(time.time())
         self.in_flight, self.lock = 0, threading.Lock()      # requests in progress (slot)
+        # parsing, tokenizing and detecting a request a few at a time: a body decodes to many times its bytes
+        self.work = threading.BoundedSemaphore(os.cpu_count() or 1)
         self.conf = {"api_key": api_key or None, "model_name": model_name, "max_documents": max_documents,
                      "max_body_bytes": max_body_bytes, "read_timeout": read_timeout, "body_timeout": body_timeout,
                      "score_timeout": score_timeout, "max_concurrent_requests": max_concurrent_requests,

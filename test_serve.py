@@ -422,6 +422,41 @@ def test_serve_field_round_two(shield_server, capfd):
     assert "HTTP/0.9" in err, err
 
 
+def test_serve_field_round_five(small_queue_server, monkeypatch, capfd):
+    """A query copied into a thousand prompts is refused (413) before it is tokenized a thousand times; a key
+    given twice is a 400 naming it (a gateway reading the first would see another request); the log line
+    carries no terminal escape from the request line; parsing and tokenizing wait for a free worker."""
+    import requests
+    srv = small_queue_server
+    url = srv.url + "/v1/rerank"
+    calls = srv.batcher.batches
+    head = len(srv.rr.tokenize("boil", [""])[0])      # the prompt without its document
+    monkeypatch.setattr(serve, "MAX_QUERY_COPY_TOKENS", 5 * head)
+    r = requests.post(url, json={"query": "boil " * 30, "documents": ["a"] * 5}, timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "query" and srv.batcher.batches == calls
+    assert requests.post(url, json={"query": "boil", "documents": ["a"] * 5}, timeout=10).status_code == 200
+    r = requests.post(url, data='{"query": "q", "documents": ["a"], "query": "other"}', timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "query"
+    srv.conf["log"] = True
+    try:
+        _raw(srv, b"GET /\x1b[31mRED HTTP/1.1\r\nHost: a\r\n\r\n")
+    finally:
+        srv.conf["log"] = False
+    err = capfd.readouterr().err
+    assert "RED" in err and "\x1b" not in err
+    srv.work = threading.BoundedSemaphore(1)
+    srv.work.acquire()                        # every worker busy: a request waits before its body is parsed
+    got = []
+    t = threading.Thread(target=lambda: got.append(requests.post(url, json={"query": "q", "documents": ["a"]},
+                                                                 timeout=10).status_code))
+    t.start()
+    t.join(0.5)
+    assert not got
+    srv.work.release()
+    t.join(10)
+    assert got == [200]
+
+
 @pytest.fixture(scope="module")
 def base_server(tiny_dir):
     """The rerank server over the tiny base model (no adapter), no API key."""
