@@ -986,7 +986,8 @@ def library_view(lib, structured):
 
 # A line of a search result opening with "[n]": in A.3.7's "[i] text" list it would read as a result of its own,
 # and an answer's citation [n] of the attacker's text would be credited to document n
-RESULT_MARK = re.compile(r"(\A|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029])(\s*)\[(\d+)\]")   # (str.splitlines' breaks)
+# (str.splitlines' breaks; the indent is whitespace but no break, so that a run of breaks is read once: linear)
+RESULT_MARK = re.compile(r"(\A|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029])([^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]*)\[(\d+)\]")
 
 
 def standard_prompt(query, docs, static_safety=False):
