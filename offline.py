@@ -371,48 +371,114 @@ def play_defense(kind, f):
 
 # ----------------------------------------------------------------------------- dispatch
 
+INPUT_INDENTS = (None, 1, 2)   # json_block's indents in the project's prompts: attack.py and geo_jobs.py,
+                               # defenses.py, tfsg.py
+
 
 def _input(text):
+    """The JSON value of the prompt's <input> block (its first <input> to its last </input>), or None
+    unless tfsg.json_block rebuilds exactly that text from the value at one of INPUT_INDENTS: the block
+    then holds no other tag and its strings no '<', as every prompt the project writes with one. Text that
+    is not JSON, or not laid out as json_block writes it, is no block (prompt_kind then refuses it)."""
     i, j = text.find("<input>"), text.rfind("</input>")
-    return json.loads(text[i + len("<input>"):j]) if 0 <= i < j else None
+    if not 0 <= i < j:
+        return None
+    try:
+        inp = json.loads(text[i + len("<input>"):j])
+    except (ValueError, RecursionError):    # not JSON, or nested past the parser's depth
+        return None
+    block = text[i:j + len("</input>")]
+    return inp if any(tfsg.json_block("input", inp, indent) == block for indent in INPUT_INDENTS) else None
 
 
-def template_pattern(template, **fields):
-    """A prompt template -> regex that matches exactly its prompts, capturing `fields`. The template
-    is a string in which each field's value appears as its marker (fields: name -> marker). Built
-    from the prompt-writing code itself, so a reworded prompt is still recognised, and a prompt of
-    another shape is never mistaken for it."""
-    pattern, rest = "", template
-    while True:
-        hits = [(rest.find(m), name, m) for name, m in fields.items() if rest.find(m) >= 0]
-        if not hits:
-            return re.compile(pattern + re.escape(rest), re.S)
-        i, name, m = min(hits)
-        pattern += re.escape(rest[:i]) + f"(?P<{name}>.*?)"
-        rest = rest[i + len(m):]
+def template_reader(template, free, **fields):
+    """A prompt template -> read(prompt): {field: value} for exactly its prompts, else None. The template
+    is a string in which each field's value appears once as its marker (fields: name -> marker). Built from
+    the prompt-writing code itself, so a reworded prompt is still recognised, and a prompt of another shape
+    is never mistaken for it.
+    free: the field whose text may hold anything (the one an attacker writes). The fields before it end at
+    the first occurrence of the text that follows them, the fields after it start at the last occurrence of
+    the text before them, so nothing written in `free` moves a boundary into another field; str.find and
+    str.rfind, one pass each, keep reading linear in the prompt."""
+    marks = sorted((template.find(m), name, m) for name, m in fields.items())
+    if any(i < 0 or template.count(m) != 1 for i, _, m in marks):
+        raise ValueError("template_reader: each field's marker must occur once in the template")
+    names, pieces, at = [], [], 0          # pieces[k] is the literal text before names[k]; pieces[-1] the tail
+    for i, name, m in marks:
+        names.append(name)
+        pieces.append(template[at:i])
+        at = i + len(m)
+    pieces.append(template[at:])
+    if not all(pieces[1:-1]):
+        raise ValueError("template_reader: two fields with no text between them cannot be told apart")
+    k = names.index(free)
+    head, tail = pieces[0], pieces[-1]
+
+    def read(prompt):
+        if len(prompt) < len(head) + len(tail) or not prompt.startswith(head) or not prompt.endswith(tail):
+            return None
+        lo, hi, out = len(head), len(prompt) - len(tail), {}
+        for name, after in zip(names[:k], pieces[1:k + 1]):                        # left of `free`: first
+            j = prompt.find(after, lo, hi)
+            if j < 0:
+                return None
+            out[name], lo = prompt[lo:j], j + len(after)
+        for name, before in zip(names[:k:-1], pieces[-2:k:-1]):                    # right of `free`: last
+            j = prompt.rfind(before, lo, hi)
+            if j < 0:
+                return None
+            out[name], hi = prompt[j + len(before):hi], j
+        out[free] = prompt[lo:hi]
+        return out
+    return read
+
+
+def with_guidance(read_plain, guidance):
+    """A.3.8's reader: the prompt read as A.3.7 (its question ends at the first results heading, which a
+    document below it cannot move), the question then ending with `guidance` (A.3.8's addition). A.3.8's
+    own template would end the question at the first guidance-and-heading, which a document of an A.3.7
+    prompt can write: that prompt would be read as A.3.8, the results above that document as the question."""
+    def read(prompt):
+        f = read_plain(prompt)
+        if f is None or not f["query"].endswith(guidance):
+            return None
+        return {**f, "query": f["query"][:len(f["query"]) - len(guidance)]}
+    return read
 
 
 Q, A, B, D = "\x00query\x00", "\x00a\x00", "\x00b\x00", "\x00results\x00"
-# Prompt kinds without an <input> block, recognised by the templates of the code that writes them
-PATTERNS = {
-    "asi_judge": template_pattern(metrics.asi_prompt(Q, A, B), query=Q, attack=A, answer=B),
-    "pairwise_judge": template_pattern(metrics.pairwise_prompt(Q, A, B), query=Q, a=A, b=B),
+PLAIN = tfsg.standard_prompt(Q, [D]).replace("[1] " + D, D)                          # A.3.7 with one result
+GUIDED = tfsg.standard_prompt(Q, [D], static_safety=True).replace("[1] " + D, D)     # A.3.8: guidance added
+_AT = PLAIN.index(Q) + len(Q)
+GUIDANCE = GUIDED[_AT:_AT + len(GUIDED) - len(PLAIN)]     # what A.3.8 adds after the question
+if GUIDED != PLAIN[:_AT] + GUIDANCE + PLAIN[_AT:]:
+    raise ValueError("offline engine: A.3.8 is no longer A.3.7 with guidance after the question (with_guidance)")
+# Prompt kinds without an <input> block, read by the templates of the code that writes them. The free field
+# is the attacker's document (ASI) or the results; the pairwise judge's answers are both the target's text,
+# so its fields end at the first occurrence of the next label, as the prompt reads top down.
+TEMPLATES = {
+    "asi_judge": template_reader(metrics.asi_prompt(Q, A, B), "attack", query=Q, attack=A, answer=B),
+    "pairwise_judge": template_reader(metrics.pairwise_prompt(Q, A, B), "b", query=Q, a=A, b=B),
     # the defenses' system + user prompts (with_system), their documents captured whole
-    "answer_spotlight": template_pattern(chat_text(defenses.spotlight_messages(Q, [D])).replace("[1] " + D, D),
-                                         query=Q, results=D),
-    "answer_sandwich": template_pattern(chat_text(defenses.sandwich_messages(Q, [D])).replace(
-        defenses.results_block([D]), D), query=Q, results=D),
-    # the guidance-bearing A.3.8 first: A.3.7's pattern would take its guidance for part of the query
-    "answer_static_safety": template_pattern(tfsg.standard_prompt(Q, [D], static_safety=True).replace("[1] " + D, D),
-                                             query=Q, results=D),
-    "answer": template_pattern(tfsg.standard_prompt(Q, [D]).replace("[1] " + D, D), query=Q, results=D),
+    "answer_spotlight": template_reader(chat_text(defenses.spotlight_messages(Q, [D])).replace("[1] " + D, D),
+                                        "results", query=Q, results=D),
+    "answer_sandwich": template_reader(chat_text(defenses.sandwich_messages(Q, [D])).replace(
+        defenses.results_block([D]), D), "results", query=Q, results=D),
+    # the guidance-bearing A.3.8 first: A.3.7's reader takes its guidance for part of the question
+    "answer_static_safety": with_guidance(template_reader(PLAIN, "results", query=Q, results=D), GUIDANCE),
+    "answer": template_reader(PLAIN, "results", query=Q, results=D),
 }
 
 
 def prompt_kind(prompt):
-    """-> (kind, fields): the kind of GEO Defender prompt, from its <input> keys or its template.
-    Raises ValueError for anything else (the engine answers only the project's prompts)."""
-    inp = _input(prompt) if "<input>" in prompt else None
+    """-> (kind, fields): the kind of GEO Defender prompt, from its template or its <input> keys.
+    Raises ValueError for anything else (the engine answers only the project's prompts). The templates
+    come first: their documents are pasted in as written, so an <input> block can only be a document's."""
+    for kind, read in TEMPLATES.items():
+        f = read(prompt)
+        if f is not None:
+            return kind, f
+    inp = _input(prompt)
     if isinstance(inp, dict):
         for kind, key in (("cold_start", "controlled_contrastive_rollouts"),
                           ("evolution", "current_experience_library"),
@@ -431,11 +497,7 @@ def prompt_kind(prompt):
             return "fidelity_judge", inp
         if DEFENSE_INPUTS.keys() & inp.keys():
             return defense_input(inp, prompt)
-    for kind, pat in PATTERNS.items():
-        m = pat.fullmatch(prompt)
-        if m:
-            return kind, m.groupdict()
-    raise ValueError("offline engine: not a GEO Defender prompt (no known <input> keys, no known template)")
+    raise ValueError("offline engine: not a GEO Defender prompt (no known template, no known <input> keys)")
 
 
 def blockquoted(text):

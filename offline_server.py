@@ -157,7 +157,12 @@ class OpenAIBatchAPI:
         if not isinstance(fid, str) or fid not in store.files:
             raise ValueError(f"input_file_id: no file {str(fid)[:80]!r} (upload it first)")
         lines, seen = [], set()
-        for n, text in enumerate(store.files[fid]["content"].splitlines(), 1):
+        # JSONL lines end at "\n" alone: str.splitlines would also cut at U+2028, U+2029 and U+0085, which a
+        # JSON string holds raw when written with ensure_ascii=False (as the project writes batch lines)
+        for n, text in enumerate(store.files[fid]["content"].split("\n"), 1):
+            text = text.removesuffix("\r")
+            if not text:
+                continue                    # an empty line (the file's last newline leaves one) holds no request
             try:
                 line = json.loads(text)
             except ValueError:
@@ -363,7 +368,10 @@ class Batches:
         parts = {p.get_param("name", header="content-disposition"): p for p in msg.iter_parts()}
         if "file" not in parts or "purpose" not in parts or parts["purpose"].get_payload(decode=True) != b"batch":
             raise ValueError("multipart/form-data fields purpose=batch and file are required")
-        data = parts["file"].get_payload(decode=True).decode("utf-8")
+        data = parts["file"].get_payload(decode=True)
+        if not isinstance(data, bytes):     # a part that is itself multipart holds parts, not the file's bytes
+            raise ValueError(f"file: the part must hold the JSONL file, not {parts['file'].get_content_type()} parts")
+        data = data.decode("utf-8")
         return _file_object(self.keep_file(data, parts["file"].get_filename() or "batch.jsonl", "batch"))
 
     def keep_file(self, content, filename, purpose):

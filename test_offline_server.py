@@ -113,7 +113,7 @@ def test_errors_are_the_apis_error_objects(engine):
         assert r.status_code == 404 and r.json()["error"]["message"] == f"Invalid URL ({method} /v1/batches/batch-1)"
     r = requests.delete(f"{url}/messages/batches/b", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    prompt = "<input>" + json.dumps({"rewrite_task": "F6.request", "document": "d"}) + "</input>"
+    prompt = tfsg.json_block("input", {"rewrite_task": "F6.request", "document": "d"})
     r = requests.post(f"{url}/chat/completions", json={"messages": [{"role": "user", "content": prompt}]}, timeout=10)
     assert r.status_code == 400 and "latent_query" in r.json()["error"]["message"]
 
@@ -207,3 +207,33 @@ def test_an_ended_message_batch_is_deleted_through_the_sdk(engine):
         with pytest.raises(anthropic.NotFoundError):
             call(b.id)
     assert list(sdk.messages.batches.list()) == []
+
+
+def test_a_batch_line_holding_unicode_line_separators_runs(engine):
+    """A batch input line is read up to "\\n" alone (a trailing "\\r" dropped, empty lines skipped): U+2028,
+    U+2029 and U+0085 written raw inside a JSON string (ensure_ascii=False, as batch_clients writes lines)
+    stay inside their line."""
+    srv, url = engine
+    store, api = srv.batches, offline_server.OpenAIBatchAPI
+    body = {"model": "m", "messages": [{"role": "user", "content": tfsg.standard_prompt(
+        "boil eggs", ["eggs boil\u2028in 6 minutes\u2029at sea level\x85today"])}]}
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body},
+                        ensure_ascii=False) for i in range(2)]
+    fid = store.keep_file(lines[0] + "\n\n" + lines[1] + "\r\n", "in.jsonl", "batch")["id"]
+    b = store.create({"input_file_id": fid, "endpoint": "/v1/chat/completions", "completion_window": "24h"}, api, "h")
+    while b["status"] in offline_server.RUNNING:
+        b = store.status(b["id"], api, "h")
+    assert b["status"] == "completed" and b["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+
+
+def test_an_upload_whose_file_part_is_multipart_is_a_400(engine):
+    """A multipart upload whose `file` part is itself multipart (no bytes of its own) is refused with a 400
+    naming the part, not a 500."""
+    srv, url = engine
+    body = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--B\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+            b"Content-Type: multipart/mixed; boundary=C\r\n\r\n"
+            b"--C\r\nContent-Type: text/plain\r\n\r\n{}\r\n--C--\r\n\r\n--B--\r\n")
+    r = requests.post(f"{url}/files", data=body, headers={"Content-Type": "multipart/form-data; boundary=B"},
+                      timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file", r.text
