@@ -161,6 +161,10 @@ def best_of(cands, budget):
 
 
 ALGORITHMS = ("mageo", "repair")
+# The repair attacker's own draws of the engine's answers: a cache entry apart from every evaluation sample
+# (those count 0, 1, ...), so that the evaluation answers the chosen document afresh, not with the answer the
+# attacker chose it on (on a sampling engine that answer is the best of its draws, not a draw)
+ENGINE_SAMPLE = -1
 
 
 class Attack:
@@ -179,9 +183,10 @@ class Attack:
         self.engine = engine if algorithm == "repair" else None   # (LLM client, defenses.Pipeline): the signal
         self.attacker, self.judge = attacker, judge
         self.rounds, self.per_round, self.budget = rounds, per_round, budget
-        self.rules = [{k: r.get(k) for k in ("rule_type", "description", "trigger_signals", "action")}
-                      for r in lib.active()] if lib is not None else None
+        # aware: every field of the active rules, as the defense's own prompts show them (what it spares too)
+        self.rules = tfsg.library_view(lib, structured=True)["rules"] if lib is not None else None
         self.queries = 0          # candidate lists the target scored
+        self.starts = {}          # instance id -> candidate 0's text: what the repair attacker's edits count from
 
     def score(self, insts):
         """Target scores of each instance's attack document and its rank among the ten -> [(score, rank)]."""
@@ -198,6 +203,7 @@ class Attack:
         cands = {x.instance_id: [] for x in insts}
         first = [with_doc(x, x.source, "@source") for x in insts] if self.from_source else insts
         for x, y, (s, r), cited in zip(insts, first, self.score(first), self.cited(first)):
+            self.starts[x.instance_id] = y.docs[y.attack_index]
             cands[x.instance_id].append({"n": 0, "round": 0, "sid": "@source" if self.from_source else "",
                                          "text": y.docs[y.attack_index], "accepted": True,
                                          "reason": "the source" if self.from_source else "the benchmark's rewrite",
@@ -241,9 +247,10 @@ class Attack:
         for x, (mode, texts) in zip(live, proposals):
             for t in texts:
                 why = "the attacker returned fewer rewrites" if t is None else cheap_gate(x.source, t)
-                if why is None and mode is not None and edit_share(x.source, t) > self.cfg.attacker.edit_budget:
-                    why = f"differs from the source by {100 * edit_share(x.source, t):.0f}% of its words (the " \
-                          f"repair attacker's budget: {100 * self.cfg.attacker.edit_budget:.0f}%)"
+                edited = edit_share(self.starts[x.instance_id], t) if why is None and mode is not None else 0
+                if edited > self.cfg.attacker.edit_budget:
+                    why = f"differs from the {'source' if self.from_source else 'start'} by {100 * edited:.0f}% " \
+                          f"of its words (the repair attacker's budget: {100 * self.cfg.attacker.edit_budget:.0f}%)"
                 checks.append((x, t, why))
                 modes.append(mode)
         to_judge = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None]
@@ -270,14 +277,16 @@ class Attack:
         llm, pipeline = self.engine
         tops = [self.target.order(x)[:self.cfg.data.k] for x in insts]       # scored by self.score
         c = self.cfg
-        recs = pipeline_records(c.llm, c.request.workers, llm, "repair engine", insts, tops, pipeline)
+        recs = pipeline_records(c.llm, c.request.workers, llm, "repair engine", insts, tops, pipeline,
+                                sample=ENGINE_SAMPLE)
         return [{"cited": bool(r["attack_cited"])} for r in recs]
 
     def _edit(self, x, text):
-        """The repair attacker's record of a candidate's edit: the share of the source's words it differs
-        by (edit_share), cumulative over the rounds; {} for MAGEO's loop, whose records stay as they were."""
-        return {"edit_fraction": round(edit_share(x.source, text), 4)} if self.algorithm == "repair" and text \
-            else {}
+        """The repair attacker's record of a candidate's edit: the share of its start's words (candidate 0:
+        the source, or with --start rewrite the benchmark's rewrite) it differs by (edit_share), cumulative
+        over the rounds; {} for MAGEO's loop, whose records stay as they were."""
+        start = self.starts.get(x.instance_id, text)
+        return {"edit_fraction": round(edit_share(start, text), 4)} if self.algorithm == "repair" and text else {}
 
 
 def with_doc(x, text, suffix=""):
@@ -410,7 +419,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     block = {"target": str(spec), "attacker": attacker.label, "judge": judge.label,
              "rounds": rounds, "per_round": per_round, "budgets": {},
              "gate": gate_counts(cands), "cost": {}}
-    block.update({"algorithm": "repair"} if cfg.attacker.algorithm == "repair" else {})
+    block.update({"algorithm": "repair", "start": cfg.attacker.start} if cfg.attacker.algorithm == "repair" else {})
     llm = run.llm(stage="attack-eval")
     eval_judge = run.llm(cfg.judge.judge, stage="attack-eval") if cfg.judge.judge else llm
     ref = clean_reference(cfg.data.k, base)
@@ -427,6 +436,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
         caught = detect.flagged(run, docs, base, shield)      # with the run's detectors (detect), % flagged
         block["budgets"][str(b)].update({"detected": caught} if caught else {})
     block["cost"] = {"attacker": attacker.stats, "judge": judge.stats if judge is not attacker else None,
+                     **({"engine": a.engine[0].stats} if a.engine else {}),
                      "reranker_queries": a.queries, "candidates": sum(map(len, cands.values())),
                      "run_folder_usage": run.usage()["stages"].get("attack")}
     attacks = read_json(os.path.join(cfg.folder.run_dir, "summary.json"), {}).get("attack", {})

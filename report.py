@@ -351,8 +351,8 @@ def attacked_lines(s, figs):
             "random top k holds one (1 - C(n-K, k)/C(n, k)); each attacked document on average (a given "
             "document is in a random top k with chance k/n); the shares of the top k (beside a random top k's, "
             "K/n) and of the citations the attacked documents take (over the answers that cite something). 95% "
-            "query-cluster bootstrap CIs; each K's n counts the groups with K attacked documents. The Shield is trained on lists with one attacked "
-            "document, as the paper trains it.\n",
+            "query-cluster bootstrap CIs; each K's n counts the groups with K attacked documents. The Shield is "
+            "trained on lists with one attacked document, as the paper trains it.\n",
             _table(["Condition", "K", "n", "Source cited (%)", "Any cited (%)", "Each cited (%)",
                     "Source in context (%)", "Any in context (%)", "Chance, any (%)", "Each in context (%)",
                     "Top-k share (%)", "Chance, share (%)", "Citation share (%)"], rows) + "\n",
@@ -519,14 +519,17 @@ def write_attack_report(run_dir, s):
     line per condition (B = 1 is the static attack), the gate's verdicts and the attacker's cost."""
     figs = os.path.join(run_dir, "figures")
     lines = _title(run_dir, s, "Adaptive GEO attacker")
-    lines.append("Each budget's documents replace the static attack (B = 1 is the benchmark's own rewrite); "
-                 "exposure: the attack document in the top k (%).\n")
+    lines.append("Each budget's documents replace the static attack (B = 1 is the attacker's start: the "
+                 "benchmark's own rewrite, or the source itself where the section says so); exposure: the attack "
+                 "document in the top k (%).\n")
     for target, modes in s.get("attack", {}).items():
         for mode, b in modes.items():
             xs = list(b["budgets"])
             conds = list(next(iter(b["budgets"].values()))["conditions"])
             aware = mode.split("-")[0]
-            how = (" (diagnose-and-repair, AgentGEO: one targeted repair a candidate, small edits)"
+            start = ("the source itself, unattacked" if b.get("start", "source") == "source" else
+                     "the benchmark's rewrite")
+            how = (f" (diagnose-and-repair, AgentGEO: one targeted repair a candidate, small edits; B = 1 is {start})"
                    if b.get("algorithm") == "repair" else "")
             lines.append(f"## Target `{target}` ({b['target']}), attacker {aware} of the library{how}\n")
             transfer = (" Optimised against the base reranker: the Shield conditions are the transfer case."
@@ -562,7 +565,9 @@ def write_attack_report(run_dir, s):
             c = b["cost"]
             lines.append(f"Cost of this attack: {c['attacker']['calls']} attacker calls "
                          f"({c['attacker']['http_calls']} sent), "
-                         f"{(c['judge'] or {}).get('calls', 0)} fidelity judge calls, {c['reranker_queries']} "
+                         f"{(c['judge'] or {}).get('calls', 0)} fidelity judge calls, "
+                         + (f"{c['engine']['calls']} engine answers, " if c.get("engine") else "") +
+                         f"{c['reranker_queries']} "
                          f"reranker queries, {c['candidates']} candidates.\n")
     lines += usage_lines(s.get("usage") or {})
     atomic_write(os.path.join(run_dir, "attack_report.md"), "\n".join(lines))

@@ -343,6 +343,50 @@ def test_the_diagnose_and_repair_attacker_starts_from_the_source_within_its_edit
         run.main(_argv(out, "--algorithm", "repair", "--budgets", "1,3", "--start", "rewrite"))
 
 
+def test_the_repair_attacker_from_the_rewrite_counts_its_edits_from_the_rewrite(attacked, tmp_path):
+    """--start rewrite: candidate 0 is the benchmark's rewrite, and the edit budget counts from it (from the
+    source every repair of a rewrite was refused, a flat curve read as a defense that held); the report
+    says what B = 1 is, and the attack's cost counts the engine's answers."""
+    out = tmp_path / "o"
+    shutil.copytree(attacked[0].parent / "just-attacked", out)
+    block = run.main(_argv(out, "--algorithm", "repair", "--budgets", "1,3", "--start", "rewrite"))
+    by = {}
+    for r in map(json.loads, open(out / "demo" / "results" / "attack-shield-unaware-repair.jsonl")):
+        by.setdefault(r["instance_id"], []).append(r)
+    accepted = 0
+    for cs in by.values():
+        start = cs[0]["text"]
+        assert cs[0]["reason"] == "the benchmark's rewrite" and cs[0]["edit_fraction"] == 0
+        for c in cs[1:]:
+            assert c["edit_fraction"] == round(attack.edit_share(start, c["text"]), 4)
+            assert not c["accepted"] or c["edit_fraction"] <= 0.10
+            accepted += c["accepted"]
+    assert accepted > 0 and block["start"] == "rewrite" and block["cost"]["engine"]["calls"] > 0
+    assert "B = 1 is the benchmark's rewrite" in (out / "demo" / "attack_report.md").read_text()
+
+
+def test_the_evaluation_answers_afresh_what_the_repair_attacker_chose_on_its_engines_answer(tmp_path):
+    """The repair attacker picks the candidate its engine cites: were the evaluation's answer the same cached
+    reply, a sampling engine's ASR would be the best of the attacker's draws. Its draws are a cache entry of
+    their own (ENGINE_SAMPLE); the evaluation asks again."""
+    from types import SimpleNamespace
+    import evaluation
+    import geodef
+    llm = llm_clients.make_client("offline", handler=offline.respond, cache_dir=str(tmp_path / "c"))
+    docs = [f"Eggs boil in {i} minutes, page {i}." for i in range(6)]
+    insts = [geodef.Instance(f"g{j}:GEO", f"g{j}", f"how long to boil eggs {j}", docs, [f"d{i}" for i in range(6)], 0,
+                             "GEO") for j in range(3)]
+    decoding = SimpleNamespace(temperature=0.0, max_tokens=256)
+    a = attack.Attack.__new__(attack.Attack)
+    a.engine = (llm, evaluation.STANDARD)
+    a.target = SimpleNamespace(order=lambda x: list(range(len(x.docs))))
+    a.cfg = SimpleNamespace(data=SimpleNamespace(k=5), llm=decoding, request=SimpleNamespace(workers=2))
+    a.cited(insts)
+    sent = llm.stats["http_calls"]
+    evaluation.pipeline_records(decoding, 2, llm, "eval", insts, [list(range(5))] * 3, evaluation.STANDARD)
+    assert sent == 3 and llm.stats["http_calls"] == 2 * sent
+
+
 def test_a_repairs_edit_share_is_the_share_of_words_it_changes():
     """edit_share: the share of words a candidate changes (what the repair loop refuses above
     --edit-budget of the source's words before any judge call)."""
