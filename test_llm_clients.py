@@ -96,7 +96,7 @@ def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
         srv.shutdown()
 
 
-@pytest.mark.parametrize("status", [500, 503, 529])
+@pytest.mark.parametrize("status", [500, 503, 524, 529])       # 524: a Cloudflare gateway's timeout
 def test_5xx_then_success(server, status):
     Script.script = [(status, {}, {"error": {"message": "overloaded"}}, 0)] * 2 + [(200, {}, ok("fine"), 0)]
     c = client(server)
@@ -108,6 +108,7 @@ def test_5xx_then_success(server, status):
     (401, {"error": {"message": "bad key sk-SECRET-123"}}),
     (429, {"error": {"message": "You exceeded your quota", "code": "insufficient_quota"}}),
     (400, {"error": {"message": "bad request"}}),
+    (501, {"error": {"message": "not implemented"}}),
     (429, {"type": "error", "error": {"type": "rate_limit_error",
                                       "details": {"error_code": "enforced_spend_limit_reached"}}}),
 ])

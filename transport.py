@@ -39,7 +39,9 @@ import endpoints
 # transport failures worth another attempt: refused or reset connections, timeouts, a reply cut short
 RETRY_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                 requests.exceptions.ContentDecodingError, http.client.IncompleteRead, ConnectionError)
-RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504, 529}
+# statuses worth another attempt, as the OpenAI and Anthropic SDKs retry them: 408, 409, 429 and every 5xx (a
+# gateway's 520-524 too) but 501 and 505, which say the request can never succeed
+RETRY_STATUS = frozenset({408, 409, 429} | set(range(500, 600)) - {501, 505})
 ABORT_GRACE = 1.0                # seconds a reply in flight may still arrive after its run failed
 NO_RETRY_CODES = ("insufficient_quota", "billing_hard_limit_reached", "enforced_spend_limit_reached",
                   "spend_limit", "billing_error")
