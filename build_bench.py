@@ -172,9 +172,10 @@ def row_of(o, path, n):
     geodef.check_text(q, path, n, "query")
     src = source_index(o.get(src_key), len(docs), path, n, src_key)
     rid = next((o[k] for k in ("group_id", "query_id") if o.get(k) is not None), f"q{n:04d}")   # (0 is an id)
+    rkey = next((k for k in ("group_id", "query_id") if o.get(k) is not None), "query_id")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
-        raise geodef.BenchFormatError(f"{path}:{n}: query_id: expected a non-empty string or an integer, got {rid!r}")
-    geodef.check_unicode(str(rid), path, n, "query_id")
+        raise geodef.BenchFormatError(f"{path}:{n}: {rkey}: expected a non-empty string or an integer, got {rid!r}")
+    geodef.check_unicode(str(rid), path, n, rkey)
     return {"id": str(rid), "line": n, "path": path, "query": q, "docs": docs, "source_index": src}
 
 
@@ -191,7 +192,7 @@ def source_index(v, n_docs, path, n, key):
     None when the row names none. 1.9, true or "a" are refused: rounding would rewrite another document."""
     if v is None:
         return None
-    if isinstance(v, str) and re.fullmatch(r"\s*\d+\s*", v):
+    if isinstance(v, str) and re.fullmatch(r"\s*[0-9]{1,9}\s*", v):      # ASCII digits, no 5,000-digit int()
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise geodef.BenchFormatError(f"{path}:{n}: {key}: expected an integer, got {v!r}")

@@ -172,8 +172,9 @@ def read_jsonl(path):
     try:
         text = data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors) is dropped
     except UnicodeDecodeError as e:
-        line, col = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
-        _fail(path, line, "(line)", f"not UTF-8: byte 0x{data[e.start]:02x} (byte {col} of the line); "
+        at = e.start + 3 * data.startswith(b"\xef\xbb\xbf")    # e.start counts past the byte-order mark
+        line, col = data.count(b"\n", 0, at) + 1, at - data.rfind(b"\n", 0, at)
+        _fail(path, line, "(line)", f"not UTF-8: byte 0x{data[at]:02x} (byte {col} of the line); "
                                     "save the file as UTF-8")
     # split on "\n" only: str.splitlines() also breaks at U+2028, U+0085, ..., which JSON strings may
     # hold unescaped (json.dumps(..., ensure_ascii=False) writes them raw); a CRLF's "\r" is JSON whitespace
@@ -251,6 +252,12 @@ def read_meta(path):
     return _read_meta(obj, path, 1) if isinstance(obj, dict) and "_meta" in obj else BenchMeta()
 
 
+# _meta's fields the reports print: labels (a builder model, a judge, a search service) and counts by name
+META_LABELS = ("builder_llm", "test_builder_llm", "fidelity_judge", "test_fidelity_judge", "mageo_engine", "search")
+META_COUNTS = ("family_drops", "honest_refusals")
+LABEL = re.compile(r"[^\x00-\x1f\x7f<>|`\u2028\u2029]{0,300}")
+
+
 def _read_meta(obj, path, n):
     """The `_meta` line -> BenchMeta (methods and seen_methods: lists of distinct names)."""
     m = _need(obj, "_meta", dict, path, n)
@@ -269,6 +276,17 @@ def _read_meta(obj, path, n):
     unknown = [x for x in m.get("seen_methods", []) if cons and x not in cons]
     if unknown:
         _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.construction_methods {cons}")
+    for key in META_LABELS:         # models and services: printed into reports as they are
+        v = m.get(key)
+        if v is not None and not (isinstance(v, str) and LABEL.fullmatch(v)):
+            _fail(path, n, f"_meta.{key}", f"a model label (one line of at most 300 characters, no < > | or `), got "
+                                           f"{str(v)[:80]!r}")
+    for key in META_COUNTS:
+        v = m.get(key)
+        if v is not None and not (isinstance(v, dict) and all(
+                isinstance(k, str) and LABEL.fullmatch(k) and isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                for k, c in v.items())):
+            _fail(path, n, f"_meta.{key}", f"counts by name {{name: whole number}}, got {str(v)[:80]!r}")
     attacked, pool = m.get("attacked", 1), m.get("pool", "search")
     if isinstance(attacked, bool) or not isinstance(attacked, int) or not 1 <= attacked <= N_DOCS - 1:
         _fail(path, n, "_meta.attacked", f"an integer in 1..{N_DOCS - 1}, got {attacked!r}")

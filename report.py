@@ -227,8 +227,8 @@ def _method_lines(s, figs):
     drops = {m: n for m, n in (s.get("family_drops") or {}).items() if n and m in methods}
     if drops:                   # each method over the test groups it rewrote
         lines.append("Test instances per method (groups where build-bench's gate refused every rewrite of a method "
-                     "have none of it): " + ", ".join(f"{m} {seen[m].get('n', '-')} ({drops.get(m, 0)} groups "
-                                                      "refused)" for m in methods) + ".\n")
+                     "have none of it; the refusals count the groups of both splits): " + ", ".join(
+                         f"{m} {seen[m].get('n', '-')} (refused on {drops.get(m, 0)} groups)" for m in methods) + ".\n")
     unseen = {m for m in methods if not seen[m]["seen"]}
     conds = list(s["methods"])
     note = figure_note(s.get("notes"))
@@ -593,7 +593,7 @@ def usage_lines(u):
 def read_summaries(run_dirs):
     """compare's runs -> {name: summary.json}, each named by its folder (by its path when two folders share a
     name: runs/x under two parents are both kept); a run without one refused naming the command."""
-    names = [os.path.basename(r) for r in run_dirs]
+    names = [os.path.basename(os.path.normpath(r)) for r in run_dirs]       # runs/a/ is named a
     out = {}
     for r, name in zip(run_dirs, names):
         if not os.path.isfile(os.path.join(r, "summary.json")):
@@ -621,16 +621,19 @@ def write_comparison(out_dir, summaries):
                      + ", ".join(f"{k}: {v or 'not recorded'}" for k, v in judges.items())
                      + "); their ASI and Table C.1 are not comparable.\n")
     lines.append("# GEO Defender across target LLMs\n")
+    targets = [s["target_llm"] for s in summaries.values()]
+    label = {name: s["target_llm"] if targets.count(s["target_llm"]) == 1 else f"{s['target_llm']} ({name})"
+             for name, s in summaries.items()}          # two runs of one target: told apart by their run
     every = ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only",
              "Spotlighting", "Sandwich Prompt", "PromptArmor", "RobustRAG")
     conds = [c for c in every if all(c in s["conditions"] for s in summaries.values())]
     head = ["Target LLM"] + [f"{c} {m}" for c in conds for m in ("ASR", "ASI", "BER")]
-    rows = [[s["target_llm"]] + [fmt(s["conditions"][c][m]) for c in conds for m in ("ASR", "ASI", "BER")]
-            for s in summaries.values()]
+    rows = [[label[name]] + [fmt(s["conditions"][c][m]) for c in conds for m in ("ASR", "ASI", "BER")]
+            for name, s in summaries.items()]
     avg = ["Average"] + [fmt(sum(s["conditions"][c][m] for s in summaries.values()) / len(summaries))
                          for c in conds for m in ("ASR", "ASI", "BER")]
     lines.append("## Table 1\n\n" + _table(head, rows + [avg]) + "\n")
-    q = [(s["target_llm"], s["quality"]) for s in summaries.values() if s.get("quality", {}).get("n")]
+    q = [(label[name], s["quality"]) for name, s in summaries.items() if s.get("quality", {}).get("n")]
     if q:
         quality_head = ["Target LLM", "Mean change", "95% CI", "Comparable or better (%)", "Better (%)"]
         quality_rows = [[t, f"{v['mean_change']:+.3f}", f"[{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]",
@@ -638,11 +641,11 @@ def write_comparison(out_dir, summaries):
         lines.append("## Table C.1\n\n" + _table(quality_head, quality_rows) + "\n")
     # Table C.2: a row per source library, named by its run (a --transfer name names the run whose library it
     # is; a target label such as openai:gpt-5.5 is no --transfer name), a column per target
-    cells = {(name if src == "(own)" else src, s["target_llm"]): v
+    cells = {(name if src == "(own)" else src, label[name]): v
              for name, s in summaries.items() for src, v in (s.get("transfer") or {}).items()}
     if cells:
         srcs = sorted({k[0] for k in cells})
-        cols = [s["target_llm"] for s in summaries.values()]
+        cols = list(label.values())
         for metric in ("ASR", "ASI"):
             vals = {k: v[metric] for k, v in cells.items()}
             lines.append(f"## Table C.2 ({metric}): rows = source library, columns = target\n\n" +

@@ -372,6 +372,9 @@ def _set(i, key, value):
 @pytest.mark.parametrize("edit, extra, msg", [
     (_set(3, "sugg_idx", 1.9), [], r"rows.jsonl:4: sugg_idx: expected an integer, got 1.9"),
     (_set(3, "sugg_idx", True), [], r"rows.jsonl:4: sugg_idx: expected an integer, got True"),
+    (_set(3, "sugg_idx", "9" * 5000), [], r"rows.jsonl:4: sugg_idx: expected an integer, got '9999"),
+    (_set(3, "sugg_idx", "\u0663"), [], r"rows.jsonl:4: sugg_idx: expected an integer, got '\u0663'"),
+    (_set(3, "group_id", 1.5), [], r"rows.jsonl:4: group_id: expected a non-empty string or an integer"),
     (_set(2, "query", 42), [], r"rows.jsonl:3: query: expected a string, got int"),
     (_set(2, "query", "\u200b\u200d \ufeff"), [], r"rows.jsonl:3: query: empty \(only spaces or invisible"),
     (lambda rows: rows[5].update(query_id="x", query="a") or rows[7].update(query_id="x", query="b"), [],

@@ -229,6 +229,9 @@ def test_a_non_utf8_byte_is_an_error_naming_its_file_line(tmp_path):
                   .replace(b"\\u00e9", b"\xe9") + b"\n")             # latin-1 e-acute on line 2
     with pytest.raises(geodef.BenchFormatError, match=r"w\.jsonl:2: \(line\): not UTF-8: byte 0xe9"):
         geodef.load_bench(str(p))
+    p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes())             # after a byte-order mark: the same place
+    with pytest.raises(geodef.BenchFormatError, match=r"w\.jsonl:2: \(line\): not UTF-8: byte 0xe9"):
+        geodef.load_bench(str(p))
 
 
 def test_bench_split_leakage_detected(tmp_path):
@@ -403,8 +406,14 @@ def test_several_attacked_documents_are_validated(tmp_path, mutate, msg):
     ({**META3, "n_docs": 3}, r":1: _meta.attacked: 3: a list of 3 candidates holds at most 2"),
     ({**META3, "pool": "all"}, r":1: _meta.pool: 'search' or 'optimized', got 'all'"),
     ({**META3, "pool": "search"}, r":3: optimized: honest edits of the pool need _meta.pool"),
+    # the fields the reports print: one-line labels, counts by name (raw HTML, a table-breaking pipe, a list)
+    ({**META3, "test_builder_llm": "b\n\n<img src=https://evil.example/x.png>"}, r":1: _meta.test_builder_llm: a "
+                                                                                   r"model label"),
+    ({**META3, "honest_refusals": {"x <img> |": 1}}, r":1: _meta.honest_refusals: counts by name"),
+    ({**META3, "family_drops": ["GEO"]}, r":1: _meta.family_drops: counts by name"),
+    ({**META3, "family_drops": {"GEO": True}}, r":1: _meta.family_drops: counts by name"),
 ])
-def test_the_attacked_meta_fields_are_validated(tmp_path, meta, msg):
+def test_the_meta_fields_are_validated(tmp_path, meta, msg):
     rows = [{"_meta": meta}, {**good_group("g0"), "split": "construction"}, {**attacked_group(), "split": "test"}]
     with pytest.raises(geodef.BenchFormatError, match=msg):
         geodef.load_bench(write_lines(tmp_path, rows))

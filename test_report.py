@@ -35,6 +35,15 @@ def test_compare_runs_transfer_matrix(tmp_path):
     s["b"]["test_set_sha1"] = "2" * 40                         # evaluated on other instances: flagged
     assert "DIFFERENT TEST SETS.** These runs were not evaluated on the same instances (a: 7 instances, 1111111111" \
         in open(report.write_comparison(str(tmp_path), s)).read()
+    # two runs of one target LLM: two columns, each run's own figures (keyed by target, one overwrote the other)
+    s = {"a": summ("x:A", 10.0, {"(own)": {"ASR": 5.0, "ASI": 2.0}, "lib": {"ASR": 11.0, "ASI": 3.0}}),
+         "b": summ("x:A", 30.0, {"(own)": {"ASR": 6.0, "ASI": 4.0}, "lib": {"ASR": 33.0, "ASI": 1.0}})}
+    text = open(report.write_comparison(str(tmp_path), s)).read()
+    assert "| Source \\ Target | x:A (a) | x:A (b) |" in text and "| lib | 11.00 | 33.00 |" in text
+    assert "| a | 5.00 | - |" in text and "| x:A (a) | 10.00 |" in text
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "summary.json").write_text("{}")
+    assert list(report.read_summaries([str(tmp_path / "runs" / "a") + "/"])) == ["a"]    # a trailing slash
 
 
 def _parse(svg):
@@ -145,8 +154,9 @@ def test_the_report_gives_each_method_its_own_count_where_a_family_was_refused(t
     report.write_report(str(tmp_path / "a"), s)
     assert "Test instances per method" not in (tmp_path / "a" / "report.md").read_text()
     report.write_report(str(tmp_path / "b"), {**s, "family_drops": {"m1": 0, "m2": 1}})
-    assert "per method (groups where build-bench's gate refused every rewrite of a method have none of it): m1 4 " \
-           "(0 groups refused), m2 3 (1 groups refused)." in (tmp_path / "b" / "report.md").read_text()
+    assert "per method (groups where build-bench's gate refused every rewrite of a method have none of it; the " \
+           "refusals count the groups of both splits): m1 4 (refused on 0 groups), m2 3 (refused on 1 groups)." \
+           in (tmp_path / "b" / "report.md").read_text()
 
 
 def test_a_harden_test_attacker_of_another_algorithm_is_out_of_distribution(tmp_path):
