@@ -228,7 +228,8 @@ def _method_lines(s, figs):
     if drops:                   # each method over the test groups it rewrote
         lines.append("Test instances per method (groups where build-bench's gate refused every rewrite of a method "
                      "have none of it; the refusals count the groups of both splits): " + ", ".join(
-                         f"{m} {seen[m].get('n', '-')} (refused on {drops.get(m, 0)} groups)" for m in methods) + ".\n")
+                         f"{m} {seen[m].get('n', '-')} (refused on {drops.get(m, 0)} groups)" for m in methods)
+                     + ".\n")
     unseen = {m for m in methods if not seen[m]["seen"]}
     conds = list(s["methods"])
     note = figure_note(s.get("notes"))
