@@ -267,16 +267,21 @@ def refusal_rates(raw_groups, families):
 
 def exposure_gain(rr, groups, families, k, n_boot=2000, seed=0):
     """Per family: P(rewrite in the base top-k) - P(source in the base top-k) on the same list, and its
-    cluster-bootstrap CI over groups. Scores are pointwise, so the rewrite is scored once per list."""
+    cluster-bootstrap CI over groups. Scores are pointwise, so the rewrite is scored once per list; ties are
+    broken as the pipeline breaks them (metrics.ranked, by document id: the rewrite's is the source's + '#F')."""
     out = {}
     per = {f: ([], []) for f in families}                  # family -> (per-group gain, group ids)
     for g in groups:
         scores = rr.score(g.query, [d["text"] for d in g.docs]).tolist()
-        rank_above = lambda s: sum(x > s for i, x in enumerate(scores) if i != g.source_index)
-        clean_in = rank_above(scores[g.source_index]) < k
+        ids, at = [d["doc_id"] for d in g.docs], g.source_index
+
+        def in_topk(s, doc_id):                            # the list with this document in the source's place
+            order = metrics.ranked(scores[:at] + [s] + scores[at + 1:], ids[:at] + [doc_id] + ids[at + 1:])
+            return order.index(at) < k
+        clean_in = in_topk(scores[at], ids[at])
         names = [f for f in families if f in g.attacks]
         for f, s in zip(names, rr.score(g.query, [g.attacks[f] for f in names]).tolist() if names else []):
-            per[f][0].append(float(rank_above(s) < k) - float(clean_in))
+            per[f][0].append(float(in_topk(s, f"{ids[at]}#{f}")) - float(clean_in))
             per[f][1].append(g.group_id)
     for f, (vals, gids) in per.items():
         if not vals:

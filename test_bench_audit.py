@@ -97,11 +97,30 @@ def test_the_exposure_gain_is_the_top_k_share_of_the_rewrite_minus_the_sources()
         def score(self, query, docs):
             import torch
             return torch.tensor([float(d.count("!")) for d in docs])
-    groups = [bench_audit.geodef.QueryGroup(f"g{i}", "q", [{"text": "!!" if j == 0 else "x"} for j in range(4)], 2,
-                                            {"loud": "!!!!!", "quiet": "y"}) for i in range(6)]
+    groups = [bench_audit.geodef.QueryGroup(f"g{i}", "q", [{"text": "!!" if j == 0 else "x", "doc_id": f"g{i}-{j}"}
+                                                           for j in range(4)], 2, {"loud": "!!!!!", "quiet": "y"})
+              for i in range(6)]
     e = bench_audit.exposure_gain(Bangs(), groups, ["loud", "quiet"], k=1, n_boot=200)
     assert e["loud"]["gain"] == 100.0 and e["loud"]["raises"] and e["quiet"]["gain"] == 0.0
     assert e["quiet"]["holds_zero"] and not e["quiet"]["raises"]
+
+
+def test_the_exposure_gain_breaks_ties_as_the_pipeline_does():
+    """A scorer that ties every document: the top k is the pipeline's tie-break by document id (metrics.ranked),
+    the rewrite under its own id; counting only strictly higher scores put both source and rewrite in every
+    top k (a gain of 0 whatever the ids)."""
+    class Flat:
+        def score(self, query, docs):
+            import torch
+            return torch.zeros(len(docs))
+    groups = [bench_audit.geodef.QueryGroup(f"g{i}", "q", [{"text": "x", "doc_id": f"g{i}-{j}"} for j in range(4)], 2,
+                                            {"F": "y"}) for i in range(40)]
+    top1 = lambda ids: bench_audit.metrics.ranked([0.0] * 4, ids)[0] == 2
+    want = [float(top1([f"g{i}-0", f"g{i}-1", f"g{i}-2#F", f"g{i}-3"])) -
+            float(top1([f"g{i}-{j}" for j in range(4)])) for i in range(40)]
+    got = bench_audit.exposure_gain(Flat(), groups, ["F"], k=1, n_boot=50)["F"]["gain"]
+    assert got == round(100 * sum(want) / 40, 2)
+    assert any(want)
 
 
 def test_bench_audit_writes_its_json_and_markdown(tmp_path, capsys):
