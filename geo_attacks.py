@@ -414,9 +414,9 @@ IF_REVISE = (f"{IF_GOAL} Revise the document by carrying out every directive of 
 
 def percent(scored):
     """[(item, score)] asked on 0-100 -> the same, read as fractions when every score of the reply is at
-    most 1 (a model answering the "probability" key on 0-1): scaled to 0-100, so tau filters what the
-    paper's scale means."""
-    if scored and all(s <= 1 for _, s in scored):
+    most 1 and one lies strictly between 0 and 1 (a model answering the "probability" key on 0-1): scaled to
+    0-100, so tau filters what the paper's scale means. Only 0s and 1s read as percent: 1% is no 100%."""
+    if scored and all(s <= 1 for _, s in scored) and any(0 < s < 1 for _, s in scored):
         return [(x, 100.0 * s) for x, s in scored]
     return scored
 
@@ -639,7 +639,9 @@ class Mageo:
       engine), the best 5 by gain; MAGEO keeps memory across documents in the order they are optimised,
       and build-bench runs each split apart so that no construction edit reaches a test rewrite (B.1.2);
     - the gate (cheap checks and the fidelity judge against the original source) comes before the
-      engine; MAGEO checks predicted faithfulness against the current version only;
+      engine; MAGEO checks predicted faithfulness against the current version only, and refuses a
+      candidate whose faithfulness or attribution drops by more than its epsilon 0.01: here that epsilon
+      is the margin the signal must rise by, and the judge stands for the drop check;
     - when no round is accepted, the first candidate that passed the gate is kept (trace: improved
       false) so that every group has a rewrite; MAGEO returns the source;
     - signal "reranker" (--mageo-signal reranker): the base reranker's score of the document among the
@@ -740,15 +742,14 @@ class Mageo:
             **attempt_of(jobs[i])} for i, cs in cands.items()}, EVAL_SCHEMA, needs("evaluations", list))
         order = {}
         for i, cs in cands.items():
-            pred = {k: 1.0 for k in range(len(cs))}
-            ok = set(range(len(cs)))
+            seen = {}                 # candidate index -> its evaluation; a label that names none is no evaluation
             for e in (evals.get(i) or {}).get("evaluations", []):
-                k = int(number(e.get("candidate"), 1, len(cs), 1)) - 1 if isinstance(e, dict) else None
-                if k is not None:
-                    pred[k] = predicted(e)
-                    if number(e.get("faithfulness"), 1, 10, 1) < MAGEO_FAITHFULNESS:
-                        ok.discard(k)
-            order[i] = sorted(ok, key=lambda k: (-pred[k], k))
+                k = e.get("candidate") if isinstance(e, dict) else None
+                if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= len(cs):
+                    seen[k - 1] = e
+            # only an evaluated candidate may be picked: one the evaluator skipped has passed no faithfulness check
+            ok = [k for k, e in seen.items() if number(e.get("faithfulness"), 1, 10, 1) >= MAGEO_FAITHFULNESS]
+            order[i] = sorted(ok, key=lambda k: (-predicted(seen[k]), k))
         picked = {}
         for turn in range(MAGEO_CANDIDATES):  # the next best candidate of the jobs whose earlier one was refused
             todo = [i for i in order if i not in picked and turn < len(order[i])]

@@ -171,6 +171,26 @@ def test_mageo_stops_after_two_rounds_without_an_accepted_edit():
         assert t["rounds"] in (last + geo_attacks.MAGEO_PATIENCE, geo_attacks.MAGEO_ROUNDS)
 
 
+def test_mageo_picks_only_candidates_its_evaluator_scored_under_their_own_labels():
+    """An evaluator that numbers the candidates from 0, or skips one: a label naming no candidate is no
+    evaluation (clamped, it overwrote candidate 1's), and a candidate without one has passed no faithfulness
+    check, so it is never picked; here nothing is, and nothing goes to the gate."""
+    class ZeroBased(Recorder):
+        def map(self, requests, **kw):
+            out = super().map(requests, **kw)
+            for k, r in enumerate(requests):
+                if '"rewrite_task": "F3.evaluate"' in r["messages"][0]["content"]:
+                    full = {"visibility": 10, "position": 10, "faithfulness": 10, "attribution": 10}
+                    data = {"evaluations": [{"candidate": 0, **full}, {"candidate": 1, **full, "faithfulness": 2}]}
+                    out[k] = llm_clients.Reply(json.dumps(data), data=data)
+            return out
+    rec = ZeroBased()
+    ctx = geo_jobs.Ctx(rec)
+    docs = [SOURCE] + [f"Other page {k} about Australian cities." for k in range(9)]
+    out = geo_attacks.FAMILIES["MAGEO"]().run(ctx, [geo_jobs.Job(QUERY, SOURCE, 0, "g0", docs, 0)])
+    assert out[0][1]["candidate_gate"] == [] and out[0][1]["accepted_rounds"] == []
+
+
 def test_geo_sfe_runs_only_the_levels_with_a_gap():
     structured = ("# A\n\n## B\n\n### C\n\n" + ("**Key** words here. " * 55 + "\n\n") * 3
                   + "- one\n- two\n- three\n- four\n")
@@ -194,6 +214,9 @@ def test_if_geo_keeps_requests_of_priority_tau_or_more_in_priority_order():
     assert [r["priority"] for r in dedup] == sorted((r["priority"] for r in dedup), reverse=True)
     assert all(re.fullmatch(r"query\d+-suggestion\d+", r["id"]) for r in dedup)
     assert geo_attacks.priority(90, 80) == 0.72 and geo_attacks.priority(85, 80) == 0.68       # kept; dropped
+    # a reply on 0-1 is scaled to the paper's 0-100; one of 0s and 1s is on 0-100 already (1% stays 1%)
+    assert geo_attacks.percent([("a", 0.9), ("b", 1)]) == [("a", 90.0), ("b", 100.0)]
+    assert geo_attacks.percent([("a", 1), ("b", 0)]) == [("a", 1), ("b", 0)]
 
 
 @pytest.mark.parametrize("text, why", [("AutoGEO says: " + SOURCE, "names an attack family"),
