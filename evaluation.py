@@ -710,9 +710,9 @@ def defense_diagnostics(results, by_id):
     """PromptArmor: documents screened, those the remover cut from (attack, benign: its false
     positives), attack documents emptied, quoted passages not in the document, characters cut.
     RobustRAG: queries answered "I don't know." without a final call, isolated answers that abstained,
-    kept phrases per query, how often the attack document supports a kept phrase that is cited
-    for (one not made of the question's words alone), and our keyword certificate after RobustRAG's: % of
-    queries whose thresholded phrases no K' = 1, 2, 3 corrupted passages can change
+    kept phrases per query, how often the attack document supports a kept phrase (one not made of the
+    question's words alone: the answer cites the attack where it uses one), and our keyword certificate
+    after RobustRAG's: % of queries whose thresholded phrases no K' = 1, 2, 3 corrupted passages can change
     (defenses.keyword_certified; it bounds neither the citations nor the ASR beside it). On a list with
     several attacked documents each of them counts as an attack."""
     out = {}
@@ -739,7 +739,7 @@ def defense_diagnostics(results, by_id):
             "isolated_abstained": sum(defenses.abstains(a) for g in rr for a in g["isolated"]),
             "kept_phrases_per_query": sum(len(g["support"]) for g in rr) / max(1, len(rr)),
             "attack_in_context": sum(bool(a) for a in att),
-            "attack_supports_a_cited_phrase": sum(any(
+            "attack_supports_a_kept_phrase": sum(any(
                 i in s for i in a for p, s in g["support"].items() if p not in g["question_phrases"])
                 for a, g in zip(att, rr)),
             "ASR": metrics.asr([r["attack_cited"] for r in recs]),       # beside the certificate: measured

@@ -392,7 +392,8 @@ def defense_lines(s):
             ["isolated answers that abstained", f"{r['isolated_abstained']}/{r['isolated_answers']}"],
             ["kept phrases per query", fmt(r["kept_phrases_per_query"])],
             ["attack documents in the top-k", r["attack_in_context"]],
-            ["... whose isolated answer supports a kept phrase cited for", r["attack_supports_a_cited_phrase"]]]
+            ["... whose isolated answer supports a kept phrase (the answer cites it where it uses one)",
+             r["attack_supports_a_kept_phrase"]]]
             + robustrag_certificate_rows(r)) + "\n")
     return lines
 
