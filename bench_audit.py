@@ -402,8 +402,10 @@ def markdown(r, offline_note=None):
                          f"{_verdict(v)} |")
     t = r.get("transfer")
     lines += ["", "## Do the seen families' cues transfer to the unseen ones?", ""]
-    lines += ["No honest edits in this file: build it with `build-bench --honest` to ask whether a detector of the "
-              "seen families' rewrites against honest pages separates the unseen families too."] if t is None else [
+    why = ("No seen families named in this file (_meta.seen_methods): nothing to train a detector on."
+           if not r.get("seen") else "No honest edits in this file: build it with `build-bench --honest` to ask "
+           "whether a detector of the seen families' rewrites against honest pages separates the unseen families too.")
+    lines += [why] if t is None else [
         "A detector of the seen families' rewrites against honest edits and unedited sources (naive Bayes, "
         "cross-validated by query group) scores each unseen family's rewrites against the honest edits of the same "
         "groups. 95% CIs over query groups.", "", "| unseen family | ROC AUC | CI | TPR at 5% FPR | CI | groups |",

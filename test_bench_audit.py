@@ -88,6 +88,12 @@ def test_the_transfer_check_asks_whether_seen_cues_separate_unseen_rewrites_from
     assert t["C"]["auc"] == 0.5 and t["C"]["auc_ci"][0] <= 0.5 <= t["C"]["auc_ci"][1]
     assert "Do the seen families' cues transfer" in bench_audit.markdown(r)
     assert bench_audit.audit(_bench(tmp_path, edit_of, ["A", "B", "C"]), folds=4)["transfer"] is None
+    path = _bench(tmp_path, edit_of, ["A", "B", "C"], n=16, honest=clarify)          # honest edits, no seen family
+    lines = open(path).read().split("\n")
+    lines[0] = json.dumps({"_meta": {"methods": ["A", "B", "C"], "synthetic": True}})
+    open(path, "w").write("\n".join(lines))
+    md = bench_audit.markdown(bench_audit.audit(path, folds=4))
+    assert "No seen families named in this file" in md and "No honest edits" not in md
 
 
 def test_the_exposure_gain_is_the_top_k_share_of_the_rewrite_minus_the_sources():
