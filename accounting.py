@@ -3,11 +3,12 @@ per reply received, over every invocation), its sums per stage and model, and th
 price table: one key (`price_key`, the model name after the provider) and one formula for tokens
 (`token_cost`), a batch API's rows at the batch share.
 
-Usage: append_ledger("runs/x/usage.jsonl", {"stage": "eval", "model": "openai:gpt-5.5", ...}, lock)
+Usage: append_ledger("runs/x/usage.jsonl", {"stage": "eval", "model": "openai:gpt-5.5", ...})
        ledger_usage("runs/x/usage.jsonl", {"gpt-5.5": [1.25, 10.0]})["total"]["cost_usd"]
 """
 import json
 import os
+import threading
 
 BATCH_SHARE = 0.5
 LEDGER_KINDS = ("rerank:", "search:")    # ledger rows other than chat replies: 'rerank:SPEC', 'search:SPEC'
@@ -76,8 +77,15 @@ def price_of(label, row, prices):
     return token_cost(p, row, batch=label.endswith(" [batch]"))
 
 
-def append_ledger(path, record, lock):
-    """One line of a usage ledger (see ledger_usage), written under `lock`."""
+_LOCKS, _LOCKS_HELD = {}, threading.Lock()       # one lock a ledger file, whichever client writes it
+
+
+def append_ledger(path, record):
+    """One line of a usage ledger (see ledger_usage), written under the file's one lock in this process: a
+    target, a judge and a reranker client append to one run's ledger, and the repair of a cut last line
+    below must not run while another writer's line is half written."""
+    with _LOCKS_HELD:
+        lock = _LOCKS.setdefault(os.path.abspath(path), threading.Lock())
     with lock:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         try:

@@ -266,7 +266,7 @@ class SearchClient:
             # (advanced search: 2 API credits a request, Tavily's pricing)
             if self.ledger:
                 accounting.append_ledger(self.ledger, {"stage": "build-bench", "model": "search:" + self.label,
-                                                       "search_units": 2}, self.transport.lock)
+                                                       "search_units": 2})
             if not isinstance(resp, dict) or not isinstance(resp.get("results"), list):
                 raise transport.LLMError(f"{self.label}: results: expected a list")
             hit = {"results": [{"url": r.get("url") if isinstance(r.get("url"), str) else "",

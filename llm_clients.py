@@ -527,7 +527,7 @@ class Client:
                 self._stats[k] = self._stats.get(k, 0) + v
         if self.ledger:
             label = self.label + (" [batch]" if mode == "batch" else "")
-            accounting.append_ledger(self.ledger, {"stage": self.stage, "model": label, **tokens}, self.lock)
+            accounting.append_ledger(self.ledger, {"stage": self.stage, "model": label, **tokens})
 
     def request_key(self, messages, temperature=0, max_tokens=2048, json=False, check=None, sample=0):
         """The cache key of a chat() request, and the body to send for it (what a batch line carries).

@@ -152,7 +152,7 @@ class RerankClient:
                 self._stats[k] += usage.get(k, 0)
         if self.ledger:
             append_ledger(self.ledger, {"stage": self.stage, "model": "rerank:" + self.label, "documents": n_docs,
-                                        **usage}, self.lock)
+                                        **usage})
 
     def map(self, requests_, workers=8):
         """[(query, docs), ...] -> [RerankReply, ...] in order, `workers` at a time; the first failure

@@ -4,7 +4,6 @@ Vendors with: accounting.py (no torch)
 Run: python -m pytest -q test_accounting.py
 """
 import json
-import threading
 
 import pytest
 
@@ -45,11 +44,10 @@ def test_a_price_of_another_kind_is_unknown_not_zero():
 
 def _ledger(tmp_path):
     """A ledger of four replies: three of one model in two stages, one of another model."""
-    path, lock = str(tmp_path / "usage.jsonl"), threading.Lock()
+    path = str(tmp_path / "usage.jsonl")
     for stage in ("eval", "eval", "train"):
-        append_ledger(path, {"stage": stage, "model": "ollama:qwen3:8b", "prompt_tokens": 10, "completion_tokens": 5},
-                      lock)
-    append_ledger(path, {"stage": "eval", "model": "offline:offline-engine", "prompt_tokens": 1}, lock)
+        append_ledger(path, {"stage": stage, "model": "ollama:qwen3:8b", "prompt_tokens": 10, "completion_tokens": 5})
+    append_ledger(path, {"stage": "eval", "model": "offline:offline-engine", "prompt_tokens": 1})
     return path
 
 
@@ -62,7 +60,7 @@ def test_a_line_cut_by_a_kill_is_skipped_by_the_ledger(tmp_path):
     assert u == whole and u["total"]["replies"] == 4
     # the rerun's next reply is not glued onto the cut line (it would go unread: that reply is cached, never
     # asked again, and its cost lost for good)
-    append_ledger(path, {"stage": "eval", "model": "offline:offline-engine", "prompt_tokens": 1}, threading.Lock())
+    append_ledger(path, {"stage": "eval", "model": "offline:offline-engine", "prompt_tokens": 1})
     assert ledger_usage(path, {})["total"]["replies"] == 5
     with open(path, "a") as f:          # a line no writer wrote (an edit by hand): skipped, not a crash
         f.write("[1, 2]\n12\n")

@@ -777,7 +777,7 @@ def _write_past_4096_bytes(d):
     said = []
     for write in (lambda: store.atomic_write(d + "/a.json", "x" * 10000),
                   lambda: store.append_jsonl(d + "/b.jsonl", {"x": "y" * 10000}),
-                  lambda: accounting.append_ledger(d + "/u.jsonl", {"x": "y" * 10000}, threading.Lock()),
+                  lambda: accounting.append_ledger(d + "/u.jsonl", {"x": "y" * 10000}),
                   lambda: llm_clients.ReplyCache(d + "/c").put_raw("ab" * 32, {"x": "y" * 10000})):
         try:
             write()
