@@ -23,8 +23,9 @@ batch it may have made (`find`: OpenAI's by its input file, Anthropic's by its s
 since a second batch would be billed again. The manifest is one object per file in the
 process (Manifest.at): the target's and the judge's runners share it, every change written under its
 lock. A rerun after a kill first collects every recorded batch that holds requests still missing,
-instead of submitting them again. Lines that failed for a reason retrying can help (5xx, rate
-limit, expired or cancelled) are resubmitted, exactly those, up to `rounds` batch rounds in all.
+instead of submitting them again, and takes all its lines, those of requests the rerun does not ask
+included (billed: cached for the call that asks them). Lines that failed for a reason retrying can help
+(5xx, rate limit, expired or cancelled) are resubmitted, exactly those, up to `rounds` batch rounds in all.
 
 Polling logs the request counts when they change (else every PROGRESS_EVERY polls) and ends at the
 batch's deadline (`deadline` seconds after submission; by default the providers' 24 h window): the
@@ -32,7 +33,9 @@ batch is cancelled, and once it has ended (it may stay cancelling for up to CANC
 as polling is) the replies it has are kept and the rest go synchronously. A batch that failed, one the
 server no longer knows (HTTP 404: another API key, a purged file), results over the size cap,
 or a status without a status field (MALFORMED_POLLS times) is closed in the manifest with its reason,
-and its requests are sent again once, in a new batch, then synchronously.
+and its requests are sent again once, in a new batch, then synchronously. A batch given up with lines it
+may have run (billed, their replies unread) enters one `lost`, unmetered row in the usage ledger, so
+that the run's cost reads unknown rather than short.
 
 Usage: client = Client.open(url, model, batch=lambda c: BatchRunner(c, "runs/x/batches.json", poll=60))
        client.map(requests)
@@ -71,25 +74,40 @@ CLOCK_SKEW = 300            # seconds the provider's clock may run behind ours (
 
 
 class BatchUnsupported(LLMError):
-    """The server has no batch endpoint (404/405 on it), or refused to create the batch."""
+    """The server has no batch endpoint (404/405/501 on it), or refused to create the batch (another 4xx that
+    retrying cannot help: not 408, 409 or 429)."""
+
+
+def _refusal(e, label, where):
+    """A failed batch creation -> BatchUnsupported where the server says it has no batches or refuses this
+    one; None for a failure that may pass (a rate limit, a 5xx, no reply, past the transport's retries):
+    that stays an LLMError, since BatchUnsupported turns batching off for the run (`auto`: every later
+    stage synchronous, at twice the price)."""
+    if e.status in (404, 405, 501):
+        return BatchUnsupported(f"{label}: no batch endpoint at {where} (HTTP {e.status})", e.status)
+    if e.status is not None and 400 <= e.status < 500 and e.status not in RETRY_STATUS:
+        return BatchUnsupported(f"{label}: the batch was refused at creation (HTTP {e.status}): {e}", e.status)
+    return None
 
 
 class _Lost(Exception):
     """A batch that cannot give its answers (failed, unknown to the server, results over the size
-    cap, no status field): closed with this reason, its requests sent again."""
+    cap, no status field): closed with this reason, its requests sent again. counts: its last request
+    counts (None: unknown), which say how many lines it ran and billed."""
 
-    def __init__(self, reason, state=None):
+    def __init__(self, reason, state=None, counts=None):
         super().__init__(reason)
-        self.state = state
+        self.state, self.counts = state, counts
 
 
 class Manifest:
-    """The run folder's record of batches: {"batches": [{"digest", "custom_ids", "id", "provider",
-    "submitted_at", "status", "collected", "reason"}]}; `collected`: closed, nothing more to fetch,
-    `reason` saying why when it did not end normally. One object per file in the process
-    (Manifest.at), so that runners sharing a run folder (the target's, the judge's) never write over
-    each other's batches: every change is made under its lock, and the whole file is rewritten from
-    it (aside, then renamed)."""
+    """The run folder's record of batches: {"batches": [{"digest", "custom_ids", "json", "id", "provider",
+    "submitted_at", "status", "collected", "reason"}]}; `json`: one character per custom id, "1" where
+    the request asked for JSON (what caching a line for a request a rerun no longer asks needs, see
+    BatchRunner._keep); `collected`: closed, nothing more to fetch, `reason` saying why when it did not
+    end normally. One object per file in the process (Manifest.at), so that runners sharing a run folder
+    (the target's, the judge's) never write over each other's batches: every change is made under its
+    lock, and the whole file is rewritten from it (aside, then renamed)."""
 
     _open = weakref.WeakValueDictionary()     # absolute path -> that file's Manifest, while one is in use
     _open_lock = threading.Lock()
@@ -236,8 +254,9 @@ class BatchRunner:
     def _submit(self, chunk, job):
         """Record the chunk, create its batch, record the id -> the manifest entry."""
         entry = {"digest": hashlib.sha256("".join(sorted(chunk)).encode()).hexdigest()[:16], "custom_ids": chunk,
-                 "id": None, "provider": self.client.label, "submitted_at": None, "status": None,
-                 "collected": False, "reason": None, "tried_at": self.clock()}
+                 "json": "".join("1" if job.todo[k][0].get("json") else "0" for k in chunk), "id": None,
+                 "provider": self.client.label, "submitted_at": None, "status": None, "collected": False,
+                 "reason": None, "tried_at": self.clock()}
         self.manifest.add(entry)
         try:
             batch_id = self.provider.create([self.provider.line(k, job.todo[k][1]) for k in chunk],
@@ -259,11 +278,13 @@ class BatchRunner:
         try:
             status, late = self._poll(entry, job.desc)
             if status["state"] == "failed":
-                raise _Lost(f"failed ({status['why']})", "failed")
+                raise _Lost(f"failed ({status['why']})", "failed", status["counts"])
             results = self._results(status, entry, job.desc) if status["state"] in ENDED else {}
         except _Lost as e:
             return self._lost(entry, job, e)
         again, kept = self._take(entry, job, results)
+        if status["state"] not in ENDED:       # given up still cancelling (or no status): its lines go unread
+            self._unread(entry, status["state"], status["counts"])
         self.manifest.update(entry, status=status["state"], collected=True, reason="deadline" if late else None)
         if not late:
             return again
@@ -273,8 +294,10 @@ class BatchRunner:
         return set()
 
     def _lost(self, entry, job, lost):
-        """A batch that cannot give its answers: closed in the manifest with the reason; its unanswered
-        requests are sent again once, in a new batch, then synchronously -> the keys to send again."""
+        """A batch that cannot give its answers: the lines it ran entered in the ledger (_unread), closed in
+        the manifest with the reason; its unanswered requests are sent again once, in a new batch, then
+        synchronously -> the keys to send again."""
+        self._unread(entry, lost.state, lost.counts)
         self.manifest.update(entry, status=lost.state or entry.get("status"), collected=True,
                              reason=self.client.transport.mask(str(lost)))
         self.stats["closed"] += 1
@@ -286,6 +309,17 @@ class BatchRunner:
                          ([f"{sync} requests are sent synchronously"] if sync else [])) or "nothing left to send"
         self.log(f"[batch] {job.desc}: batch {entry['id']} {lost}: closed; {then}")
         return again
+
+    def _unread(self, entry, state, counts):
+        """A batch given up with lines it may have run, their replies unread: one ledger row under the batch
+        label, {"lost": n, "unmetered": 1}, as Client._lost enters a synchronous reply lost, so that the cost
+        reads unknown rather than short (the requests are bought again). n: the lines the provider counts as
+        completed; with no counts, every line (each may have run or still run), save a failed batch's (it
+        failed validation: none ran). Entered before the manifest closes the batch: a kill between the two
+        enters it twice on the rerun, which leaves the cost unknown, never short."""
+        n = counts[0] if counts else 0 if state == "failed" else len(entry["custom_ids"])
+        if n:
+            self.client._enter({"lost": n, "unmetered": 1}, mode="batch")
 
     def _poll(self, entry, desc):
         """Status checks with backoff until the batch ends -> (status, False); at its deadline it is
@@ -327,8 +361,8 @@ class BatchRunner:
 
     def _cancelled(self, batch_id, desc):
         """Cancel the batch and wait while it is cancelling, up to CANCEL_GRACE -> its status then: ended
-        (its lines are taken) or not (nothing is taken; the rest go synchronously). The wait is logged as
-        it starts, then as polling logs progress."""
+        (its lines are taken) or not (nothing is taken, the lines it ran are entered in the ledger as lost:
+        _unread; the rest go synchronously). The wait is logged as it starts, then as polling logs progress."""
         status, end, wait, polls = self._cancel(batch_id), self.clock() + CANCEL_GRACE, self.poll, 0
         shown = _progress(status)
         if status["state"] is not None and status["state"] not in ENDED:
@@ -338,7 +372,7 @@ class BatchRunner:
             left = end - self.clock()
             if left <= 0:
                 self.log(f"[batch] {desc}: batch {batch_id} still {status['state']} {_span(CANCEL_GRACE)} after its "
-                         "cancel: the lines it ran are not taken")
+                         "cancel: the lines it ran are not taken (the ledger counts them as lost)")
                 break
             self.sleep(min(wait, left))
             wait = min(wait * 1.5, 10 * self.poll)
@@ -367,13 +401,21 @@ class BatchRunner:
                 else self.provider.outcome(rec) for rec in lines}
 
     def _take(self, entry, job, results):
-        """Cache the usable replies of one ended batch -> (keys worth another batch, replies kept)."""
+        """Cache the usable replies of one ended batch -> (keys worth another batch, replies kept). Every line
+        is taken, whatever this call asks: a batch made before a kill and collected by a rerun that asks
+        fewer requests holds the others' replies, billed, which a later call then reads from the cache."""
         again, kept = set(), 0
+        mask = entry.get("json")
+        asked_json = dict(zip(entry["custom_ids"], mask)) if isinstance(mask, str) and \
+            len(mask) == len(entry["custom_ids"]) else None
         for key in entry["custom_ids"]:
-            if key not in job.todo or self.client.cache.get(key) is not None:
-                continue                                   # another call's request, or answered already
+            if self.client.cache.get(key) is not None:
+                continue                                   # answered already (and counted then)
             kind, got = results.get(key, ("retry", "no line"))     # no line: expired or cancelled unrun
-            if kind == "retry":
+            if key not in job.todo:                        # another call's request: cached for it
+                if kind == "ok" and self._keep(key, got, asked_json):
+                    kept += 1
+            elif kind == "retry":
                 again.add(key)
             elif kind == "ok" and self._store(key, got, job.todo[key][0]):
                 kept += 1
@@ -388,6 +430,19 @@ class BatchRunner:
             return self.client.store(key, reply, request.get("json", False), request.get("check"), mode="batch")
         except (LLMError, ValueError, TypeError, AttributeError, RecursionError, OverflowError):
             return False
+
+    def _keep(self, key, reply, asked_json):
+        """A line for a request this call does not ask -> True if cached: cached as chat() caches it, its
+        JSON parsed where the manifest says it asked for JSON (`check`, a function, is not recorded: chat()
+        applies it to a cached reply, asking again where it fails). Without that record (an entry written
+        before it was kept) the reply cannot be cached under its key: it is counted, being billed, no more."""
+        if asked_json is not None:
+            return self._store(key, reply, {"json": asked_json[key] == "1"})
+        try:
+            self.client._receive(reply, "batch")           # counts it, even where it does not parse
+        except (LLMError, ValueError, TypeError, AttributeError, RecursionError, OverflowError):
+            pass
+        return False
 
     # --- the providers' endpoints
 
@@ -426,10 +481,10 @@ class BatchRunner:
             except LLMError as e:
                 if e.status in GONE:
                     raise _Lost(f"has results the server no longer has ({urlparse(url).path}: HTTP {e.status})",
-                                status["state"]) from None
+                                status["state"], status.get("counts")) from None
                 if e.status == 200:                    # refused unread: over results_cap
-                    raise _Lost(f"has results over the size cap ({self.results_cap} bytes)", status["state"]) \
-                        from None
+                    raise _Lost(f"has results over the size cap ({self.results_cap} bytes)", status["state"],
+                                status.get("counts")) from None
                 raise
         return out, stray
 
@@ -462,12 +517,10 @@ class OpenAIBatches:
                 "input_file_id": f["id"], "completion_window": "24h",
                 "endpoint": urlparse(self.base + "/chat/completions").path}, again=again)
         except LLMError as e:
-            if e.status in (404, 405):
-                raise BatchUnsupported(f"{self.label}: no batch endpoint at {self.base}/batches "
-                                       f"(HTTP {e.status})", e.status) from None
-            if e.status is not None and 400 <= e.status < 500:
-                raise BatchUnsupported(f"{self.label}: the batch was refused at creation: {e}", e.status) from None
-            raise
+            refused = _refusal(e, self.label, f"{self.base}/batches")
+            if refused is None:
+                raise
+            raise refused from None
         return _id(b, self.label, "batch")
 
     def find(self, entry, known):
@@ -475,7 +528,8 @@ class OpenAIBatches:
         100 -> its object, or None (also where the server lists no batches)."""
         fid = entry.get("input_file_id")
         page = _listing(self.transport, self.base + "/batches?limit=100") if fid else []
-        return next((b for b in page if b.get("input_file_id") == fid and b.get("id") not in known), None)
+        return next((b for b in page if b.get("input_file_id") == fid and isinstance(b.get("id"), str)
+                     and b["id"] not in known), None)
 
     def path(self, batch_id):
         return f"{self.base}/batches/{batch_id}"
@@ -484,12 +538,14 @@ class OpenAIBatches:
         """An OpenAI Batch object -> the runner's status (see BatchRunner._status)."""
         rc = json_object(b.get("request_counts"))
         counts = tuple(_int(rc.get(k)) for k in ("completed", "failed", "total"))
-        errors = json_object(b.get("errors")).get("data") or []
+        errors = json_object(b.get("errors")).get("data")
+        errors = errors if isinstance(errors, list) else []         # a list of {code, message, ...}; else none
         why = "; ".join(self.transport.mask(str(json_object(e).get("message")))[:200]     # masked, then cut
                         for e in errors[:3] if json_object(e).get("message"))
+        fids = [f if isinstance(f, str) and f else None for f in (b.get("output_file_id"), b.get("error_file_id"))]
         return {"state": b.get("status") if isinstance(b.get("status"), str) else None,
                 "counts": counts if None not in counts else None, "why": why or "the provider gave no reason",
-                "output": b.get("output_file_id"), "errors": b.get("error_file_id")}
+                "output": fids[0], "errors": fids[1]}
 
     def result_urls(self, status):
         return [f"{self.base}/files/{fid}/content" for fid in (status.get("output"), status.get("errors")) if fid]
@@ -523,27 +579,29 @@ class AnthropicBatches:
         try:
             b = self.transport.send("POST", self.base + "/messages/batches", {"requests": lines}, again=again)
         except LLMError as e:
-            if e.status is not None and 400 <= e.status < 500:
-                raise BatchUnsupported(f"{self.label}: the batch was refused at creation "
-                                       f"(HTTP {e.status}): {e}", e.status) from None
-            raise
+            refused = _refusal(e, self.label, f"{self.base}/messages/batches")
+            if refused is None:
+                raise
+            raise refused from None
         return _id(b, self.label, "batch")
 
     def find(self, entry, known):
         """A Message Batch has no metadata and no input file: among the newest 100 not `known` (recorded in
         the manifest), one with as many requests created nearest after the entry was tried (else within
         CLOCK_SKEW before) -> its object, or None. Another client's batch of that size taken by mistake
-        costs a round, never an answer: its lines name other custom ids."""
+        costs a round, never an answer: its lines name other custom ids. Residual risk: two runners killed
+        before either recorded its id may each adopt the other's batch (the API shows no request ids before
+        results exist); each then resends its requests, and the other's billed lines are counted by neither."""
         tried = entry.get("tried_at")
         page = _listing(self.transport, self.base + "/messages/batches?limit=100") if tried else []
         fits = []
         for b in page:
             try:
                 made = datetime.fromisoformat(str(b.get("created_at"))).timestamp()
-            except ValueError:
+            except (ValueError, OverflowError):        # (a year the platform's clock cannot hold)
                 continue
-            counts = self.status(b)["counts"]
-            if b.get("id") not in known and counts and counts[2] == len(entry["custom_ids"]) and \
+            counts, bid = self.status(b)["counts"], b.get("id")
+            if isinstance(bid, str) and bid not in known and counts and counts[2] == len(entry["custom_ids"]) and \
                     made >= tried - CLOCK_SKEW:
                 fits.append((made < tried, abs(made - tried), b))
         return min(fits, key=lambda f: f[:2])[2] if fits else None
@@ -567,7 +625,8 @@ class AnthropicBatches:
         url = status.get("results_url")
         where, base = urlparse(url or ""), urlparse(self.base)
         if url and (where.scheme, where.netloc) != (base.scheme, base.netloc):
-            raise _Lost(f"has a results_url elsewhere ({where.scheme}://{where.hostname}), refused", status["state"])
+            raise _Lost(f"has a results_url elsewhere ({where.scheme}://{where.hostname}), refused", status["state"],
+                        status.get("counts"))
         return [url] if url else []
 
     @staticmethod

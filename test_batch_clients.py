@@ -1,15 +1,17 @@
 """batch_clients.py over real HTTP: the offline engine's loopback server answering OpenAI's Files +
 Batches and Anthropic's Message Batches. Equal to synchronous calls, batches in progress, expired
-half done, failed lines, a kill while polling, results out of order, refusals, size limits; what is
-no answer (an id on two lines, unusable lines); failed, lost and purged batches closed and sent
-again once; progress lines and the deadline; one manifest writer for two runners; the engine's
-objects read by the official openai and anthropic SDKs, and its HTTP framing; and `eval
---batch-api` on the demo run giving the synchronous records at the batch price.
+half done, failed lines, a kill while polling (the rerun asking fewer requests), results out of order,
+refusals and creations failing for now, size limits; what is no answer (an id on two lines, unusable
+lines); failed, lost and purged batches closed and sent again once, the lines they ran entered in the
+ledger as lost; malformed statuses and listings; progress lines and the deadline; one manifest writer
+for two runners; the engine's objects read by the official openai and anthropic SDKs, and its HTTP
+framing; and `eval --batch-api` on the demo run giving the synchronous records at the batch price.
 Needs: batch_clients.py, llm_clients.py, endpoints.py, accounting.py, offline_server.py, offline.py (and
 what it imports); the SDK test the openai and anthropic packages (requirements-test.txt); the eval test
 also the jobs and the demo run (conftest.py).
 Run: python -m pytest -q test_batch_clients.py
 """
+import datetime
 import json
 import os
 import shutil
@@ -50,12 +52,19 @@ def requests_(n, tag="q"):
             for i in range(n)]
 
 
-def batched(url, tmp_path, protocol="openai", model="m", logs=None, **kw):
+def batched(url, tmp_path, protocol="openai", model="m", logs=None, ledger=None, **kw):
+    """A client whose map() goes through a BatchRunner on tmp_path's manifest; ledger: its usage ledger (stage
+    "s"); kw: the runner's."""
     kw.setdefault("poll", 0.01)
     log = logs.append if logs is not None else lambda m: None
     manifest = str(tmp_path / "batches.json")
-    return llm_clients.Client.open(url, model, protocol=protocol, cache_dir=str(tmp_path / "cache"),
-                              batch=lambda c: batch_clients.BatchRunner(c, manifest, log=log, **kw))
+    return llm_clients.Client.open(url, model, protocol=protocol, cache_dir=str(tmp_path / "cache"), ledger=ledger,
+                                   stage="s", batch=lambda c: batch_clients.BatchRunner(c, manifest, log=log, **kw))
+
+
+def ledger_rows(ledger):
+    """The usage ledger's rows of stage "s" by label."""
+    return accounting.ledger_usage(ledger)["stages"].get("s", {})
 
 
 def synchronous(url, reqs):
@@ -155,6 +164,33 @@ def test_a_kill_while_polling_resumes_the_same_batch(engine, tmp_path):
     assert srv.batches.created == 1 and all(r.text for r in out) and c.batch.stats["batches"] == 0
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_rerun_asking_fewer_requests_takes_every_line_of_the_resumed_batch(engine, tmp_path, recorded):
+    """Killed while its batch of 8 runs, the stage is rerun with 4 of them: the batch's other 4 lines, billed,
+    are counted, and cached as chat() caches them (JSON parsed where asked), so that a later map of those 4
+    reads them instead of buying them again. A manifest entry without its JSON record (written before it was
+    kept) cannot say how to cache them: they are counted only."""
+    srv, url = engine
+    srv.batches.knobs["polls"] = 10 ** 6
+    reqs, ledger = [{**r, "json": i % 2 == 0} for i, r in enumerate(requests_(8))], str(tmp_path / "usage.jsonl")
+
+    def killed(s):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        batched(url, tmp_path, ledger=ledger, sleep=killed).map(reqs, progress=False)
+    if not recorded:
+        m = batch_clients.Manifest.at(str(tmp_path / "batches.json"))
+        m.update(m.data["batches"][0], json=None)
+    srv.batches.knobs["polls"] = 0
+    c = batched(url, tmp_path, ledger=ledger)
+    c.map(reqs[:4], progress=False)
+    assert ledger_rows(ledger)["openai:m [batch]"]["replies"] == 8 and srv.batches.created == 1
+    later = c.map(reqs[4:], progress=False)
+    want = llm_clients.Client.open(url, "m").map(reqs[4:], progress=False)
+    assert [(r.text, r.data) for r in later] == [(r.text, r.data) for r in want] and later[0].data is not None
+    assert srv.batches.created == (1 if recorded else 2)
+
+
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
 def test_a_batch_whose_creation_reply_was_lost_is_found_not_created_again(engine, tmp_path, protocol):
     """The server made the batch and the reply was lost: before asking again the runner looks for it (a
@@ -166,6 +202,29 @@ def test_a_batch_whose_creation_reply_was_lost_is_found_not_created_again(engine
     reqs = requests_(6)
     assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
     assert srv.batches.created == 2 and [b["id"] for b in manifest(tmp_path)] == ["batch-1", "batch-2"]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+@pytest.mark.parametrize("code", [429, 503])
+def test_a_creation_failing_past_the_retries_raises_and_leaves_batching_on(engine, tmp_path, protocol, code):
+    """A rate limit or a 5xx at creation, still there past the transport's retries, may pass: it is the
+    LLMError it is, not BatchUnsupported, which under `auto` would send every later stage synchronously at
+    twice the price; the next map batches (after looking for the batch the failed creation may have made)."""
+    srv, url = engine
+    c, reqs = batched(url, tmp_path, protocol, auto=True), requests_(3)
+    send, down = c.transport.send, [True]
+
+    def creation_down(method, u, *a, **kw):
+        if down[0] and method == "POST" and u.endswith("batches"):
+            raise llm_clients.LLMError(f"HTTP {code}", code)
+        return send(method, u, *a, **kw)
+    c.transport.send = creation_down
+    with pytest.raises(llm_clients.LLMError, match=f"HTTP {code}") as e:
+        c.map(reqs, progress=False)
+    assert not isinstance(e.value, batch_clients.BatchUnsupported) and not c.batch.unsupported
+    down[0] = False
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    assert srv.batches.created == 1 and c.batch.stats["batches"] == 1
 
 
 def test_a_server_without_batches_is_asked_once_per_stage_and_a_rerun_falls_back_again(engine, tmp_path):
@@ -339,6 +398,27 @@ def test_results_over_the_size_cap_go_to_a_new_batch_once_then_synchronously(eng
     assert any("batch-2" in m and "3 requests are sent synchronously" in m for m in logs)
 
 
+# (the engine fails OpenAI batches only, and answers Anthropic's protocol by batch only: no synchronous way)
+@pytest.mark.parametrize("protocol, how", [("openai", "purged"), ("anthropic", "purged"), ("openai", "over the cap"),
+                                           ("openai", "failed")])
+def test_a_lost_batch_enters_the_lines_it_ran_in_the_ledger(engine, tmp_path, protocol, how):
+    """A batch whose 3 lines ran but whose results cannot be read (purged, over the size cap) is sent again:
+    the first batch's billed lines are one ledger row, lost and unmetered (the cost unknown, not short); over
+    the cap, the second batch's too, before the synchronous way. A batch that failed validation ran none:
+    no such row."""
+    srv, url = engine
+    srv.batches.knobs.update(purge=how == "purged", fail="bad line" if how == "failed" else None)
+    ledger, reqs = str(tmp_path / "usage.jsonl"), requests_(3)
+    c = batched(url, tmp_path, protocol, ledger=ledger)
+    c.batch.results_cap = 1000 if how == "over the cap" else c.batch.results_cap   # ~300 bytes a line, one fits
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs) and srv.batches.created == 2
+    rows = ledger_rows(ledger)
+    label = f"{protocol}:m [batch]"
+    lost = {k: rows[label].get(k, 0) for k in ("lost", "unmetered")}
+    assert lost == ({"lost": 0, "unmetered": 0} if how == "failed" else
+                    {"lost": 3 * (1 + (how == "over the cap")), "unmetered": 1 + (how == "over the cap")})
+
+
 def test_a_status_without_a_status_field_counts_as_lost(engine, tmp_path):
     srv, url = engine
     srv.batches.knobs["no_status"] = batch_clients.MALFORMED_POLLS
@@ -437,16 +517,35 @@ def test_a_kill_while_cancelling_resumes_to_the_deadlines_outcome(engine, tmp_pa
     assert any("5 requests sent synchronously" in m for m in logs)
 
 
-def test_a_batch_still_cancelling_after_the_grace_is_left_for_the_synchronous_path(engine, tmp_path):
+@pytest.mark.parametrize("after_cancel, lost", [("cancelling", 3), ("no status", 8)])
+def test_a_batch_given_up_after_its_cancel_enters_the_lines_it_ran_as_lost(engine, tmp_path, after_cancel, lost):
+    """Still cancelling CANCEL_GRACE after its cancel at the deadline, with 3 of its 8 lines run (or no status
+    after the cancel: how many ran is unknown, so all 8 may have): its lines are not taken, the requests go
+    synchronously, and the ledger holds the billed lines as lost, unmetered, so that the cost reads unknown
+    rather than short."""
     srv, url = engine
     srv.batches.knobs.update(stall=3, cancelling=10 ** 6)
     sleep, clock = virtual_time(90 + batch_clients.CANCEL_GRACE + 60)
-    logs, reqs = [], requests_(8)
-    c = batched(url, tmp_path, logs=logs, poll=1.0, deadline=90, sleep=sleep, clock=clock)
-    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs)
+    logs, reqs, ledger = [], requests_(8), str(tmp_path / "usage.jsonl")
+    c = batched(url, tmp_path, logs=logs, ledger=ledger, poll=1.0, deadline=90, sleep=sleep, clock=clock)
+    if after_cancel == "no status":
+        c.transport.sleep, send = (lambda s: None), c.transport.send
+
+        def status_down_after_the_cancel(method, u, *a, **kw):
+            if u.endswith("/cancel"):
+                srv.batches.knobs["status_down"] = 10 ** 6
+            return send(method, u, *a, **kw)
+        c.transport.send = status_down_after_the_cancel
+    got = c.map(reqs, progress=False)
+    srv.batches.knobs["status_down"] = 0
+    assert [r.text for r in got] == synchronous(url, reqs)
     assert c.batch.stats["cached"] == 0
-    assert any("batch-1 still cancelling 600 s after its cancel" in m for m in logs)
+    if after_cancel == "cancelling":
+        assert any("batch-1 still cancelling 600 s after its cancel" in m for m in logs)
     assert any("8 requests sent synchronously" in m for m in logs)
+    row = ledger_rows(ledger)["openai:m [batch]"]
+    assert (row["lost"], row["unmetered"], row["replies"], row["cost_usd"]) == (lost, 1, 0, None)
+    assert ledger_rows(ledger)["openai:m"]["replies"] == 8
 
 
 
@@ -663,3 +762,39 @@ def test_a_results_file_is_read_for_the_asked_ids_only():
     deep = "[" * 100000 + "]" * 100000
     text = '{"custom_id": "a", "n": 1}\n' + '{"custom_id": "zz"}\n' * 3 + deep + '\n{"custom_id": "a", "n": 2}'
     assert batch_clients._jsonl(text, {"a"}) == ([{"custom_id": "a", "n": 1}, {"custom_id": "a", "n": 2}], 3)
+
+
+@pytest.mark.parametrize("data", [{"message": "a dict, not a list"}, 7])
+def test_a_status_with_malformed_errors_is_read_not_a_crash(engine, tmp_path, data):
+    """A Batch object whose errors.data is not a list (a proxy's dict, an int) has no reasons: the batch is
+    polled and taken as usual, where a TypeError escaped polling and crashed every rerun on the open entry."""
+    srv, url = engine
+    c, reqs = batched(url, tmp_path), requests_(2)
+    send = c.transport.send
+
+    def odd_errors(method, u, *a, **kw):
+        got = send(method, u, *a, **kw)
+        return {**got, "errors": {"object": "list", "data": data}} if u.endswith("/batches/batch-1") else got
+    c.transport.send = odd_errors
+    assert [r.text for r in c.map(reqs, progress=False)] == synchronous(url, reqs) and c.batch.stats["cached"] == 2
+    t = llm_clients.Transport("https://api.openai.com/v1", "openai:m", "openai")
+    st = batch_clients.OpenAIBatches(t, "openai:m").status({"status": "failed", "errors": {"data": data},
+                                                             "output_file_id": {"id": "f"}, "error_file_id": 3})
+    assert (st["why"], st["output"], st["errors"]) == ("the provider gave no reason", None, None)
+
+
+def test_a_listed_batch_without_a_string_id_is_not_adopted():
+    """`find` over a listing whose closer batch has an id that is a list, a dict or a number: skipped (a list or
+    dict id raised TypeError on every rerun), the batch with a string id adopted."""
+    made = "2025-01-01T00:00:00+00:00"
+    tried = datetime.datetime.fromisoformat(made).timestamp()
+    counts = {"processing": 2, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+    odd = [{"id": bad, "created_at": made, "request_counts": counts, "input_file_id": "file-1"}
+           for bad in (["x"], {"x": 1}, 7)]
+    good = {"id": "b-2", "created_at": "2025-01-01T00:00:09+00:00", "request_counts": counts,
+            "input_file_id": "file-1"}
+    for protocol, api in (("anthropic", batch_clients.AnthropicBatches), ("openai", batch_clients.OpenAIBatches)):
+        t = llm_clients.Transport(f"https://api.{protocol}.com/v1", f"{protocol}:m", protocol)
+        t.send = lambda *a, **kw: {"data": odd + [good]}
+        entry = {"custom_ids": ["k1", "k2"], "tried_at": tried, "input_file_id": "file-1"}
+        assert api(t, f"{protocol}:m").find(entry, {"b-1"}) is good
