@@ -110,11 +110,14 @@ class Ranks:
         dist.all_gather_object(parts, d)
         return {k: v for part in parts for k, v in part.items()}
 
-    def finish(self):
+    def finish(self, failed=False):
         """Leave the process group (the command's sharded work is over: what follows runs on rank 0 alone, or
         the command ends); again, a no-op. Every rank first waits at a barrier: a rank that tears its
-        connections down while a peer still reads the last collective's bytes makes gloo abort that peer."""
+        connections down while a peer still reads the last collective's bytes makes gloo abort that peer.
+        failed: this rank's command raised; it leaves at once, for its peers wait in another collective than
+        that barrier (a window's all-reduce: two hours) and torchrun stops them when this rank exits."""
         if self.waiting is not None:
-            dist.barrier(group=self.waiting)
+            if not failed:
+                dist.barrier(group=self.waiting)
             dist.destroy_process_group()
             self.waiting = None

@@ -181,7 +181,7 @@ class Run:
         with contextlib.ExitStack() as stack:
             if distributed:
                 run.ranks, device = parallel.Ranks.join(cfg.model.device)
-                stack.callback(run.ranks.finish)
+                stack.push(lambda kind, *_: run.ranks.finish(failed=kind is not None))   # (an exit: not handled)
                 if device != cfg.model.device:
                     run.cfg = cfg.replace(device=device)
             if run.ranks.is_main:

@@ -124,6 +124,36 @@ class TwoRanks(parallel.Ranks):
         return {**d, **self.sent}
 
 
+FAILING_RANK = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {here!r})
+import runs, settings
+with runs.Run.open(settings.EvalConfig(name="f", runs_dir={runs!r}), "x", record=None, lock=None,
+                   distributed=True) as run:
+    if run.ranks.rank == 1:
+        raise RuntimeError("rank 1 fails")
+    dist.all_reduce(torch.zeros(1))            # rank 0 waits in a collective, as in a training window
+"""
+
+
+def test_a_rank_that_fails_ends_the_run_instead_of_waiting_at_the_last_barrier(tmp_path):
+    """A rank whose command raises leaves at once: at finish's barrier it would wait (days) while its peer
+    waits in another collective (hours); exiting, torchrun stops the peer and the run ends failed."""
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_RANK.format(here=str(HERE), runs=str(tmp_path)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(_port()), str(script)], cwd=tmp_path, env=env,
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"), start_new_session=True)
+    try:
+        assert p.wait(timeout=60) != 0 and "rank 1 fails" in (tmp_path / "err").read_text()
+    finally:                                  # the agent and its ranks, which it may start in sessions of their own
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if str(script).encode() in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
 def test_a_resumed_rank_draws_its_dropout_masks_on_from_its_own_generator(tmp_path):
     """Each rank draws its own LoRA dropout masks: the checkpoint keeps every rank's generator (gathered),
     and a resumed rank draws on from its own (with rank 0's alone, every rank repeated rank 0's masks)."""
