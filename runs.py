@@ -514,14 +514,15 @@ def role_model(spec):
     base, _, variant = name.rpartition(":")
     name = base if variant in ROUTE_VARIANTS and base else name
     # one model's spellings: OpenRouter writes claude-opus-4.5 for Anthropic's claude-opus-4-5, and a dated
-    # snapshot (claude-opus-4-5-20251101, gpt-4o-2024-08-06) is the model it pins
-    name = re.sub(r"-(?:\d{8}|\d{4}-\d{2}-\d{2})$", "", name.replace(".", "-").replace("_", "-"))
+    # snapshot (claude-opus-4-5-20251101, gpt-4o-2024-08-06) or alias (claude-3-7-sonnet-latest) is the model
+    name = re.sub(r"-(?:\d{8}|\d{4}-\d{2}-\d{2}|latest)$", "", name.replace(".", "-").replace("_", "-"))
     return name or None
 
 
-# OpenRouter's model variants (openrouter.ai/docs, "Model Variants"): the same model served another way. An
-# Ollama tag (`qwen3:8b`) is not one: it names another model.
-ROUTE_VARIANTS = ("free", "extended", "exacto", "thinking", "online", "nitro", "floor", "beta")
+# OpenRouter's model variants (openrouter.ai/docs, "Model Variants"): the same model served another way, as is
+# Ollama's default tag `:latest` (`llama3.1` is `llama3.1:latest`). Another Ollama tag (`qwen3:8b`) names
+# another model.
+ROUTE_VARIANTS = ("free", "extended", "exacto", "thinking", "online", "nitro", "floor", "beta", "latest")
 
 
 # the benchmark's roles, as build-bench records them in _meta

@@ -161,6 +161,9 @@ def test_a_routed_model_is_the_model_behind_the_route(tmp_path):
     assert not runs.shared_roles(str(bench), "openrouter:openai/gpt-5-mini")
     assert runs.role_model("offline:x") is None
     assert runs.role_model("ollama:qwen3:8b") != runs.role_model("ollama:qwen3:32b")     # a tag names another model
+    assert runs.role_model("ollama:llama3.1:latest") == runs.role_model("ollama:llama3.1")   # the default tag
+    alias, dated = "anthropic:claude-3-7-sonnet-latest", "anthropic:claude-3-7-sonnet-20250219"
+    assert runs.role_model(alias) == runs.role_model(dated)
 
 
 def test_a_missing_ppl_model_is_named_before_the_reranker_loads(tmp_path, monkeypatch):
