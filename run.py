@@ -50,7 +50,7 @@ import tfsg
 from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
 from runs import Run, RunInUse, need_trained, resolve, run_lock
 from settings import PRESETS, SettingsError
-from store import log, read_json
+from store import JSONFileError, log, read_json
 from train import plan_train, train_shield, train_tfsg
 
 
@@ -518,7 +518,7 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "rerank-eval
 
 # Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.
 USER_ERRORS = (SettingsError, RunInUse, geodef.BenchFormatError, reranker.CheckpointError, reranker.PromptLengthError,
-               FileNotFoundError, llm_clients.LLMError, tfsg.LibraryError, export.ExportError)
+               FileNotFoundError, llm_clients.LLMError, tfsg.LibraryError, export.ExportError, JSONFileError)
 
 
 def no_credentials_outside_urls(args):

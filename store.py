@@ -47,11 +47,20 @@ def write_json(path, obj):
     atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
 
 
+class JSONFileError(ValueError):
+    """A JSON file that does not read as JSON (a run's file edited by hand or cut by a full disk, a user's
+    table mistyped): its path named, as every error a user can fix names its file."""
+
+
 def read_json(path, default=None):
+    """A JSON file's value, `default` when there is none; JSONFileError naming it when it is not JSON."""
     if not os.path.isfile(path):
         return default
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, RecursionError) as e:       # (UnicodeDecodeError is a ValueError)
+        raise JSONFileError(f"{path}: not JSON ({str(e)[:100]})") from None
 
 
 def file_sha1(path):

@@ -536,6 +536,15 @@ def test_a_broken_record_is_one_line_naming_it(tmp_path, text, msg):
         runs.resolve(settings.EvalConfig, {"runs_dir": str(tmp_path), "name": "x"})
 
 
+def test_a_damaged_json_file_of_the_run_is_one_line_naming_it(tmp_path, capsys):
+    """The demo reading a config.json cut short (a full disk, an edit by hand) exits with one line naming the
+    file, not json's traceback without it."""
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "config.json").write_text('{"config": {"n')
+    with pytest.raises(SystemExit, match=r"error: .*demo/config\.json: not JSON"):
+        run.main(["demo", "--out", str(tmp_path)])
+
+
 def test_a_model_folder_whose_weights_changed_is_refused_by_the_runs_record(tmp_path):
     """The record keeps the local model folder's weights (files, sizes, times and their SHA-1): a folder
     rewritten with other weights is refused once the run has produced something (its cached scores would be
