@@ -14,7 +14,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from typing import NamedTuple
@@ -188,7 +187,7 @@ class Run:
                 if engine:
                     stack.enter_context(offline_engine(run, corpus))
                 if lock:
-                    stack.enter_context(run_lock(cfg.folder.run_dir, shared=lock == "read"))
+                    stack.enter_context(run_lock(cfg.folder.run_dir, shared=lock == "read", command=command))
                 if record == "config":
                     run.record(command)
                 elif record == "check":
@@ -616,14 +615,15 @@ class RunInUse(RuntimeError):
 
 
 @contextlib.contextmanager
-def run_lock(run_dir, shared=False):
+def run_lock(run_dir, shared=False, command="a command"):
     """One writer per run folder: an exclusive lock on run_dir/.lock for the command's lifetime. The
     operating system releases it when the process ends, however it ends, so a crashed command leaves
     no stale lock. A second command on the same folder is refused at once, naming the holder.
     shared=True: a reader (export, serve loading the adapter): readers go together, never beside a
     writer, so nothing reads an adapter while train writes it. A reader takes its shared lock through a
     read-only handle, so it works on a read-only mount (containers mount models so); where the folder
-    cannot be written and has no lock file, no writer can exist, and the reader goes unlocked."""
+    cannot be written and has no lock file, no writer can exist, and the reader goes unlocked. command: the
+    holder's name in a refusal (the command's name, never a value typed after it)."""
     if not shared:
         os.makedirs(run_dir, exist_ok=True)
     try:
@@ -650,7 +650,7 @@ def run_lock(run_dir, shared=False):
     if not shared:
         f.seek(0)
         f.truncate()
-        f.write(f"pid {os.getpid()} ({endpoints.redact(' '.join(sys.argv[1:2]))})")   # the command, never a value
+        f.write(f"pid {os.getpid()} ({command})")
         f.flush()
     try:
         yield

@@ -375,9 +375,9 @@ def test_one_writer_per_run_folder(tmp_path, small_bench, capsys):
     with its process (no stale lock after a crash). The other processes are forked children (the
     lock is the operating system's, per process, as between commands), the real command runs here."""
     d = tmp_path / "r"
-    with runs.run_lock(str(d)):
+    with runs.run_lock(str(d), command="train"):
         kind, out = _in_a_child(_try_lock, str(d))
-        assert kind == "returned" and "in use by pid" in out and "use another --name" in out
+        assert kind == "returned" and "in use by pid" in out and "(train)" in out and "use another --name" in out
         # a real command on the same folder: refused before it writes anything, a sentence, no traceback
         with pytest.raises(SystemExit, match="in use by pid") as e:
             run.main(["demo", "--out", str(tmp_path), "--name", "r", "--bench", small_bench,
