@@ -34,7 +34,7 @@ import tfsg
 import tiny
 from accounting import estimate, price_plan
 from rankers import documents_cut, load_rankers, sharded
-from runs import NotTrainedError, shared_roles, test_set_digest, TINY_NOTE, write_summary
+from runs import NotTrainedError, offline_llm, shared_roles, test_set_digest, TINY_NOTE, write_summary
 from settings import SettingsError
 from store import changed_settings, file_sha1, log, naming, read_json, read_jsonl, write_json, write_jsonl
 
@@ -928,7 +928,7 @@ def offline_notes(run):
     cfg, notes = run.cfg, []
     if cfg.model.model == "tiny":
         notes.append("Reranker: " + TINY_NOTE + ".")
-    if "offline" in cfg.llm.llm or "offline" in (cfg.judge.judge or ""):
+    if offline_llm(cfg.llm.llm) or offline_llm(cfg.judge.judge):
         notes.append("LLMs: the offline engine (offline.py), a deterministic SIMULATION; not a real LLM.")
     if cfg.setting("ppl_model") == "tiny":
         notes.append("PPL-Filter: tiny random-weight GPT-2 (offline plumbing).")

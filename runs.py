@@ -322,7 +322,7 @@ class Run:
     def offline(self):
         """Whether the run uses anything simulated: the tiny checkpoint, the offline engine, the tiny GPT-2."""
         cfg = self.cfg
-        return (cfg.setting("model") == "tiny" or "offline" in (cfg.setting("llm") or "")
+        return (cfg.setting("model") == "tiny" or offline_llm(cfg.setting("llm")) or offline_llm(cfg.setting("judge"))
                 or cfg.setting("ppl_model") == "tiny")
 
     # ------------------------------------------------------------------------- LLMs
@@ -338,7 +338,7 @@ class Run:
         engine answers over loopback while one serves the run (engine_url), else in process."""
         cfg = self.cfg
         spec = spec or cfg.llm.llm
-        offline_spec = spec.partition(":")[0] == "offline"
+        offline_spec = offline_llm(spec)
         base_url = self.engine_url if offline_spec else cfg.llm.base_url
         # a base URL read back from config.json, which keeps no credentials: given again, never left out (the
         # provider's default URL is no stand-in); a command that builds no client never asks for it
@@ -497,6 +497,12 @@ def offline_engine(run, corpus=None):
         run.engine_url = None
         srv.shutdown()
         srv.server_close()
+
+
+def offline_llm(spec):
+    """Whether a provider:model spec names the offline engine (its provider, not a model name holding
+    'offline')."""
+    return str(spec or "").partition(":")[0] == "offline"
 
 
 def role_model(spec):

@@ -536,6 +536,14 @@ def test_a_broken_record_is_one_line_naming_it(tmp_path, text, msg):
         runs.resolve(settings.EvalConfig, {"runs_dir": str(tmp_path), "name": "x"})
 
 
+def test_the_offline_flag_reads_the_provider_of_every_llm_role(tmp_path):
+    """config.json's `offline` says whether any LLM role is the offline engine, by its provider: a real model
+    named my-offline-model is not, an offline judge is."""
+    cfg = settings.EvalConfig(name="x", runs_dir=str(tmp_path), llm="vllm:my-offline-model",
+                              model="Qwen/Qwen3-Reranker-0.6B")
+    assert not runs.Run(cfg).offline and runs.Run(cfg.replace(judge="offline")).offline
+
+
 def test_a_damaged_json_file_of_the_run_is_one_line_naming_it(tmp_path, capsys):
     """The demo reading a config.json cut short (a full disk, an edit by hand) exits with one line naming the
     file, not json's traceback without it."""
