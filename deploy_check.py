@@ -306,7 +306,8 @@ def deploy_check(run, spec, rr=None):
             raise
         tokens, short = None, [f"no long list: the endpoint's {limit[1]} {limit[0]} leaves its document no room"]
         lists = known_lists(run.data, rr)
-    client = rerank_clients.make_reranker(spec, **({"timeout": cfg.request.timeout} if cfg.request.timeout else {}))
+    client = rerank_clients.make_reranker(spec, rpm=cfg.request.rpm,
+                                          **({"timeout": cfg.request.timeout} if cfg.request.timeout else {}))
     served, failed = ask(client, lists)
     local = {n: [float(m) for m in rr.score(*lists[n])] for n in served}
 

@@ -185,6 +185,18 @@ def fold_row(k, boot, family, trained, recs, ref, others):
     return row
 
 
+def flags_taken(run):
+    """Refuses a flag the chosen regime would ignore: --subsets and --seeds without --seen-size, --families
+    with it (the regime draws its own folds)."""
+    h = run.cfg.holdout
+    ignored = ([f"--families {','.join(h.families)}"] if h.seen_size and h.families != "all" else []) + \
+        ([f"--subsets {h.subsets}"] if not h.seen_size and h.subsets else []) + \
+        ([f"--seeds {h.seeds}"] if not h.seen_size and h.seeds != 1 else [])
+    if ignored:
+        raise SettingsError(f"{' and '.join(ignored)}: not read {'with' if h.seen_size else 'without'} --seen-size "
+                            "(leave-one-out takes --families; the seen-size regime --subsets and --seeds)")
+
+
 def holdout(run):
     """Every fold, then holdout/summary.json and holdout/report.md -> the summary."""
     cfg, data = run.cfg, run.data

@@ -407,7 +407,7 @@ def cmd_holdout(args):
     """Leave-one-family-out (holdout.py): a Shield per held-out family, scored on the test split; with
     --llm-stage also its library and the two conditions end to end."""
     cfg = pipeline_settings(settings.HoldoutConfig, args)
-    opened = dict(llms=cfg.holdout.llm_stage, roles=cfg.holdout.llm_stage, record="check")
+    opened = dict(llms=cfg.holdout.llm_stage, roles=cfg.holdout.llm_stage, record="check", check=holdout.flags_taken)
     if args.dry_run:
         return show(holdout.dry_run(Run.plan(cfg, **opened)))
     with Run.open(cfg, "holdout", engine=cfg.holdout.llm_stage and cfg.llm.offline_batches, **opened) as run:

@@ -825,7 +825,7 @@ class HoldoutConfig(Command):
 class DeployCheckConfig(Command):
     """deploy-check: the run's Shield (its record's model, adapter and max length) against an endpoint."""
     GROUPS = EVAL + (DeploySettings,)
-    FLAGS = (RunSettings, RequestSettings, DeploySettings)
+    FLAGS = (RunSettings, some(RequestSettings, "timeout", "rpm"), DeploySettings)   # its lists go one at a time
 
 
 class BuildConfig(Command):

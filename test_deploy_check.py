@@ -16,6 +16,7 @@ import pytest
 
 import deploy_check
 import lora
+import rerank_clients
 import run
 import serve
 import settings
@@ -207,7 +208,15 @@ def test_the_runs_own_shield_served_passes_in_every_shape(demo_run, check, shiel
     srv = _serving(serve.RerankServer(shield[1], port=0, log=False))
     try:
         base = f"http://127.0.0.1:{srv.server_address[1]}"
-        v = run.main(["deploy-check", "--runs-dir", str(demo_run.parent), "--name", demo_run.name, "--endpoint", base])
+        made = []
+        real = rerank_clients.make_reranker
+        with pytest.MonkeyPatch.context() as mp:          # --rpm reaches the client (one list a request)
+            mp.setattr(rerank_clients, "make_reranker", lambda *a, **k: made.append(k) or real(*a, **k))
+            v = run.main(["deploy-check", "--runs-dir", str(demo_run.parent), "--name", demo_run.name, "--endpoint",
+                          base, "--rpm", "6000"])
+        assert made[-1]["rpm"] == 6000
+        with pytest.raises(SystemExit):                   # the lists go in turn: no --workers to ignore
+            run.main(["deploy-check", "--name", demo_run.name, "--endpoint", base, "--workers", "2"])
         for v in (v, check(f"tei:{base}"), check(f"vllm-score:{base}")):
             assert v["pass"] and v["map"] == "sigmoid" and v["max_error"] < 1e-4 and v["cause"] is None
             assert set(v["lists"]) == {"relevance", "attack", "long", "control"} and not v["notes"]

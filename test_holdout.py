@@ -12,9 +12,12 @@ import train
 from testing import SAMPLE
 
 
-def argv(out, *extra):
+def argv(out, *extra, families="AutoGEO,MAGEO"):
+    """holdout's command line; families: leave-one-out's --families (None: the seen-size regime's, which draws
+    its own folds)."""
     return ["holdout", "--runs-dir", str(out), "--name", "h", "--preset", "tiny-demo", "--epochs", "1",
-            "--families", "AutoGEO,MAGEO", "--max-test-groups", "4", "--n-boot", "200", "--max-length", "256", *extra]
+            *(["--families", families] if families else []), "--max-test-groups", "4", "--n-boot", "200",
+            "--max-length", "256", *extra]
 
 
 # the LLM stage on a TFSG schedule the folds' fewer construction instances fill
@@ -161,7 +164,7 @@ def test_the_papers_regime_trains_equal_folds_on_seen_subsets_and_reads_unseen_m
     per query group), the mean over folds that of the folds x groups matrix with a CI around it; the dry run
     lists the same folds; with --llm-stage the same of ASR under each condition, from the folds' eval
     records; a size the construction families cannot fill is refused."""
-    args = argv(tmp_path, "--seen-size", "2", "--subsets", "2", *LLM_STAGE)
+    args = argv(tmp_path, "--seen-size", "2", "--subsets", "2", *LLM_STAGE, families=None)
     plan = run.main(args + ["--dry-run"])["folds"]
     assert len(plan) == 2 and len({f["instances"] for f in plan.values()}) == 1
     s = run.main(args)
@@ -192,7 +195,12 @@ def test_the_papers_regime_trains_equal_folds_on_seen_subsets_and_reads_unseen_m
             per_fold.append(mean([u[g] - seen[g] for g in sorted(u)]))
         assert r["asr"][cond]["gap"] == pytest.approx(mean(per_fold))
     with pytest.raises(SystemExit, match="--seen-size 4: .* hold 3 families"):
-        run.main(argv(tmp_path, "--seen-size", "4", "--name", "y", "--dry-run"))
+        run.main(argv(tmp_path, "--seen-size", "4", "--name", "y", "--dry-run", families=None))
+    # a flag the chosen regime would ignore is refused before anything runs
+    with pytest.raises(SystemExit, match="--seeds 2: not read without --seen-size"):
+        run.main(argv(tmp_path, "--seeds", "2", "--name", "y", "--dry-run"))
+    with pytest.raises(SystemExit, match="--families GEO: not read with --seen-size"):
+        run.main(argv(tmp_path, "--seen-size", "2", "--name", "y", "--dry-run", families="GEO"))
 
 
 def test_equal_size_keeps_n_of_the_seen_families_rewrites_drawn_with_the_seed():
