@@ -333,7 +333,7 @@ class LLMSettings(Settings):
     @property
     def offline_batches(self):
         """The offline target's batch API, which the offline engine serves on loopback."""
-        return self.llm == "offline" and bool(self.batch_api)
+        return self.llm.partition(":")[0] == "offline" and bool(self.batch_api)   # offline:any-name too
 
 
 @dataclass(frozen=True)

@@ -138,3 +138,10 @@ def test_an_empty_path_is_refused_not_taken_for_the_current_folder(argv, tmp_pat
     with pytest.raises(SystemExit):
         run.main(argv)
     assert not os.listdir(tmp_path)
+
+
+def test_the_offline_engine_under_any_model_name_serves_its_batch_api():
+    """--llm offline:NAME --batch-api on goes through the offline engine's batch API, as --llm offline does (the
+    engine is one, whatever name the spec gives it)."""
+    assert settings.LLMSettings(llm="offline:any", batch_api="on").offline_batches
+    assert not settings.LLMSettings(llm="ollama:offline", batch_api="on").offline_batches
