@@ -142,6 +142,7 @@ class Run:
         self.engine_url = engine_url
         self.ranks = ranks or parallel.Ranks()
         self._weights = None                    # this command's reading of --model's weights (weights())
+        self.writes = False                     # whether this command holds the folder's write lock (Run.open)
 
     @classmethod
     def plan(cls, cfg, needs=(), llms=False, roles=False, record="config", check=None, keys=False):
@@ -188,6 +189,7 @@ class Run:
                     stack.enter_context(offline_engine(run, corpus))
                 if lock:
                     stack.enter_context(run_lock(cfg.folder.run_dir, shared=lock == "read", command=command))
+                    run.writes = lock == "write"
                 if record == "config":
                     run.record(command)
                 elif record == "check":
@@ -242,7 +244,23 @@ class Run:
             log("[model] bfloat16 on a CPU without AMX or AVX-512 BF16 (/proc/cpuinfo): its matmuls run at a few "
                 "GFLOP/s here, float32 at the vector units' rate; --dtype float32 is faster on this machine")
         speed.install(rr.model, compile=cfg.model.compile)
+        if rr.revision and not os.path.isdir(self.model_folder()):
+            self._pin_revision(rr.revision)
         return rr
+
+    def _pin_revision(self, sha):
+        """A hub id's weights are its resolved commit: the first command that loads them records it (the
+        writer's), and a later one that resolves another (a push to the hub's main since) is refused, as a
+        local folder whose weights changed is (check_record)."""
+        path = self.path("config.json")
+        old = read_json(path)
+        was = old.get("weights") if isinstance(old, dict) else None
+        if isinstance(was, dict) and was.get("revision") not in (None, sha) and produced_anything(self.dir):
+            raise SettingsError(f"{self.cfg.model.model}: the hub's commit {sha[:12]} is not the one this run used "
+                                f"({was['revision'][:12]}); its scores, adapter and results belong to that one. "
+                                f"Give --revision {was['revision']}, or use a new --name")
+        if self.writes and isinstance(old, dict) and not isinstance(was, dict):
+            write_json(path, {**old, "weights": {"revision": sha}})
 
     def shield(self, rr=None, adapter=None):
         """The base reranker (rr, else loaded) with the run's trained adapter attached (LoRA enabled), in
@@ -405,11 +423,13 @@ class Run:
     def weights(self, old=None):
         """--model's weights as the run's record holds them: {"files": [[name, bytes, mtime_ns]], "sha1": of
         their bytes} for a local folder (the bytes read only when a file's size or time differs from the
-        record `old`'s: gigabytes are hashed once, then again only after the folder changed); None for a
-        hub id, whose resolved revision names its weights."""
+        record `old`'s: gigabytes are hashed once, then again only after the folder changed); for a hub id,
+        {"revision": its resolved commit} as the record `old` holds it (the first load records it:
+        _pin_revision), else None."""
         folder = self.model_folder()
         if not os.path.isdir(folder):
-            return None
+            was = old.get("weights") if isinstance(old, dict) else None
+            return was if isinstance(was, dict) and "revision" in was else None
         files = reranker.weight_files(folder)
         stat = [[os.path.relpath(f, folder), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
         was = old.get("weights") if isinstance(old, dict) else None
@@ -464,11 +484,15 @@ class Run:
                                 f"{old['bench_sha1'][:12]}, now {digest[:12]}); the run's adapter, library and "
                                 "results belong to the old content. Restore the file, or use a new --name")
         was = old.get("weights")           # the same folder, other weights: its cached scores would be stale
-        now = self.weights(old) if isinstance(was, dict) else None
-        if now is not None and now["sha1"] != was.get("sha1"):
-            raise SettingsError(f"{cfg.model.model}: its weights changed since this run used them (SHA-1 "
-                                f"{str(was.get('sha1'))[:12]}, now {now['sha1'][:12]}); the run's scores, adapter "
-                                "and results belong to the old weights. Restore them, or use a new --name")
+        if not (isinstance(was, dict) and "sha1" in was):          # (a hub id's commit: _pin_revision)
+            return
+        now = self.weights(old)
+        if not isinstance(now, dict) or now.get("sha1") != was["sha1"]:
+            what = f"its weights changed since this run used them (SHA-1 {str(was['sha1'])[:12]}, now " \
+                   f"{now['sha1'][:12]})" if isinstance(now, dict) and "sha1" in now else \
+                "no longer the folder this run used (moved, or named from another working directory)"
+            raise SettingsError(f"{cfg.model.model}: {what}; the run's scores, adapter and results belong to the "
+                                "old weights. Restore them, or use a new --name")
 
     def with_settings(self, cfg, data=None):
         """The same services under other settings (holdout's folds): the engine's address, the ranks and

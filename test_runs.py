@@ -574,6 +574,33 @@ def test_a_model_folder_whose_weights_changed_is_refused_by_the_runs_record(tmp_
     tiny.make_tiny_checkpoint(folder, seed=1)                                        # other weights, same folder
     with pytest.raises(runs.SettingsError, match="its weights changed since this run used them"):
         runs.Run(cfg).check_record()
+    shutil.rmtree(folder)                                                            # the folder gone (moved)
+    with pytest.raises(runs.SettingsError, match="no longer the folder this run used"):
+        runs.Run(cfg).check_record()
+
+
+def test_a_hub_models_commit_is_recorded_at_its_first_load_and_pinned(tmp_path, tiny_dir, monkeypatch):
+    """A hub id without --revision resolves to the hub's main: the first load records its commit, and once the
+    run has produced something a load that resolves another (a push since) is refused, naming --revision."""
+    got = {"sha": "a" * 40}
+
+    def load(*a, **k):
+        rr = real(tiny_dir, dtype=torch.float32)
+        rr.revision = got["sha"]
+        return rr
+    real = reranker.Reranker.from_pretrained
+    monkeypatch.setattr(reranker.Reranker, "from_pretrained", load)
+    cfg = settings.TrainConfig(name="t", runs_dir=str(tmp_path), model="Org/Reranker", bench=SAMPLE)
+    with runs.Run.open(cfg, "train") as run:
+        run.reranker()
+    assert store.read_json(str(tmp_path / "t" / "config.json"))["weights"] == {"revision": "a" * 40}
+    (tmp_path / "t" / "results").mkdir()
+    (tmp_path / "t" / "results" / "x.jsonl").write_text("")                          # something produced
+    with runs.Run.open(cfg, "train") as run:                                         # recorded again: kept
+        run.reranker()
+    got["sha"] = "b" * 40
+    with runs.Run.open(cfg, "train") as run, pytest.raises(runs.SettingsError, match=f"--revision {'a' * 40}"):
+        run.reranker()
 
 
 def test_a_train_record_keeps_the_settings_eval_recorded(tmp_path):
