@@ -246,9 +246,11 @@ class RemoteRanker:
     def prepare(self, instances):
         """One request per list not yet scored (an endpoint scales on its own side: never sharded)."""
         todo = [x for x in instances if x.instance_id not in self.by_id]
+        hits = self.client.stats["cache_hits"]
         for x, r in zip(todo, self.client.map([(x.query, x.docs) for x in todo], workers=self.workers)):
             self.by_id[x.instance_id] = r.scores
-        log(f"[rerank] {self.label}: {len(todo)} candidate lists ({self.client.stats['cache_hits']} from the cache)")
+        log(f"[rerank] {self.label}: {len(todo)} candidate lists ({self.client.stats['cache_hits'] - hits} from the "
+            "cache)")
 
     def scores(self, x):
         return self.by_id[x.instance_id]

@@ -8,8 +8,10 @@ never a silently wrong ranking.
 
 Usage: rc = make_reranker("cohere:rerank-v3.5", cache_dir="runs/x/cache/rerank"); rc.rerank(query, docs).scores
 """
+import json
 import math
 import os
+import re
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -115,6 +117,8 @@ class RerankClient:
         self.ledger, self.stage = ledger, stage
         self.lock = threading.Lock()
         self._stats = {"requests": 0, "cache_hits": 0, "documents": 0, "search_units": 0, "tokens": 0}
+        self.transport.on_lost = lambda: self._enter({"lost": 1, "unmetered": 1})   # a reply lost after it was sent
+        self._card = None                       # served(): what the endpoint says it serves, asked once
 
     @property
     def stats(self):
@@ -125,20 +129,58 @@ class RerankClient:
         if not isinstance(query, str) or not docs or not all(isinstance(d, str) for d in docs):
             raise ValueError("rerank needs a query string and a non-empty list of document strings")
         body = rerank_body(self.shape, self.model, query, list(docs))
-        key = self.cache.key("rerank-" + self.shape, self.where.identity, body, False)
+        key = self.cache.key("rerank-" + self.shape, self.where.identity + self.served_model(), body, False)
         with self.lock:
             self._stats["requests"] += 1
         return self.cache.through(key, lambda: self._hit(key, len(docs)), lambda: self._ask(key, body, len(docs)))
 
+    def served(self):
+        """What a self-hosted endpoint says it serves, asked once at its root: TEI's GET /info, vLLM's GET
+        /v1/models -> (route, reply), or None (hosted APIs, which name their model in every request, and
+        endpoints answering neither)."""
+        with self.lock:                      # asked once, the first requests waiting for it
+            if self._card is None:
+                self._card = ()
+                root = re.sub(r"(/v[12])?/(rerank|score)$", "", self.where.path)
+                routes = ("/info", "/v1/models") if self.shape == "tei" else ("/v1/models", "/info")
+                for route in routes if self.shape in ("tei", "generic", "vllm-score") else ():
+                    try:
+                        self._card = (route, self.transport.send("GET", self.where.with_path(root + route).url))
+                        break
+                    except LLMError:        # no such route here: the other one, or nothing said
+                        continue
+            return self._card or None
+
+    def served_model(self):
+        """The served model's name, commit and input limit, for the cache key of an endpoint whose requests
+        name no model: the same URL serving another model after a restart is another reranker ('' when the
+        endpoint names a model in its requests, or says nothing)."""
+        if self.model is not None:
+            return ""
+        route, reply = self.served() or (None, None)
+        if route == "/info" and isinstance(reply, dict):
+            said = [reply.get(k) for k in ("model_id", "model_sha", "max_input_length", "auto_truncate")]
+        else:
+            cards = reply.get("data") if isinstance(reply, dict) else None
+            said = sorted(json.dumps([c.get("id"), c.get("root"), c.get("max_model_len")]) for c in cards
+                          if isinstance(c, dict)) if isinstance(cards, list) else []
+        return " " + json.dumps(said) if any(x is not None for x in said) else ""
+
     def _ask(self, key, body, n):
-        scores, usage = rerank_scores(self.shape, self.transport.post(body), n, self.label)
+        resp = self.transport.post(body)
+        try:
+            scores, usage = rerank_scores(self.shape, resp, n, self.label)
+        except LLMError:                     # refused, but answered: billed as a request
+            self._count(n, {})
+            raise
         self._count(n, usage)
         self.cache.put_raw(key, {"scores": scores, "usage": usage})
         return RerankReply(scores, usage)
 
     def _hit(self, key, n):
         d = self.cache.get_raw(key)
-        if not isinstance(d, dict) or not isinstance(d.get("scores"), list) or len(d["scores"]) != n:
+        if not isinstance(d, dict) or not isinstance(d.get("scores"), list) or len(d["scores"]) != n or \
+                any(_finite(v) is None for v in d["scores"]):   # an entry edited or cut: asked again
             return None
         with self.lock:
             self._stats["cache_hits"] += 1
@@ -146,13 +188,15 @@ class RerankClient:
 
     def _count(self, n_docs, usage):
         """A reply received: counted, and entered in the usage ledger (one line each)."""
+        self._enter({"documents": n_docs, **usage})
+
+    def _enter(self, row):
+        """Counts added to this client's stats and, with a ledger, appended to it as one row."""
         with self.lock:
-            self._stats["documents"] += n_docs
-            for k in ("search_units", "tokens"):
-                self._stats[k] += usage.get(k, 0)
+            for k, v in row.items():
+                self._stats[k] = self._stats.get(k, 0) + v
         if self.ledger:
-            append_ledger(self.ledger, {"stage": self.stage, "model": "rerank:" + self.label, "documents": n_docs,
-                                        **usage})
+            append_ledger(self.ledger, {"stage": self.stage, "model": "rerank:" + self.label, **row})
 
     def map(self, requests_, workers=8):
         """[(query, docs), ...] -> [RerankReply, ...] in order, `workers` at a time; the first failure

@@ -32,6 +32,7 @@ import copy
 import os
 import time
 
+import accounting
 import certify
 import geodef
 import metrics
@@ -167,7 +168,7 @@ def dry_run(run, items):
                 out["rerankers"][label].update(certify_forward_passes_at_most=n * len(smoothed),
                                                         certify_samples=n)
         else:
-            price = (run.prices or {}).get(getattr(spec, "model", None) or "", {})
+            price = (run.prices or {}).get(accounting.price_key(f"rerank:{spec}"), {})    # the ledger's own key
             per_1k = price.get("usd_per_1k_searches") if isinstance(price, dict) else None
             out["rerankers"][label] = {"requests": len(lists), "documents": sum(len(x.docs) for x in lists),
                                        "usd": None if per_1k is None else per_1k * len(lists) / 1000}

@@ -38,7 +38,16 @@ class FakeRerank(BaseHTTPRequestHandler):
     """Loopback rerank endpoint in every shape. `script` pops a behaviour per request ('ok' or a
     misbehaviour); every request's path, headers and body are recorded."""
     script, seen = [], []
+    model = None                 # what GET /info says it serves (TEI's shape); None: no such route (404)
     protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        ok = self.path == "/info" and FakeRerank.model is not None
+        data = json.dumps({"model_id": FakeRerank.model, "max_input_length": 512} if ok else {"error": "no"}).encode()
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -136,7 +145,7 @@ def fake_server():
 
 @pytest.fixture()
 def fake():
-    FakeRerank.script, FakeRerank.seen = [], []
+    FakeRerank.script, FakeRerank.seen, FakeRerank.model = [], [], None
     with fake_server() as url:
         yield url
 
@@ -495,6 +504,40 @@ def test_each_rerank_endpoint_has_its_own_cache(with_passwords, tmp_path, fake):
         run.main(["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker", f"two={other}"])
         n_lists = len(open(out / name / "results" / "rerank-two.jsonl").read().splitlines())
         assert len(FakeRerank.seen) - sent >= n_lists        # asked itself: nothing from the first port's cache
+
+
+def test_a_restarted_endpoint_serving_another_model_is_not_answered_from_the_cache(fake, tmp_path):
+    """A TEI request names no model: the cache key carries what the endpoint's /info says it serves, so the
+    same URL serving another model after a restart is asked again, never answered with the old one's scores;
+    a cache entry that no longer holds numbers is asked again too."""
+    ask = lambda: rerank_clients.make_reranker(f"tei:{fake}", cache_dir=str(tmp_path / "c")).rerank(Q, DOCS)
+    FakeRerank.model = "bge-reranker-base"
+    assert not ask().cached and ask().cached
+    FakeRerank.model = "bge-reranker-v2-m3"
+    assert not ask().cached
+    for root, _, files in os.walk(tmp_path / "c"):
+        for f in files:
+            entry = json.load(open(os.path.join(root, f)))
+            entry["scores"][0] = "x"
+            json.dump(entry, open(os.path.join(root, f), "w"))
+    assert not ask().cached
+
+
+def test_a_rerank_reply_lost_or_refused_after_it_was_billed_reaches_the_ledger(fake, tmp_path):
+    """A reply lost after the request was sent (a stall past the timeout, then a retry) enters a lost row:
+    the cost reads unknown rather than short; a reply refused for its shape was billed as a request."""
+    import accounting
+    ledger, prices = str(tmp_path / "u.jsonl"), {"rerank-v3.5": {"usd_per_1k_searches": 2.0}}
+    c = rerank_clients.RerankClient(f"{fake}/v1/rerank", None, "cohere", label="cohere:rerank-v3.5", timeout=1,
+                                    ledger=ledger, stage="rerank")
+    FakeRerank.script = ["stall", "ok"]
+    c.rerank(Q, DOCS)
+    total = accounting.ledger_usage(ledger, prices)["total"]
+    assert total["replies"] == 1 and total["lost"] == 1 and total["cost_usd"] is None
+    FakeRerank.script = ["string"]
+    with pytest.raises(llm_clients.LLMError, match="relevance_score"):
+        c.rerank(Q + " again", DOCS)
+    assert accounting.ledger_usage(ledger, prices)["total"]["replies"] == 2
 
 
 def test_the_deletion_seed_is_drawn_once_a_run_and_kept(tmp_path):
