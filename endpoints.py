@@ -343,6 +343,20 @@ def _unique_keys(pairs):
     return out
 
 
+LOOPBACK_NAMES = re.compile(r"localhost|[a-z0-9.-]*\.localhost|127(?:\.\d{1,3}){3}|::1")
+
+
+def loopback_host(server_address, host_header):
+    """Whether a request to a server bound to loopback names a loopback host (Host header, port aside): a web
+    page that points its own name at 127.0.0.1 (DNS rebinding) sends that name, and is no loopback client of
+    the server. Always True for a server bound beyond loopback (its clients name it as they reach it)."""
+    if not LOOPBACK_NAMES.fullmatch(str(server_address[0])):
+        return True
+    h = (host_header or "").strip().lower()
+    h = h[1:].partition("]")[0] if h.startswith("[") else h.rpartition(":")[0] if h.count(":") == 1 else h
+    return LOOPBACK_NAMES.fullmatch(h) is not None
+
+
 def json_body(raw):
     """Body bytes -> the decoded JSON value; RequestError 400 when they are not UTF-8 or not JSON, or an
     object gives a key twice."""

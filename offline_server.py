@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import geodef
 import offline
-from endpoints import RequestError, content_length, request_path
+from endpoints import RequestError, content_length, loopback_host, request_path
 
 MAX_BODY = 64 << 20
 MAX_HELD = 1 << 30         # the uploaded files held at once, in characters (a batch's outputs are smaller)
@@ -642,6 +642,9 @@ class _Handler(BaseHTTPRequestHandler):
         arrived = time.time()
         if self.headers.get("Origin") is not None:   # a web page's request (no API client sends one): its
             return self._refuse(403, "requests from a web page (an Origin header) are refused")   # uploads, too
+        if not loopback_host(self.server.server_address, self.headers.get("Host") or "localhost"):
+            return self._refuse(403, "Host: a loopback server answers loopback names only (a web page that "
+                                     "rebinds its own name to 127.0.0.1 sends that name)")
         try:
             n = content_length(self.headers, required=False)
         except RequestError as e:

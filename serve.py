@@ -54,7 +54,7 @@ import certify
 import export
 import lora
 import speed
-from endpoints import RequestError, content_length, drain_body, json_body, read_body, request_path, shut
+from endpoints import RequestError, content_length, drain_body, json_body, loopback_host, read_body, request_path, shut
 from metrics import ranked, sigmoid
 from settings import SettingsError
 from store import log as say   # one line on stderr, every URL in it redacted
@@ -677,8 +677,20 @@ class _Handler(BaseHTTPRequestHandler):
         if n is None or n > conf["max_body_bytes"] or drain_body(self.rfile, n, conf["body_timeout"]):
             self.close_connection = True
 
+    def _foreign_host(self):
+        """A loopback server asked under another host name (a web page that rebinds its name to 127.0.0.1):
+        refused (403) -> True. Without a key the server trusts its machine's own clients, not a web page."""
+        if loopback_host(self.server.server_address, self.headers.get("Host") or "localhost"):
+            return False
+        self.close_connection = True
+        self._fail(RequestError(403, "Host: this server listens on loopback and answers loopback names only "
+                                     "(localhost, 127.0.0.1, [::1])", "Host"))
+        return True
+
     # -- methods
     def do_GET(self):
+        if self._foreign_host():
+            return
         path = request_path(self.path).rstrip("/") or "/"
         srv = self.server
         if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0").strip() != "0":
@@ -709,6 +721,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(e, error_headers(e.status, "POST"))
 
     def do_POST(self):
+        if self._foreign_host():
+            return
         path = request_path(self.path).rstrip("/") or "/"
         try:
             if path in GET_PATHS or path.startswith(MODEL_PATH):

@@ -56,10 +56,12 @@ def test_offline_server_answers_every_hostile_request():
             r = requests.post(url, data=body, timeout=10)
             assert r.status_code == 400 and "error" in r.json(), body[:40]
         for head in (b"Content-Length: -1\r\n", b""):
-            status, _ = _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+            status, _ = _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n" + head + b"\r\n")
             assert status == 400
         r = requests.post(url, json={"messages": []}, headers={"Origin": "https://evil.example"}, timeout=10)
         assert r.status_code == 403                    # a web page's request: the engine is the local user's
+        files = url.replace("/chat/completions", "/files/x/content")     # a rebound page's same-origin GET
+        assert requests.get(files, headers={"Host": "evil.example"}, timeout=10).status_code == 403
         old_held = offline_server.MAX_HELD
         offline_server.MAX_HELD = 100
         try:
@@ -70,12 +72,12 @@ def test_offline_server_answers_every_hostile_request():
         finally:
             offline_server.MAX_HELD = old_held
         for line, status in ((b"GET http://[x/", 400), (b"FOO http://[x/", 404)):   # a target urlsplit refuses
-            assert _raw(srv, line + b" HTTP/1.1\r\nHost: x\r\n\r\n")[0] == status
+            assert _raw(srv, line + b" HTTP/1.1\r\nHost: localhost\r\n\r\n")[0] == status
         old = offline_server._Handler.timeout
         offline_server._Handler.timeout = 0.3
         try:
             t0 = time.monotonic()
-            _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{", timeout=5)
+            _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n\r\n{", timeout=5)
             assert time.monotonic() - t0 < 4
         finally:
             offline_server._Handler.timeout = old

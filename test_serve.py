@@ -108,11 +108,11 @@ def test_serve_rejects_bad_requests_with_a_named_field(shield_server):
     assert requests.put(url, json={}, headers=AUTH, timeout=5).status_code == 405
     assert requests.post(srv.url + "/health", json={}, timeout=5).status_code == 405
     # raw HTTP: no Content-Length, a negative one, one larger than the body (the client then stalls)
-    assert _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-key\r\n\r\n")[0] == 411
-    assert _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-key\r\n"
+    assert _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n\r\n")[0] == 411
+    assert _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n"
                      b"Content-Length: -5\r\n\r\n")[0] == 400
     t0 = time.monotonic()
-    status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-key\r\n"
+    status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n"
                           b"Content-Length: 100\r\n\r\n{\"query\"", timeout=10)
     assert status in (400, 408, None) and time.monotonic() - t0 < 5     # dropped after the read timeout
     assert requests.get(srv.url + "/health", timeout=5).status_code == 200   # ... and the server still answers
@@ -227,7 +227,7 @@ def test_serve_refuses_lone_surrogates(shield_server):
 
 def test_serve_refuses_two_content_lengths(shield_server):
     srv, _ = shield_server
-    status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-key\r\n"
+    status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n"
                           b"Content-Length: 5\r\nContent-Length: 50\r\n\r\n{\"a\":1}")
     assert status == 400
 
@@ -322,13 +322,13 @@ def test_a_client_trickling_its_headers_is_dropped_at_the_read_timeout(tiny_dir)
             else:
                 pytest.fail("the headers were taken to the end")
         assert time.monotonic() - t0 < 2.0
-        assert _raw(srv, b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")[0] == 200
+        assert _raw(srv, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")[0] == 200
         with socket.create_connection(srv.server_address[:2], timeout=5) as s:   # kept alive: the wait for a
             for wait in (0, 0.45):                               # request is not the time its head takes
                 time.sleep(wait)
                 s.sendall(b"GET /health HTTP/1.1\r\n")
                 time.sleep(0.3)
-                s.sendall(b"Host: a\r\n\r\n")
+                s.sendall(b"Host: localhost\r\n\r\n")
                 assert s.recv(65536).startswith(b"HTTP/1.1 200"), wait
     finally:
         srv.shutdown()
@@ -361,7 +361,7 @@ def test_serve_bursts_get_429_not_resets(small_queue_server):
     def one(_):
         try:
             s = socket.create_connection(srv.server_address[:2], timeout=30)
-            s.sendall(f"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            s.sendall(f"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n"
                       f"Connection: close\r\n\r\n{body}".encode())
             data = b""
             while chunk := s.recv(65536):
@@ -393,14 +393,14 @@ def test_serve_field_round_two(shield_server, capfd):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     status, _ = _raw(srv, b"GET /\r\n\r\n")
     for method in (b"GET", b"POST"):      # a target urlsplit refuses (a broken host) is answered, not dropped
-        assert _raw(srv, method + b" http://[x/health HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")[0] == 404
-    smuggled = b"GET /nope HTTP/1.1\r\nHost: a\r\n\r\n"       # a GET's body is never read as another request
+        assert _raw(srv, method + b" http://[x/health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n")[0] == 404
+    smuggled = b"GET /nope HTTP/1.1\r\nHost: localhost\r\n\r\n"       # a GET's body is never read as another request
     with socket.create_connection(srv.server_address[:2], timeout=5) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled)
         got = b"".join(iter(lambda: s.recv(65536), b""))
     assert got.count(b"HTTP/1.") == 1 and b'"ok"' in got, got
     for cl in (b"+9", b"4_9", b"0x9"):
-        status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-key\r\n"
+        status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n"
                               b"Content-Length: " + cl + b"\r\n\r\n{\"a\": 1}")
         assert status == 400, cl
     q, texts = "boil an egg", ["Boil eggs for six minutes.", "The stock market fell."]
@@ -425,7 +425,8 @@ def test_serve_field_round_two(shield_server, capfd):
 def test_serve_field_round_five(small_queue_server, monkeypatch, capfd):
     """A query copied into a thousand prompts is refused (413) before it is tokenized a thousand times; a key
     given twice is a 400 naming it (a gateway reading the first would see another request); the log line
-    carries no terminal escape from the request line; parsing and tokenizing wait for a free worker."""
+    carries no terminal escape from the request line; a Host that is no loopback name is refused on loopback;
+    parsing and tokenizing wait for a free worker."""
     import requests
     srv = small_queue_server
     url = srv.url + "/v1/rerank"
@@ -439,11 +440,17 @@ def test_serve_field_round_five(small_queue_server, monkeypatch, capfd):
     assert r.status_code == 400 and r.json()["error"]["param"] == "query"
     srv.conf["log"] = True
     try:
-        _raw(srv, b"GET /\x1b[31mRED HTTP/1.1\r\nHost: a\r\n\r\n")
+        _raw(srv, b"GET /\x1b[31mRED HTTP/1.1\r\nHost: localhost\r\n\r\n")
     finally:
         srv.conf["log"] = False
     err = capfd.readouterr().err
     assert "RED" in err and "\x1b" not in err
+    # a web page that points its own name at 127.0.0.1 (DNS rebinding) sends that name: refused on loopback
+    assert requests.get(srv.url + "/health", headers={"Host": "evil.example:80"}, timeout=10).status_code == 403
+    r = requests.post(url, json={"query": "q", "documents": ["a"]}, headers={"Host": "evil.example"}, timeout=10)
+    assert r.status_code == 403 and r.json()["error"]["param"] == "Host"
+    for host in ("localhost", f"127.0.0.1:{srv.server_address[1]}", "[::1]:80", "app.localhost"):
+        assert requests.get(srv.url + "/health", headers={"Host": host}, timeout=10).status_code == 200, host
     srv.work = threading.BoundedSemaphore(1)
     srv.work.acquire()                        # every worker busy: a request waits before its body is parsed
     got = []
