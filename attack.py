@@ -55,8 +55,8 @@ import report
 import rankers
 import tfsg
 from accounting import estimate, price_plan
-from evaluation import (INJECTION_DEFENSES, STANDARD, clean_reference, condition_plan, condition_slug, eval_condition,
-                        guided, pipeline_records, summarize)
+from evaluation import (INJECTION_DEFENSES, STANDARD, clean_answers, clean_reference, condition_plan, condition_slug,
+                        eval_condition, guided, pipeline_records, summarize)
 from metrics import ranked
 from rankers import load_rankers
 from runs import write_summary
@@ -423,9 +423,9 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     llm = run.llm(stage="attack-eval")
     eval_judge = run.llm(cfg.judge.judge, stage="attack-eval") if cfg.judge.judge else llm
     ref = clean_reference(cfg.data.k, base)
-    clean = {r["group_id"]: r for r in eval_condition(
+    clean = clean_answers(eval_condition(
         cfg.llm, cfg.request.workers, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk,
-        ref.pipeline, os.path.join(res, "attack", "clean_reference.jsonl"), eval_judge)}   # eval's file is eval's
+        ref.pipeline, os.path.join(res, "attack", "clean_reference.jsonl"), eval_judge))   # eval's file is eval's
     for b in budgets:
         docs = [with_doc(x, cands[x.instance_id][best_of(cands[x.instance_id], b)]["text"], f"@{label}-{mode}-B{b}")
                 for x in insts]

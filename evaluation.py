@@ -209,7 +209,8 @@ def eval_condition(decoding, workers, llm, name, insts, topk_of, pipeline, path,
         jreq = [] if not judge_asi else [(i, {"messages": [{"role": "user",
                                    "content": metrics.asi_prompt(x.query, judged_attack(x, rec), rec["answer"])}],
                      "temperature": 0, "max_tokens": decoding.max_tokens, "json": True, "check": metrics.parse_asi})
-                for i, (x, rec) in enumerate(zip(part, recs)) if rec["attack_in_context"]]
+                for i, (x, rec) in enumerate(zip(part, recs))
+                if rec["attack_in_context"] and "answer_failed" not in rec]     # (no answer: no influence)
         jrep = judge.map([q for _, q in jreq], workers=workers, desc=f"{name} ASI judge",
                          invalid="return") if jreq else []
         for rec in recs if judge_asi else ():
@@ -320,14 +321,16 @@ def summarize(recs, clean):
     the zeros their weight and bias ASI low. Every judge reply failed: ASI NaN (shown "-", as BER's). An
     instance whose answer request gave no usable reply cites nothing and is counted in `answer_failed`
     (present when some is)."""
-    b_clean = [clean[r["group_id"]]["benign_cited"] for r in recs]
+    referenced = [r for r in recs if r["group_id"] in clean]       # (a group whose clean answer failed: none)
+    b_clean = [clean[r["group_id"]]["benign_cited"] for r in referenced]
     judged = [r["asi"] for r in recs if r["asi"] is not None]
     inside = [r["asi"] for r in recs if r["attack_in_context"] and r["asi"] is not None]
     failed = len(recs) - len(judged)
     asi = (metrics.asi(judged + [sum(inside) / len(inside)] * failed) if inside else math.nan) if failed else \
         metrics.asi(judged)
     return {"ASR": metrics.asr([r["attack_cited"] for r in recs]), "ASI": asi,
-            "BER": metrics.ber([r["benign_cited"] for r in recs], b_clean), "n": len(recs),
+            "BER": metrics.ber([r["benign_cited"] for r in referenced], b_clean), "n": len(recs),
+            **({"ber_without_reference": n} if (n := len(recs) - len(referenced)) else {}),
             "asi_judge_failed": len(recs) - len(judged),
             **({"answer_failed": n} if (n := sum("answer_failed" in r for r in recs)) else {}),
             "attack_in_context": 100.0 * sum(r["attack_in_context"] for r in recs) / max(1, len(recs)),
@@ -507,7 +510,7 @@ def evaluate(run, conditions=None, ranked=None):
                               before_write=lambda recs: record_settings(name, recs))
     # clean reference (B.1.3): once per group, reused by its attack variants
     clean_recs = condition("clean reference", cleans, clean_reference(cfg.data.k, base), "clean_reference")
-    clean = {r["group_id"]: r for r in clean_recs}
+    clean = clean_answers(clean_recs)
     plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
     plan.update(deployed_conditions(cfg.data.k, plan, deployed, local, others))
     results, repeats = answer_conditions(cfg.sample.samples, conds, insts, plan, condition)
@@ -631,7 +634,7 @@ def attack_strength(recs, clean, test, methods, n_boot, seed):
     source = {g.group_id: g.docs[g.source_index]["doc_id"] for g in test}
     out = {}
     for m in methods:
-        rs = [r for r in recs if r["method"] == m]
+        rs = [r for r in recs if r["method"] == m and r["group_id"] in clean]
         if not rs:
             continue
         vals = [float(r["attack_cited"]) - float(source[r["group_id"]] in clean[r["group_id"]]["cited_ids"])
@@ -657,6 +660,12 @@ def defense_summary(run, llm, judge, results, plan, insts, clean, res):
     if quality:
         out["quality_defenses"] = quality
     return out
+
+
+def clean_answers(recs):
+    """The clean reference's records by group, a group whose clean answer failed left out: against an empty
+    answer its groups' BER, answer quality and attack strength would read as a defense's doing."""
+    return {r["group_id"]: r for r in recs if "answer_failed" not in r}
 
 
 def clean_reference(k, base):
@@ -890,7 +899,8 @@ def library_epochs(run, final, insts, shield_topk, clean, condition):
 def pairwise_quality(run, judge, recs, clean, by_id, res, slug="geo_defender"):
     """B.2.4: the condition's answers against the clean reference, half of them shown first (rows in
     results/quality_<slug>.jsonl) -> Table C.1's figures."""
-    cfg = run.cfg
+    cfg, n = run.cfg, len(recs)
+    recs = [r for r in recs if r["group_id"] in clean and "answer_failed" not in r]   # two answers to compare
     a_first = metrics.balanced_order([r["instance_id"] for r in recs])
     reqs = []
     for r in recs:
@@ -919,6 +929,7 @@ def pairwise_quality(run, judge, recs, clean, by_id, res, slug="geo_defender"):
          else {"n": 0})
     q["defended_as_a"] = sum(a_first.values())
     q["judge_failed"] = failed
+    q.update({"no_answer": n - len(recs)} if n > len(recs) else {})      # its answer or the clean one failed
     return q
 
 

@@ -49,7 +49,7 @@ import report
 import tfsg
 from attack import Attack, best_of, evaluate_documents, rounds_for, with_doc
 from accounting import estimate, price_plan
-from evaluation import clean_reference, eval_condition, guided, offline_notes
+from evaluation import clean_answers, clean_reference, eval_condition, guided, offline_notes
 from rankers import load_rankers
 from runs import labels_of, write_summary
 from settings import SettingsError
@@ -372,7 +372,7 @@ def clean_references(run, llm):
     ref = clean_reference(cfg.data.k, base)
     recs = eval_condition(cfg.llm, cfg.request.workers, llm, "clean reference", insts, ref.topk, ref.pipeline,
                           run.path("harden", "clean_reference.jsonl"), judge=llm)
-    return cons, {r["group_id"]: r for r in recs}
+    return cons, clean_answers(recs)
 
 
 def retraining(run, k):

@@ -94,6 +94,14 @@ def _table_lines(s):
     main = [k for k in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender") if k in c]
     lines.append("## Table 1: end-to-end comparison (ASR, ASI lower is better; BER higher)\n")
     lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"], rows(main)) + "\n")
+    unanswered = {k: v["answer_failed"] for k, v in c.items() if v.get("answer_failed")}
+    if unanswered:   # recorded as citing nothing, the attack included: a defense's failures would read as blocks
+        lines.append("Answers that failed (every attempt unusable; each counted as citing nothing, the attack "
+                     "included, and its ASI 0): " + ", ".join(f"{k} {n}" for k, n in unanswered.items()) + ".\n")
+    unref = {k: v["ber_without_reference"] for k, v in c.items() if v.get("ber_without_reference")}
+    if unref:
+        lines.append("Left out of BER, their group's clean reference answer having failed: "
+                     + ", ".join(f"{k} {n}" for k, n in unref.items()) + ".\n")
     failed = {k: v.get("asi_judge_failed", 0) for k, v in c.items() if v.get("asi_judge_failed")}
     if failed:   # each counted at the judged in-context mean (evaluation.py), not left out
         lines.append("ASI judge failures (every attempt unusable; counted at the mean of the judged in-context "

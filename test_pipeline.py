@@ -836,6 +836,34 @@ def test_a_list_with_several_attacks_counts_any_of_them_and_their_shares():
     assert by["3"]["chance_topk_share"] == 50 and by["1"]["chance_topk_share"] == pytest.approx(100 / 6)
 
 
+def test_failed_answers_are_counted_never_judged_and_a_failed_clean_reference_leaves_its_group_out(tmp_path):
+    """An answer that never parsed cites nothing and is counted; the ASI judge is not asked about it (no
+    answer, no influence). A group whose clean reference failed has no reference: its records are out of BER
+    (counted), of answer quality and of attack strength, instead of measured against an empty answer."""
+    asked = []
+
+    def engine(body):
+        text = body["messages"][-1]["content"]
+        asked.append(text)
+        reply = "not json" if "group-g2" in text else offline.respond(body)["choices"][0]["message"]["content"]
+        return {"choices": [{"message": {"content": reply}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    llm = llm_clients.Client.open(None, "m", handler=engine, json_retries=0)
+    docs = lambda g: [f"Page {i} of group-{g}: eggs boil in {i + 5} minutes." for i in range(6)]
+    insts = [geodef.Instance(f"{g}:GEO", g, "how long to boil eggs", docs(g), [f"{g}-{i}" for i in range(6)], 0,
+                             "GEO") for g in ("g1", "g2")]
+    decoding = settings.LLMSettings(max_tokens=200)
+    recs = evaluation.eval_condition(decoding, 2, llm, "c", insts, lambda x: [0, 1, 2, 3, 4], evaluation.STANDARD,
+                                     str(tmp_path / "c.jsonl"), llm)
+    failed = [r for r in recs if "answer_failed" in r]
+    assert [r["group_id"] for r in failed] == ["g2"] and failed[0]["asi"] == 0 and not failed[0]["attack_cited"]
+    assert not any("Attack document:" in a and "group-g2" in a for a in asked)          # never judged
+    clean = evaluation.clean_answers([dict(r, benign_cited=2) for r in recs])          # g2's clean answer failed
+    s = evaluation.summarize(recs, clean)
+    assert set(clean) == {"g1"} and s["ber_without_reference"] == 1 and s["answer_failed"] == 1
+    assert s["BER"] == pytest.approx(100.0 * recs[0]["benign_cited"] / 2)
+
+
 def test_a_fresh_start_leaves_nothing_a_later_rerun_would_resume(tmp_path):
     """train --no-resume starts afresh: an earlier attempt's checkpoint goes with its log, or a plain rerun
     after a kill resumed that older attempt and cut the new, shorter log past its end (NUL bytes)."""
