@@ -150,10 +150,14 @@ def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
                 "json": True, **({"sample": sample} if sample else {})}
     docs = [[x.docs[i] for i in t] for x, t in zip(part, tops)]
     pre = [p.pre(x.query, d) for x, d in zip(part, docs)]
-    flat = iter(llm.map([ask(m) for ms in pre for m in ms], workers=workers, desc=f"{name} {p.pre_step}")
-                if any(pre) else ())
+    flat = iter(llm.map([ask(m) for ms in pre for m in ms], workers=workers, desc=f"{name} {p.pre_step}",
+                        invalid="return") if any(pre) else ())
     pre_replies = [[next(flat) for _ in ms] for ms in pre]
-    finals = [p.final(x.query, d, [r.data for r in rs]) for x, d, rs in zip(part, docs, pre_replies)]
+    # a pre-step reply that never parsed (a guard quoting past the token cap, a refusal) is no data: the
+    # defense reads None (nothing quoted, an abstention), recorded; raised, one document stopped the condition
+    bad = lambda r: isinstance(r, llm_clients.ReplyInvalid)
+    finals = [p.final(x.query, d, [None if bad(r) else r.data for r in rs])
+              for x, d, rs in zip(part, docs, pre_replies)]
     sent = [{**ask(m), "check": answer_check} for m, _ in finals if m is not None]
     desc = name + (f" (sample {sample})" if sample else "")
     replies = iter(llm.map(sent, workers=workers, desc=desc, invalid="return") if sent else ())
@@ -169,9 +173,10 @@ def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
             rec["answer_failed"] = {"attempts": failed.attempts, "error": str(failed)[:300]}
             log(f"[eval] {name}: {x.instance_id}: no usable answer after {failed.attempts} attempts; recorded as "
                 "answer-failed")
-        done = rs + ([r] if r is not None else [])
+        done = [q for q in rs if not bad(q)] + ([r] if r is not None else [])
         usage = {"usage": reply_usage(done, sequential=bool(rs) + (m is not None))} if p.usage else {}
-        recs.append({**rec, **kept, **usage})
+        pre_failed = [i for i, q in enumerate(rs) if bad(q)]
+        recs.append({**rec, **kept, **usage, **({"pre_failed": pre_failed} if pre_failed else {})})
     return recs
 
 
