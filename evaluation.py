@@ -371,13 +371,20 @@ def deployed_label(name):
     return None
 
 
-def eval_settings(cfg, conds, transfers):
+def eval_settings(run, conds, transfers):
     """The settings the values of results/*.jsonl depend on beyond the pinned ones: the judge (ASI,
     pairwise quality), the answers' token cap, for PPL-Filter its scoring model and quantile, for
-    each --transfer name the SHA-1 of its library file, and for an injection defense its settings
-    (defenses.Pipeline.settings). (Which conditions, methods and test groups are evaluated only
-    selects records: not here.)"""
+    each --transfer name the SHA-1 of its library file, the run's own library's and Shield adapter's
+    SHA-1 (with --quant int8, so said) for the conditions that use them, and for an injection defense
+    its settings (defenses.Pipeline.settings). (Which conditions, methods and test groups are evaluated
+    only selects records: not here.)"""
+    cfg = run.cfg
     s = {"judge": cfg.judge.judge or cfg.llm.llm, "max_tokens": cfg.llm.max_tokens}
+    lib, adapter = run.library_path(), run.path("adapter", "adapter_model.safetensors")
+    if os.path.isfile(lib):                 # a library or adapter trained again: the old records are not its
+        s["library"] = file_sha1(lib)[:12]
+    if os.path.isfile(adapter):
+        s["shield"] = file_sha1(adapter)[:12] + (" int8" if cfg.model.quant == "int8" else "")
     if "PPL-Filter" in conds:
         s.update(ppl_model=cfg.eval.ppl_model, ppl_quantile=cfg.eval.ppl_quantile,
                  ppl_calibration="documents with a perplexity")
@@ -397,23 +404,28 @@ def settings_of(name, recs, settings):
     records, a transfer library's digest for its records. Recorded as records are written, so a
     failed eval pins nothing its records do not depend on."""
     keep = {"max_tokens"} | ({"judge"} if any(r["attack_in_context"] for r in recs) else set())
+    label = deployed_label(name)
+    if name in WITH_LIBRARY or label and name.startswith("TFSG only"):
+        keep.add("library")
+    if name in WITH_SHIELD or label and settings.get(f"reranker {label}") == "shield":
+        keep.add("shield")
     if name == "PPL-Filter":
         keep |= {"ppl_model", "ppl_quantile", "ppl_calibration"}
     if name.startswith("GEO Defender [") and name.endswith("]"):
         keep.add(f"transfer {name[len('GEO Defender ['):-1]}")
-    if deployed_label(name):
-        keep.add(f"reranker {deployed_label(name)}")
+    if label:
+        keep.add(f"reranker {label}")
     if name in defenses.PIPELINES:
         keep.add(name)
     return {k: v for k, v in settings.items() if k in keep}
 
 
-def check_eval_settings(cfg, conds, transfers):
-    """Results are resumed record by record, so an eval with another judge (or PPL model, ...) would
-    silently reuse the records made with the old one: refused, naming both."""
-    res = os.path.join(cfg.folder.run_dir, "results")
+def check_eval_settings(run, conds, transfers):
+    """Results are resumed record by record, so an eval with another judge (or PPL model, library,
+    adapter, ...) would silently reuse the records made with the old one: refused, naming both."""
+    res = run.path("results")
     old = read_json(os.path.join(res, "settings.json"), {})
-    changed = {k: v for k, v in eval_settings(cfg, conds, transfers).items() if k in old and old[k] != v}
+    changed = {k: v for k, v in eval_settings(run, conds, transfers).items() if k in old and old[k] != v}
     if changed:
         raise changed_settings(res, "its records were made", old, changed, f"Move {res} aside to evaluate again "
                                "(LLM replies stay cached in cache/), or use a new --name")
@@ -435,7 +447,7 @@ def eval_conditions(run, trained=True):
     deployed = rankers.check_specs(reranker_items(cfg.rerank.reranker))        # every endpoint's key present
     conds = conds + [f"{c} [{label}]" for label, _ in deployed for c in RERANKER_CONDITIONS
                      if c != "TFSG only" or os.path.isfile(run.library_path())]
-    check_eval_settings(cfg, conds, transfers)
+    check_eval_settings(run, conds, transfers)
     if not trained:
         return conds, transfers
     lib, adapter = run.library_path(), run.path("shield_done.json")     # (the adapter is saved every epoch)
@@ -501,7 +513,7 @@ def evaluate(run, conditions=None, ranked=None):
     res = os.path.join(run.dir, "results")
     os.makedirs(res, exist_ok=True)
     settings = os.path.join(res, "settings.json")          # what the records below were made with
-    wanted = eval_settings(cfg, conds, transfers)
+    wanted = eval_settings(run, conds, transfers)
 
     def record_settings(name, recs):                        # written with the records that depend on them
         new = settings_of(name, recs, wanted)

@@ -142,7 +142,7 @@ def run_fold(run, fcfg, llm_stage=False, construction=None):
     if llm_stage:
         train_tfsg(fold)
         conditions = (list(LLM_CONDITIONS), [])            # no transfer library, no deployed reranker
-        check_eval_settings(fold.cfg, *conditions)
+        check_eval_settings(fold, *conditions)
         out.update(evaluate(fold, conditions).records)
     return {label: metrics.paper_level(recs) for label, recs in out.items()}
 

@@ -30,6 +30,7 @@ import rankers
 import run
 import runs
 import settings
+import store
 import tfsg
 import tiny
 import train
@@ -443,9 +444,13 @@ def test_records_made_with_other_settings_are_refused(evaluated_copy, tmp_path):
     """Records are resumed one by one: an eval with another judge or PPL model would reuse the old
     ones, so it is refused, naming the setting."""
     c, _ = evaluated_copy("cut")
-    assert json.load(open(tmp_path / "cut" / "results" / "settings.json")) == {
+    recorded = json.load(open(tmp_path / "cut" / "results" / "settings.json"))
+    digest = lambda *p: store.file_sha1(os.path.join(tmp_path, "cut", *p))[:12]
+    assert recorded == {
         "judge": "openai-compatible:scripted", "max_tokens": c["max_tokens"], "ppl_model": "tiny",
         "ppl_quantile": 0.99, "ppl_calibration": "documents with a perplexity",
+        "library": digest("library", f"E{c['n_batches'] + 1}.json"),
+        "shield": digest("adapter", "adapter_model.safetensors"),
         **{k: p.settings for k, p in defenses.PIPELINES.items() if p.settings}}
     for change, what in [({"judge": "openai-compatible:other"}, "judge='openai-compatible:scripted'"),
                          ({"ppl_model": "openai-community/gpt2"}, "ppl_model='tiny'"),

@@ -527,6 +527,20 @@ def test_a_demo_rerun_with_settings_its_records_refuse_records_nothing(demo_run,
     assert (tmp_path / "o" / "demo" / "config.json").read_text() == before
 
 
+def test_records_made_with_another_library_or_adapter_are_not_resumed(demo_run, tmp_path):
+    """eval resumes its records one by one: after the library (or the Shield) is trained again, the records
+    the old one made would be reused as its own; refused, naming what changed."""
+    shutil.copytree(demo_run.parent, tmp_path / "o")
+    run_dir = tmp_path / "o" / "demo"
+    argv = ["eval", "--runs-dir", str(tmp_path / "o"), "--name", "demo", "--dry-run"]
+    run.main(argv)                                                       # as evaluated: nothing refused
+    epochs = [p for p in (run_dir / "library").glob("E*.json") if p.stem[1:].isdigit()]
+    lib = max(epochs, key=lambda p: int(p.stem[1:]))                     # the final library
+    lib.write_text(lib.read_text() + "\n")                              # another library's bytes
+    with pytest.raises(SystemExit, match="library"):
+        run.main(argv)
+
+
 @pytest.mark.parametrize("text, msg", [("{bad", "not JSON"), ("[1, 2]", "no settings object"),
                                        ('{"config": {"n_boot": "abc"}}', "a recorded setting is not of its type")])
 def test_a_broken_record_is_one_line_naming_it(tmp_path, text, msg):
