@@ -84,7 +84,7 @@ def ppl_filter(cfg, base, cons, test_insts):
         flagged = [ppl(x.docs[i]) > tau for i in range(len(x.docs))]
         o = [i for i in bo if not flagged[i]] + [i for i in bo if flagged[i]]
         orders[x.instance_id] = o
-        if x.attack_index is not None:
+        if x.attack_index is not None and not x.co_attacks:     # the diagnostics: the paper's lists (K = 1)
             inb, inp = x.attack_index in bo[:cfg.data.k], x.attack_index in o[:cfg.data.k]
             diag["test_instances"] += 1
             diag["attack_in_base_topk"] += inb

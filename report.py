@@ -233,10 +233,12 @@ def _method_lines(s, figs):
     lines.append(_table(["Condition"] + [m + ("" if seen[m]["seen"] else "*") for m in methods],
                         [[k] + [fmt(s["methods"][k][m]["ASR"]) for m in methods] for k in s["methods"]]) + "\n")
     drops = {m: n for m, n in (s.get("family_drops") or {}).items() if n and m in methods}
+    samples = (s.get("samples") or {}).get("n", 1)               # the records pool every repeated sample
+    each = lambda n: "-" if n is None else n // samples
     if drops:                   # each method over the test groups it rewrote
         lines.append("Test instances per method (groups where build-bench's gate refused every rewrite of a method "
                      "have none of it; the refusals count the groups of both splits): " + ", ".join(
-                         f"{m} {seen[m].get('n', '-')} (refused on {drops.get(m, 0)} groups)" for m in methods)
+                         f"{m} {each(seen[m].get('n'))} (refused on {drops.get(m, 0)} groups)" for m in methods)
                      + ".\n")
     unseen = {m for m in methods if not seen[m]["seen"]}
     conds = list(s["methods"])

@@ -888,6 +888,20 @@ def test_a_pre_step_reply_that_never_parses_is_recorded_not_a_stopped_condition(
     assert recs[0]["usage"]["llm_calls"] == 3                 # the two pre-step replies received, the answer
 
 
+def test_the_ppl_filter_diagnostics_read_the_papers_lists(tmp_path):
+    """On a file with several attacked documents a list, the PPL-Filter reorders every list, and its
+    diagnostics (Table B.2's counts) read the paper's lists (K = 1) alone, as Table 1 does."""
+    from types import SimpleNamespace
+    cfg = settings.EvalConfig(name="p", runs_dir=str(tmp_path), ppl_model="tiny")
+    docs = [f"Page {i} says eggs boil in {i + 5} minutes on a stove." for i in range(6)]
+    cons = [geodef.QueryGroup("c", "q", [{"text": d, "doc_id": f"c-{i}"} for i, d in enumerate(docs)], 0, {})]
+    ids = [f"g-{i}" for i in range(6)]
+    one = geodef.Instance("g:GEO", "g", "q", docs, ids, 0, "GEO")
+    three = geodef.Instance("g:GEO:K3", "g", "q", docs, ids, 0, "GEO", co_attacks=(2, 4))
+    orders, diag = evaluation.ppl_filter(cfg, SimpleNamespace(order=lambda x: list(range(6))), cons, [one, three])
+    assert set(orders) == {"g:GEO", "g:GEO:K3"} and diag["test_instances"] == 1 and diag["benign_total"] == 5
+
+
 def test_a_fresh_start_leaves_nothing_a_later_rerun_would_resume(tmp_path):
     """train --no-resume starts afresh: an earlier attempt's checkpoint goes with its log, or a plain rerun
     after a kill resumed that older attempt and cut the new, shorter log past its end (NUL bytes)."""

@@ -157,6 +157,11 @@ def test_the_report_gives_each_method_its_own_count_where_a_family_was_refused(t
     assert "per method (groups where build-bench's gate refused every rewrite of a method have none of it; the " \
            "refusals count the groups of both splits): m1 4 (refused on 0 groups), m2 3 (refused on 1 groups)." \
            in (tmp_path / "b" / "report.md").read_text()
+    for k in s["methods"]:                       # eval --samples 2: the records pool both samples
+        s["methods"][k]["m1"]["n"], s["methods"][k]["m2"]["n"] = 8, 6
+    report.write_report(str(tmp_path / "c"), {**s, "family_drops": {"m1": 0, "m2": 1}, "samples": {
+        "n": 2, "conditions": {}}})
+    assert "m1 4 (refused on 0 groups), m2 3 (refused on 1 groups)." in (tmp_path / "c" / "report.md").read_text()
 
 
 def test_a_harden_test_attacker_of_another_algorithm_is_out_of_distribution(tmp_path):
