@@ -132,8 +132,11 @@ def two_level_bootstrap_ci(values, clusters, samples, n_boot=10000, seed=0, leve
     counts = np.bincount(inv, minlength=len(keys)).astype(np.float64) / n     # instances per cluster
     rng = np.random.default_rng(seed)
     pick = rng.integers(0, len(keys), size=(n_boot, len(keys)))   # (n_boot, G) cluster draws
-    draw = rng.integers(0, n, size=(n_boot, len(keys), n))        # (n_boot, G, N) sample draws within each
-    total = np.take_along_axis(sums[pick], draw, axis=2).sum((1, 2))
+    total = np.empty(n_boot)
+    step = max(1, (1 << 22) // (len(keys) * n))                   # replicates at a time: ~32 MiB of draws
+    for b in range(0, n_boot, step):                              # (the same stream as one (n_boot, G, N) draw)
+        draw = rng.integers(0, n, size=(min(step, n_boot - b), len(keys), n))     # sample draws within each
+        total[b:b + len(draw)] = np.take_along_axis(sums[pick[b:b + len(draw)]], draw, axis=2).sum((1, 2))
     means = total / (counts[pick].sum(1) * n)
     a = (1 - level) / 2
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))

@@ -4,6 +4,7 @@ Vendors with: metrics.py (no torch)
 Run: python -m pytest -q test_metrics.py
 """
 import math
+import os
 
 import numpy as np
 import pytest
@@ -84,6 +85,22 @@ def test_two_level_bootstrap_draws_groups_then_samples():
     assert lo <= noisy.mean() <= hi and hi - lo > ghi - glo
     with pytest.raises(ValueError):
         metrics.two_level_bootstrap_ci([1.0], ["a", "b"], [0])
+
+
+def test_two_level_bootstrap_holds_its_draws_a_chunk_at_a_time():
+    """eval --samples N (up to 10,000): the draws within the clusters (n_boot x groups x N integers, 1.6 GB
+    here) are made a chunk of replicates at a time, under a 1 GiB address space, from the same stream."""
+    import subprocess
+    import sys
+    code = ("import resource, numpy as np, metrics\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "G, N = 50, 2000\n"
+            "v = np.random.default_rng(0).random(G * N)\n"
+            "print(metrics.two_level_bootstrap_ci(v, np.repeat(np.arange(G), N), np.tile(np.arange(N), G), "
+            "n_boot=2000))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(metrics.__file__)))
+    assert out.returncode == 0, out.stderr[-300:]
 
 
 def test_cluster_bootstrap():
