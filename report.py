@@ -650,6 +650,9 @@ def write_comparison(out_dir, summaries):
         quality_head = ["Target LLM", "Mean change", "95% CI", "Comparable or better (%)", "Better (%)"]
         quality_rows = [[t, f"{v['mean_change']:+.3f}", f"[{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]",
                          fmt(v["comparable_or_better"]), fmt(v["better"])] for t, v in q]
+        mean = lambda key: sum(v[key] for _, v in q) / len(q)            # the targets' mean, as Table 1's
+        quality_rows.append(["Average", f"{mean('mean_change'):+.3f}", "-", fmt(mean("comparable_or_better")),
+                             fmt(mean("better"))])
         lines.append("## Table C.1\n\n" + _table(quality_head, quality_rows) + "\n")
     # Table C.2: a row per source library, named by its run (a --transfer name names the run whose library it
     # is; a target label such as openai:gpt-5.5 is no --transfer name), a column per target

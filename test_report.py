@@ -24,7 +24,7 @@ def test_compare_runs_transfer_matrix(tmp_path):
          "b": summ("x:B", 30.0, {"(own)": {"ASR": 6.0, "ASI": 4.0}, "a": {"ASR": 8.0, "ASI": 1.0}})}
     path = report.write_comparison(str(tmp_path), s)
     text = open(path).read()
-    assert "| Average | 20.00 |" in text
+    assert "| Average | 20.00 |" in text and "| Average | +0.100 | - | 80.00 | 20.00 |" in text      # Tables 1, C.1
     assert "| Source \\ Target | x:A | x:B |" in text                     # rows: source library's run, cols: target
     assert "| a | 5.00 | 8.00 |" in text and "| b | 7.00 | 6.00 |" in text
     assert open(tmp_path / "figures" / "transfer_asr.svg").read().startswith("<svg")
