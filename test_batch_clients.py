@@ -696,7 +696,7 @@ def test_a_burst_of_connections_waits_to_be_accepted():
     try:
         assert len(socks) == 100
         for s in socks:
-            s.sendall(b"GET /v1/batches HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            s.sendall(b"GET /v1/batches HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         assert all(s.recv(12).startswith(b"HTTP/1.0 200") for s in socks)
     finally:
         srv.shutdown()
@@ -707,7 +707,8 @@ def test_a_burst_of_connections_waits_to_be_accepted():
 def test_content_length_is_digits_only(engine, length):
     srv, url = engine
     body = json.dumps(requests_(1)[0]).encode()
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length.format(n=len(body))}\r\n\r\n"
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+            f"Content-Length: {length.format(n=len(body))}\r\n\r\n")
     status, _ = _raw(srv, head.encode() + body)
     assert status == 400
 

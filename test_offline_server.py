@@ -77,7 +77,8 @@ def test_offline_server_answers_every_hostile_request():
         offline_server._Handler.timeout = 0.3
         try:
             t0 = time.monotonic()
-            _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n\r\n{", timeout=5)
+            _raw(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n\r\n{",
+                 timeout=5)
             assert time.monotonic() - t0 < 4
         finally:
             offline_server._Handler.timeout = old

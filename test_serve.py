@@ -108,7 +108,8 @@ def test_serve_rejects_bad_requests_with_a_named_field(shield_server):
     assert requests.put(url, json={}, headers=AUTH, timeout=5).status_code == 405
     assert requests.post(srv.url + "/health", json={}, timeout=5).status_code == 405
     # raw HTTP: no Content-Length, a negative one, one larger than the body (the client then stalls)
-    assert _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n\r\n")[0] == 411
+    assert _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n"
+                     b"\r\n")[0] == 411
     assert _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n"
                      b"Content-Length: -5\r\n\r\n")[0] == 400
     t0 = time.monotonic()
@@ -393,7 +394,8 @@ def test_serve_field_round_two(shield_server, capfd):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     status, _ = _raw(srv, b"GET /\r\n\r\n")
     for method in (b"GET", b"POST"):      # a target urlsplit refuses (a broken host) is answered, not dropped
-        assert _raw(srv, method + b" http://[x/health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n")[0] == 404
+        assert _raw(srv, method + b" http://[x/health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n"
+                         b"\r\n")[0] == 404
     smuggled = b"GET /nope HTTP/1.1\r\nHost: localhost\r\n\r\n"       # a GET's body is never read as another request
     with socket.create_connection(srv.server_address[:2], timeout=5) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled)
