@@ -318,10 +318,14 @@ def fold_group_bootstrap_ci(diffs, n_boot=10000, seed=0, level=0.95):
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
-def unseen_minus_seen(recs, seen, unseen, key="exposed"):
+def unseen_minus_seen(recs, seen, unseen, key="exposed", base=None):
     """One fold's records -> ({group_id: unseen mean minus seen mean of `key` x 100}, unseen by group, seen
-    by group), over the groups that hold both."""
-    u, s = by_group(recs, unseen, key=key), by_group(recs, list(seen), key=key)
+    by group), over the groups that hold both. base: the same instances' base records; each side is then
+    the Shield's change from the base (Shield minus base), so that families the base already exposes more
+    (stronger ones) do not read as families the Shield failed to learn: seen and unseen are other families."""
+    side = lambda ms: ({g: [-v for v in vs] for g, vs in by_group(recs, ms, base, key).items()} if base is not None
+                       else by_group(recs, ms, key=key))              # (by_group with a base: base minus Shield)
+    u, s = side(unseen), side(list(seen))
     return {g: sum(u[g]) / len(u[g]) - sum(s[g]) / len(s[g]) for g in sorted(set(u) & set(s))}, u, s
 
 
@@ -352,7 +356,7 @@ def regime(run):
             f"{', '.join(seen)} (seed {fcfg.folder.seed})")
         recs = run_fold(run, fcfg, h.llm_stage, groups)
         unseen = [m for m in data.methods if m not in seen]
-        diffs[name], u, s = unseen_minus_seen(recs["shield"], seen, unseen)
+        diffs[name], u, s = unseen_minus_seen(recs["shield"], seen, unseen, base=recs["base"])
         rows.append({"fold": name, "seen": list(seen), "unseen": unseen, "seed": fcfg.folder.seed,
                      "instances": len(geodef.expand(groups, seen)),
                      "steps": read_json(os.path.join(fcfg.folder.run_dir, "shield_done.json"), {}).get("steps"),
@@ -384,11 +388,13 @@ def regime(run):
 def regime_table(s):
     """--seen-size's table as text: per fold its seen families, instances, steps, exposures and gap."""
     r = s["regime"]
-    lines = [f"exposure@{s['k']} (%) on the test split, trained on {r['seen_size']} families a fold"]
-    lines += [f"{'seen families':<40}{'seed':>5}{'inst':>6}{'steps':>6}{'seen':>7}{'unseen':>8}{'unseen - seen':>24}"]
+    lines = [f"exposure@{s['k']} (%) on the test split, trained on {r['seen_size']} families a fold; the gap: "
+             "unseen minus seen of the Shield's change from the base"]
+    lines += [f"{'seen families':<40}{'seed':>5}{'inst':>6}{'steps':>6}{'seen':>7}{'base':>6}{'unseen':>8}{'base':>6}"
+              f"{'unseen - seen':>24}"]
     lines += [f"{', '.join(f['seen']):<40}{f['seed']:>5}{f['instances']:>6}{str(f['steps']):>6}"
-              f"{pct(f['seen_exposure']):>7}{pct(f['unseen_exposure']):>8}{gap_text(f['gap']):>24}"
-              for f in r["folds"]]
+              f"{pct(f['seen_exposure']):>7}{pct(f.get('base_seen_exposure')):>6}{pct(f['unseen_exposure']):>8}"
+              f"{pct(f.get('base_unseen_exposure')):>6}{gap_text(f['gap']):>24}" for f in r["folds"]]
     if r["gap"] is not None:
         lines.append(f"mean over {len(r['folds'])} folds: {r['gap']:+.1f} [{r['gap_ci'][0]:+.1f}, "
                      f"{r['gap_ci'][1]:+.1f}] (CI over subsets and groups); spread over subsets {r['spread'][0]:+.1f} "
@@ -462,11 +468,15 @@ def write_report(out, s):
                   f"({r['subsets']} subsets, {r['seeds']} seed(s) each), every fold on as many construction "
                   "instances, its epoch picked on a monitoring split of its own families (the paper's regime at "
                   f"3). Exposure@{k}: the attack document in the reranker's top {k} (%), of the families the fold "
-                  "trained on (seen) and of the others (unseen). Unseen - seen: per query group, then over groups "
-                  "(95% CI over groups per fold). Over the folds: the mean gap with a 95% CI resampling subsets "
-                  "(a subset's seeds averaged) and groups, and its spread over the subsets. The per-fold "
-                  "intervals are not corrected for being read together; the mean over folds is the one figure to "
-                  "read.\n", "```", regime_table(s), "```\n"]
+                  "trained on (seen) and of the others (unseen), beside the base reranker's. Unseen - seen: of the "
+                  "Shield's change from the base on each side (seen and unseen are different families, which the "
+                  "base exposes differently), per query group, then over groups (95% CI over groups per fold). "
+                  "ASR with --llm-stage is compared raw (no base condition runs in a fold). Over the folds: the "
+                  + ("mean gap with a 95% CI resampling subsets (a subset's seeds averaged) and groups, and its "
+                     "spread over the subsets. " if r["subsets"] > 1 else "mean gap with a 95% CI resampling groups "
+                     "(one subset: every construction family seen, only the groups vary). ") +
+                  "The per-fold intervals are not corrected for being read together; the mean over folds is the "
+                  "one figure to read.\n", "```", regime_table(s), "```\n"]
         atomic_write(os.path.join(out, "report.md"), "\n".join(lines))
         return
     b = s.get("builders") or {}

@@ -172,8 +172,10 @@ def test_the_papers_regime_trains_equal_folds_on_seen_subsets_and_reads_unseen_m
     assert [f["fold"] for f in r["folds"]] == list(plan) and all(len(f["seen"]) == 2 for f in r["folds"])
     matrix = []
     for f in r["folds"]:
-        recs = records(tmp_path / "h", f["fold"])
-        per = lambda ms: {g: mean([100 * x["exposed"] for x in recs if x["group_id"] == g and x["method"] in ms])
+        recs, base = records(tmp_path / "h", f["fold"]), records(tmp_path / "h", f["fold"], "base")
+        was = {x["instance_id"]: x["exposed"] for x in base}            # each side: the Shield's change from the base
+        per = lambda ms: {g: mean([100 * (x["exposed"] - was[x["instance_id"]]) for x in recs
+                                   if x["group_id"] == g and x["method"] in ms])
                           for g in {x["group_id"] for x in recs}}
         u, seen = per(f["unseen"]), per(f["seen"])
         assert f["gap"]["gap"] == pytest.approx(mean([u[g] - seen[g] for g in u]))
