@@ -45,6 +45,7 @@ import shutil
 
 import detect
 import geodef
+import metrics
 import report
 import tfsg
 from attack import Attack, best_of, evaluate_documents, rounds_for, with_doc
@@ -443,7 +444,10 @@ def harden(run):
         costs = [v["cost_usd"] for v in rows]
         r["cost"] = {"replies": sum(v["replies"] for v in rows),
                      "usd": None if None in costs else round(sum(costs), 6)}
+    groups, insts = test_instances(cfg.harden.eval_groups, run.data)
     block = {"settings": pinned, "rounds": rounds, "k": cfg.data.k, "notes": offline_notes(run),
+             "test_groups": len(groups), "test_instances": len(insts),       # what every round measures
+             "chance_in_topk": 100.0 * metrics.chance_any_in_topk(len(insts[0].docs), 1, cfg.data.k),
              "crossplay": {"rows": "defense round", "columns": "attacker round (its best at the largest budget)",
                            "exposure": crossplay(run, cfg.harden.rounds)}}
     summary = write_summary(run, "harden", {"harden": block})

@@ -746,14 +746,20 @@ def write_harden_report(run_dir, s):
     lines.append(_table(["Round", "Survivors", "Pool", f"Fresh B={top} exposure@{k}", f"Fresh B={top} ASR",
                          "Stale exposure", "Stale ASR", "Static exposure", "Static ASR", "Clean top-k kept",
                          "BER (static)", "LLM replies", "USD"], rows) + "\n")
-    lines.append("Exposure: the attack document in the Shield's top-k (%); ASR: under GEO Defender (Shield top-k "
-                 "and the round's library). Fresh: an attacker of its own seed at each round; stale: round 0's.\n")
+    lines.append("Exposure: the attack document in the Shield's top-k (%)"
+                 + (f", against {fmt(b['chance_in_topk'])}% for a random top k" if "chance_in_topk" in b else "")
+                 + "; ASR: under GEO Defender (Shield top-k and the round's library). Fresh: an attacker of its own "
+                 "seed at each round; stale: round 0's."
+                 + (f" Every round measures the same {b['test_instances']} instances of {b['test_groups']} test "
+                    "groups; the figures are point estimates (no interval)." if "test_groups" in b else "") + "\n")
     plot = lambda names: {n: [c[n] for c in cells] for n in names}
     for name, title, series, ylabel in (
             ("harden_attack.svg", f"Attackers by round (B={top})",
              plot(("fresh exposure", "stale exposure", "fresh ASR", "stale ASR")), f"exposure@{k} / ASR (%)"),
-            ("harden_utility.svg", "Utility by round", plot(("clean top-k kept", "BER (GEO Defender)",
-                                                             "BER (Shield only)")), "clean top-k kept / BER (%)")):
+            ("harden_utility.svg", "Utility by round", {("static " + n if n.startswith("BER") else n): v for n, v in
+                                                         plot(("clean top-k kept", "BER (GEO Defender)",
+                                                               "BER (Shield only)")).items()},
+             "clean top-k kept / static BER (%)")):
         atomic_write(os.path.join(figs, name), svg_lines(title, xs, series, xlabel="hardening round", ylabel=ylabel,
                                                          note=note))
         lines.append(f"![{title}](figures/{name})")

@@ -266,6 +266,9 @@ def test_the_report_says_offline(hardened):
     rep = (out / "demo" / "harden_report.md").read_text()
     assert rep.startswith("> **OFFLINE / SIMULATION RUN.**") and "Threat model" in rep and "Cross-play" in rep
     assert "fresh test attacker MAGEO's loop: **in-distribution**" in rep     # the default: one algorithm
+    b = json.load(open(out / "demo" / "summary.json"))["harden"]             # exposure read against chance k/n
+    assert b["chance_in_topk"] == pytest.approx(100 * b["k"] / 10) and f"against {b['chance_in_topk']:.2f}%" in rep
+    assert f"the same {b['test_instances']} instances of {b['test_groups']} test groups" in rep
 
 
 def test_harden_draws_its_figures(hardened):
