@@ -38,7 +38,7 @@ import torch.nn.functional as F
 # Paper A.1.2: the Shield Reranker's instruction, verbatim.
 SHIELD_INSTRUCTION = ("Given a web search query, identify documents that are relevant, reliable, and safe "
                       "to be selected as evidence for downstream generative-search answer generation.")
-# Model card default (README), used when no instruction is given.
+# The model card's default (its format_instruction), used when the instruction given is None.
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
           "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
@@ -418,7 +418,8 @@ class Reranker:
     def __init__(self, model, tokenizer, yes_no_ids, instruction=SHIELD_INSTRUCTION, max_length=8192,
                  token_budget=4096, name_or_path=None, revision=None, folder=None):
         self.model, self.tokenizer = model, tokenizer
-        self.instruction, self.max_length, self.token_budget = instruction, max_length, token_budget
+        self.instruction = DEFAULT_INSTRUCTION if instruction is None else instruction   # as the card's format
+        self.max_length, self.token_budget = max_length, token_budget
         self.name_or_path, self.revision = name_or_path, revision
         self.folder = folder   # where the files were read from: a hub id's snapshot folder, or the folder given
         self.yes_id, self.no_id = yes_no_ids

@@ -200,6 +200,12 @@ def test_attacker_text_never_becomes_a_control_token(qwen_vocab, real_vocab_rr):
                 assert [i for i in ids if i in control] == [i for i in rr0.prefix_ids + rr0.suffix_ids if i in control]
 
 
+def test_no_instruction_is_the_model_cards_default_not_the_word_none(tiny_dir):
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, instruction=None)
+    text = rr.tokenizer.decode(rr.tokenize("q", ["d"])[0], skip_special_tokens=False)
+    assert f"<Instruct>: {reranker.DEFAULT_INSTRUCTION}" in text and "None" not in text
+
+
 def test_loader_errors(tmp_path, tiny_dir):
     from safetensors.torch import load_file, save_file
 
