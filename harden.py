@@ -284,6 +284,22 @@ def measured(run, k, clients, clean):
     return out, (base, shield, lib)
 
 
+def against_round_zero(run, rounds, top):
+    """Each later round's fresh attacker (budget `top`, under GEO Defender) against round 0's, paired per query
+    group (every round measures the same test groups): the change of exposure and of ASR with its 95%
+    cluster-bootstrap CI, one interval a round (never pooled over rounds), in each round's "vs_round_0"."""
+    cfg, methods = run.cfg, run.data.methods
+    recs = lambda k: [r for _, r in read_jsonl(os.path.join(round_dir(run, k), "results", f"B{top}",
+                                                            "geo_defender.jsonl"))]
+    first = recs(0)
+    for r in rounds[1:]:
+        now = recs(r["round"])
+        r["vs_round_0"] = {name: metrics.paired_gap(cfg.rerank.n_boot, cfg.folder.seed,
+                                                    metrics.by_group(now, methods, key=key),
+                                                    metrics.by_group(first, methods, key=key))
+                           for name, key in (("exposure", "attack_in_context"), ("ASR", "attack_cited"))}
+
+
 def read_attack(path):
     out = {}
     for _, r in read_jsonl(path):
@@ -445,6 +461,7 @@ def harden(run):
         r["cost"] = {"replies": sum(v["replies"] for v in rows),
                      "usd": None if None in costs else round(sum(costs), 6)}
     groups, insts = test_instances(cfg.harden.eval_groups, run.data)
+    against_round_zero(run, rounds, max(cfg.harden.eval_budgets))
     block = {"settings": pinned, "rounds": rounds, "k": cfg.data.k, "notes": offline_notes(run),
              "test_groups": len(groups), "test_instances": len(insts),       # what every round measures
              "chance_in_topk": 100.0 * metrics.chance_any_in_topk(len(insts[0].docs), 1, cfg.data.k),

@@ -752,6 +752,12 @@ def write_harden_report(run_dir, s):
                  "seed at each round; stale: round 0's."
                  + (f" Every round measures the same {b['test_instances']} instances of {b['test_groups']} test "
                     "groups; the figures are point estimates (no interval)." if "test_groups" in b else "") + "\n")
+    paired = [(r["round"], r["vs_round_0"]) for r in rounds if r.get("vs_round_0")]
+    if paired:              # the same test groups every round: the change, paired per group, one CI a round
+        ci = lambda g: "-" if g["gap"] is None else f"{g['gap']:+.1f} [{g['gap_ci'][0]:+.1f}, {g['gap_ci'][1]:+.1f}]"
+        lines.append(f"Fresh B={top} attacker against round 0's, paired per test group (95% CI over groups, one a "
+                     "round): " + "; ".join(f"r{k} exposure {ci(v['exposure'])}, ASR {ci(v['ASR'])}"
+                                            for k, v in paired) + ".\n")
     plot = lambda names: {n: [c[n] for c in cells] for n in names}
     for name, title, series, ylabel in (
             ("harden_attack.svg", f"Attackers by round (B={top})",

@@ -810,8 +810,9 @@ class AttackConfig(Command):
 
 class HardenConfig(Command):
     """harden: hardening rounds on a trained run; the trained run's settings come from its record."""
-    GROUPS = TRAIN + (JudgeSettings, AttackerSettings, HardenSettings)
-    FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings, AttackerSettings, RolesSettings)
+    GROUPS = TRAIN + (JudgeSettings, AttackerSettings, HardenSettings, RerankSettings)   # (n_boot: the rounds' CIs)
+    FLAGS = (RunSettings, LLMSettings, RequestSettings, JudgeSettings, HardenSettings, AttackerSettings, RolesSettings,
+             some(RerankSettings, "n_boot"))
 
 
 class HoldoutConfig(Command):

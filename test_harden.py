@@ -269,6 +269,10 @@ def test_the_report_says_offline(hardened):
     b = json.load(open(out / "demo" / "summary.json"))["harden"]             # exposure read against chance k/n
     assert b["chance_in_topk"] == pytest.approx(100 * b["k"] / 10) and f"against {b['chance_in_topk']:.2f}%" in rep
     assert f"the same {b['test_instances']} instances of {b['test_groups']} test groups" in rep
+    later = [r for r in b["rounds"] if r["round"] > 0]                       # each round against round 0: paired
+    assert later and all(set(r["vs_round_0"]) == {"exposure", "ASR"} for r in later)
+    assert all(r["vs_round_0"]["exposure"]["groups"] == b["test_groups"] for r in later)
+    assert "attacker against round 0's, paired per test group" in rep
 
 
 def test_harden_draws_its_figures(hardened):
