@@ -751,7 +751,8 @@ def write_harden_report(run_dir, s):
                  + "; ASR: under GEO Defender (Shield top-k and the round's library). Fresh: an attacker of its own "
                  "seed at each round; stale: round 0's."
                  + (f" Every round measures the same {b['test_instances']} instances of {b['test_groups']} test "
-                    "groups; the figures are point estimates (no interval)." if "test_groups" in b else "") + "\n")
+                    "groups; the table's figures are point estimates, their change from round 0 is read with its "
+                    "interval below." if "test_groups" in b else "") + "\n")
     paired = [(r["round"], r["vs_round_0"]) for r in rounds if r.get("vs_round_0")]
     if paired:              # the same test groups every round: the change, paired per group, one CI a round
         ci = lambda g: "-" if g["gap"] is None else f"{g['gap']:+.1f} [{g['gap_ci'][0]:+.1f}, {g['gap_ci'][1]:+.1f}]"
