@@ -206,7 +206,7 @@ def update_library(run, k, survivors, defense, target, analyzer, clean):
             top = top[:-1] + [x.attack_index]
         return {"case_id": f"case-{hashlib.sha1(x.instance_id.encode()).hexdigest()[:8]}", "query": x.query,
                 "docs": [x.docs[i] for i in top], "labels": labels_of(x, top),
-                "b_clean": clean[x.group_id]["benign_cited"]}
+                "b_clean": clean[x.group_id]["benign_cited"] if x.group_id in clean else None}
     batch = [case(x) for x in attacks + controls]           # each survivor beside its group's benign list
     interface = "reasoning" if cfg.tfsg.reasoning_interface else "structured"
     return tfsg.update_library(tfsg_target(target, cfg.request.workers, f"harden r{k} TFSG"), analyzer.chat, lib,

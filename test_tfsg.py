@@ -197,6 +197,9 @@ def test_classify_outcomes():
     assert tfsg.classify(t([3]), 2, labels, 4) == "false_positive"           # 1 < ceil(0.5 * 4)
     assert tfsg.classify(t([1, 3], [(4, "filter")]), 2, labels, 2) == "false_positive"
     assert tfsg.classify(t([2]), 2, labels, 2) == "both"
+    # no clean reference (its answer failed): no benign-citation floor, a filtered benign document still counts
+    assert tfsg.classify(t([]), None, labels, None) == "success"
+    assert tfsg.classify(t([1], [(4, "filter")]), None, labels, None) == "false_positive"
 
 
 def test_invoked_rule_ids_are_in_one_order_whatever_the_hash_seed():

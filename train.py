@@ -22,7 +22,7 @@ import lora
 import speed
 import tfsg
 from accounting import estimate, price_plan
-from evaluation import clean_reference, eval_condition
+from evaluation import clean_answers, clean_reference, eval_condition
 from llm_clients import ReplyInvalid
 from metrics import ranked
 from rankers import base_ranker, doc_key, load_rankers, shield_ranker
@@ -372,7 +372,7 @@ def clean_reference_benign(run, llm, base, groups):
     # no attack in a clean list: the judge is never asked
     recs = eval_condition(cfg.llm, cfg.request.workers, llm, "clean reference (construction)", insts, ref.topk,
                           ref.pipeline, path, judge=llm)
-    return {r["group_id"]: r for r in recs}
+    return clean_answers(recs)         # (a group whose clean answer failed has no b_clean: None in its cases)
 
 
 def tfsg_target(target, workers, desc):
@@ -412,7 +412,7 @@ def train_tfsg(run):
             top = top[:-1] + [x.attack_index]
         return {"case_id": f"case-{hashlib.sha1(x.instance_id.encode()).hexdigest()[:8]}", "query": x.query,
                 "docs": [x.docs[i] for i in top], "labels": labels_of(x, top),
-                "b_clean": clean[x.group_id]["benign_cited"]}
+                "b_clean": clean[x.group_id]["benign_cited"] if x.group_id in clean else None}
 
     seed_inputs = [case_input(x, force_attack=True) for x in seeds]
     batch_inputs = [[case_input(x) for x in b] for b in batches]
