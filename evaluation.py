@@ -130,12 +130,13 @@ def _record(x, top, name, ans, reasoning):
 
 
 def reply_usage(replies, sequential):
-    """What answering one query took: LLM calls, calls in a row (the latency), tokens (a cached
-    reply carries the usage it was received with: the cost of the query, not of this invocation); with the
-    count of replies that came without token counts ("unmetered"), whose tokens are unknown, not 0."""
+    """What answering one query took: LLM calls (a re-asked reply's attempts each), calls in a row (the
+    latency), tokens (a cached reply carries the usage it was received with, its re-asks' included: the cost
+    of the query, not of this invocation); with the count of replies that came without token counts
+    ("unmetered"), whose tokens are unknown, not 0."""
     unmetered = sum(bool(r.usage.get("unmetered")) for r in replies)
     cached = sum(int(r.usage.get("cached_tokens", 0)) for r in replies)      # of the prompt tokens
-    return {"llm_calls": len(replies), "sequential_calls": sequential,
+    return {"llm_calls": sum(int(r.usage.get("attempts", 1)) for r in replies), "sequential_calls": sequential,
             **{k: sum(int(r.usage.get(k, 0) or 0) for r in replies) for k in ("prompt_tokens", "completion_tokens")},
             **({"cached_tokens": cached} if cached else {}), **({"unmetered": unmetered} if unmetered else {})}
 

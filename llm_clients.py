@@ -581,10 +581,12 @@ class Client:
         return hit
 
     def _ask(self, key, messages, temperature, max_tokens, want_json, check):
-        """chat() past the cache: send, parse, re-ask when unusable, cache."""
-        convo = list(messages)
+        """chat() past the cache: send, parse, re-ask when unusable, cache. The reply cached carries the usage
+        of every attempt it took (summed, with their count): what answering the request cost."""
+        convo, spent = list(messages), []
         for ask in range(self.json_retries + 1):
             reply = self._receive(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
+            spent.append(reply.usage)
             if not want_json:
                 # empty, and not ended by the model (filtered, refused or failed): no answer, nothing cached
                 if not reply.text.strip() and reply.finish_reason not in ENDED:
@@ -610,6 +612,9 @@ class Client:
                 said = [{"role": "assistant", "content": reply.text}] if reply.text else []
                 convo = convo + said + [{"role": "user", "content": f"Your reply {problem} ({e}). "
                                                                     "Return only the JSON object, nothing else."}]
+        if len(spent) > 1:                  # re-asked: the reply stands for all its attempts
+            reply.usage = {k: sum(u.get(k, 0) for u in spent) for k in sorted(set().union(*spent))} | {
+                "attempts": len(spent)}
         self.cache.put(key, reply, self.provider, self.model)
         return reply
 

@@ -484,6 +484,19 @@ def test_a_billed_reply_of_an_unexpected_shape_is_still_counted(server, tmp_path
     assert total["replies"] == 1 and total["prompt_tokens"] == 3
 
 
+def test_a_reasked_reply_carries_the_usage_of_every_attempt(server, tmp_path):
+    """A reply that needed a JSON re-ask is cached with the tokens of both attempts (what answering the request
+    cost: eval's cost per query reads it), the ledger holding one row an attempt."""
+    Script.script = [(200, {}, ok("not json"), 0), (200, {}, ok('{"answer": "x"}'), 0)]
+    ledger = str(tmp_path / "u.jsonl")
+    c = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c"), ledger=ledger, stage="eval")
+    r = c.chat([{"role": "user", "content": "q"}], json=True)
+    assert (r.usage["prompt_tokens"], r.usage["completion_tokens"], r.usage["attempts"]) == (6, 4, 2)
+    again = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c")).chat(
+        [{"role": "user", "content": "q"}], json=True)
+    assert again.cached and again.usage == r.usage and accounting.ledger_usage(ledger)["total"]["replies"] == 2
+
+
 def test_ctrl_c_cancels_queued_llm_requests(server):
     """After Ctrl-C, requests not yet started are cancelled (those in flight finish), instead of the
     pool sending every queued request first."""
