@@ -841,8 +841,11 @@ class RerankServer(ThreadingHTTPServer):
     def __init__(self, rr, host="127.0.0.1", port=8000, api_key=None, model_name="geo-defender-shield",
                  max_documents=1000, max_body_bytes=8 << 20, read_timeout=30.0, body_timeout=60.0,
                  score_timeout=600.0, max_queue=64, max_concurrent_requests=128, log=True, allow_instruction=False,
-                 smooth=0, deletion_rate=0.9, detector=None):
+                 smooth=0, deletion_rate=0.9, detector=None, max_connections=1024):
         super().__init__((host, port), _Handler)
+        # a connection is a thread, held up to read_timeout by a client that sends nothing: past this many, a new
+        # one is answered 503 and closed, so that idle connections cannot exhaust the process's threads
+        self.connections = threading.BoundedSemaphore(max_connections)
         self.rr, self.detector = rr, detector           # detect.Served (POST /detect, return_detect) or None
         self.identity, self.scoring = scoring_identity(rr)    # "shield" | "base" | "unknown", and why
         self.batcher = Batcher(rr, max_queue=max_queue)
@@ -860,6 +863,26 @@ class RerankServer(ThreadingHTTPServer):
         if log:
             taken = "accepted" if self.identity == "base" or allow_instruction else "refused"
             sys.stderr.write(f"[serve] scoring with {self.scoring}; a client's instruction is {taken}\n")
+
+    def process_request(self, request, client_address):
+        if not self.connections.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.setblocking(False)     # a client that reads nothing cannot hold this thread either
+                request.send(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:                   # no thread started: its place is free again
+            self.connections.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connections.release()
 
     @contextlib.contextmanager
     def slot(self, refused=None):

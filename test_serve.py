@@ -466,6 +466,28 @@ def test_serve_field_round_five(small_queue_server, monkeypatch, capfd):
     assert got == [200]
 
 
+def test_idle_connections_cannot_take_every_thread(tiny_dir):
+    """Each connection is a thread: past max_connections a new one gets a 503 at once (clients that send
+    nothing would otherwise hold a thread each until the read timeout); a place frees when one closes."""
+    import requests
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
+    srv = _serving(serve.RerankServer(rr, port=0, log=False, max_connections=2))
+    try:
+        idle = [socket.create_connection(srv.server_address[:2], timeout=5) for _ in range(2)]   # send nothing
+        time.sleep(0.2)
+        assert _raw(srv, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")[0] == 503
+        for s in idle:
+            s.close()
+        deadline = time.time() + 10
+        while time.time() < deadline and _raw(srv, b"GET /health HTTP/1.1\r\nHost: localhost\r\n"
+                                                   b"Connection: close\r\n\r\n")[0] != 200:
+            time.sleep(0.1)
+        assert requests.get(srv.url + "/health", timeout=5).status_code == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.fixture(scope="module")
 def base_server(tiny_dir):
     """The rerank server over the tiny base model (no adapter), no API key."""
