@@ -289,11 +289,13 @@ def against_round_zero(run, rounds, top):
     group (every round measures the same test groups): the change of exposure and of ASR with its 95%
     cluster-bootstrap CI, one interval a round (never pooled over rounds), in each round's "vs_round_0"."""
     cfg, methods = run.cfg, run.data.methods
-    recs = lambda k: [r for _, r in read_jsonl(os.path.join(round_dir(run, k), "results", f"B{top}",
-                                                            "geo_defender.jsonl"))]
-    first = recs(0)
+    path = lambda k: os.path.join(round_dir(run, k), "results", f"B{top}", "geo_defender.jsonl")
+    recs = lambda k: [r for _, r in read_jsonl(path(k))]
     for r in rounds[1:]:
-        now = recs(r["round"])
+        if not (os.path.isfile(path(0)) and os.path.isfile(path(r["round"]))):    # records moved aside: no gap
+            r["vs_round_0"] = None
+            continue
+        first, now = recs(0), recs(r["round"])
         r["vs_round_0"] = {name: metrics.paired_gap(cfg.rerank.n_boot, cfg.folder.seed,
                                                     metrics.by_group(now, methods, key=key),
                                                     metrics.by_group(first, methods, key=key))

@@ -403,7 +403,7 @@ def defense_lines(s):
             ["kept phrases per query", fmt(r["kept_phrases_per_query"])],
             ["attack documents in the top-k", r["attack_in_context"]],
             ["... whose isolated answer supports a kept phrase (the answer cites it where it uses one)",
-             r["attack_supports_a_kept_phrase"]]]
+             r.get("attack_supports_a_kept_phrase", r.get("attack_supports_a_cited_phrase"))]]   # (its name before)
             + robustrag_certificate_rows(r)) + "\n")
     return lines
 

@@ -140,15 +140,19 @@ class RerankClient:
         endpoints answering neither)."""
         with self.lock:                      # asked once, the first requests waiting for it
             if self._card is None:
-                self._card = ()
+                card = ()
                 root = re.sub(r"(/v[12])?/(rerank|score)$", "", self.where.path)
                 routes = ("/info", "/v1/models") if self.shape == "tei" else ("/v1/models", "/info")
                 for route in routes if self.shape in ("tei", "generic", "vllm-score") else ():
                     try:
-                        self._card = (route, self.transport.send("GET", self.where.with_path(root + route).url))
+                        card = (route, self.transport.send("GET", self.where.with_path(root + route).url))
                         break
-                    except LLMError:        # no such route here: the other one, or nothing said
-                        continue
+                    except LLMError as e:   # no such route (a 4xx, a page not JSON): the other one, or nothing said
+                        if e.status is None or e.status >= 500 or e.status in (401, 403, 408, 429):
+                            raise LLMError(f"{self.label}: asking what the endpoint serves ({route}) failed, so its "
+                                           f"cached scores cannot be told from another model's: {e}", e.status,
+                                           "rerank") from None
+                self._card = card            # (a failure is asked again by the next request, never remembered)
             return self._card or None
 
     def served_model(self):

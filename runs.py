@@ -255,11 +255,13 @@ class Run:
         path = self.path("config.json")
         old = read_json(path)
         was = old.get("weights") if isinstance(old, dict) else None
-        if isinstance(was, dict) and was.get("revision") not in (None, sha) and produced_anything(self.dir):
+        produced = produced_anything(self.dir)
+        if isinstance(was, dict) and was.get("revision") not in (None, sha) and produced:
             raise SettingsError(f"{self.cfg.model.model}: the hub's commit {sha[:12]} is not the one this run used "
                                 f"({was['revision'][:12]}); its scores, adapter and results belong to that one. "
                                 f"Give --revision {was['revision']}, or use a new --name")
-        if self.writes and isinstance(old, dict) and not isinstance(was, dict):
+        if self.writes and isinstance(old, dict) and (not isinstance(was, dict) or not produced) and \
+                (was or {}).get("revision") != sha:        # (before anything is made, the commit this command loads)
             write_json(path, {**old, "weights": {"revision": sha}})
 
     def shield(self, rr=None, adapter=None):

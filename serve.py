@@ -71,6 +71,7 @@ SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data
 MAX_INSTRUCTION_CHARS = 4096
 MAX_QUERY_CHARS = 65536           # a query enters every document's prompt: a longer one fills no real max_length
 MAX_QUERY_COPY_TOKENS = 1 << 21   # the query's and instruction's tokens over all of a request's prompts
+CONTROL_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}   # C0 and C1 controls, as \xHH
 
 
 @dataclass
@@ -610,7 +611,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):   # one line per request; never headers (the key), bodies or queries
         if self.server.conf["log"]:
-            line = re.sub(r"\?[^\s'\"]*", "?...", fmt % args).translate(self._control_char_table)   # no ESC
+            line = re.sub(r"\?[^\s'\"]*", "?...", fmt % args).translate(CONTROL_CHARS)   # no terminal escape
             sys.stderr.write(f"[serve] {self.address_string()} {line}\n")
 
     def handle_one_request(self):

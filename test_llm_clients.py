@@ -446,6 +446,11 @@ def test_a_reply_lost_after_it_was_sent_makes_the_cost_unknown(server, tmp_path)
     total = accounting.ledger_usage(ledger, prices)["total"]
     assert total["replies"] == 1 and total["lost"] == 1 and total["cost_usd"] is None
     assert c.usage()["lost"] == 1 and c.usage()["cost_usd"] is None
+    Script.script = [(200, {}, ok("x" * 500), 0)]                       # billed, refused unread over the cap
+    c.transport.max_reply_bytes = 200
+    with pytest.raises(llm_clients.LLMError, match="refused"):
+        c.chat([{"role": "user", "content": "y"}])
+    assert accounting.ledger_usage(ledger, prices)["total"]["lost"] == 2
     nowhere = llm_clients.Client.open("http://127.0.0.1:9/v1", "m", ledger=str(tmp_path / "n.jsonl"), max_retries=0)
     with pytest.raises(llm_clients.LLMError, match="ConnectionError"):
         nowhere.chat([{"role": "user", "content": "x"}])

@@ -885,7 +885,8 @@ def test_a_pre_step_reply_that_never_parses_is_recorded_not_a_stopped_condition(
     recs = evaluation.pipeline_records(settings.LLMSettings(max_tokens=200), 2, llm, defense, [x], [[0, 1, 2]],
                                        defenses.PIPELINES[defense])
     assert recs[0]["pre_failed"] == [1] and "answer_failed" not in recs[0]
-    assert recs[0]["usage"]["llm_calls"] == 3                 # the two pre-step replies received, the answer
+    u = recs[0]["usage"]              # the two pre-step replies received, the answer, and the failed one's attempt
+    assert u["llm_calls"] == 4 and u["unmetered"] == 1       # (its tokens are in no reply: the cost is unknown)
 
 
 def test_the_ppl_filter_diagnostics_read_the_papers_lists(tmp_path):

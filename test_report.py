@@ -196,3 +196,15 @@ def test_exposure_against_k_is_drawn_beside_a_random_top_ks_rate(tmp_path):
     table = "\n".join(report.rerank_by_k_lines(stage, 5))
     row = next(ln for ln in table.splitlines() if ln.startswith("| base | 3 "))
     assert "Chance, share (%)" in table and row.rstrip(" |").endswith("| 30.00")
+
+
+def test_a_summary_written_before_a_key_was_renamed_still_reports(demo_run):
+    """rerank-eval rewrites report.md over an older eval's summary.json: RobustRAG's diagnostic under its
+    earlier name (attack_supports_a_cited_phrase) is read, not a KeyError after the summary was written."""
+    import json
+    s = json.load(open(demo_run / "summary.json"))
+    r = s["defenses"]["RobustRAG"]
+    r["attack_supports_a_cited_phrase"] = r.pop("attack_supports_a_kept_phrase")
+    text = "\n".join(report.defense_lines(s))
+    n = r["attack_supports_a_cited_phrase"]
+    assert f"supports a kept phrase (the answer cites it where it uses one) | {n} |" in text

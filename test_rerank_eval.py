@@ -39,12 +39,13 @@ class FakeRerank(BaseHTTPRequestHandler):
     misbehaviour); every request's path, headers and body are recorded."""
     script, seen = [], []
     model = None                 # what GET /info says it serves (TEI's shape); None: no such route (404)
+    info_status = 200            # another: /info failing (a 503 while the model loads)
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):
         ok = self.path == "/info" and FakeRerank.model is not None
         data = json.dumps({"model_id": FakeRerank.model, "max_input_length": 512} if ok else {"error": "no"}).encode()
-        self.send_response(200 if ok else 404)
+        self.send_response(FakeRerank.info_status if ok else 404)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -145,7 +146,7 @@ def fake_server():
 
 @pytest.fixture()
 def fake():
-    FakeRerank.script, FakeRerank.seen, FakeRerank.model = [], [], None
+    FakeRerank.script, FakeRerank.seen, FakeRerank.model, FakeRerank.info_status = [], [], None, 200
     with fake_server() as url:
         yield url
 
@@ -521,6 +522,9 @@ def test_a_restarted_endpoint_serving_another_model_is_not_answered_from_the_cac
             entry["scores"][0] = "x"
             json.dump(entry, open(os.path.join(root, f), "w"))
     assert not ask().cached
+    FakeRerank.info_status = 503      # what it serves unknown for now: an error, never the URL's old scores
+    with pytest.raises(llm_clients.LLMError, match="asking what the endpoint serves"):
+        rerank_clients.make_reranker(f"tei:{fake}", cache_dir=str(tmp_path / "c"), max_retries=0).rerank(Q, DOCS)
 
 
 def test_a_rerank_reply_lost_or_refused_after_it_was_billed_reaches_the_ledger(fake, tmp_path):

@@ -605,7 +605,11 @@ def test_a_hub_models_commit_is_recorded_at_its_first_load_and_pinned(tmp_path, 
     real = reranker.Reranker.from_pretrained
     monkeypatch.setattr(reranker.Reranker, "from_pretrained", load)
     cfg = settings.TrainConfig(name="t", runs_dir=str(tmp_path), model="Org/Reranker", bench=SAMPLE)
-    with runs.Run.open(cfg, "train") as run:
+    got["sha"] = "0" * 40
+    with runs.Run.open(cfg, "train") as run:                # a first attempt that makes nothing
+        run.reranker()
+    got["sha"] = "a" * 40
+    with runs.Run.open(cfg, "train") as run:                # nothing made yet: the commit it loads is the run's
         run.reranker()
     assert store.read_json(str(tmp_path / "t" / "config.json"))["weights"] == {"revision": "a" * 40}
     (tmp_path / "t" / "results").mkdir()

@@ -348,6 +348,9 @@ class Transport:
                     except (ValueError, KeyError, TypeError) as e:   # the local engine's 400
                         raise self.error(f"offline engine rejected the request ({e})", 400) from None
                 status, headers, text = self._exchange(url, body, method, files, max_bytes or self.max_reply_bytes)
+            except LLMError as e:                # a reply over the size cap, refused unread: billed all the same
+                self.lost(billed and e.status == 200)
+                raise
             except RETRY_ERRORS as e:            # the connection failed, timed out or broke mid-reply
                 applied = not refused(e)
                 self.lost(applied and billed)
