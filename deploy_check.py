@@ -119,12 +119,19 @@ def advertised_limit(spec):
     if spec.kind in RERANK_PROVIDERS:
         return None
     probe = rerank_clients.make_reranker(spec, timeout=10, max_retries=0)    # a route lookup, not a scoring
-    path, reply = probe.served() or (None, None)
-    key = "max_input_length" if path == "/info" else "max_model_len"
-    cards = [reply] if path == "/info" else reply.get("data") if isinstance(reply, dict) else None
-    found = [c[key] for c in cards if isinstance(c, dict) and type(c.get(key)) is int and c[key] > 0
-             ] if isinstance(cards, list) else []
-    return (min(found), f"{path} {key}") if found else None
+    root = re.sub(r"(/v[12])?/(rerank|score)$", "", spec.endpoint.path)
+    asks = [("/info", "max_input_length"), ("/v1/models", "max_model_len")]
+    for path, key in asks if spec.kind == "tei" else asks[::-1]:
+        try:
+            reply = probe.transport.send("GET", spec.endpoint.with_path(root + path).url)
+        except LLMError:            # no such route here: the other one, or no limit advertised
+            continue
+        cards = [reply] if path == "/info" else reply.get("data") if isinstance(reply, dict) else None
+        found = [c[key] for c in cards if isinstance(c, dict) and type(c.get(key)) is int and c[key] > 0
+                 ] if isinstance(cards, list) else []
+        if found:
+            return min(found), f"{path} {key}"
+    return None
 
 
 def shape_hint(reply):
