@@ -611,6 +611,8 @@ def plan(cfg):
     rules = read_resource("--autogeo-rules", geo_attacks.read_rules, b.autogeo_rules)
     cons = construction_families(b.construction_families, fams, seen)
     rows, dropped = usable_rows(read_rows(b.input), b.search is not None, b.docs)
+    if not rows and not dropped:
+        raise SettingsError(f"--input {b.input}: no rows (an empty file, or a folder without its data files)")
     picked, order = compose(rows, b.groups, b.construction_groups, cfg.folder.seed, dropped)
     return Plan(fams, seen, picked, order, dropped, corpus, archive, rules, cons)
 

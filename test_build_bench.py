@@ -385,6 +385,7 @@ def _set(i, key, value):
     (lambda rows: None, ["--agentic-archive", "{corrupt}"], r"--agentic-archive .*: "),
     (lambda rows: None, ["--autogeo-rules", "{corrupt}"], r"--autogeo-rules .*: "),
     (lambda rows: None, ["--output", "{folder}"], r"--output .*: a folder"),
+    (lambda rows: rows.clear(), [], r"--input .*rows.jsonl: no rows"),
 ])
 def test_every_input_check_runs_before_the_first_request(geo_input, tmp_path, edit, extra, msg):
     """Each refusal the inputs allow comes before any search or LLM request, in one line."""
