@@ -457,6 +457,12 @@ def check_training(run, stage="all"):
         run.tfsg_schedule(inst)
 
 
+def check_demo(run):
+    """demo's checks, training's and evaluation's, before its settings are recorded."""
+    check_training(run)
+    eval_conditions(run, trained=False)
+
+
 def report_paths(run_dir):
     print(f"\nreport: {os.path.join(run_dir, 'report.md')}\nsummary: {os.path.join(run_dir, 'summary.json')}")
 
@@ -495,10 +501,7 @@ def cmd_eval(args):
 def cmd_demo(args):
     """train and eval offline (tiny model, offline engine over loopback HTTP), then the reranker stage."""
     cfg = pipeline_settings(settings.DemoConfig, args, "tiny-demo", runs_dir=args.out, name=args.name or "demo")
-    def check(run):                   # training's and evaluation's checks, before the settings are recorded
-        check_training(run)
-        eval_conditions(run, trained=False)
-    with Run.open(cfg, "demo", llms=True, engine=cfg.llm.llm == "offline", check=check) as run:
+    with Run.open(cfg, "demo", llms=True, engine=cfg.llm.llm == "offline", check=check_demo) as run:
         train_shield(run)
         train_tfsg(run)
         s = evaluate(run).summary
