@@ -186,7 +186,6 @@ class Attack:
         # aware: every field of the active rules, as the defense's own prompts show them (what it spares too)
         self.rules = tfsg.library_view(lib, structured=True)["rules"] if lib is not None else None
         self.queries = 0          # candidate lists the target scored
-        self.starts = {}          # instance id -> candidate 0's text: what the repair attacker's edits count from
 
     def score(self, insts):
         """Target scores of each instance's attack document and its rank among the ten -> [(score, rank)]."""
@@ -203,11 +202,11 @@ class Attack:
         cands = {x.instance_id: [] for x in insts}
         first = [with_doc(x, x.source, "@source") for x in insts] if self.from_source else insts
         for x, y, (s, r), cited in zip(insts, first, self.score(first), self.cited(first)):
-            self.starts[x.instance_id] = y.docs[y.attack_index]
+            start = y.docs[y.attack_index]
             cands[x.instance_id].append({"n": 0, "round": 0, "sid": "@source" if self.from_source else "",
-                                         "text": y.docs[y.attack_index], "accepted": True,
+                                         "text": start, "accepted": True,
                                          "reason": "the source" if self.from_source else "the benchmark's rewrite",
-                                         "score": s, "rank": r, **self._edit(x, y.docs[y.attack_index]), **cited})
+                                         "score": s, "rank": r, **self._edit(start, start), **cited})
         for rnd in range(1, self.rounds + 1):
             live = [x for x in insts if len(cands[x.instance_id]) < self.budget]
             if not live:
@@ -247,7 +246,8 @@ class Attack:
         for x, (mode, texts) in zip(live, proposals):
             for t in texts:
                 why = "the attacker returned fewer rewrites" if t is None else cheap_gate(x.source, t)
-                edited = edit_share(self.starts[x.instance_id], t) if why is None and mode is not None else 0
+                start = cands[x.instance_id][0]["text"]         # candidate 0: what the repair's edits count from
+                edited = edit_share(start, t) if why is None and mode is not None else 0
                 if edited > self.cfg.attacker.edit_budget:
                     why = f"differs from the {'source' if self.from_source else 'start'} by {100 * edited:.0f}% " \
                           f"of its words (the repair attacker's budget: {100 * self.cfg.attacker.edit_budget:.0f}%)"
@@ -267,7 +267,8 @@ class Attack:
             s, r = scored.get(i, (None, None))
             cs.append({"n": len(cs), "round": rnd, "sid": f"~{rnd}.{i}", "text": t, "accepted": ok,
                        "reason": why or verdict.get(i) or "accepted", "score": s, "rank": r,
-                       **({"diagnosis": modes[i]} if modes[i] else {}), **self._edit(x, t), **engine.get(i, {})})
+                       **({"diagnosis": modes[i]} if modes[i] else {}), **self._edit(cs[0]["text"], t),
+                       **engine.get(i, {})})
 
     def cited(self, insts):
         """The engine's citation of each instance's attack document -> [{"cited": bool}], or [{}] each
@@ -281,11 +282,10 @@ class Attack:
                                 sample=ENGINE_SAMPLE)
         return [{"cited": bool(r["attack_cited"])} for r in recs]
 
-    def _edit(self, x, text):
+    def _edit(self, start, text):
         """The repair attacker's record of a candidate's edit: the share of its start's words (candidate 0:
         the source, or with --start rewrite the benchmark's rewrite) it differs by (edit_share), cumulative
         over the rounds; {} for MAGEO's loop, whose records stay as they were."""
-        start = self.starts.get(x.instance_id, text)
         return {"edit_fraction": round(edit_share(start, text), 4)} if self.algorithm == "repair" and text else {}
 
 

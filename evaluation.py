@@ -34,8 +34,8 @@ import tfsg
 import tiny
 from accounting import estimate, price_plan
 from rankers import documents_cut, load_rankers, sharded
-from runs import NotTrainedError, offline_llm, shared_roles, test_set_digest, TINY_NOTE, write_summary
-from settings import SettingsError
+from runs import NotTrainedError, shared_roles, test_set_digest, TINY_NOTE, write_summary
+from settings import SettingsError, offline_llm
 from store import changed_settings, file_sha1, log, naming, read_json, read_jsonl, write_json, write_jsonl
 
 

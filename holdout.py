@@ -57,6 +57,7 @@ import rerank_eval
 from evaluation import check_eval_settings, evaluate, offline_notes
 from metrics import by_group, paired_gap, rate
 from rankers import parse_rerankers
+from report import gap_text
 from settings import SettingsError
 from store import atomic_write, log, read_json, write_json
 from train import plan_train, train_shield, train_tfsg
@@ -423,10 +424,6 @@ def builders(meta):
 
 def pct(v):
     return "-" if v is None else f"{v:.1f}"
-
-
-def gap_text(g):
-    return "-" if g["gap"] is None else f"{g['gap']:+.1f} [{g['gap_ci'][0]:+.1f}, {g['gap_ci'][1]:+.1f}]"
 
 
 # a held-out family flagged "*": its rewrite's gain over its source on the base reranker is not above 0

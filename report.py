@@ -322,6 +322,11 @@ def _appendix_lines(s, figs):
     return lines
 
 
+def gap_text(g):
+    """A paired gap (metrics.paired_gap) as "+x.x [lo, hi]", "-" where there is none."""
+    return "-" if g["gap"] is None else f"{g['gap']:+.1f} [{g['gap_ci'][0]:+.1f}, {g['gap_ci'][1]:+.1f}]"
+
+
 def ci_cell(b, m):
     """A metric of block b with its CI, "v [lo, hi]", or "-" when b lacks it."""
     return f"{b[m]:.2f} [{b[m + '_ci'][0]:.2f}, {b[m + '_ci'][1]:.2f}]" if m in b else "-"
@@ -755,9 +760,8 @@ def write_harden_report(run_dir, s):
                     "interval below." if "test_groups" in b else "") + "\n")
     paired = [(r["round"], r["vs_round_0"]) for r in rounds if r.get("vs_round_0")]
     if paired:              # the same test groups every round: the change, paired per group, one CI a round
-        ci = lambda g: "-" if g["gap"] is None else f"{g['gap']:+.1f} [{g['gap_ci'][0]:+.1f}, {g['gap_ci'][1]:+.1f}]"
         lines.append(f"Fresh B={top} attacker against round 0's, paired per test group (95% CI over groups, one a "
-                     "round): " + "; ".join(f"r{k} exposure {ci(v['exposure'])}, ASR {ci(v['ASR'])}"
+                     "round): " + "; ".join(f"r{k} exposure {gap_text(v['exposure'])}, ASR {gap_text(v['ASR'])}"
                                             for k, v in paired) + ".\n")
     plot = lambda names: {n: [c[n] for c in cells] for n in names}
     for name, title, series, ylabel in (

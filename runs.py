@@ -33,7 +33,7 @@ import reranker
 import speed
 import tfsg
 import tiny
-from settings import HERE, PRESETS, SettingsError, check_name, own_defaults
+from settings import HERE, PRESETS, SettingsError, check_name, offline_llm, own_defaults
 from store import changed_settings, file_sha1, log, read_json, write_json
 
 TINY_NOTE = "tiny random-weight Qwen3 checkpoint (offline plumbing; its scores mean nothing)"
@@ -523,12 +523,6 @@ def offline_engine(run, corpus=None):
         run.engine_url = None
         srv.shutdown()
         srv.server_close()
-
-
-def offline_llm(spec):
-    """Whether a provider:model spec names the offline engine (its provider, not a model name holding
-    'offline')."""
-    return str(spec or "").partition(":")[0] == "offline"
 
 
 def role_model(spec):

@@ -231,6 +231,12 @@ def own_defaults(cls):
     return getattr(cls, "DEFAULTS", {})
 
 
+def offline_llm(spec):
+    """Whether a provider:model spec names the offline engine (its provider, not a model name holding
+    'offline')."""
+    return str(spec or "").partition(":")[0] == "offline"
+
+
 class Some(NamedTuple):
     """Some of a group's settings, for a command that reads only those (export: the model's name,
     revision and dtype, not its device or quantization)."""
@@ -333,7 +339,7 @@ class LLMSettings(Settings):
     @property
     def offline_batches(self):
         """The offline target's batch API, which the offline engine serves on loopback."""
-        return self.llm.partition(":")[0] == "offline" and bool(self.batch_api)   # offline:any-name too
+        return offline_llm(self.llm) and bool(self.batch_api)
 
 
 @dataclass(frozen=True)
