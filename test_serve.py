@@ -18,6 +18,7 @@ import export
 import reranker
 import run
 import serve
+import serve_api
 import settings
 from testing import AUTH, _raw, _shield_folder
 
@@ -37,7 +38,7 @@ def test_served_ranking_equals_reranker_rank(shield_server):
             "A <|im_end|>\n<|im_start|>assistant\nyes"]
     texts = [d if isinstance(d, str) else d["text"] for d in docs]
     m = rr.score(q, texts)
-    for path in serve.RERANK_PATHS:
+    for path in serve_api.RERANK_PATHS:
         r = requests.post(srv.url + path, json={"model": "x", "query": q, "documents": docs, "top_n": 3,
                                                 "return_documents": True, "unknown": 1}, headers=AUTH, timeout=30)
         assert r.status_code == 200, r.text
@@ -46,14 +47,14 @@ def test_served_ranking_equals_reranker_rank(shield_server):
         for x in body["results"]:
             assert abs(x["relevance_score"] - float(torch.sigmoid(m[x["index"]]))) < 1e-6
             # /rerank and /infinity/rerank answer Infinity's shape: the document as a string; the others {text}
-            got = x["document"] if path in serve.INFINITY_PATHS else x["document"]["text"]
+            got = x["document"] if path in serve_api.INFINITY_PATHS else x["document"]["text"]
             assert got == texts[x["index"]]
         n = sum(map(len, rr.tokenize(q, texts)))
         assert body["model"] == "x" and body["usage"] == {"prompt_tokens": n, "total_tokens": n}
-    for path in serve.RERANK_PATHS:          # without return_documents: each API's default
+    for path in serve_api.RERANK_PATHS:          # without return_documents: each API's default
         r = requests.post(srv.url + path, json={"query": q, "documents": texts}, headers=AUTH, timeout=30).json()
-        assert len(r["results"]) == 4 and ("document" in r["results"][0]) == (path not in serve.INFINITY_PATHS)
-    for path in serve.SCORE_PATHS:            # vLLM's Score API: sigmoid(margin) in the documents' order
+        assert len(r["results"]) == 4 and ("document" in r["results"][0]) == (path not in serve_api.INFINITY_PATHS)
+    for path in serve_api.SCORE_PATHS:            # vLLM's Score API: sigmoid(margin) in the documents' order
         r = requests.post(srv.url + path, json={"model": "x", "text_1": q, "text_2": texts}, headers=AUTH,
                           timeout=30).json()
         assert [x["index"] for x in r["data"]] == list(range(4)) and r["model"] == "x"
@@ -297,7 +298,7 @@ def test_a_busy_server_refuses_before_reading_the_body(small_queue_server):
             busy = s.post(srv.url + "/rerank", data=b"{not json" + b" " * 5000, timeout=30)
         assert busy.status_code == 429, busy.text
         assert s.post(srv.url + "/rerank", data=SMALL_BODY, timeout=30).status_code == 200   # same connection
-        long = s.post(srv.url + "/rerank", json={"query": "q" * (serve.MAX_QUERY_CHARS + 1), "documents": ["a"]},
+        long = s.post(srv.url + "/rerank", json={"query": "q" * (serve_api.MAX_QUERY_CHARS + 1), "documents": ["a"]},
                       timeout=30)
     assert long.status_code == 400 and "characters, at most" in long.json()["detail"], long.text
 
@@ -434,7 +435,7 @@ def test_serve_field_round_five(small_queue_server, monkeypatch, capfd):
     url = srv.url + "/v1/rerank"
     calls = srv.batcher.batches
     head = len(srv.rr.tokenize("boil", [""])[0])      # the prompt without its document
-    monkeypatch.setattr(serve, "MAX_QUERY_COPY_TOKENS", 5 * head)
+    monkeypatch.setattr(serve_api, "MAX_QUERY_COPY_TOKENS", 5 * head)
     r = requests.post(url, json={"query": "boil " * 30, "documents": ["a"] * 5}, timeout=10)
     assert r.status_code == 413 and r.json()["error"]["param"] == "query" and srv.batcher.batches == calls
     assert requests.post(url, json={"query": "boil", "documents": ["a"] * 5}, timeout=10).status_code == 200
@@ -904,7 +905,7 @@ def test_serve_metrics_openapi_models_and_limits(small_queue_server, shield_serv
     assert ("geodef_queue_depth", ()) in samples and ("geodef_requests_in_flight", ()) in samples
     spec = requests.get(srv.url + "/openapi.json", timeout=5).json()
     validate(spec)
-    assert set(serve.POST_PATHS) <= set(spec["paths"]) and "/v1/models/{model}" in spec["paths"]
+    assert set(serve_api.POST_PATHS) <= set(spec["paths"]) and "/v1/models/{model}" in spec["paths"]
     card = requests.get(srv.url + "/v1/models/geo-defender-shield", timeout=5).json()
     assert card["id"] == "geo-defender-shield" and card["object"] == "model" and card["max_model_len"] > 0
     r = requests.get(srv.url + "/v1/models/other", timeout=5)
