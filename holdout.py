@@ -11,7 +11,8 @@ trained without another family G (each saw F, on as many families and instances)
 trained on every family, and its intervals cover the test groups only (one training seed, one set of
 construction groups, no multiplicity correction across families). `--seen-size S` runs the paper's
 regime instead (regime): folds trained on S-family subsets, on equal numbers of instances, under several
-seeds, read as unseen minus seen with a CI over subsets and groups. Leave-one-out's protocol:
+seeds, read as unseen minus seen with a CI over subsets and groups, and as each family held out minus the
+same family seen with a CI over families and groups (same_family). Leave-one-out's protocol:
 
 For each family F the construction groups hold (build-bench --construction-families all writes all
 seven), a Shield is trained on the construction instances of every family but F (Eqs. 1-5, the run's
@@ -344,6 +345,33 @@ def over_folds(n_boot, seed, diffs, subset_of):
             "gap_ci": list(fold_group_bootstrap_ci(matrix, n_boot, seed)) if common else None}
 
 
+def changes(recs, families, base=None, key="exposed"):
+    """One fold's records -> {family: {group_id: mean of `key` x 100}}; with `base` (the same instances' base
+    records), the Shield's change from the base (Shield minus base) instead."""
+    sign = -1.0 if base is not None else 1.0                             # by_group with a base: base minus Shield
+    return {m: {g: sign * sum(vs) / len(vs) for g, vs in by_group(recs, [m], base, key).items()} for m in families}
+
+
+def same_family(n_boot, seed, folds):
+    """[(seen families, changes(...))] over the folds -> each family's held-out minus seen: its change when
+    no fold's Shield saw it minus its change when the fold's did, per query group, over the families some fold
+    sees and some other holds out. The family is the unit of this interval (fold_group_bootstrap_ci
+    resamples families and groups): the folds' subsets share families, so the CI over subsets counts a
+    family once per subset it is in; and a family is compared with itself, so how strong or easy it is
+    cancels, where unseen minus seen compares different families."""
+    per = {}
+    for m in sorted({m for _, ch in folds for m in ch}):
+        sides = [[ch[m] for seen, ch in folds if (m in seen) == s] for s in (False, True)]
+        groups = set.intersection(*(set(c) for side in sides for c in side)) if all(sides) else set()
+        if groups:
+            per[m] = {g: np.mean([c[g] for c in sides[0]]) - np.mean([c[g] for c in sides[1]]) for g in groups}
+    common = sorted(set.intersection(*(set(d) for d in per.values()))) if per else []
+    matrix = [[d[g] for g in common] for d in per.values()]             # (families, groups)
+    return {"gap": float(np.mean(matrix)) if common else None, "groups": len(common),
+            "families": {m: float(np.mean(list(d.values()))) for m, d in per.items()},
+            "gap_ci": list(fold_group_bootstrap_ci(matrix, n_boot, seed)) if common else None}
+
+
 def regime(run):
     """--seen-size S: every fold of regime_folds, then holdout/summary.json and report.md -> the summary:
     per fold its unseen-minus-seen exposure (paired per query group, CI over groups), and over the folds
@@ -352,12 +380,14 @@ def regime(run):
     cfg, data = run.cfg, run.data
     h, boot = cfg.holdout, (cfg.rerank.n_boot, cfg.folder.seed)
     rows, diffs, asr = [], {}, {c: {} for c in LLM_CONDITIONS}
+    fam, fam_asr = [], {c: [] for c in LLM_CONDITIONS}                   # same_family's (seen, changes) per fold
     for name, seen, fcfg, groups in regime_folds(run):
         log(f"[holdout] fold {name}: the Shield{' and library' if h.llm_stage else ''} trained on "
             f"{', '.join(seen)} (seed {fcfg.folder.seed})")
         recs = run_fold(run, fcfg, h.llm_stage, groups)
         unseen = [m for m in data.methods if m not in seen]
         diffs[name], u, s = unseen_minus_seen(recs["shield"], seen, unseen, base=recs["base"])
+        fam.append((seen, changes(recs["shield"], data.methods, recs["base"])))
         rows.append({"fold": name, "seen": list(seen), "unseen": unseen, "seed": fcfg.folder.seed,
                      "instances": len(geodef.expand(groups, seen)),
                      "steps": read_json(os.path.join(fcfg.folder.run_dir, "shield_done.json"), {}).get("steps"),
@@ -367,6 +397,7 @@ def regime(run):
                      "gap": paired_gap(*boot, u, s)})
         for c in (c for c in LLM_CONDITIONS if c in recs):       # --llm-stage: ASR end to end
             asr[c][name], u, s = unseen_minus_seen(recs[c], seen, unseen, "attack_cited")
+            fam_asr[c].append((seen, changes(recs[c], data.methods, key="attack_cited")))
             rows[-1].setdefault("asr", {})[c] = {"seen": rate(recs[c], seen, "attack_cited"),
                                                  "unseen": rate(recs[c], unseen, "attack_cited"),
                                                  "gap": paired_gap(*boot, u, s)}
@@ -377,9 +408,11 @@ def regime(run):
     summary = {**summary_head(run),
                "regime": {"seen_size": h.seen_size, "subsets": len(by_subset), "seeds": h.seeds, "folds": rows,
                           **over_folds(*boot, diffs, subset_of), "subset_gaps": subset_gaps,
+                          "same_family": same_family(*boot, fam),
                           "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None}}
     if h.llm_stage:
-        summary["regime"]["asr"] = {c: over_folds(*boot, d, subset_of) for c, d in asr.items()}
+        summary["regime"]["asr"] = {c: {**over_folds(*boot, d, subset_of), "same_family": same_family(
+            *boot, fam_asr[c])} for c, d in asr.items()}
     out = os.path.join(cfg.folder.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)
@@ -400,11 +433,22 @@ def regime_table(s):
         lines.append(f"mean over {len(r['folds'])} folds: {r['gap']:+.1f} [{r['gap_ci'][0]:+.1f}, "
                      f"{r['gap_ci'][1]:+.1f}] (CI over subsets and groups); spread over subsets {r['spread'][0]:+.1f} "
                      f".. {r['spread'][1]:+.1f}")
+    lines.append(family_text(r.get("same_family")))
     for c, a in (r.get("asr") or {}).items():              # --llm-stage
         lines.append(f"ASR under {c}, unseen minus seen, mean over folds: " + ("-" if a["gap"] is None else
                      f"{a['gap']:+.1f} [{a['gap_ci'][0]:+.1f}, {a['gap_ci'][1]:+.1f}]") + " (CI over folds and "
                      "groups); per fold " + ", ".join(gap_text(f["asr"][c]["gap"]) for f in r["folds"]))
-    return "\n".join(lines)
+        lines.append(f"ASR under {c}, " + family_text(a.get("same_family")))
+    return "\n".join(line for line in lines if line)
+
+
+def family_text(f):
+    """same_family's line of the table ('' for a summary without it or with no family on both sides)."""
+    if not f or f["gap"] is None:
+        return ""
+    return (f"the same family held out minus seen, mean over {len(f['families'])} families: {f['gap']:+.1f} "
+            f"[{f['gap_ci'][0]:+.1f}, {f['gap_ci'][1]:+.1f}] (CI over families and groups); per family "
+            + ", ".join(f"{m} {v:+.1f}" for m, v in f["families"].items()))
 
 
 def summary_head(run):
@@ -472,8 +516,11 @@ def write_report(out, s):
                   + ("mean gap with a 95% CI resampling subsets (a subset's seeds averaged) and groups, and its "
                      "spread over the subsets. " if r["subsets"] > 1 else "mean gap with a 95% CI resampling groups "
                      "(one subset: every construction family seen, only the groups vary). ") +
-                  "The per-fold intervals are not corrected for being read together; the mean over folds is the "
-                  "one figure to read.\n", "```", regime_table(s), "```\n"]
+                  "The same family held out minus seen: each family that some fold sees and another holds out, its "
+                  "change when held out minus its change when seen, per group, then over families and groups, with "
+                  "a 95% CI resampling families and groups (a family is compared with itself, and the subsets' "
+                  "shared families are counted once). The per-fold intervals are not corrected for being read "
+                  "together; the two means over folds are the figures to read.\n", "```", regime_table(s), "```\n"]
         atomic_write(os.path.join(out, "report.md"), "\n".join(lines))
         return
     b = s.get("builders") or {}

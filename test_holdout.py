@@ -1,6 +1,7 @@
 """Leave-one-family-out (holdout.py) on the bundled sample: a Shield trained without each held-out family
 (and one with every family), each scored on the test split; the table recomputed from the folds' own
 records; resume, pinning, the dry run and the refusals. The tiny random model: plumbing, not results."""
+import itertools
 import json
 
 import numpy as np
@@ -185,6 +186,22 @@ def test_the_papers_regime_trains_equal_folds_on_seen_subsets_and_reads_unseen_m
     assert r["gap"] == pytest.approx(mean([mean(row) for row in matrix]))
     assert r["gap_ci"][0] <= r["gap"] <= r["gap_ci"][1] and r["spread"][0] <= r["gap"] <= r["spread"][1]
     assert "Seen and unseen families" in (tmp_path / "h" / "holdout" / "report.md").read_text()
+    # the same family held out minus seen: B and C are each seen by one fold and held out by the other
+    both = [m for m in {m for f in r["folds"] for m in f["seen"]} if all(m in f["seen"] for f in r["folds"])]
+    expect = {}
+    for m in sorted({m for f in r["folds"] for m in f["seen"]} - set(both)):
+        side = {}
+        for f in r["folds"]:
+            recs, base = records(tmp_path / "h", f["fold"]), records(tmp_path / "h", f["fold"], "base")
+            was = {x["instance_id"]: x["exposed"] for x in base}
+            side[m in f["seen"]] = {g: mean([100 * (x["exposed"] - was[x["instance_id"]]) for x in recs
+                                             if x["group_id"] == g and x["method"] == m])
+                                    for g in {x["group_id"] for x in recs if x["method"] == m}}
+        expect[m] = mean([side[False][g] - side[True][g] for g in side[False]])
+    fam = r["same_family"]
+    assert len(both) == 1 and fam["families"] == pytest.approx(expect) and len(expect) == 2
+    assert fam["gap_ci"][0] <= fam["gap"] <= fam["gap_ci"][1]
+    assert "the same family held out minus seen, mean over 2 families" in holdout.table(s)
     for cond, slug in (("Shield only", "shield_only"), ("GEO Defender", "geo_defender")):
         per_fold = []
         for f in r["folds"]:
@@ -222,3 +239,18 @@ def test_a_subsets_seeds_are_one_row_of_the_interval_over_folds():
     one = holdout.over_folds(500, 0, base, {k: k for k in base})
     twice = {f"{k}-seed{j}": v for k, v in base.items() for j in range(2)}
     assert holdout.over_folds(500, 0, twice, {f: f.split("-")[0] for f in twice}) == one
+
+
+def test_the_same_family_held_out_minus_seen_cancels_how_strong_each_family_is():
+    """Four families, every pair a fold's seen subset: each family's change from the base is its own strength
+    plus 5 when held out. Unseen minus seen mixes the strengths of different families; the same family held out
+    minus seen reads 5 for each, and its interval's unit is the family (four rows, not six subsets)."""
+    rng = np.random.default_rng(1)
+    strength = {"A": -30.0, "B": -5.0, "C": -20.0, "D": 0.0}
+    folds = [(seen, {m: {g: strength[m] + 5.0 * (m not in seen) + float(rng.normal(0, 0.1)) for g in range(30)}
+                     for m in strength}) for seen in itertools.combinations("ABCD", 2)]
+    fam = holdout.same_family(500, 0, folds)
+    assert list(fam["families"]) == list("ABCD") and fam["groups"] == 30
+    assert all(v == pytest.approx(5.0, abs=0.1) for v in fam["families"].values())
+    assert fam["gap_ci"][0] <= fam["gap"] <= fam["gap_ci"][1] and fam["gap_ci"][1] - fam["gap_ci"][0] < 0.2
+    assert holdout.same_family(500, 0, folds[:1])["gap"] is None               # one fold: no family on both sides
