@@ -962,11 +962,18 @@ EVOLUTION_SCHEMA = """{
 }""" % RULE_SCHEMA
 
 
+# The chat templates' control tokens written with square brackets (Mistral's [INST], GLM's [gMASK]); '<' is
+# escaped in every block (json_block), which leaves these
+_SQUARE_TOKEN = re.compile(r"\[(?=(?:/?(?:INST|SYSTEM_PROMPT|TOOL_CALLS|AVAILABLE_TOOLS|TOOL_RESULTS)|gMASK)\])")
+
+
 def json_block(tag, obj, indent=1):
     """obj as JSON between <tag> and </tag>; every '<' inside written as \\u003c (still the same JSON),
     so the block holds exactly one opening and one closing tag whatever the strings in obj say (in any
-    case or spacing: no '<' is left to open one). Every prompt that carries documents builds its block here."""
-    body = json.dumps(obj, ensure_ascii=False, indent=indent).replace("<", "\\u003c")
+    case or spacing: no '<' is left to open one), and no chat control token either (the '[' of a square one
+    written as \\u005b: a JSON '[' followed by a letter is inside a string). Every prompt that carries documents
+    or library text builds its block here."""
+    body = _SQUARE_TOKEN.sub(r"\\u005b", json.dumps(obj, ensure_ascii=False, indent=indent).replace("<", "\\u003c"))
     return f"<{tag}>\n{body}\n</{tag}>"
 
 
@@ -985,10 +992,12 @@ def library_view(lib, structured):
     return {"library_version": str(lib.library_version), "task_frame": lib.task_frame, "rules": rules}
 
 
-# A line of a search result opening with "[n]": in A.3.7's "[i] text" list it would read as a result of its own,
-# and an answer's citation [n] of the attacker's text would be credited to document n
-# (str.splitlines' breaks; the indent is whitespace but no break, so that a run of breaks is read once: linear)
-RESULT_MARK = re.compile(r"(\A|[\n\r\v\f\x1c-\x1e\x85\u2028\u2029])([^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]*)\[(\d+)\]")
+# A line of a search result opening with "[n]" (or "[ n ]", which cited reads alike): in A.3.7's "[i] text" list it
+# would read as a result of its own, and an answer's citation [n] of the attacker's text would be credited to
+# document n (str.splitlines' breaks; the spaces are whitespace but no break, so that a run of breaks is read
+# once: linear)
+_BREAK, _SPACE = r"[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]*"
+RESULT_MARK = re.compile(rf"(\A|{_BREAK})({_SPACE})\[{_SPACE}(\d+){_SPACE}\]")
 
 
 def standard_prompt(query, docs, static_safety=False):
