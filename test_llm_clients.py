@@ -781,3 +781,70 @@ def test_lone_surrogates_inside_a_replys_json_are_replaced(server, tmp_path):
     again = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c")).chat(
         [{"role": "user", "content": "x"}], json=True)
     assert again.cached and again.data == r.data
+
+
+class Proxy(BaseHTTPRequestHandler):
+    """An HTTP proxy of the environment (HTTP_PROXY, HTTPS_PROXY): it answers a plain request itself,
+    recording its headers, and drips its reply to a CONNECT a byte every 0.2 s."""
+    seen = []
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Proxy.seen.append((self.path, dict(self.headers)))
+        data = json.dumps(ok("via the proxy")).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_CONNECT(self):
+        try:
+            for b in b"HTTP/1.1 200 Connection established\r\nX-Pad: " + b"x" * 200 + b"\r\n\r\n":
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture()
+def proxy(monkeypatch):
+    """A loopback Proxy set in the environment, as on a cluster (no NO_PROXY) -> its URL."""
+    srv, url = _serve(Proxy)
+    Proxy.seen = []
+    proxy_url = url.rsplit("/", 1)[0]
+    for k in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.setenv(k, proxy_url)
+    yield proxy_url
+    srv.shutdown()
+
+
+def test_the_timeout_bounds_a_proxys_connect_reply(proxy):
+    """An HTTPS API behind the environment's proxy: a CONNECT reply dripped a byte at a time (each within the
+    connect timeout) ends at the 0.5 s timeout, not after the ~45 s drip."""
+    c = client("https://api.example.test/v1", timeout=0.5, connect_timeout=1, max_retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(llm_clients.LLMError, match="api.example.test"):
+        c.chat([{"role": "user", "content": "x"}])
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_a_netrc_entry_does_not_replace_the_key_and_loopback_skips_the_proxy(proxy, server, tmp_path, monkeypatch):
+    """requests reads ~/.netrc for a request without auth: an entry for the API's host replaced the key's
+    Authorization header with its own Basic one (a 401, and the netrc password sent). A loopback server (the
+    offline engine, a local model) is reached directly, not through the environment's proxy."""
+    (tmp_path / "netrc").write_text("machine api.example.test login alice password hunter2\n"
+                                    "machine 127.0.0.1 login alice password hunter2\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    remote = client("http://api.example.test/v1")
+    assert remote.chat([{"role": "user", "content": "x"}]).text == "via the proxy"
+    assert [(p, h["Authorization"]) for p, h in Proxy.seen] == [
+        ("http://api.example.test/v1/chat/completions", "Bearer sk-SECRET-123")]
+    Script.script = [(200, {}, ok("local"), 0)]
+    assert client(server).chat([{"role": "user", "content": "y"}]).text == "local"
+    assert Script.headers_seen[-1]["Authorization"] == "Bearer sk-SECRET-123" and len(Proxy.seen) == 1

@@ -8,8 +8,9 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
   min(0.5 * 2^n, 8) s with 25% jitter (the Stainless SDKs' schedule); a server hint (retry-after-ms,
   Retry-After) is honoured up to `max_retry_after` s, a longer hint fails at once; never retried:
   400/401/403/404/422, `insufficient_quota` and spend limits;
-- `timeout` bounds a whole exchange, status line and headers included: a Deadline shuts the socket when
-  it runs out, so a reply trickled a byte at a time cannot hold a request open. requests' own timeouts
+- `timeout` bounds a whole exchange, a proxy's CONNECT reply, status line and headers included (a name
+  lookup excepted: the resolver cannot be interrupted): a Deadline shuts the socket when it runs out, so a
+  reply trickled a byte at a time cannot hold a request open. requests' own timeouts
   bound each read, not the exchange (test_llm_clients.py shows such a reply outliving them), and
   requests hands the socket over only with the headers, so this reaches into urllib3: its connection
   and pool classes subclassed, installed through PoolManager.pool_classes_by_scheme; requirements.txt
@@ -148,6 +149,7 @@ class _NotesDeadline:
     connection) and as it sends a request (a kept-alive one)."""
 
     def connect(self):
+        _note(self)                  # before: a proxy's CONNECT reply is read inside connect(), on self.sock
         super().connect()
         _note(self)
 
@@ -226,6 +228,9 @@ class Transport:
         self.abort_at = 0.0                      # when abort() shuts the sockets still open
         self.sleep = self.aborted.wait           # backoff sleep, woken by abort (tests replace it)
         self.session = requests.Session()
+        self.session.auth = lambda r: r          # the key goes in headers(): a ~/.netrc entry would replace it
+        if ep and endpoints.LOOPBACK_NAMES.fullmatch(ep.host.lower()):
+            self.session.trust_env = False       # reached directly: an environment proxy would take its prompts
         for scheme in ("http://", "https://"):   # connections that tell a Deadline their socket (see there)
             self.session.mount(scheme, DeadlineAdapter())
         self.lock = threading.Lock()
