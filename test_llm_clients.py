@@ -848,3 +848,21 @@ def test_a_netrc_entry_does_not_replace_the_key_and_loopback_skips_the_proxy(pro
     Script.script = [(200, {}, ok("local"), 0)]
     assert client(server).chat([{"role": "user", "content": "y"}]).text == "local"
     assert Script.headers_seen[-1]["Authorization"] == "Bearer sk-SECRET-123" and len(Proxy.seen) == 1
+
+
+def test_a_retry_hint_is_finite_seconds_from_now_or_none(monkeypatch):
+    """nan and negative hints are no hints (a nan never passed the cap and slept 0 s); an HTTP date written
+    with -0000 is GMT, not the machine's local time; a malformed retry-after-ms leaves Retry-After read."""
+    from email.utils import formatdate
+    t = transport.Transport("http://127.0.0.1:9/v1", "t")
+    hint = lambda **h: t.retry_after({k.replace("_", "-"): v for k, v in h.items()})
+    assert hint(retry_after="nan") is None and hint(retry_after="-30") is None and hint(retry_after_ms="inf") is None
+    assert hint(retry_after="7") == 7.0 and hint(retry_after_ms="1500") == 1.5
+    assert hint(retry_after_ms="soon", retry_after="5") == 5.0
+    monkeypatch.setenv("TZ", "America/New_York")                          # local time 5 h from GMT
+    time.tzset()
+    assert formatdate(time.time() + 30).endswith("-0000") and 25 < hint(retry_after=formatdate(time.time() + 30)) <= 30
+    assert 25 < hint(retry_after=formatdate(time.time() + 30, usegmt=True)) <= 30
+    assert hint(retry_after="Thu, 01 Jan 1970 00:00:00 GMT") == 0.0 and hint(retry_after="later") is None
+    monkeypatch.undo()
+    time.tzset()

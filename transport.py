@@ -22,10 +22,12 @@ Usage: t = Transport("https://api.openai.com/v1", "openai:gpt-5.5", api_key=key)
 import base64
 import http.client
 import json
+import math
 import random
 import re
 import threading
 import time
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 from urllib.parse import quote, urlparse
 
@@ -276,18 +278,20 @@ class Transport:
         return LLMError(f"{self.label}: {msg}" + (f": {text}" if text else ""), status, self.provider, text)
 
     def retry_after(self, headers):
-        """Server hint in seconds, or None."""
-        try:
-            if headers.get("retry-after-ms"):
-                return float(headers["retry-after-ms"]) / 1000.0
-            ra = headers.get("retry-after")
-            if ra:
-                try:
-                    return float(ra)
-                except ValueError:
-                    return max(0.0, parsedate_to_datetime(ra).timestamp() - time.time())
-        except (TypeError, ValueError):
-            return None
+        """Server hint in seconds (retry-after-ms, else Retry-After: seconds or an HTTP date), or None where
+        neither is a finite number of seconds from now on."""
+        for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+            v = (headers.get(name) or "").strip()
+            try:
+                s = float(v) / scale
+            except ValueError:
+                try:                         # an HTTP date is GMT; "-0000" parses naive, read as UTC too
+                    when = parsedate_to_datetime(v) if name == "retry-after" and v else None
+                except (TypeError, ValueError):
+                    when = None
+                s = when and max(0.0, when.replace(tzinfo=when.tzinfo or timezone.utc).timestamp() - time.time())
+            if s is not None and math.isfinite(s) and s >= 0:
+                return s
         return None
 
     def abort(self, grace=ABORT_GRACE):
