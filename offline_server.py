@@ -176,6 +176,11 @@ class OpenAIBatchAPI:
                                           "param": None, "line": None}
 
     @staticmethod
+    def size(store, body):
+        """The characters the batch's requests take (its input file's)."""
+        return len(store.files[body["input_file_id"]]["content"])
+
+    @staticmethod
     def chat_body(line):
         return line["body"]
 
@@ -223,7 +228,7 @@ class OpenAIBatchAPI:
                 "errors": {"object": "list", "data": [b["problem"]]} if b["state"] == "failed" else None,
                 "created_at": int(at["created"]), "expires_at": int(at["created"] + DAY),
                 **{f"{k}_at": int(at[k]) if k in at else None for k in stamps},
-                "request_counts": {"total": len(b["lines"]), "completed": c["succeeded"],
+                "request_counts": {"total": b["total"], "completed": c["succeeded"],
                                    "failed": sum(c.get(k, 0) for k in ("errored", "canceled", "expired"))},
                 "usage": b.get("usage") or _usage([]), "metadata": b["metadata"]}
 
@@ -249,6 +254,14 @@ class AnthropicBatchAPI:
         if len({r["custom_id"] for r in reqs}) != len(reqs):
             raise ValueError("requests: each custom_id must be unique")
         return reqs, None
+
+    @staticmethod
+    def size(store, body):
+        """The characters the batch's requests take (as JSON)."""
+        try:
+            return len(json.dumps(body["requests"], ensure_ascii=False))
+        except RecursionError:
+            raise ValueError("requests: nested too deeply") from None
 
     @staticmethod
     def chat_body(line):
@@ -283,7 +296,7 @@ class AnthropicBatchAPI:
         return {"id": b["id"], "type": "message_batch",
                 "processing_status": "ended" if ended else "canceling" if b["state"] == "cancelling" else
                 "in_progress",
-                "request_counts": {"processing": len(b["lines"]) - sum(counts.values()), **counts},
+                "request_counts": {"processing": b["total"] - sum(counts.values()), **counts},
                 "created_at": _iso(at["created"]), "expires_at": _iso(at["created"] + DAY),
                 "ended_at": _iso(at.get(b["state"])) if ended else None,
                 "cancel_initiated_at": _iso(at.get("cancelling")), "archived_at": None,
@@ -430,13 +443,19 @@ class Batches:
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
         lines, problem = api.requests(self, body)
+        size = api.size(self, body)
         with self.lock:
+            held = sum(b["size"] for b in self.batches.values() if b["lines"])
+            if held + size > MAX_HELD:          # the lines of the batches still running are held parsed
+                raise ValueError(f"the running batches' requests would reach {held + size} characters, at most "
+                                 f"{MAX_HELD}: let some end or cancel them")
             if problem is None and api is OpenAIBatchAPI and self.knobs["fail"]:
                 problem, self.knobs["fail"] = {"code": "invalid_request", "message": self.knobs["fail"]}, None
             self.created += 1
             bid = f"batch-{self.created}"
             b = self.batches[bid] = {
-                "id": bid, "api": api, "lines": lines, "polls": 0, "state": "validating",
+                "id": bid, "api": api, "lines": lines, "total": len(lines), "size": size, "polls": 0,
+                "state": "validating",
                 "at": {"created": time.time()}, "counts": {"succeeded": 0}, "out": [], "problem": problem,
                 "input_file_id": body.get("input_file_id"), "metadata": body.get("metadata")}
             if self.knobs["lose_created"]:
@@ -532,12 +551,12 @@ class Batches:
         if b["state"] not in RUNNING:
             return
         if b["problem"]:
-            b["state"], b["at"]["failed"] = "failed", now
+            b["state"], b["at"]["failed"], b["lines"] = "failed", now, []
             return
         b["polls"] += 1
         b["state"] = "in_progress"
         b["at"].setdefault("in_progress", now)
-        total = len(b["lines"])
+        total = b["total"]
         b["counts"]["succeeded"] = min(total * b["polls"] // (k["polls"] + 1), total if k["stall"] is None else
                                        k["stall"])
         if b["polls"] > k["polls"] and k["stall"] is None:
@@ -553,6 +572,7 @@ class Batches:
         rows = [self._run_line(b, i, line) if i < n else api.unrun(b, i, line, state)
                 for i, line in enumerate(b["lines"])]
         kinds = [api.kind(r, ok) for r, ok in rows]
+        b["lines"] = []                        # its rows are kept (api.keep); its requests no longer
         b["counts"] = {k: kinds.count(k) for k in ("succeeded", "errored", "canceled", "expired")}
         b["state"], b["at"]["finalizing"], b["at"][state] = state, time.time(), time.time()
         api.keep(self, b, rows)
@@ -571,8 +591,8 @@ class Batches:
         try:
             at = b["at"]["created"] if self.pinned_created is None else self.pinned_created
             resp = answer(api.chat_body(line), at)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:    # a prompt the engine cannot answer
-            msg = str(e)[:300]                  # (_chat_body: Anthropic params of the wrong shape)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:    # a prompt the engine
+            msg = str(e)[:300]                  # cannot answer (_chat_body: Anthropic params of the wrong shape)
             return api.row(b, i, cid, 400, error_body(400, msg, api.anthropic)["error"])
         return api.row(b, i, cid, 200, _as_message(resp) if api.anthropic else resp)
 

@@ -111,7 +111,7 @@ def test_expired_or_failed_lines_resubmit_exactly_what_is_missing(engine, tmp_pa
     c = batched(url, tmp_path)
     got = c.map(requests_(8), progress=False)
     b1, b2 = srv.batches.batches["batch-1"], srv.batches.batches["batch-2"]
-    assert len(b1["lines"]) == 8 and len(b2["lines"]) == 4 + 1      # 4 expired + 1 failed (500), nothing else
+    assert b1["total"] == 8 and b2["total"] == 4 + 1      # 4 expired + 1 failed (500), nothing else
     assert c.batch.stats["retried"] == 5 and all(r.text for r in got)
     assert [b["status"] for b in manifest(tmp_path)] == ["expired", "completed"]
 
@@ -120,7 +120,7 @@ def test_size_limits_split_a_stage_into_several_batches(engine, tmp_path):
     srv, url = engine
     c = batched(url, tmp_path, limits=(2, 1 << 20))
     c.map(requests_(5), progress=False)
-    assert srv.batches.created == 3 and [len(b["lines"]) for b in srv.batches.batches.values()] == [2, 2, 1]
+    assert srv.batches.created == 3 and [b["total"] for b in srv.batches.batches.values()] == [2, 2, 1]
     big = batched(url, tmp_path / "b", limits=(100, 3000))          # bytes: each line is ~1.2 KB
     big.map(requests_(5, "other"), progress=False)
     assert srv.batches.created == 3 + 3
@@ -276,7 +276,7 @@ def test_an_id_on_two_lines_or_one_never_asked_is_no_answer(engine, tmp_path, pr
     logs, reqs = [], requests_(3)
     got = batched(url, tmp_path, protocol, logs=logs).map(reqs, progress=False)
     assert [r.text for r in got] == synchronous(url, reqs)
-    assert len(srv.batches.batches["batch-2"]["lines"]) == 1
+    assert srv.batches.batches["batch-2"]["total"] == 1
     said = [m for m in logs if "more than one line" in m]
     assert len(said) == 1 and "batch-1" in said[0] and "1 requests" in said[0] and "1 lines for ids" in said[0]
 

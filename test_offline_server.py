@@ -240,3 +240,33 @@ def test_an_upload_whose_file_part_is_multipart_is_a_400(engine):
     r = requests.post(f"{url}/files", data=body, headers={"Content-Type": "multipart/form-data; boundary=B"},
                       timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "file", r.text
+
+
+def test_a_line_the_engine_fails_on_is_an_error_row_and_running_batches_are_held_within_the_cap(engine, monkeypatch):
+    """A line the engine raises RecursionError on (a body nested too deeply to encode; injected here) ends the
+    batch with an error row for it (it escaped, and every status check raised it again: the batch never
+    ended); each batch holds its parsed requests while it runs, so they count against MAX_HELD (six batches
+    of one upload held six copies) and are let go when it ends."""
+    srv, url = engine
+    store, api = srv.batches, offline_server.OpenAIBatchAPI
+    answer = offline_server.answer
+    monkeypatch.setattr(offline_server, "answer", lambda body, at: answer(body, at) if body["messages"][0][
+        "content"].find("eggs 1") < 0 else (_ for _ in ()).throw(RecursionError("too deep to encode")))
+    text = "\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": _chat(i)}) for i in range(2))
+    fid = store.keep_file(text, "in.jsonl", "batch")["id"]
+    make = lambda: store.create({"input_file_id": fid, "endpoint": "/v1/chat/completions",
+                                 "completion_window": "24h"}, api, "h")
+    b = make()
+    for _ in range(20):
+        if b["status"] not in offline_server.RUNNING:
+            break
+        b = store.status(b["id"], api, "h")
+    assert b["status"] == "completed" and b["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    monkeypatch.setattr(offline_server, "MAX_HELD", 2 * len(text) - 1)   # one running batch's requests, not two
+    second = make()
+    with pytest.raises(ValueError, match="running batches' requests would reach"):
+        make()
+    while second["status"] in offline_server.RUNNING:
+        second = store.status(second["id"], api, "h")
+    make()                                                              # the ended batch's are let go
