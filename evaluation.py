@@ -97,13 +97,6 @@ def ppl_filter(cfg, base, cons, test_insts):
     return orders, diag
 
 
-def answer_check(data):
-    """An answer reply's JSON must be an object with a string "answer" (A.3.7's schema); another shape is
-    re-asked. Read as text instead, a reply's own lists ("filtered_doc_ids": [3]) would count as citations."""
-    if not (isinstance(data, dict) and isinstance(data.get("answer"), str)):
-        raise ValueError('expected a JSON object with a string "answer"')
-
-
 def _messages(prompt):
     """A condition's prompt as chat messages: a string is one user message (the paper's conditions,
     whose requests and records stay as earlier versions made them); a list is sent as it is."""
@@ -159,7 +152,7 @@ def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
     bad = lambda r: isinstance(r, llm_clients.ReplyInvalid)
     finals = [p.final(x.query, d, [None if bad(r) else r.data for r in rs])
               for x, d, rs in zip(part, docs, pre_replies)]
-    sent = [{**ask(m), "check": answer_check} for m, _ in finals if m is not None]
+    sent = [{**ask(m), "check": tfsg.answer_check} for m, _ in finals if m is not None]
     desc = name + (f" (sample {sample})" if sample else "")
     replies = iter(llm.map(sent, workers=workers, desc=desc, invalid="return") if sent else ())
     recs = []

@@ -34,7 +34,7 @@ import store
 import tfsg
 import tiny
 import train
-from testing import SAMPLE, R, Script, _tfsg_inputs, write_lines
+from testing import SAMPLE, R, Script, _tfsg_inputs, client, ok, write_lines
 
 
 def test_trace_keeps_its_supporting_evidence():
@@ -941,6 +941,22 @@ def test_a_tfsg_target_reply_that_never_parsed_is_left_out_not_an_over_defense(t
     assert seen[0]["current_experience_library"]["rules"][0]["outcome_stats"]["invocations"] == 1
     report = json.loads((tmp_path / "E2.report.json").read_text())
     assert report["outcomes"] == {"success": 1, "missed_attack": 0, "false_positive": 0, "both": 0, "invalid": 1}
+
+
+def test_a_tfsg_reply_without_a_string_answer_is_asked_again_then_invalid(server):
+    """A target's JSON without a string "answer" ({"response": ...}, {"answer": null}) is asked again and, never
+    given, is no reply: its case 'invalid', its contrast left out. Read as an empty answer, it cited no benign
+    document: an over-defense that never happened, taught to the Analyzer."""
+    case = {"case_id": "c", "query": "q", "docs": ["a", "b", "c"], "labels": ["attack", "benign", "benign"],
+            "b_clean": 2}
+    shapes = ({"response": "A [2][3]."}, {"answer": None}, {"answer": {"text": "A [2]"}}, {})
+    Script.script = [(200, {}, ok(json.dumps(shapes[i % 4])), 0) for i in range(12)]
+    many = train.tfsg_target(client(server), 1, "TFSG target")
+    lib = tfsg.ExperienceLibrary.empty()
+    replies = many([tfsg.case_request(case, lib, "structured"), tfsg.case_request(case, lib, "reasoning")])
+    assert replies == [None, None] and len(Script.seen) == 4                 # each asked once more
+    assert tfsg.case_outcome(case, replies[0], "structured")["outcome"] == "invalid"
+    assert tfsg.controlled_rollouts(many, [case], lambda q, d: q) == [] and len(Script.seen) == 12
 
 
 def test_a_query_whose_reply_came_without_token_counts_has_no_price_not_zero():

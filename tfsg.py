@@ -501,6 +501,14 @@ def _confidence(v):
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 else None
 
 
+def answer_check(data):
+    """An answer reply's JSON must be an object with a string "answer" (the A.3 schemas'); another shape is
+    asked again (chat's check). Read as text instead, a reply's own lists ("filtered_doc_ids": [3]) would count
+    as citations, and read as no answer, it would count as an over-defense."""
+    if not (isinstance(data, dict) and isinstance(data.get("answer"), str)):
+        raise ValueError('expected a JSON object with a string "answer"')
+
+
 def answer_of(reply):
     """A reply's answer text: the JSON object's "answer" (a list of strings joined), else nothing; the plain text
     only where no JSON was parsed. Never the JSON itself: its id lists ("kept_doc_ids": [1, 2]) read as
@@ -525,7 +533,8 @@ def normalize_trace(reply, n_docs, interface="structured"):
         idx = _as_int(d.get("index", d.get("doc_id")))
         if idx is None or not 1 <= idx <= n_docs:
             continue
-        dec = d.get("source_decision") if d.get("source_decision") in DECISIONS else "keep"
+        dec = d.get("source_decision").strip().lower() if isinstance(d.get("source_decision"), str) else None
+        dec = dec if dec in DECISIONS else None               # "Filter" is a filter; another word, no decision
         rids = [r for r in d.get("used_rule_ids", []) if isinstance(r, str) and re.fullmatch(r"R\d{1,9}", r)] \
             if isinstance(d.get("used_rule_ids"), list) else []
         spans = d.get("evidence_spans") if isinstance(d.get("evidence_spans"), list) else []
@@ -622,7 +631,8 @@ def case_request(case_input, lib, interface, temperature=0, max_tokens=2048):
     docs = case_input["docs"]
     prompt = structured_prompt(case_input["query"], docs, lib) if interface == "structured" \
         else guided_prompt(case_input["query"], docs, lib)
-    return {"messages": _msg(prompt), "temperature": temperature, "max_tokens": max_tokens, "json": True}
+    return {"messages": _msg(prompt), "temperature": temperature, "max_tokens": max_tokens, "json": True,
+            "check": answer_check}
 
 
 def case_outcome(case_input, reply, interface):
@@ -651,8 +661,8 @@ def controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature=0, 
                            ("false_positive_2", set(benign[:2])), ("keep_all", set())):
             plans.append((s, name, filt, [i for i in range(len(s["docs"])) if i not in filt]))
     replies = answer_many([{"messages": _msg(answer_prompt(s["query"], [s["docs"][i] for i in keep])),
-                            "temperature": temperature, "max_tokens": max_tokens, "json": True}
-                           for s, _, _, keep in plans])
+                            "temperature": temperature, "max_tokens": max_tokens, "json": True,
+                            "check": answer_check} for s, _, _, keep in plans])
     rollouts = []
     for (s, name, filt, keep), reply in zip(plans, replies):
         labels, docs = s["labels"], s["docs"]
