@@ -410,3 +410,15 @@ def test_a_decision_is_read_in_any_case_and_an_unknown_word_is_no_decision():
         "false_positive", "false_positive", "false_positive", "success", "success"]
     assert [tfsg.normalize_trace(reply(d), 3)["per_doc_decision"][0]["source_decision"]
             for d in ("Suspicious_Keep", "discard", 3)] == ["suspicious_keep", None, None]
+
+
+def test_a_merge_naming_its_sources_as_objects_is_rejected_not_a_crash():
+    """source_rule_ids of dicts (an Analyzer's reply, cached, so every resume met it again) raised TypeError
+    (unhashable) before the Controller's own check: the update is rejected with a reason."""
+    adds = [{"action": "add_rule", "rule": R()}, {"action": "add_rule", "rule": R(description="b")}]
+    lib, _ = tfsg.Controller().apply(tfsg.ExperienceLibrary.empty(), adds)
+    new, rep = tfsg.Controller().apply(lib, [{"action": "delete_rule", "target_rule_id": "R1"},
+                                             {"action": "merge_rules", "source_rule_ids": [{"id": "R1"}, ["R2"]],
+                                              "rule": R(description="merged")}])
+    assert len(rep.rejected) == 1 and "source_rule_ids" in rep.rejected[0]["reason"]
+    assert [r["rule_id"] for r in new.active()] == ["R2"]

@@ -329,9 +329,10 @@ class Controller:
             return f"action {act!r} not in {UPDATE_ACTIONS}"
         active = {r["rule_id"]: r for r in lib.active()}
         prov = {"epoch": epoch, "reason": str(u.get("reason", ""))[:self.limits.rule_item_chars]}
-        if act == "merge_rules" and isinstance(u.get("source_rule_ids"), list) and \
-                deleted & set(u["source_rule_ids"]):
-            return f"{sorted(deleted & set(u['source_rule_ids']))} deleted in the same batch (delete takes precedence)"
+        sources = {s for s in u.get("source_rule_ids") or [] if isinstance(s, str)} if act == "merge_rules" and \
+            isinstance(u.get("source_rule_ids"), list) else set()          # (_add refuses a list of another kind)
+        if deleted & sources:
+            return f"{sorted(deleted & sources)} deleted in the same batch (delete takes precedence)"
         if act in ("add_rule", "add_fp_guard", "merge_rules"):
             return self._add(lib, u, act, active, prov, report)
         target = u.get("target_rule_id")
