@@ -199,7 +199,7 @@ def transfer_check(groups, families, seen, folds=5, n_boot=2000, seed=0):
     rows += [(g.group_id, "honest", "source", edit_features(src(g), src(g))) for g in hon]
     X = used_columns([b for *_, b in rows])
     fold_of = group_folds([g for g, *_ in rows], folds)
-    score = np.zeros(len(rows))
+    score = np.full(len(rows), np.nan)             # NaN: a row of a fold whose others hold one class (not scored)
     for k in sorted(set(fold_of.values())):
         test = np.array([fold_of[g] == k for g, *_ in rows])
         train = ~test & np.array([kind == "honest" or f in seen for _, kind, f, _ in rows])
@@ -209,10 +209,10 @@ def transfer_check(groups, families, seen, folds=5, n_boot=2000, seed=0):
         prior, like = naive_bayes(X[train], labels, ["geo", "honest"], buckets=BUCKETS)
         logp = X[test] @ like.T + prior                                             # (N_test, 2)
         score[test] = logp[:, 0] - logp[:, 1]
-    negs = {g: s for (g, _, f, _), s in zip(rows, score) if f == "honest"}
+    negs = {g: s for (g, _, f, _), s in zip(rows, score) if f == "honest" and not np.isnan(s)}
     out = {}
     for fam in (f for f in families if f not in seen):
-        pos = {g: s for (g, _, f, _), s in zip(rows, score) if f == fam and g in negs}
+        pos = {g: s for (g, _, f, _), s in zip(rows, score) if f == fam and g in negs and not np.isnan(s)}
         if not pos:
             continue
         gids = sorted(pos)
@@ -223,7 +223,8 @@ def transfer_check(groups, families, seen, folds=5, n_boot=2000, seed=0):
         a, t = figures(gids)
         rng = np.random.default_rng(seed)
         boots = [figures([gids[i] for i in rng.integers(0, len(gids), len(gids))]) for _ in range(n_boot)]
-        ci = lambda j: [round(float(np.quantile([b[j] for b in boots], q)), 4) for q in (0.025, 0.975)]
+        ci = lambda j: [round(float(np.quantile([b[j] for b in boots], q)), 4) for q in (0.025, 0.975)] \
+            if len(gids) > 1 else None                                       # one group: nothing to resample
         out[fam] = {"auc": round(a, 4), "auc_ci": ci(0), "tpr_at_5_fpr": round(t, 4), "tpr_ci": ci(1), "n": len(gids)}
     return out
 
@@ -287,8 +288,11 @@ def exposure_gain(rr, groups, families, k, n_boot=2000, seed=0):
         if not vals:
             out[f] = None
             continue
-        lo, hi = metrics.cluster_bootstrap_ci(vals, gids, n_boot=n_boot, seed=seed)
         mean = 100.0 * sum(vals) / len(vals)
+        if len(set(gids)) < 2:                             # one group: nothing to resample, no interval, no verdict
+            out[f] = {"gain": round(mean, 2), "ci": None, "n": len(vals), "holds_zero": True, "raises": False}
+            continue
+        lo, hi = metrics.cluster_bootstrap_ci(vals, gids, n_boot=n_boot, seed=seed)
         out[f] = {"gain": round(mean, 2), "ci": [round(100.0 * lo, 2), round(100.0 * hi, 2)], "n": len(vals),
                   "holds_zero": lo <= 0 <= hi, "raises": lo > 0}
     return out
@@ -398,8 +402,7 @@ def markdown(r, offline_note=None):
                   "", "| family | gain | CI | n | raises visibility |", "|---|---|---|---|---|"]
         for f, v in e["per_family"].items():
             lines.append(f"| {f} | - | - | 0 | - |" if v is None else
-                         f"| {f} | {v['gain']:+.1f} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {v['n']} | "
-                         f"{_verdict(v)} |")
+                         f"| {f} | {v['gain']:+.1f} | {_ci(v['ci'], '+.1f')} | {v['n']} | {_verdict(v)} |")
     t = r.get("transfer")
     lines += ["", "## Do the seen families' cues transfer to the unseen ones?", ""]
     why = ("No seen families named in this file (_meta.seen_methods): nothing to train a detector on."
@@ -410,14 +413,19 @@ def markdown(r, offline_note=None):
         "cross-validated by query group) scores each unseen family's rewrites against the honest edits of the same "
         "groups. 95% CIs over query groups.", "", "| unseen family | ROC AUC | CI | TPR at 5% FPR | CI | groups |",
         "|---|---|---|---|---|---|"] + [
-        f"| {f} | {v['auc']:.2f} | [{v['auc_ci'][0]:.2f}, {v['auc_ci'][1]:.2f}] | {v['tpr_at_5_fpr']:.2f} | "
-        f"[{v['tpr_ci'][0]:.2f}, {v['tpr_ci'][1]:.2f}] | {v['n']} |" for f, v in t.items()]
+        f"| {f} | {v['auc']:.2f} | {_ci(v['auc_ci'], '.2f')} | {v['tpr_at_5_fpr']:.2f} | {_ci(v['tpr_ci'], '.2f')} | "
+        f"{v['n']} |" for f, v in t.items()]
     lines += ["", f"Drop rates: {r['drop_rate_note']}.", ""]
     return "\n".join(lines)
 
 
 def _verdict(v):
-    return "yes" if v["raises"] else "not shown (CI holds 0)" if v["holds_zero"] else "no: it lowers it"
+    return ("yes" if v["raises"] else "not shown (one group)" if v["ci"] is None else "not shown (CI holds 0)"
+            if v["holds_zero"] else "no: it lowers it")
+
+
+def _ci(ci, spec):
+    return "- (one group)" if ci is None else f"[{ci[0]:{spec}}, {ci[1]:{spec}}]"
 
 
 def _or_dash(v, form="{:g}"):

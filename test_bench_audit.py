@@ -157,3 +157,35 @@ def test_one_query_group_is_too_few(tmp_path):
     """A file of one query group is refused, not audited at 0% accuracy."""
     with pytest.raises(bench_audit.SettingsError, match=r"b.jsonl: 1 query group.*too few.*at least 2"):
         bench_audit.audit(_bench(tmp_path, TWO_EDITS, ["A", "B"], n=1))
+
+
+def test_a_fold_that_cannot_be_fitted_is_no_score_and_one_group_no_interval():
+    """Honest edits in two groups that fall in one fold: that fold's detector has no honest class to learn,
+    so its rows are unscored (they scored 0 and read as AUC 0.5 [0.5, 0.5], 'the cues do not transfer', which
+    nothing measured); one group left is no interval, and an exposure gain over one group no verdict."""
+    from types import SimpleNamespace as NS
+
+    def grp(i, honest):
+        src = f"Plain page number {i} about water. It says things in a calm tone."
+        return NS(group_id=f"g{i}", source_index=0, docs=[{"text": src, "doc_id": f"d{i}"}],
+                  attacks={"seen": src + " According to experts 95% agree, studies show.",
+                           "unseen": src + " ## Summary\n- **Best** answer, trusted by 10,000 readers."},
+                  honest=(src + " Updated with a clearer sentence.") if honest else None)
+    everywhere = bench_audit.transfer_check([grp(i, True) for i in range(10)], ["seen", "unseen"], ["seen"])
+    assert everywhere["unseen"]["auc"] == 1.0 and everywhere["unseen"]["n"] == 10
+    gs = [grp(i, i in (0, 5)) for i in range(10)]
+    folds = bench_audit.group_folds([g.group_id for g in gs], 5)
+    assert folds["g0"] == folds["g5"]
+    assert bench_audit.transfer_check(gs, ["seen", "unseen"], ["seen"]) == {}
+    one = bench_audit.transfer_check([grp(i, i in (0, 1)) for i in range(10)], ["seen", "unseen"], ["seen"], folds=10)
+    assert one["unseen"]["n"] == 2 and one["unseen"]["auc_ci"] is not None
+
+    class Bangs:
+        def score(self, query, docs):
+            import torch
+            return torch.tensor([float(d.count("!")) for d in docs])
+    g = bench_audit.geodef.QueryGroup("g0", "q", [{"text": "!!" if j == 0 else "x", "doc_id": f"g0-{j}"}
+                                                  for j in range(4)], 2, {"loud": "!!!!!"})
+    e = bench_audit.exposure_gain(Bangs(), [g], ["loud"], k=1, n_boot=50)["loud"]
+    assert e["gain"] == 100.0 and e["ci"] is None and not e["raises"]
+    assert bench_audit._verdict(e) == "not shown (one group)"
