@@ -353,9 +353,10 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
 
 
 def write_audit(result, out_dir, offline_note=None):
-    """bench_audit.json and bench_audit.md in out_dir -> the markdown's path."""
+    """bench_audit.json and bench_audit.md in out_dir, each with the offline note (the tiny model's exposure
+    figures are plumbing) -> the markdown's path."""
     os.makedirs(out_dir, exist_ok=True)
-    write_json(os.path.join(out_dir, "bench_audit.json"), result)
+    write_json(os.path.join(out_dir, "bench_audit.json"), {**result, "notes": [offline_note] if offline_note else []})
     path = os.path.join(out_dir, "bench_audit.md")
     atomic_write(path, markdown(result, offline_note))
     return path

@@ -135,6 +135,10 @@ def test_bench_audit_writes_its_json_and_markdown(tmp_path, capsys):
     md = (tmp_path / "a" / "bench_audit.md").read_text()
     assert "SYNTHETIC BENCHMARK" in md and "Seen vs unseen" in md and "Drop rates" in md
     assert "accuracy" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "a" / "bench_audit.json"))["notes"] == []
+    run.main(["bench-audit", "--bench", SAMPLE, "--model", "tiny", "--out", str(tmp_path / "t")])
+    notes = json.load(open(tmp_path / "t" / "bench_audit.json"))["notes"]      # the tiny model's gains: plumbing
+    assert notes == [bench_audit.TINY_NOTE] and "exposure_gain" in json.load(open(tmp_path / "t" / "bench_audit.json"))
     with pytest.raises(SystemExit, match=r"--folds 1 .at least 2"):
         run.main(["bench-audit", "--bench", SAMPLE, "--folds", "1"])
 
