@@ -169,3 +169,8 @@ def test_workloads_are_those_named_in_their_order():
     assert list(both) == ["mixed", "fixed"] and both["mixed"] == bench.mixed_lengths() and both["fixed"] == [7] * 10
     with pytest.raises(SystemExit, match="--workloads 'fixd': not one of mixed, fixed"):
         run.main(["bench", "--what", "score", "--workloads", "fixd"])
+
+
+def test_p99_is_the_nearest_rank_not_the_largest():
+    assert bench.p99(list(range(1, 101))) == 99 and bench.p99(list(range(100, 0, -1))) == 99
+    assert bench.p99([5.0]) == 5.0 and bench.p99(list(range(1, 1001))) == 990
