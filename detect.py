@@ -36,7 +36,6 @@ Figures per detector and family: ROC AUC against honest edits and against source
 Usage: python run.py detect --name RUN [--fpr 0.05]
 """
 import collections
-import json
 import math
 import os
 import re
@@ -114,8 +113,18 @@ class Served:
         """A detector file (a run's detect/text_detector.json, or an export's copy) -> Served; None for no file."""
         if path is None:
             return None
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        obj = read_json(path)
+        if not isinstance(obj, dict):
+            raise SettingsError(f"{path}: not a detector file (a JSON object, as `detect` writes it)")
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        bad = [k for k in ("threshold", "bias", "rest") if not number(obj.get(k))]
+        w = obj.get("weights")
+        bad += [] if isinstance(w, dict) and all(k.isdigit() and number(v) for k, v in w.items()) else ["weights"]
+        if bad:                              # a NaN flags nothing; text fails every request (a 500)
+            raise SettingsError(f"{path}: {', '.join(bad)}: finite numbers expected, as `detect` writes them")
+        if obj.get("buckets") != bench_audit.BUCKETS:      # the weights index buckets of this hashing
+            raise SettingsError(f"{path}: buckets: {obj.get('buckets')!r}, this code hashes into "
+                                f"{bench_audit.BUCKETS}")
         return cls(TextDetector.from_json(obj), obj["threshold"])
 
     def flags(self, texts):
@@ -257,8 +266,8 @@ def roc_points(recs, detector, family_of):
     """TPR (%) against the test honest edits at each of ROC_FPRS."""
     pos = [r["scores"][detector] for r in recs if r["kind"] == "geo" and family_of(r)]
     neg = [r["scores"][detector] for r in recs if r["kind"] == "honest"]
-    return [None if not pos or not neg else 100.0 * tpr_at(pos, neg, f) if f > 0
-            else 100.0 * float(np.mean(np.asarray(pos) > max(neg))) for f in ROC_FPRS]
+    return [None if not pos or not neg else 100.0 if f >= 1 else 100.0 * tpr_at(pos, neg, f) if f > 0
+            else 100.0 * float(np.mean(np.asarray(pos) > max(neg))) for f in ROC_FPRS]    # (FPR 100%: all flagged)
 
 
 def has_honest(data):

@@ -150,10 +150,10 @@ def cmd_serve(args):
     """The Shield behind a rerank endpoint (serve.py), loaded as its run scores."""
     cfg, adapter, run_dir = shield_settings(settings.ServeConfig, args)
     with reading(run_dir):
+        detector = detect.Served.load(detector_file(run_dir, cfg.model.model))     # checked before the model loads
         rr, _ = shield_as_scored(cfg, adapter, run_dir)
     name = cfg.serve.served_name or (cfg.folder.name if run_dir else "geo-defender-shield")
-    serve.serve_until_stopped(rr, cfg.serve, cfg.certify.deletion_rate, name, adapter,
-                              detect.Served.load(detector_file(run_dir, cfg.model.model)))
+    serve.serve_until_stopped(rr, cfg.serve, cfg.certify.deletion_rate, name, adapter, detector)
 
 
 def add_settings_flags(p, cls, preset=True):

@@ -411,3 +411,30 @@ def test_harden_measures_the_detectors_on_a_rounds_attacker_and_honest_edits(hon
     hon = [r for r in _lines(d / "detect" / "records.jsonl") if r["kind"] == "honest" and r["group_id"] in eval_groups]
     assert again["fpr_honest"] == {name: pytest.approx(100 * sum(r["flagged"][name] for r in hon) / len(hon),
                                                        abs=0.01) for name in detect.DETECTORS}
+
+
+def test_a_detector_file_that_is_not_as_detect_writes_it_is_refused_by_name(tmp_path):
+    """serve loads the run's (or an export's) detector file: one cut short, without a field, with a threshold
+    of text (every /detect a 500) or NaN (nothing flagged), or hashed into other buckets, is an error naming
+    the file and field before the model loads, not a traceback or a detector that never flags."""
+    det = detect.TextDetector({3: 0.5}, -0.1, 0.2)
+    good = {**det.to_json(), "threshold": 1.0}
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(good))
+    assert detect.Served.load(str(path)).flags(["a page"])[0]["flagged"] in (True, False)
+    for change, says in (({"threshold": "1"}, "threshold"), ({"threshold": float("nan")}, "threshold"),
+                         ({"bias": None}, "bias"), ({"weights": {"3": "x"}}, "weights"),
+                         ({"buckets": good["buckets"] * 2}, "buckets")):
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(detect.SettingsError, match=f"d.json: {says}"):
+            detect.Served.load(str(path))
+    path.write_text(json.dumps(good)[:20])
+    with pytest.raises(ValueError, match="d.json: not JSON"):
+        detect.Served.load(str(path))
+
+
+def test_the_roc_point_at_fpr_100_flags_every_document():
+    recs = [{"kind": "honest", "scores": {"text": s}} for s in (0.0, 1.0, 2.0)]
+    recs += [{"kind": "geo", "scores": {"text": s}} for s in (0.0, 3.0)]
+    pts = dict(zip(detect.ROC_FPRS, detect.roc_points(recs, "text", lambda r: True)))
+    assert pts[1.0] == 100.0 and pts[0.0] == 50.0
