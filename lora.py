@@ -191,6 +191,7 @@ def save_adapter(model, out_dir, base_model_name_or_path, dtype=torch.float32):
     """adapter_config.json (standard PEFT keys only) + adapter_model.safetensors, each file written aside
     and renamed: each is whole or absent (the weights are renamed first, so a config never names
     weights that are not there)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     cfg = lora_config(model)
     if cfg is None:
@@ -204,12 +205,22 @@ def save_adapter(model, out_dir, base_model_name_or_path, dtype=torch.float32):
               "alpha_pattern": {}, "exclude_modules": None, "lora_bias": False}
     tensors = {k: v.to(dtype).contiguous() for k, v in lora_state_dict(model).items()}
     tmp = os.path.join(out_dir, f".tmp{os.getpid()}")
-    save_file(tensors, tmp + ".safetensors", metadata={"format": "pt"})
-    with open(tmp + ".json", "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
+    try:
+        save_file(tensors, tmp + ".safetensors", metadata={"format": "pt"})
+        with open(tmp + ".json", "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+    except (SafetensorError, OSError) as e:    # a full disk: no file left aside
+        for p in (tmp + ".safetensors", tmp + ".json"):
+            if os.path.exists(p):
+                os.remove(p)
+        raise OSError(f"{out_dir}: the adapter could not be written ({e})") from e
     os.replace(tmp + ".safetensors", os.path.join(out_dir, "adapter_model.safetensors"))
     os.replace(tmp + ".json", os.path.join(out_dir, "adapter_config.json"))
     return out_dir
+
+
+class AdapterError(ValueError):
+    """An adapter folder that cannot be loaded: its file and the key or field named."""
 
 
 def load_adapter(model, adapter_dir):
@@ -217,32 +228,49 @@ def load_adapter(model, adapter_dir):
     Every key must match a LoRA module and every LoRA module must get its A and B. The two files are
     read by hand (JSON and safetensors) rather than through peft: the format is two small files, and
     this keeps lora.py free of any dependency but torch and safetensors."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     cpath = os.path.join(adapter_dir, "adapter_config.json")
     wpath = os.path.join(adapter_dir, "adapter_model.safetensors")
     for p in (cpath, wpath):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"{p}: missing")
-    with open(cpath, encoding="utf-8") as f:
-        cfg = json.load(f)
+    try:
+        with open(cpath, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, RecursionError) as e:
+        raise AdapterError(f"{cpath}: not JSON ({str(e)[:100]})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cpath}: not a JSON object")
+    for field, ok in (("r", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+                      ("lora_alpha", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+                      ("lora_dropout", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and 0 <= v < 1)):
+        if not ok(cfg.get(field, 0.0 if field == "lora_dropout" else None)):
+            raise AdapterError(f"{cpath}: {field}: {cfg.get(field)!r} is not a valid value")
     if cfg.get("peft_type") != "LORA":
-        raise ValueError(f"{cpath}: peft_type: expected 'LORA', got {cfg.get('peft_type')!r}")
+        raise AdapterError(f"{cpath}: peft_type: expected 'LORA', got {cfg.get('peft_type')!r}")
     if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ValueError(f"{cpath}: rslora, DoRA and per-module rank/alpha patterns are not supported")
+        raise AdapterError(f"{cpath}: rslora, DoRA and per-module rank/alpha patterns are not supported")
     for field in ("layers_to_transform", "exclude_modules", "modules_to_save"):
         if cfg.get(field):
-            raise ValueError(f"{cpath}: {field}: not supported (LoRA on every layer's named projections only)")
+            raise AdapterError(f"{cpath}: {field}: not supported (LoRA on every layer's named projections only)")
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
-        raise ValueError(f"{cpath}: target_modules: regex strings are not supported, give a list")
+        raise AdapterError(f"{cpath}: target_modules: regex strings are not supported, give a list")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise AdapterError(f"{cpath}: target_modules: a list of module names is required")
     if not lora_modules(model):
         add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                  targets=tuple(targets))
     mods = lora_modules(model)
     if any(m.merged for m in mods.values()):  # new A, B would be ignored, the old delta kept in W
-        raise ValueError(f"{adapter_dir}: cannot load into a model whose LoRA is merged (merge_lora): its base "
+        raise AdapterError(f"{adapter_dir}: cannot load into a model whose LoRA is merged (merge_lora): its base "
                          "weights hold the previous adapter; load the base model again")
-    state = load_file(wpath)
+    try:
+        state = load_file(wpath)
+    except (SafetensorError, OSError) as e:     # a file cut short, or not safetensors
+        raise AdapterError(f"{wpath}: not a readable safetensors file ({str(e)[:100]})") from None
     seen = set()
     for key, t in state.items():
         k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
@@ -253,18 +281,18 @@ def load_adapter(model, adapter_dir):
                 name = k[: k.rindex(f".{part}")]
                 break
         else:
-            raise ValueError(f"{wpath}: {key}: not a LoRA A/B tensor")
+            raise AdapterError(f"{wpath}: {key}: not a LoRA A/B tensor")
         if name not in mods:
-            raise ValueError(f"{wpath}: {key}: no LoRA layer {name!r} in the model")
+            raise AdapterError(f"{wpath}: {key}: no LoRA layer {name!r} in the model")
         p = getattr(mods[name], part)
         if tuple(p.shape) != tuple(t.shape):
-            raise ValueError(f"{wpath}: {key}: shape {tuple(t.shape)}, model has {tuple(p.shape)}")
+            raise AdapterError(f"{wpath}: {key}: shape {tuple(t.shape)}, model has {tuple(p.shape)}")
         with torch.no_grad():
             p.copy_(t.to(p.dtype))
         seen.add((name, part))
     missing = [f"{n}.{p}" for n in mods for p in ("lora_A", "lora_B") if (n, p) not in seen]
     if missing:
-        raise ValueError(f"{wpath}: missing LoRA tensors: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        raise AdapterError(f"{wpath}: missing LoRA tensors: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
     for m in mods.values():
         m.alpha, m.scaling = cfg["lora_alpha"], cfg["lora_alpha"] / cfg["r"]
     return model

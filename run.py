@@ -38,6 +38,7 @@ import geodef
 import harden
 import holdout
 import llm_clients
+import lora
 import offline_server
 import rankers
 import report
@@ -521,7 +522,8 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "demo": cmd_demo, "rerank-eval
 
 # Errors that are the user's to fix, each naming its file, flag or API: one line, no traceback.
 USER_ERRORS = (SettingsError, RunInUse, geodef.BenchFormatError, reranker.CheckpointError, reranker.PromptLengthError,
-               FileNotFoundError, llm_clients.LLMError, tfsg.LibraryError, export.ExportError, JSONFileError)
+               FileNotFoundError, llm_clients.LLMError, tfsg.LibraryError, export.ExportError, export.IdentityError,
+               lora.AdapterError, JSONFileError)
 
 
 def no_credentials_outside_urls(args):

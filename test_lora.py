@@ -284,3 +284,35 @@ def test_int8_shield_merges_the_adapter_first_and_keeps_its_ranks(tiny_dir):
         nf4 = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32)
         lora.add_lora(lora.quantize_nf4(nf4.model))
         lora.quantize_int8(nf4.model)
+
+
+def test_an_adapter_that_cannot_load_names_its_file_and_field(tiny_dir, tmp_path, monkeypatch):
+    """A config cut short, a field missing or null, weights cut short: AdapterError naming the file and field
+    (run.py reports it as a user error) rather than a bare KeyError or TypeError; a write that fails (a full
+    disk) leaves no file aside and names the folder."""
+    rr, _, _ = _lora_model(tiny_dir)
+    good = tmp_path / "good"
+    lora.save_adapter(rr.model, str(good), "tiny")
+    cfg = json.loads((good / "adapter_config.json").read_text())
+    fresh = lambda: reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32).model
+    for name, config, says in (("cut", "{", "adapter_config.json: not JSON"),
+                               ("no_r", {k: v for k, v in cfg.items() if k != "r"}, "adapter_config.json: r:"),
+                               ("null_dropout", {**cfg, "lora_dropout": None}, "adapter_config.json: lora_dropout:"),
+                               ("no_targets", {**cfg, "target_modules": None},
+                                "adapter_config.json: target_modules:")):
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        (bad / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+        with pytest.raises(lora.AdapterError, match=f"{name}/{says}"):
+            lora.load_adapter(fresh(), str(bad))
+    (good / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes()[:100])
+    with pytest.raises(lora.AdapterError, match="good/adapter_model.safetensors: not a readable safetensors"):
+        lora.load_adapter(fresh(), str(good))
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(json, "dump", full_disk)
+    with pytest.raises(OSError, match="full: the adapter could not be written"):
+        lora.save_adapter(rr.model, str(tmp_path / "full"), "tiny")
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == []

@@ -27,6 +27,7 @@ import metrics
 import offline
 import parallel
 import rankers
+import reranker
 import run
 import runs
 import settings
@@ -972,3 +973,12 @@ def test_a_query_whose_reply_came_without_token_counts_has_no_price_not_zero():
     assert one["usd"] == pytest.approx((10 * 1.0 + 5 * 2.0) / 1e6)
     both = evaluation.cost_per_query(None, llm, [{"usage": metered}, {"usage": bare}], {}, None, prices)
     assert both["usd"] is None and both["unmetered_replies"] == 1
+
+
+def test_a_checkpoint_cut_short_names_its_file(tmp_path):
+    """A training checkpoint is written whole (_save_ckpt): one that does not read (a disk's failure) is a
+    CheckpointError naming the file and what to do, which run.py reports as a user error."""
+    (tmp_path / "state.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(reranker.CheckpointError, match=r"state.safetensors: not a checkpoint .* move the folder"):
+        train._load_ckpt(str(tmp_path), None, None)
+    assert reranker.CheckpointError in run.USER_ERRORS and lora.AdapterError in run.USER_ERRORS

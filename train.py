@@ -12,7 +12,7 @@ import random
 import sys
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -26,6 +26,7 @@ from evaluation import clean_answers, clean_reference, eval_condition
 from llm_clients import ReplyInvalid
 from metrics import ranked
 from rankers import base_ranker, doc_key, load_rankers, shield_ranker
+from reranker import CheckpointError
 from runs import labels_of
 from store import append_jsonl, log, read_json, write_json
 
@@ -67,9 +68,14 @@ def _save_ckpt(path, model, opt, state, log_path, rngs):
 
 
 def _load_ckpt(path, model, opt, rank=0):
-    tensors = load_file(os.path.join(path, "state.safetensors"))
-    with safe_open(os.path.join(path, "state.safetensors"), "pt") as f:
-        state = json.loads(f.metadata()["state"])
+    file = os.path.join(path, "state.safetensors")
+    try:
+        tensors = load_file(file)
+        with safe_open(file, "pt") as f:
+            state = json.loads(f.metadata()["state"])
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:   # (written whole: a failed disk)
+        raise CheckpointError(f"{file}: not a checkpoint this code wrote ({type(e).__name__}: {str(e)[:100]}); "
+                              "move the folder aside to train from the start") from None
     lora.load_lora_state_dict(model, tensors)
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
