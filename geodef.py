@@ -30,6 +30,7 @@ Deviations / choices the paper leaves open:
 
 Usage: groups = load_bench("data/geo_defensebench_sample.jsonl"); split = split_groups(groups)
 """
+import collections
 import hashlib
 import json
 import random
@@ -265,15 +266,17 @@ def _read_meta(obj, path, n):
         v = m.get(key, [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             _fail(path, n, f"_meta.{key}", f"expected a list of method names, got {v!r}")
-        dup = sorted({x for x in v if v.count(x) > 1})
+        dup = sorted(x for x, c in collections.Counter(v).items() if c > 1)      # (linear: a hostile line is long)
         if dup:   # a repeated seen method would repeat its construction instances
             _fail(path, n, f"_meta.{key}", f"{dup} listed more than once")
+    methods = set(m.get("methods", []))
     for key in ("seen_methods", "construction_methods"):
-        unknown = [x for x in m.get(key, []) if m.get("methods") and x not in m["methods"]]
+        unknown = [x for x in m.get(key, []) if methods and x not in methods]
         if unknown:
             _fail(path, n, f"_meta.{key}", f"{unknown} not in _meta.methods {m['methods']}")
     cons = m.get("construction_methods", [])
-    unknown = [x for x in m.get("seen_methods", []) if cons and x not in cons]
+    known = set(cons)
+    unknown = [x for x in m.get("seen_methods", []) if cons and x not in known]
     if unknown:
         _fail(path, n, "_meta.seen_methods", f"{unknown} not in _meta.construction_methods {cons}")
     for key in META_LABELS:         # models and services: printed into reports as they are
