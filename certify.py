@@ -35,7 +35,7 @@ brings a into the smoothed top k when
 since then k other documents score above every g(q, d'_a). Its radius is the largest such r (None when
 a is not certifiably outside the top k even unedited). Symmetrically, a clean top-k document j keeps its
 place against every insertion of r words into a when fewer than k documents can score above it: the
-others certifiably above its lower bound, plus a if U(ĝ_a + eps; r) reaches it.
+others that can score above its lower bound (ĝ_i + eps >= ĝ_j - eps), plus a if U(ĝ_a + eps; r) reaches it.
 
 A real rewrite is inside its source's certificate when its own edit, r_i inserted and r_d deleted
 words from a longest common subsequence (edit_counts), satisfies the general bound U(ĝ + eps; r_i, r_d).
@@ -154,7 +154,8 @@ def radius(g, a, k, eps, rate, kind, n_words):
 
 def kept_radius(g, a, j, k, eps, rate):
     """The largest r such that the top-k document j keeps its place against every insertion of r words into
-    document a (module docstring); MAX_RADIUS when a cannot reach it at all, None when j is not certifiably in."""
+    document a (module docstring); MAX_RADIUS when j stays in the top k even with a above it, None when j is
+    not certifiably in."""
     above = sum(g[i] + eps >= g[j] - eps for i in range(len(g)) if i not in (a, j))
     if above >= k:
         return None
