@@ -38,9 +38,10 @@ class Ranks:
     goes on as the main rank), `world` (1 once the group is left), and the collectives the jobs use.
     Ranks() is one process alone."""
 
-    def __init__(self, rank=0, waiting=None):
+    def __init__(self, rank=0, waiting=None, owned=True):
         self.rank = rank
         self.waiting = waiting              # the gloo group of barrier(); None: alone, or the group is left
+        self.owned = owned                  # join started the default group (a caller's is the caller's to end)
 
     @classmethod
     def join(cls, device):
@@ -54,9 +55,10 @@ class Ranks:
         if cuda:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             torch.cuda.set_device(device)
-        if not dist.is_initialized():
+        owned = not dist.is_initialized()
+        if owned:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
-        return cls(dist.get_rank(), dist.new_group(backend="gloo", timeout=WAIT)), device   # new_group: collective
+        return cls(dist.get_rank(), dist.new_group(backend="gloo", timeout=WAIT), owned), device   # (a collective)
 
     @property
     def world(self):
@@ -119,5 +121,7 @@ class Ranks:
         if self.waiting is not None:
             if not failed:
                 dist.barrier(group=self.waiting)
-            dist.destroy_process_group()
+            dist.destroy_process_group(self.waiting)
+            if self.owned:
+                dist.destroy_process_group()
             self.waiting = None

@@ -154,6 +154,33 @@ def test_a_rank_that_fails_ends_the_run_instead_of_waiting_at_the_last_barrier(t
                     os.kill(int(pid), signal.SIGKILL)
 
 
+CALLERS_GROUP = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {here!r})
+import parallel
+dist.init_process_group("gloo")                # the caller's own group, made before the command joins
+ranks, _ = parallel.Ranks.join("cpu")
+ranks.finish()
+t = torch.ones(1)
+dist.all_reduce(t)                             # the caller's group still carries its collectives
+print(f"rank {{dist.get_rank()}}: {{dist.is_initialized()}} {{t.item()}}")
+dist.destroy_process_group()
+"""
+
+
+def test_finish_leaves_a_group_the_caller_made_to_the_caller(tmp_path):
+    """A program that made its own process group and runs a command in it (Ranks.join joins it) keeps the group
+    after the command's finish: finish ended it, so the caller's next collective failed."""
+    script = tmp_path / "caller.py"
+    script.write_text(CALLERS_GROUP.format(here=str(HERE)))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                        "127.0.0.1", "--master-port", str(_port()), str(script)], cwd=tmp_path, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(line for line in p.stdout.splitlines() if line.startswith("rank")) == ["rank 0: True 2.0",
+                                                                                          "rank 1: True 2.0"]
+
+
 def test_a_resumed_rank_draws_its_dropout_masks_on_from_its_own_generator(tmp_path):
     """Each rank draws its own LoRA dropout masks: the checkpoint keeps every rank's generator (gathered),
     and a resumed rank draws on from its own (with rank 0's alone, every rank repeated rank 0's masks)."""
