@@ -7,11 +7,13 @@ Usage: svg = svg_bars("ASR by condition", ["a", "b"], ["ASR"], {("a", "ASR"): 20
                       xlabel="condition", ylabel="ASR (%)")
 """
 import html
+import math
 
 
 def given(v):
-    """A measured value: neither None nor NaN. Tables print "-" and figures draw nothing where not."""
-    return v is not None and v == v
+    """A measured value: a finite number (not None, NaN or infinite). Tables print "-" and figures draw nothing
+    where not."""
+    return v is not None and math.isfinite(v)
 
 
 def fmt(v, nd=2):
@@ -67,7 +69,6 @@ def nice_ticks(lo, hi, n=5):
     """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 x 10^k), from the last tick at or
     below lo to the first at or above hi; a value within a millionth of a step of a tick is on it (a
     reduction of 100.00000000000001 % ends the axis at 100, not 125)."""
-    import math
     span = max(hi - lo, 1e-9)
     raw = span / n
     mag = 10 ** math.floor(math.log10(raw))
@@ -351,7 +352,7 @@ def svg_heatmap(title, rows, cols, values, *, xlabel, ylabel, note=None):
     """values[(row, col)] -> float (None or NaN: a grey cell labelled "-"); darker = higher; each cell
     labelled with its value. xlabel titles the columns (above their names), ylabel the rows (above their
     names, the header of that column, as in a table); note (figure_note) goes under the title."""
-    cw = max(90, max(text_width(c) for c in cols) + 12)
+    cw = max([90] + [text_width(c) + 12 for c in cols])
     left = max(150, max(text_width(r) for r in [*rows, ylabel]) + 20)
     ch = 26
     W = int(max(left + cw * len(cols) + 20, text_width(title, 13) + 20, text_width(note or "") + 20))

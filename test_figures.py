@@ -226,3 +226,14 @@ def test_every_figure_titles_both_axes():
         else:
             assert "rotate(-90" in y[0].get("transform") and float(y[0].get("x")) < 20
             assert float(x[0].get("y")) == max(float(t.get("y")) for t in texts)
+
+
+def test_an_infinite_value_and_a_heatmap_without_columns_draw_without_error():
+    """inf is no measured value (an overflowed ratio): drawn as NaN is, a gap labelled '-' (it raised
+    OverflowError); a heatmap of no columns is drawn empty (max() of nothing raised)."""
+    bars = figures.svg_bars("t", ["a", "b"], ["s"], {("a", "s"): float("inf"), ("b", "s"): 2.0}, xlabel="x",
+                            ylabel="y")
+    assert bars.startswith("<svg") and "inf" not in bars
+    heat = figures.svg_heatmap("t", ["r"], ["c"], {("r", "c"): float("-inf")}, xlabel="x", ylabel="y")
+    assert ">-<" in heat and "inf" not in heat
+    assert figures.svg_heatmap("t", ["r"], [], {}, xlabel="x", ylabel="y").startswith("<svg")
