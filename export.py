@@ -135,6 +135,16 @@ def chat_template(instruction):
     return reranker.PREFIX + body + reranker.SUFFIX + "{{ '' }}"
 
 
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                       # another user's process
+        pass
+    return True
+
+
 def model_card(meta, name):
     nf4 = ("\nThe adapter was trained over an NF4 (4-bit) base; it is merged here into the full-precision base "
            "weights, so scores differ slightly from the training-time forward (the 4-bit rounding is not "
@@ -155,13 +165,15 @@ def model_card(meta, name):
         vllm = (f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja --hf-overrides "
                 "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
                 "\"yes\"], \"is_original_qwen3_reranker\": true}'")
-    return f"""# {name}: GEO Defender Shield Reranker ({meta['format']}, {meta['dtype']})
+    what = ("GEO Defender Shield Reranker", "The Shield Reranker of") if meta["adapter"] else \
+        ("base reranker, no Shield adapter", "The base reranker (no Shield adapter merged) as exported for")
+    merged = f"with the {adapter} merged into its weights in float32," if meta["adapter"] else "as it is,"
+    return f"""# {name}: {what[0]} ({meta['format']}, {meta['dtype']})
 
-The Shield Reranker of *When Optimization Becomes Manipulation: Defending Generative Search against
+{what[1]} *When Optimization Becomes Manipulation: Defending Generative Search against
 Malicious Generative Engine Optimization*: the frozen base `{meta['base_model']}` (revision
-{meta['base_revision'] or 'local folder'}) with the {adapter} merged into its weights in float32,
-then stored in {meta['dtype']}. Layout: {head}. Made by `python run.py export` of the GEO Defender
-reference implementation at {meta['time']}.
+{meta['base_revision'] or 'local folder'}) {merged} then stored in {meta['dtype']}. Layout: {head}.
+Made by `python run.py export` of the GEO Defender reference implementation at {meta['time']}.
 {nf4}{int8}
 ## Prompt
 
@@ -379,10 +391,18 @@ def export(model, out_dir, adapter=None, fmt="seq-cls", dtype=None, instruction=
     if quantized_base:
         print("[export] the adapter was trained over an NF4 base; it is merged into the full-precision base (the "
               "model card says so)", file=sys.stderr, flush=True)
-    check_out_dir(out_dir, overwrite, protected=[p for p in (model, adapter, *protected) if p and os.path.exists(p)])
     parent = os.path.dirname(os.path.abspath(out_dir))
+    stem = f".{os.path.basename(os.path.abspath(out_dir))}.export-"
+    for left in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:    # a killed export's folders (no
+        pid = left[len(stem):].removesuffix(".old")                             # `finally` ran): a model copy each
+        if left.startswith(stem) and pid.isdigit() and not _alive(int(pid)):
+            if left.endswith(".old") and not os.path.exists(out_dir):      # killed between its two renames
+                os.rename(os.path.join(parent, left), out_dir)
+            else:
+                shutil.rmtree(os.path.join(parent, left), ignore_errors=True)
+    check_out_dir(out_dir, overwrite, protected=[p for p in (model, adapter, *protected) if p and os.path.exists(p)])
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.export-{os.getpid()}")
+    tmp = os.path.join(parent, f"{stem}{os.getpid()}")
     old = tmp + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -165,6 +165,26 @@ def test_an_export_lands_whole_or_not_at_all(tmp_path, tiny_dir, monkeypatch):
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []          # nothing left aside
 
 
+def test_a_killed_exports_folders_are_cleared_or_put_back_by_the_next(tmp_path, tiny_dir):
+    """SIGKILL runs no `finally`: a killed export's copy (a full model each) stayed beside the output for good,
+    and one killed between its renames left the earlier export only as `.old`. The next export clears a dead
+    process's copies and puts such an `.old` back before it builds; a live process's are left alone."""
+    base, adapter, out, seq_cls = _exported(tmp_path, tiny_dir)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shutil.copytree(out, tmp_path / f".exp.export-{dead.pid}")                    # a killed export's build
+    live = tmp_path / f".exp.export-{os.getppid()}"
+    live.mkdir()
+    os.rename(out, tmp_path / f".exp.export-{dead.pid}.old")                       # killed between its renames
+    with pytest.raises(ValueError, match="exp"):           # the earlier export is back: replaced only with overwrite
+        export.export(base, str(out), adapter=adapter, fmt="seq-cls", dtype="float32")
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == seq_cls
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith(".exp")) == [live.name]
+    card = export.model_card({**json.loads((out / "geodef_export.json").read_text()), "adapter": None,
+                              "adapter_sha1": None}, "base")
+    assert "no Shield adapter" in card.splitlines()[0] and "The Shield Reranker of" not in card
+
+
 def test_overwrite_replaces_only_an_earlier_export(tmp_path, tiny_dir):
     """A non-empty --out needs --overwrite and then replaces only an earlier export."""
     base, adapter, out, _ = _exported(tmp_path, tiny_dir)
