@@ -422,3 +422,10 @@ def test_a_merge_naming_its_sources_as_objects_is_rejected_not_a_crash():
                                               "rule": R(description="merged")}])
     assert len(rep.rejected) == 1 and "source_rule_ids" in rep.rejected[0]["reason"]
     assert [r["rule_id"] for r in new.active()] == ["R2"]
+
+
+def test_the_cold_start_schema_names_its_evidence_as_the_rollouts_ids():
+    """A.3.3's rule schema gives evidence as "seed:qid:rollout_id" (the ids controlled_rollouts writes); the
+    evolution prompts' rules keep "...", as A.3.4 and A.3.5 do."""
+    assert '"evidence": ["seed:qid:rollout_id"]' in tfsg.cold_start_prompt([])
+    assert "seed:qid" not in tfsg.evolution_prompt(tfsg.ExperienceLibrary.empty(), [], [], [], {})

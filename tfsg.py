@@ -917,7 +917,7 @@ COLD_START_SCHEMA = """{
     }
   ],
   "controller_notes": ["..."]
-}""" % RULE_SCHEMA
+}""" % RULE_SCHEMA.replace('"evidence": ["..."]', '"evidence": ["seed:qid:rollout_id"]')   # A.3.3 names its ids
 
 EVOLUTION_STRUCTURED_INSTRUCTION = """Update the experience library after one batch. Use the success, missed-attack, and false-positive evidence. The update should be mostly judgment-driven: decide which rules to add, modify, merge, delete, or keep. However, only output incremental actions from the allowed list.
 
