@@ -1,8 +1,8 @@
 """What the project writes and how it reads it back: a file written whole or not at all (atomic_write),
 JSON and JSONL (one JSONL reader, its errors naming the file and line), an OSError re-raised naming its
-file, the log line on stderr with credentials redacted, and the one refusal of settings that differ from
-those a file records. No torch and no run folder: the Run (runs.py), the jobs and the benchmark builder
-all write through these."""
+file, the log line on stderr with URL credentials redacted (endpoints.redact; keys are never logged), and
+the one refusal of settings that differ from those a file records. No torch and no run folder: the Run
+(runs.py), the jobs and the benchmark builder all write through these."""
 import contextlib
 import hashlib
 import json
@@ -69,7 +69,7 @@ def file_sha1(path):
 
 
 def append_jsonl(path, rec):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with naming(path), open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")
 

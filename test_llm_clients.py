@@ -866,3 +866,17 @@ def test_a_retry_hint_is_finite_seconds_from_now_or_none(monkeypatch):
     assert hint(retry_after="Thu, 01 Jan 1970 00:00:00 GMT") == 0.0 and hint(retry_after="later") is None
     monkeypatch.undo()
     time.tzset()
+
+
+def test_no_exception_reachable_from_a_client_error_holds_the_key():
+    """requests' ConnectionError holds the request it failed on, headers and all: raised `from None`, it is
+    hidden from the traceback but was kept as the LLMError's __context__, where an error reporter walking the
+    chain reads the key."""
+    c = client("http://127.0.0.1:9/v1", max_retries=0)
+    with pytest.raises(llm_clients.LLMError) as e:
+        c.chat([{"role": "user", "content": "x"}])
+    chain, err = [], e.value
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    assert len(chain) == 1 and "sk-SECRET-123" not in repr(vars(e.value))

@@ -339,6 +339,14 @@ class Transport:
         called before it is sent again after a failure that may come after the server applied it (a reply
         lost, a 5xx other than 529): what it returns, when not None, is the reply. billed: the request is
         a paid one (post's), whose lost replies on_lost is told of."""
+        try:
+            return self._send(method, url, body, files, raw, max_bytes, again, billed)
+        except LLMError as e:            # raised while handling requests' error, which holds the request and its
+            e.__context__ = None         # key: hidden by `from None`, kept on the error for whoever walks it
+            raise
+
+    def _send(self, method, url, body, files, raw, max_bytes, again, billed):
+        """send's attempts (send's arguments)."""
         applied = False                  # whether the last failure may have come after the server applied it
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
