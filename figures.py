@@ -45,8 +45,8 @@ def text_width(s, size=11):
 
 
 def wrap(label, width, size=11):
-    """Words of `label` in lines no wider than `width` px (a word longer than that is cut at the
-    underscore or hyphen nearest its middle, else hard)."""
+    """Words of `label` in lines no wider than `width` px: a line may break after any underscore or hyphen,
+    and a piece still longer than a line is cut every line's width of characters."""
     per = max(4, int(width // (CHAR_W * size)))
     words = []
     for w in label.replace("_", "_ ").replace("-", "- ").split():
