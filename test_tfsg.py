@@ -333,6 +333,7 @@ def test_a_library_file_the_controller_would_not_write_is_refused_by_name(tmp_pa
     (tmp_path / "big.json").write_text(json.dumps(big.to_dict()))
     with pytest.raises(tfsg.LibraryError, match="31 active rules > max 30"):
         tfsg.load_library(str(tmp_path / "big.json"))
+    assert len(tfsg.load_library(str(tmp_path / "big.json"), max_rules=40).active()) == 31   # the Controller's cap
     # a hand-written rule without stats or history loads, and the Controller then counts and records on it
     d = json.loads(json.dumps(lib.to_dict()))
     for k in ("stats", "history"):

@@ -137,7 +137,7 @@ MAX_LIBRARY_RULES = 10000
 MAX_LIBRARY_BYTES = 32 << 20
 
 
-def load_library(path, limits=LIMITS):
+def load_library(path, limits=LIMITS, max_rules=None):
     """Read and validate a library file (E{t}.json as `build_library` writes it) -> ExperienceLibrary.
     A JSON object with a `rules` list whose every rule passes the Controller's checks (`check_library`);
     anything else raises LibraryError naming the file. Rule sizes are checked against `limits`."""
@@ -165,7 +165,7 @@ def load_library(path, limits=LIMITS):
     except UnicodeEncodeError as e:             # a lone surrogate: the prompt that carries it could not be sent
         raise LibraryError(f"{path}: holds text that is not valid Unicode ({e.reason})") from None
     lib = ExperienceLibrary.from_dict(d)
-    problems = check_library(lib, limits.max_active_rules, limits)
+    problems = check_library(lib, limits.max_active_rules if max_rules is None else max_rules, limits)
     if problems:
         raise LibraryError(f"{path}: not a valid library: {'; '.join(problems[:3])}")
     return lib
@@ -723,7 +723,7 @@ def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, ans
         _save(path(0), {**lib.to_dict(), "note": "E0: empty library"})
     # E0 -> E1: cold start (A.3.3)
     if os.path.isfile(path(1)):
-        lib = load_library(path(1), controller.limits)
+        lib = load_library(path(1), controller.limits, controller.max_rules)
     else:
         rollouts = controlled_rollouts(answer_many, seed_inputs, answer_prompt, temperature, max_tokens,
                                        controller.limits)
@@ -773,7 +773,7 @@ def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, inter
     controller = controller or Controller()
     path = os.path.join(out_dir, f"E{epoch}.json")
     if os.path.isfile(path):
-        return load_library(path, controller.limits)
+        return load_library(path, controller.limits, controller.max_rules)
     replies = answer_many([case_request(c, lib, interface, temperature, max_tokens) for c in batch])
     cases = [case_outcome(c, r, interface) for c, r in zip(batch, replies)]
     lib_stats = record_outcomes(lib, cases)
