@@ -429,7 +429,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     for b in budgets:
         docs = [with_doc(x, cands[x.instance_id][best_of(cands[x.instance_id], b)]["text"], f"@{label}-{mode}-B{b}")
                 for x in insts]
-        conds = evaluate_documents(cfg, llm, eval_judge, docs, (base, shield, lib, data.construction), clean,
+        conds = evaluate_documents(run, llm, eval_judge, docs, (base, shield, lib, data.construction), clean,
                                    os.path.join(res, "attack", f"{label}-{mode}", f"B{b}"))
         ranks = [cands[x.instance_id][best_of(cands[x.instance_id], b)]["rank"] for x in insts]
         block["budgets"][str(b)] = {"conditions": conds, "mean_target_rank": sum(ranks) / len(ranks)}
@@ -447,14 +447,14 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     return block
 
 
-def evaluate_documents(cfg, llm, judge, docs, defense, clean, folder, conditions=CONDITIONS):
+def evaluate_documents(run, llm, judge, docs, defense, clean, folder, conditions=CONDITIONS):
     """The paper's pipelines (and the injection defenses) on attacked instances `docs` under `defense`
     (base ranker, Shield ranker, library, construction groups) -> {condition: ASR, ASI, BER and the
     exposure of the attack document}; the records in folder/<condition>.jsonl, resumable."""
-    base, shield, lib, construction = defense
+    cfg, (base, shield, lib, construction) = run.cfg, defense
     base.prepare(docs)
     shield.prepare(docs)
-    plan, _ = condition_plan(cfg, conditions, base, shield, lib, construction, docs)
+    plan, _ = condition_plan(run, conditions, base, shield, lib, construction, docs)
     out = {}
     for c in conditions:
         recs = eval_condition(cfg.llm, cfg.request.workers, llm, c, docs, plan[c].topk, plan[c].pipeline,

@@ -49,13 +49,14 @@ WITH_SHIELD = ("GEO Defender", "Shield only")   # conditions that rank with the 
 RERANKER_CONDITIONS = ("Non-Defense", "TFSG only")   # repeated with each eval --reranker's top-k
 
 
-def ppl_filter(cfg, base, cons, test_insts):
+def ppl_filter(run, base, cons, test_insts):
     """B.2.2: GPT-2 perplexity; threshold = ppl_quantile of the construction groups' benign documents;
     flagged candidates moved after unflagged ones, base order kept within each part. A text of under two
     GPT-2 tokens has no perplexity: it is left out of the threshold's documents and never flagged."""
     # one cache file per scoring model: a perplexity is a property of the text AND the model
+    cfg = run.cfg
     slug = re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.eval.ppl_model)
-    path = os.path.join(cfg.folder.run_dir, "cache", f"ppl_{slug}.json")
+    path = run.path("cache", f"ppl_{slug}.json")
     cache = read_json(path, {})
     lm = None
     texts = {hashlib.sha1(d["text"].encode()).hexdigest(): d["text"] for g in cons for d in g.docs}
@@ -526,11 +527,11 @@ def evaluate(run, conditions=None, ranked=None):
     # clean reference (B.1.3): once per group, reused by its attack variants
     clean_recs = condition("clean reference", cleans, clean_reference(cfg.data.k, base), "clean_reference")
     clean = clean_answers(clean_recs)
-    plan, ppl_diag = condition_plan(cfg, conds, base, shield, lib, cons, insts)
+    plan, ppl_diag = condition_plan(run, conds, base, shield, lib, cons, insts)
     plan.update(deployed_conditions(cfg.data.k, plan, deployed, local, others))
     results, repeats = answer_conditions(cfg.sample.samples, conds, insts, plan, condition)
     first = {c: metrics.paper_level(results[c]) for c in conds}     # the first sample on the paper's lists (K = 1)
-    honest = honest_audit(cfg, conds, plan, [base, shield, *others.values()], cons, test, first, condition)
+    honest = honest_audit(run, conds, plan, [base, shield, *others.values()], cons, test, first, condition)
     every = lambda c: results[c] + [r for rs in repeats[c] for r in rs]     # every sample's records
     paper = lambda c: metrics.paper_level(every(c))     # the headline: lists with one attacked document
     summary = {"offline": run.offline, "target_llm": llm.label, "judge": judge.label, "model": cfg.model.model,
@@ -578,14 +579,14 @@ def transfer_rows(own, transfers, lists, shield_topk, clean, condition):
     return out
 
 
-def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):
+def honest_audit(run, conds, plan, ranked_by, cons, test, results, condition):
     """Does the defense punish honest optimisation (#40)? Each condition on the clean list and on the
     honest list (geodef.honest_instance) of every test group with an honest edit, two records per
     group in results/<slug>.honest.jsonl (no ASI judge), then its honest_penalty. ranked_by: the
     rankers the conditions' top-k come from (the base first; None for one not loaded), to score the new
     lists; results: each condition's attack records on the paper's lists (one edited document against one
     attacked). None without honest edits (then nothing is scored, asked or written)."""
-    groups = [g for g in test if g.honest is not None]
+    cfg, groups = run.cfg, [g for g in test if g.honest is not None]
     if not groups:
         return None
     lists = [x for g in groups for x in (geodef.clean_instance(g), geodef.honest_instance(g))]
@@ -593,7 +594,7 @@ def honest_audit(cfg, conds, plan, ranked_by, cons, test, results, condition):
         rk.prepare(lists)
     topk = {c: plan[c].topk for c in conds}
     if "PPL-Filter" in conds:           # the same threshold; the new lists' flagged candidates moved last
-        orders, _ = ppl_filter(cfg, ranked_by[0], cons, lists)
+        orders, _ = ppl_filter(run, ranked_by[0], cons, lists)
         topk["PPL-Filter"] = lambda x: orders[x.instance_id][:cfg.data.k]
     out = {}
     for c in conds:
@@ -792,11 +793,11 @@ def guided(lib):
     return defenses.one_prompt(lambda query, docs: tfsg.guided_prompt(query, docs, lib))
 
 
-def condition_plan(cfg, conds, base, shield, lib, cons, insts):
+def condition_plan(run, conds, base, shield, lib, cons, insts):
     """Each condition's Condition(top-k of an instance, pipeline) -> ({name: Condition}, PPL-Filter
     diagnostics or None). Shield conditions need `shield`, library ones `lib`; the injection defenses
     rank with the base reranker, as Non-Defense."""
-    k = cfg.data.k
+    k = run.cfg.data.k
     base_k = lambda x: base.order(x)[:k]
     shield_k = (lambda x: shield.order(x)[:k]) if shield else None
     safety = defenses.one_prompt(lambda query, docs: tfsg.standard_prompt(query, docs, static_safety=True))
@@ -806,7 +807,7 @@ def condition_plan(cfg, conds, base, shield, lib, cons, insts):
     plan.update({name: Condition(base_k, defenses.PIPELINES[name]) for name in INJECTION_DEFENSES})
     ppl_diag = None
     if "PPL-Filter" in conds:
-        orders, ppl_diag = ppl_filter(cfg, base, cons, insts)
+        orders, ppl_diag = ppl_filter(run, base, cons, insts)
         plan["PPL-Filter"] = Condition(lambda x: orders[x.instance_id][:k], STANDARD)
     return plan, ppl_diag
 

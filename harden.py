@@ -269,14 +269,14 @@ def measured(run, k, clients, clean):
     res = os.path.join(round_dir(run, k), "results")
     setup = (base, shield, lib, data.construction)
     docs = {b: best_documents(insts, cands, b, f"@r{k}-B{b}") for b in budgets}     # the fresh attacker's, per budget
-    fresh = {str(b): evaluate_documents(cfg, llm, judge, docs[b], setup, clean, os.path.join(res, f"B{b}"), MEASURED)
+    fresh = {str(b): evaluate_documents(run, llm, judge, docs[b], setup, clean, os.path.join(res, f"B{b}"), MEASURED)
              for b in budgets}
     out = {"round": k, "fresh": fresh,
-           "static": evaluate_documents(cfg, llm, judge, insts, setup, clean, os.path.join(res, "static"), MEASURED),
+           "static": evaluate_documents(run, llm, judge, insts, setup, clean, os.path.join(res, "static"), MEASURED),
            "clean_topk_kept": clean_kept(cfg.data.k, groups, base, shield)}
     if k:
         stale = read_attack(os.path.join(round_dir(run, 0), "attack-test.jsonl"))
-        out["stale"] = evaluate_documents(cfg, llm, judge, best_documents(insts, stale, max(budgets), f"@r{k}-stale"),
+        out["stale"] = evaluate_documents(run, llm, judge, best_documents(insts, stale, max(budgets), f"@r{k}-stale"),
                                           setup, clean, os.path.join(res, "stale"), MEASURED)
     out["gate"] = {"accepted": sum(c["accepted"] for cs in cands.values() for c in cs[1:]),
                    "candidates": sum(len(cs) - 1 for cs in cands.values())}

@@ -173,11 +173,12 @@ def load_rankers(run, shield, adapter=None, base=True):
     return base_ranker(run, rr, adapter_off=shield), shield_ranker(run, rr, adapter) if shield else None
 
 
-def ranker_identity(cfg, rr, adapter=None):
+def ranker_identity(run, rr, adapter=None):
     """What a local ranker's scores are made from, as its share files record it: what the run folder's
     config.json pins for them (model, dtype, NF4, max length, the benchmark's content: None for
     build-bench, which scores before its benchmark exists; the hub revision as resolved), and the SHA-1
     of the Shield adapter's weights (None: the base policy)."""
+    cfg = run.cfg
     bench = cfg.setting("bench")
     quant = "int8" if in_int8(rr) else "none" if cfg.model.quant == "int8" else cfg.model.quant   # as scored
     return {"model": cfg.model.model, "revision": rr.revision, "dtype": cfg.model.dtype, "quant": quant,
@@ -189,14 +190,14 @@ def base_ranker(run, rr, adapter_off=False):
     """The frozen base reranker's Ranker, its scores cached in cache/scores_base.json, or scores_base_int8.json
     scored in int8 (adapter_off: the model carries the Shield adapter, disabled for these scores)."""
     return Ranker(rr, run.path("cache", f"scores_base{'_int8' * in_int8(rr)}.json"), "base", adapter_off=adapter_off,
-                  made_from=ranker_identity(run.cfg, rr))
+                  made_from=ranker_identity(run, rr))
 
 
 def shield_ranker(run, rr, adapter=None):
     """The Shield's Ranker (rr with the run's adapter, or `adapter`), its scores cached per adapter and
     precision (Run.shield_scores_path)."""
     return Ranker(rr, run.shield_scores_path(adapter, in_int8(rr)), "shield",
-                  made_from=ranker_identity(run.cfg, rr, adapter or run.path("adapter")))
+                  made_from=ranker_identity(run, rr, adapter or run.path("adapter")))
 
 
 def documents_cut(rr, insts):

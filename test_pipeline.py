@@ -113,7 +113,7 @@ def ppl_filtered(tmp_path_factory, small_bench):
                               n_construction=4, ppl_model="tiny", ppl_quantile=0.5)
     groups, meta, cons, test, seen, methods = runs.Run(cfg).data
     insts = geodef.expand(test, methods[:2])
-    orders, diag = evaluation.ppl_filter(cfg, ReversedBase(), cons, insts)
+    orders, diag = evaluation.ppl_filter(runs.Run(cfg), ReversedBase(), cons, insts)
     lm = gpt2.GPT2.from_pretrained(os.path.join(cfg.folder.runs_dir, "_tiny_gpt2"))
     calib = [lm.perplexity(d["text"]) for g in cons for d in g.docs]
     return cfg, cons, insts, orders, diag, calib, lm
@@ -134,7 +134,7 @@ def test_a_document_without_perplexity_leaves_the_threshold_to_the_others(ppl_fi
     cons[0].docs[0]["text"] = "a"
     assert np.isnan(lm.perplexity("a"))
     shutil.copytree(cfg.folder.runs_dir, tmp_path, dirs_exist_ok=True)
-    _, diag = evaluation.ppl_filter(cfg.replace(runs_dir=str(tmp_path)), ReversedBase(), cons, insts)
+    _, diag = evaluation.ppl_filter(runs.Run(cfg.replace(runs_dir=str(tmp_path))), ReversedBase(), cons, insts)
     assert diag["threshold"] == pytest.approx(float(np.quantile(calib[1:], 0.5)), abs=1e-6)
 
 
@@ -154,7 +154,7 @@ def test_ppl_scores_are_cached_per_scoring_model(ppl_filtered, tmp_path):
     shutil.copytree(cfg.folder.runs_dir, tmp_path, dirs_exist_ok=True)
     cfg = cfg.replace(runs_dir=str(tmp_path))
     other = tiny.make_tiny_gpt2(os.path.join(str(tmp_path), "other_gpt2"), seed=1)
-    _, diag2 = evaluation.ppl_filter(cfg.replace(ppl_model=other), ReversedBase(), cons, insts)
+    _, diag2 = evaluation.ppl_filter(runs.Run(cfg.replace(ppl_model=other)), ReversedBase(), cons, insts)
     lm2 = gpt2.GPT2.from_pretrained(other)
     calib2 = [lm2.perplexity(d["text"]) for g in cons for d in g.docs]
     assert calib2 != calib and abs(diag2["threshold"] - float(np.quantile(calib2, 0.5))) < 1e-6
@@ -900,7 +900,8 @@ def test_the_ppl_filter_diagnostics_read_the_papers_lists(tmp_path):
     ids = [f"g-{i}" for i in range(6)]
     one = geodef.Instance("g:GEO", "g", "q", docs, ids, 0, "GEO")
     three = geodef.Instance("g:GEO:K3", "g", "q", docs, ids, 0, "GEO", co_attacks=(2, 4))
-    orders, diag = evaluation.ppl_filter(cfg, SimpleNamespace(order=lambda x: list(range(6))), cons, [one, three])
+    orders, diag = evaluation.ppl_filter(runs.Run(cfg), SimpleNamespace(order=lambda x: list(range(6))), cons,
+                                         [one, three])
     assert set(orders) == {"g:GEO", "g:GEO:K3"} and diag["test_instances"] == 1 and diag["benign_total"] == 5
 
 
