@@ -55,7 +55,7 @@ import honest
 import llm_clients
 import offline_server
 import transport
-from rankers import load_rankers
+from rankers import unrecorded_base_ranker
 from settings import SettingsError
 from store import atomic_write, log
 
@@ -716,7 +716,7 @@ def build_bench(run, p=None):
         groups.append({"group_id": gid, "query": row["query"], "split": split, "source_index": pos, "row": row,
                        "docs": docs})
     both_splits(groups, dropped, b, "before any rewrite")
-    ranker = load_rankers(run, False)[0] if "MAGEO" in fams and b.mageo_signal == "reranker" and groups else None
+    ranker = unrecorded_base_ranker(run) if "MAGEO" in fams and b.mageo_signal == "reranker" and groups else None
     ctx = geo_jobs.Ctx(llm, cfg.llm.temperature, max(cfg.llm.max_tokens, 4096), cfg.request.workers, judge=judge,
                           archive=p.archive, rules=p.rules, ranker=ranker)
     test_llm = run.llm(b.test_llm, stage="build-bench") if b.test_llm else None

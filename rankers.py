@@ -193,6 +193,17 @@ def base_ranker(run, rr, adapter_off=False):
                   made_from=ranker_identity(run, rr))
 
 
+def unrecorded_base_ranker(run):
+    """The base reranker's Ranker for a command whose run folder records no settings (build-bench): its cache
+    file named by a digest of what its scores are made from (ranker_identity), so that neither another model
+    or length on a rerun nor a later train or eval of that name (whose config.json pins scores_base.json)
+    reads scores made otherwise."""
+    rr = as_scored(run, run.reranker())
+    made = ranker_identity(run, rr)
+    digest = hashlib.sha1(json.dumps(made, sort_keys=True).encode()).hexdigest()[:12]
+    return Ranker(rr, run.path("cache", f"scores_base_{digest}.json"), "base", made_from=made)
+
+
 def shield_ranker(run, rr, adapter=None):
     """The Shield's Ranker (rr with the run's adapter, or `adapter`), its scores cached per adapter and
     precision (Run.shield_scores_path)."""

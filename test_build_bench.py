@@ -192,6 +192,19 @@ def _short_rows_argv(geo_input, tmp_path):
             "--attacks", "GEO,AutoGEO", "--seen-methods", "GEO"]
 
 
+def test_mageos_reranker_scores_are_cached_under_what_made_them(geo_input, tmp_path):
+    """build-bench records no settings, so its base scores went to scores_base.json, which a later train or eval
+    of the name (whose config.json pins that file) read as its own whatever its model or length; and a rebuild
+    at another length read them too. They are cached under a digest of what made them."""
+    argv = _short_rows_argv(geo_input, tmp_path)
+    argv[argv.index("GEO,AutoGEO")] = "GEO,MAGEO"
+    argv += ["--docs", "5", "--mageo-signal", "reranker", "--model", "tiny", "--dtype", "float32"]
+    run.main(argv + ["--max-length", "256"])
+    run.main(argv + ["--max-length", "320", "--output", str(tmp_path / "b2.jsonl")])
+    made = sorted(p.name for p in (tmp_path / "r" / "b" / "cache").iterdir() if p.name.startswith("scores_base"))
+    assert len(made) == 2 and "scores_base.json" not in made
+
+
 @pytest.fixture(scope="module")
 def short_rows(geo_input, tmp_path_factory):
     """_short_rows_argv's build with --docs 5, run once for the tests that read it -> its output file."""
