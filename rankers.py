@@ -297,10 +297,14 @@ GATE_LISTS = 32                   # candidate lists scored twice: each group's c
 
 
 def gate_lists(bench, n=GATE_LISTS):
-    """The first n candidate lists of a benchmark file (None or absent: the bundled sample; build-bench gates
-    before its file exists) -> [(query, docs)]: the test groups' first (their clean list, then each family's
-    attacked one), then the construction groups'."""
-    groups, meta = geodef.load_bench(bench if bench and os.path.isfile(bench) else SAMPLE, with_meta=True)
+    """The first n candidate lists of a benchmark file (None: the bundled sample; build-bench gates before its
+    file exists) -> [(query, docs)]: the test groups' first (their clean list, then each family's attacked
+    one), then the construction groups'. A named file that is not there is an error: gated on the sample
+    instead, the figures would read as the run's."""
+    if bench and not os.path.isfile(bench):
+        raise SettingsError(f"{bench}: the benchmark the INT8 gate measures on is not there (a path recorded "
+                            "relative to where the run was trained: run from that folder)")
+    groups, meta = geodef.load_bench(bench or SAMPLE, with_meta=True)
     lists = []
     for g in sorted(groups, key=lambda g: g.split != "test"):
         x = geodef.clean_instance(g)

@@ -51,7 +51,7 @@ import tfsg
 from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
 from runs import Run, RunInUse, need_trained, resolve, run_lock
 from settings import PRESETS, SettingsError
-from store import JSONFileError, log, read_json
+from store import JSONFileError, file_sha1, log, read_json
 from train import plan_train, train_shield, train_tfsg
 
 
@@ -138,8 +138,13 @@ def shield_as_scored(cfg, adapter, run_dir):
     rr.model.eval()
     if cfg.model.quant != "int8":
         return rr, None
-    lists = rankers.gate_lists(recorded(run_dir).get("bench"))
-    return rr, rankers.int8_gated(rr, lists, allow=cfg.source.allow_int8_disagreement)
+    bench = recorded(run_dir).get("bench")
+    sha = read_json(os.path.join(run_dir, "config.json"), {}).get("bench_sha1") if run_dir else None
+    if bench and sha and os.path.isfile(bench) and file_sha1(bench) != sha:
+        raise SettingsError(f"{bench}: not the benchmark {run_dir} was trained on (its SHA-1 differs from the "
+                            "record's): the INT8 gate measures on the run's own lists")
+    log(f"[int8] the gate measures on {bench or 'the bundled sample'}")
+    return rr, rankers.int8_gated(rr, rankers.gate_lists(bench), allow=cfg.source.allow_int8_disagreement)
 
 
 def recorded(run_dir):

@@ -330,6 +330,21 @@ def test_serve_quant_int8_serves_the_merged_shield_once_it_passes_the_gate(demo_
     assert "WARNING: below the gate" in capsys.readouterr().err and len(served) == 3
 
 
+def test_the_int8_gate_measures_on_the_runs_benchmark_or_refuses(demo_run, tmp_path, monkeypatch):
+    """A run's recorded benchmark that is not there (a path relative to where train ran) or whose content is not
+    the record's: the gate measured on the bundled sample instead and said nowhere (the model card said "the
+    run's lists"). Both are refused, naming the file; no benchmark named is the sample."""
+    with pytest.raises(settings.SettingsError, match="nowhere/b.jsonl: the benchmark the INT8 gate"):
+        rankers.gate_lists("nowhere/b.jsonl")
+    assert len(rankers.gate_lists(None)) == rankers.GATE_LISTS
+    shutil.copytree(demo_run, tmp_path / "demo")
+    record = json.loads((tmp_path / "demo" / "config.json").read_text())
+    (tmp_path / "demo" / "config.json").write_text(json.dumps({**record, "bench_sha1": "0" * 40}))
+    monkeypatch.setattr(serve.RerankServer, "serve_forever", lambda self: None)
+    with pytest.raises(SystemExit, match="not the benchmark .* was trained on"):
+        run.main(["serve", "--name", "demo", "--runs-dir", str(tmp_path), "--port", "0", "--quant", "int8"])
+
+
 def test_export_quant_int8_writes_the_gated_int8_weights_that_transformers_loads(demo_run, tmp_path, monkeypatch,
                                                                                  capsys):
     """export --quant int8 of a trained run: once its ranks pass the gate on the run's lists (the figures logged, in
