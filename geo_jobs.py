@@ -145,7 +145,8 @@ def cheap_gate(source, candidate, prompt_texts=()):
         return "holds prompt text"
     if geodef.control_tokens(candidate):
         return f"holds chat control tokens {geodef.control_tokens(candidate)[:3]}"
-    missing = [x for x in dict.fromkeys(NUMBER.findall(source)) if x not in candidate]
+    have = set(NUMBER.findall(candidate))                       # whole numbers: "15" is not kept by "150"
+    missing = [x for x in dict.fromkeys(NUMBER.findall(source)) if x not in have]
     if missing:
         return f"drops source numbers {missing[:3]}"
     return None

@@ -222,6 +222,8 @@ def test_if_geo_keeps_requests_of_priority_tau_or_more_in_priority_order():
 @pytest.mark.parametrize("text, why", [("AutoGEO says: " + SOURCE, "names an attack family"),
                                        (SOURCE + ' {"rewritten_document": 1}', "holds prompt text"),
                                        (SOURCE.replace("1927", "1928"), "drops source numbers"),
+                                       (SOURCE.replace("1927", "19270"), "drops source numbers"),   # not kept by
+                                       (SOURCE.replace("1927", "1927.5"), "drops source numbers"),  # a longer one
                                        (SOURCE, "identical")])
 def test_the_gate_names_why_it_refuses_a_rewrite(text, why):
     assert why in geo_jobs.refusal(SOURCE, text)
