@@ -238,7 +238,8 @@ class AgenticGeo:
     def rank_check(self, ids):
         def check(d):
             r = d.get("ranking") if isinstance(d, dict) else None
-            if not isinstance(r, list) or not r or any(x not in ids for x in r) or len(set(r)) != len(r):
+            if not isinstance(r, list) or not r or not all(isinstance(x, str) and x in ids for x in r) \
+                    or len(set(r)) != len(r):
                 raise ValueError(f"expected {{\"ranking\": [ids]}} with ids from {sorted(ids)[:12]}, each once")
         return check
 
@@ -554,9 +555,10 @@ class RaidGseo:
                        '{"steps": ["..."]}', needs("steps", list))
         out = ctx.ask(self, "rewrite", f"{RAID_REWRITE} {FACTS}",
                       {i: {**src[i], "steps": strings(d["steps"])} for i, d in plan.items()}, REWRITE, NEEDS_REWRITE)
+        roles = {i: d.get("roles") if isinstance(d.get("roles"), list) else [] for i, d in refl.items()}  # (any type)
         return [(out[i]["rewritten_document"] if i in out else None,
                  {"calls": sum(i in x for x in (summ, intent, refl, plan, out)),
-                  "roles": [r.get("role") for r in (refl.get(i, {}).get("roles") or []) if isinstance(r, dict)][:3],
+                  "roles": [r.get("role") for r in roles.get(i, []) if isinstance(r, dict)][:3],
                   "steps": len(strings(plan.get(i, {}).get("steps")))}) for i in range(len(jobs))]
 
 
@@ -601,7 +603,7 @@ def visibility(answer, index):
     sents = [s for s in re.split(r"(?<=[.!?;])\s+|\n+", answer or "") if s.strip()]
     wlv, dpa = {}, {}
     for j, s in enumerate(sents):
-        ids = list(dict.fromkeys(int(x) for x in re.findall(r"\[(\d+)\]", s)))
+        ids = list(dict.fromkeys(int(x) for x in re.findall(r"\[(\d{1,6})\]", s)))   # (int() refuses 4,300 digits)
         n_words = len(re.findall(r"\w+", re.sub(r"\[\d+\]", " ", s)))
         for i in ids:
             share = n_words / len(ids)

@@ -246,3 +246,28 @@ def test_digests_follow_the_prompts_not_the_docstrings(monkeypatch):
     monkeypatch.setattr(geo_attacks, "MAGEO_PLAN", geo_attacks.MAGEO_PLAN + " More.")
     assert geo_attacks.prompt_digests(["GEO", "MAGEO"])["MAGEO"] != before["MAGEO"]
     assert geo_attacks.prompt_digests(["MAGEO"], "reranker") != geo_attacks.prompt_digests(["MAGEO"])
+
+
+def test_replies_of_another_shape_are_refused_or_read_as_none_not_a_crash():
+    """A builder's reply is cached: one that crashed the family crashed every rerun. AgenticGEO's ranking of a
+    list (unhashable) is refused as a reply of another shape and asked again; RAID's reflection with "roles": 5
+    is read as no roles; MAGEO's engine answer citing a number past int()'s 4,300 digits (the engine answers
+    over the attacker's pages) cites nothing."""
+    check = geo_attacks.FAMILIES["AgenticGEO"]().rank_check({"a1", "a2"})
+    for bad in ({"ranking": [["a1"]]}, {"ranking": [{"a": 1}]}, {"ranking": ["a1", "a1"]}):
+        with pytest.raises(ValueError, match="ranking"):
+            check(bad)
+    check({"ranking": ["a2", "a1"]})
+
+    def reflect_roles_5(body):
+        reply = offline.respond(body)
+        if geo_attacks.RAID_REFLECT in body["messages"][0]["content"]:
+            msg = reply["choices"][0]["message"]
+            msg["content"] = json.dumps({**json.loads(msg["content"]), "roles": 5})
+        return reply
+    rec = Recorder()
+    rec.client = llm_clients.make_client("offline", handler=reflect_roles_5)
+    jobs = [geo_jobs.Job(QUERY, SOURCE, 0, "g0", [SOURCE, "Other page about Australian cities."], 0)]
+    (text, trace), = geo_attacks.FAMILIES["RAID-GSEO"]().run(geo_jobs.Ctx(rec), jobs)
+    assert text and trace["roles"] == []
+    assert geo_attacks.visibility("Canberra is the capital [" + "1" * 5000 + "]. It grew [1].", 1) > 0
