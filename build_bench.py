@@ -59,7 +59,7 @@ from rankers import unrecorded_base_ranker
 from settings import SettingsError
 from store import atomic_write, log
 
-REWRITE_TRIES = 2                 # attempts per family and group before the group is dropped
+REWRITE_TRIES = 2                 # attempts per family and group before the group goes without the family
 MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped
 TAVILY_URL = "https://api.tavily.com"
 TAVILY_MAX_RESULTS = 20           # Tavily's documented cap on max_results
@@ -282,7 +282,7 @@ def norm(text):
 
 def candidates(row, results, n_docs, seed):
     """The row's source among the search results: n_docs documents without duplicates (URL or text),
-    near-empty pages or pages spelling a chat control token (geodef.check_text), the source at a position
+    near-empty pages or pages spelling a chat control token (geodef.control_tokens), the source at a position
     drawn from (seed, row id). -> (docs, source index) or (None, reason)."""
     src = row["docs"][row["source_index"]]
     seen_urls, seen_texts, others = {src["url"]} - {""}, {norm(src["text"])}, []
@@ -443,13 +443,13 @@ def rewrite_all(ctx, fams, cons, groups, mageo_signal, test_ctx=None):
 
 
 def refusal_kind(why):
-    """A gate verdict without its particulars: "adds numbers ['12']" -> "adds numbers", "fidelity 0.4 < 0.8"
-    -> "fidelity"."""
+    """A gate verdict without its particulars: "adds numbers ['12']" -> "adds numbers", "fidelity 3 < 4" ->
+    "fidelity"."""
     return re.split(r"\s*[\[(\d<:]", why, maxsplit=1)[0].strip()
 
 
 def honest_edits(ctx, groups):
-    """The honest editor (honest.HonestEdit) on the kept test groups, through its own gate
+    """The honest editor (honest.HonestEdit) on the kept groups of a split, through its own gate
     (honest_gate), REWRITE_TRIES attempts: -> ({group_id: (text or None, trace)}, {refusal kind: attempts
     refused so}). A group whose every attempt is refused keeps its attacks and has no honest edit; its
     trace says why."""
