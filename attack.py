@@ -460,7 +460,8 @@ def evaluate_documents(run, llm, judge, docs, defense, clean, folder, conditions
         recs = eval_condition(cfg.llm, cfg.request.workers, llm, c, docs, plan[c].topk, plan[c].pipeline,
                               os.path.join(folder, condition_slug(c) + ".jsonl"), judge)
         s = summarize(recs, clean)
-        out[c] = {"ASR": s["ASR"], "ASI": s["ASI"], "BER": s["BER"], "exposure": s["attack_in_context"]}
+        out[c] = {"ASR": s["ASR"], "ASI": s["ASI"], "BER": s["BER"], "exposure": s["attack_in_context"], "n": s["n"],
+                  **{k: s[k] for k in ("answer_failed", "asi_judge_failed", "ber_without_reference") if s.get(k)}}
     return out
 
 

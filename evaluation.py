@@ -609,15 +609,20 @@ def honest_penalty(recs, attack_recs, groups, n_boot=10000, seed=0):
     """One condition's honest penalty: over the groups whose source it cites on the clean list, the % whose
     honest edit it does not cite on the honest list ("loses its citation"); beside it `attack_loss`,
     the same for the attack rewrites of those groups (% of their attack instances not cited). 95%
-    query-cluster bootstrap CIs (metrics.cluster_bootstrap_ci); None where no source is cited."""
+    query-cluster bootstrap CIs (metrics.cluster_bootstrap_ci); None where no source is cited. A group whose
+    clean or honest answer failed, and an attack instance whose answer failed, is left out (an answer that
+    never came cites nothing: not the defense's doing) and counted in `answer_failed` (present when some is)."""
     by = {r["instance_id"]: r for r in recs}
     src = {g.group_id: g.docs[g.source_index]["doc_id"] for g in groups}
-    kept = [gid for gid, d in src.items() if d in by[f"{gid}:clean"]["cited_ids"]]
+    failed = {gid for gid in src if any("answer_failed" in by[f"{gid}:{side}"] for side in ("clean", "honest"))}
+    kept = [gid for gid, d in src.items() if gid not in failed and d in by[f"{gid}:clean"]["cited_ids"]]
     lost = [100.0 * (f"{src[gid]}#honest" not in by[f"{gid}:honest"]["cited_ids"]) for gid in kept]
     cited_groups = set(kept)
-    attacks = [r for r in attack_recs if r["group_id"] in cited_groups]
+    attacks = [r for r in attack_recs if r["group_id"] in cited_groups and "answer_failed" not in r]
+    n_failed = len(failed) + sum(r["group_id"] in cited_groups and "answer_failed" in r for r in attack_recs)
     out = {"groups": len(groups), "source_cited": len(kept), "n_attack": len(attacks),
-           "honest_cited": sum(f"{d}#honest" in by[f"{gid}:honest"]["cited_ids"] for gid, d in src.items())}
+           "honest_cited": sum(f"{d}#honest" in by[f"{gid}:honest"]["cited_ids"] for gid, d in src.items()),
+           **({"answer_failed": n_failed} if n_failed else {})}
     for name, vals, clusters in (("honest_penalty", lost, kept),
                                  ("attack_loss", [100.0 * (not r["attack_cited"]) for r in attacks],
                                   [r["group_id"] for r in attacks])):

@@ -556,6 +556,10 @@ def write_attack_report(run_dir, s):
             lines.append(_table(["Budget"] + [f"{c} {m}" for c in conds for m in ("exposure", "ASR")],
                                 [[f"B={x}"] + [fmt(b["budgets"][x]["conditions"][c][m]) for c in conds
                                                 for m in ("exposure", "ASR")] for x in xs]) + "\n")
+            failed = {f"{c} at B={x}": v["answer_failed"] for x in xs for c in conds
+                      if (v := b["budgets"][x]["conditions"][c]).get("answer_failed")}
+            lines += [f"Answers that never came (cite nothing: counted as not citing the attack): "
+                      f"{', '.join(f'{k} {n}' for k, n in failed.items())}.\n"] if failed else []
             # exposure depends only on the ranking: one line for the base top-k, one for the Shield's
             ranked = {"base top-k (Non-Defense, TFSG only, injection defenses)": "Non-Defense",
                       "Shield top-k (Shield only, GEO Defender)": "Shield only"}

@@ -75,7 +75,7 @@ def test_the_summary_records_the_attacks_figures_with_its_cost(attacked):
     out, _, block = attacked
     s = json.load(open(out / "demo" / "summary.json"))
     conds = s["attack"]["shield"]["unaware"]["budgets"]["5"]["conditions"]
-    assert set(conds["GEO Defender"]) == {"ASR", "ASI", "BER", "exposure"}
+    assert set(conds["GEO Defender"]) == {"ASR", "ASI", "BER", "exposure", "n"}
     cost = s["attack"]["shield"]["unaware"]["cost"]
     assert cost["attacker"]["calls"] > 0 and cost["reranker_queries"] > 0
     assert sum(block["gate"].values()) == cost["candidates"] - len(_candidates(out))
@@ -411,3 +411,20 @@ def test_the_best_candidate_is_one_the_engine_cites_before_a_higher_score():
              {"n": 2, "accepted": False, "score": 0.99, "cited": True}]
     assert attack.best_of(cands, 3) == 1 and attack.best_of(cands, 1) == 0
     assert attack.best_of([{k: v for k, v in c.items() if k != "cited"} for c in cands], 3) == 0
+
+
+def test_the_attack_blocks_say_how_many_answers_failed(monkeypatch):
+    """A failed answer cites nothing: it reads as a defended instance for ASR and a benign loss for BER. The
+    attack and harden blocks keep summarize's count of them (and n) beside the rates."""
+    from types import SimpleNamespace as NS
+    recs = [{"group_id": "g", "attack_cited": False, "benign_cited": 0, "asi": 0, "attack_in_context": True,
+             "hallucinated": [], "answer_failed": {"why": "no JSON"}},
+            {"group_id": "g", "attack_cited": True, "benign_cited": 1, "asi": 4, "attack_in_context": True,
+             "hallucinated": []}]
+    monkeypatch.setattr(attack, "condition_plan", lambda *a: ({"GEO Defender": NS(topk=None, pipeline=None)}, None))
+    monkeypatch.setattr(attack, "eval_condition", lambda *a, **k: recs)
+    ranker = NS(prepare=lambda docs: None)
+    run = NS(cfg=NS(llm=None, request=NS(workers=1)))
+    out = attack.evaluate_documents(run, None, None, [], (ranker, ranker, None, []), {"g": {"benign_cited": 1}},
+                                    "/nonexistent", ["GEO Defender"])["GEO Defender"]
+    assert out["ASR"] == 50.0 and out["n"] == 2 and out["answer_failed"] == 1

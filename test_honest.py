@@ -15,6 +15,7 @@ import pytest
 
 import bench_audit
 import detect
+import evaluation
 import geo_jobs
 import geodef
 import harden
@@ -438,3 +439,20 @@ def test_the_roc_point_at_fpr_100_flags_every_document():
     recs += [{"kind": "geo", "scores": {"text": s}} for s in (0.0, 3.0)]
     pts = dict(zip(detect.ROC_FPRS, detect.roc_points(recs, "text", lambda r: True)))
     assert pts[1.0] == 100.0 and pts[0.0] == 50.0
+
+
+def test_an_answer_that_never_came_is_no_lost_citation():
+    """The honest penalty reads a citation not given as the defense's doing: a group whose honest (or clean)
+    answer failed is left out, as is an attack instance whose answer failed, and counted."""
+    groups = [geodef.QueryGroup(f"g{i}", "q", [{"text": "a", "doc_id": f"g{i}-0"}, {"text": "b", "doc_id": f"g{i}-1"}],
+                                0, {}) for i in range(3)]
+    rec = lambda gid, side, cited, failed=False: {"instance_id": f"{gid}:{side}", "cited_ids": cited,
+                                                  **({"answer_failed": {"why": "x"}} if failed else {})}
+    recs = [rec(f"g{i}", "clean", [f"g{i}-0"]) for i in range(3)]
+    recs += [rec("g0", "honest", ["g0-0#honest"]), rec("g1", "honest", ["g1-0#honest"]),
+             rec("g2", "honest", [], True)]
+    attacks = [{"group_id": "g0", "attack_cited": False},
+               {"group_id": "g1", "attack_cited": False, "answer_failed": {}}]
+    out = evaluation.honest_penalty(recs, attacks, groups, n_boot=50)
+    assert out["source_cited"] == 2 and out["honest_penalty"] == 0.0 and out["answer_failed"] == 2
+    assert out["n_attack"] == 1 and out["attack_loss"] == 100.0
