@@ -426,9 +426,10 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     clean = clean_answers(eval_condition(
         cfg.llm, cfg.request.workers, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk,
         ref.pipeline, os.path.join(res, "attack", "clean_reference.jsonl"), eval_judge))   # eval's file is eval's
-    for b in budgets:
-        docs = [with_doc(x, cands[x.instance_id][best_of(cands[x.instance_id], b)]["text"], f"@{label}-{mode}-B{b}")
-                for x in insts]
+    for b in budgets:   # the id names the document's text: eval's records resume by id, and a rerun's best may differ
+        best = {x.instance_id: cands[x.instance_id][best_of(cands[x.instance_id], b)]["text"] for x in insts}
+        docs = [with_doc(x, best[x.instance_id], f"@{label}-{mode}-B{b}-"
+                         f"{hashlib.sha1(best[x.instance_id].encode()).hexdigest()[:10]}") for x in insts]
         conds = evaluate_documents(run, llm, eval_judge, docs, (base, shield, lib, data.construction), clean,
                                    os.path.join(res, "attack", f"{label}-{mode}", f"B{b}"))
         ranks = [cands[x.instance_id][best_of(cands[x.instance_id], b)]["rank"] for x in insts]

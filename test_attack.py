@@ -428,3 +428,19 @@ def test_the_attack_blocks_say_how_many_answers_failed(monkeypatch):
     out = attack.evaluate_documents(run, None, None, [], (ranker, ranker, None, []), {"g": {"benign_cited": 1}},
                                     "/nonexistent", ["GEO Defender"])["GEO Defender"]
     assert out["ASR"] == 50.0 and out["n"] == 2 and out["answer_failed"] == 1
+
+
+def test_an_evaluated_document_is_named_by_its_text(attacked):
+    """eval's records resume by instance id, and a rerun of attack draws its candidates again (an attacker reply
+    that failed is asked anew): the evaluated instance's id carries its document's digest, so a rerun whose
+    best document differs answers it afresh instead of reading the old answer."""
+    import hashlib
+    out, _, _ = attacked
+    by = _candidates(out)
+    folder = out / "demo" / "results" / "attack" / "shield-unaware" / "B5"
+    recs = [json.loads(x) for x in open(folder / "geo_defender.jsonl")]
+    for r in recs:
+        base, _, digest = r["instance_id"].rpartition("-")
+        cs = by[base.rsplit("@", 1)[0]]
+        best = cs[attack.best_of(cs, 5)]["text"]
+        assert digest == hashlib.sha1(best.encode()).hexdigest()[:10]
