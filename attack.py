@@ -23,14 +23,15 @@ failure with small edits. Its candidate 0 is the source itself (`--start source`
 rewrite` starts from the benchmark's rewrite, which carries the very family template the Shield trained
 on). Each round it names one failure mode (REPAIR_MODES, ours: the answer comes late, the query's terms
 are missing, the answer is hard to extract, the competitor states it more directly) and writes C
-candidates, each the current best with one targeted repair; a candidate whose words differ from the
-source's by more than --edit-budget (default 10% of the source's words, cumulative over the rounds;
-AgentGEO reports about 5% in total) is refused before the judge, and every record carries its edit
-fraction. Its signal is the engine's citation, as AgentGEO's: every scored candidate is answered by the
-deployed engine (the target's top k and, for the Shield, the TFSG-guided prompt of the run's library;
-the A.3.7 prompt otherwise) and a candidate the answer cites beats one it does not, the target's score
-breaking ties. Deviations: AgentGEO's taxonomy spans the stages of a citation pipeline and its repairs
-are tools it calls and iterates until the engine cites the document; here one call diagnoses and repairs.
+candidates, each the current best with one targeted repair; a candidate whose words differ from its
+start's (candidate 0's: the source, or with --start rewrite the rewrite) by more than --edit-budget
+(default 10% of the start's words, cumulative over the rounds; AgentGEO reports about 5% in total) is
+refused before the judge, and every record carries its edit fraction. Its signal is the engine's
+citation, as AgentGEO's: every scored candidate is answered by the deployed engine (the target's top k
+and, for the Shield, the TFSG-guided prompt of the run's library; the A.3.7 prompt otherwise) and a
+candidate the answer cites beats one it does not, the target's score breaking ties. Deviations:
+AgentGEO's taxonomy spans the stages of a citation pipeline and its repairs are tools it calls and
+iterates until the engine cites the document; here one call diagnoses and repairs.
 
 Each budget's documents then replace the static attack and the paper's pipelines are evaluated end to
 end (Non-Defense, Shield only, TFSG only, GEO Defender), with the injection defenses of defenses.py on
@@ -172,7 +173,7 @@ class Attack:
     "mageo": MAGEO's loop of full rewrites from the benchmark's rewrite (the module docstring); "repair":
     the diagnose-and-repair attacker (REPAIR_MODES) from cfg.attacker.start (the source, or the benchmark's
     rewrite), each candidate the current best with one targeted repair, refused when its words differ
-    from the source's by more than cfg.attacker.edit_budget of them (cumulative)."""
+    from the start's (candidate 0's) by more than cfg.attacker.edit_budget of them (cumulative)."""
 
     def __init__(self, cfg, target_label, target, attacker, judge, rounds, per_round, budget, lib=None, seed=None,
                  algorithm="mageo", engine=None):

@@ -499,8 +499,9 @@ class AttackerSettings(Settings):
                                       "side's)", choices=("mageo", "repair"))
     start: str = setting("source", "the repair attacker's first document: the source, or the benchmark's rewrite "
                                    "(MAGEO's loop always starts from the rewrite)", choices=("source", "rewrite"))
-    edit_budget: float = setting(0.10, "the repair attacker's budget: the share of the source's words its document "
-                                       "may differ by, over all its rounds (AgentGEO: about 5%)",
+    edit_budget: float = setting(0.10, "the repair attacker's budget: the share of its start's words (the source's, "
+                                       "or with --start rewrite the rewrite's) its document may differ by, over all "
+                                       "its rounds (AgentGEO: about 5%)",
                                  ok=lambda v: 0 < v <= 1, says="more than 0, at most 1")
 
 
