@@ -61,6 +61,7 @@ from evaluation import (INJECTION_DEFENSES, STANDARD, clean_answers, clean_refer
 from metrics import ranked
 from rankers import load_rankers
 from runs import write_summary
+from settings import SettingsError
 from store import changed_settings, log, read_json, write_json, write_jsonl
 
 CONDITIONS = ("Non-Defense", "Shield only", "TFSG only", "GEO Defender", *INJECTION_DEFENSES)  # those on base top-k
@@ -327,9 +328,13 @@ def plan_calls(n_inst, budget, per_round, rounds, n_budgets, k, reasks=1):
 def check(run):
     """attack's own settings, checked before anything runs (and by --dry-run): the target reranker's spec,
     and the settings pinned by an earlier attack on this target (check_settings)."""
-    a = run.cfg.attack
+    a, per_round = run.cfg.attack, run.cfg.attacker.candidates_per_round
     if a.target not in ("shield", "base"):
         rankers.check_specs(rankers.parse_rerankers([a.target]))
+    if a.attack_rounds and a.attack_rounds * per_round + 1 < max(a.budgets):    # the best of 16 from 3 would read
+        raise SettingsError(f"--budgets {max(a.budgets)}: {a.attack_rounds} rounds of {per_round} candidates make "
+                            f"{a.attack_rounds * per_round + 1} (with the benchmark's rewrite); give --attack-rounds "
+                            f"{rounds_for(max(a.budgets), per_round)} or leave it out")
     lib = tfsg.load_library(run.library_path(), run.limits)
     label, mode, pins = pinned(run, a.target, a.budgets, a.attack_rounds, run.cfg.attacker.candidates_per_round,
                                run.cfg.attacker.attacker, a.aware_of_library, lib)

@@ -172,6 +172,8 @@ def test_a_rerun_on_other_settings_is_refused_and_eval_keeps_its_own_clean_refer
         for dry in ((), ("--dry-run",)):                 # the dry run checks what the attack would check
             with pytest.raises(SystemExit, match=f"different {what}"):
                 run.main(_argv(tmp_path / "o", *extra, *dry))
+    with pytest.raises(SystemExit, match=r"--budgets 5: 1 rounds of \d+ candidates make"):    # the best of 5 from 3
+        run.main(_argv(demo_run.parent, "--attack-rounds", "1", "--dry-run"))                # (a run not attacked)
     res = "demo/results/clean_reference.jsonl"
     assert (out / res).read_bytes() == (demo_run.parent / res).read_bytes()
     assert (out / "demo/results/attack/clean_reference.jsonl").is_file()
