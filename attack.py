@@ -60,7 +60,7 @@ from evaluation import (INJECTION_DEFENSES, STANDARD, clean_answers, clean_refer
                         eval_condition, guided, pipeline_records, summarize)
 from metrics import ranked
 from rankers import load_rankers
-from runs import write_summary
+from runs import offline_notes, write_summary
 from settings import SettingsError
 from store import changed_settings, log, read_json, write_json, write_jsonl
 
@@ -449,7 +449,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     attacks = read_json(os.path.join(cfg.folder.run_dir, "summary.json"), {}).get("attack", {})
     attacks.setdefault(label, {})[mode] = block
     summary = write_summary(run, "attack", {"attack": attacks})
-    report.write_attack_report(cfg.folder.run_dir, summary)
+    report.write_attack_report(cfg.folder.run_dir, {**summary, "notes": summary.get("notes") or offline_notes(run)})
     log(f"[attack] wrote {res}/attack-{label}-{mode}.jsonl and summary.json's attack.{label}.{mode}")
     return block
 

@@ -34,8 +34,8 @@ import tfsg
 import tiny
 from accounting import estimate, price_plan
 from rankers import documents_cut, load_rankers, sharded
-from runs import NotTrainedError, shared_roles, test_set_digest, TINY_NOTE, write_summary
-from settings import SettingsError, offline_llm
+from runs import NotTrainedError, offline_notes, shared_roles, test_set_digest, write_summary
+from settings import SettingsError
 from store import changed_settings, file_sha1, log, naming, read_json, read_jsonl, write_json, write_jsonl
 
 
@@ -952,21 +952,3 @@ def pairwise_quality(run, judge, recs, clean, by_id, res, slug="geo_defender"):
     q["judge_failed"] = failed
     q.update({"no_answer": n - len(recs)} if n > len(recs) else {})      # its answer or the clean one failed
     return q
-
-
-def offline_notes(run):
-    """What the run's figures are not: the notes a summary carries when a model, LLM or benchmark is the
-    offline plumbing."""
-    cfg, notes = run.cfg, []
-    if cfg.model.model == "tiny":
-        notes.append("Reranker: " + TINY_NOTE + ".")
-    if offline_llm(cfg.llm.llm) or offline_llm(cfg.judge.judge):
-        notes.append("LLMs: the offline engine (offline.py), a deterministic SIMULATION; not a real LLM.")
-    if cfg.setting("ppl_model") == "tiny":
-        notes.append("PPL-Filter: tiny random-weight GPT-2 (offline plumbing).")
-    if run.data.meta.synthetic:
-        notes.append("Benchmark: SYNTHETIC (build-bench with the offline engine on data/make_sample.py's "
-                     "pages); not the paper's GEO-DefenseBench.")
-    if notes:
-        notes.append("These numbers are plumbing checks, never the paper's results.")
-    return notes

@@ -50,9 +50,9 @@ import report
 import tfsg
 from attack import Attack, best_of, evaluate_documents, rounds_for, with_doc
 from accounting import estimate, price_plan
-from evaluation import clean_answers, clean_reference, eval_condition, guided, offline_notes
+from evaluation import clean_answers, clean_reference, eval_condition, guided
 from rankers import load_rankers
-from runs import labels_of, write_summary
+from runs import labels_of, offline_notes, write_summary
 from settings import SettingsError
 from store import changed_settings, log, read_json, read_jsonl, write_json, write_jsonl
 from train import analyzer_prompt_chars, clean_reference_benign, tfsg_target, train_shield

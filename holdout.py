@@ -55,10 +55,11 @@ import geodef
 import figures
 import metrics
 import rerank_eval
-from evaluation import check_eval_settings, evaluate, offline_notes
+from evaluation import check_eval_settings, evaluate
 from metrics import by_group, paired_gap, rate
 from rankers import parse_rerankers
 from report import gap_text
+from runs import offline_notes
 from settings import SettingsError
 from store import atomic_write, log, read_json, write_json
 from train import plan_train, train_shield, train_tfsg

@@ -39,7 +39,7 @@ import metrics
 import rankers
 import report
 import speed
-from runs import write_summary
+from runs import offline_notes, write_summary
 from settings import SettingsError
 from store import read_json, write_json, write_jsonl
 
@@ -322,7 +322,7 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
                                                 cfg.folder.seed)     # one edited document against one attacked
     summary = write_summary(run, "rerank-eval", {"rerank_stage": out, "rerank_stage_k": d.k},
                             merge=("rerank_stage",))       # another reranker's block of an earlier run is kept
-    report.write_rerank_report(cfg.folder.run_dir, summary)
+    report.write_rerank_report(cfg.folder.run_dir, {**summary, "notes": summary.get("notes") or offline_notes(run)})
     if "conditions" in summary:              # an evaluated run: its report gets the table too
         report.write_report(cfg.folder.run_dir, summary)
     return out, records

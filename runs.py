@@ -61,6 +61,24 @@ def write_summary(run, command, blocks, merge=()):
     return summary
 
 
+def offline_notes(run):
+    """What the run's figures are not: the notes a summary carries when a model, LLM or benchmark is the
+    offline plumbing."""
+    cfg, notes = run.cfg, []
+    if cfg.model.model == "tiny":
+        notes.append("Reranker: " + TINY_NOTE + ".")
+    if offline_llm(cfg.llm.llm) or offline_llm(cfg.judge.judge):
+        notes.append("LLMs: the offline engine (offline.py), a deterministic SIMULATION; not a real LLM.")
+    if cfg.setting("ppl_model") == "tiny":
+        notes.append("PPL-Filter: tiny random-weight GPT-2 (offline plumbing).")
+    if run.data.meta.synthetic:
+        notes.append("Benchmark: SYNTHETIC (build-bench with the offline engine on data/make_sample.py's "
+                     "pages); not the paper's GEO-DefenseBench.")
+    if notes:
+        notes.append("These numbers are plumbing checks, never the paper's results.")
+    return notes
+
+
 def code_version():
     try:
         return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True,

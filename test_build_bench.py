@@ -5,6 +5,7 @@ Needs: build_bench.py, geo_attacks.py, geo_jobs.py, attack.py and the jobs they 
 data/make_sample.py.
 Run: python -m pytest -q test_build_bench.py
 """
+import html
 import importlib.util
 import json
 import math
@@ -17,6 +18,7 @@ import accounting
 import build_bench
 import certify
 import endpoints
+import figures
 import geo_attacks
 import geo_jobs
 import geodef
@@ -604,6 +606,9 @@ def test_rerank_eval_measures_every_level_and_certifies(attacked_bench):
     plan = run.main(argv + ["--dry-run"])
     assert plan["rerankers"]["base"]["certify_forward_passes_at_most"] == 4 * plan["distinct_documents"]  # no honest
     stage = run.main(argv)["base"]
+    report_md = (d / "r" / "rk" / "rerank_report.md").read_text()      # not evaluated: its own offline note
+    assert "OFFLINE" in report_md and "tiny random-weight" in report_md
+    assert html.escape(figures.OFFLINE_FIGURE) in (d / "r" / "rk" / "figures" / "rerank_exposure.svg").read_text()
     recs = [json.loads(x) for x in open(d / "r" / "rk" / "results" / "rerank-base.jsonl", encoding="utf-8")]
     for lv, block in stage["by_attacked"].items():
         rs = [r for r in recs if r.get("attacked", 1) == int(lv)]
