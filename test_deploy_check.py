@@ -15,6 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import deploy_check
+import detect
+import endpoints
 import lora
 import rerank_clients
 import run
@@ -259,6 +261,9 @@ def test_the_comparison_on_known_numbers():
     v = deploy_check.compare(local, {**local, "attack": [1.0, -1.0]})
     assert not v["pass"] and not v["lists"]["attack"]["order_agrees"]
     assert v["cause"] == "order differs: attack; beyond the tolerance 0.15: attack (error 2.000)"
+    # an identical model on another kernel: two near-tied documents swap, each score within the tolerance
+    tied = {**local, "attack": [2.31, 2.30]}
+    assert deploy_check.compare(tied, {**tied, "attack": [2.30, 2.31]})["pass"]
     sure = {k: [m + 6 for m in v] for k, v in local.items()}                 # every sigmoid in 0.993..0.9997
     v = deploy_check.compare(sure, {k: [deploy_check.sigmoid(m) for m in v] for k, v in sure.items()})
     assert not v["pass"] and v["max_error"] < 1e-9 and v["cause"].startswith("constant: every score above 0.99")
@@ -287,7 +292,6 @@ def test_a_runs_detector_is_checked_on_the_endpoints_detect_route(demo_run, shie
     the known lists' documents: the same detector passes; another threshold fails on its flags; a server
     without a detector fails naming the route. The reranker's own verdict is apart."""
     import shutil
-    import detect
     shutil.copytree(demo_run, tmp_path / "demo")
     det = detect.TextDetector.fit(["In summary, experts agree: **the best** guide.", "Key takeaways: top pick."],
                                   ["Store basil in water.", "Boil the eggs for six minutes."])
@@ -310,3 +314,21 @@ def test_a_runs_detector_is_checked_on_the_endpoints_detect_route(demo_run, shie
         finally:
             srv.shutdown()
             srv.server_close()
+
+
+def test_a_served_detector_score_that_is_not_a_number_fails(monkeypatch, tmp_path):
+    """/detect's scores are compared with max(), which skips a NaN that is not first: a detector serving NaN
+    for a document (its flag right) passed."""
+    from types import SimpleNamespace as NS
+    det = detect.TextDetector({3: 0.5}, -0.1, 0.2)
+    obj = {**det.to_json(), "threshold": 0.0}
+    monkeypatch.setattr(deploy_check, "read_json", lambda path: obj)
+    texts = ["one page", "another page", "a third page"]
+    served = [{"index": i, "score": det.score(t) if i < 2 else float("nan"), "flagged": det.score(t) > 0}
+              for i, t in enumerate(texts)]
+    client = NS(transport=NS(send=lambda *a, **k: {"results": served}))
+    monkeypatch.setattr(deploy_check.rerank_clients, "make_reranker", lambda *a, **k: client)
+    spec = NS(kind="url", endpoint=endpoints.Endpoint.parse("http://127.0.0.1:9/v1/rerank"))
+    run = NS(path=lambda *p: str(tmp_path.joinpath(*p)))
+    v = deploy_check.detect_check(run, spec, {"l": ("q", texts)})
+    assert not v["pass"] and "not a finite number" in v["why"]
