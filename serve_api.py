@@ -32,6 +32,7 @@ SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data
 MAX_INSTRUCTION_CHARS = 4096
 MAX_QUERY_CHARS = 65536           # a query enters every document's prompt: a longer one fills no real max_length
 MAX_QUERY_COPY_TOKENS = 1 << 21   # the query's and instruction's tokens over all of a request's prompts
+SEAM = 8     # tokens a document may encode to in its prompt, more than alone (a leading space, a cut character)
 
 
 @dataclass
@@ -66,8 +67,9 @@ def _text(v, field):
 
 
 def _flag(body, k, default=False):
-    """A boolean field; "true"/"false" as strings too (RAGFlow's Xinference provider sends them)."""
-    v = body.get(k, default)
+    """A boolean field; "true"/"false" as strings too (RAGFlow's Xinference provider sends them); null is the
+    default (TEI's Option<bool>, an SDK's unset field)."""
+    v = default if body.get(k) is None else body[k]
     if isinstance(v, str) and v.lower() in ("true", "false"):
         return v.lower() == "true"
     if not isinstance(v, bool):
@@ -177,7 +179,7 @@ def _options(body, req):
     if req.max_prompt_tokens == 0:
         raise RequestError(400, "truncate_prompt_tokens: an integer >= 1, or -1 for the model's max length",
                            "truncate_prompt_tokens")
-    side = body.get("truncation_side", "right")
+    side = "right" if body.get("truncation_side") is None else body["truncation_side"]
     if side not in ("left", "right"):
         raise RequestError(400, f"truncation_side: left or right, got {side!r}", "truncation_side")
     req.left = req.left or side == "left"
@@ -239,7 +241,8 @@ def fit_documents(rr, queries, req):
     """The documents as the reranker will score them under the request's truncation settings (queries:
     one per document): cut to max_doc_tokens, or refused (TEI truncate false) or cut from the left when
     the prompt exceeds max_length. Cuts fall on token boundaries of the document encoded alone (its
-    character offsets)."""
+    character offsets), never inside a character; whether a prompt fits is read in the prompt (Reranker.
+    overflow): there a document may encode to a token more than alone, which the tail cut would drop."""
     if req.max_doc_tokens is None and req.truncate and not req.left:
         return req.texts                  # Reranker.tokenize cuts the tail, as the model card does
     rooms, out = {}, []                   # tokens left for a document, per query
@@ -249,14 +252,19 @@ def fit_documents(rr, queries, req):
         room = rooms[q]
         enc = rr.text_tokenizer.encode(t, add_special_tokens=False)
         n = len(enc.ids)
-        if req.max_doc_tokens is not None and n > req.max_doc_tokens:
-            t, n = t[:enc.offsets[req.max_doc_tokens - 1][1]], req.max_doc_tokens
-        if n > room:
-            if not req.truncate:
-                raise RequestError(413, f"texts[{i}]: the input is {n} document tokens, at most {room} fit "
-                                        f"max_length {rr.max_length} (truncate is false)", f"texts[{i}]")
-            if req.left:                  # its last `room` tokens; none when the prompt leaves no room
-                t = t[enc.offsets[n - room][0]:] if room > 0 else ""
+        if req.max_doc_tokens is not None and n > req.max_doc_tokens:     # before the first token not kept
+            t = t[:enc.offsets[req.max_doc_tokens][0]]
+            enc = rr.text_tokenizer.encode(t, add_special_tokens=False)
+            n = len(enc.ids)
+        over = n > room or n > room - SEAM and rr.overflow(q, [t])     # (in the prompt: a few tokens either way)
+        if over and not req.truncate:
+            raise RequestError(413, f"texts[{i}]: the input is {n} document tokens, at most {room} fit "
+                                    f"max_length {rr.max_length} (truncate is false)", f"texts[{i}]")
+        if over and req.left:             # its last tokens that fit; none when the prompt leaves no room
+            k = max(0, n - room)
+            while k < n and rr.overflow(q, [t[enc.offsets[k][0]:]]) and k < max(0, n - room) + SEAM:
+                k += 1
+            t = t[enc.offsets[k][0]:] if 0 < room and k < n else ""
         out.append(t)
     return out
 

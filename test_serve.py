@@ -14,12 +14,14 @@ import time
 import pytest
 import torch
 
+import endpoints
 import export
 import reranker
 import run
 import serve
 import serve_api
 import settings
+import tiny
 from testing import AUTH, _raw, _shield_folder
 
 
@@ -985,3 +987,39 @@ def test_serve_detect_answers_the_runs_text_detector(tiny_dir):
         finally:
             srv.shutdown()
             srv.server_close()
+
+
+def test_truncation_is_read_in_the_prompt(tiny_dir):
+    """A document can encode to a token more inside its prompt than alone. Cut from the left to its room alone,
+    its prompt still overflowed and the tail cut dropped its end (the opposite of what was asked); with TEI's
+    truncate false a document of exactly its room alone was cut instead of refused. Both are read in the
+    prompt; max_tokens_per_doc's cut never keeps part of a character's tokens."""
+    rr = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32, max_length=200)
+    rng = random.Random(1)
+    words = tiny.TINY_CORPUS.split() + ["😀", "é", "日本", "42,x", "study", "ŉ"]
+    room = rr.max_length - len(rr.tokenize("q", [""])[0])
+    for _ in range(100):
+        doc = "".join(rng.choice(words) + rng.choice([" ", "", ","]) for _ in range(rng.randint(100, 300)))
+        t = serve_api.fit_documents(rr, ["q"], serve_api.RerankRequest("q", [doc], left=True))[0]
+        assert doc.endswith(t) and not rr.overflow("q", [t])
+        t = serve_api.fit_documents(rr, ["q"], serve_api.RerankRequest("q", [doc], max_doc_tokens=50))[0]
+        assert doc.startswith(t) and len(rr.text_tokenizer.encode(t, add_special_tokens=False).ids) <= 50
+        enc = rr.text_tokenizer.encode(doc, add_special_tokens=False)
+        exact = doc[:enc.offsets[room][0]] if len(enc.ids) > room else doc
+        if rr.overflow("q", [exact]):
+            with pytest.raises(endpoints.RequestError, match="truncate is false"):
+                serve_api.fit_documents(rr, ["q"], serve_api.RerankRequest("q", [exact], truncate=False))
+
+
+def test_a_null_boolean_field_is_its_default(base_server):
+    """TEI declares truncate as Option<bool> and SDKs send unset fields as null: null is the field's default
+    (a 400 before, while null top_n or instruction were taken)."""
+    import requests
+    srv, rr = base_server
+    q, docs = "how long to boil an egg", ["Boil eggs for six minutes.", "The stock market fell."]
+    for path, body in (("/v1/rerank", {"query": q, "documents": docs, "return_documents": None,
+                                       "truncation_side": None, "return_detect": None}),
+                       ("/rerank", {"query": q, "texts": docs, "truncate": None, "raw_scores": None,
+                                    "return_text": None})):
+        r = requests.post(srv.url + path, json=body, timeout=30)
+        assert r.status_code == 200, (path, r.text)
