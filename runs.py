@@ -436,6 +436,10 @@ class Run:
         something, pinned settings, benchmark content and model weights must match the run's config.json.
         -> the record (None: none)."""
         old = read_json(self.path("config.json"))
+        if old is not None and not (isinstance(old, dict) and isinstance(old.get("config"), dict)
+                                    and isinstance(old.get("bench_sha1"), (str, type(None)))):
+            raise SettingsError(f"{self.path('config.json')}: not a run record (a \"config\" object and the "
+                                "benchmark's SHA-1); move it aside")
         if old and produced_anything(self.dir):
             self._check_pinned(old)
         return old

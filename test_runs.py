@@ -1084,3 +1084,17 @@ def test_a_folder_holding_only_a_failed_starts_record_takes_new_settings(demo_ru
     for dry in (("--dry-run",), ()):
         with pytest.raises(SystemExit, match="different max_length"):
             run.main([a if a != "300" else "400" for a in argv] + list(dry))
+
+
+def test_a_run_record_of_another_shape_is_refused_naming_it(tmp_path):
+    """A config.json edited by hand ("bench_sha1": 7, a list, "config": 5) raised TypeError or AttributeError
+    naming nothing; it is refused naming the file."""
+    d = tmp_path / "x"
+    d.mkdir()
+    r = runs.Run(settings.EvalConfig(name="x", runs_dir=str(tmp_path)))
+    for bad in ([1], {"config": 5}, {"config": {}, "bench_sha1": 7}):
+        (d / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(settings.SettingsError, match="x/config.json: not a run record"):
+            r.check_record()
+    (d / "config.json").write_text(json.dumps({"config": {}, "bench_sha1": None}))
+    assert r.check_record() == {"config": {}, "bench_sha1": None}
