@@ -473,8 +473,11 @@ def rerank_by_k_lines(stage, k):
 def certificate_lines(stage, k):
     """rerank-eval --certify's tables: each local reranker's certificate block (rerank_eval.certify_summary)."""
     blocks = [(label, c) for label, st in stage.items() for c in [st.get("certificate")] if c]
+    old = [label for label, c in blocks if "rewrite_certified" not in c]     # certified by an older version
+    blocks = [(label, c) for label, c in blocks if "rewrite_certified" in c]
     if not blocks:
-        return []
+        return [f"Certificates of {', '.join(old)} are in an older format: run rerank-eval --certify again.\n"] \
+            if old else []
     radii = list(next(iter(blocks))[1]["rewrite_certified"])
     head = [f"r = {r}" for r in radii]
     cert = [[label, kind] + [fmt(c["certified"][kind][r]) for r in radii] for label, c in blocks
@@ -631,7 +634,8 @@ def write_comparison(out_dir, summaries):
     if notes:
         lines.append("> **OFFLINE / SIMULATION RUNS INCLUDED.** " + " ".join(notes) + "\n")
     sets = {name: (s.get("test_set_sha1"), s.get("test_instances")) for name, s in summaries.items()}
-    if len({d for d, _ in sets.values()}) > 1:  # the averages and the transfer matrix would mix test sets
+    if len({d for d, _ in sets.values()}) > 1 or len({n for _, n in sets.values()}) > 1:   # (older summaries
+        # record no digest) the averages and the transfer matrix would mix test sets
         lines.append("> **DIFFERENT TEST SETS.** These runs were not evaluated on the same instances ("
                      + ", ".join(f"{k}: {n} instances, {d[:10] if d else 'no digest recorded'}"
                                  for k, (d, n) in sets.items())
@@ -648,12 +652,16 @@ def write_comparison(out_dir, summaries):
     every = ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender", "Shield only", "TFSG only",
              "Spotlighting", "Sandwich Prompt", "PromptArmor", "RobustRAG")
     conds = [c for c in every if all(c in s["conditions"] for s in summaries.values())]
+    left = {name: [c for c in s["conditions"] if c not in conds] for name, s in summaries.items()}
     head = ["Target LLM"] + [f"{c} {m}" for c in conds for m in ("ASR", "ASI", "BER")]
     rows = [[label[name]] + [fmt(s["conditions"][c][m]) for c in conds for m in ("ASR", "ASI", "BER")]
             for name, s in summaries.items()]
     avg = ["Average"] + [fmt(sum(s["conditions"][c][m] for s in summaries.values()) / len(summaries))
                          for c in conds for m in ("ASR", "ASI", "BER")]
     lines.append("## Table 1\n\n" + _table(head, rows + [avg]) + "\n")
+    if any(left.values()):     # a condition some runs lack has no average; a deployed one no column
+        lines.append("Left out, not in every run (or deployed): " + "; ".join(
+            f"{label[name]}: {', '.join(cs)}" for name, cs in left.items() if cs) + ".\n")
     q = [(label[name], s["quality"]) for name, s in summaries.items() if s.get("quality", {}).get("n")]
     if q:
         quality_head = ["Target LLM", "Mean change", "95% CI", "Comparable or better (%)", "Better (%)"]

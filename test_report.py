@@ -28,7 +28,17 @@ def test_compare_runs_transfer_matrix(tmp_path):
     assert "| Source \\ Target | x:A | x:B |" in text                     # rows: source library's run, cols: target
     assert "| a | 5.00 | 8.00 |" in text and "| b | 7.00 | 6.00 |" in text
     assert open(tmp_path / "figures" / "transfer_asr.svg").read().startswith("<svg")
-    assert "DIFFERENT TEST SETS" not in text                   # neither run recorded a digest: nothing to compare
+    assert "DIFFERENT TEST SETS" not in text and "Left out" not in text     # no digest recorded, the same counts
+    s["b"]["test_instances"] = 700                             # an older summary (no digest): the counts differ
+    assert "DIFFERENT TEST SETS" in open(report.write_comparison(str(tmp_path), s)).read()
+    s["b"]["conditions"]["Non-Defense [co]"] = s["b"]["conditions"]["Non-Defense"]     # a deployed one
+    del s["a"]["conditions"]["RobustRAG"]
+    text = open(report.write_comparison(str(tmp_path), s)).read()
+    assert "Left out, not in every run (or deployed): x:B: RobustRAG, Non-Defense [co]." in text
+    assert "RobustRAG ASR" not in text
+    s["a"]["conditions"]["RobustRAG"] = s["b"]["conditions"]["RobustRAG"]
+    del s["b"]["conditions"]["Non-Defense [co]"]
+    del s["b"]["test_instances"]
     for k, d in (("a", "1" * 40), ("b", "1" * 40)):
         s[k]["test_set_sha1"], s[k]["test_instances"] = d, 7
     assert "DIFFERENT TEST SETS" not in open(report.write_comparison(str(tmp_path), s)).read()
@@ -208,3 +218,11 @@ def test_a_summary_written_before_a_key_was_renamed_still_reports(demo_run):
     text = "\n".join(report.defense_lines(s))
     n = r["attack_supports_a_cited_phrase"]
     assert f"supports a kept phrase (the answer cites it where it uses one) | {n} |" in text
+
+
+def test_a_certificate_block_of_an_older_format_is_named_not_a_crash():
+    """rerank-eval merges its stage over runs, so a label certified by an older version (no rewrite_certified)
+    stays beside new ones; the report crashed with a KeyError after summary.json was written."""
+    import report
+    old = {"certificate": {"certified": {"insert": {"1": 50.0}}, "rewrites_inside_radius": 10.0}}
+    assert "older format" in "".join(report.certificate_lines({"shield": old}, 5))
