@@ -555,7 +555,8 @@ class RerankServer(ThreadingHTTPServer):
                 "model_type": {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}},
                 "max_concurrent_requests": self.conf["max_concurrent_requests"], "max_input_length": rr.max_length,
                 "max_batch_tokens": self.batcher.max_batch_tokens, "max_batch_requests": None,
-                "max_client_batch_size": self.conf["max_documents"], "auto_truncate": True,
+                "max_client_batch_size": self.conf["max_documents"] // max(1, self.conf["smooth"]),   # (--smooth: its
+                "auto_truncate": True,                                                 # samples count as documents)
                 "tokenization_workers": 1, "version": "geo-defender", "sha": None, "docker_label": None}
 
     @property

@@ -386,8 +386,8 @@ def openapi(keyed):
     listed = lambda item: {"type": "array", "items": item}
     document = {"oneOf": [text, obj(text=text)]}
     options = dict(model=text, instruction=text, chat_template_kwargs=obj(instruction=text), raw_scores=flag,
-                   return_detect=flag,
-                   use_activation=flag, max_tokens_per_doc=count(1), truncate_prompt_tokens=count(-1),
+                   return_detect=flag, use_activation=flag, activation=flag, softmax=flag,
+                   max_tokens_per_doc=count(1), truncate_prompt_tokens={"oneOf": [count(1), {"const": -1}]},
                    truncation_side={"enum": ["left", "right"]})
     schemas = {
         "RerankRequest": {**obj(**options, query=text, documents=listed(document), texts=listed(text), top_n=count(0),

@@ -946,6 +946,7 @@ def test_serve_smooth_answers_the_mean_over_fresh_deletions(tiny_dir):
             assert "geodef_documents_total 4" in metrics                  # 2 requests x 2 documents
             big = requests.post(srv.url + "/v1/rerank", json={"query": q, "documents": docs * 63}, timeout=60)
             assert big.status_code == 413 and "--smooth" in big.json()["detail"]      # 126 x 8 > 1000 prompts
+            assert requests.get(srv.url + "/info", timeout=5).json()["max_client_batch_size"] == 1000 // 8
         finally:
             srv.shutdown()
             srv.server_close()
