@@ -328,7 +328,8 @@ def summarize(recs, clean):
     referenced = [r for r in recs if r["group_id"] in clean]       # (a group whose clean answer failed: none)
     b_clean = [clean[r["group_id"]]["benign_cited"] for r in referenced]
     judged = [r["asi"] for r in recs if r["asi"] is not None]
-    inside = [r["asi"] for r in recs if r["attack_in_context"] and r["asi"] is not None]
+    inside = [r["asi"] for r in recs if r["attack_in_context"] and r["asi"] is not None
+              and "answer_failed" not in r]              # (a failed answer's 0 was never the judge's)
     failed = len(recs) - len(judged)
     asi = (metrics.asi(judged + [sum(inside) / len(inside)] * failed) if inside else math.nan) if failed else \
         metrics.asi(judged)

@@ -187,3 +187,4 @@ def test_ties_go_by_the_documents_ids_not_their_positions():
     exposed = [0 in metrics.ranked([1.0] * 10, [f"q{g}-{i}" for i in range(10)])[:5] for g in range(400)]
     assert 0.4 < sum(exposed) / 400 < 0.6
     assert metrics.ranked([0.1, 0.9, 0.5], ["c", "b", "a"]) == [1, 2, 0]        # no tie: by score alone
+

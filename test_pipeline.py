@@ -983,3 +983,14 @@ def test_a_checkpoint_cut_short_names_its_file(tmp_path):
     with pytest.raises(reranker.CheckpointError, match=r"state.safetensors: not a checkpoint .* move the folder"):
         train._load_ckpt(str(tmp_path), None, None)
     assert reranker.CheckpointError in run.USER_ERRORS and lora.AdapterError in run.USER_ERRORS
+
+
+def test_a_failed_answers_zero_is_not_in_the_judged_mean_that_fills_a_judge_failure():
+    """ASI fills an instance whose judge reply failed with the mean of the judged in-context ones; an answer
+    that failed carries 0 without a judge call and pulled that mean down (75.0 read 66.67)."""
+    rec = lambda asi, inside=True, **k: {"group_id": "g", "attack_cited": False, "benign_cited": 0, "asi": asi,
+                                         "attack_in_context": inside, "hallucinated": [], **k}
+    clean = {"g": {"benign_cited": 1}}
+    base = [rec(4), rec(4), rec(None)]
+    assert evaluation.summarize(base + [rec(0, inside=False)], clean)["ASI"] == 75.0
+    assert evaluation.summarize(base + [rec(0, answer_failed={"why": "x"})], clean)["ASI"] == 75.0
