@@ -71,8 +71,9 @@ def comma_list(item=str, words=(), once=None):
     the word it is. once(x): what must not repeat (an item counted twice, or two files under one name). A list
     read back from config.json is parsed the same way."""
     def parse(v):
-        if isinstance(v, CommaList) or v in words:
-            return v
+        word = v.strip().strip(",").strip() if isinstance(v, str) else v       # "paper " or "all," is the word
+        if isinstance(v, CommaList) or word in words:
+            return word
         out = CommaList(item(x.strip()) for x in (v.split(",") if isinstance(v, str) else v) if str(x).strip())
         if not out:
             raise ValueError(f"{v!r}: an empty list")

@@ -112,6 +112,8 @@ def test_a_comma_list_is_parsed_once_and_printed_as_given():
     assert e.conditions == ("Non-Defense", "GEO Defender") and str(e.conditions) == "Non-Defense,GEO Defender"
     assert cfg.seen.seen_methods == ("GEO", "AutoGEO") and e.transfer[0] == settings.Transfer("gpt", "a/lib.json")
     assert settings.EvalConfig(conditions="paper").eval.conditions == "paper"         # a word stays the word
+    assert settings.EvalConfig(conditions="paper ").eval.conditions == "paper"        # typed with a space or comma
+    assert settings.EvalConfig(conditions=" all,").eval.conditions == "all"
     assert cfg.replace(seed=1).eval.conditions == e.conditions                      # parsed once: kept as it is
     assert settings.AttackConfig(budgets="16,1,4").attack.budgets == (1, 4, 16)
     assert str(settings.HardenConfig().harden.eval_budgets) == "1,4,16"
