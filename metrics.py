@@ -8,8 +8,9 @@ Definitions (N instances; A_i attack index, C_i cited indices, u_i judge score 0
   BER(m) = 100 * sum_i b_i(m) / sum_i b_i(clean)
   delta_i = v_i - 3 if the defended answer is A else 3 - v_i   (v_i: judge score of A over B, 1..5)
 Choices: citations accept [1], [1][2], [1, 2] and [1-3] (GEO's own regex keeps only the first number
-of "[1, 2]"); indices outside 1..k are kept by the parser and reported
-as hallucinated by the caller, never silently dropped.
+of "[1, 2]"); indices outside 1..k are kept by the parser and reported as hallucinated by the caller.
+What reads as no index at all is dropped: a reversed or over-50-wide range ([3-1], [1-100]), a number
+of more than 9 digits, and numbers apart by a space alone ([1 2]).
 
 Usage: cited_indices("A [1][3]. B [2-3].") -> [1, 3, 2]; lo, hi = cluster_bootstrap_ci(v, groups)
 """
