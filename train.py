@@ -136,7 +136,9 @@ def noised_triple(rr, t, rate, key):
 def triple_loss(rr, sh, ids, s0, grad):
     """Eqs. 2-5 for one triple, scored in the order (d+, d_a, d_b) -> (loss, stats, s (3,), r (3,)), with
     the ShieldSettings `sh`' beta and lambdas. The training loop and the monitoring split compute their
-    loss here."""
+    loss here. Eq. 1's D(q) is the triple: each residual differs from the full list's by a per-query constant
+    (the two normalisers), so the differences Eqs. 3-4 read are the same, and the monitoring log's
+    residual/pos, /att and /ben are over the triple."""
     s = rr.score_ids(ids, grad=grad)                                           # (3,) s_theta: d+, d_a, d_b
     r = geodef.defensive_residual(s, torch.tensor(s0, device=s.device))       # (3,) Eq. 2
     loss, stats = geodef.shield_loss(r[0:1], r[1:2], r[2:3], sh.beta, sh.lam_def, sh.lam_util, sh.lam_cons)
