@@ -55,8 +55,8 @@ def ppl_filter(run, base, cons, test_insts):
     GPT-2 tokens has no perplexity: it is left out of the threshold's documents and never flagged."""
     # one cache file per scoring model: a perplexity is a property of the text AND the model
     cfg = run.cfg
-    slug = re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.eval.ppl_model)
-    path = run.path("cache", f"ppl_{slug}.json")
+    slug = re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.eval.ppl_model)      # (+ a digest: "a b" and "a_b" are two)
+    path = run.path("cache", f"ppl_{slug}_{hashlib.sha1(cfg.eval.ppl_model.encode()).hexdigest()[:8]}.json")
     cache = read_json(path, {})
     lm = None
     texts = {hashlib.sha1(d["text"].encode()).hexdigest(): d["text"] for g in cons for d in g.docs}

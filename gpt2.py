@@ -100,7 +100,8 @@ class GPT2(nn.Module):
     def perplexity(self, text, stride=512):
         """Sliding-window perplexity (transformers' recipe): windows of n_ctx tokens `stride` apart, each token
         scored once, with at least n_ctx - stride tokens of context past the first window. The stride is at
-        most half the context: a longer one (the tiny GPT-2's 256 positions) would leave tokens unscored."""
+        most half the context, so that each such token has at least half a context before it (the tiny GPT-2's
+        256 positions; real GPT-2's 1024 take the default 512 as it is)."""
         ids = self.encode(text)
         if len(ids) < 2:
             return float("nan")
