@@ -19,16 +19,16 @@ from the run's benchmark:
 - control: a document spelling chat control tokens (as text) beside a benign one.
 
 The endpoint scores each list, the run's Shield those it answered (its margins m = logit(yes) - logit(no)).
-The endpoint passes when it answers every list, every order agrees exactly, the scores agree with the
-monotone map it serves (the margin itself, or sigmoid(m)) within TOLERANCE, they vary, and they fit the Shield
-better than its base model (the adapter off: near 0 or 1 a probability hides logits apart). A failure names
-each failing property as what it is (transport: no reply or a 5xx; refused: a 4xx; shape: a reply the
-spec's shape cannot read; order; tolerance; constant), then the likely cause by its signature: the scores
-sigmoid(sigmoid(m)), or the base model's (the adapter missing or not applied), or all alike or near 1; the
-relevance list reversed (no chat template, or the instruction replaced); the long list alone wrong (the
-suffix truncated) or refused (an input limit below it); the control list alone wrong (control tokens parsed).
-When the run has a GEO detector (`detect`) and the endpoint is ours, its POST /detect is checked too: the
-same scores and flags on every known list's documents.
+The endpoint passes when it answers every list, every order agrees (two documents whose margins lie within 2 x
+the margin TOLERANCE may swap), the scores agree with the monotone map it serves (the margin itself, or
+sigmoid(m)) within TOLERANCE, they vary, and they fit the Shield better than its base model (the adapter off:
+near 0 or 1 a probability hides logits apart). A failure names each failing property as what it is (transport:
+no reply or a 5xx; refused: a 4xx; shape: a reply the spec's shape cannot read; order; tolerance; constant),
+then the likely cause by its signature: the scores sigmoid(sigmoid(m)), or the base model's (the adapter
+missing or not applied), or all alike or near 1; the relevance list reversed (no chat template, or the
+instruction replaced); the long list alone wrong (the suffix truncated) or refused (an input limit below it);
+the control list alone wrong (control tokens parsed). When the run has a GEO detector (`detect`) and the
+endpoint is ours, its POST /detect is checked too: the same scores and flags on every known list's documents.
 
 Usage: python run.py deploy-check --name gpt55 --endpoint http://127.0.0.1:8000/rerank
 """
@@ -64,6 +64,13 @@ MAPS = {"margin": lambda m: m, "sigmoid": sigmoid}     # the monotone maps an en
 def error(f, margins, scores):
     """max |f(m) - s| over a list's margins and served scores."""
     return max(abs(f(m) - s) for m, s in zip(margins, scores))
+
+
+def swapped(margins, scores):
+    """Whether the served scores put a document below another whose margin it exceeds by more than 2 x the
+    margin tolerance (a swap no kernel's rounding explains)."""
+    return any(margins[i] - margins[j] > 2 * TOLERANCE["margin"] and scores[i] < scores[j]
+               for i in range(len(margins)) for j in range(len(margins)))
 
 
 def long_document(rr, query, text, n_tokens):
@@ -183,9 +190,9 @@ def compare(local, served, failed=None, base=None):
                  "error": error(MAPS[fit], local[n], served[n])} for n in names}
     unordered = [n for n in names if not lists[n]["order_agrees"]]
     beyond = [n for n in names if lists[n]["error"] > tol]
-    # a list within the tolerance may order two near-tied documents otherwise (an identical model on another
-    # kernel does): its order fails only with its scores
-    misordered = [n for n in unordered if n in beyond]
+    # two documents whose margins lie within 2 x the margin tolerance may swap (an identical model on another
+    # kernel does); any other swap fails, within the tolerance or not (near a probability of 1, 0.03 hides logits)
+    misordered = [n for n in unordered if n in beyond or swapped(local[n], served[n])]
     scores = [s for n in names for s in served[n]]
     constant = (None if not scores else f"every score {scores[0]:.4g}" if max(scores) - min(scores) < FLAT else
                 f"every score above {SURE}" if fit == "sigmoid" and min(scores) > SURE else None)

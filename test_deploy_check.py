@@ -264,6 +264,11 @@ def test_the_comparison_on_known_numbers():
     # an identical model on another kernel: two near-tied documents swap, each score within the tolerance
     tied = {**local, "attack": [2.31, 2.30]}
     assert deploy_check.compare(tied, {**tied, "attack": [2.30, 2.31]})["pass"]
+    # near a probability of 1 the sigmoid tolerance hides logits: two documents 2.5 apart swapped fail
+    sure = {"relevance": [6.0, 3.5, -5.0, -6.0], "attack": [-1.0, 1.0], "long": [1.5, -1.0], "control": [0.5, 1.0]}
+    probs = {k: [deploy_check.sigmoid(m) for m in v] for k, v in sure.items()}
+    v = deploy_check.compare(sure, {**probs, "relevance": [0.985, 0.99] + probs["relevance"][2:]})
+    assert v["lists"]["relevance"]["error"] < 0.03 and not v["pass"] and "order differs: relevance" in v["cause"]
     sure = {k: [m + 6 for m in v] for k, v in local.items()}                 # every sigmoid in 0.993..0.9997
     v = deploy_check.compare(sure, {k: [deploy_check.sigmoid(m) for m in v] for k, v in sure.items()})
     assert not v["pass"] and v["max_error"] < 1e-9 and v["cause"].startswith("constant: every score above 0.99")
