@@ -368,8 +368,8 @@ def same_family(n_boot, seed, folds):
             per[m] = {g: np.mean([c[g] for c in sides[0]]) - np.mean([c[g] for c in sides[1]]) for g in groups}
     common = sorted(set.intersection(*(set(d) for d in per.values()))) if per else []
     matrix = [[d[g] for g in common] for d in per.values()]             # (families, groups)
-    return {"gap": float(np.mean(matrix)) if common else None, "groups": len(common),
-            "families": {m: float(np.mean(list(d.values()))) for m, d in per.items()},
+    return {"gap": float(np.mean(matrix)) if common else None, "groups": len(common),    # (each family's over
+            "families": {m: float(np.mean(row)) for m, row in zip(per, matrix)} if common else {},   # the same groups)
             "gap_ci": list(fold_group_bootstrap_ci(matrix, n_boot, seed)) if common else None}
 
 
@@ -439,7 +439,8 @@ def regime_table(s):
         lines.append(f"ASR under {c}, unseen minus seen, mean over folds: " + ("-" if a["gap"] is None else
                      f"{a['gap']:+.1f} [{a['gap_ci'][0]:+.1f}, {a['gap_ci'][1]:+.1f}]") + " (CI over folds and "
                      "groups); per fold " + ", ".join(gap_text(f["asr"][c]["gap"]) for f in r["folds"]))
-        lines.append(f"ASR under {c}, " + family_text(a.get("same_family")))
+        same = family_text(a.get("same_family"))
+        lines += [f"ASR under {c}, {same}"] if same else []
     return "\n".join(line for line in lines if line)
 
 
