@@ -258,9 +258,9 @@ def load_adapter(model, adapter_dir):
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
         raise AdapterError(f"{cpath}: target_modules: regex strings are not supported, give a list")
-    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
-        raise AdapterError(f"{cpath}: target_modules: a list of module names is required")
-    if not lora_modules(model):
+    if not lora_modules(model):            # (the layers are made from the list: a model that has them reads none)
+        if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+            raise AdapterError(f"{cpath}: target_modules: a list of module names is required")
         add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
                  targets=tuple(targets))
     mods = lora_modules(model)

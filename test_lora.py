@@ -306,6 +306,13 @@ def test_an_adapter_that_cannot_load_names_its_file_and_field(tiny_dir, tmp_path
         (bad / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
         with pytest.raises(lora.AdapterError, match=f"{name}/{says}"):
             lora.load_adapter(fresh(), str(bad))
+    listless = tmp_path / "listless"                    # a model with LoRA layers already reads no target list
+    listless.mkdir()
+    (listless / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": None}))
+    (listless / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+    with_layers = fresh()
+    lora.add_lora(with_layers, r=cfg["r"], alpha=cfg["lora_alpha"], targets=tuple(cfg["target_modules"]))
+    lora.load_adapter(with_layers, str(listless))
     (good / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes()[:100])
     with pytest.raises(lora.AdapterError, match="good/adapter_model.safetensors: not a readable safetensors"):
         lora.load_adapter(fresh(), str(good))
