@@ -834,6 +834,13 @@ def test_the_timeout_bounds_a_proxys_connect_reply(proxy):
     assert time.monotonic() - t0 < 2.5
 
 
+def test_a_loopback_endpoint_keeps_the_environments_ca_bundle(monkeypatch):
+    """Reached without the environment (no proxy), a loopback HTTPS endpoint still verifies against the CA
+    bundle the environment names, as requests' environment would have it."""
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/my-ca.pem")
+    assert transport.Transport("https://localhost:8443/v1", "t").session.verify == "/etc/my-ca.pem"
+
+
 def test_a_netrc_entry_does_not_replace_the_key_and_loopback_skips_the_proxy(proxy, server, tmp_path, monkeypatch):
     """requests reads ~/.netrc for a request without auth: an entry for the API's host replaced the key's
     Authorization header with its own Basic one (a 401, and the netrc password sent). A loopback server (the

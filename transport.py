@@ -23,6 +23,7 @@ import base64
 import http.client
 import json
 import math
+import os
 import random
 import re
 import threading
@@ -233,6 +234,7 @@ class Transport:
         self.session.auth = lambda r: r          # the key goes in headers(): a ~/.netrc entry would replace it
         if ep and endpoints.LOOPBACK_NAMES.fullmatch(ep.host.lower()):
             self.session.trust_env = False       # reached directly: an environment proxy would take its prompts
+            self.session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
         for scheme in ("http://", "https://"):   # connections that tell a Deadline their socket (see there)
             self.session.mount(scheme, DeadlineAdapter())
         self.lock = threading.Lock()
