@@ -475,9 +475,10 @@ def certificate_lines(stage, k):
     blocks = [(label, c) for label, st in stage.items() for c in [st.get("certificate")] if c]
     old = [label for label, c in blocks if "rewrite_certified" not in c]     # certified by an older version
     blocks = [(label, c) for label, c in blocks if "rewrite_certified" in c]
+    note = [f"Certificates of {', '.join(old)} are in an older format: run rerank-eval --certify again.\n"] \
+        if old else []
     if not blocks:
-        return [f"Certificates of {', '.join(old)} are in an older format: run rerank-eval --certify again.\n"] \
-            if old else []
+        return note
     radii = list(next(iter(blocks))[1]["rewrite_certified"])
     head = [f"r = {r}" for r in radii]
     cert = [[label, kind] + [fmt(c["certified"][kind][r]) for r in radii] for label, c in blocks
@@ -501,7 +502,7 @@ def certificate_lines(stage, k):
             "and deleted words along a longest common subsequence) lies inside their source's certificate; "
             "forward passes and seconds this run scored.\n",
             _table(["Reranker", "samples", "p_del", "eps", f"Exposure@{k} (%)", "Clean kept (%)", f"nDCG@{k}",
-                    "Rewrites inside (%)", "Median inserted words", "Forward passes", "Seconds"], cost) + "\n"]
+                    "Rewrites inside (%)", "Median inserted words", "Forward passes", "Seconds"], cost) + "\n"] + note
 
 
 def write_rerank_report(run_dir, s):

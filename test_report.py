@@ -226,3 +226,9 @@ def test_a_certificate_block_of_an_older_format_is_named_not_a_crash():
     import report
     old = {"certificate": {"certified": {"insert": {"1": 50.0}}, "rewrites_inside_radius": 10.0}}
     assert "older format" in "".join(report.certificate_lines({"shield": old}, 5))
+    new = {"certificate": {"certified": {"insert": {"1": 50.0}}, "rewrite_certified": {"1": 40.0},
+                           "clean_kept_certified": {"1": 90.0}, "samples": 8, "deletion_rate": 0.9, "eps": 0.1,
+                           "exposure": 40.0, "smoothed_exposure": 30.0, "ndcg_smoothed_clean": 0.9,
+                           "rewrites_inside": 20.0, "inserted_median": 5, "forward_passes": 80, "seconds": 1.0}}
+    both = "".join(report.certificate_lines({"base": new, "shield": old}, 5))      # beside a new one: named too
+    assert "| base | rewrite, inserted | 40.00 |" in both and "Certificates of shield are in an older format" in both
