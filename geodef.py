@@ -204,6 +204,8 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
         if "_meta" in obj:
             if groups or has_meta:   # a second _meta would silently replace the first
                 _fail(path, n, "_meta", "metadata must be the first line, and only there")
+            if len(obj) > 1:         # a group written on it would be dropped unread
+                _fail(path, n, "_meta", f"the metadata line holds _meta alone, not {sorted(obj)[:5]}"[:200])
             meta_line, has_meta, meta = n, True, _read_meta(obj, path, n)
             n_docs = meta.raw.get("n_docs", n_docs)       # a list length the builder was asked for (--docs)
             if isinstance(n_docs, bool) or not isinstance(n_docs, int) or not 2 <= n_docs <= N_DOCS:
@@ -226,13 +228,15 @@ def load_bench(path, n_docs=N_DOCS, with_meta=False):
         _fail(path, g.line, "split", "some lines have a split and this one has none: give all or none")
     if all(has):
         check_no_leakage(groups, path)
-    if not meta.methods:  # no _meta.methods: the methods are the first group's, and every group needs them
-        meta.methods = sorted(groups[0].attacks)
-        for g in groups[1:]:
-            missing = [m for m in meta.methods if m not in g.attacks]
+    if not meta.methods:  # no _meta.methods: every method some group has, and every group not of the
+        # construction split needs each (a construction group holds the seen ones; `failed` ones are absent)
+        meta.methods = sorted({m for g in groups for m in (*g.attacks, *(g.failed or {}))})
+        for g in groups:
+            missing = [m for m in meta.methods if g.split != "construction" and m not in g.attacks
+                       and m not in (g.failed or {})]
             if missing:
-                _fail(path, g.line, "attacks", f"missing methods {missing} that the first group "
-                                               f"(line {groups[0].line}) has; every group needs every method")
+                _fail(path, g.line, "attacks", f"missing methods {missing} that other groups have; every group "
+                                               "needs every method (or its reason under `failed`)")
         unknown = [m for m in meta.seen_methods if m not in meta.methods]
         if unknown:
             _fail(path, meta_line, "_meta.seen_methods", f"{unknown} not among the groups' methods {meta.methods}")
@@ -638,12 +642,18 @@ def construction_schedule(instances, n_seed=6, batch_size=10, n_batches=3, seed=
     return seed_cases, [b for b in batches if b]
 
 
-def monitoring_split(instances, frac=0.2, seed=0):
-    """Table A.1: 80% optimisation / 20% monitoring, by query group. -> (optimise, monitor)."""
+def monitoring_split(instances, frac=0.2, seed=0, linked=None):
+    """Table A.1: 80% optimisation / 20% monitoring, by query group. -> (optimise, monitor). linked
+    (linked_groups): a group goes to the monitoring side with the groups it shares a text with, as a drawn
+    split keeps them (a document trained on would inflate the figure that picks the epoch)."""
     gids = sorted({x.group_id for x in instances})
     random.Random(seed).shuffle(gids)
     n_mon = max(1, round(frac * len(gids))) if len(gids) > 1 else 0
-    mon = set(gids[:n_mon])
+    mon = set()
+    for gid in gids:
+        if len(mon) >= n_mon:
+            break
+        mon |= (linked or {}).get(gid, {gid}) & set(gids)
     return [x for x in instances if x.group_id not in mon], [x for x in instances if x.group_id in mon]
 
 

@@ -329,7 +329,8 @@ class Run:
         monitor). Refuses a split that leaves either side empty: it would train on nothing, or keep an
         epoch by empty monitoring metrics."""
         cfg = self.cfg
-        opt, mon = geodef.monitoring_split(inst, cfg.shield.monitor_frac, cfg.folder.seed)
+        opt, mon = geodef.monitoring_split(inst, cfg.shield.monitor_frac, cfg.folder.seed,
+                                           geodef.linked_groups(self.data.construction))
         if not opt or not mon:
             raise SettingsError(f"{cfg.data.bench}: Shield training needs construction groups both to optimise on and "
                                 f"to monitor (--monitor-frac {cfg.shield.monitor_frac}, at least one group each); its "

@@ -121,7 +121,7 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
     (lambda g: {**g, "attacks": {**g["attacks"], "GEO:K2": "x"}}, r":2: attacks.GEO:K2: a method's name is"),
     (lambda g: {**g, "spilt": "test"}, r":2: spilt: not a field"),
     (lambda g: {**g, "attacks": {"A": g["attacks"]["A"]}},                   # no _meta: the first group's methods
-     r":2: attacks: missing methods \['B'\] that the first group \(line 1\) has"),
+     r":2: attacks: missing methods \['B'\] that other groups have"),
     # ids reach every record and file: a lone surrogate there failed after the paid calls, as in a text
     (lambda g: {**g, "group_id": "\ud800"}, r":2: group_id: not valid Unicode"),
     (lambda g: {**g, "docs": [dict(g["docs"][0], doc_id="\ud800")] + g["docs"][1:]}, r":2: docs\[0\].doc_id: not val"),
@@ -466,3 +466,45 @@ def test_a_byte_order_mark_hides_no_meta(tmp_path):
     after_a_blank = tmp_path / "blank.jsonl"                  # a blank first line: the _meta is still read
     after_a_blank.write_text("\n" + open(plain, encoding="utf-8").read(), encoding="utf-8")
     assert geodef.read_meta(str(after_a_blank)) == geodef.read_meta(plain)
+
+
+def test_a_file_without_meta_methods_reads_every_groups_methods():
+    """Without _meta.methods the methods were the first group's: a construction group first (the seen family
+    alone) left the test groups' others unread, and a test group first refused a valid file; a group listing a
+    method under `failed` was refused for lacking it."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        from pathlib import Path
+        cons = {**good_group("c0"), "split": "construction", "attacks": {"A": "rewritten doc c0 2"}}
+        test = [{**good_group(f"t{i}"), "split": "test"} for i in range(2)]
+        test[1]["attacks"] = {"A": "rewritten doc t1 2"}
+        test[1]["failed"] = {"B": "the gate refused it"}
+        for rows in ([cons, *test], [*test, cons]):
+            groups, meta = geodef.load_bench(write_lines(Path(d), rows), with_meta=True)
+            assert meta.methods == ["A", "B"] and len(groups) == 3
+        with pytest.raises(geodef.BenchFormatError, match=r":2: attacks: missing methods \['B'\]"):
+            geodef.load_bench(write_lines(Path(d), [test[0], {**good_group("t2"), "split": "test",
+                                                               "attacks": {"A": "rewritten doc t2 2"}}]))
+
+
+def test_the_meta_line_holds_meta_alone(tmp_path):
+    """A group written on the _meta line was dropped unread."""
+    with pytest.raises(geodef.BenchFormatError, match=":1: _meta: the metadata line holds _meta alone"):
+        geodef.load_bench(write_lines(tmp_path, [{"_meta": {"methods": ["A", "B"]}, **good_group("g1")},
+                                                 good_group("g2")]))
+
+
+def test_the_monitoring_split_keeps_linked_groups_on_one_side():
+    """Two construction groups that share a document are split as a drawn split keeps them: together (apart, a
+    document trained on sat in the monitoring split that picks the epoch)."""
+    groups = [geodef.QueryGroup(f"c{i}", f"q{i}", [{"text": f"doc {i}", "doc_id": f"c{i}-0"},
+                                                   {"text": "shared page" if i < 2 else f"other {i}",
+                                                    "doc_id": f"c{i}-1"}], 0, {"A": f"rewrite {i}"})
+              for i in range(10)]
+    insts = geodef.expand(groups, ["A"])
+    linked = geodef.linked_groups(groups)
+    assert linked["c0"] == {"c0", "c1"}
+    for seed in range(20):
+        _, mon = geodef.monitoring_split(insts, 0.2, seed, linked)
+        side = {x.group_id for x in mon}
+        assert ("c0" in side) == ("c1" in side) and side
