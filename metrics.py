@@ -164,12 +164,16 @@ def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
     kept counted in `<name>_n`}; the instances of one query group stay one cluster at every K. chance (n, k):
     each level also gets the rates of a random top k of n: `chance_any_in_topk`, the % holding some attacked
     document, and `chance_topk_share`, the % of it the K attacked documents take on average (100 K / n; one
-    given document is in it with chance k / n)."""
-    out = {}
-    for lv in sorted({r.get("attacked", 1) for r in recs}):
-        rs = paper_level(recs, lv)
+    given document is in it with chance k / n). Every level is read over the groups that reach every level
+    (the records of others counted in `left_out`), so that K is compared on the same lists."""
+    out, levels = {}, sorted({r.get("attacked", 1) for r in recs})
+    # every level over the groups that reach them all (a group the builder gave fewer co-attacks lacks the top K)
+    common = set.intersection(*({r["group_id"] for r in paper_level(recs, lv)} for lv in levels)) if levels else set()
+    for lv in levels:
+        every = paper_level(recs, lv)
+        rs = [r for r in every if r["group_id"] in common]
         clusters = [r["group_id"] for r in rs]
-        out[str(lv)] = {"n": len(rs)}
+        out[str(lv)] = {"n": len(rs), **({"left_out": len(every) - len(rs)} if len(rs) < len(every) else {})}
         if chance:
             out[str(lv)].update(chance_any_in_topk=100.0 * chance_any_in_topk(chance[0], lv, chance[1]),
                                 chance_topk_share=100.0 * lv / chance[0])

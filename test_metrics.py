@@ -188,3 +188,14 @@ def test_ties_go_by_the_documents_ids_not_their_positions():
     assert 0.4 < sum(exposed) / 400 < 0.6
     assert metrics.ranked([0.1, 0.9, 0.5], ["c", "b", "a"]) == [1, 2, 0]        # no tie: by score alone
 
+
+
+def test_every_k_is_read_over_the_groups_that_reach_every_k():
+    """A group the builder gave fewer co-attacks has no list at the top K: read at K = 1 over every group and
+    at K = 2 over the others, the levels compared different groups. Each level is over the groups that reach
+    all, the others' records counted."""
+    recs = [{"group_id": "ga", "attacked": 1, "x": 1.0}, {"group_id": "ga", "attacked": 2, "x": 1.0},
+            {"group_id": "gb", "attacked": 1, "x": 0.0}]
+    out = metrics.by_attacked(recs, {"x": lambda r: r["x"]}, n_boot=50)
+    assert out["1"]["n"] == out["2"]["n"] == 1 and out["1"]["x"] == 1.0 and out["1"]["left_out"] == 1
+    assert "left_out" not in out["2"]

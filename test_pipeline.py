@@ -826,13 +826,13 @@ def test_a_list_with_several_attacks_counts_any_of_them_and_their_shares():
     assert not one["attack_cited"] and "attacked" not in one          # the paper's record, as before
     silent = evaluation._record(x, top, "c", "No citations.", None)    # no share of no citations: left out
     assert silent["attack_citation_share"] is None
-    every = lambda c: [dict(rec, group_id="g"), dict(one, group_id="h")]
+    every = lambda c: [dict(rec, group_id="g"), dict(one, group_id="g")]      # (every K over the same groups)
     insts = [x, geodef.Instance("g:GEO", "g", "q", docs, ids, 0, "GEO")]
     s = evaluation.attacked_summary(insts, ["c"], every, k=4, n_boot=20, seed=0)
     by = s["by_attacked"]["c"]
     assert by["3"]["ASR"] == 100 and by["1"]["ASR"] == 0 and by["3"]["topk_attack_share"] == pytest.approx(50)
     assert by["3"]["citation_share"] == pytest.approx(200 / 3) and by["1"]["exposure"] == 100
-    with_silent = evaluation.attacked_summary(insts, ["c"], lambda c: every(c) + [dict(silent, group_id="i")], k=4,
+    with_silent = evaluation.attacked_summary(insts, ["c"], lambda c: every(c) + [dict(silent, group_id="g")], k=4,
                                               n_boot=20, seed=0)["by_attacked"]["c"]["3"]
     assert with_silent["citation_share"] == pytest.approx(200 / 3) and with_silent["citation_share_n"] == 1
     # the source's rewrite apart, each attacked document's mean, and the chance that a random top 4 of 6 holds
