@@ -367,8 +367,8 @@ def attacked_lines(s, figs):
             "random top k holds one (1 - C(n-K, k)/C(n, k)); each attacked document on average (a given "
             "document is in a random top k with chance k/n); the shares of the top k (beside a random top k's, "
             "K/n) and of the citations the attacked documents take (over the answers that cite something). 95% "
-            "query-cluster bootstrap CIs; each K's n counts the groups with K attacked documents. The Shield is "
-            "trained on lists with one attacked document, as the paper trains it.\n",
+            "query-cluster bootstrap CIs; each K's n counts the instances (groups x families) with K attacked "
+            "documents. The Shield is trained on lists with one attacked document, as the paper trains it.\n",
             _table(["Condition", "K", "n", "Source cited (%)", "Any cited (%)", "Each cited (%)",
                     "Source in context (%)", "Any in context (%)", "Chance, any (%)", "Each in context (%)",
                     "Top-k share (%)", "Chance, share (%)", "Citation share (%)"], rows) + "\n",
@@ -465,7 +465,8 @@ def rerank_by_k_lines(stage, k):
             f"exposure@{k} of the source's rewrite, of any attacked document beside the chance that a random top "
             f"{k} holds one (1 - C(n-K, k)/C(n, k)), of each attacked document on average (a given document is "
             f"in a random top {k} with chance {k}/n), and the share of the top k they take beside a random top "
-            f"k's (K/n); 95% query-cluster bootstrap CIs, each K's n the groups with K attacked documents.\n",
+            f"k's (K/n); 95% query-cluster bootstrap CIs, each K's n the instances (groups x families) with K "
+            "attacked documents.\n",
             _table(["Reranker", "K", "n", f"Source exposed@{k} (%)", f"Any exposed@{k} (%)", "Chance, any (%)",
                     f"Each exposed@{k} (%)", "Top-k share (%)", "Chance, share (%)"], rows) + "\n"]
 

@@ -30,6 +30,7 @@ Usage: python run.py rerank-eval --name demo --reranker base --reranker shield -
 """
 import copy
 import os
+import statistics
 import time
 
 import accounting
@@ -73,14 +74,17 @@ def summarize_stage(recs, seen, n_boot, seed):
             return {"n": 0}
         clusters = [r["group_id"] for r in rs]
         out = {"n": len(rs)}
-        for name, vals in (("exposure", [100.0 * r["exposed"] for r in rs]),
-                           ("mean_attack_rank", [r["attack_rank"] for r in rs]),
-                           ("promotion", [r["promotion"] for r in rs]),
-                           ("clean_topk_kept", [100.0 * r["clean_topk_kept"] for r in rs if "clean_topk_kept" in r])):
-            if len(vals) != len(rs):
+        # clean top-k kept is the group's clean list's: one value a group, however many families it holds
+        kept = {r["group_id"]: 100.0 * r["clean_topk_kept"] for r in rs if "clean_topk_kept" in r}
+        for name, vals, cl in (("exposure", [100.0 * r["exposed"] for r in rs], clusters),
+                               ("mean_attack_rank", [r["attack_rank"] for r in rs], clusters),
+                               ("promotion", [r["promotion"] for r in rs], clusters),
+                               ("clean_topk_kept", list(kept.values()) if len(kept) == len(set(clusters)) else [],
+                                list(kept))):
+            if not vals or len(vals) != len(cl):
                 continue
             out[name] = sum(vals) / len(vals)
-            out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, clusters, n_boot=n_boot, seed=seed))
+            out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, cl, n_boot=n_boot, seed=seed))
         return out
     methods = list(dict.fromkeys(r["method"] for r in recs))
     return {"overall": block(recs),
@@ -249,7 +253,7 @@ def certify_summary(recs, plain, cost):
                                  for r in certify.RADII},
            "clean_kept_certified": {str(r): pct([at(k, r) for k in kept]) for r in certify.RADII},
            "rewrites_inside": pct([x["inside"] for x in recs]),
-           "inserted_median": sorted(x["inserted"] for x in recs)[len(recs) // 2],
+           "inserted_median": statistics.median(x["inserted"] for x in recs),
            "exposure": pct([r["exposed"] for r in plain]),
            "smoothed_exposure": pct([r["smoothed_exposed"] for r in recs]),
            "ndcg_smoothed_clean": sum(r["ndcg_smoothed_clean"] for r in recs) / len(recs),

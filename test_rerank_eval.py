@@ -551,3 +551,13 @@ def test_the_deletion_seed_is_drawn_once_a_run_and_kept(tmp_path):
     assert rerank_eval.noise_seed(str(tmp_path / "noise_seed.json")) == s
     assert json.load(open(tmp_path / "noise_seed.json")) == {"seed": s}
     assert rerank_eval.noise_seed(str(tmp_path / "other.json")) != s
+
+
+def test_clean_top_k_kept_is_one_value_a_group():
+    """Clean top-k kept depends on the group's clean list alone: a group with fewer families (a gate refused
+    some) weighed less when each instance counted (66.7 where the groups' mean is 75.0)."""
+    rec = lambda gid, m, kept: {"group_id": gid, "method": m, "exposed": False, "attack_rank": 6, "promotion": 0,
+                                "clean_topk_kept": kept}
+    recs = [rec("g0", "M1", 0.5), rec("g0", "M2", 0.5), rec("g1", "M1", 1.0)]
+    out = rerank_eval.summarize_stage(recs, ["M1", "M2"], 50, 0)
+    assert out["overall"]["clean_topk_kept"] == pytest.approx(75.0)
