@@ -332,6 +332,9 @@ def _read_group(obj, path, n, n_docs, meta):
         _fail(path, n, "source_index", f"{src} out of range 0..{n_docs - 1}")
     source_norm = " ".join(docs[src]["text"].split())
     attacks, failed = _read_attacks(obj, path, n, source_norm)
+    unknown = [m for m in attacks if meta.methods and m not in meta.methods]
+    if unknown:                     # a rewrite no evaluation reads
+        _fail(path, n, "attacks", f"{unknown} not in _meta.methods {meta.methods}"[:300])
     split = obj.get("split")
     if split is not None and split not in ("construction", "test"):
         _fail(path, n, "split", f"expected 'construction' or 'test', got {split!r}")
@@ -350,6 +353,13 @@ def _read_group(obj, path, n, n_docs, meta):
         if i is not None:                      # the list would show one text twice: Eq. 4 then pulls apart a tie
             _fail(path, n, fld, f"a copy of docs[{i}]: the list would show one text twice")
     co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
+    shown = {" ".join(t.split()): f"attacks.{m}" for m, t in attacks.items()}
+    for j, (i, _, t) in enumerate(co or ()):       # a list of the K levels shows each co-attack beside the rest
+        seen = {**{k: f"docs[{x}]" for k, x in others.items() if x != i}, **shown}
+        if " ".join(t.split()) in seen:
+            _fail(path, n, f"co_attacks[{j}].text", f"a copy of {seen[' '.join(t.split())]}: a list would show "
+                                                    "one text twice")
+        shown[" ".join(t.split())] = f"co_attacks[{j}].text"
     opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
     for fld, v in (("co_attacks", co), ("optimized", opt)):
         if v and split != "test":        # a drawn split could put them in construction, where the Shield trains
@@ -433,6 +443,8 @@ def _read_co_attacks(obj, path, n, docs, src, meta):
             _fail(path, n, f"co_attacks[{j}].index", f"{i}: a candidate index in 0..{len(docs) - 1}, not the "
                                                       "source_index and not listed before")
         m = _need(c, "method", str, path, n, f"co_attacks[{j}].")
+        if not METHOD_NAME.fullmatch(m):                      # (a doc id carries it: <doc>#<method>)
+            _fail(path, n, f"co_attacks[{j}].method", "a method's name is letters, digits, '.', '_', '+' and '-'")
         if meta.methods and m not in meta.methods:
             _fail(path, n, f"co_attacks[{j}].method", f"{m!r} not in _meta.methods {meta.methods}")
         t = _need(c, "text", str, path, n, f"co_attacks[{j}].")

@@ -179,7 +179,7 @@ def test_a_meta_line_of_many_names_is_read_in_linear_time(tmp_path):
     names = [f"M{i}" for i in range(100000)]
     meta = {"methods": names, "seen_methods": names[:50000], "construction_methods": names[:60000]}
     t0 = time.perf_counter()
-    with pytest.raises(geodef.BenchFormatError, match=":2: attacks: missing methods"):    # past the _meta line
+    with pytest.raises(geodef.BenchFormatError, match=r":2: attacks: \['A', 'B'\] not in _meta"):   # past _meta
         geodef.load_bench(write_lines(tmp_path, [{"_meta": meta}, good_group("g0"), good_group("g1")]))
     assert time.perf_counter() - t0 < 5
     with pytest.raises(geodef.BenchFormatError, match=r"_meta.methods: \['M1'\] listed more than once"):
@@ -508,3 +508,23 @@ def test_the_monitoring_split_keeps_linked_groups_on_one_side():
         _, mon = geodef.monitoring_split(insts, 0.2, seed, linked)
         side = {x.group_id for x in mon}
         assert ("c0" in side) == ("c1" in side) and side
+
+
+def test_a_rewrite_no_evaluation_reads_or_a_list_showing_a_text_twice_is_refused(tmp_path):
+    """An attack of a method outside _meta.methods loaded and was never evaluated; a co-attack copying another
+    candidate, an attack or another co-attack made a list show one text twice (what the attacks' own check
+    refuses); a co-attack's method went into a document id unchecked."""
+    meta = {"_meta": {"methods": ["A", "B"], "attacked": 3}}
+    g = {**good_group("g1"), "split": "test"}
+    extra = {**g, "attacks": {**g["attacks"], "Z": "a third rewrite g1"}}
+    with pytest.raises(geodef.BenchFormatError, match=r":2: attacks: \['Z'\] not in _meta.methods"):
+        geodef.load_bench(write_lines(tmp_path, [meta, extra]))
+    for co, says in (([{"index": 5, "method": "A", "text": "doc g1 7 text"}], "a copy of docs\\[7\\]"),
+                     ([{"index": 5, "method": "A", "text": g["attacks"]["A"]}], "a copy of attacks.A"),
+                     ([{"index": 5, "method": "A", "text": "same new"},
+                       {"index": 6, "method": "B", "text": "same new"}], "a copy of co_attacks\\[0\\]"),
+                     ([{"index": 5, "method": "not a method", "text": "new text"}], "a method's name")):
+        with pytest.raises(geodef.BenchFormatError, match=says):
+            geodef.load_bench(write_lines(tmp_path, [meta, {**g, "co_attacks": co}]))
+    fine = [{"index": 5, "method": "A", "text": "new text five"}, {"index": 6, "method": "B", "text": "new six"}]
+    assert geodef.load_bench(write_lines(tmp_path, [meta, {**g, "co_attacks": fine}]))[0].co_attacks
