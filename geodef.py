@@ -122,6 +122,8 @@ class BenchMeta:
 
 
 def _fail(path, line, fld, msg):
+    if not fld.isprintable() or len(fld) > 80:     # a key the file wrote: the error stays one bounded line
+        fld = repr(fld[:80])
     raise BenchFormatError(f"{path}:{line}: {fld}: {msg}")
 
 

@@ -528,3 +528,12 @@ def test_a_rewrite_no_evaluation_reads_or_a_list_showing_a_text_twice_is_refused
             geodef.load_bench(write_lines(tmp_path, [meta, {**g, "co_attacks": co}]))
     fine = [{"index": 5, "method": "A", "text": "new text five"}, {"index": 6, "method": "B", "text": "new six"}]
     assert geodef.load_bench(write_lines(tmp_path, [meta, {**g, "co_attacks": fine}]))[0].co_attacks
+
+
+def test_a_key_the_file_wrote_stays_on_the_errors_one_line(tmp_path):
+    """An unknown key is named in the error as the file wrote it: one holding a line break split the one-line
+    error (a forged second line), and a long one had no bound."""
+    for key in ("spl\nit: fake line 9", "k" * 5000):
+        with pytest.raises(geodef.BenchFormatError) as e:
+            geodef.load_bench(write_lines(tmp_path, [{**good_group("g1"), key: 1}]))
+        assert "\n" not in str(e.value) and len(str(e.value)) < 400 + len(str(tmp_path))
