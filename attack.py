@@ -433,12 +433,12 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
         cfg.llm, cfg.request.workers, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk,
         ref.pipeline, os.path.join(res, "attack", "clean_reference.jsonl"), eval_judge))   # eval's file is eval's
     for b in budgets:   # the id names the document's text: eval's records resume by id, and a rerun's best may differ
-        best = {x.instance_id: cands[x.instance_id][best_of(cands[x.instance_id], b)]["text"] for x in insts}
-        docs = [with_doc(x, best[x.instance_id], f"@{label}-{mode}-B{b}-"
-                         f"{hashlib.sha1(best[x.instance_id].encode()).hexdigest()[:10]}") for x in insts]
+        best = [cands[x.instance_id][best_of(cands[x.instance_id], b)] for x in insts]
+        docs = [with_doc(x, c["text"], f"@{label}-{mode}-B{b}-{hashlib.sha1(c['text'].encode()).hexdigest()[:10]}")
+                for x, c in zip(insts, best)]
         conds = evaluate_documents(run, llm, eval_judge, docs, (base, shield, lib, data.construction), clean,
                                    os.path.join(res, "attack", f"{label}-{mode}", f"B{b}"))
-        ranks = [cands[x.instance_id][best_of(cands[x.instance_id], b)]["rank"] for x in insts]
+        ranks = [c["rank"] for c in best]
         block["budgets"][str(b)] = {"conditions": conds, "mean_target_rank": sum(ranks) / len(ranks)}
         caught = detect.flagged(run, docs, base, shield)      # with the run's detectors (detect), % flagged
         block["budgets"][str(b)].update({"detected": caught} if caught else {})

@@ -145,7 +145,8 @@ def _alive(pid):
     return True
 
 
-def model_card(meta, name):
+def _card_intro(meta, name):
+    """The model card's title and first paragraphs: what the checkpoint is, its layout, NF4 and int8 notes."""
     nf4 = ("\nThe adapter was trained over an NF4 (4-bit) base; it is merged here into the full-precision base "
            "weights, so scores differ slightly from the training-time forward (the 4-bit rounding is not "
            "reproduced).\n" if meta["quantized_base_during_training"] else "")
@@ -159,12 +160,6 @@ def model_card(meta, name):
     head = ("a one-label `Qwen3ForSequenceClassification`: `score.weight` = E[yes] - E[no], so the logit is the "
             "margin z_yes - z_no and sigmoid(logit) is P(yes)" if meta["format"] == "seq-cls" else
             "the merged `Qwen3ForCausalLM`: score with the logits of \"yes\" and \"no\" at the last position")
-    if meta["format"] == "seq-cls":
-        vllm = f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja"
-    else:
-        vllm = (f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja --hf-overrides "
-                "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
-                "\"yes\"], \"is_original_qwen3_reranker\": true}'")
     what = ("GEO Defender Shield Reranker", "The Shield Reranker of") if meta["adapter"] else \
         ("base reranker, no Shield adapter", "The base reranker (no Shield adapter merged) as exported for")
     merged = f"with the {adapter} merged into its weights in float32," if meta["adapter"] else "as it is,"
@@ -174,7 +169,17 @@ def model_card(meta, name):
 Malicious Generative Engine Optimization*: the frozen base `{meta['base_model']}` (revision
 {meta['base_revision'] or 'local folder'}) {merged} then stored in {meta['dtype']}. Layout: {head}.
 Made by `python run.py export` of the GEO Defender reference implementation at {meta['time']}.
-{nf4}{int8}
+{nf4}{int8}"""
+
+
+def model_card(meta, name):
+    if meta["format"] == "seq-cls":
+        vllm = f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja"
+    else:
+        vllm = (f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja --hf-overrides "
+                "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
+                "\"yes\"], \"is_original_qwen3_reranker\": true}'")
+    return _card_intro(meta, name) + f"""
 ## Prompt
 
 The Qwen3-Reranker prompt (its model card), with the Shield instruction (paper A.1.2):

@@ -663,11 +663,11 @@ def monitoring_split(instances, frac=0.2, seed=0, linked=None):
     gids = sorted({x.group_id for x in instances})
     random.Random(seed).shuffle(gids)
     n_mon = max(1, round(frac * len(gids))) if len(gids) > 1 else 0
-    mon = set()
+    mon, here = set(), set(gids)
     for gid in gids:
         if len(mon) >= n_mon:
             break
-        mon |= (linked or {}).get(gid, {gid}) & set(gids)
+        mon |= (linked or {}).get(gid, {gid}) & here
     return [x for x in instances if x.group_id not in mon], [x for x in instances if x.group_id in mon]
 
 

@@ -326,10 +326,16 @@ def unseen_minus_seen(recs, seen, unseen, key="exposed", base=None):
     by group), over the groups that hold both. base: the same instances' base records; each side is then
     the Shield's change from the base (Shield minus base), so that families the base already exposes more
     (stronger ones) do not read as families the Shield failed to learn: seen and unseen are other families."""
-    side = lambda ms: ({g: [-v for v in vs] for g, vs in by_group(recs, ms, base, key).items()} if base is not None
-                       else by_group(recs, ms, key=key))              # (by_group with a base: base minus Shield)
-    u, s = side(unseen), side(list(seen))
+    u, s = shield_side(recs, unseen, base, key), shield_side(recs, list(seen), base, key)
     return {g: sum(u[g]) / len(u[g]) - sum(s[g]) / len(s[g]) for g in sorted(set(u) & set(s))}, u, s
+
+
+def shield_side(recs, methods, base=None, key="exposed"):
+    """{group_id: [100 * rec[key]]} of the records of `methods`; with `base`, each the Shield's change from the
+    base (Shield minus base; by_group's own drop reads base minus Shield)."""
+    if base is None:
+        return by_group(recs, methods, key=key)
+    return {g: [-v for v in vs] for g, vs in by_group(recs, methods, base, key).items()}
 
 
 def over_folds(n_boot, seed, diffs, subset_of):
@@ -349,8 +355,7 @@ def over_folds(n_boot, seed, diffs, subset_of):
 def changes(recs, families, base=None, key="exposed"):
     """One fold's records -> {family: {group_id: mean of `key` x 100}}; with `base` (the same instances' base
     records), the Shield's change from the base (Shield minus base) instead."""
-    sign = -1.0 if base is not None else 1.0                             # by_group with a base: base minus Shield
-    return {m: {g: sign * sum(vs) / len(vs) for g, vs in by_group(recs, [m], base, key).items()} for m in families}
+    return {m: {g: sum(vs) / len(vs) for g, vs in shield_side(recs, [m], base, key).items()} for m in families}
 
 
 def same_family(n_boot, seed, folds):

@@ -74,15 +74,14 @@ def summarize_stage(recs, seen, n_boot, seed):
             return {"n": 0}
         clusters = [r["group_id"] for r in rs]
         out = {"n": len(rs)}
+        series = [("exposure", [100.0 * r["exposed"] for r in rs], clusters),
+                  ("mean_attack_rank", [r["attack_rank"] for r in rs], clusters),
+                  ("promotion", [r["promotion"] for r in rs], clusters)]
         # clean top-k kept is the group's clean list's: one value a group, however many families it holds
         kept = {r["group_id"]: 100.0 * r["clean_topk_kept"] for r in rs if "clean_topk_kept" in r}
-        for name, vals, cl in (("exposure", [100.0 * r["exposed"] for r in rs], clusters),
-                               ("mean_attack_rank", [r["attack_rank"] for r in rs], clusters),
-                               ("promotion", [r["promotion"] for r in rs], clusters),
-                               ("clean_topk_kept", list(kept.values()) if len(kept) == len(set(clusters)) else [],
-                                list(kept))):
-            if not vals or len(vals) != len(cl):
-                continue
+        if len(kept) == len(set(clusters)):               # (every group's: a base to compare with)
+            series.append(("clean_topk_kept", list(kept.values()), list(kept)))
+        for name, vals, cl in series:
             out[name] = sum(vals) / len(vals)
             out[name + "_ci"] = list(metrics.cluster_bootstrap_ci(vals, cl, n_boot=n_boot, seed=seed))
         return out
