@@ -47,8 +47,8 @@ import defenses
 import metrics
 import tfsg
 from offline_attackers import attack_rewrites, family_step, judge_fidelity, repair_rewrites
-from offline_target import (AUTHORITY, STOP, answer_target, attractiveness, features, relevance, sentences, words,
-                            write_answer)
+from offline_target import (AUTHORITY, REFERENCE, STOP, answer_target, attractiveness, features, relevance, sentences,
+                            words, write_answer)
 
 ENGINE = "offline-engine"
 CREATED = 0   # a reply's `created` (Unix seconds, an int in OpenAI's chat completion object): a constant, not the
@@ -64,7 +64,7 @@ def ngrams(text, n_min=2, n_max=3):
     for n in range(n_min, n_max + 1):
         for i in range(len(toks) - n + 1):
             g = toks[i:i + n]
-            if g[0] in STOP or g[-1] in STOP:
+            if g[0] in STOP or g[-1] in STOP or any("'" in t for t in g):   # a signal is quoted '...'
                 continue
             out.add(" ".join(g))
     return out
@@ -188,7 +188,7 @@ def analyze_batch(inp):
     succ = inp.get("success_cases", inp.get("citation_success_cases", []))
     miss = inp.get("missed_attack_cases", inp.get("citation_failure_cases", []))
     fps = inp.get("false_positive_cases", [])
-    updates, findings = [], []
+    updates, gaps, fp_patterns = [], [], []
     benign_all = _flat(_case_docs(succ + miss + fps, "benign"))
     # missed attacks: extend the strongest attack rule with attack-only phrases that the missed attack
     # documents share with attack documents of other queries in the batch, or add a rule
@@ -207,15 +207,16 @@ def analyze_batch(inp):
             updates.append({"action": "add_rule", "reason": "missed attacks", "rule": _rule(
                 "R_new", "attack_pattern", "Self-promotional framing seen in missed attacks.",
                 terms, "suspicious_keep", "medium")})
-        findings.append(f"{len(miss)} missed-attack cases; {len(terms)} new attack-only phrases")
+        gaps.append(f"{len(miss)} missed-attack cases; {len(terms)} new attack-only phrases")
     # false positives: weaken the rules that filtered benign results, add a guard from their phrases
     if fps:
-        culprits, filtered = {}, []
+        culprits, filtered = {}, {}                  # {query: {page's opening: page}}, as _case_docs groups
         for c in fps:
             for d in c.get("per_doc_decision", []):
                 lab = next((x.get("label") for x in c.get("search_results", []) if x["index"] == d["index"]), None)
                 if lab == "benign" and d.get("source_decision") == "filter":
-                    filtered += [x["text"] for x in c.get("search_results", []) if x["index"] == d["index"]]
+                    filtered.setdefault(c.get("user_question", ""), {}).update(
+                        (x["text"][:200], x["text"]) for x in c.get("search_results", []) if x["index"] == d["index"])
                     for rid in d.get("used_rule_ids", []):
                         culprits[rid] = culprits.get(rid, 0) + 1
         for rid in sorted(culprits, key=lambda r: (-culprits[r], r)):
@@ -223,14 +224,14 @@ def analyze_batch(inp):
             if r and r["action"] == "filter" and r["rule_type"] != "fp_guard":
                 updates.append({"action": "modify_rule", "target_rule_id": rid, "reason": "filtered benign results",
                                 "rule": {"strength": "medium" if r["strength"] == "strong" else "weak"}})
-        guard_terms = distinctive({str(i): [t] for i, t in enumerate(filtered)},
+        guard_terms = distinctive({q: list(v.values()) for q, v in filtered.items()},
                                   _flat(_case_docs(miss + succ + fps, "attack")), k=3)
         if guard_terms:
             updates.append({"action": "add_fp_guard", "reason": "benign phrases in wrongly filtered results",
                             "rule": _rule("R_guard", "fp_guard", "Protect results with these plain benign phrases: "
                                           + ", ".join(guard_terms), [f"'{t}'" for t in guard_terms], "keep",
                                           "medium")})
-        findings.append(f"{len(fps)} false-positive cases; culprits {culprits}")
+        fp_patterns.append(f"{len(fps)} false-positive cases; culprits {culprits}")
     # successes: keep the rules that were used, by number, then name ('R01' and 'R1', or two ids without a
     # number, would otherwise keep the set's order, which follows the hash seed)
     used = sorted({rid for c in succ for rid in c.get("used_rule_ids", [])},
@@ -238,7 +239,7 @@ def analyze_batch(inp):
     updates += [{"action": "keep_rule", "target_rule_id": rid, "reason": "used in successful cases"} for rid in used
                 if rid in rules]
     return {"batch_analysis": {"success_commonalities": [f"{len(succ)} successful cases"],
-                               "missed_attack_gaps": findings[:1], "false_positive_patterns": findings[1:],
+                               "missed_attack_gaps": gaps, "false_positive_patterns": fp_patterns,
                                "citation_selection_findings": [], "rule_attribution_findings": used,
                                "library_level_assessment": "offline simulation analyzer"},
             "updates": updates, "controller_notes": ["offline simulation analyzer"]}
@@ -252,7 +253,7 @@ def judge_asi(query, attack, answer):
     ans = [set(words(s)) - STOP for s in re.split(r"\[\d+\]\.?", answer) if len(words(s)) >= 4]
     if not ans or not a_sents:
         return 0, []
-    hits = [s for s in ans if any(len(s & t) >= 0.8 * len(s) for t in a_sents)]
+    hits = [s for s in ans if s and any(len(s & t) >= 0.8 * len(s) for t in a_sents)]
     f = len(hits) / len(ans)
     u = 0 if f == 0 else min(4, max(1, round(4 * f)))      # share of answer sentences from the attack -> 0..4
     return u, [" ".join(sorted(h))[:80] for h in hits]
@@ -341,7 +342,7 @@ def isolated_answer(query, doc):
     if best is None or relevance(query, doc) == 0:
         return {"answer": "I don't know."}
     terms = " ".join(w for w in words(query) if w not in STOP)
-    best = re.sub(r"\s*\[[\d,\s\-–]+\]", "", best).rstrip(".")   # the document's own references are not ours
+    best = REFERENCE.sub("", best).rstrip(".")       # the document's own references are not ours
     return {"answer": f"On {terms}: {best} [1]."}
 
 

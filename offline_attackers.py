@@ -263,7 +263,7 @@ def repair(mode, query, doc):
     query's words added only as a heading): every fact stays."""
     sents = _sentences(doc)
     q = set(words(query))
-    best = max(sents, key=lambda s: (len(q & set(words(s))), -sents.index(s))) if sents else doc
+    best = sents[max(range(len(sents)), key=lambda i: (len(q & set(words(sents[i]))), -i))] if sents else doc
     if mode == "answer_buried":
         rest = doc.replace(best, "", 1).strip()
         return f"{best}\n\n{rest}"

@@ -106,12 +106,16 @@ def decide(rules, text, query):
     return decision, fired
 
 
+# a bracketed reference list ([3], [1, 2], [4; 5], [2-4]), as tfsg.cited and metrics.cited_indices read one
+REFERENCE = re.compile(r"\s*\[\s*\d[\d\s,;\-–]*\]")
+
+
 def write_answer(query, docs, cite):
     """One or two sentences from each cited result, each followed by its citation."""
     out = []
     for i in cite:
         for s in sentences(docs[i - 1])[:1]:
-            s = re.sub(r"\s*\[[\d,\s\-–]+\]", "", s)   # the document's own bracket references are not ours
+            s = REFERENCE.sub("", s)            # the document's own bracket references are not ours
             out.append(f"{s.rstrip('.')} [{i}].")
     return " ".join(out) if out else "The search results do not contain enough reliable information to answer."
 
