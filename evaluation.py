@@ -171,10 +171,11 @@ def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
         done = [q for q in rs if not bad(q)] + ([r] if r is not None else [])
         usage = {"usage": reply_usage(done, sequential=bool(rs) + (m is not None))} if p.usage else {}
         pre_failed = [i for i, q in enumerate(rs) if bad(q)]
-        if usage and pre_failed:          # billed attempts whose tokens no reply carries: counted, cost unknown
+        lost = [rs[i] for i in pre_failed] + ([failed] if failed else [])
+        if usage and lost:                # billed attempts whose tokens no reply carries: counted, cost unknown
             u = usage["usage"]
-            u["llm_calls"] += sum(rs[i].attempts for i in pre_failed)
-            u["unmetered"] = u.get("unmetered", 0) + len(pre_failed)
+            u["llm_calls"] += sum(f.attempts for f in lost)
+            u["unmetered"] = u.get("unmetered", 0) + len(lost)
         recs.append({**rec, **kept, **usage, **({"pre_failed": pre_failed} if pre_failed else {})})
     return recs
 

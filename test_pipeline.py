@@ -892,6 +892,25 @@ def test_a_pre_step_reply_that_never_parses_is_recorded_not_a_stopped_condition(
     assert u["llm_calls"] == 4 and u["unmetered"] == 1       # (its tokens are in no reply: the cost is unknown)
 
 
+@pytest.mark.parametrize("defense, pre_steps", [("PromptArmor", 3), ("Spotlighting", 0)])
+def test_a_final_answer_that_never_parses_is_counted_in_the_querys_usage(defense, pre_steps):
+    """A pipeline that records its own usage: the final answer's failed attempts were billed, so they count as
+    calls whose tokens no reply carries (unmetered: the cost unknown), not as a query that cost nothing."""
+    def engine(body):
+        text = body["messages"][-1]["content"]
+        reply = "cut off" if "Search results" in text else offline.respond(body)["choices"][0]["message"]["content"]
+        return {"choices": [{"message": {"content": reply}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    llm = llm_clients.Client.open(None, "m", handler=engine, json_retries=0)
+    docs = ["Eggs boil in 6 minutes.", "Boil eggs for 9 minutes for a hard yolk.", "Eggs cook in 8 minutes."]
+    x = geodef.Instance("g:GEO", "g", "how long to boil eggs", docs, ["a", "b#GEO", "c"], 1, "GEO")
+    recs = evaluation.pipeline_records(settings.LLMSettings(max_tokens=200), 2, llm, defense, [x], [[0, 1, 2]],
+                                       defenses.PIPELINES[defense])
+    u = recs[0]["usage"]
+    assert recs[0]["answer_failed"]["attempts"] == 1 and u["unmetered"] == 1
+    assert u["llm_calls"] == pre_steps + 1                  # the pre-step replies and the failed answer
+
+
 def test_the_ppl_filter_diagnostics_read_the_papers_lists(tmp_path):
     """On a file with several attacked documents a list, the PPL-Filter reorders every list, and its
     diagnostics (Table B.2's counts) read the paper's lists (K = 1) alone, as Table 1 does."""
