@@ -410,6 +410,7 @@ class Client:
         self.lock = threading.Lock()
         self._stats = {"calls": 0, "cache_hits": 0, "json_reasks": 0,
                        "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
+        self._batch_tokens = {}                  # the part of _stats' tokens a batch API billed (its share)
         self.batch = batch(self) if batch is not None else None
 
     @classmethod
@@ -525,6 +526,8 @@ class Client:
         with self.lock:
             for k, v in tokens.items():
                 self._stats[k] = self._stats.get(k, 0) + v
+                if mode == "batch":
+                    self._batch_tokens[k] = self._batch_tokens.get(k, 0) + v
         if self.ledger:
             label = self.label + (" [batch]" if mode == "batch" else "")
             accounting.append_ledger(self.ledger, {"stage": self.stage, "model": label, **tokens})
@@ -651,11 +654,13 @@ class Client:
 
     def usage(self):
         """Calls, HTTP calls, cache hits, retries, tokens and (with a price table entry) cost in USD."""
-        s = self.stats
+        s, batch = self.stats, dict(self._batch_tokens)
         p = self.prices.get(accounting.price_key(self.label))
         # unknown without a chat price (a per-token rerank entry is another kind) or with unmetered replies
         priced = isinstance(p, (list, tuple)) and not s.get("unmetered")
-        s["cost_usd"] = accounting.token_cost(p, s) if priced else None
+        sync = {k: v - batch.get(k, 0) for k, v in s.items() if isinstance(v, int)}
+        costs = [accounting.token_cost(p, sync), accounting.token_cost(p, batch, batch=True)] if priced else [None]
+        s["cost_usd"] = None if None in costs else sum(costs)
         s["model"] = self.label
         if self.adapted:
             s["adapted"] = list(self.adapted)

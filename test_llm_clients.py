@@ -887,3 +887,13 @@ def test_no_exception_reachable_from_a_client_error_holds_the_key():
         chain.append(err)
         err = err.__cause__ or err.__context__
     assert len(chain) == 1 and "sk-SECRET-123" not in repr(vars(e.value))
+
+
+def test_the_clients_cost_prices_batch_replies_as_its_ledger_does(tmp_path):
+    """A batch API's replies cost the batch share of the price: the client's usage() (build-bench's last line)
+    charged them in full, twice what its ledger says."""
+    prices, ledger = {"m": [1.0, 2.0]}, str(tmp_path / "usage.jsonl")
+    c = llm_clients.Client.open(None, "m", handler=lambda body: ok("x"), prices=prices, ledger=ledger, stage="b")
+    for mode in ("batch", None):
+        c._count(llm_clients.Reply("x", usage={"prompt_tokens": 1_000_000, "completion_tokens": 0}), mode)
+    assert c.usage()["cost_usd"] == accounting.ledger_usage(ledger, prices)["total"]["cost_usd"] == 1.5
