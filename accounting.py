@@ -107,13 +107,13 @@ def ledger_usage(path, prices=None):
     Chat rows sum tokens; rerank rows (model "rerank:...") documents, search units and tokens; a `lost`
     row is a request whose reply was lost after it was sent (unmetered: it may have been billed).
     cost_usd is None where `prices` lacks the model or a row is unmetered (price_of). A line cut by a kill is
-    skipped (its reply was not cached either, and is asked again), as is one that is not a JSON object."""
+    skipped (its reply was not cached either, and is asked again), as is one that is not a UTF-8 JSON object."""
     stages = {}
-    lines = open(path, encoding="utf-8").read().split("\n") if path and os.path.isfile(path) else []
+    lines = open(path, "rb").read().split(b"\n") if path and os.path.isfile(path) else []
     for line in lines:
         try:
-            rec = json.loads(line)
-        except ValueError:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:                     # (a damaged byte too: UnicodeDecodeError is a ValueError)
             continue
         if not isinstance(rec, dict):
             continue

@@ -65,6 +65,9 @@ def test_a_line_cut_by_a_kill_is_skipped_by_the_ledger(tmp_path):
     with open(path, "a") as f:          # a line no writer wrote (an edit by hand): skipped, not a crash
         f.write("[1, 2]\n12\n")
     assert ledger_usage(path, {})["total"]["replies"] == 5
+    with open(path, "ab") as f:         # a damaged byte (a bad disk): that line skipped, not every command's end
+        f.write(b'{"stage": "eval", "model": "x\xff"}\n')
+    assert ledger_usage(path, {})["total"]["replies"] == 5
 
 
 def test_the_ledger_sums_each_model_within_each_stage(tmp_path):
