@@ -66,3 +66,24 @@ def test_gpt2_parity_with_transformers(tmp_path, tiny_gpt2):
     assert abs(ours.perplexity(text, stride=32) - want) < 1e-3 * want
     # the default stride (512) past this model's context: at most half the context, no token left unscored
     assert ours.perplexity(text) == ours.perplexity(text, stride=32)
+
+
+def test_a_tiny_checkpoint_cut_short_by_a_kill_is_written_again(tmp_path, monkeypatch):
+    """The tiny checkpoints are reused when their files are there: a kill while one was written left every
+    file there, one of them cut short, and each later run crashed on it. Written beside and moved in whole,
+    the folder a kill leaves is written again; the layer norms start as transformers' do (gains 1, biases 0)."""
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    for make, name in ((tiny.make_tiny_gpt2, "gpt2"), (tiny.make_tiny_checkpoint, "qwen3")):
+        out = str(tmp_path / name)
+        with monkeypatch.context() as m:
+            m.setattr(json, "dump", killed)
+            with pytest.raises(KeyboardInterrupt):
+                make(out)
+        make(out)
+        with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+            assert json.load(f)["_note"]
+    from safetensors.torch import load_file
+    state = load_file(str(tmp_path / "gpt2" / "model.safetensors"))
+    norms = {k: v for k, v in state.items() if ".ln" in k or "ln_f" in k}
+    assert all(bool((v == (1 if k.endswith("weight") else 0)).all()) for k, v in norms.items()) and len(norms) == 10

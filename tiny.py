@@ -62,11 +62,9 @@ def make_tiny_checkpoint(out_dir, seed=0, hidden=64, layers=2, heads=4, kv_heads
     complete folder is reused. Plumbing for offline runs and tests: its scores mean nothing.
     std 0.08 (transformers initialises with 0.02): at 0.02 the ten candidates' margins differ by ~0.01,
     so any adapter reshuffles them; at 0.08 they spread by ~0.16 and a benign ordering exists to keep."""
-    from safetensors.torch import save_file
     files = [os.path.join(out_dir, f) for f in ("config.json", "model.safetensors", "tokenizer.json")]
     if all(os.path.isfile(f) for f in files):
         return out_dir
-    os.makedirs(out_dir, exist_ok=True)
     tok = tiny_tokenizer()
     cfg = reranker.Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=mlp,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -80,14 +78,24 @@ def make_tiny_checkpoint(out_dir, seed=0, hidden=64, layers=2, heads=4, kv_heads
             state["model." + k] = 1.0 + 0.1 * torch.randn(v.shape, generator=g)
         else:                           # N(0, std), see the docstring
             state["model." + k] = std * torch.randn(v.shape, generator=g)
+    return written_whole(out_dir, state, tok, {**cfg.to_dict(), "bos_token_id": None, "eos_token_id": None,
+                                               "_note": "tiny random-weight Qwen3 for offline plumbing; not a "
+                                                        "trained model"})
+
+
+def written_whole(out_dir, state, tok, config):
+    """out_dir holding model.safetensors (state), tokenizer.json (tok) and config.json, written in a folder
+    beside it and moved in with the weights last: the folders are reused when all three are there, so a
+    kill mid-write leaves a folder that is written again, never one with a file cut short."""
+    from safetensors.torch import save_file
     tmp = out_dir + f".tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
               metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
     tok.save(os.path.join(tmp, "tokenizer.json"))
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-        json.dump({**cfg.to_dict(), "bos_token_id": None, "eos_token_id": None,
-                   "_note": "tiny random-weight Qwen3 for offline plumbing; not a trained model"}, f, indent=1)
+        json.dump(config, f, indent=1)
+    os.makedirs(out_dir, exist_ok=True)
     for name in ("tokenizer.json", "config.json", "model.safetensors"):
         os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
     os.rmdir(tmp)
@@ -96,11 +104,9 @@ def make_tiny_checkpoint(out_dir, seed=0, hidden=64, layers=2, heads=4, kv_heads
 
 def make_tiny_gpt2(out_dir, seed=0):
     """A tiny GPT-2 with RANDOM weights (config.json, model.safetensors, tokenizer.json) for offline runs."""
-    from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     if all(os.path.isfile(os.path.join(out_dir, f)) for f in ("config.json", "model.safetensors", "tokenizer.json")):
         return out_dir
-    os.makedirs(out_dir, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -118,7 +124,7 @@ def make_tiny_gpt2(out_dir, seed=0):
     for k, v in m.state_dict().items():
         if k.endswith("weight") and v.dim() == 2:                 # matrices: N(0, 0.02)
             t = 0.02 * torch.randn(v.shape, generator=g)
-        elif ".ln" in k or (k.startswith("ln_f") and k.endswith("weight")):   # layer-norm gains: 1
+        elif k.endswith("weight") and (".ln" in k or k.startswith("ln_f")):   # layer-norm gains: 1
             t = torch.ones(v.shape)
         else:                                                       # biases: 0
             t = torch.zeros(v.shape)
@@ -128,8 +134,4 @@ def make_tiny_gpt2(out_dir, seed=0):
                 k = k.replace(a, b)
                 t = t.t() if k.endswith(".weight") else t            # store as HF Conv1D (in, out)
         state[k] = t.contiguous()
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=1)
-    return out_dir
+    return written_whole(out_dir, state, tok, cfg)
