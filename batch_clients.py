@@ -79,15 +79,15 @@ class BatchUnsupported(LLMError):
 
 
 def _refusal(e, label, where):
-    """A failed batch creation -> BatchUnsupported where the server says it has no batches or refuses this
-    one; None for a failure that may pass (a rate limit, a 5xx, no reply, past the transport's retries):
-    that stays an LLMError, since BatchUnsupported turns batching off for the run (`auto`: every later
-    stage synchronous, at twice the price)."""
+    """A failed batch creation, in its caller's except clause: BatchUnsupported raised where the server says it
+    has no batches or refuses this one; a failure that may pass (a rate limit, a 5xx, no reply, past the
+    transport's retries) returns, to be re-raised as the LLMError it is, since BatchUnsupported turns batching
+    off for the run (`auto`: every later stage synchronous, at twice the price)."""
     if e.status in (404, 405, 501):
-        return BatchUnsupported(f"{label}: no batch endpoint at {where} (HTTP {e.status})", e.status)
+        raise BatchUnsupported(f"{label}: no batch endpoint at {where} (HTTP {e.status})", e.status) from None
     if e.status is not None and 400 <= e.status < 500 and e.status not in RETRY_STATUS:
-        return BatchUnsupported(f"{label}: the batch was refused at creation (HTTP {e.status}): {e}", e.status)
-    return None
+        raise BatchUnsupported(f"{label}: the batch was refused at creation (HTTP {e.status}): {e}",
+                               e.status) from None
 
 
 class _Lost(Exception):
@@ -183,16 +183,14 @@ class BatchRunner:
         if client.transport.base_url is None:
             raise ValueError(f"{client.label}: the batch API needs an HTTP endpoint")
         self.client, self.manifest = client, Manifest.at(manifest)
-        self.poll, self.auto, self.rounds = poll, auto, rounds
+        self.poll, self.auto, self.rounds, self.results_cap = poll, auto, rounds, results_cap
         self.deadline = DEADLINE if deadline is None else deadline
-        self.results_cap = results_cap
         # what a server says (a failure's reasons, ids) is logged and kept with any credential in it masked
         self.log, self.sleep, self.clock = lambda msg: log(client.transport.mask(msg)), sleep, clock
         self.provider = (AnthropicBatches if client.protocol == "anthropic" else OpenAIBatches)(client.transport,
                                                                                                  client.label)
         self.limits = limits or LIMITS[self.provider.name]
-        self.unsupported = False
-        self.stats = {"batches": 0, "lines": 0, "cached": 0, "retried": 0, "closed": 0}
+        self.unsupported, self.stats = False, {"batches": 0, "lines": 0, "cached": 0, "retried": 0, "closed": 0}
 
     # --- the runner
 
@@ -479,12 +477,10 @@ class BatchRunner:
                 got, n = _jsonl(self.client.transport.send("GET", url, raw=True, max_bytes=self.results_cap), asked)
                 out, stray = out + got, stray + n          # (OpenAI's: an output and an error file)
             except LLMError as e:
-                if e.status in GONE:
-                    raise _Lost(f"has results the server no longer has ({urlparse(url).path}: HTTP {e.status})",
+                if e.status in GONE or e.status == 200:        # 200: refused unread, over results_cap
+                    raise _Lost(f"has results the server no longer has ({urlparse(url).path}: HTTP {e.status})"
+                                if e.status in GONE else f"has results over the size cap ({self.results_cap} bytes)",
                                 status["state"], status.get("counts")) from None
-                if e.status == 200:                    # refused unread: over results_cap
-                    raise _Lost(f"has results over the size cap ({self.results_cap} bytes)", status["state"],
-                                status.get("counts")) from None
                 raise
         return out, stray
 
@@ -517,10 +513,8 @@ class OpenAIBatches:
                 "input_file_id": f["id"], "completion_window": "24h",
                 "endpoint": urlparse(self.base + "/chat/completions").path}, again=again)
         except LLMError as e:
-            refused = _refusal(e, self.label, f"{self.base}/batches")
-            if refused is None:
-                raise
-            raise refused from None
+            _refusal(e, self.label, f"{self.base}/batches")
+            raise
         return _id(b, self.label, "batch")
 
     def find(self, entry, known):
@@ -579,10 +573,8 @@ class AnthropicBatches:
         try:
             b = self.transport.send("POST", self.base + "/messages/batches", {"requests": lines}, again=again)
         except LLMError as e:
-            refused = _refusal(e, self.label, f"{self.base}/messages/batches")
-            if refused is None:
-                raise
-            raise refused from None
+            _refusal(e, self.label, f"{self.base}/messages/batches")
+            raise
         return _id(b, self.label, "batch")
 
     def find(self, entry, known):

@@ -58,9 +58,8 @@ def bench_folder(m, b):
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         torch.manual_seed(0)
         config = transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
-                                          num_hidden_layers=b.layers, num_attention_heads=16,
-                                          num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-                                          tie_word_embeddings=True,
+                                          num_hidden_layers=b.layers, num_attention_heads=16, num_key_value_heads=8,
+                                          head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
                                           max_position_embeddings=40960)
         model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, m.dtype))
         model.save_pretrained(folder, safe_serialization=True)
@@ -214,14 +213,12 @@ def matmul_floor(rr, ids):
     gemm = gemm_floor(rr, ids, grad=True)
     loras, atts = [], []  # (module, rows, needs dx); (rows, heads, kv heads, head dim, lens, prefix)
 
-    def on_lora(m, a, out):
-        loras.append((m, a[0].shape[0], a[0].requires_grad))
-
     def on_attn(m, a, out):
         x, lens, prefix, last = a[0], a[3], a[4], a[5]         # speed.attention_forward's arguments
         if last is None:
             atts.append((x.shape[0], m.H, m.K, m.E, list(lens), prefix))
-    hooks = [m.register_forward_hook(on_lora) for m in rr.model.modules() if isinstance(m, lora.LoRALinear)]
+    hooks = [m.register_forward_hook(lambda m, a, out: loras.append((m, a[0].shape[0], a[0].requires_grad)))
+             for m in rr.model.modules() if isinstance(m, lora.LoRALinear)]
     hooks += [m.register_forward_hook(on_attn) for m in rr.model.modules() if isinstance(m, reranker.Attention)]
     try:
         rr.score_ids(ids, grad=True)
@@ -353,14 +350,12 @@ def bench_score(m, b):
         for k, t in race(cands, b.repeat, rounds, progress(name, len(lens), b.repeat)).items():
             results[f"{name}/{k}"] = sum(lens) / t                              # tokens per second
             results[f"{name}/{k}_docs_per_s"] = len(lens) / t                  # the unit providers compare
-        peers = ["transformers"] + (["model_card_snippet"] if name == "fixed" else [])
+        peers = {"transformers": "transformers", **({"model_card_snippet": "snippet"} if name == "fixed" else {})}
         for ours in [k for k in cands if k.startswith("ours")]:
-            for peer in peers:
-                tag = "snippet" if peer == "model_card_snippet" else peer
+            for peer, tag in peers.items():
                 results[f"{name}/{ours}_vs_{tag}"] = results[f"{name}/{ours}"] / results[f"{name}/{peer}"]
                 results[f"{name}/{ours}_vs_{tag}_paired_median"] = paired_ratio(rounds, peer, ours)
-        for peer in peers:  # the most a zero-overhead implementation could reach (see gemm_floor)
-            tag = "snippet" if peer == "model_card_snippet" else peer
+        for peer, tag in peers.items():  # the most a zero-overhead implementation could reach (see gemm_floor)
             results[f"{name}/ceiling_vs_{tag}_paired_median"] = paired_ratio(rounds, peer, "gemm_floor")
         for ours in [k for k in cands if k.startswith("ours")]:
             results[f"{name}/{ours}_over_gemm_floor_paired_median"] = paired_ratio(rounds, ours, "gemm_floor")
@@ -398,8 +393,7 @@ def in_fresh_process(fn, *args):
             break
         except queue.Empty:
             if not p.is_alive():
-                raise RuntimeError(f"bench: {fn.__name__} ended without an answer (exit code {p.exitcode})") \
-                    from None
+                raise RuntimeError(f"bench: {fn.__name__} ended without an answer (exit code {p.exitcode})") from None
     p.join()
     return out
 
@@ -454,8 +448,7 @@ def bench_memory(m, b):
     for name, lens in workloads(b).items():
         kinds = ("ours", "ours_compiled", "transformers") if m.compile else ("ours", "transformers")
         for kind in kinds:
-            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, b.prefix,
-                                                              m.dtype)
+            res[f"{name}/{kind}_peak_MiB"] = in_fresh_process(_peak_rss_child, kind, folder, lens, b.prefix, m.dtype)
         for kind in kinds[:-1]:
             peer = res[f"{name}/transformers_peak_MiB"]
             res[f"{name}/{kind}_over_transformers"] = res[f"{name}/{kind}_peak_MiB"] / peer
@@ -671,8 +664,7 @@ def bench_serve(m, b):
 
     rr.score(reqs[0]["query"], reqs[0]["documents"])      # warm-up
     tokens = [sum(map(len, rr.tokenize(r["query"], r["documents"]))) for r in reqs]
-    res = {"clients": b.clients, "requests": n_req, "layers": b.layers,
-           "tokens_per_request": statistics.mean(tokens)}
+    res = {"clients": b.clients, "requests": n_req, "layers": b.layers, "tokens_per_request": statistics.mean(tokens)}
     ratios = []
     for rnd in range(b.repeat):   # alternating order, as race() does
         order = (("direct", direct), ("served", served)) if rnd % 2 == 0 else (("served", served), ("direct", direct))

@@ -167,7 +167,7 @@ def row_of(o, path, n):
         raise geodef.BenchFormatError(f"{path}:{n}: query: missing")
     if not isinstance(q, str):
         raise geodef.BenchFormatError(f"{path}:{n}: query: expected a string, got {type(q).__name__}")
-    if not visible(q):
+    if not INVISIBLE.sub("", q):                # no character a reader sees
         raise geodef.BenchFormatError(f"{path}:{n}: query: empty (only spaces or invisible characters)")
     geodef.check_text(q, path, n, "query")
     src = source_index(o.get(src_key), len(docs), path, n, src_key)
@@ -179,12 +179,8 @@ def row_of(o, path, n):
     return {"id": str(rid), "line": n, "path": path, "query": q, "docs": docs, "source_index": src}
 
 
+# spaces, zero-width spaces, joiners and marks: no character a reader sees
 INVISIBLE = re.compile(r"[\s\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u034f\u180e]+")
-
-
-def visible(text):
-    """Whether `text` has a character a reader sees (zero-width spaces, joiners and marks are not)."""
-    return bool(INVISIBLE.sub("", text))
 
 
 def source_index(v, n_docs, path, n, key):
@@ -242,11 +238,10 @@ class SearchClient:
         self.label = str(spec)
         # TAVILY_API_KEY goes only to Tavily's own host; another endpoint gets SEARCH_API_KEY (optional);
         # the offline engine none
-        if self.where.host == "api.tavily.com":
-            key = os.environ.get("TAVILY_API_KEY")
-        else:
-            key = os.environ.get("SEARCH_API_KEY") if spec.provider == "tavily" else None
-        if self.where.host == "api.tavily.com" and not key:
+        tavily = self.where.host == "api.tavily.com"
+        key = (os.environ.get("TAVILY_API_KEY" if tavily else "SEARCH_API_KEY")
+               if tavily or spec.provider == "tavily" else None)
+        if tavily and not key:
             raise SettingsError("--search tavily: set TAVILY_API_KEY")
         self.transport = transport.Transport(self.where, self.label, api_key=key, timeout=timeout, rpm=rpm,
                                                provider="search", endpoint=self.where.url + "/search",
@@ -433,19 +428,12 @@ def rewrite_all(ctx, fams, cons, groups, mageo_signal, test_ctx=None):
         fam = geo_attacks.rewriter(f, mageo_signal)
         for split in ("construction", "test"):
             todo = [g for g in groups if g["split"] == split and (f in cons or split == "test")]
-            done, bad = rewrite_family(test_ctx if split == "test" and test_ctx else ctx, fam, todo) if todo \
-                else ({}, {})
+            done, bad = rewrite_family(test_ctx if split == "test" and test_ctx else ctx, fam, todo)
             for gid, why in bad.items():
                 failed[gid][f] = why
             for gid, (text, trace) in done.items():
                 attacks[gid][f], traces[gid][f] = text, trace
     return attacks, traces, failed
-
-
-def refusal_kind(why):
-    """A gate verdict without its particulars: "adds numbers ['12']" -> "adds numbers", "fidelity 3 < 4" ->
-    "fidelity"."""
-    return re.split(r"\s*[\[(\d<:]", why, maxsplit=1)[0].strip()
 
 
 def honest_edits(ctx, groups):
@@ -462,9 +450,9 @@ def honest_edits(ctx, groups):
     done, failed = rewrite_family(ctx, honest.HonestEdit(), groups, gate)
     for gid, why in failed.items():
         log(f"[build-bench] {gid}: no honest edit ({why})")
-    kinds = [refusal_kind(w) for w in verdicts]
-    return ({**{gid: (t, tr) for gid, (t, tr) in done.items()},
-             **{gid: (None, {"attempts": REWRITE_TRIES, "refused": why}) for gid, why in failed.items()}},
+    kinds = [re.split(r"\s*[\[(\d<:]", w, maxsplit=1)[0].strip() for w in verdicts]  # without particulars:
+    # "adds numbers ['12']" -> "adds numbers", "fidelity 3 < 4" -> "fidelity"
+    return ({**done, **{gid: (None, {"attempts": REWRITE_TRIES, "refused": why}) for gid, why in failed.items()}},
             {k: kinds.count(k) for k in sorted(set(kinds))})
 
 
@@ -644,11 +632,9 @@ def dry_run(run):
     stages = {}
     for f in fams:
         calls = geo_attacks.FAMILIES[f].calls
+        stages[f] = stage(n_cons * (f in cons) + n_test * (not b.test_llm), calls)
         if b.test_llm:
-            stages[f] = stage(n_cons * (f in cons), calls)
             stages[f"{f} (test split)"] = stage(n_test, calls, spec=test_split)
-        else:
-            stages[f] = stage(n_cons * (f in cons) + n_test, calls)
     if b.honest:                      # one edit per group, each judged like a family's rewrite
         stages["honest edit"] = stage(n_cons if b.test_llm else len(picked), 1, reads=1, writes=1.1)
         if b.test_llm:
@@ -697,10 +683,8 @@ def build_bench(run, p=None):
     for row in p.order:                 # in the seeded order until --groups lists are complete
         if len(groups) == b.groups:
             break
-        if search:
-            docs, pos = candidates(row, search.search(row["query"], b.docs + 5), b.docs, cfg.folder.seed)
-        else:
-            docs, pos = own_candidates(row, b.docs)
+        docs, pos = (candidates(row, search.search(row["query"], b.docs + 5), b.docs, cfg.folder.seed) if search
+                     else own_candidates(row, b.docs))
         if docs is None:
             dropped.append((row, pos))
             continue
@@ -776,8 +760,7 @@ def composition(groups, fams, cons, attacks):
     return out
 
 
-def write(b, seed, fams, seen, groups, rewrites, llm, search, markers, honest_audit=(None, None), cons=None,
-          lists=({}, {}), test_llm=None, read=(None, None)):
+def write(b, seed, fams, seen, groups, rewrites, llm, search, markers, honest_audit, cons, lists, test_llm, read):
     """The benchmark file b.output (b: the BuildSettings; seed: the build's): written aside, validated
     (geodef.load_bench), then renamed over the output.
     honest_audit ({group_id: (text or None, trace)} of every group and the refusal kinds' counts,

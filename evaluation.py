@@ -58,7 +58,6 @@ def ppl_filter(run, base, cons, test_insts):
     slug = re.sub(r'[^A-Za-z0-9._-]+', '_', cfg.eval.ppl_model)      # (+ a digest: "a b" and "a_b" are two)
     path = run.path("cache", f"ppl_{slug}_{hashlib.sha1(cfg.eval.ppl_model.encode()).hexdigest()[:8]}.json")
     cache = read_json(path, {})
-    lm = None
     texts = {hashlib.sha1(d["text"].encode()).hexdigest(): d["text"] for g in cons for d in g.docs}
     for x in test_insts:
         for d in x.docs:
@@ -680,9 +679,7 @@ def defense_summary(run, llm, judge, results, plan, insts, clean, res):
            "defenses": defense_diagnostics(results, by_id)}
     quality = {c: pairwise_quality(run, judge, results[c], clean, by_id, res, condition_slug(c))
                for c in results if c in defenses.PIPELINES}
-    if quality:
-        out["quality_defenses"] = quality
-    return out
+    return {**out, **({"quality_defenses": quality} if quality else {})}
 
 
 def clean_answers(recs):
@@ -823,14 +820,11 @@ def clients_summary(clients):
     """summary.json's record of the clients: any parameter the APIs refused (write_summary adds the run
     folder's cost). This invocation's requests and cache hits go to the log, not into the summary (it must
     not depend on where a run was resumed)."""
-    out = {}
     adapted = {c.label: c.adapted for c in dict.fromkeys(clients) if c.adapted}
-    if adapted:
-        out["adapted"] = adapted
     for c in dict.fromkeys(clients):
         log(f"[eval] this invocation, {c.label}: {c.stats['calls']} calls, {c.stats['http_calls']} sent, "
             f"{c.stats['cache_hits']} from the cache")
-    return out
+    return {"adapted": adapted} if adapted else {}
 
 
 def records_done(path):

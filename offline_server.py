@@ -94,18 +94,10 @@ def _text(content):
     return content
 
 
-def _chat_body(params):
-    """Anthropic Messages params -> the Chat Completions body the engine answers."""
-    system = _text(params.get("system"))
-    msgs = [{"role": m["role"], "content": _text(m["content"])} for m in params["messages"]]
-    return {"messages": ([{"role": "system", "content": system}] if system else []) + msgs}
-
-
 def _as_message(resp):
     """The engine's Chat Completions reply -> Anthropic's Message object."""
     return {"id": "msg_" + resp["id"].removeprefix("chatcmpl-"), "type": "message", "role": "assistant",
-            "model": offline.ENGINE,
-            "content": [{"type": "text", "text": resp["choices"][0]["message"]["content"]}],
+            "model": offline.ENGINE, "content": [{"type": "text", "text": resp["choices"][0]["message"]["content"]}],
             "stop_reason": "end_turn", "stop_sequence": None,
             "usage": {"input_tokens": resp["usage"]["prompt_tokens"],
                       "output_tokens": resp["usage"]["completion_tokens"]}}
@@ -143,7 +135,7 @@ def _line_problem(line, seen):
 class OpenAIBatchAPI:
     """OpenAI's Batch API as the store serves it: input lines from an uploaded file, validated as the batch
     starts; output and error files; the Batch object (https://platform.openai.com/docs/api-reference/batch)."""
-    anthropic = False                       # error_body's shape
+    anthropic, listed = False, {"object": "list"}     # error_body's shape; a listing's leading fields
     status_field, after, before = "status", "after", None
 
     @staticmethod
@@ -223,8 +215,7 @@ class OpenAIBatchAPI:
         stamps = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
         return {"id": b["id"], "object": "batch", "endpoint": OPENAI_ENDPOINT, "model": offline.ENGINE,
                 "input_file_id": b["input_file_id"], "completion_window": "24h", "status": b["state"],
-                "output_file_id": b.get("output_file_id"),
-                "error_file_id": b.get("error_file_id"),
+                "output_file_id": b.get("output_file_id"), "error_file_id": b.get("error_file_id"),
                 "errors": {"object": "list", "data": [b["problem"]]} if b["state"] == "failed" else None,
                 "created_at": int(at["created"]), "expires_at": int(at["created"] + DAY),
                 **{f"{k}_at": int(at[k]) if k in at else None for k in stamps},
@@ -232,16 +223,12 @@ class OpenAIBatchAPI:
                                    "failed": sum(c.get(k, 0) for k in ("errored", "canceled", "expired"))},
                 "usage": b.get("usage") or _usage([]), "metadata": b["metadata"]}
 
-    @staticmethod
-    def listing(out):
-        return {"object": "list", **out}
-
 
 class AnthropicBatchAPI:
     """Anthropic's Message Batches as the store serves it: requests in the body, results at results_url in
     reverse order (the API promises none), an `errored` result where the engine cannot answer; the
     MessageBatch object (https://docs.anthropic.com/en/api/creating-message-batches)."""
-    anthropic = True
+    anthropic, listed = True, {}
     status_field, after, before = "processing_status", "after_id", "before_id"
 
     @staticmethod
@@ -265,7 +252,11 @@ class AnthropicBatchAPI:
 
     @staticmethod
     def chat_body(line):
-        return _chat_body(line["params"])
+        """Anthropic Messages params -> the Chat Completions body the engine answers."""
+        params = line["params"]
+        system = _text(params.get("system"))
+        msgs = [{"role": m["role"], "content": _text(m["content"])} for m in params["messages"]]
+        return {"messages": ([{"role": "system", "content": system}] if system else []) + msgs}
 
     @staticmethod
     def row(b, i, cid, code, payload):
@@ -301,10 +292,6 @@ class AnthropicBatchAPI:
                 "ended_at": _iso(at.get(b["state"])) if ended else None,
                 "cancel_initiated_at": _iso(at.get("cancelling")), "archived_at": None,
                 "results_url": f"http://{host}/v1/messages/batches/{b['id']}/results" if ended else None}
-
-    @staticmethod
-    def listing(out):
-        return out
 
 
 class Batches:
@@ -513,7 +500,7 @@ class Batches:
             more = ids.index(page[0]) > 0 if before and page else len(ids) > limit
             out = {"data": [api.view(self.batches[i], host) for i in page], "has_more": more,
                    "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
-        return api.listing(out)
+        return {**api.listed, **out}
 
     def results(self, bid):
         """GET /v1/messages/batches/{id}/results (the results_url) -> JSONL."""
@@ -592,7 +579,7 @@ class Batches:
             at = b["at"]["created"] if self.pinned_created is None else self.pinned_created
             resp = answer(api.chat_body(line), at)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:    # a prompt the engine
-            msg = str(e)[:300]                  # cannot answer (_chat_body: Anthropic params of the wrong shape)
+            msg = str(e)[:300]                  # cannot answer (chat_body: Anthropic params of the wrong shape)
             return api.row(b, i, cid, 400, error_body(400, msg, api.anthropic)["error"])
         return api.row(b, i, cid, 200, _as_message(resp) if api.anthropic else resp)
 

@@ -23,12 +23,17 @@ def _table(header, rows):
     return "\n".join(out)
 
 
+def _counts(text, blocks, key):
+    """`text`, then "name n" for each block whose `key` counts something, as one sentence; nothing when none does."""
+    said = ", ".join(f"{k} {b[key]}" for k, b in blocks.items() if b.get(key))
+    return [f"{text}{said}.\n"] if said else []
+
+
 def write_report(run_dir, s):
     """report.md and figures/*.svg of one evaluated run from its summary `s`."""
     figs = os.path.join(run_dir, "figures")
     lines = _header_lines(run_dir, s) + _table_lines(s) + strength_lines(s) + cost_lines(s) + _method_lines(s, figs)
-    lines += _appendix_lines(s, figs) + defense_lines(s) + attacked_lines(s, figs)
-    lines += rerank_stage_lines(s)
+    lines += _appendix_lines(s, figs) + defense_lines(s) + attacked_lines(s, figs) + rerank_stage_lines(s)
     lines += usage_lines(s.get("usage") or {})
     # the API refused a parameter (llm_clients.RequestShape.adapt)
     for who, changes in (s.get("adapted") or {}).items():
@@ -94,23 +99,17 @@ def _table_lines(s):
     main = [k for k in ("Non-Defense", "PPL-Filter", "Static Safety Prompt", "GEO Defender") if k in c]
     lines.append("## Table 1: end-to-end comparison (ASR, ASI lower is better; BER higher)\n")
     lines.append(_table(["Condition", "ASR", "ASI", "BER", "attack in top-k (%)", "n"], rows(main)) + "\n")
-    unanswered = {k: v["answer_failed"] for k, v in c.items() if v.get("answer_failed")}
-    if unanswered:   # recorded as citing nothing, the attack included: a defense's failures would read as blocks
-        lines.append("Answers that failed (every attempt unusable; each counted as citing nothing, the attack "
-                     "included, and its ASI 0): " + ", ".join(f"{k} {n}" for k, n in unanswered.items()) + ".\n")
-    unref = {k: v["ber_without_reference"] for k, v in c.items() if v.get("ber_without_reference")}
-    if unref:
-        lines.append("Left out of BER, their group's clean reference answer having failed: "
-                     + ", ".join(f"{k} {n}" for k, n in unref.items()) + ".\n")
-    failed = {k: v.get("asi_judge_failed", 0) for k, v in c.items() if v.get("asi_judge_failed")}
-    if failed:   # each counted at the judged in-context mean (evaluation.py), not left out
-        lines.append("ASI judge failures (every attempt unusable; counted at the mean of the judged in-context "
-                     "instances): "
-                     + ", ".join(f"{k} {n}" for k, n in failed.items()) + ".\n")
+    # answers that failed are recorded as citing nothing, the attack included: a defense's failures would read as
+    # blocks; an ASI judge failure is counted at the judged in-context mean (evaluation.py), not left out
+    lines += _counts("Answers that failed (every attempt unusable; each counted as citing nothing, the attack "
+                     "included, and its ASI 0): ", c, "answer_failed")
+    lines += _counts("Left out of BER, their group's clean reference answer having failed: ", c,
+                     "ber_without_reference")
+    lines += _counts("ASI judge failures (every attempt unusable; counted at the mean of the judged in-context "
+                     "instances): ", c, "asi_judge_failed")
     abl = [k for k in ("Non-Defense", "Shield only", "TFSG only", "GEO Defender") if k in c]
     lines.append("## Table 2: module ablation\n")
-    lines.append(_table(["Method", "ASR", "ASI", "BER"], [[k, fmt(c[k]["ASR"]), fmt(c[k]["ASI"]), fmt(c[k]["BER"])]
-                                                          for k in abl]) + "\n")
+    lines.append(_table(["Method", "ASR", "ASI", "BER"], [r[:4] for r in rows(abl)]) + "\n")
     deployed = [k for k in c if k.endswith("]") and k.startswith(("Non-Defense [", "TFSG only ["))]
     if deployed:   # eval --reranker: the same pipelines on a deployed reranker's top-k
         lines.append("## Deployed rerankers (eval --reranker): the pipelines on each reranker's top-k\n")
@@ -119,19 +118,15 @@ def _table_lines(s):
     return lines + sample_lines(s)
 
 
-def sample_cis(v):
-    """A condition's (reported CI, two-level check) from its samples block; a summary written before the
-    groups-only interval was the reported one holds them as ASR_ci_groups_only and ASR_ci."""
-    old = "ASR_ci_groups_only" in v
-    return (v["ASR_ci_groups_only"], v["ASR_ci"]) if old else (v["ASR_ci"], v["ASR_ci_two_level"])
-
-
 def sample_lines(s):
     """eval --samples N: each condition's ASR over the samples with both intervals, and per sample."""
     if not s.get("samples"):
         return []
     b = s["samples"]
     ci = lambda v: f"[{v[0]:.1f}, {v[1]:.1f}]"
+    # (reported CI, two-level check); a summary written before the groups-only interval was the reported one
+    # holds them as ASR_ci_groups_only and ASR_ci
+    old = lambda v: ("ASR_ci_groups_only", "ASR_ci") if "ASR_ci_groups_only" in v else ("ASR_ci", "ASR_ci_two_level")
     return [f"## Repeated samples: {b['n']} answers per instance\n",
             "Every condition answered each instance N times (each its own cached reply); the tables above "
             "average over them. 95% CI of ASR: over query groups, of each instance's mean over its samples "
@@ -139,7 +134,7 @@ def sample_lines(s):
             "(groups, then samples within each), which counts the answers' variance twice: conservative, "
             "wider.\n",
             _table(["Condition", "ASR", "95% CI", "95% CI, two-level (check)", "ASR per sample"],
-                   [[k, fmt(v["ASR"]), *map(ci, sample_cis(v)),
+                   [[k, fmt(v["ASR"]), *(ci(v[n]) for n in old(v)),
                      ", ".join(fmt(a) for a in v["ASR_per_sample"])] for k, v in b["conditions"].items()]) + "\n"]
 
 
@@ -217,11 +212,8 @@ def cost_lines(s):
                         + (["Honest penalty (%)", "Attack citation lost (%)"] if honest else []), rows) + "\n")
     if honest:
         lines += honest_lines(s, "eval")
-    unknown = {k: q["usage_unknown"] for k, q in cost.items() if q.get("usage_unknown")}
-    if unknown:
-        lines.append("Records whose reply is no longer in the cache (left out of the cost): "
-                     + ", ".join(f"{k} {n}" for k, n in unknown.items()) + ".\n")
-    return lines
+    return lines + _counts("Records whose reply is no longer in the cache (left out of the cost): ", cost,
+                           "usage_unknown")
 
 
 def _method_lines(s, figs):
@@ -302,8 +294,7 @@ def _appendix_lines(s, figs):
             ["attack documents in base top-k", p["attack_in_base_topk"]],
             ["attack documents flagged", p["attack_flagged"]],
             ["attack documents in PPL-Filter top-k", p["attack_in_ppl_topk"]],
-            ["attack removed from top-k", p["attack_removed"]],
-            ["attack newly introduced", p["attack_introduced"]],
+            ["attack removed from top-k", p["attack_removed"]], ["attack newly introduced", p["attack_introduced"]],
             ["benign flagged", f"{p['benign_flagged']}/{p['benign_total']}"]]) + "\n")
     if s.get("epochs"):
         e = s["epochs"]
@@ -357,8 +348,9 @@ def attacked_lines(s, figs):
     against_k(os.path.join(figs, "attacked_exposure.svg"), "Exposure against the number of attacked documents", b,
               "exposure", "any attacked document in the context (%)", note, chance="chance_any_in_topk")
     rows = [[c, kk, v["n"], ci_cell(v, "source_ASR"), ci_cell(v, "ASR"), ci_cell(v, "mean_ASR"),
-             ci_cell(v, "source_exposure"), ci_cell(v, "exposure"), chance_cell(v), ci_cell(v, "mean_exposure"),
-             ci_cell(v, "topk_attack_share"), fmt(v.get("chance_topk_share")), ci_cell(v, "citation_share")]
+             ci_cell(v, "source_exposure"), ci_cell(v, "exposure"), fmt(v.get("chance_any_in_topk")),
+             ci_cell(v, "mean_exposure"), ci_cell(v, "topk_attack_share"), fmt(v.get("chance_topk_share")),
+             ci_cell(v, "citation_share")]
             for c, per in b.items() for kk, v in per.items()]
     return ["## Against the number of attacked documents a list holds\n",
             "Each test list at K = 1.. the file's K attacked documents (the source's rewrite and the first K-1 "
@@ -374,16 +366,6 @@ def attacked_lines(s, figs):
                     "Top-k share (%)", "Chance, share (%)", "Citation share (%)"], rows) + "\n",
             "![ASR against K](figures/attacked_asr.svg)\n",
             "![exposure against K](figures/attacked_exposure.svg)\n"]
-
-
-def robustrag_certificate_rows(r):
-    """RobustRAG's measured ASR beside our keyword certificate (defenses.keyword_certified; rows of the RobustRAG
-    table): the thresholded keyword set unchanged, which bounds neither the citations nor the ASR."""
-    if "certified" not in r:
-        return []
-    return [["ASR (%, measured)", fmt(r["ASR"])]] + [
-        [f"keyword set unchanged by {kk} corrupted passage(s) (% of queries; ours, after RobustRAG's)", fmt(v)]
-        for kk, v in r["certified"].items()]
 
 
 def defense_lines(s):
@@ -409,7 +391,11 @@ def defense_lines(s):
             ["attack documents in the top-k", r["attack_in_context"]],
             ["... whose isolated answer supports a kept phrase (the answer cites it where it uses one)",
              r.get("attack_supports_a_kept_phrase", r.get("attack_supports_a_cited_phrase"))]]   # (its name before)
-            + robustrag_certificate_rows(r)) + "\n")
+            # the measured ASR beside our keyword certificate (defenses.keyword_certified): the thresholded keyword
+            # set unchanged, which bounds neither the citations nor the ASR
+            + ([["ASR (%, measured)", fmt(r["ASR"])]] + [
+                [f"keyword set unchanged by {kk} corrupted passage(s) (% of queries; ours, after RobustRAG's)", fmt(v)]
+                for kk, v in r["certified"].items()] if "certified" in r else [])) + "\n")
     return lines
 
 
@@ -449,14 +435,9 @@ def rerank_strength_lines(stage, k):
             _table(["Reranker", "Family", "Gain (points)", "95% CI", "n"], rows) + "\n"]
 
 
-def chance_cell(v):
-    """A level's chance rate of "any attacked document in the top k" (by_attacked), or - (an older summary)."""
-    return fmt(v.get("chance_any_in_topk"))
-
-
 def rerank_by_k_lines(stage, k):
     """Each reranker against the number of attacked documents a list holds (rerank_stage's by_attacked)."""
-    rows = [[label, kk, v["n"], ci_cell(v, "exposure"), ci_cell(v, "any_exposure"), chance_cell(v),
+    rows = [[label, kk, v["n"], ci_cell(v, "exposure"), ci_cell(v, "any_exposure"), fmt(v.get("chance_any_in_topk")),
              ci_cell(v, "mean_exposure"), ci_cell(v, "topk_attack_share"), fmt(v.get("chance_topk_share"))]
             for label, st in stage.items() for kk, v in st.get("by_attacked", {}).items()]
     if not rows:
@@ -561,10 +542,9 @@ def write_attack_report(run_dir, s):
             lines.append(_table(["Budget"] + [f"{c} {m}" for c in conds for m in ("exposure", "ASR")],
                                 [[f"B={x}"] + [fmt(b["budgets"][x]["conditions"][c][m]) for c in conds
                                                 for m in ("exposure", "ASR")] for x in xs]) + "\n")
-            failed = {f"{c} at B={x}": v["answer_failed"] for x in xs for c in conds
-                      if (v := b["budgets"][x]["conditions"][c]).get("answer_failed")}
-            lines += [f"Answers that never came (cite nothing: counted as not citing the attack): "
-                      f"{', '.join(f'{k} {n}' for k, n in failed.items())}.\n"] if failed else []
+            lines += _counts("Answers that never came (cite nothing: counted as not citing the attack): ",
+                             {f"{c} at B={x}": b["budgets"][x]["conditions"][c] for x in xs for c in conds},
+                             "answer_failed")
             # exposure depends only on the ranking: one line for the base top-k, one for the Shield's
             ranked = {"base top-k (Non-Defense, TFSG only, injection defenses)": "Non-Defense",
                       "Shield top-k (Shield only, GEO Defender)": "Shield only"}
@@ -589,12 +569,10 @@ def write_attack_report(run_dir, s):
             lines.append("Fidelity gate over the attacker's candidates: " + ", ".join(
                 f"{k} {v} ({100 * v / total:.1f}%)" for k, v in b["gate"].items()) + ".\n")
             c = b["cost"]
-            lines.append(f"Cost of this attack: {c['attacker']['calls']} attacker calls "
-                         f"({c['attacker']['http_calls']} sent), "
-                         f"{(c['judge'] or {}).get('calls', 0)} fidelity judge calls, "
-                         + (f"{c['engine']['calls']} engine answers, " if c.get("engine") else "") +
-                         f"{c['reranker_queries']} "
-                         f"reranker queries, {c['candidates']} candidates.\n")
+            lines.append(f"Cost of this attack: {c['attacker']['calls']} attacker calls ({c['attacker']['http_calls']}"
+                         f" sent), {(c['judge'] or {}).get('calls', 0)} fidelity judge calls, "
+                         + (f"{c['engine']['calls']} engine answers, " if c.get("engine") else "")
+                         + f"{c['reranker_queries']} reranker queries, {c['candidates']} candidates.\n")
     lines += usage_lines(s.get("usage") or {})
     atomic_write(os.path.join(run_dir, "attack_report.md"), "\n".join(lines))
 
@@ -636,8 +614,7 @@ def write_comparison(out_dir, summaries):
     if notes:
         lines.append("> **OFFLINE / SIMULATION RUNS INCLUDED.** " + " ".join(notes) + "\n")
     sets = {name: (s.get("test_set_sha1"), s.get("test_instances")) for name, s in summaries.items()}
-    if len({d for d, _ in sets.values()}) > 1 or len({n for _, n in sets.values()}) > 1:   # (older summaries
-        # record no digest) the averages and the transfer matrix would mix test sets
+    if len(set(sets.values())) > 1:   # the averages and the transfer matrix would mix test sets (older: no digest)
         lines.append("> **DIFFERENT TEST SETS.** These runs were not evaluated on the same instances ("
                      + ", ".join(f"{k}: {n} instances, {d[:10] if d else 'no digest recorded'}"
                                  for k, (d, n) in sets.items())
@@ -710,16 +687,13 @@ def harden_cells(r, top):
     """One round's figures by name, as harden_report.md's table and its figures both read them: the fresh
     attacker at budget `top`, the stale one (None at round 0, which has none: "-" in the table, no point
     in the figure), the static families, and utility. Exposure under the Shield only, ASR under GEO Defender."""
-    st = r.get("stale")
-    return {"fresh exposure": r["fresh"][top]["Shield only"]["exposure"],
-            "fresh ASR": r["fresh"][top]["GEO Defender"]["ASR"],
+    fresh, st, static = r["fresh"][top], r.get("stale"), r["static"]
+    return {"fresh exposure": fresh["Shield only"]["exposure"], "fresh ASR": fresh["GEO Defender"]["ASR"],
             "stale exposure": st["Shield only"]["exposure"] if st else None,
             "stale ASR": st["GEO Defender"]["ASR"] if st else None,
-            "static exposure": r["static"]["Shield only"]["exposure"],
-            "static ASR": r["static"]["GEO Defender"]["ASR"],
-            "clean top-k kept": r["clean_topk_kept"],
-            "BER (GEO Defender)": r["static"]["GEO Defender"]["BER"],
-            "BER (Shield only)": r["static"]["Shield only"]["BER"]}
+            "static exposure": static["Shield only"]["exposure"], "static ASR": static["GEO Defender"]["ASR"],
+            "clean top-k kept": r["clean_topk_kept"], "BER (GEO Defender)": static["GEO Defender"]["BER"],
+            "BER (Shield only)": static["Shield only"]["BER"]}
 
 
 def harden_detector_lines(rounds):

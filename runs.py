@@ -301,8 +301,7 @@ class Run:
     @functools.cached_property
     def data(self):
         """The run's benchmark, split and with its methods resolved -> BenchData, read on first use."""
-        cfg = self.cfg
-        d = cfg.data
+        cfg, d = self.cfg, self.cfg.data
         groups, meta = geodef.load_bench(d.bench, with_meta=True)
         if d.k >= meta.n_docs:
             raise SettingsError(f"--k {d.k}: {d.bench} has {meta.n_docs} candidates a list (_meta.n_docs); "
@@ -342,8 +341,7 @@ class Run:
         """TFSG's construction schedule (A.2.2) -> (seed cases, update batches). Refuses one whose
         instances do not reach every update batch: the library would stop short of E{n_batches + 1}, the
         one evaluation reads (a short last batch is fine)."""
-        cfg = self.cfg
-        t = cfg.tfsg
+        cfg, t = self.cfg, self.cfg.tfsg
         seeds, batches = geodef.construction_schedule(inst, t.n_seed_cases, t.batch_size, t.n_batches, cfg.folder.seed)
         if len(batches) < t.n_batches:
             raise SettingsError(f"{cfg.data.bench}: {len(inst)} construction instances fill {len(seeds)} seed "
@@ -451,13 +449,11 @@ class Run:
         record `old`'s: gigabytes are hashed once, then again only after the folder changed); for a hub id,
         {"revision": its resolved commit} as the record `old` holds it (the first load records it:
         _pin_revision), else None."""
-        folder = self.model_folder()
+        folder, was = self.model_folder(), old.get("weights") if isinstance(old, dict) else None
         if not os.path.isdir(folder):
-            was = old.get("weights") if isinstance(old, dict) else None
             return was if isinstance(was, dict) and "revision" in was else None
         files = reranker.weight_files(folder)
         stat = [[os.path.relpath(f, folder), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
-        was = old.get("weights") if isinstance(old, dict) else None
         for known in (was, self._weights):     # the record's, or this command's own reading
             if isinstance(known, dict) and known.get("files") == stat and isinstance(known.get("sha1"), str):
                 return known
@@ -519,14 +515,12 @@ class Run:
             raise SettingsError(f"{cfg.model.model}: {what}; the run's scores, adapter and results belong to the "
                                 "old weights. Restore them, or use a new --name")
 
-    def with_settings(self, cfg, data=None):
+    def with_settings(self, cfg, data):
         """The same services under other settings (holdout's folds): the engine's address, the ranks and
-        the prices shared; `data` the benchmark as these settings read it, when the caller has it (a
-        fold's: the same groups, other seen families), else read again on first use."""
+        the prices shared; `data` the benchmark as these settings read it (a fold's: the same groups, other
+        seen families)."""
         other = Run(cfg, self.engine_url, self.ranks)
-        other.prices = self.prices            # a cached_property: set on the instance, never read again
-        if data is not None:
-            other.data = data
+        other.prices, other.data = self.prices, data      # cached_properties: set on the instance, never read again
         return other
 
 
@@ -653,10 +647,8 @@ LOCK = ".lock"
 def produced_anything(run_dir):
     """Whether any step has left a file in the run folder (adapter, checkpoint, library, caches,
     results) besides config.json itself."""
-    for root, _, files in os.walk(run_dir):
-        if any(root != run_dir or not (f.startswith("config.json") or f == LOCK) for f in files):
-            return True
-    return False
+    return any(root != run_dir or not (f.startswith("config.json") or f == LOCK)
+               for root, _, files in os.walk(run_dir) for f in files)
 
 
 class RunInUse(RuntimeError):

@@ -134,26 +134,13 @@ def between(lo, hi):
     return lambda v: lo <= v <= hi
 
 
-def rate_per_minute(v):
-    """0 (no cap), or a rate whose gap between requests, 60 / rpm seconds, a sleep can take (MAX_WAIT)."""
-    return v == 0 or (v > 0 and 60 / v <= MAX_WAIT)
-
-
 def positive(v):
     return v > 0
-
-
-def port_number(v):
-    return 0 <= v <= 65535
 
 
 def wait_seconds(v):
     """A wait in seconds that a socket timeout or a sleep can take (MAX_WAIT)."""
     return 0 < v <= MAX_WAIT
-
-
-def wait_seconds_or_none(v):
-    return v is None or wait_seconds(v)
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -252,11 +239,6 @@ def some(group, *names):
     return Some(group, frozenset(names))
 
 
-def flag_names(g):
-    """The names a FLAGS entry gives flags to: a group's fields, or Some of them."""
-    return set(g.names) if isinstance(g, Some) else {f.name for f in fields(g)}
-
-
 # ----------------------------------------------------------------------------- groups
 
 
@@ -288,8 +270,7 @@ class ModelSettings(Settings):
     quant: str = setting("none", "'nf4' stores the frozen base projections in 4 bits (Table A.1); 'int8' trains on "
                                  "the float base and scores with int8 projections, the adapter merged first, once "
                                  "their ranks agree with the float model's on the run's first lists (bench --against "
-                                 "ours-int8 times it)", pinned=True,
-                         choices=("none", "nf4", "int8"))
+                                 "ours-int8 times it)", pinned=True, choices=("none", "nf4", "int8"))
     max_length: int = setting(8192, "reranker prompt token cap (model card: 8192)", ok=at_least(64), pinned=True)
     compile: bool = setting(False, "fuse the norms, RoPE and SwiGLU with torch.compile (faster; needs a C++ "
                                    "compiler on CPU)")
@@ -335,7 +316,7 @@ class LLMSettings(Settings):
                                 ok=wait_seconds, says=f"seconds, more than 0 and at most {MAX_WAIT}")
     batch_deadline: float = setting(None, "seconds a batch may run before it is cancelled, its replies kept and the "
                                           "rest sent synchronously (default: the providers' 24 h window)",
-                                    ok=wait_seconds_or_none, says=f"seconds, more than 0 and at most {MAX_WAIT}")
+                                    ok=wait_seconds, says=f"seconds, more than 0 and at most {MAX_WAIT}")
 
     @property
     def offline_batches(self):
@@ -349,12 +330,11 @@ class RequestSettings(Settings):
     KEY = "request"
     workers: int = setting(8, "concurrent requests", ok=between(1, MAX_THREADS), says=f"1 to {MAX_THREADS}",
                            taken=True)
-    rpm: float = setting(0, "requests per minute cap (0 = none)", ok=rate_per_minute,
+    rpm: float = setting(0, "requests per minute cap (0 = none)", ok=lambda v: v == 0 or 0 < v and 60 / v <= MAX_WAIT,
                          says=f"0, or at least {60 / MAX_WAIT:.6f}: one request a day", taken=True)
     timeout: float = setting(None, "seconds for one whole reply of an LLM, rerank or search endpoint, retries apart "
                                    f"(default: 600 for LLMs, 120 for rerank and search; at most {MAX_WAIT})",
-                             ok=wait_seconds_or_none, says=f"seconds, more than 0 and at most {MAX_WAIT}",
-                             taken=True)
+                             ok=wait_seconds, says=f"seconds, more than 0 and at most {MAX_WAIT}", taken=True)
     prices: str = setting(None, "JSON price table {model: [USD per 1M input tokens, USD per 1M output tokens]} "
                                 "for cost reports")
 
@@ -398,8 +378,7 @@ class TFSGSettings(Settings):
     batch_size: int = setting(10, "A.2.2 instances per update batch", ok=at_least(1), pinned=True)
     n_batches: int = setting(3, "update batches (E1 -> E{n+1})", ok=at_least(1), pinned=True)
     max_initial_rules: int = setting(10, "cold-start rule cap (A.2.2)", ok=at_least(1), pinned=True)
-    reasoning_interface: bool = setting(False, "use A.3.2/A.3.5 (targets that return reasoning_content)",
-                                        pinned=True)
+    reasoning_interface: bool = setting(False, "use A.3.2/A.3.5 (targets that return reasoning_content)", pinned=True)
     shield: bool = setting(True, "TFSG construction on Shield top-k (else base top-k)", pinned=True)
 
 
@@ -436,8 +415,7 @@ class SampleSettings(Settings):
     KEY = "sample"
     samples: int = setting(1, "answers per instance and condition, each its own cached reply (Don't Measure "
                               "Once, arXiv 2604.07585), intervals then bootstrapping groups, then samples (the "
-                              "paper: 1)",
-                           ok=between(1, MAX_SAMPLES), says=f"1 to {MAX_SAMPLES}")
+                              "paper: 1)", ok=between(1, MAX_SAMPLES), says=f"1 to {MAX_SAMPLES}")
 
 
 @dataclass(frozen=True)
@@ -461,8 +439,7 @@ class RerankSettings(Settings):
     reranker: list = setting(None, "a deployed reranker, [LABEL=]SPEC (base, shield, cohere:MODEL, jina:MODEL, "
                                    "voyage:MODEL, http://HOST:PORT[/rerank][#MODEL], tei:http://HOST:PORT, "
                                    "vllm-score:http://HOST:PORT[#MODEL]); repeatable. eval: adds 'Non-Defense "
-                                   "[LABEL]' and 'TFSG only [LABEL]'",
-                             parse=endpoints.parse_rerankers)
+                                   "[LABEL]' and 'TFSG only [LABEL]'", parse=endpoints.parse_rerankers)
     n_boot: int = setting(10000, "bootstrap resamples", ok=between(1, 1_000_000), says="1 to 1000000", taken=True)
 
 
@@ -564,8 +541,7 @@ class HardenSettings(Settings):
     KEY = "harden"
     rounds: int = setting(2, "hardening rounds R: each attacks the construction groups, retrains the Shield and "
                              "grows the library on the survivors, then measures a fresh attacker", ok=at_least(1))
-    budget: int = setting(16, "candidates the training-side attacker scores per construction instance",
-                          ok=at_least(2))
+    budget: int = setting(16, "candidates the training-side attacker scores per construction instance", ok=at_least(2))
     eval_budgets: tuple = setting("1,4,16", "the fresh test-side attacker's budgets, comma list (nested: one run)",
                                   parse=budget_list)
     eval_groups: int = setting(0, "test groups the test side measures (0: all)", ok=at_least(0))
@@ -634,7 +610,7 @@ class ServeSettings(Settings):
     """serve (serve.py): where the rerank endpoint listens and what it accepts."""
     KEY = "serve"
     host: str = setting("127.0.0.1", "address to bind (default loopback)")
-    port: int = setting(8000, "port (0: any free one)", ok=port_number, says="0 to 65535")
+    port: int = setting(8000, "port (0: any free one)", ok=between(0, 65535), says="0 to 65535")
     api_key: str = setting(None, "require 'Authorization: Bearer KEY' (better: the GEODEF_API_KEY environment "
                                  "variable)", secret=True)
     served_name: str = setting(None, "model name in responses and /v1/models (default: the run's name)")
@@ -658,7 +634,7 @@ class ServeSettings(Settings):
 class EngineSettings(Settings):
     """serve-offline: the offline engine (a simulation) on a loopback port."""
     KEY = "engine"
-    port: int = setting(8765, "port on 127.0.0.1 (0: any free one)", ok=port_number, says="0 to 65535")
+    port: int = setting(8765, "port on 127.0.0.1 (0: any free one)", ok=between(0, 65535), says="0 to 65535")
     corpus: str = setting(None, "JSONL of {query, url, text} answering Tavily-shaped /search (data/make_sample.py "
                                 "writes one)")
     created: int = setting(None, "pin every chat reply's `created` to this Unix second (default: the second its "
@@ -779,9 +755,7 @@ EVAL = TRAIN + (JudgeSettings, SampleSettings, EvalSettings, RerankSettings)
 
 class TrainConfig(Command):
     """train: the Shield (Eqs. 1-5) and the TFSG library (Algorithm 1)."""
-    GROUPS = TRAIN
-    FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, ShieldSettings,
-             TFSGSettings, TFSGLimits, RolesSettings)
+    GROUPS = FLAGS = TRAIN
 
 
 class EvalConfig(Command):
@@ -793,8 +767,7 @@ class EvalConfig(Command):
 
 class DemoConfig(Command):
     """demo: train then eval, offline."""
-    GROUPS = EVAL
-    FLAGS = TrainConfig.FLAGS + (JudgeSettings, EvalSettings, SampleSettings, RerankSettings)   # Roles: in Train's
+    GROUPS = FLAGS = EVAL
 
 
 class RerankEvalConfig(Command):
@@ -839,8 +812,7 @@ class DeployCheckConfig(Command):
 
 class BuildConfig(Command):
     """build-bench: GEO-DefenseBench from GEO-Bench rows."""
-    GROUPS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, SeenSettings, BuildSettings)
-    FLAGS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, BuildSettings, SeenSettings)
+    GROUPS = FLAGS = (RunSettings, ModelSettings, LLMSettings, RequestSettings, SeenSettings, BuildSettings)
 
 
 class ExportConfig(Command):
@@ -900,5 +872,5 @@ PRESETS = {
 
 def flags(cls):
     """The fields a command takes from its command line: those of its FLAGS entries, in its order."""
-    names = set().union(*map(flag_names, cls.FLAGS))
+    names = set().union(*(g.names if isinstance(g, Some) else {f.name for f in fields(g)} for g in cls.FLAGS))
     return [f for f in cls.fields() if f.name in names]

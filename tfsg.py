@@ -48,7 +48,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 RULE_TYPES = ("attack_pattern", "fp_guard", "decision_boundary", "coverage_policy")
 DECISIONS = ("filter", "suspicious_keep", "keep")
@@ -85,13 +85,6 @@ class Limits:
                                                     "equals a live rule's")
     analyzer_doc_chars: int = size(1500, 1, "Analyzer input: characters of each document (A.3.3-A.3.5 case views)")
     analyzer_reasoning_chars: int = size(4000, 0, "Analyzer input: characters of each reasoning trace (A.3.5)")
-
-    def text_max(self, k):
-        return self.rule_description_chars if k == "description" else self.rule_condition_chars
-
-    def list_max(self, k):
-        return {"evidence": self.rule_max_evidence,
-                "depends_on_fp_guards": self.rule_max_dependencies}.get(k, self.rule_max_signals)
 
 
 LIMITS = Limits()
@@ -196,7 +189,7 @@ def validate_rule(rule, partial=False, limits=LIMITS):
     if "strength" in rule and rule["strength"] not in STRENGTHS:
         return f"strength {rule['strength']!r} not in {STRENGTHS}"
     for k in TEXT_FIELDS:
-        n = limits.text_max(k)
+        n = limits.rule_description_chars if k == "description" else limits.rule_condition_chars
         if k in rule:
             if not isinstance(rule[k], str):
                 return f"{k} must be a string"
@@ -205,7 +198,8 @@ def validate_rule(rule, partial=False, limits=LIMITS):
     if "description" in rule and not rule["description"].strip():
         return "description is empty"
     for k in LIST_FIELDS:
-        n = limits.list_max(k)
+        n = {"evidence": limits.rule_max_evidence,
+             "depends_on_fp_guards": limits.rule_max_dependencies}.get(k, limits.rule_max_signals)
         if k in rule:
             v = rule[k]
             if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
@@ -262,9 +256,6 @@ def check_library(lib, max_rules=None, limits=LIMITS):
 class Report:
     applied: list = field(default_factory=list)    # {"action", "operation", "rule_id", ...}
     rejected: list = field(default_factory=list)   # {"update", "reason"}
-
-    def to_dict(self):
-        return {"applied": self.applied, "rejected": self.rejected}
 
 
 class Controller:
@@ -408,13 +399,7 @@ class Controller:
         if err:
             return err
         cur = lib.get(target)
-        body = {**{k: v for k, v in cur.items() if k not in ("rule_id", "status", "stats", "history")},
-                **self._clean_rule({k: v for k, v in rule.items() if k in TEXT_FIELDS or k in LIST_FIELDS
-                                    or k in ("rule_type", "action", "strength")})}
-        for k in ("trigger_signals", "benign_counter_signals", "depends_on_fp_guards", "evidence", "apply_when",
-                  "avoid_when"):
-            if k not in rule:
-                body[k] = cur.get(k, body.get(k))
+        body = self._clean_rule({**cur, **rule})       # the rule's fields, the live rule's where it gives none
         err = validate_rule(body, limits=self.limits)
         if err:
             return f"modified rule invalid: {err}"
@@ -739,7 +724,7 @@ def build_library(answer_many, analyzer_chat, seed_inputs, batches, out_dir, ans
         if isinstance(tf, str) and tf.strip():
             lib.task_frame = tf.strip()[:controller.limits.rule_description_chars]
         notes = ("seed_contrast_summary", "case_patterns", "controller_notes")
-        _save(path(1, ".report"), {**report.to_dict(), "analyzer": {k: data.get(k) for k in notes},
+        _save(path(1, ".report"), {**asdict(report), "analyzer": {k: data.get(k) for k in notes},
                                    "rollouts": [{k: v for k, v in r.items() if k != "documents"} for r in rollouts]})
         _save(path(1), lib.to_dict())
     # E_t -> E_{t+1} from batches (A.3.4 / A.3.5)
@@ -799,7 +784,7 @@ def update_library(answer_many, analyzer_chat, lib, batch, epoch, out_dir, inter
     outcomes = {k: sum(c["outcome"] == k for c in cases) for k in ("success", "missed_attack", "false_positive",
                                                                   "both", "invalid")}
     _save(os.path.join(out_dir, f"E{epoch}.report.json"),
-          {**report.to_dict(), "batch_analysis": data.get("batch_analysis"),
+          {**asdict(report), "batch_analysis": data.get("batch_analysis"),
            "controller_notes": data.get("controller_notes"), "outcomes": outcomes})
     _save(path, new_lib.to_dict())
     return new_lib
