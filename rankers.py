@@ -237,13 +237,20 @@ def parse_rerankers(items):
 
 
 def check_specs(items):
-    """Every endpoint's key present, before anything runs: -> the same items."""
+    """Every endpoint's key present, and RERANK_API_KEY (one endpoint's key) bound for one host, before anything
+    runs: -> the same items."""
     for label, spec in items:
         if spec.kind not in LOCAL:
             try:
                 rerank_clients.make_reranker(spec)
             except ValueError as e:
                 raise SettingsError(f"--reranker {label}={spec}: {e}") from None
+    hosts = sorted({s.endpoint.netloc for _, s in items if s.kind not in LOCAL and s.kind not in
+                    endpoints.RERANK_PROVIDERS and not s.endpoint.basic})
+    if os.environ.get(rerank_clients.RERANK_KEY_VAR) and len(hosts) > 1:
+        raise SettingsError(f"{rerank_clients.RERANK_KEY_VAR} would go to every self-hosted endpoint "
+                            f"({', '.join(hosts)}): give each its credentials in its URL "
+                            "(http://user:password@host/...), or measure them in separate commands")
     return items
 
 

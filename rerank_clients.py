@@ -224,8 +224,8 @@ class RerankClient:
 
 def make_reranker(spec, cache_dir=None, api_key=None, **kw):
     """A reranker spec (text or RerankSpec, see parse_spec) -> RerankClient. Hosted APIs take their
-    keys from COHERE_API_KEY, JINA_API_KEY, VOYAGE_API_KEY; a self-hosted endpoint from
-    RERANK_API_KEY (optional), or the URL's user:password as Basic auth."""
+    keys from COHERE_API_KEY, JINA_API_KEY, VOYAGE_API_KEY; a self-hosted endpoint the URL's user:password
+    as Basic auth, else RERANK_API_KEY (optional; rankers.check_specs sends it to one host only)."""
     s = parse_spec(spec)
     if s.kind in LOCAL_RERANKERS:
         raise ValueError(f"{s.kind!r} is this project's in-process reranker, not an endpoint")
@@ -236,5 +236,5 @@ def make_reranker(spec, cache_dir=None, api_key=None, **kw):
             raise LLMError(f"{s}: no API key: set {' or '.join(p['keys'])}", None, s.kind)
         return RerankClient(Endpoint.parse(p["url"]), s.model, p["shape"], key, label=str(s), cache_dir=cache_dir,
                             **kw)
-    key = api_key or os.environ.get(RERANK_KEY_VAR) or None
+    key = api_key or (None if s.endpoint.basic else os.environ.get(RERANK_KEY_VAR)) or None
     return RerankClient(s.endpoint, s.model, s.kind, key, label=str(s), cache_dir=cache_dir, **kw)

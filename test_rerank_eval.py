@@ -154,6 +154,22 @@ def fake():
 Q, DOCS = "how long to boil an egg", ["boil the egg six minutes", "stock market news", "an egg needs long to boil"]
 
 
+def test_the_self_hosted_key_goes_to_one_host_and_never_over_a_urls_credentials(fake, monkeypatch):
+    """RERANK_API_KEY is one endpoint's key: it replaced the Basic credentials a URL carries, and every
+    self-hosted spec of a command got it (another team's server, a third party's). A URL's user:password wins,
+    and a key with self-hosted endpoints on two hosts is refused before anything is sent."""
+    monkeypatch.setenv("RERANK_API_KEY", "rk-secret")
+    with_basic = fake.replace("http://", "http://usr:pw@") + "/rerank"
+    rerank_clients.make_reranker(with_basic).rerank(Q, DOCS)
+    assert FakeRerank.seen[-1][1]["Authorization"].startswith("Basic ")
+    mine, theirs = endpoints.parse_spec(fake), endpoints.parse_spec("tei:http://reranker.example.org/rerank")
+    assert rankers.check_specs([("mine", mine), ("again", endpoints.parse_spec("tei:" + fake))])
+    with pytest.raises(runs.SettingsError, match="RERANK_API_KEY.*reranker.example.org"):
+        rankers.check_specs([("mine", mine), ("theirs", theirs)])
+    monkeypatch.delenv("RERANK_API_KEY")
+    assert rankers.check_specs([("mine", mine), ("theirs", theirs)])
+
+
 def test_every_api_shape_over_http(fake, monkeypatch, tmp_path):
     """Cohere v2, Jina, Voyage, a generic endpoint (path, #model) and TEI: the request each API takes,
     the key only as a header, scores back in the documents' order, replies cached."""
