@@ -106,8 +106,9 @@ SPOTLIGHT_RULE = (
 
 
 # what separates words on screen: whitespace (Unicode line and paragraph separators included) and the blanks
-# and zero-width characters that are not whitespace to Python but split or join words as a reader sees them
-_SCREEN_GAP = re.compile(r"[\s\u115f\u1160\u180e\u200b-\u200d\u2060-\u2064\u2800\u3164\ufeff\uffa0]+")
+# and zero-width characters that are not whitespace to Python but split or join words as a reader sees them;
+# and the tag space U+E0020, the space of text hidden in tag characters (invisible, read as ASCII by some models)
+_SCREEN_GAP = re.compile(r"[\s\u115f\u1160\u180e\u200b-\u200d\u2060-\u2064\u2800\u3164\ufeff\uffa0\U000e0020]+")
 
 
 def datamark(text, marker=MARKER):
