@@ -40,7 +40,7 @@ Usage: p = PIPELINES["RobustRAG"]; pre = p.pre(query, docs); msgs, kept = p.fina
 """
 import json
 import re
-from bisect import bisect, insort
+from bisect import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -242,10 +242,18 @@ def occurrences(flat, needle):
     return found
 
 
-def _overlaps(cuts, span):
-    """Whether `span` overlaps one of the sorted, disjoint `cuts`."""
+def _add_cut(cuts, span):
+    """`span` added to the sorted, disjoint `cuts`, merged with those it overlaps -> whether it cuts anything
+    new (False: it lies inside a cut already made)."""
+    s, e = span
     k = bisect(cuts, span)
-    return (k > 0 and cuts[k - 1][1] > span[0]) or (k < len(cuts) and cuts[k][0] < span[1])
+    lo, hi = (k - 1 if k > 0 and cuts[k - 1][1] > s else k), k
+    while hi < len(cuts) and cuts[hi][0] < e:
+        hi += 1
+    if hi - lo == 1 and cuts[lo][0] <= s and e <= cuts[lo][1]:
+        return False
+    cuts[lo:hi] = [(min([s] + [c[0] for c in cuts[lo:hi]]), max([e] + [c[1] for c in cuts[lo:hi]]))]
+    return True
 
 
 def _unflatten(doc, flat, spans):
@@ -266,15 +274,14 @@ def remove_passages(doc, passages):
     """Every occurrence of each quoted passage cut out of `doc`, matched word for word with any
     whitespace between the words, as whole words (`occurrences`) -> (cleaned text, passages found,
     passages not found). Each passage is looked up in the document as the guard read it, in order; an
-    occurrence overlapping one already cut does not count (a passage quoted twice is found once). A
-    document left without a letter or digit becomes "" (its slot stays, so citation numbers do not move)."""
+    occurrence inside one already cut does not count (a passage quoted twice is found once), one overlapping
+    a cut extends it. A document left without a letter or digit becomes "" (its slot stays, so citation
+    numbers do not move)."""
     flat = _GAP.sub(" ", doc)                                   # each whitespace run -> one space
     cuts, found, missing = [], [], []
     for p in passages:
-        spans = [s for s in occurrences(flat, " ".join(p.split())) if not _overlaps(cuts, s)]
-        (found if spans else missing).append(p)
-        for s in spans:
-            insort(cuts, s)
+        new = [_add_cut(cuts, s) for s in occurrences(flat, " ".join(p.split()))]   # (every one added)
+        (found if any(new) else missing).append(p)
     text = _cut(doc, _unflatten(doc, flat, cuts)) if cuts else doc
     return (text if re.search(r"\w", text) else ""), found, missing
 
