@@ -434,11 +434,9 @@ def inside_longer(support, n=MAX_WORDS):
     return inside
 
 
-def aggregate(answers, alpha=ALPHA, beta=BETA, long_form=True):
+def supported(answers, alpha=ALPHA, beta=BETA, long_form=True):
     """RobustRAG keyword aggregation: drop abstaining answers; with m left, keep a phrase found in at
     least mu = min(beta, alpha * m) answers, no function word, and (long form) of several words.
-    A kept phrase inside a longer kept one with the same supporters is dropped (it adds nothing; ours;
-    `inside_longer`).
     -> {phrase: 1-based indices of the answers holding it}, longest phrase first (the paper's order),
     or None when every answer abstains (the paper answers "I don't know." without a final call)."""
     sets = {i: phrases(a) for i, a in enumerate(answers, 1) if not abstains(a)}
@@ -447,7 +445,15 @@ def aggregate(answers, alpha=ALPHA, beta=BETA, long_form=True):
     mu = min(beta, alpha * len(sets))
     count = Counter(p for s in sets.values() for p in s)
     keep = [p for p, c in count.items() if c >= mu and p not in FUNCTION_WORDS and (" " in p or not long_form)]
-    support = {p: [i for i in sets if p in sets[i]] for p in sorted(keep, key=lambda p: (len(p), p), reverse=True)}
+    return {p: [i for i in sets if p in sets[i]] for p in sorted(keep, key=lambda p: (len(p), p), reverse=True)}
+
+
+def aggregate(answers, alpha=ALPHA, beta=BETA, long_form=True):
+    """The phrases the final request gives (`supported`), less each inside a longer kept one with the same
+    supporters (it adds nothing there; ours: `inside_longer`); the citations read them all."""
+    support = supported(answers, alpha, beta, long_form)
+    if support is None:
+        return None
     dropped = inside_longer(support)
     return {p: s for p, s in support.items() if p not in dropped}
 
@@ -529,17 +535,21 @@ def robustrag_final(query, docs, pre_data):
     asked = set(_tokens(query))
     kept = {"robustrag": {"isolated": [a if isinstance(a, str) else None for a in answers],
                           "abstained": support is None, "support": support or {},
-                          "question_phrases": [p for p in support or {} if set(p.split()) <= asked]}}
+                          "question_phrases": [p for p in support or {} if set(p.split()) <= asked],
+                          "question_words": sorted(asked)}}
     if support is None:
         return None, {**kept, "answer": "I don't know."}
     return keyword_messages(query, support), kept
 
 
 def robustrag_finish(answer, kept):
-    """The final answer with our citations; a kept phrase made only of the question's own words
-    (every answer restates the question) is no evidence: it is given to the LLM, never cited for."""
+    """The final answer with our citations, for every phrase that passed the threshold (`supported`, those the
+    request left out as inside a longer one too); a kept phrase made only of the question's own words (every
+    answer restates the question) is no evidence: it is given to the LLM, never cited for."""
     r = kept["robustrag"]
-    return cite_supporters(answer, {p: s for p, s in r["support"].items() if p not in r["question_phrases"]})
+    asked = set(r["question_words"])
+    return cite_supporters(answer, {p: s for p, s in (supported(r["isolated"]) or {}).items()
+                                    if not set(p.split()) <= asked})
 
 
 # ----------------------------------------------------------------------------- the conditions

@@ -160,6 +160,18 @@ def test_robustrag_cites_the_documents_whose_answers_contributed():
     assert answer == "Bone health matters [1][2][3]. Calcium absorption too [3][5]. Vitamin D is here."
 
 
+def test_robustrag_cites_a_kept_phrase_the_prompt_shortened_away():
+    """A phrase that passed the threshold but lies inside a longer kept one with the same supporters is left out
+    of the final request (it adds nothing there); a sentence holding it still cites its supporters (it cited
+    nothing: RobustRAG's citations read low)."""
+    pre = [{"answer": "Vitamin D supports bone health in older adults [1]."}] * 3
+    pre += [{"answer": "Magnesium aids sleep."}]
+    msgs, kept = defenses.robustrag_final(Q, ["d"] * 4, pre)
+    assert "bone health" not in kept["robustrag"]["support"]
+    answer = defenses.robustrag_finish("Vitamin D supports bone health. It matters most in older adults.", kept)
+    assert answer == "Vitamin D supports bone health [1][2][3]. It matters most in older adults [1][2][3]."
+
+
 def test_robustrag_stays_fast_on_hostile_answers():
     """Five isolated answers, each one run of 20,000 content words (a hostile document can steer an answer
     there): each read up to MAX_TOKENS tokens, as RobustRAG's answers stop there, its stretches of at most
