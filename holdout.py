@@ -68,12 +68,24 @@ ALL = "all"                       # the reference fold: every construction famil
 DETECT_FPR = 0.05                 # the detection side's threshold: this FPR on the construction honest edits
 
 
+def construction_families(run):
+    """The construction families a fold can train on: those with an instance. A family the build's gate refused
+    on every construction group trains no fold; counted as seen, every fold would read as having seen it."""
+    data = run.data
+    cons = data.meta.construction()
+    empty = [m for m in cons if not geodef.expand(data.construction, [m])]
+    if empty:
+        log(f"[holdout] {', '.join(empty)}: no construction instance (every rewrite failed the build's gate): "
+            "neither held out nor seen by any fold")
+    return [m for m in cons if m not in empty]
+
+
 def families(run):
     """The families to hold out in turn (--families; default every family the construction groups
     hold) and the construction families -> (held out, construction)."""
-    cfg, data = run.cfg, run.data
+    cfg = run.cfg
     h = cfg.holdout
-    cons = data.meta.construction()
+    cons = construction_families(run)
     if len(cons) < 2:
         raise SettingsError(f"{cfg.data.bench}: its construction groups hold one family ({cons}); nothing can be held "
                             "out. Build it with build-bench --construction-families all")
@@ -219,10 +231,10 @@ def holdout(run):
     if detect.has_honest(data):            # the detection side: the text detector of each fold, never given F
         for r in rows:
             r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, *boot)
-    unseen = [m for m in data.methods if m not in data.meta.construction()]
+    seen = [m for m in data.meta.construction() if geodef.expand(data.construction, [m])]   # (with an instance)
     summary = {**summary_head(run), "folds": rows,
-               "never_trained": {m: rate(ref["shield"], [m]) for m in unseen},
-               "all_families_exposure": rate(ref["shield"], data.meta.construction())}
+               "never_trained": {m: rate(ref["shield"], [m]) for m in data.methods if m not in seen},
+               "all_families_exposure": rate(ref["shield"], seen)}
     out = os.path.join(cfg.folder.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)
@@ -285,14 +297,15 @@ def regime_folds(run):
     Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
     cfg, data = run.cfg, run.data
     h = cfg.holdout
-    cons = data.meta.construction()
-    if h.seen_size > len(cons) or not [m for m in data.methods if m not in cons[:h.seen_size]]:
-        raise SettingsError(f"--seen-size {h.seen_size}: {cfg.data.bench}'s construction groups hold {len(cons)} "
-                            f"families ({', '.join(cons)}) and some evaluated family must stay unseen")
+    cons = construction_families(run)
     subsets = list(itertools.combinations(cons, h.seen_size))
     if h.subsets and h.subsets < len(subsets):
         picked = set(random.Random(cfg.folder.seed).sample(range(len(subsets)), h.subsets))
         subsets = [a for i, a in enumerate(subsets) if i in picked]
+    if not subsets or any(not [m for m in data.methods if m not in a] for a in subsets):
+        raise SettingsError(f"--seen-size {h.seen_size}: {cfg.data.bench}'s construction groups hold {len(cons)} "
+                            f"families with instances ({', '.join(cons)}) and every subset must leave an evaluated "
+                            f"family unseen (--methods {', '.join(data.methods)})")
     size = min(len(geodef.expand(data.construction, a)) for a in subsets)
     out = []
     for a in subsets:

@@ -127,6 +127,24 @@ def test_leave_one_out_folds_train_on_as_many_instances(tmp_path):
     assert plan["all"]["instances"] == 3 * (n + 1) // 2 - 1          # C groups x 3 families, one rewrite failed
 
 
+def test_a_family_whose_every_construction_rewrite_failed_is_neither_held_out_nor_seen(tmp_path):
+    """A family the build's gate refused on every construction group trains no fold: counted as seen, the other
+    folds read as having seen it and its own 'held out' fold compared two Shields that never saw it. It is left
+    out of the construction families; and in the seen-size regime every subset drawn leaves an evaluated
+    family unseen (one fold with none left the headline gap empty, silently)."""
+    rows = [json.loads(x) for x in open(SAMPLE, encoding="utf-8")]
+    for r in rows[1:]:
+        if r["split"] == "construction":
+            del r["attacks"]["MAGEO"]
+            r["failed"] = {"MAGEO": "the build's fidelity gate refused every rewrite"}
+    bench = tmp_path / "b.jsonl"
+    bench.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    plan = run.main(argv(tmp_path, "--dry-run", "--families", "all", "--bench", str(bench)))["folds"]
+    assert list(plan) == ["without-AgenticGEO", "without-AutoGEO", "all"]
+    with pytest.raises(SystemExit, match=r"--seen-size 2: .*AgenticGEO, AutoGEO, MAGEO.*--methods"):
+        run.main(argv(tmp_path, "--dry-run", "--seen-size", "2", "--methods", "AgenticGEO,MAGEO", families=None))
+
+
 def test_a_family_without_construction_instances_or_given_twice_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"--families GEO: \['GEO'\] have no construction instances .*"
                                          r"--construction-families all"):
