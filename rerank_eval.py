@@ -40,7 +40,7 @@ import metrics
 import rankers
 import report
 import speed
-from runs import offline_notes, write_summary
+from runs import offline_notes, test_set_digest, write_summary
 from settings import SettingsError
 from store import read_json, write_json, write_jsonl
 
@@ -297,15 +297,15 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
             by_label[label].prepare(insts + list(cleans.values()) + honest)
     base = next((by_label[lb] for lb, spec in items if spec.kind == "base"), None)
     res = os.path.join(cfg.folder.run_dir, "results")
-    out, records = {}, {}
+    out, records, digest = {}, {}, test_set_digest(insts)
     for label, spec in items:
         rk = by_label[label]
         recs = [instance_record(x, cleans[x.group_id], rk, base.order(cleans[x.group_id]) if base else None, d.k)
                 for x in insts]
         write_jsonl(os.path.join(res, f"rerank-{label}.jsonl"), recs)
         records[label] = recs
-        out[label] = {"spec": str(spec), **summarize_stage(metrics.paper_level(recs), data.seen, cfg.rerank.n_boot,
-                                                           cfg.folder.seed)}
+        out[label] = {"spec": str(spec), "test_set_sha1": digest, "k": d.k,
+                      **summarize_stage(metrics.paper_level(recs), data.seen, cfg.rerank.n_boot, cfg.folder.seed)}
         out[label]["strength"] = family_strength(metrics.paper_level(recs), d.k, cfg.rerank.n_boot, cfg.folder.seed)
         if len(geodef.attacked_levels(insts)) > 1:
             out[label]["by_attacked"] = attacked_stage(recs, d.k, cfg.rerank.n_boot, cfg.folder.seed)

@@ -46,12 +46,14 @@ SUMMARY_KEYS = {"rerank-eval": ("rerank_stage", "rerank_stage_k"), "attack": ("a
 def write_summary(run, command, blocks, merge=()):
     """The one writer of the run folder's summary.json -> the summary written. `command`'s `blocks`
     replace its own keys and every other command's stay; a key in `merge` is a block of blocks (rerank-eval's
-    rerank_stage, one per reranker label) whose entries replace the old block's, the others kept. eval owns
-    every key no other command names and rewrites them whole (a condition it no longer evaluates leaves no
-    stale figure). `usage`, the run folder's cost over every invocation, is refreshed here, whoever writes."""
+    rerank_stage, one per reranker label) whose entries replace the old block's, the others kept when they
+    were measured as the new ones were (`measured_alike`). eval owns every key no other command names and
+    rewrites them whole (a condition it no longer evaluates leaves no stale figure). `usage`, the run folder's
+    cost over every invocation, is refreshed here, whoever writes."""
     path = os.path.join(run.dir, "summary.json")
     old = read_json(path, {})
-    blocks = {**blocks, **{k: {**old.get(k, {}), **blocks[k]} for k in merge}, "usage": run.usage()}
+    blocks = {**blocks, **{k: {**measured_alike(k, old.get(k, {}), blocks[k]), **blocks[k]} for k in merge},
+              "usage": run.usage()}
     if command == "eval":
         others = {k for c, keys in SUMMARY_KEYS.items() for k in keys}
         summary = {**blocks, **{k: v for k, v in old.items() if k in others}}
@@ -586,6 +588,16 @@ def shared_roles(bench, target, judge=None):
             if role_model(spec) and role_model(spec) == role_model(meta.get(key)):
                 out.append(f"the {role} {spec} {did}")
     return out
+
+
+def measured_alike(key, old, new):
+    """The entries of summary.json's block of blocks `key` that were measured on the lists (test_set_sha1) and at
+    the k the `new` entries were: an entry of another test set or k would sit in one table as comparable."""
+    alike = {(b.get("test_set_sha1"), b.get("k")) for b in new.values()}
+    other = sorted(lb for lb, b in old.items() if lb not in new and (b.get("test_set_sha1"), b.get("k")) not in alike)
+    if other:
+        log(f"[summary] {key}: {', '.join(other)} measured on other test lists or k: left out (records in results/)")
+    return {lb: b for lb, b in old.items() if lb not in other}
 
 
 def test_set_digest(insts):

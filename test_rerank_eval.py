@@ -414,6 +414,19 @@ def test_a_finished_rerank_eval_reruns_without_sending(demo_run, tmp_path, fake)
     assert len(FakeRerank.seen) == again and (out / name / "results" / "rerank-fk.jsonl").read_text() == first
 
 
+def test_a_rerankers_block_measured_on_other_lists_is_not_kept_beside_the_new_ones(demo_run, tmp_path):
+    """summary.json keeps an earlier run's reranker beside the new ones only when it was measured on the same
+    test lists at the same k: base on two groups stood beside the Shield on all of them, as comparable."""
+    out, name = _run_copy(demo_run, tmp_path)
+    argv = ["rerank-eval", "--runs-dir", str(out), "--name", name, "--reranker"]
+    run.main(argv + ["base", "--max-test-groups", "2"])
+    run.main(argv + ["shield"])
+    assert set(json.load(open(out / name / "summary.json"))["rerank_stage"]) == {"shield"}
+    run.main(argv + ["base"])
+    stage = json.load(open(out / name / "summary.json"))["rerank_stage"]
+    assert set(stage) == {"base", "shield"} and stage["base"]["test_set_sha1"] == stage["shield"]["test_set_sha1"]
+
+
 def test_a_stale_or_corrupted_score_file_is_one_line_naming_it_and_never_merged(demo_run, tmp_path):
     """A share file that is not one ({key: 1e9} would move exposure), nested too deeply, made by another
     ranker or benchmark or as a rank its layout lacks, or holding a key or score that is none, stops
