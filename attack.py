@@ -40,6 +40,7 @@ the Shield conditions are the transfer case.
 
 Usage: python run.py attack --name gpt55 --target shield --budgets 1,4,16 --aware-of-library
 """
+import collections
 import dataclasses
 import difflib
 import hashlib
@@ -80,10 +81,7 @@ def attacker_prompt(query, source, current, rank, score, competitor, rules, n, r
     inp = {"attack_task": "rewrite_for_ranking", "query": query, "source_document": source,
            "current_rewrite": current, "current_rank": rank, "current_score": round(score, 4), "candidates": 10,
            "top_competitor_opening": competitor, "n_rewrites": n, "round": round_}
-    if rules is not None:
-        inp["defense_rules"] = rules
-    if seed is not None:
-        inp["attacker_seed"] = seed
+    inp.update({k: v for k, v in (("defense_rules", rules), ("attacker_seed", seed)) if v is not None})
     return (f"{ATTACKER_INSTRUCTION}\n\nReturn only JSON of the form {{\"rewrites\": [\"...\"]}} with exactly {n} "
             f"different full rewrites.\n\n" + tfsg.json_block("input", inp, indent=None))
 
@@ -115,10 +113,7 @@ def repair_prompt(query, source, current, rank, score, competitor, rules, n, rou
     inp = {"attack_task": "diagnose_and_repair", "query": query, "source_document": source,
            "current_rewrite": current, "current_rank": rank, "current_score": round(score, 4), "candidates": 10,
            "top_competitor_opening": competitor, "failure_modes": REPAIR_MODES, "n_rewrites": n, "round": round_}
-    if rules is not None:
-        inp["defense_rules"] = rules
-    if seed is not None:
-        inp["attacker_seed"] = seed
+    inp.update({k: v for k, v in (("defense_rules", rules), ("attacker_seed", seed)) if v is not None})
     return (f"{REPAIR_INSTRUCTION}\n\nReturn only JSON of the form {{\"failure_mode\": \"...\", \"evidence\": "
             f"\"...\", \"rewrites\": [\"...\"]}} with exactly {n} different full rewrites.\n\n"
             + tfsg.json_block("input", inp, indent=None))
@@ -193,11 +188,8 @@ class Attack:
         """Target scores of each instance's attack document and its rank among the ten -> [(score, rank)]."""
         self.target.prepare(insts)
         self.queries += len(insts)
-        out = []
-        for x in insts:
-            s = self.target.scores(x)
-            out.append((s[x.attack_index], ranked(s, x.doc_ids).index(x.attack_index) + 1))
-        return out
+        return [(s[x.attack_index], ranked(s, x.doc_ids).index(x.attack_index) + 1)
+                for x in insts for s in [self.target.scores(x)]]
 
     def run(self, insts):
         """Every instance's candidates in budget order -> {instance_id: [candidate record, ...]}."""
@@ -213,8 +205,7 @@ class Attack:
             live = [x for x in insts if len(cands[x.instance_id]) < self.budget]
             if not live:
                 break
-            proposals = self._propose(live, cands, rnd)
-            self._gate_and_score(live, cands, proposals, rnd)
+            self._gate_and_score(live, cands, self._propose(live, cands, rnd), rnd)
         return cands
 
     def _propose(self, live, cands, rnd):
@@ -279,8 +270,7 @@ class Attack:
             return [{} for _ in insts]
         llm, pipeline = self.engine
         tops = [self.target.order(x)[:self.cfg.data.k] for x in insts]       # scored by self.score
-        c = self.cfg
-        recs = pipeline_records(c.llm, c.request.workers, llm, "repair engine", insts, tops, pipeline,
+        recs = pipeline_records(self.cfg.llm, self.cfg.request.workers, llm, "repair engine", insts, tops, pipeline,
                                 sample=ENGINE_SAMPLE)
         return [{"cited": bool(r["attack_cited"])} for r in recs]
 
@@ -422,9 +412,8 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     write_jsonl(os.path.join(res, f"attack-{label}-{mode}.jsonl"),
                 ({"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, **c}
                  for x in insts for c in cands[x.instance_id]))
-    block = {"target": str(spec), "attacker": attacker.label, "judge": judge.label,
-             "rounds": rounds, "per_round": per_round, "budgets": {},
-             "gate": gate_counts(cands), "cost": {}}
+    block = {"target": str(spec), "attacker": attacker.label, "judge": judge.label, "rounds": rounds,
+             "per_round": per_round, "budgets": {}, "gate": gate_counts(cands), "cost": {}}
     block.update({"algorithm": "repair", "start": cfg.attacker.start} if cfg.attacker.algorithm == "repair" else {})
     llm = run.llm(stage="attack-eval")
     eval_judge = run.llm(cfg.judge.judge, stage="attack-eval") if cfg.judge.judge else llm
@@ -474,12 +463,8 @@ def evaluate_documents(run, llm, judge, docs, defense, clean, folder, conditions
 
 def gate_counts(cands):
     """The gate's verdicts over every candidate but the benchmark's own: {reason: count}, 'accepted' too."""
-    out = {}
-    for cs in cands.values():
-        for c in cs[1:]:
-            why = c["reason"].split(" [")[0]
-            why = re.sub(r"\d+(\.\d+)?", "N", why)          # "fidelity 2 < 4" -> "fidelity N < N"
-            out[why] = out.get(why, 0) + 1
+    out = collections.Counter(re.sub(r"\d+(\.\d+)?", "N", c["reason"].split(" [")[0])
+                              for cs in cands.values() for c in cs[1:])     # "fidelity 2 < 4" -> "fidelity N < N"
     return dict(sorted(out.items()))
 
 

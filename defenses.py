@@ -43,7 +43,7 @@ import re
 from bisect import bisect
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, groupby
 from typing import Callable
 
 from tfsg import ANSWER_INSTRUCTION, json_block, standard_prompt
@@ -54,17 +54,7 @@ SCHEMA = "Return JSON with exactly this schema:\n{\"answer\": \"...\"}"
 def read_block(tag, text):
     """The JSON object of json_block(tag, ...) inside `text`, or None."""
     i, j = text.find(f"<{tag}>\n"), text.rfind(f"\n</{tag}>")
-    if not 0 <= i < j:
-        return None
-    return json.loads(text[i + len(tag) + 3:j])
-
-
-def no_pre(query, docs):
-    return []
-
-
-def keep_answer(answer, kept):
-    return answer
+    return json.loads(text[i + len(tag) + 3:j]) if 0 <= i < j else None
 
 
 @dataclass(frozen=True)
@@ -77,8 +67,8 @@ class Pipeline:
     finish(answer, kept) -> the answer recorded (markers undone, citations added in code).
     settings: what its records depend on beyond the prompts (pinned with the records)."""
     final: Callable
-    pre: Callable = no_pre
-    finish: Callable = keep_answer
+    pre: Callable = lambda query, docs: []              # no pre-step
+    finish: Callable = lambda answer, kept: answer      # the answer as it came
     pre_step: str = ""
     settings: dict = field(default_factory=dict)
     usage: bool = True    # each record keeps its calls' usage (one_prompt's: read from the reply cache instead)
@@ -370,15 +360,7 @@ def _is_word(tok):
 
 def _runs(tokens):
     """Maximal runs of content words: a function word or a punctuation mark ends a run."""
-    runs, cur = [], []
-    for tok in tokens:
-        if tok in FUNCTION_WORDS or not _is_word(tok):
-            if cur:
-                runs.append(cur)
-            cur = []
-        else:
-            cur.append(tok)
-    return runs + ([cur] if cur else [])
+    return [list(run) for kept, run in groupby(tokens, lambda t: t not in FUNCTION_WORDS and _is_word(t)) if kept]
 
 
 def _stretches(words, n):

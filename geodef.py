@@ -357,11 +357,10 @@ def _read_group(obj, path, n, n_docs, meta):
     co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
     shown = {" ".join(t.split()): f"attacks.{m}" for m, t in attacks.items()}
     for j, (i, _, t) in enumerate(co or ()):       # a list of the K levels shows each co-attack beside the rest
-        seen = {**{k: f"docs[{x}]" for k, x in others.items() if x != i}, **shown}
-        if " ".join(t.split()) in seen:
-            _fail(path, n, f"co_attacks[{j}].text", f"a copy of {seen[' '.join(t.split())]}: a list would show "
-                                                    "one text twice")
-        shown[" ".join(t.split())] = f"co_attacks[{j}].text"
+        seen, norm = {**{k: f"docs[{x}]" for k, x in others.items() if x != i}, **shown}, " ".join(t.split())
+        if norm in seen:
+            _fail(path, n, f"co_attacks[{j}].text", f"a copy of {seen[norm]}: a list would show one text twice")
+        shown[norm] = f"co_attacks[{j}].text"
     opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
     for fld, v in (("co_attacks", co), ("optimized", opt)):
         if v and split != "test":        # a drawn split could put them in construction, where the Shield trains
@@ -414,9 +413,7 @@ def _read_attacks(obj, path, n, source_norm):
         if not METHOD_NAME.fullmatch(m) or m in ("clean", "honest"):   # its instance id: <group>:<method>
             _fail(path, n, f"attacks.{m}", "a method's name is letters, digits, '.', '_', '+' and '-', and not "
                                            "'clean' or 'honest' (the ids of a group's other lists)")
-        if not isinstance(t, str):
-            _fail(path, n, f"attacks.{m}", f"expected str, got {type(t).__name__}")
-        if not t.strip():
+        if not _need(attacks, m, str, path, n, "attacks.").strip():
             _fail(path, n, f"attacks.{m}", "empty rewrite")
         check_text(t, path, n, f"attacks.{m}")
         if " ".join(t.split()) == source_norm:
@@ -483,9 +480,7 @@ def _read_optimized(obj, path, n, docs, src, meta):
 def _read_honest(obj, path, n, source_norm):
     """The optional `honest` field (build-bench --honest): an honest edit of the source, text that is
     not the source and spells no chat control token (it reaches the target LLM's prompt as a document)."""
-    t = obj["honest"]
-    if not isinstance(t, str):
-        _fail(path, n, "honest", f"expected str, got {type(t).__name__}")
+    t = _need(obj, "honest", str, path, n)
     if not t.strip():
         _fail(path, n, "honest", "empty edit")
     check_text(t, path, n, "honest")
@@ -594,10 +589,8 @@ def attack_instance(g, method, level=1):
     level > 1 (a file built with --attacked K): the group's first level-1 co-attacks replace their
     candidates too, each id "<doc_id>#<its method>", and the instance id ends ":K<level>"; with an
     optimized pool every other candidate shows its honest edit (its id unchanged: the same page)."""
-    docs = _pool_texts(g)
-    ids = [d["doc_id"] for d in g.docs]
-    docs[g.source_index] = g.attacks[method]
-    ids[g.source_index] = f"{ids[g.source_index]}#{method}"
+    docs, ids = _pool_texts(g), [d["doc_id"] for d in g.docs]
+    docs[g.source_index], ids[g.source_index] = g.attacks[method], f"{ids[g.source_index]}#{method}"
     co = (g.co_attacks or [])[:level - 1]
     for i, m, text in co:
         docs[i], ids[i] = text, f"{ids[i]}#{m}"
@@ -623,10 +616,8 @@ def honest_instance(g):
     "honest", its doc id "<source doc_id>#honest"): where the honest penalty is measured."""
     if g.honest is None:
         raise ValueError(f"group {g.group_id}: no honest edit (build-bench --honest writes one)")
-    docs = _pool_texts(g)
-    ids = [d["doc_id"] for d in g.docs]
-    docs[g.source_index] = g.honest
-    ids[g.source_index] = f"{ids[g.source_index]}#honest"
+    docs, ids = _pool_texts(g), [d["doc_id"] for d in g.docs]
+    docs[g.source_index], ids[g.source_index] = g.honest, f"{ids[g.source_index]}#honest"
     return Instance(f"{g.group_id}:honest", g.group_id, g.query, docs, ids, g.source_index, "honest", g.split,
                     g.docs[g.source_index]["text"])
 

@@ -105,9 +105,7 @@ def survivor_instance(x, cand, k):
     tag = f"adaptive-r{k}.{x.method}.{cand['n']}"
     ids = list(x.doc_ids)
     ids[x.attack_index] = f"{ids[x.attack_index].split('#')[0]}#{tag}"
-    docs = list(x.docs)
-    docs[x.attack_index] = cand["text"]
-    return dataclasses.replace(x, instance_id=f"{x.group_id}:{tag}", docs=docs, doc_ids=ids,
+    return dataclasses.replace(with_doc(x, cand["text"]), instance_id=f"{x.group_id}:{tag}", doc_ids=ids,
                                method=f"adaptive-r{k}", split="construction")
 
 
@@ -344,8 +342,7 @@ def crossplay(run, R):
 def check_settings(run):
     """The settings the rounds' files depend on, pinned in harden/settings.json when the first round
     starts: a rerun that changes one is refused (--rounds may grow: finished rounds are kept)."""
-    cfg = run.cfg
-    a = cfg.attacker
+    cfg, a = run.cfg, run.cfg.attacker
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
             "unaware", "restart", "judge", "max_tokens")
     now = {k: cfg.flat()[k] for k in keys} | {"eval_budgets": str(cfg.harden.eval_budgets)}    # as its flag's text
@@ -398,12 +395,11 @@ def retraining(run, k):
     """Round k's retraining as every rank runs it (module docstring, step 3): once round k's survivors
     are written (under torchrun rank 0 writes them; the ranks meet at a barrier first), the Shield
     retrained on the construction set plus the pool, when there are survivors -> the survivors."""
-    cfg = run.cfg
     run.ranks.barrier()
     survivors = read_survivors(os.path.join(round_dir(run, k), "survivors.jsonl"))
     if survivors:
         train_shield(run, out=round_dir(run, k), extra=pool_instances(run, k),
-                     init=None if cfg.harden.restart else defense_of(run, k - 1)[0])
+                     init=None if run.cfg.harden.restart else defense_of(run, k - 1)[0])
     return survivors
 
 
@@ -487,8 +483,7 @@ def check(run):
 def dry_run(run):
     """What `harden` would send, without sending anything: upper bounds per round (JSON re-asks
     included), prompt tokens at 4 characters a token, the price with --prices, full and batch."""
-    cfg, data = run.cfg, run.data
-    hd = cfg.harden
+    cfg, data, hd = run.cfg, run.data, run.cfg.harden
     cons = geodef.expand(data.construction, data.seen)
     _, test = test_instances(cfg.harden.eval_groups, data)
     budgets = hd.eval_budgets

@@ -71,8 +71,7 @@ DETECT_FPR = 0.05                 # the detection side's threshold: this FPR on 
 def construction_families(run):
     """The construction families a fold can train on: those with an instance. A family the build's gate refused
     on every construction group trains no fold; counted as seen, every fold would read as having seen it."""
-    data = run.data
-    cons = data.meta.construction()
+    data, cons = run.data, run.data.meta.construction()
     empty = [m for m in cons if not geodef.expand(data.construction, [m])]
     if empty:
         log(f"[holdout] {', '.join(empty)}: no construction instance (every rewrite failed the build's gate): "
@@ -83,9 +82,7 @@ def construction_families(run):
 def families(run):
     """The families to hold out in turn (--families; default every family the construction groups
     hold) and the construction families -> (held out, construction)."""
-    cfg = run.cfg
-    h = cfg.holdout
-    cons = construction_families(run)
+    cfg, h, cons = run.cfg, run.cfg.holdout, construction_families(run)
     if len(cons) < 2:
         raise SettingsError(f"{cfg.data.bench}: its construction groups hold one family ({cons}); nothing can be held "
                             "out. Build it with build-bench --construction-families all")
@@ -104,8 +101,7 @@ def families(run):
 
 def fold_settings(cfg, name, trained):
     """A fold's settings: the run's, in the run folder <run>/holdout/<name>, trained on `trained`."""
-    return cfg.replace(runs_dir=os.path.join(cfg.folder.run_dir, "holdout"), name=name,
-                               seen_methods=tuple(trained))
+    return cfg.replace(runs_dir=os.path.join(cfg.folder.run_dir, "holdout"), name=name, seen_methods=tuple(trained))
 
 
 def folds(run):
@@ -179,8 +175,7 @@ def fold_row(k, boot, family, trained, recs, ref, others):
     bootstrap's (size, seed)."""
     base, shield = recs["base"], recs["shield"]
     row = {"family": family, "trained_on": trained,
-           "strength": rerank_eval.family_strength([r for r in base if r["method"] == family], k,
-                                                   *boot).get(family)}
+           "strength": rerank_eval.family_strength([r for r in base if r["method"] == family], k, *boot).get(family)}
     for name, ms in (("held_out", [family]), ("trained", trained)):
         rs = [r for r in shield if r["method"] in ms]
         ci = metrics.cluster_bootstrap_ci([100.0 * r["exposed"] for r in rs], [r["group_id"] for r in rs],
@@ -223,8 +218,7 @@ def holdout(run):
         log(f"[holdout] fold {name}: the Shield{' and library' if cfg.holdout.llm_stage else ''} trained on "
             f"{fcfg.seen.seen_methods}")
         recs[family] = run_fold(run, fcfg, cfg.holdout.llm_stage, groups)
-    ref = recs[None]
-    boot = (cfg.rerank.n_boot, cfg.folder.seed)
+    ref, boot = recs[None], (cfg.rerank.n_boot, cfg.folder.seed)
     rows = [fold_row(cfg.data.k, boot, family, list(fcfg.seen.seen_methods), recs[family], ref,
                      [recs[g] for _, g, _, _ in plan if g not in (None, family)])
             for name, family, fcfg, _ in plan if family is not None]
@@ -245,8 +239,7 @@ def dry_run(run):
     """What holdout would train, score and send, nothing sent: per fold its families, its optimizer
     steps, whether its Shield is already trained, the test instances it scores, and with --llm-stage
     the requests its library and its two conditions would send (train's and eval's dry runs)."""
-    cfg, data = run.cfg, run.data
-    h = cfg.holdout
+    cfg, data, h = run.cfg, run.data, run.cfg.holdout
     if h.seen_size:
         out = {}
         for name, seen, fcfg, groups in regime_folds(run):
@@ -258,18 +251,17 @@ def dry_run(run):
                          "shield_trained": os.path.isfile(os.path.join(fcfg.folder.run_dir, "shield_done.json")),
                          **({"train": plan_train(fold)["stages"]} if h.llm_stage else {})}
         return {"folds": out, **({} if h.llm_stage else {"llm_requests": 0})}
-    out = {}
+    out, n = {}, len(data.test) * len(data.methods)
     for name, family, fcfg, groups in folds(run):
-        inst = geodef.expand(groups, list(fcfg.seen.seen_methods))
-        opt, _ = fold_run(run, fcfg, groups).shield_split(inst)
+        fold, inst = fold_run(run, fcfg, groups), geodef.expand(groups, list(fcfg.seen.seen_methods))
+        opt, _ = fold.shield_split(inst)
         out[name] = {"held_out": family, "trained_on": list(fcfg.seen.seen_methods), "instances": len(inst),
                      "shield_optimizer_steps": cfg.shield.optimizer_steps(len(opt)),
                      "shield_trained": os.path.isfile(os.path.join(fcfg.folder.run_dir, "shield_done.json")),
-                     "test_instances_scored": len(data.test) * len(data.methods)}
+                     "test_instances_scored": n}
         if h.llm_stage:        # eval's requests at most: the clean reference, both conditions, E0..E4, quality
-            n = len(data.test) * len(data.methods)
             answers = len(data.test) + n * (len(LLM_CONDITIONS) + cfg.tfsg.n_batches + 1)
-            out[name]["train"] = plan_train(fold_run(run, fcfg, groups))["stages"]
+            out[name]["train"] = plan_train(fold)["stages"]
             out[name]["eval_requests_at_most"] = {"target answers": answers, "ASI judge": answers,
                                                   "pairwise quality judge": n}
     return {"folds": out, **({} if h.llm_stage else {"llm_requests": 0})}
@@ -295,8 +287,7 @@ def regime_folds(run):
     --seeds seeds (the run's seed, +1, ...), every fold on the smallest subset's number of construction
     instances (equal_size) and picking its epoch on a monitoring split of its own families. Each fold's
     Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
-    cfg, data = run.cfg, run.data
-    h = cfg.holdout
+    cfg, data, h = run.cfg, run.data, run.cfg.holdout
     cons = construction_families(run)
     subsets = list(itertools.combinations(cons, h.seen_size))
     if h.subsets and h.subsets < len(subsets):
@@ -474,16 +465,12 @@ def family_text(f):
 def summary_head(run):
     """What every holdout summary opens with: the top-k, the benchmark and its construction families, the
     test groups, who built them, and the offline notes."""
-    cfg, data = run.cfg, run.data
+    cfg, data, meta = run.cfg, run.data, run.data.meta
+    built = meta.raw.get("builder_llm")     # the builder LLM of each split (_meta; test_builder_llm: --test-llm)
     return {"k": cfg.data.k, "bench": os.path.basename(cfg.data.bench), "test_groups": len(data.test),
-            "construction_families": data.meta.construction(), "builders": builders(data.meta),
+            "construction_families": meta.construction(),
+            "builders": {"construction": built, "test": meta.raw.get("test_builder_llm") or built},
             "notes": offline_notes(run)}
-
-
-def builders(meta):
-    """The builder LLM of each split (_meta: builder_llm, test_builder_llm with build-bench --test-llm)."""
-    return {"construction": meta.raw.get("builder_llm"), "test": meta.raw.get("test_builder_llm")
-            or meta.raw.get("builder_llm")}
 
 
 def pct(v):
@@ -574,9 +561,8 @@ def write_report(out, s):
                   for r in s["folds"] for d in [r.get("detection")] if d] + [""]
     if any("asr" in r for r in s["folds"]):          # --llm-stage
         conds = list(s["folds"][0]["asr"])
-        head = ["Held out (F)"] + [f"{c} ASR: {w}" for c in conds for w in ("-F on F", "+F on F (matched)",
-                                                                             "all on F", "-F on trained",
-                                                                             "gap vs seen")]
+        head = ["Held out (F)"] + [f"{c} ASR: {w}" for c in conds for w in (
+            "-F on F", "+F on F (matched)", "all on F", "-F on trained", "gap vs seen")]
         lines += ["ASR (%) end to end: each fold's Shield and TFSG library (`--llm-stage`).\n",
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join([r["family"]] + [x for c in conds for x in (
@@ -586,11 +572,8 @@ def write_report(out, s):
         lines.append("Families no fold trains on (no construction instances), under the all-families Shield: "
                      + ", ".join(f"{m} {pct(v)}" for m, v in s["never_trained"].items()) + ".\n")
     series = ["base", "Shield -F (held out)", "Shield +F (matched)", "Shield all"]
-    values = {}
-    for r in s["folds"]:
-        values.update({(r["family"], series[0]): r["held_out"]["base_exposure"],
-                       (r["family"], series[1]): r["held_out"]["shield_exposure"],
-                       (r["family"], series[2]): r["seen_exposure"], (r["family"], series[3]): r.get("all_exposure")})
+    values = {(r["family"], name): v for r in s["folds"] for name, v in zip(series, (
+        r["held_out"]["base_exposure"], r["held_out"]["shield_exposure"], r["seen_exposure"], r.get("all_exposure")))}
     atomic_write(os.path.join(out, "figures", "holdout.svg"), figures.svg_bars(
         f"Each family held out: exposure@{k}", [r["family"] for r in s["folds"]], series, values,
         xlabel="held-out family (F)", ylabel=f"exposure@{k} (%)", note=note))

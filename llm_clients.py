@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
-
 import accounting
 import endpoints
 from transport import LLMError, Transport, json_object, no_lone_surrogates
@@ -84,9 +83,7 @@ class Reply:
     cached: bool = False
 
     def to_dict(self):
-        d = asdict(self)
-        d.pop("cached")
-        return d
+        return {k: v for k, v in asdict(self).items() if k != "cached"}
 
 
 # ----------------------------------------------------------------------------- JSON extraction
@@ -302,13 +299,10 @@ class ReplyCache:
         except (OSError, ValueError):
             return None
 
-    def put_raw(self, key, obj):
-        self._write(key, obj)
-
     def put(self, key, reply, provider, model):
-        self._write(key, {"provider": provider, "model": model, "reply": reply.to_dict()})
+        self.put_raw(key, {"provider": provider, "model": model, "reply": reply.to_dict()})
 
-    def _write(self, key, obj):
+    def put_raw(self, key, obj):
         if not self.dir:
             return
         path = self._path(key)
@@ -328,33 +322,19 @@ class ReplyCache:
                 raise OSError(e.errno, e.strerror, path) from None
             raise
 
-    def claim(self, key):
-        """-> (Event to set when done, None) if this thread sends `key`, or (None, Event to wait for)
-        if another thread is sending it. Without a cache nothing is shared: (None, None)."""
-        with self.lock:
-            wait = self.inflight.get(key)
-            if wait is not None:
-                return None, wait
-            if not self.dir or self.refresh:
-                return None, None
-            mine = self.inflight[key] = threading.Event()
-            return mine, None
-
-    def release(self, key, mine):
-        with self.lock:
-            del self.inflight[key]
-        mine.set()
-
     def through(self, key, lookup, ask):
         """The value for `key`: lookup() (a usable cached entry, or None), else ask() (sends, stores).
         While one thread asks, the others asking the same key wait for its entry instead of paying
-        twice; if it failed, the next waiter asks itself."""
+        twice; if it failed, the next waiter asks itself. Without a cache nothing is shared."""
         mine = None
         while True:
             hit = lookup()
             if hit is not None:
                 return hit
-            mine, wait = self.claim(key)
+            with self.lock:                      # another thread sending `key`: wait for it; else claim it
+                wait = self.inflight.get(key)
+                if wait is None and self.dir and not self.refresh:
+                    mine = self.inflight[key] = threading.Event()
             if wait is None:
                 break
             wait.wait()
@@ -365,7 +345,9 @@ class ReplyCache:
             return hit if hit is not None else ask()
         finally:
             if mine is not None:
-                self.release(key, mine)
+                with self.lock:
+                    del self.inflight[key]
+                mine.set()
 
 
 # ----------------------------------------------------------------------------- client
@@ -690,8 +672,7 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     given = endpoints.Endpoint.parse(base_url) if isinstance(base_url, str) and base_url else base_url or None
     home = urlparse(p["base"]).hostname if p["base"] else None
     if given and provider in HOSTED and given.host != home:
-        raise ValueError(f"{shown!r} with --base-url {given}: {provider}'s key ({p['keys'][0]}) goes only to "
-                         f"{home} "
+        raise ValueError(f"{shown!r} with --base-url {given}: {provider}'s key ({p['keys'][0]}) goes only to {home} "
                          f"(or to {p['base_env']}); for another server use openai-compatible:MODEL (its key from "
                          "OPENAI_COMPATIBLE_API_KEY)")
     key, base, bearer = provider_environment(provider, api_key)

@@ -70,9 +70,8 @@ class Batcher:
     documents keep sharing their query's prompt prefix (speed.py's `share_prefix`) and it is answered
     as soon as it is done. A score does not depend on its batch mates beyond float rounding."""
 
-    def __init__(self, rr, max_queue=64, max_batch_tokens=None):
-        self.rr = rr
-        self.max_batch_tokens = max_batch_tokens or rr.token_budget
+    def __init__(self, rr, max_queue=64):
+        self.rr, self.max_batch_tokens = rr, rr.token_budget
         self.jobs = queue.Queue(maxsize=max_queue)
         self.held = None           # a job taken from the queue that did not fit the last call
         self.batches = 0
@@ -175,24 +174,22 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- replies
     def _send(self, status, obj, headers=()):
-        try:
-            self._write(status, obj, headers)
-        except OSError:                     # the client is gone: nothing to answer
-            self.close_connection = True
-
-    def _write(self, status, obj, headers):
         """`obj` as JSON, or a str as Prometheus text, head and body in one write."""
         text = isinstance(obj, str)
         data = (obj if text else json.dumps(obj, ensure_ascii=False)).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8" if text else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in headers:
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self._headers_buffer.append(b"\r\n" + data)
-        self.flush_headers()
+        kind = "text/plain; version=0.0.4; charset=utf-8" if text else "application/json"
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in headers:
+                self.send_header(k, v)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self._headers_buffer.append(b"\r\n" + data)
+            self.flush_headers()
+        except OSError:                     # the client is gone: nothing to answer
+            self.close_connection = True
 
     def _fail(self, e, headers=()):
         # OpenAI-style `error` and FastAPI-style `detail` (LlamaIndex's JinaRerank and xinference-client read it)
@@ -368,8 +365,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(404, "no detector: run `python run.py detect --name RUN` on the served run, then "
                                     "serve it again")
         with srv.work:
-            texts = parse_detect(json_body(raw), srv.conf["max_documents"])
-            out = srv.detector.reply(texts)
+            out = srv.detector.reply(parse_detect(json_body(raw), srv.conf["max_documents"]))
         self._send(200, out)
 
     def _rerank(self, path, raw):
@@ -416,9 +412,8 @@ def serve_until_stopped(rr, sv, deletion_rate, model_name, adapter=None, detecto
     try:
         srv = RerankServer(rr, host=sv.host, port=sv.port, api_key=key, max_documents=sv.max_documents,
                            max_body_bytes=sv.max_body_bytes, max_queue=sv.max_queue, model_name=model_name,
-                           max_concurrent_requests=sv.max_concurrent_requests,
-                           allow_instruction=sv.allow_instruction, smooth=sv.smooth,
-                           deletion_rate=deletion_rate, detector=detector)
+                           max_concurrent_requests=sv.max_concurrent_requests, allow_instruction=sv.allow_instruction,
+                           smooth=sv.smooth, deletion_rate=deletion_rate, detector=detector)
     except OSError as e:
         raise SettingsError(f"--host {sv.host} --port {sv.port}: cannot listen there ({e.strerror or e})") from None
     if sv.host not in ("127.0.0.1", "localhost", "::1") and not key:
@@ -459,9 +454,8 @@ class RerankServer(ThreadingHTTPServer):
         self.work = threading.BoundedSemaphore(os.cpu_count() or 1)
         self.conf = {"api_key": api_key or None, "model_name": model_name, "max_documents": max_documents,
                      "max_body_bytes": max_body_bytes, "read_timeout": read_timeout, "body_timeout": body_timeout,
-                     "score_timeout": score_timeout, "max_concurrent_requests": max_concurrent_requests,
-                     "log": log, "allow_instruction": allow_instruction, "smooth": smooth,
-                     "deletion_rate": deletion_rate}
+                     "score_timeout": score_timeout, "max_concurrent_requests": max_concurrent_requests, "log": log,
+                     "allow_instruction": allow_instruction, "smooth": smooth, "deletion_rate": deletion_rate}
         if smooth:
             self.scoring += f", smoothed over {smooth} deletion samples at p_del {deletion_rate:g} a request"
         if log:
