@@ -33,7 +33,6 @@ endpoint is ours, its POST /detect is checked too: the same scores and flags on 
 Usage: python run.py deploy-check --name gpt55 --endpoint http://127.0.0.1:8000/rerank
 """
 import functools
-import math
 import re
 
 import detect
@@ -154,8 +153,9 @@ def shape_hint(reply):
 
 def ask(client, lists):
     """Each list sent to the endpoint in turn -> ({name: scores}, {name: (property, what failed)}). A
-    property: transport (no reply, or a 5xx), refused (a 4xx), shape (a 200 the spec's shape cannot read).
-    After a transport failure the lists left are not sent: the server is gone or failing."""
+    property: transport (no reply, or a 5xx), redirect (a 3xx: requests go only to the address given),
+    refused (a 4xx), shape (a 200 the spec's shape cannot read). After a transport failure the lists left
+    are not sent: the server is gone or failing."""
     served, failed = {}, {}
     for n, (q, docs) in lists.items():
         if any(k == "transport" for k, _ in failed.values()):
@@ -165,7 +165,8 @@ def ask(client, lists):
             reply = client.transport.post(rerank_clients.rerank_body(client.shape, client.model, q, docs))
         except LLMError as e:
             s = e.status
-            failed[n] = ("shape" if s == 200 else "refused" if s and 400 <= s < 500 else "transport", str(e))
+            failed[n] = ("shape" if s == 200 else "redirect" if s and 300 <= s < 400 else
+                         "refused" if s and 400 <= s < 500 else "transport", str(e))
             continue
         try:
             served[n] = rerank_clients.rerank_scores(client.shape, reply, len(docs), client.label)[0]
@@ -225,6 +226,9 @@ def cause(local, served, failed, unordered, beyond, constant, base):
         first = next(n for n, (k, _) in failed.items() if k == "transport")
         return "no reply: the server is down, crashed or was killed" + (
             " on the long list (give --long-tokens below what it serves, or --no-long)" if first == "long" else "")
+    if "redirect" in kinds:
+        return ("the endpoint redirects (another scheme, host or path): give --endpoint the address it redirects "
+                "to, where the key may go")
     refused = [n for n, (k, _) in failed.items() if k == "refused"]
     if refused == ["long"]:
         return ("an input limit below the long list that the endpoint does not advertise: give --long-tokens below "
@@ -262,8 +266,8 @@ def cause(local, served, failed, unordered, beyond, constant, base):
 def detect_check(run, spec, lists):
     """The run's GEO detector (`detect`'s text_detector.json) against the endpoint's POST /detect on the
     known lists' documents: every score within DETECT_TOLERANCE of the run's and every flag the same ->
-    {"pass", "max_error"} or {"pass": False, "why"}; None when the run has no detector or the endpoint
-    is a hosted API (none serves ours)."""
+    {"pass", "max_error"} or {"pass": False, "why"}; {"pass": None, "why"} when another server (vLLM, TEI)
+    has no such route; None when the run has no detector or the endpoint is a hosted API (none serves ours)."""
     obj = read_json(run.path("detect", "text_detector.json"))
     if obj is None or spec.kind in RERANK_PROVIDERS:
         return None
@@ -273,14 +277,15 @@ def detect_check(run, spec, lists):
     client = rerank_clients.make_reranker(spec, timeout=60, max_retries=0)
     try:
         reply = client.transport.send("POST", spec.endpoint.with_path(root + "/detect").url, {"documents": texts})
-        got = {x["index"]: (float(x["score"]), x["flagged"]) for x in reply["results"]}
-        served = [got[i] for i in range(len(texts))]
     except LLMError as e:
+        if e.status == 404 and not ours(client, spec, root):
+            return {"pass": None, "why": f"not checked: the endpoint is not this project's serve and has no POST "
+                                         f"{root}/detect (serve the run's detector with `serve`)"}
         return {"pass": False, "why": f"POST {root}/detect: {str(e)[:200]}"}
-    except (KeyError, TypeError, ValueError, OverflowError):   # (a score past float's range)
-        return {"pass": False, "why": f"POST {root}/detect: a reply without results[].index, score and flagged"}
-    if not all(math.isfinite(s) for s, _ in served):      # (max() skips a NaN that is not first)
-        return {"pass": False, "why": f"POST {root}/detect: a score that is not a finite number"}
+    served = detect_reply(reply, len(texts))
+    if served is None:
+        return {"pass": False, "why": f"POST {root}/detect: a reply without each document once (results[] of an "
+                                      "index in range, a finite number score and a true/false flagged)"}
     local = [det.score(t) for t in texts]
     err = max(abs(s - m) for (s, _), m in zip(served, local))
     flags = all(f == (m > threshold) for (_, f), m in zip(served, local))
@@ -288,6 +293,29 @@ def detect_check(run, spec, lists):
     return {"pass": ok, "max_error": err, **({} if ok else {"why": "the flags differ: another threshold"
                                                             if not flags and err <= DETECT_TOLERANCE else
                                                             f"scores differ by up to {err:.4g}: another detector"})}
+
+
+def detect_reply(reply, n):
+    """/detect's reply -> [(score, flagged)] in the documents' order, or None unless it holds each index 0..n-1
+    once, each with a finite number score and a boolean flag (as rerank_scores reads a rerank reply)."""
+    rows = reply.get("results") if isinstance(reply, dict) else None
+    got = {}
+    for x in rows if isinstance(rows, list) and len(rows) == n else [None]:
+        i, score, flag = (x.get("index"), x.get("score"), x.get("flagged")) if isinstance(x, dict) else (None,) * 3
+        if type(i) is not int or not 0 <= i < n or i in got or rerank_clients._finite(score) is None \
+                or type(flag) is not bool:
+            return None
+        got[i] = (float(score), flag)
+    return [got[i] for i in range(n)]
+
+
+def ours(client, spec, root):
+    """Whether the endpoint is this project's serve (its GET /info says version geo-defender)."""
+    try:
+        info = client.transport.send("GET", spec.endpoint.with_path(root + "/info").url)
+    except LLMError:
+        return False
+    return isinstance(info, dict) and info.get("version") == "geo-defender"
 
 
 def check(run):
@@ -335,7 +363,7 @@ def deploy_check(run, spec, rr=None):
     out = {"endpoint": str(spec), **compare(local, served, failed, base if adapter else None),
            "long": {"tokens": tokens, "why": why} if tokens else None, "notes": notes,
            "detect": detect_check(run, spec, lists)}
-    if out["detect"] and not out["detect"]["pass"]:        # the run's detector is part of what is deployed
+    if out["detect"] and out["detect"]["pass"] is False:   # the run's detector is part of what is deployed
         out["cause"] = "; ".join(filter(None, [out["cause"], f"/detect: {out['detect']['why']}"]))
         out["pass"] = False
     log(f"[deploy-check] {spec}: {'PASS' if out['pass'] else 'FAIL: ' + out['cause']}")
@@ -354,7 +382,8 @@ def table(v):
         lines.append(f"long list: {v['long']['tokens']} prompt tokens ({v['long']['why']})")
     lines += [f"note: {x}" for x in v["notes"]]
     d = v.get("detect")
-    lines += [f"/detect: {'PASS' if d['pass'] else 'FAIL: ' + d['why']}"] if d else []
+    said = lambda d: "PASS" if d["pass"] else d["why"] if d["pass"] is None else "FAIL: " + d["why"]
+    lines += [f"/detect: {said(d)}"] if d else []
     verdict = (f"PASS: the served scores are {v['map']}(margin) within {v['tolerance']} (max error "
                f"{v['max_error']:.4f})" if v["pass"] else f"FAIL: {v['cause']}")
     return "\n".join(lines + [verdict])

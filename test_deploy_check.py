@@ -189,6 +189,8 @@ MISTAKES = {
                                          ["input limit"]),
     "a crashed server": (failing(500, "internal error"), ["transport: relevance", "not sent: attack", "crashed"],
                          ["input limit"]),
+    "a redirect (http to https)": (failing(301, "moved"), ["redirect: relevance", "the address it redirects"],
+                                   ["crashed"]),
     "SGLang's bare list": (sglang, ["shape: relevance", "bare JSON list, as SGLang's /v1/rerank"], ["input limit"]),
     "a list where one score is expected": (listed, ["shape: relevance", "a list where one score is expected"],
                                            ["input limit"]),
@@ -336,4 +338,44 @@ def test_a_served_detector_score_that_is_not_a_number_fails(monkeypatch, tmp_pat
     spec = NS(kind="url", endpoint=endpoints.Endpoint.parse("http://127.0.0.1:9/v1/rerank"))
     run = NS(path=lambda *p: str(tmp_path.joinpath(*p)))
     v = deploy_check.detect_check(run, spec, {"l": ("q", texts)})
-    assert not v["pass"] and "not a finite number" in v["why"]
+    assert not v["pass"] and "a finite number score" in v["why"]
+
+
+def _detect_against(monkeypatch, tmp_path, reply, info=None):
+    """detect_check against an endpoint whose POST /detect answers `reply` (an LLMError: raised) and GET /info
+    `info`. A stand-in client (labelled: the reply shapes no real server sends), as in the test above."""
+    from types import SimpleNamespace as NS
+
+    def send(method, url, body=None):
+        out = info if url.endswith("/info") else reply
+        if isinstance(out, Exception) or out is None:
+            raise out or deploy_check.LLMError("HTTP 404: no route", 404, "x")
+        return out
+    det = detect.TextDetector({3: 0.5}, -0.1, 0.2)
+    monkeypatch.setattr(deploy_check, "read_json", lambda path: {**det.to_json(), "threshold": 0.0})
+    monkeypatch.setattr(deploy_check.rerank_clients, "make_reranker", lambda *a, **k: NS(transport=NS(send=send)))
+    spec = NS(kind="url", endpoint=endpoints.Endpoint.parse("http://127.0.0.1:9/v1/rerank"))
+    texts = ["one page", "another page"]
+    right = [{"index": i, "score": det.score(t), "flagged": det.score(t) > 0} for i, t in enumerate(texts)]
+    return deploy_check.detect_check(NS(path=lambda *p: str(tmp_path.joinpath(*p))), spec, {"l": ("q", texts)}), right
+
+
+def test_a_served_detector_reply_is_read_as_strictly_as_a_rerank_reply(monkeypatch, tmp_path):
+    """Each document once, by an integer index in range, a finite number score and a boolean flag: a reply with
+    an index twice (the last one kept), one out of range, string scores or integer flags passed."""
+    v, right = _detect_against(monkeypatch, tmp_path, None)
+    assert _detect_against(monkeypatch, tmp_path, {"results": right})[0]["pass"]
+    for bad in ([right[0], right[0], right[1]], [right[0], {**right[1], "index": 7}],
+                [right[0], {**right[1], "score": str(right[1]["score"])}], [right[0], {**right[1], "flagged": 1}],
+                [right[0], {**right[1], "index": True}]):
+        v = _detect_against(monkeypatch, tmp_path, {"results": bad})[0]
+        assert v["pass"] is False and "a reply without" in v["why"]
+
+
+def test_an_endpoint_that_is_not_ours_has_no_detect_route_to_check(monkeypatch, tmp_path):
+    """vLLM, TEI or Infinity serving the Shield answer POST /detect 404: the run's detector is not checked there
+    (it failed the whole check of a correctly served Shield); this project's serve without one still fails."""
+    v = _detect_against(monkeypatch, tmp_path, None, info={"version": "1.5.0", "model_id": "shield"})[0]
+    assert v["pass"] is None and "not checked" in v["why"]
+    v = _detect_against(monkeypatch, tmp_path, None, info={"version": "geo-defender"})[0]
+    assert v["pass"] is False and "/detect" in v["why"]
