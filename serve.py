@@ -37,6 +37,7 @@ import json
 import os
 import queue
 import re
+import signal
 import socket
 import sys
 import threading
@@ -404,10 +405,14 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(400, f"query/instruction/documents{'/' + cap if cap else ''}: {e}", cap) from None
 
 
+STOP_GRACE = 25.0     # seconds the requests in progress get at a stop (within Kubernetes' default 30 s grace)
+
+
 def serve_until_stopped(rr, sv, deletion_rate, model_name, adapter=None, detector=None):
-    """serve's command: a RerankServer over `rr` on the ServeSettings `sv`' host and port until Ctrl-C, its
-    API key sv.api_key or $GEODEF_API_KEY; a warning when it listens beyond loopback without one; `detector`
-    answers POST /detect; deletion_rate: --smooth's chance a word is deleted."""
+    """serve's command: a RerankServer over `rr` on the ServeSettings `sv`' host and port until Ctrl-C or
+    SIGTERM (the requests in progress then finish, STOP_GRACE at most), its API key sv.api_key or $GEODEF_API_KEY;
+    a warning when it listens beyond loopback without one; `detector` answers POST /detect; deletion_rate:
+    --smooth's chance a word is deleted."""
     key = sv.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
         srv = RerankServer(rr, host=sv.host, port=sv.port, api_key=key, max_documents=sv.max_documents,
@@ -421,11 +426,15 @@ def serve_until_stopped(rr, sv, deletion_rate, model_name, adapter=None, detecto
             "it (set GEODEF_API_KEY or --api-key)")
     say(f"[serve] {srv.scoring}{' (adapter ' + adapter + ')' if adapter else ''} on {srv.url} (/v1/rerank, "
         f"/rerank, /score, {'/detect, ' if detector else ''}/metrics){' (API key required)' if key else ''}")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)       # docker stop, systemd: as Ctrl-C
     try:
         with speed.short_documents(rr.model) if sv.smooth else contextlib.nullcontext():
             srv.serve_forever()
     except KeyboardInterrupt:
-        say("[serve] stopped")
+        srv.socket.close()                      # no new connection; the requests in progress finish
+        left = srv.drain(STOP_GRACE)
+        say(f"[serve] stopped{f' ({left} requests in progress cut off after {STOP_GRACE:g} s)' if left else ''}")
     finally:
         srv.server_close()
 
@@ -441,6 +450,7 @@ class RerankServer(ThreadingHTTPServer):
                  max_documents=1000, max_body_bytes=8 << 20, read_timeout=30.0, body_timeout=60.0,
                  score_timeout=600.0, max_queue=64, max_concurrent_requests=128, log=True, allow_instruction=False,
                  smooth=0, deletion_rate=0.9, detector=None, max_connections=1024):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET      # (an IPv6 address: ::1)
         super().__init__((host, port), _Handler)
         # a connection is a thread, held up to read_timeout by a client that sends nothing: past this many, a new
         # one is answered 503 and closed, so that idle connections cannot exhaust the process's threads
@@ -501,6 +511,13 @@ class RerankServer(ThreadingHTTPServer):
             with self.lock:
                 self.in_flight -= 1
 
+    def drain(self, seconds):
+        """Wait up to `seconds` for the requests in progress to be answered -> how many are left."""
+        end = time.monotonic() + seconds
+        while self.in_flight and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.in_flight
+
     def prompter(self, req):
         """The Reranker that builds `req`'s prompts: the server's own, or a shallow copy with the
         request's instruction and prompt budget (truncate_prompt_tokens as its max_length; -1: the
@@ -556,4 +573,4 @@ class RerankServer(ThreadingHTTPServer):
     @property
     def url(self):
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -1024,3 +1024,70 @@ def test_a_null_boolean_field_is_its_default(base_server):
                                     "return_text": None})):
         r = requests.post(srv.url + path, json=body, timeout=30)
         assert r.status_code == 200, (path, r.text)
+
+
+CHILD = """
+import sys, time
+import reranker, serve, settings, tiny
+rr = reranker.Reranker.from_pretrained(tiny.make_tiny_checkpoint(sys.argv[1]))
+score = rr.score_ids
+rr.score_ids = lambda *a, **k: (time.sleep(2), score(*a, **k))[1]          # a request still scoring at the stop
+print("ready", flush=True)
+serve.serve_until_stopped(rr, settings.ServeSettings(port=int(sys.argv[2])), 0.9, "m")
+"""
+
+
+def test_a_stop_signal_lets_the_requests_in_progress_finish(tmp_path):
+    """SIGTERM (docker stop, systemd) stops serve as Ctrl-C does, and either lets a request in progress finish
+    before the process ends: the client got no reply, and SIGTERM ended the process with no cleanup."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(serve.__file__))}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "tiny"), str(port)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        body = json.dumps({"query": "q", "documents": ["a page", "another page"]}).encode()
+        ask = urllib.request.Request(f"http://127.0.0.1:{port}/v1/rerank", body, {"Content-Type": "application/json"})
+        for _ in range(100):                                  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        got = {}
+        t = threading.Thread(target=lambda: got.update(r=json.load(urllib.request.urlopen(ask, timeout=30))))
+        t.start()
+        metrics = f"http://127.0.0.1:{port}/metrics"
+        for _ in range(100):                                  # until the request is scoring (2 s)
+            if "geodef_requests_in_flight 1" in urllib.request.urlopen(metrics, timeout=10).read().decode():
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the request never reached the server")
+        child.send_signal(signal.SIGTERM)
+        t.join(30)
+        assert len(got["r"]["results"]) == 2
+        assert child.wait(30) == 0 and "[serve] stopped" in child.stderr.read()
+    finally:
+        child.kill()
+
+
+def test_serve_listens_on_an_ipv6_address(tiny_dir):
+    """--host ::1 (loopback, as the key warning and the Host check read it) or another IPv6 address binds and
+    answers at its URL: the server was IPv4-only and refused it."""
+    import urllib.request
+    rr = reranker.Reranker.from_pretrained(tiny_dir)
+    srv = serve.RerankServer(rr, host="::1", port=0, log=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert srv.url.startswith("http://[::1]:")
+        assert json.load(urllib.request.urlopen(srv.url + "/health", timeout=10))
+    finally:
+        srv.shutdown()
+        srv.server_close()
