@@ -14,7 +14,7 @@ Usage: write_report("runs/demo", summary)
 import os
 
 from figures import COLORS, figure_note, fmt, svg_bars, svg_heatmap, svg_lines
-from store import atomic_write, read_json
+from store import JSONFileError, atomic_write, read_json
 
 
 def _table(header, rows):
@@ -602,7 +602,10 @@ def read_summaries(run_dirs):
     for r, name in zip(run_dirs, names):
         if not os.path.isfile(os.path.join(r, "summary.json")):
             raise FileNotFoundError(f"{r}/summary.json: missing; run `python run.py eval` for that run first")
-        out[r if names.count(name) > 1 else name] = read_json(os.path.join(r, "summary.json"))
+        s = read_json(os.path.join(r, "summary.json"))
+        if not isinstance(s, dict) or "conditions" not in s or "target_llm" not in s:    # rerank-eval's or attack's
+            raise JSONFileError(f"{r}/summary.json: no evaluation in it; run `python run.py eval` for that run first")
+        out[r if names.count(name) > 1 else name] = s
     return out
 
 

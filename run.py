@@ -49,7 +49,7 @@ import settings
 import speed
 import tfsg
 from evaluation import eval_conditions, evaluate, plan_eval, ranking_stage, reranker_items
-from runs import Run, RunInUse, need_trained, resolve, run_lock
+from runs import NEEDS, Run, RunInUse, need_trained, resolve, run_lock
 from settings import PRESETS, SettingsError
 from store import JSONFileError, file_sha1, log, read_json
 from train import plan_train, train_shield, train_tfsg
@@ -155,6 +155,7 @@ def recorded(run_dir):
 def cmd_serve(args):
     """The Shield behind a rerank endpoint (serve.py), loaded as its run scores."""
     cfg, adapter, run_dir = shield_settings(settings.ServeConfig, args)
+    serve.check_address(cfg.serve)             # a busy port said before the model loads
     with reading(run_dir):
         detector = detect.Served.load(detector_file(run_dir, cfg.model.model))     # checked before the model loads
         rr, _ = shield_as_scored(cfg, adapter, run_dir)
@@ -447,6 +448,8 @@ def pipeline_settings(cls, args, preset=None, **fixed):
     --out)."""
     if os.path.isfile(fixed.get("runs_dir", "")):
         raise SettingsError(f"--out {fixed['runs_dir']}: a file, not a folder")
+    if "runs_dir" in fixed and "runs_dir" in given(args, cls):
+        raise SettingsError(f"--runs-dir: {args.cmd} writes its run folder under --out; give --out DIR")
     cfg = resolve(cls, {**given(args, cls), **fixed}, args.preset or preset, from_record="runs_dir" not in fixed)
     if not os.path.isfile(cfg.data.bench):
         what = "a folder, not a file" if os.path.isdir(cfg.data.bench) else "no such file"
@@ -455,12 +458,16 @@ def pipeline_settings(cls, args, preset=None, **fixed):
 
 
 def check_training(run, stage="all"):
-    """What training needs from the benchmark (both stages' schedules filled), before anything is written."""
+    """What training needs (the stages' schedules filled by the benchmark; a library built over the Shield's ranks
+    without training it, its trained Shield), before anything is written or loaded."""
     inst = geodef.expand(run.data.construction, run.data.seen)
     if stage in ("all", "shield"):
         run.shield_split(inst)
     if stage in ("all", "tfsg"):
         run.tfsg_schedule(inst)
+    if stage == "tfsg" and run.cfg.tfsg.shield:
+        path, what = NEEDS["adapter"]
+        need_trained(path(run), what, run.cfg.folder.name)
 
 
 def check_demo(run):
@@ -481,7 +488,7 @@ def cmd_train(args):
     shield, library = args.stage in ("all", "shield"), args.stage in ("all", "tfsg")
     opened = dict(llms=library, roles=library, check=lambda run: check_training(run, args.stage))
     if args.dry_run:
-        return show(plan_train(Run.plan(cfg, **opened)))
+        return show(plan_train(Run.plan(cfg, **opened), args.stage))
     with Run.open(cfg, "train", distributed=True, engine=cfg.llm.offline_batches, **opened) as run:
         if shield:
             train_shield(run, resume=not args.no_resume)

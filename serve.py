@@ -405,6 +405,17 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(400, f"query/instruction/documents{'/' + cap if cap else ''}: {e}", cap) from None
 
 
+def check_address(sv):
+    """--host and --port bound once and let go: a busy port or another machine's address is refused at once,
+    not after the model loads."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in sv.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the server binds
+            s.bind((sv.host, sv.port))
+    except OSError as e:
+        raise SettingsError(f"--host {sv.host} --port {sv.port}: cannot listen there ({e.strerror or e})") from None
+
+
 STOP_GRACE = 25.0     # seconds the requests in progress get at a stop (within Kubernetes' default 30 s grace)
 
 

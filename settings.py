@@ -786,7 +786,7 @@ class AttackConfig(Command):
     """attack: the adaptive attacker against a trained run, then every budget end to end."""
     GROUPS = EVAL + (AttackerSettings, AttackSettings)
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, JudgeSettings,
-             EvalSettings, SampleSettings, AttackSettings, AttackerSettings, RolesSettings)
+             AttackSettings, AttackerSettings, RolesSettings)      # (its conditions are attack.CONDITIONS)
 
 
 class HardenConfig(Command):
@@ -801,7 +801,7 @@ class HoldoutConfig(Command):
     split; a trained run's settings come from its record."""
     GROUPS = EVAL + (HoldoutSettings,)
     FLAGS = (RunSettings, ModelSettings, DataSettings, SeenSettings, LLMSettings, RequestSettings, ShieldSettings,
-             TFSGSettings, TFSGLimits, JudgeSettings, RerankSettings, RolesSettings, HoldoutSettings)
+             TFSGSettings, TFSGLimits, JudgeSettings, some(RerankSettings, "n_boot"), RolesSettings, HoldoutSettings)
 
 
 class DeployCheckConfig(Command):

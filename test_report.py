@@ -52,7 +52,7 @@ def test_compare_runs_transfer_matrix(tmp_path):
     assert "| Source \\ Target | x:A (a) | x:A (b) |" in text and "| lib | 11.00 | 33.00 |" in text
     assert "| a | 5.00 | - |" in text and "| x:A (a) | 10.00 |" in text
     (tmp_path / "runs" / "a").mkdir(parents=True)
-    (tmp_path / "runs" / "a" / "summary.json").write_text("{}")
+    (tmp_path / "runs" / "a" / "summary.json").write_text('{"target_llm": "x:A", "conditions": {}}')
     assert list(report.read_summaries([str(tmp_path / "runs" / "a") + "/"])) == ["a"]    # a trailing slash
 
 

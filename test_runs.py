@@ -1098,3 +1098,36 @@ def test_a_run_record_of_another_shape_is_refused_naming_it(tmp_path):
             r.check_record()
     (d / "config.json").write_text(json.dumps({"config": {}, "bench_sha1": None}))
     assert r.check_record() == {"config": {}, "bench_sha1": None}
+
+
+def test_a_flag_or_file_a_command_would_not_read_is_refused_up_front(tmp_path, small_bench, monkeypatch):
+    """Refused before any model loads or anything is written: demo's --runs-dir (its folder is --out's: it
+    trained into ./runs), attack's eval and sampling flags and holdout's --reranker (never read), compare of a
+    run eval never summarized (a KeyError traceback), train --stage tfsg over a Shield not trained (after the
+    model loaded), serve on a busy port (after the model loaded); train --dry-run --stage shield prices no LLM
+    call and checks no TFSG schedule."""
+    import socket
+    common = ["--runs-dir", str(tmp_path), "--model", "tiny", "--bench", small_bench, "--n-construction", "4",
+              "--n-seed-cases", "3", "--batch-size", "3"]
+    with pytest.raises(SystemExit, match="--runs-dir.*--out"):
+        run.main(["demo", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "elsewhere")])
+    for argv in (["attack", "--name", "a", "--samples", "7"], ["attack", "--name", "a", "--conditions", "paper"],
+                 ["holdout", "--name", "h", "--reranker", "co=cohere:rerank-v3.5"]):
+        with pytest.raises(SystemExit) as e:
+            run.main(argv + common)
+        assert e.value.code == 2                                    # argparse: an unrecognized argument
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "summary.json").write_text(json.dumps({"rerank_stage": {}, "usage": {}}))
+    with pytest.raises(SystemExit, match="summary.json: .*run `python run.py eval`"):
+        run.main(["compare", "--runs", str(tmp_path / "r"), "--out", str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match="shield_done.json: no finished Shield training"):
+        run.main(["train", "--name", "t", "--stage", "tfsg"] + common)
+    assert not (tmp_path / "_tiny_qwen3").exists()
+    plan = run.main(["train", "--name", "t", "--stage", "shield", "--n-batches", "50", "--dry-run"] + common)
+    assert plan["stages"]["target answers"]["requests"] == plan["stages"]["Analyzer"]["requests"] == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        monkeypatch.setattr(run, "shield_as_scored", lambda *a: pytest.fail("the model loaded"))   # (a probe)
+        with pytest.raises(SystemExit, match="cannot listen"):
+            run.main(["serve", "--model", "tiny", "--port", str(s.getsockname()[1])])

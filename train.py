@@ -444,23 +444,24 @@ def analyzer_prompt_chars(run):
     return cfg.tfsg.batch_size * (cfg.data.k * cfg.limits.analyzer_doc_chars + 1500) + 6000
 
 
-def plan_train(run):
+def plan_train(run, stage="all"):
     """train --dry-run: what training would send, and nothing sent. The Shield sends nothing (its
     optimizer steps are given); TFSG (A.2.2): the clean reference of each construction group, four
     controlled rollouts per seed case, one cold-start Analyzer call, and per update batch one answer
-    per case and one Analyzer call. A finished library costs nothing."""
+    per case and one Analyzer call. A finished library, or --stage shield, costs nothing."""
     cfg, data = run.cfg, run.data
     inst = geodef.expand(data.construction, data.seen)
-    opt, _ = run.shield_split(inst)
-    seeds, batches = run.tfsg_schedule(inst)
-    done = os.path.isfile(run.library_path())
+    opt, _ = run.shield_split(inst) if stage != "tfsg" else ([], [])
+    seeds, batches = run.tfsg_schedule(inst) if stage != "shield" else ([], [])
+    built = os.path.isfile(run.library_path())
+    done = built or stage == "shield"
     ctx = sum(sum(map(len, x.docs[:cfg.data.k])) for x in inst) / max(1, len(inst))
     answers = 0 if done else len(data.construction) + 4 * len(seeds) + sum(map(len, batches))
     analyzer = 0 if done else 1 + len(batches)
     stages = {"target answers": estimate(answers, ctx + 2500, 400),
               "Analyzer": estimate(analyzer, analyzer_prompt_chars(run), 1500)}
     target, analyst = cfg.llm.llm, cfg.tfsg.analyzer or cfg.llm.llm
-    return {"shield_optimizer_steps": cfg.shield.optimizer_steps(len(opt)), "tfsg_library_built": done,
+    return {"shield_optimizer_steps": cfg.shield.optimizer_steps(len(opt)), "tfsg_library_built": built,
             "stages": stages,
             "usd_at_most": price_plan(run.prices, stages, lambda s: target if s == "target answers" else analyst),
             # the rollouts through a batch API; the Analyzer's calls stay synchronous (each needs the last)
