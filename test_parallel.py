@@ -22,6 +22,7 @@ import torch
 
 import parallel
 import rankers
+import reranker
 import train
 from safetensors.torch import load_file
 
@@ -191,7 +192,7 @@ def test_a_resumed_rank_draws_its_dropout_masks_on_from_its_own_generator(tmp_pa
     torch.manual_seed(0)
     rngs = train.rng_states(TwoRanks(0, sent={1: {"torch": theirs}}))
     ours_next = torch.rand(4)
-    train._save_ckpt(str(tmp_path), model, opt, {"step": 1}, str(tmp_path / "log"), rngs)
+    train._save_ckpt(str(tmp_path), model, opt, {"epoch": 0, "pos": 0, "step": 1}, str(tmp_path / "log"), rngs)
     torch.manual_seed(7)
     train._load_ckpt(str(tmp_path), model, opt, rank=1)
     their_next = torch.rand(4)
@@ -199,6 +200,53 @@ def test_a_resumed_rank_draws_its_dropout_masks_on_from_its_own_generator(tmp_pa
     assert torch.equal(their_next, torch.rand(4))
     train._load_ckpt(str(tmp_path), model, opt, rank=0)
     assert torch.equal(torch.rand(4), ours_next)
+
+
+def test_a_rank_the_checkpoint_did_not_hold_keeps_its_own_generator(tmp_path):
+    """A one-process run resumed under torchrun on two ranks: rank 1 has no saved generator and keeps the stream
+    of its own that attach_lora seeded (it loaded rank 0's, and drew rank 0's dropout masks at every step)."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(0)
+    state = {"epoch": 0, "pos": 0, "step": 1}
+    train._save_ckpt(str(tmp_path), model, opt, state, str(tmp_path / "log"), train.rng_states(TwoRanks(0)))
+    rank0_next = torch.rand(4)
+    torch.manual_seed(5)                                   # rank 1's own stream
+    train._load_ckpt(str(tmp_path), model, opt, rank=1)
+    drawn = torch.rand(4)
+    torch.manual_seed(5)
+    assert torch.equal(drawn, torch.rand(4)) and not torch.equal(drawn, rank0_next)
+
+
+def test_a_checkpoint_that_reads_but_holds_other_contents_names_its_file(tmp_path):
+    """A checkpoint whose metadata or tensors are not what _save_ckpt writes (no generator, no counters, Adam
+    moments of another shape) is a CheckpointError naming the file: it was a KeyError traceback, or moments
+    of the wrong shape were taken and failed inside AdamW's step."""
+    from safetensors.torch import save_file
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    train._save_ckpt(str(tmp_path), model, opt, {"epoch": 0, "pos": 0, "step": 1}, str(tmp_path / "log"),
+                     train.rng_states(TwoRanks(0)))
+    file = str(tmp_path / "state.safetensors")
+    whole, meta = load_file(file), json.loads(train.safe_open(file, "pt").metadata()["state"])
+    for tensors, state in (({k: v for k, v in whole.items() if k != "rng.torch"}, meta),
+                           ({**whole, "opt.0.exp_avg": torch.zeros(7)}, meta),
+                           (whole, {k: v for k, v in meta.items() if k != "opt_steps"}),
+                           (whole, {**meta, "pos": "zero"})):
+        save_file(tensors, file, metadata={"format": "pt", "state": json.dumps(state)})
+        with pytest.raises(reranker.CheckpointError, match=r"state.safetensors: not a checkpoint"):
+            train._load_ckpt(str(tmp_path), model, opt)
+
+
+def test_a_checkpoint_write_a_kill_cut_short_leaves_no_file_behind(tmp_path):
+    """The checkpoint is written aside and renamed; a kill mid-write left the aside file (a 121 MB one at the
+    paper's rank, one more per kill): the next start removes it."""
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "state.safetensors.tmp999").write_bytes(b"cut")
+    train.start_state(None, None, str(tmp_path / "checkpoint"), str(tmp_path / "log"), True, TwoRanks(0))
+    assert os.listdir(tmp_path / "checkpoint") == []
 
 
 @pytest.mark.parametrize("pos, rank, mine", [(0, 0, True), (1, 0, False), (1, 1, True), (6, 1, False)])

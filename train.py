@@ -4,6 +4,7 @@ that builds the experience library E0 -> E{n+1} from construction cases.
 
 Usage: run = runs.Run(cfg); train_shield(run); train_tfsg(run)     (outputs in run.dir)
 """
+import glob
 import hashlib
 import json
 import math
@@ -68,25 +69,32 @@ def _save_ckpt(path, model, opt, state, log_path, rngs):
 
 
 def _load_ckpt(path, model, opt, rank=0):
+    """_save_ckpt's file back into the model, the optimizer and this rank's generators -> the loop's state. A
+    rank the checkpoint holds no generator of (a run resumed on more ranks) keeps the stream attach_lora seeded
+    for it. Anything but what _save_ckpt writes is a CheckpointError naming the file."""
     file = os.path.join(path, "state.safetensors")
     try:
         tensors = load_file(file)
         with safe_open(file, "pt") as f:
             state = json.loads(f.metadata()["state"])
-    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:   # (written whole: a failed disk)
-        raise CheckpointError(f"{file}: not a checkpoint this code wrote ({type(e).__name__}: {str(e)[:100]}); "
-                              "move the folder aside to train from the start") from None
-    lora.load_lora_state_dict(model, tensors)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for i, p in enumerate(params):
-        if f"opt.{i}.exp_avg" in tensors:
-            opt.state[p] = {"step": torch.tensor(state["opt_steps"][str(i)]),   # (AdamW keeps it on the CPU)
-                            "exp_avg": tensors[f"opt.{i}.exp_avg"].to(p.device),
-                            "exp_avg_sq": tensors[f"opt.{i}.exp_avg_sq"].to(p.device)}
-    mine = f".rank{rank}" if f"rng.torch.rank{rank}" in tensors else ""   # (more ranks than saved: rank 0's)
-    torch.set_rng_state(tensors["rng.torch" + mine])
-    if "rng.cuda" + mine in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda" + mine])
+        if not all(type(state.get(k)) is int for k in ("epoch", "pos", "step")):
+            raise ValueError("epoch, pos and step: not whole numbers")
+        lora.load_lora_state_dict(model, tensors)
+        for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+            if f"opt.{i}.exp_avg" in tensors:
+                moments = {k: tensors[f"opt.{i}.{k}"] for k in ("exp_avg", "exp_avg_sq")}
+                if any(m.shape != p.shape for m in moments.values()):
+                    raise ValueError(f"opt.{i}: Adam moments of another shape than its parameter's {tuple(p.shape)}")
+                opt.state[p] = {"step": torch.tensor(state["opt_steps"][str(i)]),   # (AdamW keeps it on the CPU)
+                                **{k: m.to(p.device) for k, m in moments.items()}}
+        mine = f".rank{rank}" if rank else ""
+        if rank == 0 or "rng.torch" + mine in tensors:
+            torch.set_rng_state(tensors["rng.torch" + mine])
+        if "rng.cuda" + mine in tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state(tensors["rng.cuda" + mine])
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:   # (written whole: a
+        raise CheckpointError(f"{file}: not a checkpoint this code wrote ({type(e).__name__}: "     # failed disk)
+                              f"{str(e)[:100]}); move the folder aside to train from the start") from None
     return state
 
 
@@ -310,6 +318,8 @@ def attach_lora(run, rr, init=None):
 def start_state(rr, opt, ckpt, log_path, resume, ranks):
     """The loop's state: from the checkpoint when resuming (rank 0 cuts the log to the steps it holds), else
     fresh (rank 0 removes an earlier attempt's log) -> {epoch, pos, step, best, history}."""
+    for tmp in glob.glob(os.path.join(ckpt, "state.safetensors.tmp*")) if ranks.is_main else ():
+        os.remove(tmp)                          # a write a kill cut short (_save_ckpt renames a whole one)
     if resume and os.path.isfile(os.path.join(ckpt, "state.safetensors")):
         state = _load_ckpt(ckpt, rr.model, opt, ranks.rank)
         log(f"[train] resuming at epoch {state['epoch']} example {state['pos']} (step {state['step']})")
