@@ -151,8 +151,7 @@ def pages(groups, families):
     ("source"), its honest edit ("honest") and each family's rewrite ("geo") present."""
     out = []
     for g in groups:
-        src = g.docs[g.source_index]["text"]
-        out.append((g.group_id, g.query, "source", None, src))
+        out.append((g.group_id, g.query, "source", None, g.docs[g.source_index]["text"]))
         if g.honest is not None:
             out.append((g.group_id, g.query, "honest", None, g.honest))
         out += [(g.group_id, g.query, "geo", f, g.attacks[f]) for f in families if f in g.attacks]
@@ -179,7 +178,7 @@ def residuals(run, groups):
     lists += geodef.expand(groups, sorted({f for g in groups for f in g.attacks}))
     for rk in (base, shield):
         rk.prepare(lists)
-    key = lambda q, d: rankers.doc_key(q, d)
+    key = rankers.doc_key
     return {(x.query, d): base.cache[key(x.query, d)] - shield.cache[key(x.query, d)] for x in lists for d in x.docs}
 
 
@@ -334,11 +333,9 @@ def detect(run):
     if not hon:                                        # pages whose sources the Shield trained on: no bound
         cals["shield_residual"]["fpr_bound"] = None
     thresholds = {d: cals[d]["threshold"] for d in DETECTORS}
-    recs = []
-    for gid, q, kind, fam, t in test_pages:
-        s = {"shield_residual": res[q, t], "text": text.score(t)}
-        recs.append({"group_id": gid, "kind": kind, "family": fam, "seen": fam in data.seen if fam else None,
-                     "scores": s, "flagged": {d: s[d] > thresholds[d] for d in DETECTORS}})
+    recs = [{"group_id": gid, "kind": kind, "family": fam, "seen": fam in data.seen if fam else None,
+             "scores": s, "flagged": {d: s[d] > thresholds[d] for d in DETECTORS}}
+            for gid, q, kind, fam, t in test_pages for s in [{"shield_residual": res[q, t], "text": text.score(t)}]]
     out = summarize(recs, data.seen, families, cals, cfg.detect.fpr, cfg.rerank.n_boot, cfg.folder.seed)
     folder = run.path("detect")
     write_jsonl(os.path.join(folder, "records.jsonl"), recs)
@@ -379,9 +376,7 @@ def flagged(run, docs, base, shield):
 
 
 def fmt(v, ci=None):
-    if v is None:
-        return "-"
-    return f"{100 * v:.1f}" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+    return "-" if v is None else f"{100 * v:.1f}" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
 
 
 def table(out):

@@ -19,7 +19,6 @@ folder was resolved to (a hub id's snapshot folder included).
 
 Usage: export(rr_folder, "out/shield", adapter="runs/x/adapter")
 """
-import hashlib
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ import torch
 
 import lora
 import reranker
+from store import file_sha1 as _sha1
 
 
 FORMATS = ("seq-cls", "causal")
@@ -173,12 +173,10 @@ Made by `python run.py export` of the GEO Defender reference implementation at {
 
 
 def model_card(meta, name):
-    if meta["format"] == "seq-cls":
-        vllm = f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja"
-    else:
-        vllm = (f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja --hf-overrides "
-                "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
-                "\"yes\"], \"is_original_qwen3_reranker\": true}'")
+    vllm = f"vllm serve ./{name} --runner pooling --chat-template ./{name}/qwen3_reranker.jinja"
+    if meta["format"] != "seq-cls":
+        vllm += (" --hf-overrides '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                 "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     return _card_intro(meta, name) + f"""
 ## Prompt
 
@@ -234,11 +232,6 @@ client's `instruction` to the Shield. Keep both when copying or re-uploading.
 """
 
 
-def _sha1(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha1").hexdigest()
-
-
 def _write_json(path, obj):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
@@ -263,8 +256,7 @@ def _sort_metadata(path):
 
 def _is_run(folder):
     try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            return "config" in json.load(f)
+        return "config" in _json_file(os.path.join(folder, "config.json"))
     except (OSError, ValueError, TypeError):
         return False
 
@@ -307,8 +299,7 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
     folder, sha = reranker.resolve_model_path(model, revision)
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-        raw_cfg = json.load(f)
+    raw_cfg = _json_file(os.path.join(folder, "config.json"))
     dtype = dtype or raw_cfg.get("torch_dtype") or raw_cfg.get("dtype") or "bfloat16"
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")

@@ -54,8 +54,7 @@ class LoRALinear(nn.Module):
         if not 0 <= dropout < 1:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
         self.dropout = float(dropout)          # probability of dropping each element of the LoRA input
-        self.enabled = True
-        self.merged = False
+        self.enabled, self.merged = True, False
 
     @property
     def in_features(self):
@@ -273,11 +272,9 @@ def load_adapter(model, adapter_dir):
         raise AdapterError(f"{wpath}: not a readable safetensors file ({str(e)[:100]})") from None
     seen = set()
     for key, t in state.items():
-        k = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-        k = k[len("model."):] if k.startswith("model.") else k
+        k = key.removeprefix(PEFT_PREFIX).removeprefix("model.")
         for part in ("lora_A", "lora_B"):
-            suffix = f".{part}.weight"
-            if k.endswith(suffix) or k.endswith(f".{part}.default.weight"):
+            if k.endswith((f".{part}.weight", f".{part}.default.weight")):
                 name = k[: k.rindex(f".{part}")]
                 break
         else:
@@ -403,13 +400,13 @@ def int8_matmul(xq, wq, units=None):
     exact: |sum| <= 127^2 K < 2^31 for K < 133,000) on CUDA and on CPUs with int8 units (`units`: VNNI or
     AMX-INT8, speed.CPU_INT8_UNITS) where K and N are multiples of 8 -> (M, N) int32; elsewhere float32
     GEMMs over K in chunks of INT8_CHUNK (each chunk's sum exact) summed in float64 -> (M, N) float64."""
-    M, K, N, cuda = xq.shape[0], xq.shape[1], wq.shape[0], xq.device.type == "cuda"
+    (M, K), N, cuda = xq.shape, wq.shape[0], xq.device.type == "cuda"
     if (cuda or (units and xq.device.type == "cpu")) and K % 8 == 0 and N % 8 == 0 and M:
         pad = max(0, 17 - M) if cuda else 0                      # CUDA's kernel: M > 16, K and N multiples of 8
         return torch._int_mm(F.pad(xq, (0, 0, 0, pad)), wq.t())[:M]
     x, w = xq.float(), wq.float()
-    out = torch.zeros(xq.shape[0], wq.shape[0], dtype=torch.float64, device=xq.device)     # (M, N)
-    for lo in range(0, xq.shape[1], INT8_CHUNK):
+    out = torch.zeros(M, N, dtype=torch.float64, device=xq.device)                       # (M, N)
+    for lo in range(0, K, INT8_CHUNK):
         out += (x[:, lo:lo + INT8_CHUNK] @ w[:, lo:lo + INT8_CHUNK].t()).double()
     return out
 

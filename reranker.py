@@ -370,12 +370,14 @@ def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
     missing = sorted(set(expected) - {"model." + k for k in state})
     if missing:
         raise CheckpointError(f"{folder}: missing keys: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    model.load_state_dict(state, assign=True)
+    model.requires_grad_(False).eval()
     if lm_head is None and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{folder}: lm_head.weight: missing and tie_word_embeddings is false")
     if seq_cls:
         if tuple(lm_head.shape) != (1, cfg.hidden_size):
             raise CheckpointError(f"{folder}: score.weight: shape {tuple(lm_head.shape)}, want (1, {cfg.hidden_size})")
-        return model_loaded(model, state), cfg, lm_head
+        return model, cfg, lm_head
     if lm_head is not None and tuple(lm_head.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise CheckpointError(f"{folder}: lm_head.weight: shape {tuple(lm_head.shape)}, config says "
                               f"{(cfg.vocab_size, cfg.hidden_size)}")
@@ -383,12 +385,7 @@ def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
     if lm_head is not None and cfg.tie_word_embeddings and not torch.equal(lm_head.to(tied.dtype), tied):
         raise CheckpointError(f"{folder}: lm_head.weight differs from the embedding, and tie_word_embeddings is "
                               "true: which head scores is ambiguous")
-    return model_loaded(model, state), cfg, (None if cfg.tie_word_embeddings else lm_head)
-
-
-def model_loaded(model, state):
-    model.load_state_dict(state, assign=True)
-    return model.requires_grad_(False).eval()
+    return model, cfg, (None if cfg.tie_word_embeddings else lm_head)
 
 
 # ----------------------------------------------------------------------------- reranker
@@ -464,9 +461,7 @@ class Reranker:
     def yes_minus_no(self):
         """w = E[yes] - E[no] in float32, (C,): the margin is h_last . w (= z_yes - z_no). E is the tied
         embedding, or an untied lm_head's two rows (kept as `_lm_head`, (2, C))."""
-        rows = self._lm_head
-        if rows is None:
-            rows = self.model.embed_tokens.weight[[self.yes_id, self.no_id]]
+        rows = self.model.embed_tokens.weight[[self.yes_id, self.no_id]] if self._lm_head is None else self._lm_head
         return (rows[0].float() - rows[1].float()).to(self.device)
 
     def _bodies(self, query, docs):

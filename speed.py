@@ -354,7 +354,7 @@ def short_documents_sdpa(q, k, v, lens, P=0):
         return attention_packed(q, k, v, lens, P)
     out = torch.empty_like(q)
     out[:P] = packed_causal_sdpa(q[:P], k[:P], v[:P], [P], 0)
-    starts = (P + torch.tensor([0] + list(lens[:-1])).cumsum(0)).tolist()
+    starts = list(accumulate(lens[:-1], initial=P))
     step = max(1, SHORT_BATCH_KEYS // (P + max(lens)))
     for c in range(0, len(lens), step):
         Ls, st = lens[c:c + step], starts[c:c + step]
@@ -374,7 +374,7 @@ def short_documents_final(q, k, v, lens, P=0):
     if torch.is_grad_enabled() or P == 0:
         return final_token_attention(q, k, v, lens, P)
     out = torch.empty_like(q)
-    starts = (P + torch.tensor([0] + list(lens[:-1])).cumsum(0)).tolist()
+    starts = list(accumulate(lens[:-1], initial=P))
     step = max(1, SHORT_BATCH_KEYS // (P + max(lens)))
     for c in range(0, len(lens), step):
         Ls, st = lens[c:c + step], starts[c:c + step]
@@ -634,19 +634,13 @@ def rmsnorm_forward(self, x):
 
 def attention_forward(self, x, cos, sin, lens, prefix=0, last=None):
     """Attention.forward; with `last` ((S,) final-token rows) only those S queries: -> (S, C)."""
-    N, P = x.shape[0], prefix
-    xq = x if last is None else x[last]                                       # (N or S, C)
-    cq, sq = (cos, sin) if last is None else (cos[last], sin[last])
+    xq, cq, sq = (x, cos, sin) if last is None else (x[last], cos[last], sin[last])   # (N or S, ...)
     q = self.q_proj(xq).view(-1, self.H, self.E)                              # (N|S, H, E)
-    k = self.k_proj(x).view(N, self.K, self.E)                                # (N, K, E)
-    v = self.v_proj(x).view(N, self.K, self.E)                                # (N, K, E)
+    k, v = (proj(x).view(-1, self.K, self.E) for proj in (self.k_proj, self.v_proj))   # (N, K, E) each
     q = self.kernels.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cq, sq)
     k = self.kernels.norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
-    if last is None:
-        o = self.kernels.attention(q, k, v, lens, P)                          # (N, H, E)
-        return self.o_proj(o.view(N, self.H * self.E))                        # (N, C)
-    o = self.kernels.final(q, k, v, lens, P)                                  # (S, H, E)
-    return self.o_proj(o.view(-1, self.H * self.E))                           # (S, C)
+    o = (self.kernels.attention if last is None else self.kernels.final)(q, k, v, lens, prefix)   # (N|S, H, E)
+    return self.o_proj(o.view(-1, self.H * self.E))                           # (N|S, C)
 
 
 def mlp_forward(self, x):
@@ -665,14 +659,11 @@ def model_forward(self, ids, lens):
     """Qwen3Model.forward: ids (N,) of S sequences packed back to back (lengths `lens`) -> (S, C).
     The sequences' common first tokens run once (share_prefix), and the last layer computes the
     final tokens only."""
-    P = 0
-    if self.share_prefix:
-        P, ids, lens = shared_prefix(ids, lens)
+    P, ids, lens = shared_prefix(ids, lens) if self.share_prefix else (0, ids, lens)
     x = self.embed_tokens(ids)                                                # (N, C)
     cos, sin, last = positions(self, lens, P, ids.device)
-    n = len(self.layers)
     for i, layer in enumerate(self.layers):
-        li = last if i == n - 1 else None
+        li = last if i == len(self.layers) - 1 else None
         if self.gradient_checkpointing and torch.is_grad_enabled():
             x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, lens, P, li, use_reentrant=False)
         else:

@@ -53,12 +53,9 @@ def _save_ckpt(path, model, opt, state, log_path, rngs):
     so a checkpoint is whole or absent whenever the process dies."""
     state["log_bytes"] = os.path.getsize(log_path) if os.path.isfile(log_path) else 0
     tensors = {k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for i, p in enumerate(params):
+    for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
         st = opt.state.get(p, {})
-        for k in ("exp_avg", "exp_avg_sq"):
-            if k in st:
-                tensors[f"opt.{i}.{k}"] = st[k].contiguous()
+        tensors.update({f"opt.{i}.{k}": st[k].contiguous() for k in ("exp_avg", "exp_avg_sq") if k in st})
         if "step" in st:
             state.setdefault("opt_steps", {})[str(i)] = float(st["step"])
     tensors.update(rngs)
@@ -117,16 +114,13 @@ def prepare_triples(run, rr, cons, inst):
 def example(rr, noise, seed, t, ids, s0, epoch):
     """A training example's three token-id lists and their base scores s_0: as prepared, or with
     --deletion-noise (`noise`) the epoch's deleted text (noised_triple)."""
-    if noise:
-        return noised_triple(rr, t, noise, f"{seed}:{epoch}")
-    return ids[t["instance_id"]], s0[t["instance_id"]]
+    return noised_triple(rr, t, noise, f"{seed}:{epoch}") if noise else (ids[t["instance_id"]], s0[t["instance_id"]])
 
 
-def step_zero(state, m0, log_path):
-    """The monitoring split's figures before the first step, in the history and the log."""
-    state["history"].append({"epoch": 0, **m0})
-    append_jsonl(log_path, {"event": "monitor", "epoch": 0, "step": 0, **m0})
-    log(f"[train] step 0 monitoring: {m0}")
+def monitored(state, m, log_path):
+    """The monitoring split's figures `m` at state's epoch and step, in the history and the training log."""
+    state["history"].append({"epoch": state["epoch"], **m})
+    append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
 
 
 def noised_triple(rr, t, rate, key):
@@ -137,8 +131,7 @@ def noised_triple(rr, t, rate, key):
     docs = [certify.delete_words(t[d], rate, rng) for d in ("pos", "att", "ben")]
     ids = rr.tokenize(t["query"], docs)
     with lora.lora_disabled(rr.model):
-        s0 = rr.score_ids(ids).tolist()
-    return ids, s0
+        return ids, rr.score_ids(ids).tolist()
 
 
 def triple_loss(rr, sh, ids, s0, grad):
@@ -188,8 +181,7 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     Deviation: LoRA dropout masks are drawn from each rank's own generator, so with dropout > 0 a
     multi-rank run differs from one process's as another seed would."""
     cfg, folder, ranks = run.cfg, out or run.dir, run.ranks
-    sh = cfg.shield
-    main = ranks.is_main
+    sh, main = cfg.shield, ranks.is_main
     adapter_dir = os.path.join(out, "adapter") if out else run.path("adapter")
     if read_json(os.path.join(folder, "shield_done.json")):
         log(f"[train] Shield adapter already trained: {adapter_dir}")
@@ -202,7 +194,8 @@ def train_shield(run, rr=None, resume=True, out=None, extra=(), init=None):
     state = start_state(rr, opt, ckpt, log_path, resume, ranks)
     if main and state["step"] == 0 and state["epoch"] == 0 and state["pos"] == 0:
         m0 = watch()
-        step_zero(state, m0, log_path)
+        monitored(state, m0, log_path)                  # before the first step: epoch 0, step 0
+        log(f"[train] step 0 monitoring: {m0}")
         if init:          # a warm start: the adapter it starts from competes with its epochs (a fresh one is the base)
             keep_if_best(cfg.model.model, rr, state, m0, adapter_dir)
 
@@ -281,8 +274,7 @@ def end_of_epoch(base, rr, opt, state, m, adapter_dir, ckpt, log_path, rngs):
     accuracy), and the checkpoint with the ranks' generators `rngs`. The adapter goes first: a process
     killed between the two resumes from the checkpoint before, redoes the rest of the epoch (the same
     order and masks) and writes its adapter again."""
-    state["history"].append({"epoch": state["epoch"], **m})
-    append_jsonl(log_path, {"event": "monitor", "epoch": state["epoch"], "step": state["step"], **m})
+    monitored(state, m, log_path)
     keep_if_best(base, rr, state, m, adapter_dir)
     _save_ckpt(ckpt, rr.model, opt, state, log_path, rngs)
 

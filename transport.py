@@ -49,8 +49,6 @@ RETRY_STATUS = frozenset({408, 409, 429} | set(range(500, 600)) - {501, 505})
 ABORT_GRACE = 1.0                # seconds a reply in flight may still arrive after its run failed
 NO_RETRY_CODES = ("insufficient_quota", "billing_hard_limit_reached", "enforced_spend_limit_reached",
                   "spend_limit", "billing_error")
-
-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -84,7 +82,6 @@ class LLMError(RuntimeError):
     def __init__(self, message, status=None, provider=None, body=None):
         super().__init__(message)
         self.status, self.provider, self.body = status, provider, body
-
 
 
 # ----------------------------------------------------------------------------- transport
@@ -213,8 +210,7 @@ class Transport:
         ep = (base_url if isinstance(base_url, endpoints.Endpoint) or not base_url
               else endpoints.Endpoint.parse(base_url))
         self.where = ep or None                  # None: an in-process handler
-        self._basic = ep.basic if ep else None
-        self.base_url = ep.url if ep else None
+        self._basic, self.base_url = (ep.basic, ep.url) if ep else (None, None)
         self.label, self.protocol, self.provider = label, protocol, provider or protocol
         if api_key and not re.fullmatch(r"[!-~]+", api_key):   # requests would echo the header in its error
             raise LLMError(f"{label}: the API key holds a space, a line ending or a character outside printable "
@@ -276,8 +272,7 @@ class Transport:
 
     def error(self, msg, status=None, body=None):
         text = self.mask(body or "")[:300]   # masked BEFORE the body is cut: a cut must not leave part of a key
-        msg = self.mask(msg)
-        return LLMError(f"{self.label}: {msg}" + (f": {text}" if text else ""), status, self.provider, text)
+        return LLMError(f"{self.label}: {self.mask(msg)}" + (f": {text}" if text else ""), status, self.provider, text)
 
     def retry_after(self, headers):
         """Server hint in seconds (retry-after-ms, else Retry-After: seconds or an HTTP date), or None where
@@ -404,7 +399,7 @@ class Transport:
             applied = status >= 500 and status != 529      # (429, 529: refused before any work)
             self.backoff(attempt, hint)
 
-    def _exchange(self, url, body, method="POST", files=None, max_bytes=None):
+    def _exchange(self, url, body, method, files, max_bytes):
         """Send `body` -> (status, headers, body text), reading at most max_reply_bytes, the whole exchange
         (connect, request, status line, headers, body) within `timeout` seconds: a Deadline shuts the
         socket when they run out, so a reply trickled a byte at a time, headers included, ends like a
@@ -421,7 +416,7 @@ class Transport:
         try:
             r = self._request(deadline, method, url, body, files, headers)
             deadline.note(getattr(r.raw, "connection", None))    # a SOCKS proxy's connection: noted only now
-            return r.status_code, r.headers, self._read(r, deadline, max_bytes or self.max_reply_bytes)
+            return r.status_code, r.headers, self._read(r, deadline, max_bytes)
         finally:
             deadline.cancel()
             with self.lock:
@@ -458,10 +453,9 @@ class Transport:
                     raise self.error(f"reply over {cap} bytes refused", r.status_code)
                 parts.append(chunk)
         except requests.RequestException:
-            if deadline.passed():
-                raise requests.Timeout(f"reply not complete within {self.timeout:g} s") from None
-            raise
-        if deadline.passed():
+            if not deadline.passed():
+                raise
+        if deadline.passed():                     # (a read the deadline's shutdown broke included)
             raise requests.Timeout(f"reply not complete within {self.timeout:g} s")
         return b"".join(parts).decode("utf-8", "replace")     # JSON is UTF-8 (RFC 8259)
 
