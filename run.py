@@ -448,8 +448,6 @@ def pipeline_settings(cls, args, preset=None, **fixed):
     --out)."""
     if os.path.isfile(fixed.get("runs_dir", "")):
         raise SettingsError(f"--out {fixed['runs_dir']}: a file, not a folder")
-    if "runs_dir" in fixed and "runs_dir" in given(args, cls):
-        raise SettingsError(f"--runs-dir: {args.cmd} writes its run folder under --out; give --out DIR")
     cfg = resolve(cls, {**given(args, cls), **fixed}, args.preset or preset, from_record="runs_dir" not in fixed)
     if not os.path.isfile(cfg.data.bench):
         what = "a folder, not a file" if os.path.isdir(cfg.data.bench) else "no such file"

@@ -766,8 +766,9 @@ class EvalConfig(Command):
 
 
 class DemoConfig(Command):
-    """demo: train then eval, offline."""
-    GROUPS = FLAGS = EVAL
+    """demo: train then eval, offline; its run folder goes under --out (no --runs-dir)."""
+    GROUPS = EVAL
+    FLAGS = (some(RunSettings, "name", "seed"),) + EVAL[1:]
 
 
 class RerankEvalConfig(Command):
