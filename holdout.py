@@ -68,12 +68,12 @@ ALL = "all"                       # the reference fold: every construction famil
 DETECT_FPR = 0.05                 # the detection side's threshold: this FPR on the construction honest edits
 
 
-def construction_families(run):
+def construction_families(run, say=True):
     """The construction families a fold can train on: those with an instance. A family the build's gate refused
     on every construction group trains no fold; counted as seen, every fold would read as having seen it."""
     data, cons = run.data, run.data.meta.construction()
     empty = [m for m in cons if not geodef.expand(data.construction, [m])]
-    if empty:
+    if empty and say:
         log(f"[holdout] {', '.join(empty)}: no construction instance (every rewrite failed the build's gate): "
             "neither held out nor seen by any fold")
     return [m for m in cons if m not in empty]
@@ -225,7 +225,7 @@ def holdout(run):
     if detect.has_honest(data):            # the detection side: the text detector of each fold, never given F
         for r in rows:
             r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, *boot)
-    seen = [m for m in data.meta.construction() if geodef.expand(data.construction, [m])]   # (with an instance)
+    seen = construction_families(run, say=False)
     summary = {**summary_head(run), "folds": rows,
                "never_trained": {m: rate(ref["shield"], [m]) for m in data.methods if m not in seen},
                "all_families_exposure": rate(ref["shield"], seen)}
@@ -468,7 +468,7 @@ def summary_head(run):
     cfg, data, meta = run.cfg, run.data, run.data.meta
     built = meta.raw.get("builder_llm")     # the builder LLM of each split (_meta; test_builder_llm: --test-llm)
     return {"k": cfg.data.k, "bench": os.path.basename(cfg.data.bench), "test_groups": len(data.test),
-            "construction_families": meta.construction(),
+            "construction_families": construction_families(run, say=False),
             "builders": {"construction": built, "test": meta.raw.get("test_builder_llm") or built},
             "notes": offline_notes(run)}
 

@@ -245,8 +245,9 @@ def check_specs(items):
                 rerank_clients.make_reranker(spec)
             except ValueError as e:
                 raise SettingsError(f"--reranker {label}={spec}: {e}") from None
-    hosts = sorted({s.endpoint.netloc for _, s in items if s.kind not in LOCAL and s.kind not in
-                    endpoints.RERANK_PROVIDERS and not s.endpoint.basic})
+    hosts = sorted({"this machine" if endpoints.LOOPBACK_NAMES.fullmatch(s.endpoint.host) else s.endpoint.host
+                    for _, s in items if s.kind not in LOCAL and s.kind not in endpoints.RERANK_PROVIDERS
+                    and not s.endpoint.basic})          # (two ports of one host, or of this machine: one key)
     if os.environ.get(rerank_clients.RERANK_KEY_VAR) and len(hosts) > 1:
         raise SettingsError(f"{rerank_clients.RERANK_KEY_VAR} would go to every self-hosted endpoint "
                             f"({', '.join(hosts)}): give each its credentials in its URL "

@@ -441,11 +441,12 @@ def serve_until_stopped(rr, sv, deletion_rate, model_name, adapter=None, detecto
         signal.signal(signal.SIGTERM, signal.default_int_handler)       # docker stop, systemd: as Ctrl-C
     try:
         with speed.short_documents(rr.model) if sv.smooth else contextlib.nullcontext():
-            srv.serve_forever()
-    except KeyboardInterrupt:
-        srv.socket.close()                      # no new connection; the requests in progress finish
-        left = srv.drain(STOP_GRACE)
-        say(f"[serve] stopped{f' ({left} requests in progress cut off after {STOP_GRACE:g} s)' if left else ''}")
+            try:
+                srv.serve_forever()
+            except KeyboardInterrupt:
+                srv.socket.close()              # no new connection; the requests in progress finish, on their kernels
+                left = srv.drain(STOP_GRACE)
+                say(f"[serve] stopped{f' ({left} requests cut off after {STOP_GRACE:g} s)' if left else ''}")
     finally:
         srv.server_close()
 

@@ -365,7 +365,7 @@ def test_a_served_detector_reply_is_read_as_strictly_as_a_rerank_reply(monkeypat
     an index twice (the last one kept), one out of range, string scores or integer flags passed."""
     v, right = _detect_against(monkeypatch, tmp_path, None)
     assert _detect_against(monkeypatch, tmp_path, {"results": right})[0]["pass"]
-    for bad in ([right[0], right[0], right[1]], [right[0], {**right[1], "index": 7}],
+    for bad in ([right[0], right[0]], [right[0], {**right[1], "index": 7}],
                 [right[0], {**right[1], "score": str(right[1]["score"])}], [right[0], {**right[1], "flagged": 1}],
                 [right[0], {**right[1], "index": True}]):
         v = _detect_against(monkeypatch, tmp_path, {"results": bad})[0]

@@ -192,7 +192,8 @@ def test_a_resumed_rank_draws_its_dropout_masks_on_from_its_own_generator(tmp_pa
     torch.manual_seed(0)
     rngs = train.rng_states(TwoRanks(0, sent={1: {"torch": theirs}}))
     ours_next = torch.rand(4)
-    train._save_ckpt(str(tmp_path), model, opt, {"epoch": 0, "pos": 0, "step": 1}, str(tmp_path / "log"), rngs)
+    train._save_ckpt(str(tmp_path), model, opt, {"epoch": 0, "pos": 0, "step": 1, "best": None, "history": []},
+                     str(tmp_path / "log"), rngs)
     torch.manual_seed(7)
     train._load_ckpt(str(tmp_path), model, opt, rank=1)
     their_next = torch.rand(4)
@@ -208,7 +209,7 @@ def test_a_rank_the_checkpoint_did_not_hold_keeps_its_own_generator(tmp_path):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     torch.manual_seed(0)
-    state = {"epoch": 0, "pos": 0, "step": 1}
+    state = {"epoch": 0, "pos": 0, "step": 1, "best": None, "history": []}
     train._save_ckpt(str(tmp_path), model, opt, state, str(tmp_path / "log"), train.rng_states(TwoRanks(0)))
     rank0_next = torch.rand(4)
     torch.manual_seed(5)                                   # rank 1's own stream
@@ -227,14 +228,15 @@ def test_a_checkpoint_that_reads_but_holds_other_contents_names_its_file(tmp_pat
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
-    train._save_ckpt(str(tmp_path), model, opt, {"epoch": 0, "pos": 0, "step": 1}, str(tmp_path / "log"),
-                     train.rng_states(TwoRanks(0)))
+    train._save_ckpt(str(tmp_path), model, opt, {"epoch": 0, "pos": 0, "step": 1, "best": None, "history": []},
+                     str(tmp_path / "log"), train.rng_states(TwoRanks(0)))
     file = str(tmp_path / "state.safetensors")
     whole, meta = load_file(file), json.loads(train.safe_open(file, "pt").metadata()["state"])
     for tensors, state in (({k: v for k, v in whole.items() if k != "rng.torch"}, meta),
                            ({**whole, "opt.0.exp_avg": torch.zeros(7)}, meta),
                            (whole, {k: v for k, v in meta.items() if k != "opt_steps"}),
-                           (whole, {**meta, "pos": "zero"})):
+                           (whole, {**meta, "pos": "zero"}),
+                           (whole, {k: v for k, v in meta.items() if k != "history"})):
         save_file(tensors, file, metadata={"format": "pt", "state": json.dumps(state)})
         with pytest.raises(reranker.CheckpointError, match=r"state.safetensors: not a checkpoint"):
             train._load_ckpt(str(tmp_path), model, opt)

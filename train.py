@@ -74,8 +74,9 @@ def _load_ckpt(path, model, opt, rank=0):
         tensors = load_file(file)
         with safe_open(file, "pt") as f:
             state = json.loads(f.metadata()["state"])
-        if not all(type(state.get(k)) is int for k in ("epoch", "pos", "step")):
-            raise ValueError("epoch, pos and step: not whole numbers")
+        if not all(type(state.get(k)) is int for k in ("epoch", "pos", "step")) or not isinstance(
+                state.get("history"), list) or not isinstance(state.get("best", 0), (dict, type(None))):
+            raise ValueError("epoch, pos and step whole numbers, a history list and the best epoch: not all there")
         lora.load_lora_state_dict(model, tensors)
         for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
             if f"opt.{i}.exp_avg" in tensors:
