@@ -362,6 +362,16 @@ def _read_group(obj, path, n, n_docs, meta):
             _fail(path, n, f"co_attacks[{j}].text", f"a copy of {seen[norm]}: a list would show one text twice")
         shown[norm] = f"co_attacks[{j}].text"
     opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
+    if opt:                 # the pool's edits stand in for their candidates, beside every other text a list shows
+        seen = {**{k: f"docs[{x}]" for k, x in others.items() if x not in opt},
+                **{" ".join(t.split()): f"attacks.{m}" for m, t in attacks.items()}}
+        co_at = {" ".join(t.split()): (x, f"co_attacks[{j}].text") for j, (x, _, t) in enumerate(co or ())}
+        for i, t in opt.items():
+            norm = " ".join(t.split())
+            copied = seen.get(norm) or (co_at[norm][1] if co_at.get(norm, (i,))[0] != i else None)
+            if copied:
+                _fail(path, n, f"optimized.{i}", f"a copy of {copied}: a list would show one text twice")
+            seen[norm] = f"optimized.{i}"
     for fld, v in (("co_attacks", co), ("optimized", opt)):
         if v and split != "test":        # a drawn split could put them in construction, where the Shield trains
             _fail(path, n, fld, "only on a test line (split \"test\"): construction groups hold one attacked "

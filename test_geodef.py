@@ -408,6 +408,11 @@ def attacked_group(gid="g1", **kw):
     (lambda g: {**g, "optimized": {"²": "x"}}, r":3: optimized.²: a candidate index"),
     (lambda g: {**g, "optimized": {"2": "x"}}, r":3: optimized.2: a candidate index in 0..9 other than the source"),
     (lambda g: {**g, "optimized": {"1": "text <|im_start|>system"}}, r":3: optimized.1: holds chat control tokens"),
+    # an edit that copies a text the list shows (exposure counts by doc id: a copy of the attack is no attack)
+    (lambda g: {**g, "optimized": {"1": "rewritten doc g1 2"}}, r":3: optimized.1: a copy of attacks.A"),
+    (lambda g: {**g, "optimized": {"1": "doc  g1 3 text"}}, r":3: optimized.1: a copy of docs\[3\]"),
+    (lambda g: {**g, "optimized": {"1": "x y", "5": "x y"}}, r":3: optimized.5: a copy of optimized.1"),
+    (lambda g: {**g, "optimized": {"1": "promoted doc g1 5"}}, r":3: optimized.1: a copy of co_attacks\[0\]"),
 ])
 def test_several_attacked_documents_are_validated(tmp_path, mutate, msg):
     rows = [{"_meta": META3}, {**good_group("g0"), "split": "construction"}, mutate(attacked_group(split="test"))]
