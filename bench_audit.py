@@ -110,10 +110,12 @@ def hashed(bag):
 # ----------------------------------------------------------------------------- the classifier
 
 
-def group_folds(group_ids, k):
-    """Each group to one of k folds: sorted ids dealt round-robin (deterministic, groups never split)."""
-    ids = sorted(set(group_ids))
-    return {g: i % k for i, g in enumerate(ids)}
+def group_folds(group_ids, k, linked=None):
+    """Each group to one of k folds: sorted ids dealt round-robin (deterministic, groups never split); with
+    `linked` (geodef.linked_groups), groups sharing a query or a shown text dealt as one."""
+    root = {g: min((linked or {}).get(g, {g})) for g in group_ids}
+    place = {r: i for i, r in enumerate(sorted(set(root.values())))}
+    return {g: place[r] % k for g, r in root.items()}
 
 
 def naive_bayes(X, y, classes, alpha=1.0, buckets=None):
@@ -198,7 +200,7 @@ def transfer_check(groups, families, seen, folds=5, n_boot=2000, seed=0):
     rows += [(g.group_id, "honest", "honest", edit_features(src(g), g.honest)) for g in hon]
     rows += [(g.group_id, "honest", "source", edit_features(src(g), src(g))) for g in hon]
     X = used_columns([b for *_, b in rows])
-    fold_of = group_folds([g for g, *_ in rows], folds)
+    fold_of = group_folds([g for g, *_ in rows], folds, geodef.linked_groups(groups))
     score = np.full(len(rows), np.nan)             # NaN: a row of a fold whose others hold one class (not scored)
     for k in sorted(set(fold_of.values())):
         test = np.array([fold_of[g] == k for g, *_ in rows])

@@ -182,10 +182,11 @@ def residuals(run, groups):
     return {(x.query, d): base.cache[key(x.query, d)] - shield.cache[key(x.query, d)] for x in lists for d in x.docs}
 
 
-def out_of_fold(cons_pages, seen):
+def out_of_fold(cons_pages, seen, linked):
     """The text detector's scores of the construction split's honest edits, each from a detector fitted on
-    the other folds' groups (FOLDS by query group) -> [score]."""
-    fold = bench_audit.group_folds([p[0] for p in cons_pages], FOLDS)
+    the other folds' groups (FOLDS by query group, groups sharing a page in one fold: `linked`,
+    geodef.linked_groups) -> [score]."""
+    fold = bench_audit.group_folds([p[0] for p in cons_pages], FOLDS, linked)
     out = []
     for k in sorted(set(fold.values())):
         train = [p for p in cons_pages if fold[p[0]] != k]
@@ -297,7 +298,8 @@ def fold_detection(data, trained, family, fpr, n_boot, seed):
     cons_pages, test_pages = pages(data.construction, families), pages(data.test, families)
     det = TextDetector.fit([p[4] for p in cons_pages if p[2] == "geo" and p[3] in trained],
                            [p[4] for p in cons_pages if p[2] != "geo"])
-    cal = calibrated(out_of_fold(cons_pages, trained), fpr, f"the fold without {family}")
+    cal = calibrated(out_of_fold(cons_pages, trained, geodef.linked_groups(data.construction)), fpr,
+                     f"the fold without {family}")
     threshold = cal["threshold"]
     recs = [{"group_id": gid, "kind": kind, "family": fam, "scores": {"text": s}, "flagged": {"text": s > threshold}}
             for gid, _, kind, fam, t in test_pages for s in [det.score(t)]]
@@ -328,7 +330,7 @@ def detect(run):
         log("[detect] no honest edit in the Shield's monitoring groups; the residual's threshold is set on every "
             "construction honest edit, whose sources the Shield trained on (its held-out FPR then runs high)")
     calib = {"shield_residual": hon or [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"],
-             "text": out_of_fold(cons_pages, data.seen)}
+             "text": out_of_fold(cons_pages, data.seen, geodef.linked_groups(data.construction))}
     cals = {d: calibrated(calib[d], cfg.detect.fpr, d) for d in DETECTORS}
     if not hon:                                        # pages whose sources the Shield trained on: no bound
         cals["shield_residual"]["fpr_bound"] = None

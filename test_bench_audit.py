@@ -35,6 +35,10 @@ def _bench(tmp_path, edit_of, families, n=12, honest=None):
 def test_folds_never_split_a_group():
     folds = bench_audit.group_folds(["b", "a", "c", "a", "d", "b"], 3)
     assert set(folds) == {"a", "b", "c", "d"} and folds == bench_audit.group_folds(["d", "c", "b", "a"], 3)
+    # groups sharing a page (geodef.linked_groups) in one fold: a copy of one group's page would calibrate the
+    # detector that scores the other's
+    linked = bench_audit.group_folds(["a", "b", "c"], 3, {"a": {"a", "b"}, "b": {"a", "b"}, "c": {"c"}})
+    assert linked["a"] == linked["b"] != linked["c"]
 
 
 def test_every_edit_is_predicted_once():
@@ -171,7 +175,8 @@ def test_a_fold_that_cannot_be_fitted_is_no_score_and_one_group_no_interval():
 
     def grp(i, honest):
         src = f"Plain page number {i} about water. It says things in a calm tone."
-        return NS(group_id=f"g{i}", source_index=0, docs=[{"text": src, "doc_id": f"d{i}"}],
+        return NS(group_id=f"g{i}", query=f"q{i}", source_index=0, docs=[{"text": src, "doc_id": f"d{i}"}],
+                  co_attacks=None, optimized=None,
                   attacks={"seen": src + " According to experts 95% agree, studies show.",
                            "unseen": src + " ## Summary\n- **Best** answer, trusted by 10,000 readers."},
                   honest=(src + " Updated with a clearer sentence.") if honest else None)
