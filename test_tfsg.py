@@ -31,6 +31,23 @@ def test_controller_adds_valid_rules_under_new_ids():
     assert not rep.rejected and [r["rule_id"] for r in lib.rules] == ["R1", "R2", "R3"] and lib0.rules == []
 
 
+def test_a_rule_added_in_a_batch_is_reached_by_its_proposed_id_in_that_batch():
+    """The Analyzer names a new rule (A.3.4's schema) and may make a later update of the batch depend on it or
+    refine it; the Controller gives it the next free id, which the Analyzer cannot know (removed rules are not
+    shown to it): the later update was rejected ("R3 is not a live rule"). A live rule's id keeps its rule."""
+    C, _, lib, _ = _three_rules()                          # R1 guard, R2 depends on R1, R3
+    lib, _ = C.apply(lib, [{"action": "delete_rule", "target_rule_id": "R3"}])       # the next id: R4
+    out, rep = C.apply(lib, [
+        {"action": "add_fp_guard", "rule": R(rule_id="R3", rule_type="fp_guard", action="keep", description="g2")},
+        {"action": "add_rule", "rule": R(rule_id="R9", description="c", depends_on_fp_guards=["R3", "R1"])},
+        {"action": "modify_rule", "target_rule_id": "R9", "rule": {"strength": "weak"}},
+        {"action": "add_rule", "rule": R(rule_id="R2", description="d", depends_on_fp_guards=["R1"])},
+        {"action": "modify_rule", "target_rule_id": "R2", "rule": {"description": "a, refined"}}])
+    assert not rep.rejected, rep.rejected
+    assert out.get("R5")["depends_on_fp_guards"] == ["R4", "R1"] and out.get("R5")["strength"] == "weak"
+    assert out.get("R2")["description"] == "a, refined" and out.get("R6")["description"] == "d"
+
+
 def test_controller_rejects_each_invalid_action_with_its_reason():
     C, _, lib, _ = _three_rules()
     bad = [

@@ -13,7 +13,10 @@ Choices the paper leaves open, written down:
   missed_attack = the answer cites the attack document; false_positive (over-defense) = a benign
   document got source_decision "filter", or the answer cites fewer benign documents than
   ceil(0.5 * b_clean), b_clean = benign documents cited by the clean reference of the same query
-  (B.1.3) ("enough benign evidence"); success = neither. A case can be both failures.
+  (B.1.3) ("enough benign evidence"); success = neither. A case can be both failures. B.1.3 names the clean
+  reference for metrics only; reading it here, on construction cases, to judge over-defense is ours.
+- With a reasoning trace (A.3.5), cases are sent by whether the attack was cited (a false positive among
+  the citation successes), while rule statistics m_j follow Algorithm 1 (it counts as a failure).
 - Controlled contrast cases (A.3.3): for each seed instance the attack document is put into the
   top-k context (replacing the lowest-ranked candidate if the reranker dropped it); rollouts:
   attack filtered (correct), 1 and 2 top-ranked benign documents filtered (false positives), keep-all.
@@ -25,7 +28,8 @@ Choices the paper leaves open, written down:
 - Sizes the paper does not state are `Limits` (below), each a recorded setting.
 - Cold start (A.3.3): the Analyzer's proposals are applied one by one, guards first, until
   max_initial_rules are accepted; its own rule ids in dependencies are mapped to the ids the
-  Controller gave (`cold_start`).
+  Controller gave (`cold_start`); so, within one update batch, are a new rule's own id in the updates
+  after it (`Controller.apply`).
 - Rule ids are assigned by the Controller (R1, R2, ... never reused); removal keeps the rule with
   status "retired" for provenance; merge retires its sources and records `merged_into`.
 
@@ -304,10 +308,17 @@ class Controller:
         # DELETE takes precedence over REFINE or MERGE of the same rule within one batch, in either order.
         deleted = {u.get("target_rule_id") for u in updates if isinstance(u, dict)
                    and u.get("action") == "delete_rule" and isinstance(u.get("target_rule_id"), str)}
+        # a rule added here under the Analyzer's own id (A.3.4's schema) is reached by that id in the rest of the
+        # batch: the Controller gave it the next free one, which the Analyzer cannot know. A live id is its rule's.
+        live, named = {r["rule_id"] for r in lib.active()}, {}
         for u in updates:
-            reason = self._apply_one(lib, u, deleted, report, epoch)
+            reason = self._apply_one(lib, _renamed(u, named), deleted, report, epoch)
             if reason:
                 report.rejected.append({"update": u, "reason": reason})
+            elif report.applied and isinstance(report.applied[-1].get("proposed_id"), str):
+                p = report.applied[-1]["proposed_id"]
+                if p not in live:
+                    named.setdefault(p, report.applied[-1]["rule_id"])
         lib.library_version += 1
         return lib, report
 
@@ -573,6 +584,19 @@ def _case_view(case, limits=LIMITS):
 
 
 # ----------------------------------------------------------------------------- cold start (A.2.2)
+
+
+def _renamed(u, named):
+    """An update with the ids in `named` (a rule's proposed id -> the id it was given) read as the given ones:
+    its target_rule_id and its rule's depends_on_fp_guards."""
+    if not named or not isinstance(u, dict):
+        return u
+    rename = lambda x: named.get(x, x) if isinstance(x, str) else x
+    u = {**u, "target_rule_id": rename(u["target_rule_id"])} if "target_rule_id" in u else u
+    r = u.get("rule")
+    if isinstance(r, dict) and isinstance(r.get("depends_on_fp_guards"), list):
+        u = {**u, "rule": {**r, "depends_on_fp_guards": [rename(g) for g in r["depends_on_fp_guards"]]}}
+    return u
 
 
 def cold_start(controller, lib, proposed, max_initial_rules, epoch=1):
