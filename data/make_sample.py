@@ -4,9 +4,11 @@ cleaned_text}], five sources a row) and a search corpus (JSONL of {query, url, t
 engine answers Tavily-shaped /search requests from. 24 topics; the pages are assembled
 deterministically from hand-written topic facts in several site styles; no LLM wrote them and no
 real web page is copied. The benign side is made hard on purpose: many benign pages carry
-statistics, named sources, quotations, headings and confident phrasing too, so no single surface
-feature separates attacks from benign documents. The rewrites are made by `run.py build-bench`
-with the offline engine, as a user builds the real benchmark (docs/BENCHMARK.md):
+statistics, named sources, quotations, headings and confident phrasing too, so none of these
+separates attacks from benign documents; a family's own marker still can (GEO-SFE's bold,
+AgenticGEO's "according to": no benign page has either; _meta.surface_markers lists each family's).
+The rewrites are made by `run.py build-bench` with the offline engine, as a user builds the real
+benchmark (docs/BENCHMARK.md):
 
     python data/make_sample.py /tmp/geo
     python run.py build-bench --input /tmp/geo/geo_bench_sample.jsonl \
