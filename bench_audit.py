@@ -135,12 +135,12 @@ def used_columns(bags):
     return X[:, X.any(0)]
 
 
-def cross_validated_confusion(edits, families, folds=5, X=None):
+def cross_validated_confusion(edits, families, folds=5, X=None, linked=None):
     """edits: [(group_id, family, feature bag)] -> confusion counts (F, F), rows true, columns predicted,
     each edit predicted by a model fitted on the other folds' groups only. The classes are the families
     with edits: one with none has no likelihood to fit, and a uniform one would win on unseen n-grams.
-    X: used_columns of the bags, when the caller has it (the permutation null reuses it)."""
-    fold_of = group_folds([g for g, _, _ in edits], folds)
+    X: used_columns of the bags, when the caller has it (the permutation null reuses it); linked: group_folds'."""
+    fold_of = group_folds([g for g, _, _ in edits], folds, linked)
     X = used_columns([b for _, _, b in edits]) if X is None else X
     y = [f for _, f, _ in edits]
     classes = [f for f in families if f in y]
@@ -157,7 +157,7 @@ def cross_validated_confusion(edits, families, folds=5, X=None):
     return conf
 
 
-def permutation_null(edits, families, folds, observed, n=PERMUTATIONS, seed=0):
+def permutation_null(edits, families, folds, observed, n=PERMUTATIONS, seed=0, linked=None):
     """The classifier's accuracy under the null that families are interchangeable within a query group:
     the family labels shuffled within each group (so each group keeps its families, and the group folds
     stay as they are), cross-validated again n times -> {"mean", "p95", "p_value"}; p_value: the share of
@@ -172,7 +172,8 @@ def permutation_null(edits, families, folds, observed, n=PERMUTATIONS, seed=0):
         for idx in by_group.values():
             for i, j in zip(idx, rng.permutation(idx)):
                 labels[i] = edits[j][1]
-        conf = cross_validated_confusion([(g, f, b) for (g, _, b), f in zip(edits, labels)], families, folds, X)
+        shuffled = [(g, f, b) for (g, _, b), f in zip(edits, labels)]
+        conf = cross_validated_confusion(shuffled, families, folds, X, linked)
         accs.append(np.trace(conf) / conf.sum())
     accs = np.array(accs)
     return {"permutations": n, "mean": round(float(accs.mean()), 4), "p95": round(float(np.quantile(accs, 0.95)), 4),
@@ -315,7 +316,8 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
     if n_groups < 2:                  # one group: no fold has another group's edits to train on
         raise SettingsError(f"{bench}: {n_groups} query group(s) with edits, too few to audit: the family "
                             "classifier is cross-validated by group and needs at least 2")
-    conf = cross_validated_confusion(edits, families, folds)
+    linked = geodef.linked_groups(groups)          # groups sharing a query or a page: one fold
+    conf = cross_validated_confusion(edits, families, folds, linked=linked)
     total = int(conf.sum())
     added = {f: sum((collections.Counter({k: v for k, v in b.items() if k.startswith("+")})     # n-grams alone
                      for _, ff, b in edits if ff == f), collections.Counter()) for f in families}
@@ -328,7 +330,8 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
     out = {"bench": os.path.abspath(bench), "synthetic": bool(meta.synthetic), "families": families,
            "seen": seen, "groups": len(groups), "edits": len(edits),
            "classifier": {"model": "multinomial naive Bayes, hashed added 1-2-grams + binned edit size, length "
-                                   "ratio, added markers", "folds": folds, "cross_validated_by": "query group",
+                                   "ratio, added markers", "folds": folds,
+                          "cross_validated_by": "query group (groups sharing a query or a page as one)",
                           "confusion": conf.tolist(), "accuracy": round(float(np.trace(conf)) / total, 4),
                           # always naming the most frequent family (seen ones edit every group, unseen ones
                           # the test groups only: 1 / families would understate it)
@@ -336,7 +339,8 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
                           "recall": {f: round(conf[i, i] / conf[i].sum(), 4) if conf[i].sum() else None
                                      for i, f in enumerate(families)},
                           "seen_vs_unseen": seen_unseen(conf, families, seen).tolist() if seen else None,
-                          "null": permutation_null(edits, families, folds, float(np.trace(conf)) / total)},
+                          "null": permutation_null(edits, families, folds, float(np.trace(conf)) / total,
+                                                   linked=linked)},
            "transfer": transfer_check(groups, families, seen, folds, n_boot),
            "distances": {"added_ngram_js": [[js_divergence(added[a], added[b]) for b in families] for a in families],
                          "edit_size": {f: mean(size[f]) for f in families},

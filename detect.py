@@ -160,9 +160,7 @@ def pages(groups, families):
 
 def check(run):
     """A benchmark without honest edits in both splits is refused, naming the build to run."""
-    if len(run.data.construction) < 2:
-        raise SettingsError(f"--n-construction {len(run.data.construction)}: detect fits its text detector out of "
-                            "fold by construction query group, so it needs at least 2")
+    calibration_folds(run.data.construction)
     if not has_honest(run.data):
         raise SettingsError(f"{run.cfg.data.bench}: no honest edits in both its construction and test groups; detect "
                             "measures false positives on them. Build the file with them: python run.py build-bench "
@@ -182,11 +180,20 @@ def residuals(run, groups):
     return {(x.query, d): base.cache[key(x.query, d)] - shield.cache[key(x.query, d)] for x in lists for d in x.docs}
 
 
-def out_of_fold(cons_pages, seen, linked):
+def calibration_folds(cons):
+    """The construction groups `cons` dealt to FOLDS folds by query group, those sharing a query or a page
+    (geodef.linked_groups) in one -> {group_id: fold}; fewer than two folds (nothing to fit another on) refused."""
+    fold = bench_audit.group_folds([g.group_id for g in cons], FOLDS, geodef.linked_groups(cons))
+    if len(set(fold.values())) < 2:
+        raise SettingsError(f"--n-construction {len(cons)}: detect fits its text detector out of fold by construction "
+                            "query group (groups sharing a query or a page as one), so it needs at least 2 such "
+                            f"groups; these make {len(set(fold.values()))}")
+    return fold
+
+
+def out_of_fold(cons_pages, seen, fold):
     """The text detector's scores of the construction split's honest edits, each from a detector fitted on
-    the other folds' groups (FOLDS by query group, groups sharing a page in one fold: `linked`,
-    geodef.linked_groups) -> [score]."""
-    fold = bench_audit.group_folds([p[0] for p in cons_pages], FOLDS, linked)
+    the other folds' groups (`fold`: calibration_folds) -> [score]."""
     out = []
     for k in sorted(set(fold.values())):
         train = [p for p in cons_pages if fold[p[0]] != k]
@@ -298,7 +305,7 @@ def fold_detection(data, trained, family, fpr, n_boot, seed):
     cons_pages, test_pages = pages(data.construction, families), pages(data.test, families)
     det = TextDetector.fit([p[4] for p in cons_pages if p[2] == "geo" and p[3] in trained],
                            [p[4] for p in cons_pages if p[2] != "geo"])
-    cal = calibrated(out_of_fold(cons_pages, trained, geodef.linked_groups(data.construction)), fpr,
+    cal = calibrated(out_of_fold(cons_pages, trained, calibration_folds(data.construction)), fpr,
                      f"the fold without {family}")
     threshold = cal["threshold"]
     recs = [{"group_id": gid, "kind": kind, "family": fam, "scores": {"text": s}, "flagged": {"text": s > threshold}}
@@ -330,7 +337,7 @@ def detect(run):
         log("[detect] no honest edit in the Shield's monitoring groups; the residual's threshold is set on every "
             "construction honest edit, whose sources the Shield trained on (its held-out FPR then runs high)")
     calib = {"shield_residual": hon or [res[p[1], p[4]] for p in cons_pages if p[2] == "honest"],
-             "text": out_of_fold(cons_pages, data.seen, geodef.linked_groups(data.construction))}
+             "text": out_of_fold(cons_pages, data.seen, calibration_folds(data.construction))}
     cals = {d: calibrated(calib[d], cfg.detect.fpr, d) for d in DETECTORS}
     if not hon:                                        # pages whose sources the Shield trained on: no bound
         cals["shield_residual"]["fpr_bound"] = None

@@ -197,7 +197,7 @@ def fold_row(k, boot, family, trained, recs, ref, others):
 
 def flags_taken(run):
     """Refuses a flag the chosen regime would ignore: --subsets and --seeds without --seen-size, --families
-    with it (the regime draws its own folds)."""
+    with it (the regime draws its own folds); and a detection side with nothing to calibrate on."""
     h = run.cfg.holdout
     ignored = ([f"--families {','.join(h.families)}"] if h.seen_size and h.families != "all" else []) + \
         ([f"--subsets {h.subsets}"] if not h.seen_size and h.subsets else []) + \
@@ -205,6 +205,8 @@ def flags_taken(run):
     if ignored:
         raise SettingsError(f"{' and '.join(ignored)}: not read {'with' if h.seen_size else 'without'} --seen-size "
                             "(leave-one-out takes --families; the seen-size regime --subsets and --seeds)")
+    if detect.has_honest(run.data):         # the detection side's calibration, before any fold trains
+        detect.calibration_folds(run.data.construction)
 
 
 def holdout(run):

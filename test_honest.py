@@ -349,13 +349,18 @@ def test_a_tpr_at_an_fpr_flags_at_most_that_share_of_the_negatives():
     assert detect.tpr_at([83] * 10, neg, 0.05) == 0.0 and detect.tpr_at([84] * 10, neg, 0.05) == 1.0
 
 
-def test_detect_refuses_one_construction_group_before_any_scoring():
-    """Its text detector is fitted out of fold by construction query group: one group leaves a fold nothing."""
+def test_detect_refuses_construction_groups_that_make_one_fold_before_any_scoring():
+    """Its text detector is fitted out of fold by construction query group, groups sharing a query or a page
+    dealt as one: one group, or two sharing a query, leave a fold nothing to fit on (a bare ValueError from
+    the fit, after the rankers had scored every page)."""
     from types import SimpleNamespace
-    run_ = SimpleNamespace(data=SimpleNamespace(construction=["g1"]), cfg=SimpleNamespace(data=SimpleNamespace(
-        bench="b.jsonl")))
-    with pytest.raises(settings.SettingsError, match="at least 2"):
-        detect.check(run_)
+    g = lambda gid, q: geodef.QueryGroup(gid, q, [{"doc_id": f"{gid}-0", "text": f"page {gid}"}], 0,
+                                         {"A": f"rewrite {gid}"}, "construction")
+    for cons in ([g("g1", "q1")], [g("g1", "same q"), g("g2", "same q")]):
+        run_ = SimpleNamespace(data=SimpleNamespace(construction=cons), cfg=SimpleNamespace(data=SimpleNamespace(
+            bench="b.jsonl")))
+        with pytest.raises(settings.SettingsError, match="at least 2 such groups; these make 1"):
+            detect.check(run_)
 
 
 def test_detect_refuses_a_build_without_honest_edits(demo_run):
