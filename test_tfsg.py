@@ -46,6 +46,22 @@ def test_a_rule_added_in_a_batch_is_reached_by_its_proposed_id_in_that_batch():
     assert not rep.rejected, rep.rejected
     assert out.get("R5")["depends_on_fp_guards"] == ["R4", "R1"] and out.get("R5")["strength"] == "weak"
     assert out.get("R2")["description"] == "a, refined" and out.get("R6")["description"] == "d"
+    # a rejected proposal's id stays the Analyzer's (never the next rule's); a merge reads the new ids; a delete
+    # of a new rule still takes precedence over its refinement
+    dup = out.get("R4")["description"]
+    out2, rep = tfsg.Controller(max_rules=30).apply(out, [
+        {"action": "add_fp_guard", "rule": R(rule_id="R7", rule_type="fp_guard", action="keep", description=dup)},
+        {"action": "add_fp_guard", "rule": R(rule_id="R8", rule_type="fp_guard", action="keep", description="g3")},
+        {"action": "modify_rule", "target_rule_id": "R7", "rule": {"description": "meant the duplicate"}},
+        {"action": "add_rule", "rule": R(rule_id="R10", description="e")},
+        {"action": "merge_rules", "source_rule_ids": ["R10", "R6"], "rule": R(rule_id="R11", description="e+d")},
+        {"action": "add_rule", "rule": R(rule_id="R12", description="f")},
+        {"action": "modify_rule", "target_rule_id": "R12", "rule": {"description": "f, refined"}},
+        {"action": "delete_rule", "target_rule_id": "R12"}])
+    why = [r["reason"] for r in rep.rejected]
+    assert why[0].startswith("duplicate") and "proposed R7" in why[1] and "delete takes precedence" in why[2]
+    assert out2.get("R7")["description"] == "g3" and out2.get("R8")["status"] == "retired"
+    assert out2.get("R9")["description"] == "e+d" and out2.get("R10")["status"] != "active" and len(why) == 3
 
 
 def test_controller_rejects_each_invalid_action_with_its_reason():

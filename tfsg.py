@@ -58,6 +58,7 @@ RULE_TYPES = ("attack_pattern", "fp_guard", "decision_boundary", "coverage_polic
 DECISIONS = ("filter", "suspicious_keep", "keep")
 STRENGTHS = ("weak", "medium", "strong")
 UPDATE_ACTIONS = ("add_rule", "add_fp_guard", "modify_rule", "merge_rules", "delete_rule", "keep_rule")
+ADDING = ("add_rule", "add_fp_guard", "merge_rules")      # the actions that make a rule (under a new id)
 OPERATION = {"add_rule": "ADD", "add_fp_guard": "ADD", "modify_rule": "REFINE", "merge_rules": "MERGE",
              "delete_rule": "REMOVE", "keep_rule": "KEEP"}  # A.2.4 mapping to the paper's operators
 TEXT_FIELDS = ("description", "apply_when", "avoid_when")
@@ -309,16 +310,19 @@ class Controller:
         deleted = {u.get("target_rule_id") for u in updates if isinstance(u, dict)
                    and u.get("action") == "delete_rule" and isinstance(u.get("target_rule_id"), str)}
         # a rule added here under the Analyzer's own id (A.3.4's schema) is reached by that id in the rest of the
-        # batch: the Controller gave it the next free one, which the Analyzer cannot know. A live id is its rule's.
+        # batch: the Controller gave it the next free one, which the Analyzer cannot know. A live id is its rule's;
+        # a rejected proposal's id stays the Analyzer's ("proposed R4"), never another rule's, as in cold_start.
         live, named = {r["rule_id"] for r in lib.active()}, {}
         for u in updates:
             reason = self._apply_one(lib, _renamed(u, named), deleted, report, epoch)
             if reason:
                 report.rejected.append({"update": u, "reason": reason})
-            elif report.applied and isinstance(report.applied[-1].get("proposed_id"), str):
-                p = report.applied[-1]["proposed_id"]
-                if p not in live:
-                    named.setdefault(p, report.applied[-1]["rule_id"])
+            rule = u.get("rule") if isinstance(u, dict) and u.get("action") in ADDING else None
+            p = rule.get("rule_id") if isinstance(rule, dict) else None
+            if isinstance(p, str) and p not in live and p not in named:
+                named[p] = f"proposed {p}" if reason else report.applied[-1]["rule_id"]
+                if p in deleted:
+                    deleted.add(named[p])
         lib.library_version += 1
         return lib, report
 
@@ -335,7 +339,7 @@ class Controller:
             isinstance(u.get("source_rule_ids"), list) else set()          # (_add refuses a list of another kind)
         if deleted & sources:
             return f"{sorted(deleted & sources)} deleted in the same batch (delete takes precedence)"
-        if act in ("add_rule", "add_fp_guard", "merge_rules"):
+        if act in ADDING:
             return self._add(lib, u, act, active, prov, report)
         target = u.get("target_rule_id")
         if not isinstance(target, str) or target not in active:
@@ -588,11 +592,13 @@ def _case_view(case, limits=LIMITS):
 
 def _renamed(u, named):
     """An update with the ids in `named` (a rule's proposed id -> the id it was given) read as the given ones:
-    its target_rule_id and its rule's depends_on_fp_guards."""
+    its target_rule_id, source_rule_ids and its rule's depends_on_fp_guards."""
     if not named or not isinstance(u, dict):
         return u
     rename = lambda x: named.get(x, x) if isinstance(x, str) else x
     u = {**u, "target_rule_id": rename(u["target_rule_id"])} if "target_rule_id" in u else u
+    if isinstance(u.get("source_rule_ids"), list):
+        u = {**u, "source_rule_ids": [rename(x) for x in u["source_rule_ids"]]}
     r = u.get("rule")
     if isinstance(r, dict) and isinstance(r.get("depends_on_fp_guards"), list):
         u = {**u, "rule": {**r, "depends_on_fp_guards": [rename(g) for g in r["depends_on_fp_guards"]]}}
