@@ -495,10 +495,16 @@ def pool_lists(ctx, b, seed, fams, groups):
     if b.pool == "optimized":
         edits, refused = honest_edits(ctx, [at_candidate(g, i) for g in groups for i in range(len(g["docs"]))
                                             if i != g["source_index"]])
+        norm = lambda t: " ".join(t.split())
+        shown = {gid: {norm(d["text"]) for d in g["docs"]} | {norm(c["text"]) for c in out[gid].get("co_attacks", [])}
+                 for gid, g in by_id.items()}
         for key, (text, _) in edits.items():
             gid, i = key.rsplit("@", 1)
-            if text is not None:
+            if text is not None and norm(text) in shown[gid]:      # geodef refuses a list showing one text twice
+                log(f"[build-bench] {key}: its honest edit copies a text the list shows; the candidate kept as it is")
+            elif text is not None:
                 out[gid].setdefault("optimized", {})[i] = text
+                shown[gid].add(norm(text))
     return out, refused
 
 

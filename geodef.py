@@ -363,8 +363,9 @@ def _read_group(obj, path, n, n_docs, meta):
         shown[norm] = f"co_attacks[{j}].text"
     opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
     if opt:                 # the pool's edits stand in for their candidates, beside every other text a list shows
-        seen = {**{k: f"docs[{x}]" for k, x in others.items() if x not in opt},
-                **{" ".join(t.split()): f"attacks.{m}" for m, t in attacks.items()}}
+        seen = {**{k: f"docs[{x}]" for k, x in others.items() if x not in opt}, source_norm: f"docs[{src}]",
+                **{" ".join(t.split()): f"attacks.{m}" for m, t in attacks.items()},
+                **({" ".join(honest.split()): "honest"} if honest else {})}
         co_at = {" ".join(t.split()): (x, f"co_attacks[{j}].text") for j, (x, _, t) in enumerate(co or ())}
         for i, t in opt.items():
             norm = " ".join(t.split())

@@ -413,6 +413,9 @@ def attacked_group(gid="g1", **kw):
     (lambda g: {**g, "optimized": {"1": "doc  g1 3 text"}}, r":3: optimized.1: a copy of docs\[3\]"),
     (lambda g: {**g, "optimized": {"1": "x y", "5": "x y"}}, r":3: optimized.5: a copy of optimized.1"),
     (lambda g: {**g, "optimized": {"1": "promoted doc g1 5"}}, r":3: optimized.1: a copy of co_attacks\[0\]"),
+    (lambda g: {**g, "optimized": {"1": "doc g1 2 text"}}, r":3: optimized.1: a copy of docs\[2\]"),    # the source
+    (lambda g: {**g, "honest": "doc g1 2 text, clearer", "optimized": {"1": "doc g1 2 text, clearer"}},
+     r":3: optimized.1: a copy of honest"),
 ])
 def test_several_attacked_documents_are_validated(tmp_path, mutate, msg):
     rows = [{"_meta": META3}, {**good_group("g0"), "split": "construction"}, mutate(attacked_group(split="test"))]
