@@ -495,17 +495,24 @@ def pool_lists(ctx, b, seed, fams, groups):
     if b.pool == "optimized":
         edits, refused = honest_edits(ctx, [at_candidate(g, i) for g in groups for i in range(len(g["docs"]))
                                             if i != g["source_index"]])
-        norm = lambda t: " ".join(t.split())
-        shown = {gid: {norm(d["text"]) for d in g["docs"]} | {norm(c["text"]) for c in out[gid].get("co_attacks", [])}
-                 for gid, g in by_id.items()}
-        for key, (text, _) in edits.items():
-            gid, i = key.rsplit("@", 1)
-            if text is not None and norm(text) in shown[gid]:      # geodef refuses a list showing one text twice
-                log(f"[build-bench] {key}: its honest edit copies a text the list shows; the candidate kept as it is")
-            elif text is not None:
-                out[gid].setdefault("optimized", {})[i] = text
-                shown[gid].add(norm(text))
+        add_optimized(out, by_id, edits)
     return out, refused
+
+
+def add_optimized(out, by_id, edits):
+    """The pool's honest edits ({"<group_id>@<index>": (text or None, trace)}) into `out`'s groups as
+    "optimized", but one that copies a text its list shows (a candidate, a further attack, another edit):
+    geodef refuses a list showing one text twice, so that candidate stays as the search returned it."""
+    norm = lambda t: " ".join(t.split())
+    shown = {gid: {norm(d["text"]) for d in g["docs"]} | {norm(c["text"]) for c in out[gid].get("co_attacks", [])}
+             for gid, g in by_id.items()}
+    for key, (text, _) in edits.items():
+        gid, i = key.rsplit("@", 1)
+        if text is not None and norm(text) in shown[gid]:
+            log(f"[build-bench] {key}: its honest edit copies a text the list shows; the candidate kept as it is")
+        elif text is not None:
+            out[gid].setdefault("optimized", {})[i] = text
+            shown[gid].add(norm(text))
 
 
 # ----------------------------------------------------------------------------- the command

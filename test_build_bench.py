@@ -668,3 +668,15 @@ def test_a_test_builder_apart_writes_the_test_split_and_is_a_role(geo_input, tmp
                      + "\n", encoding="utf-8")
     assert runs.shared_roles(str(bench), "openrouter:openai/gpt-5.5") == [
         "the target openrouter:openai/gpt-5.5 built the benchmark's test split"]
+
+
+def test_a_pool_edit_that_copies_a_shown_text_leaves_its_candidate_as_it_was():
+    """An honest edit of a pool candidate that copies another candidate, a further attack or another edit would
+    make the file's own validation refuse the whole build after its paid rewrites (a list showing one text
+    twice): that candidate stays as the search returned it; the other edits are kept."""
+    group = {"docs": [{"text": f"page {i}"} for i in range(4)]}
+    out = {"g": {"co_attacks": [{"index": 3, "text": "promoted page 3"}]}}
+    edits = {"g@0": ("page  1", {}), "g@1": ("clearer page 1", {}), "g@2": ("clearer page 1", {}),
+             "g@3": ("promoted page 3", {})}
+    build_bench.add_optimized(out, {"g": group}, edits)
+    assert out["g"]["optimized"] == {"1": "clearer page 1"}
