@@ -71,7 +71,8 @@ def test_gpt2_parity_with_transformers(tmp_path, tiny_gpt2):
 def test_a_tiny_checkpoint_cut_short_by_a_kill_is_written_again(tmp_path, monkeypatch):
     """The tiny checkpoints are reused when their files are there: a kill while one was written left every
     file there, one of them cut short, and each later run crashed on it. Written beside and moved in whole,
-    the folder a kill leaves is written again; the layer norms start as transformers' do (gains 1, biases 0)."""
+    the folder a kill leaves is written again, and the aside folder it left is removed once its process is gone;
+    the layer norms start as transformers' do (gains 1, biases 0)."""
     def killed(*a, **k):
         raise KeyboardInterrupt
     for make, name in ((tiny.make_tiny_gpt2, "gpt2"), (tiny.make_tiny_checkpoint, "qwen3")):
@@ -83,6 +84,13 @@ def test_a_tiny_checkpoint_cut_short_by_a_kill_is_written_again(tmp_path, monkey
         make(out)
         with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
             assert json.load(f)["_note"]
+    import subprocess
+    gone = subprocess.Popen(["true"])
+    gone.wait()                                               # a pid whose process has ended
+    left = tmp_path / f"q.tmp{gone.pid}"                      # what a kill mid-write left, under another pid
+    left.mkdir()
+    tiny.make_tiny_checkpoint(str(tmp_path / "q"))
+    assert not left.exists() and (tmp_path / "q" / "model.safetensors").exists()
     from safetensors.torch import load_file
     state = load_file(str(tmp_path / "gpt2" / "model.safetensors"))
     norms = {k: v for k, v in state.items() if ".ln" in k or "ln_f" in k}

@@ -6,8 +6,10 @@ the real weights cannot be downloaded.
 
 Usage: folder = make_tiny_checkpoint("runs/_tiny_qwen3"); reranker.Reranker.from_pretrained(folder)
 """
+import glob
 import json
 import os
+import shutil
 
 import torch
 
@@ -83,11 +85,26 @@ def make_tiny_checkpoint(out_dir, seed=0, hidden=64, layers=2, heads=4, kv_heads
                                                         "trained model"})
 
 
+def alive(pid):
+    """Whether process `pid` runs (POSIX: signal 0 checks without sending)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                   # another user's: running
+        pass
+    return True
+
+
 def written_whole(out_dir, state, tok, config):
     """out_dir holding model.safetensors (state), tokenizer.json (tok) and config.json, written in a folder
     beside it and moved in with the weights last: the folders are reused when all three are there, so a
     kill mid-write leaves a folder that is written again, never one with a file cut short."""
     from safetensors.torch import save_file
+    for old in glob.glob(glob.escape(out_dir) + ".tmp*"):     # a write a kill cut short: its process is gone
+        pid = old.rsplit(".tmp", 1)[1]
+        if os.name == "posix" and pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
     tmp = out_dir + f".tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
