@@ -141,6 +141,10 @@ def test_a_family_whose_every_construction_rewrite_failed_is_neither_held_out_no
     bench.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
     plan = run.main(argv(tmp_path, "--dry-run", "--families", "all", "--bench", str(bench)))["folds"]
     assert list(plan) == ["without-AgenticGEO", "without-AutoGEO", "all"]
+    import runs                        # the summary's construction families are those folds train on
+    import settings
+    head = holdout.summary_head(runs.Run(settings.HoldoutConfig(bench=str(bench), runs_dir=str(tmp_path))))
+    assert head["construction_families"] == ["AgenticGEO", "AutoGEO"]
     with pytest.raises(SystemExit, match=r"--seen-size 2: .*AgenticGEO, AutoGEO, MAGEO.*--methods"):
         run.main(argv(tmp_path, "--dry-run", "--seen-size", "2", "--methods", "AgenticGEO,MAGEO", families=None))
 
