@@ -61,7 +61,7 @@ from evaluation import (INJECTION_DEFENSES, STANDARD, clean_answers, clean_refer
                         eval_condition, guided, pipeline_records, summarize)
 from metrics import ranked
 from rankers import load_rankers
-from runs import offline_notes, write_summary
+from runs import with_notes, write_summary
 from settings import SettingsError
 from store import changed_settings, log, read_json, write_json, write_jsonl
 
@@ -321,12 +321,13 @@ def check(run):
     a, per_round = run.cfg.attack, run.cfg.attacker.candidates_per_round
     if a.target not in ("shield", "base"):
         rankers.check_specs(rankers.parse_rerankers([a.target]))
-    if a.attack_rounds and a.attack_rounds * per_round + 1 < max(a.budgets):    # the best of 16 from 3 would read
+    need = rounds_for(max(a.budgets), per_round)
+    if a.attack_rounds and a.attack_rounds < need:          # the best of 16 from 3 would read as the best of 16
         raise SettingsError(f"--budgets {max(a.budgets)}: {a.attack_rounds} rounds of {per_round} candidates make "
                             f"{a.attack_rounds * per_round + 1} (with the benchmark's rewrite); give --attack-rounds "
-                            f"{rounds_for(max(a.budgets), per_round)} or leave it out")
+                            f"{need} or leave it out")
     lib = tfsg.load_library(run.library_path(), run.limits)
-    label, mode, pins = pinned(run, a.target, a.budgets, a.attack_rounds, run.cfg.attacker.candidates_per_round,
+    label, mode, pins = pinned(run, a.target, a.budgets, a.attack_rounds, per_round,
                                run.cfg.attacker.attacker, a.aware_of_library, lib)
     check_settings(run.cfg.folder.run_dir, f"{label}-{mode}", pins)
 
@@ -438,7 +439,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     attacks = read_json(os.path.join(cfg.folder.run_dir, "summary.json"), {}).get("attack", {})
     attacks.setdefault(label, {})[mode] = block
     summary = write_summary(run, "attack", {"attack": attacks})
-    report.write_attack_report(cfg.folder.run_dir, {**summary, "notes": summary.get("notes") or offline_notes(run)})
+    report.write_attack_report(cfg.folder.run_dir, with_notes(run, summary))
     log(f"[attack] wrote {res}/attack-{label}-{mode}.jsonl and summary.json's attack.{label}.{mode}")
     return block
 

@@ -135,12 +135,13 @@ def used_columns(bags):
     return X[:, X.any(0)]
 
 
-def cross_validated_confusion(edits, families, folds=5, X=None, linked=None):
+def cross_validated_confusion(edits, families, folds=5, X=None, fold_of=None):
     """edits: [(group_id, family, feature bag)] -> confusion counts (F, F), rows true, columns predicted,
     each edit predicted by a model fitted on the other folds' groups only. The classes are the families
     with edits: one with none has no likelihood to fit, and a uniform one would win on unseen n-grams.
-    X: used_columns of the bags, when the caller has it (the permutation null reuses it); linked: group_folds'."""
-    fold_of = group_folds([g for g, _, _ in edits], folds, linked)
+    X, fold_of: used_columns of the bags and group_folds of their groups, when the caller has them (the
+    permutation null reuses both)."""
+    fold_of = fold_of or group_folds([g for g, _, _ in edits], folds)
     X = used_columns([b for _, _, b in edits]) if X is None else X
     y = [f for _, f, _ in edits]
     classes = [f for f in families if f in y]
@@ -157,7 +158,7 @@ def cross_validated_confusion(edits, families, folds=5, X=None, linked=None):
     return conf
 
 
-def permutation_null(edits, families, folds, observed, n=PERMUTATIONS, seed=0, linked=None):
+def permutation_null(edits, families, folds, observed, n=PERMUTATIONS, seed=0, fold_of=None):
     """The classifier's accuracy under the null that families are interchangeable within a query group:
     the family labels shuffled within each group (so each group keeps its families, and the group folds
     stay as they are), cross-validated again n times -> {"mean", "p95", "p_value"}; p_value: the share of
@@ -173,7 +174,7 @@ def permutation_null(edits, families, folds, observed, n=PERMUTATIONS, seed=0, l
             for i, j in zip(idx, rng.permutation(idx)):
                 labels[i] = edits[j][1]
         shuffled = [(g, f, b) for (g, _, b), f in zip(edits, labels)]
-        conf = cross_validated_confusion(shuffled, families, folds, X, linked)
+        conf = cross_validated_confusion(shuffled, families, folds, X, fold_of)
         accs.append(np.trace(conf) / conf.sum())
     accs = np.array(accs)
     return {"permutations": n, "mean": round(float(accs.mean()), 4), "p95": round(float(np.quantile(accs, 0.95)), 4),
@@ -316,8 +317,9 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
     if n_groups < 2:                  # one group: no fold has another group's edits to train on
         raise SettingsError(f"{bench}: {n_groups} query group(s) with edits, too few to audit: the family "
                             "classifier is cross-validated by group and needs at least 2")
-    linked = geodef.linked_groups(groups)          # groups sharing a query or a page: one fold
-    conf = cross_validated_confusion(edits, families, folds, linked=linked)
+    # groups sharing a query or a page in one fold, the same folds for every shuffle of the null
+    fold_of = group_folds([g for g, _, _ in edits], folds, geodef.linked_groups(groups))
+    conf = cross_validated_confusion(edits, families, folds, fold_of=fold_of)
     total = int(conf.sum())
     added = {f: sum((collections.Counter({k: v for k, v in b.items() if k.startswith("+")})     # n-grams alone
                      for _, ff, b in edits if ff == f), collections.Counter()) for f in families}
@@ -340,7 +342,7 @@ def audit(bench, rr=None, k=5, folds=5, n_boot=2000):
                                      for i, f in enumerate(families)},
                           "seen_vs_unseen": seen_unseen(conf, families, seen).tolist() if seen else None,
                           "null": permutation_null(edits, families, folds, float(np.trace(conf)) / total,
-                                                   linked=linked)},
+                                                   fold_of=fold_of)},
            "transfer": transfer_check(groups, families, seen, folds, n_boot),
            "distances": {"added_ngram_js": [[js_divergence(added[a], added[b]) for b in families] for a in families],
                          "edit_size": {f: mean(size[f]) for f in families},

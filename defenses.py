@@ -433,7 +433,11 @@ def supported(answers, alpha=ALPHA, beta=BETA, long_form=True):
 def aggregate(answers, alpha=ALPHA, beta=BETA, long_form=True):
     """The phrases the final request gives (`supported`), less each inside a longer kept one with the same
     supporters (it adds nothing there; ours: `inside_longer`); the citations read them all."""
-    support = supported(answers, alpha, beta, long_form)
+    return trimmed(supported(answers, alpha, beta, long_form))
+
+
+def trimmed(support):
+    """`support` less each phrase inside a longer kept one with the same supporters (inside_longer); None stays."""
     if support is None:
         return None
     dropped = inside_longer(support)
@@ -513,12 +517,12 @@ def robustrag_final(query, docs, pre_data):
     paper's answer cites nothing, and never for a phrase made only of the question's words
     (`robustrag_finish`). Cost: k isolated calls + 1 (2 in a row); k when all abstain."""
     answers = [d.get("answer") if isinstance(d, dict) else None for d in pre_data]
-    support = aggregate(answers)
-    asked = set(_tokens(query))
+    full = supported(answers)                         # every phrase past the threshold: what citations read
+    support, asked = trimmed(full), set(_tokens(query))
     kept = {"robustrag": {"isolated": [a if isinstance(a, str) else None for a in answers],
                           "abstained": support is None, "support": support or {},
-                          "question_phrases": [p for p in support or {} if set(p.split()) <= asked],
-                          "question_words": sorted(asked)}}
+                          "question_phrases": [p for p in support or {} if set(p.split()) <= asked]},
+            "cite": {p: s for p, s in (full or {}).items() if not set(p.split()) <= asked}}   # (finish takes it)
     if support is None:
         return None, {**kept, "answer": "I don't know."}
     return keyword_messages(query, support), kept
@@ -528,10 +532,7 @@ def robustrag_finish(answer, kept):
     """The final answer with our citations, for every phrase that passed the threshold (`supported`, those the
     request left out as inside a longer one too); a kept phrase made only of the question's own words (every
     answer restates the question) is no evidence: it is given to the LLM, never cited for."""
-    r = kept["robustrag"]
-    asked = set(r["question_words"])
-    return cite_supporters(answer, {p: s for p, s in (supported(r["isolated"]) or {}).items()
-                                    if not set(p.split()) <= asked})
+    return cite_supporters(answer, kept.pop("cite"))
 
 
 # ----------------------------------------------------------------------------- the conditions

@@ -299,8 +299,10 @@ def detect_reply(reply, n):
     """/detect's reply -> [(score, flagged)] in the documents' order, or None unless it holds each index 0..n-1
     once, each with a finite number score and a boolean flag (as rerank_scores reads a rerank reply)."""
     rows = reply.get("results") if isinstance(reply, dict) else None
+    if not isinstance(rows, list) or len(rows) != n:
+        return None
     got = {}
-    for x in rows if isinstance(rows, list) and len(rows) == n else [None]:
+    for x in rows:
         i, score, flag = (x.get("index"), x.get("score"), x.get("flagged")) if isinstance(x, dict) else (None,) * 3
         if type(i) is not int or not 0 <= i < n or i in got or rerank_clients._finite(score) is None \
                 or type(flag) is not bool:

@@ -47,6 +47,7 @@ import figures
 import geo_jobs
 import geodef
 import rankers
+import rerank_clients
 from settings import SettingsError
 from store import atomic_write, log, read_json, write_json, write_jsonl
 
@@ -116,7 +117,7 @@ class Served:
         obj = read_json(path)
         if not isinstance(obj, dict):
             raise SettingsError(f"{path}: not a detector file (a JSON object, as `detect` writes it)")
-        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        number = lambda v: rerank_clients._finite(v) is not None
         bad = [k for k in ("threshold", "bias", "rest") if not number(obj.get(k))]
         w = obj.get("weights")
         bad += [] if isinstance(w, dict) and all(k.isdigit() and number(v) for k, v in w.items()) else ["weights"]

@@ -30,6 +30,7 @@ import torch
 import lora
 import reranker
 from store import file_sha1 as _sha1
+from tiny import alive as _alive
 
 
 FORMATS = ("seq-cls", "causal")
@@ -133,16 +134,6 @@ def chat_template(instruction):
         query="{{ " + content("query") + " }}", doc="{{ " + content("document") + " }}")
     # Jinja drops a template's final newline (SUFFIX ends in two): an empty expression after it keeps them
     return reranker.PREFIX + body + reranker.SUFFIX + "{{ '' }}"
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:                       # another user's process
-        pass
-    return True
 
 
 def _card_intro(meta, name):

@@ -355,7 +355,8 @@ def _read_group(obj, path, n, n_docs, meta):
         if i is not None:                      # the list would show one text twice: Eq. 4 then pulls apart a tie
             _fail(path, n, fld, f"a copy of docs[{i}]: the list would show one text twice")
     co = _read_co_attacks(obj, path, n, docs, src, meta) if "co_attacks" in obj else None
-    shown = {" ".join(t.split()): f"attacks.{m}" for m, t in attacks.items()}
+    attack_at = {" ".join(t.split()): f"attacks.{m}" for m, t in attacks.items()}
+    shown = dict(attack_at)
     for j, (i, _, t) in enumerate(co or ()):       # a list of the K levels shows each co-attack beside the rest
         seen, norm = {**{k: f"docs[{x}]" for k, x in others.items() if x != i}, **shown}, " ".join(t.split())
         if norm in seen:
@@ -364,7 +365,7 @@ def _read_group(obj, path, n, n_docs, meta):
     opt = _read_optimized(obj, path, n, docs, src, meta) if "optimized" in obj else None
     if opt:                 # the pool's edits stand in for their candidates, beside every other text a list shows
         seen = {**{k: f"docs[{x}]" for k, x in others.items() if x not in opt}, source_norm: f"docs[{src}]",
-                **{" ".join(t.split()): f"attacks.{m}" for m, t in attacks.items()},
+                **attack_at,
                 **({" ".join(honest.split()): "honest"} if honest else {})}
         co_at = {" ".join(t.split()): (x, f"co_attacks[{j}].text") for j, (x, _, t) in enumerate(co or ())}
         for i, t in opt.items():

@@ -71,8 +71,8 @@ DETECT_FPR = 0.05                 # the detection side's threshold: this FPR on 
 def construction_families(run, say=True):
     """The construction families a fold can train on: those with an instance. A family the build's gate refused
     on every construction group trains no fold; counted as seen, every fold would read as having seen it."""
-    data, cons = run.data, run.data.meta.construction()
-    empty = [m for m in cons if not geodef.expand(data.construction, [m])]
+    cons, present = run.data.meta.construction(), {m for g in run.data.construction for m in g.attacks}
+    empty = [m for m in cons if m not in present]
     if empty and say:
         log(f"[holdout] {', '.join(empty)}: no construction instance (every rewrite failed the build's gate): "
             "neither held out nor seen by any fold")
@@ -228,7 +228,7 @@ def holdout(run):
         for r in rows:
             r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, *boot)
     seen = construction_families(run, say=False)
-    summary = {**summary_head(run), "folds": rows,
+    summary = {**summary_head(run, seen), "folds": rows,
                "never_trained": {m: rate(ref["shield"], [m]) for m in data.methods if m not in seen},
                "all_families_exposure": rate(ref["shield"], seen)}
     out = os.path.join(cfg.folder.run_dir, "holdout")
@@ -417,7 +417,7 @@ def regime(run):
     for r in rows:
         by_subset.setdefault(", ".join(r["seen"]), []).append(r["gap"]["gap"])
     subset_gaps = {k: sum(v) / len(v) for k, v in by_subset.items() if None not in v}
-    summary = {**summary_head(run),
+    summary = {**summary_head(run, construction_families(run, say=False)),
                "regime": {"seen_size": h.seen_size, "subsets": len(by_subset), "seeds": h.seeds, "folds": rows,
                           **over_folds(*boot, diffs, subset_of), "subset_gaps": subset_gaps,
                           "same_family": same_family(*boot, fam),
@@ -464,13 +464,13 @@ def family_text(f):
             + ", ".join(f"{m} {v:+.1f}" for m, v in f["families"].items()))
 
 
-def summary_head(run):
+def summary_head(run, cons):
     """What every holdout summary opens with: the top-k, the benchmark and its construction families, the
     test groups, who built them, and the offline notes."""
     cfg, data, meta = run.cfg, run.data, run.data.meta
     built = meta.raw.get("builder_llm")     # the builder LLM of each split (_meta; test_builder_llm: --test-llm)
     return {"k": cfg.data.k, "bench": os.path.basename(cfg.data.bench), "test_groups": len(data.test),
-            "construction_families": construction_families(run, say=False),
+            "construction_families": cons,
             "builders": {"construction": built, "test": meta.raw.get("test_builder_llm") or built},
             "notes": offline_notes(run)}
 

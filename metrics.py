@@ -168,9 +168,10 @@ def by_attacked(recs, columns, n_boot=10000, seed=0, chance=None):
     (the records of others counted in `left_out`), so that K is compared on the same lists."""
     out, levels = {}, sorted({r.get("attacked", 1) for r in recs})
     # every level over the groups that reach them all (a group the builder gave fewer co-attacks lacks the top K)
-    common = set.intersection(*({r["group_id"] for r in paper_level(recs, lv)} for lv in levels)) if levels else set()
+    per = {lv: paper_level(recs, lv) for lv in levels}
+    common = set.intersection(*({r["group_id"] for r in rs} for rs in per.values())) if levels else set()
     for lv in levels:
-        every = paper_level(recs, lv)
+        every = per[lv]
         rs = [r for r in every if r["group_id"] in common]
         clusters = [r["group_id"] for r in rs]
         out[str(lv)] = {"n": len(rs), **({"left_out": len(every) - len(rs)} if len(rs) < len(every) else {})}

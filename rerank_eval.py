@@ -40,7 +40,7 @@ import metrics
 import rankers
 import report
 import speed
-from runs import offline_notes, test_set_digest, write_summary
+from runs import test_set_digest, with_notes, write_summary
 from settings import SettingsError
 from store import read_json, write_json, write_jsonl
 
@@ -304,9 +304,10 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
                 for x in insts]
         write_jsonl(os.path.join(res, f"rerank-{label}.jsonl"), recs)
         records[label] = recs
+        paper = metrics.paper_level(recs)
         out[label] = {"spec": str(spec), "test_set_sha1": digest, "k": d.k,
-                      **summarize_stage(metrics.paper_level(recs), data.seen, cfg.rerank.n_boot, cfg.folder.seed)}
-        out[label]["strength"] = family_strength(metrics.paper_level(recs), d.k, cfg.rerank.n_boot, cfg.folder.seed)
+                      **summarize_stage(paper, data.seen, cfg.rerank.n_boot, cfg.folder.seed)}
+        out[label]["strength"] = family_strength(paper, d.k, cfg.rerank.n_boot, cfg.folder.seed)
         if len(geodef.attacked_levels(insts)) > 1:
             out[label]["by_attacked"] = attacked_stage(recs, d.k, cfg.rerank.n_boot, cfg.folder.seed)
         if cfg.setting("certify", False) and spec.kind in rankers.LOCAL and insts:     # rerank-eval --certify
@@ -325,7 +326,7 @@ def rerank_stage(run, items, stage="rerank-eval", by_label=None):
                                                 cfg.folder.seed)     # one edited document against one attacked
     summary = write_summary(run, "rerank-eval", {"rerank_stage": out, "rerank_stage_k": d.k},
                             merge=("rerank_stage",))       # another reranker's block of an earlier run is kept
-    report.write_rerank_report(cfg.folder.run_dir, {**summary, "notes": summary.get("notes") or offline_notes(run)})
+    report.write_rerank_report(cfg.folder.run_dir, with_notes(run, summary))
     if "conditions" in summary:              # an evaluated run: its report gets the table too
         report.write_report(cfg.folder.run_dir, summary)
     return out, records

@@ -138,8 +138,8 @@ def shield_as_scored(cfg, adapter, run_dir):
     rr.model.eval()
     if cfg.model.quant != "int8":
         return rr, None
-    bench = recorded(run_dir).get("bench")
-    sha = read_json(os.path.join(run_dir, "config.json"), {}).get("bench_sha1") if run_dir else None
+    rec = read_json(os.path.join(run_dir, "config.json"), {}) if run_dir else {}
+    bench, sha = rec.get("config", {}).get("bench"), rec.get("bench_sha1")
     if bench and sha and os.path.isfile(bench) and file_sha1(bench) != sha:
         raise SettingsError(f"{bench}: not the benchmark {run_dir} was trained on (its SHA-1 differs from the "
                             "record's): the INT8 gate measures on the run's own lists")

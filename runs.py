@@ -81,6 +81,11 @@ def offline_notes(run):
     return notes
 
 
+def with_notes(run, summary):
+    """`summary` with its notes, or the run's offline_notes when it has none (what a report prints first)."""
+    return {**summary, "notes": summary.get("notes") or offline_notes(run)}
+
+
 def code_version():
     try:
         return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -143,7 +143,8 @@ def test_a_family_whose_every_construction_rewrite_failed_is_neither_held_out_no
     assert list(plan) == ["without-AgenticGEO", "without-AutoGEO", "all"]
     import runs                        # the summary's construction families are those folds train on
     import settings
-    head = holdout.summary_head(runs.Run(settings.HoldoutConfig(bench=str(bench), runs_dir=str(tmp_path))))
+    fold = runs.Run(settings.HoldoutConfig(bench=str(bench), runs_dir=str(tmp_path)))
+    head = holdout.summary_head(fold, holdout.construction_families(fold, say=False))
     assert head["construction_families"] == ["AgenticGEO", "AutoGEO"]
     with pytest.raises(SystemExit, match=r"--seen-size 2: .*AgenticGEO, AutoGEO, MAGEO.*--methods"):
         run.main(argv(tmp_path, "--dry-run", "--seen-size", "2", "--methods", "AgenticGEO,MAGEO", families=None))
