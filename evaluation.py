@@ -34,7 +34,7 @@ import tfsg
 import tiny
 from accounting import estimate, price_plan
 from rankers import documents_cut, load_rankers, sharded
-from runs import NotTrainedError, offline_notes, shared_roles, test_set_digest, write_summary
+from runs import NotTrainedError, offline_notes, shared_roles, test_set_digest, train_command, write_summary
 from settings import SettingsError
 from store import changed_settings, file_sha1, log, naming, read_json, read_jsonl, write_json, write_jsonl
 
@@ -458,8 +458,8 @@ def eval_conditions(run, trained=True):
     if needing:   # the stage that writes what is missing (both missing: the whole of train)
         stage = " --stage shield" if os.path.isfile(lib) else " --stage tfsg" if os.path.isfile(adapter) else ""
         rest = [c for c in CONDITIONS if not any(c in needs for _, _, needs in missing)]
-        msg = (f"{' and '.join(f'{p}: no {what}' for p, what, _ in missing)}; run `python run.py train "
-               f"--name {cfg.folder.name}{stage}` first ({', '.join(needing)} need{'s' * (len(needing) == 1)} it)")
+        msg = (f"{' and '.join(f'{p}: no {what}' for p, what, _ in missing)}; run "
+               f"`{train_command(cfg.folder, stage)}` first ({', '.join(needing)} need{'s' * (len(needing) == 1)} it)")
         raise NotTrainedError(msg + (f", or evaluate the others: --conditions \"{','.join(rest)}\"" if rest else ""))
     return conds, transfers
 

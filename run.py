@@ -81,7 +81,7 @@ def shield_settings(cls, args):
                                 "[--adapter DIR]")
     cfg = resolve(cls, asked)
     adapter = os.path.join(cfg.folder.run_dir, "adapter")
-    need_trained(os.path.join(cfg.folder.run_dir, "shield_done.json"), "finished Shield training", cfg.folder.name)
+    need_trained(os.path.join(cfg.folder.run_dir, "shield_done.json"), "finished Shield training", cfg.folder)
     trained = recorded(cfg.folder.run_dir)
     other = [f"--{k.replace('_', '-')} {asked[k]!r} (the run's: {trained.get(k)!r})"
              for k in ("dtype", "quant", "max_length") if k in asked and asked[k] != trained.get(k)]
@@ -465,7 +465,7 @@ def check_training(run, stage="all"):
         run.tfsg_schedule(inst)
     if stage == "tfsg" and run.cfg.tfsg.shield:
         path, what = NEEDS["adapter"]
-        need_trained(path(run), what, run.cfg.folder.name)
+        need_trained(path(run), what, run.cfg.folder)
 
 
 def check_demo(run):

@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import re
+import shlex
 import subprocess
 import threading
 import time
@@ -33,7 +34,7 @@ import reranker
 import speed
 import tfsg
 import tiny
-from settings import HERE, PRESETS, SettingsError, check_name, offline_llm, own_defaults
+from settings import HERE, PRESETS, RunSettings, SettingsError, check_name, offline_llm, own_defaults
 from store import changed_settings, file_sha1, log, read_json, write_json
 
 TINY_NOTE = "tiny random-weight Qwen3 checkpoint (offline plumbing; its scores mean nothing)"
@@ -101,10 +102,17 @@ class NotTrainedError(FileNotFoundError):
     """What an eval condition needs from `train` is not in the run folder."""
 
 
-def need_trained(path, what, name):
-    """Refuse a missing file that `train --name NAME` writes (its adapter, its library)."""
+def train_command(folder, stage=""):
+    """The `train` command that writes the run folder `folder` (RunSettings), named as the refused command
+    named it (--runs-dir where not the default); `stage`: " --stage shield" or " --stage tfsg"."""
+    where = "" if folder.runs_dir == RunSettings.runs_dir else f" --runs-dir {shlex.quote(folder.runs_dir)}"
+    return f"python run.py train --name {shlex.quote(folder.name)}{where}{stage}"
+
+
+def need_trained(path, what, folder):
+    """Refuse a missing file that `train` writes in the run folder `folder` (its adapter, its library)."""
     if not os.path.isfile(path):
-        raise NotTrainedError(f"{path}: no {what}; run `python run.py train --name {name}` first")
+        raise NotTrainedError(f"{path}: no {what}; run `{train_command(folder)}` first")
 
 
 class BenchData(NamedTuple):
@@ -186,7 +194,7 @@ class Run:
             run.check_roles()
         for name in needs:
             path, what = NEEDS[name]
-            need_trained(path(run), what, cfg.folder.name)
+            need_trained(path(run), what, cfg.folder)
         if record is not None:          # "config" and "check" check alike: a record of something produced
             run.check_record()
         run.checked = check(run) if check else None
@@ -296,8 +304,8 @@ class Run:
         path = adapter or self.path("adapter")
         if adapter is None:                       # a killed training leaves a best-so-far adapter behind
             done, what = NEEDS["adapter"]
-            need_trained(done(self), what, self.cfg.folder.name)
-        need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.folder.name)
+            need_trained(done(self), what, self.cfg.folder)
+        need_trained(os.path.join(path, "adapter_config.json"), "trained adapter", self.cfg.folder)
         lora.load_adapter(rr.model, path)
         rr.model.eval()
         speed.install(rr.model, compile=self.cfg.model.compile)   # the LoRA layers get the speed paths too

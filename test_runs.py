@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 import threading
@@ -224,8 +225,10 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench, ca
     assert os.path.isfile(tmp_path / "x" / "adapter" / "adapter_model.safetensors")
     # evaluated after the Shield stage alone: the error names the stage still to run and the
     # conditions that can be evaluated already
-    with pytest.raises(SystemExit, match=r"no TFSG library; run `python run.py train --name x --stage tfsg` "
-                       r"first \(GEO Defender, TFSG only need it\), or evaluate the others: "
+    # the command said names the run folder as the refused command did: --runs-dir, not the default
+    with pytest.raises(SystemExit, match=r"no TFSG library; run `python run.py train --name x --runs-dir "
+                       + re.escape(shlex.quote(str(tmp_path))) + r" --stage tfsg` first \(GEO Defender, TFSG only "
+                       r"need it\), or evaluate the others: "
                        r"--conditions \"Non-Defense,PPL-Filter,Static Safety Prompt,Shield only,Spotlighting,"
                        r"Sandwich Prompt,PromptArmor,RobustRAG\"$"):
         run.main(["eval", "--bench", small_bench, "--n-construction", "2"] + common)
@@ -235,9 +238,10 @@ def test_splits_that_leave_a_stage_nothing_are_refused(tmp_path, small_bench, ca
                         "column 2"),
                        (["eval", "--name", "never", "--model", "tiny", "--llm", "offline",
                          "--runs-dir", str(tmp_path)],
-                        "no finished Shield training; run `python run.py train --name never` first (GEO Defender, "
-                        "Shield only, TFSG only need it), or evaluate the others: --conditions \"Non-Defense,"
-                        "PPL-Filter,Static Safety Prompt,Spotlighting,Sandwich Prompt,PromptArmor,RobustRAG\"")]:
+                        f"no finished Shield training; run `python run.py train --name never --runs-dir "
+                        f"{shlex.quote(str(tmp_path))}` first (GEO Defender, Shield only, TFSG only need it), or "
+                        "evaluate the others: --conditions \"Non-Defense,PPL-Filter,Static Safety Prompt,"
+                        "Spotlighting,Sandwich Prompt,PromptArmor,RobustRAG\"")]:
         with pytest.raises(SystemExit) as e:     # what the command line prints: this message, exit status 1
             run.main(argv)
         assert isinstance(e.value.code, str) and e.value.code.strip().endswith(said), e.value.code
