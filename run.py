@@ -125,6 +125,10 @@ def exported(cfg, run_dir, out):
     folders it must not replace and the run's detector."""
     m, ex = cfg.model, cfg.export
     trained = recorded(run_dir).get("quant") if run_dir else m.quant
+    if m.quant == "nf4" and trained != "nf4":
+        raise SettingsError(f"--quant nf4: {run_dir}'s Shield was trained with --quant {trained!r}, and an export "
+                            "writes its merged weights in --dtype (or, with --quant int8, in int8); whether the "
+                            "base was 4-bit during training is the run's record's to say")
     return dict(fmt=ex.format, dtype=m.dtype, revision=m.revision, quantized_base=trained == "nf4",
                 int8=m.quant == "int8", overwrite=ex.overwrite, name=os.path.basename(os.path.normpath(out)),
                 detector=detector_file(run_dir), protected=[cfg.folder.runs_dir] + ([run_dir] if run_dir else []))

@@ -262,10 +262,12 @@ def test_export_and_serve_load_the_shield_as_its_run_recorded_it(demo_run, tmp_p
 
 
 def test_export_of_a_run_refuses_model_flags(demo_run, tmp_path):
-    """--model instead of a run, and --adapter (and --revision) only with it; a run name is a name."""
+    """--model instead of a run, and --adapter (and --revision) only with it; a run name is a name; --quant nf4
+    (a training storage, which an export would not apply) only where the run's record says so."""
     runs = ["--name", "demo", "--runs-dir", str(demo_run.parent)]
     for extra, msg in [(["--model", "tiny"], "not both"), (["--adapter", str(tmp_path)], "goes with --model"),
-                       (["--revision", "v2"], "goes with --model"), (["--name", "../x"], "a run name is")]:
+                       (["--revision", "v2"], "goes with --model"), (["--name", "../x"], "a run name is"),
+                       (["--quant", "nf4"], r"--quant nf4: .*demo's Shield was trained with --quant 'none'")]:
         with pytest.raises(SystemExit, match=msg):
             run.main(["export", *runs, "--out", str(tmp_path / "x"), *extra])
     assert not (tmp_path / "x").exists()
