@@ -286,7 +286,7 @@ def cpu_units(names):
 CPU_BF16_UNITS, CPU_INT8_UNITS = cpu_units(BF16_UNITS), cpu_units(INT8_UNITS)
 # bf16 attention's forward as blocked matmuls where they were measured faster than torch's CPU flash
 # attention: AVX-512 BF16 without AMX (docs/PERF.md). With AMX that kernel runs AMX micro-kernels of its
-# own, and which is faster there is unmeasured: `bench --what train` times both on any CPU.
+# own and is the faster of the two (docs/PERF.md); `bench --what train` times both on any CPU.
 BLOCKED_BF16_ATTENTION = CPU_BF16_UNITS == {"avx512_bf16"}
 
 
