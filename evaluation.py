@@ -652,18 +652,23 @@ def attack_strength(recs, clean, test, methods, n_boot, seed):
     """Does each family raise visibility on this target at all? Per family, the Non-Defense citation of
     its rewrite minus the clean reference's citation of the same source on the unattacked list of the
     same group, in percentage points, with a cluster-bootstrap CI over groups (metrics). A family whose
-    interval holds 0 is flagged: the defense blocking it says nothing, since it never worked."""
+    interval holds 0 is flagged: the defense blocking it says nothing, since it never worked. An attacked
+    answer that failed is left out (it cites nothing, which is not the rewrite's doing) and counted in
+    `answer_failed` (present when some is), as honest_penalty does."""
     source = {g.group_id: g.docs[g.source_index]["doc_id"] for g in test}
     out = {}
     for m in methods:
         rs = [r for r in recs if r["method"] == m and r["group_id"] in clean]
+        failed = sum("answer_failed" in r for r in rs)
+        rs = [r for r in rs if "answer_failed" not in r]
         if not rs:
             continue
         vals = [float(r["attack_cited"]) - float(source[r["group_id"]] in clean[r["group_id"]]["cited_ids"])
                 for r in rs]
         lo, hi = metrics.cluster_bootstrap_ci(vals, [r["group_id"] for r in rs], n_boot=n_boot, seed=seed)
         out[m] = {"gain": round(100.0 * sum(vals) / len(vals), 2), "ci": [round(100.0 * lo, 2), round(100.0 * hi, 2)],
-                  "n": len(vals), "holds_zero": bool(lo <= 0 <= hi), "paper": PAPER_GAINS.get(m)}
+                  "n": len(vals), "holds_zero": bool(lo <= 0 <= hi), "paper": PAPER_GAINS.get(m),
+                  **({"answer_failed": failed} if failed else {})}
     return out
 
 

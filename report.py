@@ -59,12 +59,14 @@ def strength_lines(s):
     lines = ["## Attack strength (Non-Defense)\n",
              "Citation of each family's rewrite minus the clean reference's citation of the same source, percentage "
              "points, 95% CI over query groups. A family whose interval holds 0 did not raise visibility on this "
-             "target: its blocked rate says nothing about the defense.\n",
+             "target: its blocked rate says nothing about the defense. Attacked answers that failed are left "
+             "out of n (failed: how many).\n",
              "| family | gain | 95% CI | n | its paper reports (metric, method; comparable?) |",
              "|---|---|---|---|---|"]
     for m, v in st.items():
         flag = f" ({NOT_SHOWN}: CI holds 0)" if v["holds_zero"] else " (lowers it)" if v["ci"][1] < 0 else ""
-        lines.append(f"| {m} | {v['gain']:+.1f}{flag} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {v['n']} | "
+        n = f"{v['n']} (failed: {v['answer_failed']})" if v.get("answer_failed") else v["n"]
+        lines.append(f"| {m} | {v['gain']:+.1f}{flag} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {n} | "
                      f"{v['paper'] or '-'} |")
     return lines + [""]
 

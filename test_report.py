@@ -146,6 +146,13 @@ def test_attack_strength_is_the_rewrites_citation_minus_the_sources_and_flags_a_
     assert st["B"]["gain"] == 0.0 and st["B"]["ci"] == [0.0, 0.0] and st["B"]["holds_zero"]
     text = "\n".join(report.strength_lines({"attack_strength": st}))
     assert "| B | +0.0 (not shown to raise visibility: CI holds 0) |" in text and "| A | +66.7 |" in text
+    # an attacked answer that failed cites nothing, which is not the rewrite's doing: left out and counted
+    # (counted as 'not cited', family A's gain would fall to 50 points)
+    recs[0] = dict(recs[0], attack_cited=False, answer_failed="no answer")
+    st = evaluation.attack_strength(recs, clean, groups, ["A"], n_boot=200, seed=0)
+    assert st["A"]["gain"] == 80.0 and st["A"]["n"] == 5 and st["A"]["answer_failed"] == 1
+    assert "| A | +80.0 | [" in "\n".join(report.strength_lines({"attack_strength": st}))
+    assert "| 5 (failed: 1) |" in "\n".join(report.strength_lines({"attack_strength": st}))
 
 
 def test_every_paper_figure_beside_the_attack_strength_says_why_it_is_not_ours():
