@@ -920,7 +920,8 @@ def library_epochs(run, final, insts, shield_topk, clean, condition):
 
 def pairwise_quality(run, judge, recs, clean, by_id, res, slug="geo_defender"):
     """B.2.4: the condition's answers against the clean reference, half of them shown first (rows in
-    results/quality_<slug>.jsonl) -> Table C.1's figures."""
+    results/quality_<slug>.jsonl) -> Table C.1's figures; `defended_as_a` counts the comparisons the judge
+    scored (of n), so a judge that fails more on one order shows in it."""
     cfg, n = run.cfg, len(recs)
     recs = [r for r in recs if r["group_id"] in clean and "answer_failed" not in r]   # two answers to compare
     a_first = metrics.balanced_order([r["instance_id"] for r in recs])
@@ -949,7 +950,7 @@ def pairwise_quality(run, judge, recs, clean, by_id, res, slug="geo_defender"):
     write_jsonl(os.path.join(res, f"quality_{slug}.jsonl"), rows)
     q = (metrics.quality_summary(deltas, clusters, n_boot=cfg.rerank.n_boot, seed=cfg.folder.seed) if deltas
          else {"n": 0})
-    q["defended_as_a"] = sum(a_first.values())
+    q["defended_as_a"] = sum(row["defended_is_a"] for row in rows if "judge_failed" not in row)   # of the n scored
     q["judge_failed"] = failed
     q.update({"no_answer": n - len(recs)} if n > len(recs) else {})      # its answer or the clean one failed
     return q

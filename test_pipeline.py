@@ -635,6 +635,7 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         assert s["conditions"]["Non-Defense"]["asi_judge_failed"] == len(failed)
         assert math.isnan(s["conditions"]["Non-Defense"]["ASI"])        # every judged instance failed: no ASI
         assert s["quality"]["judge_failed"] == 7 and s["quality"]["n"] == 0
+        assert s["quality"]["defended_as_a"] == 0          # of the comparisons scored, not of those sent
         rep = open(tmp_path / "j" / "report.md").read()
         assert "ASI judge failures" in rep and "Pairwise judge failures (left out of Table C.1): 7" in rep
         cached = [json.load(open(os.path.join(r, f)))
