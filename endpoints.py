@@ -334,11 +334,12 @@ def drain_body(rfile, n, timeout):
 
 def _unique_keys(pairs):
     """A JSON object's pairs -> dict; a key given twice is refused: a gateway that reads the first and a
-    server that reads the last would see two different requests."""
+    server that reads the last would see two different requests. The message names it by its repr (a control
+    character or lone surrogate escaped)."""
     out = {}
     for k, v in pairs:
         if k in out:
-            raise RequestError(400, f"{k[:100]}: given twice in one object", k[:100])
+            raise RequestError(400, f"{k[:100]!r}: given twice in one object", k[:100])
         out[k] = v
     return out
 

@@ -23,7 +23,8 @@ shared micro-batches; past max_concurrent_requests in progress or max_queue wait
 429 with Retry-After.
 Every request is untrusted: sizes are capped, every field a route reads is validated (4xx naming it as
 the client spelled it), documents are tokenized as text (reranker.text_tokenizer), slow clients time
-out, and an optional API key is compared in constant time and never printed.
+out, an optional API key is compared in constant time and never printed, and a web page's request (an
+Origin header, or a loopback server asked under a name that is not loopback) is refused.
 The routes' request fields, prompts and replies: serve_api.py; here, the server that answers them.
 Deviation from vLLM: truncate_prompt_tokens caps each prompt by cutting the document's tail (its start
 with truncation_side left), so the scoring suffix stays; vLLM cuts the end of the whole prompt.
@@ -175,9 +176,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- replies
     def _send(self, status, obj, headers=()):
-        """`obj` as JSON, or a str as Prometheus text, head and body in one write."""
+        """`obj` as JSON, or a str as Prometheus text, head and body in one write. A lone surrogate (a JSON
+        escape a client sent, echoed in an error), which UTF-8 cannot encode, leaves as its JSON escape (\\ud800),
+        read back as it came: every reply is sent, whatever text a client put in it."""
         text = isinstance(obj, str)
-        data = (obj if text else json.dumps(obj, ensure_ascii=False)).encode("utf-8")
+        data = (obj if text else json.dumps(obj, ensure_ascii=False)).encode("utf-8", "backslashreplace")
         kind = "text/plain; version=0.0.4; charset=utf-8" if text else "application/json"
         try:
             self.send_response(status)
@@ -279,19 +282,28 @@ class _Handler(BaseHTTPRequestHandler):
         if n is None or n > conf["max_body_bytes"] or drain_body(self.rfile, n, conf["body_timeout"]):
             self.close_connection = True
 
-    def _foreign_host(self):
-        """A loopback server asked under another host name (a web page that rebinds its name to 127.0.0.1):
-        refused (403) -> True. Without a key the server trusts its machine's own clients, not a web page."""
-        if loopback_host(self.server.server_address, self.headers.get("Host") or "localhost"):
+    def _from_a_web_page(self):
+        """A request from a web page, or a loopback server asked under another host name: refused (403) before
+        its body is read -> True. Without a key the server trusts its machine's own clients, not a web page.
+        An Origin header is refused on every route, as offline_server.py does: browsers send one on cross-site
+        requests and API clients do not, and a page's no-cors fetch (a "simple" POST, no preflight) names the
+        real loopback Host, so without this check its body would be scored for a page that never reads the
+        reply. A page that rebinds its own name to 127.0.0.1 sends that name as the Host."""
+        if self.headers.get("Origin") is not None:
+            e = RequestError(403, "Origin: requests from a web page (an Origin header) are refused; API clients "
+                                  "send none", "Origin")
+        elif not loopback_host(self.server.server_address, self.headers.get("Host") or "localhost"):
+            e = RequestError(403, "Host: this server listens on loopback and answers loopback names only "
+                                  "(localhost, 127.0.0.1, [::1])", "Host")
+        else:
             return False
         self.close_connection = True
-        self._fail(RequestError(403, "Host: this server listens on loopback and answers loopback names only "
-                                     "(localhost, 127.0.0.1, [::1])", "Host"))
+        self._fail(e)
         return True
 
     # -- methods
     def do_GET(self):
-        if self._foreign_host():
+        if self._from_a_web_page():
             return
         path = request_path(self.path).rstrip("/") or "/"
         srv = self.server
@@ -323,7 +335,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(e, error_headers(e.status, "POST"))
 
     def do_POST(self):
-        if self._foreign_host():
+        if self._from_a_web_page():
             return
         path = request_path(self.path).rstrip("/") or "/"
         try:
@@ -347,6 +359,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(RequestError(500, f"internal error ({type(e).__name__})"))
 
     def _method_not_allowed(self):
+        if self._from_a_web_page():
+            return
         path = request_path(self.path).rstrip("/") or "/"
         self.close_connection = True
         if path in POST_PATHS or path in GET_PATHS:

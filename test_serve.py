@@ -469,6 +469,34 @@ def test_serve_field_round_five(small_queue_server, monkeypatch, capfd):
     assert got == [200]
 
 
+def test_a_key_given_twice_that_is_a_lone_surrogate_gets_its_400(shield_server, capfd):
+    """A key given twice is named in the 400, and the reply is sent whatever the key holds: a lone surrogate
+    (valid in a JSON escape, not encodable as UTF-8) is escaped on the wire, not a dropped connection."""
+    import requests
+    srv, _ = shield_server
+    body = b'{"query": "q", "documents": ["a"], "\\ud800": 1, "\\ud800": 2}'
+    r = requests.post(srv.url + "/v1/rerank", data=body, headers=AUTH, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "\ud800", r.text
+    assert r.json()["detail"] == "'\\ud800': given twice in one object", r.text
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_serve_refuses_a_web_pages_request(small_queue_server):
+    """A request with an Origin header (a browser's, cross-site: a page's no-cors fetch to the real loopback
+    Host) is a 403 before its body is read or scored, on every route, as offline_server.py refuses it."""
+    import requests
+    srv = small_queue_server
+    calls, page = srv.batcher.batches, {"Origin": "https://evil.example"}
+    r = requests.post(srv.url + "/v1/rerank", data=SMALL_BODY, headers={**page, "Content-Type": "text/plain"},
+                      timeout=10)
+    assert r.status_code == 403 and r.json()["error"]["param"] == "Origin" and srv.batcher.batches == calls
+    assert r.headers["Connection"] == "close"              # the unread body is never taken for a request
+    for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("OPTIONS", "/v1/rerank"), ("POST", "/nope")):
+        assert requests.request(method, srv.url + path, headers=page, timeout=10).status_code == 403, path
+    r = requests.post(srv.url + "/v1/rerank", data=SMALL_BODY, timeout=10)     # the same request from an API client
+    assert r.status_code == 200 and srv.batcher.batches == calls + 1
+
+
 def test_idle_connections_cannot_take_every_thread(tiny_dir):
     """Each connection is a thread: past max_connections a new one gets a 503 at once (clients that send
     nothing would otherwise hold a thread each until the read timeout); a place frees when one closes."""
