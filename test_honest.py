@@ -285,6 +285,8 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
     b = out["detectors"]["shield_residual"]
     k = min(math.ceil(0.9 * (len(calib) + 1)), len(calib))
     assert b["threshold"] == pytest.approx(sorted(calib)[k - 1]) and b["n_calib"] == len(calib)
+    # the text detector is calibrated on out-of-fold fits and scores new pages with the fit on all: no bound
+    assert out["detectors"]["text"]["fpr_bound"] is None and b["fpr_bound"] == round(1 - k / (len(calib) + 1), 4)
     hon = [r for r in recs if r["kind"] == "honest"]
     for name, block in out["detectors"].items():
         assert block["held_out_fpr_honest"] == pytest.approx(100 * sum(r["scores"][name] > block["threshold"]
@@ -311,7 +313,7 @@ def test_detect_scores_every_test_page_with_thresholds_held_out(honest_run, tmp_
     assert detect.Served.load(run.detector_file(None, str(tmp_path / "exp"))).threshold == threshold
     assert (d / "detect" / "roc_text.svg").read_text().startswith("<svg")
     rep = (d / "detect" / "report.md").read_text()
-    assert "held out" in rep and "approximate: cross-conformal" in rep      # the text detector's bound is not proven
+    assert "held out" in rep and "no FPR bound: calibrated on out-of-fold fits" in rep   # the text detector's
 
 
 def test_a_threshold_holds_its_fpr_on_new_pages_not_only_on_its_own():
