@@ -43,8 +43,12 @@ words from a longest common subsequence (edit_counts), satisfies the general bou
 Randomness. The deletions of rerank-eval come from a seed drawn once per run from the OS (kept in the
 run's cache/noise_seed.json, so a resumed run reuses its scores), the group and the document's position,
 never from the text: with a public seed an attacker could search offline for a rewrite whose deletions
-fall luckily, and the certificate would cover the ideal smoothed ranker, not the deployed one. `serve
---smooth N` draws fresh deletions for every request from the OS's CSPRNG.
+fall luckily. `serve --smooth N` draws fresh deletions for every request from the OS's CSPRNG.
+What is certified is the ideal smoothed ranker g (the expectation over deletions), with either seed: the
+bound says nothing of a Monte Carlo estimate ĝ(d') of an edited page, which a deployed ranker computes from
+its own N samples (standard error about 0.5/sqrt(N)), so a certified page whose bound clears the k-th score
+by less than that can still reach a served top k. A statement about the deployed ranking needs a margin for
+that noise (as Cohen et al. 2019's PREDICT abstains) or a bound on ĝ(d') from its own samples.
 
 Usage: python run.py rerank-eval --name demo --reranker base --reranker shield --certify
 """
