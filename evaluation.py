@@ -541,7 +541,8 @@ def evaluate(run, conditions=None, ranked=None):
                "methods": {c: {m: {**summarize([r for r in paper(c) if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
                "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
-               "test_set_sha1": test_set_digest(insts), "documents_cut": documents_cut(base.rr, insts + cleans)}
+               "test_set_sha1": test_set_digest(insts), "k": cfg.data.k,
+               "documents_cut": documents_cut(base.rr, insts + cleans)}
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
     summary.update(bench_labels(run))
     summary.update(attacked_summary(insts, conds, every, cfg.data.k, cfg.rerank.n_boot, cfg.folder.seed))

@@ -30,10 +30,18 @@ def _counts(text, blocks, key):
 
 
 def write_report(run_dir, s):
-    """report.md and figures/*.svg of one evaluated run from its summary `s`."""
+    """report.md and figures/*.svg of one evaluated run from its summary `s`. A reranker-stage block (rerank-eval)
+    measured on other test lists than this eval's is left out of its tables, and said."""
     figs = os.path.join(run_dir, "figures")
+    other = [lb for lb, b in (s.get("rerank_stage") or {}).items()
+             if s.get("test_set_sha1") and b.get("test_set_sha1") not in (None, s["test_set_sha1"])]
+    if other:
+        kept = {lb: b for lb, b in s["rerank_stage"].items() if lb not in other}
+        s = {**{key: v for key, v in s.items() if key != "rerank_stage"}, **({"rerank_stage": kept} if kept else {})}
     lines = _header_lines(run_dir, s) + _table_lines(s) + strength_lines(s) + cost_lines(s) + _method_lines(s, figs)
     lines += _appendix_lines(s, figs) + defense_lines(s) + attacked_lines(s, figs) + rerank_stage_lines(s)
+    lines += [f"Reranker-stage results measured on other test lists than this evaluation's, left out: "
+              f"{', '.join(other)} (rerank-eval's rerank_report.md).\n"] if other else []
     lines += usage_lines(s.get("usage") or {})
     # the API refused a parameter (llm_clients.RequestShape.adapt)
     for who, changes in (s.get("adapted") or {}).items():
@@ -623,6 +631,11 @@ def write_comparison(out_dir, summaries):
         lines.append("> **DIFFERENT TEST SETS.** These runs were not evaluated on the same instances ("
                      + ", ".join(f"{k}: {n} instances, {d[:10] if d else 'no digest recorded'}"
                                  for k, (d, n) in sets.items())
+                     + "); their rows are not comparable and the averages mix them.\n")
+    ks = {name: s.get("k") for name, s in summaries.items()}
+    if len(set(ks.values())) > 1:       # exposure, ASR and BER all depend on how many documents the LLM reads
+        lines.append("> **DIFFERENT TOP-K.** These runs gave their LLMs different numbers of documents ("
+                     + ", ".join(f"{name}: {k or 'not recorded'}" for name, k in ks.items())
                      + "); their rows are not comparable and the averages mix them.\n")
     judges = {name: s.get("judge") for name, s in summaries.items()}
     if len(set(judges.values())) > 1:   # ASI and quality are the judge's numbers

@@ -45,6 +45,13 @@ def test_compare_runs_transfer_matrix(tmp_path):
     s["b"]["test_set_sha1"] = "2" * 40                         # evaluated on other instances: flagged
     assert "DIFFERENT TEST SETS.** These runs were not evaluated on the same instances (a: 7 instances, 1111111111" \
         in open(report.write_comparison(str(tmp_path), s)).read()
+    # the same instances at another top-k: exposure, ASR and BER are not comparable either
+    s["b"]["test_set_sha1"], s["a"]["k"], s["b"]["k"] = "1" * 40, 5, 3
+    text = open(report.write_comparison(str(tmp_path), s)).read()
+    assert "DIFFERENT TOP-K.** These runs gave their LLMs different numbers of documents (a: 5, b: 3)" in text
+    assert "DIFFERENT TEST SETS" not in text
+    s["b"]["k"] = 5
+    assert "DIFFERENT TOP-K" not in open(report.write_comparison(str(tmp_path), s)).read()
     # two runs of one target LLM: two columns, each run's own figures (keyed by target, one overwrote the other)
     s = {"a": summ("x:A", 10.0, {"(own)": {"ASR": 5.0, "ASI": 2.0}, "lib": {"ASR": 11.0, "ASI": 3.0}}),
          "b": summ("x:A", 30.0, {"(own)": {"ASR": 6.0, "ASI": 4.0}, "lib": {"ASR": 33.0, "ASI": 1.0}})}
@@ -225,6 +232,23 @@ def test_a_summary_written_before_a_key_was_renamed_still_reports(demo_run):
     text = "\n".join(report.defense_lines(s))
     n = r["attack_supports_a_cited_phrase"]
     assert f"supports a kept phrase (the answer cites it where it uses one) | {n} |" in text
+
+
+def test_the_eval_report_leaves_out_a_reranker_stage_measured_on_other_test_lists(demo_run, tmp_path):
+    """eval keeps rerank-eval's blocks in summary.json; one measured on other test lists (another
+    --max-test-groups, say) is left out of the eval report's reranker tables and named, not printed beside a
+    Table 1 over other instances."""
+    import json
+    s = json.load(open(demo_run / "summary.json"))
+    assert set(s["rerank_stage"]) == {"base", "shield"}
+    report.write_report(str(tmp_path), s)
+    text = open(tmp_path / "report.md").read()
+    assert "| shield | all |" in text and "measured on other test lists" not in text
+    s["rerank_stage"]["shield"]["test_set_sha1"] = "0" * 40
+    report.write_report(str(tmp_path), s)
+    text = open(tmp_path / "report.md").read()
+    assert "| shield | all |" not in text and "| base | all |" in text
+    assert "measured on other test lists than this evaluation's, left out: shield" in text
 
 
 def test_a_certificate_block_of_an_older_format_is_named_not_a_crash():
