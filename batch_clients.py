@@ -52,7 +52,7 @@ from urllib.parse import urlparse
 
 import store
 from llm_clients import LLMError
-from transport import RETRY_STATUS, json_object
+from transport import RETRY_STATUS, json_object, same_origin
 
 # Provider limits per batch (OpenAI: 50,000 requests and a 200 MB input file; Anthropic: 100,000
 # requests and 256 MB).
@@ -185,8 +185,9 @@ class BatchRunner:
         self.client, self.manifest = client, Manifest.at(manifest)
         self.poll, self.auto, self.rounds, self.results_cap = poll, auto, rounds, results_cap
         self.deadline = DEADLINE if deadline is None else deadline
-        # what a server says (a failure's reasons, ids) is logged and kept with any credential in it masked
-        self.log, self.sleep, self.clock = lambda msg: log(client.transport.mask(msg)), sleep, clock
+        # what a server says (a failure's reasons, ids) is logged with any credential in it masked and its control
+        # characters escaped (Transport.shown), and kept masked
+        self.log, self.sleep, self.clock = lambda msg: log(client.transport.shown(msg)), sleep, clock
         self.provider = (AnthropicBatches if client.protocol == "anthropic" else OpenAIBatches)(client.transport,
                                                                                                  client.label)
         self.limits = limits or LIMITS[self.provider.name]
@@ -612,13 +613,13 @@ class AnthropicBatches:
                 "results_url": b.get("results_url") if isinstance(b.get("results_url"), str) else None}
 
     def result_urls(self, status):
-        """The results_url, on the API's own scheme and host only (elsewhere the key would go there, or in clear
-        text over http): another is a batch that cannot give its answers."""
+        """The results_url, on the API's own scheme, host and port only (elsewhere the key would go there, or in
+        clear text over http): another is a batch that cannot give its answers."""
         url = status.get("results_url")
-        where, base = urlparse(url or ""), urlparse(self.base)
-        if url and (where.scheme, where.netloc) != (base.scheme, base.netloc):
-            raise _Lost(f"has a results_url elsewhere ({where.scheme}://{where.hostname}), refused", status["state"],
-                        status.get("counts"))
+        if url and not same_origin(url, self.base):
+            where = urlparse(url)
+            raise _Lost(f"has a results_url elsewhere ({where.scheme}://{where.netloc.rpartition('@')[2]}), refused",
+                        status["state"], status.get("counts"))
         return [url] if url else []
 
     @staticmethod

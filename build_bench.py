@@ -11,7 +11,7 @@ source texts); AutoGEO's rows ({query_id: {query, text_list, target_id}}); Agent
 is the row's (sugg_idx / target_id or suggest_id / source_index).
 
 Candidates: `--search tavily[:URL]` asks Tavily's search API (raw HTTP JSON, key TAVILY_API_KEY,
-sent only to its host) for the query's pages with their raw content; the row's source is placed
+sent only to its host, over https) for the query's pages with their raw content; the row's source is placed
 among them at a position drawn from --seed (recorded), duplicates (URL or text) and near-empty pages
 dropped; `--search offline:CORPUS` searches a synthetic corpus the same way (a simulation, for the
 bundled sample). Without --search, a row needs --docs documents of its own; rows with fewer are
@@ -220,7 +220,7 @@ def fetch_hf(spec):
 
 class SearchClient:
     """Tavily's search API over raw HTTP JSON on the chat clients' machinery (transport.Transport:
-    retries, timeouts, reply cap, the key only in headers and only to its host; ReplyCache; the usage
+    retries, timeouts, reply cap, the key only in headers and only to its host over https; ReplyCache; the usage
     ledger). `tavily:http://HOST:PORT` names a Tavily-shaped endpoint (a proxy, a test server);
     `offline:CORPUS` is the offline engine's /search over a synthetic corpus at `engine_url` (run.py
     serves it on loopback), cached under the corpus's digest, not the port."""
@@ -236,9 +236,11 @@ class SearchClient:
             self.where = spec.endpoint or endpoints.Endpoint.parse(TAVILY_URL)
             self.identity = self.where.identity
         self.label = str(spec)
-        # TAVILY_API_KEY goes only to Tavily's own host; another endpoint gets SEARCH_API_KEY (optional);
-        # the offline engine none
-        tavily = self.where.host == "api.tavily.com"
+        # TAVILY_API_KEY goes only to Tavily's own host, over https on its port; another endpoint gets
+        # SEARCH_API_KEY (optional); the offline engine none
+        tavily = transport.same_origin(self.where, TAVILY_URL)
+        if not tavily and self.where.host == "api.tavily.com":
+            raise SettingsError(f"--search {spec}: TAVILY_API_KEY goes only to {TAVILY_URL}, over https on port 443")
         key = (os.environ.get("TAVILY_API_KEY" if tavily else "SEARCH_API_KEY")
                if tavily or spec.provider == "tavily" else None)
         if tavily and not key:

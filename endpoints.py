@@ -50,6 +50,9 @@ def redact_url(text):
 # A URL inside free text: a scheme, its '://' (or a mistyped ':/'), and what follows up to white space. Not up to
 # a quote: userinfo may hold one unencoded (RFC 3986 3.2.1), and redact_url keeps what follows the last '@'.
 URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/{1,2}\S+")
+# C0 and C1 controls as \xHH (str.translate): a server's or client's text printed raw (an error body, a batch's
+# reason, a request line) could move the cursor, retitle or clear the terminal (ESC, OSC, \r)
+CONTROL_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
 
 
 def redact(text):

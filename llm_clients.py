@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 import accounting
 import endpoints
-from transport import LLMError, Transport, json_object, no_lone_surrogates
+from transport import LLMError, Transport, json_object, no_lone_surrogates, same_origin
 
 # provider -> protocol, default base URL, env var(s) for the key, env var for the base URL, flags.
 PROVIDERS = {
@@ -54,7 +54,7 @@ PROVIDERS = {
     "openai-compatible": dict(protocol="openai", base=None, keys=["OPENAI_COMPATIBLE_API_KEY"], key_optional=True,
                               base_env=None, json_mode=False),
 }
-# Providers whose key belongs to one public API: it is sent only to that host (or to the provider's
+# Providers whose key belongs to one public API: it is sent only to that host over https (or to the provider's
 # own *_BASE_URL variable's), never to a --base-url elsewhere (`make_client`).
 HOSTED = ("openai", "anthropic", "deepseek", "moonshot", "zhipu", "openrouter")
 # The stop reasons of a reply cut at the token cap: OpenAI's finish_reason, Anthropic's stop_reason; and of
@@ -88,26 +88,27 @@ class Reply:
 
 # ----------------------------------------------------------------------------- JSON extraction
 
-_THINK = re.compile(r"<think>.*?</think>", re.S)
 _FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)```", re.S)
 
 
 def split_think(text):
-    """-> (answer text without think blocks, reasoning inside them or None). An unclosed <think>
-    (truncated reply) counts as reasoning up to the first '{' that starts a JSON value after it."""
-    if not text or "<think>" not in text and "</think>" not in text:
-        return text, None
-    parts = re.findall(r"<think>(.*?)</think>", text, re.S)
-    rest = _THINK.sub("", text)
-    if "</think>" in rest:                   # a server that drops the opening tag
-        head, _, rest = rest.partition("</think>")
-        parts.append(head)
-    if "<think>" in rest:                    # unclosed
-        head, _, tail = rest.partition("<think>")
-        brace = tail.find("{")
-        parts.append(tail if brace < 0 else tail[:brace])
-        rest = head + ("" if brace < 0 else tail[brace:])
-    return rest.strip(), "\n".join(p.strip() for p in parts) or None
+    """-> (answer text, reasoning or None): the reasoning block that opens a reply, where a reasoning model
+    served without a reasoning parser writes it, split off. Tags anywhere else are the answer's own text (a
+    guard quoting a document's "<think>...</think>", inside a JSON string too) and stay. An unclosed opening
+    <think> (truncated reply) is reasoning up to the first '{' after it; a reply whose server dropped the
+    opening tag (the chat template put it in the prompt) is reasoning up to its first </think>, unless a '{'
+    comes before that: then a JSON value would be cut, and nothing is split."""
+    s = (text or "").lstrip()
+    if s.startswith("<think>"):
+        reasoning, closed, rest = s[len("<think>"):].partition("</think>")
+        if not closed:
+            brace = reasoning.find("{")
+            reasoning, rest = (reasoning, "") if brace < 0 else (reasoning[:brace], reasoning[brace:])
+    else:
+        reasoning, closed, rest = s.partition("</think>")
+        if not closed or "{" in reasoning or "<think>" in reasoning:
+            return text, None
+    return rest.strip(), reasoning.strip() or None
 
 
 def _tokens(v):
@@ -141,7 +142,7 @@ def _usage(resp, protocol):
 
 
 def extract_json(text, cut=False):
-    """Parse the JSON object in a model reply: plain JSON, think blocks (also unclosed), code fences,
+    """Parse the JSON object in a model reply: plain JSON, a leading think block (also unclosed), code fences,
     prose around the object. Raises ValueError with the reason when nothing parses. cut: the reply stopped
     at the token cap, so only a reply that parses whole is taken (an object found inside a cut one may be
     the "[1]" of a citation, or the first of several decisions)."""
@@ -159,15 +160,22 @@ def extract_json(text, cut=False):
             return json.loads(block.strip())
         except (json.JSONDecodeError, RecursionError):
             continue
-    dec = json.JSONDecoder()
-    for i, ch in enumerate(s):
-        if ch in "{[":
+    # prose around the JSON: the values at top level, read left to right; the last object is the reply's (a
+    # "[1]" cited before it, or an object it shows as an example, is not), a list only where no object is
+    dec, found, i = json.JSONDecoder(), [], 0
+    while i < len(s):
+        if s[i] in "{[":
             try:
-                obj, _ = dec.raw_decode(s[i:])
-                if isinstance(obj, (dict, list)):
-                    return obj
-            except (json.JSONDecodeError, RecursionError):
+                obj, end = dec.raw_decode(s, i)
+                found.append(obj)
+                i = end
                 continue
+            except (json.JSONDecodeError, RecursionError):
+                pass
+        i += 1
+    objects = [x for x in found if isinstance(x, dict)]
+    if found:
+        return objects[-1] if objects else found[0]
     raise ValueError(f"no JSON object found in a reply of {len(text)} characters")
 
 
@@ -671,10 +679,10 @@ def make_client(spec, base_url=None, api_key=None, cache_dir=None, **kw):
     p = PROVIDERS[provider]
     given = endpoints.Endpoint.parse(base_url) if isinstance(base_url, str) and base_url else base_url or None
     home = urlparse(p["base"]).hostname if p["base"] else None
-    if given and provider in HOSTED and given.host != home:
+    if given and provider in HOSTED and not same_origin(given, p["base"]):   # the host, and https on 443
         raise ValueError(f"{shown!r} with --base-url {given}: {provider}'s key ({p['keys'][0]}) goes only to {home} "
-                         f"(or to {p['base_env']}); for another server use openai-compatible:MODEL (its key from "
-                         "OPENAI_COMPATIBLE_API_KEY)")
+                         f"over https on port 443 (or to {p['base_env']}); for another server use "
+                         "openai-compatible:MODEL (its key from OPENAI_COMPATIBLE_API_KEY)")
     key, base, bearer = provider_environment(provider, api_key)
     base = given or base
     if base is None:

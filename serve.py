@@ -51,14 +51,14 @@ import certify
 import export
 import lora
 import speed
-from endpoints import RequestError, content_length, drain_body, json_body, loopback_host, read_body, request_path, shut
+from endpoints import (CONTROL_CHARS, RequestError, content_length, drain_body, json_body, loopback_host, read_body,
+                       request_path, shut)
 from serve_api import (DETECT_PATH, GET_PATHS, MODEL_PATH, POST_PATHS, SCORE_PATHS, Metrics, deletion_ids,
                        error_headers, openapi, parse_detect, parse_rerank, parse_score, prompt_ids, query_copies,
                        reply)
 from settings import SettingsError
 from store import log as say   # one line on stderr, every URL in it redacted
 
-CONTROL_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}   # C0 and C1 controls, as \xHH
 
 
 # ----------------------------------------------------------------------------- the server

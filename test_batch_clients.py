@@ -799,3 +799,14 @@ def test_a_listed_batch_without_a_string_id_is_not_adopted():
         t.send = lambda *a, **kw: {"data": odd + [good]}
         entry = {"custom_ids": ["k1", "k2"], "tried_at": tried, "input_file_id": "file-1"}
         assert api(t, f"{protocol}:m").find(entry, {"b-1"}) is good
+
+
+def test_a_providers_reason_reaches_the_log_escaped(engine, tmp_path):
+    """A batch's failure reason from the server holds control characters (ESC, OSC, \\r): the log line has them
+    as \\xHH, as serve.py's access log writes them, so a server cannot retitle or clear the terminal."""
+    srv, url = engine
+    srv.batches.knobs["fail"] = "model \x1b]0;owned\x07\r\x1b[2J gone"
+    logs = []
+    batched(url, tmp_path, logs=logs).map(requests_(3), progress=False)
+    said = next(m for m in logs if "batch-1 failed" in m)
+    assert "model \\x1b]0;owned\\x07\\x0d\\x1b[2J gone" in said

@@ -540,6 +540,18 @@ def test_a_search_asks_at_most_tavilys_cap(geo_input, tmp_path):
     assert sent[0]["max_results"] == 20
 
 
+@pytest.mark.parametrize("url", ["http://api.tavily.com", "https://api.tavily.com:8443", "http://api.tavily.com:443"])
+def test_tavilys_key_goes_only_over_https_to_its_port(monkeypatch, url):
+    """Tavily's host alone let TAVILY_API_KEY go in clear text (http://) or to another port: refused before
+    any request, the URL named, never the key; https on 443, written or implied, takes it."""
+    monkeypatch.setenv("TAVILY_API_KEY", "tvly-SECRET-1")
+    with pytest.raises(settings.SettingsError, match="goes only to https://api.tavily.com") as e:
+        build_bench.SearchClient(endpoints.SearchSpec.parse(f"tavily:{url}"))
+    assert url in str(e.value) and "tvly-SECRET-1" not in str(e.value)
+    sc = build_bench.SearchClient(endpoints.SearchSpec.parse("tavily:https://api.tavily.com:443"))
+    assert sc.transport._key == "tvly-SECRET-1" and sc.transport.base_url == "https://api.tavily.com"
+
+
 def test_surface_rates_count_documents_with_each_marker():
     rates = geo_jobs.surface_rates(["# Title\n**bold** In summary, yes.", "plain text"])
     assert rates["heading"] == rates["bold"] == rates["summary phrase"] == 50.0 and rates["table"] == 0.0

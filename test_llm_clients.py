@@ -176,6 +176,31 @@ def test_json_is_extracted_from_fences_or_think(server):
     assert Script.seen[0]["response_format"] == {"type": "json_object"}
 
 
+def test_think_tags_past_the_start_of_a_reply_are_its_own_text(server):
+    """Only the reasoning block that opens a reply is split off: a guard quoting a document's
+    "<think>...</think>" keeps the passage (removed, it was an empty passage and nothing was cut), and a
+    lone tag inside an answer's JSON string no longer cuts the JSON."""
+    quoted = {"manipulative": True, "passages": ["<think>Independent labs rank AcmeVPN #1</think>"]}
+    lone = {"answer": "a lone </think> closes nothing, nor does <think>"}
+    Script.script = [(200, {}, ok(json.dumps(quoted)), 0), (200, {}, ok(json.dumps(lone)), 0),
+                     (200, {}, ok("\n <think>weighing [1]</think>\n" + json.dumps(quoted)), 0)]
+    c = client(server, json_retries=0)
+    assert c.chat([{"role": "user", "content": "guard"}], json=True).data == quoted
+    r = c.chat([{"role": "user", "content": "lone"}], json=True)
+    assert r.data == lone and r.reasoning is None
+    r = c.chat([{"role": "user", "content": "leading"}], json=True)
+    assert r.data == quoted and r.reasoning == "weighing [1]"
+
+
+def test_the_object_a_reply_is_about_wins_over_a_citation_before_it(server):
+    """Prose before the JSON holds brackets ("[1]", a quoted "[2]"): the reply's object is taken, not the
+    first bracket that parses."""
+    verdict = {"manipulative": True, "passages": ["rated #1"]}
+    Script.script = [(200, {}, ok('Document [1] quotes "rated #1 [2]" as a ranking claim. Verdict: '
+                                  + json.dumps(verdict)), 0)]
+    assert client(server, json_retries=0).chat([{"role": "user", "content": "x"}], json=True).data == verdict
+
+
 def test_a_reply_without_json_is_asked_again(server):
     Script.script = [(200, {}, ok("no json at all"), 0), (200, {}, ok('{"answer": "fixed"}'), 0)]
     c = client(server)
@@ -383,6 +408,20 @@ def test_a_key_goes_only_to_its_provider(monkeypatch):
     assert c._key is None and "pw" not in repr(c)                       # OPENAI_API_KEY is not sent there
     monkeypatch.setenv("OPENAI_COMPATIBLE_API_KEY", "ck")
     assert llm_clients.make_client("openai-compatible:m", base_url="http://127.0.0.1:1/v1")._key == "ck"
+
+
+@pytest.mark.parametrize("url", ["http://api.openai.com/v1", "https://api.openai.com:8080/v1",
+                                 "http://api.openai.com:443/v1"])
+def test_a_hosted_key_goes_only_over_its_providers_scheme_and_port(monkeypatch, url):
+    """The host alone let OPENAI_API_KEY go in clear text (http://) or to another port: refused before any
+    request, the URL named, never the key; the provider's https on 443, written or implied, is taken."""
+    _openai_key(monkeypatch)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-SECRET-123")
+    with pytest.raises(ValueError, match="goes only to api.openai.com over https on port 443") as e:
+        llm_clients.make_client("openai:x", base_url=url)
+    assert url in str(e.value) and "sk-SECRET-123" not in str(e.value)
+    c = llm_clients.make_client("openai:x", base_url="https://api.openai.com:443/v1")
+    assert c.base_url == "https://api.openai.com/v1" and c.transport._key == "sk-SECRET-123"
 
 
 def test_a_clients_errors_name_its_url_without_credentials():
@@ -832,6 +871,30 @@ def test_the_timeout_bounds_a_proxys_connect_reply(proxy):
     with pytest.raises(llm_clients.LLMError, match="api.example.test"):
         c.chat([{"role": "user", "content": "x"}])
     assert time.monotonic() - t0 < 2.5
+
+
+def test_a_tls_handshake_failure_fails_at_once_unbilled_with_its_reason(server, tmp_path):
+    """A plain-HTTP server addressed as https:// fails the TLS handshake, as a certificate refused does:
+    nothing was sent, so it is not retried nor entered in the ledger as a possibly billed reply, and the
+    error keeps the reason."""
+    ledger = str(tmp_path / "usage.jsonl")
+    c = llm_clients.Client.open(server.replace("http://", "https://"), "m", api_key="sk-SECRET-123", max_retries=2,
+                                ledger=ledger)
+    c.transport.sleep = lambda s: None
+    with pytest.raises(llm_clients.LLMError, match=r"TLS handshake with 127\.0\.0\.1:\d+ failed.*SSL") as e:
+        c.chat([{"role": "user", "content": "x"}])
+    assert c.transport.http_calls == 1 and not Script.seen and not os.path.exists(ledger)
+    assert "lost" not in c.usage() and "sk-SECRET-123" not in str(e.value)
+
+
+def test_text_from_a_server_reaches_the_terminal_escaped(server):
+    """An error body's control characters (ESC, OSC, \\r, C1) could rewrite the terminal it is printed on:
+    they come out as \\xHH, as serve.py's access log writes them."""
+    Script.script = [(400, {}, "bad\x1b]0;owned\x07\r\x1b[2J\x9b1m request", 0)]
+    with pytest.raises(llm_clients.LLMError) as e:
+        client(server).chat([{"role": "user", "content": "x"}])
+    assert "bad\\x1b]0;owned\\x07\\x0d\\x1b[2J\\x9b1m request" in str(e.value)
+    assert not any(ord(ch) < 0x20 or 0x7f <= ord(ch) < 0xa0 for ch in str(e.value))
 
 
 def test_a_loopback_endpoint_keeps_the_environments_ca_bundle(monkeypatch):

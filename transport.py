@@ -15,7 +15,9 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
   requests hands the socket over only with the headers, so this reaches into urllib3: its connection
   and pool classes subclassed, installed through PoolManager.pool_classes_by_scheme; requirements.txt
   pins the urllib3 range it is written against (2.x);
-- every failure raises LLMError(status, provider, short body).
+- a TLS handshake that fails (a certificate refused, a server not speaking TLS) is not retried: nothing was
+  sent, and sending again meets the same refusal;
+- every failure raises LLMError(status, provider, short body), a server's control characters in it as \\xHH.
 
 Usage: t = Transport("https://api.openai.com/v1", "openai:gpt-5.5", api_key=key); t.post(body)   # protocol's path
 """
@@ -26,6 +28,7 @@ import math
 import os
 import random
 import re
+import ssl
 import threading
 import time
 from datetime import timezone
@@ -36,9 +39,10 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection    # requests' own HTTP layer
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-from urllib3.exceptions import NewConnectionError
+from urllib3.exceptions import NewConnectionError, SSLError
 
 import endpoints
+from endpoints import CONTROL_CHARS
 
 # transport failures worth another attempt: refused or reset connections, timeouts, a reply cut short
 RETRY_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
@@ -52,10 +56,38 @@ NO_RETRY_CODES = ("insufficient_quota", "billing_hard_limit_reached", "enforced_
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+class TLSHandshakeError(SSLError):
+    """The TLS handshake of a new connection failed (_NotesDeadline.connect raises it): nothing was sent."""
+
+
 def refused(e):
     """Whether a transport failure came before the request was sent (no connection made): nothing billed."""
     cause = e.args[0] if isinstance(e, requests.ConnectionError) and e.args else None
     return isinstance(e, requests.ConnectTimeout) or isinstance(getattr(cause, "reason", None), NewConnectionError)
+
+
+def handshake_failure(e):
+    """The TLS handshake failure behind a requests error (see TLSHandshakeError), or None."""
+    cause = e.args[0] if isinstance(e, requests.exceptions.SSLError) and e.args else None
+    reason = getattr(cause, "reason", None)
+    return reason if isinstance(reason, TLSHandshakeError) else None
+
+
+def same_origin(url, home):
+    """Whether `url` (a URL or an Endpoint) is on `home`'s scheme, host and port, a port left out read as the
+    scheme's (443, 80): the test before a provider's key goes to it, since the host alone would let it go in
+    clear text (http://) or to another port. A URL with credentials of its own, or none that parses, is not."""
+    def origin(u):
+        if isinstance(u, endpoints.Endpoint):
+            return u.scheme, u.host, u.port
+        p = urlparse(u or "")
+        try:
+            port = p.port or {"https": 443, "http": 80}.get(p.scheme)
+        except ValueError:                   # a port that is no number
+            return None
+        return None if p.username is not None or not p.hostname else (p.scheme, p.hostname, port)
+    mine = origin(url)
+    return mine is not None and mine == origin(home)
 
 
 def json_object(x):
@@ -150,7 +182,10 @@ class _NotesDeadline:
 
     def connect(self):
         _note(self)                  # before: a proxy's CONNECT reply is read inside connect(), on self.sock
-        super().connect()
+        try:
+            super().connect()
+        except (ssl.SSLError, SSLError) as e:    # raised only by the handshake: told apart from a read's later
+            raise TLSHandshakeError(e) from e
         _note(self)
 
     def request(self, *args, **kw):
@@ -270,9 +305,15 @@ class Transport:
             text = text.replace(s, "***")
         return text
 
+    def shown(self, text):
+        """`text` as it may be printed: credentials masked, control characters as \\xHH (CONTROL_CHARS)."""
+        return self.mask(text).translate(CONTROL_CHARS)
+
     def error(self, msg, status=None, body=None):
         text = self.mask(body or "")[:300]   # masked BEFORE the body is cut: a cut must not leave part of a key
-        return LLMError(f"{self.label}: {self.mask(msg)}" + (f": {text}" if text else ""), status, self.provider, text)
+        # .body keeps the text as sent (RequestShape.adapt reads it); the message is escaped for the terminal
+        return LLMError(f"{self.label}: {self.shown(msg)}" + (f": {self.shown(text)}" if text else ""), status,
+                        self.provider, text)
 
     def retry_after(self, headers):
         """Server hint in seconds (retry-after-ms, else Retry-After: seconds or an HTTP date), or None where
@@ -366,10 +407,14 @@ class Transport:
                 self.lost(billed and e.status == 200)
                 raise
             except RETRY_ERRORS as e:            # the connection failed, timed out or broke mid-reply
-                applied = not refused(e)
+                tls = handshake_failure(e)       # nothing sent, and sending again meets the same refusal
+                applied = tls is None and not refused(e)
                 self.lost(applied and billed)
                 if self.aborted.is_set():
                     raise self.error("stopped: the run failed on another request") from None
+                if tls is not None:
+                    raise self.error(f"TLS handshake with {urlparse(url).netloc} failed, nothing sent: "
+                                     f"{self.mask(str(tls.args[0]))[:200]}") from None
                 if last:
                     raise self.error(f"{type(e).__name__} on {url} after {attempt + 1} attempts") from None
                 self.backoff(attempt, None)
