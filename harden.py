@@ -341,7 +341,8 @@ def crossplay(run, R):
 
 def check_settings(run):
     """The settings the rounds' files depend on, pinned in harden/settings.json when the first round
-    starts: a rerun that changes one is refused (--rounds may grow: finished rounds are kept)."""
+    starts: a rerun that changes one is refused once harden/ holds anything they produced (--rounds may grow:
+    finished rounds are kept); a start that failed before producing anything (a refused key, say) pins nothing."""
     cfg, a = run.cfg, run.cfg.attacker
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
             "unaware", "restart", "judge", "max_tokens")
@@ -353,7 +354,8 @@ def check_settings(run):
         now["lists"] = "one attacked document"
     path = os.path.join(cfg.folder.run_dir, "harden", "settings.json")
     old = read_json(path)
-    if old is not None and old != now:     # a record without the algorithms was made with MAGEO's on both sides
+    produced = [f for f in os.listdir(os.path.dirname(path)) if f != "settings.json"] if old is not None else []
+    if produced and old != now:            # a record without the algorithms was made with MAGEO's on both sides
         mageo = {"algorithm": "mageo", "test_algorithm": "mageo"}
         was, asked = {**mageo, **old}, {**mageo, **now}
         if "repair" not in (was["algorithm"], was["test_algorithm"]):   # no repair side: its start and budget

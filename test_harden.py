@@ -383,7 +383,8 @@ def test_a_test_attacker_of_another_algorithm_is_recorded_and_labelled(demo_run,
 def test_a_repair_round_made_before_the_start_and_budget_were_pinned_is_refused(tmp_path):
     """harden/settings.json of a repair attacker from before --start and --edit-budget (it started from the
     benchmark's rewrite, 30% a step): a rerun, which would start from the source within 10%, is refused
-    naming both, never mixed; a MAGEO-only record is refused naming the algorithm alone."""
+    naming both, never mixed; a MAGEO-only record is refused naming the algorithm alone. A record beside
+    nothing it produced (the first start failed before any file) is no reason to refuse."""
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path), "name": "r", "test_algorithm": "repair"})
     run = types.SimpleNamespace(cfg=cfg, data=types.SimpleNamespace(test=[]))   # the settings and test groups
     _, now = harden.check_settings(run)
@@ -391,6 +392,8 @@ def test_a_repair_round_made_before_the_start_and_budget_were_pinned_is_refused(
     assert "lists" not in now and harden.check_settings(several)[1]["lists"] == "one attacked document"
     old = {k: v for k, v in now.items() if k not in ("start", "edit_budget")}
     store.write_json(str(tmp_path / "r" / "harden" / "settings.json"), old)
+    assert harden.check_settings(run)[1] == now        # a start that produced nothing (a refused key) pins nothing
+    store.write_json(str(tmp_path / "r" / "harden" / "clean_reference.jsonl"), [])    # what the settings produced
     with pytest.raises(settings.SettingsError, match=r"different edit_budget, start \(edit_budget=None, start=None\)"):
         harden.check_settings(run)
     store.write_json(str(tmp_path / "r" / "harden" / "settings.json"), {**old, "test_algorithm": "mageo"})
