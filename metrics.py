@@ -128,6 +128,11 @@ def two_level_bootstrap_ci(values, clusters, samples, n_boot=10000, seed=0, leve
         raise ValueError("values, clusters and samples must be non-empty and aligned")
     keys, inv = np.unique(clusters, return_inverse=True)
     n = int(samples.max()) + 1
+    cells = np.zeros((len(keys), n))                              # (G, N) values of each sample in a cluster
+    np.add.at(cells, (inv, samples.astype(int)), 1)
+    if (cells != cells[:, :1]).any():     # a missing sample would count as 0 in its cluster's means
+        raise ValueError("every instance must have the same N samples: a cluster holds fewer values of some "
+                         "sample index than of another")
     sums = np.zeros((len(keys), n))                               # (G, N) per-cluster sum of each sample
     np.add.at(sums, (inv, samples.astype(int)), values)
     counts = np.bincount(inv, minlength=len(keys)).astype(np.float64) / n     # instances per cluster

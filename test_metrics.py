@@ -73,7 +73,7 @@ def test_the_reported_samples_interval_covers_at_its_nominal_level():
 
 def test_two_level_bootstrap_draws_groups_then_samples():
     """Identical samples: the two-level CI is the groups-only one (the same cluster draws); samples that
-    differ widen it beyond the groups-only CI of the per-instance means."""
+    differ widen it beyond the groups-only CI of the per-instance means; a sample missing is refused."""
     rng = np.random.default_rng(1)
     groups = np.repeat(np.arange(12), 7)                  # 12 groups x 7 instances
     once = 100.0 * (rng.random(84) < 0.4)
@@ -85,6 +85,9 @@ def test_two_level_bootstrap_draws_groups_then_samples():
     assert lo <= noisy.mean() <= hi and hi - lo > ghi - glo
     with pytest.raises(ValueError):
         metrics.two_level_bootstrap_ci([1.0], ["a", "b"], [0])
+    # an instance missing one of its samples: refused, not an interval past 0..100 (its cell counted as 0)
+    with pytest.raises(ValueError, match="the same N samples"):
+        metrics.two_level_bootstrap_ci([100.0, 100.0, 100.0], ["g", "g", "g"], [0, 1, 0])
 
 
 def test_two_level_bootstrap_holds_its_draws_a_chunk_at_a_time():
