@@ -706,11 +706,17 @@ def cost_per_query(decoding, llm, recs, by_id, pipeline, prices=None):
     USD at the full price with --prices. decoding: the target's LLMSettings (temperature, max tokens), which
     key its reply cache. A defense's records carry their usage; a one-prompt condition's
     record (defenses.one_prompt: the paper's records) gets its one reply's usage from the reply cache,
-    nothing sent; one no longer cached is left out and counted in `usage_unknown`."""
+    nothing sent; one no longer cached is left out and counted in `usage_unknown`. An answer that never parsed
+    (answer_failed) was paid for all the same: its attempts count as calls, its tokens are unknown (unmetered),
+    alike for every condition; the token means are over the queries whose replies all carried their usage,
+    and USD is unknown once some did not."""
     rows, unknown = [], 0
     for r in recs:
         u = r.get("usage")
-        if u is None:
+        if u is None and "answer_failed" in r:          # one prompt, every attempt unusable and never cached
+            u = {"llm_calls": r["answer_failed"]["attempts"], "sequential_calls": 1, "prompt_tokens": 0,
+                 "completion_tokens": 0, "unmetered": 1}
+        elif u is None:
             x = by_id[r["instance_id"]]
             docs = [x.docs[x.doc_ids.index(i)] for i in r["top_ids"]]
             hit = llm.cache.get(llm.request_key(_messages(pipeline.final(x.query, docs, [])[0]), decoding.temperature,
@@ -720,9 +726,11 @@ def cost_per_query(decoding, llm, recs, by_id, pipeline, prices=None):
                 continue
             u = reply_usage([hit], sequential=1)
         rows.append(u)
-    keys = ("llm_calls", "sequential_calls", "prompt_tokens", "completion_tokens")
-    mean = {k: sum(u[k] for u in rows) / len(rows) if rows else None for k in keys}
-    cached = sum(u.get("cached_tokens", 0) for u in rows) / len(rows) if rows else 0
+    metered = [u for u in rows if not u.get("unmetered")]     # every reply's tokens known
+    mean = {k: sum(u[k] for u in over) / len(over) if over else None
+            for k, over in (("llm_calls", rows), ("sequential_calls", rows), ("prompt_tokens", metered),
+                            ("completion_tokens", metered))}
+    cached = sum(u.get("cached_tokens", 0) for u in metered) / len(metered) if metered else 0
     mean.update({"cached_tokens": cached} if cached else {})
     unmetered = sum(u.get("unmetered", 0) for u in rows)        # replies without token counts: no price
     usd = accounting.price_of(llm.label, {**mean, "unmetered": unmetered}, prices) if prices and rows else None

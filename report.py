@@ -223,7 +223,10 @@ def cost_lines(s):
     if honest:
         lines += honest_lines(s, "eval")
     return lines + _counts("Records whose reply is no longer in the cache (left out of the cost): ", cost,
-                           "usage_unknown")
+                           "usage_unknown") + _counts("Queries with a reply whose tokens are unknown (an answer that "
+                                                      "never parsed, a reply without usage; their calls counted, "
+                                                      "left out of the token means, USD unknown): ", cost,
+                                                      "unmetered_replies")
 
 
 def _method_lines(s, figs):

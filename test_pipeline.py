@@ -982,7 +982,8 @@ def test_a_tfsg_reply_without_a_string_answer_is_asked_again_then_invalid(server
 
 def test_a_query_whose_reply_came_without_token_counts_has_no_price_not_zero():
     """A reply without usage (an openai-compatible proxy's "usage": null) is unmetered: its query's tokens are
-    unknown, so the condition's USD a query is unknown, as the ledger's total is, not the price of zeros."""
+    unknown, so the condition's USD a query is unknown, as the ledger's total is, not the price of zeros; an
+    answer that never parsed counts its attempts alike in every condition."""
     from types import SimpleNamespace
     llm = SimpleNamespace(label="openai:gpt-x")
     prices = {"gpt-x": [1.0, 2.0]}
@@ -993,6 +994,13 @@ def test_a_query_whose_reply_came_without_token_counts_has_no_price_not_zero():
     assert one["usd"] == pytest.approx((10 * 1.0 + 5 * 2.0) / 1e6)
     both = evaluation.cost_per_query(None, llm, [{"usage": metered}, {"usage": bare}], {}, None, prices)
     assert both["usd"] is None and both["unmetered_replies"] == 1
+    assert both["prompt_tokens"] == 10 and both["llm_calls"] == 1     # tokens over the queries whose are known
+    # a one-prompt answer that never parsed (no usage, never cached) was paid for: its attempts are calls, as a
+    # defense's failed answer is, not a record "no longer in the cache"
+    failed = {"instance_id": "x", "answer_failed": {"attempts": 2, "error": "no JSON"}}
+    out = evaluation.cost_per_query(None, llm, [{"usage": metered}, failed], {}, None, prices)
+    assert out["llm_calls"] == 1.5 and out["prompt_tokens"] == 10 and out["usd"] is None
+    assert out["usage_unknown"] == 0 and out["unmetered_replies"] == 1
 
 
 def test_a_checkpoint_cut_short_names_its_file(tmp_path):
