@@ -176,8 +176,9 @@ def honest_lines(s, stage):
                 "honest edit it leaves out of the honest list's top k; attack demoted: the same for the attack "
                 "rewrites of those groups")
     gap = [blocks.get(p, {}).get("honest_penalty") for p in pair]
-    measured = (f" Here {pair[0]}'s honest penalty is {gap[0] - gap[1]:+.2f} points from {pair[1]}'s."
-                if None not in gap else "")
+    measured = (f" Here {pair[0]}'s honest penalty is {gap[0] - gap[1]:+.2f} points from {pair[1]}'s (a difference of "
+                "two rates, each over the groups whose source that one kept, so not a paired gap: no CI; with ~40 "
+                "groups a side each rate's CI above is the closer guide)." if None not in gap else "")
     lines = [f"**Honest penalty** ({where}test groups have an honest edit, build-bench --honest: the source in "
              "clearer wording and structure, every fact kept, no number, quotation, name or authority wording "
              f"added). Does the defense punish honest optimisation? {what[0].upper() + what[1:]}; 95% query-cluster "

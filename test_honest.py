@@ -158,6 +158,11 @@ def test_the_report_names_the_honest_editors_refusals():
     text = "".join(report.honest_lines(s, "eval"))
     assert "3 of 4 test groups have an honest edit" in text
     assert "refused attempts, by reason (build-bench's gate): adds names 2, fidelity 1." in text
+    # the Shield's penalty beside the base's: two rates over different groups, said so (no CI for it)
+    s["honest"]["conditions"] = {"Shield only": {"honest_penalty": 12.5}, "Non-Defense": {"honest_penalty": 10.0}}
+    text = "".join(report.honest_lines(s, "eval"))
+    assert "Here Shield only's honest penalty is +2.50 points from Non-Defense's (a difference of two rates" in text
+    assert "not a paired gap: no CI" in text
 
 
 def test_a_build_dry_run_prices_the_honest_edits(rows, tmp_path):
