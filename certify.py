@@ -146,14 +146,18 @@ def largest(holds, cap):
 
 def radius(g, a, k, eps, rate, kind, n_words):
     """The largest r such that no edit of r words of `kind` (KINDS) brings document a of a list with smoothed
-    scores g into the smoothed top k (module docstring); None when a is not certifiably outside it."""
+    scores g into the smoothed top k (module docstring); None when a is not certifiably outside it. An edit
+    that deletes words has at most a's n_words to delete: certified at n_words, a is certified against every
+    edit of that kind it admits, so the radius is MAX_RADIUS (a short page is not reported uncertified at r =
+    20 for edits it cannot undergo)."""
     bar = kth_lower(g, {a}, k, eps)
     if bar is None:
         return None
     ins, dels = KINDS[kind]
     top = min(1.0, g[a] + eps)
     cap = MAX_RADIUS if dels == 0 else n_words                 # no more words can go than a has
-    return largest(lambda r: upper(top, rate, ins * r, dels * r) < bar, cap)
+    r = largest(lambda r: upper(top, rate, ins * r, dels * r) < bar, cap)
+    return MAX_RADIUS if dels and r == n_words else r
 
 
 def kept_radius(g, a, j, k, eps, rate):

@@ -91,13 +91,16 @@ def test_the_radius_is_the_largest_r_the_gap_covers():
         r = certify.radius(g, 0, 3, eps, p, kind, n_words=200)
         assert r is not None and r >= 1
         holds = lambda r: certify.upper(g[0] + eps, p, i * r, d * r) < g[3] - eps
-        assert holds(r) and (r == 200 and d or not holds(r + 1))
+        # a kind that deletes, certified at all 200 words the page has: every such edit it admits is covered
+        assert holds(r) and not holds(r + 1) if r < 200 else d and r == certify.MAX_RADIUS and holds(200)
     assert certify.radius(g, 1, 3, eps, p, "inserted", 100) is None          # already in the top 3
     assert certify.radius(g, 0, 3, 0.5, p, "inserted", 100) is None          # too few samples to say anything
     assert certify.radius([0.1, 0.9], 0, 2, eps, p, "inserted", 100) is None  # a list of k: nothing to certify
     # a web-length page: p^r underflows to 0 past ~7,000 deleted words at 0.9, and the radius is still found
     assert certify.radius(g, 0, 3, eps, p, "deleted", 100_000) == certify.radius(g, 0, 3, eps, p, "deleted", 200)
     assert certify.upper(0.3, p, 0, 100_000) == 1.0
+    # a 3-word page certified against deleting all its words: certified at every radius, not uncertified at 5
+    assert certify.radius(g, 0, 3, eps, p, "deleted", 3) == certify.MAX_RADIUS
 
 
 def test_a_clean_top_k_document_is_kept_while_the_attacked_one_cannot_reach_it():
