@@ -235,18 +235,21 @@ def certify_records(run, rk, insts, cleans, base_clean):
 
 
 def certify_summary(recs, plain, cost):
-    """A ranker's certificate block: % of attacked documents (the source, as the attacker finds it)
-    certified at each radius of certify.RADII per kind of edit, and of the rewrites against further
+    """A ranker's certificate block: % of attacked documents (the source, as the attacker finds it; each
+    source once) certified at each radius of certify.RADII per kind of edit, and of the rewrites against further
     insertions; % of clean top-k documents no insertion of that size into the source pushes out; the
     real rewrites inside their source's certificate; what the smoothing costs (exposure and clean top-k
     kept, smoothed beside plain; nDCG@k of the smoothed clean list against the plain one) and takes."""
     pct = lambda xs: 100.0 * sum(xs) / len(xs) if xs else None
     at = lambda r, key: r is not None and r >= key
-    kept = [k for r in recs for k in r["kept_radius"]]
+    # a source's certificate and its clean list's depend on the group and position, not on the family that
+    # rewrote it: each counts once, not once per family (a group whose rewrites failed would weigh less)
+    sources = list({(x["group_id"], x["attack_index"]): x for x in recs}.values())
+    kept = [k for r in sources for k in r["kept_radius"]]
     out = {"samples": recs[0]["samples"], "eps": recs[0]["eps"], "deletion_rate": recs[0]["deletion_rate"],
-           "n": len(recs),
-           "certified": {kind: {str(r): pct([at(x["source_radius"][kind], r) for x in recs]) for r in certify.RADII}
-                         for kind in certify.KINDS},
+           "n": len(recs), "sources": len(sources),
+           "certified": {kind: {str(r): pct([at(x["source_radius"][kind], r) for x in sources])
+                                for r in certify.RADII} for kind in certify.KINDS},
            "rewrite_certified": {str(r): pct([at(x["rewrite_radius"]["inserted"], r)
                                               and all(at(c, r) for c in x.get("co_radius", ())) for x in recs])
                                  for r in certify.RADII},

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import certify
 import endpoints
 import evaluation
 import geodef
@@ -591,3 +592,17 @@ def test_clean_top_k_kept_is_one_value_a_group():
     recs = [rec("g0", "M1", 0.5), rec("g0", "M2", 0.5), rec("g1", "M1", 1.0)]
     out = rerank_eval.summarize_stage(recs, ["M1", "M2"], 50, 0)
     assert out["overall"]["clean_topk_kept"] == pytest.approx(75.0)
+
+
+def test_a_sources_certificate_counts_once_not_once_per_family_that_rewrote_it():
+    """The source's radius and its clean list's depend on the group, not the family: a group rewritten by
+    three families and one rewritten by one weigh alike in "% of sources certified" and the clean kept %."""
+    rec = lambda g, radius, kept: {"group_id": g, "attack_index": 2, "method": "m", "samples": 8, "eps": 0.1,
+                                   "deletion_rate": 0.9, "source_radius": dict.fromkeys(certify.KINDS, radius),
+                                   "rewrite_radius": {"inserted": None}, "kept_radius": [kept], "inside": False,
+                                   "inserted": 3, "smoothed_exposed": False, "ndcg_smoothed_clean": 1.0}
+    recs = [rec("g1", 50, 50)] * 3 + [rec("g2", None, None)]
+    out = rerank_eval.certify_summary(recs, [{"exposed": False}] * 4, {"forward_passes": 1, "seconds": 1.0,
+                                                                       "lists": 2})
+    assert out["certified"]["inserted"]["1"] == 50.0 and out["clean_kept_certified"]["1"] == 50.0
+    assert out["n"] == 4 and out["sources"] == 2
