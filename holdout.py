@@ -544,8 +544,10 @@ def write_report(out, s):
               "a plain reference (one family more, its epoch picked on a split that holds F). Gap vs seen: Shield "
               "-F minus Shield +F on F's instances, per query group (what not seeing F costs); gap vs trained: the "
               "drop (base minus Shield) on the fold's trained families minus the drop on F. Positive gaps: the "
-              "held-out family gets through more. 95% CIs over query groups only (one training seed, one set of "
-              "construction groups); several families read at once, no multiplicity correction.\n"]
+              "held-out family gets through more. A gap is the mean over the query groups both sides hold of each "
+              "group's difference (every group weighs alike), the exposures beside it are over instances: it need "
+              "not be the difference of its row's columns. 95% CIs over query groups only (one training seed, one "
+              "set of construction groups); several families read at once, no multiplicity correction.\n"]
     head = ["Held out (F)", "Base", "Shield -F", "Shield +F (matched)", "Shield all", "Trained families (Shield -F)",
             "Gap vs seen", "Gap vs trained"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -202,14 +202,15 @@ def rate(recs, methods, key="exposed"):
 
 
 def paired_gap(n_boot, seed, a, b):
-    """mean(a) - mean(b) per query group, a and b {group_id: [values]}, over the groups both hold, with
-    its cluster-bootstrap CI -> {"gap", "gap_ci", "groups"}."""
+    """mean(a) - mean(b) per query group, a and b {group_id: [values]}, over the groups both hold (each group
+    weighs alike), with its cluster-bootstrap CI -> {"gap", "gap_ci", "groups"}. One group leaves nothing to
+    resample: its CI would have zero width, so it is None (no interval), as is everything without a group."""
     gids = sorted(set(a) & set(b))
     diffs = [sum(a[g]) / len(a[g]) - sum(b[g]) / len(b[g]) for g in gids]
     if not diffs:
         return {"gap": None, "gap_ci": None, "groups": 0}
-    ci = cluster_bootstrap_ci(diffs, gids, n_boot=n_boot, seed=seed)
-    return {"gap": sum(diffs) / len(diffs), "gap_ci": list(ci), "groups": len(gids)}
+    ci = list(cluster_bootstrap_ci(diffs, gids, n_boot=n_boot, seed=seed)) if len(gids) > 1 else None
+    return {"gap": sum(diffs) / len(diffs), "gap_ci": ci, "groups": len(gids)}
 
 
 def by_group(recs, methods, base=None, key="exposed"):

@@ -328,8 +328,11 @@ def _appendix_lines(s, figs):
 
 
 def gap_text(g):
-    """A paired gap (metrics.paired_gap) as "+x.x [lo, hi]", "-" where there is none."""
-    return "-" if g["gap"] is None else f"{g['gap']:+.1f} [{g['gap_ci'][0]:+.1f}, {g['gap_ci'][1]:+.1f}]"
+    """A paired gap (metrics.paired_gap) as "+x.x [lo, hi]", "-" where there is none; over one group, no CI."""
+    if g["gap"] is None:
+        return "-"
+    ci = g.get("gap_ci")
+    return f"{g['gap']:+.1f} " + (f"[{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "[one group: no CI]")
 
 
 def ci_cell(b, m):

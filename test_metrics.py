@@ -159,6 +159,9 @@ def test_paired_gap_is_the_mean_per_group_difference_over_the_groups_both_hold()
     out = metrics.paired_gap(200, 0, a, b)
     assert out["groups"] == 2 and out["gap"] == pytest.approx(((50 - 0) + (100 - 50)) / 2)
     assert out["gap_ci"][0] <= out["gap"] <= out["gap_ci"][1]
+    # one common group leaves nothing to resample: no interval, not a zero-width one printed as certain
+    one = metrics.paired_gap(200, 0, {"g1": [0.0, 100.0]}, {"g1": [0.0]})
+    assert one == {"gap": 50.0, "gap_ci": None, "groups": 1}
     assert metrics.paired_gap(200, 0, {"x": [1.0]}, {"y": [1.0]}) == {"gap": None, "gap_ci": None, "groups": 0}
 
 

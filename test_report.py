@@ -263,3 +263,10 @@ def test_a_certificate_block_of_an_older_format_is_named_not_a_crash():
                            "rewrites_inside": 20.0, "inserted_median": 5, "forward_passes": 80, "seconds": 1.0}}
     both = "".join(report.certificate_lines({"base": new, "shield": old}, 5))      # beside a new one: named too
     assert "| base | rewrite, inserted | 40.00 |" in both and "Certificates of shield are in an older format" in both
+
+
+def test_a_gap_over_one_group_is_printed_without_an_interval():
+    """metrics.paired_gap over one common group has no CI (nothing to resample): printed as such, not [x, x]."""
+    assert report.gap_text({"gap": 50.0, "gap_ci": None, "groups": 1}) == "+50.0 [one group: no CI]"
+    assert report.gap_text({"gap": -2.0, "gap_ci": [-5.0, 1.0], "groups": 9}) == "-2.0 [-5.0, +1.0]"
+    assert report.gap_text({"gap": None, "gap_ci": None, "groups": 0}) == "-"
