@@ -203,7 +203,7 @@ class BatchRunner:
         todo = {}
         for r in requests_:
             key, body = self.client.request_key(**r)
-            if key not in todo and self.client.cache.get(key) is None:
+            if key not in todo and self.client.cache.get_raw(key) is None:
                 todo[key] = (r, body)
         job = _Job(desc, todo)
         for _ in range(self.rounds):
@@ -233,7 +233,7 @@ class BatchRunner:
         for b in self.manifest.open_for(keys):
             again |= self._collect(b, job)
             keys -= set(b["custom_ids"])
-        keys = [k for k in job.todo if k in keys and self.client.cache.get(k) is None]
+        keys = [k for k in job.todo if k in keys and self.client.cache.get_raw(k) is None]
         for chunk in self._chunks(keys, job.todo):
             again |= self._collect(self._submit(chunk, job), job)
         return again
@@ -287,7 +287,7 @@ class BatchRunner:
         self.manifest.update(entry, status=status["state"], collected=True, reason="deadline" if late else None)
         if not late:
             return again
-        rest = [k for k in entry["custom_ids"] if k in job.todo and self.client.cache.get(k) is None]
+        rest = [k for k in entry["custom_ids"] if k in job.todo and self.client.cache.get_raw(k) is None]
         self.log(f"[batch] {job.desc}: batch {entry['id']} still running at its deadline ({_span(self.deadline)} "
                  f"after submission): cancelled; {kept} replies kept, {len(rest)} requests sent synchronously")
         return set()
@@ -300,7 +300,7 @@ class BatchRunner:
         self.manifest.update(entry, status=lost.state or entry.get("status"), collected=True,
                              reason=self.client.transport.mask(str(lost)))
         self.stats["closed"] += 1
-        keys = [k for k in entry["custom_ids"] if k in job.todo and self.client.cache.get(k) is None]
+        keys = [k for k in entry["custom_ids"] if k in job.todo and self.client.cache.get_raw(k) is None]
         again = {k for k in keys if k not in job.resent}
         job.resent |= again
         sync = len(keys) - len(again)
@@ -408,7 +408,7 @@ class BatchRunner:
         asked_json = dict(zip(entry["custom_ids"], mask)) if isinstance(mask, str) and \
             len(mask) == len(entry["custom_ids"]) else None
         for key in entry["custom_ids"]:
-            if self.client.cache.get(key) is not None:
+            if self.client.cache.get_raw(key) is not None:
                 continue                                   # answered already (and counted then)
             kind, got = results.get(key, ("retry", "no line"))     # no line: expired or cancelled unrun
             if key not in job.todo:                        # another call's request: cached for it

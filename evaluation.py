@@ -713,7 +713,7 @@ def cost_per_query(decoding, llm, recs, by_id, pipeline, prices=None):
     rows, unknown = [], 0
     for r in recs:
         u = r.get("usage")
-        if u is None and "answer_failed" in r:          # one prompt, every attempt unusable and never cached
+        if u is None and "answer_failed" in r:          # one prompt, every attempt unusable: no reply cached
             u = {"llm_calls": r["answer_failed"]["attempts"], "sequential_calls": 1, "prompt_tokens": 0,
                  "completion_tokens": 0, "unmetered": 1}
         elif u is None:

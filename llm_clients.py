@@ -7,7 +7,9 @@ Conventions (those of the openai-python and anthropic-sdk-python clients):
 - JSON re-asks (the reply did not parse) are separate from transport retries and bounded;
 - the cache key is a hash of the canonical request (protocol, host, model, messages, sampling
   params, JSON flag) and never contains the API key; entries are written atomically;
-- every failure raises LLMError(status, provider, short body); no placeholder text is returned.
+- every failure raises LLMError(status, provider, short body); no placeholder text is returned;
+- a reply that fails its check is paid for too: it is kept under its request's key, apart from replies (the
+  "unusable" marker), so that a rerun sends only what is left to ask, and raises a request's ReplyInvalid unsent.
 
 Parts, each small: RequestShape (the body of a protocol, parameters an API refused adapted once),
 ReplyCache (replies on disk by request hash, in-flight de-duplication), Client (chat with JSON
@@ -65,7 +67,9 @@ ENDED = ("stop", "end_turn", "stop_sequence")
 
 class ReplyInvalid(LLMError):
     """The API answered, but every attempt's reply failed to parse or to pass the caller's check
-    (`chat(check=...)`). Nothing was cached. .attempts: how many replies were tried."""
+    (`chat(check=...)`). No reply was cached: the attempts are kept as unusable under the request's key, and
+    a rerun of the request raises this again unsent (ReplyCache.forget to ask again). .attempts: how many
+    replies were tried."""
 
     def __init__(self, message, provider=None, body=None, attempts=1):
         super().__init__(message, None, provider, body)
@@ -270,7 +274,9 @@ class RequestShape:
 class ReplyCache:
     """Replies on disk, one JSON file per request hash (written aside and renamed: whole or absent),
     and in-flight de-duplication: while one thread sends a request, the others asking the same wait
-    for its cached reply instead of paying twice. No cache_dir: nothing is kept."""
+    for its cached reply instead of paying twice. An entry is a reply ({"reply": ...}) or the unusable
+    replies of a request ({"unusable": [...]}, Client._keep), never both: get() reads replies only.
+    No cache_dir: nothing is kept."""
 
     def __init__(self, cache_dir=None, refresh=False):
         self.dir, self.refresh = cache_dir, refresh
@@ -295,7 +301,7 @@ class ReplyCache:
         try:
             return Reply(**self.get_raw(key)["reply"], cached=True)
         except (KeyError, TypeError):
-            return None                          # missing or corrupt: ignored, rewritten after the call
+            return None                          # missing, corrupt or unusable: no reply
 
     def get_raw(self, key):
         """A stored JSON object (not a chat reply), or None; with refresh, only one this cache wrote."""
@@ -306,6 +312,13 @@ class ReplyCache:
                 return json.load(f)
         except (OSError, ValueError):
             return None
+
+    def forget(self, key):
+        """Deletes the entry of `key`: its request is sent again (a request kept as unusable, to try again)."""
+        self.written.discard(key)
+        if self.dir:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(key))
 
     def put(self, key, reply, provider, model):
         self.put_raw(key, {"provider": provider, "model": model, "reply": reply.to_dict()})
@@ -369,6 +382,16 @@ def _fill_data(reply, check):
         raise ValueError("JSON nested past the parser's depth") from None
     if check is not None:
         check(reply.data)
+
+
+def _judge(reply, want_json, check):
+    """ValueError when a reply is no answer: with want_json, its JSON does not parse or fails `check`
+    (_fill_data fills reply.data); without, its text is empty and the model did not end it (filtered,
+    refused or failed)."""
+    if want_json:
+        _fill_data(reply, check)
+    elif not reply.text.strip() and reply.finish_reason not in ENDED:
+        raise ValueError(f"no text (stop reason {reply.finish_reason!r})")
 
 
 def _usable(check, data):
@@ -532,15 +555,15 @@ class Client:
 
     def store(self, key, resp, want_json, check, mode=None):
         """A reply received another way (a batch API's line) -> parsed, counted, and cached under `key`
-        when usable, exactly as chat() would have cached it. -> True if cached; an unusable reply is
-        not cached (chat() asks again, re-asking as usual)."""
+        when usable, exactly as chat() would have cached it. -> True if cached; an unusable reply is not
+        cached but kept as the request's first attempt where none is kept yet (_keep): chat() then sends
+        the re-ask, not the request the batch paid for."""
         reply = self._receive(no_lone_surrogates(resp), mode)
-        if want_json:
-            try:
-                _fill_data(reply, check)
-            except ValueError:
-                return False
-        elif not reply.text.strip() and reply.finish_reason not in ENDED:   # no answer, as chat() says
+        try:
+            _judge(reply, want_json, check)
+        except ValueError:
+            if not self._kept(key):
+                self._keep(key, [(None, reply)])
             return False
         self.cache.put(key, reply, self.provider, self.model)
         return True
@@ -551,9 +574,10 @@ class Client:
         """One chat completion -> Reply. json=True: ask for a JSON object and parse it into .data,
         re-asking at most `json_retries` times with the parse error when the reply does not parse.
         check: a function of .data that raises ValueError when the reply is unusable (a judge score
-        out of range, ...): such a reply is re-asked like one that does not parse, never cached, and
-        a cached one that fails it is asked again. After the last attempt: ReplyInvalid. sample: the
-        repeat's index (request_key): another cached reply of the same request."""
+        out of range, ...): such a reply is re-asked like one that does not parse, never cached as a reply,
+        and a cached one that fails it is asked again. After the last attempt: ReplyInvalid, kept (_ask):
+        the same request raises it again unsent, until `cache.forget(key)` (key: request_key's). sample:
+        the repeat's index (request_key): another cached reply of the same request."""
         want_json = json                         # the public name; `json` is the module everywhere else
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
@@ -573,23 +597,53 @@ class Client:
             self._stats["cache_hits"] += 1
         return hit
 
+    def _kept(self, key):
+        """The unusable replies kept for `key` (_keep), oldest first, as (re-ask, Reply) pairs: the re-ask
+        each answered, None for the request itself; [] where none are (no entry, a reply, a corrupt one)."""
+        raw = self.cache.get_raw(key)
+        try:
+            return [(a["reask"], Reply(**a["reply"], cached=True)) for a in raw["unusable"]]
+        except (KeyError, TypeError):
+            return []
+
+    def _keep(self, key, kept):
+        """The unusable replies of a request, written under its key as (re-ask, Reply) pairs: an entry
+        without a "reply" field, so that nothing reads it as a reply."""
+        self.cache.put_raw(key, {"provider": self.provider, "model": self.model,
+                                 "unusable": [{"reask": q, "reply": r.to_dict()} for q, r in kept]})
+
     def _ask(self, key, messages, temperature, max_tokens, want_json, check):
         """chat() past the cache: send, parse, re-ask when unusable, cache. The reply cached carries the usage
-        of every attempt it took (summed, with their count): what answering the request cost."""
-        convo, spent = list(messages), []
+        of every attempt it took (summed, with their count): what answering the request cost. Each unusable
+        reply is kept (_keep) before the re-ask goes out; a rerun takes the kept replies again, judged by
+        its own `check`, and sends only what they leave to ask: a kept reply stands for its attempt while it
+        answered the re-ask this run would send (a changed check words the re-ask otherwise). A request
+        unusable to its last attempt is thus ReplyInvalid again, with the same error, nothing sent."""
+        convo, spent, reask = list(messages), [], None
+        kept, sent = self._kept(key), False
         for ask in range(self.json_retries + 1):
-            reply = self._receive(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
+            fresh = ask >= len(kept) or kept[ask][0] != reask
+            if fresh:
+                del kept[ask:]                   # (those answered another re-ask)
+                if ask:
+                    with self.lock:
+                        self._stats["json_reasks"] += 1
+                reply = self._receive(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
+                kept.append((reask, reply))
+                sent = True
+            reply = kept[ask][1]
             spent.append(reply.usage)
-            if not want_json:
-                # empty, and not ended by the model (filtered, refused or failed): no answer, nothing cached
-                if not reply.text.strip() and reply.finish_reason not in ENDED:
-                    err = self.transport.error(f"no text (stop reason {reply.finish_reason!r})")
-                    raise ReplyInvalid(str(err), self.provider, attempts=1)
-                break
             try:
-                _fill_data(reply, check)
+                _judge(reply, want_json, check)
                 break
             except ValueError as e:
+                if fresh:
+                    self._keep(key, kept)
+                if not sent and (not want_json or ask == self.json_retries):   # the failure, from the cache
+                    with self.lock:
+                        self._stats["cache_hits"] += 1
+                if not want_json:                # no text: no answer, not re-asked
+                    raise ReplyInvalid(str(self.transport.error(str(e))), self.provider, attempts=1) from None
                 if ask == self.json_retries:
                     cut = (f"; the reply stopped at the token cap ({self.shape.max_field}={max_tokens}, stop reason "
                            f"{reply.finish_reason!r}; reasoning models count their reasoning in it): raise "
@@ -597,17 +651,19 @@ class Client:
                     err = self.transport.error(f"reply is not usable after {ask + 1} attempts ({e}){cut}", None,
                                                reply.text)
                     raise ReplyInvalid(str(err), self.provider, err.body, attempts=ask + 1) from None
-                with self.lock:
-                    self._stats["json_reasks"] += 1
                 problem = "could not be parsed as JSON" if reply.data is None else "is not usable"
+                reask = f"Your reply {problem} ({e}). Return only the JSON object, nothing else."
                 # the reply echoed as the assistant's turn; an empty one is left out (Anthropic refuses a turn
                 # with empty content, and two user turns in a row are read as one)
                 said = [{"role": "assistant", "content": reply.text}] if reply.text else []
-                convo = convo + said + [{"role": "user", "content": f"Your reply {problem} ({e}). "
-                                                                    "Return only the JSON object, nothing else."}]
+                convo = convo + said + [{"role": "user", "content": reask}]
         if len(spent) > 1:                  # re-asked: the reply stands for all its attempts
             reply.usage = {k: sum(u.get(k, 0) for u in spent) for k in sorted(set().union(*spent))} | {
                 "attempts": len(spent)}
+        if not sent:                        # a kept reply this check takes: answered from the cache, as kept
+            with self.lock:
+                self._stats["cache_hits"] += 1
+            return reply
         self.cache.put(key, reply, self.provider, self.model)
         return reply
 

@@ -228,14 +228,14 @@ def test_a_reply_cut_by_the_token_cap_says_to_raise_max_tokens(server):
 
 def test_json_inside_a_reply_cut_at_the_token_cap_is_not_taken(server, tmp_path):
     """A reply cut at the cap holds JSON-looking fragments (a citation "[1]", the first of several objects):
-    none is taken for the reply's object, nothing is cached, and the error says to raise --max-tokens."""
+    none is taken for the reply's object, none is cached as a reply, and the error says to raise --max-tokens."""
     cut = '{"answer": "Paris is the capital [1]. Lyon [2] is'
     Script.script = [(200, {}, {**ok(cut), "choices": [{"message": {"content": cut}, "finish_reason": "length"}]}, 0)
                      ] * 2
     c = client(server, cache_dir=str(tmp_path / "c"))
     with pytest.raises(llm_clients.ReplyInvalid, match="before its JSON ended.*raise --max-tokens"):
         c.chat([{"role": "user", "content": "q"}], json=True)
-    assert not list((tmp_path / "c").rglob("*.json"))
+    assert [list(json.load(open(p))) for p in (tmp_path / "c").rglob("*.json")] == [["provider", "model", "unusable"]]
     whole = {"choices": [{"message": {"content": '{"answer": "a"}'}, "finish_reason": "length"}]}
     Script.script = [(200, {}, whole, 0)]        # JSON that parses whole is taken, cap or not
     assert c.chat([{"role": "user", "content": "q2"}], json=True).data == {"answer": "a"}
@@ -245,12 +245,16 @@ def test_json_inside_a_reply_cut_at_the_token_cap_is_not_taken(server, tmp_path)
                                     {"message": {"content": ""}, "finish_reason": "error"}])
 def test_a_filtered_or_failed_empty_reply_is_no_answer_and_not_cached(server, tmp_path, choice):
     """Without JSON, an empty text whose stop reason is not the model's own end (a content filter, an
-    OpenRouter-style error) is ReplyInvalid, not an answer of "" cached for every rerun."""
+    OpenRouter-style error) is ReplyInvalid, not an answer of "" cached for every rerun: the reply is kept as
+    unusable, so the request raises again unsent."""
     Script.script = [(200, {}, {**ok(""), "choices": [choice]}, 0)]
     c = client(server, cache_dir=str(tmp_path / "c"))
     with pytest.raises(llm_clients.ReplyInvalid, match="no text .stop reason"):
         c.chat([{"role": "user", "content": "q"}])
-    assert not list((tmp_path / "c").rglob("*.json"))
+    assert all("reply" not in json.load(open(p)) for p in (tmp_path / "c").rglob("*.json"))
+    with pytest.raises(llm_clients.ReplyInvalid, match="no text .stop reason"):
+        c.chat([{"role": "user", "content": "q"}])
+    assert len(Script.seen) == 1
     Script.script = [(200, {}, ok(""), 0)]                # an empty answer the model ended itself: its answer
     assert c.chat([{"role": "user", "content": "q2"}]).text == ""
     key, _ = c.request_key([{"role": "user", "content": "q3"}])
@@ -539,6 +543,118 @@ def test_a_reasked_reply_carries_the_usage_of_every_attempt(server, tmp_path):
     again = llm_clients.Client.open(server, "m", cache_dir=str(tmp_path / "c")).chat(
         [{"role": "user", "content": "q"}], json=True)
     assert again.cached and again.usage == r.usage and accounting.ledger_usage(ledger)["total"]["replies"] == 2
+
+
+def _score(data):
+    """A judge's check: the reply's "score" must be a whole number."""
+    if not isinstance(data.get("score"), int):
+        raise ValueError(f"score must be a whole number, got {data.get('score')!r}")
+
+
+def test_an_unusable_reply_is_kept_so_a_rerun_raises_the_same_error_unsent(server, tmp_path):
+    """A reply that fails its check on both attempts is ReplyInvalid, paid for twice: its replies are kept under
+    the request's key, apart from replies, so a rerun (a new client on the same cache) hands back an equal
+    ReplyInvalid without a request, and no reader takes the failure for a reply. Deleting the entry asks again."""
+    Script.script = [(200, {}, ok('{"score": "high"}'), 0)] * 4      # two for a rerun that would ask again
+    m, cache = [{"role": "user", "content": "judge this"}], str(tmp_path / "c")
+    with pytest.raises(llm_clients.ReplyInvalid, match="after 2 attempts") as first:
+        client(server, cache_dir=cache).chat(m, json=True, check=_score)
+    assert len(Script.seen) == 2
+    again = client(server, cache_dir=cache)
+    [rep] = again.map([{"messages": m, "json": True, "check": _score}], progress=False, invalid="return")
+    assert isinstance(rep, llm_clients.ReplyInvalid) and (str(rep), rep.attempts, rep.body) == \
+        (str(first.value), 2, first.value.body)
+    assert len(Script.seen) == 2 and again.stats["http_calls"] == 0 and again.stats["cache_hits"] == 1
+    key, _ = again.request_key(m, json=True)
+    assert again.cache.get(key) is None                  # kept, never read as a reply
+    again.cache.forget(key)                              # the caller's way to try again
+    Script.script = [(200, {}, ok('{"score": 3}'), 0)]
+    assert again.chat(m, json=True, check=_score).data == {"score": 3} and len(Script.seen) == 3
+
+
+def test_kept_replies_are_judged_by_the_reruns_check(server, tmp_path):
+    """The check is not in the key: a rerun judges the kept replies with its own. One that takes the first reply
+    answers unsent; one whose error words the re-ask otherwise uses the first reply and sends its own re-ask
+    (the kept second reply answered another one)."""
+    Script.script = [(200, {}, ok('{"score": "high"}'), 0)] * 3      # one for a rerun that would ask again
+    m, cache = [{"role": "user", "content": "judge"}], str(tmp_path / "c")
+    with pytest.raises(llm_clients.ReplyInvalid):
+        client(server, cache_dir=cache).chat(m, json=True, check=_score)
+    r = client(server, cache_dir=cache).chat(m, json=True, check=lambda d: None)
+    assert r.data == {"score": "high"} and r.cached and len(Script.seen) == 2
+
+    def positive(data):
+        raise ValueError("score must be positive")
+    Script.script = [(200, {}, ok('{"score": 1}'), 0)]
+    with pytest.raises(llm_clients.ReplyInvalid, match="must be positive"):
+        client(server, cache_dir=cache).chat(m, json=True, check=positive)
+    assert len(Script.seen) == 3 and "must be positive" in Script.seen[2]["messages"][-1]["content"]
+    assert Script.seen[2]["messages"][1] == {"role": "assistant", "content": '{"score": "high"}'}
+
+
+def test_identical_unusable_requests_in_flight_are_paid_once(server, tmp_path):
+    """Threads asking one request that stays unusable: its two attempts are sent once; the waiting threads
+    get its ReplyInvalid from the kept replies."""
+    Script.script = [(200, {}, ok("no json"), 0.2)] * 12                # as many as would each thread send
+    c = client(server, cache_dir=str(tmp_path / "c"))
+    out = c.map([{"messages": [{"role": "user", "content": "same"}], "json": True}] * 6, workers=6, progress=False,
+                invalid="return")
+    assert all(isinstance(r, llm_clients.ReplyInvalid) and str(r) == str(out[0]) for r in out)
+    assert len(Script.seen) == 2 and c.stats["cache_hits"] == 5
+
+
+class HangsUp(BaseHTTPRequestHandler):
+    """Loopback LLM answering each request with the next text of `script`; at None (or past its end) it
+    closes the connection unanswered, as a network cut or a kill would leave a request. Counts requests."""
+    script, seen = [], []
+
+    def do_POST(self):
+        HangsUp.seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        text = HangsUp.script.pop(0) if HangsUp.script else None
+        if text is None:
+            self.close_connection = True
+            return
+        data = json.dumps(ok(text)).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_a_reply_that_failed_is_kept_before_its_re_ask_so_a_rerun_sends_only_the_re_ask(tmp_path):
+    """The first reply failed to parse and the re-ask was lost (the connection closed): the first reply was
+    written before the re-ask went out, so the rerun sends the re-ask alone, with that reply in it, and
+    its answer carries the usage of both attempts."""
+    HangsUp.script, HangsUp.seen = ["no json here", None], []
+    srv, url = _serve(HangsUp)
+    try:
+        m, cache = [{"role": "user", "content": "q"}], str(tmp_path / "c")
+        with pytest.raises(llm_clients.LLMError) as e:
+            client(url, cache_dir=cache, max_retries=0).chat(m, json=True)
+        assert not isinstance(e.value, llm_clients.ReplyInvalid) and len(HangsUp.seen) == 2
+        HangsUp.script = ['{"answer": "fixed"}']
+        r = client(url, cache_dir=cache, max_retries=0).chat(m, json=True)
+        assert r.data == {"answer": "fixed"} and len(HangsUp.seen) == 3
+        assert HangsUp.seen[2]["messages"][:2] == m + [{"role": "assistant", "content": "no json here"}]
+        assert "could not be parsed" in HangsUp.seen[2]["messages"][2]["content"] and r.usage["attempts"] == 2
+        assert client(url, cache_dir=cache).chat(m, json=True).cached and len(HangsUp.seen) == 3
+    finally:
+        srv.shutdown()
+
+
+def test_an_unusable_batch_line_is_kept_so_chat_sends_only_the_re_ask(server, tmp_path):
+    """A batch's reply that fails its check is not cached as a reply (store() -> False) but kept: chat()
+    then sends the re-ask, not the request the batch already paid for."""
+    c = client(server, cache_dir=str(tmp_path / "c"))
+    m = [{"role": "user", "content": "batched"}]
+    key, _ = c.request_key(m, json=True)
+    assert not c.store(key, ok('{"score": "high"}'), True, _score, mode="batch")
+    Script.script = [(200, {}, ok('{"score": 2}'), 0)]
+    assert c.chat(m, json=True, check=_score).data == {"score": 2} and len(Script.seen) == 1
+    assert "not usable" in Script.seen[0]["messages"][-1]["content"]
 
 
 def test_ctrl_c_cancels_queued_llm_requests(server):

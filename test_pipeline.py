@@ -612,8 +612,9 @@ def test_asi_counts_a_failed_judge_reply_at_the_judged_mean_not_as_missing():
 
 
 def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, tmp_path):
-    """A judge reply whose score is malformed is asked again (bounded), never cached; the instance is
-    then recorded as judge-failed, counted in summary.json and the report, and the eval goes on. The
+    """A judge reply whose score is malformed is asked again (bounded), never cached as a reply (kept as
+    unusable: a rerun does not pay for it again); the instance is then recorded as judge-failed, counted in
+    summary.json and the report, and the eval goes on. The
     demo's reranker scores come along (its cache/ without the LLM replies): the judge's are the point."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), BadJudge)
     srv.daemon_threads = True
@@ -640,11 +641,13 @@ def test_unusable_judge_replies_are_retried_then_recorded_not_cached(demo_run, t
         assert "ASI judge failures" in rep and "Pairwise judge failures (left out of Table C.1): 7" in rep
         cached = [json.load(open(os.path.join(r, f)))
                   for r, _, fs in os.walk(tmp_path / "j" / "cache" / "llm") for f in fs]
-        assert not any("attack_influence_score" in (c_["reply"]["text"] or "") for c_ in cached)
+        # no bad reply is cached as a reply; they are kept as unusable, so a rerun does not pay for them again
+        assert not any("attack_influence_score" in (c_["reply"]["text"] or "") for c_ in cached if "reply" in c_)
+        assert any("attack_influence_score" in a["reply"]["text"] for c_ in cached for a in c_.get("unusable", []))
         n = BadJudge.judged
         # records resume: the failed ASI instances are not asked again
         evaluation.evaluate(runs.Run(settings.EvalConfig(**c))).summary
-        assert BadJudge.judged - n == 7 * 2           # only the pairwise comparisons, recomputed each eval
+        assert BadJudge.judged - n == 0               # and the failed pairwise comparisons come from the cache
     finally:
         srv.shutdown()
 
