@@ -15,7 +15,10 @@ among the ten, the opening of the top-ranked competitor and (aware) the library'
 C rewrites; the gate checks cheap things first (length, no prompt text, every number of the source
 kept), then asks an LLM fidelity judge; the best surviving candidate by the target's score starts
 the next round. Budgets are nested: one run at the largest budget records every candidate in order,
-and budget B's document is the best of the first B, so the curve is monotone and costs one run.
+and budget B's document is the best of the first B, so the curve is monotone and costs one run. A
+candidate whose judge reply stays unusable is neither scored nor rejected: it is recorded with the
+judge's error and spends no budget (a later round, where one is left, writes another in its place), and a
+judge that fails on most of its requests stops the attack (geo_jobs.judge_check).
 
 `--algorithm repair` runs another algorithm in the same loop, an attacker of ours after AgentGEO's
 diagnose-and-repair loop (arXiv 2603.09296), which asks why the document is not cited and repairs that
@@ -150,10 +153,27 @@ def cheap_gate(source, candidate):
     return geo_jobs.cheap_gate(source, candidate, (ATTACKER_INSTRUCTION[:60], REPAIR_INSTRUCTION[:60]))
 
 
+def spent(cands):
+    """The budget a list of candidate records has spent: each candidate but those the judge failed on."""
+    return sum("judge_failed" not in c for c in cands)
+
+
+def within(cands, budget):
+    """The candidate records of the first `budget` budget steps, with the judge failures among them."""
+    out, n = [], 0
+    for c in cands:
+        if n == budget:
+            break
+        out.append(c)
+        n += "judge_failed" not in c
+    return out
+
+
 def best_of(cands, budget):
-    """The index of the best accepted candidate among the first `budget`: cited by the engine first (the
-    repair attacker's records carry `cited`), then the highest target score; ties: the earlier."""
-    ok = [(c.get("cited", False), c["score"], -c["n"]) for c in cands[:budget] if c["accepted"]]
+    """The index of the best accepted candidate among the first `budget` (judge failures spend none): cited
+    by the engine first (the repair attacker's records carry `cited`), then the highest target score; ties:
+    the earlier."""
+    ok = [(c.get("cited", False), c["score"], -c["n"]) for c in within(cands, budget) if c["accepted"]]
     return -max(ok)[2]
 
 
@@ -183,6 +203,7 @@ class Attack:
         # aware: every field of the active rules, as the defense's own prompts show them (what it spares too)
         self.rules = tfsg.library_view(lib, structured=True)["rules"] if lib is not None else None
         self.queries = 0          # candidate lists the target scored
+        self.judge_tally = {}     # the fidelity judge's requests and failures (geo_jobs.judge_check)
 
     def score(self, insts):
         """Target scores of each instance's attack document and its rank among the ten -> [(score, rank)]."""
@@ -202,7 +223,7 @@ class Attack:
                                          "reason": "the source" if self.from_source else "the benchmark's rewrite",
                                          "score": s, "rank": r, **self._edit(start, start), **cited})
         for rnd in range(1, self.rounds + 1):
-            live = [x for x in insts if len(cands[x.instance_id]) < self.budget]
+            live = [x for x in insts if spent(cands[x.instance_id]) < self.budget]
             if not live:
                 break
             self._gate_and_score(live, cands, self._propose(live, cands, rnd), rnd)
@@ -213,7 +234,7 @@ class Attack:
         for x in live:
             cs = cands[x.instance_id]
             best = cs[best_of(cs, len(cs))]
-            n = min(self.per_round, self.budget - len(cs))
+            n = min(self.per_round, self.budget - spent(cs))
             others = self.target.scores(with_doc(x, best["text"], best["sid"]))
             top = next(i for i in ranked(others, x.doc_ids) if i != x.attack_index)
             prompt, check = ((attacker_prompt, parse_rewrites) if self.algorithm == "mageo" else
@@ -226,7 +247,7 @@ class Attack:
                                     invalid="return")
         out = []
         for x, rep in zip(live, replies):
-            n = min(self.per_round, self.budget - len(cands[x.instance_id]))
+            n = min(self.per_round, self.budget - spent(cands[x.instance_id]))
             mode, got = None, []
             if not isinstance(rep, llm_clients.ReplyInvalid):
                 mode, got = ((None, parse_rewrites(rep.data, n)) if self.algorithm == "mageo" else
@@ -247,9 +268,16 @@ class Attack:
                 checks.append((x, t, why))
                 modes.append(mode)
         to_judge = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None]
-        verdict = dict(zip([i for i, _, _ in to_judge], geo_jobs.fidelity_verdicts(
+        reps = dict(zip([i for i, _, _ in to_judge], geo_jobs.fidelity_replies(
             self.judge, [(x.source, t) for _, x, t in to_judge], self.cfg.llm.max_tokens, self.cfg.request.workers,
             f"fidelity round {rnd}")))
+        verdict = {i: geo_jobs.verdict(r) for i, r in reps.items()}
+        failed = {i: {"attempts": r.attempts, "error": str(r)} for i, r in reps.items()
+                  if isinstance(r, llm_clients.ReplyInvalid)}   # no verdict: recorded, no budget spent
+        for i, f in failed.items():
+            log(f"[attack] {checks[i][0].instance_id}: the fidelity judge failed on a round {rnd} candidate after "
+                f"{f['attempts']} attempts, no budget spent ({f['error']})")
+        geo_jobs.judge_check(self.judge_tally, verdict.values(), self.judge, f"attack round {rnd}")
         accepted = [(i, x, t) for i, (x, t, why) in enumerate(checks) if why is None and verdict.get(i) is None]
         docs = [with_doc(x, t, f"~{rnd}.{i}") for i, x, t in accepted]
         scored = dict(zip([i for i, _, _ in accepted], self.score(docs)))
@@ -259,7 +287,8 @@ class Attack:
             ok = i in scored
             s, r = scored.get(i, (None, None))
             cs.append({"n": len(cs), "round": rnd, "sid": f"~{rnd}.{i}", "text": t, "accepted": ok,
-                       "reason": why or verdict.get(i) or "accepted", "score": s, "rank": r,
+                       "reason": why or (geo_jobs.JUDGE_FAILED if i in failed else verdict.get(i)) or "accepted",
+                       **({"judge_failed": failed[i]} if i in failed else {}), "score": s, "rank": r,
                        **({"diagnosis": modes[i]} if modes[i] else {}), **self._edit(cs[0]["text"], t),
                        **engine.get(i, {})})
 
@@ -307,10 +336,11 @@ def plan_calls(n_inst, budget, per_round, rounds, n_budgets, k, reasks=1):
     (candidate lists scored), and the end-to-end evaluation's answers, the k pre-step calls per answer
     of the injection defenses that have one (PromptArmor's remover, RobustRAG's isolated answers), and
     ASI judge calls. Every JSON request may be asked again `reasks` times when its reply does not parse
-    (Client.json_retries)."""
+    (Client.json_retries). The fidelity judge is asked about at most per_round candidates a round: budget - 1
+    in all, unless it fails on some (they spend no budget, so a later round may write more)."""
     ask, evals = 1 + reasks, n_inst * n_budgets
     pre = sum(1 for c in CONDITIONS if c in defenses.PIPELINES and defenses.PIPELINES[c].pre_step)
-    return {"attacker_calls": n_inst * rounds * ask, "fidelity_calls": n_inst * (budget - 1) * ask,
+    return {"attacker_calls": n_inst * rounds * ask, "fidelity_calls": n_inst * rounds * per_round * ask,
             "reranker_queries": n_inst * budget, "answer_calls": evals * len(CONDITIONS),
             "pre_step_calls": evals * pre * k, "asi_judge_calls": evals * len(CONDITIONS) * ask}
 
@@ -463,7 +493,8 @@ def evaluate_documents(run, llm, judge, docs, defense, clean, folder, conditions
 
 
 def gate_counts(cands):
-    """The gate's verdicts over every candidate but the benchmark's own: {reason: count}, 'accepted' too."""
+    """The gate's verdicts over every candidate but the benchmark's own: {reason: count}, 'accepted' and the
+    judge's failures (geo_jobs.JUDGE_FAILED) too."""
     out = collections.Counter(re.sub(r"\d+(\.\d+)?", "N", c["reason"].split(" [")[0])
                               for cs in cands.values() for c in cs[1:])     # "fidelity 2 < 4" -> "fidelity N < N"
     return dict(sorted(out.items()))

@@ -21,7 +21,9 @@ Every rewrite passes one fidelity gate (geo_jobs.gate: cheap checks, then the fi
 --fidelity-judge or the builder's LLM); a refused one is asked again (REWRITE_TRIES attempts in
 all, the retry marked in the prompt), then the group is kept without that family, the reason in its
 line's `failed` and _meta.family_drops (each family measured over the groups it rewrote); a group
-no family rewrote is dropped with the reasons. Every call is cached in the run folder: a killed build
+no family rewrote is dropped with the reasons. A rewrite whose judge reply stays unusable is no refusal:
+it is not asked again, the judge's error is its reason, and a judge that fails on most of its requests
+stops the build (geo_jobs.judge_check). Every call is cached in the run folder: a killed build
 reruns to the same bytes. The output is written aside, validated, and only then replaces the file.
 
 `--honest` adds, per group, an honest edit of the source (honest.HonestEdit: clearer wording and
@@ -396,7 +398,10 @@ def group_id(rid):
 def rewrite_family(ctx, fam, groups, gate=geo_jobs.gate):
     """Family `fam` (a geo_attacks rewriter, or the honest editor with its gate) on every group (dicts
     with query, docs, source_index): -> {group_id: (text, trace)} for the rewrites that passed the gate,
-    and {group_id: reason} for the groups it failed on."""
+    and {group_id: reason} for the groups it failed on. A rewrite the fidelity judge failed on
+    (geo_jobs.judge_failed) is no refusal: it is not written again (another rewrite would meet the same
+    judge), and its group's reason is the judge's error, logged when it happens; the gate stops the build
+    once the judge fails on most of its requests (geo_jobs.judge_check)."""
     done, failed, todo = {}, {}, list(groups)
     verdicts = {g["group_id"]: [] for g in groups}
     for attempt in range(REWRITE_TRIES):
@@ -408,9 +413,14 @@ def rewrite_family(ctx, fam, groups, gate=geo_jobs.gate):
         why = gate(ctx, [j.source for j in jobs], [t for t, _ in out], f"{fam.name} fidelity")
         retry = []
         for g, (t, trace), w in zip(todo, out, why):
-            verdicts[g["group_id"]].append(w or "accepted")
+            gid = g["group_id"]
+            verdicts[gid].append(w or "accepted")
             if w is None:
-                done[g["group_id"]] = (t, {**trace, "attempts": attempt + 1, "gate": verdicts[g["group_id"]]})
+                done[gid] = (t, {**trace, "attempts": attempt + 1, "gate": verdicts[gid]})
+            elif geo_jobs.judge_failed(w):
+                failed[gid] = f"{fam.name}: {'; '.join(verdicts[gid])}"
+                log(f"[build-bench] {gid}: {fam.name}: the fidelity judge failed on attempt {attempt + 1}'s rewrite, "
+                    f"not written again ({w})")
             else:
                 retry.append(g)
         todo = retry
@@ -442,19 +452,25 @@ def honest_edits(ctx, groups):
     """The honest editor (honest.HonestEdit) on the kept groups of a split, through its own gate
     (honest_gate), REWRITE_TRIES attempts: -> ({group_id: (text or None, trace)}, {refusal kind: attempts
     refused so}). A group whose every attempt is refused keeps its attacks and has no honest edit; its
-    trace says why."""
+    trace says why. An edit the fidelity judge failed on is no refusal: its group has no honest edit, its
+    trace holds the judge's error, and the refusal kinds leave it out; the judge is counted on ctx's tally
+    (geo_jobs.judge_check), as the families' gate counts it."""
     verdicts = []
 
     def gate(ctx, sources, texts, desc="honest edit fidelity"):
         why = honest.honest_gate(ctx, sources, texts, desc)
-        verdicts.extend(w for w in why if w)
+        geo_jobs.judge_check(ctx.judge_tally, why, ctx.fidelity_judge, desc)
+        verdicts.extend(w for w in why if w and not geo_jobs.judge_failed(w))
         return why
     done, failed = rewrite_family(ctx, honest.HonestEdit(), groups, gate)
     for gid, why in failed.items():
         log(f"[build-bench] {gid}: no honest edit ({why})")
     kinds = [re.split(r"\s*[\[(\d<:]", w, maxsplit=1)[0].strip() for w in verdicts]  # without particulars:
     # "adds numbers ['12']" -> "adds numbers", "fidelity 3 < 4" -> "fidelity"
-    return ({**done, **{gid: (None, {"attempts": REWRITE_TRIES, "refused": why}) for gid, why in failed.items()}},
+    refused = f"{honest.HonestEdit.name}: every attempt refused ("        # (rewrite_family's reason for a refusal)
+    trace = lambda why: ({"attempts": REWRITE_TRIES, "refused": why} if why.startswith(refused) else
+                         {"judge_failed": why})
+    return ({**done, **{gid: (None, trace(why)) for gid, why in failed.items()}},
             {k: kinds.count(k) for k in sorted(set(kinds))})
 
 
@@ -721,7 +737,7 @@ def build_bench(run, p=None):
     test_llm = run.llm(b.test_llm, stage="build-bench") if b.test_llm else None
     test_judge = b.test_fidelity_judge or b.fidelity_judge
     test_ctx = dataclasses.replace(ctx, llm=test_llm, judge=run.llm(test_judge, stage="build-bench")
-                                   if test_judge else None, calls={}) if test_llm else None
+                                   if test_judge else None, calls={}, judge_tally={}) if test_llm else None
     attacks, traces, failed = rewrite_all(ctx, fams, cons, groups, b.mageo_signal, test_ctx)
     kept = [g for g in groups if attacks[g["group_id"]]]
     dropped += [(g["row"], "; ".join(failed[g["group_id"]].values())) for g in groups if not attacks[g["group_id"]]]

@@ -3,9 +3,11 @@ the builder's LLM client, settings, judge and the families' resources), the JSON
 its reply, and the fidelity gate every rewrite passes (paper B.1.1: the benchmark's rewrites keep the
 source's facts): cheap checks first (`cheap_gate`, `refusal`: a family's name or a prompt key spelled
 back, a changed number, a length outside the bounds), then the fidelity judge (`fidelity_verdicts`).
-The adaptive attacker of attack.py and the honest editor of honest.py use the gate too. Last, the
-surface markers a family's fixed prompt can stamp on its rewrites (SURFACE_MARKERS), which build-bench,
-bench-audit and detect count.
+A judge whose reply stays unusable (ReplyInvalid) refuses nothing: its verdict is a judge failure
+(`judge_failed`), which the callers record instead of paying for another rewrite, and a judge failing on
+most of a run's requests stops it (`judge_check`). The adaptive attacker of attack.py and the honest
+editor of honest.py use the gate too. Last, the surface markers a family's fixed prompt can stamp on its
+rewrites (SURFACE_MARKERS), which build-bench, bench-audit and detect count.
 
 Usage: ctx = Ctx(llm); kept = gate(ctx, sources, texts)
 """
@@ -47,6 +49,7 @@ class Ctx:
     rules: list = None            # AutoGEO: rules (read_rules), default AUTOGEO_RULES
     ranker: object = None         # MAGEO with signal "reranker": the base reranker's Ranker
     calls: dict = field(default_factory=dict)
+    judge_tally: dict = field(default_factory=dict)   # the fidelity judge's requests and failures (judge_check)
 
     def ask(self, family, step, instruction, fields, schema, check=None):
         """{job index: input fields} -> {job index: parsed JSON reply}, for the requests that gave a
@@ -152,21 +155,37 @@ def cheap_gate(source, candidate, prompt_texts=()):
     return None
 
 
-def fidelity_verdicts(judge, pairs, max_tokens, workers, desc="fidelity"):
-    """The fidelity judge on [(source, candidate)] -> per pair None (faithful: a score of at least
-    FIDELITY_THRESHOLD and no contradiction) or the reason it is refused."""
-    reps = judge.map([{"messages": [{"role": "user", "content": fidelity_prompt(s, t)}], "temperature": 0,
+def fidelity_replies(judge, pairs, max_tokens, workers, desc="fidelity"):
+    """The fidelity judge on [(source, candidate)] -> per pair its Reply, or the ReplyInvalid of a request
+    whose every reply was unusable (asked again once with the parse error)."""
+    return judge.map([{"messages": [{"role": "user", "content": fidelity_prompt(s, t)}], "temperature": 0,
                        "max_tokens": max_tokens, "json": True, "check": parse_fidelity} for s, t in pairs],
                      workers=workers, desc=desc, invalid="return")
-    out = []
-    for rep in reps:
-        if isinstance(rep, llm_clients.ReplyInvalid):
-            out.append("fidelity judge failed")
-            continue
-        v, contra = parse_fidelity(rep.data)
-        out.append(f"fidelity {v} < {FIDELITY_THRESHOLD}" if v < FIDELITY_THRESHOLD else
-                   "contradicts the source" if contra else None)
-    return out
+
+
+JUDGE_FAILED = "fidelity judge failed"   # how a judge failure's verdict opens (judge_failed)
+
+
+def verdict(rep):
+    """A fidelity judge's reply -> None (faithful: a score of at least FIDELITY_THRESHOLD and no contradiction)
+    or the reason the candidate is refused. A ReplyInvalid is no refusal, the judge said nothing of the
+    candidate: JUDGE_FAILED with its attempts and error (which carries the client's hint, e.g. "raise
+    --max-tokens" for a reply cut at the token cap)."""
+    if isinstance(rep, llm_clients.ReplyInvalid):
+        return f"{JUDGE_FAILED} after {rep.attempts} attempts: {rep}"
+    v, contra = parse_fidelity(rep.data)
+    return f"fidelity {v} < {FIDELITY_THRESHOLD}" if v < FIDELITY_THRESHOLD else "contradicts the source" if contra \
+        else None
+
+
+def fidelity_verdicts(judge, pairs, max_tokens, workers, desc="fidelity"):
+    """The fidelity judge on [(source, candidate)] -> per pair its verdict (None, a refusal, or a judge failure)."""
+    return [verdict(rep) for rep in fidelity_replies(judge, pairs, max_tokens, workers, desc)]
+
+
+def judge_failed(why):
+    """Whether a gate verdict is a judge failure (no refusal: the candidate is neither kept nor refused)."""
+    return isinstance(why, str) and why.startswith(JUDGE_FAILED)
 
 
 # The family names, and the JSON keys of the families' prompts and replies: a rewrite that spells one
@@ -194,14 +213,42 @@ def judged(why):
     return why is None or why.startswith(("fidelity", "contradicts"))
 
 
+JUDGE_STOP = 4      # judged requests before a judge failing on most of them stops a run (judge_check)
+
+
+class JudgeFailing(llm_clients.LLMError):
+    """The fidelity judge failed on most of the requests of a run (judge_check): it stops before more paid calls."""
+
+
+def judge_check(tally, verdicts, judge, desc):
+    """Count the judge's `verdicts` (the cheap checks' refusals left out) into `tally` ({"judged", "failed",
+    "last"}: the run's so far) -> JudgeFailing, naming the judge and repeating its last error with the error's
+    hint, once at least JUDGE_STOP requests were judged and more than half of them failed (every one of the
+    first JUDGE_STOP, or most of those after): such a judge (a reasoning model cut at --max-tokens, a model
+    that returns no JSON) would fail on the rest too, while the rewrites it cannot judge are paid for."""
+    for why in verdicts:
+        if judged(why):
+            tally["judged"] = tally.get("judged", 0) + 1
+        if judge_failed(why):
+            tally["failed"], tally["last"] = tally.get("failed", 0) + 1, why
+    n, bad = tally.get("judged", 0), tally.get("failed", 0)
+    if n >= JUDGE_STOP and 2 * bad > n:
+        raise JudgeFailing(f"{desc}: the fidelity judge {judge.label} failed on {bad} of the {n} requests it was "
+                           f"sent; stopped before more paid calls. Its last failure: {tally['last']}. Fix the judge "
+                           "(a reply cut at the token cap: raise --max-tokens) and rerun; replies already cached are "
+                           "not paid again")
+
+
 def gate(ctx, sources, texts, desc="fidelity"):
-    """Each rewrite's verdict: None (kept) or why it is refused. One gate for every family: the cheap
-    checks, then the fidelity judge (ctx.fidelity_judge) on what passes them."""
+    """Each rewrite's verdict: None (kept), why it is refused, or a judge failure (judge_failed). One gate for
+    every family: the cheap checks, then the fidelity judge (ctx.fidelity_judge) on what passes them;
+    JudgeFailing once the judge has failed on most of ctx's requests (judge_check)."""
     why = [refusal(s, t) for s, t in zip(sources, texts)]
     ask = [i for i, w in enumerate(why) if w is None]
     for i, w in zip(ask, fidelity_verdicts(ctx.fidelity_judge, [(sources[i], texts[i]) for i in ask],
                                            ctx.max_tokens, ctx.workers, desc)):
         why[i] = w
+    judge_check(ctx.judge_tally, why, ctx.fidelity_judge, desc)
     return why
 
 

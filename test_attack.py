@@ -1,6 +1,7 @@
 """The adaptive attacker (attack.py, run.py attack) on a copy of the demo run, the offline engine as
-attacker and judges: nested budgets, B = 1 reproducing the static attack, the fidelity gate, resume,
-attacker text that stays text, and the dry run.
+attacker and judges: nested budgets, B = 1 reproducing the static attack, the fidelity gate, a fidelity
+judge whose replies stay unusable (the scripted loopback server), resume, attacker text that stays text, and
+the dry run.
 Run: python -m pytest -q test_attack.py
 """
 import json
@@ -122,6 +123,54 @@ def test_the_gate_inside_the_loop_records_its_reasons(demo_copy, monkeypatch):
     assert block["gate"]["fidelity N < N"] > 0 and "accepted" not in block["gate"]   # every candidate rejected,
     assert set(block["gate"]) <= {"fidelity N < N", "length ratio N outside N-N"}     # by the judge or the length
     assert block["budgets"]["5"]["conditions"] == block["budgets"]["1"]["conditions"]
+
+
+# a judge's reply cut at the token cap (a reasoning model at too low --max-tokens): no JSON, stop reason "length"
+CUT = {"choices": [{"message": {"content": '{"fidelity": 5, "contradicts_so'}, "finish_reason": "length"}],
+       "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+
+
+def _judged_by(server, out, *extra):
+    """_argv against the base reranker with the judge served by the scripted loopback server (the offline
+    engine answers what is not scripted), one request at a time."""
+    return _argv(out, "--target", "base", "--judge", "openai-compatible:judge", "--base-url", server, "--workers",
+                 "1", *extra)
+
+
+def test_a_candidate_the_judge_fails_on_spends_no_budget(demo_copy, server, capsys):
+    """The judge fails on one candidate (the first it is sent, and its re-ask): no refusal, that candidate
+    spends no budget step, so the round after writes another in its place (a refused one spends its step:
+    test_the_gate_inside_the_loop_records_its_reasons); its record carries the judge's error with its hint,
+    and one log line names the instance."""
+    from testing import Script
+    Script.script = [(200, {}, CUT, 0)] * 2
+    block = run.main(_judged_by(server, demo_copy, "--budgets", "1,3", "--attack-rounds", "2"))
+    by = {}
+    for r in map(json.loads, open(demo_copy / "demo" / "results" / "attack-base-unaware.jsonl")):
+        by.setdefault(r["instance_id"], []).append(r)
+    hit = [iid for iid, cs in by.items() if any("judge_failed" in c for c in cs)]
+    assert len(hit) == 1 and block["gate"]["fidelity judge failed"] == 1
+    cs = by[hit[0]]
+    bad = next(c for c in cs if "judge_failed" in c)
+    assert bad["round"] == 1 and not bad["accepted"] and bad["reason"] == "fidelity judge failed"
+    assert bad["judge_failed"]["attempts"] == 2 and "raise --max-tokens" in bad["judge_failed"]["error"]
+    assert [c["round"] for c in cs] == [0, 1, 1, 2] and attack.spent(cs) == 3    # round 2 wrote its replacement
+    assert all(len(v) == 3 for k, v in by.items() if k != hit[0])                 # the others: 1 + 2, no round 2
+    assert f"[attack] {hit[0]}: the fidelity judge failed on a round 1 candidate" in capsys.readouterr().err
+
+
+def test_a_judge_failing_on_most_requests_stops_the_attack(demo_copy, server):
+    """A judge whose every reply is cut at the token cap stops the attack after its first round's requests,
+    with an error naming it and repeating its hint; nothing is pinned or written (a refusal would not stop it:
+    every candidate rejected, the budget spent)."""
+    from testing import Script
+    Script.script = [(200, {}, CUT, 0)] * 400
+    with pytest.raises(SystemExit, match=r"attack round 1: the fidelity judge openai-compatible:judge failed on "
+                                         r"(\d+) of the \1 requests it was sent; stopped before more paid calls\. "
+                                         r"Its last failure: .*raise --max-tokens"):
+        run.main(_judged_by(server, demo_copy))
+    res = demo_copy / "demo" / "results"
+    assert not (res / "attack-settings.json").exists() and not (res / "attack-base-unaware.jsonl").exists()
 
 
 def test_killed_attack_resumes_to_identical_files(demo_copy, tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The benchmark builder (build_bench.py, geo_attacks.py): the paper's recipe offline over real HTTP
 (GEO-Bench rows with five sources, a Tavily-shaped loopback search, the offline engine playing the
-seven families and the fidelity judge), composition, resume to the same bytes, dry run, inputs.
+seven families and the fidelity judge), a fidelity judge whose replies stay unusable (the scripted loopback
+server), composition, resume to the same bytes, dry run, inputs.
 Needs: build_bench.py, geo_attacks.py, geo_jobs.py, attack.py and the jobs they import, offline_server.py, offline.py,
 data/make_sample.py.
 Run: python -m pytest -q test_build_bench.py
@@ -296,6 +297,55 @@ def test_a_family_refused_on_a_group_leaves_the_group_its_other_families(geo_inp
     test = [g for g in groups if g.split == "test"]
     insts = geodef.expand(test, ["GEO", "AutoGEO"])
     assert len(insts) == 2 * n_test - 1 and sum(x.method == "GEO" for x in insts) == n_test - 1
+
+
+# a judge's reply cut at the token cap (a reasoning model at too low --max-tokens): no JSON, stop reason "length"
+CUT = {"choices": [{"message": {"content": '{"fidelity": 5, "contradicts_so'}, "finish_reason": "length"}],
+       "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+
+
+def test_a_fidelity_judge_that_fails_is_no_refusal_and_stops_the_build(geo_input, tmp_path, server):
+    """A fidelity judge whose every reply is cut at the token cap: a rewrite it fails on is not written again
+    (the builder is asked for each group's first attempt only, where a refusal is asked twice), and once it has
+    failed on most of at least geo_jobs.JUDGE_STOP requests (GEO's 2 construction groups, then its 4 test
+    groups) the build stops with an error that names the judge and repeats its error's hint, before AutoGEO's
+    rewrites are paid."""
+    from testing import Script
+    Script.script = [(200, {}, CUT, 0)] * 100
+    argv = _short_rows_argv(geo_input, tmp_path) + ["--docs", "5", "--fidelity-judge", "openai-compatible:judge",
+                                                    "--base-url", server]
+    with pytest.raises(SystemExit, match=r"GEO fidelity: the fidelity judge openai-compatible:judge failed on 6 of "
+                                         r"the 6 requests it was sent; stopped before more paid calls\. Its last "
+                                         r"failure: fidelity judge failed after 2 attempts: .*raise --max-tokens"):
+        run.main(argv)
+    asked = accounting.ledger_usage(str(tmp_path / "r" / "b" / "usage.jsonl"))["stages"]["build-bench"]
+    assert asked["offline:offline-engine"]["replies"] == 6 * geo_attacks.Geo.calls      # attempt 0 of each group
+    assert asked["openai-compatible:judge"]["replies"] == len(Script.seen) == 6 * 2     # each request, its re-ask
+    assert not (tmp_path / "b.jsonl").exists()
+
+
+def test_a_rewrite_the_judge_fails_on_is_recorded_not_rewritten(geo_input, tmp_path, server, capsys):
+    """The judge fails on one request (its first: --workers 1) and judges the rest: that group keeps its other
+    family, with the judge's error and hint as the failed family's reason and one log line naming both; the
+    builder was asked exactly what a build with a working judge asks (no second rewrite), and the build goes on."""
+    from testing import Script
+    argv = _short_rows_argv(geo_input, tmp_path) + ["--docs", "5", "--fidelity-judge", "openai-compatible:judge",
+                                                    "--base-url", server, "--workers", "1",
+                                                    "--construction-families", "all"]
+    builder = lambda name: accounting.ledger_usage(str(tmp_path / "r" / name / "usage.jsonl"))["stages"][
+        "build-bench"]["offline:offline-engine"]["replies"]
+    run.main(argv + ["--name", "good", "--output", str(tmp_path / "good.jsonl")])      # the engine judges every one
+    Script.script = [(200, {}, CUT, 0)] * 2                # the first request and its re-ask: the judge fails on it
+    run.main(argv)
+    lines = [json.loads(line) for line in open(tmp_path / "b.jsonl", encoding="utf-8")][1:]
+    failed = [(g["group_id"], m, why) for g in lines for m, why in g.get("failed", {}).items()]
+    assert len(failed) == 1 and len(lines) == 6
+    gid, family, why = failed[0]
+    assert why.startswith(f"{family}: fidelity judge failed after 2 attempts: openai-compatible:judge: reply is not "
+                          "usable after 2 attempts") and "raise --max-tokens" in why
+    err = capsys.readouterr().err
+    assert f"[build-bench] {gid}: {family}: the fidelity judge failed on attempt 1's rewrite" in err
+    assert builder("b") == builder("good")
 
 
 def test_evals_k_must_stay_below_the_benchmarks_documents(short_rows, tmp_path):
