@@ -97,7 +97,7 @@ _FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)```", re.S)
 
 def split_think(text):
     """-> (answer text, reasoning or None): the reasoning block that opens a reply, where a reasoning model
-    served without a reasoning parser writes it, split off. Tags anywhere else are the answer's own text (a
+    served without a reasoning parser writes it, split off. Tags after the answer starts are its own text (a
     guard quoting a document's "<think>...</think>", inside a JSON string too) and stay. An unclosed opening
     <think> (truncated reply) is reasoning up to the first '{' after it; a reply whose server dropped the
     opening tag (the chat template put it in the prompt) is reasoning up to its first </think>, unless a '{'
@@ -557,7 +557,8 @@ class Client:
         """A reply received another way (a batch API's line) -> parsed, counted, and cached under `key`
         when usable, exactly as chat() would have cached it. -> True if cached; an unusable reply is not
         cached but kept as the request's first attempt where none is kept yet (_keep): chat() then sends
-        the re-ask, not the request the batch paid for."""
+        the re-ask, not the request the batch paid for, where one is asked (a JSON request with json_retries);
+        otherwise the kept line is the request's ReplyInvalid, nothing sent again."""
         reply = self._receive(no_lone_surrogates(resp), mode)
         try:
             _judge(reply, want_json, check)
@@ -608,7 +609,10 @@ class Client:
 
     def _keep(self, key, kept):
         """The unusable replies of a request, written under its key as (re-ask, Reply) pairs: an entry
-        without a "reply" field, so that nothing reads it as a reply."""
+        without a "reply" field, so that nothing reads it as a reply. A reply another caller's laxer check
+        took (a batch line kept for another call's request) stays: it is paid for and usable to that caller."""
+        if "reply" in (self.cache.get_raw(key) or {}):
+            return
         self.cache.put_raw(key, {"provider": self.provider, "model": self.model,
                                  "unusable": [{"reask": q, "reply": r.to_dict()} for q, r in kept]})
 
@@ -648,8 +652,11 @@ class Client:
                     cut = (f"; the reply stopped at the token cap ({self.shape.max_field}={max_tokens}, stop reason "
                            f"{reply.finish_reason!r}; reasoning models count their reasoning in it): raise "
                            "--max-tokens" if reply.finish_reason in CAPPED else "")
-                    err = self.transport.error(f"reply is not usable after {ask + 1} attempts ({e}){cut}", None,
-                                               reply.text)
+                    kept_note = "" if sent or not self.cache.dir else (f"; kept from an earlier request, nothing "
+                                                                       f"sent now: delete {self.cache._path(key)} "
+                                                                       "to ask again")
+                    err = self.transport.error(f"reply is not usable after {ask + 1} attempts ({e}){cut}{kept_note}",
+                                               None, reply.text)
                     raise ReplyInvalid(str(err), self.provider, err.body, attempts=ask + 1) from None
                 problem = "could not be parsed as JSON" if reply.data is None else "is not usable"
                 reask = f"Your reply {problem} ({e}). Return only the JSON object, nothing else."

@@ -551,6 +551,12 @@ def _score(data):
         raise ValueError(f"score must be a whole number, got {data.get('score')!r}")
 
 
+def unkept(message):
+    """A ReplyInvalid's message without the note a kept failure adds (where it is kept, how to ask again)."""
+    return message.split("; kept from an earlier request, nothing sent now: delete ")[0] + \
+        (message.split(" to ask again", 1)[1] if " to ask again" in message else "")
+
+
 def test_an_unusable_reply_is_kept_so_a_rerun_raises_the_same_error_unsent(server, tmp_path):
     """A reply that fails its check on both attempts is ReplyInvalid, paid for twice: its replies are kept under
     the request's key, apart from replies, so a rerun (a new client on the same cache) hands back an equal
@@ -562,14 +568,28 @@ def test_an_unusable_reply_is_kept_so_a_rerun_raises_the_same_error_unsent(serve
     assert len(Script.seen) == 2
     again = client(server, cache_dir=cache)
     [rep] = again.map([{"messages": m, "json": True, "check": _score}], progress=False, invalid="return")
-    assert isinstance(rep, llm_clients.ReplyInvalid) and (str(rep), rep.attempts, rep.body) == \
-        (str(first.value), 2, first.value.body)
+    assert isinstance(rep, llm_clients.ReplyInvalid) and (rep.attempts, rep.body) == (2, first.value.body)
+    # the same error, saying it was kept and how to ask again (no flag reaches ReplyCache.forget)
+    assert unkept(str(rep)) == str(first.value) and "kept from an earlier request" in str(rep)
     assert len(Script.seen) == 2 and again.stats["http_calls"] == 0 and again.stats["cache_hits"] == 1
     key, _ = again.request_key(m, json=True)
     assert again.cache.get(key) is None                  # kept, never read as a reply
     again.cache.forget(key)                              # the caller's way to try again
     Script.script = [(200, {}, ok('{"score": 3}'), 0)]
     assert again.chat(m, json=True, check=_score).data == {"score": 3} and len(Script.seen) == 3
+
+
+def test_a_stricter_checks_failure_leaves_another_callers_cached_reply(server, tmp_path):
+    """A reply cached under a key for a caller whose check took it (paid for, usable to it) is not replaced by
+    the unusable replies of a caller with a stricter check on the same request."""
+    Script.script = [(200, {}, ok('{"score": "high"}'), 0)] * 3
+    m, cache = [{"role": "user", "content": "judge it"}], str(tmp_path / "c")
+    c = client(server, cache_dir=cache)
+    assert c.chat(m, json=True).data == {"score": "high"}               # no check: cached as a reply
+    with pytest.raises(llm_clients.ReplyInvalid):
+        c.chat(m, json=True, check=_score)                               # the cached reply fails: asked afresh
+    key, _ = c.request_key(m, json=True)
+    assert c.cache.get(key).data == {"score": "high"} and client(server, cache_dir=cache).chat(m, json=True).cached
 
 
 def test_kept_replies_are_judged_by_the_reruns_check(server, tmp_path):
@@ -599,7 +619,7 @@ def test_identical_unusable_requests_in_flight_are_paid_once(server, tmp_path):
     c = client(server, cache_dir=str(tmp_path / "c"))
     out = c.map([{"messages": [{"role": "user", "content": "same"}], "json": True}] * 6, workers=6, progress=False,
                 invalid="return")
-    assert all(isinstance(r, llm_clients.ReplyInvalid) and str(r) == str(out[0]) for r in out)
+    assert all(isinstance(r, llm_clients.ReplyInvalid) and unkept(str(r)) == unkept(str(out[0])) for r in out)
     assert len(Script.seen) == 2 and c.stats["cache_hits"] == 5
 
 
@@ -1001,6 +1021,36 @@ def test_a_tls_handshake_failure_fails_at_once_unbilled_with_its_reason(server, 
         c.chat([{"role": "user", "content": "x"}])
     assert c.transport.http_calls == 1 and not Script.seen and not os.path.exists(ledger)
     assert "lost" not in c.usage() and "sk-SECRET-123" not in str(e.value)
+
+
+def test_a_handshake_cut_short_is_retried_unbilled(tmp_path):
+    """A connection closed in the middle of the TLS handshake (a proxy or balancer resetting it) is no refusal:
+    it is retried, as any connection failure, and never booked as a possibly billed reply (nothing was sent)."""
+    import socket
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(8)
+    accepted = []
+
+    def cut():
+        while True:
+            try:
+                conn, _ = lst.accept()
+            except OSError:
+                return
+            accepted.append(1)
+            conn.close()                               # the client's ClientHello gets EOF
+    threading.Thread(target=cut, daemon=True).start()
+    ledger = str(tmp_path / "usage.jsonl")
+    c = llm_clients.Client.open(f"https://127.0.0.1:{lst.getsockname()[1]}/v1", "m", api_key="k", max_retries=2,
+                                ledger=ledger)
+    c.transport.sleep = lambda s: None
+    try:
+        with pytest.raises(llm_clients.LLMError, match="after 3 attempts"):
+            c.chat([{"role": "user", "content": "x"}])
+    finally:
+        lst.close()
+    assert len(accepted) == 3 and "lost" not in c.usage() and not os.path.exists(ledger)
 
 
 def test_text_from_a_server_reaches_the_terminal_escaped(server):

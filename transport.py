@@ -15,8 +15,8 @@ Conventions (those of the openai-python and anthropic-sdk-python clients, whose 
   requests hands the socket over only with the headers, so this reaches into urllib3: its connection
   and pool classes subclassed, installed through PoolManager.pool_classes_by_scheme; requirements.txt
   pins the urllib3 range it is written against (2.x);
-- a TLS handshake that fails (a certificate refused, a server not speaking TLS) is not retried: nothing was
-  sent, and sending again meets the same refusal;
+- a TLS handshake refused (a certificate refused, a server not speaking TLS) is not retried: nothing was
+  sent, and sending again meets the same refusal; a handshake cut short is retried, never booked as billed;
 - every failure raises LLMError(status, provider, short body), a server's control characters in it as \\xHH.
 
 Usage: t = Transport("https://api.openai.com/v1", "openai:gpt-5.5", api_key=key); t.post(body)   # protocol's path
@@ -66,6 +66,12 @@ def refused(e):
     return isinstance(e, requests.ConnectTimeout) or isinstance(getattr(cause, "reason", None), NewConnectionError)
 
 
+# Handshake failures that sending again meets too: a certificate refused, a server that does not speak TLS (or
+# not a version we offer). Others (the connection cut mid-handshake by a proxy or balancer) are retried.
+REFUSED_HANDSHAKE = ("CERTIFICATE_VERIFY_FAILED", "WRONG_VERSION_NUMBER", "UNSUPPORTED_PROTOCOL",
+                     "TLSV1_ALERT_PROTOCOL_VERSION")
+
+
 def handshake_failure(e):
     """The TLS handshake failure behind a requests error (see TLSHandshakeError), or None."""
     cause = e.args[0] if isinstance(e, requests.exceptions.SSLError) and e.args else None
@@ -73,10 +79,16 @@ def handshake_failure(e):
     return reason if isinstance(reason, TLSHandshakeError) else None
 
 
+def refused_handshake(tls):
+    """Whether a handshake failure (handshake_failure) is a refusal that a retry would meet again."""
+    return tls is not None and any(r in str(tls.args[0] if tls.args else tls) for r in REFUSED_HANDSHAKE)
+
+
 def same_origin(url, home):
     """Whether `url` (a URL or an Endpoint) is on `home`'s scheme, host and port, a port left out read as the
     scheme's (443, 80): the test before a provider's key goes to it, since the host alone would let it go in
-    clear text (http://) or to another port. A URL with credentials of its own, or none that parses, is not."""
+    clear text (http://) or to another port. A URL string with credentials of its own, or one that does not
+    parse, is not; an Endpoint is compared on scheme, host and port alone (its credentials are its own)."""
     def origin(u):
         if isinstance(u, endpoints.Endpoint):
             return u.scheme, u.host, u.port
@@ -407,12 +419,12 @@ class Transport:
                 self.lost(billed and e.status == 200)
                 raise
             except RETRY_ERRORS as e:            # the connection failed, timed out or broke mid-reply
-                tls = handshake_failure(e)       # nothing sent, and sending again meets the same refusal
+                tls = handshake_failure(e)       # nothing sent: never billed
                 applied = tls is None and not refused(e)
                 self.lost(applied and billed)
                 if self.aborted.is_set():
                     raise self.error("stopped: the run failed on another request") from None
-                if tls is not None:
+                if refused_handshake(tls):       # a certificate refused, no TLS there: a retry meets it again
                     raise self.error(f"TLS handshake with {urlparse(url).netloc} failed, nothing sent: "
                                      f"{self.mask(str(tls.args[0]))[:200]}") from None
                 if last:
