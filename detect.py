@@ -20,9 +20,10 @@ construction honest edits no part of it was fitted on, k = ceil((1 - --fpr)(n + 
 honest edit exchangeable with those is flagged with probability (n + 1 - k)/(n + 1) <= --fpr; the plain
 (1 - fpr) quantile bounds only the calibration pages' own rate, and misses the target on new pages when n is
 small). With n < 1/fpr - 1 no k reaches the target: the largest score is taken, a warning logged, and the
-bound 1/(n + 1) recorded beside n. For the residual the calibration and test pages are scored by the same
-function, but the Shield kept the epoch whose loss was lowest on its monitoring groups' sources (train.py), so
-those groups' honest edits are not quite exchangeable with new ones; for the text detector the bound is
+bound 1/(n + 1) recorded beside n (the residual's; the text detector records none, below). For the residual
+the calibration and test pages are scored by the same function, but the Shield kept the epoch whose loss
+was lowest on its monitoring groups' sources (train.py), so those groups' honest edits are not quite
+exchangeable with new ones; for the text detector the bound is
 not proven (its calibration scores come from four out-of-fold fits, new pages' from the fit on all: the naive
 cross-validation threshold, which cross-conformal and CV+ do not cover, as they score a new page with the
 fold fits), so none is recorded and its held-out false-positive rate is the figure to read. The report says each.

@@ -223,8 +223,8 @@ class JudgeFailing(llm_clients.LLMError):
 def judge_check(tally, verdicts, judge, desc):
     """Count the judge's `verdicts` (the cheap checks' refusals left out) into `tally` ({"judged", "failed",
     "last"}: the run's so far) -> JudgeFailing, naming the judge and repeating its last error with the error's
-    hint, once at least JUDGE_STOP requests were judged and more than half of them failed (every one of the
-    first JUDGE_STOP, or most of those after): such a judge (a reasoning model cut at --max-tokens, a model
+    hint, once at least JUDGE_STOP requests were judged and more than half of them failed (3 of the first 4,
+    say): such a judge (a reasoning model cut at --max-tokens, a model
     that returns no JSON) would fail on the rest too, while the rewrites it cannot judge are paid for."""
     for why in verdicts:
         if judged(why):

@@ -494,10 +494,11 @@ def dry_run(run):
     rounds = lambda b: rounds_for(b, cfg.attacker.candidates_per_round)
     evaluated = len(test) * (len(budgets) + 2) * len(MEASURED)           # budgets, static, stale
     written = cfg.attacker.candidates_per_round * doc / 4
+    # the judge sees at most every candidate the rounds write: one it fails on spends no budget (attack.spent)
     per_round = {"training attacker": estimate(2 * len(cons) * rounds(hd.budget), 3 * doc + 1200, written),
                  "test attacker": estimate(2 * len(test) * rounds(max(budgets)), 3 * doc + 1200, written),
-                 "fidelity judge": estimate(2 * (len(cons) * (hd.budget - 1) + len(test) * (max(budgets) - 1)),
-                                            2 * doc + 600, 60),
+                 "fidelity judge": estimate(2 * cfg.attacker.candidates_per_round * (
+                     len(cons) * rounds(hd.budget) + len(test) * rounds(max(budgets))), 2 * doc + 600, 60),
                  "target answers": estimate(len(cons) * (hd.budget - 1) + cfg.tfsg.batch_size + evaluated,
                                             ctx + 2500, 400),
                  "ASI judge": estimate(2 * evaluated, doc + 2400, 80),

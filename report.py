@@ -177,8 +177,8 @@ def honest_lines(s, stage):
                 "rewrites of those groups")
     gap = [blocks.get(p, {}).get("honest_penalty") for p in pair]
     measured = (f" Here {pair[0]}'s honest penalty is {gap[0] - gap[1]:+.2f} points from {pair[1]}'s (a difference of "
-                "two rates, each over the groups whose source that one kept, so not a paired gap: no CI; with ~40 "
-                "groups a side each rate's CI above is the closer guide)." if None not in gap else "")
+                "two rates, each over the groups whose source that one kept, so not a paired gap: no CI; each rate's "
+                "CI above is the closer guide)." if None not in gap else "")
     lines = [f"**Honest penalty** ({where}test groups have an honest edit, build-bench --honest: the source in "
              "clearer wording and structure, every fact kept, no number, quotation, name or authority wording "
              f"added). Does the defense punish honest optimisation? {what[0].upper() + what[1:]}; 95% query-cluster "
@@ -224,7 +224,7 @@ def cost_lines(s):
     if honest:
         lines += honest_lines(s, "eval")
     return lines + _counts("Records whose reply is no longer in the cache (left out of the cost): ", cost,
-                           "usage_unknown") + _counts("Queries with a reply whose tokens are unknown (an answer that "
+                           "usage_unknown") + _counts("Replies whose tokens are unknown (an answer that "
                                                       "never parsed, a reply without usage; their calls counted, "
                                                       "left out of the token means, USD unknown): ", cost,
                                                       "unmetered_replies")
