@@ -360,6 +360,7 @@ def check(run):
     label, mode, pins = pinned(run, a.target, a.budgets, a.attack_rounds, per_round,
                                run.cfg.attacker.attacker, a.aware_of_library, lib)
     check_settings(run.cfg.folder.run_dir, f"{label}-{mode}", pins)
+    check_settings(run.cfg.folder.run_dir, CLEAN_KEY, clean_settings(run.cfg))
 
 
 def pinned(run, spec, budgets, rounds, per_round, attacker_spec, aware, lib):
@@ -407,15 +408,27 @@ def dry_run(run):
 
 def check_settings(run_dir, key, settings, pin=False):
     """The settings an attack's records depend on, pinned per target and setting (results/attack-
-    settings.json) with pin=True once the attack has run: a rerun that changes them is refused."""
+    settings.json) with pin=True once the attack has run: a rerun that changes them is refused. Key
+    CLEAN_KEY: those of results/attack/clean_reference.jsonl, which every attack of the run reads."""
     path = os.path.join(run_dir, "results", "attack-settings.json")
     old = read_json(path, {})
     if key in old and old[key] != settings:
-        raise changed_settings(path, f"the {key} attack was made", old[key],
+        made = "the clean reference every attack reads was made" if key == CLEAN_KEY else f"the {key} attack was made"
+        raise changed_settings(path, made, old[key],
                                {k: v for k, v in settings.items() if old[key].get(k) != v},
                                "Use another --name, or move the attack's records aside")
     if pin:
         write_json(path, {**old, key: settings})
+
+
+CLEAN_KEY = "clean reference"     # attack-settings.json's entry for results/attack/clean_reference.jsonl
+
+
+def clean_settings(cfg):
+    """What the attacks' shared clean reference answers depend on: the target LLM, its decoding and k (its
+    records resume by instance id, so one made at another --max-tokens would be read as this attack's)."""
+    return {"llm": cfg.llm.llm, "max_tokens": cfg.llm.max_tokens, "temperature": cfg.llm.temperature,
+            "k": cfg.data.k}
 
 
 def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
@@ -428,6 +441,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     lib = tfsg.load_library(run.library_path(), run.limits)
     label, mode, settings = pinned(run, spec, budgets, rounds, per_round, attacker_spec, aware, lib)
     check_settings(cfg.folder.run_dir, f"{label}-{mode}", settings)     # (MAGEO's loop: mode "...-repair")
+    check_settings(cfg.folder.run_dir, CLEAN_KEY, clean_settings(cfg))
     spec = target_of(spec)[1]
     base, shield = load_rankers(run, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \
@@ -452,6 +466,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     clean = clean_answers(eval_condition(
         cfg.llm, cfg.request.workers, llm, "clean reference", [geodef.clean_instance(g) for g in data.test], ref.topk,
         ref.pipeline, os.path.join(res, "attack", "clean_reference.jsonl"), eval_judge))   # eval's file is eval's
+    check_settings(cfg.folder.run_dir, CLEAN_KEY, clean_settings(cfg), pin=True)
     for b in budgets:   # the id names the document's text: eval's records resume by id, and a rerun's best may differ
         best = [cands[x.instance_id][best_of(cands[x.instance_id], b)] for x in insts]
         docs = [with_doc(x, c["text"], f"@{label}-{mode}-B{b}-{hashlib.sha1(c['text'].encode()).hexdigest()[:10]}")

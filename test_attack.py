@@ -213,7 +213,8 @@ def test_attacker_text_with_control_tokens_stays_text(tiny_dir):
 def test_a_rerun_on_other_settings_is_refused_and_eval_keeps_its_own_clean_reference(attacked, demo_run, tmp_path):
     """A pinned setting (temperature, in config.json) or one the attack's records hang on (max_tokens, rounds,
     in attack-settings.json) changed is refused before anything is sent, and by the dry run; the attack's clean
-    reference is its own file, eval's left as eval wrote it."""
+    reference is its own file, eval's left as eval wrote it, and another target's attack at another --max-tokens
+    is refused rather than reading it as its own."""
     out, _, _ = attacked
     shutil.copytree(out.parent / "just-attacked", tmp_path / "o")
     for extra, what in ((("--temperature", "0.7"), "temperature"), (("--max-tokens", "300"), "max_tokens"),
@@ -221,6 +222,11 @@ def test_a_rerun_on_other_settings_is_refused_and_eval_keeps_its_own_clean_refer
         for dry in ((), ("--dry-run",)):                 # the dry run checks what the attack would check
             with pytest.raises(SystemExit, match=f"different {what}"):
                 run.main(_argv(tmp_path / "o", *extra, *dry))
+    # another target's attack reads the same clean reference: made at another --max-tokens, it is refused
+    for dry in ((), ("--dry-run",)):
+        with pytest.raises(SystemExit, match="the clean reference every attack reads was made with different "
+                                             "max_tokens"):
+            run.main(_argv(tmp_path / "o", "--target", "base", "--max-tokens", "300", *dry))
     with pytest.raises(SystemExit, match=r"--budgets 5: 1 rounds of \d+ candidates make"):    # the best of 5 from 3
         run.main(_argv(demo_run.parent, "--attack-rounds", "1", "--dry-run"))                # (a run not attacked)
     res = "demo/results/clean_reference.jsonl"
