@@ -414,6 +414,10 @@ def rewrite_family(ctx, fam, groups, gate=geo_jobs.gate):
         retry = []
         for g, (t, trace), w in zip(todo, out, why):
             gid = g["group_id"]
+            # a family that gates its own candidates (MAGEO) and wrote none the judge could judge: the judge's
+            # failure, not a refusal of the family's work
+            inner = [v for v in (trace or {}).get("candidate_gate", []) if geo_jobs.judge_failed(v)]
+            w = inner[-1] if w is not None and not t and inner else w
             verdicts[gid].append(w or "accepted")
             if w is None:
                 done[gid] = (t, {**trace, "attempts": attempt + 1, "gate": verdicts[gid]})

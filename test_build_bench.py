@@ -742,3 +742,36 @@ def test_a_pool_edit_that_copies_a_shown_text_leaves_its_candidate_as_it_was():
              "g@3": ("promoted page 3", {})}
     build_bench.add_optimized(out, {"g": group}, edits)
     assert out["g"]["optimized"] == {"1": "clearer page 1"}
+
+
+def test_a_family_whose_own_candidates_the_judge_failed_on_is_not_rewritten():
+    """MAGEO gates its own candidates: when the judge fails on every candidate of a group, MAGEO hands back no
+    text, which the build read as a refusal and paid MAGEO's whole loop again (its retry, marked "attempt": 1).
+    It is the judge's failure: the group's reason holds the judge's error, and MAGEO ran once for it."""
+    import geo_attacks
+    import geo_jobs
+    import llm_clients
+    import offline
+    cut = {"choices": [{"message": {"content": '{"fidelity": 5, "contradicts_so'}, "finish_reason": "length"}]}
+    judged = []
+
+    def judge(body):         # the in-process engine as the judge, cut at the token cap on group g1's pages
+        judged.append(body)
+        return cut if " Page 1." in body["messages"][0]["content"] else offline.respond(body)
+    sent = []
+
+    def respond(body):
+        sent.append(body["messages"][0]["content"])
+        return offline.respond(body)
+    builder = llm_clients.make_client("offline", handler=respond)
+    ctx = geo_jobs.Ctx(builder, judge=llm_clients.make_client("offline", handler=judge))
+    src = "Canberra became the capital of Australia in 1913, a compromise between Sydney and Melbourne."
+    docs = [src] + [f"Other page {k} about Australian cities, with no figures at all." for k in range(9)]
+    groups = [{"group_id": f"g{k}", "query": "why is canberra the capital", "source_index": 0,
+               "docs": [{"text": src + f" Page {k}."}] + [{"text": d} for d in docs[1:]]} for k in range(8)]
+    done, failed = build_bench.rewrite_family(ctx, geo_attacks.FAMILIES["MAGEO"](), groups)
+    assert set(failed) == {"g1"} and len(done) == 7
+    assert failed["g1"].startswith("MAGEO: fidelity judge failed after 2 attempts") and "raise --max-tokens" in \
+        failed["g1"]
+    mine = [p for p in sent if " Page 1." in p]
+    assert mine and not any('"attempt": 1' in p for p in sent)      # no second attempt of MAGEO, for g1 or any
