@@ -138,11 +138,12 @@ def sample_lines(s):
     # holds them as ASR_ci_groups_only and ASR_ci
     old = lambda v: ("ASR_ci_groups_only", "ASR_ci") if "ASR_ci_groups_only" in v else ("ASR_ci", "ASR_ci_two_level")
     return [f"## Repeated samples: {b['n']} answers per instance\n",
-            "Every condition answered each instance N times (each its own cached reply); the tables above "
-            "average over them. 95% CI of ASR: over query groups, of each instance's mean over its samples "
-            "(it carries the answers' variance with the groups'). Beside it, as a check, the two-level bootstrap "
-            "(groups, then samples within each), which counts the answers' variance twice: conservative, "
-            "wider.\n",
+            "Every condition answered each instance N times (each its own cached reply); Tables 1 and 2 and the "
+            "per-method tables pool them (their n counts answers: instances x N), while Fig. 5, Table C.1, Table "
+            "C.2's own row, the attack strength and the cost per query read the first sample only. 95% CI of "
+            "ASR: over query groups, of each instance's mean over its samples (it carries the answers' variance "
+            "with the groups'). Beside it, as a check, the two-level bootstrap (groups, then samples within each), "
+            "which counts the answers' variance twice: conservative, wider.\n",
             _table(["Condition", "ASR", "95% CI", "95% CI, two-level (check)", "ASR per sample"],
                    [[k, fmt(v["ASR"]), *(ci(v[n]) for n in old(v)),
                      ", ".join(fmt(a) for a in v["ASR_per_sample"])] for k, v in b["conditions"].items()]) + "\n"]

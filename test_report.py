@@ -270,3 +270,12 @@ def test_a_gap_over_one_group_is_printed_without_an_interval():
     assert report.gap_text({"gap": 50.0, "gap_ci": None, "groups": 1}) == "+50.0 [one group: no CI]"
     assert report.gap_text({"gap": -2.0, "gap_ci": [-5.0, 1.0], "groups": 9}) == "-2.0 [-5.0, +1.0]"
     assert report.gap_text({"gap": None, "gap_ci": None, "groups": 0}) == "-"
+
+
+def test_the_repeated_samples_section_says_which_figures_pool_the_samples():
+    """eval --samples N: Tables 1 and 2 pool every sample, Fig. 5, C.1, C.2's own row, the strength and the cost
+    read the first; the section says so rather than that every table above averages them."""
+    v = {"ASR": 10.0, "ASR_ci": [5.0, 15.0], "ASR_ci_two_level": [4.0, 16.0], "ASR_per_sample": [9.0, 11.0]}
+    text = "".join(report.sample_lines({"samples": {"n": 2, "conditions": {"Non-Defense": v}}}))
+    assert "Tables 1 and 2 and the per-method tables pool them (their n counts answers: instances x N)" in text
+    assert "Table C.1, Table C.2's own row, the attack strength and the cost per query read the first sample" in text
