@@ -457,13 +457,12 @@ def honest_edits(ctx, groups):
     (honest_gate), REWRITE_TRIES attempts: -> ({group_id: (text or None, trace)}, {refusal kind: attempts
     refused so}). A group whose every attempt is refused keeps its attacks and has no honest edit; its
     trace says why. An edit the fidelity judge failed on is no refusal: its group has no honest edit, its
-    trace holds the judge's error, and the refusal kinds leave it out; the judge is counted on ctx's tally
-    (geo_jobs.judge_check), as the families' gate counts it."""
+    trace holds the judge's error, and the refusal kinds leave it out; honest_gate counts the judge on ctx's
+    tally (geo_jobs.judge_check), as the families' gate does."""
     verdicts = []
 
     def gate(ctx, sources, texts, desc="honest edit fidelity"):
         why = honest.honest_gate(ctx, sources, texts, desc)
-        geo_jobs.judge_check(ctx.judge_tally, why, ctx.fidelity_judge, desc)
         verdicts.extend(w for w in why if w and not geo_jobs.judge_failed(w))
         return why
     done, failed = rewrite_family(ctx, honest.HonestEdit(), groups, gate)

@@ -239,11 +239,12 @@ def judge_check(tally, verdicts, judge, desc):
                            "not paid again")
 
 
-def gate(ctx, sources, texts, desc="fidelity"):
+def gate(ctx, sources, texts, desc="fidelity", refuse=None):
     """Each rewrite's verdict: None (kept), why it is refused, or a judge failure (judge_failed). One gate for
-    every family: the cheap checks, then the fidelity judge (ctx.fidelity_judge) on what passes them;
-    JudgeFailing once the judge has failed on most of ctx's requests (judge_check)."""
-    why = [refusal(s, t) for s, t in zip(sources, texts)]
+    every family: the cheap checks (`refuse`, default refusal; honest.py's gate passes its own), then the
+    fidelity judge (ctx.fidelity_judge) on what passes them; JudgeFailing once the judge has failed on most of
+    ctx's requests (judge_check)."""
+    why = [(refuse or refusal)(s, t) for s, t in zip(sources, texts)]
     ask = [i for i, w in enumerate(why) if w is None]
     for i, w in zip(ask, fidelity_verdicts(ctx.fidelity_judge, [(sources[i], texts[i]) for i in ask],
                                            ctx.max_tokens, ctx.workers, desc)):

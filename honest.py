@@ -12,7 +12,7 @@ import json
 import re
 
 from geo_jobs import (FACTS, FIDELITY_INSTRUCTION, FIDELITY_THRESHOLD, MAX_RATIO, MIN_RATIO, NEEDS_REWRITE, NUMBER,
-                     REWRITE, attempt_of, fidelity_verdicts, refusal)
+                     REWRITE, attempt_of, gate, refusal)
 
 HONEST_INSTRUCTION = ("You edit the web document in the input for its readers, as a careful publisher would: clearer "
                       "wording, shorter sentences, paragraphs in a sensible order, a plain heading where it helps. "
@@ -105,14 +105,9 @@ def honest_refusal(source, text):
 
 
 def honest_gate(ctx, sources, texts, desc="honest edit fidelity"):
-    """Each honest edit's verdict, None (kept) or why it is refused: honest_refusal, then the same fidelity
-    judge as the families' gate."""
-    why = [honest_refusal(s, t) for s, t in zip(sources, texts)]
-    ask = [i for i, w in enumerate(why) if w is None]
-    for i, w in zip(ask, fidelity_verdicts(ctx.judge or ctx.llm, [(sources[i], texts[i]) for i in ask],
-                                           ctx.max_tokens, ctx.workers, desc)):
-        why[i] = w
-    return why
+    """Each honest edit's verdict, None (kept), why it is refused, or a judge failure: the families' gate
+    (geo_jobs.gate, its judge counted on ctx's tally) with honest_refusal as its cheap checks."""
+    return gate(ctx, sources, texts, desc, refuse=honest_refusal)
 
 
 class HonestEdit:

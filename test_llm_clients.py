@@ -16,7 +16,7 @@ import accounting
 import endpoints
 import llm_clients
 import transport
-from testing import Script, client, ok
+from testing import Script, client, ok, send_json
 
 
 def test_retry_after_then_success(server):
@@ -634,11 +634,7 @@ class HangsUp(BaseHTTPRequestHandler):
         if text is None:
             self.close_connection = True
             return
-        data = json.dumps(ok(text)).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, ok(text))
 
     def log_message(self, *a):
         pass

@@ -36,7 +36,7 @@ import store
 import tfsg
 import tiny
 import train
-from testing import SAMPLE, R, Script, _tfsg_inputs, client, ok, write_lines
+from testing import SAMPLE, R, Script, _tfsg_inputs, client, ok, send_json, write_lines
 
 
 def test_trace_keeps_its_supporting_evidence():
@@ -565,11 +565,7 @@ class BadJudge(BaseHTTPRequestHandler):
             BadJudge.judged += 1
             key = "attack_influence_score" if first.startswith("Evaluate") else "pairwise_score_a_over_b"
             resp["choices"][0]["message"]["content"] = json.dumps({key: 7 if key.startswith("attack") else "great"})
-        data = json.dumps(resp).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, resp)
 
     def log_message(self, *a):
         pass

@@ -71,18 +71,24 @@ class Script(BaseHTTPRequestHandler):
             import offline           # the engine answers what is not scripted
             status, headers, payload, delay = 200, {}, offline.respond(body), 0
         time.sleep(delay)
-        data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-        try:
-            self.send_response(status)
-            for k, v in headers.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        send_json(self, payload, status, headers)
 
     def log_message(self, *a):
+        pass
+
+
+def send_json(handler, payload, status=200, headers=None):
+    """A loopback handler's whole reply: `payload` as JSON (a str as it is) with its length and `headers`; a
+    client that hung up is no error."""
+    data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+    try:
+        handler.send_response(status)
+        for k, v in (headers or {}).items():
+            handler.send_header(k, v)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+    except (BrokenPipeError, ConnectionResetError):
         pass
 
 

@@ -90,14 +90,11 @@ def same_origin(url, home):
     clear text (http://) or to another port. A URL string with credentials of its own, or one that does not
     parse, is not; an Endpoint is compared on scheme, host and port alone (its credentials are its own)."""
     def origin(u):
-        if isinstance(u, endpoints.Endpoint):
-            return u.scheme, u.host, u.port
-        p = urlparse(u or "")
         try:
-            port = p.port or {"https": 443, "http": 80}.get(p.scheme)
-        except ValueError:                   # a port that is no number
+            e = u if isinstance(u, endpoints.Endpoint) else endpoints.Endpoint.parse(u)
+        except ValueError:                   # not http(s)://HOST[:PORT]
             return None
-        return None if p.username is not None or not p.hostname else (p.scheme, p.hostname, port)
+        return None if e.basic and not isinstance(u, endpoints.Endpoint) else (e.scheme, e.host, e.port)
     mine = origin(url)
     return mine is not None and mine == origin(home)
 
