@@ -111,6 +111,9 @@ def test_two_ranks_killed_and_resumed_end_with_the_single_process_adapter(tmp_pa
     single = [line for line in open(tmp_path / "single" / "train_log.jsonl") if '"event": "train"' in line]
     assert len(logged) == len(single) > 2                      # each step logged once, by rank 0
     assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "single"))
+    trained_by = lambda f: json.load(open(tmp_path / f / "shield_done.json"))["trained_by"]   # what finished training
+    assert (trained_by("two")["ranks"], trained_by("single")["ranks"]) == (2, 1)
+    assert trained_by("two")["torch"] == torch.__version__ and trained_by("two")["dtype"] == "torch.float32"
 
 
 class TwoRanks(parallel.Ranks):

@@ -28,7 +28,7 @@ from llm_clients import ReplyInvalid
 from metrics import ranked
 from rankers import base_ranker, doc_key, load_rankers, shield_ranker
 from reranker import CheckpointError
-from runs import labels_of
+from runs import code_version, labels_of
 from store import append_jsonl, log, read_json, write_json
 
 
@@ -336,9 +336,16 @@ def finish_shield(run, rr, folder, adapter_dir, state, steps_per_epoch):
     test_stats = shield_test_stats(run, rr, geodef.expand(data.test, data.methods), adapter_dir)
     write_json(os.path.join(folder, "shield_done.json"), {"best": state["best"], "history": state["history"],
                                                       "steps": state["step"], "steps_per_epoch": steps_per_epoch,
-                                                      "test_ranking": test_stats})
+                                                      "test_ranking": test_stats, "trained_by": trained_by(run, rr)})
     log(f"[train] best adapter (epoch {state['best']['epoch']}): {state['best']}")
     log(f"[train] test groups, base -> shield: {test_stats}")
+
+
+def trained_by(run, rr):
+    """What finished a Shield's training (shield_done.json): the code, torch, the ranks and the dtype; config.json
+    is rewritten by every later command."""
+    return {"code_version": code_version(), "torch": torch.__version__, "ranks": run.ranks.world,
+            "dtype": str(rr.model.embed_tokens.weight.dtype)}
 
 
 def benign_kept(base_scores, new_scores, x, k):
