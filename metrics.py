@@ -15,6 +15,7 @@ of more than 9 digits, and numbers apart by a space alone ([1 2]).
 Usage: cited_indices("A [1][3]. B [2-3].") -> [1, 3, 2]; lo, hi = cluster_bootstrap_ci(v, groups)
 """
 import hashlib
+import json
 import math
 import re
 
@@ -329,12 +330,21 @@ Return strict JSON:
 }}"""
 
 
+def quoted(text):
+    """A field of a judge prompt as one JSON string: the text an attacker writes (a document, an answer that
+    follows it) starts no line of the prompt, so a document's own "Final answer:" line or "Return strict JSON"
+    section stays inside its field; "<" escaped as everywhere the project quotes a document (tfsg.json_block)."""
+    return json.dumps(text, ensure_ascii=False).replace("<", "\\u003c")
+
+
 def asi_prompt(query, attack_doc, answer):
-    return ASI_PROMPT.format(query=query, attack=attack_doc, answer=answer)
+    """A.3's ASI judge prompt, each field a JSON string (quoted)."""
+    return ASI_PROMPT.format(query=quoted(query), attack=quoted(attack_doc), answer=quoted(answer))
 
 
 def pairwise_prompt(query, answer_a, answer_b):
-    return PAIRWISE_PROMPT.format(query=query, a=answer_a, b=answer_b)
+    """A.3's pairwise judge prompt, each field a JSON string (quoted)."""
+    return PAIRWISE_PROMPT.format(query=quoted(query), a=quoted(answer_a), b=quoted(answer_b))
 
 
 def parse_asi(data):

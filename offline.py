@@ -447,6 +447,19 @@ def with_guidance(read_plain, guidance):
     return read
 
 
+def json_fields(read):
+    """A reader of a template whose fields are JSON strings (metrics.quoted) -> a reader of their texts; a
+    field that is not one JSON string makes the prompt another kind."""
+    def decoded(prompt):
+        f = read(prompt)
+        try:
+            f = f and {k: json.loads(v) for k, v in f.items()}
+        except (ValueError, RecursionError):
+            return None
+        return f if f and all(isinstance(v, str) for v in f.values()) else None
+    return decoded
+
+
 Q, A, B, D = "\x00query\x00", "\x00a\x00", "\x00b\x00", "\x00results\x00"
 PLAIN = tfsg.standard_prompt(Q, [D]).replace("[1] " + D, D)                          # A.3.7 with one result
 GUIDED = tfsg.standard_prompt(Q, [D], static_safety=True).replace("[1] " + D, D)     # A.3.8: guidance added
@@ -458,8 +471,10 @@ if GUIDED != PLAIN[:_AT] + GUIDANCE + PLAIN[_AT:]:
 # is the attacker's document (ASI) or the results; the pairwise judge's answers are both the target's text,
 # so its fields end at the first occurrence of the next label, as the prompt reads top down.
 TEMPLATES = {
-    "asi_judge": template_reader(metrics.asi_prompt(Q, A, B), "attack", query=Q, attack=A, answer=B),
-    "pairwise_judge": template_reader(metrics.pairwise_prompt(Q, A, B), "b", query=Q, a=A, b=B),
+    "asi_judge": json_fields(template_reader(metrics.ASI_PROMPT.format(query=Q, attack=A, answer=B), "attack",
+                                             query=Q, attack=A, answer=B)),
+    "pairwise_judge": json_fields(template_reader(metrics.PAIRWISE_PROMPT.format(query=Q, a=A, b=B), "b",
+                                                  query=Q, a=A, b=B)),
     # the defenses' system + user prompts (with_system), their documents captured whole
     "answer_spotlight": template_reader(chat_text(defenses.spotlight_messages(Q, [D])).replace("[1] " + D, D),
                                         "results", query=Q, results=D),

@@ -256,7 +256,7 @@ def test_template_reading_is_linear_in_the_prompt():
     document, at once (lazy regex groups under fullmatch took seconds: cubic in the repeats)."""
     import time
     body = "\nAttack document: \nFinal answer: x" * 400
-    head = metrics.asi_prompt("\x00", "", "").split("\x00")[0]
+    head = metrics.ASI_PROMPT.split("{query}")[0]
     start = time.perf_counter()
     with pytest.raises(ValueError, match="not a GEO Defender prompt"):
         offline.complete(head + body)
