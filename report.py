@@ -588,7 +588,9 @@ def write_attack_report(run_dir, s):
                 f"{k} {v} ({100 * v / total:.1f}%)" for k, v in b["gate"].items()) + ".\n")
             c = b["cost"]
             lines.append(f"Cost of this attack: {c['attacker']['calls']} attacker calls ({c['attacker']['http_calls']}"
-                         f" sent), {(c['judge'] or {}).get('calls', 0)} fidelity judge calls, "
+                         " sent by the invocation that finished it: a resumed attack's earlier replies come from the "
+                         "cache, and the run folder's usage below counts every invocation), "
+                         f"{(c['judge'] or {}).get('calls', 0)} fidelity judge calls, "
                          + (f"{c['engine']['calls']} engine answers, " if c.get("engine") else "")
                          + f"{c['reranker_queries']} reranker queries, {c['candidates']} candidates.\n")
     lines += usage_lines(s.get("usage") or {})
