@@ -1021,9 +1021,12 @@ def library_view(lib, structured):
 # A line of a search result opening with "[n]" (or "[ n ]", which cited reads alike): in A.3.7's "[i] text" list it
 # would read as a result of its own, and an answer's citation [n] of the attacker's text would be credited to
 # document n (str.splitlines' breaks; the spaces are whitespace but no break, so that a run of breaks is read
-# once: linear)
-_BREAK, _SPACE = r"[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]*"
-RESULT_MARK = re.compile(rf"(\A|{_BREAK})({_SPACE})\[{_SPACE}(\d+){_SPACE}\]")
+# once: linear). Invisible characters count as spaces (zero-width ones, joiners, bidi marks, embeddings and
+# isolates, the BOM, fillers: a reader still sees the line open with "[n]"), and fullwidth brackets as brackets.
+_BREAK = r"[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
+_SPACE = (r"(?:[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
+          r"|[\u00ad\u115f\u1160\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2069\u2800\u3164\ufeff\uffa0])*")
+RESULT_MARK = re.compile(rf"(\A|{_BREAK})({_SPACE})[\[\uff3b]{_SPACE}(\d+){_SPACE}[\]\uff3d]")
 
 
 def standard_prompt(query, docs, static_safety=False):
