@@ -1020,3 +1020,14 @@ def test_a_failed_answers_zero_is_not_in_the_judged_mean_that_fills_a_judge_fail
     base = [rec(4), rec(4), rec(None)]
     assert evaluation.summarize(base + [rec(0, inside=False)], clean)["ASI"] == 75.0
     assert evaluation.summarize(base + [rec(0, answer_failed={"why": "x"})], clean)["ASI"] == 75.0
+
+
+def test_benign_evidence_kept_leaves_out_every_attacked_document():
+    """A list with a co-attack (build-bench --attacked K): a Shield demoting both attacked documents keeps all
+    the base top-k's benign evidence; the co-attack counted as benign made it a loss."""
+    x = geodef.Instance("i", "g", "q", [f"d{i}" for i in range(10)], [f"id{i}" for i in range(10)], attack_index=0,
+                        co_attacks=(1,))
+    base = [9.0, 8.0] + [float(-i) for i in range(8)]        # both attacks and benign 2, 3, 4 in the base top-5
+    shield = [-9.0, -8.0] + base[2:]
+    assert train.benign_kept(base, shield, x, 5) == 1.0
+    assert train.benign_kept(base, [-9.0, 9.0] + base[2:], x, 5) == 1.0   # a co-attack kept is no benign document

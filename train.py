@@ -333,7 +333,8 @@ def finish_shield(run, rr, folder, adapter_dir, state, steps_per_epoch):
     data = run.data
     lora.load_adapter(rr.model, adapter_dir)
     rr.model.eval()
-    test_stats = shield_test_stats(run, rr, geodef.expand(data.test, data.methods), adapter_dir)
+    # the paper's lists (one attacked document each): the stats follow the source's rewrite alone
+    test_stats = shield_test_stats(run, rr, geodef.expand(data.test, data.methods, paper=True), adapter_dir)
     write_json(os.path.join(folder, "shield_done.json"), {"best": state["best"], "history": state["history"],
                                                       "steps": state["step"], "steps_per_epoch": steps_per_epoch,
                                                       "test_ranking": test_stats, "trained_by": trained_by(run, rr)})
@@ -349,9 +350,9 @@ def trained_by(run, rr):
 
 
 def benign_kept(base_scores, new_scores, x, k):
-    """Share of the base top-k's benign documents of instance x that are still in the new top-k (ties by
-    document id, as eval ranks)."""
-    ben = [i for i in ranked(base_scores, x.doc_ids)[:k] if i != x.attack_index]
+    """Share of the base top-k's benign documents of instance x (every attacked document left out, co-attacks
+    included) that are still in the new top-k (ties by document id, as eval ranks)."""
+    ben = [i for i in ranked(base_scores, x.doc_ids)[:k] if i not in x.attacked]
     return len(set(ben) & set(ranked(new_scores, x.doc_ids)[:k])) / max(1, len(ben))
 
 
