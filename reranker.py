@@ -29,6 +29,7 @@ Usage: rr = Reranker.from_pretrained("Qwen/Qwen3-Reranker-0.6B"); rr.rank(query,
 """
 import json
 import os
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -45,6 +46,10 @@ PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements
           "<|im_start|>user\n")
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 BODY = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
+# The body's field labels: written in a query or a document they would start a field of their own (a second
+# instruction after the query, say), so there they lose their angle brackets (_bodies)
+FIELDS = ("Instruct", "Query", "Document")
+FIELD_LABEL = re.compile("<(" + "|".join(FIELDS) + ")>")
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "generation_config.json"]
 SUPPORTED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -465,9 +470,11 @@ class Reranker:
         return (rows[0].float() - rows[1].float()).to(self.device)
 
     def _bodies(self, query, docs):
-        """-> (token room for a body, each document's body encoded as ordinary text)."""
+        """-> (token room for a body, each document's body encoded as ordinary text; the query's and the
+        documents' own field labels without their brackets, FIELD_LABEL)."""
         room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
-        bodies = [BODY.format(instruction=self.instruction, query=query, doc=d) for d in docs]
+        query = FIELD_LABEL.sub(r"\1", query)
+        bodies = [BODY.format(instruction=self.instruction, query=query, doc=FIELD_LABEL.sub(r"\1", d)) for d in docs]
         return room, self.text_tokenizer.encode_batch(bodies, add_special_tokens=False)
 
     def tokenize(self, query, docs):
