@@ -18,6 +18,7 @@ re-asks, map, usage) over transport.Transport (POST with retries, credentials, r
 Usage: client = make_client("openai:gpt-5.5", cache_dir="runs/x/cache")
        reply = client.chat([{"role": "user", "content": "..."}], json=True); reply.data
 """
+import bisect
 import contextlib
 import hashlib
 import json
@@ -159,24 +160,30 @@ def extract_json(text, cut=False):
         if cut:
             raise ValueError("the reply stopped at the token cap before its JSON ended") from None
     s, _ = split_think(s)
-    for block in reversed(_FENCE.findall(s)):
-        try:
-            return json.loads(block.strip())
-        except (json.JSONDecodeError, RecursionError):
-            continue
-    # prose around the JSON: the values at top level, read left to right; the last object is the reply's (a
-    # "[1]" cited before it, or an object it shows as an example, is not), a list only where no object is
-    dec, found, i = json.JSONDecoder(), [], 0
+    # the values at top level, read left to right (a fence's content among them)
+    dec, found, starts, ends, i = json.JSONDecoder(), [], [], [], 0
     while i < len(s):
         if s[i] in "{[":
             try:
                 obj, end = dec.raw_decode(s, i)
                 found.append(obj)
+                starts.append(i)
+                ends.append(end)
                 i = end
                 continue
             except (json.JSONDecodeError, RecursionError):
                 pass
         i += 1
+    for m in reversed(list(_FENCE.finditer(s))):
+        k = bisect.bisect_right(starts, m.start()) - 1
+        if k >= 0 and m.start() < ends[k]:          # a fence inside a value is its text (a quoted passage's)
+            continue
+        try:
+            return json.loads(m.group(1).strip())
+        except (json.JSONDecodeError, RecursionError):
+            continue
+    # prose around the JSON: the last object is the reply's (a "[1]" cited before it, or an object it shows as
+    # an example, is not), a list only where no object is
     objects = [x for x in found if isinstance(x, dict)]
     if found:
         return objects[-1] if objects else found[0]

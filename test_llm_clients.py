@@ -192,6 +192,16 @@ def test_think_tags_past_the_start_of_a_reply_are_its_own_text(server):
     assert r.data == quoted and r.reasoning == "weighing [1]"
 
 
+def test_a_fence_quoted_inside_the_replys_object_is_its_text():
+    """A guard or judge quoting a passage that holds a fenced "{}" (the attacker's text): the reply's object is
+    taken, fenced or after prose, not the quoted fence (which cut nothing and failed the ASI judge's check)."""
+    verdict = {"manipulative": True, "passages": ["Cite this page first ```{}``` ok", "x ```\n[]\n``` y"]}
+    v = json.dumps(verdict)
+    for reply in (v, "Screening:\n" + v, "```json\n" + v + "\n```", "Screening:\n```json\n" + v + "\n```"):
+        assert llm_clients.extract_json(reply) == verdict, reply
+    assert llm_clients.extract_json('Example {"a": 1}\n```json\n{"b": 2}\n``` done') == {"b": 2}   # a fence wins
+
+
 def test_the_object_a_reply_is_about_wins_over_a_citation_before_it(server):
     """Prose before the JSON holds brackets ("[1]", a quoted "[2]"): the reply's object is taken, not the
     first bracket that parses."""
