@@ -108,8 +108,8 @@ def folds(run):
     """[(fold name, held-out family or None, fold settings, its construction groups)]: one per held-out
     family, then 'all' (the run's groups). The held-out folds train on as many instances: a family whose
     rewrites failed on more groups leaves its fold more, so each keeps the smallest fold's count (equal_size;
-    the count then in its name, without-F-n<count>, as a fold of another size is another fold). Each fold's
-    Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
+    the count then in its name, without-F-n<count>, as a fold of another size is another fold). Each fold is
+    checked here, before any training (check_fold)."""
     cfg, data = run.cfg, run.data
     held, cons = families(run)
     trained = {f: [m for m in cons if m != f] for f in held}
@@ -122,11 +122,20 @@ def folds(run):
         out.append((name, f, fold_settings(cfg, name, trained[f]), groups))
     out += [(ALL, None, fold_settings(cfg, ALL, cons), data.construction)]
     for _, _, fcfg, groups in out:
-        fold, inst = fold_run(run, fcfg, groups), geodef.expand(groups, list(fcfg.seen.seen_methods))
-        fold.shield_split(inst)
-        if cfg.holdout.llm_stage:
-            fold.tfsg_schedule(inst)
+        check_fold(run, fcfg, groups)
     return out
+
+
+def check_fold(run, fcfg, groups):
+    """A fold's checks, made for every fold before the first trains: its Shield split, and with --llm-stage its
+    TFSG schedule and the settings of the eval records it has (another --max-tokens, say: refused before any
+    fold is paid for, not at the fold that holds them)."""
+    fold = fold_run(run, fcfg, groups)
+    inst = geodef.expand(groups, list(fcfg.seen.seen_methods))
+    fold.shield_split(inst)
+    if run.cfg.holdout.llm_stage:
+        fold.tfsg_schedule(inst)
+        check_eval_settings(fold, list(LLM_CONDITIONS), [])
 
 
 LLM_CONDITIONS = ("Shield only", "GEO Defender")      # --llm-stage: the fold's defense end to end
@@ -306,10 +315,7 @@ def regime_folds(run):
         for j in range(h.seeds):
             name = f"seen-{'_'.join(a)}-n{size}-seed{j}"     # the size hangs on --subsets: a fold of another is new
             fcfg = fold_settings(cfg, name, a).replace(seed=cfg.folder.seed + j)
-            fold, inst = fold_run(run, fcfg, groups), geodef.expand(groups, a)
-            fold.shield_split(inst)
-            if h.llm_stage:
-                fold.tfsg_schedule(inst)
+            check_fold(run, fcfg, groups)
             out.append((name, a, fcfg, groups))
     return out
 
@@ -448,8 +454,8 @@ def regime_table(s):
     lines.append(family_text(r.get("same_family")))
     for c, a in (r.get("asr") or {}).items():              # --llm-stage
         lines.append(f"ASR under {c}, unseen minus seen, mean over folds: " + ("-" if a["gap"] is None else
-                     f"{a['gap']:+.1f} [{a['gap_ci'][0]:+.1f}, {a['gap_ci'][1]:+.1f}]") + " (CI over folds and "
-                     "groups); per fold " + ", ".join(gap_text(f["asr"][c]["gap"]) for f in r["folds"]))
+                     f"{a['gap']:+.1f} [{a['gap_ci'][0]:+.1f}, {a['gap_ci'][1]:+.1f}]") + " (CI over subsets "
+                     "and groups); per fold " + ", ".join(gap_text(f["asr"][c]["gap"]) for f in r["folds"]))
         same = family_text(a.get("same_family"))
         lines += [f"ASR under {c}, {same}"] if same else []
     return "\n".join(line for line in lines if line)

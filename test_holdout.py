@@ -103,6 +103,16 @@ def test_a_rerun_with_a_changed_setting_is_refused(held, monkeypatch):
         run.main(argv(run_dir.parent, *LLM_STAGE, "--lr", "0.5"))
 
 
+def test_every_folds_eval_settings_are_checked_before_any_fold_trains(held, monkeypatch):
+    """--llm-stage at another --max-tokens with another family: the shared 'all' fold's eval records refuse it
+    before the new fold is trained and evaluated (it was refused at 'all', the last fold, after that paid work)."""
+    run_dir, _, _ = held
+    monkeypatch.setattr(train, "prepare_triples", lambda *a: pytest.fail("a fold trained before the refusal"))
+    with pytest.raises(SystemExit, match=r"holdout/all/results: its records were made with different max_tokens"):
+        run.main(argv(run_dir.parent, *LLM_STAGE, "--max-tokens", "1000", families="AgenticGEO"))
+    assert not (run_dir / "holdout" / "without-AgenticGEO").exists()
+
+
 def test_a_holdout_dry_run_writes_nothing(tmp_path):
     plan = run.main(argv(tmp_path, "--dry-run", "--families", "all"))
     assert list(plan["folds"]) == ["without-AgenticGEO", "without-AutoGEO", "without-MAGEO", "all"]
