@@ -167,6 +167,18 @@ def run_fold(run, fcfg, llm_stage=False, construction=None):
     return {label: metrics.paper_level(recs) for label, recs in out.items()}
 
 
+def failed_answers(recs):
+    """{condition: answers that never came} of one fold's --llm-stage records, where some did: each cites
+    nothing, read as a blocked attack in the ASR (rate), as eval's reports count them."""
+    return {c: n for c in LLM_CONDITIONS if (n := sum("answer_failed" in r for r in recs.get(c, ())))}
+
+
+def failed_lines(s):
+    failed = s.get("answers_failed") or {}
+    return ["Answers that never came (cite nothing: counted as not citing the attack in the ASR): " + ", ".join(
+        f"{fold} {c} {n}" for fold, cs in failed.items() for c, n in cs.items()) + ".\n"] if failed else []
+
+
 def matched(others, family, label="shield", key="exposed"):
     """F's `key` under the folds `others` (each trained without another family G, so on F; the -F fold's
     size), per query group: the mean over G of each fold's group mean -> ({group_id: [value]}, the mean
@@ -237,9 +249,10 @@ def holdout(run):
         for r in rows:
             r["detection"] = detect.fold_detection(data, r["trained_on"], r["family"], DETECT_FPR, *boot)
     seen = construction_families(run, say=False)
+    failed = {name: n for name, family, _, _ in plan if (n := failed_answers(recs[family]))}
     summary = {**summary_head(run, seen), "folds": rows,
                "never_trained": {m: rate(ref["shield"], [m]) for m in data.methods if m not in seen},
-               "all_families_exposure": rate(ref["shield"], seen)}
+               "all_families_exposure": rate(ref["shield"], seen), **({"answers_failed": failed} if failed else {})}
     out = os.path.join(cfg.folder.run_dir, "holdout")
     write_json(os.path.join(out, "summary.json"), summary)
     write_report(out, summary)
@@ -399,10 +412,12 @@ def regime(run):
     h, boot = cfg.holdout, (cfg.rerank.n_boot, cfg.folder.seed)
     rows, diffs, asr = [], {}, {c: {} for c in LLM_CONDITIONS}
     fam, fam_asr = [], {c: [] for c in LLM_CONDITIONS}                   # same_family's (seen, changes) per fold
+    failed = {}
     for name, seen, fcfg, groups in regime_folds(run):
         log(f"[holdout] fold {name}: the Shield{' and library' if h.llm_stage else ''} trained on "
             f"{', '.join(seen)} (seed {fcfg.folder.seed})")
         recs = run_fold(run, fcfg, h.llm_stage, groups)
+        failed.update({name: n} if (n := failed_answers(recs)) else {})
         unseen = [m for m in data.methods if m not in seen]
         diffs[name], u, s = unseen_minus_seen(recs["shield"], seen, unseen, base=recs["base"])
         fam.append((seen, changes(recs["shield"], data.methods, recs["base"])))
@@ -427,7 +442,8 @@ def regime(run):
                "regime": {"seen_size": h.seen_size, "subsets": len(by_subset), "seeds": h.seeds, "folds": rows,
                           **over_folds(*boot, diffs, subset_of), "subset_gaps": subset_gaps,
                           "same_family": same_family(*boot, fam),
-                          "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None}}
+                          "spread": [min(subset_gaps.values()), max(subset_gaps.values())] if subset_gaps else None},
+               **({"answers_failed": failed} if failed else {})}
     if h.llm_stage:
         summary["regime"]["asr"] = {c: {**over_folds(*boot, d, subset_of), "same_family": same_family(
             *boot, fam_asr[c])} for c, d in asr.items()}
@@ -536,6 +552,7 @@ def write_report(out, s):
                   "a 95% CI resampling families and groups (a family is compared with itself, and the subsets' "
                   "shared families are counted once). The per-fold intervals are not corrected for being read "
                   "together; the two means over folds are the figures to read.\n", "```", regime_table(s), "```\n"]
+        lines += failed_lines(s)
         atomic_write(os.path.join(out, "report.md"), "\n".join(lines))
         return
     b = s.get("builders") or {}
@@ -578,6 +595,7 @@ def write_report(out, s):
         lines += ["| " + " | ".join([r["family"]] + [x for c in conds for x in (
             pct(r["asr"][c]["held_out"]), pct(r["asr"][c]["seen"]), pct(r["asr"][c].get("all")),
             pct(r["asr"][c]["trained"]), gap_text(r["asr"][c]["gap_vs_seen"]))]) + " |" for r in s["folds"]] + [""]
+        lines += failed_lines(s)
     if s["never_trained"]:
         lines.append("Families no fold trains on (no construction instances), under the all-families Shield: "
                      + ", ".join(f"{m} {pct(v)}" for m, v in s["never_trained"].items()) + ".\n")

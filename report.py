@@ -767,6 +767,10 @@ def write_harden_report(run_dir, s):
     lines.append(_table(["Round", "Survivors", "Pool", f"Fresh B={top} exposure@{k}", f"Fresh B={top} ASR",
                          "Stale exposure", "Stale ASR", "Static exposure", "Static ASR", "Clean top-k kept",
                          "BER (static)", "LLM replies", "USD"], rows) + "\n")
+    lines += _counts("Answers that never came (cite nothing: counted as not citing the attack): ", {
+        f"r{r['round']} {part} {c}": blk for r in rounds for part, blocks in (
+            (f"fresh B={top}", r["fresh"][top]), ("stale", r.get("stale") or {}), ("static", r["static"]))
+        for c, blk in blocks.items()}, "answer_failed")
     lines.append("Exposure: the attack document in the Shield's top-k (%)"
                  + (f", against {fmt(b['chance_in_topk'])}% for a random top k" if "chance_in_topk" in b else "")
                  + "; ASR: under GEO Defender (Shield top-k and the round's library). Fresh: an attacker of its own "

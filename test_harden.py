@@ -275,6 +275,21 @@ def test_the_report_says_offline(hardened):
     assert "attacker against round 0's, paired per test group" in rep
 
 
+def test_the_report_counts_the_answers_that_never_came(hardened, tmp_path):
+    """A failed answer cites nothing, so it reads as a blocked attack in the ASR cells: the report says how many,
+    by round, part and condition, as eval's and attack's reports do."""
+    import copy
+    import report
+    out, _, _ = hardened
+    s = copy.deepcopy(json.load(open(out / "demo" / "summary.json")))
+    assert "never came" not in (out / "demo" / "harden_report.md").read_text()
+    s["harden"]["rounds"][1]["fresh"]["3"]["GEO Defender"]["answer_failed"] = 3
+    s["harden"]["rounds"][0]["static"]["Shield only"]["answer_failed"] = 1
+    report.write_harden_report(str(tmp_path), s)
+    assert ("Answers that never came (cite nothing: counted as not citing the attack): r0 static Shield only 1, "
+            "r1 fresh B=3 GEO Defender 3.") in (tmp_path / "harden_report.md").read_text()
+
+
 def test_harden_draws_its_figures(hardened):
     out, _, _ = hardened
     for f in ("harden_attack.svg", "harden_utility.svg", "harden_crossplay.svg"):

@@ -113,6 +113,19 @@ def test_every_folds_eval_settings_are_checked_before_any_fold_trains(held, monk
     assert not (run_dir / "holdout" / "without-AgenticGEO").exists()
 
 
+def test_the_answers_that_never_came_are_counted_per_fold(held, tmp_path):
+    """A failed answer cites nothing, read as a blocked attack in the ASR: each fold's count is in the summary
+    and the report, as eval's reports count them."""
+    import copy
+    run_dir, s, _ = held
+    assert "answers_failed" not in s and "never came" not in (run_dir / "holdout" / "report.md").read_text()
+    recs = {"GEO Defender": [{"answer_failed": {"attempts": 2}}, {}], "Shield only": [{}], "shield": [{}]}
+    assert holdout.failed_answers(recs) == {"GEO Defender": 1}
+    holdout.write_report(str(tmp_path), {**copy.deepcopy(s), "answers_failed": {"all": {"GEO Defender": 1}}})
+    assert ("Answers that never came (cite nothing: counted as not citing the attack in the ASR): all GEO Defender "
+            "1.") in (tmp_path / "report.md").read_text()
+
+
 def test_a_holdout_dry_run_writes_nothing(tmp_path):
     plan = run.main(argv(tmp_path, "--dry-run", "--families", "all"))
     assert list(plan["folds"]) == ["without-AgenticGEO", "without-AutoGEO", "without-MAGEO", "all"]
