@@ -101,15 +101,16 @@ def append_ledger(path, record):
             raise OSError(e.errno, e.strerror, e.filename or path) from None
 
 
-def ledger_usage(path, prices=None):
+def ledger_usage(path, prices=None, since=0):
     """A usage ledger (Client(ledger=...), RerankClient(ledger=...)) summed per stage and model, and
     in total: {"stages": {stage: {model: {replies, prompt_tokens, ..., cost_usd}}}, "total": {...}}.
     Chat rows sum tokens; rerank rows (model "rerank:...") documents, search units and tokens; a `lost`
     row is a request whose reply was lost after it was sent (unmetered: it may have been billed).
     cost_usd is None where `prices` lacks the model or a row is unmetered (price_of). A line cut by a kill is
-    skipped (its reply was not cached either, and is asked again), as is one that is not a UTF-8 JSON object."""
+    skipped (its reply was not cached either, and is asked again), as is one that is not a UTF-8 JSON object.
+    since: the byte offset of the first line counted (a job's own lines, appended after it)."""
     stages = {}
-    lines = open(path, "rb").read().split(b"\n") if path and os.path.isfile(path) else []
+    lines = open(path, "rb").read()[since:].split(b"\n") if path and os.path.isfile(path) else []
     for line in lines:
         try:
             rec = json.loads(line.decode("utf-8"))

@@ -342,7 +342,9 @@ def crossplay(run, R):
 def check_settings(run):
     """The settings the rounds' files depend on, pinned in harden/settings.json when the first round
     starts: a rerun that changes one is refused once harden/ holds anything they produced (--rounds may grow:
-    finished rounds are kept); a start that failed before producing anything (a refused key, say) pins nothing."""
+    finished rounds are kept); a start that failed before producing anything (a refused key, say) pins nothing.
+    -> (its path, the settings, the usage ledger's size when these rounds started: their cost is the ledger's lines
+    after it, not a harden/ moved aside's)."""
     cfg, a = run.cfg, run.cfg.attacker
     keys = ("budget", "eval_budgets", "eval_groups", "candidates_per_round", "attacker", "test_attacker",
             "unaware", "restart", "judge", "max_tokens")
@@ -352,9 +354,10 @@ def check_settings(run):
                    edit_budget=a.edit_budget)         # the repair attacker's first document and budget
     if any(g.co_attacks for g in run.data.test):      # several attacked a list: rounds measure the paper's lists
         now["lists"] = "one attacked document"
-    path = os.path.join(cfg.folder.run_dir, "harden", "settings.json")
+    path, ledger = (os.path.join(cfg.folder.run_dir, f) for f in ("harden/settings.json", "usage.jsonl"))
     old = read_json(path)
     produced = [f for f in os.listdir(os.path.dirname(path)) if f != "settings.json"] if old is not None else []
+    start = old.pop("ledger_from", 0) if produced else os.path.getsize(ledger) if os.path.isfile(ledger) else 0
     if produced and old != now:            # a record without the algorithms was made with MAGEO's on both sides
         mageo = {"algorithm": "mageo", "test_algorithm": "mageo"}
         was, asked = {**mageo, **old}, {**mageo, **now}
@@ -363,7 +366,7 @@ def check_settings(run):
         raise changed_settings(path, "the rounds were made", was,
                                {k: asked[k] for k in sorted(asked) if was.get(k) != asked[k]},
                                "Use another --name, or move harden/ aside")
-    return path, now
+    return path, now, start
 
 
 def round_clients(run, k):
@@ -443,19 +446,19 @@ def attack_round(run, k, clients, clean_cons):
 def harden(run):
     """Hardening rounds 1..R on a trained run (module docstring) -> summary.json's harden block."""
     cfg = run.cfg
-    settings_path, pinned = check_settings(run)
+    settings_path, pinned, start = check_settings(run)
     made = [k for k in range(1, cfg.harden.rounds + 1)
             if os.path.isfile(os.path.join(round_dir(run, k), "survivors.jsonl"))]
     pool_instances(run, len(made))        # the finished rounds' survivors files, checked before any call
-    write_json(settings_path, pinned)
+    write_json(settings_path, {**pinned, "ledger_from": start})
     clean_cons, clean_test = clean_references(run, run.llm(stage="harden-r0"))
     rounds = [measure(run, 0, round_clients(run, 0), clean_test)]
     for k in range(1, cfg.harden.rounds + 1):
         clients = round_clients(run, k)
         trained = attack_round(run, k, clients, clean_cons)
         rounds.append({**measure(run, k, clients, clean_test), **trained})
-    usage = run.usage()["stages"]
-    for r in rounds:                   # a round's replies and their price (None without --prices)
+    usage = run.usage(since=start)["stages"]
+    for r in rounds:                   # a round's replies and their price (None without --prices), these rounds' own
         rows = list(usage.get(f"harden-r{r['round']}", {}).values())
         costs = [v["cost_usd"] for v in rows]
         r["cost"] = {"replies": sum(v["replies"] for v in rows),

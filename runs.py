@@ -407,9 +407,10 @@ class Run:
                                        **({"timeout": cfg.request.timeout} if cfg.request.timeout else {}),
                                        ledger=self.path("usage.jsonl") if stage else None, stage=stage)
 
-    def usage(self):
-        """What the run folder's LLM calls cost over all its invocations (accounting.ledger_usage)."""
-        return accounting.ledger_usage(self.path("usage.jsonl"), self.prices)
+    def usage(self, since=0):
+        """What the run folder's LLM calls cost over all its invocations (accounting.ledger_usage); since: from
+        that byte of the ledger on."""
+        return accounting.ledger_usage(self.path("usage.jsonl"), self.prices, since)
 
     def check_llms(self, keys=True):
         """Build every client the command will use (target, analyzer, judge) once, so that an unknown

@@ -290,6 +290,23 @@ def test_the_report_counts_the_answers_that_never_came(hardened, tmp_path):
             "r1 fresh B=3 GEO Defender 3.") in (tmp_path / "harden_report.md").read_text()
 
 
+def test_a_fresh_harden_counts_only_its_own_replies(hardened, tmp_path):
+    """harden/ moved aside, as the settings refusal advises: the new rounds' cost is the usage ledger's lines
+    after they started (harden/settings.json's ledger_from), not the old rounds' replies under the same stages."""
+    out, block, _ = hardened
+    shutil.copytree(out, tmp_path / "o")
+    cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path / "o"), "name": "demo", "rounds": 2,
+                                                "budget": 5, "eval_budgets": "1,3", "eval_groups": 2})     # ARGS
+    r = runs.Run(cfg)
+    old = json.load(open(tmp_path / "o" / "demo" / "harden" / "settings.json"))["ledger_from"]
+    assert harden.check_settings(r)[2] == old                # the rounds' own start, on a rerun
+    replies = sum(v["replies"] for v in r.usage(old)["stages"]["harden-r1"].values())
+    assert replies == block["rounds"][1]["cost"]["replies"] > 0
+    os.rename(tmp_path / "o" / "demo" / "harden", tmp_path / "o" / "demo" / "harden.old")
+    start = harden.check_settings(r)[2]
+    assert start == os.path.getsize(tmp_path / "o" / "demo" / "usage.jsonl") > old and r.usage(start)["stages"] == {}
+
+
 def test_harden_draws_its_figures(hardened):
     out, _, _ = hardened
     for f in ("harden_attack.svg", "harden_utility.svg", "harden_crossplay.svg"):
@@ -402,7 +419,7 @@ def test_a_repair_round_made_before_the_start_and_budget_were_pinned_is_refused(
     nothing it produced (the first start failed before any file) is no reason to refuse."""
     cfg = runs.resolve(settings.HardenConfig, {"runs_dir": str(tmp_path), "name": "r", "test_algorithm": "repair"})
     run = types.SimpleNamespace(cfg=cfg, data=types.SimpleNamespace(test=[]))   # the settings and test groups
-    _, now = harden.check_settings(run)
+    _, now, _ = harden.check_settings(run)
     several = types.SimpleNamespace(cfg=cfg, data=types.SimpleNamespace(test=[types.SimpleNamespace(co_attacks=[1])]))
     assert "lists" not in now and harden.check_settings(several)[1]["lists"] == "one attacked document"
     old = {k: v for k, v in now.items() if k not in ("start", "edit_budget")}
