@@ -60,6 +60,7 @@ import transport
 from rankers import unrecorded_base_ranker
 from settings import SettingsError
 from store import atomic_write, log
+from tiny import left_by_the_dead
 
 REWRITE_TRIES = 2                 # attempts per family and group before the group goes without the family
 MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped
@@ -850,6 +851,8 @@ def write(b, seed, fams, seen, groups, rewrites, llm, search, markers, honest_au
             text, trace = edits[gid]
             line.update(({"honest": text} if text is not None else {}), honest_trace=trace)
         lines.append(json.dumps({**line, "split": g["split"]}, ensure_ascii=False))
+    for old in left_by_the_dead(f"{b.output}.tmp"):       # a build killed while its file was checked
+        os.remove(old)
     tmp = f"{b.output}.tmp{os.getpid()}"
     try:
         atomic_write(tmp, "\n".join(lines) + "\n")

@@ -11,6 +11,8 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -117,9 +119,12 @@ def test_a_killed_build_reruns_to_the_same_bytes(geo_input, built, tmp_path, mon
         run.main(_argv(rows, url, tmp_path / "b.jsonl", tmp_path / "r"))
     assert not (tmp_path / "b.jsonl").exists()
     monkeypatch.setattr(geo_jobs.Ctx, "ask", real)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f"b.jsonl.tmp{int(gone.stdout)}").write_text("{")       # a build killed while checking its file
     run.main(_argv(rows, url, tmp_path / "b.jsonl", tmp_path / "r"))
     a, b = open(built[0]).read(), open(tmp_path / "b.jsonl").read()
     assert a == b                           # both files are named b.jsonl, the name the metadata records
+    assert not list(tmp_path.glob("b.jsonl.tmp*"))
 
 
 def test_a_build_dry_run_sends_nothing(geo_input, tmp_path):

@@ -96,15 +96,20 @@ def alive(pid):
     return True
 
 
+def left_by_the_dead(prefix):
+    """Paths `prefix<pid>` (a temp file or folder of process pid) whose process is gone: what a kill left
+    (POSIX; elsewhere none)."""
+    return [p for p in glob.glob(glob.escape(prefix) + "*")
+            if os.name == "posix" and (pid := p[len(prefix):]).isdigit() and not alive(int(pid))]
+
+
 def written_whole(out_dir, state, tok, config):
     """out_dir holding model.safetensors (state), tokenizer.json (tok) and config.json, written in a folder
     beside it and moved in with the weights last: the folders are reused when all three are there, so a
     kill mid-write leaves a folder that is written again, never one with a file cut short."""
     from safetensors.torch import save_file
-    for old in glob.glob(glob.escape(out_dir) + ".tmp*"):     # a write a kill cut short: its process is gone
-        pid = old.rsplit(".tmp", 1)[1]
-        if os.name == "posix" and pid.isdigit() and not alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    for old in left_by_the_dead(out_dir + ".tmp"):               # a write a kill cut short
+        shutil.rmtree(old, ignore_errors=True)
     tmp = out_dir + f".tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
