@@ -77,6 +77,21 @@ class ReplyInvalid(LLMError):
         self.attempts = attempts
 
 
+class RequestRefused(ReplyInvalid):
+    """The server refused one request for what it holds (HTTP 400, 413 or 422 past the parameters RequestShape
+    adapts: a prompt past the model's context, a content filter on a page's text), which no retry changes. Under
+    map(invalid="return") it takes its request's place as an unusable reply does, so that one long or filtered
+    page does not stop a run; a client whose requests are mostly refused stops (REFUSED_STOP)."""
+
+    def __init__(self, e):
+        super().__init__(f"the server refused this request: {e}", e.provider, e.body)
+        self.status = e.status
+
+
+REFUSED_STATUS = (400, 413, 422)
+REFUSED_STOP = 4        # refused requests before a client whose requests are mostly refused stops its run
+
+
 @dataclass
 class Reply:
     text: str
@@ -431,6 +446,7 @@ class Client:
         self._stats = {"calls": 0, "cache_hits": 0, "json_reasks": 0,
                        "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
         self._batch_tokens = {}                  # the part of _stats' tokens a batch API billed (its share)
+        self._asked, self._refused = 0, 0        # map()'s requests and RequestRefused, for REFUSED_STOP
         self.batch = batch(self) if batch is not None else None
 
     @classmethod
@@ -684,7 +700,9 @@ class Client:
     def map(self, requests_, workers=8, desc=None, progress=True, invalid="raise"):
         """Run many chat requests concurrently; results in input order. Each request is a dict of
         chat() keyword arguments. Exceptions propagate (the first failure in input order), except
-        that with invalid="return" a ReplyInvalid takes its request's place in the results."""
+        that with invalid="return" a ReplyInvalid (a RequestRefused among them) takes its request's place in
+        the results, until the client's requests are mostly refused: at least REFUSED_STOP, more than half of
+        all map() sent (a parameter every request carries, not a page), when the first refusal is raised."""
         from tqdm import tqdm
         self.transport.resume()                  # a new run of requests: an earlier map's failure stops none of them
         if self.batch is not None and requests_:   # the provider's batch API fills the cache first
@@ -703,6 +721,18 @@ class Client:
                         if invalid != "return":
                             raise
                         out[i] = e
+                    except LLMError as e:
+                        if invalid != "return" or e.status not in REFUSED_STATUS:
+                            raise
+                        out[i] = RequestRefused(e)
+                refused = [r for r in out if isinstance(r, RequestRefused)]
+                with self.lock:
+                    self._asked, self._refused = self._asked + len(out), self._refused + len(refused)
+                    stop = refused and self._refused >= REFUSED_STOP and 2 * self._refused > self._asked
+                if stop:
+                    raise LLMError(f"{self.label}: the server refused {self._refused} of the {self._asked} requests "
+                                   f"sent, stopped; the first here: {refused[0]}", refused[0].status, self.provider,
+                                   refused[0].body)
         except BaseException:
             # Ctrl-C or a failure: requests not yet started are cancelled, those in flight stopped
             # (Transport.abort), so the exit is not held up by workers running out their retries

@@ -61,6 +61,47 @@ class StrictModel(BaseHTTPRequestHandler):
         pass
 
 
+class ContextLimit(BaseHTTPRequestHandler):
+    """Loopback server answering like an OpenAI-style API with a context window: a 400 for a prompt holding
+    "LONG" (too long for the model), the prompt echoed otherwise."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        text = body["messages"][-1]["content"]
+        status, payload = (400, {"error": {"message": "This model's maximum context length is 8192 tokens.",
+                                           "type": "invalid_request_error", "code": "context_length_exceeded"}}) \
+            if "LONG" in text else (200, ok(text))
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_a_request_the_server_refuses_for_its_text_fails_alone_until_most_are_refused():
+    """A page too long for the model's context (or one a content filter refuses) is a 400 no retry changes: it
+    stopped the whole run. In map(invalid="return") it takes its request's place as an unusable reply; a client
+    whose requests are mostly refused (a parameter every request carries) stops, naming the server's reason."""
+    srv, url = _serve(ContextLimit)
+    try:
+        c = llm_clients.Client.open(url, "m", max_retries=0)
+        reqs = [{"messages": [{"role": "user", "content": t}]} for t in ("a", "b LONG", "c", "d", "e", "f")]
+        out = c.map(reqs, progress=False, invalid="return")
+        assert [r.text for i, r in enumerate(out) if i != 1] == ["a", "c", "d", "e", "f"]
+        assert isinstance(out[1], llm_clients.ReplyInvalid) and out[1].status == 400
+        assert "maximum context length" in str(out[1])
+        with pytest.raises(llm_clients.LLMError, match="HTTP 400"):       # a caller that takes no failures
+            c.map(reqs[1:2], progress=False)
+        with pytest.raises(llm_clients.LLMError, match=r"refused 6 of the 11 requests sent, stopped; .*context"):
+            c.map([{"messages": [{"role": "user", "content": f"LONG {i}"}]} for i in range(5)], progress=False,
+                  invalid="return")
+    finally:
+        srv.shutdown()
+
+
 def test_parameters_the_model_refuses_are_adapted_once(tmp_path, capsys):
     """GPT-5.x and o-series reject temperature 0 ("only the default (1) value is supported"), o-series
     behind proxies reject max_tokens, some servers JSON mode: each 400 that names such a parameter
