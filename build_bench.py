@@ -40,6 +40,7 @@ that `holdout` can train a Shield with any one family left out and measure it on
 
 Usage: python run.py build-bench --input test.jsonl --output bench.jsonl --search tavily --llm openai:gpt-5.5
 """
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -852,7 +853,8 @@ def write(b, seed, fams, seen, groups, rewrites, llm, search, markers, honest_au
             line.update(({"honest": text} if text is not None else {}), honest_trace=trace)
         lines.append(json.dumps({**line, "split": g["split"]}, ensure_ascii=False))
     for old in left_by_the_dead(f"{b.output}.tmp"):       # a build killed while its file was checked
-        os.remove(old)
+        with contextlib.suppress(FileNotFoundError):      # (another build's cleanup first)
+            os.remove(old)
     tmp = f"{b.output}.tmp{os.getpid()}"
     try:
         atomic_write(tmp, "\n".join(lines) + "\n")

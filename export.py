@@ -126,11 +126,12 @@ def chat_template(instruction):
     """vLLM's Qwen3-reranker score template (examples/pooling/score/template/qwen3_reranker.jinja)
     with `instruction` as the default <Instruct>: the model card's prompt, query and document as
     the "query" and "document" messages. Built from reranker.PREFIX, BODY and SUFFIX (which hold no
-    Jinja syntax), so it renders the bytes the reranker scores, the query's and document's field labels
-    without their brackets (reranker.FIELD_LABEL)."""
+    Jinja syntax), so it renders the bytes the reranker scores, the query's and document's field labels in
+    parentheses (reranker.FIELD_LABEL)."""
     default = json.dumps(instruction)       # a JSON string is a valid Jinja string literal
     content = lambda role: f'messages | selectattr("role", "eq", "{role}") | map(attribute="content") | first'
-    text = lambda role: "{{ " + content(role) + "".join(f' | replace("<{f}>", "{f}")' for f in reranker.FIELDS) + " }}"
+    unlabel = "".join(f' | replace("<{f}>", "({f})")' for f in reranker.FIELDS)     # as reranker.FIELD_LABEL
+    text = lambda role: "{{ " + content(role) + unlabel + " }}"
     body = reranker.BODY.format(   # a request's `instruction`, else a system message, else the default
         instruction="{{ instruction | default(" + content("system") + " | default(" + default + ", true), true) }}",
         query=text("query"), doc=text("document"))

@@ -357,7 +357,7 @@ def check_settings(run):
     path, ledger = (os.path.join(cfg.folder.run_dir, f) for f in ("harden/settings.json", "usage.jsonl"))
     old = read_json(path)
     produced = [f for f in os.listdir(os.path.dirname(path)) if f != "settings.json"] if old is not None else []
-    start = old.pop("ledger_from", 0) if produced else os.path.getsize(ledger) if os.path.isfile(ledger) else 0
+    start = old.pop("ledger_from", 0) if produced else ledger_end(ledger)
     if produced and old != now:            # a record without the algorithms was made with MAGEO's on both sides
         mageo = {"algorithm": "mageo", "test_algorithm": "mageo"}
         was, asked = {**mageo, **old}, {**mageo, **now}
@@ -367,6 +367,15 @@ def check_settings(run):
                                {k: asked[k] for k in sorted(asked) if was.get(k) != asked[k]},
                                "Use another --name, or move harden/ aside")
     return path, now, start
+
+
+def ledger_end(path):
+    """The byte after the usage ledger's last whole line: where the next reply's line starts (a line cut by a
+    kill is cut off before the next is appended)."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path, "rb") as f:
+        return f.read().rfind(b"\n") + 1
 
 
 def round_clients(run, k):

@@ -70,7 +70,7 @@ class ReplyInvalid(LLMError):
     """The API answered, but every attempt's reply failed to parse or to pass the caller's check
     (`chat(check=...)`). No reply was cached: the attempts are kept as unusable under the request's key, and
     a rerun of the request raises this again unsent (ReplyCache.forget to ask again). .attempts: how many
-    replies were tried."""
+    replies were tried. (Its subclass RequestRefused is no reply: nothing is kept, a rerun asks again.)"""
 
     def __init__(self, message, provider=None, body=None, attempts=1):
         super().__init__(message, None, provider, body)
@@ -78,10 +78,10 @@ class ReplyInvalid(LLMError):
 
 
 class RequestRefused(ReplyInvalid):
-    """The server refused one request for what it holds (HTTP 400, 413 or 422 past the parameters RequestShape
-    adapts: a prompt past the model's context, a content filter on a page's text), which no retry changes. Under
+    """The server refused one request for what it holds (HTTP 400, 413 or 422 saying so, REFUSED_FOR: a prompt
+    past the model's context, a content filter on a page's text), which no retry changes. Under
     map(invalid="return") it takes its request's place as an unusable reply does, so that one long or filtered
-    page does not stop a run; a client whose requests are mostly refused stops (REFUSED_STOP)."""
+    page does not stop a run; REFUSED_STOP refusals in a row stop it (every request refused: not the pages)."""
 
     def __init__(self, e):
         super().__init__(f"the server refused this request: {e}", e.provider, e.body)
@@ -89,7 +89,12 @@ class RequestRefused(ReplyInvalid):
 
 
 REFUSED_STATUS = (400, 413, 422)
-REFUSED_STOP = 4        # refused requests before a client whose requests are mostly refused stops its run
+# What the providers' errors say of a request refused for its content (OpenAI's and vLLM's context_length_exceeded
+# and content_filter, Anthropic's "prompt is too long", Azure's content management policy); any other 400 (a low
+# credit balance, a malformed request) is the run's and stops it
+REFUSED_FOR = re.compile(r"context.length|context window|maximum context|too long|too large|content.?filter|"
+                         r"content.?policy|content management", re.I)
+REFUSED_STOP = 8        # refusals in a row (no reply sent back between them) that stop a run
 
 
 @dataclass
@@ -196,7 +201,10 @@ def extract_json(text, cut=False):
         try:
             return json.loads(m.group(1).strip())
         except (json.JSONDecodeError, RecursionError):
-            continue
+            # the value that opens the fence's text, whole: "```" in one of its strings ended the fence early
+            k = bisect.bisect_left(starts, m.start(1))
+            if k < len(starts) and not s[m.start(1):starts[k]].strip():
+                return found[k]
     # prose around the JSON: the last object is the reply's (a "[1]" cited before it, or an object it shows as
     # an example, is not), a list only where no object is
     objects = [x for x in found if isinstance(x, dict)]
@@ -446,7 +454,7 @@ class Client:
         self._stats = {"calls": 0, "cache_hits": 0, "json_reasks": 0,
                        "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0}
         self._batch_tokens = {}                  # the part of _stats' tokens a batch API billed (its share)
-        self._asked, self._refused = 0, 0        # map()'s requests and RequestRefused, for REFUSED_STOP
+        self._refused = 0                        # RequestRefused in a row (REFUSED_STOP)
         self.batch = batch(self) if batch is not None else None
 
     @classmethod
@@ -701,8 +709,8 @@ class Client:
         """Run many chat requests concurrently; results in input order. Each request is a dict of
         chat() keyword arguments. Exceptions propagate (the first failure in input order), except
         that with invalid="return" a ReplyInvalid (a RequestRefused among them) takes its request's place in
-        the results, until the client's requests are mostly refused: at least REFUSED_STOP, more than half of
-        all map() sent (a parameter every request carries, not a page), when the first refusal is raised."""
+        the results, until REFUSED_STOP requests in a row (input order, over the client's maps; a reply the
+        server sent in between starts over) are refused: then that refusal is raised."""
         from tqdm import tqdm
         self.transport.resume()                  # a new run of requests: an earlier map's failure stops none of them
         if self.batch is not None and requests_:   # the provider's batch API fills the cache first
@@ -722,17 +730,18 @@ class Client:
                             raise
                         out[i] = e
                     except LLMError as e:
-                        if invalid != "return" or e.status not in REFUSED_STATUS:
+                        if invalid != "return" or e.status not in REFUSED_STATUS or not REFUSED_FOR.search(str(e)):
                             raise
                         out[i] = RequestRefused(e)
-                refused = [r for r in out if isinstance(r, RequestRefused)]
-                with self.lock:
-                    self._asked, self._refused = self._asked + len(out), self._refused + len(refused)
-                    stop = refused and self._refused >= REFUSED_STOP and 2 * self._refused > self._asked
-                if stop:
-                    raise LLMError(f"{self.label}: the server refused {self._refused} of the {self._asked} requests "
-                                   f"sent, stopped; the first here: {refused[0]}", refused[0].status, self.provider,
-                                   refused[0].body)
+                    with self.lock:
+                        if isinstance(out[i], RequestRefused):
+                            self._refused += 1
+                            if self._refused >= REFUSED_STOP:
+                                raise LLMError(f"{self.label}: {self._refused} requests in a row refused, stopped "
+                                               f"(not one page: fix the cause and rerun); the last: {out[i]}",
+                                               out[i].status, self.provider, out[i].body)
+                        elif isinstance(out[i], Reply) and not out[i].cached:
+                            self._refused = 0
         except BaseException:
             # Ctrl-C or a failure: requests not yet started are cancelled, those in flight stopped
             # (Transport.abort), so the exit is not held up by workers running out their retries

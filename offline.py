@@ -448,8 +448,8 @@ def with_guidance(read_plain, guidance):
 
 
 def json_fields(read):
-    """A reader of a template whose fields are JSON strings (metrics.quoted) -> a reader of their texts; a
-    field that is not one JSON string makes the prompt another kind."""
+    """A reader of a template whose fields are JSON strings (metrics.quoted, the markers quoted too) -> a reader of
+    their texts; a field that is not one JSON string makes the prompt another kind."""
     def decoded(prompt):
         f = read(prompt)
         try:
@@ -471,10 +471,10 @@ if GUIDED != PLAIN[:_AT] + GUIDANCE + PLAIN[_AT:]:
 # is the attacker's document (ASI) or the results; the pairwise judge's answers are both the target's text,
 # so its fields end at the first occurrence of the next label, as the prompt reads top down.
 TEMPLATES = {
-    "asi_judge": json_fields(template_reader(metrics.ASI_PROMPT.format(query=Q, attack=A, answer=B), "attack",
-                                             query=Q, attack=A, answer=B)),
-    "pairwise_judge": json_fields(template_reader(metrics.PAIRWISE_PROMPT.format(query=Q, a=A, b=B), "b",
-                                                  query=Q, a=A, b=B)),
+    "asi_judge": json_fields(template_reader(metrics.asi_prompt(Q, A, B), "attack", query=metrics.quoted(Q),
+                                             attack=metrics.quoted(A), answer=metrics.quoted(B))),
+    "pairwise_judge": json_fields(template_reader(metrics.pairwise_prompt(Q, A, B), "b", query=metrics.quoted(Q),
+                                                  a=metrics.quoted(A), b=metrics.quoted(B))),
     # the defenses' system + user prompts (with_system), their documents captured whole
     "answer_spotlight": template_reader(chat_text(defenses.spotlight_messages(Q, [D])).replace("[1] " + D, D),
                                         "results", query=Q, results=D),

@@ -47,7 +47,8 @@ PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 BODY = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
 # The body's field labels: written in a query or a document they would start a field of their own (a second
-# instruction after the query, say), so there they lose their angle brackets (_bodies)
+# instruction after the query, say), so there "<Instruct>" reads "(Instruct)" (_bodies; "<<Instruct>>" rebuilds
+# no label, as removing the brackets would)
 FIELDS = ("Instruct", "Query", "Document")
 FIELD_LABEL = re.compile("<(" + "|".join(FIELDS) + ")>")
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -471,10 +472,11 @@ class Reranker:
 
     def _bodies(self, query, docs):
         """-> (token room for a body, each document's body encoded as ordinary text; the query's and the
-        documents' own field labels without their brackets, FIELD_LABEL)."""
+        documents' own field labels in parentheses, FIELD_LABEL)."""
         room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
-        query = FIELD_LABEL.sub(r"\1", query)
-        bodies = [BODY.format(instruction=self.instruction, query=query, doc=FIELD_LABEL.sub(r"\1", d)) for d in docs]
+        unlabel = lambda t: FIELD_LABEL.sub(r"(\1)", t)
+        query = unlabel(query)                                  # once, not once a document
+        bodies = [BODY.format(instruction=self.instruction, query=query, doc=unlabel(d)) for d in docs]
         return room, self.text_tokenizer.encode_batch(bodies, add_special_tokens=False)
 
     def tokenize(self, query, docs):

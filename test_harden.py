@@ -307,6 +307,14 @@ def test_a_fresh_harden_counts_only_its_own_replies(hardened, tmp_path):
     assert start == os.path.getsize(tmp_path / "o" / "demo" / "usage.jsonl") > old and r.usage(start)["stages"] == {}
 
 
+def test_the_rounds_ledger_start_is_a_line_start(tmp_path):
+    """A ledger whose last line a kill cut is cut off before the next reply is appended: the rounds' start is the
+    byte after its last whole line, or their first reply's line would be read from its middle and skipped."""
+    (tmp_path / "usage.jsonl").write_bytes(b'{"stage": "eval"}\n{"stage": "ev')
+    assert harden.ledger_end(str(tmp_path / "usage.jsonl")) == len(b'{"stage": "eval"}\n')
+    assert harden.ledger_end(str(tmp_path / "none.jsonl")) == 0
+
+
 def test_harden_draws_its_figures(hardened):
     out, _, _ = hardened
     for f in ("harden_attack.svg", "harden_utility.svg", "harden_crossplay.svg"):

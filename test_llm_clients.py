@@ -70,7 +70,9 @@ class ContextLimit(BaseHTTPRequestHandler):
         text = body["messages"][-1]["content"]
         status, payload = (400, {"error": {"message": "This model's maximum context length is 8192 tokens.",
                                            "type": "invalid_request_error", "code": "context_length_exceeded"}}) \
-            if "LONG" in text else (200, ok(text))
+            if "LONG" in text else (400, {"error": {"type": "invalid_request_error", "message": "Your credit "
+                                                    "balance is too low to access the API."}}) \
+            if "CREDIT" in text else (200, ok(text))
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
@@ -83,8 +85,8 @@ class ContextLimit(BaseHTTPRequestHandler):
 
 def test_a_request_the_server_refuses_for_its_text_fails_alone_until_most_are_refused():
     """A page too long for the model's context (or one a content filter refuses) is a 400 no retry changes: it
-    stopped the whole run. In map(invalid="return") it takes its request's place as an unusable reply; a client
-    whose requests are mostly refused (a parameter every request carries) stops, naming the server's reason."""
+    stopped the whole run. In map(invalid="return") it takes its request's place as an unusable reply; another
+    400 (a low credit balance) still stops the run, and so do REFUSED_STOP refusals in a row."""
     srv, url = _serve(ContextLimit)
     try:
         c = llm_clients.Client.open(url, "m", max_retries=0)
@@ -95,9 +97,13 @@ def test_a_request_the_server_refuses_for_its_text_fails_alone_until_most_are_re
         assert "maximum context length" in str(out[1])
         with pytest.raises(llm_clients.LLMError, match="HTTP 400"):       # a caller that takes no failures
             c.map(reqs[1:2], progress=False)
-        with pytest.raises(llm_clients.LLMError, match=r"refused 6 of the 11 requests sent, stopped; .*context"):
-            c.map([{"messages": [{"role": "user", "content": f"LONG {i}"}]} for i in range(5)], progress=False,
-                  invalid="return")
+        with pytest.raises(llm_clients.LLMError, match="credit balance"):  # the run's cause, not the page's
+            c.map([{"messages": [{"role": "user", "content": "CREDIT"}]}], progress=False, invalid="return")
+        many = [{"messages": [{"role": "user", "content": f"LONG {i}"}]} for i in range(llm_clients.REFUSED_STOP)]
+        assert all(isinstance(r, llm_clients.RequestRefused) for r in c.map(many[1:], progress=False,
+                                                                               invalid="return"))
+        with pytest.raises(llm_clients.LLMError, match=r"8 requests in a row refused, stopped .*context length"):
+            c.map(many[:1] + reqs[:1], progress=False, invalid="return")
     finally:
         srv.shutdown()
 
@@ -241,6 +247,7 @@ def test_a_fence_quoted_inside_the_replys_object_is_its_text():
     for reply in (v, "Screening:\n" + v, "```json\n" + v + "\n```", "Screening:\n```json\n" + v + "\n```"):
         assert llm_clients.extract_json(reply) == verdict, reply
     assert llm_clients.extract_json('Example {"a": 1}\n```json\n{"b": 2}\n``` done') == {"b": 2}   # a fence wins
+    assert llm_clients.extract_json("```json\n" + v + '\n```\nUnlike {"manipulative": false}') == verdict
 
 
 def test_the_object_a_reply_is_about_wins_over_a_citation_before_it(server):

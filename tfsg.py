@@ -1022,10 +1022,12 @@ def library_view(lib, structured):
 # would read as a result of its own, and an answer's citation [n] of the attacker's text would be credited to
 # document n (str.splitlines' breaks; the spaces are whitespace but no break, so that a run of breaks is read
 # once: linear). Invisible characters count as spaces (zero-width ones, joiners, bidi marks, embeddings and
-# isolates, the BOM, fillers: a reader still sees the line open with "[n]"), and fullwidth brackets as brackets.
+# isolates, variation selectors and tags, the BOM, fillers: a reader still sees the line open with "[n]"), and
+# fullwidth brackets as brackets.
 _BREAK = r"[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
 _SPACE = (r"(?:[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
-          r"|[\u00ad\u115f\u1160\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2069\u2800\u3164\ufeff\uffa0])*")
+          r"|[\u00ad\u034f\u061c\u115f\u1160\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2069\u2800\u3164\ufe00-\ufe0f"
+          r"\ufeff\uffa0\U000e0000-\U000e007f])*")
 RESULT_MARK = re.compile(rf"(\A|{_BREAK})({_SPACE})[\[\uff3b]{_SPACE}(\d+){_SPACE}[\]\uff3d]")
 
 

@@ -404,7 +404,8 @@ def tfsg_target(target, workers, desc):
         replies = target.map(requests, workers=workers, desc=desc, invalid="return")
         bad = sum(isinstance(r, ReplyInvalid) for r in replies)
         if bad:
-            log(f"[tfsg] {desc}: {bad} of {len(replies)} replies never parsed as JSON: their cases left out")
+            log(f"[tfsg] {desc}: {bad} of {len(replies)} requests gave no usable reply (never parsed as JSON, or "
+                "refused by the server): their cases left out")
         return [None if isinstance(r, ReplyInvalid) else r for r in replies]
     return answer_many
 
