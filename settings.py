@@ -414,8 +414,9 @@ class SampleSettings(Settings):
     """Repeated answers: eval's answers per instance and condition."""
     KEY = "sample"
     samples: int = setting(1, "answers per instance and condition, each its own cached reply (Don't Measure "
-                              "Once, arXiv 2604.07585), intervals then bootstrapping groups, then samples (the "
-                              "paper: 1)", ok=between(1, MAX_SAMPLES), says=f"1 to {MAX_SAMPLES}")
+                              "Once, arXiv 2604.07585), CIs over query groups of each instance's mean answer, the "
+                              "two-level bootstrap beside as a check (the paper: 1)", ok=between(1, MAX_SAMPLES),
+                           says=f"1 to {MAX_SAMPLES}")
 
 
 @dataclass(frozen=True)
@@ -525,8 +526,9 @@ class BuildSettings(Settings):
     agentic_archive: str = setting(None, "AgenticGEO's strategies.json (default: our archive)")
     autogeo_rules: str = setting(None, "AutoGEO's merged_rules.json or a JSON list of rules")
     synthetic: bool = setting(False, "mark the file synthetic in _meta (the bundled sample)")
-    honest: bool = setting(False, "also write each test group's honest edit of its source (clearer wording and "
-                                  "structure, nothing GEO adds): eval's and rerank-eval's honest penalty")
+    honest: bool = setting(False, "also write each group's honest edit of its source (clearer wording and "
+                                  "structure, nothing GEO adds; both splits): eval's and rerank-eval's honest "
+                                  "penalty, detect's thresholds")
     attacked: int = setting(1, "attacked documents in each test list: the source and K-1 further candidates, each "
                                "rewritten by a family drawn per group with the seed (the paper: 1); eval and "
                                "rerank-eval measure every list at 1..K", ok=lambda v: 1 <= v < N_DOCS)
