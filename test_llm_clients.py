@@ -51,11 +51,7 @@ class StrictModel(BaseHTTPRequestHandler):
                 status, payload = 400, {"error": {"message": message, "type": "invalid_request_error",
                                                   "param": param, "code": code}}
                 break
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, payload, status)
 
     def log_message(self, *a):
         pass
@@ -73,17 +69,13 @@ class ContextLimit(BaseHTTPRequestHandler):
             if "LONG" in text else (400, {"error": {"type": "invalid_request_error", "message": "Your credit "
                                                     "balance is too low to access the API."}}) \
             if "CREDIT" in text else (200, ok(text))
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, payload, status)
 
     def log_message(self, *a):
         pass
 
 
-def test_a_request_the_server_refuses_for_its_text_fails_alone_until_most_are_refused():
+def test_a_request_the_server_refuses_for_its_text_fails_alone():
     """A page too long for the model's context (or one a content filter refuses) is a 400 no retry changes: it
     stopped the whole run. In map(invalid="return") it takes its request's place as an unusable reply; another
     400 (a low credit balance) still stops the run, and so do REFUSED_STOP refusals in a row."""
