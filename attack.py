@@ -442,6 +442,7 @@ def run_attack(run, spec, budgets, rounds, per_round, attacker_spec, aware):
     label, mode, settings = pinned(run, spec, budgets, rounds, per_round, attacker_spec, aware, lib)
     check_settings(cfg.folder.run_dir, f"{label}-{mode}", settings)     # (MAGEO's loop: mode "...-repair")
     check_settings(cfg.folder.run_dir, CLEAN_KEY, clean_settings(cfg))
+    detect.thresholds(run)                  # the run's detector files, checked before the first paid call
     spec = target_of(spec)[1]
     base, shield = load_rankers(run, True)
     target = {"base": base, "shield": shield}.get(spec.kind) or \

@@ -271,7 +271,7 @@ def detect_check(run, spec, lists):
     obj = read_json(run.path("detect", "text_detector.json"))
     if obj is None or spec.kind in RERANK_PROVIDERS:
         return None
-    det, threshold = detect.TextDetector.from_json(obj), obj["threshold"]
+    det, threshold = detect.read_detector(obj, run.path("detect", "text_detector.json"))
     texts = [d for _, docs in lists.values() for d in docs]
     root = re.sub(r"(/infinity|/v[12])?/(rerank|score)$", "", spec.endpoint.path)
     client = rerank_clients.make_reranker(spec, timeout=60, max_retries=0)

@@ -105,6 +105,24 @@ class TextDetector:
         return cls({int(k): v for k, v in obj["weights"].items()}, obj["rest"], obj["bias"])
 
 
+def read_detector(obj, path):
+    """A detector file's JSON (a run's detect/text_detector.json, or an export's copy) -> (TextDetector, its
+    threshold), checked: SettingsError naming the file and field, before anything reads it."""
+    if not isinstance(obj, dict):
+        raise SettingsError(f"{path}: not a detector file (a JSON object, as `detect` writes it)")
+    number = lambda v: rerank_clients._finite(v) is not None
+    bad = [k for k in ("threshold", "bias", "rest") if not number(obj.get(k))]
+    w = obj.get("weights")
+    bucket = lambda k: re.fullmatch(r"[0-9]{1,9}", k) and int(k) < bench_audit.BUCKETS    # ("²" and "٣" are digits)
+    bad += [] if isinstance(w, dict) and all(bucket(k) and number(v) for k, v in w.items()) else ["weights"]
+    if bad:                                  # a NaN flags nothing; text fails every request (a 500)
+        raise SettingsError(f"{path}: {', '.join(bad)}: finite numbers expected (weights by bucket), as `detect` "
+                            "writes them")
+    if obj.get("buckets") != bench_audit.BUCKETS:      # the weights index buckets of this hashing
+        raise SettingsError(f"{path}: buckets: {obj.get('buckets')!r}, this code hashes into {bench_audit.BUCKETS}")
+    return TextDetector.from_json(obj), obj["threshold"]
+
+
 class Served:
     """A run's text detector at its threshold, as serve answers with it: POST /detect and return_detect."""
 
@@ -116,19 +134,7 @@ class Served:
         """A detector file (a run's detect/text_detector.json, or an export's copy) -> Served; None for no file."""
         if path is None:
             return None
-        obj = read_json(path)
-        if not isinstance(obj, dict):
-            raise SettingsError(f"{path}: not a detector file (a JSON object, as `detect` writes it)")
-        number = lambda v: rerank_clients._finite(v) is not None
-        bad = [k for k in ("threshold", "bias", "rest") if not number(obj.get(k))]
-        w = obj.get("weights")
-        bad += [] if isinstance(w, dict) and all(k.isdigit() and number(v) for k, v in w.items()) else ["weights"]
-        if bad:                              # a NaN flags nothing; text fails every request (a 500)
-            raise SettingsError(f"{path}: {', '.join(bad)}: finite numbers expected, as `detect` writes them")
-        if obj.get("buckets") != bench_audit.BUCKETS:      # the weights index buckets of this hashing
-            raise SettingsError(f"{path}: buckets: {obj.get('buckets')!r}, this code hashes into "
-                                f"{bench_audit.BUCKETS}")
-        return cls(TextDetector.from_json(obj), obj["threshold"])
+        return cls(*read_detector(read_json(path), path))
 
     def flags(self, texts):
         return [{"score": s, "flagged": s > self.threshold} for s in map(self.detector.score, texts)]
@@ -367,22 +373,35 @@ def detect(run):
     return out
 
 
-def thresholds(run):
-    """The run's detectors' thresholds from detect's files in the run folder (the text detector's from its
-    own file, as serve reads it) -> {detector: threshold}; None when `detect` has not run there."""
-    s, obj = read_json(run.path("detect", "summary.json")), read_json(run.path("detect", "text_detector.json"))
+def run_detectors(run):
+    """The run's detectors from detect's files in the run folder, checked (read_detector; attack and harden
+    read them before any paid call) -> ({detector: threshold}, the text detector); None when `detect` has not
+    run there."""
+    spath, tpath = run.path("detect", "summary.json"), run.path("detect", "text_detector.json")
+    s, obj = read_json(spath), read_json(tpath)
     if not s or not obj:
         return None
-    return {"text": obj["threshold"], "shield_residual": s["detectors"]["shield_residual"]["threshold"]}
+    text, at = read_detector(obj, tpath)
+    residual = ((s.get("detectors") if isinstance(s, dict) else None) or {}).get("shield_residual") or {}
+    if rerank_clients._finite(residual.get("threshold") if isinstance(residual, dict) else None) is None:
+        raise SettingsError(f"{spath}: detectors.shield_residual.threshold: a finite number expected, as `detect` "
+                            "writes it")
+    return {"text": at, "shield_residual": residual["threshold"]}, text
+
+
+def thresholds(run):
+    """The run's detectors' thresholds (run_detectors) -> {detector: threshold}; None without `detect`."""
+    got = run_detectors(run)
+    return got and got[0]
 
 
 def flagged(run, docs, base, shield):
     """{detector: % of the attack documents of `docs` (instances) it flags at the run's threshold}; None
     when `detect` has not run there (attack's and harden's)."""
-    at = thresholds(run)
-    if at is None:
+    got = run_detectors(run)
+    if got is None:
         return None
-    text = TextDetector.from_json(read_json(run.path("detect", "text_detector.json")))
+    at, text = got
     for rk in (base, shield):
         rk.prepare(docs)
     score = {"text": lambda x: text.score(x.docs[x.attack_index]),

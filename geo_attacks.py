@@ -92,6 +92,16 @@ AUTOGEO_GOAL = ("You own the web document in the input. A generative engine uses
                 "strictly; any other technique that raises its relevance, authority or impact is allowed.")
 
 
+def unicode_text(data):
+    """A resource file's value, its strings valid Unicode (JSON escapes allow a lone surrogate, "\\ud800", which no
+    request body can carry: refused here, before the build's searches and LLM calls, not at the first request)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a string that is not valid Unicode (a lone surrogate such as \\ud800)") from None
+    return data
+
+
 def read_rules(path):
     """--autogeo-rules: AutoGEO's merged_rules.json ({"merged_rules": [...], "filtered_rules": [...]}, of
     which AutoGEO rewrites with `filtered_rules` only) or a JSON list of rule strings -> the list, in
@@ -105,7 +115,7 @@ def read_rules(path):
     rules = strings(data)
     if not rules or not isinstance(data, list) or len(rules) != len(data):
         raise ValueError("the rules must be a non-empty list of strings")
-    return rules
+    return unicode_text(rules)
 
 
 class AutoGeo:
@@ -206,7 +216,7 @@ def read_archive(path):
         out.append({k: s[k] for k in keys} | {"scores": s.get("scores") or {}})
     if len({s["genotype_id"] for s in out}) != len(out):
         raise ValueError("two strategies share a genotype_id")
-    return out
+    return unicode_text(out)
 
 
 def critic_view(text):

@@ -262,7 +262,7 @@ def read_meta(path):
 # _meta's fields the reports print: labels (a builder model, a judge, a search service) and counts by name
 META_LABELS = ("builder_llm", "test_builder_llm", "fidelity_judge", "test_fidelity_judge", "mageo_engine", "search")
 META_COUNTS = ("family_drops", "honest_refusals")
-LABEL = re.compile(r"[^\x00-\x1f\x7f<>|`\u2028\u2029]{0,300}")
+LABEL = re.compile(r"[^\x00-\x1f\x7f<>|`\u2028\u2029\ud800-\udfff]{0,300}")     # (a lone surrogate: no UTF-8)
 
 
 def _read_meta(obj, path, n):
@@ -288,7 +288,8 @@ def _read_meta(obj, path, n):
     for key in META_LABELS:         # models and services: printed into reports as they are
         v = m.get(key)
         if v is not None and not (isinstance(v, str) and LABEL.fullmatch(v)):
-            _fail(path, n, f"_meta.{key}", f"a model label (one line of at most 300 characters, no < > | or `), got "
+            _fail(path, n, f"_meta.{key}", f"a model label (one line of at most 300 characters, no < > | or `, valid "
+                                           f"Unicode), got "
                                            f"{str(v)[:80]!r}")
     for key in META_COUNTS:
         v = m.get(key)

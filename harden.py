@@ -492,6 +492,7 @@ def check(run):
         raise SettingsError(f"--eval-groups {run.cfg.harden.eval_groups}: the benchmark has {len(run.data.test)} test "
                             "groups")
     check_settings(run)
+    detect.thresholds(run)                  # the run's detector files, checked before the first paid call
 
 
 def dry_run(run):

@@ -309,11 +309,11 @@ def regime_folds(run):
     """--seen-size S -> [(fold name, seen families, fold settings, its construction groups)]: every S-family
     subset of the construction families (or --subsets of them drawn with the seed), each trained under
     --seeds seeds (the run's seed, +1, ...), every fold on the smallest subset's number of construction
-    instances (equal_size) and picking its epoch on a monitoring split of its own families. Each fold's
-    Shield split (and with --llm-stage its TFSG schedule) is checked here, before any training."""
+    instances (equal_size) and picking its epoch on a monitoring split of its own families. Each fold is
+    checked here, before any training (check_fold)."""
     cfg, data, h = run.cfg, run.data, run.cfg.holdout
     cons = construction_families(run)
-    subsets = list(itertools.combinations(cons, h.seen_size))
+    subsets = list(itertools.combinations(cons, h.seen_size)) if h.seen_size <= len(cons) else []   # (C's ssize_t)
     if h.subsets and h.subsets < len(subsets):
         picked = set(random.Random(cfg.folder.seed).sample(range(len(subsets)), h.subsets))
         subsets = [a for i, a in enumerate(subsets) if i in picked]

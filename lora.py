@@ -241,8 +241,10 @@ def load_adapter(model, adapter_dir):
         raise AdapterError(f"{cpath}: not JSON ({str(e)[:100]})") from None
     if not isinstance(cfg, dict):
         raise AdapterError(f"{cpath}: not a JSON object")
-    for field, ok in (("r", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
-                      ("lora_alpha", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+    # a number JSON allows but no adapter holds (alpha Infinity, 1e300, a 400-digit r) would merge into inf weights
+    for field, ok in (("r", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 16),
+                      ("lora_alpha", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and 0 < v <= 1e6),
                       ("lora_dropout", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                        and 0 <= v < 1)):
         if not ok(cfg.get(field, 0.0 if field == "lora_dropout" else None)):
@@ -284,6 +286,8 @@ def load_adapter(model, adapter_dir):
         p = getattr(mods[name], part)
         if tuple(p.shape) != tuple(t.shape):
             raise AdapterError(f"{wpath}: {key}: shape {tuple(t.shape)}, model has {tuple(p.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise AdapterError(f"{wpath}: {key}: holds a value that is not a finite number")
         with torch.no_grad():
             p.copy_(t.to(p.dtype))
         seen.add((name, part))

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import math
 import os
 import re
 import shlex
@@ -140,7 +139,8 @@ def read_prices(path):
         table = read_json(path)
     except ValueError as e:
         raise SettingsError(f"--prices {e}") from None
-    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
+    # at most $1M a unit: 1e308 or a 400-digit integer made an infinite cost, which summary.json cannot hold
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1e6
     share = lambda v: len(v) == 2 or 0 < v[2] <= 1              # the batch APIs' price, a share of the full one
     ok = lambda v: (isinstance(v, list) and len(v) in (2, 3, 4) and all(map(num, v)) and share(v)) or (
         isinstance(v, dict) and len(v) == 1 and next(iter(v)) in ("usd_per_1k_searches", "usd_per_1m_tokens")

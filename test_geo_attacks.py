@@ -132,6 +132,13 @@ def test_autogeo_reads_only_the_filtered_rules(tmp_path):
     p.write_text(json.dumps({"rules": ["x"]}))
     with pytest.raises(ValueError, match="filtered_rules"):
         geo_attacks.read_rules(str(p))
+    p.write_text(json.dumps(["A rule \ud800"]))                # refused here, not at the first request it reaches
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        geo_attacks.read_rules(str(p))
+    lone = {"genotype_id": "x", "strategy_type": "t", "short_prompt": "s", "full_prompt": "\udfff"}
+    p.write_text(json.dumps([lone]))
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        geo_attacks.read_archive(str(p))
 
 
 def test_autogeo_sends_its_rules_in_the_files_order():

@@ -434,6 +434,9 @@ def test_several_attacked_documents_are_validated(tmp_path, mutate, msg):
     ({**META3, "honest_refusals": {"x <img> |": 1}}, r":1: _meta.honest_refusals: counts by name"),
     ({**META3, "family_drops": ["GEO"]}, r":1: _meta.family_drops: counts by name"),
     ({**META3, "family_drops": {"GEO": True}}, r":1: _meta.family_drops: counts by name"),
+    # a lone surrogate: read, then refused by the summary's UTF-8 writer after the whole run
+    ({**META3, "builder_llm": "offline:x\ud800"}, r":1: _meta.builder_llm: a model label"),
+    ({**META3, "family_drops": {"GEO\udfff": 1}}, r":1: _meta.family_drops: counts by name"),
 ])
 def test_the_meta_fields_are_validated(tmp_path, meta, msg):
     rows = [{"_meta": meta}, {**good_group("g0"), "split": "construction"}, {**attacked_group(), "split": "test"}]

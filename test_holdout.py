@@ -126,6 +126,11 @@ def test_the_answers_that_never_came_are_counted_per_fold(held, tmp_path):
             "1.") in (tmp_path / "report.md").read_text()
 
 
+def test_a_seen_size_past_the_families_is_refused_as_a_sentence(tmp_path):
+    with pytest.raises(SystemExit, match=r"--seen-size 9{20}: .* construction groups hold 3 families"):
+        run.main(argv(tmp_path, "--seen-size", "9" * 20, "--dry-run", families=None))
+
+
 def test_a_holdout_dry_run_writes_nothing(tmp_path):
     plan = run.main(argv(tmp_path, "--dry-run", "--families", "all"))
     assert list(plan["folds"]) == ["without-AgenticGEO", "without-AutoGEO", "without-MAGEO", "all"]

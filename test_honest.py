@@ -437,13 +437,31 @@ def test_a_detector_file_that_is_not_as_detect_writes_it_is_refused_by_name(tmp_
     assert detect.Served.load(str(path)).flags(["a page"])[0]["flagged"] in (True, False)
     for change, says in (({"threshold": "1"}, "threshold"), ({"threshold": float("nan")}, "threshold"),
                          ({"bias": None}, "bias"), ({"weights": {"3": "x"}}, "weights"),
-                         ({"buckets": good["buckets"] * 2}, "buckets")):
+                         ({"buckets": good["buckets"] * 2}, "buckets"), ({"weights": {"\u00b2": 0.5}}, "weights"),
+                         ({"weights": {"\u0663": 0.5}}, "weights"), ({"weights": {"99999999": 0.5}}, "weights")):
         path.write_text(json.dumps({**good, **change}))
         with pytest.raises(detect.SettingsError, match=f"d.json: {says}"):
             detect.Served.load(str(path))
     path.write_text(json.dumps(good)[:20])
     with pytest.raises(ValueError, match="d.json: not JSON"):
         detect.Served.load(str(path))
+
+
+def test_attack_and_harden_read_the_runs_detector_files_checked(tmp_path):
+    """A run's detect/text_detector.json without its threshold (an older or hand-edited file) was read bare at the
+    end of an attack, after its paid calls (a KeyError): attack and harden check it first (detect.thresholds)."""
+    from types import SimpleNamespace as NS
+    r = NS(path=lambda *p: str(tmp_path.joinpath(*p)))
+    assert detect.thresholds(r) is None                                 # no detect: nothing to read
+    (tmp_path / "detect").mkdir()
+    summary = {"detectors": {"shield_residual": {"threshold": 0.5}}}
+    (tmp_path / "detect" / "summary.json").write_text(json.dumps(summary))
+    det = detect.TextDetector({3: 0.5}, -0.1, 0.2)
+    (tmp_path / "detect" / "text_detector.json").write_text(json.dumps(det.to_json()))
+    with pytest.raises(detect.SettingsError, match="text_detector.json: threshold"):
+        detect.thresholds(r)
+    (tmp_path / "detect" / "text_detector.json").write_text(json.dumps({**det.to_json(), "threshold": 1.0}))
+    assert detect.thresholds(r) == {"text": 1.0, "shield_residual": 0.5}
 
 
 def test_the_roc_point_at_fpr_100_flags_every_document():

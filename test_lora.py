@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import lora
 import reranker
@@ -299,7 +300,11 @@ def test_an_adapter_that_cannot_load_names_its_file_and_field(tiny_dir, tmp_path
                                ("no_r", {k: v for k, v in cfg.items() if k != "r"}, "adapter_config.json: r:"),
                                ("null_dropout", {**cfg, "lora_dropout": None}, "adapter_config.json: lora_dropout:"),
                                ("no_targets", {**cfg, "target_modules": None},
-                                "adapter_config.json: target_modules:")):
+                                "adapter_config.json: target_modules:"),
+                               # numbers JSON allows that merge into inf weights (export wrote them as a model)
+                               ("inf_alpha", '{"r": 4, "lora_alpha": Infinity}', "adapter_config.json: lora_alpha:"),
+                               ("huge_alpha", {**cfg, "lora_alpha": 1e300}, "adapter_config.json: lora_alpha:"),
+                               ("huge_r", {**cfg, "r": 10 ** 400}, "adapter_config.json: r:")):
         bad = tmp_path / name
         bad.mkdir()
         (bad / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
@@ -313,6 +318,14 @@ def test_an_adapter_that_cannot_load_names_its_file_and_field(tiny_dir, tmp_path
     with_layers = fresh()
     lora.add_lora(with_layers, r=cfg["r"], alpha=cfg["lora_alpha"], targets=tuple(cfg["target_modules"]))
     lora.load_adapter(with_layers, str(listless))
+    nan = tmp_path / "nan"                              # a weight no finite margin comes from
+    nan.mkdir()
+    (nan / "adapter_config.json").write_text(json.dumps(cfg))
+    state = load_file(str(good / "adapter_model.safetensors"))
+    save_file({k: v.fill_(float("nan")) if i == 0 else v for i, (k, v) in enumerate(state.items())},
+              str(nan / "adapter_model.safetensors"))
+    with pytest.raises(lora.AdapterError, match="nan/adapter_model.safetensors: .* not a finite number"):
+        lora.load_adapter(fresh(), str(nan))
     (good / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes()[:100])
     with pytest.raises(lora.AdapterError, match="good/adapter_model.safetensors: not a readable safetensors"):
         lora.load_adapter(fresh(), str(good))

@@ -695,8 +695,10 @@ def test_bad_flags_or_files_are_sentences_not_tracebacks(tmp_path, small_bench):
              (["train", "--prices", str(prices), "--bench", small_bench] + common, "not JSON"),
              (["train", "--prices", str(tmp_path / "none.json"), "--bench", small_bench] + common, "no such file"),
              (["serve-offline", "--port", "70000"], "out of range")]
-    # prices past float's range, a batch share over 1, a file nested past the parser's depth: named as --prices
-    for i, text in enumerate(['{"m": [1e400, 10]}', '{"m": [1.25, 10, 7]}', "[" * 100000 + "]" * 100000]):
+    # prices past float's range or past any price (an infinite cost), a batch share over 1, a file nested past the
+    # parser's depth: named as --prices
+    for i, text in enumerate(['{"m": [1e400, 10]}', '{"m": [1e308, 1e308]}', '{"m": [1, ' + "9" * 400 + "]}",
+                              '{"m": [1.25, 10, 7]}', "[" * 100000 + "]" * 100000]):
         (tmp_path / f"p{i}.json").write_text(text)
         cases.append((["train", "--prices", str(tmp_path / f"p{i}.json"), "--bench", small_bench] + common,
                       r"^error: --prices "))
