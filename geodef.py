@@ -350,6 +350,12 @@ def _read_group(obj, path, n, n_docs, meta):
                "seen_methods" if need is meta.seen_methods else "methods")
         _fail(path, n, "attacks", f"missing methods {missing} listed in _meta.{key}")
     honest = _read_honest(obj, path, n, source_norm) if "honest" in obj else None
+    trace = obj.get("trace", {})                 # build-bench's, per method: bench-audit reads its attempts
+    attempts = lambda a: isinstance(a, int) and not isinstance(a, bool) and a >= 1
+    if not isinstance(trace, dict) or not all(isinstance(t, dict) and attempts(t.get("attempts", 1))
+                                              for t in trace.values()):
+        _fail(path, n, "trace", "expected {method: {\"attempts\": a whole number >= 1, ...}}, as build-bench "
+                                f"writes it, got {str(trace)[:80]!r}")
     others = {" ".join(d["text"].split()): i for i, d in enumerate(docs) if i != src}
     for fld, t in [(f"attacks.{m}", t) for m, t in attacks.items()] + ([("honest", honest)] if honest else []):
         i = others.get(" ".join(t.split()))

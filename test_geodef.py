@@ -120,6 +120,9 @@ def test_the_normaliser_cancels_out_of_the_shield_loss():
     (lambda g: {**g, "attacks": {**g["attacks"], "clean": "x"}}, r":2: attacks.clean: a method's name is"),
     (lambda g: {**g, "attacks": {**g["attacks"], "GEO:K2": "x"}}, r":2: attacks.GEO:K2: a method's name is"),
     (lambda g: {**g, "spilt": "test"}, r":2: spilt: not a field"),
+    # the build's traces, which bench-audit reads (a list, or attempts of text, raised there)
+    (lambda g: {**g, "trace": []}, r":2: trace: expected \{method: "),
+    (lambda g: {**g, "trace": {"A": {"attempts": "2"}}}, r":2: trace: expected \{method: "),
     (lambda g: {**g, "attacks": {"A": g["attacks"]["A"]}},                   # no _meta: the first group's methods
      r":2: attacks: missing methods \['B'\] that other groups have"),
     # ids reach every record and file: a lone surrogate there failed after the paid calls, as in a text
