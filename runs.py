@@ -665,6 +665,12 @@ def resolve(cls, given, preset=None, from_record=True):
             raise
         raise SettingsError(f"{where}/config.json: a recorded setting is not of its type ({e}); give it as a flag "
                             "or fix the file") from None
+    except SettingsError as e:      # a recorded value the checks refuse: named as the record's
+        recorded = [k for k in (rec if from_record else ()) if f"--{k.replace('_', '-')} " in str(e)]
+        if not recorded:
+            raise
+        raise SettingsError(f"{where}/config.json records {', '.join(recorded)}: {e}; give it as a flag or fix the "
+                            "file") from None
 
 
 LOCK = ".lock"

@@ -193,7 +193,14 @@ class Settings:
             v, ok, choices = getattr(self, f.name), f.metadata.get("ok"), f.metadata.get("choices")
             if f.name in (own or {}) and v == own[f.name].value:
                 continue
-            if isinstance(v, float) and not math.isfinite(v):     # --timeout inf would pass `v > 0`
+            # a value of another type (a hand-edited config.json's "k": true or null) is refused here, not read
+            # as 1 or met as a TypeError later; flags arrive typed, and a `parse` setting holds what it parsed
+            kind = f.type if f.type in KINDS and f.metadata.get("parse") is None else None
+            typed = not kind or isinstance(v, (int, float) if kind is float else kind) and isinstance(v, bool) == (
+                kind is bool)
+            if kind and (v is None and f.default is not None or v is not None and not typed):
+                bad.append(f"--{flag_name(f)} {v!r} (not {KINDS[kind]})")
+            elif isinstance(v, float) and not math.isfinite(v):     # --timeout inf would pass `v > 0`
                 bad.append(f"--{flag_name(f)} {v!r} (not a finite number)")
             elif ok is not None and v is not None and not ok(v):
                 says = f.metadata.get("says")
@@ -201,6 +208,9 @@ class Settings:
             if choices and v not in choices:
                 bad.append(f"--{flag_name(f)} {v!r} (one of {', '.join(c for c in choices if c is not None)})")
         return bad
+
+
+KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
 
 
 def flag_name(f):

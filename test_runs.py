@@ -545,12 +545,17 @@ def test_records_made_with_another_library_or_adapter_are_not_resumed(demo_run, 
         run.main(argv)
 
 
-@pytest.mark.parametrize("text, msg", [("{bad", "not JSON"), ("[1, 2]", "no settings object"),
-                                       ('{"config": {"n_boot": "abc"}}', "a recorded setting is not of its type")])
+@pytest.mark.parametrize("text, msg", [
+    ("{bad", ": not JSON"), ("[1, 2]", ": no settings object"),
+    # values of another type, by hand: refused naming the record, not read as 1 or met as a TypeError later
+    ('{"config": {"n_boot": "abc"}}', r" records n_boot: .*--n-boot 'abc' \(not a whole number\)"),
+    ('{"config": {"k": true}}', r" records k: .*--k True \(not a whole number\)"),
+    ('{"config": {"k": null}}', r" records k: .*--k None \(not a whole number\)"),
+    ('{"config": {"judge": 5}}', r" records judge: .*--judge 5 \(not text\)")])
 def test_a_broken_record_is_one_line_naming_it(tmp_path, text, msg):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(text)
-    with pytest.raises(runs.SettingsError, match=f"x/config.json: {msg}"):
+    with pytest.raises(runs.SettingsError, match=f"x/config.json{msg}"):
         runs.resolve(settings.EvalConfig, {"runs_dir": str(tmp_path), "name": "x"})
 
 
