@@ -196,9 +196,7 @@ class Settings:
             # a value of another type (a hand-edited config.json's "k": true or null) is refused here, not read
             # as 1 or met as a TypeError later; flags arrive typed, and a `parse` setting holds what it parsed
             kind = f.type if f.type in KINDS and f.metadata.get("parse") is None else None
-            typed = not kind or isinstance(v, (int, float) if kind is float else kind) and isinstance(v, bool) == (
-                kind is bool)
-            if kind and (v is None and f.default is not None or v is not None and not typed):
+            if kind and not (of_kind(v, kind) or v is None and f.default is None):
                 bad.append(f"--{flag_name(f)} {v!r} (not {KINDS[kind]})")
             elif isinstance(v, float) and not math.isfinite(v):     # --timeout inf would pass `v > 0`
                 bad.append(f"--{flag_name(f)} {v!r} (not a finite number)")
@@ -211,6 +209,11 @@ class Settings:
 
 
 KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+
+
+def of_kind(v, kind):
+    """Whether v is a `kind` of KINDS as JSON gives one: an int counts as a float, a bool as nothing else."""
+    return isinstance(v, (int, float) if kind is float else kind) and isinstance(v, bool) == (kind is bool)
 
 
 def flag_name(f):
