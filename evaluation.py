@@ -36,7 +36,8 @@ from accounting import estimate, price_plan
 from rankers import documents_cut, load_rankers, sharded
 from runs import NotTrainedError, offline_notes, shared_roles, test_set_digest, train_command, write_summary
 from settings import SettingsError
-from store import changed_settings, file_sha1, log, naming, read_json, read_jsonl, write_json, write_jsonl
+from store import (changed_settings, check_record, file_sha1, log, naming, read_json, read_jsonl, write_json,
+                   write_jsonl)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -179,6 +180,14 @@ def pipeline_records(decoding, workers, llm, name, part, tops, p, sample=0):
     return recs
 
 
+# A record's fields as _record and the ASI judge write them, read back when an interrupted run resumes: checked
+# then, so that a line edited by hand is named, not counted wrong or failed on after the paid calls
+RECORD_FIELDS = {"instance_id": str, "group_id": str, "method": (str, None), "condition": str, "top_ids": list,
+                 "attack_in_context": bool, "answer": str, "cited_ids": list, "hallucinated": list,
+                 "attack_cited": bool, "benign_cited": int}
+ASI_FIELDS = {"asi": (int, None)}
+
+
 def eval_condition(decoding, workers, llm, name, insts, topk_of, pipeline, path, judge, before_write=None,
                    judge_asi=True, sample=0):
     """Generate, parse citations and judge ASI for one condition; one JSONL record per instance,
@@ -196,12 +205,14 @@ def eval_condition(decoding, workers, llm, name, insts, topk_of, pipeline, path,
         with open(path, "r+b") as f:        # a line cut by a kill: dropped (its instance is redone), so
             data = f.read()                 # that the next record does not start on its end
             f.truncate(data.rfind(b"\n") + 1)
-        done = {r["instance_id"]: r for _, r in read_jsonl(path, skip_bad=True)
-                if isinstance(r, dict) and "instance_id" in r}
-        other = next((r for r in done.values() if (r.get("condition"), r.get("sample", 0)) != (name, sample)), None)
+        kept = read_jsonl(path, skip_bad=True)
+        other = next((r for _, r in kept if isinstance(r, dict)
+                      and (r.get("condition"), r.get("sample", 0)) != (name, sample)), None)
         if other is not None:          # another condition's records, never taken for this one's
             raise SettingsError(f"{path}: holds records of {other.get('condition')!r} (sample "
                                 f"{other.get('sample', 0)}), not of {name!r} (sample {sample}); move the file aside")
+        fields = RECORD_FIELDS | (ASI_FIELDS if judge_asi else {})
+        done = {check_record(path, n, r, fields)["instance_id"]: r for n, r in kept}
     todo = [x for x in insts if x.instance_id not in done]
     chunk = max(workers * 4, 16)
     for s in range(0, len(todo), chunk):

@@ -54,7 +54,7 @@ from evaluation import clean_answers, clean_reference, eval_condition, guided
 from rankers import load_rankers
 from runs import labels_of, offline_notes, write_summary
 from settings import SettingsError
-from store import changed_settings, log, read_json, read_jsonl, write_json, write_jsonl
+from store import changed_settings, check_record, log, read_json, read_jsonl, write_json, write_jsonl
 from train import analyzer_prompt_chars, clean_reference_benign, tfsg_target, train_shield
 
 MEASURED = ("GEO Defender", "Shield only", "TFSG only")
@@ -132,21 +132,16 @@ def harvest(run, k, insts, cands, defense, llm, construction_groups):
 # a survivors line's fields as harvest writes them, each of exactly this JSON type
 SURVIVOR_FIELDS = {"instance_id": str, "group_id": str, "split": str, "method": str, "source_method": str,
                    "candidate": int, "shield_rank": int, "tfsg_cited": bool, "text": str}
-JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
-              dict: "an object", type(None): "null"}
+# an attacker's candidate line (attack.Attack.run's record, its instance named) as the rounds read it back; an
+# accepted one was scored (ACCEPTED_FIELDS), a refused one may hold no text, score or rank
+CANDIDATE_FIELDS = {"instance_id": str, "n": int, "accepted": bool, "text": (str, None), "score": (float, None),
+                    "rank": (int, None)}
+ACCEPTED_FIELDS = {"text": str, "score": float, "rank": int}
 
 
 def check_survivor(path, n, r):
-    """Line n of a survivors file, checked against SURVIVOR_FIELDS before anything is trained on it -> r;
-    a line that is not an object, or whose field is missing or of another type, is an error naming the
-    file, the line and the field."""
-    if not isinstance(r, dict):
-        raise SettingsError(f"{path}, line {n}: a survivor must be a JSON object, got {JSON_TYPES[type(r)]}")
-    for name, kind in SURVIVOR_FIELDS.items():
-        if type(r.get(name)) is not kind:               # exact: true is no integer here, 1 no boolean
-            got = JSON_TYPES[type(r[name])] if name in r else "no such field"
-            raise SettingsError(f"{path}, line {n}: {name} must be {JSON_TYPES[kind]}, got {got}")
-    return r
+    """Line n of a survivors file, checked against SURVIVOR_FIELDS before anything is trained on it -> r."""
+    return check_record(path, n, r, SURVIVOR_FIELDS, "a survivor")
 
 
 def read_survivors(path):
@@ -301,8 +296,12 @@ def against_round_zero(run, rounds, top):
 
 
 def read_attack(path):
+    """An attack stage's candidates file -> {instance_id: [candidate records]}, every line checked."""
     out = {}
-    for _, r in read_jsonl(path):
+    for n, r in read_jsonl(path):
+        check_record(path, n, r, CANDIDATE_FIELDS, "a candidate")
+        if r["accepted"]:
+            check_record(path, n, r, ACCEPTED_FIELDS)
         out.setdefault(r["instance_id"], []).append(r)
     return out
 

@@ -10,7 +10,7 @@ import os
 import sys
 
 import endpoints
-from settings import SettingsError
+from settings import SettingsError, of_kind
 
 
 def log(msg):
@@ -101,6 +101,26 @@ def read_jsonl(path, skip_bad=False):
                 why = "nested too deeply" if isinstance(e, RecursionError) else e
                 raise SettingsError(f"{path}, line {n}: not JSON ({why})") from None
     return out
+
+
+# A record file's JSON types by name, as its errors name them
+JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
+              dict: "an object", type(None): "null"}
+
+
+def check_record(path, n, r, fields, what="a record"):
+    """Line n of a record file the run reads back (results, candidates, survivors), each of `fields` (name ->
+    a type, or a tuple of them, None for null; settings.of_kind: an integer counts as a number, a boolean as
+    nothing else) checked before anything is computed from it -> r; an error names the file, line and field."""
+    if not isinstance(r, dict):
+        raise SettingsError(f"{path}, line {n}: {what} must be a JSON object, got {JSON_TYPES[type(r)]}")
+    for name, kinds in fields.items():
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if name not in r or not any(r[name] is None if k is None else of_kind(r[name], k) for k in kinds):
+            want = " or ".join(JSON_TYPES[type(None) if k is None else k] for k in kinds)
+            raise SettingsError(f"{path}, line {n}: {name} must be {want}, got "
+                                f"{JSON_TYPES[type(r[name])] if name in r else 'no such field'}")
+    return r
 
 
 def changed_settings(path, made, old, new, todo):

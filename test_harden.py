@@ -227,6 +227,30 @@ def test_a_survivor_text_with_unicode_line_breaks_reads_back(tmp_path):
     assert harden.read_survivors(str(path)) == [rec, SURVIVOR]
 
 
+CANDIDATE = {"instance_id": "q0013:AutoGEO", "n": 1, "round": 1, "sid": "~1.0", "text": "Canberra leads.",
+             "accepted": True, "reason": "accepted", "score": 2.5, "rank": 1}
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"score": None}, "score must be a number, got null"),
+    ({"accepted": 1}, "accepted must be true or false, got an integer"),
+    ({"n": "1"}, "n must be an integer, got a string"),
+    ({"text": 7, "accepted": False}, "text must be a string or null, got an integer"),
+], ids=["accepted unscored", "accepted 1", "n text", "text a number"])
+def test_a_candidates_line_of_the_wrong_shape_is_named_before_a_round_reads_it(tmp_path, edit, says):
+    """A finished attack stage's candidates are read back, not asked again: a line edited by hand is one
+    error naming the file, line and field, not a crash in best_of; a refused candidate keeps a null text,
+    score and rank (the attacker returned fewer rewrites)."""
+    path = tmp_path / "attack-test.jsonl"
+    refused = {**CANDIDATE, "n": 2, "text": None, "accepted": False, "score": None, "rank": None}
+    store.write_jsonl(str(path), [CANDIDATE, refused])
+    assert harden.read_attack(str(path)) == {"q0013:AutoGEO": [CANDIDATE, refused]}
+    store.write_jsonl(str(path), [CANDIDATE, {**CANDIDATE, **edit}])
+    with pytest.raises(runs.SettingsError) as e:
+        harden.read_attack(str(path))
+    assert str(e.value) == f"{path}, line 2: {says}"
+
+
 def test_a_round_measures_the_papers_lists_of_a_file_with_several_attacked(tmp_path):
     """On a file built with --attacked K a round attacks and measures the lists with one attacked document
     (each (group, family) once), not every level pooled into one figure."""

@@ -596,6 +596,33 @@ def test_a_records_file_of_another_condition_is_refused_not_resumed(tmp_path):
         evaluation.eval_condition(None, 1, None, "Non-Defense [co_1]", [], None, None, str(path), None)
 
 
+RECORD = {"instance_id": "q0001:GEO", "group_id": "q0001", "method": "GEO", "condition": "Non-Defense",
+          "top_ids": ["d1", "d2"], "attack_in_context": True, "answer": "Paris [1].", "reasoning": None,
+          "cited_ids": ["d1"], "hallucinated": [], "attack_cited": True, "benign_cited": 0, "asi": 3, "asi_judge": {}}
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"attack_cited": "yes"}, "attack_cited must be true or false, got a string"),
+    ({"benign_cited": 1.5}, "benign_cited must be an integer, got a number"),
+    ({"asi": None, "answer": None}, "answer must be a string, got null"),
+    ({"asi": "4"}, "asi must be an integer or null, got a string"),
+    ({"top_ids": None}, "top_ids must be a list, got null"),
+], ids=["attack_cited yes", "benign_cited 1.5", "answer null", "asi text", "top_ids null"])
+def test_a_records_line_edited_by_hand_is_named_before_the_condition_resumes(tmp_path, edit, says):
+    """An interrupted condition resumes from its records: a line whose field is missing or of another type
+    (edited by hand) would be counted wrong, or fail summarize after the paid calls; it is one SettingsError
+    naming the file, the line and the field, before anything is sent (no client: a call would fail)."""
+    path = tmp_path / "non_defense.jsonl"
+    path.write_text(json.dumps(RECORD) + "\n\n" + json.dumps({**RECORD, "instance_id": "q0002:GEO", **edit}) + "\n")
+    with pytest.raises(settings.SettingsError) as e:
+        evaluation.eval_condition(None, 1, None, "Non-Defense", [], None, None, str(path), None)
+    assert str(e.value) == f"{path}, line 3: {says}"
+    path.write_text(json.dumps({k: v for k, v in RECORD.items() if k != "asi"}) + "\n")   # the honest audit's
+    # records: no ASI field, none asked
+    assert evaluation.eval_condition(None, 1, None, "Non-Defense", [], None, None, str(path), None,
+                                     judge_asi=False) == []
+
+
 def test_asi_counts_a_failed_judge_reply_at_the_judged_mean_not_as_missing():
     """Only in-context instances are judged: half of 100 in context, each scored 4, is ASI 50; a quarter of
     their judge replies failing leaves it 50 (left out, the zeros would keep their weight: 33.3)."""
