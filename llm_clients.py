@@ -84,7 +84,7 @@ class RequestRefused(ReplyInvalid):
     page does not stop a run; REFUSED_STOP refusals in a row stop it (every request refused: not the pages)."""
 
     def __init__(self, e):
-        super().__init__(f"the server refused this request: {e}", e.provider, e.body)
+        super().__init__(f"the server refused this request: {e}", e.provider, e.body, getattr(e, "attempts", 1))
         self.status = e.status
 
 
@@ -663,7 +663,11 @@ class Client:
                 if ask:
                     with self.lock:
                         self._stats["json_reasks"] += 1
-                reply = self._receive(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
+                try:
+                    reply = self._receive(self._send(self.shape.body(convo, temperature, max_tokens, want_json)))
+                except LLMError as e:    # (a re-ask the server refuses: its request's attempts, this one's too)
+                    e.attempts = ask + 1
+                    raise
                 kept.append((reask, reply))
                 sent = True
             reply = kept[ask][1]

@@ -59,17 +59,19 @@ class StrictModel(BaseHTTPRequestHandler):
 
 class ContextLimit(BaseHTTPRequestHandler):
     """Loopback server answering like an OpenAI-style API with a context window: a 400 for a prompt holding
-    "LONG" (too long for the model), the prompt echoed otherwise."""
+    "LONG" or a conversation past its first turn (too long for the model), the prompt echoed otherwise."""
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         text = body["messages"][-1]["content"]
-        status, payload = (400, {"error": {"message": "This model's maximum context length is 8192 tokens.",
-                                           "type": "invalid_request_error", "code": "context_length_exceeded"}}) \
-            if "LONG" in text else (400, {"error": {"type": "invalid_request_error", "message": "Your credit "
-                                                    "balance is too low to access the API."}}) \
-            if "CREDIT" in text else (200, ok(text))
-        send_json(self, payload, status)
+        if "LONG" in text or len(body["messages"]) > 1:
+            send_json(self, {"error": {"message": "This model's maximum context length is 8192 tokens.",
+                                       "type": "invalid_request_error", "code": "context_length_exceeded"}}, 400)
+        elif "CREDIT" in text:
+            send_json(self, {"error": {"type": "invalid_request_error",
+                                       "message": "Your credit balance is too low to access the API."}}, 400)
+        else:
+            send_json(self, ok(text))
 
     def log_message(self, *a):
         pass
@@ -83,6 +85,8 @@ def test_a_request_the_server_refuses_for_its_text_fails_alone():
     try:
         c = llm_clients.Client.open(url, "m", max_retries=0)
         reqs = [{"messages": [{"role": "user", "content": t}]} for t in ("a", "b LONG", "c", "d", "e", "f")]
+        [reask] = c.map([{**reqs[0], "json": True}], progress=False, invalid="return")    # "a" is no JSON: the
+        assert isinstance(reask, llm_clients.RequestRefused) and reask.attempts == 2  # re-ask refused, 2 sent
         out = c.map(reqs, progress=False, invalid="return")
         assert [r.text for i, r in enumerate(out) if i != 1] == ["a", "c", "d", "e", "f"]
         assert isinstance(out[1], llm_clients.ReplyInvalid) and out[1].status == 400
