@@ -337,6 +337,14 @@ _TOKEN = re.compile(r"\w+(?=n't\b)|n't\b|'(?:s|re|ve|ll|d|m)\b|\w+(?:(?:[.\-]|'(
 _CITATION = re.compile(r"\[\s*\d[\d\s,;\-–]*\]")
 
 
+def without_citations(text, sep=""):
+    """`text` with its [n] citations replaced by `sep` until none is left: one pass over "[1[4]]" would leave
+    "[1]", a citation of document 1 no one made (each pass removes one nesting level)."""
+    while (out := _CITATION.sub(sep, text)) != text:
+        text = out
+    return text
+
+
 def abstains(answer):
     """RobustRAG's abstention test ("I don't" in the isolated answer, as its src/defense.py checks it:
     case-sensitive, so "Visitors don't need a visa" answers), a typographic apostrophe read as one; an
@@ -350,7 +358,7 @@ _NEGATED = {"ca": "can", "wo": "will", "sha": "shall"}      # spaCy's norms of c
 def _tokens(text):
     """Lower-cased word, clitic and punctuation tokens of `text` (a curly apostrophe read as a straight one),
     its [n] citations left out."""
-    toks = _TOKEN.findall(_CITATION.sub(" ", text).lower().replace("’", "'"))
+    toks = _TOKEN.findall(without_citations(text, " ").lower().replace("’", "'"))
     return [_NEGATED.get(t, t) if i + 1 < len(toks) and toks[i + 1] == "n't" else t for i, t in enumerate(toks)]
 
 
@@ -479,7 +487,7 @@ def cite_supporters(answer, support, n=MAX_WORDS):
     words in a row, punctuation aside), as [i][j] before its closing punctuation. [n] that the LLM wrote itself are
     removed first: it saw no document. A sentence's stretches of up to `n` words are looked up among the
     phrases, so the work grows with the sentence, not with the number of phrases."""
-    text = re.sub(r"(?<=\S)[ \t]+(?=[.!?,;:])", "", _CITATION.sub("", answer)).strip()   # (a run of spaces: once)
+    text = re.sub(r"(?<=\S)[ \t]+(?=[.!?,;:])", "", without_citations(answer)).strip()   # (a run of spaces: once)
     long = {p: idx for p, idx in support.items() if p.count(" ") >= n}
     out = []
     for s in re.split(r"(?<=[.!?])\s+", text):

@@ -108,6 +108,13 @@ def test_promptarmor_cuts_every_occurrence_in_one_pass():
     assert glued.startswith("<|im_ start|>") and not geodef.control_tokens(glued)
 
 
+def test_robustrag_removes_nested_citations_the_llm_wrote_to_the_last():
+    """The LLM saw no document, so none of its own [n] stands; one pass over "[1[4]]" left "[1]", credited to
+    document 1 as if the rule had cited it."""
+    assert defenses.cite_supporters("Paris [1[4]] is the capital. Rome [[2]]x. A [1[2[3]]].", {}) == \
+        "Paris  is the capital. Rome []x. A."
+
+
 def test_robustrag_cites_fast_on_a_long_run_of_spaces():
     start = time.perf_counter()
     assert defenses.cite_supporters("A" + " " * 50000 + "b.", {}) == "A" + " " * 50000 + "b."
