@@ -853,6 +853,29 @@ def _serve(handler):
     return srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
 
 
+class OddLength(BaseHTTPRequestHandler):
+    """A reply whose Content-Length is no ASCII number ("²", a digit to str.isdigit), then the body to the close."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\nConnection: close\r\n\r\n" +
+                         json.dumps(ok("odd")).encode())
+        self.close_connection = True
+
+    def log_message(self, *a):
+        pass
+
+
+def test_a_reply_length_that_is_no_number_is_no_promise():
+    """int() refuses "²" though isdigit() takes it: the ValueError escaped the client, past every caller's LLMError
+    handling; the length is no promise, the reply is read to its close under the size cap."""
+    srv, url = _serve(OddLength)
+    try:
+        assert client(url, max_retries=0).chat([{"role": "user", "content": "x"}]).text == "odd"
+    finally:
+        srv.shutdown()
+
+
 def test_the_timeout_bounds_the_whole_reply():
     """A reply trickled a byte at a time ends at the timeout (not after its last byte)."""
     srv, url = _serve(Trickle)

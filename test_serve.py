@@ -387,7 +387,8 @@ def test_serve_bursts_get_429_not_resets(small_queue_server):
 
 def test_serve_field_round_two(shield_server, capfd):
     """A lone surrogate in `model` is a 400 naming it; an HTTP/0.9 request line logs no traceback;
-    Content-Length is digits only (RFC 9110), not int()'s "+49" or "4_9"; truncation_direction is TEI's
+    Content-Length is digits only (RFC 9110), not int()'s "+49" or "4_9", and one past int()'s 4,300 digits is a
+    413, not a traceback; truncation_direction is TEI's
     Left/Right; an oversized body written whole gets its 413, not a broken pipe; /rerank answers the
     document as a string (Infinity's shape, which LiteLLM's infinity/ provider validates), /v1 as {text}."""
     import requests
@@ -408,6 +409,9 @@ def test_serve_field_round_two(shield_server, capfd):
         status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n"
                               b"Content-Length: " + cl + b"\r\n\r\n{\"a\": 1}")
         assert status == 400, cl
+    status, _ = _raw(srv, b"POST /v1/rerank HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret-key\r\n"
+                          b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n{\"a\": 1}")   # past int()'s 4,300 digits
+    assert status == 413
     q, texts = "boil an egg", ["Boil eggs for six minutes.", "The stock market fell."]
     tei = requests.post(srv.url + "/rerank", json={"query": q, "texts": texts, "truncation_direction": "left"},
                         headers=AUTH, timeout=10)

@@ -496,7 +496,8 @@ class Transport:
     def _read(self, r, deadline, cap):
         """The body of `r` as text, at most `cap` bytes (a larger one is refused unread), before `deadline`."""
         n = r.headers.get("content-length") or ""
-        n = int(n) if n.isdigit() else 0          # a malformed length is no promise: the streamed cap holds
+        # a malformed length ("²" is a digit to isdigit) is no promise: the streamed cap holds
+        n = int(n) if n.isascii() and n.isdigit() and len(n) < 19 else 0
         if n > cap:
             raise self.error(f"reply of {n} bytes refused (at most {cap})", r.status_code)
         parts, got = [], 0
