@@ -61,6 +61,9 @@ LIMITS = {"openai": (50_000, 200 << 20), "anthropic": (100_000, 256 << 20)}
 # the providers take returns a file of its replies (OpenAI's output files run to hundreds of MB)
 RESULTS_CAP = 2 << 30
 RETRYABLE_TYPES = ("overloaded_error", "api_error", "rate_limit_error", "timeout_error")
+# An OpenAI batch line's error codes that a later batch can answer (its batch reference: the window ended, the batch
+# was cancelled, the model's call timed out), as Anthropic's RETRYABLE_TYPES
+RETRYABLE_CODES = ("batch_expired", "batch_cancelled", "request_timeout")
 ENDED = {"completed", "failed", "expired", "cancelled", "ended"}
 DEADLINE = 24 * 3600        # the providers' completion window: a batch still running then is cancelled
 # A cancelled batch stays "cancelling" for up to 10 minutes (OpenAI's cancel reference), then ends with the
@@ -552,7 +555,7 @@ class OpenAIBatches:
         code = _int(resp.get("status_code"))
         if code == 200 and isinstance(resp.get("body"), dict):
             return "ok", resp["body"]
-        if code in (408, 409, 429) or (code or 0) >= 500 or err.get("code") in ("batch_expired", "batch_cancelled"):
+        if code in (408, 409, 429) or (code or 0) >= 500 or err.get("code") in RETRYABLE_CODES:
             return "retry", str(code or err.get("code"))
         return "fail", json.dumps(resp.get("body") or err)[:200]
 

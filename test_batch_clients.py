@@ -810,3 +810,18 @@ def test_a_providers_reason_reaches_the_log_escaped(engine, tmp_path):
     batched(url, tmp_path, logs=logs).map(requests_(3), progress=False)
     said = next(m for m in logs if "batch-1 failed" in m)
     assert "model \\x1b]0;owned\\x07\\x0d\\x1b[2J gone" in said
+
+
+def test_a_batch_line_is_resubmitted_only_for_a_reason_a_later_batch_can_help():
+    """Each provider's per-line outcomes as its batch reference lists them: OpenAI's request_timeout (the model's
+    call timed out) goes into another batch as its batch_expired and Anthropic's timeout_error do, not to the
+    synchronous API at twice the price; a request the API refused (400) fails."""
+    oa, an = batch_clients.OpenAIBatches.outcome, batch_clients.AnthropicBatches.outcome
+    for code in ("batch_expired", "batch_cancelled", "request_timeout"):
+        assert oa({"custom_id": "k", "response": None, "error": {"code": code, "message": "m"}})[0] == "retry"
+    assert oa({"custom_id": "k", "response": {"status_code": 400, "body": {"error": {}}}})[0] == "fail"
+    assert oa({"custom_id": "k", "response": {"status_code": 200, "body": {"id": "r"}}}) == ("ok", {"id": "r"})
+    wrapped = {"type": "errored", "error": {"type": "error", "error": {"type": "timeout_error"}}}
+    assert an({"custom_id": "k", "result": wrapped})[0] == "retry"
+    assert an({"custom_id": "k", "result": {"type": "errored", "error": {"type": "invalid_request_error"}}})[0] == \
+        "fail"
