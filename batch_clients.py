@@ -260,10 +260,14 @@ class BatchRunner:
                  "provider": self.client.label, "submitted_at": None, "status": None, "collected": False,
                  "reason": None, "tried_at": self.clock()}
         self.manifest.add(entry)
+        def made_meanwhile():        # before each retry of the creation: the batch an attempt made, if any
+            found = self.provider.find(entry, self.manifest.ids())
+            if found is None:        # the next attempt may make it: AnthropicBatches.find's window runs on
+                self.manifest.update(entry, last_try=self.clock())
+            return found
         try:
             batch_id = self.provider.create([self.provider.line(k, job.todo[k][1]) for k in chunk],
-                                            lambda **f: self.manifest.update(entry, **f),
-                                            lambda: self.provider.find(entry, self.manifest.ids()))
+                                            lambda **f: self.manifest.update(entry, **f), made_meanwhile)
         except BatchUnsupported:                # refused: nothing was made
             self.manifest.update(entry, collected=True, reason="refused at creation")
             raise
@@ -345,7 +349,7 @@ class BatchRunner:
             if malformed >= MALFORMED_POLLS:
                 raise _Lost(f"answered {malformed} status checks in a row without a status field")
             if status["state"] in ENDED:       # past the deadline (a resume after a kill while cancelling):
-                return status, status["state"] != "completed" and self.clock() >= end    # its rest synchronous
+                return status, not status.get("completed") and self.clock() >= end      # its rest synchronous
             shown = self._show(desc, entry["id"], status, shown, polls)
             left = end - self.clock()
             if left <= 0:
@@ -449,8 +453,8 @@ class BatchRunner:
     # --- the providers' endpoints
 
     def _status(self, batch_id):
-        """GET the batch -> {"state" (None without a status field), "counts", where its results are,
-        "why" it failed}. Raises _Lost when the server no longer knows it."""
+        """GET the batch -> {"state" (None without a status field), "counts", "completed" (it ended on its own),
+        where its results are, "why" it failed}. Raises _Lost when the server no longer knows it."""
         try:
             b = self.client.transport.send("GET", self.provider.path(batch_id))
         except LLMError as e:
@@ -543,6 +547,7 @@ class OpenAIBatches:
         fids = [f if isinstance(f, str) and f else None for f in (b.get("output_file_id"), b.get("error_file_id"))]
         return {"state": b.get("status") if isinstance(b.get("status"), str) else None,
                 "counts": counts if None not in counts else None, "why": why or "the provider gave no reason",
+                "completed": b.get("status") == "completed",
                 "output": fids[0], "errors": fids[1]}
 
     def result_urls(self, status):
@@ -584,35 +589,49 @@ class AnthropicBatches:
     def find(self, entry, known):
         """A Message Batch has no metadata and no input file: among the newest 100 not `known` (recorded in
         the manifest), one with as many requests created nearest after the entry was tried (else within
-        CLOCK_SKEW before) -> its object, or None. Another client's batch of that size taken by mistake
-        costs a round, never an answer: its lines name other custom ids. Residual risk: two runners killed
-        before either recorded its id may each adopt the other's batch (the API shows no request ids before
-        results exist); each then resends its requests, and the other's billed lines are counted by neither."""
-        tried = entry.get("tried_at")
-        page = _listing(self.transport, self.base + "/messages/batches?limit=100") if tried else []
+        CLOCK_SKEW before), while the creation call could still run (its last attempt, from its last_try, to
+        its timeout and longest Retry-After) -> its object, or None. A batch made later is another run's:
+        adopted, it would be cancelled at this entry's deadline. Another client's batch of that size taken by
+        mistake costs a round, never an answer: its lines name other custom ids. Residual risk: two runners
+        killed before either recorded its id may each adopt the other's batch (the API shows no request ids
+        before results exist); each then resends its requests, and the other's billed lines are counted by
+        neither."""
+        tried, t = entry.get("tried_at"), self.transport
+        page = _listing(t, self.base + "/messages/batches?limit=100") if tried else []
+        last = (entry.get("last_try") or tried or 0) + CLOCK_SKEW + (t.connect_timeout + t.timeout +
+                                                                      t.max_retry_after)   # one attempt's span
         fits = []
         for b in page:
             try:
                 made = datetime.fromisoformat(str(b.get("created_at"))).timestamp()
             except (ValueError, OverflowError):        # (a year the platform's clock cannot hold)
                 continue
-            counts, bid = self.status(b)["counts"], b.get("id")
-            if isinstance(bid, str) and bid not in known and counts and counts[2] == len(entry["custom_ids"]) and \
-                    made >= tried - CLOCK_SKEW:
+            n, bid = self.counts(b), b.get("id")
+            if isinstance(bid, str) and bid not in known and n and sum(n.values()) == len(entry["custom_ids"]) and \
+                    tried - CLOCK_SKEW <= made <= last:
                 fits.append((made < tried, abs(made - tried), b))
         return min(fits, key=lambda f: f[:2])[2] if fits else None
 
     def path(self, batch_id):
         return f"{self.base}/messages/batches/{batch_id}"
 
-    def status(self, b):
-        """A MessageBatch object -> the runner's status (see BatchRunner._status)."""
+    @staticmethod
+    def counts(b):
+        """A MessageBatch's request counts by kind (processing, succeeded, ...), or None where one is missing."""
         rc = json_object(b.get("request_counts"))
         n = {k: _int(rc.get(k)) for k in ("processing", "succeeded", "errored", "canceled", "expired")}
-        counts = None if None in n.values() else (n["succeeded"], n["errored"] + n["canceled"] + n["expired"],
-                                                  sum(n.values()))
-        state = b.get("processing_status")
+        return None if None in n.values() else n
+
+    def status(self, b):
+        """A MessageBatch object -> the runner's status (see BatchRunner._status). Its request counts are
+        read once it has ended only: until the whole batch ends every request counts as processing (the
+        Message Batches reference), so a batch given up before that may have run any of its lines. It
+        completed when it ended neither cancelled nor with a request expired."""
+        n, state = self.counts(b), b.get("processing_status")
+        counts = (n["succeeded"], n["errored"] + n["canceled"] + n["expired"], sum(n.values())) \
+            if n and state == "ended" else None
         return {"state": state if isinstance(state, str) else None, "counts": counts, "why": "",
+                "completed": state == "ended" and not b.get("cancel_initiated_at") and not (n or {}).get("expired"),
                 "results_url": b.get("results_url") if isinstance(b.get("results_url"), str) else None}
 
     def result_urls(self, status):

@@ -283,7 +283,8 @@ class AnthropicBatchAPI:
     @staticmethod
     def view(b, host):
         at, c, ended = b["at"], b["counts"], b["state"] not in RUNNING
-        counts = {k: c.get(k, 0) for k in ("succeeded", "errored", "canceled", "expired")}
+        # every request counts as processing until the whole batch has ended (the Message Batches reference)
+        counts = {k: c.get(k, 0) if ended else 0 for k in ("succeeded", "errored", "canceled", "expired")}
         return {"id": b["id"], "type": "message_batch",
                 "processing_status": "ended" if ended else "canceling" if b["state"] == "cancelling" else
                 "in_progress",

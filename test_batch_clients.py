@@ -825,3 +825,72 @@ def test_a_batch_line_is_resubmitted_only_for_a_reason_a_later_batch_can_help():
     assert an({"custom_id": "k", "result": wrapped})[0] == "retry"
     assert an({"custom_id": "k", "result": {"type": "errored", "error": {"type": "invalid_request_error"}}})[0] == \
         "fail"
+
+
+def test_an_anthropic_batch_is_read_as_its_reference_gives_it():
+    """Message Batches count every request as processing until the whole batch has ended: counts read before
+    that would say none ran (a batch given up while canceling entered nothing in the ledger, its billed lines
+    bought again at a cost that read known); a batch ended after a cancel, or with a request expired, did not
+    complete (its rest goes synchronously past the deadline), one ended on its own did."""
+    status = batch_clients.AnthropicBatches(llm_clients.Transport("https://api.anthropic.com/v1", "anthropic:m",
+                                                                   "anthropic"), "anthropic:m").status
+    n = lambda **kw: {"request_counts": {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0,
+                                         **kw}}
+    assert status({"processing_status": "canceling", **n(processing=8)})["counts"] is None
+    ended = status({"processing_status": "ended", **n(succeeded=3, errored=1, canceled=4)})
+    assert ended["counts"] == (3, 5, 8) and ended["completed"]
+    assert not status({"processing_status": "ended", "cancel_initiated_at": "2026-12-05T10:00:00Z",
+                       **n(succeeded=3, canceled=5)})["completed"]
+    assert not status({"processing_status": "ended", **n(succeeded=7, expired=1)})["completed"]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_batch_that_ended_on_its_own_is_no_late_batch_when_read_after_its_deadline(engine, tmp_path, protocol):
+    """Killed while polling, resumed an hour later: the batch ended on its own long ago (Anthropic's "ended", as
+    OpenAI's "completed"), with one line failed for a reason retrying helps. That line goes into a new batch at the
+    batch price, not synchronously, and nothing says the batch was cancelled."""
+    srv, url = engine
+    now = [1000.0]
+    srv.batches.knobs.update(polls=10 ** 6)
+
+    def killed(s):
+        raise KeyboardInterrupt
+    reqs = requests_(4)
+    with pytest.raises(KeyboardInterrupt):
+        batched(url, tmp_path, protocol, poll=1.0, deadline=90, sleep=killed, clock=lambda: now[0]).map(
+            reqs, progress=False)
+    now[0] += 3600
+    srv.batches.knobs.update(polls=0, fail_first=1)
+    logs = []
+    c = batched(url, tmp_path, protocol, logs=logs, poll=1.0, deadline=90, sleep=lambda s: None, clock=lambda: now[0])
+    assert len(c.map(reqs, progress=False)) == 4
+    assert srv.batches.created == 2 and [b["reason"] for b in manifest(tmp_path)] == [None, None]
+    assert not any("at its deadline" in m or "synchronously" in m for m in logs)
+
+
+def test_a_batch_made_after_the_creation_call_could_end_is_another_runs(engine, tmp_path, monkeypatch):
+    """A run killed inside its creation call a day ago resumes: it looks for the batch that call may have made
+    (a Message Batch names no input), but one of the same size made today is another run's. Adopted, it would
+    be cancelled at this run's deadline, long past; it is left alone and the run makes its own."""
+    srv, url = engine
+    srv.batches.knobs["polls"] = 10 ** 6
+    yesterday = lambda: time.time() - 86400
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(batch_clients.AnthropicBatches, "create", killed)
+        with pytest.raises(KeyboardInterrupt):
+            batched(url, tmp_path / "a", "anthropic", deadline=3600, clock=yesterday).map(requests_(4, "A"),
+                                                                                          progress=False)
+    with pytest.raises(KeyboardInterrupt):            # the other run: its batch made, then killed while polling
+        batched(url, tmp_path / "b", "anthropic", sleep=killed).map(requests_(4, "B"), progress=False)
+    srv.batches.knobs["polls"] = 0
+    a = batched(url, tmp_path / "a", "anthropic", deadline=3600, sleep=lambda s: None)
+    assert len(a.map(requests_(4, "A"), progress=False)) == 4
+    assert srv.batches.created == 2 and srv.batches.batches["batch-1"]["state"] != "cancelling"
+    assert [x["id"] for x in manifest(tmp_path / "a")] == [None, "batch-2"]      # (the killed call made none)
+    # a creation call retried until today (its lookups between attempts recorded last_try) may have made it
+    entry = {"tried_at": yesterday(), "last_try": time.time() - 5, "custom_ids": ["k"] * 4}
+    assert a.batch.provider.find(entry, set())["id"] == "batch-1"
+    assert a.batch.provider.find({**entry, "last_try": None}, set()) is None
