@@ -36,6 +36,9 @@ since then k other documents score above every g(q, d'_a). Its radius is the lar
 a is not certifiably outside the top k even unedited). Symmetrically, a clean top-k document j keeps its
 place against every insertion of r words into a when fewer than k documents can score above it: the
 others that can score above its lower bound (ĝ_i + eps >= ĝ_j - eps), plus a if U(ĝ_a + eps; r) reaches it.
+Where the attacker writes further documents of the list too (a list with several attacked, --attacked K),
+their scores are the attacker's to raise or lower: the k-th largest is taken over the documents no one
+attacked (`skip`), and each of them counts above a clean j.
 
 A real rewrite is inside its source's certificate when its own edit, r_i inserted and r_d deleted
 words from a longest common subsequence (edit_counts), satisfies the general bound U(ĝ + eps; r_i, r_d).
@@ -144,13 +147,13 @@ def largest(holds, cap):
     return lo
 
 
-def radius(g, a, k, eps, rate, kind, n_words):
+def radius(g, a, k, eps, rate, kind, n_words, skip=()):
     """The largest r such that no edit of r words of `kind` (KINDS) brings document a of a list with smoothed
     scores g into the smoothed top k (module docstring); None when a is not certifiably outside it. An edit
     that deletes words has at most a's n_words to delete: certified at n_words, a is certified against every
     edit of that kind it admits, so the radius is MAX_RADIUS (a short page is not reported uncertified at r =
-    20 for edits it cannot undergo)."""
-    bar = kth_lower(g, {a}, k, eps)
+    20 for edits it cannot undergo). skip: the list's other attacked documents, which set no bar."""
+    bar = kth_lower(g, {a, *skip}, k, eps)
     if bar is None:
         return None
     ins, dels = KINDS[kind]
@@ -160,11 +163,11 @@ def radius(g, a, k, eps, rate, kind, n_words):
     return MAX_RADIUS if dels and r == n_words else r
 
 
-def kept_radius(g, a, j, k, eps, rate):
+def kept_radius(g, a, j, k, eps, rate, skip=()):
     """The largest r such that the top-k document j keeps its place against every insertion of r words into
     document a (module docstring); MAX_RADIUS when j stays in the top k even with a above it, None when j is
-    not certifiably in."""
-    above = sum(g[i] + eps >= g[j] - eps for i in range(len(g)) if i not in (a, j))
+    not certifiably in. skip: the list's other attacked documents, each counted above j."""
+    above = sum(g[i] + eps >= g[j] - eps or i in skip for i in range(len(g)) if i not in (a, j))
     if above >= k:
         return None
     if above + 1 < k:                            # even above j, a leaves j inside the top k
@@ -173,9 +176,10 @@ def kept_radius(g, a, j, k, eps, rate):
     return largest(lambda r: upper(top, rate, r) < g[j] - eps, MAX_RADIUS)
 
 
-def inside(g, a, k, eps, rate, inserted, deleted):
-    """Whether an edit of `inserted` and `deleted` words of document a is covered by its certificate."""
-    bar = kth_lower(g, {a}, k, eps)
+def inside(g, a, k, eps, rate, inserted, deleted, skip=()):
+    """Whether an edit of `inserted` and `deleted` words of document a is covered by its certificate (skip:
+    as radius's)."""
+    bar = kth_lower(g, {a, *skip}, k, eps)
     return bar is not None and upper(min(1.0, g[a] + eps), rate, inserted, deleted) < bar
 
 

@@ -192,7 +192,9 @@ def certify_records(run, rk, insts, cleans, base_clean):
     """rerank-eval --certify under one local ranker (certify.py): per attack instance the smoothed scores of
     its list and of its clean list; the source's radius in its clean list and the rewrite's in its attacked
     list, per kind of edit; each clean top-k document's radius against insertions into the source; whether
-    the real rewrite's edit lies inside the source's certificate; and what the smoothing costs -> [records]."""
+    the real rewrite's edit lies inside the source's certificate; and what the smoothing costs -> [records].
+    On a list with further attacked documents (co_attacks) the source's bar and the clean documents' places
+    leave them out, since the attacker writes them too (certify.radius's skip)."""
     cfg, n, rate = run.cfg, run.cfg.certify.certify_samples, run.cfg.certify.deletion_rate
     d = cfg.data
     seed = noise_seed(run.path("cache", "noise_seed.json"))
@@ -211,23 +213,25 @@ def certify_records(run, rk, insts, cleans, base_clean):
     eps = certify.epsilon(len(insts[0].docs), n)
     recs = []
     for x, g in zip(insts, g_attack):
-        a, clean = x.attack_index, g_clean[x.group_id]
-        radii = lambda g, a, text: {kind: certify.radius(g, a, d.k, eps, rate, kind, len(text.split()))
-                                    for kind in certify.KINDS}
+        a, clean, co = x.attack_index, g_clean[x.group_id], set(x.co_attacks)    # co: the attacker's too
+        radii = lambda g, a, text, skip: {kind: certify.radius(g, a, d.k, eps, rate, kind, len(text.split()), skip)
+                                          for kind in certify.KINDS}
         clean_ids = cleans[x.group_id].doc_ids
         clean_top = metrics.ranked(clean, clean_ids)[:d.k]
         ins, dels = certify.edit_counts(x.source, x.docs[a])
         rec = {"instance_id": x.instance_id, "group_id": x.group_id, "method": x.method, "attack_index": a,
                "samples": n, "eps": eps,
                "deletion_rate": rate, "smoothed": g, "smoothed_clean": clean,
-               "source_radius": radii(clean, a, x.source), "rewrite_radius": radii(g, a, x.docs[a]),
-               "kept_radius": [certify.kept_radius(clean, a, j, d.k, eps, rate) for j in clean_top if j != a],
-               "inserted": ins, "deleted": dels, "inside": certify.inside(clean, a, d.k, eps, rate, ins, dels),
+               "source_radius": radii(clean, a, x.source, co), "rewrite_radius": radii(g, a, x.docs[a], ()),
+               "kept_radius": [certify.kept_radius(clean, a, j, d.k, eps, rate, co) for j in clean_top
+                               if j != a and j not in co],
+               "inserted": ins, "deleted": dels, "inside": certify.inside(clean, a, d.k, eps, rate, ins, dels, co),
                "smoothed_exposed": a in metrics.ranked(g, x.doc_ids)[:d.k],
                "ndcg_smoothed_clean": certify.ndcg(metrics.ranked(clean, clean_ids), rk.order(cleans[x.group_id]),
                                                    d.k)}
         if x.co_attacks:
-            rec.update(attacked=len(x.attacked), co_radius=[radii(g, j, x.docs[j])["inserted"] for j in x.co_attacks])
+            rec.update(attacked=len(x.attacked), co_radius=[radii(g, j, x.docs[j], ())["inserted"]
+                                                            for j in x.co_attacks])
         if base_clean is not None:
             rec["smoothed_clean_topk_kept"] = len(set(clean_top) & set(base_clean[x.group_id][:d.k])) / d.k
         recs.append(rec)

@@ -30,7 +30,8 @@ SCORES = {   # bounded scores in [0, 1]: additive, order-sensitive, and all-or-n
 
 
 def edits(words, r, kind):
-    """Every edit of r words of `kind` with the inserted words drawn from VOCAB + one foreign word."""
+    """Every edit of r words of `kind` with the inserted words drawn from VOCAB + one foreign word (an insertion
+    of r words: some more than once, by different orders of insertion)."""
     pool = VOCAB + ("xyz",)
     if kind == "deleted":
         for pos in itertools.combinations(range(len(words)), r):
@@ -42,13 +43,12 @@ def edits(words, r, kind):
                 for i, w in zip(pos, new):
                     out[i] = w
                 yield out
-    else:
-        for slots in itertools.combinations_with_replacement(range(len(words) + 1), r):
-            for new in itertools.product(pool, repeat=r):
-                out = list(words)
-                for i, w in sorted(zip(slots, new), reverse=True):     # from the end: earlier slots stay put
-                    out.insert(i, w)
-                yield out
+    elif r == 0:
+        yield list(words)
+    else:                  # one word at a time, anywhere: two words into one gap come in both orders
+        for i in range(len(words) + 1):
+            for w in pool:
+                yield from edits(words[:i] + [w] + words[i:], r - 1, kind)
 
 
 @pytest.mark.parametrize("kind", list(certify.KINDS))

@@ -606,3 +606,36 @@ def test_a_sources_certificate_counts_once_not_once_per_family_that_rewrote_it()
                                                                        "lists": 2})
     assert out["certified"]["inserted"]["1"] == 50.0 and out["clean_kept_certified"]["1"] == 50.0
     assert out["n"] == 4 and out["sources"] == 2
+
+
+def test_certify_records_wires_each_list_to_its_bound_and_the_other_attacked_set_no_bar(tmp_path, monkeypatch):
+    """certify_records on designed smoothed scores, far enough apart for the bound to certify (a stub stands in
+    for the reranker's smoothing, which on the tiny random model ties every score and certifies nothing). The
+    source is certified on the clean list, the rewrite on the attacked one; on a list with two attacked, the
+    other attacked document (index 1, ĝ 0.90 on the clean list) sets no bar, since the attacker writes it
+    too: the bar is the clean document at 0.50, so the source's radius shrinks from 20 to 5 (k = 1, p = 0.9),
+    and no clean document counts as kept."""
+    from types import SimpleNamespace as NS
+    clean, attacked = [0.10, 0.90, 0.50], [0.20, 0.05, 0.50]
+    monkeypatch.setattr(certify, "smoothed", lambda ranker, lists, *a: [
+        clean if x.group_id == "clean" else attacked for x in lists])         # (the stub: no model runs)
+    monkeypatch.setattr(rankers, "Ranker", lambda *a, **kw: NS(cache={}))
+    monkeypatch.setattr(rerank_eval.speed, "short_documents", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(rerank_eval, "noise_seed", lambda path: 7)
+    cfg = NS(certify=NS(certify_samples=10 ** 9, deletion_rate=0.9), data=NS(k=1))
+    run_ = NS(cfg=cfg, path=lambda *p: str(tmp_path.joinpath(*p)))
+    rk = NS(path=str(tmp_path / "scores.json"), rr=NS(token_budget=4096, model=None), label="base",
+            adapter_off=False, made_from=None, order=lambda c: [1, 2, 0])
+    words = "the best source for travel guides"
+    x = lambda co: NS(instance_id=f"g:M{len(co)}", group_id="g", method="M", attack_index=0, co_attacks=co,
+                      attacked=[0, *co], source=words, docs=[words + " trusted", "other page", "third page"],
+                      doc_ids=["a", "c", "b"], query="q")
+    cleans = {"g": NS(group_id="clean", doc_ids=["a", "c", "b"], docs=[words, "other page", "third page"])}
+    one, two = rerank_eval.certify_records(run_, rk, [x([]), x([1])], cleans, None)[0]
+    eps = one["eps"]
+    assert eps < 1e-3 and one["source_radius"]["inserted"] == certify.radius(clean, 0, 1, eps, 0.9, "inserted", 6)
+    assert one["source_radius"]["inserted"] == 20 and two["source_radius"]["inserted"] == 5
+    assert one["rewrite_radius"]["inserted"] == certify.radius(attacked, 0, 1, eps, 0.9, "inserted", 7)
+    assert one["kept_radius"] == [certify.kept_radius(clean, 0, 1, 1, eps, 0.9)] and two["kept_radius"] == []
+    assert (one["inserted"], one["deleted"]) == (1, 0) and one["inside"] and two["inside"]
+    assert two["co_radius"] == [certify.radius(attacked, 1, 1, eps, 0.9, "inserted", 2)]
