@@ -19,8 +19,8 @@ A score is sigmoid(margin), or the margin for raw_scores true (TEI, Infinity) or
 the prompt's <Instruct>: place on the base model; the Shield, or weights the server cannot tell from
 it (`scoring_identity`), refuses one other than its own (400) unless started with allow_instruction:
 one policy, `RerankServer.prompter`, every route goes through. One scoring thread scores requests in
-shared micro-batches; past max_concurrent_requests in progress or max_queue waiting, a request gets
-429 with Retry-After.
+shared micro-batches; past max_concurrent_requests in progress, or max_queue requests or max_queue_tokens
+tokens waiting, a request gets 429 with Retry-After; a request whose client hangs up is not scored.
 Every request is untrusted: sizes are capped, every field a route reads is validated (4xx naming it as
 the client spelled it), documents are tokenized as text (reranker.text_tokenizer), slow clients time
 out, an optional API key is compared in constant time and never printed, and a web page's request (an
@@ -38,6 +38,7 @@ import json
 import os
 import queue
 import re
+import select
 import signal
 import socket
 import sys
@@ -64,56 +65,74 @@ from store import log as say   # one line on stderr, every URL in it redacted
 # ----------------------------------------------------------------------------- the server
 
 
+WAIT_SLICE = 1.0      # seconds between a waiting request's looks at whether its client is still there
+
+
 class Batcher:
     """One scoring thread over a bounded queue of jobs (one job = one request's token-id lists). Jobs
     waiting together are scored in one `score_ids` call, which packs their documents into shared
     micro-batches, as long as they fit one micro-batch's token budget together: small requests
     share the GEMMs, while a request that fills a micro-batch on its own is scored alone, so that its
     documents keep sharing their query's prompt prefix (speed.py's `share_prefix`) and it is answered
-    as soon as it is done. A score does not depend on its batch mates beyond float rounding."""
+    as soon as it is done. A score does not depend on its batch mates beyond float rounding. The queue is
+    bounded in requests (max_queue) and in the tokens they hold (max_queue_tokens): a waiting request keeps
+    its prompts in memory, and one body of a few MiB can hold millions of tokens. The call being scored holds
+    its own besides: at most one call's worth."""
 
-    def __init__(self, rr, max_queue=64):
+    def __init__(self, rr, max_queue=64, max_queue_tokens=1 << 22):
         self.rr, self.max_batch_tokens = rr, rr.token_budget
         self.jobs = queue.Queue(maxsize=max_queue)
+        self.max_queue_tokens, self.waiting, self.lock = max_queue_tokens, 0, threading.Lock()   # tokens queued
         self.held = None           # a job taken from the queue that did not fit the last call
         self.batches = 0
         threading.Thread(target=self._loop, daemon=True, name="rerank-batcher").start()
 
-    def submit(self, ids, timeout):
-        """Token-id lists -> float margins, in order. Raises RequestError 429 when the queue is full (as
-        TEI answers when overloaded), 503 when the scores are not ready within `timeout` seconds."""
-        job = {"ids": ids, "done": threading.Event(), "scores": None, "error": None}
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise RequestError(429, f"the server is busy ({self.jobs.maxsize} requests wait for scoring, "
-                                    "max_queue); retry later") from None
-        if not job["done"].wait(timeout):
-            job["cancelled"] = True           # not scored later for nobody
-            raise RequestError(503, f"not scored within {timeout:.0f} s; retry later")
+    def submit(self, ids, timeout, gone=lambda: False):
+        """Token-id lists -> float margins, in order. Raises RequestError 429 when the queue is full, in
+        requests or in tokens (as TEI answers when overloaded; into an empty queue a request is always taken),
+        503 when the scores are not ready within `timeout` seconds. gone(): whether the client has hung up,
+        asked every WAIT_SLICE s: its job is then not scored for nobody (a client's retries would each add one)."""
+        n = sum(map(len, ids))
+        job = {"ids": ids, "tokens": n, "done": threading.Event(), "scores": None, "error": None}
+        with self.lock:
+            if self.waiting and self.waiting + n > self.max_queue_tokens:
+                raise RequestError(429, f"the server is busy ({self.waiting} tokens wait for scoring, "
+                                        f"max_queue_tokens {self.max_queue_tokens}); retry later")
+            try:
+                self.jobs.put_nowait(job)
+            except queue.Full:
+                raise RequestError(429, f"the server is busy ({self.jobs.maxsize} requests wait for scoring, "
+                                        "max_queue); retry later") from None
+            self.waiting += n
+        end = time.monotonic() + timeout
+        while not job["done"].wait(max(0.0, min(WAIT_SLICE, end - time.monotonic()))):
+            if time.monotonic() >= end or gone():
+                job["cancelled"] = True           # not scored later for nobody
+                raise RequestError(503, f"not scored within {timeout:.0f} s; retry later")
         if job["error"] is not None:
             raise job["error"]
         return job["scores"]
 
     def _loop(self):
-        size = lambda job: sum(map(len, job["ids"]))
         while True:
             batch = [self.held or self.jobs.get()]
-            self.held, n = None, size(batch[0])
+            self.held, n = None, batch[0]["tokens"]
             while n < self.max_batch_tokens:   # what else is waiting joins this call while it fits
                 try:
                     job = self.jobs.get_nowait()
                 except queue.Empty:
                     break
-                if n + size(job) > self.max_batch_tokens:
+                if n + job["tokens"] > self.max_batch_tokens:
                     self.held = job           # first in the next call
                     break
                 batch.append(job)
-                n += size(job)
-            batch = [job for job in batch if not job.get("cancelled")]
-            if batch:
-                self._score(batch)
-            for job in batch:
+                n += job["tokens"]
+            with self.lock:                   # in this call now (the held job still waits)
+                self.waiting -= n
+            live = [job for job in batch if not job.get("cancelled")]
+            if live:
+                self._score(live)
+            for job in live:
                 job["done"].set()
 
     def _score(self, batch):
@@ -387,7 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
         srv, conf = self.server, self.server.conf
         with srv.work:
             req, ids = self._prompts(path, json_body(raw))
-        m = srv.batcher.submit(ids, conf["score_timeout"])
+        m = srv.batcher.submit(ids, conf["score_timeout"], lambda: hung_up(self.connection))
         if conf["smooth"]:
             m = certify.smoothed_margins(m, conf["smooth"])
         tokens = sum(map(len, ids))
@@ -419,6 +438,17 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(400, f"query/instruction/documents{'/' + cap if cap else ''}: {e}", cap) from None
 
 
+def hung_up(sock):
+    """Whether the client has closed the connection: its socket reads as ended (bytes of a next request are
+    no end)."""
+    poll = select.poll()                  # (select.select refuses descriptors past 1,023)
+    try:
+        poll.register(sock, select.POLLIN)
+        return bool(poll.poll(0)) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):         # reset, or closed on our side
+        return True
+
+
 def check_address(sv):
     """--host and --port bound once and let go: a busy port or another machine's address is refused at once,
     not after the model loads."""
@@ -441,7 +471,8 @@ def serve_until_stopped(rr, sv, deletion_rate, model_name, adapter=None, detecto
     key = sv.api_key or os.environ.get("GEODEF_API_KEY") or None
     try:
         srv = RerankServer(rr, host=sv.host, port=sv.port, api_key=key, max_documents=sv.max_documents,
-                           max_body_bytes=sv.max_body_bytes, max_queue=sv.max_queue, model_name=model_name,
+                           max_body_bytes=sv.max_body_bytes, max_queue=sv.max_queue,
+                           max_queue_tokens=sv.max_queue_tokens, model_name=model_name,
                            max_concurrent_requests=sv.max_concurrent_requests, allow_instruction=sv.allow_instruction,
                            smooth=sv.smooth, deletion_rate=deletion_rate, detector=detector)
     except OSError as e:
@@ -474,8 +505,8 @@ class RerankServer(ThreadingHTTPServer):
 
     def __init__(self, rr, host="127.0.0.1", port=8000, api_key=None, model_name="geo-defender-shield",
                  max_documents=1000, max_body_bytes=8 << 20, read_timeout=30.0, body_timeout=60.0,
-                 score_timeout=600.0, max_queue=64, max_concurrent_requests=128, log=True, allow_instruction=False,
-                 smooth=0, deletion_rate=0.9, detector=None, max_connections=1024):
+                 score_timeout=600.0, max_queue=64, max_queue_tokens=1 << 22, max_concurrent_requests=128, log=True,
+                 allow_instruction=False, smooth=0, deletion_rate=0.9, detector=None, max_connections=1024):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET      # (an IPv6 address: ::1)
         super().__init__((host, port), _Handler)
         # a connection is a thread, held up to read_timeout by a client that sends nothing: past this many, a new
@@ -483,7 +514,7 @@ class RerankServer(ThreadingHTTPServer):
         self.connections = threading.BoundedSemaphore(max_connections)
         self.rr, self.detector = rr, detector           # detect.Served (POST /detect, return_detect) or None
         self.identity, self.scoring = scoring_identity(rr)    # "shield" | "base" | "unknown", and why
-        self.batcher = Batcher(rr, max_queue=max_queue)
+        self.batcher = Batcher(rr, max_queue, max_queue_tokens)
         self.metrics, self.started = Metrics(), int(time.time())
         self.in_flight, self.lock = 0, threading.Lock()      # requests in progress (slot)
         # parsing, tokenizing and detecting a request a few at a time: a body decodes to many times its bytes

@@ -637,6 +637,10 @@ class ServeSettings(Settings):
                                            says=f"1 to {MAX_THREADS}")
     max_queue: int = setting(64, "requests waiting for the scoring thread; one more is answered 429 with "
                                  "Retry-After", ok=between(1, 100_000), says="1 to 100000")
+    max_queue_tokens: int = setting(1 << 22, "prompt tokens the waiting requests hold together (in memory, ~36 "
+                                             "bytes a token); a request past it is answered 429 with Retry-After, "
+                                             "into an empty queue one is always taken", ok=between(1, 1 << 40),
+                                    says=f"1 to {1 << 40}")
     smooth: int = setting(0, "answer with the Shield smoothed by randomized deletion: each document's mean score over "
                              "this many samples (--deletion-rate), drawn afresh for every request (certify.py); 0: "
                              "plain", ok=between(0, MAX_SAMPLES), says=f"0 to {MAX_SAMPLES}")

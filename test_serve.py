@@ -289,6 +289,74 @@ def test_one_requests_non_finite_margins_fail_only_that_request():
     assert [[666, 1], [1, 2]] in calls                  # they shared a call, then were scored apart
 
 
+class Gated:                        # a stand-in scorer (labelled): each call waits for `go`, then a margin a prompt
+    token_budget = 10 ** 6
+
+    def __init__(self):
+        self.go, self.calls = threading.Event(), []
+
+    def score_ids(self, ids):
+        self.calls.append(ids)
+        self.go.wait(10)
+        return torch.tensor([float(len(x)) for x in ids])
+
+
+def test_the_queue_is_bounded_in_the_tokens_its_requests_hold():
+    """A waiting request holds its prompts in memory (an 8 MiB body: millions of tokens), so the queue is
+    bounded in tokens as well as requests: past max_queue_tokens a request gets a 429, and into an empty queue
+    a request is always taken, however long, while another is being scored too."""
+    scorer = Gated()
+    b = serve.Batcher(scorer, max_queue=64, max_queue_tokens=1000)
+    first = threading.Thread(target=b.submit, args=([[1] * 600], 10), daemon=True)
+    first.start()
+    while not scorer.calls:                             # the first is being scored: it waits no more
+        time.sleep(0.01)
+    second = threading.Thread(target=b.submit, args=([[2] * 5000], 10), daemon=True)
+    second.start()
+    while b.waiting < 5000:
+        time.sleep(0.01)
+    with pytest.raises(serve.RequestError, match="5000 tokens wait for scoring, max_queue_tokens 1000") as e:
+        b.submit([[3] * 200], 10)
+    assert e.value.status == 429
+    scorer.go.set()
+    first.join(), second.join()
+    assert b.waiting == 0 and b.submit([[4] * 300], 10) == [300.0]
+
+
+def test_a_request_whose_client_hung_up_is_not_scored(monkeypatch):
+    """A client that timed out and hung up (or retried: each retry a new request) left its request in the queue,
+    scored for nobody; the waiting request looks every WAIT_SLICE s and is dropped once its client is gone.
+    hung_up reads a closed socket as gone, not one with a next request's bytes waiting, nor an idle one."""
+    monkeypatch.setattr(serve, "WAIT_SLICE", 0.05)
+    scorer = Gated()
+    b = serve.Batcher(scorer)
+    threading.Thread(target=b.submit, args=([[1, 1]], 10), daemon=True).start()
+    while not scorer.calls:
+        time.sleep(0.01)
+    gone = threading.Event()
+    threading.Timer(0.2, gone.set).start()
+    with pytest.raises(serve.RequestError) as e:
+        b.submit([[7, 7, 7]], 10, gone.is_set)
+    assert e.value.status == 503
+    scorer.go.set()
+    assert b.submit([[2]], 10) == [1.0] and not any([7, 7, 7] in ids for ids in scorer.calls) and b.waiting == 0
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    a, c = socket.socketpair()
+    try:          # a connection past descriptor 1,023 (a busy server's), which select.select refuses
+        high = socket.socket(fileno=os.dup2(a.fileno(), min(2048, hard) - 1)) if hard >= 2048 else a
+        with a, c, high:
+            assert not serve.hung_up(high)
+            c.sendall(b"GET /health HTTP/1.1\r\n")
+            assert not serve.hung_up(high)
+            high.recv(100)
+            c.close()
+            assert serve.hung_up(high)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_busy_server_refuses_before_reading_the_body(small_queue_server):
     """The request slot is taken before the body is read, so max_concurrent_requests bounds the bodies held
     and decoded at once: past it a request is refused unparsed (a body that is not JSON gets the 429, not a
