@@ -140,6 +140,64 @@ def test_controller_rejects_rules_past_a_full_library():
     assert len(full.active()) == 5 and "library is full" in rep.rejected[0]["reason"]
 
 
+def test_a_merged_rule_goes_on_as_its_target_in_the_rest_of_the_batch():
+    """A.3.4's merge names its target among its sources (target_rule_id R2, source_rule_ids [R2, R3]): the merged
+    rule, under the next free id, is what a later update of the batch naming R2 reaches (it was refused as no
+    live rule); a merge whose target is none of its sources is refused (it left the target beside the merge)."""
+    C, _, lib, _ = _three_rules()                          # R1 guard, R2 depends on R1, R3
+    out, rep = C.apply(lib, [{"action": "merge_rules", "target_rule_id": "R2", "source_rule_ids": ["R2", "R3"],
+                              "rule": R(rule_id="R2", description="m")},
+                             {"action": "modify_rule", "target_rule_id": "R2", "rule": {"strength": "weak"}}])
+    assert not rep.rejected and [a["rule_id"] for a in rep.applied] == ["R4", "R4"]
+    assert out.get("R4")["strength"] == "weak" and [r["rule_id"] for r in out.active()] == ["R1", "R4"]
+    _, rep = C.apply(lib, [{"action": "merge_rules", "target_rule_id": "R1", "source_rule_ids": ["R2", "R3"],
+                            "rule": R(description="m")}])
+    assert not rep.applied and "target_rule_id 'R1' is not one of its source_rule_ids" in rep.rejected[0]["reason"]
+
+
+def test_a_full_library_counts_the_batchs_deletes_wherever_they_stand():
+    """The size limit holds for the library the batch leaves: an add before the delete that makes room is as
+    valid as one after it (DELETE already applies in either order)."""
+    C = tfsg.Controller(max_rules=3)
+    full, _ = C.apply(tfsg.ExperienceLibrary.empty(), [{"action": "add_rule", "rule": R()} for _ in range(3)])
+    add, delete = {"action": "add_rule", "rule": R(description="c")}, {"action": "delete_rule", "target_rule_id": "R1"}
+    for batch in ([add, delete], [delete, add]):
+        out, rep = C.apply(full, batch)
+        assert not rep.rejected and [r["rule_id"] for r in out.active()] == ["R2", "R3", "R4"]
+    _, rep = C.apply(full, [add, dict(add, rule=R(description="d")), delete])
+    assert [x["reason"] for x in rep.rejected] == ["library is full (3 active rules)"]
+
+
+def test_a_rule_id_the_cases_texts_hold_counts_for_no_rule():
+    """The reasoning interface reads rule ids from the reasoning trace, which quotes documents: "an R2 of 0.97"
+    in an attacker's page (or planted there) counted as R2 invoked, steering the outcome counts the Analyzer
+    reads. Ids the case's query or documents hold are not read from the reasoning (the JSON decisions' ids
+    are the model's own), and an id no active rule has counts for none."""
+    from types import SimpleNamespace
+    case = {"case_id": "c", "query": "q", "docs": ["Our model reaches an R2 of 0.97.", "plain"],
+            "labels": ["attack", "benign"], "b_clean": 1}
+    reply = SimpleNamespace(text="", reasoning="R1 says to doubt polished stats; doc 1 has an R2 of 0.97 and R3.",
+                            data={"answer": "x [2]."})
+    out = tfsg.case_outcome(case, reply, "reasoning")
+    assert out["trace"]["used_rule_ids"] == ["R1", "R3"]
+    lib, _ = tfsg.Controller().apply(tfsg.ExperienceLibrary.empty(), [{"action": "add_rule", "rule": R()}
+                                                                      for _ in range(3)])
+    lib, _ = tfsg.Controller().apply(lib, [{"action": "delete_rule", "target_rule_id": "R3"}])
+    counted = tfsg.record_outcomes(lib, [out])
+    assert [counted.get(r)["stats"]["invocations"] for r in ("R1", "R2", "R3")] == [1, 0, 0]
+
+
+def test_the_analyzer_sees_each_cases_coverage_and_rationale():
+    """A case is (q, D, y, z) with the trace z of A.2.3: coverage_sufficient and brief_rationale are parts of it
+    the Analyzer contrasts, not only the case files'."""
+    from types import SimpleNamespace
+    data = {"answer": "x [1].", "coverage_sufficient": False, "brief_rationale": "only one source held up"}
+    case = tfsg.case_outcome({"case_id": "c", "query": "q", "docs": ["a", "b"], "labels": ["benign", "attack"],
+                              "b_clean": 1}, SimpleNamespace(text="", reasoning=None, data=data), "structured")
+    view = tfsg._case_view(case)
+    assert (view["coverage_sufficient"], view["brief_rationale"]) == (False, "only one source held up")
+
+
 def test_cold_start_ids_follow_their_proposals():
     """A rejected proposal does not shift the ids of later ones: a rule depending on the Analyzer's
     guard "R2" depends on the id that guard received."""

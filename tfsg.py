@@ -323,6 +323,11 @@ class Controller:
                 named[p] = f"proposed {p}" if reason else report.applied[-1]["rule_id"]
                 if p in deleted:
                     deleted.add(named[p])
+            if not reason and report.applied[-1]["action"] == "merge_rules":   # the merged rule goes on as its
+                merged = report.applied[-1]                                     # target (A.3.4's schema)
+                for x in (_renamed(u, named).get("target_rule_id"), p):
+                    if x in merged["sources"]:
+                        named[x] = merged["rule_id"]
         lib.library_version += 1
         return lib, report
 
@@ -340,7 +345,7 @@ class Controller:
         if deleted & sources:
             return f"{sorted(deleted & sources)} deleted in the same batch (delete takes precedence)"
         if act in ADDING:
-            return self._add(lib, u, act, active, prov, report)
+            return self._add(lib, u, act, active, prov, report, deleted)
         target = u.get("target_rule_id")
         if not isinstance(target, str) or target not in active:
             return f"target_rule_id {target!r} is not a live rule"
@@ -358,8 +363,9 @@ class Controller:
             return f"{target} is deleted in the same batch (delete takes precedence)"
         return self._refine(lib, u, target, prov, report)
 
-    def _add(self, lib, u, act, active, prov, report):
-        """ADD (add_rule, add_fp_guard) or MERGE (merge_rules: a new rule retiring its sources)."""
+    def _add(self, lib, u, act, active, prov, report, deleted=frozenset()):
+        """ADD (add_rule, add_fp_guard) or MERGE (merge_rules: a new rule retiring its sources, going on as its
+        target_rule_id, one of them)."""
         rule = u.get("rule")
         if act == "add_fp_guard" and isinstance(rule, dict):
             if rule.get("rule_type", "fp_guard") != "fp_guard":
@@ -378,7 +384,10 @@ class Controller:
             dead = [s for s in sources if s not in active]
             if dead:
                 return f"merge_rules: {dead} are not live rules"
-        if act != "merge_rules" and len(active) >= self.max_rules:
+            if isinstance(u.get("target_rule_id"), str) and u["target_rule_id"] not in sources:
+                return f"merge_rules: target_rule_id {u['target_rule_id']!r} is not one of its source_rule_ids"
+        # full: counted after the batch's deletes of live rules, which apply whatever their place in it
+        if act != "merge_rules" and len(active) - len(deleted & set(active)) >= self.max_rules:
             return f"library is full ({self.max_rules} active rules)"
         body = self._clean_rule(rule)
         err = self._guards_ok(lib, body["depends_on_fp_guards"])
@@ -454,7 +463,7 @@ def record_outcomes(lib, cases):
             continue
         for rid in sorted(set(c["trace"]["used_rule_ids"])):
             r = lib.get(rid)
-            if r is None:
+            if r is None or r.get("status") != "active":     # not in the library the case was answered with
                 continue
             r.setdefault("stats", new_stats())
             r["stats"]["invocations"] += 1
@@ -520,7 +529,10 @@ def answer_of(reply):
     return a if isinstance(a, str) else " ".join(x for x in a if isinstance(x, str)) if isinstance(a, list) else ""
 
 
-def normalize_trace(reply, n_docs, interface="structured"):
+RULE_ID = r"\bR\d{1,9}\b"         # a rule id as a reasoning trace names one
+
+
+def normalize_trace(reply, n_docs, interface="structured", quoted=()):
     """One case schema from either interface: answer, cited indices, per-document decisions (with
     their evidence spans and confidence), invoked rule ids, coverage_sufficient, brief_rationale,
     reasoning (A.2.3, A.3.1's trace schema). Tolerant of missing or malformed trace fields: a field
@@ -545,8 +557,8 @@ def normalize_trace(reply, n_docs, interface="structured"):
                           "confidence": _confidence(d.get("confidence"))})
         used += rids
     reasoning = reply.reasoning
-    if interface == "reasoning" and reasoning:
-        used += re.findall(r"\bR\d{1,9}\b", reasoning)
+    if interface == "reasoning" and reasoning:       # an id the case's own texts hold may be quoted from them
+        used += [r for r in re.findall(RULE_ID, reasoning) if r not in quoted]
     cov = data.get("coverage_sufficient")
     why = data.get("brief_rationale")
     return {"answer": answer, "cited": cited(answer, n_docs), "per_doc_decision": decisions,
@@ -582,6 +594,8 @@ def _case_view(case, limits=LIMITS):
                                for i, (t, lab) in enumerate(zip(case["docs"], case["labels"]), 1)],
             "answer": case["trace"]["answer"], "cited_indices": case["trace"]["cited"],
             "per_doc_decision": case["trace"]["per_doc_decision"],
+            "coverage_sufficient": case["trace"].get("coverage_sufficient"),
+            "brief_rationale": case["trace"].get("brief_rationale"),
             "used_rule_ids": case["trace"]["used_rule_ids"],
             **({"reasoning_content": case["trace"]["reasoning"][:limits.analyzer_reasoning_chars]}
                if case["trace"].get("reasoning") else {})}
@@ -659,7 +673,8 @@ def case_outcome(case_input, reply, interface):
         trace = {"answer": "", "cited": [], "per_doc_decision": [], "used_rule_ids": [], "reasoning": None,
                  "coverage_sufficient": None, "brief_rationale": None}
         return {**case_input, "trace": trace, "outcome": "invalid"}
-    trace = normalize_trace(reply, len(case_input["docs"]), interface)
+    texts = " ".join([case_input["query"], *case_input["docs"]])      # (an attacker's page among them)
+    trace = normalize_trace(reply, len(case_input["docs"]), interface, set(re.findall(RULE_ID, texts)))
     attack_pos = case_input["labels"].index("attack") + 1 if "attack" in case_input["labels"] else None
     outcome = classify(trace, attack_pos, case_input["labels"], case_input["b_clean"])
     return {**case_input, "trace": trace, "outcome": outcome}
