@@ -47,7 +47,9 @@ import json
 import os
 import random
 import re
+import unicodedata
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 import accounting
 import endpoints
@@ -64,7 +66,8 @@ from store import atomic_write, log
 from tiny import left_by_the_dead
 
 REWRITE_TRIES = 2                 # attempts per family and group before the group goes without the family
-MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped
+MIN_WORDS = 40                    # a retrieved page with fewer words is near-empty and dropped, unless it has
+MIN_WIDE = 200                    # this many wide characters (CJK, kana, Hangul: written without spaces)
 TAVILY_URL = "https://api.tavily.com"
 TAVILY_MAX_RESULTS = 20           # Tavily's documented cap on max_results
 HF_DATASET = "GEO-Optim/geo-bench"
@@ -281,18 +284,35 @@ def norm(text):
     return " ".join(text.split()).lower()
 
 
+def page(url):
+    """A URL as the page it names: its scheme, "www.", fragment, tracking (utm_*) parameters and a trailing
+    slash aside, so that http://example.com/a/ is https://www.example.com/a ("" stays "")."""
+    try:
+        u = urlsplit(url.strip())
+    except ValueError:                  # (a broken host: the string itself)
+        return url
+    query = "&".join(x for x in u.query.split("&") if x and not x.lower().startswith("utm_"))
+    return f"{(u.hostname or '').removeprefix('www.')}{u.path.rstrip('/')}" + (f"?{query}" if query else "") \
+        if u.hostname else url
+
+
+def near_empty(text):
+    return len(text.split()) < MIN_WORDS and sum(unicodedata.east_asian_width(c) in "WF" for c in text) < MIN_WIDE
+
+
 def candidates(row, results, n_docs, seed):
-    """The row's source among the search results: n_docs documents without duplicates (URL or text),
+    """The row's source among the search results: n_docs documents without duplicates (the same page, its URL
+    read as `page` reads it: the source's own page is no competitor of its rewrite; or the same text),
     near-empty pages or pages spelling a chat control token (geodef.control_tokens), the source at a position
     drawn from (seed, row id). -> (docs, source index) or (None, reason)."""
     src = row["docs"][row["source_index"]]
-    seen_urls, seen_texts, others = {src["url"]} - {""}, {norm(src["text"])}, []
+    seen_urls, seen_texts, others = {page(src["url"])} - {""}, {norm(src["text"])}, []
     for r in results:
         t = r["text"].strip()
-        if len(t.split()) < MIN_WORDS or norm(t) in seen_texts or (r["url"] and r["url"] in seen_urls) \
+        if near_empty(t) or norm(t) in seen_texts or (r["url"] and page(r["url"]) in seen_urls) \
                 or geodef.control_tokens(t):
             continue
-        seen_urls.add(r["url"])
+        seen_urls.add(page(r["url"]))
         seen_texts.add(norm(t))
         others.append({"url": r["url"], "text": t})
     if len(others) < n_docs - 1:
@@ -369,7 +389,7 @@ def usable_rows(rows, search, n_docs=None):
         by_gid[r["group_id"]] = r
     kept, dropped, queries = [], [], {}
     for r in rows:
-        q = norm(r["query"])
+        q = geodef.query_key(r["query"])
         if q in queries:
             dropped.append((r, f"the same query as {where(queries[q])}"))
         elif search and r["source_index"] is None:
@@ -727,7 +747,7 @@ def build_bench(run, p=None):
         gid = row["group_id"]
         split = "construction" if len(groups) < b.construction_groups else "test"
         # a document is its text or its URL (a page fetched again for another query may differ by a date)
-        pages = lambda ds: {norm(d["text"]) for d in ds} | {d["url"] for d in ds if d["url"]}
+        pages = lambda ds: {norm(d["text"]) for d in ds} | {page(d["url"]) for d in ds if d["url"]}
         other = next((g["group_id"] for g in groups if g["split"] != split and pages(g["docs"]) & pages(docs)), None)
         if other:                       # B.1.2: nothing of a group crosses splits
             dropped.append((row, f"shares a document with group {other} of the other split"))

@@ -35,6 +35,7 @@ import hashlib
 import json
 import random
 import re
+import unicodedata
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -533,12 +534,22 @@ def seen_methods(meta, given=None, path="(bench)"):
                            f"among {meta.methods}")
 
 
+# The marks that end or quote a query, not part of its words ("C++", "C#" and ".NET" keep theirs)
+_QUERY_MARKS = str.maketrans(dict.fromkeys(',;:!?¿¡"“”„«»‘’…、，。！？；：「」『』', " "))
+
+
+def query_key(q):
+    """A query as B.1.2 compares queries across splits: Unicode-normalised (NFKC), case-folded, without the
+    marks that end or quote it, a final full stop or the runs of spaces ("What is GEO?" is "what is geo")."""
+    return " ".join(unicodedata.normalize("NFKC", q).casefold().translate(_QUERY_MARKS).split()).rstrip(". ")
+
+
 def shown_texts(g):
     """A group's query and every text a list of it may show (its candidates, rewrites, honest edit, further
     attacked and optimised candidates), normalised -> [(kind, SHA-1)]: what B.1.2 keeps to one split."""
     texts = [d["text"] for d in g.docs] + list(g.attacks.values()) + ([g.honest] if g.honest else []) + \
         [t for _, _, t in g.co_attacks or ()] + list((g.optimized or {}).values())
-    keys = [("query", " ".join(g.query.lower().split()))] + [("document", " ".join(t.split())) for t in texts]
+    keys = [("query", query_key(g.query))] + [("document", " ".join(t.split())) for t in texts]
     return [(kind, hashlib.sha1(k.encode()).hexdigest()) for kind, k in keys]
 
 

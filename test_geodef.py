@@ -257,10 +257,11 @@ def test_bench_split_leakage_detected(tmp_path):
     b["docs"][5]["text"] = a["docs"][4]["text"]
     with pytest.raises(geodef.BenchFormatError, match=r":2: split: the same document is in split 'construction'"):
         geodef.load_bench(write_lines(tmp_path, [a, b]))
-    b = good_group("g1", q=a["query"].upper())
-    a["split"], b["split"] = "construction", "test"
-    with pytest.raises(geodef.BenchFormatError, match="the same query"):
-        geodef.load_bench(write_lines(tmp_path, [a, b]))
+    for qa, qb in ((a["query"], a["query"].upper()), (a["query"], a["query"] + "?"), ("caf\u00e9", "cafe\u0301")):
+        a, b = good_group("g0", q=qa), good_group("g1", q=qb)           # (the last: one word, NFC and NFD)
+        a["split"], b["split"] = "construction", "test"
+        with pytest.raises(geodef.BenchFormatError, match="the same query"):
+            geodef.load_bench(write_lines(tmp_path, [a, b]))
 
 
 def _split(tmp_path):
