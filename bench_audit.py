@@ -27,7 +27,7 @@ measures both on the file itself, with no LLM:
   recoverable here and are reported as such;
 - the base reranker's exposure gain per family: P(rewrite in the top-k) - P(source in the top-k) on
   the same list, with a cluster-bootstrap CI over query groups (metrics.cluster_bootstrap_ci). A family
-  whose interval holds 0 does not raise visibility on this ranker, and a blocked rate says nothing.
+  whose interval holds 0 is not shown to raise visibility on this ranker, and a blocked rate says little.
 
 Deviations: the classifier is deliberately simple (naive Bayes over hashed features, numpy only), so a
 high accuracy is a lower bound on how separable the families are, and a low one is evidence, not proof,

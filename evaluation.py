@@ -551,9 +551,10 @@ def evaluate(run, conditions=None, ranked=None):
                "notes": offline_notes(run), "conditions": {c: summarize(paper(c), clean) for c in conds},
                "methods": {c: {m: {**summarize([r for r in paper(c) if r["method"] == m], clean), "seen": m in seen}
                                for m in methods} for c in conds},
-               "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(insts),
+               "ppl_filter": ppl_diag, "seen_methods": seen, "test_groups": len(test), "test_instances": len(lists),
                "test_set_sha1": test_set_digest(insts), "k": cfg.data.k,
                "documents_cut": documents_cut(base.rr, insts + cleans)}
+    summary.update({"test_lists": len(insts)} if len(insts) > len(lists) else {})     # every K's lists (--attacked K)
     summary.update({"honest": honest} if honest else {})        # a benchmark with honest edits (build-bench --honest)
     summary.update(bench_labels(run))
     summary.update(attacked_summary(insts, conds, every, cfg.data.k, cfg.rerank.n_boot, cfg.folder.seed))
@@ -664,12 +665,14 @@ def attack_strength(recs, clean, test, methods, n_boot, seed):
     """Does each family raise visibility on this target at all? Per family, the Non-Defense citation of
     its rewrite minus the clean reference's citation of the same source on the unattacked list of the
     same group, in percentage points, with a cluster-bootstrap CI over groups (metrics). A family whose
-    interval holds 0 is flagged: the defense blocking it says nothing, since it never worked. An attacked
+    interval holds 0 is flagged: it was not shown to work, so the defense blocking it says little. An attacked
     answer that failed is left out (it cites nothing, which is not the rewrite's doing) and counted in
-    `answer_failed` (present when some is), as honest_penalty does."""
+    `answer_failed` (present when some is), as honest_penalty does; one whose group's clean reference failed
+    has nothing to be compared with, and is counted in `no_reference`."""
     source = {g.group_id: g.docs[g.source_index]["doc_id"] for g in test}
     out = {}
     for m in methods:
+        unreferenced = sum(r["method"] == m and r["group_id"] not in clean for r in recs)
         rs = [r for r in recs if r["method"] == m and r["group_id"] in clean]
         failed = sum("answer_failed" in r for r in rs)
         rs = [r for r in rs if "answer_failed" not in r]
@@ -680,7 +683,8 @@ def attack_strength(recs, clean, test, methods, n_boot, seed):
         lo, hi = metrics.cluster_bootstrap_ci(vals, [r["group_id"] for r in rs], n_boot=n_boot, seed=seed)
         out[m] = {"gain": round(100.0 * sum(vals) / len(vals), 2), "ci": [round(100.0 * lo, 2), round(100.0 * hi, 2)],
                   "n": len(vals), "holds_zero": bool(lo <= 0 <= hi), "paper": PAPER_GAINS.get(m),
-                  **({"answer_failed": failed} if failed else {})}
+                  **({"answer_failed": failed} if failed else {}),
+                  **({"no_reference": unreferenced} if unreferenced else {})}
     return out
 
 

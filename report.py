@@ -66,14 +66,15 @@ def strength_lines(s):
         return []
     lines = ["## Attack strength (Non-Defense)\n",
              "Citation of each family's rewrite minus the clean reference's citation of the same source, percentage "
-             "points, 95% CI over query groups. A family whose interval holds 0 did not raise visibility on this "
-             "target: its blocked rate says nothing about the defense. Attacked answers that failed are left "
-             "out of n (failed: how many).\n",
+             "points, 95% CI over query groups. A family whose interval holds 0 was not shown to raise visibility on "
+             "this target: its blocked rate says little about the defense. Attacked answers that failed, and "
+             "groups whose clean reference failed, are left out of n (failed, no reference: how many).\n",
              "| family | gain | 95% CI | n | its paper reports (metric, method; comparable?) |",
              "|---|---|---|---|---|"]
     for m, v in st.items():
         flag = f" ({NOT_SHOWN}: CI holds 0)" if v["holds_zero"] else " (lowers it)" if v["ci"][1] < 0 else ""
-        n = f"{v['n']} (failed: {v['answer_failed']})" if v.get("answer_failed") else v["n"]
+        gone = [f"{w}: {v[k]}" for k, w in (("answer_failed", "failed"), ("no_reference", "no reference")) if v.get(k)]
+        n = f"{v['n']} ({', '.join(gone)})" if gone else v["n"]
         lines.append(f"| {m} | {v['gain']:+.1f}{flag} | [{v['ci'][0]:+.1f}, {v['ci'][1]:+.1f}] | {n} | "
                      f"{v['paper'] or '-'} |")
     return lines + [""]
@@ -82,8 +83,9 @@ def strength_lines(s):
 def _header_lines(run_dir, s):
     """The run's labels: offline notes, target, reranker, judge, which ranking built the library."""
     lines = _title(run_dir, s, "GEO Defender evaluation")
+    lists = f" (lists at every K: {s['test_lists']})" if s.get("test_lists") else ""
     lines.append(f"Target LLM: `{s['target_llm']}`; reranker: `{s['model']}`; test groups {s['test_groups']}, "
-                 f"instances {s['test_instances']}; seen methods: {', '.join(s['seen_methods'])}.\n")
+                 f"instances {s['test_instances']}{lists}; seen methods: {', '.join(s['seen_methods'])}.\n")
     if s.get("judge"):
         itself = (" (the target itself, the default; the paper judges every target with GPT-5.5: "
                   "`--judge openai:gpt-5.5`, or `--preset paper`)" if s["judge"] == s["target_llm"] else "")
@@ -292,6 +294,9 @@ def _appendix_lines(s, figs):
                             if q.get("n") else [["-", "-", "-", "-", 0, q["defended_as_a"]]]) + "\n")
         if q.get("judge_failed"):
             lines.append(f"Pairwise judge failures (left out of Table C.1): {q['judge_failed']}.\n")
+        if q.get("no_answer"):
+            lines.append(f"Comparisons without an answer (the defended one or the clean reference failed; left out "
+                         f"of Table C.1): {q['no_answer']}.\n")
     if s.get("quality_defenses"):
         qd = s["quality_defenses"]
         lines.append("## Table C.1 for the injection defenses: pairwise answer quality vs the clean reference\n")
@@ -301,6 +306,9 @@ def _appendix_lines(s, figs):
                               fmt(q["comparable_or_better"]), fmt(q["better"]), q["n"], q["judge_failed"]]
                              if q.get("n") else [k, "-", "-", "-", "-", 0, q["judge_failed"]]
                              for k, q in qd.items()]) + "\n")
+        if any(q.get("no_answer") for q in qd.values()):
+            lines.append("Comparisons without an answer (left out of n): " + ", ".join(
+                f"{k} {q['no_answer']}" for k, q in qd.items() if q.get("no_answer")) + ".\n")
     if s.get("ppl_filter"):
         p = s["ppl_filter"]
         lines.append("## Table B.2: PPL-Filter diagnostics\n")
@@ -377,8 +385,9 @@ def attacked_lines(s, figs):
             "random top k holds one (1 - C(n-K, k)/C(n, k)); each attacked document on average (a given "
             "document is in a random top k with chance k/n); the shares of the top k (beside a random top k's, "
             "K/n) and of the citations the attacked documents take (over the answers that cite something). 95% "
-            "query-cluster bootstrap CIs; each K's n counts the instances (groups x families) with K attacked "
-            "documents. The Shield is trained on lists with one attacked document, as the paper trains it.\n",
+            "query-cluster bootstrap CIs; each K's n counts the answers (the instances, groups x families, with K "
+            "attacked documents, times --samples), over the groups that reach every K. The Shield is trained on "
+            "lists with one attacked document, as the paper trains it.\n",
             _table(["Condition", "K", "n", "Source cited (%)", "Any cited (%)", "Each cited (%)",
                     "Source in context (%)", "Any in context (%)", "Chance, any (%)", "Each in context (%)",
                     "Top-k share (%)", "Chance, share (%)", "Citation share (%)"], rows) + "\n",
@@ -636,7 +645,9 @@ def write_comparison(out_dir, summaries):
     notes = sorted({n for s in summaries.values() for n in s.get("notes", [])})
     if notes:
         lines.append("> **OFFLINE / SIMULATION RUNS INCLUDED.** " + " ".join(notes) + "\n")
-    sets = {name: (s.get("test_set_sha1"), s.get("test_instances")) for name, s in summaries.items()}
+    # every K's lists (test_lists, or test_instances where the file has one level): what the digest covers
+    sets = {name: (s.get("test_set_sha1"), s.get("test_lists") or s.get("test_instances"))
+            for name, s in summaries.items()}
     if len(set(sets.values())) > 1:   # the averages and the transfer matrix would mix test sets (older: no digest)
         lines.append("> **DIFFERENT TEST SETS.** These runs were not evaluated on the same instances ("
                      + ", ".join(f"{k}: {n} instances, {d[:10] if d else 'no digest recorded'}"

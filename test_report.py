@@ -42,6 +42,10 @@ def test_compare_runs_transfer_matrix(tmp_path):
     for k, d in (("a", "1" * 40), ("b", "1" * 40)):
         s[k]["test_set_sha1"], s[k]["test_instances"] = d, 7
     assert "DIFFERENT TEST SETS" not in open(report.write_comparison(str(tmp_path), s)).read()
+    s["b"]["test_instances"], s["b"]["test_lists"] = 3, 7      # an --attacked K file: its paper lists apart, the
+    assert "DIFFERENT TEST SETS" not in open(report.write_comparison(str(tmp_path), s)).read()   # same instances
+    del s["b"]["test_lists"]
+    s["b"]["test_instances"] = 7
     s["b"]["test_set_sha1"] = "2" * 40                         # evaluated on other instances: flagged
     assert "DIFFERENT TEST SETS.** These runs were not evaluated on the same instances (a: 7 instances, 1111111111" \
         in open(report.write_comparison(str(tmp_path), s)).read()
@@ -160,6 +164,22 @@ def test_attack_strength_is_the_rewrites_citation_minus_the_sources_and_flags_a_
     assert st["A"]["gain"] == 80.0 and st["A"]["n"] == 5 and st["A"]["answer_failed"] == 1
     assert "| A | +80.0 | [" in "\n".join(report.strength_lines({"attack_strength": st}))
     assert "| 5 (failed: 1) |" in "\n".join(report.strength_lines({"attack_strength": st}))
+    # a group whose clean reference failed has nothing to compare with: left out too, and counted, not silently
+    del clean["g5"]
+    st = evaluation.attack_strength(recs, clean, groups, ["A"], n_boot=200, seed=0)
+    assert st["A"]["n"] == 4 and st["A"]["no_reference"] == 1
+    assert "| 4 (failed: 1, no reference: 1) |" in "\n".join(report.strength_lines({"attack_strength": st}))
+
+
+def test_table_c1_says_how_many_comparisons_had_no_answer():
+    """pairwise_quality leaves out a comparison whose defended answer or clean reference failed, counted in
+    no_answer: the report says how many, for GEO Defender and for the injection defenses, or a defense whose
+    answers fail on hard cases would read better than it is."""
+    q = {"mean_change": 0.1, "ci95": [-0.2, 0.3], "comparable_or_better": 80.0, "better": 20.0, "n": 56,
+         "defended_as_a": 28, "judge_failed": 0, "no_answer": 14}
+    text = "\n".join(report._appendix_lines({"quality": q, "quality_defenses": {"RobustRAG": q}}, {}))
+    assert "Comparisons without an answer (the defended one or the clean reference failed; left out of Table " \
+           "C.1): 14." in text and "Comparisons without an answer (left out of n): RobustRAG 14." in text
 
 
 def test_every_paper_figure_beside_the_attack_strength_says_why_it_is_not_ours():
