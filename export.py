@@ -118,8 +118,8 @@ def identity_marks(folder):
         return _marks(folder)
     except IdentityError:
         raise
-    except (OSError, ValueError, SafetensorError) as e:
-        raise IdentityError(f"{folder}: its identity cannot be read ({type(e).__name__}: {e})") from None
+    except (OSError, ValueError, RecursionError, SafetensorError) as e:     # (JSON nested past the parser's depth)
+        raise IdentityError(f"{folder}: its identity cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def chat_template(instruction):
@@ -291,7 +291,6 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
                   int8=False, int8_agreement=None):
     """The export's files into a new folder `out_dir` (export() renames it into place)."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer
     folder, sha = reranker.resolve_model_path(model, revision)
     raw_cfg = _json_file(os.path.join(folder, "config.json"))
     dtype = dtype or raw_cfg.get("torch_dtype") or raw_cfg.get("dtype") or "bfloat16"
@@ -300,7 +299,7 @@ def _write_export(model, revision, out_dir, adapter, fmt, dtype, instruction, qu
     out_dt = getattr(torch, dtype)
     # the merge in float32: W + (alpha/r) B A rounded once, to the output dtype
     qwen, cfg, lm_head = reranker.load_qwen3(folder, dtype=torch.float32)
-    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    tok = reranker.untruncated_tokenizer(os.path.join(folder, "tokenizer.json"))
     yes, no = (tok.encode(w, add_special_tokens=False).ids for w in ("yes", "no"))
     if len(yes) != 1 or len(no) != 1:
         raise reranker.CheckpointError(f"{folder}/tokenizer.json: 'yes' and 'no' must be single tokens")

@@ -12,6 +12,7 @@ Usage: lm = GPT2.from_pretrained("openai-community/gpt2"); lm.perplexity("some t
 import json
 import math
 import os
+import re
 
 import torch
 import torch.nn as nn
@@ -59,7 +60,18 @@ class GPT2(nn.Module):
         folder = resolve(name_or_path)
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
-        model = cls(cfg, Tokenizer.from_file(os.path.join(folder, "tokenizer.json")))
+        for k in ("vocab_size", "n_embd", "n_head", "n_layer") + ("n_positions",) * ("n_positions" in cfg):
+            if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int) or cfg[k] < 1:
+                raise ValueError(f"{folder}/config.json: {k}: expected a positive integer, got {cfg.get(k)!r}")
+        with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
+            held = {int(m.group(1)) for k in f.keys() for m in [re.match(r"(?:transformer\.)?h\.(\d{1,9})\.", k)] if m}
+        if held != set(range(cfg["n_layer"])):      # checked before the layers are made
+            raise ValueError(f"{folder}/config.json: n_layer {cfg['n_layer']}, the weights hold {len(held)} layers")
+        tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        tok.no_truncation()                 # a saved truncation or padding would cut or pad every text
+        tok.no_padding()
+        with torch.device("meta"):          # the weights are assigned from the file: nothing allocated first
+            model = cls(cfg, tok)
         state = {}
         rename = {".attn.c_attn.": ".c_attn.", ".attn.c_proj.": ".c_proj.", ".mlp.c_fc.": ".c_fc.",
                   ".mlp.c_proj.": ".mlp_proj."}
@@ -75,7 +87,7 @@ class GPT2(nn.Module):
                         if k.endswith(".weight"):
                             t = t.t()                                 # Conv1D (in, out) -> Linear (out, in)
                 state[k] = t.to(dtype)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"{folder}: GPT-2 weights do not match: missing {missing[:3]}, unexpected "
                              f"{unexpected[:3]}")
@@ -90,6 +102,7 @@ class GPT2(nn.Module):
             spec = json.loads(self.tokenizer.to_str())
             self._control = {t["id"] for t in spec.get("added_tokens") or []}
             spec["added_tokens"] = []
+            spec["truncation"] = spec["padding"] = None
             self._text_tok, self._text_src = Tokenizer.from_str(json.dumps(spec)), self.tokenizer
         ids = self._text_tok.encode(text, add_special_tokens=False).ids
         if self._control.intersection(ids):

@@ -227,7 +227,7 @@ def load_adapter(model, adapter_dir):
     Every key must match a LoRA module and every LoRA module must get its A and B. The two files are
     read by hand (JSON and safetensors) rather than through peft: the format is two small files, and
     this keeps lora.py free of any dependency but torch and safetensors."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
     cpath = os.path.join(adapter_dir, "adapter_config.json")
     wpath = os.path.join(adapter_dir, "adapter_model.safetensors")
@@ -259,6 +259,16 @@ def load_adapter(model, adapter_dir):
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
         raise AdapterError(f"{cpath}: target_modules: regex strings are not supported, give a list")
+    # the file's A matrices are of rank r, read from its header before any layer is made: otherwise a 163-byte
+    # adapter saying r 65536 makes the layers allocate 154 GiB at real width before a tensor is read
+    try:
+        with safe_open(wpath, framework="pt") as f:
+            ranks = {(f.get_slice(k).get_shape() or [0])[0] for k in f.keys() if ".lora_A." in k}
+    except (SafetensorError, OSError) as e:     # a file cut short, or not safetensors
+        raise AdapterError(f"{wpath}: not a readable safetensors file ({str(e)[:100]})") from None
+    if ranks != {cfg["r"]}:
+        raise AdapterError(f"{wpath}: its lora_A matrices have ranks {sorted(ranks)}, adapter_config.json's r is "
+                           f"{cfg['r']}")
     if not lora_modules(model):            # (the layers are made from the list: a model that has them reads none)
         if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
             raise AdapterError(f"{cpath}: target_modules: a list of module names is required")

@@ -136,8 +136,8 @@ class Qwen3Config:
         with open(path, encoding="utf-8") as f:
             try:
                 d = json.load(f)
-            except ValueError as e:                          # (UnicodeDecodeError included)
-                raise CheckpointError(f"{path}: not JSON ({e})") from None
+            except (ValueError, RecursionError) as e:        # (UnicodeDecodeError included; nested too deeply)
+                raise CheckpointError(f"{path}: not JSON ({str(e)[:100]})") from None
         return cls.from_dict(d, source=path)
 
     def to_dict(self):
@@ -320,15 +320,33 @@ def weight_files(folder):
         files = sorted({os.path.join(folder, v) for v in weight_map.values()})
         # a hub repo's index naming ../ or /abs paths would read this machine's files; the names are checked, not
         # where links lead (the hub cache's shards are links into its blobs/ folder)
-        inside = os.path.normpath(folder) + os.sep
+        inside = os.path.abspath(folder)
         for path in files:
-            if not os.path.normpath(path).startswith(inside):
+            if os.path.commonpath([inside, os.path.abspath(path)]) != inside:
                 raise CheckpointError(f"{index}: weight_map: {path} is outside the checkpoint's folder")
         return files
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         return [single]
     raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+LAYER_KEY = re.compile(r"model\.layers\.(\d{1,9})\.")
+
+
+def weight_keys(folder):
+    """Every tensor name the folder's weight files hold, from their headers (nothing loaded)."""
+    from safetensors import safe_open
+    keys = []
+    for path in weight_files(folder):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: listed in the index but missing")
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys += f.keys()
+        except Exception as e:      # safetensors' own error: a truncated file, a bad header
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    return keys
 
 
 def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
@@ -345,6 +363,10 @@ def load_qwen3(folder, dtype=torch.bfloat16, device="cpu"):
             raise CheckpointError(f"{cfg_path}: a quantized checkpoint (quantization_config); this loader reads "
                                   "float weights: load the float export (serve --quant int8 quantizes it), or serve "
                                   "this one with vLLM or transformers + compressed-tensors")
+    held = {int(m.group(1)) for key in weight_keys(folder) for m in [LAYER_KEY.match(key)] if m}
+    if held != set(range(cfg.num_hidden_layers)):   # checked before the layers are built: each is Python objects
+        raise CheckpointError(f"{cfg_path}: num_hidden_layers: {cfg.num_hidden_layers}, the weight files hold "
+                              f"{len(held)} layers (indices {min(held, default=None)}..{max(held, default=None)})")
     with torch.device("meta"):
         model = Qwen3Model(cfg)
     expected = {"model." + k: v.shape for k, v in model.state_dict().items()}
@@ -412,7 +434,19 @@ def text_tokenizer(tokenizer):
     spec = json.loads(tokenizer.to_str())
     control = {t["id"] for t in spec.get("added_tokens") or []}
     spec["added_tokens"] = []
+    spec["truncation"] = spec["padding"] = None      # as untruncated_tokenizer's
     return Tokenizer.from_str(json.dumps(spec)), control
+
+
+def untruncated_tokenizer(path):
+    """tokenizer.json as a `tokenizers.Tokenizer` that neither cuts nor pads: a file saved after a truncating
+    or padding call keeps that setting, which from_file restores, and which would cut every prompt (the
+    document gone, a margin scored on the instruction alone) where transformers passes its own per call."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(path)
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
 
 
 class Reranker:
@@ -439,12 +473,11 @@ class Reranker:
     def from_pretrained(cls, name_or_path, dtype=torch.bfloat16, device="cpu", instruction=SHIELD_INSTRUCTION,
                         max_length=8192, revision=None, token_budget=4096):
         """Faster forwards for the same math: speed.install(rr.model)."""
-        from tokenizers import Tokenizer
         folder, sha = resolve_model_path(name_or_path, revision)
         tok_path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(tok_path):
             raise CheckpointError(f"{tok_path}: missing (the reranker needs the fast tokenizer file)")
-        tok = Tokenizer.from_file(tok_path)
+        tok = untruncated_tokenizer(tok_path)
         ids = []
         for word in ("yes", "no"):  # looked up, not hard-coded (Qwen3: yes 9693, no 2152)
             enc = tok.encode(word, add_special_tokens=False).ids
@@ -452,6 +485,10 @@ class Reranker:
                 raise CheckpointError(f"{tok_path}: '{word}' must be a single token, got ids {enc}")
             ids.append(enc[0])
         model, cfg, lm_head = load_qwen3(folder, dtype=dtype, device=device)
+        # an id past the embedding is an IndexError at every request that holds it (on CUDA, an assert)
+        if tok.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
+            raise CheckpointError(f"{tok_path}: {tok.get_vocab_size(with_added_tokens=True)} tokens, more than "
+                                  f"config.json's vocab_size {cfg.vocab_size}")
         rr = cls(model, tok, ids, instruction=instruction, max_length=max_length, token_budget=token_budget,
                  name_or_path=str(name_or_path), revision=sha or revision, folder=folder)
         if lm_head is not None and len(lm_head) == 1:   # seq-cls: the row is w itself (w - 0 below)

@@ -460,6 +460,9 @@ def test_identity_marks_refuses_what_it_cannot_read(tmp_path, tiny_dir):
         json.dump({**cfg, export.IDENTITY_KEY: record}, open(bad / "config.json", "w"))
         with pytest.raises(export.IdentityError, match="not an identity record"):
             export.identity_marks(str(bad))
+    (bad / "config.json").write_text("[" * 100_000 + "]" * 100_000)        # past the JSON parser's depth
+    with pytest.raises(export.IdentityError, match="cannot be read \\(RecursionError"):
+        export.identity_marks(str(bad))
     json.dump(cfg, open(bad / "config.json", "w"))
     (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}  ")
     with pytest.raises(export.IdentityError, match="cannot be read"):

@@ -95,3 +95,21 @@ def test_a_tiny_checkpoint_cut_short_by_a_kill_is_written_again(tmp_path, monkey
     state = load_file(str(tmp_path / "gpt2" / "model.safetensors"))
     norms = {k: v for k, v in state.items() if ".ln" in k or "ln_f" in k}
     assert all(bool((v == (1 if k.endswith("weight") else 0)).all()) for k, v in norms.items()) and len(norms) == 10
+
+
+def test_a_gpt2_folder_is_read_as_it_says_or_refused_before_it_costs(tmp_path, tiny_gpt2):
+    """The PPL filter's GPT-2 folder is read as reranker.py reads a Qwen3 one: a tokenizer.json saved with
+    truncation cuts no text (the perplexity is the whole text's), and a config asking for more layers than the
+    weights hold is refused before any is made (they were allocated and initialised first)."""
+    text = "eggs boil for six minutes, then cool in cold water before you peel them " * 3
+    want = gpt2.GPT2.from_pretrained(tiny_gpt2).perplexity(text)
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_gpt2, cut)
+    spec = json.loads((cut / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 5, "strategy": "LongestFirst", "stride": 0}
+    (cut / "tokenizer.json").write_text(json.dumps(spec))
+    assert gpt2.GPT2.from_pretrained(str(cut)).perplexity(text) == pytest.approx(want)
+    cfg = json.loads((cut / "config.json").read_text())
+    (cut / "config.json").write_text(json.dumps({**cfg, "n_layer": 10 ** 6}))
+    with pytest.raises(ValueError, match="n_layer 1000000, the weights hold"):
+        gpt2.GPT2.from_pretrained(str(cut))

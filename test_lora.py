@@ -304,7 +304,12 @@ def test_an_adapter_that_cannot_load_names_its_file_and_field(tiny_dir, tmp_path
                                # numbers JSON allows that merge into inf weights (export wrote them as a model)
                                ("inf_alpha", '{"r": 4, "lora_alpha": Infinity}', "adapter_config.json: lora_alpha:"),
                                ("huge_alpha", {**cfg, "lora_alpha": 1e300}, "adapter_config.json: lora_alpha:"),
-                               ("huge_r", {**cfg, "r": 10 ** 400}, "adapter_config.json: r:")):
+                               ("huge_r", {**cfg, "r": 10 ** 400}, "adapter_config.json: r:"),
+                               # a rank the file's matrices do not have: refused from the header, before the layers
+                               # are made (at real width r 65536 is 154 GiB of LoRA matrices)
+                               ("other_r", {**cfg, "r": 65536}, "adapter_model.safetensors: its lora_A matrices "
+                                                                f"have ranks \\[{cfg['r']}\\], adapter_config.json's "
+                                                                "r is 65536")):
         bad = tmp_path / name
         bad.mkdir()
         (bad / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))

@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -300,6 +301,56 @@ def test_what_the_loader_does_not_implement_or_cannot_read_is_refused_by_name(tm
     index = {"weight_map": {"a": "model-00001-of-00001.safetensors"}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     assert reranker.Reranker.from_pretrained(str(d)).score("q", ["a doc"]).shape == (1,)
+
+
+def test_a_checkpoint_folder_is_read_as_it_says_or_refused_before_it_costs(tmp_path, tiny_dir, monkeypatch):
+    """A downloaded folder is untrusted. A tokenizer.json saved with truncation or padding (from_file restores
+    them) cut every prompt to its first tokens, the document gone, or padded it into a control id: scores are
+    the file's own. A config.json asking for 100,000 layers built them all (Python objects, minutes) before a
+    weight was read: it is checked against the weights' headers first. A tokenizer whose ids pass vocab_size
+    (an IndexError per request, a CUDA assert) and JSON nested past the parser's depth are refused by name; a
+    sharded checkpoint read from inside its folder ('.') is no folder outside itself."""
+    from safetensors.torch import load_file, save_file
+    q, docs = "boil an egg", ["Boil the egg for seven minutes, then cool it in cold water.", "Stocks fell."]
+    want = reranker.Reranker.from_pretrained(tiny_dir, dtype=torch.float32).score(q, docs)
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(tiny_dir, d)
+        return d
+    for setting in ({"truncation": {"direction": "Right", "max_length": 12, "strategy": "LongestFirst",
+                                    "stride": 0}},
+                    {"padding": {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                                 "pad_id": 0, "pad_type_id": 0, "pad_token": "!"}}):
+        d = copy(next(iter(setting)))
+        spec = json.loads((d / "tokenizer.json").read_text())
+        (d / "tokenizer.json").write_text(json.dumps({**spec, **setting}))
+        got = reranker.Reranker.from_pretrained(str(d), dtype=torch.float32).score(q, docs)
+        torch.testing.assert_close(got, want)
+    d = copy("layers")
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "num_hidden_layers": 100_000}))
+    start = time.perf_counter()
+    with pytest.raises(reranker.CheckpointError, match="num_hidden_layers: 100000, the weight files hold 2 layers"):
+        reranker.Reranker.from_pretrained(str(d))
+    assert time.perf_counter() - start < 5
+    d = copy("vocab")
+    st = load_file(d / "model.safetensors")
+    n = c["vocab_size"] - 2                           # the chat template's last ids past the embedding
+    st["model.embed_tokens.weight"] = st["model.embed_tokens.weight"][:n].clone()
+    save_file(st, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({**c, "vocab_size": n}))
+    with pytest.raises(reranker.CheckpointError, match=f"tokens, more than config.json's vocab_size {n}"):
+        reranker.Reranker.from_pretrained(str(d))
+    d = copy("nested")
+    (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(reranker.CheckpointError, match="config.json: not JSON"):
+        reranker.Reranker.from_pretrained(str(d))
+    d = copy("here")
+    os.replace(d / "model.safetensors", d / "a.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "a.safetensors"}}))
+    monkeypatch.chdir(d)
+    assert reranker.weight_files(".") == [os.path.join(".", "a.safetensors")]
 
 
 def test_a_sharded_checkpoint_of_mixed_dtypes_loads_cast(tmp_path, hf_tiny):
