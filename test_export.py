@@ -58,6 +58,8 @@ def test_export_logits_equal_the_shields_margins(tmp_path, tiny_dir, width, unti
     # width the (B, T, 151669) logits of every position cost most of this test
     last = functools.partial(hc, logits_to_keep=1)
     torch.testing.assert_close(hf_margins(last, ids, rr.yes_id, rr.no_id), ours, rtol=1e-4, atol=1e-5)
+    if width == "real":         # the rest reads files whatever their width: the tiny cases check it, in seconds less
+        return
     hc.save_pretrained(str(tmp_path / "resaved"))          # re-saved by transformers: config.json keeps the identity
     assert dict(export.identity_marks(str(tmp_path / "resaved")))["config.json"]["shield"] is True
     # the same files our own loader reads (the card says `run.py serve` serves either): the merged weights score
