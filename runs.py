@@ -227,6 +227,9 @@ class Run:
                     run.record(command)
                 elif record == "check":
                     run.record_or_check(command)
+            # the other ranks start once rank 0 holds the folder (refused, rank 0 exits and torchrun stops them):
+            # they write too (their shares of a sharded scoring)
+            run.ranks.barrier()
             yield run
 
     def main_only(self, fn):

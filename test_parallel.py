@@ -23,6 +23,7 @@ import torch
 import parallel
 import rankers
 import reranker
+import runs
 import train
 from safetensors.torch import load_file
 
@@ -277,6 +278,9 @@ def test_rerank_eval_and_evals_ranking_sharded_over_two_ranks_write_one_processs
         shutil.copytree(demo_run, tmp_path / name, ignore=shutil.ignore_patterns("scores_*", "rerank-*", "*.jsonl",
                                                                                  "summary.json"))
     args = ["rerank-eval", "--reranker", "base", "--reranker", "shield"]
+    with runs.run_lock(str(tmp_path / "two"), command="train"):     # a folder in use: no rank writes into it
+        assert _torchrun(tmp_path, "two", args).wait(timeout=300) != 0
+    assert "in use by pid" in (tmp_path / "two.stderr").read_text() and not list((tmp_path / "two").rglob("*.rank*"))
     one, p = _one(tmp_path, "one", args), _torchrun(tmp_path, "two", args)
     assert p.wait(timeout=300) == 0, (tmp_path / "two.stderr").read_text()[-2000:]
     assert one.wait(timeout=300) == 0, (tmp_path / "one.stderr").read_text()[-2000:]
