@@ -180,6 +180,10 @@ class Settings:
         for f in fields(self):          # specs given as text are parsed once, into the objects that travel
             parse, v = f.metadata.get("parse"), getattr(self, f.name)
             if parse is not None and v is not None:
+                # text, or a list of texts (a repeated flag): a hand-edited config.json's true, 5 or {"GEO": 1}
+                # would pass as an object already parsed and fail later, or read as its keys
+                if not _spec_like(v):
+                    raise SettingsError(f"--{flag_name(f)} {v!r} (not text)")
                 try:
                     object.__setattr__(self, f.name, parse(v))
                 except ValueError as e:
@@ -198,7 +202,7 @@ class Settings:
             kind = f.type if f.type in KINDS and f.metadata.get("parse") is None else None
             if kind and not (of_kind(v, kind) or v is None and f.default is None):
                 bad.append(f"--{flag_name(f)} {v!r} (not {KINDS[kind]})")
-            elif isinstance(v, float) and not math.isfinite(v):     # --timeout inf would pass `v > 0`
+            elif kind is float and not _finite(v):     # --timeout inf would pass `v > 0`; 10**400 is no float
                 bad.append(f"--{flag_name(f)} {v!r} (not a finite number)")
             elif ok is not None and v is not None and not ok(v):
                 says = f.metadata.get("says")
@@ -209,6 +213,22 @@ class Settings:
 
 
 KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+
+
+def _finite(v):
+    """Whether a number (an int JSON gave included) is a finite float; None (unset) is."""
+    try:
+        return v is None or math.isfinite(float(v))
+    except (OverflowError, TypeError, ValueError):
+        return False
+
+
+def _spec_like(v):
+    """A spec's value as a flag or config.json gives it: text, a list of texts, or an object parsed already
+    (never a JSON number, true/false or object)."""
+    if isinstance(v, list):
+        return all(isinstance(x, str) for x in v)
+    return not isinstance(v, (bool, int, float, dict))
 
 
 def of_kind(v, kind):

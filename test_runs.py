@@ -551,7 +551,11 @@ def test_records_made_with_another_library_or_adapter_are_not_resumed(demo_run, 
     ('{"config": {"n_boot": "abc"}}', r" records n_boot: .*--n-boot 'abc' \(not a whole number\)"),
     ('{"config": {"k": true}}', r" records k: .*--k True \(not a whole number\)"),
     ('{"config": {"k": null}}', r" records k: .*--k None \(not a whole number\)"),
-    ('{"config": {"judge": 5}}', r" records judge: .*--judge 5 \(not text\)")])
+    ('{"config": {"judge": 5}}', r" records judge: .*--judge 5 \(not text\)"),
+    # a spec's parser took any object as parsed already (true met .strip() later; a dict read as its keys)
+    ('{"config": {"base_url": true, "llm": "vllm:m"}}', r" records base_url: --base-url True \(not text\)"),
+    ('{"config": {"seen_methods": {"GEO": 1}}}', r" records seen_methods: --seen-methods \{'GEO': 1\} \(not text\)"),
+    ('{"config": {"timeout": 1' + "0" * 400 + '}}', r" records timeout: .*\(not a finite number\)")])
 def test_a_broken_record_is_one_line_naming_it(tmp_path, text, msg):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(text)
