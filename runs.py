@@ -720,8 +720,12 @@ def run_lock(run_dir, shared=False, command="a command"):
         fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        holder = f.read().strip() or "another process"
+        holder = f.read().strip()
         f.close()
+        pid = re.match(r"pid (\d{1,9}) ", holder)
+        if pid and not tiny.alive(int(pid.group(1))):     # a writer killed (SIGKILL) left its name: a reader holds
+            holder = "another process (a reader: serve, export or deploy-check)"
+        holder = holder or "another process"
         raise RunInUse(f"{run_dir}: in use by {holder}; wait for it to finish, or use another --name") from None
     if not shared:
         f.seek(0)

@@ -401,6 +401,15 @@ def test_one_writer_per_run_folder(tmp_path, small_bench, capsys):
     killed.kill()
     killed.join()
     assert _in_a_child(_try_lock, str(d)) == ("returned", "got it")
+    killed = ctx.Process(target=_hold_lock, args=(str(d), ctx.Event()))      # a writer killed leaves its name;
+    killed.start()                                                          # a reader then holds the folder
+    while "pid" not in (d / runs.LOCK).read_text():
+        time.sleep(0.01)
+    killed.kill()
+    killed.join()
+    with runs.run_lock(str(d), shared=True):
+        kind, out = _in_a_child(_try_lock, str(d))
+        assert kind == "returned" and "in use by another process (a reader" in out and "pid" not in out
 
 
 def test_transfer_libraries_are_validated_up_front(tmp_path, demo_run):
