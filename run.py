@@ -82,6 +82,7 @@ def shield_settings(cls, args):
     cfg = resolve(cls, asked)
     adapter = os.path.join(cfg.folder.run_dir, "adapter")
     need_trained(os.path.join(cfg.folder.run_dir, "shield_done.json"), "finished Shield training", cfg.folder)
+    Run(cfg).check_weights(read_json(record))       # the adapter goes with the weights it was trained on
     trained = recorded(cfg.folder.run_dir)
     other = [f"--{k.replace('_', '-')} {asked[k]!r} (the run's: {trained.get(k)!r})"
              for k in ("dtype", "quant", "max_length") if k in asked and asked[k] != trained.get(k)]
@@ -432,6 +433,7 @@ def cmd_deploy_check(args):
     """Does an endpoint score as the run's Shield does (deploy_check.py)? A failed check exits with its
     likely cause."""
     cfg = pipeline_settings(settings.DeployCheckConfig, args)
+    Run(cfg).check_weights(read_json(os.path.join(cfg.folder.run_dir, "config.json"), {}))   # (it records nothing)
     with Run.open(cfg, "deploy-check", needs=("adapter",), record=None, lock="read", check=deploy_check.check) as run:
         v = deploy_check.deploy_check(run, cfg.deploy.endpoint)
     print(deploy_check.table(v))

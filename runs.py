@@ -523,6 +523,13 @@ class Run:
             raise SettingsError(f"{cfg.data.bench}: its content changed since this run used it (SHA-1 "
                                 f"{old['bench_sha1'][:12]}, now {digest[:12]}); the run's adapter, library and "
                                 "results belong to the old content. Restore the file, or use a new --name")
+        self.check_weights(old)
+
+    def check_weights(self, old):
+        """Refuse --model's weights when they differ from those the run's record `old` names: the run's scores,
+        adapter and results are the old weights' (export, serve and deploy-check, which check nothing else of
+        the record, as every other command)."""
+        cfg = self.cfg
         was = old.get("weights")           # the same folder, other weights: its cached scores would be stale
         if not (isinstance(was, dict) and "sha1" in was):          # (a hub id's commit: _pin_revision)
             return

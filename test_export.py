@@ -522,3 +522,19 @@ def test_export_reads_a_run_on_a_read_only_mount(demo_run, tmp_path):
         pytest.skip(f"no private mounts on this machine: {r.stderr.strip()[:200]}")
     assert "WRITABLE" not in r.stdout and r.returncode == 0, r.stderr[-2000:]
     assert os.path.isfile(tmp_path / "out" / "model.safetensors")
+
+
+def test_a_runs_shield_is_not_exported_or_checked_over_other_weights(demo_run, tmp_path):
+    """The run's adapter belongs to the base weights it was trained on, which config.json records by their
+    SHA-1: export (and serve, through the same settings) merged it into whatever weights the folder held
+    since, and deploy-check compared an endpoint against that mix; both refuse, as every other command does."""
+    import shutil
+    import tiny
+    out = tmp_path / "o"
+    shutil.copytree(demo_run.parent, out)
+    other = tiny.make_tiny_checkpoint(str(tmp_path / "other"), seed=1)
+    shutil.copy(os.path.join(other, "model.safetensors"), out / "_tiny_qwen3" / "model.safetensors")
+    for argv in (["export", "--out", str(tmp_path / "exp")], ["deploy-check", "--endpoint", "http://127.0.0.1:9/v1"]):
+        with pytest.raises(SystemExit, match="its weights changed since this run used them"):
+            run.main([*argv, "--runs-dir", str(out), "--name", "demo"])
+    assert not (tmp_path / "exp").exists()
