@@ -149,7 +149,10 @@ def parse_rewrites(data, n):
 
 def cheap_gate(source, candidate):
     """None if the candidate may go to the fidelity judge, else the reason it is rejected (the
-    families' cheap checks, the attacker's instruction counted as prompt text)."""
+    families' cheap checks, the attacker's instruction counted as prompt text). The source unchanged is no
+    attack (the repair attacker starts from it): accepted, harden trained on it as one, beside itself as d+."""
+    if " ".join(candidate.split()) == " ".join(source.split()):
+        return "identical to the source"
     return geo_jobs.cheap_gate(source, candidate, (ATTACKER_INSTRUCTION[:60], REPAIR_INSTRUCTION[:60]))
 
 

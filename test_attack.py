@@ -97,6 +97,7 @@ def test_the_cheap_gate_names_what_a_candidate_lost():
     assert attack.cheap_gate(html, "Experts agree: " + html) is None
     assert attack.cheap_gate(src, "6 100") .startswith("length ratio")
     assert attack.cheap_gate(src, "Experts agree: " + src) is None
+    assert attack.cheap_gate(src, "  " + src.replace(" ", "\n")) == "identical to the source"   # spaced otherwise
 
 
 def test_fidelity_verdicts_are_parsed_from_the_judges_reply(server, tmp_path):
