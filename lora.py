@@ -222,13 +222,11 @@ class AdapterError(ValueError):
     """An adapter folder that cannot be loaded: its file and the key or field named."""
 
 
-def load_adapter(model, adapter_dir):
-    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, adding LoRA layers if it has none.
-    Every key must match a LoRA module and every LoRA module must get its A and B. The two files are
-    read by hand (JSON and safetensors) rather than through peft: the format is two small files, and
-    this keeps lora.py free of any dependency but torch and safetensors."""
+def read_adapter(adapter_dir):
+    """An adapter folder's adapter_config.json, checked, and the path of its weights -> (config, its path,
+    the weights' path): every field a LoRA this module loads needs, and the rank of the file's A matrices
+    (read from the safetensors header, nothing loaded). AdapterError naming the file and field otherwise."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
     cpath = os.path.join(adapter_dir, "adapter_config.json")
     wpath = os.path.join(adapter_dir, "adapter_model.safetensors")
     for p in (cpath, wpath):
@@ -256,8 +254,7 @@ def load_adapter(model, adapter_dir):
     for field in ("layers_to_transform", "exclude_modules", "modules_to_save"):
         if cfg.get(field):
             raise AdapterError(f"{cpath}: {field}: not supported (LoRA on every layer's named projections only)")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str):
+    if isinstance(cfg.get("target_modules"), str):
         raise AdapterError(f"{cpath}: target_modules: regex strings are not supported, give a list")
     # the file's A matrices are of rank r, read from its header before any layer is made: otherwise a 163-byte
     # adapter saying r 65536 makes the layers allocate 154 GiB at real width before a tensor is read
@@ -269,6 +266,18 @@ def load_adapter(model, adapter_dir):
     if ranks != {cfg["r"]}:
         raise AdapterError(f"{wpath}: its lora_A matrices have ranks {sorted(ranks)}, adapter_config.json's r is "
                            f"{cfg['r']}")
+    return cfg, cpath, wpath
+
+
+def load_adapter(model, adapter_dir):
+    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, adding LoRA layers if it has none.
+    Every key must match a LoRA module and every LoRA module must get its A and B. The two files are
+    read by hand (JSON and safetensors, read_adapter) rather than through peft: the format is two small
+    files, and this keeps lora.py free of any dependency but torch and safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    cfg, cpath, wpath = read_adapter(adapter_dir)
+    targets = cfg.get("target_modules")
     if not lora_modules(model):            # (the layers are made from the list: a model that has them reads none)
         if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
             raise AdapterError(f"{cpath}: target_modules: a list of module names is required")
